@@ -1,0 +1,50 @@
+"""moe-dispatch: expert-parallel token dispatch and combine for MoE training.
+
+Public API::
+
+    cfg = dispatch.DispatchConfig(num_experts=E)
+    d = dispatch.create(cfg, group)               # a TokenDispatcher
+    out = d.dispatch(x, topk_idx, topk_weights)   # Dispatched
+    y = experts(out.tokens, out.tokens_per_expert)
+    h = d.combine(y, out.handle, weights=out.weights)
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from dispatch.config import DispatchConfig
+from dispatch.dispatchers import VARIANT_CLASSES, CombineHandle, Dispatched, TokenDispatcher
+from dispatch.timing import PhaseTimer
+
+__all__ = ["CombineHandle", "DispatchConfig", "Dispatched", "PhaseTimer", "TokenDispatcher", "create"]
+__version__ = "0.1.0"
+
+
+def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> TokenDispatcher:
+    """Build the dispatcher ``config`` describes over the EP process ``group``.
+
+    Args:
+        config: a :class:`DispatchConfig`.
+        group: the expert-parallel process group (default: the whole world).
+            ``torch.distributed`` must be initialised.
+    Raises:
+        TypeError / ValueError, naming the argument, when the config does not fit
+        the group (``num_experts`` not a multiple of the group size,
+        ``local_world_size`` not dividing it).
+    """
+    if not isinstance(config, DispatchConfig):
+        raise TypeError(f"config must be a dispatch.DispatchConfig, got {type(config).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before dispatch.create")
+    world = dist.get_world_size(group)
+    if config.num_experts % world != 0:
+        raise ValueError(
+            f"num_experts={config.num_experts} is not a multiple of the group size {world}; "
+            "every rank must hold the same number of experts"
+        )
+    if config.local_world_size is not None and world % config.local_world_size != 0:
+        raise ValueError(
+            f"local_world_size={config.local_world_size} does not divide the group size {world}"
+        )
+    return VARIANT_CLASSES[config.variant](config, group)

@@ -1,0 +1,127 @@
+"""Input validation: every check runs before any communication starts.
+
+A bad argument raises ``TypeError`` (wrong kind or dtype) or ``ValueError``
+(wrong shape, device or value), and the message names the argument. Checks of
+shapes, dtypes and devices are free; checks of values (expert ids, repeats,
+finite weights) need one host synchronisation and can be turned off with
+``DispatchConfig(check_inputs=False)`` once the router is trusted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, value: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """``value`` is a tensor of ``ndim`` dimensions with one of ``dtypes``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
+    if value.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(value.dtype).replace('torch.', '')}")
+    return value
+
+
+def check_device(name: str, value: torch.Tensor, like: str, device: torch.device) -> None:
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but must be on {device}, the device of {like}")
+
+
+def check_backend_device(name: str, value: torch.Tensor, allowed: frozenset[str]) -> None:
+    if value.device.type not in allowed:
+        raise ValueError(
+            f"{name} is on {value.device}, which the process group's backend cannot move "
+            f"(it moves {', '.join(sorted(allowed))} tensors)"
+        )
+
+
+def check_dispatch_inputs(
+    x: object,
+    topk_idx: object,
+    topk_weights: object,
+    num_experts: int,
+    devices: frozenset[str],
+    check_values: bool,
+) -> None:
+    """Validate the arguments of ``TokenDispatcher.dispatch``.
+
+    Args:
+        x: [T, H] float16/bfloat16/float32/float64.
+        topk_idx: [T, K] int32/int64, expert ids in ``[-1, E)``, no id twice in a row.
+        topk_weights: [T, K] floating, finite.
+        devices: device types the group's backend moves.
+        check_values: also check the values (one host synchronisation).
+    """
+    x = check_tensor("x", x, 2, FLOAT_DTYPES)
+    topk_idx = check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
+    topk_weights = check_tensor("topk_weights", topk_weights, 2, FLOAT_DTYPES)
+    check_backend_device("x", x, devices)
+    if x.shape[1] < 1:
+        raise ValueError(f"x must have a hidden size H >= 1, got shape {tuple(x.shape)}")
+    if topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_idx has {topk_idx.shape[0]} rows but x has {x.shape[0]} tokens; "
+            "topk_idx must be [T, K] with the T of x"
+        )
+    if topk_idx.shape[1] < 1:
+        raise ValueError(f"topk_idx must have K >= 1 columns, got shape {tuple(topk_idx.shape)}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"topk_weights has shape {tuple(topk_weights.shape)} but topk_idx has "
+            f"{tuple(topk_idx.shape)}; they must match"
+        )
+    check_device("topk_idx", topk_idx, "x", x.device)
+    check_device("topk_weights", topk_weights, "x", x.device)
+    if check_values and topk_idx.numel() > 0:
+        _check_values(topk_idx, topk_weights, num_experts)
+
+
+def _check_values(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    ordered = torch.sort(topk_idx, dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    non_finite = ~torch.isfinite(topk_weights)
+    bad_rows = torch.stack([out_of_range.any(1), repeated.any(1), non_finite.any(1)])  # [3, T]
+    flags = bad_rows.any(1).cpu()  # host sync: value checks (DispatchConfig.check_inputs)
+    if not flags.any():
+        return
+    first = int(bad_rows[int(flags.nonzero()[0])].nonzero()[0])  # error path only
+    if flags[0]:
+        raise ValueError(
+            f"topk_idx holds an expert id outside [-1, {num_experts}) (num_experts={num_experts}): "
+            f"row {first} is {topk_idx[first].tolist()}"
+        )
+    if flags[1]:
+        raise ValueError(f"topk_idx names one expert twice in row {first}: {topk_idx[first].tolist()}")
+    raise ValueError(f"topk_weights holds a non-finite value in row {first}: {topk_weights[first].tolist()}")
+
+
+def check_combine_inputs(
+    expert_out: object,
+    weights: object,
+    num_rows: int,
+    devices: frozenset[str],
+) -> None:
+    """Validate the arguments of ``TokenDispatcher.combine``.
+
+    Args:
+        expert_out: [N, H'] floating, N = the rows the matching dispatch produced.
+        weights: None or [N] floating, finite.
+    """
+    expert_out = check_tensor("expert_out", expert_out, 2, FLOAT_DTYPES)
+    check_backend_device("expert_out", expert_out, devices)
+    if expert_out.shape[0] != num_rows:
+        raise ValueError(
+            f"expert_out has {expert_out.shape[0]} rows but the dispatch behind handle produced "
+            f"{num_rows}; expert_out must be [N, H] in the dispatched order"
+        )
+    if weights is not None:
+        weights = check_tensor("weights", weights, 1, FLOAT_DTYPES)
+        if weights.shape[0] != num_rows:
+            raise ValueError(f"weights has {weights.shape[0]} entries but expert_out has {num_rows} rows")
+        check_device("weights", weights, "expert_out", expert_out.device)

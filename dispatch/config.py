@@ -1,0 +1,70 @@
+"""DispatchConfig: the one validated description of a dispatcher.
+
+Every option a dispatcher reads lives here; there are no hidden globals. The
+dataclass is frozen and checks itself on construction, so a config that exists
+is a config that makes sense on its own. What can only be checked against a
+process group (``num_experts % W``, ``local_world_size``) is checked by
+``dispatch.create``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VARIANTS = ("alltoall",)
+DISPATCH_WIRES = ("native", "bf16", "fp32")
+COMBINE_WIRES = ("native", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How a dispatcher moves tokens.
+
+    Args:
+        num_experts: ``E``, experts in total over the EP group. Expert ``e`` lives
+            on rank ``e // (E // W)``; ``E`` must be a multiple of the group size ``W``.
+        variant: how bytes move. ``"alltoall"``: one variable-split all-to-all per
+            direction, each token sent once per destination rank.
+        dispatch_wire: how a token row travels to the experts. ``"native"`` (the
+            input's own dtype, lossless), ``"bf16"`` or ``"fp32"``. The experts
+            receive rows in the input's dtype whatever the wire.
+        combine_wire: how an expert-side partial sum travels home. ``"native"``
+            (the expert output's dtype), ``"bf16"`` or ``"fp32"``. Sums are always
+            accumulated in fp32 (fp64 for fp64 data) whatever the wire.
+        local_world_size: ranks per node, for the hierarchical variant; checked
+            to divide the group size when given.
+        check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``
+            (expert ids in range, no expert twice in a row, finite weights) before
+            any communication. This costs one host synchronisation per dispatch;
+            shapes, dtypes and devices are always checked (they cost nothing).
+    """
+
+    num_experts: int
+    variant: str = "alltoall"
+    dispatch_wire: str = "native"
+    combine_wire: str = "native"
+    local_world_size: int | None = None
+    check_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int):
+            raise TypeError(f"num_experts must be an int, got {type(self.num_experts).__name__}")
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        _check_choice("variant", self.variant, VARIANTS)
+        _check_choice("dispatch_wire", self.dispatch_wire, DISPATCH_WIRES)
+        _check_choice("combine_wire", self.combine_wire, COMBINE_WIRES)
+        if self.local_world_size is not None:
+            if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int):
+                raise TypeError(
+                    f"local_world_size must be an int or None, got {type(self.local_world_size).__name__}"
+                )
+            if self.local_world_size < 1:
+                raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+        if not isinstance(self.check_inputs, bool):
+            raise TypeError(f"check_inputs must be a bool, got {type(self.check_inputs).__name__}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")

@@ -1,0 +1,229 @@
+"""The TokenDispatcher interface and its autograd: dispatch and combine are adjoint.
+
+Notation: W ranks, E experts (E_local per rank), T tokens on this rank, K slots
+per token, H hidden size, N expanded rows on this rank (one per (source token,
+local expert)), in canonical order: local expert ascending, then (source rank,
+source token) ascending.
+
+A variant implements four data movements and a planner; this module turns them
+into the public ``dispatch`` / ``combine`` verbs with validation and gradients:
+
+* ``_plan``: routing plan + one counts exchange (+ the slot lists); returns the handle.
+* ``_to_experts``: [T, H] home rows -> [N, H] expanded rows (dispatch direction).
+* ``_to_home``: [N, H] expanded rows -> [T, H] (pre-sum, exchange back, final sum).
+* ``_weights_to_home``: [N] per-row values -> [T, K] per-slot values.
+
+The backward of dispatch is ``_to_home`` of the gradients (unweighted), the
+backward of combine is ``_to_experts`` of the gradient, so both directions keep
+the contract (deduplicated wire, fp32 sums in a fixed order).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dispatch import checks, comm
+from dispatch.codec import wire_dtype
+from dispatch.config import DispatchConfig
+from dispatch.kernels.gather_sum import accumulate_dtype
+from dispatch.timing import PhaseTimer
+
+
+@dataclass(frozen=True)
+class CombineHandle:
+    """What combine (and both backwards) need from one dispatch; frozen, so that
+    several micro-batches can be in flight on one dispatcher.
+
+    Attributes:
+        owner: ``id`` of the dispatcher that made it (checked by combine).
+        num_tokens: T of the dispatch.
+        num_rows: N, rows handed to the experts.
+        topk: K of the dispatch.
+    """
+
+    owner: int
+    num_tokens: int
+    num_rows: int
+    topk: int
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """The result of ``TokenDispatcher.dispatch``.
+
+    Attributes:
+        tokens: [N, H] rows for the local experts, canonical order, dtype of x.
+        tokens_per_expert: [E_local] int64 on the device of x.
+        tokens_per_expert_host: [E_local] int64 on the CPU (the plan already had it:
+            no extra synchronisation), for grouped GEMMs that size on the host.
+        weights: [N] routing weight of each row (dtype of topk_weights);
+            differentiable w.r.t. topk_weights.
+        src_rank: [N] int64, home rank of each row's token.
+        src_token: [N] int64, index of each row's token on its home rank.
+        handle: pass to ``combine``.
+    """
+
+    tokens: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    tokens_per_expert_host: torch.Tensor
+    weights: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    handle: CombineHandle
+
+
+class TokenDispatcher(abc.ABC):
+    """Moves tokens to the ranks that hold their experts and back.
+
+    Construct through ``dispatch.create(config, group)``. ``phase_timer`` may be
+    set to a :class:`dispatch.timing.PhaseTimer` to time the phases of the work.
+    """
+
+    def __init__(self, config: DispatchConfig, group: dist.ProcessGroup | None = None) -> None:
+        self.config = config
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.num_local_experts = config.num_experts // self.world_size
+        self.devices = comm.device_types(group)
+        self.phase_timer: PhaseTimer | None = None
+
+    # -- public verbs -------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+        """Send each token to the ranks holding its experts, expanded per local expert.
+
+        Args:
+            x: [T, H] float16/bfloat16/float32/float64 tokens of this rank (T may be 0).
+            topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
+            topk_weights: [T, K] floating routing weights.
+        Returns:
+            :class:`Dispatched`. Gradients flow to ``x`` (through ``tokens``) and to
+            ``topk_weights`` (through ``weights``).
+        """
+        checks.check_dispatch_inputs(
+            x, topk_idx, topk_weights, self.config.num_experts, self.devices, self.config.check_inputs
+        )
+        handle, plan_out = self._plan(topk_idx, topk_weights.detach())
+        tokens, weights = _DispatchFn.apply(x, topk_weights, plan_out.weights, self, handle)
+        return Dispatched(
+            tokens=tokens,
+            tokens_per_expert=plan_out.tokens_per_expert,
+            tokens_per_expert_host=plan_out.tokens_per_expert_host,
+            weights=weights,
+            src_rank=plan_out.src_rank,
+            src_token=plan_out.src_token,
+            handle=handle,
+        )
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        handle: CombineHandle,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Bring expert outputs home and sum them per token.
+
+        Args:
+            expert_out: [N, H'] expert outputs in the dispatched (canonical) order.
+            handle: ``Dispatched.handle`` of the matching dispatch.
+            weights: [N] routing weights to apply (usually ``Dispatched.weights``),
+                or None if the experts already weighted their outputs.
+        Returns:
+            [T, H'] in the dtype of ``expert_out``: for each token, the sum over its
+            slots of ``weight * expert_out``, accumulated in fp32 (fp64 for fp64).
+        """
+        if not isinstance(handle, CombineHandle) or handle.owner != id(self):
+            raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
+        checks.check_combine_inputs(expert_out, weights, handle.num_rows, self.devices)
+        return _CombineFn.apply(expert_out, weights, self, handle)
+
+    # -- what a variant provides ------------------------------------------
+
+    @abc.abstractmethod
+    def _plan(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> tuple[CombineHandle, "PlanOutputs"]:
+        """Routing plan and its exchanges; no token data moves yet."""
+
+    @abc.abstractmethod
+    def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, wire: torch.dtype) -> torch.Tensor:
+        """[T, H] home rows -> [N, H] expanded rows (dtype of ``rows``), via ``wire``."""
+
+    @abc.abstractmethod
+    def _to_home(
+        self,
+        rows: torch.Tensor,
+        handle: CombineHandle,
+        weights: torch.Tensor | None,
+        wire: torch.dtype,
+    ) -> torch.Tensor:
+        """[N, H] expanded rows -> [T, H] (dtype of ``rows``): weighted pre-sum per
+        (token, rank), exchange back via ``wire``, sum in ascending rank order."""
+
+    @abc.abstractmethod
+    def _weights_to_home(self, values: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
+        """[N] per-row values -> [T, K] per-slot values (0 for empty slots)."""
+
+
+@dataclass(frozen=True)
+class PlanOutputs:
+    """Per-row facts the plan learned, handed to :class:`Dispatched`."""
+
+    weights: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    tokens_per_expert_host: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, routed_weights, dispatcher, handle):
+        ctx.dispatcher, ctx.handle = dispatcher, handle
+        wire = wire_dtype(dispatcher.config.dispatch_wire, x.dtype)
+        tokens = dispatcher._to_experts(x, handle, wire)
+        return tokens, routed_weights.to(topk_weights.dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad_tokens, grad_weights):
+        dispatcher, handle = ctx.dispatcher, ctx.handle
+        grad_x = grad_topk = None
+        if ctx.needs_input_grad[0]:
+            grad_tokens = grad_tokens.contiguous()
+            grad_x = dispatcher._to_home(grad_tokens, handle, None, grad_tokens.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_topk = dispatcher._weights_to_home(grad_weights, handle)
+        return grad_x, grad_topk, None, None, None
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, dispatcher, handle):
+        ctx.dispatcher, ctx.handle = dispatcher, handle
+        ctx.out_dtype = expert_out.dtype
+        ctx.weights_dtype = None if weights is None else weights.dtype
+        ctx.save_for_backward(
+            expert_out if weights is not None and weights.requires_grad else None, weights
+        )
+        wire = wire_dtype(dispatcher.config.combine_wire, expert_out.dtype)
+        return dispatcher._to_home(expert_out.contiguous(), handle, weights, wire)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        expert_out, weights = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_rows = ctx.dispatcher._to_experts(grad_out, ctx.handle, grad_out.dtype)
+        grad_expert = grad_weights = None
+        if weights is None:
+            grad_expert = grad_rows.to(ctx.out_dtype)
+        else:
+            acc = accumulate_dtype(grad_rows.dtype, weights.dtype)
+            if ctx.needs_input_grad[0]:
+                grad_expert = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(ctx.out_dtype)
+            if ctx.needs_input_grad[1]:
+                dot = (grad_rows.to(acc) * expert_out.to(acc)).sum(1)
+                grad_weights = dot.to(ctx.weights_dtype)
+        return grad_expert, grad_weights, None, None

@@ -1,0 +1,147 @@
+"""Gathered, optionally weighted row sums with wide accumulation.
+
+    out[r] = cast( sum_{j < J, index[r, j] >= 0} weight[index[r, j]] * src[index[r, j]] )
+
+summed in j order in fp32 (fp64 when ``src``, ``weight`` or the result is fp64), then cast
+once to ``out_dtype``. Both reductions of combine are this operation: the
+expert-side pre-sum (index = the expanded rows of one received token, weights =
+routing weights) and the home-side sum of partials (index = the token's rows in
+ascending rank order, no weights). There are no atomics, so the result is
+deterministic and independent of the launch configuration.
+
+``gather_sum`` picks the Triton kernel for CUDA tensors when Triton is
+importable, and the PyTorch reference otherwise; tests hold the two together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU-only installs run the reference.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+
+
+def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp64 if any input is fp64, else fp32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _acc_dtype(src: torch.Tensor, weight: torch.Tensor | None, out_dtype: torch.dtype) -> torch.dtype:
+    return accumulate_dtype(src.dtype, out_dtype, *(() if weight is None else (weight.dtype,)))
+
+
+def gather_sum_reference(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """PyTorch reference of :func:`gather_sum`.
+
+    Args:
+        src: [M, H] rows to gather.
+        index: [R, J] int64 rows of ``src`` to sum for each output row; -1 = none.
+            The valid entries of a row come first.
+        weight: [M] per-source-row weight, or None for a plain sum.
+        out_dtype: dtype of the result.
+    Returns:
+        [R, H] tensor of ``out_dtype``.
+    """
+    acc_dtype = _acc_dtype(src, weight, out_dtype)
+    acc = torch.zeros(index.shape[0], src.shape[1], dtype=acc_dtype, device=src.device)
+    if src.shape[0] == 0:  # then every index is -1
+        return acc.to(out_dtype)
+    for j in range(index.shape[1]):
+        col = index[:, j]
+        valid = col >= 0
+        safe = col.clamp(min=0)
+        rows = src.index_select(0, safe).to(acc_dtype)
+        if weight is not None:
+            rows = rows * weight.index_select(0, safe).to(acc_dtype).unsqueeze(1)
+        acc += torch.where(valid.unsqueeze(1), rows, 0)
+    return acc.to(out_dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_sum_kernel(
+        src_ptr,
+        index_ptr,
+        weight_ptr,
+        out_ptr,
+        hidden,
+        width,
+        src_stride,
+        out_stride,
+        HAS_WEIGHT: tl.constexpr,
+        ACC_F64: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        if ACC_F64:
+            acc = tl.zeros([BLOCK], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in range(width):
+            src_row = tl.load(index_ptr + row * width + j)
+            if src_row >= 0:
+                vals = tl.load(src_ptr + src_row * src_stride + cols, mask=mask, other=0.0)
+                vals = vals.to(acc.dtype)
+                if HAS_WEIGHT:
+                    vals = vals * tl.load(weight_ptr + src_row).to(acc.dtype)
+                acc += vals
+        tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_sum_triton(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Triton version of :func:`gather_sum_reference` (same arguments and result)."""
+    if triton is None:
+        raise RuntimeError("gather_sum_triton needs triton; install the 'test' extra or use the reference")
+    src = src.contiguous()
+    index = index.contiguous()
+    rows, width = index.shape
+    hidden = src.shape[1]
+    out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
+    if rows == 0 or hidden == 0:
+        return out
+    acc_dtype = _acc_dtype(src, weight, out_dtype)
+    block = min(1024, triton.next_power_of_2(hidden))
+    grid = (rows, triton.cdiv(hidden, block))
+    _gather_sum_kernel[grid](
+        src,
+        index,
+        weight.contiguous() if weight is not None else src,
+        out,
+        hidden,
+        width,
+        src.stride(0),
+        out.stride(0),
+        HAS_WEIGHT=weight is not None,
+        ACC_F64=acc_dtype == torch.float64,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
+def gather_sum(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Weighted gathered row sum; the Triton kernel on CUDA, the reference elsewhere."""
+    if src.is_cuda and triton is not None:
+        return gather_sum_triton(src, index, weight, out_dtype)
+    return gather_sum_reference(src, index, weight, out_dtype)

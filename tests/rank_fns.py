@@ -1,0 +1,93 @@
+"""Functions that run on every rank of a test world (importable by name)."""
+
+from __future__ import annotations
+
+import torch
+
+import dispatch
+from world import current_device
+
+
+def _cpu(t):
+    return None if t is None else t.detach().cpu()
+
+
+def expert_scale(tokens_per_expert_host: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """[N, 1] factor 1 + local expert id for each dispatched row: a per-expert 'model'."""
+    experts = torch.repeat_interleave(torch.arange(len(tokens_per_expert_host)), tokens_per_expert_host)
+    return (1 + experts).to(dtype=dtype, device=device).unsqueeze(1)
+
+
+def round_trip(x, topk_idx, topk_weights, config: dict, experts: str = "identity"):
+    """dispatch -> experts -> combine(weights=out.weights); everything back on the CPU."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    y = out.tokens
+    if experts == "scaled":
+        y = y * expert_scale(out.tokens_per_expert_host, y.dtype, device)
+    combined = d.combine(y, out.handle, weights=out.weights)
+    return {
+        "tokens": _cpu(out.tokens),
+        "tokens_per_expert": _cpu(out.tokens_per_expert),
+        "tokens_per_expert_host": out.tokens_per_expert_host,
+        "weights": _cpu(out.weights),
+        "src_rank": _cpu(out.src_rank),
+        "src_token": _cpu(out.src_token),
+        "combined": _cpu(combined),
+    }
+
+
+def gradients(x, topk_idx, topk_weights, grad_out, expert_out, config: dict):
+    """Gradients of sum(grad_out * combine(f(dispatch(x)))) for x and topk_weights,
+    and of sum(grad_out * combine(expert_out, weights)) for expert_out and weights."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x = x.to(device).requires_grad_()
+    w = topk_weights.to(device).requires_grad_()
+    g = grad_out.to(device)
+    out = d.dispatch(x, topk_idx.to(device), w)
+    scale = expert_scale(out.tokens_per_expert_host, out.tokens.dtype, device)
+    y = out.tokens * scale + out.tokens * out.tokens * 0.125
+    (d.combine(y, out.handle, weights=out.weights) * g).sum().backward()
+
+    y_leaf = expert_out.to(device).requires_grad_()
+    w_leaf = out.weights.detach().clone().requires_grad_()
+    (d.combine(y_leaf, out.handle, weights=w_leaf) * g).sum().backward()
+    return {
+        "x": _cpu(x.grad),
+        "topk_weights": _cpu(w.grad),
+        "expert_out": _cpu(y_leaf.grad),
+        "weights": _cpu(w_leaf.grad),
+        "routed_weights": _cpu(out.weights),
+    }
+
+
+def error_of(fn_name: str, *args):
+    """Run one of the call_* functions below and return (exception type, message) or None."""
+    try:
+        globals()[fn_name](*args)
+    except Exception as exc:  # the test inspects what was raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def call_dispatch(config: dict, x, topk_idx, topk_weights):
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    d.dispatch(move(x), move(topk_idx), move(topk_weights))
+
+
+def call_combine(config: dict, x, topk_idx, topk_weights, expert_out, weights):
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    if expert_out == "same":
+        expert_out = out.tokens
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    d.combine(move(expert_out), out.handle, weights=move(weights))
+
+
+def call_create(config: dict):
+    dispatch.create(dispatch.DispatchConfig(**config))
