@@ -72,11 +72,23 @@ def error_of(fn_name: str, *args):
     return None
 
 
+class OnMeta:
+    """A tensor to be put on the 'meta' device on the rank (meta tensors don't pickle)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _move(value, device):
+    if isinstance(value, OnMeta):
+        return value.tensor.to("meta")
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
 def call_dispatch(config: dict, x, topk_idx, topk_weights):
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config))
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    d.dispatch(move(x), move(topk_idx), move(topk_weights))
+    d.dispatch(_move(x, device), _move(topk_idx, device), _move(topk_weights, device))
 
 
 def call_combine(config: dict, x, topk_idx, topk_weights, expert_out, weights):
@@ -85,9 +97,16 @@ def call_combine(config: dict, x, topk_idx, topk_weights, expert_out, weights):
     out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     if expert_out == "same":
         expert_out = out.tokens
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    d.combine(move(expert_out), out.handle, weights=move(weights))
+    d.combine(_move(expert_out, device), out.handle, weights=_move(weights, device))
 
 
 def call_create(config: dict):
     dispatch.create(dispatch.DispatchConfig(**config))
+
+
+def call_foreign_handle(config: dict, x, topk_idx, topk_weights):
+    device = current_device()
+    first = dispatch.create(dispatch.DispatchConfig(**config))
+    second = dispatch.create(dispatch.DispatchConfig(**config))
+    out = first.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    second.combine(out.tokens, out.handle, weights=out.weights)
