@@ -96,6 +96,8 @@ if triton is not None:
                 if HAS_WEIGHT:
                     vals = vals * tl.load(weight_ptr + src_row).to(acc.dtype)
                 acc += vals
+        if ACC_F64 and out_ptr.dtype.element_ty != tl.float64:
+            acc = acc.to(tl.float32)  # fp64 -> fp32 -> narrow, as torch converts
         tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
