@@ -110,3 +110,15 @@ def call_foreign_handle(config: dict, x, topk_idx, topk_weights):
     second = dispatch.create(dispatch.DispatchConfig(**config))
     out = first.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     second.combine(out.tokens, out.handle, weights=out.weights)
+
+
+def bench_wrong_rows(corrupt):
+    """The benchmark's #wrong count over the world, with one element planted wrong on this rank."""
+    from dispatch.bench import _wrong_rows
+
+    x = torch.arange(12, dtype=torch.float32).view(4, 3)
+    w = torch.full((4, 2), 0.5)
+    out = x.clone()
+    if corrupt is not None:
+        out[corrupt] += 0.25
+    return _wrong_rows(out, x, w)

@@ -1,0 +1,5 @@
+import sys
+
+from dispatch.bench import main
+
+sys.exit(main())

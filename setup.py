@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="moe-dispatch",
+    version="0.1.0",
+    description="Expert-parallel token dispatch and combine for Mixture-of-Experts training in PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dispatch", "dispatch.*"]),
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "test": ["pytest", "hypothesis", "triton"],
+        "cuda12": ["cupy-cuda12x"],
+        "cuda13": ["cupy-cuda13x"],
+        "megatron": ["megatron-core"],
+    },
+    entry_points={"console_scripts": ["dispatch-bench=dispatch.bench:main"]},
+)
