@@ -29,7 +29,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for args in "--world-size 4" "--world-size 4 --no-check --baselines none" "--world-size 2"; do
+  for args in "--world-size 4 --profile" "--world-size 4 --no-check --baselines none" "--world-size 2"; do
     echo "== dispatch-bench --shape deepseek-v3 $args"
     timeout 240 python3 -m dispatch.bench --shape deepseek-v3 --iters 30 --warmup 5 $args --out "$OUT/results" 2>&1 \
       | tee -a "$OUT/bench.txt" | grep -v "^\[" | tail -12

@@ -27,19 +27,20 @@ def device_types(group: dist.ProcessGroup | None) -> frozenset[str]:
     return frozenset({_BACKEND_DEVICES.get(backend, "cpu")})
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-to-all of one fixed-size int64 row per peer.
+def all_gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather of every rank's fixed-size counts.
 
     Args:
-        counts: [W, C] int64; row r goes to rank r.
+        counts: [W, C] int64 of this rank.
     Returns:
-        [W, C] int64; row s came from rank s.
+        [W, W, C] int64; ``out[s]`` is rank s's ``counts``.
     """
-    if counts.shape[0] == 1:
-        return counts
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
-    return out
+    world = counts.shape[0]
+    if world == 1:
+        return counts.unsqueeze(0)
+    out = torch.empty(world * counts.numel(), dtype=counts.dtype, device=counts.device)
+    dist.all_gather_into_tensor(out, counts.flatten(), group=group)
+    return out.view(world, *counts.shape)
 
 
 def all_to_all_rows(

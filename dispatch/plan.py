@@ -10,10 +10,6 @@ Notation (used throughout the package):
     N        expanded rows on this rank     (one per (source token, local expert))
     J        min(K, E_local): most slots one token can have on one rank
 
-Everything here runs on the tensors' device with vectorised torch ops and never
-synchronises with the host: the caller brings the host-side split sizes it got
-from its single counts exchange.
-
 Orders (the contract of DESIGN.md):
 
 * send order: destination rank ascending, then token index ascending. A token is
@@ -22,6 +18,19 @@ Orders (the contract of DESIGN.md):
   (source rank, source token) ascending.
 * canonical (expanded) order: local expert ascending, then (source rank, source
   token) ascending. This is what the experts see.
+
+How the plan is made, with one host synchronisation:
+
+1. ``route``: destination ranks and per-destination counts, before any
+   communication.
+2. The counts of every rank are all-gathered (one small collective). From them
+   every rank knows where each of its slots will land in the destination's
+   canonical order, so ``build_send_plan`` writes, for each send row, the
+   expanded positions of its slots: the receiver scatters, it never sorts.
+   Buffers are sized by the upper bound ``T * W`` so that nothing here waits for
+   the host.
+3. The caller copies the split sizes to the host once, slices the buffers and
+   moves the slot lists with the rows' metadata; ``build_recv_plan`` expands.
 """
 
 from __future__ import annotations
@@ -81,86 +90,143 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
 class SendPlan:
     """Where each of this rank's tokens goes, and where its partial sums come back.
 
+    Row buffers hold ``T * W`` rows (the upper bound of S); the first S are real.
+
     Attributes:
-        send_token: [S] int64, source token of each send row, in send order.
-        send_rank: [S] int64, destination rank of each send row.
+        send_token: [T * W] int64, source token of each send row, in send order.
+        meta: [T * W, J + 1 + J * w] int32 per send row: the expanded positions
+            of its slots on the destination, ascending, -1 padded (J columns);
+            the source token; the slot weights bit-cast to int32 (``w`` words each,
+            1 for fp32 weights, 2 for fp64), in the order of the positions.
         home_index: [T, W] int64; row t lists the send rows of token t in
             ascending destination rank (so its partial sums come back in rank
             order), padded with -1.
-        slot_row: [T, K] int64, the send row that carries slot k of token t
-            (-1 for an empty slot).
+        slot_row: [T, K] int64, the send row that carries slot k (-1 if empty).
+        slot_col: [T, K] int64, the column of slot k in that row's slot list.
     """
 
     send_token: torch.Tensor
-    send_rank: torch.Tensor
+    meta: torch.Tensor
     home_index: torch.Tensor
     slot_row: torch.Tensor
+    slot_col: torch.Tensor
 
 
-def build_send_plan(r: Route, send_splits: tuple[int, ...]) -> SendPlan:
-    """Send order from a :class:`Route` and the host copy of its per-rank counts."""
-    hit = r.hit
+def weight_wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Routing weights travel as fp64 if they are fp64, else as fp32 (exact for bf16/fp16)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def build_send_plan(
+    r: Route,
+    all_counts: torch.Tensor,
+    rank: int,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> SendPlan:
+    """Send order and slot lists, from the all-gathered counts; no host synchronisation.
+
+    Args:
+        r: this rank's :class:`Route`.
+        all_counts: [W, W, 1 + E_local] int64, ``all_counts[s]`` = ``route(...).counts``
+            of rank s.
+        rank: this rank's index in the group.
+        topk_idx: [T, K] (valid) expert ids.
+        topk_weights: [T, K] routing weights.
+    """
+    hit, dest = r.hit, r.dest
     num_tokens, world_size = hit.shape
+    topk = dest.shape[1]
+    experts_per_rank = all_counts.shape[2] - 1
+    width = min(topk, experts_per_rank)
     device = hit.device
-    total = sum(send_splits)
-    splits = torch.tensor(send_splits, dtype=torch.int64, device=device)
-    offsets = torch.cumsum(splits, 0) - splits
+    idx = topk_idx.long()
+    valid = dest < world_size
+    capacity = num_tokens * world_size  # upper bound of S; row `capacity` collects misses
+
+    # Send rows: position of (token, destination) in send order.
+    send_splits = r.counts[:, 0]
+    offsets = torch.cumsum(send_splits, 0) - send_splits
     position = torch.cumsum(hit, 0, dtype=torch.int64) - 1 + offsets  # [T, W]
-
-    scatter_at = torch.where(hit, position, total).flatten()
-    token_ids = torch.arange(num_tokens, device=device).repeat_interleave(world_size)
-    send_token = torch.empty(total + 1, dtype=torch.int64, device=device)
-    send_token.scatter_(0, scatter_at, token_ids)  # slot `total` collects the misses
-    send_rank = torch.repeat_interleave(
-        torch.arange(world_size, device=device), splits, output_size=total
-    )
-
+    row_at = torch.where(hit, position, capacity)
+    send_token = torch.empty(capacity + 1, dtype=torch.int64, device=device)
+    send_token.scatter_(0, row_at.flatten(), torch.arange(num_tokens, device=device).repeat_interleave(world_size))
     home_index = _pack_left(torch.where(hit, position, _PAD))
-    dest = r.dest.clamp(max=world_size - 1)
-    slot_row = torch.where(r.dest < world_size, position.gather(1, dest), -1)
-    return SendPlan(send_token[:total], send_rank, home_index, slot_row)
+    slot_row = torch.where(valid, position.gather(1, dest.clamp(max=world_size - 1)), -1)
+
+    # Expanded position of each slot on its destination: start of (expert, this
+    # rank) in the destination's canonical order + earlier tokens of this rank
+    # with the same expert.
+    per_source = all_counts[:, :, 1:]  # [W_src, W_dst, E_local]
+    expert_sizes = per_source.sum(0)  # [W_dst, E_local]
+    expert_start = torch.cumsum(expert_sizes, 1) - expert_sizes
+    start = (expert_start + per_source[:rank].sum(0)).flatten()  # [E]
+    safe_idx = torch.where(valid, idx, 0)
+    seen = torch.zeros(num_tokens + 1, start.numel(), dtype=torch.int32, device=device)
+    seen[1:].scatter_add_(1, safe_idx, valid.to(torch.int32))
+    earlier = torch.cumsum(seen, 0, dtype=torch.int32)[:-1].gather(1, safe_idx)  # [T, K]
+    slot_pos = start[safe_idx] + earlier
+
+    # Column of each slot in its row: slots of one token on one rank, by expert.
+    same_rank = (dest.unsqueeze(2) == dest.unsqueeze(1)) & (idx.unsqueeze(1) < idx.unsqueeze(2))
+    slot_col = torch.where(valid, same_rank.sum(2), -1)
+
+    wire = weight_wire_dtype(topk_weights.dtype)
+    words = torch.finfo(wire).bits // 32
+    meta = torch.full((capacity + 1, width + 1 + width * words), -1, dtype=torch.int32, device=device)
+    rows = torch.where(valid, slot_row, capacity)
+    cols = slot_col.clamp(min=0)
+    meta.index_put_((rows, cols), slot_pos.to(torch.int32))
+    meta[:, width] = send_token.to(torch.int32)
+    weight_words = topk_weights.to(wire).flatten().contiguous().view(torch.int32).view(num_tokens, topk, words)
+    word = torch.arange(words, device=device)
+    weight_cols = width + 1 + cols.unsqueeze(2) * words + word
+    meta.index_put_((rows.unsqueeze(2), weight_cols), weight_words)
+    return SendPlan(send_token, meta, home_index, slot_row, slot_col)
 
 
 @dataclass(frozen=True)
 class RecvPlan:
-    """How received rows expand to one row per (token, local expert), and back.
+    """How received rows expand to one row per (token, local expert).
 
     Attributes:
         expand_src: [N] int64, received row behind each expanded row (canonical order).
-        expand_slot: [N] int64, ``j * K + k``: received row j, slot k of its token.
         presum_index: [R, J] int64; row j lists the expanded rows of received row j
             in ascending local expert, padded with -1. Summing along it is the
             expert-side pre-sum of combine.
+        weights: [N] routing weight of each expanded row (in the wire dtype of weights).
+        src_token: [R] int64, source token of each received row.
     """
 
     expand_src: torch.Tensor
-    expand_slot: torch.Tensor
     presum_index: torch.Tensor
+    weights: torch.Tensor
+    src_token: torch.Tensor
 
 
-def build_recv_plan(local_expert: torch.Tensor, num_rows: int, experts_per_rank: int) -> RecvPlan:
-    """Canonical expansion of the received rows.
+def build_recv_plan(meta: torch.Tensor, num_rows: int, weight_dtype: torch.dtype) -> RecvPlan:
+    """Expansion of the received rows, from their slot lists.
 
     Args:
-        local_expert: [R, K] int, local expert id of each slot of each received
-            token, ``-1`` where the slot lives on another rank (or is empty).
-        num_rows: N, number of (token, local expert) pairs, known on the host
-            from the counts exchange.
-        experts_per_rank: E_local.
+        meta: [R, J + 1 + J * w] int32 received metadata (see :class:`SendPlan`).
+        num_rows: N, known on the host from the counts exchange.
+        weight_dtype: dtype the weights travelled in (``weight_wire_dtype``).
     """
-    num_recv, topk = local_expert.shape
-    device = local_expert.device
-    key = torch.where(local_expert >= 0, local_expert.long(), experts_per_rank).flatten()
-    # Stable sort by local expert keeps (source rank, source token) ascending
-    # inside each expert: the canonical order.
-    order = torch.sort(key, stable=True).indices[:num_rows]
-    expand_src = torch.div(order, topk, rounding_mode="floor")
-
-    inverse = torch.full((num_recv * topk,), _PAD, dtype=torch.int64, device=device)
-    inverse[order] = torch.arange(num_rows, device=device)
-    width = min(topk, experts_per_rank)
-    presum_index = _pack_left(inverse.view(num_recv, topk))[:, :width]
-    return RecvPlan(expand_src, order, presum_index.contiguous())
+    num_recv = meta.shape[0]
+    words = torch.finfo(weight_dtype).bits // 32
+    width = (meta.shape[1] - 1) // (1 + words)
+    device = meta.device
+    presum_index = meta[:, :width].long()
+    valid = presum_index >= 0
+    at = torch.where(valid, presum_index, num_rows).flatten()
+    expand_src = torch.empty(num_rows + 1, dtype=torch.int64, device=device)
+    expand_src.scatter_(0, at, torch.arange(num_recv, device=device).repeat_interleave(width))
+    weight_words = torch.empty(num_recv, width * words, dtype=torch.int32, device=device)
+    weight_words.copy_(meta[:, width + 1 :])
+    slot_weights = weight_words.view(weight_dtype).flatten()
+    weights = torch.empty(num_rows + 1, dtype=weight_dtype, device=device)
+    weights.scatter_(0, at, slot_weights)
+    return RecvPlan(expand_src[:num_rows], presum_index, weights[:num_rows], meta[:, width].long())
 
 
 def _pack_left(values: torch.Tensor) -> torch.Tensor:

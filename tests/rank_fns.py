@@ -116,8 +116,8 @@ def bench_wrong_rows(corrupt):
     """The benchmark's #wrong count over the world, with one element planted wrong on this rank."""
     from dispatch.bench import _wrong_rows
 
-    x = torch.arange(12, dtype=torch.float32).view(4, 3)
-    w = torch.full((4, 2), 0.5)
+    x = torch.arange(12, dtype=torch.float32, device=current_device()).view(4, 3)
+    w = torch.full((4, 2), 0.5, device=current_device())
     out = x.clone()
     if corrupt is not None:
         out[corrupt] += 0.25

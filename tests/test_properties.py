@@ -72,7 +72,8 @@ def test_identity_round_trip(worlds, world_size, variant, data):
 @SETTINGS
 @given(data=st.data())
 def test_combine_matches_reference_bitwise(worlds, world_size, variant, data):
-    """Arbitrary values, per-expert experts: the sums happen in the reference's order, bit for bit."""
+    """Arbitrary values, per-expert experts: the sums happen in the reference's order, bit for bit
+    on CPU."""
     routing = data.draw(routings(world_size))
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
     seed = data.draw(st.integers(0, 10**6))
@@ -85,9 +86,16 @@ def test_combine_matches_reference_bitwise(worlds, world_size, variant, data):
         d.tokens * rank_fns.expert_scale(d.tokens_per_expert, dtype, "cpu") for d in ref
     ]
     expected = reference_combine(scaled, ref, routing.num_tokens, weights=[d.weights for d in ref])
+    on_gpu = worlds(world_size).backend == "nccl"
     for rank, got in enumerate(results):
         assert got["combined"].dtype == dtype
-        assert torch.equal(got["combined"], expected[rank]), f"rank {rank}: combine differs from reference"
+        if on_gpu:
+            # The GPU kernel may fuse a slot's multiply into its add (one rounding
+            # fewer per slot); same order, so within a few units in the last place.
+            eps = torch.finfo(dtype).eps
+            torch.testing.assert_close(got["combined"], expected[rank], rtol=4 * eps, atol=4 * eps)
+        else:
+            assert torch.equal(got["combined"], expected[rank]), f"rank {rank}: combine differs from reference"
 
 
 @pytest.mark.parametrize("mode", MODES)

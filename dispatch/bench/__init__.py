@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-check", action="store_true", help="DispatchConfig(check_inputs=False)")
     parser.add_argument("--baselines", choices=["auto", "none"], default="auto",
                         help="auto: Megatron-Core's dispatchers too when megatron-core imports")
+    parser.add_argument("--profile", action="store_true", help="also write a torch profiler table of 5 round trips")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
     args = parser.parse_args(argv)
     for name in ("iters", "world_size"):
@@ -183,10 +184,32 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
     totals = _time(ours_timed, args.iters, args.warmup, device)
     phases = {p: statistics.median(t.phases().get(p, 0.0) for t in phase_runs[args.warmup:]) for p in PHASES}
     rows.append(_row("ours alltoall", shape, world, totals, wrong, float(bytes_out) / world, phases))
+    if args.profile:
+        _profile(ours, args, shape, device)
 
     if args.baselines == "auto":
         rows += _megatron_rows(args, shape, x, topk_idx, topk_weights, device)
     return rows
+
+
+def _profile(fn, args, shape, device) -> None:
+    """Profile 5 round trips; rank 0 writes the op table (what the time goes to)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"profile-{shape.name}-w{dist.get_world_size()}.txt")
+        averages = prof.key_averages()
+        with open(path, "w") as f:
+            for key in ("self_cpu_time_total", "self_device_time_total" if device.type == "cuda" else "count"):
+                f.write(f"sorted by {key}\n{averages.table(sort_by=key, row_limit=40)}\n")
 
 
 def _megatron_rows(args, shape, x, topk_idx, topk_weights, device) -> list[dict]:

@@ -9,8 +9,8 @@ expert) in canonical order. Combine: the expert side pre-sums the slots of a
 token that live on it (one row per (token, rank) goes back), and the home rank
 sums the partials in ascending rank order, in fp32, casting once.
 
-Exchanges per round trip: one counts all-to-all (fixed size), one metadata
-all-to-all, one token all-to-all each way. One host synchronisation, for the
+Exchanges per round trip: one all-gather of the counts (fixed size), one
+metadata all-to-all, one token all-to-all each way. One host synchronisation, for the
 split sizes NCCL needs.
 """
 
@@ -35,8 +35,8 @@ class AllToAllHandle(CombineHandle):
         send_token: [S] source token of each send row.
         home_index: [T, W] send rows of each token, ascending rank, -1 padded.
         slot_row: [T, K] send row carrying each slot, -1 for empty slots.
+        slot_col: [T, K] column of each slot in its row's slot list.
         expand_src: [N] received row of each expanded row.
-        expand_slot: [N] ``j * K + k`` of each expanded row.
         presum_index: [R, J] expanded rows of each received row, -1 padded.
     """
 
@@ -45,8 +45,8 @@ class AllToAllHandle(CombineHandle):
     send_token: torch.Tensor
     home_index: torch.Tensor
     slot_row: torch.Tensor
+    slot_col: torch.Tensor
     expand_src: torch.Tensor
-    expand_slot: torch.Tensor
     presum_index: torch.Tensor
 
 
@@ -54,39 +54,24 @@ class AllToAllDispatcher(TokenDispatcher):
     """Deduplicated all-to-all dispatcher (``variant="alltoall"``)."""
 
     def _plan(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> tuple[AllToAllHandle, PlanOutputs]:
-        world, experts_per_rank = self.world_size, self.num_local_experts
+        world, rank = self.world_size, self.rank
         num_tokens, topk = topk_idx.shape
         route = plan.route(topk_idx, self.config.num_experts, world)
-        recv_counts = comm.exchange_counts(route.counts, self.group)  # [W, 1 + E_local]
+        all_counts = comm.all_gather_counts(route.counts, self.group)  # [W, W, 1 + E_local]
+        sp = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
+        recv_counts = all_counts[:, rank]  # [W, 1 + E_local], from each source
         per_expert = recv_counts[:, 1:].sum(0)
         summary = torch.cat([route.counts[:, 0], recv_counts[:, 0], per_expert])
         summary = summary.cpu()  # host sync: split sizes for NCCL and the expanded row counts
         send_splits = tuple(summary[:world].tolist())
         recv_splits = tuple(summary[world : 2 * world].tolist())
         per_expert_host = summary[2 * world :]
-        num_rows = int(per_expert_host.sum())
+        num_send, num_rows = sum(send_splits), int(per_expert_host.sum())
 
-        sp = plan.build_send_plan(route, send_splits)
-        # Slot list of each send row: local expert id on the destination (-1 if
-        # the slot lives elsewhere), the source token, and the slot weights.
-        dest_rank = sp.send_rank.unsqueeze(1)
-        sent_idx = topk_idx.long().index_select(0, sp.send_token)
-        here = route.dest.index_select(0, sp.send_token) == dest_rank
-        local = torch.where(here, sent_idx - dest_rank * experts_per_rank, -1)
-        ints = torch.cat([local, sp.send_token.unsqueeze(1)], dim=1).to(torch.int32)
-        floats = topk_weights.index_select(0, sp.send_token)
-        meta = torch.cat([ints.view(torch.uint8), floats.contiguous().view(torch.uint8)], dim=1)
-        recv_meta = comm.all_to_all_rows(meta, send_splits, recv_splits, self.group)
-
-        int_bytes = 4 * (topk + 1)
-        recv_ints = _columns_as(recv_meta, 0, int_bytes, torch.int32)
-        recv_weights = _columns_as(recv_meta, int_bytes, recv_meta.shape[1], topk_weights.dtype)
-        rp = plan.build_recv_plan(recv_ints[:, :topk], num_rows, experts_per_rank)
-
-        device = topk_idx.device
-        num_recv = sum(recv_splits)
+        recv_meta = comm.all_to_all_rows(sp.meta[:num_send], send_splits, recv_splits, self.group)
+        rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(topk_weights.dtype))
         recv_rank = torch.repeat_interleave(
-            torch.arange(world, device=device), recv_counts[:, 0], output_size=num_recv
+            torch.arange(world, device=topk_idx.device), recv_counts[:, 0], output_size=sum(recv_splits)
         )
         handle = AllToAllHandle(
             owner=id(self),
@@ -95,19 +80,19 @@ class AllToAllDispatcher(TokenDispatcher):
             topk=topk,
             send_splits=send_splits,
             recv_splits=recv_splits,
-            send_token=sp.send_token,
+            send_token=sp.send_token[:num_send],
             home_index=sp.home_index,
             slot_row=sp.slot_row,
+            slot_col=sp.slot_col,
             expand_src=rp.expand_src,
-            expand_slot=rp.expand_slot,
             presum_index=rp.presum_index,
         )
         outputs = PlanOutputs(
-            weights=recv_weights.flatten().index_select(0, rp.expand_slot),
+            weights=rp.weights.to(topk_weights.dtype),
             tokens_per_expert=per_expert,
             tokens_per_expert_host=per_expert_host,
             src_rank=recv_rank.index_select(0, rp.expand_src),
-            src_token=recv_ints[:, topk].long().index_select(0, rp.expand_src),
+            src_token=rp.src_token.index_select(0, rp.expand_src),
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
@@ -137,20 +122,12 @@ class AllToAllDispatcher(TokenDispatcher):
         return out
 
     def _weights_to_home(self, values: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        topk = handle.topk
-        num_recv = sum(handle.recv_splits)
-        grid = values.new_zeros(num_recv * topk)
-        grid[handle.expand_slot] = values
-        back = comm.all_to_all_rows(
-            grid.view(num_recv, topk), handle.recv_splits, handle.send_splits, self.group
+        index = handle.presum_index  # [R, J]
+        padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
+        grid = padded[torch.where(index >= 0, index, values.shape[0])]
+        back = comm.all_to_all_rows(grid, handle.recv_splits, handle.send_splits, self.group)  # [S, J]
+        back = torch.cat([back.flatten(), values.new_zeros(1)])
+        at = torch.where(
+            handle.slot_row >= 0, handle.slot_row * index.shape[1] + handle.slot_col, back.numel() - 1
         )
-        back = torch.cat([back.flatten(), values.new_zeros(1)])  # last entry: empty slots
-        slots = torch.arange(topk, device=values.device)
-        at = torch.where(handle.slot_row >= 0, handle.slot_row * topk + slots, back.numel() - 1)
         return back[at]
-
-
-def _columns_as(rows: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """Byte columns ``[start, stop)`` of uint8 ``rows``, reinterpreted as ``dtype``."""
-    out = torch.empty(rows.shape[0], stop - start, dtype=torch.uint8, device=rows.device)
-    return out.copy_(rows[:, start:stop]).view(dtype)
