@@ -147,7 +147,10 @@ def build_send_plan(
     # Send rows: position of (token, destination) in send order.
     send_splits = r.counts[:, 0]
     offsets = torch.cumsum(send_splits, 0) - send_splits
-    position = torch.cumsum(hit, 0, dtype=torch.int64) - 1 + offsets  # [T, W]
+    # Scan along the contiguous dimension: a scan down T columns of width W is
+    # W-way parallel only, and slow.
+    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()
+    position = before - 1 + offsets  # [T, W]
     row_at = torch.where(hit, position, capacity)
     send_token = torch.empty(capacity + 1, dtype=torch.int64, device=device)
     send_token.scatter_(0, row_at.flatten(), torch.arange(num_tokens, device=device).repeat_interleave(world_size))
@@ -161,11 +164,17 @@ def build_send_plan(
     expert_sizes = per_source.sum(0)  # [W_dst, E_local]
     expert_start = torch.cumsum(expert_sizes, 1) - expert_sizes
     start = (expert_start + per_source[:rank].sum(0)).flatten()  # [E]
+    num_experts = start.numel()
+    # Earlier slots of this rank with the same expert: a stable sort by expert
+    # keeps token order, so a slot's rank inside its expert's run is that count.
+    keys = torch.where(valid, idx, num_experts).flatten()
+    sorted_keys, order = torch.sort(keys, stable=True)
+    mine = r.counts[:, 1:].flatten()  # [E] this rank's slots per expert
+    run_start = torch.cat([torch.cumsum(mine, 0) - mine, mine.sum().view(1)])  # [E + 1]
+    earlier = torch.empty_like(keys)
+    earlier[order] = torch.arange(keys.numel(), device=device) - run_start[sorted_keys]
     safe_idx = torch.where(valid, idx, 0)
-    seen = torch.zeros(num_tokens + 1, start.numel(), dtype=torch.int32, device=device)
-    seen[1:].scatter_add_(1, safe_idx, valid.to(torch.int32))
-    earlier = torch.cumsum(seen, 0, dtype=torch.int32)[:-1].gather(1, safe_idx)  # [T, K]
-    slot_pos = start[safe_idx] + earlier
+    slot_pos = start[safe_idx] + earlier.view(num_tokens, topk)
 
     # Column of each slot in its row: slots of one token on one rank, by expert.
     same_rank = (dest.unsqueeze(2) == dest.unsqueeze(1)) & (idx.unsqueeze(1) < idx.unsqueeze(2))

@@ -10,7 +10,7 @@ from dispatch import bench
 
 
 def test_cpu_run_writes_results(tmp_path):
-    assert bench.main(["--shape", "cpu-small", "--world-size", "2", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--shape", "cpu-small", "--baselines", "none", "--world-size", "2", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "roundtrip-cpu-small-w2.json").read_text())
     (row,) = result["rows"]
     assert row["name"] == "ours alltoall" and row["wrong"] == 0 and row["world_size"] == 2
