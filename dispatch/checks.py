@@ -78,26 +78,42 @@ def check_dispatch_inputs(
     check_device("topk_idx", topk_idx, "x", x.device)
     check_device("topk_weights", topk_weights, "x", x.device)
     if check_values and topk_idx.numel() > 0:
-        _check_values(topk_idx, topk_weights, num_experts)
+        flags = value_flags(topk_idx, topk_weights, num_experts)
+        raise_for_values(flags.cpu(), topk_idx, topk_weights, num_experts)  # host sync: value checks
 
 
-def _check_values(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
+def value_flags(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[3] bool on the device: (an id out of range, an id twice in a row, a non-finite weight).
+
+    No host synchronisation; ``raise_for_values`` turns the flags into an error.
+    """
     out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
     ordered = torch.sort(topk_idx, dim=1).values
     repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
     non_finite = ~torch.isfinite(topk_weights)
-    bad_rows = torch.stack([out_of_range.any(1), repeated.any(1), non_finite.any(1)])  # [3, T]
-    flags = bad_rows.any(1).cpu()  # host sync: value checks (DispatchConfig.check_inputs)
+    return torch.stack([out_of_range.any(), repeated.any(), non_finite.any()])
+
+
+def raise_for_values(
+    flags: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> None:
+    """Raise the ValueError that host ``flags`` (from ``value_flags``) call for, if any."""
     if not flags.any():
         return
-    first = int(bad_rows[int(flags.nonzero()[0])].nonzero()[0])  # error path only
+    out_of_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any(1)
+    ordered = torch.sort(topk_idx, dim=1).values
+    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+    non_finite = (~torch.isfinite(topk_weights)).any(1)
     if flags[0]:
+        first = int(out_of_range.nonzero()[0])
         raise ValueError(
             f"topk_idx holds an expert id outside [-1, {num_experts}) (num_experts={num_experts}): "
             f"row {first} is {topk_idx[first].tolist()}"
         )
     if flags[1]:
+        first = int(repeated.nonzero()[0])
         raise ValueError(f"topk_idx names one expert twice in row {first}: {topk_idx[first].tolist()}")
+    first = int(non_finite.nonzero()[0])
     raise ValueError(f"topk_weights holds a non-finite value in row {first}: {topk_weights[first].tolist()}")
 
 

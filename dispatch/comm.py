@@ -27,20 +27,25 @@ def device_types(group: dist.ProcessGroup | None) -> frozenset[str]:
     return frozenset({_BACKEND_DEVICES.get(backend, "cpu")})
 
 
-def all_gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def all_gather_counts(
+    counts: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """All-gather of every rank's fixed-size counts.
 
     Args:
         counts: [W, C] int64 of this rank.
+        out: optional [W, W, C] int64 buffer to gather into.
     Returns:
         [W, W, C] int64; ``out[s]`` is rank s's ``counts``.
     """
     world = counts.shape[0]
+    if out is None:
+        out = torch.empty(world, *counts.shape, dtype=counts.dtype, device=counts.device)
     if world == 1:
-        return counts.unsqueeze(0)
-    out = torch.empty(world * counts.numel(), dtype=counts.dtype, device=counts.device)
-    dist.all_gather_into_tensor(out, counts.flatten(), group=group)
-    return out.view(world, *counts.shape)
+        out.copy_(counts.unsqueeze(0))
+    else:
+        dist.all_gather_into_tensor(out.view(-1), counts.flatten(), group=group)
+    return out
 
 
 def all_to_all_rows(

@@ -63,15 +63,17 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
     """Destination ranks and per-destination counts of one rank's routing.
 
     Args:
-        topk_idx: [T, K] int32/int64 global expert ids, ``-1`` = empty slot. Values
-            must already be valid (in ``[-1, E)``, no repeats within a row).
+        topk_idx: [T, K] int32/int64 global expert ids, ``-1`` = empty slot. Ids
+            outside ``[0, E)`` are treated as empty, so that the route can be
+            computed before the value checks raise; repeats must be rejected
+            before the plan goes on.
         num_experts: E.
         world_size: W.
     """
     num_tokens = topk_idx.shape[0]
     experts_per_rank = num_experts // world_size
     idx = topk_idx.long()
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < num_experts)  # out-of-range ids (rejected later) touch nothing
     dest = torch.where(valid, idx // experts_per_rank, world_size)
 
     hit = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=idx.device)

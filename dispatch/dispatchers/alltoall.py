@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch import comm, plan
+from dispatch import checks, comm, plan
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
+from dispatch.plan_graph import PlanGraphCache, PlanKey, plan_summary
 from dispatch.timing import mark
 
 
@@ -53,25 +54,44 @@ class AllToAllHandle(CombineHandle):
 class AllToAllDispatcher(TokenDispatcher):
     """Deduplicated all-to-all dispatcher (``variant="alltoall"``)."""
 
-    def _plan(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> tuple[AllToAllHandle, PlanOutputs]:
-        world, rank = self.world_size, self.rank
+    def __init__(self, config, group=None) -> None:
+        super().__init__(config, group)
+        self._graphs = PlanGraphCache() if config.plan_graphs else None
+
+    def _plan(
+        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
+    ) -> tuple[AllToAllHandle, PlanOutputs]:
+        world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
-        route = plan.route(topk_idx, self.config.num_experts, world)
-        all_counts = comm.all_gather_counts(route.counts, self.group)  # [W, W, 1 + E_local]
-        sp = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
-        recv_counts = all_counts[:, rank]  # [W, 1 + E_local], from each source
-        per_expert = recv_counts[:, 1:].sum(0)
-        summary = torch.cat([route.counts[:, 0], recv_counts[:, 0], per_expert])
-        summary = summary.cpu()  # host sync: split sizes for NCCL and the expanded row counts
+        check_values = check_values and num_tokens > 0
+        captured = None
+        if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
+            key = PlanKey(num_tokens, topk, topk_idx.dtype, topk_weights.dtype, topk_idx.device, check_values)
+            captured = self._graphs.get(key, num_experts, world, rank)
+            flags, route = captured.route_phase(topk_idx, topk_weights)
+        else:
+            flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
+            route = plan.route(topk_idx, num_experts, world)
+        if flags is not None:  # before the first exchange
+            checks.raise_for_values(flags.cpu(), topk_idx, topk_weights, num_experts)  # host sync: value checks
+        if captured is not None:
+            all_counts = comm.all_gather_counts(route.counts, self.group, out=captured.all_counts)
+            sp, summary_dev = captured.send_phase()
+        else:
+            all_counts = comm.all_gather_counts(route.counts, self.group)  # [W, W, 1 + E_local]
+            sp = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
+            summary_dev = plan_summary(route, all_counts, rank)
+        summary = summary_dev.cpu()  # host sync: split sizes for NCCL and the expanded row counts
         send_splits = tuple(summary[:world].tolist())
         recv_splits = tuple(summary[world : 2 * world].tolist())
         per_expert_host = summary[2 * world :]
         num_send, num_rows = sum(send_splits), int(per_expert_host.sum())
+        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
 
         recv_meta = comm.all_to_all_rows(sp.meta[:num_send], send_splits, recv_splits, self.group)
         rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(topk_weights.dtype))
         recv_rank = torch.repeat_interleave(
-            torch.arange(world, device=topk_idx.device), recv_counts[:, 0], output_size=sum(recv_splits)
+            torch.arange(world, device=topk_idx.device), all_counts[:, rank, 0], output_size=sum(recv_splits)
         )
         handle = AllToAllHandle(
             owner=id(self),
@@ -80,16 +100,16 @@ class AllToAllDispatcher(TokenDispatcher):
             topk=topk,
             send_splits=send_splits,
             recv_splits=recv_splits,
-            send_token=sp.send_token[:num_send],
-            home_index=sp.home_index,
-            slot_row=sp.slot_row,
-            slot_col=sp.slot_col,
+            send_token=keep(sp.send_token[:num_send]),
+            home_index=keep(sp.home_index),
+            slot_row=keep(sp.slot_row),
+            slot_col=keep(sp.slot_col),
             expand_src=rp.expand_src,
             presum_index=rp.presum_index,
         )
         outputs = PlanOutputs(
             weights=rp.weights.to(topk_weights.dtype),
-            tokens_per_expert=per_expert,
+            tokens_per_expert=keep(summary_dev[2 * world :]),
             tokens_per_expert_host=per_expert_host,
             src_rank=recv_rank.index_select(0, rp.expand_src),
             src_token=rp.src_token.index_select(0, rp.expand_src),

@@ -106,9 +106,9 @@ class TokenDispatcher(abc.ABC):
             ``topk_weights`` (through ``weights``).
         """
         checks.check_dispatch_inputs(
-            x, topk_idx, topk_weights, self.config.num_experts, self.devices, self.config.check_inputs
+            x, topk_idx, topk_weights, self.config.num_experts, self.devices, check_values=False
         )
-        handle, plan_out = self._plan(topk_idx, topk_weights.detach())
+        handle, plan_out = self._plan(topk_idx, topk_weights.detach(), self.config.check_inputs)
         tokens, weights = _DispatchFn.apply(x, topk_weights, plan_out.weights, self, handle)
         return Dispatched(
             tokens=tokens,
@@ -145,8 +145,12 @@ class TokenDispatcher(abc.ABC):
     # -- what a variant provides ------------------------------------------
 
     @abc.abstractmethod
-    def _plan(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> tuple[CombineHandle, "PlanOutputs"]:
-        """Routing plan and its exchanges; no token data moves yet."""
+    def _plan(
+        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
+    ) -> tuple[CombineHandle, "PlanOutputs"]:
+        """Routing plan and its exchanges; no token data moves yet. With
+        ``check_values``, the values of the routing are checked (``checks.value_flags``)
+        before the first exchange."""
 
     @abc.abstractmethod
     def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, wire: torch.dtype) -> torch.Tensor:
