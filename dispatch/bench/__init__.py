@@ -279,9 +279,13 @@ def markdown_table(rows: list[dict]) -> str:
         phases = " | ".join(f"{r['phases_ms'][p]:.3f}" if p in r["phases_ms"] else "-" for p in PHASES)
         lines.append(
             f"| {r['name']} | {r['world_size']} | {r['median_ms']:.3f} | {r['p10_ms']:.3f}-{r['p90_ms']:.3f} | "
-            f"{r['wrong']} | {r['bytes_out_per_rank'] / 1e6:.1f} | {phases} |"
+            f"{r['wrong']} | {_megabytes(r['bytes_out_per_rank'])} | {phases} |"
         )
     return "\n".join(lines)
+
+
+def _megabytes(value: float) -> str:
+    return "-" if value != value else f"{value / 1e6:.1f}"  # NaN: not counted for this dispatcher
 
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
