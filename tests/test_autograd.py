@@ -72,7 +72,7 @@ def _compare(worlds, routing, seed):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_gradients_match_reference(worlds, world_size, data):
     routing = data.draw(routings(world_size, max_tokens=6))

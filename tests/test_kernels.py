@@ -25,7 +25,7 @@ def _case(rows, width, src_rows, hidden, dtype, seed, weighted):
     return move(src), move(index), move(weight)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(0, 9),
     width=st.integers(1, 5),

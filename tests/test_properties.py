@@ -15,7 +15,7 @@ WORLD_SIZES = [1, 2, 3, 4]
 VARIANTS = ["alltoall"]
 HIDDEN = 5
 SETTINGS = settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
