@@ -122,3 +122,16 @@ def bench_wrong_rows(corrupt):
     if corrupt is not None:
         out[corrupt] += 0.25
     return _wrong_rows(out, x, w)
+
+
+def two_in_flight(x, first_idx, second_idx, topk_weights, config: dict):
+    """Two dispatches of one shape on one dispatcher before either combine (on CUDA
+    both plans come from the same captured graphs: their handles must not alias)."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, w = x.to(device), topk_weights.to(device)
+    first = d.dispatch(x, first_idx.to(device), w)
+    second = d.dispatch(x, second_idx.to(device), w)
+    out_second = d.combine(second.tokens, second.handle, weights=second.weights)
+    out_first = d.combine(first.tokens, first.handle, weights=first.weights)
+    return _cpu(out_first), _cpu(out_second)

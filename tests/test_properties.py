@@ -148,3 +148,37 @@ def test_cast_wires(worlds, world_size, wire):
         assert got["tokens"].dtype == torch.float64
         assert torch.equal(got["tokens"], ref[rank].tokens)
         assert torch.equal(got["combined"], expected[rank])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_two_dispatches_in_flight(worlds, world_size):
+    """Handles are independent: combine the second micro-batch, then the first."""
+    first = make_routing(world_size, 2, 3, [8] * world_size, "random", seed=21)
+    second = make_routing(world_size, 2, 3, [8] * world_size, "one_rank", seed=22)
+    xs = [identity_tokens(r, 8, HIDDEN, torch.float32) for r in range(world_size)]
+    weights = [w.float() for w in first.topk_weights]
+    args = [
+        (xs[r], first.topk_idx[r], second.topk_idx[r], weights[r], dict(num_experts=first.num_experts))
+        for r in range(world_size)
+    ]
+    results = worlds(world_size).run(rank_fns.two_in_flight, args)
+    for rank, (out_first, out_second) in enumerate(results):
+        for routing, got in ((first, out_first), (second, out_second)):
+            live = (routing.topk_idx[rank] >= 0).float()
+            assert torch.equal(got, xs[rank] * (weights[rank] * live).sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_plan_graphs_match_eager_plan(worlds, world_size):
+    """The CUDA-graph replay of the plan (used on GPUs) gives the eager plan's results."""
+    routing = make_routing(world_size, 3, 4, [9, 0, 5][:world_size], "sparse", seed=5)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 3) for r, t in enumerate(routing.num_tokens)]
+    weights = [w.float() for w in routing.topk_weights]
+    runs = []
+    for graphs in (False, True):  # on CUDA, True captures the graphs, then replays them on this input
+        config = dict(num_experts=routing.num_experts, plan_graphs=graphs)
+        runs.append(_run_round_trip(worlds(world_size), routing, xs, weights, config, experts="scaled"))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            for key in a:
+                assert torch.equal(a[key], b[key]), key

@@ -10,8 +10,10 @@ token that live on it (one row per (token, rank) goes back), and the home rank
 sums the partials in ascending rank order, in fp32, casting once.
 
 Exchanges per round trip: one all-gather of the counts (fixed size), one
-metadata all-to-all, one token all-to-all each way. One host synchronisation, for the
-split sizes NCCL needs.
+metadata all-to-all, one token all-to-all each way. One host synchronisation for
+the split sizes NCCL needs, and one before any exchange for the value checks
+when ``DispatchConfig.check_inputs`` is on. On CUDA the part of the plan before
+the split sizes is replayed as CUDA graphs (``dispatch.plan_graph``).
 """
 
 from __future__ import annotations
