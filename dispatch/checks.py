@@ -117,6 +117,34 @@ def raise_for_values(
     raise ValueError(f"topk_weights holds a non-finite value in row {first}: {topk_weights[first].tolist()}")
 
 
+_HEADER_NAMES = (
+    ("topk_idx", "K (columns of topk_idx)"),
+    ("x", "the hidden size H (columns of x)"),
+    ("x", "the dtype of x"),
+    ("topk_weights", "the dtype of topk_weights"),
+)
+
+
+def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
+    """Check that every rank dispatched the same kind of input; return which
+    gradients some rank needs (x, topk_weights).
+
+    Args:
+        headers: [W, len(plan.HEADER)] host int64, every rank's ``plan.header``.
+    Raises:
+        ValueError on every rank alike (all ranks see the same headers), after
+        the counts all-gather and before any token moves.
+    """
+    for col, (argument, what) in enumerate(_HEADER_NAMES):
+        values = headers[:, col]
+        if not bool((values == values[0]).all()):
+            raise ValueError(
+                f"{argument}: ranks disagree on {what}: {values.tolist()} by rank; "
+                "every rank of the group must dispatch the same K, H and dtypes"
+            )
+    return bool(headers[:, 4].any()), bool(headers[:, 5].any())
+
+
 def check_combine_inputs(
     expert_out: object,
     weights: object,
@@ -127,10 +155,12 @@ def check_combine_inputs(
 
     Args:
         expert_out: [N, H'] floating, N = the rows the matching dispatch produced.
-        weights: None or [N] floating, finite.
+        weights: None or [N] floating.
     """
     expert_out = check_tensor("expert_out", expert_out, 2, FLOAT_DTYPES)
     check_backend_device("expert_out", expert_out, devices)
+    if expert_out.shape[1] < 1:
+        raise ValueError(f"expert_out must have a hidden size >= 1, got shape {tuple(expert_out.shape)}")
     if expert_out.shape[0] != num_rows:
         raise ValueError(
             f"expert_out has {expert_out.shape[0]} rows but the dispatch behind handle produced "

@@ -27,24 +27,23 @@ def device_types(group: dist.ProcessGroup | None) -> frozenset[str]:
     return frozenset({_BACKEND_DEVICES.get(backend, "cpu")})
 
 
-def all_gather_counts(
-    counts: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None
+def all_gather_rows(
+    row: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """All-gather of every rank's fixed-size counts.
+    """All-gather of one fixed-size row per rank.
 
     Args:
-        counts: [W, C] int64 of this rank.
-        out: optional [W, W, C] int64 buffer to gather into.
+        row: [L] this rank's row.
+        out: optional [W, L] buffer to gather into.
     Returns:
-        [W, W, C] int64; ``out[s]`` is rank s's ``counts``.
+        [W, L]; ``out[s]`` is rank s's ``row``.
     """
-    world = counts.shape[0]
     if out is None:
-        out = torch.empty(world, *counts.shape, dtype=counts.dtype, device=counts.device)
-    if world == 1:
-        out.copy_(counts.unsqueeze(0))
+        out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=row.device)
+    if world_size == 1:
+        out.copy_(row.unsqueeze(0))
     else:
-        dist.all_gather_into_tensor(out.view(-1), counts.flatten(), group=group)
+        dist.all_gather_into_tensor(out.view(-1), row.contiguous(), group=group)
     return out
 
 

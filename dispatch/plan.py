@@ -27,8 +27,8 @@ How the plan is made, with one host synchronisation:
    every rank knows where each of its slots will land in the destination's
    canonical order, so ``build_send_plan`` writes, for each send row, the
    expanded positions of its slots: the receiver scatters, it never sorts.
-   Buffers are sized by the upper bound ``T * W`` so that nothing here waits for
-   the host.
+   Buffers are sized by the upper bound ``T * min(K, W)`` so that nothing here
+   waits for the host.
 3. The caller copies the split sizes to the host once, slices the buffers and
    moves the slot lists with the rows' metadata; ``build_recv_plan`` expands.
 """
@@ -64,16 +64,21 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
 
     Args:
         topk_idx: [T, K] int32/int64 global expert ids, ``-1`` = empty slot. Ids
-            outside ``[0, E)`` are treated as empty, so that the route can be
-            computed before the value checks raise; repeats must be rejected
-            before the plan goes on.
+            outside ``[0, E)`` and repeats within a row are treated as empty (the
+            value checks reject them; with the checks off they are dropped).
         num_experts: E.
         world_size: W.
     """
     num_tokens = topk_idx.shape[0]
     experts_per_rank = num_experts // world_size
     idx = topk_idx.long()
-    valid = (idx >= 0) & (idx < num_experts)  # out-of-range ids (rejected later) touch nothing
+    # Ids out of range and repeats of an earlier slot's expert are rejected by the
+    # value checks; here they are empty slots, so the plan never reads memory it
+    # did not write, whatever the input.
+    topk = idx.shape[1]
+    earlier = torch.ones(topk, topk, dtype=torch.bool, device=idx.device).tril(-1)
+    repeat = ((idx.unsqueeze(2) == idx.unsqueeze(1)) & earlier).any(2)
+    valid = (idx >= 0) & (idx < num_experts) & ~repeat
     dest = torch.where(valid, idx // experts_per_rank, world_size)
 
     hit = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=idx.device)
@@ -88,15 +93,46 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
     return Route(dest=dest, hit=hit, counts=counts)
 
 
+# What each rank adds to the counts all-gather so that every rank can check that
+# all ranks agree, and learn which gradients some rank needs.
+HEADER = ("topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad")
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int) -> list[int]:
+    """This rank's entries of ``HEADER``."""
+    grad = torch.is_grad_enabled()
+    return [
+        topk,
+        x.shape[1],
+        DTYPE_CODES[x.dtype],
+        DTYPE_CODES[topk_weights.dtype],
+        int(grad and x.requires_grad),
+        int(grad and topk_weights.requires_grad),
+    ]
+
+
+def exchange_row(r: Route, header_row: torch.Tensor) -> torch.Tensor:
+    """[W * (1 + E_local) + len(HEADER)] int64: what this rank all-gathers."""
+    return torch.cat([r.counts.flatten(), header_row])
+
+
+def split_gathered(gathered: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W, L] all-gathered rows -> (all_counts [W_src, W_dst, 1 + E_local], headers [W, len(HEADER)])."""
+    counts = gathered[:, : gathered.shape[1] - len(HEADER)]
+    return counts.view(world_size, world_size, -1), gathered[:, counts.shape[1] :]
+
+
 @dataclass(frozen=True)
 class SendPlan:
     """Where each of this rank's tokens goes, and where its partial sums come back.
 
-    Row buffers hold ``T * W`` rows (the upper bound of S); the first S are real.
+    Row buffers hold ``T * min(K, W)`` rows (an upper bound of S, plus one row
+    that collects the writes of empty slots); the first S are real.
 
     Attributes:
-        send_token: [T * W] int64, source token of each send row, in send order.
-        meta: [T * W, J + 1 + J * w] int32 per send row: the expanded positions
+        send_token: [T * min(K, W) + 1] int64, source token of each send row, in send order.
+        meta: [T * min(K, W) + 1, J + 1 + J * w] int32 per send row: the expanded positions
             of its slots on the destination, ascending, -1 padded (J columns);
             the source token; the slot weights bit-cast to int32 (``w`` words each,
             1 for fp32 weights, 2 for fp64), in the order of the positions.
@@ -144,7 +180,7 @@ def build_send_plan(
     device = hit.device
     idx = topk_idx.long()
     valid = dest < world_size
-    capacity = num_tokens * world_size  # upper bound of S; row `capacity` collects misses
+    capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
 
     # Send rows: position of (token, destination) in send order.
     send_splits = r.counts[:, 0]

@@ -1,18 +1,20 @@
 """The host-free half of the routing plan, replayed as CUDA graphs.
 
-Before its one host synchronisation, the plan is some sixty small kernels on
-``[T, K]`` and ``[T, W]`` tensors. Each is microseconds of GPU work but costs
-a kernel launch and the framework's per-op overhead on the host, which is what
-the plan's time was made of (about 2.5 ms for the DeepSeek-V3 shape on H200).
-Their shapes depend only on (T, K, dtypes), so they are captured once per shape
-as two CUDA graphs and replayed:
+Before its host synchronisation, the plan is some sixty small kernels on
+``[T, K]`` and ``[T, W]`` tensors. Each is microseconds of GPU work but costs a
+kernel launch and the framework's per-op overhead on the host, which is what
+the plan's time was made of (about 2.5 ms for the DeepSeek-V3 shape on H200,
+1.0 ms with the graphs). Their shapes depend only on (T, K, dtypes), so once a
+shape has been seen twice they are captured as two CUDA graphs and replayed:
 
-    graph 1: value checks' flags + ``plan.route``        (input: topk_idx, topk_weights)
-    (host)   raise on bad values; all-gather the counts   (eager: a collective)
-    graph 2: ``plan.build_send_plan`` + the split summary (input: the gathered counts)
+    graph 1: value checks' flags + ``plan.route`` + the row to all-gather
+    (host)   raise on bad values; all-gather the rows     (eager: a collective)
+    graph 2: ``plan.build_send_plan`` + the summary the host needs
 
-Replays overwrite the graphs' buffers, so whatever outlives the call (what a
-handle keeps) is copied out by the caller.
+A shape seen once runs eagerly, so batches whose T keeps changing never pay for
+a capture. Replays overwrite the graphs' buffers, so whatever outlives the call
+(what a handle keeps) is copied out by the caller, and the replays must stay on
+one stream (the caller's current stream) in the order of the calls.
 """
 
 from __future__ import annotations
@@ -35,73 +37,105 @@ class PlanKey:
     check_values: bool
 
 
+@dataclass(frozen=True)
+class Planned:
+    """What the host-free half of the plan produces (eager or replayed)."""
+
+    route: plan.Route
+    send: plan.SendPlan
+    summary: torch.Tensor  # see ``plan_summary``
+
+
+def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, check_values):
+    """Flags (or None), Route, and the row to all-gather."""
+    flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
+    route = plan.route(topk_idx, num_experts, world_size)
+    return flags, route, plan.exchange_row(route, header_row)
+
+
+def send_phase(route, gathered, rank, topk_idx, topk_weights) -> Planned:
+    world_size = gathered.shape[0]
+    all_counts, headers = plan.split_gathered(gathered, world_size)
+    send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
+    return Planned(route, send, plan_summary(route, all_counts, headers, rank))
+
+
+def plan_summary(route: plan.Route, all_counts: torch.Tensor, headers: torch.Tensor, rank: int) -> torch.Tensor:
+    """[2 W + E_local + W * len(HEADER)] int64: rows sent to each rank, rows received
+    from each rank, expanded rows per local expert, every rank's header. The one
+    tensor the host needs."""
+    recv_counts = all_counts[:, rank]
+    return torch.cat([route.counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0), headers.flatten()])
+
+
 class CapturedPlan:
     """Graphs 1 and 2 for one :class:`PlanKey`, with their static buffers."""
 
     def __init__(self, key: PlanKey, num_experts: int, world_size: int, rank: int) -> None:
-        self.key = key
-        self.num_experts, self.world_size, self.rank = num_experts, world_size, rank
+        self.key, self.rank = key, rank
         device = key.device
         self.topk_idx = torch.zeros(key.num_tokens, key.topk, dtype=key.idx_dtype, device=device)
         self.topk_weights = torch.zeros(key.num_tokens, key.topk, dtype=key.weight_dtype, device=device)
-        per_rank = num_experts // world_size
-        self.all_counts = torch.zeros(world_size, world_size, 1 + per_rank, dtype=torch.int64, device=device)
+        self.header_row = torch.zeros(len(plan.HEADER), dtype=torch.int64, device=device)
+        width = world_size * (1 + num_experts // world_size) + len(plan.HEADER)
+        self.gathered = torch.zeros(world_size, width, dtype=torch.int64, device=device)
 
+        def first():
+            return route_phase(
+                self.topk_idx, self.topk_weights, self.header_row, num_experts, world_size, key.check_values
+            )
+
+        def second(route):
+            return send_phase(route, self.gathered, rank, self.topk_idx, self.topk_weights)
+
+        current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside capture (allocator, library handles)
-            flags, route = self._first()
-            self._second(route)
-        torch.cuda.current_stream(device).wait_stream(side)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            second(first()[1])  # warm-up outside capture (allocator, library handles)
+            # capture_begin/end directly: torch.cuda.graph() would also synchronise
+            # the device and empty the allocator's cache on every capture.
+            self.graph1, self.graph2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            self.graph1.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.flags, route, self.row = first()
+            finally:
+                self.graph1.capture_end()
+            self.graph2.capture_begin(pool=self.graph1.pool(), capture_error_mode="thread_local")
+            try:
+                self.planned = second(route)
+            finally:
+                self.graph2.capture_end()
+        current.wait_stream(side)
 
-        self.graph1, self.graph2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph1):
-            self.flags, self.route = self._first()
-        with torch.cuda.graph(self.graph2, pool=self.graph1.pool()):
-            self.send, self.summary = self._second(self.route)
-
-    def _first(self):
-        flags = None
-        if self.key.check_values:
-            flags = checks.value_flags(self.topk_idx, self.topk_weights, self.num_experts)
-        return flags, plan.route(self.topk_idx, self.num_experts, self.world_size)
-
-    def _second(self, route: plan.Route):
-        send = plan.build_send_plan(route, self.all_counts, self.rank, self.topk_idx, self.topk_weights)
-        return send, plan_summary(route, self.all_counts, self.rank)
-
-    def route_phase(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
-        """Replay graph 1 on new inputs; returns (flags or None, Route) in static buffers."""
+    def run_route(self, topk_idx, topk_weights, header_row):
+        """Replay graph 1 on new inputs: (flags or None, row to all-gather)."""
         self.topk_idx.copy_(topk_idx)
         self.topk_weights.copy_(topk_weights)
+        self.header_row.copy_(header_row)
         self.graph1.replay()
-        return self.flags, self.route
+        return self.flags, self.row
 
-    def send_phase(self) -> tuple[plan.SendPlan, torch.Tensor]:
-        """Replay graph 2 once ``all_counts`` holds the gathered counts."""
+    def run_send(self) -> Planned:
+        """Replay graph 2 once ``self.gathered`` holds the all-gathered rows."""
         self.graph2.replay()
-        return self.send, self.summary
-
-
-def plan_summary(route: plan.Route, all_counts: torch.Tensor, rank: int) -> torch.Tensor:
-    """[2 W + E_local] int64: rows sent to each rank, rows received from each rank,
-    expanded rows per local expert. The one tensor the host needs."""
-    recv_counts = all_counts[:, rank]
-    return torch.cat([route.counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)])
+        return self.planned
 
 
 class PlanGraphCache:
-    """Least-recently-used :class:`CapturedPlan` per shape (``capacity`` shapes kept)."""
+    """Captured plans of the ``capacity`` most recent shapes seen at least twice."""
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self._plans: OrderedDict[PlanKey, CapturedPlan] = OrderedDict()
+        self._plans: OrderedDict[PlanKey, CapturedPlan | None] = OrderedDict()
 
-    def get(self, key: PlanKey, num_experts: int, world_size: int, rank: int) -> CapturedPlan:
+    def get(self, key: PlanKey, num_experts: int, world_size: int, rank: int) -> CapturedPlan | None:
+        """The captured plan for ``key``; None the first time a shape is seen."""
+        seen = key in self._plans
         captured = self._plans.pop(key, None)
-        if captured is None:
+        if seen and captured is None:
             captured = CapturedPlan(key, num_experts, world_size, rank)
-            if len(self._plans) >= self.capacity:
-                self._plans.popitem(last=False)
         self._plans[key] = captured
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
         return captured

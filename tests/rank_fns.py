@@ -64,11 +64,27 @@ def gradients(x, topk_idx, topk_weights, grad_out, expert_out, config: dict):
 
 
 def error_of(fn_name: str, *args):
-    """Run one of the call_* functions below and return (exception type, message) or None."""
+    """Run one of the call_* functions below; return (exception type, message,
+    collectives the dispatcher started), or None if nothing was raised."""
+    calls = []
+    originals = {name: getattr(dispatch.comm, name) for name in ("all_gather_rows", "all_to_all_rows")}
+
+    def counting(name):
+        def call(*a, **k):
+            calls.append(name)
+            return originals[name](*a, **k)
+
+        return call
+
+    for name in originals:
+        setattr(dispatch.comm, name, counting(name))
     try:
         globals()[fn_name](*args)
     except Exception as exc:  # the test inspects what was raised
-        return type(exc).__name__, str(exc)
+        return type(exc).__name__, str(exc), calls
+    finally:
+        for name, original in originals.items():
+            setattr(dispatch.comm, name, original)
     return None
 
 
@@ -98,6 +114,13 @@ def call_combine(config: dict, x, topk_idx, topk_weights, expert_out, weights):
     if expert_out == "same":
         expert_out = out.tokens
     d.combine(_move(expert_out, device), out.handle, weights=_move(weights, device))
+
+
+def call_dispatch_as(config: dict, per_rank: list):
+    """call_dispatch with this rank's own (x, topk_idx, topk_weights) from ``per_rank``."""
+    import torch.distributed as dist
+
+    call_dispatch(config, *per_rank[dist.get_rank()])
 
 
 def call_create(config: dict):
@@ -135,3 +158,22 @@ def two_in_flight(x, first_idx, second_idx, topk_weights, config: dict):
     out_second = d.combine(second.tokens, second.handle, weights=second.weights)
     out_first = d.combine(first.tokens, first.handle, weights=first.weights)
     return _cpu(out_first), _cpu(out_second)
+
+
+def mixed_gradients(x, topk_idx, topk_weights, grad_out, x_grad: bool, w_grad: bool, fresh: bool, config: dict):
+    """Ranks that need different gradients, experts applying the weights themselves;
+    with ``fresh`` this rank's experts return a new tensor unconnected to the tokens."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x = x.to(device).requires_grad_(x_grad)
+    w = topk_weights.to(device).requires_grad_(w_grad)
+    out = d.dispatch(x, topk_idx.to(device), w)
+    if fresh:
+        y = torch.zeros_like(out.tokens)
+    else:
+        y = out.tokens * out.weights.unsqueeze(1).to(out.tokens.dtype)
+    h = d.combine(y, out.handle)
+    loss = (h * grad_out.to(device)).sum()
+    if loss.requires_grad:
+        loss.backward()
+    return _cpu(x.grad), _cpu(w.grad)

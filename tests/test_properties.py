@@ -56,14 +56,19 @@ def test_identity_round_trip(worlds, world_size, variant, data):
     """Properties 1-3: exact routing, counts, and combine(dispatch(x)) == x * sum(weights)."""
     routing = data.draw(routings(world_size))
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
+    weight_dtype = data.draw(st.sampled_from([dtype, torch.bfloat16, torch.float16]))  # k/8: exact in all
+    idx_dtype = data.draw(st.sampled_from([torch.int64, torch.int32]))
     xs = [identity_tokens(r, t, HIDDEN, dtype) for r, t in enumerate(routing.num_tokens)]
-    weights = [w.to(dtype) for w in routing.topk_weights]
+    weights = [w.to(weight_dtype) for w in routing.topk_weights]
     config = dict(num_experts=routing.num_experts, variant=variant)
-    results = _run_round_trip(worlds(world_size), routing, xs, weights, config)
+    args = [
+        (xs[r], routing.topk_idx[r].to(idx_dtype), weights[r], config) for r in range(world_size)
+    ]
+    results = worlds(world_size).run(rank_fns.round_trip, args)
     _check_dispatch(results, routing, xs, weights)
     for rank, got in enumerate(results):
         live = (routing.topk_idx[rank] >= 0).to(dtype)
-        expected = xs[rank] * (weights[rank] * live).sum(1, keepdim=True)
+        expected = xs[rank] * (weights[rank].to(dtype) * live).sum(1, keepdim=True)
         assert torch.equal(got["combined"], expected), f"rank {rank}: combine(dispatch(x)) != x * sum(w)"
 
 
@@ -75,10 +80,14 @@ def test_combine_matches_reference_bitwise(worlds, world_size, variant, data):
     """Arbitrary values, per-expert experts: the sums happen in the reference's order, bit for bit
     on CPU."""
     routing = data.draw(routings(world_size))
-    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+    weight_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
     seed = data.draw(st.integers(0, 10**6))
     xs = [random_tokens(r, t, HIDDEN, dtype, seed) for r, t in enumerate(routing.num_tokens)]
-    weights = [torch.rand(w.shape, generator=torch.Generator().manual_seed(seed)).float() for w in routing.topk_weights]
+    weights = [
+        torch.rand(w.shape, generator=torch.Generator().manual_seed(seed + r)).to(weight_dtype)
+        for r, w in enumerate(routing.topk_weights)
+    ]
     config = dict(num_experts=routing.num_experts, variant=variant)
     results = _run_round_trip(worlds(world_size), routing, xs, weights, config, experts="scaled")
     ref = _check_dispatch(results, routing, xs, weights)

@@ -52,12 +52,15 @@ def _good_round_trip_still_works(world):
         assert torch.equal(results[r]["combined"], xs[r] * (routing.topk_weights[r].float() * live).sum(1, keepdim=True))
 
 
-def _assert_error(results, error, argument):
+def _assert_error(results, error, argument, collectives=0):
+    """Every rank raised ``error`` naming ``argument`` after exactly ``collectives``
+    collectives of the dispatcher (0: before any communication)."""
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank}: no error raised"
-        name, message = result
+        name, message, calls = result
         assert name == error.__name__, f"rank {rank}: raised {name}: {message}"
         assert argument in message, f"rank {rank}: message does not name {argument!r}: {message}"
+        assert len(calls) == collectives, f"rank {rank}: raised after collectives {calls}"
 
 
 @pytest.mark.parametrize("case", list(DISPATCH_CASES))
@@ -85,15 +88,15 @@ def test_combine_rejects(worlds, case):
     results = world.run(
         rank_fns.error_of, [("call_combine", CFG, GOOD_X, GOOD_IDX, GOOD_W, expert_out, weights)] * 2
     )
-    # the dispatch inside call_combine communicates (successfully) on every rank
-    # before combine rejects its input on every rank: the world stays in step.
-    _assert_error(results, error, argument)
+    # the dispatch inside call_combine communicates (successfully: one all-gather,
+    # two all-to-alls) before combine rejects its input on every rank.
+    _assert_error(results, error, argument, collectives=3)
     _good_round_trip_still_works(world)
 
 
 def test_combine_rejects_foreign_handle(worlds):
     results = worlds(2).run(rank_fns.error_of, [("call_foreign_handle", CFG, GOOD_X, GOOD_IDX, GOOD_W)] * 2)
-    _assert_error(results, ValueError, "handle")
+    _assert_error(results, ValueError, "handle", collectives=3)
 
 
 @pytest.mark.parametrize(
@@ -128,3 +131,22 @@ def test_config_validates_itself(kwargs, error, argument):
 def test_create_needs_a_config():
     with pytest.raises(TypeError, match="config"):
         dispatch.create({"num_experts": 4})
+
+
+PEER_CASES = {
+    "K differs": ((GOOD_X, GOOD_IDX, GOOD_W), (GOOD_X, GOOD_IDX[:, :1], GOOD_W[:, :1]), "topk_idx"),
+    "H differs": ((GOOD_X, GOOD_IDX, GOOD_W), (torch.ones(3, 6), GOOD_IDX, GOOD_W), "x"),
+    "x dtype differs": ((GOOD_X, GOOD_IDX, GOOD_W), (GOOD_X.double(), GOOD_IDX, GOOD_W), "x"),
+    "weights dtype differs": ((GOOD_X, GOOD_IDX, GOOD_W), (GOOD_X, GOOD_IDX, GOOD_W.double()), "topk_weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(PEER_CASES))
+def test_ranks_that_disagree_are_refused_alike(worlds, case):
+    """What no rank can see alone is checked in the counts all-gather: every rank
+    raises the same error before any token moves, and the world stays usable."""
+    first, second, argument = PEER_CASES[case]
+    world = worlds(2)
+    results = world.run(rank_fns.error_of, [("call_dispatch_as", CFG, [first, second])] * 2)
+    _assert_error(results, ValueError, argument, collectives=1)
+    _good_round_trip_still_works(world)

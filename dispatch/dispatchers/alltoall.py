@@ -25,11 +25,11 @@ import torch
 from dispatch import checks, comm, plan
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
-from dispatch.plan_graph import PlanGraphCache, PlanKey, plan_summary
+from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
 from dispatch.timing import mark
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AllToAllHandle(CombineHandle):
     """Plan of one all-to-all exchange (see ``dispatch.plan`` for each tensor).
 
@@ -61,37 +61,38 @@ class AllToAllDispatcher(TokenDispatcher):
         self._graphs = PlanGraphCache() if config.plan_graphs else None
 
     def _plan(
-        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
     ) -> tuple[AllToAllHandle, PlanOutputs]:
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
+        weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
+        header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64).to(x.device)
         captured = None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
-            key = PlanKey(num_tokens, topk, topk_idx.dtype, topk_weights.dtype, topk_idx.device, check_values)
+            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values)
             captured = self._graphs.get(key, num_experts, world, rank)
-            flags, route = captured.route_phase(topk_idx, topk_weights)
-        else:
-            flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
-            route = plan.route(topk_idx, num_experts, world)
-        if flags is not None:  # before the first exchange
-            checks.raise_for_values(flags.cpu(), topk_idx, topk_weights, num_experts)  # host sync: value checks
         if captured is not None:
-            all_counts = comm.all_gather_counts(route.counts, self.group, out=captured.all_counts)
-            sp, summary_dev = captured.send_phase()
+            flags, row = captured.run_route(topk_idx, weights, header_row)
         else:
-            all_counts = comm.all_gather_counts(route.counts, self.group)  # [W, W, 1 + E_local]
-            sp = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
-            summary_dev = plan_summary(route, all_counts, rank)
-        summary = summary_dev.cpu()  # host sync: split sizes for NCCL and the expanded row counts
+            flags, route, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values)
+        if flags is not None:  # before the first exchange
+            checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+        gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
+        planned = captured.run_send() if captured is not None else send_phase(route, gathered, rank, topk_idx, weights)
+        sp = planned.send
+        summary = planned.summary.cpu()  # host sync: split sizes for NCCL, row counts, peers' headers
+        experts_end = 2 * world + self.num_local_experts
+        x_grad_any, weights_grad_any = checks.check_peer_headers(summary[experts_end:].view(world, -1))
         send_splits = tuple(summary[:world].tolist())
         recv_splits = tuple(summary[world : 2 * world].tolist())
-        per_expert_host = summary[2 * world :]
+        per_expert_host = summary[2 * world : experts_end]
         num_send, num_rows = sum(send_splits), int(per_expert_host.sum())
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
+        all_counts = plan.split_gathered(gathered, world)[0]
 
         recv_meta = comm.all_to_all_rows(sp.meta[:num_send], send_splits, recv_splits, self.group)
-        rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(topk_weights.dtype))
+        rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(weights.dtype))
         recv_rank = torch.repeat_interleave(
             torch.arange(world, device=topk_idx.device), all_counts[:, rank, 0], output_size=sum(recv_splits)
         )
@@ -100,6 +101,8 @@ class AllToAllDispatcher(TokenDispatcher):
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,
+            x_grad_any=x_grad_any,
+            weights_grad_any=weights_grad_any,
             send_splits=send_splits,
             recv_splits=recv_splits,
             send_token=keep(sp.send_token[:num_send]),
@@ -111,7 +114,7 @@ class AllToAllDispatcher(TokenDispatcher):
         )
         outputs = PlanOutputs(
             weights=rp.weights.to(topk_weights.dtype),
-            tokens_per_expert=keep(summary_dev[2 * world :]),
+            tokens_per_expert=keep(planned.summary[2 * world : experts_end]),
             tokens_per_expert_host=per_expert_host,
             src_rank=recv_rank.index_select(0, rp.expand_src),
             src_token=rp.src_token.index_select(0, rp.expand_src),
@@ -139,7 +142,8 @@ class AllToAllDispatcher(TokenDispatcher):
         mark(self.phase_timer, "presum")
         back = comm.all_to_all_rows(partial, handle.recv_splits, handle.send_splits, self.group)
         mark(self.phase_timer, "exchange_back")
-        out = gather_sum(back, handle.home_index, None, rows.dtype)  # [T, H]
+        at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
+        out = gather_sum(back, handle.home_index, None, rows.dtype, at_least)  # [T, H]
         mark(self.phase_timer, "final_sum")
         return out
 

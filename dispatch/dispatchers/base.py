@@ -21,6 +21,7 @@ the contract (deduplicated wire, fp32 sums in a fixed order).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ from dispatch.kernels.gather_sum import accumulate_dtype
 from dispatch.timing import PhaseTimer
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CombineHandle:
     """What combine (and both backwards) need from one dispatch; frozen, so that
     several micro-batches can be in flight on one dispatcher.
@@ -43,12 +44,22 @@ class CombineHandle:
         num_tokens: T of the dispatch.
         num_rows: N, rows handed to the experts.
         topk: K of the dispatch.
+        x_grad_any, weights_grad_any: whether some rank of the group needs the
+            gradient of x / topk_weights (learnt in the counts all-gather): the
+            backward exchanges run on every rank alike, whatever this rank needs.
+        link: [0] tensor output by the dispatch's autograd node and fed into the
+            combine's, so that with grad mode on, both nodes exist on every rank
+            (a rank whose experts return a fresh tensor still joins the backward
+            exchanges of its peers). None until dispatch sets it.
     """
 
     owner: int
     num_tokens: int
     num_rows: int
     topk: int
+    x_grad_any: bool
+    weights_grad_any: bool
+    link: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -108,8 +119,10 @@ class TokenDispatcher(abc.ABC):
         checks.check_dispatch_inputs(
             x, topk_idx, topk_weights, self.config.num_experts, self.devices, check_values=False
         )
-        handle, plan_out = self._plan(topk_idx, topk_weights.detach(), self.config.check_inputs)
-        tokens, weights = _DispatchFn.apply(x, topk_weights, plan_out.weights, self, handle)
+        handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
+        anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
+        tokens, weights, link = _DispatchFn.apply(x, topk_weights, anchor, plan_out.weights, self, handle)
+        handle = dataclasses.replace(handle, link=link)
         return Dispatched(
             tokens=tokens,
             tokens_per_expert=plan_out.tokens_per_expert,
@@ -140,17 +153,24 @@ class TokenDispatcher(abc.ABC):
         if not isinstance(handle, CombineHandle) or handle.owner != id(self):
             raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
         checks.check_combine_inputs(expert_out, weights, handle.num_rows, self.devices)
-        return _CombineFn.apply(expert_out, weights, self, handle)
+        differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
+        if torch.is_grad_enabled() and differentiable and not handle.link.requires_grad:
+            raise ValueError(
+                "expert_out (or weights) requires grad but the dispatch behind handle ran with "
+                "grad mode off: run dispatch with grad mode on so every rank joins the backward"
+            )
+        return _CombineFn.apply(expert_out, weights, handle.link, self, handle)
 
     # -- what a variant provides ------------------------------------------
 
     @abc.abstractmethod
     def _plan(
-        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
     ) -> tuple[CombineHandle, "PlanOutputs"]:
         """Routing plan and its exchanges; no token data moves yet. With
         ``check_values``, the values of the routing are checked (``checks.value_flags``)
-        before the first exchange."""
+        before the first exchange; ranks that disagree on K, H or dtypes are
+        refused (``checks.check_peer_headers``) before any token moves."""
 
     @abc.abstractmethod
     def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, wire: torch.dtype) -> torch.Tensor:
@@ -185,29 +205,32 @@ class PlanOutputs:
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, routed_weights, dispatcher, handle):
+    def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle):
         ctx.dispatcher, ctx.handle = dispatcher, handle
         wire = wire_dtype(dispatcher.config.dispatch_wire, x.dtype)
         tokens = dispatcher._to_experts(x, handle, wire)
-        return tokens, routed_weights.to(topk_weights.dtype, copy=True)
+        return tokens, routed_weights.to(topk_weights.dtype, copy=True), x.new_empty(0)
 
     @staticmethod
-    def backward(ctx, grad_tokens, grad_weights):
+    def backward(ctx, grad_tokens, grad_weights, _grad_link):
+        # Exchanges follow what the group needs (handle), not this rank alone, so
+        # that every rank makes the same collective calls.
         dispatcher, handle = ctx.dispatcher, ctx.handle
         grad_x = grad_topk = None
-        if ctx.needs_input_grad[0]:
+        if handle.x_grad_any:
             grad_tokens = grad_tokens.contiguous()
             grad_x = dispatcher._to_home(grad_tokens, handle, None, grad_tokens.dtype)
-        if ctx.needs_input_grad[1]:
+        if handle.weights_grad_any:
             grad_topk = dispatcher._weights_to_home(grad_weights, handle)
-        return grad_x, grad_topk, None, None, None
+        needs = ctx.needs_input_grad
+        return (grad_x if needs[0] else None), (grad_topk if needs[1] else None), None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, weights, dispatcher, handle):
+    def forward(ctx, expert_out, weights, link, dispatcher, handle):
         ctx.dispatcher, ctx.handle = dispatcher, handle
-        ctx.out_dtype = expert_out.dtype
+        ctx.out_dtype, ctx.link_dtype = expert_out.dtype, link.dtype
         ctx.weights_dtype = None if weights is None else weights.dtype
         ctx.save_for_backward(
             expert_out if weights is not None and weights.requires_grad else None, weights
@@ -221,13 +244,15 @@ class _CombineFn(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_rows = ctx.dispatcher._to_experts(grad_out, ctx.handle, grad_out.dtype)
         grad_expert = grad_weights = None
+        needs = ctx.needs_input_grad
         if weights is None:
-            grad_expert = grad_rows.to(ctx.out_dtype)
+            if needs[0]:
+                grad_expert = grad_rows.to(ctx.out_dtype)
         else:
             acc = accumulate_dtype(grad_rows.dtype, weights.dtype)
-            if ctx.needs_input_grad[0]:
+            if needs[0]:
                 grad_expert = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(ctx.out_dtype)
-            if ctx.needs_input_grad[1]:
+            if needs[1]:
                 dot = (grad_rows.to(acc) * expert_out.to(acc)).sum(1)
                 grad_weights = dot.to(ctx.weights_dtype)
-        return grad_expert, grad_weights, None, None
+        return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None, None

@@ -29,8 +29,9 @@ def accumulate_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def _acc_dtype(src: torch.Tensor, weight: torch.Tensor | None, out_dtype: torch.dtype) -> torch.dtype:
-    return accumulate_dtype(src.dtype, out_dtype, *(() if weight is None else (weight.dtype,)))
+def _acc_dtype(src, weight, out_dtype, at_least) -> torch.dtype:
+    extra = [d for d in (None if weight is None else weight.dtype, at_least) if d is not None]
+    return accumulate_dtype(src.dtype, out_dtype, *extra)
 
 
 def gather_sum_reference(
@@ -38,6 +39,7 @@ def gather_sum_reference(
     index: torch.Tensor,
     weight: torch.Tensor | None,
     out_dtype: torch.dtype,
+    at_least: torch.dtype | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of :func:`gather_sum`.
 
@@ -47,10 +49,12 @@ def gather_sum_reference(
             The valid entries of a row come first.
         weight: [M] per-source-row weight, or None for a plain sum.
         out_dtype: dtype of the result.
+        at_least: accumulate in fp64 if this is fp64 (so that both sums of one
+            combine accumulate alike).
     Returns:
         [R, H] tensor of ``out_dtype``.
     """
-    acc_dtype = _acc_dtype(src, weight, out_dtype)
+    acc_dtype = _acc_dtype(src, weight, out_dtype, at_least)
     acc = torch.zeros(index.shape[0], src.shape[1], dtype=acc_dtype, device=src.device)
     if src.shape[0] == 0:  # then every index is -1
         return acc.to(out_dtype)
@@ -106,6 +110,7 @@ def gather_sum_triton(
     index: torch.Tensor,
     weight: torch.Tensor | None,
     out_dtype: torch.dtype,
+    at_least: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gather_sum_reference` (same arguments and result)."""
     if triton is None:
@@ -117,7 +122,7 @@ def gather_sum_triton(
     out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
     if rows == 0 or hidden == 0:
         return out
-    acc_dtype = _acc_dtype(src, weight, out_dtype)
+    acc_dtype = _acc_dtype(src, weight, out_dtype, at_least)
     block = min(1024, triton.next_power_of_2(hidden))
     grid = (rows, triton.cdiv(hidden, block))
     _gather_sum_kernel[grid](
@@ -142,8 +147,9 @@ def gather_sum(
     index: torch.Tensor,
     weight: torch.Tensor | None,
     out_dtype: torch.dtype,
+    at_least: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Weighted gathered row sum; the Triton kernel on CUDA, the reference elsewhere."""
     if src.is_cuda and triton is not None:
-        return gather_sum_triton(src, index, weight, out_dtype)
-    return gather_sum_reference(src, index, weight, out_dtype)
+        return gather_sum_triton(src, index, weight, out_dtype, at_least)
+    return gather_sum_reference(src, index, weight, out_dtype, at_least)
