@@ -97,7 +97,7 @@ class AllToAllDispatcher(TokenDispatcher):
             torch.arange(world, device=topk_idx.device), all_counts[:, rank, 0], output_size=sum(recv_splits)
         )
         handle = AllToAllHandle(
-            owner=id(self),
+            owner=self,
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,

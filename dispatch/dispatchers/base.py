@@ -40,7 +40,7 @@ class CombineHandle:
     several micro-batches can be in flight on one dispatcher.
 
     Attributes:
-        owner: ``id`` of the dispatcher that made it (checked by combine).
+        owner: the dispatcher that made it (checked by combine).
         num_tokens: T of the dispatch.
         num_rows: N, rows handed to the experts.
         topk: K of the dispatch.
@@ -53,7 +53,7 @@ class CombineHandle:
             exchanges of its peers). None until dispatch sets it.
     """
 
-    owner: int
+    owner: "TokenDispatcher"
     num_tokens: int
     num_rows: int
     topk: int
@@ -150,7 +150,7 @@ class TokenDispatcher(abc.ABC):
             [T, H'] in the dtype of ``expert_out``: for each token, the sum over its
             slots of ``weight * expert_out``, accumulated in fp32 (fp64 for fp64).
         """
-        if not isinstance(handle, CombineHandle) or handle.owner != id(self):
+        if not isinstance(handle, CombineHandle) or handle.owner is not self:
             raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
         checks.check_combine_inputs(expert_out, weights, handle.num_rows, self.devices)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
