@@ -67,7 +67,9 @@ class AllToAllDispatcher(TokenDispatcher):
         num_tokens, topk = topk_idx.shape
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
-        header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64).to(x.device)
+        header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64)
+        if x.is_cuda:  # from pinned memory, so the copy does not wait for the stream
+            header_row = header_row.pin_memory().to(x.device, non_blocking=True)
         captured = None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
             key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values)
