@@ -18,10 +18,14 @@ def expert_scale(tokens_per_expert_host: torch.Tensor, dtype: torch.dtype, devic
     return (1 + experts).to(dtype=dtype, device=device).unsqueeze(1)
 
 
-def round_trip(x, topk_idx, topk_weights, config: dict, experts: str = "identity"):
-    """dispatch -> experts -> combine(weights=out.weights); everything back on the CPU."""
+def round_trip(x, topk_idx, topk_weights, config: dict, experts: str = "identity", repeats: int = 1):
+    """dispatch -> experts -> combine(weights=out.weights); everything back on the CPU.
+    With ``repeats`` > 1 the same dispatcher runs that many times and the last run
+    is returned (on CUDA, the second run of a shape replays the captured plan)."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config))
+    for _ in range(repeats - 1):
+        d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     y = out.tokens
     if experts == "scaled":
@@ -153,7 +157,9 @@ def two_in_flight(x, first_idx, second_idx, topk_weights, config: dict):
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config))
     x, w = x.to(device), topk_weights.to(device)
-    first = d.dispatch(x, first_idx.to(device), w)
+    d.dispatch(x, second_idx.to(device), w)  # first sighting of the shape: eager plan
+    first = d.dispatch(x, first_idx.to(device), w)  # CUDA: captured ...
+    # ... and replayed by the next one, over the same static buffers
     second = d.dispatch(x, second_idx.to(device), w)
     out_second = d.combine(second.tokens, second.handle, weights=second.weights)
     out_first = d.combine(first.tokens, first.handle, weights=first.weights)

@@ -184,9 +184,11 @@ def test_plan_graphs_match_eager_plan(worlds, world_size):
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 3) for r, t in enumerate(routing.num_tokens)]
     weights = [w.float() for w in routing.topk_weights]
     runs = []
-    for graphs in (False, True):  # on CUDA, True captures the graphs, then replays them on this input
+    for graphs in (False, True):
         config = dict(num_experts=routing.num_experts, plan_graphs=graphs)
-        runs.append(_run_round_trip(worlds(world_size), routing, xs, weights, config, experts="scaled"))
+        # three runs on one dispatcher: on CUDA the second captures, the third replays
+        args = [(xs[r], routing.topk_idx[r], weights[r], config, "scaled", 3) for r in range(world_size)]
+        runs.append(worlds(world_size).run(rank_fns.round_trip, args))
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             for key in a:
