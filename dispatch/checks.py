@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from dispatch.plan import HEADER
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -44,9 +46,7 @@ def check_dispatch_inputs(
     x: object,
     topk_idx: object,
     topk_weights: object,
-    num_experts: int,
     devices: frozenset[str],
-    check_values: bool,
 ) -> None:
     """Validate the arguments of ``TokenDispatcher.dispatch``.
 
@@ -55,7 +55,10 @@ def check_dispatch_inputs(
         topk_idx: [T, K] int32/int64, expert ids in ``[-1, E)``, no id twice in a row.
         topk_weights: [T, K] floating, finite.
         devices: device types the group's backend moves.
-        check_values: also check the values (one host synchronisation).
+
+    The values (ids in range, no repeats, finite weights) are checked by the
+    dispatcher's plan with ``value_flags`` / ``raise_for_values``, before its
+    first exchange.
     """
     x = check_tensor("x", x, 2, FLOAT_DTYPES)
     topk_idx = check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
@@ -77,9 +80,15 @@ def check_dispatch_inputs(
         )
     check_device("topk_idx", topk_idx, "x", x.device)
     check_device("topk_weights", topk_weights, "x", x.device)
-    if check_values and topk_idx.numel() > 0:
-        flags = value_flags(topk_idx, topk_weights, num_experts)
-        raise_for_values(flags.cpu(), topk_idx, topk_weights, num_experts)  # host sync: value checks
+
+
+def _bad_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[3, T] bool: per row, (an id out of range, an id twice, a non-finite weight)."""
+    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
+    ordered = torch.sort(topk_idx, dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    non_finite = ~torch.isfinite(topk_weights)
+    return torch.stack([out_of_range.any(1), repeated.any(1), non_finite.any(1)])
 
 
 def value_flags(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -87,11 +96,7 @@ def value_flags(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts:
 
     No host synchronisation; ``raise_for_values`` turns the flags into an error.
     """
-    out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
-    ordered = torch.sort(topk_idx, dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    non_finite = ~torch.isfinite(topk_weights)
-    return torch.stack([out_of_range.any(), repeated.any(), non_finite.any()])
+    return _bad_rows(topk_idx, topk_weights, num_experts).any(1)
 
 
 def raise_for_values(
@@ -100,29 +105,25 @@ def raise_for_values(
     """Raise the ValueError that host ``flags`` (from ``value_flags``) call for, if any."""
     if not flags.any():
         return
-    out_of_range = ((topk_idx < -1) | (topk_idx >= num_experts)).any(1)
-    ordered = torch.sort(topk_idx, dim=1).values
-    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
-    non_finite = (~torch.isfinite(topk_weights)).any(1)
-    if flags[0]:
-        first = int(out_of_range.nonzero()[0])
+    kind = int(flags.nonzero()[0])
+    first = int(_bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])  # error path only
+    if kind == 0:
         raise ValueError(
             f"topk_idx holds an expert id outside [-1, {num_experts}) (num_experts={num_experts}): "
             f"row {first} is {topk_idx[first].tolist()}"
         )
-    if flags[1]:
-        first = int(repeated.nonzero()[0])
+    if kind == 1:
         raise ValueError(f"topk_idx names one expert twice in row {first}: {topk_idx[first].tolist()}")
-    first = int(non_finite.nonzero()[0])
     raise ValueError(f"topk_weights holds a non-finite value in row {first}: {topk_weights[first].tolist()}")
 
 
-_HEADER_NAMES = (
-    ("topk_idx", "K (columns of topk_idx)"),
-    ("x", "the hidden size H (columns of x)"),
-    ("x", "the dtype of x"),
-    ("topk_weights", "the dtype of topk_weights"),
-)
+# header column -> (argument, what must agree), for the columns all ranks share
+_MUST_AGREE = {
+    "topk": ("topk_idx", "K (columns of topk_idx)"),
+    "hidden": ("x", "the hidden size H (columns of x)"),
+    "x_dtype": ("x", "the dtype of x"),
+    "weights_dtype": ("topk_weights", "the dtype of topk_weights"),
+}
 
 
 def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
@@ -130,19 +131,20 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
     gradients some rank needs (x, topk_weights).
 
     Args:
-        headers: [W, len(plan.HEADER)] host int64, every rank's ``plan.header``.
+        headers: [W, len(HEADER)] host int64, every rank's ``plan.header``.
     Raises:
         ValueError on every rank alike (all ranks see the same headers), after
         the counts all-gather and before any token moves.
     """
-    for col, (argument, what) in enumerate(_HEADER_NAMES):
-        values = headers[:, col]
+    for column, (argument, what) in _MUST_AGREE.items():
+        values = headers[:, HEADER.index(column)]
         if not bool((values == values[0]).all()):
             raise ValueError(
                 f"{argument}: ranks disagree on {what}: {values.tolist()} by rank; "
                 "every rank of the group must dispatch the same K, H and dtypes"
             )
-    return bool(headers[:, 4].any()), bool(headers[:, 5].any())
+    needs = headers[:, HEADER.index("x_grad")], headers[:, HEADER.index("weights_grad")]
+    return bool(needs[0].any()), bool(needs[1].any())
 
 
 def check_combine_inputs(

@@ -96,7 +96,7 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
 # What each rank adds to the counts all-gather so that every rank can check that
 # all ranks agree, and learn which gradients some rank needs.
 HEADER = ("topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad")
-DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+DTYPE_CODES = {dtype: code for code, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
 
 
 def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int) -> list[int]:

@@ -41,7 +41,6 @@ class PlanKey:
 class Planned:
     """What the host-free half of the plan produces (eager or replayed)."""
 
-    route: plan.Route
     send: plan.SendPlan
     summary: torch.Tensor  # see ``plan_summary``
 
@@ -57,7 +56,7 @@ def send_phase(route, gathered, rank, topk_idx, topk_weights) -> Planned:
     world_size = gathered.shape[0]
     all_counts, headers = plan.split_gathered(gathered, world_size)
     send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
-    return Planned(route, send, plan_summary(route, all_counts, headers, rank))
+    return Planned(send, plan_summary(route, all_counts, headers, rank))
 
 
 def plan_summary(route: plan.Route, all_counts: torch.Tensor, headers: torch.Tensor, rank: int) -> torch.Tensor:

@@ -115,7 +115,7 @@ class AllToAllDispatcher(TokenDispatcher):
             presum_index=rp.presum_index,
         )
         outputs = PlanOutputs(
-            weights=rp.weights.to(topk_weights.dtype),
+            weights=rp.weights,
             tokens_per_expert=keep(planned.summary[2 * world : experts_end]),
             tokens_per_expert_host=per_expert_host,
             src_rank=recv_rank.index_select(0, rp.expand_src),

@@ -116,9 +116,7 @@ class TokenDispatcher(abc.ABC):
             :class:`Dispatched`. Gradients flow to ``x`` (through ``tokens``) and to
             ``topk_weights`` (through ``weights``).
         """
-        checks.check_dispatch_inputs(
-            x, topk_idx, topk_weights, self.config.num_experts, self.devices, check_values=False
-        )
+        checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
         handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
         anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
         tokens, weights, link = _DispatchFn.apply(x, topk_weights, anchor, plan_out.weights, self, handle)
@@ -194,7 +192,8 @@ class TokenDispatcher(abc.ABC):
 
 @dataclass(frozen=True)
 class PlanOutputs:
-    """Per-row facts the plan learned, handed to :class:`Dispatched`."""
+    """Per-row facts the plan learned, handed to :class:`Dispatched` (weights in
+    the dtype they travelled in; the dispatch converts them to topk_weights' dtype)."""
 
     weights: torch.Tensor
     tokens_per_expert: torch.Tensor
