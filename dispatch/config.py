@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VARIANTS = ("alltoall",)
-DISPATCH_WIRES = ("native", "bf16", "fp32")
-COMBINE_WIRES = ("native", "bf16", "fp32")
+# Rows going to the experts (dispatch, and backward of combine) use a codec;
+# partial sums going home (combine, and backward of dispatch) a plain dtype.
+TO_EXPERTS_WIRES = ("native", "bf16", "fp32")
+SUM_WIRES = ("native", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,12 @@ class DispatchConfig:
         combine_wire: how an expert-side partial sum travels home. ``"native"``
             (the expert output's dtype), ``"bf16"`` or ``"fp32"``. Sums are always
             accumulated in fp32 (fp64 for fp64 data) whatever the wire.
+        dispatch_grad_wire: backward of dispatch: how the gradients of the
+            dispatched rows travel home (pre-summed per (token, rank), like a
+            combine) to become the gradient of x. Choices as ``combine_wire``.
+        combine_grad_wire: backward of combine: how the gradient of the combined
+            output travels to the experts (like a dispatch) to become the
+            gradient of the expert outputs. Choices as ``dispatch_wire``.
         local_world_size: ranks per node, for the hierarchical variant; checked
             to divide the group size when given.
         check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``
@@ -48,6 +56,8 @@ class DispatchConfig:
     variant: str = "alltoall"
     dispatch_wire: str = "native"
     combine_wire: str = "native"
+    dispatch_grad_wire: str = "native"
+    combine_grad_wire: str = "native"
     local_world_size: int | None = None
     check_inputs: bool = True
     plan_graphs: bool = True
@@ -58,8 +68,10 @@ class DispatchConfig:
         if self.num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
         _check_choice("variant", self.variant, VARIANTS)
-        _check_choice("dispatch_wire", self.dispatch_wire, DISPATCH_WIRES)
-        _check_choice("combine_wire", self.combine_wire, COMBINE_WIRES)
+        _check_choice("dispatch_wire", self.dispatch_wire, TO_EXPERTS_WIRES)
+        _check_choice("combine_wire", self.combine_wire, SUM_WIRES)
+        _check_choice("dispatch_grad_wire", self.dispatch_grad_wire, SUM_WIRES)
+        _check_choice("combine_grad_wire", self.combine_grad_wire, TO_EXPERTS_WIRES)
         if self.local_world_size is not None:
             if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int):
                 raise TypeError(

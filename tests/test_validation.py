@@ -118,6 +118,8 @@ def test_config_must_match_group(worlds, config, error, argument):
         (dict(num_experts=4, variant="nope"), ValueError, "variant"),
         (dict(num_experts=4, dispatch_wire="fp4"), ValueError, "dispatch_wire"),
         (dict(num_experts=4, combine_wire="int8"), ValueError, "combine_wire"),
+        (dict(num_experts=4, dispatch_grad_wire="fp4"), ValueError, "dispatch_grad_wire"),
+        (dict(num_experts=4, combine_grad_wire="int8"), ValueError, "combine_grad_wire"),
         (dict(num_experts=4, local_world_size=0), ValueError, "local_world_size"),
         (dict(num_experts=4, check_inputs="yes"), TypeError, "check_inputs"),
         (dict(num_experts=4, plan_graphs=1), TypeError, "plan_graphs"),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dispatch import checks, comm, plan
+from dispatch.codec import Codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
@@ -124,12 +125,11 @@ class AllToAllDispatcher(TokenDispatcher):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, wire: torch.dtype) -> torch.Tensor:
-        sent = rows.index_select(0, handle.send_token).to(wire)
+    def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> torch.Tensor:
+        sent = codec.pack(rows, handle.send_token)
         received = comm.all_to_all_rows(sent, handle.send_splits, handle.recv_splits, self.group)
-        received = received.to(rows.dtype)
         mark(self.phase_timer, "exchange_out")
-        expanded = received.index_select(0, handle.expand_src)
+        expanded = codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
         mark(self.phase_timer, "expand")
         return expanded
 

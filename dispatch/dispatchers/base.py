@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import checks, comm
-from dispatch.codec import wire_dtype
+from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import DispatchConfig
 from dispatch.kernels.gather_sum import accumulate_dtype
 from dispatch.timing import PhaseTimer
@@ -171,8 +171,9 @@ class TokenDispatcher(abc.ABC):
         refused (``checks.check_peer_headers``) before any token moves."""
 
     @abc.abstractmethod
-    def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, wire: torch.dtype) -> torch.Tensor:
-        """[T, H] home rows -> [N, H] expanded rows (dtype of ``rows``), via ``wire``."""
+    def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> torch.Tensor:
+        """[T, H] home rows -> [N, H] expanded rows (dtype of ``rows``): packed by
+        ``codec.pack`` (gather + encode), exchanged, ``codec.unpack`` (decode + expand)."""
 
     @abc.abstractmethod
     def _to_home(
@@ -206,8 +207,8 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle):
         ctx.dispatcher, ctx.handle = dispatcher, handle
-        wire = wire_dtype(dispatcher.config.dispatch_wire, x.dtype)
-        tokens = dispatcher._to_experts(x, handle, wire)
+        codec = to_experts_codec(dispatcher.config.dispatch_wire, x.dtype)
+        tokens = dispatcher._to_experts(x, handle, codec)
         return tokens, routed_weights.to(topk_weights.dtype, copy=True), x.new_empty(0)
 
     @staticmethod
@@ -218,7 +219,8 @@ class _DispatchFn(torch.autograd.Function):
         grad_x = grad_topk = None
         if handle.x_grad_any:
             grad_tokens = grad_tokens.contiguous()
-            grad_x = dispatcher._to_home(grad_tokens, handle, None, grad_tokens.dtype)
+            wire = sum_wire_dtype(dispatcher.config.dispatch_grad_wire, grad_tokens.dtype)
+            grad_x = dispatcher._to_home(grad_tokens, handle, None, wire)
         if handle.weights_grad_any:
             grad_topk = dispatcher._weights_to_home(grad_weights, handle)
         needs = ctx.needs_input_grad
@@ -234,14 +236,15 @@ class _CombineFn(torch.autograd.Function):
         ctx.save_for_backward(
             expert_out if weights is not None and weights.requires_grad else None, weights
         )
-        wire = wire_dtype(dispatcher.config.combine_wire, expert_out.dtype)
+        wire = sum_wire_dtype(dispatcher.config.combine_wire, expert_out.dtype)
         return dispatcher._to_home(expert_out.contiguous(), handle, weights, wire)
 
     @staticmethod
     def backward(ctx, grad_out):
         expert_out, weights = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grad_rows = ctx.dispatcher._to_experts(grad_out, ctx.handle, grad_out.dtype)
+        codec = to_experts_codec(ctx.dispatcher.config.combine_grad_wire, grad_out.dtype)
+        grad_rows = ctx.dispatcher._to_experts(grad_out, ctx.handle, codec)
         grad_expert = grad_weights = None
         needs = ctx.needs_input_grad
         if weights is None:
