@@ -141,7 +141,7 @@ def call_foreign_handle(config: dict, x, topk_idx, topk_weights):
 
 def bench_wrong_rows(corrupt):
     """The benchmark's #wrong count over the world, with one element planted wrong on this rank."""
-    from dispatch.bench import _wrong_rows
+    from dispatch.bench.roundtrip import wrong_rows as _wrong_rows
 
     x = torch.arange(12, dtype=torch.float32, device=current_device()).view(4, 3)
     w = torch.full((4, 2), 0.5, device=current_device())
@@ -183,3 +183,16 @@ def mixed_gradients(x, topk_idx, topk_weights, grad_out, x_grad: bool, w_grad: b
     if loss.requires_grad:
         loss.backward()
     return _cpu(x.grad), _cpu(w.grad)
+
+
+def bench_traffic(idx, num_experts: int, hidden: int):
+    """The dispatch benchmark's byte accounting for one dispatch of fp32 rows."""
+    from dispatch.bench.roundtrip import _traffic
+
+    device = current_device()
+    topk_idx = torch.tensor(idx, dtype=torch.int64, device=device)
+    weights = torch.full(topk_idx.shape, 0.5, device=device)
+    x = torch.zeros(topk_idx.shape[0], hidden, device=device)
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    out = d.dispatch(x, topk_idx, weights)
+    return _traffic(out, hidden * 4, hidden * 4, device)

@@ -1,4 +1,5 @@
-"""The benchmark CLI: a real small run on a CPU world, and clear errors for bad flags."""
+"""The benchmark harness: real small runs on CPU worlds, table columns and units,
+byte accounting against hand-computed cases, the #wrong check, CLI errors."""
 
 from __future__ import annotations
 
@@ -7,22 +8,86 @@ import json
 import pytest
 
 from dispatch import bench
+from dispatch.bench import a2a, common, roundtrip
 
 
-def test_cpu_run_writes_results(tmp_path):
-    assert bench.main(["--shape", "cpu-small", "--baselines", "none", "--world-size", "2", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "roundtrip-cpu-small-w2.json").read_text())
-    (row,) = result["rows"]
-    assert row["name"] == "ours alltoall" and row["wrong"] == 0 and row["world_size"] == 2
-    assert set(row["phases_ms"]) == set(bench.PHASES)
-    assert row["bytes_out_per_rank"] > 0
-    assert "| ours alltoall | 2 |" in (tmp_path / "roundtrip-cpu-small-w2.md").read_text()
+def test_dispatch_run_writes_results(tmp_path):
+    argv = ["dispatch", "--shapes", "cpu-small", "--routings", "uniform,one-rank", "--variants", "alltoall",
+            "--world-size", "2", "--iters", "3", "--warmup", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "dispatch-w2.json").read_text())
+    assert [r["routing"] for r in result["rows"]] == ["uniform", "one-rank"]
+    for row in result["rows"]:
+        assert row["name"] == "ours alltoall" and row["wrong"] == 0 and row["world_size"] == 2
+        assert set(row["phases_ms"]) == set(roundtrip.PHASES)
+        rt = row["round_trip_ms"]
+        assert 0 < rt["p10"] <= rt["median"] <= rt["p90"]
+        parts = row["dispatch_ms"]["median"] + row["combine_ms"]["median"]
+        assert parts == pytest.approx(rt["median"], rel=0.5)  # medians of parts, not of the sum
+        assert row["dispatch_bytes_out"] > 0 and row["deepep_dispatch_gbps"] > 0
+    markdown = (tmp_path / "dispatch-w2.md").read_text()
+    assert "| cpu-small | uniform | ours alltoall |" in markdown and "commit" in markdown
+
+
+def test_a2a_run_columns_units_and_bandwidth(tmp_path):
+    argv = ["a2a", "--world-size", "2", "--min-bytes", "1K", "--max-bytes", "16K", "--iters", "2",
+            "--warmup", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "a2a-w2.json").read_text())
+    nccl = [r for r in result["rows"] if r["transport"] == "nccl"]
+    assert [r["size"] for r in nccl] == [1024, 2048, 4096, 8192, 16384]
+    for r in result["rows"]:
+        assert r["wrong"] == 0
+        assert r["algbw_gbps"] == pytest.approx(r["wire_bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * (2 - 1) / 2)
+    header, units = a2a.table(result["rows"], "ours").splitlines()[:2]
+    assert header.split() == ["size", "count", "type", "time", "algbw", "busbw", "effective", "#wrong"]
+    assert units.split() == ["(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)", "(GB/s)"]
+    assert "Avg bus bandwidth" in a2a.table(result["rows"], "ours")
+
+
+def test_spread_is_nearest_rank():
+    stats = common.spread([float(v) for v in range(1, 21)])
+    assert (stats["p10"], stats["median"], stats["p90"]) == (2.0, 10.5, 18.0)
+
+
+def test_byte_accounting_hand_computed(worlds):
+    """W=2, E=4, H=8, fp32 rows of 32 bytes. Rank 0: t0 -> experts {0, 2} (one row to
+    rank 1), t1 -> {2, 3} (both on rank 1: one row), t2 -> {1} (local). Rank 1:
+    t0 -> {0, 1} (one row to rank 0), t1 -> {3, 2} (local). Rows out: 2 and 1;
+    rows received, own included: 3 and 3."""
+    import rank_fns
+
+    idx0 = [[0, 2], [2, 3], [1, -1]]
+    idx1 = [[0, 1], [3, 2]]
+    got = worlds(2).run(rank_fns.bench_traffic, [(idx0, 4, 8), (idx1, 4, 8)])
+    for traffic in got:
+        assert traffic == {"dispatch_bytes_out": 1.5 * 32, "combine_bytes_out": 1.5 * 32,
+                           "dispatch_bytes_received": 3 * 32}
+
+
+def test_wrong_rows_catches_a_planted_corruption(worlds):
+    import rank_fns
+
+    assert worlds(2).run(rank_fns.bench_wrong_rows, [(None,), ((1, 2),)]) == [1, 1]
+    assert worlds(2).run(rank_fns.bench_wrong_rows, [(None,), (None,)]) == [0, 0]
 
 
 @pytest.mark.parametrize(
     "argv, needle",
-    [(["--iters", "0"], "--iters"), (["--warmup", "-1"], "--warmup"), (["--shape", "nope"], "--shape"),
-     (["--world-size", "0"], "--world-size")],
+    [
+        (["--iters", "0"], "--iters"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--world-size", "0"], "--world-size"),
+        (["dispatch", "--shapes", "nope"], "--shapes"),
+        (["dispatch", "--routings", "sideways"], "--routings"),
+        (["dispatch", "--variants", "carrier-pigeon"], "--variants"),
+        (["dispatch", "--wires", "fp4"], "--wires"),
+        (["a2a", "--max-bytes", "lots"], "--max-bytes"),
+        (["a2a", "--min-bytes", "4K", "--max-bytes", "1K"], "--min-bytes"),
+        (["a2a", "--wires", "fp4"], "--wires"),
+        (["sideways"], "invalid choice"),
+    ],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -32,12 +97,13 @@ def test_bad_flags(argv, needle, capsys):
 
 
 def test_experts_must_split_over_ranks(capsys):
-    assert bench.main(["--world-size", "3", "--shape", "cpu-small"]) == 2
+    assert bench.main(["dispatch", "--world-size", "3", "--shapes", "cpu-small"]) == 2
     assert "do not split" in capsys.readouterr().err
 
 
-def test_wrong_rows_catches_a_planted_corruption(worlds):
-    import rank_fns
-
-    assert worlds(2).run(rank_fns.bench_wrong_rows, [(None,), ((1, 2),)]) == [1, 1]
-    assert worlds(2).run(rank_fns.bench_wrong_rows, [(None,), (None,)]) == [0, 0]
+def test_main_job_defaults_cover_both_benchmarks():
+    args = bench.parse_args([])
+    assert args.command is None
+    assert args.shapes == list(common.CPU_SHAPES)  # no GPU here
+    assert args.routings == list(roundtrip.ROUTINGS)
+    assert args.max_bytes == 4 << 20 and args.iters >= 20

@@ -66,6 +66,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from dispatch.timing import mark
+
 __all__ = [
     "megatron_available",
     "build_megatron_dispatcher",
@@ -297,6 +299,7 @@ def megatron_round_trip(
     probs: torch.Tensor,
     *,
     weight_by_probs: bool = False,
+    timer=None,
 ) -> torch.Tensor:
     """Dispatch then combine through ``dispatcher``, with identity experts between.
 
@@ -345,12 +348,19 @@ def megatron_round_trip(
         raise ValueError("hidden_states must be contiguous (Megatron reshapes it with .view)")
 
     rows, p = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+    mark(timer, "plan")
     rows, p = dispatcher.token_dispatch(rows, p)
+    mark(timer, "exchange_out")
     rows, tokens_per_expert, p = dispatcher.dispatch_postprocess(rows, p)
+    mark(timer, "expand")
     y = _identity_experts(rows, tokens_per_expert, p, weight_by_probs)
     y = dispatcher.combine_preprocess(y)
+    mark(timer, "presum")
     y = dispatcher.token_combine(y)
-    return dispatcher.combine_postprocess(y)
+    mark(timer, "exchange_back")
+    out = dispatcher.combine_postprocess(y)
+    mark(timer, "final_sum")
+    return out
 
 
 # ----------------------------------------------------------------------------- routing format

@@ -1,0 +1,239 @@
+"""What every benchmark of ``dispatch-bench`` shares: shapes, the process world,
+timing, progress and the result files.
+
+Timing convention (STYLE.md): warm-up first, then every timed run starts after a
+barrier, is measured with CUDA events on the GPU (``perf_counter`` on CPU), and
+the figure of one run is the slowest rank's. Reports give the median and the
+10th-90th percentile spread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import dispatch
+from dispatch.timing import PhaseTimer
+
+
+@dataclass(frozen=True)
+class Shape:
+    """T tokens per rank, hidden H, E experts, top-K, expert ffn hidden size."""
+
+    name: str
+    tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    ffn: int
+
+
+SHAPES = {
+    s.name: s
+    for s in [
+        Shape("deepseek-v3", 4096, 7168, 256, 8, 2048),
+        Shape("qwen3-235b", 4096, 4096, 128, 8, 1536),
+        Shape("mixtral-8x7b", 8192, 4096, 8, 2, 14336),
+        Shape("decode", 128, 7168, 256, 8, 2048),
+        # small shapes for CPU worlds of gloo processes (the main job without a GPU)
+        Shape("cpu-small", 512, 256, 16, 4, 128),
+        Shape("cpu-decode", 32, 512, 16, 4, 128),
+    ]
+}
+GPU_SHAPES = ("deepseek-v3", "qwen3-235b", "mixtral-8x7b", "decode")
+CPU_SHAPES = ("cpu-small", "cpu-decode")
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# -- the world of processes -------------------------------------------------
+
+
+def launch(job: Callable, args, world_size: int | None) -> int:
+    """Run ``job(args)`` on every rank of a fresh world; rank 0's return value is
+    the job's result (other ranks' are ignored). Under torchrun (``LOCAL_RANK`` set)
+    this process is one rank; otherwise one process per GPU (NCCL) or
+    ``world_size`` CPU processes (gloo, default 4) are started here.
+
+    Returns a process exit code (0 on success, 2 for a world that cannot be made).
+    """
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _rank_main(int(os.environ["LOCAL_RANK"]), job, args, None)
+        return 0
+    use_cuda = torch.cuda.is_available()
+    world = world_size or (torch.cuda.device_count() if use_cuda else 4)
+    if use_cuda and world > torch.cuda.device_count():
+        print(f"dispatch-bench: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    torch.multiprocessing.spawn(_rank_main, args=(job, args, env), nprocs=world, join=True)
+    return 0
+
+
+def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
+    if env is not None:
+        os.environ.update(env)
+        os.environ["RANK"] = str(local_rank)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    try:
+        job(args)
+        dist.barrier()
+    except BaseException:
+        # spawn reports only the first rank that died; say which one failed first-hand
+        print(f"dispatch-bench: rank {dist.get_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+# -- timing ------------------------------------------------------------------
+
+
+def time_phases(step: Callable[[PhaseTimer], None], iters: int, warmup: int, dev: torch.device) -> list[dict[str, float]]:
+    """Run ``step(timer)`` ``warmup`` times untimed, then ``iters`` times timed.
+
+    ``step`` marks its phases on the timer (``timer.mark(name)``); ``"total"``,
+    from the start to the end of the step, is added. Each timed run starts after
+    a barrier; each figure is the slowest rank's. Returns one {phase: ms} dict
+    per timed run.
+    """
+    for _ in range(warmup):
+        step(PhaseTimer(dev))
+    runs = []
+    for _ in range(iters):
+        dist.barrier()
+        timer = PhaseTimer(dev)
+        timer.start()
+        step(timer)
+        timer.mark("_tail")
+        phases = timer.phases()
+        phases["total"] = sum(phases.values())
+        del phases["_tail"]
+        runs.append(phases)
+    names = sorted({name for phases in runs for name in phases})
+    table = torch.tensor([[phases.get(n, 0.0) for n in names] for phases in runs], dtype=torch.float64)
+    table = table.to(dev)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return [dict(zip(names, row)) for row in table.cpu().tolist()]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and 10th / 90th percentiles (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    n = len(ordered)
+    return {
+        "median": statistics.median(ordered),
+        "p10": ordered[max(0, math.ceil(0.1 * n) - 1)],
+        "p90": ordered[max(0, math.ceil(0.9 * n) - 1)],
+    }
+
+
+# -- progress and results ----------------------------------------------------
+
+
+class Progress:
+    """``[i/n] what ... result`` lines on stderr from rank 0, so a long run shows it is alive."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.started = time.perf_counter()
+        self.enabled = dist.get_rank() == 0
+
+    def step(self, what: str, result: str = "") -> None:
+        self.done += 1
+        if self.enabled:
+            elapsed = time.perf_counter() - self.started
+            print(f"[{self.label} {self.done}/{self.total} {elapsed:6.1f}s] {what} {result}", file=sys.stderr, flush=True)
+
+
+def environment() -> dict:
+    """Machine, versions and commit, for every result file."""
+    info = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "dispatch": dispatch.__version__,
+        "host": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    if dist.is_initialized():
+        info["backend"] = dist.get_backend()
+        info["world_size"] = dist.get_world_size()
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _driver_version()
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    info["commit"] = os.environ.get("DISPATCH_COMMIT") or _git_commit()
+    return info
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout.split()
+        return out[0] if out else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def write_results(out_dir: str, stem: str, title: str, table: str, payload: dict, notes: list[str] = ()) -> str:
+    """``<stem>.json`` (payload + environment) and ``<stem>.md`` (title, table,
+    notes, environment) under ``out_dir``; returns the markdown text."""
+    os.makedirs(out_dir, exist_ok=True)
+    env = environment()
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+        json.dump({"title": title, "environment": env, **payload}, f, indent=2)
+    env_line = "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())
+    text = "\n".join([f"# {title}", "", table, "", *notes, "" if notes else "", env_line, ""])
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def fixed_width(columns: list[tuple[str, str, int]], rows: list[list[str]]) -> str:
+    """An nccl-tests style table: (name, unit, width) columns, a units row, right-aligned cells."""
+    head = " ".join(f"{name:>{w}}" for name, _, w in columns)
+    units = " ".join(f"{unit:>{w}}" for _, unit, w in columns)
+    body = [" ".join(f"{cell:>{w}}" for cell, (_, _, w) in zip(row, columns)) for row in rows]
+    return "\n".join([head, units, *body])

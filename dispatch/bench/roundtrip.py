@@ -1,0 +1,363 @@
+"""``dispatch-bench dispatch``: dispatchers compared on model shapes.
+
+For each shape x routing, every variant x wire format of ours and, when
+megatron-core imports on GPUs, Megatron-Core's ``alltoall`` and ``allgather``
+dispatchers, in the same processes and table:
+
+* dispatch, combine and round-trip times (median and 10th-90th percentile over
+  ``--iters`` timed runs after ``--warmup``, barrier first, CUDA events, the
+  slowest rank's figure per run), and the six phases (plan, exchange out,
+  expansion, expert-side pre-sum, exchange back, final sum). Megatron's six
+  stages are shown in the phase columns of the same position
+  (``dispatch_preprocess`` ... ``combine_postprocess``);
+* bytes that leave a rank per direction and tier (intra-/inter-node; a rank's
+  rows to itself cross no link and are not counted), mean over ranks;
+* bandwidth the way DeepEP's tests count it: bytes of the rows a rank receives
+  in dispatch (one per (token, rank), its own included) over the dispatch time,
+  and the same bytes over the combine time;
+* ``#wrong``: rows of combine(dispatch(x)) (identity experts) that are not
+  ``x * sum(weights)`` within the wire format's rounding.
+
+Routings: ``uniform`` (K distinct experts uniformly at random), ``zipf``
+(expert popularity ~ 1 / rank^1.2, the same hot experts on every rank) and
+``one-rank`` (every token's experts on rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import dispatch
+from dispatch import config as config_mod
+from dispatch.bench import common, plots
+from dispatch.codec import sum_wire_dtype, to_experts_codec
+
+PHASES = ("plan", "exchange_out", "expand", "presum", "exchange_back", "final_sum")
+DISPATCH_PHASES = PHASES[:3]
+ROUTINGS = ("uniform", "zipf", "one-rank")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", help=f"comma-separated shapes from {', '.join(common.SHAPES)} "
+                        "(default: the four model shapes on GPUs, the cpu-* shapes on CPU)")
+    parser.add_argument("--variants", default="all", help="comma-separated variants or 'all'")
+    parser.add_argument("--wires", dest="dispatch_wires", default="all",
+                        help="comma-separated dispatch wire formats (the combine wire stays native), or 'all'")
+    parser.add_argument("--routings", default="all", help=f"comma-separated from {', '.join(ROUTINGS)}, or 'all'")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="token dtype (default bf16)")
+    parser.add_argument("--no-check", action="store_true", help="DispatchConfig(check_inputs=False)")
+    parser.add_argument("--baselines", choices=["auto", "none"], default="auto",
+                        help="auto: Megatron-Core's dispatchers too, on GPUs, when megatron-core imports")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write a torch profiler table of 5 round trips of the first configuration")
+
+
+def _pick(parser, flag: str, text: str, choices) -> list[str]:
+    if text == "all":
+        return list(choices)
+    wanted = [w.strip() for w in text.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in choices]
+    if unknown or not wanted:
+        parser.error(f"{flag}: {', '.join(unknown) or 'nothing given'} not among {', '.join(choices)}")
+    return wanted
+
+
+def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentParser) -> None:
+    default_shapes = common.GPU_SHAPES if use_cuda else common.CPU_SHAPES
+    args.shapes = _pick(parser, "--shapes", args.shapes or ",".join(default_shapes), list(common.SHAPES))
+    args.variants = _pick(parser, "--variants", args.variants, config_mod.VARIANTS)
+    if args.dispatch_wires == "all":
+        # the lossless default and the compressing formats (bf16/fp32 casts of
+        # bf16 tokens would repeat the native rows)
+        from dispatch.bench.a2a import compressing_wires
+
+        args.dispatch_wires = ["native", *compressing_wires()]
+    else:
+        args.dispatch_wires = _pick(parser, "--wires", args.dispatch_wires, config_mod.TO_EXPERTS_WIRES)
+    args.routings = _pick(parser, "--routings", args.routings, ROUTINGS)
+
+
+def make_routing(kind: str, shape: common.Shape, world: int, rank: int, dev, seed: int = 0):
+    """[T, K] int64 distinct expert ids and [T, K] float32 softmax weights for this rank,
+    or None when ``kind`` cannot route this shape (one-rank with K > E_local)."""
+    gen = torch.Generator(device=dev).manual_seed(seed * 7919 + rank)
+    num_tokens, experts, topk = shape.tokens, shape.experts, shape.topk
+    if kind == "uniform":
+        scores = torch.rand(num_tokens, experts, generator=gen, device=dev)
+    elif kind == "zipf":
+        shared = torch.Generator(device=dev).manual_seed(seed)  # the same hot experts everywhere
+        popularity = torch.randperm(experts, generator=shared, device=dev).double() + 1
+        probs = popularity.pow(-1.2)
+        # Gumbel top-k: K distinct experts drawn with probability ~ probs, without replacement
+        gumbel = -torch.log(-torch.log(torch.rand(num_tokens, experts, generator=gen, device=dev, dtype=torch.float64)))
+        scores = probs.log() + gumbel
+    elif kind == "one-rank":
+        per_rank = experts // world
+        if topk > per_rank:
+            return None
+        scores = torch.full((num_tokens, experts), -1.0, device=dev)
+        scores[:, :per_rank] = torch.rand(num_tokens, per_rank, generator=gen, device=dev)
+    else:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {kind!r}")
+    topk_idx = scores.topk(topk, dim=1).indices
+    topk_weights = torch.softmax(torch.rand(num_tokens, topk, generator=gen, device=dev), dim=1)
+    return topk_idx, topk_weights
+
+
+def wrong_rows(out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, lossy: bool = False) -> int:
+    """Rows of combine(dispatch(x)) with identity experts that are not
+    ``x * sum(w)`` within rounding, summed over the world. ``lossy``: the dispatch
+    wire is a block format, allowed 1/16 of the row's largest magnitude."""
+    expected = x.double() * topk_weights.double().sum(1, keepdim=True)
+    tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
+    allowed = tol * (1 + expected.abs())
+    if lossy:
+        allowed = allowed + 0.0625 * expected.abs().amax(1, keepdim=True)
+    bad = ((out.double() - expected).abs() > allowed).any(1)
+    count = bad.sum().to(torch.int64).reshape(1)
+    dist.all_reduce(count)
+    return int(count)
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Collective: every configuration on this world; rank 0 returns {"rows": [...]}."""
+    dev = common.device()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = DTYPES[args.dtype]
+    megatron = args.baselines == "auto" and dev.type == "cuda" and _megatron_importable()
+    shapes = [common.SHAPES[s] for s in args.shapes]
+    bad = [s.name for s in shapes if s.experts % world]
+    if bad:
+        raise ValueError(f"--shapes: {', '.join(bad)} cannot split its experts over {world} ranks")
+    ours = [(v, w) for v in args.variants for w in args.dispatch_wires]
+    total = len(shapes) * len(args.routings) * (len(ours) + (2 if megatron else 0))
+    progress = common.Progress(total, "dispatch")
+    dispatchers: dict = {}
+    rows = []
+    for shape in shapes:
+        x = torch.randn(shape.tokens, shape.hidden, device=dev).to(dtype)
+        for routing in args.routings:
+            made = make_routing(routing, shape, world, rank, dev)
+            if made is None:
+                for _ in range(len(ours) + (2 if megatron else 0)):
+                    progress.step(f"{shape.name} {routing}", f"skipped: K > experts per rank")
+                continue
+            topk_idx, topk_weights = made
+            for variant, wire in ours:
+                key = (shape.experts, variant, wire)
+                if key not in dispatchers:
+                    cfg = dispatch.DispatchConfig(
+                        num_experts=shape.experts, variant=variant, dispatch_wire=wire,
+                        check_inputs=not args.no_check, **_node_options(args),
+                    )
+                    dispatchers[key] = dispatch.create(cfg)
+                row = _ours(dispatchers[key], shape, routing, x, topk_idx, topk_weights, args, dev)
+                rows.append(row)
+                progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
+                if args.profile and len(rows) == 1:
+                    _profile(dispatchers[key], x, topk_idx, topk_weights, args, shape, dev)
+            if megatron:
+                for kind in ("alltoall", "allgather"):
+                    row = _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev)
+                    rows.append(row)
+                    progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
+    return {"rows": rows, "world_size": world, "dtype": args.dtype} if rank == 0 else None
+
+
+def _node_options(args) -> dict:
+    return {}
+
+
+def _megatron_importable() -> bool:
+    from dispatch.bench import megatron_baseline
+
+    return megatron_baseline.megatron_available()
+
+
+def _brief(row: dict) -> str:
+    return f"{row['round_trip_ms']['median']:.3f} ms #wrong {row['wrong']}"
+
+
+def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
+    cfg = d.config
+    lossy = cfg.dispatch_wire not in ("native", "bf16", "fp32")
+    out = d.dispatch(x, topk_idx, topk_weights)
+    combined = d.combine(out.tokens, out.handle, weights=out.weights)
+    wrong = wrong_rows(combined, x, topk_weights, lossy=lossy)
+    codec = to_experts_codec(cfg.dispatch_wire, x.dtype)
+    sum_bytes = sum_wire_dtype(cfg.combine_wire, x.dtype).itemsize * shape.hidden
+    traffic = _traffic(out, codec.row_bytes(shape.hidden), sum_bytes, dev)
+    del out, combined
+
+    def step(timer):
+        d.phase_timer = timer
+        got = d.dispatch(x, topk_idx, topk_weights)
+        d.combine(got.tokens, got.handle, weights=got.weights)
+        d.phase_timer = None
+
+    runs = common.time_phases(step, args.iters, args.warmup, dev)
+    wire = cfg.dispatch_wire if cfg.combine_wire == "native" else f"{cfg.dispatch_wire}/{cfg.combine_wire}"
+    return _row(f"ours {cfg.variant}", cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
+
+
+def _traffic(out, dispatch_row_bytes: int, combine_row_bytes: int, dev) -> dict:
+    """Bytes a rank sends per direction (remote peers only) and receives in
+    dispatch (its own rows included, as DeepEP counts), mean over ranks."""
+    handle = out.handle
+    rank = dist.get_rank()
+    remote_rows = sum(n for r, n in enumerate(handle.send_splits) if r != rank)
+    received_rows = sum(handle.recv_splits)
+    t = torch.tensor(
+        [remote_rows * dispatch_row_bytes, remote_rows * combine_row_bytes, received_rows * dispatch_row_bytes],
+        dtype=torch.float64, device=dev,
+    )
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return {"dispatch_bytes_out": t[0].item(), "combine_bytes_out": t[1].item(), "dispatch_bytes_received": t[2].item()}
+
+
+def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
+    from dispatch.bench import megatron_baseline as mb
+
+    routing_map, probs = mb.routing_to_megatron(topk_idx, topk_weights, shape.experts)
+    md = mb.build_megatron_dispatcher(kind, shape.experts, shape.topk, shape.hidden)
+    result = mb.megatron_round_trip(md, x, routing_map, probs, weight_by_probs=True)
+    wrong = wrong_rows(result, x, topk_weights)
+    traffic = {}
+    if kind == "alltoall":  # one row per (token, expert) pair; no deduplication
+        world, rank = dist.get_world_size(), dist.get_rank()
+        home = topk_idx // (shape.experts // world)
+        t = torch.stack([(home != rank).sum(), torch.tensor(0, device=dev)]).double()
+        received = torch.bincount(home.flatten(), minlength=world).double()
+        dist.all_reduce(received)
+        t[1] = received[rank]
+        dist.all_reduce(t)
+        t /= world
+        row_bytes = shape.hidden * x.element_size()
+        traffic = {"dispatch_bytes_out": t[0].item() * row_bytes, "combine_bytes_out": t[0].item() * row_bytes,
+                   "dispatch_bytes_received": t[1].item() * row_bytes}
+
+    def step(timer):
+        mb.megatron_round_trip(md, x, routing_map, probs, timer=timer)
+
+    runs = common.time_phases(step, args.iters, args.warmup, dev)
+    return _row(f"megatron {kind}", kind, "native", shape, routing, runs, wrong, traffic, PHASES)
+
+
+def _row(name, variant, wire, shape, routing, runs, wrong, traffic, phases) -> dict:
+    dispatch_ms = [sum(r.get(p, 0.0) for p in DISPATCH_PHASES) for r in runs]
+    combine_ms = [r["total"] - d for r, d in zip(runs, dispatch_ms)]
+    row = {
+        "name": name if wire == "native" else f"{name} {wire}",
+        "variant": variant,
+        "wire": wire,
+        "shape": asdict(shape),
+        "routing": routing,
+        "world_size": dist.get_world_size(),
+        "round_trip_ms": common.spread([r["total"] for r in runs]),
+        "dispatch_ms": common.spread(dispatch_ms),
+        "combine_ms": common.spread(combine_ms),
+        "phases_ms": {p: common.spread([r[p] for r in runs])["median"] for p in phases if p in runs[0]},
+        "wrong": wrong,
+        **traffic,
+    }
+    received = traffic.get("dispatch_bytes_received")
+    if received:
+        row["deepep_dispatch_gbps"] = received / (row["dispatch_ms"]["median"] * 1e6)
+        row["deepep_combine_gbps"] = received / (row["combine_ms"]["median"] * 1e6)
+    return row
+
+
+def _profile(d, x, topk_idx, topk_weights, args, shape, dev) -> None:
+    """Profile 5 round trips; rank 0 writes the op table (what the time goes to)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            out = d.dispatch(x, topk_idx, topk_weights)
+            d.combine(out.tokens, out.handle, weights=out.weights)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"profile-{shape.name}-w{dist.get_world_size()}.txt")
+        averages = prof.key_averages()
+        with open(path, "w") as f:
+            for key in ("self_cpu_time_total", "self_device_time_total" if dev.type == "cuda" else "count"):
+                f.write(f"sorted by {key}\n{averages.table(sort_by=key, row_limit=40)}\n")
+
+
+# -- report ---------------------------------------------------------------
+
+
+def _mb(value) -> str:
+    return "-" if value is None else f"{value / 1e6:.1f}"
+
+
+def _ms(stats: dict) -> str:
+    return f"{stats['median']:.3f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ["shape", "routing", "dispatcher", "round trip ms", "p10-p90", "vs megatron a2a", "dispatch ms",
+            "combine ms", *PHASES, "MB out/rank (dispatch, combine)", "DeepEP-style GB/s (dispatch, combine)", "#wrong"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        base = _baseline(rows, r)
+        speedup = f"{base / r['round_trip_ms']['median']:.2f}x" if base else "-"
+        rt = r["round_trip_ms"]
+        phases = [f"{r['phases_ms'][p]:.3f}" if p in r["phases_ms"] else "-" for p in PHASES]
+        moved = f"{_mb(r.get('dispatch_bytes_out'))}, {_mb(r.get('combine_bytes_out'))}"
+        bw = (f"{r['deepep_dispatch_gbps']:.0f}, {r['deepep_combine_gbps']:.0f}" if "deepep_dispatch_gbps" in r else "-")
+        lines.append("| " + " | ".join([
+            r["shape"]["name"], r["routing"], r["name"], _ms(rt), f"{rt['p10']:.3f}-{rt['p90']:.3f}", speedup,
+            _ms(r["dispatch_ms"]), _ms(r["combine_ms"]), *phases, moved, bw, str(r["wrong"]),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def _baseline(rows: list[dict], row: dict) -> float | None:
+    for r in rows:
+        if (r["name"] == "megatron alltoall" and r["shape"]["name"] == row["shape"]["name"]
+                and r["routing"] == row["routing"]):
+            return r["round_trip_ms"]["median"]
+    return None
+
+
+def summary(rows: list[dict]) -> str:
+    """The fixed-width table printed at the end of a run."""
+    cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 28), ("round trip", "(ms)", 10),
+            ("dispatch", "(ms)", 9), ("combine", "(ms)", 9), ("vs mcore a2a", "", 12), ("#wrong", "", 7)]
+    body = []
+    for r in rows:
+        base = _baseline(rows, r)
+        body.append([r["shape"]["name"], r["routing"], r["name"], _ms(r["round_trip_ms"]), _ms(r["dispatch_ms"]),
+                     _ms(r["combine_ms"]), f"{base / r['round_trip_ms']['median']:.2f}x" if base else "-",
+                     str(r["wrong"])])
+    return common.fixed_width(cols, body)
+
+
+def report(result: dict, args: argparse.Namespace) -> str:
+    rows, world = result["rows"], result["world_size"]
+    where = common.environment().get("gpu", "CPU gloo")
+    title = f"dispatch + combine, W={world}, {result['dtype']} tokens, {where}"
+    stem = f"dispatch-w{world}"
+    notes = [
+        "Times: median over the timed runs, the slowest rank's per run. Megatron-Core's six stages "
+        "(dispatch_preprocess, token_dispatch, dispatch_postprocess, combine_preprocess, token_combine, "
+        "combine_postprocess) fill the six phase columns in that order. MB out/rank: bytes sent to other "
+        "ranks per direction. DeepEP-style GB/s: bytes of the rows a rank receives in dispatch (its own "
+        "included) over the dispatch time, and over the combine time."
+    ]
+    png = plots.round_trip_plot(rows, os.path.join(args.out, stem + ".png"), title, PHASES)
+    if png:
+        notes.append(f"plot: {os.path.basename(png)}")
+    return common.write_results(args.out, stem, title, markdown_table(rows), result, notes)
