@@ -51,9 +51,10 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
         return RowwiseExperts(num_local_experts, hidden, dtype, seed).to(current_device())
     torch.manual_seed(seed)
     experts = GroupedExperts(num_local_experts, hidden, 2 * hidden, activation=kind, dtype=dtype)
-    with torch.no_grad():  # dyadic weights: the relu experts stay exact in fp64
-        for p in experts.parameters():
-            p.copy_((p * 8).round() / 8)
+    if kind == "relu":
+        with torch.no_grad():  # dyadic weights: the relu experts stay exact in fp64
+            for p in experts.parameters():
+                p.copy_((p * 8).round() / 8)
     return experts.to(current_device())
 
 
