@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from dispatch.config import DispatchConfig
 from dispatch.dispatchers import VARIANT_CLASSES, CombineHandle, Dispatched, TokenDispatcher
+from dispatch import experts  # noqa: F401  (dispatch.experts.GroupedExperts)
 from dispatch.pipeline import MoEExchange
 from dispatch.timing import PhaseTimer
 
