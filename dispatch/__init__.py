@@ -7,6 +7,9 @@ Public API::
     out = d.dispatch(x, topk_idx, topk_weights)   # Dispatched
     y = experts(out.tokens, out.tokens_per_expert)
     h = d.combine(y, out.handle, weights=out.weights)
+
+    layer = dispatch.MoEExchange(d, experts, chunks=4)   # the same, pipelined
+    h = layer(x, topk_idx, topk_weights)
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import torch.distributed as dist
 
 from dispatch.config import DispatchConfig
 from dispatch.dispatchers import VARIANT_CLASSES, CombineHandle, Dispatched, TokenDispatcher
+from dispatch import experts  # noqa: F401  (dispatch.experts.GroupedExperts)
+from dispatch.pipeline import MoEExchange
 from dispatch.timing import PhaseTimer
 
-__all__ = ["CombineHandle", "DispatchConfig", "Dispatched", "PhaseTimer", "TokenDispatcher", "create"]
+__all__ = ["CombineHandle", "DispatchConfig", "Dispatched", "MoEExchange", "PhaseTimer", "TokenDispatcher", "create"]
 __version__ = "0.1.0"
 
 

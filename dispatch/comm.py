@@ -73,3 +73,64 @@ def all_to_all_rows(
         out, as_bytes, list(recv_splits), list(send_splits), group=group
     )
     return out.view(rows.dtype).view(num_recv, *tail)
+
+
+def all_to_all_rows_start(
+    rows: torch.Tensor,
+    send_splits: tuple[int, ...],
+    recv_splits: tuple[int, ...],
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, "dist.Work | None"]:
+    """:func:`all_to_all_rows` issued with ``async_op=True``.
+
+    Returns:
+        (out, work): ``out`` is the [sum(recv_splits), ...] result buffer, valid
+        once ``work.wait()`` returned (on NCCL: once the current stream reaches
+        the point where ``wait`` was called). ``work`` is None when nothing
+        travels (a group of one), and ``out`` is then ``rows`` itself.
+    """
+    if len(send_splits) == 1:
+        return rows, None
+    rows = rows.contiguous()
+    tail = rows.shape[1:]
+    as_bytes = rows.view(rows.shape[0], math.prod(tail)).view(torch.uint8)
+    num_recv = sum(recv_splits)
+    out = torch.empty(num_recv, as_bytes.shape[1], dtype=torch.uint8, device=rows.device)
+    work = dist.all_to_all_single(
+        out, as_bytes, list(recv_splits), list(send_splits), group=group, async_op=True
+    )
+    return out.view(rows.dtype).view(num_recv, *tail), work
+
+
+def new_group_with_sm_budget(ranks: list[int] | None, max_ctas: int, min_ctas: int | None = None):
+    """A new NCCL process group whose collectives use at most ``max_ctas`` thread
+    blocks (CTAs, one per SM) per GPU, so that they leave the other SMs to
+    the experts running beside them.
+
+    This is how to build an EP group for :class:`dispatch.MoEExchange` on a
+    machine where the exchange should not crowd out the compute::
+
+        ep_group = dispatch.comm.new_group_with_sm_budget(ep_ranks, max_ctas=16)
+        d = dispatch.create(cfg, ep_group)
+
+    which is ``dist.new_group(ranks, backend="nccl", pg_options=opts)`` with
+    ``opts = dist.ProcessGroupNCCL.Options(); opts.config.max_ctas = max_ctas``.
+    Fewer CTAs also make the exchange slower, which is how the benchmark emulates
+    a slow (inter-node) tier on one machine. Must be called by every rank of the
+    world (like ``dist.new_group``).
+
+    Args:
+        ranks: global ranks of the group (None: the whole world).
+        max_ctas: upper bound of CTAs per collective, >= 1.
+        min_ctas: lower bound, in [1, max_ctas] (default 1).
+    """
+    if isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1:
+        raise ValueError(f"max_ctas must be an int >= 1, got {max_ctas!r}")
+    if min_ctas is not None and (not isinstance(min_ctas, int) or not 1 <= min_ctas <= max_ctas):
+        raise ValueError(f"min_ctas must be an int in [1, max_ctas={max_ctas}], got {min_ctas!r}")
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise RuntimeError("new_group_with_sm_budget needs a torch build with NCCL")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.max_ctas = max_ctas
+    opts.config.min_ctas = min_ctas if min_ctas is not None else 1
+    return dist.new_group(ranks, backend="nccl", pg_options=opts)

@@ -123,6 +123,40 @@ def split_gathered(gathered: torch.Tensor, world_size: int) -> tuple[torch.Tenso
     return counts.view(world_size, world_size, -1), gathered[:, counts.shape[1] :]
 
 
+def chunk_counts(r: Route, topk_idx: torch.Tensor, bounds: tuple[int, ...], num_experts: int) -> torch.Tensor:
+    """Counts of C home token ranges, for one counts exchange that serves all chunks.
+
+    Args:
+        r: :class:`Route` of all T tokens.
+        topk_idx: [T, K] expert ids.
+        bounds: C + 1 ascending host ints from 0 to T; chunk c is tokens
+            ``[bounds[c], bounds[c + 1])``.
+        num_experts: E.
+    Returns:
+        [C, W, 1 + E_local] int64; ``[c]`` is ``route(topk_idx[chunk c]).counts``.
+    """
+    num_tokens, world_size = r.hit.shape
+    chunks = len(bounds) - 1
+    device = r.hit.device
+    sizes = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
+    chunk_of = torch.repeat_interleave(torch.arange(chunks, device=device), sizes, output_size=num_tokens)
+    rows = torch.zeros(chunks, world_size, dtype=torch.int64, device=device)
+    rows.index_add_(0, chunk_of, r.hit.long())
+    valid = r.dest < world_size
+    slot = torch.where(valid, topk_idx.long(), num_experts) + (num_experts + 1) * chunk_of.unsqueeze(1)
+    slots = torch.zeros(chunks * (num_experts + 1), dtype=torch.int64, device=device)
+    slots.scatter_add_(0, slot.flatten(), torch.ones_like(slot.flatten()))
+    per_expert = slots.view(chunks, num_experts + 1)[:, :num_experts].reshape(chunks, world_size, -1)
+    return torch.cat([rows.unsqueeze(2), per_expert], dim=2)
+
+
+def split_gathered_chunks(gathered: torch.Tensor, world_size: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W, L] all-gathered rows of ``chunk_counts`` + header ->
+    (all_counts [W_src, C, W_dst, 1 + E_local], headers [W, len(HEADER)])."""
+    counts = gathered[:, : gathered.shape[1] - len(HEADER)]
+    return counts.view(world_size, chunks, world_size, -1), gathered[:, counts.shape[1] :]
+
+
 @dataclass(frozen=True)
 class SendPlan:
     """Where each of this rank's tokens goes, and where its partial sums come back.

@@ -24,9 +24,9 @@ import torch
 
 from dispatch import checks, comm, plan
 from dispatch.codec import Codec
-from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
+from dispatch.dispatchers.base import CombineHandle, Pending, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
-from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
+from dispatch.plan_graph import PlanGraphCache, PlanKey, plan_summary, route_phase, send_phase
 from dispatch.timing import mark
 
 
@@ -68,9 +68,7 @@ class AllToAllDispatcher(TokenDispatcher):
         num_tokens, topk = topk_idx.shape
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
-        header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64)
-        if x.is_cuda:  # from pinned memory, so the copy does not wait for the stream
-            header_row = header_row.pin_memory().to(x.device, non_blocking=True)
+        header_row = self._header_row(x, topk_weights, topk)
         captured = None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
             key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values)
@@ -83,19 +81,81 @@ class AllToAllDispatcher(TokenDispatcher):
             checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
         planned = captured.run_send() if captured is not None else send_phase(route, gathered, rank, topk_idx, weights)
-        sp = planned.send
         summary = planned.summary.cpu()  # host sync: split sizes for NCCL, row counts, peers' headers
         experts_end = 2 * world + self.num_local_experts
-        x_grad_any, weights_grad_any = checks.check_peer_headers(summary[experts_end:].view(world, -1))
+        grads_any = checks.check_peer_headers(summary[experts_end:].view(world, -1))
+        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
+        all_counts = plan.split_gathered(gathered, world)[0]
+        return self._complete_plan(
+            planned.send, summary[:experts_end], planned.summary[:experts_end], all_counts,
+            topk_idx, weights.dtype, grads_any, keep,
+        )
+
+    def _plan_chunks(self, x, topk_idx, topk_weights, bounds, check_values):
+        """All chunks from one route, one counts all-gather ([C, W, 1 + E_local]
+        counts per rank) and one host synchronisation; then one metadata
+        all-to-all per chunk. The plan runs eagerly (no CUDA graphs)."""
+        world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
+        num_tokens, topk = topk_idx.shape
+        chunks = len(bounds) - 1
+        weights = topk_weights.detach()
+        check_values = check_values and num_tokens > 0
+        header_row = self._header_row(x, topk_weights, topk)
+        flags, route, _ = route_phase(topk_idx, weights, header_row, num_experts, world, check_values)
+        if flags is not None:  # before the first exchange
+            checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+        counts = plan.chunk_counts(route, topk_idx, bounds, num_experts)
+        gathered = comm.all_gather_rows(torch.cat([counts.flatten(), header_row]), self.group, world)
+        all_counts, headers = plan.split_gathered_chunks(gathered, world, chunks)
+        sends, summaries = [], []
+        for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            r = plan.Route(dest=route.dest[a:b], hit=route.hit[a:b], counts=counts[c])
+            sends.append(plan.build_send_plan(r, all_counts[:, c], rank, topk_idx[a:b], weights[a:b]))
+            summaries.append(plan_summary(r, all_counts[:, c], headers[:0], rank))
+        # host sync: split sizes of every chunk for NCCL, row counts, peers' headers (once for all chunks)
+        summary = torch.cat([*summaries, headers.flatten()]).cpu()
+        per_chunk = 2 * world + self.num_local_experts
+        grads_any = checks.check_peer_headers(summary[chunks * per_chunk :].view(world, -1))
+        out = []
+        for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            host = summary[c * per_chunk : (c + 1) * per_chunk]
+            out.append(
+                self._complete_plan(
+                    sends[c], host, summaries[c], all_counts[:, c], topk_idx[a:b], weights.dtype, grads_any,
+                    lambda t: t,
+                )
+            )
+        return out
+
+    def _header_row(self, x, topk_weights, topk) -> torch.Tensor:
+        header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64)
+        if x.is_cuda:  # from pinned memory, so the copy does not wait for the stream
+            header_row = header_row.pin_memory().to(x.device, non_blocking=True)
+        return header_row
+
+    def _complete_plan(self, sp, summary, summary_dev, all_counts, topk_idx, weight_dtype, grads_any, keep):
+        """Handle and outputs of one exchange, once its split sizes are on the host.
+
+        Args:
+            sp: the :class:`plan.SendPlan`.
+            summary: [2 W + E_local] host int64: rows sent to / received from
+                each rank, rows per local expert (``plan_summary`` without headers).
+            summary_dev: the same on the device (at least 2 W + E_local entries).
+            all_counts: [W_src, W_dst, 1 + E_local] all-gathered counts.
+            topk_idx: [T, K] of the exchange.
+            grads_any: (x_grad_any, weights_grad_any) of the group.
+            keep: applied to tensors that must outlive a replayed plan graph.
+        """
+        world, rank = self.world_size, self.rank
+        num_tokens, topk = topk_idx.shape
+        experts_end = 2 * world + self.num_local_experts
         send_splits = tuple(summary[:world].tolist())
         recv_splits = tuple(summary[world : 2 * world].tolist())
         per_expert_host = summary[2 * world : experts_end]
         num_send, num_rows = sum(send_splits), int(per_expert_host.sum())
-        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
-        all_counts = plan.split_gathered(gathered, world)[0]
 
         recv_meta = comm.all_to_all_rows(sp.meta[:num_send], send_splits, recv_splits, self.group)
-        rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(weights.dtype))
+        rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(weight_dtype))
         recv_rank = torch.repeat_interleave(
             torch.arange(world, device=topk_idx.device), all_counts[:, rank, 0], output_size=sum(recv_splits)
         )
@@ -104,8 +164,8 @@ class AllToAllDispatcher(TokenDispatcher):
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,
-            x_grad_any=x_grad_any,
-            weights_grad_any=weights_grad_any,
+            x_grad_any=grads_any[0],
+            weights_grad_any=grads_any[1],
             send_splits=send_splits,
             recv_splits=recv_splits,
             send_token=keep(sp.send_token[:num_send]),
@@ -117,7 +177,7 @@ class AllToAllDispatcher(TokenDispatcher):
         )
         outputs = PlanOutputs(
             weights=rp.weights,
-            tokens_per_expert=keep(planned.summary[2 * world : experts_end]),
+            tokens_per_expert=keep(summary_dev[2 * world : experts_end]),
             tokens_per_expert_host=per_expert_host,
             src_rank=recv_rank.index_select(0, rp.expand_src),
             src_token=rp.src_token.index_select(0, rp.expand_src),
@@ -154,8 +214,33 @@ class AllToAllDispatcher(TokenDispatcher):
         padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
         back = comm.all_to_all_rows(grid, handle.recv_splits, handle.send_splits, self.group)  # [S, J]
-        back = torch.cat([back.flatten(), values.new_zeros(1)])
-        at = torch.where(
-            handle.slot_row >= 0, handle.slot_row * index.shape[1] + handle.slot_col, back.numel() - 1
-        )
-        return back[at]
+        return _slots_from_rows(back, handle, values)
+
+    # -- chunked exchanges: collectives left in flight -------------------------
+
+    def _to_experts_start(self, rows, handle, codec):
+        sent = codec.pack(rows, handle.send_token)
+        received, work = comm.all_to_all_rows_start(sent, handle.send_splits, handle.recv_splits, self.group)
+        return Pending(work, lambda: codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src))
+
+    def _to_home_start(self, rows, handle, weights, wire):
+        partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
+        back, work = comm.all_to_all_rows_start(partial, handle.recv_splits, handle.send_splits, self.group)
+        at_least = None if weights is None else weights.dtype
+        return Pending(work, lambda: gather_sum(back, handle.home_index, None, rows.dtype, at_least))
+
+    def _weights_to_home_start(self, values, handle):
+        index = handle.presum_index  # [R, J]
+        padded = torch.cat([values, values.new_zeros(1)])
+        grid = padded[torch.where(index >= 0, index, values.shape[0])]
+        back, work = comm.all_to_all_rows_start(grid, handle.recv_splits, handle.send_splits, self.group)
+        return Pending(work, lambda: _slots_from_rows(back, handle, values))
+
+
+def _slots_from_rows(back: torch.Tensor, handle: AllToAllHandle, values: torch.Tensor) -> torch.Tensor:
+    """[S, J] per-row values come home -> [T, K] per-slot values (0 for empty slots)."""
+    flat = torch.cat([back.flatten(), values.new_zeros(1)])
+    at = torch.where(
+        handle.slot_row >= 0, handle.slot_row * handle.presum_index.shape[1] + handle.slot_col, flat.numel() - 1
+    )
+    return flat[at]

@@ -191,6 +191,85 @@ class TokenDispatcher(abc.ABC):
         """[N] per-row values -> [T, K] per-slot values (0 for empty slots)."""
 
 
+    # -- chunked exchanges (dispatch.pipeline) ----------------------------
+    #
+    # A pipeline splits the tokens of each rank into C home token ranges and
+    # moves each range as its own exchange: chunk c of every rank forms one
+    # exchange of the group, with its own handle. Each ``_*_start`` issues the
+    # exchange and returns a :class:`Pending`; ``finish()`` gives the result.
+    # The defaults below are correct for every variant and overlap nothing
+    # (one plan, with its counts exchange and host sync, per chunk; exchanges
+    # that are finished when ``start`` returns); a variant overrides them to
+    # plan all chunks at once and to leave the collectives in flight.
+
+    def _plan_chunks(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        bounds: tuple[int, ...],
+        check_values: bool,
+    ) -> list[tuple[CombineHandle, "PlanOutputs"]]:
+        """Plans of the C exchanges of home token ranges ``[bounds[c], bounds[c+1])``.
+
+        Args:
+            x: [T, H]; topk_idx: [T, K]; topk_weights: [T, K] (checked by the caller).
+            bounds: C + 1 ascending host ints from 0 to T (a range may be empty).
+            check_values: as in ``_plan``.
+        Returns:
+            per chunk, (handle, plan outputs) as ``_plan`` of that range returns
+            them: chunk c's rows are the rows of the one-shot dispatch whose
+            source token lies in range c of its home rank, in canonical order.
+
+        Generic fallback: one ``_plan`` (one counts exchange, one host sync) per chunk.
+        """
+        return [
+            self._plan(x[a:b], topk_idx[a:b], topk_weights[a:b], check_values)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+
+    def _to_experts_start(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> "Pending":
+        """``_to_experts`` left in flight. Generic fallback: runs it to the end."""
+        return Pending.done(self._to_experts(rows, handle, codec))
+
+    def _to_home_start(
+        self, rows: torch.Tensor, handle: CombineHandle, weights: torch.Tensor | None, wire: torch.dtype
+    ) -> "Pending":
+        """``_to_home`` left in flight. Generic fallback: runs it to the end."""
+        return Pending.done(self._to_home(rows, handle, weights, wire))
+
+    def _weights_to_home_start(self, values: torch.Tensor, handle: CombineHandle) -> "Pending":
+        """``_weights_to_home`` left in flight. Generic fallback: runs it to the end."""
+        return Pending.done(self._weights_to_home(values, handle))
+
+
+class Pending:
+    """An exchange in flight: ``finish()`` waits for its collective and runs what
+    remains (decode, expand, final sum) on the current stream, once.
+
+    On NCCL, ``work.wait()`` makes the current stream wait for the collective
+    (the host does not block); on gloo it blocks the host until the data is there.
+    The object holds the buffers the collective writes until it is finished.
+    """
+
+    def __init__(self, work, then) -> None:
+        self._work, self._then = work, then
+        self._result = None
+
+    @classmethod
+    def done(cls, result: torch.Tensor) -> "Pending":
+        pending = cls(None, None)
+        pending._result = result
+        return pending
+
+    def finish(self) -> torch.Tensor:
+        if self._then is not None:
+            if self._work is not None:
+                self._work.wait()
+            self._result, self._work, self._then = self._then(), None, None
+        return self._result
+
+
 @dataclass(frozen=True)
 class PlanOutputs:
     """Per-row facts the plan learned, handed to :class:`Dispatched` (weights in

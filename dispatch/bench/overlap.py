@@ -1,0 +1,346 @@
+"""Overlap study: how much of the exchange MoEExchange hides behind the experts.
+
+For each model shape, forward and forward+backward of the MoE layer
+(exchange + GroupedExperts), on every local GPU with NCCL (or a tiny CPU world on
+gloo, as a smoke test):
+
+    T_comm      the exchange alone (MoEExchange, C = 1, identity experts)
+    T_compute   the experts alone, on the rows one dispatch delivers
+    T_seq       MoEExchange(C = 1) with GroupedExperts
+    T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks``
+    hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
+
+Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
+CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
+with an NCCL SM budget (a slower exchange, as on a slow inter-node tier);
+``--trace`` writes one pipelined forward+backward's profiler trace and draws the
+two streams' kernels to a PNG.
+
+    python -m dispatch.bench.overlap --out bench/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+import dispatch
+from dispatch.experts import GroupedExperts
+
+
+@dataclass(frozen=True)
+class Shape:
+    """T tokens per rank, hidden H, E experts, top-K, expert ffn hidden F."""
+
+    name: str
+    tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    ffn: int
+
+
+SHAPES = {
+    s.name: s
+    for s in [
+        Shape("deepseek-v3", 4096, 7168, 256, 8, 2048),
+        Shape("mixtral-8x7b", 8192, 4096, 8, 2, 14336),
+        Shape("cpu-tiny", 64, 32, 8, 2, 64),
+    ]
+}
+PASSES = ("fwd", "fwd+bwd")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dispatch-overlap", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES),
+                        help="shapes (default: deepseek-v3 mixtral-8x7b on GPUs, cpu-tiny on CPU)")
+    parser.add_argument("--world-size", type=int, help="ranks (default: all GPUs, or 2 CPU processes)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8], help="C values tried for T_pipe")
+    parser.add_argument("--iters", type=int, default=20, help="timed runs (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
+    parser.add_argument("--comm-max-ctas", type=int, help="NCCL max_ctas of the EP group (a slower exchange)")
+    parser.add_argument("--comm-priority", type=int, default=-1, help="CUDA priority of the comm stream")
+    parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
+    parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    if any(c < 1 for c in args.chunks):
+        parser.error("--chunks values must be >= 1")
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    if args.comm_max_ctas is not None and (args.comm_max_ctas < 1 or not torch.cuda.is_available()):
+        parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
+    try:
+        dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire)
+    except ValueError as exc:
+        parser.error(f"--dispatch-wire: {exc}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    use_cuda = torch.cuda.is_available()
+    args.shape = args.shape or (["deepseek-v3", "mixtral-8x7b"] if use_cuda else ["cpu-tiny"])
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        _run_rank(int(os.environ["LOCAL_RANK"]), args, None)
+        return 0
+    world = args.world_size or (torch.cuda.device_count() if use_cuda else 2)
+    if use_cuda and world > torch.cuda.device_count():
+        print(f"dispatch-overlap: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
+        return 2
+    for name in args.shape:
+        if SHAPES[name].experts % world:
+            print(f"dispatch-overlap: {SHAPES[name].experts} experts do not split over {world} ranks", file=sys.stderr)
+            return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    torch.multiprocessing.spawn(_run_rank, args=(args, env), nprocs=world, join=True)
+    return 0
+
+
+def _run_rank(rank: int, args: argparse.Namespace, env: dict | None) -> None:
+    if env is not None:
+        os.environ.update(env)
+        os.environ["RANK"] = str(rank)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    try:
+        group = None
+        if args.comm_max_ctas is not None:
+            group = dispatch.comm.new_group_with_sm_budget(None, args.comm_max_ctas)
+        for name in args.shape:
+            rows, trace = run_shape(SHAPES[name], args, group)
+            if dist.get_rank() == 0:
+                report(SHAPES[name], rows, args, trace)
+    finally:
+        dist.destroy_process_group()
+
+
+def _time(fn, iters: int, warmup: int, device, group) -> float:
+    """Median over ``iters`` of the slowest rank's time (ms) of ``fn``, barrier first."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()  # host sync: reading the timing, outside the measured work
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    worst = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(worst.tolist())
+
+
+def _routing(shape: Shape, rank: int, device):
+    gen = torch.Generator(device=device).manual_seed(rank)
+    scores = torch.rand(shape.tokens, shape.experts, generator=gen, device=device)
+    topk_idx = scores.topk(shape.topk, dim=1).indices
+    topk_weights = torch.softmax(torch.rand(shape.tokens, shape.topk, generator=gen, device=device), dim=1)
+    return topk_idx, topk_weights
+
+
+def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cfg = dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=args.dispatch_wire)
+    d = dispatch.create(cfg, group)
+    torch.manual_seed(1234 + rank)
+    experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, dtype=dtype, device=device)
+    x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
+    grad = torch.randn_like(x)
+    topk_idx, topk_weights = _routing(shape, rank, device)
+    planned = d.dispatch(x, topk_idx, topk_weights)
+    tokens, per_expert = planned.tokens.detach(), planned.tokens_per_expert
+    del planned
+
+    def identity(t, n):
+        return t
+
+    def layer_fn(layer, backward):
+        def run():
+            xs = x.detach().requires_grad_(backward)
+            ws = topk_weights.detach().requires_grad_(backward)
+            out = layer(xs, topk_idx, ws)
+            if backward:
+                out.backward(grad)
+                experts.zero_grad(set_to_none=True)
+            return out
+
+        return run
+
+    def compute_fn(backward):
+        def run():
+            leaf = tokens.detach().requires_grad_(backward)
+            y = experts(leaf, per_expert)
+            if backward:
+                y.backward(torch.ones_like(y))
+                experts.zero_grad(set_to_none=True)
+
+        return run
+
+    def timed(fn):
+        return _time(fn, args.iters, args.warmup, device, group)
+
+    prio = args.comm_priority
+    rows = []
+    for name in PASSES:
+        backward = name == "fwd+bwd"
+        t_comm = timed(layer_fn(dispatch.MoEExchange(d, identity, chunks=1, comm_priority=prio), backward))
+        t_compute = timed(compute_fn(backward))
+        seq_layer = dispatch.MoEExchange(d, experts, chunks=1, comm_priority=prio)
+        t_seq = timed(layer_fn(seq_layer, backward))
+        by_chunks = {c: timed(layer_fn(dispatch.MoEExchange(d, experts, chunks=c, comm_priority=prio), backward))
+                     for c in args.chunks}
+        best = min(by_chunks, key=by_chunks.get)
+        with torch.no_grad():
+            want = seq_layer(x, topk_idx, topk_weights)
+            got = dispatch.MoEExchange(d, experts, chunks=best, comm_priority=prio)(x, topk_idx, topk_weights)
+        diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+        rows.append(dict(
+            shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
+            comm_max_ctas=args.comm_max_ctas, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
+            t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
+            hidden_fraction=(t_seq - by_chunks[best]) / min(t_comm, t_compute),
+            max_abs_diff_vs_seq=float(diff),
+        ))
+    trace = None
+    if args.trace:
+        best = rows[-1]["best_chunks"]
+        trace = _trace(layer_fn(dispatch.MoEExchange(d, experts, chunks=best, comm_priority=prio), True),
+                       shape, args, device, best)
+    return rows, trace
+
+
+def _trace(fn, shape, args, device, chunks) -> str | None:
+    """Profile one pipelined forward+backward; rank 0 writes the trace and its PNG timeline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # host sync: the trace must hold the whole step
+    if dist.get_rank() != 0:
+        return None
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"overlap-trace-{shape.name}-w{dist.get_world_size()}{_suffix(args)}")
+    prof.export_chrome_trace(stem + ".json")
+    draw_timeline(stem + ".json", stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, C={chunks}")
+    return stem + ".png"
+
+
+def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
+    """Bars of a chrome trace's GPU kernels, one lane per CUDA stream (CPU ops per
+    thread when the trace has no kernels); communication kernels in orange."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(trace_path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:
+        lanes = {}
+        for e in kernels:
+            lanes.setdefault(f"stream {e.get('args', {}).get('stream', '?')}", []).append(e)
+    else:
+        lanes = {}
+        for e in events:
+            if e.get("cat") == "cpu_op":
+                lanes.setdefault(f"thread {e.get('tid')}", []).append(e)
+    if not lanes:
+        raise ValueError(f"{trace_path} holds no kernels or CPU ops to draw")
+    start = min(e["ts"] for lane in lanes.values() for e in lane)
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.6 * len(lanes)))
+    for y, (name, lane) in enumerate(sorted(lanes.items())):
+        comm = [e for e in lane if _is_comm(e["name"])]
+        rest = [e for e in lane if not _is_comm(e["name"])]
+        for group, color in ((rest, "tab:blue"), (comm, "tab:orange")):
+            spans = [((e["ts"] - start) / 1e3, e["dur"] / 1e3) for e in group]
+            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color)
+    ax.set_yticks(range(len(lanes)), sorted(lanes))
+    ax.set_xlabel("ms")
+    ax.set_title(title + "  (orange: communication, blue: compute and copies)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def _is_comm(name: str) -> bool:
+    lowered = name.lower()
+    return "nccl" in lowered or "all_to_all" in lowered or "alltoall" in lowered or "allgather" in lowered
+
+
+def _suffix(args) -> str:
+    wire = "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
+    ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
+    return wire + ctas
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| shape | pass | W | wire | max_ctas | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | T_pipe by C | max abs diff |",
+        "|" + " --- |" * 13,
+    ]
+    for r in rows:
+        by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
+        lines.append(
+            f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r['dispatch_wire']} | {r['comm_max_ctas'] or '-'} | "
+            f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
+            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {by_c} | {r['max_abs_diff_vs_seq']:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+def report(shape: Shape, rows: list[dict], args, trace: str | None) -> None:
+    from dispatch.bench import environment
+
+    env = environment()
+    title = (f"overlap of exchange and experts, {shape.name} (T={shape.tokens}, H={shape.hidden}, "
+             f"E={shape.experts}, K={shape.topk}, ffn={shape.ffn}), W={rows[0]['world_size']}")
+    table = markdown_table(rows)
+    text = "\n".join([title, "", table, "", "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())])
+    print(text, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"overlap-{shape.name}-w{rows[0]['world_size']}{_suffix(args)}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"title": title, "shape": asdict(shape), "environment": env, "rows": rows,
+                   "iters": args.iters, "warmup": args.warmup, "trace_png": trace}, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# {title}\n\n{table}\n\n" + (f"timeline: {os.path.basename(trace)}\n\n" if trace else "")
+                + "environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""MoEExchange: the exchange pipelined against the expert compute, forward and backward.
+
+Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N); C chunks; H' the
+experts' output width.
+
+The tokens of each rank are split into C home token ranges; chunk c of every
+rank forms one exchange of the group. A token's output depends only on its own
+expert rows and on the home-side sum in ascending rank order, and chunk c's rows
+are a sub-sequence of the one-shot canonical order, so with experts that compute
+each row on its own the output and the gradients of x and topk_weights are
+bitwise those of C = 1. Gradients of the experts' parameters are sums over rows,
+accumulated one chunk after the other: bitwise those of C = 1 when these sums
+are exact, equal to rounding otherwise.
+
+Schedule, forward (backward alike, with the exchange of the gradients)::
+
+    comm stream:     D0 D1 H0 D2 H1 D3 H2 ...      D = dispatch, H = combine
+    compute stream:        X0    X1    X2 ...      X = experts
+
+One routing plan and one counts exchange serve all chunks (the dispatcher's
+``_plan_chunks``), with one host synchronisation before the pipeline starts;
+inside it the streams are ordered by CUDA events only. Collectives run on a
+communication stream of their own (``comm_priority``, default high), the
+experts on the caller's current stream. On CPU (gloo) the same schedule runs
+with ``async_op`` work handles: the collectives of chunks c - 1 and c + 1 travel
+while the experts compute chunk c.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dispatch import checks
+from dispatch.codec import sum_wire_dtype, to_experts_codec
+from dispatch.dispatchers.base import TokenDispatcher
+from dispatch.kernels.gather_sum import accumulate_dtype
+
+MAX_AUTO_CHUNKS = 4
+AUTO_CHUNK_BYTES = 16 * 2**20
+AUTO_MIN_CHUNK_TOKENS = 128
+
+
+def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
+    """The chunk count ``MoEExchange(chunks=None)`` uses.
+
+    Rule: one chunk per 16 MiB of the largest rank's tokens (``max_tokens * hidden
+    * itemsize``), rounded up, at most 4 and with at least 128 tokens per chunk
+    (at least 1). A chunk is then large enough for its GEMMs and collectives to
+    run near full speed, and there are enough of them to hide all but 1/C of
+    the exchange.
+    """
+    by_bytes = math.ceil(max_tokens * hidden * itemsize / AUTO_CHUNK_BYTES)
+    return max(1, min(MAX_AUTO_CHUNKS, by_bytes, max_tokens // AUTO_MIN_CHUNK_TOKENS))
+
+
+def chunk_bounds(num_tokens: int, chunks: int) -> tuple[int, ...]:
+    """C + 1 home token bounds: chunk c is tokens ``[c T // C, (c + 1) T // C)``."""
+    return tuple(c * num_tokens // chunks for c in range(chunks + 1))
+
+
+class MoEExchange(nn.Module):
+    """dispatch -> experts -> combine, in C chunks overlapping exchange and compute.
+
+    Args:
+        dispatcher: a :class:`TokenDispatcher` (``dispatch.create``). Its config's
+            wire formats apply to every direction as in ``dispatch``/``combine``.
+        experts: any callable ``(tokens [N, H], tokens_per_expert [E_local] int64
+            on the device of tokens) -> [N, H']``, rows in canonical order. If it
+            is an ``nn.Module`` it becomes a submodule and the gradients of its
+            parameters are computed by the pipelined backward.
+        chunks: C >= 1, or None to pick it from the sizes (:func:`auto_chunks`;
+            this costs one all-reduce of T and one host synchronisation per call).
+        comm_priority: CUDA priority of the communication stream (lower is
+            higher; clamped to the device's range). Default -1: the small
+            kernels around the collectives are not stuck behind the GEMMs.
+    """
+
+    def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int | None = None, comm_priority: int = -1):
+        super().__init__()
+        if not isinstance(dispatcher, TokenDispatcher):
+            raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
+        if not callable(experts):
+            raise TypeError(f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}")
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"chunks must be an int >= 1 or None, got {chunks!r}")
+        if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
+            raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
+        self.dispatcher = dispatcher
+        self.experts = experts
+        self.chunks = chunks
+        self.comm_priority = comm_priority
+        self._comm_streams: dict = {}
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Args:
+            x: [T, H] float16/bfloat16/float32/float64 tokens of this rank (T may be 0).
+            topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
+            topk_weights: [T, K] floating routing weights.
+        Returns:
+            [T, H'] in the experts' output dtype: for each token, the sum over its
+            slots of ``weight * experts(row)``, as ``combine(..., weights=...)``.
+            Differentiable w.r.t. x, topk_weights and the experts' parameters.
+        """
+        d = self.dispatcher
+        checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
+        chunks = self.chunks if self.chunks is not None else self._auto_chunks(x)
+        bounds = chunk_bounds(x.shape[0], chunks)
+        plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs)
+        params = tuple(p for p in self.experts.parameters() if p.requires_grad) if isinstance(
+            self.experts, nn.Module
+        ) else ()
+        grad_on = torch.is_grad_enabled()
+        anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
+        return _PipelineFn.apply(x, topk_weights, anchor, self, plans, bounds, grad_on, *params)
+
+    def _auto_chunks(self, x: torch.Tensor) -> int:
+        d = self.dispatcher
+        largest = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        if d.world_size > 1:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=d.group)
+        max_tokens = int(largest.item())  # host sync: the chunk count must agree on every rank
+        return auto_chunks(max_tokens, x.shape[1], x.element_size())
+
+    def _streams(self, device: torch.device) -> "_Streams":
+        if device.type != "cuda":
+            return _Streams(None, None)
+        key = torch.cuda.current_device() if device.index is None else device.index
+        if key not in self._comm_streams:
+            self._comm_streams[key] = torch.cuda.Stream(device=key, priority=self.comm_priority)
+        return _Streams(torch.cuda.current_stream(key), self._comm_streams[key])
+
+
+class _Streams:
+    """Where a pipeline stage runs. On CUDA: ``comm`` runs a stage on the
+    communication stream to its end (the host only enqueues) and the compute
+    stream waits for it by an event when its result is taken. On CPU: the stage
+    is left in flight (async work) and finished when its result is taken."""
+
+    def __init__(self, compute, comm) -> None:
+        self.compute, self.comm_stream = compute, comm
+
+    def comm(self, stage, to_compute: bool):
+        """Run ``stage() -> Pending`` on the communication side; returns an object
+        whose ``finish()`` gives the result (``to_compute``: for the compute stream)."""
+        if self.comm_stream is None:
+            return stage()
+        self.comm_stream.wait_stream(self.compute)  # inputs made on the compute stream so far
+        with torch.cuda.stream(self.comm_stream):
+            result = stage().finish()
+            event = torch.cuda.Event()
+            event.record(self.comm_stream)
+        return _Arrived(result, event, self.compute if to_compute else None)
+
+    def join(self) -> None:
+        """The compute stream waits for everything issued on the communication stream."""
+        if self.comm_stream is not None:
+            self.compute.wait_stream(self.comm_stream)
+
+
+class _Arrived:
+    def __init__(self, result, event, consumer) -> None:
+        self.result, self.event, self.consumer = result, event, consumer
+
+    def finish(self):
+        if self.consumer is not None:
+            self.consumer.wait_event(self.event)
+            # made in the communication stream's pool, used on the compute stream:
+            # the allocator must not hand the memory out again before that use
+            if isinstance(self.result, torch.Tensor):
+                self.result.record_stream(self.consumer)
+        return self.result
+
+
+def _run(streams: _Streams, chunks: int, bring, compute, send_back) -> None:
+    """D0 D1 X0 H0 D2 X1 H1 ...: ``bring(c) -> Pending`` (rows for the experts),
+    ``compute(c, rows) -> value``, ``send_back(c, value) -> Pending`` (stores its
+    result when finished). Every rank issues the collectives in this same order.
+    The values sent back are held until the end: on CUDA the communication
+    stream reads them after the host has moved on."""
+    inbound, held = {}, []
+
+    def issue(c):
+        if c < chunks:
+            inbound[c] = streams.comm(lambda: bring(c), to_compute=True)
+
+    issue(0)
+    issue(1)
+    outbound = None
+    for c in range(chunks):
+        value = compute(c, inbound.pop(c).finish())
+        held.append(value)
+        returning = streams.comm(lambda: send_back(c, value), to_compute=False)
+        issue(c + 2)
+        if outbound is not None:
+            outbound.finish()
+        outbound = returning
+    if outbound is not None:
+        outbound.finish()
+    streams.join()
+    held.clear()
+
+
+class _Stored:
+    """A Pending-like step that writes a finished result into a slice of a buffer."""
+
+    def __init__(self, pendings, store) -> None:
+        self.pendings, self.store = pendings, store
+
+    def finish(self):
+        self.store(*(p.finish() if p is not None else None for p in self.pendings))
+        self.pendings = ()
+
+
+class _PipelineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, grad_on, *params):
+        d, experts = layer.dispatcher, layer.experts
+        streams = layer._streams(x.device)
+        codec = to_experts_codec(d.config.dispatch_wire, x.dtype)
+        handles = [h for h, _ in plans]
+        weights = [o.weights.to(topk_weights.dtype, copy=True) for _, o in plans]
+        x_grad_any = bool(handles) and handles[0].x_grad_any
+        leaves, ys = [None] * len(plans), [None] * len(plans)
+        out = []  # [T, H'], allocated once the experts' output width is known
+
+        def bring(c):
+            a, b = bounds[c], bounds[c + 1]
+            return d._to_experts_start(x[a:b], handles[c], codec)
+
+        def compute(c, tokens):
+            leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
+            with torch.set_grad_enabled(grad_on):
+                y = experts(leaf, plans[c][1].tokens_per_expert)
+            _check_expert_out(y, tokens)
+            if not out:
+                out.append(y.new_empty(x.shape[0], y.shape[1]))
+            leaves[c], ys[c] = leaf, y
+            return y.detach().contiguous()
+
+        def send_back(c, y):
+            wire = sum_wire_dtype(d.config.combine_wire, y.dtype)
+            a, b = bounds[c], bounds[c + 1]
+            pending = d._to_home_start(y, handles[c], weights[c], wire)
+            return _Stored([pending], lambda h: out[0][a:b].copy_(h))
+
+        _run(streams, len(plans), bring, compute, send_back)
+        if not out:  # no chunk (cannot happen: C >= 1), kept for clarity of the types
+            raise RuntimeError("the pipeline ran no chunk")
+        ctx.layer, ctx.plans, ctx.bounds, ctx.weights = layer, plans, bounds, weights
+        ctx.leaves, ctx.ys, ctx.params = leaves, ys, params
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, topk_weights.dtype
+        ctx.anchor_dtype = anchor.dtype
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer, plans, bounds = ctx.layer, ctx.plans, ctx.bounds
+        d = layer.dispatcher
+        grad_out = grad_out.contiguous()
+        streams = layer._streams(grad_out.device)
+        handles = [h for h, _ in plans]
+        x_any, w_any = handles[0].x_grad_any, handles[0].weights_grad_any
+        codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype)
+        num_tokens, topk = ctx.x_shape[0], handles[0].topk
+        grad_x = grad_out.new_zeros(num_tokens, ctx.x_shape[1], dtype=ctx.x_dtype) if x_any else None
+        grad_topk = grad_out.new_zeros(num_tokens, topk, dtype=ctx.w_dtype) if w_any else None
+        grad_params = [None] * len(ctx.params)
+
+        def bring(c):
+            a, b = bounds[c], bounds[c + 1]
+            return d._to_experts_start(grad_out[a:b], handles[c], codec)
+
+        def compute(c, grad_rows):
+            y, leaf, w = ctx.ys[c], ctx.leaves[c], ctx.weights[c]
+            acc = accumulate_dtype(grad_rows.dtype, w.dtype)
+            grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
+            grad_w = (grad_rows.to(acc) * y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
+            inputs = ([leaf] if leaf.requires_grad else []) + list(ctx.params)
+            grads = [None] * len(inputs)
+            if inputs and y.requires_grad:
+                grads = list(torch.autograd.grad(y, inputs, grad_y, allow_unused=True))
+            ctx.ys[c] = ctx.leaves[c] = None  # the chunk's graph is spent
+            grad_tokens = grads.pop(0) if leaf.requires_grad else None
+            for i, g in enumerate(grads):
+                if g is not None:
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+            if x_any and grad_tokens is None:
+                grad_tokens = leaf.new_zeros(leaf.shape)
+            return grad_tokens, grad_w
+
+        def send_back(c, value):
+            grad_tokens, grad_w = value
+            a, b = bounds[c], bounds[c + 1]
+            to_x = to_w = None
+            if x_any:
+                wire = sum_wire_dtype(d.config.dispatch_grad_wire, grad_tokens.dtype)
+                to_x = d._to_home_start(grad_tokens.contiguous(), handles[c], None, wire)
+            if w_any:
+                to_w = d._weights_to_home_start(grad_w, handles[c])
+
+            def store(gx, gw):
+                if gx is not None:
+                    grad_x[a:b].copy_(gx)
+                if gw is not None:
+                    grad_topk[a:b].copy_(gw)
+
+            return _Stored([to_x, to_w], store)
+
+        _run(streams, len(plans), bring, compute, send_back)
+        needs = ctx.needs_input_grad
+        grad_params = [
+            torch.zeros_like(p) if g is None and needs[7 + i] else g
+            for i, (g, p) in enumerate(zip(grad_params, ctx.params))
+        ]
+        return (
+            grad_x if needs[0] else None,
+            grad_topk if needs[1] else None,
+            grad_out.new_zeros(0, dtype=ctx.anchor_dtype),
+            None,
+            None,
+            None,
+            None,
+            *grad_params,
+        )
+
+
+def _check_expert_out(y: object, tokens: torch.Tensor) -> None:
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"experts must return a tensor, got {type(y).__name__}")
+    if y.dim() != 2 or y.shape[0] != tokens.shape[0] or y.device != tokens.device:
+        raise ValueError(
+            f"experts must return [N, H'] rows on {tokens.device} for N={tokens.shape[0]} tokens; "
+            f"got shape {tuple(y.shape)} on {y.device}"
+        )

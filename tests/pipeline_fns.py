@@ -1,0 +1,129 @@
+"""Functions run on every rank of a test world for the pipeline tests (importable by name)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import dispatch
+from dispatch.dispatchers.alltoall import AllToAllDispatcher
+from dispatch.dispatchers.base import TokenDispatcher
+from dispatch.experts import GroupedExperts
+from world import current_device
+
+
+class RowwiseExperts(nn.Module):
+    """E_local elementwise experts: ``y = x * scale[e] + x * x * quad[e]``. Every
+    row is computed on its own, so chunking cannot change a row's bits."""
+
+    def __init__(self, num_local_experts: int, hidden: int, dtype: torch.dtype, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        # dyadic values: products and sums stay exact in fp64
+        self.scale = nn.Parameter((torch.randint(-8, 9, (num_local_experts, hidden), generator=gen) / 8).to(dtype))
+        self.quad = nn.Parameter((torch.randint(-8, 9, (num_local_experts, hidden), generator=gen) / 16).to(dtype))
+
+    def forward(self, tokens, tokens_per_expert):
+        expert = torch.repeat_interleave(
+            torch.arange(len(tokens_per_expert), device=tokens.device),
+            tokens_per_expert.to(tokens.device),
+            output_size=tokens.shape[0],
+        )
+        return tokens * self.scale[expert] + tokens * tokens * self.quad[expert]
+
+
+class GenericChunks(AllToAllDispatcher):
+    """The alltoall variant with the base class's generic chunk support (one plan
+    per chunk, exchanges finished on start), for comparison with the native one."""
+
+    _plan_chunks = TokenDispatcher._plan_chunks
+    _to_experts_start = TokenDispatcher._to_experts_start
+    _to_home_start = TokenDispatcher._to_home_start
+    _weights_to_home_start = TokenDispatcher._weights_to_home_start
+
+
+def _cpu(t):
+    return None if t is None else t.detach().cpu()
+
+
+def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dtype, seed: int):
+    if kind == "rowwise":
+        return RowwiseExperts(num_local_experts, hidden, dtype, seed).to(current_device())
+    torch.manual_seed(seed)
+    experts = GroupedExperts(num_local_experts, hidden, 2 * hidden, activation=kind, dtype=dtype)
+    if kind == "relu":
+        with torch.no_grad():  # dyadic weights: the relu experts stay exact in fp64
+            for p in experts.parameters():
+                p.copy_((p * 8).round() / 8)
+    return experts.to(current_device())
+
+
+def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
+              generic: bool = False, x_grad: bool = True, w_grad: bool = True):
+    """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
+    fresh identical experts; C = "plain" runs dispatch -> experts -> combine instead.
+    Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
+    device = current_device()
+    cfg = dispatch.DispatchConfig(**config)
+    d = GenericChunks(cfg) if generic else dispatch.create(cfg)
+    results = {}
+    for chunks in chunk_counts:
+        experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+        xs = x.to(device).requires_grad_(x_grad)
+        ws = topk_weights.to(device).requires_grad_(w_grad)
+        idx = topk_idx.to(device)
+        if chunks == "plain":
+            out = d.dispatch(xs, idx, ws)
+            y = experts(out.tokens, out.tokens_per_expert)
+            h = d.combine(y, out.handle, weights=out.weights)
+        else:
+            h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
+        (h * grad_out.to(device)).sum().backward()
+        results[chunks] = {
+            "out": _cpu(h),
+            "x": _cpu(xs.grad),
+            "topk_weights": _cpu(ws.grad),
+            "params": [_cpu(p.grad) for p in experts.parameters()],
+        }
+    return results
+
+
+def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks):
+    """Forward only, under no_grad (no expert graph kept)."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    experts = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+    with torch.no_grad():
+        h = dispatch.MoEExchange(d, experts, chunks=chunks)(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    return _cpu(h), h.requires_grad
+
+
+def chunk_plan_counts(topk_idx, bounds, num_experts: int, world_size: int):
+    """plan.chunk_counts against route() of each chunk's tokens, on one process."""
+    from dispatch import plan
+
+    r = plan.route(topk_idx, num_experts, world_size)
+    got = plan.chunk_counts(r, topk_idx, bounds, num_experts)
+    want = torch.stack([plan.route(topk_idx[a:b], num_experts, world_size).counts for a, b in zip(bounds, bounds[1:])])
+    return got, want
+
+
+def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
+    """Peak CUDA memory (bytes above the start) of one forward + backward."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    torch.manual_seed(0)
+    experts = GroupedExperts(d.num_local_experts, x.shape[1], 4 * x.shape[1], dtype=x.dtype, device=device)
+    layer = dispatch.MoEExchange(d, experts, chunks=chunks)
+    xs = x.to(device).requires_grad_()
+    ws = topk_weights.to(device).requires_grad_()
+    idx = topk_idx.to(device)
+    layer(xs, idx, ws).sum().backward()  # warm-up: streams, allocator, kernels
+    xs.grad = ws.grad = None
+    experts.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    layer(xs, idx, ws).sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start

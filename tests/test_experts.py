@@ -1,0 +1,87 @@
+"""GroupedExperts: both backends against a per-row dense reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dispatch.experts import GroupedExperts, grouped_mm_available
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(experts: GroupedExperts, tokens, counts):
+    """Row by row: each row through its own expert's two matrices, in fp64."""
+    expert_of = torch.repeat_interleave(torch.arange(len(counts)), counts.cpu())
+    out = []
+    for row, e in zip(tokens.double(), expert_of.tolist()):
+        h = row @ experts.w_in[e].double()
+        if experts.activation == "swiglu":
+            gate, up = h.chunk(2)
+            a = F.silu(gate) * up
+        else:
+            a = F.gelu(h) if experts.activation == "gelu" else F.relu(h)
+        out.append(a @ experts.w_out[e].double())
+    return torch.stack(out) if out else tokens.new_zeros(0, experts.hidden).double()
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0], [1, 7, 2]])
+def test_loop_matches_reference(activation, counts):
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 16, 24, activation=activation, backend="loop", dtype=torch.float64)
+    counts = torch.tensor(counts)
+    tokens = torch.randn(int(counts.sum()), 16, dtype=torch.float64)
+    torch.testing.assert_close(experts(tokens, counts), _reference(experts, tokens, counts))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0], [16, 9, 7]])
+def test_grouped_mm_matches_loop(dtype, counts):
+    """torch._grouped_mm (CPU in torch 2.13 for fp32/bf16; CUDA bf16 on sm90) against
+    the loop, forward and gradients of tokens and parameters."""
+    if DEVICE == "cuda" and dtype != torch.bfloat16:
+        pytest.skip("CUDA grouped_mm is bf16 only")
+    torch.manual_seed(1)
+    grouped = GroupedExperts(3, 16, 32, backend="grouped_mm", dtype=dtype, device=DEVICE)
+    loop = GroupedExperts(3, 16, 32, backend="loop", dtype=dtype, device=DEVICE)
+    loop.load_state_dict(grouped.state_dict())
+    counts = torch.tensor(counts, device=DEVICE)
+    tokens = torch.randn(int(counts.sum()), 16, dtype=dtype, device=DEVICE)
+    grad = torch.randn(tokens.shape[0], 16, dtype=dtype, device=DEVICE)
+    results = []
+    for experts in (grouped, loop):
+        leaf = tokens.clone().requires_grad_()
+        out = experts(leaf, counts)
+        (out * grad).sum().backward()
+        results.append((out.detach(), leaf.grad, experts.w_in.grad, experts.w_out.grad))
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_auto_backend_choice():
+    assert not grouped_mm_available(torch.float32, torch.device("cpu"), 16, 16)
+    assert not grouped_mm_available(torch.bfloat16, torch.device("cpu"), 16, 16)
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert grouped_mm_available(torch.bfloat16, torch.device("cuda"), 16, 16) == hopper
+        assert not grouped_mm_available(torch.bfloat16, torch.device("cuda"), 12, 16)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="activation"):
+        GroupedExperts(2, 8, 8, activation="tanh")
+    with pytest.raises(ValueError, match="backend"):
+        GroupedExperts(2, 8, 8, backend="cutlass")
+    with pytest.raises(ValueError, match="num_local_experts"):
+        GroupedExperts(0, 8, 8)
+    experts = GroupedExperts(2, 8, 8)
+    with pytest.raises(ValueError, match="tokens"):
+        experts(torch.zeros(3, 7), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        experts(torch.zeros(3, 8), torch.tensor([3]))
+    with pytest.raises(TypeError, match="tokens"):
+        experts(torch.zeros(3, 8, dtype=torch.float64), torch.tensor([1, 2]))

@@ -1,0 +1,34 @@
+"""The overlap benchmark: a real tiny run on a CPU world, its files, and bad flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dispatch.bench import overlap
+
+
+def test_cpu_smoke_run_writes_results(tmp_path):
+    argv = ["--shape", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "3",
+            "--trace", "--out", str(tmp_path)]
+    assert overlap.main(argv) == 0
+    result = json.loads((tmp_path / "overlap-cpu-tiny-w2.json").read_text())
+    assert [r["passes"] for r in result["rows"]] == ["fwd", "fwd+bwd"]
+    for row in result["rows"]:
+        assert row["best_chunks"] == 3 and row["max_abs_diff_vs_seq"] == 0.0
+        assert row["t_comm_ms"] > 0 and row["t_compute_ms"] > 0 and row["t_seq_ms"] > 0
+    assert (tmp_path / "overlap-trace-cpu-tiny-w2.png").stat().st_size > 0
+    assert "| cpu-tiny | fwd+bwd | 2 |" in (tmp_path / "overlap-cpu-tiny-w2.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
+     (["--shape", "nope"], "--shape")],
+)
+def test_bad_flags(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        overlap.main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err

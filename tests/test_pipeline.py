@@ -1,0 +1,196 @@
+"""MoEExchange: chunked results are bitwise those of C = 1 and of the unchunked
+round trip, forward and backward, on worlds of 1-4 ranks (gloo here, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dispatch
+import pipeline_fns
+from dispatch.reference import reference_combine, reference_dispatch
+from routing import make_routing, random_tokens
+
+CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8]
+HIDDEN = 4
+
+
+def _run(worlds, routing, dtype, experts, chunk_counts, generic=False, x_grad=True, w_grad=True, seed=0):
+    world_size = routing.world_size
+    xs = [random_tokens(r, t, HIDDEN, dtype, seed) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, dtype, seed + 1) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [
+        (xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, chunk_counts, experts,
+         generic, x_grad, w_grad)
+        for r in range(world_size)
+    ]
+    return xs, worlds(world_size).run(pipeline_fns.pipelined, args)
+
+
+def _assert_same(got, want, what, params_exact=True):
+    for name in ("out", "x", "topk_weights"):
+        a, b = got[name], want[name]
+        assert (a is None) == (b is None), f"{what}: {name} present in one run only"
+        if a is not None:
+            assert torch.equal(a, b), f"{what}: {name} differs (max {(a - b).abs().max()})"
+    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
+        if params_exact:
+            assert torch.equal(a, b), f"{what}: gradient of parameter {i} differs"
+        else:
+            torch.testing.assert_close(a, b, msg=f"{what}: gradient of parameter {i}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["random", "sparse"])
+def test_chunks_bitwise_fp32(worlds, world_size, mode):
+    """fp32 random data, row-wise experts: output and gradients of x and topk_weights
+    are bitwise those of the unchunked round trip for every C; parameter
+    gradients (sums over rows, accumulated per chunk) agree to rounding."""
+    tokens = [7, 0, 3, 12][:world_size]  # T = 0 on a rank; C > T on others
+    routing = make_routing(world_size, 2, 3, tokens, mode, seed=world_size)
+    _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", *CHUNKS])
+    for rank, per_c in enumerate(results):
+        for chunks in CHUNKS:
+            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("experts", ["rowwise", "relu"])
+def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
+    """fp64 dyadic data, where every sum is exact: all gradients, the experts'
+    parameters' included, are bitwise those of C = 1 (GroupedExperts' relu included)."""
+    routing = make_routing(world_size, 2, 2, [6, 1, 0, 9][:world_size], "random", seed=7)
+    xs = [(random_tokens(r, t, HIDDEN, torch.float64, 3) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    gs = [(random_tokens(r, t, HIDDEN, torch.float64, 4) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [
+        (xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, ["plain", 1, 2, 3, 8], experts)
+        for r in range(world_size)
+    ]
+    results = worlds(world_size).run(pipeline_fns.pipelined, args)
+    for rank, per_c in enumerate(results):
+        for chunks in (1, 2, 3, 8):
+            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_output_matches_dense_reference(worlds, world_size):
+    """C = 3 against the dense single-process reference (identity-like row-wise experts)."""
+    routing = make_routing(world_size, 2, 2, [5, 2, 8][:world_size], "random", seed=11)
+    xs, results = _run(worlds, routing, torch.float64, "rowwise", [3])
+    ref = reference_dispatch(xs, routing.topk_idx, routing.topk_weights, routing.num_experts)
+    ys = []
+    for rank, d in enumerate(ref):
+        experts = pipeline_fns.RowwiseExperts(routing.num_experts // world_size, HIDDEN, torch.float64, seed=rank)
+        ys.append(experts(d.tokens, d.tokens_per_expert).detach())
+    want = reference_combine(ys, ref, routing.num_tokens, weights=[d.weights for d in ref])
+    for rank in range(world_size):
+        torch.testing.assert_close(results[rank][3]["out"], want[rank], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_generic_chunk_fallback_matches_native(worlds, world_size):
+    """The base class's generic chunk support (a plan per chunk) gives the native results bitwise."""
+    routing = make_routing(world_size, 2, 2, [9, 4, 0][:world_size], "sparse", seed=5)
+    _, native = _run(worlds, routing, torch.float32, "rowwise", [1, 4])
+    _, generic = _run(worlds, routing, torch.float32, "rowwise", [1, 4], generic=True)
+    for rank in range(world_size):
+        for chunks in (1, 4):
+            _assert_same(generic[rank][chunks], native[rank][chunks], f"rank {rank} C={chunks}")
+
+
+def test_gradients_only_where_asked(worlds):
+    """Ranks that need different gradients (peer exchanges still run everywhere)."""
+    routing = make_routing(2, 2, 2, [4, 5], "random", seed=3)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [
+        (xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 3], "rowwise",
+         False, r == 0, r == 1)
+        for r in range(2)
+    ]
+    results = worlds(2).run(pipeline_fns.pipelined, args)
+    for rank, per_c in enumerate(results):
+        _assert_same(per_c[3], per_c["plain"], f"rank {rank}", params_exact=False)
+    assert results[0][3]["topk_weights"] is None and results[1][3]["x"] is None
+
+
+def test_no_grad_forward(worlds):
+    routing = make_routing(2, 2, 2, [6, 3], "random", seed=2)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4) for r in range(2)]
+    got = worlds(2).run(pipeline_fns.pipelined_no_grad, args)
+    args1 = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(2)]
+    want = worlds(2).run(pipeline_fns.pipelined_no_grad, args1)
+    for (h, requires), (h1, _) in zip(got, want):
+        assert torch.equal(h, h1) and not requires
+
+
+@pytest.mark.parametrize("bounds", [(0, 0, 3, 3, 8), (0, 8), (0, 1, 2, 3, 4, 5, 6, 7, 8), (0, 0, 0, 8)])
+def test_chunk_counts_match_route_of_each_chunk(bounds):
+    routing = make_routing(3, 2, 3, [8, 0, 0], "sparse", seed=9)
+    got, want = pipeline_fns.chunk_plan_counts(routing.topk_idx[0], bounds, routing.num_experts, 3)
+    assert torch.equal(got, want)
+
+
+def test_auto_chunks_rule():
+    from dispatch.pipeline import auto_chunks, chunk_bounds
+
+    assert auto_chunks(4096, 7168, 2) == 4  # DeepSeek-V3 shape, bf16
+    assert auto_chunks(8192, 4096, 2) == 4  # Mixtral shape, bf16
+    assert auto_chunks(64, 4096, 2) == 1
+    assert auto_chunks(0, 4096, 2) == 1
+    assert chunk_bounds(3, 5) == (0, 0, 1, 1, 2, 3)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(TypeError, match="dispatcher"):
+        dispatch.MoEExchange(object(), lambda t, n: t)
+    with pytest.raises(ValueError, match="chunks"):
+        dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=0)
+    with pytest.raises(TypeError, match="experts"):
+        dispatch.MoEExchange(_OneRank(), 3)
+
+
+class _OneRank(dispatch.TokenDispatcher):
+    """A dispatcher object that needs no process group, for argument checks only."""
+
+    def __init__(self) -> None:
+        pass
+
+    _plan = _to_experts = _to_home = _weights_to_home = None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_peak_memory_not_above_one_chunk(worlds):
+    """Peak memory of forward + backward with C = 4 is no larger than with C = 1."""
+    routing = make_routing(2, 4, 2, [2048, 2048], "random", seed=1)
+    xs = [random_tokens(r, 2048, 512, torch.bfloat16, 0) for r in range(2)]
+    config = dict(num_experts=routing.num_experts)
+    peaks = {}
+    for chunks in (1, 4):
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, chunks) for r in range(2)]
+        peaks[chunks] = worlds(2).run(pipeline_fns.peak_memory, args)
+    for rank in range(2):
+        assert peaks[4][rank] <= peaks[1][rank], f"rank {rank}: {peaks}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_grouped_experts_bf16_on_gpus(worlds):
+    """GroupedExperts (torch._grouped_mm on sm90) in bf16 over NCCL: C = 4 equals C = 1
+    to bf16 rounding. Bitwise equality is not asserted: a grouped GEMM's tiling may
+    depend on the group sizes, so a row's reduction order may change with the chunk."""
+    routing = make_routing(2, 4, 2, [256, 192], "random", seed=4)
+    xs = [random_tokens(r, t, 64, torch.bfloat16, 0) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, 64, torch.bfloat16, 1) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(torch.bfloat16), gs[r], config, [1, 4], "swiglu")
+            for r in range(2)]
+    for rank, per_c in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
+        for name in ("out", "x", "topk_weights"):
+            torch.testing.assert_close(per_c[4][name], per_c[1][name], rtol=2e-2, atol=2e-2)
+        for a, b in zip(per_c[4]["params"], per_c[1]["params"]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
