@@ -62,8 +62,8 @@ def stage_error(call: str, num_experts: int, topk: int, config_extra: dict, opti
             per_rank, list(range(rank * per_rank, (rank + 1) * per_rank)), config, SimpleNamespace(ep=None),
             options=options,
         )
-        x = torch.zeros(3, 2, 4)
-        routing_map = torch.zeros(6, num_experts, dtype=torch.bool)
+        x = torch.zeros(3, 2, 4, device=current_device())
+        routing_map = torch.zeros(6, num_experts, dtype=torch.bool, device=current_device())
         routing_map[:, :topk] = True
         probs = routing_map.float()
         if call == "too_many":
@@ -168,24 +168,45 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
     per_rank = num_experts // world
     _fill(layer, rank * per_rank, seed)
     _fill(local, 0, seed)
+    device = current_device()
+    layer, local = layer.to(device), local.to(device)
     dispatcher = install(layer, **options)
     assert layer.token_dispatcher is dispatcher and parallel_state.model_parallel_is_initialized()
 
     gen = torch.Generator().manual_seed(seed * 7 + rank)
-    x = torch.randn(*shape, hidden, generator=gen)
-    grad = torch.randn(*shape, hidden, generator=gen)
+    x = torch.randn(*shape, hidden, generator=gen).to(device)
+    grad = torch.randn(*shape, hidden, generator=gen).to(device)
     results = {}
     for name, module in (("ours", layer), ("local", local)):
         inp = x.clone().requires_grad_()
         out, bias = module(inp)
         assert bias is None
         (out * grad).sum().backward()
-        results[name] = {"out": out.detach(), "x_grad": inp.grad, "router_grad": module.router.weight.grad}
+        results[name] = {"out": _cpu(out), "x_grad": _cpu(inp.grad), "router_grad": _cpu(module.router.weight.grad)}
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     local_grads = [[p.grad.clone() for _, p in sorted(e.named_parameters())] for e in local.experts.local_experts]
     for grads in local_grads:
         for g in grads:
             dist.all_reduce(g)
-    results["ours"]["expert_grads"] = [[p.grad for _, p in sorted(e.named_parameters())] for e in layer.experts.local_experts]
-    results["local"]["expert_grads"] = local_grads[mine]
+    results["ours"]["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())] for e in layer.experts.local_experts]
+    results["local"]["expert_grads"] = [[_cpu(g) for g in grads] for grads in local_grads[mine]]
     return results
+
+
+def run_doc_snippet(snippet: str):
+    """Execute the README/docs snippet on this rank (parallel state reset first); return the
+    loss and how many dispatchers it installed."""
+    from megatron.core import parallel_state
+
+    from dispatch.integrations.megatron import MegatronDispatcher as Ours
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(snippet, "docs/megatron.md", "exec"), scope)
+    layers = [m for m in scope["model"].modules() if hasattr(m, "token_dispatcher")]
+    assert layers and all(isinstance(m.token_dispatcher, Ours) for m in layers)
+    parallel_state.destroy_model_parallel()
+    return float(scope["loss"]), len(scope["dispatchers"])

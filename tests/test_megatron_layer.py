@@ -42,3 +42,26 @@ def test_install_refuses_what_is_not_a_moe_layer():
 
     with pytest.raises(TypeError, match="MoELayer"):
         install(torch.nn.Linear(2, 2))
+
+
+def _doc_snippet() -> str:
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "megatron.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_doc_snippet_is_complete_python():
+    snippet = _doc_snippet()
+    compile(snippet, "docs/megatron.md", "exec")
+    assert "install_all(model" in snippet and "loss.backward()" in snippet
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the snippet trains on CUDA (Megatron's router needs it)")
+def test_doc_snippet_runs(worlds):
+    import megatron_rank_fns
+
+    world_size = 2
+    results = worlds(world_size).run(megatron_rank_fns.run_doc_snippet, [(_doc_snippet(),)] * world_size)
+    for loss, installed in results:
+        assert installed == 2 and loss == loss and 0 < loss < 20

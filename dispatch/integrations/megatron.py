@@ -151,6 +151,7 @@ class _InFlight:
 
 
 def _group_size(group) -> int:
+    """Ranks in ``group``; None counts as no group (one rank)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -238,8 +239,8 @@ class MegatronDispatcher:
         self.ep_group = getattr(pg_collection, "ep", None)
         self.tp_group = expt_tp
         self.tp_ep_group = getattr(pg_collection, "tp_ep", None)
-        self.ep_size = _group_size(self.ep_group)
-        self.ep_rank = 0 if self.ep_group is None else dist.get_rank(self.ep_group)
+        self.ep_size = dist.get_world_size(self.ep_group)  # None: the default world
+        self.ep_rank = dist.get_rank(self.ep_group)
         self.tp_size, self.tp_rank = 1, 0
         if num_experts % self.ep_size:
             raise ValueError(f"config.num_moe_experts={num_experts} is not a multiple of the EP group size {self.ep_size}")
