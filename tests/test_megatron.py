@@ -161,3 +161,23 @@ def test_import_does_not_need_megatron():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install megatron-core" in out and 'moe-dispatch[megatron]' in out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [(["--parts", "nope"], "--parts"), (["--steps", "0"], "--steps"), (["--option", "dispatch_wire"], "KEY=VALUE")],
+)
+def test_layer_script_bad_flags(argv, needle, capsys):
+    from dispatch.bench import megatron_layer
+
+    with pytest.raises(SystemExit) as exc:
+        megatron_layer.main(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_layer_script_needs_cuda(capsys):
+    from dispatch.bench import megatron_layer
+
+    assert megatron_layer.main(["--parts", "layer"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
