@@ -1,0 +1,436 @@
+"""A real Megatron-Core ``MoELayer`` and ``GPTModel``, with Megatron's dispatcher and with ours.
+
+Three parts, in one run over every local GPU (one process per GPU, NCCL), with
+megatron-core 0.19 importable and no Transformer Engine needed (local specs,
+``SequentialMLP`` experts):
+
+1. ``layer``: one ``MoELayer`` (bf16, top-k router in fp32) built twice with the
+   same weights; one keeps Megatron's ``alltoall`` dispatcher, the other gets ours
+   through ``dispatch.integrations.megatron.install``. Same input, same output
+   gradient: the outputs, the input gradients and every parameter gradient must
+   agree within bf16 tolerance (max |a - b| / max |a| per tensor, worst rank).
+2. ``train``: a small ``GPTModel`` with MoE layers, built twice with the same
+   weights, trained ``--steps`` steps on one fixed batch each way (Adam, gradients
+   of the dense parameters averaged over the world): the losses must agree step by
+   step (fp32 and bf16 parameters, each with its own tolerance).
+3. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
+   expert FFN 2048, ``--experts`` experts, top-8, sigmoid scores) with each
+   dispatcher swapped into the same layer; CUDA events after warm-up and a
+   barrier, median and p10-p90 over ``--iters``.
+
+    python -m dispatch.bench.megatron_layer --out bench/results/
+
+Writes ``megatron-layer-w{W}.json`` and ``.md`` to ``--out``; returns 1 when a
+check fails, 2 without CUDA or megatron-core (Megatron's router and ``alltoall``
+dispatcher run only on CUDA; tests/test_megatron_layer.py checks the adapter in a
+real ``MoELayer`` on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from dispatch.bench import environment
+from dispatch.bench.megatron_baseline import _ensure_parallel_state, megatron_available
+
+LAYER_TOLERANCE = 2e-2  # bf16: relative to the tensor's largest magnitude
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 3e-2}  # relative, per step
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="megatron-layer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="layer,train,timing", help="comma-separated: layer, train, timing")
+    parser.add_argument("--world-size", type=int, help="ranks to start (default: all GPUs)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps each way (default 30)")
+    parser.add_argument("--experts", type=int, default=256, help="experts of the timed layer (default 256)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the timed layer (default 4096)")
+    parser.add_argument("--iters", type=int, default=10, help="timed forward+backward passes (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed passes first (default 3)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine option for an extra 'ours' timing row, e.g. dispatch_wire=fp8 (repeatable)")
+    parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = sorted(set(args.parts) - {"layer", "train", "timing"})
+    if bad or not args.parts:
+        parser.error(f"--parts must name some of layer, train, timing; got {bad or 'nothing'}")
+    for name in ("steps", "experts", "tokens", "iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    args.extra_options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--option must be KEY=VALUE, got {item!r}")
+        args.extra_options[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("megatron-layer: needs CUDA GPUs (Megatron's router and alltoall dispatcher run on CUDA)", file=sys.stderr)
+        return 2
+    if not megatron_available():
+        print('megatron-layer: megatron-core is not importable (pip install "moe-dispatch[megatron]")', file=sys.stderr)
+        return 2
+    world = args.world_size or torch.cuda.device_count()
+    if world > torch.cuda.device_count():
+        print(f"megatron-layer: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
+        return 2
+    if args.experts % world:
+        print(f"megatron-layer: {args.experts} experts do not split over {world} ranks", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    torch.multiprocessing.spawn(_run_rank, args=(args, env), nprocs=world, join=True)
+    with open(os.path.join(args.out, f"megatron-layer-w{world}.json")) as f:
+        return 0 if json.load(f)["passed"] else 1
+
+
+def _run_rank(rank: int, args: argparse.Namespace, env: dict) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600))
+    warnings.simplefilter("ignore")  # Megatron's notices about TE/Apex and config defaults
+    try:
+        _ensure_parallel_state(dist.get_world_size())
+        result = {}
+        if "layer" in args.parts:
+            result["layer"] = check_layer()
+        if "train" in args.parts:
+            result["train"] = [check_training(dtype, args.steps) for dtype in ("fp32", "bf16")]
+        if "timing" in args.parts:
+            result["timing"] = time_layers(args)
+        if dist.get_rank() == 0:
+            report(result, args)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def moe_config(*, hidden: int, ffn: int, experts: int, topk: int, dtype: str = "bf16", **overrides):
+    """A ``TransformerConfig`` for MoE layers with Megatron's ``alltoall`` dispatcher, local
+    (non-TE) modules, dropless, no dropout, EP over the whole world, TP = PP = 1."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=ffn,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        transformer_impl="local",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=dtype == "bf16",
+        params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=dist.get_world_size(),
+        expert_tensor_parallel_size=1,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=False,
+        moe_grouped_gemm=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_moe_layer(config, seed: int):
+    """A ``MoELayer`` (``SequentialMLP`` experts) on the current GPU, weights from ``seed``."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    builder = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return builder(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda()
+
+
+def _relative_error(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """max |a - b| / max |a| (0 when both are None or a is all zeros and b equals it)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    a, b = a.float(), b.float()
+    scale = a.abs().max().clamp_min(1e-30)
+    return float((a - b).abs().max() / scale)
+
+
+def _worst_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
+# ----------------------------------------------------------------------------- 1. the layer
+
+
+def check_layer(seed: int = 1234) -> dict:
+    """Megatron's alltoall vs ours in the same ``MoELayer``: outputs and gradients."""
+    from dispatch.integrations.megatron import install
+
+    config = moe_config(hidden=512, ffn=256, experts=4 * dist.get_world_size(), topk=4)
+    theirs = build_moe_layer(config, seed)
+    ours = build_moe_layer(config, seed + 1)
+    ours.load_state_dict(theirs.state_dict())
+    install(ours)
+    gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
+    x = torch.randn(256, 2, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    grad = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    results = {}
+    for name, layer in (("megatron", theirs), ("ours", ours)):
+        inp = x.clone().requires_grad_()
+        out, _ = layer(inp)
+        (out.float() * grad.float()).sum().backward()
+        results[name] = {"output": out.detach(), "input.grad": inp.grad}
+        results[name].update({f"{n}.grad": p.grad for n, p in layer.named_parameters()})
+    errors = {key: _relative_error(results["megatron"][key], results["ours"][key]) for key in results["megatron"]}
+    errors = _worst_over_ranks(errors)
+    return {
+        "shape": {"tokens": 512, "hidden": 512, "experts": config.num_moe_experts, "topk": 4},
+        "tolerance": LAYER_TOLERANCE,
+        "errors": errors,
+        "passed": all(e <= LAYER_TOLERANCE for e in errors.values()) and len(errors) > 2,
+    }
+
+
+# ----------------------------------------------------------------------------- 2. training
+
+
+def build_gpt(config, vocab: int, seq: int, seed: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
+
+
+def _train(model, batch, steps: int) -> list[float]:
+    """Adam on one fixed batch; dense gradients averaged over the world, expert
+    gradients divided by it (the loss is the mean of the ranks' losses)."""
+    tokens, labels, position_ids, mask = batch
+    world = dist.get_world_size()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+        loss.backward()
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            if "experts.local_experts" not in name:
+                dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return losses
+
+
+def check_training(dtype: str, steps: int, seed: int = 4321) -> dict:
+    """A two-layer MoE ``GPTModel`` trained both ways: per-step loss agreement."""
+    from dispatch.integrations.megatron import install_all
+
+    vocab, seq, batch_size = 512, 128, 4
+    config = moe_config(
+        hidden=256, ffn=256, experts=2 * dist.get_world_size(), topk=2, dtype=dtype, num_layers=2,
+    )
+    theirs = build_gpt(config, vocab, seq, seed)
+    ours = build_gpt(config, vocab, seq, seed + 1)
+    ours.load_state_dict(theirs.state_dict())
+    installed = install_all(ours)
+    gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
+    tokens = torch.randint(vocab, (batch_size, seq), device="cuda", generator=gen)
+    labels = torch.randint(vocab, (batch_size, seq), device="cuda", generator=gen)
+    position_ids = torch.arange(seq, device="cuda").expand(batch_size, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device="cuda"), 1)[None, None]  # True: masked
+    batch = (tokens, labels, position_ids, mask)
+    theirs_losses = _train(theirs, batch, steps)
+    ours_losses = _train(ours, batch, steps)
+    diffs = [abs(a - b) / abs(a) for a, b in zip(theirs_losses, ours_losses)]
+    return {
+        "dtype": dtype,
+        "moe_layers": len(installed),
+        "steps": steps,
+        "tolerance": LOSS_TOLERANCE[dtype],
+        "megatron": theirs_losses,
+        "ours": ours_losses,
+        "max_relative_diff": max(diffs),
+        "loss_decreased": ours_losses[-1] < ours_losses[0],
+        "passed": max(diffs) <= LOSS_TOLERANCE[dtype] and ours_losses[-1] < ours_losses[0],
+    }
+
+
+# ----------------------------------------------------------------------------- 3. timing
+
+
+def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
+    """deepseek-v3-like ``MoELayer`` forward + backward with each dispatcher swapped in."""
+    from dispatch.integrations.megatron import MegatronDispatcher
+
+    config = moe_config(
+        hidden=7168, ffn=2048, experts=args.experts, topk=8,
+        moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
+        moe_router_enable_expert_bias=True,
+    )
+    layer = build_moe_layer(config, seed)
+    groups = _groups(layer)
+    dispatchers = {"megatron alltoall": layer.token_dispatcher}
+    variants = {"ours": {}, "ours check_inputs=False": {"check_inputs": False}}
+    if args.extra_options:
+        variants["ours " + " ".join(f"{k}={v}" for k, v in args.extra_options.items())] = args.extra_options
+    for name, options in variants.items():
+        dispatchers[name] = MegatronDispatcher(
+            layer.num_local_experts, layer.local_expert_indices, config, groups, options=options
+        )
+    gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
+    x = torch.randn(args.tokens, 1, 7168, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    rows, reference = [], None
+    for name, dispatcher in dispatchers.items():
+        layer.token_dispatcher = dispatcher
+
+        def step():
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            out, _ = layer(x)
+            out.backward(grad)
+            return out
+
+        out = step().detach()
+        if reference is None:
+            reference = out
+        times = _time(step, args.iters, args.warmup)
+        error = _worst_over_ranks({"output": _relative_error(reference, out)})["output"]
+        rows.append({
+            "name": name,
+            "median_ms": statistics.median(times),
+            "p10_ms": _quantile(times, 0.1),
+            "p90_ms": _quantile(times, 0.9),
+            "output_error_vs_megatron": error,
+        })
+    layer.token_dispatcher = dispatchers["megatron alltoall"]
+    return {
+        "shape": {"tokens_per_rank": args.tokens, "hidden": 7168, "ffn": 2048, "experts": args.experts, "topk": 8},
+        "rows": rows,
+    }
+
+
+def _groups(layer):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection(ep=layer.ep_group, expt_tp=layer.token_dispatcher.tp_group)
+
+
+def _time(fn, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()  # host sync: read the timing
+        slowest = torch.tensor([start.elapsed_time(end)], device="cuda")
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times.append(float(slowest))
+    return times
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
+    world = dist.get_world_size()
+    lines = [f"Megatron-Core MoELayer: Megatron's alltoall dispatcher vs ours, {world} GPUs", ""]
+    passed = True
+    if "layer" in result:
+        layer = result["layer"]
+        passed &= layer["passed"]
+        worst = max(layer["errors"].items(), key=lambda kv: kv[1])
+        lines.append(
+            f"layer check ({len(layer['errors'])} tensors: output, input grad, every parameter grad): "
+            f"worst {worst[0]} {worst[1]:.2e} (tolerance {layer['tolerance']:.0e}) "
+            f"{'PASS' if layer['passed'] else 'FAIL'}"
+        )
+    for run in result.get("train", []):
+        passed &= run["passed"]
+        lines.append(
+            f"GPTModel training, {run['dtype']}, {run['moe_layers']} MoE layers, {run['steps']} steps: loss "
+            f"{run['ours'][0]:.4f} -> {run['ours'][-1]:.4f}, max relative diff to megatron "
+            f"{run['max_relative_diff']:.2e} (tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"
+        )
+    if "timing" in result:
+        timing = result["timing"]
+        s = timing["shape"]
+        lines += [
+            "",
+            f"MoELayer forward+backward, T={s['tokens_per_rank']}/rank, H={s['hidden']}, expert FFN {s['ffn']}, "
+            f"E={s['experts']}, K={s['topk']}, bf16, SequentialMLP experts",
+            "",
+            "| dispatcher | median ms | p10-p90 ms | output rel. error vs megatron |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in timing["rows"]:
+            lines.append(
+                f"| {r['name']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | "
+                f"{r['output_error_vs_megatron']:.2e} |"
+            )
+        passed &= all(r["output_error_vs_megatron"] <= LAYER_TOLERANCE for r in timing["rows"])
+    env = environment()
+    lines += ["", "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"megatron-layer-w{world}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"environment": env, "passed": bool(passed), **result}, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# {lines[0]}\n\n" + "\n".join(lines[2:]) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""The dispatch engine as a drop-in Megatron-Core token dispatcher.
+
+``MegatronDispatcher`` has the interface of Megatron-Core's ``MoETokenDispatcher``
+(0.19): the constructor ``(num_local_experts, local_expert_indices, config,
+pg_collection)`` and the six stages ``MoELayer.forward`` calls in this order::
+
+    dispatch_preprocess(hidden_states, routing_map, probs) -> (x, topk_weights)   local: routing to top-k
+    token_dispatch(x, topk_weights)                        -> (tokens, weights)   the engine's dispatch
+    dispatch_postprocess(tokens, weights)                  -> (tokens, tokens_per_expert, permuted_probs)
+    experts(tokens, tokens_per_expert, permuted_probs)     -> y                   Megatron's experts
+    combine_preprocess(y) -> token_combine(y) -> combine_postprocess(h)           the engine's combine
+
+``install(moe_layer, **options)`` swaps it into a built ``MoELayer``;
+``install_all(model, **options)`` into every ``MoELayer`` of a model.
+
+Notation:
+
+    W        ranks in the expert-parallel (EP) group
+    T        tokens on this rank (S*B for hidden states [S, B, H])
+    H        hidden size
+    E        experts in total (config.num_moe_experts); E_local = E // W per rank,
+             expert e on EP rank e // E_local
+    K        experts per token (config.moe_router_topk)
+    N        rows this rank's experts receive, one per (token, local expert) pair
+
+What Megatron's experts expect, and what they get
+-------------------------------------------------
+* ``tokens [N, H]`` grouped by local expert, inside an expert by (source rank,
+  source token): the same order as Megatron's ``alltoall`` dispatcher produces.
+* ``tokens_per_expert [E_local]`` int64 **on the CPU**, where Megatron's
+  ``alltoall`` (and ``allgather``) dispatchers put it: ``SequentialMLP`` and
+  ``TEGroupedMLP`` call ``.tolist()`` on it. The engine's plan has these counts on
+  the host already, so handing them over costs no synchronisation.
+* ``permuted_probs [N]`` in the dtype of ``probs``, differentiable w.r.t. ``probs``.
+  Megatron's experts multiply their activations by these; combine therefore runs
+  with ``weights=None`` and does not weight a second time.
+
+Combine sums the rows of a token in fp32 (as the engine always does, see DESIGN.md)
+where Megatron's ``alltoall`` dispatcher sums them in the activation dtype: for bf16
+activations the results agree within bf16 rounding, not bit for bit.
+
+What is refused
+---------------
+The constructor refuses, with a ValueError naming the setting, what this adapter
+does not implement: expert tensor parallelism > 1, token dropping
+(``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity``), router
+padding for quantization, shared-expert overlap inside the dispatcher, CUDA graphs
+of the MoE layer, ``overlap_moe_expert_parallel_comm`` and the inference-optimized
+layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
+dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
+holds (with sequence parallelism, its sequence shard).
+
+The engine's own options (``variant``, ``dispatch_wire``, ``combine_wire``, the
+gradient wires, ``check_inputs``, ...) are the fields of
+:class:`dispatch.DispatchConfig` other than ``num_experts``, passed as ``options``;
+the config validates them. There is no ``chunks`` option: ``MoELayer`` calls its
+experts once between dispatch and combine, so the engine cannot pipeline chunks
+of the exchange with the expert compute from inside this interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import dispatch
+from dispatch.config import DispatchConfig
+
+__all__ = ["ENGINE_OPTIONS", "STAGES", "MegatronDispatcher", "install", "install_all", "routing_to_topk"]
+
+# DispatchConfig fields a user may set; num_experts comes from Megatron's config.
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(DispatchConfig) if f.name != "num_experts")
+
+_INSTALL_HINT = 'pip install megatron-core (or pip install "moe-dispatch[megatron]")'
+
+
+def _import_moe_layer():
+    """Megatron-Core's ``MoELayer`` class, or an ImportError saying what to install."""
+    try:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+    except ImportError as exc:
+        raise ImportError(f"dispatch.integrations.megatron.install needs megatron-core: {_INSTALL_HINT}") from exc
+    return MoELayer
+
+
+# ----------------------------------------------------------------------------- routing format
+
+
+def routing_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's dense routing as the engine's top-k lists, on the device, no host sync.
+
+    Args:
+        routing_map: ``[T, E]`` bool, True where token t goes to expert e (at most
+            ``topk`` Trues per row; extra Trues beyond the ``topk`` lowest expert ids
+            are not represented, see ``MegatronDispatcher`` for the check).
+        probs: ``[T, E]`` floating, the routing weight where ``routing_map`` is True.
+        topk: ``K``.
+    Returns:
+        ``(topk_idx [T, K] int64, topk_weights [T, K] dtype of probs)``: the experts of
+        each row in ascending order, then ``-1`` slots (weight 0) if the row has fewer
+        than ``K``. ``topk_weights`` is differentiable w.r.t. ``probs`` (a gather).
+    """
+    num_experts = routing_map.shape[1]
+    k = min(topk, num_experts)
+    # Trues score E - e (largest for the lowest expert id), Falses 0.
+    rank_score = torch.arange(num_experts, 0, -1, device=routing_map.device, dtype=torch.int32)
+    score = routing_map.to(torch.int32) * rank_score
+    top_score, top_expert = score.topk(k, dim=1)
+    routed = top_score > 0
+    topk_idx = torch.where(routed, top_expert, -1).to(torch.int64)
+    topk_weights = torch.where(routed, probs.gather(1, top_expert), 0).to(probs.dtype)
+    if k < topk:  # K > E cannot be routed; keep the [T, K] shape with empty slots
+        pad = topk - k
+        topk_idx = torch.cat([topk_idx, topk_idx.new_full((topk_idx.shape[0], pad), -1)], 1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_zeros(topk_weights.shape[0], pad)], 1)
+    return topk_idx, topk_weights
+
+
+# ----------------------------------------------------------------------------- the dispatcher
+
+
+STAGES = (
+    "dispatch_preprocess",
+    "token_dispatch",
+    "dispatch_postprocess",
+    "combine_preprocess",
+    "token_combine",
+    "combine_postprocess",
+)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """One round trip between the stages (Megatron's stages take no handle).
+
+    Attributes:
+        next_stage: index in ``STAGES`` of the stage that may run next.
+        hidden_shape: shape of the layer's ``hidden_states``, restored at the end.
+        topk_idx: ``[T, K]`` int64 routing of this round trip.
+        dispatched: the engine's dispatch result, once ``token_dispatch`` ran.
+    """
+
+    next_stage: int
+    hidden_shape: torch.Size
+    topk_idx: torch.Tensor
+    dispatched: dispatch.Dispatched | None = None
+
+
+def _group_size(group) -> int:
+    """Ranks in ``group``; None counts as no group (one rank)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _refusals(config) -> list[str]:
+    """Settings of Megatron's TransformerConfig this adapter does not implement."""
+    def get(name, default=None):
+        return getattr(config, name, default)
+
+    problems = []
+    if (get("expert_tensor_parallel_size") or 1) > 1:
+        problems.append(f"expert_tensor_parallel_size={get('expert_tensor_parallel_size')} (only 1 is supported)")
+    if get("moe_expert_capacity_factor") is not None:
+        problems.append(
+            f"moe_expert_capacity_factor={get('moe_expert_capacity_factor')} (token dropping; use None, dropless)"
+        )
+    if get("moe_pad_expert_input_to_capacity", False):
+        problems.append("moe_pad_expert_input_to_capacity=True (padding to capacity)")
+    if get("moe_router_padding_for_quantization", False) or get("moe_router_padding_for_fp8", False):
+        problems.append("moe_router_padding_for_quantization=True (routing map padding for fp8/fp4)")
+    if get("moe_shared_expert_overlap", False):
+        problems.append("moe_shared_expert_overlap=True (shared experts run inside the dispatcher)")
+    if get("cuda_graph_impl", "none") not in (None, "none"):
+        problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r} (the engine syncs with the host for split sizes)")
+    if get("overlap_moe_expert_parallel_comm", False):
+        problems.append("overlap_moe_expert_parallel_comm=True (stages run on Megatron's communication stream)")
+    if get("transformer_impl") == "inference_optimized":
+        problems.append("transformer_impl='inference_optimized' (inference dispatchers)")
+    return problems
+
+
+class MegatronDispatcher:
+    """Megatron-Core's ``MoETokenDispatcher`` interface over the dispatch engine.
+
+    Args:
+        num_local_experts: ``E_local``; must be ``E // W``.
+        local_expert_indices: this rank's global expert ids, which must be
+            ``[r*E_local, (r+1)*E_local)`` for EP rank ``r`` (the engine's placement,
+            and Megatron's).
+        config: Megatron's ``TransformerConfig`` (read: ``num_moe_experts``,
+            ``moe_router_topk`` and the settings listed as refused in the module
+            docstring; any object with these attributes will do).
+        pg_collection: Megatron's ``ProcessGroupCollection``; ``ep`` is the EP group
+            (None: the default world), ``expt_tp`` the expert tensor parallel group
+            (must have size 1 when present).
+        options: the engine's options, fields of :class:`dispatch.DispatchConfig`
+            other than ``num_experts`` (``variant``, ``dispatch_wire``, ...).
+    Raises:
+        ValueError / TypeError naming the setting, before any communication, for what
+        is not supported or does not fit the group.
+
+    One round trip is in flight at a time, as with Megatron's own dispatchers: the
+    stages carry their state on the object.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config,
+        pg_collection=None,
+        *,
+        options: Mapping | None = None,
+    ) -> None:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(unknown)}; the options are {', '.join(ENGINE_OPTIONS)}"
+                + (" (num_experts comes from config.num_moe_experts)" if "num_experts" in unknown else "")
+            )
+        num_experts = getattr(config, "num_moe_experts", None)
+        topk = getattr(config, "moe_router_topk", None)
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"config.num_moe_experts must be a positive int, got {num_experts!r}")
+        if not isinstance(topk, int) or not 1 <= topk <= num_experts:
+            raise ValueError(f"config.moe_router_topk must be an int in [1, {num_experts}], got {topk!r}")
+        problems = _refusals(config)
+        expt_tp = getattr(pg_collection, "expt_tp", None)
+        if _group_size(expt_tp) > 1:
+            problems.append(f"pg_collection.expt_tp has {_group_size(expt_tp)} ranks (expert tensor parallelism)")
+        if problems:
+            raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
+
+        self.config = config
+        self.ep_group = getattr(pg_collection, "ep", None)
+        self.tp_group = expt_tp
+        self.tp_ep_group = getattr(pg_collection, "tp_ep", None)
+        self.ep_size = dist.get_world_size(self.ep_group)  # None: the default world
+        self.ep_rank = dist.get_rank(self.ep_group)
+        self.tp_size, self.tp_rank = 1, 0
+        if num_experts % self.ep_size:
+            raise ValueError(f"config.num_moe_experts={num_experts} is not a multiple of the EP group size {self.ep_size}")
+        per_rank = num_experts // self.ep_size
+        expected = list(range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank))
+        if num_local_experts != per_rank:
+            raise ValueError(f"num_local_experts={num_local_experts}, expected E // W = {per_rank}")
+        if list(local_expert_indices) != expected:
+            raise ValueError(
+                f"local_expert_indices must be {expected[0]}..{expected[-1]} on EP rank {self.ep_rank}, "
+                f"got {list(local_expert_indices)}"
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = expected
+        self.topk = topk
+        self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
+        # Attributes Megatron's MoELayer and TransformerLayer read on any dispatcher.
+        self.shared_experts = None
+        self.cudagraph_attrs: list[str] = []
+        self.valid_cudagraph_attrs = None
+        self._in_flight: _InFlight | None = None
+
+    # -- what Megatron reads besides the stages --------------------------------
+
+    def set_shared_experts(self, shared_experts) -> None:
+        """Refused: shared experts run in ``MoELayer`` (``moe_shared_expert_overlap=False``)."""
+        raise ValueError("MegatronDispatcher does not run shared experts; set moe_shared_expert_overlap=False")
+
+    def get_expert_zero_copy_buffers(self):
+        """No zero-copy buffers: the experts allocate their outputs."""
+        return None, None
+
+    # -- the six stages ------------------------------------------------------
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Routing to top-k form; no communication.
+
+        Args:
+            hidden_states: ``[S, B, H]`` (or any ``[..., H]``, T = product of the
+                leading dims) activations.
+            routing_map: ``[T, E]`` bool, at most K Trues per row (Megatron's router
+                gives exactly K).
+            probs: ``[T, E]`` floating, routing weights where ``routing_map`` is True.
+        Returns:
+            ``(x [T, H], topk_weights [T, K] dtype of probs)``, for ``token_dispatch``.
+        """
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 2:
+            raise ValueError(f"hidden_states must be a tensor [..., H], got {_describe(hidden_states)}")
+        hidden = hidden_states.shape[-1]
+        num_tokens = hidden_states.numel() // hidden if hidden else 0
+        if (
+            not isinstance(routing_map, torch.Tensor)
+            or routing_map.dtype != torch.bool
+            or tuple(routing_map.shape) != (num_tokens, self.num_experts)
+        ):
+            raise ValueError(
+                f"routing_map must be a [T={num_tokens}, E={self.num_experts}] bool tensor, got {_describe(routing_map)}"
+            )
+        if not isinstance(probs, torch.Tensor) or not probs.is_floating_point() or probs.shape != routing_map.shape:
+            raise ValueError(f"probs must be a floating [T={num_tokens}, E={self.num_experts}] tensor, got {_describe(probs)}")
+        if routing_map.device != hidden_states.device or probs.device != hidden_states.device:
+            raise ValueError(
+                f"hidden_states ({hidden_states.device}), routing_map ({routing_map.device}) and probs "
+                f"({probs.device}) must be on one device"
+            )
+        if self.engine.config.check_inputs and num_tokens:
+            too_many = (routing_map.sum(dim=1) > self.topk).any()
+            if bool(too_many):  # host sync: value check, only with check_inputs
+                raise ValueError(
+                    f"routing_map has a row with more than moe_router_topk={self.topk} experts; "
+                    "router padding and capacity-based routing are not supported"
+                )
+        topk_idx, topk_weights = routing_to_topk(routing_map, probs, self.topk)
+        # A new round trip may always start (one that raised half way is dropped).
+        self._in_flight = _InFlight(next_stage=1, hidden_shape=hidden_states.shape, topk_idx=topk_idx)
+        return hidden_states.reshape(num_tokens, hidden), topk_weights
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The engine's dispatch (collective over the EP group).
+
+        Args:
+            hidden_states: ``[T, H]`` from ``dispatch_preprocess``.
+            probs: ``[T, K]`` topk weights from ``dispatch_preprocess``.
+        Returns:
+            ``(tokens [N, H] dtype of hidden_states, permuted_probs [N] dtype of probs)``.
+        """
+        state = self._advance("token_dispatch")
+        out = self.engine.dispatch(hidden_states, state.topk_idx, probs)
+        self._in_flight = dataclasses.replace(self._in_flight, dispatched=out)
+        return out.tokens, out.weights
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Hands the rows to Megatron's experts; no communication.
+
+        Returns:
+            ``(tokens [N, H], tokens_per_expert [E_local] int64 on the CPU, permuted_probs [N])``.
+        """
+        state = self._advance("dispatch_postprocess")
+        return hidden_states, state.dispatched.tokens_per_expert_host, probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Nothing to do: the expert outputs ``[N, H]`` are already in dispatch order."""
+        self._advance("combine_preprocess")
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The engine's combine, unweighted (the experts applied the probs).
+
+        Args:
+            hidden_states: ``[N, H]`` expert outputs (already weighted by ``permuted_probs``).
+        Returns:
+            ``[T, H]`` in the dtype of ``hidden_states``: per token, the sum of its rows.
+        """
+        state = self._advance("token_combine")
+        return self.engine.combine(hidden_states, state.dispatched.handle, weights=None)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` back to the shape of the layer's input (``[S, B, H]``)."""
+        state = self._advance("combine_postprocess")
+        return hidden_states.view(*state.hidden_shape[:-1], hidden_states.shape[-1])
+
+    def _advance(self, name: str) -> _InFlight:
+        """The round trip's state, checked to be at stage ``name``; moves it on (the
+        last stage ends the round trip)."""
+        state = self._in_flight
+        if state is None or STAGES[state.next_stage] != name:
+            raise RuntimeError(
+                f"MegatronDispatcher.{name} called out of order: the stages run as MoELayer.forward calls "
+                f"them ({', '.join(STAGES)}), one round trip at a time"
+            )
+        last = state.next_stage == len(STAGES) - 1
+        self._in_flight = None if last else dataclasses.replace(state, next_stage=state.next_stage + 1)
+        return state
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
+
+
+# ----------------------------------------------------------------------------- installing
+
+
+def install(moe_layer, **options) -> MegatronDispatcher:
+    """Replace the token dispatcher of a built Megatron-Core ``MoELayer`` by the engine.
+
+    Collective over the layer's EP group (the engine is created there).
+
+    Args:
+        moe_layer: a ``megatron.core.transformer.moe.moe_layer.MoELayer``.
+        **options: the engine's options (fields of :class:`dispatch.DispatchConfig`
+            other than ``num_experts``), e.g. ``dispatch_wire="bf16"``.
+    Returns:
+        The new dispatcher, also set as ``moe_layer.token_dispatcher``.
+    Raises:
+        ImportError (saying what to install) when megatron-core is missing;
+        TypeError when ``moe_layer`` is not a ``MoELayer``; ValueError for settings
+        the adapter does not support.
+    """
+    moe_layer_cls = _import_moe_layer()
+    if not isinstance(moe_layer, moe_layer_cls):
+        raise TypeError(f"moe_layer must be a megatron.core MoELayer, got {type(moe_layer).__name__}")
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    old = moe_layer.token_dispatcher
+    groups = ProcessGroupCollection(ep=moe_layer.ep_group, expt_tp=getattr(old, "tp_group", None))
+    dispatcher = MegatronDispatcher(
+        moe_layer.num_local_experts, moe_layer.local_expert_indices, moe_layer.config, groups, options=options
+    )
+    moe_layer.token_dispatcher = dispatcher
+    return dispatcher
+
+
+def install_all(model: torch.nn.Module, **options) -> list[MegatronDispatcher]:
+    """``install`` into every ``MoELayer`` of ``model`` (e.g. a ``GPTModel``), in module order.
+
+    Collective over each layer's EP group. Returns the dispatchers; raises as ``install``,
+    and ValueError when ``model`` holds no ``MoELayer``.
+    """
+    moe_layer_cls = _import_moe_layer()
+    layers = [m for m in model.modules() if isinstance(m, moe_layer_cls)]
+    if not layers:
+        raise ValueError(f"model ({type(model).__name__}) holds no MoELayer")
+    return [install(layer, **options) for layer in layers]

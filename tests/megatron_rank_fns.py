@@ -1,0 +1,212 @@
+"""Functions run on every rank of a test world for the Megatron-Core adapter tests."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from dispatch.integrations.megatron import MegatronDispatcher
+from world import current_device
+
+
+def _cpu(t):
+    return None if t is None else t.detach().cpu()
+
+
+def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, options: dict):
+    """The six stages in MoELayer.forward's order, around experts that weight by the probs
+    as Megatron's do and scale local expert i by (1 + i); then backward of sum(out * grad_out)."""
+    device = current_device()
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    per_rank = num_experts // world
+    d = MegatronDispatcher(
+        per_rank,
+        list(range(rank * per_rank, (rank + 1) * per_rank)),
+        SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk),
+        SimpleNamespace(ep=None),
+        options=options,
+    )
+    x = hidden.to(device).requires_grad_()
+    p = probs.to(device).requires_grad_()
+    h, w = d.dispatch_preprocess(x, routing_map.to(device), p)
+    tokens, permuted_probs = d.token_dispatch(h, w)
+    tokens, tokens_per_expert, permuted_probs = d.dispatch_postprocess(tokens, permuted_probs)
+    local = torch.repeat_interleave(torch.arange(per_rank), tokens_per_expert).to(device)
+    y = tokens * permuted_probs.unsqueeze(-1).to(tokens.dtype) * (1 + local).to(tokens.dtype).unsqueeze(-1)
+    y = d.combine_preprocess(y)
+    y = d.token_combine(y)
+    out = d.combine_postprocess(y)
+    (out * grad_out.to(device)).sum().backward()
+    return {
+        "tokens": _cpu(tokens),
+        "tokens_per_expert": tokens_per_expert,
+        "permuted_probs": _cpu(permuted_probs),
+        "out": _cpu(out),
+        "x_grad": _cpu(x.grad),
+        "probs_grad": _cpu(p.grad),
+    }
+
+
+def stage_error(call: str, num_experts: int, topk: int, config_extra: dict, options: dict):
+    """Construct a dispatcher (and run one misuse named by ``call``); return the error or None."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    per_rank = num_experts // world
+    config = SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, **config_extra)
+    try:
+        d = MegatronDispatcher(
+            per_rank, list(range(rank * per_rank, (rank + 1) * per_rank)), config, SimpleNamespace(ep=None),
+            options=options,
+        )
+        x = torch.zeros(3, 2, 4, device=current_device())
+        routing_map = torch.zeros(6, num_experts, dtype=torch.bool, device=current_device())
+        routing_map[:, :topk] = True
+        probs = routing_map.float()
+        if call == "too_many":
+            routing_map[2, :] = True
+            d.dispatch_preprocess(x, routing_map, probs)
+        elif call == "map_dtype":
+            d.dispatch_preprocess(x, routing_map.float(), probs)
+        elif call == "map_shape":
+            d.dispatch_preprocess(x, routing_map[:5], probs[:5])
+        elif call == "probs_dtype":
+            d.dispatch_preprocess(x, routing_map, routing_map.long())
+        elif call == "order":
+            d.token_dispatch(x.view(6, 4), probs[:, :topk])
+        elif call == "combine_twice":
+            h, w = d.dispatch_preprocess(x, routing_map, probs)
+            rows, pp = d.token_dispatch(h, w)
+            rows, _, pp = d.dispatch_postprocess(rows, pp)
+            d.token_combine(d.combine_preprocess(rows))
+            d.token_combine(rows)
+    except Exception as exc:  # the test inspects what was raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
+# ----------------------------------------------------------------------------- a real MoELayer on CPU
+
+
+class CpuTopKRouter(torch.nn.Module):
+    """A top-k softmax router in plain torch, for MoELayers on CPU (Megatron's TopKRouter
+    moves its weight to CUDA). Returns Megatron's ``(probs [T, E] fp32, routing_map [T, E] bool)``."""
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer=False) -> None:
+        super().__init__()
+        self.topk = config.moe_router_topk
+        self.weight = torch.nn.Parameter(torch.zeros(config.num_moe_experts, config.hidden_size))
+
+    def set_layer_number(self, layer_number: int) -> None:
+        del layer_number
+
+    def forward(self, hidden_states, padding_mask=None):
+        del padding_mask
+        logits = hidden_states.reshape(-1, hidden_states.shape[-1]).float() @ self.weight.float().t()
+        top, experts = logits.topk(self.topk, dim=1)
+        probs = torch.zeros_like(logits).scatter(1, experts, torch.softmax(top, dim=1))
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, experts, True)
+        return probs, routing_map
+
+
+_SINGLE_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def _single_rank_group() -> dist.ProcessGroup:
+    """This rank alone, as a process group (created collectively once per world)."""
+    world = dist.get_world_size()
+    if world not in _SINGLE_GROUPS:
+        groups = [dist.new_group([r]) for r in range(world)]
+        _SINGLE_GROUPS[world] = groups[dist.get_rank()]
+    return _SINGLE_GROUPS[world]
+
+
+def _build_layer(config, pg_collection):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    experts = spec.keywords["submodules"].experts
+    return MoELayer(config=config, submodules=MoESubmodules(experts=experts, router=CpuTopKRouter), pg_collection=pg_collection)
+
+
+def _fill(layer, first_expert: int, seed: int) -> None:
+    """Weights from the seed and the global expert id: the same expert is the same everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    layer.router.weight.data.copy_(torch.randn(layer.router.weight.shape, generator=gen))
+    for i, expert in enumerate(layer.experts.local_experts):
+        gen = torch.Generator().manual_seed(seed * 1000 + first_expert + i + 1)
+        for _, p in sorted(expert.named_parameters()):
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, options: dict):
+    """A real MoELayer over the whole world with our dispatcher installed, against the same
+    layer on this rank alone (all experts local, Megatron's own allgather dispatcher, which
+    needs no communication on one rank). Returns outputs and gradients of both; expert
+    gradients of the local layer summed over the world (every rank's tokens)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dispatch.bench.megatron_baseline import _ensure_parallel_state
+        from dispatch.bench.megatron_layer import moe_config
+        from dispatch.integrations.megatron import install
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        _ensure_parallel_state(world)
+        common = dict(hidden=hidden, ffn=2 * hidden, experts=num_experts, topk=topk, dtype="fp32",
+                      use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
+        layer = _build_layer(moe_config(**common), ProcessGroupCollection.use_mpu_process_groups())
+        one = _single_rank_group()
+        alone = ProcessGroupCollection(tp=one, ep=one, expt_tp=one, tp_ep=one, expt_dp=one)
+        local = _build_layer(moe_config(**common, expert_model_parallel_size=1), alone)
+    per_rank = num_experts // world
+    _fill(layer, rank * per_rank, seed)
+    _fill(local, 0, seed)
+    device = current_device()
+    layer, local = layer.to(device), local.to(device)
+    dispatcher = install(layer, **options)
+    assert layer.token_dispatcher is dispatcher and parallel_state.model_parallel_is_initialized()
+
+    gen = torch.Generator().manual_seed(seed * 7 + rank)
+    x = torch.randn(*shape, hidden, generator=gen).to(device)
+    grad = torch.randn(*shape, hidden, generator=gen).to(device)
+    results = {}
+    for name, module in (("ours", layer), ("local", local)):
+        inp = x.clone().requires_grad_()
+        out, bias = module(inp)
+        assert bias is None
+        (out * grad).sum().backward()
+        results[name] = {"out": _cpu(out), "x_grad": _cpu(inp.grad), "router_grad": _cpu(module.router.weight.grad)}
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    local_grads = [[p.grad.clone() for _, p in sorted(e.named_parameters())] for e in local.experts.local_experts]
+    for grads in local_grads:
+        for g in grads:
+            dist.all_reduce(g)
+    results["ours"]["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())] for e in layer.experts.local_experts]
+    results["local"]["expert_grads"] = [[_cpu(g) for g in grads] for grads in local_grads[mine]]
+    return results
+
+
+def run_doc_snippet(snippet: str):
+    """Execute the README/docs snippet on this rank (parallel state reset first); return the
+    loss and how many dispatchers it installed."""
+    from megatron.core import parallel_state
+
+    from dispatch.integrations.megatron import MegatronDispatcher as Ours
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(snippet, "docs/megatron.md", "exec"), scope)
+    layers = [m for m in scope["model"].modules() if hasattr(m, "token_dispatcher")]
+    assert layers and all(isinstance(m.token_dispatcher, Ours) for m in layers)
+    parallel_state.destroy_model_parallel()
+    return float(scope["loss"]), len(scope["dispatchers"])

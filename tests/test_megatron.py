@@ -1,0 +1,183 @@
+"""The Megatron-Core adapter's six stages on gloo worlds of 1, 2 and 4, without megatron-core:
+Megatron-shaped inputs ([S, B, H] hidden states, routing_map [T, E] bool, probs [T, E]),
+called in MoELayer.forward's order, checked against the dense reference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import megatron_rank_fns
+from dispatch.integrations.megatron import routing_to_topk
+from dispatch.reference import reference_dispatch
+from routing import identity_tokens, make_routing, routings
+
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HIDDEN = 4
+
+
+def megatron_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+    """[T, K] top-k (with -1 slots) as Megatron's routing_map [T, E] bool and probs [T, E]."""
+    routing_map = torch.zeros(topk_idx.shape[0], num_experts, dtype=torch.bool)
+    probs = torch.zeros(topk_idx.shape[0], num_experts, dtype=topk_weights.dtype)
+    for t, k in (topk_idx >= 0).nonzero().tolist():
+        routing_map[t, topk_idx[t, k]] = True
+        probs[t, topk_idx[t, k]] = topk_weights[t, k]
+    return routing_map, probs
+
+
+def seq_batch(count: int) -> tuple[int, int]:
+    return (count // 2, 2) if count % 2 == 0 and count else (count, 1)
+
+
+def dense_layer(x, routing_map, probs, per_rank: int):
+    """What the layer computes: out[t] = x[t] * sum_e map[t, e] * probs[t, e] * (1 + e % E_local)."""
+    scale = 1 + torch.arange(routing_map.shape[1]) % per_rank
+    factor = (routing_map * probs * scale).sum(1)
+    return x * factor.view(*x.shape[:-1], 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@SETTINGS
+@given(data=st.data())
+def test_stages_match_the_reference(worlds, world_size, data):
+    routing = data.draw(routings(world_size, max_tokens=8))
+    topk = routing.topk_idx[0].shape[1]
+    num_experts, per_rank = routing.num_experts, routing.num_experts // world_size
+    args, inputs = [], []
+    for r in range(world_size):
+        count = routing.num_tokens[r]
+        x = identity_tokens(r, count, HIDDEN, torch.float64).view(*seq_batch(count), HIDDEN)
+        routing_map, probs = megatron_routing(routing.topk_idx[r], routing.topk_weights[r], num_experts)
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        args.append((x, routing_map, probs, grad, num_experts, topk, {}))
+        inputs.append((x, routing_map, probs, grad))
+    results = worlds(world_size).run(megatron_rank_fns.stage_round_trip, args)
+
+    flat = [x.view(-1, HIDDEN) for x, *_ in inputs]
+    ref = reference_dispatch(flat, routing.topk_idx, routing.topk_weights, num_experts)
+    for rank, (got, want, (x, routing_map, probs, grad)) in enumerate(zip(results, ref, inputs)):
+        assert torch.equal(got["tokens"], want.tokens), f"rank {rank}: wrong rows or order"
+        assert torch.equal(got["permuted_probs"], want.weights), f"rank {rank}: wrong permuted_probs"
+        assert got["tokens_per_expert"].device.type == "cpu"
+        assert got["tokens_per_expert"].dtype == torch.int64
+        assert torch.equal(got["tokens_per_expert"], want.tokens_per_expert)
+        xl = x.clone().requires_grad_()
+        pl = probs.clone().requires_grad_()
+        expected = dense_layer(xl, routing_map, pl, per_rank)
+        (expected * grad).sum().backward()
+        assert got["out"].shape == x.shape
+        torch.testing.assert_close(got["out"], expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["x_grad"], xl.grad, rtol=1e-12, atol=1e-12)
+        # only the routed entries of probs carry gradient, as in Megatron's dispatchers
+        torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_activations_with_fp32_probs(worlds):
+    """Megatron's usual dtypes: bf16 hidden states, fp32 probs (router in fp32)."""
+    routing = make_routing(2, 2, 2, [6, 4], "random", seed=3)
+    args = []
+    for r in range(2):
+        x = identity_tokens(r, routing.num_tokens[r], HIDDEN, torch.bfloat16).view(-1, 2, HIDDEN)
+        routing_map, probs = megatron_routing(routing.topk_idx[r], routing.topk_weights[r].float(), 4)
+        args.append((x, routing_map, probs, torch.ones(x.shape, dtype=torch.bfloat16), 4, 2, {"combine_wire": "fp32"}))
+    for (x, routing_map, probs, *_), got in zip(args, worlds(2).run(megatron_rank_fns.stage_round_trip, args)):
+        assert got["out"].dtype == torch.bfloat16 and got["permuted_probs"].dtype == torch.float32
+        expected = dense_layer(x.double(), routing_map, probs.double(), 2)
+        torch.testing.assert_close(got["out"].double(), expected, rtol=2e-2, atol=1e-2)
+
+
+def test_routing_to_topk_lowest_experts_first_and_empty_slots():
+    routing_map = torch.tensor([[False, True, False, True], [False, False, False, False], [True, False, False, False]])
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    idx, w = routing_to_topk(routing_map, probs, 2)
+    assert torch.equal(idx, torch.tensor([[1, 3], [-1, -1], [0, -1]]))
+    assert torch.equal(w.detach(), torch.tensor([[0.25, 0.75], [0.0, 0.0], [1.0, 0.0]]))
+    w.sum().backward()
+    assert torch.equal(probs.grad, routing_map.float())
+    empty_idx, empty_w = routing_to_topk(routing_map[:0], probs[:0], 2)
+    assert empty_idx.shape == (0, 2) and empty_w.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "config_extra, options, needle",
+    [
+        ({"expert_tensor_parallel_size": 2}, {}, "expert_tensor_parallel_size=2"),
+        ({"moe_expert_capacity_factor": 1.0}, {}, "moe_expert_capacity_factor"),
+        ({"moe_pad_expert_input_to_capacity": True}, {}, "moe_pad_expert_input_to_capacity"),
+        ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization"),
+        ({"moe_shared_expert_overlap": True}, {}, "moe_shared_expert_overlap"),
+        ({"cuda_graph_impl": "local"}, {}, "cuda_graph_impl"),
+        ({"overlap_moe_expert_parallel_comm": True}, {}, "overlap_moe_expert_parallel_comm"),
+        ({"transformer_impl": "inference_optimized"}, {}, "inference_optimized"),
+        ({}, {"chunks": 2}, "unknown engine option(s) chunks"),
+        ({}, {"num_experts": 8}, "num_experts comes from config.num_moe_experts"),
+        ({}, {"dispatch_wire": "fp4"}, "dispatch_wire"),
+    ],
+)
+def test_construction_refuses(worlds, config_extra, options, needle):
+    (error,) = worlds(1).run(megatron_rank_fns.stage_error, [("none", 4, 2, config_extra, options)])
+    assert error is not None and error[0] in ("ValueError", "TypeError")
+    assert needle in error[1]
+
+
+@pytest.mark.parametrize(
+    "call, kind, needle",
+    [
+        ("too_many", "ValueError", "more than moe_router_topk=2"),
+        ("map_dtype", "ValueError", "routing_map must be a [T=6, E=4] bool"),
+        ("map_shape", "ValueError", "routing_map must be a [T=6, E=4] bool"),
+        ("probs_dtype", "ValueError", "probs must be a floating"),
+        ("order", "RuntimeError", "token_dispatch called out of order"),
+        ("combine_twice", "RuntimeError", "token_combine called out of order"),
+    ],
+)
+def test_misuse_is_refused(worlds, call, kind, needle):
+    results = worlds(2).run(megatron_rank_fns.stage_error, [(call, 4, 2, {}, {})] * 2)
+    for error in results:
+        assert error is not None and error[0] == kind and needle in error[1], error
+
+
+def test_the_group_must_fit():
+    from types import SimpleNamespace
+
+    from dispatch.integrations.megatron import MegatronDispatcher
+
+    config = SimpleNamespace(num_moe_experts=4, moe_router_topk=5)
+    with pytest.raises(ValueError, match="moe_router_topk must be an int in"):
+        MegatronDispatcher(4, [0, 1, 2, 3], config, None)
+
+
+def test_import_does_not_need_megatron():
+    code = (
+        "import sys; sys.modules['megatron'] = None\n"
+        "import dispatch.integrations.megatron as m\n"
+        "try:\n    m.install(object())\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install megatron-core" in out and 'moe-dispatch[megatron]' in out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [(["--parts", "nope"], "--parts"), (["--steps", "0"], "--steps"), (["--option", "dispatch_wire"], "KEY=VALUE")],
+)
+def test_layer_script_bad_flags(argv, needle, capsys):
+    from dispatch.bench import megatron_layer
+
+    with pytest.raises(SystemExit) as exc:
+        megatron_layer.main(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_layer_script_needs_cuda(capsys):
+    from dispatch.bench import megatron_layer
+
+    assert megatron_layer.main(["--parts", "layer"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""A real Megatron-Core MoELayer with our dispatcher installed, on CPU gloo worlds.
+
+Megatron's ``TopKRouter`` and ``alltoall`` dispatcher need CUDA, so on CPU the layer
+uses a plain-torch top-k router, and the reference is the same layer on each rank
+alone (all experts local, Megatron's ``allgather`` dispatcher, which does not
+communicate on one rank). The GPU comparison with Megatron's ``alltoall`` dispatcher
+is ``python -m dispatch.bench.megatron_layer``. Skipped without megatron-core.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dispatch.bench.megatron_baseline import megatron_available
+
+pytestmark = pytest.mark.skipif(not megatron_available(), reason="megatron-core is not importable")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("topk", [2, 3])
+def test_layer_matches_all_experts_local(worlds, world_size, topk):
+    import megatron_rank_fns
+
+    num_experts = 2 * world_size
+    args = (11 + topk, num_experts, min(topk, num_experts), 16, (5, 3), {})
+    results = worlds(world_size).run(megatron_rank_fns.megatron_layer_vs_local, [args] * world_size)
+    for rank, result in enumerate(results):
+        ours, local = result["ours"], result["local"]
+        assert ours["out"].shape == (5, 3, 16)
+        for key in ("out", "x_grad", "router_grad"):
+            torch.testing.assert_close(ours[key], local[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert len(ours["expert_grads"]) == len(local["expert_grads"]) == 2
+        for mine, want in zip(ours["expert_grads"], local["expert_grads"]):
+            for a, b in zip(mine, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert ours["router_grad"].abs().sum() > 0  # the probs carry gradient back to the router
+
+
+def test_install_refuses_what_is_not_a_moe_layer():
+    from dispatch.integrations.megatron import install
+
+    with pytest.raises(TypeError, match="MoELayer"):
+        install(torch.nn.Linear(2, 2))
+
+
+def _doc_snippet() -> str:
+    import pathlib
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "megatron.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_doc_snippet_is_complete_python():
+    snippet = _doc_snippet()
+    compile(snippet, "docs/megatron.md", "exec")
+    assert "install_all(model" in snippet and "loss.backward()" in snippet
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the snippet trains on CUDA (Megatron's router needs it)")
+def test_doc_snippet_runs(worlds):
+    import megatron_rank_fns
+
+    world_size = 2
+    results = worlds(world_size).run(megatron_rank_fns.run_doc_snippet, [(_doc_snippet(),)] * world_size)
+    for loss, installed in results:
+        assert installed == 2 and loss == loss and 0 < loss < 20
