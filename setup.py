@@ -10,7 +10,8 @@ setup(
     packages=find_packages(include=["dispatch", "dispatch.*"]),
     install_requires=["torch>=2.4"],
     extras_require={
-        "test": ["pytest", "hypothesis", "triton"],
+        "test": ["pytest", "hypothesis", "triton", "matplotlib"],
+        "bench": ["matplotlib"],
         "cuda12": ["cupy-cuda12x"],
         "cuda13": ["cupy-cuda13x"],
         "megatron": ["megatron-core"],

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The GPU run: property tests on NCCL, then the round-trip benchmark next to
-# Megatron-Core. Writes everything under $OUT (default ./gpu-out).
+# The GPU run, in parts that each fit one device call (< 10 minutes):
+#   tests      the whole pytest suite (NCCL worlds on the local GPUs)
+#   dispatch   dispatch-bench dispatch (all shapes x variants x wires x routings,
+#              Megatron-Core alongside) and the a2a sweep
+#   studies    overlap study, hierarchical 2x2 with a slow inter-node tier,
+#              wire formats / kernels, Megatron MoELayer
 # Usage on the device machine, from the repository root:
-#   DISPATCH_COMMIT=<sha> bash bench/gpu_suite.sh [tests|bench|all]
-# Files: $OUT/suite.txt (machine, test and benchmark log), $OUT/results/*.json|md.
+#   DISPATCH_COMMIT=<sha> bash bench/gpu_suite.sh PART [PART ...]
+# Writes $OUT/suite.txt (machine, versions, logs) and $OUT/results.tar.gz
+# (every JSON / markdown / PNG result; unpack under bench/results/<machine>/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-what=${1:-all}
+RES=$OUT/results
+mkdir -p "$RES"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/site
@@ -17,23 +22,44 @@ else
   export PYTHONPATH=$PWD
 fi
 export DISPATCH_COMMIT=${DISPATCH_COMMIT:-$(git rev-parse --verify -q HEAD || echo unknown)}
+LOG=$OUT/suite.txt
 {
+  echo "commit $DISPATCH_COMMIT parts: $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nvidia-smi topo -m
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
   python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" 2>&1 | tail -1
-} > "$OUT/suite.txt" 2>&1
-cat "$OUT/suite.txt"
+  python3 -c "import matplotlib; print('matplotlib', matplotlib.__version__)" 2>&1 | tail -1
+} > "$LOG" 2>&1
+cat "$LOG"
 status=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee -a "$OUT/suite.txt" | tail -25
-  status=${PIPESTATUS[0]}
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  for args in "--world-size 4" "--world-size 4 --no-check --baselines none" "--world-size 2"; do
-    echo "== dispatch-bench --shape deepseek-v3 $args"
-    timeout 240 python3 -m dispatch.bench --shape deepseek-v3 --iters 40 --warmup 5 $args --out "$OUT/results" 2>&1 \
-      | tee -a "$OUT/suite.txt" | grep -v "^\[" | tail -12
-  done
-fi
+
+step() {  # step SECONDS NAME COMMAND...: run, log, keep the worst exit status
+  local limit=$1 name=$2
+  shift 2
+  echo "== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG" | grep -v '^\[' | tail -40
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ "$rc" -ne 0 ] && status=$rc
+}
+
+bench() { step "$1" "$2" python3 -m dispatch.bench "${@:3}"; }
+
+for part in "$@"; do
+  case $part in
+    tests)
+      step 540 pytest python3 -m pytest -q -p no:cacheprovider -x --durations=15 tests ;;
+    dispatch)
+      bench 330 dispatch dispatch --iters 20 --warmup 5 --out "$RES"
+      bench 150 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
+    studies)
+      bench 200 overlap overlap --trace --out "$RES"
+      bench 120 megatron-layer megatron-layer --out "$RES" ;;
+    *)
+      echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
+  esac
+done
+tar -czf "$OUT/results.tar.gz" -C "$RES" . && rm -rf "$RES"
 exit $status

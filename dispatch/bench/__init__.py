@@ -6,7 +6,8 @@
                                     gloo and small shapes when there is no GPU
     dispatch-bench dispatch ...     dispatchers compared on model shapes (roundtrip.py)
     dispatch-bench a2a ...          all-to-all bandwidth sweep, nccl-tests style (a2a.py)
-    dispatch-bench <study> ...      the other studies, each its own module: see --help
+    dispatch-bench overlap ...      exchange hidden behind expert compute (overlap.py)
+    dispatch-bench megatron-layer   a Megatron-Core MoELayer with its dispatcher and ours
 
 Every run starts its own processes (one per GPU), or runs as one rank under
 torchrun; shows progress on stderr; prints a summary; writes JSON, PNG and
@@ -27,7 +28,10 @@ from dispatch.bench import a2a, common, roundtrip
 
 # Studies with their own command line: ``dispatch-bench NAME ARGS`` runs
 # ``MODULE.main(ARGS)``.
-STUDIES = {}
+STUDIES = {
+    "overlap": "dispatch.bench.overlap",  # MoEExchange pipelined against the experts
+    "megatron-layer": "dispatch.bench.megatron_layer",  # a real Megatron MoELayer, both dispatchers
+}
 
 COMMANDS = {"dispatch": roundtrip, "a2a": a2a}
 
