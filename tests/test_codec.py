@@ -112,6 +112,19 @@ def test_huge_and_tiny_magnitudes_invent_nothing(wire):
 
 
 @pytest.mark.parametrize("wire", sorted(FP8_WIRES))
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_largest_values_of_the_data_dtype_stay_finite(wire, pow2, dtype):
+    """Rounding up near the dtype's largest value must not decode to an infinity."""
+    top = torch.finfo(dtype).max if dtype != torch.float32 else torch.finfo(torch.float32).max
+    x = torch.tensor([[top, -top, top * 0.999, 1.0]]).to(dtype)
+    codec = to_experts_codec(wire, dtype, pow2)
+    back = codec.unpack(codec.pack(x), dtype, 4)
+    assert torch.isfinite(back).all()
+    assert (back[0, :2].abs() == top).all()
+
+
+@pytest.mark.parametrize("wire", sorted(FP8_WIRES))
 def test_non_finite_values_are_carried_through(wire):
     """A NaN/inf decodes to NaN (e4m3) or itself (e5m2); the rest of its block is untouched."""
     x = torch.linspace(-3, 3, 256).view(2, 128).clone()

@@ -26,7 +26,9 @@ fp32 first; fp64 values beyond fp32's range become infinities):
 * ``code = fp8(clamp(value * (1 / scale), -FMT_MAX, FMT_MAX))``, rounding to the
   nearest (ties to even); ``1 / scale`` is one correctly rounded fp32 division
   per block, so the kernels and the references agree bit for bit;
-* decoding is ``fp32(code) * scale``, then one cast to the requested dtype.
+* decoding is ``fp32(code) * scale``, clamped to the finite range of the
+  requested dtype (rounding up near that dtype's largest value, e.g. 65504 in
+  fp16, must not make an infinity), then one cast to the requested dtype.
 
 Non-finite values are carried through, never invented: a NaN or +-inf input
 value decodes to NaN (e4m3 has no infinity) or to itself (e5m2 keeps +-inf);
@@ -170,7 +172,14 @@ def unpack_reference(
     codes, scales = split_packed(picked.contiguous(), hidden)
     values = codes.contiguous().view(fmt.dtype).to(torch.float32)
     per_channel = scales.repeat_interleave(BLOCK, dim=1)[:, :hidden]
-    return (values * per_channel).to(dtype)
+    top = _out_max(dtype)
+    decoded = values * per_channel
+    return torch.where(torch.isfinite(values), decoded.clamp(-top, top), decoded).to(dtype)
+
+
+def _out_max(dtype: torch.dtype) -> float:
+    """Largest finite value a decoded row may take in ``dtype`` (decoding is in fp32)."""
+    return min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
 
 
 if triton is not None:
@@ -265,6 +274,7 @@ if triton is not None:
         out_stride,
         HAS_INDEX: tl.constexpr,
         E4M3_FMT: tl.constexpr,
+        OUT_MAX: tl.constexpr,
         SOFT: tl.constexpr,
         GROUPS: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -291,6 +301,7 @@ if triton is not None:
                 values = tl.where(exp_ones, special, values)
         scale = tl.load(scales_ptr + wire_row * scales_stride + scales_start + groups, mask=groups < blocks, other=1.0)
         out = values * scale[:, None]
+        out = tl.where(tl.abs(values) < float("inf"), tl.minimum(tl.maximum(out, -OUT_MAX), OUT_MAX), out)
         tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -367,6 +378,7 @@ def unpack_triton(
         out.stride(0),
         HAS_INDEX=index is not None,
         E4M3_FMT=fmt is E4M3,
+        OUT_MAX=_out_max(dtype),
         SOFT=_interpreted(),
         GROUPS=groups,
         BLOCK_C=BLOCK,
