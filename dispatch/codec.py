@@ -11,8 +11,28 @@ Two kinds of direction, two kinds of format:
   backward) are reduced in fp32 on both sides; on the wire they are a plain dtype
   (``sum_wire_dtype``), never a lossy block format.
 
-The formats so far are plain casts: ``native`` keeps the data's own dtype
-(lossless), ``bf16`` and ``fp32`` cast on the way out and back on arrival.
+Formats of rows going to the experts:
+
+* ``native`` keeps the data's own dtype (lossless); ``bf16`` and ``fp32`` cast on
+  the way out and back on arrival (bf16: 7 stored mantissa bits, per-element
+  relative error at most 2^-8).
+* ``fp8`` (e4m3) and ``e5m2``: one fp32 scale per 128 channels of each row, packed
+  as one byte row ``[H fp8 codes | pad to 4 | ceil(H/128) fp32 scales]``
+  (``dispatch.kernels.quantize`` has the layout, the encoding, the short last
+  block and the handling of zeros and non-finite values). Per element, the
+  round-trip error (before the cast to the data's dtype) is at most
+  ``max(2^-(m+1) |x|, scale * 2^(e_min - m - 1))``, m the mantissa width (3 for
+  e4m3, 2 for e5m2) and e_min the exponent of the smallest normal (-6, -14):
+  half a step, relative in the normal range, half the subnormal step below it.
+  Since ``scale <= 2 amax / FMT_MAX``, that is at most ``2^-(m+1)`` of the
+  block's amax. e4m3 is for activations (precision), e5m2 for gradients (range
+  within the block). With ``pow2_scales`` each scale is a power of two, so
+  scaling is exact and a scale costs one exponent.
+
+Sums never travel in fp8: a block format rounds every partial to ``2^-4`` of its
+block's amax, and the home rank adds W such partials, so where partials cancel
+the error is large relative to the result. The lowest precision for sums is
+bf16, whose error is relative to each element.
 """
 
 from __future__ import annotations
@@ -20,6 +40,8 @@ from __future__ import annotations
 import abc
 
 import torch
+
+from dispatch.kernels import quantize
 
 _CAST_WIRES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -86,12 +108,57 @@ class CastCodec(Codec):
         return f"CastCodec({self.name!r}, wire={self.wire})"
 
 
-def to_experts_codec(wire: str, data_dtype: torch.dtype) -> Codec:
-    """The codec for rows of ``data_dtype`` travelling to the experts under ``wire``."""
+class BlockFp8Codec(Codec):
+    """A row travels as fp8 codes with one fp32 scale per 128 channels, packed
+    into one uint8 row of ``row_bytes(H)`` bytes (see ``dispatch.kernels.quantize``).
+
+    Args:
+        name: the wire's name (``"fp8"`` or ``"e5m2"``).
+        fmt: ``quantize.E4M3`` or ``quantize.E5M2``.
+        pow2_scales: round each scale up to a power of two.
+    """
+
+    def __init__(self, name: str, fmt: quantize.Fp8Format, pow2_scales: bool = False) -> None:
+        self.name = name
+        self.fmt = fmt
+        self.pow2_scales = pow2_scales
+
+    def row_bytes(self, hidden: int) -> int:
+        return quantize.row_bytes(hidden)
+
+    def pack(self, rows, index=None):
+        """Returns [n, row_bytes(H)] uint8; the Triton kernel on CUDA."""
+        return quantize.pack(rows, index, self.fmt, self.pow2_scales)
+
+    def unpack(self, wire_rows, dtype, hidden, index=None):
+        if wire_rows.dtype != torch.uint8 or wire_rows.dim() != 2 or wire_rows.shape[1] != self.row_bytes(hidden):
+            raise ValueError(
+                f"wire_rows must be [n, {self.row_bytes(hidden)}] uint8 packed rows for H={hidden}, "
+                f"got {list(wire_rows.shape)} {wire_rows.dtype}"
+            )
+        return quantize.unpack(wire_rows, index, self.fmt, dtype, hidden)
+
+    def __repr__(self) -> str:
+        return f"BlockFp8Codec({self.name!r}, {self.fmt.name}, pow2_scales={self.pow2_scales})"
+
+
+_BLOCK_WIRES = {"fp8": quantize.E4M3, "e5m2": quantize.E5M2}
+
+
+def to_experts_codec(wire: str, data_dtype: torch.dtype, pow2_scales: bool = False) -> Codec:
+    """The codec for rows of ``data_dtype`` travelling to the experts under ``wire``.
+
+    Args:
+        wire: ``"native"``, ``"bf16"``, ``"fp32"``, ``"fp8"`` (e4m3) or ``"e5m2"``.
+        data_dtype: dtype of the rows (and of the rows the experts receive).
+        pow2_scales: for the fp8 formats, power-of-two scales.
+    """
     if wire == "native":
         return CastCodec(wire, data_dtype, None)
     if wire in _CAST_WIRES:
         return CastCodec(wire, data_dtype, _CAST_WIRES[wire])
+    if wire in _BLOCK_WIRES:
+        return BlockFp8Codec(wire, _BLOCK_WIRES[wire], pow2_scales)
     raise ValueError(f"unknown wire format {wire!r} for rows going to the experts")
 
 

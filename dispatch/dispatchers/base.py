@@ -286,7 +286,8 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle):
         ctx.dispatcher, ctx.handle = dispatcher, handle
-        codec = to_experts_codec(dispatcher.config.dispatch_wire, x.dtype)
+        config = dispatcher.config
+        codec = to_experts_codec(config.dispatch_wire, x.dtype, config.fp8_pow2_scales)
         tokens = dispatcher._to_experts(x, handle, codec)
         return tokens, routed_weights.to(topk_weights.dtype, copy=True), x.new_empty(0)
 
@@ -322,7 +323,8 @@ class _CombineFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         expert_out, weights = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        codec = to_experts_codec(ctx.dispatcher.config.combine_grad_wire, grad_out.dtype)
+        config = ctx.dispatcher.config
+        codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.fp8_pow2_scales)
         grad_rows = ctx.dispatcher._to_experts(grad_out, ctx.handle, codec)
         grad_expert = grad_weights = None
         needs = ctx.needs_input_grad
