@@ -56,6 +56,7 @@ for part in "$@"; do
       bench 150 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     studies)
       bench 200 overlap overlap --trace --out "$RES"
+      bench 120 wire wire --out "$RES"
       bench 120 megatron-layer megatron-layer --out "$RES" ;;
     *)
       echo "unknown part $part" | tee -a "$LOG"; status=2 ;;

@@ -8,6 +8,8 @@
     dispatch-bench a2a ...          all-to-all bandwidth sweep, nccl-tests style (a2a.py)
     dispatch-bench overlap ...      exchange hidden behind expert compute (overlap.py)
     dispatch-bench megatron-layer   a Megatron-Core MoELayer with its dispatcher and ours
+    dispatch-bench wire ...         bf16 against fp8 wire: bytes, phases, kernel bandwidth
+    dispatch-bench convergence ...  a small MoE model trained with bf16 and with fp8 wires
 
 Every run starts its own processes (one per GPU), or runs as one rank under
 torchrun; shows progress on stderr; prints a summary; writes JSON, PNG and
@@ -31,6 +33,8 @@ from dispatch.bench import a2a, common, roundtrip
 STUDIES = {
     "overlap": "dispatch.bench.overlap",  # MoEExchange pipelined against the experts
     "megatron-layer": "dispatch.bench.megatron_layer",  # a real Megatron MoELayer, both dispatchers
+    "wire": "dispatch.bench.wire",  # bf16 vs fp8 wire: bytes, phase times, kernel bandwidth
+    "convergence": "dispatch.bench.convergence",  # a small MoE model trained with bf16 and fp8 wires
 }
 
 COMMANDS = {"dispatch": roundtrip, "a2a": a2a}
