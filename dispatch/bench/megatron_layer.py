@@ -40,7 +40,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dispatch.bench import environment
+from dispatch.bench.common import environment
 from dispatch.bench.megatron_baseline import _ensure_parallel_state, megatron_available
 
 LAYER_TOLERANCE = 2e-2  # bf16: relative to the tensor's largest magnitude

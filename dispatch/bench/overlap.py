@@ -324,7 +324,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def report(shape: Shape, rows: list[dict], args, trace: str | None) -> None:
-    from dispatch.bench import environment
+    from dispatch.bench.common import environment
 
     env = environment()
     title = (f"overlap of exchange and experts, {shape.name} (T={shape.tokens}, H={shape.hidden}, "

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 import dispatch
 from dispatch import comm
-from dispatch.bench import SHAPES, _time, uniform_routing
+from dispatch.bench.common import SHAPES, time_phases
+from dispatch.bench.roundtrip import make_routing
 from dispatch.codec import to_experts_codec
 
 WIRES = ("bf16", "fp8")
@@ -62,7 +63,7 @@ def measure(shape, wire: str, args, device) -> dict:
     d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=wire, combine_wire="bf16"))
     gen = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(shape.tokens, shape.hidden, generator=gen, device=device).to(torch.bfloat16)
-    topk_idx, topk_weights = uniform_routing(shape, rank, device)
+    topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)
     out = d.dispatch(x, topk_idx, topk_weights)
     handle = out.handle
     codec = to_experts_codec(wire, x.dtype)
@@ -90,7 +91,8 @@ def measure(shape, wire: str, args, device) -> dict:
 
     times = {}
     for name, fn in zip(TIMES, (pack, exchange, unpack, three_phases, whole_dispatch, combine)):
-        times[name] = statistics.median(_time(fn, args.iters, args.warmup, device))
+        runs = time_phases(lambda timer: fn(), args.iters, args.warmup, device)
+        times[name] = statistics.median(r["total"] for r in runs)
     three_phases()
     wrong = torch.tensor([int((held["rows"] != out.tokens).any(1).sum())], device=device)
     dist.all_reduce(wrong)
