@@ -27,6 +27,7 @@ from dispatch.codec import Codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
+from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
 
@@ -60,6 +61,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self._graphs = PlanGraphCache() if config.plan_graphs else None
+        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
     def _plan(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
@@ -159,3 +161,13 @@ class AllToAllDispatcher(TokenDispatcher):
             handle.slot_row >= 0, handle.slot_row * index.shape[1] + handle.slot_col, back.numel() - 1
         )
         return back[at]
+
+    def _stats(self, handle: AllToAllHandle, dispatch_row_bytes, combine_wire, hidden):
+        local = self.local_world_size
+        return make_stats(
+            local,
+            tier_split(handle.send_splits, self.rank, local),
+            dispatch_row_bytes,
+            tier_split(handle.recv_splits, self.rank, local),  # partials go back the way rows came
+            hidden * combine_wire.itemsize,
+        )
