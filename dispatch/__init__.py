@@ -17,12 +17,24 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from dispatch.config import DispatchConfig
+from dispatch.cost_model import LinkModel
 from dispatch.dispatchers import VARIANT_CLASSES, CombineHandle, Dispatched, TokenDispatcher
 from dispatch import experts  # noqa: F401  (dispatch.experts.GroupedExperts)
 from dispatch.pipeline import MoEExchange
+from dispatch.stats import DispatchStats
 from dispatch.timing import PhaseTimer
 
-__all__ = ["CombineHandle", "DispatchConfig", "Dispatched", "MoEExchange", "PhaseTimer", "TokenDispatcher", "create"]
+__all__ = [
+    "CombineHandle",
+    "DispatchConfig",
+    "DispatchStats",
+    "Dispatched",
+    "LinkModel",
+    "MoEExchange",
+    "PhaseTimer",
+    "TokenDispatcher",
+    "create",
+]
 __version__ = "0.1.0"
 
 

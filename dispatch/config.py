@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VARIANTS = ("alltoall",)
+from dispatch.cost_model import LinkModel
+
+VARIANTS = ("alltoall", "allgather", "hierarchical", "auto")
 # Rows going to the experts (dispatch, and backward of combine) use a codec;
 # partial sums going home (combine, and backward of dispatch) a plain dtype.
 # Sums never travel in a block-scaled fp8 format (dispatch/codec.py says why).
@@ -28,7 +30,11 @@ class DispatchConfig:
         num_experts: ``E``, experts in total over the EP group. Expert ``e`` lives
             on rank ``e // (E // W)``; ``E`` must be a multiple of the group size ``W``.
         variant: how bytes move. ``"alltoall"``: one variable-split all-to-all per
-            direction, each token sent once per destination rank.
+            direction, each token sent once per destination rank. ``"allgather"``:
+            all-gather the tokens, each rank takes its experts' rows, reduce back.
+            ``"hierarchical"``: a token crosses to another node once, then is
+            forwarded inside the node. ``"auto"``: one of these per call, by a
+            cost model (``link_model``).
         dispatch_wire: how a token row travels to the experts. ``"native"`` (the
             input's own dtype, lossless), ``"bf16"``, ``"fp32"`` or ``"fp8"`` (e4m3
             with one fp32 scale per 128 channels: about half the bytes of bf16,
@@ -48,8 +54,16 @@ class DispatchConfig:
         fp8_pow2_scales: the fp8/e5m2 block scales are rounded up to powers of
             two (scaling is then exact; the error bound is unchanged in form,
             with a scale up to 2x larger).
-        local_world_size: ranks per node, for the hierarchical variant; checked
-            to divide the group size when given.
+        local_world_size: ranks per node (nodes are blocks of consecutive group
+            ranks), for the hierarchical variant, the auto cost model and the
+            intra-/inter-node split of ``Dispatched.stats``; checked to divide the
+            group size. None: ``LOCAL_WORLD_SIZE`` from torchrun, else one node.
+        inter_node_max_ctas: hierarchical on NCCL: create the inter-node process
+            group with NCCL's ``config.min_ctas = config.max_ctas =`` this many
+            CTAs (SMs), to emulate a slow inter-node tier on one host. Ignored by
+            other backends (gloo has no such setting) and other variants.
+        link_model: bandwidths and latencies of the tiers for ``variant="auto"``
+            (a :class:`dispatch.cost_model.LinkModel`; None: its defaults).
         check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``
             (expert ids in range, no expert twice in a row, finite weights) before
             any communication. This costs one host synchronisation per dispatch;
@@ -69,6 +83,8 @@ class DispatchConfig:
     combine_grad_wire: str = "native"
     fp8_pow2_scales: bool = False
     local_world_size: int | None = None
+    inter_node_max_ctas: int | None = None
+    link_model: LinkModel | None = None
     check_inputs: bool = True
     plan_graphs: bool = True
 
@@ -89,6 +105,17 @@ class DispatchConfig:
                 )
             if self.local_world_size < 1:
                 raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+        if self.inter_node_max_ctas is not None:
+            if isinstance(self.inter_node_max_ctas, bool) or not isinstance(self.inter_node_max_ctas, int):
+                raise TypeError(
+                    f"inter_node_max_ctas must be an int or None, got {type(self.inter_node_max_ctas).__name__}"
+                )
+            if self.inter_node_max_ctas < 1:
+                raise ValueError(f"inter_node_max_ctas must be >= 1, got {self.inter_node_max_ctas}")
+        if self.link_model is not None and not isinstance(self.link_model, LinkModel):
+            raise TypeError(
+                f"link_model must be a dispatch.cost_model.LinkModel or None, got {type(self.link_model).__name__}"
+            )
         for name in ("fp8_pow2_scales", "check_inputs", "plan_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -39,6 +39,8 @@ def round_trip(x, topk_idx, topk_weights, config: dict, experts: str = "identity
         "src_rank": _cpu(out.src_rank),
         "src_token": _cpu(out.src_token),
         "combined": _cpu(combined),
+        "stats": None if out.stats is None else out.stats.as_dict(),
+        "variant": out.handle.owner.config.variant,
     }
 
 

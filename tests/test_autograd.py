@@ -11,6 +11,7 @@ import dispatch
 import rank_fns
 from dispatch.reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens, routings
+from test_properties import VARIANTS, variant_cases, variant_config
 from world import World
 
 HIDDEN = 3
@@ -51,13 +52,13 @@ def _reference_gradients(routing, xs, grad_out, expert_out):
     ]
 
 
-def _compare(worlds, routing, seed):
+def _compare(worlds, routing, seed, variant="alltoall", local=None):
     world_size = routing.world_size
     xs = [random_tokens(r, t, HIDDEN, torch.float64, seed) for r, t in enumerate(routing.num_tokens)]
     grad_out = [random_tokens(r, t, HIDDEN, torch.float64, seed + 1) for r, t in enumerate(routing.num_tokens)]
     ref = reference_dispatch(xs, routing.topk_idx, routing.topk_weights, routing.num_experts)
     expert_out = [random_tokens(r, d.tokens.shape[0], HIDDEN, torch.float64, seed + 2) for r, d in enumerate(ref)]
-    config = dict(num_experts=routing.num_experts)
+    config = variant_config(routing.num_experts, variant, local)
     args = [
         (xs[r], routing.topk_idx[r], routing.topk_weights[r], grad_out[r], expert_out[r], config)
         for r in range(world_size)
@@ -79,6 +80,14 @@ def test_gradients_match_reference(worlds, world_size, data):
     _compare(worlds, routing, data.draw(st.integers(0, 10**6)))
 
 
+@pytest.mark.parametrize("world_size, variant, local", variant_cases([2, 4, 6], VARIANTS[1:]))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_gradients_match_reference_variants(worlds, world_size, variant, local, data):
+    routing = data.draw(routings(world_size, max_tokens=6))
+    _compare(worlds, routing, data.draw(st.integers(0, 10**6)), variant, local)
+
+
 def test_reference_passes_gradcheck():
     """The reference's gradients are those of finite differences, so matching it is gradcheck."""
     routing = make_routing(3, 2, 3, [3, 0, 2], "sparse", seed=11)
@@ -94,10 +103,10 @@ def test_reference_passes_gradcheck():
     assert torch.autograd.gradcheck(round_trip, (*xs, *ws))
 
 
-def _gradcheck_single_rank(seed):
+def _gradcheck_single_rank(seed, variant="alltoall"):
     """gradcheck of the real dispatcher in a world of one (no peer to keep in step)."""
     routing = make_routing(1, 4, 3, [4], "sparse", seed=seed)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=routing.num_experts))
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=routing.num_experts, variant=variant))
     x = random_tokens(0, 4, 2, torch.float64, seed).requires_grad_()
     w = routing.topk_weights[0].clone().requires_grad_()
     idx = routing.topk_idx[0]
@@ -111,7 +120,8 @@ def _gradcheck_single_rank(seed):
 
 def test_gradcheck_world_of_one():
     with World(1, backend="gloo") as world:
-        assert world.run(_gradcheck_single_rank, [(5,)]) == [True]
+        for variant in VARIANTS:
+            assert world.run(_gradcheck_single_rank, [(5, variant)]) == [True], variant
 
 
 @pytest.mark.parametrize(
@@ -122,13 +132,14 @@ def test_gradcheck_world_of_one():
         ((True, True), (True, True), (False, True)),  # rank 1's experts return a fresh tensor
     ],
 )
-def test_ranks_needing_different_gradients(worlds, x_grad, w_grad, fresh):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ranks_needing_different_gradients(worlds, x_grad, w_grad, fresh, variant):
     """Backward exchanges follow what the group needs: no rank hangs, every
     gradient asked for is the reference's."""
     routing = make_routing(2, 2, 2, [5, 4], "random", seed=9)
     xs = [random_tokens(r, t, HIDDEN, torch.float64, 1) for r, t in enumerate(routing.num_tokens)]
     grad_out = [random_tokens(r, t, HIDDEN, torch.float64, 2) for r, t in enumerate(routing.num_tokens)]
-    config = dict(num_experts=routing.num_experts)
+    config = dict(num_experts=routing.num_experts, variant=variant, local_world_size=1)
     args = [
         (xs[r], routing.topk_idx[r], routing.topk_weights[r], grad_out[r], x_grad[r], w_grad[r], fresh[r], config)
         for r in range(2)

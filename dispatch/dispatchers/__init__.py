@@ -1,8 +1,25 @@
 """Dispatcher variants, one class per file behind the TokenDispatcher interface."""
 
+from dispatch.dispatchers.allgather import AllGatherDispatcher
 from dispatch.dispatchers.alltoall import AllToAllDispatcher
+from dispatch.dispatchers.auto import AutoDispatcher
 from dispatch.dispatchers.base import CombineHandle, Dispatched, TokenDispatcher
+from dispatch.dispatchers.hierarchical import HierarchicalDispatcher
 
-VARIANT_CLASSES = {"alltoall": AllToAllDispatcher}
+VARIANT_CLASSES = {
+    "alltoall": AllToAllDispatcher,
+    "allgather": AllGatherDispatcher,
+    "hierarchical": HierarchicalDispatcher,
+    "auto": AutoDispatcher,
+}
 
-__all__ = ["AllToAllDispatcher", "CombineHandle", "Dispatched", "TokenDispatcher", "VARIANT_CLASSES"]
+__all__ = [
+    "AllGatherDispatcher",
+    "AllToAllDispatcher",
+    "AutoDispatcher",
+    "CombineHandle",
+    "Dispatched",
+    "HierarchicalDispatcher",
+    "TokenDispatcher",
+    "VARIANT_CLASSES",
+]

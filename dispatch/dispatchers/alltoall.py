@@ -27,6 +27,7 @@ from dispatch.codec import Codec
 from dispatch.dispatchers.base import CombineHandle, Pending, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.plan_graph import PlanGraphCache, PlanKey, plan_summary, route_phase, send_phase
+from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
 
@@ -60,6 +61,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self._graphs = PlanGraphCache() if config.plan_graphs else None
+        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
     def _plan(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
@@ -235,6 +237,16 @@ class AllToAllDispatcher(TokenDispatcher):
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
         back, work = comm.all_to_all_rows_start(grid, handle.recv_splits, handle.send_splits, self.group)
         return Pending(work, lambda: _slots_from_rows(back, handle, values))
+
+    def _stats(self, handle: AllToAllHandle, dispatch_row_bytes, combine_wire, hidden):
+        local = self.local_world_size
+        return make_stats(
+            local,
+            tier_split(handle.send_splits, self.rank, local),
+            dispatch_row_bytes,
+            tier_split(handle.recv_splits, self.rank, local),  # partials go back the way rows came
+            hidden * combine_wire.itemsize,
+        )
 
 
 def _slots_from_rows(back: torch.Tensor, handle: AllToAllHandle, values: torch.Tensor) -> torch.Tensor:

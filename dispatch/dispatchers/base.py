@@ -31,6 +31,7 @@ from dispatch import checks, comm
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import DispatchConfig
 from dispatch.kernels.gather_sum import accumulate_dtype
+from dispatch.stats import DispatchStats
 from dispatch.timing import PhaseTimer
 
 
@@ -76,6 +77,9 @@ class Dispatched:
         src_rank: [N] int64, home rank of each row's token.
         src_token: [N] int64, index of each row's token on its home rank.
         handle: pass to ``combine``.
+        stats: :class:`dispatch.stats.DispatchStats`, rows and bytes this rank
+            sends per tier (intra-/inter-node) in this round trip, from the plan's
+            host-side split sizes (None for a variant that does not account them).
     """
 
     tokens: torch.Tensor
@@ -85,6 +89,7 @@ class Dispatched:
     src_rank: torch.Tensor
     src_token: torch.Tensor
     handle: CombineHandle
+    stats: DispatchStats | None = None
 
 
 class TokenDispatcher(abc.ABC):
@@ -121,6 +126,9 @@ class TokenDispatcher(abc.ABC):
         anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
         tokens, weights, link = _DispatchFn.apply(x, topk_weights, anchor, plan_out.weights, self, handle)
         handle = dataclasses.replace(handle, link=link)
+        hidden = x.shape[1]
+        dispatch_row_bytes = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
+        stats = self._stats(handle, dispatch_row_bytes, sum_wire_dtype(self.config.combine_wire, x.dtype), hidden)
         return Dispatched(
             tokens=tokens,
             tokens_per_expert=plan_out.tokens_per_expert,
@@ -129,6 +137,7 @@ class TokenDispatcher(abc.ABC):
             src_rank=plan_out.src_rank,
             src_token=plan_out.src_token,
             handle=handle,
+            stats=stats,
         )
 
     def combine(
@@ -189,6 +198,14 @@ class TokenDispatcher(abc.ABC):
     @abc.abstractmethod
     def _weights_to_home(self, values: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
         """[N] per-row values -> [T, K] per-slot values (0 for empty slots)."""
+
+    def _stats(
+        self, handle: CombineHandle, dispatch_row_bytes: int, combine_wire: torch.dtype, hidden: int
+    ) -> DispatchStats | None:
+        """Traffic of the round trip behind ``handle`` (see :mod:`dispatch.stats`), from
+        host-side sizes only; ``combine_wire`` is the partial sums' dtype for expert
+        outputs like x ([N, ``hidden``]). None where a variant does not account it."""
+        return None
 
 
     # -- chunked exchanges (dispatch.pipeline) ----------------------------

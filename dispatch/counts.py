@@ -1,0 +1,175 @@
+"""The counts exchange of the all-gather, hierarchical and auto variants.
+
+One all-gather per exchange gives every rank every rank's routing counts,
+header, token count and node counts, and one host copy puts them where the
+split sizes are needed. It reuses ``dispatch.plan``'s route and header, so the
+checks are those of the alltoall variant: values before the first exchange,
+peers' headers right after it (every rank raises alike).
+
+Notation as in ``dispatch.plan``; M = W // L nodes of L ranks.
+
+Gathered row of one rank: ``[counts W * (1 + E_local) | header | T | node hits M]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dispatch import checks, comm, plan
+from dispatch.cost_model import RoutingStats
+
+# Larger than any row position, used to push padding to the end of a sort.
+PAD = torch.iinfo(torch.int64).max
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """What every rank knows after the counts exchange.
+
+    Attributes:
+        route: this rank's :class:`dispatch.plan.Route` (device).
+        node_hit: [T, M] bool (device), token t has an expert on node n.
+        counts: [W_src, W_dst, 1 + E_local] int64 host, ``plan.Route.counts`` of every rank.
+        tokens: [W] int64 host, T of every rank.
+        node_hits: [W, M] int64 host, tokens of rank s with an expert on node n.
+        x_grad_any, weights_grad_any: some rank needs that gradient.
+    """
+
+    route: plan.Route
+    node_hit: torch.Tensor
+    counts: torch.Tensor
+    tokens: torch.Tensor
+    node_hits: torch.Tensor
+    x_grad_any: bool
+    weights_grad_any: bool
+
+    def routing_stats(self) -> RoutingStats:
+        return RoutingStats(tokens=self.tokens, rank_hits=self.counts[:, :, 0], node_hits=self.node_hits)
+
+
+def exchange(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    local_world_size: int,
+    group,
+    world_size: int,
+    check_values: bool,
+) -> GlobalCounts:
+    """Route, check values, all-gather the counts, check peers; one host sync.
+
+    Args:
+        x: [T, H]; topk_idx: [T, K] int32/int64; topk_weights: [T, K] floating.
+        local_world_size: L (ranks per node).
+    """
+    num_tokens, topk = topk_idx.shape
+    weights = topk_weights.detach()
+    if check_values and num_tokens > 0:
+        flags = checks.value_flags(topk_idx, weights, num_experts)
+        checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+    route = plan.route(topk_idx, num_experts, world_size)
+    nodes = world_size // local_world_size
+    node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
+    header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64, device=x.device)
+    tail = torch.cat([torch.tensor([num_tokens], device=x.device), node_hit.sum(0, dtype=torch.int64)])
+    row = torch.cat([plan.exchange_row(route, header_row), tail])
+    gathered = comm.all_gather_rows(row, group, world_size).cpu()  # host sync: split sizes for NCCL
+    base = row.numel() - tail.numel()
+    all_counts, headers = plan.split_gathered(gathered[:, :base], world_size)
+    x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
+    return GlobalCounts(
+        route=route,
+        node_hit=node_hit,
+        counts=all_counts,
+        tokens=gathered[:, base],
+        node_hits=gathered[:, base + 1 :],
+        x_grad_any=x_grad_any,
+        weights_grad_any=weights_grad_any,
+    )
+
+
+def send_positions(hit: torch.Tensor, splits: tuple[int, ...]) -> torch.Tensor:
+    """Send row of each (item, destination) when items go out destination-major.
+
+    Args:
+        hit: [I, D] bool, item i goes to destination d.
+        splits: host counts per destination (``hit.sum(0)``).
+    Returns:
+        [I, D] int64: the row of (i, d) in the send order (destination
+        ascending, then item ascending); meaningless where ``hit`` is False.
+    """
+    sizes = torch.tensor(splits, dtype=torch.int64, device=hit.device)
+    offsets = torch.cumsum(sizes, 0) - sizes
+    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()
+    return before - 1 + offsets
+
+
+def rows_by_item(hit: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """[I, D] int64: row i lists the send rows of item i in ascending destination, -1 padded."""
+    packed = torch.sort(torch.where(hit, position, PAD), dim=1).values
+    return torch.where(packed == PAD, -1, packed)
+
+
+def items_by_row(hit: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[num_rows] int64: the item behind each send row."""
+    items, dests = hit.shape
+    out = torch.empty(num_rows + 1, dtype=torch.int64, device=hit.device)
+    item = torch.arange(items, device=hit.device).repeat_interleave(dests)
+    out.scatter_(0, torch.where(hit, position, num_rows).flatten(), item)
+    return out[:num_rows]
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """How items (token rows that reached this rank) expand to canonical order.
+
+    Attributes:
+        slots: [N] int64, ``item * K + k`` behind each expanded row, canonical order.
+        presum_index: [I, J] int64, the expanded rows of each item in ascending
+            local expert, -1 padded (the expert-side pre-sum of combine).
+    """
+
+    slots: torch.Tensor
+    presum_index: torch.Tensor
+
+
+def expand(local_expert: torch.Tensor, order_key: torch.Tensor, key_span: int, num_rows: int, width: int) -> Expansion:
+    """Canonical order of the slots of this rank's local experts.
+
+    Args:
+        local_expert: [I, K] int64, local expert of each slot, -1 where the slot's
+            expert is not on this rank (or the slot is empty).
+        order_key: [I] int64 in [0, key_span), unique per item, ascending in
+            (source rank, source token).
+        key_span: host bound of ``order_key``.
+        num_rows: N, the slots on this rank (host, from the counts).
+        width: J = min(K, E_local).
+    """
+    items, topk = local_expert.shape
+    device = local_expert.device
+    mine = local_expert >= 0
+    keys = torch.where(mine, local_expert * key_span + order_key.unsqueeze(1), PAD).flatten()
+    order = torch.sort(keys).indices  # unique keys: one slot per (item, expert)
+    slots = order[:num_rows]
+    row_of_slot = torch.empty(items * topk, dtype=torch.int64, device=device)
+    row_of_slot[order] = torch.arange(items * topk, device=device)
+    smaller = mine.unsqueeze(1) & (local_expert.unsqueeze(1) < local_expert.unsqueeze(2))  # [I, K, K]
+    col = torch.where(mine, smaller.sum(2), 0)
+    presum = torch.full((items + 1, max(width, 1)), -1, dtype=torch.int64, device=device)
+    item = torch.arange(items, device=device).unsqueeze(1).expand(items, topk)
+    presum.index_put_((torch.where(mine, item, items), col), row_of_slot.view(items, topk))
+    return Expansion(slots=slots, presum_index=presum[:items, :width])
+
+
+def local_experts(topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int) -> torch.Tensor:
+    """[I, K] int64 local expert of each slot whose expert lives on ``rank``, else -1.
+
+    Empty slots, ids out of range and repeats of an earlier slot's expert are
+    not on any rank (as in ``plan.route``).
+    """
+    dest = plan.route(topk_idx, num_experts, world_size).dest
+    per_rank = num_experts // world_size
+    return torch.where(dest == rank, topk_idx.long() - rank * per_rank, -1)

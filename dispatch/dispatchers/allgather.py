@@ -1,0 +1,198 @@
+"""The ``allgather`` variant: every rank sees every token, takes its experts' rows.
+
+Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N, J); T_max = the largest
+T of the group (blocks are padded to it), R = tokens of the group with at least
+one expert on this rank.
+
+Dispatch: the routing ([T_max, 2K]: expert ids and weights) and the packed token
+rows ([T_max] rows of the codec) are all-gathered; each rank expands the slots
+of its local experts in canonical order. No per-destination split is needed,
+which is what makes it cheap when K is large against W (a token reaches most
+ranks anyway) and for small T (one collective, no metadata all-to-all).
+
+Combine: the expert side pre-sums the slots of a token (one row per (token,
+rank)), then
+
+* fp32 wire: a reduce-scatter of a dense [W * T_max, H] fp32 buffer (zero rows
+  for tokens not routed here). The backend sums in its own order, so results
+  are within fp32 rounding of the reference's ascending-rank order, and not
+  bitwise reproducible across backends or world layouts (they are from run to
+  run on one setup);
+* any other wire (bf16, fp16, fp64): an all-to-all of the [R, H] partials to
+  their home ranks and a local fp32 (fp64) sum in ascending source rank: no
+  reduction ever accumulates in a narrow dtype, and fp64 stays exact.
+
+Exchanges per round trip: the counts all-gather (with one host sync), the
+routing all-gather, the token all-gather, then the reduce-scatter or all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dispatch import comm, counts
+from dispatch.codec import Codec
+from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
+from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
+from dispatch.stats import make_stats, resolve_local_world_size, tier_split
+from dispatch.timing import mark
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllGatherHandle(CombineHandle):
+    """Plan of one all-gather exchange.
+
+    Attributes:
+        block: T_max, rows each rank contributes to the all-gathers.
+        slots: [N] int64, gathered slot (``(src_rank * T_max + token) * K + k``)
+            behind each expanded row, canonical order.
+        recv_rows: [R] int64, gathered token rows with a slot here, ascending.
+        presum_index: [R, J] int64, expanded rows of each of them, -1 padded.
+        send_splits: host, rows of this rank's tokens each rank pre-sums (partials back).
+        recv_splits: host, partials this rank sends to each home rank (R by source).
+        home_index: [T, W] int64, rows of each token among the returned partials,
+            ascending rank, -1 padded.
+    """
+
+    block: int
+    slots: torch.Tensor
+    recv_rows: torch.Tensor
+    presum_index: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    home_index: torch.Tensor
+
+
+class AllGatherDispatcher(TokenDispatcher):
+    """All-gather dispatcher (``variant="allgather"``)."""
+
+    def __init__(self, config, group=None) -> None:
+        super().__init__(config, group)
+        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
+
+    def _plan(self, x, topk_idx, topk_weights, check_values):
+        world, rank = self.world_size, self.rank
+        num_tokens, topk = topk_idx.shape
+        gc = counts.exchange(
+            x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, check_values
+        )
+        block = int(gc.tokens.max())
+        mine = gc.counts[:, rank]  # [W_src, 1 + E_local] host
+        per_expert_host = mine[:, 1:].sum(0)
+        num_rows = int(per_expert_host.sum())
+        send_splits = tuple(gc.counts[rank, :, 0].tolist())
+        recv_splits = tuple(mine[:, 0].tolist())
+
+        # routing of every rank: expert ids and weights (as fp64 bits: exact for every weight dtype)
+        routing = torch.full((block, 2 * topk), -1, dtype=torch.int64, device=x.device)
+        routing[:num_tokens, :topk] = topk_idx.long()
+        routing[:num_tokens, topk:] = topk_weights.detach().double().view(torch.int64)
+        gathered = routing.new_empty(0, 2 * topk)
+        if block > 0:  # block is the same on every rank
+            gathered = comm.all_gather_rows(routing.flatten(), self.group, world).view(world * block, 2 * topk)
+        idx_all = gathered[:, :topk]
+        weights_all = gathered[:, topk:].contiguous().view(torch.float64)
+
+        local_expert = counts.local_experts(idx_all, self.config.num_experts, world, rank)
+        items = world * block
+        order_key = torch.arange(items, device=x.device)  # (source rank, token) ascending
+        width = min(topk, self.num_local_experts)
+        ex = counts.expand(local_expert, order_key, items, num_rows, width)
+        hit_here = (local_expert >= 0).any(1)
+        position = torch.cumsum(hit_here, 0) - 1
+        num_recv = sum(recv_splits)
+        recv_rows = torch.empty(num_recv + 1, dtype=torch.int64, device=x.device)
+        recv_rows.scatter_(0, torch.where(hit_here, position, num_recv), order_key)
+        recv_rows = recv_rows[:num_recv]
+
+        hit = gc.route.hit
+        home_index = counts.rows_by_item(hit, counts.send_positions(hit, send_splits))
+        expand_src = ex.slots // topk
+        handle = AllGatherHandle(
+            owner=self,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            topk=topk,
+            x_grad_any=gc.x_grad_any,
+            weights_grad_any=gc.weights_grad_any,
+            block=block,
+            slots=ex.slots,
+            recv_rows=recv_rows,
+            presum_index=ex.presum_index.index_select(0, recv_rows),
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            home_index=home_index,
+        )
+        outputs = PlanOutputs(
+            weights=weights_all.flatten().index_select(0, ex.slots),
+            tokens_per_expert=per_expert_host.to(x.device),
+            tokens_per_expert_host=per_expert_host,
+            src_rank=expand_src // max(block, 1),
+            src_token=expand_src % max(block, 1),
+        )
+        mark(self.phase_timer, "plan")
+        return handle, outputs
+
+    def _to_experts(self, rows: torch.Tensor, handle: AllGatherHandle, codec: Codec) -> torch.Tensor:
+        packed = codec.pack(rows)
+        pad = handle.block - packed.shape[0]
+        if pad:
+            packed = torch.cat([packed, packed.new_zeros(pad, *packed.shape[1:])])
+        tail = packed.shape[1:]
+        flat = packed.contiguous().view(torch.uint8).flatten()
+        if flat.numel() == 0:  # no rank has a token (every rank knows it from the counts)
+            gathered = flat
+        else:
+            gathered = comm.all_gather_rows(flat, self.group, self.world_size)
+        wire_rows = gathered.view(packed.dtype).view(self.world_size * handle.block, *tail)
+        mark(self.phase_timer, "exchange_out")
+        expanded = codec.unpack(wire_rows, rows.dtype, rows.shape[1], handle.slots // handle.topk)
+        mark(self.phase_timer, "expand")
+        return expanded
+
+    def _to_home(self, rows, handle: AllGatherHandle, weights, wire):
+        hidden = rows.shape[1]
+        acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
+        if wire == torch.float32:
+            partial = gather_sum(rows, handle.presum_index, weights, torch.float32)  # [R, H]
+            dense = partial.new_zeros(self.world_size * handle.block, hidden)
+            dense.index_copy_(0, handle.recv_rows, partial)
+            mark(self.phase_timer, "presum")
+            if self.world_size == 1 or handle.block == 0:
+                summed = dense
+            else:
+                summed = dense.new_empty(handle.block, hidden)
+                _reduce_scatter(summed, dense, group=self.group)
+            mark(self.phase_timer, "exchange_back")
+            out = summed[: handle.num_tokens].to(rows.dtype)
+        else:
+            partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
+            mark(self.phase_timer, "presum")
+            back = comm.all_to_all_rows(partial, handle.recv_splits, handle.send_splits, self.group)
+            mark(self.phase_timer, "exchange_back")
+            out = gather_sum(back, handle.home_index, None, rows.dtype, acc)  # [T, H]
+        mark(self.phase_timer, "final_sum")
+        return out
+
+    def _weights_to_home(self, values: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
+        world, block, topk = self.world_size, handle.block, handle.topk
+        # each slot lives on one rank: the others send zeros for it, so the sum is exact
+        grid = values.new_zeros(world * block * topk)
+        grid.index_copy_(0, handle.slots, values)
+        grid = grid.view(world * block, topk)
+        back = grid if block == 0 else comm.all_to_all_rows(grid, (block,) * world, (block,) * world, self.group)
+        return back.view(world, block, topk).sum(0)[: handle.num_tokens]
+
+    def _stats(self, handle: AllGatherHandle, dispatch_row_bytes, combine_wire, hidden):
+        local, rank = self.local_world_size, self.rank
+        blocks = tier_split((handle.block,) * self.world_size, rank, local)
+        if combine_wire == torch.float32:
+            back, back_bytes = blocks, 4 * hidden
+        else:
+            back, back_bytes = tier_split(handle.recv_splits, rank, local), hidden * combine_wire.itemsize
+        return make_stats(local, blocks, dispatch_row_bytes, back, back_bytes)

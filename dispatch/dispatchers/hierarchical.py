@@ -1,0 +1,262 @@
+"""The ``hierarchical`` variant: across nodes once, then inside the node.
+
+Notation as in ``dispatch.plan``; L ranks per node (``local_world_size``), M = W // L
+nodes; group rank ``r`` is local index ``r % L`` of node ``r // L``. This rank is
+(node a, index l).
+
+Dispatch, two stages:
+
+1. inter-node: each token goes once to every node n that holds one of its
+   experts, to the rank (n, l) with this rank's local index (to itself for its
+   own node), with its routing (source rank, token, expert ids, weights);
+2. intra-node: that rank, the *holder*, forwards each token it received once to
+   every rank of its node holding one of the token's experts, which expands it
+   to canonical order.
+
+Combine, in reverse: each rank pre-sums the slots of a token it holds (one row per
+(token, rank), cast to the combine wire like the alltoall variant's), sends it
+to the holder; the holder sums the rows of one token in ascending local index
+(ascending rank) in fp32 (fp64) and sends one row per (token, node) across the
+inter-node tier; the home rank sums them in ascending node order and casts once.
+The partial of the home's own node never crosses a link and is kept in the
+accumulation dtype. Sums are thus in ascending rank order, grouped by node:
+with one node (1 x W) or one rank per node (W x 1) the result is bitwise the
+alltoall variant's; otherwise within the rounding of the accumulation dtype
+(and of a second wire cast per remote node) of it.
+
+Process groups (created by the dispatcher from the EP group, once per EP group
+and layout and shared by the dispatchers of that layout, since torch never
+frees them): for every node n, an *intra* group of the group ranks
+``[n L, ..., n L + L - 1]``; for every local index i, an *inter* group of the
+ranks ``[i, i + L, ..., i + (M - 1) L]``. Every rank of the world calls
+``dist.new_group`` for all of them in this order (so every rank must create its
+hierarchical dispatchers in the same order, as for any ``new_group``). With
+``DispatchConfig.inter_node_max_ctas`` on NCCL, inter groups get
+``ProcessGroupNCCL.Options`` with ``config.min_ctas = config.max_ctas =`` that
+value, which emulates a slow network on one host; gloo has no such setting and
+ignores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dispatch import comm, counts, plan
+from dispatch.codec import Codec
+from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
+from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
+from dispatch.stats import make_stats, resolve_local_world_size
+from dispatch.timing import mark
+
+
+@dataclass(frozen=True)
+class TierGroups:
+    """This rank's two tier groups (None where the tier has a single rank)."""
+
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
+
+
+_TIER_GROUPS: dict[tuple, TierGroups] = {}  # process groups are never freed: one set per layout
+
+
+def tier_groups(group: dist.ProcessGroup | None, local_world_size: int, max_ctas: int | None) -> TierGroups:
+    """The intra-node and inter-node groups of this rank (see the module doc)."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    backend = str(dist.get_backend(group))
+    key = (tuple(ranks), local_world_size, max_ctas, backend)
+    if key in _TIER_GROUPS:
+        return _TIER_GROUPS[key]
+    me = dist.get_rank()
+    nodes = len(ranks) // local_world_size
+    intra = inter = None
+    if local_world_size > 1:
+        for n in range(nodes):
+            members = ranks[n * local_world_size : (n + 1) * local_world_size]
+            made = dist.new_group(members, backend=backend)
+            intra = made if me in members else intra
+    if nodes > 1:
+        options = None
+        if max_ctas is not None and "nccl" in backend:
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.min_ctas = max_ctas
+            options.config.max_ctas = max_ctas
+        for i in range(local_world_size):
+            members = ranks[i::local_world_size]
+            made = dist.new_group(members, backend=backend, pg_options=options)
+            inter = made if me in members else inter
+    _TIER_GROUPS[key] = TierGroups(intra, inter)
+    return _TIER_GROUPS[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HierarchicalHandle(CombineHandle):
+    """Plan of one two-stage exchange (S1/R1: rows sent/held in stage 1, S2/R2 in stage 2).
+
+    Attributes:
+        send1, recv1: host rows per node (inter group) of stage 1.
+        send2, recv2: host rows per local index (intra group) of stage 2.
+        send1_token: [S1] int64, token of each stage-1 row (node, token ascending).
+        home_index: [T, M] int64, stage-1 rows of each token, ascending node, -1 padded.
+        send2_row: [S2] int64, held row of each stage-2 row (local index, held row ascending).
+        node_index: [R1, L] int64, stage-2 rows of each held row, ascending index, -1 padded.
+        slots: [N] int64, ``arrived row * K + k`` behind each expanded row (canonical order).
+        presum_index: [R2, J] int64, expanded rows of each arrived row, -1 padded.
+        self_send, self_recv: offsets of this rank's own block in stage 1's send and
+            held rows (``send1[a]`` rows, the same on both sides).
+    """
+
+    send1: tuple[int, ...]
+    recv1: tuple[int, ...]
+    send2: tuple[int, ...]
+    recv2: tuple[int, ...]
+    send1_token: torch.Tensor
+    home_index: torch.Tensor
+    send2_row: torch.Tensor
+    node_index: torch.Tensor
+    slots: torch.Tensor
+    presum_index: torch.Tensor
+    self_send: int
+    self_recv: int
+
+
+class HierarchicalDispatcher(TokenDispatcher):
+    """Two-tier dispatcher (``variant="hierarchical"``).
+
+    Attributes:
+        local_world_size: L; ``node``, ``local_rank``: this rank's (a, l).
+        tiers: :class:`TierGroups`.
+    """
+
+    def __init__(self, config, group=None) -> None:
+        super().__init__(config, group)
+        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
+        self.num_nodes = self.world_size // self.local_world_size
+        self.node, self.local_rank = divmod(self.rank, self.local_world_size)
+        self.tiers = tier_groups(group, self.local_world_size, config.inter_node_max_ctas)
+
+    def _plan(self, x, topk_idx, topk_weights, check_values):
+        world, rank, local = self.world_size, self.rank, self.local_world_size
+        node, index, nodes = self.node, self.local_rank, self.num_nodes
+        num_experts = self.config.num_experts
+        num_tokens, topk = topk_idx.shape
+        device = x.device
+        gc = counts.exchange(x, topk_idx, topk_weights, num_experts, local, self.group, world, check_values)
+        hits = gc.counts[:, :, 0]  # [W_src, W_dst] host
+        holders_sources = [b * local + index for b in range(nodes)]  # sources whose tokens this rank holds
+        send1 = tuple(gc.node_hits[rank].tolist())
+        recv1 = tuple(int(gc.node_hits[s, node]) for s in holders_sources)
+        my_node = slice(node * local, (node + 1) * local)
+        send2 = tuple(hits[holders_sources][:, my_node].sum(0).tolist())
+        recv2 = tuple(int(hits[i::local, rank].sum()) for i in range(local))
+        per_expert_host = gc.counts[:, rank, 1:].sum(0)
+        num_rows = int(per_expert_host.sum())
+        block = max(int(gc.tokens.max()), 1)
+
+        # stage 1: my tokens to (node b, index l), with their routing
+        pos1 = counts.send_positions(gc.node_hit, send1)
+        send1_token = counts.items_by_row(gc.node_hit, pos1, sum(send1))
+        meta = torch.cat(
+            [
+                torch.full((num_tokens, 1), rank, dtype=torch.int64, device=device),
+                torch.arange(num_tokens, device=device).unsqueeze(1),
+                topk_idx.long(),
+                topk_weights.detach().double().view(torch.int64),
+            ],
+            dim=1,
+        )
+        held = comm.all_to_all_rows(meta.index_select(0, send1_token), send1, recv1, self.tiers.inter)
+        # stage 2: held rows to the ranks of this node holding their experts
+        hit2 = plan.route(held[:, 2 : 2 + topk], num_experts, world).hit[:, my_node]
+        pos2 = counts.send_positions(hit2, send2)
+        send2_row = counts.items_by_row(hit2, pos2, sum(send2))
+        arrived = comm.all_to_all_rows(held.index_select(0, send2_row), send2, recv2, self.tiers.intra)
+
+        local_expert = counts.local_experts(arrived[:, 2 : 2 + topk], num_experts, world, rank)
+        order_key = arrived[:, 0] * block + arrived[:, 1]
+        width = min(topk, self.num_local_experts)
+        ex = counts.expand(local_expert, order_key, world * block, num_rows, width)
+        expand_src = ex.slots // topk
+        handle = HierarchicalHandle(
+            owner=self,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            topk=topk,
+            x_grad_any=gc.x_grad_any,
+            weights_grad_any=gc.weights_grad_any,
+            send1=send1,
+            recv1=recv1,
+            send2=send2,
+            recv2=recv2,
+            send1_token=send1_token,
+            home_index=counts.rows_by_item(gc.node_hit, pos1),
+            send2_row=send2_row,
+            node_index=counts.rows_by_item(hit2, pos2),
+            slots=ex.slots,
+            presum_index=ex.presum_index,
+            self_send=sum(send1[:node]),
+            self_recv=sum(recv1[:node]),
+        )
+        outputs = PlanOutputs(
+            weights=arrived[:, 2 + topk :].contiguous().view(torch.float64).flatten().index_select(0, ex.slots),
+            tokens_per_expert=per_expert_host.to(device),
+            tokens_per_expert_host=per_expert_host,
+            src_rank=arrived[:, 0].index_select(0, expand_src),
+            src_token=arrived[:, 1].index_select(0, expand_src),
+        )
+        mark(self.phase_timer, "plan")
+        return handle, outputs
+
+    def _to_experts(self, rows: torch.Tensor, handle: HierarchicalHandle, codec: Codec) -> torch.Tensor:
+        packed = codec.pack(rows, handle.send1_token)
+        held = comm.all_to_all_rows(packed, handle.send1, handle.recv1, self.tiers.inter)
+        forward = held.index_select(0, handle.send2_row)
+        arrived = comm.all_to_all_rows(forward, handle.send2, handle.recv2, self.tiers.intra)
+        mark(self.phase_timer, "exchange_out")
+        expanded = codec.unpack(arrived, rows.dtype, rows.shape[1], handle.slots // handle.topk)
+        mark(self.phase_timer, "expand")
+        return expanded
+
+    def _to_home(self, rows, handle: HierarchicalHandle, weights, wire):
+        acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
+        partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R2, H]
+        mark(self.phase_timer, "presum")
+        back2 = comm.all_to_all_rows(partial, handle.recv2, handle.send2, self.tiers.intra)  # [S2, H]
+        node_sum = gather_sum(back2, handle.node_index, None, acc)  # [R1, H]
+        back1 = comm.all_to_all_rows(node_sum.to(wire), handle.recv1, handle.send1, self.tiers.inter)  # [S1, H]
+        mark(self.phase_timer, "exchange_back")
+        if wire != acc:  # this node's partial crossed no link: keep it unrounded
+            own = handle.send1[self.node]
+            back1 = back1.to(acc)
+            back1[handle.self_send : handle.self_send + own] = node_sum[handle.self_recv : handle.self_recv + own]
+        out = gather_sum(back1, handle.home_index, None, rows.dtype, acc)  # [T, H]
+        mark(self.phase_timer, "final_sum")
+        return out
+
+    def _weights_to_home(self, values: torch.Tensor, handle: HierarchicalHandle) -> torch.Tensor:
+        # each slot lives on one rank: the sums below add zeros to it, exact in any dtype
+        topk = handle.topk
+        grid = values.new_zeros(sum(handle.recv2) * topk)
+        grid.index_copy_(0, handle.slots, values)
+        grid = grid.view(-1, topk)  # [R2, K]
+        back2 = comm.all_to_all_rows(grid, handle.recv2, handle.send2, self.tiers.intra)
+        node_sum = gather_sum(back2, handle.node_index, None, values.dtype)  # [R1, K]
+        back1 = comm.all_to_all_rows(node_sum, handle.recv1, handle.send1, self.tiers.inter)
+        return gather_sum(back1, handle.home_index, None, values.dtype)  # [T, K]
+
+    def _stats(self, handle: HierarchicalHandle, dispatch_row_bytes, combine_wire, hidden):
+        node, index = self.node, self.local_rank
+        inter_out = sum(handle.send1) - handle.send1[node]
+        intra_out = sum(handle.send2) - handle.send2[index]
+        inter_back = sum(handle.recv1) - handle.recv1[node]
+        intra_back = sum(handle.recv2) - handle.recv2[index]
+        return make_stats(
+            self.local_world_size,
+            (intra_out, inter_out),
+            dispatch_row_bytes,
+            (intra_back, inter_back),
+            hidden * combine_wire.itemsize,
+        )

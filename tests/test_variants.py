@@ -1,0 +1,202 @@
+"""What is particular to the allgather, hierarchical and auto variants: bytes per
+tier (DispatchStats), the cost model and auto's choice. Their routing and sums
+are checked with every other variant's in test_properties.py and test_autograd.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dispatch
+import rank_fns
+from dispatch.cost_model import LinkModel, RoutingStats, estimate
+from dispatch.reference import reference_combine, reference_dispatch
+from dispatch.stats import resolve_local_world_size
+from routing import identity_tokens, make_routing, routings
+
+HIDDEN = 4
+
+
+def _expected_inter_rows(routing, local):
+    """Per rank (alltoall, hierarchical) dispatch rows that cross nodes, counted from topk_idx."""
+    per_rank = routing.num_experts // routing.world_size
+    flat, hier, has_pair = [], [], False
+    for rank, idx in enumerate(routing.topk_idx):
+        node = rank // local
+        ranks_hit = [{int(e) // per_rank for e in row if e >= 0} for row in idx]
+        remote = [{d for d in hit if d // local != node} for hit in ranks_hit]
+        flat.append(sum(len(r) for r in remote))
+        hier.append(sum(len({d // local for d in r}) for r in remote))
+        has_pair |= any(len(r) > len({d // local for d in r}) for r in remote)
+    return flat, hier, has_pair
+
+
+@pytest.mark.parametrize("world_size, local", [(4, 2), (6, 2), (6, 3)])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hierarchical_never_sends_more_across_nodes(worlds, world_size, local, data):
+    """Inter-node bytes of hierarchical <= flat alltoall's (per rank on the way out, in
+    total both ways), strictly fewer exactly when some token has two experts on
+    different ranks of one remote node; and both match a count from the routing."""
+    routing = data.draw(routings(world_size))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    xs = [identity_tokens(r, t, HIDDEN, dtype) for r, t in enumerate(routing.num_tokens)]
+    stats = {}
+    for variant in ("alltoall", "hierarchical"):
+        config = dict(num_experts=routing.num_experts, variant=variant, local_world_size=local)
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config) for r in range(world_size)]
+        stats[variant] = [got["stats"] for got in worlds(world_size).run(rank_fns.round_trip, args)]
+    flat_rows, hier_rows, has_pair = _expected_inter_rows(routing, local)
+    row_bytes = HIDDEN * dtype.itemsize
+    totals = {}
+    for variant, want in (("alltoall", flat_rows), ("hierarchical", hier_rows)):
+        got = stats[variant]
+        assert [s["dispatch_inter_rows"] for s in got] == want, variant
+        assert all(s["dispatch_inter_bytes"] == s["dispatch_inter_rows"] * row_bytes for s in got)
+        assert all(s["combine_inter_bytes"] == s["combine_inter_rows"] * row_bytes for s in got)
+        assert sum(s["combine_inter_rows"] for s in got) == sum(want)  # one row back per row out
+        assert all(s["local_world_size"] == local for s in got)
+        totals[variant] = sum(s["dispatch_inter_bytes"] + s["combine_inter_bytes"] for s in got)
+    for flat, hier in zip(stats["alltoall"], stats["hierarchical"]):
+        assert hier["dispatch_inter_bytes"] <= flat["dispatch_inter_bytes"]
+    if has_pair:
+        assert totals["hierarchical"] < totals["alltoall"]
+    else:
+        assert totals["hierarchical"] == totals["alltoall"]
+
+
+def test_allgather_stats_count_padded_blocks(worlds):
+    """allgather sends its whole (padded) block to every peer; the combine sends
+    reduce-scatter blocks for an fp32 wire, one partial per (token, rank) otherwise."""
+    routing = make_routing(4, 2, 2, [3, 5, 0, 2], "random", seed=4)
+    for dtype, wire_rows in ((torch.float32, "block"), (torch.bfloat16, "partials")):
+        xs = [identity_tokens(r, t, HIDDEN, dtype) for r, t in enumerate(routing.num_tokens)]
+        config = dict(num_experts=routing.num_experts, variant="allgather", local_world_size=2)
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config) for r in range(4)]
+        results = worlds(4).run(rank_fns.round_trip, args)
+        flat = dict(config, variant="alltoall")
+        flat_stats = [g["stats"] for g in worlds(4).run(rank_fns.round_trip, [(*a[:3], flat) for a in args])]
+        for rank, got in enumerate(results):
+            s = got["stats"]
+            assert (s["dispatch_intra_rows"], s["dispatch_inter_rows"]) == (5, 10)  # T_max = 5
+            assert s["dispatch_intra_bytes"] == 5 * HIDDEN * dtype.itemsize
+            if wire_rows == "block":
+                assert (s["combine_intra_rows"], s["combine_inter_rows"]) == (5, 10)
+                assert s["combine_inter_bytes"] == 10 * HIDDEN * 4
+            else:
+                want = flat_stats[rank]
+                assert (s["combine_intra_rows"], s["combine_inter_rows"]) == (
+                    want["combine_intra_rows"],
+                    want["combine_inter_rows"],
+                )
+
+
+def _stats_of(tokens, rank_hits, local):
+    world = len(tokens)
+    hits = torch.tensor(rank_hits, dtype=torch.int64)
+    node_hits = torch.zeros(world, world // local, dtype=torch.int64)
+    for n in range(world // local):  # an upper-bound-free stand-in: no token has two ranks in a node
+        node_hits[:, n] = hits[:, n * local : (n + 1) * local].sum(1)
+    return RoutingStats(torch.tensor(tokens), hits, node_hits)
+
+
+def test_cost_model_allgather_costs_what_alltoall_does_when_tokens_reach_every_rank():
+    """When every token reaches every rank, allgather moves alltoall's bytes in as
+    many stages (the model then keeps alltoall, the first of equals); when tokens
+    reach few ranks, allgather moves more."""
+    world, tokens = 4, 16
+    stats = _stats_of([tokens] * world, [[tokens] * world] * world, world)
+    costs = estimate(stats, world, 2 * 1024, torch.bfloat16, 1024, LinkModel())
+    assert costs["allgather"] == pytest.approx(costs["alltoall"])  # same bytes, same stages
+    sparse = _stats_of([tokens] * world, [[tokens // 4] * world] * world, world)
+    costs = estimate(sparse, world, 2 * 1024, torch.bfloat16, 1024, LinkModel())
+    assert costs["alltoall"] < costs["allgather"]
+
+
+def test_cost_model_prefers_hierarchical_on_a_slow_network():
+    world, local, tokens = 4, 2, 4096
+    hits = [[tokens] * world] * world  # every token on every rank: 2 ranks of each node
+    stats = RoutingStats(
+        torch.tensor([tokens] * world), torch.tensor(hits), torch.full((world, 2), tokens, dtype=torch.int64)
+    )
+    slow = LinkModel(intra_bandwidth=300e9, inter_bandwidth=10e9)
+    costs = estimate(stats, local, 2 * 4096, torch.bfloat16, 4096, slow)
+    assert costs["hierarchical"] < costs["alltoall"]
+    fast = LinkModel(intra_bandwidth=300e9, inter_bandwidth=300e9, inter_latency=25e-6)
+    costs = estimate(stats, local, 2 * 4096, torch.bfloat16, 4096, fast)
+    assert costs["alltoall"] < costs["hierarchical"]  # one stage fewer, same bandwidth
+
+
+@pytest.mark.parametrize(
+    "link, tokens, want",
+    [
+        (LinkModel(intra_bandwidth=300e9, inter_bandwidth=1e6), 24, "hierarchical"),
+        (LinkModel(intra_bandwidth=300e9, inter_bandwidth=300e9, inter_latency=25e-6), 24, "alltoall"),
+    ],
+)
+def test_auto_choice_is_the_same_on_every_rank_and_exposed(worlds, link, tokens, want):
+    """With all experts of every token (each token reaches both ranks of the other
+    node), the network speed decides; every rank reports the same choice, and the
+    results are the reference's."""
+    routing = make_routing(4, 2, 8, [tokens] * 4, "all_experts", seed=2)
+    xs = [identity_tokens(r, t, 64, torch.float32) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, variant="auto", local_world_size=2, link_model=link)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config) for r in range(4)]
+    results = worlds(4).run(rank_fns.round_trip, args)
+    assert [got["variant"] for got in results] == [want] * 4
+    ref = reference_dispatch(xs, routing.topk_idx, [w.float() for w in routing.topk_weights], routing.num_experts)
+    expected = reference_combine([d.tokens for d in ref], ref, routing.num_tokens, weights=[d.weights for d in ref])
+    for rank, got in enumerate(results):
+        assert torch.equal(got["tokens"], ref[rank].tokens)
+        torch.testing.assert_close(got["combined"], expected[rank], rtol=1e-6, atol=1e-5)
+
+
+def test_local_world_size_resolution(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert resolve_local_world_size(None, 8) == 8
+    assert resolve_local_world_size(2, 8) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve_local_world_size(None, 8) == 4
+    assert resolve_local_world_size(None, 2) == 2  # a group inside one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        resolve_local_world_size(None, 8)
+    with pytest.raises(ValueError, match="local_world_size"):
+        resolve_local_world_size(3, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, argument",
+    [
+        (dict(inter_node_max_ctas=0), ValueError, "inter_node_max_ctas"),
+        (dict(inter_node_max_ctas=2.0), TypeError, "inter_node_max_ctas"),
+        (dict(link_model={"intra_bandwidth": 1}), TypeError, "link_model"),
+    ],
+)
+def test_new_config_fields_validate(kwargs, error, argument):
+    with pytest.raises(error, match=argument):
+        dispatch.DispatchConfig(num_experts=4, **kwargs)
+
+
+@pytest.mark.parametrize("field", ["intra_bandwidth", "inter_bandwidth", "intra_latency", "inter_latency"])
+def test_link_model_validates(field):
+    with pytest.raises(ValueError, match=field):
+        LinkModel(**{field: -1.0})
+
+
+def test_inter_node_sm_budget_keeps_results(worlds):
+    """``inter_node_max_ctas`` (NCCL's CTA limits on the inter-node groups; ignored on
+    gloo) changes speed only: the round trip is the plain hierarchical one's."""
+    routing = make_routing(4, 2, 3, [6, 4, 5, 3], "random", seed=8)
+    xs = [identity_tokens(r, t, HIDDEN, torch.float32) for r, t in enumerate(routing.num_tokens)]
+    runs = []
+    for max_ctas in (None, 2):
+        config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2,
+                      inter_node_max_ctas=max_ctas)
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config) for r in range(4)]
+        runs.append(worlds(4).run(rank_fns.round_trip, args))
+    for plain, limited in zip(*runs):
+        assert torch.equal(plain["combined"], limited["combined"])
+        assert torch.equal(plain["tokens"], limited["tokens"])
