@@ -187,7 +187,7 @@ def mixed_gradients(x, topk_idx, topk_weights, grad_out, x_grad: bool, w_grad: b
     return _cpu(x.grad), _cpu(w.grad)
 
 
-def bench_traffic(idx, num_experts: int, hidden: int):
+def bench_traffic(idx, config: dict, hidden: int):
     """The dispatch benchmark's byte accounting for one dispatch of fp32 rows."""
     from dispatch.bench.roundtrip import _traffic
 
@@ -195,6 +195,6 @@ def bench_traffic(idx, num_experts: int, hidden: int):
     topk_idx = torch.tensor(idx, dtype=torch.int64, device=device)
     weights = torch.full(topk_idx.shape, 0.5, device=device)
     x = torch.zeros(topk_idx.shape[0], hidden, device=device)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    d = dispatch.create(dispatch.DispatchConfig(**config))
     out = d.dispatch(x, topk_idx, weights)
-    return _traffic(out, hidden * 4, hidden * 4, device)
+    return _traffic(out, topk_idx, hidden * 4, device)

@@ -51,19 +51,27 @@ def test_spread_is_nearest_rank():
     assert (stats["p10"], stats["median"], stats["p90"]) == (2.0, 10.5, 18.0)
 
 
-def test_byte_accounting_hand_computed(worlds):
+@pytest.mark.parametrize("variant", ["alltoall", "hierarchical"])
+@pytest.mark.parametrize("local_world_size", [1, 2])
+def test_byte_accounting_hand_computed(worlds, variant, local_world_size):
     """W=2, E=4, H=8, fp32 rows of 32 bytes. Rank 0: t0 -> experts {0, 2} (one row to
     rank 1), t1 -> {2, 3} (both on rank 1: one row), t2 -> {1} (local). Rank 1:
-    t0 -> {0, 1} (one row to rank 0), t1 -> {3, 2} (local). Rows out: 2 and 1;
-    rows received, own included: 3 and 3."""
+    t0 -> {0, 1} (one row to rank 0), t1 -> {3, 2} (local). Rows out: 2 and 1, and
+    as many partial sums back: 1 and 2; rows received, own included: 3 and 3.
+    One node of two ranks: all of it intra-node; two nodes of one: inter-node."""
     import rank_fns
 
     idx0 = [[0, 2], [2, 3], [1, -1]]
     idx1 = [[0, 1], [3, 2]]
-    got = worlds(2).run(rank_fns.bench_traffic, [(idx0, 4, 8), (idx1, 4, 8)])
+    config = dict(num_experts=4, variant=variant, local_world_size=local_world_size)
+    got = worlds(2).run(rank_fns.bench_traffic, [(idx0, config, 8), (idx1, config, 8)])
+    tier, other = ("intra", "inter") if local_world_size == 2 else ("inter", "intra")
     for traffic in got:
-        assert traffic == {"dispatch_bytes_out": 1.5 * 32, "combine_bytes_out": 1.5 * 32,
-                           "dispatch_bytes_received": 3 * 32}
+        assert traffic["dispatch_bytes_out"] == traffic["combine_bytes_out"] == 1.5 * 32
+        assert traffic[f"dispatch_{tier}_bytes"] == traffic[f"combine_{tier}_bytes"] == 1.5 * 32
+        assert traffic[f"dispatch_{other}_bytes"] == traffic[f"combine_{other}_bytes"] == 0
+        assert traffic[f"dispatch_{tier}_rows"] == 1.5
+        assert traffic["dispatch_bytes_received"] == 3 * 32
 
 
 def test_wrong_rows_catches_a_planted_corruption(worlds):

@@ -15,11 +15,12 @@ CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8]
 HIDDEN = 4
 
 
-def _run(worlds, routing, dtype, experts, chunk_counts, generic=False, x_grad=True, w_grad=True, seed=0):
+def _run(worlds, routing, dtype, experts, chunk_counts, generic=False, x_grad=True, w_grad=True, seed=0,
+         **options):
     world_size = routing.world_size
     xs = [random_tokens(r, t, HIDDEN, dtype, seed) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, HIDDEN, dtype, seed + 1) for r, t in enumerate(routing.num_tokens)]
-    config = dict(num_experts=routing.num_experts)
+    config = dict(num_experts=routing.num_experts, **options)
     args = [
         (xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, chunk_counts, experts,
          generic, x_grad, w_grad)
@@ -53,6 +54,21 @@ def test_chunks_bitwise_fp32(worlds, world_size, mode):
     for rank, per_c in enumerate(results):
         for chunks in CHUNKS:
             _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(variant="allgather"), dict(variant="hierarchical", local_world_size=2),
+     dict(variant="auto", local_world_size=2), dict(variant="alltoall", dispatch_wire="fp8")],
+)
+def test_chunks_with_every_variant_and_wire(worlds, options):
+    """Every variant (through the base class's chunk support where it has no
+    native one) and a compressed wire: chunked results are those of C = 1."""
+    routing = make_routing(4, 2, 3, [9, 0, 4, 6], "random", seed=11)
+    _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", 1, 3, 5], **options)
+    for rank, per_c in enumerate(results):
+        for chunks in (1, 3, 5):
+            _assert_same(per_c[chunks], per_c["plain"], f"{options} rank {rank} C={chunks}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
     if args.command in (None, "dispatch"):
+        if world % args.nodes:
+            print(f"dispatch-bench: --nodes {args.nodes} does not divide the {world} ranks", file=sys.stderr)
+            return 2
         bad = [s for s in args.shapes if common.SHAPES[s].experts % world]
         if bad:
             print(f"dispatch-bench: --shapes {','.join(bad)}: experts do not split over {world} ranks", file=sys.stderr)

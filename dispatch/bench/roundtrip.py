@@ -35,7 +35,7 @@ import torch.distributed as dist
 import dispatch
 from dispatch import config as config_mod
 from dispatch.bench import common, plots
-from dispatch.codec import sum_wire_dtype, to_experts_codec
+from dispatch.codec import to_experts_codec
 
 PHASES = ("plan", "exchange_out", "expand", "presum", "exchange_back", "final_sum")
 DISPATCH_PHASES = PHASES[:3]
@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wires", dest="dispatch_wires", default="all",
                         help="comma-separated dispatch wire formats (the combine wire stays native), or 'all'")
     parser.add_argument("--routings", default="all", help=f"comma-separated from {', '.join(ROUTINGS)}, or 'all'")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
+                             "bytes per tier; default 1)")
+    parser.add_argument("--inter-node-ctas", type=int, default=None,
+                        help="emulate a slow inter-node tier: NCCL CTA budget of the hierarchical "
+                             "variant's inter-node groups (NCCL only)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="token dtype (default bf16)")
     parser.add_argument("--no-check", action="store_true", help="DispatchConfig(check_inputs=False)")
     parser.add_argument("--baselines", choices=["auto", "none"], default="auto",
@@ -81,6 +87,10 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
     else:
         args.dispatch_wires = _pick(parser, "--wires", args.dispatch_wires, config_mod.TO_EXPERTS_WIRES)
     args.routings = _pick(parser, "--routings", args.routings, ROUTINGS)
+    if args.nodes < 1:
+        parser.error(f"--nodes must be >= 1, got {args.nodes}")
+    if args.inter_node_ctas is not None and args.inter_node_ctas < 1:
+        parser.error(f"--inter-node-ctas must be >= 1, got {args.inter_node_ctas}")
 
 
 def make_routing(kind: str, shape: common.Shape, world: int, rank: int, dev, seed: int = 0):
@@ -167,11 +177,14 @@ def run(args: argparse.Namespace) -> dict | None:
                     row = _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev)
                     rows.append(row)
                     progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
-    return {"rows": rows, "world_size": world, "dtype": args.dtype} if rank == 0 else None
+    result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes,
+              "inter_node_ctas": args.inter_node_ctas}
+    return result if rank == 0 else None
 
 
 def _node_options(args) -> dict:
-    return {}
+    world = dist.get_world_size()
+    return {"local_world_size": world // args.nodes, "inter_node_max_ctas": args.inter_node_ctas}
 
 
 def _megatron_importable() -> bool:
@@ -191,8 +204,9 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
     combined = d.combine(out.tokens, out.handle, weights=out.weights)
     wrong = wrong_rows(combined, x, topk_weights, lossy=lossy)
     codec = to_experts_codec(cfg.dispatch_wire, x.dtype)
-    sum_bytes = sum_wire_dtype(cfg.combine_wire, x.dtype).itemsize * shape.hidden
-    traffic = _traffic(out, codec.row_bytes(shape.hidden), sum_bytes, dev)
+    traffic = _traffic(out, topk_idx, codec.row_bytes(shape.hidden), dev)
+    if cfg.variant == "auto":
+        traffic["auto_choice"] = d.last_choice
     del out, combined
 
     def step(timer):
@@ -206,20 +220,28 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
     return _row(f"ours {cfg.variant}", cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
 
 
-def _traffic(out, dispatch_row_bytes: int, combine_row_bytes: int, dev) -> dict:
-    """Bytes a rank sends per direction (remote peers only) and receives in
-    dispatch (its own rows included, as DeepEP counts), mean over ranks."""
-    handle = out.handle
-    rank = dist.get_rank()
-    remote_rows = sum(n for r, n in enumerate(handle.send_splits) if r != rank)
-    received_rows = sum(handle.recv_splits)
-    t = torch.tensor(
-        [remote_rows * dispatch_row_bytes, remote_rows * combine_row_bytes, received_rows * dispatch_row_bytes],
-        dtype=torch.float64, device=dev,
-    )
+def _traffic(out, topk_idx: torch.Tensor, dispatch_row_bytes: int, dev) -> dict:
+    """Mean over ranks of the bytes a rank sends per direction and tier
+    (``Dispatched.stats``: remote peers only), and of the bytes of the rows a rank
+    receives in dispatch, one per (token, rank) with its own included (DeepEP's
+    count; the same for every variant, from the routing)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hits = torch.zeros(topk_idx.shape[0], world + 1, dtype=torch.bool, device=topk_idx.device)
+    dest = torch.where(topk_idx >= 0, topk_idx // (out.handle.owner.config.num_experts // world), world)
+    hits.scatter_(1, dest, True)
+    per_rank = hits[:, :world].sum(0).double()
+    dist.all_reduce(per_rank)
+    stats = out.stats.as_dict()
+    keys = [k for k in stats if k.endswith("_bytes") or k.endswith("_rows")]
+    t = torch.tensor([float(stats[k]) for k in keys] + [per_rank[rank].item() * dispatch_row_bytes],
+                     dtype=torch.float64, device=dev)
     dist.all_reduce(t)
-    t /= dist.get_world_size()
-    return {"dispatch_bytes_out": t[0].item(), "combine_bytes_out": t[1].item(), "dispatch_bytes_received": t[2].item()}
+    t /= world
+    traffic = dict(zip(keys, t[:-1].tolist()))
+    traffic["dispatch_bytes_out"] = traffic["dispatch_intra_bytes"] + traffic["dispatch_inter_bytes"]
+    traffic["combine_bytes_out"] = traffic["combine_intra_bytes"] + traffic["combine_inter_bytes"]
+    traffic["dispatch_bytes_received"] = t[-1].item()
+    return traffic
 
 
 def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
@@ -254,7 +276,8 @@ def _row(name, variant, wire, shape, routing, runs, wrong, traffic, phases) -> d
     dispatch_ms = [sum(r.get(p, 0.0) for p in DISPATCH_PHASES) for r in runs]
     combine_ms = [r["total"] - d for r, d in zip(runs, dispatch_ms)]
     row = {
-        "name": name if wire == "native" else f"{name} {wire}",
+        "name": (name if wire == "native" else f"{name} {wire}")
+        + (f" (chose {traffic['auto_choice']})" if traffic.get("auto_choice") else ""),
         "variant": variant,
         "wire": wire,
         "shape": asdict(shape),
@@ -308,7 +331,8 @@ def _ms(stats: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "routing", "dispatcher", "round trip ms", "p10-p90", "vs megatron a2a", "dispatch ms",
-            "combine ms", *PHASES, "MB out/rank (dispatch, combine)", "DeepEP-style GB/s (dispatch, combine)", "#wrong"]
+            "combine ms", *PHASES, "MB out/rank (dispatch, combine)", "of which inter-node",
+            "DeepEP-style GB/s (dispatch, combine)", "#wrong"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         base = _baseline(rows, r)
@@ -316,10 +340,11 @@ def markdown_table(rows: list[dict]) -> str:
         rt = r["round_trip_ms"]
         phases = [f"{r['phases_ms'][p]:.3f}" if p in r["phases_ms"] else "-" for p in PHASES]
         moved = f"{_mb(r.get('dispatch_bytes_out'))}, {_mb(r.get('combine_bytes_out'))}"
+        inter = f"{_mb(r.get('dispatch_inter_bytes'))}, {_mb(r.get('combine_inter_bytes'))}"
         bw = (f"{r['deepep_dispatch_gbps']:.0f}, {r['deepep_combine_gbps']:.0f}" if "deepep_dispatch_gbps" in r else "-")
         lines.append("| " + " | ".join([
             r["shape"]["name"], r["routing"], r["name"], _ms(rt), f"{rt['p10']:.3f}-{rt['p90']:.3f}", speedup,
-            _ms(r["dispatch_ms"]), _ms(r["combine_ms"]), *phases, moved, bw, str(r["wrong"]),
+            _ms(r["dispatch_ms"]), _ms(r["combine_ms"]), *phases, moved, inter, bw, str(r["wrong"]),
         ]) + " |")
     return "\n".join(lines)
 
@@ -334,7 +359,7 @@ def _baseline(rows: list[dict], row: dict) -> float | None:
 
 def summary(rows: list[dict]) -> str:
     """The fixed-width table printed at the end of a run."""
-    cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 28), ("round trip", "(ms)", 10),
+    cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 40), ("round trip", "(ms)", 10),
             ("dispatch", "(ms)", 9), ("combine", "(ms)", 9), ("vs mcore a2a", "", 12), ("#wrong", "", 7)]
     body = []
     for r in rows:
@@ -348,8 +373,16 @@ def summary(rows: list[dict]) -> str:
 def report(result: dict, args: argparse.Namespace) -> str:
     rows, world = result["rows"], result["world_size"]
     where = common.environment().get("gpu", "CPU gloo")
-    title = f"dispatch + combine, W={world}, {result['dtype']} tokens, {where}"
-    stem = f"dispatch-w{world}"
+    nodes = result.get("nodes", 1)
+    tier = ""
+    if nodes > 1:
+        tier = f", as {nodes} nodes x {world // nodes}"
+        if result.get("inter_node_ctas"):
+            tier += f" (inter-node groups limited to {result['inter_node_ctas']} NCCL CTAs)"
+    title = f"dispatch + combine, W={world}{tier}, {result['dtype']} tokens, {where}"
+    stem = f"dispatch-w{world}" + (f"-{nodes}nodes" if nodes > 1 else "")
+    if result.get("inter_node_ctas"):
+        stem += f"-ctas{result['inter_node_ctas']}"
     notes = [
         "Times: median over the timed runs, the slowest rank's per run. Megatron-Core's six stages "
         "(dispatch_preprocess, token_dispatch, dispatch_postprocess, combine_preprocess, token_combine, "
