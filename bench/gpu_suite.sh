@@ -55,6 +55,8 @@ for part in "$@"; do
       bench 330 dispatch dispatch --iters 20 --warmup 5 --out "$RES"
       bench 150 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     studies)
+      bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
+        --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
       bench 200 overlap overlap --trace --out "$RES"
       bench 120 wire wire --out "$RES"
       bench 120 megatron-layer megatron-layer --out "$RES" ;;
