@@ -50,7 +50,7 @@ bench() { step "$1" "$2" python3 -m dispatch.bench "${@:3}"; }
 for part in "$@"; do
   case $part in
     tests)
-      step 540 pytest python3 -m pytest -q -p no:cacheprovider -x --durations=15 tests ;;
+      step 560 pytest python3 -m pytest -q -p no:cacheprovider --durations=15 tests ;;
     dispatch)
       bench 330 dispatch dispatch --iters 20 --warmup 5 --out "$RES"
       bench 150 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
