@@ -220,7 +220,7 @@ class _PipelineFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, grad_on, *params):
         d, experts = layer.dispatcher, layer.experts
         streams = layer._streams(x.device)
-        codec = to_experts_codec(d.config.dispatch_wire, x.dtype)
+        codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         handles = [h for h, _ in plans]
         weights = [o.weights.to(topk_weights.dtype, copy=True) for _, o in plans]
         x_grad_any = bool(handles) and handles[0].x_grad_any
@@ -264,7 +264,7 @@ class _PipelineFn(torch.autograd.Function):
         streams = layer._streams(grad_out.device)
         handles = [h for h, _ in plans]
         x_any, w_any = handles[0].x_grad_any, handles[0].weights_grad_any
-        codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype)
+        codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
         num_tokens, topk = ctx.x_shape[0], handles[0].topk
         grad_x = grad_out.new_zeros(num_tokens, ctx.x_shape[1], dtype=ctx.x_dtype) if x_any else None
         grad_topk = grad_out.new_zeros(num_tokens, topk, dtype=ctx.w_dtype) if w_any else None

@@ -89,6 +89,25 @@ def test_output_matches_dense_reference(worlds, world_size):
         torch.testing.assert_close(results[rank][3]["out"], want[rank], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_wire_formats_match_plain(worlds, pow2):
+    """fp8 dispatch and e5m2 gradients with and without power-of-two scales: the
+    pipeline encodes every direction exactly as dispatch/combine do (rows are
+    quantized one by one, so chunking changes no bit)."""
+    routing = make_routing(2, 2, 2, [7, 5], "random", seed=6)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) * 3 for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) * 3 for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, dispatch_wire="fp8", combine_wire="bf16",
+                  combine_grad_wire="e5m2", dispatch_grad_wire="bf16", fp8_pow2_scales=pow2)
+    args = [
+        (xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3], "rowwise")
+        for r in range(2)
+    ]
+    for rank, per_c in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
+        for chunks in (1, 3):
+            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_generic_chunk_fallback_matches_native(worlds, world_size):
     """The base class's generic chunk support (a plan per chunk) gives the native results bitwise."""
