@@ -62,6 +62,18 @@ def test_grouped_mm_matches_loop(dtype, counts):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_mm_takes_strided_tokens():
+    """Rows whose stride is no multiple of 16 bytes (a column slice) are copied
+    for the kernel rather than refused."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    torch.manual_seed(2)
+    grouped = GroupedExperts(2, 16, 32, backend="grouped_mm", dtype=dtype, device=DEVICE)
+    counts = torch.tensor([3, 4], device=DEVICE)
+    wide = torch.randn(7, 17, dtype=dtype, device=DEVICE)
+    torch.testing.assert_close(grouped(wide[:, :16], counts), grouped(wide[:, :16].contiguous(), counts))
+
+
 def test_auto_backend_choice():
     assert not grouped_mm_available(torch.float32, torch.device("cpu"), 16, 16)
     assert not grouped_mm_available(torch.bfloat16, torch.device("cpu"), 16, 16)
@@ -69,6 +81,7 @@ def test_auto_backend_choice():
         hopper = torch.cuda.get_device_capability() == (9, 0)
         assert grouped_mm_available(torch.bfloat16, torch.device("cuda"), 16, 16) == hopper
         assert not grouped_mm_available(torch.bfloat16, torch.device("cuda"), 12, 16)
+        assert not grouped_mm_available(torch.bfloat16, torch.device("cuda"), 16, 16, num_groups=1024)
 
 
 def test_bad_arguments():
