@@ -131,8 +131,8 @@ class GroupedExperts(nn.Module):
             tokens = tokens.clone(memory_format=torch.contiguous_format)
         counts = tokens_per_expert.to(tokens.device, non_blocking=True)  # CPU counts: no stream sync for the copy
         offs = torch.cumsum(counts, 0).to(torch.int32)  # row end of each expert
-        h = torch._grouped_mm(tokens, self.w_in, offs=offs)
-        return torch._grouped_mm(self._act(h), self.w_out, offs=offs)
+        h = _dense_grad(torch._grouped_mm(tokens, self.w_in, offs=offs))
+        return _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
 
     def _loop(self, tokens, tokens_per_expert):
         sizes = tokens_per_expert.tolist()  # host sync: slice sizes (free for CPU counts)
@@ -142,3 +142,13 @@ class GroupedExperts(nn.Module):
         if not outs:
             return tokens.new_zeros(0, self.hidden)
         return torch.cat(outs)
+
+
+def _dense_grad(out: torch.Tensor) -> torch.Tensor:
+    """``out``, whose gradient is made contiguous before the grouped GEMM's backward
+    takes it: that backward refuses gradients with no unit stride, such as the
+    expanded (stride 0) gradient of a plain ``.sum()`` (with no rows too, where
+    ``contiguous()`` would keep the strides)."""
+    if out.requires_grad:
+        out.register_hook(lambda grad: grad.contiguous() if grad.numel() else grad.new_empty(grad.shape))
+    return out

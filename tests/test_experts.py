@@ -63,6 +63,30 @@ def test_grouped_mm_matches_loop(dtype, counts):
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("counts", [[0, 7, 0, 1], [0, 0, 0, 0]])
+def test_grouped_mm_empty_experts_and_plain_sum(counts):
+    """Experts with no rows get exactly zero weight gradients, N = 0 runs forward
+    and backward, and a plain-sum loss (an expanded, stride-0 gradient) is taken."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    torch.manual_seed(3)
+    grouped = GroupedExperts(4, 16, 32, backend="grouped_mm", dtype=dtype, device=DEVICE)
+    loop = GroupedExperts(4, 16, 32, backend="loop", dtype=dtype, device=DEVICE)
+    loop.load_state_dict(grouped.state_dict())
+    counts = torch.tensor(counts, device=DEVICE)
+    tokens = torch.randn(int(counts.sum()), 16, dtype=dtype, device=DEVICE)
+    results = []
+    for experts in (grouped, loop):
+        leaf = tokens.clone().requires_grad_()
+        experts(leaf, counts).sum().backward()
+        results.append((leaf.grad, experts.w_in.grad, experts.w_out.grad))
+    for e in (counts == 0).nonzero().flatten().tolist():
+        assert not results[0][1][e].any() and not results[0][2][e].any(), f"expert {e} has no rows"
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 def test_grouped_mm_takes_strided_tokens():
     """Rows whose stride is no multiple of 16 bytes (a column slice) are copied
     for the kernel rather than refused."""
