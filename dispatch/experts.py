@@ -9,9 +9,12 @@ H hidden size, F the experts' ffn hidden size.
 Two paths compute the same thing:
 
 * ``grouped_mm``: ``torch._grouped_mm(rows [N, H], weights [E_local, H, F],
-  offs=[E_local] int32 cumulative row ends)``, one kernel for all experts. Used
-  by ``backend="auto"`` for bf16 on CUDA devices of compute capability 9.0
-  (Hopper) with H and F multiples of 8 (16-byte rows).
+  offs=[E_local] int32 cumulative row ends)``, one kernel for all experts (an
+  expert with no rows is fine, and so is N = 0). Used by ``backend="auto"`` for
+  bf16 on CUDA devices of compute capability 9.0 (Hopper) with H and F multiples
+  of 8 (16-byte rows, as the kernel's TMA loads need) and E_local < 1024 (the
+  kernel's limit). Elsewhere torch runs a per-expert fallback with a host
+  synchronisation (``offs`` read on the host); ``backend="grouped_mm"`` takes it.
 * ``loop``: one matmul per expert over its slice of rows. Runs everywhere; on
   CUDA it sizes the slices on the host (one synchronisation per call if
   ``tokens_per_expert`` is on the GPU).
@@ -33,11 +36,17 @@ ACTIVATIONS = ("swiglu", "gelu", "relu")
 BACKENDS = ("auto", "grouped_mm", "loop")
 
 
-def grouped_mm_available(dtype: torch.dtype, device: torch.device, hidden: int, ffn_hidden: int) -> bool:
-    """Whether ``backend="auto"`` takes the ``torch._grouped_mm`` path for these sizes."""
+GROUPED_MM_MAX_GROUPS = 1023  # torch's CUDA grouped GEMM refuses 1024 groups or more
+
+
+def grouped_mm_available(
+    dtype: torch.dtype, device: torch.device, hidden: int, ffn_hidden: int, num_groups: int = 1
+) -> bool:
+    """Whether ``backend="auto"`` takes the ``torch._grouped_mm`` path for these
+    sizes (``num_groups``: E_local)."""
     if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or device.type != "cuda":
         return False
-    if hidden % 8 or ffn_hidden % 8:
+    if hidden % 8 or ffn_hidden % 8 or num_groups > GROUPED_MM_MAX_GROUPS:
         return False
     return torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -105,7 +114,9 @@ class GroupedExperts(nn.Module):
 
     def _use_grouped_mm(self, tokens: torch.Tensor) -> bool:
         if self.backend == "auto":
-            return grouped_mm_available(tokens.dtype, tokens.device, self.hidden, self.ffn_hidden)
+            return grouped_mm_available(
+                tokens.dtype, tokens.device, self.hidden, self.ffn_hidden, self.num_local_experts
+            )
         return self.backend == "grouped_mm"
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
@@ -115,9 +126,13 @@ class GroupedExperts(nn.Module):
         return F.gelu(h) if self.activation == "gelu" else F.relu(h)
 
     def _grouped(self, tokens, tokens_per_expert):
-        offs = torch.cumsum(tokens_per_expert.to(tokens.device), 0).to(torch.int32)  # row end of each expert
-        h = torch._grouped_mm(tokens, self.w_in, offs=offs)
-        return torch._grouped_mm(self._act(h), self.w_out, offs=offs)
+        align = 16 // tokens.element_size()  # the kernel's TMA loads: 16-byte aligned rows, unit column stride
+        if tokens.stride(1) != 1 or tokens.stride(0) % align or tokens.data_ptr() % 16:
+            tokens = tokens.clone(memory_format=torch.contiguous_format)
+        counts = tokens_per_expert.to(tokens.device, non_blocking=True)  # CPU counts: no stream sync for the copy
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # row end of each expert
+        h = _dense_grad(torch._grouped_mm(tokens, self.w_in, offs=offs))
+        return _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
 
     def _loop(self, tokens, tokens_per_expert):
         sizes = tokens_per_expert.tolist()  # host sync: slice sizes (free for CPU counts)
@@ -127,3 +142,13 @@ class GroupedExperts(nn.Module):
         if not outs:
             return tokens.new_zeros(0, self.hidden)
         return torch.cat(outs)
+
+
+def _dense_grad(out: torch.Tensor) -> torch.Tensor:
+    """``out``, whose gradient is made contiguous before the grouped GEMM's backward
+    takes it: that backward refuses gradients with no unit stride, such as the
+    expanded (stride 0) gradient of a plain ``.sum()`` (with no rows too, where
+    ``contiguous()`` would keep the strides)."""
+    if out.requires_grad:
+        out.register_hook(lambda grad: grad.contiguous() if grad.numel() else grad.new_empty(grad.shape))
+    return out

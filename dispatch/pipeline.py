@@ -28,6 +28,7 @@ while the experts compute chunk c.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -143,9 +144,15 @@ class _Streams:
     def __init__(self, compute, comm) -> None:
         self.compute, self.comm_stream = compute, comm
 
-    def comm(self, stage, to_compute: bool):
+    def comm(self, stage, to_compute: bool, reads: tuple = ()):
         """Run ``stage() -> Pending`` on the communication side; returns an object
-        whose ``finish()`` gives the result (``to_compute``: for the compute stream)."""
+        whose ``finish()`` gives the result (``to_compute``: for the compute stream).
+
+        ``reads``: tensors made on the compute stream that the stage reads. On
+        CUDA they are marked as used by the communication stream, so the caller
+        may drop them at once: the allocator hands their memory out again only
+        once the communication stream has passed the point where they were freed.
+        On CPU the stage's Pending holds what its work still reads."""
         if self.comm_stream is None:
             return stage()
         self.comm_stream.wait_stream(self.compute)  # inputs made on the compute stream so far
@@ -153,6 +160,8 @@ class _Streams:
             result = stage().finish()
             event = torch.cuda.Event()
             event.record(self.comm_stream)
+        for tensor in reads:
+            tensor.record_stream(self.comm_stream)
         return _Arrived(result, event, self.compute if to_compute else None)
 
     def join(self) -> None:
@@ -179,21 +188,23 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back) -> None:
     """D0 D1 X0 H0 D2 X1 H1 ...: ``bring(c) -> Pending`` (rows for the experts),
     ``compute(c, rows) -> value``, ``send_back(c, value) -> Pending`` (stores its
     result when finished). Every rank issues the collectives in this same order.
-    The values sent back are held until the end: on CUDA the communication
-    stream reads them after the host has moved on."""
-    inbound, held = {}, []
+    A value is dropped as soon as its send-back is issued (on CUDA the
+    communication stream is recorded on its tensors, see ``_Streams.comm``), so
+    that no more than a chunk or two of them are alive at once."""
+    inbound = {}
 
     def issue(c):
         if c < chunks:
-            inbound[c] = streams.comm(lambda: bring(c), to_compute=True)
+            inbound[c] = streams.comm(functools.partial(bring, c), to_compute=True)
 
     issue(0)
     issue(1)
     outbound = None
     for c in range(chunks):
         value = compute(c, inbound.pop(c).finish())
-        held.append(value)
-        returning = streams.comm(lambda: send_back(c, value), to_compute=False)
+        reads = tuple(t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor))
+        returning = streams.comm(functools.partial(send_back, c, value), to_compute=False, reads=reads)
+        value = reads = None
         issue(c + 2)
         if outbound is not None:
             outbound.finish()
@@ -201,7 +212,6 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back) -> None:
     if outbound is not None:
         outbound.finish()
     streams.join()
-    held.clear()
 
 
 class _Stored:
@@ -220,7 +230,7 @@ class _PipelineFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, grad_on, *params):
         d, experts = layer.dispatcher, layer.experts
         streams = layer._streams(x.device)
-        codec = to_experts_codec(d.config.dispatch_wire, x.dtype)
+        codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         handles = [h for h, _ in plans]
         weights = [o.weights.to(topk_weights.dtype, copy=True) for _, o in plans]
         x_grad_any = bool(handles) and handles[0].x_grad_any
@@ -238,7 +248,8 @@ class _PipelineFn(torch.autograd.Function):
             _check_expert_out(y, tokens)
             if not out:
                 out.append(y.new_empty(x.shape[0], y.shape[1]))
-            leaves[c], ys[c] = leaf, y
+            if grad_on:  # kept for backward; without grad, chunk c's rows die here
+                leaves[c], ys[c] = leaf, y
             return y.detach().contiguous()
 
         def send_back(c, y):
@@ -264,7 +275,7 @@ class _PipelineFn(torch.autograd.Function):
         streams = layer._streams(grad_out.device)
         handles = [h for h, _ in plans]
         x_any, w_any = handles[0].x_grad_any, handles[0].weights_grad_any
-        codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype)
+        codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
         num_tokens, topk = ctx.x_shape[0], handles[0].topk
         grad_x = grad_out.new_zeros(num_tokens, ctx.x_shape[1], dtype=ctx.x_dtype) if x_any else None
         grad_topk = grad_out.new_zeros(num_tokens, topk, dtype=ctx.w_dtype) if w_any else None

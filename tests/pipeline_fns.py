@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 import dispatch
+from dispatch import comm
 from dispatch.dispatchers.alltoall import AllToAllDispatcher
 from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.experts import GroupedExperts
@@ -42,6 +45,47 @@ class GenericChunks(AllToAllDispatcher):
     _weights_to_home_start = TokenDispatcher._weights_to_home_start
 
 
+LATE_CYCLES = 2_000_000  # about a millisecond of GPU clock
+
+
+class LateExperts(nn.Module):
+    """On CUDA: the experts start late on their stream and first churn the caching
+    allocator with NaN-filled blocks, so that rows still read by the other stream
+    and freed too early would be overwritten. Elsewhere: the experts as they are."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens, tokens_per_expert):
+        if tokens.is_cuda:
+            torch.cuda._sleep(LATE_CYCLES)
+            for _ in range(4):
+                torch.full((1 << 16,), float("nan"), device=tokens.device)
+        return self.inner(tokens, tokens_per_expert)
+
+
+@contextlib.contextmanager
+def late_collectives(on: bool = True):
+    """On CUDA: every pipelined all-to-all starts late on the stream it is issued
+    from (MoEExchange's communication stream), so that a missing event wait shows
+    as wrong values. Elsewhere: nothing changes."""
+    if not on or current_device().type != "cuda":
+        yield
+        return
+    start = comm.all_to_all_rows_start
+
+    def late(rows, send_splits, recv_splits, group):
+        torch.cuda._sleep(LATE_CYCLES)
+        return start(rows, send_splits, recv_splits, group)
+
+    comm.all_to_all_rows_start = late
+    try:
+        yield
+    finally:
+        comm.all_to_all_rows_start = start
+
+
 def _cpu(t):
     return None if t is None else t.detach().cpu()
 
@@ -59,7 +103,7 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
 
 
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
-              generic: bool = False, x_grad: bool = True, w_grad: bool = True):
+              generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False):
     """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
     fresh identical experts; C = "plain" runs dispatch -> experts -> combine instead.
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
@@ -69,16 +113,19 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
     results = {}
     for chunks in chunk_counts:
         experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+        if late and chunks != "plain":
+            experts = LateExperts(experts)
         xs = x.to(device).requires_grad_(x_grad)
         ws = topk_weights.to(device).requires_grad_(w_grad)
         idx = topk_idx.to(device)
-        if chunks == "plain":
-            out = d.dispatch(xs, idx, ws)
-            y = experts(out.tokens, out.tokens_per_expert)
-            h = d.combine(y, out.handle, weights=out.weights)
-        else:
-            h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
-        (h * grad_out.to(device)).sum().backward()
+        with late_collectives(late and chunks != "plain"):
+            if chunks == "plain":
+                out = d.dispatch(xs, idx, ws)
+                y = experts(out.tokens, out.tokens_per_expert)
+                h = d.combine(y, out.handle, weights=out.weights)
+            else:
+                h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
+            (h * grad_out.to(device)).sum().backward()
         results[chunks] = {
             "out": _cpu(h),
             "x": _cpu(xs.grad),
@@ -88,12 +135,14 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
     return results
 
 
-def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks):
+def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: bool = False):
     """Forward only, under no_grad (no expert graph kept)."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config))
     experts = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
-    with torch.no_grad():
+    if late:
+        experts = LateExperts(experts)
+    with torch.no_grad(), late_collectives(late):
         h = dispatch.MoEExchange(d, experts, chunks=chunks)(x.to(device), topk_idx.to(device), topk_weights.to(device))
     return _cpu(h), h.requires_grad
 

@@ -62,6 +62,42 @@ def test_grouped_mm_matches_loop(dtype, counts):
         torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("counts", [[0, 7, 0, 1], [0, 0, 0, 0]])
+def test_grouped_mm_empty_experts_and_plain_sum(counts):
+    """Experts with no rows get exactly zero weight gradients, N = 0 runs forward
+    and backward, and a plain-sum loss (an expanded, stride-0 gradient) is taken."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    torch.manual_seed(3)
+    grouped = GroupedExperts(4, 16, 32, backend="grouped_mm", dtype=dtype, device=DEVICE)
+    loop = GroupedExperts(4, 16, 32, backend="loop", dtype=dtype, device=DEVICE)
+    loop.load_state_dict(grouped.state_dict())
+    counts = torch.tensor(counts, device=DEVICE)
+    tokens = torch.randn(int(counts.sum()), 16, dtype=dtype, device=DEVICE)
+    results = []
+    for experts in (grouped, loop):
+        leaf = tokens.clone().requires_grad_()
+        experts(leaf, counts).sum().backward()
+        results.append((leaf.grad, experts.w_in.grad, experts.w_out.grad))
+    for e in (counts == 0).nonzero().flatten().tolist():
+        assert not results[0][1][e].any() and not results[0][2][e].any(), f"expert {e} has no rows"
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_mm_takes_strided_tokens():
+    """Rows whose stride is no multiple of 16 bytes (a column slice) are copied
+    for the kernel rather than refused."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    torch.manual_seed(2)
+    grouped = GroupedExperts(2, 16, 32, backend="grouped_mm", dtype=dtype, device=DEVICE)
+    counts = torch.tensor([3, 4], device=DEVICE)
+    wide = torch.randn(7, 17, dtype=dtype, device=DEVICE)
+    torch.testing.assert_close(grouped(wide[:, :16], counts), grouped(wide[:, :16].contiguous(), counts))
+
+
 def test_auto_backend_choice():
     assert not grouped_mm_available(torch.float32, torch.device("cpu"), 16, 16)
     assert not grouped_mm_available(torch.bfloat16, torch.device("cpu"), 16, 16)
@@ -69,6 +105,7 @@ def test_auto_backend_choice():
         hopper = torch.cuda.get_device_capability() == (9, 0)
         assert grouped_mm_available(torch.bfloat16, torch.device("cuda"), 16, 16) == hopper
         assert not grouped_mm_available(torch.bfloat16, torch.device("cuda"), 12, 16)
+        assert not grouped_mm_available(torch.bfloat16, torch.device("cuda"), 16, 16, num_groups=1024)
 
 
 def test_bad_arguments():

@@ -105,6 +105,25 @@ def test_output_matches_dense_reference(worlds, world_size):
         torch.testing.assert_close(results[rank][3]["out"], want[rank], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_wire_formats_match_plain(worlds, pow2):
+    """fp8 dispatch and e5m2 gradients with and without power-of-two scales: the
+    pipeline encodes every direction exactly as dispatch/combine do (rows are
+    quantized one by one, so chunking changes no bit)."""
+    routing = make_routing(2, 2, 2, [7, 5], "random", seed=6)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) * 3 for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) * 3 for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, dispatch_wire="fp8", combine_wire="bf16",
+                  combine_grad_wire="e5m2", dispatch_grad_wire="bf16", fp8_pow2_scales=pow2)
+    args = [
+        (xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3], "rowwise")
+        for r in range(2)
+    ]
+    for rank, per_c in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
+        for chunks in (1, 3):
+            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_generic_chunk_fallback_matches_native(worlds, world_size):
     """The base class's generic chunk support (a plan per chunk) gives the native results bitwise."""
@@ -143,6 +162,32 @@ def test_no_grad_forward(worlds):
     want = worlds(2).run(pipeline_fns.pipelined_no_grad, args1)
     for (h, requires), (h1, _) in zip(got, want):
         assert torch.equal(h, h1) and not requires
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams are a CUDA matter")
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_late_streams_change_nothing(worlds, world_size):
+    """CUDA: with every pipelined all-to-all made late on the communication stream
+    and the experts made late (and churning the allocator) on the compute stream,
+    forward and backward still give the plain round trip's bits, and so does a
+    forward without grad: every cross-stream use waits on an event, and no buffer
+    is handed out again while the other stream still reads it."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    routing = make_routing(world_size, 2, 2, [300, 0, 41, 257][:world_size], "random", seed=13)
+    xs = [random_tokens(r, t, 64, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, 64, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 8], "rowwise",
+             False, True, True, True) for r in range(world_size)]
+    for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
+        for chunks in (1, 3, 8):
+            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4, True) for r in range(world_size)]
+    late = worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(world_size)]
+    for (h, _), (h1, _) in zip(late, worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)):
+        assert torch.equal(h, h1)
 
 
 @pytest.mark.parametrize("bounds", [(0, 0, 3, 3, 8), (0, 8), (0, 1, 2, 3, 4, 5, 6, 7, 8), (0, 0, 0, 8)])
