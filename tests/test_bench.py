@@ -112,6 +112,9 @@ def test_experts_must_split_over_ranks(capsys):
 def test_main_job_defaults_cover_both_benchmarks():
     args = bench.parse_args([])
     assert args.command is None
-    assert args.shapes == list(common.CPU_SHAPES)  # no GPU here
+    import torch
+
+    on_gpus = torch.cuda.is_available()
+    assert args.shapes == list(common.GPU_SHAPES if on_gpus else common.CPU_SHAPES)
     assert args.routings == list(roundtrip.ROUTINGS)
-    assert args.max_bytes == 4 << 20 and args.iters >= 20
+    assert args.max_bytes == (1 << 30 if on_gpus else 4 << 20) and args.iters >= 20

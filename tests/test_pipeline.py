@@ -254,4 +254,9 @@ def test_grouped_experts_bf16_on_gpus(worlds):
         for name in ("out", "x", "topk_weights"):
             torch.testing.assert_close(per_c[4][name], per_c[1][name], rtol=2e-2, atol=2e-2)
         for a, b in zip(per_c[4]["params"], per_c[1]["params"]):
-            torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+            # each chunk's weight gradient is a GEMM rounded to bf16 at the scale of
+            # that chunk's partial sum: elements whose chunk partials cancel can
+            # differ by a few bf16 steps of the gradient's scale, not of their own
+            a, b = a.float(), b.float()
+            bound = 2**-6 * b.abs().max() + 2e-2 * b.abs()
+            assert ((a - b).abs() <= bound).all(), f"rank {rank}: parameter gradient beyond bf16 rounding"
