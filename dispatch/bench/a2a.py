@@ -11,7 +11,9 @@ For each buffer size (bytes per rank, doubling from ``--min-bytes`` to
   channels packed by the wire's codec, exchanged, unpacked; its time covers all
   three, and ``effective`` is the uncompressed bytes per second.
 
-Columns as nccl-tests prints them: ``size`` (bytes per rank), ``count``
+Timing as nccl-tests does it: the runs are issued back to back after one
+barrier, each between two CUDA events, so the time is the device's (median and
+10th-90th percentile over the runs, the slowest rank's). Columns as nccl-tests prints them: ``size`` (bytes per rank), ``count``
 (elements), ``type``, ``time`` (median, us), ``algbw`` = size / time and
 ``busbw`` = algbw * (W-1)/W (GB/s, nccl-tests' all-to-all convention; for a
 compressed wire both count the bytes actually sent), ``#wrong`` (elements that
@@ -132,13 +134,13 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
     wire_bytes = count * 2
 
     if transport == "nccl":
-        def step(timer):
+        def step():
             dist.all_to_all_single(recv, send)
         result = lambda: recv  # noqa: E731
     elif transport == "ours":
         box = {}
 
-        def step(timer):
+        def step():
             box["out"] = comm.all_to_all_rows(send.view(count, 1), splits, splits, None)
         result = lambda: box["out"].view(-1)  # noqa: E731
     else:
@@ -148,16 +150,15 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
         row_splits = (rows_per_peer,) * world
         box = {}
 
-        def step(timer):
+        def step():
             packed = codec.pack(send.view(-1, args.hidden))
             arrived = comm.all_to_all_rows(packed, row_splits, row_splits, None)
             box["out"] = codec.unpack(arrived, torch.bfloat16, args.hidden)
         result = lambda: box["out"].reshape(-1)  # noqa: E731
 
-    step(None)
+    step()
     wrong = _wrong(result(), expected, lossless=transport in ("nccl", "ours"), hidden=args.hidden)
-    runs = common.time_phases(step, args.iters, args.warmup, dev)
-    stats = common.spread([r["total"] for r in runs])
+    stats = common.spread(common.time_back_to_back(step, args.iters, args.warmup, dev))
     seconds = stats["median"] / 1e3
     algbw = wire_bytes / seconds / 1e9
     return {

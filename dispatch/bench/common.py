@@ -113,13 +113,20 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
 # -- timing ------------------------------------------------------------------
 
 
-def time_phases(step: Callable[[PhaseTimer], None], iters: int, warmup: int, dev: torch.device) -> list[dict[str, float]]:
+def time_phases(
+    step: Callable[[PhaseTimer], None],
+    iters: int,
+    warmup: int,
+    dev: torch.device,
+    sections: dict[str, tuple[str, ...]] | None = None,
+) -> list[dict[str, float]]:
     """Run ``step(timer)`` ``warmup`` times untimed, then ``iters`` times timed.
 
     ``step`` marks its phases on the timer (``timer.mark(name)``); ``"total"``,
-    from the start to the end of the step, is added. Each timed run starts after
-    a barrier; each figure is the slowest rank's. Returns one {phase: ms} dict
-    per timed run.
+    from the start to the end of the step, is added, and each of ``sections``
+    (name -> the phases it sums, e.g. ``dispatch``) on each rank before ranks
+    are compared. Each timed run starts after a barrier; each figure is the
+    slowest rank's. Returns one {name: ms} dict per timed run.
     """
     for _ in range(warmup):
         step(PhaseTimer(dev))
@@ -133,12 +140,42 @@ def time_phases(step: Callable[[PhaseTimer], None], iters: int, warmup: int, dev
         phases = timer.phases()
         phases["total"] = sum(phases.values())
         del phases["_tail"]
+        for name, members in (sections or {}).items():
+            phases[name] = sum(phases.get(m, 0.0) for m in members)
         runs.append(phases)
     names = sorted({name for phases in runs for name in phases})
     table = torch.tensor([[phases.get(n, 0.0) for n in names] for phases in runs], dtype=torch.float64)
     table = table.to(dev)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     return [dict(zip(names, row)) for row in table.cpu().tolist()]
+
+
+def time_back_to_back(step: Callable[[], None], iters: int, warmup: int, dev: torch.device) -> list[float]:
+    """Milliseconds of each of ``iters`` runs of ``step()`` issued back to back
+    after one barrier, the slowest rank's, as nccl-tests times a collective: on
+    CUDA each run sits between two events on the stream and the host runs ahead,
+    so the figure is the device's time, not the host's launch latency."""
+    for _ in range(warmup):
+        step()
+    dist.barrier()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()  # host sync: start the timed runs on an idle GPU
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize()  # host sync: read the timings
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    worst = torch.tensor(times, dtype=torch.float64, device=dev)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.cpu().tolist()
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
     parser.add_argument("--comm-max-ctas", type=int, help="NCCL max_ctas of the EP group (a slower exchange)")
+    parser.add_argument("--comm-high-priority", action="store_true",
+                        help="EP group's NCCL collectives on a high-priority stream (ahead of waiting GEMM blocks)")
     parser.add_argument("--comm-priority", type=int, default=-1, help="CUDA priority of the comm stream")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
@@ -82,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.comm_max_ctas is not None and (args.comm_max_ctas < 1 or not torch.cuda.is_available()):
         parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
+    if args.comm_high_priority and not torch.cuda.is_available():
+        parser.error("--comm-high-priority needs NCCL (a GPU)")
     try:
         dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire)
     except ValueError as exc:
@@ -122,8 +126,10 @@ def _run_rank(rank: int, args: argparse.Namespace, env: dict | None) -> None:
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     try:
         group = None
-        if args.comm_max_ctas is not None:
-            group = dispatch.comm.new_group_with_sm_budget(None, args.comm_max_ctas)
+        if args.comm_max_ctas is not None or args.comm_high_priority:
+            group = dispatch.comm.new_group_with_sm_budget(
+                None, args.comm_max_ctas, high_priority=args.comm_high_priority
+            )
         for name in args.shape:
             rows, trace = run_shape(SHAPES[name], args, group)
             if dist.get_rank() == 0:
@@ -226,7 +232,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
-            comm_max_ctas=args.comm_max_ctas, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
+            comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
             t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
             hidden_fraction=(t_seq - by_chunks[best]) / min(t_comm, t_compute),
             max_abs_diff_vs_seq=float(diff),
@@ -245,8 +251,11 @@ def _trace(fn, shape, args, device, chunks) -> str | None:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     fn()
-    dist.barrier()
+    fn()
     with profile(activities=activities) as prof:
+        dist.barrier()  # inside the profile: every rank's profiler has started before the step
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # host sync: the step starts on an idle GPU
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()  # host sync: the trace must hold the whole step
@@ -255,6 +264,9 @@ def _trace(fn, shape, args, device, chunks) -> str | None:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"overlap-trace-{shape.name}-w{dist.get_world_size()}{_suffix(args)}")
     prof.export_chrome_trace(stem + ".json")
+    with open(stem + ".txt", "w") as f:  # where the time goes, kernel by kernel
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        f.write(prof.key_averages().table(sort_by=key, row_limit=40))
     draw_timeline(stem + ".json", stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, C={chunks}")
     return stem + ".png"
 
@@ -305,18 +317,19 @@ def _is_comm(name: str) -> bool:
 def _suffix(args) -> str:
     wire = "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
-    return wire + ctas
+    return wire + ctas + ("-hiprio" if args.comm_high_priority else "")
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| shape | pass | W | wire | max_ctas | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | T_pipe by C | max abs diff |",
-        "|" + " --- |" * 13,
+        "| shape | pass | W | wire | max_ctas | NCCL stream | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | T_pipe by C | max abs diff |",
+        "|" + " --- |" * 14,
     ]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
         lines.append(
             f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r['dispatch_wire']} | {r['comm_max_ctas'] or '-'} | "
+            f"{'high priority' if r.get('comm_high_priority') else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {by_c} | {r['max_abs_diff_vs_seq']:.3g} |"
         )

@@ -38,7 +38,7 @@ from dispatch.bench import common, plots
 from dispatch.codec import to_experts_codec
 
 PHASES = ("plan", "exchange_out", "expand", "presum", "exchange_back", "final_sum")
-DISPATCH_PHASES = PHASES[:3]
+SECTIONS = {"dispatch": PHASES[:3], "combine": PHASES[3:]}
 ROUTINGS = ("uniform", "zipf", "one-rank")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -215,7 +215,7 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
         d.combine(got.tokens, got.handle, weights=got.weights)
         d.phase_timer = None
 
-    runs = common.time_phases(step, args.iters, args.warmup, dev)
+    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
     wire = cfg.dispatch_wire if cfg.combine_wire == "native" else f"{cfg.dispatch_wire}/{cfg.combine_wire}"
     return _row(f"ours {cfg.variant}", cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
 
@@ -268,13 +268,13 @@ def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
     def step(timer):
         mb.megatron_round_trip(md, x, routing_map, probs, timer=timer)
 
-    runs = common.time_phases(step, args.iters, args.warmup, dev)
+    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
     return _row(f"megatron {kind}", kind, "native", shape, routing, runs, wrong, traffic, PHASES)
 
 
 def _row(name, variant, wire, shape, routing, runs, wrong, traffic, phases) -> dict:
-    dispatch_ms = [sum(r.get(p, 0.0) for p in DISPATCH_PHASES) for r in runs]
-    combine_ms = [r["total"] - d for r, d in zip(runs, dispatch_ms)]
+    dispatch_ms = [r["dispatch"] for r in runs]
+    combine_ms = [r["combine"] for r in runs]
     row = {
         "name": (name if wire == "native" else f"{name} {wire}")
         + (f" (chose {traffic['auto_choice']})" if traffic.get("auto_choice") else ""),
