@@ -29,6 +29,7 @@ while the experts compute chunk c.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -79,9 +80,25 @@ class MoEExchange(nn.Module):
         comm_priority: CUDA priority of the communication stream (lower is
             higher; clamped to the device's range). Default -1: the small
             kernels around the collectives are not stuck behind the GEMMs.
+        sm_carveout: on CUDA, SMs the experts' GEMMs leave free while the
+            pipeline runs (torch's cuBLAS and grouped-GEMM kernels then size
+            their grids for the other SMs), so that the collectives of the
+            next chunk find SMs to run on instead of waiting for a GEMM that
+            holds them all. Pair it with an EP group whose collectives fit in
+            those SMs: ``dispatch.comm.new_group_with_sm_budget(ranks,
+            max_ctas=sm_carveout, high_priority=True)``. None (default): no
+            carveout. Set through torch's process-wide experimental switch
+            for the duration of the call, restored after.
     """
 
-    def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int | None = None, comm_priority: int = -1):
+    def __init__(
+        self,
+        dispatcher: TokenDispatcher,
+        experts,
+        chunks: int | None = None,
+        comm_priority: int = -1,
+        sm_carveout: int | None = None,
+    ):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
             raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
@@ -91,6 +108,11 @@ class MoEExchange(nn.Module):
             raise ValueError(f"chunks must be an int >= 1 or None, got {chunks!r}")
         if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
             raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
+        if sm_carveout is not None and (
+            isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int) or sm_carveout < 0
+        ):
+            raise ValueError(f"sm_carveout must be an int >= 0 or None, got {sm_carveout!r}")
+        self.sm_carveout = sm_carveout
         self.dispatcher = dispatcher
         self.experts = experts
         self.chunks = chunks
@@ -133,7 +155,7 @@ class MoEExchange(nn.Module):
         key = torch.cuda.current_device() if device.index is None else device.index
         if key not in self._comm_streams:
             self._comm_streams[key] = torch.cuda.Stream(device=key, priority=self.comm_priority)
-        return _Streams(torch.cuda.current_stream(key), self._comm_streams[key])
+        return _Streams(torch.cuda.current_stream(key), self._comm_streams[key], self.sm_carveout)
 
 
 class _Streams:
@@ -142,8 +164,21 @@ class _Streams:
     stream waits for it by an event when its result is taken. On CPU: the stage
     is left in flight (async work) and finished when its result is taken."""
 
-    def __init__(self, compute, comm) -> None:
-        self.compute, self.comm_stream = compute, comm
+    def __init__(self, compute, comm, sm_carveout: int | None = None) -> None:
+        self.compute, self.comm_stream, self.sm_carveout = compute, comm, sm_carveout
+
+    @contextlib.contextmanager
+    def carveout(self):
+        """GEMMs launched inside leave ``sm_carveout`` SMs to the collectives."""
+        if self.comm_stream is None or self.sm_carveout is None:
+            yield
+            return
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(self.sm_carveout)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
 
     def comm(self, stage, to_compute: bool, reads: tuple = ()):
         """Run ``stage() -> Pending`` on the communication side; returns an object
@@ -202,7 +237,8 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back) -> None:
     issue(1)
     outbound = None
     for c in range(chunks):
-        value = compute(c, inbound.pop(c).finish())
+        with streams.carveout():
+            value = compute(c, inbound.pop(c).finish())
         reads = tuple(t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor))
         returning = streams.comm(functools.partial(send_back, c, value), to_compute=False, reads=reads)
         value = reads = None

@@ -212,6 +212,8 @@ def test_bad_arguments_raise():
         dispatch.MoEExchange(object(), lambda t, n: t)
     with pytest.raises(ValueError, match="chunks"):
         dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=0)
+    with pytest.raises(ValueError, match="sm_carveout"):
+        dispatch.MoEExchange(_OneRank(), lambda t, n: t, sm_carveout=-1)
     with pytest.raises(TypeError, match="experts"):
         dispatch.MoEExchange(_OneRank(), 3)
 

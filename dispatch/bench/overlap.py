@@ -22,6 +22,7 @@ two streams' kernels to a PNG.
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import json
 import os
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--comm-high-priority", action="store_true",
                         help="EP group's NCCL collectives on a high-priority stream (ahead of waiting GEMM blocks)")
     parser.add_argument("--comm-priority", type=int, default=-1, help="CUDA priority of the comm stream")
+    parser.add_argument("--sm-carveout", type=int, default=None,
+                        help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
     args = parser.parse_args(argv)
@@ -86,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
     if args.comm_high_priority and not torch.cuda.is_available():
         parser.error("--comm-high-priority needs NCCL (a GPU)")
+    if args.sm_carveout is not None and args.sm_carveout < 0:
+        parser.error(f"--sm-carveout must be >= 0, got {args.sm_carveout}")
     try:
         dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire)
     except ValueError as exc:
@@ -215,6 +220,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         return _time(fn, args.iters, args.warmup, device, group)
 
     prio = args.comm_priority
+    pipe = functools.partial(dispatch.MoEExchange, comm_priority=prio, sm_carveout=args.sm_carveout)
     rows = []
     for name in PASSES:
         backward = name == "fwd+bwd"
@@ -222,17 +228,17 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         t_compute = timed(compute_fn(backward))
         seq_layer = dispatch.MoEExchange(d, experts, chunks=1, comm_priority=prio)
         t_seq = timed(layer_fn(seq_layer, backward))
-        by_chunks = {c: timed(layer_fn(dispatch.MoEExchange(d, experts, chunks=c, comm_priority=prio), backward))
-                     for c in args.chunks}
+        by_chunks = {c: timed(layer_fn(pipe(d, experts, chunks=c), backward)) for c in args.chunks}
         best = min(by_chunks, key=by_chunks.get)
         with torch.no_grad():
             want = seq_layer(x, topk_idx, topk_weights)
-            got = dispatch.MoEExchange(d, experts, chunks=best, comm_priority=prio)(x, topk_idx, topk_weights)
+            got = pipe(d, experts, chunks=best)(x, topk_idx, topk_weights)
         diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
-            comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
+            comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority,
+            sm_carveout=args.sm_carveout, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
             t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
             hidden_fraction=(t_seq - by_chunks[best]) / min(t_comm, t_compute),
             max_abs_diff_vs_seq=float(diff),
@@ -240,7 +246,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     trace = None
     if args.trace:
         best = rows[-1]["best_chunks"]
-        trace = _trace(layer_fn(dispatch.MoEExchange(d, experts, chunks=best, comm_priority=prio), True),
+        trace = _trace(layer_fn(pipe(d, experts, chunks=best), True),
                        shape, args, device, best)
     return rows, trace
 
@@ -317,19 +323,20 @@ def _is_comm(name: str) -> bool:
 def _suffix(args) -> str:
     wire = "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
-    return wire + ctas + ("-hiprio" if args.comm_high_priority else "")
+    carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
+    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| shape | pass | W | wire | max_ctas | NCCL stream | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | T_pipe by C | max abs diff |",
-        "|" + " --- |" * 14,
+        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | T_pipe by C | max abs diff |",
+        "|" + " --- |" * 15,
     ]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
         lines.append(
             f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r['dispatch_wire']} | {r['comm_max_ctas'] or '-'} | "
-            f"{'high priority' if r.get('comm_high_priority') else 'default'} | "
+            f"{'high priority' if r.get('comm_high_priority') else 'default'} | {r.get('sm_carveout') or '-'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {by_c} | {r['max_abs_diff_vs_seq']:.3g} |"
         )

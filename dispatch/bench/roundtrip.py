@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import dispatch
+from dispatch import comm
 from dispatch import config as config_mod
 from dispatch.bench import common, plots
 from dispatch.codec import to_experts_codec
@@ -148,6 +149,8 @@ def run(args: argparse.Namespace) -> dict | None:
     ours = [(v, w) for v in args.variants for w in args.dispatch_wires]
     total = len(shapes) * len(args.routings) * (len(ours) + (2 if megatron else 0))
     progress = common.Progress(total, "dispatch")
+    group = _ep_group(args, dev)
+    _warm_up(shapes[0], dtype, group, dev, args)
     dispatchers: dict = {}
     rows = []
     for shape in shapes:
@@ -166,7 +169,7 @@ def run(args: argparse.Namespace) -> dict | None:
                         num_experts=shape.experts, variant=variant, dispatch_wire=wire,
                         check_inputs=not args.no_check, **_node_options(args),
                     )
-                    dispatchers[key] = dispatch.create(cfg)
+                    dispatchers[key] = dispatch.create(cfg, group)
                 row = _ours(dispatchers[key], shape, routing, x, topk_idx, topk_weights, args, dev)
                 rows.append(row)
                 progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
@@ -180,6 +183,31 @@ def run(args: argparse.Namespace) -> dict | None:
     result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes,
               "inter_node_ctas": args.inter_node_ctas}
     return result if rank == 0 else None
+
+
+def _ep_group(args, dev):
+    """The EP group of our dispatchers. With ``--inter-node-ctas`` on NCCL, a group
+    whose collectives are limited to that many CTAs: a flat exchange crosses
+    the slow tier too and is as slow as its slowest link, so the flat variants
+    run on the limited group, while ``hierarchical`` moves its intra-node stage
+    on a full-speed group of its own and only its inter-node stage on a limited
+    one (``DispatchConfig.inter_node_max_ctas``)."""
+    if args.inter_node_ctas is None or dev.type != "cuda":
+        return None
+    return comm.new_group_with_sm_budget(None, args.inter_node_ctas)
+
+
+def _warm_up(shape, dtype, group, dev, args) -> None:
+    """Untimed round trips before the first measurement: NCCL connects its peers
+    and the GPUs reach their clocks on the first collectives, which would
+    otherwise be charged to whichever configuration comes first."""
+    made = make_routing("uniform", shape, dist.get_world_size(), dist.get_rank(), dev, seed=1)
+    x = torch.randn(shape.tokens, shape.hidden, device=dev).to(dtype)
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts), group)
+    for _ in range(4 * args.warmup + 2):
+        out = d.dispatch(x, *made)
+        d.combine(out.tokens, out.handle, weights=out.weights)
+    dist.barrier()
 
 
 def _node_options(args) -> dict:
@@ -390,6 +418,13 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "ranks per direction. DeepEP-style GB/s: bytes of the rows a rank receives in dispatch (its own "
         "included) over the dispatch time, and over the combine time."
     ]
+    if result.get("inter_node_ctas"):
+        notes.append(
+            f"Emulated slow inter-node tier: the flat variants run on an EP group whose NCCL collectives are "
+            f"limited to {result['inter_node_ctas']} CTAs (a flat exchange is as slow as its slowest link); "
+            f"hierarchical runs its intra-node stage at full speed and only its inter-node stage on "
+            f"{result['inter_node_ctas']} CTAs."
+        )
     png = plots.round_trip_plot(rows, os.path.join(args.out, stem + ".png"), title, PHASES)
     if png:
         notes.append(f"plot: {os.path.basename(png)}")
