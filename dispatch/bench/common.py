@@ -51,6 +51,7 @@ SHAPES = {
         # small shapes for CPU worlds of gloo processes (the main job without a GPU)
         Shape("cpu-small", 512, 256, 16, 4, 128),
         Shape("cpu-decode", 32, 512, 16, 4, 128),
+        Shape("cpu-tiny", 64, 32, 8, 2, 64),
     ]
 }
 GPU_SHAPES = ("deepseek-v3", "qwen3-235b", "mixtral-8x7b", "decode")
@@ -67,11 +68,26 @@ def device() -> torch.device:
 # -- the world of processes -------------------------------------------------
 
 
-def launch(job: Callable, args, world_size: int | None) -> int:
-    """Run ``job(args)`` on every rank of a fresh world; rank 0's return value is
-    the job's result (other ranks' are ignored). Under torchrun (``LOCAL_RANK`` set)
-    this process is one rank; otherwise one process per GPU (NCCL) or
-    ``world_size`` CPU processes (gloo, default 4) are started here.
+def world_size_for(requested: int | None, cpu_default: int = 4) -> int:
+    """Ranks a run starts: ``requested``, else every GPU, else ``cpu_default`` CPU processes."""
+    if requested:
+        return requested
+    return torch.cuda.device_count() if torch.cuda.is_available() else cpu_default
+
+
+def shapes_fit(names, world: int, prog: str = "dispatch-bench") -> bool:
+    """True if every shape's experts split over ``world`` ranks; else says which on stderr."""
+    bad = [n for n in names if SHAPES[n].experts % world]
+    if bad:
+        print(f"{prog}: experts of {', '.join(bad)} do not split over {world} ranks", file=sys.stderr)
+    return not bad
+
+
+def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4) -> int:
+    """Run ``job(args)`` on every rank of a fresh world. Under torchrun
+    (``LOCAL_RANK`` set) this process is one rank; otherwise one process per GPU
+    (NCCL) or ``world_size`` CPU processes (gloo, default ``cpu_default``) are
+    started here.
 
     Returns a process exit code (0 on success, 2 for a world that cannot be made).
     """
@@ -79,7 +95,7 @@ def launch(job: Callable, args, world_size: int | None) -> int:
         _rank_main(int(os.environ["LOCAL_RANK"]), job, args, None)
         return 0
     use_cuda = torch.cuda.is_available()
-    world = world_size or (torch.cuda.device_count() if use_cuda else 4)
+    world = world_size_for(world_size, cpu_default)
     if use_cuda and world > torch.cuda.device_count():
         print(f"dispatch-bench: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
         return 2
@@ -98,7 +114,7 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     try:
         job(args)
         dist.barrier()

@@ -23,47 +23,28 @@ from __future__ import annotations
 
 import argparse
 import functools
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 import dispatch
+from dispatch.bench.common import SHAPES, Shape, launch, shapes_fit, time_phases, world_size_for
+from dispatch.bench.roundtrip import make_routing
 from dispatch.experts import GroupedExperts
 
 
-@dataclass(frozen=True)
-class Shape:
-    """T tokens per rank, hidden H, E experts, top-K, expert ffn hidden F."""
-
-    name: str
-    tokens: int
-    hidden: int
-    experts: int
-    topk: int
-    ffn: int
-
-
-SHAPES = {
-    s.name: s
-    for s in [
-        Shape("deepseek-v3", 4096, 7168, 256, 8, 2048),
-        Shape("mixtral-8x7b", 8192, 4096, 8, 2, 14336),
-        Shape("cpu-tiny", 64, 32, 8, 2, 64),
-    ]
-}
+OVERLAP_SHAPES = ("deepseek-v3", "mixtral-8x7b", "cpu-tiny")
 PASSES = ("fwd", "fwd+bwd")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dispatch-overlap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES),
+    parser.add_argument("--shape", nargs="+", choices=OVERLAP_SHAPES,
                         help="shapes (default: deepseek-v3 mixtral-8x7b on GPUs, cpu-tiny on CPU)")
     parser.add_argument("--world-size", type=int, help="ranks (default: all GPUs, or 2 CPU processes)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8], help="C values tried for T_pipe")
@@ -102,78 +83,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available()
     args.shape = args.shape or (["deepseek-v3", "mixtral-8x7b"] if use_cuda else ["cpu-tiny"])
-    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        _run_rank(int(os.environ["LOCAL_RANK"]), args, None)
-        return 0
-    world = args.world_size or (torch.cuda.device_count() if use_cuda else 2)
-    if use_cuda and world > torch.cuda.device_count():
-        print(f"dispatch-overlap: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
+    if not shapes_fit(args.shape, world_size_for(args.world_size, cpu_default=2), "dispatch-bench overlap"):
         return 2
+    return launch(_job, args, args.world_size, cpu_default=2)
+
+
+def _job(args: argparse.Namespace) -> None:
+    group = None
+    if args.comm_max_ctas is not None or args.comm_high_priority:
+        group = dispatch.comm.new_group_with_sm_budget(None, args.comm_max_ctas, high_priority=args.comm_high_priority)
     for name in args.shape:
-        if SHAPES[name].experts % world:
-            print(f"dispatch-overlap: {SHAPES[name].experts} experts do not split over {world} ranks", file=sys.stderr)
-            return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-    torch.multiprocessing.spawn(_run_rank, args=(args, env), nprocs=world, join=True)
-    return 0
+        rows, trace = run_shape(SHAPES[name], args, group)
+        if dist.get_rank() == 0:
+            report(SHAPES[name], rows, args, trace)
 
 
-def _run_rank(rank: int, args: argparse.Namespace, env: dict | None) -> None:
-    if env is not None:
-        os.environ.update(env)
-        os.environ["RANK"] = str(rank)
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
-    try:
-        group = None
-        if args.comm_max_ctas is not None or args.comm_high_priority:
-            group = dispatch.comm.new_group_with_sm_budget(
-                None, args.comm_max_ctas, high_priority=args.comm_high_priority
-            )
-        for name in args.shape:
-            rows, trace = run_shape(SHAPES[name], args, group)
-            if dist.get_rank() == 0:
-                report(SHAPES[name], rows, args, trace)
-    finally:
-        dist.destroy_process_group()
-
-
-def _time(fn, iters: int, warmup: int, device, group) -> float:
+def _time(fn, iters: int, warmup: int, device) -> float:
     """Median over ``iters`` of the slowest rank's time (ms) of ``fn``, barrier first."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()  # host sync: reading the timing, outside the measured work
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    worst = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return statistics.median(worst.tolist())
-
-
-def _routing(shape: Shape, rank: int, device):
-    gen = torch.Generator(device=device).manual_seed(rank)
-    scores = torch.rand(shape.tokens, shape.experts, generator=gen, device=device)
-    topk_idx = scores.topk(shape.topk, dim=1).indices
-    topk_weights = torch.softmax(torch.rand(shape.tokens, shape.topk, generator=gen, device=device), dim=1)
-    return topk_idx, topk_weights
+    runs = time_phases(lambda timer: fn(), iters, warmup, device)
+    return statistics.median(r["total"] for r in runs)
 
 
 def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
@@ -186,7 +114,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, dtype=dtype, device=device)
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
-    topk_idx, topk_weights = _routing(shape, rank, device)
+    topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)
     planned = d.dispatch(x, topk_idx, topk_weights)
     tokens, per_expert = planned.tokens.detach(), planned.tokens_per_expert
     del planned
@@ -217,7 +145,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         return run
 
     def timed(fn):
-        return _time(fn, args.iters, args.warmup, device, group)
+        return _time(fn, args.iters, args.warmup, device)
 
     prio = args.comm_priority
     pipe = functools.partial(dispatch.MoEExchange, comm_priority=prio, sm_carveout=args.sm_carveout)

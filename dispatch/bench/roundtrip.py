@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict | None:
             made = make_routing(routing, shape, world, rank, dev)
             if made is None:
                 for _ in range(len(ours) + (2 if megatron else 0)):
-                    progress.step(f"{shape.name} {routing}", f"skipped: K > experts per rank")
+                    progress.step(f"{shape.name} {routing}", "skipped: K > experts per rank")
                 continue
             topk_idx, topk_weights = made
             for variant, wire in ours:

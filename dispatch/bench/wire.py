@@ -16,10 +16,8 @@ counts dispatched rows that differ from what the dispatcher itself delivers.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 import dispatch
 from dispatch import comm
+from dispatch.bench import common
 from dispatch.bench.common import SHAPES, time_phases
 from dispatch.bench.roundtrip import make_routing
 from dispatch.codec import to_experts_codec
@@ -164,42 +163,18 @@ def report(rows: list[dict], summary: list[dict], args, device: str) -> None:
         f.write(f"{meta['device']}, torch {meta['torch']}, median of {args.iters}\n\n{text}\n")
 
 
-def _run_rank(rank: int, args, env: dict) -> None:
-    os.environ.update(env)
-    os.environ["RANK"] = str(rank)
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    else:
-        torch.set_num_threads(1)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=300))
-    try:
-        rows = [measure(SHAPES[s], wire, args, device) for s in args.shapes for wire in WIRES]
-        if dist.get_rank() == 0:
-            report(rows, summarise(rows, args.peak_gbps), args, device.type)
-    finally:
-        dist.destroy_process_group()
+def _job(args) -> None:
+    device = common.device()
+    rows = [measure(SHAPES[s], wire, args, device) for s in args.shapes for wire in WIRES]
+    if dist.get_rank() == 0:
+        report(rows, summarise(rows, args.peak_gbps), args, device.type)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    use_cuda = torch.cuda.is_available()
-    world = args.world_size or (torch.cuda.device_count() if use_cuda else 2)
-    if use_cuda and world > torch.cuda.device_count():
-        print(f"wire bench: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
+    if not common.shapes_fit(args.shapes, common.world_size_for(args.world_size, cpu_default=2), "wire bench"):
         return 2
-    for name in args.shapes:
-        if SHAPES[name].experts % world:
-            print(f"wire bench: {SHAPES[name].experts} experts of {name} do not split over {world} ranks",
-                  file=sys.stderr)
-            return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-    torch.multiprocessing.spawn(_run_rank, args=(args, env), nprocs=world, join=True)
-    return 0
+    return common.launch(_job, args, args.world_size, cpu_default=2)
 
 
 if __name__ == "__main__":
