@@ -210,3 +210,50 @@ def run_doc_snippet(snippet: str):
     assert layers and all(isinstance(m.token_dispatcher, Ours) for m in layers)
     parallel_state.destroy_model_parallel()
     return float(scope["loss"]), len(scope["dispatchers"])
+
+
+def run_doc_snippet_on_cpu(snippet: str):
+    """The docs snippet on a CPU gloo rank, as written except for what only CUDA runs, patched
+    for the call and restored after (the world outlives it): ``device="cuda"`` reads "cpu",
+    the config adds ``use_cpu_initialization=True``, ``Module.cuda`` returns the module, Megatron's CUDA seeding is ``torch.manual_seed``, its
+    ``TopKRouter`` is ``CpuTopKRouter``, the ``alltoall`` dispatcher the layers are built with
+    (ours replaces it before the first forward) is the ``allgather`` one, dropout runs outside
+    the CUDA RNG tracker and the global memory buffer allocates on the CPU. Returns the loss,
+    the dispatchers installed, the parameter dtypes the forward saw and the loss's dtype."""
+    import contextlib
+    from unittest import mock
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_layer
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    assert snippet.count('device="cuda"') >= 1 and snippet.count("TransformerConfig(\n") == 1
+    snippet = snippet.replace('device="cuda"', 'device="cpu"')
+    snippet = snippet.replace("TransformerConfig(\n", "TransformerConfig(\n    use_cpu_initialization=True,\n")
+    tracker = mcore_random.get_cuda_rng_tracker()
+
+    def cpu_buffer(self, shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(shape, dtype=dtype)
+
+    scope: dict = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore")
+        stack.enter_context(mock.patch.object(torch.nn.Module, "cuda", lambda self, *a, **k: self))
+        stack.enter_context(mock.patch.object(mcore_random, "model_parallel_cuda_manual_seed", lambda seed, **k: torch.manual_seed(seed)))
+        defaults = tuple(CpuTopKRouter if d is moe_layer.TopKRouter else d for d in moe_layer.MoESubmodules.__init__.__defaults__)
+        stack.enter_context(mock.patch.object(moe_layer.MoESubmodules.__init__, "__defaults__", defaults))
+        stack.enter_context(mock.patch.object(moe_layer, "MoEAlltoAllTokenDispatcher", moe_layer.MoEAllGatherTokenDispatcher))
+        stack.enter_context(mock.patch.object(tracker, "fork", lambda *a, **k: contextlib.nullcontext()))
+        stack.enter_context(mock.patch("megatron.core.utils.GlobalMemoryBuffer.get_tensor", cpu_buffer))
+        exec(compile(snippet, "docs/megatron.md", "exec"), scope)
+    try:
+        model = scope["model"]
+        assert all(isinstance(m.token_dispatcher, MegatronDispatcher) for m in model.modules() if hasattr(m, "token_dispatcher"))
+        dtypes = sorted({str(p.dtype) for p in model.parameters()})
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        return float(scope["loss"]), len(scope["dispatchers"]), dtypes, missing
+    finally:
+        parallel_state.destroy_model_parallel()

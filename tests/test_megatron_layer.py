@@ -57,6 +57,21 @@ def test_doc_snippet_is_complete_python():
     assert "install_all(model" in snippet and "loss.backward()" in snippet
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, test_doc_snippet_runs runs the snippet as written")
+def test_doc_snippet_runs_on_cpu(worlds):
+    """The snippet's bf16 GPTModel on gloo with only its CUDA calls patched (see
+    ``run_doc_snippet_on_cpu``): a bf16 model must run inside ``Float16Module``, or the fp32
+    position embeddings reach the first attention linear, whose weight is bf16."""
+    import megatron_rank_fns
+
+    world_size = 2
+    results = worlds(world_size).run(megatron_rank_fns.run_doc_snippet_on_cpu, [(_doc_snippet(),)] * world_size)
+    for loss, installed, dtypes, missing in results:
+        assert installed == 2 and loss == loss and 0 < loss < 20
+        assert dtypes == ["torch.bfloat16"]
+        assert missing == []
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the snippet trains on CUDA (Megatron's router needs it)")
 def test_doc_snippet_runs(worlds):
     import megatron_rank_fns

@@ -21,7 +21,8 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
     python -m dispatch.bench.megatron_layer --out bench/results/
 
 Writes ``megatron-layer-w{W}.json`` and ``.md`` to ``--out``; returns 1 when a
-check fails, 2 without CUDA or megatron-core (Megatron's router and ``alltoall``
+check fails or a part raises (each part runs even when one before it raised; the
+error is in the report), 2 without CUDA or megatron-core (Megatron's router and ``alltoall``
 dispatcher run only on CUDA; tests/test_megatron_layer.py checks the adapter in a
 real ``MoELayer`` on CPU).
 """
@@ -35,6 +36,7 @@ import os
 import socket
 import statistics
 import sys
+import traceback
 import warnings
 
 import torch
@@ -99,8 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-    torch.multiprocessing.spawn(_run_rank, args=(args, env), nprocs=world, join=True)
-    with open(os.path.join(args.out, f"megatron-layer-w{world}.json")) as f:
+    path = os.path.join(args.out, f"megatron-layer-w{world}.json")
+    if os.path.exists(path):
+        os.remove(path)  # a result left by an earlier run must not pass for this one
+    try:
+        torch.multiprocessing.spawn(_run_rank, args=(args, env), nprocs=world, join=True)
+    except Exception as exc:  # a rank died outside the parts (start-up, report)
+        print(f"megatron-layer: a rank failed: {exc}", file=sys.stderr)
+        return 1
+    if not os.path.exists(path):
+        print(f"megatron-layer: no result was written ({path})", file=sys.stderr)
+        return 1
+    with open(path) as f:
         return 0 if json.load(f)["passed"] else 1
 
 
@@ -114,15 +126,43 @@ def _run_rank(rank: int, args: argparse.Namespace, env: dict) -> None:
         _ensure_parallel_state(dist.get_world_size())
         result = {}
         if "layer" in args.parts:
-            result["layer"] = check_layer()
+            result["layer"] = _run_part("layer", check_layer)
         if "train" in args.parts:
-            result["train"] = [check_training(dtype, args.steps) for dtype in ("fp32", "bf16")]
+            result["train"] = [
+                _run_part(f"train {dtype}", check_training, dtype, args.steps, extra={"dtype": dtype})
+                for dtype in ("fp32", "bf16")
+            ]
         if "timing" in args.parts:
-            result["timing"] = time_layers(args)
+            result["timing"] = _run_part("timing", time_layers, args)
         if dist.get_rank() == 0:
             report(result, args)
     finally:
         dist.destroy_process_group()
+
+
+def _run_part(name: str, fn, *fn_args, extra: dict | None = None) -> dict:
+    """``fn(*fn_args)``, or, when it raises on any rank, ``{"error": ..., "passed": False}``
+    on every rank, so that the parts after it still run and the report says what failed.
+    (A failure that strikes only some ranks between two collectives can still hang the
+    others until the process group's timeout; the failures met so far raise on every rank.)"""
+    rank = dist.get_rank()
+    try:
+        result, error = fn(*fn_args), None
+    except Exception as exc:
+        result, error = None, f"{type(exc).__name__}: {exc}"
+        print(f"megatron-layer: rank {rank}: {name} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    failed = torch.zeros(dist.get_world_size(), device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    failed[rank] = error is not None
+    dist.all_reduce(failed)
+    ranks = [r for r, f in enumerate(failed.tolist()) if f]
+    if ranks:
+        where = f"rank(s) {ranks}" + (f": {error}" if error else "")
+        result = {**(extra or {}), "error": f"{name} raised on {where}", "passed": False}
+    if rank == 0:
+        print(f"megatron-layer: {name}: " + ("ERROR " + result["error"] if ranks else "done"), flush=True)
+    return result
 
 
 # ----------------------------------------------------------------------------- building
@@ -235,7 +275,21 @@ def build_gpt(config, vocab: int, seq: int, seed: int):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
+    return _precision_wrapper(config, model)
+
+
+def _precision_wrapper(config, model):
+    """A bf16/fp16 model inside Megatron's ``Float16Module``, as Megatron's training loop
+    runs it: every parameter cast to the half type (``GPTModel`` builds its learned
+    position embeddings in fp32, which would otherwise make the hidden states fp32 and
+    fail in the first bf16 linear), fp32 outputs. ``state_dict`` / ``load_state_dict``
+    pass through to the model, so copying weights between two wrapped models works."""
+    if not (config.bf16 or config.fp16):
+        return model
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, model)
 
 
 def _train(model, batch, steps: int) -> list[float]:
@@ -387,7 +441,10 @@ def report(result: dict, args: argparse.Namespace) -> None:
     world = dist.get_world_size()
     lines = [f"Megatron-Core MoELayer: Megatron's alltoall dispatcher vs ours, {world} GPUs", ""]
     passed = True
-    if "layer" in result:
+    if "layer" in result and "error" in result["layer"]:
+        passed = False
+        lines.append(f"layer check: ERROR {result['layer']['error']} FAIL")
+    elif "layer" in result:
         layer = result["layer"]
         passed &= layer["passed"]
         worst = max(layer["errors"].items(), key=lambda kv: kv[1])
@@ -398,12 +455,18 @@ def report(result: dict, args: argparse.Namespace) -> None:
         )
     for run in result.get("train", []):
         passed &= run["passed"]
+        if "error" in run:
+            lines.append(f"GPTModel training, {run['dtype']}: ERROR {run['error']} FAIL")
+            continue
         lines.append(
             f"GPTModel training, {run['dtype']}, {run['moe_layers']} MoE layers, {run['steps']} steps: loss "
             f"{run['ours'][0]:.4f} -> {run['ours'][-1]:.4f}, max relative diff to megatron "
             f"{run['max_relative_diff']:.2e} (tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"
         )
-    if "timing" in result:
+    if "timing" in result and "error" in result["timing"]:
+        passed = False
+        lines += ["", f"MoELayer timing: ERROR {result['timing']['error']}"]
+    elif "timing" in result:
         timing = result["timing"]
         s = timing["shape"]
         lines += [
