@@ -205,7 +205,7 @@ def run_doc_snippet(snippet: str):
     scope: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(snippet, "docs/megatron.md", "exec"), scope)
+        exec(compile(snippet, "README.md", "exec"), scope)
     layers = [m for m in scope["model"].modules() if hasattr(m, "token_dispatcher")]
     assert layers and all(isinstance(m.token_dispatcher, Ours) for m in layers)
     parallel_state.destroy_model_parallel()
@@ -248,7 +248,7 @@ def run_doc_snippet_on_cpu(snippet: str):
         stack.enter_context(mock.patch.object(moe_layer, "MoEAlltoAllTokenDispatcher", moe_layer.MoEAllGatherTokenDispatcher))
         stack.enter_context(mock.patch.object(tracker, "fork", lambda *a, **k: contextlib.nullcontext()))
         stack.enter_context(mock.patch("megatron.core.utils.GlobalMemoryBuffer.get_tensor", cpu_buffer))
-        exec(compile(snippet, "docs/megatron.md", "exec"), scope)
+        exec(compile(snippet, "README.md", "exec"), scope)
     try:
         model = scope["model"]
         assert all(isinstance(m.token_dispatcher, MegatronDispatcher) for m in model.modules() if hasattr(m, "token_dispatcher"))

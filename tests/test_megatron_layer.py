@@ -47,13 +47,14 @@ def test_install_refuses_what_is_not_a_moe_layer():
 def _doc_snippet() -> str:
     import pathlib
 
-    text = (pathlib.Path(__file__).parent.parent / "docs" / "megatron.md").read_text()
-    return text.split("```python\n", 1)[1].split("```", 1)[0]
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text.split("## Use with Megatron-Core", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_doc_snippet_is_complete_python():
     snippet = _doc_snippet()
-    compile(snippet, "docs/megatron.md", "exec")
+    compile(snippet, "README.md", "exec")
     assert "install_all(model" in snippet and "loss.backward()" in snippet
 
 
