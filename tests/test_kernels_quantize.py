@@ -122,3 +122,27 @@ def test_rounding_ties_go_to_even(fmt):
     assert torch.equal(got, want)
     decoded = qz.unpack_reference(got, None, fmt, torch.float32, x.shape[1]).cpu()[0, 1:5]
     assert decoded.tolist() == [1.0, 1 + 2 * step, 0.0, 2 ** (fmt.min_exponent - m + 1)]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_non_finite_values_are_carried(fmt):
+    """+-inf and NaN among finite values (the GPU's satfinite conversion turns +-inf into +-max)."""
+    fmt = FORMATS[fmt]
+    x = torch.tensor([[0.0, float("nan"), 6e-3, float("-inf"), float("inf"), -3.0, fmt.max * 4]], device=DEVICE)
+    want = qz.pack_reference(x, None, fmt, False)
+    got = qz.pack_triton(x, None, fmt, False)
+    codes_want, scales_want = qz.split_packed(want, x.shape[1])
+    codes_got, scales_got = qz.split_packed(got, x.shape[1])
+    assert torch.equal(scales_got, scales_want)
+    assert _same_codes(codes_got, codes_want, fmt)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_scales_are_correctly_rounded_quotients(fmt):
+    """scale = fp32(amax / FMT_MAX), not amax * fp32(1 / FMT_MAX) (torch's CUDA ``a / number``)."""
+    fmt = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(32, 1, generator=gen) * 10).to(DEVICE)
+    want = (x.cpu().double() / fmt.max).float()
+    for packed in (qz.pack_reference(x, None, fmt, False), qz.pack_triton(x, None, fmt, False)):
+        assert torch.equal(qz.split_packed(packed, 1)[1].cpu(), want)
