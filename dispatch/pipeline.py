@@ -9,9 +9,11 @@ expert rows and on the home-side sum in ascending rank order, and chunk c's rows
 are a sub-sequence of the one-shot canonical order, so with experts that compute
 each row on its own the output and the gradients of x and topk_weights are
 bitwise those of C = 1. Gradients of the experts' parameters are sums over rows,
-accumulated one chunk after the other (in fp32 for bf16/fp16 parameters, cast
-once): bitwise those of C = 1 when these sums are exact, equal to rounding
-otherwise.
+accumulated one chunk after the other, in place and in the parameters' dtype as
+autograd accumulates them: bitwise those of C = 1 when these sums are exact,
+equal to rounding otherwise. Each chunk computes the full weight gradient of the
+experts, so chunking costs one more pass over the weight gradients per chunk:
+small where each rank holds few experts, large where it holds many.
 
 Schedule, forward (backward alike, with the exchange of the gradients)::
 
@@ -334,9 +336,8 @@ class _PipelineFn(torch.autograd.Function):
             ctx.ys[c] = ctx.leaves[c] = None  # the chunk's graph is spent
             grad_tokens = grads.pop(0) if leaf.requires_grad else None
             for i, g in enumerate(grads):
-                if g is not None:  # summed over chunks in fp32 (at least), cast once at the end
-                    g = g.to(accumulate_dtype(g.dtype))
-                    grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+                if g is not None:  # summed over chunks in place, in the parameter's dtype (as autograd would)
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
             if x_any and grad_tokens is None:
                 grad_tokens = leaf.new_zeros(leaf.shape)
             return grad_tokens, grad_w
@@ -362,7 +363,7 @@ class _PipelineFn(torch.autograd.Function):
         _run(streams, len(plans), bring, compute, send_back)
         needs = ctx.needs_input_grad
         grad_params = [
-            torch.zeros_like(p) if g is None and needs[7 + i] else (None if g is None else g.to(p.dtype))
+            torch.zeros_like(p) if g is None and needs[7 + i] else g
             for i, (g, p) in enumerate(zip(grad_params, ctx.params))
         ]
         return (
