@@ -69,8 +69,8 @@ class DispatchConfig:
             any communication. This costs one host synchronisation per dispatch;
             shapes, dtypes and devices are always checked (they cost nothing).
         plan_graphs: on CUDA, replay the host-free part of the routing plan as
-            CUDA graphs captured once per (T, K, dtypes) (a few MB each, the 8
-            most recent shapes kept). This removes some sixty kernel launches per
+            CUDA graphs, captured the second time a (T, K, dtypes) is seen (a few
+            MB each, the 8 most recent shapes kept); the alltoall variant only. This removes some sixty kernel launches per
             dispatch. Turn it off when the dispatch itself runs inside a graph
             capture of the caller's.
     """

@@ -22,7 +22,7 @@ class LinkModel:
     """Bandwidth (bytes/s leaving one rank) and latency (s) of each tier.
 
     The defaults describe one NVLink H100/H200 node (NCCL all-to-all reaches
-    about 300 GB/s per rank, ``BASELINES.md``) and a 400 Gb/s network port per
+    about 300 GB/s per rank on 4 x H200, ``bench/results``) and a 400 Gb/s network port per
     GPU; calibrate them with the all-to-all benchmark and pass them in
     (``DispatchConfig.link_model``).
     """

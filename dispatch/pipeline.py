@@ -20,8 +20,11 @@ Schedule, forward (backward alike, with the exchange of the gradients)::
     comm stream:     D0 D1 H0 D2 H1 D3 H2 ...      D = dispatch, H = combine
     compute stream:        X0    X1    X2 ...      X = experts
 
-One routing plan and one counts exchange serve all chunks (the dispatcher's
-``_plan_chunks``), with one host synchronisation before the pipeline starts;
+With the alltoall variant one routing plan and one counts exchange serve all
+chunks (its ``_plan_chunks``), with one host synchronisation before the pipeline
+starts; the other variants use the base class's fallback (a plan, a counts
+exchange and a host synchronisation per chunk, their exchanges not left in
+flight), correct but without overlap.
 inside it the streams are ordered by CUDA events only. Collectives run on a
 communication stream of their own (``comm_priority``, default high), the
 experts on the caller's current stream. On CPU (gloo) the same schedule runs
@@ -33,10 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dispatch import checks
@@ -44,22 +45,20 @@ from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.kernels.gather_sum import accumulate_dtype
 
-MAX_AUTO_CHUNKS = 4
-AUTO_CHUNK_BYTES = 16 * 2**20
-AUTO_MIN_CHUNK_TOKENS = 128
-
-
 def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
-    """The chunk count ``MoEExchange(chunks=None)`` uses.
+    """The chunk count ``MoEExchange(chunks=None)`` uses: 1, whatever the sizes.
 
-    Rule: one chunk per 16 MiB of the largest rank's tokens (``max_tokens * hidden
-    * itemsize``), rounded up, at most 4 and with at least 128 tokens per chunk
-    (at least 1). A chunk is then large enough for its GEMMs and collectives to
-    run near full speed, and there are enough of them to hide all but 1/C of
-    the exchange.
+    Measured on 4 x H200 (``bench/results/nvidia-h200-x4/overlap-*``), chunking
+    made the layer slower at every C tried (2, 4, 8) on the deepseek-v3 and
+    mixtral shapes, with and without an NCCL CTA budget, a high-priority NCCL
+    stream and an SM carveout for the GEMMs: each chunk re-reads the experts'
+    weights in forward, writes and accumulates the full weight gradients in
+    backward, and plans its metadata exchange eagerly. Until those per-chunk
+    costs are gone the automatic choice does not chunk; pass ``chunks`` to
+    pipeline anyway. The arguments are those a size rule needs (the largest
+    rank's T, H, the token itemsize).
     """
-    by_bytes = math.ceil(max_tokens * hidden * itemsize / AUTO_CHUNK_BYTES)
-    return max(1, min(MAX_AUTO_CHUNKS, by_bytes, max_tokens // AUTO_MIN_CHUNK_TOKENS))
+    return 1
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> tuple[int, ...]:
@@ -77,8 +76,8 @@ class MoEExchange(nn.Module):
             on the device of tokens) -> [N, H']``, rows in canonical order. If it
             is an ``nn.Module`` it becomes a submodule and the gradients of its
             parameters are computed by the pipelined backward.
-        chunks: C >= 1, or None to pick it from the sizes (:func:`auto_chunks`;
-            this costs one all-reduce of T and one host synchronisation per call).
+        chunks: C >= 1, or None for :func:`auto_chunks` (which, from the
+            measurements so far, does not chunk).
         comm_priority: CUDA priority of the communication stream (lower is
             higher; clamped to the device's range). Default -1: the small
             kernels around the collectives are not stuck behind the GEMMs.
@@ -144,12 +143,8 @@ class MoEExchange(nn.Module):
         return _PipelineFn.apply(x, topk_weights, anchor, self, plans, bounds, grad_on, *params)
 
     def _auto_chunks(self, x: torch.Tensor) -> int:
-        d = self.dispatcher
-        largest = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-        if d.world_size > 1:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=d.group)
-        max_tokens = int(largest.item())  # host sync: the chunk count must agree on every rank
-        return auto_chunks(max_tokens, x.shape[1], x.element_size())
+        # the rule needs no peer's sizes (see auto_chunks): no collective, no host sync
+        return auto_chunks(x.shape[0], x.shape[1], x.element_size())
 
     def _streams(self, device: torch.device) -> "_Streams":
         if device.type != "cuda":

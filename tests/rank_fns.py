@@ -198,3 +198,19 @@ def bench_traffic(idx, config: dict, hidden: int):
     d = dispatch.create(dispatch.DispatchConfig(**config))
     out = d.dispatch(x, topk_idx, weights)
     return _traffic(out, topk_idx, hidden * 4, device)
+
+
+def round_trip_in_ep_groups(x, topk_idx, topk_weights, config: dict, ep_size: int):
+    """The world split into EP groups of ``ep_size`` consecutive ranks (as beside
+    data parallelism), each running its own dispatcher: ``round_trip``'s results."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(s, s + ep_size))) for s in range(0, world, ep_size)]
+    group = groups[rank // ep_size]
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config), group)
+    out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    combined = d.combine(out.tokens, out.handle, weights=out.weights)
+    return {"tokens": _cpu(out.tokens), "src_rank": _cpu(out.src_rank), "src_token": _cpu(out.src_token),
+            "combined": _cpu(combined)}

@@ -200,9 +200,9 @@ def test_chunk_counts_match_route_of_each_chunk(bounds):
 def test_auto_chunks_rule():
     from dispatch.pipeline import auto_chunks, chunk_bounds
 
-    assert auto_chunks(4096, 7168, 2) == 4  # DeepSeek-V3 shape, bf16
-    assert auto_chunks(8192, 4096, 2) == 4  # Mixtral shape, bf16
-    assert auto_chunks(64, 4096, 2) == 1
+    # chunking was slower at every C measured on 4 x H200 (bench/results): no chunks
+    assert auto_chunks(4096, 7168, 2) == 1  # DeepSeek-V3 shape, bf16
+    assert auto_chunks(8192, 4096, 2) == 1  # Mixtral shape, bf16
     assert auto_chunks(0, 4096, 2) == 1
     assert chunk_bounds(3, 5) == (0, 0, 1, 1, 2, 3)
 

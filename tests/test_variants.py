@@ -200,3 +200,30 @@ def test_inter_node_sm_budget_keeps_results(worlds):
     for plain, limited in zip(*runs):
         assert torch.equal(plain["combined"], limited["combined"])
         assert torch.equal(plain["tokens"], limited["tokens"])
+
+
+@pytest.mark.parametrize("variant", ["hierarchical", "auto"])
+def test_tier_groups_of_several_ep_groups(worlds, variant):
+    """A world of 4 as two EP groups of 2 (beside data parallelism), each
+    hierarchical as 2 nodes of 1: each group's tier groups are made by its own
+    ranks only, and each group's results are those of the dense reference."""
+    per_group = [make_routing(2, 2, 2, [5, 3], "random", seed=s) for s in (1, 2)]
+    args, xs = [], []
+    for g, routing in enumerate(per_group):
+        for r in range(2):
+            x = identity_tokens(r, routing.num_tokens[r], 4, torch.float64)
+            xs.append(x)
+            config = dict(num_experts=routing.num_experts, variant=variant, local_world_size=1)
+            args.append((x, routing.topk_idx[r], routing.topk_weights[r].double(), config, 2))
+    results = worlds(4).run(rank_fns.round_trip_in_ep_groups, args)
+    for g, routing in enumerate(per_group):
+        group_xs = xs[2 * g : 2 * g + 2]
+        weights = [w.double() for w in routing.topk_weights]
+        ref = reference_dispatch(group_xs, routing.topk_idx, weights, routing.num_experts)
+        for r in range(2):
+            got = results[2 * g + r]
+            assert torch.equal(got["tokens"], ref[r].tokens), f"group {g} rank {r}: tokens"
+            assert torch.equal(got["src_token"], ref[r].src_token), f"group {g} rank {r}: order"
+            live = (routing.topk_idx[r] >= 0).double()
+            expected = group_xs[r] * (weights[r] * live).sum(1, keepdim=True)
+            assert torch.equal(got["combined"], expected), f"group {g} rank {r}: combine"

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in STUDIES:
         return importlib.import_module(STUDIES[argv[0]]).main(argv[1:])
     args = parse_args(argv)
-    world = args.world_size or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+    world = common.world_size_for(args.world_size)
     if args.command in (None, "dispatch"):
         if world % args.nodes:
             print(f"dispatch-bench: --nodes {args.nodes} does not divide the {world} ranks", file=sys.stderr)

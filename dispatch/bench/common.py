@@ -72,6 +72,8 @@ def world_size_for(requested: int | None, cpu_default: int = 4) -> int:
     """Ranks a run starts: ``requested``, else every GPU, else ``cpu_default`` CPU processes."""
     if requested:
         return requested
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun, maybe several nodes
+        return int(os.environ["WORLD_SIZE"])
     return torch.cuda.device_count() if torch.cuda.is_available() else cpu_default
 
 

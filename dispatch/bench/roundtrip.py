@@ -416,7 +416,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "(dispatch_preprocess, token_dispatch, dispatch_postprocess, combine_preprocess, token_combine, "
         "combine_postprocess) fill the six phase columns in that order. MB out/rank: bytes sent to other "
         "ranks per direction. DeepEP-style GB/s: bytes of the rows a rank receives in dispatch (its own "
-        "included) over the dispatch time, and over the combine time."
+        "included: one row per (token, rank) for ours, one per (token, expert) for Megatron's alltoall, "
+        "what each actually moves) over the dispatch time, and over the combine time."
     ]
     if result.get("inter_node_ctas"):
         notes.append(

@@ -115,7 +115,7 @@ def measure(shape, wire: str, args, device) -> dict:
 
 
 def summarise(rows: list[dict], peak_gbps: float) -> list[dict]:
-    """The issue's targets, per shape: fp8 bytes <= 0.52x bf16, exchange >= 1.40x and
+    """The targets, per shape: fp8 bytes <= 0.52x bf16, exchange >= 1.40x and
     three-phase dispatch >= 1.25x as fast, pack kernel >= 70% of ``peak_gbps``."""
     out = []
     by = {(r["shape"], r["wire"]): r for r in rows}

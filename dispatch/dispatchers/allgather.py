@@ -158,7 +158,7 @@ class AllGatherDispatcher(TokenDispatcher):
     def _to_home(self, rows, handle: AllGatherHandle, weights, wire):
         hidden = rows.shape[1]
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
-        if wire == torch.float32:
+        if wire == torch.float32 and acc == torch.float32:  # fp64 data or weights: fp64 sums below
             partial = gather_sum(rows, handle.presum_index, weights, torch.float32)  # [R, H]
             dense = partial.new_zeros(self.world_size * handle.block, hidden)
             dense.index_copy_(0, handle.recv_rows, partial)

@@ -76,7 +76,7 @@ def tier_groups(group: dist.ProcessGroup | None, local_world_size: int, max_ctas
     if local_world_size > 1:
         for n in range(nodes):
             members = ranks[n * local_world_size : (n + 1) * local_world_size]
-            made = dist.new_group(members, backend=backend)
+            made = dist.new_group(members, backend=backend, use_local_synchronization=True)
             intra = made if me in members else intra
     if nodes > 1:
         options = None
@@ -86,7 +86,7 @@ def tier_groups(group: dist.ProcessGroup | None, local_world_size: int, max_ctas
             options.config.max_ctas = max_ctas
         for i in range(local_world_size):
             members = ranks[i::local_world_size]
-            made = dist.new_group(members, backend=backend, pg_options=options)
+            made = dist.new_group(members, backend=backend, pg_options=options, use_local_synchronization=True)
             inter = made if me in members else inter
     _TIER_GROUPS[key] = TierGroups(intra, inter)
     return _TIER_GROUPS[key]
