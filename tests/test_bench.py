@@ -95,6 +95,7 @@ def test_wrong_rows_catches_a_planted_corruption(worlds):
         (["a2a", "--min-bytes", "4K", "--max-bytes", "1K"], "--min-bytes"),
         (["a2a", "--wires", "fp4"], "--wires"),
         (["sideways"], "invalid choice"),
+        (["--iters", "0", "overlap"], "--iters"),  # a study parses the global flags before its name
     ],
 )
 def test_bad_flags(argv, needle, capsys):

@@ -10,7 +10,7 @@ from dispatch.bench import overlap
 
 
 def test_cpu_smoke_run_writes_results(tmp_path):
-    argv = ["--shape", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "3",
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "3",
             "--trace", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2.json").read_text())
@@ -25,7 +25,7 @@ def test_cpu_smoke_run_writes_results(tmp_path):
 @pytest.mark.parametrize(
     "argv, needle",
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
-     (["--shape", "nope"], "--shape")],
+     (["--shapes", "nope"], "--shapes")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

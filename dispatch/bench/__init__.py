@@ -89,8 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in STUDIES:
-        return importlib.import_module(STUDIES[argv[0]]).main(argv[1:])
+    study = next((i for i, word in enumerate(argv) if word in STUDIES), None)
+    if study is not None and _only_global_flags(argv[:study]):
+        # a study parses its own flags, the global ones before its name included
+        return importlib.import_module(STUDIES[argv[study]]).main(argv[:study] + argv[study + 1 :])
     args = parse_args(argv)
     world = common.world_size_for(args.world_size)
     if args.command in (None, "dispatch"):
@@ -102,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dispatch-bench: --shapes {','.join(bad)}: experts do not split over {world} ranks", file=sys.stderr)
             return 2
     return common.launch(_job, args, args.world_size)
+
+
+def _only_global_flags(words: list[str]) -> bool:
+    """True if ``words`` are global flags with their values (``--iters 2 --out d``)."""
+    flags = {"--world-size", "--iters", "--warmup", "--out"}
+    return all(w in flags for w in words[0::2]) and len(words) % 2 == 0
 
 
 def _job(args: argparse.Namespace) -> None:

@@ -40,6 +40,8 @@ import traceback
 import warnings
 
 import torch
+
+import dispatch
 import torch.distributed as dist
 
 from dispatch.bench.common import environment
@@ -78,8 +80,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--option must be KEY=VALUE, got {item!r}")
-        args.extra_options[key] = {"true": True, "false": False}.get(value.lower(), value)
+        args.extra_options[key] = _option_value(value)
+    if args.extra_options:
+        try:  # refused here, not minutes later in the timing part
+            dispatch.DispatchConfig(num_experts=8, **args.extra_options)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"--option: {exc}")
     return args
+
+
+def _option_value(text: str):
+    """``true``/``false``/``none`` and integers as such; anything else as a string."""
+    words = {"true": True, "false": False, "none": None}
+    if text.lower() in words:
+        return words[text.lower()]
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,10 +42,19 @@ OVERLAP_SHAPES = ("deepseek-v3", "mixtral-8x7b", "cpu-tiny")
 PASSES = ("fwd", "fwd+bwd")
 
 
+def _shapes(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OVERLAP_SHAPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing given'} not among {', '.join(OVERLAP_SHAPES)}")
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dispatch-overlap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", nargs="+", choices=OVERLAP_SHAPES,
-                        help="shapes (default: deepseek-v3 mixtral-8x7b on GPUs, cpu-tiny on CPU)")
+    parser.add_argument("--shapes", type=_shapes,
+                        help=f"comma-separated from {', '.join(OVERLAP_SHAPES)} "
+                             "(default: deepseek-v3,mixtral-8x7b on GPUs, cpu-tiny on CPU)")
     parser.add_argument("--world-size", type=int, help="ranks (default: all GPUs, or 2 CPU processes)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8], help="C values tried for T_pipe")
     parser.add_argument("--iters", type=int, default=20, help="timed runs (default 20)")
@@ -82,8 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available()
-    args.shape = args.shape or (["deepseek-v3", "mixtral-8x7b"] if use_cuda else ["cpu-tiny"])
-    if not shapes_fit(args.shape, world_size_for(args.world_size, cpu_default=2), "dispatch-bench overlap"):
+    args.shapes = args.shapes or (["deepseek-v3", "mixtral-8x7b"] if use_cuda else ["cpu-tiny"])
+    if not shapes_fit(args.shapes, world_size_for(args.world_size, cpu_default=2), "dispatch-bench overlap"):
         return 2
     return launch(_job, args, args.world_size, cpu_default=2)
 
@@ -92,7 +101,7 @@ def _job(args: argparse.Namespace) -> None:
     group = None
     if args.comm_max_ctas is not None or args.comm_high_priority:
         group = dispatch.comm.new_group_with_sm_budget(None, args.comm_max_ctas, high_priority=args.comm_high_priority)
-    for name in args.shape:
+    for name in args.shapes:
         rows, trace = run_shape(SHAPES[name], args, group)
         if dist.get_rank() == 0:
             report(SHAPES[name], rows, args, trace)
