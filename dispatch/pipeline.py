@@ -24,10 +24,10 @@ With the alltoall variant one routing plan and one counts exchange serve all
 chunks (its ``_plan_chunks``), with one host synchronisation before the pipeline
 starts; the other variants use the base class's fallback (a plan, a counts
 exchange and a host synchronisation per chunk, their exchanges not left in
-flight), correct but without overlap.
-inside it the streams are ordered by CUDA events only. Collectives run on a
-communication stream of their own (``comm_priority``, default high), the
-experts on the caller's current stream. On CPU (gloo) the same schedule runs
+flight), correct but without overlap. Inside the pipeline the streams are
+ordered by CUDA events only: collectives run on a communication stream of their
+own (``comm_priority``, default high), the experts on the caller's current
+stream. On CPU (gloo) the same schedule runs
 with ``async_op`` work handles: the collectives of chunks c - 1 and c + 1 travel
 while the experts compute chunk c.
 """
@@ -44,6 +44,7 @@ from dispatch import checks
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.kernels.gather_sum import accumulate_dtype
+
 
 def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     """The chunk count ``MoEExchange(chunks=None)`` uses: 1, whatever the sizes.
