@@ -20,8 +20,8 @@ Schedule, forward (backward alike, with the exchange of the gradients)::
     comm stream:     D0 D1 H0 D2 H1 D3 H2 ...      D = dispatch, H = combine
     compute stream:        X0    X1    X2 ...      X = experts
 
-With the alltoall variant one routing plan and one counts exchange serve all
-chunks (its ``_plan_chunks``), with one host synchronisation before the pipeline
+With the alltoall variant one routing plan, one counts exchange and one
+metadata exchange serve all chunks (its ``_plan_chunks``), with one host synchronisation before the pipeline
 starts; the other variants use the base class's fallback (a plan, a counts
 exchange and a host synchronisation per chunk, their exchanges not left in
 flight), correct but without overlap. Inside the pipeline the streams are
@@ -54,7 +54,7 @@ def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     mixtral shapes, with and without an NCCL CTA budget, a high-priority NCCL
     stream and an SM carveout for the GEMMs: each chunk re-reads the experts'
     weights in forward, writes and accumulates the full weight gradients in
-    backward, and plans its metadata exchange eagerly. Until those per-chunk
+    backward, and the chunked plan runs eagerly. Until those per-chunk
     costs are gone the automatic choice does not chunk; pass ``chunks`` to
     pipeline anyway. The arguments are those a size rule needs (the largest
     rank's T, H, the token itemsize).

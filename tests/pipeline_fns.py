@@ -176,3 +176,31 @@ def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
     layer(xs, idx, ws).sum().backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - start
+
+
+def chunk_plan_collectives(x, topk_idx, topk_weights, config: dict, chunks: int):
+    """The collectives one chunked plan of the alltoall variant starts, by name."""
+    import dispatch.comm as comm
+
+    calls = []
+    originals = {name: getattr(comm, name) for name in ("all_gather_rows", "all_to_all_rows")}
+
+    def counting(name):
+        def call(*a, **k):
+            calls.append(name)
+            return originals[name](*a, **k)
+
+        return call
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    bounds = tuple(c * x.shape[0] // chunks for c in range(chunks + 1))
+    for name in originals:
+        setattr(comm, name, counting(name))
+    try:
+        d._plan_chunks(x, topk_idx, topk_weights, bounds, True)
+    finally:
+        for name, original in originals.items():
+            setattr(comm, name, original)
+    return calls

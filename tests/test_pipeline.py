@@ -190,6 +190,18 @@ def test_late_streams_change_nothing(worlds, world_size):
         assert torch.equal(h, h1)
 
 
+def test_one_plan_exchange_serves_all_chunks(worlds):
+    """alltoall plans C chunks with one counts all-gather and one metadata
+    all-to-all, whatever C."""
+    routing = make_routing(3, 2, 3, [9, 0, 5], "random", seed=3)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    for chunks in (1, 4, 7):
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, chunks) for r in range(3)]
+        for calls in worlds(3).run(pipeline_fns.chunk_plan_collectives, args):
+            assert calls == ["all_gather_rows", "all_to_all_rows"], f"C={chunks}: {calls}"
+
+
 @pytest.mark.parametrize("bounds", [(0, 0, 3, 3, 8), (0, 8), (0, 1, 2, 3, 4, 5, 6, 7, 8), (0, 0, 0, 8)])
 def test_chunk_counts_match_route_of_each_chunk(bounds):
     routing = make_routing(3, 2, 3, [8, 0, 0], "sparse", seed=9)

@@ -88,15 +88,19 @@ class AllToAllDispatcher(TokenDispatcher):
         grads_any = checks.check_peer_headers(summary[experts_end:].view(world, -1))
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         all_counts = plan.split_gathered(gathered, world)[0]
+        host = summary[:experts_end]
+        send_splits, recv_splits = _splits(host, world)
+        recv_meta = comm.all_to_all_rows(planned.send.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
         return self._complete_plan(
-            planned.send, summary[:experts_end], planned.summary[:experts_end], all_counts,
+            planned.send, host, planned.summary[:experts_end], all_counts, recv_meta,
             topk_idx, weights.dtype, grads_any, keep,
         )
 
     def _plan_chunks(self, x, topk_idx, topk_weights, bounds, check_values):
         """All chunks from one route, one counts all-gather ([C, W, 1 + E_local]
-        counts per rank) and one host synchronisation; then one metadata
-        all-to-all per chunk. The plan runs eagerly (no CUDA graphs)."""
+        counts per rank), one host synchronisation and one metadata all-to-all
+        (every chunk's slot lists, chunk after chunk for each peer). The plan
+        runs eagerly (no CUDA graphs)."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
@@ -118,16 +122,42 @@ class AllToAllDispatcher(TokenDispatcher):
         summary = torch.cat([*summaries, headers.flatten()]).cpu()
         per_chunk = 2 * world + self.num_local_experts
         grads_any = checks.check_peer_headers(summary[chunks * per_chunk :].view(world, -1))
-        out = []
-        for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            host = summary[c * per_chunk : (c + 1) * per_chunk]
-            out.append(
-                self._complete_plan(
-                    sends[c], host, summaries[c], all_counts[:, c], topk_idx[a:b], weights.dtype, grads_any,
-                    lambda t: t,
-                )
+        hosts = [summary[c * per_chunk : (c + 1) * per_chunk] for c in range(chunks)]
+        recv_metas = self._exchange_chunk_meta(sends, [_splits(h, world) for h in hosts])
+        return [
+            self._complete_plan(
+                sends[c], hosts[c], summaries[c], all_counts[:, c], recv_metas[c], topk_idx[a:b], weights.dtype,
+                grads_any, lambda t: t,
             )
-        return out
+            for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ]
+
+    def _exchange_chunk_meta(self, sends, splits) -> list[torch.Tensor]:
+        """One all-to-all of every chunk's slot lists: to each peer, chunk 0's rows
+        for it, then chunk 1's, ...; from each peer the same. Returns the
+        received metadata of each chunk, in source-rank order.
+
+        Args:
+            sends: per chunk, its :class:`plan.SendPlan` (``meta`` rows in
+                destination-rank order).
+            splits: per chunk, (send_splits, recv_splits) host row counts per peer.
+        """
+        world = self.world_size
+        pieces = []
+        for peer in range(world):
+            for sp, (send, _) in zip(sends, splits):
+                start = sum(send[:peer])
+                pieces.append(sp.meta[start : start + send[peer]])
+        send_total = tuple(sum(send[peer] for send, _ in splits) for peer in range(world))
+        recv_total = tuple(sum(recv[peer] for _, recv in splits) for peer in range(world))
+        received = comm.all_to_all_rows(torch.cat(pieces), send_total, recv_total, self.group)
+        per_chunk = [[] for _ in splits]
+        at = 0
+        for peer in range(world):
+            for c, (_, recv) in enumerate(splits):
+                per_chunk[c].append(received[at : at + recv[peer]])
+                at += recv[peer]
+        return [torch.cat(rows) for rows in per_chunk]
 
     def _header_row(self, x, topk_weights, topk) -> torch.Tensor:
         header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64)
@@ -135,7 +165,7 @@ class AllToAllDispatcher(TokenDispatcher):
             header_row = header_row.pin_memory().to(x.device, non_blocking=True)
         return header_row
 
-    def _complete_plan(self, sp, summary, summary_dev, all_counts, topk_idx, weight_dtype, grads_any, keep):
+    def _complete_plan(self, sp, summary, summary_dev, all_counts, recv_meta, topk_idx, weight_dtype, grads_any, keep):
         """Handle and outputs of one exchange, once its split sizes are on the host.
 
         Args:
@@ -144,6 +174,7 @@ class AllToAllDispatcher(TokenDispatcher):
                 each rank, rows per local expert (``plan_summary`` without headers).
             summary_dev: the same on the device (at least 2 W + E_local entries).
             all_counts: [W_src, W_dst, 1 + E_local] all-gathered counts.
+            recv_meta: the slot lists this rank received, in source-rank order.
             topk_idx: [T, K] of the exchange.
             grads_any: (x_grad_any, weights_grad_any) of the group.
             keep: applied to tensors that must outlive a replayed plan graph.
@@ -151,12 +182,10 @@ class AllToAllDispatcher(TokenDispatcher):
         world, rank = self.world_size, self.rank
         num_tokens, topk = topk_idx.shape
         experts_end = 2 * world + self.num_local_experts
-        send_splits = tuple(summary[:world].tolist())
-        recv_splits = tuple(summary[world : 2 * world].tolist())
+        send_splits, recv_splits = _splits(summary, world)
         per_expert_host = summary[2 * world : experts_end]
         num_send, num_rows = sum(send_splits), int(per_expert_host.sum())
 
-        recv_meta = comm.all_to_all_rows(sp.meta[:num_send], send_splits, recv_splits, self.group)
         rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(weight_dtype))
         recv_rank = torch.repeat_interleave(
             torch.arange(world, device=topk_idx.device), all_counts[:, rank, 0], output_size=sum(recv_splits)
@@ -256,3 +285,8 @@ def _slots_from_rows(back: torch.Tensor, handle: AllToAllHandle, values: torch.T
         handle.slot_row >= 0, handle.slot_row * handle.presum_index.shape[1] + handle.slot_col, flat.numel() - 1
     )
     return flat[at]
+
+
+def _splits(summary: torch.Tensor, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(send_splits, recv_splits) from a host plan summary [2 W + ...]."""
+    return tuple(summary[:world].tolist()), tuple(summary[world : 2 * world].tolist())
