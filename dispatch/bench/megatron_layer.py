@@ -30,21 +30,17 @@ real ``MoELayer`` on CPU).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
-import statistics
 import sys
 import traceback
 import warnings
 
 import torch
-
-import dispatch
 import torch.distributed as dist
 
-from dispatch.bench.common import environment
+import dispatch
+from dispatch.bench.common import device, environment, launch, spread, time_phases, world_size_for
 from dispatch.bench.megatron_baseline import _ensure_parallel_state, megatron_available
 
 LAYER_TOLERANCE = 2e-2  # bf16: relative to the tensor's largest magnitude
@@ -108,25 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     if not megatron_available():
         print('megatron-layer: megatron-core is not importable (pip install "moe-dispatch[megatron]")', file=sys.stderr)
         return 2
-    world = args.world_size or torch.cuda.device_count()
-    if world > torch.cuda.device_count():
-        print(f"megatron-layer: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
-        return 2
+    world = world_size_for(args.world_size)
     if args.experts % world:
         print(f"megatron-layer: {args.experts} experts do not split over {world} ranks", file=sys.stderr)
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
     path = os.path.join(args.out, f"megatron-layer-w{world}.json")
     if os.path.exists(path):
         os.remove(path)  # a result left by an earlier run must not pass for this one
     try:
-        torch.multiprocessing.spawn(_run_rank, args=(args, env), nprocs=world, join=True)
+        code = launch(_job, args, args.world_size)
     except Exception as exc:  # a rank died outside the parts (start-up, report)
         print(f"megatron-layer: a rank failed: {exc}", file=sys.stderr)
         return 1
+    if code:
+        return code
     if not os.path.exists(path):
         print(f"megatron-layer: no result was written ({path})", file=sys.stderr)
         return 1
@@ -134,28 +125,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if json.load(f)["passed"] else 1
 
 
-def _run_rank(rank: int, args: argparse.Namespace, env: dict) -> None:
-    os.environ.update(env)
-    os.environ["RANK"] = str(rank)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600))
+def _job(args: argparse.Namespace) -> None:
+    """One rank's part (``common.launch`` made the NCCL world)."""
     warnings.simplefilter("ignore")  # Megatron's notices about TE/Apex and config defaults
-    try:
-        _ensure_parallel_state(dist.get_world_size())
-        result = {}
-        if "layer" in args.parts:
-            result["layer"] = _run_part("layer", check_layer)
-        if "train" in args.parts:
-            result["train"] = [
-                _run_part(f"train {dtype}", check_training, dtype, args.steps, extra={"dtype": dtype})
-                for dtype in ("fp32", "bf16")
-            ]
-        if "timing" in args.parts:
-            result["timing"] = _run_part("timing", time_layers, args)
-        if dist.get_rank() == 0:
-            report(result, args)
-    finally:
-        dist.destroy_process_group()
+    _ensure_parallel_state(dist.get_world_size())
+    result = {}
+    if "layer" in args.parts:
+        result["layer"] = _run_part("layer", check_layer)
+    if "train" in args.parts:
+        result["train"] = [
+            _run_part(f"train {dtype}", check_training, dtype, args.steps, extra={"dtype": dtype})
+            for dtype in ("fp32", "bf16")
+        ]
+    if "timing" in args.parts:
+        result["timing"] = _run_part("timing", time_layers, args)
+    if dist.get_rank() == 0:
+        report(result, args)
 
 
 def _run_part(name: str, fn, *fn_args, extra: dict | None = None) -> dict:
@@ -407,13 +392,14 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
         out = step().detach()
         if reference is None:
             reference = out
-        times = _time(step, args.iters, args.warmup)
+        runs = time_phases(lambda timer: step(), args.iters, args.warmup, device())
+        stats = spread([r["total"] for r in runs])
         error = _worst_over_ranks({"output": _relative_error(reference, out)})["output"]
         rows.append({
             "name": name,
-            "median_ms": statistics.median(times),
-            "p10_ms": _quantile(times, 0.1),
-            "p90_ms": _quantile(times, 0.9),
+            "median_ms": stats["median"],
+            "p10_ms": stats["p10"],
+            "p90_ms": stats["p90"],
             "output_error_vs_megatron": error,
         })
     layer.token_dispatcher = dispatchers["megatron alltoall"]
@@ -427,29 +413,6 @@ def _groups(layer):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection(ep=layer.ep_group, expt_tp=layer.token_dispatcher.tp_group)
-
-
-def _time(fn, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()  # host sync: read the timing
-        slowest = torch.tensor([start.elapsed_time(end)], device="cuda")
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times.append(float(slowest))
-    return times
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # ----------------------------------------------------------------------------- report
