@@ -123,23 +123,20 @@ def split_gathered(gathered: torch.Tensor, world_size: int) -> tuple[torch.Tenso
     return counts.view(world_size, world_size, -1), gathered[:, counts.shape[1] :]
 
 
-def chunk_counts(r: Route, topk_idx: torch.Tensor, bounds: tuple[int, ...], num_experts: int) -> torch.Tensor:
+def chunk_counts(r: Route, topk_idx: torch.Tensor, chunk_of: torch.Tensor, chunks: int, num_experts: int) -> torch.Tensor:
     """Counts of C home token ranges, for one counts exchange that serves all chunks.
 
     Args:
         r: :class:`Route` of all T tokens.
         topk_idx: [T, K] expert ids.
-        bounds: C + 1 ascending host ints from 0 to T; chunk c is tokens
-            ``[bounds[c], bounds[c + 1])``.
+        chunk_of: [T] int64 chunk of each token (``token_chunks(bounds)[0]``).
+        chunks: C.
         num_experts: E.
     Returns:
         [C, W, 1 + E_local] int64; ``[c]`` is ``route(topk_idx[chunk c]).counts``.
     """
-    num_tokens, world_size = r.hit.shape
-    chunks = len(bounds) - 1
+    world_size = r.hit.shape[1]
     device = r.hit.device
-    sizes = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
-    chunk_of = torch.repeat_interleave(torch.arange(chunks, device=device), sizes, output_size=num_tokens)
     rows = torch.zeros(chunks, world_size, dtype=torch.int64, device=device)
     rows.index_add_(0, chunk_of, r.hit.long())
     valid = r.dest < world_size
@@ -157,23 +154,47 @@ def split_gathered_chunks(gathered: torch.Tensor, world_size: int, chunks: int) 
     return counts.view(world_size, chunks, world_size, -1), gathered[:, counts.shape[1] :]
 
 
+def token_chunks(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[2, T] int64: the chunk of each token and its index inside its chunk.
+
+    Args:
+        bounds: C + 1 ascending host ints from 0 to T; chunk c is tokens
+            ``[bounds[c], bounds[c + 1])``.
+    """
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    chunk_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
+    first = torch.tensor(bounds[:-1], dtype=torch.int64)[chunk_of]
+    return torch.stack([chunk_of, torch.arange(bounds[-1]) - first]).to(device)
+
+
 @dataclass(frozen=True)
 class SendPlan:
-    """Where each of this rank's tokens goes, and where its partial sums come back.
+    """Where each of this rank's tokens goes, and where its partial sums come back,
+    for an exchange in C chunks of home tokens (C = 1: one exchange).
+
+    Chunk c moves the tokens of its range with one token all-to-all of its own;
+    its send rows are contiguous (send order *chunk-major*: chunk, then
+    destination rank, then token), and so are its received rows and its
+    expanded rows on every destination. The slot lists travel in one metadata
+    all-to-all for all chunks, in plain send order (destination rank, token):
+    for token ranges that is each destination's rows of chunk 0, then chunk 1, ...
 
     Row buffers hold ``T * min(K, W)`` rows (an upper bound of S, plus one row
     that collects the writes of empty slots); the first S are real.
 
     Attributes:
-        send_token: [T * min(K, W) + 1] int64, source token of each send row, in send order.
-        meta: [T * min(K, W) + 1, J + 1 + J * w] int32 per send row: the expanded positions
-            of its slots on the destination, ascending, -1 padded (J columns);
-            the source token; the slot weights bit-cast to int32 (``w`` words each,
-            1 for fp32 weights, 2 for fp64), in the order of the positions.
-        home_index: [T, W] int64; row t lists the send rows of token t in
-            ascending destination rank (so its partial sums come back in rank
-            order), padded with -1.
-        slot_row: [T, K] int64, the send row that carries slot k (-1 if empty).
+        send_token: [T * min(K, W) + 1] int64, in chunk-major send order, the
+            token of each send row as an index inside its chunk.
+        meta: [T * min(K, W) + 1, J + 1 + J * w] int32 per send row in plain send
+            order: the expanded positions of its slots on the destination
+            (inside the row's chunk), ascending, -1 padded (J columns); the
+            source token (index on this rank); the slot weights bit-cast to int32
+            (``w`` words each, 1 for fp32 weights, 2 for fp64), in the order of
+            the positions.
+        home_index: [T, W] int64; row t lists the send rows of token t (inside
+            its chunk's send rows) in ascending destination rank, so that its
+            partial sums come back in rank order, padded with -1.
+        slot_row: [T, K] int64, the send row (inside its chunk) that carries slot k (-1 if empty).
         slot_col: [T, K] int64, the column of slot k in that row's slot list.
     """
 
@@ -189,64 +210,77 @@ def weight_wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _exclusive(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Exclusive prefix sum along ``dim``."""
+    return torch.cumsum(values, dim) - values
+
+
 def build_send_plan(
     r: Route,
+    counts: torch.Tensor,
     all_counts: torch.Tensor,
     rank: int,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
+    chunks_of_tokens: torch.Tensor,
 ) -> SendPlan:
     """Send order and slot lists, from the all-gathered counts; no host synchronisation.
 
     Args:
         r: this rank's :class:`Route`.
-        all_counts: [W, W, 1 + E_local] int64, ``all_counts[s]`` = ``route(...).counts``
-            of rank s.
+        counts: [C, W, 1 + E_local] int64, this rank's counts of each chunk
+            (``chunk_counts``; ``r.counts[None]`` for one chunk).
+        all_counts: [W_src, C, W_dst, 1 + E_local] int64, ``all_counts[s]`` =
+            ``counts`` of rank s.
         rank: this rank's index in the group.
         topk_idx: [T, K] (valid) expert ids.
         topk_weights: [T, K] routing weights.
+        chunks_of_tokens: [2, T] int64 from :func:`token_chunks`.
     """
     hit, dest = r.hit, r.dest
     num_tokens, world_size = hit.shape
     topk = dest.shape[1]
-    experts_per_rank = all_counts.shape[2] - 1
+    num_chunks, experts_per_rank = counts.shape[0], counts.shape[2] - 1
+    num_experts = world_size * experts_per_rank
     width = min(topk, experts_per_rank)
     device = hit.device
     idx = topk_idx.long()
     valid = dest < world_size
     capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
+    chunk_of, chunk_token = chunks_of_tokens[0], chunks_of_tokens[1]
 
-    # Send rows: position of (token, destination) in send order.
-    send_splits = r.counts[:, 0]
-    offsets = torch.cumsum(send_splits, 0) - send_splits
-    # Scan along the contiguous dimension: a scan down T columns of width W is
-    # W-way parallel only, and slow.
-    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()
-    position = before - 1 + offsets  # [T, W]
-    row_at = torch.where(hit, position, capacity)
+    # Rows of (token, destination): `before` earlier-or-equal tokens with the same
+    # destination. Scan along the contiguous dimension: a scan down T columns of
+    # width W is W-way parallel only, and slow.
+    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()  # [T, W]
+    rows_to = counts[:, :, 0]  # [C, W]
+    plain = before - 1 + _exclusive(rows_to.sum(0), 0)  # plain send order (metadata)
+    earlier_chunks = _exclusive(rows_to, 0)[chunk_of]  # [T, W] rows of earlier chunks per destination
+    local = before - 1 - earlier_chunks + _exclusive(rows_to, 1)[chunk_of]  # row inside the chunk
+    chunk_start = _exclusive(rows_to.sum(1), 0)[chunk_of].unsqueeze(1)  # [T, 1]
+    spread = torch.arange(num_tokens, device=device).repeat_interleave(world_size)
     send_token = torch.empty(capacity + 1, dtype=torch.int64, device=device)
-    send_token.scatter_(0, row_at.flatten(), torch.arange(num_tokens, device=device).repeat_interleave(world_size))
-    home_index = _pack_left(torch.where(hit, position, _PAD))
-    slot_row = torch.where(valid, position.gather(1, dest.clamp(max=world_size - 1)), -1)
+    send_token.scatter_(0, torch.where(hit, local + chunk_start, capacity).flatten(),
+                        chunk_token.repeat_interleave(world_size))
+    home_index = _pack_left(torch.where(hit, local, _PAD))
+    safe_dest = dest.clamp(max=world_size - 1)
+    slot_row = torch.where(valid, local.gather(1, safe_dest), -1)
 
-    # Expanded position of each slot on its destination: start of (expert, this
-    # rank) in the destination's canonical order + earlier tokens of this rank
-    # with the same expert.
-    per_source = all_counts[:, :, 1:]  # [W_src, W_dst, E_local]
-    expert_sizes = per_source.sum(0)  # [W_dst, E_local]
-    expert_start = torch.cumsum(expert_sizes, 1) - expert_sizes
-    start = (expert_start + per_source[:rank].sum(0)).flatten()  # [E]
-    num_experts = start.numel()
-    # Earlier slots of this rank with the same expert: a stable sort by expert
-    # keeps token order, so a slot's rank inside its expert's run is that count.
-    keys = torch.where(valid, idx, num_experts).flatten()
+    # Expanded position of each slot on its destination, inside its chunk: start
+    # of (expert, this rank) in the destination's canonical order of the chunk +
+    # earlier tokens of this rank and chunk with the same expert.
+    per_source = all_counts[:, :, :, 1:]  # [W_src, C, W_dst, E_local]
+    start = (_exclusive(per_source.sum(0), 2) + per_source[:rank].sum(0)).flatten()  # [C * E]
+    # Earlier slots with the same (chunk, expert): a stable sort keeps token order,
+    # so a slot's rank inside its key's run is that count.
+    key = idx + num_experts * chunk_of.unsqueeze(1)
+    keys = torch.where(valid, key, num_chunks * num_experts).flatten()
     sorted_keys, order = torch.sort(keys, stable=True)
-    mine = r.counts[:, 1:].flatten()  # [E] this rank's slots per expert
-    run_start = torch.cat([torch.cumsum(mine, 0) - mine, mine.sum().view(1)])  # [E + 1]
+    mine = counts[:, :, 1:].flatten()  # [C * E] this rank's slots per (chunk, expert)
+    run_start = torch.cat([_exclusive(mine, 0), mine.sum().view(1)])  # [C * E + 1]
     earlier = torch.empty_like(keys)
     earlier[order] = torch.arange(keys.numel(), device=device) - run_start[sorted_keys]
-    safe_idx = torch.where(valid, idx, 0)
-    slot_pos = start[safe_idx] + earlier.view(num_tokens, topk)
+    slot_pos = start[torch.where(valid, key, 0)] + earlier.view(num_tokens, topk)
 
     # Column of each slot in its row: slots of one token on one rank, by expert.
     same_rank = (dest.unsqueeze(2) == dest.unsqueeze(1)) & (idx.unsqueeze(1) < idx.unsqueeze(2))
@@ -255,10 +289,10 @@ def build_send_plan(
     wire = weight_wire_dtype(topk_weights.dtype)
     words = torch.finfo(wire).bits // 32
     meta = torch.full((capacity + 1, width + 1 + width * words), -1, dtype=torch.int32, device=device)
-    rows = torch.where(valid, slot_row, capacity)
+    rows = torch.where(valid, plain.gather(1, safe_dest), capacity)
     cols = slot_col.clamp(min=0)
     meta.index_put_((rows, cols), slot_pos.to(torch.int32))
-    meta[:, width] = send_token.to(torch.int32)
+    meta[:, width].scatter_(0, torch.where(hit, plain, capacity).flatten(), spread.to(torch.int32))
     weight_words = topk_weights.to(wire).flatten().contiguous().view(torch.int32).view(num_tokens, topk, words)
     word = torch.arange(words, device=device)
     weight_cols = width + 1 + cols.unsqueeze(2) * words + word
@@ -268,46 +302,82 @@ def build_send_plan(
 
 @dataclass(frozen=True)
 class RecvPlan:
-    """How received rows expand to one row per (token, local expert).
+    """How received rows expand to one row per (token, local expert), all chunks.
+
+    Received rows and expanded rows are held chunk after chunk (chunk c's
+    ``[R_c]`` and ``[N_c]`` are contiguous); indices point inside their chunk.
 
     Attributes:
-        expand_src: [N] int64, received row behind each expanded row (canonical order).
-        presum_index: [R, J] int64; row j lists the expanded rows of received row j
-            in ascending local expert, padded with -1. Summing along it is the
-            expert-side pre-sum of combine.
+        expand_src: [N] int64, received row (inside its chunk) behind each expanded
+            row (canonical order inside each chunk).
+        expand_all: [N] int64, the same row among all chunks' received rows.
+        presum_index: [R, J] int64; row j lists the expanded rows (inside its chunk)
+            of received row j in ascending local expert, padded with -1. Summing
+            along it is the expert-side pre-sum of combine.
         weights: [N] routing weight of each expanded row (in the wire dtype of weights).
         src_token: [R] int64, source token of each received row.
+        src_rank: [R] int64, source rank of each received row.
     """
 
     expand_src: torch.Tensor
+    expand_all: torch.Tensor
     presum_index: torch.Tensor
     weights: torch.Tensor
     src_token: torch.Tensor
+    src_rank: torch.Tensor
 
 
-def build_recv_plan(meta: torch.Tensor, num_rows: int, weight_dtype: torch.dtype) -> RecvPlan:
+def build_recv_plan(
+    meta: torch.Tensor, all_counts: torch.Tensor, rank: int, num_rows: int, weight_dtype: torch.dtype
+) -> RecvPlan:
     """Expansion of the received rows, from their slot lists.
 
     Args:
-        meta: [R, J + 1 + J * w] int32 received metadata (see :class:`SendPlan`).
-        num_rows: N, known on the host from the counts exchange.
+        meta: [R, J + 1 + J * w] int32 received metadata (see :class:`SendPlan`),
+            in source-rank order, each source's rows chunk after chunk.
+        all_counts: [W_src, C, W_dst, 1 + E_local] all-gathered counts.
+        rank: this rank.
+        num_rows: N, expanded rows of all chunks, known on the host from the counts exchange.
         weight_dtype: dtype the weights travelled in (``weight_wire_dtype``).
     """
     num_recv = meta.shape[0]
     words = torch.finfo(weight_dtype).bits // 32
     width = (meta.shape[1] - 1) // (1 + words)
     device = meta.device
-    presum_index = meta[:, :width].long()
-    valid = presum_index >= 0
-    at = torch.where(valid, presum_index, num_rows).flatten()
+    world_size, num_chunks = all_counts.shape[:2]
+
+    # Blocks of (source rank, chunk) as they arrive -> rows held chunk after chunk.
+    mine = all_counts[:, :, rank]  # [W_src, C, 1 + E_local]
+    sizes = mine[:, :, 0]  # [W_src, C]
+    block = torch.repeat_interleave(
+        torch.arange(world_size * num_chunks, device=device), sizes.flatten(), output_size=num_recv
+    )
+    recv_start = _exclusive(sizes.sum(0), 0)  # [C] first row of each chunk
+    held_start = (recv_start.unsqueeze(0) + _exclusive(sizes, 0)).flatten()  # [W_src * C]
+    offset = torch.arange(num_recv, device=device) - _exclusive(sizes.flatten(), 0)[block]
+    held = held_start[block] + offset  # [R] row among all chunks' received rows
+    chunk = block % num_chunks
+    local = held - recv_start[chunk]
+    rows_start = _exclusive(mine[:, :, 1:].sum((0, 2)), 0)  # [C] first expanded row of each chunk
+
+    slots = meta[:, :width].long()
+    valid = slots >= 0
+    at = torch.where(valid, slots + rows_start[chunk].unsqueeze(1), num_rows).flatten()
     expand_src = torch.empty(num_rows + 1, dtype=torch.int64, device=device)
-    expand_src.scatter_(0, at, torch.arange(num_recv, device=device).repeat_interleave(width))
+    expand_src.scatter_(0, at, local.repeat_interleave(width))
+    expand_all = torch.empty(num_rows + 1, dtype=torch.int64, device=device)
+    expand_all.scatter_(0, at, held.repeat_interleave(width))
+    presum_index = torch.empty_like(slots)
+    presum_index[held] = slots
+    src_token = torch.empty(num_recv, dtype=torch.int64, device=device)
+    src_token[held] = meta[:, width].long()
+    src_rank = torch.empty(num_recv, dtype=torch.int64, device=device)
+    src_rank[held] = block // num_chunks
     weight_words = torch.empty(num_recv, width * words, dtype=torch.int32, device=device)
     weight_words.copy_(meta[:, width + 1 :])
-    slot_weights = weight_words.view(weight_dtype).flatten()
     weights = torch.empty(num_rows + 1, dtype=weight_dtype, device=device)
-    weights.scatter_(0, at, slot_weights)
-    return RecvPlan(expand_src[:num_rows], presum_index, weights[:num_rows], meta[:, width].long())
+    weights.scatter_(0, at, weight_words.view(weight_dtype).flatten())
+    return RecvPlan(expand_src[:num_rows], expand_all[:num_rows], presum_index, weights[:num_rows], src_token, src_rank)
 
 
 def _pack_left(values: torch.Tensor) -> torch.Tensor:

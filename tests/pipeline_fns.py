@@ -152,7 +152,8 @@ def chunk_plan_counts(topk_idx, bounds, num_experts: int, world_size: int):
     from dispatch import plan
 
     r = plan.route(topk_idx, num_experts, world_size)
-    got = plan.chunk_counts(r, topk_idx, bounds, num_experts)
+    chunk_of = plan.token_chunks(bounds, topk_idx.device)[0]
+    got = plan.chunk_counts(r, topk_idx, chunk_of, len(bounds) - 1, num_experts)
     want = torch.stack([plan.route(topk_idx[a:b], num_experts, world_size).counts for a, b in zip(bounds, bounds[1:])])
     return got, want
 

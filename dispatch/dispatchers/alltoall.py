@@ -26,7 +26,7 @@ from dispatch import checks, comm, plan
 from dispatch.codec import Codec
 from dispatch.dispatchers.base import CombineHandle, Pending, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
-from dispatch.plan_graph import PlanGraphCache, PlanKey, plan_summary, route_phase, send_phase
+from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
@@ -66,155 +66,100 @@ class AllToAllDispatcher(TokenDispatcher):
     def _plan(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
     ) -> tuple[AllToAllHandle, PlanOutputs]:
-        world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
-        num_tokens, topk = topk_idx.shape
-        weights = topk_weights.detach()
-        check_values = check_values and num_tokens > 0
-        header_row = self._header_row(x, topk_weights, topk)
-        captured = None
-        if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
-            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values)
-            captured = self._graphs.get(key, num_experts, world, rank)
-        if captured is not None:
-            flags, row = captured.run_route(topk_idx, weights, header_row)
-        else:
-            flags, route, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values)
-        if flags is not None:  # before the first exchange
-            checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
-        gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
-        planned = captured.run_send() if captured is not None else send_phase(route, gathered, rank, topk_idx, weights)
-        summary = planned.summary.cpu()  # host sync: split sizes for NCCL, row counts, peers' headers
-        experts_end = 2 * world + self.num_local_experts
-        grads_any = checks.check_peer_headers(summary[experts_end:].view(world, -1))
-        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
-        all_counts = plan.split_gathered(gathered, world)[0]
-        host = summary[:experts_end]
-        send_splits, recv_splits = _splits(host, world)
-        recv_meta = comm.all_to_all_rows(planned.send.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
-        return self._complete_plan(
-            planned.send, host, planned.summary[:experts_end], all_counts, recv_meta,
-            topk_idx, weights.dtype, grads_any, keep,
-        )
+        return self._plan_exchanges(x, topk_idx, topk_weights, (0, topk_idx.shape[0]), check_values)[0]
 
     def _plan_chunks(self, x, topk_idx, topk_weights, bounds, check_values):
-        """All chunks from one route, one counts all-gather ([C, W, 1 + E_local]
-        counts per rank), one host synchronisation and one metadata all-to-all
-        (every chunk's slot lists, chunk after chunk for each peer). The plan
-        runs eagerly (no CUDA graphs)."""
+        return self._plan_exchanges(x, topk_idx, topk_weights, bounds, check_values)
+
+    def _plan_exchanges(self, x, topk_idx, topk_weights, bounds, check_values):
+        """The plan of an exchange in C chunks of home tokens (C = 1: ``dispatch``):
+        one route, one counts all-gather ([C, W, 1 + E_local] counts per rank),
+        one host synchronisation and one metadata all-to-all serve all chunks,
+        and each chunk's handle is slices of the same tensors. On CUDA the part
+        before the host synchronisation is replayed as CUDA graphs."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
         header_row = self._header_row(x, topk_weights, topk)
-        flags, route, _ = route_phase(topk_idx, weights, header_row, num_experts, world, check_values)
+        captured = None
+        if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
+            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, tuple(bounds))
+            captured = self._graphs.get(key, num_experts, world, rank)
+        if captured is not None:
+            flags, row = captured.run_route(topk_idx, weights, header_row)
+        else:
+            chunks_of_tokens = plan.token_chunks(bounds, topk_idx.device)
+            flags, route, counts, row = route_phase(
+                topk_idx, weights, header_row, num_experts, world, check_values, chunks_of_tokens, chunks
+            )
         if flags is not None:  # before the first exchange
             checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
-        counts = plan.chunk_counts(route, topk_idx, bounds, num_experts)
-        gathered = comm.all_gather_rows(torch.cat([counts.flatten(), header_row]), self.group, world)
-        all_counts, headers = plan.split_gathered_chunks(gathered, world, chunks)
-        sends, summaries = [], []
-        for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            r = plan.Route(dest=route.dest[a:b], hit=route.hit[a:b], counts=counts[c])
-            sends.append(plan.build_send_plan(r, all_counts[:, c], rank, topk_idx[a:b], weights[a:b]))
-            summaries.append(plan_summary(r, all_counts[:, c], headers[:0], rank))
-        # host sync: split sizes of every chunk for NCCL, row counts, peers' headers (once for all chunks)
-        summary = torch.cat([*summaries, headers.flatten()]).cpu()
+        gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
+        if captured is not None:
+            planned = captured.run_send()
+        else:
+            planned = send_phase(route, counts, gathered, rank, topk_idx, weights, chunks_of_tokens)
+        summary = planned.summary.cpu()  # host sync: split sizes of every chunk for NCCL, row counts, peers' headers
         per_chunk = 2 * world + self.num_local_experts
         grads_any = checks.check_peer_headers(summary[chunks * per_chunk :].view(world, -1))
-        hosts = [summary[c * per_chunk : (c + 1) * per_chunk] for c in range(chunks)]
-        recv_metas = self._exchange_chunk_meta(sends, [_splits(h, world) for h in hosts])
-        return [
-            self._complete_plan(
-                sends[c], hosts[c], summaries[c], all_counts[:, c], recv_metas[c], topk_idx[a:b], weights.dtype,
-                grads_any, lambda t: t,
+        # what outlives a replayed graph is copied out of its buffers
+        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
+        sent_plan = planned.send  # its meta is read at once, on the stream of the replays
+        sp = plan.SendPlan(keep(sent_plan.send_token), sent_plan.meta, *(
+            keep(t) for t in (sent_plan.home_index, sent_plan.slot_row, sent_plan.slot_col)))
+        per_expert_dev = keep(planned.summary[: chunks * per_chunk]).view(chunks, per_chunk)[:, 2 * world :]
+        host = summary[: chunks * per_chunk].view(chunks, per_chunk)
+        send_rows, recv_rows, per_expert = host[:, :world], host[:, world : 2 * world], host[:, 2 * world :]
+        recv_meta = comm.all_to_all_rows(
+            sp.meta[: int(send_rows.sum())], tuple(send_rows.sum(0).tolist()), tuple(recv_rows.sum(0).tolist()),
+            self.group,
+        )
+        all_counts = plan.split_gathered_chunks(gathered, world, chunks)[0]
+        rp = plan.build_recv_plan(
+            recv_meta, all_counts, rank, int(per_expert.sum()), plan.weight_wire_dtype(weights.dtype)
+        )
+        src_rank, src_token = rp.src_rank[rp.expand_all], rp.src_token[rp.expand_all]
+        out = []
+        sent = received = expanded = 0
+        for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            send_splits, recv_splits = tuple(send_rows[c].tolist()), tuple(recv_rows[c].tolist())
+            num_send, num_recv, num_rows = sum(send_splits), sum(recv_splits), int(per_expert[c].sum())
+            rows = slice(expanded, expanded + num_rows)
+            handle = AllToAllHandle(
+                owner=self,
+                num_tokens=b - a,
+                num_rows=num_rows,
+                topk=topk,
+                x_grad_any=grads_any[0],
+                weights_grad_any=grads_any[1],
+                send_splits=send_splits,
+                recv_splits=recv_splits,
+                send_token=sp.send_token[sent : sent + num_send],
+                home_index=sp.home_index[a:b],
+                slot_row=sp.slot_row[a:b],
+                slot_col=sp.slot_col[a:b],
+                expand_src=rp.expand_src[rows],
+                presum_index=rp.presum_index[received : received + num_recv],
             )
-            for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
-        ]
-
-    def _exchange_chunk_meta(self, sends, splits) -> list[torch.Tensor]:
-        """One all-to-all of every chunk's slot lists: to each peer, chunk 0's rows
-        for it, then chunk 1's, ...; from each peer the same. Returns the
-        received metadata of each chunk, in source-rank order.
-
-        Args:
-            sends: per chunk, its :class:`plan.SendPlan` (``meta`` rows in
-                destination-rank order).
-            splits: per chunk, (send_splits, recv_splits) host row counts per peer.
-        """
-        world = self.world_size
-        pieces = []
-        for peer in range(world):
-            for sp, (send, _) in zip(sends, splits):
-                start = sum(send[:peer])
-                pieces.append(sp.meta[start : start + send[peer]])
-        send_total = tuple(sum(send[peer] for send, _ in splits) for peer in range(world))
-        recv_total = tuple(sum(recv[peer] for _, recv in splits) for peer in range(world))
-        received = comm.all_to_all_rows(torch.cat(pieces), send_total, recv_total, self.group)
-        per_chunk = [[] for _ in splits]
-        at = 0
-        for peer in range(world):
-            for c, (_, recv) in enumerate(splits):
-                per_chunk[c].append(received[at : at + recv[peer]])
-                at += recv[peer]
-        return [torch.cat(rows) for rows in per_chunk]
+            outputs = PlanOutputs(
+                weights=rp.weights[rows],
+                tokens_per_expert=per_expert_dev[c],
+                tokens_per_expert_host=per_expert[c],
+                src_rank=src_rank[rows],
+                src_token=src_token[rows],
+            )
+            out.append((handle, outputs))
+            sent, received, expanded = sent + num_send, received + num_recv, expanded + num_rows
+        mark(self.phase_timer, "plan")
+        return out
 
     def _header_row(self, x, topk_weights, topk) -> torch.Tensor:
         header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64)
         if x.is_cuda:  # from pinned memory, so the copy does not wait for the stream
             header_row = header_row.pin_memory().to(x.device, non_blocking=True)
         return header_row
-
-    def _complete_plan(self, sp, summary, summary_dev, all_counts, recv_meta, topk_idx, weight_dtype, grads_any, keep):
-        """Handle and outputs of one exchange, once its split sizes are on the host.
-
-        Args:
-            sp: the :class:`plan.SendPlan`.
-            summary: [2 W + E_local] host int64: rows sent to / received from
-                each rank, rows per local expert (``plan_summary`` without headers).
-            summary_dev: the same on the device (at least 2 W + E_local entries).
-            all_counts: [W_src, W_dst, 1 + E_local] all-gathered counts.
-            recv_meta: the slot lists this rank received, in source-rank order.
-            topk_idx: [T, K] of the exchange.
-            grads_any: (x_grad_any, weights_grad_any) of the group.
-            keep: applied to tensors that must outlive a replayed plan graph.
-        """
-        world, rank = self.world_size, self.rank
-        num_tokens, topk = topk_idx.shape
-        experts_end = 2 * world + self.num_local_experts
-        send_splits, recv_splits = _splits(summary, world)
-        per_expert_host = summary[2 * world : experts_end]
-        num_send, num_rows = sum(send_splits), int(per_expert_host.sum())
-
-        rp = plan.build_recv_plan(recv_meta, num_rows, plan.weight_wire_dtype(weight_dtype))
-        recv_rank = torch.repeat_interleave(
-            torch.arange(world, device=topk_idx.device), all_counts[:, rank, 0], output_size=sum(recv_splits)
-        )
-        handle = AllToAllHandle(
-            owner=self,
-            num_tokens=num_tokens,
-            num_rows=num_rows,
-            topk=topk,
-            x_grad_any=grads_any[0],
-            weights_grad_any=grads_any[1],
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            send_token=keep(sp.send_token[:num_send]),
-            home_index=keep(sp.home_index),
-            slot_row=keep(sp.slot_row),
-            slot_col=keep(sp.slot_col),
-            expand_src=rp.expand_src,
-            presum_index=rp.presum_index,
-        )
-        outputs = PlanOutputs(
-            weights=rp.weights,
-            tokens_per_expert=keep(summary_dev[2 * world : experts_end]),
-            tokens_per_expert_host=per_expert_host,
-            src_rank=recv_rank.index_select(0, rp.expand_src),
-            src_token=rp.src_token.index_select(0, rp.expand_src),
-        )
-        mark(self.phase_timer, "plan")
-        return handle, outputs
 
     def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> torch.Tensor:
         sent = codec.pack(rows, handle.send_token)
@@ -285,8 +230,3 @@ def _slots_from_rows(back: torch.Tensor, handle: AllToAllHandle, values: torch.T
         handle.slot_row >= 0, handle.slot_row * handle.presum_index.shape[1] + handle.slot_col, flat.numel() - 1
     )
     return flat[at]
-
-
-def _splits(summary: torch.Tensor, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(send_splits, recv_splits) from a host plan summary [2 W + ...]."""
-    return tuple(summary[:world].tolist()), tuple(summary[world : 2 * world].tolist())
