@@ -19,6 +19,11 @@ Orders (the contract of DESIGN.md):
 * canonical (expanded) order: local expert ascending, then (source rank, source
   token) ascending. This is what the experts see.
 
+An exchange in C chunks of home tokens (``MoEExchange``) keeps these orders
+inside each chunk: its send rows are chunk-major (chunk, destination, token),
+and each chunk's received and expanded rows are contiguous, in the orders above.
+One plan serves all chunks; C = 1 is the plain exchange.
+
 How the plan is made, with one host synchronisation:
 
 1. ``route``: destination ranks and per-destination counts, before any
@@ -30,7 +35,9 @@ How the plan is made, with one host synchronisation:
    Buffers are sized by the upper bound ``T * min(K, W)`` so that nothing here
    waits for the host.
 3. The caller copies the split sizes to the host once, slices the buffers and
-   moves the slot lists with the rows' metadata; ``build_recv_plan`` expands.
+   moves the slot lists with the rows' metadata (one all-to-all for all
+   chunks); ``build_recv_plan`` expands, placing each received block (source
+   rank, chunk) from a table made on the host (``recv_table``).
 """
 
 from __future__ import annotations
@@ -327,42 +334,77 @@ class RecvPlan:
     src_rank: torch.Tensor
 
 
-def build_recv_plan(
-    meta: torch.Tensor, all_counts: torch.Tensor, rank: int, num_rows: int, weight_dtype: torch.dtype
-) -> RecvPlan:
-    """Expansion of the received rows, from their slot lists.
+RECV_TABLE = ("arrival_start", "held_start", "local_start", "expanded_start", "src_rank")
+
+
+def recv_table(recv_rows: list[list[int]], rows_per_chunk: list[int]) -> list[list[int]]:
+    """Where the received metadata's blocks go, computed on the host.
+
+    The metadata arrives in blocks b = (source rank s, chunk c), s-major. Returns
+    one list per entry of ``RECV_TABLE``, each [W * C]: the block's first row as
+    it arrives; its first row among all chunks' received rows (chunk after
+    chunk); the same inside its chunk; the first expanded row of its chunk; s.
+
+    Args:
+        recv_rows: [C][W] rows of chunk c received from rank s.
+        rows_per_chunk: [C] expanded rows of each chunk.
+    """
+    chunks, world = len(recv_rows), len(recv_rows[0])
+    recv_start = _prefix([sum(row) for row in recv_rows])
+    expanded_start = _prefix(rows_per_chunk)
+    table = [[], [], [], [], []]
+    arrived = 0
+    for s in range(world):
+        for c in range(chunks):
+            local = sum(recv_rows[c][:s])
+            for column, value in zip(table, (arrived, recv_start[c] + local, local, expanded_start[c], s)):
+                column.append(value)
+            arrived += recv_rows[c][s]
+    return table
+
+
+def _prefix(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        out.append(total)
+        total += v
+    return out
+
+
+def build_recv_plan(meta: torch.Tensor, table: torch.Tensor, num_rows: int, weight_dtype: torch.dtype) -> RecvPlan:
+    """Expansion of the received rows, from their slot lists; the Triton kernel
+    on CUDA (``dispatch.kernels.recv_plan``), the reference elsewhere.
 
     Args:
         meta: [R, J + 1 + J * w] int32 received metadata (see :class:`SendPlan`),
             in source-rank order, each source's rows chunk after chunk.
-        all_counts: [W_src, C, W_dst, 1 + E_local] all-gathered counts.
-        rank: this rank.
+        table: [len(RECV_TABLE), W * C] int64 :func:`recv_table`, on meta's device.
         num_rows: N, expanded rows of all chunks, known on the host from the counts exchange.
         weight_dtype: dtype the weights travelled in (``weight_wire_dtype``).
     """
+    from dispatch.kernels import recv_plan
+
+    if meta.is_cuda and recv_plan.triton is not None:
+        return RecvPlan(*recv_plan.recv_plan_triton(meta, table, num_rows, weight_dtype))
+    return build_recv_plan_reference(meta, table, num_rows, weight_dtype)
+
+
+def build_recv_plan_reference(
+    meta: torch.Tensor, table: torch.Tensor, num_rows: int, weight_dtype: torch.dtype
+) -> RecvPlan:
+    """PyTorch reference of :func:`build_recv_plan` (same arguments and result)."""
     num_recv = meta.shape[0]
     words = torch.finfo(weight_dtype).bits // 32
     width = (meta.shape[1] - 1) // (1 + words)
     device = meta.device
-    world_size, num_chunks = all_counts.shape[:2]
-
-    # Blocks of (source rank, chunk) as they arrive -> rows held chunk after chunk.
-    mine = all_counts[:, :, rank]  # [W_src, C, 1 + E_local]
-    sizes = mine[:, :, 0]  # [W_src, C]
-    block = torch.repeat_interleave(
-        torch.arange(world_size * num_chunks, device=device), sizes.flatten(), output_size=num_recv
-    )
-    recv_start = _exclusive(sizes.sum(0), 0)  # [C] first row of each chunk
-    held_start = (recv_start.unsqueeze(0) + _exclusive(sizes, 0)).flatten()  # [W_src * C]
-    offset = torch.arange(num_recv, device=device) - _exclusive(sizes.flatten(), 0)[block]
-    held = held_start[block] + offset  # [R] row among all chunks' received rows
-    chunk = block % num_chunks
-    local = held - recv_start[chunk]
-    rows_start = _exclusive(mine[:, :, 1:].sum((0, 2)), 0)  # [C] first expanded row of each chunk
+    arrival_start, held_start, local_start, expanded_start, src = table
+    row = torch.arange(num_recv, device=device)
+    block = torch.searchsorted(arrival_start, row, right=True) - 1  # last block starting at or before the row
+    offset = row - arrival_start[block]
+    held, local = held_start[block] + offset, local_start[block] + offset
 
     slots = meta[:, :width].long()
-    valid = slots >= 0
-    at = torch.where(valid, slots + rows_start[chunk].unsqueeze(1), num_rows).flatten()
+    at = torch.where(slots >= 0, slots + expanded_start[block].unsqueeze(1), num_rows).flatten()
     expand_src = torch.empty(num_rows + 1, dtype=torch.int64, device=device)
     expand_src.scatter_(0, at, local.repeat_interleave(width))
     expand_all = torch.empty(num_rows + 1, dtype=torch.int64, device=device)
@@ -372,7 +414,7 @@ def build_recv_plan(
     src_token = torch.empty(num_recv, dtype=torch.int64, device=device)
     src_token[held] = meta[:, width].long()
     src_rank = torch.empty(num_recv, dtype=torch.int64, device=device)
-    src_rank[held] = block // num_chunks
+    src_rank[held] = src[block]
     weight_words = torch.empty(num_recv, width * words, dtype=torch.int32, device=device)
     weight_words.copy_(meta[:, width + 1 :])
     weights = torch.empty(num_rows + 1, dtype=weight_dtype, device=device)

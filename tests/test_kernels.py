@@ -62,3 +62,60 @@ def test_gather_sum_padding_and_exact_sums():
     expected = torch.tensor([[25.5, 51.0], [0.0, 0.0], [60.0, 120.0]])
     for fn in (gs.gather_sum_reference, gs.gather_sum_triton):
         assert torch.equal(fn(src, index, weight, torch.float32).cpu(), expected)
+
+
+def _recv_case(world, chunks, width, words, seed):
+    """Received metadata of a consistent plan: each chunk's expanded positions are
+    a permutation of its rows, split among its received rows (ascending, -1 padded)."""
+    gen = torch.Generator().manual_seed(seed)
+    recv_rows = torch.randint(0, 5, (chunks, world), generator=gen).tolist()
+    rows_per_chunk, held_meta = [], []
+    weight_dtype = torch.float32 if words == 1 else torch.float64
+    for c in range(chunks):
+        num_recv = sum(recv_rows[c])
+        slots = torch.randint(0, width + 1, (num_recv,), generator=gen)
+        order = torch.randperm(int(slots.sum()), generator=gen)
+        meta = torch.full((num_recv, width + 1 + width * words), -1, dtype=torch.int32)
+        at = 0
+        for j, k in enumerate(slots.tolist()):
+            meta[j, :k] = order[at : at + k].sort().values.to(torch.int32)
+            at += k
+        meta[:, width] = torch.randint(0, 1000, (num_recv,), generator=gen, dtype=torch.int32)
+        weights = torch.rand(num_recv, width, generator=gen, dtype=torch.float64).to(weight_dtype)
+        meta[:, width + 1 :] = weights.contiguous().view(torch.int32).view(num_recv, width * words)
+        rows_per_chunk.append(int(slots.sum()))
+        held_meta.append(meta)
+    # arrival order: source rank, then chunk
+    arrived = []
+    for s in range(world):
+        for c in range(chunks):
+            first = sum(recv_rows[c][:s])
+            arrived.append(held_meta[c][first : first + recv_rows[c][s]])
+    return torch.cat(arrived), recv_rows, rows_per_chunk, weight_dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    world=st.integers(1, 4),
+    chunks=st.integers(1, 3),
+    width=st.integers(1, 4),
+    words=st.sampled_from([1, 2]),
+    seed=st.integers(0, 10**6),
+)
+def test_recv_plan_kernel_matches_reference(world, chunks, width, words, seed):
+    from dispatch import plan
+    from dispatch.kernels import recv_plan
+
+    meta, recv_rows, rows_per_chunk, weight_dtype = _recv_case(world, chunks, width, words, seed)
+    table = torch.tensor(plan.recv_table(recv_rows, rows_per_chunk), dtype=torch.int64, device=DEVICE)
+    meta = meta.to(DEVICE)
+    want = plan.build_recv_plan_reference(meta, table, sum(rows_per_chunk), weight_dtype)
+    got = plan.RecvPlan(*recv_plan.recv_plan_triton(meta, table, sum(rows_per_chunk), weight_dtype))
+    for name in plan.RecvPlan.__dataclass_fields__:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # every expanded row is written, inside its chunk's received rows
+    at = 0
+    for c, rows in enumerate(rows_per_chunk):
+        local = want.expand_src[at : at + rows]
+        assert bool((local >= 0).all() and (local < sum(recv_rows[c])).all())
+        at += rows
