@@ -125,12 +125,27 @@ class GroupedExperts(nn.Module):
             return F.silu(gate) * up
         return F.gelu(h) if self.activation == "gelu" else F.relu(h)
 
+    def _matmul(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, counts_host: torch.Tensor):
+        """rows [N, K] grouped by expert times weight [E_local, K, M] of each expert -> [N, M]
+        (``counts`` on the device for the grouped GEMM, ``counts_host`` for the loop)."""
+        if self._use_grouped_mm(rows):
+            return torch._grouped_mm(_aligned(rows), weight, offs=_ends(counts))
+        parts = [r @ weight[e] for e, r in enumerate(rows.split(counts_host.tolist()))]
+        return torch.cat(parts) if parts else rows.new_zeros(0, weight.shape[2])
+
+    def _weight_grad(self, rows: torch.Tensor, grads: torch.Tensor, counts, counts_host) -> torch.Tensor:
+        """[E_local, K, M]: for each expert, its rows [n_e, K] transposed times their
+        gradients [n_e, M] (zero for an expert with no rows)."""
+        if self._use_grouped_mm(rows):
+            return torch._grouped_mm(_aligned(rows).t(), _aligned(grads), offs=_ends(counts))
+        sizes = counts_host.tolist()
+        parts = [r.t() @ g for r, g in zip(rows.split(sizes), grads.split(sizes))]
+        return torch.stack(parts) if parts else rows.new_zeros(0, rows.shape[1], grads.shape[1])
+
     def _grouped(self, tokens, tokens_per_expert):
-        align = 16 // tokens.element_size()  # the kernel's TMA loads: 16-byte aligned rows, unit column stride
-        if tokens.stride(1) != 1 or tokens.stride(0) % align or tokens.data_ptr() % 16:
-            tokens = tokens.clone(memory_format=torch.contiguous_format)
+        tokens = _aligned(tokens)
         counts = tokens_per_expert.to(tokens.device, non_blocking=True)  # CPU counts: no stream sync for the copy
-        offs = torch.cumsum(counts, 0).to(torch.int32)  # row end of each expert
+        offs = _ends(counts)
         h = _dense_grad(torch._grouped_mm(tokens, self.w_in, offs=offs))
         return _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
 
@@ -144,6 +159,20 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+def _aligned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the grouped GEMM's TMA loads need them: unit column stride,
+    16-byte aligned rows and start."""
+    align = 16 // rows.element_size()
+    if rows.stride(1) != 1 or rows.stride(0) % align or rows.data_ptr() % 16:
+        return rows.clone(memory_format=torch.contiguous_format)
+    return rows
+
+
+def _ends(counts: torch.Tensor) -> torch.Tensor:
+    """int32 row end of each expert, for ``torch._grouped_mm``'s ``offs``."""
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
 def _dense_grad(out: torch.Tensor) -> torch.Tensor:
     """``out``, whose gradient is made contiguous before the grouped GEMM's backward
     takes it: that backward refuses gradients with no unit stride, such as the
@@ -152,3 +181,94 @@ def _dense_grad(out: torch.Tensor) -> torch.Tensor:
     if out.requires_grad:
         out.register_hook(lambda grad: grad.contiguous() if grad.numel() else grad.new_empty(grad.shape))
     return out
+
+
+class ChunkedExperts:
+    """:class:`GroupedExperts` over the C chunks of one ``MoEExchange`` step, with
+    the weight gradients computed once, over the rows of all chunks.
+
+    Backward per chunk computes only what the exchange waits for (the rows'
+    gradients and, kept for later, the gradient at the first GEMM's output);
+    after the last chunk, one grouped GEMM per weight forms its gradient from
+    every chunk's rows. Rows are kept expert-major over the chunks (expert e's
+    rows of chunk 0, then of chunk 1, ...), which is the canonical order of the
+    whole step: each expert's weight gradient is one GEMM over the same rows in
+    the same order for every C, so the parameter gradients do not depend on C,
+    and no chunk writes a full set of weight gradients.
+
+    Args:
+        experts: the :class:`GroupedExperts`.
+        counts: per chunk, [E_local] int64 rows per expert on the device.
+        counts_host: the same on the host.
+        grad_on: keep what backward needs.
+    """
+
+    def __init__(self, experts: GroupedExperts, counts, counts_host, grad_on: bool) -> None:
+        self.experts, self.counts, self.counts_host, self.grad_on = experts, counts, counts_host, grad_on
+        chunks = len(counts)
+        self.rows = [int(c.sum()) for c in counts_host]
+        self.places = [None] * chunks  # expert-major row of each chunk row (None: the identity)
+        if chunks > 1 and grad_on:
+            per_chunk = torch.stack(list(counts))  # [C, E_local]
+            total = per_chunk.sum(0)
+            shift = (torch.cumsum(total, 0) - total) + (torch.cumsum(per_chunk, 0) - per_chunk) - (
+                torch.cumsum(per_chunk, 1) - per_chunk
+            )  # [C, E_local]: expert-major start minus chunk start of each (chunk, expert) run
+            experts_range = torch.arange(per_chunk.shape[1], device=per_chunk.device)
+            for c, rows in enumerate(self.rows):
+                expert = torch.repeat_interleave(experts_range, counts[c], output_size=rows)
+                self.places[c] = torch.arange(rows, device=per_chunk.device) + shift[c][expert]
+        self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
+        self.hidden, self.outs = [None] * chunks, [None] * chunks
+
+    def forward(self, c: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Chunk c's rows [N_c, H] -> [N_c, H] (detached)."""
+        e = self.experts
+        w_in, w_out = e.w_in.detach(), e.w_out.detach()
+        h = e._matmul(tokens, w_in, self.counts[c], self.counts_host[c])
+        if not self.grad_on:
+            return e._matmul(e._act(h), w_out, self.counts[c], self.counts_host[c])
+        h.requires_grad_()
+        with torch.enable_grad():
+            act = e._act(h)
+            y = e._matmul(act, w_out, self.counts[c], self.counts_host[c])
+        self.hidden[c], self.outs[c] = h, y
+        self.tokens = self._keep(self.tokens, c, tokens)
+        self.acts = self._keep(self.acts, c, act.detach())
+        return y.detach()
+
+    def output(self, c: int) -> torch.Tensor:
+        """Chunk c's output as :meth:`forward` returned it."""
+        return self.outs[c].detach()
+
+    def backward(self, c: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
+        """Gradient of chunk c's output -> gradient of its rows (if ``rows_grad``);
+        keeps what the weight gradients need, and frees the chunk's graph."""
+        e = self.experts
+        (grad_h,) = torch.autograd.grad(self.outs[c], [self.hidden[c]], grad_y)
+        self.hidden[c] = self.outs[c] = None
+        self.grad_outs = self._keep(self.grad_outs, c, grad_y)
+        self.grad_hidden = self._keep(self.grad_hidden, c, grad_h)
+        if not rows_grad:
+            return None
+        return e._matmul(grad_h, e.w_in.detach().transpose(1, 2), self.counts[c], self.counts_host[c])
+
+    def weight_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad of w_in, grad of w_out), once every chunk's backward has run."""
+        e = self.experts
+        counts = self.counts[0] if len(self.counts) == 1 else sum(self.counts)
+        counts_host = self.counts_host[0] if len(self.counts) == 1 else sum(self.counts_host)
+        grad_in = e._weight_grad(self.tokens, self.grad_hidden, counts, counts_host)
+        grad_out = e._weight_grad(self.acts, self.grad_outs, counts, counts_host)
+        self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
+        return grad_in, grad_out
+
+    def _keep(self, held: torch.Tensor | None, c: int, rows: torch.Tensor) -> torch.Tensor:
+        """Chunk c's rows placed expert-major in ``held`` (allocated on first use),
+        row-major like the buffer of several chunks, so that the weight-gradient
+        GEMMs see the same layout for every C."""
+        if self.places[c] is None:
+            return rows.contiguous()
+        if held is None:
+            held = rows.new_empty(sum(self.rows), rows.shape[1])
+        return held.index_copy_(0, self.places[c], rows)

@@ -8,12 +8,17 @@ rank forms one exchange of the group. A token's output depends only on its own
 expert rows and on the home-side sum in ascending rank order, and chunk c's rows
 are a sub-sequence of the one-shot canonical order, so with experts that compute
 each row on its own the output and the gradients of x and topk_weights are
-bitwise those of C = 1. Gradients of the experts' parameters are sums over rows,
-accumulated one chunk after the other, in place and in the parameters' dtype as
-autograd accumulates them: bitwise those of C = 1 when these sums are exact,
-equal to rounding otherwise. Each chunk computes the full weight gradient of the
-experts, so chunking costs one more pass over the weight gradients per chunk:
-small where each rank holds few experts, large where it holds many.
+bitwise those of C = 1.
+
+Experts' parameters: for :class:`GroupedExperts` the backward of each chunk
+computes only the rows' gradients, and the weight gradients are formed once,
+after the last chunk and while its gradients travel home, from every chunk's
+rows held expert-major (``experts.ChunkedExperts``): the same GEMM over the same
+rows for every C, and no chunk writes a full set of weight gradients. Other
+experts are differentiated chunk by chunk by autograd, their parameter
+gradients accumulated in place in the parameters' dtype: bitwise those of
+C = 1 when these sums are exact, equal to rounding otherwise, at the cost of one
+more pass over the weight gradients per chunk.
 
 Schedule, forward (backward alike, with the exchange of the gradients)::
 
@@ -21,8 +26,9 @@ Schedule, forward (backward alike, with the exchange of the gradients)::
     compute stream:        X0    X1    X2 ...      X = experts
 
 With the alltoall variant one routing plan, one counts exchange and one
-metadata exchange serve all chunks (its ``_plan_chunks``), with one host synchronisation before the pipeline
-starts; the other variants use the base class's fallback (a plan, a counts
+metadata exchange serve all chunks (its ``_plan_chunks``, replayed as CUDA
+graphs like the plan of ``dispatch``), with one host synchronisation before the
+pipeline starts; the other variants use the base class's fallback (a plan, a counts
 exchange and a host synchronisation per chunk, their exchanges not left in
 flight), correct but without overlap. Inside the pipeline the streams are
 ordered by CUDA events only: collectives run on a communication stream of their
@@ -43,6 +49,7 @@ from torch import nn
 from dispatch import checks
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import TokenDispatcher
+from dispatch.experts import ChunkedExperts, GroupedExperts
 from dispatch.kernels.gather_sum import accumulate_dtype
 
 
@@ -218,10 +225,12 @@ class _Arrived:
         return self.result
 
 
-def _run(streams: _Streams, chunks: int, bring, compute, send_back) -> None:
+def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None) -> None:
     """D0 D1 X0 H0 D2 X1 H1 ...: ``bring(c) -> Pending`` (rows for the experts),
     ``compute(c, rows) -> value``, ``send_back(c, value) -> Pending`` (stores its
-    result when finished). Every rank issues the collectives in this same order.
+    result when finished); ``tail()`` runs on the compute side once the last
+    chunk's send-back is issued, while it travels. Every rank issues the
+    collectives in this same order.
     A value is dropped as soon as its send-back is issued (on CUDA the
     communication stream is recorded on its tensors, see ``_Streams.comm``), so
     that no more than a chunk or two of them are alive at once."""
@@ -244,6 +253,9 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back) -> None:
         if outbound is not None:
             outbound.finish()
         outbound = returning
+    if tail is not None:
+        with streams.carveout():
+            tail()
     if outbound is not None:
         outbound.finish()
     streams.join()
@@ -271,12 +283,22 @@ class _PipelineFn(torch.autograd.Function):
         x_grad_any = bool(handles) and handles[0].x_grad_any
         leaves, ys = [None] * len(plans), [None] * len(plans)
         out = []  # [T, H'], allocated once the experts' output width is known
+        split = None
+        if isinstance(experts, GroupedExperts):  # weight gradients once, over all chunks
+            split = ChunkedExperts(
+                experts, [o.tokens_per_expert for _, o in plans], [o.tokens_per_expert_host for _, o in plans], grad_on
+            )
 
         def bring(c):
             a, b = bounds[c], bounds[c + 1]
             return d._to_experts_start(x[a:b], handles[c], codec)
 
         def compute(c, tokens):
+            if split is not None:
+                y = split.forward(c, tokens)
+                if not out:
+                    out.append(y.new_empty(x.shape[0], y.shape[1]))
+                return y
             leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
             with torch.set_grad_enabled(grad_on):
                 y = experts(leaf, plans[c][1].tokens_per_expert)
@@ -297,7 +319,7 @@ class _PipelineFn(torch.autograd.Function):
         if not out:  # no chunk (cannot happen: C >= 1), kept for clarity of the types
             raise RuntimeError("the pipeline ran no chunk")
         ctx.layer, ctx.plans, ctx.bounds, ctx.weights = layer, plans, bounds, weights
-        ctx.leaves, ctx.ys, ctx.params = leaves, ys, params
+        ctx.leaves, ctx.ys, ctx.params, ctx.split = leaves, ys, params, split
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, topk_weights.dtype
         ctx.anchor_dtype = anchor.dtype
         return out[0]
@@ -320,11 +342,16 @@ class _PipelineFn(torch.autograd.Function):
             a, b = bounds[c], bounds[c + 1]
             return d._to_experts_start(grad_out[a:b], handles[c], codec)
 
+        split = ctx.split
+
         def compute(c, grad_rows):
-            y, leaf, w = ctx.ys[c], ctx.leaves[c], ctx.weights[c]
+            y, leaf, w = ctx.ys[c] if split is None else split.output(c), ctx.leaves[c], ctx.weights[c]
             acc = accumulate_dtype(grad_rows.dtype, w.dtype)
             grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
             grad_w = (grad_rows.to(acc) * y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
+            if split is not None:
+                grad_tokens = split.backward(c, grad_y, x_any) if x_any or ctx.params else None
+                return grad_tokens, grad_w
             inputs = ([leaf] if leaf.requires_grad else []) + list(ctx.params)
             grads = [None] * len(inputs)
             if inputs and y.requires_grad:
@@ -356,7 +383,14 @@ class _PipelineFn(torch.autograd.Function):
 
             return _Stored([to_x, to_w], store)
 
-        _run(streams, len(plans), bring, compute, send_back)
+        def weight_grads():
+            by_param = dict(zip((id(split.experts.w_in), id(split.experts.w_out)), split.weight_grads()))
+            for i, p in enumerate(ctx.params):
+                grad_params[i] = by_param.get(id(p))
+
+        tail = weight_grads if split is not None and ctx.params else None
+        _run(streams, len(plans), bring, compute, send_back, tail)
+        ctx.split = None
         needs = ctx.needs_input_grad
         grad_params = [
             torch.zeros_like(p) if g is None and needs[7 + i] else g

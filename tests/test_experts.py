@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dispatch.experts import GroupedExperts, grouped_mm_available
+from dispatch.experts import ChunkedExperts, GroupedExperts, grouped_mm_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -122,3 +122,70 @@ def test_bad_arguments():
         experts(torch.zeros(3, 8), torch.tensor([3]))
     with pytest.raises(TypeError, match="tokens"):
         experts(torch.zeros(3, 8, dtype=torch.float64), torch.tensor([1, 2]))
+
+
+def _chunked_case(splits, activation, dtype, backend, device):
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 16, 24, activation=activation, backend=backend, dtype=dtype, device=device)
+    counts = [torch.tensor(s, device=device) for s in splits]
+    total = sum(counts)
+    x = torch.randn(int(total.sum()), 16, dtype=dtype, device=device)
+    grad_y = torch.randn_like(x)
+    # chunk c holds, for each expert, the next counts[c][e] rows of that expert
+    start, taken, order = torch.cumsum(total, 0) - total, torch.zeros_like(total), []
+    for cnt in counts:
+        order.append(torch.cat([start[e] + taken[e] + torch.arange(int(cnt[e]), device=device) for e in range(3)]))
+        taken += cnt
+    return experts, counts, total, x, grad_y, order
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+@pytest.mark.parametrize(
+    "splits", [[[3, 0, 5]], [[1, 0, 2], [2, 0, 3]], [[0, 0, 0], [3, 0, 5]], [[1, 0, 1], [1, 0, 1], [1, 0, 3]]]
+)
+def test_chunked_experts_match_autograd(splits, activation):
+    """ChunkedExperts (the pipeline's experts: row gradients per chunk, weight
+    gradients once over all chunks) against autograd through the whole batch."""
+    experts, counts, total, x, grad_y, order = _chunked_case(splits, activation, torch.float64, "loop", DEVICE)
+    leaf = x.clone().requires_grad_()
+    y = experts(leaf, total)
+    y.backward(grad_y)
+    want = [p.grad.clone() for p in experts.parameters()]
+    experts.zero_grad()
+
+    chunked = ChunkedExperts(experts, counts, [c.cpu() for c in counts], grad_on=True)
+    outs = [chunked.forward(c, x[rows]) for c, rows in enumerate(order)]
+    grads = [chunked.backward(c, grad_y[rows], rows_grad=True) for c, rows in enumerate(order)]
+    assert torch.equal(chunked.tokens, x)  # expert-major over the chunks: the whole batch's order
+    got = chunked.weight_grads()
+    every = torch.cat(order)
+    torch.testing.assert_close(torch.cat(outs), y.detach()[every])
+    torch.testing.assert_close(torch.cat(grads), leaf.grad[every])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert all(p.grad is None for p in experts.parameters())  # the pipeline assigns them
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not grouped_mm_available(torch.bfloat16, torch.device(DEVICE), 16, 24, 3),
+    reason="needs torch._grouped_mm on a Hopper GPU",
+)
+def test_chunked_experts_grouped_mm_match_autograd():
+    """The grouped-GEMM path of ChunkedExperts (weight gradients as one 2D x 2D
+    grouped GEMM over all chunks) against autograd through GroupedExperts, in bf16."""
+    splits = [[40, 0, 17], [9, 0, 64], [0, 0, 5]]
+    experts, counts, total, x, grad_y, order = _chunked_case(splits, "swiglu", torch.bfloat16, "auto", DEVICE)
+    leaf = x.clone().requires_grad_()
+    y = experts(leaf, total)
+    y.backward(grad_y)
+    want = [p.grad.float() for p in experts.parameters()]
+    experts.zero_grad()
+    chunked = ChunkedExperts(experts, counts, [c.cpu() for c in counts], grad_on=True)
+    outs = [chunked.forward(c, x[rows]) for c, rows in enumerate(order)]
+    grads = [chunked.backward(c, grad_y[rows], rows_grad=True) for c, rows in enumerate(order)]
+    got = chunked.weight_grads()
+    every = torch.cat(order)
+    torch.testing.assert_close(torch.cat(outs), y.detach()[every], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(torch.cat(grads), leaf.grad[every], rtol=2e-2, atol=2e-2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=2e-2)
