@@ -3,8 +3,11 @@
 #   tests      the whole pytest suite (NCCL worlds on the local GPUs)
 #   dispatch   dispatch-bench dispatch (all shapes x variants x wires x routings,
 #              Megatron-Core alongside) and the a2a sweep
-#   studies    overlap study, hierarchical 2x2 with a slow inter-node tier,
-#              wire formats / kernels, Megatron MoELayer
+#   overlap    the overlap study in five settings (NCCL defaults; a CTA budget,
+#              high-priority NCCL stream and SM carveout; the same with fp8
+#              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16)
+#   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
+#              kernels, Megatron MoELayer
 # Usage on the device machine, from the repository root:
 #   DISPATCH_COMMIT=<sha> bash bench/gpu_suite.sh PART [PART ...]
 # Writes $OUT/suite.txt (machine, versions, logs) and $OUT/results.tar.gz
@@ -54,13 +57,15 @@ for part in "$@"; do
     dispatch)
       bench 330 dispatch dispatch --iters 20 --warmup 5 --out "$RES"
       bench 150 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
-    studies)
-      bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
-        --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
+    overlap)
       bench 120 overlap overlap --trace --out "$RES"
       bench 120 overlap-tuned overlap --comm-high-priority --comm-max-ctas 16 --sm-carveout 16 --trace --out "$RES"
       bench 120 overlap-fp8 overlap --comm-high-priority --comm-max-ctas 16 --sm-carveout 16 --dispatch-wire fp8 --out "$RES"
       bench 120 overlap-slow overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 2 --out "$RES"
+      bench 120 overlap-slow-carve16 overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --out "$RES" ;;
+    studies)
+      bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
+        --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
       bench 120 wire wire --out "$RES"
       bench 120 megatron-layer megatron-layer --out "$RES" ;;
     *)
