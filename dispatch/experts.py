@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dispatch.kernels.scatter_rows import scatter_rows
+
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 BACKENDS = ("auto", "grouped_mm", "loop")
 
@@ -271,4 +273,4 @@ class ChunkedExperts:
             return rows.contiguous()
         if held is None:
             held = rows.new_empty(sum(self.rows), rows.shape[1])
-        return held.index_copy_(0, self.places[c], rows)
+        return scatter_rows(held, self.places[c], rows)

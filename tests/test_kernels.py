@@ -119,3 +119,23 @@ def test_recv_plan_kernel_matches_reference(world, chunks, width, words, seed):
         local = want.expand_src[at : at + rows]
         assert bool((local >= 0).all() and (local < sum(recv_rows[c])).all())
         at += rows
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    extra=st.integers(0, 4),
+    width=st.sampled_from([1, 5, 128, 2100]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64, torch.int64]),
+    seed=st.integers(0, 10**6),
+)
+def test_scatter_rows_matches_reference(rows, extra, width, dtype, seed):
+    from dispatch.kernels import scatter_rows as sr
+
+    gen = torch.Generator().manual_seed(seed)
+    src = (torch.randn(rows, width, generator=gen, dtype=torch.float64) * 100).to(dtype).to(DEVICE)
+    place = torch.randperm(rows + extra, generator=gen)[:rows].to(DEVICE)
+    fill = torch.full((rows + extra, width), 7, dtype=dtype, device=DEVICE)
+    want = sr.scatter_rows_reference(fill.clone(), place, src)
+    got = sr.scatter_rows_triton(fill.clone(), place, src)
+    assert torch.equal(got, want)
