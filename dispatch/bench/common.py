@@ -101,11 +101,19 @@ def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4) ->
     if use_cuda and world > torch.cuda.device_count():
         print(f"dispatch-bench: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-    torch.multiprocessing.spawn(_rank_main, args=(job, args, env), nprocs=world, join=True)
+    for attempt in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+        try:
+            torch.multiprocessing.spawn(_rank_main, args=(job, args, env), nprocs=world, join=True)
+            return 0
+        except torch.multiprocessing.ProcessRaisedException as exc:
+            # the free port was taken before rank 0's store bound it: nothing ran yet
+            if "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+            print(f"dispatch-bench: port {port} was taken before the world started; another port", file=sys.stderr)
     return 0
 
 
