@@ -216,7 +216,9 @@ def _trace(fn, shape, args, device, chunks) -> str | None:
 
 def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
     """Bars of a chrome trace's GPU kernels, one lane per CUDA stream (CPU ops per
-    thread when the trace has no kernels); communication kernels in orange."""
+    thread when the trace has no kernels); communication kernels in orange. The
+    barrier the step starts after (an all-reduce before any other collective)
+    and what precedes it are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,7 +226,11 @@ def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
 
     with open(trace_path) as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    first_comm = next((e for e in kernels if _is_comm(e["name"])), None)
+    if first_comm is not None and "allreduce" in first_comm["name"].lower():  # the barrier: not drawn
+        barrier_end = first_comm["ts"] + first_comm["dur"]
+        kernels = [e for e in kernels if e["ts"] >= barrier_end]
     if kernels:
         lanes = {}
         for e in kernels:
