@@ -8,8 +8,10 @@
 #              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16)
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
-# Usage on the device machine, from the repository root:
-#   DISPATCH_COMMIT=<sha> bash bench/gpu_suite.sh PART [PART ...]
+# Usage: before sending the tree, record what it is (the device's copy has no
+# reliable git history): git describe --always --dirty > .dispatch-commit
+# (git-ignored; carry it), then on the device machine, from the repository root:
+#   bash bench/gpu_suite.sh PART [PART ...]
 # Writes $OUT/suite.txt (machine, versions, logs) and $OUT/results.tar.gz
 # (every JSON / markdown / PNG result; unpack under bench/results/<machine>/).
 set -uo pipefail
@@ -24,7 +26,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-export DISPATCH_COMMIT=${DISPATCH_COMMIT:-$(git rev-parse --verify -q HEAD || echo unknown)}
+DISPATCH_COMMIT=${DISPATCH_COMMIT:-$(cat .dispatch-commit 2>/dev/null)}
+if [ -z "$DISPATCH_COMMIT" ]; then
+  echo "gpu_suite: no .dispatch-commit (git describe --always --dirty > .dispatch-commit) and no DISPATCH_COMMIT" >&2
+  exit 2
+fi
+export DISPATCH_COMMIT
 LOG=$OUT/suite.txt
 {
   echo "commit $DISPATCH_COMMIT parts: $*"
