@@ -285,7 +285,7 @@ class _PipelineFn(torch.autograd.Function):
         leaves, ys = [None] * len(plans), [None] * len(plans)
         out = []  # [T, H'], allocated once the experts' output width is known
         split = None
-        if isinstance(experts, GroupedExperts):  # weight gradients once, over all chunks
+        if _plain_grouped_experts(experts):  # weight gradients once, over all chunks
             split = ChunkedExperts(
                 experts, [o.tokens_per_expert for _, o in plans], [o.tokens_per_expert_host for _, o in plans], grad_on
             )
@@ -417,3 +417,15 @@ def _check_expert_out(y: object, tokens: torch.Tensor) -> None:
             f"experts must return [N, H'] rows on {tokens.device} for N={tokens.shape[0]} tokens; "
             f"got shape {tuple(y.shape)} on {y.device}"
         )
+
+
+def _plain_grouped_experts(experts) -> bool:
+    """Whether ``experts`` is a :class:`GroupedExperts` that ``ChunkedExperts``
+    may compute in its place: ``forward`` not overridden and no module hooks
+    (a hook, such as one that gathers sharded parameters, must see each call)."""
+    if not isinstance(experts, GroupedExperts) or type(experts).forward is not GroupedExperts.forward:
+        return False
+    hooks = (experts._forward_hooks, experts._forward_pre_hooks, experts._backward_hooks,
+             experts._backward_pre_hooks)
+    global_hooks = getattr(nn.modules.module, "_has_any_global_hook", lambda: False)()
+    return not any(hooks) and not global_hooks

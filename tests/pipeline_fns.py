@@ -205,3 +205,26 @@ def chunk_plan_collectives(x, topk_idx, topk_weights, config: dict, chunks: int)
         for name, original in originals.items():
             setattr(comm, name, original)
     return calls
+
+
+def expert_calls(x, topk_idx, topk_weights, config: dict, chunks: int):
+    """Calls seen by a forward pre-hook of GroupedExperts and by a subclass's own
+    forward, through one MoEExchange(chunks) forward + backward each."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+
+    class Counted(GroupedExperts):
+        calls = 0
+
+        def forward(self, tokens, tokens_per_expert):
+            Counted.calls += 1
+            return super().forward(tokens, tokens_per_expert)
+
+    hooked = GroupedExperts(d.num_local_experts, x.shape[1], 2 * x.shape[1], dtype=x.dtype).to(device)
+    seen = []
+    hooked.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    counted = Counted(d.num_local_experts, x.shape[1], 2 * x.shape[1], dtype=x.dtype).to(device)
+    for experts in (hooked, counted):
+        xs = x.to(device).requires_grad_()
+        dispatch.MoEExchange(d, experts, chunks=chunks)(xs, topk_idx.to(device), topk_weights.to(device)).sum().backward()
+    return len(seen), Counted.calls

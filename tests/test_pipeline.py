@@ -90,6 +90,17 @@ def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
             _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}")
 
 
+def test_grouped_experts_with_hooks_or_own_forward_are_called(worlds):
+    """GroupedExperts with a module hook, or a subclass with its own forward, are
+    called once per chunk (the pipeline does not compute them in their place)."""
+    routing = make_routing(2, 2, 2, [6, 5], "random", seed=2)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 3) for r in range(2)]
+    for hooked, counted in worlds(2).run(pipeline_fns.expert_calls, args):
+        assert (hooked, counted) == (3, 3)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_output_matches_dense_reference(worlds, world_size):
     """C = 3 against the dense single-process reference (identity-like row-wise experts)."""
