@@ -11,11 +11,11 @@ each row on its own the output and the gradients of x and topk_weights are
 bitwise those of C = 1.
 
 Experts' parameters: for a :class:`GroupedExperts` (no module hooks, its own
-``forward``) the backward of each chunk
-computes only the rows' gradients, and the weight gradients are formed once,
-after the last chunk and while its gradients travel home, from every chunk's
-rows held expert-major (``experts.ChunkedExperts``): the same GEMM over the same
-rows for every C, and no chunk writes a full set of weight gradients. Other
+``forward``) the backward of each chunk computes only the rows' gradients, and
+the weight gradients are formed once, after the last chunk and while its
+gradients travel home, from every chunk's rows held expert-major
+(``experts.ChunkedExperts``): the same GEMM over the same rows for every C, and
+no chunk writes a full set of weight gradients. Other
 experts are differentiated chunk by chunk by autograd, their parameter
 gradients accumulated in place in the parameters' dtype: bitwise those of
 C = 1 when these sums are exact, equal to rounding otherwise, at the cost of one
