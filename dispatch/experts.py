@@ -138,6 +138,8 @@ class GroupedExperts(nn.Module):
     def _weight_grad(self, rows: torch.Tensor, grads: torch.Tensor, counts, counts_host) -> torch.Tensor:
         """[E_local, K, M]: for each expert, its rows [n_e, K] transposed times their
         gradients [n_e, M] (zero for an expert with no rows)."""
+        if rows.shape[0] == 0:  # no rows at all: a grouped GEMM of contraction length 0 is not asked for
+            return rows.new_zeros(counts.shape[0], rows.shape[1], grads.shape[1])
         if self._use_grouped_mm(rows):
             return torch._grouped_mm(_aligned(rows).t(), _aligned(grads), offs=_ends(counts))
         sizes = counts_host.tolist()
@@ -195,8 +197,14 @@ class ChunkedExperts:
     every chunk's rows. Rows are kept expert-major over the chunks (expert e's
     rows of chunk 0, then of chunk 1, ...), which is the canonical order of the
     whole step: each expert's weight gradient is one GEMM over the same rows in
-    the same order for every C, so the parameter gradients do not depend on C,
-    and no chunk writes a full set of weight gradients.
+    the same order for every C, and no chunk writes a full set of weight
+    gradients. (The activations and gradients in those rows come from
+    chunk-sized GEMMs, so the parameter gradients equal those of C = 1 where
+    the GEMMs give a row the same bits whatever the batch, and to rounding
+    otherwise.) What a weight gradient needs is kept only for a weight that
+    requires grad: for ``w_in`` the rows and the first GEMM's output
+    gradients, for ``w_out`` the activations and the output gradients, all
+    chunks' at once until the end of backward.
 
     Args:
         experts: the :class:`GroupedExperts`.
@@ -207,10 +215,12 @@ class ChunkedExperts:
 
     def __init__(self, experts: GroupedExperts, counts, counts_host, grad_on: bool) -> None:
         self.experts, self.counts, self.counts_host, self.grad_on = experts, counts, counts_host, grad_on
+        self.need_in = grad_on and experts.w_in.requires_grad
+        self.need_out = grad_on and experts.w_out.requires_grad
         chunks = len(counts)
         self.rows = [int(c.sum()) for c in counts_host]
         self.places = [None] * chunks  # expert-major row of each chunk row (None: the identity)
-        if chunks > 1 and grad_on:
+        if chunks > 1 and (self.need_in or self.need_out):
             per_chunk = torch.stack(list(counts))  # [C, E_local]
             total = per_chunk.sum(0)
             shift = (torch.cumsum(total, 0) - total) + (torch.cumsum(per_chunk, 0) - per_chunk) - (
@@ -235,8 +245,10 @@ class ChunkedExperts:
             act = e._act(h)
             y = e._matmul(act, w_out, self.counts[c], self.counts_host[c])
         self.hidden[c], self.outs[c] = h, y
-        self.tokens = self._keep(self.tokens, c, tokens)
-        self.acts = self._keep(self.acts, c, act.detach())
+        if self.need_in:
+            self.tokens = self._keep(self.tokens, c, tokens)
+        if self.need_out:
+            self.acts = self._keep(self.acts, c, act.detach())
         return y.detach()
 
     def output(self, c: int) -> torch.Tensor:
@@ -249,19 +261,22 @@ class ChunkedExperts:
         e = self.experts
         (grad_h,) = torch.autograd.grad(self.outs[c], [self.hidden[c]], grad_y)
         self.hidden[c] = self.outs[c] = None
-        self.grad_outs = self._keep(self.grad_outs, c, grad_y)
-        self.grad_hidden = self._keep(self.grad_hidden, c, grad_h)
+        if self.need_out:
+            self.grad_outs = self._keep(self.grad_outs, c, grad_y)
+        if self.need_in:
+            self.grad_hidden = self._keep(self.grad_hidden, c, grad_h)
         if not rows_grad:
             return None
         return e._matmul(grad_h, e.w_in.detach().transpose(1, 2), self.counts[c], self.counts_host[c])
 
-    def weight_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(grad of w_in, grad of w_out), once every chunk's backward has run."""
+    def weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(grad of w_in, grad of w_out), once every chunk's backward has run;
+        None for a weight that does not require grad."""
         e = self.experts
         counts = self.counts[0] if len(self.counts) == 1 else sum(self.counts)
         counts_host = self.counts_host[0] if len(self.counts) == 1 else sum(self.counts_host)
-        grad_in = e._weight_grad(self.tokens, self.grad_hidden, counts, counts_host)
-        grad_out = e._weight_grad(self.acts, self.grad_outs, counts, counts_host)
+        grad_in = e._weight_grad(self.tokens, self.grad_hidden, counts, counts_host) if self.need_in else None
+        grad_out = e._weight_grad(self.acts, self.grad_outs, counts, counts_host) if self.need_out else None
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         return grad_in, grad_out
 

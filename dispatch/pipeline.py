@@ -286,7 +286,7 @@ class _PipelineFn(torch.autograd.Function):
         leaves, ys = [None] * len(plans), [None] * len(plans)
         out = []  # [T, H'], allocated once the experts' output width is known
         split = None
-        if _plain_grouped_experts(experts):  # weight gradients once, over all chunks
+        if _plain_grouped_experts(experts, x.device.type):  # weight gradients once, over all chunks
             split = ChunkedExperts(
                 experts, [o.tokens_per_expert for _, o in plans], [o.tokens_per_expert_host for _, o in plans], grad_on
             )
@@ -388,7 +388,7 @@ class _PipelineFn(torch.autograd.Function):
         def weight_grads():
             by_param = dict(zip((id(split.experts.w_in), id(split.experts.w_out)), split.weight_grads()))
             for i, p in enumerate(ctx.params):
-                grad_params[i] = by_param.get(id(p))
+                grad_params[i] = by_param[id(p)]  # _plain_grouped_experts: these are its only parameters
 
         tail = weight_grads if split is not None and ctx.params else None
         _run(streams, len(plans), bring, compute, send_back, tail)
@@ -420,11 +420,19 @@ def _check_expert_out(y: object, tokens: torch.Tensor) -> None:
         )
 
 
-def _plain_grouped_experts(experts) -> bool:
+def _plain_grouped_experts(experts, device_type: str) -> bool:
     """Whether ``experts`` is a :class:`GroupedExperts` that ``ChunkedExperts``
-    may compute in its place: ``forward`` not overridden and no module hooks
-    (a hook, such as one that gathers sharded parameters, must see each call)."""
+    may compute in its place: ``forward`` not overridden, ``w_in`` and
+    ``w_out`` its own parameters and its only ones (not parametrized), no
+    module hooks (a hook, such as one that gathers sharded parameters, must see
+    each call), and no autocast (whose dtypes the manual backward does not
+    replay)."""
     if not isinstance(experts, GroupedExperts) or type(experts).forward is not GroupedExperts.forward:
+        return False
+    own = experts._parameters
+    if set(own) != {"w_in", "w_out"} or own["w_in"] is not experts.w_in or own["w_out"] is not experts.w_out:
+        return False
+    if any(True for _ in experts.children()) or torch.is_autocast_enabled(device_type):
         return False
     hooks = (experts._forward_hooks, experts._forward_pre_hooks, experts._backward_hooks,
              experts._backward_pre_hooks)

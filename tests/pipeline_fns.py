@@ -228,3 +228,35 @@ def expert_calls(x, topk_idx, topk_weights, config: dict, chunks: int):
         xs = x.to(device).requires_grad_()
         dispatch.MoEExchange(d, experts, chunks=chunks)(xs, topk_idx.to(device), topk_weights.to(device)).sum().backward()
     return len(seen), Counted.calls
+
+
+def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str, chunks_list=(1, 3)):
+    """GroupedExperts the pipeline must leave to autograd: ``kind`` "parametrized"
+    (w_in through a parametrization) or "autocast" (the step under CPU/CUDA
+    autocast to bf16). Returns {C or "plain": (out, x grad, [parameter grads])}."""
+    from torch.nn.utils import parametrize
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    results = {}
+    for chunks in ("plain", *chunks_list):
+        torch.manual_seed(d.rank)
+        experts = GroupedExperts(d.num_local_experts, x.shape[1], 2 * x.shape[1], dtype=x.dtype).to(device)
+        if kind == "parametrized":
+            parametrize.register_parametrization(experts, "w_in", _Doubled())
+        xs = x.to(device).requires_grad_()
+        idx, ws = topk_idx.to(device), topk_weights.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=kind == "autocast"):
+            if chunks == "plain":
+                out = d.dispatch(xs, idx, ws)
+                h = d.combine(experts(out.tokens, out.tokens_per_expert), out.handle, weights=out.weights)
+            else:
+                h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
+        (h.float() * grad_out.to(device)).sum().backward()
+        results[chunks] = (_cpu(h), _cpu(xs.grad), [_cpu(p.grad) for p in experts.parameters()])
+    return results
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w

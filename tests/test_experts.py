@@ -180,3 +180,27 @@ def test_chunked_experts_grouped_mm_match_autograd():
     """The grouped-GEMM path of ChunkedExperts (weight gradients as one 2D x 2D
     grouped GEMM over all chunks) against autograd through GroupedExperts, in bf16."""
     _check_chunked([[40, 0, 17], [9, 0, 64], [0, 0, 5]], "swiglu", torch.bfloat16, "auto", tol=2e-2)
+
+
+def test_chunked_experts_keep_only_what_a_weight_gradient_needs():
+    """With w_out frozen, neither the activations nor the output gradients are
+    kept, and only w_in gets a gradient; with no rows at all, zero gradients."""
+    experts, counts, total, x, grad_y, order = _chunked_case([[1, 0, 2], [2, 0, 3]], "swiglu", torch.float64,
+                                                             "loop", DEVICE)
+    experts.w_out.requires_grad_(False)
+    chunked = ChunkedExperts(experts, counts, [c.cpu() for c in counts], grad_on=True)
+    for c, rows in enumerate(order):
+        chunked.forward(c, x[rows])
+    for c, rows in enumerate(order):
+        chunked.backward(c, grad_y[rows], rows_grad=False)
+    assert chunked.acts is None and chunked.grad_outs is None and chunked.tokens is not None
+    grad_in, grad_out = chunked.weight_grads()
+    assert grad_out is None and grad_in.shape == experts.w_in.shape
+
+    empty = [torch.zeros(3, dtype=torch.int64, device=DEVICE)] * 2
+    chunked = ChunkedExperts(experts, empty, [c.cpu() for c in empty], grad_on=True)
+    for c in range(2):
+        chunked.forward(c, x[:0])
+        chunked.backward(c, grad_y[:0], rows_grad=True)
+    grad_in, _ = chunked.weight_grads()
+    assert grad_in.shape == experts.w_in.shape and not grad_in.any()

@@ -101,6 +101,28 @@ def test_grouped_experts_with_hooks_or_own_forward_are_called(worlds):
         assert (hooked, counted) == (3, 3)
 
 
+@pytest.mark.parametrize("kind", ["parametrized", "autocast"])
+def test_parametrized_or_autocast_grouped_experts(worlds, kind):
+    """A parametrized GroupedExperts, or one under autocast, goes through
+    autograd chunk by chunk: its results and every gradient agree with the
+    unchunked round trip (none is silently zero, nothing fails on dtypes)."""
+    routing = make_routing(2, 2, 2, [7, 5], "random", seed=8)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, kind) for r in range(2)]
+    tol = dict(rtol=2e-2, atol=2e-2) if kind == "autocast" else {}
+    for rank, per_c in enumerate(worlds(2).run(pipeline_fns.special_experts, args)):
+        want_out, want_x, want_params = per_c["plain"]
+        assert all(g is not None and g.abs().sum() > 0 for g in want_params)
+        for chunks in (1, 3):
+            out, gx, params = per_c[chunks]
+            torch.testing.assert_close(out, want_out, **tol, msg=f"rank {rank} C={chunks}: output")
+            torch.testing.assert_close(gx, want_x, **tol, msg=f"rank {rank} C={chunks}: x grad")
+            for i, (a, b) in enumerate(zip(params, want_params)):
+                torch.testing.assert_close(a, b, **tol, msg=f"rank {rank} C={chunks}: parameter {i}")
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_output_matches_dense_reference(worlds, world_size):
     """C = 3 against the dense single-process reference (identity-like row-wise experts)."""
@@ -279,9 +301,10 @@ def test_grouped_experts_bf16_on_gpus(worlds):
         for name in ("out", "x", "topk_weights"):
             torch.testing.assert_close(per_c[4][name], per_c[1][name], rtol=2e-2, atol=2e-2)
         for a, b in zip(per_c[4]["params"], per_c[1]["params"]):
-            # each chunk's weight gradient is a GEMM rounded to bf16 at the scale of
-            # that chunk's partial sum: elements whose chunk partials cancel can
-            # differ by a few bf16 steps of the gradient's scale, not of their own
+            # one GEMM over all chunks' rows (ChunkedExperts), but the rows'
+            # activations and gradients come from chunk-sized bf16 GEMMs: an
+            # element whose terms cancel can differ by a few bf16 steps of the
+            # gradient's scale, not of its own
             a, b = a.float(), b.float()
             bound = 2**-6 * b.abs().max() + 2e-2 * b.abs()
             assert ((a - b).abs() <= bound).all(), f"rank {rank}: parameter gradient beyond bf16 rounding"
