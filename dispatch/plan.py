@@ -164,14 +164,21 @@ def split_gathered_chunks(gathered: torch.Tensor, world_size: int, chunks: int) 
 def token_chunks(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """[2, T] int64: the chunk of each token and its index inside its chunk.
 
+    Made on ``device`` without waiting for its stream (the bounds travel from
+    pinned memory on CUDA).
+
     Args:
         bounds: C + 1 ascending host ints from 0 to T; chunk c is tokens
             ``[bounds[c], bounds[c + 1])``.
     """
-    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    chunk_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
-    first = torch.tensor(bounds[:-1], dtype=torch.int64)[chunk_of]
-    return torch.stack([chunk_of, torch.arange(bounds[-1]) - first]).to(device)
+    num_tokens = bounds[-1]
+    token = torch.arange(num_tokens, device=device)
+    if len(bounds) == 2:  # one chunk: every token in chunk 0, at its own index
+        return torch.stack([torch.zeros_like(token), token])
+    starts = torch.tensor(bounds[:-1], dtype=torch.int64)
+    starts = starts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else starts.to(device)
+    chunk_of = torch.searchsorted(starts, token, right=True) - 1  # last chunk starting at or before the token
+    return torch.stack([chunk_of, token - starts[chunk_of]])
 
 
 @dataclass(frozen=True)
@@ -195,7 +202,7 @@ class SendPlan:
         meta: [T * min(K, W) + 1, J + 1 + J * w] int32 per send row in plain send
             order: the expanded positions of its slots on the destination
             (inside the row's chunk), ascending, -1 padded (J columns); the
-            source token (index on this rank); the slot weights bit-cast to int32
+            source token (index inside its chunk); the slot weights bit-cast to int32
             (``w`` words each, 1 for fp32 weights, 2 for fp64), in the order of
             the positions.
         home_index: [T, W] int64; row t lists the send rows of token t (inside
@@ -265,10 +272,9 @@ def build_send_plan(
     earlier_chunks = _exclusive(rows_to, 0)[chunk_of]  # [T, W] rows of earlier chunks per destination
     local = before - 1 - earlier_chunks + _exclusive(rows_to, 1)[chunk_of]  # row inside the chunk
     chunk_start = _exclusive(rows_to.sum(1), 0)[chunk_of].unsqueeze(1)  # [T, 1]
-    spread = torch.arange(num_tokens, device=device).repeat_interleave(world_size)
+    in_chunk = chunk_token.repeat_interleave(world_size)  # [T * W] token of each (token, rank) pair
     send_token = torch.empty(capacity + 1, dtype=torch.int64, device=device)
-    send_token.scatter_(0, torch.where(hit, local + chunk_start, capacity).flatten(),
-                        chunk_token.repeat_interleave(world_size))
+    send_token.scatter_(0, torch.where(hit, local + chunk_start, capacity).flatten(), in_chunk)
     home_index = _pack_left(torch.where(hit, local, _PAD))
     safe_dest = dest.clamp(max=world_size - 1)
     slot_row = torch.where(valid, local.gather(1, safe_dest), -1)
@@ -299,7 +305,7 @@ def build_send_plan(
     rows = torch.where(valid, plain.gather(1, safe_dest), capacity)
     cols = slot_col.clamp(min=0)
     meta.index_put_((rows, cols), slot_pos.to(torch.int32))
-    meta[:, width].scatter_(0, torch.where(hit, plain, capacity).flatten(), spread.to(torch.int32))
+    meta[:, width].scatter_(0, torch.where(hit, plain, capacity).flatten(), in_chunk.to(torch.int32))
     weight_words = topk_weights.to(wire).flatten().contiguous().view(torch.int32).view(num_tokens, topk, words)
     word = torch.arange(words, device=device)
     weight_cols = width + 1 + cols.unsqueeze(2) * words + word
