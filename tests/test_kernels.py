@@ -96,8 +96,8 @@ def _recv_case(world, chunks, width, words, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    world=st.integers(1, 4),
-    chunks=st.integers(1, 3),
+    world=st.integers(1, 8),
+    chunks=st.integers(1, 5),
     width=st.integers(1, 4),
     words=st.sampled_from([1, 2]),
     seed=st.integers(0, 10**6),

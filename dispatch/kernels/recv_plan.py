@@ -2,7 +2,7 @@
 
 Same result as ``dispatch.plan.build_recv_plan_reference``: each received row
 (a program handles ``BLOCK_R`` of them) finds its arrival block (source rank,
-chunk) in the host-made table, and writes its slot list, source token and rank
+chunk) in the host-made table by binary search, and writes its slot list, source token and rank
 at its place among the chunks' received rows, and for each valid slot its
 received row, its row among all chunks and its weight at the slot's expanded
 position. Every output element is written by exactly one row, so nothing is
@@ -41,15 +41,22 @@ if triton is not None:
         meta_stride,
         WIDTH: tl.constexpr,
         WORDS: tl.constexpr,
-        NB: tl.constexpr,
+        STEPS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = rows < num_recv
-        blocks = tl.arange(0, NB)
-        starts = tl.load(table_ptr + blocks, mask=blocks < num_blocks, other=num_recv + 1)
-        block = tl.sum((starts[None, :] <= rows[:, None]).to(tl.int32), axis=1) - 1
-        block = tl.where(live, block, 0)
+        # the last block starting at or before the row (block 0 starts at 0):
+        # binary search in [low, high), STEPS = ceil(log2(number of blocks))
+        low = tl.zeros([BLOCK], dtype=tl.int64)
+        high = tl.zeros([BLOCK], dtype=tl.int64) + num_blocks
+        for _ in tl.static_range(STEPS):
+            mid = (low + high) // 2
+            go = (high - low > 1) & (tl.load(table_ptr + mid, mask=live, other=0) <= rows)
+            stay = (high - low > 1) & ~go
+            low = tl.where(go, mid, low)
+            high = tl.where(stay, mid, high)
+        block = tl.where(live, low, 0)
         offset = rows - tl.load(table_ptr + block)
         held = tl.load(table_ptr + num_blocks + block) + offset
         local = tl.load(table_ptr + 2 * num_blocks + block) + offset
@@ -93,6 +100,6 @@ def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, wei
         _recv_plan_kernel[(triton.cdiv(num_recv, BLOCK_R),)](
             meta, table, expand_src, expand_all, weights.view(torch.int32), presum_index, src_token, src_rank,
             num_recv, num_blocks, meta.stride(0),
-            WIDTH=width, WORDS=words, NB=max(16, triton.next_power_of_2(num_blocks)), BLOCK=BLOCK_R,
+            WIDTH=width, WORDS=words, STEPS=max(1, (num_blocks - 1).bit_length()), BLOCK=BLOCK_R,
         )
     return expand_src, expand_all, presum_index, weights, src_token, src_rank
