@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dispatch.kernels import quantize as qz
@@ -75,6 +75,7 @@ def test_pack_matches_reference(fmt, pow2, rows, hidden, dtype, indexed, special
     specials=st.booleans(),
     seed=st.integers(0, 10**6),
 )
+@example(fmt="e5m2", rows=5, hidden=1, out_dtype=torch.bfloat16, specials=True, seed=0)  # an fp32 subnormal
 def test_unpack_matches_reference(fmt, rows, hidden, out_dtype, specials, seed):
     fmt = FORMATS[fmt]
     packed = qz.pack_reference(_source(seed, rows, hidden, torch.float32, specials), None, fmt, False)
@@ -88,9 +89,12 @@ def test_unpack_matches_reference(fmt, rows, hidden, out_dtype, specials, seed):
     if out_dtype in (torch.float32, torch.float64):
         assert torch.equal(got[finite], want[finite])
     else:
-        # Triton's interpreter truncates fp32 -> bf16/fp16 where torch rounds: one unit apart at most.
+        # Triton's interpreter truncates fp32 -> bf16/fp16 where torch rounds: one unit apart at
+        # most; and it converts fp32 subnormals (an e5m2 code times a tiny scale) to the
+        # smallest normal of the output where torch rounds them to zero: below that, either.
         diff = (got[finite].double() - want[finite].double()).abs()
-        assert not (diff > torch.finfo(out_dtype).eps * want[finite].double().abs()).any()
+        bound = torch.finfo(out_dtype).eps * want[finite].double().abs() + torch.finfo(out_dtype).tiny
+        assert not (diff > bound).any()
         if DEVICE == "cuda":
             assert torch.equal(got[finite], want[finite])
 
