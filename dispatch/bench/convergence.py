@@ -169,6 +169,7 @@ def _rank_main(rank: int, args, env: dict, conn) -> None:
         curves = {wire: train(args, wire, device) for wire in args.wires}
         if rank == 0:
             conn.send((curves, str(device.type)))
+        dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
 
