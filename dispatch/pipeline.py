@@ -10,8 +10,9 @@ are a sub-sequence of the one-shot canonical order, so with experts that compute
 each row on its own the output and the gradients of x and topk_weights are
 bitwise those of C = 1.
 
-Experts' parameters: for a :class:`GroupedExperts` (no module hooks, its own
-``forward``) the backward of each chunk computes only the rows' gradients, and
+Experts' parameters: for a plain :class:`GroupedExperts` (its own ``forward``
+and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the
+backward of each chunk computes only the rows' gradients, and
 the weight gradients are formed once, after the last chunk and while its
 gradients travel home, from every chunk's rows held expert-major
 (``experts.ChunkedExperts``): the same GEMM over the same rows for every C, and
