@@ -19,8 +19,8 @@ import datetime
 import io
 import multiprocessing as mp
 import os
-import socket
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -55,7 +55,7 @@ def _loads(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, size: int, backend: str, port: int, conn, sys_path: list[str]) -> None:
+def _worker(rank: int, size: int, backend: str, store_file: str, conn, sys_path: list[str]) -> None:
     global _DEVICE
     sys.path[:] = sys_path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -65,7 +65,7 @@ def _worker(rank: int, size: int, backend: str, port: int, conn, sys_path: list[
         _DEVICE = torch.device("cuda", rank)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store_file}",
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=60),
@@ -89,10 +89,13 @@ def _worker(rank: int, size: int, backend: str, port: int, conn, sys_path: list[
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store_file() -> str:
+    """A fresh path for the world's rendezvous file: nothing to race for, unlike a
+    free TCP port that another process may take before rank 0 binds it."""
+    handle, path = tempfile.mkstemp(prefix="dispatch-world-")
+    os.close(handle)
+    os.unlink(path)  # the store creates it
+    return path
 
 
 class World:
@@ -108,12 +111,12 @@ class World:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        store_file = _store_file()
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, self.size, self.backend, port, child, list(sys.path)),
+                args=(rank, self.size, self.backend, store_file, child, list(sys.path)),
                 daemon=True,
             )
             proc.start()
