@@ -27,8 +27,8 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -156,15 +156,14 @@ def train(args, wire: str, device) -> list[float]:
     return losses
 
 
-def _rank_main(rank: int, args, env: dict, conn) -> None:
-    os.environ.update(env)
-    os.environ["RANK"] = str(rank)
+def _rank_main(rank: int, args, store_file: str, conn) -> None:
     torch.set_num_threads(1)
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size
     if use_cuda:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
     try:
         curves = {wire: train(args, wire, device) for wire in args.wires}
         if rank == 0:
@@ -176,13 +175,13 @@ def _rank_main(rank: int, args, env: dict, conn) -> None:
 
 def run(args) -> dict:
     """Train every wire of ``args.wires`` on a fresh world; the result as a dict."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size)}
+    # rendezvous through a fresh file: no free TCP port that another process may take first
+    handle, store_file = tempfile.mkstemp(prefix="dispatch-convergence-")
+    os.close(handle)
+    os.unlink(store_file)
     ctx = torch.multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_rank_main, args=(r, args, env, send)) for r in range(args.world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, args, store_file, send)) for r in range(args.world_size)]
     for p in procs:
         p.start()
     for p in procs:
