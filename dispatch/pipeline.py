@@ -323,12 +323,19 @@ class _PipelineFn(torch.autograd.Function):
             raise RuntimeError("the pipeline ran no chunk")
         ctx.layer, ctx.plans, ctx.bounds, ctx.weights = layer, plans, bounds, weights
         ctx.leaves, ctx.ys, ctx.params, ctx.split = leaves, ys, params, split
+        ctx.spent = False
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, topk_weights.dtype
         ctx.anchor_dtype = anchor.dtype
         return out[0]
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.spent:
+            raise RuntimeError(
+                "MoEExchange's backward ran a second time on one forward (retain_graph=True): each chunk's "
+                "expert graph is freed as its gradients are sent; run the forward again"
+            )
+        ctx.spent = True
         layer, plans, bounds = ctx.layer, ctx.plans, ctx.bounds
         d = layer.dispatcher
         grad_out = grad_out.contiguous()

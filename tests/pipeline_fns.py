@@ -260,3 +260,18 @@ def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str
 class _Doubled(nn.Module):
     def forward(self, w):
         return 2 * w
+
+
+def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str):
+    """The error of a second backward through one MoEExchange forward."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+    xs = x.to(device).requires_grad_()
+    out = dispatch.MoEExchange(d, experts, chunks=2)(xs, topk_idx.to(device), topk_weights.to(device)).sum()
+    out.backward(retain_graph=True)
+    try:
+        out.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return None

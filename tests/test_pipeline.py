@@ -123,6 +123,17 @@ def test_parametrized_or_autocast_grouped_experts(worlds, kind):
                 torch.testing.assert_close(a, b, **tol, msg=f"rank {rank} C={chunks}: parameter {i}")
 
 
+@pytest.mark.parametrize("experts", ["rowwise", "swiglu"])
+def test_second_backward_is_refused_clearly(worlds, experts):
+    """A second backward through one forward (retain_graph) says what happened."""
+    routing = make_routing(2, 2, 2, [5, 4], "random", seed=3)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, experts) for r in range(2)]
+    for message in worlds(2).run(pipeline_fns.backward_twice, args):
+        assert message is not None and "second time" in message
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_output_matches_dense_reference(worlds, world_size):
     """C = 3 against the dense single-process reference (identity-like row-wise experts)."""
