@@ -101,8 +101,8 @@ class CastCodec(Codec):
         return picked.to(self.wire)
 
     def unpack(self, wire_rows, dtype, hidden, index=None):
-        rows = wire_rows.to(dtype)
-        return rows if index is None else rows.index_select(0, index)
+        picked = wire_rows if index is None else wire_rows.index_select(0, index)  # then convert only those
+        return picked.to(dtype)
 
     def __repr__(self) -> str:
         return f"CastCodec({self.name!r}, wire={self.wire})"
