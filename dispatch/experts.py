@@ -289,3 +289,78 @@ class ChunkedExperts:
         if held is None:
             held = rows.new_empty(sum(self.rows), rows.shape[1])
         return scatter_rows(held, self.places[c], rows)
+
+
+class ExpertGroups:
+    """:class:`GroupedExperts` computed one group of local experts at a time, for
+    ``MoEExchange(split="experts")``: group g is experts ``[bounds[g], bounds[g + 1])``,
+    whose rows are a contiguous run of the canonical order.
+
+    Each group's GEMMs read only that group's weights, and its backward writes
+    only its slice of each weight gradient: over all groups the weights are read
+    once per pass and their gradients written once, whatever the number of
+    groups; a row's values are those of one call over all rows.
+
+    Args:
+        experts: the :class:`GroupedExperts`.
+        bounds: G + 1 ascending host ints from 0 to E_local.
+        counts: [E_local] int64 rows per expert on the device.
+        counts_host: the same on the host.
+        grad_on: keep what backward needs.
+    """
+
+    def __init__(self, experts: GroupedExperts, bounds, counts, counts_host, grad_on: bool) -> None:
+        self.experts, self.bounds, self.counts, self.counts_host = experts, tuple(bounds), counts, counts_host
+        self.grad_on = grad_on
+        groups = len(self.bounds) - 1
+        self.kept = [None] * groups  # per group: (rows, first GEMM's output with its graph, output)
+        self.grads = None  # (grad of w_in, grad of w_out), filled group by group
+
+    def _slice(self, g: int):
+        a, b = self.bounds[g], self.bounds[g + 1]
+        return a, b, self.counts[a:b], self.counts_host[a:b]
+
+    def forward(self, g: int, rows: torch.Tensor) -> torch.Tensor:
+        """Group g's rows [N_g, H] -> [N_g, H] (detached)."""
+        e = self.experts
+        a, b, counts, counts_host = self._slice(g)
+        w_in, w_out = e.w_in.detach()[a:b], e.w_out.detach()[a:b]
+        h = e._matmul(rows, w_in, counts, counts_host)
+        if not self.grad_on:
+            return e._matmul(e._act(h), w_out, counts, counts_host)
+        h.requires_grad_()
+        with torch.enable_grad():
+            act = e._act(h)
+            y = e._matmul(act, w_out, counts, counts_host)
+        self.kept[g] = (rows, h, act, y)
+        return y.detach()
+
+    def output(self, g: int) -> torch.Tensor:
+        """Group g's output as :meth:`forward` returned it."""
+        return self.kept[g][3].detach()
+
+    def backward(self, g: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
+        """Gradient of group g's output -> gradient of its rows (if ``rows_grad``);
+        writes the group's slices of the weight gradients and frees its graph."""
+        e = self.experts
+        a, b, counts, counts_host = self._slice(g)
+        rows, h, act, y = self.kept[g]
+        self.kept[g] = None
+        (grad_h,) = torch.autograd.grad(y, [h], grad_y)
+        if self.grads is None:
+            self.grads = (torch.empty_like(e.w_in) if e.w_in.requires_grad else None,
+                          torch.empty_like(e.w_out) if e.w_out.requires_grad else None)
+        grad_in, grad_out = self.grads
+        if grad_in is not None:
+            grad_in[a:b] = e._weight_grad(rows, grad_h, counts, counts_host)
+        if grad_out is not None:
+            grad_out[a:b] = e._weight_grad(act.detach(), grad_y, counts, counts_host)
+        if not rows_grad:
+            return None
+        return e._matmul(grad_h, e.w_in.detach()[a:b].transpose(1, 2), counts, counts_host)
+
+    def weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(grad of w_in, grad of w_out) once every group's backward has run; None
+        for a weight that does not require grad."""
+        grads, self.grads = self.grads, None
+        return grads if grads is not None else (None, None)
