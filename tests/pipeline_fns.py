@@ -103,7 +103,8 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
 
 
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
-              generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False):
+              generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False,
+              split: str = "tokens"):
     """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
     fresh identical experts; C = "plain" runs dispatch -> experts -> combine instead.
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
@@ -124,7 +125,7 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
                 y = experts(out.tokens, out.tokens_per_expert)
                 h = d.combine(y, out.handle, weights=out.weights)
             else:
-                h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
+                h = dispatch.MoEExchange(d, experts, chunks=chunks, split=split)(xs, idx, ws)
             (h * grad_out.to(device)).sum().backward()
         results[chunks] = {
             "out": _cpu(h),
@@ -275,3 +276,49 @@ def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str):
     except RuntimeError as exc:
         return str(exc)
     return None
+
+
+def split_errors(num_experts: int):
+    """Messages of MoEExchange(split=...) refusals, on a world of one."""
+    device = current_device()
+    messages = []
+    alltoall = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    allgather = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, variant="allgather"))
+    grouped = GroupedExperts(num_experts, 4, 8).to(device)
+    attempts = [
+        lambda: dispatch.MoEExchange(alltoall, grouped, split="rows"),
+        lambda: dispatch.MoEExchange(allgather, grouped, split="experts"),
+        lambda: dispatch.MoEExchange(alltoall, grouped, chunks=num_experts + 1, split="experts"),
+        lambda: dispatch.MoEExchange(alltoall, lambda t, n: t, split="experts"),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append(None)
+        except ValueError as exc:
+            messages.append(str(exc))
+    layer = dispatch.MoEExchange(alltoall, grouped, chunks=2, split="experts")
+    x = torch.randn(3, 4, device=device)
+    idx = torch.zeros(3, 1, dtype=torch.int64, device=device)
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            layer(x, idx, torch.ones(3, 1, device=device))
+        messages.append(None)
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def assert_same(got, want, what, params_exact=True):
+    """Two results of :func:`pipelined`: output and gradients of x and topk_weights
+    bitwise equal; parameter gradients bitwise (``params_exact``) or to rounding."""
+    for name in ("out", "x", "topk_weights"):
+        a, b = got[name], want[name]
+        assert (a is None) == (b is None), f"{what}: {name} present in one run only"
+        if a is not None:
+            assert torch.equal(a, b), f"{what}: {name} differs (max {(a - b).abs().max()})"
+    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
+        if params_exact:
+            assert torch.equal(a, b), f"{what}: gradient of parameter {i} differs"
+        else:
+            torch.testing.assert_close(a, b, msg=f"{what}: gradient of parameter {i}")

@@ -29,19 +29,6 @@ def _run(worlds, routing, dtype, experts, chunk_counts, generic=False, x_grad=Tr
     return xs, worlds(world_size).run(pipeline_fns.pipelined, args)
 
 
-def _assert_same(got, want, what, params_exact=True):
-    for name in ("out", "x", "topk_weights"):
-        a, b = got[name], want[name]
-        assert (a is None) == (b is None), f"{what}: {name} present in one run only"
-        if a is not None:
-            assert torch.equal(a, b), f"{what}: {name} differs (max {(a - b).abs().max()})"
-    for i, (a, b) in enumerate(zip(got["params"], want["params"])):
-        if params_exact:
-            assert torch.equal(a, b), f"{what}: gradient of parameter {i} differs"
-        else:
-            torch.testing.assert_close(a, b, msg=f"{what}: gradient of parameter {i}")
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", ["random", "sparse"])
 def test_chunks_bitwise_fp32(worlds, world_size, mode):
@@ -53,7 +40,7 @@ def test_chunks_bitwise_fp32(worlds, world_size, mode):
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", *CHUNKS])
     for rank, per_c in enumerate(results):
         for chunks in CHUNKS:
-            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +55,7 @@ def test_chunks_with_every_variant_and_wire(worlds, options):
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", 1, 3, 5], **options)
     for rank, per_c in enumerate(results):
         for chunks in (1, 3, 5):
-            _assert_same(per_c[chunks], per_c["plain"], f"{options} rank {rank} C={chunks}", params_exact=False)
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"{options} rank {rank} C={chunks}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -87,7 +74,7 @@ def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
     results = worlds(world_size).run(pipeline_fns.pipelined, args)
     for rank, per_c in enumerate(results):
         for chunks in (1, 2, 3, 8):
-            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}")
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}")
 
 
 def test_grouped_experts_with_hooks_or_own_forward_are_called(worlds):
@@ -165,7 +152,7 @@ def test_wire_formats_match_plain(worlds, pow2):
     ]
     for rank, per_c in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
         for chunks in (1, 3):
-            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -176,7 +163,7 @@ def test_generic_chunk_fallback_matches_native(worlds, world_size):
     _, generic = _run(worlds, routing, torch.float32, "rowwise", [1, 4], generic=True)
     for rank in range(world_size):
         for chunks in (1, 4):
-            _assert_same(generic[rank][chunks], native[rank][chunks], f"rank {rank} C={chunks}")
+            pipeline_fns.assert_same(generic[rank][chunks], native[rank][chunks], f"rank {rank} C={chunks}")
 
 
 def test_gradients_only_where_asked(worlds):
@@ -192,7 +179,7 @@ def test_gradients_only_where_asked(worlds):
     ]
     results = worlds(2).run(pipeline_fns.pipelined, args)
     for rank, per_c in enumerate(results):
-        _assert_same(per_c[3], per_c["plain"], f"rank {rank}", params_exact=False)
+        pipeline_fns.assert_same(per_c[3], per_c["plain"], f"rank {rank}", params_exact=False)
     assert results[0][3]["topk_weights"] is None and results[1][3]["x"] is None
 
 
@@ -226,7 +213,7 @@ def test_late_streams_change_nothing(worlds, world_size):
              False, True, True, True) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
         for chunks in (1, 3, 8):
-            _assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4, True) for r in range(world_size)]
     late = worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(world_size)]
