@@ -139,10 +139,9 @@ def build_group_plan(handle, outputs, topk_idx: torch.Tensor, bounds: tuple[int,
     by_send_first, by_send_last = _order(send_first), _order(send_last)
     by_recv_first, by_recv_last = _order(recv_first), _order(recv_last)
     held_of = _inverse(by_recv_first)
-    back_of = _inverse(by_send_last)
+    back_of = torch.cat([_inverse(by_send_last), by_send_last.new_full((1,), -1)])  # [-1] -> -1 (padding)
     expand_src = held_of[handle.expand_src]
-    home_index = torch.where(handle.home_index >= 0, back_of[handle.home_index.clamp(min=0)], -1)
-    slot_row = torch.where(handle.slot_row >= 0, back_of[handle.slot_row.clamp(min=0)], -1)
+    home_index, slot_row = back_of[handle.home_index], back_of[handle.slot_row]
 
     per_expert = outputs.tokens_per_expert_host.tolist()
     chunks, sent, held, back, recv_done = [], 0, 0, 0, 0

@@ -322,3 +322,31 @@ def assert_same(got, want, what, params_exact=True):
             assert torch.equal(a, b), f"{what}: gradient of parameter {i} differs"
         else:
             torch.testing.assert_close(a, b, msg=f"{what}: gradient of parameter {i}")
+
+
+def split_late_errors(num_experts: int):
+    """split='experts' refusals that only a call can see (on a world of one): a
+    hook added after construction, x of another width or dtype than the experts;
+    and experts of another count at construction."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    messages = []
+
+    def attempt(fn):
+        try:
+            fn()
+            messages.append(None)
+        except ValueError as exc:
+            messages.append(str(exc))
+
+    attempt(lambda: dispatch.MoEExchange(d, GroupedExperts(num_experts + 1, 4, 8).to(device), split="experts"))
+    idx = torch.zeros(3, 1, dtype=torch.int64, device=device)
+    w = torch.ones(3, 1, device=device)
+    hooked = GroupedExperts(num_experts, 4, 8).to(device)
+    layer = dispatch.MoEExchange(d, hooked, chunks=2, split="experts")
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    attempt(lambda: layer(torch.randn(3, 4, device=device), idx, w))
+    layer = dispatch.MoEExchange(d, GroupedExperts(num_experts, 4, 8).to(device), chunks=2, split="experts")
+    attempt(lambda: layer(torch.randn(3, 5, device=device), idx, w))
+    attempt(lambda: layer(torch.randn(3, 4, device=device, dtype=torch.float64), idx, w))
+    return messages

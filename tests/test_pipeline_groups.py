@@ -58,3 +58,21 @@ def test_refusals_name_the_argument(worlds):
     assert all(m is not None for m in messages), messages
     for message, word in zip(messages, ["split", "alltoall", "chunks", "GroupedExperts", "autocast"]):
         assert word in message, message
+
+
+def test_refusals_at_the_call(worlds):
+    messages = worlds(1).run(pipeline_fns.split_late_errors, [(4,)])[0]
+    assert all(m is not None for m in messages), messages
+    for message, word in zip(messages, ["local experts", "hook", "x must be", "x must be"]):
+        assert word in message, message
+
+
+def test_rank_with_only_empty_slots(worlds):
+    """A rank whose tokens all have empty slots sends nothing: it still takes part
+    in every chunk, and the results are those of the plain round trip."""
+    routing = make_routing(2, 4, 2, [1, 2], "random", seed=0)
+    routing.topk_idx[0] = torch.full_like(routing.topk_idx[0], -1)
+    routing.topk_idx[1] = torch.tensor([[0, 3], [2, -1]], dtype=routing.topk_idx[1].dtype)
+    for rank, per_c in enumerate(_run(worlds, routing, torch.float32, "swiglu", [2, 4])):
+        for chunks in (2, 4):
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} groups={chunks}")
