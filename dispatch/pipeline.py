@@ -141,6 +141,9 @@ class MoEExchange(nn.Module):
             if not isinstance(experts, GroupedExperts) or not _plain_grouped_experts(experts, "cpu"):
                 raise ValueError("split='experts' needs a plain GroupedExperts (its own forward and parameters, "
                                  f"no module hooks), got {type(experts).__name__}")
+            if experts.num_local_experts != dispatcher.num_local_experts:
+                raise ValueError(f"split='experts' needs GroupedExperts of the dispatcher's "
+                                 f"{dispatcher.num_local_experts} local experts, got {experts.num_local_experts}")
             if chunks is not None and chunks > dispatcher.num_local_experts:
                 raise ValueError(f"chunks must be <= the {dispatcher.num_local_experts} local experts with "
                                  f"split='experts', got {chunks}")
@@ -180,8 +183,15 @@ class MoEExchange(nn.Module):
         from dispatch.expert_groups import build_group_plan, group_bounds
         from dispatch.pipeline_groups import GroupsFn
 
-        if torch.is_autocast_enabled(x.device.type):  # before any communication
+        experts = self.experts  # all checked before any communication
+        if torch.is_autocast_enabled(x.device.type):
             raise ValueError("split='experts' computes GroupedExperts itself and does not run under autocast")
+        if not _plain_grouped_experts(experts, x.device.type):
+            raise ValueError("split='experts' needs a plain GroupedExperts: a module hook (or another change) was "
+                             "added to the experts after the MoEExchange was made")
+        if x.shape[1] != experts.hidden or x.dtype != experts.w_in.dtype:
+            raise ValueError(f"x must be [T, {experts.hidden}] {experts.w_in.dtype} like the experts' parameters "
+                             f"with split='experts', got [T, {x.shape[1]}] {x.dtype}")
         d = self.dispatcher
         bounds = group_bounds(d.num_local_experts, self.chunks or 1)
         plan = d._plan(x, topk_idx, topk_weights, d.config.check_inputs)
