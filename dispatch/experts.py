@@ -299,7 +299,12 @@ class ExpertGroups:
     Each group's GEMMs read only that group's weights, and its backward writes
     only its slice of each weight gradient: over all groups the weights are read
     once per pass and their gradients written once, whatever the number of
-    groups; a row's values are those of one call over all rows.
+    groups. Each expert sees the same rows as in one call over all experts, so
+    results are those of that call where the GEMMs keep an expert's reduction
+    order whatever the other experts of the call (the loop backend does), and
+    equal to rounding otherwise. Kept for backward: the first GEMM's output and
+    the activations (with their graph), and the rows only if ``w_in`` requires
+    grad.
 
     Args:
         experts: the :class:`GroupedExperts`.
@@ -331,22 +336,18 @@ class ExpertGroups:
         h.requires_grad_()
         with torch.enable_grad():
             act = e._act(h)
-            y = e._matmul(act, w_out, counts, counts_host)
-        self.kept[g] = (rows, h, act, y)
-        return y.detach()
-
-    def output(self, g: int) -> torch.Tensor:
-        """Group g's output as :meth:`forward` returned it."""
-        return self.kept[g][3].detach()
+        self.kept[g] = (rows if e.w_in.requires_grad else None, h, act)
+        return e._matmul(act.detach(), w_out, counts, counts_host)
 
     def backward(self, g: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
         """Gradient of group g's output -> gradient of its rows (if ``rows_grad``);
         writes the group's slices of the weight gradients and frees its graph."""
         e = self.experts
         a, b, counts, counts_host = self._slice(g)
-        rows, h, act, y = self.kept[g]
+        rows, h, act = self.kept[g]
         self.kept[g] = None
-        (grad_h,) = torch.autograd.grad(y, [h], grad_y)
+        grad_act = e._matmul(grad_y, e.w_out.detach()[a:b].transpose(1, 2), counts, counts_host)
+        (grad_h,) = torch.autograd.grad(act, [h], grad_act)
         if self.grads is None:
             self.grads = (torch.empty_like(e.w_in) if e.w_in.requires_grad else None,
                           torch.empty_like(e.w_out) if e.w_out.requires_grad else None)

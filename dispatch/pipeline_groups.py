@@ -6,7 +6,8 @@ computes on its run of the canonical order (its weights only); chunk g's combine
 carries the rows whose last slot is in group g, pre-summed over all their slots.
 Rows, pre-sums and home sums are those of the plain exchange, so outputs and
 the gradients of x, topk_weights and the experts' weights are those of C = 1,
-however many groups. Schedule and streams as in ``dispatch.pipeline``.
+however many groups, where the experts' GEMMs keep an expert's reduction order
+whatever the other experts of the call (``experts.ExpertGroups``). Schedule and streams as in ``dispatch.pipeline``.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class GroupsFn(torch.autograd.Function):
             if not grad_rows_all:
                 grad_rows_all.append(grad_out.new_zeros(handle.num_rows, ctx.x_shape[1], dtype=ctx.x_dtype)
                                      if x_any else None)
-                grad_rows_all.append(weights.new_zeros(handle.num_rows) if w_any else None)
+                # one entry more, left 0: what the padding of a row's slot list reads
+                grad_rows_all.append(weights.new_zeros(handle.num_rows + 1) if w_any else None)
             gx, gw = grad_rows_all
             if gw is not None:
                 gw[a:b] = (grad_rows.to(acc) * y_all[a:b].to(acc)).sum(1).to(gw.dtype)
@@ -135,9 +137,8 @@ class GroupsFn(torch.autograd.Function):
                 to_x = _send_back(d, gx, gp, c, None, sum_wire_dtype(d.config.dispatch_grad_wire, gx.dtype), back_x)
             if gw is not None:
                 chunk = gp.chunks[c]
-                padded = torch.cat([gw, gw.new_zeros(1)])
                 index = chunk.presum_index
-                grid = padded[torch.where(index >= 0, index, gw.shape[0])]  # [R_c, J]
+                grid = gw[torch.where(index >= 0, index, handle.num_rows)]  # [R_c, J]
                 to, frm = chunk.combine_splits
                 region = back_w.region(chunk.back_start, grid, sum(frm))
                 _, work = comm.all_to_all_rows_start(grid, to, frm, d.group, out=region)
