@@ -101,7 +101,7 @@ def send_positions(hit: torch.Tensor, splits: tuple[int, ...]) -> torch.Tensor:
         [I, D] int64: the row of (i, d) in the send order (destination
         ascending, then item ascending); meaningless where ``hit`` is False.
     """
-    sizes = torch.tensor(splits, dtype=torch.int64, device=hit.device)
+    sizes = plan.to_device(torch.tensor(splits, dtype=torch.int64), hit.device)
     offsets = torch.cumsum(sizes, 0) - sizes
     before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()
     return before - 1 + offsets

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dispatch.plan import to_device
+
 
 @dataclass(frozen=True)
 class GroupChunk:
@@ -91,8 +93,8 @@ def build_group_plan(handle, outputs, topk_idx: torch.Tensor, bounds: tuple[int,
     device = topk_idx.device
     groups = len(bounds) - 1
     experts_per_rank = outputs.tokens_per_expert_host.shape[0]
-    group_of = torch.repeat_interleave(torch.arange(groups), torch.tensor([b - a for a, b in zip(bounds, bounds[1:])]))
-    group_of = group_of.to(device)  # [E_local]: group of each local expert
+    sizes = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])])
+    group_of = to_device(torch.repeat_interleave(torch.arange(groups), sizes), device)  # [E_local]: each expert's group
 
     # Sender: first and last group of each (token, destination), over its valid slots.
     valid = handle.slot_row >= 0  # [T, K]
@@ -104,10 +106,7 @@ def build_group_plan(handle, outputs, topk_idx: torch.Tensor, bounds: tuple[int,
     first.scatter_reduce_(1, dest, torch.where(valid, group, groups), reduce="amin")
     last = torch.full((num_tokens, world + 1), -1, dtype=torch.int64, device=device)
     last.scatter_reduce_(1, dest, torch.where(valid, group, -1), reduce="amax")
-    send_dest = torch.repeat_interleave(
-        torch.arange(world, device=device), torch.tensor(handle.send_splits, device=device),
-        output_size=sum(handle.send_splits),
-    )
+    send_dest = _peer_of_rows(handle.send_splits, device)
     send_token = handle.send_token
     send_first, send_last = first[send_token, send_dest], last[send_token, send_dest]
 
@@ -115,10 +114,7 @@ def build_group_plan(handle, outputs, topk_idx: torch.Tensor, bounds: tuple[int,
     ends = torch.cumsum(outputs.tokens_per_expert, 0)  # [E_local]
     presum = handle.presum_index  # [R, J]
     slots = (presum >= 0).sum(1)
-    recv_src = torch.repeat_interleave(
-        torch.arange(world, device=device), torch.tensor(handle.recv_splits, device=device),
-        output_size=sum(handle.recv_splits),
-    )
+    recv_src = _peer_of_rows(handle.recv_splits, device)
 
     def group_at(positions):
         return group_of[torch.searchsorted(ends, positions, right=True).clamp(max=experts_per_rank - 1)]
@@ -161,6 +157,12 @@ def build_group_plan(handle, outputs, topk_idx: torch.Tensor, bounds: tuple[int,
         sent, held = sent + sum(to_first), held + sum(from_first)
         back, recv_done = back + sum(to_last), recv_done + sum(from_last)
     return GroupPlan(tuple(chunks), expand_src, home_index, slot_row, held, back)
+
+
+def _peer_of_rows(splits: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[sum(splits)] the peer of each row of an exchange ordered by peer (host splits)."""
+    sizes = to_device(torch.tensor(splits, dtype=torch.int64), device)
+    return torch.repeat_interleave(torch.arange(len(splits), device=device), sizes, output_size=sum(splits))
 
 
 def _order(keys: torch.Tensor) -> torch.Tensor:

@@ -161,6 +161,14 @@ def split_gathered_chunks(gathered: torch.Tensor, world_size: int, chunks: int) 
     return counts.view(world_size, chunks, world_size, -1), gathered[:, counts.shape[1] :]
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``; on CUDA through pinned memory, so that
+    the copy does not wait for the work queued on the stream."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def token_chunks(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """[2, T] int64: the chunk of each token and its index inside its chunk.
 
@@ -175,8 +183,7 @@ def token_chunks(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
     token = torch.arange(num_tokens, device=device)
     if len(bounds) == 2:  # one chunk: every token in chunk 0, at its own index
         return torch.stack([torch.zeros_like(token), token])
-    starts = torch.tensor(bounds[:-1], dtype=torch.int64)
-    starts = starts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else starts.to(device)
+    starts = to_device(torch.tensor(bounds[:-1], dtype=torch.int64), device)
     chunk_of = torch.searchsorted(starts, token, right=True) - 1  # last chunk starting at or before the token
     return torch.stack([chunk_of, token - starts[chunk_of]])
 

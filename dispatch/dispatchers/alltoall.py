@@ -118,7 +118,7 @@ class AllToAllDispatcher(TokenDispatcher):
         )
         table = plan.recv_table(recv_rows.tolist(), per_expert.sum(1).tolist())
         rp = plan.build_recv_plan(
-            recv_meta, _to_device(torch.tensor(table, dtype=torch.int64), recv_meta.device),
+            recv_meta, plan.to_device(torch.tensor(table, dtype=torch.int64), recv_meta.device),
             int(per_expert.sum()), plan.weight_wire_dtype(weights.dtype),
         )
         src_rank, src_token = rp.src_rank[rp.expand_all], rp.src_token[rp.expand_all]
@@ -157,7 +157,7 @@ class AllToAllDispatcher(TokenDispatcher):
         return out
 
     def _header_row(self, x, topk_weights, topk) -> torch.Tensor:
-        return _to_device(torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64), x.device)
+        return plan.to_device(torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64), x.device)
 
     def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> torch.Tensor:
         sent = codec.pack(rows, handle.send_token)
@@ -228,11 +228,3 @@ def _slots_from_rows(back: torch.Tensor, handle: AllToAllHandle, values: torch.T
         handle.slot_row >= 0, handle.slot_row * handle.presum_index.shape[1] + handle.slot_col, flat.numel() - 1
     )
     return flat[at]
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device``; on CUDA from pinned memory, so that the
-    copy does not wait for the stream."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
