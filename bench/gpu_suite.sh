@@ -5,8 +5,7 @@
 #              Megatron-Core alongside) and the a2a sweep
 #   overlap    the overlap study in five settings (NCCL defaults; a CTA budget,
 #              high-priority NCCL stream and SM carveout; the same with fp8
-#              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16),
-#              then split by expert groups (NCCL defaults; slow, carveout 16)
+#              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16)
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -70,10 +69,7 @@ for part in "$@"; do
       bench 120 overlap-tuned overlap --comm-high-priority --comm-max-ctas 16 --sm-carveout 16 --trace --out "$RES"
       bench 120 overlap-fp8 overlap --comm-high-priority --comm-max-ctas 16 --sm-carveout 16 --dispatch-wire fp8 --out "$RES"
       bench 120 overlap-slow overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 2 --out "$RES"
-      bench 120 overlap-slow-carve16 overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --out "$RES"
-      bench 120 overlap-by-experts overlap --split experts --trace --out "$RES"
-      bench 120 overlap-by-experts-slow overlap --split experts --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 \
-        --out "$RES" ;;
+      bench 120 overlap-slow-carve16 overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

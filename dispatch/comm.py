@@ -80,37 +80,26 @@ def all_to_all_rows_start(
     send_splits: tuple[int, ...],
     recv_splits: tuple[int, ...],
     group: dist.ProcessGroup | None,
-    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, "dist.Work | None"]:
     """:func:`all_to_all_rows` issued with ``async_op=True``.
 
-    Args:
-        out: optional contiguous [sum(recv_splits), ...] buffer of ``rows``' dtype
-            and trailing shape (e.g. a run of rows of a larger buffer) to receive into.
     Returns:
         (out, work): ``out`` is the [sum(recv_splits), ...] result buffer, valid
         once ``work.wait()`` returned (on NCCL: once the current stream reaches
         the point where ``wait`` was called). ``work`` is None when nothing
-        travels (a group of one); ``out`` is then ``rows`` itself, or the given
-        ``out`` holding a copy of them.
+        travels (a group of one), and ``out`` is then ``rows`` itself.
     """
-    num_recv = sum(recv_splits)
-    if out is not None and (out.shape[0] != num_recv or out.shape[1:] != rows.shape[1:] or out.dtype != rows.dtype
-                            or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous [{num_recv}, {', '.join(map(str, rows.shape[1:]))}] "
-                         f"{rows.dtype} buffer, got {list(out.shape)} {out.dtype}")
     if len(send_splits) == 1:
-        return (rows, None) if out is None else (out.copy_(rows), None)
+        return rows, None
     rows = rows.contiguous()
     tail = rows.shape[1:]
     as_bytes = rows.view(rows.shape[0], math.prod(tail)).view(torch.uint8)
-    if out is None:
-        out = torch.empty(num_recv, *tail, dtype=rows.dtype, device=rows.device)
-    received = out.view(num_recv, math.prod(tail)).view(torch.uint8)
+    num_recv = sum(recv_splits)
+    out = torch.empty(num_recv, as_bytes.shape[1], dtype=torch.uint8, device=rows.device)
     work = dist.all_to_all_single(
-        received, as_bytes, list(recv_splits), list(send_splits), group=group, async_op=True
+        out, as_bytes, list(recv_splits), list(send_splits), group=group, async_op=True
     )
-    return out, work
+    return out.view(rows.dtype).view(num_recv, *tail), work
 
 
 def new_group_with_sm_budget(

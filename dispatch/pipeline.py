@@ -101,12 +101,6 @@ class MoEExchange(nn.Module):
             max_ctas=sm_carveout, high_priority=True)``. None (default): no
             carveout. Set through torch's process-wide experimental switch
             for the duration of the call, restored after.
-        split: ``"tokens"`` (default): chunk c is a range of every rank's
-            tokens. ``"experts"``: chunk g is a group of every rank's local
-            experts (``dispatch.expert_groups``), so that each group's GEMMs read
-            only its weights and the exchange of one group travels while the
-            next computes; needs the alltoall variant and a plain
-            :class:`GroupedExperts`, C <= E_local, no autocast.
     """
 
     def __init__(
@@ -116,7 +110,6 @@ class MoEExchange(nn.Module):
         chunks: int | None = None,
         comm_priority: int = -1,
         sm_carveout: int | None = None,
-        split: str = "tokens",
     ):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
@@ -131,23 +124,6 @@ class MoEExchange(nn.Module):
             isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int) or sm_carveout < 0
         ):
             raise ValueError(f"sm_carveout must be an int >= 0 or None, got {sm_carveout!r}")
-        if split not in ("tokens", "experts"):
-            raise ValueError(f"split must be 'tokens' or 'experts', got {split!r}")
-        if split == "experts":
-            from dispatch.dispatchers.alltoall import AllToAllDispatcher
-
-            if not isinstance(dispatcher, AllToAllDispatcher):
-                raise ValueError(f"split='experts' needs the alltoall variant, got {type(dispatcher).__name__}")
-            if not isinstance(experts, GroupedExperts) or not _plain_grouped_experts(experts, "cpu"):
-                raise ValueError("split='experts' needs a plain GroupedExperts (its own forward and parameters, "
-                                 f"no module hooks), got {type(experts).__name__}")
-            if experts.num_local_experts != dispatcher.num_local_experts:
-                raise ValueError(f"split='experts' needs GroupedExperts of the dispatcher's "
-                                 f"{dispatcher.num_local_experts} local experts, got {experts.num_local_experts}")
-            if chunks is not None and chunks > dispatcher.num_local_experts:
-                raise ValueError(f"chunks must be <= the {dispatcher.num_local_experts} local experts with "
-                                 f"split='experts', got {chunks}")
-        self.split = split
         self.sm_carveout = sm_carveout
         self.dispatcher = dispatcher
         self.experts = experts
@@ -167,8 +143,6 @@ class MoEExchange(nn.Module):
         """
         d = self.dispatcher
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
-        if self.split == "experts":
-            return self._forward_by_experts(x, topk_idx, topk_weights)
         chunks = self.chunks if self.chunks is not None else self._auto_chunks(x)
         bounds = chunk_bounds(x.shape[0], chunks)
         plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs)
@@ -178,28 +152,6 @@ class MoEExchange(nn.Module):
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, plans, bounds, grad_on, *params)
-
-    def _forward_by_experts(self, x, topk_idx, topk_weights):
-        from dispatch.expert_groups import build_group_plan, group_bounds
-        from dispatch.pipeline_groups import GroupsFn
-
-        experts = self.experts  # all checked before any communication
-        if torch.is_autocast_enabled(x.device.type):
-            raise ValueError("split='experts' computes GroupedExperts itself and does not run under autocast")
-        if not _plain_grouped_experts(experts, x.device.type):
-            raise ValueError("split='experts' needs a plain GroupedExperts: a module hook (or another change) was "
-                             "added to the experts after the MoEExchange was made")
-        if x.shape[1] != experts.hidden or x.dtype != experts.w_in.dtype:
-            raise ValueError(f"x must be [T, {experts.hidden}] {experts.w_in.dtype} like the experts' parameters "
-                             f"with split='experts', got [T, {x.shape[1]}] {x.dtype}")
-        d = self.dispatcher
-        bounds = group_bounds(d.num_local_experts, self.chunks or 1)
-        plan = d._plan(x, topk_idx, topk_weights, d.config.check_inputs)
-        group_plan = build_group_plan(*plan, topk_idx, bounds, d.world_size)
-        params = tuple(p for p in self.experts.parameters() if p.requires_grad)
-        grad_on = torch.is_grad_enabled()
-        anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return GroupsFn.apply(x, topk_weights, anchor, self, plan, group_plan, bounds, grad_on, *params)
 
     def _auto_chunks(self, x: torch.Tensor) -> int:
         # the rule needs no peer's sizes (see auto_chunks): no collective, no host sync

@@ -103,8 +103,7 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
 
 
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
-              generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False,
-              split: str = "tokens"):
+              generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False):
     """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
     fresh identical experts; C = "plain" runs dispatch -> experts -> combine instead.
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
@@ -125,7 +124,7 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
                 y = experts(out.tokens, out.tokens_per_expert)
                 h = d.combine(y, out.handle, weights=out.weights)
             else:
-                h = dispatch.MoEExchange(d, experts, chunks=chunks, split=split)(xs, idx, ws)
+                h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
             (h * grad_out.to(device)).sum().backward()
         results[chunks] = {
             "out": _cpu(h),
@@ -278,37 +277,6 @@ def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str):
     return None
 
 
-def split_errors(num_experts: int):
-    """Messages of MoEExchange(split=...) refusals, on a world of one."""
-    device = current_device()
-    messages = []
-    alltoall = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
-    allgather = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, variant="allgather"))
-    grouped = GroupedExperts(num_experts, 4, 8).to(device)
-    attempts = [
-        lambda: dispatch.MoEExchange(alltoall, grouped, split="rows"),
-        lambda: dispatch.MoEExchange(allgather, grouped, split="experts"),
-        lambda: dispatch.MoEExchange(alltoall, grouped, chunks=num_experts + 1, split="experts"),
-        lambda: dispatch.MoEExchange(alltoall, lambda t, n: t, split="experts"),
-    ]
-    for attempt in attempts:
-        try:
-            attempt()
-            messages.append(None)
-        except ValueError as exc:
-            messages.append(str(exc))
-    layer = dispatch.MoEExchange(alltoall, grouped, chunks=2, split="experts")
-    x = torch.randn(3, 4, device=device)
-    idx = torch.zeros(3, 1, dtype=torch.int64, device=device)
-    try:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            layer(x, idx, torch.ones(3, 1, device=device))
-        messages.append(None)
-    except ValueError as exc:
-        messages.append(str(exc))
-    return messages
-
-
 def assert_same(got, want, what, params_exact=True):
     """Two results of :func:`pipelined`: output and gradients of x and topk_weights
     bitwise equal; parameter gradients bitwise (``params_exact``) or to rounding."""
@@ -322,31 +290,3 @@ def assert_same(got, want, what, params_exact=True):
             assert torch.equal(a, b), f"{what}: gradient of parameter {i} differs"
         else:
             torch.testing.assert_close(a, b, msg=f"{what}: gradient of parameter {i}")
-
-
-def split_late_errors(num_experts: int):
-    """split='experts' refusals that only a call can see (on a world of one): a
-    hook added after construction, x of another width or dtype than the experts;
-    and experts of another count at construction."""
-    device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
-    messages = []
-
-    def attempt(fn):
-        try:
-            fn()
-            messages.append(None)
-        except ValueError as exc:
-            messages.append(str(exc))
-
-    attempt(lambda: dispatch.MoEExchange(d, GroupedExperts(num_experts + 1, 4, 8).to(device), split="experts"))
-    idx = torch.zeros(3, 1, dtype=torch.int64, device=device)
-    w = torch.ones(3, 1, device=device)
-    hooked = GroupedExperts(num_experts, 4, 8).to(device)
-    layer = dispatch.MoEExchange(d, hooked, chunks=2, split="experts")
-    hooked.register_forward_pre_hook(lambda module, args: None)
-    attempt(lambda: layer(torch.randn(3, 4, device=device), idx, w))
-    layer = dispatch.MoEExchange(d, GroupedExperts(num_experts, 4, 8).to(device), chunks=2, split="experts")
-    attempt(lambda: layer(torch.randn(3, 5, device=device), idx, w))
-    attempt(lambda: layer(torch.randn(3, 4, device=device, dtype=torch.float64), idx, w))
-    return messages

@@ -9,6 +9,9 @@ gloo, as a smoke test):
     T_seq       MoEExchange(C = 1) with GroupedExperts
     T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks``
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
+    ceiling     hidden at T_pipe = T_compute, the most a pipeline can reach here:
+                (T_seq - T_compute) / min(T_comm, T_compute); below 1 where the
+                layer at C = 1 already costs less than T_comm + T_compute
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
@@ -66,8 +69,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--comm-priority", type=int, default=-1, help="CUDA priority of the comm stream")
     parser.add_argument("--sm-carveout", type=int, default=None,
                         help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange")
-    parser.add_argument("--split", choices=("tokens", "experts"), default="tokens",
-                        help="MoEExchange(split=...): chunks of tokens, or groups of local experts (C <= E_local)")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
     args = parser.parse_args(argv)
@@ -159,10 +160,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         return _time(fn, args.iters, args.warmup, device)
 
     prio = args.comm_priority
-    pipe = functools.partial(dispatch.MoEExchange, comm_priority=prio, sm_carveout=args.sm_carveout, split=args.split)
-    tried = [c for c in args.chunks if args.split == "tokens" or c <= d.num_local_experts]
-    if not tried:
-        raise ValueError(f"--chunks {args.chunks}: none <= the {d.num_local_experts} local experts of {shape.name}")
+    pipe = functools.partial(dispatch.MoEExchange, comm_priority=prio, sm_carveout=args.sm_carveout)
     rows = []
     for name in PASSES:
         backward = name == "fwd+bwd"
@@ -170,7 +168,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         t_compute = timed(compute_fn(backward))
         seq_layer = dispatch.MoEExchange(d, experts, chunks=1, comm_priority=prio)
         t_seq = timed(layer_fn(seq_layer, backward))
-        by_chunks = {c: timed(layer_fn(pipe(d, experts, chunks=c), backward)) for c in tried}
+        by_chunks = {c: timed(layer_fn(pipe(d, experts, chunks=c), backward)) for c in args.chunks}
         best = min(by_chunks, key=by_chunks.get)
         with torch.no_grad():
             want = seq_layer(x, topk_idx, topk_weights)
@@ -180,9 +178,10 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority,
-            sm_carveout=args.sm_carveout, split=args.split, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
+            sm_carveout=args.sm_carveout, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
             t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
             hidden_fraction=(t_seq - by_chunks[best]) / min(t_comm, t_compute),
+            hidden_ceiling=(t_seq - t_compute) / min(t_comm, t_compute),
             max_abs_diff_vs_seq=float(diff),
         ))
     trace = None
@@ -272,23 +271,22 @@ def _suffix(args) -> str:
     wire = "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
-    split = "" if args.split == "tokens" else f"-by-{args.split}"
-    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + split
+    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| shape | pass | W | split | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | T_pipe by C | max abs diff |",
+        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | ceiling | T_pipe by C | max abs diff |",
         "|" + " --- |" * 16,
     ]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
         lines.append(
-            f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('split', 'tokens')} | {r['dispatch_wire']} | "
+            f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r['dispatch_wire']} | "
             f"{r['comm_max_ctas'] or '-'} | "
             f"{'high priority' if r.get('comm_high_priority') else 'default'} | {r.get('sm_carveout') or '-'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
-            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {by_c} | {r['max_abs_diff_vs_seq']:.3g} |"
+            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | {r['max_abs_diff_vs_seq']:.3g} |"
         )
     return "\n".join(lines)
 
