@@ -219,17 +219,7 @@ class ChunkedExperts:
         self.need_out = grad_on and experts.w_out.requires_grad
         chunks = len(counts)
         self.rows = [int(c.sum()) for c in counts_host]
-        self.places = [None] * chunks  # expert-major row of each chunk row (None: the identity)
-        if chunks > 1 and (self.need_in or self.need_out):
-            per_chunk = torch.stack(list(counts))  # [C, E_local]
-            total = per_chunk.sum(0)
-            shift = (torch.cumsum(total, 0) - total) + (torch.cumsum(per_chunk, 0) - per_chunk) - (
-                torch.cumsum(per_chunk, 1) - per_chunk
-            )  # [C, E_local]: expert-major start minus chunk start of each (chunk, expert) run
-            experts_range = torch.arange(per_chunk.shape[1], device=per_chunk.device)
-            for c, rows in enumerate(self.rows):
-                expert = torch.repeat_interleave(experts_range, counts[c], output_size=rows)
-                self.places[c] = torch.arange(rows, device=per_chunk.device) + shift[c][expert]
+        self.places = None  # per chunk, the expert-major row of each of its rows (made on first use)
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         self.hidden, self.outs = [None] * chunks, [None] * chunks
 
@@ -284,8 +274,26 @@ class ChunkedExperts:
         """Chunk c's rows placed expert-major in ``held`` (allocated on first use),
         row-major like the buffer of several chunks, so that the weight-gradient
         GEMMs see the same layout for every C."""
-        if self.places[c] is None:
+        if len(self.rows) == 1:
             return rows.contiguous()
+        if self.places is None:
+            self.places = self._expert_major()
         if held is None:
             held = rows.new_empty(sum(self.rows), rows.shape[1])
         return scatter_rows(held, self.places[c], rows)
+
+    def _expert_major(self) -> list[torch.Tensor]:
+        """Per chunk, [N_c] the expert-major row of each of its rows. Made on the
+        first chunk's forward, so that its device work is queued behind the
+        first dispatches rather than ahead of them."""
+        per_chunk = torch.stack(list(self.counts))  # [C, E_local]
+        total = per_chunk.sum(0)
+        shift = (torch.cumsum(total, 0) - total) + (torch.cumsum(per_chunk, 0) - per_chunk) - (
+            torch.cumsum(per_chunk, 1) - per_chunk
+        )  # [C, E_local]: expert-major start minus chunk start of each (chunk, expert) run
+        experts_range = torch.arange(per_chunk.shape[1], device=per_chunk.device)
+        places = []
+        for c, rows in enumerate(self.rows):
+            expert = torch.repeat_interleave(experts_range, self.counts[c], output_size=rows)
+            places.append(torch.arange(rows, device=per_chunk.device) + shift[c][expert])
+        return places
