@@ -18,6 +18,9 @@ def test_cpu_smoke_run_writes_results(tmp_path):
     for row in result["rows"]:
         assert row["best_chunks"] == 3 and row["max_abs_diff_vs_seq"] == 0.0
         assert row["t_comm_ms"] > 0 and row["t_compute_ms"] > 0 and row["t_seq_ms"] > 0
+        short, long = sorted((row["t_comm_ms"], row["t_compute_ms"]))
+        assert row["hidden_fraction"] == pytest.approx((row["t_seq_ms"] - row["t_pipe_ms"]) / short)
+        assert row["hidden_ceiling"] == pytest.approx((row["t_seq_ms"] - long) / short)
     assert (tmp_path / "overlap-trace-cpu-tiny-w2.png").stat().st_size > 0
     assert "| cpu-tiny | fwd+bwd | 2 |" in (tmp_path / "overlap-cpu-tiny-w2.md").read_text()
 

@@ -9,9 +9,9 @@ gloo, as a smoke test):
     T_seq       MoEExchange(C = 1) with GroupedExperts
     T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks``
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
-    ceiling     hidden at T_pipe = T_compute, the most a pipeline can reach here:
-                (T_seq - T_compute) / min(T_comm, T_compute); below 1 where the
-                layer at C = 1 already costs less than T_comm + T_compute
+    ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
+                can reach here: 1 where T_seq = T_comm + T_compute, less (more)
+                where the layer at C = 1 costs less (more) than that sum
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
@@ -181,7 +181,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
             sm_carveout=args.sm_carveout, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
             t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
             hidden_fraction=(t_seq - by_chunks[best]) / min(t_comm, t_compute),
-            hidden_ceiling=(t_seq - t_compute) / min(t_comm, t_compute),
+            hidden_ceiling=(t_seq - max(t_comm, t_compute)) / min(t_comm, t_compute),
             max_abs_diff_vs_seq=float(diff),
         ))
     trace = None
