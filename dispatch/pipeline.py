@@ -58,13 +58,13 @@ from dispatch.kernels.gather_sum import accumulate_dtype
 def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     """The chunk count ``MoEExchange(chunks=None)`` uses: 1, whatever the sizes.
 
-    Measured on 4 x H200 (``bench/results/nvidia-h200-x4/overlap-*``): over
+    Measured on 4 and 2 x H200 (``bench/results/nvidia-h200-x*/overlap-*``): over
     NVLink, chunking made the layer slower at every C tried (2, 4, 8) on the
     deepseek-v3 and mixtral shapes, in every setting of CTAs, stream priority,
     SM carveout and wire, since each chunk re-reads the experts' weights and
     the exchange proper is a small part of the layer. Only with the exchange
-    slowed to 2 NCCL CTAs did C = 2-4 gain (a fifth to a quarter of the
-    exchange hidden). A rule would need the link speed, which this function
+    slowed to 2 NCCL CTAs did C = 2-4 gain (at most a quarter of the exchange
+    hidden on 4 GPUs, a tenth on 2). A rule would need the link speed, which this function
     does not know; pass ``chunks`` where measurements (``dispatch-bench
     overlap``) show a gain. The arguments are those a size rule needs (the
     largest rank's T, H, the token itemsize).
