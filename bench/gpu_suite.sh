@@ -69,7 +69,7 @@ for part in "$@"; do
       bench 120 overlap-tuned overlap --comm-high-priority --comm-max-ctas 16 --sm-carveout 16 --trace --out "$RES"
       bench 120 overlap-fp8 overlap --comm-high-priority --comm-max-ctas 16 --sm-carveout 16 --dispatch-wire fp8 --out "$RES"
       bench 120 overlap-slow overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 2 --out "$RES"
-      bench 120 overlap-slow-carve16 overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --out "$RES" ;;
+      bench 120 overlap-slow-carve16 overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --trace --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
