@@ -64,7 +64,7 @@ def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     SM carveout and wire, since each chunk re-reads the experts' weights and
     the exchange proper is a small part of the layer. Only with the exchange
     slowed to 2 NCCL CTAs did C = 2-4 gain (at most a quarter of the exchange
-    hidden on 4 GPUs, a tenth on 2). A rule would need the link speed, which this function
+    hidden on 4 GPUs, a tenth to an eighth on 2). A rule would need the link speed, which this function
     does not know; pass ``chunks`` where measurements (``dispatch-bench
     overlap``) show a gain. The arguments are those a size rule needs (the
     largest rank's T, H, the token itemsize).
@@ -228,10 +228,12 @@ class _Arrived:
         return self.result
 
 
-def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None) -> None:
+def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, head=None) -> None:
     """D0 D1 X0 H0 D2 X1 H1 ...: ``bring(c) -> Pending`` (rows for the experts),
     ``compute(c, rows) -> value``, ``send_back(c, value) -> Pending`` (stores its
-    result when finished); ``tail()`` runs on the compute side once the last
+    result when finished); ``head()`` runs on the compute side once the first
+    two bring-ins are issued, while they travel (before the compute side waits
+    for chunk 0); ``tail()`` runs on the compute side once the last
     chunk's send-back is issued, while it travels. Every rank issues the
     collectives in this same order.
     A value is dropped as soon as its send-back is issued (on CUDA the
@@ -245,6 +247,8 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None) -
 
     issue(0)
     issue(1)
+    if head is not None:
+        head()
     outbound = None
     for c in range(chunks):
         with streams.carveout():
@@ -286,9 +290,9 @@ class _PipelineFn(torch.autograd.Function):
         x_grad_any = bool(handles) and handles[0].x_grad_any
         leaves, ys = [None] * len(plans), [None] * len(plans)
         out = []  # [T, H'], allocated once the experts' output width is known
-        split = None
+        chunked = None
         if _plain_grouped_experts(experts, x.device.type):  # weight gradients once, over all chunks
-            split = ChunkedExperts(
+            chunked = ChunkedExperts(
                 experts, [o.tokens_per_expert for _, o in plans], [o.tokens_per_expert_host for _, o in plans], grad_on
             )
 
@@ -297,8 +301,8 @@ class _PipelineFn(torch.autograd.Function):
             return d._to_experts_start(x[a:b], handles[c], codec)
 
         def compute(c, tokens):
-            if split is not None:
-                y = split.forward(c, tokens)
+            if chunked is not None:
+                y = chunked.forward(c, tokens)
                 if not out:
                     out.append(y.new_empty(x.shape[0], y.shape[1]))
                 return y
@@ -318,11 +322,11 @@ class _PipelineFn(torch.autograd.Function):
             pending = d._to_home_start(y, handles[c], weights[c], wire)
             return _Stored([pending], lambda h: out[0][a:b].copy_(h))
 
-        _run(streams, len(plans), bring, compute, send_back)
+        _run(streams, len(plans), bring, compute, send_back, head=None if chunked is None else chunked.prepare)
         if not out:  # no chunk (cannot happen: C >= 1), kept for clarity of the types
             raise RuntimeError("the pipeline ran no chunk")
         ctx.layer, ctx.plans, ctx.bounds, ctx.weights = layer, plans, bounds, weights
-        ctx.leaves, ctx.ys, ctx.params, ctx.split = leaves, ys, params, split
+        ctx.leaves, ctx.ys, ctx.params, ctx.chunked = leaves, ys, params, chunked
         ctx.spent = False
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, topk_weights.dtype
         ctx.anchor_dtype = anchor.dtype
@@ -352,15 +356,15 @@ class _PipelineFn(torch.autograd.Function):
             a, b = bounds[c], bounds[c + 1]
             return d._to_experts_start(grad_out[a:b], handles[c], codec)
 
-        split = ctx.split
+        chunked = ctx.chunked
 
         def compute(c, grad_rows):
-            y, leaf, w = ctx.ys[c] if split is None else split.output(c), ctx.leaves[c], ctx.weights[c]
+            y, leaf, w = ctx.ys[c] if chunked is None else chunked.output(c), ctx.leaves[c], ctx.weights[c]
             acc = accumulate_dtype(grad_rows.dtype, w.dtype)
             grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
             grad_w = (grad_rows.to(acc) * y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
-            if split is not None:
-                grad_tokens = split.backward(c, grad_y, x_any) if x_any or ctx.params else None
+            if chunked is not None:
+                grad_tokens = chunked.backward(c, grad_y, x_any) if x_any or ctx.params else None
                 return grad_tokens, grad_w
             inputs = ([leaf] if leaf.requires_grad else []) + list(ctx.params)
             grads = [None] * len(inputs)
@@ -394,13 +398,13 @@ class _PipelineFn(torch.autograd.Function):
             return _Stored([to_x, to_w], store)
 
         def weight_grads():
-            by_param = dict(zip((id(split.experts.w_in), id(split.experts.w_out)), split.weight_grads()))
+            by_param = dict(zip((id(chunked.experts.w_in), id(chunked.experts.w_out)), chunked.weight_grads()))
             for i, p in enumerate(ctx.params):
                 grad_params[i] = by_param[id(p)]  # _plain_grouped_experts: these are its only parameters
 
-        tail = weight_grads if split is not None and ctx.params else None
+        tail = weight_grads if chunked is not None and ctx.params else None
         _run(streams, len(plans), bring, compute, send_back, tail)
-        ctx.split = None
+        ctx.chunked = None
         needs = ctx.needs_input_grad
         grad_params = [
             torch.zeros_like(p) if g is None and needs[7 + i] else g
