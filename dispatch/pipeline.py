@@ -64,10 +64,10 @@ def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     SM carveout and wire, since each chunk re-reads the experts' weights and
     the exchange proper is a small part of the layer. Only with the exchange
     slowed to 2 NCCL CTAs did C = 2-4 gain (at most a quarter of the exchange
-    hidden on 4 GPUs, a tenth to an eighth on 2). A rule would need the link speed, which this function
-    does not know; pass ``chunks`` where measurements (``dispatch-bench
-    overlap``) show a gain. The arguments are those a size rule needs (the
-    largest rank's T, H, the token itemsize).
+    hidden on 4 GPUs, a tenth to an eighth on 2). A rule would need the link
+    speed, which this function does not know; pass ``chunks`` where
+    measurements (``dispatch-bench overlap``) show a gain. The arguments are
+    those a size rule needs (the largest rank's T, H, the token itemsize).
     """
     return 1
 
@@ -228,12 +228,10 @@ class _Arrived:
         return self.result
 
 
-def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, head=None) -> None:
+def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None) -> None:
     """D0 D1 X0 H0 D2 X1 H1 ...: ``bring(c) -> Pending`` (rows for the experts),
     ``compute(c, rows) -> value``, ``send_back(c, value) -> Pending`` (stores its
-    result when finished); ``head()`` runs on the compute side once the first
-    two bring-ins are issued, while they travel (before the compute side waits
-    for chunk 0); ``tail()`` runs on the compute side once the last
+    result when finished); ``tail()`` runs on the compute side once the last
     chunk's send-back is issued, while it travels. Every rank issues the
     collectives in this same order.
     A value is dropped as soon as its send-back is issued (on CUDA the
@@ -247,8 +245,6 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, h
 
     issue(0)
     issue(1)
-    if head is not None:
-        head()
     outbound = None
     for c in range(chunks):
         with streams.carveout():
@@ -322,7 +318,7 @@ class _PipelineFn(torch.autograd.Function):
             pending = d._to_home_start(y, handles[c], weights[c], wire)
             return _Stored([pending], lambda h: out[0][a:b].copy_(h))
 
-        _run(streams, len(plans), bring, compute, send_back, head=None if chunked is None else chunked.prepare)
+        _run(streams, len(plans), bring, compute, send_back)
         if not out:  # no chunk (cannot happen: C >= 1), kept for clarity of the types
             raise RuntimeError("the pipeline ran no chunk")
         ctx.layer, ctx.plans, ctx.bounds, ctx.weights = layer, plans, bounds, weights
