@@ -101,6 +101,10 @@ class MoEExchange(nn.Module):
             max_ctas=sm_carveout, high_priority=True)``. None (default): no
             carveout. Set through torch's process-wide experimental switch
             for the duration of the call, restored after.
+        local_first: compute the rows this rank routes to its own experts
+            first, from ``topk_idx`` alone, while the plan and the dispatch of
+            the other ranks' rows run on the communication stream; backward
+            alike (``dispatch.pipeline_local``). The alltoall variant, C = 1.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class MoEExchange(nn.Module):
         chunks: int | None = None,
         comm_priority: int = -1,
         sm_carveout: int | None = None,
+        local_first: bool = False,
     ):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
@@ -124,6 +129,17 @@ class MoEExchange(nn.Module):
             isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int) or sm_carveout < 0
         ):
             raise ValueError(f"sm_carveout must be an int >= 0 or None, got {sm_carveout!r}")
+        if not isinstance(local_first, bool):
+            raise TypeError(f"local_first must be a bool, got {type(local_first).__name__}")
+        if local_first:
+            from dispatch.dispatchers.alltoall import AllToAllDispatcher
+
+            if not isinstance(dispatcher, AllToAllDispatcher):
+                raise ValueError(f"local_first=True needs the alltoall variant, got {type(dispatcher).__name__}")
+            if chunks not in (None, 1):
+                raise ValueError(f"local_first=True computes the own rows, then the others' rows: chunks must be "
+                                 f"1 or None, got {chunks!r}")
+        self.local_first = local_first
         self.sm_carveout = sm_carveout
         self.dispatcher = dispatcher
         self.experts = experts
@@ -143,6 +159,8 @@ class MoEExchange(nn.Module):
         """
         d = self.dispatcher
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
+        if self.local_first:
+            return self._forward_local_first(x, topk_idx, topk_weights)
         chunks = self.chunks if self.chunks is not None else self._auto_chunks(x)
         bounds = chunk_bounds(x.shape[0], chunks)
         plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs)
@@ -152,6 +170,36 @@ class MoEExchange(nn.Module):
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, plans, bounds, grad_on, *params)
+
+    def _forward_local_first(self, x, topk_idx, topk_weights):
+        from dispatch import pipeline_local as local
+
+        d = self.dispatcher
+        streams = self._streams(x.device)
+        grad_on = torch.is_grad_enabled()
+        own = local.own_rows(topk_idx, d.config.num_experts, d.world_size, d.rank)
+        if streams.comm_stream is not None:  # the plan reads the inputs, not the own rows' work queued next
+            streams.comm_stream.wait_stream(streams.compute)
+        codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
+        own_leaf, own_y = local.compute_own(self.experts, x, own, codec, grad_on)
+        _check_expert_out(own_y, own_leaf)  # before any communication
+        with local.on_comm(streams):  # the plan and the others' rows, beside the own rows' work
+            plan_out = d._plan(x, topk_idx, topk_weights, d.config.check_inputs)
+            handle, outputs = plan_out
+            positions = local.partition(outputs.src_rank, d.rank, own.expand.shape[0])
+            with torch.no_grad():
+                pending = local.bring(d, x, handle, codec, positions[0])
+        for made_there in (handle, outputs):
+            local.used_on(made_there, streams.compute)
+        if streams.comm_stream is not None:
+            for t in positions:
+                t.record_stream(streams.compute)
+        params = tuple(p for p in self.experts.parameters() if p.requires_grad) if isinstance(
+            self.experts, nn.Module
+        ) else ()
+        anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
+        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, plan_out, own, (own_leaf, own_y),
+                                        (positions, pending), grad_on, *params)
 
     def _auto_chunks(self, x: torch.Tensor) -> int:
         # the rule needs no peer's sizes (see auto_chunks): no collective, no host sync

@@ -102,10 +102,18 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
     return experts.to(current_device())
 
 
+def make_layer(d, experts, chunks):
+    """MoEExchange(chunks=C), or MoEExchange(local_first=True) for C = "local"."""
+    if chunks == "local":
+        return dispatch.MoEExchange(d, experts, local_first=True)
+    return dispatch.MoEExchange(d, experts, chunks=chunks)
+
+
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
               generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False):
     """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
-    fresh identical experts; C = "plain" runs dispatch -> experts -> combine instead.
+    fresh identical experts; C = "plain" runs dispatch -> experts -> combine
+    instead, C = "local" MoEExchange(local_first=True).
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
     device = current_device()
     cfg = dispatch.DispatchConfig(**config)
@@ -124,7 +132,7 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
                 y = experts(out.tokens, out.tokens_per_expert)
                 h = d.combine(y, out.handle, weights=out.weights)
             else:
-                h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
+                h = make_layer(d, experts, chunks)(xs, idx, ws)
             (h * grad_out.to(device)).sum().backward()
         results[chunks] = {
             "out": _cpu(h),
@@ -143,7 +151,7 @@ def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: boo
     if late:
         experts = LateExperts(experts)
     with torch.no_grad(), late_collectives(late):
-        h = dispatch.MoEExchange(d, experts, chunks=chunks)(x.to(device), topk_idx.to(device), topk_weights.to(device))
+        h = make_layer(d, experts, chunks)(x.to(device), topk_idx.to(device), topk_weights.to(device))
     return _cpu(h), h.requires_grad
 
 
@@ -251,7 +259,7 @@ def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str
                 out = d.dispatch(xs, idx, ws)
                 h = d.combine(experts(out.tokens, out.tokens_per_expert), out.handle, weights=out.weights)
             else:
-                h = dispatch.MoEExchange(d, experts, chunks=chunks)(xs, idx, ws)
+                h = make_layer(d, experts, chunks)(xs, idx, ws)
         (h.float() * grad_out.to(device)).sum().backward()
         results[chunks] = (_cpu(h), _cpu(xs.grad), [_cpu(p.grad) for p in experts.parameters()])
     return results
@@ -262,13 +270,13 @@ class _Doubled(nn.Module):
         return 2 * w
 
 
-def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str):
+def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str, chunks=2):
     """The error of a second backward through one MoEExchange forward."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config))
     experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
     xs = x.to(device).requires_grad_()
-    out = dispatch.MoEExchange(d, experts, chunks=2)(xs, topk_idx.to(device), topk_weights.to(device)).sum()
+    out = make_layer(d, experts, chunks)(xs, topk_idx.to(device), topk_weights.to(device)).sum()
     out.backward(retain_graph=True)
     try:
         out.backward()
@@ -290,3 +298,19 @@ def assert_same(got, want, what, params_exact=True):
             assert torch.equal(a, b), f"{what}: gradient of parameter {i} differs"
         else:
             torch.testing.assert_close(a, b, msg=f"{what}: gradient of parameter {i}")
+
+
+def local_first_errors(num_experts: int) -> list[str | None]:
+    """Messages of MoEExchange(local_first=...) refusals, on a world of one."""
+    alltoall = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    allgather = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, variant="allgather"))
+    messages = []
+    for attempt in (lambda: dispatch.MoEExchange(alltoall, lambda t, n: t, local_first=1),
+                    lambda: dispatch.MoEExchange(alltoall, lambda t, n: t, chunks=2, local_first=True),
+                    lambda: dispatch.MoEExchange(allgather, lambda t, n: t, local_first=True)):
+        try:
+            attempt()
+            messages.append(None)
+        except (TypeError, ValueError) as exc:
+            messages.append(str(exc))
+    return messages

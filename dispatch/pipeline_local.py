@@ -1,0 +1,227 @@
+"""MoEExchange(local_first=True): a rank's own rows are computed while the plan
+and the exchange of the other ranks' rows run.
+
+Notation as in ``dispatch.plan``. The rows of the canonical order whose source is
+this rank ("own rows": its tokens routed to its own experts) need nothing from
+any peer: they are known from ``topk_idx`` alone. With ``local_first`` the layer
+
+1. finds the own rows on the device (one host synchronisation for their counts)
+   and computes them on the compute stream,
+2. meanwhile makes the plan and dispatches on the communication stream,
+3. computes the other ranks' rows once they have arrived, and
+4. combines all rows as ``combine`` does.
+
+Backward alike: the own rows' gradients are formed from ``grad_out`` and
+computed while the others' travel, then all rows' gradients go home together.
+
+The exchange is the plain one, own rows included (they cross the all-to-all's
+self block, a local copy): the rows the experts see, the combine's pre-sums and
+the home sums are those of ``dispatch`` / ``combine``, value for value. So where
+the experts compute each row on its own, outputs and the gradients of x and
+topk_weights are bitwise those of C = 1; parameter gradients are the sum of two
+calls' (own rows, then the others'), equal to those of one call up to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dispatch import comm, plan
+from dispatch.codec import sum_wire_dtype, to_experts_codec
+from dispatch.dispatchers.base import Pending
+from dispatch.kernels.gather_sum import accumulate_dtype
+
+
+@dataclass(frozen=True)
+class OwnRows:
+    """The rows of the canonical order whose source is this rank.
+
+    Attributes:
+        send_token: [S_own] tokens with at least one slot on this rank, ascending
+            (this rank's send rows to itself).
+        expand: [N_own] the send row behind each own row, in canonical order
+            (local expert, then token).
+        counts: [E_local] int64 own rows per local expert, on the device.
+        counts_host: the same on the host.
+    """
+
+    send_token: torch.Tensor
+    expand: torch.Tensor
+    counts: torch.Tensor
+    counts_host: torch.Tensor
+
+
+def own_rows(topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int) -> OwnRows:
+    """This rank's own rows, from its routing alone; one host synchronisation."""
+    r = plan.route(topk_idx, num_experts, world_size)
+    experts_per_rank = num_experts // world_size
+    host = r.counts[rank].cpu()  # host sync: how many own send rows and own rows per expert
+    num_send, counts_host = int(host[0]), host[1:]
+    num_rows = int(counts_host.sum())
+    num_tokens, topk = topk_idx.shape
+    device = topk_idx.device
+    token = torch.arange(num_tokens, device=device)
+    mine = r.dest == rank  # [T, K]: valid slots on this rank (repeats and bad ids are not)
+    key = torch.where(mine, topk_idx.long() % experts_per_rank * num_tokens + token.unsqueeze(1),
+                      experts_per_rank * num_tokens)  # (expert, token), the others last
+    row_token = torch.sort(key.flatten()).values[:num_rows] % max(num_tokens, 1)
+    hit = r.hit[:, rank]
+    send_token = torch.sort(torch.where(hit, token, num_tokens)).values[:num_send]
+    expand = (torch.cumsum(hit, 0) - 1)[row_token]
+    return OwnRows(send_token, expand, r.counts[rank, 1:], counts_host)
+
+
+def used_on(obj, stream) -> None:
+    """Mark every tensor field of a plan dataclass as used by ``stream`` (the
+    plan is made on the communication stream and read on the compute stream)."""
+    if stream is None:
+        return
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(stream)
+
+
+@contextlib.contextmanager
+def on_comm(streams):
+    """Run the enclosed work on the communication stream (CUDA; the caller has
+    made it wait for the inputs); on CPU, where it is."""
+    if streams.comm_stream is None:
+        yield
+        return
+    with torch.cuda.stream(streams.comm_stream):
+        yield
+
+
+def compute_own(experts, x, own: OwnRows, codec, grad_on: bool):
+    """The own rows through the wire's encoding (as the all-to-all's self block
+    carries them) and the experts: (leaf rows, expert output with its graph)."""
+    with torch.no_grad():
+        rows = codec.unpack(codec.pack(x, own.send_token), x.dtype, x.shape[1], own.expand)
+    leaf = rows.requires_grad_(grad_on)
+    with torch.set_grad_enabled(grad_on):
+        y = experts(leaf, own.counts)
+    return leaf, y
+
+
+def partition(src_rank: torch.Tensor, rank: int, num_own: int):
+    """(others', own) positions in the canonical order, each ascending."""
+    order = torch.sort((src_rank == rank).to(torch.int8), stable=True).indices
+    split = order.shape[0] - num_own
+    return order[:split], order[split:]
+
+
+def bring(d, rows, handle, codec, positions):
+    """The rows for the experts at ``positions`` of the canonical order, left in flight."""
+    sent = codec.pack(rows, handle.send_token)
+    received, work = comm.all_to_all_rows_start(sent, handle.send_splits, handle.recv_splits, d.group)
+    return Pending(work, lambda: codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src[positions]))
+
+
+def arrive(streams, pending: Pending) -> torch.Tensor:
+    """Finish an exchange issued on the communication stream there (CUDA), and
+    make the compute stream wait for its result; on CPU, finish it."""
+    if streams.comm_stream is None:
+        return pending.finish()
+    with torch.cuda.stream(streams.comm_stream):
+        result = pending.finish()
+        event = torch.cuda.Event()
+        event.record(streams.comm_stream)
+    streams.compute.wait_event(event)
+    result.record_stream(streams.compute)  # made in the communication stream's pool
+    return result
+
+
+def _merge(num_rows: int, parts) -> torch.Tensor:
+    """[N, ...] rows of the canonical order from (positions, rows) parts."""
+    first = parts[0][1]
+    merged = first.new_empty(num_rows, *first.shape[1:])
+    for positions, rows in parts:
+        merged[positions] = rows
+    return merged
+
+
+class LocalFirstFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, anchor, layer, plan_out, own, own_part, inbound, grad_on, *params):
+        from dispatch.pipeline import _check_expert_out
+
+        d, experts = layer.dispatcher, layer.experts
+        handle, outputs = plan_out
+        own_leaf, own_y = own_part  # in a tuple: autograd is not to follow their graph from here
+        (others, mine), pending = inbound
+        streams = layer._streams(x.device)
+        leaf = arrive(streams, pending).requires_grad_(grad_on)
+        with torch.set_grad_enabled(grad_on):
+            y = experts(leaf, outputs.tokens_per_expert - own.counts)
+        _check_expert_out(y, leaf)
+        y_all = _merge(handle.num_rows, [(others, y.detach()), (mine, own_y.detach())])
+        weights = outputs.weights.to(topk_weights.dtype, copy=True)
+        wire = sum_wire_dtype(d.config.combine_wire, y_all.dtype)
+        back = streams.comm(lambda: d._to_home_start(y_all, handle, weights, wire), to_compute=True, reads=(y_all,))
+        out = back.finish()
+        streams.join()
+        ctx.layer, ctx.plan_out, ctx.own, ctx.parts = layer, plan_out, own, [(others, leaf, y), (mine, own_leaf, own_y)]
+        ctx.weights, ctx.params, ctx.spent = weights, params, False
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.anchor_dtype = x.shape, x.dtype, topk_weights.dtype, anchor.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.spent:
+            raise RuntimeError("MoEExchange's backward ran a second time on one forward (retain_graph=True): "
+                               "the experts' graphs are freed as their gradients are sent; run the forward again")
+        ctx.spent = True
+        layer, (handle, _), own = ctx.layer, ctx.plan_out, ctx.own
+        d = layer.dispatcher
+        grad_out = grad_out.contiguous()
+        streams = layer._streams(grad_out.device)
+        x_any, w_any = handle.x_grad_any, handle.weights_grad_any
+        codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
+        (others, leaf, y), (mine, own_leaf, own_y) = ctx.parts
+        arrived = streams.comm(lambda: bring(d, grad_out, handle, codec, others), to_compute=True)
+        own_grad = codec.unpack(codec.pack(grad_out, own.send_token), grad_out.dtype, grad_out.shape[1], own.expand)
+        grad_params = [None] * len(ctx.params)
+
+        def backward_part(positions, part_leaf, part_y, grad_rows):
+            w = ctx.weights[positions]
+            acc = accumulate_dtype(grad_rows.dtype, w.dtype)
+            grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(part_y.dtype)
+            grad_w = (grad_rows.to(acc) * part_y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
+            inputs = ([part_leaf] if x_any and part_leaf.requires_grad else []) + list(ctx.params)
+            grads = [None] * len(inputs)
+            if inputs and part_y.requires_grad:
+                grads = list(torch.autograd.grad(part_y, inputs, grad_y, allow_unused=True))
+            grad_rows_in = grads.pop(0) if x_any and part_leaf.requires_grad else None
+            for i, g in enumerate(grads):
+                if g is not None:  # own rows' first, then the others', in the parameter's dtype
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+            if x_any and grad_rows_in is None:
+                grad_rows_in = part_leaf.new_zeros(part_leaf.shape)
+            return grad_rows_in, grad_w
+
+        own_in, own_w = backward_part(mine, own_leaf, own_y, own_grad)
+        other_in, other_w = backward_part(others, leaf, y, arrived.finish())
+        ctx.parts = None  # the experts' graphs are spent
+        to_x = to_w = None
+        if x_any:
+            rows = _merge(handle.num_rows, [(others, other_in), (mine, own_in)])
+            wire = sum_wire_dtype(d.config.dispatch_grad_wire, rows.dtype)
+            to_x = streams.comm(lambda: d._to_home_start(rows, handle, None, wire), to_compute=True, reads=(rows,))
+        if w_any:
+            values = _merge(handle.num_rows, [(others, other_w), (mine, own_w)])
+            to_w = streams.comm(lambda: d._weights_to_home_start(values, handle), to_compute=True, reads=(values,))
+        grad_x = to_x.finish().to(ctx.x_dtype) if to_x is not None else None
+        grad_topk = to_w.finish().to(ctx.w_dtype) if to_w is not None else None
+        streams.join()
+        needs = ctx.needs_input_grad
+        grad_params = [
+            torch.zeros_like(p) if g is None and needs[9 + i] else g
+            for i, (g, p) in enumerate(zip(grad_params, ctx.params))
+        ]
+        return (grad_x if needs[0] else None, grad_topk if needs[1] else None,
+                grad_out.new_zeros(0, dtype=ctx.anchor_dtype), None, None, None, None, None, None, *grad_params)

@@ -1,0 +1,111 @@
+"""MoEExchange(local_first=True): the own rows computed beside the plan and the
+exchange give the plain round trip's results, bitwise, forward and backward, on
+worlds of 1-4 ranks (gloo here, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dispatch
+import pipeline_fns
+from routing import make_routing, random_tokens
+from test_pipeline import HIDDEN, _run
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["random", "sparse"])
+def test_local_first_bitwise_fp32(worlds, world_size, mode):
+    """Output and gradients of x and topk_weights bitwise those of dispatch ->
+    experts -> combine; parameter gradients (two calls' sums) to rounding. A rank
+    with T = 0, and sparse routing where some ranks have no own rows."""
+    routing = make_routing(world_size, 2, 3, [7, 0, 3, 12][:world_size], mode, seed=20 + world_size)
+    _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", "local"])
+    for rank, per_c in enumerate(results):
+        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("experts", ["rowwise", "relu"])
+def test_local_first_exact_sums(worlds, world_size, experts):
+    """fp64 dyadic data, where every sum is exact: the experts' parameter
+    gradients too are bitwise those of one call (GroupedExperts' relu included)."""
+    routing = make_routing(world_size, 2, 2, [6, 1, 0, 9][:world_size], "random", seed=27)
+    xs = [(random_tokens(r, t, HIDDEN, torch.float64, 3) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    gs = [(random_tokens(r, t, HIDDEN, torch.float64, 4) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, ["plain", "local"], experts)
+            for r in range(world_size)]
+    for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
+        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_local_first_wire_formats(worlds, pow2):
+    """fp8 dispatch, e5m2 gradients, bf16 sums: the own rows are encoded as the
+    all-to-all's self block carries them, in both directions."""
+    routing = make_routing(3, 2, 2, [7, 5, 6], "random", seed=26)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) * 3 for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) * 3 for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, dispatch_wire="fp8", combine_wire="bf16",
+                  combine_grad_wire="e5m2", dispatch_grad_wire="bf16", fp8_pow2_scales=pow2)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local"], "rowwise")
+            for r in range(3)]
+    for rank, per_c in enumerate(worlds(3).run(pipeline_fns.pipelined, args)):
+        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
+
+
+def test_local_first_gradients_only_where_asked(worlds):
+    """Ranks that need different gradients: each gets those it asked for, the others none."""
+    routing = make_routing(2, 2, 2, [4, 5], "random", seed=23)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local"],
+             "rowwise", False, r == 0, r == 1) for r in range(2)]
+    results = worlds(2).run(pipeline_fns.pipelined, args)
+    for rank, per_c in enumerate(results):
+        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
+    assert results[0]["local"]["topk_weights"] is None and results[1]["local"]["x"] is None
+
+
+def test_local_first_no_grad_and_second_backward(worlds):
+    """Forward without grad gives C = 1's output; a second backward says what happened."""
+    routing = make_routing(2, 2, 2, [6, 3], "random", seed=22)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    got = worlds(2).run(pipeline_fns.pipelined_no_grad,
+                        [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, "local") for r in range(2)])
+    want = worlds(2).run(pipeline_fns.pipelined_no_grad,
+                         [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(2)])
+    for (h, requires), (h1, _) in zip(got, want):
+        assert torch.equal(h, h1) and not requires
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, "rowwise", "local") for r in range(2)]
+    for message in worlds(2).run(pipeline_fns.backward_twice, args):
+        assert message is not None and "second time" in message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams are a CUDA matter")
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_local_first_late_streams(worlds, world_size):
+    """CUDA: every all-to-all made late on the communication stream and the
+    experts made late on the compute stream change no bit: the own rows' work,
+    the plan and the exchange meet only through events."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    routing = make_routing(world_size, 2, 2, [300, 41][:world_size], "random", seed=33)
+    xs = [random_tokens(r, t, 64, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, 64, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local"],
+             "rowwise", False, True, True, True) for r in range(world_size)]
+    for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
+        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
+
+
+def test_local_first_bad_arguments(worlds):
+    """Refused at construction, naming the argument: a non-bool, chunks > 1, another variant."""
+    (messages,) = worlds(1).run(pipeline_fns.local_first_errors, [(2,)])
+    assert "local_first must be a bool" in messages[0]
+    assert "chunks must be 1 or None" in messages[1]
+    assert "alltoall variant" in messages[2]
