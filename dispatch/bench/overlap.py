@@ -7,7 +7,8 @@ gloo, as a smoke test):
     T_comm      the exchange alone (MoEExchange, C = 1, identity experts)
     T_compute   the experts alone, on the rows one dispatch delivers
     T_seq       MoEExchange(C = 1) with GroupedExperts
-    T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks``
+    T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks`` (and,
+                with ``--local-first``, of MoEExchange(local_first=True): "local")
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
@@ -25,7 +26,6 @@ two streams' kernels to a PNG.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--comm-priority", type=int, default=-1, help="CUDA priority of the comm stream")
     parser.add_argument("--sm-carveout", type=int, default=None,
                         help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange")
+    parser.add_argument("--local-first", action="store_true",
+                        help="also try MoEExchange(local_first=True) for T_pipe (reported as C = local)")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
     args = parser.parse_args(argv)
@@ -160,7 +162,14 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         return _time(fn, args.iters, args.warmup, device)
 
     prio = args.comm_priority
-    pipe = functools.partial(dispatch.MoEExchange, comm_priority=prio, sm_carveout=args.sm_carveout)
+    options = dict(comm_priority=prio, sm_carveout=args.sm_carveout)
+
+    def pipe(c):
+        if c == "local":
+            return dispatch.MoEExchange(d, experts, local_first=True, **options)
+        return dispatch.MoEExchange(d, experts, chunks=c, **options)
+
+    tried = [*args.chunks, *(["local"] if args.local_first else [])]
     rows = []
     for name in PASSES:
         backward = name == "fwd+bwd"
@@ -168,11 +177,11 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         t_compute = timed(compute_fn(backward))
         seq_layer = dispatch.MoEExchange(d, experts, chunks=1, comm_priority=prio)
         t_seq = timed(layer_fn(seq_layer, backward))
-        by_chunks = {c: timed(layer_fn(pipe(d, experts, chunks=c), backward)) for c in args.chunks}
+        by_chunks = {c: timed(layer_fn(pipe(c), backward)) for c in tried}
         best = min(by_chunks, key=by_chunks.get)
         with torch.no_grad():
             want = seq_layer(x, topk_idx, topk_weights)
-            got = pipe(d, experts, chunks=best)(x, topk_idx, topk_weights)
+            got = pipe(best)(x, topk_idx, topk_weights)
         diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
         rows.append(dict(
@@ -187,8 +196,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     trace = None
     if args.trace:
         best = rows[-1]["best_chunks"]
-        trace = _trace(layer_fn(pipe(d, experts, chunks=best), True),
-                       shape, args, device, best)
+        trace = _trace(layer_fn(pipe(best), True), shape, args, device, best)
     return rows, trace
 
 
@@ -214,7 +222,8 @@ def _trace(fn, shape, args, device, chunks) -> str | None:
     with open(stem + ".txt", "w") as f:  # where the time goes, kernel by kernel
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         f.write(prof.key_averages().table(sort_by=key, row_limit=40))
-    draw_timeline(stem + ".json", stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, C={chunks}")
+    draw_timeline(stem + ".json", stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, "
+                  + ("own rows first" if chunks == "local" else f"C={chunks}"))
     return stem + ".png"
 
 
@@ -271,7 +280,8 @@ def _suffix(args) -> str:
     wire = "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
-    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve
+    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + (
+        "-local-first" if args.local_first else "")
 
 
 def markdown_table(rows: list[dict]) -> str:
