@@ -178,14 +178,20 @@ class MoEExchange(nn.Module):
         streams = self._streams(x.device)
         grad_on = torch.is_grad_enabled()
         own = local.own_rows(topk_idx, d.config.num_experts, d.world_size, d.rank)
-        if streams.comm_stream is not None:  # the plan reads the inputs, not the own rows' work queued next
+        if streams.comm_stream is not None:  # the plan reads the inputs, not the own rows' work queued beside it
             streams.comm_stream.wait_stream(streams.compute)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
-        own_leaf, own_y = local.compute_own(self.experts, x, own, codec, grad_on)
-        _check_expert_out(own_y, own_leaf)  # before any communication
+        own_part = []
+
+        def beside():  # the plan's values are checked; its collectives and host work come next
+            with local.on_compute(streams), streams.carveout():
+                own_leaf, own_y = local.compute_own(self.experts, x, own, codec, grad_on)
+            _check_expert_out(own_y, own_leaf)  # before any communication
+            own_part.extend((own_leaf, own_y))
+
         with local.on_comm(streams):  # the plan and the others' rows, beside the own rows' work
-            plan_out = d._plan(x, topk_idx, topk_weights, d.config.check_inputs)
-            handle, outputs = plan_out
+            handle, outputs = d._plan_exchanges(
+                x, topk_idx, topk_weights, (0, x.shape[0]), d.config.check_inputs, beside=beside)[0]
             positions = local.partition(outputs.src_rank, d.rank, own.expand.shape[0])
             with torch.no_grad():
                 pending = local.bring(d, x, handle, codec, positions[0])
@@ -198,7 +204,7 @@ class MoEExchange(nn.Module):
             self.experts, nn.Module
         ) else ()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, plan_out, own, (own_leaf, own_y),
+        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), own, tuple(own_part),
                                         (positions, pending), grad_on, *params)
 
     def _auto_chunks(self, x: torch.Tensor) -> int:

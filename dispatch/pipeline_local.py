@@ -97,6 +97,16 @@ def on_comm(streams):
         yield
 
 
+@contextlib.contextmanager
+def on_compute(streams):
+    """Run the enclosed work on the compute stream (CUDA; from inside ``on_comm``)."""
+    if streams.compute is None:
+        yield
+        return
+    with torch.cuda.stream(streams.compute):
+        yield
+
+
 def compute_own(experts, x, own: OwnRows, codec, grad_on: bool):
     """The own rows through the wire's encoding (as the all-to-all's self block
     carries them) and the experts: (leaf rows, expert output with its graph)."""
@@ -156,7 +166,7 @@ class LocalFirstFn(torch.autograd.Function):
         (others, mine), pending = inbound
         streams = layer._streams(x.device)
         leaf = arrive(streams, pending).requires_grad_(grad_on)
-        with torch.set_grad_enabled(grad_on):
+        with torch.set_grad_enabled(grad_on), streams.carveout():
             y = experts(leaf, outputs.tokens_per_expert - own.counts)
         _check_expert_out(y, leaf)
         y_all = _merge(handle.num_rows, [(others, y.detach()), (mine, own_y.detach())])
@@ -204,8 +214,11 @@ class LocalFirstFn(torch.autograd.Function):
                 grad_rows_in = part_leaf.new_zeros(part_leaf.shape)
             return grad_rows_in, grad_w
 
-        own_in, own_w = backward_part(mine, own_leaf, own_y, own_grad)
-        other_in, other_w = backward_part(others, leaf, y, arrived.finish())
+        with streams.carveout():
+            own_in, own_w = backward_part(mine, own_leaf, own_y, own_grad)
+        other_grad = arrived.finish()
+        with streams.carveout():
+            other_in, other_w = backward_part(others, leaf, y, other_grad)
         ctx.parts = None  # the experts' graphs are spent
         to_x = to_w = None
         if x_any:

@@ -71,12 +71,15 @@ class AllToAllDispatcher(TokenDispatcher):
     def _plan_chunks(self, x, topk_idx, topk_weights, bounds, check_values):
         return self._plan_exchanges(x, topk_idx, topk_weights, bounds, check_values)
 
-    def _plan_exchanges(self, x, topk_idx, topk_weights, bounds, check_values):
+    def _plan_exchanges(self, x, topk_idx, topk_weights, bounds, check_values, beside=None):
         """The plan of an exchange in C chunks of home tokens (C = 1: ``dispatch``):
         one route, one counts all-gather ([C, W, 1 + E_local] counts per rank),
         one host synchronisation and one metadata all-to-all serve all chunks,
         and each chunk's handle is slices of the same tensors. On CUDA the part
-        before the host synchronisation is replayed as CUDA graphs."""
+        before the host synchronisation is replayed as CUDA graphs. ``beside()``,
+        if given, is called once the values are checked, before the first
+        collective (``MoEExchange(local_first=True)`` queues its own rows' work
+        there)."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
@@ -96,6 +99,8 @@ class AllToAllDispatcher(TokenDispatcher):
             )
         if flags is not None:  # before the first exchange
             checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+        if beside is not None:
+            beside()
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
         if captured is not None:
             planned = captured.run_send()
