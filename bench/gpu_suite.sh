@@ -6,7 +6,7 @@
 #   overlap    the overlap study in five settings (NCCL defaults; a CTA budget,
 #              high-priority NCCL stream and SM carveout; the same with fp8
 #              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16),
-#              then own rows first (local_first) beside C = 2, default and slow
+#              then own rows first (local_first) beside C = 2, carveout 8 and slow
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -71,7 +71,7 @@ for part in "$@"; do
       bench 120 overlap-fp8 overlap --comm-high-priority --comm-max-ctas 16 --sm-carveout 16 --dispatch-wire fp8 --out "$RES"
       bench 120 overlap-slow overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 2 --out "$RES"
       bench 120 overlap-slow-carve16 overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --trace --out "$RES"
-      bench 120 overlap-local-first overlap --local-first --chunks 2 --trace --out "$RES"
+      bench 120 overlap-local-first overlap --local-first --chunks 2 --sm-carveout 8 --trace --out "$RES"
       bench 120 overlap-local-first-slow overlap --local-first --chunks 2 --comm-high-priority --comm-max-ctas 2 \
         --sm-carveout 16 --trace --out "$RES" ;;
     studies)

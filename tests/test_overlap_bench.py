@@ -39,10 +39,11 @@ def test_bad_flags(argv, needle, capsys):
 
 def test_local_first_is_a_candidate(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
-            "--local-first", "--out", str(tmp_path)]
+            "--local-first", "--trace", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first.json").read_text())
     for row in result["rows"]:
         assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local"}
         assert row["t_pipe_ms"] == min(row["t_pipe_by_chunks_ms"].values())
         assert row["max_abs_diff_vs_seq"] == 0.0
+    assert (tmp_path / "overlap-trace-cpu-tiny-w2-local-first.png").stat().st_size > 0

@@ -17,8 +17,9 @@ gloo, as a smoke test):
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
 with an NCCL SM budget (a slower exchange, as on a slow inter-node tier);
-``--trace`` writes one pipelined forward+backward's profiler trace and draws the
-two streams' kernels to a PNG.
+``--trace`` writes one pipelined forward+backward's profiler trace (of the
+best C, or of ``local_first`` with ``--local-first``) and draws the streams'
+kernels to a PNG.
 
     python -m dispatch.bench.overlap --out bench/results/
 """
@@ -195,8 +196,8 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         ))
     trace = None
     if args.trace:
-        best = rows[-1]["best_chunks"]
-        trace = _trace(layer_fn(pipe(best), True), shape, args, device, best)
+        traced = "local" if args.local_first else rows[-1]["best_chunks"]  # the layer under study
+        trace = _trace(layer_fn(pipe(traced), True), shape, args, device, traced)
     return rows, trace
 
 
