@@ -208,20 +208,32 @@ class ChunkedExperts:
 
     Args:
         experts: the :class:`GroupedExperts`.
-        counts: per chunk, [E_local] int64 rows per expert on the device.
+        counts: per chunk, [E_local] int64 rows per expert on the device; None
+            for a chunk whose counts come later (:meth:`set_counts`, before its
+            forward; what earlier chunks keep waits for them).
         counts_host: the same on the host.
         grad_on: keep what backward needs.
     """
 
     def __init__(self, experts: GroupedExperts, counts, counts_host, grad_on: bool) -> None:
-        self.experts, self.counts, self.counts_host, self.grad_on = experts, counts, counts_host, grad_on
+        self.experts, self.grad_on = experts, grad_on
+        self.counts, self.counts_host = list(counts), list(counts_host)
         self.need_in = grad_on and experts.w_in.requires_grad
         self.need_out = grad_on and experts.w_out.requires_grad
         chunks = len(counts)
-        self.rows = [int(c.sum()) for c in counts_host]
+        self.rows = [None if c is None else int(c.sum()) for c in counts_host]
         self.places = None  # per chunk, the expert-major row of each of its rows (made on first use)
+        self.waiting = []  # (kept name, chunk, rows) until every chunk's counts are known
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         self.hidden, self.outs = [None] * chunks, [None] * chunks
+
+    def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor) -> None:
+        """Chunk c's counts, given as None at construction."""
+        self.counts[c], self.counts_host[c], self.rows[c] = counts, counts_host, int(counts_host.sum())
+        if None not in self.rows:
+            waiting, self.waiting = self.waiting, []
+            for name, chunk, rows in waiting:
+                self._keep(name, chunk, rows)
 
     def forward(self, c: int, tokens: torch.Tensor) -> torch.Tensor:
         """Chunk c's rows [N_c, H] -> [N_c, H] (detached)."""
@@ -236,9 +248,9 @@ class ChunkedExperts:
             y = e._matmul(act, w_out, self.counts[c], self.counts_host[c])
         self.hidden[c], self.outs[c] = h, y
         if self.need_in:
-            self.tokens = self._keep(self.tokens, c, tokens)
+            self._keep("tokens", c, tokens)
         if self.need_out:
-            self.acts = self._keep(self.acts, c, act.detach())
+            self._keep("acts", c, act.detach())
         return y.detach()
 
     def output(self, c: int) -> torch.Tensor:
@@ -252,9 +264,9 @@ class ChunkedExperts:
         (grad_h,) = torch.autograd.grad(self.outs[c], [self.hidden[c]], grad_y)
         self.hidden[c] = self.outs[c] = None
         if self.need_out:
-            self.grad_outs = self._keep(self.grad_outs, c, grad_y)
+            self._keep("grad_outs", c, grad_y)
         if self.need_in:
-            self.grad_hidden = self._keep(self.grad_hidden, c, grad_h)
+            self._keep("grad_hidden", c, grad_h)
         if not rows_grad:
             return None
         return e._matmul(grad_h, e.w_in.detach().transpose(1, 2), self.counts[c], self.counts_host[c])
@@ -270,17 +282,22 @@ class ChunkedExperts:
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         return grad_in, grad_out
 
-    def _keep(self, held: torch.Tensor | None, c: int, rows: torch.Tensor) -> torch.Tensor:
-        """Chunk c's rows placed expert-major in ``held`` (allocated on first use),
-        row-major like the buffer of several chunks, so that the weight-gradient
-        GEMMs see the same layout for every C."""
+    def _keep(self, name: str, c: int, rows: torch.Tensor) -> None:
+        """Chunk c's rows placed expert-major in the buffer ``name`` (allocated on
+        first use), row-major like the buffer of several chunks, so that the
+        weight-gradient GEMMs see the same layout for every C."""
         if len(self.rows) == 1:
-            return rows.contiguous()
+            setattr(self, name, rows.contiguous())
+            return
+        if None in self.rows:
+            self.waiting.append((name, c, rows))
+            return
         if self.places is None:
             self.places = self._expert_major()
+        held = getattr(self, name)
         if held is None:
             held = rows.new_empty(sum(self.rows), rows.shape[1])
-        return scatter_rows(held, self.places[c], rows)
+        setattr(self, name, scatter_rows(held, self.places[c], rows))
 
     def _expert_major(self) -> list[torch.Tensor]:
         """Per chunk, [N_c] the expert-major row of each of its rows. Made on

@@ -105,6 +105,8 @@ class MoEExchange(nn.Module):
             first, from ``topk_idx`` alone, while the plan and the dispatch of
             the other ranks' rows run on the communication stream; backward
             alike (``dispatch.pipeline_local``). The alltoall variant, C = 1.
+            ``sm_carveout`` then applies to the own rows' forward only (the
+            plan's kernels and collectives run beside it); pair the two.
     """
 
     def __init__(
@@ -181,13 +183,16 @@ class MoEExchange(nn.Module):
         if streams.comm_stream is not None:  # the plan reads the inputs, not the own rows' work queued beside it
             streams.comm_stream.wait_stream(streams.compute)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
-        own_part = []
+        params = tuple(p for p in self.experts.parameters() if p.requires_grad) if isinstance(
+            self.experts, nn.Module
+        ) else ()
+        parts = local.Parts(self.experts, params, own, grad_on, _plain_grouped_experts(self.experts, x.device.type))
+        own_out = []
 
         def beside():  # the plan's values are checked; its collectives and host work come next
+            # in the carveout: the plan's kernels and collectives need SMs beside these GEMMs
             with local.on_compute(streams), streams.carveout():
-                own_leaf, own_y = local.compute_own(self.experts, x, own, codec, grad_on)
-            _check_expert_out(own_y, own_leaf)  # before any communication
-            own_part.extend((own_leaf, own_y))
+                own_out.append(parts.forward(0, local.own_input(x, own, codec), own.counts, own.counts_host))
 
         with local.on_comm(streams):  # the plan and the others' rows, beside the own rows' work
             handle, outputs = d._plan_exchanges(
@@ -200,12 +205,9 @@ class MoEExchange(nn.Module):
         if streams.comm_stream is not None:
             for t in positions:
                 t.record_stream(streams.compute)
-        params = tuple(p for p in self.experts.parameters() if p.requires_grad) if isinstance(
-            self.experts, nn.Module
-        ) else ()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), own, tuple(own_part),
-                                        (positions, pending), grad_on, *params)
+        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), own,
+                                        (parts, own_out[0], positions, pending), grad_on, *params)
 
     def _auto_chunks(self, x: torch.Tensor) -> int:
         # the rule needs no peer's sizes (see auto_chunks): no collective, no host sync

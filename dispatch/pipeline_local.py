@@ -18,8 +18,11 @@ The exchange is the plain one, own rows included (they cross the all-to-all's
 self block, a local copy): the rows the experts see, the combine's pre-sums and
 the home sums are those of ``dispatch`` / ``combine``, value for value. So where
 the experts compute each row on its own, outputs and the gradients of x and
-topk_weights are bitwise those of C = 1; parameter gradients are the sum of two
-calls' (own rows, then the others'), equal to those of one call up to rounding.
+topk_weights are bitwise those of C = 1. Parameter gradients: for a plain
+``GroupedExperts`` one grouped GEMM per weight over both parts' rows (each
+expert's own rows first, ``experts.ChunkedExperts``); for other experts the sum
+of two calls' (own rows, then the others'); equal to those of one call up to
+rounding (the rows' order within an expert differs from the canonical one).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from dispatch import comm, plan
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import Pending
+from dispatch.experts import ChunkedExperts
 from dispatch.kernels.gather_sum import accumulate_dtype
 
 
@@ -107,15 +111,67 @@ def on_compute(streams):
         yield
 
 
-def compute_own(experts, x, own: OwnRows, codec, grad_on: bool):
-    """The own rows through the wire's encoding (as the all-to-all's self block
-    carries them) and the experts: (leaf rows, expert output with its graph)."""
+class Parts:
+    """The experts over two parts of the canonical order, own rows (part 0)
+    first, then the others' (part 1). A plain :class:`GroupedExperts` runs as
+    ``experts.ChunkedExperts`` (its weight gradients formed once, over both
+    parts' rows); other experts through autograd, part by part, their parameter
+    gradients summed in the parameters' dtype."""
+
+    def __init__(self, experts, params, own: OwnRows, grad_on: bool, plain: bool) -> None:
+        self.experts, self.params, self.grad_on = experts, params, grad_on
+        self.chunked = ChunkedExperts(experts, [own.counts, None], [own.counts_host, None], grad_on) if plain else None
+        self.kept = [None, None]  # autograd path: (leaf, output with its graph) per part
+        self.grad_params = [None] * len(params)
+
+    def forward(self, p: int, rows: torch.Tensor, counts, counts_host) -> torch.Tensor:
+        """Part p's rows -> the experts' output (detached)."""
+        from dispatch.pipeline import _check_expert_out
+
+        if self.chunked is not None:
+            if p == 1:
+                self.chunked.set_counts(1, counts, counts_host)
+            return self.chunked.forward(p, rows)
+        leaf = rows.detach().requires_grad_(self.grad_on)
+        with torch.set_grad_enabled(self.grad_on):
+            y = self.experts(leaf, counts)
+        _check_expert_out(y, rows)
+        if self.grad_on:
+            self.kept[p] = (leaf, y)
+        return y.detach()
+
+    def backward(self, p: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
+        """Gradient of part p's output -> gradient of its rows (if ``rows_grad``)."""
+        if self.chunked is not None:
+            if not (rows_grad or self.params):
+                return None
+            return self.chunked.backward(p, grad_y, rows_grad)
+        leaf, y = self.kept[p]
+        self.kept[p] = None  # the part's graph is spent
+        inputs = ([leaf] if rows_grad else []) + list(self.params)
+        grads = list(torch.autograd.grad(y, inputs, grad_y, allow_unused=True)) if inputs and y.requires_grad \
+            else [None] * len(inputs)
+        grad_rows = grads.pop(0) if rows_grad else None
+        for i, g in enumerate(grads):
+            if g is not None:  # own rows' first, then the others', in the parameter's dtype
+                self.grad_params[i] = g if self.grad_params[i] is None else self.grad_params[i].add_(g)
+        if rows_grad and grad_rows is None:
+            grad_rows = leaf.new_zeros(leaf.shape)
+        return grad_rows
+
+    def weight_grads(self) -> list:
+        """Per parameter its gradient (None where it has none), once both parts' backward ran."""
+        if self.chunked is not None and self.params:
+            e = self.experts
+            by_param = dict(zip((id(e.w_in), id(e.w_out)), self.chunked.weight_grads()))
+            return [by_param[id(p)] for p in self.params]  # _plain_grouped_experts: its only parameters
+        return self.grad_params
+
+
+def own_input(x, own: OwnRows, codec) -> torch.Tensor:
+    """The own rows through the wire's encoding, as the all-to-all's self block carries them."""
     with torch.no_grad():
-        rows = codec.unpack(codec.pack(x, own.send_token), x.dtype, x.shape[1], own.expand)
-    leaf = rows.requires_grad_(grad_on)
-    with torch.set_grad_enabled(grad_on):
-        y = experts(leaf, own.counts)
-    return leaf, y
+        return codec.unpack(codec.pack(x, own.send_token), x.dtype, x.shape[1], own.expand)
 
 
 def partition(src_rank: torch.Tensor, rank: int, num_own: int):
@@ -157,25 +213,22 @@ def _merge(num_rows: int, parts) -> torch.Tensor:
 
 class LocalFirstFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, anchor, layer, plan_out, own, own_part, inbound, grad_on, *params):
-        from dispatch.pipeline import _check_expert_out
-
-        d, experts = layer.dispatcher, layer.experts
+    def forward(ctx, x, topk_weights, anchor, layer, plan_out, own, inbound, grad_on, *params):
+        d = layer.dispatcher
         handle, outputs = plan_out
-        own_leaf, own_y = own_part  # in a tuple: autograd is not to follow their graph from here
-        (others, mine), pending = inbound
+        parts, own_y, (others, mine), pending = inbound  # not tensors to autograd: it is not to follow them
         streams = layer._streams(x.device)
-        leaf = arrive(streams, pending).requires_grad_(grad_on)
-        with torch.set_grad_enabled(grad_on), streams.carveout():
-            y = experts(leaf, outputs.tokens_per_expert - own.counts)
-        _check_expert_out(y, leaf)
-        y_all = _merge(handle.num_rows, [(others, y.detach()), (mine, own_y.detach())])
+        rows = arrive(streams, pending)
+        y = parts.forward(1, rows, outputs.tokens_per_expert - own.counts,  # nothing else runs now: no carveout
+                          outputs.tokens_per_expert_host - own.counts_host)
+        y_all = _merge(handle.num_rows, [(others, y), (mine, own_y)])
         weights = outputs.weights.to(topk_weights.dtype, copy=True)
         wire = sum_wire_dtype(d.config.combine_wire, y_all.dtype)
         back = streams.comm(lambda: d._to_home_start(y_all, handle, weights, wire), to_compute=True, reads=(y_all,))
         out = back.finish()
         streams.join()
-        ctx.layer, ctx.plan_out, ctx.own, ctx.parts = layer, plan_out, own, [(others, leaf, y), (mine, own_leaf, own_y)]
+        ctx.layer, ctx.plan_out, ctx.own, ctx.parts = layer, plan_out, own, parts
+        ctx.positions, ctx.outs = (mine, others), (own_y, y)
         ctx.weights, ctx.params, ctx.spent = weights, params, False
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.anchor_dtype = x.shape, x.dtype, topk_weights.dtype, anchor.dtype
         return out
@@ -192,34 +245,20 @@ class LocalFirstFn(torch.autograd.Function):
         streams = layer._streams(grad_out.device)
         x_any, w_any = handle.x_grad_any, handle.weights_grad_any
         codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
-        (others, leaf, y), (mine, own_leaf, own_y) = ctx.parts
+        (mine, others), parts = ctx.positions, ctx.parts
         arrived = streams.comm(lambda: bring(d, grad_out, handle, codec, others), to_compute=True)
         own_grad = codec.unpack(codec.pack(grad_out, own.send_token), grad_out.dtype, grad_out.shape[1], own.expand)
-        grad_params = [None] * len(ctx.params)
 
-        def backward_part(positions, part_leaf, part_y, grad_rows):
-            w = ctx.weights[positions]
+        def backward_part(p, positions, grad_rows):
+            w, y = ctx.weights[positions], ctx.outs[p]
             acc = accumulate_dtype(grad_rows.dtype, w.dtype)
-            grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(part_y.dtype)
-            grad_w = (grad_rows.to(acc) * part_y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
-            inputs = ([part_leaf] if x_any and part_leaf.requires_grad else []) + list(ctx.params)
-            grads = [None] * len(inputs)
-            if inputs and part_y.requires_grad:
-                grads = list(torch.autograd.grad(part_y, inputs, grad_y, allow_unused=True))
-            grad_rows_in = grads.pop(0) if x_any and part_leaf.requires_grad else None
-            for i, g in enumerate(grads):
-                if g is not None:  # own rows' first, then the others', in the parameter's dtype
-                    grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
-            if x_any and grad_rows_in is None:
-                grad_rows_in = part_leaf.new_zeros(part_leaf.shape)
-            return grad_rows_in, grad_w
+            grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
+            grad_w = (grad_rows.to(acc) * y.to(acc)).sum(1).to(w.dtype) if w_any else None
+            return parts.backward(p, grad_y, x_any), grad_w
 
-        with streams.carveout():
-            own_in, own_w = backward_part(mine, own_leaf, own_y, own_grad)
-        other_grad = arrived.finish()
-        with streams.carveout():
-            other_in, other_w = backward_part(others, leaf, y, other_grad)
-        ctx.parts = None  # the experts' graphs are spent
+        own_in, own_w = backward_part(0, mine, own_grad)  # beside the others' gradients in flight
+        other_in, other_w = backward_part(1, others, arrived.finish())
+        ctx.parts = ctx.outs = None  # the experts' graphs are spent
         to_x = to_w = None
         if x_any:
             rows = _merge(handle.num_rows, [(others, other_in), (mine, own_in)])
@@ -228,13 +267,14 @@ class LocalFirstFn(torch.autograd.Function):
         if w_any:
             values = _merge(handle.num_rows, [(others, other_w), (mine, own_w)])
             to_w = streams.comm(lambda: d._weights_to_home_start(values, handle), to_compute=True, reads=(values,))
+        grad_params = parts.weight_grads()  # while the gradients travel home
         grad_x = to_x.finish().to(ctx.x_dtype) if to_x is not None else None
         grad_topk = to_w.finish().to(ctx.w_dtype) if to_w is not None else None
         streams.join()
         needs = ctx.needs_input_grad
         grad_params = [
-            torch.zeros_like(p) if g is None and needs[9 + i] else g
+            torch.zeros_like(p) if g is None and needs[8 + i] else g
             for i, (g, p) in enumerate(zip(grad_params, ctx.params))
         ]
         return (grad_x if needs[0] else None, grad_topk if needs[1] else None,
-                grad_out.new_zeros(0, dtype=ctx.anchor_dtype), None, None, None, None, None, None, *grad_params)
+                grad_out.new_zeros(0, dtype=ctx.anchor_dtype), None, None, None, None, None, *grad_params)
