@@ -228,12 +228,11 @@ class ChunkedExperts:
         self.hidden, self.outs = [None] * chunks, [None] * chunks
 
     def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor) -> None:
-        """Chunk c's counts, given as None at construction."""
+        """Chunk c's counts, given as None at construction. What earlier chunks
+        keep is placed with chunk c's first kept rows, behind its GEMMs."""
+        if self.rows[c] is not None:
+            raise ValueError(f"chunk {c}'s counts were given already")
         self.counts[c], self.counts_host[c], self.rows[c] = counts, counts_host, int(counts_host.sum())
-        if None not in self.rows:
-            waiting, self.waiting = self.waiting, []
-            for name, chunk, rows in waiting:
-                self._keep(name, chunk, rows)
 
     def forward(self, c: int, tokens: torch.Tensor) -> torch.Tensor:
         """Chunk c's rows [N_c, H] -> [N_c, H] (detached)."""
@@ -275,6 +274,8 @@ class ChunkedExperts:
         """(grad of w_in, grad of w_out), once every chunk's backward has run;
         None for a weight that does not require grad."""
         e = self.experts
+        if self.waiting:
+            self._place_waiting()
         counts = self.counts[0] if len(self.counts) == 1 else sum(self.counts)
         counts_host = self.counts_host[0] if len(self.counts) == 1 else sum(self.counts_host)
         grad_in = e._weight_grad(self.tokens, self.grad_hidden, counts, counts_host) if self.need_in else None
@@ -292,12 +293,19 @@ class ChunkedExperts:
         if None in self.rows:
             self.waiting.append((name, c, rows))
             return
-        if self.places is None:
-            self.places = self._expert_major()
+        self._place_waiting()
         held = getattr(self, name)
         if held is None:
             held = rows.new_empty(sum(self.rows), rows.shape[1])
         setattr(self, name, scatter_rows(held, self.places[c], rows))
+
+    def _place_waiting(self) -> None:
+        """Make the placement if need be, and place what waited for the counts."""
+        if self.places is None:
+            self.places = self._expert_major()
+        waiting, self.waiting = self.waiting, []
+        for earlier in waiting:
+            self._keep(*earlier)
 
     def _expert_major(self) -> list[torch.Tensor]:
         """Per chunk, [N_c] the expert-major row of each of its rows. Made on

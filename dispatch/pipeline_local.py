@@ -203,10 +203,13 @@ def arrive(streams, pending: Pending) -> torch.Tensor:
 
 
 def _merge(num_rows: int, parts) -> torch.Tensor:
-    """[N, ...] rows of the canonical order from (positions, rows) parts."""
-    first = parts[0][1]
+    """[N, ...] rows of the canonical order from (positions, rows) parts. A part
+    without rows takes no part: experts may answer an empty call in another dtype
+    (a rank raising here, after the dispatch, would leave its peers waiting)."""
+    filled = [part for part in parts if part[1].shape[0]] or parts[:1]
+    first = filled[0][1]
     merged = first.new_empty(num_rows, *first.shape[1:])
-    for positions, rows in parts:
+    for positions, rows in filled:
         merged[positions] = rows
     return merged
 

@@ -314,3 +314,32 @@ def local_first_errors(num_experts: int) -> list[str | None]:
         except (TypeError, ValueError) as exc:
             messages.append(str(exc))
     return messages
+
+
+class _EmptyInOwnDtype(nn.Module):
+    """Experts that answer an empty call without computing: under autocast their
+    empty output keeps the rows' dtype, their others are bf16."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.eye(hidden))
+
+    def forward(self, tokens, tokens_per_expert):
+        if tokens.shape[0] == 0:
+            return tokens.new_zeros(0, self.w.shape[1])
+        return tokens @ self.w
+
+
+def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunks):
+    """Output of a layer whose experts answer empty calls in another dtype, under bf16 autocast."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    experts = _EmptyInOwnDtype(x.shape[1]).to(device)
+    xs, idx, ws = x.to(device).requires_grad_(), topk_idx.to(device), topk_weights.to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        if chunks == "plain":
+            out = d.dispatch(xs, idx, ws)
+            h = d.combine(experts(out.tokens, out.tokens_per_expert), out.handle, weights=out.weights)
+        else:
+            h = make_layer(d, experts, chunks)(xs, idx, ws)
+    return _cpu(h)

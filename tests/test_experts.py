@@ -204,3 +204,33 @@ def test_chunked_experts_keep_only_what_a_weight_gradient_needs():
         chunked.backward(c, grad_y[:0], rows_grad=True)
     grad_in, _ = chunked.weight_grads()
     assert grad_in.shape == experts.w_in.shape and not grad_in.any()
+
+
+def test_chunked_experts_counts_given_later():
+    """A chunk's counts given after construction: what the first chunk kept waits
+    for them, and the weight gradients are those of counts given up front; a
+    chunk's counts are given once."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 4, 6, activation="relu", dtype=torch.float64)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_((p * 8).round() / 8)
+    counts = [torch.tensor([2, 0, 3]), torch.tensor([1, 4, 0])]
+    rows = [(torch.randn(int(c.sum()), 4, dtype=torch.float64) * 8).round() / 8 for c in counts]
+    grads = [(torch.randn(int(c.sum()), 4, dtype=torch.float64) * 8).round() / 8 for c in counts]
+    results = []
+    for late in (False, True):
+        chunked = ChunkedExperts(experts, [counts[0], None if late else counts[1]],
+                                 [counts[0], None if late else counts[1]], grad_on=True)
+        chunked.forward(0, rows[0])
+        if late:
+            assert chunked.waiting and chunked.tokens is None
+            chunked.set_counts(1, counts[1], counts[1])
+            with pytest.raises(ValueError, match="already"):
+                chunked.set_counts(1, counts[1], counts[1])
+        chunked.forward(1, rows[1])
+        for c in (0, 1):
+            chunked.backward(c, grads[c], rows_grad=False)
+        results.append(chunked.weight_grads())
+    for want, got in zip(*results):
+        assert torch.equal(want, got)

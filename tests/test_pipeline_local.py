@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dispatch
 import pipeline_fns
 from routing import make_routing, random_tokens
 from test_pipeline import HIDDEN, _run
@@ -109,3 +108,17 @@ def test_local_first_bad_arguments(worlds):
     assert "local_first must be a bool" in messages[0]
     assert "chunks must be 1 or None" in messages[1]
     assert "alltoall variant" in messages[2]
+
+
+def test_local_first_part_without_rows(worlds):
+    """A rank with no own rows (but others' rows) and experts that answer the
+    empty call in another dtype (bf16 autocast): the empty part takes no part in
+    the merge, and the result is the plain round trip's (it used to raise on
+    that rank after the dispatch, leaving its peer waiting)."""
+    xs = [random_tokens(0, 4, HIDDEN, torch.float32, 0), random_tokens(1, 3, HIDDEN, torch.float32, 0)]
+    idx = [torch.tensor([[0], [1], [2], [3]]), torch.tensor([[0], [1], [0]])]  # E = 4: rank 1 routes nothing home
+    ws = [torch.ones(4, 1), torch.ones(3, 1)]
+    runs = {c: worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, c) for r in range(2)])
+            for c in ("plain", "local")}
+    for rank in range(2):
+        assert torch.equal(runs["local"][rank], runs["plain"][rank]), f"rank {rank}"
