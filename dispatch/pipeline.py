@@ -122,7 +122,9 @@ class MoEExchange(nn.Module):
         if not isinstance(dispatcher, TokenDispatcher):
             raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
         if not callable(experts):
-            raise TypeError(f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}")
+            raise TypeError(
+                f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}"
+            )
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be an int >= 1 or None, got {chunks!r}")
         if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
