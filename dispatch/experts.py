@@ -283,6 +283,11 @@ class ChunkedExperts:
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         return grad_in, grad_out
 
+    def param_grads(self, params) -> list:
+        """:meth:`weight_grads` for ``params``, a selection of ``w_in`` / ``w_out``."""
+        by_param = dict(zip((id(self.experts.w_in), id(self.experts.w_out)), self.weight_grads()))
+        return [by_param[id(p)] for p in params]
+
     def _keep(self, name: str, c: int, rows: torch.Tensor) -> None:
         """Chunk c's rows placed expert-major in the buffer ``name`` (allocated on
         first use), row-major like the buffer of several chunks, so that the

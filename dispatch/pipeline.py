@@ -168,9 +168,7 @@ class MoEExchange(nn.Module):
         chunks = self.chunks if self.chunks is not None else self._auto_chunks(x)
         bounds = chunk_bounds(x.shape[0], chunks)
         plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs)
-        params = tuple(p for p in self.experts.parameters() if p.requires_grad) if isinstance(
-            self.experts, nn.Module
-        ) else ()
+        params = self._trained_params()
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, plans, bounds, grad_on, *params)
@@ -185,18 +183,16 @@ class MoEExchange(nn.Module):
         if streams.comm_stream is not None:  # the plan reads the inputs, not the own rows' work queued beside it
             streams.comm_stream.wait_stream(streams.compute)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
-        params = tuple(p for p in self.experts.parameters() if p.requires_grad) if isinstance(
-            self.experts, nn.Module
-        ) else ()
+        params = self._trained_params()
         parts = local.Parts(self.experts, params, own, grad_on, _plain_grouped_experts(self.experts, x.device.type))
         own_out = []
 
         def beside():  # the plan's values are checked; its collectives and host work come next
             # in the carveout: the plan's kernels and collectives need SMs beside these GEMMs
-            with local.on_compute(streams), streams.carveout():
+            with local.on_stream(streams.compute), streams.carveout():
                 own_out.append(parts.forward(0, local.own_input(x, own, codec), own.counts, own.counts_host))
 
-        with local.on_comm(streams):  # the plan and the others' rows, beside the own rows' work
+        with local.on_stream(streams.comm_stream):  # the plan and the others' rows, beside the own rows' work
             handle, outputs = d._plan_exchanges(
                 x, topk_idx, topk_weights, (0, x.shape[0]), d.config.check_inputs, beside=beside)[0]
             positions = local.partition(outputs.src_rank, d.rank, own.expand.shape[0])
@@ -210,6 +206,12 @@ class MoEExchange(nn.Module):
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), own,
                                         (parts, own_out[0], positions, pending), grad_on, *params)
+
+    def _trained_params(self) -> tuple:
+        """The experts' parameters that require grad (none for a plain callable)."""
+        if not isinstance(self.experts, nn.Module):
+            return ()
+        return tuple(p for p in self.experts.parameters() if p.requires_grad)
 
     def _auto_chunks(self, x: torch.Tensor) -> int:
         # the rule needs no peer's sizes (see auto_chunks): no collective, no host sync
@@ -413,24 +415,13 @@ class _PipelineFn(torch.autograd.Function):
         chunked = ctx.chunked
 
         def compute(c, grad_rows):
-            y, leaf, w = ctx.ys[c] if chunked is None else chunked.output(c), ctx.leaves[c], ctx.weights[c]
-            acc = accumulate_dtype(grad_rows.dtype, w.dtype)
-            grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
-            grad_w = (grad_rows.to(acc) * y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
+            y, leaf = ctx.ys[c] if chunked is None else chunked.output(c), ctx.leaves[c]
+            grad_y, grad_w = weighted_grads(grad_rows, ctx.weights[c], y, w_any)
             if chunked is not None:
                 grad_tokens = chunked.backward(c, grad_y, x_any) if x_any or ctx.params else None
                 return grad_tokens, grad_w
-            inputs = ([leaf] if leaf.requires_grad else []) + list(ctx.params)
-            grads = [None] * len(inputs)
-            if inputs and y.requires_grad:
-                grads = list(torch.autograd.grad(y, inputs, grad_y, allow_unused=True))
+            grad_tokens = autograd_rows(leaf, y, grad_y, leaf.requires_grad, ctx.params, grad_params)
             ctx.ys[c] = ctx.leaves[c] = None  # the chunk's graph is spent
-            grad_tokens = grads.pop(0) if leaf.requires_grad else None
-            for i, g in enumerate(grads):
-                if g is not None:  # summed over chunks in place, in the parameter's dtype (as autograd would)
-                    grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
-            if x_any and grad_tokens is None:
-                grad_tokens = leaf.new_zeros(leaf.shape)
             return grad_tokens, grad_w
 
         def send_back(c, value):
@@ -452,9 +443,7 @@ class _PipelineFn(torch.autograd.Function):
             return _Stored([to_x, to_w], store)
 
         def weight_grads():
-            by_param = dict(zip((id(chunked.experts.w_in), id(chunked.experts.w_out)), chunked.weight_grads()))
-            for i, p in enumerate(ctx.params):
-                grad_params[i] = by_param[id(p)]  # _plain_grouped_experts: these are its only parameters
+            grad_params[:] = chunked.param_grads(ctx.params)
 
         tail = weight_grads if chunked is not None and ctx.params else None
         _run(streams, len(plans), bring, compute, send_back, tail)
@@ -474,6 +463,33 @@ class _PipelineFn(torch.autograd.Function):
             None,
             *grad_params,
         )
+
+
+def weighted_grads(grad_rows: torch.Tensor, w: torch.Tensor, y: torch.Tensor, w_any: bool):
+    """From the gradients of weighted expert rows: (gradient of the experts'
+    output rows, in y's dtype; gradient of each row's weight, or None)."""
+    acc = accumulate_dtype(grad_rows.dtype, w.dtype)
+    grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
+    grad_w = (grad_rows.to(acc) * y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
+    return grad_y, grad_w
+
+
+def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list):
+    """Backward of one call of experts differentiated by autograd: the gradient
+    of its rows ``leaf`` (if ``rows_grad``; zeros where autograd has none), and
+    its parameters' gradients summed into ``grad_params`` in place, in the
+    parameters' dtype (as autograd would sum them over calls)."""
+    inputs = ([leaf] if rows_grad else []) + list(params)
+    grads = [None] * len(inputs)
+    if inputs and y.requires_grad:
+        grads = list(torch.autograd.grad(y, inputs, grad_y, allow_unused=True))
+    grad_rows = grads.pop(0) if rows_grad else None
+    for i, g in enumerate(grads):
+        if g is not None:
+            grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+    if rows_grad and grad_rows is None:
+        grad_rows = leaf.new_zeros(leaf.shape)
+    return grad_rows
 
 
 def _check_expert_out(y: object, tokens: torch.Tensor) -> None:

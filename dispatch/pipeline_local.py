@@ -37,7 +37,7 @@ from dispatch import comm, plan
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
-from dispatch.kernels.gather_sum import accumulate_dtype
+from dispatch.pipeline import _Arrived, _check_expert_out, autograd_rows, weighted_grads
 
 
 @dataclass(frozen=True)
@@ -90,25 +90,9 @@ def used_on(obj, stream) -> None:
             value.record_stream(stream)
 
 
-@contextlib.contextmanager
-def on_comm(streams):
-    """Run the enclosed work on the communication stream (CUDA; the caller has
-    made it wait for the inputs); on CPU, where it is."""
-    if streams.comm_stream is None:
-        yield
-        return
-    with torch.cuda.stream(streams.comm_stream):
-        yield
-
-
-@contextlib.contextmanager
-def on_compute(streams):
-    """Run the enclosed work on the compute stream (CUDA; from inside ``on_comm``)."""
-    if streams.compute is None:
-        yield
-        return
-    with torch.cuda.stream(streams.compute):
-        yield
+def on_stream(stream):
+    """Run the enclosed work on ``stream`` (CUDA); where it is for None (CPU)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 class Parts:
@@ -126,8 +110,6 @@ class Parts:
 
     def forward(self, p: int, rows: torch.Tensor, counts, counts_host) -> torch.Tensor:
         """Part p's rows -> the experts' output (detached)."""
-        from dispatch.pipeline import _check_expert_out
-
         if self.chunked is not None:
             if p == 1:
                 self.chunked.set_counts(1, counts, counts_host)
@@ -148,23 +130,12 @@ class Parts:
             return self.chunked.backward(p, grad_y, rows_grad)
         leaf, y = self.kept[p]
         self.kept[p] = None  # the part's graph is spent
-        inputs = ([leaf] if rows_grad else []) + list(self.params)
-        grads = list(torch.autograd.grad(y, inputs, grad_y, allow_unused=True)) if inputs and y.requires_grad \
-            else [None] * len(inputs)
-        grad_rows = grads.pop(0) if rows_grad else None
-        for i, g in enumerate(grads):
-            if g is not None:  # own rows' first, then the others', in the parameter's dtype
-                self.grad_params[i] = g if self.grad_params[i] is None else self.grad_params[i].add_(g)
-        if rows_grad and grad_rows is None:
-            grad_rows = leaf.new_zeros(leaf.shape)
-        return grad_rows
+        return autograd_rows(leaf, y, grad_y, rows_grad, self.params, self.grad_params)
 
     def weight_grads(self) -> list:
         """Per parameter its gradient (None where it has none), once both parts' backward ran."""
         if self.chunked is not None and self.params:
-            e = self.experts
-            by_param = dict(zip((id(e.w_in), id(e.w_out)), self.chunked.weight_grads()))
-            return [by_param[id(p)] for p in self.params]  # _plain_grouped_experts: its only parameters
+            return self.chunked.param_grads(self.params)  # _plain_grouped_experts: its only parameters
         return self.grad_params
 
 
@@ -197,9 +168,7 @@ def arrive(streams, pending: Pending) -> torch.Tensor:
         result = pending.finish()
         event = torch.cuda.Event()
         event.record(streams.comm_stream)
-    streams.compute.wait_event(event)
-    result.record_stream(streams.compute)  # made in the communication stream's pool
-    return result
+    return _Arrived(result, event, streams.compute).finish()
 
 
 def _merge(num_rows: int, parts) -> torch.Tensor:
@@ -253,10 +222,7 @@ class LocalFirstFn(torch.autograd.Function):
         own_grad = codec.unpack(codec.pack(grad_out, own.send_token), grad_out.dtype, grad_out.shape[1], own.expand)
 
         def backward_part(p, positions, grad_rows):
-            w, y = ctx.weights[positions], ctx.outs[p]
-            acc = accumulate_dtype(grad_rows.dtype, w.dtype)
-            grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
-            grad_w = (grad_rows.to(acc) * y.to(acc)).sum(1).to(w.dtype) if w_any else None
+            grad_y, grad_w = weighted_grads(grad_rows, ctx.weights[positions], ctx.outs[p], w_any)
             return parts.backward(p, grad_y, x_any), grad_w
 
         own_in, own_w = backward_part(0, mine, own_grad)  # beside the others' gradients in flight
