@@ -50,7 +50,7 @@ from torch import nn
 
 from dispatch import checks
 from dispatch.codec import sum_wire_dtype, to_experts_codec
-from dispatch.dispatchers.base import TokenDispatcher
+from dispatch.dispatchers.base import Pending, TokenDispatcher
 from dispatch.experts import ChunkedExperts, GroupedExperts
 from dispatch.kernels.gather_sum import accumulate_dtype
 
@@ -105,8 +105,9 @@ class MoEExchange(nn.Module):
             first, from ``topk_idx`` alone, while the plan and the dispatch of
             the other ranks' rows run on the communication stream; backward
             alike (``dispatch.pipeline_local``). The alltoall variant, C = 1.
-            ``sm_carveout`` then applies to the own rows' forward only (the
-            plan's kernels and collectives run beside it); pair the two.
+            ``sm_carveout`` then applies to the own rows' forward and backward
+            and to the weight gradients (the work that runs beside the plan
+            and the collectives); pair the two.
     """
 
     def __init__(
@@ -179,33 +180,38 @@ class MoEExchange(nn.Module):
         d = self.dispatcher
         streams = self._streams(x.device)
         grad_on = torch.is_grad_enabled()
-        own = local.own_rows(topk_idx, d.config.num_experts, d.world_size, d.rank)
-        if streams.comm_stream is not None:  # the plan reads the inputs, not the own rows' work queued beside it
-            streams.comm_stream.wait_stream(streams.compute)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         params = self._trained_params()
-        parts = local.Parts(self.experts, params, own, grad_on, _plain_grouped_experts(self.experts, x.device.type))
-        own_out = []
+        plain = _plain_grouped_experts(self.experts, x.device.type)
+        if streams.comm_stream is not None:  # the plan reads the inputs, made on the compute stream
+            streams.comm_stream.wait_stream(streams.compute)
+        made = {}
 
-        def beside():  # the plan's values are checked; its collectives and host work come next
+        def beside(keys, counts_host):  # the values are checked; the plan's collectives and host work come next
+            send_token, own = local.own_rows(keys, counts_host, d.rank)
+            with torch.no_grad():  # every row packed at once, before the GEMMs take the SMs
+                sent = local.arrive(streams, Pending.done(codec.pack(x, send_token)))
+            parts = local.Parts(self.experts, params, own, grad_on, plain)
             # in the carveout: the plan's kernels and collectives need SMs beside these GEMMs
             with local.on_stream(streams.compute), streams.carveout():
-                own_out.append(parts.forward(0, local.own_input(x, own, codec), own.counts, own.counts_host))
+                own_y = parts.forward(0, codec.unpack(sent, x.dtype, x.shape[1], own.expand), own.counts,
+                                      own.counts_host)
+            made.update(own=own, sent=sent, parts=parts, own_y=own_y)
 
         with local.on_stream(streams.comm_stream):  # the plan and the others' rows, beside the own rows' work
             handle, outputs = d._plan_exchanges(
                 x, topk_idx, topk_weights, (0, x.shape[0]), d.config.check_inputs, beside=beside)[0]
-            positions = local.partition(outputs.src_rank, d.rank, own.expand.shape[0])
+            positions = local.partition(outputs.src_rank, d.rank, made["own"].expand.shape[0])
             with torch.no_grad():
-                pending = local.bring(d, x, handle, codec, positions[0])
-        for made_there in (handle, outputs):
+                pending = local.bring(d, made.pop("sent"), handle, codec, x.dtype, x.shape[1], positions[0])
+        for made_there in (handle, outputs, made["own"]):
             local.used_on(made_there, streams.compute)
         if streams.comm_stream is not None:
             for t in positions:
                 t.record_stream(streams.compute)
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), own,
-                                        (parts, own_out[0], positions, pending), grad_on, *params)
+        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), made["own"],
+                                        (made["parts"], made["own_y"], positions, pending), grad_on, *params)
 
     def _trained_params(self) -> tuple:
         """The experts' parameters that require grad (none for a plain callable)."""

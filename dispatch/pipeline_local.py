@@ -5,14 +5,19 @@ Notation as in ``dispatch.plan``. The rows of the canonical order whose source i
 this rank ("own rows": its tokens routed to its own experts) need nothing from
 any peer: they are known from ``topk_idx`` alone. With ``local_first`` the layer
 
-1. finds the own rows on the device (one host synchronisation for their counts)
-   and computes them on the compute stream,
-2. meanwhile makes the plan and dispatches on the communication stream,
+1. finds the own rows with the plan's route (``plan.own_keys``, in the plan's
+   first CUDA graph), their counts read in the host synchronisation of the
+   value checks, and packs every send row at once (before the GEMMs hold the
+   SMs);
+2. computes the own rows, taken from the self block of the packed rows, on
+   the compute stream, while the rest of the plan and the dispatch run on the
+   communication stream;
 3. computes the other ranks' rows once they have arrived, and
 4. combines all rows as ``combine`` does.
 
-Backward alike: the own rows' gradients are formed from ``grad_out`` and
-computed while the others' travel, then all rows' gradients go home together.
+Backward alike: every row's gradient is packed once; the own rows' are
+computed from the self block while the others' travel, then all rows'
+gradients go home together, beside the weight gradients' GEMMs.
 
 The exchange is the plain one, own rows included (they cross the all-to-all's
 self block, a local copy): the rows the experts see, the combine's pre-sums and
@@ -45,38 +50,26 @@ class OwnRows:
     """The rows of the canonical order whose source is this rank.
 
     Attributes:
-        send_token: [S_own] tokens with at least one slot on this rank, ascending
-            (this rank's send rows to itself).
-        expand: [N_own] the send row behind each own row, in canonical order
-            (local expert, then token).
+        expand: [N_own] the send row (among all S) behind each own row, in
+            canonical order (local expert, then token).
         counts: [E_local] int64 own rows per local expert, on the device.
         counts_host: the same on the host.
     """
 
-    send_token: torch.Tensor
     expand: torch.Tensor
     counts: torch.Tensor
     counts_host: torch.Tensor
 
 
-def own_rows(topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int) -> OwnRows:
-    """This rank's own rows, from its routing alone; one host synchronisation."""
-    r = plan.route(topk_idx, num_experts, world_size)
-    experts_per_rank = num_experts // world_size
-    host = r.counts[rank].cpu()  # host sync: how many own send rows and own rows per expert
-    num_send, counts_host = int(host[0]), host[1:]
-    num_rows = int(counts_host.sum())
-    num_tokens, topk = topk_idx.shape
-    device = topk_idx.device
-    token = torch.arange(num_tokens, device=device)
-    mine = r.dest == rank  # [T, K]: valid slots on this rank (repeats and bad ids are not)
-    key = torch.where(mine, topk_idx.long() % experts_per_rank * num_tokens + token.unsqueeze(1),
-                      experts_per_rank * num_tokens)  # (expert, token), the others last
-    row_token = torch.sort(key.flatten()).values[:num_rows] % max(num_tokens, 1)
-    hit = r.hit[:, rank]
-    send_token = torch.sort(torch.where(hit, token, num_tokens)).values[:num_send]
-    expand = (torch.cumsum(hit, 0) - 1)[row_token]
-    return OwnRows(send_token, expand, r.counts[rank, 1:], counts_host)
+def own_rows(keys: plan.OwnKeys, counts_host: torch.Tensor, rank: int) -> tuple[torch.Tensor, OwnRows]:
+    """(the send rows' tokens [S], the own rows), from this rank's ``plan.OwnKeys``
+    and its counts on the host ([W, 1 + E_local]); no host synchronisation.
+    The tokens are a view of the keys (a replayed plan's buffers): used at once."""
+    num_send = int(counts_host[:, 0].sum())
+    per_expert = counts_host[rank, 1:].clone()
+    row_token = keys.row_key[: int(per_expert.sum())] % max(keys.send_row.shape[0], 1)
+    device = keys.send_row.device
+    return keys.send_token[:num_send], OwnRows(keys.send_row[row_token], plan.to_device(per_expert, device), per_expert)
 
 
 def used_on(obj, stream) -> None:
@@ -139,12 +132,6 @@ class Parts:
         return self.grad_params
 
 
-def own_input(x, own: OwnRows, codec) -> torch.Tensor:
-    """The own rows through the wire's encoding, as the all-to-all's self block carries them."""
-    with torch.no_grad():
-        return codec.unpack(codec.pack(x, own.send_token), x.dtype, x.shape[1], own.expand)
-
-
 def partition(src_rank: torch.Tensor, rank: int, num_own: int):
     """(others', own) positions in the canonical order, each ascending."""
     order = torch.sort((src_rank == rank).to(torch.int8), stable=True).indices
@@ -152,11 +139,12 @@ def partition(src_rank: torch.Tensor, rank: int, num_own: int):
     return order[:split], order[split:]
 
 
-def bring(d, rows, handle, codec, positions):
-    """The rows for the experts at ``positions`` of the canonical order, left in flight."""
-    sent = codec.pack(rows, handle.send_token)
+def bring(d, sent, handle, codec, dtype, hidden, positions):
+    """The rows for the experts at ``positions`` of the canonical order, left in
+    flight (``sent``: every send row, packed by ``codec`` from [T, hidden] rows
+    of ``dtype``)."""
     received, work = comm.all_to_all_rows_start(sent, handle.send_splits, handle.recv_splits, d.group)
-    return Pending(work, lambda: codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src[positions]))
+    return Pending(work, lambda: codec.unpack(received, dtype, hidden, handle.expand_src[positions]))
 
 
 def arrive(streams, pending: Pending) -> torch.Tensor:
@@ -218,14 +206,19 @@ class LocalFirstFn(torch.autograd.Function):
         x_any, w_any = handle.x_grad_any, handle.weights_grad_any
         codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
         (mine, others), parts = ctx.positions, ctx.parts
-        arrived = streams.comm(lambda: bring(d, grad_out, handle, codec, others), to_compute=True)
-        own_grad = codec.unpack(codec.pack(grad_out, own.send_token), grad_out.dtype, grad_out.shape[1], own.expand)
+        # every row's gradient packed once, on the communication stream: its self
+        # block feeds the own rows, the rest travels to the others
+        sent = streams.comm(lambda: Pending.done(codec.pack(grad_out, handle.send_token)), to_compute=True).finish()
+        hidden = grad_out.shape[1]
+        arrived = streams.comm(lambda: bring(d, sent, handle, codec, grad_out.dtype, hidden, others), to_compute=True)
 
         def backward_part(p, positions, grad_rows):
             grad_y, grad_w = weighted_grads(grad_rows, ctx.weights[positions], ctx.outs[p], w_any)
             return parts.backward(p, grad_y, x_any), grad_w
 
-        own_in, own_w = backward_part(0, mine, own_grad)  # beside the others' gradients in flight
+        with streams.carveout():  # beside the others' gradients in flight
+            own_in, own_w = backward_part(0, mine, codec.unpack(sent, grad_out.dtype, hidden, own.expand))
+        sent = None
         other_in, other_w = backward_part(1, others, arrived.finish())
         ctx.parts = ctx.outs = None  # the experts' graphs are spent
         to_x = to_w = None
@@ -236,7 +229,8 @@ class LocalFirstFn(torch.autograd.Function):
         if w_any:
             values = _merge(handle.num_rows, [(others, other_w), (mine, own_w)])
             to_w = streams.comm(lambda: d._weights_to_home_start(values, handle), to_compute=True, reads=(values,))
-        grad_params = parts.weight_grads()  # while the gradients travel home
+        with streams.carveout():
+            grad_params = parts.weight_grads()  # while the gradients travel home
         grad_x = to_x.finish().to(ctx.x_dtype) if to_x is not None else None
         grad_topk = to_w.finish().to(ctx.w_dtype) if to_w is not None else None
         streams.join()

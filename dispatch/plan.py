@@ -236,6 +236,67 @@ def _exclusive(values: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cumsum(values, dim) - values
 
 
+def send_rows(hit: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.Tensor, topk: int):
+    """The send rows of each (token, destination), from this rank's counts alone.
+
+    Args:
+        hit: [T, W] bool, ``Route.hit``.
+        counts: [C, W, 1 + E_local] int64, this rank's counts of each chunk.
+        chunks_of_tokens: [2, T] int64 from :func:`token_chunks`.
+        topk: K.
+    Returns:
+        before: [T, W] int64, tokens up to t (included) with a row to each destination.
+        local: [T, W] int64, the row of (t, destination) inside its chunk's send rows
+            (meaningful where ``hit``).
+        send_token: ``SendPlan.send_token``.
+    """
+    num_tokens, world_size = hit.shape
+    capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
+    chunk_of, chunk_token = chunks_of_tokens[0], chunks_of_tokens[1]
+    # Rows of (token, destination): `before` earlier-or-equal tokens with the same
+    # destination. Scan along the contiguous dimension: a scan down T columns of
+    # width W is W-way parallel only, and slow.
+    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()  # [T, W]
+    rows_to = counts[:, :, 0]  # [C, W]
+    earlier_chunks = _exclusive(rows_to, 0)[chunk_of]  # [T, W] rows of earlier chunks per destination
+    local = before - 1 - earlier_chunks + _exclusive(rows_to, 1)[chunk_of]  # row inside the chunk
+    chunk_start = _exclusive(rows_to.sum(1), 0)[chunk_of].unsqueeze(1)  # [T, 1]
+    in_chunk = chunk_token.repeat_interleave(world_size)  # [T * W] token of each (token, rank) pair
+    send_token = torch.empty(capacity + 1, dtype=torch.int64, device=hit.device)
+    send_token.scatter_(0, torch.where(hit, local + chunk_start, capacity).flatten(), in_chunk)
+    return before, local, send_token
+
+
+@dataclass(frozen=True)
+class OwnKeys:
+    """The rows this rank routes to its own experts ("own rows"), before the host
+    knows how many there are: fixed shapes, made with the route (one exchange).
+
+    Attributes:
+        send_token: ``SendPlan.send_token`` of the exchange (its first S are real).
+        row_key: [T * K] int64 ascending: ``local expert * T + token`` of each own
+            slot, then ``E_local * T`` for every other slot. Its first N_own
+            entries are the own rows in canonical order.
+        send_row: [T] int64, the send row of each token to this rank (meaningful
+            for tokens with an own slot).
+    """
+
+    send_token: torch.Tensor
+    row_key: torch.Tensor
+    send_row: torch.Tensor
+
+
+def own_keys(r: Route, topk_idx: torch.Tensor, counts: torch.Tensor, rank: int) -> OwnKeys:
+    """:class:`OwnKeys` of this rank's routing ``r``; ``counts`` as ``r.counts[None]``."""
+    num_tokens, topk = topk_idx.shape
+    experts_per_rank = counts.shape[2] - 1
+    _, local, send_token = send_rows(r.hit, counts, token_chunks((0, num_tokens), topk_idx.device), topk)
+    token = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1)
+    last = experts_per_rank * num_tokens
+    key = torch.where(r.dest == rank, topk_idx.long() % experts_per_rank * num_tokens + token, last)
+    return OwnKeys(send_token, torch.sort(key.flatten()).values, local[:, rank])
+
+
 def build_send_plan(
     r: Route,
     counts: torch.Tensor,
@@ -270,18 +331,9 @@ def build_send_plan(
     capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
     chunk_of, chunk_token = chunks_of_tokens[0], chunks_of_tokens[1]
 
-    # Rows of (token, destination): `before` earlier-or-equal tokens with the same
-    # destination. Scan along the contiguous dimension: a scan down T columns of
-    # width W is W-way parallel only, and slow.
-    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()  # [T, W]
-    rows_to = counts[:, :, 0]  # [C, W]
-    plain = before - 1 + _exclusive(rows_to.sum(0), 0)  # plain send order (metadata)
-    earlier_chunks = _exclusive(rows_to, 0)[chunk_of]  # [T, W] rows of earlier chunks per destination
-    local = before - 1 - earlier_chunks + _exclusive(rows_to, 1)[chunk_of]  # row inside the chunk
-    chunk_start = _exclusive(rows_to.sum(1), 0)[chunk_of].unsqueeze(1)  # [T, 1]
+    before, local, send_token = send_rows(hit, counts, chunks_of_tokens, topk)
+    plain = before - 1 + _exclusive(counts[:, :, 0].sum(0), 0)  # plain send order (metadata)
     in_chunk = chunk_token.repeat_interleave(world_size)  # [T * W] token of each (token, rank) pair
-    send_token = torch.empty(capacity + 1, dtype=torch.int64, device=device)
-    send_token.scatter_(0, torch.where(hit, local + chunk_start, capacity).flatten(), in_chunk)
     home_index = _pack_left(torch.where(hit, local, _PAD))
     safe_dest = dest.clamp(max=world_size - 1)
     slot_row = torch.where(valid, local.gather(1, safe_dest), -1)

@@ -8,7 +8,7 @@ the plan's time was made of (about 2.5 ms for the DeepSeek-V3 shape on H200,
 shape has been seen twice they are captured as two CUDA graphs and replayed:
 
     graph 1: value checks' flags + ``plan.route`` (+ ``plan.chunk_counts``) + the
-             row to all-gather
+             row to all-gather (+ ``plan.own_keys`` for ``local_first``)
     (host)   raise on bad values; all-gather the rows     (eager: a collective)
     graph 2: ``plan.build_send_plan`` + the summary the host needs
 
@@ -38,6 +38,7 @@ class PlanKey:
     device: torch.device
     check_values: bool
     bounds: tuple[int, ...]  # chunk bounds of the home tokens, (0, T) for one exchange
+    own: bool = False  # graph 1 also makes this rank's ``plan.OwnKeys``
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,20 @@ class Planned:
     summary: torch.Tensor  # see ``plan_summary``
 
 
-def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, chunks_of_tokens, chunks):
+def route_phase(
+    topk_idx, topk_weights, header_row, num_experts, world_size, check_values, chunks_of_tokens, chunks, own_rank=None
+):
     """Flags (or None), Route, this rank's counts of each chunk [C, W, 1 + E_local],
-    and the row to all-gather."""
+    the row to all-gather, and ``plan.OwnKeys`` of rank ``own_rank`` (one
+    exchange only; None if not asked for)."""
     flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
     route = plan.route(topk_idx, num_experts, world_size)
     if chunks == 1:
         counts = route.counts.unsqueeze(0)
     else:
         counts = plan.chunk_counts(route, topk_idx, chunks_of_tokens[0], chunks, num_experts)
-    return flags, route, counts, torch.cat([counts.flatten(), header_row])
+    own = None if own_rank is None else plan.own_keys(route, topk_idx, counts, own_rank)
+    return flags, route, counts, torch.cat([counts.flatten(), header_row]), own
 
 
 def send_phase(route, counts, gathered, rank, topk_idx, topk_weights, chunks_of_tokens) -> Planned:
@@ -93,7 +98,7 @@ class CapturedPlan:
         def first():
             return route_phase(
                 self.topk_idx, self.topk_weights, self.header_row, num_experts, world_size, key.check_values,
-                self.chunks_of_tokens, chunks,
+                self.chunks_of_tokens, chunks, rank if key.own else None,
             )
 
         def second(route, counts):
@@ -111,7 +116,7 @@ class CapturedPlan:
             self.graph1, self.graph2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             self.graph1.capture_begin(capture_error_mode="thread_local")
             try:
-                self.flags, route, counts, self.row = first()
+                self.flags, route, counts, self.row, self.own = first()
             finally:
                 self.graph1.capture_end()
             self.graph2.capture_begin(pool=self.graph1.pool(), capture_error_mode="thread_local")
@@ -122,12 +127,12 @@ class CapturedPlan:
         current.wait_stream(side)
 
     def run_route(self, topk_idx, topk_weights, header_row):
-        """Replay graph 1 on new inputs: (flags or None, row to all-gather)."""
+        """Replay graph 1 on new inputs: (flags or None, row to all-gather, OwnKeys or None)."""
         self.topk_idx.copy_(topk_idx)
         self.topk_weights.copy_(topk_weights)
         self.header_row.copy_(header_row)
         self.graph1.replay()
-        return self.flags, self.row
+        return self.flags, self.row, self.own
 
     def run_send(self) -> Planned:
         """Replay graph 2 once ``self.gathered`` holds the all-gathered rows."""

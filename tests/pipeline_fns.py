@@ -343,3 +343,24 @@ def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunk
         else:
             h = make_layer(d, experts, chunks)(xs, idx, ws)
     return _cpu(h)
+
+
+def repeated(x, steps, grad_out, config: dict, chunks, experts_kind: str):
+    """One dispatcher and one layer, a forward and backward per (topk_idx,
+    topk_weights) in ``steps`` (same shapes: on CUDA the second step captures
+    the plan's graphs, later ones replay them on new routing). Returns per step
+    {"out", "x", "topk_weights", "params"} on the CPU."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+    layer = make_layer(d, experts, chunks)
+    results = []
+    for topk_idx, topk_weights in steps:
+        experts.zero_grad(set_to_none=True)
+        xs = x.to(device).requires_grad_()
+        ws = topk_weights.to(device).requires_grad_()
+        h = layer(xs, topk_idx.to(device), ws)
+        (h * grad_out.to(device)).sum().backward()
+        results.append({"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
+                        "params": [_cpu(p.grad) for p in experts.parameters()]})
+    return results

@@ -78,8 +78,10 @@ class AllToAllDispatcher(TokenDispatcher):
         and each chunk's handle is slices of the same tensors. On CUDA the part
         before the host synchronisation is replayed as CUDA graphs. ``beside()``,
         if given, is called once the values are checked, before the first
-        collective (``MoEExchange(local_first=True)`` queues its own rows' work
-        there)."""
+        collective, with this rank's ``plan.OwnKeys`` and its counts on the host
+        ([W, 1 + E_local], read in the same host synchronisation as the value
+        checks; one exchange only): ``MoEExchange(local_first=True)`` queues its
+        own rows' work there."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
@@ -88,19 +90,25 @@ class AllToAllDispatcher(TokenDispatcher):
         header_row = self._header_row(x, topk_weights, topk)
         captured = None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
-            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, tuple(bounds))
+            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values,
+                          tuple(bounds), beside is not None)
             captured = self._graphs.get(key, num_experts, world, rank)
+        own_rank = None if beside is None else rank
         if captured is not None:
-            flags, row = captured.run_route(topk_idx, weights, header_row)
+            flags, row, own = captured.run_route(topk_idx, weights, header_row)
         else:
             chunks_of_tokens = plan.token_chunks(bounds, topk_idx.device)
-            flags, route, counts, row = route_phase(
-                topk_idx, weights, header_row, num_experts, world, check_values, chunks_of_tokens, chunks
+            flags, route, counts, row, own = route_phase(
+                topk_idx, weights, header_row, num_experts, world, check_values, chunks_of_tokens, chunks, own_rank
             )
-        if flags is not None:  # before the first exchange
-            checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
-        if beside is not None:
-            beside()
+        width = world * (1 + self.num_local_experts) if beside is not None else 0  # this rank's counts (C = 1)
+        wanted = [row[:width]] + ([] if flags is None else [flags.long()])
+        if width or flags is not None:  # before the first exchange
+            host = torch.cat(wanted).cpu()  # host sync: value checks, and the counts ``beside`` takes
+            if flags is not None:
+                checks.raise_for_values(host[width:].bool(), topk_idx, weights, num_experts)
+            if beside is not None:
+                beside(own, host[:width].view(world, -1))
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
         if captured is not None:
             planned = captured.run_send()
