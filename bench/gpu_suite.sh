@@ -7,6 +7,7 @@
 #              high-priority NCCL stream and SM carveout; the same with fp8
 #              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16),
 #              then own rows first (local_first) beside C = 2, carveout 8 and slow
+#   local      the local_first tests and its two overlap settings (a quick check)
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -73,6 +74,12 @@ for part in "$@"; do
       bench 120 overlap-slow-carve16 overlap --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --trace --out "$RES"
       bench 120 overlap-local-first overlap --local-first --chunks 2 --sm-carveout 8 --trace --out "$RES"
       bench 120 overlap-local-first-slow overlap --local-first --chunks 2 --comm-high-priority --comm-max-ctas 2 \
+        --sm-carveout 16 --trace --out "$RES" ;;
+    local)
+      step 300 pytest-local python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_local.py \
+        tests/test_experts.py "tests/test_properties.py::test_plan_graphs_match_eager_plan"
+      bench 150 overlap-local-first overlap --local-first --chunks 2 --sm-carveout 8 --trace --out "$RES"
+      bench 150 overlap-local-first-slow overlap --local-first --chunks 2 --comm-high-priority --comm-max-ctas 2 \
         --sm-carveout 16 --trace --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
