@@ -201,17 +201,15 @@ class MoEExchange(nn.Module):
         with local.on_stream(streams.comm_stream):  # the plan and the others' rows, beside the own rows' work
             handle, outputs = d._plan_exchanges(
                 x, topk_idx, topk_weights, (0, x.shape[0]), d.config.check_inputs, beside=beside)[0]
-            positions = local.partition(outputs.src_rank, d.rank, made["own"].expand.shape[0])
+            split = local.partition(outputs.src_rank, d.rank, made["own"].expand.shape[0])
+            joined = split.handle(handle)
             with torch.no_grad():
-                pending = local.bring(d, made.pop("sent"), handle, codec, x.dtype, x.shape[1], positions[0])
-        for made_there in (handle, outputs, made["own"]):
+                pending = local.bring(d, made.pop("sent"), handle, codec, x.dtype, x.shape[1], split.others)
+        for made_there in (handle, outputs, made["own"], split, joined):
             local.used_on(made_there, streams.compute)
-        if streams.comm_stream is not None:
-            for t in positions:
-                t.record_stream(streams.compute)
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), made["own"],
-                                        (made["parts"], made["own_y"], positions, pending), grad_on, *params)
+                                        (made["parts"], made["own_y"], (split, joined), pending), grad_on, *params)
 
     def _trained_params(self) -> tuple:
         """The experts' parameters that require grad (none for a plain callable)."""

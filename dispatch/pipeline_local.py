@@ -101,12 +101,13 @@ class Parts:
         self.kept = [None, None]  # autograd path: (leaf, output with its graph) per part
         self.grad_params = [None] * len(params)
 
-    def forward(self, p: int, rows: torch.Tensor, counts, counts_host) -> torch.Tensor:
-        """Part p's rows -> the experts' output (detached)."""
+    def forward(self, p: int, rows: torch.Tensor, counts, counts_host, defer_keep: bool = False) -> torch.Tensor:
+        """Part p's rows -> the experts' output (detached); ``defer_keep``: what
+        backward keeps is placed by :meth:`place_kept`."""
         if self.chunked is not None:
             if p == 1:
                 self.chunked.set_counts(1, counts, counts_host)
-            return self.chunked.forward(p, rows)
+            return self.chunked.forward(p, rows, defer_keep)
         leaf = rows.detach().requires_grad_(self.grad_on)
         with torch.set_grad_enabled(self.grad_on):
             y = self.experts(leaf, counts)
@@ -114,6 +115,10 @@ class Parts:
         if self.grad_on:
             self.kept[p] = (leaf, y)
         return y.detach()
+
+    def place_kept(self) -> None:
+        if self.chunked is not None:
+            self.chunked.place_kept()
 
     def backward(self, p: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
         """Gradient of part p's output -> gradient of its rows (if ``rows_grad``)."""
@@ -132,11 +137,37 @@ class Parts:
         return self.grad_params
 
 
-def partition(src_rank: torch.Tensor, rank: int, num_own: int):
-    """(others', own) positions in the canonical order, each ascending."""
+@dataclass(frozen=True)
+class Partition:
+    """The canonical order's rows in two parts: the others' rows, then the own.
+
+    Attributes:
+        others, mine: positions of each part's rows in the canonical order, ascending.
+        order: [N] the canonical row behind each row of the parts' concatenation
+            (``others`` then ``mine``).
+        at: [N] the inverse: where each canonical row sits in that concatenation.
+    """
+
+    others: torch.Tensor
+    mine: torch.Tensor
+    order: torch.Tensor
+    at: torch.Tensor
+
+    def handle(self, handle):
+        """``handle`` for rows in the parts' concatenation: its pre-sum index
+        points there (same rows, same order of summation), so that the parts'
+        outputs need no scatter into the canonical order."""
+        index = handle.presum_index
+        return dataclasses.replace(handle, presum_index=torch.where(index >= 0, self.at[index.clamp(min=0)], -1))
+
+
+def partition(src_rank: torch.Tensor, rank: int, num_own: int) -> Partition:
+    """The own rows (source ``rank``, ``num_own`` of them) and the others'."""
     order = torch.sort((src_rank == rank).to(torch.int8), stable=True).indices
+    at = torch.empty_like(order)
+    at[order] = torch.arange(order.shape[0], device=order.device)
     split = order.shape[0] - num_own
-    return order[:split], order[split:]
+    return Partition(order[:split], order[split:], order, at)
 
 
 def bring(d, sent, handle, codec, dtype, hidden, positions):
@@ -159,16 +190,12 @@ def arrive(streams, pending: Pending) -> torch.Tensor:
     return _Arrived(result, event, streams.compute).finish()
 
 
-def _merge(num_rows: int, parts) -> torch.Tensor:
-    """[N, ...] rows of the canonical order from (positions, rows) parts. A part
-    without rows takes no part: experts may answer an empty call in another dtype
-    (a rank raising here, after the dispatch, would leave its peers waiting)."""
-    filled = [part for part in parts if part[1].shape[0]] or parts[:1]
-    first = filled[0][1]
-    merged = first.new_empty(num_rows, *first.shape[1:])
-    for positions, rows in filled:
-        merged[positions] = rows
-    return merged
+def _joined(others: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """The parts' rows in the order of ``Partition.order``. A part without rows
+    takes no part: experts may answer an empty call in another dtype (a rank
+    raising here, after the dispatch, would leave its peers waiting)."""
+    filled = [rows for rows in (others, own) if rows.shape[0]]
+    return torch.cat(filled) if len(filled) > 1 else (filled or [others])[0]
 
 
 class LocalFirstFn(torch.autograd.Function):
@@ -176,19 +203,21 @@ class LocalFirstFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, anchor, layer, plan_out, own, inbound, grad_on, *params):
         d = layer.dispatcher
         handle, outputs = plan_out
-        parts, own_y, (others, mine), pending = inbound  # not tensors to autograd: it is not to follow them
+        parts, own_y, (split, joined), pending = inbound  # not tensors to autograd: it is not to follow them
         streams = layer._streams(x.device)
         rows = arrive(streams, pending)
         y = parts.forward(1, rows, outputs.tokens_per_expert - own.counts,  # nothing else runs now: no carveout
-                          outputs.tokens_per_expert_host - own.counts_host)
-        y_all = _merge(handle.num_rows, [(others, y), (mine, own_y)])
+                          outputs.tokens_per_expert_host - own.counts_host, defer_keep=True)
+        y_all = _joined(y, own_y)
         weights = outputs.weights.to(topk_weights.dtype, copy=True)
         wire = sum_wire_dtype(d.config.combine_wire, y_all.dtype)
-        back = streams.comm(lambda: d._to_home_start(y_all, handle, weights, wire), to_compute=True, reads=(y_all,))
+        back = streams.comm(lambda: d._to_home_start(y_all, joined, weights[split.order], wire), to_compute=True,
+                            reads=(y_all,))
+        parts.place_kept()  # what backward keeps, placed while the outputs travel home
         out = back.finish()
         streams.join()
         ctx.layer, ctx.plan_out, ctx.own, ctx.parts = layer, plan_out, own, parts
-        ctx.positions, ctx.outs = (mine, others), (own_y, y)
+        ctx.split, ctx.joined, ctx.outs = split, joined, (own_y, y)
         ctx.weights, ctx.params, ctx.spent = weights, params, False
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.anchor_dtype = x.shape, x.dtype, topk_weights.dtype, anchor.dtype
         return out
@@ -205,30 +234,31 @@ class LocalFirstFn(torch.autograd.Function):
         streams = layer._streams(grad_out.device)
         x_any, w_any = handle.x_grad_any, handle.weights_grad_any
         codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
-        (mine, others), parts = ctx.positions, ctx.parts
+        split, joined, parts = ctx.split, ctx.joined, ctx.parts
         # every row's gradient packed once, on the communication stream: its self
         # block feeds the own rows, the rest travels to the others
         sent = streams.comm(lambda: Pending.done(codec.pack(grad_out, handle.send_token)), to_compute=True).finish()
         hidden = grad_out.shape[1]
-        arrived = streams.comm(lambda: bring(d, sent, handle, codec, grad_out.dtype, hidden, others), to_compute=True)
+        arrived = streams.comm(lambda: bring(d, sent, handle, codec, grad_out.dtype, hidden, split.others),
+                               to_compute=True)
 
         def backward_part(p, positions, grad_rows):
             grad_y, grad_w = weighted_grads(grad_rows, ctx.weights[positions], ctx.outs[p], w_any)
             return parts.backward(p, grad_y, x_any), grad_w
 
         with streams.carveout():  # beside the others' gradients in flight
-            own_in, own_w = backward_part(0, mine, codec.unpack(sent, grad_out.dtype, hidden, own.expand))
+            own_in, own_w = backward_part(0, split.mine, codec.unpack(sent, grad_out.dtype, hidden, own.expand))
         sent = None
-        other_in, other_w = backward_part(1, others, arrived.finish())
+        other_in, other_w = backward_part(1, split.others, arrived.finish())
         ctx.parts = ctx.outs = None  # the experts' graphs are spent
         to_x = to_w = None
         if x_any:
-            rows = _merge(handle.num_rows, [(others, other_in), (mine, own_in)])
+            rows = _joined(other_in, own_in)
             wire = sum_wire_dtype(d.config.dispatch_grad_wire, rows.dtype)
-            to_x = streams.comm(lambda: d._to_home_start(rows, handle, None, wire), to_compute=True, reads=(rows,))
+            to_x = streams.comm(lambda: d._to_home_start(rows, joined, None, wire), to_compute=True, reads=(rows,))
         if w_any:
-            values = _merge(handle.num_rows, [(others, other_w), (mine, own_w)])
-            to_w = streams.comm(lambda: d._weights_to_home_start(values, handle), to_compute=True, reads=(values,))
+            values = _joined(other_w, own_w)
+            to_w = streams.comm(lambda: d._weights_to_home_start(values, joined), to_compute=True, reads=(values,))
         with streams.carveout():
             grad_params = parts.weight_grads()  # while the gradients travel home
         grad_x = to_x.finish().to(ctx.x_dtype) if to_x is not None else None
