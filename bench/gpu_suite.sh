@@ -8,8 +8,6 @@
 #              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16),
 #              then own rows first (local_first) beside C = 2, carveout 8 and slow
 #   local      the local_first tests and its two overlap settings (a quick check)
-#   ce         local_first overlap and the a2a sweep with NCCL's P2P by copy engine
-#              (NCCL_P2P_USE_CUDA_MEMCPY=1) beside its default SM kernels
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -83,13 +81,6 @@ for part in "$@"; do
       bench 150 overlap-local-first overlap --local-first --chunks 2 --sm-carveout 8 --trace --out "$RES"
       bench 150 overlap-local-first-slow overlap --local-first --chunks 2 --comm-high-priority --comm-max-ctas 2 \
         --sm-carveout 16 --trace --out "$RES" ;;
-    ce)  # NCCL's copy-engine P2P (NCCL_P2P_USE_CUDA_MEMCPY) against its SM kernels, one run
-      for ce in 0 1; do
-        export NCCL_P2P_USE_CUDA_MEMCPY=$ce
-        bench 150 "overlap-p2p-memcpy$ce" overlap --local-first --chunks 2 --sm-carveout 8 --out "$RES/p2p-memcpy$ce"
-        bench 150 "a2a-p2p-memcpy$ce" a2a --iters 20 --warmup 5 --out "$RES/p2p-memcpy$ce"
-      done
-      unset NCCL_P2P_USE_CUDA_MEMCPY ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
