@@ -229,7 +229,8 @@ class ChunkedExperts:
 
     def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor) -> None:
         """Chunk c's counts, given as None at construction. What earlier chunks
-        keep is placed with chunk c's first kept rows, behind its GEMMs."""
+        keep is placed with chunk c's first kept rows, behind its GEMMs (with
+        ``forward(defer_keep=True)``, by :meth:`place_kept`)."""
         if self.rows[c] is not None:
             raise ValueError(f"chunk {c}'s counts were given already")
         self.counts[c], self.counts_host[c], self.rows[c] = counts, counts_host, int(counts_host.sum())

@@ -6,9 +6,10 @@ this rank ("own rows": its tokens routed to its own experts) need nothing from
 any peer: they are known from ``topk_idx`` alone. With ``local_first`` the layer
 
 1. finds the own rows with the plan's route (``plan.own_keys``, in the plan's
-   first CUDA graph), their counts read in the host synchronisation of the
-   value checks, and packs every send row at once (before the GEMMs hold the
-   SMs);
+   first CUDA graph), their counts read in the plan's first host
+   synchronisation (that of the value checks, when they are on), and packs
+   every send row at once, on the communication stream, before the GEMMs hold
+   the SMs;
 2. computes the own rows, taken from the self block of the packed rows, on
    the compute stream, while the rest of the plan and the dispatch run on the
    communication stream;

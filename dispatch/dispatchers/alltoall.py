@@ -12,7 +12,8 @@ sums the partials in ascending rank order, in fp32, casting once.
 Exchanges per round trip: one all-gather of the counts (fixed size), one
 metadata all-to-all, one token all-to-all each way. One host synchronisation for
 the split sizes NCCL needs, and one before any exchange for the value checks
-when ``DispatchConfig.check_inputs`` is on. On CUDA the part of the plan before
+when ``DispatchConfig.check_inputs`` is on (``MoEExchange(local_first=True)``
+always has it: it reads the own rows' counts there too). On CUDA the part of the plan before
 the split sizes is replayed as CUDA graphs (``dispatch.plan_graph``).
 """
 
@@ -85,6 +86,8 @@ class AllToAllDispatcher(TokenDispatcher):
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
+        if beside is not None and chunks != 1:
+            raise ValueError(f"beside serves one exchange, got {chunks} chunks")
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
         header_row = self._header_row(x, topk_weights, topk)
@@ -101,14 +104,15 @@ class AllToAllDispatcher(TokenDispatcher):
             flags, route, counts, row, own = route_phase(
                 topk_idx, weights, header_row, num_experts, world, check_values, chunks_of_tokens, chunks, own_rank
             )
-        width = world * (1 + self.num_local_experts) if beside is not None else 0  # this rank's counts (C = 1)
-        wanted = [row[:width]] + ([] if flags is None else [flags.long()])
-        if width or flags is not None:  # before the first exchange
-            host = torch.cat(wanted).cpu()  # host sync: value checks, and the counts ``beside`` takes
-            if flags is not None:
+        if beside is None:
+            if flags is not None:  # before the first exchange
+                checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+        else:
+            width = world * (1 + self.num_local_experts)  # this rank's counts (one chunk)
+            host = torch.cat([row[:width]] + ([] if flags is None else [flags.long()])).cpu()  # host sync:
+            if flags is not None:  # the counts ``beside`` takes, and the value checks if on
                 checks.raise_for_values(host[width:].bool(), topk_idx, weights, num_experts)
-            if beside is not None:
-                beside(own, host[:width].view(world, -1))
+            beside(own, host[:width].view(world, -1))
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
         if captured is not None:
             planned = captured.run_send()
