@@ -286,11 +286,13 @@ class OwnKeys:
     send_row: torch.Tensor
 
 
-def own_keys(r: Route, topk_idx: torch.Tensor, counts: torch.Tensor, rank: int) -> OwnKeys:
-    """:class:`OwnKeys` of this rank's routing ``r``; ``counts`` as ``r.counts[None]``."""
+def own_keys(r: Route, topk_idx: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.Tensor,
+             rank: int) -> OwnKeys:
+    """:class:`OwnKeys` of this rank's routing ``r``; ``counts`` as ``r.counts[None]``,
+    ``chunks_of_tokens`` of the one chunk (:func:`token_chunks` of ``(0, T)``)."""
     num_tokens, topk = topk_idx.shape
     experts_per_rank = counts.shape[2] - 1
-    _, local, send_token = send_rows(r.hit, counts, token_chunks((0, num_tokens), topk_idx.device), topk)
+    _, local, send_token = send_rows(r.hit, counts, chunks_of_tokens, topk)
     token = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1)
     last = experts_per_rank * num_tokens
     key = torch.where(r.dest == rank, topk_idx.long() % experts_per_rank * num_tokens + token, last)

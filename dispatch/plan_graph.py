@@ -61,7 +61,7 @@ def route_phase(
         counts = route.counts.unsqueeze(0)
     else:
         counts = plan.chunk_counts(route, topk_idx, chunks_of_tokens[0], chunks, num_experts)
-    own = None if own_rank is None else plan.own_keys(route, topk_idx, counts, own_rank)
+    own = None if own_rank is None else plan.own_keys(route, topk_idx, counts, chunks_of_tokens, own_rank)
     return flags, route, counts, torch.cat([counts.flatten(), header_row]), own
 
 
