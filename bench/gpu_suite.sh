@@ -8,6 +8,9 @@
 #              dispatch; a slow exchange of 2 CTAs with carveouts of 2 and 16),
 #              then own rows first (local_first) beside C = 2, carveout 8 and slow
 #   local      the local_first tests and its two overlap settings (a quick check)
+#   peer-tests the peer-copy transport's tests (and local_first's, the overlap bench's)
+#   peer       overlap with both transports side by side (local_first and C = 2):
+#              NCCL defaults, carveout 8, the tuned NCCL group, fp8 dispatch
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -81,6 +84,16 @@ for part in "$@"; do
       bench 150 overlap-local-first overlap --local-first --chunks 2 --sm-carveout 8 --trace --out "$RES"
       bench 150 overlap-local-first-slow overlap --local-first --chunks 2 --comm-high-priority --comm-max-ctas 2 \
         --sm-carveout 16 --trace --out "$RES" ;;
+    peer-tests)
+      step 300 pytest-peer python3 -m pytest -q -p no:cacheprovider tests/test_peer_copy.py \
+        tests/test_pipeline_local.py tests/test_overlap_bench.py ;;
+    peer)
+      bench 150 overlap-peer overlap --transport both --local-first --chunks 2 --trace --out "$RES"
+      bench 150 overlap-peer-carve8 overlap --transport both --local-first --chunks 2 --sm-carveout 8 --trace \
+        --out "$RES"
+      bench 150 overlap-peer-tuned overlap --transport both --local-first --chunks 2 4 --comm-high-priority \
+        --comm-max-ctas 16 --sm-carveout 16 --out "$RES"
+      bench 150 overlap-peer-fp8 overlap --transport both --local-first --chunks 2 --dispatch-wire fp8 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

@@ -20,6 +20,7 @@ VARIANTS = ("alltoall", "allgather", "hierarchical", "auto")
 TO_EXPERTS_WIRES = ("native", "bf16", "fp32", "fp8")
 GRAD_TO_EXPERTS_WIRES = (*TO_EXPERTS_WIRES, "e5m2")
 SUM_WIRES = ("native", "bf16", "fp32")
+TRANSPORTS = ("collective", "peer_copy")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,13 @@ class DispatchConfig:
             MB each, the 8 most recent shapes kept); the alltoall variant only. This removes some sixty kernel launches per
             dispatch. Turn it off when the dispatch itself runs inside a graph
             capture of the caller's.
+        transport: how the token rows of an exchange move (``dispatch.peer_copy``).
+            ``"collective"``: the process group's ``all_to_all_single`` (NCCL's SM
+            kernels on GPUs). ``"peer_copy"``: each rank pulls its rows out of its
+            peers' memory with plain copies (on CUDA, copy engines reading
+            symmetric memory, so the exchange takes no SM from the experts);
+            every rank of the group on one host; the alltoall variant only.
+            Results are bitwise the same either way.
     """
 
     num_experts: int
@@ -87,6 +95,7 @@ class DispatchConfig:
     link_model: LinkModel | None = None
     check_inputs: bool = True
     plan_graphs: bool = True
+    transport: str = "collective"
 
     def __post_init__(self) -> None:
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int):
@@ -98,6 +107,9 @@ class DispatchConfig:
         _check_choice("combine_wire", self.combine_wire, SUM_WIRES)
         _check_choice("dispatch_grad_wire", self.dispatch_grad_wire, SUM_WIRES)
         _check_choice("combine_grad_wire", self.combine_grad_wire, GRAD_TO_EXPERTS_WIRES)
+        _check_choice("transport", self.transport, TRANSPORTS)
+        if self.transport != "collective" and self.variant != "alltoall":
+            raise ValueError(f"transport={self.transport!r} needs variant='alltoall', got variant={self.variant!r}")
         if self.local_world_size is not None:
             if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int):
                 raise TypeError(

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch import comm, plan
+from dispatch import plan
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
@@ -175,7 +175,7 @@ def bring(d, sent, handle, codec, dtype, hidden, positions):
     """The rows for the experts at ``positions`` of the canonical order, left in
     flight (``sent``: every send row, packed by ``codec`` from [T, hidden] rows
     of ``dtype``)."""
-    received, work = comm.all_to_all_rows_start(sent, handle.send_splits, handle.recv_splits, d.group)
+    received, work = d._rows_start(sent, handle, back=False)
     return Pending(work, lambda: codec.unpack(received, dtype, hidden, handle.expand_src[positions]))
 
 

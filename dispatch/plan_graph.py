@@ -73,12 +73,15 @@ def send_phase(route, counts, gathered, rank, topk_idx, topk_weights, chunks_of_
 
 
 def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int) -> torch.Tensor:
-    """[C (2 W + E_local) + W * len(HEADER)] int64: for each chunk, rows sent to
-    each rank, rows received from each rank, expanded rows per local expert; then
-    every rank's header. The one tensor the host needs."""
+    """[C (2 W + E_local) + W * len(HEADER) + C W W] int64: for each chunk, rows
+    sent to each rank, rows received from each rank, expanded rows per local
+    expert; then every rank's header; then for each chunk the rows every rank
+    sends to every rank (a peer-copy transport needs where its blocks lie in
+    its peers' rows). The one tensor the host needs."""
     recv_counts = all_counts[:, :, rank]  # [W_src, C, 1 + E_local]
     per_chunk = torch.cat([counts[:, :, 0], recv_counts[:, :, 0].t(), recv_counts[:, :, 1:].sum(0)], dim=1)
-    return torch.cat([per_chunk.flatten(), headers.flatten()])
+    matrix = all_counts[:, :, :, 0].transpose(0, 1)  # [C, W_src, W_dst]
+    return torch.cat([per_chunk.flatten(), headers.flatten(), matrix.flatten()])
 
 
 class CapturedPlan:

@@ -73,7 +73,8 @@ def error_of(fn_name: str, *args):
     """Run one of the call_* functions below; return (exception type, message,
     collectives the dispatcher started), or None if nothing was raised."""
     calls = []
-    originals = {name: getattr(dispatch.comm, name) for name in ("all_gather_rows", "all_to_all_rows")}
+    names = ("all_gather_rows", "all_to_all_rows", "all_to_all_rows_start")
+    originals = {name: getattr(dispatch.comm, name) for name in names}
 
     def counting(name):
         def call(*a, **k):

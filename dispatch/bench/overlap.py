@@ -14,6 +14,11 @@ gloo, as a smoke test):
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
                 where the layer at C = 1 costs less (more) than that sum
 
+``--transport both`` measures T_comm, T_seq and every T_pipe candidate with each
+transport (``DispatchConfig.transport``; peer-copy candidates are named
+``peer:C`` and ``peer:local``); then T_seq is the faster transport's and T_comm
+that of the best candidate's transport.
+
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
 with an NCCL SM budget (a slower exchange, as on a slow inter-node tier);
@@ -72,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange")
     parser.add_argument("--local-first", action="store_true",
                         help="also try MoEExchange(local_first=True) for T_pipe (reported as C = local)")
+    parser.add_argument("--transport", choices=("collective", "peer_copy", "both"), default="collective",
+                        help="DispatchConfig.transport of the layers, or both side by side")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
     args = parser.parse_args(argv)
@@ -123,8 +130,10 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    cfg = dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=args.dispatch_wire)
-    d = dispatch.create(cfg, group)
+    transports = ("collective", "peer_copy") if args.transport == "both" else (args.transport,)
+    by_transport = {t: dispatch.create(dispatch.DispatchConfig(
+        num_experts=shape.experts, dispatch_wire=args.dispatch_wire, transport=t), group) for t in transports}
+    d = by_transport[transports[0]]
     torch.manual_seed(1234 + rank)
     experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, dtype=dtype, device=device)
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
@@ -165,38 +174,46 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     prio = args.comm_priority
     options = dict(comm_priority=prio, sm_carveout=args.sm_carveout)
 
-    def pipe(c):
-        if c == "local":
-            return dispatch.MoEExchange(d, experts, local_first=True, **options)
-        return dispatch.MoEExchange(d, experts, chunks=c, **options)
+    candidates = {candidate_name(t, c): (t, c) for t in transports
+                  for c in [*args.chunks, *(["local"] if args.local_first else [])]}
 
-    tried = [*args.chunks, *(["local"] if args.local_first else [])]
+    def pipe(name):
+        transport, c = candidates[name]
+        if c == "local":
+            return dispatch.MoEExchange(by_transport[transport], experts, local_first=True, **options)
+        return dispatch.MoEExchange(by_transport[transport], experts, chunks=c, **options)
+
     rows = []
     for name in PASSES:
         backward = name == "fwd+bwd"
-        t_comm = timed(layer_fn(dispatch.MoEExchange(d, identity, chunks=1, comm_priority=prio), backward))
+        t_comm = {t: timed(layer_fn(dispatch.MoEExchange(by_transport[t], identity, chunks=1, comm_priority=prio),
+                                    backward)) for t in transports}
         t_compute = timed(compute_fn(backward))
-        seq_layer = dispatch.MoEExchange(d, experts, chunks=1, comm_priority=prio)
-        t_seq = timed(layer_fn(seq_layer, backward))
-        by_chunks = {c: timed(layer_fn(pipe(c), backward)) for c in tried}
+        seq_layers = {t: dispatch.MoEExchange(by_transport[t], experts, chunks=1, comm_priority=prio)
+                      for t in transports}
+        t_seqs = {t: timed(layer_fn(layer, backward)) for t, layer in seq_layers.items()}
+        by_chunks = {c: timed(layer_fn(pipe(c), backward)) for c in candidates}
         best = min(by_chunks, key=by_chunks.get)
+        t_seq, comm = min(t_seqs.values()), t_comm[candidates[best][0]]
         with torch.no_grad():
-            want = seq_layer(x, topk_idx, topk_weights)
+            want = seq_layers[transports[0]](x, topk_idx, topk_weights)
             got = pipe(best)(x, topk_idx, topk_weights)
         diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority,
-            sm_carveout=args.sm_carveout, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
-            t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
-            hidden_fraction=(t_seq - by_chunks[best]) / min(t_comm, t_compute),
-            hidden_ceiling=(t_seq - max(t_comm, t_compute)) / min(t_comm, t_compute),
+            sm_carveout=args.sm_carveout, transport=args.transport, t_comm_ms=comm, t_compute_ms=t_compute,
+            t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
+            t_comm_by_transport_ms=t_comm, t_seq_by_transport_ms=t_seqs,
+            hidden_fraction=(t_seq - by_chunks[best]) / min(comm, t_compute),
+            hidden_ceiling=(t_seq - max(comm, t_compute)) / min(comm, t_compute),
             max_abs_diff_vs_seq=float(diff),
         ))
     trace = None
     if args.trace:
-        traced = "local" if args.local_first else rows[-1]["best_chunks"]  # the layer under study
+        # the layer under study: own rows first (with the last transport), else the best
+        traced = candidate_name(transports[-1], "local") if args.local_first else rows[-1]["best_chunks"]
         trace = _trace(layer_fn(pipe(traced), True), shape, args, device, traced)
     return rows, trace
 
@@ -224,7 +241,8 @@ def _trace(fn, shape, args, device, chunks) -> str | None:
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         f.write(prof.key_averages().table(sort_by=key, row_limit=40))
     draw_timeline(stem + ".json", stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, "
-                  + ("own rows first" if chunks == "local" else f"C={chunks}"))
+                  + ("own rows first" if str(chunks).endswith("local") else f"C={chunks}")
+                  + (", peer copy" if str(chunks).startswith("peer:") else ""))
     return stem + ".png"
 
 
@@ -240,7 +258,7 @@ def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
 
     with open(trace_path) as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")), key=lambda e: e["ts"])
     first_comm = next((e for e in kernels if _is_comm(e["name"])), None)
     if first_comm is not None and "allreduce" in first_comm["name"].lower():  # the barrier: not drawn
         barrier_end = first_comm["ts"] + first_comm["dur"]
@@ -272,32 +290,40 @@ def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
     plt.close(fig)
 
 
+def candidate_name(transport: str, chunks):
+    """A T_pipe candidate's name: C or "local", "peer:" first for the peer-copy transport."""
+    return chunks if transport == "collective" else f"peer:{chunks}"
+
+
 def _is_comm(name: str) -> bool:
     lowered = name.lower()
-    return "nccl" in lowered or "all_to_all" in lowered or "alltoall" in lowered or "allgather" in lowered
+    return any(word in lowered for word in ("nccl", "all_to_all", "alltoall", "allgather", "memcpy", "barrier"))
 
 
 def _suffix(args) -> str:
     wire = "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
-    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + (
+    transport = "" if args.transport == "collective" else f"-{args.transport.replace('_', '-')}"
+    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + transport + (
         "-local-first" if args.local_first else "")
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | ceiling | T_pipe by C | max abs diff |",
-        "|" + " --- |" * 16,
+        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | ceiling | T_pipe by C | T_comm / T_seq by transport | max abs diff |",
+        "|" + " --- |" * 17,
     ]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
+        by_t = ", ".join(f"{t}: {r['t_comm_by_transport_ms'][t]:.2f} / {seq:.2f}"
+                         for t, seq in r["t_seq_by_transport_ms"].items())
         lines.append(
             f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r['dispatch_wire']} | "
             f"{r['comm_max_ctas'] or '-'} | "
             f"{'high priority' if r.get('comm_high_priority') else 'default'} | {r.get('sm_carveout') or '-'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
-            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | {r['max_abs_diff_vs_seq']:.3g} |"
+            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | {by_t} | {r['max_abs_diff_vs_seq']:.3g} |"
         )
     return "\n".join(lines)
 

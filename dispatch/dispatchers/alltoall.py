@@ -27,6 +27,7 @@ from dispatch import checks, comm, plan
 from dispatch.codec import Codec
 from dispatch.dispatchers.base import CombineHandle, Pending, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
+from dispatch.peer_copy import TRANSPORTS, transposed
 from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
@@ -38,6 +39,8 @@ class AllToAllHandle(CombineHandle):
 
     Attributes:
         send_splits, recv_splits: host row counts per peer.
+        split_matrix: host row counts of every rank to every rank
+            (``split_matrix[rank] == send_splits``; a peer-copy transport reads it).
         send_token: [S] source token of each send row.
         home_index: [T, W] send rows of each token, ascending rank, -1 padded.
         slot_row: [T, K] send row carrying each slot, -1 for empty slots.
@@ -48,6 +51,7 @@ class AllToAllHandle(CombineHandle):
 
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
+    split_matrix: tuple[tuple[int, ...], ...]
     send_token: torch.Tensor
     home_index: torch.Tensor
     slot_row: torch.Tensor
@@ -62,6 +66,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self._graphs = PlanGraphCache() if config.plan_graphs else None
+        self.transport = TRANSPORTS[config.transport](self.group, self.rank, self.world_size)
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
     def _plan(
@@ -120,7 +125,9 @@ class AllToAllDispatcher(TokenDispatcher):
             planned = send_phase(route, counts, gathered, rank, topk_idx, weights, chunks_of_tokens)
         summary = planned.summary.cpu()  # host sync: split sizes of every chunk for NCCL, row counts, peers' headers
         per_chunk = 2 * world + self.num_local_experts
-        grads_any = checks.check_peer_headers(summary[chunks * per_chunk :].view(world, -1))
+        headers_end = chunks * per_chunk + world * len(plan.HEADER)
+        grads_any = checks.check_peer_headers(summary[chunks * per_chunk : headers_end].view(world, -1))
+        matrices = summary[headers_end:].view(chunks, world, world).tolist()
         # what outlives a replayed graph is copied out of its buffers
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         sent_plan = planned.send  # its meta is read at once, on the stream of the replays
@@ -154,6 +161,7 @@ class AllToAllDispatcher(TokenDispatcher):
                 weights_grad_any=grads_any[1],
                 send_splits=send_splits,
                 recv_splits=recv_splits,
+                split_matrix=tuple(map(tuple, matrices[c])),
                 send_token=sp.send_token[sent : sent + num_send],
                 home_index=sp.home_index[a:b],
                 slot_row=sp.slot_row[a:b],
@@ -178,7 +186,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> torch.Tensor:
         sent = codec.pack(rows, handle.send_token)
-        received = comm.all_to_all_rows(sent, handle.send_splits, handle.recv_splits, self.group)
+        received = self._rows(sent, handle, back=False)
         mark(self.phase_timer, "exchange_out")
         expanded = codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
         mark(self.phase_timer, "expand")
@@ -193,7 +201,7 @@ class AllToAllDispatcher(TokenDispatcher):
     ) -> torch.Tensor:
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
         mark(self.phase_timer, "presum")
-        back = comm.all_to_all_rows(partial, handle.recv_splits, handle.send_splits, self.group)
+        back = self._rows(partial, handle, back=True)
         mark(self.phase_timer, "exchange_back")
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
         out = gather_sum(back, handle.home_index, None, rows.dtype, at_least)  # [T, H]
@@ -204,19 +212,33 @@ class AllToAllDispatcher(TokenDispatcher):
         index = handle.presum_index  # [R, J]
         padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
-        back = comm.all_to_all_rows(grid, handle.recv_splits, handle.send_splits, self.group)  # [S, J]
+        back = self._rows(grid, handle, back=True)  # [S, J]
         return _slots_from_rows(back, handle, values)
+
+    def _rows_start(self, rows: torch.Tensor, handle: AllToAllHandle, back: bool):
+        """Start the all-to-all of ``rows`` to the experts (``back=False``: send
+        rows in, received rows out) or home (``back=True``: the reverse);
+        (out, work) as ``comm.all_to_all_rows_start``."""
+        if back:
+            return self.transport.start(rows, handle.recv_splits, handle.send_splits, transposed(handle.split_matrix))
+        return self.transport.start(rows, handle.send_splits, handle.recv_splits, handle.split_matrix)
+
+    def _rows(self, rows: torch.Tensor, handle: AllToAllHandle, back: bool) -> torch.Tensor:
+        out, work = self._rows_start(rows, handle, back)
+        if work is not None:
+            work.wait()
+        return out
 
     # -- chunked exchanges: collectives left in flight -------------------------
 
     def _to_experts_start(self, rows, handle, codec):
         sent = codec.pack(rows, handle.send_token)
-        received, work = comm.all_to_all_rows_start(sent, handle.send_splits, handle.recv_splits, self.group)
+        received, work = self._rows_start(sent, handle, back=False)
         return Pending(work, lambda: codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src))
 
     def _to_home_start(self, rows, handle, weights, wire):
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
-        back, work = comm.all_to_all_rows_start(partial, handle.recv_splits, handle.send_splits, self.group)
+        back, work = self._rows_start(partial, handle, back=True)
         at_least = None if weights is None else weights.dtype
         return Pending(work, lambda: gather_sum(back, handle.home_index, None, rows.dtype, at_least))
 
@@ -224,7 +246,7 @@ class AllToAllDispatcher(TokenDispatcher):
         index = handle.presum_index  # [R, J]
         padded = torch.cat([values, values.new_zeros(1)])
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
-        back, work = comm.all_to_all_rows_start(grid, handle.recv_splits, handle.send_splits, self.group)
+        back, work = self._rows_start(grid, handle, back=True)
         return Pending(work, lambda: _slots_from_rows(back, handle, values))
 
     def _stats(self, handle: AllToAllHandle, dispatch_row_bytes, combine_wire, hidden):
