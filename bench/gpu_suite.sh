@@ -11,6 +11,8 @@
 #   peer-tests the peer-copy transport's tests (and local_first's, the overlap bench's)
 #   peer       overlap with both transports side by side (local_first and C = 2):
 #              NCCL defaults, carveout 8, the tuned NCCL group, fp8 dispatch
+#   peer-more  the a2a sweep (peer copy beside NCCL), and on 2 of the GPUs the
+#              overlap with both transports (carveout 8; NCCL slowed to 2 CTAs)
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -94,6 +96,12 @@ for part in "$@"; do
       bench 150 overlap-peer-tuned overlap --transport both --local-first --chunks 2 4 --comm-high-priority \
         --comm-max-ctas 16 --sm-carveout 16 --out "$RES"
       bench 150 overlap-peer-fp8 overlap --transport both --local-first --chunks 2 --dispatch-wire fp8 --out "$RES" ;;
+    peer-more)
+      bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES"
+      bench 150 overlap-peer-w2-carve8 overlap --world-size 2 --transport both --local-first --chunks 2 \
+        --sm-carveout 8 --trace --out "$RES"
+      bench 150 overlap-peer-w2-slow overlap --world-size 2 --transport both --local-first --chunks 2 \
+        --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

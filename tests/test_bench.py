@@ -34,8 +34,9 @@ def test_a2a_run_columns_units_and_bandwidth(tmp_path):
             "--warmup", "1", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     result = json.loads((tmp_path / "a2a-w2.json").read_text())
-    nccl = [r for r in result["rows"] if r["transport"] == "nccl"]
-    assert [r["size"] for r in nccl] == [1024, 2048, 4096, 8192, 16384]
+    for transport in ("nccl", "ours", "peer"):
+        picked = [r for r in result["rows"] if r["transport"] == transport]
+        assert [r["size"] for r in picked] == [1024, 2048, 4096, 8192, 16384], transport
     for r in result["rows"]:
         assert r["wrong"] == 0
         assert r["algbw_gbps"] == pytest.approx(r["wire_bytes"] / (r["time_us"] * 1e-6) / 1e9)

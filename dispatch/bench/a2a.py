@@ -7,6 +7,10 @@ For each buffer size (bytes per rank, doubling from ``--min-bytes`` to
   hardware's bar;
 * ``ours``: ``dispatch.comm.all_to_all_rows``, the dispatchers' transport (rows of
   bytes with per-peer split sizes), on the same buffer;
+* ``peer``: the same exchange by ``dispatch.peer_copy.PeerCopy``
+  (``transport="peer_copy"``: the send rows staged in symmetric memory, each
+  rank's blocks pulled by copy engines; the time includes the staging copy and
+  the barrier);
 * one line per compressing wire format (``fp8``, ...): rows of ``--hidden`` bf16
   channels packed by the wire's codec, exchanged, unpacked; its time covers all
   three, and ``effective`` is the uncompressed bytes per second.
@@ -32,7 +36,9 @@ import torch.distributed as dist
 from dispatch import comm, config
 from dispatch.bench import common, plots
 from dispatch.codec import to_experts_codec
+from dispatch.peer_copy import PeerCopy
 
+LOSSLESS = ("nccl", "ours", "peer")  # transports that move the bf16 buffer as it is
 COLUMNS = [
     ("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("time", "(us)", 10),
     ("algbw", "(GB/s)", 8), ("busbw", "(GB/s)", 8), ("effective", "(GB/s)", 9), ("#wrong", "", 8),
@@ -108,13 +114,13 @@ def run(args: argparse.Namespace) -> dict | None:
     dev = common.device()
     world, rank = dist.get_world_size(), dist.get_rank()
     all_sizes = sizes(args.min_bytes, args.max_bytes)
-    transports = ["nccl", "ours", *args.a2a_wires]
+    transports = ["nccl", "ours", "peer", *args.a2a_wires]
     progress = common.Progress(len(all_sizes) * len(transports), "a2a")
     rows = []
     for size in all_sizes:
         per_peer = size // (2 * world)
         for transport in transports:
-            if per_peer == 0 or (transport not in ("nccl", "ours") and per_peer < args.hidden):
+            if per_peer == 0 or (transport not in LOSSLESS and per_peer < args.hidden):
                 progress.step(f"{size} B {transport}", "skipped (smaller than one element/row per peer)")
                 continue
             row = _measure(transport, per_peer, world, rank, dev, args)
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) -> dict:
-    if transport not in ("nccl", "ours"):
+    if transport not in LOSSLESS:
         per_peer -= per_peer % args.hidden  # whole rows
     count = per_peer * world
     send = torch.cat([pattern(rank, dst, per_peer, dev) for dst in range(world)])
@@ -143,6 +149,16 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
         def step():
             box["out"] = comm.all_to_all_rows(send.view(count, 1), splits, splits, None)
         result = lambda: box["out"].view(-1)  # noqa: E731
+    elif transport == "peer":
+        box, peers = {}, PeerCopy(None, rank, world)
+        matrix = (splits,) * world
+
+        def step():
+            out, work = peers.start(send.view(count, 1), splits, splits, matrix)
+            if work is not None:
+                work.wait()
+            box["out"] = out
+        result = lambda: box["out"].view(-1)  # noqa: E731
     else:
         codec = to_experts_codec(transport, torch.bfloat16)
         rows_per_peer = per_peer // args.hidden
@@ -157,7 +173,7 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
         result = lambda: box["out"].reshape(-1)  # noqa: E731
 
     step()
-    wrong = _wrong(result(), expected, lossless=transport in ("nccl", "ours"), hidden=args.hidden)
+    wrong = _wrong(result(), expected, lossless=transport in LOSSLESS, hidden=args.hidden)
     stats = common.spread(common.time_back_to_back(step, args.iters, args.warmup, dev))
     seconds = stats["median"] / 1e3
     algbw = wire_bytes / seconds / 1e9
@@ -165,7 +181,7 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
         "transport": transport,
         "size": count * 2,
         "count": count,
-        "type": "bf16" if transport in ("nccl", "ours") else transport,
+        "type": "bf16" if transport in LOSSLESS else transport,
         "wire_bytes": wire_bytes,
         "time_us": stats["median"] * 1e3,
         "time_us_p10": stats["p10"] * 1e3,
@@ -207,19 +223,21 @@ def table(rows: list[dict], transport: str) -> str:
 
 
 def comparison(rows: list[dict], from_bytes: int = 8 << 20) -> list[str]:
-    """Lines comparing ``ours`` with raw NCCL at every size from ``from_bytes`` up."""
+    """Lines comparing ``ours`` and ``peer`` with raw NCCL at every size from ``from_bytes`` up."""
     nccl = {r["size"]: r for r in rows if r["transport"] == "nccl"}
-    ratios = [
-        (r["size"], nccl[r["size"]]["time_us"] / r["time_us"])
-        for r in rows if r["transport"] == "ours" and r["size"] >= from_bytes and r["size"] in nccl
-    ]
-    if not ratios:
-        return []
-    worst = min(ratios, key=lambda p: p[1])
-    return [
-        f"ours / nccl bandwidth from {from_bytes >> 20} MiB up: worst {worst[1]:.3f} at {worst[0]} B, "
-        f"mean {sum(r for _, r in ratios) / len(ratios):.3f}"
-    ]
+    lines = []
+    for transport in ("ours", "peer"):
+        ratios = [
+            (r["size"], nccl[r["size"]]["time_us"] / r["time_us"])
+            for r in rows if r["transport"] == transport and r["size"] >= from_bytes and r["size"] in nccl
+        ]
+        if ratios:
+            worst = min(ratios, key=lambda p: p[1])
+            lines.append(
+                f"{transport} / nccl bandwidth from {from_bytes >> 20} MiB up: worst {worst[1]:.3f} at {worst[0]} B, "
+                f"mean {sum(r for _, r in ratios) / len(ratios):.3f}"
+            )
+    return lines
 
 
 def report(result: dict, args: argparse.Namespace) -> str:
