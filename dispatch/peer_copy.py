@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from dispatch import comm
 
-BARRIER_TIMEOUT_MS = 300_000  # a peer that never arrives: a CUDA error after 5 minutes, not a hang
+BARRIER_TIMEOUT_MS = 300_000  # barrier kernels: a peer that never arrives is a CUDA error after 5 minutes
 _MIN_CAPACITY = 1 << 20  # bytes per half
 
 
@@ -200,9 +200,38 @@ class _CudaWork:
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
+def _stream_wait_value32():
+    """The driver's ``cuStreamWaitValue32`` (the stream waits until a 32-bit word
+    in device memory is >= a value; no SM involved), or None where the driver
+    does not export it."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    except OSError:
+        return None
+    for symbol in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+        fn = getattr(driver, symbol, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            return fn
+    return None
+
+
 class _CudaPeers(_Halves):
-    """Symmetric memory of the group on CUDA; everything runs on one side stream
-    (high priority: the barrier's one block starts ahead of waiting GEMM blocks)."""
+    """Symmetric memory of the group on CUDA; everything runs on one side stream.
+
+    The barrier of an exchange takes no SM where the driver has stream memory
+    operations: rank r raises word r of every peer's flags to the exchange's
+    count (``cuStreamWriteValue32``, which fences this rank's earlier writes
+    first), then its stream waits until each of its own flags reached that count
+    (``cuStreamWaitValue32``). Otherwise the symmetric-memory barrier kernel (one
+    block) does it. A barrier kernel competes for SMs: beside a persistent GEMM
+    that holds every SM, it starts only when the GEMM ends. With stream memory
+    operations a peer that never arrives leaves this rank's stream waiting, as
+    an NCCL collective would."""
 
     def __init__(self, group_ref, device: torch.device) -> None:
         self._group_ref, self.device = group_ref, device
@@ -210,6 +239,9 @@ class _CudaPeers(_Halves):
         self._handle = None
         self._views: list[torch.Tensor] = []
         self._capacity = 0
+        self._wait_value = _stream_wait_value32()
+        self._flags: list[torch.Tensor] = []  # per rank: [W] uint32, word s raised by rank s
+        self._count = 0
 
     def ordered(self, *tensors):
         return _OnStream(self.stream, tensors)
@@ -227,14 +259,30 @@ class _CudaPeers(_Halves):
             self.stream.synchronize()  # host sync: the old buffer is freed only once no peer reads it
         capacity = max(_MIN_CAPACITY, 1 << (need - 1).bit_length())
         self._handle = self._views = None
-        buffer = symm_mem.empty(2 * capacity, dtype=torch.uint8, device=self.device)
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        buffer = symm_mem.empty(2 * capacity + 4 * world, dtype=torch.uint8, device=self.device)  # halves, flags
+        buffer[2 * capacity :].zero_()
         self._handle = symm_mem.rendezvous(buffer, self.group)
-        world = dist.get_world_size(self.group)
         self._views = [self._handle.get_buffer(r, (2, capacity), torch.uint8) for r in range(world)]
-        self._buffer, self._capacity = buffer, capacity
+        self._flags = [self._handle.get_buffer(r, (world,), torch.uint32, 2 * capacity // 4) for r in range(world)]
+        self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # every rank's flags are zero
+        self._buffer, self._capacity, self._count, self._rank = buffer, capacity, 0, rank
 
     def barrier(self) -> None:
-        self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        if self._wait_value is None:
+            self._handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+            return
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        self._count += 1
+        peers = [p for p in range(len(self._flags)) if p != self._rank]
+        for p in peers:
+            _SymmetricMemory.stream_write_value32(self._flags[p], self._rank, self._count)
+        own = self._flags[self._rank].data_ptr()
+        for p in peers:
+            rc = self._wait_value(self.stream.cuda_stream, own + 4 * p, self._count, 0)  # 0: until >= count
+            if rc != 0:
+                raise RuntimeError(f"transport='peer_copy': cuStreamWaitValue32 failed with CUDA error {rc}")
 
 
 class _OnStream:
