@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dispatch import comm
 from dispatch.peer_copy import PeerCopy, transposed
 from world import current_device
 
@@ -33,24 +32,42 @@ def rows_for(matrix, rank: int, width: int, dtype: torch.dtype, salt: int) -> to
     return rows
 
 
-def exchanges(matrices, width: int, dtype: torch.dtype, in_flight: int, salt: int) -> list[bool]:
+def expected(matrix, rank: int, width: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    """What ``rank`` receives, by the definition of an all-to-all: the block of
+    every source's send rows meant for it, in source order."""
+    blocks = []
+    for source, row in enumerate(matrix):
+        first = sum(row[:rank])
+        blocks.append(rows_for(matrix, source, width, dtype, salt)[first : first + row[rank]])
+    return torch.cat(blocks)
+
+
+def exchanges(matrices, width: int, dtype: torch.dtype, in_flight: int, salt: int, group_size: int = 0) -> list[bool]:
     """Run every matrix's exchange through PeerCopy, ``in_flight`` started
     before the oldest is waited for, and every other one the way back; each
-    result against the collective's. Returns one bool per exchange."""
+    result against :func:`expected` (no other collective in between). With
+    ``group_size``, in new groups of that many consecutive ranks, on fresh
+    buffers. Returns one bool per exchange."""
     device = current_device()
-    rank = dist.get_rank()
-    ours = PeerCopy(None, rank, dist.get_world_size())
+    group, rank, world = None, dist.get_rank(), dist.get_world_size()
+    if group_size:
+        first = rank - rank % group_size
+        members = list(range(first, min(first + group_size, world)))
+        group = dist.new_group(members, use_local_synchronization=True)  # made by its members only
+        rank, world = members.index(rank), len(members)
+    ours = PeerCopy(group, rank, world)
     started, same = [], []
     for k, matrix in enumerate(matrices):
+        matrix = tuple(tuple(row[:world]) for row in matrix[:world])
         if k % 2:
             matrix = transposed(matrix)
         rows = rows_for(matrix, rank, width, dtype, salt + k).to(device)
         send, recv = matrix[rank], tuple(row[rank] for row in matrix)
-        started.append((ours.start(rows, send, recv, matrix), comm.all_to_all_rows(rows, send, recv, None)))
+        started.append((ours.start(rows, send, recv, matrix), expected(matrix, rank, width, dtype, salt + k)))
         del rows  # the transport keeps what it reads
         while len(started) > (in_flight if k + 1 < len(matrices) else 0):
             (out, work), want = started.pop(0)
             if work is not None:
                 work.wait()
-            same.append(out.dtype == want.dtype and torch.equal(out.cpu(), want.cpu()))
+            same.append(out.dtype == want.dtype and torch.equal(out.cpu(), want))
     return same

@@ -50,15 +50,27 @@ def test_every_rank_starts_with_another_source():
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("dtype, width", [(torch.float32, 5), (torch.bfloat16, 700), (torch.int64, 1)])
-def test_exchanges_match_the_collective(worlds, world_size, dtype, width):
+def test_exchanges_match_the_definition(worlds, world_size, dtype, width):
     """Sequences of exchanges (zeros, growth of the buffers past their first
-    size, both directions, two in flight at once) give the collective's rows."""
+    size, both directions, two in flight at once) give the rows of the
+    definition of an all-to-all."""
     sizes = [3, 0, 40, 7, 900, 2, 1, 300]  # rows per pair: 900 rows of 1400 bytes outgrow 1 MiB
     matrices = peer_copy_fns.draw_matrices(world_size, sizes, seed=world_size)
     for in_flight in (0, 1):
         args = [(matrices, width, dtype, in_flight, 10 * in_flight)] * world_size
         for rank, same in enumerate(worlds(world_size).run(peer_copy_fns.exchanges, args)):
             assert same == [True] * len(sizes), f"rank {rank}, {in_flight} in flight: {same}"
+
+
+@pytest.mark.parametrize("world_size, group_size", [(2, 2), (3, 3), (4, 2)])
+def test_new_groups_start_with_empty_exchanges(worlds, world_size, group_size):
+    """Fresh buffers of new groups (two pairs where W = 4), an exchange with
+    nothing to move first, then growth: the rows of the definition."""
+    sizes = [0, 0, 5, 700]  # draw_matrices leaves all-zero matrices at size 0
+    matrices = peer_copy_fns.draw_matrices(world_size, sizes, seed=7)
+    args = [(matrices, 800, torch.float32, 1, 3, group_size)] * world_size
+    for rank, same in enumerate(worlds(world_size).run(peer_copy_fns.exchanges, args)):
+        assert same == [True] * len(sizes), f"rank {rank}: {same}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
