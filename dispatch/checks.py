@@ -134,8 +134,15 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
         headers: [W, len(HEADER)] host int64, every rank's ``plan.header``.
     Raises:
         ValueError on every rank alike (all ranks see the same headers), after
-        the counts all-gather and before any token moves.
+        the counts all-gather and before any token moves; RuntimeError where
+        a rank marked itself failed (``plan.mark_failed``).
     """
+    failed = headers[:, HEADER.index("failed")].nonzero().flatten().tolist()
+    if failed:
+        raise RuntimeError(
+            f"rank(s) {failed} of the group failed before the exchange (see their errors); "
+            "every rank stops here, before any token moves"
+        )
     for column, (argument, what) in _MUST_AGREE.items():
         values = headers[:, HEADER.index(column)]
         if not bool((values == values[0]).all()):

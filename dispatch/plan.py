@@ -101,8 +101,9 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
 
 
 # What each rank adds to the counts all-gather so that every rank can check that
-# all ranks agree, and learn which gradients some rank needs.
-HEADER = ("topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad")
+# all ranks agree, learn which gradients some rank needs, and learn that a rank
+# failed in work it did before the all-gather (its peers then stop too).
+HEADER = ("topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad", "failed")
 DTYPE_CODES = {dtype: code for code, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
 
 
@@ -116,7 +117,13 @@ def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int) -> list[int]:
         DTYPE_CODES[topk_weights.dtype],
         int(grad and x.requires_grad),
         int(grad and topk_weights.requires_grad),
+        0,  # raised later in the row itself (``mark_failed``)
     ]
+
+
+def mark_failed(row: torch.Tensor) -> None:
+    """Raise the ``failed`` entry of a row about to be all-gathered ([... + len(HEADER)])."""
+    row[row.shape[0] - len(HEADER) + HEADER.index("failed")] = 1
 
 
 def exchange_row(r: Route, header_row: torch.Tensor) -> torch.Tensor:

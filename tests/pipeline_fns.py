@@ -364,3 +364,35 @@ def repeated(x, steps, grad_out, config: dict, chunks, experts_kind: str):
         results.append({"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
                         "params": [_cpu(p.grad) for p in experts.parameters()]})
     return results
+
+
+class _RaisesOnce(nn.Module):
+    """Experts whose first call raises (on the ranks that build them so)."""
+
+    def __init__(self, experts, raises: bool) -> None:
+        super().__init__()
+        self.experts, self.raises = experts, raises
+
+    def forward(self, tokens, tokens_per_expert):
+        if self.raises:
+            self.raises = False
+            raise ValueError("these experts fail on purpose")
+        return self.experts(tokens, tokens_per_expert)
+
+
+def local_first_one_rank_fails(x, topk_idx, topk_weights, config: dict, failing_rank: int):
+    """MoEExchange(local_first=True) whose experts raise on ``failing_rank``'s own
+    rows: (exception type and message, or None) of that step, then the output of
+    a second step on the same layer (which must work)."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    experts = _RaisesOnce(make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank),
+                          d.rank == failing_rank)
+    layer = dispatch.MoEExchange(d, experts, local_first=True)
+    args = (x.to(device), topk_idx.to(device), topk_weights.to(device))
+    try:
+        layer(*args)
+        error = None
+    except Exception as exc:  # the test inspects what each rank raised
+        error = (type(exc).__name__, str(exc))
+    return error, _cpu(layer(*args).detach())

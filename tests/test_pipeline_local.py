@@ -144,3 +144,21 @@ def test_local_first_plan_graphs(worlds, world_size):
             pipeline_fns.assert_same(b, a, f"rank {rank}, step {step}")
     for rank in range(2):  # and the steps differ: each used its own routing (rank 2 has no tokens)
         assert not torch.equal(runs[0][rank][0]["out"], runs[0][rank][1]["out"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_local_first_experts_failing_on_one_rank_stop_every_rank(worlds, world_size):
+    """The own rows' experts raise on one rank, before the plan's first
+    collective: that rank raises its error and every peer a RuntimeError naming
+    it, none hangs, and the next step of the same layer works."""
+    routing = make_routing(world_size, 2, 2, [6] * world_size, "random", seed=41)
+    xs = [random_tokens(r, 6, 4, torch.float32, 8) for r in range(world_size)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(world_size)]
+    results = worlds(world_size).run(pipeline_fns.local_first_one_rank_fails, args)
+    for rank, (error, second) in enumerate(results):
+        if rank == 1:
+            assert error == ("ValueError", "these experts fail on purpose")
+        else:
+            assert error is not None and error[0] == "RuntimeError" and "rank(s) [1]" in error[1], error
+        assert second.shape == xs[rank].shape and torch.isfinite(second).all()

@@ -87,7 +87,9 @@ class AllToAllDispatcher(TokenDispatcher):
         collective, with this rank's ``plan.OwnKeys`` and its counts on the host
         ([W, 1 + E_local], read in the same host synchronisation as the value
         checks; one exchange only): ``MoEExchange(local_first=True)`` queues its
-        own rows' work there."""
+        own rows' work there. If ``beside`` raises, this rank marks itself
+        failed in the row it all-gathers and raises after the all-gather, where
+        its peers raise too (``checks.check_peer_headers``): none is left waiting."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
@@ -96,7 +98,7 @@ class AllToAllDispatcher(TokenDispatcher):
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
         header_row = self._header_row(x, topk_weights, topk)
-        captured = None
+        captured, failed = None, None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
             key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values,
                           tuple(bounds), beside is not None)
@@ -117,7 +119,11 @@ class AllToAllDispatcher(TokenDispatcher):
             host = torch.cat([row[:width]] + ([] if flags is None else [flags.long()])).cpu()  # host sync:
             if flags is not None:  # the counts ``beside`` takes, and the value checks if on
                 checks.raise_for_values(host[width:].bool(), topk_idx, weights, num_experts)
-            beside(own, host[:width].view(world, -1))
+            try:
+                beside(own, host[:width].view(world, -1))
+            except Exception as exc:  # the peers are about to wait in the all-gather: stop them there
+                failed = exc
+                plan.mark_failed(row)
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
         if captured is not None:
             planned = captured.run_send()
@@ -126,6 +132,8 @@ class AllToAllDispatcher(TokenDispatcher):
         summary = planned.summary.cpu()  # host sync: split sizes of every chunk for NCCL, row counts, peers' headers
         per_chunk = 2 * world + self.num_local_experts
         headers_end = chunks * per_chunk + world * len(plan.HEADER)
+        if failed is not None:
+            raise failed  # its peers raise in check_peer_headers
         grads_any = checks.check_peer_headers(summary[chunks * per_chunk : headers_end].view(world, -1))
         matrices = summary[headers_end:].view(chunks, world, world).tolist()
         # what outlives a replayed graph is copied out of its buffers
