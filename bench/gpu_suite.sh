@@ -13,6 +13,9 @@
 #              NCCL defaults, carveout 8, the tuned NCCL group, fp8 dispatch
 #   peer-more  the a2a sweep (peer copy beside NCCL), and on 2 of the GPUs the
 #              overlap with both transports (carveout 8; NCCL slowed to 2 CTAs)
+#   local-chunks  local_first with C chunks: its tests; overlap with the exchange
+#              slowed to 2 CTAs (carveouts 16 and 8), C = 2, 4 beside local, local2, local4
+#   local-chunks-nvlink  the same over NVLink (carveout 8), both transports
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -102,6 +105,16 @@ for part in "$@"; do
         --sm-carveout 8 --trace --out "$RES"
       bench 150 overlap-peer-w2-slow overlap --world-size 2 --transport both --local-first --chunks 2 \
         --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --out "$RES" ;;
+    local-chunks)
+      step 240 pytest-local-chunks python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_local.py \
+        tests/test_experts.py tests/test_overlap_bench.py
+      bench 170 overlap-local-chunks-slow overlap --local-first --chunks 2 4 --comm-high-priority --comm-max-ctas 2 \
+        --sm-carveout 16 --trace --out "$RES"
+      bench 170 overlap-local-chunks-slow-carve8 overlap --local-first --chunks 2 4 --comm-high-priority \
+        --comm-max-ctas 2 --sm-carveout 8 --out "$RES" ;;
+    local-chunks-nvlink)
+      bench 240 overlap-local-chunks-nvlink overlap --transport both --local-first --chunks 2 4 --sm-carveout 8 \
+        --trace --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

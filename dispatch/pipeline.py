@@ -50,7 +50,7 @@ from torch import nn
 
 from dispatch import checks
 from dispatch.codec import sum_wire_dtype, to_experts_codec
-from dispatch.dispatchers.base import Pending, TokenDispatcher
+from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.experts import ChunkedExperts, GroupedExperts
 from dispatch.kernels.gather_sum import accumulate_dtype
 
@@ -102,12 +102,13 @@ class MoEExchange(nn.Module):
             carveout. Set through torch's process-wide experimental switch
             for the duration of the call, restored after.
         local_first: compute the rows this rank routes to its own experts
-            first, from ``topk_idx`` alone, while the plan and the dispatch of
-            the other ranks' rows run on the communication stream; backward
-            alike (``dispatch.pipeline_local``). The alltoall variant, C = 1.
-            ``sm_carveout`` then applies to the own rows' forward and backward
-            and to the weight gradients (the work that runs beside the plan
-            and the collectives); pair the two.
+            (of every chunk) first, from ``topk_idx`` alone, while the plan and
+            the dispatch of the other ranks' rows of the first chunks run on
+            the communication stream; then the others' rows chunk by chunk as
+            above; backward alike (``dispatch.pipeline_local``). The alltoall
+            variant, any C. ``sm_carveout`` then applies to the own rows'
+            forward and backward too, and to the weight gradients (the work
+            that runs beside the plan and the collectives); pair the two.
     """
 
     def __init__(
@@ -141,9 +142,6 @@ class MoEExchange(nn.Module):
 
             if not isinstance(dispatcher, AllToAllDispatcher):
                 raise ValueError(f"local_first=True needs the alltoall variant, got {type(dispatcher).__name__}")
-            if chunks not in (None, 1):
-                raise ValueError(f"local_first=True computes the own rows, then the others' rows: chunks must be "
-                                 f"1 or None, got {chunks!r}")
         self.local_first = local_first
         self.sm_carveout = sm_carveout
         self.dispatcher = dispatcher
@@ -165,7 +163,9 @@ class MoEExchange(nn.Module):
         d = self.dispatcher
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
         if self.local_first:
-            return self._forward_local_first(x, topk_idx, topk_weights)
+            from dispatch.pipeline_local import local_first_forward
+
+            return local_first_forward(self, x, topk_idx, topk_weights)
         chunks = self.chunks if self.chunks is not None else self._auto_chunks(x)
         bounds = chunk_bounds(x.shape[0], chunks)
         plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs)
@@ -173,43 +173,6 @@ class MoEExchange(nn.Module):
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, plans, bounds, grad_on, *params)
-
-    def _forward_local_first(self, x, topk_idx, topk_weights):
-        from dispatch import pipeline_local as local
-
-        d = self.dispatcher
-        streams = self._streams(x.device)
-        grad_on = torch.is_grad_enabled()
-        codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
-        params = self._trained_params()
-        plain = _plain_grouped_experts(self.experts, x.device.type)
-        if streams.comm_stream is not None:  # the plan reads the inputs, made on the compute stream
-            streams.comm_stream.wait_stream(streams.compute)
-        made = {}
-
-        def beside(keys, counts_host):  # the values are checked; the plan's collectives and host work come next
-            send_token, own = local.own_rows(keys, counts_host, d.rank)
-            with torch.no_grad():  # every row packed at once, before the GEMMs take the SMs
-                sent = local.arrive(streams, Pending.done(codec.pack(x, send_token)))
-            parts = local.Parts(self.experts, params, own, grad_on, plain)
-            # in the carveout: the plan's kernels and collectives need SMs beside these GEMMs
-            with local.on_stream(streams.compute), streams.carveout():
-                own_y = parts.forward(0, codec.unpack(sent, x.dtype, x.shape[1], own.expand), own.counts,
-                                      own.counts_host)
-            made.update(own=own, sent=sent, parts=parts, own_y=own_y)
-
-        with local.on_stream(streams.comm_stream):  # the plan and the others' rows, beside the own rows' work
-            handle, outputs = d._plan_exchanges(
-                x, topk_idx, topk_weights, (0, x.shape[0]), d.config.check_inputs, beside=beside)[0]
-            split = local.partition(outputs.src_rank, d.rank, made["own"].expand.shape[0])
-            joined = split.handle(handle)
-            with torch.no_grad():
-                pending = local.bring(d, made.pop("sent"), handle, codec, x.dtype, x.shape[1], split.others)
-        for made_there in (handle, outputs, made["own"], split, joined):
-            local.used_on(made_there, streams.compute)
-        anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return local.LocalFirstFn.apply(x, topk_weights, anchor, self, (handle, outputs), made["own"],
-                                        (made["parts"], made["own_y"], (split, joined), pending), grad_on, *params)
 
     def _trained_params(self) -> tuple:
         """The experts' parameters that require grad (none for a plain callable)."""
@@ -252,9 +215,11 @@ class _Streams:
         finally:
             torch._C._set_sm_carveout_experimental(before)
 
-    def comm(self, stage, to_compute: bool, reads: tuple = ()):
+    def comm(self, stage, to_compute: bool, reads: tuple = (), after_compute: bool = True):
         """Run ``stage() -> Pending`` on the communication side; returns an object
         whose ``finish()`` gives the result (``to_compute``: for the compute stream).
+        ``after_compute``: the stage starts after the work queued on the compute
+        stream so far (False: it reads nothing made there).
 
         ``reads``: tensors made on the compute stream that the stage reads. On
         CUDA they are marked as used by the communication stream, so the caller
@@ -263,7 +228,8 @@ class _Streams:
         On CPU the stage's Pending holds what its work still reads."""
         if self.comm_stream is None:
             return stage()
-        self.comm_stream.wait_stream(self.compute)  # inputs made on the compute stream so far
+        if after_compute:
+            self.comm_stream.wait_stream(self.compute)  # inputs made on the compute stream so far
         with torch.cuda.stream(self.comm_stream):
             result = stage().finish()
             event = torch.cuda.Event()
@@ -292,12 +258,15 @@ class _Arrived:
         return self.result
 
 
-def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None) -> None:
+def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, head=None,
+         bring_after_compute: bool = True) -> None:
     """D0 D1 X0 H0 D2 X1 H1 ...: ``bring(c) -> Pending`` (rows for the experts),
     ``compute(c, rows) -> value``, ``send_back(c, value) -> Pending`` (stores its
-    result when finished); ``tail()`` runs on the compute side once the last
-    chunk's send-back is issued, while it travels. Every rank issues the
-    collectives in this same order.
+    result when finished); ``head()`` runs on the compute side once the first
+    two chunks' brings are issued, while they travel; ``tail()`` once the last
+    chunk's send-back is issued, while it travels. ``bring_after_compute=False``:
+    the brings read nothing made on the compute stream and do not wait for it.
+    Every rank issues the collectives in this same order.
     A value is dropped as soon as its send-back is issued (on CUDA the
     communication stream is recorded on its tensors, see ``_Streams.comm``), so
     that no more than a chunk or two of them are alive at once."""
@@ -305,13 +274,16 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None) -
 
     def issue(c):
         if c < chunks:
-            inbound[c] = streams.comm(functools.partial(bring, c), to_compute=True)
+            inbound[c] = streams.comm(functools.partial(bring, c), to_compute=True, after_compute=bring_after_compute)
 
     issue(0)
     issue(1)
+    if head is not None:
+        with streams.carveout():
+            head()
     outbound = None
     for c in range(chunks):
-        with streams.carveout():
+        with streams.carveout() if chunks > 1 else contextlib.nullcontext():  # beside exchanges in flight
             value = compute(c, inbound.pop(c).finish())
         reads = tuple(t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor))
         returning = streams.comm(functools.partial(send_back, c, value), to_compute=False, reads=reads)

@@ -1,34 +1,38 @@
 """MoEExchange(local_first=True): a rank's own rows are computed while the plan
 and the exchange of the other ranks' rows run.
 
-Notation as in ``dispatch.plan``. The rows of the canonical order whose source is
-this rank ("own rows": its tokens routed to its own experts) need nothing from
-any peer: they are known from ``topk_idx`` alone. With ``local_first`` the layer
+Notation as in ``dispatch.plan``; C chunks of home tokens as in
+``dispatch.pipeline``. The rows of the canonical order whose source is this rank
+("own rows": its tokens routed to its own experts) need nothing from any peer:
+they are known from ``topk_idx`` alone. With ``local_first`` the layer
 
-1. finds the own rows with the plan's route (``plan.own_keys``, in the plan's
-   first CUDA graph), their counts read in the plan's first host
+1. finds the own rows of every chunk with the plan's route (``plan.own_keys``,
+   in the plan's first CUDA graph), their counts read in the plan's first host
    synchronisation (that of the value checks, when they are on), and packs
-   every send row at once, on the communication stream, before the GEMMs hold
-   the SMs;
-2. computes the own rows, taken from the self block of the packed rows, on
-   the compute stream, while the rest of the plan and the dispatch run on the
-   communication stream;
-3. computes the other ranks' rows once they have arrived, and
-4. combines all rows as ``combine`` does.
+   every send row of every chunk at once, on the communication stream, before
+   the GEMMs hold the SMs;
+2. computes all own rows, taken from the self blocks of the packed rows, on
+   the compute stream, while the rest of the plan and the dispatch of the first
+   chunks run on the communication stream;
+3. runs the pipeline of ``dispatch.pipeline`` on the other ranks' rows: the
+   experts compute chunk c's others' rows once they have arrived, and chunk c's
+   combine (its own rows' outputs joined in) travels while chunk c + 1 computes.
 
 Backward alike: every row's gradient is packed once; the own rows' are
-computed from the self block while the others' travel, then all rows'
-gradients go home together, beside the weight gradients' GEMMs.
+computed from the self blocks while the first chunks' others' travel; each
+chunk's gradients go home as its others' are done, and the weight gradients'
+GEMMs run beside the last chunk's.
 
-The exchange is the plain one, own rows included (they cross the all-to-all's
-self block, a local copy): the rows the experts see, the combine's pre-sums and
-the home sums are those of ``dispatch`` / ``combine``, value for value. So where
-the experts compute each row on its own, outputs and the gradients of x and
-topk_weights are bitwise those of C = 1. Parameter gradients: for a plain
-``GroupedExperts`` one grouped GEMM per weight over both parts' rows (each
-expert's own rows first, ``experts.ChunkedExperts``); for other experts the sum
-of two calls' (own rows, then the others'); equal to those of one call up to
-rounding (the rows' order within an expert differs from the canonical one).
+The exchanges are the plain ones, own rows included (they cross each
+all-to-all's self block, a local copy): the rows the experts see, the combine's
+pre-sums and the home sums are those of ``dispatch`` / ``combine``, value for
+value. So where the experts compute each row on its own, outputs and the
+gradients of x and topk_weights are bitwise those of C = 1. Parameter
+gradients: for a plain ``GroupedExperts`` one grouped GEMM per weight over every
+part's rows (each expert's own rows first, ``experts.ChunkedExperts``); for
+other experts the sum of the parts' calls (own rows, then the others' chunk by
+chunk); equal to those of one call up to rounding (the rows' order within an
+expert differs from the canonical one).
 """
 
 from __future__ import annotations
@@ -43,34 +47,63 @@ from dispatch import plan
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
-from dispatch.pipeline import _Arrived, _check_expert_out, autograd_rows, weighted_grads
+from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, _Stored, autograd_rows,
+                               chunk_bounds, weighted_grads)
 
 
 @dataclass(frozen=True)
 class OwnRows:
-    """The rows of the canonical order whose source is this rank.
+    """The rows of the canonical order whose source is this rank, all chunks'.
 
     Attributes:
-        expand: [N_own] the send row (among all S) behind each own row, in
-            canonical order (local expert, then token).
+        send_token: [S] the home token of each send row (all chunks', chunk-major);
+            packing with it makes every send row at once.
+        expand: [N_own] the send row (among all S) behind each own row, in the
+            canonical order of one exchange (local expert, then token).
         counts: [E_local] int64 own rows per local expert, on the device.
         counts_host: the same on the host.
+        in_chunk: per chunk, [N_own_c] the own rows (indices into ``expand``'s
+            order) of the chunk, in the chunk's canonical order; ``[None]`` for
+            one chunk (all of them).
+        chunk_counts: [C, E_local] int64 own rows of each chunk per local expert, on the device.
+        chunk_counts_host: the same on the host.
     """
 
+    send_token: torch.Tensor
     expand: torch.Tensor
     counts: torch.Tensor
     counts_host: torch.Tensor
+    in_chunk: list
+    chunk_counts: torch.Tensor
+    chunk_counts_host: torch.Tensor
+
+    def of_chunk(self, rows: torch.Tensor, c: int) -> torch.Tensor:
+        """Chunk c's own rows of ``rows`` ([N_own, ...] in the own rows' order)."""
+        return rows if self.in_chunk[c] is None else rows[self.in_chunk[c]]
 
 
-def own_rows(keys: plan.OwnKeys, counts_host: torch.Tensor, rank: int) -> tuple[torch.Tensor, OwnRows]:
-    """(the send rows' tokens [S], the own rows), from this rank's ``plan.OwnKeys``
-    and its counts on the host ([W, 1 + E_local]); no host synchronisation.
-    The tokens are a view of the keys (a replayed plan's buffers): used at once."""
-    num_send = int(counts_host[:, 0].sum())
-    per_expert = counts_host[rank, 1:].clone()
-    row_token = keys.row_key[: int(per_expert.sum())] % max(keys.send_row.shape[0], 1)
+def own_rows(keys: plan.OwnKeys, counts_host: torch.Tensor, rank: int, bounds: tuple[int, ...]) -> OwnRows:
+    """The own rows, from this rank's ``plan.OwnKeys`` and its counts of each
+    chunk on the host ([C, W, 1 + E_local]), for home token chunks ``bounds``;
+    no host synchronisation. The keys are a replayed plan's buffers: what is
+    made here from them is new tensors."""
+    chunks = len(bounds) - 1
+    num_send = int(counts_host[:, :, 0].sum())
+    per_chunk = counts_host[:, rank, 1:].clone()  # [C, E_local]
+    per_expert = per_chunk.sum(0)
+    num_tokens = keys.send_row.shape[0]
+    row_token = keys.row_key[: int(per_expert.sum())] % max(num_tokens, 1)
     device = keys.send_row.device
-    return keys.send_token[:num_send], OwnRows(keys.send_row[row_token], plan.to_device(per_expert, device), per_expert)
+    send_token = keys.send_token[:num_send]
+    in_chunk = [None]
+    if chunks > 1:  # tokens inside their chunk -> home tokens; own rows split by chunk, order kept
+        rows_per_chunk = plan.to_device(counts_host[:, :, 0].sum(1), device)
+        starts = plan.to_device(torch.tensor(bounds[:-1], dtype=torch.int64), device)
+        send_token = send_token + torch.repeat_interleave(starts, rows_per_chunk, output_size=num_send)
+        chunk = torch.searchsorted(starts[1:], row_token, right=True)
+        in_chunk = list(torch.sort(chunk, stable=True).indices.split(per_chunk.sum(1).tolist()))
+    return OwnRows(send_token if chunks > 1 else send_token.clone(), keys.send_row[row_token], plan.to_device(per_expert, device), per_expert,
+                   in_chunk, plan.to_device(per_chunk, device), per_chunk)
 
 
 def used_on(obj, stream) -> None:
@@ -80,8 +113,9 @@ def used_on(obj, stream) -> None:
         return
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            value.record_stream(stream)
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                tensor.record_stream(stream)
 
 
 def on_stream(stream):
@@ -90,36 +124,40 @@ def on_stream(stream):
 
 
 class Parts:
-    """The experts over two parts of the canonical order, own rows (part 0)
-    first, then the others' (part 1). A plain :class:`GroupedExperts` runs as
-    ``experts.ChunkedExperts`` (its weight gradients formed once, over both
-    parts' rows); other experts through autograd, part by part, their parameter
-    gradients summed in the parameters' dtype."""
+    """The experts over parts of the canonical order: the own rows of every
+    chunk (part 0) first, then the others' rows of chunk c (part 1 + c). A
+    plain :class:`GroupedExperts` runs as ``experts.ChunkedExperts`` (its
+    weight gradients formed once, over every part's rows); other experts
+    through autograd, part by part, their parameter gradients summed in the
+    parameters' dtype."""
 
-    def __init__(self, experts, params, own: OwnRows, grad_on: bool, plain: bool) -> None:
+    def __init__(self, experts, params, own: OwnRows, grad_on: bool, plain: bool, parts: int) -> None:
         self.experts, self.params, self.grad_on = experts, params, grad_on
-        self.chunked = ChunkedExperts(experts, [own.counts, None], [own.counts_host, None], grad_on) if plain else None
-        self.kept = [None, None]  # autograd path: (leaf, output with its graph) per part
+        self.counts = [(own.counts, own.counts_host)] + [None] * (parts - 1)
+        self.chunked = None
+        if plain:
+            self.chunked = ChunkedExperts(experts, [own.counts] + [None] * (parts - 1),
+                                          [own.counts_host] + [None] * (parts - 1), grad_on)
+        self.kept = [None] * parts  # autograd path: (leaf, output with its graph) per part
         self.grad_params = [None] * len(params)
 
-    def forward(self, p: int, rows: torch.Tensor, counts, counts_host, defer_keep: bool = False) -> torch.Tensor:
-        """Part p's rows -> the experts' output (detached); ``defer_keep``: what
-        backward keeps is placed by :meth:`place_kept`."""
+    def set_counts(self, p: int, counts: torch.Tensor, counts_host: torch.Tensor) -> None:
+        """Part p's rows per expert (device, host), known once the plan is made."""
+        self.counts[p] = (counts, counts_host)
         if self.chunked is not None:
-            if p == 1:
-                self.chunked.set_counts(1, counts, counts_host)
-            return self.chunked.forward(p, rows, defer_keep)
+            self.chunked.set_counts(p, counts, counts_host)
+
+    def forward(self, p: int, rows: torch.Tensor) -> torch.Tensor:
+        """Part p's rows -> the experts' output (detached)."""
+        if self.chunked is not None:
+            return self.chunked.forward(p, rows)
         leaf = rows.detach().requires_grad_(self.grad_on)
         with torch.set_grad_enabled(self.grad_on):
-            y = self.experts(leaf, counts)
+            y = self.experts(leaf, self.counts[p][0])
         _check_expert_out(y, rows)
         if self.grad_on:
             self.kept[p] = (leaf, y)
         return y.detach()
-
-    def place_kept(self) -> None:
-        if self.chunked is not None:
-            self.chunked.place_kept()
 
     def backward(self, p: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
         """Gradient of part p's output -> gradient of its rows (if ``rows_grad``)."""
@@ -132,7 +170,7 @@ class Parts:
         return autograd_rows(leaf, y, grad_y, rows_grad, self.params, self.grad_params)
 
     def weight_grads(self) -> list:
-        """Per parameter its gradient (None where it has none), once both parts' backward ran."""
+        """Per parameter its gradient (None where it has none), once every part's backward ran."""
         if self.chunked is not None and self.params:
             return self.chunked.param_grads(self.params)  # _plain_grouped_experts: its only parameters
         return self.grad_params
@@ -171,7 +209,7 @@ def partition(src_rank: torch.Tensor, rank: int, num_own: int) -> Partition:
     return Partition(order[:split], order[split:], order, at)
 
 
-def bring(d, sent, handle, codec, dtype, hidden, positions):
+def bring_rows(d, sent, handle, codec, dtype, hidden, positions):
     """The rows for the experts at ``positions`` of the canonical order, left in
     flight (``sent``: every send row, packed by ``codec`` from [T, hidden] rows
     of ``dtype``)."""
@@ -199,29 +237,92 @@ def _joined(others: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     return torch.cat(filled) if len(filled) > 1 else (filled or [others])[0]
 
 
+def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``MoEExchange(local_first=True)``'s forward: the plan of C chunks of home
+    tokens, beside it the own rows of all chunks, then the pipeline of the
+    others' rows (the inputs are checked)."""
+    d = layer.dispatcher
+    streams = layer._streams(x.device)
+    grad_on = torch.is_grad_enabled()
+    codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
+    params = layer._trained_params()
+    plain = _plain_grouped_experts(layer.experts, x.device.type)
+    bounds = chunk_bounds(x.shape[0], layer.chunks if layer.chunks is not None else layer._auto_chunks(x))
+    if streams.comm_stream is not None:  # the plan reads the inputs, made on the compute stream
+        streams.comm_stream.wait_stream(streams.compute)
+    made = {}
+
+    def beside(keys, counts_host):  # the values are checked; the plan's collectives and host work come next
+        own = own_rows(keys, counts_host, d.rank, bounds)
+        with torch.no_grad():  # every row of every chunk packed at once, before the GEMMs take the SMs
+            sent = arrive(streams, Pending.done(codec.pack(x, own.send_token)))
+        parts = Parts(layer.experts, params, own, grad_on, plain, len(bounds))
+        # in the carveout: the plan's kernels and collectives need SMs beside these GEMMs
+        with on_stream(streams.compute), streams.carveout():
+            own_y = parts.forward(0, codec.unpack(sent, x.dtype, x.shape[1], own.expand))
+        made.update(own=own, sent=sent, parts=parts, own_y=own_y)
+
+    with on_stream(streams.comm_stream):  # the plan, beside the own rows' work
+        plans = d._plan_exchanges(x, topk_idx, topk_weights, bounds, d.config.check_inputs, beside=beside)
+        own = made["own"]
+        splits = [partition(o.src_rank, d.rank, int(own.chunk_counts_host[c].sum())) for c, (_, o) in enumerate(plans)]
+        joined = [split.handle(h) for split, (h, _) in zip(splits, plans)]
+    for made_there in (own, *splits, *joined, *(t for pair in plans for t in pair)):
+        used_on(made_there, streams.compute)
+    for c, (_, o) in enumerate(plans):  # the others' rows of chunk c per expert
+        made["parts"].set_counts(1 + c, o.tokens_per_expert - own.chunk_counts[c],
+                                 o.tokens_per_expert_host - own.chunk_counts_host[c])
+    anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
+    inbound = (made["parts"], made["own_y"], splits, joined, made["sent"])  # not tensors to autograd
+    return LocalFirstFn.apply(x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params)
+
+
+def _send_starts(handles) -> list[int]:
+    """First send row of each chunk among all chunks' (chunk-major)."""
+    starts = [0]
+    for h in handles:
+        starts.append(starts[-1] + sum(h.send_splits))
+    return starts
+
+
 class LocalFirstFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, anchor, layer, plan_out, own, inbound, grad_on, *params):
+    def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params):
         d = layer.dispatcher
-        handle, outputs = plan_out
-        parts, own_y, (split, joined), pending = inbound  # not tensors to autograd: it is not to follow them
+        parts, own_y, splits, joined, sent = inbound
         streams = layer._streams(x.device)
-        rows = arrive(streams, pending)
-        y = parts.forward(1, rows, outputs.tokens_per_expert - own.counts,  # nothing else runs now: no carveout
-                          outputs.tokens_per_expert_host - own.counts_host, defer_keep=True)
-        y_all = _joined(y, own_y)
-        weights = outputs.weights.to(topk_weights.dtype, copy=True)
-        wire = sum_wire_dtype(d.config.combine_wire, y_all.dtype)
-        back = streams.comm(lambda: d._to_home_start(y_all, joined, weights[split.order], wire), to_compute=True,
-                            reads=(y_all,))
-        parts.place_kept()  # what backward keeps, placed while the outputs travel home
-        out = back.finish()
-        streams.join()
-        ctx.layer, ctx.plan_out, ctx.own, ctx.parts = layer, plan_out, own, parts
-        ctx.split, ctx.joined, ctx.outs = split, joined, (own_y, y)
-        ctx.weights, ctx.params, ctx.spent = weights, params, False
+        codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
+        handles, outputs = [h for h, _ in plans], [o for _, o in plans]
+        starts = _send_starts(handles)
+        weights = [o.weights.to(topk_weights.dtype, copy=True) for o in outputs]
+        ys, out = [None] * len(plans), []
+
+        def bring(c):  # the others' rows of chunk c, from the rows packed beside the plan
+            return bring_rows(d, sent[starts[c] : starts[c + 1]], handles[c], codec, x.dtype, x.shape[1],
+                              splits[c].others)
+
+        def compute(c, rows):
+            ys[c] = parts.forward(1 + c, rows)
+            y_all = _joined(ys[c], own.of_chunk(own_y, c))
+            if not out:
+                out.append(y_all.new_empty(x.shape[0], y_all.shape[1]))
+            return y_all
+
+        def send_back(c, y_all):
+            wire = sum_wire_dtype(d.config.combine_wire, y_all.dtype)
+            a, b = bounds[c], bounds[c + 1]
+            pending = d._to_home_start(y_all, joined[c], weights[c][splits[c].order], wire)
+            return _Stored([pending], lambda h: out[0][a:b].copy_(h))
+
+        _run(streams, len(plans), bring, compute, send_back, bring_after_compute=False)
+        own_weights = weights[0].new_empty(own.expand.shape[0])  # the own rows' weights, in their order
+        for c, w in enumerate(weights):
+            own_weights[slice(None) if own.in_chunk[c] is None else own.in_chunk[c]] = w[splits[c].mine]
+        ctx.layer, ctx.plans, ctx.bounds, ctx.own, ctx.parts = layer, plans, bounds, own, parts
+        ctx.splits, ctx.joined, ctx.outs = splits, joined, [own_y, *ys]
+        ctx.weights, ctx.own_weights, ctx.params, ctx.spent = weights, own_weights, params, False
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.anchor_dtype = x.shape, x.dtype, topk_weights.dtype, anchor.dtype
-        return out
+        return out[0]
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -229,46 +330,65 @@ class LocalFirstFn(torch.autograd.Function):
             raise RuntimeError("MoEExchange's backward ran a second time on one forward (retain_graph=True): "
                                "the experts' graphs are freed as their gradients are sent; run the forward again")
         ctx.spent = True
-        layer, (handle, _), own = ctx.layer, ctx.plan_out, ctx.own
+        layer, plans, bounds, own = ctx.layer, ctx.plans, ctx.bounds, ctx.own
         d = layer.dispatcher
         grad_out = grad_out.contiguous()
         streams = layer._streams(grad_out.device)
-        x_any, w_any = handle.x_grad_any, handle.weights_grad_any
+        handles = [h for h, _ in plans]
+        starts = _send_starts(handles)
+        x_any, w_any = handles[0].x_grad_any, handles[0].weights_grad_any
         codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
-        split, joined, parts = ctx.split, ctx.joined, ctx.parts
+        splits, joined, parts = ctx.splits, ctx.joined, ctx.parts
+        num_tokens, hidden = ctx.x_shape[0], grad_out.shape[1]
+        grad_x = grad_out.new_zeros(num_tokens, ctx.x_shape[1], dtype=ctx.x_dtype) if x_any else None
+        grad_topk = grad_out.new_zeros(num_tokens, handles[0].topk, dtype=ctx.w_dtype) if w_any else None
         # every row's gradient packed once, on the communication stream: its self
-        # block feeds the own rows, the rest travels to the others
-        sent = streams.comm(lambda: Pending.done(codec.pack(grad_out, handle.send_token)), to_compute=True).finish()
-        hidden = grad_out.shape[1]
-        arrived = streams.comm(lambda: bring(d, sent, handle, codec, grad_out.dtype, hidden, split.others),
-                               to_compute=True)
+        # blocks feed the own rows, the rest travels to the others
+        sent = streams.comm(lambda: Pending.done(codec.pack(grad_out, own.send_token)), to_compute=True).finish()
+        own_grads = []
 
-        def backward_part(p, positions, grad_rows):
-            grad_y, grad_w = weighted_grads(grad_rows, ctx.weights[positions], ctx.outs[p], w_any)
-            return parts.backward(p, grad_y, x_any), grad_w
+        def bring(c):
+            return bring_rows(d, sent[starts[c] : starts[c + 1]], handles[c], codec, grad_out.dtype, hidden,
+                              splits[c].others)
 
-        with streams.carveout():  # beside the others' gradients in flight
-            own_in, own_w = backward_part(0, split.mine, codec.unpack(sent, grad_out.dtype, hidden, own.expand))
-        sent = None
-        other_in, other_w = backward_part(1, split.others, arrived.finish())
+        def head():  # the own rows' backward, while the first chunks' gradients travel
+            grad_y, grad_w = weighted_grads(codec.unpack(sent, grad_out.dtype, hidden, own.expand), ctx.own_weights,
+                                            ctx.outs[0], w_any)
+            own_grads.extend((parts.backward(0, grad_y, x_any), grad_w))
+
+        def compute(c, grad_rows):
+            grad_y, grad_w = weighted_grads(grad_rows, ctx.weights[c][splits[c].others], ctx.outs[1 + c], w_any)
+            grad_in = parts.backward(1 + c, grad_y, x_any)
+            ctx.outs[1 + c] = None
+            own_in, own_w = (None if g is None else own.of_chunk(g, c) for g in own_grads)
+            return (_joined(grad_in, own_in) if x_any else None, _joined(grad_w, own_w) if w_any else None)
+
+        def send_back(c, value):
+            rows, values = value
+            a, b = bounds[c], bounds[c + 1]
+            to_x = to_w = None
+            if x_any:
+                wire = sum_wire_dtype(d.config.dispatch_grad_wire, rows.dtype)
+                to_x = d._to_home_start(rows, joined[c], None, wire)
+            if w_any:
+                to_w = d._weights_to_home_start(values, joined[c])
+
+            def store(gx, gw):
+                if gx is not None:
+                    grad_x[a:b].copy_(gx)
+                if gw is not None:
+                    grad_topk[a:b].copy_(gw)
+
+            return _Stored([to_x, to_w], store)
+
+        grad_params = []
+        _run(streams, len(plans), bring, compute, send_back, head=head,
+             tail=lambda: grad_params.extend(parts.weight_grads()), bring_after_compute=False)
         ctx.parts = ctx.outs = None  # the experts' graphs are spent
-        to_x = to_w = None
-        if x_any:
-            rows = _joined(other_in, own_in)
-            wire = sum_wire_dtype(d.config.dispatch_grad_wire, rows.dtype)
-            to_x = streams.comm(lambda: d._to_home_start(rows, joined, None, wire), to_compute=True, reads=(rows,))
-        if w_any:
-            values = _joined(other_w, own_w)
-            to_w = streams.comm(lambda: d._weights_to_home_start(values, joined), to_compute=True, reads=(values,))
-        with streams.carveout():
-            grad_params = parts.weight_grads()  # while the gradients travel home
-        grad_x = to_x.finish().to(ctx.x_dtype) if to_x is not None else None
-        grad_topk = to_w.finish().to(ctx.w_dtype) if to_w is not None else None
-        streams.join()
         needs = ctx.needs_input_grad
         grad_params = [
-            torch.zeros_like(p) if g is None and needs[8 + i] else g
+            torch.zeros_like(p) if g is None and needs[9 + i] else g
             for i, (g, p) in enumerate(zip(grad_params, ctx.params))
         ]
         return (grad_x if needs[0] else None, grad_topk if needs[1] else None,
-                grad_out.new_zeros(0, dtype=ctx.anchor_dtype), None, None, None, None, None, *grad_params)
+                grad_out.new_zeros(0, dtype=ctx.anchor_dtype), None, None, None, None, None, None, *grad_params)

@@ -277,15 +277,17 @@ def send_rows(hit: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.T
 @dataclass(frozen=True)
 class OwnKeys:
     """The rows this rank routes to its own experts ("own rows"), before the host
-    knows how many there are: fixed shapes, made with the route (one exchange).
+    knows how many there are: fixed shapes, made with the route (an exchange in
+    C chunks of home tokens, C = 1 included).
 
     Attributes:
         send_token: ``SendPlan.send_token`` of the exchange (its first S are real).
         row_key: [T * K] int64 ascending: ``local expert * T + token`` of each own
             slot, then ``E_local * T`` for every other slot. Its first N_own
-            entries are the own rows in canonical order.
-        send_row: [T] int64, the send row of each token to this rank (meaningful
-            for tokens with an own slot).
+            entries are the own rows of all chunks in the canonical order of
+            one exchange (local expert, then token).
+        send_row: [T] int64, the send row (among all chunks' S, chunk-major) of
+            each token to this rank (meaningful for tokens with an own slot).
     """
 
     send_token: torch.Tensor
@@ -295,15 +297,17 @@ class OwnKeys:
 
 def own_keys(r: Route, topk_idx: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.Tensor,
              rank: int) -> OwnKeys:
-    """:class:`OwnKeys` of this rank's routing ``r``; ``counts`` as ``r.counts[None]``,
-    ``chunks_of_tokens`` of the one chunk (:func:`token_chunks` of ``(0, T)``)."""
+    """:class:`OwnKeys` of this rank's routing ``r``; ``counts`` [C, W, 1 + E_local]
+    this rank's counts of each chunk (``r.counts[None]`` for one), and
+    ``chunks_of_tokens`` from :func:`token_chunks`."""
     num_tokens, topk = topk_idx.shape
     experts_per_rank = counts.shape[2] - 1
     _, local, send_token = send_rows(r.hit, counts, chunks_of_tokens, topk)
+    chunk_start = _exclusive(counts[:, :, 0].sum(1), 0)[chunks_of_tokens[0]]  # [T] first send row of its chunk
     token = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1)
     last = experts_per_rank * num_tokens
     key = torch.where(r.dest == rank, topk_idx.long() % experts_per_rank * num_tokens + token, last)
-    return OwnKeys(send_token, torch.sort(key.flatten()).values, local[:, rank])
+    return OwnKeys(send_token, torch.sort(key.flatten()).values, local[:, rank] + chunk_start)
 
 
 def build_send_plan(

@@ -53,8 +53,8 @@ def route_phase(
     topk_idx, topk_weights, header_row, num_experts, world_size, check_values, chunks_of_tokens, chunks, own_rank=None
 ):
     """Flags (or None), Route, this rank's counts of each chunk [C, W, 1 + E_local],
-    the row to all-gather, and ``plan.OwnKeys`` of rank ``own_rank`` (one
-    exchange only; None if not asked for)."""
+    the row to all-gather, and ``plan.OwnKeys`` of rank ``own_rank`` (None if
+    not asked for)."""
     flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
     route = plan.route(topk_idx, num_experts, world_size)
     if chunks == 1:

@@ -103,9 +103,10 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
 
 
 def make_layer(d, experts, chunks):
-    """MoEExchange(chunks=C), or MoEExchange(local_first=True) for C = "local"."""
-    if chunks == "local":
-        return dispatch.MoEExchange(d, experts, local_first=True)
+    """MoEExchange(chunks=C), or MoEExchange(local_first=True) for C = "local"
+    and MoEExchange(chunks=C, local_first=True) for C = "localC" (e.g. "local3")."""
+    if isinstance(chunks, str) and chunks.startswith("local"):
+        return dispatch.MoEExchange(d, experts, chunks=int(chunks[5:] or 1), local_first=True)
     return dispatch.MoEExchange(d, experts, chunks=chunks)
 
 
@@ -306,7 +307,6 @@ def local_first_errors(num_experts: int) -> list[str | None]:
     allgather = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, variant="allgather"))
     messages = []
     for attempt in (lambda: dispatch.MoEExchange(alltoall, lambda t, n: t, local_first=1),
-                    lambda: dispatch.MoEExchange(alltoall, lambda t, n: t, chunks=2, local_first=True),
                     lambda: dispatch.MoEExchange(allgather, lambda t, n: t, local_first=True)):
         try:
             attempt()
@@ -380,15 +380,15 @@ class _RaisesOnce(nn.Module):
         return self.experts(tokens, tokens_per_expert)
 
 
-def local_first_one_rank_fails(x, topk_idx, topk_weights, config: dict, failing_rank: int):
-    """MoEExchange(local_first=True) whose experts raise on ``failing_rank``'s own
+def local_first_one_rank_fails(x, topk_idx, topk_weights, config: dict, failing_rank: int, chunks: int = 1):
+    """MoEExchange(chunks=C, local_first=True) whose experts raise on ``failing_rank``'s own
     rows: (exception type and message, or None) of that step, then the output of
     a second step on the same layer (which must work)."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config))
     experts = _RaisesOnce(make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank),
                           d.rank == failing_rank)
-    layer = dispatch.MoEExchange(d, experts, local_first=True)
+    layer = dispatch.MoEExchange(d, experts, chunks=chunks, local_first=True)
     args = (x.to(device), topk_idx.to(device), topk_weights.to(device))
     try:
         layer(*args)

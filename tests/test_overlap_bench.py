@@ -43,7 +43,7 @@ def test_local_first_is_a_candidate(tmp_path):
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first.json").read_text())
     for row in result["rows"]:
-        assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local"}
+        assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local", "local2"}
         assert row["t_pipe_ms"] == min(row["t_pipe_by_chunks_ms"].values())
         assert row["max_abs_diff_vs_seq"] == 0.0
     assert (tmp_path / "overlap-trace-cpu-tiny-w2-local-first.png").stat().st_size > 0
@@ -55,7 +55,7 @@ def test_both_transports_side_by_side(tmp_path):
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-both-local-first.json").read_text())
     for row in result["rows"]:
-        assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local", "peer:2", "peer:local"}
+        assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local", "local2", "peer:2", "peer:local", "peer:local2"}
         assert set(row["t_seq_by_transport_ms"]) == set(row["t_comm_by_transport_ms"]) == {"collective", "peer_copy"}
         assert row["t_seq_ms"] == min(row["t_seq_by_transport_ms"].values())
         transport = "peer_copy" if str(row["best_chunks"]).startswith("peer:") else "collective"

@@ -1,6 +1,7 @@
-"""MoEExchange(local_first=True): the own rows computed beside the plan and the
-exchange give the plain round trip's results, bitwise, forward and backward, on
-worlds of 1-4 ranks (gloo here, NCCL on GPUs)."""
+"""MoEExchange(local_first=True), with C = 1 and C > 1 chunks: the own rows
+computed beside the plan and the exchange, then the others' rows chunk by chunk,
+give the plain round trip's results, bitwise, forward and backward, on worlds of
+1-4 ranks (gloo here, NCCL on GPUs)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import pipeline_fns
 from routing import make_routing, random_tokens
 from test_pipeline import HIDDEN, _run
 
+# local_first with C chunks ("local" is C = 1); 8 is more chunks than some ranks have tokens
+LOCAL = ["local", "local2", "local3", "local8"]
+
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", ["random", "sparse"])
@@ -19,9 +23,10 @@ def test_local_first_bitwise_fp32(worlds, world_size, mode):
     experts -> combine; parameter gradients (two calls' sums) to rounding. A rank
     with T = 0, and sparse routing where some ranks have no own rows."""
     routing = make_routing(world_size, 2, 3, [7, 0, 3, 12][:world_size], mode, seed=20 + world_size)
-    _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", "local"])
+    _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", *LOCAL])
     for rank, per_c in enumerate(results):
-        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
+        for chunks in LOCAL:
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} {chunks}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -33,10 +38,11 @@ def test_local_first_exact_sums(worlds, world_size, experts):
     xs = [(random_tokens(r, t, HIDDEN, torch.float64, 3) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
     gs = [(random_tokens(r, t, HIDDEN, torch.float64, 4) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, ["plain", "local"], experts)
-            for r in range(world_size)]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, ["plain", "local", "local3"],
+             experts) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}")
+        for chunks in ("local", "local3"):
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} {chunks}")
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -48,10 +54,11 @@ def test_local_first_wire_formats(worlds, pow2):
     gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) * 3 for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts, dispatch_wire="fp8", combine_wire="bf16",
                   combine_grad_wire="e5m2", dispatch_grad_wire="bf16", fp8_pow2_scales=pow2)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local"], "rowwise")
-            for r in range(3)]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local", "local2"],
+             "rowwise") for r in range(3)]
     for rank, per_c in enumerate(worlds(3).run(pipeline_fns.pipelined, args)):
-        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
+        for chunks in ("local", "local2"):
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} {chunks}", params_exact=False)
 
 
 def test_local_first_gradients_only_where_asked(worlds):
@@ -60,26 +67,29 @@ def test_local_first_gradients_only_where_asked(worlds):
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local"],
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local", "local2"],
              "rowwise", False, r == 0, r == 1) for r in range(2)]
     results = worlds(2).run(pipeline_fns.pipelined, args)
     for rank, per_c in enumerate(results):
-        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
-    assert results[0]["local"]["topk_weights"] is None and results[1]["local"]["x"] is None
+        for chunks in ("local", "local2"):
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} {chunks}", params_exact=False)
+    for chunks in ("local", "local2"):
+        assert results[0][chunks]["topk_weights"] is None and results[1][chunks]["x"] is None
 
 
-def test_local_first_no_grad_and_second_backward(worlds):
+@pytest.mark.parametrize("chunks", ["local", "local3"])
+def test_local_first_no_grad_and_second_backward(worlds, chunks):
     """Forward without grad gives C = 1's output; a second backward says what happened."""
     routing = make_routing(2, 2, 2, [6, 3], "random", seed=22)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
     got = worlds(2).run(pipeline_fns.pipelined_no_grad,
-                        [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, "local") for r in range(2)])
+                        [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, chunks) for r in range(2)])
     want = worlds(2).run(pipeline_fns.pipelined_no_grad,
                          [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(2)])
     for (h, requires), (h1, _) in zip(got, want):
         assert torch.equal(h, h1) and not requires
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, "rowwise", "local") for r in range(2)]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, "rowwise", chunks) for r in range(2)]
     for message in worlds(2).run(pipeline_fns.backward_twice, args):
         assert message is not None and "second time" in message
 
@@ -96,18 +106,18 @@ def test_local_first_late_streams(worlds, world_size):
     xs = [random_tokens(r, t, 64, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, 64, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local"],
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local", "local3"],
              "rowwise", False, True, True, True) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        pipeline_fns.assert_same(per_c["local"], per_c["plain"], f"rank {rank}", params_exact=False)
+        for chunks in ("local", "local3"):
+            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} {chunks}", params_exact=False)
 
 
 def test_local_first_bad_arguments(worlds):
-    """Refused at construction, naming the argument: a non-bool, chunks > 1, another variant."""
+    """Refused at construction, naming the argument: a non-bool, another variant."""
     (messages,) = worlds(1).run(pipeline_fns.local_first_errors, [(2,)])
     assert "local_first must be a bool" in messages[0]
-    assert "chunks must be 1 or None" in messages[1]
-    assert "alltoall variant" in messages[2]
+    assert "alltoall variant" in messages[1]
 
 
 def test_local_first_part_without_rows(worlds):
@@ -125,7 +135,8 @@ def test_local_first_part_without_rows(worlds):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_local_first_plan_graphs(worlds, world_size):
+@pytest.mark.parametrize("chunks", ["local", "local2"])
+def test_local_first_plan_graphs(worlds, world_size, chunks):
     """Three steps on one layer, each with new routing of the same shape: with
     the plan's CUDA graphs (on GPUs the second step captures, the third replays,
     own rows' keys included) the results are bitwise those without."""
@@ -136,7 +147,7 @@ def test_local_first_plan_graphs(worlds, world_size):
     runs = []
     for graphs in (False, True):
         config = dict(num_experts=routings[0].num_experts, plan_graphs=graphs)
-        args = [(xs[r], [(g.topk_idx[r], g.topk_weights[r].float()) for g in routings], gs[r], config, "local",
+        args = [(xs[r], [(g.topk_idx[r], g.topk_weights[r].float()) for g in routings], gs[r], config, chunks,
                  "rowwise") for r in range(world_size)]
         runs.append(worlds(world_size).run(pipeline_fns.repeated, args))
     for rank, (eager, replayed) in enumerate(zip(*runs)):
@@ -147,14 +158,16 @@ def test_local_first_plan_graphs(worlds, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_local_first_experts_failing_on_one_rank_stop_every_rank(worlds, world_size):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_local_first_experts_failing_on_one_rank_stop_every_rank(worlds, world_size, chunks):
     """The own rows' experts raise on one rank, before the plan's first
     collective: that rank raises its error and every peer a RuntimeError naming
     it, none hangs, and the next step of the same layer works."""
     routing = make_routing(world_size, 2, 2, [6] * world_size, "random", seed=41)
     xs = [random_tokens(r, 6, 4, torch.float32, 8) for r in range(world_size)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(world_size)]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1, chunks)
+            for r in range(world_size)]
     results = worlds(world_size).run(pipeline_fns.local_first_one_rank_fails, args)
     for rank, (error, second) in enumerate(results):
         if rank == 1:

@@ -8,7 +8,8 @@ gloo, as a smoke test):
     T_compute   the experts alone, on the rows one dispatch delivers
     T_seq       MoEExchange(C = 1) with GroupedExperts
     T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks`` (and,
-                with ``--local-first``, of MoEExchange(local_first=True): "local")
+                with ``--local-first``, of MoEExchange(local_first=True) with
+                C = 1 and with each C of ``--chunks``: "local", "localC")
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
@@ -16,15 +17,14 @@ gloo, as a smoke test):
 
 ``--transport both`` measures T_comm, T_seq and every T_pipe candidate with each
 transport (``DispatchConfig.transport``; peer-copy candidates are named
-``peer:C`` and ``peer:local``); then T_seq is the faster transport's and T_comm
+``peer:C``, ``peer:local`` and ``peer:localC``); then T_seq is the faster transport's and T_comm
 that of the best candidate's transport.
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
 with an NCCL SM budget (a slower exchange, as on a slow inter-node tier);
 ``--trace`` writes one pipelined forward+backward's profiler trace (of the
-best C, or of ``local_first`` with ``--local-first``) and draws the streams'
-kernels to a PNG.
+best forward+backward candidate) and draws the streams' kernels to a PNG.
 
     python -m dispatch.bench.overlap --out bench/results/
 """
@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sm-carveout", type=int, default=None,
                         help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange")
     parser.add_argument("--local-first", action="store_true",
-                        help="also try MoEExchange(local_first=True) for T_pipe (reported as C = local)")
+                        help="also try MoEExchange(local_first=True) with C = 1 and each --chunks C for T_pipe "
+                             "(reported as C = local, localC)")
     parser.add_argument("--transport", choices=("collective", "peer_copy", "both"), default="collective",
                         help="DispatchConfig.transport of the layers, or both side by side")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
@@ -174,13 +175,14 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     prio = args.comm_priority
     options = dict(comm_priority=prio, sm_carveout=args.sm_carveout)
 
-    candidates = {candidate_name(t, c): (t, c) for t in transports
-                  for c in [*args.chunks, *(["local"] if args.local_first else [])]}
+    local = ["local", *(f"local{c}" for c in args.chunks if c > 1)] if args.local_first else []
+    candidates = {candidate_name(t, c): (t, c) for t in transports for c in [*args.chunks, *local]}
 
     def pipe(name):
         transport, c = candidates[name]
-        if c == "local":
-            return dispatch.MoEExchange(by_transport[transport], experts, local_first=True, **options)
+        if str(c).startswith("local"):
+            return dispatch.MoEExchange(by_transport[transport], experts, chunks=int(c[5:] or 1), local_first=True,
+                                        **options)
         return dispatch.MoEExchange(by_transport[transport], experts, chunks=c, **options)
 
     rows = []
@@ -212,8 +214,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         ))
     trace = None
     if args.trace:
-        # the layer under study: own rows first (with the last transport), else the best
-        traced = candidate_name(transports[-1], "local") if args.local_first else rows[-1]["best_chunks"]
+        traced = rows[-1]["best_chunks"]  # the best forward+backward
         trace = _trace(layer_fn(pipe(traced), True), shape, args, device, traced)
     return rows, trace
 
@@ -241,7 +242,7 @@ def _trace(fn, shape, args, device, chunks) -> str | None:
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         f.write(prof.key_averages().table(sort_by=key, row_limit=40))
     draw_timeline(stem + ".json", stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, "
-                  + ("own rows first" if str(chunks).endswith("local") else f"C={chunks}")
+                  + _layer_words(str(chunks))
                   + (", peer copy" if str(chunks).startswith("peer:") else ""))
     return stem + ".png"
 
@@ -290,8 +291,16 @@ def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _layer_words(name: str) -> str:
+    """A candidate's name in words, for a title: "own rows first, C=2" for "local2"."""
+    chunks = name.removeprefix("peer:")
+    if chunks.startswith("local"):
+        return f"own rows first, C={chunks[5:] or 1}"
+    return f"C={chunks}"
+
+
 def candidate_name(transport: str, chunks):
-    """A T_pipe candidate's name: C or "local", "peer:" first for the peer-copy transport."""
+    """A T_pipe candidate's name: C, "local" or "localC", "peer:" first for the peer-copy transport."""
     return chunks if transport == "collective" else f"peer:{chunks}"
 
 

@@ -84,17 +84,15 @@ class AllToAllDispatcher(TokenDispatcher):
         and each chunk's handle is slices of the same tensors. On CUDA the part
         before the host synchronisation is replayed as CUDA graphs. ``beside()``,
         if given, is called once the values are checked, before the first
-        collective, with this rank's ``plan.OwnKeys`` and its counts on the host
-        ([W, 1 + E_local], read in the same host synchronisation as the value
-        checks; one exchange only): ``MoEExchange(local_first=True)`` queues its
-        own rows' work there. If ``beside`` raises, this rank marks itself
+        collective, with this rank's ``plan.OwnKeys`` and its counts of each
+        chunk on the host ([C, W, 1 + E_local], read in the same host
+        synchronisation as the value checks): ``MoEExchange(local_first=True)``
+        queues its own rows' work there. If ``beside`` raises, this rank marks itself
         failed in the row it all-gathers and raises after the all-gather, where
         its peers raise too (``checks.check_peer_headers``): none is left waiting."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
-        if beside is not None and chunks != 1:
-            raise ValueError(f"beside serves one exchange, got {chunks} chunks")
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
         header_row = self._header_row(x, topk_weights, topk)
@@ -115,12 +113,12 @@ class AllToAllDispatcher(TokenDispatcher):
             if flags is not None:  # before the first exchange
                 checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
         else:
-            width = world * (1 + self.num_local_experts)  # this rank's counts (one chunk)
+            width = chunks * world * (1 + self.num_local_experts)  # this rank's counts of each chunk
             host = torch.cat([row[:width]] + ([] if flags is None else [flags.long()])).cpu()  # host sync:
             if flags is not None:  # the counts ``beside`` takes, and the value checks if on
                 checks.raise_for_values(host[width:].bool(), topk_idx, weights, num_experts)
             try:
-                beside(own, host[:width].view(world, -1))
+                beside(own, host[:width].view(chunks, world, -1))
             except Exception as exc:  # the peers are about to wait in the all-gather: stop them there
                 failed = exc
                 plan.mark_failed(row)
