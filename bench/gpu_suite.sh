@@ -109,12 +109,12 @@ for part in "$@"; do
       step 240 pytest-local-chunks python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_local.py \
         tests/test_experts.py tests/test_overlap_bench.py
       bench 170 overlap-local-chunks-slow overlap --local-first --chunks 2 4 --comm-high-priority --comm-max-ctas 2 \
-        --sm-carveout 16 --trace --out "$RES"
+        --sm-carveout 16 --trace --trace-candidate local4 --out "$RES"
       bench 170 overlap-local-chunks-slow-carve8 overlap --local-first --chunks 2 4 --comm-high-priority \
         --comm-max-ctas 2 --sm-carveout 8 --out "$RES" ;;
     local-chunks-nvlink)
       bench 240 overlap-local-chunks-nvlink overlap --transport both --local-first --chunks 2 4 --sm-carveout 8 \
-        --trace --out "$RES" ;;
+        --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

@@ -267,6 +267,8 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
         own = made["own"]
         splits = [partition(o.src_rank, d.rank, int(own.chunk_counts_host[c].sum())) for c, (_, o) in enumerate(plans)]
         joined = [split.handle(h) for split, (h, _) in zip(splits, plans)]
+    if streams.comm_stream is not None:  # the plan's results are read on the compute stream from here on
+        streams.compute.wait_stream(streams.comm_stream)  # (behind the own rows' GEMMs: no delay to them)
     for made_there in (own, *splits, *joined, *(t for pair in plans for t in pair)):
         used_on(made_there, streams.compute)
     for c, (_, o) in enumerate(plans):  # the others' rows of chunk c per expert

@@ -67,23 +67,27 @@ class LateExperts(nn.Module):
 
 @contextlib.contextmanager
 def late_collectives(on: bool = True):
-    """On CUDA: every pipelined all-to-all starts late on the stream it is issued
-    from (MoEExchange's communication stream), so that a missing event wait shows
-    as wrong values. Elsewhere: nothing changes."""
+    """On CUDA: every pipelined all-to-all, and the plan's metadata all-to-all,
+    starts late on the stream it is issued from (MoEExchange's communication
+    stream), so that a missing event wait shows as wrong values. Elsewhere:
+    nothing changes."""
     if not on or current_device().type != "cuda":
         yield
         return
-    start = comm.all_to_all_rows_start
+    start, whole = comm.all_to_all_rows_start, comm.all_to_all_rows
 
-    def late(rows, send_splits, recv_splits, group):
-        torch.cuda._sleep(LATE_CYCLES)
-        return start(rows, send_splits, recv_splits, group)
+    def late(exchange):
+        def call(rows, send_splits, recv_splits, group):
+            torch.cuda._sleep(LATE_CYCLES)
+            return exchange(rows, send_splits, recv_splits, group)
 
-    comm.all_to_all_rows_start = late
+        return call
+
+    comm.all_to_all_rows_start, comm.all_to_all_rows = late(start), late(whole)
     try:
         yield
     finally:
-        comm.all_to_all_rows_start = start
+        comm.all_to_all_rows_start, comm.all_to_all_rows = start, whole
 
 
 def _cpu(t):

@@ -28,7 +28,7 @@ def test_cpu_smoke_run_writes_results(tmp_path):
 @pytest.mark.parametrize(
     "argv, needle",
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
-     (["--shapes", "nope"], "--shapes")],
+     (["--shapes", "nope"], "--shapes"), (["--chunks", "2", "--trace-candidate", "local2"], "--trace-candidate")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -39,7 +39,7 @@ def test_bad_flags(argv, needle, capsys):
 
 def test_local_first_is_a_candidate(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
-            "--local-first", "--trace", "--out", str(tmp_path)]
+            "--local-first", "--trace", "--trace-candidate", "local2", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first.json").read_text())
     for row in result["rows"]:

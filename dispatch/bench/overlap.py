@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--transport", choices=("collective", "peer_copy", "both"), default="collective",
                         help="DispatchConfig.transport of the layers, or both side by side")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
+    parser.add_argument("--trace-candidate", help="the T_pipe candidate --trace profiles (e.g. 4, local2, peer:local); "
+                                                  "default: the best forward+backward")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -95,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--comm-high-priority needs NCCL (a GPU)")
     if args.sm_carveout is not None and args.sm_carveout < 0:
         parser.error(f"--sm-carveout must be >= 0, got {args.sm_carveout}")
+    if args.trace_candidate is not None and _candidate(candidates_of(args), args.trace_candidate) is None:
+        parser.error(f"--trace-candidate {args.trace_candidate!r} is not among the candidates "
+                     f"{', '.join(map(str, candidates_of(args)))}")
     try:
         dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire)
     except ValueError as exc:
@@ -131,7 +136,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    transports = ("collective", "peer_copy") if args.transport == "both" else (args.transport,)
+    transports = transports_of(args)
     by_transport = {t: dispatch.create(dispatch.DispatchConfig(
         num_experts=shape.experts, dispatch_wire=args.dispatch_wire, transport=t), group) for t in transports}
     d = by_transport[transports[0]]
@@ -175,8 +180,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     prio = args.comm_priority
     options = dict(comm_priority=prio, sm_carveout=args.sm_carveout)
 
-    local = ["local", *(f"local{c}" for c in args.chunks if c > 1)] if args.local_first else []
-    candidates = {candidate_name(t, c): (t, c) for t in transports for c in [*args.chunks, *local]}
+    candidates = candidates_of(args)
 
     def pipe(name):
         transport, c = candidates[name]
@@ -214,7 +218,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         ))
     trace = None
     if args.trace:
-        traced = rows[-1]["best_chunks"]  # the best forward+backward
+        traced = rows[-1]["best_chunks"] if args.trace_candidate is None else _candidate(candidates, args.trace_candidate)
         trace = _trace(layer_fn(pipe(traced), True), shape, args, device, traced)
     return rows, trace
 
@@ -289,6 +293,23 @@ def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
+
+
+def transports_of(args) -> tuple[str, ...]:
+    """The transports ``--transport`` names."""
+    return ("collective", "peer_copy") if args.transport == "both" else (args.transport,)
+
+
+def candidates_of(args) -> dict:
+    """The T_pipe candidates: {name: (transport, C or "local" / "localC")}."""
+    transports = transports_of(args)
+    local = ["local", *(f"local{c}" for c in args.chunks if c > 1)] if args.local_first else []
+    return {candidate_name(t, c): (t, c) for t in transports for c in [*args.chunks, *local]}
+
+
+def _candidate(candidates: dict, name: str):
+    """The key of ``candidates`` named ``name`` (C values are ints there), or None."""
+    return next((key for key in candidates if str(key) == name), None)
 
 
 def _layer_words(name: str) -> str:
