@@ -237,6 +237,11 @@ def _joined(others: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     return torch.cat(filled) if len(filled) > 1 else (filled or [others])[0]
 
 
+# Chunks whose token all-to-all starts within the plan (``early``): those the
+# pipeline brings before it computes (``pipeline._run`` issues two ahead).
+EARLY_CHUNKS = 2
+
+
 def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """``MoEExchange(local_first=True)``'s forward: the plan of C chunks of home
     tokens, beside it the own rows of all chunks, then the pipeline of the
@@ -262,8 +267,16 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
             own_y = parts.forward(0, codec.unpack(sent, x.dtype, x.shape[1], own.expand))
         made.update(own=own, sent=sent, parts=parts, own_y=own_y)
 
+    def early(splits):  # the first chunks' rows leave as soon as their sizes are known, before the rest of the plan
+        starts = [0]
+        for send_splits, _, _ in splits:
+            starts.append(starts[-1] + sum(send_splits))
+        for c in range(min(EARLY_CHUNKS, len(splits))):
+            made.setdefault("early", {})[c] = d.transport.start(made["sent"][starts[c] : starts[c + 1]], *splits[c])
+
     with on_stream(streams.comm_stream):  # the plan, beside the own rows' work
-        plans = d._plan_exchanges(x, topk_idx, topk_weights, bounds, d.config.check_inputs, beside=beside)
+        plans = d._plan_exchanges(x, topk_idx, topk_weights, bounds, d.config.check_inputs, beside=beside,
+                                  early=early)
         own = made["own"]
         splits = [partition(o.src_rank, d.rank, int(own.chunk_counts_host[c].sum())) for c, (_, o) in enumerate(plans)]
         joined = [split.handle(h) for split, (h, _) in zip(splits, plans)]
@@ -275,7 +288,7 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
         made["parts"].set_counts(1 + c, o.tokens_per_expert - own.chunk_counts[c],
                                  o.tokens_per_expert_host - own.chunk_counts_host[c])
     anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-    inbound = (made["parts"], made["own_y"], splits, joined, made["sent"])  # not tensors to autograd
+    inbound = (made["parts"], made["own_y"], splits, joined, made["sent"], made.get("early", {}))  # not to autograd
     return LocalFirstFn.apply(x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params)
 
 
@@ -291,7 +304,7 @@ class LocalFirstFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params):
         d = layer.dispatcher
-        parts, own_y, splits, joined, sent = inbound
+        parts, own_y, splits, joined, sent, started = inbound
         streams = layer._streams(x.device)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         handles, outputs = [h for h, _ in plans], [o for _, o in plans]
@@ -300,6 +313,10 @@ class LocalFirstFn(torch.autograd.Function):
         ys, out = [None] * len(plans), []
 
         def bring(c):  # the others' rows of chunk c, from the rows packed beside the plan
+            if c in started:  # its all-to-all started within the plan
+                received, work = started.pop(c)
+                positions = handles[c].expand_src[splits[c].others]
+                return Pending(work, lambda: codec.unpack(received, x.dtype, x.shape[1], positions))
             return bring_rows(d, sent[starts[c] : starts[c + 1]], handles[c], codec, x.dtype, x.shape[1],
                               splits[c].others)
 

@@ -77,7 +77,7 @@ class AllToAllDispatcher(TokenDispatcher):
     def _plan_chunks(self, x, topk_idx, topk_weights, bounds, check_values):
         return self._plan_exchanges(x, topk_idx, topk_weights, bounds, check_values)
 
-    def _plan_exchanges(self, x, topk_idx, topk_weights, bounds, check_values, beside=None):
+    def _plan_exchanges(self, x, topk_idx, topk_weights, bounds, check_values, beside=None, early=None):
         """The plan of an exchange in C chunks of home tokens (C = 1: ``dispatch``):
         one route, one counts all-gather ([C, W, 1 + E_local] counts per rank),
         one host synchronisation and one metadata all-to-all serve all chunks,
@@ -89,7 +89,13 @@ class AllToAllDispatcher(TokenDispatcher):
         synchronisation as the value checks): ``MoEExchange(local_first=True)``
         queues its own rows' work there. If ``beside`` raises, this rank marks itself
         failed in the row it all-gathers and raises after the all-gather, where
-        its peers raise too (``checks.check_peer_headers``): none is left waiting."""
+        its peers raise too (``checks.check_peer_headers``): none is left waiting.
+        ``early(splits)``, if given, is called once the split sizes are on the
+        host and every rank's header is checked, before the metadata
+        all-to-all, with per chunk (send splits, receive splits, split matrix):
+        ``local_first`` starts its first chunks' token all-to-alls there, so
+        that the bytes move while the rest of the plan is made. Every rank of
+        the group must pass one (the collectives' order is the same on all)."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         chunks = len(bounds) - 1
@@ -142,6 +148,9 @@ class AllToAllDispatcher(TokenDispatcher):
         per_expert_dev = keep(planned.summary[: chunks * per_chunk]).view(chunks, per_chunk)[:, 2 * world :]
         host = summary[: chunks * per_chunk].view(chunks, per_chunk)
         send_rows, recv_rows, per_expert = host[:, :world], host[:, world : 2 * world], host[:, 2 * world :]
+        if early is not None:
+            early([(tuple(send_rows[c].tolist()), tuple(recv_rows[c].tolist()), tuple(map(tuple, matrices[c])))
+                   for c in range(chunks)])
         recv_meta = comm.all_to_all_rows(
             sp.meta[: int(send_rows.sum())], tuple(send_rows.sum(0).tolist()), tuple(recv_rows.sum(0).tolist()),
             self.group,
