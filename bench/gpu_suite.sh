@@ -114,7 +114,7 @@ for part in "$@"; do
         --comm-max-ctas 2 --sm-carveout 8 --out "$RES" ;;
     local-chunks-nvlink)
       bench 240 overlap-local-chunks-nvlink overlap --transport both --local-first --chunks 2 4 --sm-carveout 8 \
-        --out "$RES" ;;
+        --trace --trace-candidate local --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
