@@ -240,7 +240,8 @@ def _joined(others: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 # Chunks whose token all-to-all starts within the plan (``early``). One: on
 # 4 x H200 with the exchange slowed to 2 NCCL CTAs, starting two there put the
 # second chunk's all-to-all ahead of the metadata all-to-all, which the first
-# chunk's receive plan waits for (Mixtral, forward, C = 2: 16.6 ms against 15.6).
+# chunk's receive plan waits for (Mixtral forward, C = 2, three runs: 16.6 ms
+# with two, 15.6 with none, 14.1 with one).
 EARLY_CHUNKS = 1
 
 
