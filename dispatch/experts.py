@@ -229,14 +229,16 @@ class ChunkedExperts:
 
     def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor) -> None:
         """Chunk c's counts, given as None at construction. What earlier chunks
-        keep waits for every chunk's counts, and is then placed with the next
-        kept rows, behind their GEMMs."""
+        keep is placed with chunk c's first kept rows, behind its GEMMs (with
+        ``forward(defer_keep=True)``, by :meth:`place_kept`)."""
         if self.rows[c] is not None:
             raise ValueError(f"chunk {c}'s counts were given already")
         self.counts[c], self.counts_host[c], self.rows[c] = counts, counts_host, int(counts_host.sum())
 
-    def forward(self, c: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Chunk c's rows [N_c, H] -> [N_c, H] (detached)."""
+    def forward(self, c: int, tokens: torch.Tensor, defer_keep: bool = False) -> torch.Tensor:
+        """Chunk c's rows [N_c, H] -> [N_c, H] (detached). ``defer_keep``: what
+        backward keeps of the chunk is placed by :meth:`place_kept` (at the
+        latest by :meth:`weight_grads`), not behind its GEMMs."""
         e = self.experts
         w_in, w_out = e.w_in.detach(), e.w_out.detach()
         h = e._matmul(tokens, w_in, self.counts[c], self.counts_host[c])
@@ -247,11 +249,17 @@ class ChunkedExperts:
             act = e._act(h)
             y = e._matmul(act, w_out, self.counts[c], self.counts_host[c])
         self.hidden[c], self.outs[c] = h, y
+        keep = self.waiting.append if defer_keep else (lambda item: self._keep(*item))
         if self.need_in:
-            self._keep("tokens", c, tokens)
+            keep(("tokens", c, tokens))
         if self.need_out:
-            self._keep("acts", c, act.detach())
+            keep(("acts", c, act.detach()))
         return y.detach()
+
+    def place_kept(self) -> None:
+        """Place what waits to be kept, once every chunk's counts are known."""
+        if self.waiting and None not in self.rows:
+            self._place_waiting()
 
     def output(self, c: int) -> torch.Tensor:
         """Chunk c's output as :meth:`forward` returned it."""

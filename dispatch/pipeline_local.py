@@ -13,7 +13,7 @@ they are known from ``topk_idx`` alone. With ``local_first`` the layer
    the GEMMs hold the SMs;
 2. computes all own rows, taken from the self blocks of the packed rows, on
    the compute stream, while the rest of the plan and the dispatch of the first
-   chunks run on the communication stream;
+   chunk run on the communication stream;
 3. runs the pipeline of ``dispatch.pipeline`` on the other ranks' rows: the
    experts compute chunk c's others' rows once they have arrived, and chunk c's
    combine (its own rows' outputs joined in) travels while chunk c + 1 computes.
@@ -102,7 +102,8 @@ def own_rows(keys: plan.OwnKeys, counts_host: torch.Tensor, rank: int, bounds: t
         send_token = send_token + torch.repeat_interleave(starts, rows_per_chunk, output_size=num_send)
         chunk = torch.searchsorted(starts[1:], row_token, right=True)
         in_chunk = list(torch.sort(chunk, stable=True).indices.split(per_chunk.sum(1).tolist()))
-    return OwnRows(send_token if chunks > 1 else send_token.clone(), keys.send_row[row_token], plan.to_device(per_expert, device), per_expert,
+    send_token = send_token if chunks > 1 else send_token.clone()  # (a view of the keys for one chunk)
+    return OwnRows(send_token, keys.send_row[row_token], plan.to_device(per_expert, device), per_expert,
                    in_chunk, plan.to_device(per_chunk, device), per_chunk)
 
 
@@ -147,10 +148,11 @@ class Parts:
         if self.chunked is not None:
             self.chunked.set_counts(p, counts, counts_host)
 
-    def forward(self, p: int, rows: torch.Tensor) -> torch.Tensor:
-        """Part p's rows -> the experts' output (detached)."""
+    def forward(self, p: int, rows: torch.Tensor, defer_keep: bool = False) -> torch.Tensor:
+        """Part p's rows -> the experts' output (detached); ``defer_keep``: what
+        backward keeps is placed by :meth:`place_kept`, not behind the GEMMs."""
         if self.chunked is not None:
-            return self.chunked.forward(p, rows)
+            return self.chunked.forward(p, rows, defer_keep)
         leaf = rows.detach().requires_grad_(self.grad_on)
         with torch.set_grad_enabled(self.grad_on):
             y = self.experts(leaf, self.counts[p][0])
@@ -158,6 +160,11 @@ class Parts:
         if self.grad_on:
             self.kept[p] = (leaf, y)
         return y.detach()
+
+    def place_kept(self) -> None:
+        """Place what the parts' forwards left to keep (once every part's counts are set)."""
+        if self.chunked is not None:
+            self.chunked.place_kept()
 
     def backward(self, p: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
         """Gradient of part p's output -> gradient of its rows (if ``rows_grad``)."""
@@ -270,7 +277,7 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
             own_y = parts.forward(0, codec.unpack(sent, x.dtype, x.shape[1], own.expand))
         made.update(own=own, sent=sent, parts=parts, own_y=own_y)
 
-    def early(splits):  # the first chunks' rows leave as soon as their sizes are known, before the rest of the plan
+    def early(splits):  # the first chunk's rows leave once their sizes are known, before the rest of the plan
         starts = [0]
         for send_splits, _, _ in splits:
             starts.append(starts[-1] + sum(send_splits))
@@ -324,7 +331,10 @@ class LocalFirstFn(torch.autograd.Function):
                               splits[c].others)
 
         def compute(c, rows):
-            ys[c] = parts.forward(1 + c, rows)
+            # what the earlier parts keep for backward is placed only now, once their
+            # combine is on its way: placed behind their GEMMs it delayed it
+            parts.place_kept()
+            ys[c] = parts.forward(1 + c, rows, defer_keep=True)
             y_all = _joined(ys[c], own.of_chunk(own_y, c))
             if not out:
                 out.append(y_all.new_empty(x.shape[0], y_all.shape[1]))
@@ -336,7 +346,7 @@ class LocalFirstFn(torch.autograd.Function):
             pending = d._to_home_start(y_all, joined[c], weights[c][splits[c].order], wire)
             return _Stored([pending], lambda h: out[0][a:b].copy_(h))
 
-        _run(streams, len(plans), bring, compute, send_back, bring_after_compute=False)
+        _run(streams, len(plans), bring, compute, send_back, tail=parts.place_kept, bring_after_compute=False)
         own_weights = weights[0].new_empty(own.expand.shape[0])  # the own rows' weights, in their order
         for c, w in enumerate(weights):
             own_weights[slice(None) if own.in_chunk[c] is None else own.in_chunk[c]] = w[splits[c].mine]

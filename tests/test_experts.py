@@ -219,7 +219,7 @@ def test_chunked_experts_counts_given_later():
     rows = [(torch.randn(int(c.sum()), 4, dtype=torch.float64) * 8).round() / 8 for c in counts]
     grads = [(torch.randn(int(c.sum()), 4, dtype=torch.float64) * 8).round() / 8 for c in counts]
     results = []
-    for late in (False, True):
+    for late, defer in ((False, False), (True, False), (True, True)):
         chunked = ChunkedExperts(experts, [counts[0], None if late else counts[1]],
                                  [counts[0], None if late else counts[1]], grad_on=True)
         chunked.forward(0, rows[0])
@@ -228,8 +228,11 @@ def test_chunked_experts_counts_given_later():
             chunked.set_counts(1, counts[1], counts[1])
             with pytest.raises(ValueError, match="already"):
                 chunked.set_counts(1, counts[1], counts[1])
-        chunked.forward(1, rows[1])  # places what chunk 0 kept, then its own
-        assert not chunked.waiting and chunked.tokens.shape == (5 + 5, 4)
+        chunked.forward(1, rows[1], defer_keep=defer)
+        if defer:  # chunk 1's rows wait until placed
+            assert len(chunked.waiting) == 4 and chunked.tokens is None
+            chunked.place_kept()
+            assert not chunked.waiting and chunked.tokens.shape == (5 + 5, 4)
         for c in (0, 1):
             chunked.backward(c, grads[c], rows_grad=False)
         results.append(chunked.weight_grads())

@@ -28,7 +28,8 @@ def test_cpu_smoke_run_writes_results(tmp_path):
 @pytest.mark.parametrize(
     "argv, needle",
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
-     (["--shapes", "nope"], "--shapes"), (["--chunks", "2", "--trace-candidate", "local2"], "--trace-candidate")],
+     (["--shapes", "nope"], "--shapes"), (["--chunks", "2", "--trace", "--trace-candidate", "local2"], "--trace-candidate"),
+     (["--trace-candidate", "2"], "needs --trace")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

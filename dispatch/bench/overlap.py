@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--comm-high-priority needs NCCL (a GPU)")
     if args.sm_carveout is not None and args.sm_carveout < 0:
         parser.error(f"--sm-carveout must be >= 0, got {args.sm_carveout}")
+    if args.trace_candidate is not None and not args.trace:
+        parser.error("--trace-candidate needs --trace")
     if args.trace_candidate is not None and _candidate(candidates_of(args), args.trace_candidate) is None:
         parser.error(f"--trace-candidate {args.trace_candidate!r} is not among the candidates "
                      f"{', '.join(map(str, candidates_of(args)))}")

@@ -93,7 +93,7 @@ class AllToAllDispatcher(TokenDispatcher):
         ``early(splits)``, if given, is called once the split sizes are on the
         host and every rank's header is checked, before the metadata
         all-to-all, with per chunk (send splits, receive splits, split matrix):
-        ``local_first`` starts its first chunks' token all-to-alls there, so
+        ``local_first`` starts its first chunk's token all-to-all there, so
         that the bytes move while the rest of the plan is made. Every rank of
         the group must pass one (the collectives' order is the same on all)."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
