@@ -403,21 +403,8 @@ class _PipelineFn(torch.autograd.Function):
 
         def send_back(c, value):
             grad_tokens, grad_w = value
-            a, b = bounds[c], bounds[c + 1]
-            to_x = to_w = None
-            if x_any:
-                wire = sum_wire_dtype(d.config.dispatch_grad_wire, grad_tokens.dtype)
-                to_x = d._to_home_start(grad_tokens.contiguous(), handles[c], None, wire)
-            if w_any:
-                to_w = d._weights_to_home_start(grad_w, handles[c])
-
-            def store(gx, gw):
-                if gx is not None:
-                    grad_x[a:b].copy_(gx)
-                if gw is not None:
-                    grad_topk[a:b].copy_(gw)
-
-            return _Stored([to_x, to_w], store)
+            rows = grad_tokens.contiguous() if x_any else None
+            return grads_home(d, handles[c], rows, grad_w, grad_x, grad_topk, slice(bounds[c], bounds[c + 1]))
 
         def weight_grads():
             grad_params[:] = chunked.param_grads(ctx.params)
@@ -440,6 +427,26 @@ class _PipelineFn(torch.autograd.Function):
             None,
             *grad_params,
         )
+
+
+def grads_home(d, handle, rows, values, grad_x, grad_topk, tokens: slice) -> "_Stored":
+    """Start the way home of one chunk's gradients: of its rows (``rows``, None
+    if x needs none) into ``grad_x[tokens]``, of its rows' weights (``values``,
+    None if topk_weights needs none) into ``grad_topk[tokens]``."""
+    to_x = to_w = None
+    if rows is not None:
+        wire = sum_wire_dtype(d.config.dispatch_grad_wire, rows.dtype)
+        to_x = d._to_home_start(rows, handle, None, wire)
+    if values is not None:
+        to_w = d._weights_to_home_start(values, handle)
+
+    def store(gx, gw):
+        if gx is not None:
+            grad_x[tokens].copy_(gx)
+        if gw is not None:
+            grad_topk[tokens].copy_(gw)
+
+    return _Stored([to_x, to_w], store)
 
 
 def weighted_grads(grad_rows: torch.Tensor, w: torch.Tensor, y: torch.Tensor, w_any: bool):

@@ -48,7 +48,7 @@ from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
 from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, _Stored, autograd_rows,
-                               chunk_bounds, weighted_grads)
+                               chunk_bounds, grads_home, weighted_grads)
 
 
 @dataclass(frozen=True)
@@ -397,21 +397,7 @@ class LocalFirstFn(torch.autograd.Function):
 
         def send_back(c, value):
             rows, values = value
-            a, b = bounds[c], bounds[c + 1]
-            to_x = to_w = None
-            if x_any:
-                wire = sum_wire_dtype(d.config.dispatch_grad_wire, rows.dtype)
-                to_x = d._to_home_start(rows, joined[c], None, wire)
-            if w_any:
-                to_w = d._weights_to_home_start(values, joined[c])
-
-            def store(gx, gw):
-                if gx is not None:
-                    grad_x[a:b].copy_(gx)
-                if gw is not None:
-                    grad_topk[a:b].copy_(gw)
-
-            return _Stored([to_x, to_w], store)
+            return grads_home(d, joined[c], rows, values, grad_x, grad_topk, slice(bounds[c], bounds[c + 1]))
 
         grad_params = []
         _run(streams, len(plans), bring, compute, send_back, head=head,
