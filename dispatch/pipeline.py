@@ -350,10 +350,7 @@ class _PipelineFn(torch.autograd.Function):
             return y.detach().contiguous()
 
         def send_back(c, y):
-            wire = sum_wire_dtype(d.config.combine_wire, y.dtype)
-            a, b = bounds[c], bounds[c + 1]
-            pending = d._to_home_start(y, handles[c], weights[c], wire)
-            return _Stored([pending], lambda h: out[0][a:b].copy_(h))
+            return outputs_home(d, handles[c], y, weights[c], out, slice(bounds[c], bounds[c + 1]))
 
         _run(streams, len(plans), bring, compute, send_back)
         if not out:  # no chunk (cannot happen: C >= 1), kept for clarity of the types
@@ -427,6 +424,14 @@ class _PipelineFn(torch.autograd.Function):
             None,
             *grad_params,
         )
+
+
+def outputs_home(d, handle, y, weights, out: list, tokens: slice) -> "_Stored":
+    """Start the way home (combine) of one chunk's expert outputs ``y``, weighted
+    by ``weights``, into ``out[0][tokens]``."""
+    wire = sum_wire_dtype(d.config.combine_wire, y.dtype)
+    pending = d._to_home_start(y, handle, weights, wire)
+    return _Stored([pending], lambda h: out[0][tokens].copy_(h))
 
 
 def grads_home(d, handle, rows, values, grad_x, grad_topk, tokens: slice) -> "_Stored":

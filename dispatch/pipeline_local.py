@@ -44,11 +44,11 @@ from dataclasses import dataclass
 import torch
 
 from dispatch import plan
-from dispatch.codec import sum_wire_dtype, to_experts_codec
+from dispatch.codec import to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
-from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, _Stored, autograd_rows,
-                               chunk_bounds, grads_home, weighted_grads)
+from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, autograd_rows,
+                               chunk_bounds, grads_home, outputs_home, weighted_grads)
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,6 @@ class OwnRows:
             packing with it makes every send row at once.
         expand: [N_own] the send row (among all S) behind each own row, in the
             canonical order of one exchange (local expert, then token).
-        counts: [E_local] int64 own rows per local expert, on the device.
-        counts_host: the same on the host.
         in_chunk: per chunk, [N_own_c] the own rows (indices into ``expand``'s
             order) of the chunk, in the chunk's canonical order; ``[None]`` for
             one chunk (all of them).
@@ -71,11 +69,19 @@ class OwnRows:
 
     send_token: torch.Tensor
     expand: torch.Tensor
-    counts: torch.Tensor
-    counts_host: torch.Tensor
     in_chunk: list
     chunk_counts: torch.Tensor
     chunk_counts_host: torch.Tensor
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """[E_local] int64 own rows per local expert (all chunks), on the device."""
+        return self.chunk_counts.sum(0)
+
+    @property
+    def counts_host(self) -> torch.Tensor:
+        """The same on the host."""
+        return self.chunk_counts_host.sum(0)
 
     def of_chunk(self, rows: torch.Tensor, c: int) -> torch.Tensor:
         """Chunk c's own rows of ``rows`` ([N_own, ...] in the own rows' order)."""
@@ -90,9 +96,8 @@ def own_rows(keys: plan.OwnKeys, counts_host: torch.Tensor, rank: int, bounds: t
     chunks = len(bounds) - 1
     num_send = int(counts_host[:, :, 0].sum())
     per_chunk = counts_host[:, rank, 1:].clone()  # [C, E_local]
-    per_expert = per_chunk.sum(0)
     num_tokens = keys.send_row.shape[0]
-    row_token = keys.row_key[: int(per_expert.sum())] % max(num_tokens, 1)
+    row_token = keys.row_key[: int(per_chunk.sum())] % max(num_tokens, 1)
     device = keys.send_row.device
     send_token = keys.send_token[:num_send]
     in_chunk = [None]
@@ -103,8 +108,7 @@ def own_rows(keys: plan.OwnKeys, counts_host: torch.Tensor, rank: int, bounds: t
         chunk = torch.searchsorted(starts[1:], row_token, right=True)
         in_chunk = list(torch.sort(chunk, stable=True).indices.split(per_chunk.sum(1).tolist()))
     send_token = send_token if chunks > 1 else send_token.clone()  # (a view of the keys for one chunk)
-    return OwnRows(send_token, keys.send_row[row_token], plan.to_device(per_expert, device), per_expert,
-                   in_chunk, plan.to_device(per_chunk, device), per_chunk)
+    return OwnRows(send_token, keys.send_row[row_token], in_chunk, plan.to_device(per_chunk, device), per_chunk)
 
 
 def used_on(obj, stream) -> None:
@@ -134,11 +138,12 @@ class Parts:
 
     def __init__(self, experts, params, own: OwnRows, grad_on: bool, plain: bool, parts: int) -> None:
         self.experts, self.params, self.grad_on = experts, params, grad_on
-        self.counts = [(own.counts, own.counts_host)] + [None] * (parts - 1)
+        counts, counts_host = own.counts, own.counts_host
+        self.counts = [(counts, counts_host)] + [None] * (parts - 1)
         self.chunked = None
         if plain:
-            self.chunked = ChunkedExperts(experts, [own.counts] + [None] * (parts - 1),
-                                          [own.counts_host] + [None] * (parts - 1), grad_on)
+            self.chunked = ChunkedExperts(experts, [counts] + [None] * (parts - 1),
+                                          [counts_host] + [None] * (parts - 1), grad_on)
         self.kept = [None] * parts  # autograd path: (leaf, output with its graph) per part
         self.grad_params = [None] * len(params)
 
@@ -278,9 +283,7 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
         made.update(own=own, sent=sent, parts=parts, own_y=own_y)
 
     def early(splits):  # the first chunk's rows leave once their sizes are known, before the rest of the plan
-        starts = [0]
-        for send_splits, _, _ in splits:
-            starts.append(starts[-1] + sum(send_splits))
+        starts = _send_starts([send_splits for send_splits, _, _ in splits])
         for c in range(min(EARLY_CHUNKS, len(splits))):
             made.setdefault("early", {})[c] = d.transport.start(made["sent"][starts[c] : starts[c + 1]], *splits[c])
 
@@ -302,11 +305,12 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
     return LocalFirstFn.apply(x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params)
 
 
-def _send_starts(handles) -> list[int]:
-    """First send row of each chunk among all chunks' (chunk-major)."""
+def _send_starts(send_splits) -> list[int]:
+    """First send row of each chunk among all chunks' (chunk-major), from each
+    chunk's send splits; one more entry, the total."""
     starts = [0]
-    for h in handles:
-        starts.append(starts[-1] + sum(h.send_splits))
+    for splits in send_splits:
+        starts.append(starts[-1] + sum(splits))
     return starts
 
 
@@ -318,7 +322,7 @@ class LocalFirstFn(torch.autograd.Function):
         streams = layer._streams(x.device)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         handles, outputs = [h for h, _ in plans], [o for _, o in plans]
-        starts = _send_starts(handles)
+        starts = _send_starts([h.send_splits for h in handles])
         weights = [o.weights.to(topk_weights.dtype, copy=True) for o in outputs]
         ys, out = [None] * len(plans), []
 
@@ -341,10 +345,7 @@ class LocalFirstFn(torch.autograd.Function):
             return y_all
 
         def send_back(c, y_all):
-            wire = sum_wire_dtype(d.config.combine_wire, y_all.dtype)
-            a, b = bounds[c], bounds[c + 1]
-            pending = d._to_home_start(y_all, joined[c], weights[c][splits[c].order], wire)
-            return _Stored([pending], lambda h: out[0][a:b].copy_(h))
+            return outputs_home(d, joined[c], y_all, weights[c][splits[c].order], out, slice(bounds[c], bounds[c + 1]))
 
         _run(streams, len(plans), bring, compute, send_back, tail=parts.place_kept, bring_after_compute=False)
         own_weights = weights[0].new_empty(own.expand.shape[0])  # the own rows' weights, in their order
@@ -367,7 +368,7 @@ class LocalFirstFn(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         streams = layer._streams(grad_out.device)
         handles = [h for h, _ in plans]
-        starts = _send_starts(handles)
+        starts = _send_starts([h.send_splits for h in handles])
         x_any, w_any = handles[0].x_grad_any, handles[0].weights_grad_any
         codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
         splits, joined, parts = ctx.splits, ctx.joined, ctx.parts

@@ -255,6 +255,7 @@ def send_rows(hit: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.T
         before: [T, W] int64, tokens up to t (included) with a row to each destination.
         local: [T, W] int64, the row of (t, destination) inside its chunk's send rows
             (meaningful where ``hit``).
+        row: [T, W] int64, the same among all chunks' send rows (chunk-major).
         send_token: ``SendPlan.send_token``.
     """
     num_tokens, world_size = hit.shape
@@ -267,11 +268,11 @@ def send_rows(hit: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.T
     rows_to = counts[:, :, 0]  # [C, W]
     earlier_chunks = _exclusive(rows_to, 0)[chunk_of]  # [T, W] rows of earlier chunks per destination
     local = before - 1 - earlier_chunks + _exclusive(rows_to, 1)[chunk_of]  # row inside the chunk
-    chunk_start = _exclusive(rows_to.sum(1), 0)[chunk_of].unsqueeze(1)  # [T, 1]
+    row = local + _exclusive(rows_to.sum(1), 0)[chunk_of].unsqueeze(1)  # after the rows of earlier chunks
     in_chunk = chunk_token.repeat_interleave(world_size)  # [T * W] token of each (token, rank) pair
     send_token = torch.empty(capacity + 1, dtype=torch.int64, device=hit.device)
-    send_token.scatter_(0, torch.where(hit, local + chunk_start, capacity).flatten(), in_chunk)
-    return before, local, send_token
+    send_token.scatter_(0, torch.where(hit, row, capacity).flatten(), in_chunk)
+    return before, local, row, send_token
 
 
 @dataclass(frozen=True)
@@ -302,12 +303,11 @@ def own_keys(r: Route, topk_idx: torch.Tensor, counts: torch.Tensor, chunks_of_t
     ``chunks_of_tokens`` from :func:`token_chunks`."""
     num_tokens, topk = topk_idx.shape
     experts_per_rank = counts.shape[2] - 1
-    _, local, send_token = send_rows(r.hit, counts, chunks_of_tokens, topk)
-    chunk_start = _exclusive(counts[:, :, 0].sum(1), 0)[chunks_of_tokens[0]]  # [T] first send row of its chunk
+    _, _, row, send_token = send_rows(r.hit, counts, chunks_of_tokens, topk)
     token = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1)
     last = experts_per_rank * num_tokens
     key = torch.where(r.dest == rank, topk_idx.long() % experts_per_rank * num_tokens + token, last)
-    return OwnKeys(send_token, torch.sort(key.flatten()).values, local[:, rank] + chunk_start)
+    return OwnKeys(send_token, torch.sort(key.flatten()).values, row[:, rank])
 
 
 def build_send_plan(
@@ -344,7 +344,7 @@ def build_send_plan(
     capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
     chunk_of, chunk_token = chunks_of_tokens[0], chunks_of_tokens[1]
 
-    before, local, send_token = send_rows(hit, counts, chunks_of_tokens, topk)
+    before, local, _, send_token = send_rows(hit, counts, chunks_of_tokens, topk)
     plain = before - 1 + _exclusive(counts[:, :, 0].sum(0), 0)  # plain send order (metadata)
     in_chunk = chunk_token.repeat_interleave(world_size)  # [T * W] token of each (token, rank) pair
     home_index = _pack_left(torch.where(hit, local, _PAD))

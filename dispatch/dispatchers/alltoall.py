@@ -148,9 +148,10 @@ class AllToAllDispatcher(TokenDispatcher):
         per_expert_dev = keep(planned.summary[: chunks * per_chunk]).view(chunks, per_chunk)[:, 2 * world :]
         host = summary[: chunks * per_chunk].view(chunks, per_chunk)
         send_rows, recv_rows, per_expert = host[:, :world], host[:, world : 2 * world], host[:, 2 * world :]
+        splits = [(tuple(send_rows[c].tolist()), tuple(recv_rows[c].tolist()), tuple(map(tuple, matrices[c])))
+                  for c in range(chunks)]  # per chunk: send splits, receive splits, split matrix
         if early is not None:
-            early([(tuple(send_rows[c].tolist()), tuple(recv_rows[c].tolist()), tuple(map(tuple, matrices[c])))
-                   for c in range(chunks)])
+            early(splits)
         recv_meta = comm.all_to_all_rows(
             sp.meta[: int(send_rows.sum())], tuple(send_rows.sum(0).tolist()), tuple(recv_rows.sum(0).tolist()),
             self.group,
@@ -164,7 +165,7 @@ class AllToAllDispatcher(TokenDispatcher):
         out = []
         sent = received = expanded = 0
         for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            send_splits, recv_splits = tuple(send_rows[c].tolist()), tuple(recv_rows[c].tolist())
+            send_splits, recv_splits, matrix = splits[c]
             num_send, num_recv, num_rows = sum(send_splits), sum(recv_splits), int(per_expert[c].sum())
             rows = slice(expanded, expanded + num_rows)
             handle = AllToAllHandle(
@@ -176,7 +177,7 @@ class AllToAllDispatcher(TokenDispatcher):
                 weights_grad_any=grads_any[1],
                 send_splits=send_splits,
                 recv_splits=recv_splits,
-                split_matrix=tuple(map(tuple, matrices[c])),
+                split_matrix=matrix,
                 send_token=sp.send_token[sent : sent + num_send],
                 home_index=sp.home_index[a:b],
                 slot_row=sp.slot_row[a:b],
