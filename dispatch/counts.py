@@ -45,6 +45,10 @@ class GlobalCounts:
     x_grad_any: bool
     weights_grad_any: bool
 
+    def has_rows(self) -> tuple[bool, ...]:
+        """Per rank, whether its experts get rows (``CombineHandle.has_rows``)."""
+        return tuple(bool(n) for n in self.counts[:, :, 1:].sum((0, 2)).tolist())
+
     def routing_stats(self) -> RoutingStats:
         return RoutingStats(tokens=self.tokens, rank_hits=self.counts[:, :, 0], node_hits=self.node_hits)
 

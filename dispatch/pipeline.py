@@ -335,19 +335,18 @@ class _PipelineFn(torch.autograd.Function):
 
         def compute(c, tokens):
             if chunked is not None:
-                y = chunked.forward(c, tokens)
-                if not out:
-                    out.append(y.new_empty(x.shape[0], y.shape[1]))
+                y = d._home_rows(chunked.forward(c, tokens), handles[c])
+                settle_output(out, y, handles[c], bounds, c)
                 return y
             leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
             with torch.set_grad_enabled(grad_on):
                 y = experts(leaf, plans[c][1].tokens_per_expert)
             _check_expert_out(y, tokens)
-            if not out:
-                out.append(y.new_empty(x.shape[0], y.shape[1]))
             if grad_on:  # kept for backward; without grad, chunk c's rows die here
                 leaves[c], ys[c] = leaf, y
-            return y.detach().contiguous()
+            y = d._home_rows(y.detach(), handles[c])
+            settle_output(out, y, handles[c], bounds, c)
+            return y.contiguous()
 
         def send_back(c, y):
             return outputs_home(d, handles[c], y, weights[c], out, slice(bounds[c], bounds[c + 1]))
@@ -426,12 +425,25 @@ class _PipelineFn(torch.autograd.Function):
         )
 
 
+def settle_output(out: list, y: torch.Tensor, handle, bounds: tuple[int, ...], c: int) -> None:
+    """Make the pipeline's [T, H'] output ``out[0]`` from chunk c's expert outputs
+    ``y`` (in the group's dtype: ``TokenDispatcher._home_rows``) at the first
+    chunk where some rank has rows, or at the last. The chunks before it had no
+    rows on any rank: nothing comes home, their tokens' outputs are zeros."""
+    if out or not (any(handle.has_rows) or c == len(bounds) - 2):
+        return
+    out.append(y.new_empty(bounds[-1], y.shape[1]))
+    out[0][: bounds[c]].zero_()
+
+
 def outputs_home(d, handle, y, weights, out: list, tokens: slice) -> "_Stored":
     """Start the way home (combine) of one chunk's expert outputs ``y``, weighted
-    by ``weights``, into ``out[0][tokens]``."""
+    by ``weights``, into ``out[0][tokens]`` (if ``out`` is not made yet, no rank
+    had rows in the chunk: its zeros are written when it is, see ``settle_output``)."""
     wire = sum_wire_dtype(d.config.combine_wire, y.dtype)
     pending = d._to_home_start(y, handle, weights, wire)
-    return _Stored([pending], lambda h: out[0][tokens].copy_(h))
+    target = out[0][tokens] if out else None
+    return _Stored([pending], lambda h: None if target is None else target.copy_(h))
 
 
 def grads_home(d, handle, rows, values, grad_x, grad_topk, tokens: slice) -> "_Stored":

@@ -48,7 +48,7 @@ from dispatch.codec import to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
 from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, autograd_rows,
-                               chunk_bounds, grads_home, outputs_home, weighted_grads)
+                               chunk_bounds, grads_home, outputs_home, settle_output, weighted_grads)
 
 
 @dataclass(frozen=True)
@@ -339,9 +339,8 @@ class LocalFirstFn(torch.autograd.Function):
             # combine is on its way: placed behind their GEMMs it delayed it
             parts.place_kept()
             ys[c] = parts.forward(1 + c, rows, defer_keep=True)
-            y_all = _joined(ys[c], own.of_chunk(own_y, c))
-            if not out:
-                out.append(y_all.new_empty(x.shape[0], y_all.shape[1]))
+            y_all = d._home_rows(_joined(ys[c], own.of_chunk(own_y, c)), joined[c])
+            settle_output(out, y_all, joined[c], bounds, c)
             return y_all
 
         def send_back(c, y_all):

@@ -334,10 +334,11 @@ class _EmptyInOwnDtype(nn.Module):
         return tokens @ self.w
 
 
-def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunks):
-    """Output of a layer whose experts answer empty calls in another dtype, under bf16 autocast."""
+def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunks, variant: str = "alltoall"):
+    """Output of a layer whose experts answer empty calls in another dtype, under
+    bf16 autocast; ``chunks`` "plain" runs dispatch -> experts -> combine."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, variant=variant))
     experts = _EmptyInOwnDtype(x.shape[1]).to(device)
     xs, idx, ws = x.to(device).requires_grad_(), topk_idx.to(device), topk_weights.to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -347,6 +348,19 @@ def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunk
         else:
             h = make_layer(d, experts, chunks)(xs, idx, ws)
     return _cpu(h)
+
+
+def combine_in_rank_dtype(x, topk_idx, topk_weights, num_experts: int):
+    """dispatch -> experts -> combine with experts whose output is fp32 on rank 0
+    and fp64 elsewhere; the ValueError's message, or None if combine ran."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    try:
+        d.combine(out.tokens.to(torch.float32 if d.rank == 0 else torch.float64), out.handle, weights=out.weights)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def repeated(x, steps, grad_out, config: dict, chunks, experts_kind: str):

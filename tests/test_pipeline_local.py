@@ -120,18 +120,52 @@ def test_local_first_bad_arguments(worlds):
     assert "alltoall variant" in messages[1]
 
 
-def test_local_first_part_without_rows(worlds):
-    """A rank with no own rows (but others' rows) and experts that answer the
-    empty call in another dtype (bf16 autocast): the empty part takes no part in
-    the merge, and the result is the plain round trip's (it used to raise on
-    that rank after the dispatch, leaving its peer waiting)."""
+@pytest.mark.parametrize("chunks", ["local", "local2", "local3", 2, 3])
+def test_part_without_rows(worlds, chunks):
+    """Experts that answer an empty call in another dtype (fp32 under bf16
+    autocast), and ranks with no rows in a chunk (rank 1 in chunk 0 of C = 2)
+    or with no own rows: every rank's output is its tokens in the experts'
+    dtype (the identity in bf16), as the partial sums travel in the dtype of
+    the ranks that computed them (an empty part used to make its rank receive
+    them as fp32, giving wrong values, or raise after the dispatch)."""
     xs = [random_tokens(0, 4, HIDDEN, torch.float32, 0), random_tokens(1, 3, HIDDEN, torch.float32, 0)]
     idx = [torch.tensor([[0], [1], [2], [3]]), torch.tensor([[0], [1], [0]])]  # E = 4: rank 1 routes nothing home
     ws = [torch.ones(4, 1), torch.ones(3, 1)]
-    runs = {c: worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, c) for r in range(2)])
-            for c in ("plain", "local")}
+    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, chunks) for r in range(2)])
     for rank in range(2):
-        assert torch.equal(runs["local"][rank], runs["plain"][rank]), f"rank {rank}"
+        assert runs[rank].dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(runs[rank], xs[rank].to(torch.bfloat16)), f"rank {rank}"
+
+
+@pytest.mark.parametrize("chunks", ["local3", 3])
+def test_chunks_without_rows_anywhere_first(worlds, chunks):
+    """C = 3 where no rank has rows in chunk 0 (only empty slots there) and only
+    rank 0 in chunk 1, with experts answering empty calls in fp32 under bf16
+    autocast: the output is made in bf16 once some rank has rows, and the tokens
+    without an expert come out as zeros."""
+    xs = [random_tokens(0, 4, HIDDEN, torch.float32, 2), random_tokens(1, 3, HIDDEN, torch.float32, 2)]
+    idx = [torch.tensor([[-1], [-1], [0], [2]]), torch.tensor([[-1], [1], [3]])]  # E = 4
+    ws = [torch.ones(4, 1), torch.ones(3, 1)]
+    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, chunks) for r in range(2)])
+    for rank in range(2):
+        want = xs[rank].to(torch.bfloat16) * (idx[rank] >= 0)
+        assert runs[rank].dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(runs[rank], want), f"rank {rank}"
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
+def test_combine_on_rank_without_rows(worlds, variant):
+    """dispatch -> experts -> combine where rank 1's experts get no row at all
+    and answer the empty call in fp32 under bf16 autocast: rank 1's partial
+    sums come home in the dtype its peers computed them in (bf16), not its own."""
+    xs = [random_tokens(0, 3, HIDDEN, torch.float32, 1), random_tokens(1, 2, HIDDEN, torch.float32, 1)]
+    idx = [torch.tensor([[0], [1], [0]]), torch.tensor([[1], [0]])]  # E = 4: experts 0, 1 on rank 0 only
+    ws = [torch.ones(3, 1), torch.ones(2, 1)]
+    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast,
+                         [(xs[r], idx[r], ws[r], 4, "plain", variant) for r in range(2)])
+    for rank in range(2):
+        assert runs[rank].dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(runs[rank], xs[rank].to(torch.bfloat16)), f"rank {rank}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -175,3 +209,16 @@ def test_local_first_experts_failing_on_one_rank_stop_every_rank(worlds, world_s
         else:
             assert error is not None and error[0] == "RuntimeError" and "rank(s) [1]" in error[1], error
         assert second.shape == xs[rank].shape and torch.isfinite(second).all()
+
+
+def test_combine_refuses_rows_in_different_dtypes(worlds):
+    """Where some rank has no rows (so the dtype is agreed), ranks whose rows
+    come in different dtypes are refused on every rank, naming them."""
+    xs = [random_tokens(r, 2, HIDDEN, torch.float32, 3) for r in range(3)]
+    idx = [torch.tensor([[0], [1]]), torch.tensor([[1], [1]]), torch.tensor([[0], [1]])]  # E = 3: rank 2 gets none
+    ws = [torch.ones(2, 1)] * 3
+    messages = worlds(3).run(pipeline_fns.combine_in_rank_dtype, [(xs[r], idx[r], ws[r], 3) for r in range(3)])
+    for message in messages:
+        assert message is not None and "one floating dtype" in message
+        assert "rank 0: torch.float32" in message and "rank 1: torch.float64" in message
+

@@ -120,6 +120,7 @@ class AllGatherDispatcher(TokenDispatcher):
             topk=topk,
             x_grad_any=gc.x_grad_any,
             weights_grad_any=gc.weights_grad_any,
+            has_rows=gc.has_rows(),
             block=block,
             slots=ex.slots,
             recv_rows=recv_rows,

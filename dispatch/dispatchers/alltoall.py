@@ -175,6 +175,7 @@ class AllToAllDispatcher(TokenDispatcher):
                 topk=topk,
                 x_grad_any=grads_any[0],
                 weights_grad_any=grads_any[1],
+                has_rows=tuple(any(column) for column in zip(*matrix)),
                 send_splits=send_splits,
                 recv_splits=recv_splits,
                 split_matrix=matrix,

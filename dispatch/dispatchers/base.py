@@ -52,6 +52,10 @@ class CombineHandle:
             combine's, so that with grad mode on, both nodes exist on every rank
             (a rank whose experts return a fresh tensor still joins the backward
             exchanges of its peers). None until dispatch sets it.
+        has_rows: per rank of the group, whether its experts get rows in this
+            exchange (host, from the counts exchange; the same on every rank).
+            Where some rank has rows and another none, the partial sums' dtype
+            is agreed (``TokenDispatcher._home_rows``).
     """
 
     owner: "TokenDispatcher"
@@ -60,6 +64,7 @@ class CombineHandle:
     topk: int
     x_grad_any: bool
     weights_grad_any: bool
+    has_rows: tuple[bool, ...]
     link: torch.Tensor | None = None
 
 
@@ -156,6 +161,8 @@ class TokenDispatcher(abc.ABC):
         Returns:
             [T, H'] in the dtype of ``expert_out``: for each token, the sum over its
             slots of ``weight * expert_out``, accumulated in fp32 (fp64 for fp64).
+            On a rank whose experts got no rows while others' did, in the dtype of
+            theirs (``_home_rows``).
         """
         if not isinstance(handle, CombineHandle) or handle.owner is not self:
             raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
@@ -167,6 +174,33 @@ class TokenDispatcher(abc.ABC):
                 "grad mode off: run dispatch with grad mode on so every rank joins the backward"
             )
         return _CombineFn.apply(expert_out, weights, handle.link, self, handle)
+
+    def _home_rows(self, rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
+        """``rows``, expert outputs about to go home, in the dtype in which the
+        group's partial sums travel.
+
+        A rank whose experts got no rows answered an empty call, and experts may
+        answer one in another dtype than their outputs (autocast, an early
+        return). That rank still receives its tokens' partial sums, in the dtype
+        of the ranks that computed them. So where ``handle.has_rows`` shows ranks
+        without rows beside ranks with rows, every rank all-gathers the dtype of
+        its rows (one small collective and a host read, only then) and a rank
+        without rows takes the dtype of the others. Ranks with rows in different
+        dtypes are refused, on every rank alike.
+        """
+        has = handle.has_rows
+        if all(has) or not any(has):
+            return rows
+        dtypes = checks.FLOAT_DTYPES  # code: index there, len(dtypes) for any other, -1 for no rows
+        code = (dtypes.index(rows.dtype) if rows.dtype in dtypes else len(dtypes)) if rows.shape[0] else -1
+        row = torch.tensor([code], dtype=torch.int64, device=rows.device)
+        codes = comm.all_gather_rows(row, self.group, self.world_size).flatten().tolist()  # host sync: agreed dtype
+        known = sorted({c for c in codes if c >= 0})
+        if len(known) != 1 or known[0] == len(dtypes):
+            names = ", ".join(f"rank {r}: {dtypes[c] if c < len(dtypes) else 'not floating'}"
+                              for r, c in enumerate(codes) if c >= 0)
+            raise ValueError(f"expert outputs must have one floating dtype on every rank that has rows; got {names}")
+        return rows if rows.shape[0] else rows.to(dtypes[known[0]])
 
     # -- what a variant provides ------------------------------------------
 
@@ -333,8 +367,9 @@ class _CombineFn(torch.autograd.Function):
         ctx.save_for_backward(
             expert_out if weights is not None and weights.requires_grad else None, weights
         )
-        wire = sum_wire_dtype(dispatcher.config.combine_wire, expert_out.dtype)
-        return dispatcher._to_home(expert_out.contiguous(), handle, weights, wire)
+        rows = dispatcher._home_rows(expert_out, handle)
+        wire = sum_wire_dtype(dispatcher.config.combine_wire, rows.dtype)
+        return dispatcher._to_home(rows.contiguous(), handle, weights, wire)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -187,6 +187,7 @@ class HierarchicalDispatcher(TokenDispatcher):
             topk=topk,
             x_grad_any=gc.x_grad_any,
             weights_grad_any=gc.weights_grad_any,
+            has_rows=gc.has_rows(),
             send1=send1,
             recv1=recv1,
             send2=send2,
