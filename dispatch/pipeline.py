@@ -30,7 +30,9 @@ Schedule, forward (backward alike, with the exchange of the gradients)::
 With the alltoall variant one routing plan, one counts exchange and one
 metadata exchange serve all chunks (its ``_plan_chunks``, replayed as CUDA
 graphs like the plan of ``dispatch``), with one host synchronisation before the
-pipeline starts; the other variants use the base class's fallback (a plan, a counts
+pipeline starts; the first chunk's token all-to-all starts within the plan,
+right after the metadata all-to-all, so that its bytes move while the receive
+plan is made (C = 1 included); the other variants use the base class's fallback (a plan, a counts
 exchange and a host synchronisation per chunk, their exchanges not left in
 flight), correct but without overlap. Inside the pipeline the streams are
 ordered by CUDA events only: collectives run on a communication stream of their
@@ -169,11 +171,21 @@ class MoEExchange(nn.Module):
             return local_first_forward(self, x, topk_idx, topk_weights)
         chunks = self.chunks if self.chunks is not None else self._auto_chunks(x)
         bounds = chunk_bounds(x.shape[0], chunks)
-        plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs)
+        codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
+        streams, started = self._streams(x.device), {}
+
+        def early(splits, send_token):  # chunk 0's rows leave within the plan, while the receive plan is made
+            if streams.comm_stream is not None:  # x and the send rows are made on the compute stream
+                streams.comm_stream.wait_stream(streams.compute)
+            with on_stream(streams.comm_stream), torch.no_grad():
+                sent = codec.pack(x[: bounds[1]], send_token[: sum(splits[0][0])])
+                started[0] = d.transport.start(sent, *splits[0])
+
+        plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs, early=early)
         params = self._trained_params()
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return _PipelineFn.apply(x, topk_weights, anchor, self, plans, bounds, grad_on, *params)
+        return _PipelineFn.apply(x, topk_weights, anchor, self, (plans, started), bounds, grad_on, *params)
 
     def _trained_params(self) -> tuple:
         """The experts' parameters that require grad (none for a plain callable)."""
@@ -192,6 +204,11 @@ class MoEExchange(nn.Module):
         if key not in self._comm_streams:
             self._comm_streams[key] = torch.cuda.Stream(device=key, priority=self.comm_priority)
         return _Streams(torch.cuda.current_stream(key), self._comm_streams[key], self.sm_carveout)
+
+
+def on_stream(stream):
+    """Run the enclosed work on ``stream`` (CUDA); where it is for None (CPU)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 class _Streams:
@@ -314,8 +331,9 @@ class _Stored:
 
 class _PipelineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, grad_on, *params):
+    def forward(ctx, x, topk_weights, anchor, layer, planned, bounds, grad_on, *params):
         d, experts = layer.dispatcher, layer.experts
+        plans, started = planned  # started: chunk -> its all-to-all started within the plan
         streams = layer._streams(x.device)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         handles = [h for h, _ in plans]
@@ -330,6 +348,8 @@ class _PipelineFn(torch.autograd.Function):
             )
 
         def bring(c):
+            if c in started:
+                return d._to_experts_started(started.pop(c), handles[c], codec, x.dtype, x.shape[1])
             a, b = bounds[c], bounds[c + 1]
             return d._to_experts_start(x[a:b], handles[c], codec)
 

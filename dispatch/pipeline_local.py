@@ -37,7 +37,6 @@ expert differs from the canonical one).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -48,7 +47,8 @@ from dispatch.codec import to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
 from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, autograd_rows,
-                               chunk_bounds, grads_home, outputs_home, settle_output, weighted_grads)
+                               chunk_bounds, grads_home, on_stream, outputs_home, settle_output,
+                               weighted_grads)
 
 
 @dataclass(frozen=True)
@@ -121,11 +121,6 @@ def used_on(obj, stream) -> None:
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
                 tensor.record_stream(stream)
-
-
-def on_stream(stream):
-    """Run the enclosed work on ``stream`` (CUDA); where it is for None (CPU)."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 class Parts:
@@ -250,10 +245,11 @@ def _joined(others: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 
 
 # Chunks whose token all-to-all starts within the plan (``early``). One: on
-# 4 x H200 with the exchange slowed to 2 NCCL CTAs, starting two there put the
-# second chunk's all-to-all ahead of the metadata all-to-all, which the first
-# chunk's receive plan waits for (Mixtral forward, C = 2, three runs: 16.6 ms
-# with two, 15.6 with none, 14.1 with one).
+# 4 x H200 with the exchange slowed to 2 NCCL CTAs, when the early start came
+# before the metadata all-to-all, starting two there put the second chunk's
+# all-to-all ahead of the metadata, which the first chunk's receive plan waits
+# for (Mixtral forward, C = 2, three runs: 16.6 ms with two, 15.6 with none,
+# 14.1 with one). The metadata now leaves first; two were not tried since.
 EARLY_CHUNKS = 1
 
 
@@ -282,7 +278,7 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
             own_y = parts.forward(0, codec.unpack(sent, x.dtype, x.shape[1], own.expand))
         made.update(own=own, sent=sent, parts=parts, own_y=own_y)
 
-    def early(splits):  # the first chunk's rows leave once their sizes are known, before the rest of the plan
+    def early(splits, send_token):  # the first chunk's rows leave within the plan, while the receive plan is made
         starts = _send_starts([send_splits for send_splits, _, _ in splits])
         for c in range(min(EARLY_CHUNKS, len(splits))):
             made.setdefault("early", {})[c] = d.transport.start(made["sent"][starts[c] : starts[c + 1]], *splits[c])

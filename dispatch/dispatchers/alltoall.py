@@ -74,8 +74,8 @@ class AllToAllDispatcher(TokenDispatcher):
     ) -> tuple[AllToAllHandle, PlanOutputs]:
         return self._plan_exchanges(x, topk_idx, topk_weights, (0, topk_idx.shape[0]), check_values)[0]
 
-    def _plan_chunks(self, x, topk_idx, topk_weights, bounds, check_values):
-        return self._plan_exchanges(x, topk_idx, topk_weights, bounds, check_values)
+    def _plan_chunks(self, x, topk_idx, topk_weights, bounds, check_values, early=None):
+        return self._plan_exchanges(x, topk_idx, topk_weights, bounds, check_values, early=early)
 
     def _plan_exchanges(self, x, topk_idx, topk_weights, bounds, check_values, beside=None, early=None):
         """The plan of an exchange in C chunks of home tokens (C = 1: ``dispatch``):
@@ -90,11 +90,13 @@ class AllToAllDispatcher(TokenDispatcher):
         queues its own rows' work there. If ``beside`` raises, this rank marks itself
         failed in the row it all-gathers and raises after the all-gather, where
         its peers raise too (``checks.check_peer_headers``): none is left waiting.
-        ``early(splits)``, if given, is called once the split sizes are on the
-        host and every rank's header is checked, before the metadata
-        all-to-all, with per chunk (send splits, receive splits, split matrix):
-        ``local_first`` starts its first chunk's token all-to-all there, so
-        that the bytes move while the rest of the plan is made. Every rank of
+        ``early(splits, send_token)``, if given, is called once the split sizes
+        are on the host, every rank's header is checked and the metadata
+        all-to-all is issued, before the receive plan is made, with per chunk
+        (send splits, receive splits, split matrix) and the send rows' tokens
+        (``plan.SendPlan.send_token``, chunk-major): the pipelines start their
+        first chunk's token all-to-all there, so that its bytes move while the
+        receive plan is made (which waits for the metadata only). Every rank of
         the group must pass one (the collectives' order is the same on all)."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
@@ -150,12 +152,12 @@ class AllToAllDispatcher(TokenDispatcher):
         send_rows, recv_rows, per_expert = host[:, :world], host[:, world : 2 * world], host[:, 2 * world :]
         splits = [(tuple(send_rows[c].tolist()), tuple(recv_rows[c].tolist()), tuple(map(tuple, matrices[c])))
                   for c in range(chunks)]  # per chunk: send splits, receive splits, split matrix
-        if early is not None:
-            early(splits)
         recv_meta = comm.all_to_all_rows(
             sp.meta[: int(send_rows.sum())], tuple(send_rows.sum(0).tolist()), tuple(recv_rows.sum(0).tolist()),
             self.group,
         )
+        if early is not None:
+            early(splits, sp.send_token)
         table = plan.recv_table(recv_rows.tolist(), per_expert.sum(1).tolist())
         rp = plan.build_recv_plan(
             recv_meta, plan.to_device(torch.tensor(table, dtype=torch.int64), recv_meta.device),
@@ -249,9 +251,14 @@ class AllToAllDispatcher(TokenDispatcher):
     # -- chunked exchanges: collectives left in flight -------------------------
 
     def _to_experts_start(self, rows, handle, codec):
-        sent = codec.pack(rows, handle.send_token)
-        received, work = self._rows_start(sent, handle, back=False)
-        return Pending(work, lambda: codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src))
+        return self._to_experts_started(self._rows_start(codec.pack(rows, handle.send_token), handle, back=False),
+                                        handle, codec, rows.dtype, rows.shape[1])
+
+    def _to_experts_started(self, started, handle, codec, dtype, hidden):
+        """The rest of ``_to_experts_start`` for an all-to-all already started
+        (``started``: (received, work) of ``_rows_start``) from rows of ``dtype``, ``hidden`` wide."""
+        received, work = started
+        return Pending(work, lambda: codec.unpack(received, dtype, hidden, handle.expand_src))
 
     def _to_home_start(self, rows, handle, weights, wire):
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]

@@ -260,6 +260,7 @@ class TokenDispatcher(abc.ABC):
         topk_weights: torch.Tensor,
         bounds: tuple[int, ...],
         check_values: bool,
+        early=None,
     ) -> list[tuple[CombineHandle, "PlanOutputs"]]:
         """Plans of the C exchanges of home token ranges ``[bounds[c], bounds[c+1])``.
 
@@ -267,6 +268,10 @@ class TokenDispatcher(abc.ABC):
             x: [T, H]; topk_idx: [T, K]; topk_weights: [T, K] (checked by the caller).
             bounds: C + 1 ascending host ints from 0 to T (a range may be empty).
             check_values: as in ``_plan``.
+            early: for a variant that plans all chunks at once, called within the
+                plan to start the first chunks' exchanges (the alltoall variant's
+                ``_plan_exchanges``); the fallback, which plans chunk by chunk,
+                does not call it.
         Returns:
             per chunk, (handle, plan outputs) as ``_plan`` of that range returns
             them: chunk c's rows are the rows of the one-shot dispatch whose
