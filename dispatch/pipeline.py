@@ -65,9 +65,10 @@ def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     deepseek-v3 and mixtral shapes, in every setting of CTAs, stream priority,
     SM carveout and wire, since each chunk re-reads the experts' weights and
     the exchange proper is a small part of the layer. Only with the exchange
-    slowed to 2 NCCL CTAs did C = 2-4 gain (on 4 GPUs 28-41% of the exchange
-    hidden forward and 25-35% forward+backward, with ``local_first`` or
-    without; a tenth to an eighth on 2, without). A rule would need the link
+    slowed to 2 NCCL CTAs did C = 2-4 gain (on 4 GPUs 25-43% of the exchange
+    hidden forward and 24-35% forward+backward over the runs, with
+    ``local_first`` or without; on 2, a tenth to a quarter for Mixtral and
+    nothing for DeepSeek-V3). A rule would need the link
     speed, which this function does not know; pass ``chunks`` where
     measurements (``dispatch-bench overlap``) show a gain. The arguments are
     those a size rule needs (the largest rank's T, H, the token itemsize).
