@@ -67,8 +67,8 @@ def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     the exchange proper is a small part of the layer. Only with the exchange
     slowed to 2 NCCL CTAs did C = 2-4 gain (on 4 GPUs 25-43% of the exchange
     hidden forward and 24-35% forward+backward over the runs, with
-    ``local_first`` or without; on 2, a tenth to a quarter for Mixtral and
-    nothing for DeepSeek-V3). A rule would need the link
+    ``local_first`` or without; on 2, 10-36% forward for Mixtral over the
+    runs, and nothing for DeepSeek-V3 in the last one). A rule would need the link
     speed, which this function does not know; pass ``chunks`` where
     measurements (``dispatch-bench overlap``) show a gain. The arguments are
     those a size rule needs (the largest rank's T, H, the token itemsize).
