@@ -20,6 +20,8 @@
 #   early      after the first chunk's all-to-all moved into the plan (any C): NCCL
 #              defaults, the slow exchange again (carveout 16), with fp8 dispatch,
 #              and on 2 of the GPUs; C = 2, 4 beside local, local2, local4
+#   peak       the overlap study's forward+backward peak memory by candidate: NCCL
+#              defaults and the slow exchange (carveout 16), C = 2, 4, local, local2, local4
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -127,6 +129,10 @@ for part in "$@"; do
         --sm-carveout 16 --dispatch-wire fp8 --out "$RES"
       bench 150 overlap-early-slow-w2 overlap --world-size 2 --local-first --chunks 2 4 --comm-high-priority \
         --comm-max-ctas 2 --sm-carveout 16 --out "$RES" ;;
+    peak)
+      bench 150 overlap-peak overlap --local-first --chunks 2 4 --out "$RES"
+      bench 150 overlap-peak-slow overlap --local-first --chunks 2 4 --comm-high-priority --comm-max-ctas 2 \
+        --sm-carveout 16 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

@@ -11,6 +11,9 @@ gloo, as a smoke test):
                 with ``--local-first``, of MoEExchange(local_first=True) with
                 C = 1 and with each C of ``--chunks``: "local", "localC")
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
+    peak        on CUDA, forward+backward: the most memory one step allocates above
+                what was allocated before it (MiB, the largest rank's), at
+                C = 1 and for each candidate
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
                 where the layer at C = 1 costs less (more) than that sum
@@ -134,6 +137,21 @@ def _time(fn, iters: int, warmup: int, device) -> float:
     return statistics.median(r["total"] for r in runs)
 
 
+def _peak_mib(fn, device, group) -> float | None:
+    """The most memory one run of ``fn`` allocates above what was allocated
+    before it, in MiB, the largest over the ranks; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()  # host sync: the baseline is taken with nothing in flight
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()  # host sync: the step is over when the peak is read
+    peak = torch.tensor([(torch.cuda.max_memory_allocated() - before) / 2**20], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    return float(peak)
+
+
 def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -208,6 +226,10 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
             got = pipe(best)(x, topk_idx, topk_weights)
         diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+        peak = None
+        if backward and device.type == "cuda":  # C = 1 first, then each candidate
+            peak = {"1": _peak_mib(layer_fn(seq_layers[transports[0]], True), device, group)}
+            peak.update({str(c): _peak_mib(layer_fn(pipe(c), True), device, group) for c in candidates})
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority,
@@ -216,7 +238,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
             t_comm_by_transport_ms=t_comm, t_seq_by_transport_ms=t_seqs,
             hidden_fraction=(t_seq - by_chunks[best]) / min(comm, t_compute),
             hidden_ceiling=(t_seq - max(comm, t_compute)) / min(comm, t_compute),
-            max_abs_diff_vs_seq=float(diff),
+            max_abs_diff_vs_seq=float(diff), peak_mib=peak,
         ))
     trace = None
     if args.trace:
@@ -343,8 +365,8 @@ def _suffix(args) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | ceiling | T_pipe by C | T_comm / T_seq by transport | max abs diff |",
-        "|" + " --- |" * 17,
+        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | ceiling | T_pipe by C | T_comm / T_seq by transport | max abs diff | peak MiB by C |",
+        "|" + " --- |" * 18,
     ]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
@@ -355,9 +377,15 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['comm_max_ctas'] or '-'} | "
             f"{'high priority' if r.get('comm_high_priority') else 'default'} | {r.get('sm_carveout') or '-'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
-            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | {by_t} | {r['max_abs_diff_vs_seq']:.3g} |"
+            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | {by_t} | "
+            f"{r['max_abs_diff_vs_seq']:.3g} | {_peaks(r.get('peak_mib'))} |"
         )
     return "\n".join(lines)
+
+
+def _peaks(peak: dict | None) -> str:
+    """"1: 5120, 2: 4990, ..." (C = 1 first), or "-" where not measured."""
+    return "-" if not peak else ", ".join(f"{c}: {mib:.0f}" for c, mib in peak.items())
 
 
 def report(shape: Shape, rows: list[dict], args, trace: str | None) -> None:
