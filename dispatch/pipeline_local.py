@@ -297,8 +297,25 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
         made["parts"].set_counts(1 + c, o.tokens_per_expert - own.chunk_counts[c],
                                  o.tokens_per_expert_host - own.chunk_counts_host[c])
     anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-    inbound = (made["parts"], made["own_y"], splits, joined, made["sent"], made.get("early", {}))  # not to autograd
+    # not to autograd; the packed rows in a list the pipeline empties, so that they are freed once sent
+    inbound = (made["parts"], made["own_y"], splits, joined, [made.pop("sent")], made.get("early", {}))
     return LocalFirstFn.apply(x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params)
+
+
+class Held:
+    """A tensor read in parts by a known number of readers, dropped once the
+    last has taken its part, so that the work after it can have the memory (on
+    CUDA the allocator hands it out only once the streams that used it are past)."""
+
+    def __init__(self, tensor: torch.Tensor, readers: int) -> None:
+        self.tensor, self.readers = (tensor if readers > 0 else None), readers
+
+    def take(self, part: slice = slice(None)) -> torch.Tensor:
+        rows = self.tensor[part]
+        self.readers -= 1
+        if not self.readers:
+            self.tensor = None
+        return rows
 
 
 def _send_starts(send_splits) -> list[int]:
@@ -315,6 +332,7 @@ class LocalFirstFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params):
         d = layer.dispatcher
         parts, own_y, splits, joined, sent, started = inbound
+        sent = Held(sent.pop(), readers=len(plans) - len(started))  # read by the brings not started early
         streams = layer._streams(x.device)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         handles, outputs = [h for h, _ in plans], [o for _, o in plans]
@@ -327,8 +345,8 @@ class LocalFirstFn(torch.autograd.Function):
                 received, work = started.pop(c)
                 positions = handles[c].expand_src[splits[c].others]
                 return Pending(work, lambda: codec.unpack(received, x.dtype, x.shape[1], positions))
-            return bring_rows(d, sent[starts[c] : starts[c + 1]], handles[c], codec, x.dtype, x.shape[1],
-                              splits[c].others)
+            return bring_rows(d, sent.take(slice(starts[c], starts[c + 1])), handles[c], codec, x.dtype,
+                              x.shape[1], splits[c].others)
 
         def compute(c, rows):
             # what the earlier parts keep for backward is placed only now, once their
@@ -372,16 +390,19 @@ class LocalFirstFn(torch.autograd.Function):
         grad_topk = grad_out.new_zeros(num_tokens, handles[0].topk, dtype=ctx.w_dtype) if w_any else None
         # every row's gradient packed once, on the communication stream: its self
         # blocks feed the own rows, the rest travels to the others
-        sent = streams.comm(lambda: Pending.done(codec.pack(grad_out, own.send_token)), to_compute=True).finish()
+        # read by the head and by every chunk's bring, then dropped: the weight gradients need the memory
+        sent = Held(streams.comm(lambda: Pending.done(codec.pack(grad_out, own.send_token)), to_compute=True).finish(),
+                    readers=len(plans) + 1)
         own_grads = []
 
         def bring(c):
-            return bring_rows(d, sent[starts[c] : starts[c + 1]], handles[c], codec, grad_out.dtype, hidden,
-                              splits[c].others)
+            rows = sent.take(slice(starts[c], starts[c + 1]))
+            return bring_rows(d, rows, handles[c], codec, grad_out.dtype, hidden, splits[c].others)
 
         def head():  # the own rows' backward, while the first chunks' gradients travel
-            grad_y, grad_w = weighted_grads(codec.unpack(sent, grad_out.dtype, hidden, own.expand), ctx.own_weights,
-                                            ctx.outs[0], w_any)
+            rows = codec.unpack(sent.take(), grad_out.dtype, hidden, own.expand)
+            grad_y, grad_w = weighted_grads(rows, ctx.own_weights, ctx.outs[0], w_any)
+            ctx.outs[0] = rows = None
             own_grads.extend((parts.backward(0, grad_y, x_any), grad_w))
 
         def compute(c, grad_rows):
@@ -389,6 +410,8 @@ class LocalFirstFn(torch.autograd.Function):
             grad_in = parts.backward(1 + c, grad_y, x_any)
             ctx.outs[1 + c] = None
             own_in, own_w = (None if g is None else own.of_chunk(g, c) for g in own_grads)
+            if c == len(plans) - 1:
+                own_grads.clear()  # every chunk has taken its own rows' part
             return (_joined(grad_in, own_in) if x_any else None, _joined(grad_w, own_w) if w_any else None)
 
         def send_back(c, value):
