@@ -65,8 +65,8 @@ def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     deepseek-v3 and mixtral shapes, in every setting of CTAs, stream priority,
     SM carveout and wire, since each chunk re-reads the experts' weights and
     the exchange proper is a small part of the layer. Only with the exchange
-    slowed to 2 NCCL CTAs did C = 2-4 gain (on 4 GPUs 25-43% of the exchange
-    hidden forward and 24-35% forward+backward over the runs, with
+    slowed to 2 NCCL CTAs did C = 2-4 gain (on 4 GPUs 21-43% of the exchange
+    hidden forward and 23-35% forward+backward over the runs, with
     ``local_first`` or without; on 2, 10-36% forward for Mixtral over the
     runs, and nothing for DeepSeek-V3 in the last one). A rule would need the link
     speed, which this function does not know; pass ``chunks`` where
