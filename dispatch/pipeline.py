@@ -160,8 +160,10 @@ class MoEExchange(nn.Module):
             topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
             topk_weights: [T, K] floating routing weights.
         Returns:
-            [T, H'] in the experts' output dtype: for each token, the sum over its
-            slots of ``weight * experts(row)``, as ``combine(..., weights=...)``.
+            [T, H'] in the experts' output dtype (on a rank whose experts got no
+            rows, that of the ranks whose did: ``TokenDispatcher._home_rows``):
+            for each token, the sum over its slots of ``weight * experts(row)``,
+            as ``combine(..., weights=...)``.
             Differentiable w.r.t. x, topk_weights and the experts' parameters.
         """
         d = self.dispatcher

@@ -347,7 +347,40 @@ def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunk
             h = d.combine(experts(out.tokens, out.tokens_per_expert), out.handle, weights=out.weights)
         else:
             h = make_layer(d, experts, chunks)(xs, idx, ws)
-    return _cpu(h)
+    h.float().sum().backward()
+    return _cpu(h), _cpu(xs.grad)
+
+
+def starts_and_held(x, topk_idx, topk_weights, num_experts: int, chunks):
+    """One forward and backward of a layer: (the transport's all-to-alls started
+    in the forward, whether each tensor local_first held was dropped by the end)."""
+    from unittest import mock
+
+    from dispatch import pipeline_local
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    held, starts = [], [0]
+
+    class Tracked(pipeline_local.Held):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            held.append(self)
+
+    start = d.transport.start
+
+    def counted(*args, **kwargs):
+        starts[0] += 1
+        return start(*args, **kwargs)
+
+    d.transport.start = counted
+    experts = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+    xs = x.to(device).requires_grad_()
+    with mock.patch.object(pipeline_local, "Held", Tracked):
+        out = make_layer(d, experts, chunks)(xs, topk_idx.to(device), topk_weights.to(device))
+        forward_starts = starts[0]
+        out.sum().backward()
+    return forward_starts, [h.tensor is None for h in held]
 
 
 def combine_in_rank_dtype(x, topk_idx, topk_weights, num_experts: int):

@@ -25,22 +25,22 @@ def test_cpu_smoke_run_writes_results(tmp_path):
         if not torch.cuda.is_available():
             assert row["peak_mib"] is None  # measured on CUDA only
         elif row["passes"] == "fwd+bwd":
-            assert set(row["peak_mib"]) == {"1", "3"} and min(row["peak_mib"].values()) > 0
+            assert set(row["peak_mib"]) == {"seq", "3"} and min(row["peak_mib"].values()) > 0
     assert (tmp_path / "overlap-trace-cpu-tiny-w2.png").stat().st_size > 0
     assert "| cpu-tiny | fwd+bwd | 2 |" in (tmp_path / "overlap-cpu-tiny-w2.md").read_text()
 
 
 def test_peak_memory_column():
-    """The peak column lists C = 1 first, then each candidate, in MiB; '-' where not measured."""
+    """The peak column lists the sequential layer first, then each candidate, in MiB; '-' where not measured."""
     row = dict(shape="s", passes="fwd+bwd", world_size=4, dispatch_wire="native", comm_max_ctas=None,
                comm_high_priority=False, sm_carveout=None, t_comm_ms=1.0, t_compute_ms=2.0, t_seq_ms=3.0,
                t_pipe_ms=2.5, best_chunks="local2", hidden_fraction=0.5, hidden_ceiling=1.0,
                t_pipe_by_chunks_ms={"2": 2.6, "local2": 2.5}, t_comm_by_transport_ms={"collective": 1.0},
                t_seq_by_transport_ms={"collective": 3.0}, max_abs_diff_vs_seq=0.0,
-               peak_mib={"1": 5120.4, "2": 4990.0, "local2": 6001.7})
+               peak_mib={"seq": 5120.4, "2": 4990.0, "local2": 6001.7})
     lines = overlap.markdown_table([row, dict(row, passes="fwd", peak_mib=None)]).splitlines()
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
-    assert lines[2].endswith("| 0 | 1: 5120, 2: 4990, local2: 6002 |")
+    assert lines[2].endswith("| 0 | seq: 5120, 2: 4990, local2: 6002 |")
     assert lines[3].endswith("| 0 | - |")
 
 

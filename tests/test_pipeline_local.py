@@ -131,10 +131,15 @@ def test_part_without_rows(worlds, chunks):
     xs = [random_tokens(0, 4, HIDDEN, torch.float32, 0), random_tokens(1, 3, HIDDEN, torch.float32, 0)]
     idx = [torch.tensor([[0], [1], [2], [3]]), torch.tensor([[0], [1], [0]])]  # E = 4: rank 1 routes nothing home
     ws = [torch.ones(4, 1), torch.ones(3, 1)]
-    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, chunks) for r in range(2)])
+    def args(c):
+        return [(xs[r], idx[r], ws[r], 4, c) for r in range(2)]
+
+    runs, plain = (worlds(2).run(pipeline_fns.empty_part_under_autocast, args(c)) for c in (chunks, "plain"))
     for rank in range(2):
-        assert runs[rank].dtype == torch.bfloat16, f"rank {rank}"
-        assert torch.equal(runs[rank], xs[rank].to(torch.bfloat16)), f"rank {rank}"
+        out, grad = runs[rank]
+        assert out.dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(out, xs[rank].to(torch.bfloat16)), f"rank {rank}"
+        assert torch.equal(grad, plain[rank][1]), f"rank {rank}: gradient of x"
 
 
 @pytest.mark.parametrize("chunks", ["local3", 3])
@@ -148,9 +153,11 @@ def test_chunks_without_rows_anywhere_first(worlds, chunks):
     ws = [torch.ones(4, 1), torch.ones(3, 1)]
     runs = worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, chunks) for r in range(2)])
     for rank in range(2):
-        want = xs[rank].to(torch.bfloat16) * (idx[rank] >= 0)
-        assert runs[rank].dtype == torch.bfloat16, f"rank {rank}"
-        assert torch.equal(runs[rank], want), f"rank {rank}"
+        out, grad = runs[rank]
+        routed = idx[rank] >= 0
+        assert out.dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(out, xs[rank].to(torch.bfloat16) * routed), f"rank {rank}"
+        assert torch.equal(grad, torch.ones_like(grad) * routed), f"rank {rank}: gradient of x"
 
 
 @pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
@@ -164,8 +171,10 @@ def test_combine_on_rank_without_rows(worlds, variant):
     runs = worlds(2).run(pipeline_fns.empty_part_under_autocast,
                          [(xs[r], idx[r], ws[r], 4, "plain", variant) for r in range(2)])
     for rank in range(2):
-        assert runs[rank].dtype == torch.bfloat16, f"rank {rank}"
-        assert torch.equal(runs[rank], xs[rank].to(torch.bfloat16)), f"rank {rank}"
+        out, grad = runs[rank]
+        assert out.dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(out, xs[rank].to(torch.bfloat16)), f"rank {rank}"
+        assert torch.equal(grad, torch.ones_like(grad)), f"rank {rank}: gradient of x"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -221,4 +230,19 @@ def test_combine_refuses_rows_in_different_dtypes(worlds):
     for message in messages:
         assert message is not None and "one floating dtype" in message
         assert "rank 0: torch.float32" in message and "rank 1: torch.float64" in message
+
+
+@pytest.mark.parametrize("chunks", [1, 3, "local", "local3"])
+def test_first_chunk_started_in_the_plan_and_packed_rows_dropped(worlds, chunks):
+    """The first chunk's all-to-all started within the plan is the one the
+    pipeline uses (C dispatches and C combines in the forward, not one more),
+    and every packed tensor local_first holds is dropped by the end of its pass."""
+    routing = make_routing(3, 2, 2, [7, 0, 5], "random", seed=61)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 8) for r, t in enumerate(routing.num_tokens)]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), routing.num_experts, chunks)
+            for r in range(3)]
+    num_chunks = int(str(chunks).removeprefix("local") or 1)
+    for rank, (starts, dropped) in enumerate(worlds(3).run(pipeline_fns.starts_and_held, args)):
+        assert starts == 2 * num_chunks, f"rank {rank}: {starts} all-to-alls started"
+        assert dropped == ([True, True] if str(chunks).startswith("local") else []), f"rank {rank}"
 

@@ -12,8 +12,8 @@ gloo, as a smoke test):
                 C = 1 and with each C of ``--chunks``: "local", "localC")
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
     peak        on CUDA, forward+backward: the most memory one step allocates above
-                what was allocated before it (MiB, the largest rank's), at
-                C = 1 and for each candidate
+                what was allocated before it (MiB, the largest rank's), for the
+                sequential layer ("seq", C = 1) and each candidate
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
                 where the layer at C = 1 costs less (more) than that sum
@@ -227,8 +227,8 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
         peak = None
-        if backward and device.type == "cuda":  # C = 1 first, then each candidate
-            peak = {"1": _peak_mib(layer_fn(seq_layers[transports[0]], True), device, group)}
+        if backward and device.type == "cuda":  # the sequential layer (C = 1) first, then each candidate
+            peak = {"seq": _peak_mib(layer_fn(seq_layers[transports[0]], True), device, group)}
             peak.update({str(c): _peak_mib(layer_fn(pipe(c), True), device, group) for c in candidates})
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
@@ -384,7 +384,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def _peaks(peak: dict | None) -> str:
-    """"1: 5120, 2: 4990, ..." (C = 1 first), or "-" where not measured."""
+    """"seq: 5120, 2: 4990, ..." (the sequential layer first), or "-" where not measured."""
     return "-" if not peak else ", ".join(f"{c}: {mib:.0f}" for c, mib in peak.items())
 
 

@@ -185,8 +185,10 @@ class TokenDispatcher(abc.ABC):
         of the ranks that computed them. So where ``handle.has_rows`` shows ranks
         without rows beside ranks with rows, every rank all-gathers the dtype of
         its rows (one small collective and a host read, only then) and a rank
-        without rows takes the dtype of the others. Ranks with rows in different
-        dtypes are refused, on every rank alike.
+        without rows takes the dtype of the others; ranks with rows in different
+        dtypes are then refused, on every rank alike. Where every rank has rows
+        nothing is exchanged or checked: their dtypes must agree (the wire
+        carries no dtype; a mismatch fails in the collective, or worse).
         """
         has = handle.has_rows
         if all(has) or not any(has):

@@ -353,7 +353,8 @@ class MegatronDispatcher:
         Args:
             hidden_states: ``[N, H]`` expert outputs (already weighted by ``permuted_probs``).
         Returns:
-            ``[T, H]`` in the dtype of ``hidden_states``: per token, the sum of its rows.
+            ``[T, H]`` in the dtype of ``hidden_states`` (on a rank whose experts got
+            no rows, that of the ranks whose did): per token, the sum of its rows.
         """
         state = self._advance("token_combine")
         return self.engine.combine(hidden_states, state.dispatched.handle, weights=None)
