@@ -352,7 +352,7 @@ class _PipelineFn(torch.autograd.Function):
 
         def bring(c):
             if c in started:
-                return d._to_experts_started(started.pop(c), handles[c], codec, x.dtype, x.shape[1])
+                return d._to_experts_started(started.pop(c), codec, x.dtype, x.shape[1], handles[c].expand_src)
             a, b = bounds[c], bounds[c + 1]
             return d._to_experts_start(x[a:b], handles[c], codec)
 

@@ -216,14 +216,6 @@ def partition(src_rank: torch.Tensor, rank: int, num_own: int) -> Partition:
     return Partition(order[:split], order[split:], order, at)
 
 
-def bring_rows(d, sent, handle, codec, dtype, hidden, positions):
-    """The rows for the experts at ``positions`` of the canonical order, left in
-    flight (``sent``: every send row, packed by ``codec`` from [T, hidden] rows
-    of ``dtype``)."""
-    received, work = d._rows_start(sent, handle, back=False)
-    return Pending(work, lambda: codec.unpack(received, dtype, hidden, handle.expand_src[positions]))
-
-
 def arrive(streams, pending: Pending) -> torch.Tensor:
     """Finish an exchange issued on the communication stream there (CUDA), and
     make the compute stream wait for its result; on CPU, finish it."""
@@ -342,11 +334,10 @@ class LocalFirstFn(torch.autograd.Function):
 
         def bring(c):  # the others' rows of chunk c, from the rows packed beside the plan
             if c in started:  # its all-to-all started within the plan
-                received, work = started.pop(c)
-                positions = handles[c].expand_src[splits[c].others]
-                return Pending(work, lambda: codec.unpack(received, x.dtype, x.shape[1], positions))
-            return bring_rows(d, sent.take(slice(starts[c], starts[c + 1])), handles[c], codec, x.dtype,
-                              x.shape[1], splits[c].others)
+                moving = started.pop(c)
+            else:
+                moving = d._rows_start(sent.take(slice(starts[c], starts[c + 1])), handles[c], back=False)
+            return d._to_experts_started(moving, codec, x.dtype, x.shape[1], handles[c].expand_src[splits[c].others])
 
         def compute(c, rows):
             # what the earlier parts keep for backward is placed only now, once their
@@ -396,8 +387,8 @@ class LocalFirstFn(torch.autograd.Function):
         own_grads = []
 
         def bring(c):
-            rows = sent.take(slice(starts[c], starts[c + 1]))
-            return bring_rows(d, rows, handles[c], codec, grad_out.dtype, hidden, splits[c].others)
+            moving = d._rows_start(sent.take(slice(starts[c], starts[c + 1])), handles[c], back=False)
+            return d._to_experts_started(moving, codec, grad_out.dtype, hidden, handles[c].expand_src[splits[c].others])
 
         def head():  # the own rows' backward, while the first chunks' gradients travel
             rows = codec.unpack(sent.take(), grad_out.dtype, hidden, own.expand)

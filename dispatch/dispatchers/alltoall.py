@@ -252,13 +252,15 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def _to_experts_start(self, rows, handle, codec):
         return self._to_experts_started(self._rows_start(codec.pack(rows, handle.send_token), handle, back=False),
-                                        handle, codec, rows.dtype, rows.shape[1])
+                                        codec, rows.dtype, rows.shape[1], handle.expand_src)
 
-    def _to_experts_started(self, started, handle, codec, dtype, hidden):
+    def _to_experts_started(self, started, codec, dtype, hidden, expand):
         """The rest of ``_to_experts_start`` for an all-to-all already started
-        (``started``: (received, work) of ``_rows_start``) from rows of ``dtype``, ``hidden`` wide."""
+        (``started``: (received, work) of ``_rows_start``) from rows of
+        ``dtype``, ``hidden`` wide: unpacked to the received rows ``expand``
+        (``handle.expand_src``, or part of it)."""
         received, work = started
-        return Pending(work, lambda: codec.unpack(received, dtype, hidden, handle.expand_src))
+        return Pending(work, lambda: codec.unpack(received, dtype, hidden, expand))
 
     def _to_home_start(self, rows, handle, weights, wire):
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
