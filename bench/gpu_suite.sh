@@ -22,6 +22,10 @@
 #              and on 2 of the GPUs; C = 2, 4 beside local, local2, local4
 #   peak       the overlap study's forward+backward peak memory by candidate: NCCL
 #              defaults and the slow exchange (carveout 16), C = 2, 4, local, local2, local4
+#   ahead      how many chunks are dispatched ahead (MoEExchange's ahead): the pipeline,
+#              local_first, overlap-bench and peer-copy tests (not with SKIP_TESTS=1), then the
+#              overlap with the exchange slowed to 2 CTAs (carveout 16) and over NVLink, C = 2, 4
+#              and local_first, every chunk ahead beside 1 and 2
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -133,6 +137,12 @@ for part in "$@"; do
       bench 150 overlap-peak overlap --local-first --chunks 2 4 --out "$RES"
       bench 150 overlap-peak-slow overlap --local-first --chunks 2 4 --comm-high-priority --comm-max-ctas 2 \
         --sm-carveout 16 --out "$RES" ;;
+    ahead)
+      [ -n "${SKIP_TESTS:-}" ] || step 300 pytest-pipelines python3 -m pytest -q -p no:cacheprovider \
+        tests/test_pipeline.py tests/test_pipeline_local.py tests/test_overlap_bench.py tests/test_peer_copy.py
+      bench 240 overlap-ahead-slow overlap --local-first --chunks 2 4 --ahead 1 2 --comm-high-priority \
+        --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate 4 --out "$RES"
+      bench 240 overlap-ahead-nvlink overlap --local-first --chunks 2 4 --ahead 1 2 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

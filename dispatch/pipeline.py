@@ -22,16 +22,22 @@ gradients accumulated in place in the parameters' dtype: bitwise those of
 C = 1 when these sums are exact, equal to rounding otherwise, at the cost of one
 more pass over the weight gradients per chunk.
 
-Schedule, forward (backward alike, with the exchange of the gradients)::
+Schedule, forward (backward alike, with the exchange of the gradients), with
+every chunk dispatched ahead (``ahead=None``, the default)::
 
-    comm stream:     D0 D1 H0 D2 H1 D3 H2 ...      D = dispatch, H = combine
-    compute stream:        X0    X1    X2 ...      X = experts
+    comm stream:     D0 D1 D2 D3 H0 H1 H2 H3      D = dispatch, H = combine
+    compute stream:     X0 X1 X2 X3               X = experts (X_c after D_c)
+
+and with ``ahead=2``::
+
+    comm stream:     D0 D1 H0 D2 H1 D3 H2 H3
+    compute stream:     X0    X1    X2    X3
 
 With the alltoall variant one routing plan, one counts exchange and one
 metadata exchange serve all chunks (its ``_plan_chunks``, replayed as CUDA
 graphs like the plan of ``dispatch``), with one host synchronisation before the
-pipeline starts; the first chunk's token all-to-all starts within the plan,
-right after the metadata all-to-all, so that its bytes move while the receive
+pipeline starts; the first A chunks' token all-to-alls start within the plan,
+right after the metadata all-to-all, so that their bytes move while the receive
 plan is made (C = 1 included); the other variants use the base class's fallback (a plan, a counts
 exchange and a host synchronisation per chunk, their exchanges not left in
 flight), correct but without overlap. Inside the pipeline the streams are
@@ -105,6 +111,16 @@ class MoEExchange(nn.Module):
             max_ctas=sm_carveout, high_priority=True)``. None (default): no
             carveout. Set through torch's process-wide experimental switch
             for the duration of the call, restored after.
+        ahead: A >= 1, how many chunks' rows are on their way to the experts
+            before the experts compute the first (forward, and their gradients
+            in backward): chunks 0..A-1 are dispatched first, chunk c + A once
+            chunk c's combine is issued. The first A chunks' all-to-alls start
+            within the plan, right after the metadata all-to-all, so that their
+            bytes move while the host makes the receive plan and the chunks'
+            handles. None (default): every chunk (A = C), so that the
+            collectives never wait behind a combine that waits for the experts;
+            the rows of every chunk are then alive at once, as at C = 1. A
+            smaller A keeps fewer rows alive.
         local_first: compute the rows this rank routes to its own experts
             (of every chunk) first, from ``topk_idx`` alone, while the plan and
             the dispatch of the other ranks' rows of the first chunks run on
@@ -123,6 +139,7 @@ class MoEExchange(nn.Module):
         comm_priority: int = -1,
         sm_carveout: int | None = None,
         local_first: bool = False,
+        ahead: int | None = None,
     ):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
@@ -139,6 +156,8 @@ class MoEExchange(nn.Module):
             isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int) or sm_carveout < 0
         ):
             raise ValueError(f"sm_carveout must be an int >= 0 or None, got {sm_carveout!r}")
+        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
+            raise ValueError(f"ahead must be an int >= 1 or None, got {ahead!r}")
         if not isinstance(local_first, bool):
             raise TypeError(f"local_first must be a bool, got {type(local_first).__name__}")
         if local_first:
@@ -152,6 +171,7 @@ class MoEExchange(nn.Module):
         self.experts = experts
         self.chunks = chunks
         self.comm_priority = comm_priority
+        self.ahead = ahead
         self._comm_streams: dict = {}
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -177,18 +197,24 @@ class MoEExchange(nn.Module):
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         streams, started = self._streams(x.device), {}
 
-        def early(splits, send_token):  # chunk 0's rows leave within the plan, while the receive plan is made
+        def early(splits, send_token):  # the first chunks' rows leave within the plan, while the receive plan is made
             if streams.comm_stream is not None:  # x and the send rows are made on the compute stream
                 streams.comm_stream.wait_stream(streams.compute)
+            starts = send_starts([send_splits for send_splits, _, _ in splits])
             with on_stream(streams.comm_stream), torch.no_grad():
-                sent = codec.pack(x[: bounds[1]], send_token[: sum(splits[0][0])])
-                started[0] = d.transport.start(sent, *splits[0])
+                for c in range(self.chunks_ahead(chunks)):
+                    sent = codec.pack(x[bounds[c] : bounds[c + 1]], send_token[starts[c] : starts[c + 1]])
+                    started[c] = d.transport.start(sent, *splits[c])
 
         plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs, early=early)
         params = self._trained_params()
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, (plans, started), bounds, grad_on, *params)
+
+    def chunks_ahead(self, chunks: int) -> int:
+        """A, the chunks dispatched before the experts compute the first (see ``ahead``)."""
+        return chunks if self.ahead is None else min(self.ahead, chunks)
 
     def _trained_params(self) -> tuple:
         """The experts' parameters that require grad (none for a plain callable)."""
@@ -279,26 +305,36 @@ class _Arrived:
         return self.result
 
 
+def send_starts(send_splits) -> list[int]:
+    """First send row of each chunk among all chunks' (chunk-major), from each
+    chunk's send splits; one more entry, the total."""
+    starts = [0]
+    for splits in send_splits:
+        starts.append(starts[-1] + sum(splits))
+    return starts
+
+
 def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, head=None,
-         bring_after_compute: bool = True) -> None:
-    """D0 D1 X0 H0 D2 X1 H1 ...: ``bring(c) -> Pending`` (rows for the experts),
-    ``compute(c, rows) -> value``, ``send_back(c, value) -> Pending`` (stores its
-    result when finished); ``head()`` runs on the compute side once the first
-    two chunks' brings are issued, while they travel; ``tail()`` once the last
+         bring_after_compute: bool = True, *, ahead: int) -> None:
+    """With ``ahead`` = A, D0 .. D(A-1) X0 H0 DA X1 H1 D(A+1) ...: ``bring(c) -> Pending``
+    (rows for the experts), ``compute(c, rows) -> value``, ``send_back(c, value)
+    -> Pending`` (stores its result when finished); ``head()`` runs on the
+    compute side once the first A chunks' brings are issued, while they travel; ``tail()`` once the last
     chunk's send-back is issued, while it travels. ``bring_after_compute=False``:
     the brings read nothing made on the compute stream and do not wait for it.
     Every rank issues the collectives in this same order.
     A value is dropped as soon as its send-back is issued (on CUDA the
     communication stream is recorded on its tensors, see ``_Streams.comm``), so
-    that no more than a chunk or two of them are alive at once."""
+    that no more than a chunk or two of them are alive at once (and no more
+    than A + 1 chunks' brought rows)."""
     inbound = {}
 
     def issue(c):
         if c < chunks:
             inbound[c] = streams.comm(functools.partial(bring, c), to_compute=True, after_compute=bring_after_compute)
 
-    issue(0)
-    issue(1)
+    for c in range(ahead):
+        issue(c)
     if head is not None:
         with streams.carveout():
             head()
@@ -309,7 +345,7 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, h
         reads = tuple(t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor))
         returning = streams.comm(functools.partial(send_back, c, value), to_compute=False, reads=reads)
         value = reads = None
-        issue(c + 2)
+        issue(c + ahead)
         if outbound is not None:
             outbound.finish()
         outbound = returning
@@ -374,7 +410,7 @@ class _PipelineFn(torch.autograd.Function):
         def send_back(c, y):
             return outputs_home(d, handles[c], y, weights[c], out, slice(bounds[c], bounds[c + 1]))
 
-        _run(streams, len(plans), bring, compute, send_back)
+        _run(streams, len(plans), bring, compute, send_back, ahead=layer.chunks_ahead(len(plans)))
         if not out:  # no chunk (cannot happen: C >= 1), kept for clarity of the types
             raise RuntimeError("the pipeline ran no chunk")
         ctx.layer, ctx.plans, ctx.bounds, ctx.weights = layer, plans, bounds, weights
@@ -429,7 +465,7 @@ class _PipelineFn(torch.autograd.Function):
             grad_params[:] = chunked.param_grads(ctx.params)
 
         tail = weight_grads if chunked is not None and ctx.params else None
-        _run(streams, len(plans), bring, compute, send_back, tail)
+        _run(streams, len(plans), bring, compute, send_back, tail, ahead=layer.chunks_ahead(len(plans)))
         ctx.chunked = None
         needs = ctx.needs_input_grad
         grad_params = [

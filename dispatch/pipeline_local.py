@@ -47,7 +47,7 @@ from dispatch.codec import to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
 from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, autograd_rows,
-                               chunk_bounds, grads_home, on_stream, outputs_home, settle_output,
+                               chunk_bounds, grads_home, on_stream, outputs_home, send_starts, settle_output,
                                weighted_grads)
 
 
@@ -236,15 +236,6 @@ def _joined(others: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
     return torch.cat(filled) if len(filled) > 1 else (filled or [others])[0]
 
 
-# Chunks whose token all-to-all starts within the plan (``early``). One: on
-# 4 x H200 with the exchange slowed to 2 NCCL CTAs, when the early start came
-# before the metadata all-to-all, starting two there put the second chunk's
-# all-to-all ahead of the metadata, which the first chunk's receive plan waits
-# for (Mixtral forward, C = 2, three runs: 16.6 ms with two, 15.6 with none,
-# 14.1 with one). The metadata now leaves first; two were not tried since.
-EARLY_CHUNKS = 1
-
-
 def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """``MoEExchange(local_first=True)``'s forward: the plan of C chunks of home
     tokens, beside it the own rows of all chunks, then the pipeline of the
@@ -270,9 +261,9 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
             own_y = parts.forward(0, codec.unpack(sent, x.dtype, x.shape[1], own.expand))
         made.update(own=own, sent=sent, parts=parts, own_y=own_y)
 
-    def early(splits, send_token):  # the first chunk's rows leave within the plan, while the receive plan is made
-        starts = _send_starts([send_splits for send_splits, _, _ in splits])
-        for c in range(min(EARLY_CHUNKS, len(splits))):
+    def early(splits, send_token):  # the first chunks' rows leave within the plan, while the receive plan is made
+        starts = send_starts([send_splits for send_splits, _, _ in splits])
+        for c in range(layer.chunks_ahead(len(splits))):
             made.setdefault("early", {})[c] = d.transport.start(made["sent"][starts[c] : starts[c + 1]], *splits[c])
 
     with on_stream(streams.comm_stream):  # the plan, beside the own rows' work
@@ -310,15 +301,6 @@ class Held:
         return rows
 
 
-def _send_starts(send_splits) -> list[int]:
-    """First send row of each chunk among all chunks' (chunk-major), from each
-    chunk's send splits; one more entry, the total."""
-    starts = [0]
-    for splits in send_splits:
-        starts.append(starts[-1] + sum(splits))
-    return starts
-
-
 class LocalFirstFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, anchor, layer, plans, bounds, own, inbound, grad_on, *params):
@@ -328,7 +310,7 @@ class LocalFirstFn(torch.autograd.Function):
         streams = layer._streams(x.device)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         handles, outputs = [h for h, _ in plans], [o for _, o in plans]
-        starts = _send_starts([h.send_splits for h in handles])
+        starts = send_starts([h.send_splits for h in handles])
         weights = [o.weights.to(topk_weights.dtype, copy=True) for o in outputs]
         ys, out = [None] * len(plans), []
 
@@ -351,7 +333,8 @@ class LocalFirstFn(torch.autograd.Function):
         def send_back(c, y_all):
             return outputs_home(d, joined[c], y_all, weights[c][splits[c].order], out, slice(bounds[c], bounds[c + 1]))
 
-        _run(streams, len(plans), bring, compute, send_back, tail=parts.place_kept, bring_after_compute=False)
+        _run(streams, len(plans), bring, compute, send_back, tail=parts.place_kept, bring_after_compute=False,
+             ahead=layer.chunks_ahead(len(plans)))
         own_weights = weights[0].new_empty(own.expand.shape[0])  # the own rows' weights, in their order
         for c, w in enumerate(weights):
             own_weights[slice(None) if own.in_chunk[c] is None else own.in_chunk[c]] = w[splits[c].mine]
@@ -372,7 +355,7 @@ class LocalFirstFn(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         streams = layer._streams(grad_out.device)
         handles = [h for h, _ in plans]
-        starts = _send_starts([h.send_splits for h in handles])
+        starts = send_starts([h.send_splits for h in handles])
         x_any, w_any = handles[0].x_grad_any, handles[0].weights_grad_any
         codec = to_experts_codec(d.config.combine_grad_wire, grad_out.dtype, d.config.fp8_pow2_scales)
         splits, joined, parts = ctx.splits, ctx.joined, ctx.parts
@@ -411,7 +394,8 @@ class LocalFirstFn(torch.autograd.Function):
 
         grad_params = []
         _run(streams, len(plans), bring, compute, send_back, head=head,
-             tail=lambda: grad_params.extend(parts.weight_grads()), bring_after_compute=False)
+             tail=lambda: grad_params.extend(parts.weight_grads()), bring_after_compute=False,
+             ahead=layer.chunks_ahead(len(plans)))
         ctx.parts = ctx.outs = None  # the experts' graphs are spent
         needs = ctx.needs_input_grad
         grad_params = [

@@ -108,10 +108,13 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
 
 def make_layer(d, experts, chunks):
     """MoEExchange(chunks=C), or MoEExchange(local_first=True) for C = "local"
-    and MoEExchange(chunks=C, local_first=True) for C = "localC" (e.g. "local3")."""
-    if isinstance(chunks, str) and chunks.startswith("local"):
-        return dispatch.MoEExchange(d, experts, chunks=int(chunks[5:] or 1), local_first=True)
-    return dispatch.MoEExchange(d, experts, chunks=chunks)
+    and MoEExchange(chunks=C, local_first=True) for C = "localC" (e.g. "local3");
+    "/A" after either sets ``ahead=A`` (e.g. "4/2", "local3/1")."""
+    name, _, ahead = str(chunks).partition("/")
+    ahead = int(ahead) if ahead else None
+    if name.startswith("local"):
+        return dispatch.MoEExchange(d, experts, chunks=int(name[5:] or 1), local_first=True, ahead=ahead)
+    return dispatch.MoEExchange(d, experts, chunks=int(name), ahead=ahead)
 
 
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
@@ -177,7 +180,7 @@ def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
     d = dispatch.create(dispatch.DispatchConfig(**config))
     torch.manual_seed(0)
     experts = GroupedExperts(d.num_local_experts, x.shape[1], 4 * x.shape[1], dtype=x.dtype, device=device)
-    layer = dispatch.MoEExchange(d, experts, chunks=chunks)
+    layer = make_layer(d, experts, chunks)
     xs = x.to(device).requires_grad_()
     ws = topk_weights.to(device).requires_grad_()
     idx = topk_idx.to(device)
@@ -352,35 +355,44 @@ def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunk
 
 
 def starts_and_held(x, topk_idx, topk_weights, num_experts: int, chunks):
-    """One forward and backward of a layer: (the transport's all-to-alls started
-    in the forward, whether each tensor local_first held was dropped by the end)."""
+    """One forward and backward of a layer: (the token all-to-alls the forward
+    started, in order: "P" a dispatch started within the plan, "D" one started
+    by the pipeline, "H" a combine; whether each tensor local_first held was
+    dropped by the end)."""
     from unittest import mock
 
     from dispatch import pipeline_local
 
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
-    held, starts = [], [0]
+    held, order, kind = [], [], ["P"]  # a start outside _rows_start is the plan's
 
     class Tracked(pipeline_local.Held):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             held.append(self)
 
-    start = d.transport.start
+    start, rows_start = d.transport.start, d._rows_start
 
     def counted(*args, **kwargs):
-        starts[0] += 1
+        order.append(kind[0])
         return start(*args, **kwargs)
 
-    d.transport.start = counted
+    def rows_start_of_kind(rows, handle, back):
+        kind[0] = "H" if back else "D"
+        try:
+            return rows_start(rows, handle, back)
+        finally:
+            kind[0] = "P"
+
+    d.transport.start, d._rows_start = counted, rows_start_of_kind
     experts = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
     xs = x.to(device).requires_grad_()
     with mock.patch.object(pipeline_local, "Held", Tracked):
         out = make_layer(d, experts, chunks)(xs, topk_idx.to(device), topk_weights.to(device))
-        forward_starts = starts[0]
+        forward_order = "".join(order)
         out.sum().backward()
-    return forward_starts, [h.tensor is None for h in held]
+    return forward_order, [h.tensor is None for h in held]
 
 
 def combine_in_rank_dtype(x, topk_idx, topk_weights, num_experts: int):

@@ -48,7 +48,7 @@ def test_peak_memory_column():
     "argv, needle",
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
      (["--shapes", "nope"], "--shapes"), (["--chunks", "2", "--trace", "--trace-candidate", "local2"], "--trace-candidate"),
-     (["--trace-candidate", "2"], "needs --trace")],
+     (["--trace-candidate", "2"], "needs --trace"), (["--ahead", "0"], "--ahead")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -57,13 +57,13 @@ def test_bad_flags(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def test_local_first_is_a_candidate(tmp_path):
+def test_local_first_and_ahead_are_candidates(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
-            "--local-first", "--trace", "--trace-candidate", "local2", "--out", str(tmp_path)]
+            "--local-first", "--ahead", "1", "2", "--trace", "--trace-candidate", "local2/1", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first.json").read_text())
-    for row in result["rows"]:
-        assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local", "local2"}
+    for row in result["rows"]:  # "2/2" is "2": only A < C is a candidate of its own
+        assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local", "local2", "2/1", "local2/1"}
         assert row["t_pipe_ms"] == min(row["t_pipe_by_chunks_ms"].values())
         assert row["max_abs_diff_vs_seq"] == 0.0
     assert (tmp_path / "overlap-trace-cpu-tiny-w2-local-first.png").stat().st_size > 0

@@ -11,7 +11,8 @@ import pipeline_fns
 from dispatch.reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
-CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8]
+# C chunks, all dispatched ahead; "C/A": A of them ahead
+CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8, "3/1", "5/2", "8/3"]
 HIDDEN = 4
 
 
@@ -209,10 +210,10 @@ def test_late_streams_change_nothing(worlds, world_size):
     xs = [random_tokens(r, t, 64, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, 64, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 8], "rowwise",
-             False, True, True, True) for r in range(world_size)]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 8, "8/2"],
+             "rowwise", False, True, True, True) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        for chunks in (1, 3, 8):
+        for chunks in (1, 3, 8, "8/2"):
             pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4, True) for r in range(world_size)]
     late = worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)
@@ -257,6 +258,9 @@ def test_bad_arguments_raise():
         dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=0)
     with pytest.raises(ValueError, match="sm_carveout"):
         dispatch.MoEExchange(_OneRank(), lambda t, n: t, sm_carveout=-1)
+    for ahead in (0, 1.5, True):
+        with pytest.raises(ValueError, match="ahead"):
+            dispatch.MoEExchange(_OneRank(), lambda t, n: t, ahead=ahead)
     with pytest.raises(TypeError, match="experts"):
         dispatch.MoEExchange(_OneRank(), 3)
 
@@ -272,16 +276,17 @@ class _OneRank(dispatch.TokenDispatcher):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_peak_memory_not_above_one_chunk(worlds):
-    """Peak memory of forward + backward with C = 4 is no larger than with C = 1."""
+    """Peak memory of forward + backward with C = 4 (every chunk dispatched ahead,
+    or one) is no larger than with C = 1."""
     routing = make_routing(2, 4, 2, [2048, 2048], "random", seed=1)
     xs = [random_tokens(r, 2048, 512, torch.bfloat16, 0) for r in range(2)]
     config = dict(num_experts=routing.num_experts)
     peaks = {}
-    for chunks in (1, 4):
+    for chunks in (1, 4, "4/1"):
         args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, chunks) for r in range(2)]
         peaks[chunks] = worlds(2).run(pipeline_fns.peak_memory, args)
     for rank in range(2):
-        assert peaks[4][rank] <= peaks[1][rank], f"rank {rank}: {peaks}"
+        assert peaks[4][rank] <= peaks[1][rank] and peaks["4/1"][rank] <= peaks[1][rank], f"rank {rank}: {peaks}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")

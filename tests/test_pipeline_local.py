@@ -12,8 +12,9 @@ import pipeline_fns
 from routing import make_routing, random_tokens
 from test_pipeline import HIDDEN, _run
 
-# local_first with C chunks ("local" is C = 1); 8 is more chunks than some ranks have tokens
-LOCAL = ["local", "local2", "local3", "local8"]
+# local_first with C chunks ("local" is C = 1); 8 is more chunks than some ranks have tokens;
+# "/A": A chunks dispatched ahead instead of all
+LOCAL = ["local", "local2", "local3", "local8", "local3/1", "local8/2"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -106,10 +107,10 @@ def test_local_first_late_streams(worlds, world_size):
     xs = [random_tokens(r, t, 64, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, 64, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", "local", "local3"],
-             "rowwise", False, True, True, True) for r in range(world_size)]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config,
+             ["plain", "local", "local3", "local3/1"], "rowwise", False, True, True, True) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        for chunks in ("local", "local3"):
+        for chunks in ("local", "local3", "local3/1"):
             pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} {chunks}", params_exact=False)
 
 
@@ -232,17 +233,21 @@ def test_combine_refuses_rows_in_different_dtypes(worlds):
         assert "rank 0: torch.float32" in message and "rank 1: torch.float64" in message
 
 
-@pytest.mark.parametrize("chunks", [1, 3, "local", "local3"])
-def test_first_chunk_started_in_the_plan_and_packed_rows_dropped(worlds, chunks):
-    """The first chunk's all-to-all started within the plan is the one the
-    pipeline uses (C dispatches and C combines in the forward, not one more),
-    and every packed tensor local_first holds is dropped by the end of its pass."""
+@pytest.mark.parametrize("chunks", [1, 3, "3/1", "4/2", "local", "local3", "local3/1", "local4/2"])
+def test_first_chunks_started_in_the_plan_and_packed_rows_dropped(worlds, chunks):
+    """With ``ahead`` = A (default C), the first A chunks' all-to-alls start within
+    the plan and are the ones the pipeline uses; chunk c + A's dispatch follows
+    chunk c's combine (C dispatches and C combines in the forward, not one
+    more); every packed tensor local_first holds is dropped by the end of its pass."""
     routing = make_routing(3, 2, 2, [7, 0, 5], "random", seed=61)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 8) for r, t in enumerate(routing.num_tokens)]
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), routing.num_experts, chunks)
             for r in range(3)]
-    num_chunks = int(str(chunks).removeprefix("local") or 1)
-    for rank, (starts, dropped) in enumerate(worlds(3).run(pipeline_fns.starts_and_held, args)):
-        assert starts == 2 * num_chunks, f"rank {rank}: {starts} all-to-alls started"
+    name, _, ahead = str(chunks).removeprefix("local").partition("/")
+    num_chunks = int(name or 1)
+    ahead = min(int(ahead or num_chunks), num_chunks)
+    want = "P" * ahead + "".join("H" + ("D" if c + ahead < num_chunks else "") for c in range(num_chunks))
+    for rank, (order, dropped) in enumerate(worlds(3).run(pipeline_fns.starts_and_held, args)):
+        assert order == want, f"rank {rank}: all-to-alls started {order}, want {want}"
         assert dropped == ([True, True] if str(chunks).startswith("local") else []), f"rank {rank}"
 

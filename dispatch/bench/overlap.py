@@ -9,7 +9,9 @@ gloo, as a smoke test):
     T_seq       MoEExchange(C = 1) with GroupedExperts
     T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks`` (and,
                 with ``--local-first``, of MoEExchange(local_first=True) with
-                C = 1 and with each C of ``--chunks``: "local", "localC")
+                C = 1 and with each C of ``--chunks``: "local", "localC"; with
+                ``--ahead A``, of each of these with ``ahead=A`` where C > A:
+                "C/A", "localC/A")
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
     peak        on CUDA, forward+backward: the most memory one step allocates above
                 what was allocated before it (MiB, the largest rank's), for the
@@ -81,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--local-first", action="store_true",
                         help="also try MoEExchange(local_first=True) with C = 1 and each --chunks C for T_pipe "
                              "(reported as C = local, localC)")
+    parser.add_argument("--ahead", type=int, nargs="+",
+                        help="also try MoEExchange(ahead=A) for each A and each C > A of the candidates "
+                             "(named C/A, localC/A; without /A every chunk is dispatched ahead)")
     parser.add_argument("--transport", choices=("collective", "peer_copy", "both"), default="collective",
                         help="DispatchConfig.transport of the layers, or both side by side")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
@@ -100,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--comm-high-priority needs NCCL (a GPU)")
     if args.sm_carveout is not None and args.sm_carveout < 0:
         parser.error(f"--sm-carveout must be >= 0, got {args.sm_carveout}")
+    if args.ahead is not None and min(args.ahead) < 1:
+        parser.error(f"--ahead values must be >= 1, got {args.ahead}")
     if args.trace_candidate is not None and not args.trace:
         parser.error("--trace-candidate needs --trace")
     if args.trace_candidate is not None and _candidate(candidates_of(args), args.trace_candidate) is None:
@@ -204,10 +211,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
 
     def pipe(name):
         transport, c = candidates[name]
-        if str(c).startswith("local"):
-            return dispatch.MoEExchange(by_transport[transport], experts, chunks=int(c[5:] or 1), local_first=True,
-                                        **options)
-        return dispatch.MoEExchange(by_transport[transport], experts, chunks=c, **options)
+        return dispatch.MoEExchange(by_transport[transport], experts, **layer_options(c), **options)
 
     rows = []
     for name in PASSES:
@@ -325,10 +329,20 @@ def transports_of(args) -> tuple[str, ...]:
 
 
 def candidates_of(args) -> dict:
-    """The T_pipe candidates: {name: (transport, C or "local" / "localC")}."""
+    """The T_pipe candidates: {name: (transport, C or "local" / "localC", "/A" after it for ``--ahead``)}."""
     transports = transports_of(args)
     local = ["local", *(f"local{c}" for c in args.chunks if c > 1)] if args.local_first else []
-    return {candidate_name(t, c): (t, c) for t in transports for c in [*args.chunks, *local]}
+    layers = [*args.chunks, *local]
+    layers += [f"{c}/{a}" for c in layers for a in args.ahead or () if layer_options(c)["chunks"] > a]
+    return {candidate_name(t, c): (t, c) for t in transports for c in layers}
+
+
+def layer_options(layer) -> dict:
+    """MoEExchange's chunks, local_first and ahead of a candidate's layer: C, "local"
+    (C = 1) or "localC", then "/A" for ``ahead=A`` (none: every chunk ahead)."""
+    name, _, ahead = str(layer).partition("/")
+    local = name.startswith("local")
+    return dict(chunks=int(name.removeprefix("local") or 1), local_first=local, ahead=int(ahead) if ahead else None)
 
 
 def _candidate(candidates: dict, name: str):
@@ -337,11 +351,11 @@ def _candidate(candidates: dict, name: str):
 
 
 def _layer_words(name: str) -> str:
-    """A candidate's name in words, for a title: "own rows first, C=2" for "local2"."""
-    chunks = name.removeprefix("peer:")
-    if chunks.startswith("local"):
-        return f"own rows first, C={chunks[5:] or 1}"
-    return f"C={chunks}"
+    """A candidate's name in words, for a title: "own rows first, C=2" for "local2",
+    "C=4, 2 ahead" for "4/2"."""
+    options = layer_options(name.removeprefix("peer:"))
+    words = ("own rows first, " if options["local_first"] else "") + f"C={options['chunks']}"
+    return words + ("" if options["ahead"] is None else f", {options['ahead']} ahead")
 
 
 def candidate_name(transport: str, chunks):

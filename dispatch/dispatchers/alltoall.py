@@ -95,8 +95,9 @@ class AllToAllDispatcher(TokenDispatcher):
         all-to-all is issued, before the receive plan is made, with per chunk
         (send splits, receive splits, split matrix) and the send rows' tokens
         (``plan.SendPlan.send_token``, chunk-major): the pipelines start their
-        first chunk's token all-to-all there, so that its bytes move while the
-        receive plan is made (which waits for the metadata only). Every rank of
+        first chunks' token all-to-alls there (``MoEExchange``'s ``ahead``), so
+        that their bytes move while the receive plan is made (which waits for
+        the metadata only). Every rank of
         the group must pass one (the collectives' order is the same on all)."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
