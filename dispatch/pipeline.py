@@ -316,32 +316,40 @@ def send_starts(send_splits) -> list[int]:
 
 def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, head=None,
          bring_after_compute: bool = True, *, ahead: int) -> None:
-    """With ``ahead`` = A, D0 .. D(A-1) X0 H0 DA X1 H1 D(A+1) ...: ``bring(c) -> Pending``
+    """With ``ahead`` = A, D0 X0 D1 .. D(A-1) H0 DA X1 H1 D(A+1) ...: ``bring(c) -> Pending``
     (rows for the experts), ``compute(c, rows) -> value``, ``send_back(c, value)
     -> Pending`` (stores its result when finished); ``head()`` runs on the
     compute side once the first A chunks' brings are issued, while they travel; ``tail()`` once the last
-    chunk's send-back is issued, while it travels. ``bring_after_compute=False``:
-    the brings read nothing made on the compute stream and do not wait for it.
+    chunk's send-back is issued, while it travels. ``bring_after_compute``: the
+    brings read what the compute stream made before this call (the input, the
+    plan), and the communication stream waits for it once, here (False: they
+    read nothing made there); no bring waits for the experts of earlier chunks.
     Every rank issues the collectives in this same order.
     A value is dropped as soon as its send-back is issued (on CUDA the
     communication stream is recorded on its tensors, see ``_Streams.comm``), so
     that no more than a chunk or two of them are alive at once (and no more
     than A + 1 chunks' brought rows)."""
     inbound = {}
+    if bring_after_compute and streams.comm_stream is not None:  # what the brings read is made by now:
+        streams.comm_stream.wait_stream(streams.compute)  # no bring waits for the experts of an earlier chunk
 
     def issue(c):
         if c < chunks:
-            inbound[c] = streams.comm(functools.partial(bring, c), to_compute=True, after_compute=bring_after_compute)
+            inbound[c] = streams.comm(functools.partial(bring, c), to_compute=True, after_compute=False)
 
-    for c in range(ahead):
-        issue(c)
+    issue(0)
     if head is not None:
+        for c in range(1, ahead):
+            issue(c)
         with streams.carveout():
             head()
     outbound = None
     for c in range(chunks):
         with streams.carveout() if chunks > 1 else contextlib.nullcontext():  # beside exchanges in flight
             value = compute(c, inbound.pop(c).finish())
+        if c == 0 and head is None:  # the first experts are queued before the host issues the other brings,
+            for k in range(1, ahead):  # which go ahead of chunk 0's send-back on the communication stream
+                issue(k)
         reads = tuple(t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor))
         returning = streams.comm(functools.partial(send_back, c, value), to_compute=False, reads=reads)
         value = reads = None
