@@ -1,10 +1,13 @@
-"""Input validation: every check runs before any communication starts.
+"""Input validation: every check runs before any token moves.
 
 A bad argument raises ``TypeError`` (wrong kind or dtype) or ``ValueError``
 (wrong shape, device or value), and the message names the argument. Checks of
-shapes, dtypes and devices are free; checks of values (expert ids, repeats,
-finite weights) need one host synchronisation and can be turned off with
-``DispatchConfig(check_inputs=False)`` once the router is trusted.
+shapes, dtypes and devices are free and run before any communication; checks
+of values (expert ids, repeats, finite weights) need one host synchronisation
+and can be turned off with ``DispatchConfig(check_inputs=False)`` once the
+router is trusted. Only one rank may see bad values, so they are raised after
+the counts all-gather, in which the rank marks itself failed
+(``values_error``): its peers raise there too instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ def check_dispatch_inputs(
         devices: device types the group's backend moves.
 
     The values (ids in range, no repeats, finite weights) are checked by the
-    dispatcher's plan with ``value_flags`` / ``raise_for_values``, before its
-    first exchange.
+    dispatcher's plan with ``value_flags`` / ``values_error``, and raised after
+    the counts all-gather (which tells the peers, so that they raise too),
+    before any token moves.
     """
     x = check_tensor("x", x, 2, FLOAT_DTYPES)
     topk_idx = check_tensor("topk_idx", topk_idx, 2, INDEX_DTYPES)
@@ -94,27 +98,32 @@ def _bad_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: i
 def value_flags(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[3] bool on the device: (an id out of range, an id twice in a row, a non-finite weight).
 
-    No host synchronisation; ``raise_for_values`` turns the flags into an error.
+    No host synchronisation; ``values_error`` turns the flags into an error.
     """
     return _bad_rows(topk_idx, topk_weights, num_experts).any(1)
 
 
-def raise_for_values(
+def values_error(
     flags: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
-) -> None:
-    """Raise the ValueError that host ``flags`` (from ``value_flags``) call for, if any."""
+) -> ValueError | None:
+    """The ValueError that host ``flags`` (from ``value_flags``) call for, or None.
+
+    The dispatchers do not raise it at once: only this rank sees its values, so
+    it marks itself failed in the row of the counts all-gather
+    (``plan.mark_failed``) and raises after it, where its peers raise too
+    (``check_peer_headers``) instead of waiting for it in that all-gather."""
     if not flags.any():
-        return
+        return None
     kind = int(flags.nonzero()[0])
     first = int(_bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])  # error path only
     if kind == 0:
-        raise ValueError(
+        return ValueError(
             f"topk_idx holds an expert id outside [-1, {num_experts}) (num_experts={num_experts}): "
             f"row {first} is {topk_idx[first].tolist()}"
         )
     if kind == 1:
-        raise ValueError(f"topk_idx names one expert twice in row {first}: {topk_idx[first].tolist()}")
-    raise ValueError(f"topk_weights holds a non-finite value in row {first}: {topk_weights[first].tolist()}")
+        return ValueError(f"topk_idx names one expert twice in row {first}: {topk_idx[first].tolist()}")
+    return ValueError(f"topk_weights holds a non-finite value in row {first}: {topk_weights[first].tolist()}")
 
 
 # header column -> (argument, what must agree), for the columns all ranks share

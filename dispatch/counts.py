@@ -3,8 +3,9 @@
 One all-gather per exchange gives every rank every rank's routing counts,
 header, token count and node counts, and one host copy puts them where the
 split sizes are needed. It reuses ``dispatch.plan``'s route and header, so the
-checks are those of the alltoall variant: values before the first exchange,
-peers' headers right after it (every rank raises alike).
+checks are those of the alltoall variant: values before the first exchange
+(a rank with bad values marks itself failed in it and raises right after it),
+peers' headers right after it (every rank raises).
 
 Notation as in ``dispatch.plan``; M = W // L nodes of L ranks.
 
@@ -63,7 +64,10 @@ def exchange(
     world_size: int,
     check_values: bool,
 ) -> GlobalCounts:
-    """Route, check values, all-gather the counts, check peers; one host sync.
+    """Route, check values, all-gather the counts, check peers; one host sync
+    (two with the value checks). Bad values on this rank are raised after the
+    all-gather, which marks this rank failed, so that its peers raise there too
+    (``checks.values_error``).
 
     Args:
         x: [T, H]; topk_idx: [T, K] int32/int64; topk_weights: [T, K] floating.
@@ -71,16 +75,21 @@ def exchange(
     """
     num_tokens, topk = topk_idx.shape
     weights = topk_weights.detach()
+    failed = None
     if check_values and num_tokens > 0:
         flags = checks.value_flags(topk_idx, weights, num_experts)
-        checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
-    route = plan.route(topk_idx, num_experts, world_size)
+        failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+    route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     nodes = world_size // local_world_size
     node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
     header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64, device=x.device)
     tail = torch.cat([torch.tensor([num_tokens], device=x.device), node_hit.sum(0, dtype=torch.int64)])
     row = torch.cat([plan.exchange_row(route, header_row), tail])
+    if failed is not None:
+        plan.mark_failed(row[: row.numel() - tail.numel()])
     gathered = comm.all_gather_rows(row, group, world_size).cpu()  # host sync: split sizes for NCCL
+    if failed is not None:
+        raise failed  # its peers raise in check_peer_headers
     base = row.numel() - tail.numel()
     all_counts, headers = plan.split_gathered(gathered[:, :base], world_size)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)

@@ -130,6 +130,17 @@ def call_dispatch_as(config: dict, per_rank: list):
     call_dispatch(config, *per_rank[dist.get_rank()])
 
 
+def call_layer_as(config: dict, options: dict, per_rank: list):
+    """MoEExchange(**options) with identity experts on this rank's own
+    (x, topk_idx, topk_weights) from ``per_rank``."""
+    import torch.distributed as dist
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, topk_idx, topk_weights = (_move(t, device) for t in per_rank[dist.get_rank()])
+    dispatch.MoEExchange(d, lambda tokens, per_expert: tokens, **options)(x, topk_idx, topk_weights)
+
+
 def call_create(config: dict):
     dispatch.create(dispatch.DispatchConfig(**config))
 

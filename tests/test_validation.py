@@ -1,8 +1,11 @@
-"""Bad input: a clear error naming the argument, raised before any communication.
+"""Bad input: a clear error naming the argument, raised before any token moves
+(shapes, dtypes and devices before any communication; values right after the
+counts all-gather, which carries a rank's failure to its peers).
 
-Every case runs on a world of 2 where all ranks get the same bad input; a good
-round trip on the same world afterwards proves no rank had started a collective
-(a half-started exchange would leave the next one mismatched or hung).
+Every case runs on a world of 2 where all ranks get the same bad input (and the
+value cases also where one rank does); a good round trip on the same world
+afterwards proves no rank was left inside an exchange (a half-started exchange
+would leave the next one mismatched or hung).
 """
 
 from __future__ import annotations
@@ -63,12 +66,41 @@ def _assert_error(results, error, argument, collectives=0):
         assert len(calls) == collectives, f"rank {rank}: raised after collectives {calls}"
 
 
+# bad values only a rank's own plan sees: raised after the counts all-gather
+VALUE_CASES = ("expert id too large", "expert id below -1", "expert twice in a row", "topk_weights NaN",
+               "topk_weights inf")
+
+
 @pytest.mark.parametrize("case", list(DISPATCH_CASES))
 def test_dispatch_rejects(worlds, case):
     x, idx, w, error, argument = DISPATCH_CASES[case]
     world = worlds(2)
     results = world.run(rank_fns.error_of, [("call_dispatch", CFG, x, idx, w)] * 2)
-    _assert_error(results, error, argument)
+    _assert_error(results, error, argument, collectives=int(case in VALUE_CASES))
+    _good_round_trip_still_works(world)
+
+
+@pytest.mark.parametrize("case", VALUE_CASES)
+@pytest.mark.parametrize("layer", [dict(variant="alltoall"), dict(variant="allgather"),
+                                   dict(variant="hierarchical", local_world_size=1), dict(variant="auto"),
+                                   dict(variant="alltoall", chunks=3), dict(variant="alltoall", local_first=True)])
+def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
+    """Rank 1 alone has bad values: it raises their ValueError and rank 0, which
+    has good ones, raises a RuntimeError naming rank 1, both right after the
+    counts all-gather (one collective, no token moved); nobody waits for a
+    peer. For dispatch in every variant and for MoEExchange, chunked or
+    own rows first."""
+    x, idx, w, error, argument = DISPATCH_CASES[case]
+    config = dict(CFG, variant=layer["variant"], local_world_size=layer.get("local_world_size"))
+    options = {k: v for k, v in layer.items() if k in ("chunks", "local_first")}
+    call = ("call_layer_as", config, options) if options else ("call_dispatch_as", config)
+    world = worlds(2)
+    results = world.run(rank_fns.error_of, [(*call, [(GOOD_X, GOOD_IDX, GOOD_W), (x, idx, w)])] * 2)
+    assert None not in results, results
+    (name, message, calls), (bad_name, bad_message, bad_calls) = results
+    assert bad_name == error.__name__ and argument in bad_message, (bad_name, bad_message)
+    assert name == "RuntimeError" and "rank(s) [1]" in message, (name, message)
+    assert calls == bad_calls == ["all_gather_rows"], (calls, bad_calls)
     _good_round_trip_still_works(world)
 
 

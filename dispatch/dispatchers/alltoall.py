@@ -87,9 +87,10 @@ class AllToAllDispatcher(TokenDispatcher):
         collective, with this rank's ``plan.OwnKeys`` and its counts of each
         chunk on the host ([C, W, 1 + E_local], read in the same host
         synchronisation as the value checks): ``MoEExchange(local_first=True)``
-        queues its own rows' work there. If ``beside`` raises, this rank marks itself
-        failed in the row it all-gathers and raises after the all-gather, where
-        its peers raise too (``checks.check_peer_headers``): none is left waiting.
+        queues its own rows' work there. If the values are bad or ``beside``
+        raises, this rank marks itself failed in the row it all-gathers and
+        raises after the all-gather, where its peers raise too
+        (``checks.check_peer_headers``): none is left waiting.
         ``early(splits, send_token)``, if given, is called once the split sizes
         are on the host, every rank's header is checked and the metadata
         all-to-all is issued, before the receive plan is made, with per chunk
@@ -120,18 +121,22 @@ class AllToAllDispatcher(TokenDispatcher):
             )
         if beside is None:
             if flags is not None:  # before the first exchange
-                checks.raise_for_values(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+                failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
         else:
             width = chunks * world * (1 + self.num_local_experts)  # this rank's counts of each chunk
             host = torch.cat([row[:width]] + ([] if flags is None else [flags.long()])).cpu()  # host sync:
             if flags is not None:  # the counts ``beside`` takes, and the value checks if on
-                checks.raise_for_values(host[width:].bool(), topk_idx, weights, num_experts)
+                failed = checks.values_error(host[width:].bool(), topk_idx, weights, num_experts)
             try:
-                beside(own, host[:width].view(chunks, world, -1))
-            except Exception as exc:  # the peers are about to wait in the all-gather: stop them there
+                if failed is None:
+                    beside(own, host[:width].view(chunks, world, -1))
+            except Exception as exc:
                 failed = exc
-                plan.mark_failed(row)
+        if failed is not None:  # the peers are about to wait in the all-gather: stop them there
+            plan.mark_failed(row)
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
+        if failed is not None:
+            raise failed  # its peers raise in check_peer_headers
         if captured is not None:
             planned = captured.run_send()
         else:
@@ -139,8 +144,6 @@ class AllToAllDispatcher(TokenDispatcher):
         summary = planned.summary.cpu()  # host sync: split sizes of every chunk for NCCL, row counts, peers' headers
         per_chunk = 2 * world + self.num_local_experts
         headers_end = chunks * per_chunk + world * len(plan.HEADER)
-        if failed is not None:
-            raise failed  # its peers raise in check_peer_headers
         grads_any = checks.check_peer_headers(summary[chunks * per_chunk : headers_end].view(world, -1))
         matrices = summary[headers_end:].view(chunks, world, world).tolist()
         # what outlives a replayed graph is copied out of its buffers

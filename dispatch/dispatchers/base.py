@@ -212,8 +212,10 @@ class TokenDispatcher(abc.ABC):
     ) -> tuple[CombineHandle, "PlanOutputs"]:
         """Routing plan and its exchanges; no token data moves yet. With
         ``check_values``, the values of the routing are checked (``checks.value_flags``)
-        before the first exchange; ranks that disagree on K, H or dtypes are
-        refused (``checks.check_peer_headers``) before any token moves."""
+        and a rank with bad values raises right after the counts all-gather, in
+        which it marks itself failed so that its peers raise there too; ranks
+        that disagree on K, H or dtypes are refused
+        (``checks.check_peer_headers``) before any token moves."""
 
     @abc.abstractmethod
     def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> torch.Tensor:
