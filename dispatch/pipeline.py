@@ -114,13 +114,15 @@ class MoEExchange(nn.Module):
         ahead: A >= 1, how many chunks' rows are on their way to the experts
             before the experts compute the first (forward, and their gradients
             in backward): chunks 0..A-1 are dispatched first, chunk c + A once
-            chunk c's combine is issued. The first A chunks' all-to-alls start
-            within the plan, right after the metadata all-to-all, so that their
-            bytes move while the host makes the receive plan and the chunks'
-            handles. None (default): every chunk (A = C), so that the
-            collectives never wait behind a combine that waits for the experts;
-            the rows of every chunk are then alive at once, as at C = 1. A
-            smaller A keeps fewer rows alive.
+            chunk c's combine is issued. With the alltoall variant the first A
+            chunks' forward all-to-alls start within the plan, right after the
+            metadata all-to-all, so that their bytes move while the host makes
+            the receive plan and the chunks' handles. None (default): every
+            chunk (A = C), so that no dispatch waits behind a combine that
+            waits for the experts; the rows of every chunk are then alive at
+            once, as at C = 1. A smaller A keeps fewer rows alive (measured on
+            4 x H200 with a slow exchange, ``bench/results``: A = 1 was the
+            slowest at every C; A = 2 against every chunk depended on the shape).
         local_first: compute the rows this rank routes to its own experts
             (of every chunk) first, from ``topk_idx`` alone, while the plan and
             the dispatch of the other ranks' rows of the first chunks run on
