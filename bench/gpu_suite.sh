@@ -26,6 +26,8 @@
 #              local_first, overlap-bench and peer-copy tests (not with SKIP_TESTS=1), then the
 #              overlap with the exchange slowed to 2 CTAs (carveout 16) and over NVLink, C = 2, 4
 #              and local_first, every chunk ahead beside 1 and 2
+#   ahead-more every chunk ahead beside two, with the exchange slowed to 2 CTAs: carveout 8, fp8
+#              dispatch (carveout 16), and on 2 of the GPUs (carveout 16; a C = 2 timeline)
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -143,6 +145,13 @@ for part in "$@"; do
       bench 240 overlap-ahead-slow overlap --local-first --chunks 2 4 --ahead 1 2 --comm-high-priority \
         --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate 4 --out "$RES"
       bench 240 overlap-ahead-nvlink overlap --local-first --chunks 2 4 --ahead 1 2 --out "$RES" ;;
+    ahead-more)
+      bench 150 overlap-ahead-slow-carve8 overlap --local-first --chunks 2 4 --ahead 2 --comm-high-priority \
+        --comm-max-ctas 2 --sm-carveout 8 --out "$RES"
+      bench 150 overlap-ahead-slow-fp8 overlap --local-first --chunks 2 4 --ahead 2 --comm-high-priority \
+        --comm-max-ctas 2 --sm-carveout 16 --dispatch-wire fp8 --out "$RES"
+      bench 150 overlap-ahead-slow-w2 overlap --world-size 2 --local-first --chunks 2 4 --ahead 2 \
+        --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate 2 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
