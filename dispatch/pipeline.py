@@ -120,7 +120,8 @@ class MoEExchange(nn.Module):
             the receive plan and the chunks' handles. None (default): every
             chunk (A = C), so that no dispatch waits behind a combine that
             waits for the experts; the rows of every chunk are then alive at
-            once, as at C = 1. A smaller A keeps fewer rows alive (measured on
+            once, as at C = 1. A smaller A keeps fewer rows in flight (the
+            rows the experts keep for backward are kept either way; measured on
             4 x H200 with a slow exchange, ``bench/results``: A = 1 was the
             slowest at every C; A = 2 against every chunk depended on the shape).
         local_first: compute the rows this rank routes to its own experts
@@ -329,8 +330,9 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, h
     Every rank issues the collectives in this same order.
     A value is dropped as soon as its send-back is issued (on CUDA the
     communication stream is recorded on its tensors, see ``_Streams.comm``), so
-    that no more than a chunk or two of them are alive at once (and no more
-    than A + 1 chunks' brought rows)."""
+    that no more than a chunk or two of them are alive at once; a brought
+    chunk's rows are dropped once computed unless ``compute`` keeps them (for
+    backward), so that no more than A + 1 chunks' are in flight."""
     inbound = {}
     if bring_after_compute and streams.comm_stream is not None:  # what the brings read is made by now:
         streams.comm_stream.wait_stream(streams.compute)  # no bring waits for the experts of an earlier chunk
@@ -339,18 +341,21 @@ def _run(streams: _Streams, chunks: int, bring, compute, send_back, tail=None, h
         if c < chunks:
             inbound[c] = streams.comm(functools.partial(bring, c), to_compute=True, after_compute=False)
 
-    issue(0)
+    # on CUDA the host only queues work: chunk 0's experts are queued before the
+    # other brings (which go ahead of chunk 0's send-back on the communication
+    # stream); on CPU the experts run at once, so the brings are issued first
+    defer = head is None and streams.comm_stream is not None
+    for c in range(1 if defer else ahead):
+        issue(c)
     if head is not None:
-        for c in range(1, ahead):
-            issue(c)
         with streams.carveout():
             head()
     outbound = None
     for c in range(chunks):
         with streams.carveout() if chunks > 1 else contextlib.nullcontext():  # beside exchanges in flight
             value = compute(c, inbound.pop(c).finish())
-        if c == 0 and head is None:  # the first experts are queued before the host issues the other brings,
-            for k in range(1, ahead):  # which go ahead of chunk 0's send-back on the communication stream
+        if c == 0 and defer:
+            for k in range(1, ahead):
                 issue(k)
         reads = tuple(t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor))
         returning = streams.comm(functools.partial(send_back, c, value), to_compute=False, reads=reads)

@@ -13,7 +13,7 @@ they are known from ``topk_idx`` alone. With ``local_first`` the layer
    the GEMMs hold the SMs;
 2. computes all own rows, taken from the self blocks of the packed rows, on
    the compute stream, while the rest of the plan and the dispatch of the first
-   chunk run on the communication stream;
+   chunks (``ahead``) run on the communication stream;
 3. runs the pipeline of ``dispatch.pipeline`` on the other ranks' rows: the
    experts compute chunk c's others' rows once they have arrived, and chunk c's
    combine (its own rows' outputs joined in) travels while chunk c + 1 computes.

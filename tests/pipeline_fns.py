@@ -357,8 +357,8 @@ def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunk
 def starts_and_held(x, topk_idx, topk_weights, num_experts: int, chunks):
     """One forward and backward of a layer: (the token all-to-alls the forward
     started, in order: "P" a dispatch started within the plan, "D" one started
-    by the pipeline, "H" a combine; whether each tensor local_first held was
-    dropped by the end)."""
+    by the pipeline, "H" a combine; those the backward started; whether each
+    tensor local_first held was dropped by the end)."""
     from unittest import mock
 
     from dispatch import pipeline_local
@@ -392,7 +392,7 @@ def starts_and_held(x, topk_idx, topk_weights, num_experts: int, chunks):
         out = make_layer(d, experts, chunks)(xs, topk_idx.to(device), topk_weights.to(device))
         forward_order = "".join(order)
         out.sum().backward()
-    return forward_order, [h.tensor is None for h in held]
+    return forward_order, "".join(order)[len(forward_order):], [h.tensor is None for h in held]
 
 
 def combine_in_rank_dtype(x, topk_idx, topk_weights, num_experts: int):

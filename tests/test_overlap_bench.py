@@ -61,12 +61,15 @@ def test_local_first_and_ahead_are_candidates(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
             "--local-first", "--ahead", "1", "2", "--trace", "--trace-candidate", "local2/1", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
-    result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first.json").read_text())
+    result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first-ahead1-2.json").read_text())
     for row in result["rows"]:  # "2/2" is "2": only A < C is a candidate of its own
         assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local", "local2", "2/1", "local2/1"}
         assert row["t_pipe_ms"] == min(row["t_pipe_by_chunks_ms"].values())
         assert row["max_abs_diff_vs_seq"] == 0.0
-    assert (tmp_path / "overlap-trace-cpu-tiny-w2-local-first.png").stat().st_size > 0
+    assert (tmp_path / "overlap-trace-cpu-tiny-w2-local-first-ahead1-2.png").stat().st_size > 0
+    assert overlap.layer_options("local4/2") == dict(chunks=4, local_first=True, ahead=2)
+    assert overlap.layer_options("3") == dict(chunks=3, local_first=False, ahead=None)
+    assert overlap._layer_words("peer:local4/2") == "own rows first, C=4, 2 ahead"
 
 
 def test_both_transports_side_by_side(tmp_path):

@@ -12,7 +12,7 @@ from dispatch.reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
 # C chunks, all dispatched ahead; "C/A": A of them ahead
-CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8, "3/1", "5/2", "8/3"]
+CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8, "3/1", "5/2", "8/3", "1/2", "2/4"]
 HIDDEN = 4
 
 

@@ -14,7 +14,7 @@ from test_pipeline import HIDDEN, _run
 
 # local_first with C chunks ("local" is C = 1); 8 is more chunks than some ranks have tokens;
 # "/A": A chunks dispatched ahead instead of all
-LOCAL = ["local", "local2", "local3", "local8", "local3/1", "local8/2"]
+LOCAL = ["local", "local2", "local3", "local8", "local3/1", "local8/2", "local2/3"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -233,12 +233,15 @@ def test_combine_refuses_rows_in_different_dtypes(worlds):
         assert "rank 0: torch.float32" in message and "rank 1: torch.float64" in message
 
 
-@pytest.mark.parametrize("chunks", [1, 3, "3/1", "4/2", "local", "local3", "local3/1", "local4/2"])
+@pytest.mark.parametrize("chunks", [1, 3, "3/1", "4/2", "2/4", "1/2", "local", "local3", "local3/1", "local4/2",
+                                    "local2/3"])
 def test_first_chunks_started_in_the_plan_and_packed_rows_dropped(worlds, chunks):
-    """With ``ahead`` = A (default C), the first A chunks' all-to-alls start within
-    the plan and are the ones the pipeline uses; chunk c + A's dispatch follows
-    chunk c's combine (C dispatches and C combines in the forward, not one
-    more); every packed tensor local_first holds is dropped by the end of its pass."""
+    """With ``ahead`` = A (default C; A > C is C), the first A chunks' all-to-alls
+    start within the plan and are the ones the pipeline uses; chunk c + A's
+    dispatch follows chunk c's combine (C dispatches and C combines in the
+    forward, not one more); the backward alike, its first A dispatches issued
+    by the pipeline; every packed tensor local_first holds is dropped by the
+    end of its pass."""
     routing = make_routing(3, 2, 2, [7, 0, 5], "random", seed=61)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 8) for r, t in enumerate(routing.num_tokens)]
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), routing.num_experts, chunks)
@@ -246,8 +249,9 @@ def test_first_chunks_started_in_the_plan_and_packed_rows_dropped(worlds, chunks
     name, _, ahead = str(chunks).removeprefix("local").partition("/")
     num_chunks = int(name or 1)
     ahead = min(int(ahead or num_chunks), num_chunks)
-    want = "P" * ahead + "".join("H" + ("D" if c + ahead < num_chunks else "") for c in range(num_chunks))
-    for rank, (order, dropped) in enumerate(worlds(3).run(pipeline_fns.starts_and_held, args)):
-        assert order == want, f"rank {rank}: all-to-alls started {order}, want {want}"
+    rest = "".join("H" + ("D" if c + ahead < num_chunks else "") for c in range(num_chunks))
+    for rank, (order, backward, dropped) in enumerate(worlds(3).run(pipeline_fns.starts_and_held, args)):
+        assert order == "P" * ahead + rest, f"rank {rank}: all-to-alls started {order}, want {'P' * ahead + rest}"
+        assert backward == "D" * ahead + rest, f"rank {rank}: backward started {backward}"
         assert dropped == ([True, True] if str(chunks).startswith("local") else []), f"rank {rank}"
 

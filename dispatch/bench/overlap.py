@@ -373,8 +373,9 @@ def _suffix(args) -> str:
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
     transport = "" if args.transport == "collective" else f"-{args.transport.replace('_', '-')}"
+    ahead = "" if not args.ahead else "-ahead" + "-".join(map(str, args.ahead))
     return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + transport + (
-        "-local-first" if args.local_first else "")
+        "-local-first" if args.local_first else "") + ahead
 
 
 def markdown_table(rows: list[dict]) -> str:
