@@ -85,12 +85,12 @@ def exchange(
     header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64, device=x.device)
     tail = torch.cat([torch.tensor([num_tokens], device=x.device), node_hit.sum(0, dtype=torch.int64)])
     row = torch.cat([plan.exchange_row(route, header_row), tail])
+    base = row.numel() - tail.numel()  # the counts and the header; the tail after them
     if failed is not None:
-        plan.mark_failed(row[: row.numel() - tail.numel()])
+        plan.mark_failed(row[:base])
     gathered = comm.all_gather_rows(row, group, world_size).cpu()  # host sync: split sizes for NCCL
     if failed is not None:
         raise failed  # its peers raise in check_peer_headers
-    base = row.numel() - tail.numel()
     all_counts, headers = plan.split_gathered(gathered[:, :base], world_size)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
     return GlobalCounts(

@@ -127,11 +127,11 @@ class AllToAllDispatcher(TokenDispatcher):
             host = torch.cat([row[:width]] + ([] if flags is None else [flags.long()])).cpu()  # host sync:
             if flags is not None:  # the counts ``beside`` takes, and the value checks if on
                 failed = checks.values_error(host[width:].bool(), topk_idx, weights, num_experts)
-            try:
-                if failed is None:
+            if failed is None:
+                try:
                     beside(own, host[:width].view(chunks, world, -1))
-            except Exception as exc:
-                failed = exc
+                except Exception as exc:
+                    failed = exc
         if failed is not None:  # the peers are about to wait in the all-gather: stop them there
             plan.mark_failed(row)
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
