@@ -9,6 +9,12 @@ import torch
 
 from dispatch.bench import overlap
 
+# The bench's experts are GroupedExperts: on CPU one matmul per expert, whose
+# tiling may depend on the chunk's row count, so a chunked layer equals C = 1 up
+# to fp32 rounding (dispatch/experts.py); a row routed wrong would be off by O(1).
+# The bitwise contract is proven with row-wise experts (tests/test_pipeline.py).
+ROUNDING = 1e-5
+
 
 def test_cpu_smoke_run_writes_results(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "3",
@@ -17,7 +23,7 @@ def test_cpu_smoke_run_writes_results(tmp_path):
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2.json").read_text())
     assert [r["passes"] for r in result["rows"]] == ["fwd", "fwd+bwd"]
     for row in result["rows"]:
-        assert row["best_chunks"] == 3 and row["max_abs_diff_vs_seq"] == 0.0
+        assert row["best_chunks"] == 3 and row["max_abs_diff_vs_seq"] <= ROUNDING
         assert row["t_comm_ms"] > 0 and row["t_compute_ms"] > 0 and row["t_seq_ms"] > 0
         short, long = sorted((row["t_comm_ms"], row["t_compute_ms"]))
         assert row["hidden_fraction"] == pytest.approx((row["t_seq_ms"] - row["t_pipe_ms"]) / short)
@@ -65,7 +71,7 @@ def test_local_first_and_ahead_are_candidates(tmp_path):
     for row in result["rows"]:  # "2/2" is "2": only A < C is a candidate of its own
         assert set(row["t_pipe_by_chunks_ms"]) == {"2", "local", "local2", "2/1", "local2/1"}
         assert row["t_pipe_ms"] == min(row["t_pipe_by_chunks_ms"].values())
-        assert row["max_abs_diff_vs_seq"] == 0.0
+        assert row["max_abs_diff_vs_seq"] <= ROUNDING
     assert (tmp_path / "overlap-trace-cpu-tiny-w2-local-first-ahead1-2.png").stat().st_size > 0
     assert overlap.layer_options("local4/2") == dict(chunks=4, local_first=True, ahead=2)
     assert overlap.layer_options("3") == dict(chunks=3, local_first=False, ahead=None)
@@ -83,5 +89,5 @@ def test_both_transports_side_by_side(tmp_path):
         assert row["t_seq_ms"] == min(row["t_seq_by_transport_ms"].values())
         transport = "peer_copy" if str(row["best_chunks"]).startswith("peer:") else "collective"
         assert row["t_comm_ms"] == row["t_comm_by_transport_ms"][transport]
-        assert row["max_abs_diff_vs_seq"] == 0.0
+        assert row["max_abs_diff_vs_seq"] <= ROUNDING
     assert "peer_copy: " in (tmp_path / "overlap-cpu-tiny-w2-both-local-first.md").read_text()
