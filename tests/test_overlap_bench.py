@@ -33,6 +33,9 @@ def test_cpu_smoke_run_writes_results(tmp_path):
         elif row["passes"] == "fwd+bwd":
             assert set(row["peak_mib"]) == {"seq", "3"} and min(row["peak_mib"].values()) > 0
     assert (tmp_path / "overlap-trace-cpu-tiny-w2.png").stat().st_size > 0
+    assert (tmp_path / "overlap-trace-cpu-tiny-w2-rank1.json").stat().st_size > 0  # every rank's trace
+    lanes = (tmp_path / "overlap-trace-cpu-tiny-w2-lanes.txt").read_text()
+    assert lanes.startswith("rank 0, thread ") and "\nrank 1, thread " in lanes
     assert "| cpu-tiny | fwd+bwd | 2 |" in (tmp_path / "overlap-cpu-tiny-w2.md").read_text()
 
 

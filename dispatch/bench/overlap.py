@@ -28,8 +28,10 @@ that of the best candidate's transport.
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
 with an NCCL SM budget (a slower exchange, as on a slow inter-node tier);
-``--trace`` writes one pipelined forward+backward's profiler trace (of the
-best forward+backward candidate) and draws the streams' kernels to a PNG.
+``--trace`` profiles one pipelined forward+backward (of the best
+forward+backward candidate, or ``--trace-candidate``) on every rank, writes each
+rank's trace, and draws every rank's streams on one PNG timeline, with a
+lane-by-lane summary beside it (``dispatch.bench.timeline``).
 
     python -m dispatch.bench.overlap --out bench/results/
 """
@@ -49,6 +51,7 @@ import torch.distributed as dist
 import dispatch
 from dispatch.bench.common import SHAPES, Shape, launch, shapes_fit, time_phases, world_size_for
 from dispatch.bench.roundtrip import make_routing
+from dispatch.bench.timeline import draw_timeline, lanes_summary
 from dispatch.experts import GroupedExperts
 
 
@@ -252,7 +255,10 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
 
 
 def _trace(fn, shape, args, device, chunks) -> str | None:
-    """Profile one pipelined forward+backward; rank 0 writes the trace and its PNG timeline."""
+    """Profile one pipelined forward+backward on every rank. Each rank writes its
+    trace (rank 0 ``<stem>.json``, rank R ``<stem>-rank<R>.json``; one host, one
+    folder); rank 0 writes its kernel table, the PNG timeline of every rank's
+    streams and ``<stem>-lanes.txt`` (``timeline.lanes_summary``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -265,62 +271,23 @@ def _trace(fn, shape, args, device, chunks) -> str | None:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()  # host sync: the trace must hold the whole step
-    if dist.get_rank() != 0:
-        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stem = os.path.join(args.out, f"overlap-trace-{shape.name}-w{world}{_suffix(args)}")
+    paths = [stem + ".json"] + [f"{stem}-rank{r}.json" for r in range(1, world)]
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"overlap-trace-{shape.name}-w{dist.get_world_size()}{_suffix(args)}")
-    prof.export_chrome_trace(stem + ".json")
+    prof.export_chrome_trace(paths[rank])
+    dist.barrier()  # every rank's trace is on disk before rank 0 reads them
+    if rank != 0:
+        return None
     with open(stem + ".txt", "w") as f:  # where the time goes, kernel by kernel
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         f.write(prof.key_averages().table(sort_by=key, row_limit=40))
-    draw_timeline(stem + ".json", stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, "
+    with open(stem + "-lanes.txt", "w") as f:
+        f.write(lanes_summary(paths))
+    draw_timeline(paths, stem + ".png", f"{shape.name}: one pipelined fwd+bwd step, "
                   + _layer_words(str(chunks))
                   + (", peer copy" if str(chunks).startswith("peer:") else ""))
     return stem + ".png"
-
-
-def draw_timeline(trace_path: str, png_path: str, title: str) -> None:
-    """Bars of a chrome trace's GPU kernels, one lane per CUDA stream (CPU ops per
-    thread when the trace has no kernels); communication kernels in orange. The
-    barrier the step starts after (an all-reduce before any other collective)
-    and what precedes it are left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(trace_path) as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")), key=lambda e: e["ts"])
-    first_comm = next((e for e in kernels if _is_comm(e["name"])), None)
-    if first_comm is not None and "allreduce" in first_comm["name"].lower():  # the barrier: not drawn
-        barrier_end = first_comm["ts"] + first_comm["dur"]
-        kernels = [e for e in kernels if e["ts"] >= barrier_end]
-    if kernels:
-        lanes = {}
-        for e in kernels:
-            lanes.setdefault(f"stream {e.get('args', {}).get('stream', '?')}", []).append(e)
-    else:
-        lanes = {}
-        for e in events:
-            if e.get("cat") == "cpu_op":
-                lanes.setdefault(f"thread {e.get('tid')}", []).append(e)
-    if not lanes:
-        raise ValueError(f"{trace_path} holds no kernels or CPU ops to draw")
-    start = min(e["ts"] for lane in lanes.values() for e in lane)
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.6 * len(lanes)))
-    for y, (name, lane) in enumerate(sorted(lanes.items())):
-        comm = [e for e in lane if _is_comm(e["name"])]
-        rest = [e for e in lane if not _is_comm(e["name"])]
-        for group, color in ((rest, "tab:blue"), (comm, "tab:orange")):
-            spans = [((e["ts"] - start) / 1e3, e["dur"] / 1e3) for e in group]
-            ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color)
-    ax.set_yticks(range(len(lanes)), sorted(lanes))
-    ax.set_xlabel("ms")
-    ax.set_title(title + "  (orange: communication, blue: compute and copies)")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
 
 
 def transports_of(args) -> tuple[str, ...]:
@@ -361,11 +328,6 @@ def _layer_words(name: str) -> str:
 def candidate_name(transport: str, chunks):
     """A T_pipe candidate's name: C, "local" or "localC", "peer:" first for the peer-copy transport."""
     return chunks if transport == "collective" else f"peer:{chunks}"
-
-
-def _is_comm(name: str) -> bool:
-    lowered = name.lower()
-    return any(word in lowered for word in ("nccl", "all_to_all", "alltoall", "allgather", "memcpy", "barrier"))
 
 
 def _suffix(args) -> str:
