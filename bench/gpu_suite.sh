@@ -28,6 +28,12 @@
 #              and local_first, every chunk ahead beside 1 and 2
 #   ahead-more every chunk ahead beside two, with the exchange slowed to 2 CTAs: carveout 8, fp8
 #              dispatch (carveout 16), and on 2 of the GPUs (carveout 16; a C = 2 timeline)
+#   sizes      chunks of unequal sizes (MoEExchange(chunks=(1, 3, 3, 1)): a small first
+#              dispatch and last combine): the pipeline, local_first and overlap-bench tests
+#              (not with SKIP_TESTS=1), then the overlap with the exchange slowed to 2 CTAs
+#              (carveout 16): C = 2, 4 beside sizes 1:2:1, 1:3:1, 1:3:3:1, 1:2:2:2:1 (and
+#              two ahead), then own rows first; every rank's timeline of C = 4 and of
+#              own rows first with 1:3:3:1
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -152,6 +158,13 @@ for part in "$@"; do
         --comm-max-ctas 2 --sm-carveout 16 --dispatch-wire fp8 --out "$RES"
       bench 150 overlap-ahead-slow-w2 overlap --world-size 2 --local-first --chunks 2 4 --ahead 2 \
         --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate 2 --out "$RES" ;;
+    sizes)
+      [ -n "${SKIP_TESTS:-}" ] || step 300 pytest-pipelines python3 -m pytest -q -p no:cacheprovider \
+        tests/test_pipeline.py tests/test_pipeline_local.py tests/test_overlap_bench.py
+      bench 300 overlap-sizes-slow overlap --chunks 2 4 1:2:1 1:3:1 1:3:3:1 1:2:2:2:1 --ahead 2 \
+        --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate 4 --out "$RES"
+      bench 240 overlap-sizes-slow-local overlap --local-first --chunks 2 1:2:1 1:3:3:1 --comm-high-priority \
+        --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate local1:3:3:1 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

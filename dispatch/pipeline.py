@@ -82,9 +82,30 @@ def auto_chunks(max_tokens: int, hidden: int, itemsize: int) -> int:
     return 1
 
 
-def chunk_bounds(num_tokens: int, chunks: int) -> tuple[int, ...]:
-    """C + 1 home token bounds: chunk c is tokens ``[c T // C, (c + 1) T // C)``."""
-    return tuple(c * num_tokens // chunks for c in range(chunks + 1))
+def chunk_bounds(num_tokens: int, chunks) -> tuple[int, ...]:
+    """C + 1 home token bounds. ``chunks`` is C (equal parts: chunk c is tokens
+    ``[c T // C, (c + 1) T // C)``) or C relative sizes s_0..s_{C-1} (chunk c is
+    tokens ``[T S_c // S, T S_{c+1} // S)``, S_c the sum of the first c sizes, S
+    of all)."""
+    sizes = (1,) * chunks if isinstance(chunks, int) else tuple(chunks)
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    return tuple(num_tokens * start // starts[-1] for start in starts)
+
+
+def check_chunks(chunks) -> None:
+    """``MoEExchange``'s ``chunks``: None, an int >= 1, or a non-empty tuple or
+    list of ints >= 1 (relative chunk sizes)."""
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if chunks is None or count(chunks):
+        return
+    if isinstance(chunks, (tuple, list)) and chunks and all(count(size) for size in chunks):
+        return
+    raise ValueError(f"chunks must be an int >= 1, a non-empty tuple of relative chunk sizes (ints >= 1) "
+                     f"or None, got {chunks!r}")
 
 
 class MoEExchange(nn.Module):
@@ -97,7 +118,11 @@ class MoEExchange(nn.Module):
             on the device of tokens) -> [N, H']``, rows in canonical order. If it
             is an ``nn.Module`` it becomes a submodule and the gradients of its
             parameters are computed by the pipelined backward.
-        chunks: C >= 1, or None for :func:`auto_chunks` (which, from the
+        chunks: C >= 1 equal chunks; or C relative sizes, a tuple of ints >= 1
+            (``(1, 3, 3, 1)``: an eighth of the tokens, three eighths, three
+            eighths, an eighth), so that the first dispatch and the last combine,
+            which nothing hides, move few rows while the middle chunks keep the
+            GEMMs large; or None for :func:`auto_chunks` (which, from the
             measurements so far, does not chunk).
         comm_priority: CUDA priority of the communication stream (lower is
             higher; clamped to the device's range). Default -1: the small
@@ -151,8 +176,7 @@ class MoEExchange(nn.Module):
             raise TypeError(
                 f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}"
             )
-        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-            raise ValueError(f"chunks must be an int >= 1 or None, got {chunks!r}")
+        check_chunks(chunks)
         if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
             raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
         if sm_carveout is not None and (
@@ -172,7 +196,7 @@ class MoEExchange(nn.Module):
         self.sm_carveout = sm_carveout
         self.dispatcher = dispatcher
         self.experts = experts
-        self.chunks = chunks
+        self.chunks = chunks if not isinstance(chunks, list) else tuple(chunks)
         self.comm_priority = comm_priority
         self.ahead = ahead
         self._comm_streams: dict = {}
@@ -195,8 +219,7 @@ class MoEExchange(nn.Module):
             from dispatch.pipeline_local import local_first_forward
 
             return local_first_forward(self, x, topk_idx, topk_weights)
-        chunks = self.chunks if self.chunks is not None else self._auto_chunks(x)
-        bounds = chunk_bounds(x.shape[0], chunks)
+        bounds = self._bounds(x)
         codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
         streams, started = self._streams(x.device), {}
 
@@ -205,7 +228,7 @@ class MoEExchange(nn.Module):
                 streams.comm_stream.wait_stream(streams.compute)
             starts = send_starts([send_splits for send_splits, _, _ in splits])
             with on_stream(streams.comm_stream), torch.no_grad():
-                for c in range(self.chunks_ahead(chunks)):
+                for c in range(self.chunks_ahead(len(bounds) - 1)):
                     sent = codec.pack(x[bounds[c] : bounds[c + 1]], send_token[starts[c] : starts[c + 1]])
                     started[c] = d.transport.start(sent, *splits[c])
 
@@ -225,9 +248,11 @@ class MoEExchange(nn.Module):
             return ()
         return tuple(p for p in self.experts.parameters() if p.requires_grad)
 
-    def _auto_chunks(self, x: torch.Tensor) -> int:
-        # the rule needs no peer's sizes (see auto_chunks): no collective, no host sync
-        return auto_chunks(x.shape[0], x.shape[1], x.element_size())
+    def _bounds(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The home token bounds of the C chunks of ``x`` (``chunk_bounds``)."""
+        # auto_chunks needs no peer's sizes: no collective, no host sync
+        chunks = self.chunks if self.chunks is not None else auto_chunks(x.shape[0], x.shape[1], x.element_size())
+        return chunk_bounds(x.shape[0], chunks)
 
     def _streams(self, device: torch.device) -> "_Streams":
         if device.type != "cuda":

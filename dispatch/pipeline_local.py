@@ -47,7 +47,7 @@ from dispatch.codec import to_experts_codec
 from dispatch.dispatchers.base import Pending
 from dispatch.experts import ChunkedExperts
 from dispatch.pipeline import (_Arrived, _check_expert_out, _plain_grouped_experts, _run, autograd_rows,
-                               chunk_bounds, grads_home, on_stream, outputs_home, send_starts, settle_output,
+                               grads_home, on_stream, outputs_home, send_starts, settle_output,
                                weighted_grads)
 
 
@@ -246,7 +246,7 @@ def local_first_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_wei
     codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
     params = layer._trained_params()
     plain = _plain_grouped_experts(layer.experts, x.device.type)
-    bounds = chunk_bounds(x.shape[0], layer.chunks if layer.chunks is not None else layer._auto_chunks(x))
+    bounds = layer._bounds(x)
     if streams.comm_stream is not None:  # the plan reads the inputs, made on the compute stream
         streams.comm_stream.wait_stream(streams.compute)
     made = {}

@@ -9,6 +9,7 @@ from torch import nn
 
 import dispatch
 from dispatch import comm
+from dispatch.bench.overlap import layer_options
 from dispatch.dispatchers.alltoall import AllToAllDispatcher
 from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.experts import GroupedExperts
@@ -107,14 +108,11 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
 
 
 def make_layer(d, experts, chunks):
-    """MoEExchange(chunks=C), or MoEExchange(local_first=True) for C = "local"
-    and MoEExchange(chunks=C, local_first=True) for C = "localC" (e.g. "local3");
-    "/A" after either sets ``ahead=A`` (e.g. "4/2", "local3/1")."""
-    name, _, ahead = str(chunks).partition("/")
-    ahead = int(ahead) if ahead else None
-    if name.startswith("local"):
-        return dispatch.MoEExchange(d, experts, chunks=int(name[5:] or 1), local_first=True, ahead=ahead)
-    return dispatch.MoEExchange(d, experts, chunks=int(name), ahead=ahead)
+    """The MoEExchange a candidate name of the overlap bench describes
+    (``dispatch.bench.overlap.layer_options``): C or relative sizes "1:2:1",
+    "local" first for ``local_first=True``, "/A" after for ``ahead=A`` (e.g.
+    3, "local3", "4/2", "local1:2:1/1")."""
+    return dispatch.MoEExchange(d, experts, **layer_options(chunks))
 
 
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,

@@ -57,7 +57,8 @@ def test_peak_memory_column():
     "argv, needle",
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
      (["--shapes", "nope"], "--shapes"), (["--chunks", "2", "--trace", "--trace-candidate", "local2"], "--trace-candidate"),
-     (["--trace-candidate", "2"], "needs --trace"), (["--ahead", "0"], "--ahead")],
+     (["--trace-candidate", "2"], "needs --trace"), (["--ahead", "0"], "--ahead"), (["--chunks", "1:0"], "--chunks"),
+     (["--chunks", "2:x"], "--chunks"), (["--chunks", "1::2"], "--chunks")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -79,6 +80,57 @@ def test_local_first_and_ahead_are_candidates(tmp_path):
     assert overlap.layer_options("local4/2") == dict(chunks=4, local_first=True, ahead=2)
     assert overlap.layer_options("3") == dict(chunks=3, local_first=False, ahead=None)
     assert overlap._layer_words("peer:local4/2") == "own rows first, C=4, 2 ahead"
+    assert overlap.layer_options("local1:3:1/2") == dict(chunks=(1, 3, 1), local_first=True, ahead=2)
+    assert overlap.layer_options("2:1") == dict(chunks=(2, 1), local_first=False, ahead=None)
+    assert overlap._layer_words("1:3:1") == "chunk sizes 1:3:1"
+
+
+def test_chunk_sizes_are_candidates(tmp_path):
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "1:2:1",
+            "2", "--local-first", "--ahead", "1", "--out", str(tmp_path)]
+    assert overlap.main(argv) == 0
+    result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first-ahead1.json").read_text())
+    for row in result["rows"]:
+        assert set(row["t_pipe_by_chunks_ms"]) == {"1:2:1", "2", "local", "local1:2:1", "local2", "1:2:1/1", "2/1",
+                                                    "local1:2:1/1", "local2/1"}
+        assert row["max_abs_diff_vs_seq"] <= ROUNDING
+
+
+def _trace_file(path, kernels, launches):
+    """A chrome trace of (stream, start, duration, correlation) kernels and (start, correlation) launches, in µs."""
+    events = [dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(stream=stream, correlation=corr))
+              for name, stream, ts, dur, corr in kernels]
+    events += [dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=5, args=dict(correlation=corr))
+               for ts, corr in launches]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return str(path)
+
+
+def test_lanes_summary_and_timeline(tmp_path):
+    """Every rank's lanes on one clock: idle time and the part of it spent waiting for a launch."""
+    from dispatch.bench.timeline import draw_timeline, lanes_summary
+
+    barrier = ("ncclDevKernel_AllReduce_Sum_f32(x)", 7, 0, 100, 1)  # the barrier: left out
+    rank0 = _trace_file(tmp_path / "r0.json", [
+        barrier, ("cutlass_gemm", 7, 1000, 500, 2), ("cutlass_gemm", 7, 2000, 300, 3),
+        ("ncclDevKernel_SendRecv(x)", 9, 1200, 2000, 4)], [(10, 2), (1800, 3), (20, 4)])
+    rank1 = _trace_file(tmp_path / "r1.json", [
+        barrier, ("cutlass_gemm", 7, 1500, 500, 2), ("elementwise", 7, 2400, 50, 3)], [(10, 2), (30, 3)])
+    text = lanes_summary([rank0, rank1])
+    assert text.splitlines() == [
+        # stream 7 of rank 0: 0.5 ms idle between its GEMMs, 0.3 of it before the second's launch at 1.8 ms
+        "rank 0, stream 7: 0.00-1.30 ms, idle 0.50 ms, of it waiting for the host 0.30 ms",
+        "      0.00+0.50  GEMM",
+        "      1.00+0.30  GEMM",
+        "rank 0, stream 9: 0.20-2.20 ms, idle 0.00 ms, of it waiting for the host 0.00 ms",
+        "      0.20+2.00  nccl SendRecv",
+        "rank 1, stream 7: 0.50-1.45 ms, idle 0.40 ms, of it waiting for the host 0.00 ms",
+        "      0.50+0.50  GEMM",
+    ]
+    draw_timeline([rank0, rank1], str(tmp_path / "t.png"), "two ranks")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="no kernels"):
+        lanes_summary([_trace_file(tmp_path / "empty.json", [], [])])
 
 
 def test_both_transports_side_by_side(tmp_path):

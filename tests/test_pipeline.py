@@ -12,7 +12,7 @@ from dispatch.reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
 # C chunks, all dispatched ahead; "C/A": A of them ahead
-CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8, "3/1", "5/2", "8/3", "1/2", "2/4"]
+CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8, "3/1", "5/2", "8/3", "1/2", "2/4", "1:3:3:1", "5:1:2/1"]
 HIDDEN = 4
 
 
@@ -249,6 +249,11 @@ def test_auto_chunks_rule():
     assert auto_chunks(8192, 4096, 2) == 1  # Mixtral shape, bf16
     assert auto_chunks(0, 4096, 2) == 1
     assert chunk_bounds(3, 5) == (0, 0, 1, 1, 2, 3)
+    assert chunk_bounds(8, (1, 3, 3, 1)) == (0, 1, 4, 7, 8)
+    assert chunk_bounds(10, [1, 2]) == (0, 3, 10)
+    assert chunk_bounds(3, (1, 1, 6)) == (0, 0, 0, 3)
+    assert chunk_bounds(0, (2, 1)) == (0, 0, 0)
+    assert chunk_bounds(7, (1,) * 4) == chunk_bounds(7, 4)
 
 
 def test_bad_arguments_raise():
@@ -256,6 +261,10 @@ def test_bad_arguments_raise():
         dispatch.MoEExchange(object(), lambda t, n: t)
     with pytest.raises(ValueError, match="chunks"):
         dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=0)
+    for chunks in [(), (1, 0), (2, 1.5), [True, 1], "2", 2.0]:
+        with pytest.raises(ValueError, match="chunks"):
+            dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=chunks)
+    assert dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=[1, 2]).chunks == (1, 2)
     with pytest.raises(ValueError, match="sm_carveout"):
         dispatch.MoEExchange(_OneRank(), lambda t, n: t, sm_carveout=-1)
     for ahead in (0, 1.5, True):

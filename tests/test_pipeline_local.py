@@ -14,7 +14,7 @@ from test_pipeline import HIDDEN, _run
 
 # local_first with C chunks ("local" is C = 1); 8 is more chunks than some ranks have tokens;
 # "/A": A chunks dispatched ahead instead of all
-LOCAL = ["local", "local2", "local3", "local8", "local3/1", "local8/2", "local2/3"]
+LOCAL = ["local", "local2", "local3", "local8", "local3/1", "local8/2", "local2/3", "local1:2:1", "local3:1/1"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -7,7 +7,9 @@ gloo, as a smoke test):
     T_comm      the exchange alone (MoEExchange, C = 1, identity experts)
     T_compute   the experts alone, on the rows one dispatch delivers
     T_seq       MoEExchange(C = 1) with GroupedExperts
-    T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks`` (and,
+    T_pipe      MoEExchange(C) with GroupedExperts, best C of ``--chunks`` (a
+                value "1:3:3:1" is MoEExchange(chunks=(1, 3, 3, 1)), chunks of
+                those relative sizes) (and,
                 with ``--local-first``, of MoEExchange(local_first=True) with
                 C = 1 and with each C of ``--chunks``: "local", "localC"; with
                 ``--ahead A``, of each of these with ``ahead=A`` where C > A:
@@ -67,13 +69,22 @@ def _shapes(text: str) -> list[str]:
     return names
 
 
+def _chunks(text: str):
+    """A ``--chunks`` value: C (an int >= 1) or relative sizes "s0:s1:..." (ints >= 1), kept as text."""
+    parts = text.split(":")
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int >= 1 nor sizes >= 1 joined by ':'")
+    return int(text) if len(parts) == 1 else text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dispatch-overlap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=_shapes,
                         help=f"comma-separated from {', '.join(OVERLAP_SHAPES)} "
                              "(default: deepseek-v3,mixtral-8x7b on GPUs, cpu-tiny on CPU)")
     parser.add_argument("--world-size", type=int, help="ranks (default: all GPUs, or 2 CPU processes)")
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8], help="C values tried for T_pipe")
+    parser.add_argument("--chunks", type=_chunks, nargs="+", default=[2, 4, 8],
+                        help="C values tried for T_pipe, or relative chunk sizes joined by ':' (1:3:3:1)")
     parser.add_argument("--iters", type=int, default=20, help="timed runs (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
@@ -98,8 +109,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
-    if any(c < 1 for c in args.chunks):
-        parser.error("--chunks values must be >= 1")
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.comm_max_ctas is not None and (args.comm_max_ctas < 1 or not torch.cuda.is_available()):
@@ -298,18 +307,26 @@ def transports_of(args) -> tuple[str, ...]:
 def candidates_of(args) -> dict:
     """The T_pipe candidates: {name: (transport, C or "local" / "localC", "/A" after it for ``--ahead``)}."""
     transports = transports_of(args)
-    local = ["local", *(f"local{c}" for c in args.chunks if c > 1)] if args.local_first else []
+    local = ["local", *(f"local{c}" for c in args.chunks if c != 1)] if args.local_first else []
     layers = [*args.chunks, *local]
-    layers += [f"{c}/{a}" for c in layers for a in args.ahead or () if layer_options(c)["chunks"] > a]
+    layers += [f"{c}/{a}" for c in layers for a in args.ahead or () if _count(layer_options(c)["chunks"]) > a]
     return {candidate_name(t, c): (t, c) for t in transports for c in layers}
 
 
 def layer_options(layer) -> dict:
-    """MoEExchange's chunks, local_first and ahead of a candidate's layer: C, "local"
-    (C = 1) or "localC", then "/A" for ``ahead=A`` (none: every chunk ahead)."""
+    """MoEExchange's chunks, local_first and ahead of a candidate's layer: C or
+    relative sizes "s0:s1:..." (chunks=(s0, s1, ...)), "local" (C = 1) or "local"
+    and either, then "/A" for ``ahead=A`` (none: every chunk ahead)."""
     name, _, ahead = str(layer).partition("/")
     local = name.startswith("local")
-    return dict(chunks=int(name.removeprefix("local") or 1), local_first=local, ahead=int(ahead) if ahead else None)
+    sizes = (name.removeprefix("local") or "1").split(":")
+    chunks = int(sizes[0]) if len(sizes) == 1 else tuple(map(int, sizes))
+    return dict(chunks=chunks, local_first=local, ahead=int(ahead) if ahead else None)
+
+
+def _count(chunks) -> int:
+    """C of a layer's ``chunks`` (a count or the chunks' relative sizes)."""
+    return chunks if isinstance(chunks, int) else len(chunks)
 
 
 def _candidate(candidates: dict, name: str):
@@ -321,7 +338,9 @@ def _layer_words(name: str) -> str:
     """A candidate's name in words, for a title: "own rows first, C=2" for "local2",
     "C=4, 2 ahead" for "4/2"."""
     options = layer_options(name.removeprefix("peer:"))
-    words = ("own rows first, " if options["local_first"] else "") + f"C={options['chunks']}"
+    chunks = options["chunks"]
+    words = ("own rows first, " if options["local_first"] else "") + (
+        f"C={chunks}" if isinstance(chunks, int) else "chunk sizes " + ":".join(map(str, chunks)))
     return words + ("" if options["ahead"] is None else f", {options['ahead']} ahead")
 
 
