@@ -322,19 +322,22 @@ class ChunkedExperts:
             self._keep(*earlier)
 
     def _expert_major(self) -> list[torch.Tensor]:
-        """Per chunk, [N_c] the expert-major row of each of its rows. Made on
-        first use, in chunk 0's forward once its GEMMs are queued: its ~40 small
-        kernels are bound by their launches on the host, so queued behind the
-        GEMMs they delay no GEMM, while queued ahead of the first GEMM they
-        delayed it (by 0.7 ms on mixtral-8x7b, 2 x H200)."""
-        per_chunk = torch.stack(list(self.counts))  # [C, E_local]
-        total = per_chunk.sum(0)
-        shift = (torch.cumsum(total, 0) - total) + (torch.cumsum(per_chunk, 0) - per_chunk) - (
-            torch.cumsum(per_chunk, 1) - per_chunk
-        )  # [C, E_local]: expert-major start minus chunk start of each (chunk, expert) run
-        experts_range = torch.arange(per_chunk.shape[1], device=per_chunk.device)
-        places = []
-        for c, rows in enumerate(self.rows):
-            expert = torch.repeat_interleave(experts_range, self.counts[c], output_size=rows)
-            places.append(torch.arange(rows, device=per_chunk.device) + shift[c][expert])
-        return places
+        """Per chunk, [N_c] the expert-major row of each of its rows. Row g of
+        all chunks' rows (chunk-major) goes to g plus a shift that depends only
+        on its run (chunk, expert): the shifts are worked out on the host from
+        the host counts, then spread over the rows on the device in a few
+        kernels (their launches bind the host, not the GPU: made on first use,
+        in chunk 0's forward once its GEMMs are queued)."""
+        per_chunk = torch.stack([counts.to("cpu", torch.int64) for counts in self.counts_host])  # [C, E_local]
+        total, sizes = per_chunk.sum(0), per_chunk.sum(1)
+        shift = (
+            (torch.cumsum(total, 0) - total)  # expert e's first row, expert-major
+            + (torch.cumsum(per_chunk, 0) - per_chunk)  # its rows in earlier chunks
+            - (torch.cumsum(per_chunk, 1) - per_chunk)  # minus the run's first row in its chunk
+            - (torch.cumsum(sizes, 0) - sizes)[:, None]  # minus the chunk's first row
+        )
+        device = self.counts[0].device
+        rows = sum(self.rows)
+        runs = torch.cat([counts.view(-1) for counts in self.counts])
+        spread = torch.repeat_interleave(shift.view(-1).to(device, non_blocking=True), runs, output_size=rows)
+        return list((torch.arange(rows, device=device) + spread).split(self.rows))
