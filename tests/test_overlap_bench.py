@@ -28,6 +28,7 @@ def test_cpu_smoke_run_writes_results(tmp_path):
         short, long = sorted((row["t_comm_ms"], row["t_compute_ms"]))
         assert row["hidden_fraction"] == pytest.approx((row["t_seq_ms"] - row["t_pipe_ms"]) / short)
         assert row["hidden_ceiling"] == pytest.approx((row["t_seq_ms"] - long) / short)
+        assert set(row["host_ms"]) == {"seq", "3"} and min(row["host_ms"].values()) > 0
         if not torch.cuda.is_available():
             assert row["peak_mib"] is None  # measured on CUDA only
         elif row["passes"] == "fwd+bwd":
@@ -35,7 +36,7 @@ def test_cpu_smoke_run_writes_results(tmp_path):
     assert (tmp_path / "overlap-trace-cpu-tiny-w2.png").stat().st_size > 0
     assert (tmp_path / "overlap-trace-cpu-tiny-w2-rank1.json").stat().st_size > 0  # every rank's trace
     lanes = (tmp_path / "overlap-trace-cpu-tiny-w2-lanes.txt").read_text()
-    assert lanes.startswith("rank 0, thread ") and "\nrank 1, thread " in lanes
+    assert lanes.startswith("rank 0, ") and "\nrank 1, " in lanes  # threads on CPU, streams on CUDA
     assert "| cpu-tiny | fwd+bwd | 2 |" in (tmp_path / "overlap-cpu-tiny-w2.md").read_text()
 
 
@@ -46,11 +47,12 @@ def test_peak_memory_column():
                t_pipe_ms=2.5, best_chunks="local2", hidden_fraction=0.5, hidden_ceiling=1.0,
                t_pipe_by_chunks_ms={"2": 2.6, "local2": 2.5}, t_comm_by_transport_ms={"collective": 1.0},
                t_seq_by_transport_ms={"collective": 3.0}, max_abs_diff_vs_seq=0.0,
-               peak_mib={"seq": 5120.4, "2": 4990.0, "local2": 6001.7})
+               peak_mib={"seq": 5120.4, "2": 4990.0, "local2": 6001.7},
+               host_ms={"seq": 1.234, "2": 2.5, "local2": 3.0})
     lines = overlap.markdown_table([row, dict(row, passes="fwd", peak_mib=None)]).splitlines()
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
-    assert lines[2].endswith("| 0 | seq: 5120, 2: 4990, local2: 6002 |")
-    assert lines[3].endswith("| 0 | - |")
+    assert lines[2].endswith("| 0 | seq: 5120, 2: 4990, local2: 6002 | seq: 1.23, 2: 2.50, local2: 3.00 |")
+    assert lines[3].endswith("| 0 | - | seq: 1.23, 2: 2.50, local2: 3.00 |")
 
 
 @pytest.mark.parametrize(

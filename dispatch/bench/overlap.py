@@ -21,6 +21,10 @@ gloo, as a smoke test):
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
                 where the layer at C = 1 costs less (more) than that sum
+    host        the host's time to return from the step (on CUDA: to queue its
+                work, with the plan's host synchronisation), the slowest rank's,
+                for "seq" and each candidate: where it nears T_pipe, the host
+                sets the pipeline's pace
 
 ``--transport both`` measures T_comm, T_seq and every T_pipe candidate with each
 transport (``DispatchConfig.transport``; peer-copy candidates are named
@@ -45,6 +49,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -150,10 +155,21 @@ def _job(args: argparse.Namespace) -> None:
             report(SHAPES[name], rows, args, trace)
 
 
-def _time(fn, iters: int, warmup: int, device) -> float:
-    """Median over ``iters`` of the slowest rank's time (ms) of ``fn``, barrier first."""
-    runs = time_phases(lambda timer: fn(), iters, warmup, device)
-    return statistics.median(r["total"] for r in runs)
+def _time(fn, iters: int, warmup: int, device) -> tuple[float, float]:
+    """Medians over ``iters`` runs, barrier first, of the slowest rank's time (ms)
+    of ``fn`` and of the slowest rank's host time (ms) to return from ``fn``
+    (on CUDA: to queue its work; where it nears the first, the host sets the pace)."""
+    host = []
+
+    def step(timer):
+        start = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - start) * 1e3)
+
+    runs = time_phases(step, iters, warmup, device)
+    issued = torch.tensor(host[warmup:], dtype=torch.float64, device=device)
+    dist.all_reduce(issued, op=dist.ReduceOp.MAX)
+    return statistics.median(r["total"] for r in runs), statistics.median(issued.tolist())
 
 
 def _peak_mib(fn, device, group) -> float | None:
@@ -214,6 +230,9 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         return run
 
     def timed(fn):
+        return _time(fn, args.iters, args.warmup, device)[0]
+
+    def timed_host(fn):
         return _time(fn, args.iters, args.warmup, device)
 
     prio = args.comm_priority
@@ -233,8 +252,10 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         t_compute = timed(compute_fn(backward))
         seq_layers = {t: dispatch.MoEExchange(by_transport[t], experts, chunks=1, comm_priority=prio)
                       for t in transports}
-        t_seqs = {t: timed(layer_fn(layer, backward)) for t, layer in seq_layers.items()}
-        by_chunks = {c: timed(layer_fn(pipe(c), backward)) for c in candidates}
+        seq_times = {t: timed_host(layer_fn(layer, backward)) for t, layer in seq_layers.items()}
+        t_seqs = {t: gpu for t, (gpu, _) in seq_times.items()}
+        pipe_times = {c: timed_host(layer_fn(pipe(c), backward)) for c in candidates}
+        by_chunks = {c: gpu for c, (gpu, _) in pipe_times.items()}
         best = min(by_chunks, key=by_chunks.get)
         t_seq, comm = min(t_seqs.values()), t_comm[candidates[best][0]]
         with torch.no_grad():
@@ -255,6 +276,7 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
             hidden_fraction=(t_seq - by_chunks[best]) / min(comm, t_compute),
             hidden_ceiling=(t_seq - max(comm, t_compute)) / min(comm, t_compute),
             max_abs_diff_vs_seq=float(diff), peak_mib=peak,
+            host_ms={"seq": min(seq_times.values())[1], **{c: host for c, (_, host) in pipe_times.items()}},
         ))
     trace = None
     if args.trace:
@@ -361,8 +383,8 @@ def _suffix(args) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | ceiling | T_pipe by C | T_comm / T_seq by transport | max abs diff | peak MiB by C |",
-        "|" + " --- |" * 18,
+        "| shape | pass | W | wire | max_ctas | NCCL stream | SM carveout | T_comm ms | T_compute ms | T_seq ms | T_pipe ms | best C | hidden | ceiling | T_pipe by C | T_comm / T_seq by transport | max abs diff | peak MiB by C | host ms by C |",
+        "|" + " --- |" * 19,
     ]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
@@ -374,14 +396,14 @@ def markdown_table(rows: list[dict]) -> str:
             f"{'high priority' if r.get('comm_high_priority') else 'default'} | {r.get('sm_carveout') or '-'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | {by_t} | "
-            f"{r['max_abs_diff_vs_seq']:.3g} | {_peaks(r.get('peak_mib'))} |"
+            f"{r['max_abs_diff_vs_seq']:.3g} | {_peaks(r.get('peak_mib'))} | {_peaks(r.get('host_ms'), '.2f')} |"
         )
     return "\n".join(lines)
 
 
-def _peaks(peak: dict | None) -> str:
+def _peaks(peak: dict | None, fmt: str = ".0f") -> str:
     """"seq: 5120, 2: 4990, ..." (the sequential layer first), or "-" where not measured."""
-    return "-" if not peak else ", ".join(f"{c}: {mib:.0f}" for c, mib in peak.items())
+    return "-" if not peak else ", ".join(f"{c}: {value:{fmt}}" for c, value in peak.items())
 
 
 def report(shape: Shape, rows: list[dict], args, trace: str | None) -> None:
