@@ -34,6 +34,8 @@
 #              (carveout 16): C = 2, 4 beside sizes 1:2:1, 1:3:1, 1:3:3:1, 1:2:2:2:1 (and
 #              two ahead), then own rows first; every rank's timeline of C = 4 and of
 #              own rows first with 1:3:3:1
+#   host       where the host's time goes in a chunked step (cProfile of rank 0, C = 4,
+#              mixtral-8x7b, the exchange slowed to 2 CTAs), with the SM carveout and without
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -165,6 +167,11 @@ for part in "$@"; do
         --comm-high-priority --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate 4 --out "$RES"
       bench 240 overlap-sizes-slow-local overlap --local-first --chunks 2 1:2:1 1:3:3:1 --comm-high-priority \
         --comm-max-ctas 2 --sm-carveout 16 --trace --trace-candidate local1:3:3:1 --out "$RES" ;;
+    host)
+      bench 150 overlap-host-slow overlap --shapes mixtral-8x7b --chunks 2 4 --comm-high-priority --comm-max-ctas 2 \
+        --sm-carveout 16 --host-profile 4 --out "$RES"
+      bench 150 overlap-host-slow-nocarve overlap --shapes mixtral-8x7b --chunks 2 4 --comm-high-priority \
+        --comm-max-ctas 2 --host-profile 4 --out "$RES" ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"

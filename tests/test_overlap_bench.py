@@ -60,7 +60,8 @@ def test_peak_memory_column():
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
      (["--shapes", "nope"], "--shapes"), (["--chunks", "2", "--trace", "--trace-candidate", "local2"], "--trace-candidate"),
      (["--trace-candidate", "2"], "needs --trace"), (["--ahead", "0"], "--ahead"), (["--chunks", "1:0"], "--chunks"),
-     (["--chunks", "2:x"], "--chunks"), (["--chunks", "1::2"], "--chunks")],
+     (["--chunks", "2:x"], "--chunks"), (["--chunks", "1::2"], "--chunks"),
+     (["--host-profile", "3"], "--host-profile")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -89,13 +90,16 @@ def test_local_first_and_ahead_are_candidates(tmp_path):
 
 def test_chunk_sizes_are_candidates(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "1:2:1",
-            "2", "--local-first", "--ahead", "1", "--out", str(tmp_path)]
+            "2", "--local-first", "--ahead", "1", "--host-profile", "local1:2:1", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-local-first-ahead1.json").read_text())
     for row in result["rows"]:
         assert set(row["t_pipe_by_chunks_ms"]) == {"1:2:1", "2", "local", "local1:2:1", "local2", "1:2:1/1", "2/1",
                                                     "local1:2:1/1", "local2/1"}
         assert row["max_abs_diff_vs_seq"] <= ROUNDING
+    host = (tmp_path / "overlap-host-cpu-tiny-w2-local-first-ahead1.txt").read_text()
+    assert host.startswith("host profile of 5 forward+backward steps, own rows first, chunk sizes 1:2:1, rank 0")
+    assert "local_first_forward" in host  # the candidate's own code is in the profile
 
 
 def _trace_file(path, kernels, launches):

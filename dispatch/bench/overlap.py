@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
     parser.add_argument("--trace-candidate", help="the T_pipe candidate --trace profiles (e.g. 4, local2, peer:local); "
                                                   "default: the best forward+backward")
+    parser.add_argument("--host-profile", metavar="CANDIDATE",
+                        help="profile the host (cProfile, rank 0) over 5 forward+backward steps of this candidate")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON, markdown and PNG results")
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -126,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--ahead values must be >= 1, got {args.ahead}")
     if args.trace_candidate is not None and not args.trace:
         parser.error("--trace-candidate needs --trace")
+    if args.host_profile is not None and _candidate(candidates_of(args), args.host_profile) is None:
+        parser.error(f"--host-profile {args.host_profile!r} is not among the candidates "
+                     f"{', '.join(map(str, candidates_of(args)))}")
     if args.trace_candidate is not None and _candidate(candidates_of(args), args.trace_candidate) is None:
         parser.error(f"--trace-candidate {args.trace_candidate!r} is not among the candidates "
                      f"{', '.join(map(str, candidates_of(args)))}")
@@ -279,10 +284,48 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
             host_ms={"seq": min(seq_times.values())[1], **{c: host for c, (_, host) in pipe_times.items()}},
         ))
     trace = None
+    if args.host_profile is not None:
+        profiled = _candidate(candidates, args.host_profile)
+        _host_profile(layer_fn(pipe(profiled), True), shape, args, device, profiled)
     if args.trace:
         traced = rows[-1]["best_chunks"] if args.trace_candidate is None else _candidate(candidates, args.trace_candidate)
         trace = _trace(layer_fn(pipe(traced), True), shape, args, device, traced)
     return rows, trace
+
+
+def _host_profile(fn, shape, args, device, chunks) -> None:
+    """Where the host's time goes over 5 forward+backward steps of one
+    candidate (every rank runs them; rank 0 under cProfile): the functions by
+    their own time and by their time with callees, in
+    ``overlap-host-<shape>-w<W><suffix>.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # host sync: the profile holds the steps only
+    dist.barrier()
+    profiler = cProfile.Profile()
+    if dist.get_rank() == 0:
+        profiler.enable()
+    for _ in range(5):
+        fn()
+    profiler.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # host sync: the steps are done before the next measurement
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return
+    text = io.StringIO()
+    text.write(f"host profile of 5 forward+backward steps, {_layer_words(str(chunks))}, rank 0\n")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(40)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"overlap-host-{shape.name}-w{dist.get_world_size()}{_suffix(args)}.txt"),
+              "w") as f:
+        f.write(text.getvalue())
 
 
 def _trace(fn, shape, args, device, chunks) -> str | None:
