@@ -36,6 +36,8 @@
 #              own rows first with 1:3:3:1
 #   host       where the host's time goes in a chunked step (cProfile of rank 0, C = 4,
 #              mixtral-8x7b, the exchange slowed to 2 CTAs), with the SM carveout and without
+#   carveouts  the SM carveout the GEMMs leave to a slow exchange (2 CTAs): 2, 4 and 8
+#              SMs, C = 2, 4 and sizes 1:2:1 (a carveout of 16 is part sizes)
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -172,6 +174,11 @@ for part in "$@"; do
         --sm-carveout 16 --host-profile 4 --out "$RES"
       bench 150 overlap-host-slow-nocarve overlap --shapes mixtral-8x7b --chunks 2 4 --comm-high-priority \
         --comm-max-ctas 2 --host-profile 4 --out "$RES" ;;
+    carveouts)
+      for carve in 2 4 8; do
+        bench 150 "overlap-carve$carve-slow" overlap --chunks 2 4 1:2:1 --comm-high-priority --comm-max-ctas 2 \
+          --sm-carveout "$carve" --out "$RES"
+      done ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \
         --routings uniform --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
