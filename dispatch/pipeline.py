@@ -122,7 +122,9 @@ class MoEExchange(nn.Module):
             (``(1, 3, 3, 1)``: an eighth of the tokens, three eighths, three
             eighths, an eighth), so that the first dispatch and the last combine,
             which nothing hides, move few rows while the middle chunks keep the
-            GEMMs large; or None for :func:`auto_chunks` (which, from the
+            GEMMs large (on 2 x H200 with a slow exchange, ``bench/results``:
+            1:2:1 was within run-to-run noise of C = 2 for Mixtral and slower
+            for DeepSeek-V3); or None for :func:`auto_chunks` (which, from the
             measurements so far, does not chunk).
         comm_priority: CUDA priority of the communication stream (lower is
             higher; clamped to the device's range). Default -1: the small
