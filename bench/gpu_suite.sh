@@ -38,6 +38,11 @@
 #              mixtral-8x7b, the exchange slowed to 2 CTAs), with the SM carveout and without
 #   carveouts  the SM carveout the GEMMs leave to a slow exchange (2 CTAs): 2, 4 and 8
 #              SMs, C = 2, 4 and sizes 1:2:1 (a carveout of 16 is part sizes)
+#   chunk-cost one GPU: the experts' tests, then what C chunks cost the experts (dispatch-bench
+#              chunk-cost) on the DeepSeek-V3, Qwen3 and Mixtral shapes at EP4 (and DeepSeek-V3 at
+#              EP2), every backend, SM carveouts 0 and 16
+#   overlap-padded  the overlap with the padded experts beside the default ones, exchange slowed
+#              to 2 CTAs (carveout 16), C = 2, 4 and local2 (needs the GPUs of an EP group)
 #   studies    hierarchical 2x2 with a slow inter-node tier, wire formats /
 #              kernels, Megatron MoELayer
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -178,6 +183,18 @@ for part in "$@"; do
       for carve in 2 4 8; do
         bench 150 "overlap-carve$carve-slow" overlap --chunks 2 4 1:2:1 --comm-high-priority --comm-max-ctas 2 \
           --sm-carveout "$carve" --out "$RES"
+      done ;;
+    chunk-cost)
+      [ "${SKIP_TESTS:-0}" = 1 ] || step 300 pytest-experts python3 -m pytest -q -p no:cacheprovider \
+        tests/test_experts.py tests/test_chunk_cost.py
+      bench 300 chunk-cost chunk-cost --shapes deepseek-v3,qwen3-235b,mixtral-8x7b --ep 4 --sm-carveout 0 16 \
+        --out "$RES"
+      bench 120 chunk-cost-ep2 chunk-cost --shapes deepseek-v3 --ep 2 --backends grouped_mm padded \
+        --sm-carveout 0 16 --out "$RES" ;;
+    overlap-padded)
+      for backend in auto padded; do
+        bench 240 "overlap-slow-$backend" overlap --chunks 2 4 --local-first --comm-high-priority --comm-max-ctas 2 \
+          --sm-carveout 16 --experts-backend "$backend" --out "$RES"
       done ;;
     studies)
       bench 150 hierarchical dispatch --nodes 2 --inter-node-ctas 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b \

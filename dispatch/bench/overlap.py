@@ -59,7 +59,7 @@ import dispatch
 from dispatch.bench.common import SHAPES, Shape, launch, shapes_fit, time_phases, world_size_for
 from dispatch.bench.roundtrip import make_routing
 from dispatch.bench.timeline import draw_timeline, lanes_summary
-from dispatch.experts import GroupedExperts
+from dispatch.experts import BACKENDS, GroupedExperts
 
 
 OVERLAP_SHAPES = ("deepseek-v3", "mixtral-8x7b", "cpu-tiny")
@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ahead", type=int, nargs="+",
                         help="also try MoEExchange(ahead=A) for each A and each C > A of the candidates "
                              "(named C/A, localC/A; without /A every chunk is dispatched ahead)")
+    parser.add_argument("--experts-backend", choices=BACKENDS, default="auto",
+                        help="GroupedExperts backend of every layer (default auto: torch._grouped_mm on Hopper)")
     parser.add_argument("--transport", choices=("collective", "peer_copy", "both"), default="collective",
                         help="DispatchConfig.transport of the layers, or both side by side")
     parser.add_argument("--trace", action="store_true", help="profile one pipelined step; PNG timeline of the streams")
@@ -201,7 +203,8 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         num_experts=shape.experts, dispatch_wire=args.dispatch_wire, transport=t), group) for t in transports}
     d = by_transport[transports[0]]
     torch.manual_seed(1234 + rank)
-    experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, dtype=dtype, device=device)
+    experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, backend=args.experts_backend,
+                             dtype=dtype, device=device)
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)
@@ -275,7 +278,8 @@ def run_shape(shape: Shape, args, group) -> tuple[list[dict], str | None]:
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority,
-            sm_carveout=args.sm_carveout, transport=args.transport, t_comm_ms=comm, t_compute_ms=t_compute,
+            sm_carveout=args.sm_carveout, transport=args.transport, experts_backend=args.experts_backend,
+            t_comm_ms=comm, t_compute_ms=t_compute,
             t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best, t_pipe_by_chunks_ms=by_chunks,
             t_comm_by_transport_ms=t_comm, t_seq_by_transport_ms=t_seqs,
             hidden_fraction=(t_seq - by_chunks[best]) / min(comm, t_compute),
@@ -420,8 +424,9 @@ def _suffix(args) -> str:
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
     transport = "" if args.transport == "collective" else f"-{args.transport.replace('_', '-')}"
     ahead = "" if not args.ahead else "-ahead" + "-".join(map(str, args.ahead))
+    backend = "" if args.experts_backend == "auto" else f"-{args.experts_backend.replace('_', '-')}"
     return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + transport + (
-        "-local-first" if args.local_first else "") + ahead
+        "-local-first" if args.local_first else "") + ahead + backend
 
 
 def markdown_table(rows: list[dict]) -> str:
