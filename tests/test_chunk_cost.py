@@ -48,6 +48,11 @@ def test_cpu_run_writes_results(tmp_path):
         if r["chunks"] == 1:
             assert r["fwd_vs_c1"] == r["fwd_bwd_vs_c1"] == 1.0
     assert result["rates"]["hbm_gbps"] > 0 and "commit" in result["environment"]
+    probe = result["rates"]["carveout_probe_ms"]
+    if torch.cuda.is_available():  # every kind timed with all SMs and carved
+        assert "mm (cuBLAS)" in probe and all(whole > 0 and carved > 0 for whole, carved in probe.values())
+    else:
+        assert probe == {}
     assert "   padded" in (tmp_path / "chunk-cost-cpu-tiny-ep2.md").read_text()
 
 

@@ -18,6 +18,8 @@ measures it alone, without any exchange, on one device:
     floor       forward: max(C x the weights' bytes / HBM bandwidth, FLOPs /
                 GEMM peak), both measured in the same run (a device-to-device
                 copy, an 8192^3 matmul)
+    probe       whether each kind of GEMM heeds the carveout: one GEMM with
+                every SM and with all but 8 carved out (CUDA)
 
 for each backend of ``GroupedExperts`` (``--backends``) and SM carveout
 (``--sm-carveout``: SMs the GEMMs leave free, as MoEExchange's ``sm_carveout``
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rates = _machine_rates(device, dtype)
+    rates["carveout_probe_ms"] = carveout_probe(device, dtype)
     for name in args.shapes:
         rows = run_shape(SHAPES[name], args, device, dtype, rates)
         report(SHAPES[name], rows, args, rates)
@@ -156,6 +159,29 @@ def _machine_rates(device, dtype) -> dict:
     b = torch.randn(m, m, dtype=dtype, device=device)
     mm_ms = _median_ms(lambda: a @ b, 10, 3, device)
     return {"hbm_gbps": 2 * n / copy_ms / 1e6, "gemm_tflops": 2 * m**3 / mm_ms / 1e9, "gemm_size": m}
+
+
+def carveout_probe(device, dtype) -> dict:
+    """Whether each kind of GEMM the experts use heeds torch's SM carveout: its
+    time with every SM, and with all but 8 carved out (a kernel that heeds it
+    then runs on 8 SMs and is many times slower; one whose time stays put takes
+    every SM whatever the carveout asks). {kind: (ms, ms carved)}; empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    a = torch.randn(8192, 4096, dtype=dtype, device=device)
+    w = torch.randn(2, 4096, 8192, dtype=dtype, device=device)
+    offs = torch.tensor([4096, 8192], dtype=torch.int32, device=device)
+    kinds = {"mm (cuBLAS)": lambda: a @ w[0], "bmm (cuBLAS)": lambda: torch.bmm(a.view(2, 4096, 4096), w)}
+    if hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) == (9, 0):
+        kinds["grouped_mm"] = lambda: torch._grouped_mm(a, w, offs=offs)
+    probe = {}
+    for kind, fn in kinds.items():
+        whole = _median_ms(fn, 10, 3, device)
+        with _carveout(sms - 8):
+            carved = _median_ms(fn, 10, 3, device)
+        probe[kind] = (whole, carved)
+    return probe
 
 
 def run_shape(shape: Shape, args, device, dtype, rates) -> list[dict]:
@@ -229,6 +255,10 @@ def report(shape: Shape, rows: list[dict], args, rates) -> None:
     text = table(rows)
     notes = [f"Measured in the same run: HBM {rates['hbm_gbps']:.0f} GB/s (copy, read + write), "
              f"GEMM {rates['gemm_tflops']:.3g} TFLOP/s ({rates['gemm_size']}^3 matmul)."]
+    if rates["carveout_probe_ms"]:
+        notes.append("SM carveout heeded? One GEMM with every SM / with all but 8 carved out: " + "; ".join(
+            f"{kind} {whole:.3f} / {carved:.3f} ms" for kind, (whole, carved) in rates["carveout_probe_ms"].items()
+        ) + " (a kernel that heeds the carveout is many times slower carved).")
     write_results(args.out, stem, title, "```\n" + text + "\n```", {"rows": rows, "rates": rates}, notes)
     chunk_cost_plot(rows, f"{args.out}/{stem}.png", title)
-    print(f"\n# {title}\n{text}\n{notes[0]}", flush=True)
+    print(f"\n# {title}\n{text}\n" + "\n".join(notes), flush=True)

@@ -93,6 +93,7 @@ def chunk_cost_plot(rows: list[dict], path: str, title: str) -> str | None:
             floor = {r["chunks"]: r["fwd_floor_ms"] for r in rows}
             ax.plot(list(floor), list(floor.values()), "k--", lw=1, label="floor (weights re-read, FLOPs)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["chunks"] for r in rows}), [str(c) for c in sorted({r["chunks"] for r in rows})])
         ax.set_xlabel("chunks C")
         ax.set_ylabel("ms")
         ax.set_title(label, fontsize=9)
