@@ -23,7 +23,12 @@ Three paths compute the same thing:
   GEMM's per-expert tiles run half empty; under skewed routing the padding
   grows with the largest expert. It sizes the blocks on the host (one
   synchronisation per call if ``tokens_per_expert`` is on the GPU). Chosen only
-  when asked for: ``dispatch-bench chunk-cost`` measures it beside the others.
+  when asked for: ``dispatch-bench chunk-cost`` measures it beside the others
+  (on one H200 it was faster than the grouped GEMM for DeepSeek-V3's 64 or
+  128 experts per rank at about 128 rows per expert, slower at 256 and more,
+  and slower for Qwen3's shape at 128 rows too). cuBLAS's batched matmul did not
+  heed torch's SM carveout there (torch 2.11, CUDA 13), so beside a
+  collective it takes every SM, unlike the grouped GEMM.
 * ``loop``: one matmul per expert over its slice of rows. Runs everywhere; on
   CUDA it sizes the slices on the host (one synchronisation per call if
   ``tokens_per_expert`` is on the GPU).

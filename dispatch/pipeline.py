@@ -130,10 +130,14 @@ class MoEExchange(nn.Module):
             higher; clamped to the device's range). Default -1: the small
             kernels around the collectives are not stuck behind the GEMMs.
         sm_carveout: on CUDA, SMs the experts' GEMMs leave free while the
-            pipeline runs (torch's cuBLAS and grouped-GEMM kernels then size
-            their grids for the other SMs), so that the collectives of the
-            next chunk find SMs to run on instead of waiting for a GEMM that
-            holds them all. Pair it with an EP group whose collectives fit in
+            pipeline runs, so that the collectives of the next chunk find SMs
+            to run on instead of waiting for a GEMM that holds them all. Only
+            kernels that heed torch's switch leave them: ``torch._grouped_mm``
+            does (``GroupedExperts``' default on Hopper); cuBLAS matmuls and
+            batched matmuls did not on torch 2.11 with CUDA 13 (the same time
+            with all but 8 of an H200's SMs carved out; ``dispatch-bench
+            chunk-cost`` probes it), so experts built on them take every SM
+            whatever this says. Pair it with an EP group whose collectives fit in
             those SMs: ``dispatch.comm.new_group_with_sm_budget(ranks,
             max_ctas=sm_carveout, high_priority=True)``. None (default): no
             carveout. Set through torch's process-wide experimental switch
