@@ -274,6 +274,19 @@ def on_stream(stream):
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
+@contextlib.contextmanager
+def sm_carveout(sms: int):
+    """GEMMs launched inside leave ``sms`` SMs free, where they heed torch's
+    process-wide experimental switch (``torch._grouped_mm`` does; cuBLAS
+    matmuls did not on torch 2.11 with CUDA 13); the setting before is restored."""
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 class _Streams:
     """Where a pipeline stage runs. On CUDA: ``comm`` runs a stage on the
     communication stream to its end (the host only enqueues) and the compute
@@ -283,18 +296,11 @@ class _Streams:
     def __init__(self, compute, comm, sm_carveout: int | None = None) -> None:
         self.compute, self.comm_stream, self.sm_carveout = compute, comm, sm_carveout
 
-    @contextlib.contextmanager
     def carveout(self):
         """GEMMs launched inside leave ``sm_carveout`` SMs to the collectives."""
         if self.comm_stream is None or self.sm_carveout is None:
-            yield
-            return
-        before = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(self.sm_carveout)
-        try:
-            yield
-        finally:
-            torch._C._set_sm_carveout_experimental(before)
+            return contextlib.nullcontext()
+        return sm_carveout(self.sm_carveout)
 
     def comm(self, stage, to_compute: bool, reads: tuple = (), after_compute: bool = True):
         """Run ``stage() -> Pending`` on the communication side; returns an object

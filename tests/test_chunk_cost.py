@@ -67,3 +67,18 @@ def test_bad_flags(argv, needle, capsys):
         chunk_cost.main(["--shapes", "cpu-tiny", *argv])
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_sm_carveout_is_set_inside_and_restored_after():
+    """The switch the pipeline and the study share: set inside, the earlier value
+    back after, also when the body raises; carveout 0 leaves it alone."""
+    from dispatch.pipeline import sm_carveout
+
+    before = torch._C._get_sm_carveout_experimental()
+    with pytest.raises(RuntimeError, match="inside"):
+        with sm_carveout(8):
+            assert torch._C._get_sm_carveout_experimental() == 8
+            raise RuntimeError("inside")
+    assert torch._C._get_sm_carveout_experimental() == before
+    with chunk_cost._carveout(0):
+        assert torch._C._get_sm_carveout_experimental() == before

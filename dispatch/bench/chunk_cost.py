@@ -42,6 +42,7 @@ import torch
 from dispatch.bench.common import SHAPES, Shape, fixed_width, write_results
 from dispatch.bench.plots import chunk_cost_plot
 from dispatch.experts import BACKENDS, ChunkedExperts, GroupedExperts
+from dispatch.pipeline import sm_carveout
 
 CHUNK_COST_SHAPES = ("deepseek-v3", "qwen3-235b", "mixtral-8x7b", "cpu-tiny")
 
@@ -113,18 +114,9 @@ def chunk_counts(shape: Shape, ep: int, chunks: int, device, seed: int = 0) -> l
     return counts
 
 
-@contextlib.contextmanager
 def _carveout(sms: int):
     """GEMMs launched inside leave ``sms`` SMs free (0: as they are)."""
-    if sms == 0:
-        yield
-        return
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
+    return contextlib.nullcontext() if sms == 0 else sm_carveout(sms)
 
 
 def _median_ms(fn, iters: int, warmup: int, device) -> float:
