@@ -21,7 +21,7 @@ Three paths compute the same thing:
   Padding rows cost FLOPs but no weight reads, so it suits balanced routings
   with few rows per expert (the chunks of ``MoEExchange``), where a grouped
   GEMM's per-expert tiles run half empty; under skewed routing the padding
-  grows with the largest expert. It sizes the blocks on the host (one
+  (FLOPs and memory: E_local x M_max rows) grows with the largest expert. It sizes the blocks on the host (one
   synchronisation per call if ``tokens_per_expert`` is on the GPU). Chosen only
   when asked for: ``dispatch-bench chunk-cost`` measures it beside the others
   (on one H200 it was faster than the grouped GEMM for DeepSeek-V3's 64 or
