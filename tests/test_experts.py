@@ -26,6 +26,24 @@ def _reference(experts: GroupedExperts, tokens, counts):
     return torch.stack(out) if out else tokens.new_zeros(0, experts.hidden).double()
 
 
+def _beside_loop(backend, dtype, counts):
+    """Forward and gradients (output, tokens, w_in, w_out) of 3 experts (H 16, F 32)
+    with ``backend``, then with the loop on the same weights, rows and output gradient."""
+    torch.manual_seed(1)
+    tested = GroupedExperts(3, 16, 32, backend=backend, dtype=dtype, device=DEVICE)
+    loop = GroupedExperts(3, 16, 32, backend="loop", dtype=dtype, device=DEVICE)
+    loop.load_state_dict(tested.state_dict())
+    tokens = torch.randn(int(counts.sum()), 16, dtype=dtype, device=DEVICE)
+    grad = torch.randn(tokens.shape[0], 16, dtype=dtype, device=DEVICE)
+    results = []
+    for experts in (tested, loop):
+        leaf = tokens.clone().requires_grad_()
+        out = experts(leaf, counts)
+        (out * grad).sum().backward()
+        results.append((out.detach(), leaf.grad, experts.w_in.grad, experts.w_out.grad))
+    return results
+
+
 @pytest.mark.parametrize("backend", ["loop", "padded"])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
 @pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0], [1, 7, 2]])
@@ -59,19 +77,8 @@ def test_padded_matches_loop_with_gradients(counts):
     """The padded batched matmul against the loop: forward and the gradients of
     tokens and both weights (an expert without rows gets exactly zero), device
     counts too (sized on the host)."""
-    torch.manual_seed(1)
-    padded = GroupedExperts(3, 16, 32, backend="padded", dtype=torch.float64, device=DEVICE)
-    loop = GroupedExperts(3, 16, 32, backend="loop", dtype=torch.float64, device=DEVICE)
-    loop.load_state_dict(padded.state_dict())
     counts = torch.tensor(counts, device=DEVICE)
-    tokens = torch.randn(int(counts.sum()), 16, dtype=torch.float64, device=DEVICE)
-    grad = torch.randn(tokens.shape[0], 16, dtype=torch.float64, device=DEVICE)
-    results = []
-    for experts in (padded, loop):
-        leaf = tokens.clone().requires_grad_()
-        out = experts(leaf, counts)
-        (out * grad).sum().backward()
-        results.append((out.detach(), leaf.grad, experts.w_in.grad, experts.w_out.grad))
+    results = _beside_loop("padded", torch.float64, counts)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
     for e in (counts == 0).nonzero().flatten().tolist():
@@ -86,19 +93,7 @@ def test_grouped_mm_matches_loop(dtype, counts):
     the loop, forward and gradients of tokens and parameters."""
     if DEVICE == "cuda" and dtype != torch.bfloat16:
         pytest.skip("CUDA grouped_mm is bf16 only")
-    torch.manual_seed(1)
-    grouped = GroupedExperts(3, 16, 32, backend="grouped_mm", dtype=dtype, device=DEVICE)
-    loop = GroupedExperts(3, 16, 32, backend="loop", dtype=dtype, device=DEVICE)
-    loop.load_state_dict(grouped.state_dict())
-    counts = torch.tensor(counts, device=DEVICE)
-    tokens = torch.randn(int(counts.sum()), 16, dtype=dtype, device=DEVICE)
-    grad = torch.randn(tokens.shape[0], 16, dtype=dtype, device=DEVICE)
-    results = []
-    for experts in (grouped, loop):
-        leaf = tokens.clone().requires_grad_()
-        out = experts(leaf, counts)
-        (out * grad).sum().backward()
-        results.append((out.detach(), leaf.grad, experts.w_in.grad, experts.w_out.grad))
+    results = _beside_loop("grouped_mm", dtype, torch.tensor(counts, device=DEVICE))
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), **tol)
