@@ -64,4 +64,8 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         raise ValueError(
             f"local_world_size={config.local_world_size} does not divide the group size {world}"
         )
+    if config.transport == "nvlink":
+        from dispatch.dispatchers.nvlink import NVLinkDispatcher
+
+        return NVLinkDispatcher(config, group)
     return VARIANT_CLASSES[config.variant](config, group)

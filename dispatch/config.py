@@ -20,7 +20,7 @@ VARIANTS = ("alltoall", "allgather", "hierarchical", "auto")
 TO_EXPERTS_WIRES = ("native", "bf16", "fp32", "fp8")
 GRAD_TO_EXPERTS_WIRES = (*TO_EXPERTS_WIRES, "e5m2")
 SUM_WIRES = ("native", "bf16", "fp32")
-TRANSPORTS = ("collective", "peer_copy")
+TRANSPORTS = ("collective", "peer_copy", "nvlink")
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,8 @@ class DispatchConfig:
     check_inputs: bool = True
     plan_graphs: bool = True
     transport: str = "collective"
+    sm_budget: int | None = None
+    timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int):
@@ -128,6 +130,11 @@ class DispatchConfig:
             raise TypeError(
                 f"link_model must be a dispatch.cost_model.LinkModel or None, got {type(self.link_model).__name__}"
             )
+        if self.sm_budget is not None and (isinstance(self.sm_budget, bool) or not isinstance(self.sm_budget, int)
+                                           or self.sm_budget < 1):
+            raise ValueError(f"sm_budget must be an int >= 1 or None, got {self.sm_budget!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e6:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
         for name in ("fp8_pow2_scales", "check_inputs", "plan_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

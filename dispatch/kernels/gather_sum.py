@@ -3,7 +3,8 @@
     out[r] = cast( sum_{j < J, index[r, j] >= 0} weight[index[r, j]] * src[index[r, j]] )
 
 summed in j order in fp32 (fp64 when ``src``, ``weight`` or the result is fp64), then cast
-once to ``out_dtype``. Both reductions of combine are this operation: the
+once to ``out_dtype``; on CUDA each weighted term is one fused multiply-add (the
+reference multiplies and adds: the two agree to rounding, not bitwise). Both reductions of combine are this operation: the
 expert-side pre-sum (index = the expanded rows of one received token, weights =
 routing weights) and the home-side sum of partials (index = the token's rows in
 ascending rank order, no weights). There are no atomics, so the result is
@@ -97,9 +98,10 @@ if triton is not None:
             if src_row >= 0:
                 vals = tl.load(src_ptr + src_row * src_stride + cols, mask=mask, other=0.0)
                 vals = vals.to(acc.dtype)
-                if HAS_WEIGHT:
-                    vals = vals * tl.load(weight_ptr + src_row).to(acc.dtype)
-                acc += vals
+                if HAS_WEIGHT:  # one rounding per term (fused multiply-add), as the NVLink engine's kernels
+                    acc = tl.fma(vals, tl.load(weight_ptr + src_row).to(acc.dtype), acc)
+                else:
+                    acc += vals
         if ACC_F64 and out_ptr.dtype.element_ty != tl.float64:
             acc = acc.to(tl.float32)  # fp64 -> fp32 -> narrow, as torch converts
         tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -330,7 +330,9 @@ def _launch(hidden: int, kernel: str) -> tuple[int, int]:
     return groups, triton.next_power_of_2(warps)
 
 
-def pack_triton(rows: torch.Tensor, index: torch.Tensor | None, fmt: Fp8Format, pow2: bool) -> torch.Tensor:
+def pack_triton(
+    rows: torch.Tensor, index: torch.Tensor | None, fmt: Fp8Format, pow2: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Gather ``rows[index]`` and encode, in one pass: each picked row is read once
     and its packed row written straight into the returned (send) buffer.
     Arguments and result as :func:`pack_reference`."""
@@ -340,7 +342,14 @@ def pack_triton(rows: torch.Tensor, index: torch.Tensor | None, fmt: Fp8Format, 
     hidden = rows.shape[1]
     n = rows.shape[0] if index is None else index.shape[0]
     padded = codes_bytes(hidden) != hidden  # zero the padding bytes, so that the wire is deterministic
-    out = (torch.zeros if padded else torch.empty)(n, row_bytes(hidden), dtype=torch.uint8, device=rows.device)
+    if out is None:
+        out = (torch.zeros if padded else torch.empty)(n, row_bytes(hidden), dtype=torch.uint8, device=rows.device)
+    else:
+        if out.shape != (n, row_bytes(hidden)) or out.dtype != torch.uint8 or out.stride(1) != 1 or out.stride(0) % 4:
+            raise ValueError(f"out must be [{n}, {row_bytes(hidden)}] uint8 rows with 4-aligned row strides, "
+                             f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
+        if padded:
+            out[:, hidden : codes_bytes(hidden)].zero_()
     if n == 0 or hidden == 0:
         return out
     groups, warps = _launch(hidden, "pack")
@@ -404,11 +413,16 @@ def unpack_triton(
     return out
 
 
-def pack(rows: torch.Tensor, index: torch.Tensor | None, fmt: Fp8Format, pow2: bool) -> torch.Tensor:
-    """Gather + encode: the Triton kernel on CUDA, the reference elsewhere."""
+def pack(
+    rows: torch.Tensor, index: torch.Tensor | None, fmt: Fp8Format, pow2: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gather + encode: the Triton kernel on CUDA, the reference elsewhere.
+    ``out``: [n, B] uint8 to write into (rows may be strided, e.g. a staging
+    buffer), or None for a new tensor; returned."""
     if rows.is_cuda and triton is not None:
-        return pack_triton(rows, index, fmt, pow2)
-    return pack_reference(rows, index, fmt, pow2)
+        return pack_triton(rows, index, fmt, pow2, out)
+    packed = pack_reference(rows, index, fmt, pow2)
+    return packed if out is None else out.copy_(packed)
 
 
 def unpack(

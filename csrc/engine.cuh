@@ -1,0 +1,179 @@
+// The NVLink engine's shared device code: tuned constants, status words, flags
+// between ranks (acquire/release at system scope, bounded waits), and element
+// conversions that round exactly as torch does.
+//
+// Notation: W ranks, E experts (E_local = epr per rank), T tokens of a rank,
+// K slots per token, H hidden size, J = min(K, E_local) slots of one token on one
+// rank, N rows handed to this rank's experts (canonical, expert-major order).
+//
+// Host entry points (launched from dispatch/nvlink.py through dispatch/cuda.py):
+//   layout.cu             route_layout, exchange_counts
+//   intranode_dispatch.cu pull_rows
+//   intranode_combine.cu  push_partials, home_sum, push_slots, home_slots
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace engine {
+
+// One table of tuned constants; it checks its own invariants.
+struct Tuning {
+  static constexpr int kThreads = 512;        // threads of a block, every kernel
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kMaxWorld = 32;        // a token's ranks are one 32-bit mask
+  static constexpr int kMaxTopk = 32;         // a token's slots are one warp's lanes
+  static constexpr int kUnit = 8;             // elements a lane moves per step (16 bytes of bf16)
+  static constexpr unsigned kSleepNs = 100;   // back-off between polls of a flag
+};
+static_assert(Tuning::kThreads % 32 == 0 && Tuning::kThreads <= 1024, "whole warps, one block");
+static_assert(Tuning::kMaxWorld <= 32 && Tuning::kMaxTopk <= 32, "masks and lanes are 32 wide");
+static_assert(Tuning::kUnit == 8, "the vector loads below move 8 elements");
+
+// Status words (int32, device memory of the caller): [0] code, [1] peer, [2] where.
+enum Code : int { kOk = 0, kTimeout = 1, kTooManyRows = 2 };
+
+__device__ __forceinline__ void record(int* status, int code, int peer, int where) {
+  if (atomicCAS(status, kOk, code) == kOk) {
+    status[1] = peer;
+    status[2] = where;
+    __threadfence_system();
+  }
+}
+
+__device__ __forceinline__ bool failed(const int* status) {
+  return *((volatile const int*)status) != kOk;
+}
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// flags: this rank's own [W] words; word s is raised by rank s to the epoch it
+// reached. Threads s < W of the block each wait for one peer, then the block
+// meets. False (and the status recorded) if a peer did not arrive in time.
+__device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, unsigned long long timeout_ns,
+                           int* status, int where) {
+  __shared__ int late;
+  if (threadIdx.x == 0) late = 0;
+  __syncthreads();
+  if ((int)threadIdx.x < world && !failed(status)) {
+    const unsigned long long start = now_ns();
+    while ((int)(ld_acquire(flags + threadIdx.x) - epoch) < 0) {
+      if (failed(status)) break;
+      if (now_ns() - start > timeout_ns) {
+        record(status, kTimeout, threadIdx.x, where);
+        break;
+      }
+      __nanosleep(Tuning::kSleepNs);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && failed(status)) late = 1;
+  __syncthreads();
+  return late == 0;
+}
+
+// Raise word `me` of every rank's flags to `epoch`, after this block's writes
+// (and, through the counter, every block's writes of this launch) are visible
+// to the whole system. counter: a zeroed int of the caller, reset here.
+__device__ void signal_when_done(unsigned long long const* flag_ptrs, int world, int me, unsigned epoch,
+                                 int* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const int ticket = atomicAdd(counter, 1);
+    if (ticket == (int)gridDim.x - 1) {
+      __threadfence_system();
+      for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(flag_ptrs[p]) + me, epoch);
+      *counter = 0;
+    }
+  }
+}
+
+// -- element conversions (round to nearest even, as torch's casts) -----------
+
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+  static __device__ __forceinline__ float load(float v) { return v; }
+  static __device__ __forceinline__ float store(float v) { return v; }
+};
+template <> struct Elem<double> {
+  static __device__ __forceinline__ double load(double v) { return v; }
+  static __device__ __forceinline__ double store(double v) { return v; }
+};
+template <> struct Elem<__half> {
+  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
+};
+template <> struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+};
+
+// Widen to the accumulator type A (float or double).
+template <typename A, typename T> __device__ __forceinline__ A widen(T v) { return (A)Elem<T>::load(v); }
+
+// Narrow an accumulator to T; fp64 goes through fp32 first (as torch and the
+// Triton kernels convert), except to fp64 itself.
+template <typename T> __device__ __forceinline__ T narrow(float v) { return Elem<T>::store(v); }
+template <typename T> __device__ __forceinline__ T narrow(double v) {
+  return Elem<T>::store(__double2float_rn(v));
+}
+template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
+template <> __device__ __forceinline__ double narrow<double>(float v) { return (double)v; }
+
+// 8 consecutive elements at a 16-byte-aligned (for 2-byte types) address.
+template <typename T> struct Vec8 { T v[8]; };
+
+template <typename T> __device__ __forceinline__ Vec8<T> load8(const T* p) {
+  Vec8<T> out;
+  constexpr int kWords = sizeof(Vec8<T>) / 16;
+  static_assert(sizeof(Vec8<T>) % 16 == 0, "whole 16-byte words");
+#pragma unroll
+  for (int i = 0; i < kWords; ++i)
+    reinterpret_cast<uint4*>(&out)[i] = reinterpret_cast<const uint4*>(p)[i];
+  return out;
+}
+
+template <typename T> __device__ __forceinline__ void store8(T* p, const Vec8<T>& v) {
+  constexpr int kWords = sizeof(Vec8<T>) / 16;
+#pragma unroll
+  for (int i = 0; i < kWords; ++i)
+    reinterpret_cast<uint4*>(p)[i] = reinterpret_cast<const uint4*>(&v)[i];
+}
+
+// The route of one slot of a source token, written by route_layout.
+struct Slot {
+  int expert;  // global expert id, -1 for an empty slot
+  int pos;     // place among the source's tokens sent to that expert (token order)
+  int w_lo;    // routing weight bits (fp32 in w_lo, or fp64 in both)
+  int w_hi;
+};
+static_assert(sizeof(Slot) == 16, "one 16-byte load per slot");
+
+// Which (source rank, token) item `item` is, from the tokens of each source.
+__device__ __forceinline__ void item_of(long long item, const int* tokens_of, int world, int* src, int* tok) {
+  int s = 0;
+  while (s + 1 < world && item >= tokens_of[s]) {
+    item -= tokens_of[s];
+    ++s;
+  }
+  *src = s;
+  *tok = (int)item;
+}
+
+}  // namespace engine

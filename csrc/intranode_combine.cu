@@ -1,0 +1,157 @@
+// Combine inside one host: the expert side pre-sums each (source rank, token)'s
+// rows in fp32 (fp64 for fp64) as it reads them and pushes the partial into the
+// home rank's symmetric buffer; the home rank sums its partials in ascending
+// rank order and casts once. The routing-weight gradients go home the same way.
+#include "engine.cuh"
+
+using namespace engine;
+
+// Expert side. Items are (source rank s, token t); presum [W * tstride, J] lists
+// this rank's rows of each item (ascending local expert, -1 padded). The partial
+// of item (s, t) goes to rank s's buffer at [me, t] of its partials region
+// ([W, tcap] rows of part_row bytes). A: accumulator (float or double).
+template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A>
+__global__ void __launch_bounds__(Tuning::kThreads) push_partials(
+    const YT* y, const WT* weights, const int* presum, int width, long long tstride, const int* matrix,
+    int row_len, int tokens_col, int hidden, const unsigned long long* data_ptrs, long long part_off,
+    long long part_row, long long tcap, int me, int world, const unsigned long long* flag_ptrs, unsigned epoch,
+    int* counter, const int* status) {
+  __shared__ int tokens_of[Tuning::kMaxWorld];
+  __shared__ int rows[Tuning::kWarps][Tuning::kMaxTopk];
+  __shared__ A scale[Tuning::kWarps][Tuning::kMaxTopk];
+  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  __syncthreads();
+  const bool ok = !failed(status);
+  long long items = 0;
+  for (int s = 0; s < world; ++s) items += tokens_of[s];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long warps = (long long)gridDim.x * Tuning::kWarps;
+  for (long long item = (long long)blockIdx.x * Tuning::kWarps + warp; ok && item < items; item += warps) {
+    int s, t;
+    item_of(item, tokens_of, world, &s, &t);
+    const long long at = ((long long)s * tstride + t) * width;
+    const int row = lane < width ? presum[at + lane] : -1;
+    const int count = __popc(__ballot_sync(0xffffffffu, row >= 0));
+    if (row >= 0) {
+      rows[warp][lane] = row;
+      if constexpr (WEIGHTED) scale[warp][lane] = widen<A>(weights[row]);
+    }
+    __syncwarp();
+    if (count > 0) {
+      char* dst = reinterpret_cast<char*>(data_ptrs[s] + part_off + ((long long)me * tcap + t) * part_row);
+      if ((hidden & 7) == 0) {
+        for (long long unit = lane; unit < hidden / 8; unit += 32) {
+          A acc[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = (A)0;
+          for (int j = 0; j < count; ++j) {
+            const Vec8<YT> v = load8(y + (long long)rows[warp][j] * hidden + unit * 8);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              if constexpr (WEIGHTED) acc[i] = fma(widen<A>(v.v[i]), scale[warp][j], acc[i]);
+              else acc[i] += widen<A>(v.v[i]);
+            }
+          }
+          Vec8<WireT> o;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) o.v[i] = narrow<WireT>(acc[i]);
+          store8(reinterpret_cast<WireT*>(dst) + unit * 8, o);
+        }
+      } else {
+        for (long long col = lane; col < hidden; col += 32) {
+          A acc = (A)0;
+          for (int j = 0; j < count; ++j) {
+            const A v = widen<A>(y[(long long)rows[warp][j] * hidden + col]);
+            if constexpr (WEIGHTED) acc = fma(v, scale[warp][j], acc);
+            else acc += v;
+          }
+          reinterpret_cast<WireT*>(dst)[col] = narrow<WireT>(acc);
+        }
+      }
+    }
+    __syncwarp();
+  }
+  signal_when_done(flag_ptrs, world, me, epoch, counter);
+}
+
+// Home side: out [T, H] = for each token, the sum in ascending rank order of the
+// partials of the ranks in hit[t] (zero for a token that went nowhere), cast once.
+template <typename WireT, typename OutT, typename A>
+__global__ void __launch_bounds__(Tuning::kThreads) home_sum(
+    const unsigned* hit, int tokens, int hidden, const char* partials, long long part_row, long long tcap,
+    int world, OutT* out, const unsigned* flags, unsigned epoch, unsigned long long timeout_ns, int* status) {
+  if (!wait_peers(flags, world, epoch, timeout_ns, status, 2)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long warps = (long long)gridDim.x * Tuning::kWarps;
+  for (long long t = (long long)blockIdx.x * Tuning::kWarps + warp; t < tokens; t += warps) {
+    const unsigned mask = hit[t];
+    OutT* dst = out + t * hidden;
+    if ((hidden & 7) == 0) {
+      for (long long unit = lane; unit < hidden / 8; unit += 32) {
+        A acc[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = (A)0;
+        for (int r = 0; r < world; ++r) {
+          if (!((mask >> r) & 1u)) continue;
+          const WireT* p = reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row) + unit * 8;
+          Vec8<WireT> v;
+          constexpr int kWords = sizeof(Vec8<WireT>) / 16;
+#pragma unroll
+          for (int i = 0; i < kWords; ++i) reinterpret_cast<uint4*>(&v)[i] = __ldcg(reinterpret_cast<const uint4*>(p) + i);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] += widen<A>(v.v[i]);
+        }
+        Vec8<OutT> o;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(acc[i]);
+        store8(dst + unit * 8, o);
+      }
+    } else {
+      for (long long col = lane; col < hidden; col += 32) {
+        A acc = (A)0;
+        for (int r = 0; r < world; ++r) {
+          if (!((mask >> r) & 1u)) continue;
+          acc += widen<A>(__ldcg(reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row) + col));
+        }
+        dst[col] = narrow<OutT>(acc);
+      }
+    }
+  }
+}
+
+// Expert side of the routing-weight gradients: values [N] of this rank's rows
+// go to slot (t, k) of their home rank's slots region ([T, K] of VT).
+template <typename VT>
+__global__ void __launch_bounds__(Tuning::kThreads) push_slots(
+    const VT* values, const int* presum, const int* slot_k, int width, long long tstride, const int* matrix,
+    int row_len, int tokens_col, int topk, const unsigned long long* data_ptrs, long long slots_off, int me,
+    int world, const unsigned long long* flag_ptrs, unsigned epoch, int* counter, const int* status) {
+  __shared__ int tokens_of[Tuning::kMaxWorld];
+  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  __syncthreads();
+  long long items = 0;
+  for (int s = 0; s < world; ++s) items += tokens_of[s];
+  const long long threads = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; !failed(status) && i < items * width;
+       i += threads) {
+    const long long item = i / width;
+    int s, t;
+    item_of(item, tokens_of, world, &s, &t);
+    const long long at = ((long long)s * tstride + t) * width + i % width;
+    const int row = presum[at];
+    if (row < 0) continue;
+    VT* dst = reinterpret_cast<VT*>(data_ptrs[s] + slots_off);
+    dst[(long long)t * topk + slot_k[at]] = values[row];
+  }
+  signal_when_done(flag_ptrs, world, me, epoch, counter);
+}
+
+// Home side: out [T, K] = the pushed value of each slot, 0 for an empty slot.
+template <typename VT>
+__global__ void __launch_bounds__(Tuning::kThreads) home_slots(
+    const Slot* route, long long slots, const VT* pushed, VT* out, int world, const unsigned* flags,
+    unsigned epoch, unsigned long long timeout_ns, int* status) {
+  if (!wait_peers(flags, world, epoch, timeout_ns, status, 3)) return;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < slots; i += (long long)gridDim.x * blockDim.x)
+    out[i] = route[i].expert >= 0 ? __ldcg(pushed + i) : (VT)0;
+}

@@ -1,0 +1,166 @@
+// Dispatch inside one host, pull shaped: every rank staged its rows (wire
+// format) and routes in its own symmetric buffer and raised its flag; each
+// receiver reads every row it needs over NVLink once and writes it, decoded, to
+// each of its expert-major places.
+#include "engine.cuh"
+
+using namespace engine;
+
+// Decode 8 wire elements starting at element u8 * 8 of a staged row.
+template <typename WireT, int FP8> struct Wire {
+  // FP8: 0 = a plain dtype, 1 = e4m3, 2 = e5m2 (codes, then fp32 scales per 128 channels)
+  template <typename A>
+  static __device__ __forceinline__ void load(const char* row, long long unit, long long scales_at, float out_max,
+                                              A* out) {
+    const Vec8<WireT> v = load8_cg(reinterpret_cast<const WireT*>(row) + unit * 8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = widen<A>(v.v[i]);
+  }
+  static __device__ __forceinline__ Vec8<WireT> load8_cg(const WireT* p) {
+    Vec8<WireT> out;
+    constexpr int kWords = sizeof(Vec8<WireT>) / 16;
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) reinterpret_cast<uint4*>(&out)[i] = __ldcg(reinterpret_cast<const uint4*>(p) + i);
+    return out;
+  }
+};
+
+template <int FP8> __device__ __forceinline__ float fp8_value(unsigned char code) {
+  const __nv_fp8_interpretation_t kind = FP8 == 1 ? __NV_E4M3 : __NV_E5M2;
+  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, kind);
+  return __half2float(__half(h));
+}
+
+template <int FP8> struct Fp8Wire {
+  template <typename A>
+  static __device__ __forceinline__ void load(const char* row, long long unit, long long scales_at, float out_max,
+                                              A* out) {
+    const uint2 codes = __ldcg(reinterpret_cast<const uint2*>(row) + unit);
+    const float scale = __ldcg(reinterpret_cast<const float*>(row + scales_at) + (unit * 8) / 128);
+    const unsigned char* c = reinterpret_cast<const unsigned char*>(&codes);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float v = fp8_value<FP8>(c[i]);
+      float d = v * scale;
+      if (fabsf(v) < __int_as_float(0x7f800000)) d = fminf(fmaxf(d, -out_max), out_max);
+      out[i] = (A)d;
+    }
+  }
+};
+
+template <typename WireT, int FP8> struct Codec { using type = Wire<WireT, 0>; };
+template <typename WireT> struct Codec<WireT, 1> { using type = Fp8Wire<1>; };
+template <typename WireT> struct Codec<WireT, 2> { using type = Fp8Wire<2>; };
+
+// One element of a staged row (the rows whose H is not a multiple of 8).
+template <typename WireT, int FP8, typename A>
+__device__ __forceinline__ A load_one(const char* row, long long col, long long scales_at, float out_max) {
+  if constexpr (FP8 == 0) {
+    return widen<A>(reinterpret_cast<const WireT*>(row)[col]);
+  } else {
+    const float v = fp8_value<FP8>(reinterpret_cast<const unsigned char*>(row)[col]);
+    float d = v * reinterpret_cast<const float*>(row + scales_at)[col / 128];
+    if (fabsf(v) < __int_as_float(0x7f800000)) d = fminf(fmaxf(d, -out_max), out_max);
+    return (A)d;
+  }
+}
+
+// Receiver side of a dispatch. Items are (source rank s, token t) for every
+// token of every source; one warp an item.
+//   FROM_ROUTE: the places come from the sources' routes (a dispatch with a
+//     plan): writes presum/slot_k [W * tstride, J] (this rank's expanded rows of
+//     each item in ascending local expert, -1 padded, and the slot of each),
+//     and per expanded row its weight, source rank and source token.
+//   else: the places come from presum (a move along an existing plan).
+// A = the type the conversion goes through (float, or double for fp64 data).
+template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
+__global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
+    const unsigned long long* data_ptrs, long long route_off, long long stage_off, long long stage_row,
+    long long scales_at, const int* matrix, int row_len, int tokens_col, const int* src_start, int me, int world,
+    int experts_per_rank, int topk, int width, int hidden, long long tstride, OutT* out, long long max_rows,
+    int* presum, int* slot_k, WOutT* out_weights, long long* out_src_rank, long long* out_src_token,
+    float out_max, const unsigned* flags, unsigned epoch, unsigned long long timeout_ns, int* status) {
+  __shared__ int tokens_of[Tuning::kMaxWorld];
+  __shared__ long long dest[Tuning::kWarps][Tuning::kMaxTopk];
+  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) return;
+  long long items = 0;
+  for (int s = 0; s < world; ++s) items += tokens_of[s];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long warps = (long long)gridDim.x * Tuning::kWarps;
+  using Load = typename Codec<WireT, FP8>::type;
+  for (long long item = (long long)blockIdx.x * Tuning::kWarps + warp; item < items; item += warps) {
+    int s, t;
+    item_of(item, tokens_of, world, &s, &t);
+    const long long at = ((long long)s * tstride + t) * width;
+    int count;
+    if constexpr (FROM_ROUTE) {
+      Slot slot = {-1, -1, 0, 0};
+      if (lane < topk) {
+        const int4 raw = __ldcg(reinterpret_cast<const int4*>(data_ptrs[s] + route_off) + (long long)t * topk + lane);
+        slot = {raw.x, raw.y, raw.z, raw.w};
+      }
+      const int local = slot.expert - me * experts_per_rank;
+      const bool mine = slot.expert >= 0 && local >= 0 && local < experts_per_rank;
+      const unsigned mask = __ballot_sync(0xffffffffu, mine);
+      count = __popc(mask);
+      int order = 0;  // place among this item's slots here, by local expert
+      for (int i = 0; i < topk; ++i) {
+        const int other = __shfl_sync(0xffffffffu, local, i);
+        if (((mask >> i) & 1u) && other < local) ++order;
+      }
+      if (mine) {
+        const long long row = (long long)src_start[s * experts_per_rank + local] + slot.pos;
+        dest[warp][order] = row;
+        if (row >= max_rows) {
+          record(status, kTooManyRows, s, 1);
+        } else {
+          if constexpr (sizeof(WOutT) == 8) {
+            const long long bits = ((long long)(unsigned)slot.w_lo) | ((long long)slot.w_hi << 32);
+            out_weights[row] = (WOutT)__longlong_as_double(bits);
+          } else {
+            out_weights[row] = (WOutT)__int_as_float(slot.w_lo);
+          }
+          out_src_rank[row] = s;
+          out_src_token[row] = t;
+        }
+        presum[at + order] = (int)row;
+        slot_k[at + order] = lane;
+      }
+      if (lane >= count && lane < width) {
+        presum[at + lane] = -1;
+        slot_k[at + lane] = -1;
+      }
+    } else {
+      const int row = lane < width ? presum[at + lane] : -1;
+      const unsigned mask = __ballot_sync(0xffffffffu, row >= 0);
+      count = __popc(mask);
+      if (row >= 0) dest[warp][lane] = row;
+    }
+    __syncwarp();
+    if (count == 0) continue;
+    const char* src = reinterpret_cast<const char*>(data_ptrs[s] + stage_off + (long long)t * stage_row);
+    if ((hidden & 7) == 0) {
+      for (long long unit = lane; unit < hidden / 8; unit += 32) {
+        A v[8];
+        Load::template load<A>(src, unit, scales_at, out_max, v);
+        Vec8<OutT> o;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(v[i]);
+        for (int j = 0; j < count; ++j) {
+          const long long row = dest[warp][j];
+          if (row < max_rows) store8(out + row * hidden + unit * 8, o);
+        }
+      }
+    } else {
+      for (long long col = lane; col < hidden; col += 32) {
+        const OutT o = narrow<OutT>(load_one<WireT, FP8, A>(src, col, scales_at, out_max));
+        for (int j = 0; j < count; ++j) {
+          const long long row = dest[warp][j];
+          if (row < max_rows) out[row * hidden + col] = o;
+        }
+      }
+    }
+    __syncwarp();
+  }
+}

@@ -1,0 +1,140 @@
+"""The one place that talks to CuPy: compiles ``csrc/*.cu`` with NVRTC at first
+use, caches the kernels, and launches them on torch's current stream.
+
+Importing this module never needs CuPy; :func:`available` says whether the
+kernels can run here (CUDA, and CuPy importable).
+
+    k = kernel("layout.cu", "route_layout", "long long", "float")
+    k(grid, (ptr(idx), ptr(w), i32(T), ...), shared=0)
+
+Arguments travel by value with the exact C type of the kernel's parameter:
+wrap them in :func:`i32`, :func:`i64`, :func:`u32`, :func:`u64`, :func:`f32`
+or :func:`ptr` (a tensor's data pointer, 0 for None).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import warnings
+
+import numpy as np
+import torch
+
+_CSRC_NAMES = ("engine.cuh", "layout.cu", "intranode_dispatch.cu", "intranode_combine.cu")
+
+# torch dtype -> the C type the kernels name it by
+C_TYPES = {
+    torch.float16: "__half",
+    torch.bfloat16: "__nv_bfloat16",
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.uint8: "unsigned char",
+    torch.int32: "int",
+    torch.int64: "long long",
+}
+
+
+def csrc_dir() -> pathlib.Path:
+    """Where the kernel sources are: ``csrc/`` beside the package in a source
+    checkout, else the copy installed as ``dispatch/csrc``."""
+    here = pathlib.Path(__file__).resolve().parent
+    for candidate in (here.parent / "csrc", here / "csrc"):
+        if all((candidate / name).is_file() for name in _CSRC_NAMES):
+            return candidate
+    raise RuntimeError(f"the NVLink engine's kernel sources ({', '.join(_CSRC_NAMES)}) were not found beside {here}")
+
+
+@functools.lru_cache(maxsize=1)
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def available() -> bool:
+    """True where the engine's kernels can run: a CUDA device and CuPy."""
+    return torch.cuda.is_available() and _cupy() is not None
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def u32(v) -> np.uint32:
+    return np.uint32(v & 0xFFFFFFFF)
+
+
+def i64(v) -> np.int64:
+    return np.int64(v)
+
+
+def u64(v) -> np.uint64:
+    return np.uint64(v)
+
+
+def f32(v) -> np.float32:
+    return np.float32(v)
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    """The data pointer of ``t`` (0 for None)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+class Kernel:
+    """One compiled kernel; calling it launches on torch's current stream."""
+
+    def __init__(self, function, threads: int) -> None:
+        self._function, self.threads = function, threads
+
+    def __call__(self, blocks: int, args: tuple, shared: int = 0) -> None:
+        cupy = _cupy()
+        device = torch.cuda.current_device()
+        with cupy.cuda.Device(device), _stream(torch.cuda.current_stream(device).cuda_stream, device):
+            self._function((max(int(blocks), 1),), (self.threads,), args, shared_mem=shared)
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int, device: int):
+    cupy = _cupy()
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for Stream.from_external
+        warnings.simplefilter("ignore", category=FutureWarning)
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _module(source: str, names: tuple[str, ...]):
+    cupy = _cupy()
+    if cupy is None:
+        raise RuntimeError("the NVLink engine needs CuPy: pip install 'moe-dispatch[cuda13]' (or [cuda12])")
+    folder = csrc_dir()
+    return cupy.RawModule(code=(folder / source).read_text(), options=("-std=c++17", f"-I{folder}"),
+                          name_expressions=names)
+
+
+THREADS = 512  # engine::Tuning::kThreads
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(source: str, name: str, *template_args: str) -> Kernel:
+    """The kernel ``name<template_args...>`` of ``csrc/source``, compiled on first use
+    (one NVRTC compile per instantiation) and cached for the process."""
+    expression = f"{name}<{', '.join(template_args)}>" if template_args else name
+    module = _module(source, (expression,))
+    return Kernel(module.get_function(expression), THREADS)
+
+
+def c_type(dtype: torch.dtype) -> str:
+    """The C type of ``dtype`` in the kernels."""
+    try:
+        return C_TYPES[dtype]
+    except KeyError:
+        raise TypeError(f"the NVLink engine does not move {dtype}") from None
+
+
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

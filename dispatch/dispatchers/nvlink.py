@@ -1,0 +1,185 @@
+"""The ``alltoall`` variant on the NVLink engine (``transport="nvlink"``): every
+rank of the group on one host, the plan and the exchanges run by the engine's
+kernels (``dispatch.nvlink``, ``csrc/``) with one host read per dispatch.
+
+Notation as in ``dispatch.nvlink`` (W, E_local, T, K, J, H, N).
+
+The contract is the alltoall variant's, bit for bit: the same canonical
+receive order, a token read by a rank once whatever its experts there, the
+expert side pre-summing each (token, rank) in fp32 (fp64 for fp64) in ascending
+local expert with one fused multiply-add per weighted term, the home rank
+summing the partials in ascending rank order and casting once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dispatch import checks, cuda, plan
+from dispatch.codec import Codec
+from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
+from dispatch.nvlink import Counts, Engine
+from dispatch.stats import make_stats, resolve_local_world_size, tier_split
+from dispatch.timing import mark
+
+MAX_WORLD = 32  # a token's ranks are one 32-bit mask
+MAX_TOPK = 32  # a token's slots are one warp's lanes
+
+
+@dataclass(frozen=True, kw_only=True)
+class NVLinkHandle(CombineHandle):
+    """Plan of one exchange on the engine.
+
+    Attributes:
+        counts: the counts exchange (``dispatch.nvlink.Counts``): matrix, routes, masks.
+        presum: [W * tstride, J] int32, this rank's expanded rows of each
+            (source rank, token) in ascending local expert, -1 padded.
+        slot_k: [W * tstride, J] int32, the source slot of each of them.
+        tstride: the largest T of the group (rows of presum per source).
+        split_matrix: host rows (tokens) of every rank to every rank.
+    """
+
+    counts: Counts
+    presum: torch.Tensor
+    slot_k: torch.Tensor
+    tstride: int
+    split_matrix: tuple[tuple[int, ...], ...]
+
+
+class NVLinkDispatcher(TokenDispatcher):
+    """Deduplicated all-to-all over NVLink with the engine's kernels
+    (``variant="alltoall"``, ``transport="nvlink"``)."""
+
+    def __init__(self, config, group=None) -> None:
+        super().__init__(config, group)
+        problem = unusable(group)
+        if problem:
+            raise ValueError(f"transport='nvlink': {problem}")
+        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
+        self.engine = Engine(group, config.num_experts, config.sm_budget, config.timeout)
+
+    def _plan(self, x, topk_idx, topk_weights, check_values):
+        num_tokens, topk = topk_idx.shape
+        if topk > MAX_TOPK:
+            raise ValueError(f"topk_idx: transport='nvlink' takes at most {MAX_TOPK} slots per token, got K={topk}")
+        num_experts, world = self.config.num_experts, self.world_size
+        weights = topk_weights.detach()
+        failed = None
+        if check_values and num_tokens > 0:
+            flags = checks.value_flags(topk_idx, weights, num_experts)
+            failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+        header = plan.header(x, topk_weights, topk)
+        if failed is not None:  # the peers raise where they read the counts, instead of waiting
+            header[plan.HEADER.index("failed")] = 1
+        wire = plan.weight_wire_dtype(weights.dtype)
+        engine = self.engine
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights.to(wire).contiguous(), header)
+        if failed is not None:
+            raise failed
+        host = counts.host
+        grads_any = checks.check_peer_headers(host[:, : len(plan.HEADER)])
+        per_expert_host = host[:, engine.counts_col :].view(world, world, -1).sum(0)[self.rank].clone()
+        split = host[:, engine.sends_col : engine.counts_col]
+        num_rows = int(per_expert_host.sum())
+        tstride = max(1, int(host[:, engine.tokens_col].max()))
+        width = min(topk, self.num_local_experts)
+        device = x.device
+        presum = torch.empty(world * tstride, width, dtype=torch.int32, device=device)
+        slot_k = torch.empty_like(presum)
+        routed = torch.empty(num_rows, dtype=wire, device=device)
+        src_rank = torch.empty(num_rows, dtype=torch.int64, device=device)
+        src_token = torch.empty(num_rows, dtype=torch.int64, device=device)
+        # the places, weights and sources of the expanded rows (no row data yet)
+        engine.to_experts(x[:, :0], _NO_ROWS, counts, presum, slot_k, num_rows, tstride,
+                          meta_out=(routed, src_rank, src_token))
+        rows_of_rank = host[:, engine.counts_col :].view(world, world, -1).sum((0, 2))
+        handle = NVLinkHandle(
+            owner=self,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            topk=topk,
+            x_grad_any=grads_any[0],
+            weights_grad_any=grads_any[1],
+            has_rows=tuple(bool(n) for n in rows_of_rank.tolist()),
+            counts=counts,
+            presum=presum,
+            slot_k=slot_k,
+            tstride=tstride,
+            split_matrix=tuple(map(tuple, split.tolist())),
+        )
+        outputs = PlanOutputs(
+            weights=routed,
+            tokens_per_expert=counts.tokens_per_expert,
+            tokens_per_expert_host=per_expert_host,
+            src_rank=src_rank,
+            src_token=src_token,
+        )
+        mark(self.phase_timer, "plan")
+        return handle, outputs
+
+    def _to_experts(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> torch.Tensor:
+        out = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
+                                     handle.num_rows, handle.tstride)
+        mark(self.phase_timer, "exchange_out")
+        return out
+
+    def _to_home(self, rows, handle: NVLinkHandle, weights, wire):
+        at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
+        out = self.engine.to_home(rows.contiguous(), None if weights is None else weights.contiguous(), wire,
+                                  handle.counts, handle.presum, handle.tstride, at_least)
+        mark(self.phase_timer, "exchange_back")
+        return out
+
+    def _weights_to_home(self, values, handle: NVLinkHandle):
+        return self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k, handle.tstride)
+
+    def _stats(self, handle: NVLinkHandle, dispatch_row_bytes, combine_wire, hidden):
+        local = self.local_world_size
+        sent = handle.split_matrix[self.rank]
+        received = tuple(row[self.rank] for row in handle.split_matrix)
+        return make_stats(local, tier_split(sent, self.rank, local), dispatch_row_bytes,
+                          tier_split(received, self.rank, local), hidden * combine_wire.itemsize)
+
+
+class _NoRows:
+    """The codec of a move that carries no row data (only the plan's places)."""
+
+    name = "none"
+    wire = None  # the rows' own dtype
+
+    def row_bytes(self, hidden: int) -> int:
+        return 0
+
+
+_NO_ROWS = _NoRows()
+
+
+def unusable(group) -> str | None:
+    """Why the engine cannot serve ``group`` here (None if it can): it needs
+    CUDA, CuPy, an NCCL group of at most 32 ranks, all on this host with peer
+    access between their GPUs. A collective: every rank must call it, and all
+    get the same answer."""
+    if not cuda.available():
+        return "needs CUDA and CuPy (pip install 'moe-dispatch[cuda13]' or [cuda12])"
+    if dist.get_backend(group) != "nccl":
+        return f"needs an NCCL process group, got backend {dist.get_backend(group)!r}"
+    world = dist.get_world_size(group)
+    if world > MAX_WORLD:
+        return f"takes at most {MAX_WORLD} ranks, the group has {world}"
+    import socket
+
+    device = torch.cuda.current_device()
+    mine = (socket.gethostname(), device)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)  # host sync: where every rank runs
+    if len({host for host, _ in everyone}) > 1:
+        return "every rank of the group must be on one host"
+    peers_ok = all(d == device or torch.cuda.can_device_access_peer(device, d) for _, d in everyone)
+    agreed = torch.tensor([int(peers_ok)], dtype=torch.int32, device=torch.device("cuda", device))
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if not agreed.item():  # host sync: every rank takes the same answer
+        return "some GPUs of the group have no peer access to each other"
+    return None

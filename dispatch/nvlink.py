@@ -1,0 +1,345 @@
+"""The NVLink engine's host side: symmetric buffers, epochs, and the launches of
+its kernels (``csrc/``) for one dispatcher's group, every rank on one host.
+
+Notation: W ranks, E experts (E_local per rank), T tokens of a rank (T_max the
+largest of the group), K slots per token, J = min(K, E_local), H hidden size,
+N rows handed to this rank's experts.
+
+Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
+
+* ``meta`` (fixed): flags [W] u32 (word s raised by rank s to the epoch it
+  reached), then the counts matrix [W, L] int32, row s written by rank s: its
+  header (``plan.HEADER``), its T, its tokens per destination rank [W], its
+  tokens per global expert [E].
+* ``data`` (grown collectively): two copies (by epoch parity) each of the routes
+  [T_max, K] (16-byte ``Slot``), the slots [T_max, K] (8 bytes), the staged
+  rows [T_max, B] (B: wire bytes of a row, 16-aligned) and the partial sums
+  [W, T_max, P] (P: wire bytes of a partial row).
+
+Every operation (a counts exchange, a rows exchange, a combine, a slots
+exchange) takes the next epoch: each rank writes what its peers will read,
+raises its flag on every rank, and reads once every rank's flag has reached
+the epoch. A region written by operation i is rewritten by operation i + 2 at
+the earliest (by parity), and a writer only gets there past operation i + 1's
+wait, which its peers raise after their reads of operation i: no reader is
+overtaken. Waits are bounded (``timeout``): a peer that never arrives leaves a
+status word naming it, which the next host read turns into a RuntimeError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dispatch import cuda, plan
+from dispatch.cuda import f32, i32, i64, ptr, u32, u64
+from dispatch.kernels import quantize
+
+_ALIGN = 256
+_STATUS = ("ok", "timed out waiting for", "received more rows than max_rows from")
+_WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
+
+
+def _up(n: int, to: int = _ALIGN) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Sizes the data buffer holds (per parity copy)."""
+
+    tokens: int = 0  # T_max
+    topk: int = 0  # K
+    stage_row: int = 0  # bytes of a staged row
+    part_row: int = 0  # bytes of a partial row
+
+    def covers(self, other: "Capacity") -> bool:
+        return all(getattr(self, f) >= getattr(other, f) for f in ("tokens", "topk", "stage_row", "part_row"))
+
+    def union(self, other: "Capacity") -> "Capacity":
+        tokens = max(self.tokens, other.tokens)
+        return Capacity(max(256, 1 << max(tokens - 1, 0).bit_length()) if tokens > self.tokens else tokens,
+                        max(self.topk, other.topk), max(self.stage_row, other.stage_row),
+                        max(self.part_row, other.part_row))
+
+    def regions(self, world: int) -> dict[str, tuple[int, int]]:
+        """name -> (offset of copy 0, bytes of one copy)."""
+        sizes = {
+            "route": self.tokens * self.topk * 16,
+            "slots": self.tokens * self.topk * 8,
+            "stage": self.tokens * self.stage_row,
+            "partials": world * self.tokens * self.part_row,
+        }
+        out, at = {}, 0
+        for name, size in sizes.items():
+            size = _up(size)
+            out[name] = (at, size)
+            at += 2 * size
+        out["total"] = (at, 0)
+        return out
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the counts exchange of one dispatch gave.
+
+    Attributes:
+        matrix: [W, L] int32 on the device (the counts matrix).
+        host: [W, L] int64 on the host (the same).
+        tokens_per_expert: [E_local] int64 on the device.
+        src_start: [W, E_local] int32 on the device: first row of (source, local expert).
+        route: [T, K] ``Slot`` (int32 [T, K, 4]) of this rank's tokens, on the device.
+        hit: [T] int32 mask of the ranks each token goes to.
+    """
+
+    matrix: torch.Tensor
+    host: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    src_start: torch.Tensor
+    route: torch.Tensor
+    hit: torch.Tensor
+
+
+class Engine:
+    """Buffers and launches of the NVLink transport for one dispatcher.
+
+    Args:
+        group: the EP process group (NCCL, every rank on this host).
+        num_experts: E.
+        sm_budget: blocks the data kernels may use (None: one per SM).
+        timeout: seconds a kernel waits for a peer before it gives up.
+    """
+
+    def __init__(self, group, num_experts: int, sm_budget: int | None, timeout: float) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._symm = symm_mem
+        self.group = group if group is not None else dist.group.WORLD
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_experts = num_experts
+        self.experts_per_rank = num_experts // self.world
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.blocks = sm_budget or cuda.num_sms(self.device)
+        self.timeout_ns = int(timeout * 1e9)
+        self.tokens_col = len(plan.HEADER)
+        self.sends_col = self.tokens_col + 1
+        self.counts_col = self.sends_col + self.world
+        self.row_len = self.counts_col + num_experts
+        self.rows_offset = _up(4 * self.world)
+        meta = symm_mem.empty(self.rows_offset + 4 * self.world * self.row_len, dtype=torch.uint8, device=self.device)
+        meta.zero_()
+        self._meta = meta
+        self._meta_handle = symm_mem.rendezvous(meta, self.group)  # host sync: a collective through the store
+        self._meta_ptrs = torch.tensor(list(self._meta_handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self._flags = meta[: 4 * self.world].view(torch.int32)
+        self._meta_handle.barrier(channel=0)  # every rank's flags are zero before any is raised
+        self._data = self._data_handle = self._data_ptrs = None
+        self.capacity = Capacity()
+        self._regions = Capacity().regions(self.world)
+        self.epoch = 0
+        self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    # -- buffers -------------------------------------------------------------
+
+    def ensure(self, need: Capacity) -> None:
+        """Grow the data buffer to hold ``need``; every rank must call this with
+        the same ``need`` at the same point (it is a collective when it grows)."""
+        if self.capacity.covers(need) and self._data is not None:
+            return
+        capacity = self.capacity.union(need)
+        regions = capacity.regions(self.world)
+        # host sync: this rank's earlier reads of its peers' buffers are done before the
+        # rendezvous, which every rank reaches only after the same sync, so no rank still
+        # reads a buffer when it is dropped.
+        torch.cuda.current_stream(self.device).synchronize()
+        data = self._symm.empty(max(regions["total"][0], _ALIGN), dtype=torch.uint8, device=self.device)
+        handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
+        self._data, self._data_handle = data, handle
+        self._data_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self.capacity, self._regions = capacity, regions
+
+    def _offset(self, region: str, epoch: int) -> int:
+        start, size = self._regions[region]
+        return start + (epoch & 1) * size
+
+    def _view(self, region: str, epoch: int, nbytes: int) -> torch.Tensor:
+        at = self._offset(region, epoch)
+        return self._data[at : at + nbytes]
+
+    def _next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def check(self) -> None:
+        """Raise the RuntimeError a kernel recorded (a peer that did not arrive,
+        rows beyond ``max_rows``). Reads the device status: a host sync."""
+        code, peer, where, _ = self.status.tolist()  # host sync: the kernels' status word
+        if code:
+            self._raise(code, peer, where)
+
+    def _raise(self, code: int, peer: int, where: int) -> None:
+        raise RuntimeError(
+            f"NVLink transport: rank {self.rank} {_STATUS[code]} rank {peer} in {_WHERE[where]} "
+            f"(timeout {self.timeout_ns / 1e9:g} s); the exchange's results are invalid"
+        )
+
+    # -- the counts exchange (dispatch) ------------------------------------
+
+    def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int]) -> Counts:
+        """Counts, routes and the counts exchange of one dispatch; one host read.
+
+        Args:
+            topk_idx: [T, K] int32/int64 expert ids (-1 empty).
+            weights: [T, K] float32/float64 routing weights (their wire dtype).
+            header: this rank's ``plan.HEADER`` entries (failure mark included).
+        """
+        tokens, topk = topk_idx.shape
+        device = self.device
+        row = torch.empty(self.row_len, dtype=torch.int32, device=device)
+        row[: self.counts_col] = plan.to_device(
+            torch.tensor([*header, tokens] + [0] * self.world, dtype=torch.int32), device)
+        route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
+        hit = torch.empty(tokens, dtype=torch.int32, device=device)
+        counts, sends = row[self.counts_col :], row[self.sends_col : self.counts_col]
+        if tokens:
+            cuda.kernel("layout.cu", "route_layout", cuda.c_type(topk_idx.dtype), cuda.c_type(weights.dtype))(
+                self.num_experts + -(-tokens // cuda.THREADS),
+                (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
+                 i32(self.experts_per_rank), ptr(route), ptr(counts), ptr(sends), ptr(hit)),
+            )
+        else:
+            counts.zero_()
+        epoch = self._next_epoch()
+        matrix = torch.empty(self.world, self.row_len, dtype=torch.int32, device=device)
+        per_expert = torch.empty(self.experts_per_rank, dtype=torch.int64, device=device)
+        src_start = torch.empty(self.world, self.experts_per_rank, dtype=torch.int32, device=device)
+        cuda.kernel("layout.cu", "exchange_counts")(
+            1,
+            (ptr(self._meta_ptrs), i64(self.rows_offset), i32(self.rank), i32(self.world), i32(self.row_len),
+             i32(self.counts_col), i32(self.experts_per_rank), ptr(row), u32(epoch), u64(self.timeout_ns),
+             ptr(self.status), ptr(matrix), ptr(per_expert), ptr(src_start)),
+            shared=4 * self.experts_per_rank,
+        )
+        host = torch.cat([matrix.flatten(), self.status]).cpu()  # host sync: row counts (to size the output), headers, status
+        code, peer, where = host[-4:-1].tolist()
+        if code:
+            self._raise(code, peer, where)
+        return Counts(matrix, host[:-4].view(self.world, self.row_len).long(), per_expert, src_start, route, hit)
+
+    # -- rows to the experts ---------------------------------------------------
+
+    def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, tstride: int,
+                   meta_out=None) -> torch.Tensor:
+        """Move rows [T, H] to this rank's expert-major places ([N, H], dtype of rows).
+
+        With ``meta_out`` = (weights [N], src_rank [N], src_token [N]) the places
+        come from the routes (a dispatch; ``presum``/``slot_k`` are written);
+        otherwise from ``presum`` (a move along a plan)."""
+        tokens, hidden = rows.shape
+        wire, fp8 = _wire_of(codec, rows.dtype)
+        stage_row = _up(codec.row_bytes(hidden), 16)
+        topk = counts.route.shape[1]
+        self.ensure(Capacity(int(counts.host[:, self.tokens_col].max()), topk, stage_row, 0))
+        epoch = self._next_epoch()
+        if stage_row:
+            stage = self._view("stage", epoch, self.capacity.tokens * stage_row).view(-1, stage_row)[:tokens]
+            if fp8:
+                quantize.pack(rows, None, codec.fmt, codec.pow2_scales, out=stage[:, : codec.row_bytes(hidden)])
+            else:
+                stage[:, : hidden * wire.itemsize].view(wire).copy_(rows)
+        from_route = meta_out is not None
+        if from_route:
+            self._view("route", epoch, counts.route.numel() * 4).view(torch.int32).copy_(counts.route.flatten())
+        cuda.kernel("layout.cu", "raise_flags")(
+            1, (ptr(self._meta_ptrs), i32(self.world), i32(self.rank), u32(epoch)))
+        out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
+        weights, src_rank, src_token = meta_out if from_route else (None, None, None)
+        acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
+        width = presum.shape[1]
+        items = int(counts.host[:, self.tokens_col].sum())
+        cuda.kernel(
+            "intranode_dispatch.cu", "pull_rows", cuda.c_type(torch.uint8 if fp8 else wire), str(fp8),
+            cuda.c_type(rows.dtype), cuda.c_type(acc), "true" if from_route else "false",
+            cuda.c_type(weights.dtype if from_route else torch.float32),
+        )(
+            min(self.blocks, -(-items // (cuda.THREADS // 32))),
+            (ptr(self._data_ptrs), i64(self._offset("route", epoch)), i64(self._offset("stage", epoch)),
+             i64(stage_row), i64(quantize.codes_bytes(hidden)), ptr(counts.matrix), i32(self.row_len),
+             i32(self.tokens_col), ptr(counts.src_start), i32(self.rank), i32(self.world),
+             i32(self.experts_per_rank), i32(topk), i32(width), i32(hidden), i64(tstride), ptr(out),
+             i64(num_rows), ptr(presum), ptr(slot_k), ptr(weights), ptr(src_rank), ptr(src_token),
+             f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), ptr(self._flags), u32(epoch),
+             u64(self.timeout_ns), ptr(self.status)),
+        )
+        return out
+
+    # -- partial sums home -------------------------------------------------------
+
+    def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, tstride: int,
+                at_least: torch.dtype | None) -> torch.Tensor:
+        """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
+        (token, rank) pushed home in ``wire``, summed in ascending rank order."""
+        hidden = rows.shape[1]
+        tokens = counts.route.shape[0]
+        part_row = _up(hidden * wire.itemsize, 16)
+        tmax = int(counts.host[:, self.tokens_col].max())
+        self.ensure(Capacity(tmax, counts.route.shape[1], 0, part_row))
+        epoch = self._next_epoch()
+        weight_dtype = torch.float32 if weights is None else weights.dtype
+        acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
+        items = int(counts.host[:, self.tokens_col].sum())
+        cuda.kernel(
+            "intranode_combine.cu", "push_partials", cuda.c_type(rows.dtype), cuda.c_type(weight_dtype),
+            "false" if weights is None else "true", cuda.c_type(wire), cuda.c_type(acc),
+        )(
+            min(self.blocks, max(1, -(-items // (cuda.THREADS // 32)))),
+            (ptr(rows), ptr(weights), ptr(presum), i32(presum.shape[1]), i64(tstride), ptr(counts.matrix),
+             i32(self.row_len), i32(self.tokens_col), i32(hidden), ptr(self._data_ptrs),
+             i64(self._offset("partials", epoch)), i64(part_row), i64(self.capacity.tokens), i32(self.rank),
+             i32(self.world), ptr(self._meta_ptrs), u32(epoch), ptr(self._counter), ptr(self.status)),
+        )
+        out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
+        home_acc = torch.float64 if torch.float64 in (wire, rows.dtype, at_least) else torch.float32
+        partials = self._offset("partials", epoch)
+        cuda.kernel("intranode_combine.cu", "home_sum", cuda.c_type(wire), cuda.c_type(rows.dtype),
+                    cuda.c_type(home_acc))(
+            min(self.blocks, max(1, -(-tokens // (cuda.THREADS // 32)))),
+            (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + partials), i64(part_row),
+             i64(self.capacity.tokens), i32(self.world), ptr(out), ptr(self._flags), u32(epoch),
+             u64(self.timeout_ns), ptr(self.status)),
+        )
+        return out
+
+    def slots_home(self, values, counts: Counts, presum, slot_k, tstride: int) -> torch.Tensor:
+        """[N] per-row values -> [T, K] per-slot values at home (0 for empty slots)."""
+        tokens, topk = counts.route.shape[:2]
+        self.ensure(Capacity(int(counts.host[:, self.tokens_col].max()), topk, 0, 0))
+        epoch = self._next_epoch()
+        value_type = torch.float64 if values.dtype == torch.float64 else torch.float32
+        wide = values.to(value_type).contiguous()
+        items = int(counts.host[:, self.tokens_col].sum()) * presum.shape[1]
+        cuda.kernel("intranode_combine.cu", "push_slots", cuda.c_type(value_type))(
+            min(self.blocks, max(1, -(-items // cuda.THREADS))),
+            (ptr(wide), ptr(presum), ptr(slot_k), i32(presum.shape[1]), i64(tstride), ptr(counts.matrix),
+             i32(self.row_len), i32(self.tokens_col), i32(topk), ptr(self._data_ptrs),
+             i64(self._offset("slots", epoch)), i32(self.rank), i32(self.world), ptr(self._meta_ptrs),
+             u32(epoch), ptr(self._counter), ptr(self.status)),
+        )
+        out = torch.empty(tokens, topk, dtype=value_type, device=self.device)
+        cuda.kernel("intranode_combine.cu", "home_slots", cuda.c_type(value_type))(
+            min(self.blocks, max(1, -(-tokens * topk // cuda.THREADS))),
+            (ptr(counts.route), i64(tokens * topk), u64(self._data.data_ptr() + self._offset("slots", epoch)),
+             ptr(out), i32(self.world), ptr(self._flags), u32(epoch), u64(self.timeout_ns), ptr(self.status)),
+        )
+        return out.to(values.dtype)
+
+
+def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(wire dtype, fp8 kind: 0 none, 1 e4m3, 2 e5m2) of a codec for rows of ``dtype``."""
+    fmt = getattr(codec, "fmt", None)
+    if fmt is None:
+        return (dtype if codec.wire is None else codec.wire), 0
+    return torch.uint8, 1 if fmt is quantize.E4M3 else 2

@@ -1,0 +1,151 @@
+"""The NVLink engine (transport="nvlink") against the NCCL transport, bit for bit.
+
+GPU only: needs 2 CUDA devices and CuPy (skipped elsewhere). Inputs are random
+(not dyadic), so that a sum taken in another order or with another rounding
+shows as a different bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dispatch
+import rank_fns
+from dispatch import cuda
+from routing import make_routing
+
+WORLD = 2
+pytestmark = pytest.mark.skipif(
+    not (cuda.available() and torch.cuda.device_count() >= WORLD), reason="needs 2 CUDA devices and CuPy"
+)
+
+
+def _inputs(routing, hidden, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, hidden, generator=gen).to(dtype) for t in routing.num_tokens]
+    ws = [torch.rand(idx.shape, generator=gen, dtype=torch.float64) for idx in routing.topk_idx]
+    return xs, ws
+
+
+def _run(worlds, fn, routing, xs, ws, config, *extra):
+    args = [(xs[r], routing.topk_idx[r], ws[r].float(), dict(config), *extra) for r in range(WORLD)]
+    return worlds(WORLD).run(fn, args)
+
+
+def _equal(a, b, where):
+    if isinstance(a, dict):
+        for key in a:
+            if key in ("variant", "stats"):
+                continue
+            _equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: {(a.double() - b.double()).abs().max()}"
+    else:
+        assert a == b, where
+
+
+CASES = [
+    # mode, experts per rank, topk, tokens per rank
+    ("random", 4, 4, [96, 80]),
+    ("random", 16, 8, [200, 0]),
+    ("one_rank", 4, 3, [64, 64]),
+    ("one_expert", 8, 2, [50, 70]),
+    ("sparse", 4, 4, [33, 17]),
+]
+
+
+@pytest.mark.parametrize("mode, per_rank, topk, tokens", CASES)
+@pytest.mark.parametrize("dtype, wire, hidden", [
+    (torch.bfloat16, "native", 256), (torch.float32, "native", 136), (torch.bfloat16, "fp8", 384),
+    (torch.float32, "bf16", 256), (torch.float16, "e5m2", 260), (torch.float64, "native", 64),
+])
+def test_round_trip_matches_nccl(worlds, mode, per_rank, topk, tokens, dtype, wire, hidden):
+    routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=len(tokens) + hidden)
+    xs, ws = _inputs(routing, hidden, dtype, seed=hidden)
+    want_wire = "fp8" if wire == "e5m2" else wire  # e5m2 is a gradient wire
+    got = {}
+    for transport in ("collective", "nvlink"):
+        config = dict(num_experts=routing.num_experts, dispatch_wire=want_wire, transport=transport)
+        got[transport] = _run(worlds, rank_fns.round_trip, routing, xs, ws, config, "scaled", 2)
+    for rank in range(WORLD):
+        _equal(got["collective"][rank], got["nvlink"][rank], f"rank {rank}")
+
+
+@pytest.mark.parametrize("mode, per_rank, topk, tokens", CASES[:3])
+@pytest.mark.parametrize("dtype, weights_dtype, grad_wire", [
+    (torch.bfloat16, torch.float32, "native"), (torch.float32, torch.float32, "e5m2"),
+    (torch.float64, torch.float64, "native"),
+])
+def test_gradients_match_nccl(worlds, mode, per_rank, topk, tokens, dtype, weights_dtype, grad_wire):
+    routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=7)
+    hidden = 128
+    xs, ws = _inputs(routing, hidden, dtype, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(t, hidden, generator=gen).to(dtype) for t in routing.num_tokens]
+    rows = [int(sum((idx // per_rank == r).sum() for idx in routing.topk_idx)) for r in range(WORLD)]
+    expert_out = [torch.randn(n, hidden, generator=gen).to(dtype) for n in rows]
+    got = {}
+    for transport in ("collective", "nvlink"):
+        config = dict(num_experts=routing.num_experts, transport=transport, combine_grad_wire=grad_wire)
+        args = [(xs[r], routing.topk_idx[r], ws[r].to(weights_dtype), grads[r], expert_out[r], config)
+                for r in range(WORLD)]
+        got[transport] = worlds(WORLD).run(rank_fns.gradients, args)
+    for rank in range(WORLD):
+        _equal(got["collective"][rank], got["nvlink"][rank], f"rank {rank}")
+
+
+def _many_calls(x, topk_idx, topk_weights, config):
+    """Several dispatches and combines of different sizes on one dispatcher, two
+    micro-batches in flight: each result equals a fresh NCCL dispatcher's."""
+    from world import current_device
+
+    device = current_device()
+    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink"))
+    nccl = dispatch.create(dispatch.DispatchConfig(**config))
+    outs = []
+    for d in (engine, nccl):
+        first = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+        half = x.shape[0] // 2
+        second = d.dispatch(x[:half].to(device) * 2, topk_idx[:half].to(device), topk_weights[:half].to(device))
+        h2 = d.combine(second.tokens * 3, second.handle, weights=second.weights)
+        h1 = d.combine(first.tokens, first.handle, weights=first.weights)
+        outs.append([t.cpu() for t in (first.tokens, second.tokens, h1, h2)])
+    return all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_interleaved_micro_batches_and_growth(worlds):
+    for tokens in ([16, 8], [300, 500], [40, 2000]):  # the buffers grow on the second and third
+        routing = make_routing(WORLD, 4, 4, tokens, "random", seed=tokens[1])
+        xs, ws = _inputs(routing, 512, torch.bfloat16, seed=1)
+        config = dict(num_experts=routing.num_experts)
+        args = [(xs[r], routing.topk_idx[r], ws[r].float(), config) for r in range(WORLD)]
+        assert all(worlds(WORLD).run(_many_calls, args))
+
+
+def test_a_rank_that_never_calls_raises_on_its_peer(worlds):
+    assert _timeout_case(worlds) == ["RuntimeError", None]
+
+
+def _stall(x, topk_idx, topk_weights, config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=2.0))
+    if torch.distributed.get_rank() == 1:
+        return None  # never dispatches
+    try:
+        d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    except RuntimeError as exc:
+        assert "rank 1" in str(exc), str(exc)
+        return "RuntimeError"
+    return "returned"
+
+
+def _timeout_case(worlds):
+    routing = make_routing(WORLD, 4, 2, [8, 8], "random", seed=0)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], ws[r].float(), config) for r in range(WORLD)]
+    return worlds(WORLD).run(_stall, args)
