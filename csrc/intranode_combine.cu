@@ -40,22 +40,36 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     if (count > 0) {
       char* dst = reinterpret_cast<char*>(data_ptrs[s] + part_off + ((long long)me * tcap + t) * part_row);
       if ((hidden & 7) == 0) {
-        for (long long unit = lane; unit < hidden / 8; unit += 32) {
-          A acc[8];
+        const long long units = hidden / 8;
+        constexpr int kU = Tuning::kUnroll;  // units in flight per lane
+        for (long long base = lane; base < units; base += 32 * kU) {
+          A acc[kU][8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = (A)0;
+          for (int u = 0; u < kU; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
           for (int j = 0; j < count; ++j) {
-            const Vec8<YT> v = load8(y + (long long)rows[warp][j] * hidden + unit * 8);
+            const YT* row = y + (long long)rows[warp][j] * hidden;
+            Vec8<YT> v[kU];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              if constexpr (WEIGHTED) acc[i] = fma(widen<A>(v.v[i]), scale[warp][j], acc[i]);
-              else acc[i] += widen<A>(v.v[i]);
-            }
+            for (int u = 0; u < kU; ++u)
+              if (base + 32 * u < units) v[u] = load8(row + (base + 32 * u) * 8);
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                if constexpr (WEIGHTED) acc[u][i] = fma(widen<A>(v[u].v[i]), scale[warp][j], acc[u][i]);
+                else acc[u][i] += widen<A>(v[u].v[i]);
+              }
           }
-          Vec8<WireT> o;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) o.v[i] = narrow<WireT>(acc[i]);
-          store8(reinterpret_cast<WireT*>(dst) + unit * 8, o);
+          for (int u = 0; u < kU; ++u) {
+            if (base + 32 * u >= units) continue;
+            Vec8<WireT> o;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o.v[i] = narrow<WireT>(acc[u][i]);
+            store8(reinterpret_cast<WireT*>(dst) + (base + 32 * u) * 8, o);
+          }
         }
       } else {
         for (long long col = lane; col < hidden; col += 32) {
@@ -87,24 +101,38 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
     const unsigned mask = hit[t];
     OutT* dst = out + t * hidden;
     if ((hidden & 7) == 0) {
-      for (long long unit = lane; unit < hidden / 8; unit += 32) {
-        A acc[8];
+      const long long units = hidden / 8;
+      constexpr int kU = Tuning::kUnroll;  // units in flight per lane
+      constexpr int kWords = sizeof(Vec8<WireT>) / 16;
+      for (long long base = lane; base < units; base += 32 * kU) {
+        A acc[kU][8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = (A)0;
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
         for (int r = 0; r < world; ++r) {
           if (!((mask >> r) & 1u)) continue;
-          const WireT* p = reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row) + unit * 8;
-          Vec8<WireT> v;
-          constexpr int kWords = sizeof(Vec8<WireT>) / 16;
+          const WireT* p = reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row);
+          Vec8<WireT> v[kU];
 #pragma unroll
-          for (int i = 0; i < kWords; ++i) reinterpret_cast<uint4*>(&v)[i] = __ldcg(reinterpret_cast<const uint4*>(p) + i);
+          for (int u = 0; u < kU; ++u)
+            if (base + 32 * u < units)
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] += widen<A>(v.v[i]);
+              for (int i = 0; i < kWords; ++i)
+                reinterpret_cast<uint4*>(&v[u])[i] = __ldcg(reinterpret_cast<const uint4*>(p + (base + 32 * u) * 8) + i);
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u][i] += widen<A>(v[u].v[i]);
         }
-        Vec8<OutT> o;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(acc[i]);
-        store8(dst + unit * 8, o);
+        for (int u = 0; u < kU; ++u) {
+          if (base + 32 * u >= units) continue;
+          Vec8<OutT> o;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(acc[u][i]);
+          store8(dst + (base + 32 * u) * 8, o);
+        }
       }
     } else {
       for (long long col = lane; col < hidden; col += 32) {

@@ -141,15 +141,28 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     if (count == 0) continue;
     const char* src = reinterpret_cast<const char*>(data_ptrs[s] + stage_off + (long long)t * stage_row);
     if ((hidden & 7) == 0) {
-      for (long long unit = lane; unit < hidden / 8; unit += 32) {
-        A v[8];
-        Load::template load<A>(src, unit, scales_at, out_max, v);
-        Vec8<OutT> o;
+      const long long units = hidden / 8;
+      constexpr int kU = Tuning::kUnroll;  // units in flight per lane
+      for (long long base = lane; base < units; base += 32 * kU) {
+        Vec8<OutT> o[kU];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(v[i]);
+        for (int u = 0; u < kU; ++u) {
+          const long long unit = base + 32 * u;
+          if (unit < units) {
+            A v[8];
+            Load::template load<A>(src, unit, scales_at, out_max, v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[u].v[i] = narrow<OutT>(v[i]);
+          }
+        }
         for (int j = 0; j < count; ++j) {
           const long long row = dest[warp][j];
-          if (row < max_rows) store8(out + row * hidden + unit * 8, o);
+          if (row >= max_rows) continue;
+#pragma unroll
+          for (int u = 0; u < kU; ++u) {
+            const long long unit = base + 32 * u;
+            if (unit < units) store8(out + row * hidden + unit * 8, o[u]);
+          }
         }
       }
     } else {

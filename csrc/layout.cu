@@ -79,18 +79,21 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
   for (unsigned m = mask; m; m &= m - 1) atomicAdd(sends + __ffs(m) - 1, 1);
 }
 
-// One block. Writes this rank's row (header, T, counts [E]) into row `me` of
-// every rank's counts matrix, raises its flag there, waits for every rank's,
-// then copies the matrix out (matrix [W][row_len]) and computes, for this
-// rank's experts: tokens_per_expert [E_local] (int64) and src_start [W][E_local],
-// the first expanded row of (source rank, local expert) in canonical order.
-// meta_ptrs: [W] base of every rank's meta buffer (flags [W] u32 at 0, the
-// counts matrix at rows_offset). Dynamic shared memory: E_local ints.
+// One block. Writes this rank's row (header, T, ..., counts [E]) into row `me`
+// of every rank's counts matrix, raises its flag there, waits for every rank's,
+// then writes out [4 + W * row_len]: the status words, then the matrix; and
+// computes, for this rank's experts: tokens_per_expert [E_local] (int64) and
+// src_start [W][E_local], the first expanded row of (source rank, local expert)
+// in canonical order. meta_ptrs: [W] base of every rank's meta buffer (flags
+// [W] u32 at 0, the counts matrix at rows_offset). Dynamic shared memory:
+// E_local ints.
 __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, int me, int world, int row_len, int count_start,
-    int experts_per_rank, const int* row, unsigned epoch, unsigned long long timeout_ns, int* status, int* matrix,
+    int experts_per_rank, const int* row, unsigned epoch, unsigned long long timeout_ns, int* status, int* out,
     long long* tokens_per_expert, int* src_start) {
   extern __shared__ int totals[];
+  int* matrix = out + 4;
+  if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
   if (failed(status)) return;
   for (int p = 0; p < world; ++p) {
     int* dst = reinterpret_cast<int*>(meta_ptrs[p] + rows_offset) + (long long)me * row_len;
@@ -102,7 +105,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(meta_ptrs[p]) + me, epoch);
   }
   const unsigned* own_flags = reinterpret_cast<const unsigned*>(meta_ptrs[me]);
-  if (!wait_peers(own_flags, world, epoch, timeout_ns, status, 0)) return;
+  if (!wait_peers(own_flags, world, epoch, timeout_ns, status, 0)) {
+    if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
+    return;
+  }
   const volatile int* rows = reinterpret_cast<const volatile int*>(meta_ptrs[me] + rows_offset);
   for (int i = threadIdx.x; i < world * row_len; i += blockDim.x) matrix[i] = rows[i];
   __syncthreads();

@@ -91,10 +91,15 @@ class Kernel:
         self._function, self.threads = function, threads
 
     def __call__(self, blocks: int, args: tuple, shared: int = 0) -> None:
-        cupy = _cupy()
-        device = torch.cuda.current_device()
-        with cupy.cuda.Device(device), _stream(torch.cuda.current_stream(device).cuda_stream, device):
-            self._function((max(int(blocks), 1),), (self.threads,), args, shared_mem=shared)
+        device = torch.cuda.current_device()  # the CUDA runtime's current device, which CuPy launches on too
+        stream = _stream(_raw_stream(device), device)
+        self._function((max(int(blocks), 1),), (self.threads,), args, shared_mem=shared, stream=stream)
+
+
+def _raw_stream(device: int) -> int:
+    """The handle of torch's current stream on ``device``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 @functools.lru_cache(maxsize=64)

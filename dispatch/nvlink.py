@@ -9,8 +9,8 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
 
 * ``meta`` (fixed): flags [W] u32 (word s raised by rank s to the epoch it
   reached), then the counts matrix [W, L] int32, row s written by rank s: its
-  header (``plan.HEADER``), its T, its tokens per destination rank [W], its
-  tokens per global expert [E].
+  header (``plan.HEADER``), its T, whether it staged its rows with the counts,
+  its tokens per destination rank [W], its tokens per global expert [E].
 * ``data`` (grown collectively): two copies (by epoch parity) each of the routes
   [T_max, K] (16-byte ``Slot``), the slots [T_max, K] (8 bytes), the staged
   rows [T_max, B] (B: wire bytes of a row, 16-aligned) and the partial sums
@@ -87,19 +87,35 @@ class Counts:
 
     Attributes:
         matrix: [W, L] int32 on the device (the counts matrix).
-        host: [W, L] int64 on the host (the same).
+        rows: the same on the host, W lists of L ints.
+        tokens_of: T of every rank (host).
         tokens_per_expert: [E_local] int64 on the device.
         src_start: [W, E_local] int32 on the device: first row of (source, local expert).
         route: [T, K] ``Slot`` (int32 [T, K, 4]) of this rank's tokens, on the device.
         hit: [T] int32 mask of the ranks each token goes to.
+        staged: the epoch in which every rank staged its routes and rows with
+            the counts (None if some rank could not: they move in an exchange
+            of their own).
     """
 
     matrix: torch.Tensor
-    host: torch.Tensor
+    rows: list
+    tokens_of: tuple
     tokens_per_expert: torch.Tensor
     src_start: torch.Tensor
     route: torch.Tensor
     hit: torch.Tensor
+    staged: int | None = None
+
+    @property
+    def tmax(self) -> int:
+        """The largest T of the group."""
+        return max(self.tokens_of)
+
+    @property
+    def items(self) -> int:
+        """(source rank, token) pairs of the group: the tokens of every rank."""
+        return sum(self.tokens_of)
 
 
 class Engine:
@@ -124,7 +140,8 @@ class Engine:
         self.blocks = sm_budget or cuda.num_sms(self.device)
         self.timeout_ns = int(timeout * 1e9)
         self.tokens_col = len(plan.HEADER)
-        self.sends_col = self.tokens_col + 1
+        self.staged_col = self.tokens_col + 1
+        self.sends_col = self.staged_col + 1
         self.counts_col = self.sends_col + self.world
         self.row_len = self.counts_col + num_experts
         self.rows_offset = _up(4 * self.world)
@@ -139,6 +156,7 @@ class Engine:
         self.capacity = Capacity()
         self._regions = Capacity().regions(self.world)
         self.epoch = 0
+        self._kernels: dict = {}
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
 
@@ -188,46 +206,78 @@ class Engine:
 
     # -- the counts exchange (dispatch) ------------------------------------
 
-    def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int]) -> Counts:
+    def _fits(self, tokens: int, topk: int, stage_row: int) -> bool:
+        """This rank's routes and rows fit the data buffer as it is."""
+        return self._data is not None and self.capacity.covers(Capacity(tokens, topk, stage_row, 0))
+
+    def _stage(self, rows: torch.Tensor, codec, epoch: int, stage_row: int) -> None:
+        """Encode rows [T, H] into this rank's staging copy of ``epoch``."""
+        tokens, hidden = rows.shape
+        wire, fp8 = _wire_of(codec, rows.dtype)
+        stage = self._view("stage", epoch, self.capacity.tokens * stage_row).view(-1, stage_row)[:tokens]
+        if fp8:
+            quantize.pack(rows, None, codec.fmt, codec.pow2_scales, out=stage[:, : codec.row_bytes(hidden)])
+        else:
+            stage[:, : hidden * wire.itemsize].view(wire).copy_(rows)
+
+    def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int],
+                        rows: torch.Tensor | None = None, codec=None) -> Counts:
         """Counts, routes and the counts exchange of one dispatch; one host read.
 
         Args:
             topk_idx: [T, K] int32/int64 expert ids (-1 empty).
             weights: [T, K] float32/float64 routing weights (their wire dtype).
             header: this rank's ``plan.HEADER`` entries (failure mark included).
+            rows, codec: [T, H] rows to stage with the routes, before the flag
+                is raised, so that the pull needs no second exchange (where
+                every rank's routes and rows fit the buffers; ``Counts.staged``).
         """
         tokens, topk = topk_idx.shape
         device = self.device
+        epoch = self._next_epoch()
+        stage_row = 0 if rows is None else _up(codec.row_bytes(rows.shape[1]), 16)
+        fits = self._fits(tokens, topk, stage_row)
         row = torch.empty(self.row_len, dtype=torch.int32, device=device)
         row[: self.counts_col] = plan.to_device(
-            torch.tensor([*header, tokens] + [0] * self.world, dtype=torch.int32), device)
-        route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
+            torch.tensor([*header, tokens, int(fits)] + [0] * self.world, dtype=torch.int32), device)
+        if fits:  # the routes go straight into the buffer the peers read
+            route = self._view("route", epoch, tokens * topk * 16).view(torch.int32).view(tokens, topk, 4)
+        else:
+            route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
         counts, sends = row[self.counts_col :], row[self.sends_col : self.counts_col]
         if tokens:
-            cuda.kernel("layout.cu", "route_layout", cuda.c_type(topk_idx.dtype), cuda.c_type(weights.dtype))(
+            self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
                 self.num_experts + -(-tokens // cuda.THREADS),
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
                  i32(self.experts_per_rank), ptr(route), ptr(counts), ptr(sends), ptr(hit)),
             )
         else:
             counts.zero_()
-        epoch = self._next_epoch()
-        matrix = torch.empty(self.world, self.row_len, dtype=torch.int32, device=device)
+        if fits:
+            route = route.clone()  # the handle's own copy: the buffer's is rewritten two exchanges later
+            if rows is not None and tokens:
+                self._stage(rows, codec, epoch, stage_row)
+        out = torch.empty(4 + self.world * self.row_len + self.world * self.experts_per_rank, dtype=torch.int32,
+                          device=device)
         per_expert = torch.empty(self.experts_per_rank, dtype=torch.int64, device=device)
-        src_start = torch.empty(self.world, self.experts_per_rank, dtype=torch.int32, device=device)
-        cuda.kernel("layout.cu", "exchange_counts")(
+        self._kernel("layout.cu", "exchange_counts")(
             1,
             (ptr(self._meta_ptrs), i64(self.rows_offset), i32(self.rank), i32(self.world), i32(self.row_len),
              i32(self.counts_col), i32(self.experts_per_rank), ptr(row), u32(epoch), u64(self.timeout_ns),
-             ptr(self.status), ptr(matrix), ptr(per_expert), ptr(src_start)),
+             ptr(self.status), ptr(out), ptr(per_expert), ptr(out[4 + self.world * self.row_len :])),
             shared=4 * self.experts_per_rank,
         )
-        host = torch.cat([matrix.flatten(), self.status]).cpu()  # host sync: row counts (to size the output), headers, status
-        code, peer, where = host[-4:-1].tolist()
+        # host sync: row counts (to size the output), headers, status
+        host = out[: 4 + self.world * self.row_len].tolist()
+        code, peer, where = host[:3]
         if code:
             self._raise(code, peer, where)
-        return Counts(matrix, host[:-4].view(self.world, self.row_len).long(), per_expert, src_start, route, hit)
+        length = self.row_len
+        matrix = [host[4 + s * length : 4 + (s + 1) * length] for s in range(self.world)]
+        staged = rows is not None and all(r[self.staged_col] for r in matrix)
+        return Counts(out[4 : 4 + self.world * length], matrix, tuple(r[self.tokens_col] for r in matrix),
+                      per_expert, out[4 + self.world * length :], route, hit, epoch if staged else None)
 
     # -- rows to the experts ---------------------------------------------------
 
@@ -236,34 +286,32 @@ class Engine:
         """Move rows [T, H] to this rank's expert-major places ([N, H], dtype of rows).
 
         With ``meta_out`` = (weights [N], src_rank [N], src_token [N]) the places
-        come from the routes (a dispatch; ``presum``/``slot_k`` are written);
-        otherwise from ``presum`` (a move along a plan)."""
+        come from the routes (a dispatch; ``presum``/``slot_k`` are written),
+        and where ``counts.staged`` the rows were staged with the counts;
+        otherwise from ``presum`` (a move along a plan), in an exchange of its own."""
         tokens, hidden = rows.shape
         wire, fp8 = _wire_of(codec, rows.dtype)
         stage_row = _up(codec.row_bytes(hidden), 16)
         topk = counts.route.shape[1]
-        self.ensure(Capacity(int(counts.host[:, self.tokens_col].max()), topk, stage_row, 0))
-        epoch = self._next_epoch()
-        if stage_row:
-            stage = self._view("stage", epoch, self.capacity.tokens * stage_row).view(-1, stage_row)[:tokens]
-            if fp8:
-                quantize.pack(rows, None, codec.fmt, codec.pow2_scales, out=stage[:, : codec.row_bytes(hidden)])
-            else:
-                stage[:, : hidden * wire.itemsize].view(wire).copy_(rows)
         from_route = meta_out is not None
-        if from_route:
-            self._view("route", epoch, counts.route.numel() * 4).view(torch.int32).copy_(counts.route.flatten())
-        cuda.kernel("layout.cu", "raise_flags")(
-            1, (ptr(self._meta_ptrs), i32(self.world), i32(self.rank), u32(epoch)))
+        epoch = counts.staged if from_route else None
+        if epoch is None:  # stage (and route) in an exchange of their own
+            self.ensure(Capacity(counts.tmax, topk, stage_row, 0))
+            epoch = self._next_epoch()
+            if stage_row and tokens:
+                self._stage(rows, codec, epoch, stage_row)
+            if from_route and tokens:
+                self._view("route", epoch, counts.route.numel() * 4).view(torch.int32).copy_(counts.route.flatten())
+            self._kernel("layout.cu", "raise_flags")(
+                1, (ptr(self._meta_ptrs), i32(self.world), i32(self.rank), u32(epoch)))
         out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
         acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
         width = presum.shape[1]
-        items = int(counts.host[:, self.tokens_col].sum())
-        cuda.kernel(
-            "intranode_dispatch.cu", "pull_rows", cuda.c_type(torch.uint8 if fp8 else wire), str(fp8),
-            cuda.c_type(rows.dtype), cuda.c_type(acc), "true" if from_route else "false",
-            cuda.c_type(weights.dtype if from_route else torch.float32),
+        items = counts.items
+        self._kernel(
+            "intranode_dispatch.cu", "pull_rows", torch.uint8 if fp8 else wire, str(fp8), rows.dtype, acc,
+            "true" if from_route else "false", weights.dtype if from_route else torch.float32,
         )(
             min(self.blocks, -(-items // (cuda.THREADS // 32))),
             (ptr(self._data_ptrs), i64(self._offset("route", epoch)), i64(self._offset("stage", epoch)),
@@ -276,6 +324,16 @@ class Engine:
         )
         return out
 
+    def _kernel(self, source: str, name: str, *types) -> "cuda.Kernel":
+        """The kernel ``name`` of ``source`` for these template arguments (dtypes
+        or C spellings), resolved once per engine."""
+        key = (name, *types)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            spelled = [cuda.c_type(t) if isinstance(t, torch.dtype) else t for t in types]
+            kernel = self._kernels[key] = cuda.kernel(source, name, *spelled)
+        return kernel
+
     # -- partial sums home -------------------------------------------------------
 
     def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, tstride: int,
@@ -285,15 +343,15 @@ class Engine:
         hidden = rows.shape[1]
         tokens = counts.route.shape[0]
         part_row = _up(hidden * wire.itemsize, 16)
-        tmax = int(counts.host[:, self.tokens_col].max())
+        tmax = counts.tmax
         self.ensure(Capacity(tmax, counts.route.shape[1], 0, part_row))
         epoch = self._next_epoch()
         weight_dtype = torch.float32 if weights is None else weights.dtype
         acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
-        items = int(counts.host[:, self.tokens_col].sum())
-        cuda.kernel(
-            "intranode_combine.cu", "push_partials", cuda.c_type(rows.dtype), cuda.c_type(weight_dtype),
-            "false" if weights is None else "true", cuda.c_type(wire), cuda.c_type(acc),
+        items = counts.items
+        self._kernel(
+            "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
+            wire, acc,
         )(
             min(self.blocks, max(1, -(-items // (cuda.THREADS // 32)))),
             (ptr(rows), ptr(weights), ptr(presum), i32(presum.shape[1]), i64(tstride), ptr(counts.matrix),
@@ -304,8 +362,7 @@ class Engine:
         out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
         home_acc = torch.float64 if torch.float64 in (wire, rows.dtype, at_least) else torch.float32
         partials = self._offset("partials", epoch)
-        cuda.kernel("intranode_combine.cu", "home_sum", cuda.c_type(wire), cuda.c_type(rows.dtype),
-                    cuda.c_type(home_acc))(
+        self._kernel("intranode_combine.cu", "home_sum", wire, rows.dtype, home_acc)(
             min(self.blocks, max(1, -(-tokens // (cuda.THREADS // 32)))),
             (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + partials), i64(part_row),
              i64(self.capacity.tokens), i32(self.world), ptr(out), ptr(self._flags), u32(epoch),
@@ -316,12 +373,12 @@ class Engine:
     def slots_home(self, values, counts: Counts, presum, slot_k, tstride: int) -> torch.Tensor:
         """[N] per-row values -> [T, K] per-slot values at home (0 for empty slots)."""
         tokens, topk = counts.route.shape[:2]
-        self.ensure(Capacity(int(counts.host[:, self.tokens_col].max()), topk, 0, 0))
+        self.ensure(Capacity(counts.tmax, topk, 0, 0))
         epoch = self._next_epoch()
         value_type = torch.float64 if values.dtype == torch.float64 else torch.float32
         wide = values.to(value_type).contiguous()
-        items = int(counts.host[:, self.tokens_col].sum()) * presum.shape[1]
-        cuda.kernel("intranode_combine.cu", "push_slots", cuda.c_type(value_type))(
+        items = counts.items * presum.shape[1]
+        self._kernel("intranode_combine.cu", "push_slots", value_type)(
             min(self.blocks, max(1, -(-items // cuda.THREADS))),
             (ptr(wide), ptr(presum), ptr(slot_k), i32(presum.shape[1]), i64(tstride), ptr(counts.matrix),
              i32(self.row_len), i32(self.tokens_col), i32(topk), ptr(self._data_ptrs),
@@ -329,7 +386,7 @@ class Engine:
              u32(epoch), ptr(self._counter), ptr(self.status)),
         )
         out = torch.empty(tokens, topk, dtype=value_type, device=self.device)
-        cuda.kernel("intranode_combine.cu", "home_slots", cuda.c_type(value_type))(
+        self._kernel("intranode_combine.cu", "home_slots", value_type)(
             min(self.blocks, max(1, -(-tokens * topk // cuda.THREADS))),
             (ptr(counts.route), i64(tokens * topk), u64(self._data.data_ptr() + self._offset("slots", epoch)),
              ptr(out), i32(self.world), ptr(self._flags), u32(epoch), u64(self.timeout_ns), ptr(self.status)),
@@ -341,5 +398,5 @@ def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
     """(wire dtype, fp8 kind: 0 none, 1 e4m3, 2 e5m2) of a codec for rows of ``dtype``."""
     fmt = getattr(codec, "fmt", None)
     if fmt is None:
-        return (dtype if codec.wire is None else codec.wire), 0
+        return codec.wire, 0
     return torch.uint8, 1 if fmt is quantize.E4M3 else 2

@@ -129,7 +129,8 @@ class TokenDispatcher(abc.ABC):
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
         handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
         anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
-        tokens, weights, link = _DispatchFn.apply(x, topk_weights, anchor, plan_out.weights, self, handle)
+        tokens, weights, link = _DispatchFn.apply(x, topk_weights, anchor, plan_out.weights, self, handle,
+                                                  plan_out.tokens)
         handle = dataclasses.replace(handle, link=link)
         hidden = x.shape[1]
         dispatch_row_bytes = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
@@ -340,15 +341,16 @@ class PlanOutputs:
     tokens_per_expert_host: torch.Tensor
     src_rank: torch.Tensor
     src_token: torch.Tensor
+    tokens: torch.Tensor | None = None  # x's rows, where the plan moved them itself (the NVLink engine)
 
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle):
+    def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle, moved):
         ctx.dispatcher, ctx.handle = dispatcher, handle
         config = dispatcher.config
         codec = to_experts_codec(config.dispatch_wire, x.dtype, config.fp8_pow2_scales)
-        tokens = dispatcher._to_experts(x, handle, codec)
+        tokens = moved if moved is not None else dispatcher._to_experts(x, handle, codec)
         return tokens, routed_weights.to(topk_weights.dtype, copy=True), x.new_empty(0)
 
     @staticmethod
@@ -364,7 +366,7 @@ class _DispatchFn(torch.autograd.Function):
         if handle.weights_grad_any:
             grad_topk = dispatcher._weights_to_home(grad_weights, handle)
         needs = ctx.needs_input_grad
-        return (grad_x if needs[0] else None), (grad_topk if needs[1] else None), None, None, None, None
+        return (grad_x if needs[0] else None), (grad_topk if needs[1] else None), None, None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import checks, cuda, plan
-from dispatch.codec import Codec
+from dispatch.codec import Codec, to_experts_codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.nvlink import Counts, Engine
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
@@ -76,15 +76,19 @@ class NVLinkDispatcher(TokenDispatcher):
             header[plan.HEADER.index("failed")] = 1
         wire = plan.weight_wire_dtype(weights.dtype)
         engine = self.engine
-        counts = engine.exchange_counts(topk_idx.contiguous(), weights.to(wire).contiguous(), header)
+        codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+        rows = x.detach().contiguous()
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights.to(wire).contiguous(), header, rows, codec)
         if failed is not None:
             raise failed
-        host = counts.host
-        grads_any = checks.check_peer_headers(host[:, : len(plan.HEADER)])
-        per_expert_host = host[:, engine.counts_col :].view(world, world, -1).sum(0)[self.rank].clone()
-        split = host[:, engine.sends_col : engine.counts_col]
-        num_rows = int(per_expert_host.sum())
-        tstride = max(1, int(host[:, engine.tokens_col].max()))
+        rows_of = counts.rows  # host: every rank's row of the counts matrix
+        grads_any = checks.check_peer_headers(torch.tensor([r[: len(plan.HEADER)] for r in rows_of]))
+        first = engine.counts_col + self.rank * self.num_local_experts
+        per_expert = [sum(r[first + e] for r in rows_of) for e in range(self.num_local_experts)]
+        per_expert_host = torch.tensor(per_expert, dtype=torch.int64)
+        split = [r[engine.sends_col : engine.counts_col] for r in rows_of]
+        num_rows = sum(per_expert)
+        tstride = max(1, counts.tmax)
         width = min(topk, self.num_local_experts)
         device = x.device
         presum = torch.empty(world * tstride, width, dtype=torch.int32, device=device)
@@ -92,10 +96,12 @@ class NVLinkDispatcher(TokenDispatcher):
         routed = torch.empty(num_rows, dtype=wire, device=device)
         src_rank = torch.empty(num_rows, dtype=torch.int64, device=device)
         src_token = torch.empty(num_rows, dtype=torch.int64, device=device)
-        # the places, weights and sources of the expanded rows (no row data yet)
-        engine.to_experts(x[:, :0], _NO_ROWS, counts, presum, slot_k, num_rows, tstride,
-                          meta_out=(routed, src_rank, src_token))
-        rows_of_rank = host[:, engine.counts_col :].view(world, world, -1).sum((0, 2))
+        # x's rows to their places, with each place's weight and source
+        tokens = engine.to_experts(rows, codec, counts, presum, slot_k, num_rows, tstride,
+                                   meta_out=(routed, src_rank, src_token))
+        local = self.num_local_experts
+        has_rows = tuple(any(any(r[engine.counts_col + d * local : engine.counts_col + (d + 1) * local])
+                             for r in rows_of) for d in range(world))
         handle = NVLinkHandle(
             owner=self,
             num_tokens=num_tokens,
@@ -103,12 +109,12 @@ class NVLinkDispatcher(TokenDispatcher):
             topk=topk,
             x_grad_any=grads_any[0],
             weights_grad_any=grads_any[1],
-            has_rows=tuple(bool(n) for n in rows_of_rank.tolist()),
+            has_rows=has_rows,
             counts=counts,
             presum=presum,
             slot_k=slot_k,
             tstride=tstride,
-            split_matrix=tuple(map(tuple, split.tolist())),
+            split_matrix=tuple(map(tuple, split)),
         )
         outputs = PlanOutputs(
             weights=routed,
@@ -116,6 +122,7 @@ class NVLinkDispatcher(TokenDispatcher):
             tokens_per_expert_host=per_expert_host,
             src_rank=src_rank,
             src_token=src_token,
+            tokens=tokens,
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
@@ -144,40 +151,28 @@ class NVLinkDispatcher(TokenDispatcher):
                           tier_split(received, self.rank, local), hidden * combine_wire.itemsize)
 
 
-class _NoRows:
-    """The codec of a move that carries no row data (only the plan's places)."""
-
-    name = "none"
-    wire = None  # the rows' own dtype
-
-    def row_bytes(self, hidden: int) -> int:
-        return 0
-
-
-_NO_ROWS = _NoRows()
-
-
 def unusable(group) -> str | None:
-    """Why the engine cannot serve ``group`` here (None if it can): it needs
-    CUDA, CuPy, an NCCL group of at most 32 ranks, all on this host with peer
-    access between their GPUs. A collective: every rank must call it, and all
-    get the same answer."""
-    if not cuda.available():
-        return "needs CUDA and CuPy (pip install 'moe-dispatch[cuda13]' or [cuda12])"
-    if dist.get_backend(group) != "nccl":
-        return f"needs an NCCL process group, got backend {dist.get_backend(group)!r}"
+    """Why the engine cannot serve ``group`` here (None if it can): it needs an
+    NCCL group of at most 32 ranks, all on one host with peer access between
+    their GPUs, and CuPy. On an NCCL group this is a collective (every rank must
+    call it, and all get the same answer); on any other it answers at once."""
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
     world = dist.get_world_size(group)
-    if world > MAX_WORLD:
-        return f"takes at most {MAX_WORLD} ranks, the group has {world}"
+    device = torch.cuda.current_device()
     import socket
 
-    device = torch.cuda.current_device()
-    mine = (socket.gethostname(), device)
+    mine = (socket.gethostname(), device, cuda.available())
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)  # host sync: where every rank runs
-    if len({host for host, _ in everyone}) > 1:
+    dist.all_gather_object(everyone, mine, group=group)  # host sync: where every rank runs, what it has
+    if world > MAX_WORLD:
+        return f"takes at most {MAX_WORLD} ranks, the group has {world}"
+    if not all(ok for _, _, ok in everyone):
+        return "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
+    if len({host for host, _, _ in everyone}) > 1:
         return "every rank of the group must be on one host"
-    peers_ok = all(d == device or torch.cuda.can_device_access_peer(device, d) for _, d in everyone)
+    peers_ok = all(d == device or torch.cuda.can_device_access_peer(device, d) for _, d, _ in everyone)
     agreed = torch.tensor([int(peers_ok)], dtype=torch.int32, device=torch.device("cuda", device))
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     if not agreed.item():  # host sync: every rank takes the same answer

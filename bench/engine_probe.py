@@ -1,0 +1,206 @@
+"""Study: the NVLink engine beside the NCCL transport on the model shapes, with a
+per-kernel profile of the engine's round trip.
+
+    python3 bench/engine_probe.py [--shapes deepseek-v3,mixtral-8x7b,decode] [--out DIR]
+
+One process per local GPU (NCCL). For each shape, transport and wire: median
+dispatch, combine and round-trip times (CUDA events, after warm-up and a
+barrier), every result checked against the NCCL transport bit for bit; then
+one profiled round trip of the engine, its kernels' times on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dispatch
+
+SHAPES = {  # T per rank, H, E, K
+    "deepseek-v3": (4096, 7168, 256, 8),
+    "qwen3-235b": (4096, 4096, 128, 8),
+    "mixtral-8x7b": (8192, 4096, 8, 2),
+    "decode": (128, 7168, 256, 8),
+}
+SETTINGS = [  # name, transport, dispatch wire, sm budget
+    ("nccl", "collective", "native", None),
+    ("nvlink", "nvlink", "native", None),
+    ("nvlink-24sm", "nvlink", "native", 24),
+    ("nccl-fp8", "collective", "fp8", None),
+    ("nvlink-fp8", "nvlink", "fp8", None),
+]
+
+
+def _inputs(shape, rank, device):
+    tokens, hidden, experts, topk = shape
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
+    scores = torch.rand(tokens, experts, generator=gen, device=device)
+    weights, idx = scores.topk(topk, dim=1)
+    return x, idx, (weights / weights.sum(1, keepdim=True)).float()
+
+
+def _time(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times), min(times), max(times)
+
+
+def _host_sections(round_trip, calls=20):
+    """Host microseconds per round trip spent inside the engine's main calls
+    (wall clock on the host, the waits of its host reads included)."""
+    import time
+
+    from dispatch import cuda, nvlink
+    from dispatch.dispatchers import base
+    from dispatch.dispatchers import nvlink as nvlink_dispatcher
+
+    targets = [(nvlink.Engine, "exchange_counts"), (nvlink.Engine, "to_experts"), (nvlink.Engine, "to_home"),
+               (nvlink_dispatcher.NVLinkDispatcher, "_plan"), (base.TokenDispatcher, "dispatch"),
+               (base.TokenDispatcher, "combine"), (cuda.Kernel, "__call__")]
+    spent = {f"{cls.__name__}.{name}": 0.0 for cls, name in targets}
+    originals = []
+    for cls, name in targets:
+        original = getattr(cls, name)
+        originals.append((cls, name, original))
+
+        def timed(*a, _original=original, _key=f"{cls.__name__}.{name}", **k):
+            start = time.perf_counter()
+            try:
+                return _original(*a, **k)
+            finally:
+                spent[_key] += time.perf_counter() - start
+
+        setattr(cls, name, timed)
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            round_trip()
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+    finally:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+    out = {key: value * 1e6 / calls for key, value in spent.items()}
+    out["round trip (wall)"] = total * 1e6 / calls
+    return out
+
+
+def _worker(rank, world, args, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        x, idx, w = _inputs(shape, rank, device)
+        reference = None
+        for label, transport, wire, budget in SETTINGS:
+            config = dispatch.DispatchConfig(num_experts=shape[2], transport=transport, dispatch_wire=wire,
+                                             sm_budget=budget, check_inputs=False)
+            d = dispatch.create(config)
+            out = d.dispatch(x, idx, w)
+            combined = d.combine(out.tokens, out.handle, weights=out.weights)
+            key = (wire,)
+            if transport == "collective":
+                reference = (key, out.tokens, combined)
+                same = True
+            else:
+                same = reference[0] == key and torch.equal(reference[1], out.tokens) and torch.equal(
+                    reference[2], combined)
+
+            def dispatch_only():
+                return d.dispatch(x, idx, w)
+
+            held = d.dispatch(x, idx, w)
+
+            def combine_only():
+                return d.combine(held.tokens, held.handle, weights=held.weights)
+
+            def round_trip():
+                o = d.dispatch(x, idx, w)
+                return d.combine(o.tokens, o.handle, weights=o.weights)
+
+            t_d = _time(dispatch_only, args.iters, args.warmup)
+            t_c = _time(combine_only, args.iters, args.warmup)
+            t_r = _time(round_trip, args.iters, args.warmup)
+            rows.append(dict(shape=name, setting=label, dispatch_us=t_d[0], combine_us=t_c[0], round_trip_us=t_r[0],
+                             round_trip_min_us=t_r[1], round_trip_max_us=t_r[2], bitwise_equal_nccl=bool(same)))
+            if rank == 0:
+                print(f"{name:14s} {label:12s} dispatch {t_d[0]:8.1f} us  combine {t_c[0]:8.1f} us  "
+                      f"round trip {t_r[0]:8.1f} us (min {t_r[1]:.1f})  equal to nccl: {same}", flush=True)
+            if transport == "nvlink" and budget is None and wire == "native" and args.host_profile and rank == 0:
+                import cProfile
+                import io
+                import pstats
+
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(10):
+                    round_trip()
+                torch.cuda.synchronize()
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+                print(text.getvalue()[-6000:], flush=True)
+            elif transport == "nvlink" and budget is None and wire == "native" and args.host_profile:
+                for _ in range(10):
+                    round_trip()
+                torch.cuda.synchronize()
+            if transport == "nvlink" and budget is None and wire == "native" and args.host_sections:
+                sections = _host_sections(round_trip)
+                if rank == 0:
+                    print(f"{name} host us per round trip: " + ", ".join(f"{k} {v:.0f}" for k, v in sections.items()),
+                          flush=True)
+            if transport == "nvlink" and budget is None and wire == "native" and args.profile:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        round_trip()
+                    torch.cuda.synchronize()
+                if rank == 0:
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+            del d
+    if rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "engine-probe.json"), "w") as f:
+            json.dump(dict(world=world, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="deepseek-v3,mixtral-8x7b,decode")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="kernel times of the engine's round trip")
+    parser.add_argument("--host-profile", action="store_true", help="where rank 0's host time goes (cProfile)")
+    parser.add_argument("--host-sections", action="store_true", help="host time inside the engine's main calls")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    world = torch.cuda.device_count()
+    mp.spawn(_worker, args=(world, args, 29600 + os.getpid() % 1000), nprocs=world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
