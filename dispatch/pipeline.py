@@ -56,7 +56,7 @@ import functools
 import torch
 from torch import nn
 
-from dispatch import checks
+from dispatch import checks, comm
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.experts import ChunkedExperts, GroupedExperts
@@ -236,7 +236,7 @@ class MoEExchange(nn.Module):
             with on_stream(streams.comm_stream), torch.no_grad():
                 for c in range(self.chunks_ahead(len(bounds) - 1)):
                     sent = codec.pack(x[bounds[c] : bounds[c + 1]], send_token[starts[c] : starts[c + 1]])
-                    started[c] = d.transport.start(sent, *splits[c])
+                    started[c] = comm.all_to_all_rows_start(sent, *splits[c][:2], d.group)
 
         plans = d._plan_chunks(x, topk_idx, topk_weights, bounds, d.config.check_inputs, early=early)
         params = self._trained_params()

@@ -27,7 +27,6 @@ from dispatch import checks, comm, plan
 from dispatch.codec import Codec
 from dispatch.dispatchers.base import CombineHandle, Pending, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import gather_sum
-from dispatch.peer_copy import TRANSPORTS, transposed
 from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
@@ -66,7 +65,6 @@ class AllToAllDispatcher(TokenDispatcher):
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self._graphs = PlanGraphCache() if config.plan_graphs else None
-        self.transport = TRANSPORTS[config.transport](self.group, self.rank, self.world_size)
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
     def _plan(
@@ -243,8 +241,8 @@ class AllToAllDispatcher(TokenDispatcher):
         rows in, received rows out) or home (``back=True``: the reverse);
         (out, work) as ``comm.all_to_all_rows_start``."""
         if back:
-            return self.transport.start(rows, handle.recv_splits, handle.send_splits, transposed(handle.split_matrix))
-        return self.transport.start(rows, handle.send_splits, handle.recv_splits, handle.split_matrix)
+            return comm.all_to_all_rows_start(rows, handle.recv_splits, handle.send_splits, self.group)
+        return comm.all_to_all_rows_start(rows, handle.send_splits, handle.recv_splits, self.group)
 
     def _rows(self, rows: torch.Tensor, handle: AllToAllHandle, back: bool) -> torch.Tensor:
         out, work = self._rows_start(rows, handle, back)
