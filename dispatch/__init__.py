@@ -8,6 +8,13 @@ Public API::
     y = experts(out.tokens, out.tokens_per_expert)
     h = d.combine(y, out.handle, weights=out.weights)
 
+    work = d.dispatch(x, topk_idx, topk_weights, async_op=True)   # DispatchWork
+    out = work.wait()                                             # Dispatched
+    work = d.combine(y, out.handle, weights=out.weights, async_op=True)   # ExchangeWork
+    h = work.wait()
+    # moves along a handle, not differentiable (hand-written backwards):
+    # d.dispatch_rows(rows, handle), d.combine_rows(rows, handle), d.combine_slots(values, handle)
+
     layer = dispatch.MoEExchange(d, experts, chunks=4)   # the same, pipelined
     h = layer(x, topk_idx, topk_weights)
 """
@@ -18,7 +25,14 @@ import torch.distributed as dist
 
 from dispatch.config import DispatchConfig
 from dispatch.cost_model import LinkModel
-from dispatch.dispatchers import VARIANT_CLASSES, CombineHandle, Dispatched, TokenDispatcher
+from dispatch.dispatchers import (
+    VARIANT_CLASSES,
+    CombineHandle,
+    Dispatched,
+    DispatchWork,
+    ExchangeWork,
+    TokenDispatcher,
+)
 from dispatch import experts  # noqa: F401  (dispatch.experts.GroupedExperts)
 from dispatch.pipeline import MoEExchange
 from dispatch.stats import DispatchStats
@@ -28,7 +42,9 @@ __all__ = [
     "CombineHandle",
     "DispatchConfig",
     "DispatchStats",
+    "DispatchWork",
     "Dispatched",
+    "ExchangeWork",
     "LinkModel",
     "MoEExchange",
     "PhaseTimer",
