@@ -115,7 +115,8 @@ def values_error(
     if not flags.any():
         return None
     kind = int(flags.nonzero()[0])
-    first = int(_bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])  # error path only
+    # host sync: the first bad row and its values, for the message (error path only)
+    first = int(_bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])
     if kind == 0:
         return ValueError(
             f"topk_idx holds an expert id outside [-1, {num_experts}) (num_experts={num_experts}): "

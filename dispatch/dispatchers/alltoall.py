@@ -75,21 +75,17 @@ class AllToAllDispatcher(TokenDispatcher):
         none is left waiting."""
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
-        bounds = (0, num_tokens)
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
         header_row = self._header_row(x, topk_weights, topk)
         captured, failed = None, None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
-            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, bounds)
+            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values)
             captured = self._graphs.get(key, num_experts, world, rank)
         if captured is not None:
-            flags, row, _ = captured.run_route(topk_idx, weights, header_row)
+            flags, row = captured.run_route(topk_idx, weights, header_row)
         else:
-            chunks_of_tokens = plan.token_chunks(bounds, topk_idx.device)
-            flags, route, counts, row, _ = route_phase(
-                topk_idx, weights, header_row, num_experts, world, check_values, chunks_of_tokens, 1
-            )
+            flags, route, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values)
         if flags is not None:  # before the first exchange
             failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
         if failed is not None:  # the peers are about to wait in the all-gather: stop them there
@@ -100,7 +96,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if captured is not None:
             planned = captured.run_send()
         else:
-            planned = send_phase(route, counts, gathered, rank, topk_idx, weights, chunks_of_tokens)
+            planned = send_phase(route, gathered, rank, topk_idx, weights)
         summary = planned.summary.cpu()  # host sync: split sizes for NCCL, row counts, peers' headers
         counts_end = 2 * world + self.num_local_experts  # rows sent, rows received, rows per local expert
         headers_end = counts_end + world * len(plan.HEADER)

@@ -148,8 +148,8 @@ class HierarchicalDispatcher(TokenDispatcher):
         block = max(int(gc.tokens.max()), 1)
 
         # stage 1: my tokens to (node b, index l), with their routing
-        pos1 = counts.send_positions(gc.node_hit, send1)
-        send1_token = counts.items_by_row(gc.node_hit, pos1, sum(send1))
+        pos1 = plan.send_positions(gc.node_hit, send1)
+        send1_token = plan.items_by_row(gc.node_hit, pos1, sum(send1))
         meta = torch.cat(
             [
                 torch.full((num_tokens, 1), rank, dtype=torch.int64, device=device),
@@ -162,8 +162,8 @@ class HierarchicalDispatcher(TokenDispatcher):
         held = comm.all_to_all_rows(meta.index_select(0, send1_token), send1, recv1, self.tiers.inter)
         # stage 2: held rows to the ranks of this node holding their experts
         hit2 = plan.route(held[:, 2 : 2 + topk], num_experts, world).hit[:, my_node]
-        pos2 = counts.send_positions(hit2, send2)
-        send2_row = counts.items_by_row(hit2, pos2, sum(send2))
+        pos2 = plan.send_positions(hit2, send2)
+        send2_row = plan.items_by_row(hit2, pos2, sum(send2))
         arrived = comm.all_to_all_rows(held.index_select(0, send2_row), send2, recv2, self.tiers.intra)
 
         local_expert = counts.local_experts(arrived[:, 2 : 2 + topk], num_experts, world, rank)
@@ -184,9 +184,9 @@ class HierarchicalDispatcher(TokenDispatcher):
             send2=send2,
             recv2=recv2,
             send1_token=send1_token,
-            home_index=counts.rows_by_item(gc.node_hit, pos1),
+            home_index=plan.rows_by_item(gc.node_hit, pos1),
             send2_row=send2_row,
-            node_index=counts.rows_by_item(hit2, pos2),
+            node_index=plan.rows_by_item(hit2, pos2),
             slots=ex.slots,
             presum_index=ex.presum_index,
             self_send=sum(send1[:node]),
@@ -194,7 +194,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         )
         outputs = PlanOutputs(
             weights=arrived[:, 2 + topk :].contiguous().view(torch.float64).flatten().index_select(0, ex.slots),
-            tokens_per_expert=per_expert_host.to(device),
+            tokens_per_expert=plan.to_device(per_expert_host, device),
             tokens_per_expert_host=per_expert_host,
             src_rank=arrived[:, 0].index_select(0, expand_src),
             src_token=arrived[:, 1].index_select(0, expand_src),
