@@ -46,10 +46,13 @@ class Pending:
 
 
 class Started:
-    """An exchange started by :meth:`CommStreams.start`; :meth:`result` once."""
+    """An exchange started by :meth:`CommStreams.start`; :meth:`result` once.
+    Until then it holds ``keep`` (what the communication stream reads: the
+    start hook with its handle and inputs), so that none of it is freed and
+    handed out to the caller's stream while that stream may still read it."""
 
-    def __init__(self, pending: Pending, event: "torch.cuda.Event | None" = None, device=None) -> None:
-        self._pending, self._event, self._device = pending, event, device
+    def __init__(self, pending: Pending, event: "torch.cuda.Event | None" = None, device=None, keep=None) -> None:
+        self._pending, self._event, self._device, self._keep = pending, event, device, keep
 
     def result(self) -> torch.Tensor:
         """The exchange's result, ready for the caller's current stream."""
@@ -60,7 +63,7 @@ class Started:
             # made in the communication stream's pool, used on the caller's stream:
             # its memory is not handed out again before that use
             out.record_stream(stream)
-            self._event = None
+            self._event = self._keep = None
         return out
 
 
@@ -86,7 +89,7 @@ class CommStreams:
             event.record(stream)
         for tensor in reads:  # the caller may drop them: their memory waits for this stream
             tensor.record_stream(stream)
-        return Started(pending, event, device)
+        return Started(pending, event, device, keep=(issue, reads))
 
     def stream(self, device: torch.device, priority: int) -> "torch.cuda.Stream":
         """The communication stream of ``device`` at ``priority`` (made on first use)."""
