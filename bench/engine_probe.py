@@ -30,10 +30,10 @@ SHAPES = {  # T per rank, H, E, K
     "decode": (128, 7168, 256, 8),
 }
 SETTINGS = [  # name, transport, dispatch wire, sm budget
-    ("nccl", "collective", "native", None),
+    ("nccl", "nccl", "native", None),
     ("nvlink", "nvlink", "native", None),
     ("nvlink-24sm", "nvlink", "native", 24),
-    ("nccl-fp8", "collective", "fp8", None),
+    ("nccl-fp8", "nccl", "fp8", None),
     ("nvlink-fp8", "nvlink", "fp8", None),
 ]
 
@@ -121,7 +121,7 @@ def _worker(rank, world, args, port):
             out = d.dispatch(x, idx, w)
             combined = d.combine(out.tokens, out.handle, weights=out.weights)
             key = (wire,)
-            if transport == "collective":
+            if transport == "nccl":
                 reference = (key, out.tokens, combined)
                 same = True
             else:

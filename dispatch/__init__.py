@@ -8,6 +8,13 @@ Public API::
     y = experts(out.tokens, out.tokens_per_expert)
     h = d.combine(y, out.handle, weights=out.weights)
 
+    work = d.dispatch(x, topk_idx, topk_weights, async_op=True)   # DispatchWork
+    out = work.wait()                                             # Dispatched
+    work = d.combine(y, out.handle, weights=out.weights, async_op=True)   # ExchangeWork
+    h = work.wait()
+    # moves along a handle, not differentiable (hand-written backwards):
+    # d.dispatch_rows(rows, handle), d.combine_rows(rows, handle), d.combine_slots(values, handle)
+
     layer = dispatch.MoEExchange(d, experts, chunks=4)   # the same, pipelined
     h = layer(x, topk_idx, topk_weights)
 """
@@ -18,7 +25,14 @@ import torch.distributed as dist
 
 from dispatch.config import DispatchConfig
 from dispatch.cost_model import LinkModel
-from dispatch.dispatchers import VARIANT_CLASSES, CombineHandle, Dispatched, TokenDispatcher
+from dispatch.dispatchers import (
+    VARIANT_CLASSES,
+    CombineHandle,
+    Dispatched,
+    DispatchWork,
+    ExchangeWork,
+    TokenDispatcher,
+)
 from dispatch import experts  # noqa: F401  (dispatch.experts.GroupedExperts)
 from dispatch.pipeline import MoEExchange
 from dispatch.stats import DispatchStats
@@ -28,7 +42,9 @@ __all__ = [
     "CombineHandle",
     "DispatchConfig",
     "DispatchStats",
+    "DispatchWork",
     "Dispatched",
+    "ExchangeWork",
     "LinkModel",
     "MoEExchange",
     "PhaseTimer",
@@ -48,7 +64,8 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
     Raises:
         TypeError / ValueError, naming the argument, when the config does not fit
         the group (``num_experts`` not a multiple of the group size,
-        ``local_world_size`` not dividing it).
+        ``local_world_size`` not dividing it, ``transport="nvlink"`` where the
+        engine cannot run: not CUDA/NCCL, ranks on several hosts, no CuPy).
     """
     if not isinstance(config, DispatchConfig):
         raise TypeError(f"config must be a dispatch.DispatchConfig, got {type(config).__name__}")
@@ -64,8 +81,12 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         raise ValueError(
             f"local_world_size={config.local_world_size} does not divide the group size {world}"
         )
-    if config.transport == "nvlink":
-        from dispatch.dispatchers.nvlink import NVLinkDispatcher
+    if config.variant == "alltoall" and config.transport != "nccl":
+        from dispatch.dispatchers.nvlink import NVLinkDispatcher, unusable
 
-        return NVLinkDispatcher(config, group)
+        problem = unusable(group)  # a collective on NCCL groups: every rank gets the same answer
+        if problem is None:
+            return NVLinkDispatcher(config, group)
+        if config.transport == "nvlink":
+            raise ValueError(f"transport='nvlink': {problem}")
     return VARIANT_CLASSES[config.variant](config, group)

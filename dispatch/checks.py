@@ -115,7 +115,8 @@ def values_error(
     if not flags.any():
         return None
     kind = int(flags.nonzero()[0])
-    first = int(_bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])  # error path only
+    # host sync: the first bad row and its values, for the message (error path only)
+    first = int(_bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])
     if kind == 0:
         return ValueError(
             f"topk_idx holds an expert id outside [-1, {num_experts}) (num_experts={num_experts}): "
@@ -168,24 +169,43 @@ def check_combine_inputs(
     weights: object,
     num_rows: int,
     devices: frozenset[str],
+    name: str = "expert_out",
 ) -> None:
-    """Validate the arguments of ``TokenDispatcher.combine``.
+    """Validate the arguments of ``TokenDispatcher.combine`` (and ``combine_rows``,
+    whose rows are called ``name``).
 
     Args:
         expert_out: [N, H'] floating, N = the rows the matching dispatch produced.
         weights: None or [N] floating.
     """
-    expert_out = check_tensor("expert_out", expert_out, 2, FLOAT_DTYPES)
-    check_backend_device("expert_out", expert_out, devices)
-    if expert_out.shape[1] < 1:
-        raise ValueError(f"expert_out must have a hidden size >= 1, got shape {tuple(expert_out.shape)}")
-    if expert_out.shape[0] != num_rows:
-        raise ValueError(
-            f"expert_out has {expert_out.shape[0]} rows but the dispatch behind handle produced "
-            f"{num_rows}; expert_out must be [N, H] in the dispatched order"
-        )
+    expert_out = check_rows(name, expert_out, num_rows, "the dispatch behind handle produced", devices)
     if weights is not None:
         weights = check_tensor("weights", weights, 1, FLOAT_DTYPES)
         if weights.shape[0] != num_rows:
-            raise ValueError(f"weights has {weights.shape[0]} entries but expert_out has {num_rows} rows")
-        check_device("weights", weights, "expert_out", expert_out.device)
+            raise ValueError(f"weights has {weights.shape[0]} entries but {name} has {num_rows} rows")
+        check_device("weights", weights, name, expert_out.device)
+
+
+def check_rows(name: str, rows: object, num_rows: int, what: str, devices: frozenset[str]) -> torch.Tensor:
+    """``rows`` is [num_rows, H'] floating (H' >= 1) on a device the backend moves;
+    ``what`` says where ``num_rows`` comes from (for the message)."""
+    rows = check_tensor(name, rows, 2, FLOAT_DTYPES)
+    check_backend_device(name, rows, devices)
+    if rows.shape[1] < 1:
+        raise ValueError(f"{name} must have a hidden size >= 1, got shape {tuple(rows.shape)}")
+    if rows.shape[0] != num_rows:
+        raise ValueError(
+            f"{name} has {rows.shape[0]} rows but {what} {num_rows}; "
+            f"{name} must be [{num_rows}, H] in the order of the handle"
+        )
+    return rows
+
+
+def check_values(name: str, values: object, num_rows: int, devices: frozenset[str]) -> torch.Tensor:
+    """``values`` is [num_rows] floating, one per dispatched row."""
+    values = check_tensor(name, values, 1, FLOAT_DTYPES)
+    check_backend_device(name, values, devices)
+    if values.shape[0] != num_rows:
+        raise ValueError(f"{name} has {values.shape[0]} entries but the dispatch behind handle produced "
+                         f"{num_rows} rows; one value per dispatched row")
+    return values

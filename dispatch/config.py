@@ -20,7 +20,7 @@ VARIANTS = ("alltoall", "allgather", "hierarchical", "auto")
 TO_EXPERTS_WIRES = ("native", "bf16", "fp32", "fp8")
 GRAD_TO_EXPERTS_WIRES = (*TO_EXPERTS_WIRES, "e5m2")
 SUM_WIRES = ("native", "bf16", "fp32")
-TRANSPORTS = ("collective", "peer_copy", "nvlink")
+TRANSPORTS = ("auto", "nccl", "nvlink")
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,6 @@ class DispatchConfig:
             ranks), for the hierarchical variant, the auto cost model and the
             intra-/inter-node split of ``Dispatched.stats``; checked to divide the
             group size. None: ``LOCAL_WORLD_SIZE`` from torchrun, else one node.
-        inter_node_max_ctas: hierarchical on NCCL: create the inter-node process
-            group with NCCL's ``config.min_ctas = config.max_ctas =`` this many
-            CTAs (SMs), to emulate a slow inter-node tier on one host. Ignored by
-            other backends (gloo has no such setting) and other variants.
         link_model: bandwidths and latencies of the tiers for ``variant="auto"``
             (a :class:`dispatch.cost_model.LinkModel`; None: its defaults).
         check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``
@@ -73,14 +69,21 @@ class DispatchConfig:
             CUDA graphs, captured the second time a (T, K, dtypes) is seen (a few
             MB each, the 8 most recent shapes kept); the alltoall variant only. This removes some sixty kernel launches per
             dispatch. Turn it off when the dispatch itself runs inside a graph
-            capture of the caller's.
-        transport: how the token rows of an exchange move (``dispatch.peer_copy``).
-            ``"collective"``: the process group's ``all_to_all_single`` (NCCL's SM
-            kernels on GPUs). ``"peer_copy"``: each rank pulls its rows out of its
-            peers' memory with plain copies (on CUDA, copy engines reading
-            symmetric memory, so the exchange takes no SM from the experts);
-            every rank of the group on one host; the alltoall variant only.
-            Results are bitwise the same either way.
+            capture of the caller's. (NCCL transport.)
+        transport: what moves the rows of the ``alltoall`` variant. ``"nvlink"``:
+            the NVLink engine (``dispatch.nvlink``): every rank of the group on
+            one host with peer access between the GPUs, NCCL group, CuPy; the
+            routing plan and the exchanges run in its own kernels over
+            symmetric memory, with one host read per dispatch; results are
+            bitwise those of ``"nccl"``. ``"nccl"``: the process group's
+            collectives (the only one on CPU/gloo and across hosts). ``"auto"``
+            (default): the engine where it can run, else the collectives.
+            Other variants use the collectives.
+        sm_budget: NVLink engine: thread blocks its data kernels may use (None:
+            one per SM); fewer leave SMs to expert GEMMs running beside it.
+        timeout: NVLink engine: seconds a kernel waits for a peer before it
+            gives up; the dispatch (or the next one) then raises a RuntimeError
+            naming the peer, instead of hanging.
     """
 
     num_experts: int
@@ -91,11 +94,10 @@ class DispatchConfig:
     combine_grad_wire: str = "native"
     fp8_pow2_scales: bool = False
     local_world_size: int | None = None
-    inter_node_max_ctas: int | None = None
     link_model: LinkModel | None = None
     check_inputs: bool = True
     plan_graphs: bool = True
-    transport: str = "collective"
+    transport: str = "auto"
     sm_budget: int | None = None
     timeout: float = 60.0
 
@@ -109,9 +111,6 @@ class DispatchConfig:
         _check_choice("combine_wire", self.combine_wire, SUM_WIRES)
         _check_choice("dispatch_grad_wire", self.dispatch_grad_wire, SUM_WIRES)
         _check_choice("combine_grad_wire", self.combine_grad_wire, GRAD_TO_EXPERTS_WIRES)
-        _check_choice("transport", self.transport, TRANSPORTS)
-        if self.transport != "collective" and self.variant != "alltoall":
-            raise ValueError(f"transport={self.transport!r} needs variant='alltoall', got variant={self.variant!r}")
         if self.local_world_size is not None:
             if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int):
                 raise TypeError(
@@ -119,13 +118,6 @@ class DispatchConfig:
                 )
             if self.local_world_size < 1:
                 raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
-        if self.inter_node_max_ctas is not None:
-            if isinstance(self.inter_node_max_ctas, bool) or not isinstance(self.inter_node_max_ctas, int):
-                raise TypeError(
-                    f"inter_node_max_ctas must be an int or None, got {type(self.inter_node_max_ctas).__name__}"
-                )
-            if self.inter_node_max_ctas < 1:
-                raise ValueError(f"inter_node_max_ctas must be >= 1, got {self.inter_node_max_ctas}")
         if self.link_model is not None and not isinstance(self.link_model, LinkModel):
             raise TypeError(
                 f"link_model must be a dispatch.cost_model.LinkModel or None, got {type(self.link_model).__name__}"
@@ -135,6 +127,9 @@ class DispatchConfig:
             raise ValueError(f"sm_budget must be an int >= 1 or None, got {self.sm_budget!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e6:
             raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        _check_choice("transport", self.transport, TRANSPORTS)
+        if self.transport == "nvlink" and self.variant != "alltoall":
+            raise ValueError(f"transport='nvlink' needs variant='alltoall', got variant={self.variant!r}")
         for name in ("fp8_pow2_scales", "check_inputs", "plan_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

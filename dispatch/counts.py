@@ -1,8 +1,10 @@
-"""The counts exchange of the all-gather, hierarchical and auto variants.
+"""The counts exchange of the all-gather, hierarchical and auto variants, and
+the expansion of received rows to canonical order.
 
 One all-gather per exchange gives every rank every rank's routing counts,
 header, token count and node counts, and one host copy puts them where the
-split sizes are needed. It reuses ``dispatch.plan``'s route and header, so the
+split sizes are needed. It reuses ``dispatch.plan``'s route, header and send
+order (``plan.send_positions``, ``plan.rows_by_item``, ``plan.items_by_row``), so the
 checks are those of the alltoall variant: values before the first exchange
 (a rank with bad values marks itself failed in it and raises right after it),
 peers' headers right after it (every rank raises).
@@ -82,8 +84,9 @@ def exchange(
     route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     nodes = world_size // local_world_size
     node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
-    header_row = torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64, device=x.device)
-    tail = torch.cat([torch.tensor([num_tokens], device=x.device), node_hit.sum(0, dtype=torch.int64)])
+    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk) + [num_tokens]), x.device)
+    tail = torch.cat([header_row[-1:], node_hit.sum(0, dtype=torch.int64)])
+    header_row = header_row[:-1]
     row = torch.cat([plan.exchange_row(route, header_row), tail])
     base = row.numel() - tail.numel()  # the counts and the header; the tail after them
     if failed is not None:
@@ -102,37 +105,6 @@ def exchange(
         x_grad_any=x_grad_any,
         weights_grad_any=weights_grad_any,
     )
-
-
-def send_positions(hit: torch.Tensor, splits: tuple[int, ...]) -> torch.Tensor:
-    """Send row of each (item, destination) when items go out destination-major.
-
-    Args:
-        hit: [I, D] bool, item i goes to destination d.
-        splits: host counts per destination (``hit.sum(0)``).
-    Returns:
-        [I, D] int64: the row of (i, d) in the send order (destination
-        ascending, then item ascending); meaningless where ``hit`` is False.
-    """
-    sizes = plan.to_device(torch.tensor(splits, dtype=torch.int64), hit.device)
-    offsets = torch.cumsum(sizes, 0) - sizes
-    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()
-    return before - 1 + offsets
-
-
-def rows_by_item(hit: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """[I, D] int64: row i lists the send rows of item i in ascending destination, -1 padded."""
-    packed = torch.sort(torch.where(hit, position, PAD), dim=1).values
-    return torch.where(packed == PAD, -1, packed)
-
-
-def items_by_row(hit: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[num_rows] int64: the item behind each send row."""
-    items, dests = hit.shape
-    out = torch.empty(num_rows + 1, dtype=torch.int64, device=hit.device)
-    item = torch.arange(items, device=hit.device).repeat_interleave(dests)
-    out.scatter_(0, torch.where(hit, position, num_rows).flatten(), item)
-    return out[:num_rows]
 
 
 @dataclass(frozen=True)

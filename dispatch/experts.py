@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dispatch import plan
 from dispatch.kernels.scatter_rows import scatter_rows
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
@@ -175,13 +176,13 @@ class GroupedExperts(nn.Module):
 
     def _grouped(self, tokens, tokens_per_expert):
         tokens = _aligned(tokens)
-        counts = tokens_per_expert.to(tokens.device, non_blocking=True)  # CPU counts: no stream sync for the copy
+        counts = plan.to_device(tokens_per_expert, tokens.device)  # CPU counts: no stream sync for the copy
         offs = _ends(counts)
         h = _dense_grad(torch._grouped_mm(tokens, self.w_in, offs=offs))
         return _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
 
     def _padded(self, tokens, tokens_per_expert):
-        blocks = PaddedBlocks(tokens_per_expert.to(tokens.device, non_blocking=True), tokens_per_expert)
+        blocks = PaddedBlocks(plan.to_device(tokens_per_expert, tokens.device), tokens_per_expert)
         h = torch.bmm(blocks.pad(tokens), self.w_in)
         # act(0) = 0 for every activation here: the padding rows stay zero between the GEMMs
         return blocks.unpad(torch.bmm(self._act(h), self.w_out))
@@ -402,5 +403,5 @@ class ChunkedExperts:
         device = self.counts[0].device
         rows = sum(self.rows)
         runs = torch.cat([counts.view(-1) for counts in self.counts])
-        spread = torch.repeat_interleave(shift.view(-1).to(device, non_blocking=True), runs, output_size=rows)
+        spread = torch.repeat_interleave(plan.to_device(shift.view(-1), device), runs, output_size=rows)
         return list((torch.arange(rows, device=device) + spread).split(self.rows))

@@ -19,11 +19,6 @@ Orders (the contract of DESIGN.md):
 * canonical (expanded) order: local expert ascending, then (source rank, source
   token) ascending. This is what the experts see.
 
-An exchange in C chunks of home tokens (``MoEExchange``) keeps these orders
-inside each chunk: its send rows are chunk-major (chunk, destination, token),
-and each chunk's received and expanded rows are contiguous, in the orders above.
-One plan serves all chunks; C = 1 is the plain exchange.
-
 How the plan is made, with one host synchronisation:
 
 1. ``route``: destination ranks and per-destination counts, before any
@@ -35,9 +30,14 @@ How the plan is made, with one host synchronisation:
    Buffers are sized by the upper bound ``T * min(K, W)`` so that nothing here
    waits for the host.
 3. The caller copies the split sizes to the host once, slices the buffers and
-   moves the slot lists with the rows' metadata (one all-to-all for all
-   chunks); ``build_recv_plan`` expands, placing each received block (source
-   rank, chunk) from a table made on the host (``recv_table``).
+   moves the slot lists with the rows' metadata (one all-to-all);
+   ``build_recv_plan`` expands, placing each received block (source rank)
+   from a table made on the host (``recv_table``).
+
+The send order (destination-major, then item ascending) is made by
+``send_positions`` / ``rows_by_item`` / ``items_by_row`` for every variant:
+the alltoall variant's tokens to ranks here, the others' tokens to nodes and
+held rows to ranks (``dispatch.counts``).
 """
 
 from __future__ import annotations
@@ -137,92 +137,68 @@ def split_gathered(gathered: torch.Tensor, world_size: int) -> tuple[torch.Tenso
     return counts.view(world_size, world_size, -1), gathered[:, counts.shape[1] :]
 
 
-def chunk_counts(r: Route, topk_idx: torch.Tensor, chunk_of: torch.Tensor, chunks: int, num_experts: int) -> torch.Tensor:
-    """Counts of C home token ranges, for one counts exchange that serves all chunks.
-
-    Args:
-        r: :class:`Route` of all T tokens.
-        topk_idx: [T, K] expert ids.
-        chunk_of: [T] int64 chunk of each token (``token_chunks(bounds)[0]``).
-        chunks: C.
-        num_experts: E.
-    Returns:
-        [C, W, 1 + E_local] int64; ``[c]`` is ``route(topk_idx[chunk c]).counts``.
-    """
-    world_size = r.hit.shape[1]
-    device = r.hit.device
-    rows = torch.zeros(chunks, world_size, dtype=torch.int64, device=device)
-    rows.index_add_(0, chunk_of, r.hit.long())
-    valid = r.dest < world_size
-    slot = torch.where(valid, topk_idx.long(), num_experts) + (num_experts + 1) * chunk_of.unsqueeze(1)
-    slots = torch.zeros(chunks * (num_experts + 1), dtype=torch.int64, device=device)
-    slots.scatter_add_(0, slot.flatten(), torch.ones_like(slot.flatten()))
-    per_expert = slots.view(chunks, num_experts + 1)[:, :num_experts].reshape(chunks, world_size, -1)
-    return torch.cat([rows.unsqueeze(2), per_expert], dim=2)
-
-
-def split_gathered_chunks(gathered: torch.Tensor, world_size: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[W, L] all-gathered rows of ``chunk_counts`` + header ->
-    (all_counts [W_src, C, W_dst, 1 + E_local], headers [W, len(HEADER)])."""
-    counts = gathered[:, : gathered.shape[1] - len(HEADER)]
-    return counts.view(world_size, chunks, world_size, -1), gathered[:, counts.shape[1] :]
-
-
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device``; on CUDA through pinned memory, so that
-    the copy does not wait for the work queued on the stream."""
-    if device.type != "cuda":
+    """A small host-built tensor on ``device``; on CUDA through a pinned buffer
+    with ``non_blocking=True``, so that the copy does not wait for the work
+    queued on the stream (every host-to-device copy of the package goes here)."""
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def token_chunks(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """[2, T] int64: the chunk of each token and its index inside its chunk.
-
-    Made on ``device`` without waiting for its stream (the bounds travel from
-    pinned memory on CUDA).
+def send_positions(hit: torch.Tensor, sizes: "torch.Tensor | tuple[int, ...]") -> torch.Tensor:
+    """Send row of each (item, destination) when items go out destination-major.
 
     Args:
-        bounds: C + 1 ascending host ints from 0 to T; chunk c is tokens
-            ``[bounds[c], bounds[c + 1])``.
+        hit: [I, D] bool, item i goes to destination d.
+        sizes: rows per destination (``hit.sum(0)``): [D] int64 on hit's
+            device, or host ints (the split sizes).
+    Returns:
+        [I, D] int64: the row of (i, d) in the send order (destination
+        ascending, then item ascending); meaningless where ``hit`` is False.
     """
-    num_tokens = bounds[-1]
-    token = torch.arange(num_tokens, device=device)
-    if len(bounds) == 2:  # one chunk: every token in chunk 0, at its own index
-        return torch.stack([torch.zeros_like(token), token])
-    starts = to_device(torch.tensor(bounds[:-1], dtype=torch.int64), device)
-    chunk_of = torch.searchsorted(starts, token, right=True) - 1  # last chunk starting at or before the token
-    return torch.stack([chunk_of, token - starts[chunk_of]])
+    # Scan along the contiguous dimension: a scan down I columns of width D is
+    # D-way parallel only, and slow.
+    if not isinstance(sizes, torch.Tensor):
+        sizes = to_device(torch.tensor(sizes, dtype=torch.int64), hit.device)
+    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()  # [I, D] items up to i going to d
+    return before - 1 + _exclusive(sizes, 0)
+
+
+def rows_by_item(hit: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """[I, D] int64: row i lists the send rows of item i in ascending destination, -1 padded."""
+    return _pack_left(torch.where(hit, position, _PAD))
+
+
+def items_by_row(hit: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[num_rows] int64: the item behind each of the first ``num_rows`` send rows
+    (``num_rows`` may be an upper bound of them: the rows past the real ones
+    are left unset)."""
+    items, dests = hit.shape
+    out = torch.empty(num_rows + 1, dtype=torch.int64, device=hit.device)
+    item = torch.arange(items, device=hit.device).repeat_interleave(dests)
+    out.scatter_(0, torch.where(hit, position, num_rows).flatten(), item)
+    return out[:num_rows]
 
 
 @dataclass(frozen=True)
 class SendPlan:
-    """Where each of this rank's tokens goes, and where its partial sums come back,
-    for an exchange in C chunks of home tokens (C = 1: one exchange).
+    """Where each of this rank's tokens goes, and where its partial sums come back.
 
-    Chunk c moves the tokens of its range with one token all-to-all of its own;
-    its send rows are contiguous (send order *chunk-major*: chunk, then
-    destination rank, then token), and so are its received rows and its
-    expanded rows on every destination. The slot lists travel in one metadata
-    all-to-all for all chunks, in plain send order (destination rank, token):
-    for token ranges that is each destination's rows of chunk 0, then chunk 1, ...
-
-    Row buffers hold ``T * min(K, W)`` rows (an upper bound of S, plus one row
-    that collects the writes of empty slots); the first S are real.
+    Row buffers hold ``T * min(K, W)`` rows (an upper bound of S); the first S
+    are real.
 
     Attributes:
-        send_token: [T * min(K, W) + 1] int64, in chunk-major send order, the
-            token of each send row as an index inside its chunk.
-        meta: [T * min(K, W) + 1, J + 1 + J * w] int32 per send row in plain send
-            order: the expanded positions of its slots on the destination
-            (inside the row's chunk), ascending, -1 padded (J columns); the
-            source token (index inside its chunk); the slot weights bit-cast to int32
-            (``w`` words each, 1 for fp32 weights, 2 for fp64), in the order of
-            the positions.
-        home_index: [T, W] int64; row t lists the send rows of token t (inside
-            its chunk's send rows) in ascending destination rank, so that its
-            partial sums come back in rank order, padded with -1.
-        slot_row: [T, K] int64, the send row (inside its chunk) that carries slot k (-1 if empty).
+        send_token: [T * min(K, W)] int64, in send order, the token of each send row.
+        meta: [T * min(K, W) + 1, J + 1 + J * w] int32 per send row: the
+            expanded positions of its slots on the destination, ascending, -1
+            padded (J columns); the source token; the slot weights bit-cast to
+            int32 (``w`` words each, 1 for fp32 weights, 2 for fp64), in the
+            order of the positions. The last row collects the writes of empty slots.
+        home_index: [T, W] int64; row t lists the send rows of token t in
+            ascending destination rank, so that its partial sums come back in
+            rank order, padded with -1.
+        slot_row: [T, K] int64, the send row that carries slot k (-1 if empty).
         slot_col: [T, K] int64, the column of slot k in that row's slot list.
     """
 
@@ -243,129 +219,54 @@ def _exclusive(values: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cumsum(values, dim) - values
 
 
-def send_rows(hit: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.Tensor, topk: int):
-    """The send rows of each (token, destination), from this rank's counts alone.
-
-    Args:
-        hit: [T, W] bool, ``Route.hit``.
-        counts: [C, W, 1 + E_local] int64, this rank's counts of each chunk.
-        chunks_of_tokens: [2, T] int64 from :func:`token_chunks`.
-        topk: K.
-    Returns:
-        before: [T, W] int64, tokens up to t (included) with a row to each destination.
-        local: [T, W] int64, the row of (t, destination) inside its chunk's send rows
-            (meaningful where ``hit``).
-        row: [T, W] int64, the same among all chunks' send rows (chunk-major).
-        send_token: ``SendPlan.send_token``.
-    """
-    num_tokens, world_size = hit.shape
-    capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
-    chunk_of, chunk_token = chunks_of_tokens[0], chunks_of_tokens[1]
-    # Rows of (token, destination): `before` earlier-or-equal tokens with the same
-    # destination. Scan along the contiguous dimension: a scan down T columns of
-    # width W is W-way parallel only, and slow.
-    before = torch.cumsum(hit.t().contiguous(), 1, dtype=torch.int64).t()  # [T, W]
-    rows_to = counts[:, :, 0]  # [C, W]
-    earlier_chunks = _exclusive(rows_to, 0)[chunk_of]  # [T, W] rows of earlier chunks per destination
-    local = before - 1 - earlier_chunks + _exclusive(rows_to, 1)[chunk_of]  # row inside the chunk
-    row = local + _exclusive(rows_to.sum(1), 0)[chunk_of].unsqueeze(1)  # after the rows of earlier chunks
-    in_chunk = chunk_token.repeat_interleave(world_size)  # [T * W] token of each (token, rank) pair
-    send_token = torch.empty(capacity + 1, dtype=torch.int64, device=hit.device)
-    send_token.scatter_(0, torch.where(hit, row, capacity).flatten(), in_chunk)
-    return before, local, row, send_token
-
-
-@dataclass(frozen=True)
-class OwnKeys:
-    """The rows this rank routes to its own experts ("own rows"), before the host
-    knows how many there are: fixed shapes, made with the route (an exchange in
-    C chunks of home tokens, C = 1 included).
-
-    Attributes:
-        send_token: ``SendPlan.send_token`` of the exchange (its first S are real).
-        row_key: [T * K] int64 ascending: ``local expert * T + token`` of each own
-            slot, then ``E_local * T`` for every other slot. Its first N_own
-            entries are the own rows of all chunks in the canonical order of
-            one exchange (local expert, then token).
-        send_row: [T] int64, the send row (among all chunks' S, chunk-major) of
-            each token to this rank (meaningful for tokens with an own slot).
-    """
-
-    send_token: torch.Tensor
-    row_key: torch.Tensor
-    send_row: torch.Tensor
-
-
-def own_keys(r: Route, topk_idx: torch.Tensor, counts: torch.Tensor, chunks_of_tokens: torch.Tensor,
-             rank: int) -> OwnKeys:
-    """:class:`OwnKeys` of this rank's routing ``r``; ``counts`` [C, W, 1 + E_local]
-    this rank's counts of each chunk (``r.counts[None]`` for one), and
-    ``chunks_of_tokens`` from :func:`token_chunks`."""
-    num_tokens, topk = topk_idx.shape
-    experts_per_rank = counts.shape[2] - 1
-    _, _, row, send_token = send_rows(r.hit, counts, chunks_of_tokens, topk)
-    token = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1)
-    last = experts_per_rank * num_tokens
-    key = torch.where(r.dest == rank, topk_idx.long() % experts_per_rank * num_tokens + token, last)
-    return OwnKeys(send_token, torch.sort(key.flatten()).values, row[:, rank])
-
-
 def build_send_plan(
     r: Route,
-    counts: torch.Tensor,
     all_counts: torch.Tensor,
     rank: int,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
-    chunks_of_tokens: torch.Tensor,
 ) -> SendPlan:
     """Send order and slot lists, from the all-gathered counts; no host synchronisation.
 
     Args:
         r: this rank's :class:`Route`.
-        counts: [C, W, 1 + E_local] int64, this rank's counts of each chunk
-            (``chunk_counts``; ``r.counts[None]`` for one chunk).
-        all_counts: [W_src, C, W_dst, 1 + E_local] int64, ``all_counts[s]`` =
-            ``counts`` of rank s.
+        all_counts: [W_src, W_dst, 1 + E_local] int64, ``all_counts[s]`` =
+            ``route(...).counts`` of rank s.
         rank: this rank's index in the group.
         topk_idx: [T, K] (valid) expert ids.
         topk_weights: [T, K] routing weights.
-        chunks_of_tokens: [2, T] int64 from :func:`token_chunks`.
     """
-    hit, dest = r.hit, r.dest
+    hit, dest, counts = r.hit, r.dest, r.counts
     num_tokens, world_size = hit.shape
     topk = dest.shape[1]
-    num_chunks, experts_per_rank = counts.shape[0], counts.shape[2] - 1
+    experts_per_rank = counts.shape[1] - 1
     num_experts = world_size * experts_per_rank
     width = min(topk, experts_per_rank)
     device = hit.device
     idx = topk_idx.long()
     valid = dest < world_size
     capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
-    chunk_of, chunk_token = chunks_of_tokens[0], chunks_of_tokens[1]
 
-    before, local, _, send_token = send_rows(hit, counts, chunks_of_tokens, topk)
-    plain = before - 1 + _exclusive(counts[:, :, 0].sum(0), 0)  # plain send order (metadata)
-    in_chunk = chunk_token.repeat_interleave(world_size)  # [T * W] token of each (token, rank) pair
-    home_index = _pack_left(torch.where(hit, local, _PAD))
+    row = send_positions(hit, counts[:, 0])  # [T, W]
+    send_token = items_by_row(hit, row, capacity)
+    home_index = rows_by_item(hit, row)
     safe_dest = dest.clamp(max=world_size - 1)
-    slot_row = torch.where(valid, local.gather(1, safe_dest), -1)
+    slot_row = torch.where(valid, row.gather(1, safe_dest), -1)
 
-    # Expanded position of each slot on its destination, inside its chunk: start
-    # of (expert, this rank) in the destination's canonical order of the chunk +
-    # earlier tokens of this rank and chunk with the same expert.
-    per_source = all_counts[:, :, :, 1:]  # [W_src, C, W_dst, E_local]
-    start = (_exclusive(per_source.sum(0), 2) + per_source[:rank].sum(0)).flatten()  # [C * E]
-    # Earlier slots with the same (chunk, expert): a stable sort keeps token order,
-    # so a slot's rank inside its key's run is that count.
-    key = idx + num_experts * chunk_of.unsqueeze(1)
-    keys = torch.where(valid, key, num_chunks * num_experts).flatten()
+    # Expanded position of each slot on its destination: start of (expert, this
+    # rank) in the destination's canonical order + earlier tokens of this rank
+    # with the same expert.
+    per_source = all_counts[:, :, 1:]  # [W_src, W_dst, E_local]
+    start = (_exclusive(per_source.sum(0), 1) + per_source[:rank].sum(0)).flatten()  # [E]
+    # Earlier slots with the same expert: a stable sort keeps token order, so a
+    # slot's rank inside its key's run is that count.
+    keys = torch.where(valid, idx, num_experts).flatten()
     sorted_keys, order = torch.sort(keys, stable=True)
-    mine = counts[:, :, 1:].flatten()  # [C * E] this rank's slots per (chunk, expert)
-    run_start = torch.cat([_exclusive(mine, 0), mine.sum().view(1)])  # [C * E + 1]
+    mine = counts[:, 1:].flatten()  # [E] this rank's slots per expert
+    run_start = torch.cat([_exclusive(mine, 0), mine.sum().view(1)])  # [E + 1]
     earlier = torch.empty_like(keys)
     earlier[order] = torch.arange(keys.numel(), device=device) - run_start[sorted_keys]
-    slot_pos = start[torch.where(valid, key, 0)] + earlier.view(num_tokens, topk)
+    slot_pos = start[torch.where(valid, idx, 0)] + earlier.view(num_tokens, topk)
 
     # Column of each slot in its row: slots of one token on one rank, by expert.
     same_rank = (dest.unsqueeze(2) == dest.unsqueeze(1)) & (idx.unsqueeze(1) < idx.unsqueeze(2))
@@ -374,10 +275,11 @@ def build_send_plan(
     wire = weight_wire_dtype(topk_weights.dtype)
     words = torch.finfo(wire).bits // 32
     meta = torch.full((capacity + 1, width + 1 + width * words), -1, dtype=torch.int32, device=device)
-    rows = torch.where(valid, plain.gather(1, safe_dest), capacity)
+    rows = torch.where(valid, slot_row, capacity)
     cols = slot_col.clamp(min=0)
     meta.index_put_((rows, cols), slot_pos.to(torch.int32))
-    meta[:, width].scatter_(0, torch.where(hit, plain, capacity).flatten(), in_chunk.to(torch.int32))
+    token = torch.arange(num_tokens, device=device, dtype=torch.int32).repeat_interleave(world_size)
+    meta[:, width].scatter_(0, torch.where(hit, row, capacity).flatten(), token)
     weight_words = topk_weights.to(wire).flatten().contiguous().view(torch.int32).view(num_tokens, topk, words)
     word = torch.arange(words, device=device)
     weight_cols = width + 1 + cols.unsqueeze(2) * words + word

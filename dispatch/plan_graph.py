@@ -7,13 +7,11 @@ the plan's time was made of (about 2.5 ms for the DeepSeek-V3 shape on H200,
 1.0 ms with the graphs). Their shapes depend only on (T, K, dtypes), so once a
 shape has been seen twice they are captured as two CUDA graphs and replayed:
 
-    graph 1: value checks' flags + ``plan.route`` (+ ``plan.chunk_counts``) + the
-             row to all-gather (+ ``plan.own_keys`` for ``local_first``)
+    graph 1: value checks' flags + ``plan.route`` + the row to all-gather
     (host)   raise on bad values; all-gather the rows     (eager: a collective)
     graph 2: ``plan.build_send_plan`` + the summary the host needs
 
-The same two graphs serve an exchange in C chunks (``MoEExchange``): the chunk
-bounds are part of the key, and the work does not grow with C. A shape seen once runs eagerly, so batches whose T keeps changing never pay for
+A shape seen once runs eagerly, so batches whose T keeps changing never pay for
 a capture. Replays overwrite the graphs' buffers, so whatever outlives the call
 (what a handle keeps) is copied out by the caller, and the replays must stay on
 one stream (the caller's current stream) in the order of the calls.
@@ -37,8 +35,6 @@ class PlanKey:
     weight_dtype: torch.dtype
     device: torch.device
     check_values: bool
-    bounds: tuple[int, ...]  # chunk bounds of the home tokens, (0, T) for one exchange
-    own: bool = False  # graph 1 also makes this rank's ``plan.OwnKeys``
 
 
 @dataclass(frozen=True)
@@ -49,39 +45,27 @@ class Planned:
     summary: torch.Tensor  # see ``plan_summary``
 
 
-def route_phase(
-    topk_idx, topk_weights, header_row, num_experts, world_size, check_values, chunks_of_tokens, chunks, own_rank=None
-):
-    """Flags (or None), Route, this rank's counts of each chunk [C, W, 1 + E_local],
-    the row to all-gather, and ``plan.OwnKeys`` of rank ``own_rank`` (None if
-    not asked for)."""
+def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, check_values):
+    """Flags (or None), Route, and the row to all-gather."""
     flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
     route = plan.route(topk_idx, num_experts, world_size)
-    if chunks == 1:
-        counts = route.counts.unsqueeze(0)
-    else:
-        counts = plan.chunk_counts(route, topk_idx, chunks_of_tokens[0], chunks, num_experts)
-    own = None if own_rank is None else plan.own_keys(route, topk_idx, counts, chunks_of_tokens, own_rank)
-    return flags, route, counts, torch.cat([counts.flatten(), header_row]), own
+    return flags, route, plan.exchange_row(route, header_row)
 
 
-def send_phase(route, counts, gathered, rank, topk_idx, topk_weights, chunks_of_tokens) -> Planned:
-    world_size, chunks = gathered.shape[0], counts.shape[0]
-    all_counts, headers = plan.split_gathered_chunks(gathered, world_size, chunks)
-    send = plan.build_send_plan(route, counts, all_counts, rank, topk_idx, topk_weights, chunks_of_tokens)
-    return Planned(send, plan_summary(counts, all_counts, headers, rank))
+def send_phase(route, gathered, rank, topk_idx, topk_weights) -> Planned:
+    all_counts, headers = plan.split_gathered(gathered, gathered.shape[0])
+    send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
+    return Planned(send, plan_summary(route.counts, all_counts, headers, rank))
 
 
 def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int) -> torch.Tensor:
-    """[C (2 W + E_local) + W * len(HEADER) + C W W] int64: for each chunk, rows
-    sent to each rank, rows received from each rank, expanded rows per local
-    expert; then every rank's header; then for each chunk the rows every rank
-    sends to every rank (a peer-copy transport needs where its blocks lie in
-    its peers' rows). The one tensor the host needs."""
-    recv_counts = all_counts[:, :, rank]  # [W_src, C, 1 + E_local]
-    per_chunk = torch.cat([counts[:, :, 0], recv_counts[:, :, 0].t(), recv_counts[:, :, 1:].sum(0)], dim=1)
-    matrix = all_counts[:, :, :, 0].transpose(0, 1)  # [C, W_src, W_dst]
-    return torch.cat([per_chunk.flatten(), headers.flatten(), matrix.flatten()])
+    """[2 W + E_local + W * len(HEADER) + W W] int64: rows sent to each rank,
+    rows received from each rank, expanded rows per local expert; every rank's
+    header; the rows every rank sends to every rank ([W_src, W_dst], whose
+    columns say which ranks get rows). The one tensor the host needs."""
+    recv_counts = all_counts[:, rank]  # [W_src, 1 + E_local]
+    mine = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)])
+    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten()])
 
 
 class CapturedPlan:
@@ -93,49 +77,44 @@ class CapturedPlan:
         self.topk_idx = torch.zeros(key.num_tokens, key.topk, dtype=key.idx_dtype, device=device)
         self.topk_weights = torch.zeros(key.num_tokens, key.topk, dtype=key.weight_dtype, device=device)
         self.header_row = torch.zeros(len(plan.HEADER), dtype=torch.int64, device=device)
-        self.chunks_of_tokens = plan.token_chunks(key.bounds, device)
-        chunks = len(key.bounds) - 1
-        width = chunks * world_size * (1 + num_experts // world_size) + len(plan.HEADER)
+        width = world_size * (1 + num_experts // world_size) + len(plan.HEADER)
         self.gathered = torch.zeros(world_size, width, dtype=torch.int64, device=device)
 
         def first():
             return route_phase(
-                self.topk_idx, self.topk_weights, self.header_row, num_experts, world_size, key.check_values,
-                self.chunks_of_tokens, chunks, rank if key.own else None,
+                self.topk_idx, self.topk_weights, self.header_row, num_experts, world_size, key.check_values
             )
 
-        def second(route, counts):
-            return send_phase(
-                route, counts, self.gathered, rank, self.topk_idx, self.topk_weights, self.chunks_of_tokens
-            )
+        def second(route):
+            return send_phase(route, self.gathered, rank, self.topk_idx, self.topk_weights)
 
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            second(*first()[1:3])  # warm-up outside capture (allocator, library handles)
+            second(first()[1])  # warm-up outside capture (allocator, library handles)
             # capture_begin/end directly: torch.cuda.graph() would also synchronise
             # the device and empty the allocator's cache on every capture.
             self.graph1, self.graph2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             self.graph1.capture_begin(capture_error_mode="thread_local")
             try:
-                self.flags, route, counts, self.row, self.own = first()
+                self.flags, route, self.row = first()
             finally:
                 self.graph1.capture_end()
             self.graph2.capture_begin(pool=self.graph1.pool(), capture_error_mode="thread_local")
             try:
-                self.planned = second(route, counts)
+                self.planned = second(route)
             finally:
                 self.graph2.capture_end()
         current.wait_stream(side)
 
     def run_route(self, topk_idx, topk_weights, header_row):
-        """Replay graph 1 on new inputs: (flags or None, row to all-gather, OwnKeys or None)."""
+        """Replay graph 1 on new inputs: (flags or None, row to all-gather)."""
         self.topk_idx.copy_(topk_idx)
         self.topk_weights.copy_(topk_weights)
         self.header_row.copy_(header_row)
         self.graph1.replay()
-        return self.flags, self.row, self.own
+        return self.flags, self.row
 
     def run_send(self) -> Planned:
         """Replay graph 2 once ``self.gathered`` holds the all-gathered rows."""

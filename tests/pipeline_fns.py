@@ -9,9 +9,8 @@ from torch import nn
 
 import dispatch
 from dispatch import comm
-from dispatch.bench.overlap import layer_options
 from dispatch.dispatchers.alltoall import AllToAllDispatcher
-from dispatch.dispatchers.base import TokenDispatcher
+from dispatch.dispatchers.streams import Pending
 from dispatch.experts import GroupedExperts
 from world import current_device
 
@@ -36,14 +35,19 @@ class RowwiseExperts(nn.Module):
         return tokens * self.scale[expert] + tokens * tokens * self.quad[expert]
 
 
-class GenericChunks(AllToAllDispatcher):
-    """The alltoall variant with the base class's generic chunk support (one plan
-    per chunk, exchanges finished on start), for comparison with the native one."""
+class FinishedOnStart(AllToAllDispatcher):
+    """The alltoall variant with every exchange finished when it is started
+    (as the base class's start hooks do), for comparison with the ones left
+    in flight."""
 
-    _plan_chunks = TokenDispatcher._plan_chunks
-    _to_experts_start = TokenDispatcher._to_experts_start
-    _to_home_start = TokenDispatcher._to_home_start
-    _weights_to_home_start = TokenDispatcher._weights_to_home_start
+    def _to_experts_start(self, rows, handle, codec):
+        return Pending.done(super()._to_experts_start(rows, handle, codec).finish())
+
+    def _to_home_start(self, rows, handle, weights, wire):
+        return Pending.done(super()._to_home_start(rows, handle, weights, wire).finish())
+
+    def _weights_to_home_start(self, values, handle):
+        return Pending.done(super()._weights_to_home_start(values, handle).finish())
 
 
 LATE_CYCLES = 2_000_000  # about a millisecond of GPU clock
@@ -107,23 +111,19 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
     return experts.to(current_device())
 
 
-def make_layer(d, experts, chunks):
-    """The MoEExchange a candidate name of the overlap bench describes
-    (``dispatch.bench.overlap.layer_options``): C or relative sizes "1:2:1",
-    "local" first for ``local_first=True``, "/A" after for ``ahead=A`` (e.g.
-    3, "local3", "4/2", "local1:2:1/1")."""
-    return dispatch.MoEExchange(d, experts, **layer_options(chunks))
+def make_layer(d, experts, chunks: int):
+    return dispatch.MoEExchange(d, experts, chunks=chunks)
 
 
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
               generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False):
     """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
     fresh identical experts; C = "plain" runs dispatch -> experts -> combine
-    instead, C = "local" MoEExchange(local_first=True).
+    instead.
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
     device = current_device()
     cfg = dispatch.DispatchConfig(**config)
-    d = GenericChunks(cfg) if generic else dispatch.create(cfg)
+    d = FinishedOnStart(cfg) if generic else dispatch.create(cfg)
     results = {}
     for chunks in chunk_counts:
         experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
@@ -161,17 +161,6 @@ def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: boo
     return _cpu(h), h.requires_grad
 
 
-def chunk_plan_counts(topk_idx, bounds, num_experts: int, world_size: int):
-    """plan.chunk_counts against route() of each chunk's tokens, on one process."""
-    from dispatch import plan
-
-    r = plan.route(topk_idx, num_experts, world_size)
-    chunk_of = plan.token_chunks(bounds, topk_idx.device)[0]
-    got = plan.chunk_counts(r, topk_idx, chunk_of, len(bounds) - 1, num_experts)
-    want = torch.stack([plan.route(topk_idx[a:b], num_experts, world_size).counts for a, b in zip(bounds, bounds[1:])])
-    return got, want
-
-
 def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
     """Peak CUDA memory (bytes above the start) of one forward + backward."""
     device = current_device()
@@ -191,34 +180,6 @@ def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
     layer(xs, idx, ws).sum().backward()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - start
-
-
-def chunk_plan_collectives(x, topk_idx, topk_weights, config: dict, chunks: int):
-    """The collectives one chunked plan of the alltoall variant starts, by name."""
-    import dispatch.comm as comm
-
-    calls = []
-    originals = {name: getattr(comm, name) for name in ("all_gather_rows", "all_to_all_rows")}
-
-    def counting(name):
-        def call(*a, **k):
-            calls.append(name)
-            return originals[name](*a, **k)
-
-        return call
-
-    device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
-    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
-    bounds = tuple(c * x.shape[0] // chunks for c in range(chunks + 1))
-    for name in originals:
-        setattr(comm, name, counting(name))
-    try:
-        d._plan_chunks(x, topk_idx, topk_weights, bounds, True)
-    finally:
-        for name, original in originals.items():
-            setattr(comm, name, original)
-    return calls
 
 
 def expert_calls(x, topk_idx, topk_weights, config: dict, chunks: int):
@@ -306,21 +267,6 @@ def assert_same(got, want, what, params_exact=True):
             torch.testing.assert_close(a, b, msg=f"{what}: gradient of parameter {i}")
 
 
-def local_first_errors(num_experts: int) -> list[str | None]:
-    """Messages of MoEExchange(local_first=...) refusals, on a world of one."""
-    alltoall = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
-    allgather = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, variant="allgather"))
-    messages = []
-    for attempt in (lambda: dispatch.MoEExchange(alltoall, lambda t, n: t, local_first=1),
-                    lambda: dispatch.MoEExchange(allgather, lambda t, n: t, local_first=True)):
-        try:
-            attempt()
-            messages.append(None)
-        except (TypeError, ValueError) as exc:
-            messages.append(str(exc))
-    return messages
-
-
 class _EmptyInOwnDtype(nn.Module):
     """Experts that answer an empty call without computing: under autocast their
     empty output keeps the rows' dtype, their others are bf16."""
@@ -350,47 +296,6 @@ def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunk
             h = make_layer(d, experts, chunks)(xs, idx, ws)
     h.float().sum().backward()
     return _cpu(h), _cpu(xs.grad)
-
-
-def starts_and_held(x, topk_idx, topk_weights, num_experts: int, chunks):
-    """One forward and backward of a layer: (the token all-to-alls the forward
-    started, in order: "P" a dispatch started within the plan, "D" one started
-    by the pipeline, "H" a combine; those the backward started; whether each
-    tensor local_first held was dropped by the end)."""
-    from unittest import mock
-
-    from dispatch import pipeline_local
-
-    device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
-    held, order, kind = [], [], ["P"]  # a start outside _rows_start is the plan's
-
-    class Tracked(pipeline_local.Held):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            held.append(self)
-
-    start, rows_start = d.transport.start, d._rows_start
-
-    def counted(*args, **kwargs):
-        order.append(kind[0])
-        return start(*args, **kwargs)
-
-    def rows_start_of_kind(rows, handle, back):
-        kind[0] = "H" if back else "D"
-        try:
-            return rows_start(rows, handle, back)
-        finally:
-            kind[0] = "P"
-
-    d.transport.start, d._rows_start = counted, rows_start_of_kind
-    experts = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
-    xs = x.to(device).requires_grad_()
-    with mock.patch.object(pipeline_local, "Held", Tracked):
-        out = make_layer(d, experts, chunks)(xs, topk_idx.to(device), topk_weights.to(device))
-        forward_order = "".join(order)
-        out.sum().backward()
-    return forward_order, "".join(order)[len(forward_order):], [h.tensor is None for h in held]
 
 
 def combine_in_rank_dtype(x, topk_idx, topk_weights, num_experts: int):
@@ -425,35 +330,3 @@ def repeated(x, steps, grad_out, config: dict, chunks, experts_kind: str):
         results.append({"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
                         "params": [_cpu(p.grad) for p in experts.parameters()]})
     return results
-
-
-class _RaisesOnce(nn.Module):
-    """Experts whose first call raises (on the ranks that build them so)."""
-
-    def __init__(self, experts, raises: bool) -> None:
-        super().__init__()
-        self.experts, self.raises = experts, raises
-
-    def forward(self, tokens, tokens_per_expert):
-        if self.raises:
-            self.raises = False
-            raise ValueError("these experts fail on purpose")
-        return self.experts(tokens, tokens_per_expert)
-
-
-def local_first_one_rank_fails(x, topk_idx, topk_weights, config: dict, failing_rank: int, chunks: int = 1):
-    """MoEExchange(chunks=C, local_first=True) whose experts raise on ``failing_rank``'s own
-    rows: (exception type and message, or None) of that step, then the output of
-    a second step on the same layer (which must work)."""
-    device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
-    experts = _RaisesOnce(make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank),
-                          d.rank == failing_rank)
-    layer = dispatch.MoEExchange(d, experts, chunks=chunks, local_first=True)
-    args = (x.to(device), topk_idx.to(device), topk_weights.to(device))
-    try:
-        layer(*args)
-        error = None
-    except Exception as exc:  # the test inspects what each rank raised
-        error = (type(exc).__name__, str(exc))
-    return error, _cpu(layer(*args).detach())

@@ -166,7 +166,7 @@ def test_import_does_not_need_megatron():
 @pytest.mark.parametrize(
     "argv, needle",
     [(["--parts", "nope"], "--parts"), (["--steps", "0"], "--steps"), (["--option", "dispatch_wire"], "KEY=VALUE"),
-     (["--option", "inter_node_max_ctas=0"], "inter_node_max_ctas"), (["--option", "dispatch_wire=fp4"], "dispatch_wire")],
+     (["--option", "local_world_size=0"], "local_world_size"), (["--option", "dispatch_wire=fp4"], "dispatch_wire")],
 )
 def test_layer_script_bad_flags(argv, needle, capsys):
     from dispatch.bench import megatron_layer

@@ -16,7 +16,7 @@ from dispatch import cuda
 from routing import make_routing
 
 WORLD = 2
-pytestmark = pytest.mark.skipif(
+needs_engine = pytest.mark.skipif(
     not (cuda.available() and torch.cuda.device_count() >= WORLD), reason="needs 2 CUDA devices and CuPy"
 )
 
@@ -56,6 +56,7 @@ CASES = [
 ]
 
 
+@needs_engine
 @pytest.mark.parametrize("mode, per_rank, topk, tokens", CASES)
 @pytest.mark.parametrize("dtype, wire, hidden", [
     (torch.bfloat16, "native", 256), (torch.float32, "native", 136), (torch.bfloat16, "fp8", 384),
@@ -66,13 +67,14 @@ def test_round_trip_matches_nccl(worlds, mode, per_rank, topk, tokens, dtype, wi
     xs, ws = _inputs(routing, hidden, dtype, seed=hidden)
     want_wire = "fp8" if wire == "e5m2" else wire  # e5m2 is a gradient wire
     got = {}
-    for transport in ("collective", "nvlink"):
+    for transport in ("nccl", "nvlink"):
         config = dict(num_experts=routing.num_experts, dispatch_wire=want_wire, transport=transport)
         got[transport] = _run(worlds, rank_fns.round_trip, routing, xs, ws, config, "scaled", 2)
     for rank in range(WORLD):
-        _equal(got["collective"][rank], got["nvlink"][rank], f"rank {rank}")
+        _equal(got["nccl"][rank], got["nvlink"][rank], f"rank {rank}")
 
 
+@needs_engine
 @pytest.mark.parametrize("mode, per_rank, topk, tokens", CASES[:3])
 @pytest.mark.parametrize("dtype, weights_dtype, grad_wire", [
     (torch.bfloat16, torch.float32, "native"), (torch.float32, torch.float32, "e5m2"),
@@ -87,13 +89,13 @@ def test_gradients_match_nccl(worlds, mode, per_rank, topk, tokens, dtype, weigh
     rows = [int(sum((idx // per_rank == r).sum() for idx in routing.topk_idx)) for r in range(WORLD)]
     expert_out = [torch.randn(n, hidden, generator=gen).to(dtype) for n in rows]
     got = {}
-    for transport in ("collective", "nvlink"):
+    for transport in ("nccl", "nvlink"):
         config = dict(num_experts=routing.num_experts, transport=transport, combine_grad_wire=grad_wire)
         args = [(xs[r], routing.topk_idx[r], ws[r].to(weights_dtype), grads[r], expert_out[r], config)
                 for r in range(WORLD)]
         got[transport] = worlds(WORLD).run(rank_fns.gradients, args)
     for rank in range(WORLD):
-        _equal(got["collective"][rank], got["nvlink"][rank], f"rank {rank}")
+        _equal(got["nccl"][rank], got["nvlink"][rank], f"rank {rank}")
 
 
 def _many_calls(x, topk_idx, topk_weights, config):
@@ -103,7 +105,7 @@ def _many_calls(x, topk_idx, topk_weights, config):
 
     device = current_device()
     engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink"))
-    nccl = dispatch.create(dispatch.DispatchConfig(**config))
+    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
     outs = []
     for d in (engine, nccl):
         first = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
@@ -115,6 +117,7 @@ def _many_calls(x, topk_idx, topk_weights, config):
     return all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+@needs_engine
 def test_interleaved_micro_batches_and_growth(worlds):
     for tokens in ([16, 8], [300, 500], [40, 2000]):  # the buffers grow on the second and third
         routing = make_routing(WORLD, 4, 4, tokens, "random", seed=tokens[1])
@@ -124,6 +127,7 @@ def test_interleaved_micro_batches_and_growth(worlds):
         assert all(worlds(WORLD).run(_many_calls, args))
 
 
+@needs_engine
 def test_a_rank_that_never_calls_raises_on_its_peer(worlds):
     assert _timeout_case(worlds) == ["RuntimeError", None]
 
@@ -149,3 +153,24 @@ def _timeout_case(worlds):
     config = dict(num_experts=routing.num_experts)
     args = [(xs[r], routing.topk_idx[r], ws[r].float(), config) for r in range(WORLD)]
     return worlds(WORLD).run(_stall, args)
+
+
+def _picked(config):
+    return type(dispatch.create(dispatch.DispatchConfig(**config))).__name__
+
+
+def _refused(config):
+    try:
+        dispatch.create(dispatch.DispatchConfig(**config))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(cuda.available() and torch.cuda.device_count() >= WORLD, reason="the CPU (gloo) side")
+def test_auto_transport_takes_the_collectives_on_gloo(worlds):
+    config = dict(num_experts=4)
+    assert worlds(WORLD).run(_picked, [(config,)] * WORLD) == ["AllToAllDispatcher"] * WORLD
+    config = dict(num_experts=4, transport="nvlink")
+    for message in worlds(WORLD).run(_refused, [(config,)] * WORLD):
+        assert message is not None and "transport='nvlink'" in message and "gloo" in message

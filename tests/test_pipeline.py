@@ -1,5 +1,6 @@
 """MoEExchange: chunked results are bitwise those of C = 1 and of the unchunked
-round trip, forward and backward, on worlds of 1-4 ranks (gloo here, NCCL on GPUs)."""
+round trip, forward and backward, on worlds of 1-4 ranks (gloo here, NCCL on GPUs);
+experts that answer empty calls in another dtype; the plan's CUDA graphs."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import pipeline_fns
 from dispatch.reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
-# C chunks, all dispatched ahead; "C/A": A of them ahead
-CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8, "3/1", "5/2", "8/3", "1/2", "2/4", "1:3:3:1", "5:1:2/1"]
+CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8]  # 8: more chunks than some ranks have tokens
 HIDDEN = 4
 
 
@@ -50,8 +50,9 @@ def test_chunks_bitwise_fp32(worlds, world_size, mode):
      dict(variant="auto", local_world_size=2), dict(variant="alltoall", dispatch_wire="fp8")],
 )
 def test_chunks_with_every_variant_and_wire(worlds, options):
-    """Every variant (through the base class's chunk support where it has no
-    native one) and a compressed wire: chunked results are those of C = 1."""
+    """Every variant (allgather and hierarchical through the base class's start
+    hooks, which finish the exchange at once) and a compressed wire: chunked
+    results are those of C = 1."""
     routing = make_routing(4, 2, 3, [9, 0, 4, 6], "random", seed=11)
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", 1, 3, 5], **options)
     for rank, per_c in enumerate(results):
@@ -157,8 +158,9 @@ def test_wire_formats_match_plain(worlds, pow2):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_generic_chunk_fallback_matches_native(worlds, world_size):
-    """The base class's generic chunk support (a plan per chunk) gives the native results bitwise."""
+def test_exchanges_finished_on_start_match_in_flight(worlds, world_size):
+    """The base class's start hooks (each exchange finished when started) give
+    the bits of the alltoall variant's, whose collectives stay in flight."""
     routing = make_routing(world_size, 2, 2, [9, 4, 0][:world_size], "sparse", seed=5)
     _, native = _run(worlds, routing, torch.float32, "rowwise", [1, 4])
     _, generic = _run(worlds, routing, torch.float32, "rowwise", [1, 4], generic=True)
@@ -210,10 +212,10 @@ def test_late_streams_change_nothing(worlds, world_size):
     xs = [random_tokens(r, t, 64, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, 64, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 8, "8/2"],
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 8],
              "rowwise", False, True, True, True) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        for chunks in (1, 3, 8, "8/2"):
+        for chunks in (1, 3, 8):
             pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4, True) for r in range(world_size)]
     late = worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)
@@ -222,54 +224,26 @@ def test_late_streams_change_nothing(worlds, world_size):
         assert torch.equal(h, h1)
 
 
-def test_one_plan_exchange_serves_all_chunks(worlds):
-    """alltoall plans C chunks with one counts all-gather and one metadata
-    all-to-all, whatever C."""
-    routing = make_routing(3, 2, 3, [9, 0, 5], "random", seed=3)
-    xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
-    config = dict(num_experts=routing.num_experts)
-    for chunks in (1, 4, 7):
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, chunks) for r in range(3)]
-        for calls in worlds(3).run(pipeline_fns.chunk_plan_collectives, args):
-            assert calls == ["all_gather_rows", "all_to_all_rows"], f"C={chunks}: {calls}"
+def test_chunk_bounds():
+    from dispatch.pipeline import chunk_bounds
 
-
-@pytest.mark.parametrize("bounds", [(0, 0, 3, 3, 8), (0, 8), (0, 1, 2, 3, 4, 5, 6, 7, 8), (0, 0, 0, 8)])
-def test_chunk_counts_match_route_of_each_chunk(bounds):
-    routing = make_routing(3, 2, 3, [8, 0, 0], "sparse", seed=9)
-    got, want = pipeline_fns.chunk_plan_counts(routing.topk_idx[0], bounds, routing.num_experts, 3)
-    assert torch.equal(got, want)
-
-
-def test_auto_chunks_rule():
-    from dispatch.pipeline import auto_chunks, chunk_bounds
-
-    # chunking was slower at every C measured on 4 x H200 (bench/results): no chunks
-    assert auto_chunks(4096, 7168, 2) == 1  # DeepSeek-V3 shape, bf16
-    assert auto_chunks(8192, 4096, 2) == 1  # Mixtral shape, bf16
-    assert auto_chunks(0, 4096, 2) == 1
     assert chunk_bounds(3, 5) == (0, 0, 1, 1, 2, 3)
-    assert chunk_bounds(8, (1, 3, 3, 1)) == (0, 1, 4, 7, 8)
-    assert chunk_bounds(10, [1, 2]) == (0, 3, 10)
-    assert chunk_bounds(3, (1, 1, 6)) == (0, 0, 0, 3)
-    assert chunk_bounds(0, (2, 1)) == (0, 0, 0)
-    assert chunk_bounds(7, (1,) * 4) == chunk_bounds(7, 4)
+    assert chunk_bounds(8, 1) == (0, 8)
+    assert chunk_bounds(0, 2) == (0, 0, 0)
+    assert chunk_bounds(10, 4) == (0, 2, 5, 7, 10)
 
 
 def test_bad_arguments_raise():
     with pytest.raises(TypeError, match="dispatcher"):
         dispatch.MoEExchange(object(), lambda t, n: t)
-    with pytest.raises(ValueError, match="chunks"):
-        dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=0)
-    for chunks in [(), (1, 0), (2, 1.5), [True, 1], "2", 2.0]:
+    for chunks in [0, (1, 2), [1], None, True, "2", 2.0]:
         with pytest.raises(ValueError, match="chunks"):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=chunks)
-    assert dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=[1, 2]).chunks == (1, 2)
-    with pytest.raises(ValueError, match="sm_carveout"):
-        dispatch.MoEExchange(_OneRank(), lambda t, n: t, sm_carveout=-1)
-    for ahead in (0, 1.5, True):
-        with pytest.raises(ValueError, match="ahead"):
-            dispatch.MoEExchange(_OneRank(), lambda t, n: t, ahead=ahead)
+    for gone in ("sm_carveout", "ahead", "local_first"):
+        with pytest.raises(TypeError, match=gone):
+            dispatch.MoEExchange(_OneRank(), lambda t, n: t, **{gone: 1})
+    with pytest.raises(TypeError, match="comm_priority"):
+        dispatch.MoEExchange(_OneRank(), lambda t, n: t, comm_priority=1.5)
     with pytest.raises(TypeError, match="experts"):
         dispatch.MoEExchange(_OneRank(), 3)
 
@@ -285,17 +259,17 @@ class _OneRank(dispatch.TokenDispatcher):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_peak_memory_not_above_one_chunk(worlds):
-    """Peak memory of forward + backward with C = 4 (every chunk dispatched ahead,
-    or one) is no larger than with C = 1."""
+    """Peak memory of forward + backward with C = 4 (every chunk dispatched
+    ahead) is no larger than with C = 1."""
     routing = make_routing(2, 4, 2, [2048, 2048], "random", seed=1)
     xs = [random_tokens(r, 2048, 512, torch.bfloat16, 0) for r in range(2)]
     config = dict(num_experts=routing.num_experts)
     peaks = {}
-    for chunks in (1, 4, "4/1"):
+    for chunks in (1, 4):
         args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, chunks) for r in range(2)]
         peaks[chunks] = worlds(2).run(pipeline_fns.peak_memory, args)
     for rank in range(2):
-        assert peaks[4][rank] <= peaks[1][rank] and peaks["4/1"][rank] <= peaks[1][rank], f"rank {rank}: {peaks}"
+        assert peaks[4][rank] <= peaks[1][rank], f"rank {rank}: {peaks}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -320,3 +294,94 @@ def test_grouped_experts_bf16_on_gpus(worlds):
             a, b = a.float(), b.float()
             bound = 2**-6 * b.abs().max() + 2e-2 * b.abs()
             assert ((a - b).abs() <= bound).all(), f"rank {rank}: parameter gradient beyond bf16 rounding"
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_part_without_rows(worlds, chunks):
+    """Experts that answer an empty call in another dtype (fp32 under bf16
+    autocast), and ranks with no rows in a chunk (rank 1 in chunk 0 of C = 2):
+    every rank's output is its tokens in the experts' dtype (the identity in
+    bf16), as the partial sums travel in the dtype of the ranks that computed
+    them."""
+    xs = [random_tokens(0, 4, HIDDEN, torch.float32, 0), random_tokens(1, 3, HIDDEN, torch.float32, 0)]
+    idx = [torch.tensor([[0], [1], [2], [3]]), torch.tensor([[0], [1], [0]])]  # E = 4: rank 1 routes nothing home
+    ws = [torch.ones(4, 1), torch.ones(3, 1)]
+
+    def args(c):
+        return [(xs[r], idx[r], ws[r], 4, c) for r in range(2)]
+
+    runs, plain = (worlds(2).run(pipeline_fns.empty_part_under_autocast, args(c)) for c in (chunks, "plain"))
+    for rank in range(2):
+        out, grad = runs[rank]
+        assert out.dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(out, xs[rank].to(torch.bfloat16)), f"rank {rank}"
+        assert torch.equal(grad, plain[rank][1]), f"rank {rank}: gradient of x"
+
+
+def test_chunks_without_rows_anywhere_first(worlds):
+    """C = 3 where no rank has rows in chunk 0 (only empty slots there) and only
+    rank 0 in chunk 1, with experts answering empty calls in fp32 under bf16
+    autocast: the output is in bf16, and the tokens without an expert come out
+    as zeros."""
+    xs = [random_tokens(0, 4, HIDDEN, torch.float32, 2), random_tokens(1, 3, HIDDEN, torch.float32, 2)]
+    idx = [torch.tensor([[-1], [-1], [0], [2]]), torch.tensor([[-1], [1], [3]])]  # E = 4
+    ws = [torch.ones(4, 1), torch.ones(3, 1)]
+    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, 3) for r in range(2)])
+    for rank in range(2):
+        out, grad = runs[rank]
+        routed = idx[rank] >= 0
+        assert out.dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(out, xs[rank].to(torch.bfloat16) * routed), f"rank {rank}"
+        assert torch.equal(grad, torch.ones_like(grad) * routed), f"rank {rank}: gradient of x"
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
+def test_combine_on_rank_without_rows(worlds, variant):
+    """dispatch -> experts -> combine where rank 1's experts get no row at all
+    and answer the empty call in fp32 under bf16 autocast: rank 1's partial
+    sums come home in the dtype its peers computed them in (bf16), not its own."""
+    xs = [random_tokens(0, 3, HIDDEN, torch.float32, 1), random_tokens(1, 2, HIDDEN, torch.float32, 1)]
+    idx = [torch.tensor([[0], [1], [0]]), torch.tensor([[1], [0]])]  # E = 4: experts 0, 1 on rank 0 only
+    ws = [torch.ones(3, 1), torch.ones(2, 1)]
+    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast,
+                         [(xs[r], idx[r], ws[r], 4, "plain", variant) for r in range(2)])
+    for rank in range(2):
+        out, grad = runs[rank]
+        assert out.dtype == torch.bfloat16, f"rank {rank}"
+        assert torch.equal(out, xs[rank].to(torch.bfloat16)), f"rank {rank}"
+        assert torch.equal(grad, torch.ones_like(grad)), f"rank {rank}: gradient of x"
+
+
+def test_combine_refuses_rows_in_different_dtypes(worlds):
+    """Where some rank has no rows (so the dtype is agreed), ranks whose rows
+    come in different dtypes are refused on every rank, naming them."""
+    xs = [random_tokens(r, 2, HIDDEN, torch.float32, 3) for r in range(3)]
+    idx = [torch.tensor([[0], [1]]), torch.tensor([[1], [1]]), torch.tensor([[0], [1]])]  # E = 3: rank 2 gets none
+    ws = [torch.ones(2, 1)] * 3
+    messages = worlds(3).run(pipeline_fns.combine_in_rank_dtype, [(xs[r], idx[r], ws[r], 3) for r in range(3)])
+    for message in messages:
+        assert message is not None and "one floating dtype" in message
+        assert "rank 0: torch.float32" in message and "rank 1: torch.float64" in message
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_plan_graphs_in_the_pipeline(worlds, world_size, chunks):
+    """Three steps on one layer, each with new routing of the same shape: with
+    the plan's CUDA graphs (on GPUs the second step captures, the third
+    replays) the results are bitwise those without."""
+    routings = [make_routing(world_size, 2, 3, [11, 4, 0][:world_size], mode, seed=40 + s)
+                for s, mode in enumerate(["random", "sparse", "random"])]
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 5) for r, t in enumerate(routings[0].num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 6) for r, t in enumerate(routings[0].num_tokens)]
+    runs = []
+    for graphs in (False, True):
+        config = dict(num_experts=routings[0].num_experts, plan_graphs=graphs)
+        args = [(xs[r], [(g.topk_idx[r], g.topk_weights[r].float()) for g in routings], gs[r], config, chunks,
+                 "rowwise") for r in range(world_size)]
+        runs.append(worlds(world_size).run(pipeline_fns.repeated, args))
+    for rank, (eager, replayed) in enumerate(zip(*runs)):
+        for step, (a, b) in enumerate(zip(eager, replayed)):
+            pipeline_fns.assert_same(b, a, f"rank {rank}, step {step}")
+    for rank in range(2):  # and the steps differ: each used its own routing (rank 2 has no tokens)
+        assert not torch.equal(runs[0][rank][0]["out"], runs[0][rank][1]["out"])

@@ -83,20 +83,19 @@ def test_dispatch_rejects(worlds, case):
 @pytest.mark.parametrize("case", VALUE_CASES)
 @pytest.mark.parametrize("layer", [dict(variant="alltoall"), dict(variant="allgather"),
                                    dict(variant="hierarchical", local_world_size=1), dict(variant="auto"),
-                                   dict(variant="alltoall", chunks=3), dict(variant="alltoall", local_first=True),
+                                   dict(variant="alltoall", chunks=3),
                                    dict(variant="allgather", chunks=2),
                                    dict(variant="hierarchical", local_world_size=2, chunks=2)],
                          ids=lambda layer: "-".join(f"{k}={v}" for k, v in layer.items()))
 def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     """Rank 1 alone has bad values: it raises their ValueError and rank 0, which
     has good ones, raises a RuntimeError naming rank 1, both right after the
-    counts all-gather (one collective, no token moved; with the fallback's
-    plan per chunk, that of the chunk holding the bad row); nobody waits for
-    a peer. For dispatch in every variant and for MoEExchange, chunked (native
-    and fallback plans) or own rows first."""
+    counts all-gather (one collective, no token moved; with a plan per chunk,
+    that of the chunk holding the bad row); nobody waits for a peer. For
+    dispatch in every variant and for MoEExchange, chunked or not."""
     x, idx, w, error, argument = DISPATCH_CASES[case]
     config = dict(CFG, variant=layer["variant"], local_world_size=layer.get("local_world_size"))
-    options = {k: v for k, v in layer.items() if k in ("chunks", "local_first")}
+    options = {k: v for k, v in layer.items() if k == "chunks"}
     call = ("call_layer_as", config, options) if options else ("call_dispatch_as", config)
     world = worlds(2)
     results = world.run(rank_fns.error_of, [(*call, [(GOOD_X, GOOD_IDX, GOOD_W), (x, idx, w)])] * 2)
@@ -105,9 +104,9 @@ def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     assert bad_name == error.__name__ and argument in bad_message, (bad_name, bad_message)
     assert name == "RuntimeError" and "rank(s) [1]" in message, (name, message)
     assert calls == bad_calls, (calls, bad_calls)  # both stop at the same collective, no peer left waiting
-    if layer["variant"] == "alltoall" or "chunks" not in layer:  # one plan: the counts all-gather alone
+    if "chunks" not in layer:  # one plan: the counts all-gather alone
         assert calls == ["all_gather_rows"], calls
-    else:  # the fallback plans chunk by chunk: the chunk with the bad row stops at its counts all-gather
+    else:  # a plan per chunk: the chunk with the bad row stops at its counts all-gather
         assert calls[-1] == "all_gather_rows", calls
     _good_round_trip_still_works(world)
 

@@ -170,8 +170,6 @@ def test_local_world_size_resolution(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, error, argument",
     [
-        (dict(inter_node_max_ctas=0), ValueError, "inter_node_max_ctas"),
-        (dict(inter_node_max_ctas=2.0), TypeError, "inter_node_max_ctas"),
         (dict(link_model={"intra_bandwidth": 1}), TypeError, "link_model"),
     ],
 )
@@ -184,22 +182,6 @@ def test_new_config_fields_validate(kwargs, error, argument):
 def test_link_model_validates(field):
     with pytest.raises(ValueError, match=field):
         LinkModel(**{field: -1.0})
-
-
-def test_inter_node_sm_budget_keeps_results(worlds):
-    """``inter_node_max_ctas`` (NCCL's CTA limits on the inter-node groups; ignored on
-    gloo) changes speed only: the round trip is the plain hierarchical one's."""
-    routing = make_routing(4, 2, 3, [6, 4, 5, 3], "random", seed=8)
-    xs = [identity_tokens(r, t, HIDDEN, torch.float32) for r, t in enumerate(routing.num_tokens)]
-    runs = []
-    for max_ctas in (None, 2):
-        config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2,
-                      inter_node_max_ctas=max_ctas)
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config) for r in range(4)]
-        runs.append(worlds(4).run(rank_fns.round_trip, args))
-    for plain, limited in zip(*runs):
-        assert torch.equal(plain["combined"], limited["combined"])
-        assert torch.equal(plain["tokens"], limited["tokens"])
 
 
 @pytest.mark.parametrize("variant", ["hierarchical", "auto"])

@@ -3,7 +3,7 @@
 from dispatch.dispatchers.allgather import AllGatherDispatcher
 from dispatch.dispatchers.alltoall import AllToAllDispatcher
 from dispatch.dispatchers.auto import AutoDispatcher
-from dispatch.dispatchers.base import CombineHandle, Dispatched, TokenDispatcher
+from dispatch.dispatchers.base import CombineHandle, Dispatched, DispatchWork, ExchangeWork, TokenDispatcher
 from dispatch.dispatchers.hierarchical import HierarchicalDispatcher
 
 VARIANT_CLASSES = {
@@ -18,7 +18,9 @@ __all__ = [
     "AllToAllDispatcher",
     "AutoDispatcher",
     "CombineHandle",
+    "DispatchWork",
     "Dispatched",
+    "ExchangeWork",
     "HierarchicalDispatcher",
     "TokenDispatcher",
     "VARIANT_CLASSES",

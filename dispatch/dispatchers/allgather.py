@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dispatch import comm, counts
+from dispatch import comm, counts, plan
 from dispatch.codec import Codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
@@ -111,7 +111,7 @@ class AllGatherDispatcher(TokenDispatcher):
         recv_rows = recv_rows[:num_recv]
 
         hit = gc.route.hit
-        home_index = counts.rows_by_item(hit, counts.send_positions(hit, send_splits))
+        home_index = plan.rows_by_item(hit, plan.send_positions(hit, send_splits))
         expand_src = ex.slots // topk
         handle = AllGatherHandle(
             owner=self,
@@ -131,7 +131,7 @@ class AllGatherDispatcher(TokenDispatcher):
         )
         outputs = PlanOutputs(
             weights=weights_all.flatten().index_select(0, ex.slots),
-            tokens_per_expert=per_expert_host.to(x.device),
+            tokens_per_expert=plan.to_device(per_expert_host, x.device),
             tokens_per_expert_host=per_expert_host,
             src_rank=expand_src // max(block, 1),
             src_token=expand_src % max(block, 1),

@@ -25,12 +25,12 @@ import logging
 
 import torch
 
-from dispatch import checks, counts
+from dispatch import counts
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.cost_model import LinkModel, estimate
 from dispatch.dispatchers.allgather import AllGatherDispatcher
 from dispatch.dispatchers.alltoall import AllToAllDispatcher
-from dispatch.dispatchers.base import CombineHandle, Dispatched, TokenDispatcher
+from dispatch.dispatchers.base import CombineHandle, TokenDispatcher
 from dispatch.dispatchers.hierarchical import HierarchicalDispatcher
 from dispatch.stats import resolve_local_world_size
 
@@ -102,36 +102,30 @@ class AutoDispatcher(TokenDispatcher):
         log.debug("auto: %s (modelled ms: %s)", choice, {k: round(v * 1e3, 4) for k, v in costs.items()})
         return self.variants[choice]
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
-        """As :meth:`TokenDispatcher.dispatch`, through the variant :meth:`choose` picks."""
-        checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
-        return self.choose(x, topk_idx, topk_weights).dispatch(x, topk_idx, topk_weights)
+    def _made(self, handle: CombineHandle) -> bool:
+        return any(handle.owner is v for v in self.variants.values())
 
-    def combine(
-        self, expert_out: torch.Tensor, handle: CombineHandle, weights: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """As :meth:`TokenDispatcher.combine`, by the variant that made ``handle``."""
-        return self._owner(handle).combine(expert_out, handle, weights=weights)
-
-    def _owner(self, handle: CombineHandle) -> TokenDispatcher:
-        owner = getattr(handle, "owner", None)
-        if not isinstance(handle, CombineHandle) or all(owner is not v for v in self.variants.values()):
-            raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
-        return owner
-
-    # The steps, for callers that drive them directly: the plan chooses, the
-    # data movements go to the variant that made the handle.
+    # The plan chooses; the data movements go to the variant that made the handle.
     def _plan(self, x, topk_idx, topk_weights, check_values):
         return self.choose(x, topk_idx, topk_weights)._plan(x, topk_idx, topk_weights, False)
 
     def _to_experts(self, rows, handle, codec):
-        return self._owner(handle)._to_experts(rows, handle, codec)
+        return handle.owner._to_experts(rows, handle, codec)
 
     def _to_home(self, rows, handle, weights, wire):
-        return self._owner(handle)._to_home(rows, handle, weights, wire)
+        return handle.owner._to_home(rows, handle, weights, wire)
 
     def _weights_to_home(self, values, handle):
-        return self._owner(handle)._weights_to_home(values, handle)
+        return handle.owner._weights_to_home(values, handle)
+
+    def _to_experts_start(self, rows, handle, codec):
+        return handle.owner._to_experts_start(rows, handle, codec)
+
+    def _to_home_start(self, rows, handle, weights, wire):
+        return handle.owner._to_home_start(rows, handle, weights, wire)
+
+    def _weights_to_home_start(self, values, handle):
+        return handle.owner._weights_to_home_start(values, handle)
 
     def _stats(self, handle, dispatch_row_bytes, combine_wire, hidden):
-        return self._owner(handle)._stats(handle, dispatch_row_bytes, combine_wire, hidden)
+        return handle.owner._stats(handle, dispatch_row_bytes, combine_wire, hidden)

@@ -6,7 +6,15 @@ local expert)), in canonical order: local expert ascending, then (source rank,
 source token) ascending.
 
 A variant implements four data movements and a planner; this module turns them
-into the public ``dispatch`` / ``combine`` verbs with validation and gradients:
+into the public verbs, with validation, gradients and ``async_op``:
+
+* ``dispatch`` / ``combine``: differentiable (:class:`DispatchWork` /
+  :class:`ExchangeWork` when started with ``async_op=True``);
+* ``dispatch_rows`` / ``combine_rows`` / ``combine_slots``: the same movements
+  along an existing handle, not differentiable (what a hand-written backward
+  or a pipeline needs).
+
+What a variant provides:
 
 * ``_plan``: routing plan + one counts exchange (+ the slot lists); returns the handle.
 * ``_to_experts``: [T, H] home rows -> [N, H] expanded rows (dispatch direction).
@@ -27,9 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, comm
+from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
-from dispatch.config import DispatchConfig
+from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
+from dispatch.dispatchers.streams import CommStreams, Pending, Started
 from dispatch.kernels.gather_sum import accumulate_dtype
 from dispatch.stats import DispatchStats
 from dispatch.timing import PhaseTimer
@@ -100,8 +109,26 @@ class Dispatched:
 class TokenDispatcher(abc.ABC):
     """Moves tokens to the ranks that hold their experts and back.
 
-    Construct through ``dispatch.create(config, group)``. ``phase_timer`` may be
-    set to a :class:`dispatch.timing.PhaseTimer` to time the phases of the work.
+    Construct through ``dispatch.create(config, group)``.
+
+    Attributes:
+        config: the :class:`DispatchConfig`.
+        group, world_size (W), rank, num_local_experts (E_local).
+        comm_priority: CUDA priority of the communication stream that the
+            verbs' ``async_op=True`` work runs on (lower is higher, clamped to
+            the device's range; default -1, high: the exchange's small
+            kernels do not queue behind the experts' GEMMs).
+        phase_timer: optionally a :class:`dispatch.timing.PhaseTimer` timing
+            the phases of the work.
+
+    Every verb takes ``async_op``: False (default) returns the result; True
+    returns a work object (:class:`DispatchWork` / :class:`ExchangeWork`) whose
+    ``wait()`` returns it. Started work runs on the dispatcher's
+    communication stream on CUDA (the caller's stream waits for it at
+    ``wait()`` by an event, the host does not block), and as asynchronous
+    collectives on CPU (``wait()`` finishes them). Every rank of the group must
+    start the same exchanges in the same order; several may be in flight at
+    once (each has its own handle), and may be waited for in any order.
     """
 
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup | None = None) -> None:
@@ -112,46 +139,49 @@ class TokenDispatcher(abc.ABC):
         self.num_local_experts = config.num_experts // self.world_size
         self.devices = comm.device_types(group)
         self.phase_timer: PhaseTimer | None = None
+        self.comm_priority = -1
+        self._streams = CommStreams()
 
     # -- public verbs -------------------------------------------------------
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, async_op: bool = False
+    ) -> "Dispatched | DispatchWork":
         """Send each token to the ranks holding its experts, expanded per local expert.
+
+        The routing plan (with its counts exchange and one host synchronisation
+        for the split sizes) is made at once; with ``async_op`` the token
+        exchange is left in flight.
 
         Args:
             x: [T, H] float16/bfloat16/float32/float64 tokens of this rank (T may be 0).
             topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
             topk_weights: [T, K] floating routing weights.
+            async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
-            :class:`Dispatched`. Gradients flow to ``x`` (through ``tokens``) and to
-            ``topk_weights`` (through ``weights``).
+            :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
+            Gradients flow to ``x`` (through ``tokens``) and to ``topk_weights``
+            (through ``weights``).
         """
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
         handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
-        anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
-        tokens, weights, link = _DispatchFn.apply(x, topk_weights, anchor, plan_out.weights, self, handle,
-                                                  plan_out.tokens)
-        handle = dataclasses.replace(handle, link=link)
+        codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+        rows = x.detach()
+        started = self._start(lambda: self._dispatch_start(rows, handle, codec), (rows,), async_op)
         hidden = x.shape[1]
         dispatch_row_bytes = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
         stats = self._stats(handle, dispatch_row_bytes, sum_wire_dtype(self.config.combine_wire, x.dtype), hidden)
-        return Dispatched(
-            tokens=tokens,
-            tokens_per_expert=plan_out.tokens_per_expert,
-            tokens_per_expert_host=plan_out.tokens_per_expert_host,
-            weights=weights,
-            src_rank=plan_out.src_rank,
-            src_token=plan_out.src_token,
-            handle=handle,
-            stats=stats,
-        )
+        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, stats)
+        return work if async_op else work.wait()
 
     def combine(
         self,
         expert_out: torch.Tensor,
         handle: CombineHandle,
         weights: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        *,
+        async_op: bool = False,
+    ) -> "torch.Tensor | ExchangeWork":
         """Bring expert outputs home and sum them per token.
 
         Args:
@@ -159,14 +189,15 @@ class TokenDispatcher(abc.ABC):
             handle: ``Dispatched.handle`` of the matching dispatch.
             weights: [N] routing weights to apply (usually ``Dispatched.weights``),
                 or None if the experts already weighted their outputs.
+            async_op: return an :class:`ExchangeWork` instead of the result.
         Returns:
             [T, H'] in the dtype of ``expert_out``: for each token, the sum over its
             slots of ``weight * expert_out``, accumulated in fp32 (fp64 for fp64).
             On a rank whose experts got no rows while others' did, in the dtype of
-            theirs (``_home_rows``).
+            theirs (``_home_rows``). Differentiable w.r.t. ``expert_out`` and
+            ``weights`` (the backward is a dispatch of the gradient).
         """
-        if not isinstance(handle, CombineHandle) or handle.owner is not self:
-            raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
+        self._check_handle(handle)
         checks.check_combine_inputs(expert_out, weights, handle.num_rows, self.devices)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
         if torch.is_grad_enabled() and differentiable and not handle.link.requires_grad:
@@ -174,7 +205,106 @@ class TokenDispatcher(abc.ABC):
                 "expert_out (or weights) requires grad but the dispatch behind handle ran with "
                 "grad mode off: run dispatch with grad mode on so every rank joins the backward"
             )
-        return _CombineFn.apply(expert_out, weights, handle.link, self, handle)
+        rows = self._home_rows(expert_out.detach(), handle).contiguous()
+        wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
+        w = None if weights is None else weights.detach()
+        started = self._start(lambda: self._to_home_start(rows, handle, w, wire), _present(rows, w), async_op)
+        work = ExchangeWork(lambda: _CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
+        return work if async_op else work.wait()
+
+    def dispatch_rows(
+        self, rows: torch.Tensor, handle: CombineHandle, *, wire: str = "native", async_op: bool = False
+    ) -> "torch.Tensor | ExchangeWork":
+        """Move per-token rows to the experts along an existing handle, as its
+        dispatch moved x (the backward of ``combine``); not differentiable.
+
+        Args:
+            rows: [T, H'] floating, one row per token of the dispatch behind ``handle``.
+            handle: ``Dispatched.handle``.
+            wire: how the rows travel: "native" (their dtype, lossless), "bf16",
+                "fp32", "fp8" or "e5m2" (block-scaled as ``DispatchConfig.dispatch_wire``,
+                with its ``fp8_pow2_scales``).
+            async_op: return an :class:`ExchangeWork` instead of the result.
+        Returns:
+            [N, H'] in the dtype of ``rows``: row i is the row of the token behind
+            dispatched row i (``Dispatched.src_rank/src_token``), canonical order.
+        """
+        self._check_handle(handle)
+        rows = checks.check_rows("rows", rows, handle.num_tokens, "the dispatch behind handle had T =", self.devices)
+        _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
+        codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
+        rows = rows.detach().contiguous()
+        started = self._start(lambda: self._to_experts_start(rows, handle, codec), (rows,), async_op)
+        work = ExchangeWork(started.result)
+        return work if async_op else work.wait()
+
+    def combine_rows(
+        self,
+        rows: torch.Tensor,
+        handle: CombineHandle,
+        weights: torch.Tensor | None = None,
+        *,
+        wire: str = "native",
+        async_op: bool = False,
+    ) -> "torch.Tensor | ExchangeWork":
+        """Sum dispatched rows home along an existing handle, as ``combine`` does
+        (the backward of ``dispatch`` with ``weights=None``); not differentiable.
+
+        Args:
+            rows: [N, H'] floating, in the dispatched order; the same dtype on
+                every rank that has rows (no dtype is agreed, unlike ``combine``).
+            handle: ``Dispatched.handle``.
+            weights: None or [N] floating, applied to the rows before the sums.
+            wire: how the expert-side partial sums travel: "native" (their
+                accumulation's input dtype), "bf16" or "fp32".
+            async_op: return an :class:`ExchangeWork` instead of the result.
+        Returns:
+            [T, H'] in the dtype of ``rows``: per token, the sum of its rows
+            (weighted), in fp32 (fp64 for fp64 rows or weights), ascending rank order.
+        """
+        self._check_handle(handle)
+        checks.check_combine_inputs(rows, weights, handle.num_rows, self.devices, name="rows")
+        _check_wire("wire", wire, SUM_WIRES)
+        rows = rows.detach().contiguous()
+        w = None if weights is None else weights.detach()
+        wire_dtype = sum_wire_dtype(wire, rows.dtype)
+        started = self._start(lambda: self._to_home_start(rows, handle, w, wire_dtype), _present(rows, w), async_op)
+        work = ExchangeWork(started.result)
+        return work if async_op else work.wait()
+
+    def combine_slots(
+        self, values: torch.Tensor, handle: CombineHandle, *, async_op: bool = False
+    ) -> "torch.Tensor | ExchangeWork":
+        """Bring one value per dispatched row home to its (token, slot), along an
+        existing handle (the gradient of the routing weights goes home so);
+        not differentiable.
+
+        Args:
+            values: [N] floating, one per dispatched row (canonical order).
+            handle: ``Dispatched.handle``.
+            async_op: return an :class:`ExchangeWork` instead of the result.
+        Returns:
+            [T, K] in the dtype of ``values``: the value of the row of each
+            (token, slot), 0 for empty slots.
+        """
+        self._check_handle(handle)
+        values = checks.check_values("values", values, handle.num_rows, self.devices).detach().contiguous()
+        started = self._start(lambda: self._weights_to_home_start(values, handle), (values,), async_op)
+        work = ExchangeWork(started.result)
+        return work if async_op else work.wait()
+
+    # -- shared by the verbs --------------------------------------------------
+
+    def _start(self, issue, reads: tuple, async_op: bool) -> Started:
+        return self._streams.start(issue, reads, async_op, self.comm_priority)
+
+    def _made(self, handle: CombineHandle) -> bool:
+        """Whether this dispatcher made ``handle`` (and moves along it)."""
+        return handle.owner is self
+
+    def _check_handle(self, handle: object) -> None:
+        if not isinstance(handle, CombineHandle) or not self._made(handle):
+            raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
 
     def _home_rows(self, rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
         """``rows``, expert outputs about to go home, in the dtype in which the
@@ -196,7 +326,7 @@ class TokenDispatcher(abc.ABC):
             return rows
         dtypes = checks.FLOAT_DTYPES  # code: index there, len(dtypes) for any other, -1 for no rows
         code = (dtypes.index(rows.dtype) if rows.dtype in dtypes else len(dtypes)) if rows.shape[0] else -1
-        row = torch.tensor([code], dtype=torch.int64, device=rows.device)
+        row = plan.to_device(torch.tensor([code], dtype=torch.int64), rows.device)
         codes = comm.all_gather_rows(row, self.group, self.world_size).flatten().tolist()  # host sync: agreed dtype
         known = sorted({c for c in codes if c >= 0})
         if len(known) != 1 or known[0] == len(dtypes):
@@ -246,89 +376,95 @@ class TokenDispatcher(abc.ABC):
         outputs like x ([N, ``hidden``]). None where a variant does not account it."""
         return None
 
+    # The verbs start each movement through these hooks, which return a
+    # :class:`Pending` whose ``finish()`` gives the result. The defaults run
+    # the movement to its end (correct for every variant, overlapping
+    # nothing on CPU); a variant overrides them to leave its collectives in
+    # flight (``async_op=True``) and finish the rest in ``finish()``.
 
-    # -- chunked exchanges (dispatch.pipeline) ----------------------------
-    #
-    # A pipeline splits the tokens of each rank into C home token ranges and
-    # moves each range as its own exchange: chunk c of every rank forms one
-    # exchange of the group, with its own handle. Each ``_*_start`` issues the
-    # exchange and returns a :class:`Pending`; ``finish()`` gives the result.
-    # The defaults below are correct for every variant and overlap nothing
-    # (one plan, with its counts exchange and host sync, per chunk; exchanges
-    # that are finished when ``start`` returns); a variant overrides them to
-    # plan all chunks at once and to leave the collectives in flight.
-
-    def _plan_chunks(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        bounds: tuple[int, ...],
-        check_values: bool,
-        early=None,
-    ) -> list[tuple[CombineHandle, "PlanOutputs"]]:
-        """Plans of the C exchanges of home token ranges ``[bounds[c], bounds[c+1])``.
-
-        Args:
-            x: [T, H]; topk_idx: [T, K]; topk_weights: [T, K] (checked by the caller).
-            bounds: C + 1 ascending host ints from 0 to T (a range may be empty).
-            check_values: as in ``_plan``.
-            early: for a variant that plans all chunks at once, called within the
-                plan to start the first chunks' exchanges (the alltoall variant's
-                ``_plan_exchanges``); the fallback, which plans chunk by chunk,
-                does not call it.
-        Returns:
-            per chunk, (handle, plan outputs) as ``_plan`` of that range returns
-            them: chunk c's rows are the rows of the one-shot dispatch whose
-            source token lies in range c of its home rank, in canonical order.
-
-        Generic fallback: one ``_plan`` (one counts exchange, one host sync) per chunk.
-        """
-        return [
-            self._plan(x[a:b], topk_idx[a:b], topk_weights[a:b], check_values)
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-
-    def _to_experts_start(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> "Pending":
-        """``_to_experts`` left in flight. Generic fallback: runs it to the end."""
+    def _to_experts_start(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> Pending:
+        """``_to_experts`` left in flight."""
         return Pending.done(self._to_experts(rows, handle, codec))
+
+    def _dispatch_start(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> Pending:
+        """The dispatch's own movement of x (the first along its plan): ``_to_experts_start``,
+        unless a variant moves x with the rows' places (the NVLink engine)."""
+        return self._to_experts_start(rows, handle, codec)
 
     def _to_home_start(
         self, rows: torch.Tensor, handle: CombineHandle, weights: torch.Tensor | None, wire: torch.dtype
-    ) -> "Pending":
-        """``_to_home`` left in flight. Generic fallback: runs it to the end."""
+    ) -> Pending:
+        """``_to_home`` left in flight."""
         return Pending.done(self._to_home(rows, handle, weights, wire))
 
-    def _weights_to_home_start(self, values: torch.Tensor, handle: CombineHandle) -> "Pending":
-        """``_weights_to_home`` left in flight. Generic fallback: runs it to the end."""
+    def _weights_to_home_start(self, values: torch.Tensor, handle: CombineHandle) -> Pending:
+        """``_weights_to_home`` left in flight."""
         return Pending.done(self._weights_to_home(values, handle))
 
 
-class Pending:
-    """An exchange in flight: ``finish()`` waits for its collective and runs what
-    remains (decode, expand, final sum) on the current stream, once.
+class DispatchWork:
+    """A dispatch in flight (``TokenDispatcher.dispatch(..., async_op=True)``).
 
-    On NCCL, ``work.wait()`` makes the current stream wait for the collective
-    (the host does not block); on gloo it blocks the host until the data is there.
-    The object holds the buffers the collective writes until it is finished.
+    Its routing plan is made (``handle`` is known); the token exchange may
+    still be moving. It holds the inputs and the buffers until waited for.
+
+    Attributes:
+        handle: the :class:`CombineHandle` of this dispatch (also
+            ``wait().handle``).
     """
 
-    def __init__(self, work, then) -> None:
-        self._work, self._then = work, then
-        self._result = None
+    def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: Started, stats) -> None:
+        self._args = (dispatcher, x, topk_weights, plan_out, started, stats)
+        self.handle = handle
+        self._result: Dispatched | None = None
 
-    @classmethod
-    def done(cls, result: torch.Tensor) -> "Pending":
-        pending = cls(None, None)
-        pending._result = result
-        return pending
-
-    def finish(self) -> torch.Tensor:
-        if self._then is not None:
-            if self._work is not None:
-                self._work.wait()
-            self._result, self._work, self._then = self._then(), None, None
+    def wait(self) -> Dispatched:
+        """The :class:`Dispatched` result; the caller's current stream waits for
+        the exchange (the host does not, on CUDA). Call it in the grad mode the
+        dispatch started in; the autograd node of the dispatch is made here."""
+        if self._result is None:
+            dispatcher, x, topk_weights, plan_out, started, stats = self._args
+            anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
+            tokens, weights, link = _DispatchFn.apply(
+                x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
+            )
+            self.handle = dataclasses.replace(self.handle, link=link)
+            self._result = Dispatched(
+                tokens=tokens,
+                tokens_per_expert=plan_out.tokens_per_expert,
+                tokens_per_expert_host=plan_out.tokens_per_expert_host,
+                weights=weights,
+                src_rank=plan_out.src_rank,
+                src_token=plan_out.src_token,
+                handle=self.handle,
+                stats=stats,
+            )
+            self._args = None
         return self._result
+
+
+class ExchangeWork:
+    """A combine or a move along a handle in flight (the verbs' ``async_op=True``).
+    It holds the buffers of the exchange until waited for."""
+
+    def __init__(self, finish) -> None:
+        self._finish, self._result = finish, None
+
+    def wait(self) -> torch.Tensor:
+        """The verb's result tensor; the caller's current stream waits for the
+        exchange (the host does not, on CUDA). Once: later calls return it again."""
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+
+def _present(*tensors) -> tuple:
+    return tuple(t for t in tensors if t is not None)
+
+
+def _check_wire(name: str, wire: object, choices: tuple[str, ...]) -> None:
+    if wire not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {wire!r}")
 
 
 @dataclass(frozen=True)
@@ -341,16 +477,14 @@ class PlanOutputs:
     tokens_per_expert_host: torch.Tensor
     src_rank: torch.Tensor
     src_token: torch.Tensor
-    tokens: torch.Tensor | None = None  # x's rows, where the plan moved them itself (the NVLink engine)
 
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle, moved):
+    def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle, started):
+        # ``started``: the exchange of x to the experts, started by the verb
         ctx.dispatcher, ctx.handle = dispatcher, handle
-        config = dispatcher.config
-        codec = to_experts_codec(config.dispatch_wire, x.dtype, config.fp8_pow2_scales)
-        tokens = moved if moved is not None else dispatcher._to_experts(x, handle, codec)
+        tokens = started.result()
         return tokens, routed_weights.to(topk_weights.dtype, copy=True), x.new_empty(0)
 
     @staticmethod
@@ -371,16 +505,15 @@ class _DispatchFn(torch.autograd.Function):
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, weights, link, dispatcher, handle):
+    def forward(ctx, expert_out, weights, link, dispatcher, handle, started):
+        # ``started``: the exchange of expert_out home, started by the verb
         ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.out_dtype, ctx.link_dtype = expert_out.dtype, link.dtype
         ctx.weights_dtype = None if weights is None else weights.dtype
         ctx.save_for_backward(
             expert_out if weights is not None and weights.requires_grad else None, weights
         )
-        rows = dispatcher._home_rows(expert_out, handle)
-        wire = sum_wire_dtype(dispatcher.config.combine_wire, rows.dtype)
-        return dispatcher._to_home(rows.contiguous(), handle, weights, wire)
+        return started.result()
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -401,4 +534,4 @@ class _CombineFn(torch.autograd.Function):
             if needs[1]:
                 dot = (grad_rows.to(acc) * expert_out.to(acc)).sum(1)
                 grad_weights = dot.to(ctx.weights_dtype)
-        return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None, None
+        return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None, None, None

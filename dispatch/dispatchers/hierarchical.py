@@ -30,11 +30,7 @@ frees them): for every node n, an *intra* group of the group ranks
 ``[n L, ..., n L + L - 1]``; for every local index i, an *inter* group of the
 ranks ``[i, i + L, ..., i + (M - 1) L]``. Every rank of the world calls
 ``dist.new_group`` for all of them in this order (so every rank must create its
-hierarchical dispatchers in the same order, as for any ``new_group``). With
-``DispatchConfig.inter_node_max_ctas`` on NCCL, inter groups get
-``ProcessGroupNCCL.Options`` with ``config.min_ctas = config.max_ctas =`` that
-value, which emulates a slow network on one host; gloo has no such setting and
-ignores it.
+hierarchical dispatchers in the same order, as for any ``new_group``).
 """
 
 from __future__ import annotations
@@ -63,11 +59,11 @@ class TierGroups:
 _TIER_GROUPS: dict[tuple, TierGroups] = {}  # process groups are never freed: one set per layout
 
 
-def tier_groups(group: dist.ProcessGroup | None, local_world_size: int, max_ctas: int | None) -> TierGroups:
+def tier_groups(group: dist.ProcessGroup | None, local_world_size: int) -> TierGroups:
     """The intra-node and inter-node groups of this rank (see the module doc)."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     backend = str(dist.get_backend(group))
-    key = (tuple(ranks), local_world_size, max_ctas, backend)
+    key = (tuple(ranks), local_world_size, backend)
     if key in _TIER_GROUPS:
         return _TIER_GROUPS[key]
     me = dist.get_rank()
@@ -79,14 +75,9 @@ def tier_groups(group: dist.ProcessGroup | None, local_world_size: int, max_ctas
             made = dist.new_group(members, backend=backend, use_local_synchronization=True)
             intra = made if me in members else intra
     if nodes > 1:
-        options = None
-        if max_ctas is not None and "nccl" in backend:
-            options = dist.ProcessGroupNCCL.Options()
-            options.config.min_ctas = max_ctas
-            options.config.max_ctas = max_ctas
         for i in range(local_world_size):
             members = ranks[i::local_world_size]
-            made = dist.new_group(members, backend=backend, pg_options=options, use_local_synchronization=True)
+            made = dist.new_group(members, backend=backend, use_local_synchronization=True)
             inter = made if me in members else inter
     _TIER_GROUPS[key] = TierGroups(intra, inter)
     return _TIER_GROUPS[key]
@@ -136,7 +127,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
         self.num_nodes = self.world_size // self.local_world_size
         self.node, self.local_rank = divmod(self.rank, self.local_world_size)
-        self.tiers = tier_groups(group, self.local_world_size, config.inter_node_max_ctas)
+        self.tiers = tier_groups(group, self.local_world_size)
 
     def _plan(self, x, topk_idx, topk_weights, check_values):
         world, rank, local = self.world_size, self.rank, self.local_world_size
@@ -157,8 +148,8 @@ class HierarchicalDispatcher(TokenDispatcher):
         block = max(int(gc.tokens.max()), 1)
 
         # stage 1: my tokens to (node b, index l), with their routing
-        pos1 = counts.send_positions(gc.node_hit, send1)
-        send1_token = counts.items_by_row(gc.node_hit, pos1, sum(send1))
+        pos1 = plan.send_positions(gc.node_hit, send1)
+        send1_token = plan.items_by_row(gc.node_hit, pos1, sum(send1))
         meta = torch.cat(
             [
                 torch.full((num_tokens, 1), rank, dtype=torch.int64, device=device),
@@ -171,8 +162,8 @@ class HierarchicalDispatcher(TokenDispatcher):
         held = comm.all_to_all_rows(meta.index_select(0, send1_token), send1, recv1, self.tiers.inter)
         # stage 2: held rows to the ranks of this node holding their experts
         hit2 = plan.route(held[:, 2 : 2 + topk], num_experts, world).hit[:, my_node]
-        pos2 = counts.send_positions(hit2, send2)
-        send2_row = counts.items_by_row(hit2, pos2, sum(send2))
+        pos2 = plan.send_positions(hit2, send2)
+        send2_row = plan.items_by_row(hit2, pos2, sum(send2))
         arrived = comm.all_to_all_rows(held.index_select(0, send2_row), send2, recv2, self.tiers.intra)
 
         local_expert = counts.local_experts(arrived[:, 2 : 2 + topk], num_experts, world, rank)
@@ -193,9 +184,9 @@ class HierarchicalDispatcher(TokenDispatcher):
             send2=send2,
             recv2=recv2,
             send1_token=send1_token,
-            home_index=counts.rows_by_item(gc.node_hit, pos1),
+            home_index=plan.rows_by_item(gc.node_hit, pos1),
             send2_row=send2_row,
-            node_index=counts.rows_by_item(hit2, pos2),
+            node_index=plan.rows_by_item(hit2, pos2),
             slots=ex.slots,
             presum_index=ex.presum_index,
             self_send=sum(send1[:node]),
@@ -203,7 +194,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         )
         outputs = PlanOutputs(
             weights=arrived[:, 2 + topk :].contiguous().view(torch.float64).flatten().index_select(0, ex.slots),
-            tokens_per_expert=per_expert_host.to(device),
+            tokens_per_expert=plan.to_device(per_expert_host, device),
             tokens_per_expert_host=per_expert_host,
             src_rank=arrived[:, 0].index_select(0, expand_src),
             src_token=arrived[:, 1].index_select(0, expand_src),

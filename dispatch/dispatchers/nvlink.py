@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, to_experts_codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
+from dispatch.dispatchers.streams import Pending
 from dispatch.nvlink import Counts, Engine
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
@@ -40,6 +41,9 @@ class NVLinkHandle(CombineHandle):
         slot_k: [W * tstride, J] int32, the source slot of each of them.
         tstride: the largest T of the group (rows of presum per source).
         split_matrix: host rows (tokens) of every rank to every rank.
+        places: [N] routing weight (wire dtype), source rank and source token
+            (int64) of each expanded row, written by the dispatch's own pull
+            (``_dispatch_start``), which reads the sources' routes.
     """
 
     counts: Counts
@@ -47,17 +51,16 @@ class NVLinkHandle(CombineHandle):
     slot_k: torch.Tensor
     tstride: int
     split_matrix: tuple[tuple[int, ...], ...]
+    places: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class NVLinkDispatcher(TokenDispatcher):
     """Deduplicated all-to-all over NVLink with the engine's kernels
-    (``variant="alltoall"``, ``transport="nvlink"``)."""
+    (``variant="alltoall"``, ``transport="nvlink"`` or ``"auto"``; built by
+    ``dispatch.create`` once :func:`unusable` found nothing against it)."""
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
-        problem = unusable(group)
-        if problem:
-            raise ValueError(f"transport='nvlink': {problem}")
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
         self.engine = Engine(group, config.num_experts, config.sm_budget, config.timeout)
 
@@ -96,9 +99,6 @@ class NVLinkDispatcher(TokenDispatcher):
         routed = torch.empty(num_rows, dtype=wire, device=device)
         src_rank = torch.empty(num_rows, dtype=torch.int64, device=device)
         src_token = torch.empty(num_rows, dtype=torch.int64, device=device)
-        # x's rows to their places, with each place's weight and source
-        tokens = engine.to_experts(rows, codec, counts, presum, slot_k, num_rows, tstride,
-                                   meta_out=(routed, src_rank, src_token))
         local = self.num_local_experts
         has_rows = tuple(any(any(r[engine.counts_col + d * local : engine.counts_col + (d + 1) * local])
                              for r in rows_of) for d in range(world))
@@ -115,6 +115,7 @@ class NVLinkDispatcher(TokenDispatcher):
             slot_k=slot_k,
             tstride=tstride,
             split_matrix=tuple(map(tuple, split)),
+            places=(routed, src_rank, src_token),
         )
         outputs = PlanOutputs(
             weights=routed,
@@ -122,10 +123,17 @@ class NVLinkDispatcher(TokenDispatcher):
             tokens_per_expert_host=per_expert_host,
             src_rank=src_rank,
             src_token=src_token,
-            tokens=tokens,
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
+
+    def _dispatch_start(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> Pending:
+        # x's rows to their places, with each place's weight and source; where every rank
+        # staged its rows with the counts, nothing more is exchanged first
+        tokens = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
+                                        handle.num_rows, handle.tstride, meta_out=handle.places)
+        mark(self.phase_timer, "exchange_out")
+        return Pending.done(tokens)
 
     def _to_experts(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> torch.Tensor:
         out = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
