@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
       if (mine) {
         const long long row = (long long)src_start[s * experts_per_rank + local] + slot.pos;
         dest[warp][order] = row;
-        if (row >= max_rows) {
+        if (row < 0 || row >= max_rows) {  // a route no dispatch makes (an unchecked repeated expert)
           record(status, kTooManyRows, s, 1);
         } else {
           if constexpr (sizeof(WOutT) == 8) {
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
         }
         for (int j = 0; j < count; ++j) {
           const long long row = dest[warp][j];
-          if (row >= max_rows) continue;
+          if (row < 0 || row >= max_rows) continue;
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const long long unit = base + 32 * u;
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
         const OutT o = narrow<OutT>(load_one<WireT, FP8, A>(src, col, scales_at, out_max));
         for (int j = 0; j < count; ++j) {
           const long long row = dest[warp][j];
-          if (row < max_rows) out[row * hidden + col] = o;
+          if (row >= 0 && row < max_rows) out[row * hidden + col] = o;
         }
       }
     }

@@ -29,14 +29,16 @@ __device__ __forceinline__ int block_scan(bool flag, int* total) {
 //     tokens sent to that expert (token order), weight bits;
 //   counts [E]: this rank's tokens per expert (the counts part of its row);
 //   sends [W]: this rank's tokens per destination rank (zeroed by the caller);
-//   hit [T]: mask of the ranks each token goes to.
+//   hit [T]: mask of the ranks each token goes to;
+//   bad (if not null; zeroed by the caller): set to 1 where some row holds an
+//     id outside [-1, E), an expert twice, or a non-finite weight.
 // Blocks [0, E) each scan every token for one expert; blocks from E on fill the
 // per-slot fields, one token a thread.
 template <typename IdxT, typename WT>
 __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
                                                                  int topk, int experts, int experts_per_rank,
                                                                  Slot* route, int* counts, int* sends,
-                                                                 unsigned* hit) {
+                                                                 unsigned* hit, int* bad) {
   if ((int)blockIdx.x < experts) {
     const int e = blockIdx.x;
     int running = 0;
@@ -77,6 +79,17 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
   }
   hit[t] = mask;
   for (unsigned m = mask; m; m &= m - 1) atomicAdd(sends + __ffs(m) - 1, 1);
+  if (bad != nullptr) {
+    bool wrong = false;
+    for (int k = 0; k < topk; ++k) {
+      const long long at = (long long)t * topk + k;
+      const long long e = (long long)topk_idx[at];
+      const double w = (double)weights[at];
+      wrong |= e < -1 || e >= experts || !(fabs(w) <= 1.7976931348623157e308);
+      for (int j = 0; j < k && e >= 0; ++j) wrong |= (long long)topk_idx[(long long)t * topk + j] == e;
+    }
+    if (wrong) atomicExch(bad, 1);
+  }
 }
 
 // One block. Writes this rank's row (header, T, ..., counts [E]) into row `me`

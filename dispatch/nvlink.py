@@ -221,7 +221,7 @@ class Engine:
             stage[:, : hidden * wire.itemsize].view(wire).copy_(rows)
 
     def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int],
-                        rows: torch.Tensor | None = None, codec=None) -> Counts:
+                        rows: torch.Tensor | None = None, codec=None, check_values: bool = False) -> Counts:
         """Counts, routes and the counts exchange of one dispatch; one host read.
 
         Args:
@@ -231,6 +231,10 @@ class Engine:
             rows, codec: [T, H] rows to stage with the routes, before the flag
                 is raised, so that the pull needs no second exchange (where
                 every rank's routes and rows fit the buffers; ``Counts.staged``).
+            check_values: the layout kernel raises the header's ``failed`` entry
+                where a row holds an id outside [-1, E), an expert twice or a
+                non-finite weight (``checks.value_flags``), so that every rank
+                sees it in the counts it reads.
         """
         tokens, topk = topk_idx.shape
         device = self.device
@@ -250,7 +254,8 @@ class Engine:
             self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
                 self.num_experts + -(-tokens // cuda.THREADS),
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
-                 i32(self.experts_per_rank), ptr(route), ptr(counts), ptr(sends), ptr(hit)),
+                 i32(self.experts_per_rank), ptr(route), ptr(counts), ptr(sends), ptr(hit),
+                 ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None)),
             )
         else:
             counts.zero_()

@@ -70,21 +70,18 @@ class NVLinkDispatcher(TokenDispatcher):
             raise ValueError(f"topk_idx: transport='nvlink' takes at most {MAX_TOPK} slots per token, got K={topk}")
         num_experts, world = self.config.num_experts, self.world_size
         weights = topk_weights.detach()
-        failed = None
-        if check_values and num_tokens > 0:
-            flags = checks.value_flags(topk_idx, weights, num_experts)
-            failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
-        header = plan.header(x, topk_weights, topk)
-        if failed is not None:  # the peers raise where they read the counts, instead of waiting
-            header[plan.HEADER.index("failed")] = 1
         wire = plan.weight_wire_dtype(weights.dtype)
         engine = self.engine
         codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
         rows = x.detach().contiguous()
-        counts = engine.exchange_counts(topk_idx.contiguous(), weights.to(wire).contiguous(), header, rows, codec)
-        if failed is not None:
-            raise failed
+        # the values are checked by the layout kernel, which marks this rank failed in
+        # the counts every rank reads: no host synchronisation of its own
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights.to(wire).contiguous(),
+                                        plan.header(x, topk_weights, topk), rows, codec, check_values)
         rows_of = counts.rows  # host: every rank's row of the counts matrix
+        if rows_of[self.rank][plan.HEADER.index("failed")]:
+            raise checks.values_error(checks.value_flags(topk_idx, weights, num_experts).cpu(),  # host sync:
+                                      topk_idx, weights, num_experts)  # the error's message (error path only)
         grads_any = checks.check_peer_headers(torch.tensor([r[: len(plan.HEADER)] for r in rows_of]))
         first = engine.counts_col + self.rank * self.num_local_experts
         per_expert = [sum(r[first + e] for r in rows_of) for e in range(self.num_local_experts)]
