@@ -153,12 +153,3 @@ def test_both_transports_side_by_side(tmp_path):
         assert row["max_abs_diff_vs_seq"] <= ROUNDING
     assert "peer_copy: " in (tmp_path / "overlap-cpu-tiny-w2-both-local-first.md").read_text()
 
-
-def test_experts_backend_names_the_files(tmp_path):
-    """--experts-backend padded runs every layer with the padded experts and says so in the file name and rows."""
-    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
-            "--experts-backend", "padded", "--out", str(tmp_path)]
-    assert overlap.main(argv) == 0
-    result = json.loads((tmp_path / "overlap-cpu-tiny-w2-padded.json").read_text())
-    for row in result["rows"]:
-        assert row["experts_backend"] == "padded" and row["max_abs_diff_vs_seq"] <= ROUNDING

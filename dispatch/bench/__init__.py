@@ -10,7 +10,6 @@
     dispatch-bench megatron-layer   a Megatron-Core MoELayer with its dispatcher and ours
     dispatch-bench wire ...         bf16 against fp8 wire: bytes, phases, kernel bandwidth
     dispatch-bench convergence ...  a small MoE model trained with bf16 and with fp8 wires
-    dispatch-bench chunk-cost ...   what C chunks cost the experts, on one device
 
 Every run starts its own processes (one per GPU), or runs as one rank under
 torchrun; shows progress on stderr; prints a summary; writes JSON, PNG and
@@ -36,7 +35,6 @@ STUDIES = {
     "megatron-layer": "dispatch.bench.megatron_layer",  # a real Megatron MoELayer, both dispatchers
     "wire": "dispatch.bench.wire",  # bf16 vs fp8 wire: bytes, phase times, kernel bandwidth
     "convergence": "dispatch.bench.convergence",  # a small MoE model trained with bf16 and fp8 wires
-    "chunk-cost": "dispatch.bench.chunk_cost",  # what C chunks cost the experts, on one device
 }
 
 COMMANDS = {"dispatch": roundtrip, "a2a": a2a}
