@@ -34,7 +34,7 @@ def test_a2a_run_columns_units_and_bandwidth(tmp_path):
             "--warmup", "1", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     result = json.loads((tmp_path / "a2a-w2.json").read_text())
-    for transport in ("nccl", "ours", "peer"):
+    for transport in ("nccl", "ours"):
         picked = [r for r in result["rows"] if r["transport"] == transport]
         assert [r["size"] for r in picked] == [1024, 2048, 4096, 8192, 16384], transport
     for r in result["rows"]:

@@ -56,7 +56,9 @@ import torch
 import torch.distributed as dist
 
 import dispatch
-from dispatch.bench.common import SHAPES, Shape, launch, shapes_fit, time_phases, world_size_for
+from dispatch.bench.common import (
+    SHAPES, Shape, launch, new_group_with_sm_budget, shapes_fit, time_phases, world_size_for,
+)
 from dispatch.bench.roundtrip import make_routing
 from dispatch.bench.timeline import draw_timeline, lanes_summary
 from dispatch.experts import BACKENDS, GroupedExperts
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 def _job(args: argparse.Namespace) -> None:
     group = None
     if args.comm_max_ctas is not None or args.comm_high_priority:
-        group = dispatch.comm.new_group_with_sm_budget(None, args.comm_max_ctas, high_priority=args.comm_high_priority)
+        group = new_group_with_sm_budget(None, args.comm_max_ctas, high_priority=args.comm_high_priority)
     for name in args.shapes:
         rows, trace = run_shape(SHAPES[name], args, group)
         if dist.get_rank() == 0:
