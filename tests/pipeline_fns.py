@@ -9,7 +9,6 @@ from torch import nn
 
 import dispatch
 from dispatch import comm
-from dispatch.bench.overlap import layer_options
 from dispatch.dispatchers.alltoall import AllToAllDispatcher
 from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.experts import GroupedExperts
@@ -107,11 +106,21 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
     return experts.to(current_device())
 
 
+def layer_options(layer) -> dict:
+    """MoEExchange's chunks, local_first and ahead of a layer's name: C or
+    relative sizes "s0:s1:..." (chunks=(s0, s1, ...)), "local" (C = 1) or "local"
+    and either, then "/A" for ``ahead=A`` (none: every chunk ahead)."""
+    name, _, ahead = str(layer).partition("/")
+    local = name.startswith("local")
+    sizes = (name.removeprefix("local") or "1").split(":")
+    chunks = int(sizes[0]) if len(sizes) == 1 else tuple(map(int, sizes))
+    return dict(chunks=chunks, local_first=local, ahead=int(ahead) if ahead else None)
+
+
 def make_layer(d, experts, chunks):
-    """The MoEExchange a candidate name of the overlap bench describes
-    (``dispatch.bench.overlap.layer_options``): C or relative sizes "1:2:1",
-    "local" first for ``local_first=True``, "/A" after for ``ahead=A`` (e.g.
-    3, "local3", "4/2", "local1:2:1/1")."""
+    """The MoEExchange a layer's name describes (:func:`layer_options`): C or
+    relative sizes "1:2:1", "local" first for ``local_first=True``, "/A" after
+    for ``ahead=A`` (e.g. 3, "local3", "4/2", "local1:2:1/1")."""
     return dispatch.MoEExchange(d, experts, **layer_options(chunks))
 
 
