@@ -165,7 +165,8 @@ def _rank_main(rank: int, args, store_file: str, conn) -> None:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{store_file}", rank=rank,
-                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
+                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120),
+                            device_id=device if use_cuda else None)
     try:
         curves = {wire: train(args, wire, device) for wire in args.wires}
         if rank == 0:

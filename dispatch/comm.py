@@ -12,6 +12,9 @@ import math
 import torch
 import torch.distributed as dist
 
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning) for its new name, all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _BACKEND_DEVICES = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "ucc": "cuda", "xccl": "xpu"}
 
 
@@ -43,7 +46,7 @@ def all_gather_rows(
     if world_size == 1:
         out.copy_(row.unsqueeze(0))
     else:
-        dist.all_gather_into_tensor(out.view(-1), row.contiguous(), group=group)
+        _all_gather_single(out.view(-1), row.contiguous(), group=group)
     return out
 
 

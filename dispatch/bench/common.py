@@ -122,9 +122,12 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
         os.environ.update(env)
         os.environ["RANK"] = str(local_rank)
     use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    device_id = None
+    if use_cuda:  # bound to its GPU: NCCL's barrier() then knows the device (no warning)
+        device_id = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600),
+                            device_id=device_id)
     try:
         job(args)
         dist.barrier()
