@@ -12,6 +12,9 @@ import math
 import torch
 import torch.distributed as dist
 
+# torch 2.13 deprecates all_gather_into_tensor (a FutureWarning) for its new name, all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _BACKEND_DEVICES = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "ucc": "cuda", "xccl": "xpu"}
 
 
@@ -43,7 +46,7 @@ def all_gather_rows(
     if world_size == 1:
         out.copy_(row.unsqueeze(0))
     else:
-        dist.all_gather_into_tensor(out.view(-1), row.contiguous(), group=group)
+        _all_gather_single(out.view(-1), row.contiguous(), group=group)
     return out
 
 
@@ -101,44 +104,3 @@ def all_to_all_rows_start(
     )
     return out.view(rows.dtype).view(num_recv, *tail), work
 
-
-def new_group_with_sm_budget(
-    ranks: list[int] | None, max_ctas: int | None, min_ctas: int | None = None, high_priority: bool = False
-):
-    """A new NCCL process group for an exchange that runs beside the experts:
-    its collectives use at most ``max_ctas`` thread blocks (CTAs, one per SM) per
-    GPU, leaving the other SMs to the experts, and, with ``high_priority``, run
-    on a high-priority CUDA stream, so that the GPU's block scheduler starts
-    their blocks ahead of waiting GEMM blocks (the exchange of one chunk is not
-    stuck behind the experts of another).
-
-    This is how to build an EP group for :class:`dispatch.MoEExchange`::
-
-        ep_group = dispatch.comm.new_group_with_sm_budget(ep_ranks, max_ctas=16, high_priority=True)
-        d = dispatch.create(cfg, ep_group)
-
-    which is ``dist.new_group(ranks, backend="nccl", pg_options=opts)`` with
-    ``opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)``
-    and ``opts.config.max_ctas = max_ctas``. Fewer CTAs also make the exchange
-    slower, which is how the benchmarks emulate a slow (inter-node) tier on one
-    machine. Must be called by every rank of the world (like ``dist.new_group``).
-
-    Args:
-        ranks: global ranks of the group (None: the whole world).
-        max_ctas: upper bound of CTAs per collective, >= 1; None: NCCL's choice.
-        min_ctas: lower bound, in [1, max_ctas] (default 1); only with max_ctas.
-        high_priority: run the group's collectives on a high-priority stream.
-    """
-    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
-        raise ValueError(f"max_ctas must be an int >= 1 or None, got {max_ctas!r}")
-    if min_ctas is not None and (max_ctas is None or not isinstance(min_ctas, int) or not 1 <= min_ctas <= max_ctas):
-        raise ValueError(f"min_ctas must be an int in [1, max_ctas={max_ctas}], got {min_ctas!r}")
-    if not isinstance(high_priority, bool):
-        raise TypeError(f"high_priority must be a bool, got {type(high_priority).__name__}")
-    if not hasattr(dist, "ProcessGroupNCCL"):
-        raise RuntimeError("new_group_with_sm_budget needs a torch build with NCCL")
-    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
-    if max_ctas is not None:
-        opts.config.max_ctas = max_ctas
-        opts.config.min_ctas = min_ctas if min_ctas is not None else 1
-    return dist.new_group(ranks, backend="nccl", pg_options=opts)

@@ -6,7 +6,7 @@ H hidden size, F the experts' ffn hidden size.
     swiglu:       out = (silu(x W_gate) * (x W_up)) W_down
     gelu / relu:  out = act(x W_up) W_down
 
-Three paths compute the same thing:
+Two paths compute the same thing:
 
 * ``grouped_mm``: ``torch._grouped_mm(rows [N, H], weights [E_local, H, F],
   offs=[E_local] int32 cumulative row ends)``, one kernel for all experts (an
@@ -15,20 +15,6 @@ Three paths compute the same thing:
   of 8 (16-byte rows, as the kernel's TMA loads need) and E_local < 1024 (the
   kernel's limit). Elsewhere torch runs a per-expert fallback with a host
   synchronisation (``offs`` read on the host); ``backend="grouped_mm"`` takes it.
-* ``padded``: every expert's rows placed in a zero-padded block of the
-  largest expert's row count, one batched matmul (``torch.bmm``, cuBLAS on
-  CUDA) over the [E_local, M_max, H] blocks, and the rows taken back out.
-  Padding rows cost FLOPs but no weight reads, so it suits balanced routings
-  with few rows per expert (the chunks of ``MoEExchange``), where a grouped
-  GEMM's per-expert tiles run half empty; under skewed routing the padding
-  (FLOPs and memory: E_local x M_max rows) grows with the largest expert. It sizes the blocks on the host (one
-  synchronisation per call if ``tokens_per_expert`` is on the GPU). Chosen only
-  when asked for: ``dispatch-bench chunk-cost`` measures it beside the others
-  (on one H200 it was faster than the grouped GEMM for DeepSeek-V3's 64 or
-  128 experts per rank at about 128 rows per expert, slower at 256 and more,
-  and slower for Qwen3's shape at 128 rows too). cuBLAS's batched matmul did not
-  heed torch's SM carveout there (torch 2.11, CUDA 13), so beside a
-  collective it takes every SM, unlike the grouped GEMM.
 * ``loop``: one matmul per expert over its slice of rows. Runs everywhere; on
   CUDA it sizes the slices on the host (one synchronisation per call if
   ``tokens_per_expert`` is on the GPU).
@@ -50,7 +36,7 @@ from dispatch import plan
 from dispatch.kernels.scatter_rows import scatter_rows
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
-BACKENDS = ("auto", "grouped_mm", "padded", "loop")
+BACKENDS = ("auto", "grouped_mm", "loop")
 
 
 GROUPED_MM_MAX_GROUPS = 1023  # torch's CUDA grouped GEMM refuses 1024 groups or more
@@ -78,7 +64,7 @@ class GroupedExperts(nn.Module):
         activation: ``"swiglu"`` (gate and up projections), ``"gelu"`` or ``"relu"``.
         backend: ``"auto"`` (grouped GEMM where it applies, else the loop; see
             the module doc), ``"grouped_mm"`` (always; fails where torch has no
-            kernel for the dtype/device), ``"padded"`` or ``"loop"``.
+            kernel for the dtype/device) or ``"loop"``.
         dtype, device: of the parameters.
 
     Parameters: ``w_in`` [E_local, H, F] (``2F`` for swiglu: gate then up),
@@ -128,8 +114,6 @@ class GroupedExperts(nn.Module):
         path = self._path(tokens)
         if path == "grouped_mm":
             return self._grouped(tokens, tokens_per_expert)
-        if path == "padded":
-            return self._padded(tokens, tokens_per_expert)
         return self._loop(tokens, tokens_per_expert)
 
     def _path(self, tokens: torch.Tensor) -> str:
@@ -153,9 +137,6 @@ class GroupedExperts(nn.Module):
         path = self._path(rows)
         if path == "grouped_mm":
             return torch._grouped_mm(_aligned(rows), weight, offs=_ends(counts))
-        if path == "padded":
-            blocks = PaddedBlocks(counts, counts_host)
-            return blocks.unpad(torch.bmm(blocks.pad(rows), weight))
         parts = [r @ weight[e] for e, r in enumerate(rows.split(counts_host.tolist()))]
         return torch.cat(parts) if parts else rows.new_zeros(0, weight.shape[2])
 
@@ -167,9 +148,6 @@ class GroupedExperts(nn.Module):
         path = self._path(rows)
         if path == "grouped_mm":
             return torch._grouped_mm(_aligned(rows).t(), _aligned(grads), offs=_ends(counts))
-        if path == "padded":  # padding rows are zero in both: they add nothing
-            blocks = PaddedBlocks(counts, counts_host)
-            return torch.bmm(blocks.pad(rows).transpose(1, 2), blocks.pad(grads))
         sizes = counts_host.tolist()
         parts = [r.t() @ g for r, g in zip(rows.split(sizes), grads.split(sizes))]
         return torch.stack(parts) if parts else rows.new_zeros(0, rows.shape[1], grads.shape[1])
@@ -181,12 +159,6 @@ class GroupedExperts(nn.Module):
         h = _dense_grad(torch._grouped_mm(tokens, self.w_in, offs=offs))
         return _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
 
-    def _padded(self, tokens, tokens_per_expert):
-        blocks = PaddedBlocks(plan.to_device(tokens_per_expert, tokens.device), tokens_per_expert)
-        h = torch.bmm(blocks.pad(tokens), self.w_in)
-        # act(0) = 0 for every activation here: the padding rows stay zero between the GEMMs
-        return blocks.unpad(torch.bmm(self._act(h), self.w_out))
-
     def _loop(self, tokens, tokens_per_expert):
         sizes = tokens_per_expert.tolist()  # host sync: slice sizes (free for CPU counts)
         outs = []
@@ -195,36 +167,6 @@ class GroupedExperts(nn.Module):
         if not outs:
             return tokens.new_zeros(0, self.hidden)
         return torch.cat(outs)
-
-
-class PaddedBlocks:
-    """Rows grouped by expert <-> [E_local, M_max, width] zero-padded blocks, one
-    per expert (M_max: the largest expert's row count), for ``torch.bmm``.
-
-    Args:
-        counts: [E_local] int64 rows per expert, on the rows' device.
-        counts_host: the same on the host (or on the device: then one host sync).
-    """
-
-    def __init__(self, counts: torch.Tensor, counts_host: torch.Tensor) -> None:
-        self.experts = counts.shape[0]
-        self.rows = int(counts_host.sum())  # host sync: block sizes (free for CPU counts)
-        self.width = int(counts_host.max()) if self.experts else 0
-        starts = torch.cumsum(counts, 0) - counts
-        shift = torch.arange(self.experts, device=counts.device) * self.width - starts
-        # row i of expert e -> slot e * M_max + (i - start of e)
-        self.slots = torch.arange(self.rows, device=counts.device) + torch.repeat_interleave(
-            shift, counts, output_size=self.rows
-        )
-
-    def pad(self, rows: torch.Tensor) -> torch.Tensor:
-        """[N, width] grouped by expert -> [E_local, M_max, width], zeros past each expert's rows."""
-        blocks = rows.new_zeros(self.experts * self.width, rows.shape[1]).index_copy(0, self.slots, rows)
-        return blocks.view(self.experts, self.width, rows.shape[1])
-
-    def unpad(self, blocks: torch.Tensor) -> torch.Tensor:
-        """[E_local, M_max, width] -> [N, width] grouped by expert."""
-        return blocks.reshape(self.experts * self.width, blocks.shape[2]).index_select(0, self.slots)
 
 
 def _aligned(rows: torch.Tensor) -> torch.Tensor:

@@ -154,9 +154,11 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from dispatch.bench.megatron_baseline import _ensure_parallel_state
-        from dispatch.bench.megatron_layer import moe_config
         from dispatch.integrations.megatron import install
 
+        from bench_scripts import load
+
+        moe_config = load("megatron_layer").moe_config
         world, rank = dist.get_world_size(), dist.get_rank()
         _ensure_parallel_state(world)
         common = dict(hidden=hidden, ffn=2 * hidden, experts=num_experts, topk=topk, dtype="fp32",

@@ -4,6 +4,9 @@ byte accounting against hand-computed cases, the #wrong check, CLI errors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -34,7 +37,7 @@ def test_a2a_run_columns_units_and_bandwidth(tmp_path):
             "--warmup", "1", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     result = json.loads((tmp_path / "a2a-w2.json").read_text())
-    for transport in ("nccl", "ours", "peer"):
+    for transport in ("nccl", "ours"):
         picked = [r for r in result["rows"] if r["transport"] == transport]
         assert [r["size"] for r in picked] == [1024, 2048, 4096, 8192, 16384], transport
     for r in result["rows"]:
@@ -45,6 +48,23 @@ def test_a2a_run_columns_units_and_bandwidth(tmp_path):
     assert header.split() == ["size", "count", "type", "time", "algbw", "busbw", "effective", "#wrong"]
     assert units.split() == ["(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)", "(GB/s)"]
     assert "Avg bus bandwidth" in a2a.table(result["rows"], "ours")
+
+
+def test_main_job_output_has_no_warnings(tmp_path):
+    """``dispatch-bench`` with no command (dispatch comparison + a2a sweep), as a
+    user runs it, on 2 CPU processes: it succeeds and prints no warning (a
+    FutureWarning of a deprecated collective, a UserWarning of a barrier without
+    a device, ...), from the parent process or any rank."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-m", "dispatch.bench", "--world-size", "2", "--iters", "1", "--warmup", "0",
+         "--out", str(tmp_path)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    assert "Warning" not in output, [line for line in output.splitlines() if "Warning" in line]
+    assert (tmp_path / "report.md").stat().st_size > 0
 
 
 def test_spread_is_nearest_rank():

@@ -1,13 +1,15 @@
 """A short convergence check: the same small MoE model trained with a bf16 wire and
 an fp8 wire (fp8 dispatch, e5m2 gradients to the experts, bf16 sums) on a gloo
 world of 2 ranks ends within 2 percent. The long version is
-``python -m dispatch.bench.convergence`` (plot under bench/results/cpu/)."""
+``python3 bench/convergence.py`` (plot under bench/results/cpu/)."""
 
 from __future__ import annotations
 
 import math
 
-from dispatch.bench import convergence
+from bench_scripts import load
+
+convergence = load("convergence")
 
 
 def test_fp8_wire_trains_like_bf16():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dispatch.experts import ChunkedExperts, GroupedExperts, PaddedBlocks, grouped_mm_available
+from dispatch.experts import ChunkedExperts, GroupedExperts, grouped_mm_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,7 +44,7 @@ def _beside_loop(backend, dtype, counts):
     return results
 
 
-@pytest.mark.parametrize("backend", ["loop", "padded"])
+@pytest.mark.parametrize("backend", ["loop"])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
 @pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0], [1, 7, 2]])
 def test_backend_matches_reference(backend, activation, counts):
@@ -53,36 +53,6 @@ def test_backend_matches_reference(backend, activation, counts):
     counts = torch.tensor(counts)
     tokens = torch.randn(int(counts.sum()), 16, dtype=torch.float64)
     torch.testing.assert_close(experts(tokens, counts), _reference(experts, tokens, counts))
-
-
-@pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0], [1, 7, 2], [4]])
-def test_padded_blocks_place_each_row_once(counts):
-    """Each row lands in its expert's block, in order, and everything else is zero;
-    unpad gives the rows back exactly."""
-    counts = torch.tensor(counts)
-    rows = torch.arange(1, int(counts.sum()) + 1, dtype=torch.float64)[:, None].expand(-1, 2).contiguous()
-    blocks = PaddedBlocks(counts, counts)
-    padded = blocks.pad(rows)
-    assert padded.shape == (len(counts), int(counts.max()), 2)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        assert torch.equal(padded[e, :n], rows[start:start + n])
-        assert not padded[e, n:].any()
-        start += n
-    assert torch.equal(blocks.unpad(padded), rows)
-
-
-@pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0], [16, 9, 7]])
-def test_padded_matches_loop_with_gradients(counts):
-    """The padded batched matmul against the loop: forward and the gradients of
-    tokens and both weights (an expert without rows gets exactly zero), device
-    counts too (sized on the host)."""
-    counts = torch.tensor(counts, device=DEVICE)
-    results = _beside_loop("padded", torch.float64, counts)
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b)
-    for e in (counts == 0).nonzero().flatten().tolist():
-        assert not results[0][2][e].any() and not results[0][3][e].any(), f"expert {e} has no rows"
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
@@ -219,13 +189,6 @@ def test_chunked_experts_grouped_mm_match_autograd():
     """The grouped-GEMM path of ChunkedExperts (weight gradients as one 2D x 2D
     grouped GEMM over all chunks) against autograd through GroupedExperts, in bf16."""
     _check_chunked([[40, 0, 17], [9, 0, 64], [0, 0, 5]], "swiglu", torch.bfloat16, "auto", tol=2e-2)
-
-
-@pytest.mark.parametrize("splits", [[[1, 0, 2], [2, 0, 3]], [[0, 0, 0], [3, 0, 5]], [[4, 1, 0], [0, 2, 6]]])
-def test_chunked_experts_padded_match_autograd(splits):
-    """The padded path of ChunkedExperts (weight gradients as one batched matmul
-    of padded blocks over all chunks) against autograd through the whole batch."""
-    _check_chunked(splits, "swiglu", torch.float64, "padded", tol=1e-12)
 
 
 def test_chunked_experts_keep_only_what_a_weight_gradient_needs():

@@ -169,8 +169,9 @@ def test_import_does_not_need_megatron():
      (["--option", "local_world_size=0"], "local_world_size"), (["--option", "dispatch_wire=fp4"], "dispatch_wire")],
 )
 def test_layer_script_bad_flags(argv, needle, capsys):
-    from dispatch.bench import megatron_layer
+    from bench_scripts import load
 
+    megatron_layer = load("megatron_layer")
     with pytest.raises(SystemExit) as exc:
         megatron_layer.main(argv)
     assert exc.value.code == 2 and needle in capsys.readouterr().err
@@ -178,7 +179,7 @@ def test_layer_script_bad_flags(argv, needle, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_layer_script_needs_cuda(capsys):
-    from dispatch.bench import megatron_layer
+    from bench_scripts import load
 
-    assert megatron_layer.main(["--parts", "layer"]) == 2
+    assert load("megatron_layer").main(["--parts", "layer"]) == 2
     assert "needs CUDA" in capsys.readouterr().err

@@ -4,7 +4,7 @@ Megatron's ``TopKRouter`` and ``alltoall`` dispatcher need CUDA, so on CPU the l
 uses a plain-torch top-k router, and the reference is the same layer on each rank
 alone (all experts local, Megatron's ``allgather`` dispatcher, which does not
 communicate on one rank). The GPU comparison with Megatron's ``alltoall`` dispatcher
-is ``python -m dispatch.bench.megatron_layer``. Skipped without megatron-core.
+is ``python3 bench/megatron_layer.py``. Skipped without megatron-core.
 """
 
 from __future__ import annotations

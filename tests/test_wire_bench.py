@@ -1,4 +1,4 @@
-"""The wire benchmark's CPU smoke mode: a real small run, and clear errors for bad flags."""
+"""bench/wire.py's CPU smoke mode: a real small run, and clear errors for bad flags."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from dispatch.bench import wire
+from bench_scripts import load
+
+wire = load("wire")
 
 
 def test_cpu_smoke_run_writes_results(tmp_path):

@@ -7,14 +7,12 @@
     dispatch-bench dispatch ...     dispatchers compared on model shapes (roundtrip.py)
     dispatch-bench a2a ...          all-to-all bandwidth sweep, nccl-tests style (a2a.py)
     dispatch-bench overlap ...      exchange hidden behind expert compute (overlap.py)
-    dispatch-bench megatron-layer   a Megatron-Core MoELayer with its dispatcher and ours
-    dispatch-bench wire ...         bf16 against fp8 wire: bytes, phases, kernel bandwidth
-    dispatch-bench convergence ...  a small MoE model trained with bf16 and with fp8 wires
-    dispatch-bench chunk-cost ...   what C chunks cost the experts, on one device
 
 Every run starts its own processes (one per GPU), or runs as one rank under
 torchrun; shows progress on stderr; prints a summary; writes JSON, PNG and
-markdown under ``--out`` (default ``dispatch-results/``).
+markdown under ``--out`` (default ``dispatch-results/``). Studies (wire formats,
+convergence, a Megatron-Core layer, profiler timelines) are scripts under the
+repository's ``bench/`` folder, not part of the package.
 """
 
 from __future__ import annotations
@@ -29,14 +27,10 @@ import torch.distributed as dist
 
 from dispatch.bench import a2a, common, roundtrip
 
-# Studies with their own command line: ``dispatch-bench NAME ARGS`` runs
+# Commands with their own command line: ``dispatch-bench NAME ARGS`` runs
 # ``MODULE.main(ARGS)``.
-STUDIES = {
+OWN_PARSER = {
     "overlap": "dispatch.bench.overlap",  # MoEExchange pipelined against the experts
-    "megatron-layer": "dispatch.bench.megatron_layer",  # a real Megatron MoELayer, both dispatchers
-    "wire": "dispatch.bench.wire",  # bf16 vs fp8 wire: bytes, phase times, kernel bandwidth
-    "convergence": "dispatch.bench.convergence",  # a small MoE model trained with bf16 and fp8 wires
-    "chunk-cost": "dispatch.bench.chunk_cost",  # what C chunks cost the experts, on one device
 }
 
 COMMANDS = {"dispatch": roundtrip, "a2a": a2a}
@@ -56,10 +50,10 @@ def _common_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dispatch-bench", description=__doc__.split("\n\n")[0],
-        epilog="studies: " + ", ".join(STUDIES) if STUDIES else None,
+        epilog="overlap takes its own flags: dispatch-bench overlap --help",
     )
     _common_arguments(parser, defaults=True)
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, *STUDIES]) + "}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, *OWN_PARSER]) + "}")
     for name, module in COMMANDS.items():
         p = sub.add_parser(name, help=module.__doc__.split("\n")[0], description=module.__doc__)
         _common_arguments(p, defaults=False)
@@ -91,10 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    study = next((i for i, word in enumerate(argv) if word in STUDIES), None)
-    if study is not None and _only_global_flags(argv[:study]):
-        # a study parses its own flags, the global ones before its name included
-        return importlib.import_module(STUDIES[argv[study]]).main(argv[:study] + argv[study + 1 :])
+    own = next((i for i, word in enumerate(argv) if word in OWN_PARSER), None)
+    if own is not None and _only_global_flags(argv[:own]):
+        # it parses its own flags, the global ones before its name included
+        return importlib.import_module(OWN_PARSER[argv[own]]).main(argv[:own] + argv[own + 1 :])
     args = parse_args(argv)
     world = common.world_size_for(args.world_size)
     if args.command in (None, "dispatch"):

@@ -7,10 +7,6 @@ For each buffer size (bytes per rank, doubling from ``--min-bytes`` to
   hardware's bar;
 * ``ours``: ``dispatch.comm.all_to_all_rows``, the dispatchers' transport (rows of
   bytes with per-peer split sizes), on the same buffer;
-* ``peer``: the same exchange by ``dispatch.peer_copy.PeerCopy``
-  (``transport="peer_copy"``: the send rows staged in symmetric memory, each
-  rank's blocks pulled by copy engines; the time includes the staging copy and
-  the barrier);
 * one line per compressing wire format (``fp8``, ...): rows of ``--hidden`` bf16
   channels packed by the wire's codec, exchanged, unpacked; its time covers all
   three, and ``effective`` is the uncompressed bytes per second.
@@ -36,9 +32,8 @@ import torch.distributed as dist
 from dispatch import comm, config
 from dispatch.bench import common, plots
 from dispatch.codec import to_experts_codec
-from dispatch.peer_copy import PeerCopy
 
-LOSSLESS = ("nccl", "ours", "peer")  # transports that move the bf16 buffer as it is
+LOSSLESS = ("nccl", "ours")  # transports that move the bf16 buffer as it is
 COLUMNS = [
     ("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("time", "(us)", 10),
     ("algbw", "(GB/s)", 8), ("busbw", "(GB/s)", 8), ("effective", "(GB/s)", 9), ("#wrong", "", 8),
@@ -114,7 +109,7 @@ def run(args: argparse.Namespace) -> dict | None:
     dev = common.device()
     world, rank = dist.get_world_size(), dist.get_rank()
     all_sizes = sizes(args.min_bytes, args.max_bytes)
-    transports = ["nccl", "ours", "peer", *args.a2a_wires]
+    transports = ["nccl", "ours", *args.a2a_wires]
     progress = common.Progress(len(all_sizes) * len(transports), "a2a")
     rows = []
     for size in all_sizes:
@@ -148,16 +143,6 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
 
         def step():
             box["out"] = comm.all_to_all_rows(send.view(count, 1), splits, splits, None)
-        result = lambda: box["out"].view(-1)  # noqa: E731
-    elif transport == "peer":
-        box, peers = {}, PeerCopy(None, rank, world)
-        matrix = (splits,) * world
-
-        def step():
-            out, work = peers.start(send.view(count, 1), splits, splits, matrix)
-            if work is not None:
-                work.wait()
-            box["out"] = out
         result = lambda: box["out"].view(-1)  # noqa: E731
     else:
         codec = to_experts_codec(transport, torch.bfloat16)
@@ -223,21 +208,17 @@ def table(rows: list[dict], transport: str) -> str:
 
 
 def comparison(rows: list[dict], from_bytes: int = 8 << 20) -> list[str]:
-    """Lines comparing ``ours`` and ``peer`` with raw NCCL at every size from ``from_bytes`` up."""
+    """A line comparing ``ours`` with raw NCCL at every size from ``from_bytes`` up (none below)."""
     nccl = {r["size"]: r for r in rows if r["transport"] == "nccl"}
-    lines = []
-    for transport in ("ours", "peer"):
-        ratios = [
-            (r["size"], nccl[r["size"]]["time_us"] / r["time_us"])
-            for r in rows if r["transport"] == transport and r["size"] >= from_bytes and r["size"] in nccl
-        ]
-        if ratios:
-            worst = min(ratios, key=lambda p: p[1])
-            lines.append(
-                f"{transport} / nccl bandwidth from {from_bytes >> 20} MiB up: worst {worst[1]:.3f} at {worst[0]} B, "
-                f"mean {sum(r for _, r in ratios) / len(ratios):.3f}"
-            )
-    return lines
+    ratios = [
+        (r["size"], nccl[r["size"]]["time_us"] / r["time_us"])
+        for r in rows if r["transport"] == "ours" and r["size"] >= from_bytes and r["size"] in nccl
+    ]
+    if not ratios:
+        return []
+    worst = min(ratios, key=lambda p: p[1])
+    return [f"ours / nccl bandwidth from {from_bytes >> 20} MiB up: worst {worst[1]:.3f} at {worst[0]} B, "
+            f"mean {sum(r for _, r in ratios) / len(ratios):.3f}"]
 
 
 def report(result: dict, args: argparse.Namespace) -> str:

@@ -122,9 +122,12 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
         os.environ.update(env)
         os.environ["RANK"] = str(local_rank)
     use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    device_id = None
+    if use_cuda:  # bound to its GPU: NCCL's barrier() then knows the device (no warning)
+        device_id = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600),
+                            device_id=device_id)
     try:
         job(args)
         dist.barrier()
@@ -134,6 +137,38 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
         raise
     finally:
         dist.destroy_process_group()
+
+
+def new_group_with_sm_budget(
+    ranks: list[int] | None, max_ctas: int | None, min_ctas: int | None = None, high_priority: bool = False
+):
+    """A new NCCL process group whose collectives use at most ``max_ctas``
+    thread blocks (CTAs) per GPU and, with ``high_priority``, run on a
+    high-priority CUDA stream. Fewer CTAs make the exchange slower: this is how
+    the overlap benchmark (``--comm-max-ctas``) emulates a slow link on one
+    machine. It is ``dist.new_group(ranks, backend="nccl", pg_options=opts)``
+    with ``opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)``
+    and ``opts.config.max_ctas = max_ctas``; every rank of the world must call it.
+
+    Args:
+        ranks: global ranks of the group (None: the whole world).
+        max_ctas: upper bound of CTAs per collective, >= 1; None: NCCL's choice.
+        min_ctas: lower bound, in [1, max_ctas] (default 1); only with max_ctas.
+        high_priority: run the group's collectives on a high-priority stream.
+    """
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ValueError(f"max_ctas must be an int >= 1 or None, got {max_ctas!r}")
+    if min_ctas is not None and (max_ctas is None or not isinstance(min_ctas, int) or not 1 <= min_ctas <= max_ctas):
+        raise ValueError(f"min_ctas must be an int in [1, max_ctas={max_ctas}], got {min_ctas!r}")
+    if not isinstance(high_priority, bool):
+        raise TypeError(f"high_priority must be a bool, got {type(high_priority).__name__}")
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        raise RuntimeError("new_group_with_sm_budget needs a torch build with NCCL")
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    if max_ctas is not None:
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = min_ctas if min_ctas is not None else 1
+    return dist.new_group(ranks, backend="nccl", pg_options=opts)
 
 
 # -- timing ------------------------------------------------------------------

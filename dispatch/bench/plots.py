@@ -76,33 +76,3 @@ def round_trip_plot(rows: list[dict], path: str, title: str, phases: tuple[str, 
     plt.close(fig)
     return path
 
-
-def chunk_cost_plot(rows: list[dict], path: str, title: str) -> str | None:
-    """The experts' time against C, forward and forward+backward side by side, one
-    line per (backend, carveout), with the forward floor dashed."""
-    plt = _pyplot()
-    if plt is None or not rows:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwd_bwd_ms", "forward+backward")):
-        for backend, sms in dict.fromkeys((r["backend"], r["sm_carveout"]) for r in rows):
-            picked = [r for r in rows if r["backend"] == backend and r["sm_carveout"] == sms]
-            ax.plot([r["chunks"] for r in picked], [r[key] for r in picked], marker="o", ms=3,
-                    label=f"{backend}, carveout {sms}")
-        if key == "fwd_ms":
-            floor = {r["chunks"]: r["fwd_floor_ms"] for r in rows}
-            ax.plot(list(floor), list(floor.values()), "k--", lw=1, label="floor (weights re-read, FLOPs)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["chunks"] for r in rows}), [str(c) for c in sorted({r["chunks"] for r in rows})])
-        ax.set_xlabel("chunks C")
-        ax.set_ylabel("ms")
-        ax.set_title(label, fontsize=9)
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 import dispatch
-from dispatch import comm
 from dispatch import config as config_mod
 from dispatch.bench import common, plots
 from dispatch.codec import to_experts_codec
@@ -54,9 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1,
                         help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
                              "bytes per tier; default 1)")
-    parser.add_argument("--inter-node-ctas", type=int, default=None,
-                        help="emulate a slow inter-node tier: NCCL CTA budget of the hierarchical "
-                             "variant's inter-node groups (NCCL only)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="token dtype (default bf16)")
     parser.add_argument("--no-check", action="store_true", help="DispatchConfig(check_inputs=False)")
     parser.add_argument("--baselines", choices=["auto", "none"], default="auto",
@@ -90,8 +86,6 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
     args.routings = _pick(parser, "--routings", args.routings, ROUTINGS)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
-    if args.inter_node_ctas is not None and args.inter_node_ctas < 1:
-        parser.error(f"--inter-node-ctas must be >= 1, got {args.inter_node_ctas}")
 
 
 def make_routing(kind: str, shape: common.Shape, world: int, rank: int, dev, seed: int = 0):
@@ -149,8 +143,7 @@ def run(args: argparse.Namespace) -> dict | None:
     ours = [(v, w) for v in args.variants for w in args.dispatch_wires]
     total = len(shapes) * len(args.routings) * (len(ours) + (2 if megatron else 0))
     progress = common.Progress(total, "dispatch")
-    group = _ep_group(args, dev)
-    _warm_up(shapes[0], dtype, group, dev, args)
+    _warm_up(shapes[0], dtype, dev, args)
     dispatchers: dict = {}
     rows = []
     for shape in shapes:
@@ -169,7 +162,7 @@ def run(args: argparse.Namespace) -> dict | None:
                         num_experts=shape.experts, variant=variant, dispatch_wire=wire,
                         check_inputs=not args.no_check, **_node_options(args),
                     )
-                    dispatchers[key] = dispatch.create(cfg, group)
+                    dispatchers[key] = dispatch.create(cfg)
                 row = _ours(dispatchers[key], shape, routing, x, topk_idx, topk_weights, args, dev)
                 rows.append(row)
                 progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
@@ -180,30 +173,17 @@ def run(args: argparse.Namespace) -> dict | None:
                     row = _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev)
                     rows.append(row)
                     progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
-    result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes,
-              "inter_node_ctas": args.inter_node_ctas}
+    result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes}
     return result if rank == 0 else None
 
 
-def _ep_group(args, dev):
-    """The EP group of our dispatchers. With ``--inter-node-ctas`` on NCCL, a group
-    whose collectives are limited to that many CTAs: a flat exchange crosses
-    the slow tier too and is as slow as its slowest link, so the flat variants
-    run on the limited group, while ``hierarchical`` moves its intra-node stage
-    on a full-speed group of its own and only its inter-node stage on a limited
-    one (``DispatchConfig.inter_node_max_ctas``)."""
-    if args.inter_node_ctas is None or dev.type != "cuda":
-        return None
-    return comm.new_group_with_sm_budget(None, args.inter_node_ctas)
-
-
-def _warm_up(shape, dtype, group, dev, args) -> None:
+def _warm_up(shape, dtype, dev, args) -> None:
     """Untimed round trips before the first measurement: NCCL connects its peers
     and the GPUs reach their clocks on the first collectives, which would
     otherwise be charged to whichever configuration comes first."""
     made = make_routing("uniform", shape, dist.get_world_size(), dist.get_rank(), dev, seed=1)
     x = torch.randn(shape.tokens, shape.hidden, device=dev).to(dtype)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts), group)
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts))
     for _ in range(4 * args.warmup + 2):
         out = d.dispatch(x, *made)
         d.combine(out.tokens, out.handle, weights=out.weights)
@@ -212,7 +192,7 @@ def _warm_up(shape, dtype, group, dev, args) -> None:
 
 def _node_options(args) -> dict:
     world = dist.get_world_size()
-    return {"local_world_size": world // args.nodes, "inter_node_max_ctas": args.inter_node_ctas}
+    return {"local_world_size": world // args.nodes}
 
 
 def _megatron_importable() -> bool:
@@ -405,12 +385,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
     tier = ""
     if nodes > 1:
         tier = f", as {nodes} nodes x {world // nodes}"
-        if result.get("inter_node_ctas"):
-            tier += f" (inter-node groups limited to {result['inter_node_ctas']} NCCL CTAs)"
     title = f"dispatch + combine, W={world}{tier}, {result['dtype']} tokens, {where}"
     stem = f"dispatch-w{world}" + (f"-{nodes}nodes" if nodes > 1 else "")
-    if result.get("inter_node_ctas"):
-        stem += f"-ctas{result['inter_node_ctas']}"
     notes = [
         "Times: median over the timed runs, the slowest rank's per run. Megatron-Core's six stages "
         "(dispatch_preprocess, token_dispatch, dispatch_postprocess, combine_preprocess, token_combine, "
@@ -419,13 +395,6 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "included: one row per (token, rank) for ours, one per (token, expert) for Megatron's alltoall, "
         "what each actually moves) over the dispatch time, and over the combine time."
     ]
-    if result.get("inter_node_ctas"):
-        notes.append(
-            f"Emulated slow inter-node tier: the flat variants run on an EP group whose NCCL collectives are "
-            f"limited to {result['inter_node_ctas']} CTAs (a flat exchange is as slow as its slowest link); "
-            f"hierarchical runs its intra-node stage at full speed and only its inter-node stage on "
-            f"{result['inter_node_ctas']} CTAs."
-        )
     png = plots.round_trip_plot(rows, os.path.join(args.out, stem + ".png"), title, PHASES)
     if png:
         notes.append(f"plot: {os.path.basename(png)}")

@@ -18,7 +18,7 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
    dispatcher swapped into the same layer; CUDA events after warm-up and a
    barrier, median and p10-p90 over ``--iters``.
 
-    python -m dispatch.bench.megatron_layer --out bench/results/
+    python3 bench/megatron_layer.py --out bench/results/
 
 Writes ``megatron-layer-w{W}.json`` and ``.md`` to ``--out``; returns 1 when a
 check fails or a part raises (each part runs even when one before it raised; the
@@ -36,19 +36,21 @@ import sys
 import traceback
 import warnings
 
-import torch
-import torch.distributed as dist
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dispatch
 
-import dispatch
-from dispatch.bench.common import device, environment, launch, spread, time_phases, world_size_for
-from dispatch.bench.megatron_baseline import _ensure_parallel_state, megatron_available
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import dispatch  # noqa: E402
+from dispatch.bench.common import device, environment, launch, spread, time_phases, world_size_for  # noqa: E402
+from dispatch.bench.megatron_baseline import _ensure_parallel_state, megatron_available  # noqa: E402
 
 LAYER_TOLERANCE = 2e-2  # bf16: relative to the tensor's largest magnitude
 LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 3e-2}  # relative, per step
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="megatron-layer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench/megatron_layer.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="layer,train,timing", help="comma-separated: layer, train, timing")
     parser.add_argument("--world-size", type=int, help="ranks to start (default: all GPUs)")
     parser.add_argument("--steps", type=int, default=30, help="training steps each way (default 30)")
@@ -99,14 +101,14 @@ def _option_value(text: str):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("megatron-layer: needs CUDA GPUs (Megatron's router and alltoall dispatcher run on CUDA)", file=sys.stderr)
+        print("megatron_layer: needs CUDA GPUs (Megatron's router and alltoall dispatcher run on CUDA)", file=sys.stderr)
         return 2
     if not megatron_available():
-        print('megatron-layer: megatron-core is not importable (pip install "moe-dispatch[megatron]")', file=sys.stderr)
+        print('megatron_layer: megatron-core is not importable (pip install "moe-dispatch[megatron]")', file=sys.stderr)
         return 2
     world = world_size_for(args.world_size)
     if args.experts % world:
-        print(f"megatron-layer: {args.experts} experts do not split over {world} ranks", file=sys.stderr)
+        print(f"megatron_layer: {args.experts} experts do not split over {world} ranks", file=sys.stderr)
         return 2
     path = os.path.join(args.out, f"megatron-layer-w{world}.json")
     if os.path.exists(path):
@@ -114,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = launch(_job, args, args.world_size)
     except Exception as exc:  # a rank died outside the parts (start-up, report)
-        print(f"megatron-layer: a rank failed: {exc}", file=sys.stderr)
+        print(f"megatron_layer: a rank failed: {exc}", file=sys.stderr)
         return 1
     if code:
         return code
     if not os.path.exists(path):
-        print(f"megatron-layer: no result was written ({path})", file=sys.stderr)
+        print(f"megatron_layer: no result was written ({path})", file=sys.stderr)
         return 1
     with open(path) as f:
         return 0 if json.load(f)["passed"] else 1
@@ -153,7 +155,7 @@ def _run_part(name: str, fn, *fn_args, extra: dict | None = None) -> dict:
         result, error = fn(*fn_args), None
     except Exception as exc:
         result, error = None, f"{type(exc).__name__}: {exc}"
-        print(f"megatron-layer: rank {rank}: {name} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        print(f"megatron_layer: rank {rank}: {name} raised\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     failed = torch.zeros(dist.get_world_size(), device="cuda" if dist.get_backend() == "nccl" else "cpu")
@@ -164,7 +166,7 @@ def _run_part(name: str, fn, *fn_args, extra: dict | None = None) -> dict:
         where = f"rank(s) {ranks}" + (f": {error}" if error else "")
         result = {**(extra or {}), "error": f"{name} raised on {where}", "passed": False}
     if rank == 0:
-        print(f"megatron-layer: {name}: " + ("ERROR " + result["error"] if ranks else "done"), flush=True)
+        print(f"megatron_layer: {name}: " + ("ERROR " + result["error"] if ranks else "done"), flush=True)
     return result
 
 

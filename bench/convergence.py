@@ -13,7 +13,7 @@ training it measures how precisely the inputs reach the experts. Every wire
 setting trains from the same initial weights on the same batches; only the
 bytes on the wire differ.
 
-    python -m dispatch.bench.convergence --steps 400 --out bench/results/cpu
+    python3 bench/convergence.py --steps 400 --out bench/results/cpu
 
 writes ``convergence.json`` (losses per step, final losses, relative gap) and
 ``convergence.png`` (the curves); ``convergence-regress.*`` for ``--task regress``. The final loss of a run is the mean of its
@@ -30,11 +30,13 @@ import os
 import sys
 import tempfile
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dispatch
 
-import dispatch
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import dispatch  # noqa: E402
 
 # The wire settings a run can name: all four directions of the engine.
 WIRES = {
@@ -47,7 +49,7 @@ WIRES = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dispatch.bench.convergence", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench/convergence.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--wires", default="bf16,fp8", help=f"comma list of {', '.join(WIRES)}; the first is the reference")
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
@@ -163,7 +165,8 @@ def _rank_main(rank: int, args, store_file: str, conn) -> None:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{store_file}", rank=rank,
-                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
+                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120),
+                            device_id=device if use_cuda else None)
     try:
         curves = {wire: train(args, wire, device) for wire in args.wires}
         if rank == 0:

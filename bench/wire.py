@@ -9,8 +9,8 @@ sums), and the achieved memory bandwidth of the pack and unpack kernels
 slowest rank, CUDA events after warm-up, a barrier before each. ``#wrong``
 counts dispatched rows that differ from what the dispatcher itself delivers.
 
-    python -m dispatch.bench.wire --out bench/results/nvidia-h200-x4   # every GPU, three model shapes
-    python -m dispatch.bench.wire --shapes cpu-small --world-size 2      # CPU smoke run (gloo)
+    python3 bench/wire.py --out bench/results/nvidia-h200-x4   # every GPU, three model shapes
+    python3 bench/wire.py --shapes cpu-small --world-size 2      # CPU smoke run (gloo)
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ import os
 import statistics
 import sys
 
-import torch
-import torch.distributed as dist
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dispatch
 
-import dispatch
-from dispatch import comm
-from dispatch.bench import common
-from dispatch.bench.common import SHAPES, time_phases
-from dispatch.bench.roundtrip import make_routing
-from dispatch.codec import to_experts_codec
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import dispatch  # noqa: E402
+from dispatch import comm  # noqa: E402
+from dispatch.bench import common  # noqa: E402
+from dispatch.bench.common import SHAPES, time_phases  # noqa: E402
+from dispatch.bench.roundtrip import make_routing  # noqa: E402
+from dispatch.codec import to_experts_codec  # noqa: E402
 
 WIRES = ("bf16", "fp8")
 GPU_SHAPES = ("deepseek-v3", "qwen3-235b", "mixtral-8x7b")
@@ -37,7 +39,7 @@ TIMES = ("pack", "exchange", "unpack", "three_phases", "dispatch", "combine")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m dispatch.bench.wire", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench/wire.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", help=f"comma list of {', '.join(SHAPES)} (default: {','.join(GPU_SHAPES)} on "
                         "GPUs, cpu-small on CPU)")
     parser.add_argument("--world-size", type=int, help="ranks (default: all GPUs, or 2 CPU processes)")

@@ -1,0 +1,129 @@
+"""Where a pipelined MoE layer's time goes: profiler timelines of ``dispatch-bench overlap``'s layer.
+
+For each shape and each C of ``--chunks``, on the same layer, inputs and EP
+group as ``dispatch-bench overlap`` (same flags): one forward+backward of
+MoEExchange(C) with GroupedExperts is profiled on every rank (torch.profiler).
+Each rank writes its chrome trace (rank 0 ``<stem>.json``, rank R
+``<stem>-rank<R>.json``; one host, one folder); rank 0 writes the kernel table
+(``<stem>.txt``), every rank's streams on one PNG timeline (``<stem>.png``) and
+a lane-by-lane summary of idle time and host waits (``<stem>-lanes.txt``,
+``timeline.lanes_summary``), with ``<stem>`` =
+``overlap-trace-<shape>-w<W><suffix>-c<C>``.
+
+``--host-profile`` also profiles the host (cProfile of rank 0) over 5
+forward+backward steps: ``overlap-host-<shape>-w<W><suffix>-c<C>.txt``, the
+functions by their own time and by their time with callees.
+
+    python3 bench/overlap_trace.py --chunks 1,4 --comm-max-ctas 2 --out bench/results/<machine>/
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dispatch
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dispatch.bench import overlap  # noqa: E402
+from dispatch.bench.common import SHAPES, launch, shapes_fit, world_size_for  # noqa: E402
+from timeline import draw_timeline, lanes_summary  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = overlap.build_parser(prog="bench/overlap_trace.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also profile the host (cProfile, rank 0) over 5 forward+backward steps")
+    return overlap.parse_args(argv, parser)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not shapes_fit(args.shapes, world_size_for(args.world_size, cpu_default=2), "overlap_trace"):
+        return 2
+    return launch(_job, args, args.world_size, cpu_default=2)
+
+
+def _job(args: argparse.Namespace) -> None:
+    group = overlap.ep_group(args)
+    for name in args.shapes:
+        case = overlap.make_case(SHAPES[name], args, group)
+        for c in overlap.chunk_values(args, case.dispatcher.num_local_experts):
+            step = case.layer_step(case.layer(c, args.comm_priority), backward=True)
+            tail = f"{name}-w{dist.get_world_size()}{overlap.suffix(args)}-c{c}"
+            trace(step, os.path.join(args.out, f"overlap-trace-{tail}"), case.x.device,
+                  f"{name}: one fwd+bwd step, C={c}")
+            if args.host_profile:
+                host_profile(step, os.path.join(args.out, f"overlap-host-{tail}.txt"), case.x.device,
+                             f"host profile of 5 forward+backward steps, {name}, C={c}, rank 0")
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # host sync: the profile holds the steps only, and all of them
+
+
+def trace(step, stem: str, device, title: str) -> None:
+    """Profile one ``step()`` on every rank after two warm-up steps; write the
+    traces, the kernel table, the timeline and the lanes summary (see the module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    step()
+    with profile(activities=activities) as prof:
+        dist.barrier()  # inside the profile: every rank's profiler has started before the step
+        _sync(device)
+        step()
+        _sync(device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    paths = [stem + ".json"] + [f"{stem}-rank{r}.json" for r in range(1, world)]
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    prof.export_chrome_trace(paths[rank])
+    dist.barrier()  # every rank's trace is on disk before rank 0 reads them
+    if rank != 0:
+        return
+    with open(stem + ".txt", "w") as f:  # where the time goes, kernel by kernel
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        f.write(prof.key_averages().table(sort_by=key, row_limit=40))
+    with open(stem + "-lanes.txt", "w") as f:
+        f.write(lanes_summary(paths))
+    draw_timeline(paths, stem + ".png", title)
+    print(f"timeline: {stem}.png", flush=True)
+
+
+def host_profile(step, path: str, device, title: str) -> None:
+    """Run ``step()`` 5 times on every rank (after two warm-up steps), rank 0
+    under cProfile; rank 0 writes its functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    step()
+    step()
+    _sync(device)
+    dist.barrier()
+    profiler = cProfile.Profile()
+    if dist.get_rank() == 0:
+        profiler.enable()
+    for _ in range(5):
+        step()
+    profiler.disable()
+    _sync(device)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return
+    text = io.StringIO()
+    text.write(title + "\n")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(40)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    print(f"host profile: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
