@@ -5,6 +5,8 @@
 #             Megatron-Core alongside) and the a2a sweep
 #   overlap   dispatch-bench overlap on the model shapes: NCCL defaults, then the
 #             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
+#   nvlink    the NVLink engine: its tests (bitwise against NCCL), then bench/engine_probe.py
+#             (the engine beside NCCL per shape, with its kernels' times)
 #   studies   the bench/ scripts: wire formats, a Megatron-Core MoELayer, the
 #             overlap layer's timelines (C = 4, slowed exchange), and the ranks as
 #             2 nodes (hierarchical tiers, bytes per tier)
@@ -67,6 +69,9 @@ for part in "$@"; do
     overlap)
       bench 240 overlap overlap --out "$RES"
       bench 240 overlap-slow overlap --comm-max-ctas 2 --comm-high-priority --out "$RES" ;;
+    nvlink)
+      step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
+      step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
       step 150 megatron-layer python3 bench/megatron_layer.py --out "$RES"
@@ -74,7 +79,6 @@ for part in "$@"; do
         --out "$RES"
       bench 150 hierarchical dispatch --nodes 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b --routings uniform \
         --wires native --baselines none --iters 20 --warmup 5 --out "$RES" ;;
-    # nvlink)  the NVLink transport's tests and benchmarks go here once it lands
     *)
       echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wires", dest="dispatch_wires", default="all",
                         help="comma-separated dispatch wire formats (the combine wire stays native), or 'all'")
     parser.add_argument("--routings", default="all", help=f"comma-separated from {', '.join(ROUTINGS)}, or 'all'")
+    parser.add_argument("--transports", default="all",
+                        help="the alltoall variant's transports, comma-separated from nccl, nvlink, or 'all' "
+                             "(both on GPUs where the NVLink engine runs, nccl elsewhere)")
     parser.add_argument("--nodes", type=int, default=1,
                         help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
                              "bytes per tier; default 1)")
@@ -84,6 +87,12 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
     else:
         args.dispatch_wires = _pick(parser, "--wires", args.dispatch_wires, config_mod.TO_EXPERTS_WIRES)
     args.routings = _pick(parser, "--routings", args.routings, ROUTINGS)
+    if args.transports == "all":
+        from dispatch import cuda
+
+        args.transports = ["nccl", "nvlink"] if use_cuda and cuda.available() else ["nccl"]
+    else:
+        args.transports = _pick(parser, "--transports", args.transports, ("nccl", "nvlink"))
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
 
@@ -140,7 +149,8 @@ def run(args: argparse.Namespace) -> dict | None:
     bad = [s.name for s in shapes if s.experts % world]
     if bad:
         raise ValueError(f"--shapes: {', '.join(bad)} cannot split its experts over {world} ranks")
-    ours = [(v, w) for v in args.variants for w in args.dispatch_wires]
+    ours = [(v, w, t) for v in args.variants for w in args.dispatch_wires
+            for t in (args.transports if v == "alltoall" else ["nccl"])]
     total = len(shapes) * len(args.routings) * (len(ours) + (2 if megatron else 0))
     progress = common.Progress(total, "dispatch")
     _warm_up(shapes[0], dtype, dev, args)
@@ -155,11 +165,11 @@ def run(args: argparse.Namespace) -> dict | None:
                     progress.step(f"{shape.name} {routing}", "skipped: K > experts per rank")
                 continue
             topk_idx, topk_weights = made
-            for variant, wire in ours:
-                key = (shape.experts, variant, wire)
+            for variant, wire, transport in ours:
+                key = (shape.experts, variant, wire, transport)
                 if key not in dispatchers:
                     cfg = dispatch.DispatchConfig(
-                        num_experts=shape.experts, variant=variant, dispatch_wire=wire,
+                        num_experts=shape.experts, variant=variant, dispatch_wire=wire, transport=transport,
                         check_inputs=not args.no_check, **_node_options(args),
                     )
                     dispatchers[key] = dispatch.create(cfg)
@@ -183,7 +193,7 @@ def _warm_up(shape, dtype, dev, args) -> None:
     otherwise be charged to whichever configuration comes first."""
     made = make_routing("uniform", shape, dist.get_world_size(), dist.get_rank(), dev, seed=1)
     x = torch.randn(shape.tokens, shape.hidden, device=dev).to(dtype)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts))
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport="nccl"))
     for _ in range(4 * args.warmup + 2):
         out = d.dispatch(x, *made)
         d.combine(out.tokens, out.handle, weights=out.weights)
@@ -225,7 +235,8 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
 
     runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
     wire = cfg.dispatch_wire if cfg.combine_wire == "native" else f"{cfg.dispatch_wire}/{cfg.combine_wire}"
-    return _row(f"ours {cfg.variant}", cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
+    name = f"ours {cfg.variant}" + ("/nvlink" if cfg.transport == "nvlink" else "")
+    return _row(name, cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
 
 
 def _traffic(out, topk_idx: torch.Tensor, dispatch_row_bytes: int, dev) -> dict:
