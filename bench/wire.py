@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure(shape, wire: str, args, device) -> dict:
     """One (shape, wire) row: bytes, phase times (ms, median of the slowest rank), bandwidths."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=wire, combine_wire="bf16"))
+    # the phases it times are the NCCL transport's (pack, all-to-all, unpack)
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=wire, combine_wire="bf16",
+                                                transport="nccl"))
     gen = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(shape.tokens, shape.hidden, generator=gen, device=device).to(torch.bfloat16)
     topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)

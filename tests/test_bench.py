@@ -16,7 +16,7 @@ from dispatch.bench import a2a, common, roundtrip
 
 def test_dispatch_run_writes_results(tmp_path):
     argv = ["dispatch", "--shapes", "cpu-small", "--routings", "uniform,one-rank", "--variants", "alltoall", "--wires", "native", "--baselines", "none",
-            "--world-size", "2", "--iters", "3", "--warmup", "1", "--out", str(tmp_path)]
+            "--transports", "nccl", "--world-size", "2", "--iters", "3", "--warmup", "1", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     result = json.loads((tmp_path / "dispatch-w2.json").read_text())
     assert [r["routing"] for r in result["rows"]] == ["uniform", "one-rank"]

@@ -174,3 +174,46 @@ def test_auto_transport_takes_the_collectives_on_gloo(worlds):
     config = dict(num_experts=4, transport="nvlink")
     for message in worlds(WORLD).run(_refused, [(config,)] * WORLD):
         assert message is not None and "transport='nvlink'" in message and "gloo" in message
+
+
+def _bad_on_rank0(x, topk_idx, topk_weights, config, case):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink"))
+    if torch.distributed.get_rank() == 0:
+        if case == "id":
+            topk_idx = topk_idx.clone()
+            topk_idx[1, 0] = config["num_experts"]
+        elif case == "twice":
+            topk_idx = topk_idx.clone()
+            topk_idx[1, 1] = topk_idx[1, 0]
+        elif case == "weight":
+            topk_weights = topk_weights.clone()
+            topk_weights[2, 0] = float("nan")
+        elif case == "hidden":
+            x = x[:, :32].contiguous()
+    try:
+        d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
+    except (ValueError, RuntimeError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@needs_engine
+@pytest.mark.parametrize("case, argument", [("id", "topk_idx"), ("twice", "topk_idx"), ("weight", "topk_weights"),
+                                            ("hidden", "x")])
+def test_bad_input_on_one_rank_stops_every_rank(worlds, case, argument):
+    """Bad values on rank 0: it raises a ValueError naming the argument, rank 1 a
+    RuntimeError naming rank 0, both where they read the counts; ranks that
+    disagree on H are refused alike. No token moves, nothing hangs."""
+    routing = make_routing(WORLD, 4, 2, [8, 8], "random", seed=5)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], ws[r].float(), config, case) for r in range(WORLD)]
+    results = worlds(WORLD).run(_bad_on_rank0, args)
+    if case == "hidden":
+        assert all(r is not None and r[0] == "ValueError" and argument in r[1] for r in results), results
+        return
+    assert results[0] is not None and results[0][0] == "ValueError" and argument in results[0][1], results
+    assert results[1] is not None and results[1][0] == "RuntimeError" and "[0]" in results[1][1], results

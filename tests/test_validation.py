@@ -21,7 +21,9 @@ E = 4
 GOOD_IDX = torch.tensor([[0, 3], [1, -1], [2, 0]])
 GOOD_W = torch.full((3, 2), 0.5)
 GOOD_X = identity_tokens(0, 3, 4, torch.float32)
-CFG = dict(num_experts=E)
+# The collectives these tests count are the NCCL transport's; the NVLink engine's
+# refusals (no collective of NCCL's) are in test_nvlink.py.
+CFG = dict(num_experts=E, transport="nccl")
 
 DISPATCH_CASES = {
     "x not a tensor": ([[1.0]], GOOD_IDX, GOOD_W, TypeError, "x"),
@@ -162,6 +164,10 @@ def test_config_must_match_group(worlds, config, error, argument):
         (dict(num_experts=4, local_world_size=0), ValueError, "local_world_size"),
         (dict(num_experts=4, check_inputs="yes"), TypeError, "check_inputs"),
         (dict(num_experts=4, plan_graphs=1), TypeError, "plan_graphs"),
+        (dict(num_experts=4, transport="peer_copy"), ValueError, "transport"),
+        (dict(num_experts=4, variant="allgather", transport="nvlink"), ValueError, "transport"),
+        (dict(num_experts=4, sm_budget=0), ValueError, "sm_budget"),
+        (dict(num_experts=4, timeout=0), ValueError, "timeout"),
     ],
 )
 def test_config_validates_itself(kwargs, error, argument):
