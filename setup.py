@@ -7,7 +7,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["dispatch", "dispatch.*"]),
+    packages=[*find_packages(include=["dispatch", "dispatch.*"]), "dispatch.csrc"],
+    package_dir={"dispatch.csrc": "csrc"},  # the NVLink engine's kernels, compiled at first use
+    package_data={"dispatch.csrc": ["*.cu", "*.cuh"]},
     install_requires=["torch>=2.4"],
     extras_require={
         "test": ["pytest", "hypothesis", "triton", "matplotlib"],
