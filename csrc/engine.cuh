@@ -33,7 +33,7 @@ static_assert(Tuning::kMaxWorld <= 32 && Tuning::kMaxTopk <= 32, "masks and lane
 static_assert(Tuning::kUnit == 8, "the vector loads below move 8 elements");
 
 // Status words (int32, device memory of the caller): [0] code, [1] peer, [2] where.
-enum Code : int { kOk = 0, kTimeout = 1, kTooManyRows = 2 };
+enum Code : int { kOk = 0, kTimeout = 1, kTooManyRows = 2, kBadRoute = 3 };
 
 __device__ __forceinline__ void record(int* status, int code, int peer, int where) {
   if (atomicCAS(status, kOk, code) == kOk) {

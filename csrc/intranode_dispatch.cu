@@ -101,7 +101,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
         slot = {raw.x, raw.y, raw.z, raw.w};
       }
       const int local = slot.expert - me * experts_per_rank;
-      const bool mine = slot.expert >= 0 && local >= 0 && local < experts_per_rank;
+      const bool here = slot.expert >= 0 && local >= 0 && local < experts_per_rank;
+      if (here && slot.pos < 0) record(status, kBadRoute, s, 1);  // its row names the expert twice
+      const bool mine = here && slot.pos >= 0;
       const unsigned mask = __ballot_sync(0xffffffffu, mine);
       count = __popc(mask);
       int order = 0;  // place among this item's slots here, by local expert
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
         const int other = __shfl_sync(0xffffffffu, local, i);
         if (((mask >> i) & 1u) && other < local) ++order;
       }
-      if (mine) {
+      if (mine && order < width) {
         const long long row = (long long)src_start[s * experts_per_rank + local] + slot.pos;
         dest[warp][order] = row;
         if (row < 0 || row >= max_rows) {  // a route no dispatch makes (an unchecked repeated expert)
@@ -127,6 +129,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
         presum[at + order] = (int)row;
         slot_k[at + order] = lane;
       }
+      count = min(count, width);
       if (lane >= count && lane < width) {
         presum[at + lane] = -1;
         slot_k[at + lane] = -1;

@@ -46,8 +46,11 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
       const int t = base + threadIdx.x;
       int slot = -1;
       if (t < tokens) {
-        for (int k = 0; k < topk; ++k)
-          if ((long long)topk_idx[(long long)t * topk + k] == e) slot = k;
+        for (int k = 0; k < topk; ++k) {
+          if ((long long)topk_idx[(long long)t * topk + k] != e) continue;
+          if (slot < 0) slot = k;
+          else route[(long long)t * topk + k].pos = -1;  // e again in the row (unchecked input): no place
+        }
       }
       int total;
       const int offset = block_scan(slot >= 0, &total);

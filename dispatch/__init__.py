@@ -61,6 +61,11 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         config: a :class:`DispatchConfig`.
         group: the expert-parallel process group (default: the whole world).
             ``torch.distributed`` must be initialised.
+
+    On an NCCL group the alltoall variant with ``transport`` ``"auto"`` or
+    ``"nvlink"`` makes this a collective (the ranks agree whether the NVLink
+    engine can run, and its buffers are allocated): every rank of the group calls
+    ``create`` with the same config, in the same order.
     Raises:
         TypeError / ValueError, naming the argument, when the config does not fit
         the group (``num_experts`` not a multiple of the group size,

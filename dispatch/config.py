@@ -63,8 +63,10 @@ class DispatchConfig:
             (a :class:`dispatch.cost_model.LinkModel`; None: its defaults).
         check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``
             (expert ids in range, no expert twice in a row, finite weights) before
-            any communication. This costs one host synchronisation per dispatch;
-            shapes, dtypes and devices are always checked (they cost nothing).
+            any token moves. Over NCCL this costs one host synchronisation per
+            dispatch; the NVLink engine checks them in its layout kernel, at no
+            host synchronisation of its own. Shapes, dtypes and devices are always
+            checked (they cost nothing).
         plan_graphs: on CUDA, replay the host-free part of the routing plan as
             CUDA graphs, captured the second time a (T, K, dtypes) is seen (a few
             MB each, the 8 most recent shapes kept); the alltoall variant only. This removes some sixty kernel launches per
@@ -82,8 +84,10 @@ class DispatchConfig:
         sm_budget: NVLink engine: thread blocks its data kernels may use (None:
             one per SM); fewer leave SMs to expert GEMMs running beside it.
         timeout: NVLink engine: seconds a kernel waits for a peer before it
-            gives up; the dispatch (or the next one) then raises a RuntimeError
-            naming the peer, instead of hanging.
+            gives up instead of hanging; the dispatch that waited, or else the
+            next dispatch, raises a RuntimeError naming the peer (a combine does
+            not read the device's status: its results are then invalid). The
+            engine stays failed: every rank builds its dispatchers again.
     """
 
     num_experts: int

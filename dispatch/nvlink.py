@@ -19,11 +19,19 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
 Every operation (a counts exchange, a rows exchange, a combine, a slots
 exchange) takes the next epoch: each rank writes what its peers will read,
 raises its flag on every rank, and reads once every rank's flag has reached
-the epoch. A region written by operation i is rewritten by operation i + 2 at
-the earliest (by parity), and a writer only gets there past operation i + 1's
-wait, which its peers raise after their reads of operation i: no reader is
-overtaken. Waits are bounded (``timeout``): a peer that never arrives leaves a
-status word naming it, which the next host read turns into a RuntimeError.
+the epoch. On the device a rank runs its operations in epoch order, whatever
+streams the caller issues them on: each waits for an event the previous one
+recorded (``_ordered``). A region written by operation i (the counts matrix,
+routes, staged rows, partial sums, slots: two copies each, by parity) is
+rewritten by operation i + 2 at the earliest, and a writer only gets there past
+operation i + 1's wait, which its peers raise after their reads of operation
+i: no reader is overtaken. Waits are bounded (``timeout``): a peer that never
+arrives leaves a status word naming it, which the next dispatch's host read
+(or :meth:`Engine.check`) turns into a RuntimeError; the engine then stays
+failed (every rank must build its dispatchers again).
+
+One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
+(:func:`engine_for`), so that a model's MoE layers share its buffers.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from dispatch.cuda import f32, i32, i64, ptr, u32, u64
 from dispatch.kernels import quantize
 
 _ALIGN = 256
-_STATUS = ("ok", "timed out waiting for", "received more rows than max_rows from")
+_STATUS = ("ok", "timed out waiting for", "received more rows than the dispatch counted from",
+           "received a route no checked dispatch makes (an expert id twice in a row, check_inputs=False) from")
 _WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
 
 
@@ -119,7 +128,8 @@ class Counts:
 
 
 class Engine:
-    """Buffers and launches of the NVLink transport for one dispatcher.
+    """Buffers and launches of the NVLink transport for the dispatchers of one
+    group (:func:`engine_for`).
 
     Args:
         group: the EP process group (NCCL, every rank on this host).
@@ -145,11 +155,13 @@ class Engine:
         self.counts_col = self.sends_col + self.world
         self.row_len = self.counts_col + num_experts
         self.rows_offset = _up(4 * self.world)
-        meta = symm_mem.empty(self.rows_offset + 4 * self.world * self.row_len, dtype=torch.uint8, device=self.device)
+        matrix_bytes = 4 * self.world * self.row_len
+        self._matrix_stride = _up(matrix_bytes)  # two copies, by epoch parity
+        meta = symm_mem.empty(self.rows_offset + 2 * self._matrix_stride, dtype=torch.uint8, device=self.device)
         meta.zero_()
         self._meta = meta
         self._meta_handle = symm_mem.rendezvous(meta, self.group)  # host sync: a collective through the store
-        self._meta_ptrs = torch.tensor(list(self._meta_handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self._meta_ptrs = _pointers(self._meta_handle, self.device)
         self._flags = meta[: 4 * self.world].view(torch.int32)
         self._meta_handle.barrier(channel=0)  # every rank's flags are zero before any is raised
         self._data = self._data_handle = self._data_ptrs = None
@@ -159,6 +171,17 @@ class Engine:
         self._kernels: dict = {}
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._last: torch.cuda.Event | None = None  # recorded after the latest operation
+
+    # -- order ---------------------------------------------------------------
+
+    def _ordered(self) -> "_Ordered":
+        """A context for one operation: on the current stream, after the previous
+        operation (whatever stream it ran on), and recorded for the next."""
+        if torch.cuda.current_device() != self.device.index:
+            raise ValueError(f"the current CUDA device is {torch.cuda.current_device()}, the dispatcher's is "
+                             f"{self.device.index}: call it with its own device current")
+        return _Ordered(self)
 
     # -- buffers -------------------------------------------------------------
 
@@ -173,10 +196,12 @@ class Engine:
         # rendezvous, which every rank reaches only after the same sync, so no rank still
         # reads a buffer when it is dropped.
         torch.cuda.current_stream(self.device).synchronize()
+        if self._last is not None:
+            self._last.synchronize()
         data = self._symm.empty(max(regions["total"][0], _ALIGN), dtype=torch.uint8, device=self.device)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
         self._data, self._data_handle = data, handle
-        self._data_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self._data_ptrs = _pointers(handle, self.device)
         self.capacity, self._regions = capacity, regions
 
     def _offset(self, region: str, epoch: int) -> int:
@@ -192,8 +217,8 @@ class Engine:
         return self.epoch
 
     def check(self) -> None:
-        """Raise the RuntimeError a kernel recorded (a peer that did not arrive,
-        rows beyond ``max_rows``). Reads the device status: a host sync."""
+        """Raise the RuntimeError a kernel recorded (a peer that did not arrive, a
+        route no checked dispatch makes). Reads the device status: a host sync."""
         code, peer, where, _ = self.status.tolist()  # host sync: the kernels' status word
         if code:
             self._raise(code, peer, where)
@@ -236,6 +261,10 @@ class Engine:
                 non-finite weight (``checks.value_flags``), so that every rank
                 sees it in the counts it reads.
         """
+        with self._ordered():
+            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values)
+
+    def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
         epoch = self._next_epoch()
@@ -268,7 +297,8 @@ class Engine:
         per_expert = torch.empty(self.experts_per_rank, dtype=torch.int64, device=device)
         self._kernel("layout.cu", "exchange_counts")(
             1,
-            (ptr(self._meta_ptrs), i64(self.rows_offset), i32(self.rank), i32(self.world), i32(self.row_len),
+            (ptr(self._meta_ptrs), i64(self.rows_offset + (epoch & 1) * self._matrix_stride), i32(self.rank),
+             i32(self.world), i32(self.row_len),
              i32(self.counts_col), i32(self.experts_per_rank), ptr(row), u32(epoch), u64(self.timeout_ns),
              ptr(self.status), ptr(out), ptr(per_expert), ptr(out[4 + self.world * self.row_len :])),
             shared=4 * self.experts_per_rank,
@@ -288,6 +318,11 @@ class Engine:
 
     def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, tstride: int,
                    meta_out=None) -> torch.Tensor:
+        with self._ordered():
+            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, tstride, meta_out)
+
+    def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, tstride: int,
+                    meta_out=None) -> torch.Tensor:
         """Move rows [T, H] to this rank's expert-major places ([N, H], dtype of rows).
 
         With ``meta_out`` = (weights [N], src_rank [N], src_token [N]) the places
@@ -343,6 +378,11 @@ class Engine:
 
     def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, tstride: int,
                 at_least: torch.dtype | None) -> torch.Tensor:
+        with self._ordered():
+            return self._to_home(_aligned(rows), weights, wire, counts, presum, tstride, at_least)
+
+    def _to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, tstride: int,
+                 at_least: torch.dtype | None) -> torch.Tensor:
         """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
         hidden = rows.shape[1]
@@ -376,6 +416,10 @@ class Engine:
         return out
 
     def slots_home(self, values, counts: Counts, presum, slot_k, tstride: int) -> torch.Tensor:
+        with self._ordered():
+            return self._slots_home(values, counts, presum, slot_k, tstride)
+
+    def _slots_home(self, values, counts: Counts, presum, slot_k, tstride: int) -> torch.Tensor:
         """[N] per-row values -> [T, K] per-slot values at home (0 for empty slots)."""
         tokens, topk = counts.route.shape[:2]
         self.ensure(Capacity(counts.tmax, topk, 0, 0))
@@ -405,3 +449,45 @@ def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
     if fmt is None:
         return codec.wire, 0
     return torch.uint8, 1 if fmt is quantize.E4M3 else 2
+
+
+class _Ordered:
+    """See :meth:`Engine._ordered`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        if self.engine._last is not None:
+            torch.cuda.current_stream(self.engine.device).wait_event(self.engine._last)
+
+    def __exit__(self, *exc) -> bool:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.engine.device))
+        self.engine._last = event
+        return False
+
+
+def _pointers(handle, device: torch.device) -> torch.Tensor:
+    """[W] int64 on ``device``: every rank's base pointer of a symmetric allocation."""
+    return plan.to_device(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64), device)
+
+
+def _aligned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` contiguous at a 16-byte-aligned address (the kernels load 16 bytes at a time)."""
+    rows = rows.contiguous()
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
+_ENGINES: dict = {}
+
+
+def engine_for(group, num_experts: int, sm_budget: int | None, timeout: float) -> Engine:
+    """The engine of a (group, current device, E, SM budget, timeout), made on first use
+    (a collective: every rank of the group makes its dispatchers in the same order)."""
+    group = group if group is not None else dist.group.WORLD
+    key = (id(group), torch.cuda.current_device(), num_experts, sm_budget, timeout)
+    engine = _ENGINES.get(key)
+    if engine is None or engine.group is not group:
+        engine = _ENGINES[key] = Engine(group, num_experts, sm_budget, timeout)
+    return engine

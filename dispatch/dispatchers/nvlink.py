@@ -22,7 +22,7 @@ from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, to_experts_codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.dispatchers.streams import Pending
-from dispatch.nvlink import Counts, Engine
+from dispatch.nvlink import Counts, engine_for
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
@@ -62,7 +62,7 @@ class NVLinkDispatcher(TokenDispatcher):
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
-        self.engine = Engine(group, config.num_experts, config.sm_budget, config.timeout)
+        self.engine = engine_for(group, config.num_experts, config.sm_budget, config.timeout)
 
     def _plan(self, x, topk_idx, topk_weights, check_values):
         num_tokens, topk = topk_idx.shape
@@ -159,27 +159,47 @@ class NVLinkDispatcher(TokenDispatcher):
 def unusable(group) -> str | None:
     """Why the engine cannot serve ``group`` here (None if it can): it needs an
     NCCL group of at most 32 ranks, all on one host with peer access between
-    their GPUs, and CuPy. On an NCCL group this is a collective (every rank must
-    call it, and all get the same answer); on any other it answers at once."""
+    their GPUs, PyTorch's symmetric memory and CuPy. On an NCCL group this is a
+    collective (every rank must call it, and all get the same answer); on any
+    other it answers at once."""
     backend = dist.get_backend(group)
     if backend != "nccl":
         return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
     world = dist.get_world_size(group)
-    device = torch.cuda.current_device()
     import socket
 
-    mine = (socket.gethostname(), device, cuda.available())
+    device = torch.cuda.current_device()
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid), cuda.available(),
+            _symmetric_memory_importable())
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)  # host sync: where every rank runs, what it has
+    problem = None
     if world > MAX_WORLD:
-        return f"takes at most {MAX_WORLD} ranks, the group has {world}"
-    if not all(ok for _, _, ok in everyone):
-        return "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
-    if len({host for host, _, _ in everyone}) > 1:
-        return "every rank of the group must be on one host"
-    peers_ok = all(d == device or torch.cuda.can_device_access_peer(device, d) for _, d, _ in everyone)
-    agreed = torch.tensor([int(peers_ok)], dtype=torch.int32, device=torch.device("cuda", device))
+        problem = f"takes at most {MAX_WORLD} ranks, the group has {world}"
+    elif not all(ok for _, _, ok, _ in everyone):
+        problem = "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
+    elif not all(ok for _, _, _, ok in everyone):
+        problem = "needs torch.distributed._symmetric_memory on every rank"
+    elif len({host for host, _, _, _ in everyone}) > 1:
+        problem = "every rank of the group must be on one host"
+    elif len({uuid for _, uuid, _, _ in everyone}) < world:
+        problem = "every rank of the group must have a GPU of its own"
+    # every rank sees every peer's GPU and can reach it (by UUID: device indices differ
+    # between processes that see different devices)
+    peers = [visible.get(uuid) for _, uuid, _, _ in everyone]
+    reachable = problem is None and all(
+        d is not None and (d == device or torch.cuda.can_device_access_peer(device, d)) for d in peers)
+    agreed = plan.to_device(torch.tensor([int(reachable)], dtype=torch.int32), torch.device("cuda", device))
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    if not agreed.item():  # host sync: every rank takes the same answer
-        return "some GPUs of the group have no peer access to each other"
-    return None
+    if problem is None and not agreed.item():  # host sync: every rank takes the same answer
+        problem = "some GPUs of the group cannot reach each other (peer access, or not visible to every rank)"
+    return problem
+
+
+def _symmetric_memory_importable() -> bool:
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return True
