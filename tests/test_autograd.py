@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import dispatch
 import rank_fns
-from dispatch.reference import reference_combine, reference_dispatch
+from reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens, routings
 from test_properties import VARIANTS, variant_cases, variant_config
 from world import World

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import megatron_rank_fns
 from dispatch.integrations.megatron import routing_to_topk
-from dispatch.reference import reference_dispatch
+from reference import reference_dispatch
 from routing import identity_tokens, make_routing, routings
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

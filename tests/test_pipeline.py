@@ -9,7 +9,7 @@ import torch
 
 import dispatch
 import pipeline_fns
-from dispatch.reference import reference_combine, reference_dispatch
+from reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
 CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8]  # 8: more chunks than some ranks have tokens

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rank_fns
-from dispatch.reference import reference_combine, reference_dispatch
+from reference import reference_combine, reference_dispatch
 from routing import MODES, identity_tokens, make_routing, random_tokens, routings
 
 WORLD_SIZES = [1, 2, 3, 4]

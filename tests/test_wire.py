@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import rank_fns
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.kernels import quantize
-from dispatch.reference import reference_combine, reference_dispatch
+from reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens, routings
 from test_codec import fp8_error_bound
 
