@@ -8,6 +8,7 @@ all-to-all, NCCL moves bytes at the same speed as any other type.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,13 +32,20 @@ def device_types(group: dist.ProcessGroup | None) -> frozenset[str]:
 
 
 def all_gather_rows(
-    row: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, out: torch.Tensor | None = None
+    row: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    out: torch.Tensor | None = None,
+    arrivals: "Arrivals | None" = None,
 ) -> torch.Tensor:
     """All-gather of one fixed-size row per rank.
 
     Args:
         row: [L] this rank's row.
         out: optional [W, L] buffer to gather into.
+        arrivals: bound the wait (:class:`Arrivals`): the host waits until the
+            rows are there, at most ``arrivals.timeout`` seconds, then raises a
+            RuntimeError naming the ranks that did not arrive.
     Returns:
         [W, L]; ``out[s]`` is rank s's ``row``.
     """
@@ -45,9 +53,100 @@ def all_gather_rows(
         out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=row.device)
     if world_size == 1:
         out.copy_(row.unsqueeze(0))
-    else:
+    elif arrivals is None:
         _all_gather_single(out.view(-1), row.contiguous(), group=group)
+    else:
+        arrivals.wait(lambda: _all_gather_single(out.view(-1), row.contiguous(), group=group, async_op=True))
     return out
+
+
+class Arrivals:
+    """Bounded waits at one dispatcher's counts exchanges, naming the ranks that
+    did not arrive (a rank that died, stalled, or stopped calling).
+
+    ``wait(issue)`` issues the collective and polls it (no host thread is
+    parked in the backend); a rank still waiting after a moment writes the number of the
+    exchange it waits in under its name in the group's store, and one waiting
+    past ``timeout`` seconds reads every rank's entry and raises a RuntimeError
+    naming the ranks that are not at this exchange. Nothing is written to the
+    store while exchanges complete in time. Every rank of the group makes its
+    dispatchers in the same order (their names in the store follow it).
+
+    The collective left behind cannot complete; the process group is not usable
+    after the error (``dist.destroy_process_group()`` and exit).
+    """
+
+    _made: dict[str, int] = {}  # dispatchers made per group
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float) -> None:
+        self.group, self.timeout = group, timeout
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        name = (group if group is not None else dist.group.WORLD).group_name
+        made = Arrivals._made.get(name, 0)
+        Arrivals._made[name] = made + 1
+        self.prefix = f"moe-dispatch/{name}/{made}"
+        self.exchange = 0
+
+    def wait(self, issue) -> None:
+        """Issue the collective (``issue()`` returns its work) and wait for it, bounded."""
+        self.exchange += 1
+        published = False
+        start = time.monotonic()
+        pause = 2e-5
+        try:
+            work = issue()
+            while not work.is_completed():
+                waited = time.monotonic() - start
+                if not published and waited > self._publish_after:
+                    self._publish()  # I am here, still waiting
+                    published = True
+                if waited > self.timeout:
+                    raise RuntimeError(self._late_message())
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+            work.wait()  # raises the backend's error, if it had one
+        except RuntimeError as exc:
+            if str(exc).startswith(_LATE):
+                raise
+            # the backend gave up (a peer's connection closed): name who is missing
+            raise RuntimeError(self._late_message(grace=2 * self._publish_after)) from exc
+
+    @property
+    def _publish_after(self) -> float:
+        return min(0.5, self.timeout / 4)
+
+    def _publish(self) -> None:
+        try:
+            _store().set(f"{self.prefix}/{self.rank}", str(self.exchange))
+        except Exception:  # the store went with a dead rank: nothing to tell
+            pass
+
+    def _late_message(self, grace: float = 0.0) -> str:
+        self._publish()
+        time.sleep(grace)  # peers that are waiting too have written where they are
+        late = []
+        store = _store()
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            key = f"{self.prefix}/{rank}"
+            try:
+                at = int(store.get(key)) if store.check([key]) else 0
+            except Exception:  # the store itself is gone with a dead rank
+                at = 0
+            if at < self.exchange:
+                late.append(rank)
+        who = f"rank(s) {late}" if late else "some rank"
+        return (f"{_LATE}{who} of the group did not reach counts exchange {self.exchange} of this dispatcher within "
+                f"{self.timeout:g} s (DispatchConfig.timeout): a peer died, stalled or stopped calling; "
+                "this process group cannot be used any more")
+
+
+_LATE = "peer missing: "
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
 
 
 def all_to_all_rows(

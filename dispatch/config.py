@@ -83,11 +83,15 @@ class DispatchConfig:
             Other variants use the collectives.
         sm_budget: NVLink engine: thread blocks its data kernels may use (None:
             one per SM); fewer leave SMs to expert GEMMs running beside it.
-        timeout: NVLink engine: seconds a kernel waits for a peer before it
-            gives up instead of hanging; the dispatch that waited, or else the
-            next dispatch, raises a RuntimeError naming the peer (a combine does
-            not read the device's status: its results are then invalid). The
-            engine stays failed: every rank builds its dispatchers again.
+        timeout: seconds a rank waits for its peers before it raises a
+            RuntimeError naming the ones that did not arrive (died, stalled or
+            stopped calling), instead of hanging. NCCL transport: the wait at
+            each dispatch's counts exchange (``comm.Arrivals``); the process
+            group is not usable after it. NVLink engine: every kernel's wait for
+            a peer; the dispatch that waited, or else the next dispatch, raises
+            (a combine does not read the device's status: its results are then
+            invalid), and the engine stays failed: every rank builds its
+            dispatchers again.
     """
 
     num_experts: int

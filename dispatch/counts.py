@@ -65,6 +65,7 @@ def exchange(
     group,
     world_size: int,
     check_values: bool,
+    arrivals: comm.Arrivals | None = None,
 ) -> GlobalCounts:
     """Route, check values, all-gather the counts, check peers; one host sync
     (two with the value checks). Bad values on this rank are raised after the
@@ -91,7 +92,7 @@ def exchange(
     base = row.numel() - tail.numel()  # the counts and the header; the tail after them
     if failed is not None:
         plan.mark_failed(row[:base])
-    gathered = comm.all_gather_rows(row, group, world_size).cpu()  # host sync: split sizes for NCCL
+    gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     if failed is not None:
         raise failed  # its peers raise in check_peer_headers
     all_counts, headers = plan.split_gathered(gathered[:, :base], world_size)

@@ -79,7 +79,8 @@ class AllGatherDispatcher(TokenDispatcher):
         world, rank = self.world_size, self.rank
         num_tokens, topk = topk_idx.shape
         gc = counts.exchange(
-            x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, check_values
+            x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, check_values,
+            self._arrivals,
         )
         block = int(gc.tokens.max())
         mine = gc.counts[:, rank]  # [W_src, 1 + E_local] host

@@ -90,7 +90,8 @@ class AllToAllDispatcher(TokenDispatcher):
             failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
         if failed is not None:  # the peers are about to wait in the all-gather: stop them there
             plan.mark_failed(row)
-        gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered)
+        gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
+                                        arrivals=self._arrivals)
         if failed is not None:
             raise failed  # its peers raise in check_peer_headers
         if captured is not None:

@@ -86,6 +86,7 @@ class AutoDispatcher(TokenDispatcher):
             self.group,
             self.world_size,
             self.config.check_inputs,
+            self._arrivals,
         )
         hidden = x.shape[1]
         costs = estimate(

@@ -134,6 +134,7 @@ class TokenDispatcher(abc.ABC):
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self.group = group
+        self._arrivals = comm.Arrivals(group, config.timeout)  # bounds the wait at each counts exchange
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.num_local_experts = config.num_experts // self.world_size

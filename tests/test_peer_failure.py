@@ -1,0 +1,77 @@
+"""A peer that dies or stops calling (stalled, or its code failed before its
+exchange): the others raise a RuntimeError naming it within
+DispatchConfig.timeout, and exit. Fresh processes per case (gloo on CPU), since
+the group is not usable afterwards."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+TIMEOUT = 2.0
+
+
+def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, queue) -> None:
+    import dispatch
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=2 * world, variant=variant, transport="nccl",
+                                                timeout=TIMEOUT))
+    x = torch.randn(6, 8)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]]) % (2 * world)
+    w = torch.full((6, 2), 0.5)
+    out = d.dispatch(x, idx, w)  # one good round trip first
+    d.combine(out.tokens, out.handle)
+    if rank == world - 1:
+        if behaviour == "dies":
+            os._exit(3)
+        time.sleep(60)  # stops calling: alive (its connections open), but makes no more dispatches
+    start = time.monotonic()
+    try:
+        d.dispatch(x, idx, w)
+        queue.put((rank, "returned", "", time.monotonic() - start))
+    except RuntimeError as exc:
+        queue.put((rank, "RuntimeError", str(exc), time.monotonic() - start))
+    queue.close()
+    queue.join_thread()  # the report is out before the process goes
+    os._exit(0)  # the group cannot be used any more: leave without tearing it down
+
+
+@pytest.mark.parametrize("behaviour", ["dies", "stops calling"])
+@pytest.mark.parametrize("variant", ["alltoall", "allgather"])
+def test_peer_failure_is_named_within_the_timeout(behaviour, variant):
+    world = 3
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        procs = [ctx.Process(target=_rank, args=(r, world, store, behaviour, variant, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        reports = {}
+        deadline = time.monotonic() + 60
+        while len(reports) < world - 1 and time.monotonic() < deadline:
+            try:
+                rank, kind, message, elapsed = queue.get(timeout=1)
+                reports[rank] = (kind, message, elapsed)
+            except Exception:
+                pass
+        for p in procs[: world - 1]:
+            p.join(timeout=20)
+        alive = [r for r, p in enumerate(procs[: world - 1]) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    for rank in range(world - 1):
+        kind, message, elapsed = reports[rank]
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert f"[{world - 1}]" in message and "did not reach" in message, message
+        assert elapsed < TIMEOUT + 5, elapsed
+    assert not alive, f"ranks {alive} did not exit"
