@@ -80,8 +80,9 @@ class NVLinkDispatcher(TokenDispatcher):
                                         plan.header(x, topk_weights, topk), rows, codec, check_values)
         rows_of = counts.rows  # host: every rank's row of the counts matrix
         if rows_of[self.rank][plan.HEADER.index("failed")]:
-            raise checks.values_error(checks.value_flags(topk_idx, weights, num_experts).cpu(),  # host sync:
-                                      topk_idx, weights, num_experts)  # the error's message (error path only)
+            error = checks.values_error(checks.value_flags(topk_idx, weights, num_experts).cpu(),  # host sync:
+                                        topk_idx, weights, num_experts)  # the error's message (error path only)
+            raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
         grads_any = checks.check_peer_headers(torch.tensor([r[: len(plan.HEADER)] for r in rows_of]))
         first = engine.counts_col + self.rank * self.num_local_experts
         per_expert = [sum(r[first + e] for r in rows_of) for e in range(self.num_local_experts)]
