@@ -138,3 +138,29 @@ def verb_errors(x, topk_idx, topk_weights, config: dict):
         except (TypeError, ValueError) as exc:
             errors[name] = (type(exc).__name__, str(exc))
     return errors
+
+
+def two_groups(batches, config: dict):
+    """Two dispatchers on two process groups (the same ranks) with their exchanges
+    interleaved: micro-batch 0 on the first, 1 on the second, started together,
+    waited for and combined in the other order; against one dispatcher on the
+    default group, one micro-batch after the other. Returns (interleaved, plain)
+    outputs on the CPU."""
+    import torch.distributed as dist
+
+    device = current_device()
+    ranks = list(range(dist.get_world_size()))
+    groups = [dist.new_group(ranks), dist.new_group(ranks)]
+    ds = [dispatch.create(dispatch.DispatchConfig(**config), group=g) for g in groups]
+    inputs = [(x.to(device), i.to(device), w.to(device)) for x, i, w in batches]
+    started = [d.dispatch(*inputs[m], async_op=True) for m, d in enumerate(ds)]
+    outs = [started[1].wait(), started[0].wait()][::-1]
+    combines = [ds[m].combine(outs[m].tokens * (m + 2), outs[m].handle, weights=outs[m].weights, async_op=True)
+                for m in (1, 0)][::-1]
+    interleaved = [_cpu(c.wait()) for c in combines]
+    plain_d = dispatch.create(dispatch.DispatchConfig(**config))
+    plain = []
+    for m in range(2):
+        out = plain_d.dispatch(*inputs[m])
+        plain.append(_cpu(plain_d.combine(out.tokens * (m + 2), out.handle, weights=out.weights)))
+    return interleaved, plain

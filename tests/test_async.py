@@ -117,3 +117,19 @@ def test_moves_along_a_handle_refuse_bad_arguments(worlds):
         for name, (kind, argument) in want.items():
             assert errors[name] is not None, f"rank {rank}: {name} was accepted"
             assert errors[name][0] == kind and argument in errors[name][1], (rank, name, errors[name])
+
+
+@pytest.mark.parametrize("options", VARIANTS, ids=lambda o: o["variant"])
+def test_two_dispatchers_on_two_groups_interleaved(worlds, options):
+    """Exchanges of two dispatchers on two groups, started together and finished
+    in the other order, give what one dispatcher gives one after the other."""
+    world_size = 4
+    routings = [make_routing(world_size, 2, 3, [6, 3, 0, 8], "random", seed=40 + m) for m in range(2)]
+    args = []
+    for r in range(world_size):
+        batches = [(random_tokens(r, g.num_tokens[r], HIDDEN, torch.float32, m), g.topk_idx[r],
+                    g.topk_weights[r].float()) for m, g in enumerate(routings)]
+        args.append((batches, dict(num_experts=routings[0].num_experts, **options)))
+    for rank, (interleaved, plain) in enumerate(worlds(world_size).run(async_fns.two_groups, args)):
+        for m in range(2):
+            _assert_equal(interleaved[m], plain[m], f"rank {rank}: micro-batch {m}")
