@@ -27,8 +27,8 @@ rewritten by operation i + 2 at the earliest, and a writer only gets there past
 operation i + 1's wait, which its peers raise after their reads of operation
 i: no reader is overtaken. Waits are bounded (``timeout``): a peer that never
 arrives leaves a status word naming it, which the next dispatch's host read
-(or :meth:`Engine.check`) turns into a RuntimeError; the engine then stays
-failed (every rank must build its dispatchers again).
+turns into a RuntimeError; the engine then stays failed (every rank must build
+its dispatchers again).
 
 One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
 (:func:`engine_for`), so that a model's MoE layers share its buffers.
@@ -215,13 +215,6 @@ class Engine:
     def _next_epoch(self) -> int:
         self.epoch += 1
         return self.epoch
-
-    def check(self) -> None:
-        """Raise the RuntimeError a kernel recorded (a peer that did not arrive, a
-        route no checked dispatch makes). Reads the device status: a host sync."""
-        code, peer, where, _ = self.status.tolist()  # host sync: the kernels' status word
-        if code:
-            self._raise(code, peer, where)
 
     def _raise(self, code: int, peer: int, where: int) -> None:
         raise RuntimeError(
