@@ -5,8 +5,11 @@ per-kernel profile of the engine's round trip.
 
 One process per local GPU (NCCL). For each shape, transport and wire: median
 dispatch, combine and round-trip times (CUDA events, after warm-up and a
-barrier), every result checked against the NCCL transport bit for bit; then
-one profiled round trip of the engine, its kernels' times on rank 0.
+barrier), every result checked against the NCCL transport bit for bit; the
+engine with one host read per dispatch, with max_rows (no host read; this
+rank's N plus 10%, the rows past N zeroed), and with max_rows captured in CUDA
+graphs (dispatch, combine, round trip: each one graph, replayed); then one
+profiled round trip of the engine, its kernels' times on rank 0.
 """
 
 from __future__ import annotations
@@ -29,13 +32,20 @@ SHAPES = {  # T per rank, H, E, K
     "mixtral-8x7b": (8192, 4096, 8, 2),
     "decode": (128, 7168, 256, 8),
 }
-SETTINGS = [  # name, transport, dispatch wire, sm budget
-    ("nccl", "nccl", "native", None),
-    ("nvlink", "nvlink", "native", None),
-    ("nvlink-24sm", "nvlink", "native", 24),
-    ("nccl-fp8", "nccl", "fp8", None),
-    ("nvlink-fp8", "nvlink", "fp8", None),
+SETTINGS = [  # name, transport, dispatch wire, sm budget, mode
+    # mode: "host" (one host read per dispatch), "bounded" (max_rows, no host read),
+    # "graph" (max_rows, the round trip captured once in a CUDA graph and replayed)
+    ("nccl", "nccl", "native", None, "host"),
+    ("nvlink", "nvlink", "native", None, "host"),
+    ("nvlink-bounded", "nvlink", "native", None, "bounded"),
+    ("nvlink-graph", "nvlink", "native", None, "graph"),
+    ("nvlink-24sm", "nvlink", "native", 24, "host"),
+    ("nvlink-24sm-graph", "nvlink", "native", 24, "graph"),
+    ("nccl-fp8", "nccl", "fp8", None, "host"),
+    ("nvlink-fp8", "nvlink", "fp8", None, "host"),
+    ("nvlink-fp8-graph", "nvlink", "fp8", None, "graph"),
 ]
+SLACK = 1.1  # max_rows of the bounded modes: this rank's N of the host-read dispatch, plus 10%
 
 
 def _inputs(shape, rank, device):
@@ -114,41 +124,58 @@ def _worker(rank, world, args, port):
         shape = SHAPES[name]
         x, idx, w = _inputs(shape, rank, device)
         reference = None
-        for label, transport, wire, budget in SETTINGS:
+        for label, transport, wire, budget, mode in SETTINGS:
             config = dispatch.DispatchConfig(num_experts=shape[2], transport=transport, dispatch_wire=wire,
                                              sm_budget=budget, check_inputs=False)
             d = dispatch.create(config)
             out = d.dispatch(x, idx, w)
+            bound = None if mode == "host" else -(-int(out.tokens.shape[0] * SLACK) // 1)
+            n = out.tokens.shape[0]
+            if bound is not None:
+                out = d.dispatch(x, idx, w, max_rows=bound)
             combined = d.combine(out.tokens, out.handle, weights=out.weights)
             key = (wire,)
             if transport == "nccl":
                 reference = (key, out.tokens, combined)
                 same = True
             else:
-                same = reference[0] == key and torch.equal(reference[1], out.tokens) and torch.equal(
+                same = reference[0] == key and torch.equal(reference[1], out.tokens[:n]) and torch.equal(
                     reference[2], combined)
 
             def dispatch_only():
-                return d.dispatch(x, idx, w)
+                return d.dispatch(x, idx, w, max_rows=bound)
 
-            held = d.dispatch(x, idx, w)
+            held = d.dispatch(x, idx, w, max_rows=bound)
 
             def combine_only():
                 return d.combine(held.tokens, held.handle, weights=held.weights)
 
             def round_trip():
-                o = d.dispatch(x, idx, w)
+                o = d.dispatch(x, idx, w, max_rows=bound)
                 return d.combine(o.tokens, o.handle, weights=o.weights)
 
+            if mode == "graph":
+                graphs = []
+                for step in (dispatch_only, combine_only, round_trip):
+                    step()
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        step()
+                    graphs.append(graph)
+                dispatch_only, combine_only, round_trip = (g.replay for g in graphs)
             t_d = _time(dispatch_only, args.iters, args.warmup)
             t_c = _time(combine_only, args.iters, args.warmup)
             t_r = _time(round_trip, args.iters, args.warmup)
-            rows.append(dict(shape=name, setting=label, dispatch_us=t_d[0], combine_us=t_c[0], round_trip_us=t_r[0],
-                             round_trip_min_us=t_r[1], round_trip_max_us=t_r[2], bitwise_equal_nccl=bool(same)))
+            if bound is not None:
+                d.check()
+            rows.append(dict(shape=name, setting=label, max_rows=bound, dispatch_us=t_d[0], combine_us=t_c[0],
+                             round_trip_us=t_r[0], round_trip_min_us=t_r[1], round_trip_max_us=t_r[2],
+                             bitwise_equal_nccl=bool(same)))
             if rank == 0:
-                print(f"{name:14s} {label:12s} dispatch {t_d[0]:8.1f} us  combine {t_c[0]:8.1f} us  "
+                print(f"{name:14s} {label:18s} dispatch {t_d[0]:8.1f} us  combine {t_c[0]:8.1f} us  "
                       f"round trip {t_r[0]:8.1f} us (min {t_r[1]:.1f})  equal to nccl: {same}", flush=True)
-            if transport == "nvlink" and budget is None and wire == "native" and args.host_profile and rank == 0:
+            if label == "nvlink" and args.host_profile and rank == 0:
                 import cProfile
                 import io
                 import pstats
@@ -162,16 +189,16 @@ def _worker(rank, world, args, port):
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
                 print(text.getvalue()[-6000:], flush=True)
-            elif transport == "nvlink" and budget is None and wire == "native" and args.host_profile:
+            elif label == "nvlink" and args.host_profile:
                 for _ in range(10):
                     round_trip()
                 torch.cuda.synchronize()
-            if transport == "nvlink" and budget is None and wire == "native" and args.host_sections:
+            if label == "nvlink" and args.host_sections:
                 sections = _host_sections(round_trip)
                 if rank == 0:
                     print(f"{name} host us per round trip: " + ", ".join(f"{k} {v:.0f}" for k, v in sections.items()),
                           flush=True)
-            if transport == "nvlink" and budget is None and wire == "native" and args.profile:
+            if label == "nvlink" and args.profile:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
                         round_trip()

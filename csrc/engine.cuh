@@ -8,7 +8,7 @@
 //
 // Host entry points (launched from dispatch/nvlink.py through dispatch/cuda.py):
 //   layout.cu             route_layout, exchange_counts
-//   intranode_dispatch.cu pull_rows
+//   intranode_dispatch.cu stage_rows, pull_rows
 //   intranode_combine.cu  push_partials, home_sum, push_slots, home_slots
 #pragma once
 
@@ -33,7 +33,42 @@ static_assert(Tuning::kMaxWorld <= 32 && Tuning::kMaxTopk <= 32, "masks and lane
 static_assert(Tuning::kUnit == 8, "the vector loads below move 8 elements");
 
 // Status words (int32, device memory of the caller): [0] code, [1] peer, [2] where.
-enum Code : int { kOk = 0, kTimeout = 1, kTooManyRows = 2, kBadRoute = 3 };
+// kOverBudget, kMismatch and kPeerInput are found by the counts exchange where some
+// rank dispatches without a host read (a row budget, max_rows), so that every rank
+// of the group records the same failure and skips the same work.
+enum Code : int {
+  kOk = 0,
+  kTimeout = 1,       // a peer did not arrive in time
+  kTooManyRows = 2,   // a route places a row past the rows counted
+  kBadRoute = 3,      // a route no checked dispatch makes
+  kOverBudget = 4,    // the peer's rows exceed its budget (max_rows)
+  kMismatch = 5,      // the peer's K, H, dtypes or gradient needs differ from this rank's
+  kPeerInput = 6,     // the peer marked its own input bad (values, or more tokens than the buffers hold)
+};
+
+// Columns of a rank's row of the counts matrix (dispatch/nvlink.py names them):
+// the header (plan.HEADER: K, H, x dtype, weights dtype, x grad, weights grad,
+// failed), then T, staged, the row budget (-1: none), tokens per destination
+// rank [W], tokens per global expert [E].
+struct Row {
+  static constexpr int kAgreed = 6;  // columns [0, kAgreed) must be equal on every rank
+  static constexpr int kFailed = 6;
+  static constexpr int kTokens = 7;
+  static constexpr int kStaged = 8;
+  static constexpr int kBudget = 9;
+  static constexpr int kSends = 10;
+};
+
+// The epoch of an operation lives on the device (`seq`, one word of the engine),
+// so that a captured CUDA graph replays with fresh epochs: the kernel that raises
+// the flags of an operation takes seq + 1 and stores it; kernels before it in the
+// operation write the copy of seq + 1, kernels after it read the copy of seq.
+// Regions peers read are double-buffered by the epoch's parity.
+__device__ __forceinline__ unsigned load_seq(const unsigned* seq) { return *((volatile const unsigned*)seq); }
+
+__device__ __forceinline__ long long by_parity(long long base, long long copy_bytes, unsigned epoch) {
+  return base + (long long)(epoch & 1u) * copy_bytes;
+}
 
 __device__ __forceinline__ void record(int* status, int code, int peer, int where) {
   if (atomicCAS(status, kOk, code) == kOk) {
@@ -88,11 +123,12 @@ __device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, uns
   return late == 0;
 }
 
-// Raise word `me` of every rank's flags to `epoch`, after this block's writes
-// (and, through the counter, every block's writes of this launch) are visible
-// to the whole system. counter: a zeroed int of the caller, reset here.
+// Raise word `me` of every rank's flags to `epoch` and store it in seq, after
+// this block's writes (and, through the counter, every block's writes of this
+// launch) are visible to the whole system. counter: a zeroed int of the caller,
+// reset here.
 __device__ void signal_when_done(unsigned long long const* flag_ptrs, int world, int me, unsigned epoch,
-                                 int* counter) {
+                                 int* counter, unsigned* seq) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
@@ -101,6 +137,7 @@ __device__ void signal_when_done(unsigned long long const* flag_ptrs, int world,
       __threadfence_system();
       for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(flag_ptrs[p]) + me, epoch);
       *counter = 0;
+      *seq = epoch;
     }
   }
 }

@@ -9,17 +9,21 @@ using namespace engine;
 // Expert side. Items are (source rank s, token t); presum [W * tstride, J] lists
 // this rank's rows of each item (ascending local expert, -1 padded). The partial
 // of item (s, t) goes to rank s's buffer at [me, t] of its partials region
-// ([W, tcap] rows of part_row bytes). A: accumulator (float or double).
+// ([W, tcap] rows of part_row bytes; copy 0 at part_off, part_copy bytes apart)
+// of the operation's epoch, seq + 1, raised (and stored in seq) at the end.
+// A: accumulator (float or double).
 template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A>
 __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     const YT* y, const WT* weights, const int* presum, int width, long long tstride, const int* matrix,
     int row_len, int tokens_col, int hidden, const unsigned long long* data_ptrs, long long part_off,
-    long long part_row, long long tcap, int me, int world, const unsigned long long* flag_ptrs, unsigned epoch,
-    int* counter, const int* status) {
+    long long part_copy, long long part_row, long long tcap, int me, int world, const unsigned long long* flag_ptrs,
+    unsigned* seq, int* counter, const int* status) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ int rows[Tuning::kWarps][Tuning::kMaxTopk];
   __shared__ A scale[Tuning::kWarps][Tuning::kMaxTopk];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  const unsigned epoch = load_seq(seq) + 1;
+  part_off = by_parity(part_off, part_copy, epoch);
   __syncthreads();
   const bool ok = !failed(status);
   long long items = 0;
@@ -85,15 +89,20 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     }
     __syncwarp();
   }
-  signal_when_done(flag_ptrs, world, me, epoch, counter);
+  signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
 }
 
 // Home side: out [T, H] = for each token, the sum in ascending rank order of the
 // partials of the ranks in hit[t] (zero for a token that went nowhere), cast once.
+// The operation's epoch is seq (raised by push_partials); partials: copy 0 of
+// this rank's partials region, part_copy bytes apart.
 template <typename WireT, typename OutT, typename A>
 __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
-    const unsigned* hit, int tokens, int hidden, const char* partials, long long part_row, long long tcap,
-    int world, OutT* out, const unsigned* flags, unsigned epoch, unsigned long long timeout_ns, int* status) {
+    const unsigned* hit, int tokens, int hidden, const char* partials, long long part_copy, long long part_row,
+    long long tcap, int world, OutT* out, const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns,
+    int* status) {
+  const unsigned epoch = load_seq(seq);
+  partials += (long long)(epoch & 1u) * part_copy;
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 2)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long warps = (long long)gridDim.x * Tuning::kWarps;
@@ -148,14 +157,18 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
 }
 
 // Expert side of the routing-weight gradients: values [N] of this rank's rows
-// go to slot (t, k) of their home rank's slots region ([T, K] of VT).
+// go to slot (t, k) of their home rank's slots region ([T, K] of VT; copy 0 at
+// slots_off, slots_copy bytes apart) of the epoch seq + 1, raised at the end.
 template <typename VT>
 __global__ void __launch_bounds__(Tuning::kThreads) push_slots(
     const VT* values, const int* presum, const int* slot_k, int width, long long tstride, const int* matrix,
-    int row_len, int tokens_col, int topk, const unsigned long long* data_ptrs, long long slots_off, int me,
-    int world, const unsigned long long* flag_ptrs, unsigned epoch, int* counter, const int* status) {
+    int row_len, int tokens_col, int topk, const unsigned long long* data_ptrs, long long slots_off,
+    long long slots_copy, int me, int world, const unsigned long long* flag_ptrs, unsigned* seq, int* counter,
+    const int* status) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  const unsigned epoch = load_seq(seq) + 1;
+  slots_off = by_parity(slots_off, slots_copy, epoch);
   __syncthreads();
   long long items = 0;
   for (int s = 0; s < world; ++s) items += tokens_of[s];
@@ -171,14 +184,17 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_slots(
     VT* dst = reinterpret_cast<VT*>(data_ptrs[s] + slots_off);
     dst[(long long)t * topk + slot_k[at]] = values[row];
   }
-  signal_when_done(flag_ptrs, world, me, epoch, counter);
+  signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
 }
 
-// Home side: out [T, K] = the pushed value of each slot, 0 for an empty slot.
+// Home side: out [T, K] = the pushed value of each slot, 0 for an empty slot;
+// the epoch is seq (raised by push_slots), pushed: copy 0, pushed_copy bytes apart.
 template <typename VT>
 __global__ void __launch_bounds__(Tuning::kThreads) home_slots(
-    const Slot* route, long long slots, const VT* pushed, VT* out, int world, const unsigned* flags,
-    unsigned epoch, unsigned long long timeout_ns, int* status) {
+    const Slot* route, long long slots, const VT* pushed, long long pushed_copy, VT* out, int world,
+    const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
+  const unsigned epoch = load_seq(seq);
+  pushed = reinterpret_cast<const VT*>(reinterpret_cast<const char*>(pushed) + (long long)(epoch & 1u) * pushed_copy);
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 3)) return;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < slots; i += (long long)gridDim.x * blockDim.x)
     out[i] = route[i].expert >= 0 ? __ldcg(pushed + i) : (VT)0;

@@ -65,6 +65,52 @@ __device__ __forceinline__ A load_one(const char* row, long long col, long long 
   }
 }
 
+// Rows [n, max_rows) of out [max_rows, H] zeroed (with their weight 0 and
+// sources -1 where the dispatch writes them), spread over the grid.
+template <bool WITH_META, typename OutT, typename WOutT>
+__device__ void zero_tail(OutT* out, int hidden, long long n, long long max_rows, WOutT* weights,
+                          long long* src_rank, long long* src_token) {
+  if (n >= max_rows) return;
+  const long long first = n * hidden, last = max_rows * hidden;
+  const long long threads = (long long)gridDim.x * blockDim.x;
+  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (long long i = first + tid; i < last; i += threads) out[i] = OutT(0.0f);
+  if constexpr (WITH_META) {
+    for (long long r = n + tid; r < max_rows; r += threads) {
+      weights[r] = WOutT(0.0f);
+      src_rank[r] = -1;
+      src_token[r] = -1;
+    }
+  }
+}
+
+// Stage rows for the peers: rows [T] of row_bytes each (at src, src_stride bytes
+// apart) into this rank's copy of a region of the next epoch (seq + 1; copy 0 at
+// dst, copy_bytes apart; dst_stride bytes apart). With `signal`, the flags of
+// that epoch are raised (and seq stored) once every block's rows are visible.
+__global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
+    const char* src, long long src_stride, long long row_bytes, long long rows, unsigned long long dst,
+    long long copy_bytes, long long dst_stride, unsigned* seq, int signal,
+    const unsigned long long* flag_ptrs, int world, int me, int* counter) {
+  const unsigned epoch = load_seq(seq) + 1;
+  char* base = reinterpret_cast<char*>(by_parity((long long)dst, copy_bytes, epoch));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long warps = (long long)gridDim.x * Tuning::kWarps;
+  const bool wide = (row_bytes % 16) == 0 && (src_stride % 16) == 0 && (dst_stride % 16) == 0 &&
+                    (reinterpret_cast<unsigned long long>(src) % 16) == 0;
+  for (long long r = (long long)blockIdx.x * Tuning::kWarps + warp; r < rows; r += warps) {
+    const char* from = src + r * src_stride;
+    char* to = base + r * dst_stride;
+    if (wide) {
+      for (long long i = lane; i < row_bytes / 16; i += 32)
+        reinterpret_cast<uint4*>(to)[i] = __ldg(reinterpret_cast<const uint4*>(from) + i);
+    } else {
+      for (long long i = lane; i < row_bytes; i += 32) to[i] = from[i];
+    }
+  }
+  if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
+}
+
 // Receiver side of a dispatch. Items are (source rank s, token t) for every
 // token of every source; one warp an item.
 //   FROM_ROUTE: the places come from the sources' routes (a dispatch with a
@@ -73,17 +119,26 @@ __device__ __forceinline__ A load_one(const char* row, long long col, long long 
 //     and per expanded row its weight, source rank and source token.
 //   else: the places come from presum (a move along an existing plan).
 // A = the type the conversion goes through (float, or double for fp64 data).
+// The operation's epoch is seq (raised by the kernel before). Rows of out past
+// the N rows counted (*num_rows) up to max_rows are zeroed (and, FROM_ROUTE,
+// their weight 0 and sources -1), so that a bounded output (max_rows) holds no
+// stale values.
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
 __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
-    const unsigned long long* data_ptrs, long long route_off, long long stage_off, long long stage_row,
-    long long scales_at, const int* matrix, int row_len, int tokens_col, const int* src_start, int me, int world,
-    int experts_per_rank, int topk, int width, int hidden, long long tstride, OutT* out, long long max_rows,
-    int* presum, int* slot_k, WOutT* out_weights, long long* out_src_rank, long long* out_src_token,
-    float out_max, const unsigned* flags, unsigned epoch, unsigned long long timeout_ns, int* status) {
+    const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,
+    long long stage_copy, long long stage_row, long long scales_at, const int* matrix, int row_len, int tokens_col,
+    const int* src_start, const int* num_rows, int me, int world, int experts_per_rank, int topk, int width,
+    int hidden, long long tstride, OutT* out, long long max_rows, int* presum, int* slot_k, WOutT* out_weights,
+    long long* out_src_rank, long long* out_src_token, float out_max, const unsigned* flags, const unsigned* seq,
+    unsigned long long timeout_ns, int* status) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ long long dest[Tuning::kWarps][Tuning::kMaxTopk];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  const unsigned epoch = load_seq(seq);
+  route_off = by_parity(route_off, route_copy, epoch);
+  stage_off = by_parity(stage_off, stage_copy, epoch);
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) return;
+  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, max_rows, out_weights, out_src_rank, out_src_token);
   long long items = 0;
   for (int s = 0; s < world; ++s) items += tokens_of[s];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -26,7 +26,10 @@ __device__ __forceinline__ int block_scan(bool flag, int* total) {
 
 // topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
 //   route [T, K]: expert (-1 if empty or out of range), place among this rank's
-//     tokens sent to that expert (token order), weight bits;
+//     tokens sent to that expert (token order), weight bits; written too, if
+//     shared_route is not 0, into the copy of the data buffer's route region
+//     (copy 0 at shared_route, copy_bytes apart) of the next epoch (seq + 1),
+//     where the peers read it;
 //   counts [E]: this rank's tokens per expert (the counts part of its row);
 //   sends [W]: this rank's tokens per destination rank (zeroed by the caller);
 //   hit [T]: mask of the ranks each token goes to;
@@ -37,8 +40,12 @@ __device__ __forceinline__ int block_scan(bool flag, int* total) {
 template <typename IdxT, typename WT>
 __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
                                                                  int topk, int experts, int experts_per_rank,
-                                                                 Slot* route, int* counts, int* sends,
-                                                                 unsigned* hit, int* bad) {
+                                                                 Slot* route, unsigned long long shared_route,
+                                                                 long long copy_bytes, const unsigned* seq,
+                                                                 int* counts, int* sends, unsigned* hit, int* bad) {
+  Slot* shared = shared_route == 0 ? nullptr
+                                   : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
+                                                                       load_seq(seq) + 1));
   if ((int)blockIdx.x < experts) {
     const int e = blockIdx.x;
     int running = 0;
@@ -48,13 +55,20 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
       if (t < tokens) {
         for (int k = 0; k < topk; ++k) {
           if ((long long)topk_idx[(long long)t * topk + k] != e) continue;
-          if (slot < 0) slot = k;
-          else route[(long long)t * topk + k].pos = -1;  // e again in the row (unchecked input): no place
+          if (slot < 0) {
+            slot = k;
+          } else {  // e again in the row (unchecked input): no place
+            route[(long long)t * topk + k].pos = -1;
+            if (shared != nullptr) shared[(long long)t * topk + k].pos = -1;
+          }
         }
       }
       int total;
       const int offset = block_scan(slot >= 0, &total);
-      if (slot >= 0) route[(long long)t * topk + slot].pos = running + offset;
+      if (slot >= 0) {
+        route[(long long)t * topk + slot].pos = running + offset;
+        if (shared != nullptr) shared[(long long)t * topk + slot].pos = running + offset;
+      }
       running += total;
     }
     if (threadIdx.x == 0) counts[e] = running;
@@ -67,16 +81,22 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
     const long long at = (long long)t * topk + k;
     const long long e = (long long)topk_idx[at];
     const bool valid = e >= 0 && e < experts;
-    Slot* s = route + at;
-    s->expert = valid ? (int)e : -1;
-    if (!valid) s->pos = -1;
+    int w_lo, w_hi = 0;
     if (sizeof(WT) == 8) {
       const long long bits = __double_as_longlong((double)weights[at]);
-      s->w_lo = (int)(bits & 0xffffffffll);
-      s->w_hi = (int)(bits >> 32);
+      w_lo = (int)(bits & 0xffffffffll);
+      w_hi = (int)(bits >> 32);
     } else {
-      s->w_lo = __float_as_int((float)weights[at]);
-      s->w_hi = 0;
+      w_lo = __float_as_int((float)weights[at]);
+    }
+    // pos is the expert blocks' (another block); these fields are this thread's
+    Slot* const targets[2] = {route + at, shared == nullptr ? nullptr : shared + at};
+    for (Slot* s : targets) {
+      if (s == nullptr) continue;
+      s->expert = valid ? (int)e : -1;
+      if (!valid) s->pos = -1;
+      s->w_lo = w_lo;
+      s->w_hi = w_hi;
     }
     if (valid) mask |= 1u << (int)(e / experts_per_rank);
   }
@@ -95,37 +115,55 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
   }
 }
 
-// One block. Writes this rank's row (header, T, ..., counts [E]) into row `me`
-// of every rank's counts matrix, raises its flag there, waits for every rank's,
-// then writes out [4 + W * row_len]: the status words, then the matrix; and
-// computes, for this rank's experts: tokens_per_expert [E_local] (int64) and
+// One block, the operation's epoch = seq + 1 (stored in seq once the flags are
+// raised). Writes this rank's row into row `me` of the epoch's copy of every
+// rank's counts matrix: the header from the arguments (failed: the larger of
+// the argument and row[Row::kFailed], where route_layout marks bad values), the
+// rest (sends, counts) from `row`; raises its flag there, waits for every
+// rank's, then writes out [4 + W * row_len]: the status words, then the matrix;
+// and computes, for this rank's experts: tokens_per_expert [E_local] (int64),
 // src_start [W][E_local], the first expanded row of (source rank, local expert)
-// in canonical order. meta_ptrs: [W] base of every rank's meta buffer (flags
-// [W] u32 at 0, the counts matrix at rows_offset). Dynamic shared memory:
-// E_local ints.
+// in canonical order, and num_rows [1], N.
+// Where some rank has a row budget (no host read there), every rank checks
+// every row in rank order: the same header, no failed mark, N of that rank
+// within its budget; the first that fails is recorded (the same on every rank),
+// so that every later kernel of the group skips its work.
+// meta_ptrs: [W] base of every rank's meta buffer (flags [W] u32 at 0, the two
+// copies of the counts matrix from rows_offset, matrix_bytes apart). Dynamic
+// shared memory: E_local ints.
 __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
-    const unsigned long long* meta_ptrs, long long rows_offset, int me, int world, int row_len, int count_start,
-    int experts_per_rank, const int* row, unsigned epoch, unsigned long long timeout_ns, int* status, int* out,
-    long long* tokens_per_expert, int* src_start) {
+    const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
+    int row_len, int count_start, int experts_per_rank, const int* row, int topk, int hidden, int x_dtype,
+    int w_dtype, int x_grad, int w_grad, int failed_mark, int tokens, int staged, int budget, unsigned* seq,
+    unsigned long long timeout_ns, int* status, int* out, long long* tokens_per_expert, int* src_start,
+    int* num_rows) {
   extern __shared__ int totals[];
+  __shared__ unsigned epoch_of;
   int* matrix = out + 4;
+  if (threadIdx.x == 0) epoch_of = load_seq(seq) + 1;
   if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
+  __syncthreads();
+  const unsigned epoch = epoch_of;
   if (failed(status)) return;
+  const int head[Row::kSends] = {topk, hidden, x_dtype, w_dtype, x_grad, w_grad,
+                                 max(failed_mark, row[Row::kFailed]), tokens, staged, budget};
+  const long long copy = by_parity(rows_offset, matrix_bytes, epoch);
   for (int p = 0; p < world; ++p) {
-    int* dst = reinterpret_cast<int*>(meta_ptrs[p] + rows_offset) + (long long)me * row_len;
-    for (int i = threadIdx.x; i < row_len; i += blockDim.x) dst[i] = row[i];
+    int* dst = reinterpret_cast<int*>(meta_ptrs[p] + copy) + (long long)me * row_len;
+    for (int i = threadIdx.x; i < row_len; i += blockDim.x) dst[i] = i < Row::kSends ? head[i] : row[i];
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(meta_ptrs[p]) + me, epoch);
+    *seq = epoch;
   }
   const unsigned* own_flags = reinterpret_cast<const unsigned*>(meta_ptrs[me]);
   if (!wait_peers(own_flags, world, epoch, timeout_ns, status, 0)) {
     if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
     return;
   }
-  const volatile int* rows = reinterpret_cast<const volatile int*>(meta_ptrs[me] + rows_offset);
+  const volatile int* rows = reinterpret_cast<const volatile int*>(meta_ptrs[me] + copy);
   for (int i = threadIdx.x; i < world * row_len; i += blockDim.x) matrix[i] = rows[i];
   __syncthreads();
   const int first = count_start + me * experts_per_rank;  // this rank's experts in a row
@@ -143,6 +181,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
       totals[e] = running;
       running += n;
     }
+    *num_rows = running;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
@@ -152,13 +191,25 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
       start += matrix[s * row_len + first + e];
     }
   }
-}
-
-// One block: raise word `me` of every rank's flags to `epoch` once this rank's
-// earlier work on the stream (staged rows and routes) is visible to the system.
-__global__ void raise_flags(const unsigned long long* flag_ptrs, int world, int me, unsigned epoch) {
   if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(flag_ptrs[p]) + me, epoch);
+    bool budgeted = false;
+    for (int r = 0; r < world; ++r) budgeted |= matrix[r * row_len + Row::kBudget] >= 0;
+    for (int r = 0; budgeted && r < world; ++r) {
+      const int* other = matrix + r * row_len;
+      const int* mine = matrix + me * row_len;
+      bool same = true;
+      for (int c = 0; c < Row::kAgreed; ++c) same &= other[c] == mine[c];
+      long long rows_of_r = 0;  // N of rank r: its experts' counts from every source
+      for (int s = 0; s < world; ++s)
+        for (int e = 0; e < experts_per_rank; ++e) rows_of_r += matrix[s * row_len + count_start + r * experts_per_rank + e];
+      const int code = other[Row::kFailed] ? kPeerInput
+                       : !same ? kMismatch
+                       : (other[Row::kBudget] >= 0 && rows_of_r > other[Row::kBudget]) ? kOverBudget : kOk;
+      if (code != kOk) {
+        record(status, code, r, 0);
+        break;
+      }
+    }
+    for (int i = 0; i < 4; ++i) out[i] = status[i];
   }
 }

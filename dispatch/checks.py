@@ -12,6 +12,8 @@ the counts all-gather, in which the rank marks itself failed
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from dispatch.plan import HEADER
@@ -43,6 +45,13 @@ def check_backend_device(name: str, value: torch.Tensor, allowed: frozenset[str]
             f"{name} is on {value.device}, which the process group's backend cannot move "
             f"(it moves {', '.join(sorted(allowed))} tensors)"
         )
+
+
+def check_max_rows(max_rows: object) -> None:
+    """``dispatch``'s ``max_rows``: an int in [0, 2**31)."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral) or not 0 <= max_rows < 2**31:
+        raise ValueError(f"max_rows must be None or an int in [0, 2**31) (a bound on the rows this rank "
+                         f"receives), got {max_rows!r}")
 
 
 def check_dispatch_inputs(

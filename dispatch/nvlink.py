@@ -10,25 +10,37 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
 * ``meta`` (fixed): flags [W] u32 (word s raised by rank s to the epoch it
   reached), then the counts matrix [W, L] int32, row s written by rank s: its
   header (``plan.HEADER``), its T, whether it staged its rows with the counts,
-  its tokens per destination rank [W], its tokens per global expert [E].
+  its row budget (-1: none), its tokens per destination rank [W], its tokens
+  per global expert [E] (the columns ``csrc/engine.cuh``'s ``Row`` names).
 * ``data`` (grown collectively): two copies (by epoch parity) each of the routes
   [T_max, K] (16-byte ``Slot``), the slots [T_max, K] (8 bytes), the staged
   rows [T_max, B] (B: wire bytes of a row, 16-aligned) and the partial sums
   [W, T_max, P] (P: wire bytes of a partial row).
 
-Every operation (a counts exchange, a rows exchange, a combine, a slots
-exchange) takes the next epoch: each rank writes what its peers will read,
-raises its flag on every rank, and reads once every rank's flag has reached
-the epoch. On the device a rank runs its operations in epoch order, whatever
-streams the caller issues them on: each waits for an event the previous one
-recorded (``_ordered``). A region written by operation i (the counts matrix,
-routes, staged rows, partial sums, slots: two copies each, by parity) is
-rewritten by operation i + 2 at the earliest, and a writer only gets there past
-operation i + 1's wait, which its peers raise after their reads of operation
-i: no reader is overtaken. Waits are bounded (``timeout``): a peer that never
-arrives leaves a status word naming it, which the next dispatch's host read
-turns into a RuntimeError; the engine then stays failed (every rank must build
-its dispatchers again).
+Every operation (a counts exchange with the rows staged beside it, a rows
+exchange, a combine, a slots exchange) takes the next epoch. The epoch lives
+on the device (``seq``, one word), so that a CUDA graph of operations replays
+with fresh epochs: the kernel that raises an operation's flags takes seq + 1
+and stores it, the kernels before it write the epoch's copy of the regions,
+the kernels after it wait for every rank's flag to reach it and read. On the
+device a rank runs its operations in order, whatever streams the caller issues
+them on: each waits for an event the previous one recorded (``_ordered``). A
+region written in epoch i (the counts matrix, routes, staged rows, partial
+sums, slots: two copies each, by parity) is rewritten in epoch i + 2 at the
+earliest, and a writer only gets there past epoch i + 1's wait, which its peers
+raise after their reads of epoch i: no reader is overtaken. Waits are bounded
+(``timeout``): a peer that never arrives leaves a status word naming it, which
+the next host read turns into a RuntimeError (the next dispatch's, or
+:meth:`Engine.check`); the engine then stays failed (every rank must build its
+dispatchers again).
+
+A dispatch with a row budget (``max_rows``) reads nothing on the host: its
+output has ``max_rows`` rows (those past the N received zeroed), and the
+checks a host read makes elsewhere (headers agreed, no rank's input marked bad,
+every rank's N within its budget) run in the counts exchange kernel, which
+records the first failure, in rank order, on every rank alike; the error is
+raised at a later host read (:meth:`Engine.poll` at the next such dispatch,
+or :meth:`Engine.check`).
 
 One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
 (:func:`engine_for`), so that a model's MoE layers share its buffers.
@@ -42,13 +54,27 @@ import torch
 import torch.distributed as dist
 
 from dispatch import cuda, plan
-from dispatch.cuda import f32, i32, i64, ptr, u32, u64
+from dispatch.cuda import f32, i32, i64, ptr, u64
 from dispatch.kernels import quantize
 
 _ALIGN = 256
-_STATUS = ("ok", "timed out waiting for", "received more rows than the dispatch counted from",
-           "received a route no checked dispatch makes (an expert id twice in a row, check_inputs=False) from")
+_STATUS = (
+    "ok",
+    "rank {me} timed out waiting for rank {peer}",
+    "rank {me} received more rows than the dispatch counted from rank {peer}",
+    "rank {me} received a route no checked dispatch makes (an expert id twice in a row, check_inputs=False) "
+    "from rank {peer}",
+    "rank {peer} receives more rows than its max_rows",
+    "rank {peer} dispatched with another K, H, x or topk_weights dtype, or another need of gradients, than "
+    "rank {me}",
+    "rank {peer} marked its input bad (topk_idx/topk_weights values, or more tokens than the buffers hold)",
+)
 _WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
+# the columns of a row of the counts matrix (``Row`` in csrc/engine.cuh)
+TOKENS_COL = len(plan.HEADER)
+STAGED_COL = TOKENS_COL + 1
+BUDGET_COL = TOKENS_COL + 2
+SENDS_COL = TOKENS_COL + 3
 
 
 def _up(n: int, to: int = _ALIGN) -> int:
@@ -96,35 +122,34 @@ class Counts:
 
     Attributes:
         matrix: [W, L] int32 on the device (the counts matrix).
-        rows: the same on the host, W lists of L ints.
-        tokens_of: T of every rank (host).
+        rows: the same on the host, W lists of L ints (None without a host read).
+        tokens_of: T of every rank (host; None without a host read).
+        bound: rows of each source in presum: the largest T of the group, or
+            without a host read the token capacity of the buffers.
         tokens_per_expert: [E_local] int64 on the device.
         src_start: [W, E_local] int32 on the device: first row of (source, local expert).
+        num_rows: [1] int32 on the device, N.
         route: [T, K] ``Slot`` (int32 [T, K, 4]) of this rank's tokens, on the device.
         hit: [T] int32 mask of the ranks each token goes to.
-        staged: the epoch in which every rank staged its routes and rows with
-            the counts (None if some rank could not: they move in an exchange
-            of their own).
+        staged: every rank staged its routes and rows with the counts (else
+            they move in an exchange of their own).
     """
 
     matrix: torch.Tensor
-    rows: list
-    tokens_of: tuple
+    rows: list | None
+    tokens_of: tuple | None
+    bound: int
     tokens_per_expert: torch.Tensor
     src_start: torch.Tensor
+    num_rows: torch.Tensor
     route: torch.Tensor
     hit: torch.Tensor
-    staged: int | None = None
-
-    @property
-    def tmax(self) -> int:
-        """The largest T of the group."""
-        return max(self.tokens_of)
+    staged: bool
 
     @property
     def items(self) -> int:
-        """(source rank, token) pairs of the group: the tokens of every rank."""
-        return sum(self.tokens_of)
+        """(source rank, token) pairs of the group (a bound without a host read)."""
+        return sum(self.tokens_of) if self.tokens_of is not None else self.matrix.shape[0] * self.bound
 
 
 class Engine:
@@ -149,10 +174,7 @@ class Engine:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.blocks = sm_budget or cuda.num_sms(self.device)
         self.timeout_ns = int(timeout * 1e9)
-        self.tokens_col = len(plan.HEADER)
-        self.staged_col = self.tokens_col + 1
-        self.sends_col = self.staged_col + 1
-        self.counts_col = self.sends_col + self.world
+        self.counts_col = SENDS_COL + self.world
         self.row_len = self.counts_col + num_experts
         self.rows_offset = _up(4 * self.world)
         matrix_bytes = 4 * self.world * self.row_len
@@ -167,13 +189,15 @@ class Engine:
         self._data = self._data_handle = self._data_ptrs = None
         self.capacity = Capacity()
         self._regions = Capacity().regions(self.world)
-        self.epoch = 0
         self._kernels: dict = {}
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
+        self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._last: torch.cuda.Event | None = None  # recorded after the latest operation
+        self._last: tuple | None = None  # (event recorded after the latest operation, recorded in a capture)
+        self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
+        self._polled_event: torch.cuda.Event | None = None
 
-    # -- order ---------------------------------------------------------------
+    # -- order and failures ----------------------------------------------------
 
     def _ordered(self) -> "_Ordered":
         """A context for one operation: on the current stream, after the previous
@@ -183,6 +207,41 @@ class Engine:
                              f"{self.device.index}: call it with its own device current")
         return _Ordered(self)
 
+    def _raise(self, code: int, peer: int, where: int) -> None:
+        what = _STATUS[code].format(me=self.rank, peer=peer) if 0 < code < len(_STATUS) else f"status {code}"
+        raise RuntimeError(
+            f"NVLink transport: {what} in {_WHERE[where] if 0 <= where < len(_WHERE) else where} "
+            f"(timeout {self.timeout_ns / 1e9:g} s); the exchange's results are invalid and the engine stays "
+            f"failed (build the dispatchers again on every rank)"
+        )
+
+    def check(self) -> None:
+        """Raise the failure the kernels recorded, if any (a host read: it waits
+        for the work queued on the current stream)."""
+        if self._last is not None and not self._last[1]:
+            self._last[0].synchronize()  # host sync: the latest operation, on whatever stream
+        code, peer, where, _ = self.status.tolist()  # host sync: the status words
+        if code:
+            self._raise(code, peer, where)
+
+    def poll(self) -> None:
+        """Raise a failure recorded by work that has finished, without waiting:
+        reads the copy of the status words that the previous poll queued (if it
+        has landed) and queues a new one. Nothing outside a CUDA graph capture."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        event = self._polled_event
+        if event is not None and not event.query():
+            return
+        if event is not None:
+            code, peer, where, _ = self._polled.tolist()  # landed: no wait
+            if code:
+                self._raise(code, peer, where)
+        with self._ordered():
+            self._polled.copy_(self.status, non_blocking=True)
+            self._polled_event = torch.cuda.Event()
+            self._polled_event.record(torch.cuda.current_stream(self.device))
+
     # -- buffers -------------------------------------------------------------
 
     def ensure(self, need: Capacity) -> None:
@@ -190,57 +249,56 @@ class Engine:
         the same ``need`` at the same point (it is a collective when it grows)."""
         if self.capacity.covers(need) and self._data is not None:
             return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the NVLink engine's buffers must grow and cannot inside a CUDA graph capture: "
+                               "run one eager round trip (dispatch, combine, backward) of the largest shapes first")
         capacity = self.capacity.union(need)
         regions = capacity.regions(self.world)
         # host sync: this rank's earlier reads of its peers' buffers are done before the
         # rendezvous, which every rank reaches only after the same sync, so no rank still
         # reads a buffer when it is dropped.
         torch.cuda.current_stream(self.device).synchronize()
-        if self._last is not None:
-            self._last.synchronize()
+        if self._last is not None and not self._last[1]:
+            self._last[0].synchronize()
         data = self._symm.empty(max(regions["total"][0], _ALIGN), dtype=torch.uint8, device=self.device)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
         self._data, self._data_handle = data, handle
         self._data_ptrs = _pointers(handle, self.device)
         self.capacity, self._regions = capacity, regions
 
-    def _offset(self, region: str, epoch: int) -> int:
-        start, size = self._regions[region]
-        return start + (epoch & 1) * size
-
-    def _view(self, region: str, epoch: int, nbytes: int) -> torch.Tensor:
-        at = self._offset(region, epoch)
-        return self._data[at : at + nbytes]
-
-    def _next_epoch(self) -> int:
-        self.epoch += 1
-        return self.epoch
-
-    def _raise(self, code: int, peer: int, where: int) -> None:
-        raise RuntimeError(
-            f"NVLink transport: rank {self.rank} {_STATUS[code]} rank {peer} in {_WHERE[where]} "
-            f"(timeout {self.timeout_ns / 1e9:g} s); the exchange's results are invalid"
-        )
-
-    # -- the counts exchange (dispatch) ------------------------------------
+    def _region(self, name: str) -> tuple[int, int]:
+        """(offset of copy 0, bytes between the copies) of a region of the data buffer."""
+        return self._regions[name]
 
     def _fits(self, tokens: int, topk: int, stage_row: int) -> bool:
         """This rank's routes and rows fit the data buffer as it is."""
         return self._data is not None and self.capacity.covers(Capacity(tokens, topk, stage_row, 0))
 
-    def _stage(self, rows: torch.Tensor, codec, epoch: int, stage_row: int) -> None:
-        """Encode rows [T, H] into this rank's staging copy of ``epoch``."""
-        tokens, hidden = rows.shape
-        wire, fp8 = _wire_of(codec, rows.dtype)
-        stage = self._view("stage", epoch, self.capacity.tokens * stage_row).view(-1, stage_row)[:tokens]
-        if fp8:
-            quantize.pack(rows, None, codec.fmt, codec.pow2_scales, out=stage[:, : codec.row_bytes(hidden)])
-        else:
-            stage[:, : hidden * wire.itemsize].view(wire).copy_(rows)
+    def _stage(self, src: torch.Tensor, row_bytes: int, region: str, dst_stride: int, signal: bool) -> None:
+        """Copy rows [T, row_bytes] (bytes of ``src``, rows 16-aligned where they
+        can be) into this rank's copy of ``region`` of the next epoch; with
+        ``signal``, raise that epoch's flags once they are visible."""
+        tokens = src.shape[0]
+        start, copy = self._region(region)
+        stride = src.stride(0) * src.element_size() if tokens else row_bytes
+        self._kernel("intranode_dispatch.cu", "stage_rows")(
+            min(self.blocks, max(1, -(-tokens // (cuda.THREADS // 32)))),
+            (ptr(src), i64(stride), i64(row_bytes), i64(tokens), u64(self._data.data_ptr() + start), i64(copy),
+             i64(dst_stride), ptr(self._seq), i32(int(signal)), ptr(self._meta_ptrs), i32(self.world),
+             i32(self.rank), ptr(self._counter)),
+        )
+
+    def _stage_rows(self, rows: torch.Tensor, codec, stage_row: int, signal: bool) -> None:
+        """Encode rows [T, H] for the wire and stage them (``_stage``)."""
+        wire = codec.pack(rows) if rows.shape[0] else rows
+        self._stage(wire, codec.row_bytes(rows.shape[1]), "stage", stage_row, signal)
+
+    # -- the counts exchange (dispatch) ------------------------------------
 
     def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int],
-                        rows: torch.Tensor | None = None, codec=None, check_values: bool = False) -> Counts:
-        """Counts, routes and the counts exchange of one dispatch; one host read.
+                        rows: torch.Tensor | None = None, codec=None, check_values: bool = False,
+                        budget: int | None = None) -> Counts:
+        """Counts, routes and the counts exchange of one dispatch.
 
         Args:
             topk_idx: [T, K] int32/int64 expert ids (-1 empty).
@@ -253,72 +311,72 @@ class Engine:
                 where a row holds an id outside [-1, E), an expert twice or a
                 non-finite weight (``checks.value_flags``), so that every rank
                 sees it in the counts it reads.
+            budget: None: one host read (the counts matrix, the status); else
+                this rank's row budget (``max_rows``), and nothing is read on the
+                host (the caller made sure the routes and rows fit the buffers).
         """
         with self._ordered():
-            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values)
+            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, budget)
 
-    def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values) -> Counts:
+    def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, budget) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
-        epoch = self._next_epoch()
         stage_row = 0 if rows is None else _up(codec.row_bytes(rows.shape[1]), 16)
         fits = self._fits(tokens, topk, stage_row)
-        row = torch.empty(self.row_len, dtype=torch.int32, device=device)
-        row[: self.counts_col] = plan.to_device(
-            torch.tensor([*header, tokens, int(fits)] + [0] * self.world, dtype=torch.int32), device)
-        if fits:  # the routes go straight into the buffer the peers read
-            route = self._view("route", epoch, tokens * topk * 16).view(torch.int32).view(tokens, topk, 4)
-        else:
-            route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
+        row = torch.zeros(self.row_len, dtype=torch.int32, device=device)  # sends, counts, the bad-values mark
+        route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
-        counts, sends = row[self.counts_col :], row[self.sends_col : self.counts_col]
+        counts, sends = row[self.counts_col :], row[SENDS_COL : self.counts_col]
+        route_start, route_copy = self._region("route") if fits else (0, 0)
         if tokens:
             self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
                 self.num_experts + -(-tokens // cuda.THREADS),
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
-                 i32(self.experts_per_rank), ptr(route), ptr(counts), ptr(sends), ptr(hit),
+                 i32(self.experts_per_rank), ptr(route),
+                 u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
+                 ptr(counts), ptr(sends), ptr(hit),
                  ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None)),
             )
-        else:
-            counts.zero_()
-        if fits:
-            route = route.clone()  # the handle's own copy: the buffer's is rewritten two exchanges later
-            if rows is not None and tokens:
-                self._stage(rows, codec, epoch, stage_row)
-        out = torch.empty(4 + self.world * self.row_len + self.world * self.experts_per_rank, dtype=torch.int32,
-                          device=device)
-        per_expert = torch.empty(self.experts_per_rank, dtype=torch.int64, device=device)
+        if fits and rows is not None and tokens:
+            self._stage_rows(rows, codec, stage_row, signal=False)
+        world, length, local = self.world, self.row_len, self.experts_per_rank
+        out = torch.empty(4 + world * length + world * local + 1, dtype=torch.int32, device=device)
+        per_expert = torch.empty(local, dtype=torch.int64, device=device)
         self._kernel("layout.cu", "exchange_counts")(
             1,
-            (ptr(self._meta_ptrs), i64(self.rows_offset + (epoch & 1) * self._matrix_stride), i32(self.rank),
-             i32(self.world), i32(self.row_len),
-             i32(self.counts_col), i32(self.experts_per_rank), ptr(row), u32(epoch), u64(self.timeout_ns),
-             ptr(self.status), ptr(out), ptr(per_expert), ptr(out[4 + self.world * self.row_len :])),
-            shared=4 * self.experts_per_rank,
+            (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
+             i32(length), i32(self.counts_col), i32(local), ptr(row), *(i32(v) for v in header), i32(tokens),
+             i32(int(fits)), i32(-1 if budget is None else budget), ptr(self._seq), u64(self.timeout_ns),
+             ptr(self.status), ptr(out), ptr(per_expert), ptr(out[4 + world * length : -1]), ptr(out[-1:])),
+            shared=4 * local,
         )
+        matrix = out[4 : 4 + world * length].view(world, length)
+        src_start, num_rows = out[4 + world * length : -1], out[-1:]
+        if budget is not None:
+            return Counts(matrix, None, None, self.capacity.tokens, per_expert, src_start, num_rows, route, hit,
+                          fits and rows is not None)
         # host sync: row counts (to size the output), headers, status
-        host = out[: 4 + self.world * self.row_len].tolist()
+        host = out[: 4 + world * length].tolist()
         code, peer, where = host[:3]
         if code:
             self._raise(code, peer, where)
-        length = self.row_len
-        matrix = [host[4 + s * length : 4 + (s + 1) * length] for s in range(self.world)]
-        staged = rows is not None and all(r[self.staged_col] for r in matrix)
-        return Counts(out[4 : 4 + self.world * length], matrix, tuple(r[self.tokens_col] for r in matrix),
-                      per_expert, out[4 + self.world * length :], route, hit, epoch if staged else None)
+        matrix_host = [host[4 + s * length : 4 + (s + 1) * length] for s in range(world)]
+        tokens_of = tuple(r[TOKENS_COL] for r in matrix_host)
+        staged = rows is not None and all(r[STAGED_COL] for r in matrix_host)
+        return Counts(matrix, matrix_host, tokens_of, max(1, max(tokens_of)), per_expert, src_start, num_rows,
+                      route, hit, staged)
 
     # -- rows to the experts ---------------------------------------------------
 
-    def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, tstride: int,
-                   meta_out=None) -> torch.Tensor:
+    def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None) -> torch.Tensor:
         with self._ordered():
-            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, tstride, meta_out)
+            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out)
 
-    def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, tstride: int,
-                    meta_out=None) -> torch.Tensor:
-        """Move rows [T, H] to this rank's expert-major places ([N, H], dtype of rows).
+    def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None) -> torch.Tensor:
+        """Move rows [T, H] to this rank's expert-major places ([num_rows, H],
+        dtype of rows; rows past the N received zeroed).
 
-        With ``meta_out`` = (weights [N], src_rank [N], src_token [N]) the places
+        With ``meta_out`` = (weights, src_rank, src_token) [num_rows] the places
         come from the routes (a dispatch; ``presum``/``slot_k`` are written),
         and where ``counts.staged`` the rows were staged with the counts;
         otherwise from ``presum`` (a move along a plan), in an exchange of its own."""
@@ -327,32 +385,28 @@ class Engine:
         stage_row = _up(codec.row_bytes(hidden), 16)
         topk = counts.route.shape[1]
         from_route = meta_out is not None
-        epoch = counts.staged if from_route else None
-        if epoch is None:  # stage (and route) in an exchange of their own
-            self.ensure(Capacity(counts.tmax, topk, stage_row, 0))
-            epoch = self._next_epoch()
-            if stage_row and tokens:
-                self._stage(rows, codec, epoch, stage_row)
+        if not (from_route and counts.staged):  # stage (and route) in an exchange of their own
+            self.ensure(Capacity(counts.bound, topk, stage_row, 0))
             if from_route and tokens:
-                self._view("route", epoch, counts.route.numel() * 4).view(torch.int32).copy_(counts.route.flatten())
-            self._kernel("layout.cu", "raise_flags")(
-                1, (ptr(self._meta_ptrs), i32(self.world), i32(self.rank), u32(epoch)))
+                self._stage(counts.route.view(tokens, -1), topk * 16, "route", topk * 16, signal=False)
+            self._stage_rows(rows, codec, stage_row, signal=True)
         out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
         acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
         width = presum.shape[1]
-        items = counts.items
+        route_start, route_copy = self._region("route")
+        stage_start, stage_copy = self._region("stage")
         self._kernel(
             "intranode_dispatch.cu", "pull_rows", torch.uint8 if fp8 else wire, str(fp8), rows.dtype, acc,
             "true" if from_route else "false", weights.dtype if from_route else torch.float32,
         )(
-            min(self.blocks, -(-items // (cuda.THREADS // 32))),
-            (ptr(self._data_ptrs), i64(self._offset("route", epoch)), i64(self._offset("stage", epoch)),
+            min(self.blocks, max(1, -(-max(counts.items, num_rows) // (cuda.THREADS // 32)))),
+            (ptr(self._data_ptrs), i64(route_start), i64(route_copy), i64(stage_start), i64(stage_copy),
              i64(stage_row), i64(quantize.codes_bytes(hidden)), ptr(counts.matrix), i32(self.row_len),
-             i32(self.tokens_col), ptr(counts.src_start), i32(self.rank), i32(self.world),
-             i32(self.experts_per_rank), i32(topk), i32(width), i32(hidden), i64(tstride), ptr(out),
+             i32(TOKENS_COL), ptr(counts.src_start), ptr(counts.num_rows), i32(self.rank), i32(self.world),
+             i32(self.experts_per_rank), i32(topk), i32(width), i32(hidden), i64(counts.bound), ptr(out),
              i64(num_rows), ptr(presum), ptr(slot_k), ptr(weights), ptr(src_rank), ptr(src_token),
-             f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), ptr(self._flags), u32(epoch),
+             f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), ptr(self._flags), ptr(self._seq),
              u64(self.timeout_ns), ptr(self.status)),
         )
         return out
@@ -369,69 +423,66 @@ class Engine:
 
     # -- partial sums home -------------------------------------------------------
 
-    def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, tstride: int,
+    def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
                 at_least: torch.dtype | None) -> torch.Tensor:
         with self._ordered():
-            return self._to_home(_aligned(rows), weights, wire, counts, presum, tstride, at_least)
+            return self._to_home(_aligned(rows), weights, wire, counts, presum, at_least)
 
-    def _to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, tstride: int,
+    def _to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
                  at_least: torch.dtype | None) -> torch.Tensor:
         """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
         hidden = rows.shape[1]
         tokens = counts.route.shape[0]
         part_row = _up(hidden * wire.itemsize, 16)
-        tmax = counts.tmax
-        self.ensure(Capacity(tmax, counts.route.shape[1], 0, part_row))
-        epoch = self._next_epoch()
+        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
         weight_dtype = torch.float32 if weights is None else weights.dtype
         acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
-        items = counts.items
+        part_start, part_copy = self._region("partials")
         self._kernel(
             "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
             wire, acc,
         )(
-            min(self.blocks, max(1, -(-items // (cuda.THREADS // 32)))),
-            (ptr(rows), ptr(weights), ptr(presum), i32(presum.shape[1]), i64(tstride), ptr(counts.matrix),
-             i32(self.row_len), i32(self.tokens_col), i32(hidden), ptr(self._data_ptrs),
-             i64(self._offset("partials", epoch)), i64(part_row), i64(self.capacity.tokens), i32(self.rank),
-             i32(self.world), ptr(self._meta_ptrs), u32(epoch), ptr(self._counter), ptr(self.status)),
+            min(self.blocks, max(1, -(-counts.items // (cuda.THREADS // 32)))),
+            (ptr(rows), ptr(weights), ptr(presum), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix),
+             i32(self.row_len), i32(TOKENS_COL), i32(hidden), ptr(self._data_ptrs), i64(part_start), i64(part_copy),
+             i64(part_row), i64(self.capacity.tokens), i32(self.rank), i32(self.world), ptr(self._meta_ptrs),
+             ptr(self._seq), ptr(self._counter), ptr(self.status)),
         )
         out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
         home_acc = torch.float64 if torch.float64 in (wire, rows.dtype, at_least) else torch.float32
-        partials = self._offset("partials", epoch)
         self._kernel("intranode_combine.cu", "home_sum", wire, rows.dtype, home_acc)(
             min(self.blocks, max(1, -(-tokens // (cuda.THREADS // 32)))),
-            (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + partials), i64(part_row),
-             i64(self.capacity.tokens), i32(self.world), ptr(out), ptr(self._flags), u32(epoch),
+            (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + part_start), i64(part_copy),
+             i64(part_row), i64(self.capacity.tokens), i32(self.world), ptr(out), ptr(self._flags), ptr(self._seq),
              u64(self.timeout_ns), ptr(self.status)),
         )
         return out
 
-    def slots_home(self, values, counts: Counts, presum, slot_k, tstride: int) -> torch.Tensor:
+    def slots_home(self, values, counts: Counts, presum, slot_k) -> torch.Tensor:
         with self._ordered():
-            return self._slots_home(values, counts, presum, slot_k, tstride)
+            return self._slots_home(values, counts, presum, slot_k)
 
-    def _slots_home(self, values, counts: Counts, presum, slot_k, tstride: int) -> torch.Tensor:
+    def _slots_home(self, values, counts: Counts, presum, slot_k) -> torch.Tensor:
         """[N] per-row values -> [T, K] per-slot values at home (0 for empty slots)."""
         tokens, topk = counts.route.shape[:2]
-        self.ensure(Capacity(counts.tmax, topk, 0, 0))
-        epoch = self._next_epoch()
+        self.ensure(Capacity(counts.bound, topk, 0, 0))
         value_type = torch.float64 if values.dtype == torch.float64 else torch.float32
         wide = values.to(value_type).contiguous()
         items = counts.items * presum.shape[1]
+        slots_start, slots_copy = self._region("slots")
         self._kernel("intranode_combine.cu", "push_slots", value_type)(
             min(self.blocks, max(1, -(-items // cuda.THREADS))),
-            (ptr(wide), ptr(presum), ptr(slot_k), i32(presum.shape[1]), i64(tstride), ptr(counts.matrix),
-             i32(self.row_len), i32(self.tokens_col), i32(topk), ptr(self._data_ptrs),
-             i64(self._offset("slots", epoch)), i32(self.rank), i32(self.world), ptr(self._meta_ptrs),
-             u32(epoch), ptr(self._counter), ptr(self.status)),
+            (ptr(wide), ptr(presum), ptr(slot_k), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix),
+             i32(self.row_len), i32(TOKENS_COL), i32(topk), ptr(self._data_ptrs), i64(slots_start), i64(slots_copy),
+             i32(self.rank), i32(self.world), ptr(self._meta_ptrs), ptr(self._seq), ptr(self._counter),
+             ptr(self.status)),
         )
         out = torch.empty(tokens, topk, dtype=value_type, device=self.device)
         self._kernel("intranode_combine.cu", "home_slots", value_type)(
             min(self.blocks, max(1, -(-tokens * topk // cuda.THREADS))),
-            (ptr(counts.route), i64(tokens * topk), u64(self._data.data_ptr() + self._offset("slots", epoch)),
-             ptr(out), i32(self.world), ptr(self._flags), u32(epoch), u64(self.timeout_ns), ptr(self.status)),
+            (ptr(counts.route), i64(tokens * topk), u64(self._data.data_ptr() + slots_start), i64(slots_copy),
+             ptr(out), i32(self.world), ptr(self._flags), ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
         )
         return out.to(values.dtype)
 
@@ -445,19 +496,23 @@ def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
 
 
 class _Ordered:
-    """See :meth:`Engine._ordered`."""
+    """See :meth:`Engine._ordered`. Inside a CUDA graph capture an operation
+    waits only for one recorded in the same capture (the graph's replays are
+    ordered by the stream they are launched on), and eager work only for eager
+    work."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def __enter__(self) -> None:
-        if self.engine._last is not None:
-            torch.cuda.current_stream(self.engine.device).wait_event(self.engine._last)
+        last = self.engine._last
+        if last is not None and last[1] == torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.engine.device).wait_event(last[0])
 
     def __exit__(self, *exc) -> bool:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.engine.device))
-        self.engine._last = event
+        self.engine._last = (event, torch.cuda.is_current_stream_capturing())
         return False
 
 

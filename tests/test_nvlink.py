@@ -250,3 +250,179 @@ def test_async_micro_batches_waited_out_of_order(worlds):
     config = dict(num_experts=routing.num_experts)
     args = [(xs[r], routing.topk_idx[r], ws[r].float(), config) for r in range(WORLD)]
     assert all(worlds(WORLD).run(_async_out_of_order, args))
+
+
+# -- a dispatch with no host read (max_rows) ----------------------------------
+
+
+def _bounded_against_host_read(x, topk_idx, topk_weights, config, pad):
+    """One dispatcher reading the counts on the host, one with max_rows = N + pad
+    (on an engine of its own, so that its first call sizes the buffers): the
+    first N rows, the combine and both gradients bitwise equal, the rest zero."""
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    got = {}
+    for name, extra in (("host", {}), ("bounded", {"sm_budget": 64})):
+        d = dispatch.create(dispatch.DispatchConfig(**config, **extra, transport="nvlink"))
+        xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+        bound = None if name == "host" else got["host"]["n"] + pad
+        out = d.dispatch(xx, topk_idx, ww, max_rows=bound)
+        y = out.tokens * 1.5 + out.tokens * out.tokens * 0.125
+        combined = d.combine(y, out.handle, weights=out.weights)
+        combined.float().square().sum().backward()
+        d.check()
+        got[name] = dict(n=out.tokens.shape[0], tokens=out.tokens.detach(), weights=out.weights.detach(),
+                         src_rank=out.src_rank, src_token=out.src_token, per_expert=out.tokens_per_expert,
+                         combined=combined.detach(), grad_x=xx.grad, grad_w=ww.grad,
+                         host=out.tokens_per_expert_host, stats=out.stats)
+    host, bounded, n = got["host"], got["bounded"], got["host"]["n"]
+    checks = [
+        bounded["n"] == n + pad, bounded["host"] is None, bounded["stats"] is None,
+        torch.equal(bounded["per_expert"], host["per_expert"]),
+        torch.equal(bounded["combined"], host["combined"]),
+        torch.equal(bounded["grad_x"], host["grad_x"]), torch.equal(bounded["grad_w"], host["grad_w"]),
+    ]
+    for key, filler in (("tokens", 0), ("weights", 0), ("src_rank", -1), ("src_token", -1)):
+        checks += [torch.equal(bounded[key][:n], host[key]), bool((bounded[key][n:] == filler).all())]
+    return checks
+
+
+@needs_engine
+@pytest.mark.parametrize("mode, per_rank, topk, tokens, pad", [
+    ("random", 4, 4, [96, 80], 17), ("one_rank", 4, 3, [64, 64], 0), ("random", 16, 8, [200, 0], 300),
+])
+@pytest.mark.parametrize("dtype, wire", [(torch.bfloat16, "native"), (torch.bfloat16, "fp8"),
+                                         (torch.float32, "bf16")])
+def test_max_rows_matches_the_host_read(worlds, mode, per_rank, topk, tokens, pad, dtype, wire):
+    routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=pad)
+    xs, ws = _inputs(routing, 256, dtype, seed=pad)
+    config = dict(num_experts=routing.num_experts, dispatch_wire=wire)
+    for rank, checks in enumerate(_run(worlds, _bounded_against_host_read, routing, xs, ws, config, pad)):
+        assert all(checks), (rank, checks)
+
+
+def _graph_replays(config, tokens, hidden, topk, max_rows, replays, seed):
+    """A round trip with max_rows captured in a CUDA graph once, replayed with a
+    new routing and new rows each time: each replay equals an NCCL round trip."""
+    from world import current_device
+
+    device = current_device()
+    rank = torch.distributed.get_rank()
+    experts = config["num_experts"]
+    gen = torch.Generator().manual_seed(seed + rank)
+
+    def fresh():
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+        return (torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16), idx,
+                torch.rand(tokens, topk, generator=gen))
+
+    static = [t.to(device) for t in fresh()]
+    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", sm_budget=48))
+    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    with torch.no_grad():
+        out = engine.dispatch(*static, max_rows=max_rows)  # eager: sizes the buffers, compiles the kernels
+        engine.combine(out.tokens * 2, out.handle, weights=out.weights)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = engine.dispatch(*static, max_rows=max_rows)
+            y = engine.combine(out.tokens * 2, out.handle, weights=out.weights)
+        wrong = 0
+        for _ in range(replays):
+            for s, t in zip(static, fresh()):
+                s.copy_(t)
+            graph.replay()
+            ref = nccl.dispatch(*static)
+            want = nccl.combine(ref.tokens * 2, ref.handle, weights=ref.weights)
+            n = ref.tokens.shape[0]
+            same = (torch.equal(out.tokens[:n], ref.tokens) and bool((out.tokens[n:] == 0).all())
+                    and torch.equal(out.src_token[:n], ref.src_token) and torch.equal(y, want)
+                    and torch.equal(out.tokens_per_expert, ref.tokens_per_expert))
+            wrong += not same
+        engine.check()
+    return wrong
+
+
+@needs_engine
+def test_graph_capture_and_replay_with_max_rows(worlds):
+    config = dict(num_experts=16)
+    args = [(config, 300, 512, 4, 300 * 4 * 2, 40, 3)] * WORLD
+    assert worlds(WORLD).run(_graph_replays, args) == [0, 0]
+
+
+def _over_budget(x, topk_idx, topk_weights, config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=5.0))
+    bound = 1 if torch.distributed.get_rank() == 0 else 10**6
+    messages = []
+    out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device), max_rows=bound)
+    d.combine(out.tokens, out.handle, weights=out.weights)  # skipped on the device, no hang
+    for call in (d.check, lambda: d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device),
+                                             max_rows=bound)):
+        try:
+            call()
+            torch.cuda.synchronize()
+            d.check()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@needs_engine
+def test_a_rank_over_its_max_rows_fails_every_rank(worlds):
+    routing = make_routing(WORLD, 4, 2, [64, 64], "random", seed=2)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    config = dict(num_experts=routing.num_experts)
+    for messages in _run(worlds, _over_budget, routing, xs, ws, config):
+        assert len(messages) == 2 and all("rank 0 receives more rows than its max_rows" in m for m in messages), \
+            messages
+
+
+def _tokens_over_capacity(x, topk_idx, topk_weights, config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=6.0))
+    rank = torch.distributed.get_rank()
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    d.dispatch(x[:8], topk_idx[:8], topk_weights[:8], max_rows=4096)  # sizes the buffers (256 tokens)
+    try:
+        d.dispatch(x if rank == 0 else x[:8], topk_idx if rank == 0 else topk_idx[:8],
+                   topk_weights if rank == 0 else topk_weights[:8], max_rows=4096)
+        d.check()
+    except (ValueError, RuntimeError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@needs_engine
+def test_more_tokens_than_the_bounded_buffers_hold(worlds):
+    routing = make_routing(WORLD, 4, 2, [300, 300], "random", seed=4)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    config = dict(num_experts=routing.num_experts)
+    first, second = _run(worlds, _tokens_over_capacity, routing, xs, ws, config)
+    assert first is not None and first[0] == "ValueError" and "T=300" in first[1], first
+    assert second is not None and second[0] == "RuntimeError" and "rank 0 marked its input bad" in second[1], second
+
+
+def _bounded_refused(config, bound):
+    try:
+        d = dispatch.create(dispatch.DispatchConfig(**config))
+        d.dispatch(torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), max_rows=bound)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("bound, says", [(8, "transport='nvlink'"), (-1, "[0, 2**31)"), (2.5, "an int"),
+                                         (True, "an int"), (2**31, "2**31")])
+def test_max_rows_refused_by_name(worlds, bound, says):
+    """max_rows off the engine (gloo here, or another variant), or not an int in
+    range: a ValueError naming it, before any communication."""
+    config = dict(num_experts=4, transport="nccl")
+    for message in worlds(WORLD).run(_bounded_refused, [(config, bound)] * WORLD):
+        assert message is not None and "max_rows" in message and says in message, message

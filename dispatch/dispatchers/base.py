@@ -85,7 +85,8 @@ class Dispatched:
         tokens: [N, H] rows for the local experts, canonical order, dtype of x.
         tokens_per_expert: [E_local] int64 on the device of x.
         tokens_per_expert_host: [E_local] int64 on the CPU (the plan already had it:
-            no extra synchronisation), for grouped GEMMs that size on the host.
+            no extra synchronisation), for grouped GEMMs that size on the host;
+            None for a dispatch with ``max_rows`` (nothing read on the host).
         weights: [N] routing weight of each row (dtype of topk_weights);
             differentiable w.r.t. topk_weights.
         src_rank: [N] int64, home rank of each row's token.
@@ -98,7 +99,7 @@ class Dispatched:
 
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
-    tokens_per_expert_host: torch.Tensor
+    tokens_per_expert_host: torch.Tensor | None
     weights: torch.Tensor
     src_rank: torch.Tensor
     src_token: torch.Tensor
@@ -146,7 +147,13 @@ class TokenDispatcher(abc.ABC):
     # -- public verbs -------------------------------------------------------
 
     def dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, async_op: bool = False
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        max_rows: int | None = None,
+        async_op: bool = False,
     ) -> "Dispatched | DispatchWork":
         """Send each token to the ranks holding its experts, expanded per local expert.
 
@@ -158,6 +165,15 @@ class TokenDispatcher(abc.ABC):
             x: [T, H] float16/bfloat16/float32/float64 tokens of this rank (T may be 0).
             topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
             topk_weights: [T, K] floating routing weights.
+            max_rows: None, or a bound on the rows this rank receives: the
+                dispatch then reads nothing on the host (it can be captured in
+                a CUDA graph), its outputs have ``max_rows`` rows (those past the
+                N received: zero tokens and weights, sources -1; experts size by
+                ``tokens_per_expert``), ``tokens_per_expert_host`` and ``stats``
+                are None, and failures (a rank over its bound, bad values,
+                ranks that disagree) are raised at a later host read (the next
+                such dispatch, or :meth:`check`). Every rank passes one or none.
+                Needs the NVLink transport.
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
@@ -165,7 +181,11 @@ class TokenDispatcher(abc.ABC):
             (through ``weights``).
         """
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
-        handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
+        if max_rows is None:
+            handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
+        else:
+            checks.check_max_rows(max_rows)
+            handle, plan_out = self._plan_bounded(x, topk_idx, topk_weights, self.config.check_inputs, max_rows)
         codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
         rows = x.detach()
         started = self._start(lambda: self._dispatch_start(rows, handle, codec), (rows,), async_op)
@@ -294,6 +314,13 @@ class TokenDispatcher(abc.ABC):
         work = ExchangeWork(started.result)
         return work if async_op else work.wait()
 
+    def check(self) -> None:
+        """Raise a failure that an exchange with no host read (``max_rows``)
+        recorded on the device: a rank over its ``max_rows``, bad values, ranks
+        that disagree, a peer that did not arrive. A host read: it waits for the
+        work queued so far. Without such exchanges nothing is pending (failures
+        are raised by the call that meets them)."""
+
     # -- shared by the verbs --------------------------------------------------
 
     def _start(self, issue, reads: tuple, async_op: bool) -> Started:
@@ -348,6 +375,16 @@ class TokenDispatcher(abc.ABC):
         which it marks itself failed so that its peers raise there too; ranks
         that disagree on K, H or dtypes are refused
         (``checks.check_peer_headers``) before any token moves."""
+
+    def _plan_bounded(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool, max_rows: int
+    ) -> tuple[CombineHandle, "PlanOutputs"]:
+        """``_plan`` with no host read and outputs of ``max_rows`` rows (see
+        ``dispatch``); only where the exchange runs on the device."""
+        raise ValueError(
+            f"max_rows: a dispatch with no host read needs transport='nvlink' (variant 'alltoall', every rank "
+            f"on one host); this dispatcher ({type(self).__name__}) reads the row counts on the host"
+        )
 
     @abc.abstractmethod
     def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, to_experts_codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.dispatchers.streams import Pending
-from dispatch.nvlink import Counts, engine_for
+from dispatch.nvlink import SENDS_COL, Capacity, Counts, engine_for
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
@@ -36,11 +36,11 @@ class NVLinkHandle(CombineHandle):
 
     Attributes:
         counts: the counts exchange (``dispatch.nvlink.Counts``): matrix, routes, masks.
-        presum: [W * tstride, J] int32, this rank's expanded rows of each
+        presum: [W * counts.bound, J] int32, this rank's expanded rows of each
             (source rank, token) in ascending local expert, -1 padded.
-        slot_k: [W * tstride, J] int32, the source slot of each of them.
-        tstride: the largest T of the group (rows of presum per source).
-        split_matrix: host rows (tokens) of every rank to every rank.
+        slot_k: [W * counts.bound, J] int32, the source slot of each of them.
+        split_matrix: host rows (tokens) of every rank to every rank (None
+            for a dispatch with max_rows).
         places: [N] routing weight (wire dtype), source rank and source token
             (int64) of each expanded row, written by the dispatch's own pull
             (``_dispatch_start``), which reads the sources' routes.
@@ -49,8 +49,7 @@ class NVLinkHandle(CombineHandle):
     counts: Counts
     presum: torch.Tensor
     slot_k: torch.Tensor
-    tstride: int
-    split_matrix: tuple[tuple[int, ...], ...]
+    split_matrix: tuple[tuple[int, ...], ...] | None
     places: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -65,41 +64,71 @@ class NVLinkDispatcher(TokenDispatcher):
         self.engine = engine_for(group, config.num_experts, config.sm_budget, config.timeout)
 
     def _plan(self, x, topk_idx, topk_weights, check_values):
-        num_tokens, topk = topk_idx.shape
-        if topk > MAX_TOPK:
-            raise ValueError(f"topk_idx: transport='nvlink' takes at most {MAX_TOPK} slots per token, got K={topk}")
-        num_experts, world = self.config.num_experts, self.world_size
-        weights = topk_weights.detach()
-        wire = plan.weight_wire_dtype(weights.dtype)
+        num_tokens, topk = _check_topk(topk_idx)
+        weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
-        codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
-        rows = x.detach().contiguous()
         # the values are checked by the layout kernel, which marks this rank failed in
         # the counts every rank reads: no host synchronisation of its own
-        counts = engine.exchange_counts(topk_idx.contiguous(), weights.to(wire).contiguous(),
-                                        plan.header(x, topk_weights, topk), rows, codec, check_values)
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk),
+                                        x.detach().contiguous(), codec, check_values)
         rows_of = counts.rows  # host: every rank's row of the counts matrix
         if rows_of[self.rank][plan.HEADER.index("failed")]:
-            error = checks.values_error(checks.value_flags(topk_idx, weights, num_experts).cpu(),  # host sync:
-                                        topk_idx, weights, num_experts)  # the error's message (error path only)
+            error = checks.values_error(checks.value_flags(topk_idx, weights, self.config.num_experts).cpu(),
+                                        topk_idx, weights, self.config.num_experts)  # host sync: the message
             raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
         grads_any = checks.check_peer_headers(torch.tensor([r[: len(plan.HEADER)] for r in rows_of]))
-        first = engine.counts_col + self.rank * self.num_local_experts
-        per_expert = [sum(r[first + e] for r in rows_of) for e in range(self.num_local_experts)]
-        per_expert_host = torch.tensor(per_expert, dtype=torch.int64)
-        split = [r[engine.sends_col : engine.counts_col] for r in rows_of]
-        num_rows = sum(per_expert)
-        tstride = max(1, counts.tmax)
-        width = min(topk, self.num_local_experts)
-        device = x.device
-        presum = torch.empty(world * tstride, width, dtype=torch.int32, device=device)
-        slot_k = torch.empty_like(presum)
-        routed = torch.empty(num_rows, dtype=wire, device=device)
-        src_rank = torch.empty(num_rows, dtype=torch.int64, device=device)
-        src_token = torch.empty(num_rows, dtype=torch.int64, device=device)
         local = self.num_local_experts
+        first = engine.counts_col + self.rank * local
+        per_expert = [sum(r[first + e] for r in rows_of) for e in range(local)]
         has_rows = tuple(any(any(r[engine.counts_col + d * local : engine.counts_col + (d + 1) * local])
-                             for r in rows_of) for d in range(world))
+                             for r in rows_of) for d in range(self.world_size))
+        split = tuple(tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of)
+        handle, outputs = self._handle(x, counts, num_tokens, topk, sum(per_expert), grads_any, has_rows, split,
+                                       wire, torch.tensor(per_expert, dtype=torch.int64))
+        mark(self.phase_timer, "plan")
+        return handle, outputs
+
+    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, max_rows):
+        # nothing read on the host: the counts exchange kernel checks what _plan checks
+        # here, for every rank alike, and a failure surfaces at a later host read
+        num_tokens, topk = _check_topk(topk_idx)
+        weights, wire, codec = self._wire_inputs(x, topk_weights)
+        engine = self.engine
+        engine.poll()
+        stage_row = -(-codec.row_bytes(x.shape[1]) // 16) * 16
+        if engine.capacity.tokens == 0:  # the same on every rank: size the buffers once, by agreement
+            need = plan.to_device(torch.tensor([num_tokens, topk, stage_row], dtype=torch.int64), x.device)
+            dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
+            engine.ensure(Capacity(*need.tolist(), 0))  # host sync: the group's largest T, K, row
+        header = plan.header(x, topk_weights, topk)
+        over = not engine.capacity.covers(Capacity(num_tokens, topk, stage_row, 0))
+        if over:  # this rank raises; its mark makes every peer record the failure
+            header[plan.HEADER.index("failed")] = 2
+            topk_idx, weights = topk_idx[:0], weights[:0]
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, x.detach().contiguous()[: len(topk_idx)],
+                                        codec, check_values, budget=max_rows)
+        if over:
+            capacity = engine.capacity
+            raise ValueError(
+                f"x: a dispatch with max_rows takes at most {capacity.tokens} tokens of K <= {capacity.topk} "
+                f"(the buffers the first such dispatch sized from the group's largest T), got T={num_tokens}, "
+                f"K={topk}: give the first dispatch with max_rows the largest T on some rank; the engine is failed")
+        x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
+        handle, outputs = self._handle(x, counts, num_tokens, topk, max_rows, (bool(x_grad), bool(w_grad)),
+                                       (True,) * self.world_size, None, wire, None)
+        mark(self.phase_timer, "plan")
+        return handle, outputs
+
+    def _wire_inputs(self, x, topk_weights):
+        """(routing weights in their wire dtype, contiguous; that dtype; the codec of x)."""
+        wire = plan.weight_wire_dtype(topk_weights.dtype)
+        codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+        return topk_weights.detach().to(wire).contiguous(), wire, codec
+
+    def _handle(self, x, counts: Counts, num_tokens, topk, num_rows, grads_any, has_rows, split, wire, per_expert_host):
+        device = x.device
+        width = min(topk, self.num_local_experts)
+        presum = torch.empty(self.world_size * counts.bound, width, dtype=torch.int32, device=device)
         handle = NVLinkHandle(
             owner=self,
             num_tokens=num_tokens,
@@ -110,11 +139,13 @@ class NVLinkDispatcher(TokenDispatcher):
             has_rows=has_rows,
             counts=counts,
             presum=presum,
-            slot_k=slot_k,
-            tstride=tstride,
-            split_matrix=tuple(map(tuple, split)),
-            places=(routed, src_rank, src_token),
+            slot_k=torch.empty_like(presum),
+            split_matrix=split,
+            places=(torch.empty(num_rows, dtype=wire, device=device),
+                    torch.empty(num_rows, dtype=torch.int64, device=device),
+                    torch.empty(num_rows, dtype=torch.int64, device=device)),
         )
+        routed, src_rank, src_token = handle.places
         outputs = PlanOutputs(
             weights=routed,
             tokens_per_expert=counts.tokens_per_expert,
@@ -122,39 +153,50 @@ class NVLinkDispatcher(TokenDispatcher):
             src_rank=src_rank,
             src_token=src_token,
         )
-        mark(self.phase_timer, "plan")
         return handle, outputs
+
+    def check(self) -> None:
+        self.engine.check()
 
     def _dispatch_start(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> Pending:
         # x's rows to their places, with each place's weight and source; where every rank
         # staged its rows with the counts, nothing more is exchanged first
         tokens = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
-                                        handle.num_rows, handle.tstride, meta_out=handle.places)
+                                        handle.num_rows, meta_out=handle.places)
         mark(self.phase_timer, "exchange_out")
         return Pending.done(tokens)
 
     def _to_experts(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> torch.Tensor:
         out = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
-                                     handle.num_rows, handle.tstride)
+                                     handle.num_rows)
         mark(self.phase_timer, "exchange_out")
         return out
 
     def _to_home(self, rows, handle: NVLinkHandle, weights, wire):
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
         out = self.engine.to_home(rows.contiguous(), None if weights is None else weights.contiguous(), wire,
-                                  handle.counts, handle.presum, handle.tstride, at_least)
+                                  handle.counts, handle.presum, at_least)
         mark(self.phase_timer, "exchange_back")
         return out
 
     def _weights_to_home(self, values, handle: NVLinkHandle):
-        return self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k, handle.tstride)
+        return self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k)
 
     def _stats(self, handle: NVLinkHandle, dispatch_row_bytes, combine_wire, hidden):
+        if handle.split_matrix is None:  # a dispatch with max_rows: the sizes are not on the host
+            return None
         local = self.local_world_size
         sent = handle.split_matrix[self.rank]
         received = tuple(row[self.rank] for row in handle.split_matrix)
         return make_stats(local, tier_split(sent, self.rank, local), dispatch_row_bytes,
                           tier_split(received, self.rank, local), hidden * combine_wire.itemsize)
+
+
+def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:
+    num_tokens, topk = topk_idx.shape
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk_idx: transport='nvlink' takes at most {MAX_TOPK} slots per token, got K={topk}")
+    return num_tokens, topk
 
 
 def unusable(group) -> str | None:
