@@ -198,7 +198,7 @@ def _worker(rank, world, args, port):
                 if rank == 0:
                     print(f"{name} host us per round trip: " + ", ".join(f"{k} {v:.0f}" for k, v in sections.items()),
                           flush=True)
-            if label == "nvlink" and args.profile:
+            if label in ("nvlink", "nvlink-graph") and args.profile:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
                         round_trip()

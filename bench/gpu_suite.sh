@@ -7,6 +7,7 @@
 #             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then bench/engine_probe.py
 #             (the engine beside NCCL per shape, with its kernels' times)
+#   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
 #   soak      bench/soak.py: 10,000 round trips per transport, shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
 #   studies   the bench/ scripts: wire formats, a Megatron-Core MoELayer, the
@@ -74,6 +75,8 @@ for part in "$@"; do
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
+    tuning)
+      step 300 engine-tuning python3 bench/engine_tuning.py --out "$RES" ;;
     soak)
       step 280 soak-nccl python3 bench/soak.py --calls 10000 --transports nccl --out "$RES/soak-nccl"
       step 280 soak-nvlink python3 bench/soak.py --calls 10000 --transports nvlink --out "$RES/soak-nvlink" ;;

@@ -18,6 +18,10 @@
 
 namespace engine {
 
+#ifndef ENGINE_UNROLL  // a study may compile with another (bench/engine_tuning.py)
+#define ENGINE_UNROLL 4
+#endif
+
 // One table of tuned constants; it checks its own invariants.
 struct Tuning {
   static constexpr int kThreads = 512;        // threads of a block, every kernel
@@ -25,7 +29,7 @@ struct Tuning {
   static constexpr int kMaxWorld = 32;        // a token's ranks are one 32-bit mask
   static constexpr int kMaxTopk = 32;         // a token's slots are one warp's lanes
   static constexpr int kUnit = 8;             // elements a lane moves per step (16 bytes of bf16)
-  static constexpr int kUnroll = 4;           // steps a lane has in flight
+  static constexpr int kUnroll = ENGINE_UNROLL;  // steps a lane has in flight
   static constexpr unsigned kSleepNs = 100;   // back-off between polls of a flag
 };
 static_assert(Tuning::kThreads % 32 == 0 && Tuning::kThreads <= 1024, "whole warps, one block");

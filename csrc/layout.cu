@@ -24,6 +24,50 @@ __device__ __forceinline__ int block_scan(bool flag, int* total) {
   return before + in_warp;
 }
 
+// The per-slot fields of token t (route_layout's blocks from E on).
+template <typename IdxT, typename WT>
+__device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* weights, int t, int topk, int experts,
+                                             int experts_per_rank, Slot* route, Slot* shared, unsigned* hit,
+                                             int* bad, int* block_sends) {
+  unsigned mask = 0;
+  for (int k = 0; k < topk; ++k) {
+    const long long at = (long long)t * topk + k;
+    const long long e = (long long)topk_idx[at];
+    const bool valid = e >= 0 && e < experts;
+    int w_lo, w_hi = 0;
+    if (sizeof(WT) == 8) {
+      const long long bits = __double_as_longlong((double)weights[at]);
+      w_lo = (int)(bits & 0xffffffffll);
+      w_hi = (int)(bits >> 32);
+    } else {
+      w_lo = __float_as_int((float)weights[at]);
+    }
+    // pos is the expert blocks' (another block); these fields are this thread's
+    Slot* const targets[2] = {route + at, shared == nullptr ? nullptr : shared + at};
+    for (Slot* s : targets) {
+      if (s == nullptr) continue;
+      s->expert = valid ? (int)e : -1;
+      if (!valid) s->pos = -1;
+      s->w_lo = w_lo;
+      s->w_hi = w_hi;
+    }
+    if (valid) mask |= 1u << (int)(e / experts_per_rank);
+  }
+  hit[t] = mask;
+  for (unsigned m = mask; m; m &= m - 1) atomicAdd(block_sends + __ffs(m) - 1, 1);
+  if (bad != nullptr) {
+    bool wrong = false;
+    for (int k = 0; k < topk; ++k) {
+      const long long at = (long long)t * topk + k;
+      const long long e = (long long)topk_idx[at];
+      const double w = (double)weights[at];
+      wrong |= e < -1 || e >= experts || !(fabs(w) <= 1.7976931348623157e308);
+      for (int j = 0; j < k && e >= 0; ++j) wrong |= (long long)topk_idx[(long long)t * topk + j] == e;
+    }
+    if (wrong) atomicExch(bad, 1);
+  }
+}
+
 // topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
 //   route [T, K]: expert (-1 if empty or out of range), place among this rank's
 //     tokens sent to that expert (token order), weight bits; written too, if
@@ -74,46 +118,16 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
     if (threadIdx.x == 0) counts[e] = running;
     return;
   }
+  __shared__ int block_sends[Tuning::kMaxWorld];  // this block's tokens per destination rank
+  if (threadIdx.x < Tuning::kMaxWorld) block_sends[threadIdx.x] = 0;
+  __syncthreads();
   const int t = (blockIdx.x - experts) * Tuning::kThreads + threadIdx.x;
-  if (t >= tokens) return;
-  unsigned mask = 0;
-  for (int k = 0; k < topk; ++k) {
-    const long long at = (long long)t * topk + k;
-    const long long e = (long long)topk_idx[at];
-    const bool valid = e >= 0 && e < experts;
-    int w_lo, w_hi = 0;
-    if (sizeof(WT) == 8) {
-      const long long bits = __double_as_longlong((double)weights[at]);
-      w_lo = (int)(bits & 0xffffffffll);
-      w_hi = (int)(bits >> 32);
-    } else {
-      w_lo = __float_as_int((float)weights[at]);
-    }
-    // pos is the expert blocks' (another block); these fields are this thread's
-    Slot* const targets[2] = {route + at, shared == nullptr ? nullptr : shared + at};
-    for (Slot* s : targets) {
-      if (s == nullptr) continue;
-      s->expert = valid ? (int)e : -1;
-      if (!valid) s->pos = -1;
-      s->w_lo = w_lo;
-      s->w_hi = w_hi;
-    }
-    if (valid) mask |= 1u << (int)(e / experts_per_rank);
-  }
-  hit[t] = mask;
-  for (unsigned m = mask; m; m &= m - 1) atomicAdd(sends + __ffs(m) - 1, 1);
-  if (bad != nullptr) {
-    bool wrong = false;
-    for (int k = 0; k < topk; ++k) {
-      const long long at = (long long)t * topk + k;
-      const long long e = (long long)topk_idx[at];
-      const double w = (double)weights[at];
-      wrong |= e < -1 || e >= experts || !(fabs(w) <= 1.7976931348623157e308);
-      for (int j = 0; j < k && e >= 0; ++j) wrong |= (long long)topk_idx[(long long)t * topk + j] == e;
-    }
-    if (wrong) atomicExch(bad, 1);
-  }
+  if (t < tokens) layout_token(topk_idx, weights, t, topk, experts, experts_per_rank, route, shared, hit, bad,
+                               block_sends);
+  __syncthreads();
+  if (threadIdx.x < Tuning::kMaxWorld && block_sends[threadIdx.x]) atomicAdd(sends + threadIdx.x, block_sends[threadIdx.x]);
 }
+
 
 // One block, the operation's epoch = seq + 1 (stored in seq once the flags are
 // raised). Writes this rank's row into row `me` of the epoch's copy of every

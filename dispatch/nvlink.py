@@ -58,6 +58,7 @@ from dispatch.cuda import f32, i32, i64, ptr, u64
 from dispatch.kernels import quantize
 
 _ALIGN = 256
+BLOCKS_PER_SM = 1  # blocks of the data kernels per SM without an SM budget (bench/engine_tuning.py)
 _STATUS = (
     "ok",
     "rank {me} timed out waiting for rank {peer}",
@@ -172,7 +173,7 @@ class Engine:
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // self.world
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.blocks = sm_budget or cuda.num_sms(self.device)
+        self.blocks = sm_budget or cuda.num_sms(self.device) * BLOCKS_PER_SM
         self.timeout_ns = int(timeout * 1e9)
         self.counts_col = SENDS_COL + self.world
         self.row_len = self.counts_col + num_experts

@@ -410,9 +410,13 @@ def test_more_tokens_than_the_bounded_buffers_hold(worlds):
 
 
 def _bounded_refused(config, bound):
+    from world import current_device
+
+    device = current_device()
     try:
         d = dispatch.create(dispatch.DispatchConfig(**config))
-        d.dispatch(torch.zeros(4, 8), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1), max_rows=bound)
+        d.dispatch(torch.zeros(4, 8, device=device), torch.zeros(4, 1, dtype=torch.int64, device=device),
+                   torch.ones(4, 1, device=device), max_rows=bound)
     except ValueError as exc:
         return str(exc)
     return None
@@ -421,8 +425,8 @@ def _bounded_refused(config, bound):
 @pytest.mark.parametrize("bound, says", [(8, "transport='nvlink'"), (-1, "[0, 2**31)"), (2.5, "an int"),
                                          (True, "an int"), (2**31, "2**31")])
 def test_max_rows_refused_by_name(worlds, bound, says):
-    """max_rows off the engine (gloo here, or another variant), or not an int in
-    range: a ValueError naming it, before any communication."""
+    """max_rows off the engine (the NCCL transport), or not an int in range: a
+    ValueError naming it, before any communication."""
     config = dict(num_experts=4, transport="nccl")
     for message in worlds(WORLD).run(_bounded_refused, [(config, bound)] * WORLD):
         assert message is not None and "max_rows" in message and says in message, message

@@ -1,0 +1,152 @@
+"""Study: the NVLink engine's launch shape, blocks per SM and steps in flight per
+lane, on the model shapes, with the round trip captured in CUDA graphs (so that
+only the device's time shows).
+
+    python3 bench/engine_tuning.py [--shapes deepseek-v3,mixtral-8x7b,decode]
+        [--blocks-per-sm 1,2,4] [--unroll 4,8] [--out DIR]
+
+One process per local GPU (NCCL). For each shape and setting: median dispatch,
+combine and round-trip times of graph replays (max_rows: this rank's N plus
+10%), the mean time of each kernel in a profiled replay (rank 0), and whether
+the results equal the first setting's bit for bit. The settings are compiled in
+(``ENGINE_UNROLL``) and set on the engine (``dispatch.nvlink.BLOCKS_PER_SM``)
+here only; the library keeps the chosen defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dispatch
+from dispatch import cuda, nvlink
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from engine_probe import SHAPES, SLACK, _inputs  # noqa: E402
+
+
+def _graphs(d, x, idx, w, bound):
+    """(dispatch, combine, round trip) each captured once: their replays, and the
+    round trip's output (refreshed by each replay)."""
+    held = d.dispatch(x, idx, w, max_rows=bound)
+
+    def dispatch_only():
+        return d.dispatch(x, idx, w, max_rows=bound)
+
+    def combine_only():
+        return d.combine(held.tokens, held.handle, weights=held.weights)
+
+    def round_trip():
+        out = d.dispatch(x, idx, w, max_rows=bound)
+        return d.combine(out.tokens, out.handle, weights=out.weights)
+
+    replays, result = [], None
+    for step in (dispatch_only, combine_only, round_trip):
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = step()
+        replays.append(graph.replay)
+    return replays, result
+
+
+def _median_us(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+def _kernels_us(fn, calls=5):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.count:
+            name = event.key.split("(")[0].split("<")[0].replace("void ", "")
+            out[name] = out.get(name, 0.0) + event.self_device_time_total / calls
+    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v >= 0.5}
+
+
+def _worker(rank, world, args, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    rows = []
+    with torch.no_grad():
+        for name in args.shapes:
+            shape = SHAPES[name]
+            x, idx, w = _inputs(shape, rank, device)
+            first = None
+            for unroll in args.unroll:
+                for per_sm in args.blocks_per_sm:
+                    cuda.STUDY_OPTIONS = (f"-DENGINE_UNROLL={unroll}",)
+                    nvlink.BLOCKS_PER_SM = per_sm
+                    nvlink._ENGINES.clear()  # a fresh engine: its blocks and kernels
+                    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink",
+                                                                check_inputs=False))
+                    n = d.dispatch(x, idx, w).tokens.shape[0]
+                    bound = int(n * SLACK)
+                    (t_d, t_c, t_r), result = _graphs(d, x, idx, w, bound)
+                    times = [_median_us(fn, args.iters, args.warmup) for fn in (t_d, t_c, t_r)]
+                    kernels = _kernels_us(t_r)
+                    d.check()
+                    same = first is None or torch.equal(first, result)
+                    first = result.clone() if first is None else first
+                    rows.append(dict(shape=name, unroll=unroll, blocks_per_sm=per_sm, dispatch_us=times[0],
+                                     combine_us=times[1], round_trip_us=times[2], kernels_us=kernels,
+                                     equal_to_first=bool(same)))
+                    if rank == 0:
+                        print(f"{name:14s} unroll {unroll} blocks/SM {per_sm}: dispatch {times[0]:7.1f} us  "
+                              f"combine {times[1]:7.1f} us  round trip {times[2]:7.1f} us  equal {same}  "
+                              f"kernels {kernels}", flush=True)
+                    del d
+                    torch.cuda.synchronize()
+                    dist.barrier()
+    if rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "engine-tuning.json"), "w") as f:
+            json.dump(dict(world=world, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="deepseek-v3,mixtral-8x7b,decode")
+    parser.add_argument("--blocks-per-sm", default="1,2,4")
+    parser.add_argument("--unroll", default="4,8")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    args.shapes = args.shapes.split(",")
+    args.blocks_per_sm = [int(v) for v in args.blocks_per_sm.split(",")]
+    args.unroll = [int(v) for v in args.unroll.split(",")]
+    world = torch.cuda.device_count()
+    mp.spawn(_worker, args=(world, args, 29700 + os.getpid() % 1000), nprocs=world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
