@@ -207,6 +207,25 @@ struct Slot {
 };
 static_assert(sizeof(Slot) == 16, "one 16-byte load per slot");
 
+// Rows cut into segments, so that few rows (a decode step) still give every
+// warp of the grid work and keep its loads in flight: `count` segments of
+// `units` 8-element units each (a multiple of 32), at most one pass of a warp's
+// lanes (kUnroll units each) per segment once rows are plenty. Rows whose H is
+// not a multiple of 8 stay whole.
+struct Segments {
+  long long count;
+  long long units;
+};
+
+__device__ __forceinline__ Segments split_rows(long long rows, int hidden, long long warps) {
+  if ((hidden & 7) != 0 || rows <= 0) return {1, (long long)hidden};
+  const long long units = hidden / 8;
+  const long long pass = 32LL * Tuning::kUnroll;
+  const long long wanted = (2 * warps + rows - 1) / rows;  // two work items per warp
+  const long long count = max(1LL, min(wanted, (units + pass - 1) / pass));
+  return {count, ((units + count - 1) / count + 31) / 32 * 32};
+}
+
 // Which (source rank, token) item `item` is, from the tokens of each source.
 __device__ __forceinline__ void item_of(long long item, const int* tokens_of, int world, int* src, int* tok) {
   int s = 0;

@@ -30,7 +30,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
   for (int s = 0; s < world; ++s) items += tokens_of[s];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long warps = (long long)gridDim.x * Tuning::kWarps;
-  for (long long item = (long long)blockIdx.x * Tuning::kWarps + warp; ok && item < items; item += warps) {
+  const Segments seg = split_rows(items, hidden, warps);
+  for (long long work = (long long)blockIdx.x * Tuning::kWarps + warp; ok && work < items * seg.count;
+       work += warps) {
+    const long long item = work / seg.count, part = work % seg.count;
     int s, t;
     item_of(item, tokens_of, world, &s, &t);
     const long long at = ((long long)s * tstride + t) * width;
@@ -44,9 +47,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     if (count > 0) {
       char* dst = reinterpret_cast<char*>(data_ptrs[s] + part_off + ((long long)me * tcap + t) * part_row);
       if ((hidden & 7) == 0) {
-        const long long units = hidden / 8;
+        const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
         constexpr int kU = Tuning::kUnroll;  // units in flight per lane
-        for (long long base = lane; base < units; base += 32 * kU) {
+        for (long long base = begin + lane; base < units; base += 32 * kU) {
           A acc[kU][8];
 #pragma unroll
           for (int u = 0; u < kU; ++u)
@@ -106,14 +109,16 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 2)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long warps = (long long)gridDim.x * Tuning::kWarps;
-  for (long long t = (long long)blockIdx.x * Tuning::kWarps + warp; t < tokens; t += warps) {
+  const Segments seg = split_rows(tokens, hidden, warps);
+  for (long long work = (long long)blockIdx.x * Tuning::kWarps + warp; work < tokens * seg.count; work += warps) {
+    const long long t = work / seg.count, part = work % seg.count;
     const unsigned mask = hit[t];
     OutT* dst = out + t * hidden;
     if ((hidden & 7) == 0) {
-      const long long units = hidden / 8;
+      const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
       constexpr int kU = Tuning::kUnroll;  // units in flight per lane
       constexpr int kWords = sizeof(Vec8<WireT>) / 16;
-      for (long long base = lane; base < units; base += 32 * kU) {
+      for (long long base = begin + lane; base < units; base += 32 * kU) {
         A acc[kU][8];
 #pragma unroll
         for (int u = 0; u < kU; ++u)

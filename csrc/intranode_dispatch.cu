@@ -144,7 +144,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long warps = (long long)gridDim.x * Tuning::kWarps;
   using Load = typename Codec<WireT, FP8>::type;
-  for (long long item = (long long)blockIdx.x * Tuning::kWarps + warp; item < items; item += warps) {
+  const Segments seg = split_rows(items, hidden, warps);
+  for (long long work = (long long)blockIdx.x * Tuning::kWarps + warp; work < items * seg.count; work += warps) {
+    const long long item = work / seg.count, part = work % seg.count;
+    const bool first = part == 0;  // the segment that writes the item's plan and places
     int s, t;
     item_of(item, tokens_of, world, &s, &t);
     const long long at = ((long long)s * tstride + t) * width;
@@ -157,7 +160,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
       }
       const int local = slot.expert - me * experts_per_rank;
       const bool here = slot.expert >= 0 && local >= 0 && local < experts_per_rank;
-      if (here && slot.pos < 0) record(status, kBadRoute, s, 1);  // its row names the expert twice
+      if (first && here && slot.pos < 0) record(status, kBadRoute, s, 1);  // its row names the expert twice
       const bool mine = here && slot.pos >= 0;
       const unsigned mask = __ballot_sync(0xffffffffu, mine);
       count = __popc(mask);
@@ -169,9 +172,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
       if (mine && order < width) {
         const long long row = (long long)src_start[s * experts_per_rank + local] + slot.pos;
         dest[warp][order] = row;
-        if (row < 0 || row >= max_rows) {  // a route no dispatch makes (an unchecked repeated expert)
-          record(status, kTooManyRows, s, 1);
-        } else {
+        const bool placed = row >= 0 && row < max_rows;  // else a route no dispatch makes
+        if (first && !placed) record(status, kTooManyRows, s, 1);
+        if (first && placed) {
           if constexpr (sizeof(WOutT) == 8) {
             const long long bits = ((long long)(unsigned)slot.w_lo) | ((long long)slot.w_hi << 32);
             out_weights[row] = (WOutT)__longlong_as_double(bits);
@@ -181,11 +184,13 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
           out_src_rank[row] = s;
           out_src_token[row] = t;
         }
-        presum[at + order] = (int)row;
-        slot_k[at + order] = lane;
+        if (first) {
+          presum[at + order] = (int)row;
+          slot_k[at + order] = lane;
+        }
       }
       count = min(count, width);
-      if (lane >= count && lane < width) {
+      if (first && lane >= count && lane < width) {
         presum[at + lane] = -1;
         slot_k[at + lane] = -1;
       }
@@ -199,9 +204,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     if (count == 0) continue;
     const char* src = reinterpret_cast<const char*>(data_ptrs[s] + stage_off + (long long)t * stage_row);
     if ((hidden & 7) == 0) {
-      const long long units = hidden / 8;
+      const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
       constexpr int kU = Tuning::kUnroll;  // units in flight per lane
-      for (long long base = lane; base < units; base += 32 * kU) {
+      for (long long base = begin + lane; base < units; base += 32 * kU) {
         Vec8<OutT> o[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {

@@ -188,6 +188,8 @@ class Engine:
         self._flags = meta[: 4 * self.world].view(torch.int32)
         self._meta_handle.barrier(channel=0)  # every rank's flags are zero before any is raised
         self._data = self._data_handle = self._data_ptrs = None
+        self._retired: list = []  # buffers outgrown after a capture: its graphs still use them
+        self._captured = False  # some operation was captured in a CUDA graph
         self.capacity = Capacity()
         self._regions = Capacity().regions(self.world)
         self._kernels: dict = {}
@@ -247,7 +249,9 @@ class Engine:
 
     def ensure(self, need: Capacity) -> None:
         """Grow the data buffer to hold ``need``; every rank must call this with
-        the same ``need`` at the same point (it is a collective when it grows)."""
+        the same ``need`` at the same point (it is a collective when it grows).
+        Once an operation was captured in a CUDA graph, an outgrown buffer is
+        kept (the graph replays on it), not freed."""
         if self.capacity.covers(need) and self._data is not None:
             return
         if torch.cuda.is_current_stream_capturing():
@@ -261,6 +265,8 @@ class Engine:
         torch.cuda.current_stream(self.device).synchronize()
         if self._last is not None and not self._last[1]:
             self._last[0].synchronize()
+        if self._captured and self._data is not None:  # a captured graph may still replay on these
+            self._retired.append((self._data, self._data_handle, self._data_ptrs))
         data = self._symm.empty(max(regions["total"][0], _ALIGN), dtype=torch.uint8, device=self.device)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
         self._data, self._data_handle = data, handle
@@ -513,7 +519,9 @@ class _Ordered:
     def __exit__(self, *exc) -> bool:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.engine.device))
-        self.engine._last = (event, torch.cuda.is_current_stream_capturing())
+        capturing = torch.cuda.is_current_stream_capturing()
+        self.engine._last = (event, capturing)
+        self.engine._captured |= capturing
         return False
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import checks, cuda, plan
-from dispatch.codec import Codec, to_experts_codec
+from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.dispatchers.streams import Pending
 from dispatch.nvlink import SENDS_COL, Capacity, Counts, engine_for
@@ -95,11 +95,12 @@ class NVLinkDispatcher(TokenDispatcher):
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
         engine.poll()
-        stage_row = -(-codec.row_bytes(x.shape[1]) // 16) * 16
+        stage_row = _up16(codec.row_bytes(x.shape[1]))
         if engine.capacity.tokens == 0:  # the same on every rank: size the buffers once, by agreement
-            need = plan.to_device(torch.tensor([num_tokens, topk, stage_row], dtype=torch.int64), x.device)
+            need = plan.to_device(torch.tensor([num_tokens, topk, *self._round_trip_rows(x)], dtype=torch.int64),
+                                  x.device)
             dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
-            engine.ensure(Capacity(*need.tolist(), 0))  # host sync: the group's largest T, K, row
+            engine.ensure(Capacity(*need.tolist()))  # host sync: the group's largest T, K, rows
         header = plan.header(x, topk_weights, topk)
         over = not engine.capacity.covers(Capacity(num_tokens, topk, stage_row, 0))
         if over:  # this rank raises; its mark makes every peer record the failure
@@ -118,6 +119,16 @@ class NVLinkDispatcher(TokenDispatcher):
                                        (True,) * self.world_size, None, wire, None)
         mark(self.phase_timer, "plan")
         return handle, outputs
+
+    def _round_trip_rows(self, x) -> tuple[int, int]:
+        """(staged, partial) row bytes of a round trip of x with expert outputs
+        like x, backward included, so that sizing the buffers once covers it."""
+        hidden, config = x.shape[1], self.config
+        staged = max(to_experts_codec(wire, x.dtype).row_bytes(hidden)
+                     for wire in (config.dispatch_wire, config.combine_grad_wire))
+        partial = max(sum_wire_dtype(wire, x.dtype).itemsize * hidden
+                      for wire in (config.combine_wire, config.dispatch_grad_wire))
+        return _up16(staged), _up16(partial)
 
     def _wire_inputs(self, x, topk_weights):
         """(routing weights in their wire dtype, contiguous; that dtype; the codec of x)."""
@@ -190,6 +201,10 @@ class NVLinkDispatcher(TokenDispatcher):
         received = tuple(row[self.rank] for row in handle.split_matrix)
         return make_stats(local, tier_split(sent, self.rank, local), dispatch_row_bytes,
                           tier_split(received, self.rank, local), hidden * combine_wire.itemsize)
+
+
+def _up16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:
