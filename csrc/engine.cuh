@@ -227,14 +227,27 @@ __device__ __forceinline__ Segments split_rows(long long rows, int hidden, long 
 }
 
 // Which (source rank, token) item `item` is, from the tokens of each source.
+// Items interleave the sources token by token (while every source has tokens
+// left: the first W * min T items), so that the warps of a grid work on every
+// source at once and the NVLink transfers of the peers' items run beside the
+// local items' HBM traffic; then the rest of each source in turn.
 __device__ __forceinline__ void item_of(long long item, const int* tokens_of, int world, int* src, int* tok) {
+  int least = tokens_of[0];
+  for (int s = 1; s < world; ++s) least = min(least, tokens_of[s]);
+  const long long mixed = (long long)least * world;
+  if (item < mixed) {
+    *src = (int)(item % world);
+    *tok = (int)(item / world);
+    return;
+  }
+  item -= mixed;
   int s = 0;
-  while (s + 1 < world && item >= tokens_of[s]) {
-    item -= tokens_of[s];
+  while (s + 1 < world && item >= tokens_of[s] - least) {
+    item -= tokens_of[s] - least;
     ++s;
   }
   *src = s;
-  *tok = (int)item;
+  *tok = least + (int)item;
 }
 
 }  // namespace engine

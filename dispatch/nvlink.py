@@ -58,7 +58,7 @@ from dispatch.cuda import f32, i32, i64, ptr, u64
 from dispatch.kernels import quantize
 
 _ALIGN = 256
-BLOCKS_PER_SM = 1  # blocks of the data kernels per SM without an SM budget (bench/engine_tuning.py)
+BLOCKS_PER_SM = 4  # blocks of the data kernels per SM without an SM budget (measured: bench/engine_tuning.py)
 _STATUS = (
     "ok",
     "rank {me} timed out waiting for rank {peer}",
