@@ -8,7 +8,8 @@
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then bench/engine_probe.py
 #             (the engine beside NCCL per shape, with its kernels' times)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
-#   soak      bench/soak.py: 10,000 round trips per transport, shapes, routings and wires
+#   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
+#             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
 #   studies   the bench/ scripts: wire formats, a Megatron-Core MoELayer, the
 #             overlap layer's timelines (C = 4, slowed exchange), and the ranks as
@@ -79,7 +80,9 @@ for part in "$@"; do
       step 300 engine-tuning python3 bench/engine_tuning.py --out "$RES" ;;
     soak)
       step 280 soak-nccl python3 bench/soak.py --calls 10000 --transports nccl --out "$RES/soak-nccl"
-      step 280 soak-nvlink python3 bench/soak.py --calls 10000 --transports nvlink --out "$RES/soak-nvlink" ;;
+      step 280 soak-nvlink python3 bench/soak.py --calls 10000 --transports nvlink --out "$RES/soak-nvlink"
+      step 280 soak-bounded python3 bench/soak.py --calls 10000 --transports nvlink-bounded \
+        --out "$RES/soak-bounded" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
       step 150 megatron-layer python3 bench/megatron_layer.py --out "$RES"

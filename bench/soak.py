@@ -19,6 +19,7 @@ the warm-up and at the end (CUDA), the slowest call.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from dispatch import cuda  # noqa: E402
 from dispatch.bench import common  # noqa: E402
 
 ROUTINGS = ("uniform", "zipf", "one-rank")
+TRANSPORTS = ("nccl", "nvlink", "nvlink-bounded")
 WIRES = ("native", "fp8")
 
 
@@ -44,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, help="H (default 1024 on GPUs, 128 on CPU)")
     parser.add_argument("--experts-per-rank", type=int, default=8, help="E_local (default 8)")
     parser.add_argument("--topk", type=int, default=4, help="K (default 4)")
-    parser.add_argument("--transports", help="comma list of nccl, nvlink (default: both where the engine runs)")
+    parser.add_argument("--transports", help="comma list of nccl, nvlink, nvlink-bounded (the engine with "
+                        "max_rows: no host read) (default: all three where the engine runs)")
     parser.add_argument("--world-size", type=int, help="ranks (default: every GPU, or 2 CPU processes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="soak-results", help="folder for soak-w<W>.json and .md")
@@ -53,11 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.max_tokens = args.max_tokens if args.max_tokens is not None else (8192 if gpu else 64)
     args.hidden = args.hidden if args.hidden is not None else (1024 if gpu else 128)
     if args.transports is None:
-        args.transports = "nccl,nvlink" if gpu and cuda.available() else "nccl"
+        args.transports = "nccl,nvlink,nvlink-bounded" if gpu and cuda.available() else "nccl"
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    bad = [t for t in args.transports if t not in ("nccl", "nvlink")]
+    bad = [t for t in args.transports if t not in TRANSPORTS]
     if bad or not args.transports:
-        parser.error(f"--transports: {', '.join(bad) or 'nothing given'} not among nccl, nvlink")
+        parser.error(f"--transports: {', '.join(bad) or 'nothing given'} not among {', '.join(TRANSPORTS)}")
     for name in ("calls", "max_tokens", "hidden", "experts_per_rank", "topk"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -116,17 +119,28 @@ def routing_of(plan: dict, rank: int, call: int, args, world: int, device):
     return topk_idx, weights
 
 
-def check_call(d, plan: dict, call: int, args, world: int, rank: int, device) -> tuple[int, int]:
-    """One round trip, checked; (rows checked, wrong rows) on this rank."""
+def check_call(d, plan: dict, call: int, args, world: int, rank: int, device,
+               bounded: bool = False) -> tuple[int, int]:
+    """One round trip, checked; (rows checked, wrong rows) on this rank. With
+    ``bounded``, the dispatch takes max_rows (every row the call could send here)
+    and the rows past the N received must be zero rows from source -1."""
     x = identity_rows(rank, plan["tokens"][rank], args.hidden, call, device)
     topk_idx, weights = routing_of(plan, rank, call, args, world, device)
-    out = d.dispatch(x, topk_idx, weights)
+    bound = sum(plan["tokens"]) * min(args.topk, args.experts_per_rank) if bounded else None
+    out = d.dispatch(x, topk_idx, weights, max_rows=bound)
     local = torch.repeat_interleave(torch.arange(args.experts_per_rank, device=device),
                                     out.tokens_per_expert.to(device))
-    y = out.tokens * (1 + local).to(out.tokens.dtype).unsqueeze(1)
-    combined = d.combine(y, out.handle, weights=out.weights)
+    n = local.shape[0]
+    scale = torch.zeros(out.tokens.shape[0], dtype=out.tokens.dtype, device=device)
+    scale[:n] = (1 + local).to(out.tokens.dtype)
+    combined = d.combine(out.tokens * scale.unsqueeze(1), out.handle, weights=out.weights)
 
     wrong = 0
+    if bounded:  # the rows past N: zero, weight 0, from nowhere
+        wrong += int(((out.tokens[n:] != 0).any(1) | (out.weights[n:] != 0) | (out.src_rank[n:] != -1)
+                      | (out.src_token[n:] != -1)).sum())
+        out = dataclasses.replace(out, tokens=out.tokens[:n], src_rank=out.src_rank[:n],
+                                  src_token=out.src_token[:n])
     # every dispatched row is the row of its (source rank, source token)
     want = torch.empty_like(out.tokens)
     for source in range(world):
@@ -160,9 +174,16 @@ def check_call(d, plan: dict, call: int, args, world: int, rank: int, device) ->
 
 def soak(transport: str, args, device) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
-    configs = {wire: dispatch.DispatchConfig(num_experts=world * args.experts_per_rank, transport=transport,
-                                             dispatch_wire=wire) for wire in WIRES}
+    bounded = transport == "nvlink-bounded"
+    configs = {wire: dispatch.DispatchConfig(num_experts=world * args.experts_per_rank,
+                                             transport="nvlink" if bounded else transport, dispatch_wire=wire,
+                                             timeout=30.0 if bounded else 60.0) for wire in WIRES}
     dispatchers = {wire: dispatch.create(cfg) for wire, cfg in configs.items()}
+    if bounded:  # the first dispatch with max_rows sizes the buffers: give it the largest T
+        x = torch.zeros(args.max_tokens, args.hidden, dtype=torch.bfloat16, device=device)
+        idx = torch.arange(args.topk, device=device).expand(args.max_tokens, -1).contiguous()
+        for d in dispatchers.values():
+            d.dispatch(x, idx, torch.ones(idx.shape, device=device), max_rows=world * args.max_tokens * args.topk)
     warmup = min(10, args.calls)
     checked = wrong = 0
     slowest = 0.0
@@ -173,7 +194,7 @@ def soak(transport: str, args, device) -> dict:
             memory["after_warmup_mib"] = torch.cuda.memory_allocated() / 2**20
         plan = draw(call, args, world)
         start = time.perf_counter()
-        rows, bad = check_call(dispatchers[plan["wire"]], plan, call, args, world, rank, device)
+        rows, bad = check_call(dispatchers[plan["wire"]], plan, call, args, world, rank, device, bounded)
         if device.type == "cuda":
             torch.cuda.synchronize()
         slowest = max(slowest, time.perf_counter() - start)
@@ -181,6 +202,8 @@ def soak(transport: str, args, device) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
         memory["end_mib"] = torch.cuda.memory_allocated() / 2**20
+    for d in dispatchers.values():
+        d.check()  # what a dispatch with no host read recorded
     totals = torch.tensor([checked, wrong], dtype=torch.int64, device=device)
     dist.all_reduce(totals)
     worst = torch.tensor([slowest], dtype=torch.float64, device=device)
