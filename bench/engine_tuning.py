@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import dispatch
 from dispatch import cuda, nvlink
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from engine_probe import SHAPES, SLACK, _inputs  # noqa: E402
+from engine_probe import SHAPES, SLACK, _inputs, _time  # noqa: E402
 
 
 def _graphs(d, x, idx, w, bound):
@@ -57,22 +56,6 @@ def _graphs(d, x, idx, w, bound):
             result = step()
         replays.append(graph.replay)
     return replays, result
-
-
-def _median_us(fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
 
 
 def _kernels_us(fn, calls=5):
@@ -109,7 +92,7 @@ def _worker(rank, world, args, port):
                     n = d.dispatch(x, idx, w).tokens.shape[0]
                     bound = int(n * SLACK)
                     (t_d, t_c, t_r), result = _graphs(d, x, idx, w, bound)
-                    times = [_median_us(fn, args.iters, args.warmup) for fn in (t_d, t_c, t_r)]
+                    times = [_time(fn, args.iters, args.warmup)[0] for fn in (t_d, t_c, t_r)]
                     kernels = _kernels_us(t_r)
                     d.check()
                     same = first is None or torch.equal(first, result)

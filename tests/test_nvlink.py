@@ -303,22 +303,27 @@ def test_max_rows_matches_the_host_read(worlds, mode, per_rank, topk, tokens, pa
         assert all(checks), (rank, checks)
 
 
+def _fresh_inputs(experts, tokens, hidden, topk, seed):
+    """A function drawing this rank's next (x bf16, topk_idx, topk_weights, an
+    output gradient) from its own seeded generator."""
+    gen = torch.Generator().manual_seed(seed + torch.distributed.get_rank())
+
+    def fresh():
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+        return (torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16), idx,
+                torch.rand(tokens, topk, generator=gen), torch.randn(tokens, hidden, generator=gen))
+
+    return fresh
+
+
 def _graph_replays(config, tokens, hidden, topk, max_rows, replays, seed):
     """A round trip with max_rows captured in a CUDA graph once, replayed with a
     new routing and new rows each time: each replay equals an NCCL round trip."""
     from world import current_device
 
     device = current_device()
-    rank = torch.distributed.get_rank()
-    experts = config["num_experts"]
-    gen = torch.Generator().manual_seed(seed + rank)
-
-    def fresh():
-        idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
-        return (torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16), idx,
-                torch.rand(tokens, topk, generator=gen))
-
-    static = [t.to(device) for t in fresh()]
+    fresh = _fresh_inputs(config["num_experts"], tokens, hidden, topk, seed)
+    static = [t.to(device) for t in fresh()[:3]]
     engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", sm_budget=48))
     nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
     with torch.no_grad():
@@ -348,7 +353,7 @@ def _graph_replays(config, tokens, hidden, topk, max_rows, replays, seed):
 @needs_engine
 def test_graph_capture_and_replay_with_max_rows(worlds):
     config = dict(num_experts=16)
-    args = [(config, 300, 512, 4, 300 * 4 * 2, 40, 3)] * WORLD
+    args = [(config, 300, 512, 4, 300 * 4 * 2, 1000, 3)] * WORLD  # 1,000 replays, each checked
     assert worlds(WORLD).run(_graph_replays, args) == [0, 0]
 
 
@@ -359,15 +364,7 @@ def _graph_backward(config, tokens, hidden, topk, max_rows, replays, seed):
     from world import current_device
 
     device = current_device()
-    rank = torch.distributed.get_rank()
-    experts = config["num_experts"]
-    gen = torch.Generator().manual_seed(seed + rank)
-
-    def fresh():
-        idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
-        return (torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16), idx,
-                torch.rand(tokens, topk, generator=gen), torch.randn(tokens, hidden, generator=gen))
-
+    fresh = _fresh_inputs(config["num_experts"], tokens, hidden, topk, seed)
     x, idx, w, grad = (t.to(device) for t in fresh())
     x.requires_grad_()
     w.requires_grad_()
