@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dispatch.capacity import DROP_POLICIES
 from dispatch.cost_model import LinkModel
 
 VARIANTS = ("alltoall", "allgather", "hierarchical", "auto")
@@ -83,6 +84,14 @@ class DispatchConfig:
             Other variants use the collectives.
         sm_budget: NVLink engine: thread blocks its data kernels may use (None:
             one per SM); fewer leave SMs to expert GEMMs running beside it.
+        capacity_factor: None (default: no token is dropped), or drop tokens
+            as Megatron-Core's router does: each rank sends each expert at most
+            ``ceil(T * K / E * capacity_factor)`` of its slots, chosen by
+            ``drop_policy``; the others become empty slots, before anything moves
+            (``dispatch.capacity``; ``Dispatched.dropped`` says which).
+        drop_policy: which slots an expert over its capacity keeps: ``"probs"``
+            (the largest routing weights, ties to the earlier token) or
+            ``"position"`` (the earliest tokens).
         timeout: seconds a rank waits for its peers before it raises a
             RuntimeError naming the ones that did not arrive (died, stalled or
             stopped calling), instead of hanging. NCCL transport: the wait at
@@ -107,6 +116,8 @@ class DispatchConfig:
     plan_graphs: bool = True
     transport: str = "auto"
     sm_budget: int | None = None
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
@@ -135,6 +146,12 @@ class DispatchConfig:
             raise ValueError(f"sm_budget must be an int >= 1 or None, got {self.sm_budget!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e6:
             raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if self.capacity_factor is not None and (
+            isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float))
+            or not 0 < self.capacity_factor < float("inf")
+        ):
+            raise ValueError(f"capacity_factor must be None or a finite number > 0, got {self.capacity_factor!r}")
+        _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
         _check_choice("transport", self.transport, TRANSPORTS)
         if self.transport == "nvlink" and self.variant != "alltoall":
             raise ValueError(f"transport='nvlink' needs variant='alltoall', got variant={self.variant!r}")

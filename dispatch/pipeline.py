@@ -83,6 +83,9 @@ class MoEExchange(nn.Module):
             )
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+        if chunks > 1 and dispatcher.config.capacity_factor is not None:
+            raise ValueError(f"chunks={chunks} with DispatchConfig.capacity_factor: the capacity is per dispatch, "
+                             "so token chunks would drop other tokens than one dispatch; use chunks=1")
         if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
             raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
         self.dispatcher = dispatcher

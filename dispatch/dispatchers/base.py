@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, comm, plan
+from dispatch import capacity, checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.dispatchers.streams import CommStreams, Pending, Started
@@ -95,6 +95,8 @@ class Dispatched:
         stats: :class:`dispatch.stats.DispatchStats`, rows and bytes this rank
             sends per tier (intra-/inter-node) in this round trip, from the plan's
             host-side split sizes (None for a variant that does not account them).
+        dropped: [T, K] bool, the slots of this rank dropped by expert capacity
+            (``DispatchConfig.capacity_factor``; None without it).
     """
 
     tokens: torch.Tensor
@@ -105,6 +107,7 @@ class Dispatched:
     src_token: torch.Tensor
     handle: CombineHandle
     stats: DispatchStats | None = None
+    dropped: torch.Tensor | None = None
 
 
 class TokenDispatcher(abc.ABC):
@@ -181,6 +184,10 @@ class TokenDispatcher(abc.ABC):
             (through ``weights``).
         """
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
+        dropped = None
+        if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
+            topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
+                                                            self.config.capacity_factor, self.config.drop_policy)
         if max_rows is None:
             handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
         else:
@@ -192,7 +199,7 @@ class TokenDispatcher(abc.ABC):
         hidden = x.shape[1]
         dispatch_row_bytes = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
         stats = self._stats(handle, dispatch_row_bytes, sum_wire_dtype(self.config.combine_wire, x.dtype), hidden)
-        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, stats)
+        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, stats, dropped)
         return work if async_op else work.wait()
 
     def combine(
@@ -451,8 +458,8 @@ class DispatchWork:
             ``wait().handle``).
     """
 
-    def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: Started, stats) -> None:
-        self._args = (dispatcher, x, topk_weights, plan_out, started, stats)
+    def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: Started, stats, dropped) -> None:
+        self._args = (dispatcher, x, topk_weights, plan_out, started, stats, dropped)
         self.handle = handle
         self._result: Dispatched | None = None
 
@@ -461,7 +468,7 @@ class DispatchWork:
         the exchange (the host does not, on CUDA). Call it in the grad mode the
         dispatch started in; the autograd node of the dispatch is made here."""
         if self._result is None:
-            dispatcher, x, topk_weights, plan_out, started, stats = self._args
+            dispatcher, x, topk_weights, plan_out, started, stats, dropped = self._args
             anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
             tokens, weights, link = _DispatchFn.apply(
                 x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
@@ -476,6 +483,7 @@ class DispatchWork:
                 src_token=plan_out.src_token,
                 handle=self.handle,
                 stats=stats,
+                dropped=dropped,
             )
             self._args = None
         return self._result

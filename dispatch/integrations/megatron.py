@@ -73,7 +73,9 @@ from dispatch.config import DispatchConfig
 __all__ = ["ENGINE_OPTIONS", "STAGES", "MegatronDispatcher", "install", "install_all", "routing_to_topk"]
 
 # DispatchConfig fields a user may set; num_experts comes from Megatron's config.
-ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(DispatchConfig) if f.name != "num_experts")
+# token dropping is Megatron's router's (moe_expert_capacity_factor), not the engine's here
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(DispatchConfig)
+                       if f.name not in ("num_experts", "capacity_factor", "drop_policy"))
 
 _INSTALL_HINT = 'pip install megatron-core (or pip install "moe-dispatch[megatron]")'
 

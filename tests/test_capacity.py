@@ -1,0 +1,156 @@
+"""Token dropping by expert capacity (DispatchConfig.capacity_factor): which
+slots each policy drops, against a plain-Python reference and against
+Megatron-Core's router where megatron-core is importable; every variant
+dispatching the kept slots exactly, gradients of dropped weights zero."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dispatch
+from dispatch.capacity import drop_over_capacity
+from reference import reference_combine, reference_dispatch
+from routing import make_routing
+
+
+def _reference_dropped(topk_idx, weights, num_experts, factor, policy):
+    """Per expert, its slots in token order; keep the first C by the policy."""
+    tokens, topk = topk_idx.shape
+    cap = math.ceil(tokens * topk / num_experts * factor)
+    dropped = torch.zeros(tokens, topk, dtype=torch.bool)
+    for expert in range(num_experts):
+        slots = [(t, k) for t in range(tokens) for k in range(topk) if int(topk_idx[t, k]) == expert]
+        if policy == "probs":
+            slots.sort(key=lambda s: (-float(weights[s]), s[0]))
+        for t, k in slots[cap:]:
+            dropped[t, k] = True
+    return dropped
+
+
+@st.composite
+def _routings(draw):
+    experts = draw(st.integers(1, 8))
+    topk = draw(st.integers(1, experts))
+    tokens = draw(st.integers(0, 30))
+    idx = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(draw(st.integers(0, 10**6))))
+                       [:topk] for _ in range(tokens)]) if tokens else torch.zeros(0, topk, dtype=torch.int64)
+    if tokens and draw(st.booleans()):  # some empty slots
+        idx[torch.rand(idx.shape, generator=torch.Generator().manual_seed(draw(st.integers(0, 99)))) < 0.2] = -1
+    levels = draw(st.integers(1, 4))  # few weight values: ties
+    weights = torch.randint(0, levels, idx.shape, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    factor = draw(st.sampled_from([0.1, 0.4, 0.75, 1.0, 1.5, 4.0]))
+    return idx, weights.float() / levels, experts, factor
+
+
+@settings(max_examples=150, deadline=None)
+@given(_routings(), st.sampled_from(["probs", "position"]))
+def test_dropped_slots_are_the_policys(case, policy):
+    idx, weights, experts, factor = case
+    new_idx, dropped = drop_over_capacity(idx, weights, experts, factor, policy)
+    want = _reference_dropped(idx, weights, experts, factor, policy)
+    assert torch.equal(dropped, want)
+    assert torch.equal(new_idx, torch.where(want, -1, idx))
+    cap = math.ceil(idx.shape[0] * idx.shape[1] / experts * factor)
+    kept = new_idx[new_idx >= 0]
+    assert int(torch.bincount(kept, minlength=experts).max()) <= cap  # no expert over its capacity
+
+
+def test_ids_out_of_range_are_left_to_the_checks():
+    idx = torch.tensor([[0, 9], [0, -3], [0, 1], [0, 1]])
+    new_idx, dropped = drop_over_capacity(idx, torch.ones(4, 2), 4, 0.5, "position")  # C = 1
+    assert torch.equal(new_idx, torch.tensor([[0, 9], [-1, -3], [-1, 1], [-1, -1]]))
+    assert dropped.sum() == 4
+
+
+def test_probs_policy_keeps_what_megatrons_router_keeps():
+    """Megatron-Core's own token dropping (its router's), on distinct weights."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        tokens, experts = 1 + trial * 3, 2 + trial % 12
+        topk = 1 + trial % min(experts, 6)
+        factor = (0.25, 0.5, 1.0, 1.3, 2.0)[trial % 5]
+        weights, idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1)
+        probs = torch.zeros(tokens, experts).scatter(1, idx, weights)
+        routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, idx, True)
+        _, kept_map = moe_utils.apply_router_token_dropping(probs, routing_map, topk, factor, "probs", False)
+        new_idx, _ = drop_over_capacity(idx, weights, experts, factor, "probs")
+        ours = torch.zeros(tokens, experts, dtype=torch.bool)
+        rows = torch.arange(tokens).unsqueeze(1).expand(tokens, topk)
+        ours[rows[new_idx >= 0], new_idx[new_idx >= 0]] = True
+        assert torch.equal(ours, kept_map), trial
+
+
+def _dropping_round_trip(x, topk_idx, topk_weights, grad_out, config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    w = topk_weights.to(device).requires_grad_()
+    out = d.dispatch(x.to(device), topk_idx.to(device), w)
+    combined = d.combine(out.tokens * 2, out.handle, weights=out.weights)
+    (combined.float() * grad_out.to(device)).sum().backward()
+    return {"tokens": out.tokens.cpu(), "src_token": out.src_token.cpu(), "combined": combined.detach().cpu(),
+            "dropped": out.dropped.cpu(), "grad_w": w.grad.cpu()}
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
+@pytest.mark.parametrize("policy, factor", [("probs", 0.5), ("position", 0.8), ("probs", 10.0)])
+def test_every_variant_dispatches_the_kept_slots(worlds, variant, policy, factor):
+    world = 2
+    routing = make_routing(world, 4, 3, [40, 25], "random", seed=3)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(t, 16, generator=gen) for t in routing.num_tokens]
+    ws = [torch.rand(idx.shape, generator=gen) for idx in routing.topk_idx]
+    grads = [torch.randn(t, 16, generator=gen) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, variant=variant, capacity_factor=factor, drop_policy=policy,
+                  transport="nccl")
+    if variant == "hierarchical":
+        config["local_world_size"] = 1
+    args = [(xs[r], routing.topk_idx[r], ws[r], grads[r], config) for r in range(world)]
+    got = worlds(world).run(_dropping_round_trip, args)
+    kept = [drop_over_capacity(routing.topk_idx[r], ws[r], routing.num_experts, factor, policy)
+            for r in range(world)]
+    ref = reference_dispatch(xs, [k[0] for k in kept], ws, routing.num_experts)
+    combined = reference_combine([d.tokens * 2 for d in ref], ref, routing.num_tokens,
+                                 weights=[d.weights for d in ref])
+    for r in range(world):
+        assert torch.equal(got[r]["dropped"], kept[r][1])
+        assert torch.equal(got[r]["tokens"], ref[r].tokens) and torch.equal(got[r]["src_token"], ref[r].src_token)
+        assert torch.equal(got[r]["combined"], combined[r])
+        assert bool((got[r]["grad_w"][kept[r][1]] == 0).all())  # a dropped slot's weight: no gradient
+        if factor < 1:
+            assert bool(kept[r][1].any())  # this case drops something
+
+
+def test_capacity_refused_by_name():
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            dispatch.DispatchConfig(num_experts=4, capacity_factor=bad)
+    with pytest.raises(ValueError, match="drop_policy"):
+        dispatch.DispatchConfig(num_experts=4, capacity_factor=1.0, drop_policy="random")
+
+
+def _chunked_with_capacity(config):
+    from dispatch.experts import GroupedExperts
+
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    experts = GroupedExperts(config["num_experts"] // torch.distributed.get_world_size(), 8, 16)
+    dispatch.MoEExchange(d, experts, chunks=1)  # one dispatch: accepted
+    try:
+        dispatch.MoEExchange(d, experts, chunks=2)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_token_chunks_refuse_a_capacity(worlds):
+    """The capacity is per dispatch: token chunks would drop other tokens."""
+    config = dict(num_experts=4, capacity_factor=1.0, transport="nccl")
+    for message in worlds(2).run(_chunked_with_capacity, [(config,)] * 2):
+        assert message is not None and "chunks" in message and "capacity_factor" in message, message
