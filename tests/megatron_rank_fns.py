@@ -97,6 +97,7 @@ class CpuTopKRouter(torch.nn.Module):
 
     def __init__(self, config, pg_collection=None, is_mtp_layer=False) -> None:
         super().__init__()
+        self.config = config
         self.topk = config.moe_router_topk
         self.weight = torch.nn.Parameter(torch.zeros(config.num_moe_experts, config.hidden_size))
 
@@ -109,6 +110,13 @@ class CpuTopKRouter(torch.nn.Module):
         top, experts = logits.topk(self.topk, dim=1)
         probs = torch.zeros_like(logits).scatter(1, experts, torch.softmax(top, dim=1))
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, experts, True)
+        config = self.config
+        if config.moe_expert_capacity_factor is not None:  # as Megatron's TopKRouter drops tokens
+            from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, self.topk, config.moe_expert_capacity_factor, config.moe_token_drop_policy,
+                config.moe_pad_expert_input_to_capacity)
         return probs, routing_map
 
 
@@ -143,7 +151,8 @@ def _fill(layer, first_expert: int, seed: int) -> None:
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
 
 
-def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, options: dict):
+def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, options: dict,
+                            layer_config: dict | None = None):
     """A real MoELayer over the whole world with our dispatcher installed, against the same
     layer on this rank alone (all experts local, Megatron's own allgather dispatcher, which
     needs no communication on one rank). Returns outputs and gradients of both; expert
@@ -162,7 +171,7 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
         world, rank = dist.get_world_size(), dist.get_rank()
         _ensure_parallel_state(world)
         common = dict(hidden=hidden, ffn=2 * hidden, experts=num_experts, topk=topk, dtype="fp32",
-                      use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
+                      use_cpu_initialization=True, moe_token_dispatcher_type="allgather", **(layer_config or {}))
         layer = _build_layer(moe_config(**common), ProcessGroupCollection.use_mpu_process_groups())
         one = _single_rank_group()
         alone = ProcessGroupCollection(tp=one, ep=one, expt_tp=one, tp_ep=one, expt_dp=one)

@@ -108,8 +108,9 @@ def test_routing_to_topk_lowest_experts_first_and_empty_slots():
     "config_extra, options, needle",
     [
         ({"expert_tensor_parallel_size": 2}, {}, "expert_tensor_parallel_size=2"),
-        ({"moe_expert_capacity_factor": 1.0}, {}, "moe_expert_capacity_factor"),
-        ({"moe_pad_expert_input_to_capacity": True}, {}, "moe_pad_expert_input_to_capacity"),
+        ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}, {},
+         "moe_pad_expert_input_to_capacity"),
+        ({}, {"capacity_factor": 1.0}, "unknown engine option(s) capacity_factor"),
         ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization"),
         ({"moe_shared_expert_overlap": True}, {}, "moe_shared_expert_overlap"),
         ({"cuda_graph_impl": "local"}, {}, "cuda_graph_impl"),

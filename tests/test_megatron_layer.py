@@ -37,6 +37,26 @@ def test_layer_matches_all_experts_local(worlds, world_size, topk):
         assert ours["router_grad"].abs().sum() > 0  # the probs carry gradient back to the router
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_token_dropping_matches_all_experts_local(worlds, world_size, policy):
+    """moe_expert_capacity_factor: Megatron's router drops (each rank its own tokens, the
+    same on one rank alone); the dispatcher moves what it kept."""
+    import megatron_rank_fns
+
+    num_experts = 2 * world_size
+    layer_config = dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy)
+    args = (7, num_experts, 2, 16, (6, 4), {}, layer_config)
+    results = worlds(world_size).run(megatron_rank_fns.megatron_layer_vs_local, [args] * world_size)
+    for rank, result in enumerate(results):
+        ours, local = result["ours"], result["local"]
+        for key in ("out", "x_grad", "router_grad"):
+            torch.testing.assert_close(ours[key], local[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+        for mine, want in zip(ours["expert_grads"], local["expert_grads"]):
+            for a, b in zip(mine, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_install_refuses_what_is_not_a_moe_layer():
     from dispatch.integrations.megatron import install
 

@@ -42,9 +42,9 @@ activations the results agree within bf16 rounding, not bit for bit.
 What is refused
 ---------------
 The constructor refuses, with a ValueError naming the setting, what this adapter
-does not implement: expert tensor parallelism > 1, token dropping
-(``moe_expert_capacity_factor``, ``moe_pad_expert_input_to_capacity``), router
-padding for quantization, shared-expert overlap inside the dispatcher, CUDA graphs
+does not implement: expert tensor parallelism > 1, padding to capacity
+(``moe_pad_expert_input_to_capacity``: the capacity mask then gives a token more
+than ``moe_router_topk`` experts), router padding for quantization, shared-expert overlap inside the dispatcher, CUDA graphs
 of the MoE layer, ``overlap_moe_expert_parallel_comm`` and the inference-optimized
 layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
 dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
@@ -165,12 +165,9 @@ def _refusals(config) -> list[str]:
     problems = []
     if (get("expert_tensor_parallel_size") or 1) > 1:
         problems.append(f"expert_tensor_parallel_size={get('expert_tensor_parallel_size')} (only 1 is supported)")
-    if get("moe_expert_capacity_factor") is not None:
-        problems.append(
-            f"moe_expert_capacity_factor={get('moe_expert_capacity_factor')} (token dropping; use None, dropless)"
-        )
-    if get("moe_pad_expert_input_to_capacity", False):
-        problems.append("moe_pad_expert_input_to_capacity=True (padding to capacity)")
+    if get("moe_pad_expert_input_to_capacity", False):  # dropping alone is the router's: rows of at most K
+        problems.append("moe_pad_expert_input_to_capacity=True (padding to capacity: a row may name more than "
+                        "moe_router_topk experts)")
     if get("moe_router_padding_for_quantization", False) or get("moe_router_padding_for_fp8", False):
         problems.append("moe_router_padding_for_quantization=True (routing map padding for fp8/fp4)")
     if get("moe_shared_expert_overlap", False):
@@ -314,7 +311,7 @@ class MegatronDispatcher:
             if bool(too_many):  # host sync: value check, only with check_inputs
                 raise ValueError(
                     f"routing_map has a row with more than moe_router_topk={self.topk} experts; "
-                    "router padding and capacity-based routing are not supported"
+                    "router padding (for quantization, or to capacity) is not supported"
                 )
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, self.topk)
         # A new round trip may always start (one that raised half way is dropped).
