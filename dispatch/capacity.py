@@ -46,7 +46,7 @@ def drop_over_capacity(
     if cap >= num_tokens or topk_idx.numel() == 0:  # every expert takes every token it is given
         return topk_idx, torch.zeros_like(topk_idx, dtype=torch.bool)
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
-    expert = torch.where(valid, topk_idx, num_experts).flatten()  # E: the bucket of slots never dropped
+    expert = torch.where(valid, topk_idx, num_experts).flatten().long()  # E: the bucket never dropped
     order = torch.arange(expert.numel(), device=expert.device)  # (token, slot) order: token order first
     if policy == "probs":
         weights = topk_weights.detach().flatten()[order]
