@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dispatch
+from dispatch.bench import common
 
 SHAPES = {  # T per rank, H, E, K
     "deepseek-v3": (4096, 7168, 256, 8),
@@ -45,7 +46,6 @@ SETTINGS = [  # name, transport, dispatch wire, sm budget, mode
     ("nvlink-fp8", "nvlink", "fp8", None, "host"),
     ("nvlink-fp8-graph", "nvlink", "fp8", None, "graph"),
 ]
-SLACK = 1.1  # max_rows of the bounded modes: this rank's N of the host-read dispatch, plus 10%
 
 
 def _inputs(shape, rank, device):
@@ -129,7 +129,7 @@ def _worker(rank, world, args, port):
                                              sm_budget=budget, check_inputs=False)
             d = dispatch.create(config)
             out = d.dispatch(x, idx, w)
-            bound = None if mode == "host" else -(-int(out.tokens.shape[0] * SLACK) // 1)
+            bound = None if mode == "host" else int(out.tokens.shape[0] * common.GRAPH_SLACK)
             n = out.tokens.shape[0]
             if bound is not None:
                 out = d.dispatch(x, idx, w, max_rows=bound)
@@ -155,15 +155,8 @@ def _worker(rank, world, args, port):
                 return d.combine(o.tokens, o.handle, weights=o.weights)
 
             if mode == "graph":
-                graphs = []
-                for step in (dispatch_only, combine_only, round_trip):
-                    step()
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        step()
-                    graphs.append(graph)
-                dispatch_only, combine_only, round_trip = (g.replay for g in graphs)
+                replays, _ = common.captured_round_trip(d, x, idx, w, bound)
+                dispatch_only, combine_only, round_trip = (replays[k] for k in ("dispatch", "combine", "total"))
             t_d = _time(dispatch_only, args.iters, args.warmup)
             t_c = _time(combine_only, args.iters, args.warmup)
             t_r = _time(round_trip, args.iters, args.warmup)

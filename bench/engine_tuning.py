@@ -27,35 +27,10 @@ import torch.multiprocessing as mp
 
 import dispatch
 from dispatch import cuda, nvlink
+from dispatch.bench import common
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from engine_probe import SHAPES, SLACK, _inputs, _time  # noqa: E402
-
-
-def _graphs(d, x, idx, w, bound):
-    """(dispatch, combine, round trip) each captured once: their replays, and the
-    round trip's output (refreshed by each replay)."""
-    held = d.dispatch(x, idx, w, max_rows=bound)
-
-    def dispatch_only():
-        return d.dispatch(x, idx, w, max_rows=bound)
-
-    def combine_only():
-        return d.combine(held.tokens, held.handle, weights=held.weights)
-
-    def round_trip():
-        out = d.dispatch(x, idx, w, max_rows=bound)
-        return d.combine(out.tokens, out.handle, weights=out.weights)
-
-    replays, result = [], None
-    for step in (dispatch_only, combine_only, round_trip):
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = step()
-        replays.append(graph.replay)
-    return replays, result
+from engine_probe import SHAPES, _inputs, _time  # noqa: E402
 
 
 def _kernels_us(fn, calls=5):
@@ -90,8 +65,9 @@ def _worker(rank, world, args, port):
                     d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink",
                                                                 check_inputs=False))
                     n = d.dispatch(x, idx, w).tokens.shape[0]
-                    bound = int(n * SLACK)
-                    (t_d, t_c, t_r), result = _graphs(d, x, idx, w, bound)
+                    bound = int(n * common.GRAPH_SLACK)
+                    replays, result = common.captured_round_trip(d, x, idx, w, bound)
+                    t_d, t_c, t_r = (replays[k] for k in ("dispatch", "combine", "total"))
                     times = [_time(fn, args.iters, args.warmup)[0] for fn in (t_d, t_c, t_r)]
                     kernels = _kernels_us(t_r)
                     d.check()

@@ -8,6 +8,8 @@
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then bench/engine_probe.py
 #             (the engine beside NCCL per shape, with its kernels' times)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
+#   deepep    build DeepEP (bench/build_deepep.sh; its source carried in .deepep/), then
+#             dispatch-bench dispatch with its row beside ours (host read, graphs) and Megatron's
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
 #             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
@@ -78,6 +80,13 @@ for part in "$@"; do
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     tuning)
       step 300 engine-tuning python3 bench/engine_tuning.py --out "$RES" ;;
+    deepep)
+      step 420 build-deepep bash bench/build_deepep.sh
+      outer=$PYTHONPATH
+      export PYTHONPATH=$PWD/.deepep:$PYTHONPATH
+      bench 300 dispatch-deepep dispatch --shapes deepseek-v3,mixtral-8x7b,decode --routings uniform \
+        --variants alltoall --wires native,fp8 --iters 20 --warmup 5 --out "$RES"
+      export PYTHONPATH=$outer ;;
     soak)
       step 280 soak-nccl python3 bench/soak.py --calls 10000 --transports nccl --out "$RES/soak-nccl"
       step 280 soak-nvlink python3 bench/soak.py --calls 10000 --transports nvlink --out "$RES/soak-nvlink"

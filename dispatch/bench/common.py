@@ -211,6 +211,62 @@ def time_phases(
     return [dict(zip(names, row)) for row in table.cpu().tolist()]
 
 
+GRAPH_SLACK = 1.1  # max_rows of a captured round trip: this rank's N of a host-read dispatch, plus 10%
+
+
+def captured_round_trip(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, bound: int):
+    """The NVLink engine without the host: a dispatch with ``max_rows=bound``, a
+    combine, and the round trip, each run once eagerly and captured in a CUDA
+    graph of its own. Returns ``({"dispatch", "combine", "total"}: replay,
+    the round trip's output)``, the output rewritten by each replay."""
+    held = d.dispatch(x, topk_idx, topk_weights, max_rows=bound)
+
+    def dispatch_only():
+        return d.dispatch(x, topk_idx, topk_weights, max_rows=bound)
+
+    def combine_only():
+        return d.combine(held.tokens, held.handle, weights=held.weights)
+
+    def round_trip():
+        out = d.dispatch(x, topk_idx, topk_weights, max_rows=bound)
+        return d.combine(out.tokens, out.handle, weights=out.weights)
+
+    replays, result = {}, None
+    for name, step in (("dispatch", dispatch_only), ("combine", combine_only), ("total", round_trip)):
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = step()
+        replays[name] = graph.replay
+    return replays, result
+
+
+def time_each(steps: dict[str, Callable[[], None]], iters: int, warmup: int, dev: torch.device) -> list[dict]:
+    """``iters`` runs of every step (after ``warmup`` untimed ones), each run after a
+    barrier and timed alone with CUDA events; one {name: ms} dict per run, the
+    slowest rank's figures (as :func:`time_phases`)."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    runs = []
+    for _ in range(iters):
+        run = {}
+        for name, step in steps.items():
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            run[name] = start.elapsed_time(end)
+        runs.append(run)
+    names = list(steps)
+    table = torch.tensor([[r[n] for n in names] for r in runs], dtype=torch.float64, device=dev)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return [dict(zip(names, row)) for row in table.cpu().tolist()]
+
+
 def time_back_to_back(step: Callable[[], None], iters: int, warmup: int, dev: torch.device) -> list[float]:
     """Milliseconds of each of ``iters`` runs of ``step()`` issued back to back
     after one barrier, the slowest rank's, as nccl-tests times a collective: on

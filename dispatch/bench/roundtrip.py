@@ -1,8 +1,11 @@
 """``dispatch-bench dispatch``: dispatchers compared on model shapes.
 
-For each shape x routing, every variant x wire format of ours and, when
-megatron-core imports on GPUs, Megatron-Core's ``alltoall`` and ``allgather``
-dispatchers, in the same processes and table:
+For each shape x routing, every variant x wire format of ours (the alltoall
+variant over NCCL, over the NVLink engine, and over the engine with ``max_rows``
+in CUDA graphs) and, on GPUs, Megatron-Core's ``alltoall`` and ``allgather``
+dispatchers when megatron-core imports and DeepEP's intranode kernels when
+``deep_ep`` imports (``dispatch.bench.deepep_baseline``), in the same processes
+and table:
 
 * dispatch, combine and round-trip times (median and 10th-90th percentile over
   ``--iters`` timed runs after ``--warmup``, barrier first, CUDA events, the
@@ -40,6 +43,8 @@ from dispatch.codec import to_experts_codec
 PHASES = ("plan", "exchange_out", "expand", "presum", "exchange_back", "final_sum")
 SECTIONS = {"dispatch": PHASES[:3], "combine": PHASES[3:]}
 ROUTINGS = ("uniform", "zipf", "one-rank")
+# the alltoall variant's: NCCL, the NVLink engine, and the engine with max_rows in CUDA graphs
+TRANSPORTS = ("nccl", "nvlink", "nvlink-graph")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -51,15 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated dispatch wire formats (the combine wire stays native), or 'all'")
     parser.add_argument("--routings", default="all", help=f"comma-separated from {', '.join(ROUTINGS)}, or 'all'")
     parser.add_argument("--transports", default="all",
-                        help="the alltoall variant's transports, comma-separated from nccl, nvlink, or 'all' "
-                             "(both on GPUs where the NVLink engine runs, nccl elsewhere)")
+                        help="the alltoall variant's transports, comma-separated from nccl, nvlink, nvlink-graph "
+                             "(the engine with max_rows = N + 10%%, dispatch, combine and round trip each "
+                             "captured in a CUDA graph and replayed), or 'all' (all three on GPUs where the "
+                             "NVLink engine runs, nccl elsewhere)")
     parser.add_argument("--nodes", type=int, default=1,
                         help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
                              "bytes per tier; default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="token dtype (default bf16)")
     parser.add_argument("--no-check", action="store_true", help="DispatchConfig(check_inputs=False)")
     parser.add_argument("--baselines", choices=["auto", "none"], default="auto",
-                        help="auto: Megatron-Core's dispatchers too, on GPUs, when megatron-core imports")
+                        help="auto: Megatron-Core's dispatchers too, on GPUs, when megatron-core imports; "
+                        "DeepEP's intranode kernels when deep_ep imports (bf16)")
     parser.add_argument("--profile", action="store_true",
                         help="also write a torch profiler table of 5 round trips of the first configuration")
 
@@ -90,9 +98,9 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
     if args.transports == "all":
         from dispatch import cuda
 
-        args.transports = ["nccl", "nvlink"] if use_cuda and cuda.available() else ["nccl"]
+        args.transports = list(TRANSPORTS) if use_cuda and cuda.available() else ["nccl"]
     else:
-        args.transports = _pick(parser, "--transports", args.transports, ("nccl", "nvlink"))
+        args.transports = _pick(parser, "--transports", args.transports, TRANSPORTS)
     if args.nodes < 1:
         parser.error(f"--nodes must be >= 1, got {args.nodes}")
 
@@ -145,13 +153,15 @@ def run(args: argparse.Namespace) -> dict | None:
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[args.dtype]
     megatron = args.baselines == "auto" and dev.type == "cuda" and _megatron_importable()
+    deepep = args.baselines == "auto" and dev.type == "cuda" and dtype == torch.bfloat16 and _deepep_importable()
+    baselines = (2 if megatron else 0) + (1 if deepep else 0)
     shapes = [common.SHAPES[s] for s in args.shapes]
     bad = [s.name for s in shapes if s.experts % world]
     if bad:
         raise ValueError(f"--shapes: {', '.join(bad)} cannot split its experts over {world} ranks")
     ours = [(v, w, t) for v in args.variants for w in args.dispatch_wires
             for t in (args.transports if v == "alltoall" else ["nccl"])]
-    total = len(shapes) * len(args.routings) * (len(ours) + (2 if megatron else 0))
+    total = len(shapes) * len(args.routings) * (len(ours) + baselines)
     progress = common.Progress(total, "dispatch")
     _warm_up(shapes[0], dtype, dev, args)
     dispatchers: dict = {}
@@ -161,11 +171,13 @@ def run(args: argparse.Namespace) -> dict | None:
         for routing in args.routings:
             made = make_routing(routing, shape, world, rank, dev)
             if made is None:
-                for _ in range(len(ours) + (2 if megatron else 0)):
+                for _ in range(len(ours) + baselines):
                     progress.step(f"{shape.name} {routing}", "skipped: K > experts per rank")
                 continue
             topk_idx, topk_weights = made
             for variant, wire, transport in ours:
+                graphs = transport == "nvlink-graph"
+                transport = "nvlink" if graphs else transport
                 key = (shape.experts, variant, wire, transport)
                 if key not in dispatchers:
                     cfg = dispatch.DispatchConfig(
@@ -173,7 +185,8 @@ def run(args: argparse.Namespace) -> dict | None:
                         check_inputs=not args.no_check, **_node_options(args),
                     )
                     dispatchers[key] = dispatch.create(cfg)
-                row = _ours(dispatchers[key], shape, routing, x, topk_idx, topk_weights, args, dev)
+                ours_row = _ours_graphs if graphs else _ours
+                row = ours_row(dispatchers[key], shape, routing, x, topk_idx, topk_weights, args, dev)
                 rows.append(row)
                 progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
                 if args.profile and len(rows) == 1:
@@ -183,6 +196,14 @@ def run(args: argparse.Namespace) -> dict | None:
                     row = _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev)
                     rows.append(row)
                     progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
+            if deepep:
+                if "deepep" not in dispatchers:
+                    from dispatch.bench import deepep_baseline
+
+                    dispatchers["deepep"] = deepep_baseline.build_buffer()
+                row = _deepep(dispatchers["deepep"], shape, routing, x, topk_idx, topk_weights, args, dev)
+                rows.append(row)
+                progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
     result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes}
     return result if rank == 0 else None
 
@@ -211,6 +232,12 @@ def _megatron_importable() -> bool:
     return megatron_baseline.megatron_available()
 
 
+def _deepep_importable() -> bool:
+    from dispatch.bench import deepep_baseline
+
+    return deepep_baseline.deepep_available()
+
+
 def _brief(row: dict) -> str:
     return f"{row['round_trip_ms']['median']:.3f} ms #wrong {row['wrong']}"
 
@@ -237,6 +264,23 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
     wire = cfg.dispatch_wire if cfg.combine_wire == "native" else f"{cfg.dispatch_wire}/{cfg.combine_wire}"
     name = f"ours {cfg.variant}" + ("/nvlink" if cfg.transport == "nvlink" else "")
     return _row(name, cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
+
+
+def _ours_graphs(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
+    """The engine without the host (``common.captured_round_trip``): no phases, the
+    dispatch, the combine and the round trip each timed as a graph replay."""
+    cfg = d.config
+    out = d.dispatch(x, topk_idx, topk_weights)
+    traffic = _traffic(out, topk_idx, to_experts_codec(cfg.dispatch_wire, x.dtype).row_bytes(shape.hidden), dev)
+    bound = int(out.tokens.shape[0] * common.GRAPH_SLACK)
+    del out
+    replays, combined = common.captured_round_trip(d, x, topk_idx, topk_weights, bound)
+    replays["total"]()
+    wrong = wrong_rows(combined, x, topk_weights, lossy=cfg.dispatch_wire not in ("native", "bf16", "fp32"))
+    runs = common.time_each(replays, args.iters, args.warmup, dev)
+    d.check()
+    return _row("ours alltoall/nvlink graph", cfg.variant, cfg.dispatch_wire, shape, routing, runs, wrong, traffic,
+                ())
 
 
 def _traffic(out, topk_idx: torch.Tensor, dispatch_row_bytes: int, dev) -> dict:
@@ -289,6 +333,20 @@ def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
 
     runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
     return _row(f"megatron {kind}", kind, "native", shape, routing, runs, wrong, traffic, PHASES)
+
+
+def _deepep(buffer, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
+    """DeepEP's intranode round trip (``dispatch.bench.deepep_baseline`` says what it includes)."""
+    from dispatch.bench import deepep_baseline as db
+
+    result = db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts)
+    wrong = wrong_rows(result, x, topk_weights)
+
+    def step(timer):
+        db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts, timer=timer)
+
+    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
+    return _row("deepep (rank-major)", "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
 
 
 def _row(name, variant, wire, shape, routing, runs, wrong, traffic, phases) -> dict:

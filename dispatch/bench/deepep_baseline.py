@@ -1,0 +1,65 @@
+"""DeepEP's intranode kernels beside ours in ``dispatch-bench dispatch``, where
+``deep_ep`` imports (it is not a dependency: build it on the GPU machine from its
+public source, ``bench/build_deepep.sh``).
+
+What its row includes, against ours: DeepEP's dispatch hands each rank every
+token that has an expert there once, rank-major, with its top-k ids and weights
+(no expansion to the expert-major rows that ours and Megatron's experts get);
+its combine sums the rows home unweighted. So that the row computes what ours
+does, the identity experts here multiply each received row by the sum of its
+local slots' weights (in fp32, cast to bf16) before the combine. Its dispatch
+reads the received count on the host once (as ours does without ``max_rows``).
+Its SM budget is DeepEP's usual 24 (``Buffer.set_num_sms``), its configs its
+defaults for the group size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dispatch.timing import mark
+
+NUM_SMS = 24
+NVL_BYTES = int(2e9)  # DeepEP's own intranode test's buffer
+
+
+@functools.lru_cache(maxsize=1)
+def deepep_available() -> bool:
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_buffer(group=None):
+    """A DeepEP ``Buffer`` over ``group`` (a collective: every rank builds it)."""
+    import deep_ep
+
+    deep_ep.Buffer.set_num_sms(NUM_SMS)
+    return deep_ep.Buffer(group, NVL_BYTES)
+
+
+def deepep_round_trip(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      num_experts: int, timer=None) -> torch.Tensor:
+    """Layout, dispatch, weighted identity experts, combine; ``[T, H]`` bf16.
+
+    Phases marked on ``timer``: plan (the layout), exchange_out (dispatch),
+    presum (the experts' weighting), exchange_back (combine)."""
+    import deep_ep
+
+    idx = topk_idx.to(getattr(deep_ep, "topk_idx_t", torch.int64))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
+    mark(timer, "plan")
+    recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=idx, topk_weights=topk_weights.float())
+    mark(timer, "exchange_out")
+    scale = torch.where(recv_idx >= 0, recv_w, 0.0).sum(1, keepdim=True)
+    y = (recv_x.float() * scale).to(recv_x.dtype)
+    mark(timer, "presum")
+    out, _, _ = buffer.combine(y, handle)
+    mark(timer, "exchange_back")
+    return out
