@@ -70,7 +70,7 @@ for part in "$@"; do
     tests)
       step 560 pytest python3 -m pytest -q -p no:cacheprovider --durations=15 tests ;;
     dispatch)
-      bench 330 dispatch dispatch --iters 20 --warmup 5 --out "$RES"
+      bench 330 dispatch dispatch --transports nccl,nvlink,nvlink-graph --iters 20 --warmup 5 --out "$RES"
       bench 150 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     overlap)
       bench 240 overlap overlap --out "$RES"
@@ -85,7 +85,7 @@ for part in "$@"; do
       outer=$PYTHONPATH
       export PYTHONPATH=$PWD/.deepep:$PYTHONPATH
       bench 300 dispatch-deepep dispatch --shapes deepseek-v3,mixtral-8x7b,decode --routings uniform \
-        --variants alltoall --wires native,fp8 --iters 20 --warmup 5 --out "$RES"
+        --variants alltoall --transports nccl,nvlink,nvlink-graph --wires native,fp8 --iters 20 --warmup 5 --out "$RES"
       export PYTHONPATH=$outer ;;
     soak)
       step 280 soak-nccl python3 bench/soak.py --calls 10000 --transports nccl --out "$RES/soak-nccl"

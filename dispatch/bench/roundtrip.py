@@ -58,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", default="all",
                         help="the alltoall variant's transports, comma-separated from nccl, nvlink, nvlink-graph "
                              "(the engine with max_rows = N + 10%%, dispatch, combine and round trip each "
-                             "captured in a CUDA graph and replayed), or 'all' (all three on GPUs where the "
-                             "NVLink engine runs, nccl elsewhere)")
+                             "captured in a CUDA graph and replayed), or 'all' (nccl and nvlink on GPUs where "
+                             "the NVLink engine runs, nccl elsewhere)")
     parser.add_argument("--nodes", type=int, default=1,
                         help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
                              "bytes per tier; default 1)")
@@ -98,7 +98,7 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
     if args.transports == "all":
         from dispatch import cuda
 
-        args.transports = list(TRANSPORTS) if use_cuda and cuda.available() else ["nccl"]
+        args.transports = ["nccl", "nvlink"] if use_cuda and cuda.available() else ["nccl"]
     else:
         args.transports = _pick(parser, "--transports", args.transports, TRANSPORTS)
     if args.nodes < 1:
