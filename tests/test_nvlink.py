@@ -483,3 +483,39 @@ def test_max_rows_refused_by_name(worlds, bound, says):
     config = dict(num_experts=4, transport="nccl")
     for message in worlds(WORLD).run(_bounded_refused, [(config, bound)] * WORLD):
         assert message is not None and "max_rows" in message and says in message, message
+
+
+def _all_to_one_rank_at_size(seed):
+    """DeepSeek-V3 size (T = 4096, H = 7168, K = 8 of E = 256), every slot of every
+    rank on rank 0's experts: 65,536 rows land on rank 0, none on rank 1. The
+    engine's round trip equals NCCL's, with and without max_rows."""
+    from world import current_device
+
+    device = current_device()
+    rank = torch.distributed.get_rank()
+    gen = torch.Generator(device=device).manual_seed(seed + rank)
+    tokens, hidden, experts, topk = 4096, 7168, 256, 8
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
+    scores = torch.rand(tokens, experts // WORLD, generator=gen, device=device)
+    idx = scores.topk(topk, dim=1).indices  # rank 0's experts only
+    w = torch.rand(tokens, topk, generator=gen, device=device)
+    got = {}
+    for name, transport, bound in (("nccl", "nccl", None), ("engine", "nvlink", None),
+                                   ("bounded", "nvlink", WORLD * tokens * topk)):
+        d = dispatch.create(dispatch.DispatchConfig(num_experts=experts, transport=transport, timeout=61.0))
+        out = d.dispatch(x, idx, w, max_rows=bound)
+        n = int(out.tokens_per_expert.sum())
+        combined = d.combine(out.tokens, out.handle, weights=out.weights)
+        d.check()
+        got[name] = (n, out.tokens[:n].clone(), combined)
+        del out, d
+    rows = got["nccl"][0]
+    same = all(got[k][0] == rows and torch.equal(got[k][1], got["nccl"][1]) and torch.equal(got[k][2], got["nccl"][2])
+               for k in ("engine", "bounded"))
+    return rows, same
+
+
+@needs_engine
+def test_every_token_to_one_rank_at_deepseek_size(worlds):
+    results = worlds(WORLD).run(_all_to_one_rank_at_size, [(8,)] * WORLD)
+    assert results == [(WORLD * 4096 * 8, True), (0, True)], results
