@@ -519,3 +519,71 @@ def _all_to_one_rank_at_size(seed):
 def test_every_token_to_one_rank_at_deepseek_size(worlds):
     results = worlds(WORLD).run(_all_to_one_rank_at_size, [(8,)] * WORLD)
     assert results == [(WORLD * 4096 * 8, True), (0, True)], results
+
+
+def _engine_rank(rank, store_file, behaviour, bounded, queue):
+    """A fresh 2-GPU NCCL world on the engine: one good round trip, then rank 1 dies
+    or stops calling; rank 0 reports what its next dispatch (or check) raised."""
+    import os
+    import time
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    torch.distributed.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=WORLD,
+                                         device_id=device)
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=4, transport="nvlink", timeout=3.0))
+    x = torch.randn(6, 64, device=device)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], device=device)
+    w = torch.full((6, 2), 0.5, device=device)
+    bound = 64 if bounded else None
+    out = d.dispatch(x, idx, w, max_rows=bound)
+    d.combine(out.tokens, out.handle)
+    d.check()
+    torch.cuda.synchronize()
+    if rank == 1:
+        if behaviour == "dies":
+            os._exit(3)
+        time.sleep(60)  # alive, but makes no more dispatches
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        d.dispatch(x, idx, w, max_rows=bound)
+        d.check()
+        queue.put(("returned", "", time.monotonic() - start))
+    except RuntimeError as exc:
+        queue.put(("RuntimeError", str(exc), time.monotonic() - start))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # the group cannot be used any more: leave without tearing it down
+
+
+@needs_engine
+@pytest.mark.parametrize("behaviour", ["dies", "stops calling"])
+@pytest.mark.parametrize("bounded", [False, True])
+def test_a_peer_that_dies_or_stops_is_named_on_the_engine(behaviour, bounded):
+    """Kills or stalls rank 1 of a real 2-GPU world: rank 0 raises a RuntimeError
+    naming it within the timeout (at the dispatch's host read, or at check()
+    after a dispatch with max_rows), and exits."""
+    import multiprocessing as mp
+    import os
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        procs = [ctx.Process(target=_engine_rank, args=(r, store, behaviour, bounded, queue)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        try:
+            kind, message, elapsed = queue.get(timeout=120)
+        finally:
+            procs[0].join(timeout=30)
+            alive = procs[0].is_alive()
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+    assert kind == "RuntimeError" and "rank 1" in message and "timed out" in message, (kind, message)
+    assert elapsed < 3.0 + 10, elapsed
+    assert not alive, "rank 0 did not exit"
