@@ -200,10 +200,16 @@ def _worker(rank, world, args, port):
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
             del d
     if rank == 0 and args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "engine-probe.json"), "w") as f:
-            json.dump(dict(world=world, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        write_json(args.out, "engine-probe.json", rows)
     dist.destroy_process_group()
+
+
+def write_json(out: str, name: str, rows: list) -> None:
+    """The rows, with the world, the GPU, versions and the commit measured."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(dict(world=dist.get_world_size(), device=torch.cuda.get_device_name(),
+                       environment=common.environment(), rows=rows), f, indent=1)
 
 
 def main(argv=None):

@@ -16,7 +16,6 @@ here only; the library keeps the chosen defaults.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -30,7 +29,7 @@ from dispatch import cuda, nvlink
 from dispatch.bench import common
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from engine_probe import SHAPES, _inputs, _time  # noqa: E402
+from engine_probe import SHAPES, _inputs, _time, write_json  # noqa: E402
 
 
 def _kernels_us(fn, calls=5):
@@ -84,9 +83,7 @@ def _worker(rank, world, args, port):
                     torch.cuda.synchronize()
                     dist.barrier()
     if rank == 0 and args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "engine-tuning.json"), "w") as f:
-            json.dump(dict(world=world, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        write_json(args.out, "engine-tuning.json", rows)
     dist.destroy_process_group()
 
 
