@@ -34,6 +34,7 @@ from torch import nn
 
 from dispatch import plan
 from dispatch.kernels.scatter_rows import scatter_rows
+from dispatch.kernels.zero_rows import zero_rows
 
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 BACKENDS = ("auto", "grouped_mm", "loop")
@@ -98,10 +99,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Args:
-            tokens: [N, H] rows grouped by local expert, dtype of the parameters.
-            tokens_per_expert: [E_local] int64 (CPU or the device of tokens), summing to N.
+            tokens: [M, H] rows grouped by local expert, dtype of the parameters:
+                the first N = sum(tokens_per_expert), then any rows past them (a
+                dispatch with ``max_rows`` gives M >= N), which no expert takes.
+            tokens_per_expert: [E_local] int64 (CPU or the device of tokens).
         Returns:
-            [N, H] in the dtype of tokens.
+            [M, H] in the dtype of tokens, zero past row N (found on the device
+            by the grouped GEMMs' path: no host read). The grouped path passes
+            the gradient of those rows back unchanged (its GEMMs' backward reads
+            no row past N).
         """
         if tokens.dim() != 2 or tokens.shape[1] != self.hidden:
             raise ValueError(f"tokens must be [N, {self.hidden}], got shape {tuple(tokens.shape)}")
@@ -157,16 +163,37 @@ class GroupedExperts(nn.Module):
         counts = plan.to_device(tokens_per_expert, tokens.device)  # CPU counts: no stream sync for the copy
         offs = _ends(counts)
         h = _dense_grad(torch._grouped_mm(tokens, self.w_in, offs=offs))
-        return _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
+        out = _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
+        return _ZeroPast.apply(out, offs[-1:]) if out.shape[0] and offs.numel() else out
 
     def _loop(self, tokens, tokens_per_expert):
         sizes = tokens_per_expert.tolist()  # host sync: slice sizes (free for CPU counts)
+        taken = sum(sizes)
+        if tokens.shape[0] < taken:
+            raise ValueError(f"tokens has {tokens.shape[0]} rows, fewer than tokens_per_expert counts ({taken})")
         outs = []
-        for e, rows in enumerate(tokens.split(sizes)):
+        for e, rows in enumerate(tokens[:taken].split(sizes)):
             outs.append(self._act(rows @ self.w_in[e]) @ self.w_out[e])
+        if tokens.shape[0] > taken:  # rows past the experts' (a dispatch with max_rows)
+            outs.append(tokens.new_zeros(tokens.shape[0] - taken, self.hidden))
         if not outs:
             return tokens.new_zeros(0, self.hidden)
         return torch.cat(outs)
+
+
+class _ZeroPast(torch.autograd.Function):
+    """Rows from ``first`` (one device integer) on zeroed in place, with no host
+    read; the gradient passes back unchanged (see ``GroupedExperts.forward``)."""
+
+    @staticmethod
+    def forward(ctx, rows, first):
+        zero_rows(rows, first)
+        ctx.mark_dirty(rows)
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _aligned(rows: torch.Tensor) -> torch.Tensor:

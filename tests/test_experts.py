@@ -248,3 +248,38 @@ def test_chunked_experts_counts_given_later():
     for other in results[1:]:
         for want, got in zip(results[0], other):
             assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0]])
+def test_rows_past_the_experts_are_zero(backend, counts):
+    """Rows past N = sum(tokens_per_expert) (a dispatch with max_rows): outputs zero,
+    the first N rows and the weight gradients as without them."""
+    if backend == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    dtype = torch.bfloat16 if backend == "grouped_mm" and DEVICE == "cuda" else torch.float32
+    torch.manual_seed(2)
+    experts = GroupedExperts(3, 16, 32, backend=backend, dtype=dtype, device=DEVICE)
+    counts = torch.tensor(counts, device=DEVICE)
+    n = int(counts.sum())
+    tokens = torch.randn(n + 5, 16, dtype=dtype, device=DEVICE)
+    tokens[n:] = float("nan")  # whatever sits past N must not leak
+    grad = torch.randn(n + 5, 16, dtype=dtype, device=DEVICE)
+    got, want = [], []
+    for rows, into in ((tokens, got), (tokens[:n], want)):
+        experts.zero_grad()
+        out = experts(rows.clone().requires_grad_(), counts)
+        (out * grad[: out.shape[0]]).sum().backward()
+        into += [out.detach(), experts.w_in.grad.clone(), experts.w_out.grad.clone()]
+    assert got[0].shape == (n + 5, 16) and bool((got[0][n:] == 0).all())
+    assert torch.equal(got[0][:n], want[0])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("first", [0, 3, 17, 40])
+def test_zero_rows_kernel_matches_reference(first):
+    from dispatch.kernels.zero_rows import zero_rows_reference, zero_rows_triton
+
+    rows = torch.randn(17, 300, device=DEVICE)
+    index = torch.tensor([first], device=DEVICE)
+    assert torch.equal(zero_rows_triton(rows.clone(), index), zero_rows_reference(rows.clone(), index))
