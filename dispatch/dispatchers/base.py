@@ -65,6 +65,10 @@ class CombineHandle:
             exchange (host, from the counts exchange; the same on every rank).
             Where some rank has rows and another none, the partial sums' dtype
             is agreed (``TokenDispatcher._home_rows``).
+        max_rows: a dispatch with ``max_rows`` whose variant read N on the host:
+            the rows the verbs hand out and take (N received, then padding);
+            the variant moves N. None otherwise (a variant that bounds its
+            outputs on the device counts them in ``num_rows``).
     """
 
     owner: "TokenDispatcher"
@@ -75,6 +79,12 @@ class CombineHandle:
     weights_grad_any: bool
     has_rows: tuple[bool, ...]
     link: torch.Tensor | None = None
+    max_rows: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows of the dispatched tensors the verbs hand out and take."""
+        return self.num_rows if self.max_rows is None else self.max_rows
 
 
 @dataclass(frozen=True)
@@ -168,15 +178,19 @@ class TokenDispatcher(abc.ABC):
             x: [T, H] float16/bfloat16/float32/float64 tokens of this rank (T may be 0).
             topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
             topk_weights: [T, K] floating routing weights.
-            max_rows: None, or a bound on the rows this rank receives: the
-                dispatch then reads nothing on the host (it can be captured in
-                a CUDA graph), its outputs have ``max_rows`` rows (those past the
-                N received: zero tokens and weights, sources -1; experts size by
-                ``tokens_per_expert``), ``tokens_per_expert_host`` and ``stats``
-                are None, and failures (a rank over its bound, bad values,
-                ranks that disagree) are raised at a later host read (the next
-                such dispatch, or :meth:`check`). Every rank passes one or none.
-                Needs the NVLink transport.
+            max_rows: None, or a bound on the rows this rank receives. Its
+                outputs then have ``max_rows`` rows (those past the N received:
+                zero tokens and weights, sources -1; experts size by
+                ``tokens_per_expert``), and so do the expert outputs and row
+                arguments the verbs take along its handle. On the NVLink engine
+                the dispatch reads nothing on the host (it can be captured in a
+                CUDA graph): ``tokens_per_expert_host`` and ``stats`` are None,
+                and failures (a rank over its bound, bad values, ranks that
+                disagree) are raised at a later host read (the next such
+                dispatch, or :meth:`check`). Elsewhere the plan reads N on the
+                host as always, and a rank over its bound makes every rank
+                raise a ValueError before any token moves (one more small
+                all-gather). Every rank passes one or none.
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
@@ -193,6 +207,8 @@ class TokenDispatcher(abc.ABC):
         else:
             checks.check_max_rows(max_rows)
             handle, plan_out = self._plan_bounded(x, topk_idx, topk_weights, self.config.check_inputs, max_rows)
+            if handle.num_rows != max_rows:  # the variant read N on the host: the verbs pad
+                handle = dataclasses.replace(handle, max_rows=max_rows)
         codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
         rows = x.detach()
         started = self._start(lambda: self._dispatch_start(rows, handle, codec), (rows,), async_op)
@@ -226,16 +242,16 @@ class TokenDispatcher(abc.ABC):
             ``weights`` (the backward is a dispatch of the gradient).
         """
         self._check_handle(handle)
-        checks.check_combine_inputs(expert_out, weights, handle.num_rows, self.devices)
+        checks.check_combine_inputs(expert_out, weights, handle.rows, self.devices)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
         if torch.is_grad_enabled() and differentiable and not handle.link.requires_grad:
             raise ValueError(
                 "expert_out (or weights) requires grad but the dispatch behind handle ran with "
                 "grad mode off: run dispatch with grad mode on so every rank joins the backward"
             )
-        rows = self._home_rows(expert_out.detach(), handle).contiguous()
+        rows = self._home_rows(_received(expert_out.detach(), handle), handle).contiguous()
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
-        w = None if weights is None else weights.detach()
+        w = None if weights is None else _received(weights.detach(), handle)
         started = self._start(lambda: self._to_home_start(rows, handle, w, wire), _present(rows, w), async_op)
         work = ExchangeWork(lambda: _CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
         return work if async_op else work.wait()
@@ -263,7 +279,7 @@ class TokenDispatcher(abc.ABC):
         codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
         rows = rows.detach().contiguous()
         started = self._start(lambda: self._to_experts_start(rows, handle, codec), (rows,), async_op)
-        work = ExchangeWork(started.result)
+        work = ExchangeWork(lambda: _padded(started.result(), handle, 0))
         return work if async_op else work.wait()
 
     def combine_rows(
@@ -291,10 +307,10 @@ class TokenDispatcher(abc.ABC):
             (weighted), in fp32 (fp64 for fp64 rows or weights), ascending rank order.
         """
         self._check_handle(handle)
-        checks.check_combine_inputs(rows, weights, handle.num_rows, self.devices, name="rows")
+        checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
         _check_wire("wire", wire, SUM_WIRES)
-        rows = rows.detach().contiguous()
-        w = None if weights is None else weights.detach()
+        rows = _received(rows.detach(), handle).contiguous()
+        w = None if weights is None else _received(weights.detach(), handle)
         wire_dtype = sum_wire_dtype(wire, rows.dtype)
         started = self._start(lambda: self._to_home_start(rows, handle, w, wire_dtype), _present(rows, w), async_op)
         work = ExchangeWork(started.result)
@@ -316,7 +332,8 @@ class TokenDispatcher(abc.ABC):
             (token, slot), 0 for empty slots.
         """
         self._check_handle(handle)
-        values = checks.check_values("values", values, handle.num_rows, self.devices).detach().contiguous()
+        values = checks.check_values("values", values, handle.rows, self.devices).detach().contiguous()
+        values = _received(values, handle)
         started = self._start(lambda: self._weights_to_home_start(values, handle), (values,), async_op)
         work = ExchangeWork(started.result)
         return work if async_op else work.wait()
@@ -386,12 +403,21 @@ class TokenDispatcher(abc.ABC):
     def _plan_bounded(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool, max_rows: int
     ) -> tuple[CombineHandle, "PlanOutputs"]:
-        """``_plan`` with no host read and outputs of ``max_rows`` rows (see
-        ``dispatch``); only where the exchange runs on the device."""
-        raise ValueError(
-            f"max_rows: a dispatch with no host read needs transport='nvlink' (variant 'alltoall', every rank "
-            f"on one host); this dispatcher ({type(self).__name__}) reads the row counts on the host"
-        )
+        """``_plan`` for a dispatch with ``max_rows``. Here: the plan reads N on
+        the host, every rank learns which ranks would exceed their bound (one
+        small all-gather and host read) and all raise before any token moves;
+        the verbs then pad to ``max_rows`` rows. A variant that moves the rows on
+        the device overrides it (no host read, outputs of ``max_rows`` rows)."""
+        handle, plan_out = self._plan(x, topk_idx, topk_weights, check_values)
+        over = plan.to_device(torch.tensor([int(handle.num_rows > max_rows)], dtype=torch.int64), x.device)
+        flags = comm.all_gather_rows(over, self.group, self.world_size).flatten().tolist()  # host sync: budgets
+        ranks = [r for r, flag in enumerate(flags) if flag]
+        if ranks:
+            raise ValueError(
+                f"max_rows: rank(s) {ranks} of the group would receive more rows than their max_rows (this rank: "
+                f"{handle.num_rows} rows, max_rows={max_rows}); no token moved"
+            )
+        return handle, plan_out
 
     @abc.abstractmethod
     def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> torch.Tensor:
@@ -479,8 +505,8 @@ class DispatchWork:
                 tokens_per_expert=plan_out.tokens_per_expert,
                 tokens_per_expert_host=plan_out.tokens_per_expert_host,
                 weights=weights,
-                src_rank=plan_out.src_rank,
-                src_token=plan_out.src_token,
+                src_rank=_padded(plan_out.src_rank, self.handle, -1),
+                src_token=_padded(plan_out.src_token, self.handle, -1),
                 handle=self.handle,
                 stats=stats,
                 dropped=dropped,
@@ -502,6 +528,20 @@ class ExchangeWork:
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
         return self._result
+
+
+def _padded(rows: torch.Tensor, handle: CombineHandle, fill) -> torch.Tensor:
+    """The N rows a variant moved, padded with ``fill`` to the ``max_rows`` of a
+    handle that has one (a dispatch with ``max_rows`` over a host read)."""
+    if handle.max_rows is None or rows.shape[0] == handle.max_rows:
+        return rows
+    pad = rows.new_full((handle.max_rows - rows.shape[0], *rows.shape[1:]), fill)
+    return torch.cat([rows, pad])
+
+
+def _received(rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
+    """The first N of a handle's ``max_rows`` rows: what the variant moves."""
+    return rows if handle.max_rows is None else rows[: handle.num_rows]
 
 
 def _present(*tensors) -> tuple:
@@ -530,8 +570,9 @@ class _DispatchFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle, started):
         # ``started``: the exchange of x to the experts, started by the verb
         ctx.dispatcher, ctx.handle = dispatcher, handle
-        tokens = started.result()
-        return tokens, routed_weights.to(topk_weights.dtype, copy=True), x.new_empty(0)
+        tokens = _padded(started.result(), handle, 0)
+        weights = _padded(routed_weights.to(topk_weights.dtype, copy=True), handle, 0)
+        return tokens, weights, x.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad_tokens, grad_weights, _grad_link):
@@ -540,11 +581,11 @@ class _DispatchFn(torch.autograd.Function):
         dispatcher, handle = ctx.dispatcher, ctx.handle
         grad_x = grad_topk = None
         if handle.x_grad_any:
-            grad_tokens = grad_tokens.contiguous()
+            grad_tokens = _received(grad_tokens, handle).contiguous()
             wire = sum_wire_dtype(dispatcher.config.dispatch_grad_wire, grad_tokens.dtype)
             grad_x = dispatcher._to_home(grad_tokens, handle, None, wire)
         if handle.weights_grad_any:
-            grad_topk = dispatcher._weights_to_home(grad_weights, handle)
+            grad_topk = dispatcher._weights_to_home(_received(grad_weights, handle).contiguous(), handle)
         needs = ctx.needs_input_grad
         return (grad_x if needs[0] else None), (grad_topk if needs[1] else None), None, None, None, None, None
 
@@ -567,7 +608,7 @@ class _CombineFn(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         config = ctx.dispatcher.config
         codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.fp8_pow2_scales)
-        grad_rows = ctx.dispatcher._to_experts(grad_out, ctx.handle, codec)
+        grad_rows = _padded(ctx.dispatcher._to_experts(grad_out, ctx.handle, codec), ctx.handle, 0)
         grad_expert = grad_weights = None
         needs = ctx.needs_input_grad
         if weights is None:

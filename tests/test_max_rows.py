@@ -1,0 +1,87 @@
+"""A dispatch with max_rows over a host read (NCCL / gloo, every variant): the
+same rows, combine and gradients as without it, padded to max_rows rows (zero
+tokens and weights, sources -1), along the handle too; a rank over its bound
+makes every rank raise before any token moves. (The engine's no-host-read path
+is tested in test_nvlink.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dispatch
+from routing import make_routing
+
+
+def _padded_against_plain(x, topk_idx, topk_weights, grad_out, config, pad):
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights, grad_out = (t.to(device) for t in (x, topk_idx, topk_weights, grad_out))
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    got = {}
+    for name in ("plain", "padded"):
+        xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+        bound = None if name == "plain" else got["plain"]["n"] + pad
+        out = d.dispatch(xx, topk_idx, ww, max_rows=bound)
+        y = out.tokens * 1.5 + out.tokens * out.tokens * 0.25
+        combined = d.combine(y, out.handle, weights=out.weights)
+        (combined * grad_out).sum().backward()
+        rows = d.dispatch_rows(x * 3, out.handle)
+        home = d.combine_rows(out.tokens.detach() * 2, out.handle, out.weights.detach())
+        slots = d.combine_slots(out.weights.detach() * 5, out.handle)
+        got[name] = dict(n=out.tokens.shape[0], tokens=out.tokens.detach(), weights=out.weights.detach(),
+                         src_rank=out.src_rank, src_token=out.src_token, combined=combined.detach(),
+                         grad_x=xx.grad, grad_w=ww.grad, rows=rows, home=home, slots=slots,
+                         per_expert=out.tokens_per_expert_host)
+    plain, padded, n = got["plain"], got["padded"], got["plain"]["n"]
+    checks = [padded["n"] == n + pad, torch.equal(padded["per_expert"], plain["per_expert"])]
+    for key in ("combined", "grad_x", "grad_w", "home", "slots"):
+        checks.append(torch.equal(padded[key], plain[key]))
+    for key, filler in (("tokens", 0), ("weights", 0), ("src_rank", -1), ("src_token", -1), ("rows", 0)):
+        checks += [torch.equal(padded[key][:n], plain[key]), bool((padded[key][n:] == filler).all())]
+    return checks
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical", "auto"])
+@pytest.mark.parametrize("pad", [0, 7])
+def test_padded_round_trip_equals_the_plain_one(worlds, variant, pad):
+    world = 2
+    routing = make_routing(world, 3, 2, [30, 0], "random", seed=pad + 1)
+    gen = torch.Generator().manual_seed(pad)
+    xs = [torch.randn(t, 16, generator=gen, dtype=torch.float64) for t in routing.num_tokens]
+    ws = [torch.rand(i.shape, generator=gen, dtype=torch.float64) for i in routing.topk_idx]
+    gs = [torch.randn(t, 16, generator=gen, dtype=torch.float64) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, variant=variant, transport="nccl")
+    if variant == "hierarchical":
+        config["local_world_size"] = 1
+    args = [(xs[r], routing.topk_idx[r], ws[r], gs[r], config, pad) for r in range(world)]
+    for rank, checks in enumerate(worlds(world).run(_padded_against_plain, args)):
+        assert all(checks), (rank, checks)
+
+
+def _over_bound(x, topk_idx, topk_weights, config, bounds):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    moved = []
+    original = d._dispatch_start
+    d._dispatch_start = lambda *a: moved.append(1) or original(*a)
+    try:
+        d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device),
+                   max_rows=bounds[torch.distributed.get_rank()])
+    except ValueError as exc:
+        return str(exc), len(moved)
+    return None, len(moved)
+
+
+def test_a_rank_over_its_bound_stops_every_rank_before_tokens_move(worlds):
+    routing = make_routing(3, 2, 2, [20, 20, 20], "random", seed=4)
+    xs = [torch.randn(t, 8) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, transport="nccl")
+    bounds = [10**6, 1, 10**6]  # rank 1 receives more than one row
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, bounds) for r in range(3)]
+    for message, moved in worlds(3).run(_over_bound, args):
+        assert message is not None and "max_rows" in message and "[1]" in message, message
+        assert moved == 0
