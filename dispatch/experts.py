@@ -166,7 +166,9 @@ class GroupedExperts(nn.Module):
         out = _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
         if tokens_per_expert.device.type == "cpu":  # N known on the host: zero a tail only if there is one
             taken = int(tokens_per_expert.sum())
-            return out if taken == out.shape[0] else _ZeroPast.apply(out, plan.to_device(torch.tensor([taken]), out.device))
+            if taken == out.shape[0]:
+                return out
+            return _ZeroPast.apply(out, plan.to_device(torch.tensor([taken]), out.device))
         return _ZeroPast.apply(out, offs[-1:]) if out.shape[0] and offs.numel() else out
 
     def _loop(self, tokens, tokens_per_expert):

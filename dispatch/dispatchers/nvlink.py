@@ -106,8 +106,9 @@ class NVLinkDispatcher(TokenDispatcher):
         if over:  # this rank raises; its mark makes every peer record the failure
             header[plan.HEADER.index("failed")] = 2
             topk_idx, weights = topk_idx[:0], weights[:0]
-        counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, x.detach().contiguous()[: len(topk_idx)],
-                                        codec, check_values, budget=max_rows)
+        rows = x.detach().contiguous()[: len(topk_idx)]
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, rows, codec, check_values,
+                                        budget=max_rows)
         if over:
             capacity = engine.capacity
             raise ValueError(

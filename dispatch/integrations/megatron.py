@@ -44,8 +44,9 @@ What is refused
 The constructor refuses, with a ValueError naming the setting, what this adapter
 does not implement: expert tensor parallelism > 1, padding to capacity
 (``moe_pad_expert_input_to_capacity``: the capacity mask then gives a token more
-than ``moe_router_topk`` experts), router padding for quantization, shared-expert overlap inside the dispatcher, CUDA graphs
-of the MoE layer, ``overlap_moe_expert_parallel_comm`` and the inference-optimized
+than ``moe_router_topk`` experts), router padding for quantization, shared-expert
+overlap inside the dispatcher, CUDA graphs of the MoE layer,
+``overlap_moe_expert_parallel_comm`` and the inference-optimized
 layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
 dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
 holds (with sequence parallelism, its sequence shard).
