@@ -35,11 +35,12 @@ def deepep_available() -> bool:
 
 
 def build_buffer(group=None):
-    """A DeepEP ``Buffer`` over ``group`` (a collective: every rank builds it)."""
+    """A DeepEP ``Buffer`` over ``group`` (None: the world; a collective: every rank builds it)."""
     import deep_ep
+    import torch.distributed as dist
 
     deep_ep.Buffer.set_num_sms(NUM_SMS)
-    return deep_ep.Buffer(group, NVL_BYTES)
+    return deep_ep.Buffer(group if group is not None else dist.group.WORLD, NVL_BYTES)
 
 
 def deepep_round_trip(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
