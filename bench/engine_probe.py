@@ -114,11 +114,17 @@ def _host_sections(round_trip, calls=20):
     return out
 
 
-def _worker(rank, world, args, port):
+def init_rank(rank: int, world: int, port: int) -> torch.device:
+    """This process as rank ``rank`` of a local NCCL world, on GPU ``rank``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    return device
+
+
+def _worker(rank, world, args, port):
+    device = init_rank(rank, world, port)
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]

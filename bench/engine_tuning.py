@@ -9,7 +9,7 @@ One process per local GPU (NCCL). For each shape and setting: median dispatch,
 combine and round-trip times of graph replays (max_rows: this rank's N plus
 10%), the mean time of each kernel in a profiled replay (rank 0), and whether
 the results equal the first setting's bit for bit. The settings are compiled in
-(``ENGINE_UNROLL``) and set on the engine (``dispatch.nvlink.BLOCKS_PER_SM``)
+(``-DENGINE_UNROLL``) and set on the engine (``dispatch.nvlink.BLOCKS_PER_SM``)
 here only; the library keeps the chosen defaults.
 """
 
@@ -29,7 +29,15 @@ from dispatch import cuda, nvlink
 from dispatch.bench import common
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from engine_probe import SHAPES, _inputs, _time, write_json  # noqa: E402
+from engine_probe import SHAPES, _inputs, _time, init_rank, write_json  # noqa: E402
+
+
+def _compile_with(option: str) -> None:
+    """Compile the engine's kernels from now on with one more NVRTC option (this
+    study's knob; the library keeps its defaults)."""
+    cuda._OPTIONS = ("-std=c++17", option)
+    cuda.kernel.cache_clear()
+    cuda._module.cache_clear()
 
 
 def _kernels_us(fn, calls=5):
@@ -46,10 +54,7 @@ def _kernels_us(fn, calls=5):
 
 
 def _worker(rank, world, args, port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    device = init_rank(rank, world, port)
     rows = []
     with torch.no_grad():
         for name in args.shapes:
@@ -58,7 +63,7 @@ def _worker(rank, world, args, port):
             first = None
             for unroll in args.unroll:
                 for per_sm in args.blocks_per_sm:
-                    cuda.STUDY_OPTIONS = (f"-DENGINE_UNROLL={unroll}",)
+                    _compile_with(f"-DENGINE_UNROLL={unroll}")
                     nvlink.BLOCKS_PER_SM = per_sm
                     nvlink._ENGINES.clear()  # a fresh engine: its blocks and kernels
                     d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink",

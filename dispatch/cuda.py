@@ -111,32 +111,28 @@ def _stream(handle: int, device: int):
         return cupy.cuda.ExternalStream(handle, device)
 
 
-STUDY_OPTIONS: tuple[str, ...] = ()  # extra NVRTC options, set only by studies (bench/engine_tuning.py)
+_OPTIONS = ("-std=c++17",)  # NVRTC options (with the include path of csrc/)
 
 
 @functools.lru_cache(maxsize=None)
-def _module(source: str, names: tuple[str, ...], extra: tuple[str, ...] = ()):
+def _module(source: str, names: tuple[str, ...]):
     cupy = _cupy()
     if cupy is None:
         raise RuntimeError("the NVLink engine needs CuPy: pip install 'moe-dispatch[cuda13]' (or [cuda12])")
     folder = csrc_dir()
-    return cupy.RawModule(code=(folder / source).read_text(), options=("-std=c++17", f"-I{folder}", *extra),
+    return cupy.RawModule(code=(folder / source).read_text(), options=(*_OPTIONS, f"-I{folder}"),
                           name_expressions=names)
 
 
 THREADS = 512  # engine::Tuning::kThreads
 
 
+@functools.lru_cache(maxsize=None)
 def kernel(source: str, name: str, *template_args: str) -> Kernel:
     """The kernel ``name<template_args...>`` of ``csrc/source``, compiled on first use
     (one NVRTC compile per instantiation) and cached for the process."""
-    return _kernel(source, name, template_args, STUDY_OPTIONS)
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel(source: str, name: str, template_args: tuple[str, ...], extra: tuple[str, ...]) -> Kernel:
     expression = f"{name}<{', '.join(template_args)}>" if template_args else name
-    module = _module(source, (expression,), extra)
+    module = _module(source, (expression,))
     return Kernel(module.get_function(expression), THREADS)
 
 

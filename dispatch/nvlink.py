@@ -82,6 +82,16 @@ def _up(n: int, to: int = _ALIGN) -> int:
     return -(-n // to) * to
 
 
+def staged_row_bytes(codec, hidden: int) -> int:
+    """Bytes of one staged row of ``hidden`` channels under ``codec`` (16-aligned)."""
+    return _up(codec.row_bytes(hidden), 16)
+
+
+def partial_row_bytes(wire: torch.dtype, hidden: int) -> int:
+    """Bytes of one partial-sum row of ``hidden`` channels in ``wire`` (16-aligned)."""
+    return _up(hidden * wire.itemsize, 16)
+
+
 @dataclass(frozen=True)
 class Capacity:
     """Sizes the data buffer holds (per parity copy)."""
@@ -328,7 +338,7 @@ class Engine:
     def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, budget) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
-        stage_row = 0 if rows is None else _up(codec.row_bytes(rows.shape[1]), 16)
+        stage_row = 0 if rows is None else staged_row_bytes(codec, rows.shape[1])
         fits = self._fits(tokens, topk, stage_row)
         row = torch.zeros(self.row_len, dtype=torch.int32, device=device)  # sends, counts, the bad-values mark
         route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
@@ -389,7 +399,7 @@ class Engine:
         otherwise from ``presum`` (a move along a plan), in an exchange of its own."""
         tokens, hidden = rows.shape
         wire, fp8 = _wire_of(codec, rows.dtype)
-        stage_row = _up(codec.row_bytes(hidden), 16)
+        stage_row = staged_row_bytes(codec, hidden)
         topk = counts.route.shape[1]
         from_route = meta_out is not None
         if not (from_route and counts.staged):  # stage (and route) in an exchange of their own
@@ -441,7 +451,7 @@ class Engine:
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
         hidden = rows.shape[1]
         tokens = counts.route.shape[0]
-        part_row = _up(hidden * wire.itemsize, 16)
+        part_row = partial_row_bytes(wire, hidden)
         self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
         weight_dtype = torch.float32 if weights is None else weights.dtype
         acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32

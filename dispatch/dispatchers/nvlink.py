@@ -22,7 +22,7 @@ from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
 from dispatch.dispatchers.streams import Pending
-from dispatch.nvlink import SENDS_COL, Capacity, Counts, engine_for
+from dispatch.nvlink import SENDS_COL, Capacity, Counts, engine_for, partial_row_bytes, staged_row_bytes
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
@@ -95,7 +95,7 @@ class NVLinkDispatcher(TokenDispatcher):
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
         engine.poll()
-        stage_row = _up16(codec.row_bytes(x.shape[1]))
+        stage_row = staged_row_bytes(codec, x.shape[1])
         if engine.capacity.tokens == 0:  # the same on every rank: size the buffers once, by agreement
             need = plan.to_device(torch.tensor([num_tokens, topk, *self._round_trip_rows(x)], dtype=torch.int64),
                                   x.device)
@@ -125,11 +125,11 @@ class NVLinkDispatcher(TokenDispatcher):
         """(staged, partial) row bytes of a round trip of x with expert outputs
         like x, backward included, so that sizing the buffers once covers it."""
         hidden, config = x.shape[1], self.config
-        staged = max(to_experts_codec(wire, x.dtype).row_bytes(hidden)
+        staged = max(staged_row_bytes(to_experts_codec(wire, x.dtype), hidden)
                      for wire in (config.dispatch_wire, config.combine_grad_wire))
-        partial = max(sum_wire_dtype(wire, x.dtype).itemsize * hidden
+        partial = max(partial_row_bytes(sum_wire_dtype(wire, x.dtype), hidden)
                       for wire in (config.combine_wire, config.dispatch_grad_wire))
-        return _up16(staged), _up16(partial)
+        return staged, partial
 
     def _wire_inputs(self, x, topk_weights):
         """(routing weights in their wire dtype, contiguous; that dtype; the codec of x)."""
@@ -202,10 +202,6 @@ class NVLinkDispatcher(TokenDispatcher):
         received = tuple(row[self.rank] for row in handle.split_matrix)
         return make_stats(local, tier_split(sent, self.rank, local), dispatch_row_bytes,
                           tier_split(received, self.rank, local), hidden * combine_wire.itemsize)
-
-
-def _up16(n: int) -> int:
-    return -(-n // 16) * 16
 
 
 def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:
