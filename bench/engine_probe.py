@@ -174,7 +174,8 @@ def _worker(rank, world, args, port):
             if rank == 0:
                 print(f"{name:14s} {label:18s} dispatch {t_d[0]:8.1f} us  combine {t_c[0]:8.1f} us  "
                       f"round trip {t_r[0]:8.1f} us (min {t_r[1]:.1f})  equal to nccl: {same}", flush=True)
-            if label == "nvlink" and args.host_profile and rank == 0:
+            profiled = label in ("nvlink", "nvlink-bounded")
+            if profiled and args.host_profile and rank == 0:
                 import cProfile
                 import io
                 import pstats
@@ -186,16 +187,18 @@ def _worker(rank, world, args, port):
                 torch.cuda.synchronize()
                 profiler.disable()
                 text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
-                print(text.getvalue()[-6000:], flush=True)
-            elif label == "nvlink" and args.host_profile:
+                stats = pstats.Stats(profiler, stream=text)
+                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats(40)
+                print(f"{name} {label} host profile (10 round trips)\n" + text.getvalue()[-14000:], flush=True)
+            elif profiled and args.host_profile:
                 for _ in range(10):
                     round_trip()
                 torch.cuda.synchronize()
-            if label == "nvlink" and args.host_sections:
+            if profiled and args.host_sections:
                 sections = _host_sections(round_trip)
                 if rank == 0:
-                    print(f"{name} host us per round trip: " + ", ".join(f"{k} {v:.0f}" for k, v in sections.items()),
+                    print(f"{name} {label} host us per round trip: " + ", ".join(f"{k} {v:.0f}" for k, v in sections.items()),
                           flush=True)
             if label in ("nvlink", "nvlink-graph") and args.profile:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
