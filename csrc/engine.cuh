@@ -52,15 +52,17 @@ enum Code : int {
 
 // Columns of a rank's row of the counts matrix (dispatch/nvlink.py names them):
 // the header (plan.HEADER: K, H, x dtype, weights dtype, x grad, weights grad,
-// failed), then T, staged, the row budget (-1: none), tokens per destination
-// rank [W], tokens per global expert [E].
+// failed, max_rows (-1: none), the rows its free memory holds (checked on the
+// host)), then T, staged, tokens per destination rank [W], tokens per global
+// expert [E].
 struct Row {
   static constexpr int kAgreed = 6;  // columns [0, kAgreed) must be equal on every rank
   static constexpr int kFailed = 6;
-  static constexpr int kTokens = 7;
-  static constexpr int kStaged = 8;
-  static constexpr int kBudget = 9;
-  static constexpr int kSends = 10;
+  static constexpr int kBudget = 7;
+  static constexpr int kMemory = 8;
+  static constexpr int kTokens = 9;
+  static constexpr int kStaged = 10;
+  static constexpr int kSends = 11;
 };
 
 // The epoch of an operation lives on the device (`seq`, one word of the engine),

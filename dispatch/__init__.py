@@ -67,8 +67,8 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
     engine can run, and its buffers are allocated): every rank of the group calls
     ``create`` with the same config, in the same order.
     Raises:
-        TypeError / ValueError, naming the argument, when the config does not fit
-        the group (``num_experts`` not a multiple of the group size,
+        TypeError / ValueError, naming the argument, when ``group`` is not a
+        process group this rank belongs to, or the config does not fit the group (``num_experts`` not a multiple of the group size,
         ``local_world_size`` not dividing it, ``transport="nvlink"`` where the
         engine cannot run: not CUDA/NCCL, ranks on several hosts, no CuPy).
     """
@@ -76,6 +76,12 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         raise TypeError(f"config must be a dispatch.DispatchConfig, got {type(config).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised before dispatch.create")
+    member = group is not dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives the ranks outside it
+    if member and group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    if not member or dist.get_rank(group) < 0:
+        raise ValueError(f"group: rank {dist.get_rank()} of the world is not a member of the group it was given "
+                         "(create the dispatcher on the ranks of its group only)")
     world = dist.get_world_size(group)
     if config.num_experts % world != 0:
         raise ValueError(

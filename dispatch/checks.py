@@ -145,6 +145,44 @@ _MUST_AGREE = {
 }
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can take: the device's free memory
+    and what torch's caching allocator holds unused; None off CUDA (no budget)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int) -> None:
+    """Refuse, on every rank alike, a dispatch in which some rank would receive
+    more rows than its ``max_rows``, or need more than its free device memory
+    holds (the ``memory_rows`` of ``plan.header``: its outputs have N rows, or
+    max_rows where it gave one).
+
+    Args:
+        headers: [W, len(HEADER)] host int64, every rank's header.
+        rows_of: N of every rank.
+        row_bytes: bytes the dispatch allocates per received row (for the message).
+    Raises:
+        ValueError after the counts exchange and before any token moves.
+    """
+    max_rows = headers[:, HEADER.index("max_rows")].tolist()
+    memory = headers[:, HEADER.index("memory_rows")].tolist()
+    over = [f"rank {r}: {n} rows, over its max_rows={m}" for r, (n, m) in enumerate(zip(rows_of, max_rows))
+            if 0 <= m < n]
+    if over:
+        raise ValueError(f"max_rows: the routing sends more rows to some rank than its max_rows ({'; '.join(over)}); "
+                         "no token moved")
+    short = [f"rank {r}: {max(n, m)} rows, its free device memory holds {f}"
+             for r, (n, m, f) in enumerate(zip(rows_of, max_rows, memory)) if 0 <= f < max(n, m)]
+    if short:
+        raise ValueError(
+            f"x: the routing sends some rank more rows than its free device memory holds for the dispatch's "
+            f"outputs ({row_bytes} bytes a row): {'; '.join(short)}; no token moved (free memory on that rank, "
+            "or spread the routing)")
+
+
 def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
     """Check that every rank dispatched the same kind of input; return which
     gradients some rank needs (x, topk_weights).

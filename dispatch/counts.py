@@ -66,6 +66,8 @@ def exchange(
     world_size: int,
     check_values: bool,
     arrivals: comm.Arrivals | None = None,
+    budgets: tuple[int, int] = (-1, -1),
+    row_bytes: int = 0,
 ) -> GlobalCounts:
     """Route, check values, all-gather the counts, check peers; one host sync
     (two with the value checks). Bad values on this rank are raised after the
@@ -75,6 +77,8 @@ def exchange(
     Args:
         x: [T, H]; topk_idx: [T, K] int32/int64; topk_weights: [T, K] floating.
         local_world_size: L (ranks per node).
+        budgets, row_bytes: this rank's row budgets (``plan.header``) and the
+            bytes a received row takes (``checks.check_row_budgets``).
     """
     num_tokens, topk = topk_idx.shape
     weights = topk_weights.detach()
@@ -85,7 +89,7 @@ def exchange(
     route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     nodes = world_size // local_world_size
     node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
-    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk) + [num_tokens]), x.device)
+    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, budgets) + [num_tokens]), x.device)
     tail = torch.cat([header_row[-1:], node_hit.sum(0, dtype=torch.int64)])
     header_row = header_row[:-1]
     row = torch.cat([plan.exchange_row(route, header_row), tail])
@@ -97,6 +101,7 @@ def exchange(
         raise failed  # its peers raise in check_peer_headers
     all_counts, headers = plan.split_gathered(gathered[:, :base], world_size)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
+    checks.check_row_budgets(headers, all_counts[:, :, 1:].sum((0, 2)).tolist(), row_bytes)
     return GlobalCounts(
         route=route,
         node_hit=node_hit,

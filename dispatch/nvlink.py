@@ -9,8 +9,8 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
 
 * ``meta`` (fixed): flags [W] u32 (word s raised by rank s to the epoch it
   reached), then the counts matrix [W, L] int32, row s written by rank s: its
-  header (``plan.HEADER``), its T, whether it staged its rows with the counts,
-  its row budget (-1: none), its tokens per destination rank [W], its tokens
+  header (``plan.HEADER``, its row budgets included), its T, whether it staged
+  its rows with the counts, its tokens per destination rank [W], its tokens
   per global expert [E] (the columns ``csrc/engine.cuh``'s ``Row`` names).
 * ``data`` (grown collectively): two copies (by epoch parity) each of the routes
   [T_max, K] (16-byte ``Slot``), the slots [T_max, K] (8 bytes), the staged
@@ -68,14 +68,14 @@ _STATUS = (
     "rank {peer} receives more rows than its max_rows",
     "rank {peer} dispatched with another K, H, x or topk_weights dtype, or another need of gradients, than "
     "rank {me}",
-    "rank {peer} marked its input bad (topk_idx/topk_weights values, or more tokens than the buffers hold)",
+    "rank {peer} marked its input bad (topk_idx/topk_weights values, more tokens than the buffers hold, or a "
+    "max_rows its free device memory does not hold)",
 )
 _WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
 # the columns of a row of the counts matrix (``Row`` in csrc/engine.cuh)
 TOKENS_COL = len(plan.HEADER)
 STAGED_COL = TOKENS_COL + 1
-BUDGET_COL = TOKENS_COL + 2
-SENDS_COL = TOKENS_COL + 3
+SENDS_COL = TOKENS_COL + 2
 
 
 def _up(n: int, to: int = _ALIGN) -> int:
@@ -314,13 +314,15 @@ class Engine:
 
     def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int],
                         rows: torch.Tensor | None = None, codec=None, check_values: bool = False,
-                        budget: int | None = None) -> Counts:
+                        host_read: bool = True) -> Counts:
         """Counts, routes and the counts exchange of one dispatch.
 
         Args:
             topk_idx: [T, K] int32/int64 expert ids (-1 empty).
             weights: [T, K] float32/float64 routing weights (their wire dtype).
-            header: this rank's ``plan.HEADER`` entries (failure mark included).
+            header: this rank's ``plan.HEADER`` entries (failure mark and row
+                budgets included: where some rank has a max_rows, the kernel
+                checks every rank's N against it).
             rows, codec: [T, H] rows to stage with the routes, before the flag
                 is raised, so that the pull needs no second exchange (where
                 every rank's routes and rows fit the buffers; ``Counts.staged``).
@@ -328,14 +330,14 @@ class Engine:
                 where a row holds an id outside [-1, E), an expert twice or a
                 non-finite weight (``checks.value_flags``), so that every rank
                 sees it in the counts it reads.
-            budget: None: one host read (the counts matrix, the status); else
-                this rank's row budget (``max_rows``), and nothing is read on the
-                host (the caller made sure the routes and rows fit the buffers).
+            host_read: one host read (the counts matrix, the status); else
+                nothing is read on the host (a dispatch with max_rows: the caller
+                made sure the routes and rows fit the buffers).
         """
         with self._ordered():
-            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, budget)
+            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read)
 
-    def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, budget) -> Counts:
+    def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, host_read) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
         stage_row = 0 if rows is None else staged_row_bytes(codec, rows.shape[1])
@@ -363,13 +365,13 @@ class Engine:
             1,
             (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
              i32(length), i32(self.counts_col), i32(local), ptr(row), *(i32(v) for v in header), i32(tokens),
-             i32(int(fits)), i32(-1 if budget is None else budget), ptr(self._seq), u64(self.timeout_ns),
+             i32(int(fits)), ptr(self._seq), u64(self.timeout_ns),
              ptr(self.status), ptr(out), ptr(per_expert), ptr(out[4 + world * length : -1]), ptr(out[-1:])),
             shared=4 * local,
         )
         matrix = out[4 : 4 + world * length].view(world, length)
         src_start, num_rows = out[4 + world * length : -1], out[-1:]
-        if budget is not None:
+        if not host_read:
             return Counts(matrix, None, None, self.capacity.tokens, per_expert, src_start, num_rows, route, hit,
                           fits and rows is not None)
         # host sync: row counts (to size the output), headers, status

@@ -101,14 +101,17 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
 
 
 # What each rank adds to the counts all-gather so that every rank can check that
-# all ranks agree, learn which gradients some rank needs, and learn that a rank
-# failed in work it did before the all-gather (its peers then stop too).
-HEADER = ("topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad", "failed")
+# all ranks agree, learn which gradients some rank needs, learn that a rank
+# failed in work it did before the all-gather (its peers then stop too), and
+# learn every rank's row budgets (its max_rows, and the rows its free device
+# memory holds; -1: none), so that all refuse a rank over one alike.
+HEADER = ("topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad", "failed", "max_rows",
+          "memory_rows")
 DTYPE_CODES = {dtype: code for code, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
 
 
-def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int) -> list[int]:
-    """This rank's entries of ``HEADER``."""
+def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, budgets: tuple[int, int] = (-1, -1)) -> list[int]:
+    """This rank's entries of ``HEADER``; ``budgets``: (max_rows, memory_rows), -1 for none."""
     grad = torch.is_grad_enabled()
     return [
         topk,
@@ -118,6 +121,7 @@ def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int) -> list[int]:
         int(grad and x.requires_grad),
         int(grad and topk_weights.requires_grad),
         0,  # raised later in the row itself (``mark_failed``)
+        *budgets,
     ]
 
 

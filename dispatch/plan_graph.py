@@ -59,13 +59,14 @@ def send_phase(route, gathered, rank, topk_idx, topk_weights) -> Planned:
 
 
 def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int) -> torch.Tensor:
-    """[2 W + E_local + W * len(HEADER) + W W] int64: rows sent to each rank,
-    rows received from each rank, expanded rows per local expert; every rank's
-    header; the rows every rank sends to every rank ([W_src, W_dst], whose
-    columns say which ranks get rows). The one tensor the host needs."""
+    """[2 W + E_local + W * len(HEADER) + W W + W] int64: rows sent to each
+    rank, rows received from each rank, expanded rows per local expert; every
+    rank's header; the rows every rank sends to every rank ([W_src, W_dst],
+    whose columns say which ranks get rows); every rank's N. The one tensor the
+    host needs."""
     recv_counts = all_counts[:, rank]  # [W_src, 1 + E_local]
     mine = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)])
-    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten()])
+    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten(), all_counts[:, :, 1:].sum((0, 2))])
 
 
 class CapturedPlan:

@@ -226,3 +226,10 @@ def round_trip_in_ep_groups(x, topk_idx, topk_weights, config: dict, ep_size: in
     combined = d.combine(out.tokens, out.handle, weights=out.weights)
     return {"tokens": _cpu(out.tokens), "src_rank": _cpu(out.src_rank), "src_token": _cpu(out.src_token),
             "combined": _cpu(combined)}
+
+
+def call_create_in_group(config: dict, members):
+    """dispatch.create on a group of ``members`` made by every rank (or, with
+    members None, on something that is not a group)."""
+    group = torch.distributed.new_group(members) if members is not None else "world"
+    dispatch.create(dispatch.DispatchConfig(**config), group)

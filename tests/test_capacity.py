@@ -122,10 +122,15 @@ def test_every_variant_dispatches_the_kept_slots(worlds, variant, policy, factor
     ref = reference_dispatch(xs, [k[0] for k in kept], ws, routing.num_experts)
     combined = reference_combine([d.tokens * 2 for d in ref], ref, routing.num_tokens,
                                  weights=[d.weights for d in ref])
+    on_gpu = worlds(world).backend == "nccl"
     for r in range(world):
         assert torch.equal(got[r]["dropped"], kept[r][1])
         assert torch.equal(got[r]["tokens"], ref[r].tokens) and torch.equal(got[r]["src_token"], ref[r].src_token)
-        assert torch.equal(got[r]["combined"], combined[r])
+        if on_gpu:  # the GPU kernels fuse a slot's multiply into its add: same order, one rounding fewer
+            eps = torch.finfo(torch.float32).eps
+            torch.testing.assert_close(got[r]["combined"], combined[r], rtol=4 * eps, atol=4 * eps)
+        else:
+            assert torch.equal(got[r]["combined"], combined[r])
         assert bool((got[r]["grad_w"][kept[r][1]] == 0).all())  # a dropped slot's weight: no gradient
         if factor < 1:
             assert bool(kept[r][1].any())  # this case drops something

@@ -83,5 +83,52 @@ def test_a_rank_over_its_bound_stops_every_rank_before_tokens_move(worlds):
     bounds = [10**6, 1, 10**6]  # rank 1 receives more than one row
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, bounds) for r in range(3)]
     for message, moved in worlds(3).run(_over_bound, args):
-        assert message is not None and "max_rows" in message and "[1]" in message, message
+        assert message is not None and "max_rows" in message and "rank 1:" in message, message
+        assert "rank 0" not in message and "rank 2" not in message, message
         assert moved == 0
+
+
+def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows):
+    """Dispatch with rank ``short_rank``'s free device memory holding 3 rows, then
+    with its memory back (the same dispatcher)."""
+    from world import current_device
+
+    from dispatch import checks
+
+    device = current_device()
+    rank = torch.distributed.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    moved = []
+    original_start, original_free = d._dispatch_start, checks.free_bytes
+    d._dispatch_start = lambda *a: moved.append(1) or original_start(*a)
+    checks.free_bytes = lambda dev: 3 * d.row_bytes(x) + 1 if rank == short_rank else None
+    try:
+        d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    finally:
+        checks.free_bytes = original_free
+    refused_moves = len(moved)
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
+    return message, refused_moves, out.handle.num_rows
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
+@pytest.mark.parametrize("max_rows", [None, 10**4])
+def test_a_rank_short_of_memory_stops_every_rank_before_tokens_move(worlds, variant, max_rows):
+    """The budget of device memory: a rank whose free memory does not hold its
+    received rows (or its max_rows rows, which its outputs have) is named by
+    every rank, before any token moves; the dispatcher works afterwards."""
+    routing = make_routing(3, 2, 2, [20, 20, 20], "random", seed=4)
+    xs = [torch.randn(t, 8) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, transport="nccl", variant=variant)
+    if variant == "hierarchical":
+        config["local_world_size"] = 1
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, 2, max_rows) for r in range(3)]
+    for message, moved, rows in worlds(3).run(_short_of_memory, args):
+        assert message is not None and "free device memory" in message and "rank 2:" in message, message
+        assert "holds 3" in message and "rank 0" not in message and "rank 1" not in message, message
+        assert moved == 0
+        assert rows > 3

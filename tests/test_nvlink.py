@@ -586,3 +586,62 @@ def test_a_peer_that_dies_or_stops_is_named_on_the_engine(behaviour, bounded):
     assert kind == "RuntimeError" and "rank 1" in message and "timed out" in message, (kind, message)
     assert elapsed < 3.0 + 10, elapsed
     assert not alive, "rank 0 did not exit"
+
+
+def _short_of_memory_at_size(seed):
+    """DeepSeek-V3 size, every slot on rank 0's experts (65,536 rows there), with
+    rank 0's device memory filled to leave 1 GiB (the rows need ~1.9 GB): every
+    rank is refused by name before any token moves (NCCL, the engine with its
+    host read; with max_rows, rank 0 refuses and its peer records it); with the
+    memory freed, the same dispatchers work."""
+    from world import current_device
+
+    from dispatch import checks
+
+    device = current_device()
+    rank = torch.distributed.get_rank()
+    gen = torch.Generator(device=device).manual_seed(seed + rank)
+    tokens, hidden, experts, topk = 4096, 7168, 256, 8
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts // WORLD, generator=gen, device=device).topk(topk, dim=1).indices
+    w = torch.rand(tokens, topk, generator=gen, device=device)
+    spread = torch.rand(tokens, experts, generator=gen, device=device).topk(topk, dim=1).indices
+    out = []
+    for transport, bound in (("nccl", None), ("nvlink", None), ("nvlink", WORLD * tokens * topk)):
+        d = dispatch.create(dispatch.DispatchConfig(num_experts=experts, transport=transport, timeout=20.0))
+        warm = d.dispatch(x, spread, w, max_rows=bound)  # communicators and buffers made
+        d.combine(warm.tokens, warm.handle, weights=warm.weights)
+        del warm
+        torch.cuda.synchronize()
+        filler = None
+        if rank == 0:
+            torch.cuda.empty_cache()
+            filler = torch.empty(checks.free_bytes(device) - (1 << 30), dtype=torch.uint8, device=device)
+        try:
+            d.dispatch(x, idx, w, max_rows=bound)
+            d.check()
+            refused = None
+        except (ValueError, RuntimeError) as exc:
+            refused = (type(exc).__name__, str(exc))
+        del filler
+        torch.cuda.empty_cache()
+        if bound is None:  # the engine stays failed after a failure on the no-host-read path
+            again = d.dispatch(x, idx, w)
+            d.combine(again.tokens, again.handle, weights=again.weights)
+            refused = (*refused, again.handle.num_rows) if refused else (None, None, again.handle.num_rows)
+        out.append(refused)
+        del d
+    return out
+
+
+@needs_engine
+def test_a_rank_short_of_memory_is_refused_at_deepseek_size(worlds):
+    first, second = worlds(WORLD).run(_short_of_memory_at_size, [(3,)] * WORLD)
+    rows = WORLD * 4096 * 8
+    for got in (first[:2], second[:2]):  # nccl, the engine's host read: every rank names rank 0
+        for kind, message, after in got:
+            assert kind == "ValueError" and "free device memory" in message and "rank 0:" in message, message
+            assert "rank 1" not in message, message
+    assert [r[2] for r in first[:2]] == [rows, rows] and [r[2] for r in second[:2]] == [0, 0]
+    assert first[2][0] == "ValueError" and "do not fit this rank's free device memory" in first[2][1], first[2]
+    assert second[2][0] == "RuntimeError" and "rank 0 marked its input bad" in second[2][1], second[2]

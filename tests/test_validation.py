@@ -151,6 +151,45 @@ def test_config_must_match_group(worlds, config, error, argument):
     _assert_error(worlds(2).run(rank_fns.error_of, [("call_create", config)] * 2), error, argument)
 
 
+def test_group_not_a_group_or_without_this_rank(worlds):
+    results = worlds(2).run(rank_fns.error_of, [("call_create_in_group", dict(num_experts=4), None)] * 2)
+    _assert_error(results, TypeError, "group", collectives=0)
+    results = worlds(2).run(rank_fns.error_of, [("call_create_in_group", dict(num_experts=4), [0])] * 2)
+    assert results[0] is None, results[0]  # a member: a group of one
+    kind, message, calls = results[1]
+    assert kind == "ValueError" and message.startswith("group:") and "rank 1" in message and not calls, results[1]
+
+
+def _strided_round_trip(x, topk_idx, topk_weights):
+    """A round trip of x, topk_idx and topk_weights as strided and overlapping
+    (stride-0) views, and of their contiguous copies."""
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=4))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    views = (x[:, ::2], x[:1].expand(x.shape[0], -1)), topk_idx.t().contiguous().t(), topk_weights[:, :1].expand(
+        -1, topk_idx.shape[1])
+    out = []
+    for x_view in views[0]:
+        for args in ((x_view, views[1], views[2]), (x_view.contiguous(), views[1].contiguous(),
+                                                    views[2].contiguous())):
+            got = d.dispatch(*args)
+            out.append((got.tokens, got.weights, d.combine(got.tokens * 2, got.handle, weights=got.weights)))
+    return out
+
+
+def test_strided_and_overlapping_inputs_move_like_their_copies(worlds):
+    """Not refused: non-contiguous and overlapping (expanded) inputs are read as
+    their contiguous copies."""
+    x = torch.randn(6, 8)
+    idx = torch.tensor([[0, 3], [1, -1], [2, 1], [3, 0], [0, 2], [1, 3]])
+    w = torch.rand(6, 2)
+    for got in worlds(2).run(_strided_round_trip, [(x, idx, w)] * 2):
+        for view, copy in (got[0:2], got[2:4]):
+            assert all(torch.equal(a, b) for a, b in zip(view, copy))
+
+
 @pytest.mark.parametrize(
     "kwargs, error, argument",
     [

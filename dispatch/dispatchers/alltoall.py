@@ -65,7 +65,8 @@ class AllToAllDispatcher(TokenDispatcher):
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
     def _plan(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool,
+        budgets: tuple[int, int],
     ) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one
         metadata all-to-all. On CUDA the part before the host synchronisation
@@ -77,7 +78,8 @@ class AllToAllDispatcher(TokenDispatcher):
         num_tokens, topk = topk_idx.shape
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
-        header_row = self._header_row(x, topk_weights, topk)
+        header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, budgets), dtype=torch.int64),
+                                    x.device)
         captured, failed = None, None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
             key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values)
@@ -101,8 +103,10 @@ class AllToAllDispatcher(TokenDispatcher):
         summary = planned.summary.cpu()  # host sync: split sizes for NCCL, row counts, peers' headers
         counts_end = 2 * world + self.num_local_experts  # rows sent, rows received, rows per local expert
         headers_end = counts_end + world * len(plan.HEADER)
-        grads_any = checks.check_peer_headers(summary[counts_end:headers_end].view(world, -1))
-        matrix = summary[headers_end:].view(world, world)  # rows every rank sends to every rank
+        headers = summary[counts_end:headers_end].view(world, -1)
+        grads_any = checks.check_peer_headers(headers)
+        matrix = summary[headers_end : headers_end + world * world].view(world, world)  # rows rank to rank
+        checks.check_row_budgets(headers, summary[headers_end + world * world :].tolist(), self.row_bytes(x))
         # what outlives a replayed graph is copied out of its buffers
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         sp = planned.send  # its meta is read at once, on the stream of the replays
@@ -142,9 +146,6 @@ class AllToAllDispatcher(TokenDispatcher):
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
-
-    def _header_row(self, x, topk_weights, topk) -> torch.Tensor:
-        return plan.to_device(torch.tensor(plan.header(x, topk_weights, topk), dtype=torch.int64), x.device)
 
     def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> torch.Tensor:
         return self._to_experts_start(rows, handle, codec).finish()

@@ -107,8 +107,8 @@ class AutoDispatcher(TokenDispatcher):
         return any(handle.owner is v for v in self.variants.values())
 
     # The plan chooses; the data movements go to the variant that made the handle.
-    def _plan(self, x, topk_idx, topk_weights, check_values):
-        return self.choose(x, topk_idx, topk_weights)._plan(x, topk_idx, topk_weights, False)
+    def _plan(self, x, topk_idx, topk_weights, check_values, budgets):
+        return self.choose(x, topk_idx, topk_weights)._plan(x, topk_idx, topk_weights, False, budgets)
 
     def _to_experts(self, rows, handle, codec):
         return handle.owner._to_experts(rows, handle, codec)

@@ -203,10 +203,12 @@ class TokenDispatcher(abc.ABC):
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
                                                             self.config.capacity_factor, self.config.drop_policy)
         if max_rows is None:
-            handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs)
+            handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
+                                          self._row_budgets(x, None))
         else:
             checks.check_max_rows(max_rows)
-            handle, plan_out = self._plan_bounded(x, topk_idx, topk_weights, self.config.check_inputs, max_rows)
+            handle, plan_out = self._plan_bounded(x, topk_idx, topk_weights, self.config.check_inputs,
+                                                  self._row_budgets(x, max_rows))
             if handle.num_rows != max_rows:  # the variant read N on the host: the verbs pad
                 handle = dataclasses.replace(handle, max_rows=max_rows)
         codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
@@ -389,35 +391,45 @@ class TokenDispatcher(abc.ABC):
 
     # -- what a variant provides ------------------------------------------
 
+    def row_bytes(self, x: torch.Tensor) -> int:
+        """Bytes a dispatch of x allocates per row it receives: the row on the
+        wire, the output row, its weight and sources (the free-memory budget)."""
+        hidden = x.shape[1]
+        wire = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
+        return wire + hidden * x.element_size() + 24
+
+    def _row_budgets(self, x: torch.Tensor, max_rows: int | None) -> tuple[int, int]:
+        """This rank's (max_rows, rows its free device memory holds), -1 for none:
+        the budgets its header carries (``plan.header``), checked on every rank
+        before any token moves (``checks.check_row_budgets``)."""
+        free = checks.free_bytes(x.device)
+        memory_rows = -1 if free is None else min(free // self.row_bytes(x), 2**31 - 1)
+        return -1 if max_rows is None else max_rows, memory_rows
+
     @abc.abstractmethod
     def _plan(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool,
+        budgets: tuple[int, int],
     ) -> tuple[CombineHandle, "PlanOutputs"]:
         """Routing plan and its exchanges; no token data moves yet. With
         ``check_values``, the values of the routing are checked (``checks.value_flags``)
         and a rank with bad values raises right after the counts all-gather, in
         which it marks itself failed so that its peers raise there too; ranks
         that disagree on K, H or dtypes are refused
-        (``checks.check_peer_headers``) before any token moves."""
+        (``checks.check_peer_headers``), and so is a rank over one of its row
+        ``budgets`` (``_row_budgets``, in the header: ``checks.check_row_budgets``),
+        before any token moves."""
 
     def _plan_bounded(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool, max_rows: int
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool,
+        budgets: tuple[int, int],
     ) -> tuple[CombineHandle, "PlanOutputs"]:
-        """``_plan`` for a dispatch with ``max_rows``. Here: the plan reads N on
-        the host, every rank learns which ranks would exceed their bound (one
-        small all-gather and host read) and all raise before any token moves;
-        the verbs then pad to ``max_rows`` rows. A variant that moves the rows on
-        the device overrides it (no host read, outputs of ``max_rows`` rows)."""
-        handle, plan_out = self._plan(x, topk_idx, topk_weights, check_values)
-        over = plan.to_device(torch.tensor([int(handle.num_rows > max_rows)], dtype=torch.int64), x.device)
-        flags = comm.all_gather_rows(over, self.group, self.world_size).flatten().tolist()  # host sync: budgets
-        ranks = [r for r, flag in enumerate(flags) if flag]
-        if ranks:
-            raise ValueError(
-                f"max_rows: rank(s) {ranks} of the group would receive more rows than their max_rows (this rank: "
-                f"{handle.num_rows} rows, max_rows={max_rows}); no token moved"
-            )
-        return handle, plan_out
+        """``_plan`` for a dispatch with ``max_rows`` (``budgets[0]``). Here: the
+        plan reads N on the host and refuses a rank over its bound like any
+        budget; the verbs then pad to ``max_rows`` rows. A variant that moves
+        the rows on the device overrides it (no host read, outputs of
+        ``max_rows`` rows)."""
+        return self._plan(x, topk_idx, topk_weights, check_values, budgets)
 
     @abc.abstractmethod
     def _to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec) -> torch.Tensor:

@@ -63,32 +63,35 @@ class NVLinkDispatcher(TokenDispatcher):
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
         self.engine = engine_for(group, config.num_experts, config.sm_budget, config.timeout)
 
-    def _plan(self, x, topk_idx, topk_weights, check_values):
+    def _plan(self, x, topk_idx, topk_weights, check_values, budgets):
         num_tokens, topk = _check_topk(topk_idx)
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
         # the values are checked by the layout kernel, which marks this rank failed in
         # the counts every rank reads: no host synchronisation of its own
-        counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk),
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, budgets),
                                         x.detach().contiguous(), codec, check_values)
         rows_of = counts.rows  # host: every rank's row of the counts matrix
         if rows_of[self.rank][plan.HEADER.index("failed")]:
             error = checks.values_error(checks.value_flags(topk_idx, weights, self.config.num_experts).cpu(),
                                         topk_idx, weights, self.config.num_experts)  # host sync: the message
             raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
-        grads_any = checks.check_peer_headers(torch.tensor([r[: len(plan.HEADER)] for r in rows_of]))
+        headers = torch.tensor([r[: len(plan.HEADER)] for r in rows_of])
+        grads_any = checks.check_peer_headers(headers)
         local = self.num_local_experts
+        received = [sum(sum(r[engine.counts_col + d * local : engine.counts_col + (d + 1) * local]) for r in rows_of)
+                    for d in range(self.world_size)]  # N of every rank
+        checks.check_row_budgets(headers, received, self.row_bytes(x))
         first = engine.counts_col + self.rank * local
         per_expert = [sum(r[first + e] for r in rows_of) for e in range(local)]
-        has_rows = tuple(any(any(r[engine.counts_col + d * local : engine.counts_col + (d + 1) * local])
-                             for r in rows_of) for d in range(self.world_size))
+        has_rows = tuple(n > 0 for n in received)
         split = tuple(tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of)
         handle, outputs = self._handle(x, counts, num_tokens, topk, sum(per_expert), grads_any, has_rows, split,
                                        wire, torch.tensor(per_expert, dtype=torch.int64))
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, max_rows):
+    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, budgets):
         # nothing read on the host: the counts exchange kernel checks what _plan checks
         # here, for every rank alike, and a failure surfaces at a later host read
         num_tokens, topk = _check_topk(topk_idx)
@@ -101,14 +104,20 @@ class NVLinkDispatcher(TokenDispatcher):
                                   x.device)
             dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
             engine.ensure(Capacity(*need.tolist()))  # host sync: the group's largest T, K, rows
-        header = plan.header(x, topk_weights, topk)
+        header = plan.header(x, topk_weights, topk, budgets)
+        max_rows, memory_rows = budgets
         over = not engine.capacity.covers(Capacity(num_tokens, topk, stage_row, 0))
-        if over:  # this rank raises; its mark makes every peer record the failure
+        short = 0 <= memory_rows < max_rows  # the outputs have max_rows rows, whatever N
+        if over or short:  # this rank raises; its mark makes every peer record the failure
             header[plan.HEADER.index("failed")] = 2
             topk_idx, weights = topk_idx[:0], weights[:0]
         rows = x.detach().contiguous()[: len(topk_idx)]
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, rows, codec, check_values,
-                                        budget=max_rows)
+                                        host_read=False)
+        if short:
+            raise ValueError(
+                f"max_rows: {max_rows} rows do not fit this rank's free device memory ({memory_rows} rows of "
+                f"{self.row_bytes(x)} bytes, the dispatch's outputs); the engine is failed")
         if over:
             capacity = engine.capacity
             raise ValueError(
