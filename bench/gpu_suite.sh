@@ -5,8 +5,8 @@
 #             Megatron-Core alongside) and the a2a sweep
 #   overlap   dispatch-bench overlap on the model shapes: NCCL defaults, then the
 #             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
-#   nvlink    the NVLink engine: its tests (bitwise against NCCL), then bench/engine_probe.py
-#             (the engine beside NCCL per shape, with its kernels' times)
+#   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
+#   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   host      where the engine's eager round trip spends host time (cProfile, per call)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
 #   deepep    build DeepEP (bench/build_deepep.sh; its source carried in .deepep/), then
@@ -78,6 +78,8 @@ for part in "$@"; do
       bench 240 overlap-slow overlap --comm-max-ctas 2 --comm-high-priority --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
+      step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
+    probe)
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
