@@ -58,7 +58,7 @@ step() {  # step SECONDS NAME COMMAND...: run, log, keep the worst exit status
   shift 2
   echo "== $name: $*" | tee -a "$LOG"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$LOG" | grep -v '^\[' | tail -40
+  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG" | grep -v '^\[' | tail -40
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
   [ "$rc" -ne 0 ] && status=$rc
@@ -69,6 +69,7 @@ bench() { step "$1" "$2" python3 -m dispatch.bench "${@:3}"; }
 for part in "$@"; do
   case $part in
     tests)
+      # SIGINT: a test that hangs is named in pytest's traceback
       step 560 pytest python3 -m pytest -q -p no:cacheprovider --durations=15 tests ;;
     dispatch)
       bench 330 dispatch dispatch --transports nccl,nvlink,nvlink-graph --iters 20 --warmup 5 --out "$RES"

@@ -152,9 +152,12 @@ def test_config_must_match_group(worlds, config, error, argument):
 
 
 def test_group_not_a_group_or_without_this_rank(worlds):
-    results = worlds(2).run(rank_fns.error_of, [("call_create_in_group", dict(num_experts=4), None)] * 2)
+    # over NCCL: an engine on a group of rank 0 alone would make rank 0 one symmetric-memory
+    # rendezvous ahead of rank 1, whose engines this session's worlds still build together
+    config = dict(num_experts=4, transport="nccl")
+    results = worlds(2).run(rank_fns.error_of, [("call_create_in_group", config, None)] * 2)
     _assert_error(results, TypeError, "group", collectives=0)
-    results = worlds(2).run(rank_fns.error_of, [("call_create_in_group", dict(num_experts=4), [0])] * 2)
+    results = worlds(2).run(rank_fns.error_of, [("call_create_in_group", config, [0])] * 2)
     assert results[0] is None, results[0]  # a member: a group of one
     kind, message, calls = results[1]
     assert kind == "ValueError" and message.startswith("group:") and "rank 1" in message and not calls, results[1]
