@@ -152,8 +152,8 @@ def test_config_must_match_group(worlds, config, error, argument):
 
 
 def test_group_not_a_group_or_without_this_rank(worlds):
-    # over NCCL: an engine on a group of rank 0 alone would make rank 0 one symmetric-memory
-    # rendezvous ahead of rank 1, whose engines this session's worlds still build together
+    # the collectives: no engine is made (engines made on some ranks only put their
+    # symmetric-memory rendezvous out of step with the others': see the README)
     config = dict(num_experts=4, transport="nccl")
     results = worlds(2).run(rank_fns.error_of, [("call_create_in_group", config, None)] * 2)
     _assert_error(results, TypeError, "group", collectives=0)

@@ -230,6 +230,8 @@ def unusable(group) -> str | None:
     if backend != "nccl":
         return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
     world = dist.get_world_size(group)
+    if world == 1:  # and no symmetric-memory rendezvous that its peers outside it would not make
+        return "needs peers: the group has one rank"
     import socket
 
     device = torch.cuda.current_device()
