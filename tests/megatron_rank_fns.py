@@ -16,9 +16,49 @@ def _cpu(t):
     return None if t is None else t.detach().cpu()
 
 
-def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, options: dict):
+class RecordingSharedExperts:
+    """Megatron's SharedExpertMLP overlap interface run in place (no streams): the MLP
+    tanh(x @ w1) @ w2 (``shared_mlp``), each call logged after the stage it ran in."""
+
+    def __init__(self, hidden: int, seed: int, log: list, device) -> None:
+        self.w1, self.w2 = shared_mlp_weights(hidden, seed)
+        self.w1, self.w2 = self.w1.to(device), self.w2.to(device)
+        self.log = log
+
+    def wait_current_stream(self):
+        self.log.append("wait")
+
+    def pre_forward_comm(self, x):
+        self.log.append("pre")
+        self.x = x
+
+    def linear_fc1_forward_and_act(self, overlapped_comm_output=None):
+        self.log.append("fc1")
+        self.h = torch.tanh(self.x @ self.w1)
+
+    def linear_fc2_forward(self, overlapped_comm_output=None):
+        self.log.append("fc2")
+        self.y = self.h @ self.w2
+
+    def post_forward_comm(self):
+        self.log.append("post")
+
+    def get_output(self):
+        self.log.append("output")
+        return self.y
+
+
+def shared_mlp_weights(hidden: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(hidden, 2 * hidden, generator=gen, dtype=torch.float64) * 0.3,
+            torch.randn(2 * hidden, hidden, generator=gen, dtype=torch.float64) * 0.3)
+
+
+def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, options: dict,
+                     shared_seed: int | None = None):
     """The six stages in MoELayer.forward's order, around experts that weight by the probs
-    as Megatron's do and scale local expert i by (1 + i); then backward of sum(out * grad_out)."""
+    as Megatron's do and scale local expert i by (1 + i); then backward of sum(out * grad_out).
+    With ``shared_seed``, shared experts (``RecordingSharedExperts``) run in the dispatcher."""
     device = current_device()
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -30,13 +70,64 @@ def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, top
         SimpleNamespace(ep=None),
         options=options,
     )
+    log: list = []
+    if shared_seed is not None:
+        d.set_shared_experts(RecordingSharedExperts(hidden.shape[-1], shared_seed, log, device))
+    x = hidden.to(device).requires_grad_()
+    p = probs.to(device).requires_grad_()
+    log.append("dispatch_preprocess")
+    h, w = d.dispatch_preprocess(x, routing_map.to(device), p)
+    log.append("token_dispatch")
+    tokens, permuted_probs = d.token_dispatch(h, w)
+    log.append("dispatch_postprocess")
+    tokens, tokens_per_expert, permuted_probs = d.dispatch_postprocess(tokens, permuted_probs)
+    local = torch.repeat_interleave(torch.arange(per_rank), tokens_per_expert).to(device)
+    y = tokens * permuted_probs.unsqueeze(-1).to(tokens.dtype) * (1 + local).to(tokens.dtype).unsqueeze(-1)
+    log.append("combine_preprocess")
+    y = d.combine_preprocess(y)
+    log.append("token_combine")
+    y = d.token_combine(y)
+    log.append("combine_postprocess")
+    out = d.combine_postprocess(y)
+    (out * grad_out.to(device)).sum().backward()
+    return {
+        "log": log,
+        "tokens": _cpu(tokens),
+        "tokens_per_expert": tokens_per_expert,
+        "permuted_probs": _cpu(permuted_probs),
+        "out": _cpu(out),
+        "x_grad": _cpu(x.grad),
+        "probs_grad": _cpu(p.grad),
+    }
+
+
+def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, tp: int):
+    """The six stages with expert tensor parallelism: rank r is expert-TP rank r % tp
+    of EP rank r // tp (Megatron's order of the tp-ep group); each TP rank's share of
+    local expert i scales by (1 + i) * share[p] (the shares sum to 1), so that the
+    sum over the expert-TP group is stage_round_trip's expert."""
+    device = current_device()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep = world // tp
+    tp_groups = [dist.new_group([e * tp + p for p in range(tp)]) for e in range(ep)]
+    ep_groups = [dist.new_group([e * tp + p for e in range(ep)]) for p in range(tp)]
+    tp_rank, ep_rank = rank % tp, rank // tp
+    per_rank = num_experts // ep
+    share = [(2 * p + 1) / tp**2 for p in range(tp)]  # 1/4, 3/4 for tp = 2
+    d = MegatronDispatcher(
+        per_rank,
+        list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank)),
+        SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, expert_tensor_parallel_size=tp),
+        SimpleNamespace(ep=ep_groups[tp_rank], expt_tp=tp_groups[ep_rank]),
+    )
     x = hidden.to(device).requires_grad_()
     p = probs.to(device).requires_grad_()
     h, w = d.dispatch_preprocess(x, routing_map.to(device), p)
     tokens, permuted_probs = d.token_dispatch(h, w)
     tokens, tokens_per_expert, permuted_probs = d.dispatch_postprocess(tokens, permuted_probs)
     local = torch.repeat_interleave(torch.arange(per_rank), tokens_per_expert).to(device)
-    y = tokens * permuted_probs.unsqueeze(-1).to(tokens.dtype) * (1 + local).to(tokens.dtype).unsqueeze(-1)
+    scale = ((1 + local).to(tokens.dtype) * share[tp_rank]).unsqueeze(-1)
+    y = tokens * permuted_probs.unsqueeze(-1).to(tokens.dtype) * scale
     y = d.combine_preprocess(y)
     y = d.token_combine(y)
     out = d.combine_postprocess(y)

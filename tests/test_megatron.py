@@ -78,6 +78,80 @@ def test_stages_match_the_reference(worlds, world_size, data):
         torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
 
 
+def test_shared_experts_run_beside_the_exchange(worlds):
+    """moe_shared_expert_overlap: the shared experts' calls come at the points of
+    Megatron's alltoall dispatcher, and their output is added to the routed one
+    (forward and backward)."""
+    routing = make_routing(2, 2, 2, [6, 4], "random", seed=8)
+    args, inputs = [], []
+    for r in range(2):
+        x = identity_tokens(r, routing.num_tokens[r], HIDDEN, torch.float64).view(-1, 2, HIDDEN)
+        routing_map, probs = megatron_routing(routing.topk_idx[r], routing.topk_weights[r], 4)
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        args.append((x, routing_map, probs, grad, 4, 2, {}, 11))
+        inputs.append((x, routing_map, probs, grad))
+    w1, w2 = megatron_rank_fns.shared_mlp_weights(HIDDEN, 11)
+    for got, (x, routing_map, probs, grad) in zip(worlds(2).run(megatron_rank_fns.stage_round_trip, args), inputs):
+        assert got["log"] == ["dispatch_preprocess", "pre", "token_dispatch", "wait", "fc1", "dispatch_postprocess",
+                              "combine_preprocess", "token_combine", "wait", "fc2", "post", "combine_postprocess",
+                              "output"], got["log"]
+        xl = x.clone().requires_grad_()
+        expected = dense_layer(xl, routing_map, probs, 2) + torch.tanh(xl @ w1) @ w2
+        (expected * grad).sum().backward()
+        torch.testing.assert_close(got["out"], expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["x_grad"], xl.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size, tp", [(2, 2), (4, 2)])
+def test_expert_tensor_parallel_stages(worlds, world_size, tp):
+    """Expert tensor parallelism (EP = world / tp): each expert's rows reach every
+    rank of its expert-TP group, ordered by local expert, then expert-TP rank, then
+    source EP rank and token (Megatron's order), counted over the group; the
+    partial outputs are summed back; outputs and gradients are the dense layer's."""
+    ep = world_size // tp
+    # E = 4 experts; EP rank e holds [e * E / ep, (e + 1) * E / ep), on each of its tp ranks
+    routing_ep = make_routing(world_size, 4 // world_size, 3, [7, 0, 5, 6][:world_size], "random", seed=5)
+    num_experts = routing_ep.num_experts
+    per_rank = num_experts // ep
+    args, inputs = [], []
+    for r in range(world_size):
+        count = routing_ep.num_tokens[r]
+        x = identity_tokens(r, count, HIDDEN, torch.float64).view(*seq_batch(count), HIDDEN)
+        routing_map, probs = megatron_routing(routing_ep.topk_idx[r], routing_ep.topk_weights[r], num_experts)
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        args.append((x, routing_map, probs, grad, num_experts, 3, tp))
+        inputs.append((x, routing_map, probs, grad))
+    results = worlds(world_size).run(megatron_rank_fns.stage_round_trip_expert_tp, args)
+    flat = [x.view(-1, HIDDEN) for x, *_ in inputs]
+    for rank, (got, (x, routing_map, probs, grad)) in enumerate(zip(results, inputs)):
+        ep_rank, members = rank // tp, [rank // tp * tp + p for p in range(tp)]
+        experts = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        # Megatron's order: local expert, expert-TP rank, then (source EP rank, token) as the EP dispatch gives
+        want_rows, want_probs, want_counts = [], [], []
+        for e in experts:
+            count = 0
+            for p in range(tp):
+                for src in [s * tp + p for s in range(ep)]:
+                    for t in range(flat[src].shape[0]):
+                        slots = (routing_ep.topk_idx[src][t] == e).nonzero().flatten().tolist()
+                        if slots:
+                            want_rows.append(flat[src][t])
+                            want_probs.append(routing_ep.topk_weights[src][t, slots[0]])
+                            count += 1
+            want_counts.append(count)
+        assert torch.equal(got["tokens_per_expert"], torch.tensor(want_counts)), (rank, members)
+        assert torch.equal(got["tokens"], torch.stack(want_rows) if want_rows else got["tokens"][:0]), rank
+        assert torch.equal(got["permuted_probs"], torch.stack(want_probs) if want_probs
+                           else got["permuted_probs"][:0]), rank
+        xl = x.clone().requires_grad_()
+        pl = probs.clone().requires_grad_()
+        expected = dense_layer(xl, routing_map, pl, per_rank)
+        (expected * grad).sum().backward()
+        torch.testing.assert_close(got["out"], expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["x_grad"], xl.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
+
+
 def test_bf16_activations_with_fp32_probs(worlds):
     """Megatron's usual dtypes: bf16 hidden states, fp32 probs (router in fp32)."""
     routing = make_routing(2, 2, 2, [6, 4], "random", seed=3)
@@ -107,12 +181,10 @@ def test_routing_to_topk_lowest_experts_first_and_empty_slots():
 @pytest.mark.parametrize(
     "config_extra, options, needle",
     [
-        ({"expert_tensor_parallel_size": 2}, {}, "expert_tensor_parallel_size=2"),
         ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}, {},
          "moe_pad_expert_input_to_capacity"),
         ({}, {"capacity_factor": 1.0}, "unknown engine option(s) capacity_factor"),
         ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization"),
-        ({"moe_shared_expert_overlap": True}, {}, "moe_shared_expert_overlap"),
         ({"cuda_graph_impl": "local"}, {}, "cuda_graph_impl"),
         ({"overlap_moe_expert_parallel_comm": True}, {}, "overlap_moe_expert_parallel_comm"),
         ({"transformer_impl": "inference_optimized"}, {}, "inference_optimized"),

@@ -42,14 +42,38 @@ activations the results agree within bf16 rounding, not bit for bit.
 What is refused
 ---------------
 The constructor refuses, with a ValueError naming the setting, what this adapter
-does not implement: expert tensor parallelism > 1, padding to capacity
+does not implement: padding to capacity
 (``moe_pad_expert_input_to_capacity``: the capacity mask then gives a token more
-than ``moe_router_topk`` experts), router padding for quantization, shared-expert
-overlap inside the dispatcher, CUDA graphs of the MoE layer,
+than ``moe_router_topk`` experts), router padding for quantization, CUDA graphs
+of the MoE layer,
 ``overlap_moe_expert_parallel_comm`` and the inference-optimized
 layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
 dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
 holds (with sequence parallelism, its sequence shard).
+
+Shared experts beside the exchange
+----------------------------------
+With ``moe_shared_expert_overlap=True``, ``MoELayer`` hands its shared experts to
+the dispatcher (``set_shared_experts``; ``install`` carries them over), which runs
+them as Megatron's ``alltoall`` dispatcher does, on their own stream: their input
+communication at ``dispatch_preprocess``, fc1 once the dispatch is issued, fc2 and
+their output communication once the combine is issued, their output added at
+``combine_postprocess``. On the NVLink engine the kernels of the exchange are then
+in flight beside them.
+
+Expert tensor parallelism
+-------------------------
+With ``expert_tensor_parallel_size`` P > 1 (``pg_collection.expt_tp``), as in
+Megatron's ``alltoall`` dispatcher: each rank dispatches its tokens over its EP
+group (the ranks of its expert-TP index); ``dispatch_postprocess`` gathers the
+rows of the P ranks of its expert-TP group (which hold the same experts, sharded)
+and orders them by local expert, then by expert-TP rank, then as dispatched
+(source EP rank, source token); ``tokens_per_expert`` counts them all.
+``combine_preprocess`` puts the experts' partial outputs back in expert-TP rank
+order and sums each rank's rows over the group (in fp32, ascending rank, cast
+once; Megatron's reduce-scatter): the experts leave that reduction to the
+dispatcher, as with Megatron's. Backward: the gather's gradient is that sum, the
+sum's is the gather.
 
 The engine's own options (``variant``, ``dispatch_wire``, ``combine_wire``, the
 gradient wires, ``check_inputs``, ...) are the fields of
@@ -145,12 +169,15 @@ class _InFlight:
         hidden_shape: shape of the layer's ``hidden_states``, restored at the end.
         topk_idx: ``[T, K]`` int64 routing of this round trip.
         dispatched: the engine's dispatch result, once ``token_dispatch`` ran.
+        tp_rows: the rows of the expert-TP group, once ``dispatch_postprocess`` ran
+            (expert tensor parallelism only).
     """
 
     next_stage: int
     hidden_shape: torch.Size
     topk_idx: torch.Tensor
     dispatched: dispatch.Dispatched | None = None
+    tp_rows: "_TensorParallelRows | None" = None
 
 
 def _group_size(group) -> int:
@@ -164,15 +191,11 @@ def _refusals(config) -> list[str]:
         return getattr(config, name, default)
 
     problems = []
-    if (get("expert_tensor_parallel_size") or 1) > 1:
-        problems.append(f"expert_tensor_parallel_size={get('expert_tensor_parallel_size')} (only 1 is supported)")
     if get("moe_pad_expert_input_to_capacity", False):  # dropping alone is the router's: rows of at most K
         problems.append("moe_pad_expert_input_to_capacity=True (padding to capacity: a row may name more than "
                         "moe_router_topk experts)")
     if get("moe_router_padding_for_quantization", False) or get("moe_router_padding_for_fp8", False):
         problems.append("moe_router_padding_for_quantization=True (routing map padding for fp8/fp4)")
-    if get("moe_shared_expert_overlap", False):
-        problems.append("moe_shared_expert_overlap=True (shared experts run inside the dispatcher)")
     if get("cuda_graph_impl", "none") not in (None, "none"):
         problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r} (the engine syncs with the host for split sizes)")
     if get("overlap_moe_expert_parallel_comm", False):
@@ -195,7 +218,7 @@ class MegatronDispatcher:
             docstring; any object with these attributes will do).
         pg_collection: Megatron's ``ProcessGroupCollection``; ``ep`` is the EP group
             (None: the default world), ``expt_tp`` the expert tensor parallel group
-            (must have size 1 when present).
+            (None: none; see the module's "Expert tensor parallelism").
         options: the engine's options, fields of :class:`dispatch.DispatchConfig`
             other than ``num_experts`` (``variant``, ``dispatch_wire``, ...).
     Raises:
@@ -230,8 +253,6 @@ class MegatronDispatcher:
             raise ValueError(f"config.moe_router_topk must be an int in [1, {num_experts}], got {topk!r}")
         problems = _refusals(config)
         expt_tp = getattr(pg_collection, "expt_tp", None)
-        if _group_size(expt_tp) > 1:
-            problems.append(f"pg_collection.expt_tp has {_group_size(expt_tp)} ranks (expert tensor parallelism)")
         if problems:
             raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
 
@@ -241,7 +262,8 @@ class MegatronDispatcher:
         self.tp_ep_group = getattr(pg_collection, "tp_ep", None)
         self.ep_size = dist.get_world_size(self.ep_group)  # None: the default world
         self.ep_rank = dist.get_rank(self.ep_group)
-        self.tp_size, self.tp_rank = 1, 0
+        self.tp_size = _group_size(expt_tp)
+        self.tp_rank = 0 if expt_tp is None else dist.get_rank(expt_tp)
         if num_experts % self.ep_size:
             raise ValueError(f"config.num_moe_experts={num_experts} is not a multiple of the EP group size {self.ep_size}")
         per_rank = num_experts // self.ep_size
@@ -267,8 +289,10 @@ class MegatronDispatcher:
     # -- what Megatron reads besides the stages --------------------------------
 
     def set_shared_experts(self, shared_experts) -> None:
-        """Refused: shared experts run in ``MoELayer`` (``moe_shared_expert_overlap=False``)."""
-        raise ValueError("MegatronDispatcher does not run shared experts; set moe_shared_expert_overlap=False")
+        """Run Megatron's shared experts (a ``SharedExpertMLP``) beside the exchange
+        (``moe_shared_expert_overlap``; see the module's "Shared experts beside the
+        exchange")."""
+        self.shared_experts = shared_experts
 
     def get_expert_zero_copy_buffers(self):
         """No zero-copy buffers: the experts allocate their outputs."""
@@ -315,6 +339,8 @@ class MegatronDispatcher:
                     "router padding (for quantization, or to capacity) is not supported"
                 )
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, self.topk)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
         # A new round trip may always start (one that raised half way is dropped).
         self._in_flight = _InFlight(next_stage=1, hidden_shape=hidden_states.shape, topk_idx=topk_idx)
         return hidden_states.reshape(num_tokens, hidden), topk_weights
@@ -329,23 +355,42 @@ class MegatronDispatcher:
             ``(tokens [N, H] dtype of hidden_states, permuted_probs [N] dtype of probs)``.
         """
         state = self._advance("token_dispatch")
+        shared = self.shared_experts
+        if shared is not None:
+            shared.wait_current_stream()
         out = self.engine.dispatch(hidden_states, state.topk_idx, probs)
+        if shared is not None:  # beside the exchange's kernels
+            shared.linear_fc1_forward_and_act(out.tokens)
         self._in_flight = dataclasses.replace(self._in_flight, dispatched=out)
         return out.tokens, out.weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Hands the rows to Megatron's experts; no communication.
+        """Hands the rows to Megatron's experts; with expert tensor parallelism,
+        first gathers those of the expert-TP group (a collective over it).
 
         Returns:
-            ``(tokens [N, H], tokens_per_expert [E_local] int64 on the CPU, permuted_probs [N])``.
+            ``(tokens [N, H], tokens_per_expert [E_local] int64 on the CPU, permuted_probs [N])``;
+            with expert-TP size P, N and the counts are those of the P ranks together.
         """
         state = self._advance("dispatch_postprocess")
-        return hidden_states, state.dispatched.tokens_per_expert_host, probs
+        counts = state.dispatched.tokens_per_expert_host
+        if self.tp_size == 1:
+            return hidden_states, counts, probs
+        rows = _TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device)
+        self._in_flight = dataclasses.replace(self._in_flight, tp_rows=rows)
+        tokens = rows.by_expert(_GatherRows.apply(hidden_states, rows))
+        permuted_probs = rows.by_expert(_GatherRows.apply(probs, rows))
+        return tokens, rows.per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Nothing to do: the expert outputs ``[N, H]`` are already in dispatch order."""
-        self._advance("combine_preprocess")
-        return hidden_states
+        """Nothing to do without expert tensor parallelism (the expert outputs
+        ``[N, H]`` are in dispatch order); with it, the sum of each of this rank's
+        rows over the expert-TP group (a collective over it)."""
+        state = self._advance("combine_preprocess")
+        if self.tp_size == 1:
+            return hidden_states
+        rows = state.tp_rows
+        return _SumRows.apply(rows.by_rank(hidden_states), rows)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The engine's combine, unweighted (the experts applied the probs).
@@ -357,12 +402,21 @@ class MegatronDispatcher:
             no rows, that of the ranks whose did): per token, the sum of its rows.
         """
         state = self._advance("token_combine")
-        return self.engine.combine(hidden_states, state.dispatched.handle, weights=None)
+        shared = self.shared_experts
+        if shared is not None:
+            shared.wait_current_stream()
+        out = self.engine.combine(hidden_states, state.dispatched.handle, weights=None)
+        if shared is not None:  # beside the exchange's kernels
+            shared.linear_fc2_forward(out)
+            shared.post_forward_comm()
+        return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[T, H]`` back to the shape of the layer's input (``[S, B, H]``)."""
+        """``[T, H]`` back to the shape of the layer's input (``[S, B, H]``), plus the
+        shared experts' output where they run here."""
         state = self._advance("combine_postprocess")
-        return hidden_states.view(*state.hidden_shape[:-1], hidden_states.shape[-1])
+        out = hidden_states.view(*state.hidden_shape[:-1], hidden_states.shape[-1])
+        return out if self.shared_experts is None else out + self.shared_experts.get_output()
 
     def _advance(self, name: str) -> _InFlight:
         """The round trip's state, checked to be at stage ``name``; moves it on (the
@@ -376,6 +430,117 @@ class MegatronDispatcher:
         last = state.next_stage == len(STAGES) - 1
         self._in_flight = None if last else dataclasses.replace(state, next_stage=state.next_stage + 1)
         return state
+
+
+# ----------------------------------------------------------------------------- expert tensor parallelism
+
+
+@dataclass(frozen=True)
+class _TensorParallelRows:
+    """The rows of one expert-TP group: ``counts[p][e]`` rows of local expert e
+    dispatched to TP rank p, whose rows come in expert order ([e][source]).
+
+    Attributes:
+        counts: host, [P][E_local].
+        group, rank: the expert-TP group and this rank in it.
+        order: [sum] int64, position in the gathered rows ([p][e] chunks) of each
+            row in expert order ([e][p] chunks).
+        restore: the inverse permutation.
+        per_expert: [E_local] int64 on the CPU, rows of each local expert over the group.
+    """
+
+    counts: tuple[tuple[int, ...], ...]
+    group: dist.ProcessGroup
+    rank: int
+    order: torch.Tensor
+    restore: torch.Tensor
+    per_expert: torch.Tensor
+
+    @staticmethod
+    def gather_counts(counts: torch.Tensor, group, size: int, device: torch.device) -> "_TensorParallelRows":
+        """Every TP rank's rows per local expert (one small all-gather, a host read)."""
+        from dispatch import comm, plan
+
+        gathered = comm.all_gather_rows(plan.to_device(counts.to(torch.int64), device), group, size).cpu()
+        table = tuple(tuple(row) for row in gathered.tolist())  # host sync: the group's row counts
+        starts, at = [], 0
+        for row in table:
+            starts.append([])
+            for n in row:
+                starts[-1].append(at)
+                at += n
+        order = [i for e in range(len(table[0])) for p in range(size)
+                 for i in range(starts[p][e], starts[p][e] + table[p][e])]
+        order_t = torch.tensor(order, dtype=torch.int64)
+        restore = torch.empty_like(order_t)
+        restore[order_t] = torch.arange(len(order), dtype=torch.int64)
+        return _TensorParallelRows(table, group, dist.get_rank(group), order_t.to(device), restore.to(device),
+                                   gathered.sum(0))
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sum(row) for row in self.counts)
+
+    def by_expert(self, gathered: torch.Tensor) -> torch.Tensor:
+        """[p][e] chunks -> [e][p] chunks (Megatron's order for its experts)."""
+        return gathered.index_select(0, self.order)
+
+    def by_rank(self, rows: torch.Tensor) -> torch.Tensor:
+        """[e][p] chunks -> [p][e] chunks."""
+        return rows.index_select(0, self.restore)
+
+
+def _gather(rows: torch.Tensor, tp: _TensorParallelRows) -> torch.Tensor:
+    """Every TP rank's rows, in rank order (an all-to-all of this rank's rows to each)."""
+    from dispatch import comm
+
+    sizes = tp.sizes
+    mine = sizes[tp.rank]
+    return comm.all_to_all_rows(rows.repeat(len(sizes), *([1] * (rows.dim() - 1))), (mine,) * len(sizes), sizes,
+                                tp.group)
+
+
+def _sum_over_ranks(rows: torch.Tensor, tp: _TensorParallelRows) -> torch.Tensor:
+    """Each rank's chunk of ``rows`` ([p] chunks) summed over the group's copies:
+    in fp32 (fp64 for fp64), ascending rank, cast once."""
+    from dispatch import comm
+
+    sizes = tp.sizes
+    mine = sizes[tp.rank]
+    parts = comm.all_to_all_rows(rows.contiguous(), sizes, (mine,) * len(sizes), tp.group)
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    total = torch.zeros(mine, *rows.shape[1:], dtype=acc, device=rows.device)
+    for p in range(len(sizes)):
+        total += parts[p * mine : (p + 1) * mine].to(acc)
+    return total.to(rows.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: the rows of every rank of the expert-TP group; backward: the sum of
+    this rank's gradient rows over the group."""
+
+    @staticmethod
+    def forward(ctx, rows, tp):
+        ctx.tp = tp
+        return _gather(rows, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_over_ranks(grad, ctx.tp), None
+
+
+class _SumRows(torch.autograd.Function):
+    """Forward: the sum of this rank's rows over the expert-TP group; backward: the
+    gradient of every rank's rows (gathered)."""
+
+    @staticmethod
+    def forward(ctx, rows, tp):
+        ctx.tp = tp
+        return _sum_over_ranks(rows, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad.contiguous(), ctx.tp), None
 
 
 def _describe(value) -> str:
@@ -413,6 +578,9 @@ def install(moe_layer, **options) -> MegatronDispatcher:
     dispatcher = MegatronDispatcher(
         moe_layer.num_local_experts, moe_layer.local_expert_indices, moe_layer.config, groups, options=options
     )
+    shared = getattr(old, "shared_experts", None)
+    if shared is not None:  # MoELayer handed them to its dispatcher (moe_shared_expert_overlap)
+        dispatcher.set_shared_experts(shared)
     moe_layer.token_dispatcher = dispatcher
     return dispatcher
 
