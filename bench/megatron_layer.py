@@ -9,10 +9,13 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
    through ``dispatch.integrations.megatron.install``. Same input, same output
    gradient: the outputs, the input gradients and every parameter gradient must
    agree within bf16 tolerance (max |a - b| / max |a| per tensor, worst rank).
-2. ``train``: a small ``GPTModel`` with MoE layers, built twice with the same
-   weights, trained ``--steps`` steps on one fixed batch each way (Adam, gradients
-   of the dense parameters averaged over the world): the losses must agree step by
-   step (fp32 and bf16 parameters, each with its own tolerance).
+2. ``train``: a small two-layer ``GPTModel`` with MoE layers, built twice with the
+   same weights, trained ``--steps`` steps on one fixed batch each way (Adam,
+   gradients of the dense parameters averaged over the world): the losses must
+   agree step by step. Three runs: top-2 of 2 experts per rank in fp32 and in bf16,
+   and top-8 of 8 experts per rank in bf16 with token dropping (capacity factor
+   1.0, drop policy ``probs``: Megatron's router drops, both dispatchers move what
+   it kept).
 3. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
    expert FFN 2048, ``--experts`` experts, top-8, sigmoid scores) with each
    dispatcher swapped into the same layer; CUDA events after warm-up and a
@@ -53,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/megatron_layer.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="layer,train,timing", help="comma-separated: layer, train, timing")
     parser.add_argument("--world-size", type=int, help="ranks to start (default: all GPUs)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps each way (default 30)")
+    parser.add_argument("--steps", type=int, default=50, help="training steps each way (default 50)")
     parser.add_argument("--experts", type=int, default=256, help="experts of the timed layer (default 256)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the timed layer (default 4096)")
     parser.add_argument("--iters", type=int, default=10, help="timed forward+backward passes (default 10)")
@@ -136,8 +139,9 @@ def _job(args: argparse.Namespace) -> None:
         result["layer"] = _run_part("layer", check_layer)
     if "train" in args.parts:
         result["train"] = [
-            _run_part(f"train {dtype}", check_training, dtype, args.steps, extra={"dtype": dtype})
-            for dtype in ("fp32", "bf16")
+            _run_part(f"train {dtype} top-{topk}", check_training, dtype, args.steps, topk, capacity,
+                      extra={"dtype": dtype, "topk": topk, "capacity_factor": capacity})
+            for dtype, topk, capacity in (("fp32", 2, None), ("bf16", 2, None), ("bf16", 8, 1.0))
         ]
     if "timing" in args.parts:
         result["timing"] = _run_part("timing", time_layers, args)
@@ -321,13 +325,19 @@ def _train(model, batch, steps: int) -> list[float]:
     return losses
 
 
-def check_training(dtype: str, steps: int, seed: int = 4321) -> dict:
-    """A two-layer MoE ``GPTModel`` trained both ways: per-step loss agreement."""
+def check_training(dtype: str, steps: int, topk: int = 2, capacity_factor: float | None = None,
+                   seed: int = 4321) -> dict:
+    """A two-layer MoE ``GPTModel`` (``topk`` experts of ``topk`` per rank per token,
+    tokens dropped past ``capacity_factor`` by Megatron's router) trained both ways:
+    per-step loss agreement."""
     from dispatch.integrations.megatron import install_all
 
     vocab, seq, batch_size = 512, 128, 4
+    dropping = {} if capacity_factor is None else dict(moe_expert_capacity_factor=capacity_factor,
+                                                       moe_token_drop_policy="probs")
     config = moe_config(
-        hidden=256, ffn=256, experts=2 * dist.get_world_size(), topk=2, dtype=dtype, num_layers=2,
+        hidden=256, ffn=256, experts=max(topk, 2) * dist.get_world_size(), topk=topk, dtype=dtype, num_layers=2,
+        **dropping,
     )
     theirs = build_gpt(config, vocab, seq, seed)
     ours = build_gpt(config, vocab, seq, seed + 1)
@@ -344,6 +354,9 @@ def check_training(dtype: str, steps: int, seed: int = 4321) -> dict:
     diffs = [abs(a - b) / abs(a) for a, b in zip(theirs_losses, ours_losses)]
     return {
         "dtype": dtype,
+        "topk": topk,
+        "experts": config.num_moe_experts,
+        "capacity_factor": capacity_factor,
         "moe_layers": len(installed),
         "steps": steps,
         "tolerance": LOSS_TOLERANCE[dtype],
@@ -438,11 +451,14 @@ def report(result: dict, args: argparse.Namespace) -> None:
         )
     for run in result.get("train", []):
         passed &= run["passed"]
+        what = f"{run['dtype']}, top-{run['topk']}" + (
+            f", capacity factor {run['capacity_factor']}" if run.get("capacity_factor") is not None else "")
         if "error" in run:
-            lines.append(f"GPTModel training, {run['dtype']}: ERROR {run['error']} FAIL")
+            lines.append(f"GPTModel training, {what}: ERROR {run['error']} FAIL")
             continue
         lines.append(
-            f"GPTModel training, {run['dtype']}, {run['moe_layers']} MoE layers, {run['steps']} steps: loss "
+            f"GPTModel training, {what} of {run['experts']} experts, {run['moe_layers']} MoE layers, "
+            f"{run['steps']} steps: loss "
             f"{run['ours'][0]:.4f} -> {run['ours'][-1]:.4f}, max relative diff to megatron "
             f"{run['max_relative_diff']:.2e} (tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"
         )
