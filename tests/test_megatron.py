@@ -152,6 +152,17 @@ def test_expert_tensor_parallel_stages(worlds, world_size, tp):
         torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("config_extra", [
+    {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe_router"]},
+    {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router"]},
+    {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn"]},
+    {"cuda_graph_impl": "none"},
+])
+def test_graphs_that_leave_the_dispatcher_outside_are_accepted(worlds, config_extra):
+    (error,) = worlds(1).run(megatron_rank_fns.stage_error, [("none", 4, 2, config_extra, {})])
+    assert error is None, error
+
+
 def test_bf16_activations_with_fp32_probs(worlds):
     """Megatron's usual dtypes: bf16 hidden states, fp32 probs (router in fp32)."""
     routing = make_routing(2, 2, 2, [6, 4], "random", seed=3)
@@ -185,7 +196,13 @@ def test_routing_to_topk_lowest_experts_first_and_empty_slots():
          "moe_pad_expert_input_to_capacity"),
         ({}, {"capacity_factor": 1.0}, "unknown engine option(s) capacity_factor"),
         ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization"),
-        ({"cuda_graph_impl": "local"}, {}, "cuda_graph_impl"),
+        ({"cuda_graph_impl": "local"}, {}, "capturing whole layers"),
+        ({"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "moe_router"]}, {},
+         "capturing moe_preprocess"),
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"]}, {}, "capturing moe"),
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"]}, {},
+         "capturing moe_preprocess"),
+        ({"cuda_graph_impl": "full_iteration"}, {}, "capturing the whole iteration"),
         ({"overlap_moe_expert_parallel_comm": True}, {}, "overlap_moe_expert_parallel_comm"),
         ({"transformer_impl": "inference_optimized"}, {}, "inference_optimized"),
         ({}, {"chunks": 2}, "unknown engine option(s) chunks"),

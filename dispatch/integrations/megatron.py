@@ -45,7 +45,10 @@ The constructor refuses, with a ValueError naming the setting, what this adapter
 does not implement: padding to capacity
 (``moe_pad_expert_input_to_capacity``: the capacity mask then gives a token more
 than ``moe_router_topk`` experts), router padding for quantization, CUDA graphs
-of the MoE layer,
+that capture the dispatcher (``cuda_graph_modules`` with ``moe`` or
+``moe_preprocess``, whole layers, the whole iteration; graphs of attention and of
+the router alone, ``cuda_graph_impl="transformer_engine"`` with
+``cuda_graph_modules=["attn", "moe_router"]``, leave it outside and are accepted),
 ``overlap_moe_expert_parallel_comm`` and the inference-optimized
 layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
 dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
@@ -196,13 +199,34 @@ def _refusals(config) -> list[str]:
                         "moe_router_topk experts)")
     if get("moe_router_padding_for_quantization", False) or get("moe_router_padding_for_fp8", False):
         problems.append("moe_router_padding_for_quantization=True (routing map padding for fp8/fp4)")
-    if get("cuda_graph_impl", "none") not in (None, "none"):
-        problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r} (the engine syncs with the host for split sizes)")
+    captured = _captured_modules(get("cuda_graph_impl", "none"), get("cuda_graph_modules", ()))
+    if captured:
+        problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r} capturing {captured} (the dispatcher would run "
+                        "inside a CUDA graph, and it syncs with the host for split sizes; graphs of attention and of "
+                        "the router alone are accepted: cuda_graph_impl='transformer_engine', "
+                        "cuda_graph_modules=['attn', 'moe_router'])")
     if get("overlap_moe_expert_parallel_comm", False):
         problems.append("overlap_moe_expert_parallel_comm=True (stages run on Megatron's communication stream)")
     if get("transformer_impl") == "inference_optimized":
         problems.append("transformer_impl='inference_optimized' (inference dispatchers)")
     return problems
+
+
+def _captured_modules(impl, modules) -> str | None:
+    """What of the dispatcher Megatron's per-layer CUDA graphs would capture (None:
+    nothing; the graphs of attention and of the router end before the dispatcher's
+    first stage, ``dispatch_preprocess``, which runs in ``MoELayer.preprocess``)."""
+    if impl in (None, "none"):
+        return None
+    if impl not in ("local", "transformer_engine"):
+        return "the whole iteration"
+    names = {getattr(m, "name", m) for m in ([modules] if isinstance(modules, str) else list(modules or ()))}
+    if not names or names == {"full"}:
+        return "whole layers"
+    if impl == "local" and "moe_router" in names:  # Megatron's local graphs take moe_preprocess with it
+        names.add("moe_preprocess")
+    inside = sorted(names & {"moe", "moe_preprocess"})
+    return ", ".join(inside) or None
 
 
 class MegatronDispatcher:
