@@ -90,15 +90,7 @@ def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, top
     log.append("combine_postprocess")
     out = d.combine_postprocess(y)
     (out * grad_out.to(device)).sum().backward()
-    return {
-        "log": log,
-        "tokens": _cpu(tokens),
-        "tokens_per_expert": tokens_per_expert,
-        "permuted_probs": _cpu(permuted_probs),
-        "out": _cpu(out),
-        "x_grad": _cpu(x.grad),
-        "probs_grad": _cpu(p.grad),
-    }
+    return {"log": log, **_stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)}
 
 
 def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, tp: int):
@@ -132,6 +124,11 @@ def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts
     y = d.token_combine(y)
     out = d.combine_postprocess(y)
     (out * grad_out.to(device)).sum().backward()
+    return _stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)
+
+
+def _stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p) -> dict:
+    """What a stage round trip hands back to the test (on the CPU)."""
     return {
         "tokens": _cpu(tokens),
         "tokens_per_expert": tokens_per_expert,

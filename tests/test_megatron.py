@@ -31,6 +31,16 @@ def megatron_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_exp
     return routing_map, probs
 
 
+def rank_inputs(routing, rank: int, num_experts: int, dtype=torch.float64):
+    """Rank ``rank``'s Megatron-shaped inputs: x [S, B, H] (identity tokens), routing_map,
+    probs, and an output gradient like x."""
+    count = routing.num_tokens[rank]
+    x = identity_tokens(rank, count, HIDDEN, dtype).view(*seq_batch(count), HIDDEN)
+    routing_map, probs = megatron_routing(routing.topk_idx[rank], routing.topk_weights[rank], num_experts)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64).to(dtype)
+    return x, routing_map, probs, grad
+
+
 def seq_batch(count: int) -> tuple[int, int]:
     return (count // 2, 2) if count % 2 == 0 and count else (count, 1)
 
@@ -49,14 +59,8 @@ def test_stages_match_the_reference(worlds, world_size, data):
     routing = data.draw(routings(world_size, max_tokens=8))
     topk = routing.topk_idx[0].shape[1]
     num_experts, per_rank = routing.num_experts, routing.num_experts // world_size
-    args, inputs = [], []
-    for r in range(world_size):
-        count = routing.num_tokens[r]
-        x = identity_tokens(r, count, HIDDEN, torch.float64).view(*seq_batch(count), HIDDEN)
-        routing_map, probs = megatron_routing(routing.topk_idx[r], routing.topk_weights[r], num_experts)
-        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
-        args.append((x, routing_map, probs, grad, num_experts, topk, {}))
-        inputs.append((x, routing_map, probs, grad))
+    inputs = [rank_inputs(routing, r, num_experts) for r in range(world_size)]
+    args = [(*inp, num_experts, topk, {}) for inp in inputs]
     results = worlds(world_size).run(megatron_rank_fns.stage_round_trip, args)
 
     flat = [x.view(-1, HIDDEN) for x, *_ in inputs]
@@ -83,13 +87,8 @@ def test_shared_experts_run_beside_the_exchange(worlds):
     Megatron's alltoall dispatcher, and their output is added to the routed one
     (forward and backward)."""
     routing = make_routing(2, 2, 2, [6, 4], "random", seed=8)
-    args, inputs = [], []
-    for r in range(2):
-        x = identity_tokens(r, routing.num_tokens[r], HIDDEN, torch.float64).view(-1, 2, HIDDEN)
-        routing_map, probs = megatron_routing(routing.topk_idx[r], routing.topk_weights[r], 4)
-        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
-        args.append((x, routing_map, probs, grad, 4, 2, {}, 11))
-        inputs.append((x, routing_map, probs, grad))
+    inputs = [rank_inputs(routing, r, 4) for r in range(2)]
+    args = [(*inp, 4, 2, {}, 11) for inp in inputs]
     w1, w2 = megatron_rank_fns.shared_mlp_weights(HIDDEN, 11)
     for got, (x, routing_map, probs, grad) in zip(worlds(2).run(megatron_rank_fns.stage_round_trip, args), inputs):
         assert got["log"] == ["dispatch_preprocess", "pre", "token_dispatch", "wait", "fc1", "dispatch_postprocess",
@@ -113,14 +112,8 @@ def test_expert_tensor_parallel_stages(worlds, world_size, tp):
     routing_ep = make_routing(world_size, 4 // world_size, 3, [7, 0, 5, 6][:world_size], "random", seed=5)
     num_experts = routing_ep.num_experts
     per_rank = num_experts // ep
-    args, inputs = [], []
-    for r in range(world_size):
-        count = routing_ep.num_tokens[r]
-        x = identity_tokens(r, count, HIDDEN, torch.float64).view(*seq_batch(count), HIDDEN)
-        routing_map, probs = megatron_routing(routing_ep.topk_idx[r], routing_ep.topk_weights[r], num_experts)
-        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
-        args.append((x, routing_map, probs, grad, num_experts, 3, tp))
-        inputs.append((x, routing_map, probs, grad))
+    inputs = [rank_inputs(routing_ep, r, num_experts) for r in range(world_size)]
+    args = [(*inp, num_experts, 3, tp) for inp in inputs]
     results = worlds(world_size).run(megatron_rank_fns.stage_round_trip_expert_tp, args)
     flat = [x.view(-1, HIDDEN) for x, *_ in inputs]
     for rank, (got, (x, routing_map, probs, grad)) in enumerate(zip(results, inputs)):
