@@ -9,6 +9,8 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
    through ``dispatch.integrations.megatron.install``. Same input, same output
    gradient: the outputs, the input gradients and every parameter gradient must
    agree within bf16 tolerance (max |a - b| / max |a| per tensor, worst rank).
+   Then again with shared experts that each dispatcher runs beside its exchange
+   (``moe_shared_expert_overlap=True``; ``install`` hands them over).
 2. ``train``: a small two-layer ``GPTModel`` with MoE layers, built twice with the
    same weights, trained ``--steps`` steps on one fixed batch each way (Adam,
    gradients of the dense parameters averaged over the world): the losses must
@@ -137,6 +139,7 @@ def _job(args: argparse.Namespace) -> None:
     result = {}
     if "layer" in args.parts:
         result["layer"] = _run_part("layer", check_layer)
+        result["layer_shared"] = _run_part("layer with shared experts", check_layer, 1234, True)
     if "train" in args.parts:
         result["train"] = [
             _run_part(f"train {dtype} top-{topk}", check_training, dtype, args.steps, topk, capacity,
@@ -244,11 +247,14 @@ def _worst_over_ranks(values: dict[str, float]) -> dict[str, float]:
 # ----------------------------------------------------------------------------- 1. the layer
 
 
-def check_layer(seed: int = 1234) -> dict:
-    """Megatron's alltoall vs ours in the same ``MoELayer``: outputs and gradients."""
+def check_layer(seed: int = 1234, shared: bool = False) -> dict:
+    """Megatron's alltoall vs ours in the same ``MoELayer``: outputs and gradients;
+    with ``shared``, with shared experts run beside the exchange by each dispatcher
+    (``moe_shared_expert_overlap``)."""
     from dispatch.integrations.megatron import install
 
-    config = moe_config(hidden=512, ffn=256, experts=4 * dist.get_world_size(), topk=4)
+    extra = dict(moe_shared_expert_intermediate_size=256, moe_shared_expert_overlap=True) if shared else {}
+    config = moe_config(hidden=512, ffn=256, experts=4 * dist.get_world_size(), topk=4, **extra)
     theirs = build_moe_layer(config, seed)
     ours = build_moe_layer(config, seed + 1)
     ours.load_state_dict(theirs.state_dict())
@@ -267,6 +273,7 @@ def check_layer(seed: int = 1234) -> dict:
     errors = _worst_over_ranks(errors)
     return {
         "shape": {"tokens": 512, "hidden": 512, "experts": config.num_moe_experts, "topk": 4},
+        "shared_experts": shared,
         "tolerance": LAYER_TOLERANCE,
         "errors": errors,
         "passed": all(e <= LAYER_TOLERANCE for e in errors.values()) and len(errors) > 2,
@@ -437,15 +444,17 @@ def report(result: dict, args: argparse.Namespace) -> None:
     world = dist.get_world_size()
     lines = [f"Megatron-Core MoELayer: Megatron's alltoall dispatcher vs ours, {world} GPUs", ""]
     passed = True
-    if "layer" in result and "error" in result["layer"]:
-        passed = False
-        lines.append(f"layer check: ERROR {result['layer']['error']} FAIL")
-    elif "layer" in result:
-        layer = result["layer"]
+    for key, what in (("layer", "layer check"), ("layer_shared", "layer check, shared experts beside the exchange")):
+        if key not in result:
+            continue
+        layer = result[key]
         passed &= layer["passed"]
+        if "error" in layer:
+            lines.append(f"{what}: ERROR {layer['error']} FAIL")
+            continue
         worst = max(layer["errors"].items(), key=lambda kv: kv[1])
         lines.append(
-            f"layer check ({len(layer['errors'])} tensors: output, input grad, every parameter grad): "
+            f"{what} ({len(layer['errors'])} tensors: output, input grad, every parameter grad): "
             f"worst {worst[0]} {worst[1]:.2e} (tolerance {layer['tolerance']:.0e}) "
             f"{'PASS' if layer['passed'] else 'FAIL'}"
         )
