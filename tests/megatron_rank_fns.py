@@ -356,3 +356,77 @@ def run_doc_snippet_on_cpu(snippet: str):
         return float(scope["loss"]), len(scope["dispatchers"]), dtypes, missing
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def megatron_layer_expert_tp(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, tp: int):
+    """A real MoELayer with expert tensor parallelism ``tp`` (EP = world / tp; Megatron's
+    parallel state made for it, and destroyed after) and our dispatcher installed,
+    against the same layer on this rank alone without tensor parallelism. Each rank's
+    expert weights are its shard of the full experts' (fc1 by rows, fc2 by columns;
+    no gated linear unit). Returns outputs and gradients of both; the experts'
+    gradients of the local layer summed over the world and cut to this rank's shard."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dispatch.integrations.megatron import install
+
+        from bench_scripts import load
+
+        moe_config = load("megatron_layer").moe_config
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ep = world // tp
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+                                                 create_gloo_process_groups=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            common = dict(hidden=hidden, ffn=2 * hidden, experts=num_experts, topk=topk, dtype="fp32",
+                          use_cpu_initialization=True, moe_token_dispatcher_type="allgather", gated_linear_unit=False,
+                          activation_func=torch.nn.functional.gelu)
+            layer = _build_layer(moe_config(**common, expert_model_parallel_size=ep, expert_tensor_parallel_size=tp),
+                                 ProcessGroupCollection.use_mpu_process_groups())
+            one = _single_rank_group()
+            alone = ProcessGroupCollection(tp=one, ep=one, expt_tp=one, tp_ep=one, expt_dp=one)
+            local = _build_layer(moe_config(**common, expert_model_parallel_size=1), alone)
+        tp_rank, ep_rank = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
+        per_rank = num_experts // ep
+        _fill(local, 0, seed)
+        layer.router.weight.data.copy_(local.router.weight.data)
+        mine = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+        def shard(name, full):
+            rows = full.shape[0] // tp if "fc1" in name else full.shape[1] // tp
+            return full[tp_rank * rows : (tp_rank + 1) * rows] if "fc1" in name else full[:, tp_rank * rows : (tp_rank + 1) * rows]
+
+        for expert, full in zip(layer.experts.local_experts, local.experts.local_experts[mine]):
+            fulls = dict(full.named_parameters())
+            for name, p in expert.named_parameters():
+                p.data.copy_(shard(name, fulls[name].data))
+        dispatcher = install(layer)
+        assert dispatcher.tp_size == tp
+        gen = torch.Generator().manual_seed(seed * 7 + rank)
+        x = torch.randn(*shape, hidden, generator=gen)
+        grad = torch.randn(*shape, hidden, generator=gen)
+        results = {}
+        for name, module in (("ours", layer), ("local", local)):
+            inp = x.clone().requires_grad_()
+            out, bias = module(inp)
+            assert bias is None
+            (out * grad).sum().backward()
+            results[name] = {"out": _cpu(out), "x_grad": _cpu(inp.grad), "router_grad": _cpu(module.router.weight.grad)}
+        local_grads = [dict(e.named_parameters()) for e in local.experts.local_experts]
+        for grads in local_grads:  # every rank reduces every expert, in one order
+            for p in grads.values():
+                dist.all_reduce(p.grad)
+        local_grads = local_grads[mine]
+        results["ours"]["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())]
+                                           for e in layer.experts.local_experts]
+        results["local"]["expert_grads"] = [[_cpu(shard(n, grads[n].grad)) for n in sorted(grads)]
+                                            for grads in local_grads]
+        return results
+    finally:
+        parallel_state.destroy_model_parallel()

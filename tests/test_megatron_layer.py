@@ -57,6 +57,25 @@ def test_token_dropping_matches_all_experts_local(worlds, world_size, policy):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_tensor_parallel_layer_matches_all_experts_local(worlds, world_size):
+    """expert_tensor_parallel_size=2 (EP = world / 2): each rank's experts are shards of
+    the full ones; our dispatcher gathers the expert-TP group's rows and sums the
+    partial outputs back, so outputs and gradients are those of the full experts."""
+    import megatron_rank_fns
+
+    args = (5, 4, 2, 16, (6, 2), 2)
+    results = worlds(world_size).run(megatron_rank_fns.megatron_layer_expert_tp, [args] * world_size)
+    for rank, result in enumerate(results):
+        ours, local = result["ours"], result["local"]
+        for key in ("out", "x_grad", "router_grad"):
+            torch.testing.assert_close(ours[key], local[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert len(ours["expert_grads"]) == len(local["expert_grads"]) == 4 // (world_size // 2)
+        for mine, want in zip(ours["expert_grads"], local["expert_grads"]):
+            for a, b in zip(mine, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_install_refuses_what_is_not_a_moe_layer():
     from dispatch.integrations.megatron import install
 
