@@ -406,11 +406,13 @@ def megatron_layer_expert_tp(seed: int, num_experts: int, topk: int, hidden: int
             fulls = dict(full.named_parameters())
             for name, p in expert.named_parameters():
                 p.data.copy_(shard(name, fulls[name].data))
+        device = current_device()
+        layer, local = layer.to(device), local.to(device)
         dispatcher = install(layer)
         assert dispatcher.tp_size == tp
         gen = torch.Generator().manual_seed(seed * 7 + rank)
-        x = torch.randn(*shape, hidden, generator=gen)
-        grad = torch.randn(*shape, hidden, generator=gen)
+        x = torch.randn(*shape, hidden, generator=gen).to(device)
+        grad = torch.randn(*shape, hidden, generator=gen).to(device)
         results = {}
         for name, module in (("ours", layer), ("local", local)):
             inp = x.clone().requires_grad_()
