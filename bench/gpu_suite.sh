@@ -101,7 +101,7 @@ for part in "$@"; do
         --out "$RES/soak-bounded" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
-      step 150 megatron-layer python3 bench/megatron_layer.py --out "$RES"
+      step 240 megatron-layer python3 bench/megatron_layer.py --out "$RES"
       step 120 overlap-trace python3 bench/overlap_trace.py --chunks 4 --comm-max-ctas 2 --comm-high-priority \
         --out "$RES"
       bench 150 hierarchical dispatch --nodes 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b --routings uniform \
