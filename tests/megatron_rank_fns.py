@@ -55,10 +55,11 @@ def shared_mlp_weights(hidden: int, seed: int):
 
 
 def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, options: dict,
-                     shared_seed: int | None = None):
+                     shared_seed: int | None = None, config_extra: dict | None = None):
     """The six stages in MoELayer.forward's order, around experts that weight by the probs
     as Megatron's do and scale local expert i by (1 + i); then backward of sum(out * grad_out).
-    With ``shared_seed``, shared experts (``RecordingSharedExperts``) run in the dispatcher."""
+    With ``shared_seed``, shared experts (``RecordingSharedExperts``) run in the dispatcher;
+    ``config_extra``: more of Megatron's config."""
     device = current_device()
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -66,7 +67,7 @@ def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, top
     d = MegatronDispatcher(
         per_rank,
         list(range(rank * per_rank, (rank + 1) * per_rank)),
-        SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk),
+        SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, **(config_extra or {})),
         SimpleNamespace(ep=None),
         options=options,
     )
@@ -271,6 +272,16 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
     layer, local = layer.to(device), local.to(device)
     dispatcher = install(layer, **options)
     assert layer.token_dispatcher is dispatcher and parallel_state.model_parallel_is_initialized()
+    seen = {}
+    postprocess = dispatcher.dispatch_postprocess
+
+    def recording(tokens, probs):  # what our dispatcher hands the experts
+        seen["topk"] = dispatcher._in_flight.topk_idx.shape[1]
+        out = postprocess(tokens, probs)
+        seen["tokens_per_expert"] = out[1].clone()
+        return out
+
+    dispatcher.dispatch_postprocess = recording
 
     gen = torch.Generator().manual_seed(seed * 7 + rank)
     x = torch.randn(*shape, hidden, generator=gen).to(device)
@@ -289,6 +300,7 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
             dist.all_reduce(g)
     results["ours"]["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())] for e in layer.experts.local_experts]
     results["local"]["expert_grads"] = [[_cpu(g) for g in grads] for grads in local_grads[mine]]
+    results["ours"].update(seen)
     return results
 
 

@@ -82,6 +82,27 @@ def test_stages_match_the_reference(worlds, world_size, data):
         torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
 
 
+def test_padding_to_capacity_moves_rows_of_more_than_k_experts(worlds):
+    """moe_pad_expert_input_to_capacity: the router's capacity mask names up to every
+    expert per token (here 3 and 2 on the two ranks, with moe_router_topk=1); the
+    ranks agree on K' = 3 and the round trip is the dense layer's."""
+    routing = make_routing(2, 2, 3, [6, 5], "random", seed=9)
+    routing.topk_idx[1][:, 2] = -1  # rank 1: at most 2 experts per token
+    inputs = [rank_inputs(routing, r, 4) for r in range(2)]
+    args = [(*inp, 4, 1, {}, None, {"moe_pad_expert_input_to_capacity": True}) for inp in inputs]
+    flat = [x.view(-1, HIDDEN) for x, *_ in inputs]
+    ref = reference_dispatch(flat, routing.topk_idx, routing.topk_weights, 4)
+    for rank, (got, want, (x, routing_map, probs, grad)) in enumerate(
+            zip(worlds(2).run(megatron_rank_fns.stage_round_trip, args), ref, inputs)):
+        assert torch.equal(got["tokens"], want.tokens) and torch.equal(got["tokens_per_expert"], want.tokens_per_expert)
+        xl, pl = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        expected = dense_layer(xl, routing_map, pl, 2)
+        (expected * grad).sum().backward()
+        torch.testing.assert_close(got["out"], expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["x_grad"], xl.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
+
+
 def test_shared_experts_run_beside_the_exchange(worlds):
     """moe_shared_expert_overlap: the shared experts' calls come at the points of
     Megatron's alltoall dispatcher, and their output is added to the routed one
@@ -185,8 +206,6 @@ def test_routing_to_topk_lowest_experts_first_and_empty_slots():
 @pytest.mark.parametrize(
     "config_extra, options, needle",
     [
-        ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}, {},
-         "moe_pad_expert_input_to_capacity"),
         ({}, {"capacity_factor": 1.0}, "unknown engine option(s) capacity_factor"),
         ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization"),
         ({"cuda_graph_impl": "local"}, {}, "capturing whole layers"),

@@ -9,6 +9,8 @@ is ``python3 bench/megatron_layer.py``. Skipped without megatron-core.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -38,18 +40,29 @@ def test_layer_matches_all_experts_local(worlds, world_size, topk):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("policy", ["probs", "position"])
-def test_token_dropping_matches_all_experts_local(worlds, world_size, policy):
+@pytest.mark.parametrize("policy, pad, factor", [("probs", False, 0.5), ("position", False, 0.5), ("probs", True, 0.5),
+                                                 ("probs", True, 1.5), ("position", True, 1.5)])
+def test_token_dropping_matches_all_experts_local(worlds, world_size, policy, pad, factor):
     """moe_expert_capacity_factor: Megatron's router drops (each rank its own tokens, the
-    same on one rank alone); the dispatcher moves what it kept."""
+    same on one rank alone); the dispatcher moves what it kept. With
+    moe_pad_expert_input_to_capacity, every expert takes exactly its capacity of each
+    rank's tokens (padding with probability 0): with room to pad (factor 1.5), a token
+    names more than K experts."""
     import megatron_rank_fns
 
     num_experts = 2 * world_size
-    layer_config = dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy)
+    layer_config = dict(moe_expert_capacity_factor=factor, moe_token_drop_policy=policy,
+                        moe_pad_expert_input_to_capacity=pad)
     args = (7, num_experts, 2, 16, (6, 4), {}, layer_config)
     results = worlds(world_size).run(megatron_rank_fns.megatron_layer_vs_local, [args] * world_size)
+    capacity = math.ceil(24 * 2 / num_experts * factor)  # Megatron's, from each rank's 24 tokens
     for rank, result in enumerate(results):
         ours, local = result["ours"], result["local"]
+        if pad:  # every expert: its capacity from every rank; some token names more than K = 2 experts
+            assert torch.equal(ours["tokens_per_expert"], torch.full((2,), capacity * world_size)), ours
+            assert ours["topk"] > 2 or factor < 1, ours["topk"]
+        else:
+            assert ours["topk"] == 2 and int(ours["tokens_per_expert"].max()) <= capacity * world_size
         for key in ("out", "x_grad", "router_grad"):
             torch.testing.assert_close(ours[key], local[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {key}: {m}")
         for mine, want in zip(ours["expert_grads"], local["expert_grads"]):

@@ -42,9 +42,7 @@ activations the results agree within bf16 rounding, not bit for bit.
 What is refused
 ---------------
 The constructor refuses, with a ValueError naming the setting, what this adapter
-does not implement: padding to capacity
-(``moe_pad_expert_input_to_capacity``: the capacity mask then gives a token more
-than ``moe_router_topk`` experts), router padding for quantization, CUDA graphs
+does not implement: router padding for quantization, CUDA graphs
 that capture the dispatcher (``cuda_graph_modules`` with ``moe`` or
 ``moe_preprocess``, whole layers, the whole iteration; graphs of attention and of
 the router alone, ``cuda_graph_impl="transformer_engine"`` with
@@ -53,6 +51,18 @@ the router alone, ``cuda_graph_impl="transformer_engine"`` with
 layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
 dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
 holds (with sequence parallelism, its sequence shard).
+
+Padding to capacity
+-------------------
+With ``moe_pad_expert_input_to_capacity`` (and a capacity factor) Megatron's
+router hands over its capacity mask: every expert takes exactly its capacity of
+each rank's tokens, the padding being tokens with probability 0, so a token may
+name more than ``moe_router_topk`` experts. The dispatcher then moves rows of up
+to K' experts, K' the most any token of the EP group names (one small all-reduce
+and host read per dispatch): each expert gets its capacity of rows from every
+rank, in the order of Megatron's ``alltoall`` dispatcher (source rank, then
+token), the padding rows with probability 0. On the NVLink engine K' is at most
+32 (``transport="nccl"`` moves any K').
 
 Shared experts beside the exchange
 ----------------------------------
@@ -194,9 +204,6 @@ def _refusals(config) -> list[str]:
         return getattr(config, name, default)
 
     problems = []
-    if get("moe_pad_expert_input_to_capacity", False):  # dropping alone is the router's: rows of at most K
-        problems.append("moe_pad_expert_input_to_capacity=True (padding to capacity: a row may name more than "
-                        "moe_router_topk experts)")
     if get("moe_router_padding_for_quantization", False) or get("moe_router_padding_for_fp8", False):
         problems.append("moe_router_padding_for_quantization=True (routing map padding for fp8/fp4)")
     captured = _captured_modules(get("cuda_graph_impl", "none"), get("cuda_graph_modules", ()))
@@ -301,6 +308,7 @@ class MegatronDispatcher:
             )
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
+        self.pad_to_capacity = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         self.local_expert_indices = expected
         self.topk = topk
         self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
@@ -355,19 +363,31 @@ class MegatronDispatcher:
                 f"hidden_states ({hidden_states.device}), routing_map ({routing_map.device}) and probs "
                 f"({probs.device}) must be on one device"
             )
-        if self.engine.config.check_inputs and num_tokens:
+        topk = self.topk
+        if self.pad_to_capacity:  # the capacity mask: up to every expert per token
+            topk = self._padded_topk(routing_map)
+        elif self.engine.config.check_inputs and num_tokens:
             too_many = (routing_map.sum(dim=1) > self.topk).any()
             if bool(too_many):  # host sync: value check, only with check_inputs
                 raise ValueError(
                     f"routing_map has a row with more than moe_router_topk={self.topk} experts; "
-                    "router padding (for quantization, or to capacity) is not supported"
+                    "router padding for quantization is not supported"
                 )
-        topk_idx, topk_weights = routing_to_topk(routing_map, probs, self.topk)
+        topk_idx, topk_weights = routing_to_topk(routing_map, probs, topk)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
         # A new round trip may always start (one that raised half way is dropped).
         self._in_flight = _InFlight(next_stage=1, hidden_shape=hidden_states.shape, topk_idx=topk_idx)
         return hidden_states.reshape(num_tokens, hidden), topk_weights
+
+    def _padded_topk(self, routing_map: torch.Tensor) -> int:
+        """K' with padding to capacity: the most experts a token of the EP group names
+        (at least 1; the ranks must agree on K)."""
+        per_token = routing_map.sum(dim=1)
+        most = (per_token.amax() if per_token.numel() else per_token.new_zeros(())).reshape(1).to(torch.int64)
+        if self.ep_size > 1:
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return max(int(most), 1)  # host sync: K' of the group
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The engine's dispatch (collective over the EP group).
