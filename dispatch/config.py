@@ -92,6 +92,13 @@ class DispatchConfig:
         drop_policy: which slots an expert over its capacity keeps: ``"probs"``
             (the largest routing weights, ties to the earlier token) or
             ``"position"`` (the earliest tokens).
+        pad_to_capacity: with ``capacity_factor``, give every local expert a
+            fixed block of rows from every source rank s, min(C_s, T_s) rows
+            (C_s its capacity on rank s): the kept rows, then padding rows (zero
+            tokens and weights, sources -1). The outputs then have E_local *
+            sum_s min(C_s, T_s) rows whatever the routing (one small all-gather
+            of T per dispatch), and ``tokens_per_expert`` is that block sum for
+            every expert; the verbs along the handle take rows so laid out.
         timeout: seconds a rank waits for its peers before it raises a
             RuntimeError naming the ones that did not arrive (died, stalled or
             stopped calling), instead of hanging. NCCL transport: the wait at
@@ -118,6 +125,7 @@ class DispatchConfig:
     sm_budget: int | None = None
     capacity_factor: float | None = None
     drop_policy: str = "probs"
+    pad_to_capacity: bool = False
     timeout: float = 60.0
 
     def __post_init__(self) -> None:
@@ -152,6 +160,10 @@ class DispatchConfig:
         ):
             raise ValueError(f"capacity_factor must be None or a finite number > 0, got {self.capacity_factor!r}")
         _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        if not isinstance(self.pad_to_capacity, bool):
+            raise TypeError(f"pad_to_capacity must be a bool, got {type(self.pad_to_capacity).__name__}")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (the capacity it pads to)")
         _check_choice("transport", self.transport, TRANSPORTS)
         if self.transport == "nvlink" and self.variant != "alltoall":
             raise ValueError(f"transport='nvlink' needs variant='alltoall', got variant={self.variant!r}")

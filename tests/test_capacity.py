@@ -162,3 +162,94 @@ def test_token_chunks_refuse_a_capacity(worlds):
     config = dict(num_experts=4, capacity_factor=1.0, transport="nccl")
     for message in worlds(2).run(_chunked_with_capacity, [(config,)] * 2):
         assert message is not None and "chunks" in message and "capacity_factor" in message, message
+
+
+def _padded_against_plain(x, topk_idx, topk_weights, grad_out, config):
+    """The same round trip with pad_to_capacity and without (the same drops)."""
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, grad_out = x.to(device), topk_idx.to(device), grad_out.to(device)
+    got = {}
+    for pad in (False, True):
+        d = dispatch.create(dispatch.DispatchConfig(**config, pad_to_capacity=pad))
+        xx, ww = x.clone().requires_grad_(), topk_weights.to(device).requires_grad_()
+        out = d.dispatch(xx, topk_idx, ww)
+        y = out.tokens * 1.5 + out.tokens * out.tokens * 0.25
+        combined = d.combine(y, out.handle, weights=out.weights)
+        (combined * grad_out).sum().backward()
+        rows = d.dispatch_rows(x * 3, out.handle)
+        got[pad] = {key: value.detach().cpu() for key, value in dict(
+            tokens=out.tokens, weights=out.weights, src_rank=out.src_rank, src_token=out.src_token,
+            tokens_per_expert=out.tokens_per_expert, combined=combined, x_grad=xx.grad, w_grad=ww.grad, rows=rows,
+            summed=d.combine_rows(rows, out.handle)).items()}
+        got[pad]["tokens_per_expert_host"] = out.tokens_per_expert_host
+    return got
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
+@pytest.mark.parametrize("policy, factor", [("probs", 0.5), ("position", 1.0), ("probs", 10.0)])
+def test_pad_to_capacity_places_the_kept_rows_in_fixed_blocks(worlds, variant, policy, factor):
+    """pad_to_capacity: every local expert gets min(C_s, T_s) rows from each source
+    rank s (its kept rows in order, then zero rows of weight 0 and source -1), and
+    the round trip, its gradients and the moves along the handle are those of the
+    same dispatch without padding."""
+    world, experts, topk = 2, 4, 2
+    routing = make_routing(world, experts // world, topk, [12, 7], "random", seed=6)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(t, 8, generator=gen) for t in routing.num_tokens]
+    ws = [torch.rand(idx.shape, generator=gen) for idx in routing.topk_idx]
+    grads = [torch.randn(t, 8, generator=gen) for t in routing.num_tokens]
+    config = dict(num_experts=experts, variant=variant, capacity_factor=factor, drop_policy=policy, transport="nccl")
+    if variant == "hierarchical":
+        config["local_world_size"] = 1
+    got = worlds(world).run(_padded_against_plain, [(xs[r], routing.topk_idx[r], ws[r], grads[r], config)
+                                                    for r in range(world)])
+    blocks = [min(math.ceil(t * topk / experts * factor), t) for t in routing.num_tokens]
+    local = experts // world
+    for r in range(world):
+        plain, padded = got[r][False], got[r][True]
+        assert padded["tokens"].shape[0] == local * sum(blocks)
+        assert torch.equal(padded["tokens_per_expert"], torch.full((local,), sum(blocks)))
+        assert torch.equal(padded["tokens_per_expert_host"], torch.full((local,), sum(blocks)))
+        at = 0  # the plain rows, block by block
+        for e in range(local):
+            for s in range(world):
+                start = (e * sum(blocks) + sum(blocks[:s]))
+                mine = (plain["src_rank"] == s) & (torch.repeat_interleave(
+                    torch.arange(local), plain["tokens_per_expert"]) == e)
+                n = int(mine.sum())
+                assert n <= blocks[s]
+                for key, fill in (("tokens", 0), ("weights", 0), ("src_rank", -1), ("src_token", -1), ("rows", 0)):
+                    assert torch.equal(padded[key][start : start + n], plain[key][at : at + n]), (r, key, e, s)
+                    assert bool((padded[key][start + n : start + blocks[s]] == fill).all()), (r, key, e, s)
+                at += n
+        assert at == plain["tokens"].shape[0]
+        for key in ("combined", "x_grad", "w_grad", "summed"):
+            assert torch.equal(padded[key], plain[key]), (r, key)
+
+
+def test_pad_to_capacity_refused_by_name():
+    with pytest.raises(ValueError, match="pad_to_capacity"):
+        dispatch.DispatchConfig(num_experts=4, pad_to_capacity=True)
+    with pytest.raises(TypeError, match="pad_to_capacity"):
+        dispatch.DispatchConfig(num_experts=4, capacity_factor=1.0, pad_to_capacity=1)
+
+
+def _padded_with_max_rows(config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    try:
+        d.dispatch(torch.zeros(4, 8, device=device), torch.zeros(4, 1, dtype=torch.int64, device=device),
+                   torch.ones(4, 1, device=device), max_rows=64)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_pad_to_capacity_takes_no_max_rows(worlds):
+    config = dict(num_experts=4, capacity_factor=1.0, pad_to_capacity=True, transport="nccl")
+    for message in worlds(2).run(_padded_with_max_rows, [(config,)] * 2):
+        assert message is not None and message.startswith("max_rows:") and "pad_to_capacity" in message, message

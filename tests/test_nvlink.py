@@ -645,3 +645,29 @@ def test_a_rank_short_of_memory_is_refused_at_deepseek_size(worlds):
     assert [r[2] for r in first[:2]] == [rows, rows] and [r[2] for r in second[:2]] == [0, 0]
     assert first[2][0] == "ValueError" and "do not fit this rank's free device memory" in first[2][1], first[2]
     assert second[2][0] == "RuntimeError" and "rank 0 marked its input bad" in second[2][1], second[2]
+
+
+def _padded_round_trip(x, topk_idx, topk_weights, config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, capacity_factor=0.8, pad_to_capacity=True))
+    xx, ww = x.to(device).requires_grad_(), topk_weights.to(device).requires_grad_()
+    out = d.dispatch(xx, topk_idx.to(device), ww)
+    combined = d.combine(out.tokens * 2, out.handle, weights=out.weights)
+    combined.float().pow(2).sum().backward()
+    return {key: value.detach().cpu() for key, value in dict(
+        tokens=out.tokens, weights=out.weights, src_rank=out.src_rank, src_token=out.src_token, combined=combined,
+        x_grad=xx.grad, w_grad=ww.grad).items()}
+
+
+@needs_engine
+def test_pad_to_capacity_matches_nccl(worlds):
+    """pad_to_capacity on the engine (whose pull writes the rows' sources): the
+    padded blocks, the round trip and its gradients, bitwise NCCL's."""
+    routing = make_routing(WORLD, 4, 3, [90, 70], "random", seed=12)
+    xs, ws = _inputs(routing, 64, torch.bfloat16, seed=3)
+    got = {t: _run(worlds, _padded_round_trip, routing, xs, ws, dict(num_experts=routing.num_experts, transport=t))
+           for t in ("nccl", "nvlink")}
+    for r in range(WORLD):
+        _equal(got["nvlink"][r], got["nccl"][r], f"rank {r}")

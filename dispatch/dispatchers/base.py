@@ -65,10 +65,16 @@ class CombineHandle:
             exchange (host, from the counts exchange; the same on every rank).
             Where some rank has rows and another none, the partial sums' dtype
             is agreed (``TokenDispatcher._home_rows``).
-        max_rows: a dispatch with ``max_rows`` whose variant read N on the host:
-            the rows the verbs hand out and take (N received, then padding);
-            the variant moves N. None otherwise (a variant that bounds its
-            outputs on the device counts them in ``num_rows``).
+        max_rows: a dispatch with ``max_rows`` whose variant read N on the host,
+            or with ``pad_to_capacity``: the rows the verbs hand out and take
+            (the N received, padded); the variant moves N. None otherwise (a
+            variant that bounds its outputs on the device counts them in
+            ``num_rows``).
+        pad_blocks: with ``pad_to_capacity``, the rows each source rank has in
+            every local expert's block (min(C_s, T_s)); None otherwise.
+        pad_index: with ``pad_to_capacity``, [N] int64 on the device: where each
+            received row sits among the ``max_rows`` (set when the dispatch is
+            waited for); None otherwise (the N rows come first).
     """
 
     owner: "TokenDispatcher"
@@ -80,6 +86,8 @@ class CombineHandle:
     has_rows: tuple[bool, ...]
     link: torch.Tensor | None = None
     max_rows: int | None = None
+    pad_blocks: tuple[int, ...] | None = None
+    pad_index: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -92,7 +100,9 @@ class Dispatched:
     """The result of ``TokenDispatcher.dispatch``.
 
     Attributes:
-        tokens: [N, H] rows for the local experts, canonical order, dtype of x.
+        tokens: [N, H] rows for the local experts, canonical order, dtype of x
+            (with ``max_rows`` or ``pad_to_capacity``, padded: see ``dispatch``
+            and ``DispatchConfig``).
         tokens_per_expert: [E_local] int64 on the device of x.
         tokens_per_expert_host: [E_local] int64 on the CPU (the plan already had it:
             no extra synchronisation), for grouped GEMMs that size on the host;
@@ -189,8 +199,9 @@ class TokenDispatcher(abc.ABC):
                 disagree) are raised at a later host read (the next such
                 dispatch, or :meth:`check`). Elsewhere the plan reads N on the
                 host as always, and a rank over its bound makes every rank
-                raise a ValueError before any token moves (one more small
-                all-gather). Every rank passes one or none.
+                raise a ValueError before any token moves (the bounds travel
+                in the counts exchange). Every rank passes one or none; none
+                with ``pad_to_capacity``, which fixes the rows itself.
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
@@ -202,7 +213,18 @@ class TokenDispatcher(abc.ABC):
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
                                                             self.config.capacity_factor, self.config.drop_policy)
-        if max_rows is None:
+        pad = self.config.pad_to_capacity
+        if pad and max_rows is not None:
+            raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum "
+                             "of the ranks' capacities); dispatch without max_rows")
+        if pad:  # the blocks every rank pads to, before any row moves
+            blocks = self._capacity_blocks(x, topk_idx)
+            padded_rows = self.num_local_experts * sum(blocks)
+            memory_rows = self._row_budgets(x, None)[1]  # the N received and their padded copy, at once
+            handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
+                                          (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0)))
+            handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
+        elif max_rows is None:
             handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
                                           self._row_budgets(x, None))
         else:
@@ -391,6 +413,15 @@ class TokenDispatcher(abc.ABC):
 
     # -- what a variant provides ------------------------------------------
 
+    def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[int, ...]:
+        """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): one
+        small all-gather of T and a host read."""
+        config = self.config
+        mine = plan.to_device(torch.tensor([topk_idx.shape[0]], dtype=torch.int64), x.device)
+        tokens = comm.all_gather_rows(mine, self.group, self.world_size).flatten().tolist()  # host sync: every T
+        topk = topk_idx.shape[1]
+        return tuple(min(capacity.capacity(t, topk, config.num_experts, config.capacity_factor), t) for t in tokens)
+
     def row_bytes(self, x: torch.Tensor) -> int:
         """Bytes a dispatch of x allocates per row it receives: the row on the
         wire, the output row, its weight and sources (the free-memory budget)."""
@@ -507,6 +538,10 @@ class DispatchWork:
         dispatch started in; the autograd node of the dispatch is made here."""
         if self._result is None:
             dispatcher, x, topk_weights, plan_out, started, stats, dropped = self._args
+            if self.handle.pad_blocks is not None:  # the rows' places among the blocks, from their sources
+                moved = started.result()  # the caller's stream follows the exchange (the engine writes the sources)
+                started = Started(Pending.done(moved))
+                self.handle, plan_out = _pad_to_blocks(self.handle, plan_out, dispatcher.num_local_experts)
             anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
             tokens, weights, link = _DispatchFn.apply(
                 x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
@@ -544,7 +579,11 @@ class ExchangeWork:
 
 def _padded(rows: torch.Tensor, handle: CombineHandle, fill) -> torch.Tensor:
     """The N rows a variant moved, padded with ``fill`` to the ``max_rows`` of a
-    handle that has one (a dispatch with ``max_rows`` over a host read)."""
+    handle that has one (a dispatch with ``max_rows`` over a host read: after
+    them; with ``pad_to_capacity``: in their blocks, ``pad_index``)."""
+    if handle.pad_index is not None:
+        out = rows.new_full((handle.max_rows, *rows.shape[1:]), fill)
+        return out.index_copy_(0, handle.pad_index, rows)
     if handle.max_rows is None or rows.shape[0] == handle.max_rows:
         return rows
     pad = rows.new_full((handle.max_rows - rows.shape[0], *rows.shape[1:]), fill)
@@ -552,8 +591,31 @@ def _padded(rows: torch.Tensor, handle: CombineHandle, fill) -> torch.Tensor:
 
 
 def _received(rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
-    """The first N of a handle's ``max_rows`` rows: what the variant moves."""
+    """The N of a handle's ``max_rows`` rows that the variant moves."""
+    if handle.pad_index is not None:
+        return rows.index_select(0, handle.pad_index)
     return rows if handle.max_rows is None else rows[: handle.num_rows]
+
+
+def _pad_to_blocks(handle: CombineHandle, plan_out: "PlanOutputs", local: int):
+    """(handle with ``pad_index``, plan outputs counting the blocks) of a
+    ``pad_to_capacity`` dispatch: received row i of local expert e from source
+    s goes to e * sum(B) + B_0 + .. + B_{s-1} + (its place among (e, s)'s rows),
+    from the rows' sources and counts on the device (no host read)."""
+    blocks = torch.tensor(handle.pad_blocks, dtype=torch.int64)
+    width, starts = int(blocks.sum()), torch.cumsum(blocks, 0) - blocks
+    device = plan_out.src_rank.device
+    rows, world = handle.num_rows, len(handle.pad_blocks)
+    expert = torch.repeat_interleave(torch.arange(local, device=device), plan_out.tokens_per_expert,
+                                     output_size=rows)
+    key = expert * world + plan_out.src_rank  # canonical order: ascending key
+    sizes = torch.zeros(local * world, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    first = torch.cumsum(sizes, 0) - sizes
+    place = torch.arange(rows, device=device) - first[key]
+    index = expert * width + starts.to(device)[plan_out.src_rank] + place
+    per_expert = torch.full((local,), width, dtype=torch.int64)
+    plan_out = dataclasses.replace(plan_out, tokens_per_expert=per_expert.to(device), tokens_per_expert_host=per_expert)
+    return dataclasses.replace(handle, pad_index=index), plan_out
 
 
 def _present(*tensors) -> tuple:

@@ -113,7 +113,7 @@ __all__ = ["ENGINE_OPTIONS", "STAGES", "MegatronDispatcher", "install", "install
 # DispatchConfig fields a user may set; num_experts comes from Megatron's config.
 # token dropping is Megatron's router's (moe_expert_capacity_factor), not the engine's here
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(DispatchConfig)
-                       if f.name not in ("num_experts", "capacity_factor", "drop_policy"))
+                       if f.name not in ("num_experts", "capacity_factor", "drop_policy", "pad_to_capacity"))
 
 _INSTALL_HINT = 'pip install megatron-core (or pip install "moe-dispatch[megatron]")'
 
