@@ -14,6 +14,8 @@
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
 #             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
+#   megatron-scenarios  bench/megatron_scenarios.py: Megatron-Core's own dispatcher test
+#             scenarios, its dispatcher and ours (Megatron-LM's test sources carried in .megatron-lm/)
 #   studies   the bench/ scripts: wire formats, a Megatron-Core MoELayer, the
 #             overlap layer's timelines (C = 4, slowed exchange), and the ranks as
 #             2 nodes (hierarchical tiers, bytes per tier)
@@ -99,6 +101,9 @@ for part in "$@"; do
       step 280 soak-nvlink python3 bench/soak.py --calls 10000 --transports nvlink --out "$RES/soak-nvlink"
       step 280 soak-bounded python3 bench/soak.py --calls 10000 --transports nvlink-bounded \
         --out "$RES/soak-bounded" ;;
+    megatron-scenarios)
+      step 400 megatron-scenarios python3 -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+        bench/megatron_scenarios.py --megatron-lm .megatron-lm --out "$RES" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
       step 240 megatron-layer python3 bench/megatron_layer.py --out "$RES"
