@@ -285,3 +285,15 @@ def test_layer_script_needs_cuda(capsys):
 
     assert load("megatron_layer").main(["--parts", "layer"]) == 2
     assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_scenarios_script_shapes_and_refusals(tmp_path, capsys):
+    """bench/megatron_scenarios.py: the shapes a world of 2 holds, and a clear exit 2
+    without Megatron-LM's test sources or outside torchrun (it runs on GPUs)."""
+    from bench_scripts import load
+
+    scenarios = load("megatron_scenarios")
+    assert scenarios.shapes(2) == [(1, 2, 1), (2, 1, 2), (2, 1, 1), (1, 1, 2), (1, 1, 1)]
+    assert scenarios.shapes(1) == [(1, 1, 1)]
+    assert scenarios.main(["--megatron-lm", str(tmp_path)]) == 2
+    assert "no Megatron-LM tests" in capsys.readouterr().err
