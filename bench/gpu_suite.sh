@@ -75,7 +75,7 @@ for part in "$@"; do
       step 560 pytest python3 -m pytest -q -p no:cacheprovider --durations=15 tests ;;
     dispatch)
       bench 330 dispatch dispatch --transports nccl,nvlink,nvlink-graph --iters 20 --warmup 5 --out "$RES"
-      bench 150 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
+      bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     overlap)
       bench 240 overlap overlap --out "$RES"
       bench 240 overlap-slow overlap --comm-max-ctas 2 --comm-high-priority --out "$RES" ;;
