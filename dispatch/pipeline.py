@@ -147,6 +147,7 @@ class _PipelineFn(torch.autograd.Function):
         with layer._priority():
             for c in range(chunks):
                 out, works[c] = works[c].wait(), None
+                handles[c] = out.handle  # as waited for (a pad_to_capacity dispatch places its rows then)
                 weights[c] = out.weights
                 if chunked is not None:
                     chunked.set_counts(c, out.tokens_per_expert, out.tokens_per_expert_host)

@@ -253,3 +253,45 @@ def test_pad_to_capacity_takes_no_max_rows(worlds):
     config = dict(num_experts=4, capacity_factor=1.0, pad_to_capacity=True, transport="nccl")
     for message in worlds(2).run(_padded_with_max_rows, [(config,)] * 2):
         assert message is not None and message.startswith("max_rows:") and "pad_to_capacity" in message, message
+
+
+def _layer_padded_against_plain(x, topk_idx, topk_weights):
+    """MoEExchange with GroupedExperts, with pad_to_capacity and without: outputs and
+    gradients; then a move along a pad_to_capacity dispatch's handle before its wait."""
+    from dispatch.experts import GroupedExperts
+
+    got = []
+    for pad in (True, False):
+        d = dispatch.create(dispatch.DispatchConfig(num_experts=4, capacity_factor=0.7, pad_to_capacity=pad,
+                                                    transport="nccl"))
+        torch.manual_seed(0)
+        experts = GroupedExperts(2, 8, 16)
+        xx = x.clone().requires_grad_()
+        out = dispatch.MoEExchange(d, experts, chunks=1)(xx, topk_idx, topk_weights)
+        out.sum().backward()
+        got.append((out.detach(), xx.grad, [p.grad.clone() for p in experts.parameters()]))
+    d_pad = dispatch.create(dispatch.DispatchConfig(num_experts=4, capacity_factor=0.7, pad_to_capacity=True,
+                                                           transport="nccl"))
+    work = d_pad.dispatch(x, topk_idx, topk_weights, async_op=True)
+    try:
+        d_pad.dispatch_rows(x, work.handle)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    work.wait()
+    (a, ga, pa), (b, gb, pb) = got
+    return torch.equal(a, b) and torch.equal(ga, gb) and all(torch.equal(u, v) for u, v in zip(pa, pb)), refused
+
+
+def test_pad_to_capacity_in_the_layer(worlds):
+    """MoEExchange on a pad_to_capacity dispatcher: the experts see the padded blocks,
+    the layer's output and every gradient are those without padding; moving rows
+    along the handle of a dispatch not yet waited for is refused (its rows are placed
+    at the wait)."""
+    routing = make_routing(2, 2, 2, [10, 7], "random", seed=1)
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(t, 8, generator=gen) for t in routing.num_tokens]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r]) for r in range(2)]
+    for same, refused in worlds(2).run(_layer_padded_against_plain, args):
+        assert same
+        assert refused is not None and refused.startswith("handle:") and "wait" in refused, refused
