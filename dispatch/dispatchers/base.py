@@ -381,6 +381,8 @@ class TokenDispatcher(abc.ABC):
     def _check_handle(self, handle: object) -> None:
         if not isinstance(handle, CombineHandle) or not self._made(handle):
             raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
+        if handle.pad_blocks is not None and handle.pad_index is None:
+            _check_placed(handle)
 
     def _home_rows(self, rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
         """``rows``, expert outputs about to go home, in the dtype in which the
