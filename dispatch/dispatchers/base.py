@@ -526,7 +526,8 @@ class DispatchWork:
 
     Attributes:
         handle: the :class:`CombineHandle` of this dispatch (also
-            ``wait().handle``).
+            ``wait().handle``; with ``pad_to_capacity``, only ``wait().handle``
+            moves rows: the rows are placed in their blocks at the wait).
     """
 
     def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: Started, stats, dropped) -> None:
