@@ -240,6 +240,22 @@ def _fill(layer, first_expert: int, seed: int) -> None:
             p.data.copy_(torch.randn(p.shape, generator=gen) * 0.3)
 
 
+def _forward_backward(layers, seed: int, shape: tuple, hidden: int, device) -> dict:
+    """One input and output gradient from ``seed``; each (name, MoELayer)'s output, input
+    gradient and router gradient (on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, hidden, generator=gen).to(device)
+    grad = torch.randn(*shape, hidden, generator=gen).to(device)
+    results = {}
+    for name, module in layers:
+        inp = x.clone().requires_grad_()
+        out, bias = module(inp)
+        assert bias is None
+        (out * grad).sum().backward()
+        results[name] = {"out": _cpu(out), "x_grad": _cpu(inp.grad), "router_grad": _cpu(module.router.weight.grad)}
+    return results
+
+
 def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, options: dict,
                             layer_config: dict | None = None):
     """A real MoELayer over the whole world with our dispatcher installed, against the same
@@ -283,16 +299,7 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
 
     dispatcher.dispatch_postprocess = recording
 
-    gen = torch.Generator().manual_seed(seed * 7 + rank)
-    x = torch.randn(*shape, hidden, generator=gen).to(device)
-    grad = torch.randn(*shape, hidden, generator=gen).to(device)
-    results = {}
-    for name, module in (("ours", layer), ("local", local)):
-        inp = x.clone().requires_grad_()
-        out, bias = module(inp)
-        assert bias is None
-        (out * grad).sum().backward()
-        results[name] = {"out": _cpu(out), "x_grad": _cpu(inp.grad), "router_grad": _cpu(module.router.weight.grad)}
+    results = _forward_backward((("ours", layer), ("local", local)), seed * 7 + rank, shape, hidden, device)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     local_grads = [[p.grad.clone() for _, p in sorted(e.named_parameters())] for e in local.experts.local_experts]
     for grads in local_grads:
@@ -422,16 +429,7 @@ def megatron_layer_expert_tp(seed: int, num_experts: int, topk: int, hidden: int
         layer, local = layer.to(device), local.to(device)
         dispatcher = install(layer)
         assert dispatcher.tp_size == tp
-        gen = torch.Generator().manual_seed(seed * 7 + rank)
-        x = torch.randn(*shape, hidden, generator=gen).to(device)
-        grad = torch.randn(*shape, hidden, generator=gen).to(device)
-        results = {}
-        for name, module in (("ours", layer), ("local", local)):
-            inp = x.clone().requires_grad_()
-            out, bias = module(inp)
-            assert bias is None
-            (out * grad).sum().backward()
-            results[name] = {"out": _cpu(out), "x_grad": _cpu(inp.grad), "router_grad": _cpu(module.router.weight.grad)}
+        results = _forward_backward((("ours", layer), ("local", local)), seed * 7 + rank, shape, hidden, device)
         local_grads = [dict(e.named_parameters()) for e in local.experts.local_experts]
         for grads in local_grads:  # every rank reduces every expert, in one order
             for p in grads.values():
