@@ -3,6 +3,7 @@ byte accounting against hand-computed cases, the #wrong check, CLI errors."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -140,3 +141,21 @@ def test_main_job_defaults_cover_both_benchmarks():
     assert args.shapes == list(common.GPU_SHAPES if on_gpus else common.CPU_SHAPES)
     assert args.routings == list(roundtrip.ROUTINGS)
     assert args.max_bytes == (1 << 30 if on_gpus else 4 << 20) and args.iters >= 20
+
+
+def test_group_dedup_study_counts_what_it_models():
+    """bench/group_dedup.py: the modelled rows per group exchange match a sampled
+    routing's, one group costs nothing, and more groups cost more."""
+    from bench_scripts import load
+
+    study = load("group_dedup")
+    assert study.hit(8, 2, 8) == 1.0 and study.hit(8, 2, 0) == 0.0
+    for tokens, experts, topk, world in ((4096, 64, 4, 2), (4096, 16, 2, 4)):
+        base = study.sampled_rows(tokens, experts, topk, world, 1, seed=3)
+        assert abs(base / (tokens * (world - 1) * study.hit(experts, topk, experts // world)) - 1) < 0.03
+        for groups in (2, 4):
+            modelled = tokens * (world - 1) * groups * study.hit(experts, topk, experts // world // groups)
+            assert abs(study.sampled_rows(tokens, experts, topk, world, groups, seed=3) / modelled - 1) < 0.03
+    table = study.rows(argparse.Namespace(worlds=[2], groups=[1, 2, 4]))
+    deepseek = [r["ratio"] for r in table if r["shape"] == "deepseek-v3"]
+    assert deepseek[0] == 1.0 and deepseek[0] < deepseek[1] < deepseek[2]
