@@ -24,66 +24,48 @@ __device__ __forceinline__ int block_scan(bool flag, int* total) {
   return before + in_warp;
 }
 
-// Slots of a token read together (their loads in flight at once), kIds at a time.
-constexpr int kIds = 8;
-
-// Expert ids [k0, k0 + kIds) of a row of `topk`: ids in [0, E) as they are, -1
-// for an empty slot (and past the row), -2 for an id outside [-1, E).
-template <typename IdxT>
-__device__ __forceinline__ void load_ids(const IdxT* row, int k0, int topk, int experts, int (&ids)[kIds]) {
-#pragma unroll
-  for (int i = 0; i < kIds; ++i) {
-    const long long e = k0 + i < topk ? (long long)row[k0 + i] : -1;
-    ids[i] = e >= 0 && e < experts ? (int)e : e == -1 ? -1 : -2;
-  }
-}
-
 // The per-slot fields of token t (route_layout's blocks from E on).
 template <typename IdxT, typename WT>
 __device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* weights, int t, int topk, int experts,
                                              int experts_per_rank, Slot* route, Slot* shared, unsigned* hit,
                                              int* bad, int* block_sends) {
-  const long long first = (long long)t * topk;
   unsigned mask = 0;
-  bool wrong = false;
-  for (int k0 = 0; k0 < topk; k0 += kIds) {
-    int ids[kIds];
-    WT w[kIds];
-    load_ids(topk_idx + first, k0, topk, experts, ids);
-#pragma unroll
-    for (int i = 0; i < kIds; ++i) w[i] = k0 + i < topk ? weights[first + k0 + i] : WT(0);
-#pragma unroll
-    for (int i = 0; i < kIds; ++i) {
-      const int k = k0 + i, e = ids[i];
-      if (k >= topk) break;
-      const bool valid = e >= 0;
-      int w_lo, w_hi = 0;
-      if (sizeof(WT) == 8) {
-        const long long bits = __double_as_longlong((double)w[i]);
-        w_lo = (int)(bits & 0xffffffffll);
-        w_hi = (int)(bits >> 32);
-      } else {
-        w_lo = __float_as_int((float)w[i]);
-      }
-      // pos is the expert blocks' (another block); these fields are this thread's
-      Slot* const targets[2] = {route + first + k, shared == nullptr ? nullptr : shared + first + k};
-      for (Slot* s : targets) {
-        if (s == nullptr) continue;
-        s->expert = valid ? e : -1;
-        if (!valid) s->pos = -1;
-        s->w_lo = w_lo;
-        s->w_hi = w_hi;
-      }
-      if (valid) mask |= 1u << (e / experts_per_rank);
-      wrong |= e == -2 || !(fabs((double)w[i]) <= 1.7976931348623157e308);
-#pragma unroll
-      for (int j = 0; j < kIds; ++j) wrong |= j < i && valid && ids[j] == e;  // the same id earlier in the chunk
-      for (int j = 0; j < k0 && valid; ++j) wrong |= (long long)topk_idx[first + j] == e;  // in an earlier chunk
+  for (int k = 0; k < topk; ++k) {
+    const long long at = (long long)t * topk + k;
+    const long long e = (long long)topk_idx[at];
+    const bool valid = e >= 0 && e < experts;
+    int w_lo, w_hi = 0;
+    if (sizeof(WT) == 8) {
+      const long long bits = __double_as_longlong((double)weights[at]);
+      w_lo = (int)(bits & 0xffffffffll);
+      w_hi = (int)(bits >> 32);
+    } else {
+      w_lo = __float_as_int((float)weights[at]);
     }
+    // pos is the expert blocks' (another block); these fields are this thread's
+    Slot* const targets[2] = {route + at, shared == nullptr ? nullptr : shared + at};
+    for (Slot* s : targets) {
+      if (s == nullptr) continue;
+      s->expert = valid ? (int)e : -1;
+      if (!valid) s->pos = -1;
+      s->w_lo = w_lo;
+      s->w_hi = w_hi;
+    }
+    if (valid) mask |= 1u << (int)(e / experts_per_rank);
   }
   hit[t] = mask;
   for (unsigned m = mask; m; m &= m - 1) atomicAdd(block_sends + __ffs(m) - 1, 1);
-  if (bad != nullptr && wrong) atomicExch(bad, 1);
+  if (bad != nullptr) {
+    bool wrong = false;
+    for (int k = 0; k < topk; ++k) {
+      const long long at = (long long)t * topk + k;
+      const long long e = (long long)topk_idx[at];
+      const double w = (double)weights[at];
+      wrong |= e < -1 || e >= experts || !(fabs(w) <= 1.7976931348623157e308);
+      for (int j = 0; j < k && e >= 0; ++j) wrong |= (long long)topk_idx[(long long)t * topk + j] == e;
+    }
+    if (wrong) atomicExch(bad, 1);
+  }
 }
 
 // topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
@@ -115,19 +97,13 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
       const int t = base + threadIdx.x;
       int slot = -1;
       if (t < tokens) {
-        for (int k0 = 0; k0 < topk; k0 += kIds) {
-          int ids[kIds];
-          load_ids(topk_idx + (long long)t * topk, k0, topk, experts, ids);
-#pragma unroll
-          for (int i = 0; i < kIds; ++i) {
-            const int k = k0 + i;
-            if (k >= topk || ids[i] != e) continue;
-            if (slot < 0) {
-              slot = k;
-            } else {  // e again in the row (unchecked input): no place
-              route[(long long)t * topk + k].pos = -1;
-              if (shared != nullptr) shared[(long long)t * topk + k].pos = -1;
-            }
+        for (int k = 0; k < topk; ++k) {
+          if ((long long)topk_idx[(long long)t * topk + k] != e) continue;
+          if (slot < 0) {
+            slot = k;
+          } else {  // e again in the row (unchecked input): no place
+            route[(long long)t * topk + k].pos = -1;
+            if (shared != nullptr) shared[(long long)t * topk + k].pos = -1;
           }
         }
       }
