@@ -382,7 +382,8 @@ class TokenDispatcher(abc.ABC):
         if not isinstance(handle, CombineHandle) or not self._made(handle):
             raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
         if handle.pad_blocks is not None and handle.pad_index is None:
-            _check_placed(handle)
+            raise ValueError("handle: a pad_to_capacity dispatch places its rows when it is waited for; move rows "
+                             "along the handle of its result (DispatchWork.wait().handle)")
 
     def _home_rows(self, rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
         """``rows``, expert outputs about to go home, in the dtype in which the
@@ -587,7 +588,6 @@ def _padded(rows: torch.Tensor, handle: CombineHandle, fill) -> torch.Tensor:
     if handle.pad_index is not None:
         out = rows.new_full((handle.max_rows, *rows.shape[1:]), fill)
         return out.index_copy_(0, handle.pad_index, rows)
-    _check_placed(handle)
     if handle.max_rows is None or rows.shape[0] == handle.max_rows:
         return rows
     pad = rows.new_full((handle.max_rows - rows.shape[0], *rows.shape[1:]), fill)
@@ -598,14 +598,7 @@ def _received(rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
     """The N of a handle's ``max_rows`` rows that the variant moves."""
     if handle.pad_index is not None:
         return rows.index_select(0, handle.pad_index)
-    _check_placed(handle)
     return rows if handle.max_rows is None else rows[: handle.num_rows]
-
-
-def _check_placed(handle: CombineHandle) -> None:
-    if handle.pad_blocks is not None:
-        raise ValueError("handle: a pad_to_capacity dispatch places its rows when it is waited for; move rows "
-                         "along the handle of its result (DispatchWork.wait().handle)")
 
 
 def _pad_to_blocks(handle: CombineHandle, plan_out: "PlanOutputs", local: int):
