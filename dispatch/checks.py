@@ -54,6 +54,21 @@ def check_max_rows(max_rows: object) -> None:
                          f"receives), got {max_rows!r}")
 
 
+def check_groups(groups: object, num_local: int) -> None:
+    """``dispatch``'s ``groups``: an int in [1, E_local]."""
+    if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or not 1 <= groups <= num_local:
+        raise ValueError(f"groups must be an int in [1, {num_local}] (groups of this rank's {num_local} local "
+                         f"experts), got {groups!r}")
+
+
+def check_peer_groups(groups: list[int]) -> None:
+    """Every rank's ``groups`` (learnt in the counts exchange) agree; raised on
+    every rank alike, before any token moves."""
+    if len(set(groups)) > 1:
+        told = ", ".join(f"rank {r}: {g}" for r, g in enumerate(groups))
+        raise ValueError(f"groups: every rank of the group must dispatch with the same groups; got {told}")
+
+
 def check_dispatch_inputs(
     x: object,
     topk_idx: object,

@@ -182,24 +182,31 @@ def all_to_all_rows_start(
     send_splits: tuple[int, ...],
     recv_splits: tuple[int, ...],
     group: dist.ProcessGroup | None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, "dist.Work | None"]:
     """:func:`all_to_all_rows` issued with ``async_op=True``.
 
+    Args:
+        out: None, or a contiguous [sum(recv_splits), ...] tensor like ``rows``
+            to receive into (a range of a larger buffer).
     Returns:
         (out, work): ``out`` is the [sum(recv_splits), ...] result buffer, valid
         once ``work.wait()`` returned (on NCCL: once the current stream reaches
         the point where ``wait`` was called). ``work`` is None when nothing
-        travels (a group of one), and ``out`` is then ``rows`` itself.
+        travels (a group of one), and ``out`` is then ``rows`` itself (copied
+        into the given ``out``).
     """
     if len(send_splits) == 1:
-        return rows, None
+        return (rows, None) if out is None else (out.copy_(rows), None)
     rows = rows.contiguous()
     tail = rows.shape[1:]
     as_bytes = rows.view(rows.shape[0], math.prod(tail)).view(torch.uint8)
     num_recv = sum(recv_splits)
-    out = torch.empty(num_recv, as_bytes.shape[1], dtype=torch.uint8, device=rows.device)
+    if out is None:
+        out = torch.empty(num_recv, *tail, dtype=rows.dtype, device=rows.device)
+    received = out.view(num_recv, math.prod(tail)).view(torch.uint8)
     work = dist.all_to_all_single(
-        out, as_bytes, list(recv_splits), list(send_splits), group=group, async_op=True
+        received, as_bytes, list(recv_splits), list(send_splits), group=group, async_op=True
     )
-    return out.view(rows.dtype).view(num_recv, *tail), work
+    return out, work
 

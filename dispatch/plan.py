@@ -170,8 +170,17 @@ def send_positions(hit: torch.Tensor, sizes: "torch.Tensor | tuple[int, ...]") -
 
 
 def rows_by_item(hit: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """[I, D] int64: row i lists the send rows of item i in ascending destination, -1 padded."""
+    """[I, D] int64: row i lists the send rows of item i in ascending destination, -1 padded
+    (``position`` ascending with the destination, as in the send order)."""
     return _pack_left(torch.where(hit, position, _PAD))
+
+
+def rows_by_destination(hit: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """:func:`rows_by_item` for positions in any order: row i lists ``position``
+    of item i's destinations, in ascending destination, -1 padded."""
+    dests = hit.shape[1]
+    order = torch.sort(torch.where(hit, torch.arange(dests, device=hit.device), dests), dim=1, stable=True).indices
+    return torch.where(hit.gather(1, order), position.gather(1, order), -1)
 
 
 def items_by_row(hit: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -183,6 +192,89 @@ def items_by_row(hit: torch.Tensor, position: torch.Tensor, num_rows: int) -> to
     item = torch.arange(items, device=hit.device).repeat_interleave(dests)
     out.scatter_(0, torch.where(hit, position, num_rows).flatten(), item)
     return out[:num_rows]
+
+
+def expert_groups(num_local: int, groups: int) -> tuple[int, ...]:
+    """G + 1 bounds of the groups of local experts: group g is experts
+    ``[g E_local // G, (g + 1) E_local // G)`` (contiguous, in ascending order,
+    so that a group's rows are one range of the canonical order)."""
+    return tuple(g * num_local // groups for g in range(groups + 1))
+
+
+@dataclass(frozen=True)
+class GroupRoute:
+    """Send-side routing of one rank by groups of local experts (G groups).
+
+    A (token, destination) row crosses with the first group of the destination
+    that needs it (the later groups there copy it locally), and its partial sum
+    goes home with the last (once every slot of the token there is summed).
+
+    Attributes:
+        groups: G.
+        first: [T, W] int64, the group of token t's first local expert on rank r
+            (G where t has none there).
+        last: [T, W] int64, the group of its last one (G where none).
+        counts: [W, 2, E_local] int64: rows to rank r whose first (``[:, 0]``) /
+            last (``[:, 1]``) group is g, in column g < G (zero beyond): what the
+            counts exchange moves, in a width that does not depend on G.
+    """
+
+    groups: int
+    first: torch.Tensor
+    last: torch.Tensor
+    counts: torch.Tensor
+
+
+def group_route(r: Route, topk_idx: torch.Tensor, groups: int) -> GroupRoute:
+    """The :class:`GroupRoute` of ``route(topk_idx, ...)`` = ``r`` for G = ``groups``."""
+    hit, dest = r.hit, r.dest
+    num_tokens, world = hit.shape
+    local = r.counts.shape[1] - 1
+    device = hit.device
+    # the group of local expert e under ``expert_groups``, made on the device (no
+    # host copy: this runs inside the plan's CUDA graphs)
+    group_of = ((torch.arange(local, device=device) + 1) * groups - 1) // local
+    valid = dest < world
+    group = group_of[torch.where(valid, topk_idx.long() % local, 0)]
+    none = torch.full((num_tokens, world + 1), groups, dtype=torch.int64, device=device)
+    first = none.scatter_reduce(1, dest, torch.where(valid, group, groups), "amin")[:, :world]
+    last = none.fill_(-1).scatter_reduce(1, dest, torch.where(valid, group, -1), "amax")[:, :world]
+    last = torch.where(hit, last, groups)
+    counts = torch.zeros(world * 2 * local + 1, dtype=torch.int64, device=device)
+    column = torch.arange(world, device=device) * (2 * local)
+    for side, which in enumerate((first, last)):
+        at = torch.where(hit, column + side * local + which, world * 2 * local)
+        counts.scatter_add_(0, at.flatten(), torch.ones_like(at).flatten())
+    return GroupRoute(groups, first, last, counts[:-1].view(world, 2, local))
+
+
+def ordered_positions(hit: torch.Tensor, bucket: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """[I, D] int64: the place of each (item, destination) with ``hit`` when
+    they are ordered by ``bucket`` ([I, D] int64 in [0, num_buckets)), then by
+    item ascending; meaningless where ``hit`` is False."""
+    items, dests = hit.shape
+    item = torch.arange(items, device=hit.device).unsqueeze(1)
+    key = torch.where(hit, bucket * items + item, num_buckets * items).flatten()
+    order = torch.sort(key, stable=True).indices
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel(), device=hit.device)
+    return place.view(items, dests)
+
+
+def group_orders(hit: torch.Tensor, groups: GroupRoute) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three orders of a grouped exchange's rows ([T, W] places where ``hit``):
+
+    * slot lists: destination, then first group, then token (one metadata
+      all-to-all: each source's rows arrive group after group);
+    * rows leaving: first group, then destination, then token (group g's
+      all-to-all takes one contiguous range);
+    * partial sums coming home: last group, then source rank, then token.
+    """
+    world, count = hit.shape[1], groups.groups
+    dest = torch.arange(world, device=hit.device).unsqueeze(0)
+    return (ordered_positions(hit, dest * count + groups.first.clamp(max=count - 1), world * count),
+            ordered_positions(hit, groups.first.clamp(max=count - 1) * world + dest, world * count),
+            ordered_positions(hit, groups.last.clamp(max=count - 1) * world + dest, world * count))
 
 
 @dataclass(frozen=True)
@@ -229,6 +321,7 @@ def build_send_plan(
     rank: int,
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
+    groups: "GroupRoute | None" = None,
 ) -> SendPlan:
     """Send order and slot lists, from the all-gathered counts; no host synchronisation.
 
@@ -239,6 +332,11 @@ def build_send_plan(
         rank: this rank's index in the group.
         topk_idx: [T, K] (valid) expert ids.
         topk_weights: [T, K] routing weights.
+        groups: for an exchange by groups of local experts (:class:`GroupRoute`),
+            the orders of :func:`group_orders`: the slot lists (``meta``,
+            ``slot_row``) in the grouped send order, ``send_token`` in the
+            order the rows leave (group after group), ``home_index`` in the
+            order the partial sums come home. None: one order for all.
     """
     hit, dest, counts = r.hit, r.dest, r.counts
     num_tokens, world_size = hit.shape
@@ -251,9 +349,14 @@ def build_send_plan(
     valid = dest < world_size
     capacity = num_tokens * min(topk, world_size)  # upper bound of S; row `capacity` collects misses
 
-    row = send_positions(hit, counts[:, 0])  # [T, W]
-    send_token = items_by_row(hit, row, capacity)
-    home_index = rows_by_item(hit, row)
+    if groups is None:
+        row = send_positions(hit, counts[:, 0])  # [T, W]
+        send_token = items_by_row(hit, row, capacity)
+        home_index = rows_by_item(hit, row)
+    else:
+        row, leave, home = group_orders(hit, groups)
+        send_token = items_by_row(hit, leave, capacity)
+        home_index = rows_by_destination(hit, home)  # the partials are summed in ascending rank all the same
     safe_dest = dest.clamp(max=world_size - 1)
     slot_row = torch.where(valid, row.gather(1, safe_dest), -1)
 

@@ -35,6 +35,7 @@ class PlanKey:
     weight_dtype: torch.dtype
     device: torch.device
     check_values: bool
+    groups: int
 
 
 @dataclass(frozen=True)
@@ -45,28 +46,48 @@ class Planned:
     summary: torch.Tensor  # see ``plan_summary``
 
 
-def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, check_values):
-    """Flags (or None), Route, and the row to all-gather."""
+def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups=1):
+    """Flags (or None), Route, GroupRoute (None for one group), and the row to
+    all-gather: the counts and header, then ``group_tail``."""
     flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
     route = plan.route(topk_idx, num_experts, world_size)
-    return flags, route, plan.exchange_row(route, header_row)
+    grouped = plan.group_route(route, topk_idx, groups) if groups > 1 else None
+    return flags, route, grouped, torch.cat([plan.exchange_row(route, header_row), group_tail(route, grouped, groups)])
 
 
-def send_phase(route, gathered, rank, topk_idx, topk_weights) -> Planned:
-    all_counts, headers = plan.split_gathered(gathered, gathered.shape[0])
-    send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights)
-    return Planned(send, plan_summary(route.counts, all_counts, headers, rank))
+def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int) -> torch.Tensor:
+    """[W * 2 * E_local + 1] int64: the rows to each rank by first and last
+    group (``GroupRoute.counts``; zeros for one group), then G. Its width does
+    not depend on G, so that ranks that disagree on G are told so by the
+    counts exchange itself."""
+    world, local = route.hit.shape[1], route.counts.shape[1] - 1
+    counts = route.counts.new_zeros(world * 2 * local) if grouped is None else grouped.counts.flatten()
+    return torch.cat([counts, route.counts.new_full((1,), groups)])
 
 
-def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int) -> torch.Tensor:
-    """[2 W + E_local + W * len(HEADER) + W W + W] int64: rows sent to each
-    rank, rows received from each rank, expanded rows per local expert; every
-    rank's header; the rows every rank sends to every rank ([W_src, W_dst],
-    whose columns say which ranks get rows); every rank's N. The one tensor the
-    host needs."""
+def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planned:
+    world = gathered.shape[0]
+    tail = 2 * world * (route.counts.shape[1] - 1) + 1
+    all_counts, headers = plan.split_gathered(gathered[:, :-tail], world)
+    send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights, grouped)
+    return Planned(send, plan_summary(route.counts, all_counts, headers, rank, gathered[:, -tail:]))
+
+
+def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int,
+                 tails: torch.Tensor) -> torch.Tensor:
+    """[2 W + E_local + W * len(HEADER) + W W + W + 4 W E_local + W] int64:
+    rows sent to each rank, rows received from each rank, expanded rows per
+    local expert; every rank's header; the rows every rank sends to every rank
+    ([W_src, W_dst], whose columns say which ranks get rows); every rank's N;
+    from the group tails (``group_tail``), this rank's rows to each rank by
+    first and last group, every rank's rows to this one so, and every rank's G.
+    The one tensor the host needs."""
+    world = all_counts.shape[0]
     recv_counts = all_counts[:, rank]  # [W_src, 1 + E_local]
     mine = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)])
-    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten(), all_counts[:, :, 1:].sum((0, 2))])
+    by_group = tails[:, :-1].view(world, world, -1)  # [W_src, W_dst, 2 E_local]
+    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten(), all_counts[:, :, 1:].sum((0, 2)),
+                      by_group[rank].flatten(), by_group[:, rank].flatten(), tails[:, -1]])
 
 
 class CapturedPlan:
@@ -78,33 +99,35 @@ class CapturedPlan:
         self.topk_idx = torch.zeros(key.num_tokens, key.topk, dtype=key.idx_dtype, device=device)
         self.topk_weights = torch.zeros(key.num_tokens, key.topk, dtype=key.weight_dtype, device=device)
         self.header_row = torch.zeros(len(plan.HEADER), dtype=torch.int64, device=device)
-        width = world_size * (1 + num_experts // world_size) + len(plan.HEADER)
+        local = num_experts // world_size
+        width = world_size * (1 + local) + len(plan.HEADER) + world_size * 2 * local + 1
         self.gathered = torch.zeros(world_size, width, dtype=torch.int64, device=device)
 
         def first():
             return route_phase(
-                self.topk_idx, self.topk_weights, self.header_row, num_experts, world_size, key.check_values
+                self.topk_idx, self.topk_weights, self.header_row, num_experts, world_size, key.check_values,
+                key.groups,
             )
 
-        def second(route):
-            return send_phase(route, self.gathered, rank, self.topk_idx, self.topk_weights)
+        def second(route, grouped):
+            return send_phase(route, grouped, self.gathered, rank, self.topk_idx, self.topk_weights)
 
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            second(first()[1])  # warm-up outside capture (allocator, library handles)
+            second(*first()[1:3])  # warm-up outside capture (allocator, library handles)
             # capture_begin/end directly: torch.cuda.graph() would also synchronise
             # the device and empty the allocator's cache on every capture.
             self.graph1, self.graph2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             self.graph1.capture_begin(capture_error_mode="thread_local")
             try:
-                self.flags, route, self.row = first()
+                self.flags, route, grouped, self.row = first()
             finally:
                 self.graph1.capture_end()
             self.graph2.capture_begin(pool=self.graph1.pool(), capture_error_mode="thread_local")
             try:
-                self.planned = second(route)
+                self.planned = second(route, grouped)
             finally:
                 self.graph2.capture_end()
         current.wait_stream(side)

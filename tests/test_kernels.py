@@ -55,6 +55,65 @@ def test_gather_sum_matches_reference(rows, width, src_rows, hidden, dtype, out_
     assert not (excess > 0).any(), f"kernel differs from reference by more than rounding: {excess.max()}"
 
 
+def _groups_case(held, width, hidden, groups, seed, dtype, weighted):
+    """A received-rows layout: N expanded rows, each owned by one of ``held``
+    received rows (at most ``width`` each, ascending), ``groups`` ranges of them."""
+    gen = torch.Generator().manual_seed(seed)
+    # every received row has one to ``width`` slots (-1 padded)
+    sizes = torch.randint(1, width + 1, (held,), generator=gen)
+    owner = torch.repeat_interleave(torch.arange(held), sizes)
+    owner = owner[torch.randperm(owner.numel(), generator=gen)]
+    index = torch.full((held, width), -1, dtype=torch.int64)
+    counts = [0] * held
+    expand_all, expand_col = [], []
+    for n, j in enumerate(owner.tolist()):
+        index[j, counts[j]] = n
+        expand_all.append(j)
+        expand_col.append(counts[j])
+        counts[j] += 1
+    rows = len(expand_all)
+    bounds = sorted([0, rows, *torch.randint(0, rows + 1, (groups - 1,), generator=gen).tolist()])
+    src = torch.randn(rows, hidden, generator=gen, dtype=torch.float64).to(dtype)
+    weight = torch.rand(rows, generator=gen).to(dtype) if weighted else None
+    place = torch.randperm(held, generator=gen)
+    return index, torch.tensor(expand_all), torch.tensor(expand_col), bounds, src, weight, place
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    held=st.integers(1, 7),
+    width=st.integers(1, 4),
+    hidden=st.sampled_from([1, 9, 130]),
+    groups=st.integers(1, 5),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
+    wire=st.sampled_from(["same", torch.bfloat16, torch.float32]),
+    weighted=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_accumulate_group_gives_one_pass_bits(held, width, hidden, groups, dtype, wire, weighted, seed):
+    """Adding the groups' rows one range after another into running sums, each
+    pre-sum written out (at its place) when its last group is in: bitwise the
+    one-pass gather_sum, Triton against Triton and reference against reference,
+    whatever the ranges (empty ones included)."""
+    index, expand_all, expand_col, bounds, src, weight, place = _groups_case(held, width, hidden, groups, seed,
+                                                                            dtype, weighted)
+    out_dtype = dtype if wire == "same" else wire
+    acc_dtype = gs.accumulate_dtype(dtype, out_dtype, *(() if weight is None else (weight.dtype,)))
+    move = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    index, expand_all, expand_col, src, weight, place = map(move, (index, expand_all, expand_col, src, weight, place))
+    for grouped, one_pass in ((gs.accumulate_group_triton, gs.gather_sum_triton),
+                              (gs.accumulate_group_reference, gs.gather_sum_reference)):
+        acc = torch.zeros(held, hidden, dtype=acc_dtype, device=DEVICE)
+        if grouped is gs.accumulate_group_triton:
+            acc.fill_(float("nan"))  # the kernel reads only what an earlier group wrote
+        out = torch.full((held, hidden), float("nan"), dtype=out_dtype, device=DEVICE)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            extra = (expand_all, expand_col) if grouped is gs.accumulate_group_triton else ()
+            grouped(acc, out, src[lo:hi], index, None if weight is None else weight[lo:hi], lo, hi, place, *extra)
+        want = one_pass(src, index, weight, out_dtype)
+        assert torch.equal(out[place], want), grouped.__name__
+
+
 def test_gather_sum_padding_and_exact_sums():
     src = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]], device=DEVICE)
     index = torch.tensor([[2, 0, -1], [-1, -1, -1], [1, 1, 1]], device=DEVICE)

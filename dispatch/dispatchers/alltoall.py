@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from dispatch import checks, comm, plan
-from dispatch.codec import Codec
-from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
-from dispatch.dispatchers.streams import Pending
-from dispatch.kernels.gather_sum import gather_sum
+from dispatch.codec import Codec, sum_wire_dtype
+from dispatch.dispatchers.base import CombineHandle, GroupSumsIssuer, PlanOutputs, TokenDispatcher
+from dispatch.dispatchers.streams import Pending, PendingGroups
+from dispatch.kernels import gather_sum as gather_sum_module
+from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
 from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
@@ -44,6 +45,8 @@ class AllToAllHandle(CombineHandle):
         slot_col: [T, K] column of each slot in its row's slot list.
         expand_src: [N] received row of each expanded row.
         presum_index: [R, J] expanded rows of each received row, -1 padded.
+        by_group: for a dispatch by groups of local experts, its pieces
+            (:class:`GroupPieces`); None for one piece.
     """
 
     send_splits: tuple[int, ...]
@@ -54,6 +57,41 @@ class AllToAllHandle(CombineHandle):
     slot_col: torch.Tensor
     expand_src: torch.Tensor
     presum_index: torch.Tensor
+    by_group: "GroupPieces | None" = None
+
+
+@dataclass(frozen=True)
+class GroupPieces:
+    """How an exchange by G groups of local experts moves, piece by piece.
+
+    Rows leave group after group (``send_token`` is in that order: first
+    group, then destination, then token), each group's piece one all-to-all;
+    they are received (and held, ``presum_index``) group after group, each
+    group's by (source rank, token). A row crosses with the first group of the
+    destination that needs it. Pre-sums go home by the group that completes
+    them (last group, then source rank, then token), and the slot lists and
+    the per-slot values of ``combine_slots`` in one all-to-all in the order the
+    slot lists arrived.
+
+    Attributes:
+        send, recv: [G][W] host rows of each group's piece to / from each rank.
+        back_send, back_recv: [G][W] host pre-sums each group completes, sent
+            to each home rank / received from each expert rank.
+        expand_col: [N] int64, the column of each expanded row in its received
+            row's slot list (``presum_index``).
+        back_place: [R] int64, each received row's place among the pre-sums
+            going home.
+        held_of_arrival: [R] int64, the held row of each row in the order the
+            slot lists arrived.
+    """
+
+    send: tuple[tuple[int, ...], ...]
+    recv: tuple[tuple[int, ...], ...]
+    back_send: tuple[tuple[int, ...], ...]
+    back_recv: tuple[tuple[int, ...], ...]
+    expand_col: torch.Tensor
+    back_place: torch.Tensor
+    held_of_arrival: torch.Tensor
 
 
 class AllToAllDispatcher(TokenDispatcher):
@@ -64,9 +102,12 @@ class AllToAllDispatcher(TokenDispatcher):
         self._graphs = PlanGraphCache() if config.plan_graphs else None
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
+    def _plan_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups):
+        return self._plan(x, topk_idx, topk_weights, check_values, budgets, groups)
+
     def _plan(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool,
-        budgets: tuple[int, int],
+        budgets: tuple[int, int], groups: int = 1,
     ) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one
         metadata all-to-all. On CUDA the part before the host synchronisation
@@ -82,16 +123,17 @@ class AllToAllDispatcher(TokenDispatcher):
                                     x.device)
         captured, failed = None, None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
-            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values)
+            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, groups)
             captured = self._graphs.get(key, num_experts, world, rank)
         if captured is not None:
             flags, row = captured.run_route(topk_idx, weights, header_row)
         else:
-            flags, route, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values)
+            flags, route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values,
+                                                     groups)
         if flags is not None:  # before the first exchange
             failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
         if failed is not None:  # the peers are about to wait in the all-gather: stop them there
-            plan.mark_failed(row)
+            plan.mark_failed(row[: row.numel() - self._tail_width()])
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
                                         arrivals=self._arrivals)
         if failed is not None:
@@ -99,14 +141,19 @@ class AllToAllDispatcher(TokenDispatcher):
         if captured is not None:
             planned = captured.run_send()
         else:
-            planned = send_phase(route, gathered, rank, topk_idx, weights)
+            planned = send_phase(route, grouped, gathered, rank, topk_idx, weights)
         summary = planned.summary.cpu()  # host sync: split sizes for NCCL, row counts, peers' headers
         counts_end = 2 * world + self.num_local_experts  # rows sent, rows received, rows per local expert
         headers_end = counts_end + world * len(plan.HEADER)
         headers = summary[counts_end:headers_end].view(world, -1)
         grads_any = checks.check_peer_headers(headers)
         matrix = summary[headers_end : headers_end + world * world].view(world, world)  # rows rank to rank
-        checks.check_row_budgets(headers, summary[headers_end + world * world :].tolist(), self.row_bytes(x))
+        received_end = headers_end + world * world + world
+        checks.check_row_budgets(headers, summary[headers_end + world * world : received_end].tolist(),
+                                 self.row_bytes(x))
+        local = self.num_local_experts
+        by_group = summary[received_end : received_end + 4 * world * local].view(2, world, 2, local)
+        checks.check_peer_groups(summary[received_end + 4 * world * local :].tolist())
         # what outlives a replayed graph is copied out of its buffers
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         sp = planned.send  # its meta is read at once, on the stream of the replays
@@ -115,11 +162,14 @@ class AllToAllDispatcher(TokenDispatcher):
         per_expert = summary[2 * world : counts_end]
         num_rows = int(per_expert.sum())
         recv_meta = comm.all_to_all_rows(sp.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
-        table = plan.recv_table([list(recv_splits)], [num_rows])
-        rp = plan.build_recv_plan(
-            recv_meta, plan.to_device(torch.tensor(table, dtype=torch.int64), recv_meta.device),
-            num_rows, plan.weight_wire_dtype(weights.dtype),
-        )
+        # the slot lists arrive by source rank, each source's group after group; held group after group
+        group_recv = [list(recv_splits)] if groups == 1 else by_group[1, :, 0, :groups].t().tolist()
+        table = plan.to_device(torch.tensor(plan.recv_table(group_recv, [0] * groups), dtype=torch.int64),
+                               recv_meta.device)
+        rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
+        pieces = None
+        if groups > 1:
+            pieces = _pieces(by_group, groups, rp, table, per_expert)
         handle = AllToAllHandle(
             owner=self,
             num_tokens=num_tokens,
@@ -134,8 +184,9 @@ class AllToAllDispatcher(TokenDispatcher):
             home_index=keep(sp.home_index),
             slot_row=keep(sp.slot_row),
             slot_col=keep(sp.slot_col),
-            expand_src=rp.expand_src,
+            expand_src=rp.expand_all,
             presum_index=rp.presum_index,
+            by_group=pieces,
         )
         outputs = PlanOutputs(
             weights=rp.weights,
@@ -147,6 +198,11 @@ class AllToAllDispatcher(TokenDispatcher):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
+    def _tail_width(self) -> int:
+        """Entries after the counts and header in the row this variant all-gathers
+        (``plan_graph.group_tail``)."""
+        return 2 * self.world_size * self.num_local_experts + 1
+
     def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> torch.Tensor:
         return self._to_experts_start(rows, handle, codec).finish()
 
@@ -157,6 +213,9 @@ class AllToAllDispatcher(TokenDispatcher):
         return self._weights_to_home_start(values, handle).finish()
 
     def _to_experts_start(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> Pending:
+        if handle.by_group is not None:  # every piece, then all groups' rows at once
+            pieces = self._to_experts_groups_start(rows, handle, codec, False)
+            return Pending(None, lambda: torch.cat([pieces.finish(g) for g in range(pieces.groups)]))
         sent = codec.pack(rows, handle.send_token)
         received, work = self._rows_start(sent, handle, back=False)
 
@@ -168,7 +227,37 @@ class AllToAllDispatcher(TokenDispatcher):
 
         return Pending(work, then)
 
+    def _to_experts_groups_start(self, rows, handle: AllToAllHandle, codec: Codec, own: bool) -> PendingGroups:
+        pieces = handle.by_group
+        if pieces is None:
+            return super()._to_experts_groups_start(rows, handle, codec, own)
+        sent = codec.pack(rows, handle.send_token)  # group after group
+        received = sent.new_empty(handle.presum_index.shape[0], *sent.shape[1:])
+        works, thens, at_send, at_recv = [], [], 0, 0
+        for g, (send, recv) in enumerate(zip(pieces.send, pieces.recv)):
+            piece = received[at_recv : at_recv + sum(recv)]
+            works.append(comm.all_to_all_rows_start(sent[at_send : at_send + sum(send)], send, recv, self.group,
+                                                    out=piece)[1])
+            at_send, at_recv = at_send + sum(send), at_recv + sum(recv)
+            lo, hi = handle.row_range(g)
+            # group g's rows come from the pieces of groups up to g, all arrived by then
+            thens.append(lambda lo=lo, hi=hi: codec.unpack(received, rows.dtype, rows.shape[1],
+                                                           handle.expand_src[lo:hi]))
+        mark(self.phase_timer, "exchange_out")
+        return PendingGroups(works, thens)
+
+    def _group_sums(self, handle: AllToAllHandle, wire: str):
+        if handle.by_group is None:
+            return super()._group_sums(handle, wire)
+        return _GroupedPresums(self, handle, wire)
+
     def _to_home_start(self, rows, handle: AllToAllHandle, weights, wire) -> Pending:
+        if handle.by_group is not None:
+            sums = _GroupedPresums(self, handle, wire)
+            for g in range(handle.groups):
+                part = slice(*handle.row_range(g))
+                sums.add(g, rows[part], None if weights is None else weights[part])
+            return sums.finish()
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
         mark(self.phase_timer, "presum")
         back, work = self._rows_start(partial, handle, back=True)
@@ -186,6 +275,8 @@ class AllToAllDispatcher(TokenDispatcher):
         index = handle.presum_index  # [R, J]
         padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
+        if handle.by_group is not None:  # back in the order the slot lists came
+            grid = grid.index_select(0, handle.by_group.held_of_arrival)
         back, work = self._rows_start(grid, handle, back=True)  # [S, J]
         return Pending(work, lambda: _slots_from_rows(back, handle, values))
 
@@ -206,6 +297,96 @@ class AllToAllDispatcher(TokenDispatcher):
             tier_split(handle.recv_splits, self.rank, local),  # partials go back the way rows came
             hidden * combine_wire.itemsize,
         )
+
+
+class _GroupedPresums(GroupSumsIssuer):
+    """The expert side's pre-sums of an exchange by groups: each group's rows
+    are added into running sums (``accumulate_group``), the pre-sums a group
+    completes go home as that group's all-to-all, and the home rank sums them
+    in ascending rank order once all are in: bitwise ``_to_home_start``'s."""
+
+    def __init__(self, dispatcher: AllToAllDispatcher, handle: AllToAllHandle, wire) -> None:
+        """``wire``: the pre-sums' wire dtype, or the name of their wire format."""
+        self._dispatcher, self._handle, self._wire = dispatcher, handle, wire
+        self._works: list = []
+        self._acc = self._out = self._home = None
+        self._dtype = self._weights_dtype = None
+        self._at_send = self._at_recv = 0
+
+    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        handle, pieces = self._handle, self._handle.by_group
+        if self._acc is None:
+            if isinstance(self._wire, str):
+                self._wire = sum_wire_dtype(self._wire, rows.dtype)
+            held, hidden = handle.presum_index.shape[0], rows.shape[1]
+            self._weights_dtype = None if weights is None else weights.dtype
+            extra = () if weights is None else (weights.dtype,)
+            acc_dtype = accumulate_dtype(rows.dtype, self._wire, *extra)
+            zeroed = not (rows.is_cuda and gather_sum_module.triton is not None)  # the reference adds to zeros
+            make = torch.zeros if zeroed else torch.empty
+            self._acc = make(held, hidden, dtype=acc_dtype, device=rows.device)
+            self._out = torch.empty(held, hidden, dtype=self._wire, device=rows.device)
+            home_rows = sum(sum(recv) for recv in pieces.back_recv)
+            self._home = torch.empty(home_rows, hidden, dtype=self._wire, device=rows.device)
+            self._dtype = rows.dtype
+        lo, hi = handle.row_range(g)
+        accumulate_group(self._acc, self._out, rows, handle.presum_index, weights, lo, hi, pieces.back_place,
+                         handle.expand_src, pieces.expand_col)
+        send, recv = pieces.back_send[g], pieces.back_recv[g]
+        piece = self._out[self._at_send : self._at_send + sum(send)]
+        home = self._home[self._at_recv : self._at_recv + sum(recv)]
+        self._works.append(comm.all_to_all_rows_start(piece, send, recv, self._dispatcher.group,
+                                                      out=home)[1])
+        self._at_send, self._at_recv = self._at_send + sum(send), self._at_recv + sum(recv)
+        if g + 1 == handle.groups:
+            self._acc = None  # the running sums are spent
+
+    def finish(self) -> Pending:
+        at_least = self._weights_dtype  # fp64 weights: fp64 sums
+        works, home, dtype, handle = self._works, self._home, self._dtype, self._handle
+
+        def then():
+            for work in works:
+                if work is not None:
+                    work.wait()
+            mark(self._dispatcher.phase_timer, "exchange_back")
+            return gather_sum(home, handle.home_index, None, dtype, at_least)
+
+        return Pending(None, then)
+
+
+def _pieces(by_group: torch.Tensor, groups: int, rp: plan.RecvPlan, table: torch.Tensor,
+            per_expert: torch.Tensor) -> GroupPieces:
+    """The :class:`GroupPieces` of a plan by ``groups`` groups, from the
+    summary's rows by group (``by_group`` [2, W, 2, E_local]: this rank's to
+    each rank, then each rank's to this one; by first, then last group), the
+    receive plan, its table and the host rows per local expert."""
+    index = rp.presum_index
+    device = index.device
+    world = by_group.shape[1]
+    sizes = [[[int(v) for v in by_group[side, :, which, g]] for g in range(groups)] for side, which in
+             ((0, 0), (1, 0), (1, 1), (0, 1))]
+    send, recv, back_send, back_recv = (tuple(tuple(r) for r in rows) for rows in sizes)
+    num_rows, held = rp.expand_all.shape[0], index.shape[0]
+    width = index.shape[1]
+    # the column of each expanded row in its received row's slot list
+    column = torch.arange(width, device=device).expand(held, width)
+    at = torch.where(index >= 0, index, num_rows).flatten()
+    expand_col = torch.empty(num_rows + 1, dtype=torch.int64, device=device).scatter_(0, at, column.flatten())
+    # pre-sums go home by the group of their last slot, then source rank, then token
+    bounds = plan.expert_groups(per_expert.shape[0], groups)
+    ends = torch.cumsum(per_expert, 0).tolist()
+    inner = plan.to_device(torch.tensor([ends[b - 1] if b else 0 for b in bounds[1:-1]], dtype=torch.int64), device)
+    last = torch.searchsorted(inner, index.max(1).values, right=True)
+    key = ((last * world + rp.src_rank) << 32) + rp.src_token
+    order = torch.sort(key).indices
+    back_place = torch.empty_like(order)
+    back_place[order] = torch.arange(held, device=device)
+    arrival_start, held_start = table[0], table[1]
+    arrival = torch.arange(held, device=device)
+    block = torch.searchsorted(arrival_start, arrival, right=True) - 1
+    held_of_arrival = held_start[block] + arrival - arrival_start[block]
+    return GroupPieces(send, recv, back_send, back_recv, expand_col[:num_rows], back_place, held_of_arrival)
 
 
 def _slots_from_rows(back: torch.Tensor, handle: AllToAllHandle, values: torch.Tensor) -> torch.Tensor:

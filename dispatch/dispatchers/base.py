@@ -38,7 +38,7 @@ import torch.distributed as dist
 from dispatch import capacity, checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
-from dispatch.dispatchers.streams import CommStreams, Pending, Started
+from dispatch.dispatchers.streams import CommStreams, Pending, PendingGroups, Started
 from dispatch.kernels.gather_sum import accumulate_dtype
 from dispatch.stats import DispatchStats
 from dispatch.timing import PhaseTimer
@@ -75,6 +75,11 @@ class CombineHandle:
         pad_index: with ``pad_to_capacity``, [N] int64 on the device: where each
             received row sits among the ``max_rows`` (set when the dispatch is
             waited for); None otherwise (the N rows come first).
+        group_experts: for a dispatch by G groups of local experts
+            (``dispatch(groups=G)``), the G + 1 bounds of the groups'
+            local experts (``plan.expert_groups``); None for one group.
+        group_rows: the G + 1 bounds of the groups' rows among the N
+            (host); None for one group.
     """
 
     owner: "TokenDispatcher"
@@ -88,11 +93,22 @@ class CombineHandle:
     max_rows: int | None = None
     pad_blocks: tuple[int, ...] | None = None
     pad_index: torch.Tensor | None = None
+    group_experts: tuple[int, ...] | None = None
+    group_rows: tuple[int, ...] | None = None
 
     @property
     def rows(self) -> int:
         """Rows of the dispatched tensors the verbs hand out and take."""
         return self.num_rows if self.max_rows is None else self.max_rows
+
+    @property
+    def groups(self) -> int:
+        """G, the groups of local experts the exchange moves by (1: one piece)."""
+        return 1 if self.group_rows is None else len(self.group_rows) - 1
+
+    def row_range(self, g: int) -> tuple[int, int]:
+        """Group g's rows among the N: [lo, hi)."""
+        return (0, self.rows) if self.group_rows is None else self.group_rows[g : g + 2]
 
 
 @dataclass(frozen=True)
@@ -128,6 +144,30 @@ class Dispatched:
     handle: CombineHandle
     stats: DispatchStats | None = None
     dropped: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DispatchedGroup:
+    """One group's rows of a dispatch by groups (``DispatchWork.wait_group``);
+    not differentiable (a pipeline makes its own backward along the handle).
+
+    Attributes:
+        tokens: [N_g, H] the group's rows (canonical order), dtype of x.
+        tokens_per_expert: [E_local] int64 on the device: rows per local
+            expert, zero outside the group (so ``experts(tokens, tokens_per_expert)``
+            computes the group's experts only).
+        tokens_per_expert_host: the same on the CPU.
+        weights: [N_g] routing weight of each row (dtype of topk_weights).
+        rows: (lo, hi), the group's rows among the dispatch's N.
+        experts: (first, end), the group's local experts.
+    """
+
+    tokens: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    tokens_per_expert_host: torch.Tensor
+    weights: torch.Tensor
+    rows: tuple[int, int]
+    experts: tuple[int, int]
 
 
 class TokenDispatcher(abc.ABC):
@@ -176,6 +216,7 @@ class TokenDispatcher(abc.ABC):
         topk_weights: torch.Tensor,
         *,
         max_rows: int | None = None,
+        groups: int = 1,
         async_op: bool = False,
     ) -> "Dispatched | DispatchWork":
         """Send each token to the ranks holding its experts, expanded per local expert.
@@ -202,6 +243,16 @@ class TokenDispatcher(abc.ABC):
                 raise a ValueError before any token moves (the bounds travel
                 in the counts exchange). Every rank passes one or none; none
                 with ``pad_to_capacity``, which fixes the rows itself.
+            groups: G >= 1 groups of local experts (``plan.expert_groups``,
+                G <= E_local) to move the rows by: with ``async_op``,
+                ``DispatchWork.wait_group(g)`` hands out group g's rows while
+                later groups' still move, and ``combine_groups`` brings the
+                experts' outputs home group by group. The alltoall variant
+                over NCCL moves each group as its own all-to-all (a token
+                still crosses to a rank once: with the first group there that
+                needs it); the other variants and the NVLink engine move all
+                groups at once and hand them out by group. Every rank passes
+                the same G; not with ``max_rows`` or ``pad_to_capacity``.
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
@@ -209,6 +260,11 @@ class TokenDispatcher(abc.ABC):
             (through ``weights``).
         """
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
+        checks.check_groups(groups, self.num_local_experts)
+        if groups > 1 and (max_rows is not None or self.config.pad_to_capacity):
+            what = "max_rows" if max_rows is not None else "DispatchConfig.pad_to_capacity"
+            raise ValueError(f"groups={groups} with {what}: a dispatch by groups of experts sizes its rows on the "
+                             "host; use groups=1")
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
@@ -224,6 +280,13 @@ class TokenDispatcher(abc.ABC):
             handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
                                           (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0)))
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
+        elif groups > 1:
+            handle, plan_out = self._plan_groups(x, topk_idx, topk_weights, self.config.check_inputs,
+                                                 self._row_budgets(x, None), groups)
+            bounds = plan.expert_groups(self.num_local_experts, groups)
+            per_expert = plan_out.tokens_per_expert_host.tolist()
+            handle = dataclasses.replace(handle, group_experts=bounds,
+                                         group_rows=tuple(sum(per_expert[:b]) for b in bounds))
         elif max_rows is None:
             handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
                                           self._row_budgets(x, None))
@@ -235,7 +298,11 @@ class TokenDispatcher(abc.ABC):
                 handle = dataclasses.replace(handle, max_rows=max_rows)
         codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
         rows = x.detach()
-        started = self._start(lambda: self._dispatch_start(rows, handle, codec), (rows,), async_op)
+        if handle.groups > 1:
+            started = self._streams.start_groups(lambda: self._to_experts_groups_start(rows, handle, codec, True),
+                                                 (rows,), async_op, self.comm_priority)
+        else:
+            started = self._start(lambda: self._dispatch_start(rows, handle, codec), (rows,), async_op)
         hidden = x.shape[1]
         dispatch_row_bytes = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
         stats = self._stats(handle, dispatch_row_bytes, sum_wire_dtype(self.config.combine_wire, x.dtype), hidden)
@@ -292,7 +359,9 @@ class TokenDispatcher(abc.ABC):
             wire: how the rows travel: "native" (their dtype, lossless), "bf16",
                 "fp32", "fp8" or "e5m2" (block-scaled as ``DispatchConfig.dispatch_wire``,
                 with its ``fp8_pow2_scales``).
-            async_op: return an :class:`ExchangeWork` instead of the result.
+            async_op: return an :class:`ExchangeWork` instead of the result;
+                along the handle of a dispatch by groups, its ``wait_group(g)``
+                gives group g's rows while later groups' still move.
         Returns:
             [N, H'] in the dtype of ``rows``: row i is the row of the token behind
             dispatched row i (``Dispatched.src_rank/src_token``), canonical order.
@@ -302,8 +371,13 @@ class TokenDispatcher(abc.ABC):
         _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
         codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
         rows = rows.detach().contiguous()
-        started = self._start(lambda: self._to_experts_start(rows, handle, codec), (rows,), async_op)
-        work = ExchangeWork(lambda: _padded(started.result(), handle, 0))
+        if handle.groups > 1:
+            started = self._streams.start_groups(lambda: self._to_experts_groups_start(rows, handle, codec, False),
+                                                 (rows,), async_op, self.comm_priority)
+            work = ExchangeWork(started.result, started.result)
+        else:
+            started = self._start(lambda: self._to_experts_start(rows, handle, codec), (rows,), async_op)
+            work = ExchangeWork(lambda: _padded(started.result(), handle, 0))
         return work if async_op else work.wait()
 
     def combine_rows(
@@ -361,6 +435,36 @@ class TokenDispatcher(abc.ABC):
         started = self._start(lambda: self._weights_to_home_start(values, handle), (values,), async_op)
         work = ExchangeWork(started.result)
         return work if async_op else work.wait()
+
+    def combine_groups(
+        self, handle: CombineHandle, *, dtype: torch.dtype | None, wire: str = "native"
+    ) -> "GroupSums":
+        """Sum dispatched rows home group by group, along the handle of a dispatch
+        by groups (``dispatch(groups=G)``): ``combine_rows`` in pieces, for a
+        pipeline that computes one group of experts at a time. Not differentiable.
+
+        Each :meth:`GroupSums.add` takes the next group's rows (and their
+        routing weights, or None) and adds them to the running pre-sums of
+        their (token, source rank) rows, in fp32 (fp64 as ``combine_rows``); a
+        pre-sum whose last group is in starts home at once (on the
+        communication stream). :meth:`GroupSums.wait` gives the home sums:
+        bitwise ``combine_rows`` of all groups' rows at once, for every G.
+
+        Args:
+            handle: the handle of a dispatch by groups (or of any dispatch: one group).
+            dtype: the dtype of the rows every rank adds (the experts' output
+                dtype; the same on every rank, since the pre-sums travel in it
+                before some ranks have computed any row). None for one group
+                only: the rows' dtype, agreed between the ranks as ``combine`` does.
+            wire: how the pre-sums travel: "native", "bf16" or "fp32".
+        """
+        self._check_handle(handle)
+        _check_wire("wire", wire, SUM_WIRES)
+        if dtype is None and handle.groups > 1:
+            raise TypeError(f"dtype: a dispatch by {handle.groups} groups sums rows of a dtype given up front, got None")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        return GroupSums(self, handle, dtype, wire)
 
     def check(self) -> None:
         """Raise a failure that an exchange with no host read (``max_rows``)
@@ -518,6 +622,113 @@ class TokenDispatcher(abc.ABC):
         """``_weights_to_home`` left in flight."""
         return Pending.done(self._weights_to_home(values, handle))
 
+    # Dispatches by groups of local experts. A variant that plans and moves by
+    # groups overrides these three; the defaults plan and move all groups at
+    # once, hand the rows out by group, and bring the sums home after the last.
+
+    def _plan_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups: int):
+        """``_plan`` for a dispatch by ``groups`` groups of local experts."""
+        return self._plan(x, topk_idx, topk_weights, check_values, budgets)
+
+    def _to_experts_groups_start(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec,
+                                 own: bool) -> PendingGroups:
+        """``_to_experts_start`` (``_dispatch_start`` for the dispatch's ``own``
+        rows) in one piece per group: piece g's result is group g's rows."""
+        whole = (self._dispatch_start if own else self._to_experts_start)(rows, handle, codec)
+        thens = [lambda g=g: whole.finish()[slice(*handle.row_range(g))] for g in range(handle.groups)]
+        return PendingGroups([None] * handle.groups, thens)
+
+    def _group_sums(self, handle: CombineHandle, wire: str) -> "GroupSumsIssuer":
+        """What issues a :class:`GroupSums`' work (on the communication stream);
+        ``wire``: the pre-sums' wire format's name."""
+        return _WholeSums(self, handle, wire)
+
+
+class GroupSums:
+    """Expert rows summed home group by group (``TokenDispatcher.combine_groups``)."""
+
+    def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, dtype, wire: str) -> None:
+        self._dispatcher, self._handle, self.dtype = dispatcher, handle, dtype
+        self._issuer = dispatcher._group_sums(handle, wire)
+        self._added, self._last, self._result = 0, None, None
+        self._weights_dtype = False  # not known before the first add
+
+    def add(self, rows: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """The next group's rows ([N_g, H'] in ``dtype``, canonical order; rows
+        of a group without rows here may come in any dtype) and their routing
+        weights ([N_g] floating, e.g. ``DispatchedGroup.weights``), or None
+        (in every group alike). The pre-sums' way home starts behind the
+        caller's current stream's work so far."""
+        handle, g = self._handle, self._added
+        if g == handle.groups:
+            raise ValueError(f"add: all {handle.groups} groups were added already")
+        lo, hi = handle.row_range(g)
+        devices = self._dispatcher.devices
+        rows = checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices)
+        if self.dtype is not None and rows.dtype != self.dtype:
+            if rows.shape[0]:
+                raise TypeError(f"rows of group {g} must be {self.dtype} (the dtype given to combine_groups), "
+                                f"got {rows.dtype}")
+            rows = rows.to(self.dtype)
+        if self._last is not None and rows.shape[1] != self._last.shape[1]:
+            raise ValueError(f"rows of group {g} have {rows.shape[1]} columns, earlier groups {self._last.shape[1]}")
+        if weights is not None:
+            weights = checks.check_values("weights", weights, hi - lo, devices).detach().contiguous()
+        given = None if weights is None else weights.dtype
+        if self._weights_dtype is not False and given != self._weights_dtype:
+            raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh every "
+                             "group alike (or none)")
+        rows = rows.detach().contiguous()
+        reads = (rows,) if weights is None else (rows, weights)
+        self._dispatcher._start(lambda: Pending.done(self._issuer.add(g, rows, weights)), reads, True)
+        self._added, self._last, self._weights_dtype = g + 1, rows, given
+
+    def wait(self) -> torch.Tensor:
+        """[T, H'] in ``dtype``: per token, the (weighted) sum of its rows, as
+        ``combine_rows``; the caller's current stream waits for it. Once every
+        group is added."""
+        if self._result is None:
+            if self._added != self._handle.groups:
+                raise ValueError(f"wait: {self._added} of {self._handle.groups} groups were added; add every group")
+            started = self._dispatcher._start(self._issuer.finish, (self._last,), True)
+            self._result, self._issuer, self._last = started.result(), None, None
+        return self._result
+
+
+class GroupSumsIssuer:
+    """The variant's side of a :class:`GroupSums`: ``add(g, rows, weights)``
+    issues group g's work, ``finish()`` returns a :class:`Pending` of the home sums."""
+
+    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> Pending:
+        raise NotImplementedError
+
+
+class _WholeSums(GroupSumsIssuer):
+    """Every group's rows kept until the last is in, then summed home at once
+    (as ``combine_rows``; for rows of one group of no given dtype, in the
+    dtype the ranks agree on, as ``combine``)."""
+
+    def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, wire: str) -> None:
+        self._dispatcher, self._handle, self._wire = dispatcher, handle, wire
+        self._parts: list[tuple] = []
+        self._pending: Pending | None = None
+
+    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        self._parts.append((rows, weights))
+        if g + 1 == self._handle.groups:
+            parts, self._parts = self._parts, []
+            d, handle = self._dispatcher, self._handle
+            rows = _received(torch.cat([r for r, _ in parts]) if len(parts) > 1 else parts[0][0], handle)
+            rows = d._home_rows(rows, handle).contiguous()
+            w = None if weights is None else _received(torch.cat([w for _, w in parts]), handle)
+            self._pending = d._to_home_start(rows, handle, w, sum_wire_dtype(self._wire, rows.dtype))
+
+    def finish(self) -> Pending:
+        return self._pending
+
 
 class DispatchWork:
     """A dispatch in flight (``TokenDispatcher.dispatch(..., async_op=True)``).
@@ -535,6 +746,37 @@ class DispatchWork:
         self._args = (dispatcher, x, topk_weights, plan_out, started, stats, dropped)
         self.handle = handle
         self._result: Dispatched | None = None
+        self._dispatcher, self._started, self._plan_out = dispatcher, started, plan_out
+        self._w_dtype = topk_weights.dtype
+
+    def wait_group(self, g: int) -> DispatchedGroup:
+        """Group g's rows (:class:`DispatchedGroup`), not differentiable; the
+        caller's current stream waits for that group's piece only (the later
+        groups' rows may still be moving). A dispatch without ``groups`` is
+        one group."""
+        handle = self.handle
+        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < handle.groups:
+            raise ValueError(f"g must be a group index in [0, {handle.groups}), got {g!r}")
+        if self._started is None:
+            raise ValueError("wait_group: the dispatch was waited for (wait()); take its rows from that result")
+        if handle.pad_blocks is not None:
+            raise ValueError("wait_group: a pad_to_capacity dispatch places its rows at wait(); use wait()")
+        lo, hi = handle.row_range(g)
+        bounds = handle.group_experts or (0, self._dispatcher.num_local_experts)
+        first, end = bounds[g], bounds[g + 1]
+        if handle.groups > 1:
+            tokens = self._started.result(g)
+        else:
+            tokens = _padded(self._started.result(), handle, 0)
+            self._started = Started(Pending.done(tokens))
+        keep = torch.zeros(self._dispatcher.num_local_experts, dtype=torch.int64)
+        keep[first:end] = 1
+        per_expert_host = self._plan_out.tokens_per_expert_host
+        if per_expert_host is not None:
+            per_expert_host = per_expert_host * keep
+        per_expert = self._plan_out.tokens_per_expert * plan.to_device(keep, tokens.device)
+        weights = _padded(self._plan_out.weights, handle, 0)[lo:hi].to(self._w_dtype)
+        return DispatchedGroup(tokens.detach(), per_expert, per_expert_host, weights, (lo, hi), (first, end))
 
     def wait(self) -> Dispatched:
         """The :class:`Dispatched` result; the caller's current stream waits for
@@ -562,7 +804,7 @@ class DispatchWork:
                 stats=stats,
                 dropped=dropped,
             )
-            self._args = None
+            self._args = self._started = self._plan_out = None
         return self._result
 
 
@@ -570,8 +812,16 @@ class ExchangeWork:
     """A combine or a move along a handle in flight (the verbs' ``async_op=True``).
     It holds the buffers of the exchange until waited for."""
 
-    def __init__(self, finish) -> None:
-        self._finish, self._result = finish, None
+    def __init__(self, finish, group=None) -> None:
+        self._finish, self._result, self._group = finish, None, group
+
+    def wait_group(self, g: int) -> torch.Tensor:
+        """Group g's rows of a ``dispatch_rows`` along the handle of a dispatch
+        by groups; the caller's current stream waits for that group's piece."""
+        if self._group is None:
+            raise ValueError("wait_group: only a dispatch_rows along the handle of a dispatch by groups "
+                             "(dispatch(groups=G), G > 1) moves by groups")
+        return self._group(g)
 
     def wait(self) -> torch.Tensor:
         """The verb's result tensor; the caller's current stream waits for the

@@ -45,6 +45,57 @@ class Pending:
         return self._result
 
 
+class PendingGroups:
+    """An exchange in flight in G pieces, one per group of local experts:
+    ``finish(g)`` waits for the collectives of pieces up to g (``works``, in
+    order) and runs what remains of piece g (``thens[g]``), once each."""
+
+    def __init__(self, works: list, thens: list[Callable[[], torch.Tensor]]) -> None:
+        self._works, self._thens = list(works), list(thens)
+        self._results: list = [None] * len(thens)
+
+    @property
+    def groups(self) -> int:
+        return len(self._thens)
+
+    def finish(self, g: int) -> torch.Tensor:
+        if self._thens[g] is not None:
+            for earlier in range(g + 1):
+                if self._works[earlier] is not None:
+                    self._works[earlier].wait()
+                    self._works[earlier] = None
+            self._results[g], self._thens[g] = self._thens[g](), None
+        return self._results[g]
+
+
+class StartedGroups:
+    """An exchange in pieces started by :meth:`CommStreams.start_groups`;
+    :meth:`result` of each group once, in any order."""
+
+    def __init__(self, pending: PendingGroups, events=None, device=None, keep=None) -> None:
+        self._pending, self._events, self._device, self._keep = pending, events, device, keep
+
+    @property
+    def groups(self) -> int:
+        return self._pending.groups
+
+    def result(self, g: int | None = None) -> torch.Tensor:
+        """Group g's result, ready for the caller's current stream (which waits
+        for that piece alone); every group's, concatenated, for None."""
+        if g is None:
+            parts = [self.result(g) for g in range(self.groups)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = self._pending.finish(g)
+        if self._events is not None and self._events[g] is not None:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(self._events[g])
+            out.record_stream(stream)
+            self._events[g] = None
+            if not any(e is not None for e in self._events):
+                self._keep = None
+        return out
+
+
 class Started:
     """An exchange started by :meth:`CommStreams.start`; :meth:`result` once.
     Until then it holds ``keep`` (what the communication stream reads: the
@@ -90,6 +141,28 @@ class CommStreams:
         for tensor in reads:  # the caller may drop them: their memory waits for this stream
             tensor.record_stream(stream)
         return Started(pending, event, device, keep=(issue, reads))
+
+    def start_groups(self, issue: Callable[[], PendingGroups], reads: tuple[torch.Tensor, ...], async_op: bool,
+                     priority: int) -> StartedGroups:
+        """:meth:`start` for an exchange in pieces: on CUDA with ``async_op``,
+        each piece's end is its own event, so that the caller's stream waits
+        for group g's rows alone."""
+        device = reads[0].device
+        if not async_op or device.type != "cuda":
+            return StartedGroups(issue())
+        caller = torch.cuda.current_stream(device)
+        stream = self.stream(device, priority)
+        stream.wait_stream(caller)
+        events = []
+        with torch.cuda.stream(stream):
+            pending = issue()
+            for g in range(pending.groups):
+                pending.finish(g)
+                events.append(torch.cuda.Event())
+                events[-1].record(stream)
+        for tensor in reads:
+            tensor.record_stream(stream)
+        return StartedGroups(pending, events, device, keep=(issue, reads))
 
     def stream(self, device: torch.device, priority: int) -> "torch.cuda.Stream":
         """The communication stream of ``device`` at ``priority`` (made on first use)."""

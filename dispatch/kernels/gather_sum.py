@@ -155,3 +155,159 @@ def gather_sum(
     if src.is_cuda and triton is not None:
         return gather_sum_triton(src, index, weight, out_dtype, at_least)
     return gather_sum_reference(src, index, weight, out_dtype, at_least)
+
+
+# -- the expert-side pre-sum, group by group ------------------------------------
+#
+# With the rows of an exchange delivered and computed by groups of local
+# experts (contiguous ranges of the canonical order), the pre-sum of one
+# received row runs over its slots in the same order as ``gather_sum``'s, but
+# its terms arrive group after group: a running sum in the accumulation dtype
+# (``acc``, one row per received row) carries the terms of the earlier groups,
+# and the row is cast and written out for the way home once its last group is
+# in. The same terms in the same order from the same zero: bitwise
+# ``gather_sum``'s result, whatever the number of groups.
+
+
+def accumulate_group_reference(
+    acc: torch.Tensor,
+    out: torch.Tensor,
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    lo: int,
+    hi: int,
+    place: torch.Tensor,
+) -> None:
+    """PyTorch reference of :func:`accumulate_group` (same arguments; ``acc``
+    must start zeroed here)."""
+    in_group = (index >= lo) & (index < hi)
+    rows = in_group.any(1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    sub = index.index_select(0, rows)
+    total = acc.index_select(0, rows)
+    for j in range(index.shape[1]):
+        col = sub[:, j]
+        take = (col >= lo) & (col < hi)
+        safe = torch.where(take, col - lo, 0)
+        terms = src.index_select(0, safe).to(acc.dtype)
+        if weight is not None:
+            terms = terms * weight.index_select(0, safe).to(acc.dtype).unsqueeze(1)
+        total += torch.where(take.unsqueeze(1), terms, 0)
+    done = ~(sub >= hi).any(1)  # no slot in a later group: the sum is whole
+    acc.index_copy_(0, rows[~done], total[~done])
+    whole = total[done]
+    if acc.dtype == torch.float64 and out.dtype != torch.float64:
+        whole = whole.to(torch.float32)  # fp64 -> fp32 -> narrow, as gather_sum
+    out.index_copy_(0, place.index_select(0, rows[done]), whole.to(out.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _accumulate_group_kernel(
+        src_ptr,
+        index_ptr,
+        weight_ptr,
+        expand_all_ptr,
+        expand_col_ptr,
+        place_ptr,
+        acc_ptr,
+        out_ptr,
+        lo,
+        hi,
+        hidden,
+        width,
+        src_stride,
+        acc_stride,
+        out_stride,
+        HAS_WEIGHT: tl.constexpr,
+        ACC_F64: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # one program per (expanded row of the group, column block); the program
+        # of the row's first slot in the group sums the row's slots in the group
+        n = lo + tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        row = tl.load(expand_all_ptr + n)
+        k = tl.load(expand_col_ptr + n)
+        before = tl.load(index_ptr + row * width + k - 1, mask=k > 0, other=-1)
+        if before < lo:  # no earlier slot of this row in this group
+            if ACC_F64:
+                acc = tl.zeros([BLOCK], dtype=tl.float64)
+            else:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+            if k > 0:  # the earlier groups' terms
+                acc = tl.load(acc_ptr + row * acc_stride + cols, mask=mask, other=0.0).to(acc.dtype)
+            later = 0
+            for j in range(width):
+                slot = tl.load(index_ptr + row * width + j)
+                if (slot >= lo) & (slot < hi):
+                    vals = tl.load(src_ptr + (slot - lo) * src_stride + cols, mask=mask, other=0.0).to(acc.dtype)
+                    if HAS_WEIGHT:  # one rounding per term, as gather_sum
+                        acc = tl.fma(vals, tl.load(weight_ptr + slot - lo).to(acc.dtype), acc)
+                    else:
+                        acc += vals
+                later = later | (slot >= hi).to(tl.int32)
+            if later != 0:
+                tl.store(acc_ptr + row * acc_stride + cols, acc, mask=mask)
+            else:
+                if ACC_F64 and out_ptr.dtype.element_ty != tl.float64:
+                    acc = acc.to(tl.float32)
+                at = tl.load(place_ptr + row)
+                tl.store(out_ptr + at * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def accumulate_group(
+    acc: torch.Tensor,
+    out: torch.Tensor,
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    lo: int,
+    hi: int,
+    place: torch.Tensor,
+    expand_all: torch.Tensor | None = None,
+    expand_col: torch.Tensor | None = None,
+) -> None:
+    """Add group [lo, hi)'s weighted rows into the running pre-sums, and write
+    out the pre-sums that this group completes.
+
+    Args:
+        acc: [R, H] running sums (fp32, fp64 where ``gather_sum`` would sum in
+            fp64), one per received row; the Triton path reads a row only where
+            an earlier group added to it, the reference wants it zeroed.
+        out: [R, H] the pre-sums going home, in their wire dtype; row
+            ``place[r]`` is written once received row r's last slot is in.
+        src: [hi - lo, H] the group's rows (expanded rows lo..hi-1).
+        index: [R, J] int64 expanded rows of each received row, ascending, -1 padded.
+        weight: [hi - lo] the weights of the group's rows, or None.
+        lo, hi: the group's range of expanded rows.
+        place: [R] int64, where each received row's pre-sum goes in ``out``.
+        expand_all, expand_col: [N] int64, the received row of each expanded
+            row and its column in ``index`` (the Triton path's grid).
+    """
+    if src.is_cuda and triton is not None and expand_all is not None:
+        accumulate_group_triton(acc, out, src, index, weight, lo, hi, place, expand_all, expand_col)
+    else:
+        accumulate_group_reference(acc, out, src, index, weight, lo, hi, place)
+
+
+def accumulate_group_triton(acc, out, src, index, weight, lo, hi, place, expand_all, expand_col) -> None:
+    """Triton version of :func:`accumulate_group_reference` (the arguments of
+    :func:`accumulate_group`; ``acc`` need not start zeroed)."""
+    if triton is None:
+        raise RuntimeError("accumulate_group_triton needs triton; install the 'test' extra or use the reference")
+    hidden = src.shape[1]
+    if hi == lo or hidden == 0:
+        return
+    src = src.contiguous()
+    block = min(1024, triton.next_power_of_2(hidden))
+    grid = (hi - lo, triton.cdiv(hidden, block))
+    _accumulate_group_kernel[grid](
+        src, index, src if weight is None else weight.contiguous(), expand_all, expand_col, place, acc, out,
+        lo, hi, hidden, index.shape[1], src.stride(0), acc.stride(0), out.stride(0),
+        HAS_WEIGHT=weight is not None, ACC_F64=acc.dtype == torch.float64, BLOCK=block, num_warps=4,
+    )

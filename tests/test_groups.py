@@ -1,0 +1,85 @@
+"""Dispatches by groups of local experts (``dispatch(groups=G)``, ``wait_group``,
+``combine_groups``): group by group, every verb gives the bits of the same
+dispatch in one piece, for every G, variant, wire and routing (gloo here, NCCL
+on GPUs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import groups_fns
+from routing import make_routing, random_tokens
+
+HIDDEN = 6
+
+
+def _run(worlds, world_size, local, topk, tokens, mode, dtype, groups, config, seed):
+    g = make_routing(world_size, local, topk, tokens, mode, seed=seed)
+    args = []
+    for r in range(world_size):
+        x = random_tokens(r, g.num_tokens[r], HIDDEN, dtype, seed)
+        rows_out = random_tokens(r, 4 * sum(tokens) * topk + 4, HIDDEN, torch.float64, seed + 1)
+        values = random_tokens(r, 4 * sum(tokens) * topk + 4, 1, torch.float64, seed + 2)[:, 0].to(dtype)
+        args.append((x, g.topk_idx[r], g.topk_weights[r].to(dtype), rows_out, values,
+                     dict(num_experts=g.num_experts, **config), groups))
+    return worlds(world_size).run(groups_fns.grouped_verbs, args)
+
+
+def _check(results, groups, local):
+    bounds = [g * local // groups for g in range(groups + 1)]
+    for rank, (pairs, facts) in enumerate(results):
+        for name, (got, want) in pairs.items():
+            assert got.dtype == want.dtype and got.shape == want.shape, f"rank {rank}: {name} {got.shape} {want.shape}"
+            assert torch.equal(got, want), f"rank {rank}: {name} differs"
+        assert facts["experts"] == list(zip(bounds[:-1], bounds[1:]))
+        for g, (lo, hi) in enumerate(facts["rows"]):
+            counts = facts["per_expert"][g]
+            assert torch.equal(counts, facts["per_expert_host"][g])
+            first, end = facts["experts"][g]
+            assert int(counts.sum()) == hi - lo and not counts[:first].any() and not counts[end:].any()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    world_size=st.sampled_from([2, 3, 4]),
+    local=st.integers(1, 5),
+    topk=st.integers(1, 6),
+    mode=st.sampled_from(["random", "sparse", "one_rank", "one_expert"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    groups=st.integers(1, 5),
+    seed=st.integers(0, 10**6),
+)
+def test_groups_give_the_bits_of_one_piece(worlds, world_size, local, topk, mode, dtype, groups, seed):
+    groups = min(groups, local)
+    tokens = [(seed + 3 * r) % 9 for r in range(world_size)]
+    results = _run(worlds, world_size, local, topk, tokens, mode, dtype, groups, dict(variant="alltoall"), seed)
+    _check(results, groups, local)
+    assert all(facts["by_pieces"] == (groups > 1) for _, facts in results)  # moved group by group
+
+
+@pytest.mark.parametrize("config", [dict(variant="alltoall", dispatch_wire="fp8", combine_wire="bf16"),
+                                    dict(variant="allgather"), dict(variant="hierarchical", local_world_size=2),
+                                    dict(variant="auto", local_world_size=2)],
+                         ids=["alltoall-fp8", "allgather", "hierarchical", "auto"])
+def test_groups_every_variant(worlds, config):
+    results = _run(worlds, 4, 4, 3, [7, 0, 5, 9], "random", torch.float32, 3, config, seed=5)
+    _check(results, 3, 4)
+
+
+def test_group_refusals(worlds):
+    g = make_routing(2, 4, 2, [5, 4], "random", seed=3)
+    args = [(random_tokens(r, g.num_tokens[r], HIDDEN, torch.float32, 1), g.topk_idx[r], g.topk_weights[r].float(),
+             dict(num_experts=g.num_experts), [2, 3]) for r in range(2)]
+    for errors in worlds(2).run(groups_fns.grouped_errors, args):
+        assert "groups must be an int in [1, 4]" in errors["zero"]
+        assert "groups must be an int in [1, 4]" in errors["too many"]
+        assert "max_rows" in errors["max_rows"]
+        assert "rank 0: 2, rank 1: 3" in errors["disagree"]
+        assert "add every group" in errors["wait before all added"]
+        assert "rows" in errors["wrong rows"]
+        assert "rows of group 0 must be" in errors["wrong dtype"]
+        assert "g must be a group index in [0, 2)" in errors["bad group"]
+        assert "added already" in errors["added twice"]
