@@ -1,40 +1,48 @@
 """MoEExchange: the exchange pipelined against the expert compute, forward and backward.
 
-Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N); C chunks; H' the
+Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N); G groups; H' the
 experts' output width.
 
-The tokens of each rank are split into C equal home token ranges; chunk c of
-every rank forms one exchange of the group, with its own plan and handle. A
-token's output depends only on its own expert rows and on the home-side sum in
-ascending rank order, and chunk c's rows are a sub-sequence of the one-shot
-canonical order, so with experts that compute each row on its own the output
-and the gradients of x and topk_weights are bitwise those of C = 1.
+The pipeline's chunks are **groups of local experts** (``plan.expert_groups``:
+G contiguous ranges of each rank's experts, so that a group's rows are one
+range of the canonical order). One dispatch by groups (``dispatch(groups=G)``)
+makes one plan and moves the rows group after group; the experts compute
+group g as soon as its rows are in, while group g + 1's move; each group's
+outputs are added into the running pre-sums of their (token, source rank)
+rows, and a pre-sum goes home as soon as its last group is in
+(``combine_groups``). So every expert's weights are read once per pass, each
+GEMM keeps its full M, a token crosses to a rank once (with the first group
+there that needs it), and the result is bitwise that of one piece (G = 1): the
+same rows in the same order, summed in the same order from the same zero.
 
-The pipeline uses the dispatcher's public asynchronous verbs only. Forward::
+The pipeline uses the dispatcher's public verbs only. Forward::
 
-    start dispatch 0 .. C-1              (each: plan, then the rows leave)
-    for c: wait dispatch c -> experts(c) -> start combine c
-    wait combine 0 .. C-1
+    start dispatch by groups           (one plan; pieces 0 .. G-1 leave)
+    for g: wait piece g -> experts(g) -> add group g's outputs (pre-sums it completes leave)
+    wait the home sums
 
-so that the rows of chunks c + 1.. travel while the experts compute chunk c, and
-the way home of chunk c while they compute chunk c + 1. Backward is the mirror
-image: the output gradient of every chunk is dispatched ahead along its handle
-(``dispatch_rows``), then per chunk the experts' backward and the start of its
-gradients' way home (``combine_rows`` for x, ``combine_slots`` for the routing
-weights). On CUDA the exchanges run on the dispatcher's communication stream
-(``comm_priority``), ordered against the caller's stream by events only; on CPU
-they are asynchronous collectives. Each chunk's plan makes its own counts
-exchange (one host synchronisation per chunk, before the experts start).
+Backward is the mirror image: the output gradient is dispatched along the
+handle by groups (``dispatch_rows``), then per group the experts' backward and
+the addition of its rows' gradients into the running sums going home
+(``combine_groups`` for x); the routing weights' gradients go home in one
+exchange after the last group (``combine_slots``). On CUDA the exchanges run on
+the dispatcher's communication stream (``comm_priority``), ordered against the
+caller's stream by events only (group g's compute waits for group g's piece
+alone); on CPU they are asynchronous collectives. The alltoall variant over
+NCCL moves each group as its own all-to-all; the other variants and the NVLink
+engine move all groups at once, so there G > 1 computes by group but hides
+nothing.
 
 Experts' parameters: for a plain :class:`GroupedExperts` (its own ``forward``
 and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the
-backward of each chunk computes only the rows' gradients, and the weight
-gradients are formed once, after the last chunk and while its gradients travel
-home, from every chunk's rows held expert-major (``experts.ChunkedExperts``):
-the same GEMM over the same rows for every C. Other experts are differentiated
-chunk by chunk by autograd, their parameter gradients accumulated in place in
-the parameters' dtype: bitwise those of C = 1 when these sums are exact, equal
-to rounding otherwise.
+backward of each group computes only the rows' gradients, and the weight
+gradients are formed once, after the last group and while its gradients travel
+home, from every group's rows held expert-major (``experts.ChunkedExperts``):
+the same GEMM over the same rows for every G. Other experts are differentiated
+group by group by autograd, their parameter gradients accumulated in place in
+the parameters' dtype (each expert's gradient comes from one group, so the
+sums add zeros to it: bitwise those of G = 1 where the experts' backward gives
+an expert without rows a zero gradient).
 """
 
 from __future__ import annotations
@@ -50,30 +58,34 @@ from dispatch.experts import ChunkedExperts, GroupedExperts
 from dispatch.kernels.gather_sum import accumulate_dtype
 
 
-def chunk_bounds(num_tokens: int, chunks: int) -> tuple[int, ...]:
-    """C + 1 home token bounds: chunk c is tokens ``[c T // C, (c + 1) T // C)``."""
-    return tuple(c * num_tokens // chunks for c in range(chunks + 1))
-
-
 class MoEExchange(nn.Module):
-    """dispatch -> experts -> combine, in C chunks overlapping exchange and compute.
+    """dispatch -> experts -> combine, by G groups of local experts overlapping
+    exchange and compute.
 
     Args:
         dispatcher: a :class:`TokenDispatcher` (``dispatch.create``). Its config's
             wire formats apply to every direction as in ``dispatch``/``combine``.
         experts: any callable ``(tokens [N, H], tokens_per_expert [E_local] int64
-            on the device of tokens) -> [N, H']``, rows in canonical order. If it
-            is an ``nn.Module`` it becomes a submodule and the gradients of its
-            parameters are computed by the pipelined backward.
-        chunks: C >= 1 equal home token ranges, each its own exchange (1: no
-            chunking, one dispatch and one combine).
+            on the device of tokens) -> [N, H']``, rows in canonical order;
+            called once per group with that group's rows and counts (zero for
+            the experts of other groups). If it is an ``nn.Module`` it becomes
+            a submodule and the gradients of its parameters are computed by the
+            pipelined backward.
+        chunks: G, the groups of local experts, in [1, E_local] (1: no
+            pipelining, one dispatch and one combine in one piece each).
         comm_priority: CUDA priority of the dispatcher's communication stream
             during this layer's exchanges (lower is higher; clamped to the
             device's range). Default -1: the small kernels around the
             collectives are not stuck behind the GEMMs.
+        out_dtype: with G > 1, the dtype of the experts' outputs (the
+            pre-sums start home before every rank has computed a row, so it
+            is fixed up front; rows of other dtypes are refused). Default: the
+            autocast dtype where autocast is on for x's device, else x's dtype.
+            With G = 1 the outputs' dtype is agreed as ``combine`` does.
     """
 
-    def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1):
+    def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
+                 out_dtype: torch.dtype | None = None):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
             raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
@@ -81,13 +93,18 @@ class MoEExchange(nn.Module):
             raise TypeError(
                 f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}"
             )
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
-        if chunks > 1 and dispatcher.config.capacity_factor is not None:
-            raise ValueError(f"chunks={chunks} with DispatchConfig.capacity_factor: the capacity is per dispatch, "
-                             "so token chunks would drop other tokens than one dispatch; use chunks=1")
+        local = dispatcher.num_local_experts
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= local:
+            raise ValueError(f"chunks must be an int in [1, {local}] (groups of the {local} local experts), "
+                             f"got {chunks!r}")
+        if chunks > 1 and dispatcher.config.pad_to_capacity:
+            raise ValueError(f"chunks={chunks} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
+                             "the whole dispatch is in; use chunks=1")
         if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
             raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
+        if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
+            raise TypeError(f"out_dtype must be None or a floating torch.dtype, got {out_dtype!r}")
+        self.out_dtype = out_dtype
         self.dispatcher = dispatcher
         self.experts = experts
         self.chunks = chunks
@@ -103,18 +120,25 @@ class MoEExchange(nn.Module):
             rows, that of the ranks whose did): for each token, the sum over its
             slots of ``weight * experts(row)``, as ``combine(..., weights=...)``.
             Differentiable w.r.t. x, topk_weights and the experts' parameters.
+            With G > 1, in ``out_dtype`` (see the class).
         """
         d = self.dispatcher
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
-        bounds = chunk_bounds(x.shape[0], self.chunks)
         with self._priority():
-            works = [
-                d.dispatch(x[a:b], topk_idx[a:b], topk_weights[a:b], async_op=True)
-                for a, b in zip(bounds[:-1], bounds[1:])
-            ]
+            work = d.dispatch(x, topk_idx, topk_weights, groups=self.chunks, async_op=True)
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return _PipelineFn.apply(x, topk_weights, anchor, self, works, bounds, grad_on, *self._trained_params())
+        return _PipelineFn.apply(x, topk_weights, anchor, self, work, grad_on, *self._trained_params())
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype the pre-sums travel in (None for one group: agreed as combine)."""
+        if self.chunks == 1:
+            return None
+        if self.out_dtype is not None:
+            return self.out_dtype
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
 
     def _trained_params(self) -> tuple:
         """The experts' parameters that require grad (none for a plain callable)."""
@@ -133,43 +157,50 @@ class MoEExchange(nn.Module):
             d.comm_priority = before
 
 
+def _group(work, g: int, groups: int):
+    """(rows, rows per expert on the device, on the host, weights, handle) of
+    group g; one group takes the whole result (where a pad_to_capacity
+    dispatch places its rows)."""
+    if groups == 1:
+        out = work.wait()
+        return out.tokens, out.tokens_per_expert, out.tokens_per_expert_host, out.weights, out.handle
+    part = work.wait_group(g)
+    return part.tokens, part.tokens_per_expert, part.tokens_per_expert_host, part.weights, work.handle
+
+
 class _PipelineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, anchor, layer, works, bounds, grad_on, *params):
-        d, experts = layer.dispatcher, layer.experts
-        chunks = len(works)
-        handles = [work.handle for work in works]
-        x_grad_any = handles[0].x_grad_any
+    def forward(ctx, x, topk_weights, anchor, layer, work, grad_on, *params):
+        d, experts, groups = layer.dispatcher, layer.experts, layer.chunks
+        handle = work.handle
+        x_grad_any = handle.x_grad_any
         chunked = None
-        if _plain_grouped_experts(experts, x.device.type):  # weight gradients once, over all chunks
-            chunked = ChunkedExperts(experts, [None] * chunks, [None] * chunks, grad_on)
-        weights, leaves, ys, combines = [None] * chunks, [None] * chunks, [None] * chunks, []
+        if _plain_grouped_experts(experts, x.device.type):  # weight gradients once, over all groups
+            chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on)
+        weights, leaves, ys = [None] * groups, [None] * groups, [None] * groups
         with layer._priority():
-            for c in range(chunks):
-                out, works[c] = works[c].wait(), None
-                handles[c] = out.handle  # as waited for (a pad_to_capacity dispatch places its rows then)
-                weights[c] = out.weights
+            sums = None
+            for g in range(groups):
+                tokens, per_expert, per_expert_host, weights[g], handle = _group(work, g, groups)
                 if chunked is not None:
-                    chunked.set_counts(c, out.tokens_per_expert, out.tokens_per_expert_host)
-                    y = chunked.forward(c, out.tokens)
+                    chunked.set_counts(g, per_expert, per_expert_host)
+                    y = chunked.forward(g, tokens)
                 else:
-                    leaf = out.tokens.detach().requires_grad_(grad_on and x_grad_any)
+                    leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
                     with torch.set_grad_enabled(grad_on):
-                        y = experts(leaf, out.tokens_per_expert)
-                    _check_expert_out(y, out.tokens)
-                    if grad_on:  # kept for backward; without grad, chunk c's rows die here
-                        leaves[c], ys[c] = leaf, y
-                combines.append(d.combine(y.detach(), out.handle, weights=out.weights, async_op=True))
-                out = y = None
-            homes = [work.wait() for work in combines]
-        # the output's dtype is that of the first chunk where some rank has rows
-        # (a chunk without rows anywhere brings zeros home, in any dtype)
-        first = next((c for c in range(chunks) if any(handles[c].has_rows)), chunks - 1)
-        result = torch.cat([home.to(homes[first].dtype) for home in homes])
-        ctx.layer, ctx.handles, ctx.bounds, ctx.weights = layer, handles, bounds, weights
+                        y = experts(leaf, per_expert)
+                    _check_expert_out(y, tokens)
+                    if grad_on:  # kept for backward; without grad, group g's rows die here
+                        leaves[g], ys[g] = leaf, y
+                if sums is None:
+                    sums = d.combine_groups(handle, dtype=layer._out_dtype(x), wire=d.config.combine_wire)
+                sums.add(y.detach(), weights[g])
+                tokens = y = None
+            result = sums.wait()
+        ctx.layer, ctx.handle, ctx.weights = layer, handle, weights
         ctx.leaves, ctx.ys, ctx.params, ctx.chunked = leaves, ys, params, chunked
         ctx.spent = False
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, topk_weights.dtype
+        ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
         ctx.anchor_dtype = anchor.dtype
         return result
 
@@ -177,50 +208,51 @@ class _PipelineFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         if ctx.spent:
             raise RuntimeError(
-                "MoEExchange's backward ran a second time on one forward (retain_graph=True): each chunk's "
+                "MoEExchange's backward ran a second time on one forward (retain_graph=True): each group's "
                 "expert graph is freed as its gradients are sent; run the forward again"
             )
         ctx.spent = True
-        layer, handles, bounds, chunked = ctx.layer, ctx.handles, ctx.bounds, ctx.chunked
-        d, config = layer.dispatcher, layer.dispatcher.config
+        layer, handle, chunked = ctx.layer, ctx.handle, ctx.chunked
+        d, config, groups = layer.dispatcher, layer.dispatcher.config, layer.chunks
         grad_out = grad_out.contiguous()
-        x_any, w_any = handles[0].x_grad_any, handles[0].weights_grad_any
+        x_any, w_any = handle.x_grad_any, handle.weights_grad_any
         grad_params = [None] * len(ctx.params)
-        to_x, to_w = [], []
+        grad_w = []
         with layer._priority():
-            brings = [
-                d.dispatch_rows(grad_out[a:b], handle, wire=config.combine_grad_wire, async_op=True)
-                for handle, a, b in zip(handles, bounds[:-1], bounds[1:])
-            ]
-            for c, handle in enumerate(handles):
-                grad_rows, brings[c] = brings[c].wait(), None
-                y = ctx.ys[c] if chunked is None else chunked.output(c)
-                grad_y, grad_w = weighted_grads(grad_rows, ctx.weights[c], y, w_any)
+            brings = d.dispatch_rows(grad_out, handle, wire=config.combine_grad_wire, async_op=True)
+            to_x = d.combine_groups(handle, dtype=None if groups == 1 else ctx.x_dtype,
+                                    wire=config.dispatch_grad_wire) if x_any else None
+            for g in range(groups):
+                grad_rows = brings.wait() if groups == 1 else brings.wait_group(g)
+                y = ctx.ys[g] if chunked is None else chunked.output(g)
+                grad_y, grad_weight = weighted_grads(grad_rows, ctx.weights[g], y, w_any)
                 if chunked is not None:
-                    grad_tokens = chunked.backward(c, grad_y, x_any) if x_any or ctx.params else None
+                    grad_tokens = chunked.backward(g, grad_y, x_any) if x_any or ctx.params else None
                 else:
-                    grad_tokens = autograd_rows(ctx.leaves[c], y, grad_y, x_any, ctx.params, grad_params)
-                    ctx.ys[c] = ctx.leaves[c] = None  # the chunk's graph is spent
+                    grad_tokens = autograd_rows(ctx.leaves[g], y, grad_y, x_any, ctx.params, grad_params)
+                    ctx.ys[g] = ctx.leaves[g] = None  # the group's graph is spent
                 if x_any:
-                    to_x.append(d.combine_rows(grad_tokens, handle, wire=config.dispatch_grad_wire, async_op=True))
+                    to_x.add(grad_tokens)
                 if w_any:
-                    to_w.append(d.combine_slots(grad_w, handle, async_op=True))
-                y = grad_rows = grad_y = grad_w = grad_tokens = None
-            if chunked is not None and ctx.params:  # while the last chunk's gradients travel home
+                    grad_w.append(grad_weight)
+                y = grad_rows = grad_y = grad_weight = grad_tokens = None
+            if w_any:  # the routing weights' gradients, in one exchange
+                values = grad_w[0] if groups == 1 else torch.cat(grad_w)
+                to_w = d.combine_slots(values, handle, async_op=True)
+            if chunked is not None and ctx.params:  # while the last group's gradients travel home
                 grad_params[:] = chunked.param_grads(ctx.params)
-            grad_x = torch.cat([work.wait().to(ctx.x_dtype) for work in to_x]) if x_any else None
-            grad_topk = torch.cat([work.wait().to(ctx.w_dtype) for work in to_w]) if w_any else None
+            grad_x = to_x.wait().to(ctx.x_dtype) if x_any else None
+            grad_topk = to_w.wait().to(ctx.w_dtype) if w_any else None
         ctx.chunked = None
         needs = ctx.needs_input_grad
         grad_params = [
-            torch.zeros_like(p) if g is None and needs[7 + i] else g
+            torch.zeros_like(p) if g is None and needs[6 + i] else g
             for i, (g, p) in enumerate(zip(grad_params, ctx.params))
         ]
         return (
             grad_x if needs[0] else None,
             grad_topk if needs[1] else None,
             grad_out.new_zeros(0, dtype=ctx.anchor_dtype),
-            None,
             None,
             None,
             None,

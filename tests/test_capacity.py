@@ -144,24 +144,46 @@ def test_capacity_refused_by_name():
         dispatch.DispatchConfig(num_experts=4, capacity_factor=1.0, drop_policy="random")
 
 
-def _chunked_with_capacity(config):
+def _groups_with_capacity(x, topk_idx, topk_weights, config):
+    """MoEExchange by 1 and 2 groups of experts on a dispatcher with a capacity
+    (outputs and gradients of x), and the refusal of groups with pad_to_capacity."""
     from dispatch.experts import GroupedExperts
+    from world import current_device
 
+    device = current_device()
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     d = dispatch.create(dispatch.DispatchConfig(**config))
-    experts = GroupedExperts(config["num_experts"] // torch.distributed.get_world_size(), 8, 16)
-    dispatch.MoEExchange(d, experts, chunks=1)  # one dispatch: accepted
+    got = []
+    for chunks in (1, 2):
+        torch.manual_seed(0)
+        experts = GroupedExperts(config["num_experts"] // torch.distributed.get_world_size(), 8, 16).to(device)
+        xx = x.clone().requires_grad_()
+        out = dispatch.MoEExchange(d, experts, chunks=chunks)(xx, topk_idx, topk_weights)
+        out.sum().backward()
+        got.append((out.detach().cpu(), xx.grad.cpu()))
+    padded = dispatch.create(dispatch.DispatchConfig(**config, pad_to_capacity=True))
     try:
-        dispatch.MoEExchange(d, experts, chunks=2)
+        dispatch.MoEExchange(padded, experts, chunks=2)
+        refused = None
     except ValueError as exc:
-        return str(exc)
-    return None
+        refused = str(exc)
+    return got, refused
 
 
-def test_token_chunks_refuse_a_capacity(worlds):
-    """The capacity is per dispatch: token chunks would drop other tokens."""
-    config = dict(num_experts=4, capacity_factor=1.0, transport="nccl")
-    for message in worlds(2).run(_chunked_with_capacity, [(config,)] * 2):
-        assert message is not None and "chunks" in message and "capacity_factor" in message, message
+def test_groups_keep_the_drops_of_one_dispatch(worlds):
+    """The capacity is per dispatch, and a layer by groups makes one dispatch:
+    its outputs and gradients are those of one group (the same slots dropped);
+    groups with pad_to_capacity (blocks placed when the whole dispatch is in)
+    are refused."""
+    routing = make_routing(2, 2, 2, [10, 7], "random", seed=1)
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(t, 8, generator=gen) for t in routing.num_tokens]
+    config = dict(num_experts=4, capacity_factor=0.7, transport="nccl")
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config) for r in range(2)]
+    for got, refused in worlds(2).run(_groups_with_capacity, args):
+        (a, ga), (b, gb) = got
+        assert torch.equal(a, b) and torch.equal(ga, gb)
+        assert refused is not None and "pad_to_capacity" in refused and "chunks=2" in refused, refused
 
 
 def _padded_against_plain(x, topk_idx, topk_weights, grad_out, config):

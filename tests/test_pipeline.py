@@ -1,6 +1,7 @@
-"""MoEExchange: chunked results are bitwise those of C = 1 and of the unchunked
-round trip, forward and backward, on worlds of 1-4 ranks (gloo here, NCCL on GPUs);
-experts that answer empty calls in another dtype; the plan's CUDA graphs."""
+"""MoEExchange by groups of local experts: results for every number of groups
+C are bitwise those of C = 1 and of the round trip in one piece, forward and
+backward, on worlds of 1-4 ranks (gloo here, NCCL on GPUs); experts that answer
+empty calls in another dtype; the plan's CUDA graphs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pipeline_fns
 from reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
-CHUNKS = [1, 2, 3, 4, 5, 6, 7, 8]  # 8: more chunks than some ranks have tokens
+LOCAL = 6  # local experts of the routings that try every C
+CHUNKS = list(range(1, LOCAL + 1))  # a group of one expert each at C = 6: groups without rows
 HIDDEN = 4
 
 
@@ -36,8 +38,8 @@ def test_chunks_bitwise_fp32(worlds, world_size, mode):
     """fp32 random data, row-wise experts: output and gradients of x and topk_weights
     are bitwise those of the unchunked round trip for every C; parameter
     gradients (sums over rows, accumulated per chunk) agree to rounding."""
-    tokens = [7, 0, 3, 12][:world_size]  # T = 0 on a rank; C > T on others
-    routing = make_routing(world_size, 2, 3, tokens, mode, seed=world_size)
+    tokens = [7, 0, 3, 12][:world_size]  # T = 0 on a rank
+    routing = make_routing(world_size, LOCAL, 3, tokens, mode, seed=world_size)
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", *CHUNKS])
     for rank, per_c in enumerate(results):
         for chunks in CHUNKS:
@@ -53,7 +55,7 @@ def test_chunks_with_every_variant_and_wire(worlds, options):
     """Every variant (allgather and hierarchical through the base class's start
     hooks, which finish the exchange at once) and a compressed wire: chunked
     results are those of C = 1."""
-    routing = make_routing(4, 2, 3, [9, 0, 4, 6], "random", seed=11)
+    routing = make_routing(4, 5, 3, [9, 0, 4, 6], "random", seed=11)
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", 1, 3, 5], **options)
     for rank, per_c in enumerate(results):
         for chunks in (1, 3, 5):
@@ -65,24 +67,24 @@ def test_chunks_with_every_variant_and_wire(worlds, options):
 def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
     """fp64 dyadic data, where every sum is exact: all gradients, the experts'
     parameters' included, are bitwise those of C = 1 (GroupedExperts' relu included)."""
-    routing = make_routing(world_size, 2, 2, [6, 1, 0, 9][:world_size], "random", seed=7)
+    routing = make_routing(world_size, 4, 2, [6, 1, 0, 9][:world_size], "random", seed=7)
     xs = [(random_tokens(r, t, HIDDEN, torch.float64, 3) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
     gs = [(random_tokens(r, t, HIDDEN, torch.float64, 4) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
     args = [
-        (xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, ["plain", 1, 2, 3, 8], experts)
+        (xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, ["plain", 1, 2, 3, 4], experts)
         for r in range(world_size)
     ]
     results = worlds(world_size).run(pipeline_fns.pipelined, args)
     for rank, per_c in enumerate(results):
-        for chunks in (1, 2, 3, 8):
+        for chunks in (1, 2, 3, 4):
             pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}")
 
 
 def test_grouped_experts_with_hooks_or_own_forward_are_called(worlds):
     """GroupedExperts with a module hook, or a subclass with its own forward, are
-    called once per chunk (the pipeline does not compute them in their place)."""
-    routing = make_routing(2, 2, 2, [6, 5], "random", seed=2)
+    called once per group (the pipeline does not compute them in their place)."""
+    routing = make_routing(2, 3, 2, [6, 5], "random", seed=2)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 3) for r in range(2)]
@@ -93,9 +95,9 @@ def test_grouped_experts_with_hooks_or_own_forward_are_called(worlds):
 @pytest.mark.parametrize("kind", ["parametrized", "autocast"])
 def test_parametrized_or_autocast_grouped_experts(worlds, kind):
     """A parametrized GroupedExperts, or one under autocast, goes through
-    autograd chunk by chunk: its results and every gradient agree with the
-    unchunked round trip (none is silently zero, nothing fails on dtypes)."""
-    routing = make_routing(2, 2, 2, [7, 5], "random", seed=8)
+    autograd group by group: its results and every gradient agree with the
+    round trip in one piece (none is silently zero, nothing fails on dtypes)."""
+    routing = make_routing(2, 3, 2, [7, 5], "random", seed=8)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
@@ -126,7 +128,7 @@ def test_second_backward_is_refused_clearly(worlds, experts):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_output_matches_dense_reference(worlds, world_size):
     """C = 3 against the dense single-process reference (identity-like row-wise experts)."""
-    routing = make_routing(world_size, 2, 2, [5, 2, 8][:world_size], "random", seed=11)
+    routing = make_routing(world_size, 3, 2, [5, 2, 8][:world_size], "random", seed=11)
     xs, results = _run(worlds, routing, torch.float64, "rowwise", [3])
     ref = reference_dispatch(xs, routing.topk_idx, routing.topk_weights, routing.num_experts)
     ys = []
@@ -142,8 +144,8 @@ def test_output_matches_dense_reference(worlds, world_size):
 def test_wire_formats_match_plain(worlds, pow2):
     """fp8 dispatch and e5m2 gradients with and without power-of-two scales: the
     pipeline encodes every direction exactly as dispatch/combine do (rows are
-    quantized one by one, so chunking changes no bit)."""
-    routing = make_routing(2, 2, 2, [7, 5], "random", seed=6)
+    quantized one by one, so groups change no bit)."""
+    routing = make_routing(2, 3, 2, [7, 5], "random", seed=6)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) * 3 for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) * 3 for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts, dispatch_wire="fp8", combine_wire="bf16",
@@ -161,7 +163,7 @@ def test_wire_formats_match_plain(worlds, pow2):
 def test_exchanges_finished_on_start_match_in_flight(worlds, world_size):
     """The base class's start hooks (each exchange finished when started) give
     the bits of the alltoall variant's, whose collectives stay in flight."""
-    routing = make_routing(world_size, 2, 2, [9, 4, 0][:world_size], "sparse", seed=5)
+    routing = make_routing(world_size, 4, 2, [9, 4, 0][:world_size], "sparse", seed=5)
     _, native = _run(worlds, routing, torch.float32, "rowwise", [1, 4])
     _, generic = _run(worlds, routing, torch.float32, "rowwise", [1, 4], generic=True)
     for rank in range(world_size):
@@ -171,7 +173,7 @@ def test_exchanges_finished_on_start_match_in_flight(worlds, world_size):
 
 def test_gradients_only_where_asked(worlds):
     """Ranks that need different gradients (peer exchanges still run everywhere)."""
-    routing = make_routing(2, 2, 2, [4, 5], "random", seed=3)
+    routing = make_routing(2, 3, 2, [4, 5], "random", seed=3)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, HIDDEN, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
@@ -187,7 +189,7 @@ def test_gradients_only_where_asked(worlds):
 
 
 def test_no_grad_forward(worlds):
-    routing = make_routing(2, 2, 2, [6, 3], "random", seed=2)
+    routing = make_routing(2, 4, 2, [6, 3], "random", seed=2)
     xs = [random_tokens(r, t, HIDDEN, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4) for r in range(2)]
@@ -208,14 +210,14 @@ def test_late_streams_change_nothing(worlds, world_size):
     is handed out again while the other stream still reads it."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
-    routing = make_routing(world_size, 2, 2, [300, 0, 41, 257][:world_size], "random", seed=13)
+    routing = make_routing(world_size, 4, 2, [300, 0, 41, 257][:world_size], "random", seed=13)
     xs = [random_tokens(r, t, 64, torch.float32, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, 64, torch.float32, 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 8],
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 4],
              "rowwise", False, True, True, True) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        for chunks in (1, 3, 8):
+        for chunks in (1, 3, 4):
             pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4, True) for r in range(world_size)]
     late = worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)
@@ -224,19 +226,10 @@ def test_late_streams_change_nothing(worlds, world_size):
         assert torch.equal(h, h1)
 
 
-def test_chunk_bounds():
-    from dispatch.pipeline import chunk_bounds
-
-    assert chunk_bounds(3, 5) == (0, 0, 1, 1, 2, 3)
-    assert chunk_bounds(8, 1) == (0, 8)
-    assert chunk_bounds(0, 2) == (0, 0, 0)
-    assert chunk_bounds(10, 4) == (0, 2, 5, 7, 10)
-
-
 def test_bad_arguments_raise():
     with pytest.raises(TypeError, match="dispatcher"):
         dispatch.MoEExchange(object(), lambda t, n: t)
-    for chunks in [0, (1, 2), [1], None, True, "2", 2.0]:
+    for chunks in [0, 5, (1, 2), [1], None, True, "2", 2.0]:  # 5: more groups than the 4 local experts
         with pytest.raises(ValueError, match="chunks"):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=chunks)
     for gone in ("sm_carveout", "ahead", "local_first"):
@@ -246,13 +239,16 @@ def test_bad_arguments_raise():
         dispatch.MoEExchange(_OneRank(), lambda t, n: t, comm_priority=1.5)
     with pytest.raises(TypeError, match="experts"):
         dispatch.MoEExchange(_OneRank(), 3)
+    for bad in ("bf16", torch.int32):
+        with pytest.raises(TypeError, match="out_dtype"):
+            dispatch.MoEExchange(_OneRank(), lambda t, n: t, out_dtype=bad)
 
 
 class _OneRank(dispatch.TokenDispatcher):
     """A dispatcher object that needs no process group, for argument checks only."""
 
     def __init__(self) -> None:
-        pass
+        self.num_local_experts = 4
 
     _plan = _to_experts = _to_home = _weights_to_home = None
 
@@ -296,13 +292,13 @@ def test_grouped_experts_bf16_on_gpus(worlds):
             assert ((a - b).abs() <= bound).all(), f"rank {rank}: parameter gradient beyond bf16 rounding"
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("chunks", [1, 2])
 def test_part_without_rows(worlds, chunks):
     """Experts that answer an empty call in another dtype (fp32 under bf16
-    autocast), and ranks with no rows in a chunk (rank 1 in chunk 0 of C = 2):
-    every rank's output is its tokens in the experts' dtype (the identity in
-    bf16), as the partial sums travel in the dtype of the ranks that computed
-    them."""
+    autocast), and ranks with no rows in a group (rank 1 in both groups of
+    C = 2): every rank's output is its tokens in the experts' dtype (the
+    identity in bf16), as the partial sums travel in the dtype of the ranks that
+    computed them (C = 1: agreed; C > 1: autocast's)."""
     xs = [random_tokens(0, 4, HIDDEN, torch.float32, 0), random_tokens(1, 3, HIDDEN, torch.float32, 0)]
     idx = [torch.tensor([[0], [1], [2], [3]]), torch.tensor([[0], [1], [0]])]  # E = 4: rank 1 routes nothing home
     ws = [torch.ones(4, 1), torch.ones(3, 1)]
@@ -318,15 +314,15 @@ def test_part_without_rows(worlds, chunks):
         assert torch.equal(grad, plain[rank][1]), f"rank {rank}: gradient of x"
 
 
-def test_chunks_without_rows_anywhere_first(worlds):
-    """C = 3 where no rank has rows in chunk 0 (only empty slots there) and only
-    rank 0 in chunk 1, with experts answering empty calls in fp32 under bf16
+def test_groups_without_rows_anywhere_first(worlds):
+    """C = 4 groups of one expert where no rank has rows in group 0 and only
+    rank 0 in group 1, with experts answering empty calls in fp32 under bf16
     autocast: the output is in bf16, and the tokens without an expert come out
     as zeros."""
     xs = [random_tokens(0, 4, HIDDEN, torch.float32, 2), random_tokens(1, 3, HIDDEN, torch.float32, 2)]
-    idx = [torch.tensor([[-1], [-1], [0], [2]]), torch.tensor([[-1], [1], [3]])]  # E = 4
+    idx = [torch.tensor([[-1], [1], [2], [7]]), torch.tensor([[-1], [6], [3]])]  # E = 8: experts 0 and 4 unused
     ws = [torch.ones(4, 1), torch.ones(3, 1)]
-    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 4, 3) for r in range(2)])
+    runs = worlds(2).run(pipeline_fns.empty_part_under_autocast, [(xs[r], idx[r], ws[r], 8, 4) for r in range(2)])
     for rank in range(2):
         out, grad = runs[rank]
         routed = idx[rank] >= 0

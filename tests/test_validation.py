@@ -85,16 +85,15 @@ def test_dispatch_rejects(worlds, case):
 @pytest.mark.parametrize("case", VALUE_CASES)
 @pytest.mark.parametrize("layer", [dict(variant="alltoall"), dict(variant="allgather"),
                                    dict(variant="hierarchical", local_world_size=1), dict(variant="auto"),
-                                   dict(variant="alltoall", chunks=3),
+                                   dict(variant="alltoall", chunks=2),
                                    dict(variant="allgather", chunks=2),
                                    dict(variant="hierarchical", local_world_size=2, chunks=2)],
                          ids=lambda layer: "-".join(f"{k}={v}" for k, v in layer.items()))
 def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     """Rank 1 alone has bad values: it raises their ValueError and rank 0, which
     has good ones, raises a RuntimeError naming rank 1, both right after the
-    counts all-gather (one collective, no token moved; with a plan per chunk,
-    that of the chunk holding the bad row); nobody waits for a peer. For
-    dispatch in every variant and for MoEExchange, chunked or not."""
+    counts all-gather (one collective, no token moved); nobody waits for a
+    peer. For dispatch in every variant and for MoEExchange, by groups or not."""
     x, idx, w, error, argument = DISPATCH_CASES[case]
     config = dict(CFG, variant=layer["variant"], local_world_size=layer.get("local_world_size"))
     options = {k: v for k, v in layer.items() if k == "chunks"}
@@ -106,10 +105,7 @@ def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     assert bad_name == error.__name__ and argument in bad_message, (bad_name, bad_message)
     assert name == "RuntimeError" and "rank(s) [1]" in message, (name, message)
     assert calls == bad_calls, (calls, bad_calls)  # both stop at the same collective, no peer left waiting
-    if "chunks" not in layer:  # one plan: the counts all-gather alone
-        assert calls == ["all_gather_rows"], calls
-    else:  # a plan per chunk: the chunk with the bad row stops at its counts all-gather
-        assert calls[-1] == "all_gather_rows", calls
+    assert calls == ["all_gather_rows"], calls  # one plan, by groups or not: the counts all-gather alone
     _good_round_trip_still_works(world)
 
 

@@ -8,8 +8,9 @@ gloo, as a smoke test):
     T_compute   the experts alone, on the rows one dispatch delivers
     T_seq       MoEExchange(C = 1) with GroupedExperts
     T_pipe      MoEExchange(C) with GroupedExperts, the best C of ``--chunks``
-                (a C above E_local is taken as E_local: chunks are groups of
-                local experts)
+                (C groups of local experts; a C above E_local is taken as
+                E_local). Each expert's weights are read once per GEMM for
+                every C: a group's grouped GEMM computes its experts only
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
@@ -78,6 +79,9 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--iters", type=int, default=20, help="timed runs (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
+    parser.add_argument("--transport", default="nccl", choices=("nccl", "auto", "nvlink"),
+                        help="DispatchConfig.transport (default nccl: the alltoall variant over NCCL moves each "
+                             "group of experts as its own all-to-all; the NVLink engine moves all at once)")
     parser.add_argument("--comm-max-ctas", type=int, help="NCCL max_ctas of the EP group (a slower exchange)")
     parser.add_argument("--comm-high-priority", action="store_true",
                         help="EP group's NCCL collectives on a high-priority stream (ahead of waiting GEMM blocks)")
@@ -100,7 +104,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
     if args.comm_high_priority and not torch.cuda.is_available():
         parser.error("--comm-high-priority needs NCCL (a GPU)")
     try:
-        dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire)
+        dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire, transport=args.transport)
     except ValueError as exc:
         parser.error(f"--dispatch-wire: {exc}")
     args.shapes = args.shapes or (["deepseek-v3", "mixtral-8x7b"] if torch.cuda.is_available() else ["cpu-tiny"])
@@ -180,7 +184,9 @@ def make_case(shape: Shape, args, group) -> Case:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=args.dispatch_wire), group)
+    config = dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=args.dispatch_wire,
+                                     transport=args.transport)
+    d = dispatch.create(config, group)
     torch.manual_seed(1234 + rank)
     experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, dtype=dtype, device=device)
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
@@ -260,6 +266,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         short, long = sorted((t_comm, t_compute))
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
+            transport=type(case.dispatcher).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority,
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
@@ -271,20 +278,21 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
 
 
 def suffix(args) -> str:
-    """What sets a run apart, for its file names: "-fp8", "-ctas2", "-hiprio"."""
-    wire = "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
+    """What sets a run apart, for its file names: "-auto", "-fp8", "-ctas2", "-hiprio"."""
+    wire = "" if args.transport == "nccl" else f"-{args.transport}"
+    wire += "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     return wire + ctas + ("-hiprio" if args.comm_high_priority else "")
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ["shape", "pass", "W", "wire", "max_ctas", "NCCL stream", "T_comm ms", "T_compute ms", "T_seq ms",
+    head = ["shape", "pass", "W", "dispatcher", "wire", "max_ctas", "NCCL stream", "T_comm ms", "T_compute ms", "T_seq ms",
             "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "max abs diff", "peak MiB by C", "host ms by C"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
         lines.append(
-            f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r['dispatch_wire']} | "
+            f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('transport', '-')} | {r['dispatch_wire']} | "
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
