@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run, in parts that each fit one device call (< 10 minutes):
 #   tests     the whole pytest suite (NCCL worlds on the local GPUs)
+#   groups    the tests of dispatches by groups of experts and of MoEExchange (a part of tests)
 #   dispatch  dispatch-bench dispatch (all shapes x variants x wires x routings,
 #             Megatron-Core alongside) and the a2a sweep
 #   overlap   dispatch-bench overlap on the model shapes (MoEExchange by groups of experts):
@@ -74,6 +75,9 @@ for part in "$@"; do
     tests)
       # SIGINT: a test that hangs is named in pytest's traceback
       step 560 pytest python3 -m pytest -q -p no:cacheprovider --durations=15 tests ;;
+    groups)
+      step 240 groups-tests python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_kernels.py \
+        tests/test_pipeline.py tests/test_async.py ;;
     dispatch)
       bench 330 dispatch dispatch --transports nccl,nvlink,nvlink-graph --iters 20 --warmup 5 --out "$RES"
       bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
