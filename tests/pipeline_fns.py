@@ -82,9 +82,9 @@ def late_collectives(on: bool = True):
     start, whole = comm.all_to_all_rows_start, comm.all_to_all_rows
 
     def late(exchange):
-        def call(rows, send_splits, recv_splits, group):
+        def call(rows, send_splits, recv_splits, group, **options):
             torch.cuda._sleep(LATE_CYCLES)
-            return exchange(rows, send_splits, recv_splits, group)
+            return exchange(rows, send_splits, recv_splits, group, **options)
 
         return call
 

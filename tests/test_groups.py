@@ -55,15 +55,18 @@ def _check(results, groups, local):
 def test_groups_give_the_bits_of_one_piece(worlds, world_size, local, topk, mode, dtype, groups, seed):
     groups = min(groups, local)
     tokens = [(seed + 3 * r) % 9 for r in range(world_size)]
-    results = _run(worlds, world_size, local, topk, tokens, mode, dtype, groups, dict(variant="alltoall"), seed)
+    results = _run(worlds, world_size, local, topk, tokens, mode, dtype, groups,
+                   dict(variant="alltoall", transport="nccl"), seed)
     _check(results, groups, local)
     assert all(facts["by_pieces"] == (groups > 1) for _, facts in results)  # moved group by group
 
 
-@pytest.mark.parametrize("config", [dict(variant="alltoall", dispatch_wire="fp8", combine_wire="bf16"),
+@pytest.mark.parametrize("config", [dict(variant="alltoall", transport="nccl", dispatch_wire="fp8",
+                                         combine_wire="bf16"),
+                                    dict(variant="alltoall"),  # on GPUs with CuPy: the NVLink engine
                                     dict(variant="allgather"), dict(variant="hierarchical", local_world_size=2),
                                     dict(variant="auto", local_world_size=2)],
-                         ids=["alltoall-fp8", "allgather", "hierarchical", "auto"])
+                         ids=["alltoall-fp8", "alltoall-auto", "allgather", "hierarchical", "auto"])
 def test_groups_every_variant(worlds, config):
     results = _run(worlds, 4, 4, 3, [7, 0, 5, 9], "random", torch.float32, 3, config, seed=5)
     _check(results, 3, 4)
@@ -72,7 +75,7 @@ def test_groups_every_variant(worlds, config):
 def test_group_refusals(worlds):
     g = make_routing(2, 4, 2, [5, 4], "random", seed=3)
     args = [(random_tokens(r, g.num_tokens[r], HIDDEN, torch.float32, 1), g.topk_idx[r], g.topk_weights[r].float(),
-             dict(num_experts=g.num_experts), [2, 3]) for r in range(2)]
+             dict(num_experts=g.num_experts, transport="nccl"), [2, 3]) for r in range(2)]
     for errors in worlds(2).run(groups_fns.grouped_errors, args):
         assert "groups must be an int in [1, 4]" in errors["zero"]
         assert "groups must be an int in [1, 4]" in errors["too many"]

@@ -254,10 +254,12 @@ if triton is not None:
             if later != 0:
                 tl.store(acc_ptr + row * acc_stride + cols, acc, mask=mask)
             else:
-                if ACC_F64 and out_ptr.dtype.element_ty != tl.float64:
-                    acc = acc.to(tl.float32)
                 at = tl.load(place_ptr + row)
-                tl.store(out_ptr + at * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                if ACC_F64 and out_ptr.dtype.element_ty != tl.float64:  # fp64 -> fp32 -> narrow, as gather_sum
+                    tl.store(out_ptr + at * out_stride + cols, acc.to(tl.float32).to(out_ptr.dtype.element_ty),
+                             mask=mask)
+                else:
+                    tl.store(out_ptr + at * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def accumulate_group(
