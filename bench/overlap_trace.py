@@ -52,7 +52,7 @@ def _job(args: argparse.Namespace) -> None:
     for name in args.shapes:
         case = overlap.make_case(SHAPES[name], args, group)
         for c in overlap.chunk_values(args, case.dispatcher.num_local_experts):
-            step = case.layer_step(case.layer(c, args.comm_priority), backward=True)
+            step = case.layer_step(case.layer(c, args.comm_priority, sm_carveout=args.sm_carveout), backward=True)
             tail = f"{name}-w{dist.get_world_size()}{overlap.suffix(args)}-c{c}"
             trace(step, os.path.join(args.out, f"overlap-trace-{tail}"), case.x.device,
                   f"{name}: one fwd+bwd step, C={c}")

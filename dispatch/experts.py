@@ -264,14 +264,28 @@ class ChunkedExperts:
         self.waiting = []  # (kept name, chunk, rows) until every chunk's counts are known
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         self.hidden, self.outs = [None] * chunks, [None] * chunks
+        self.experts_of: list[tuple[int, int] | None] = [None] * chunks
 
-    def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor) -> None:
+    def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor,
+                   experts: tuple[int, int] | None = None) -> None:
         """Chunk c's counts, given as None at construction. What earlier chunks
         keep is placed with chunk c's first kept rows, behind its GEMMs (with
-        ``forward(defer_keep=True)``, by :meth:`place_kept`)."""
+        ``forward(defer_keep=True)``, by :meth:`place_kept`). ``experts``:
+        (first, end), the only local experts with rows in chunk c (a group of
+        experts): its GEMMs then take those experts' weights and counts alone,
+        so that a grouped GEMM is sized for the experts it computes."""
         if self.rows[c] is not None:
             raise ValueError(f"chunk {c}'s counts were given already")
         self.counts[c], self.counts_host[c], self.rows[c] = counts, counts_host, int(counts_host.sum())
+        self.experts_of[c] = experts
+
+    def _sliced(self, c: int, weight: torch.Tensor):
+        """(weight, counts, host counts) of chunk c's GEMMs: its experts' only
+        where it is a group of experts."""
+        if self.experts_of[c] is None:
+            return weight, self.counts[c], self.counts_host[c]
+        first, end = self.experts_of[c]
+        return weight[first:end], self.counts[c][first:end], self.counts_host[c][first:end]
 
     def forward(self, c: int, tokens: torch.Tensor, defer_keep: bool = False) -> torch.Tensor:
         """Chunk c's rows [N_c, H] -> [N_c, H] (detached). ``defer_keep``: what
@@ -279,13 +293,13 @@ class ChunkedExperts:
         latest by :meth:`weight_grads`), not behind its GEMMs."""
         e = self.experts
         w_in, w_out = e.w_in.detach(), e.w_out.detach()
-        h = e._matmul(tokens, w_in, self.counts[c], self.counts_host[c])
+        h = e._matmul(tokens, *self._sliced(c, w_in))
         if not self.grad_on:
-            return e._matmul(e._act(h), w_out, self.counts[c], self.counts_host[c])
+            return e._matmul(e._act(h), *self._sliced(c, w_out))
         h.requires_grad_()
         with torch.enable_grad():
             act = e._act(h)
-            y = e._matmul(act, w_out, self.counts[c], self.counts_host[c])
+            y = e._matmul(act, *self._sliced(c, w_out))
         self.hidden[c], self.outs[c] = h, y
         keep = self.waiting.append if defer_keep else (lambda item: self._keep(*item))
         if self.need_in:
@@ -315,7 +329,7 @@ class ChunkedExperts:
             self._keep("grad_hidden", c, grad_h)
         if not rows_grad:
             return None
-        return e._matmul(grad_h, e.w_in.detach().transpose(1, 2), self.counts[c], self.counts_host[c])
+        return e._matmul(grad_h, *self._sliced(c, e.w_in.detach().transpose(1, 2)))
 
     def weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(grad of w_in, grad of w_out), once every chunk's backward has run;

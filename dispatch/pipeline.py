@@ -77,6 +77,12 @@ class MoEExchange(nn.Module):
             during this layer's exchanges (lower is higher; clamped to the
             device's range). Default -1: the small kernels around the
             collectives are not stuck behind the GEMMs.
+        sm_carveout: with G > 1 on CUDA, SMs the experts' GEMMs leave free
+            while the groups' exchanges run beside them (torch's experimental
+            SM carveout, process-wide, set around each group's experts and
+            restored after; ``torch._grouped_mm`` heeds it, cuBLAS does not).
+            A persistent GEMM holding every SM delays the collective kernels
+            queued behind it until it ends. None: no carveout.
         out_dtype: with G > 1, the dtype of the experts' outputs (the
             pre-sums start home before every rank has computed a row, so it
             is fixed up front; rows of other dtypes are refused). Default: the
@@ -85,7 +91,7 @@ class MoEExchange(nn.Module):
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
-                 out_dtype: torch.dtype | None = None):
+                 sm_carveout: int | None = None, out_dtype: torch.dtype | None = None):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
             raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
@@ -104,7 +110,10 @@ class MoEExchange(nn.Module):
             raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
         if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
             raise TypeError(f"out_dtype must be None or a floating torch.dtype, got {out_dtype!r}")
-        self.out_dtype = out_dtype
+        if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
+                                        or sm_carveout < 0):
+            raise ValueError(f"sm_carveout must be None or an int >= 0, got {sm_carveout!r}")
+        self.out_dtype, self.sm_carveout = out_dtype, sm_carveout
         self.dispatcher = dispatcher
         self.experts = experts
         self.chunks = chunks
@@ -147,6 +156,19 @@ class MoEExchange(nn.Module):
         return tuple(p for p in self.experts.parameters() if p.requires_grad)
 
     @contextlib.contextmanager
+    def _carveout(self):
+        """The experts' GEMMs inside leave ``sm_carveout`` SMs free (G > 1 on CUDA)."""
+        if self.sm_carveout is None or self.chunks == 1 or not torch.cuda.is_available():
+            yield
+            return
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(self.sm_carveout)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+
+    @contextlib.contextmanager
     def _priority(self):
         """The dispatcher's exchanges run at this layer's ``comm_priority`` inside."""
         d = self.dispatcher
@@ -158,14 +180,15 @@ class MoEExchange(nn.Module):
 
 
 def _group(work, g: int, groups: int):
-    """(rows, rows per expert on the device, on the host, weights, handle) of
-    group g; one group takes the whole result (where a pad_to_capacity
-    dispatch places its rows)."""
+    """(rows, rows per expert on the device, on the host, weights, handle, the
+    group's local experts or None for all) of group g; one group takes the whole
+    result (where a pad_to_capacity dispatch places its rows)."""
     if groups == 1:
         out = work.wait()
-        return out.tokens, out.tokens_per_expert, out.tokens_per_expert_host, out.weights, out.handle
+        return out.tokens, out.tokens_per_expert, out.tokens_per_expert_host, out.weights, out.handle, None
     part = work.wait_group(g)
-    return part.tokens, part.tokens_per_expert, part.tokens_per_expert_host, part.weights, work.handle
+    return (part.tokens, part.tokens_per_expert, part.tokens_per_expert_host, part.weights, work.handle,
+            part.experts)
 
 
 class _PipelineFn(torch.autograd.Function):
@@ -181,13 +204,14 @@ class _PipelineFn(torch.autograd.Function):
         with layer._priority():
             sums = None
             for g in range(groups):
-                tokens, per_expert, per_expert_host, weights[g], handle = _group(work, g, groups)
+                tokens, per_expert, per_expert_host, weights[g], handle, group_experts = _group(work, g, groups)
                 if chunked is not None:
-                    chunked.set_counts(g, per_expert, per_expert_host)
-                    y = chunked.forward(g, tokens)
+                    chunked.set_counts(g, per_expert, per_expert_host, group_experts)
+                    with layer._carveout():
+                        y = chunked.forward(g, tokens)
                 else:
                     leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
-                    with torch.set_grad_enabled(grad_on):
+                    with torch.set_grad_enabled(grad_on), layer._carveout():
                         y = experts(leaf, per_expert)
                     _check_expert_out(y, tokens)
                     if grad_on:  # kept for backward; without grad, group g's rows die here
@@ -226,10 +250,11 @@ class _PipelineFn(torch.autograd.Function):
                 grad_rows = brings.wait() if groups == 1 else brings.wait_group(g)
                 y = ctx.ys[g] if chunked is None else chunked.output(g)
                 grad_y, grad_weight = weighted_grads(grad_rows, ctx.weights[g], y, w_any)
-                if chunked is not None:
-                    grad_tokens = chunked.backward(g, grad_y, x_any) if x_any or ctx.params else None
-                else:
-                    grad_tokens = autograd_rows(ctx.leaves[g], y, grad_y, x_any, ctx.params, grad_params)
+                with layer._carveout():
+                    if chunked is not None:
+                        grad_tokens = chunked.backward(g, grad_y, x_any) if x_any or ctx.params else None
+                    else:
+                        grad_tokens = autograd_rows(ctx.leaves[g], y, grad_y, x_any, ctx.params, grad_params)
                     ctx.ys[g] = ctx.leaves[g] = None  # the group's graph is spent
                 if x_any:
                     to_x.add(grad_tokens)
@@ -240,7 +265,8 @@ class _PipelineFn(torch.autograd.Function):
                 values = grad_w[0] if groups == 1 else torch.cat(grad_w)
                 to_w = d.combine_slots(values, handle, async_op=True)
             if chunked is not None and ctx.params:  # while the last group's gradients travel home
-                grad_params[:] = chunked.param_grads(ctx.params)
+                with layer._carveout():
+                    grad_params[:] = chunked.param_grads(ctx.params)
             grad_x = to_x.wait().to(ctx.x_dtype) if x_any else None
             grad_topk = to_w.wait().to(ctx.w_dtype) if w_any else None
         ctx.chunked = None

@@ -71,7 +71,7 @@ def test_peak_memory_column():
     "argv, needle",
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
      (["--shapes", "nope"], "--shapes"), (["--chunks", "1:3:1"], "--chunks"), (["--chunks", "2,x"], "--chunks"),
-     (["--local-first"], "unrecognized"), (["--sm-carveout", "8"], "unrecognized"), (["--trace"], "unrecognized")],
+     (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

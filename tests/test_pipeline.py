@@ -232,7 +232,7 @@ def test_bad_arguments_raise():
     for chunks in [0, 5, (1, 2), [1], None, True, "2", 2.0]:  # 5: more groups than the 4 local experts
         with pytest.raises(ValueError, match="chunks"):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=chunks)
-    for gone in ("sm_carveout", "ahead", "local_first"):
+    for gone in ("ahead", "local_first"):
         with pytest.raises(TypeError, match=gone):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, **{gone: 1})
     with pytest.raises(TypeError, match="comm_priority"):
@@ -242,6 +242,9 @@ def test_bad_arguments_raise():
     for bad in ("bf16", torch.int32):
         with pytest.raises(TypeError, match="out_dtype"):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, out_dtype=bad)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="sm_carveout"):
+            dispatch.MoEExchange(_OneRank(), lambda t, n: t, sm_carveout=bad)
 
 
 class _OneRank(dispatch.TokenDispatcher):

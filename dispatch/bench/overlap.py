@@ -85,6 +85,8 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--comm-max-ctas", type=int, help="NCCL max_ctas of the EP group (a slower exchange)")
     parser.add_argument("--comm-high-priority", action="store_true",
                         help="EP group's NCCL collectives on a high-priority stream (ahead of waiting GEMM blocks)")
+    parser.add_argument("--sm-carveout", type=int,
+                        help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (C > 1)")
     parser.add_argument("--comm-priority", type=int, default=-1,
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
@@ -99,6 +101,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    if args.sm_carveout is not None and args.sm_carveout < 0:
+        parser.error(f"--sm-carveout must be >= 0, got {args.sm_carveout}")
     if args.comm_max_ctas is not None and (args.comm_max_ctas < 1 or not torch.cuda.is_available()):
         parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
     if args.comm_high_priority and not torch.cuda.is_available():
@@ -149,10 +153,10 @@ class Case:
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
 
-    def layer(self, chunks: int, comm_priority: int = -1, experts=None) -> dispatch.MoEExchange:
+    def layer(self, chunks: int, comm_priority: int = -1, experts=None, sm_carveout=None) -> dispatch.MoEExchange:
         """MoEExchange(chunks) over these experts (or ``experts``)."""
         return dispatch.MoEExchange(self.dispatcher, self.experts if experts is None else experts,
-                                    chunks=chunks, comm_priority=comm_priority)
+                                    chunks=chunks, comm_priority=comm_priority, sm_carveout=sm_carveout)
 
     def layer_step(self, layer, backward: bool):
         """One forward (and backward) of ``layer`` on the case's tokens."""
@@ -237,7 +241,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
     """Collective: one row per pass (forward, forward+backward) of ``shape``."""
     case = make_case(shape, args, group)
     device, world = case.x.device, dist.get_world_size(group)
-    prio = args.comm_priority
+    prio, carve = args.comm_priority, args.sm_carveout
 
     def timed(fn):
         return _time(fn, args.iters, args.warmup, device)
@@ -250,24 +254,24 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         t_compute = timed(case.compute_step(backward))[0]
         seq = case.layer(1, prio)
         t_seq, seq_host = timed(case.layer_step(seq, backward))
-        pipe_times = {c: timed(case.layer_step(case.layer(c, prio), backward)) for c in candidates}
+        layers = {c: case.layer(c, prio, sm_carveout=carve) for c in candidates}
+        pipe_times = {c: timed(case.layer_step(layers[c], backward)) for c in candidates}
         by_chunks = {c: gpu for c, (gpu, _) in pipe_times.items()}
         best = min(by_chunks, key=by_chunks.get)
         with torch.no_grad():
             want = seq(case.x, case.topk_idx, case.topk_weights)
-            got = case.layer(best, prio)(case.x, case.topk_idx, case.topk_weights)
+            got = layers[best](case.x, case.topk_idx, case.topk_weights)
         diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
         peak = None
         if backward and device.type == "cuda":  # the sequential layer (C = 1) first, then each C
             peak = {"seq": _peak_mib(case.layer_step(seq, True), device, group)}
-            peak.update({str(c): _peak_mib(case.layer_step(case.layer(c, prio), True), device, group)
-                         for c in candidates})
+            peak.update({str(c): _peak_mib(case.layer_step(layers[c], True), device, group) for c in candidates})
         short, long = sorted((t_comm, t_compute))
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher).__name__,
-            comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority,
+            comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
             hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
@@ -282,17 +286,19 @@ def suffix(args) -> str:
     wire = "" if args.transport == "nccl" else f"-{args.transport}"
     wire += "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
-    return wire + ctas + ("-hiprio" if args.comm_high_priority else "")
+    carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
+    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ["shape", "pass", "W", "dispatcher", "wire", "max_ctas", "NCCL stream", "T_comm ms", "T_compute ms", "T_seq ms",
-            "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "max abs diff", "peak MiB by C", "host ms by C"]
+    head = ["shape", "pass", "W", "dispatcher", "wire", "carveout", "max_ctas", "NCCL stream", "T_comm ms",
+            "T_compute ms", "T_seq ms", "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "max abs diff", "peak MiB by C", "host ms by C"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
         lines.append(
             f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('transport', '-')} | {r['dispatch_wire']} | "
+            f"{r.get('sm_carveout') if r.get('sm_carveout') is not None else '-'} | "
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "

@@ -461,7 +461,8 @@ class TokenDispatcher(abc.ABC):
         self._check_handle(handle)
         _check_wire("wire", wire, SUM_WIRES)
         if dtype is None and handle.groups > 1:
-            raise TypeError(f"dtype: a dispatch by {handle.groups} groups sums rows of a dtype given up front, got None")
+            raise TypeError(f"dtype: a dispatch by {handle.groups} groups sums rows of a dtype given up front, "
+                            "got None")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         return GroupSums(self, handle, dtype, wire)
