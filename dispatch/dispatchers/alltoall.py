@@ -169,7 +169,7 @@ class AllToAllDispatcher(TokenDispatcher):
         rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
         pieces = None
         if groups > 1:
-            pieces = _pieces(by_group, groups, rp, table, per_expert)
+            pieces = _pieces(by_group, groups, rp, table, planned.summary[2 * world : counts_end])
         handle = AllToAllHandle(
             owner=self,
             num_tokens=num_tokens,
@@ -358,26 +358,28 @@ class _GroupedPresums(GroupSumsIssuer):
 def _pieces(by_group: torch.Tensor, groups: int, rp: plan.RecvPlan, table: torch.Tensor,
             per_expert: torch.Tensor) -> GroupPieces:
     """The :class:`GroupPieces` of a plan by ``groups`` groups, from the
-    summary's rows by group (``by_group`` [2, W, 2, E_local]: this rank's to
-    each rank, then each rank's to this one; by first, then last group), the
-    receive plan, its table and the host rows per local expert."""
+    summary's rows by group (``by_group`` [2, W, 2, E_local] on the host: this
+    rank's to each rank, then each rank's to this one; by first, then last
+    group), the receive plan, its table and the rows per local expert on the
+    device (nothing here is copied to the device or read back)."""
     index = rp.presum_index
     device = index.device
     world = by_group.shape[1]
-    sizes = [[[int(v) for v in by_group[side, :, which, g]] for g in range(groups)] for side, which in
-             ((0, 0), (1, 0), (1, 1), (0, 1))]
-    send, recv, back_send, back_recv = (tuple(tuple(r) for r in rows) for rows in sizes)
+    counts = by_group[..., :groups].tolist()  # [2][W][2][G]
+    send, recv, back_send, back_recv = (
+        tuple(tuple(counts[side][r][which][g] for r in range(world)) for g in range(groups))
+        for side, which in ((0, 0), (1, 0), (1, 1), (0, 1)))
     num_rows, held = rp.expand_all.shape[0], index.shape[0]
     width = index.shape[1]
     # the column of each expanded row in its received row's slot list
     column = torch.arange(width, device=device).expand(held, width)
     at = torch.where(index >= 0, index, num_rows).flatten()
     expand_col = torch.empty(num_rows + 1, dtype=torch.int64, device=device).scatter_(0, at, column.flatten())
-    # pre-sums go home by the group of their last slot, then source rank, then token
-    bounds = plan.expert_groups(per_expert.shape[0], groups)
-    ends = torch.cumsum(per_expert, 0).tolist()
-    inner = plan.to_device(torch.tensor([ends[b - 1] if b else 0 for b in bounds[1:-1]], dtype=torch.int64), device)
-    last = torch.searchsorted(inner, index.max(1).values, right=True)
+    # pre-sums go home by the group of their last slot (the group of its local
+    # expert, as plan.group_route), then source rank, then token
+    local = per_expert.shape[0]
+    expert = torch.searchsorted(torch.cumsum(per_expert, 0), index.max(1).values, right=True)
+    last = ((expert + 1) * groups - 1) // local
     key = ((last * world + rp.src_rank) << 32) + rp.src_token
     order = torch.sort(key).indices
     back_place = torch.empty_like(order)

@@ -770,12 +770,10 @@ class DispatchWork:
         else:
             tokens = _padded(self._started.result(), handle, 0)
             self._started = Started(Pending.done(tokens))
-        keep = torch.zeros(self._dispatcher.num_local_experts, dtype=torch.int64)
-        keep[first:end] = 1
         per_expert_host = self._plan_out.tokens_per_expert_host
         if per_expert_host is not None:
-            per_expert_host = per_expert_host * keep
-        per_expert = self._plan_out.tokens_per_expert * plan.to_device(keep, tokens.device)
+            per_expert_host = _only(per_expert_host, first, end)
+        per_expert = _only(self._plan_out.tokens_per_expert, first, end)  # on the device: no host copy
         weights = _padded(self._plan_out.weights, handle, 0)[lo:hi].to(self._w_dtype)
         return DispatchedGroup(tokens.detach(), per_expert, per_expert_host, weights, (lo, hi), (first, end))
 
@@ -871,6 +869,13 @@ def _pad_to_blocks(handle: CombineHandle, plan_out: "PlanOutputs", local: int):
     per_expert = torch.full((local,), width, dtype=torch.int64)
     plan_out = dataclasses.replace(plan_out, tokens_per_expert=per_expert.to(device), tokens_per_expert_host=per_expert)
     return dataclasses.replace(handle, pad_index=index), plan_out
+
+
+def _only(counts: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """``counts`` with every entry outside [first, end) zeroed (a new tensor)."""
+    out = torch.zeros_like(counts)
+    out[first:end] = counts[first:end]
+    return out
 
 
 def _present(*tensors) -> tuple:
