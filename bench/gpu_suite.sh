@@ -82,8 +82,9 @@ for part in "$@"; do
       bench 330 dispatch dispatch --transports nccl,nvlink,nvlink-graph --iters 20 --warmup 5 --out "$RES"
       bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     overlap)
-      bench 200 overlap overlap --chunks 2,4,8,16 --out "$RES"
-      bench 200 overlap-slow overlap --comm-max-ctas 2 --comm-high-priority --out "$RES"
+      bench 200 overlap overlap --chunks 2,4,8 --sm-carveout 16 --out "$RES"
+      bench 200 overlap-slow overlap --chunks 2,4,8 --sm-carveout 16 --comm-max-ctas 2 --comm-high-priority \
+        --out "$RES"
       bench 150 overlap-engine overlap --transport auto --chunks 1 --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
@@ -113,8 +114,8 @@ for part in "$@"; do
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
       step 240 megatron-layer python3 bench/megatron_layer.py --out "$RES"
-      step 120 overlap-trace python3 bench/overlap_trace.py --chunks 4 --comm-max-ctas 2 --comm-high-priority \
-        --out "$RES"
+      step 120 overlap-trace python3 bench/overlap_trace.py --chunks 1,4 --sm-carveout 16 --comm-max-ctas 2 \
+        --comm-high-priority --out "$RES"
       bench 150 hierarchical dispatch --nodes 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b --routings uniform \
         --wires native --baselines none --iters 20 --warmup 5 --out "$RES" ;;
     *)

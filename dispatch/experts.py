@@ -21,9 +21,9 @@ Two paths compute the same thing:
 
 Neither a grouped GEMM nor a library matmul promises that a row's result is
 bitwise independent of the other rows of the batch (the tiling may depend on
-the group sizes), so chunking the tokens (``MoEExchange(chunks=C)``) gives these
-experts' outputs equal to those of C = 1 up to rounding, and bitwise equal only
-where the kernels happen to keep the per-row reduction order.
+the group sizes), so computing the experts by groups (``MoEExchange(chunks=G)``)
+gives these experts' outputs equal to those of G = 1 up to rounding, and bitwise
+equal only where the kernels happen to keep the per-row reduction order.
 """
 
 from __future__ import annotations
@@ -226,8 +226,9 @@ def _dense_grad(out: torch.Tensor) -> torch.Tensor:
 
 
 class ChunkedExperts:
-    """:class:`GroupedExperts` over the C chunks of one ``MoEExchange`` step, with
-    the weight gradients computed once, over the rows of all chunks.
+    """:class:`GroupedExperts` over the C chunks of one ``MoEExchange`` step (its
+    groups of local experts), with the weight gradients computed once, over the
+    rows of all chunks.
 
     Backward per chunk computes only what the exchange waits for (the rows'
     gradients and, kept for later, the gradient at the first GEMM's output);
