@@ -281,13 +281,16 @@ def _layer_padded_against_plain(x, topk_idx, topk_weights):
     """MoEExchange with GroupedExperts, with pad_to_capacity and without: outputs and
     gradients; then a move along a pad_to_capacity dispatch's handle before its wait."""
     from dispatch.experts import GroupedExperts
+    from world import current_device
 
+    device = current_device()
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     got = []
     for pad in (True, False):
         d = dispatch.create(dispatch.DispatchConfig(num_experts=4, capacity_factor=0.7, pad_to_capacity=pad,
                                                     transport="nccl"))
         torch.manual_seed(0)
-        experts = GroupedExperts(2, 8, 16)
+        experts = GroupedExperts(2, 8, 16).to(device)
         xx = x.clone().requires_grad_()
         out = dispatch.MoEExchange(d, experts, chunks=1)(xx, topk_idx, topk_weights)
         out.sum().backward()

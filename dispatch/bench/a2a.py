@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict | None:
     dev = common.device()
     world, rank = dist.get_world_size(), dist.get_rank()
     all_sizes = sizes(args.min_bytes, args.max_bytes)
-    engine = _engine(world)
+    engine = _engine(world, _rows(max(all_sizes), world, args.hidden), args.hidden, dev) if all_sizes else None
     transports = ["nccl", "ours", *(["nvlink"] if engine is not None else []), *args.a2a_wires]
     progress = common.Progress(len(all_sizes) * len(transports), "a2a")
     rows = []
@@ -130,9 +130,17 @@ def run(args: argparse.Namespace) -> dict | None:
     return {"rows": rows, "world_size": world} if rank == 0 else None
 
 
-def _engine(world: int):
-    """A dispatcher on the NVLink engine with one expert per rank, or None where
-    the engine cannot run (the same answer on every rank)."""
+def _rows(size: int, world: int, hidden: int) -> int:
+    """Rows of ``hidden`` bf16 values one rank sends in a sweep step of ``size`` bytes."""
+    per_peer = size // (2 * world)
+    return (per_peer - per_peer % hidden) * world // hidden
+
+
+def _engine(world: int, largest_rows: int, hidden: int, dev):
+    """A dispatcher on the NVLink engine with one expert per rank, its buffers
+    sized once for the sweep's largest step (every dispatch after takes
+    ``max_rows``: no host read, and no buffer grows under a captured graph), or
+    None where the engine cannot run (the same answer on every rank)."""
     from dispatch import cuda
 
     if world < 2 or not cuda.available():
@@ -141,17 +149,27 @@ def _engine(world: int):
 
     if unusable(None) is not None:  # a collective: every rank gets the same answer
         return None
-    return NVLinkDispatcher(config.DispatchConfig(num_experts=world, transport="nvlink", check_inputs=False))
+    engine = NVLinkDispatcher(config.DispatchConfig(num_experts=world, transport="nvlink", check_inputs=False))
+    if largest_rows:
+        x = torch.zeros(largest_rows, hidden, dtype=torch.bfloat16, device=dev)
+        engine.dispatch(x, _to_ranks(largest_rows, world, dev), torch.ones(largest_rows, 1, device=dev),
+                        max_rows=largest_rows)
+        engine.check()
+    return engine
+
+
+def _to_ranks(rows: int, world: int, dev) -> torch.Tensor:
+    """[rows, 1]: row i goes to expert (= rank) i // (rows / W)."""
+    return (torch.arange(rows, device=dev) // max(rows // world, 1)).clamp(max=world - 1).view(rows, 1)
 
 
 def _engine_step(engine, send: torch.Tensor, world: int, hidden: int):
     """(replay, result) of the engine's all-to-all of ``send`` as rows of ``hidden``."""
     x = send.view(-1, hidden)
     rows = x.shape[0]
-    dest = (torch.arange(rows, device=x.device) // (rows // world)).view(rows, 1)  # expert d lives on rank d
+    dest = _to_ranks(rows, world, x.device)  # expert d lives on rank d
     ones = torch.ones(rows, 1, device=x.device)
-    engine.dispatch(x, dest, ones)  # grows the buffers for this size (a host read)
-    engine.dispatch(x, dest, ones, max_rows=rows)
+    engine.dispatch(x, dest, ones, max_rows=rows)  # eager once before the capture
     torch.cuda.synchronize()
     graph, box = torch.cuda.CUDAGraph(), {}
     with torch.cuda.graph(graph):
