@@ -7,6 +7,11 @@ For each buffer size (bytes per rank, doubling from ``--min-bytes`` to
   hardware's bar;
 * ``ours``: ``dispatch.comm.all_to_all_rows``, the dispatchers' transport (rows of
   bytes with per-peer split sizes), on the same buffer;
+* ``nvlink`` (where the NVLink engine runs): the engine moving the buffer as rows
+  of ``--hidden`` bf16 channels, row r of a rank to rank r // (rows per peer) (one
+  expert per rank, so its expert-major output is the all-to-all's), a dispatch
+  with ``max_rows`` captured in a CUDA graph and replayed: routing plan, counts
+  exchange, staging and pull included;
 * one line per compressing wire format (``fp8``, ...): rows of ``--hidden`` bf16
   channels packed by the wire's codec, exchanged, unpacked; its time covers all
   three, and ``effective`` is the uncompressed bytes per second.
@@ -109,7 +114,8 @@ def run(args: argparse.Namespace) -> dict | None:
     dev = common.device()
     world, rank = dist.get_world_size(), dist.get_rank()
     all_sizes = sizes(args.min_bytes, args.max_bytes)
-    transports = ["nccl", "ours", *args.a2a_wires]
+    engine = _engine(world, _rows(max(all_sizes), world, args.hidden), args.hidden, dev) if all_sizes else None
+    transports = ["nccl", "ours", *(["nvlink"] if engine is not None else []), *args.a2a_wires]
     progress = common.Progress(len(all_sizes) * len(transports), "a2a")
     rows = []
     for size in all_sizes:
@@ -118,13 +124,61 @@ def run(args: argparse.Namespace) -> dict | None:
             if per_peer == 0 or (transport not in LOSSLESS and per_peer < args.hidden):
                 progress.step(f"{size} B {transport}", "skipped (smaller than one element/row per peer)")
                 continue
-            row = _measure(transport, per_peer, world, rank, dev, args)
+            row = _measure(transport, per_peer, world, rank, dev, args, engine)
             rows.append(row)
             progress.step(f"{size} B {transport}", f"{row['time_us']:.1f} us {row['busbw_gbps']:.1f} GB/s")
     return {"rows": rows, "world_size": world} if rank == 0 else None
 
 
-def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) -> dict:
+def _rows(size: int, world: int, hidden: int) -> int:
+    """Rows of ``hidden`` bf16 values one rank sends in a sweep step of ``size`` bytes."""
+    per_peer = size // (2 * world)
+    return (per_peer - per_peer % hidden) * world // hidden
+
+
+def _engine(world: int, largest_rows: int, hidden: int, dev):
+    """A dispatcher on the NVLink engine with one expert per rank, its buffers
+    sized once for the sweep's largest step (every dispatch after takes
+    ``max_rows``: no host read, and no buffer grows under a captured graph), or
+    None where the engine cannot run (the same answer on every rank)."""
+    from dispatch import cuda
+
+    if world < 2 or not cuda.available():
+        return None
+    from dispatch.dispatchers.nvlink import NVLinkDispatcher, unusable
+
+    if unusable(None) is not None:  # a collective: every rank gets the same answer
+        return None
+    engine = NVLinkDispatcher(config.DispatchConfig(num_experts=world, transport="nvlink", check_inputs=False))
+    if largest_rows:
+        x = torch.zeros(largest_rows, hidden, dtype=torch.bfloat16, device=dev)
+        engine.dispatch(x, _to_ranks(largest_rows, world, dev), torch.ones(largest_rows, 1, device=dev),
+                        max_rows=largest_rows)
+        engine.check()
+    return engine
+
+
+def _to_ranks(rows: int, world: int, dev) -> torch.Tensor:
+    """[rows, 1]: row i goes to expert (= rank) i // (rows / W)."""
+    return (torch.arange(rows, device=dev) // max(rows // world, 1)).clamp(max=world - 1).view(rows, 1)
+
+
+def _engine_step(engine, send: torch.Tensor, world: int, hidden: int):
+    """(replay, result) of the engine's all-to-all of ``send`` as rows of ``hidden``."""
+    x = send.view(-1, hidden)
+    rows = x.shape[0]
+    dest = _to_ranks(rows, world, x.device)  # expert d lives on rank d
+    ones = torch.ones(rows, 1, device=x.device)
+    engine.dispatch(x, dest, ones, max_rows=rows)  # eager once before the capture
+    torch.cuda.synchronize()
+    # the graph reads its inputs where they were at the capture: they live as long as it replays
+    graph, box = torch.cuda.CUDAGraph(), {"inputs": (x, dest, ones)}
+    with torch.cuda.graph(graph):
+        box["out"] = engine.dispatch(x, dest, ones, max_rows=rows)
+    return graph.replay, lambda: box["out"].tokens.reshape(-1)
+
+
+def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args, engine=None) -> dict:
     if transport not in LOSSLESS:
         per_peer -= per_peer % args.hidden  # whole rows
     count = per_peer * world
@@ -138,6 +192,8 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
         def step():
             dist.all_to_all_single(recv, send)
         result = lambda: recv  # noqa: E731
+    elif transport == "nvlink":
+        step, result = _engine_step(engine, send, world, args.hidden)
     elif transport == "ours":
         box = {}
 
@@ -158,7 +214,7 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
         result = lambda: box["out"].reshape(-1)  # noqa: E731
 
     step()
-    wrong = _wrong(result(), expected, lossless=transport in LOSSLESS, hidden=args.hidden)
+    wrong = _wrong(result(), expected, lossless=transport in (*LOSSLESS, "nvlink"), hidden=args.hidden)
     stats = common.spread(common.time_back_to_back(step, args.iters, args.warmup, dev))
     seconds = stats["median"] / 1e3
     algbw = wire_bytes / seconds / 1e9
@@ -166,7 +222,7 @@ def _measure(transport: str, per_peer: int, world: int, rank: int, dev, args) ->
         "transport": transport,
         "size": count * 2,
         "count": count,
-        "type": "bf16" if transport in LOSSLESS else transport,
+        "type": "bf16" if transport in LOSSLESS or transport == "nvlink" else transport,
         "wire_bytes": wire_bytes,
         "time_us": stats["median"] * 1e3,
         "time_us_p10": stats["p10"] * 1e3,
@@ -208,17 +264,24 @@ def table(rows: list[dict], transport: str) -> str:
 
 
 def comparison(rows: list[dict], from_bytes: int = 8 << 20) -> list[str]:
-    """A line comparing ``ours`` with raw NCCL at every size from ``from_bytes`` up (none below)."""
+    """Lines comparing ``ours`` and the engine with raw NCCL at every size from
+    ``from_bytes`` up (none below), and the engine at 1 MiB."""
     nccl = {r["size"]: r for r in rows if r["transport"] == "nccl"}
-    ratios = [
-        (r["size"], nccl[r["size"]]["time_us"] / r["time_us"])
-        for r in rows if r["transport"] == "ours" and r["size"] >= from_bytes and r["size"] in nccl
-    ]
-    if not ratios:
-        return []
-    worst = min(ratios, key=lambda p: p[1])
-    return [f"ours / nccl bandwidth from {from_bytes >> 20} MiB up: worst {worst[1]:.3f} at {worst[0]} B, "
-            f"mean {sum(r for _, r in ratios) / len(ratios):.3f}"]
+    lines = []
+    for name in ("ours", "nvlink"):
+        ratios = [
+            (r["size"], nccl[r["size"]]["time_us"] / r["time_us"])
+            for r in rows if r["transport"] == name and r["size"] >= from_bytes and r["size"] in nccl
+        ]
+        if ratios:
+            worst = min(ratios, key=lambda p: p[1])
+            lines.append(f"{name} / nccl bandwidth from {from_bytes >> 20} MiB up: worst {worst[1]:.3f} at "
+                         f"{worst[0]} B, mean {sum(r for _, r in ratios) / len(ratios):.3f}")
+        at_1m = [nccl[r["size"]]["time_us"] / r["time_us"] for r in rows
+                 if r["transport"] == name == "nvlink" and r["size"] == 1 << 20 and r["size"] in nccl]
+        if at_1m:
+            lines.append(f"nvlink / nccl bandwidth at 1 MiB: {at_1m[0]:.3f}")
+    return lines
 
 
 def report(result: dict, args: argparse.Namespace) -> str:
