@@ -28,10 +28,10 @@ the addition of its rows' gradients into the running sums going home
 exchange after the last group (``combine_slots``). On CUDA the exchanges run on
 the dispatcher's communication stream (``comm_priority``), ordered against the
 caller's stream by events only (group g's compute waits for group g's piece
-alone); on CPU they are asynchronous collectives. The alltoall variant over
-NCCL moves each group as its own all-to-all; the other variants and the NVLink
-engine move all groups at once, so there G > 1 computes by group but hides
-nothing.
+alone); on CPU they are asynchronous collectives. The alltoall variant on the
+NCCL transport (or gloo) moves each group as its own all-to-all; the other
+variants and the NVLink engine move all groups at once, so there G > 1
+computes by group but hides nothing.
 
 Experts' parameters: for a plain :class:`GroupedExperts` (its own ``forward``
 and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the
@@ -83,11 +83,12 @@ class MoEExchange(nn.Module):
             restored after; ``torch._grouped_mm`` heeds it, cuBLAS does not).
             A persistent GEMM holding every SM delays the collective kernels
             queued behind it until it ends. None: no carveout.
-        out_dtype: with G > 1, the dtype of the experts' outputs (the
-            pre-sums start home before every rank has computed a row, so it
-            is fixed up front; rows of other dtypes are refused). Default: the
-            autocast dtype where autocast is on for x's device, else x's dtype.
-            With G = 1 the outputs' dtype is agreed as ``combine`` does.
+        out_dtype: with G > 1, the dtype of the layer's output and of the
+            pre-sums (they start home before every rank has computed a row,
+            so it is fixed up front; experts' rows in another dtype are cast
+            to it). Default: the autocast dtype where autocast is on for x's
+            device, else x's dtype. With G = 1 the outputs' dtype is agreed
+            as ``combine`` does.
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
@@ -244,8 +245,8 @@ class _PipelineFn(torch.autograd.Function):
         grad_w = []
         with layer._priority():
             brings = d.dispatch_rows(grad_out, handle, wire=config.combine_grad_wire, async_op=True)
-            to_x = d.combine_groups(handle, dtype=None if groups == 1 else ctx.x_dtype,
-                                    wire=config.dispatch_grad_wire) if x_any else None
+            # the rows' gradients are in x's dtype on every rank: nothing to agree
+            to_x = d.combine_groups(handle, dtype=ctx.x_dtype, wire=config.dispatch_grad_wire) if x_any else None
             for g in range(groups):
                 grad_rows = brings.wait() if groups == 1 else brings.wait_group(g)
                 y = ctx.ys[g] if chunked is None else chunked.output(g)

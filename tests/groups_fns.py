@@ -26,7 +26,8 @@ def grouped_verbs(x, topk_idx, topk_weights, rows_out, values, config: dict, gro
     work = d.dispatch(x, topk_idx, topk_weights, groups=groups, async_op=True)
     handle = work.handle
     parts = [work.wait_group(g) for g in reversed(range(groups))][::-1]  # any order
-    facts = dict(groups=handle.groups, by_pieces=getattr(handle, "by_group", None) is not None, rows=[p.rows for p in parts], experts=[p.experts for p in parts],
+    facts = dict(groups=handle.groups, by_pieces=getattr(handle, "by_group", None) is not None,
+                 rows=[p.rows for p in parts], experts=[p.experts for p in parts],
                  per_expert=[_cpu(p.tokens_per_expert) for p in parts],
                  per_expert_host=[_cpu(p.tokens_per_expert_host) for p in parts])
     sums = d.combine_groups(handle, dtype=y.dtype, wire=config.get("combine_wire", "native"))
@@ -35,6 +36,9 @@ def grouped_verbs(x, topk_idx, topk_weights, rows_out, values, config: dict, gro
     plain = d.combine_groups(handle, dtype=y.dtype, wire="bf16")
     for p in parts:
         plain.add(y[p.rows[0] : p.rows[1]])
+    cast = d.combine_groups(handle, dtype=y.dtype, wire=config.get("combine_wire", "native"))
+    for p in parts:  # rows in another dtype are cast to the one given (exactly, here)
+        cast.add(y[p.rows[0] : p.rows[1]].double(), p.weights)
     rows_work = d.dispatch_rows(x, handle, wire="fp8", async_op=True)
     rows_parts = [rows_work.wait_group(g) for g in range(groups)] if groups > 1 else [rows_work.wait()]
     full = work.wait()
@@ -44,6 +48,7 @@ def grouped_verbs(x, topk_idx, topk_weights, rows_out, values, config: dict, gro
         "tokens_per_expert": (sum(p.tokens_per_expert for p in parts), ref.tokens_per_expert),
         "combine_groups": (sums.wait(), d.combine(y, ref.handle, weights=ref.weights)),
         "combine_groups_plain": (plain.wait(), d.combine_rows(y, ref.handle, wire="bf16")),
+        "combine_groups_cast": (cast.wait(), d.combine(y, ref.handle, weights=ref.weights)),
         "dispatch_rows_groups": (torch.cat(rows_parts), d.dispatch_rows(x, ref.handle, wire="fp8")),
         "wait_tokens": (full.tokens, ref.tokens),
         "src": (torch.stack([full.src_rank, full.src_token]), torch.stack([ref.src_rank, ref.src_token])),
@@ -89,9 +94,7 @@ def grouped_errors(x, topk_idx, topk_weights, config: dict, groups_of_rank: list
     sums = d.combine_groups(work.handle, dtype=x.dtype)
     for name, call in {
         "wait before all added": sums.wait,
-        "wrong rows": lambda: sums.add(first.tokens[:0] if first.tokens.shape[0] else x[:1]),
-        "wrong dtype": lambda: sums.add(first.tokens.double()) if first.tokens.shape[0] else (_ for _ in ()).throw(
-            TypeError("rows of group 0 must be (no rows here)")),
+        "wrong rows": lambda: sums.add(torch.cat([first.tokens, x[:1]])),  # one row too many
         "bad group": lambda: work.wait_group(2),
     }.items():
         try:
@@ -106,3 +109,15 @@ def grouped_errors(x, topk_idx, topk_weights, config: dict, groups_of_rank: list
     except ValueError as e:
         errors["added twice"] = str(e)
     return errors
+
+
+def experts_in_another_dtype(x, topk_idx, topk_weights, num_experts: int, chunks: int):
+    """MoEExchange whose experts answer rows in fp64 (x fp32) where they have rows:
+    (output, its gradient of x) on the CPU."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, transport="nccl"))
+    xs = x.to(device).requires_grad_()
+    out = dispatch.MoEExchange(d, lambda t, n: t.double() * 2 if t.shape[0] else t, chunks=chunks)(
+        xs, topk_idx.to(device), topk_weights.to(device))
+    out.double().sum().backward()
+    return _cpu(out), _cpu(xs.grad)

@@ -82,7 +82,22 @@ def test_group_refusals(worlds):
         assert "max_rows" in errors["max_rows"]
         assert "rank 0: 2, rank 1: 3" in errors["disagree"]
         assert "add every group" in errors["wait before all added"]
-        assert "rows" in errors["wrong rows"]
-        assert "rows of group 0 must be" in errors["wrong dtype"]
+        assert "rows has" in errors["wrong rows"] and "group 0 has" in errors["wrong rows"], errors["wrong rows"]
         assert "g must be a group index in [0, 2)" in errors["bad group"]
         assert "added already" in errors["added twice"]
+
+
+def test_experts_in_another_dtype_on_some_ranks(worlds):
+    """With G > 1 the pre-sums leave before every rank has computed a row, so
+    experts' rows in another dtype than the layer's are cast to it, on the ranks
+    that have rows as on those that have none: every rank finishes (none waits
+    for a peer that refused), in x's dtype, with the one-group result's values."""
+    x = [torch.arange(12.0).view(4, 3) / 8, torch.arange(9.0).view(3, 3) / 4]
+    idx = [torch.tensor([[0, 1], [1, -1], [0, 1], [1, 0]]), torch.tensor([[0, -1], [1, 0], [0, 1]])]  # rank 0's
+    ws = [torch.full((4, 2), 0.5), torch.full((3, 2), 0.25)]
+    runs = {c: worlds(2).run(groups_fns.experts_in_another_dtype, [(x[r], idx[r], ws[r], 4, c) for r in range(2)])
+            for c in (1, 2)}
+    for rank in range(2):
+        (one, g1), (two, g2) = runs[1][rank], runs[2][rank]
+        assert one.dtype == torch.float64 and two.dtype == torch.float32, (one.dtype, two.dtype)
+        assert torch.equal(two, one.float()) and torch.equal(g2, g1)  # dyadic values: every sum exact

@@ -246,9 +246,9 @@ class AllToAllDispatcher(TokenDispatcher):
         mark(self.phase_timer, "exchange_out")
         return PendingGroups(works, thens)
 
-    def _group_sums(self, handle: AllToAllHandle, wire: str):
+    def _group_sums(self, handle: AllToAllHandle, wire: str, dtype):
         if handle.by_group is None:
-            return super()._group_sums(handle, wire)
+            return super()._group_sums(handle, wire, dtype)
         return _GroupedPresums(self, handle, wire)
 
     def _to_home_start(self, rows, handle: AllToAllHandle, weights, wire) -> Pending:

@@ -128,5 +128,15 @@ class AutoDispatcher(TokenDispatcher):
     def _weights_to_home_start(self, values, handle):
         return handle.owner._weights_to_home_start(values, handle)
 
+    def _plan_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups):
+        chosen = self.choose(x, topk_idx, topk_weights)
+        return chosen._plan_groups(x, topk_idx, topk_weights, False, budgets, groups)
+
+    def _to_experts_groups_start(self, rows, handle, codec, own):
+        return handle.owner._to_experts_groups_start(rows, handle, codec, own)
+
+    def _group_sums(self, handle, wire, dtype):
+        return handle.owner._group_sums(handle, wire, dtype)
+
     def _stats(self, handle, dispatch_row_bytes, combine_wire, hidden):
         return handle.owner._stats(handle, dispatch_row_bytes, combine_wire, hidden)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -248,11 +249,13 @@ class TokenDispatcher(abc.ABC):
                 ``DispatchWork.wait_group(g)`` hands out group g's rows while
                 later groups' still move, and ``combine_groups`` brings the
                 experts' outputs home group by group. The alltoall variant
-                over NCCL moves each group as its own all-to-all (a token
+                on the NCCL transport (and on gloo; ``auto`` where it picks
+                alltoall) moves each group as its own all-to-all (a token
                 still crosses to a rank once: with the first group there that
                 needs it); the other variants and the NVLink engine move all
                 groups at once and hand them out by group. Every rank passes
-                the same G; not with ``max_rows`` or ``pad_to_capacity``.
+                the same G (checked where the pieces must match); not with
+                ``max_rows`` or ``pad_to_capacity``.
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
@@ -452,10 +455,11 @@ class TokenDispatcher(abc.ABC):
 
         Args:
             handle: the handle of a dispatch by groups (or of any dispatch: one group).
-            dtype: the dtype of the rows every rank adds (the experts' output
-                dtype; the same on every rank, since the pre-sums travel in it
-                before some ranks have computed any row). None for one group
-                only: the rows' dtype, agreed between the ranks as ``combine`` does.
+            dtype: the dtype the rows are summed from and the sums come home
+                in, the same on every rank (the pre-sums travel before some
+                ranks have computed any row); rows added in another dtype are
+                cast to it first. None for one group only: the rows' own dtype,
+                agreed between the ranks as ``combine`` does.
             wire: how the pre-sums travel: "native", "bf16" or "fp32".
         """
         self._check_handle(handle)
@@ -639,10 +643,11 @@ class TokenDispatcher(abc.ABC):
         thens = [lambda g=g: whole.finish()[slice(*handle.row_range(g))] for g in range(handle.groups)]
         return PendingGroups([None] * handle.groups, thens)
 
-    def _group_sums(self, handle: CombineHandle, wire: str) -> "GroupSumsIssuer":
+    def _group_sums(self, handle: CombineHandle, wire: str, dtype: torch.dtype | None) -> "GroupSumsIssuer":
         """What issues a :class:`GroupSums`' work (on the communication stream);
-        ``wire``: the pre-sums' wire format's name."""
-        return _WholeSums(self, handle, wire)
+        ``wire``: the pre-sums' wire format's name; ``dtype``: the rows'
+        (None: agreed between the ranks, one group only)."""
+        return _WholeSums(self, handle, wire, dtype)
 
 
 class GroupSums:
@@ -650,16 +655,17 @@ class GroupSums:
 
     def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, dtype, wire: str) -> None:
         self._dispatcher, self._handle, self.dtype = dispatcher, handle, dtype
-        self._issuer = dispatcher._group_sums(handle, wire)
+        self._issuer = dispatcher._group_sums(handle, wire, dtype)
         self._added, self._last, self._result = 0, None, None
         self._weights_dtype = False  # not known before the first add
 
     def add(self, rows: torch.Tensor, weights: torch.Tensor | None = None) -> None:
-        """The next group's rows ([N_g, H'] in ``dtype``, canonical order; rows
-        of a group without rows here may come in any dtype) and their routing
-        weights ([N_g] floating, e.g. ``DispatchedGroup.weights``), or None
-        (in every group alike). The pre-sums' way home starts behind the
-        caller's current stream's work so far."""
+        """The next group's rows ([N_g, H'], canonical order; cast to ``dtype``
+        if given in another) and their routing weights ([N_g] floating, e.g.
+        ``DispatchedGroup.weights``), or None (in every group alike). The
+        pre-sums' way home starts behind the caller's current stream's work so
+        far. A rank that refuses its rows here (shape, weights) leaves its
+        peers to the group's timeout, as ``combine`` does."""
         handle, g = self._handle, self._added
         if g == handle.groups:
             raise ValueError(f"add: all {handle.groups} groups were added already")
@@ -667,9 +673,8 @@ class GroupSums:
         devices = self._dispatcher.devices
         rows = checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices)
         if self.dtype is not None and rows.dtype != self.dtype:
-            if rows.shape[0]:
-                raise TypeError(f"rows of group {g} must be {self.dtype} (the dtype given to combine_groups), "
-                                f"got {rows.dtype}")
+            # cast, not refused: a rank without rows in this group could not
+            # refuse alike, and would send its pieces to peers that wait
             rows = rows.to(self.dtype)
         if self._last is not None and rows.shape[1] != self._last.shape[1]:
             raise ValueError(f"rows of group {g} have {rows.shape[1]} columns, earlier groups {self._last.shape[1]}")
@@ -712,8 +717,8 @@ class _WholeSums(GroupSumsIssuer):
     (as ``combine_rows``; for rows of one group of no given dtype, in the
     dtype the ranks agree on, as ``combine``)."""
 
-    def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, wire: str) -> None:
-        self._dispatcher, self._handle, self._wire = dispatcher, handle, wire
+    def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, wire: str, dtype) -> None:
+        self._dispatcher, self._handle, self._wire, self._dtype = dispatcher, handle, wire, dtype
         self._parts: list[tuple] = []
         self._pending: Pending | None = None
 
@@ -723,7 +728,9 @@ class _WholeSums(GroupSumsIssuer):
             parts, self._parts = self._parts, []
             d, handle = self._dispatcher, self._handle
             rows = _received(torch.cat([r for r, _ in parts]) if len(parts) > 1 else parts[0][0], handle)
-            rows = d._home_rows(rows, handle).contiguous()
+            if self._dtype is None:  # the dtype agreed, as combine
+                rows = d._home_rows(rows, handle)
+            rows = rows.contiguous()
             w = None if weights is None else _received(torch.cat([w for _, w in parts]), handle)
             self._pending = d._to_home_start(rows, handle, w, sum_wire_dtype(self._wire, rows.dtype))
 
@@ -756,12 +763,13 @@ class DispatchWork:
         groups' rows may still be moving). A dispatch without ``groups`` is
         one group."""
         handle = self.handle
-        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < handle.groups:
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < handle.groups:
             raise ValueError(f"g must be a group index in [0, {handle.groups}), got {g!r}")
         if self._started is None:
             raise ValueError("wait_group: the dispatch was waited for (wait()); take its rows from that result")
         if handle.pad_blocks is not None:
             raise ValueError("wait_group: a pad_to_capacity dispatch places its rows at wait(); use wait()")
+        g = int(g)
         lo, hi = handle.row_range(g)
         bounds = handle.group_experts or (0, self._dispatcher.num_local_experts)
         first, end = bounds[g], bounds[g + 1]

@@ -180,27 +180,29 @@ def accumulate_group_reference(
     place: torch.Tensor,
 ) -> None:
     """PyTorch reference of :func:`accumulate_group` (same arguments; ``acc``
-    must start zeroed here)."""
-    in_group = (index >= lo) & (index < hi)
-    rows = in_group.any(1).nonzero().squeeze(1)
-    if rows.numel() == 0:
+    must start zeroed here). Every received row is computed, those without a
+    slot in the group left as they were: no host read of which rows those are."""
+    if index.shape[0] == 0:
         return
-    sub = index.index_select(0, rows)
-    total = acc.index_select(0, rows)
+    total = acc.clone()
     for j in range(index.shape[1]):
-        col = sub[:, j]
+        col = index[:, j]
         take = (col >= lo) & (col < hi)
         safe = torch.where(take, col - lo, 0)
+        if src.shape[0] == 0:  # then no slot is in the group
+            break
         terms = src.index_select(0, safe).to(acc.dtype)
         if weight is not None:
             terms = terms * weight.index_select(0, safe).to(acc.dtype).unsqueeze(1)
         total += torch.where(take.unsqueeze(1), terms, 0)
-    done = ~(sub >= hi).any(1)  # no slot in a later group: the sum is whole
-    acc.index_copy_(0, rows[~done], total[~done])
-    whole = total[done]
+    touched = ((index >= lo) & (index < hi)).any(1)
+    done = touched & ~(index >= hi).any(1)  # no slot in a later group: the sum is whole
+    acc.copy_(torch.where((touched & ~done).unsqueeze(1), total, acc))
+    whole = total
     if acc.dtype == torch.float64 and out.dtype != torch.float64:
         whole = whole.to(torch.float32)  # fp64 -> fp32 -> narrow, as gather_sum
-    out.index_copy_(0, place.index_select(0, rows[done]), whole.to(out.dtype))
+    before = out.index_select(0, place)
+    out.index_copy_(0, place, torch.where(done.unsqueeze(1), whole.to(out.dtype), before))
 
 
 if triton is not None:
