@@ -348,7 +348,23 @@ def environment() -> dict:
     except ImportError:
         pass
     info["commit"] = os.environ.get("DISPATCH_COMMIT") or _git_commit()
+    sent = _sent_commit()
+    if sent is not None and not info["commit"].startswith(sent):  # a copy's git head may be another tree's
+        info["sent_tree"] = sent
     return info
+
+
+def _sent_commit() -> str | None:
+    """What ``.dispatch-commit`` at the checkout's root names (``git describe``
+    of a tree sent to another machine, whose copy's git history is not the
+    tree's), or None."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        ".dispatch-commit")
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _driver_version() -> str:
