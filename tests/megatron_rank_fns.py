@@ -442,3 +442,126 @@ def megatron_layer_expert_tp(seed: int, num_experts: int, topk: int, hidden: int
         return results
     finally:
         parallel_state.destroy_model_parallel()
+
+
+class _Node:
+    """One node of Megatron's EP-communication overlap schedule (combined 1F1B),
+    as that schedule runs it: the forward on detached copies of its inputs (a
+    graph of its own), its inputs' storage freed after the forward where
+    ``frees``, and its backward run by hand from the next node's input gradients."""
+
+    def __init__(self, fn, frees: bool) -> None:
+        self.fn, self.frees = fn, frees
+        self.side: list = []  # (tensor, its detached copy) handed to later nodes aside
+
+    def aside(self, tensor: torch.Tensor) -> torch.Tensor:
+        copy = tensor.detach().requires_grad_(tensor.requires_grad)
+        self.side.append((tensor, copy))
+        return copy
+
+    def forward(self, *inputs):
+        self.inputs = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        out = self.fn(self, *self.inputs)
+        self.outputs = out if isinstance(out, tuple) else (out,)
+        if self.frees:
+            for t in inputs:
+                t.untyped_storage().resize_(0)
+        return out
+
+    def backward(self, *grads):
+        tensors = [*self.outputs, *(t for t, _ in self.side)]
+        given = [*grads, *(c.grad if c.grad is not None else torch.zeros_like(c) for _, c in self.side)]
+        pairs = [(t, g) for t, g in zip(tensors, given) if t.requires_grad]
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        return tuple(t.grad for t in self.inputs)
+
+
+def split_node_round_trip(hidden, logits_seed: int, num_experts: int, topk: int):
+    """A MoE layer (a linear router, experts weighting by the probs) through the
+    adapter with overlap_moe_expert_parallel_comm: once in one graph, once as
+    Megatron's four nodes (attention + router + dispatch_preprocess; token_dispatch;
+    dispatch_postprocess + experts + combine_preprocess; token_combine +
+    combine_postprocess) with their inputs freed after forward as Megatron frees
+    them. Returns (gradients of x, router, experts: one graph; the same: nodes;
+    the dispatch backwards each run made, and the gradient norms they got)."""
+    import dispatch.dispatchers.base as base
+
+    device = current_device()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_rank = num_experts // world
+    d = MegatronDispatcher(
+        per_rank, list(range(rank * per_rank, (rank + 1) * per_rank)),
+        SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, overlap_moe_expert_parallel_comm=True,
+                        moe_token_dispatcher_type="alltoall"),
+        SimpleNamespace(ep=None),
+    )
+    gen = torch.Generator().manual_seed(logits_seed)
+    width = hidden.shape[-1]
+    router = torch.randn(width, num_experts, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    weight = torch.randn(width, width, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    x = hidden.to(device).requires_grad_()
+    seen = []
+    original = base._DispatchFn.backward
+
+    def counted(ctx, grad_tokens, grad_weights, grad_link):
+        seen.append(float(grad_tokens.abs().sum()))
+        return original(ctx, grad_tokens, grad_weights, grad_link)
+
+    def route(h):
+        probs = torch.softmax(h.reshape(-1, h.shape[-1]) @ router, -1)  # [T, E], T the leading dims' tokens
+        chosen = probs.topk(topk, -1).indices
+        routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, chosen, True)
+        return torch.where(routing_map, probs, 0), routing_map
+
+    def experts(tokens, permuted_probs):
+        return torch.tanh(tokens @ weight) * permuted_probs.unsqueeze(1)
+
+    results = []
+    base._DispatchFn.backward = staticmethod(counted)
+    try:
+        # one graph
+        h = torch.tanh(x)
+        probs, routing_map = route(h)
+        rows, p = d.dispatch_preprocess(h, routing_map, probs)
+        tokens, pp = d.token_dispatch(rows, p)
+        tokens, _, pp = d.dispatch_postprocess(tokens, pp)
+        out = d.combine_postprocess(d.token_combine(d.combine_preprocess(experts(tokens, pp))))
+        out.pow(2).sum().backward()
+        results.append([_cpu(t.grad) for t in (x, router, weight)])
+        one_graph = list(seen)
+        for t in (x, router, weight):
+            t.grad = None
+        seen.clear()
+        # Megatron's nodes
+        probs_aside = {}
+
+        def pre(node, x_in):
+            h = torch.tanh(x_in)
+            probs, routing_map = route(h)
+            return d.dispatch_preprocess(h, routing_map, probs)
+
+        def moe_dispatch(node, rows, p):
+            tokens, pp = d.token_dispatch(rows, p)
+            probs_aside["pp"] = node.aside(pp)
+            return tokens
+
+        def mlp(node, tokens):
+            tokens, _, pp = d.dispatch_postprocess(tokens, probs_aside["pp"])
+            return d.combine_preprocess(experts(tokens, pp))
+
+        def moe_combine(node, y):
+            return d.combine_postprocess(d.token_combine(y))
+
+        nodes = [_Node(pre, False), _Node(moe_dispatch, True), _Node(mlp, True), _Node(moe_combine, True)]
+        a = nodes[0].forward(x)
+        a = nodes[1].forward(*a)
+        a = nodes[2].forward(a)
+        out = nodes[3].forward(a)
+        grads = (2 * out.detach(),)
+        for node in reversed(nodes):  # Megatron's order: combine, mlp, dispatch, then the rest
+            grads = node.backward(*grads)
+        x.backward(grads[0])
+        results.append([_cpu(t.grad) for t in (x, router, weight)])
+    finally:
+        base._DispatchFn.backward = original
+    return results[0], results[1], one_graph, list(seen)

@@ -177,6 +177,23 @@ def test_graphs_that_leave_the_dispatcher_outside_are_accepted(worlds, config_ex
     assert error is None, error
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_overlap_moe_expert_parallel_comm_nodes(worlds, world_size):
+    """Megatron's EP-communication overlap runs the stages as four nodes, each its
+    own autograd graph, freeing the dispatch, expert and combine nodes' inputs after
+    their forward: the adapter hands over copies where a freed input is saved for
+    backward, and unties combine from dispatch (each node's backward is run on
+    every rank), so the gradients are those of one graph and the dispatch's
+    backward runs once, in its own node."""
+    args = [(torch.randn(2 + r, 3, 4, generator=torch.Generator().manual_seed(r), dtype=torch.float64), 11, 6, 2)
+            for r in range(world_size)]
+    for rank, (one, nodes, one_graph, split) in enumerate(worlds(world_size).run(
+            megatron_rank_fns.split_node_round_trip, args)):
+        for name, a, b in zip(("x", "router", "experts"), nodes, one):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"rank {rank}: gradient of {name}")
+        assert len(one_graph) == 1 and len(split) == 1 and split[0] > 0, (one_graph, split)
+
+
 def test_bf16_activations_with_fp32_probs(worlds):
     """Megatron's usual dtypes: bf16 hidden states, fp32 probs (router in fp32)."""
     routing = make_routing(2, 2, 2, [6, 4], "random", seed=3)
@@ -215,7 +232,8 @@ def test_routing_to_topk_lowest_experts_first_and_empty_slots():
         ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"]}, {},
          "capturing moe_preprocess"),
         ({"cuda_graph_impl": "full_iteration"}, {}, "capturing the whole iteration"),
-        ({"overlap_moe_expert_parallel_comm": True}, {}, "overlap_moe_expert_parallel_comm"),
+        ({"overlap_moe_expert_parallel_comm": True, "moe_token_dispatcher_type": "flex"}, {},
+         "overlap_moe_expert_parallel_comm=True with moe_token_dispatcher_type='flex'"),
         ({"transformer_impl": "inference_optimized"}, {}, "inference_optimized"),
         ({}, {"chunks": 2}, "unknown engine option(s) chunks"),
         ({}, {"num_experts": 8}, "num_experts comes from config.num_moe_experts"),

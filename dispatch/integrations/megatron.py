@@ -47,7 +47,8 @@ that capture the dispatcher (``cuda_graph_modules`` with ``moe`` or
 ``moe_preprocess``, whole layers, the whole iteration; graphs of attention and of
 the router alone, ``cuda_graph_impl="transformer_engine"`` with
 ``cuda_graph_modules=["attn", "moe_router"]``, leave it outside and are accepted),
-``overlap_moe_expert_parallel_comm`` and the inference-optimized
+``overlap_moe_expert_parallel_comm`` with another
+``moe_token_dispatcher_type`` than ``alltoall``, and the inference-optimized
 layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
 dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
 holds (with sequence parallelism, its sequence shard).
@@ -63,6 +64,21 @@ and host read per dispatch): each expert gets its capacity of rows from every
 rank, in the order of Megatron's ``alltoall`` dispatcher (source rank, then
 token), the padding rows with probability 0. On the NVLink engine K' is at most
 32 (``transport="nccl"`` moves any K').
+
+Megatron's EP-communication overlap
+-----------------------------------
+With ``overlap_moe_expert_parallel_comm`` (``alltoall`` only) Megatron's combined
+1F1B schedule runs a layer as four nodes on two streams (attention, router and
+``dispatch_preprocess``; ``token_dispatch``; ``dispatch_postprocess``, experts and
+``combine_preprocess``; ``token_combine`` and ``combine_postprocess``), each on
+detached copies of its inputs with a backward of its own, and frees the
+dispatch, expert and combine nodes' inputs once their forward has run. So
+``dispatch_preprocess`` hands over a copy of the rows (the router saved the
+tensor they view), ``dispatch_postprocess`` a copy of the tokens without expert
+tensor parallelism (the experts' GEMMs save them), and ``token_combine`` unties
+the combine from the dispatch (the handle's ``link``): every rank runs every
+node's backward itself, and a tied combine node's backward would also run the
+dispatch's, an exchange more.
 
 Shared experts beside the exchange
 ----------------------------------
@@ -212,8 +228,9 @@ def _refusals(config) -> list[str]:
                         "inside a CUDA graph, and it syncs with the host for split sizes; graphs of attention and of "
                         "the router alone are accepted: cuda_graph_impl='transformer_engine', "
                         "cuda_graph_modules=['attn', 'moe_router'])")
-    if get("overlap_moe_expert_parallel_comm", False):
-        problems.append("overlap_moe_expert_parallel_comm=True (stages run on Megatron's communication stream)")
+    if get("overlap_moe_expert_parallel_comm", False) and get("moe_token_dispatcher_type", "alltoall") != "alltoall":
+        problems.append(f"overlap_moe_expert_parallel_comm=True with moe_token_dispatcher_type="
+                        f"{get('moe_token_dispatcher_type')!r} (this adapter stands in for 'alltoall')")
     if get("transformer_impl") == "inference_optimized":
         problems.append("transformer_impl='inference_optimized' (inference dispatchers)")
     return problems
@@ -309,6 +326,9 @@ class MegatronDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
         self.pad_to_capacity = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+        # Megatron's EP-communication overlap (combined 1F1B) runs the stages as separate
+        # autograd graphs and frees each node's inputs after its forward
+        self.split_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
         self.local_expert_indices = expected
         self.topk = topk
         self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
@@ -378,7 +398,10 @@ class MegatronDispatcher:
             self.shared_experts.pre_forward_comm(hidden_states)
         # A new round trip may always start (one that raised half way is dropped).
         self._in_flight = _InFlight(next_stage=1, hidden_shape=hidden_states.shape, topk_idx=topk_idx)
-        return hidden_states.reshape(num_tokens, hidden), topk_weights
+        rows = hidden_states.reshape(num_tokens, hidden)
+        if self.split_nodes:  # the dispatch node frees its input, which the router saved: hand over a copy
+            rows = rows.clone()
+        return rows, topk_weights
 
     def _padded_topk(self, routing_map: torch.Tensor) -> int:
         """K' with padding to capacity: the most experts a token of the EP group names
@@ -419,7 +442,8 @@ class MegatronDispatcher:
         state = self._advance("dispatch_postprocess")
         counts = state.dispatched.tokens_per_expert_host
         if self.tp_size == 1:
-            return hidden_states, counts, probs
+            # the expert node frees its input, which the experts' GEMMs save: hand over a copy
+            return (hidden_states.clone() if self.split_nodes else hidden_states), counts, probs
         rows = _TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device)
         self._in_flight = dataclasses.replace(self._in_flight, tp_rows=rows)
         tokens = rows.by_expert(_GatherRows.apply(hidden_states, rows))
@@ -449,7 +473,14 @@ class MegatronDispatcher:
         shared = self.shared_experts
         if shared is not None:
             shared.wait_current_stream()
-        out = self.engine.combine(hidden_states, state.dispatched.handle, weights=None)
+        handle = state.dispatched.handle
+        if self.split_nodes:
+            # each node's backward runs on its own graph, on every rank, in one order: tied to the
+            # dispatch's node through the handle's link, the combine node's backward would also run
+            # the dispatch's (an exchange more, with zero gradients)
+            handle = dataclasses.replace(handle, link=torch.empty(0, device=hidden_states.device,
+                                                                  requires_grad=torch.is_grad_enabled()))
+        out = self.engine.combine(hidden_states, handle, weights=None)
         if shared is not None:  # beside the exchange's kernels
             shared.linear_fc2_forward(out)
             shared.post_forward_comm()
