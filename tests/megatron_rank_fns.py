@@ -55,11 +55,14 @@ def shared_mlp_weights(hidden: int, seed: int):
 
 
 def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, options: dict,
-                     shared_seed: int | None = None, config_extra: dict | None = None):
+                     shared_seed: int | None = None, config_extra: dict | None = None,
+                     quantization_multiple: int = 0):
     """The six stages in MoELayer.forward's order, around experts that weight by the probs
     as Megatron's do and scale local expert i by (1 + i); then backward of sum(out * grad_out).
     With ``shared_seed``, shared experts (``RecordingSharedExperts``) run in the dispatcher;
-    ``config_extra``: more of Megatron's config."""
+    ``config_extra``: more of Megatron's config; ``quantization_multiple``: the router
+    padding's alignment, set on the dispatcher as its constructor would from Megatron's
+    rule (which needs megatron-core)."""
     device = current_device()
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -71,6 +74,7 @@ def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, top
         SimpleNamespace(ep=None),
         options=options,
     )
+    d.quantization_multiple = quantization_multiple or d.quantization_multiple
     log: list = []
     if shared_seed is not None:
         d.set_shared_experts(RecordingSharedExperts(hidden.shape[-1], shared_seed, log, device))

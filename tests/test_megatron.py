@@ -82,6 +82,55 @@ def test_stages_match_the_reference(worlds, world_size, data):
         torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.integers(0, 9), experts=st.integers(1, 6), multiple=st.sampled_from([1, 2, 3, 4, 16]),
+       seed=st.integers(0, 10**6))
+def test_pad_routing_map_is_megatrons_rule(tokens, experts, multiple, seed):
+    """For each expert, the first tokens not routed to it are, until its count is a
+    multiple (or no token is left): Megatron's pad_routing_map, written out."""
+    from dispatch.integrations.megatron import pad_routing_map
+
+    routing_map = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(seed)) < 0.4
+    want = routing_map.clone()
+    for e in range(experts):
+        need = (-int(routing_map[:, e].sum())) % multiple
+        for t in range(tokens):
+            if need and not want[t, e]:
+                want[t, e], need = True, need - 1
+    assert torch.equal(pad_routing_map(routing_map, multiple), want)
+    assert torch.equal(routing_map, torch.rand(tokens, experts, generator=torch.Generator().manual_seed(seed)) < 0.4)
+
+
+def test_router_padding_for_quantization_stages(worlds):
+    """moe_router_padding_for_quantization (alignment 4 here): every rank's count
+    per expert is padded to a multiple of 4 with tokens of probability 0, the rows
+    are those of the padded routing, and the round trip is the dense layer's."""
+    from dispatch.integrations.megatron import pad_routing_map, routing_to_topk
+
+    routing = make_routing(2, 2, 2, [7, 5], "random", seed=4)
+    inputs = [rank_inputs(routing, r, 4) for r in range(2)]
+    padded = [pad_routing_map(routing_map, 4) for _, routing_map, _, _ in inputs]
+    most = max(int(m.sum(1).max()) for m in padded)
+    topk = [routing_to_topk(m, probs, most) for m, (_, _, probs, _) in zip(padded, inputs)]
+    flat = [x.view(-1, HIDDEN) for x, *_ in inputs]
+    ref = reference_dispatch(flat, [i for i, _ in topk], [w for _, w in topk], 4)
+    args = [(*inp, 4, 2, {}, None, None, 4) for inp in inputs]
+    for rank, (got, want, m, (x, routing_map, probs, grad)) in enumerate(
+            zip(worlds(2).run(megatron_rank_fns.stage_round_trip, args), ref, padded, inputs)):
+        counts = m.sum(0)  # a multiple of 4, or every token where too few are left to pad with
+        assert bool(((counts % 4 == 0) | (counts == m.shape[0])).all()) and not torch.equal(m, routing_map)
+        assert torch.equal(got["tokens"], want.tokens) and torch.equal(got["tokens_per_expert"], want.tokens_per_expert)
+        assert torch.equal(got["permuted_probs"], want.weights)
+        xl, pl = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        expected = dense_layer(xl, m, pl, 2)  # the padding's probabilities are 0: the same output
+        (expected * grad).sum().backward()
+        torch.testing.assert_close(expected.detach(), dense_layer(x, routing_map, probs, 2), rtol=0, atol=0)
+        torch.testing.assert_close(got["out"], expected.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["x_grad"], xl.grad, rtol=1e-12, atol=1e-12)
+        # the padded entries are routed: their probabilities get gradients, as in Megatron's dispatcher
+        torch.testing.assert_close(got["probs_grad"], pl.grad * m, rtol=1e-12, atol=1e-12)
+
+
 def test_padding_to_capacity_moves_rows_of_more_than_k_experts(worlds):
     """moe_pad_expert_input_to_capacity: the router's capacity mask names up to every
     expert per token (here 3 and 2 on the two ranks, with moe_router_topk=1); the
@@ -224,7 +273,7 @@ def test_routing_to_topk_lowest_experts_first_and_empty_slots():
     "config_extra, options, needle",
     [
         ({}, {"capacity_factor": 1.0}, "unknown engine option(s) capacity_factor"),
-        ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization"),
+        ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization=True"),
         ({"cuda_graph_impl": "local"}, {}, "capturing whole layers"),
         ({"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "moe_router"]}, {},
          "capturing moe_preprocess"),

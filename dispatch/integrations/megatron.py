@@ -42,7 +42,7 @@ activations the results agree within bf16 rounding, not bit for bit.
 What is refused
 ---------------
 The constructor refuses, with a ValueError naming the setting, what this adapter
-does not implement: router padding for quantization, CUDA graphs
+does not implement: CUDA graphs
 that capture the dispatcher (``cuda_graph_modules`` with ``moe`` or
 ``moe_preprocess``, whole layers, the whole iteration; graphs of attention and of
 the router alone, ``cuda_graph_impl="transformer_engine"`` with
@@ -176,6 +176,24 @@ def routing_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -
     return topk_idx, topk_weights
 
 
+def pad_routing_map(routing_map: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Megatron's router padding for quantization: for each expert, the first
+    tokens (ascending) not routed to it are routed to it, as many as bring its
+    count on this rank to a multiple of ``multiple`` (their probability stays 0);
+    on the device, no host sync.
+
+    Args:
+        routing_map: ``[T, E]`` bool.
+        multiple: the alignment (``get_align_size_for_quantization``), >= 1.
+    Returns:
+        ``[T, E]`` bool, a new tensor.
+    """
+    free = ~routing_map
+    short = (-routing_map.sum(0)) % multiple  # [E] tokens each expert lacks
+    order = torch.cumsum(free.to(torch.int64), 0)  # [T, E]: the free token's place in its expert's column
+    return routing_map | (free & (order <= short))
+
+
 # ----------------------------------------------------------------------------- the dispatcher
 
 
@@ -220,8 +238,6 @@ def _refusals(config) -> list[str]:
         return getattr(config, name, default)
 
     problems = []
-    if get("moe_router_padding_for_quantization", False) or get("moe_router_padding_for_fp8", False):
-        problems.append("moe_router_padding_for_quantization=True (routing map padding for fp8/fp4)")
     captured = _captured_modules(get("cuda_graph_impl", "none"), get("cuda_graph_modules", ()))
     if captured:
         problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r} capturing {captured} (the dispatcher would run "
@@ -234,6 +250,28 @@ def _refusals(config) -> list[str]:
     if get("transformer_impl") == "inference_optimized":
         problems.append("transformer_impl='inference_optimized' (inference dispatchers)")
     return problems
+
+
+def _quantization_multiple(config) -> int:
+    """The alignment of Megatron's router padding for quantization (0: none), by
+    Megatron's own rule (``get_align_size_for_quantization``: 16 for fp8, 32 for
+    MXFP8 and fp4, 256 with Transformer Engine's op fuser)."""
+    if not (getattr(config, "moe_router_padding_for_quantization", False)
+            or getattr(config, "moe_router_padding_for_fp8", False)):
+        return 0
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+    except ImportError as exc:
+        raise ValueError("moe_router_padding_for_quantization=True needs megatron-core importable (its alignment "
+                         "rule, get_align_size_for_quantization)") from exc
+    try:
+        multiple = get_align_size_for_quantization(config)
+    except (AttributeError, TypeError) as exc:  # a config that is not a TransformerConfig
+        raise ValueError(f"moe_router_padding_for_quantization=True: Megatron's alignment rule could not read the "
+                         f"config ({exc})") from exc
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 0:
+        raise ValueError(f"moe_router_padding_for_quantization: Megatron's alignment is {multiple!r}, not an int >= 0")
+    return multiple
 
 
 def _captured_modules(impl, modules) -> str | None:
@@ -326,6 +364,7 @@ class MegatronDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
         self.pad_to_capacity = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+        self.quantization_multiple = _quantization_multiple(config)
         # Megatron's EP-communication overlap (combined 1F1B) runs the stages as separate
         # autograd graphs and frees each node's inputs after its forward
         self.split_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
@@ -384,14 +423,16 @@ class MegatronDispatcher:
                 f"({probs.device}) must be on one device"
             )
         topk = self.topk
-        if self.pad_to_capacity:  # the capacity mask: up to every expert per token
+        if self.quantization_multiple:  # as Megatron's alltoall dispatcher pads, before it counts
+            routing_map = pad_routing_map(routing_map, self.quantization_multiple)
+        if self.pad_to_capacity or self.quantization_multiple:  # up to every expert per token
             topk = self._padded_topk(routing_map)
         elif self.engine.config.check_inputs and num_tokens:
             too_many = (routing_map.sum(dim=1) > self.topk).any()
             if bool(too_many):  # host sync: value check, only with check_inputs
                 raise ValueError(
                     f"routing_map has a row with more than moe_router_topk={self.topk} experts; "
-                    "router padding for quantization is not supported"
+                    "router padding for quantization pads it here (moe_router_padding_for_quantization)"
                 )
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, topk)
         if self.shared_experts is not None:
