@@ -432,7 +432,7 @@ class MegatronDispatcher:
             if bool(too_many):  # host sync: value check, only with check_inputs
                 raise ValueError(
                     f"routing_map has a row with more than moe_router_topk={self.topk} experts; "
-                    "router padding for quantization pads it here (moe_router_padding_for_quantization)"
+                    "only padding (moe_pad_expert_input_to_capacity, moe_router_padding_for_quantization) names more"
                 )
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, topk)
         if self.shared_experts is not None:
@@ -445,8 +445,8 @@ class MegatronDispatcher:
         return rows, topk_weights
 
     def _padded_topk(self, routing_map: torch.Tensor) -> int:
-        """K' with padding to capacity: the most experts a token of the EP group names
-        (at least 1; the ranks must agree on K)."""
+        """K' with padding (to capacity, or for quantization): the most experts a
+        token of the EP group names (at least 1; the ranks must agree on K)."""
         per_token = routing_map.sum(dim=1)
         most = (per_token.amax() if per_token.numel() else per_token.new_zeros(())).reshape(1).to(torch.int64)
         if self.ep_size > 1:
