@@ -396,57 +396,52 @@ def build_send_plan(
 
 @dataclass(frozen=True)
 class RecvPlan:
-    """How received rows expand to one row per (token, local expert), all chunks.
+    """How received rows expand to one row per (token, local expert).
 
-    Received rows and expanded rows are held chunk after chunk (chunk c's
-    ``[R_c]`` and ``[N_c]`` are contiguous); indices point inside their chunk.
+    Received rows are held group after group (groups of local experts; one
+    group: by source rank), each group's by (source rank, token); expanded
+    positions are those of the whole exchange.
 
     Attributes:
-        expand_src: [N] int64, received row (inside its chunk) behind each expanded
-            row (canonical order inside each chunk).
-        expand_all: [N] int64, the same row among all chunks' received rows.
-        presum_index: [R, J] int64; row j lists the expanded rows (inside its chunk)
-            of received row j in ascending local expert, padded with -1. Summing
-            along it is the expert-side pre-sum of combine.
+        expand_src: [N] int64, the held row behind each expanded row.
+        presum_index: [R, J] int64; row j lists the expanded rows of held row j
+            in ascending local expert, padded with -1. Summing along it is the
+            expert-side pre-sum of combine.
         weights: [N] routing weight of each expanded row (in the wire dtype of weights).
-        src_token: [R] int64, source token of each received row.
-        src_rank: [R] int64, source rank of each received row.
+        src_token: [R] int64, source token of each held row.
+        src_rank: [R] int64, source rank of each held row.
     """
 
     expand_src: torch.Tensor
-    expand_all: torch.Tensor
     presum_index: torch.Tensor
     weights: torch.Tensor
     src_token: torch.Tensor
     src_rank: torch.Tensor
 
 
-RECV_TABLE = ("arrival_start", "held_start", "local_start", "expanded_start", "src_rank")
+RECV_TABLE = ("arrival_start", "held_start", "src_rank")
 
 
-def recv_table(recv_rows: list[list[int]], rows_per_chunk: list[int]) -> list[list[int]]:
+def recv_table(recv_rows: list[list[int]]) -> list[list[int]]:
     """Where the received metadata's blocks go, computed on the host.
 
-    The metadata arrives in blocks b = (source rank s, chunk c), s-major. Returns
-    one list per entry of ``RECV_TABLE``, each [W * C]: the block's first row as
-    it arrives; its first row among all chunks' received rows (chunk after
-    chunk); the same inside its chunk; the first expanded row of its chunk; s.
+    The metadata arrives in blocks b = (source rank s, group g), s-major (each
+    source's rows group after group); it is held g-major. Returns one list per
+    entry of ``RECV_TABLE``, each [W * G]: the block's first row as it arrives;
+    its first row as held; s.
 
     Args:
-        recv_rows: [C][W] rows of chunk c received from rank s.
-        rows_per_chunk: [C] expanded rows of each chunk.
+        recv_rows: [G][W] rows of group g received from rank s.
     """
-    chunks, world = len(recv_rows), len(recv_rows[0])
-    recv_start = _prefix([sum(row) for row in recv_rows])
-    expanded_start = _prefix(rows_per_chunk)
-    table = [[], [], [], [], []]
+    groups, world = len(recv_rows), len(recv_rows[0])
+    group_start = _prefix([sum(row) for row in recv_rows])
+    table = [[], [], []]
     arrived = 0
     for s in range(world):
-        for c in range(chunks):
-            local = sum(recv_rows[c][:s])
-            for column, value in zip(table, (arrived, recv_start[c] + local, local, expanded_start[c], s)):
+        for g in range(groups):
+            for column, value in zip(table, (arrived, group_start[g] + sum(recv_rows[g][:s]), s)):
                 column.append(value)
-            arrived += recv_rows[c][s]
+            arrived += recv_rows[g][s]
     return table
 
 
@@ -464,9 +459,9 @@ def build_recv_plan(meta: torch.Tensor, table: torch.Tensor, num_rows: int, weig
 
     Args:
         meta: [R, J + 1 + J * w] int32 received metadata (see :class:`SendPlan`),
-            in source-rank order, each source's rows chunk after chunk.
-        table: [len(RECV_TABLE), W * C] int64 :func:`recv_table`, on meta's device.
-        num_rows: N, expanded rows of all chunks, known on the host from the counts exchange.
+            in source-rank order, each source's rows group after group.
+        table: [len(RECV_TABLE), W * G] int64 :func:`recv_table`, on meta's device.
+        num_rows: N, expanded rows, known on the host from the counts exchange.
         weight_dtype: dtype the weights travelled in (``weight_wire_dtype``).
     """
     from dispatch.kernels import recv_plan
@@ -484,18 +479,15 @@ def build_recv_plan_reference(
     words = torch.finfo(weight_dtype).bits // 32
     width = (meta.shape[1] - 1) // (1 + words)
     device = meta.device
-    arrival_start, held_start, local_start, expanded_start, src = table
+    arrival_start, held_start, src = table
     row = torch.arange(num_recv, device=device)
     block = torch.searchsorted(arrival_start, row, right=True) - 1  # last block starting at or before the row
-    offset = row - arrival_start[block]
-    held, local = held_start[block] + offset, local_start[block] + offset
+    held = held_start[block] + row - arrival_start[block]
 
     slots = meta[:, :width].long()
-    at = torch.where(slots >= 0, slots + expanded_start[block].unsqueeze(1), num_rows).flatten()
+    at = torch.where(slots >= 0, slots, num_rows).flatten()
     expand_src = torch.empty(num_rows + 1, dtype=torch.int64, device=device)
-    expand_src.scatter_(0, at, local.repeat_interleave(width))
-    expand_all = torch.empty(num_rows + 1, dtype=torch.int64, device=device)
-    expand_all.scatter_(0, at, held.repeat_interleave(width))
+    expand_src.scatter_(0, at, held.repeat_interleave(width))
     presum_index = torch.empty_like(slots)
     presum_index[held] = slots
     src_token = torch.empty(num_recv, dtype=torch.int64, device=device)
@@ -506,7 +498,7 @@ def build_recv_plan_reference(
     weight_words.copy_(meta[:, width + 1 :])
     weights = torch.empty(num_rows + 1, dtype=weight_dtype, device=device)
     weights.scatter_(0, at, weight_words.view(weight_dtype).flatten())
-    return RecvPlan(expand_src[:num_rows], expand_all[:num_rows], presum_index, weights[:num_rows], src_token, src_rank)
+    return RecvPlan(expand_src[:num_rows], presum_index, weights[:num_rows], src_token, src_rank)
 
 
 def _pack_left(values: torch.Tensor) -> torch.Tensor:

@@ -123,61 +123,58 @@ def test_gather_sum_padding_and_exact_sums():
         assert torch.equal(fn(src, index, weight, torch.float32).cpu(), expected)
 
 
-def _recv_case(world, chunks, width, words, seed):
-    """Received metadata of a consistent plan: each chunk's expanded positions are
-    a permutation of its rows, split among its received rows (ascending, -1 padded)."""
+def _recv_case(world, groups, width, words, seed):
+    """Received metadata of a consistent plan by ``groups`` groups: the expanded
+    positions are a permutation of all rows, split among the received rows
+    (ascending, -1 padded); returns (metadata in arrival order, [G][W] rows,
+    N, weight dtype, the metadata as held)."""
     gen = torch.Generator().manual_seed(seed)
-    recv_rows = torch.randint(0, 5, (chunks, world), generator=gen).tolist()
-    rows_per_chunk, held_meta = [], []
+    recv_rows = torch.randint(0, 5, (groups, world), generator=gen).tolist()
     weight_dtype = torch.float32 if words == 1 else torch.float64
-    for c in range(chunks):
-        num_recv = sum(recv_rows[c])
-        slots = torch.randint(0, width + 1, (num_recv,), generator=gen)
-        order = torch.randperm(int(slots.sum()), generator=gen)
-        meta = torch.full((num_recv, width + 1 + width * words), -1, dtype=torch.int32)
-        at = 0
-        for j, k in enumerate(slots.tolist()):
-            meta[j, :k] = order[at : at + k].sort().values.to(torch.int32)
-            at += k
-        meta[:, width] = torch.randint(0, 1000, (num_recv,), generator=gen, dtype=torch.int32)
-        weights = torch.rand(num_recv, width, generator=gen, dtype=torch.float64).to(weight_dtype)
-        meta[:, width + 1 :] = weights.contiguous().view(torch.int32).view(num_recv, width * words)
-        rows_per_chunk.append(int(slots.sum()))
-        held_meta.append(meta)
-    # arrival order: source rank, then chunk
-    arrived = []
+    num_recv = sum(map(sum, recv_rows))
+    slots = torch.randint(0, width + 1, (num_recv,), generator=gen)
+    order = torch.randperm(int(slots.sum()), generator=gen)
+    held = torch.full((num_recv, width + 1 + width * words), -1, dtype=torch.int32)  # group-major, then source
+    at = 0
+    for j, k in enumerate(slots.tolist()):
+        held[j, :k] = order[at : at + k].sort().values.to(torch.int32)
+        at += k
+    held[:, width] = torch.randint(0, 1000, (num_recv,), generator=gen, dtype=torch.int32)
+    weights = torch.rand(num_recv, width, generator=gen, dtype=torch.float64).to(weight_dtype)
+    held[:, width + 1 :] = weights.contiguous().view(torch.int32).view(num_recv, width * words)
+    starts = [sum(map(sum, recv_rows[:g])) for g in range(groups)]
+    arrived = []  # arrival order: source rank, then group
     for s in range(world):
-        for c in range(chunks):
-            first = sum(recv_rows[c][:s])
-            arrived.append(held_meta[c][first : first + recv_rows[c][s]])
-    return torch.cat(arrived), recv_rows, rows_per_chunk, weight_dtype
+        for g in range(groups):
+            first = starts[g] + sum(recv_rows[g][:s])
+            arrived.append(held[first : first + recv_rows[g][s]])
+    return torch.cat(arrived), recv_rows, int(slots.sum()), weight_dtype, held
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     world=st.integers(1, 8),
-    chunks=st.integers(1, 5),
+    groups=st.integers(1, 5),
     width=st.integers(1, 4),
     words=st.sampled_from([1, 2]),
     seed=st.integers(0, 10**6),
 )
-def test_recv_plan_kernel_matches_reference(world, chunks, width, words, seed):
+def test_recv_plan_kernel_matches_reference(world, groups, width, words, seed):
     from dispatch import plan
     from dispatch.kernels import recv_plan
 
-    meta, recv_rows, rows_per_chunk, weight_dtype = _recv_case(world, chunks, width, words, seed)
-    table = torch.tensor(plan.recv_table(recv_rows, rows_per_chunk), dtype=torch.int64, device=DEVICE)
+    meta, recv_rows, num_rows, weight_dtype, held = _recv_case(world, groups, width, words, seed)
+    table = torch.tensor(plan.recv_table(recv_rows), dtype=torch.int64, device=DEVICE)
     meta = meta.to(DEVICE)
-    want = plan.build_recv_plan_reference(meta, table, sum(rows_per_chunk), weight_dtype)
-    got = plan.RecvPlan(*recv_plan.recv_plan_triton(meta, table, sum(rows_per_chunk), weight_dtype))
+    want = plan.build_recv_plan_reference(meta, table, num_rows, weight_dtype)
+    got = plan.RecvPlan(*recv_plan.recv_plan_triton(meta, table, num_rows, weight_dtype))
     for name in plan.RecvPlan.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    # every expanded row is written, inside its chunk's received rows
-    at = 0
-    for c, rows in enumerate(rows_per_chunk):
-        local = want.expand_src[at : at + rows]
-        assert bool((local >= 0).all() and (local < sum(recv_rows[c])).all())
-        at += rows
+    # every row lands where it is held: its slot list, and every expanded row points back at it
+    assert torch.equal(want.presum_index.cpu(), held[:, :width].long())
+    assert torch.equal(want.src_token.cpu(), held[:, width].long())
+    for n, j in enumerate(want.expand_src.tolist()):
+        assert n in want.presum_index[j].tolist(), (n, j)
 
 
 @settings(max_examples=30, deadline=None)

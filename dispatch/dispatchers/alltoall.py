@@ -164,8 +164,7 @@ class AllToAllDispatcher(TokenDispatcher):
         recv_meta = comm.all_to_all_rows(sp.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
         # the slot lists arrive by source rank, each source's group after group; held group after group
         group_recv = [list(recv_splits)] if groups == 1 else by_group[1, :, 0, :groups].t().tolist()
-        table = plan.to_device(torch.tensor(plan.recv_table(group_recv, [0] * groups), dtype=torch.int64),
-                               recv_meta.device)
+        table = plan.to_device(torch.tensor(plan.recv_table(group_recv), dtype=torch.int64), recv_meta.device)
         rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
         pieces = None
         if groups > 1:
@@ -184,7 +183,7 @@ class AllToAllDispatcher(TokenDispatcher):
             home_index=keep(sp.home_index),
             slot_row=keep(sp.slot_row),
             slot_col=keep(sp.slot_col),
-            expand_src=rp.expand_all,
+            expand_src=rp.expand_src,
             presum_index=rp.presum_index,
             by_group=pieces,
         )
@@ -192,8 +191,8 @@ class AllToAllDispatcher(TokenDispatcher):
             weights=rp.weights,
             tokens_per_expert=keep(planned.summary[2 * world : counts_end]),
             tokens_per_expert_host=per_expert,
-            src_rank=rp.src_rank[rp.expand_all],
-            src_token=rp.src_token[rp.expand_all],
+            src_rank=rp.src_rank[rp.expand_src],
+            src_token=rp.src_token[rp.expand_src],
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
@@ -369,7 +368,7 @@ def _pieces(by_group: torch.Tensor, groups: int, rp: plan.RecvPlan, table: torch
     send, recv, back_send, back_recv = (
         tuple(tuple(counts[side][r][which][g] for r in range(world)) for g in range(groups))
         for side, which in ((0, 0), (1, 0), (1, 1), (0, 1)))
-    num_rows, held = rp.expand_all.shape[0], index.shape[0]
+    num_rows, held = rp.expand_src.shape[0], index.shape[0]
     width = index.shape[1]
     # the column of each expanded row in its received row's slot list
     column = torch.arange(width, device=device).expand(held, width)

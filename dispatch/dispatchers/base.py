@@ -751,11 +751,10 @@ class DispatchWork:
     """
 
     def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: Started, stats, dropped) -> None:
-        self._args = (dispatcher, x, topk_weights, plan_out, started, stats, dropped)
+        self._args = (x, topk_weights, stats, dropped)
         self.handle = handle
         self._result: Dispatched | None = None
         self._dispatcher, self._started, self._plan_out = dispatcher, started, plan_out
-        self._w_dtype = topk_weights.dtype
 
     def wait_group(self, g: int) -> DispatchedGroup:
         """Group g's rows (:class:`DispatchedGroup`), not differentiable; the
@@ -775,14 +774,15 @@ class DispatchWork:
         first, end = bounds[g], bounds[g + 1]
         if handle.groups > 1:
             tokens = self._started.result(g)
-        else:
-            tokens = _padded(self._started.result(), handle, 0)
-            self._started = Started(Pending.done(tokens))
+        else:  # the whole result, once: wait() takes it from here
+            moved = self._started.result()
+            self._started = Started(Pending.done(moved))
+            tokens = _padded(moved, handle, 0)
         per_expert_host = self._plan_out.tokens_per_expert_host
         if per_expert_host is not None:
             per_expert_host = _only(per_expert_host, first, end)
         per_expert = _only(self._plan_out.tokens_per_expert, first, end)  # on the device: no host copy
-        weights = _padded(self._plan_out.weights, handle, 0)[lo:hi].to(self._w_dtype)
+        weights = _padded(self._plan_out.weights, handle, 0)[lo:hi].to(self._args[1].dtype)
         return DispatchedGroup(tokens.detach(), per_expert, per_expert_host, weights, (lo, hi), (first, end))
 
     def wait(self) -> Dispatched:
@@ -790,7 +790,8 @@ class DispatchWork:
         the exchange (the host does not, on CUDA). Call it in the grad mode the
         dispatch started in; the autograd node of the dispatch is made here."""
         if self._result is None:
-            dispatcher, x, topk_weights, plan_out, started, stats, dropped = self._args
+            x, topk_weights, stats, dropped = self._args
+            dispatcher, plan_out, started = self._dispatcher, self._plan_out, self._started
             if self.handle.pad_blocks is not None:  # the rows' places among the blocks, from their sources
                 moved = started.result()  # the caller's stream follows the exchange (the engine writes the sources)
                 started = Started(Pending.done(moved))

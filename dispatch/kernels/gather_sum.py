@@ -212,7 +212,7 @@ if triton is not None:
         src_ptr,
         index_ptr,
         weight_ptr,
-        expand_all_ptr,
+        expand_src_ptr,
         expand_col_ptr,
         place_ptr,
         acc_ptr,
@@ -233,7 +233,7 @@ if triton is not None:
         n = lo + tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden
-        row = tl.load(expand_all_ptr + n)
+        row = tl.load(expand_src_ptr + n)
         k = tl.load(expand_col_ptr + n)
         before = tl.load(index_ptr + row * width + k - 1, mask=k > 0, other=-1)
         if before < lo:  # no earlier slot of this row in this group
@@ -273,7 +273,7 @@ def accumulate_group(
     lo: int,
     hi: int,
     place: torch.Tensor,
-    expand_all: torch.Tensor | None = None,
+    expand_src: torch.Tensor | None = None,
     expand_col: torch.Tensor | None = None,
 ) -> None:
     """Add group [lo, hi)'s weighted rows into the running pre-sums, and write
@@ -290,16 +290,16 @@ def accumulate_group(
         weight: [hi - lo] the weights of the group's rows, or None.
         lo, hi: the group's range of expanded rows.
         place: [R] int64, where each received row's pre-sum goes in ``out``.
-        expand_all, expand_col: [N] int64, the received row of each expanded
+        expand_src, expand_col: [N] int64, the received row of each expanded
             row and its column in ``index`` (the Triton path's grid).
     """
-    if src.is_cuda and triton is not None and expand_all is not None:
-        accumulate_group_triton(acc, out, src, index, weight, lo, hi, place, expand_all, expand_col)
+    if src.is_cuda and triton is not None and expand_src is not None:
+        accumulate_group_triton(acc, out, src, index, weight, lo, hi, place, expand_src, expand_col)
     else:
         accumulate_group_reference(acc, out, src, index, weight, lo, hi, place)
 
 
-def accumulate_group_triton(acc, out, src, index, weight, lo, hi, place, expand_all, expand_col) -> None:
+def accumulate_group_triton(acc, out, src, index, weight, lo, hi, place, expand_src, expand_col) -> None:
     """Triton version of :func:`accumulate_group_reference` (the arguments of
     :func:`accumulate_group`; ``acc`` need not start zeroed)."""
     if triton is None:
@@ -311,7 +311,7 @@ def accumulate_group_triton(acc, out, src, index, weight, lo, hi, place, expand_
     block = min(1024, triton.next_power_of_2(hidden))
     grid = (hi - lo, triton.cdiv(hidden, block))
     _accumulate_group_kernel[grid](
-        src, index, src if weight is None else weight.contiguous(), expand_all, expand_col, place, acc, out,
+        src, index, src if weight is None else weight.contiguous(), expand_src, expand_col, place, acc, out,
         lo, hi, hidden, index.shape[1], src.stride(0), acc.stride(0), out.stride(0),
         HAS_WEIGHT=weight is not None, ACC_F64=acc.dtype == torch.float64, BLOCK=block, num_warps=4,
     )

@@ -2,10 +2,9 @@
 
 Same result as ``dispatch.plan.build_recv_plan_reference``: each received row
 (a program handles ``BLOCK_R`` of them) finds its arrival block (source rank,
-chunk) in the host-made table by binary search, and writes its slot list, source token and rank
-at its place among the chunks' received rows, and for each valid slot its
-received row, its row among all chunks and its weight at the slot's expanded
-position. Every output element is written by exactly one row, so nothing is
+group) in the host-made table by binary search, and writes its slot list,
+source token and rank at its held place, and for each valid slot its held row
+and its weight at the slot's expanded position. Every output element is written by exactly one row, so nothing is
 atomic and the result does not depend on the launch. On the deepseek-v3 shape
 this replaces some thirty small operations, whose launches and framework
 overhead were the cost, by one launch.
@@ -31,7 +30,6 @@ if triton is not None:
         meta_ptr,
         table_ptr,
         expand_src_ptr,
-        expand_all_ptr,
         weight_words_ptr,
         presum_ptr,
         src_token_ptr,
@@ -59,9 +57,7 @@ if triton is not None:
         block = tl.where(live, low, 0)
         offset = rows - tl.load(table_ptr + block)
         held = tl.load(table_ptr + num_blocks + block) + offset
-        local = tl.load(table_ptr + 2 * num_blocks + block) + offset
-        expanded_start = tl.load(table_ptr + 3 * num_blocks + block)
-        src = tl.load(table_ptr + 4 * num_blocks + block)
+        src = tl.load(table_ptr + 2 * num_blocks + block)
         base = meta_ptr + rows.to(tl.int64) * meta_stride
         token = tl.load(base + WIDTH, mask=live, other=0)
         tl.store(src_token_ptr + held, token.to(tl.int64), mask=live)
@@ -70,12 +66,10 @@ if triton is not None:
             slot = tl.load(base + k, mask=live, other=-1).to(tl.int64)
             tl.store(presum_ptr + held * WIDTH + k, slot, mask=live)
             valid = live & (slot >= 0)
-            at = slot + expanded_start
-            tl.store(expand_src_ptr + at, local, mask=valid)
-            tl.store(expand_all_ptr + at, held, mask=valid)
+            tl.store(expand_src_ptr + slot, held, mask=valid)
             for w in tl.static_range(WORDS):
                 word = tl.load(base + WIDTH + 1 + k * WORDS + w, mask=valid, other=0)
-                tl.store(weight_words_ptr + at * WORDS + w, word, mask=valid)
+                tl.store(weight_words_ptr + slot * WORDS + w, word, mask=valid)
 
 
 def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, weight_dtype: torch.dtype):
@@ -90,7 +84,6 @@ def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, wei
     width = (meta.shape[1] - 1) // (1 + words)
     device = meta.device
     expand_src = torch.empty(num_rows, dtype=torch.int64, device=device)
-    expand_all = torch.empty(num_rows, dtype=torch.int64, device=device)
     weights = torch.empty(num_rows, dtype=weight_dtype, device=device)
     presum_index = torch.empty(num_recv, width, dtype=torch.int64, device=device)
     src_token = torch.empty(num_recv, dtype=torch.int64, device=device)
@@ -98,8 +91,8 @@ def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, wei
     if num_recv:
         num_blocks = table.shape[1]
         _recv_plan_kernel[(triton.cdiv(num_recv, BLOCK_R),)](
-            meta, table, expand_src, expand_all, weights.view(torch.int32), presum_index, src_token, src_rank,
+            meta, table, expand_src, weights.view(torch.int32), presum_index, src_token, src_rank,
             num_recv, num_blocks, meta.stride(0),
             WIDTH=width, WORDS=words, STEPS=max(1, (num_blocks - 1).bit_length()), BLOCK=BLOCK_R,
         )
-    return expand_src, expand_all, presum_index, weights, src_token, src_rank
+    return expand_src, presum_index, weights, src_token, src_rank
