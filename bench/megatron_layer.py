@@ -18,7 +18,15 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
    and top-8 of 8 experts per rank in bf16 with token dropping (capacity factor
    1.0, drop policy ``probs``: Megatron's router drops, both dispatchers move what
    it kept).
-3. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
+3. ``graphs``: the two-layer ``GPTModel`` with Megatron's local CUDA graphs
+   (``cuda_graph_impl="local"``) holding the dispatcher: ``moe_preprocess`` (the
+   router and ``dispatch_preprocess``; dropless) and ``moe`` (whole layers, every
+   stage; padded to capacity, capacity factor 1.0, on the NVLink engine with fixed
+   rows). Trained ``--graph-steps`` steps eager and captured (the graphs are made
+   after the first step, as Megatron's schedules make them, and replayed after),
+   with Megatron's dispatcher and with ours: each captured run's losses must match
+   its eager run's step by step, and ours Megatron's.
+4. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
    expert FFN 2048, ``--experts`` experts, top-8, sigmoid scores) with each
    dispatcher swapped into the same layer; CUDA events after warm-up and a
    barrier, median and p10-p90 over ``--iters``.
@@ -56,9 +64,11 @@ LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 3e-2}  # relative, per step
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/megatron_layer.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="layer,train,timing", help="comma-separated: layer, train, timing")
+    parser.add_argument("--parts", default="layer,train,graphs,timing",
+                        help="comma-separated: layer, train, graphs, timing")
     parser.add_argument("--world-size", type=int, help="ranks to start (default: all GPUs)")
     parser.add_argument("--steps", type=int, default=50, help="training steps each way (default 50)")
+    parser.add_argument("--graph-steps", type=int, default=10, help="training steps of the graphs part (default 10)")
     parser.add_argument("--experts", type=int, default=256, help="experts of the timed layer (default 256)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the timed layer (default 4096)")
     parser.add_argument("--iters", type=int, default=10, help="timed forward+backward passes (default 10)")
@@ -68,12 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    bad = sorted(set(args.parts) - {"layer", "train", "timing"})
+    bad = sorted(set(args.parts) - {"layer", "train", "graphs", "timing"})
     if bad or not args.parts:
-        parser.error(f"--parts must name some of layer, train, timing; got {bad or 'nothing'}")
-    for name in ("steps", "experts", "tokens", "iters"):
+        parser.error(f"--parts must name some of layer, train, graphs, timing; got {bad or 'nothing'}")
+    for name in ("steps", "graph_steps", "experts", "tokens", "iters"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.world_size is not None and args.world_size < 1:
@@ -146,6 +156,9 @@ def _job(args: argparse.Namespace) -> None:
                       extra={"dtype": dtype, "topk": topk, "capacity_factor": capacity})
             for dtype, topk, capacity in (("fp32", 2, None), ("bf16", 2, None), ("bf16", 8, 1.0))
         ]
+    if "graphs" in args.parts:
+        result["graphs"] = [_run_part(f"graphs {name}", check_graphs, name, args.graph_steps, extra={"setting": name})
+                            for name in GRAPH_SETTINGS]
     if "timing" in args.parts:
         result["timing"] = _run_part("timing", time_layers, args)
     if dist.get_rank() == 0:
@@ -289,7 +302,8 @@ def build_gpt(config, vocab: int, seq: int, seed: int):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    # Megatron's local CUDA graphs need its graph-safe RNG tracker
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=config.cuda_graph_impl == "local")
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
     return _precision_wrapper(config, model)
@@ -308,17 +322,23 @@ def _precision_wrapper(config, model):
     return Float16Module(config, model)
 
 
-def _train(model, batch, steps: int) -> list[float]:
+def _train(model, batch, steps: int, graphs: bool = False) -> list[float]:
     """Adam on one fixed batch; dense gradients averaged over the world, expert
-    gradients divided by it (the loss is the mean of the ranks' losses)."""
+    gradients divided by it (the loss is the mean of the ranks' losses). With
+    ``graphs``, Megatron's local CUDA graphs are made after the first step's
+    backward (as its schedules make them) and replayed from the second step on."""
     tokens, labels, position_ids, mask = batch
     world = dist.get_world_size()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
+        if graphs and step == 0:
+            from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+            create_cudagraphs()
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
@@ -350,12 +370,7 @@ def check_training(dtype: str, steps: int, topk: int = 2, capacity_factor: float
     ours = build_gpt(config, vocab, seq, seed + 1)
     ours.load_state_dict(theirs.state_dict())
     installed = install_all(ours)
-    gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
-    tokens = torch.randint(vocab, (batch_size, seq), device="cuda", generator=gen)
-    labels = torch.randint(vocab, (batch_size, seq), device="cuda", generator=gen)
-    position_ids = torch.arange(seq, device="cuda").expand(batch_size, seq)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device="cuda"), 1)[None, None]  # True: masked
-    batch = (tokens, labels, position_ids, mask)
+    batch = _fixed_batch(vocab, seq, batch_size, seed)
     theirs_losses = _train(theirs, batch, steps)
     ours_losses = _train(ours, batch, steps)
     diffs = [abs(a - b) / abs(a) for a, b in zip(theirs_losses, ours_losses)]
@@ -375,7 +390,74 @@ def check_training(dtype: str, steps: int, topk: int = 2, capacity_factor: float
     }
 
 
-# ----------------------------------------------------------------------------- 3. timing
+# ----------------------------------------------------------------------------- 3. CUDA graphs
+
+
+GRAPH_SETTINGS = {
+    "moe_preprocess": dict(cuda_graph_modules=["moe_router", "moe_preprocess"]),
+    "moe, padded to capacity": dict(cuda_graph_modules=["moe"], moe_expert_capacity_factor=1.0,
+                                    moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="probs"),
+}
+
+
+def _fixed_batch(vocab: int, seq: int, batch_size: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
+    tokens = torch.randint(vocab, (batch_size, seq), device="cuda", generator=gen)
+    labels = torch.randint(vocab, (batch_size, seq), device="cuda", generator=gen)
+    position_ids = torch.arange(seq, device="cuda").expand(batch_size, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device="cuda"), 1)[None, None]  # True: masked
+    return tokens, labels, position_ids, mask
+
+
+def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
+    """The two-layer MoE ``GPTModel`` with Megatron's local CUDA graphs set as
+    ``GRAPH_SETTINGS[setting]``, trained eager and captured, with each dispatcher
+    (same weights, same batch): per-step losses, captured against eager and ours
+    against Megatron's."""
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    from dispatch.integrations.megatron import install_all
+
+    vocab, seq, batch_size = 512, 128, 4
+    extra = dict(GRAPH_SETTINGS[setting])
+    graph_fields = {k: extra.pop(k) for k in list(extra) if k.startswith("cuda_graph")}
+    common = dict(hidden=256, ffn=256, experts=4 * dist.get_world_size(), topk=2, num_layers=2, **extra)
+    configs = {"eager": moe_config(**common), "captured": moe_config(**common, cuda_graph_impl="local", **graph_fields)}
+    weights = build_gpt(configs["eager"], vocab, seq, seed).state_dict()
+    batch = _fixed_batch(vocab, seq, batch_size, seed)
+    losses, engines = {}, set()
+    for who in ("megatron", "ours"):
+        for mode, config in configs.items():
+            delete_cuda_graphs()  # Megatron's graph record is global: one model's graphs at a time
+            model = build_gpt(config, vocab, seq, seed + 1)
+            model.load_state_dict(weights)
+            if who == "ours":
+                engines |= {type(d.engine).__name__ for d in install_all(model)}
+            losses[f"{who} {mode}"] = _train(model, batch, steps, graphs=mode == "captured")
+            del model
+    delete_cuda_graphs()
+
+    def worst(a: str, b: str) -> float:
+        return max(abs(x - y) / abs(x) for x, y in zip(losses[a], losses[b]))
+
+    diffs = {"ours captured vs eager": worst("ours eager", "ours captured"),
+             "megatron captured vs eager": worst("megatron eager", "megatron captured"),
+             "ours vs megatron, captured": worst("megatron captured", "ours captured")}
+    tolerance = LOSS_TOLERANCE["bf16"]
+    return {
+        "setting": setting,
+        "graphs": {k: [str(getattr(m, "name", m)) for m in v] if isinstance(v, list) else v
+                   for k, v in graph_fields.items()} | {"cuda_graph_impl": "local"},
+        "engine": sorted(engines),
+        "steps": steps,
+        "losses": losses,
+        "max_relative_diff": diffs,
+        "tolerance": tolerance,
+        "passed": all(d <= tolerance for d in diffs.values()) and losses["ours captured"][-1] < losses["ours captured"][0],
+    }
+
+
+# ----------------------------------------------------------------------------- 4. timing
 
 
 def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
@@ -470,6 +552,18 @@ def report(result: dict, args: argparse.Namespace) -> None:
             f"{run['steps']} steps: loss "
             f"{run['ours'][0]:.4f} -> {run['ours'][-1]:.4f}, max relative diff to megatron "
             f"{run['max_relative_diff']:.2e} (tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"
+        )
+    for run in result.get("graphs", []):
+        passed &= run["passed"]
+        if "error" in run:
+            lines.append(f"GPTModel with local CUDA graphs, {run['setting']}: ERROR {run['error']} FAIL")
+            continue
+        diffs = ", ".join(f"{k} {v:.2e}" for k, v in run["max_relative_diff"].items())
+        lines.append(
+            f"GPTModel with local CUDA graphs, {run['setting']} (ours on {', '.join(run['engine'])}), "
+            f"{run['steps']} steps: loss {run['losses']['ours captured'][0]:.4f} -> "
+            f"{run['losses']['ours captured'][-1]:.4f}, max relative diff: {diffs} "
+            f"(tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"
         )
     if "timing" in result and "error" in result["timing"]:
         passed = False

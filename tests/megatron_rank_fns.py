@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from dispatch.integrations.megatron import MegatronDispatcher
+from dispatch.integrations.megatron import MegatronDispatcher, routing_to_topk
 from world import current_device
 
 
@@ -82,11 +82,18 @@ def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, top
     p = probs.to(device).requires_grad_()
     log.append("dispatch_preprocess")
     h, w = d.dispatch_preprocess(x, routing_map.to(device), p)
+    return {"log": log, "fixed_rows": d.fixed_rows, **_after_preprocess(d, h, w, x, p, grad_out, log)}
+
+
+def _after_preprocess(d, h, w, x, p, grad_out, log: list) -> dict:
+    """The five stages after ``dispatch_preprocess`` around stage_round_trip's experts,
+    then backward of sum(out * grad_out) into ``x`` and ``p``."""
+    device = h.device
     log.append("token_dispatch")
     tokens, permuted_probs = d.token_dispatch(h, w)
     log.append("dispatch_postprocess")
     tokens, tokens_per_expert, permuted_probs = d.dispatch_postprocess(tokens, permuted_probs)
-    local = torch.repeat_interleave(torch.arange(per_rank), tokens_per_expert).to(device)
+    local = torch.repeat_interleave(torch.arange(d.num_local_experts), tokens_per_expert).to(device)
     y = tokens * permuted_probs.unsqueeze(-1).to(tokens.dtype) * (1 + local).to(tokens.dtype).unsqueeze(-1)
     log.append("combine_preprocess")
     y = d.combine_preprocess(y)
@@ -95,7 +102,60 @@ def stage_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, top
     log.append("combine_postprocess")
     out = d.combine_postprocess(y)
     (out * grad_out.to(device)).sum().backward()
-    return {"log": log, **_stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)}
+    return _stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)
+
+
+def replayed_preprocess(first: tuple, second: tuple, num_experts: int, topk: int):
+    """``dispatch_preprocess`` inside a CUDA graph (``moe_preprocess``), as Megatron
+    replays it: a round trip on ``first`` = (hidden, routing_map, probs, grad_out) as
+    captured, then one on ``second`` where dispatch_preprocess does not run: the
+    graph's outputs hold the second rows and weights, and Megatron sets the tensors
+    named in ``cudagraph_attrs`` on the dispatcher from them. Returns the second round
+    trip's results, and the error of a token_dispatch run after the first round trip
+    with nothing set again (a stale routing must not be reused)."""
+    device = current_device()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_rank = num_experts // world
+    config = SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, cuda_graph_impl="transformer_engine",
+                             cuda_graph_modules=["moe_router", "moe_preprocess"])
+    d = MegatronDispatcher(per_rank, list(range(rank * per_rank, (rank + 1) * per_rank)), config,
+                           SimpleNamespace(ep=None))
+    hidden, routing_map, probs, grad_out = first
+    x, p = hidden.to(device).requires_grad_(), probs.to(device).requires_grad_()
+    h, w = d.dispatch_preprocess(x, routing_map.to(device), p)
+    captured = {name: getattr(d, name) for name in d.cudagraph_attrs}
+    _after_preprocess(d, h, w, x, p, grad_out, [])
+    try:
+        d.token_dispatch(h, w)
+        stale = None
+    except RuntimeError as exc:
+        stale = str(exc)
+    hidden, routing_map, probs, grad_out = second
+    x, p = hidden.to(device).requires_grad_(), probs.to(device).requires_grad_()
+    topk_idx, w = routing_to_topk(routing_map.to(device), p, topk)  # what the replay leaves in the graph's outputs
+    outputs = {"topk_idx": topk_idx}
+    assert sorted(captured) == sorted(outputs) and all(torch.is_tensor(t) for t in captured.values())
+    for name in d.cudagraph_attrs:
+        setattr(d, name, outputs[name])
+    return _after_preprocess(d, x.reshape(-1, x.shape[-1]), w, x, p, grad_out, []), stale
+
+
+def fixed_rows_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, factor: float):
+    """The six stages as with every stage inside CUDA graphs (``cuda_graph_modules=["moe"]``,
+    padded to capacity): K' = E and ``max_rows`` fixed from the capacity, the counts fixed
+    on the host. The NCCL/gloo transport stands in for the engine here (its ``max_rows``
+    gives the engine's shapes, with a host read): it is marked host-free for the call."""
+    from dispatch.dispatchers.alltoall import AllToAllDispatcher
+
+    config = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"],
+              "moe_expert_capacity_factor": factor, "moe_pad_expert_input_to_capacity": True}
+    AllToAllDispatcher.host_free = True
+    try:
+        return stage_round_trip(hidden, routing_map, probs, grad_out, num_experts, topk, {}, config_extra=config)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        del AllToAllDispatcher.host_free
 
 
 def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, tp: int):

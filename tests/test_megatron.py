@@ -152,6 +152,75 @@ def test_padding_to_capacity_moves_rows_of_more_than_k_experts(worlds):
         torch.testing.assert_close(got["probs_grad"], pl.grad * routing_map, rtol=1e-12, atol=1e-12)
 
 
+def capacity_routing(num_tokens: int, num_experts: int, capacity: int, seed: int):
+    """A router's capacity mask, padded (moe_pad_expert_input_to_capacity): each expert
+    takes exactly ``capacity`` distinct tokens, a third of them padding (probability 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    for e in range(num_experts):
+        routing_map[torch.randperm(num_tokens, generator=gen)[:capacity], e] = True
+    probs = torch.rand(num_tokens, num_experts, generator=gen, dtype=torch.float64)
+    probs = probs * routing_map * (torch.rand(num_tokens, num_experts, generator=gen) > 0.33)
+    return routing_map, probs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_fixed_rows_when_graphs_hold_every_stage(worlds, world_size):
+    """With every stage inside CUDA graphs (padded to capacity), the stages read nothing
+    on the host: K' = E on every rank, max_rows and the counts fixed by the capacity.
+    The round trip is bitwise the one that agrees K' and reads the counts."""
+    num_experts, topk, tokens, factor = 2 * world_size, 2, 6, 1.0
+    capacity = -(-tokens * topk // num_experts)  # Megatron's get_capacity at factor 1
+    args, eager = [], []
+    for r in range(world_size):
+        routing_map, probs = capacity_routing(tokens, num_experts, capacity, seed=r)
+        x = identity_tokens(r, tokens, HIDDEN, torch.float64).view(3, 2, HIDDEN)
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        args.append((x, routing_map, probs, grad, num_experts, topk, factor))
+        eager.append((x, routing_map, probs, grad, num_experts, topk, {}, None,
+                      {"moe_pad_expert_input_to_capacity": True}))
+    want = worlds(world_size).run(megatron_rank_fns.stage_round_trip, eager)
+    got = worlds(world_size).run(megatron_rank_fns.fixed_rows_round_trip, args)
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert not isinstance(g, str), g
+        assert g["fixed_rows"] and not w["fixed_rows"], rank
+        assert torch.equal(g["tokens_per_expert"], torch.full((2,), capacity * world_size)), rank
+        for key in ("tokens", "tokens_per_expert", "permuted_probs", "out", "x_grad", "probs_grad"):
+            assert torch.equal(g[key], w[key]), (rank, key)
+
+
+def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):
+    """An expert short of its capacity would leave the fixed counts wrong: refused
+    (in an eager step; a captured one cannot read the host)."""
+    routing_map, probs = capacity_routing(6, 4, 3, seed=5)
+    routing_map[:, 1] = False
+    x = identity_tokens(0, 6, HIDDEN, torch.float64).view(3, 2, HIDDEN)
+    (error,) = worlds(1).run(megatron_rank_fns.fixed_rows_round_trip,
+                             [(x, routing_map, probs * routing_map, torch.ones_like(x), 4, 2, 1.0)])
+    assert isinstance(error, str) and "routing_map: padded to capacity, each expert must get 3 of each" in error
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_preprocess_inside_a_graph_replays(worlds, world_size):
+    """moe_preprocess graphs: after a replay Megatron sets the dispatcher's
+    cudagraph_attrs from the graph's outputs, and the stages after it run on them as
+    on a fresh dispatch_preprocess; a routing is used once (no stale one is reused)."""
+    num_experts, topk = 2 * world_size, 2
+    routing = [make_routing(world_size, 2, topk, [6] * world_size, kind, seed=s)
+               for kind, s in (("random", 1), ("random", 2))]
+    args, fresh = [], []
+    for r in range(world_size):
+        first, second = (rank_inputs(rt, r, num_experts) for rt in routing)
+        args.append((first, second, num_experts, topk))
+        fresh.append((*second, num_experts, topk, {}))
+    want = worlds(world_size).run(megatron_rank_fns.stage_round_trip, fresh)
+    for rank, ((got, stale), w) in enumerate(zip(worlds(world_size).run(megatron_rank_fns.replayed_preprocess, args),
+                                                 want)):
+        assert stale is not None and "token_dispatch called out of order" in stale, stale
+        for key in ("tokens", "tokens_per_expert", "permuted_probs", "out", "x_grad", "probs_grad"):
+            assert torch.equal(got[key], w[key]), (rank, key)
+
+
 def test_shared_experts_run_beside_the_exchange(worlds):
     """moe_shared_expert_overlap: the shared experts' calls come at the points of
     Megatron's alltoall dispatcher, and their output is added to the routed one
@@ -220,8 +289,13 @@ def test_expert_tensor_parallel_stages(worlds, world_size, tp):
     {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router"]},
     {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn"]},
     {"cuda_graph_impl": "none"},
+    # dispatch_preprocess inside the graph (dropless): nothing of it reads the host
+    {"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "moe_router"]},
+    {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"]},
+    {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"],
+     "moe_expert_capacity_factor": 1.0},
 ])
-def test_graphs_that_leave_the_dispatcher_outside_are_accepted(worlds, config_extra):
+def test_graphs_that_leave_the_exchange_outside_are_accepted(worlds, config_extra):
     (error,) = worlds(1).run(megatron_rank_fns.stage_error, [("none", 4, 2, config_extra, {})])
     assert error is None, error
 
@@ -269,18 +343,26 @@ def test_routing_to_topk_lowest_experts_first_and_empty_slots():
     assert empty_idx.shape == (0, 2) and empty_w.shape == (0, 2)
 
 
+DROP_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+
+
 @pytest.mark.parametrize(
     "config_extra, options, needle",
     [
         ({}, {"capacity_factor": 1.0}, "unknown engine option(s) capacity_factor"),
         ({"moe_router_padding_for_quantization": True}, {}, "moe_router_padding_for_quantization=True"),
-        ({"cuda_graph_impl": "local"}, {}, "capturing whole layers"),
-        ({"cuda_graph_impl": "local", "cuda_graph_modules": ["attn", "moe_router"]}, {},
-         "capturing moe_preprocess"),
-        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"]}, {}, "capturing moe"),
-        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"]}, {},
-         "capturing moe_preprocess"),
-        ({"cuda_graph_impl": "full_iteration"}, {}, "capturing the whole iteration"),
+        ({"cuda_graph_impl": "local"}, {}, "capturing whole layers without moe_pad_expert_input_to_capacity"),
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"]}, {},
+         "capturing moe without moe_pad_expert_input_to_capacity"),
+        ({"cuda_graph_impl": "full_iteration"}, {}, "capturing the whole iteration without"),
+        # padded to capacity, every stage inside graphs: only the NVLink engine reads nothing on the host
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"], **DROP_PAD}, {},
+         "capturing moe without the NVLink engine (variant='alltoall', transport='auto' here reads split"),
+        ({"cuda_graph_impl": "local", **DROP_PAD}, {"transport": "nccl"}, "capturing whole layers without the NVLink engine (variant='alltoall', transport='nccl'"),
+        ({"cuda_graph_impl": "local", "cuda_graph_modules": ["moe_router"], **DROP_PAD}, {},
+         "(moe_preprocess) with padding to capacity"),
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"],
+          "moe_router_padding_for_quantization": True}, {}, "(moe_preprocess) with padding to capacity or router"),
         ({"overlap_moe_expert_parallel_comm": True, "moe_token_dispatcher_type": "flex"}, {},
          "overlap_moe_expert_parallel_comm=True with moe_token_dispatcher_type='flex'"),
         ({"transformer_impl": "inference_optimized"}, {}, "inference_optimized"),
@@ -334,7 +416,8 @@ def test_import_does_not_need_megatron():
 
 @pytest.mark.parametrize(
     "argv, needle",
-    [(["--parts", "nope"], "--parts"), (["--steps", "0"], "--steps"), (["--option", "dispatch_wire"], "KEY=VALUE"),
+    [(["--parts", "nope"], "--parts"), (["--steps", "0"], "--steps"), (["--graph-steps", "0"], "--graph-steps"),
+     (["--option", "dispatch_wire"], "KEY=VALUE"),
      (["--option", "local_world_size=0"], "local_world_size"), (["--option", "dispatch_wire=fp4"], "dispatch_wire")],
 )
 def test_layer_script_bad_flags(argv, needle, capsys):

@@ -185,6 +185,11 @@ class TokenDispatcher(abc.ABC):
             kernels do not queue behind the experts' GEMMs).
         phase_timer: optionally a :class:`dispatch.timing.PhaseTimer` timing
             the phases of the work.
+        host_free: (class) whether ``dispatch(..., max_rows=M)`` and the round
+            trip after it read nothing on the host, so that they can be captured
+            in a CUDA graph (the NVLink engine); elsewhere ``max_rows`` gives the
+            same shapes with a host read.
+        max_topk: (class) the most slots per token it moves (None: any).
 
     Every verb takes ``async_op``: False (default) returns the result; True
     returns a work object (:class:`DispatchWork` / :class:`ExchangeWork`) whose
@@ -195,6 +200,9 @@ class TokenDispatcher(abc.ABC):
     start the same exchanges in the same order; several may be in flight at
     once (each has its own handle), and may be waited for in any order.
     """
+
+    host_free = False
+    max_topk: int | None = None
 
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup | None = None) -> None:
         self.config = config

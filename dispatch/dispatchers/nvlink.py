@@ -58,6 +58,9 @@ class NVLinkDispatcher(TokenDispatcher):
     (``variant="alltoall"``, ``transport="nvlink"`` or ``"auto"``; built by
     ``dispatch.create`` once :func:`unusable` found nothing against it)."""
 
+    host_free = True
+    max_topk = MAX_TOPK
+
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)

@@ -115,6 +115,7 @@ of the exchange with the expert compute from inside this interface.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -209,13 +210,16 @@ STAGES = (
 
 @dataclass(frozen=True)
 class _InFlight:
-    """One round trip between the stages (Megatron's stages take no handle).
+    """One round trip between the stages (Megatron's stages take no handle), from
+    ``token_dispatch`` on (``dispatch_preprocess`` leaves its routing on the object).
 
     Attributes:
         next_stage: index in ``STAGES`` of the stage that may run next.
         hidden_shape: shape of the layer's ``hidden_states``, restored at the end.
         topk_idx: ``[T, K]`` int64 routing of this round trip.
-        dispatched: the engine's dispatch result, once ``token_dispatch`` ran.
+        dispatched: the engine's dispatch result.
+        counts: ``[E_local]`` int64 on the CPU, rows per local expert (from the
+            engine's host read, or fixed by the capacity when graphs hold every stage).
         tp_rows: the rows of the expert-TP group, once ``dispatch_postprocess`` ran
             (expert tensor parallelism only).
     """
@@ -223,8 +227,14 @@ class _InFlight:
     next_stage: int
     hidden_shape: torch.Size
     topk_idx: torch.Tensor
-    dispatched: dispatch.Dispatched | None = None
+    dispatched: dispatch.Dispatched
+    counts: torch.Tensor
     tp_rows: "_TensorParallelRows | None" = None
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host reads then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _group_size(group) -> int:
@@ -233,22 +243,51 @@ def _group_size(group) -> int:
 
 
 def _refusals(config) -> list[str]:
-    """Settings of Megatron's TransformerConfig this adapter does not implement."""
+    """Settings of Megatron's TransformerConfig this adapter does not implement
+    (whatever the engine; the CUDA graphs that capture every stage are checked
+    against the engine by ``MegatronDispatcher``)."""
     def get(name, default=None):
         return getattr(config, name, default)
 
     problems = []
-    captured = _captured_modules(get("cuda_graph_impl", "none"), get("cuda_graph_modules", ()))
-    if captured:
-        problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r} capturing {captured} (the dispatcher would run "
-                        "inside a CUDA graph, and it syncs with the host for split sizes; graphs of attention and of "
-                        "the router alone are accepted: cuda_graph_impl='transformer_engine', "
-                        "cuda_graph_modules=['attn', 'moe_router'])")
+    if _capture(config) == "preprocess" and (
+        get("moe_pad_expert_input_to_capacity", False) or get("moe_router_padding_for_quantization", False)
+        or get("moe_router_padding_for_fp8", False)
+    ):
+        problems.append(f"cuda_graph_modules={_module_names(config)} (moe_preprocess) with padding to capacity or "
+                        "router padding for quantization (dispatch_preprocess agrees the slots per token with the "
+                        "other ranks and reads them on the host, which a graph cannot hold; Megatron's alltoall "
+                        "dispatcher refuses these too)")
     if get("overlap_moe_expert_parallel_comm", False) and get("moe_token_dispatcher_type", "alltoall") != "alltoall":
         problems.append(f"overlap_moe_expert_parallel_comm=True with moe_token_dispatcher_type="
                         f"{get('moe_token_dispatcher_type')!r} (this adapter stands in for 'alltoall')")
     if get("transformer_impl") == "inference_optimized":
         problems.append("transformer_impl='inference_optimized' (inference dispatchers)")
+    return problems
+
+
+def _graph_refusals(config, engine, expert_tp: int) -> list[str]:
+    """What stands against CUDA graphs that capture every stage (``_capture`` is
+    ``"all"``): the round trip must read nothing on the host, which takes fixed rows
+    per expert (padding to capacity) and the engine's ``max_rows`` path."""
+    what = f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} capturing {_captured_text(config)}"
+    problems = []
+    if getattr(config, "moe_expert_capacity_factor", None) is None or not getattr(
+            config, "moe_pad_expert_input_to_capacity", False):
+        problems.append(f"{what} without moe_pad_expert_input_to_capacity and a moe_expert_capacity_factor (a graph "
+                        "holds the dispatcher only where every expert gets fixed rows; Megatron's own alltoall "
+                        "dispatcher needs the same)")
+    if not getattr(engine, "host_free", False):
+        chosen = engine.config
+        problems.append(f"{what} without the NVLink engine (variant={chosen.variant!r}, transport={chosen.transport!r} "
+                        "here reads split sizes on the host; the engine, variant 'alltoall' with transport 'nvlink', "
+                        "or 'auto' on one host with peer access, reads nothing with max_rows)")
+    elif engine.max_topk is not None and config.num_moe_experts > engine.max_topk:
+        problems.append(f"{what} with num_moe_experts={config.num_moe_experts} (padded to capacity, a token may go to "
+                        f"every expert; the NVLink engine moves at most {engine.max_topk} per token)")
+    if expert_tp > 1:
+        problems.append(f"{what} with expert_tensor_parallel_size={expert_tp} (the expert-TP gather reads its row "
+                        "counts on the host)")
     return problems
 
 
@@ -274,21 +313,42 @@ def _quantization_multiple(config) -> int:
     return multiple
 
 
-def _captured_modules(impl, modules) -> str | None:
-    """What of the dispatcher Megatron's per-layer CUDA graphs would capture (None:
-    nothing; the graphs of attention and of the router end before the dispatcher's
-    first stage, ``dispatch_preprocess``, which runs in ``MoELayer.preprocess``)."""
+def _module_names(config) -> list[str]:
+    """``cuda_graph_modules`` as names (Megatron normalises them to enum members)."""
+    modules = getattr(config, "cuda_graph_modules", ())
+    modules = [modules] if isinstance(modules, str) else list(modules or ())
+    return [str(getattr(m, "name", m)) for m in modules]
+
+
+def _capture(config) -> str | None:
+    """What of the dispatcher Megatron's CUDA graphs capture: None (nothing: the
+    graphs of attention and of the router end before ``dispatch_preprocess``),
+    ``"preprocess"`` (``dispatch_preprocess`` with the router: ``moe_preprocess``)
+    or ``"all"`` (every stage: ``moe``, whole layers, the whole iteration)."""
+    impl = getattr(config, "cuda_graph_impl", "none")
     if impl in (None, "none"):
         return None
     if impl not in ("local", "transformer_engine"):
+        return "all"
+    names = set(_module_names(config))
+    if not names or names == {"full"} or "moe" in names:
+        return "all"
+    if "moe_preprocess" in names or (impl == "local" and "moe_router" in names):  # local graphs take both
+        return "preprocess"
+    return None
+
+
+def _captured_text(config) -> str:
+    """How the error messages name what the graphs capture."""
+    if getattr(config, "cuda_graph_impl", "none") not in ("local", "transformer_engine"):
         return "the whole iteration"
-    names = {getattr(m, "name", m) for m in ([modules] if isinstance(modules, str) else list(modules or ()))}
-    if not names or names == {"full"}:
-        return "whole layers"
-    if impl == "local" and "moe_router" in names:  # Megatron's local graphs take moe_preprocess with it
-        names.add("moe_preprocess")
-    inside = sorted(names & {"moe", "moe_preprocess"})
-    return ", ".join(inside) or None
+    names = _module_names(config)
+    return "moe" if "moe" in names else "whole layers"
+
+
+def _capacity(num_tokens: int, num_experts: int, factor: float) -> int:
+    """Megatron's expert capacity (``get_capacity``): ceil(tokens / experts * factor)."""
+    return math.ceil((num_tokens / num_experts) * factor)
 
 
 class MegatronDispatcher:
@@ -341,6 +401,7 @@ class MegatronDispatcher:
         expt_tp = getattr(pg_collection, "expt_tp", None)
         if problems:
             raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
+        capture = _capture(config)
 
         self.config = config
         self.ep_group = getattr(pg_collection, "ep", None)
@@ -371,10 +432,21 @@ class MegatronDispatcher:
         self.local_expert_indices = expected
         self.topk = topk
         self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
-        # Attributes Megatron's MoELayer and TransformerLayer read on any dispatcher.
+        if capture == "all":  # the same on every rank: all refuse alike
+            problems = _graph_refusals(config, self.engine, self.tp_size)
+            if problems:
+                raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
+        # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
+        self.fixed_rows = capture == "all"
+        self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
+        # Attributes Megatron's MoELayer and TransformerLayer read on any dispatcher. With
+        # dispatch_preprocess inside a graph (moe_preprocess), Megatron returns the tensors
+        # named in cudagraph_attrs from the graph and sets them again after each replay.
         self.shared_experts = None
-        self.cudagraph_attrs: list[str] = []
+        self.cudagraph_attrs: list[str] = ["topk_idx"]
         self.valid_cudagraph_attrs = None
+        self.topk_idx: torch.Tensor | None = None  # dispatch_preprocess -> token_dispatch
+        self.hidden_shape: torch.Size | None = None
         self._in_flight: _InFlight | None = None
 
     # -- what Megatron reads besides the stages --------------------------------
@@ -384,6 +456,10 @@ class MegatronDispatcher:
         (``moe_shared_expert_overlap``; see the module's "Shared experts beside the
         exchange")."""
         self.shared_experts = shared_experts
+        # dispatch_preprocess sets these on them (pre_forward_comm), inside moe_preprocess graphs
+        if getattr(shared_experts, "use_shared_expert_gate", False):
+            self.cudagraph_attrs.append("shared_experts.gate_score")
+        self.cudagraph_attrs.append("shared_experts.cached_fc1_input")
 
     def get_expert_zero_copy_buffers(self):
         """No zero-copy buffers: the experts allocate their outputs."""
@@ -425,9 +501,11 @@ class MegatronDispatcher:
         topk = self.topk
         if self.quantization_multiple:  # as Megatron's alltoall dispatcher pads, before it counts
             routing_map = pad_routing_map(routing_map, self.quantization_multiple)
-        if self.pad_to_capacity or self.quantization_multiple:  # up to every expert per token
+        if self.fixed_rows:  # every expert may take a token padded to capacity: K' fixed, no host read
+            topk = self.num_experts
+        elif self.pad_to_capacity or self.quantization_multiple:  # up to every expert per token
             topk = self._padded_topk(routing_map)
-        elif self.engine.config.check_inputs and num_tokens:
+        elif self.engine.config.check_inputs and num_tokens and not _capturing():
             too_many = (routing_map.sum(dim=1) > self.topk).any()
             if bool(too_many):  # host sync: value check, only with check_inputs
                 raise ValueError(
@@ -437,8 +515,11 @@ class MegatronDispatcher:
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, topk)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
-        # A new round trip may always start (one that raised half way is dropped).
-        self._in_flight = _InFlight(next_stage=1, hidden_shape=hidden_states.shape, topk_idx=topk_idx)
+        # A new round trip may always start (one that raised half way is dropped). The
+        # routing waits on the object for token_dispatch: under a moe_preprocess graph,
+        # Megatron sets it there again after each replay (cudagraph_attrs).
+        self._in_flight = None
+        self.topk_idx, self.hidden_shape = topk_idx, hidden_states.shape
         rows = hidden_states.reshape(num_tokens, hidden)
         if self.split_nodes:  # the dispatch node frees its input, which the router saved: hand over a copy
             rows = rows.clone()
@@ -462,14 +543,31 @@ class MegatronDispatcher:
         Returns:
             ``(tokens [N, H] dtype of hidden_states, permuted_probs [N] dtype of probs)``.
         """
-        state = self._advance("token_dispatch")
+        topk_idx = self.topk_idx
+        if topk_idx is None:
+            raise self._out_of_order("token_dispatch")
+        self.topk_idx = None
+        max_rows = per_expert = None
+        if self.fixed_rows:  # each expert gets its capacity of every rank's tokens, exactly
+            per_expert = _capacity(topk_idx.shape[0] * self.topk, self.num_experts, self.capacity_factor)
+            per_expert += -per_expert % max(self.quantization_multiple, 1)  # the router padding's round-up
+            max_rows = per_expert * self.ep_size * self.num_local_experts
         shared = self.shared_experts
         if shared is not None:
             shared.wait_current_stream()
-        out = self.engine.dispatch(hidden_states, state.topk_idx, probs)
+        out = self.engine.dispatch(hidden_states, topk_idx, probs, max_rows=max_rows)
         if shared is not None:  # beside the exchange's kernels
             shared.linear_fc1_forward_and_act(out.tokens)
-        self._in_flight = dataclasses.replace(self._in_flight, dispatched=out)
+        counts = out.tokens_per_expert_host
+        if per_expert is not None:
+            counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
+            if not _capturing() and not torch.equal(out.tokens_per_expert.cpu(), counts):  # host sync, eager only
+                raise ValueError(
+                    f"routing_map: padded to capacity, each expert must get {per_expert} of each rank's "
+                    f"{topk_idx.shape[0]} tokens (moe_expert_capacity_factor={self.capacity_factor}); this rank's "
+                    f"experts got {out.tokens_per_expert.tolist()} from the {self.ep_size} ranks together")
+        self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, topk_idx=topk_idx, dispatched=out,
+                                    counts=counts)
         return out.tokens, out.weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -481,7 +579,7 @@ class MegatronDispatcher:
             with expert-TP size P, N and the counts are those of the P ranks together.
         """
         state = self._advance("dispatch_postprocess")
-        counts = state.dispatched.tokens_per_expert_host
+        counts = state.counts
         if self.tp_size == 1:
             # the expert node frees its input, which the experts' GEMMs save: hand over a copy
             return (hidden_states.clone() if self.split_nodes else hidden_states), counts, probs
@@ -534,18 +632,28 @@ class MegatronDispatcher:
         out = hidden_states.view(*state.hidden_shape[:-1], hidden_states.shape[-1])
         return out if self.shared_experts is None else out + self.shared_experts.get_output()
 
+    def check(self) -> None:
+        """Raises what the engine's kernels recorded (a peer that timed out, a rank over
+        its rows): with every stage inside CUDA graphs nothing is read on the host, so
+        call it now and then (``dispatch.TokenDispatcher.check``)."""
+        self.engine.check()
+
     def _advance(self, name: str) -> _InFlight:
         """The round trip's state, checked to be at stage ``name``; moves it on (the
         last stage ends the round trip)."""
         state = self._in_flight
         if state is None or STAGES[state.next_stage] != name:
-            raise RuntimeError(
-                f"MegatronDispatcher.{name} called out of order: the stages run as MoELayer.forward calls "
-                f"them ({', '.join(STAGES)}), one round trip at a time"
-            )
+            raise self._out_of_order(name)
         last = state.next_stage == len(STAGES) - 1
         self._in_flight = None if last else dataclasses.replace(state, next_stage=state.next_stage + 1)
         return state
+
+    @staticmethod
+    def _out_of_order(name: str) -> RuntimeError:
+        return RuntimeError(
+            f"MegatronDispatcher.{name} called out of order: the stages run as MoELayer.forward calls "
+            f"them ({', '.join(STAGES)}), one round trip at a time"
+        )
 
 
 # ----------------------------------------------------------------------------- expert tensor parallelism
