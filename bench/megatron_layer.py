@@ -303,7 +303,7 @@ def build_gpt(config, vocab: int, seq: int, seed: int):
 
     torch.manual_seed(seed)
     # Megatron's local CUDA graphs need its graph-safe RNG tracker
-    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=config.cuda_graph_impl == "local")
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=config.cuda_graph_impl == "local", force_reset_rng=True)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
     return _precision_wrapper(config, model)
