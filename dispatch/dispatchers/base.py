@@ -479,6 +479,15 @@ class TokenDispatcher(abc.ABC):
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         return GroupSums(self, handle, dtype, wire)
 
+    def reserve(self, x: torch.Tensor, topk: int) -> None:
+        """Make room for dispatches with ``max_rows`` of up to ``x``'s T tokens of
+        ``topk`` slots, rows like ``x`` (round trip and backward included), so that
+        they read nothing on the host. A collective over the group: every rank calls
+        it at the same point, each with its own ``x`` (one host synchronisation).
+        Without it the first dispatch with ``max_rows`` sizes the room once, and a
+        later one that does not fit raises. Nothing to do where ``max_rows`` reads
+        the host anyway."""
+
     def check(self) -> None:
         """Raise a failure that an exchange with no host read (``max_rows``)
         recorded on the device: a rank over its ``max_rows``, bad values, ranks

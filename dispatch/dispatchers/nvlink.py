@@ -103,10 +103,7 @@ class NVLinkDispatcher(TokenDispatcher):
         engine.poll()
         stage_row = staged_row_bytes(codec, x.shape[1])
         if engine.capacity.tokens == 0:  # the same on every rank: size the buffers once, by agreement
-            need = plan.to_device(torch.tensor([num_tokens, topk, *self._round_trip_rows(x)], dtype=torch.int64),
-                                  x.device)
-            dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
-            engine.ensure(Capacity(*need.tolist()))  # host sync: the group's largest T, K, rows
+            self.reserve(x, topk)
         header = plan.header(x, topk_weights, topk, budgets)
         max_rows, memory_rows = budgets
         over = not engine.capacity.covers(Capacity(num_tokens, topk, stage_row, 0))
@@ -132,6 +129,12 @@ class NVLinkDispatcher(TokenDispatcher):
                                        (True,) * self.world_size, None, wire, None)
         mark(self.phase_timer, "plan")
         return handle, outputs
+
+    def reserve(self, x: torch.Tensor, topk: int) -> None:
+        need = plan.to_device(torch.tensor([x.shape[0], topk, *self._round_trip_rows(x)], dtype=torch.int64),
+                              x.device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
+        self.engine.ensure(Capacity(*need.tolist()))  # host sync: the group's largest T, K, rows
 
     def _round_trip_rows(self, x) -> tuple[int, int]:
         """(staged, partial) row bytes of a round trip of x with expert outputs

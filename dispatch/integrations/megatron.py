@@ -439,6 +439,7 @@ class MegatronDispatcher:
         # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
         self.fixed_rows = capture == "all"
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
+        self._reserved = False  # whether the engine was made room for this dispatcher's rows
         # Attributes Megatron's MoELayer and TransformerLayer read on any dispatcher. With
         # dispatch_preprocess inside a graph (moe_preprocess), Megatron returns the tensors
         # named in cudagraph_attrs from the graph and sets them again after each replay.
@@ -552,6 +553,9 @@ class MegatronDispatcher:
             per_expert = _capacity(topk_idx.shape[0] * self.topk, self.num_experts, self.capacity_factor)
             per_expert += -per_expert % max(self.quantization_multiple, 1)  # the router padding's round-up
             max_rows = per_expert * self.ep_size * self.num_local_experts
+            if not self._reserved and not _capturing():  # collective: every rank's first call of this stage
+                self.engine.reserve(hidden_states, topk_idx.shape[1])  # K' = E may be more than the engine had
+                self._reserved = True
         shared = self.shared_experts
         if shared is not None:
             shared.wait_current_stream()
