@@ -322,11 +322,12 @@ def _precision_wrapper(config, model):
     return Float16Module(config, model)
 
 
-def _train(model, batch, steps: int, graphs: bool = False) -> list[float]:
+def _train(model, batch, steps: int, graphs: list | None = None) -> list[float]:
     """Adam on one fixed batch; dense gradients averaged over the world, expert
-    gradients divided by it (the loss is the mean of the ranks' losses). With
-    ``graphs``, Megatron's local CUDA graphs are made after the first step's
-    backward (as its schedules make them) and replayed from the second step on."""
+    gradients divided by it (the loss is the mean of the ranks' losses). With a
+    ``graphs`` list, Megatron's local CUDA graphs are made after the first step's
+    backward (as its schedules make them; what it says of them is appended to the
+    list, None if it made none) and replayed from the second step on."""
     tokens, labels, position_ids, mask = batch
     world = dist.get_world_size()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -335,10 +336,10 @@ def _train(model, batch, steps: int, graphs: bool = False) -> list[float]:
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
-        if graphs and step == 0:
+        if graphs is not None and step == 0:
             from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
-            create_cudagraphs()
+            graphs.append(create_cudagraphs())
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
@@ -427,17 +428,22 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     configs = {"captured": moe_config(**common, cuda_graph_impl="local", **graph_fields), "eager": moe_config(**common)}
     weights = build_gpt(configs["eager"], vocab, seq, seed).state_dict()
     batch = _fixed_batch(vocab, seq, batch_size, seed)
-    losses, engines = {}, set()
+    losses, engines, fixed_rows, made = {}, set(), set(), []
     for who in ("megatron", "ours"):
         for mode, config in configs.items():
             delete_cuda_graphs()  # Megatron's graph record is global: one model's graphs at a time
             model = build_gpt(config, vocab, seq, seed + 1)
             model.load_state_dict(weights)
-            if who == "ours":
-                engines |= {type(d.engine).__name__ for d in install_all(model)}
-            losses[f"{who} {mode}"] = _train(model, batch, steps, graphs=mode == "captured")
+            if who == "ours" and mode == "captured":
+                installed = install_all(model)
+                engines |= {type(d.engine).__name__ for d in installed}
+                fixed_rows |= {d.fixed_rows for d in installed}
+            elif who == "ours":
+                install_all(model)
+            losses[f"{who} {mode}"] = _train(model, batch, steps, graphs=made if mode == "captured" else None)
             del model
     delete_cuda_graphs()
+    graphs_made = all(m is not None for m in made)
 
     def worst(a: str, b: str) -> float:
         return max(abs(x - y) / abs(x) for x, y in zip(losses[a], losses[b]))
@@ -451,11 +457,14 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
         "graphs": {k: [str(getattr(m, "name", m)) for m in v] if isinstance(v, list) else v
                    for k, v in graph_fields.items()} | {"cuda_graph_impl": "local"},
         "engine": sorted(engines),
+        "fixed_rows": sorted(fixed_rows),  # every stage inside the graphs: the rows fixed by the capacity
+        "capture": made,  # Megatron's capture time and memory, megatron's model then ours (None: no graphs)
         "steps": steps,
         "losses": losses,
         "max_relative_diff": diffs,
         "tolerance": tolerance,
-        "passed": all(d <= tolerance for d in diffs.values()) and losses["ours captured"][-1] < losses["ours captured"][0],
+        "passed": all(d <= tolerance for d in diffs.values()) and graphs_made
+        and losses["ours captured"][-1] < losses["ours captured"][0],
     }
 
 
@@ -562,7 +571,9 @@ def report(result: dict, args: argparse.Namespace) -> None:
             continue
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in run["max_relative_diff"].items())
         lines.append(
-            f"GPTModel with local CUDA graphs, {run['setting']} (ours on {', '.join(run['engine'])}), "
+            f"GPTModel with local CUDA graphs, {run['setting']} (ours on {', '.join(run['engine'])}"
+            f"{', rows fixed by the capacity' if True in run['fixed_rows'] else ''}; graphs made: "
+            f"{'yes' if all(m is not None for m in run['capture']) else 'NO'}), "
             f"{run['steps']} steps: loss {run['losses']['ours captured'][0]:.4f} -> "
             f"{run['losses']['ours captured'][-1]:.4f}, max relative diff: {diffs} "
             f"(tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"

@@ -462,6 +462,31 @@ def test_more_tokens_than_the_bounded_buffers_hold(worlds):
     assert second is not None and second[0] == "RuntimeError" and "rank 0 marked its input bad" in second[1], second
 
 
+def _reserved_room(x, topk_idx, topk_weights, config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=6.0))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    d.dispatch(x[:8], topk_idx[:8, :1], topk_weights[:8, :1], max_rows=4096)  # sizes the room: 256 tokens of K = 1
+    d.reserve(x, topk_idx.shape[1])  # every rank, the same point
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=4096)
+    d.check()
+    want = d.dispatch(x, topk_idx, topk_weights)
+    n = want.tokens.shape[0]
+    return (torch.equal(out.tokens[:n].cpu(), want.tokens.cpu()) and bool((out.tokens[n:] == 0).all())
+            and torch.equal(out.tokens_per_expert.cpu(), want.tokens_per_expert.cpu()))
+
+
+@needs_engine
+def test_reserve_makes_room_that_max_rows_does_not_grow(worlds):
+    """A dispatch with max_rows never grows the engine's buffers (it reads nothing on
+    the host); reserve, a collective, does: more tokens of more slots then fit."""
+    routing = make_routing(WORLD, 4, 3, [300, 280], "random", seed=6)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=1)
+    assert _run(worlds, _reserved_room, routing, xs, ws, dict(num_experts=routing.num_experts)) == [True, True]
+
+
 def _bounded_refused(config, bound):
     from world import current_device
 

@@ -42,16 +42,33 @@ activations the results agree within bf16 rounding, not bit for bit.
 What is refused
 ---------------
 The constructor refuses, with a ValueError naming the setting, what this adapter
-does not implement: CUDA graphs
-that capture the dispatcher (``cuda_graph_modules`` with ``moe`` or
-``moe_preprocess``, whole layers, the whole iteration; graphs of attention and of
-the router alone, ``cuda_graph_impl="transformer_engine"`` with
-``cuda_graph_modules=["attn", "moe_router"]``, leave it outside and are accepted),
-``overlap_moe_expert_parallel_comm`` with another
-``moe_token_dispatcher_type`` than ``alltoall``, and the inference-optimized
-layer. Attention tensor parallelism needs nothing: as in Megatron's ``alltoall``
-dispatcher with expert tensor parallel size 1, each rank dispatches the tokens it
-holds (with sequence parallelism, its sequence shard).
+does not implement: ``overlap_moe_expert_parallel_comm`` with another
+``moe_token_dispatcher_type`` than ``alltoall``, the inference-optimized layer,
+and the CUDA graphs below that it cannot hold. Attention tensor parallelism needs
+nothing: as in Megatron's ``alltoall`` dispatcher with expert tensor parallel
+size 1, each rank dispatches the tokens it holds (with sequence parallelism, its
+sequence shard).
+
+CUDA graphs
+-----------
+* Graphs of attention and of the router alone end before ``dispatch_preprocess``.
+* ``moe_preprocess`` graphs (with ``moe_router``; dropless, as Megatron requires
+  there) hold ``dispatch_preprocess``, which reads nothing on the host (its
+  ``check_inputs`` host check is skipped while capturing). Its routing
+  (``topk_idx``) waits on the object for ``token_dispatch``. Named in
+  ``cudagraph_attrs``, it is a graph output that Megatron sets again after each
+  replay; ``token_dispatch`` takes it once.
+* Graphs of every stage (``moe``, whole layers, the whole iteration) need a round
+  trip that reads nothing on the host. That takes padding to capacity, which
+  Megatron's own dispatcher needs there too, and the NVLink engine (its
+  ``max_rows`` path; over NCCL the split sizes are read on the host), and no
+  expert tensor parallelism. Each expert then gets exactly its capacity of every
+  rank's tokens (Megatron's ``get_capacity``, rounded up to the router padding's
+  multiple), so K' = E (at most the engine's 32), ``max_rows`` and the host
+  ``tokens_per_expert`` are fixed. The first eager ``token_dispatch`` makes the
+  engine's room for them (``reserve``, a collective), and eager steps check the
+  device's counts against the fixed ones. Replays read nothing on the host:
+  ``check()`` raises what the engine's kernels recorded.
 
 Padding to capacity
 -------------------
