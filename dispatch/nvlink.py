@@ -552,11 +552,17 @@ _ENGINES: dict = {}
 
 
 def engine_for(group, num_experts: int, sm_budget: int | None, timeout: float) -> Engine:
-    """The engine of a (group, current device, E, SM budget, timeout), made on first use
-    (a collective: every rank of the group makes its dispatchers in the same order)."""
+    """The engine of a (group, current device, E, SM budget, timeout), made on first use,
+    and made again where it failed on some rank (dispatchers built again after a failure
+    start afresh); a collective: every rank of the group makes its dispatchers in the same
+    order."""
     group = group if group is not None else dist.group.WORLD
     key = (id(group), torch.cuda.current_device(), num_experts, sm_budget, timeout)
     engine = _ENGINES.get(key)
-    if engine is None or engine.group is not group:
-        engine = _ENGINES[key] = Engine(group, num_experts, sm_budget, timeout)
+    if engine is not None and engine.group is group:
+        failed = (engine.status[:1] != 0).to(torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)  # the ranks agree: all keep it or none
+        if not failed.item():  # host sync: whether some rank's engine failed
+            return engine
+    engine = _ENGINES[key] = Engine(group, num_experts, sm_budget, timeout)
     return engine

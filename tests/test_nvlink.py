@@ -462,6 +462,26 @@ def test_more_tokens_than_the_bounded_buffers_hold(worlds):
     assert second is not None and second[0] == "RuntimeError" and "rank 0 marked its input bad" in second[1], second
 
 
+def _built_again_after_failure(x, topk_idx, topk_weights, config):
+    from world import current_device
+
+    failed = _tokens_over_capacity(x, topk_idx, topk_weights, config)  # fails the engine on every rank
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=6.0))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=4096)
+    d.check()
+    return failed is not None, out.tokens_per_expert.sum().item()
+
+
+@needs_engine
+def test_dispatchers_built_again_after_a_failure_start_afresh(worlds):
+    routing = make_routing(WORLD, 4, 2, [300, 300], "random", seed=4)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    got = _run(worlds, _built_again_after_failure, routing, xs, ws, dict(num_experts=routing.num_experts))
+    assert all(failed for failed, _ in got) and all(rows > 0 for _, rows in got), got
+
+
 def _reserved_room(x, topk_idx, topk_weights, config):
     from world import current_device
 
