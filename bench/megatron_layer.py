@@ -296,7 +296,12 @@ def check_layer(seed: int = 1234, shared: bool = False) -> dict:
 # ----------------------------------------------------------------------------- 2. training
 
 
-def build_gpt(config, vocab: int, seq: int, seed: int):
+def build_gpt(config, vocab: int, seq: int, seed: int, moe_layer_class: bool = False):
+    """A ``GPTModel`` of local modules; with ``moe_layer_class``, its layers are Megatron's
+    ``MoETransformerLayer`` (whose local CUDA graphs take the MoE scopes: a plain
+    ``TransformerLayer`` makes no graph for ``moe``, ``moe_router`` or ``moe_preprocess``)."""
+    import dataclasses as dc
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -305,6 +310,10 @@ def build_gpt(config, vocab: int, seq: int, seed: int):
     # Megatron's local CUDA graphs need its graph-safe RNG tracker
     model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=config.cuda_graph_impl == "local", force_reset_rng=True)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if moe_layer_class:
+        from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+        spec = dc.replace(spec, module=MoETransformerLayer)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
     return _precision_wrapper(config, model)
 
@@ -426,13 +435,13 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     # captured first: its first (eager) step sizes the NVLink engine, which the group's
     # dispatchers share, for K' = E (a dispatch with max_rows does not grow it)
     configs = {"captured": moe_config(**common, cuda_graph_impl="local", **graph_fields), "eager": moe_config(**common)}
-    weights = build_gpt(configs["eager"], vocab, seq, seed).state_dict()
+    weights = build_gpt(configs["eager"], vocab, seq, seed, moe_layer_class=True).state_dict()
     batch = _fixed_batch(vocab, seq, batch_size, seed)
     losses, engines, fixed_rows, made = {}, set(), set(), []
     for who in ("megatron", "ours"):
         for mode, config in configs.items():
             delete_cuda_graphs()  # Megatron's graph record is global: one model's graphs at a time
-            model = build_gpt(config, vocab, seq, seed + 1)
+            model = build_gpt(config, vocab, seq, seed + 1, moe_layer_class=True)
             model.load_state_dict(weights)
             if who == "ours" and mode == "captured":
                 installed = install_all(model)

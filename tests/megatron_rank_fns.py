@@ -130,6 +130,10 @@ def replayed_preprocess(first: tuple, second: tuple, num_experts: int, topk: int
         stale = None
     except RuntimeError as exc:
         stale = str(exc)
+    # Megatron captures the graph of the layer's postprocess after the eager round trip:
+    # combine_postprocess alone, on rows of the round trip's shape
+    alone = d.combine_postprocess(torch.zeros(h.shape, dtype=h.dtype, device=device))
+    assert alone.shape == hidden.shape, (alone.shape, hidden.shape)
     hidden, routing_map, probs, grad_out = second
     x, p = hidden.to(device).requires_grad_(), probs.to(device).requires_grad_()
     topk_idx, w = routing_to_topk(routing_map.to(device), p, topk)  # what the replay leaves in the graph's outputs
@@ -230,6 +234,8 @@ def stage_error(call: str, num_experts: int, topk: int, config_extra: dict, opti
             d.dispatch_preprocess(x, routing_map, routing_map.long())
         elif call == "order":
             d.token_dispatch(x.view(6, 4), probs[:, :topk])
+        elif call == "postprocess_alone":
+            d.combine_postprocess(x.view(6, 4))
         elif call == "combine_twice":
             h, w = d.dispatch_preprocess(x, routing_map, probs)
             rows, pp = d.token_dispatch(h, w)

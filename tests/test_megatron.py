@@ -386,6 +386,7 @@ def test_construction_refuses(worlds, config_extra, options, needle):
         ("probs_dtype", "ValueError", "probs must be a floating"),
         ("order", "RuntimeError", "token_dispatch called out of order"),
         ("combine_twice", "RuntimeError", "token_combine called out of order"),
+        ("postprocess_alone", "RuntimeError", "combine_postprocess called out of order"),
     ],
 )
 def test_misuse_is_refused(worlds, call, kind, needle):

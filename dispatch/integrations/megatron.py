@@ -454,6 +454,7 @@ class MegatronDispatcher:
             if problems:
                 raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
         # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
+        self.capture = capture
         self.fixed_rows = capture == "all"
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         self._reserved = False  # whether the engine was made room for this dispatcher's rows
@@ -649,8 +650,13 @@ class MegatronDispatcher:
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` back to the shape of the layer's input (``[S, B, H]``), plus the
         shared experts' output where they run here."""
-        state = self._advance("combine_postprocess")
-        out = hidden_states.view(*state.hidden_shape[:-1], hidden_states.shape[-1])
+        if self._in_flight is None and self.capture == "preprocess":
+            # Megatron's partial graphs capture this stage alone (its graph of the layer's
+            # postprocess), after an eager round trip: the shape is the graph's, fixed
+            shape = self.hidden_shape
+        else:
+            shape = self._advance("combine_postprocess").hidden_shape
+        out = hidden_states.view(*shape[:-1], hidden_states.shape[-1])
         return out if self.shared_experts is None else out + self.shared_experts.get_output()
 
     def check(self) -> None:
