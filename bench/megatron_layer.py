@@ -336,19 +336,33 @@ def _train(model, batch, steps: int, graphs: list | None = None) -> list[float]:
     gradients divided by it (the loss is the mean of the ranks' losses). With a
     ``graphs`` list, Megatron's local CUDA graphs are made after the first step's
     backward (as its schedules make them; what it says of them is appended to the
-    list, None if it made none) and replayed from the second step on."""
+    list, None if it made none) and replayed from the second step on. Their backward
+    graphs add the weight gradients into ``param.main_grad`` (the buffers Megatron's
+    DDP gives every parameter), which this loop then provides and adds to ``grad``."""
     tokens, labels, position_ids, mask = batch
     world = dist.get_world_size()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=1e-3)
+    if graphs is not None:
+        for p in params:
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
-        if graphs is not None and step == 0:
-            from megatron.core.transformer.cuda_graphs import create_cudagraphs
+        if graphs is not None:
+            if step == 0:  # the step was eager: its gradients are in grad, kept from the capture's warm-ups
+                from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
-            graphs.append(create_cudagraphs())
+                kept = [None if p.grad is None else p.grad.clone() for p in params]
+                graphs.append(create_cudagraphs())
+                for p, g in zip(params, kept):
+                    p.grad = g
+            for p in params:  # graphed modules' weight gradients: main_grad (fp32 sum from zero: exact)
+                total = p.main_grad if p.grad is None else p.main_grad + p.grad.float()
+                p.grad = total.to(p.dtype)
+                p.main_grad.zero_()
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
