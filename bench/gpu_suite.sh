@@ -18,9 +18,11 @@
 #             changing every call, every row checked, memory and the slowest call
 #   megatron-scenarios  bench/megatron_scenarios.py: Megatron-Core's own dispatcher test
 #             scenarios, its dispatcher and ours (Megatron-LM's test sources carried in .megatron-lm/)
-#   studies   the bench/ scripts: wire formats, a Megatron-Core MoELayer, the
-#             overlap layer's timelines (C = 4, slowed exchange), and the ranks as
-#             2 nodes (hierarchical tiers, bytes per tier)
+#   megatron  bench/megatron_layer.py: a real Megatron-Core MoELayer and GPTModel with its
+#             dispatcher and ours (agreement, 50-step trainings, Megatron's local CUDA
+#             graphs, its EP-communication overlap, timing)
+#   studies   the bench/ scripts: wire formats, the overlap layer's timelines (C = 4,
+#             slowed exchange), and the ranks as 2 nodes (hierarchical tiers, bytes per tier)
 # Usage: before sending the tree, record what it is (the device's copy has no
 # reliable git history): git describe --always --dirty > .dispatch-commit
 # (git-ignored; carry it), then on the device machine, from the repository root:
@@ -111,9 +113,10 @@ for part in "$@"; do
     megatron-scenarios)
       step 400 megatron-scenarios python3 -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \
         bench/megatron_scenarios.py --megatron-lm .megatron-lm --out "$RES" ;;
+    megatron)
+      step 540 megatron-layer python3 bench/megatron_layer.py --out "$RES" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
-      step 240 megatron-layer python3 bench/megatron_layer.py --out "$RES"
       step 120 overlap-trace python3 bench/overlap_trace.py --chunks 1,4 --sm-carveout 16 --comm-max-ctas 2 \
         --comm-high-priority --out "$RES"
       bench 150 hierarchical dispatch --nodes 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b --routings uniform \

@@ -25,8 +25,15 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
    rows). Trained ``--graph-steps`` steps eager and captured (the graphs are made
    after the first step, as Megatron's schedules make them, and replayed after),
    with Megatron's dispatcher and with ours: each captured run's losses must match
-   its eager run's step by step, and ours Megatron's.
-4. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
+   its eager run's step by step, and ours Megatron's. The layers are Megatron's
+   ``MoETransformerLayer`` (a plain ``TransformerLayer`` makes no graph of the MoE
+   scopes).
+4. ``overlap``: the same model trained by Megatron's schedule (two micro-batches a
+   step) with and without ``overlap_moe_expert_parallel_comm`` (its combined 1F1B
+   schedule runs each layer's stages as separate nodes, two micro-batches at once),
+   with each dispatcher: the overlapped losses must match the plain ones step by
+   step, and ours Megatron's.
+5. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
    expert FFN 2048, ``--experts`` experts, top-8, sigmoid scores) with each
    dispatcher swapped into the same layer; CUDA events after warm-up and a
    barrier, median and p10-p90 over ``--iters``.
@@ -60,15 +67,17 @@ from dispatch.bench.megatron_baseline import _ensure_parallel_state, megatron_av
 
 LAYER_TOLERANCE = 2e-2  # bf16: relative to the tensor's largest magnitude
 LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 3e-2}  # relative, per step
+GPT_SHAPE = {"vocab": 512, "seq": 128, "batch": 4}  # the trained GPTModels' vocabulary, sequence, batch
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/megatron_layer.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="layer,train,graphs,timing",
-                        help="comma-separated: layer, train, graphs, timing")
+    parser.add_argument("--parts", default="layer,train,graphs,overlap,timing",
+                        help="comma-separated: layer, train, graphs, overlap, timing")
     parser.add_argument("--world-size", type=int, help="ranks to start (default: all GPUs)")
     parser.add_argument("--steps", type=int, default=50, help="training steps each way (default 50)")
-    parser.add_argument("--graph-steps", type=int, default=10, help="training steps of the graphs part (default 10)")
+    parser.add_argument("--graph-steps", type=int, default=10,
+                        help="training steps of the graphs and overlap parts (default 10)")
     parser.add_argument("--experts", type=int, default=256, help="experts of the timed layer (default 256)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the timed layer (default 4096)")
     parser.add_argument("--iters", type=int, default=10, help="timed forward+backward passes (default 10)")
@@ -78,9 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    bad = sorted(set(args.parts) - {"layer", "train", "graphs", "timing"})
+    bad = sorted(set(args.parts) - {"layer", "train", "graphs", "overlap", "timing"})
     if bad or not args.parts:
-        parser.error(f"--parts must name some of layer, train, graphs, timing; got {bad or 'nothing'}")
+        parser.error(f"--parts must name some of layer, train, graphs, overlap, timing; got {bad or 'nothing'}")
     for name in ("steps", "graph_steps", "experts", "tokens", "iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -159,6 +168,8 @@ def _job(args: argparse.Namespace) -> None:
     if "graphs" in args.parts:
         result["graphs"] = [_run_part(f"graphs {name}", check_graphs, name, args.graph_steps, extra={"setting": name})
                             for name in GRAPH_SETTINGS]
+    if "overlap" in args.parts:
+        result["overlap"] = _run_part("overlap", check_overlap, args.graph_steps)
     if "timing" in args.parts:
         result["timing"] = _run_part("timing", time_layers, args)
     if dist.get_rank() == 0:
@@ -331,6 +342,18 @@ def _precision_wrapper(config, model):
     return Float16Module(config, model)
 
 
+def _average_gradients(model) -> None:
+    """Dense gradients averaged over the world, expert gradients divided by it (the
+    loss is the mean of the ranks' losses)."""
+    world = dist.get_world_size()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if "experts.local_experts" not in name:
+            dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
 def _train(model, batch, steps: int, graphs: list | None = None) -> list[float]:
     """Adam on one fixed batch; dense gradients averaged over the world, expert
     gradients divided by it (the loss is the mean of the ranks' losses). With a
@@ -363,12 +386,7 @@ def _train(model, batch, steps: int, graphs: list | None = None) -> list[float]:
                 total = p.main_grad if p.grad is None else p.main_grad + p.grad.float()
                 p.grad = total.to(p.dtype)
                 p.main_grad.zero_()
-        for name, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            if "experts.local_experts" not in name:
-                dist.all_reduce(p.grad)
-            p.grad.div_(world)
+        _average_gradients(model)
         opt.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
@@ -383,7 +401,7 @@ def check_training(dtype: str, steps: int, topk: int = 2, capacity_factor: float
     per-step loss agreement."""
     from dispatch.integrations.megatron import install_all
 
-    vocab, seq, batch_size = 512, 128, 4
+    vocab, seq, batch_size = GPT_SHAPE["vocab"], GPT_SHAPE["seq"], GPT_SHAPE["batch"]
     dropping = {} if capacity_factor is None else dict(moe_expert_capacity_factor=capacity_factor,
                                                        moe_token_drop_policy="probs")
     config = moe_config(
@@ -433,6 +451,32 @@ def _fixed_batch(vocab: int, seq: int, batch_size: int, seed: int):
     return tokens, labels, position_ids, mask
 
 
+def _each_way(configs: dict, weights_config, seed: int, train) -> tuple[dict, dict]:
+    """The two-layer MoE ``GPTModel`` (``MoETransformerLayer``s, same weights) built for
+    each (dispatcher, mode): Megatron's, then ours installed, for each mode's config in
+    ``configs``; ``train(model, mode)`` gives its losses. Returns (losses by
+    ``"{who} {mode}"``, ours' installed dispatchers by mode)."""
+    from dispatch.integrations.megatron import install_all
+
+    vocab, seq = GPT_SHAPE["vocab"], GPT_SHAPE["seq"]
+    weights = build_gpt(weights_config, vocab, seq, seed, moe_layer_class=True).state_dict()
+    losses, installed = {}, {}
+    for who in ("megatron", "ours"):
+        for mode, config in configs.items():
+            model = build_gpt(config, vocab, seq, seed + 1, moe_layer_class=True)
+            model.load_state_dict(weights)
+            if who == "ours":
+                installed[mode] = install_all(model)
+            losses[f"{who} {mode}"] = train(model, mode)
+            del model
+    return losses, installed
+
+
+def _worst(losses: dict, a: str, b: str) -> float:
+    """The largest relative difference, step by step, of two runs' losses."""
+    return max(abs(x - y) / abs(x) for x, y in zip(losses[a], losses[b]))
+
+
 def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     """The two-layer MoE ``GPTModel`` with Megatron's local CUDA graphs set as
     ``GRAPH_SETTINGS[setting]``, trained eager and captured, with each dispatcher
@@ -440,47 +484,33 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     against Megatron's."""
     from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
-    from dispatch.integrations.megatron import install_all
-
-    vocab, seq, batch_size = 512, 128, 4
     extra = dict(GRAPH_SETTINGS[setting])
     graph_fields = {k: extra.pop(k) for k in list(extra) if k.startswith("cuda_graph")}
     common = dict(hidden=256, ffn=256, experts=4 * dist.get_world_size(), topk=2, num_layers=2, **extra)
     # captured first: its first (eager) step sizes the NVLink engine, which the group's
     # dispatchers share, for K' = E (a dispatch with max_rows does not grow it)
     configs = {"captured": moe_config(**common, cuda_graph_impl="local", **graph_fields), "eager": moe_config(**common)}
-    weights = build_gpt(configs["eager"], vocab, seq, seed, moe_layer_class=True).state_dict()
-    batch = _fixed_batch(vocab, seq, batch_size, seed)
-    losses, engines, fixed_rows, made = {}, set(), set(), []
-    for who in ("megatron", "ours"):
-        for mode, config in configs.items():
-            delete_cuda_graphs()  # Megatron's graph record is global: one model's graphs at a time
-            model = build_gpt(config, vocab, seq, seed + 1, moe_layer_class=True)
-            model.load_state_dict(weights)
-            if who == "ours" and mode == "captured":
-                installed = install_all(model)
-                engines |= {type(d.engine).__name__ for d in installed}
-                fixed_rows |= {d.fixed_rows for d in installed}
-            elif who == "ours":
-                install_all(model)
-            losses[f"{who} {mode}"] = _train(model, batch, steps, graphs=made if mode == "captured" else None)
-            del model
+    batch = _fixed_batch(GPT_SHAPE["vocab"], GPT_SHAPE["seq"], GPT_SHAPE["batch"], seed)
+    made = []
+
+    def train(model, mode):
+        delete_cuda_graphs()  # Megatron's graph record is global: one model's graphs at a time
+        return _train(model, batch, steps, graphs=made if mode == "captured" else None)
+
+    losses, installed = _each_way(configs, configs["eager"], seed, train)
     delete_cuda_graphs()
     graphs_made = all(m is not None for m in made)
-
-    def worst(a: str, b: str) -> float:
-        return max(abs(x - y) / abs(x) for x, y in zip(losses[a], losses[b]))
-
-    diffs = {"ours captured vs eager": worst("ours eager", "ours captured"),
-             "megatron captured vs eager": worst("megatron eager", "megatron captured"),
-             "ours vs megatron, captured": worst("megatron captured", "ours captured")}
+    diffs = {"ours captured vs eager": _worst(losses, "ours eager", "ours captured"),
+             "megatron captured vs eager": _worst(losses, "megatron eager", "megatron captured"),
+             "ours vs megatron, captured": _worst(losses, "megatron captured", "ours captured")}
     tolerance = LOSS_TOLERANCE["bf16"]
     return {
         "setting": setting,
         "graphs": {k: [str(getattr(m, "name", m)) for m in v] if isinstance(v, list) else v
                    for k, v in graph_fields.items()} | {"cuda_graph_impl": "local"},
-        "engine": sorted(engines),
-        "fixed_rows": sorted(fixed_rows),  # every stage inside the graphs: the rows fixed by the capacity
+        "engine": sorted({type(d.engine).__name__ for d in installed["captured"]}),
+        # every stage inside the graphs: the rows fixed by the capacity
+        "fixed_rows": sorted({d.fixed_rows for d in installed["captured"]}),
         "capture": made,  # Megatron's capture time and memory, megatron's model then ours (None: no graphs)
         "steps": steps,
         "losses": losses,
@@ -491,7 +521,71 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------- 4. timing
+# ----------------------------------------------------------------------------- 4. EP-communication overlap
+
+
+def _train_scheduled(model, micro_batches: list, steps: int) -> list[float]:
+    """Adam, each step one pass of Megatron's schedule without pipelining
+    (``get_forward_backward_func``) over ``micro_batches``: with
+    ``overlap_moe_expert_parallel_comm`` it runs them by its combined 1F1B schedule,
+    two micro-batches at once, each layer's stages as separate nodes. Loss: the mean
+    over micro-batches and ranks."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, model, return_schedule_plan=False):
+        tokens, labels, position_ids, mask = next(data_iterator)
+        if return_schedule_plan:  # the combined 1F1B schedule asks for the model's plan
+            return model.build_schedule_plan(tokens, position_ids, mask, labels=labels), loss_func
+        return model(tokens, position_ids, mask, labels=labels), loss_func
+
+    run = get_forward_backward_func()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = run(forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+                  num_microbatches=len(micro_batches), seq_length=GPT_SHAPE["seq"],
+                  micro_batch_size=micro_batches[0][0].shape[0], forward_only=False)
+        _average_gradients(model)
+        opt.step()
+        mean = torch.stack([o["loss"] for o in out]).float().mean()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / dist.get_world_size())
+    return losses
+
+
+def check_overlap(steps: int, seed: int = 1357) -> dict:
+    """The two-layer MoE ``GPTModel`` trained by Megatron's schedule with and without
+    ``overlap_moe_expert_parallel_comm`` (two micro-batches a step), each dispatcher:
+    per-step losses, overlapped against plain and ours against Megatron's."""
+    common = dict(hidden=256, ffn=256, experts=4 * dist.get_world_size(), topk=2, num_layers=2)
+    configs = {"overlapped": moe_config(**common, overlap_moe_expert_parallel_comm=True), "plain": moe_config(**common)}
+    micro_batches = [_fixed_batch(GPT_SHAPE["vocab"], GPT_SHAPE["seq"], GPT_SHAPE["batch"] // 2, seed + 17 * i)
+                     for i in range(2)]
+    losses, installed = _each_way(configs, configs["plain"], seed,
+                                  lambda model, mode: _train_scheduled(model, micro_batches, steps))
+    diffs = {"ours overlapped vs plain": _worst(losses, "ours plain", "ours overlapped"),
+             "megatron overlapped vs plain": _worst(losses, "megatron plain", "megatron overlapped"),
+             "ours vs megatron, overlapped": _worst(losses, "megatron overlapped", "ours overlapped")}
+    tolerance = LOSS_TOLERANCE["bf16"]
+    return {
+        "engine": sorted({type(d.engine).__name__ for d in installed["overlapped"]}),
+        "split_nodes": sorted({d.split_nodes for d in installed["overlapped"]}),
+        "micro_batches": len(micro_batches),
+        "steps": steps,
+        "losses": losses,
+        "max_relative_diff": diffs,
+        "tolerance": tolerance,
+        "passed": all(d <= tolerance for d in diffs.values())
+        and losses["ours overlapped"][-1] < losses["ours overlapped"][0],
+    }
+
+
+# ----------------------------------------------------------------------------- 5. timing
 
 
 def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
@@ -601,6 +695,19 @@ def report(result: dict, args: argparse.Namespace) -> None:
             f"{run['losses']['ours captured'][-1]:.4f}, max relative diff: {diffs} "
             f"(tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"
         )
+    if "overlap" in result:
+        run = result["overlap"]
+        passed &= run["passed"]
+        if "error" in run:
+            lines.append(f"GPTModel with overlap_moe_expert_parallel_comm: ERROR {run['error']} FAIL")
+        else:
+            diffs = ", ".join(f"{k} {v:.2e}" for k, v in run["max_relative_diff"].items())
+            lines.append(
+                f"GPTModel with overlap_moe_expert_parallel_comm (ours on {', '.join(run['engine'])}), "
+                f"{run['micro_batches']} micro-batches a step, {run['steps']} steps: loss "
+                f"{run['losses']['ours overlapped'][0]:.4f} -> {run['losses']['ours overlapped'][-1]:.4f}, "
+                f"max relative diff: {diffs} (tolerance {run['tolerance']:.0e}) {'PASS' if run['passed'] else 'FAIL'}"
+            )
     if "timing" in result and "error" in result["timing"]:
         passed = False
         lines += ["", f"MoELayer timing: ERROR {result['timing']['error']}"]
