@@ -144,17 +144,21 @@ def replayed_preprocess(first: tuple, second: tuple, num_experts: int, topk: int
     return _after_preprocess(d, x.reshape(-1, x.shape[-1]), w, x, p, grad_out, []), stale
 
 
-def fixed_rows_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, factor: float):
+def fixed_rows_round_trip(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, factor: float,
+                          tp: int = 1):
     """The six stages as with every stage inside CUDA graphs (``cuda_graph_modules=["moe"]``,
     padded to capacity): K' = E and ``max_rows`` fixed from the capacity, the counts fixed
-    on the host. The NCCL/gloo transport stands in for the engine here (its ``max_rows``
-    gives the engine's shapes, with a host read): it is marked host-free for the call."""
+    on the host; with ``tp`` > 1, by ``stage_round_trip_expert_tp``. The NCCL/gloo
+    transport stands in for the engine here (its ``max_rows`` gives the engine's shapes,
+    with a host read): it is marked host-free for the call."""
     from dispatch.dispatchers.alltoall import AllToAllDispatcher
 
     config = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"],
               "moe_expert_capacity_factor": factor, "moe_pad_expert_input_to_capacity": True}
     AllToAllDispatcher.host_free = True
     try:
+        if tp > 1:
+            return stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts, topk, tp, config)
         return stage_round_trip(hidden, routing_map, probs, grad_out, num_experts, topk, {}, config_extra=config)
     except ValueError as exc:
         return str(exc)
@@ -162,11 +166,13 @@ def fixed_rows_round_trip(hidden, routing_map, probs, grad_out, num_experts: int
         del AllToAllDispatcher.host_free
 
 
-def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, tp: int):
+def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, tp: int,
+                               config_extra: dict | None = None):
     """The six stages with expert tensor parallelism: rank r is expert-TP rank r % tp
     of EP rank r // tp (Megatron's order of the tp-ep group); each TP rank's share of
     local expert i scales by (1 + i) * share[p] (the shares sum to 1), so that the
-    sum over the expert-TP group is stage_round_trip's expert."""
+    sum over the expert-TP group is stage_round_trip's expert. ``config_extra``: more
+    of Megatron's config."""
     device = current_device()
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = world // tp
@@ -178,7 +184,8 @@ def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts
     d = MegatronDispatcher(
         per_rank,
         list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank)),
-        SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, expert_tensor_parallel_size=tp),
+        SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, expert_tensor_parallel_size=tp,
+                        **(config_extra or {})),
         SimpleNamespace(ep=ep_groups[tp_rank], expt_tp=tp_groups[ep_rank]),
     )
     x = hidden.to(device).requires_grad_()
@@ -193,7 +200,7 @@ def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts
     y = d.token_combine(y)
     out = d.combine_postprocess(y)
     (out * grad_out.to(device)).sum().backward()
-    return _stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)
+    return {"fixed_rows": d.fixed_rows, **_stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)}
 
 
 def _stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p) -> dict:

@@ -189,6 +189,31 @@ def test_fixed_rows_when_graphs_hold_every_stage(worlds, world_size):
             assert torch.equal(g[key], w[key]), (rank, key)
 
 
+@pytest.mark.parametrize("world_size, tp", [(2, 2), (4, 2)])
+def test_fixed_rows_with_expert_tensor_parallelism(worlds, world_size, tp):
+    """Fixed rows with expert TP: every rank of an expert-TP group has the same fixed
+    counts, so the group's rows are laid out without gathering them; the round trip is
+    bitwise the one that gathers the counts."""
+    num_experts, topk, tokens, factor = 4, 2, 6, 1.0
+    capacity = -(-tokens * topk // num_experts)
+    fixed, gathered = [], []
+    for r in range(world_size):
+        routing_map, probs = capacity_routing(tokens, num_experts, capacity, seed=10 + r)
+        x = identity_tokens(r, tokens, HIDDEN, torch.float64).view(3, 2, HIDDEN)
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        fixed.append((x, routing_map, probs, grad, num_experts, topk, factor, tp))
+        gathered.append((x, routing_map, probs, grad, num_experts, topk, tp, {"moe_pad_expert_input_to_capacity": True}))
+    want = worlds(world_size).run(megatron_rank_fns.stage_round_trip_expert_tp, gathered)
+    got = worlds(world_size).run(megatron_rank_fns.fixed_rows_round_trip, fixed)
+    ep = world_size // tp
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert not isinstance(g, str), g
+        assert g["fixed_rows"] and not w["fixed_rows"], rank
+        assert torch.equal(g["tokens_per_expert"], torch.full((num_experts // ep,), capacity * world_size)), rank
+        for key in ("tokens", "tokens_per_expert", "permuted_probs", "out", "x_grad", "probs_grad"):
+            assert torch.equal(g[key], w[key]), (rank, key)
+
+
 def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):
     """An expert short of its capacity would leave the fixed counts wrong: refused
     (in an eager step; a captured one cannot read the host)."""

@@ -61,14 +61,16 @@ CUDA graphs
 * Graphs of every stage (``moe``, whole layers, the whole iteration) need a round
   trip that reads nothing on the host. That takes padding to capacity, which
   Megatron's own dispatcher needs there too, and the NVLink engine (its
-  ``max_rows`` path; over NCCL the split sizes are read on the host), and no
-  expert tensor parallelism. Each expert then gets exactly its capacity of every
-  rank's tokens (Megatron's ``get_capacity``, rounded up to the router padding's
-  multiple), so K' = E (at most the engine's 32), ``max_rows`` and the host
-  ``tokens_per_expert`` are fixed. The first eager ``token_dispatch`` makes the
-  engine's room for them (``reserve``, a collective), and eager steps check the
-  device's counts against the fixed ones. Replays read nothing on the host:
-  ``check()`` raises what the engine's kernels recorded.
+  ``max_rows`` path; over NCCL the split sizes are read on the host). Each expert
+  then gets exactly its capacity of every rank's tokens (Megatron's
+  ``get_capacity``, rounded up to the router padding's multiple), so K' = E (at
+  most the engine's 32), ``max_rows`` and the host ``tokens_per_expert`` are fixed,
+  and with expert tensor parallelism so are the expert-TP group's counts (every
+  rank of it has the same; they are laid out once, in an eager step). The first
+  eager ``token_dispatch`` makes the engine's room for them (``reserve``, a
+  collective), and eager steps check the device's counts against the fixed ones.
+  Replays read nothing on the host: ``check()`` raises what the engine's kernels
+  recorded.
 
 Padding to capacity
 -------------------
@@ -283,7 +285,7 @@ def _refusals(config) -> list[str]:
     return problems
 
 
-def _graph_refusals(config, engine, expert_tp: int) -> list[str]:
+def _graph_refusals(config, engine) -> list[str]:
     """What stands against CUDA graphs that capture every stage (``_capture`` is
     ``"all"``): the round trip must read nothing on the host, which takes fixed rows
     per expert (padding to capacity) and the engine's ``max_rows`` path."""
@@ -302,9 +304,6 @@ def _graph_refusals(config, engine, expert_tp: int) -> list[str]:
     elif engine.max_topk is not None and config.num_moe_experts > engine.max_topk:
         problems.append(f"{what} with num_moe_experts={config.num_moe_experts} (padded to capacity, a token may go to "
                         f"every expert; the NVLink engine moves at most {engine.max_topk} per token)")
-    if expert_tp > 1:
-        problems.append(f"{what} with expert_tensor_parallel_size={expert_tp} (the expert-TP gather reads its row "
-                        "counts on the host)")
     return problems
 
 
@@ -450,7 +449,7 @@ class MegatronDispatcher:
         self.topk = topk
         self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
         if capture == "all":  # the same on every rank: all refuse alike
-            problems = _graph_refusals(config, self.engine, self.tp_size)
+            problems = _graph_refusals(config, self.engine)
             if problems:
                 raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
         # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
@@ -458,6 +457,7 @@ class MegatronDispatcher:
         self.fixed_rows = capture == "all"
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         self._reserved = False  # whether the engine was made room for this dispatcher's rows
+        self._fixed_tp_rows: dict = {}  # fixed counts -> the expert-TP group's rows (laid out once)
         # Attributes Megatron's MoELayer and TransformerLayer read on any dispatcher. With
         # dispatch_preprocess inside a graph (moe_preprocess), Megatron returns the tensors
         # named in cudagraph_attrs from the graph and sets them again after each replay.
@@ -605,7 +605,16 @@ class MegatronDispatcher:
         if self.tp_size == 1:
             # the expert node frees its input, which the experts' GEMMs save: hand over a copy
             return (hidden_states.clone() if self.split_nodes else hidden_states), counts, probs
-        rows = _TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device)
+        if self.fixed_rows:  # every expert-TP rank's counts are the same fixed ones: nothing to gather
+            rows = self._fixed_tp_rows.get(tuple(counts.tolist()))
+            if rows is None:
+                if _capturing():
+                    raise RuntimeError("MegatronDispatcher: the expert-TP rows of a shape are laid out in an eager "
+                                       "step before a CUDA graph captures them (run one eager step first)")
+                table = (tuple(counts.tolist()),) * self.tp_size
+                rows = self._fixed_tp_rows[table[0]] = _TensorParallelRows.of(table, self.tp_group, hidden_states.device)
+        else:
+            rows = _TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device)
         self._in_flight = dataclasses.replace(self._in_flight, tp_rows=rows)
         tokens = rows.by_expert(_GatherRows.apply(hidden_states, rows))
         permuted_probs = rows.by_expert(_GatherRows.apply(probs, rows))
@@ -713,7 +722,12 @@ class _TensorParallelRows:
         from dispatch import comm, plan
 
         gathered = comm.all_gather_rows(plan.to_device(counts.to(torch.int64), device), group, size).cpu()
-        table = tuple(tuple(row) for row in gathered.tolist())  # host sync: the group's row counts
+        return _TensorParallelRows.of(tuple(tuple(row) for row in gathered.tolist()), group, device)  # host sync
+
+    @staticmethod
+    def of(table: tuple[tuple[int, ...], ...], group, device: torch.device) -> "_TensorParallelRows":
+        """The group's rows from its counts table ([P][E_local], on the host)."""
+        size = len(table)
         starts, at = [], 0
         for row in table:
             starts.append([])
@@ -726,7 +740,7 @@ class _TensorParallelRows:
         restore = torch.empty_like(order_t)
         restore[order_t] = torch.arange(len(order), dtype=torch.int64)
         return _TensorParallelRows(table, group, dist.get_rank(group), order_t.to(device), restore.to(device),
-                                   gathered.sum(0))
+                                   torch.tensor(table, dtype=torch.int64).sum(0))
 
     @property
     def sizes(self) -> tuple[int, ...]:
