@@ -487,8 +487,6 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     extra = dict(GRAPH_SETTINGS[setting])
     graph_fields = {k: extra.pop(k) for k in list(extra) if k.startswith("cuda_graph")}
     common = dict(hidden=256, ffn=256, experts=4 * dist.get_world_size(), topk=2, num_layers=2, **extra)
-    # captured first: its first (eager) step sizes the NVLink engine, which the group's
-    # dispatchers share, for K' = E (a dispatch with max_rows does not grow it)
     configs = {"captured": moe_config(**common, cuda_graph_impl="local", **graph_fields), "eager": moe_config(**common)}
     batch = _fixed_batch(GPT_SHAPE["vocab"], GPT_SHAPE["seq"], GPT_SHAPE["batch"], seed)
     made = []

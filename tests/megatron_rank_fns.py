@@ -116,7 +116,7 @@ def replayed_preprocess(first: tuple, second: tuple, num_experts: int, topk: int
     device = current_device()
     world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = num_experts // world
-    config = SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, cuda_graph_impl="transformer_engine",
+    config = SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, cuda_graph_impl="local",
                              cuda_graph_modules=["moe_router", "moe_preprocess"])
     d = MegatronDispatcher(per_rank, list(range(rank * per_rank, (rank + 1) * per_rank)), config,
                            SimpleNamespace(ep=None))

@@ -166,9 +166,10 @@ def capacity_routing(num_tokens: int, num_experts: int, capacity: int, seed: int
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_fixed_rows_when_graphs_hold_every_stage(worlds, world_size):
-    """With every stage inside CUDA graphs (padded to capacity), the stages read nothing
-    on the host: K' = E on every rank, max_rows and the counts fixed by the capacity.
-    The round trip is bitwise the one that agrees K' and reads the counts."""
+    """With every stage inside CUDA graphs (padded to capacity), K' = E on every rank,
+    max_rows and the counts are fixed by the capacity (on the NVLink engine nothing is
+    then read on the host; here gloo stands in, with its host read). The round trip is
+    bitwise the one that agrees K' and reads the counts."""
     num_experts, topk, tokens, factor = 2 * world_size, 2, 6, 1.0
     capacity = -(-tokens * topk // num_experts)  # Megatron's get_capacity at factor 1
     args, eager = [], []
@@ -216,13 +217,20 @@ def test_fixed_rows_with_expert_tensor_parallelism(worlds, world_size, tp):
 
 def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):
     """An expert short of its capacity would leave the fixed counts wrong: refused
-    (in an eager step; a captured one cannot read the host)."""
-    routing_map, probs = capacity_routing(6, 4, 3, seed=5)
-    routing_map[:, 1] = False
-    x = identity_tokens(0, 6, HIDDEN, torch.float64).view(3, 2, HIDDEN)
-    (error,) = worlds(1).run(megatron_rank_fns.fixed_rows_round_trip,
-                             [(x, routing_map, probs * routing_map, torch.ones_like(x), 4, 2, 1.0)])
-    assert isinstance(error, str) and "routing_map: padded to capacity, each expert must get 3 of each" in error
+    in an eager step (a captured one cannot read the host) on every rank, the rank
+    whose experts got other counts and the ranks whose did not (none waits for it)."""
+    args = []
+    for r in range(2):
+        routing_map, probs = capacity_routing(6, 4, 3, seed=5 + r)
+        if r == 0:
+            routing_map[:, 2] = False  # expert 2 lives on rank 1: only rank 1's experts miss rows
+        x = identity_tokens(r, 6, HIDDEN, torch.float64).view(3, 2, HIDDEN)
+        args.append((x, routing_map, probs * routing_map, torch.ones_like(x), 4, 2, 1.0))
+    first, second = worlds(2).run(megatron_rank_fns.fixed_rows_round_trip, args)
+    for error in (first, second):
+        assert isinstance(error, str) and "routing_map: padded to capacity, each expert must get 3 of each" in error
+    assert "another rank's experts got other counts" in first, first
+    assert "this rank's experts got [3, 6]" in second, second
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -52,12 +52,14 @@ sequence shard).
 CUDA graphs
 -----------
 * Graphs of attention and of the router alone end before ``dispatch_preprocess``.
-* ``moe_preprocess`` graphs (with ``moe_router``; dropless, as Megatron requires
-  there) hold ``dispatch_preprocess``, which reads nothing on the host (its
-  ``check_inputs`` host check is skipped while capturing). Its routing
-  (``topk_idx``) waits on the object for ``token_dispatch``. Named in
-  ``cudagraph_attrs``, it is a graph output that Megatron sets again after each
-  replay; ``token_dispatch`` takes it once.
+* ``moe_preprocess`` graphs (with ``moe_router``; without padding to capacity or
+  router padding, as Megatron requires there) hold ``dispatch_preprocess``, which
+  reads nothing on the host (its ``check_inputs`` host check is skipped while
+  capturing). Its routing (``topk_idx``) waits on the object for
+  ``token_dispatch``. Named in ``cudagraph_attrs``, it is a graph output that
+  Megatron sets again after each replay; ``token_dispatch`` takes it once. Megatron's
+  local graphs also capture the layer's postprocess alone, after an eager round
+  trip: ``combine_postprocess`` then runs without the stages before it.
 * Graphs of every stage (``moe``, whole layers, the whole iteration) need a round
   trip that reads nothing on the host. That takes padding to capacity, which
   Megatron's own dispatcher needs there too, and the NVLink engine (its
@@ -66,9 +68,10 @@ CUDA graphs
   ``get_capacity``, rounded up to the router padding's multiple), so K' = E (at
   most the engine's 32), ``max_rows`` and the host ``tokens_per_expert`` are fixed,
   and with expert tensor parallelism so are the expert-TP group's counts (every
-  rank of it has the same; they are laid out once, in an eager step). The first
-  eager ``token_dispatch`` makes the engine's room for them (``reserve``, a
-  collective), and eager steps check the device's counts against the fixed ones.
+  rank of it has the same; they are laid out once, in an eager step). Each eager
+  ``token_dispatch`` makes the engine's room for them (``reserve``, a collective;
+  nothing when it fits) and checks the device's counts against the fixed ones, on
+  every rank (an all-reduce of what each found).
   Replays read nothing on the host: ``check()`` raises what the engine's kernels
   recorded.
 
@@ -262,13 +265,17 @@ def _group_size(group) -> int:
 
 
 def _refusals(config) -> list[str]:
-    """Settings of Megatron's TransformerConfig this adapter does not implement
-    (whatever the engine; the CUDA graphs that capture every stage are checked
-    against the engine by ``MegatronDispatcher``)."""
+    """Settings of Megatron's TransformerConfig this adapter does not implement,
+    whatever the engine (``_engine_refusals``: what depends on it)."""
     def get(name, default=None):
         return getattr(config, name, default)
 
     problems = []
+    if _capture(config) == "all" and (get("moe_expert_capacity_factor") is None
+                                      or not get("moe_pad_expert_input_to_capacity", False)):
+        problems.append(f"{_graph_text(config)} without moe_pad_expert_input_to_capacity and a "
+                        "moe_expert_capacity_factor (a graph holds the dispatcher only where every expert gets fixed "
+                        "rows; Megatron's own alltoall dispatcher needs the same)")
     if _capture(config) == "preprocess" and (
         get("moe_pad_expert_input_to_capacity", False) or get("moe_router_padding_for_quantization", False)
         or get("moe_router_padding_for_fp8", False)
@@ -285,17 +292,14 @@ def _refusals(config) -> list[str]:
     return problems
 
 
-def _graph_refusals(config, engine) -> list[str]:
+def _engine_refusals(config, engine) -> list[str]:
     """What stands against CUDA graphs that capture every stage (``_capture`` is
-    ``"all"``): the round trip must read nothing on the host, which takes fixed rows
-    per expert (padding to capacity) and the engine's ``max_rows`` path."""
-    what = f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', None)!r} capturing {_captured_text(config)}"
+    ``"all"``) on ``engine``: the round trip must read nothing on the host, which
+    takes the engine's ``max_rows`` path (and padding to capacity, ``_refusals``)."""
+    if _capture(config) != "all":
+        return []
+    what = _graph_text(config)
     problems = []
-    if getattr(config, "moe_expert_capacity_factor", None) is None or not getattr(
-            config, "moe_pad_expert_input_to_capacity", False):
-        problems.append(f"{what} without moe_pad_expert_input_to_capacity and a moe_expert_capacity_factor (a graph "
-                        "holds the dispatcher only where every expert gets fixed rows; Megatron's own alltoall "
-                        "dispatcher needs the same)")
     if not getattr(engine, "host_free", False):
         chosen = engine.config
         problems.append(f"{what} without the NVLink engine (variant={chosen.variant!r}, transport={chosen.transport!r} "
@@ -354,12 +358,14 @@ def _capture(config) -> str | None:
     return None
 
 
-def _captured_text(config) -> str:
-    """How the error messages name what the graphs capture."""
-    if getattr(config, "cuda_graph_impl", "none") not in ("local", "transformer_engine"):
-        return "the whole iteration"
-    names = _module_names(config)
-    return "moe" if "moe" in names else "whole layers"
+def _graph_text(config) -> str:
+    """How the error messages name graphs of every stage."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl not in ("local", "transformer_engine"):
+        captured = "the whole iteration"
+    else:
+        captured = "moe" if "moe" in _module_names(config) else "whole layers"
+    return f"cuda_graph_impl={impl!r} capturing {captured}"
 
 
 def _capacity(num_tokens: int, num_experts: int, factor: float) -> int:
@@ -384,7 +390,8 @@ class MegatronDispatcher:
         options: the engine's options, fields of :class:`dispatch.DispatchConfig`
             other than ``num_experts`` (``variant``, ``dispatch_wire``, ...).
     Raises:
-        ValueError / TypeError naming the setting, before any communication, for what
+        ValueError / TypeError naming the setting, before any communication (but what
+        depends on the engine, known once it is made: on every rank alike), for what
         is not supported or does not fit the group.
 
     One round trip is in flight at a time, as with Megatron's own dispatchers: the
@@ -448,12 +455,12 @@ class MegatronDispatcher:
         self.local_expert_indices = expected
         self.topk = topk
         self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
-        if capture == "all":  # the same on every rank: all refuse alike
-            problems = _graph_refusals(config, self.engine)
-            if problems:
-                raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
+        problems = _engine_refusals(config, self.engine)
+        if problems:  # the same on every rank: all refuse alike
+            raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
         # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
         self.capture = capture
+        self.graph_impl = getattr(config, "cuda_graph_impl", "none")
         self.fixed_rows = capture == "all"
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         self._reserved = False  # whether the engine was made room for this dispatcher's rows
@@ -571,9 +578,12 @@ class MegatronDispatcher:
             per_expert = _capacity(topk_idx.shape[0] * self.topk, self.num_experts, self.capacity_factor)
             per_expert += -per_expert % max(self.quantization_multiple, 1)  # the router padding's round-up
             max_rows = per_expert * self.ep_size * self.num_local_experts
-            if not self._reserved and not _capturing():  # collective: every rank's first call of this stage
-                self.engine.reserve(hidden_states, topk_idx.shape[1])  # K' = E may be more than the engine had
+            if not _capturing():  # each eager step, every rank: room for its rows (K' = E), nothing when it fits
+                self.engine.reserve(hidden_states, topk_idx.shape[1])
                 self._reserved = True
+            elif not self._reserved:
+                raise RuntimeError("MegatronDispatcher: with every stage inside CUDA graphs, run one eager step "
+                                   "before capturing (it makes the engine's room for K' = num_moe_experts slots)")
         shared = self.shared_experts
         if shared is not None:
             shared.wait_current_stream()
@@ -583,11 +593,8 @@ class MegatronDispatcher:
         counts = out.tokens_per_expert_host
         if per_expert is not None:
             counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
-            if not _capturing() and not torch.equal(out.tokens_per_expert.cpu(), counts):  # host sync, eager only
-                raise ValueError(
-                    f"routing_map: padded to capacity, each expert must get {per_expert} of each rank's "
-                    f"{topk_idx.shape[0]} tokens (moe_expert_capacity_factor={self.capacity_factor}); this rank's "
-                    f"experts got {out.tokens_per_expert.tolist()} from the {self.ep_size} ranks together")
+            if not _capturing():
+                self._check_fixed_counts(out.tokens_per_expert, counts, per_expert, topk_idx.shape[0])
         self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, topk_idx=topk_idx, dispatched=out,
                                     counts=counts)
         return out.tokens, out.weights
@@ -659,7 +666,8 @@ class MegatronDispatcher:
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` back to the shape of the layer's input (``[S, B, H]``), plus the
         shared experts' output where they run here."""
-        if self._in_flight is None and self.capture == "preprocess":
+        if self._in_flight is None and self.capture == "preprocess" and self.graph_impl == "local" and (
+                self.hidden_shape is not None):
             # Megatron's partial graphs capture this stage alone (its graph of the layer's
             # postprocess), after an eager round trip: the shape is the graph's, fixed
             shape = self.hidden_shape
@@ -667,6 +675,23 @@ class MegatronDispatcher:
             shape = self._advance("combine_postprocess").hidden_shape
         out = hidden_states.view(*shape[:-1], hidden_states.shape[-1])
         return out if self.shared_experts is None else out + self.shared_experts.get_output()
+
+    def _check_fixed_counts(self, got: torch.Tensor, fixed: torch.Tensor, per_expert: int, num_tokens: int) -> None:
+        """Eager steps with fixed rows: every rank raises where some rank's experts did
+        not get the fixed counts (a host sync, and an all-reduce over the EP group, then
+        the expert-TP group, so that no rank waits for one that raised)."""
+        mine = got.cpu()  # host sync
+        wrong = torch.tensor([int(not torch.equal(mine, fixed))], dtype=torch.int32, device=got.device)
+        dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.ep_group)
+        if self.tp_size > 1:
+            dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if wrong.item():
+            whose = (f"this rank's experts got {mine.tolist()}" if not torch.equal(mine, fixed)
+                     else "another rank's experts got other counts")
+            raise ValueError(
+                f"routing_map: padded to capacity, each expert must get {per_expert} of each rank's {num_tokens} "
+                f"tokens (moe_expert_capacity_factor={self.capacity_factor}), {fixed[0].item()} from the "
+                f"{self.ep_size} ranks together; {whose}")
 
     def check(self) -> None:
         """Raises what the engine's kernels recorded (a peer that timed out, a rank over
