@@ -380,8 +380,9 @@ def _train(model, batch, steps: int, graphs: list | None = None) -> list[float]:
 
                 kept = [None if p.grad is None else p.grad.clone() for p in params]
                 graphs.append(create_cudagraphs())
-                for p, g in zip(params, kept):
+                for p, g in zip(params, kept):  # none of the step's gradients is in main_grad
                     p.grad = g
+                    p.main_grad.zero_()
             for p in params:  # graphed modules' weight gradients: main_grad (fp32 sum from zero: exact)
                 total = p.main_grad if p.grad is None else p.main_grad + p.grad.float()
                 p.grad = total.to(p.dtype)
