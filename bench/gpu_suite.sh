@@ -6,7 +6,8 @@
 #             Megatron-Core alongside) and the a2a sweep
 #   overlap   dispatch-bench overlap on the model shapes (MoEExchange by groups of experts):
 #             NCCL defaults, then the exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2,
-#             high-priority stream), then the NVLink engine's layer in one piece
+#             high-priority stream), then the NVLink engine's layer in one piece, eager and
+#             captured in a CUDA graph (max_rows)
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   host      where the engine's eager round trip spends host time (cProfile, per call)
@@ -87,7 +88,7 @@ for part in "$@"; do
       bench 200 overlap overlap --chunks 2,4,8 --sm-carveout 16 --out "$RES"
       bench 200 overlap-slow overlap --chunks 2,4,8 --sm-carveout 16 --comm-max-ctas 2 --comm-high-priority \
         --out "$RES"
-      bench 150 overlap-engine overlap --transport auto --chunks 1 --out "$RES" ;;
+      bench 200 overlap-engine overlap --transport auto --chunks 1 --graph --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;

@@ -89,10 +89,19 @@ class MoEExchange(nn.Module):
             to it). Default: the autocast dtype where autocast is on for x's
             device, else x's dtype. With G = 1 the outputs' dtype is agreed
             as ``combine`` does.
+        max_rows: with G = 1, M: the dispatch takes ``max_rows=M`` (see
+            ``TokenDispatcher.dispatch``), so that on the NVLink engine nothing
+            is read on the host and the layer's forward and backward can be
+            captured in a CUDA graph. The experts then get M rows: the N received
+            first, then rows that no token takes, with weight 0, and counts on
+            the device only (:class:`GroupedExperts` takes them as they are;
+            other experts must give those rows any finite values). None: the
+            dispatch reads its counts on the host.
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
-                 sm_carveout: int | None = None, out_dtype: torch.dtype | None = None):
+                 sm_carveout: int | None = None, out_dtype: torch.dtype | None = None,
+                 max_rows: int | None = None):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
             raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
@@ -104,6 +113,12 @@ class MoEExchange(nn.Module):
         if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= local:
             raise ValueError(f"chunks must be an int in [1, {local}] (groups of the {local} local experts), "
                              f"got {chunks!r}")
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
+                                     or not 0 <= max_rows < 2**31):
+            raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
+        if max_rows is not None and chunks > 1:
+            raise ValueError(f"max_rows={max_rows!r} with chunks={chunks}: a dispatch by groups reads its counts on "
+                             "the host; use chunks=1")
         if chunks > 1 and dispatcher.config.pad_to_capacity:
             raise ValueError(f"chunks={chunks} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
                              "the whole dispatch is in; use chunks=1")
@@ -114,7 +129,7 @@ class MoEExchange(nn.Module):
         if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
                                         or sm_carveout < 0):
             raise ValueError(f"sm_carveout must be None or an int >= 0, got {sm_carveout!r}")
-        self.out_dtype, self.sm_carveout = out_dtype, sm_carveout
+        self.out_dtype, self.sm_carveout, self.max_rows = out_dtype, sm_carveout, max_rows
         self.dispatcher = dispatcher
         self.experts = experts
         self.chunks = chunks
@@ -135,7 +150,7 @@ class MoEExchange(nn.Module):
         d = self.dispatcher
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
         with self._priority():
-            work = d.dispatch(x, topk_idx, topk_weights, groups=self.chunks, async_op=True)
+            work = d.dispatch(x, topk_idx, topk_weights, groups=self.chunks, async_op=True, max_rows=self.max_rows)
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, work, grad_on, *self._trained_params())
@@ -199,7 +214,8 @@ class _PipelineFn(torch.autograd.Function):
         handle = work.handle
         x_grad_any = handle.x_grad_any
         chunked = None
-        if _plain_grouped_experts(experts, x.device.type):  # weight gradients once, over all groups
+        # weight gradients once, over all groups (host counts: not with max_rows)
+        if layer.max_rows is None and _plain_grouped_experts(experts, x.device.type):
             chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on)
         weights, leaves, ys = [None] * groups, [None] * groups, [None] * groups
         with layer._priority():

@@ -111,7 +111,13 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
     return experts.to(current_device())
 
 
-def make_layer(d, experts, chunks: int):
+BOUND = 512  # max_rows of the "bounded" runs: more than any test's rank receives
+
+
+def make_layer(d, experts, chunks):
+    """MoEExchange with ``chunks`` groups; "bounded": one group, max_rows=BOUND."""
+    if chunks == "bounded":
+        return dispatch.MoEExchange(d, experts, max_rows=BOUND)
     return dispatch.MoEExchange(d, experts, chunks=chunks)
 
 
@@ -119,7 +125,8 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
               generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False):
     """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
     fresh identical experts; C = "plain" runs dispatch -> experts -> combine
-    instead.
+    instead, "plain bounded" the same with max_rows=BOUND, "bounded"
+    MoEExchange(max_rows=BOUND).
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
     device = current_device()
     cfg = dispatch.DispatchConfig(**config)
@@ -127,14 +134,17 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
     results = {}
     for chunks in chunk_counts:
         experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
-        if late and chunks != "plain":
+        if late and not str(chunks).startswith("plain"):
             experts = LateExperts(experts)
+        seen = []  # the rows the experts were called with, in the bounded runs (a hook: the generic path)
+        if "bounded" in str(chunks):
+            experts.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
         xs = x.to(device).requires_grad_(x_grad)
         ws = topk_weights.to(device).requires_grad_(w_grad)
         idx = topk_idx.to(device)
-        with late_collectives(late and chunks != "plain"):
-            if chunks == "plain":
-                out = d.dispatch(xs, idx, ws)
+        with late_collectives(late and not str(chunks).startswith("plain")):
+            if chunks in ("plain", "plain bounded"):
+                out = d.dispatch(xs, idx, ws, max_rows=BOUND if chunks == "plain bounded" else None)
                 y = experts(out.tokens, out.tokens_per_expert)
                 h = d.combine(y, out.handle, weights=out.weights)
             else:
@@ -145,6 +155,7 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
             "x": _cpu(xs.grad),
             "topk_weights": _cpu(ws.grad),
             "params": [_cpu(p.grad) for p in experts.parameters()],
+            "rows_seen": seen,
         }
     return results
 

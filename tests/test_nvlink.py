@@ -7,6 +7,8 @@ shows as a different bit.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -403,6 +405,62 @@ def test_graph_capture_of_forward_and_backward(worlds):
     config = dict(num_experts=8)
     args = [(config, 200, 256, 2, 200 * 2 * 2, 20, 5)] * WORLD
     assert worlds(WORLD).run(_graph_backward, args) == [0, 0]
+
+
+def _layer_graph(config, tokens, hidden, topk, max_rows, replays, seed):
+    """MoEExchange(max_rows=M) over the engine with GroupedExperts, forward and
+    backward captured in one CUDA graph and replayed with new rows, routings,
+    weights and output gradients: the output and every gradient (x, topk_weights,
+    the experts' weights) equal the same layer's over NCCL, whose max_rows gives the
+    experts the same M rows."""
+    from world import current_device
+
+    device = current_device()
+    fresh = _fresh_inputs(config["num_experts"], tokens, hidden, topk, seed)
+    x, idx, w, grad = (t.to(device) for t in fresh())
+    x.requires_grad_()
+    w.requires_grad_()
+    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", sm_budget=40))
+    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    torch.manual_seed(seed)
+    experts = dispatch.experts.GroupedExperts(engine.num_local_experts, hidden, 2 * hidden, dtype=torch.bfloat16,
+                                              device=device)
+    twin = copy.deepcopy(experts)
+    layer = dispatch.MoEExchange(engine, experts, max_rows=max_rows)
+    reference = dispatch.MoEExchange(nccl, twin, max_rows=max_rows)
+
+    def step(layer, x, w):
+        h = layer(x, idx, w)
+        (h.float() * grad).sum().backward()
+        return h.detach()
+
+    for _ in range(2):  # eager: sizes the buffers, compiles the kernels
+        step(layer, x, w)
+    torch.cuda.synchronize()
+    x.grad = w.grad = None
+    experts.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h = step(layer, x, w)
+    wrong = 0
+    for _ in range(replays):
+        for s, t in zip((x.detach(), idx, w.detach(), grad), fresh()):
+            s.copy_(t)
+        graph.replay()
+        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        twin.zero_grad(set_to_none=True)
+        want = step(reference, xr, wr)
+        wrong += not (torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
+                      and all(torch.equal(a.grad, b.grad) for a, b in zip(experts.parameters(), twin.parameters())))
+    engine.check()
+    return wrong
+
+
+@needs_engine
+def test_layer_with_max_rows_in_a_cuda_graph(worlds):
+    config = dict(num_experts=8)
+    args = [(config, 200, 256, 2, 200 * 2 * 2, 10, 9)] * WORLD
+    assert worlds(WORLD).run(_layer_graph, args) == [0, 0]
 
 
 def _over_budget(x, topk_idx, topk_weights, config):

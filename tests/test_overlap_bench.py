@@ -61,8 +61,9 @@ def test_peak_memory_column():
                t_pipe_ms=2.5, best_chunks=4, hidden_fraction=0.5, hidden_ceiling=1.0,
                t_pipe_by_chunks_ms={"2": 2.6, "4": 2.5}, max_abs_diff_vs_seq=0.0,
                peak_mib={"seq": 5120.4, "2": 4990.0, "4": 6001.7}, host_ms={"seq": 1.234, "2": 2.5, "4": 3.0})
-    lines = overlap.markdown_table([row, dict(row, passes="fwd", peak_mib=None)]).splitlines()
+    lines = overlap.markdown_table([row, dict(row, passes="fwd", peak_mib=None, t_graph_ms=0.75)]).splitlines()
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
+    assert "| T_graph ms |" in lines[0] and "| 2: 2.60, 4: 2.50 | - |" in lines[2] and "| 0.750 |" in lines[3]
     assert lines[2].endswith("| 0 | seq: 5120, 2: 4990, 4: 6002 | seq: 1.23, 2: 2.50, 4: 3.00 |")
     assert lines[3].endswith("| 0 | - | seq: 1.23, 2: 2.50, 4: 3.00 |")
 
@@ -71,7 +72,8 @@ def test_peak_memory_column():
     "argv, needle",
     [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
      (["--shapes", "nope"], "--shapes"), (["--chunks", "1:3:1"], "--chunks"), (["--chunks", "2,x"], "--chunks"),
-     (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized")],
+     (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized"),
+     (["--graph"], "--graph needs the NVLink engine")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -81,6 +81,27 @@ def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
             pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}")
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("options", [{}, {"variant": "allgather"}, {"dispatch_wire": "fp8"}])
+def test_max_rows_layer(worlds, world_size, options):
+    """MoEExchange(max_rows=M): the dispatch reads nothing on the host on the engine
+    (here gloo stands in, with its host read, as its max_rows gives the same shapes);
+    GroupedExperts take the M rows with device counts. Bitwise the round trip
+    written out with max_rows, and in fp64 dyadic data (exact sums) the layer
+    without a bound, parameter gradients included."""
+    routing = make_routing(world_size, 4, 2, [6, 1, 0][:world_size], "random", seed=13)
+    xs = [(random_tokens(r, t, HIDDEN, torch.float64, 5) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    gs = [(random_tokens(r, t, HIDDEN, torch.float64, 6) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, **options)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config,
+             ["plain", "plain bounded", 1, "bounded"], "relu") for r in range(world_size)]
+    for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
+        assert per_c["bounded"]["rows_seen"] == per_c["plain bounded"]["rows_seen"] == [pipeline_fns.BOUND], per_c
+        pipeline_fns.assert_same(per_c["bounded"], per_c["plain bounded"], f"{options} rank {rank} bounded")
+        if not options.get("dispatch_wire"):  # fp8 rows are not exact: the bound may change a GEMM's rounding
+            pipeline_fns.assert_same(per_c["bounded"], per_c[1], f"{options} rank {rank} bounded vs C=1")
+
+
 def test_grouped_experts_with_hooks_or_own_forward_are_called(worlds):
     """GroupedExperts with a module hook, or a subclass with its own forward, are
     called once per group (the pipeline does not compute them in their place)."""
@@ -245,6 +266,11 @@ def test_bad_arguments_raise():
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="sm_carveout"):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, sm_carveout=bad)
+    for bad in (-1, 1.5, True, "8", 2**31):
+        with pytest.raises(ValueError, match="max_rows"):
+            dispatch.MoEExchange(_OneRank(), lambda t, n: t, max_rows=bad)
+    with pytest.raises(ValueError, match="max_rows=64 with chunks=2"):
+        dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=2, max_rows=64)
 
 
 class _OneRank(dispatch.TokenDispatcher):

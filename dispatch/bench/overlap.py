@@ -21,6 +21,9 @@ gloo, as a smoke test):
     host        the host's time to return from the step (on CUDA: to queue its
                 work), the slowest rank's, for "seq" and each C: where it nears
                 T_pipe, the host sets the pipeline's pace
+    T_graph     with ``--graph`` (the NVLink engine): MoEExchange in one piece with
+                ``max_rows`` (the largest N + 10%), the pass captured in a CUDA graph
+                and replayed: no host in the loop
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
@@ -35,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -89,6 +92,9 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
                         help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (C > 1)")
     parser.add_argument("--comm-priority", type=int, default=-1,
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
+    parser.add_argument("--graph", action="store_true",
+                        help="also T_graph: the layer in one piece with max_rows (the largest N + 10%%), its pass "
+                             "captured in a CUDA graph and replayed (the NVLink engine: --transport auto or nvlink)")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
     return parser
 
@@ -107,6 +113,9 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
     if args.comm_high_priority and not torch.cuda.is_available():
         parser.error("--comm-high-priority needs NCCL (a GPU)")
+    if args.graph and (args.transport == "nccl" or not torch.cuda.is_available()):
+        parser.error("--graph needs the NVLink engine (--transport auto or nvlink, on GPUs): over NCCL a dispatch "
+                     "reads its counts on the host, which a CUDA graph cannot hold")
     try:
         dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire, transport=args.transport)
     except ValueError as exc:
@@ -152,11 +161,22 @@ class Case:
     topk_weights: torch.Tensor
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
+    graphs: list = field(default_factory=list)
 
     def layer(self, chunks: int, comm_priority: int = -1, experts=None, sm_carveout=None) -> dispatch.MoEExchange:
         """MoEExchange(chunks) over these experts (or ``experts``)."""
         return dispatch.MoEExchange(self.dispatcher, self.experts if experts is None else experts,
                                     chunks=chunks, comm_priority=comm_priority, sm_carveout=sm_carveout)
+
+    def layer_bounded(self, comm_priority: int, group) -> dispatch.MoEExchange:
+        """MoEExchange in one piece with max_rows: the most rows a rank of ``group``
+        receives, plus 10% (collective)."""
+        if not self.dispatcher.host_free:
+            raise ValueError(f"--graph: {type(self.dispatcher).__name__} reads its counts on the host")
+        most = torch.tensor([self.tokens.shape[0]], device=self.x.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        bound = int(most.item() * 1.1) + 1  # host sync: the bound, once
+        return dispatch.MoEExchange(self.dispatcher, self.experts, comm_priority=comm_priority, max_rows=bound)
 
     def layer_step(self, layer, backward: bool):
         """One forward (and backward) of ``layer`` on the case's tokens."""
@@ -198,6 +218,20 @@ def make_case(shape: Shape, args, group) -> Case:
     topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)
     planned = d.dispatch(x, topk_idx, topk_weights)
     return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert)
+
+
+def _captured(case: Case, layer, backward: bool):
+    """``layer``'s pass (``case.layer_step``) captured in a CUDA graph after two
+    eager runs (buffers sized, kernels compiled); returns its replay."""
+    step = case.layer_step(layer, backward)
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()  # host sync: nothing of the eager runs in flight at the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    case.graphs.append(graph)  # kept while the case lives: a replay's memory is the graph's
+    return graph.replay
 
 
 def chunk_values(args, num_local_experts: int) -> list[int]:
@@ -267,6 +301,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         if backward and device.type == "cuda":  # the sequential layer (C = 1) first, then each C
             peak = {"seq": _peak_mib(case.layer_step(seq, True), device, group)}
             peak.update({str(c): _peak_mib(case.layer_step(layers[c], True), device, group) for c in candidates})
+        t_graph = None
+        if args.graph:
+            t_graph = timed(_captured(case, case.layer_bounded(prio, group), backward))[0]
         short, long = sorted((t_comm, t_compute))
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
@@ -275,7 +312,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
             hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
-            max_abs_diff_vs_seq=float(diff), peak_mib=peak,
+            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph,
             host_ms={"seq": seq_host, **{str(c): host for c, (_, host) in pipe_times.items()}},
         ))
     return rows
@@ -287,12 +324,13 @@ def suffix(args) -> str:
     wire += "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
-    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve
+    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
 
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "pass", "W", "dispatcher", "wire", "carveout", "max_ctas", "NCCL stream", "T_comm ms",
-            "T_compute ms", "T_seq ms", "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "max abs diff", "peak MiB by C", "host ms by C"]
+            "T_compute ms", "T_seq ms", "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "T_graph ms",
+            "max abs diff", "peak MiB by C", "host ms by C"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
@@ -302,6 +340,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
+            f"{'-' if r.get('t_graph_ms') is None else format(r['t_graph_ms'], '.3f')} | "
             f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r['peak_mib'])} | {_by_c(r['host_ms'], '.2f')} |"
         )
     return "\n".join(lines)
