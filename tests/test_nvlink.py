@@ -359,10 +359,10 @@ def test_graph_capture_and_replay_with_max_rows(worlds):
     assert worlds(WORLD).run(_graph_replays, args) == [0, 0]
 
 
-def _graph_backward(config, tokens, hidden, topk, max_rows, replays, seed):
-    """Forward and backward of a round trip with max_rows captured in one CUDA
-    graph, replayed with new rows, routings, weights and output gradients: the
-    output and the gradients of x and topk_weights equal an NCCL round trip's."""
+def _graph_setup(config, tokens, hidden, topk, seed):
+    """(the input generator, this rank's first x and topk_weights requiring grad with
+    topk_idx and an output gradient, the engine, an NCCL dispatcher) for the graph
+    tests of a forward and backward."""
     from world import current_device
 
     device = current_device()
@@ -372,6 +372,14 @@ def _graph_backward(config, tokens, hidden, topk, max_rows, replays, seed):
     w.requires_grad_()
     engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", sm_budget=40))
     nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    return fresh, (x, idx, w, grad), engine, nccl
+
+
+def _graph_backward(config, tokens, hidden, topk, max_rows, replays, seed):
+    """Forward and backward of a round trip with max_rows captured in one CUDA
+    graph, replayed with new rows, routings, weights and output gradients: the
+    output and the gradients of x and topk_weights equal an NCCL round trip's."""
+    fresh, (x, idx, w, grad), engine, nccl = _graph_setup(config, tokens, hidden, topk, seed)
 
     def step(d, x, w, bound):
         out = d.dispatch(x, idx, w, max_rows=bound)
@@ -413,18 +421,10 @@ def _layer_graph(config, tokens, hidden, topk, max_rows, replays, seed):
     weights and output gradients: the output and every gradient (x, topk_weights,
     the experts' weights) equal the same layer's over NCCL, whose max_rows gives the
     experts the same M rows."""
-    from world import current_device
-
-    device = current_device()
-    fresh = _fresh_inputs(config["num_experts"], tokens, hidden, topk, seed)
-    x, idx, w, grad = (t.to(device) for t in fresh())
-    x.requires_grad_()
-    w.requires_grad_()
-    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", sm_budget=40))
-    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    fresh, (x, idx, w, grad), engine, nccl = _graph_setup(config, tokens, hidden, topk, seed)
     torch.manual_seed(seed)
     experts = dispatch.experts.GroupedExperts(engine.num_local_experts, hidden, 2 * hidden, dtype=torch.bfloat16,
-                                              device=device)
+                                              device=x.device)
     twin = copy.deepcopy(experts)
     layer = dispatch.MoEExchange(engine, experts, max_rows=max_rows)
     reference = dispatch.MoEExchange(nccl, twin, max_rows=max_rows)
