@@ -375,6 +375,28 @@ def _graph_setup(config, tokens, hidden, topk, seed):
     return fresh, (x, idx, w, grad), engine, nccl
 
 
+def _captured_replays(step, reset, inputs, fresh, replays: int, same) -> int:
+    """``step()`` run twice eagerly (buffers sized, kernels compiled), then captured
+    in a CUDA graph, each after ``reset()``; the graph replayed ``replays`` times,
+    each with new values of ``inputs`` from ``fresh()``: how many replays' outputs
+    ``same(out)`` rejects."""
+    for _ in range(2):
+        reset()
+        step()
+    torch.cuda.synchronize()
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    wrong = 0
+    for _ in range(replays):
+        for s, t in zip(inputs, fresh()):
+            s.copy_(t)
+        graph.replay()
+        wrong += not same(out)
+    return wrong
+
+
 def _graph_backward(config, tokens, hidden, topk, max_rows, replays, seed):
     """Forward and backward of a round trip with max_rows captured in one CUDA
     graph, replayed with new rows, routings, weights and output gradients: the
@@ -388,22 +410,16 @@ def _graph_backward(config, tokens, hidden, topk, max_rows, replays, seed):
         (h.float() * grad).sum().backward()
         return h.detach()
 
-    for _ in range(2):  # eager: sizes the buffers, compiles the kernels
+    def reset():
         x.grad = w.grad = None
-        step(engine, x, w, max_rows)
-    torch.cuda.synchronize()
-    x.grad = w.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h = step(engine, x, w, max_rows)
-    wrong = 0
-    for _ in range(replays):
-        for s, t in zip((x.detach(), idx, w.detach(), grad), fresh()):
-            s.copy_(t)
-        graph.replay()
+
+    def same(h):
         xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         want = step(nccl, xr, wr, None)
-        wrong += not (torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad))
+        return torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
+
+    wrong = _captured_replays(lambda: step(engine, x, w, max_rows), reset, (x.detach(), idx, w.detach(), grad),
+                              fresh, replays, same)
     engine.check()
     return wrong
 
@@ -434,24 +450,19 @@ def _layer_graph(config, tokens, hidden, topk, max_rows, replays, seed):
         (h.float() * grad).sum().backward()
         return h.detach()
 
-    for _ in range(2):  # eager: sizes the buffers, compiles the kernels
-        step(layer, x, w)
-    torch.cuda.synchronize()
-    x.grad = w.grad = None
-    experts.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h = step(layer, x, w)
-    wrong = 0
-    for _ in range(replays):
-        for s, t in zip((x.detach(), idx, w.detach(), grad), fresh()):
-            s.copy_(t)
-        graph.replay()
+    def reset():
+        x.grad = w.grad = None
+        experts.zero_grad(set_to_none=True)
+
+    def same(h):
         xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         twin.zero_grad(set_to_none=True)
         want = step(reference, xr, wr)
-        wrong += not (torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
-                      and all(torch.equal(a.grad, b.grad) for a, b in zip(experts.parameters(), twin.parameters())))
+        return (torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
+                and all(torch.equal(a.grad, b.grad) for a, b in zip(experts.parameters(), twin.parameters())))
+
+    wrong = _captured_replays(lambda: step(layer, x, w), reset, (x.detach(), idx, w.detach(), grad), fresh, replays,
+                              same)
     engine.check()
     return wrong
 
