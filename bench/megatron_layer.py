@@ -452,11 +452,11 @@ def _fixed_batch(vocab: int, seq: int, batch_size: int, seed: int):
     return tokens, labels, position_ids, mask
 
 
-def _each_way(configs: dict, weights_config, seed: int, train) -> tuple[dict, dict]:
+def _each_way(configs: dict, weights_config, seed: int, train, before_build=None) -> tuple[dict, dict]:
     """The two-layer MoE ``GPTModel`` (``MoETransformerLayer``s, same weights) built for
     each (dispatcher, mode): Megatron's, then ours installed, for each mode's config in
-    ``configs``; ``train(model, mode)`` gives its losses. Returns (losses by
-    ``"{who} {mode}"``, ours' installed dispatchers by mode)."""
+    ``configs``, each after ``before_build()`` if given; ``train(model, mode)`` gives its
+    losses. Returns (losses by ``"{who} {mode}"``, ours' installed dispatchers by mode)."""
     from dispatch.integrations.megatron import install_all
 
     vocab, seq = GPT_SHAPE["vocab"], GPT_SHAPE["seq"]
@@ -464,6 +464,8 @@ def _each_way(configs: dict, weights_config, seed: int, train) -> tuple[dict, di
     losses, installed = {}, {}
     for who in ("megatron", "ours"):
         for mode, config in configs.items():
+            if before_build is not None:
+                before_build()
             model = build_gpt(config, vocab, seq, seed + 1, moe_layer_class=True)
             model.load_state_dict(weights)
             if who == "ours":
@@ -493,11 +495,14 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     made = []
 
     def train(model, mode):
-        delete_cuda_graphs()  # Megatron's graph record is global: one model's graphs at a time
         return _train(model, batch, steps, graphs=made if mode == "captured" else None)
 
-    losses, installed = _each_way(configs, configs["eager"], seed, train)
+    # Megatron's graph record is global: one model's graphs at a time. Cleared before a model
+    # is built: its graph managers take the graph memory pool, which the clearing drops.
+    losses, installed = _each_way(configs, configs["eager"], seed, train, before_build=delete_cuda_graphs)
     delete_cuda_graphs()
+    for d in installed["captured"]:  # replays read nothing on the host: what the kernels recorded, now
+        d.check()
     graphs_made = all(m is not None for m in made)
     diffs = {"ours captured vs eager": _worst(losses, "ours eager", "ours captured"),
              "megatron captured vs eager": _worst(losses, "megatron eager", "megatron captured"),
@@ -533,7 +538,7 @@ def _train_scheduled(model, micro_batches: list, steps: int) -> list[float]:
 
     def loss_func(output):
         loss = output.float().mean()
-        return loss, {"loss": loss.detach()}
+        return loss, {"loss": loss.detach().clone()}  # a copy: the schedule divides the loss in place
 
     def forward_step(data_iterator, model, return_schedule_plan=False):
         tokens, labels, position_ids, mask = next(data_iterator)

@@ -14,6 +14,7 @@ or :func:`ptr` (a tensor's data pointer, 0 for None).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import pathlib
 import warnings
@@ -52,6 +53,35 @@ def _cupy():
     except ImportError:
         return None
     return cupy
+
+
+@functools.lru_cache(maxsize=1)
+def _capture_info():
+    """The driver's ``cuStreamGetCaptureInfo`` (None where it cannot be loaded). The
+    first three parameters (stream, capture status out, capture id out) are the same
+    in every version of this entry point; the outputs after them, where a version has
+    them, may be null, so it is called with four null ones whatever the version."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuStreamGetCaptureInfo
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)] + [ctypes.c_void_p] * 4
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def capture_id(device: torch.device) -> int | None:
+    """The id of the CUDA graph capture that torch's current stream on ``device`` is
+    in; None when it is not capturing (0 for every capture where the driver cannot
+    say which)."""
+    if not torch.cuda.is_current_stream_capturing():
+        return None
+    fn = _capture_info()
+    status, ident = ctypes.c_int(), ctypes.c_uint64()
+    if fn is None or fn(torch.cuda.current_stream(device).cuda_stream, ctypes.byref(status), ctypes.byref(ident),
+                        None, None, None, None) != 0:
+        return 0
+    return int(ident.value)
 
 
 def available() -> bool:

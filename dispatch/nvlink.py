@@ -206,7 +206,9 @@ class Engine:
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._last: tuple | None = None  # (event recorded after the latest operation, recorded in a capture)
+        # (event recorded after the latest operation, the id of the CUDA graph capture it was
+        # recorded in or None)
+        self._last: tuple | None = None
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
         self._polled_event: torch.cuda.Event | None = None
 
@@ -231,7 +233,7 @@ class Engine:
     def check(self) -> None:
         """Raise the failure the kernels recorded, if any (a host read: it waits
         for the work queued on the current stream)."""
-        if self._last is not None and not self._last[1]:
+        if self._last is not None and self._last[1] is None:
             self._last[0].synchronize()  # host sync: the latest operation, on whatever stream
         code, peer, where, _ = self.status.tolist()  # host sync: the status words
         if code:
@@ -273,7 +275,7 @@ class Engine:
         # rendezvous, which every rank reaches only after the same sync, so no rank still
         # reads a buffer when it is dropped.
         torch.cuda.current_stream(self.device).synchronize()
-        if self._last is not None and not self._last[1]:
+        if self._last is not None and self._last[1] is None:
             self._last[0].synchronize()
         if self._captured and self._data is not None:  # a captured graph may still replay on these
             self._retired.append((self._data, self._data_handle, self._data_ptrs))
@@ -516,24 +518,25 @@ def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
 
 class _Ordered:
     """See :meth:`Engine._ordered`. Inside a CUDA graph capture an operation
-    waits only for one recorded in the same capture (the graph's replays are
-    ordered by the stream they are launched on), and eager work only for eager
-    work."""
+    waits only for one recorded in the same capture (a capture may not wait for
+    another's events; graphs, such as a layer's forward and backward captured
+    apart, are ordered by the stream they are replayed on), and eager work only
+    for eager work."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def __enter__(self) -> None:
         last = self.engine._last
-        if last is not None and last[1] == torch.cuda.is_current_stream_capturing():
+        if last is not None and last[1] == cuda.capture_id(self.engine.device):
             torch.cuda.current_stream(self.engine.device).wait_event(last[0])
 
     def __exit__(self, *exc) -> bool:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.engine.device))
-        capturing = torch.cuda.is_current_stream_capturing()
-        self.engine._last = (event, capturing)
-        self.engine._captured |= capturing
+        capture = cuda.capture_id(self.engine.device)
+        self.engine._last = (event, capture)
+        self.engine._captured |= capture is not None
         return False
 
 

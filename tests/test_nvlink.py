@@ -431,6 +431,44 @@ def test_graph_capture_of_forward_and_backward(worlds):
     assert worlds(WORLD).run(_graph_backward, args) == [0, 0]
 
 
+def _graphed_apart(config, tokens, hidden, topk, max_rows, replays, seed):
+    """A round trip with max_rows whose forward and backward are captured as two
+    graphs (``torch.cuda.make_graphed_callables``, as Megatron's local graphs do a
+    layer's): the backward's capture must not wait for the forward capture's work
+    (a capture may not wait for another's events). Each replay equals an NCCL
+    round trip, output and gradients."""
+    fresh, (x, idx, w, grad), engine, nccl = _graph_setup(config, tokens, hidden, topk, seed)
+
+    def round_trip(d, x, w, bound):
+        out = d.dispatch(x, idx, w, max_rows=bound)
+        y = out.tokens * 1.5 + out.tokens * out.tokens * 0.125
+        return d.combine(y, out.handle, weights=out.weights)
+
+    round_trip(engine, x, w, max_rows).sum().backward()  # eager: sizes the buffers, compiles the kernels
+    torch.cuda.synchronize()
+    graphed = torch.cuda.make_graphed_callables(lambda x, w: round_trip(engine, x, w, max_rows), (x, w))
+    wrong = 0
+    for _ in range(replays):
+        for s, t in zip((x.detach(), idx, w.detach(), grad), fresh()):
+            s.copy_(t)
+        x.grad = w.grad = None
+        h = graphed(x, w)
+        (h.float() * grad).sum().backward()
+        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        want = round_trip(nccl, xr, wr, None)
+        (want.float() * grad).sum().backward()
+        wrong += not (torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad))
+    engine.check()
+    return wrong
+
+
+@needs_engine
+def test_forward_and_backward_captured_apart(worlds):
+    config = dict(num_experts=8)
+    args = [(config, 200, 256, 2, 200 * 2 * 2, 10, 7)] * WORLD
+    assert worlds(WORLD).run(_graphed_apart, args) == [0, 0]
+
+
 def _layer_graph(config, tokens, hidden, topk, max_rows, replays, seed):
     """MoEExchange(max_rows=M) over the engine with GroupedExperts, forward and
     backward captured in one CUDA graph and replayed with new rows, routings,
