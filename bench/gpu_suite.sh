@@ -5,9 +5,10 @@
 #   dispatch  dispatch-bench dispatch (all shapes x variants x wires x routings,
 #             Megatron-Core alongside) and the a2a sweep
 #   overlap   dispatch-bench overlap on the model shapes (MoEExchange by groups of experts):
-#             NCCL defaults, then the exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2,
-#             high-priority stream), then the NVLink engine's layer in one piece, eager and
-#             captured in a CUDA graph (max_rows)
+#             NCCL defaults (with two micro-batches overlapped by the async verbs), then the
+#             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
+#   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
+#             graph (max_rows), and two micro-batches overlapped by the async verbs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   host      where the engine's eager round trip spends host time (cProfile, per call)
@@ -85,10 +86,11 @@ for part in "$@"; do
       bench 330 dispatch dispatch --transports nccl,nvlink,nvlink-graph --iters 20 --warmup 5 --out "$RES"
       bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     overlap)
-      bench 200 overlap overlap --chunks 2,4,8 --sm-carveout 16 --out "$RES"
+      bench 240 overlap overlap --chunks 2,4,8 --sm-carveout 16 --micro-batches --out "$RES"
       bench 200 overlap-slow overlap --chunks 2,4,8 --sm-carveout 16 --comm-max-ctas 2 --comm-high-priority \
-        --out "$RES"
-      bench 200 overlap-engine overlap --transport auto --chunks 1 --graph --out "$RES" ;;
+        --out "$RES" ;;
+    overlap-engine)
+      bench 300 overlap-engine overlap --transport auto --chunks 1 --graph --micro-batches --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;

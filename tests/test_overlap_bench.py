@@ -39,6 +39,21 @@ def test_cpu_smoke_run_writes_results(tmp_path):
     assert "| cpu-tiny | fwd+bwd | 2 |" in (tmp_path / "overlap-cpu-tiny-w2.md").read_text()
 
 
+def test_cpu_micro_batches(tmp_path):
+    """--micro-batches: two micro-batches by the async verbs give the layer's outputs
+    (to the experts' rounding), with T_mb beside T_mb_seq and hidden_mb from them."""
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
+            "--micro-batches", "--out", str(tmp_path)]
+    assert overlap.main(argv) == 0
+    result = json.loads((tmp_path / "overlap-cpu-tiny-w2-mb.json").read_text())
+    for row in result["rows"]:
+        assert row["t_mb_ms"] > 0 and row["t_mb_seq_ms"] > 0 and row["max_abs_diff_mb"] <= ROUNDING
+        short = min(row["t_comm_ms"], row["t_compute_ms"])
+        assert row["hidden_mb"] == pytest.approx((row["t_mb_seq_ms"] - row["t_mb_ms"]) / (2 * short))
+        assert row["t_graph_ms"] is None
+    assert f"| {result['rows'][0]['t_mb_seq_ms']:.3f} / " in (tmp_path / "overlap-cpu-tiny-w2-mb.md").read_text()
+
+
 def test_chunks_above_local_experts_are_capped():
     """cpu-tiny on 2 ranks has 4 local experts: C = 8 is C = 4, counted once."""
     args = overlap.parse_args(["--chunks", "1,2,4,8"])

@@ -24,6 +24,11 @@ gloo, as a smoke test):
     T_graph     with ``--graph`` (the NVLink engine): MoEExchange in one piece with
                 ``max_rows`` (the largest N + 10%), the pass captured in a CUDA graph
                 and replayed: no host in the loop
+    T_mb        with ``--micro-batches``: two micro-batches of the shape by the async
+                verbs, micro-batch 1's dispatch in flight beside micro-batch 0's experts
+                and micro-batch 0's combine beside micro-batch 1's experts (backward by
+                autograd), against T_mb_seq, the layer run twice in a row; hidden_mb =
+                (T_mb_seq - T_mb) / (2 min(T_comm, T_compute))
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
@@ -38,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -95,6 +100,8 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--graph", action="store_true",
                         help="also T_graph: the layer in one piece with max_rows (the largest N + 10%%), its pass "
                              "captured in a CUDA graph and replayed (the NVLink engine: --transport auto or nvlink)")
+    parser.add_argument("--micro-batches", action="store_true",
+                        help="also T_mb: two micro-batches overlapped by the async verbs, against the layer twice")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
     return parser
 
@@ -161,6 +168,7 @@ class Case:
     topk_weights: torch.Tensor
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
+    x2: torch.Tensor  # a second micro-batch's tokens (same routing)
     graphs: list = field(default_factory=list)
 
     def layer(self, chunks: int, comm_priority: int = -1, experts=None, sm_carveout=None) -> dispatch.MoEExchange:
@@ -191,6 +199,30 @@ class Case:
 
         return run
 
+    def micro_batch_step(self, backward: bool):
+        """Two micro-batches (``x``, ``x2``) by the async verbs: both dispatches
+        started, then each one's experts and started combine in turn, so that
+        micro-batch 1's dispatch and micro-batch 0's combine move beside the other's
+        experts; backward by autograd over both. Returns the two outputs."""
+        d, experts = self.dispatcher, self.experts
+
+        def run():
+            xs = [x.detach().requires_grad_(backward) for x in (self.x, self.x2)]
+            ws = [self.topk_weights.detach().requires_grad_(backward) for _ in xs]
+            works = [d.dispatch(x, self.topk_idx, w, async_op=True) for x, w in zip(xs, ws)]
+            combines = []
+            for work in works:
+                out = work.wait()
+                y = experts(out.tokens, out.tokens_per_expert)
+                combines.append(d.combine(y, out.handle, weights=out.weights, async_op=True))
+            outs = [c.wait() for c in combines]
+            if backward:
+                torch.autograd.backward(outs, [self.grad, self.grad])
+                experts.zero_grad(set_to_none=True)
+            return outs
+
+        return run
+
     def compute_step(self, backward: bool):
         """One forward (and backward) of the experts alone on the dispatched rows."""
         def run():
@@ -217,7 +249,8 @@ def make_case(shape: Shape, args, group) -> Case:
     grad = torch.randn_like(x)
     topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)
     planned = d.dispatch(x, topk_idx, topk_weights)
-    return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert)
+    x2 = torch.randn_like(x)
+    return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert, x2)
 
 
 def _captured(case: Case, layer, backward: bool):
@@ -232,6 +265,22 @@ def _captured(case: Case, layer, backward: bool):
         step()
     case.graphs.append(graph)  # kept while the case lives: a replay's memory is the graph's
     return graph.replay
+
+
+def _micro_batches(case: Case, seq, backward: bool, timed, group) -> dict:
+    """T_mb (two micro-batches by the async verbs) and T_mb_seq (the layer ``seq``
+    run on each in a row), and the largest difference of their outputs (collective)."""
+    step = case.layer_step(seq, backward)
+    second = replace(case, x=case.x2, graphs=[]).layer_step(seq, backward)
+    t_seq = timed(lambda: (step(), second()))[0]
+    t_mb = timed(case.micro_batch_step(backward))[0]
+    with torch.no_grad():
+        want = [seq(x, case.topk_idx, case.topk_weights) for x in (case.x, case.x2)]
+        got = case.micro_batch_step(False)()
+    diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want))
+    diff = torch.tensor([diff], device=case.x.device)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+    return {"t_mb_seq_ms": t_seq, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff)}
 
 
 def chunk_values(args, num_local_experts: int) -> list[int]:
@@ -305,6 +354,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         if args.graph:
             t_graph = timed(_captured(case, case.layer_bounded(prio, group), backward))[0]
         short, long = sorted((t_comm, t_compute))
+        mb = _micro_batches(case, seq, backward, timed, group) if args.micro_batches else {}
+        if mb:
+            mb["hidden_mb"] = (mb["t_mb_seq_ms"] - mb["t_mb_ms"]) / (2 * short)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher).__name__,
@@ -312,7 +364,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
             hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
-            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph,
+            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph, **mb,
             host_ms={"seq": seq_host, **{str(c): host for c, (_, host) in pipe_times.items()}},
         ))
     return rows
@@ -324,13 +376,14 @@ def suffix(args) -> str:
     wire += "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
-    return wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
+    return (wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
+            + ("-mb" if args.micro_batches else ""))
 
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "pass", "W", "dispatcher", "wire", "carveout", "max_ctas", "NCCL stream", "T_comm ms",
             "T_compute ms", "T_seq ms", "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "T_graph ms",
-            "max abs diff", "peak MiB by C", "host ms by C"]
+            "T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "peak MiB by C", "host ms by C"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
@@ -341,9 +394,17 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
             f"{'-' if r.get('t_graph_ms') is None else format(r['t_graph_ms'], '.3f')} | "
+            f"{_micro_batch_cell(r)} | "
             f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r['peak_mib'])} | {_by_c(r['host_ms'], '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def _micro_batch_cell(row: dict) -> str:
+    """"12.345 / 10.000 (0.41)", or "-" where not measured."""
+    if row.get("t_mb_ms") is None:
+        return "-"
+    return f"{row['t_mb_seq_ms']:.3f} / {row['t_mb_ms']:.3f} ({row['hidden_mb']:.2f})"
 
 
 def _by_c(values: dict | None, fmt: str = ".0f") -> str:
