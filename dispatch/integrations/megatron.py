@@ -137,7 +137,6 @@ of the exchange with the expert compute from inside this interface.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -146,6 +145,8 @@ import torch.distributed as dist
 
 import dispatch
 from dispatch.config import DispatchConfig
+from dispatch.integrations import megatron_settings as settings
+from dispatch.integrations import megatron_tp as expert_tp
 
 __all__ = ["ENGINE_OPTIONS", "STAGES", "MegatronDispatcher", "install", "install_all", "routing_to_topk"]
 
@@ -251,126 +252,12 @@ class _InFlight:
     topk_idx: torch.Tensor
     dispatched: dispatch.Dispatched
     counts: torch.Tensor
-    tp_rows: "_TensorParallelRows | None" = None
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (no host reads then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    tp_rows: "expert_tp.TensorParallelRows | None" = None
 
 
 def _group_size(group) -> int:
     """Ranks in ``group``; None counts as no group (one rank)."""
     return 1 if group is None else dist.get_world_size(group)
-
-
-def _refusals(config) -> list[str]:
-    """Settings of Megatron's TransformerConfig this adapter does not implement,
-    whatever the engine (``_engine_refusals``: what depends on it)."""
-    def get(name, default=None):
-        return getattr(config, name, default)
-
-    problems = []
-    if _capture(config) == "all" and (get("moe_expert_capacity_factor") is None
-                                      or not get("moe_pad_expert_input_to_capacity", False)):
-        problems.append(f"{_graph_text(config)} without moe_pad_expert_input_to_capacity and a "
-                        "moe_expert_capacity_factor (a graph holds the dispatcher only where every expert gets fixed "
-                        "rows; Megatron's own alltoall dispatcher needs the same)")
-    if _capture(config) == "preprocess" and (
-        get("moe_pad_expert_input_to_capacity", False) or get("moe_router_padding_for_quantization", False)
-        or get("moe_router_padding_for_fp8", False)
-    ):
-        problems.append(f"cuda_graph_modules={_module_names(config)} (moe_preprocess) with padding to capacity or "
-                        "router padding for quantization (dispatch_preprocess agrees the slots per token with the "
-                        "other ranks and reads them on the host, which a graph cannot hold; Megatron's alltoall "
-                        "dispatcher refuses these too)")
-    if get("overlap_moe_expert_parallel_comm", False) and get("moe_token_dispatcher_type", "alltoall") != "alltoall":
-        problems.append(f"overlap_moe_expert_parallel_comm=True with moe_token_dispatcher_type="
-                        f"{get('moe_token_dispatcher_type')!r} (this adapter stands in for 'alltoall')")
-    if get("transformer_impl") == "inference_optimized":
-        problems.append("transformer_impl='inference_optimized' (inference dispatchers)")
-    return problems
-
-
-def _engine_refusals(config, engine) -> list[str]:
-    """What stands against CUDA graphs that capture every stage (``_capture`` is
-    ``"all"``) on ``engine``: the round trip must read nothing on the host, which
-    takes the engine's ``max_rows`` path (and padding to capacity, ``_refusals``)."""
-    if _capture(config) != "all":
-        return []
-    what = _graph_text(config)
-    problems = []
-    if not getattr(engine, "host_free", False):
-        chosen = engine.config
-        problems.append(f"{what} without the NVLink engine (variant={chosen.variant!r}, transport={chosen.transport!r} "
-                        "here reads split sizes on the host; the engine, variant 'alltoall' with transport 'nvlink', "
-                        "or 'auto' on one host with peer access, reads nothing with max_rows)")
-    elif engine.max_topk is not None and config.num_moe_experts > engine.max_topk:
-        problems.append(f"{what} with num_moe_experts={config.num_moe_experts} (padded to capacity, a token may go to "
-                        f"every expert; the NVLink engine moves at most {engine.max_topk} per token)")
-    return problems
-
-
-def _quantization_multiple(config) -> int:
-    """The alignment of Megatron's router padding for quantization (0: none), by
-    Megatron's own rule (``get_align_size_for_quantization``: 16 for fp8, 32 for
-    MXFP8 and fp4, 256 with Transformer Engine's op fuser)."""
-    if not (getattr(config, "moe_router_padding_for_quantization", False)
-            or getattr(config, "moe_router_padding_for_fp8", False)):
-        return 0
-    try:
-        from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
-    except ImportError as exc:
-        raise ValueError("moe_router_padding_for_quantization=True needs megatron-core importable (its alignment "
-                         "rule, get_align_size_for_quantization)") from exc
-    try:
-        multiple = get_align_size_for_quantization(config)
-    except (AttributeError, TypeError) as exc:  # a config that is not a TransformerConfig
-        raise ValueError(f"moe_router_padding_for_quantization=True: Megatron's alignment rule could not read the "
-                         f"config ({exc})") from exc
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 0:
-        raise ValueError(f"moe_router_padding_for_quantization: Megatron's alignment is {multiple!r}, not an int >= 0")
-    return multiple
-
-
-def _module_names(config) -> list[str]:
-    """``cuda_graph_modules`` as names (Megatron normalises them to enum members)."""
-    modules = getattr(config, "cuda_graph_modules", ())
-    modules = [modules] if isinstance(modules, str) else list(modules or ())
-    return [str(getattr(m, "name", m)) for m in modules]
-
-
-def _capture(config) -> str | None:
-    """What of the dispatcher Megatron's CUDA graphs capture: None (nothing: the
-    graphs of attention and of the router end before ``dispatch_preprocess``),
-    ``"preprocess"`` (``dispatch_preprocess`` with the router: ``moe_preprocess``)
-    or ``"all"`` (every stage: ``moe``, whole layers, the whole iteration)."""
-    impl = getattr(config, "cuda_graph_impl", "none")
-    if impl in (None, "none"):
-        return None
-    if impl not in ("local", "transformer_engine"):
-        return "all"
-    names = set(_module_names(config))
-    if not names or names == {"full"} or "moe" in names:
-        return "all"
-    if "moe_preprocess" in names or (impl == "local" and "moe_router" in names):  # local graphs take both
-        return "preprocess"
-    return None
-
-
-def _graph_text(config) -> str:
-    """How the error messages name graphs of every stage."""
-    impl = getattr(config, "cuda_graph_impl", "none")
-    if impl not in ("local", "transformer_engine"):
-        captured = "the whole iteration"
-    else:
-        captured = "moe" if "moe" in _module_names(config) else "whole layers"
-    return f"cuda_graph_impl={impl!r} capturing {captured}"
-
-
-def _capacity(num_tokens: int, num_experts: int, factor: float) -> int:
-    """Megatron's expert capacity (``get_capacity``): ceil(tokens / experts * factor)."""
-    return math.ceil((num_tokens / num_experts) * factor)
 
 
 class MegatronDispatcher:
@@ -420,11 +307,11 @@ class MegatronDispatcher:
             raise ValueError(f"config.num_moe_experts must be a positive int, got {num_experts!r}")
         if not isinstance(topk, int) or not 1 <= topk <= num_experts:
             raise ValueError(f"config.moe_router_topk must be an int in [1, {num_experts}], got {topk!r}")
-        problems = _refusals(config)
+        problems = settings.refusals(config)
         expt_tp = getattr(pg_collection, "expt_tp", None)
         if problems:
             raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
-        capture = _capture(config)
+        capture = settings.capture(config)
 
         self.config = config
         self.ep_group = getattr(pg_collection, "ep", None)
@@ -448,14 +335,14 @@ class MegatronDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
         self.pad_to_capacity = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
-        self.quantization_multiple = _quantization_multiple(config)
+        self.quantization_multiple = settings.quantization_multiple(config)
         # Megatron's EP-communication overlap (combined 1F1B) runs the stages as separate
         # autograd graphs and frees each node's inputs after its forward
         self.split_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
         self.local_expert_indices = expected
         self.topk = topk
         self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
-        problems = _engine_refusals(config, self.engine)
+        problems = settings.engine_refusals(config, self.engine)
         if problems:  # the same on every rank: all refuse alike
             raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
         # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
@@ -531,7 +418,7 @@ class MegatronDispatcher:
             topk = self.num_experts
         elif self.pad_to_capacity or self.quantization_multiple:  # up to every expert per token
             topk = self._padded_topk(routing_map)
-        elif self.engine.config.check_inputs and num_tokens and not _capturing():
+        elif self.engine.config.check_inputs and num_tokens and not settings.capturing():
             too_many = (routing_map.sum(dim=1) > self.topk).any()
             if bool(too_many):  # host sync: value check, only with check_inputs
                 raise ValueError(
@@ -575,10 +462,10 @@ class MegatronDispatcher:
         self.topk_idx = None
         max_rows = per_expert = None
         if self.fixed_rows:  # each expert gets its capacity of every rank's tokens, exactly
-            per_expert = _capacity(topk_idx.shape[0] * self.topk, self.num_experts, self.capacity_factor)
+            per_expert = settings.capacity(topk_idx.shape[0] * self.topk, self.num_experts, self.capacity_factor)
             per_expert += -per_expert % max(self.quantization_multiple, 1)  # the router padding's round-up
             max_rows = per_expert * self.ep_size * self.num_local_experts
-            if not _capturing():  # each eager step, every rank: room for its rows (K' = E), nothing when it fits
+            if not settings.capturing():  # each eager step, every rank: room for K' = E (nothing when it fits)
                 self.engine.reserve(hidden_states, topk_idx.shape[1])
                 self._reserved = True
             elif not self._reserved:
@@ -593,7 +480,7 @@ class MegatronDispatcher:
         counts = out.tokens_per_expert_host
         if per_expert is not None:
             counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
-            if not _capturing():
+            if not settings.capturing():
                 self._check_fixed_counts(out.tokens_per_expert, counts, per_expert, topk_idx.shape[0])
         self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, topk_idx=topk_idx, dispatched=out,
                                     counts=counts)
@@ -615,16 +502,17 @@ class MegatronDispatcher:
         if self.fixed_rows:  # every expert-TP rank's counts are the same fixed ones: nothing to gather
             rows = self._fixed_tp_rows.get(tuple(counts.tolist()))
             if rows is None:
-                if _capturing():
+                if settings.capturing():
                     raise RuntimeError("MegatronDispatcher: the expert-TP rows of a shape are laid out in an eager "
                                        "step before a CUDA graph captures them (run one eager step first)")
                 table = (tuple(counts.tolist()),) * self.tp_size
-                rows = self._fixed_tp_rows[table[0]] = _TensorParallelRows.of(table, self.tp_group, hidden_states.device)
+                rows = expert_tp.TensorParallelRows.of(table, self.tp_group, hidden_states.device)
+                self._fixed_tp_rows[table[0]] = rows
         else:
-            rows = _TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device)
+            rows = expert_tp.TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device)
         self._in_flight = dataclasses.replace(self._in_flight, tp_rows=rows)
-        tokens = rows.by_expert(_GatherRows.apply(hidden_states, rows))
-        permuted_probs = rows.by_expert(_GatherRows.apply(probs, rows))
+        tokens = rows.by_expert(expert_tp.GatherRows.apply(hidden_states, rows))
+        permuted_probs = rows.by_expert(expert_tp.GatherRows.apply(probs, rows))
         return tokens, rows.per_expert, permuted_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -635,7 +523,7 @@ class MegatronDispatcher:
         if self.tp_size == 1:
             return hidden_states
         rows = state.tp_rows
-        return _SumRows.apply(rows.by_rank(hidden_states), rows)
+        return expert_tp.SumRows.apply(rows.by_rank(hidden_states), rows)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The engine's combine, unweighted (the experts applied the probs).
@@ -718,119 +606,6 @@ class MegatronDispatcher:
 
 
 # ----------------------------------------------------------------------------- expert tensor parallelism
-
-
-@dataclass(frozen=True)
-class _TensorParallelRows:
-    """The rows of one expert-TP group: ``counts[p][e]`` rows of local expert e
-    dispatched to TP rank p, whose rows come in expert order ([e][source]).
-
-    Attributes:
-        counts: host, [P][E_local].
-        group, rank: the expert-TP group and this rank in it.
-        order: [sum] int64, position in the gathered rows ([p][e] chunks) of each
-            row in expert order ([e][p] chunks).
-        restore: the inverse permutation.
-        per_expert: [E_local] int64 on the CPU, rows of each local expert over the group.
-    """
-
-    counts: tuple[tuple[int, ...], ...]
-    group: dist.ProcessGroup
-    rank: int
-    order: torch.Tensor
-    restore: torch.Tensor
-    per_expert: torch.Tensor
-
-    @staticmethod
-    def gather_counts(counts: torch.Tensor, group, size: int, device: torch.device) -> "_TensorParallelRows":
-        """Every TP rank's rows per local expert (one small all-gather, a host read)."""
-        from dispatch import comm, plan
-
-        gathered = comm.all_gather_rows(plan.to_device(counts.to(torch.int64), device), group, size).cpu()
-        return _TensorParallelRows.of(tuple(tuple(row) for row in gathered.tolist()), group, device)  # host sync
-
-    @staticmethod
-    def of(table: tuple[tuple[int, ...], ...], group, device: torch.device) -> "_TensorParallelRows":
-        """The group's rows from its counts table ([P][E_local], on the host)."""
-        size = len(table)
-        starts, at = [], 0
-        for row in table:
-            starts.append([])
-            for n in row:
-                starts[-1].append(at)
-                at += n
-        order = [i for e in range(len(table[0])) for p in range(size)
-                 for i in range(starts[p][e], starts[p][e] + table[p][e])]
-        order_t = torch.tensor(order, dtype=torch.int64)
-        restore = torch.empty_like(order_t)
-        restore[order_t] = torch.arange(len(order), dtype=torch.int64)
-        return _TensorParallelRows(table, group, dist.get_rank(group), order_t.to(device), restore.to(device),
-                                   torch.tensor(table, dtype=torch.int64).sum(0))
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(sum(row) for row in self.counts)
-
-    def by_expert(self, gathered: torch.Tensor) -> torch.Tensor:
-        """[p][e] chunks -> [e][p] chunks (Megatron's order for its experts)."""
-        return gathered.index_select(0, self.order)
-
-    def by_rank(self, rows: torch.Tensor) -> torch.Tensor:
-        """[e][p] chunks -> [p][e] chunks."""
-        return rows.index_select(0, self.restore)
-
-
-def _gather(rows: torch.Tensor, tp: _TensorParallelRows) -> torch.Tensor:
-    """Every TP rank's rows, in rank order (an all-to-all of this rank's rows to each)."""
-    from dispatch import comm
-
-    sizes = tp.sizes
-    mine = sizes[tp.rank]
-    return comm.all_to_all_rows(rows.repeat(len(sizes), *([1] * (rows.dim() - 1))), (mine,) * len(sizes), sizes,
-                                tp.group)
-
-
-def _sum_over_ranks(rows: torch.Tensor, tp: _TensorParallelRows) -> torch.Tensor:
-    """Each rank's chunk of ``rows`` ([p] chunks) summed over the group's copies:
-    in fp32 (fp64 for fp64), ascending rank, cast once."""
-    from dispatch import comm
-
-    sizes = tp.sizes
-    mine = sizes[tp.rank]
-    parts = comm.all_to_all_rows(rows.contiguous(), sizes, (mine,) * len(sizes), tp.group)
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    total = torch.zeros(mine, *rows.shape[1:], dtype=acc, device=rows.device)
-    for p in range(len(sizes)):
-        total += parts[p * mine : (p + 1) * mine].to(acc)
-    return total.to(rows.dtype)
-
-
-class _GatherRows(torch.autograd.Function):
-    """Forward: the rows of every rank of the expert-TP group; backward: the sum of
-    this rank's gradient rows over the group."""
-
-    @staticmethod
-    def forward(ctx, rows, tp):
-        ctx.tp = tp
-        return _gather(rows, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sum_over_ranks(grad, ctx.tp), None
-
-
-class _SumRows(torch.autograd.Function):
-    """Forward: the sum of this rank's rows over the expert-TP group; backward: the
-    gradient of every rank's rows (gathered)."""
-
-    @staticmethod
-    def forward(ctx, rows, tp):
-        ctx.tp = tp
-        return _sum_over_ranks(rows, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad.contiguous(), ctx.tp), None
 
 
 def _describe(value) -> str:
