@@ -369,7 +369,7 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
     postprocess = dispatcher.dispatch_postprocess
 
     def recording(tokens, probs):  # what our dispatcher hands the experts
-        seen["topk"] = dispatcher._in_flight.topk_idx.shape[1]
+        seen["topk"] = dispatcher._in_flight.dispatched.handle.topk
         out = postprocess(tokens, probs)
         seen["tokens_per_expert"] = out[1].clone()
         return out

@@ -239,7 +239,6 @@ class _InFlight:
     Attributes:
         next_stage: index in ``STAGES`` of the stage that may run next.
         hidden_shape: shape of the layer's ``hidden_states``, restored at the end.
-        topk_idx: ``[T, K]`` int64 routing of this round trip.
         dispatched: the engine's dispatch result.
         counts: ``[E_local]`` int64 on the CPU, rows per local expert (from the
             engine's host read, or fixed by the capacity when graphs hold every stage).
@@ -249,7 +248,6 @@ class _InFlight:
 
     next_stage: int
     hidden_shape: torch.Size
-    topk_idx: torch.Tensor
     dispatched: dispatch.Dispatched
     counts: torch.Tensor
     tp_rows: "expert_tp.TensorParallelRows | None" = None
@@ -346,9 +344,9 @@ class MegatronDispatcher:
         if problems:  # the same on every rank: all refuse alike
             raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
         # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
-        self.capture = capture
-        self.graph_impl = getattr(config, "cuda_graph_impl", "none")
         self.fixed_rows = capture == "all"
+        # Megatron's local moe_preprocess graphs capture the layer's postprocess alone
+        self.postprocess_alone = capture == "preprocess" and getattr(config, "cuda_graph_impl", None) == "local"
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         self._reserved = False  # whether the engine was made room for this dispatcher's rows
         self._fixed_tp_rows: dict = {}  # fixed counts -> the expert-TP group's rows (laid out once)
@@ -482,8 +480,7 @@ class MegatronDispatcher:
             counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
             if not settings.capturing():
                 self._check_fixed_counts(out.tokens_per_expert, counts, per_expert, topk_idx.shape[0])
-        self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, topk_idx=topk_idx, dispatched=out,
-                                    counts=counts)
+        self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, dispatched=out, counts=counts)
         return out.tokens, out.weights
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -554,8 +551,7 @@ class MegatronDispatcher:
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` back to the shape of the layer's input (``[S, B, H]``), plus the
         shared experts' output where they run here."""
-        if self._in_flight is None and self.capture == "preprocess" and self.graph_impl == "local" and (
-                self.hidden_shape is not None):
+        if self._in_flight is None and self.postprocess_alone and self.hidden_shape is not None:
             # Megatron's partial graphs capture this stage alone (its graph of the layer's
             # postprocess), after an eager round trip: the shape is the graph's, fixed
             shape = self.hidden_shape
