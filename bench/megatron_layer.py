@@ -495,7 +495,11 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
     made = []
 
     def train(model, mode):
-        return _train(model, batch, steps, graphs=made if mode == "captured" else None)
+        # a copy of the batch per model: Megatron's graph record marks its graphs' inputs (the
+        # attention mask, an input of every layer's graph) with use counts that a second model's
+        # record would add to, and its capture would then wait for uses that never come
+        fresh = tuple(t.clone() for t in batch)
+        return _train(model, fresh, steps, graphs=made if mode == "captured" else None)
 
     # Megatron's graph record is global: one model's graphs at a time. Cleared before a model
     # is built: its graph managers take the graph memory pool, which the clearing drops.

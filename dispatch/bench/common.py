@@ -10,6 +10,7 @@ the figure of one run is the slowest rank's. Reports give the median and the
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import math
 import os
@@ -117,6 +118,9 @@ def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4) ->
     return 0
 
 
+TEARDOWN_S = 120  # seconds a rank may take to leave after its job
+
+
 def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
     if env is not None:
         os.environ.update(env)
@@ -136,6 +140,9 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
         print(f"dispatch-bench: rank {dist.get_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     finally:
+        # a rank that cannot leave (a peer gone, a teardown stuck) prints every thread's
+        # stack and exits, instead of holding the launcher forever
+        faulthandler.dump_traceback_later(TEARDOWN_S, exit=True)
         dist.destroy_process_group()
 
 
