@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(path):
         os.remove(path)  # a result left by an earlier run must not pass for this one
     try:
-        code = launch(_job, args, args.world_size)
+        # Megatron's own dispatcher puts NCCL collectives in the graphs of the graphs part
+        code = launch(_job, args, args.world_size, teardown="graphs" not in args.parts)
     except Exception as exc:  # a rank died outside the parts (start-up, report)
         print(f"megatron_layer: a rank failed: {exc}", file=sys.stderr)
         return 1

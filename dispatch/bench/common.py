@@ -86,11 +86,14 @@ def shapes_fit(names, world: int, prog: str = "dispatch-bench") -> bool:
     return not bad
 
 
-def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4) -> int:
+def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4, teardown: bool = True) -> int:
     """Run ``job(args)`` on every rank of a fresh world. Under torchrun
     (``LOCAL_RANK`` set) this process is one rank; otherwise one process per GPU
     (NCCL) or ``world_size`` CPU processes (gloo, default ``cpu_default``) are
-    started here.
+    started here. Without ``teardown``, the ranks started here leave after their job
+    and the final barrier without destroying the process group: a job that captured NCCL
+    collectives in CUDA graphs needs that, because NCCL's communicator destroy then
+    never returns (pytorch/pytorch#115388).
 
     Returns a process exit code (0 on success, 2 for a world that cannot be made).
     """
@@ -108,7 +111,7 @@ def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4) ->
             port = s.getsockname()[1]
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
         try:
-            torch.multiprocessing.spawn(_rank_main, args=(job, args, env), nprocs=world, join=True)
+            torch.multiprocessing.spawn(_rank_main, args=(job, args, env, teardown), nprocs=world, join=True)
             return 0
         except torch.multiprocessing.ProcessRaisedException as exc:
             # the free port was taken before rank 0's store bound it: nothing ran yet
@@ -121,7 +124,7 @@ def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4) ->
 TEARDOWN_S = 120  # seconds a rank may take to leave after its job
 
 
-def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
+def _rank_main(local_rank: int, job: Callable, args, env: dict | None, teardown: bool = True) -> None:
     if env is not None:
         os.environ.update(env)
         os.environ["RANK"] = str(local_rank)
@@ -135,6 +138,10 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None) -> None:
     try:
         job(args)
         dist.barrier()
+        if not teardown and env is not None:  # a process of spawn's: its exit status is all it reports
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except BaseException:
         # spawn reports only the first rank that died; say which one failed first-hand
         print(f"dispatch-bench: rank {dist.get_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
