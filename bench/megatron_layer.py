@@ -441,6 +441,10 @@ GRAPH_SETTINGS = {
     "moe_preprocess": dict(cuda_graph_modules=["moe_router", "moe_preprocess"]),
     "moe, padded to capacity": dict(cuda_graph_modules=["moe"], moe_expert_capacity_factor=1.0,
                                     moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="probs"),
+    # more experts than the engine moves per token (32): ours dispatches by groups of local experts
+    "moe, padded to capacity, 64 experts": dict(cuda_graph_modules=["moe"], moe_expert_capacity_factor=1.0,
+                                                moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="probs",
+                                                experts=64),
 }
 
 
@@ -490,7 +494,8 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
 
     extra = dict(GRAPH_SETTINGS[setting])
     graph_fields = {k: extra.pop(k) for k in list(extra) if k.startswith("cuda_graph")}
-    common = dict(hidden=256, ffn=256, experts=4 * dist.get_world_size(), topk=2, num_layers=2, **extra)
+    experts = extra.pop("experts", 4 * dist.get_world_size())
+    common = dict(hidden=256, ffn=256, experts=experts, topk=2, num_layers=2, **extra)
     configs = {"captured": moe_config(**common, cuda_graph_impl="local", **graph_fields), "eager": moe_config(**common)}
     batch = _fixed_batch(GPT_SHAPE["vocab"], GPT_SHAPE["seq"], GPT_SHAPE["batch"], seed)
     made = []
@@ -520,6 +525,8 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
         "engine": sorted({type(d.engine).__name__ for d in installed["captured"]}),
         # every stage inside the graphs: the rows fixed by the capacity
         "fixed_rows": sorted({d.fixed_rows for d in installed["captured"]}),
+        "experts": experts,
+        "expert_groups": sorted({len(d.expert_groups or [None]) for d in installed["captured"]}),
         "capture": made,  # Megatron's capture time and memory, megatron's model then ours (None: no graphs)
         "steps": steps,
         "losses": losses,
@@ -698,7 +705,9 @@ def report(result: dict, args: argparse.Namespace) -> None:
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in run["max_relative_diff"].items())
         lines.append(
             f"GPTModel with local CUDA graphs, {run['setting']} (ours on {', '.join(run['engine'])}"
-            f"{', rows fixed by the capacity' if True in run['fixed_rows'] else ''}; graphs made: "
+            f"{', rows fixed by the capacity' if True in run['fixed_rows'] else ''}"
+            f"{', dispatches by ' + str(max(run['expert_groups'])) + ' groups of experts' if max(run['expert_groups']) > 1 else ''}"
+            f"; graphs made: "
             f"{'yes' if all(m is not None for m in run['capture']) else 'NO'}), "
             f"{run['steps']} steps: loss {run['losses']['ours captured'][0]:.4f} -> "
             f"{run['losses']['ours captured'][-1]:.4f}, max relative diff: {diffs} "

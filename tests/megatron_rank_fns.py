@@ -90,7 +90,12 @@ def _after_preprocess(d, h, w, x, p, grad_out, log: list) -> dict:
     then backward of sum(out * grad_out) into ``x`` and ``p``."""
     device = h.device
     log.append("token_dispatch")
-    tokens, permuted_probs = d.token_dispatch(h, w)
+    engine_dispatch, calls = d.engine.dispatch, []
+    d.engine.dispatch = lambda *args, **kwargs: calls.append(args[1].shape[1]) or engine_dispatch(*args, **kwargs)
+    try:
+        tokens, permuted_probs = d.token_dispatch(h, w)
+    finally:
+        del d.engine.dispatch
     log.append("dispatch_postprocess")
     tokens, tokens_per_expert, permuted_probs = d.dispatch_postprocess(tokens, permuted_probs)
     local = torch.repeat_interleave(torch.arange(d.num_local_experts), tokens_per_expert).to(device)
@@ -102,7 +107,27 @@ def _after_preprocess(d, h, w, x, p, grad_out, log: list) -> dict:
     log.append("combine_postprocess")
     out = d.combine_postprocess(y)
     (out * grad_out.to(device)).sum().backward()
-    return _stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)
+    return {"dispatch_slots": calls, **_stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)}
+
+
+def with_slot_limit(limit: int, round_trip: str, *args):
+    """``round_trip(*args)`` (a function of this module, by name) with either transport
+    moving at most ``limit`` slots per token (the NVLink engine moves 32, NCCL any)."""
+    from dispatch.dispatchers.alltoall import AllToAllDispatcher
+    from dispatch.dispatchers.nvlink import NVLinkDispatcher
+
+    classes = (AllToAllDispatcher, NVLinkDispatcher)
+    saved = [cls.__dict__.get("max_topk") for cls in classes]
+    for cls in classes:
+        cls.max_topk = limit
+    try:
+        return globals()[round_trip](*args)
+    finally:
+        for cls, value in zip(classes, saved):
+            if value is None:
+                del cls.max_topk
+            else:
+                cls.max_topk = value
 
 
 def replayed_preprocess(first: tuple, second: tuple, num_experts: int, topk: int):
@@ -369,7 +394,7 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
     postprocess = dispatcher.dispatch_postprocess
 
     def recording(tokens, probs):  # what our dispatcher hands the experts
-        seen["topk"] = dispatcher._in_flight.dispatched.handle.topk
+        seen["topk"] = dispatcher._in_flight.dispatched[0].handle.topk
         out = postprocess(tokens, probs)
         seen["tokens_per_expert"] = out[1].clone()
         return out

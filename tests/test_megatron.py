@@ -215,6 +215,53 @@ def test_fixed_rows_with_expert_tensor_parallelism(worlds, world_size, tp):
             assert torch.equal(g[key], w[key]), (rank, key)
 
 
+def _padded_round_trips(world_size: int, seed: int):
+    """Per rank, a map padded to capacity (E = 4 per rank, top-2 of 6 tokens, capacity
+    factor 1) as arguments of fixed_rows_round_trip, and of stage_round_trip eagerly."""
+    num_experts, topk, tokens, factor = 4 * world_size, 2, 6, 1.0
+    capacity = -(-tokens * topk // num_experts)
+    fixed, eager = [], []
+    for r in range(world_size):
+        routing_map, probs = capacity_routing(tokens, num_experts, capacity, seed=seed + r)
+        x = identity_tokens(r, tokens, HIDDEN, torch.float64).view(3, 2, HIDDEN)
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        fixed.append((x, routing_map, probs, grad, num_experts, topk, factor))
+        eager.append((x, routing_map, probs, grad, num_experts, topk, {}, None,
+                      {"moe_pad_expert_input_to_capacity": True}))
+    return fixed, eager
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_padded_slots_past_the_engine_limit_move_by_expert_groups(worlds, world_size, graphs):
+    """Padded, a token may name more experts than the engine moves per token (32 on
+    NVLink; `limit` here): the adapter then dispatches by groups of local experts,
+    limit // W of each rank's (every stage in CUDA graphs: always, K' = E; eagerly:
+    where K' passes the limit). The experts get the rows of one dispatch, bitwise; the
+    sums per token (output, input gradient) add the groups' up, equal to rounding."""
+    limit = world_size  # one local expert a group: four dispatches
+    fixed, eager = _padded_round_trips(world_size, seed=40)
+    name, args = ("fixed_rows_round_trip", fixed) if graphs else ("stage_round_trip", eager)
+    want = worlds(world_size).run(getattr(megatron_rank_fns, name), args)
+    got = worlds(world_size).run(megatron_rank_fns.with_slot_limit, [(limit, name, *a) for a in args])
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert not isinstance(g, str), g
+        assert len(w["dispatch_slots"]) == 1 and w["dispatch_slots"][0] > limit, (rank, w["dispatch_slots"])
+        assert g["dispatch_slots"] == [limit] * 4, (rank, g["dispatch_slots"])
+        for key in ("tokens", "tokens_per_expert", "permuted_probs", "probs_grad"):
+            assert torch.equal(g[key], w[key]), (rank, key)
+        for key in ("out", "x_grad"):
+            torch.testing.assert_close(g[key], w[key], rtol=1e-12, atol=1e-12)
+
+
+def test_padding_over_more_ranks_than_the_engine_limit_is_refused(worlds):
+    """A padded token may go to an expert of every rank: an EP group wider than the
+    engine's slots per token cannot be split into groups, and is refused on every rank."""
+    fixed, _ = _padded_round_trips(2, seed=50)
+    for error in worlds(2).run(megatron_rank_fns.with_slot_limit, [(1, "fixed_rows_round_trip", *a) for a in fixed]):
+        assert isinstance(error, str) and "padding (to capacity or for quantization) over an EP group of 2 ranks" in error
+
+
 def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):
     """An expert short of its capacity would leave the fixed counts wrong: refused
     in an eager step (a captured one cannot read the host) on every rank, the rank

@@ -65,8 +65,8 @@ CUDA graphs
   Megatron's own dispatcher needs there too, and the NVLink engine (its
   ``max_rows`` path; over NCCL the split sizes are read on the host). Each expert
   then gets exactly its capacity of every rank's tokens (Megatron's
-  ``get_capacity``, rounded up to the router padding's multiple), so K' = E (at
-  most the engine's 32), ``max_rows`` and the host ``tokens_per_expert`` are fixed,
+  ``get_capacity``, rounded up to the router padding's multiple), so K' = E,
+  ``max_rows`` and the host ``tokens_per_expert`` are fixed,
   and with expert tensor parallelism so are the expert-TP group's counts (every
   rank of it has the same; they are laid out once, in an eager step). Each eager
   ``token_dispatch`` makes the engine's room for them (``reserve``, a collective;
@@ -84,8 +84,12 @@ name more than ``moe_router_topk`` experts. The dispatcher then moves rows of up
 to K' experts, K' the most any token of the EP group names (one small all-reduce
 and host read per dispatch): each expert gets its capacity of rows from every
 rank, in the order of Megatron's ``alltoall`` dispatcher (source rank, then
-token), the padding rows with probability 0. On the NVLink engine K' is at most
-32 (``transport="nccl"`` moves any K').
+token), the padding rows with probability 0. Where K' passes the slots the engine
+moves per token (32 on NVLink; NCCL moves any number), the round trip goes by
+groups of local experts, 32 // W of each rank's a group (a group's slots fit): one
+dispatch per group, their rows one after another in expert order (the experts see
+one dispatch's rows), and each group's combine summed into the token's in fp32, in
+group order. An EP group of more ranks than those 32 slots is refused with padding.
 
 Megatron's EP-communication overlap
 -----------------------------------
@@ -239,7 +243,9 @@ class _InFlight:
     Attributes:
         next_stage: index in ``STAGES`` of the stage that may run next.
         hidden_shape: shape of the layer's ``hidden_states``, restored at the end.
-        dispatched: the engine's dispatch result.
+        dispatched: the engine's dispatch results, one per group of local experts
+            (``MegatronDispatcher.expert_groups``; one where a single dispatch
+            moves every slot), in expert order.
         counts: ``[E_local]`` int64 on the CPU, rows per local expert (from the
             engine's host read, or fixed by the capacity when graphs hold every stage).
         tp_rows: the rows of the expert-TP group, once ``dispatch_postprocess`` ran
@@ -248,7 +254,7 @@ class _InFlight:
 
     next_stage: int
     hidden_shape: torch.Size
-    dispatched: dispatch.Dispatched
+    dispatched: tuple[dispatch.Dispatched, ...]
     counts: torch.Tensor
     tp_rows: "expert_tp.TensorParallelRows | None" = None
 
@@ -345,6 +351,14 @@ class MegatronDispatcher:
             raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
         # Every stage inside CUDA graphs: fixed rows per expert, nothing read on the host.
         self.fixed_rows = capture == "all"
+        # Padded, a token may name every expert, and the engine moves at most max_topk slots a
+        # token: past that, one dispatch per group of local experts (max_topk // W of each rank's,
+        # so a group's slots fit), their rows one after another in expert order.
+        limit = self.engine.max_topk
+        self.expert_groups = None
+        if (self.pad_to_capacity or self.quantization_multiple) and limit is not None and num_experts > limit:
+            size = limit // self.ep_size  # >= 1: engine_refusals refuses an EP group wider than the limit
+            self.expert_groups = tuple((lo, min(lo + size, per_rank)) for lo in range(0, per_rank, size))
         # Megatron's local moe_preprocess graphs capture the layer's postprocess alone
         self.postprocess_alone = capture == "preprocess" and getattr(config, "cuda_graph_impl", None) == "local"
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
@@ -446,7 +460,8 @@ class MegatronDispatcher:
         return max(int(most), 1)  # host sync: K' of the group
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """The engine's dispatch (collective over the EP group).
+        """The engine's dispatch (collective over the EP group); one per group of local
+        experts where the padded slots per token exceed what the engine moves at once.
 
         Args:
             hidden_states: ``[T, H]`` from ``dispatch_preprocess``.
@@ -458,13 +473,13 @@ class MegatronDispatcher:
         if topk_idx is None:
             raise self._out_of_order("token_dispatch")
         self.topk_idx = None
-        max_rows = per_expert = None
+        groups = self._groups_for(topk_idx.shape[1])
+        per_expert = None
         if self.fixed_rows:  # each expert gets its capacity of every rank's tokens, exactly
             per_expert = settings.capacity(topk_idx.shape[0] * self.topk, self.num_experts, self.capacity_factor)
             per_expert += -per_expert % max(self.quantization_multiple, 1)  # the router padding's round-up
-            max_rows = per_expert * self.ep_size * self.num_local_experts
-            if not settings.capturing():  # each eager step, every rank: room for K' = E (nothing when it fits)
-                self.engine.reserve(hidden_states, topk_idx.shape[1])
+            if not settings.capturing():  # each eager step, every rank: room for the slots (nothing when it fits)
+                self.engine.reserve(hidden_states, max(self._group_width(topk_idx, g) for g in groups))
                 self._reserved = True
             elif not self._reserved:
                 raise RuntimeError("MegatronDispatcher: with every stage inside CUDA graphs, run one eager step "
@@ -472,16 +487,47 @@ class MegatronDispatcher:
         shared = self.shared_experts
         if shared is not None:
             shared.wait_current_stream()
-        out = self.engine.dispatch(hidden_states, topk_idx, probs, max_rows=max_rows)
+        outs = []
+        for group in groups:
+            idx, weights = (topk_idx, probs) if len(groups) == 1 else self._group_slots(topk_idx, probs, group)
+            max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
+            outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
+        tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])
+        permuted_probs = outs[0].weights if len(outs) == 1 else torch.cat([o.weights for o in outs])
         if shared is not None:  # beside the exchange's kernels
-            shared.linear_fc1_forward_and_act(out.tokens)
-        counts = out.tokens_per_expert_host
-        if per_expert is not None:
+            shared.linear_fc1_forward_and_act(tokens)
+        if per_expert is None:
+            counts = sum(o.tokens_per_expert_host for o in outs[1:]) + outs[0].tokens_per_expert_host
+        else:
             counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
             if not settings.capturing():
-                self._check_fixed_counts(out.tokens_per_expert, counts, per_expert, topk_idx.shape[0])
-        self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, dispatched=out, counts=counts)
-        return out.tokens, out.weights
+                got = sum(o.tokens_per_expert for o in outs[1:]) + outs[0].tokens_per_expert
+                self._check_fixed_counts(got, counts, per_expert, topk_idx.shape[0])
+        self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, dispatched=tuple(outs),
+                                    counts=counts)
+        return tokens, permuted_probs
+
+    def _groups_for(self, slots: int) -> tuple[tuple[int, int], ...]:
+        """The groups of local experts ``[lo, hi)`` a dispatch of ``slots`` slots per
+        token moves by: all in one where the engine takes them (``expert_groups``)."""
+        if self.expert_groups is None or slots <= self.engine.max_topk:
+            return ((0, self.num_local_experts),)
+        return self.expert_groups
+
+    def _group_width(self, topk_idx: torch.Tensor, group: tuple[int, int]) -> int:
+        """Slots per token of ``group``'s dispatch: at most its experts on every rank."""
+        return min(topk_idx.shape[1], self.ep_size * (group[1] - group[0]))
+
+    def _group_slots(self, topk_idx: torch.Tensor, weights: torch.Tensor, group: tuple[int, int]):
+        """The slots of ``topk_idx`` whose expert is one of local experts ``[lo, hi)`` of
+        its rank, first and in their order, in ``_group_width`` columns (-1 / weight 0
+        after them); on the device, differentiable w.r.t. ``weights`` (a gather)."""
+        lo, hi = group
+        local = topk_idx.remainder(self.num_local_experts)
+        inside = (topk_idx >= 0) & (local >= lo) & (local < hi)
+        order = torch.sort((~inside).to(torch.int8), dim=1, stable=True).indices[:, : self._group_width(topk_idx, group)]
+        kept = inside.gather(1, order)
+        return torch.where(kept, topk_idx.gather(1, order), -1), torch.where(kept, weights.gather(1, order), 0)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Hands the rows to Megatron's experts; with expert tensor parallelism,
@@ -523,7 +569,9 @@ class MegatronDispatcher:
         return expert_tp.SumRows.apply(rows.by_rank(hidden_states), rows)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The engine's combine, unweighted (the experts applied the probs).
+        """The engine's combine, unweighted (the experts applied the probs); by groups
+        of local experts, each group's sums added up in fp32 (fp64 for fp64), in
+        group order, where the dispatch went by groups.
 
         Args:
             hidden_states: ``[N, H]`` expert outputs (already weighted by ``permuted_probs``).
@@ -535,14 +583,24 @@ class MegatronDispatcher:
         shared = self.shared_experts
         if shared is not None:
             shared.wait_current_stream()
-        handle = state.dispatched.handle
+        handles = [d.handle for d in state.dispatched]
         if self.split_nodes:
             # each node's backward runs on its own graph, on every rank, in one order: tied to the
             # dispatch's node through the handle's link, the combine node's backward would also run
             # the dispatch's (an exchange more, with zero gradients)
-            handle = dataclasses.replace(handle, link=torch.empty(0, device=hidden_states.device,
-                                                                  requires_grad=torch.is_grad_enabled()))
-        out = self.engine.combine(hidden_states, handle, weights=None)
+            handles = [dataclasses.replace(h, link=torch.empty(0, device=hidden_states.device,
+                                                               requires_grad=torch.is_grad_enabled()))
+                       for h in handles]
+        if len(handles) == 1:
+            out = self.engine.combine(hidden_states, handles[0], weights=None)
+        else:
+            pieces = hidden_states.split([d.tokens.shape[0] for d in state.dispatched])
+            total = None
+            for piece, handle in zip(pieces, handles):
+                part = self.engine.combine(piece, handle, weights=None)
+                part = part.to(torch.promote_types(part.dtype, torch.float32))
+                total = part if total is None else total + part
+            out = total.to(hidden_states.dtype)
         if shared is not None:  # beside the exchange's kernels
             shared.linear_fc2_forward(out)
             shared.post_forward_comm()

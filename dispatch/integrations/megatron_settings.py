@@ -44,21 +44,25 @@ def refusals(config) -> list[str]:
 
 
 def engine_refusals(config, engine) -> list[str]:
-    """What stands against CUDA graphs that capture every stage (``capture`` is
-    ``"all"``) on ``engine``: the round trip must read nothing on the host, which
-    takes the engine's ``max_rows`` path (and padding to capacity, ``refusals``)."""
-    if capture(config) != "all":
-        return []
-    what = graph_text(config)
+    """What ``engine`` cannot do of ``config``: padding over more ranks than the
+    slots it moves per token, and CUDA graphs that capture every stage (``capture``
+    is ``"all"``) without its ``max_rows`` path (the round trip must read nothing on
+    the host; padding to capacity, ``refusals``)."""
     problems = []
+    padded = any(getattr(config, name, False) for name in (
+        "moe_pad_expert_input_to_capacity", "moe_router_padding_for_quantization", "moe_router_padding_for_fp8"))
+    if padded and engine.max_topk is not None and engine.world_size > engine.max_topk:
+        problems.append(f"padding (to capacity or for quantization) over an EP group of {engine.world_size} ranks "
+                        f"(a padded token may go to an expert of every rank; the NVLink engine moves at most "
+                        f"{engine.max_topk} per token: transport='nccl' moves any number)")
+    if capture(config) != "all":
+        return problems
+    what = graph_text(config)
     if not getattr(engine, "host_free", False):
         chosen = engine.config
         problems.append(f"{what} without the NVLink engine (variant={chosen.variant!r}, transport={chosen.transport!r} "
                         "here reads split sizes on the host; the engine, variant 'alltoall' with transport 'nvlink', "
                         "or 'auto' on one host with peer access, reads nothing with max_rows)")
-    elif engine.max_topk is not None and config.num_moe_experts > engine.max_topk:
-        problems.append(f"{what} with num_moe_experts={config.num_moe_experts} (padded to capacity, a token may go to "
-                        f"every expert; the NVLink engine moves at most {engine.max_topk} per token)")
     return problems
 
 
