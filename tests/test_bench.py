@@ -159,3 +159,17 @@ def test_group_dedup_study_counts_what_it_models():
     table = study.rows(argparse.Namespace(worlds=[2], groups=[1, 2, 4]))
     deepseek = [r["ratio"] for r in table if r["shape"] == "deepseek-v3"]
     assert deepseek[0] == 1.0 and deepseek[0] < deepseek[1] < deepseek[2]
+
+
+@pytest.mark.parametrize("teardown", [True, False])
+def test_launch_leaves_with_and_without_teardown(teardown):
+    """Every rank runs the job and the launcher returns 0, whether the ranks destroy
+    the process group (teardown) or leave without (a job whose NCCL collectives sit in
+    CUDA graphs): two gloo processes, each printing its job's argument."""
+    code = ("import sys; from dispatch.bench.common import launch; "
+            f"sys.exit(launch(print, 'job ran', 2, teardown={teardown}))")
+    # buffered output, as a pipe gets it: what the ranks printed must still come out
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("job ran") == 2, done.stdout

@@ -231,15 +231,24 @@ def _padded_round_trips(world_size: int, seed: int):
     return fixed, eager
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("graphs", [True, False])
-def test_padded_slots_past_the_engine_limit_move_by_expert_groups(worlds, world_size, graphs):
+@pytest.mark.parametrize(
+    "world_size, limit, graphs, slots",
+    [
+        # one local expert a group (limit // W = 1): four dispatches of W slots
+        (1, 1, True, [1] * 4), (2, 2, True, [2] * 4), (3, 3, True, [3] * 4),
+        (1, 1, False, [1] * 4), (2, 2, False, [2] * 4), (3, 3, False, [3] * 4),
+        # groups of several experts and a shorter last one: local experts (0, 3), (3, 4)
+        (1, 3, True, [3, 1]),
+        # 5 // W = 2 local experts a group, (0, 2) and (2, 4): 4 of the K' = E = 8 slots each
+        (2, 5, True, [4, 4]),
+    ],
+)
+def test_padded_slots_past_the_engine_limit_move_by_expert_groups(worlds, world_size, limit, graphs, slots):
     """Padded, a token may name more experts than the engine moves per token (32 on
     NVLink; `limit` here): the adapter then dispatches by groups of local experts,
     limit // W of each rank's (every stage in CUDA graphs: always, K' = E; eagerly:
     where K' passes the limit). The experts get the rows of one dispatch, bitwise; the
     sums per token (output, input gradient) add the groups' up, equal to rounding."""
-    limit = world_size  # one local expert a group: four dispatches
     fixed, eager = _padded_round_trips(world_size, seed=40)
     name, args = ("fixed_rows_round_trip", fixed) if graphs else ("stage_round_trip", eager)
     want = worlds(world_size).run(getattr(megatron_rank_fns, name), args)
@@ -247,7 +256,7 @@ def test_padded_slots_past_the_engine_limit_move_by_expert_groups(worlds, world_
     for rank, (g, w) in enumerate(zip(got, want)):
         assert not isinstance(g, str), g
         assert len(w["dispatch_slots"]) == 1 and w["dispatch_slots"][0] > limit, (rank, w["dispatch_slots"])
-        assert g["dispatch_slots"] == [limit] * 4, (rank, g["dispatch_slots"])
+        assert g["dispatch_slots"] == slots, (rank, g["dispatch_slots"])
         for key in ("tokens", "tokens_per_expert", "permuted_probs", "probs_grad"):
             assert torch.equal(g[key], w[key]), (rank, key)
         for key in ("out", "x_grad"):

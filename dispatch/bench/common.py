@@ -90,15 +90,16 @@ def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4, te
     """Run ``job(args)`` on every rank of a fresh world. Under torchrun
     (``LOCAL_RANK`` set) this process is one rank; otherwise one process per GPU
     (NCCL) or ``world_size`` CPU processes (gloo, default ``cpu_default``) are
-    started here. Without ``teardown``, the ranks started here leave after their job
-    and the final barrier without destroying the process group: a job that captured NCCL
+    started here. Without ``teardown``, ranks whose job succeeded do not destroy the
+    process group after the final barrier (the processes started here exit at once;
+    under torchrun it is left to the process's exit): a job that captured NCCL
     collectives in CUDA graphs needs that, because NCCL's communicator destroy then
     never returns (pytorch/pytorch#115388).
 
     Returns a process exit code (0 on success, 2 for a world that cannot be made).
     """
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _rank_main(int(os.environ["LOCAL_RANK"]), job, args, None)
+        _rank_main(int(os.environ["LOCAL_RANK"]), job, args, None, teardown)
         return 0
     use_cuda = torch.cuda.is_available()
     world = world_size_for(world_size, cpu_default)
@@ -135,22 +136,28 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None, teardown:
         torch.cuda.set_device(device_id)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600),
                             device_id=device_id)
+    done = False
     try:
         job(args)
         dist.barrier()
-        if not teardown and env is not None:  # a process of spawn's: its exit status is all it reports
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        done = True
     except BaseException:
         # spawn reports only the first rank that died; say which one failed first-hand
         print(f"dispatch-bench: rank {dist.get_rank()} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     finally:
-        # a rank that cannot leave (a peer gone, a teardown stuck) prints every thread's
-        # stack and exits, instead of holding the launcher forever
-        faulthandler.dump_traceback_later(TEARDOWN_S, exit=True)
-        dist.destroy_process_group()
+        if done and not teardown:
+            if env is not None:  # a process of spawn's: its exit status is all it reports
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+            # under torchrun the caller goes on: the process group is left to the process's exit
+        else:
+            # a rank that cannot leave (a peer gone, a teardown stuck) prints every thread's
+            # stack and exits, instead of holding the launcher forever
+            faulthandler.dump_traceback_later(TEARDOWN_S, exit=True)
+            dist.destroy_process_group()
+            faulthandler.cancel_dump_traceback_later()
 
 
 def new_group_with_sm_budget(

@@ -88,8 +88,11 @@ token), the padding rows with probability 0. Where K' passes the slots the engin
 moves per token (32 on NVLink; NCCL moves any number), the round trip goes by
 groups of local experts, 32 // W of each rank's a group (a group's slots fit): one
 dispatch per group, their rows one after another in expert order (the experts see
-one dispatch's rows), and each group's combine summed into the token's in fp32, in
-group order. An EP group of more ranks than those 32 slots is refused with padding.
+one dispatch's rows), and one combine per group, whose sums (each rounded to the
+activations' dtype) are added in fp32, in group order, and rounded again: for a
+token of three rows or more spread over groups, a half-precision result may differ
+from one combine's by a rounding. An EP group of more ranks than those 32 slots is refused
+with padding.
 
 Megatron's EP-communication overlap
 -----------------------------------
@@ -569,9 +572,10 @@ class MegatronDispatcher:
         return expert_tp.SumRows.apply(rows.by_rank(hidden_states), rows)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The engine's combine, unweighted (the experts applied the probs); by groups
-        of local experts, each group's sums added up in fp32 (fp64 for fp64), in
-        group order, where the dispatch went by groups.
+        """The engine's combine, unweighted (the experts applied the probs). Where the
+        dispatch went by groups of local experts, one combine per group (each sums
+        its rows in fp32 and rounds once, as a combine does), the groups' sums then
+        added in fp32 (fp64 for fp64), in group order, and rounded.
 
         Args:
             hidden_states: ``[N, H]`` expert outputs (already weighted by ``permuted_probs``).
@@ -595,12 +599,13 @@ class MegatronDispatcher:
             out = self.engine.combine(hidden_states, handles[0], weights=None)
         else:
             pieces = hidden_states.split([d.tokens.shape[0] for d in state.dispatched])
-            total = None
+            total = dtype = None
             for piece, handle in zip(pieces, handles):
                 part = self.engine.combine(piece, handle, weights=None)
-                part = part.to(torch.promote_types(part.dtype, torch.float32))
+                dtype = part.dtype  # the dtype the combine agreed between the ranks
+                part = part.to(torch.promote_types(dtype, torch.float32))
                 total = part if total is None else total + part
-            out = total.to(hidden_states.dtype)
+            out = total.to(dtype)
         if shared is not None:  # beside the exchange's kernels
             shared.linear_fc2_forward(out)
             shared.post_forward_comm()
