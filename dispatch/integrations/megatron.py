@@ -91,8 +91,8 @@ dispatch per group, their rows one after another in expert order (the experts se
 one dispatch's rows), and one combine per group, whose sums (each rounded to the
 activations' dtype) are added in fp32, in group order, and rounded again: for a
 token of three rows or more spread over groups, a half-precision result may differ
-from one combine's by a rounding. An EP group of more ranks than those 32 slots is refused
-with padding.
+from one combine's by a rounding. An EP group of more ranks than those 32 slots is
+refused with padding.
 
 Megatron's EP-communication overlap
 -----------------------------------
