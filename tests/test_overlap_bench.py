@@ -41,17 +41,21 @@ def test_cpu_smoke_run_writes_results(tmp_path):
 
 def test_cpu_micro_batches(tmp_path):
     """--micro-batches: two micro-batches by the async verbs give the layer's outputs
-    (to the experts' rounding), with T_mb beside T_mb_seq and hidden_mb from them."""
+    (to the experts' rounding), overlapped and one after the other, with T_mb beside
+    T_mb_seq (the verbs in sequence) and T_mb_layer, and hidden_mb from T_mb_seq."""
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
             "--micro-batches", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-mb.json").read_text())
     for row in result["rows"]:
-        assert row["t_mb_ms"] > 0 and row["t_mb_seq_ms"] > 0 and row["max_abs_diff_mb"] <= ROUNDING
+        assert row["t_mb_ms"] > 0 and row["t_mb_seq_ms"] > 0 and row["t_mb_layer_ms"] > 0
+        assert row["max_abs_diff_mb"] <= ROUNDING
         short = min(row["t_comm_ms"], row["t_compute_ms"])
         assert row["hidden_mb"] == pytest.approx((row["t_mb_seq_ms"] - row["t_mb_ms"]) / (2 * short))
         assert row["t_graph_ms"] is None
-    assert f"| {result['rows'][0]['t_mb_seq_ms']:.3f} / " in (tmp_path / "overlap-cpu-tiny-w2-mb.md").read_text()
+    first = result["rows"][0]
+    cell = f"| {first['t_mb_layer_ms']:.3f} / {first['t_mb_seq_ms']:.3f} / {first['t_mb_ms']:.3f} ("
+    assert cell in (tmp_path / "overlap-cpu-tiny-w2-mb.md").read_text()
 
 
 def test_chunks_above_local_experts_are_capped():

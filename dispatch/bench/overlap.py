@@ -27,8 +27,11 @@ gloo, as a smoke test):
     T_mb        with ``--micro-batches``: two micro-batches of the shape by the async
                 verbs, micro-batch 1's dispatch in flight beside micro-batch 0's experts
                 and micro-batch 0's combine beside micro-batch 1's experts (backward by
-                autograd), against T_mb_seq, the layer run twice in a row; hidden_mb =
-                (T_mb_seq - T_mb) / (2 min(T_comm, T_compute))
+                autograd), against T_mb_seq, the same verbs with each micro-batch's
+                exchange waited for before the next starts (so the difference is the
+                overlap alone); hidden_mb = (T_mb_seq - T_mb) / (2 min(T_comm, T_compute));
+                and T_mb_layer, the layer (C = 1) run twice in a row, what the verbs'
+                path costs beside MoEExchange
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
@@ -199,23 +202,30 @@ class Case:
 
         return run
 
-    def micro_batch_step(self, backward: bool):
-        """Two micro-batches (``x``, ``x2``) by the async verbs: both dispatches
-        started, then each one's experts and started combine in turn, so that
-        micro-batch 1's dispatch and micro-batch 0's combine move beside the other's
-        experts; backward by autograd over both. Returns the two outputs."""
+    def micro_batch_step(self, backward: bool, overlapped: bool = True):
+        """Two micro-batches (``x``, ``x2``) by the async verbs. Overlapped: both
+        dispatches started, then each one's experts and started combine in turn, so
+        that micro-batch 1's dispatch and micro-batch 0's combine move beside the
+        other's experts. Otherwise each micro-batch's dispatch, experts and combine
+        are waited for before the next micro-batch starts. Backward by autograd over
+        both. Returns the two outputs."""
         d, experts = self.dispatcher, self.experts
 
         def run():
             xs = [x.detach().requires_grad_(backward) for x in (self.x, self.x2)]
             ws = [self.topk_weights.detach().requires_grad_(backward) for _ in xs]
-            works = [d.dispatch(x, self.topk_idx, w, async_op=True) for x, w in zip(xs, ws)]
-            combines = []
-            for work in works:
-                out = work.wait()
+            if overlapped:
+                works = [d.dispatch(x, self.topk_idx, w, async_op=True) for x, w in zip(xs, ws)]
+            combines, outs = [], []
+            for i, (x, w) in enumerate(zip(xs, ws)):
+                out = works[i].wait() if overlapped else d.dispatch(x, self.topk_idx, w)
                 y = experts(out.tokens, out.tokens_per_expert)
-                combines.append(d.combine(y, out.handle, weights=out.weights, async_op=True))
-            outs = [c.wait() for c in combines]
+                if overlapped:
+                    combines.append(d.combine(y, out.handle, weights=out.weights, async_op=True))
+                else:
+                    outs.append(d.combine(y, out.handle, weights=out.weights))
+            if overlapped:
+                outs = [c.wait() for c in combines]
             if backward:
                 torch.autograd.backward(outs, [self.grad, self.grad])
                 experts.zero_grad(set_to_none=True)
@@ -268,19 +278,21 @@ def _captured(case: Case, layer, backward: bool):
 
 
 def _micro_batches(case: Case, seq, backward: bool, timed, group) -> dict:
-    """T_mb (two micro-batches by the async verbs) and T_mb_seq (the layer ``seq``
-    run on each in a row), and the largest difference of their outputs (collective)."""
+    """T_mb (two micro-batches by the async verbs, overlapped), T_mb_seq (the same
+    verbs, one micro-batch after the other), T_mb_layer (the layer ``seq`` run on
+    each in a row), and the largest difference of the outputs (collective)."""
     step = case.layer_step(seq, backward)
     second = replace(case, x=case.x2, graphs=[]).layer_step(seq, backward)
-    t_seq = timed(lambda: (step(), second()))[0]
+    t_layer = timed(lambda: (step(), second()))[0]
+    t_seq = timed(case.micro_batch_step(backward, overlapped=False))[0]
     t_mb = timed(case.micro_batch_step(backward))[0]
     with torch.no_grad():
         want = [seq(x, case.topk_idx, case.topk_weights) for x in (case.x, case.x2)]
-        got = case.micro_batch_step(False)()
-    diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want))
+        got = case.micro_batch_step(False)() + case.micro_batch_step(False, overlapped=False)()
+    diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
     diff = torch.tensor([diff], device=case.x.device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-    return {"t_mb_seq_ms": t_seq, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff)}
+    return {"t_mb_layer_ms": t_layer, "t_mb_seq_ms": t_seq, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff)}
 
 
 def chunk_values(args, num_local_experts: int) -> list[int]:
@@ -383,7 +395,7 @@ def suffix(args) -> str:
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "pass", "W", "dispatcher", "wire", "carveout", "max_ctas", "NCCL stream", "T_comm ms",
             "T_compute ms", "T_seq ms", "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "T_graph ms",
-            "T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "peak MiB by C", "host ms by C"]
+            "T_mb_layer / T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "peak MiB by C", "host ms by C"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
@@ -404,7 +416,7 @@ def _micro_batch_cell(row: dict) -> str:
     """"12.345 / 10.000 (0.41)", or "-" where not measured."""
     if row.get("t_mb_ms") is None:
         return "-"
-    return f"{row['t_mb_seq_ms']:.3f} / {row['t_mb_ms']:.3f} ({row['hidden_mb']:.2f})"
+    return f"{row['t_mb_layer_ms']:.3f} / {row['t_mb_seq_ms']:.3f} / {row['t_mb_ms']:.3f} ({row['hidden_mb']:.2f})"
 
 
 def _by_c(values: dict | None, fmt: str = ".0f") -> str:
