@@ -255,9 +255,9 @@ def stage_error(call: str, num_experts: int, topk: int, config_extra: dict, opti
         routing_map = torch.zeros(6, num_experts, dtype=torch.bool, device=current_device())
         routing_map[:, :topk] = True
         probs = routing_map.float()
-        if call == "too_many":
-            routing_map[2, :] = True
-            d.dispatch_preprocess(x, routing_map, probs)
+        if call in ("too_many", "too_many_on_rank_0"):  # refused at the dispatch, whose value check sees it
+            routing_map[2, :] = call == "too_many" or rank == 0
+            d.token_dispatch(*d.dispatch_preprocess(x, routing_map, probs))
         elif call == "map_dtype":
             d.dispatch_preprocess(x, routing_map.float(), probs)
         elif call == "map_shape":

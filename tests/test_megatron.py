@@ -4,6 +4,7 @@ called in MoELayer.forward's order, checked against the dense reference."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -482,6 +483,15 @@ def test_misuse_is_refused(worlds, call, kind, needle):
     results = worlds(2).run(megatron_rank_fns.stage_error, [(call, 4, 2, {}, {})] * 2)
     for error in results:
         assert error is not None and error[0] == kind and needle in error[1], error
+
+
+def test_a_row_of_more_than_topk_experts_is_refused_on_every_rank(worlds):
+    """Only rank 0's routing_map names more than top-k experts in a row: its dispatch
+    raises that, and rank 1's raises that rank 0's input is bad, instead of waiting."""
+    first, second = worlds(2).run(megatron_rank_fns.stage_error, [("too_many_on_rank_0", 4, 2, {}, {})] * 2)
+    assert first is not None and first[0] == "ValueError" and "more than moe_router_topk=2" in first[1], first
+    # the engine's words: "rank 0 marked its input bad"; NCCL's: "rank(s) [0] of the group failed"
+    assert second is not None and re.search(r"rank(\(s\))? \[?0\]? ", second[1]), second
 
 
 def test_the_group_must_fit():

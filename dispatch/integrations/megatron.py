@@ -54,8 +54,8 @@ CUDA graphs
 * Graphs of attention and of the router alone end before ``dispatch_preprocess``.
 * ``moe_preprocess`` graphs (with ``moe_router``; without padding to capacity or
   router padding, as Megatron requires there) hold ``dispatch_preprocess``, which
-  reads nothing on the host (its ``check_inputs`` host check is skipped while
-  capturing). Its routing (``topk_idx``) waits on the object for
+  reads nothing on the host (while capturing it leaves out its mark of rows of more
+  than top-k experts, which the dispatch's value check refuses eagerly). Its routing (``topk_idx``) waits on the object for
   ``token_dispatch``. Named in ``cudagraph_attrs``, it is a graph output that
   Megatron sets again after each replay; ``token_dispatch`` takes it once. Megatron's
   local graphs also capture the layer's postprocess alone, after an eager round
@@ -374,6 +374,7 @@ class MegatronDispatcher:
         self.cudagraph_attrs: list[str] = ["topk_idx"]
         self.valid_cudagraph_attrs = None
         self.topk_idx: torch.Tensor | None = None  # dispatch_preprocess -> token_dispatch
+        self._too_many: torch.Tensor | None = None  # whether a row named more than top-k (checked eagerly)
         self.hidden_shape: torch.Size | None = None
         self._in_flight: _InFlight | None = None
 
@@ -426,7 +427,7 @@ class MegatronDispatcher:
                 f"hidden_states ({hidden_states.device}), routing_map ({routing_map.device}) and probs "
                 f"({probs.device}) must be on one device"
             )
-        topk = self.topk
+        topk, too_many = self.topk, None
         if self.quantization_multiple:  # as Megatron's alltoall dispatcher pads, before it counts
             routing_map = pad_routing_map(routing_map, self.quantization_multiple)
         if self.fixed_rows:  # every expert may take a token padded to capacity: K' fixed, no host read
@@ -434,13 +435,14 @@ class MegatronDispatcher:
         elif self.pad_to_capacity or self.quantization_multiple:  # up to every expert per token
             topk = self._padded_topk(routing_map)
         elif self.engine.config.check_inputs and num_tokens and not settings.capturing():
-            too_many = (routing_map.sum(dim=1) > self.topk).any()
-            if bool(too_many):  # host sync: value check, only with check_inputs
-                raise ValueError(
-                    f"routing_map has a row with more than moe_router_topk={self.topk} experts; "
-                    "only padding (moe_pad_expert_input_to_capacity, moe_router_padding_for_quantization) names more"
-                )
+            too_many = routing_map.sum(dim=1) > self.topk  # on the device: read only where the dispatch fails
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, topk)
+        if too_many is not None:
+            # a row of more than top-k experts gets, in its last slot, an id no expert has: the
+            # dispatch's value check refuses it on every rank (with no host read of its own here)
+            topk_idx[:, -1] = torch.where(too_many, self.num_experts, topk_idx[:, -1])
+            too_many = too_many.any()
+        self._too_many = too_many
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
         # A new round trip may always start (one that raised half way is dropped). The
@@ -491,10 +493,19 @@ class MegatronDispatcher:
         if shared is not None:
             shared.wait_current_stream()
         outs = []
+        too_many, self._too_many = self._too_many, None
         for group in groups:
             idx, weights = (topk_idx, probs) if len(groups) == 1 else self._group_slots(topk_idx, probs, group)
             max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
-            outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
+            try:
+                outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
+            except ValueError as exc:
+                if too_many is not None and bool(too_many):  # host sync, on the way out only
+                    raise ValueError(
+                        f"routing_map has a row with more than moe_router_topk={self.topk} experts; only padding "
+                        "(moe_pad_expert_input_to_capacity, moe_router_padding_for_quantization) names more"
+                    ) from exc
+                raise
         tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])
         permuted_probs = outs[0].weights if len(outs) == 1 else torch.cat([o.weights for o in outs])
         if shared is not None:  # beside the exchange's kernels
