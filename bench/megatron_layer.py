@@ -703,10 +703,11 @@ def report(result: dict, args: argparse.Namespace) -> None:
             lines.append(f"GPTModel with local CUDA graphs, {run['setting']}: ERROR {run['error']} FAIL")
             continue
         diffs = ", ".join(f"{k} {v:.2e}" for k, v in run["max_relative_diff"].items())
+        groups = max(run["expert_groups"])
         lines.append(
             f"GPTModel with local CUDA graphs, {run['setting']} (ours on {', '.join(run['engine'])}"
             f"{', rows fixed by the capacity' if True in run['fixed_rows'] else ''}"
-            f"{', dispatches by ' + str(max(run['expert_groups'])) + ' groups of experts' if max(run['expert_groups']) > 1 else ''}"
+            f"{f', dispatches by {groups} groups of experts' if groups > 1 else ''}"
             f"; graphs made: "
             f"{'yes' if all(m is not None for m in run['capture']) else 'NO'}), "
             f"{run['steps']} steps: loss {run['losses']['ours captured'][0]:.4f} -> "

@@ -256,7 +256,8 @@ def stage_error(call: str, num_experts: int, topk: int, config_extra: dict, opti
         routing_map[:, :topk] = True
         probs = routing_map.float()
         if call in ("too_many", "too_many_on_rank_0"):  # refused at the dispatch, whose value check sees it
-            routing_map[2, :] = call == "too_many" or rank == 0
+            if call == "too_many" or rank == 0:
+                routing_map[2, :] = True
             d.token_dispatch(*d.dispatch_preprocess(x, routing_map, probs))
         elif call == "map_dtype":
             d.dispatch_preprocess(x, routing_map.float(), probs)

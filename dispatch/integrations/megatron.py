@@ -54,9 +54,10 @@ CUDA graphs
 * Graphs of attention and of the router alone end before ``dispatch_preprocess``.
 * ``moe_preprocess`` graphs (with ``moe_router``; without padding to capacity or
   router padding, as Megatron requires there) hold ``dispatch_preprocess``, which
-  reads nothing on the host (while capturing it leaves out its mark of rows of more
-  than top-k experts, which the dispatch's value check refuses eagerly). Its routing (``topk_idx``) waits on the object for
-  ``token_dispatch``. Named in ``cudagraph_attrs``, it is a graph output that
+  reads nothing on the host. Rows of more than top-k experts are refused by the
+  dispatch's value check where ``dispatch_preprocess`` ran eagerly; a graph's
+  replays are not checked (their rows keep the top-k lowest experts). Its routing
+  (``topk_idx``) waits on the object for ``token_dispatch``. Named in ``cudagraph_attrs``, it is a graph output that
   Megatron sets again after each replay; ``token_dispatch`` takes it once. Megatron's
   local graphs also capture the layer's postprocess alone, after an eager round
   trip: ``combine_postprocess`` then runs without the stages before it.
@@ -374,7 +375,8 @@ class MegatronDispatcher:
         self.cudagraph_attrs: list[str] = ["topk_idx"]
         self.valid_cudagraph_attrs = None
         self.topk_idx: torch.Tensor | None = None  # dispatch_preprocess -> token_dispatch
-        self._too_many: torch.Tensor | None = None  # whether a row named more than top-k (checked eagerly)
+        # (topk_idx, whether a row of it named more than top-k): set where checked (eagerly)
+        self._too_many: tuple[torch.Tensor, torch.Tensor] | None = None
         self.hidden_shape: torch.Size | None = None
         self._in_flight: _InFlight | None = None
 
@@ -441,7 +443,7 @@ class MegatronDispatcher:
             # a row of more than top-k experts gets, in its last slot, an id no expert has: the
             # dispatch's value check refuses it on every rank (with no host read of its own here)
             topk_idx[:, -1] = torch.where(too_many, self.num_experts, topk_idx[:, -1])
-            too_many = too_many.any()
+            too_many = (topk_idx, too_many.any())
         self._too_many = too_many
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states)
@@ -494,13 +496,15 @@ class MegatronDispatcher:
             shared.wait_current_stream()
         outs = []
         too_many, self._too_many = self._too_many, None
+        if too_many is not None and too_many[0] is not topk_idx:  # of another routing (a graph's replay)
+            too_many = None
         for group in groups:
             idx, weights = (topk_idx, probs) if len(groups) == 1 else self._group_slots(topk_idx, probs, group)
             max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
             try:
                 outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
             except ValueError as exc:
-                if too_many is not None and bool(too_many):  # host sync, on the way out only
+                if too_many is not None and bool(too_many[1]):  # host sync, on the way out only
                     raise ValueError(
                         f"routing_map has a row with more than moe_router_topk={self.topk} experts; only padding "
                         "(moe_pad_expert_input_to_capacity, moe_router_padding_for_quantization) names more"
@@ -539,7 +543,8 @@ class MegatronDispatcher:
         lo, hi = group
         local = topk_idx.remainder(self.num_local_experts)
         inside = (topk_idx >= 0) & (local >= lo) & (local < hi)
-        order = torch.sort((~inside).to(torch.int8), dim=1, stable=True).indices[:, : self._group_width(topk_idx, group)]
+        width = self._group_width(topk_idx, group)
+        order = torch.sort((~inside).to(torch.int8), dim=1, stable=True).indices[:, :width]
         kept = inside.gather(1, order)
         return torch.where(kept, topk_idx.gather(1, order), -1), torch.where(kept, weights.gather(1, order), 0)
 
