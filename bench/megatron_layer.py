@@ -605,7 +605,8 @@ def check_overlap(steps: int, seed: int = 1357) -> dict:
 
 
 def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
-    """deepseek-v3-like ``MoELayer`` forward + backward with each dispatcher swapped in."""
+    """deepseek-v3-like ``MoELayer`` forward + backward with each dispatcher swapped in,
+    the dispatchers' timed runs taken in turns (round robin)."""
     from dispatch.integrations.megatron import MegatronDispatcher
 
     config = moe_config(
@@ -626,23 +627,35 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
     x = torch.randn(args.tokens, 1, 7168, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
-    rows, reference = [], None
-    for name, dispatcher in dispatchers.items():
-        layer.token_dispatcher = dispatcher
 
+    def step_with(dispatcher):
         def step():
+            layer.token_dispatcher = dispatcher
             layer.zero_grad(set_to_none=True)
             x.grad = None
             out, _ = layer(x)
             out.backward(grad)
             return out
 
-        out = step().detach()
-        if reference is None:
-            reference = out
-        runs = time_phases(lambda timer: step(), args.iters, args.warmup, device())
-        stats = spread([r["total"] for r in runs])
-        error = _worst_over_ranks({"output": _relative_error(reference, out)})["output"]
+        return step
+
+    steps = {name: step_with(dispatcher) for name, dispatcher in dispatchers.items()}
+    outs = {name: step().detach() for name, step in steps.items()}
+    reference = outs["megatron alltoall"]
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    # round robin, each round in another order: drift and what ran just before weigh on
+    # every dispatcher alike
+    names, samples = list(steps), {name: [] for name in steps}
+    for i in range(args.iters):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            run = time_phases(lambda timer: steps[name](), 1, 0, device())
+            samples[name].append(run[0]["total"])
+    rows = []
+    for name in names:
+        stats = spread(samples[name])
+        error = _worst_over_ranks({"output": _relative_error(reference, outs[name])})["output"]
         rows.append({
             "name": name,
             "median_ms": stats["median"],
