@@ -96,11 +96,8 @@ class MoEExchange(nn.Module):
             first, then rows that no token takes, with weight 0, and counts on
             the device only (:class:`GroupedExperts` takes them as they are;
             other experts must give those rows any finite values). None: the
-            dispatch reads its counts on the host. (The engine's round trip in a
-            graph: 0.57 ms against 2.03 eager, DeepSeek-V3 on 2 x H200; the layer
-            with GroupedExperts in a graph, DeepSeek-V3 on 2 x H100: forward 7.43
-            ms against 8.21 eager, forward+backward 27.64 against 28.55; Mixtral,
-            where the experts dwarf the exchange, no gain: 11.15 against 10.94.)
+            dispatch reads its counts on the host. What a graph saves is measured
+            by ``dispatch-bench overlap --graph`` (bench/results/README.md).
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,

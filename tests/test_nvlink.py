@@ -397,29 +397,38 @@ def _captured_replays(step, reset, inputs, fresh, replays: int, same) -> int:
     return wrong
 
 
+def _round_trip(d, idx, x, w, bound):
+    """A round trip with max_rows ``bound`` around a smooth nonlinear stand-in for experts."""
+    out = d.dispatch(x, idx, w, max_rows=bound)
+    y = out.tokens * 1.5 + out.tokens * out.tokens * 0.125
+    return d.combine(y, out.handle, weights=out.weights)
+
+
+def _equals_nccl(nccl, idx, x, w, grad, h) -> bool:
+    """Whether ``h`` and the gradients in x.grad, w.grad (of sum(h * grad)) equal an
+    NCCL round trip's on the same values, bitwise."""
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    want = _round_trip(nccl, idx, xr, wr, None)
+    (want.float() * grad).sum().backward()
+    return torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
+
+
 def _graph_backward(config, tokens, hidden, topk, max_rows, replays, seed):
     """Forward and backward of a round trip with max_rows captured in one CUDA
     graph, replayed with new rows, routings, weights and output gradients: the
     output and the gradients of x and topk_weights equal an NCCL round trip's."""
     fresh, (x, idx, w, grad), engine, nccl = _graph_setup(config, tokens, hidden, topk, seed)
 
-    def step(d, x, w, bound):
-        out = d.dispatch(x, idx, w, max_rows=bound)
-        y = out.tokens * 1.5 + out.tokens * out.tokens * 0.125
-        h = d.combine(y, out.handle, weights=out.weights)
+    def step():
+        h = _round_trip(engine, idx, x, w, max_rows)
         (h.float() * grad).sum().backward()
         return h.detach()
 
     def reset():
         x.grad = w.grad = None
 
-    def same(h):
-        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        want = step(nccl, xr, wr, None)
-        return torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
-
-    wrong = _captured_replays(lambda: step(engine, x, w, max_rows), reset, (x.detach(), idx, w.detach(), grad),
-                              fresh, replays, same)
+    wrong = _captured_replays(step, reset, (x.detach(), idx, w.detach(), grad), fresh, replays,
+                              lambda h: _equals_nccl(nccl, idx, x, w, grad, h))
     engine.check()
     return wrong
 
@@ -438,15 +447,9 @@ def _graphed_apart(config, tokens, hidden, topk, max_rows, replays, seed):
     (a capture may not wait for another's events). Each replay equals an NCCL
     round trip, output and gradients."""
     fresh, (x, idx, w, grad), engine, nccl = _graph_setup(config, tokens, hidden, topk, seed)
-
-    def round_trip(d, x, w, bound):
-        out = d.dispatch(x, idx, w, max_rows=bound)
-        y = out.tokens * 1.5 + out.tokens * out.tokens * 0.125
-        return d.combine(y, out.handle, weights=out.weights)
-
-    round_trip(engine, x, w, max_rows).sum().backward()  # eager: sizes the buffers, compiles the kernels
+    _round_trip(engine, idx, x, w, max_rows).sum().backward()  # eager: sizes the buffers, compiles the kernels
     torch.cuda.synchronize()
-    graphed = torch.cuda.make_graphed_callables(lambda x, w: round_trip(engine, x, w, max_rows), (x, w))
+    graphed = torch.cuda.make_graphed_callables(lambda x, w: _round_trip(engine, idx, x, w, max_rows), (x, w))
     wrong = 0
     for _ in range(replays):
         for s, t in zip((x.detach(), idx, w.detach(), grad), fresh()):
@@ -454,10 +457,7 @@ def _graphed_apart(config, tokens, hidden, topk, max_rows, replays, seed):
         x.grad = w.grad = None
         h = graphed(x, w)
         (h.float() * grad).sum().backward()
-        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        want = round_trip(nccl, xr, wr, None)
-        (want.float() * grad).sum().backward()
-        wrong += not (torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad))
+        wrong += not _equals_nccl(nccl, idx, x, w, grad, h)
     engine.check()
     return wrong
 

@@ -4,8 +4,9 @@ Same result as ``dispatch.plan.build_recv_plan_reference``: each received row
 (a program handles ``BLOCK_R`` of them) finds its arrival block (source rank,
 group) in the host-made table by binary search, and writes its slot list,
 source token and rank at its held place, and for each valid slot its held row
-and its weight at the slot's expanded position. Every output element is written by exactly one row, so nothing is
-atomic and the result does not depend on the launch. On the deepseek-v3 shape
+and its weight at the slot's expanded position. Every output element is written
+by exactly one row, so nothing is atomic and the result does not depend on the
+launch. On the deepseek-v3 shape
 this replaces some thirty small operations, whose launches and framework
 overhead were the cost, by one launch.
 """
