@@ -10,16 +10,24 @@ using namespace engine;
 // this rank's rows of each item (ascending local expert, -1 padded). The partial
 // of item (s, t) goes to rank s's buffer at [me, t] of its partials region
 // ([W, tcap] rows of part_row bytes; copy 0 at part_off, part_copy bytes apart)
-// of the operation's epoch, seq + 1, raised (and stored in seq) at the end.
+// of the operation's epoch, seq + 1, raised (and stored in seq) at the end
+// (with `signal`).
+// A piece of a combine by groups pushes the items whose last row lies in
+// [row_lo, row_hi) (the items that group completes), reading each row from its
+// group's rows: with parts > 0, rows [bounds[p], bounds[p + 1]) are those of
+// y_parts[p] (and their weights w_parts[p]); only the last piece signals. Each
+// partial is summed whole, from zero, in one piece: the bits of one combine.
+// The whole combine is one piece (parts 0: rows of y and weights, every item).
 // A: accumulator (float or double).
 template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A>
 __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
-    const YT* y, const WT* weights, const int* presum, int width, long long tstride, const int* matrix,
-    int row_len, int tokens_col, int hidden, const unsigned long long* data_ptrs, long long part_off,
-    long long part_copy, long long part_row, long long tcap, int me, int world, const unsigned long long* flag_ptrs,
-    unsigned* seq, int* counter, const int* status) {
+    const YT* y, const WT* weights, const long long* y_parts, const long long* w_parts, const long long* bounds,
+    int parts, long long row_lo, long long row_hi, const int* presum, int width, long long tstride,
+    const int* matrix, int row_len, int tokens_col, int hidden, const unsigned long long* data_ptrs,
+    long long part_off, long long part_copy, long long part_row, long long tcap, int me, int world,
+    const unsigned long long* flag_ptrs, unsigned* seq, int* counter, const int* status, int signal) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
-  __shared__ int rows[Tuning::kWarps][Tuning::kMaxTopk];
+  __shared__ const YT* rows[Tuning::kWarps][Tuning::kMaxTopk];
   __shared__ A scale[Tuning::kWarps][Tuning::kMaxTopk];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
   const unsigned epoch = load_seq(seq) + 1;
@@ -39,12 +47,28 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     const long long at = ((long long)s * tstride + t) * width;
     const int row = lane < width ? presum[at + lane] : -1;
     const int count = __popc(__ballot_sync(0xffffffffu, row >= 0));
-    if (row >= 0) {
-      rows[warp][lane] = row;
-      if constexpr (WEIGHTED) scale[warp][lane] = widen<A>(weights[row]);
+    const int last = __shfl_sync(0xffffffffu, row, max(count - 1, 0));  // rows ascend in the list
+    const bool mine = count > 0 && last >= row_lo && last < row_hi;
+    if (mine && row >= 0) {
+      const YT* from = y;
+      const WT* w = weights;
+      long long r = row;
+      if (parts > 0) {  // the group holding the row: the last p with bounds[p] <= row
+        int lo = 0, hi = parts - 1;
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) / 2;
+          if (bounds[mid] <= row) lo = mid;
+          else hi = mid - 1;
+        }
+        from = reinterpret_cast<const YT*>(y_parts[lo]);
+        if constexpr (WEIGHTED) w = reinterpret_cast<const WT*>(w_parts[lo]);
+        r = row - bounds[lo];
+      }
+      rows[warp][lane] = from + r * hidden;
+      if constexpr (WEIGHTED) scale[warp][lane] = widen<A>(w[r]);
     }
     __syncwarp();
-    if (count > 0) {
+    if (mine) {
       char* dst = reinterpret_cast<char*>(data_ptrs[s] + part_off + ((long long)me * tcap + t) * part_row);
       if ((hidden & 7) == 0) {
         const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
@@ -56,7 +80,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
           for (int j = 0; j < count; ++j) {
-            const YT* row = y + (long long)rows[warp][j] * hidden;
+            const YT* row = rows[warp][j];
             Vec8<YT> v[kU];
 #pragma unroll
             for (int u = 0; u < kU; ++u)
@@ -82,7 +106,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
         for (long long col = lane; col < hidden; col += 32) {
           A acc = (A)0;
           for (int j = 0; j < count; ++j) {
-            const A v = widen<A>(y[(long long)rows[warp][j] * hidden + col]);
+            const A v = widen<A>(rows[warp][j][col]);
             if constexpr (WEIGHTED) acc = fma(v, scale[warp][j], acc);
             else acc += v;
           }
@@ -92,7 +116,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     }
     __syncwarp();
   }
-  signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
+  if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
 }
 
 // Home side: out [T, H] = for each token, the sum in ascending rank order of the

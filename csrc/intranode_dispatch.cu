@@ -123,14 +123,18 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
 // the N rows counted (*num_rows) up to max_rows are zeroed (and, FROM_ROUTE,
 // their weight 0 and sources -1), so that a bounded output (max_rows) holds no
 // stale values.
+// A piece of a dispatch by groups writes only the places in [row_lo, row_hi)
+// (one group's rows; the pieces run in order into one out): an item whose first
+// place lies in an earlier piece is copied from there, locally, instead of
+// crossing again. The whole dispatch is one piece [0, max_rows).
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
 __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,
     long long stage_copy, long long stage_row, long long scales_at, const int* matrix, int row_len, int tokens_col,
     const int* src_start, const int* num_rows, int me, int world, int experts_per_rank, int topk, int width,
     int hidden, long long tstride, OutT* out, long long max_rows, int* presum, int* slot_k, WOutT* out_weights,
-    long long* out_src_rank, long long* out_src_token, float out_max, const unsigned* flags, const unsigned* seq,
-    unsigned long long timeout_ns, int* status) {
+    long long* out_src_rank, long long* out_src_token, float out_max, long long row_lo, long long row_hi,
+    const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ long long dest[Tuning::kWarps][Tuning::kMaxTopk];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
         dest[warp][order] = row;
         const bool placed = row >= 0 && row < max_rows;  // else a route no dispatch makes
         if (first && !placed) record(status, kTooManyRows, s, 1);
-        if (first && placed) {
+        if (first && placed && row >= row_lo && row < row_hi) {
           if constexpr (sizeof(WOutT) == 8) {
             const long long bits = ((long long)(unsigned)slot.w_lo) | ((long long)slot.w_hi << 32);
             out_weights[row] = (WOutT)__longlong_as_double(bits);
@@ -201,7 +205,12 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
       if (row >= 0) dest[warp][lane] = row;
     }
     __syncwarp();
-    if (count == 0) continue;
+    // the item's places in this piece (its places ascend: dest[0] is its first)
+    const long long mine_row = lane < count ? dest[warp][lane] : -1;
+    if (__ballot_sync(0xffffffffu, mine_row >= row_lo && mine_row < row_hi && mine_row < max_rows) == 0) continue;
+    const long long first_row = dest[warp][0];
+    const bool local = first_row >= 0 && first_row < row_lo;  // an earlier piece brought it: copy it here
+    const OutT* copy = out + (local ? first_row : 0) * hidden;
     const char* src = reinterpret_cast<const char*>(data_ptrs[s] + stage_off + (long long)t * stage_row);
     if ((hidden & 7) == 0) {
       const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
@@ -212,15 +221,19 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
         for (int u = 0; u < kU; ++u) {
           const long long unit = base + 32 * u;
           if (unit < units) {
-            A v[8];
-            Load::template load<A>(src, unit, scales_at, out_max, v);
+            if (local) {
+              o[u] = load8(copy + unit * 8);
+            } else {
+              A v[8];
+              Load::template load<A>(src, unit, scales_at, out_max, v);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) o[u].v[i] = narrow<OutT>(v[i]);
+              for (int i = 0; i < 8; ++i) o[u].v[i] = narrow<OutT>(v[i]);
+            }
           }
         }
         for (int j = 0; j < count; ++j) {
           const long long row = dest[warp][j];
-          if (row < 0 || row >= max_rows) continue;
+          if (row < row_lo || row >= row_hi || row >= max_rows) continue;
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const long long unit = base + 32 * u;
@@ -230,10 +243,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
       }
     } else {
       for (long long col = lane; col < hidden; col += 32) {
-        const OutT o = narrow<OutT>(load_one<WireT, FP8, A>(src, col, scales_at, out_max));
+        const OutT o = local ? copy[col] : narrow<OutT>(load_one<WireT, FP8, A>(src, col, scales_at, out_max));
         for (int j = 0; j < count; ++j) {
           const long long row = dest[warp][j];
-          if (row >= 0 && row < max_rows) out[row * hidden + col] = o;
+          if (row >= row_lo && row < row_hi && row < max_rows) out[row * hidden + col] = o;
         }
       }
     }

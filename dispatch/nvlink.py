@@ -211,6 +211,7 @@ class Engine:
         self._last: tuple | None = None
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
         self._polled_event: torch.cuda.Event | None = None
+        self.operations = 0  # operations issued so far (a combine by groups sees whether others came between)
 
     # -- order and failures ----------------------------------------------------
 
@@ -389,29 +390,38 @@ class Engine:
 
     # -- rows to the experts ---------------------------------------------------
 
-    def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None) -> torch.Tensor:
+    def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
+                   piece: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         with self._ordered():
-            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out)
+            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out, piece, out)
 
-    def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None) -> torch.Tensor:
+    def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
+                    piece: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Move rows [T, H] to this rank's expert-major places ([num_rows, H],
         dtype of rows; rows past the N received zeroed).
 
         With ``meta_out`` = (weights, src_rank, src_token) [num_rows] the places
         come from the routes (a dispatch; ``presum``/``slot_k`` are written),
         and where ``counts.staged`` the rows were staged with the counts;
-        otherwise from ``presum`` (a move along a plan), in an exchange of its own."""
+        otherwise from ``presum`` (a move along a plan), in an exchange of its own.
+
+        ``piece`` = (lo, hi): one group's places of a move by groups, the pieces
+        issued in order, the first with ``out`` None (it stages and makes the
+        output), the later ones with the output it returned; a row that an
+        earlier piece brought is copied from there instead of crossing again."""
         tokens, hidden = rows.shape
         wire, fp8 = _wire_of(codec, rows.dtype)
         stage_row = staged_row_bytes(codec, hidden)
         topk = counts.route.shape[1]
         from_route = meta_out is not None
-        if not (from_route and counts.staged):  # stage (and route) in an exchange of their own
+        if out is None and not (from_route and counts.staged):  # stage (and route) in an exchange of their own
             self.ensure(Capacity(counts.bound, topk, stage_row, 0))
             if from_route and tokens:
                 self._stage(counts.route.view(tokens, -1), topk * 16, "route", topk * 16, signal=False)
             self._stage_rows(rows, codec, stage_row, signal=True)
-        out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
+        if out is None:
+            out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
+        lo, hi = (0, num_rows) if piece is None else piece
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
         acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
         width = presum.shape[1]
@@ -427,8 +437,8 @@ class Engine:
              i32(TOKENS_COL), ptr(counts.src_start), ptr(counts.num_rows), i32(self.rank), i32(self.world),
              i32(self.experts_per_rank), i32(topk), i32(width), i32(hidden), i64(counts.bound), ptr(out),
              i64(num_rows), ptr(presum), ptr(slot_k), ptr(weights), ptr(src_rank), ptr(src_token),
-             f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), ptr(self._flags), ptr(self._seq),
-             u64(self.timeout_ns), ptr(self.status)),
+             f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), i64(lo), i64(hi), ptr(self._flags),
+             ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
         )
         return out
 
@@ -446,37 +456,78 @@ class Engine:
 
     def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
                 at_least: torch.dtype | None) -> torch.Tensor:
-        with self._ordered():
-            return self._to_home(_aligned(rows), weights, wire, counts, presum, at_least)
-
-    def _to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
-                 at_least: torch.dtype | None) -> torch.Tensor:
         """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
-        hidden = rows.shape[1]
-        tokens = counts.route.shape[0]
+        with self._ordered():
+            rows = aligned_rows(rows)
+            self._push(rows, weights, wire, counts, presum)
+            return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
+
+    def push_group(self, parts: list, weights: list, bounds: torch.Tensor, piece: tuple[int, int], last: bool,
+                   wire: torch.dtype, counts: Counts, presum) -> None:
+        """One group of a combine by groups: push the pre-sums that group
+        completes (those whose last row lies in ``piece``), each summed whole
+        from the rows of its groups.
+
+        Args:
+            parts: the rows [N_p, H] of groups 0 .. g (16-byte aligned, kept alive
+                by the caller until the last group is pushed).
+            weights: their routing weights [N_p] (all None: unweighted).
+            bounds: [G + 1] int64 on the device, the groups' first rows.
+            piece: (lo, hi), group g's rows.
+            last: g is the last group (its push raises the operation's flags).
+        """
+        with self._ordered():
+            device, hidden = self.device, parts[0].shape[1]
+            tables = [p.data_ptr() for p in parts] + [0 if w is None else w.data_ptr() for w in weights]
+            table = torch.tensor(tables, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+            self._push(parts[0], weights[0], wire, counts, presum,
+                       (table[: len(parts)], table[len(parts) :], bounds, len(parts), piece, last), hidden)
+
+    def home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
+                 at_least: torch.dtype | None) -> torch.Tensor:
+        """[T, H] in ``dtype``: the partials pushed home, summed in ascending rank order."""
+        with self._ordered():
+            return self._home_sum(counts, wire, dtype, hidden, at_least)
+
+    def _push(self, rows, weights, wire: torch.dtype, counts: Counts, presum, pieces=None,
+              hidden: int | None = None) -> None:
+        """The expert side of a combine (``push_partials``): every pre-sum, or
+        with ``pieces`` = (row pointers [G'], weight pointers [G'], bounds, G',
+        (lo, hi), signal) those one group completes."""
+        hidden = rows.shape[1] if hidden is None else hidden
         part_row = partial_row_bytes(wire, hidden)
         self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
         weight_dtype = torch.float32 if weights is None else weights.dtype
         acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
         part_start, part_copy = self._region("partials")
+        if pieces is None:
+            y_parts, w_parts, bounds, parts, (lo, hi), signal = None, None, None, 0, (0, 2**62), True
+        else:
+            y_parts, w_parts, bounds, parts, (lo, hi), signal = pieces
         self._kernel(
             "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
             wire, acc,
         )(
             min(self.blocks, max(1, -(-counts.items // (cuda.THREADS // 32)))),
-            (ptr(rows), ptr(weights), ptr(presum), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix),
-             i32(self.row_len), i32(TOKENS_COL), i32(hidden), ptr(self._data_ptrs), i64(part_start), i64(part_copy),
-             i64(part_row), i64(self.capacity.tokens), i32(self.rank), i32(self.world), ptr(self._meta_ptrs),
-             ptr(self._seq), ptr(self._counter), ptr(self.status)),
+            (ptr(rows), ptr(weights), ptr(y_parts), ptr(w_parts), ptr(bounds), i32(parts), i64(lo), i64(hi),
+             ptr(presum), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix), i32(self.row_len),
+             i32(TOKENS_COL), i32(hidden), ptr(self._data_ptrs), i64(part_start), i64(part_copy), i64(part_row),
+             i64(self.capacity.tokens), i32(self.rank), i32(self.world), ptr(self._meta_ptrs), ptr(self._seq),
+             ptr(self._counter), ptr(self.status), i32(int(signal))),
         )
-        out = torch.empty(tokens, hidden, dtype=rows.dtype, device=rows.device)
-        home_acc = torch.float64 if torch.float64 in (wire, rows.dtype, at_least) else torch.float32
-        self._kernel("intranode_combine.cu", "home_sum", wire, rows.dtype, home_acc)(
+
+    def _home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
+                  at_least: torch.dtype | None) -> torch.Tensor:
+        tokens = counts.route.shape[0]
+        part_start, part_copy = self._region("partials")
+        out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
+        home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
+        self._kernel("intranode_combine.cu", "home_sum", wire, dtype, home_acc)(
             min(self.blocks, max(1, -(-tokens // (cuda.THREADS // 32)))),
             (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + part_start), i64(part_copy),
-             i64(part_row), i64(self.capacity.tokens), i32(self.world), ptr(out), ptr(self._flags), ptr(self._seq),
-             u64(self.timeout_ns), ptr(self.status)),
+             i64(partial_row_bytes(wire, hidden)), i64(self.capacity.tokens), i32(self.world), ptr(out),
+             ptr(self._flags), ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
         )
         return out
 
@@ -537,6 +588,7 @@ class _Ordered:
         capture = cuda.capture_id(self.engine.device)
         self.engine._last = (event, capture)
         self.engine._captured |= capture is not None
+        self.engine.operations += 1
         return False
 
 
@@ -545,7 +597,7 @@ def _pointers(handle, device: torch.device) -> torch.Tensor:
     return plan.to_device(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64), device)
 
 
-def _aligned(rows: torch.Tensor) -> torch.Tensor:
+def aligned_rows(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` contiguous at a 16-byte-aligned address (the kernels load 16 bytes at a time)."""
     rows = rows.contiguous()
     return rows if rows.data_ptr() % 16 == 0 else rows.clone()

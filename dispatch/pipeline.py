@@ -29,9 +29,11 @@ exchange after the last group (``combine_slots``). On CUDA the exchanges run on
 the dispatcher's communication stream (``comm_priority``), ordered against the
 caller's stream by events only (group g's compute waits for group g's piece
 alone); on CPU they are asynchronous collectives. The alltoall variant on the
-NCCL transport (or gloo) moves each group as its own all-to-all; the other
-variants and the NVLink engine move all groups at once, so there G > 1
-computes by group but hides nothing.
+NCCL transport (or gloo) moves each group as its own all-to-all; the NVLink
+engine pulls each group's rows in turn (a row an earlier group brought is
+copied locally) and pushes the pre-sums each group completes; the other
+variants move all groups at once, so there G > 1 computes by group but hides
+nothing.
 
 Experts' parameters: for a plain :class:`GroupedExperts` (its own ``forward``
 and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the

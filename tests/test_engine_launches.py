@@ -121,12 +121,18 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     places = (torch.empty(max_rows, dtype=weight_dtype), torch.empty(max_rows, dtype=torch.int64),
               torch.empty(max_rows, dtype=torch.int64))
     engine._to_experts(x, codec, counts, presum, slot_k, max_rows, meta_out=places)  # the dispatch
-    engine._to_experts(x, codec, counts, presum, slot_k, max_rows)  # rows along the plan
+    out = engine._to_experts(x, codec, counts, presum, slot_k, max_rows)  # rows along the plan
+    engine._to_experts(x, codec, counts, presum, slot_k, max_rows, piece=(30, 70), out=out)  # a later group's
     y = torch.randn(max_rows, hidden, generator=gen).to(dtype)
-    engine._to_home(y, places[0], combine_wire, counts, presum, None)  # the combine
+    engine._push(y, places[0], combine_wire, counts, presum)  # the combine
+    engine._home_sum(counts, combine_wire, y.dtype, hidden, None)
+    tables = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    bounds = torch.tensor([0, 30, 70, max_rows])
+    engine._push(y[:30], places[0][:30], combine_wire, counts, presum,  # group 1 of 3 of a combine by groups
+                 (*tables, bounds, 2, (30, 70), False), hidden)
     engine._slots_home(torch.randn(max_rows, generator=gen), counts, presum, slot_k)  # routing-weight gradients
     assert launches == ["route_layout", "stage_rows", "exchange_counts", "pull_rows", "stage_rows", "pull_rows",
-                        "push_partials", "home_sum", "push_slots", "home_slots"]
+                        "pull_rows", "push_partials", "home_sum", "push_partials", "push_slots", "home_slots"]
 
 
 def test_the_signatures_are_read():

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import dispatch
+import groups_fns
+import pipeline_fns
 import rank_fns
 from dispatch import cuda
 from routing import make_routing
@@ -98,6 +100,96 @@ def test_gradients_match_nccl(worlds, mode, per_rank, topk, tokens, dtype, weigh
         got[transport] = worlds(WORLD).run(rank_fns.gradients, args)
     for rank in range(WORLD):
         _equal(got["nccl"][rank], got["nvlink"][rank], f"rank {rank}")
+
+
+@needs_engine
+@pytest.mark.parametrize("mode, per_rank, topk, tokens, groups", [
+    ("random", 8, 4, [96, 80], 3),
+    ("random", 16, 8, [200, 0], 5),
+    ("one_expert", 8, 2, [50, 70], 2),
+    ("sparse", 4, 4, [33, 17], 4),
+])
+@pytest.mark.parametrize("dtype, hidden, wires", [
+    (torch.bfloat16, 256, {}), (torch.float32, 136, dict(dispatch_wire="fp8", combine_wire="bf16")),
+    (torch.float64, 6, {}),
+])
+def test_groups_on_the_engine_give_the_bits_of_one_piece(worlds, mode, per_rank, topk, tokens, groups, dtype,
+                                                         hidden, wires):
+    """A dispatch by groups on the engine (a pull a group, a row that an earlier
+    group brought copied locally; the pre-sums a group completes pushed as it
+    is added): every verb gives the bits of the same dispatch in one piece,
+    the groups waited for in reverse order."""
+    routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=groups + hidden)
+    xs, ws = _inputs(routing, hidden, dtype, seed=hidden)
+    gen = torch.Generator().manual_seed(groups)
+    args = []
+    for r in range(WORLD):
+        rows_out = torch.randn(4 * sum(tokens) * topk + 4, hidden, generator=gen, dtype=torch.float64)
+        values = torch.randn(4 * sum(tokens) * topk + 4, generator=gen, dtype=torch.float64).to(dtype)
+        config = dict(num_experts=routing.num_experts, transport="nvlink", **wires)
+        args.append((xs[r], routing.topk_idx[r], ws[r].to(dtype), rows_out, values, config, groups))
+    for rank, (pairs, facts) in enumerate(worlds(WORLD).run(groups_fns.grouped_verbs, args)):
+        assert facts["groups"] == groups
+        for name, (got, want) in pairs.items():
+            _equal(got, want, f"rank {rank}: {name}")
+
+
+def _interleaved_sums(x, topk_idx, topk_weights, config, groups):
+    """Two combines by groups along one dispatch, their groups added in turn,
+    and a dispatch between two groups of the second: each gives the bits of
+    the combine in one piece."""
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    work = d.dispatch(x, topk_idx, topk_weights, groups=groups, async_op=True)
+    parts = [work.wait_group(g) for g in range(groups)]
+    ys = [torch.cat([p.tokens for p in parts]) * s for s in (2, 3)]
+    a = d.combine_groups(work.handle, dtype=x.dtype)
+    b = d.combine_groups(work.handle, dtype=x.dtype)
+    for g, p in enumerate(parts):
+        lo, hi = p.rows
+        a.add(ys[0][lo:hi], p.weights)
+        if g == 1:
+            d.dispatch(x, topk_idx, topk_weights)  # an operation between two groups of b
+        b.add(ys[1][lo:hi], p.weights)
+    full = work.wait()
+    return all(torch.equal(s.wait(), d.combine(y, full.handle, weights=full.weights)) for s, y in zip((a, b), ys))
+
+
+@needs_engine
+def test_combines_by_groups_interleaved(worlds):
+    routing = make_routing(WORLD, 8, 4, [96, 80], "random", seed=3)
+    xs, ws = _inputs(routing, 256, torch.bfloat16, seed=3)
+    config = dict(num_experts=routing.num_experts, transport="nvlink")
+    assert all(_run(worlds, _interleaved_sums, routing, xs, ws, config, 4))
+
+
+@needs_engine
+@pytest.mark.parametrize("experts, dtype, hidden, late", [
+    ("rowwise", torch.float32, 64, True), ("relu", torch.float64, 16, False), ("rowwise", torch.bfloat16, 128, False),
+])
+def test_layer_by_groups_on_the_engine(worlds, experts, dtype, hidden, late):
+    """MoEExchange by groups of experts on the engine, the experts late on their
+    stream: output and gradients of x and topk_weights bitwise those of one
+    piece and of dispatch -> experts -> combine; parameter gradients too, where
+    the sums are exact (fp64 dyadic data)."""
+    routing = make_routing(WORLD, 6, 3, [70, 0], "random", seed=hidden)
+    xs, _ = _inputs(routing, hidden, dtype, seed=1)
+    gs, _ = _inputs(routing, hidden, dtype, seed=2)
+    if dtype == torch.float64:  # dyadic: every sum exact
+        xs, gs = [(x * 8).round() / 8 for x in xs], [(g * 8).round() / 8 for g in gs]
+    config = dict(num_experts=routing.num_experts, transport="nvlink")
+    chunks = ["plain", 1, 2, 3, 6]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, chunks, experts, False,
+             True, True, late) for r in range(WORLD)]
+    exact = dtype == torch.float64
+    for rank, per_c in enumerate(worlds(WORLD).run(pipeline_fns.pipelined, args)):
+        for c in chunks[1:]:
+            if not exact:  # parameter gradients are sums over rows taken group by group
+                per_c[c]["params"] = per_c["plain"]["params"] = []
+            pipeline_fns.assert_same(per_c[c], per_c["plain"], f"rank {rank} C={c}", params_exact=exact)
 
 
 def _many_calls(x, topk_idx, topk_weights, config):

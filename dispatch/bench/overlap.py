@@ -91,8 +91,12 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
     parser.add_argument("--transport", default="nccl", choices=("nccl", "auto", "nvlink"),
-                        help="DispatchConfig.transport (default nccl: the alltoall variant over NCCL moves each "
-                             "group of experts as its own all-to-all; the NVLink engine moves all at once)")
+                        help="DispatchConfig.transport (default nccl; over NCCL the alltoall variant moves each "
+                             "group of experts as its own all-to-all, the NVLink engine pulls each group's rows "
+                             "and pushes the pre-sums each group completes)")
+    parser.add_argument("--sm-budget", type=int,
+                        help="DispatchConfig.sm_budget: blocks the NVLink engine's data kernels take (default: "
+                             "four per SM)")
     parser.add_argument("--comm-max-ctas", type=int, help="NCCL max_ctas of the EP group (a slower exchange)")
     parser.add_argument("--comm-high-priority", action="store_true",
                         help="EP group's NCCL collectives on a high-priority stream (ahead of waiting GEMM blocks)")
@@ -119,6 +123,9 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.sm_carveout is not None and args.sm_carveout < 0:
         parser.error(f"--sm-carveout must be >= 0, got {args.sm_carveout}")
+    if args.sm_budget is not None and (args.sm_budget < 1 or args.transport == "nccl"):
+        parser.error(f"--sm-budget needs the NVLink engine (--transport auto or nvlink) and a value >= 1, got "
+                     f"{args.sm_budget}")
     if args.comm_max_ctas is not None and (args.comm_max_ctas < 1 or not torch.cuda.is_available()):
         parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
     if args.comm_high_priority and not torch.cuda.is_available():
@@ -254,7 +261,7 @@ def make_case(shape: Shape, args, group) -> Case:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     config = dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=args.dispatch_wire,
-                                     transport=args.transport)
+                                     transport=args.transport, sm_budget=args.sm_budget)
     d = dispatch.create(config, group)
     torch.manual_seed(1234 + rank)
     experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, dtype=dtype, device=device)
@@ -376,6 +383,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
+            sm_budget=args.sm_budget,
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
             hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
@@ -391,8 +399,14 @@ def suffix(args) -> str:
     wire += "" if args.dispatch_wire == "native" else f"-{args.dispatch_wire}"
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
+    carve += "" if args.sm_budget is None else f"-budget{args.sm_budget}"
     return (wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
             + ("-mb" if args.micro_batches else ""))
+
+
+def _budget(row: dict) -> str:
+    """The engine's SM budget of a row, for the dispatcher cell."""
+    return "" if row.get("sm_budget") is None else f" ({row['sm_budget']} blocks)"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -403,7 +417,8 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
         lines.append(
-            f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('transport', '-')} | {r['dispatch_wire']} | "
+            f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('transport', '-')}{_budget(r)} | "
+            f"{r['dispatch_wire']} | "
             f"{r.get('sm_carveout') if r.get('sm_carveout') is not None else '-'} | "
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "

@@ -258,10 +258,11 @@ class TokenDispatcher(abc.ABC):
                 later groups' still move, and ``combine_groups`` brings the
                 experts' outputs home group by group. The alltoall variant
                 on the NCCL transport (and on gloo; ``auto`` where it picks
-                alltoall) moves each group as its own all-to-all (a token
+                alltoall) moves each group as its own all-to-all, the NVLink
+                engine pulls each group's rows in turn (either way a token
                 still crosses to a rank once: with the first group there that
-                needs it); the other variants and the NVLink engine move all
-                groups at once and hand them out by group. Every rank passes
+                needs it); the other variants move all groups at once and
+                hand them out by group. Every rank passes
                 the same G (checked where the pieces must match); not with
                 ``max_rows`` or ``pad_to_capacity``.
             async_op: return a :class:`DispatchWork` instead of the result.

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
-from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
-from dispatch.dispatchers.streams import Pending
-from dispatch.nvlink import SENDS_COL, Capacity, Counts, engine_for, partial_row_bytes, staged_row_bytes
+from dispatch.dispatchers.base import CombineHandle, GroupSumsIssuer, PlanOutputs, TokenDispatcher
+from dispatch.dispatchers.streams import Pending, PendingGroups
+from dispatch.nvlink import SENDS_COL, Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, staged_row_bytes
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
@@ -206,6 +206,20 @@ class NVLinkDispatcher(TokenDispatcher):
         mark(self.phase_timer, "exchange_back")
         return out
 
+    def _to_experts_groups_start(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec,
+                                 own: bool) -> PendingGroups:
+        # one pull a group, in order, into one output: a row that an earlier group of this
+        # rank brought is copied from there, so a token still crosses to a rank once
+        if handle.groups == 1:
+            return super()._to_experts_groups_start(rows, handle, codec, own)
+        pieces = _Pieces(self, rows.contiguous(), handle, codec, own)
+        return PendingGroups([None] * handle.groups, [lambda g=g: pieces.upto(g) for g in range(handle.groups)])
+
+    def _group_sums(self, handle: NVLinkHandle, wire: str, dtype):
+        if handle.groups == 1:
+            return super()._group_sums(handle, wire, dtype)
+        return _GroupPushes(self, handle, wire)
+
     def _weights_to_home(self, values, handle: NVLinkHandle):
         return self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k)
 
@@ -217,6 +231,74 @@ class NVLinkDispatcher(TokenDispatcher):
         received = tuple(row[self.rank] for row in handle.split_matrix)
         return make_stats(local, tier_split(sent, self.rank, local), dispatch_row_bytes,
                           tier_split(received, self.rank, local), hidden * combine_wire.itemsize)
+
+
+class _Pieces:
+    """The pulls of a move by groups, issued in group order whatever order the
+    groups are asked for in (a piece copies rows that earlier pieces brought)."""
+
+    def __init__(self, dispatcher: NVLinkDispatcher, rows, handle: NVLinkHandle, codec: Codec, own: bool) -> None:
+        self._d, self._rows, self._handle, self._codec, self._own = dispatcher, rows, handle, codec, own
+        self._out, self._issued = None, 0
+
+    def upto(self, g: int) -> torch.Tensor:
+        """Group g's rows [N_g, H], the pulls of groups up to g issued."""
+        handle = self._handle
+        while self._issued <= g:
+            self._out = self._d.engine.to_experts(
+                self._rows, self._codec, handle.counts, handle.presum, handle.slot_k, handle.num_rows,
+                meta_out=handle.places if self._own else None, piece=handle.row_range(self._issued), out=self._out)
+            self._issued += 1
+        if self._issued == handle.groups:
+            mark(self._d.phase_timer, "exchange_out")
+        return self._out[slice(*handle.row_range(g))]
+
+
+class _GroupPushes(GroupSumsIssuer):
+    """The expert side of a combine by groups on the engine: as group g's rows
+    come, the pre-sums it completes (those of the (token, source rank) rows whose
+    last expert here is in group g) are summed whole from every group's rows
+    and pushed home; the home rank sums them as soon as the last group is
+    pushed. The bits of one combine, for every G.
+
+    The pushes of groups before the last write the partials of the next
+    operation of the engine without raising it. Where another operation of the
+    engine comes between two groups (a second combine by groups, a dispatch),
+    the partials pushed so far may be another operation's: the groups after
+    push nothing, and the last pushes every pre-sum (the same bits, nothing
+    hidden)."""
+
+    def __init__(self, dispatcher: NVLinkDispatcher, handle: NVLinkHandle, wire: str) -> None:
+        self._d, self._handle, self._wire_name = dispatcher, handle, wire
+        self._rows: list = []
+        self._weights: list = []
+        self._bounds = self._wire = self._after = self._out = None
+        self._whole = False  # push every pre-sum with the last group
+
+    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        handle, engine = self._handle, self._d.engine
+        if self._bounds is None:
+            self._wire = sum_wire_dtype(self._wire_name, rows.dtype)
+            bounds = torch.tensor(handle.group_rows, dtype=torch.int64)
+            self._bounds = bounds.pin_memory().to(engine.device, non_blocking=True)
+        self._rows.append(aligned_rows(rows))
+        self._weights.append(weights)
+        self._whole |= self._after is not None and engine.operations != self._after
+        last = g + 1 == handle.groups
+        if self._whole and not last:
+            return
+        piece = (0, handle.rows) if self._whole else handle.row_range(g)
+        engine.push_group(self._rows, self._weights, self._bounds, piece, last, self._wire, handle.counts,
+                          handle.presum)
+        self._after = engine.operations
+        if last:  # the home sums right behind the pushes, before any other operation
+            at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
+            self._out = engine.home_sum(handle.counts, self._wire, rows.dtype, rows.shape[1], at_least)
+            self._rows, self._weights = [], []
+            mark(self._d.phase_timer, "exchange_back")
+
+    def finish(self) -> Pending:
+        return Pending.done(self._out)
 
 
 def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:
