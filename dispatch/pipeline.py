@@ -57,7 +57,7 @@ from torch import nn
 from dispatch import checks
 from dispatch.dispatchers.base import TokenDispatcher
 from dispatch.experts import ChunkedExperts, GroupedExperts
-from dispatch.kernels.gather_sum import accumulate_dtype
+from dispatch.kernels.row_grads import weighted_row_grads
 
 
 class MoEExchange(nn.Module):
@@ -269,7 +269,7 @@ class _PipelineFn(torch.autograd.Function):
             for g in range(groups):
                 grad_rows = brings.wait() if groups == 1 else brings.wait_group(g)
                 y = ctx.ys[g] if chunked is None else chunked.output(g)
-                grad_y, grad_weight = weighted_grads(grad_rows, ctx.weights[g], y, w_any)
+                grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[g], y, w_any)
                 with layer._carveout():
                     if chunked is not None:
                         grad_tokens = chunked.backward(g, grad_y, x_any) if x_any or ctx.params else None
@@ -304,15 +304,6 @@ class _PipelineFn(torch.autograd.Function):
             None,
             *grad_params,
         )
-
-
-def weighted_grads(grad_rows: torch.Tensor, w: torch.Tensor, y: torch.Tensor, w_any: bool):
-    """From the gradients of weighted expert rows: (gradient of the experts'
-    output rows, in y's dtype; gradient of each row's weight, or None)."""
-    acc = accumulate_dtype(grad_rows.dtype, w.dtype)
-    grad_y = (grad_rows.to(acc) * w.to(acc).unsqueeze(1)).to(y.dtype)
-    grad_w = (grad_rows.to(acc) * y.detach().to(acc)).sum(1).to(w.dtype) if w_any else None
-    return grad_y, grad_w
 
 
 def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list):

@@ -195,3 +195,45 @@ def test_scatter_rows_matches_reference(rows, extra, width, dtype, seed):
     want = sr.scatter_rows_reference(fill.clone(), place, src)
     got = sr.scatter_rows_triton(fill.clone(), place, src)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows, width", [(0, 64), (5, 1), (7, 300), (3, 2100)])
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                                 (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("want_weights", [True, False])
+def test_weighted_row_grads_kernel_matches_reference(rows, width, dtype, weight_dtype, want_weights):
+    """The experts' output gradient bitwise the reference's; the weights' to fp32
+    rounding of the row's dot product (its own summation order)."""
+    from dispatch.kernels import row_grads
+
+    gen = torch.Generator().manual_seed(rows * width)
+    g = torch.randn(rows, width, generator=gen).to(dtype).to(DEVICE)
+    y = torch.randn(rows, width, generator=gen).to(dtype).to(DEVICE)
+    w = torch.rand(rows, generator=gen).to(weight_dtype).to(DEVICE)
+    got = row_grads.weighted_row_grads_triton(g, w, y, want_weights)
+    want = row_grads.weighted_row_grads_reference(g, w, y, want_weights)
+    assert got[0].dtype == want[0].dtype == dtype
+    if DEVICE == "cpu" and dtype == torch.bfloat16:  # the interpreter truncates to bf16 where torch rounds
+        step = torch.finfo(dtype).eps * want[0].double().abs()
+        assert ((got[0].double() - want[0].double()).abs() <= step).all()
+    else:
+        assert torch.equal(got[0], want[0])
+    if not want_weights:
+        assert got[1] is None and want[1] is None
+        return
+    assert got[1].dtype == want[1].dtype == weight_dtype
+    exact = (g.double() * y.double()).sum(1)
+    bound = width * torch.finfo(torch.float32).eps * (g.double() * y.double()).abs().sum(1)
+    step = torch.finfo(weight_dtype).eps * exact.abs()  # the final cast's rounding
+    assert ((got[1].double() - exact).abs() <= bound + step).all()
+    assert ((got[1].double() - want[1].double()).abs() <= 2 * (bound + step)).all()
+
+
+def test_weighted_row_grads_fp64_takes_the_reference():
+    from dispatch.kernels import row_grads
+
+    g = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fp64"):
+        row_grads.weighted_row_grads_triton(g, torch.rand(4, dtype=torch.float64), g, True)
+    got = row_grads.weighted_row_grads(g, torch.rand(4, dtype=torch.float64), g, True)
+    assert got[0].dtype == torch.float64 and got[1].dtype == torch.float64

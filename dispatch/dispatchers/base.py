@@ -40,7 +40,7 @@ from dispatch import capacity, checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.dispatchers.streams import CommStreams, Pending, PendingGroups, Started
-from dispatch.kernels.gather_sum import accumulate_dtype
+from dispatch.kernels.row_grads import weighted_row_grads
 from dispatch.stats import DispatchStats
 from dispatch.timing import PhaseTimer
 
@@ -975,11 +975,9 @@ class _CombineFn(torch.autograd.Function):
         if weights is None:
             if needs[0]:
                 grad_expert = grad_rows.to(ctx.out_dtype)
-        else:
-            acc = accumulate_dtype(grad_rows.dtype, weights.dtype)
-            if needs[0]:
-                grad_expert = (grad_rows.to(acc) * weights.to(acc).unsqueeze(1)).to(ctx.out_dtype)
-            if needs[1]:
-                dot = (grad_rows.to(acc) * expert_out.to(acc)).sum(1)
-                grad_weights = dot.to(ctx.weights_dtype)
+        elif needs[0] or needs[1]:
+            # expert_out is saved where the weights need a gradient; else rows of its dtype stand in
+            y = expert_out if needs[1] else grad_rows.new_empty(0, 0, dtype=ctx.out_dtype)
+            grad_expert, grad_weights = weighted_row_grads(grad_rows, weights, y, needs[1])
+            grad_expert = grad_expert if needs[0] else None
         return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None, None, None
