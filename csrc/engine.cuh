@@ -7,7 +7,7 @@
 // rank, N rows handed to this rank's experts (canonical, expert-major order).
 //
 // Host entry points (launched from dispatch/nvlink.py through dispatch/cuda.py):
-//   layout.cu             route_layout, route_places, exchange_counts
+//   layout.cu             route_layout, exchange_counts
 //   intranode_dispatch.cu stage_rows, pull_rows
 //   intranode_combine.cu  push_partials, home_sum, push_slots, home_slots
 #pragma once
@@ -200,7 +200,7 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const Vec8<T>
     reinterpret_cast<uint4*>(p)[i] = reinterpret_cast<const uint4*>(&v)[i];
 }
 
-// The route of one slot of a source token, written by route_layout and route_places.
+// The route of one slot of a source token, written by route_layout.
 struct Slot {
   int expert;  // global expert id, -1 for an empty slot
   int pos;     // place among the source's tokens sent to that expert (token order)

@@ -4,7 +4,27 @@
 
 using namespace engine;
 
-// The per-slot fields of token t (route_layout, one token a thread).
+// Block-wide exclusive scan of one flag per thread; returns the thread's offset
+// and writes the block's total to *total (every thread sees it).
+__device__ __forceinline__ int block_scan(bool flag, int* total) {
+  __shared__ int warp_sums[Tuning::kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+  if (lane == 0) warp_sums[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, sum = 0;
+#pragma unroll
+  for (int w = 0; w < Tuning::kWarps; ++w) {
+    before += (w < warp) ? warp_sums[w] : 0;
+    sum += warp_sums[w];
+  }
+  __syncthreads();
+  *total = sum;
+  return before + in_warp;
+}
+
+// The per-slot fields of token t (route_layout's blocks from E on).
 template <typename IdxT, typename WT>
 __device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* weights, int t, int topk, int experts,
                                              int experts_per_rank, Slot* route, Slot* shared, unsigned* hit,
@@ -22,7 +42,7 @@ __device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* wei
     } else {
       w_lo = __float_as_int((float)weights[at]);
     }
-    // pos is route_places' (the next kernel); these fields are route_layout's
+    // pos is the expert blocks' (another block); these fields are this thread's
     Slot* const targets[2] = {route + at, shared == nullptr ? nullptr : shared + at};
     for (Slot* s : targets) {
       if (s == nullptr) continue;
@@ -48,128 +68,64 @@ __device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* wei
   }
 }
 
-// Places of the slots by chunks of kThreads tokens (one block a chunk, one token
-// a thread), the experts by windows of kWindow: each warp marks, per expert of
-// the window, the lanes (tokens) that send to it in a shared-memory bit mask
-// (the first slot naming the expert in a row; a repeat gets no place), so that
-// a token's rank among the chunk's tokens sent to an expert is the popcount of
-// the warps and lanes before it: deterministic, in token order, each id read
-// once per window and kernel.
-struct Window {
-  static constexpr int kExperts = 256;  // experts of one window
-  unsigned mask[Tuning::kWarps][kExperts];
-};
-
-// Marks the window [first, first + kExperts) of this thread's token t (if t < T):
-// bit `lane` of mask[warp][e - first] for each expert e it names first in its row.
-template <typename IdxT>
-__device__ __forceinline__ void mark_window(const IdxT* topk_idx, int tokens, int topk, int experts, int first,
-                                            Window& w) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = lane; i < Window::kExperts; i += 32) w.mask[warp][i] = 0u;
-  __syncwarp();
-  const int t = blockIdx.x * Tuning::kThreads + threadIdx.x;
-  if (t < tokens) {
-    const IdxT* row = topk_idx + (long long)t * topk;
-    for (int k = 0; k < topk; ++k) {
-      const long long e = (long long)row[k];
-      if (e < first || e >= first + Window::kExperts || e >= experts) continue;
-      bool again = false;
-      for (int j = 0; j < k; ++j) again |= (long long)row[j] == e;
-      if (!again) atomicOr(&w.mask[warp][e - first], 1u << lane);
-    }
-  }
-  __syncthreads();
-}
-
 // topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
-//   route [T, K]: expert (-1 if empty or out of range) and weight bits (the
-//     place, pos, is route_places'); written too, if shared_route is not 0, into
-//     the copy of the data buffer's route region (copy 0 at shared_route,
-//     copy_bytes apart) of the next epoch (seq + 1), where the peers read it;
-//   chunk_counts [C, E]: the tokens of each chunk sent to each expert;
+//   route [T, K]: expert (-1 if empty or out of range), place among this rank's
+//     tokens sent to that expert (token order), weight bits; written too, if
+//     shared_route is not 0, into the copy of the data buffer's route region
+//     (copy 0 at shared_route, copy_bytes apart) of the next epoch (seq + 1),
+//     where the peers read it;
+//   counts [E]: this rank's tokens per expert (the counts part of its row);
 //   sends [W]: this rank's tokens per destination rank (zeroed by the caller);
 //   hit [T]: mask of the ranks each token goes to;
 //   bad (if not null; zeroed by the caller): set to 1 where some row holds an
 //     id outside [-1, E), an expert twice, or a non-finite weight.
-// One block a chunk of kThreads tokens.
+// Blocks [0, E) each scan every token for one expert; blocks from E on fill the
+// per-slot fields, one token a thread.
 template <typename IdxT, typename WT>
 __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
                                                                  int topk, int experts, int experts_per_rank,
                                                                  Slot* route, unsigned long long shared_route,
                                                                  long long copy_bytes, const unsigned* seq,
-                                                                 int* chunk_counts, int* sends, unsigned* hit,
-                                                                 int* bad) {
-  __shared__ Window w;
-  __shared__ int block_sends[Tuning::kMaxWorld];  // this block's tokens per destination rank
+                                                                 int* counts, int* sends, unsigned* hit, int* bad) {
   Slot* shared = shared_route == 0 ? nullptr
                                    : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
                                                                        load_seq(seq) + 1));
+  if ((int)blockIdx.x < experts) {
+    const int e = blockIdx.x;
+    int running = 0;
+    for (int base = 0; base < tokens; base += Tuning::kThreads) {
+      const int t = base + threadIdx.x;
+      int slot = -1;
+      if (t < tokens) {
+        for (int k = 0; k < topk; ++k) {
+          if ((long long)topk_idx[(long long)t * topk + k] != e) continue;
+          if (slot < 0) {
+            slot = k;
+          } else {  // e again in the row (unchecked input): no place
+            route[(long long)t * topk + k].pos = -1;
+            if (shared != nullptr) shared[(long long)t * topk + k].pos = -1;
+          }
+        }
+      }
+      int total;
+      const int offset = block_scan(slot >= 0, &total);
+      if (slot >= 0) {
+        route[(long long)t * topk + slot].pos = running + offset;
+        if (shared != nullptr) shared[(long long)t * topk + slot].pos = running + offset;
+      }
+      running += total;
+    }
+    if (threadIdx.x == 0) counts[e] = running;
+    return;
+  }
+  __shared__ int block_sends[Tuning::kMaxWorld];  // this block's tokens per destination rank
   if (threadIdx.x < Tuning::kMaxWorld) block_sends[threadIdx.x] = 0;
   __syncthreads();
-  const int t = blockIdx.x * Tuning::kThreads + threadIdx.x;
+  const int t = (blockIdx.x - experts) * Tuning::kThreads + threadIdx.x;
   if (t < tokens) layout_token(topk_idx, weights, t, topk, experts, experts_per_rank, route, shared, hit, bad,
                                block_sends);
-  for (int first = 0; first < experts; first += Window::kExperts) {
-    mark_window(topk_idx, tokens, topk, experts, first, w);
-    for (int i = threadIdx.x; i < Window::kExperts && first + i < experts; i += Tuning::kThreads) {
-      int count = 0;
-#pragma unroll
-      for (int v = 0; v < Tuning::kWarps; ++v) count += __popc(w.mask[v][i]);
-      chunk_counts[(long long)blockIdx.x * experts + first + i] = count;
-    }
-    __syncthreads();
-  }
+  __syncthreads();
   if (threadIdx.x < Tuning::kMaxWorld && block_sends[threadIdx.x]) atomicAdd(sends + threadIdx.x, block_sends[threadIdx.x]);
-}
-
-// The place of every slot (after route_layout, same grid): pos = the tokens of
-// earlier chunks sent to its expert (chunk_counts), then those of earlier warps
-// and lanes of its chunk; a repeated expert in a row gets pos -1. The last
-// chunk's block writes counts [E], this rank's tokens per expert.
-template <typename IdxT>
-__global__ void __launch_bounds__(Tuning::kThreads) route_places(const IdxT* topk_idx, int tokens, int topk,
-                                                                 int experts, Slot* route,
-                                                                 unsigned long long shared_route,
-                                                                 long long copy_bytes, const unsigned* seq,
-                                                                 const int* chunk_counts, int* counts) {
-  __shared__ Window w;
-  __shared__ int before[Tuning::kWarps][Window::kExperts];  // rows of earlier chunks and warps, per expert
-  Slot* shared = shared_route == 0 ? nullptr
-                                   : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
-                                                                       load_seq(seq) + 1));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * Tuning::kThreads + threadIdx.x;
-  const bool last_chunk = blockIdx.x + 1 == gridDim.x;
-  for (int first = 0; first < experts; first += Window::kExperts) {
-    mark_window(topk_idx, tokens, topk, experts, first, w);
-    for (int i = threadIdx.x; i < Window::kExperts && first + i < experts; i += Tuning::kThreads) {
-      int running = 0;
-      for (int c = 0; c < (int)blockIdx.x; ++c) running += chunk_counts[(long long)c * experts + first + i];
-#pragma unroll
-      for (int v = 0; v < Tuning::kWarps; ++v) {
-        before[v][i] = running;
-        running += __popc(w.mask[v][i]);
-      }
-      if (last_chunk) counts[first + i] = running;
-    }
-    __syncthreads();
-    if (t < tokens) {
-      const IdxT* row = topk_idx + (long long)t * topk;
-      for (int k = 0; k < topk; ++k) {
-        const long long e = (long long)row[k];
-        if (e < first || e >= first + Window::kExperts || e >= experts) continue;
-        bool again = false;
-        for (int j = 0; j < k; ++j) again |= (long long)row[j] == e;
-        const int i = (int)(e - first);
-        const int pos = again ? -1 : before[warp][i] + __popc(w.mask[warp][i] & ((1u << lane) - 1u));
-        const long long at = (long long)t * topk + k;
-        route[at].pos = pos;
-        if (shared != nullptr) shared[at].pos = pos;
-      }
-    }
-    __syncthreads();
-  }
 }
 
 

@@ -350,21 +350,14 @@ class Engine:
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
         counts, sends = row[self.counts_col :], row[SENDS_COL : self.counts_col]
         route_start, route_copy = self._region("route") if fits else (0, 0)
-        if tokens:  # one block a chunk of THREADS tokens: the slots' fields and counts, then their places
-            chunks = -(-tokens // cuda.THREADS)
-            chunk_counts = torch.empty(chunks, self.num_experts, dtype=torch.int32, device=device)
-            shared_route = u64(self._data.data_ptr() + route_start if fits else 0)
+        if tokens:
             self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
-                chunks,
+                self.num_experts + -(-tokens // cuda.THREADS),
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
-                 i32(self.experts_per_rank), ptr(route), shared_route, i64(route_copy), ptr(self._seq),
-                 ptr(chunk_counts), ptr(sends), ptr(hit),
+                 i32(self.experts_per_rank), ptr(route),
+                 u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
+                 ptr(counts), ptr(sends), ptr(hit),
                  ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None)),
-            )
-            self._kernel("layout.cu", "route_places", topk_idx.dtype)(
-                chunks,
-                (ptr(topk_idx), i32(tokens), i32(topk), i32(self.num_experts), ptr(route), shared_route,
-                 i64(route_copy), ptr(self._seq), ptr(chunk_counts), ptr(counts)),
             )
         if fits and rows is not None and tokens:
             self._stage_rows(rows, codec, stage_row, signal=False)

@@ -131,15 +131,14 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     engine._push(y[:30], places[0][:30], combine_wire, counts, presum,  # group 1 of 3 of a combine by groups
                  (*tables, bounds, 2, (30, 70), False), hidden)
     engine._slots_home(torch.randn(max_rows, generator=gen), counts, presum, slot_k)  # routing-weight gradients
-    assert launches == ["route_layout", "route_places", "stage_rows", "exchange_counts", "pull_rows", "stage_rows",
-                        "pull_rows", "pull_rows", "push_partials", "home_sum", "push_partials", "push_slots",
-                        "home_slots"]
+    assert launches == ["route_layout", "stage_rows", "exchange_counts", "pull_rows", "stage_rows", "pull_rows",
+                        "pull_rows", "push_partials", "home_sum", "push_partials", "push_slots", "home_slots"]
 
 
 def test_the_signatures_are_read():
     """The parser finds every kernel the engine launches, with parameters."""
     names = {name for _, name in SIGNATURES}
-    assert {"route_layout", "route_places", "exchange_counts", "stage_rows", "pull_rows", "push_partials", "home_sum",
+    assert {"route_layout", "exchange_counts", "stage_rows", "pull_rows", "push_partials", "home_sum",
             "push_slots", "home_slots"} <= names
     assert all(types for _, types in SIGNATURES.values())
     count, types = SIGNATURES[("layout.cu", "exchange_counts")]

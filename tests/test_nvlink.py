@@ -57,7 +57,7 @@ CASES = [
     ("one_rank", 4, 3, [64, 64]),
     ("one_expert", 8, 2, [50, 70]),
     ("sparse", 4, 4, [33, 17]),
-    ("random", 160, 8, [1100, 700]),  # layout: chunks of 512 tokens, experts in windows of 256
+    ("random", 160, 8, [1100, 700]),  # several blocks of tokens, 320 experts
 ]
 
 
