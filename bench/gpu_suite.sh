@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run, in parts that each fit one device call (< 10 minutes):
-#   tests     the whole pytest suite (NCCL worlds on the local GPUs)
+#   tests1, tests2  the pytest suite (NCCL worlds on the local GPUs) in two halves, by file name
+#             (test_a* to test_m*, then test_n* to test_z*): the whole suite outgrew one call
 #   groups    the tests of dispatches by groups of experts and of MoEExchange (a part of tests)
 #   dispatch  dispatch-bench dispatch (all shapes x variants x wires x routings,
 #             Megatron-Core alongside) and the a2a sweep
@@ -76,9 +77,11 @@ bench() { step "$1" "$2" python3 -m dispatch.bench "${@:3}"; }
 
 for part in "$@"; do
   case $part in
-    tests)
+    tests1|tests2)
       # SIGINT: a test that hangs is named in pytest's traceback
-      step 560 pytest python3 -m pytest -q -p no:cacheprovider --durations=15 tests ;;
+      files=(tests/test_[a-m]*.py)
+      [ "$part" = tests2 ] && files=(tests/test_[n-z]*.py)
+      step 560 "pytest-$part" python3 -m pytest -q -p no:cacheprovider --durations=15 "${files[@]}" ;;
     groups)
       step 240 groups-tests python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_kernels.py \
         tests/test_pipeline.py tests/test_async.py ;;
