@@ -9,7 +9,8 @@
 #             NCCL defaults (with two micro-batches overlapped by the async verbs), then the
 #             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
-#             graph (max_rows), and two micro-batches overlapped by the async verbs
+#             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
+#             layer by groups of experts on the engine (C = 2, 4, 8)
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   host      where the engine's eager round trip spends host time (cProfile, per call)
@@ -93,7 +94,8 @@ for part in "$@"; do
       bench 200 overlap-slow overlap --chunks 2,4,8 --sm-carveout 16 --comm-max-ctas 2 --comm-high-priority \
         --out "$RES" ;;
     overlap-engine)
-      bench 300 overlap-engine overlap --transport auto --chunks 1 --graph --micro-batches --out "$RES" ;;
+      bench 300 overlap-engine overlap --transport auto --chunks 1 --graph --micro-batches --out "$RES"
+      bench 200 overlap-engine-groups overlap --transport auto --chunks 2,4,8 --iters 10 --warmup 3 --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
