@@ -18,7 +18,9 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
   [W, T_max, P] (P: wire bytes of a partial row).
 
 Every operation (a counts exchange with the rows staged beside it, a rows
-exchange, a combine, a slots exchange) takes the next epoch. The epoch lives
+exchange, a combine, a slots exchange) takes the next epoch; a combine by groups
+of experts is one operation in G pushes, those before the last writing the
+epoch's partials without raising it (:meth:`Engine.push_group`). The epoch lives
 on the device (``seq``, one word), so that a CUDA graph of operations replays
 with fresh epochs: the kernel that raises an operation's flags takes seq + 1
 and stores it, the kernels before it write the epoch's copy of the regions,
