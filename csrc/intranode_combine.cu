@@ -116,7 +116,12 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     }
     __syncwarp();
   }
-  if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
+  if (signal) {
+    signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
+  } else {  // a group before the last: its writes visible before the last group's raise
+    __syncthreads();
+    if (threadIdx.x == 0) __threadfence_system();
+  }
 }
 
 // Home side: out [T, H] = for each token, the sum in ascending rank order of the

@@ -207,7 +207,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     __syncwarp();
     // the item's places in this piece (its places ascend: dest[0] is its first)
     const long long mine_row = lane < count ? dest[warp][lane] : -1;
-    if (__ballot_sync(0xffffffffu, mine_row >= row_lo && mine_row < row_hi && mine_row < max_rows) == 0) continue;
+    if (__ballot_sync(0xffffffffu, mine_row >= row_lo && mine_row < row_hi && mine_row < max_rows) == 0) {
+      __syncwarp();  // dest is rewritten by the next item
+      continue;
+    }
     const long long first_row = dest[warp][0];
     const bool local = first_row >= 0 && first_row < row_lo;  // an earlier piece brought it: copy it here
     const OutT* copy = out + (local ? first_row : 0) * hidden;

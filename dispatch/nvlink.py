@@ -213,17 +213,21 @@ class Engine:
         self._last: tuple | None = None
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
         self._polled_event: torch.cuda.Event | None = None
-        self.operations = 0  # operations issued so far (a combine by groups sees whether others came between)
+        # operations issued so far that may write the peers' buffers or raise an epoch (a
+        # combine by groups sees whether another came between two of its groups)
+        self.operations = 0
 
     # -- order and failures ----------------------------------------------------
 
-    def _ordered(self) -> "_Ordered":
+    def _ordered(self, writes: bool = True) -> "_Ordered":
         """A context for one operation: on the current stream, after the previous
-        operation (whatever stream it ran on), and recorded for the next."""
+        operation (whatever stream it ran on), and recorded for the next;
+        ``writes``: it may write the peers' buffers or raise an epoch (counted in
+        ``operations``)."""
         if torch.cuda.current_device() != self.device.index:
             raise ValueError(f"the current CUDA device is {torch.cuda.current_device()}, the dispatcher's is "
                              f"{self.device.index}: call it with its own device current")
-        return _Ordered(self)
+        return _Ordered(self, writes)
 
     def _raise(self, code: int, peer: int, where: int) -> None:
         what = _STATUS[code].format(me=self.rank, peer=peer) if 0 < code < len(_STATUS) else f"status {code}"
@@ -255,7 +259,7 @@ class Engine:
             code, peer, where, _ = self._polled.tolist()  # landed: no wait
             if code:
                 self._raise(code, peer, where)
-        with self._ordered():
+        with self._ordered(writes=False):
             self._polled.copy_(self.status, non_blocking=True)
             self._polled_event = torch.cuda.Event()
             self._polled_event.record(torch.cuda.current_stream(self.device))
@@ -479,6 +483,10 @@ class Engine:
             piece: (lo, hi), group g's rows.
             last: g is the last group (its push raises the operation's flags).
         """
+        if torch.cuda.is_current_stream_capturing():  # a replay would read the host tables again, long freed
+            raise RuntimeError("a combine by groups of experts on the NVLink engine cannot be captured in a CUDA "
+                               "graph (its row tables are copied from host memory at each group); capture one "
+                               "group (MoEExchange(chunks=1, max_rows=...))")
         with self._ordered():
             device, hidden = self.device, parts[0].shape[1]
             tables = [p.data_ptr() for p in parts] + [0 if w is None else w.data_ptr() for w in weights]
@@ -489,7 +497,7 @@ class Engine:
     def home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
                  at_least: torch.dtype | None) -> torch.Tensor:
         """[T, H] in ``dtype``: the partials pushed home, summed in ascending rank order."""
-        with self._ordered():
+        with self._ordered(writes=False):
             return self._home_sum(counts, wire, dtype, hidden, at_least)
 
     def _push(self, rows, weights, wire: torch.dtype, counts: Counts, presum, pieces=None,
@@ -576,8 +584,8 @@ class _Ordered:
     apart, are ordered by the stream they are replayed on), and eager work only
     for eager work."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, writes: bool) -> None:
+        self.engine, self.writes = engine, writes
 
     def __enter__(self) -> None:
         last = self.engine._last
@@ -590,7 +598,7 @@ class _Ordered:
         capture = cuda.capture_id(self.engine.device)
         self.engine._last = (event, capture)
         self.engine._captured |= capture is not None
-        self.engine.operations += 1
+        self.engine.operations += int(self.writes)
         return False
 
 

@@ -112,7 +112,7 @@ def test_gradients_match_nccl(worlds, mode, per_rank, topk, tokens, dtype, weigh
 ])
 @pytest.mark.parametrize("dtype, hidden, wires", [
     (torch.bfloat16, 256, {}), (torch.float32, 136, dict(dispatch_wire="fp8", combine_wire="bf16")),
-    (torch.float64, 6, {}),
+    (torch.float64, 6, {}), (torch.float16, 20, {}),
 ])
 def test_groups_on_the_engine_give_the_bits_of_one_piece(worlds, mode, per_rank, topk, tokens, groups, dtype,
                                                          hidden, wires):
@@ -156,7 +156,52 @@ def _interleaved_sums(x, topk_idx, topk_weights, config, groups):
             d.dispatch(x, topk_idx, topk_weights)  # an operation between two groups of b
         b.add(ys[1][lo:hi], p.weights)
     full = work.wait()
-    return all(torch.equal(s.wait(), d.combine(y, full.handle, weights=full.weights)) for s, y in zip((a, b), ys))
+    ok = [torch.equal(s.wait(), d.combine(y, full.handle, weights=full.weights)) for s, y in zip((a, b), ys)]
+    # one combine's first group, then another combine whole (its pieces over the first's
+    # early pushes), then the first's other groups
+    a = d.combine_groups(full.handle, dtype=x.dtype)
+    b = d.combine_groups(full.handle, dtype=x.dtype)
+    a.add(ys[0][slice(*parts[0].rows)], parts[0].weights)
+    for p in parts:
+        b.add(ys[1][slice(*p.rows)], p.weights)
+    for p in parts[1:]:
+        a.add(ys[0][slice(*p.rows)], p.weights)
+    ok += [torch.equal(s.wait(), d.combine(y, full.handle, weights=full.weights)) for s, y in zip((a, b), ys)]
+    return all(ok)
+
+
+def _piece_rows(x, topk_idx, topk_weights, config, groups):
+    """A pull of one group's piece into an output whose other rows hold marks:
+    it writes its group's rows only, and copies an item that an earlier group
+    brought from that group's row (marked here) instead of reading it again."""
+    from dispatch.codec import to_experts_codec
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    full = d.dispatch(x, topk_idx, topk_weights, groups=groups)
+    h, tokens = full.handle, full.tokens
+    lo, hi = h.row_range(1)
+    out = torch.cat([tokens[:lo] * 2, torch.full_like(tokens[lo:], 7.0)])
+    d.engine.to_experts(x, to_experts_codec("native", x.dtype), h.counts, h.presum, h.slot_k, h.num_rows,
+                        piece=(lo, hi), out=out)
+    listed = h.presum >= 0
+    first = torch.full((tokens.shape[0],), -1, dtype=torch.int64, device=device)
+    first[h.presum[listed].long()] = h.presum[:, :1].expand_as(h.presum)[listed].long()
+    earlier = (first[lo:hi] < lo).unsqueeze(1)
+    want = torch.cat([tokens[:lo] * 2, torch.where(earlier, tokens[lo:hi] * 2, tokens[lo:hi]),
+                      torch.full_like(tokens[hi:], 7.0)])
+    return torch.equal(out, want), bool(earlier.any()), bool((~earlier).any())
+
+
+@needs_engine
+def test_a_piece_writes_its_group_and_copies_what_earlier_groups_brought(worlds):
+    routing = make_routing(WORLD, 8, 4, [96, 80], "random", seed=5)
+    xs, ws = _inputs(routing, 256, torch.bfloat16, seed=5)
+    config = dict(num_experts=routing.num_experts, transport="nvlink")
+    for equal, copied, pulled in _run(worlds, _piece_rows, routing, xs, ws, config, 3):
+        assert equal and copied and pulled
 
 
 @needs_engine

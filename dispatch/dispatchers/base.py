@@ -683,7 +683,10 @@ class GroupSums:
         ``DispatchedGroup.weights``), or None (in every group alike). The
         pre-sums' way home starts behind the caller's current stream's work so
         far. A rank that refuses its rows here (shape, weights) leaves its
-        peers to the group's timeout, as ``combine`` does."""
+        peers to the group's timeout, as ``combine`` does. Leave the rows and
+        weights unchanged until :meth:`wait`: a later group's pre-sums may read
+        them (the NVLink engine sums each pre-sum whole when its last group
+        comes)."""
         handle, g = self._handle, self._added
         if g == handle.groups:
             raise ValueError(f"add: all {handle.groups} groups were added already")
@@ -778,7 +781,9 @@ class DispatchWork:
         """Group g's rows (:class:`DispatchedGroup`), not differentiable; the
         caller's current stream waits for that group's piece only (the later
         groups' rows may still be moving). A dispatch without ``groups`` is
-        one group."""
+        one group. Leave the rows unchanged until every group is waited for:
+        on the NVLink engine a later group copies rows that an earlier group
+        brought."""
         handle = self.handle
         if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < handle.groups:
             raise ValueError(f"g must be a group index in [0, {handle.groups}), got {g!r}")
