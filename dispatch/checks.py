@@ -166,9 +166,8 @@ def free_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    # one read of the allocator's statistics, left nested: memory_reserved and
-    # memory_allocated flatten them each, some 320 Python calls a dispatch (bench/engine_probe.py
-    # --host-profile: a third of the engine's host time at DeepSeek-V3's shape)
+    # one read of the allocator's statistics, left nested (memory_reserved and
+    # memory_allocated would flatten them each, on every dispatch)
     stats = torch.cuda.memory_stats_as_nested_dict(device)
 
     def current(name: str) -> int:

@@ -9,9 +9,9 @@ dispatched back to the experts), is
 
 computed in fp32 (fp64 when any input is fp64). The reference (PyTorch) widens
 whole [N, H] tensors to fp32 and multiplies and reduces them in separate
-kernels: at DeepSeek-V3's shape (N = 32k rows of 7168) about 4.6 ms of a
-layer's backward on an H100. The Triton kernel reads each row once and writes
-grad_y once: grad_y is bitwise the reference's (one product, one rounding);
+kernels; the Triton kernel reads each row once and writes grad_y once (what
+that saves: bench/results/README.md). grad_y is bitwise the reference's (one
+product, one rounding);
 grad_w sums in its own fixed order (per row, blocks of columns in order, then
 one reduction of the block), deterministic and independent of N, and agrees
 with the reference to fp32 rounding. fp64 inputs take the reference.
