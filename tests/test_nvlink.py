@@ -186,7 +186,11 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     out = torch.cat([tokens[:lo] * 2, torch.full_like(tokens[lo:], 7.0)])
     d.engine.to_experts(x, to_experts_codec("native", x.dtype), h.counts, h.presum, h.slot_k, h.num_rows,
                         piece=(lo, hi), out=out)
-    listed = h.presum >= 0
+    # presum holds bound rows per source; those past a source's T are not written
+    written = torch.zeros(h.presum.shape[0], dtype=torch.bool, device=device)
+    for source, count in enumerate(h.counts.tokens_of):
+        written[source * h.counts.bound:source * h.counts.bound + count] = True
+    listed = (h.presum >= 0) & written.unsqueeze(1)
     first = torch.full((tokens.shape[0],), -1, dtype=torch.int64, device=device)
     first[h.presum[listed].long()] = h.presum[:, :1].expand_as(h.presum)[listed].long()
     earlier = (first[lo:hi] < lo).unsqueeze(1)
