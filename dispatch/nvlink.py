@@ -185,7 +185,8 @@ class Engine:
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // self.world
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.blocks = sm_budget or cuda.num_sms(self.device) * BLOCKS_PER_SM
+        self.sms = cuda.num_sms(self.device)
+        self.blocks = sm_budget or self.sms * BLOCKS_PER_SM
         self.timeout_ns = int(timeout * 1e9)
         self.counts_col = SENDS_COL + self.world
         self.row_len = self.counts_col + num_experts
@@ -437,7 +438,7 @@ class Engine:
             "intranode_dispatch.cu", "pull_rows", torch.uint8 if fp8 else wire, str(fp8), rows.dtype, acc,
             "true" if from_route else "false", weights.dtype if from_route else torch.float32,
         )(
-            min(self.blocks, max(1, -(-max(counts.items, num_rows) // (cuda.THREADS // 32)))),
+            self._row_grid(max(counts.items, num_rows)),
             (ptr(self._data_ptrs), i64(route_start), i64(route_copy), i64(stage_start), i64(stage_copy),
              i64(stage_row), i64(quantize.codes_bytes(hidden)), ptr(counts.matrix), i32(self.row_len),
              i32(TOKENS_COL), ptr(counts.src_start), ptr(counts.num_rows), i32(self.rank), i32(self.world),
@@ -447,6 +448,13 @@ class Engine:
              ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
         )
         return out
+
+    def _row_grid(self, rows: int) -> int:
+        """Blocks of a kernel that moves ``rows`` rows, a warp a row or a segment of one
+        (``split_rows``): a warp a row, but at least a block per SM (few rows, as in a
+        decode step, are cut into more segments so that every SM keeps loads in
+        flight), at most the budget."""
+        return min(self.blocks, max(self.sms, -(-rows // (cuda.THREADS // 32))))
 
     def _kernel(self, source: str, name: str, *types) -> "cuda.Kernel":
         """The kernel ``name`` of ``source`` for these template arguments (dtypes
@@ -519,7 +527,7 @@ class Engine:
             "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
             wire, acc,
         )(
-            min(self.blocks, max(1, -(-counts.items // (cuda.THREADS // 32)))),
+            self._row_grid(counts.items),
             (ptr(rows), ptr(weights), ptr(y_parts), ptr(w_parts), ptr(bounds), i32(parts), i64(lo), i64(hi),
              ptr(presum), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix), i32(self.row_len),
              i32(TOKENS_COL), i32(hidden), ptr(self._data_ptrs), i64(part_start), i64(part_copy), i64(part_row),
@@ -534,7 +542,7 @@ class Engine:
         out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
         home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
         self._kernel("intranode_combine.cu", "home_sum", wire, dtype, home_acc)(
-            min(self.blocks, max(1, -(-tokens // (cuda.THREADS // 32)))),
+            self._row_grid(tokens),
             (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + part_start), i64(part_copy),
              i64(partial_row_bytes(wire, hidden)), i64(self.capacity.tokens), i32(self.world), ptr(out),
              ptr(self._flags), ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),

@@ -85,7 +85,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e = object.__new__(Engine)
     e.group, e.world, e.rank = None, world, 0
     e.num_experts, e.experts_per_rank = experts, experts // world
-    e.device, e.blocks, e.timeout_ns = torch.device("cpu"), 8, 10**9
+    e.device, e.sms, e.blocks, e.timeout_ns = torch.device("cpu"), 2, 8, 10**9
     e.counts_col = SENDS_COL + world
     e.row_len = e.counts_col + experts
     e.rows_offset, e._matrix_stride = 256, 4096
