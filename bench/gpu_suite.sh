@@ -10,7 +10,7 @@
 #             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
-#             layer by groups of experts on the engine (C = 2, 4, 8)
+#             layer by groups of experts on the engine (C = 2, 4, 8), eager and captured
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   host      where the engine's eager round trip spends host time (cProfile, per call)
@@ -95,7 +95,8 @@ for part in "$@"; do
         --out "$RES" ;;
     overlap-engine)
       bench 300 overlap-engine overlap --transport auto --chunks 1 --graph --micro-batches --out "$RES"
-      bench 200 overlap-engine-groups overlap --transport auto --chunks 2,4,8 --iters 10 --warmup 3 --out "$RES" ;;
+      bench 240 overlap-engine-groups overlap --transport auto --chunks 2,4,8 --graph --iters 10 --warmup 3 \
+        --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;

@@ -53,7 +53,8 @@ enum Code : int {
 // Columns of a rank's row of the counts matrix (dispatch/nvlink.py names them):
 // the header (plan.HEADER: K, H, x dtype, weights dtype, x grad, weights grad,
 // failed, max_rows (-1: none), the rows its free memory holds (checked on the
-// host)), then T, staged, tokens per destination rank [W], tokens per global
+// host)), then T, staged, the groups of experts the dispatch moves by (G, the
+// same on every rank), tokens per destination rank [W], tokens per global
 // expert [E].
 struct Row {
   static constexpr int kAgreed = 6;  // columns [0, kAgreed) must be equal on every rank
@@ -62,8 +63,15 @@ struct Row {
   static constexpr int kMemory = 8;
   static constexpr int kTokens = 9;
   static constexpr int kStaged = 10;
-  static constexpr int kSends = 11;
+  static constexpr int kGroups = 11;
+  static constexpr int kSends = 12;
 };
+
+// The group of local expert e among G groups of E_local (plan.expert_groups:
+// group g is experts [g E_local / G, (g + 1) E_local / G)).
+__device__ __forceinline__ int group_of(int e, int groups, int experts_per_rank) {
+  return (int)(((long long)(e + 1) * groups - 1) / experts_per_rank);
+}
 
 // The epoch of an operation lives on the device (`seq`, one word of the engine),
 // so that a captured CUDA graph replays with fresh epochs: the kernel that raises

@@ -233,3 +233,14 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_slots(
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < slots; i += (long long)gridDim.x * blockDim.x)
     out[i] = route[i].expert >= 0 ? __ldcg(pushed + i) : (VT)0;
 }
+
+// table[at] = a and table[stride + at] = b (one thread): the row and weight
+// pointers of one group of a combine by groups, written on the device so that a
+// CUDA graph replays them.
+__global__ void __launch_bounds__(Tuning::kThreads) store_pair(long long* table, int at, int stride, long long a,
+                                                                long long b) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    table[at] = a;
+    table[stride + at] = b;
+  }
+}

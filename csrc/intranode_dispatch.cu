@@ -126,7 +126,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
 // A piece of a dispatch by groups writes only the places in [row_lo, row_hi)
 // (one group's rows; the pieces run in order into one out): an item whose first
 // place lies in an earlier piece is copied from there, locally, instead of
-// crossing again. The whole dispatch is one piece [0, max_rows).
+// crossing again. The whole dispatch is one piece [0, max_rows). The rows zeroed
+// are [*num_rows, tail_to): for a piece of a dispatch by groups with a row
+// budget, from the group's end (group_end) to its bound.
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
 __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     const int* src_start, const int* num_rows, int me, int world, int experts_per_rank, int topk, int width,
     int hidden, long long tstride, OutT* out, long long max_rows, int* presum, int* slot_k, WOutT* out_weights,
     long long* out_src_rank, long long* out_src_token, float out_max, long long row_lo, long long row_hi,
-    const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
+    long long tail_to, const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ long long dest[Tuning::kWarps][Tuning::kMaxTopk];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   route_off = by_parity(route_off, route_copy, epoch);
   stage_off = by_parity(stage_off, stage_copy, epoch);
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) return;
-  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, max_rows, out_weights, out_src_rank, out_src_token);
+  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, tail_to, out_weights, out_src_rank, out_src_token);
   long long items = 0;
   for (int s = 0; s < world; ++s) items += tokens_of[s];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -138,10 +138,14 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
 // and computes, for this rank's experts: tokens_per_expert [E_local] (int64),
 // src_start [W][E_local], the first expanded row of (source rank, local expert)
 // in canonical order, and num_rows [1], N.
+// A dispatch by G > 1 groups of experts with a row budget M (max_rows) gives
+// each group B = ceil(M / G) rows: group g's rows start at g B (src_start in
+// those places), group_end [G] = g B + the group's rows.
 // Where some rank has a row budget (no host read there), every rank checks
-// every row in rank order: the same header, no failed mark, N of that rank
-// within its budget; the first that fails is recorded (the same on every rank),
-// so that every later kernel of the group skips its work.
+// every row in rank order: the same header and G, no failed mark, N of that
+// rank (each group's rows, by groups) within its budget; the first that fails
+// is recorded (the same on every rank), so that every later kernel of the group
+// skips its work.
 // meta_ptrs: [W] base of every rank's meta buffer (flags [W] u32 at 0, the two
 // copies of the counts matrix from rows_offset, matrix_bytes apart). Dynamic
 // shared memory: E_local ints.
@@ -149,8 +153,8 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
     int row_len, int count_start, int experts_per_rank, const int* row, int topk, int hidden, int x_dtype,
     int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens, int staged,
-    unsigned* seq, unsigned long long timeout_ns, int* status, int* out, long long* tokens_per_expert,
-    int* src_start, int* num_rows) {
+    int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out, long long* tokens_per_expert,
+    int* src_start, int* num_rows, int* group_end) {
   extern __shared__ int totals[];
   __shared__ unsigned epoch_of;
   int* matrix = out + 4;
@@ -160,7 +164,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   const unsigned epoch = epoch_of;
   if (failed(status)) return;
   const int head[Row::kSends] = {topk, hidden, x_dtype, w_dtype, x_grad, w_grad,
-                                 max(failed_mark, row[Row::kFailed]), budget, memory_rows, tokens, staged};
+                                 max(failed_mark, row[Row::kFailed]), budget, memory_rows, tokens, staged, groups};
   const long long copy = by_parity(rows_offset, matrix_bytes, epoch);
   for (int p = 0; p < world; ++p) {
     int* dst = reinterpret_cast<int*>(meta_ptrs[p] + copy) + (long long)me * row_len;
@@ -188,12 +192,28 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     tokens_per_expert[e] = sum;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // exclusive prefix over the experts
-    int running = 0;
+  if (threadIdx.x == 0) {  // exclusive prefix over the experts (by groups: from each group's first place)
+    const bool padded = groups > 1 && budget >= 0;
+    const long long bound = padded ? ((long long)budget + groups - 1) / groups : 0;
+    int running = 0, in_group = 0, group = 0;
     for (int e = 0; e < experts_per_rank; ++e) {
       const int n = totals[e];
-      totals[e] = running;
+      if (padded) {
+        const int g = group_of(e, groups, experts_per_rank);
+        for (; group < g; ++group) {
+          group_end[group] = (int)(group * bound) + in_group;
+          in_group = 0;
+        }
+        totals[e] = (int)(g * bound) + in_group;
+        in_group += n;
+      } else {
+        totals[e] = running;
+      }
       running += n;
+    }
+    for (; padded && group < groups; ++group) {
+      group_end[group] = (int)(group * bound) + in_group;
+      in_group = 0;
     }
     *num_rows = running;
   }
@@ -211,14 +231,27 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     for (int r = 0; budgeted && r < world; ++r) {
       const int* other = matrix + r * row_len;
       const int* mine = matrix + me * row_len;
-      bool same = true;
+      bool same = other[Row::kGroups] == mine[Row::kGroups];
       for (int c = 0; c < Row::kAgreed; ++c) same &= other[c] == mine[c];
-      long long rows_of_r = 0;  // N of rank r: its experts' counts from every source
-      for (int s = 0; s < world; ++s)
-        for (int e = 0; e < experts_per_rank; ++e) rows_of_r += matrix[s * row_len + count_start + r * experts_per_rank + e];
+      // rank r over its budget: its N, or by groups the rows of its fullest group against B
+      const int g_of_r = max(other[Row::kGroups], 1);
+      const long long budget_r = other[Row::kBudget];
+      const long long bound_r = g_of_r > 1 ? (budget_r + g_of_r - 1) / g_of_r : budget_r;
+      long long most = 0, in_group = 0;
+      int group = 0;
+      for (int e = 0; e < experts_per_rank; ++e) {
+        const int g = g_of_r > 1 ? group_of(e, g_of_r, experts_per_rank) : 0;
+        if (g != group) {
+          most = max(most, in_group);
+          in_group = 0;
+          group = g;
+        }
+        for (int s = 0; s < world; ++s) in_group += matrix[s * row_len + count_start + r * experts_per_rank + e];
+      }
+      most = max(most, in_group);
       const int code = other[Row::kFailed] ? kPeerInput
                        : !same ? kMismatch
-                       : (other[Row::kBudget] >= 0 && rows_of_r > other[Row::kBudget]) ? kOverBudget : kOk;
+                       : (budget_r >= 0 && most > bound_r) ? kOverBudget : kOk;
       if (code != kOk) {
         record(status, code, r, 0);
         break;

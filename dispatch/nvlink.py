@@ -10,8 +10,9 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
 * ``meta`` (fixed): flags [W] u32 (word s raised by rank s to the epoch it
   reached), then the counts matrix [W, L] int32, row s written by rank s: its
   header (``plan.HEADER``, its row budgets included), its T, whether it staged
-  its rows with the counts, its tokens per destination rank [W], its tokens
-  per global expert [E] (the columns ``csrc/engine.cuh``'s ``Row`` names).
+  its rows with the counts, the groups of experts its dispatch moves by, its
+  tokens per destination rank [W], its tokens per global expert [E] (the
+  columns ``csrc/engine.cuh``'s ``Row`` names).
 * ``data`` (grown collectively): two copies (by epoch parity) each of the routes
   [T_max, K] (16-byte ``Slot``), the slots [T_max, K] (8 bytes), the staged
   rows [T_max, B] (B: wire bytes of a row, 16-aligned) and the partial sums
@@ -68,8 +69,8 @@ _STATUS = (
     "rank {me} received a route no checked dispatch makes (an expert id twice in a row, check_inputs=False) "
     "from rank {peer}",
     "rank {peer} receives more rows than its max_rows",
-    "rank {peer} dispatched with another K, H, x or topk_weights dtype, or another need of gradients, than "
-    "rank {me}",
+    "rank {peer} dispatched with another K, H, x or topk_weights dtype, need of gradients or number of groups "
+    "of experts than rank {me}",
     "rank {peer} marked its input bad (topk_idx/topk_weights values, more tokens than the buffers hold, or a "
     "max_rows its free device memory does not hold)",
 )
@@ -77,7 +78,8 @@ _WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routin
 # the columns of a row of the counts matrix (``Row`` in csrc/engine.cuh)
 TOKENS_COL = len(plan.HEADER)
 STAGED_COL = TOKENS_COL + 1
-SENDS_COL = TOKENS_COL + 2
+GROUPS_COL = TOKENS_COL + 2
+SENDS_COL = TOKENS_COL + 3
 
 
 def _up(n: int, to: int = _ALIGN) -> int:
@@ -146,6 +148,9 @@ class Counts:
         hit: [T] int32 mask of the ranks each token goes to.
         staged: every rank staged its routes and rows with the counts (else
             they move in an exchange of their own).
+        group_end: [G] int32 on the device, the end of each group's rows, for a
+            dispatch by G > 1 groups with a row budget (group g's rows start at
+            g B, B = ceil(max_rows / G)); None otherwise.
     """
 
     matrix: torch.Tensor
@@ -158,6 +163,7 @@ class Counts:
     route: torch.Tensor
     hit: torch.Tensor
     staged: bool
+    group_end: torch.Tensor | None = None
 
     @property
     def items(self) -> int:
@@ -324,7 +330,7 @@ class Engine:
 
     def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int],
                         rows: torch.Tensor | None = None, codec=None, check_values: bool = False,
-                        host_read: bool = True) -> Counts:
+                        host_read: bool = True, groups: int = 1) -> Counts:
         """Counts, routes and the counts exchange of one dispatch.
 
         Args:
@@ -343,11 +349,15 @@ class Engine:
             host_read: one host read (the counts matrix, the status); else
                 nothing is read on the host (a dispatch with max_rows: the caller
                 made sure the routes and rows fit the buffers).
+            groups: G, the groups of local experts the dispatch moves by (the
+                same on every rank); with a row budget and G > 1 each group's
+                rows are padded to B = ceil(max_rows / G) (``Counts.group_end``).
         """
         with self._ordered():
-            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read)
+            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read, groups)
 
-    def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, host_read) -> Counts:
+    def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, host_read,
+                         groups: int = 1) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
         stage_row = 0 if rows is None else staged_row_bytes(codec, rows.shape[1])
@@ -369,21 +379,25 @@ class Engine:
         if fits and rows is not None and tokens:
             self._stage_rows(rows, codec, stage_row, signal=False)
         world, length, local = self.world, self.row_len, self.experts_per_rank
-        out = torch.empty(4 + world * length + world * local + 1, dtype=torch.int32, device=device)
+        out = torch.empty(4 + world * length + world * local + 1 + groups, dtype=torch.int32, device=device)
         per_expert = torch.empty(local, dtype=torch.int64, device=device)
+        places = 4 + world * length  # src_start, then num_rows, then group_end
         self._kernel("layout.cu", "exchange_counts")(
             1,
             (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
              i32(length), i32(self.counts_col), i32(local), ptr(row), *(i32(v) for v in header), i32(tokens),
-             i32(int(fits)), ptr(self._seq), u64(self.timeout_ns),
-             ptr(self.status), ptr(out), ptr(per_expert), ptr(out[4 + world * length : -1]), ptr(out[-1:])),
+             i32(int(fits)), i32(groups), ptr(self._seq), u64(self.timeout_ns),
+             ptr(self.status), ptr(out), ptr(per_expert), ptr(out[places:]), ptr(out[places + world * local :]),
+             ptr(out[places + world * local + 1 :])),
             shared=4 * local,
         )
         matrix = out[4 : 4 + world * length].view(world, length)
-        src_start, num_rows = out[4 + world * length : -1], out[-1:]
+        src_start = out[places : places + world * local]
+        num_rows = out[places + world * local : places + world * local + 1]
+        group_end = out[places + world * local + 1 :] if groups > 1 else None
         if not host_read:
             return Counts(matrix, None, None, self.capacity.tokens, per_expert, src_start, num_rows, route, hit,
-                          fits and rows is not None)
+                          fits and rows is not None, group_end)
         # host sync: row counts (to size the output), headers, status
         host = out[: 4 + world * length].tolist()
         code, peer, where = host[:3]
@@ -393,17 +407,19 @@ class Engine:
         tokens_of = tuple(r[TOKENS_COL] for r in matrix_host)
         staged = rows is not None and all(r[STAGED_COL] for r in matrix_host)
         return Counts(matrix, matrix_host, tokens_of, max(1, max(tokens_of)), per_expert, src_start, num_rows,
-                      route, hit, staged)
+                      route, hit, staged, group_end)
 
     # -- rows to the experts ---------------------------------------------------
 
     def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
-                   piece: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   piece: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+                   group: int | None = None) -> torch.Tensor:
         with self._ordered():
-            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out, piece, out)
+            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out, piece, out, group)
 
     def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
-                    piece: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    piece: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+                    group: int | None = None) -> torch.Tensor:
         """Move rows [T, H] to this rank's expert-major places ([num_rows, H],
         dtype of rows; rows past the N received zeroed).
 
@@ -415,7 +431,9 @@ class Engine:
         ``piece`` = (lo, hi): one group's places of a move by groups, the pieces
         issued in order, the first with ``out`` None (it stages and makes the
         output), the later ones with the output it returned; a row that an
-        earlier piece brought is copied from there instead of crossing again."""
+        earlier piece brought is copied from there instead of crossing again.
+        ``group``: the piece's group where each group's rows are padded to a
+        bound (``Counts.group_end``): the piece zeroes its group's padding."""
         tokens, hidden = rows.shape
         wire, fp8 = _wire_of(codec, rows.dtype)
         stage_row = staged_row_bytes(codec, hidden)
@@ -429,6 +447,8 @@ class Engine:
         if out is None:
             out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
         lo, hi = (0, num_rows) if piece is None else piece
+        # the rows zeroed: [N, num_rows), or a padded group's [its end, its bound)
+        tail_from, tail_to = (counts.num_rows, num_rows) if group is None else (counts.group_end[group:], hi)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
         acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
         width = presum.shape[1]
@@ -441,11 +461,11 @@ class Engine:
             self._row_grid(max(counts.items, num_rows)),
             (ptr(self._data_ptrs), i64(route_start), i64(route_copy), i64(stage_start), i64(stage_copy),
              i64(stage_row), i64(quantize.codes_bytes(hidden)), ptr(counts.matrix), i32(self.row_len),
-             i32(TOKENS_COL), ptr(counts.src_start), ptr(counts.num_rows), i32(self.rank), i32(self.world),
+             i32(TOKENS_COL), ptr(counts.src_start), ptr(tail_from), i32(self.rank), i32(self.world),
              i32(self.experts_per_rank), i32(topk), i32(width), i32(hidden), i64(counts.bound), ptr(out),
              i64(num_rows), ptr(presum), ptr(slot_k), ptr(weights), ptr(src_rank), ptr(src_token),
-             f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), i64(lo), i64(hi), ptr(self._flags),
-             ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
+             f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), i64(lo), i64(hi), i64(tail_to),
+             ptr(self._flags), ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
         )
         return out
 
@@ -477,30 +497,40 @@ class Engine:
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
 
-    def push_group(self, parts: list, weights: list, bounds: torch.Tensor, piece: tuple[int, int], last: bool,
-                   wire: torch.dtype, counts: Counts, presum) -> None:
+    def store_group(self, table: torch.Tensor, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Write group g's row and weight pointers into ``table`` ([2 G] int64 on the
+        device: the rows' pointers, then the weights'; 0 for no weights), on the
+        device, so that a CUDA graph replays them. ``rows`` 16-byte aligned, kept
+        alive by the caller until the combine's last group is pushed."""
+        with self._ordered(writes=False):
+            self._store_group(table, g, rows, weights)
+
+    def _store_group(self, table, g: int, rows, weights) -> None:
+        self._kernel("intranode_combine.cu", "store_pair")(
+            1, (ptr(table), i32(g), i32(table.shape[0] // 2), i64(rows.data_ptr()),
+                i64(0 if weights is None else weights.data_ptr())))
+
+    def push_group(self, rows: torch.Tensor, weights: torch.Tensor | None, table: torch.Tensor,
+                   bounds: torch.Tensor, parts: int, piece: tuple[int, int], last: bool, wire: torch.dtype,
+                   counts: Counts, presum) -> None:
         """One group of a combine by groups: push the pre-sums that group
         completes (those whose last row lies in ``piece``), each summed whole
         from the rows of its groups.
 
         Args:
-            parts: the rows [N_p, H] of groups 0 .. g (16-byte aligned, kept alive
-                by the caller until the last group is pushed).
-            weights: their routing weights [N_p] (all None: unweighted).
+            rows, weights: a group's rows [N_g, H] and weights (their dtypes and H
+                are every group's).
+            table: the groups' row and weight pointers (:meth:`store_group`), those
+                of groups 0 .. parts - 1 written.
             bounds: [G + 1] int64 on the device, the groups' first rows.
-            piece: (lo, hi), group g's rows.
-            last: g is the last group (its push raises the operation's flags).
+            piece: (lo, hi), the rows of the group pushed (every group's, for all
+                the pre-sums).
+            last: the last group (its push raises the operation's flags).
         """
-        if torch.cuda.is_current_stream_capturing():  # a replay would read the host tables again, long freed
-            raise RuntimeError("a combine by groups of experts on the NVLink engine cannot be captured in a CUDA "
-                               "graph (its row tables are copied from host memory at each group); capture one "
-                               "group (MoEExchange(chunks=1, max_rows=...))")
         with self._ordered():
-            device, hidden = self.device, parts[0].shape[1]
-            tables = [p.data_ptr() for p in parts] + [0 if w is None else w.data_ptr() for w in weights]
-            table = torch.tensor(tables, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-            self._push(parts[0], weights[0], wire, counts, presum,
-                       (table[: len(parts)], table[len(parts) :], bounds, len(parts), piece, last), hidden)
+            groups = table.shape[0] // 2
+            self._push(rows, weights, wire, counts, presum,
+                       (table[:groups], table[groups:], bounds, parts, piece, last), rows.shape[1])
 
     def home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
                  at_least: torch.dtype | None) -> torch.Tensor:

@@ -91,15 +91,17 @@ class MoEExchange(nn.Module):
             to it). Default: the autocast dtype where autocast is on for x's
             device, else x's dtype. With G = 1 the outputs' dtype is agreed
             as ``combine`` does.
-        max_rows: with G = 1, M: the dispatch takes ``max_rows=M`` (see
+        max_rows: M: the dispatch takes ``max_rows=M`` (see
             ``TokenDispatcher.dispatch``), so that on the NVLink engine nothing
             is read on the host and the layer's forward and backward can be
             captured in a CUDA graph. The experts then get M rows: the N received
             first, then rows that no token takes, with weight 0, and counts on
             the device only (:class:`GroupedExperts` takes them as they are;
-            other experts must give those rows any finite values). None: the
-            dispatch reads its counts on the host. What a graph saves is measured
-            by ``dispatch-bench overlap --graph`` (bench/results/README.md).
+            other experts must give those rows any finite values). With G > 1
+            (the NVLink engine only) each group gets B = ceil(M / G) rows so:
+            a rank with more rows in a group fails. None: the dispatch reads its
+            counts on the host. What a graph saves is measured by
+            ``dispatch-bench overlap --graph`` (bench/results/README.md).
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
@@ -119,9 +121,10 @@ class MoEExchange(nn.Module):
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
                                      or not 0 <= max_rows < 2**31):
             raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
-        if max_rows is not None and chunks > 1:
-            raise ValueError(f"max_rows={max_rows!r} with chunks={chunks}: a dispatch by groups reads its counts on "
-                             "the host; use chunks=1")
+        if max_rows is not None and chunks > 1 and not dispatcher.host_free:
+            raise ValueError(f"max_rows={max_rows!r} with chunks={chunks}: a dispatch by groups with a row bound "
+                             f"needs the NVLink engine ({type(dispatcher).__name__} reads its counts on the host); "
+                             "use chunks=1")
         if chunks > 1 and dispatcher.config.pad_to_capacity:
             raise ValueError(f"chunks={chunks} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
                              "the whole dispatch is in; use chunks=1")

@@ -126,13 +126,15 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     y = torch.randn(max_rows, hidden, generator=gen).to(dtype)
     engine._push(y, places[0], combine_wire, counts, presum)  # the combine
     engine._home_sum(counts, combine_wire, y.dtype, hidden, None)
-    tables = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    table = torch.zeros(6, dtype=torch.int64)
     bounds = torch.tensor([0, 30, 70, max_rows])
-    engine._push(y[:30], places[0][:30], combine_wire, counts, presum,  # group 1 of 3 of a combine by groups
-                 (*tables, bounds, 2, (30, 70), False), hidden)
+    engine._store_group(table, 1, y[30:70], places[0][30:70])  # group 1 of 3 of a combine by groups
+    engine._push(y[30:70], places[0][30:70], combine_wire, counts, presum,
+                 (table[:3], table[3:], bounds, 2, (30, 70), False), hidden)
     engine._slots_home(torch.randn(max_rows, generator=gen), counts, presum, slot_k)  # routing-weight gradients
     assert launches == ["route_layout", "stage_rows", "exchange_counts", "pull_rows", "stage_rows", "pull_rows",
-                        "pull_rows", "push_partials", "home_sum", "push_partials", "push_slots", "home_slots"]
+                        "pull_rows", "push_partials", "home_sum", "store_pair", "push_partials", "push_slots",
+                        "home_slots"]
 
 
 def test_the_signatures_are_read():

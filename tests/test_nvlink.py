@@ -624,6 +624,18 @@ def _layer_graph(config, tokens, hidden, topk, max_rows, replays, seed):
     twin = copy.deepcopy(experts)
     layer = dispatch.MoEExchange(engine, experts, max_rows=max_rows)
     reference = dispatch.MoEExchange(nccl, twin, max_rows=max_rows)
+    wrong = _layer_replays(layer, reference, (x, idx, w, grad), fresh, replays)
+    engine.check()
+    return wrong
+
+
+def _layer_replays(layer, reference, inputs, fresh, replays: int) -> int:
+    """``layer``'s forward and backward (x, topk_weights requiring grad) captured
+    and replayed with new ``inputs`` (``_captured_replays``): how many replays'
+    output or gradients (x, topk_weights, the experts' parameters) differ from
+    an eager run of ``reference`` (a layer with twin experts)."""
+    x, idx, w, grad = inputs
+    experts, twin = layer.experts, reference.experts
 
     def step(layer, x, w):
         h = layer(x, idx, w)
@@ -641,10 +653,8 @@ def _layer_graph(config, tokens, hidden, topk, max_rows, replays, seed):
         return (torch.equal(h, want) and torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
                 and all(torch.equal(a.grad, b.grad) for a, b in zip(experts.parameters(), twin.parameters())))
 
-    wrong = _captured_replays(lambda: step(layer, x, w), reset, (x.detach(), idx, w.detach(), grad), fresh, replays,
-                              same)
-    engine.check()
-    return wrong
+    return _captured_replays(lambda: step(layer, x, w), reset, (x.detach(), idx, w.detach(), grad), fresh, replays,
+                             same)
 
 
 @needs_engine
@@ -674,13 +684,36 @@ def _over_budget(x, topk_idx, topk_weights, config):
     return messages
 
 
+def _group_over_bound(x, topk_idx, topk_weights, config):
+    """Rank 0 dispatches by 2 groups with max_rows 2 (a row a group): every rank's
+    check raises (its message, in a list), naming rank 0."""
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=5.0))
+    bound = 2 if torch.distributed.get_rank() == 0 else 10**6
+    work = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device), groups=2, max_rows=bound,
+                      async_op=True)
+    parts = [work.wait_group(g) for g in range(2)]
+    sums = d.combine_groups(work.handle, dtype=parts[0].tokens.dtype)
+    for p in parts:  # skipped on the device, no hang
+        sums.add(p.tokens, p.weights)
+    sums.wait()
+    try:
+        d.check()
+    except RuntimeError as exc:
+        return [str(exc)]
+    return []
+
+
 @needs_engine
-def test_a_rank_over_its_max_rows_fails_every_rank(worlds):
+@pytest.mark.parametrize("fn, calls", [(_over_budget, 2), (_group_over_bound, 1)], ids=["whole", "by groups"])
+def test_a_rank_over_its_max_rows_fails_every_rank(worlds, fn, calls):
     routing = make_routing(WORLD, 4, 2, [64, 64], "random", seed=2)
     xs, ws = _inputs(routing, 64, torch.float32, seed=0)
     config = dict(num_experts=routing.num_experts)
-    for messages in _run(worlds, _over_budget, routing, xs, ws, config):
-        assert len(messages) == 2 and all("rank 0 receives more rows than its max_rows" in m for m in messages), \
+    for messages in _run(worlds, fn, routing, xs, ws, config):
+        assert len(messages) == calls and all("rank 0 receives more rows than its max_rows" in m for m in messages), \
             messages
 
 
@@ -965,3 +998,107 @@ def test_pad_to_capacity_matches_nccl(worlds):
            for t in ("nccl", "nvlink")}
     for r in range(WORLD):
         _equal(got["nvlink"][r], got["nccl"][r], f"rank {r}")
+
+
+def _padded_groups(rows, bounds, bound, fill):
+    """Rows of a dispatch by groups [N, ...] placed as a dispatch by groups with a
+    row bound places them: group g's at [g B, g B + its rows), ``fill`` after."""
+    groups = len(bounds) - 1
+    out = torch.full((groups * bound, *rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device)
+    for g in range(groups):
+        lo, hi = bounds[g], bounds[g + 1]
+        out[g * bound : g * bound + hi - lo] = rows[lo:hi]
+    return out
+
+
+def _bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, max_rows):
+    """A dispatch by groups with max_rows against the same by groups without:
+    each group's rows in its padded block (zeros after, weight 0, sources -1),
+    and every verb along the handle the same bits, whatever the padding rows
+    of the expert outputs hold."""
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    ref = d.dispatch(x, topk_idx, topk_weights, groups=groups)
+    bounds = ref.handle.group_rows
+    work = d.dispatch(x, topk_idx, topk_weights, groups=groups, max_rows=max_rows, async_op=True)
+    bound = -(-max_rows // groups)
+    parts = [work.wait_group(g) for g in reversed(range(groups))][::-1]
+    tokens = torch.cat([p.tokens for p in parts])
+    weights = torch.cat([p.weights for p in parts])
+    ok = {
+        "rows": [p.rows for p in parts] == [(g * bound, (g + 1) * bound) for g in range(groups)],
+        "tokens": torch.equal(tokens, _padded_groups(ref.tokens, bounds, bound, 0)),
+        "weights": torch.equal(weights, _padded_groups(ref.weights, bounds, bound, 0)),
+        "per_expert": torch.equal(sum(p.tokens_per_expert for p in parts), ref.tokens_per_expert),
+    }
+    gen = torch.Generator(device=device).manual_seed(1)
+    y = torch.randn(ref.tokens.shape, generator=gen, device=device).to(x.dtype)
+    junk = torch.full((), float("nan"), dtype=x.dtype)  # the padding rows of the outputs are never read
+    y_padded = _padded_groups(y, bounds, bound, junk.item())
+    sums = d.combine_groups(work.handle, dtype=x.dtype)
+    for p in parts:
+        sums.add(y_padded[slice(*p.rows)], p.weights)
+    ok["combine_groups"] = torch.equal(sums.wait(), d.combine(y, ref.handle, weights=ref.weights))
+    moved = d.dispatch_rows(x * 3, work.handle, async_op=True)
+    moved = torch.cat([moved.wait_group(g) for g in range(groups)])
+    ok["dispatch_rows"] = torch.equal(moved, _padded_groups(d.dispatch_rows(x * 3, ref.handle), bounds, bound, 0))
+    full = work.wait()
+    ok["src"] = torch.equal(full.src_token, _padded_groups(ref.src_token, bounds, bound, -1))
+    values = torch.randn(ref.tokens.shape[0], generator=gen, device=device)
+    ok["combine_slots"] = torch.equal(d.combine_slots(_padded_groups(values, bounds, bound, float("nan")),
+                                                      work.handle), d.combine_slots(values, ref.handle))
+    d.check()
+    return ok
+
+
+@needs_engine
+@pytest.mark.parametrize("mode, per_rank, topk, tokens, groups, slack", [
+    ("random", 8, 4, [96, 80], 3, 1.5), ("random", 6, 2, [120, 0], 2, 2.0), ("one_expert", 8, 2, [50, 70], 4, 9.0),
+])
+def test_groups_with_max_rows_on_the_engine(worlds, mode, per_rank, topk, tokens, groups, slack):
+    routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=groups)
+    xs, ws = _inputs(routing, 128, torch.bfloat16, seed=groups)
+    config = dict(num_experts=routing.num_experts, transport="nvlink")
+    max_rows = int(slack * sum(tokens) * topk / WORLD) + groups
+    for rank, ok in enumerate(_run(worlds, _bounded_groups_verbs, routing, xs, ws, config, groups, max_rows)):
+        assert all(ok.values()), f"rank {rank}: {ok}"
+
+
+def _bounded_groups_layer(config, tokens, hidden, topk, groups, max_rows, replays, seed):
+    """MoEExchange by groups with max_rows on the engine: eager, in fp64 dyadic
+    data (exact sums), its output and every gradient the bits of the layer by
+    groups without a bound; then, in bf16, its forward and backward captured in
+    one CUDA graph and replayed with new inputs, each replay the bits of an eager
+    run of a twin layer (GroupedExperts)."""
+    from pipeline_fns import make_experts
+
+    fresh, (x, idx, w, grad), engine, _ = _graph_setup(config, tokens, hidden, topk, seed)
+    relu = make_experts("relu", engine.num_local_experts, hidden, torch.float64, seed)
+    exact = [(t.detach().double() * 8).round() / 8 for t in (x, w, grad)]
+    eager = {}
+    for bound in (None, max_rows):
+        experts = copy.deepcopy(relu)
+        layer = dispatch.MoEExchange(engine, experts, chunks=groups, max_rows=bound)
+        xr, wr = exact[0].clone().requires_grad_(), exact[1].clone().requires_grad_()
+        h = layer(xr, idx, wr)
+        (h * exact[2]).sum().backward()
+        eager[bound] = (h.detach(), xr.grad, wr.grad, *(p.grad for p in experts.parameters()))
+    wrong = sum(not torch.equal(a, b) for a, b in zip(eager[None], eager[max_rows]))
+    torch.manual_seed(seed)
+    experts = dispatch.experts.GroupedExperts(engine.num_local_experts, hidden, 2 * hidden, dtype=torch.bfloat16,
+                                              device=x.device)
+    layer = dispatch.MoEExchange(engine, experts, chunks=groups, max_rows=max_rows)
+    reference = dispatch.MoEExchange(engine, copy.deepcopy(experts), chunks=groups, max_rows=max_rows)
+    wrong += _layer_replays(layer, reference, (x, idx, w, grad), fresh, replays)
+    engine.check()
+    return wrong
+
+
+@needs_engine
+def test_layer_by_groups_with_max_rows_in_a_cuda_graph(worlds):
+    config = dict(num_experts=8)
+    args = [(config, 200, 256, 2, 4, 200 * 2 * 2, 10, 9)] * WORLD
+    assert worlds(WORLD).run(_bounded_groups_layer, args) == [0, 0]

@@ -105,8 +105,9 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--comm-priority", type=int, default=-1,
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
     parser.add_argument("--graph", action="store_true",
-                        help="also T_graph: the layer in one piece with max_rows (the largest N + 10%%), its pass "
-                             "captured in a CUDA graph and replayed (the NVLink engine: --transport auto or nvlink)")
+                        help="also T_graph: the layer with max_rows (the largest N + 10%%), in one piece and by each "
+                             "C of --chunks, its pass captured in a CUDA graph and replayed (the NVLink engine: "
+                             "--transport auto or nvlink)")
     parser.add_argument("--micro-batches", action="store_true",
                         help="also T_mb: two micro-batches overlapped by the async verbs, against the layer twice")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
@@ -186,15 +187,16 @@ class Case:
         return dispatch.MoEExchange(self.dispatcher, self.experts if experts is None else experts,
                                     chunks=chunks, comm_priority=comm_priority, sm_carveout=sm_carveout)
 
-    def layer_bounded(self, comm_priority: int, group) -> dispatch.MoEExchange:
-        """MoEExchange in one piece with max_rows: the most rows a rank of ``group``
-        receives, plus 10% (collective)."""
+    def layer_bounded(self, comm_priority: int, group, chunks: int = 1) -> dispatch.MoEExchange:
+        """MoEExchange by ``chunks`` groups with max_rows: the most rows a rank of
+        ``group`` receives, plus 10% (by groups, a tenth of it each; collective)."""
         if not self.dispatcher.host_free:
             raise ValueError(f"--graph: {type(self.dispatcher).__name__} reads its counts on the host")
         most = torch.tensor([self.tokens.shape[0]], device=self.x.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
         bound = int(most.item() * 1.1) + 1  # host sync: the bound, once
-        return dispatch.MoEExchange(self.dispatcher, self.experts, comm_priority=comm_priority, max_rows=bound)
+        return dispatch.MoEExchange(self.dispatcher, self.experts, chunks=chunks, comm_priority=comm_priority,
+                                    max_rows=bound)
 
     def layer_step(self, layer, backward: bool):
         """One forward (and backward) of ``layer`` on the case's tokens."""
@@ -372,9 +374,11 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         if backward and device.type == "cuda":  # the sequential layer (C = 1) first, then each C
             peak = {"seq": _peak_mib(case.layer_step(seq, True), device, group)}
             peak.update({str(c): _peak_mib(case.layer_step(layers[c], True), device, group) for c in candidates})
-        t_graph = None
-        if args.graph:
-            t_graph = timed(_captured(case, case.layer_bounded(prio, group), backward))[0]
+        t_graph, graph_by_chunks = None, None
+        if args.graph:  # the layer in one piece, and by each C, captured
+            graph_by_chunks = {c: timed(_captured(case, case.layer_bounded(prio, group, c), backward))[0]
+                               for c in sorted({1, *candidates})}
+            t_graph = graph_by_chunks[1]
         short, long = sorted((t_comm, t_compute))
         mb = _micro_batches(case, seq, backward, timed, group) if args.micro_batches else {}
         if mb:
@@ -387,7 +391,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
             hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
-            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph, **mb,
+            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph,
+            t_graph_by_chunks_ms=None if graph_by_chunks is None else {str(c): t for c, t in graph_by_chunks.items()},
+            **mb,
             host_ms={"seq": seq_host, **{str(c): host for c, (_, host) in pipe_times.items()}},
         ))
     return rows
@@ -402,6 +408,15 @@ def suffix(args) -> str:
     carve += "" if args.sm_budget is None else f"-budget{args.sm_budget}"
     return (wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
             + ("-mb" if args.micro_batches else ""))
+
+
+def _graph_cell(row: dict) -> str:
+    """T_graph of a row, with its times by C where more than one C was captured."""
+    if row.get("t_graph_ms") is None:
+        return "-"
+    by_c = row.get("t_graph_by_chunks_ms") or {}
+    more = ", ".join(f"{c}: {t:.2f}" for c, t in by_c.items() if c != "1")
+    return f"{row['t_graph_ms']:.3f}" + (f" (by C: {more})" if more else "")
 
 
 def _budget(row: dict) -> str:
@@ -423,7 +438,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
-            f"{'-' if r.get('t_graph_ms') is None else format(r['t_graph_ms'], '.3f')} | "
+            f"{_graph_cell(r)} | "
             f"{_micro_batch_cell(r)} | "
             f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r['peak_mib'])} | {_by_c(r['host_ms'], '.2f')} |"
         )

@@ -264,7 +264,12 @@ class TokenDispatcher(abc.ABC):
                 needs it); the other variants move all groups at once and
                 hand them out by group. Every rank passes
                 the same G (checked where the pieces must match); not with
-                ``max_rows`` or ``pad_to_capacity``.
+                ``pad_to_capacity``. With ``max_rows`` (the NVLink engine
+                only), each group's rows are padded to B = ceil(max_rows / G):
+                group g's rows at [g B, g B + its rows), then zero rows, the
+                outputs G B rows, nothing read on the host; a rank with more
+                than B rows in a group fails every rank alike (raised at a
+                later host read).
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
@@ -273,10 +278,13 @@ class TokenDispatcher(abc.ABC):
         """
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
         checks.check_groups(groups, self.num_local_experts)
-        if groups > 1 and (max_rows is not None or self.config.pad_to_capacity):
-            what = "max_rows" if max_rows is not None else "DispatchConfig.pad_to_capacity"
-            raise ValueError(f"groups={groups} with {what}: a dispatch by groups of experts sizes its rows on the "
-                             "host; use groups=1")
+        if groups > 1 and self.config.pad_to_capacity:
+            raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
+                             "places its rows group by group; use groups=1")
+        if groups > 1 and max_rows is not None and not self.host_free:
+            raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs a "
+                             f"dispatcher that reads nothing on the host (the NVLink engine), {type(self).__name__} "
+                             "sizes its rows on the host; use groups=1 or no max_rows")
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
@@ -292,6 +300,10 @@ class TokenDispatcher(abc.ABC):
             handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
                                           (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0)))
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
+        elif groups > 1 and max_rows is not None:  # each group's rows padded to ceil(max_rows / G)
+            checks.check_max_rows(max_rows)
+            handle, plan_out = self._plan_bounded_groups(x, topk_idx, topk_weights, self.config.check_inputs,
+                                                         self._row_budgets(x, max_rows), groups)
         elif groups > 1:
             handle, plan_out = self._plan_groups(x, topk_idx, topk_weights, self.config.check_inputs,
                                                  self._row_budgets(x, None), groups)
@@ -652,6 +664,12 @@ class TokenDispatcher(abc.ABC):
     def _plan_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups: int):
         """``_plan`` for a dispatch by ``groups`` groups of local experts."""
         return self._plan(x, topk_idx, topk_weights, check_values, budgets)
+
+    def _plan_bounded_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups: int):
+        """``_plan_bounded`` by ``groups`` groups of local experts, each group's rows
+        padded to B = ceil(max_rows / G) (group g's at [g B, g B + its rows)):
+        only a variant that reads nothing on the host (``host_free``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not dispatch by groups with max_rows")
 
     def _to_experts_groups_start(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec,
                                  own: bool) -> PendingGroups:

@@ -13,6 +13,7 @@ summing the partials in ascending rank order and casting once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ class NVLinkHandle(CombineHandle):
         places: [N] routing weight (wire dtype), source rank and source token
             (int64) of each expanded row, written by the dispatch's own pull
             (``_dispatch_start``), which reads the sources' routes.
+        group_bound: B, the rows of each group of a dispatch by groups with
+            ``max_rows`` (group g's rows at [g B, g B + its rows), then zero rows);
+            None otherwise.
     """
 
     counts: Counts
@@ -51,6 +55,7 @@ class NVLinkHandle(CombineHandle):
     slot_k: torch.Tensor
     split_matrix: tuple[tuple[int, ...], ...] | None
     places: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    group_bound: int | None = None
 
 
 class NVLinkDispatcher(TokenDispatcher):
@@ -94,9 +99,13 @@ class NVLinkDispatcher(TokenDispatcher):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, budgets):
+    def _plan_bounded_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups: int):
+        return self._plan_bounded(x, topk_idx, topk_weights, check_values, budgets, groups)
+
+    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, budgets, groups: int = 1):
         # nothing read on the host: the counts exchange kernel checks what _plan checks
-        # here, for every rank alike, and a failure surfaces at a later host read
+        # here, for every rank alike, and a failure surfaces at a later host read; by
+        # groups, each group's rows padded to B = ceil(max_rows / G)
         num_tokens, topk = _check_topk(topk_idx)
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
@@ -106,17 +115,19 @@ class NVLinkDispatcher(TokenDispatcher):
             self.reserve(x, topk)
         header = plan.header(x, topk_weights, topk, budgets)
         max_rows, memory_rows = budgets
+        bound = -(-max_rows // groups)
+        out_rows = groups * bound  # the outputs have these rows, whatever N
         over = not engine.capacity.covers(Capacity(num_tokens, topk, stage_row, 0))
-        short = 0 <= memory_rows < max_rows  # the outputs have max_rows rows, whatever N
+        short = 0 <= memory_rows < out_rows
         if over or short:  # this rank raises; its mark makes every peer record the failure
             header[plan.HEADER.index("failed")] = 2
             topk_idx, weights = topk_idx[:0], weights[:0]
         rows = x.detach().contiguous()[: len(topk_idx)]
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, rows, codec, check_values,
-                                        host_read=False)
+                                        host_read=False, groups=groups)
         if short:
             raise ValueError(
-                f"max_rows: {max_rows} rows do not fit this rank's free device memory ({memory_rows} rows of "
+                f"max_rows: {out_rows} rows do not fit this rank's free device memory ({memory_rows} rows of "
                 f"{self.row_bytes(x)} bytes, the dispatch's outputs); the engine is failed")
         if over:
             capacity = engine.capacity
@@ -125,8 +136,12 @@ class NVLinkDispatcher(TokenDispatcher):
                 f"(the buffers the first such dispatch sized from the group's largest T), got T={num_tokens}, "
                 f"K={topk}: give the first dispatch with max_rows the largest T on some rank; the engine is failed")
         x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
-        handle, outputs = self._handle(x, counts, num_tokens, topk, max_rows, (bool(x_grad), bool(w_grad)),
+        handle, outputs = self._handle(x, counts, num_tokens, topk, out_rows, (bool(x_grad), bool(w_grad)),
                                        (True,) * self.world_size, None, wire, None)
+        if groups > 1:
+            handle = dataclasses.replace(
+                handle, group_experts=plan.expert_groups(self.num_local_experts, groups),
+                group_rows=tuple(g * bound for g in range(groups + 1)), group_bound=bound)
         mark(self.phase_timer, "plan")
         return handle, outputs
 
@@ -247,7 +262,8 @@ class _Pieces:
         while self._issued <= g:
             self._out = self._d.engine.to_experts(
                 self._rows, self._codec, handle.counts, handle.presum, handle.slot_k, handle.num_rows,
-                meta_out=handle.places if self._own else None, piece=handle.row_range(self._issued), out=self._out)
+                meta_out=handle.places if self._own else None, piece=handle.row_range(self._issued), out=self._out,
+                group=None if handle.group_bound is None else self._issued)
             self._issued += 1
         if self._issued == handle.groups:
             mark(self._d.phase_timer, "exchange_out")
@@ -259,7 +275,9 @@ class _GroupPushes(GroupSumsIssuer):
     come, the pre-sums it completes (those of the (token, source rank) rows whose
     last expert here is in group g) are summed whole from every group's rows
     and pushed home; the home rank sums them as soon as the last group is
-    pushed. The bits of one combine, for every G.
+    pushed. The bits of one combine, for every G. The groups' row pointers are
+    written on the device, so that a dispatch by groups with ``max_rows`` can
+    be captured in a CUDA graph with its combine.
 
     The pushes of groups before the last write the partials of the next
     operation of the engine without raising it. Where another operation of the
@@ -270,25 +288,35 @@ class _GroupPushes(GroupSumsIssuer):
 
     def __init__(self, dispatcher: NVLinkDispatcher, handle: NVLinkHandle, wire: str) -> None:
         self._d, self._handle, self._wire_name = dispatcher, handle, wire
-        self._rows: list = []
+        self._rows: list = []  # every group's rows and weights, alive until the last push
         self._weights: list = []
-        self._bounds = self._wire = self._after = self._out = None
+        self._table = self._bounds = self._wire = self._after = self._out = None
         self._whole = False  # push every pre-sum with the last group
+
+    def _setup(self, rows: torch.Tensor) -> None:
+        handle, device = self._handle, self._d.engine.device
+        self._wire = sum_wire_dtype(self._wire_name, rows.dtype)
+        self._table = torch.zeros(2 * handle.groups, dtype=torch.int64, device=device)
+        if handle.group_bound is not None:  # rows padded by groups: the bounds on the device
+            self._bounds = torch.arange(handle.groups + 1, dtype=torch.int64, device=device) * handle.group_bound
+        else:  # a dispatch that read its counts on the host (never inside a capture)
+            bounds = torch.tensor(handle.group_rows, dtype=torch.int64)
+            self._bounds = bounds.pin_memory().to(device, non_blocking=True)
 
     def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
         handle, engine = self._handle, self._d.engine
-        if self._bounds is None:
-            self._wire = sum_wire_dtype(self._wire_name, rows.dtype)
-            bounds = torch.tensor(handle.group_rows, dtype=torch.int64)
-            self._bounds = bounds.pin_memory().to(engine.device, non_blocking=True)
-        self._rows.append(aligned_rows(rows))
+        if self._table is None:
+            self._setup(rows)
+        rows = aligned_rows(rows)
+        self._rows.append(rows)
         self._weights.append(weights)
+        engine.store_group(self._table, g, rows, weights)
         self._whole |= self._after is not None and engine.operations != self._after
         last = g + 1 == handle.groups
         if self._whole and not last:
             return
         piece = (0, handle.rows) if self._whole else handle.row_range(g)
-        engine.push_group(self._rows, self._weights, self._bounds, piece, last, self._wire, handle.counts,
+        engine.push_group(rows, weights, self._table, self._bounds, g + 1, piece, last, self._wire, handle.counts,
                           handle.presum)
         self._after = engine.operations
         if last:  # the home sums right behind the pushes, before any other operation
