@@ -394,7 +394,8 @@ class Engine:
         matrix = out[4 : 4 + world * length].view(world, length)
         src_start = out[places : places + world * local]
         num_rows = out[places + world * local : places + world * local + 1]
-        group_end = out[places + world * local + 1 :] if groups > 1 else None
+        budgeted = header[plan.HEADER.index("max_rows")] >= 0
+        group_end = out[places + world * local + 1 :] if groups > 1 and budgeted else None
         if not host_read:
             return Counts(matrix, None, None, self.capacity.tokens, per_expert, src_start, num_rows, route, hit,
                           fits and rows is not None, group_end)

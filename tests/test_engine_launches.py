@@ -132,9 +132,12 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     engine._push(y[30:70], places[0][30:70], combine_wire, counts, presum,
                  (table[:3], table[3:], bounds, 2, (30, 70), False), hidden)
     engine._slots_home(torch.randn(max_rows, generator=gen), counts, presum, slot_k)  # routing-weight gradients
+    by_groups = engine._exchange_counts(idx, w, header, x, codec, True, False, groups=3)  # padded by 3 groups
+    assert by_groups.group_end is not None and by_groups.group_end.shape == (3,)
+    engine._to_experts(x, codec, by_groups, presum, slot_k, 102, meta_out=places, piece=(34, 68), out=out, group=1)
     assert launches == ["route_layout", "stage_rows", "exchange_counts", "pull_rows", "stage_rows", "pull_rows",
                         "pull_rows", "push_partials", "home_sum", "store_pair", "push_partials", "push_slots",
-                        "home_slots"]
+                        "home_slots", "route_layout", "stage_rows", "exchange_counts", "pull_rows"]
 
 
 def test_the_signatures_are_read():

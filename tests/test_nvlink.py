@@ -685,15 +685,19 @@ def _over_budget(x, topk_idx, topk_weights, config):
 
 
 def _group_over_bound(x, topk_idx, topk_weights, config):
-    """Rank 0 dispatches by 2 groups with max_rows 2 (a row a group): every rank's
-    check raises (its message, in a list), naming rank 0."""
+    """A dispatch by 2 groups whose max_rows leaves a rank's fullest group one row
+    short, though its N fits (all its rows in one group): every rank's check
+    raises (its message, in a list)."""
     from world import current_device
 
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=5.0))
-    bound = 2 if torch.distributed.get_rank() == 0 else 10**6
-    work = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device), groups=2, max_rows=bound,
-                      async_op=True)
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    bounds = d.dispatch(x, topk_idx, topk_weights, groups=2).handle.group_rows
+    fullest = max(bounds[1] - bounds[0], bounds[2] - bounds[1])
+    assert bounds[2] <= 2 * fullest - 2 or fullest < 2  # N within max_rows: only the group's bound is over
+    bound = 2 * fullest - 2 if fullest >= 2 else 10**6
+    work = d.dispatch(x, topk_idx, topk_weights, groups=2, max_rows=bound, async_op=True)
     parts = [work.wait_group(g) for g in range(2)]
     sums = d.combine_groups(work.handle, dtype=parts[0].tokens.dtype)
     for p in parts:  # skipped on the device, no hang
@@ -707,14 +711,17 @@ def _group_over_bound(x, topk_idx, topk_weights, config):
 
 
 @needs_engine
-@pytest.mark.parametrize("fn, calls", [(_over_budget, 2), (_group_over_bound, 1)], ids=["whole", "by groups"])
-def test_a_rank_over_its_max_rows_fails_every_rank(worlds, fn, calls):
-    routing = make_routing(WORLD, 4, 2, [64, 64], "random", seed=2)
+@pytest.mark.parametrize("fn, mode, calls, message", [
+    (_over_budget, "random", 2, "rank 0 receives more rows than its max_rows"),
+    (_group_over_bound, "one_expert", 1, "receives more rows than its max_rows"),
+], ids=["whole", "by groups"])
+def test_a_rank_over_its_max_rows_fails_every_rank(worlds, fn, mode, calls, message):
+    routing = make_routing(WORLD, 4, 2, [64, 64], mode, seed=2)
     xs, ws = _inputs(routing, 64, torch.float32, seed=0)
     config = dict(num_experts=routing.num_experts)
-    for messages in _run(worlds, fn, routing, xs, ws, config):
-        assert len(messages) == calls and all("rank 0 receives more rows than its max_rows" in m for m in messages), \
-            messages
+    results = _run(worlds, fn, routing, xs, ws, config)
+    assert all(len(m) == calls and all(message in one for one in m) for m in results), results
+    assert results[0] == results[1]  # the same failure on every rank
 
 
 def _tokens_over_capacity(x, topk_idx, topk_weights, config):
@@ -1011,11 +1018,12 @@ def _padded_groups(rows, bounds, bound, fill):
     return out
 
 
-def _bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, max_rows):
-    """A dispatch by groups with max_rows against the same by groups without:
-    each group's rows in its padded block (zeros after, weight 0, sources -1),
-    and every verb along the handle the same bits, whatever the padding rows
-    of the expert outputs hold."""
+def _bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, slack):
+    """A dispatch by groups with max_rows (``slack`` times this rank's fullest
+    group, by G; 1: a tight fit) against the same by groups without: each
+    group's rows in its padded block (zeros after, weight 0, sources -1), and
+    every verb along the handle the same bits, whatever the padding rows of the
+    expert outputs hold; dispatch, combine and their backward too."""
     from world import current_device
 
     device = current_device()
@@ -1023,6 +1031,8 @@ def _bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, max_rows):
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     ref = d.dispatch(x, topk_idx, topk_weights, groups=groups)
     bounds = ref.handle.group_rows
+    fullest = max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
+    max_rows = groups * int(slack * fullest)
     work = d.dispatch(x, topk_idx, topk_weights, groups=groups, max_rows=max_rows, async_op=True)
     bound = -(-max_rows // groups)
     parts = [work.wait_group(g) for g in reversed(range(groups))][::-1]
@@ -1050,20 +1060,28 @@ def _bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, max_rows):
     values = torch.randn(ref.tokens.shape[0], generator=gen, device=device)
     ok["combine_slots"] = torch.equal(d.combine_slots(_padded_groups(values, bounds, bound, float("nan")),
                                                       work.handle), d.combine_slots(values, ref.handle))
+    grads = []  # the differentiable verbs along the padded handle: combine's backward moves by groups too
+    for bound_rows in (max_rows, None):
+        xg, wg = x.detach().requires_grad_(), topk_weights.detach().requires_grad_()
+        out = d.dispatch(xg, topk_idx, wg, groups=groups, max_rows=bound_rows)
+        home = d.combine(out.tokens * 2, out.handle, weights=out.weights)
+        (home.float() * 3).sum().backward()
+        grads.append((home, xg.grad, wg.grad))
+    ok["autograd"] = all(torch.equal(a, b) for a, b in zip(*grads))
     d.check()
     return ok
 
 
 @needs_engine
 @pytest.mark.parametrize("mode, per_rank, topk, tokens, groups, slack", [
-    ("random", 8, 4, [96, 80], 3, 1.5), ("random", 6, 2, [120, 0], 2, 2.0), ("one_expert", 8, 2, [50, 70], 4, 9.0),
+    ("random", 8, 4, [96, 80], 3, 1.0), ("random", 8, 4, [96, 80], 3, 1.5), ("random", 6, 2, [120, 0], 2, 2.0),
+    ("one_expert", 8, 2, [50, 70], 4, 1.0),
 ])
 def test_groups_with_max_rows_on_the_engine(worlds, mode, per_rank, topk, tokens, groups, slack):
     routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=groups)
     xs, ws = _inputs(routing, 128, torch.bfloat16, seed=groups)
     config = dict(num_experts=routing.num_experts, transport="nvlink")
-    max_rows = int(slack * sum(tokens) * topk / WORLD) + groups
-    for rank, ok in enumerate(_run(worlds, _bounded_groups_verbs, routing, xs, ws, config, groups, max_rows)):
+    for rank, ok in enumerate(_run(worlds, _bounded_groups_verbs, routing, xs, ws, config, groups, slack)):
         assert all(ok.values()), f"rank {rank}: {ok}"
 
 

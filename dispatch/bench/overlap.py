@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 import dispatch
+from dispatch import plan
 from dispatch.bench.common import (
     SHAPES, Shape, environment, launch, new_group_with_sm_budget, shapes_fit, time_phases, world_size_for,
 )
@@ -189,12 +190,15 @@ class Case:
 
     def layer_bounded(self, comm_priority: int, group, chunks: int = 1) -> dispatch.MoEExchange:
         """MoEExchange by ``chunks`` groups with max_rows: the most rows a rank of
-        ``group`` receives, plus 10% (by groups, a tenth of it each; collective)."""
+        ``group`` receives, plus 10%; by groups, C times the most rows of one group
+        of a rank, plus 10% (collective)."""
         if not self.dispatcher.host_free:
             raise ValueError(f"--graph: {type(self.dispatcher).__name__} reads its counts on the host")
-        most = torch.tensor([self.tokens.shape[0]], device=self.x.device)
+        bounds = plan.expert_groups(self.dispatcher.num_local_experts, chunks)
+        per_group = [int(self.tokens_per_expert[lo:hi].sum()) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        most = torch.tensor([max(per_group)], device=self.x.device)  # host sync: the fullest group, once
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-        bound = int(most.item() * 1.1) + 1  # host sync: the bound, once
+        bound = chunks * (int(most.item() * 1.1) + 1)  # host sync: the bound, once
         return dispatch.MoEExchange(self.dispatcher, self.experts, chunks=chunks, comm_priority=comm_priority,
                                     max_rows=bound)
 

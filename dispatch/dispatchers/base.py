@@ -269,7 +269,9 @@ class TokenDispatcher(abc.ABC):
                 group g's rows at [g B, g B + its rows), then zero rows, the
                 outputs G B rows, nothing read on the host; a rank with more
                 than B rows in a group fails every rank alike (raised at a
-                later host read).
+                later host read). The rows are then not expert-contiguous
+                from row 0: hand each group's to the experts (``wait_group``,
+                with its ``tokens_per_expert``).
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).

@@ -209,6 +209,10 @@ class NVLinkDispatcher(TokenDispatcher):
         return Pending.done(tokens)
 
     def _to_experts(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> torch.Tensor:
+        if handle.group_bound is not None:  # rows padded by groups: each piece zeroes its own padding
+            pieces = _Pieces(self, rows.contiguous(), handle, codec, False)
+            pieces.upto(handle.groups - 1)
+            return pieces.out
         out = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
                                      handle.num_rows)
         mark(self.phase_timer, "exchange_out")
@@ -268,6 +272,11 @@ class _Pieces:
         if self._issued == handle.groups:
             mark(self._d.phase_timer, "exchange_out")
         return self._out[slice(*handle.row_range(g))]
+
+    @property
+    def out(self) -> torch.Tensor | None:
+        """Every group's rows, once every piece is issued."""
+        return self._out
 
 
 class _GroupPushes(GroupSumsIssuer):
