@@ -46,7 +46,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -181,7 +181,6 @@ class Case:
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
     x2: torch.Tensor  # a second micro-batch's tokens (same routing)
-    graphs: list = field(default_factory=list)
 
     def layer(self, chunks: int, comm_priority: int = -1, experts=None, sm_carveout=None) -> dispatch.MoEExchange:
         """MoEExchange(chunks) over these experts (or ``experts``)."""
@@ -279,9 +278,11 @@ def make_case(shape: Shape, args, group) -> Case:
     return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert, x2)
 
 
-def _captured(case: Case, layer, backward: bool):
-    """``layer``'s pass (``case.layer_step``) captured in a CUDA graph after two
-    eager runs (buffers sized, kernels compiled); returns its replay."""
+def _graph_ms(case: Case, layer, backward: bool, timed) -> float:
+    """Time of ``layer``'s pass (``case.layer_step``) captured in a CUDA graph after
+    two eager runs (buffers sized, kernels compiled). The graph is freed after its
+    timing: graphs of several C kept at once hold their pools (out of memory at
+    DeepSeek-V3's shape)."""
     step = case.layer_step(layer, backward)
     for _ in range(2):
         step()
@@ -289,8 +290,12 @@ def _captured(case: Case, layer, backward: bool):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    case.graphs.append(graph)  # kept while the case lives: a replay's memory is the graph's
-    return graph.replay
+    try:
+        return timed(graph.replay)[0]
+    finally:
+        torch.cuda.synchronize()  # host sync: the last replay done before its pool goes
+        graph.reset()
+        torch.cuda.empty_cache()
 
 
 def _micro_batches(case: Case, seq, backward: bool, timed, group) -> dict:
@@ -298,7 +303,7 @@ def _micro_batches(case: Case, seq, backward: bool, timed, group) -> dict:
     verbs, one micro-batch after the other), T_mb_layer (the layer ``seq`` run on
     each in a row), and the largest difference of the outputs (collective)."""
     step = case.layer_step(seq, backward)
-    second = replace(case, x=case.x2, graphs=[]).layer_step(seq, backward)
+    second = replace(case, x=case.x2).layer_step(seq, backward)
     t_layer = timed(lambda: (step(), second()))[0]
     t_seq = timed(case.micro_batch_step(backward, overlapped=False))[0]
     t_mb = timed(case.micro_batch_step(backward))[0]
@@ -380,7 +385,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             peak.update({str(c): _peak_mib(case.layer_step(layers[c], True), device, group) for c in candidates})
         t_graph, graph_by_chunks = None, None
         if args.graph:  # the layer in one piece, and by each C, captured
-            graph_by_chunks = {c: timed(_captured(case, case.layer_bounded(prio, group, c), backward))[0]
+            graph_by_chunks = {c: _graph_ms(case, case.layer_bounded(prio, group, c), backward, timed)
                                for c in sorted({1, *candidates})}
             t_graph = graph_by_chunks[1]
         short, long = sorted((t_comm, t_compute))
