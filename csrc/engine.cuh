@@ -73,6 +73,11 @@ __device__ __forceinline__ int group_of(int e, int groups, int experts_per_rank)
   return (int)(((long long)(e + 1) * groups - 1) / experts_per_rank);
 }
 
+// The first local expert of group g (g = G: E_local).
+__device__ __forceinline__ int group_first(int g, int groups, int experts_per_rank) {
+  return (int)((long long)g * experts_per_rank / groups);
+}
+
 // The epoch of an operation lives on the device (`seq`, one word of the engine),
 // so that a captured CUDA graph replays with fresh epochs: the kernel that raises
 // the flags of an operation takes seq + 1 and stores it; kernels before it in the

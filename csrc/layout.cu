@@ -24,6 +24,37 @@ __device__ __forceinline__ int block_scan(bool flag, int* total) {
   return before + in_warp;
 }
 
+// In-place exclusive prefix of v[0, n) (shared memory) by the whole block, tile
+// by tile of one value a thread; v[n] = the total. Every thread of the block calls it.
+__device__ void block_exclusive_scan(int* v, int n) {
+  __shared__ int warp_sums[Tuning::kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int carry = 0;  // the same on every thread: the total of the earlier tiles
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const int x = i < n ? v[i] : 0;
+    int inclusive = x;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += y;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    int before = 0, tile = 0;
+#pragma unroll
+    for (int w = 0; w < Tuning::kWarps; ++w) {
+      before += (w < warp) ? warp_sums[w] : 0;
+      tile += warp_sums[w];
+    }
+    if (i < n) v[i] = carry + before + inclusive - x;
+    carry += tile;
+    __syncthreads();  // warp_sums read by every thread before the next tile writes them
+  }
+  if (threadIdx.x == 0) v[n] = carry;
+  __syncthreads();
+}
+
 // The per-slot fields of token t (route_layout's blocks from E on).
 template <typename IdxT, typename WT>
 __device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* weights, int t, int topk, int experts,
@@ -148,14 +179,16 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
 // skips its work.
 // meta_ptrs: [W] base of every rank's meta buffer (flags [W] u32 at 0, the two
 // copies of the counts matrix from rows_offset, matrix_bytes apart). Dynamic
-// shared memory: E_local ints.
+// shared memory: E_local + 1 + W E_local ints. Every step after the wait is
+// spread over the block (a scan, atomics in shared memory): one thread walking
+// every rank's counts was most of the kernel at 128 experts a rank.
 __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
     int row_len, int count_start, int experts_per_rank, const int* row, int topk, int hidden, int x_dtype,
     int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens, int staged,
     int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out, long long* tokens_per_expert,
     int* src_start, int* num_rows, int* group_end) {
-  extern __shared__ int totals[];
+  extern __shared__ int shared_ints[];
   __shared__ unsigned epoch_of;
   int* matrix = out + 4;
   if (threadIdx.x == 0) epoch_of = load_seq(seq) + 1;
@@ -184,74 +217,74 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   const volatile int* rows = reinterpret_cast<const volatile int*>(meta_ptrs[me] + copy);
   for (int i = threadIdx.x; i < world * row_len; i += blockDim.x) matrix[i] = rows[i];
   __syncthreads();
+  const int experts = world * experts_per_rank;
+  int* place = shared_ints;  // [E_local + 1]
+  int* group_rows = shared_ints + experts_per_rank + 1;  // [W * E_local]: rank r's group g at r E_local + g
   const int first = count_start + me * experts_per_rank;  // this rank's experts in a row
   for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
     int sum = 0;
     for (int s = 0; s < world; ++s) sum += matrix[s * row_len + first + e];
-    totals[e] = sum;
+    place[e] = sum;
     tokens_per_expert[e] = sum;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // exclusive prefix over the experts (by groups: from each group's first place)
-    const bool padded = groups > 1 && budget >= 0;
-    const long long bound = padded ? ((long long)budget + groups - 1) / groups : 0;
-    int running = 0, in_group = 0, group = 0;
-    for (int e = 0; e < experts_per_rank; ++e) {
-      const int n = totals[e];
-      if (padded) {
-        const int g = group_of(e, groups, experts_per_rank);
-        for (; group < g; ++group) {
-          group_end[group] = (int)(group * bound) + in_group;
-          in_group = 0;
-        }
-        totals[e] = (int)(g * bound) + in_group;
-        in_group += n;
-      } else {
-        totals[e] = running;
-      }
-      running += n;
-    }
-    for (; padded && group < groups; ++group) {
-      group_end[group] = (int)(group * bound) + in_group;
-      in_group = 0;
-    }
-    *num_rows = running;
-  }
-  __syncthreads();
+  block_exclusive_scan(place, experts_per_rank);  // place[e]: rows before expert e; place[E_local] = N
+  // by groups with a budget, each group from its first place: g B + the rows of its earlier experts
+  const bool padded = groups > 1 && budget >= 0;
+  const long long bound = padded ? ((long long)budget + groups - 1) / groups : 0;
   for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
-    int start = totals[e];
+    int start = place[e];
+    if (padded) {
+      const int g = group_of(e, groups, experts_per_rank);
+      start = (int)(g * bound) + start - place[group_first(g, groups, experts_per_rank)];
+    }
     for (int s = 0; s < world; ++s) {
       src_start[s * experts_per_rank + e] = start;
       start += matrix[s * row_len + first + e];
     }
   }
-  if (threadIdx.x == 0) {
-    bool budgeted = false;
-    for (int r = 0; r < world; ++r) budgeted |= matrix[r * row_len + Row::kBudget] >= 0;
-    for (int r = 0; budgeted && r < world; ++r) {
+  for (int g = threadIdx.x; padded && g < groups; g += blockDim.x)
+    group_end[g] = (int)(g * bound) + place[group_first(g + 1, groups, experts_per_rank)] -
+                   place[group_first(g, groups, experts_per_rank)];
+  if (threadIdx.x == 0) *num_rows = place[experts_per_rank];
+  bool budgeted = false;  // the same on every thread
+  for (int r = 0; r < world; ++r) budgeted |= matrix[r * row_len + Row::kBudget] >= 0;
+  if (!budgeted) {
+    if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
+    return;
+  }
+  // rows of each group of every rank r (by its own G, kept within [1, E_local] here:
+  // a G that differs from ours fails the header check below), then its fullest group
+  __shared__ int most[32];  // W <= 32
+  for (int i = threadIdx.x; i < experts; i += blockDim.x) group_rows[i] = 0;
+  if (threadIdx.x < world) most[threadIdx.x] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < experts; i += blockDim.x) {
+    const int r = i / experts_per_rank, e = i - r * experts_per_rank;
+    const int g_of_r = min(max(matrix[r * row_len + Row::kGroups], 1), experts_per_rank);
+    int sum = 0;
+    for (int s = 0; s < world; ++s) sum += matrix[s * row_len + count_start + i];
+    atomicAdd(group_rows + r * experts_per_rank + group_of(e, g_of_r, experts_per_rank), sum);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < experts; i += blockDim.x) {
+    const int r = i / experts_per_rank;
+    if (group_rows[i] > 0) atomicMax(most + r, group_rows[i]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // in rank order: the first that fails is recorded, the same on every rank
+    const int* mine = matrix + me * row_len;
+    for (int r = 0; r < world; ++r) {
       const int* other = matrix + r * row_len;
-      const int* mine = matrix + me * row_len;
       bool same = other[Row::kGroups] == mine[Row::kGroups];
       for (int c = 0; c < Row::kAgreed; ++c) same &= other[c] == mine[c];
       // rank r over its budget: its N, or by groups the rows of its fullest group against B
       const int g_of_r = max(other[Row::kGroups], 1);
       const long long budget_r = other[Row::kBudget];
       const long long bound_r = g_of_r > 1 ? (budget_r + g_of_r - 1) / g_of_r : budget_r;
-      long long most = 0, in_group = 0;
-      int group = 0;
-      for (int e = 0; e < experts_per_rank; ++e) {
-        const int g = g_of_r > 1 ? group_of(e, g_of_r, experts_per_rank) : 0;
-        if (g != group) {
-          most = max(most, in_group);
-          in_group = 0;
-          group = g;
-        }
-        for (int s = 0; s < world; ++s) in_group += matrix[s * row_len + count_start + r * experts_per_rank + e];
-      }
-      most = max(most, in_group);
       const int code = other[Row::kFailed] ? kPeerInput
                        : !same ? kMismatch
-                       : (budget_r >= 0 && most > bound_r) ? kOverBudget : kOk;
+                       : (budget_r >= 0 && most[r] > bound_r) ? kOverBudget : kOk;
       if (code != kOk) {
         record(status, code, r, 0);
         break;

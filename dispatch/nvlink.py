@@ -389,7 +389,7 @@ class Engine:
              i32(int(fits)), i32(groups), ptr(self._seq), u64(self.timeout_ns),
              ptr(self.status), ptr(out), ptr(per_expert), ptr(out[places:]), ptr(out[places + world * local :]),
              ptr(out[places + world * local + 1 :])),
-            shared=4 * local,
+            shared=4 * (local + 1 + world * local),
         )
         matrix = out[4 : 4 + world * length].view(world, length)
         src_start = out[places : places + world * local]
