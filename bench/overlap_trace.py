@@ -14,6 +14,9 @@ a lane-by-lane summary of idle time and host waits (``<stem>-lanes.txt``,
 forward+backward steps: ``overlap-host-<shape>-w<W><suffix>-c<C>.txt``, the
 functions by their own time and by their time with callees.
 
+``--graph`` profiles the replay of the layer with ``max_rows`` captured in a
+CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
+
     python3 bench/overlap_trace.py --chunks 1,4 --comm-max-ctas 2 --out bench/results/<machine>/
 """
 
@@ -52,13 +55,21 @@ def _job(args: argparse.Namespace) -> None:
     for name in args.shapes:
         case = overlap.make_case(SHAPES[name], args, group)
         for c in overlap.chunk_values(args, case.dispatcher.num_local_experts):
-            step = case.layer_step(case.layer(c, args.comm_priority, sm_carveout=args.sm_carveout), backward=True)
+            graph = None
+            if args.graph:  # the layer with max_rows, its step captured: the replay is profiled
+                graph = overlap.capture(case, case.layer_bounded(args.comm_priority, group, c), backward=True)
+                step = graph.replay
+            else:
+                step = case.layer_step(case.layer(c, args.comm_priority, sm_carveout=args.sm_carveout), backward=True)
             tail = f"{name}-w{dist.get_world_size()}{overlap.suffix(args)}-c{c}"
             trace(step, os.path.join(args.out, f"overlap-trace-{tail}"), case.x.device,
-                  f"{name}: one fwd+bwd step, C={c}")
+                  f"{name}: one fwd+bwd step{' (graph replay)' if graph else ''}, C={c}")
             if args.host_profile:
                 host_profile(step, os.path.join(args.out, f"overlap-host-{tail}.txt"), case.x.device,
                              f"host profile of 5 forward+backward steps, {name}, C={c}, rank 0")
+            if graph is not None:
+                _sync(case.x.device)
+                graph.reset()  # its pool goes before the next C's
 
 def _sync(device) -> None:
     if device.type == "cuda":

@@ -137,25 +137,32 @@ class GroupedExperts(nn.Module):
             return F.silu(gate) * up
         return F.gelu(h) if self.activation == "gelu" else F.relu(h)
 
-    def _matmul(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, counts_host: torch.Tensor):
-        """rows [N, K] grouped by expert times weight [E_local, K, M] of each expert -> [N, M]
-        (``counts`` on the device for the grouped GEMM, ``counts_host`` for the loop)."""
+    def _matmul(self, rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, counts_host):
+        """rows [M, K] grouped by expert times weight [E_local, K, M'] of each expert -> [M, M']
+        (``counts`` on the device for the grouped GEMM, ``counts_host`` for the loop; None:
+        the loop reads ``counts``). Rows past the counts' sum: the grouped GEMM leaves
+        them unspecified, the loop zero."""
         path = self._path(rows)
         if path == "grouped_mm":
             return torch._grouped_mm(_aligned(rows), weight, offs=_ends(counts))
-        parts = [r @ weight[e] for e, r in enumerate(rows.split(counts_host.tolist()))]
-        return torch.cat(parts) if parts else rows.new_zeros(0, weight.shape[2])
+        sizes = (counts if counts_host is None else counts_host).tolist()  # host sync where on the device
+        taken = sum(sizes)
+        parts = [r @ weight[e] for e, r in enumerate(rows[:taken].split(sizes))]
+        parts.append(rows.new_zeros(rows.shape[0] - taken, weight.shape[2]))
+        return torch.cat(parts)
 
     def _weight_grad(self, rows: torch.Tensor, grads: torch.Tensor, counts, counts_host) -> torch.Tensor:
         """[E_local, K, M]: for each expert, its rows [n_e, K] transposed times their
-        gradients [n_e, M] (zero for an expert with no rows)."""
+        gradients [n_e, M] (zero for an expert with no rows); rows past the counts'
+        sum are not read."""
         if rows.shape[0] == 0:  # no rows at all: a grouped GEMM of contraction length 0 is not asked for
             return rows.new_zeros(counts.shape[0], rows.shape[1], grads.shape[1])
         path = self._path(rows)
         if path == "grouped_mm":
             return torch._grouped_mm(_aligned(rows).t(), _aligned(grads), offs=_ends(counts))
-        sizes = counts_host.tolist()
-        parts = [r.t() @ g for r, g in zip(rows.split(sizes), grads.split(sizes))]
+        sizes = (counts if counts_host is None else counts_host).tolist()  # host sync where on the device
+        taken = sum(sizes)
+        parts = [r.t() @ g for r, g in zip(rows[:taken].split(sizes), grads[:taken].split(sizes))]
         return torch.stack(parts) if parts else rows.new_zeros(0, rows.shape[1], grads.shape[1])
 
     def _grouped(self, tokens, tokens_per_expert):
@@ -252,16 +259,30 @@ class ChunkedExperts:
             forward; what earlier chunks keep waits for them).
         counts_host: the same on the host.
         grad_on: keep what backward needs.
+        group_rows: B, for chunks that are groups of experts given as B rows each,
+            the group's own first and then rows that no expert takes (a dispatch
+            by groups with ``max_rows``), with counts on the device only
+            (``counts_host`` None): nothing is read on the host. The rows kept
+            for the weight gradients are placed expert-major on the device, the
+            same rows in the same order as one chunk's.
     """
 
-    def __init__(self, experts: GroupedExperts, counts, counts_host, grad_on: bool) -> None:
+    def __init__(self, experts: GroupedExperts, counts, counts_host, grad_on: bool,
+                 group_rows: int | None = None) -> None:
         self.experts, self.grad_on = experts, grad_on
         self.counts, self.counts_host = list(counts), list(counts_host)
         self.need_in = grad_on and experts.w_in.requires_grad
         self.need_out = grad_on and experts.w_out.requires_grad
         chunks = len(counts)
-        self.rows = [None if c is None else int(c.sum()) for c in counts_host]
-        self.places = None  # per chunk, the expert-major row of each of its rows (made on first use)
+        self.group_rows = group_rows
+        if group_rows is None:
+            self.rows = [None if c is None else int(c.sum()) for c in counts_host]
+            self.places = None  # per chunk, the expert-major row of each of its rows (made on first use)
+        else:  # the places of each group, made as its counts come (in group order)
+            if any(c is not None for c in counts):
+                raise ValueError("group_rows: give each group's counts by set_counts, in group order")
+            self.rows, self.places = [group_rows] * chunks, [None] * chunks
+            self.taken = [None] * chunks  # per group, [1] its rows (on the device)
         self.waiting = []  # (kept name, chunk, rows) until every chunk's counts are known
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         self.hidden, self.outs = [None] * chunks, [None] * chunks
@@ -275,10 +296,25 @@ class ChunkedExperts:
         (first, end), the only local experts with rows in chunk c (a group of
         experts): its GEMMs then take those experts' weights and counts alone,
         so that a grouped GEMM is sized for the experts it computes."""
-        if self.rows[c] is not None:
+        if self.counts[c] is not None:
             raise ValueError(f"chunk {c}'s counts were given already")
-        self.counts[c], self.counts_host[c], self.rows[c] = counts, counts_host, int(counts_host.sum())
-        self.experts_of[c] = experts
+        self.counts[c], self.counts_host[c], self.experts_of[c] = counts, counts_host, experts
+        if self.group_rows is None:
+            self.rows[c] = int(counts_host.sum())
+        else:
+            self._place_group(c)
+
+    def _place_group(self, c: int) -> None:
+        """Group c's places (``group_rows``): its row j < n_c goes to j plus the rows of
+        the earlier groups, the rest to the dump row past them all (on the device)."""
+        if c and self.taken[c - 1] is None:
+            raise ValueError(f"group {c}'s counts came before group {c - 1}'s: give them in group order")
+        counts, bound = self.counts[c], self.group_rows
+        taken = counts.sum().reshape(1)
+        before = self._before if c else torch.zeros_like(taken)
+        local = torch.arange(bound, device=counts.device)
+        self.places[c] = torch.where(local < taken, before + local, len(self.rows) * bound)
+        self.taken[c], self._before = taken, before + taken
 
     def _sliced(self, c: int, weight: torch.Tensor):
         """(weight, counts, host counts) of chunk c's GEMMs: its experts' only
@@ -286,7 +322,8 @@ class ChunkedExperts:
         if self.experts_of[c] is None:
             return weight, self.counts[c], self.counts_host[c]
         first, end = self.experts_of[c]
-        return weight[first:end], self.counts[c][first:end], self.counts_host[c][first:end]
+        host = self.counts_host[c]
+        return weight[first:end], self.counts[c][first:end], None if host is None else host[first:end]
 
     def forward(self, c: int, tokens: torch.Tensor, defer_keep: bool = False) -> torch.Tensor:
         """Chunk c's rows [N_c, H] -> [N_c, H] (detached). ``defer_keep``: what
@@ -296,11 +333,11 @@ class ChunkedExperts:
         w_in, w_out = e.w_in.detach(), e.w_out.detach()
         h = e._matmul(tokens, *self._sliced(c, w_in))
         if not self.grad_on:
-            return e._matmul(e._act(h), *self._sliced(c, w_out))
+            return self._zero_past(c, e._matmul(e._act(h), *self._sliced(c, w_out)))
         h.requires_grad_()
         with torch.enable_grad():
             act = e._act(h)
-            y = e._matmul(act, *self._sliced(c, w_out))
+            y = self._zero_past(c, e._matmul(act, *self._sliced(c, w_out)))
         self.hidden[c], self.outs[c] = h, y
         keep = self.waiting.append if defer_keep else (lambda item: self._keep(*item))
         if self.need_in:
@@ -308,6 +345,10 @@ class ChunkedExperts:
         if self.need_out:
             keep(("acts", c, act.detach()))
         return y.detach()
+
+    def _zero_past(self, c: int, y: torch.Tensor) -> torch.Tensor:
+        """Group c's output with the rows past its own zeroed (``group_rows``)."""
+        return y if self.group_rows is None else _ZeroPast.apply(y, self.taken[c])
 
     def place_kept(self) -> None:
         """Place what waits to be kept, once every chunk's counts are known."""
@@ -339,7 +380,8 @@ class ChunkedExperts:
         if self.waiting:
             self._place_waiting()
         counts = self.counts[0] if len(self.counts) == 1 else sum(self.counts)
-        counts_host = self.counts_host[0] if len(self.counts) == 1 else sum(self.counts_host)
+        hosts = self.counts_host
+        counts_host = None if None in hosts else hosts[0] if len(hosts) == 1 else sum(hosts)
         grad_in = e._weight_grad(self.tokens, self.grad_hidden, counts, counts_host) if self.need_in else None
         grad_out = e._weight_grad(self.acts, self.grad_outs, counts, counts_host) if self.need_out else None
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
@@ -362,8 +404,8 @@ class ChunkedExperts:
             return
         self._place_waiting()
         held = getattr(self, name)
-        if held is None:
-            held = rows.new_empty(sum(self.rows), rows.shape[1])
+        if held is None:  # by groups with padding, a dump row past them all
+            held = rows.new_empty(sum(self.rows) + (self.group_rows is not None), rows.shape[1])
         setattr(self, name, scatter_rows(held, self.places[c], rows))
 
     def _place_waiting(self) -> None:

@@ -40,7 +40,9 @@ and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the
 backward of each group computes only the rows' gradients, and the weight
 gradients are formed once, after the last group and while its gradients travel
 home, from every group's rows held expert-major (``experts.ChunkedExperts``):
-the same GEMM over the same rows for every G. Other experts are differentiated
+the same GEMM over the same rows for every G. With ``max_rows`` (each group's
+rows padded on the device), the rows are placed expert-major on the device, so
+nothing is read on the host. Other experts are differentiated
 group by group by autograd, their parameter gradients accumulated in place in
 the parameters' dtype (each expert's gradient comes from one group, so the
 sums add zeros to it: bitwise those of G = 1 where the experts' backward gives
@@ -220,9 +222,11 @@ class _PipelineFn(torch.autograd.Function):
         handle = work.handle
         x_grad_any = handle.x_grad_any
         chunked = None
-        # weight gradients once, over all groups (host counts: not with max_rows)
-        if layer.max_rows is None and _plain_grouped_experts(experts, x.device.type):
-            chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on)
+        # weight gradients once, over all groups; with max_rows, from each group's
+        # B = ceil(M / G) rows placed on the device (one group: autograd's GEMMs)
+        if _plain_grouped_experts(experts, x.device.type) and (layer.max_rows is None or groups > 1):
+            bound = None if layer.max_rows is None else -(-layer.max_rows // groups)
+            chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on, group_rows=bound)
         weights, leaves, ys = [None] * groups, [None] * groups, [None] * groups
         with layer._priority():
             sums = None

@@ -250,6 +250,86 @@ def test_chunked_experts_counts_given_later():
             assert torch.equal(want, got)
 
 
+def _padded_groups(backend, dtype, device, counts, groups, bound):
+    """ChunkedExperts by ``groups`` groups of experts, each given ``bound`` rows (its
+    own, then rows no expert takes, filled with 1e4 here) and its counts on the
+    device only, against autograd through the whole batch: (outputs, row
+    gradients, weight gradients) of both, the outputs and row gradients of the
+    groups' own rows in canonical order; and whether every padding row of the
+    outputs is zero."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(len(counts), 16, 24, backend=backend, dtype=dtype, device=device)
+    total = torch.tensor(counts, device=device)
+    x = torch.randn(int(total.sum()), 16, dtype=dtype, device=device)
+    grad_y = torch.randn_like(x)
+    leaf = x.clone().requires_grad_()
+    y = experts(leaf, total)
+    y.backward(grad_y)
+    want = (y.detach(), leaf.grad, *(p.grad.clone() for p in experts.parameters()))
+    experts.zero_grad()
+
+    edges = [g * len(counts) // groups for g in range(groups + 1)]
+    chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on=True, group_rows=bound)
+    outs, grads, padding_zero, start = [], [], True, 0
+    for g in range(groups):
+        per_expert = torch.zeros_like(total)
+        per_expert[edges[g]:edges[g + 1]] = total[edges[g]:edges[g + 1]]
+        n = int(per_expert.sum())
+        rows = torch.full((bound, 16), 1e4, dtype=dtype, device=device)
+        rows[:n] = x[start:start + n]
+        chunked.set_counts(g, per_expert, None, (edges[g], edges[g + 1]))
+        out = chunked.forward(g, rows)
+        padding_zero &= not out[n:].any()
+        grad_rows = torch.zeros(bound, 16, dtype=dtype, device=device)  # padding rows carry weight 0
+        grad_rows[:n] = grad_y[start:start + n]
+        outs.append(out[:n])
+        grads.append(chunked.backward(g, grad_rows, rows_grad=True)[:n])
+        start += n
+    got = (torch.cat(outs), torch.cat(grads), *chunked.weight_grads())
+    return want, got, padding_zero
+
+
+@pytest.mark.parametrize("counts, groups, bound", [
+    ([3, 0, 5, 2], 2, 8), ([3, 0, 5, 2], 4, 5), ([0, 0, 4, 1], 2, 6), ([2, 2, 2, 2], 2, 4),
+])
+def test_chunked_experts_by_padded_groups(counts, groups, bound):
+    """Groups of experts given B rows each with their counts on the device only (a
+    dispatch by groups with max_rows): outputs, row gradients and weight
+    gradients bitwise those of autograd through the whole batch (fp64 loop),
+    the padding's outputs zero, and the kept rows placed expert-major on the
+    device (the dump row past them takes the padding)."""
+    want, got, padding_zero = _padded_groups("loop", torch.float64, DEVICE, counts, groups, bound)
+    assert padding_zero
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_chunked_experts_by_padded_groups_in_order():
+    """A group's counts before the previous group's are refused (its places start
+    after the earlier groups' rows), and group_rows takes no counts up front."""
+    experts = GroupedExperts(4, 4, 6, activation="relu", dtype=torch.float64)
+    chunked = ChunkedExperts(experts, [None, None], [None, None], grad_on=True, group_rows=4)
+    with pytest.raises(ValueError, match="group order"):
+        chunked.set_counts(1, torch.tensor([0, 0, 1, 1]), None, (2, 4))
+    with pytest.raises(ValueError, match="group order"):
+        ChunkedExperts(experts, [torch.tensor([1, 0, 0, 0]), None], [None, None], grad_on=True, group_rows=4)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not grouped_mm_available(torch.bfloat16, torch.device(DEVICE), 16, 24, 4),
+    reason="needs torch._grouped_mm on a Hopper GPU",
+)
+def test_chunked_experts_by_padded_groups_grouped_mm():
+    """The grouped-GEMM path of padded groups (nothing read on the host): outputs,
+    row gradients and weight gradients against autograd through the whole batch
+    to bf16 rounding (the groups' GEMMs are of other sizes), the padding's
+    outputs zero."""
+    want, got, padding_zero = _padded_groups("auto", torch.bfloat16, DEVICE, [40, 0, 17, 64], 2, 96)
+    assert padding_zero
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 0]])
 def test_rows_past_the_experts_are_zero(backend, counts):

@@ -278,11 +278,9 @@ def make_case(shape: Shape, args, group) -> Case:
     return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert, x2)
 
 
-def _graph_ms(case: Case, layer, backward: bool, timed) -> float:
-    """Time of ``layer``'s pass (``case.layer_step``) captured in a CUDA graph after
-    two eager runs (buffers sized, kernels compiled). The graph is freed after its
-    timing: graphs of several C kept at once hold their pools (out of memory at
-    DeepSeek-V3's shape)."""
+def capture(case: Case, layer, backward: bool) -> torch.cuda.CUDAGraph:
+    """``layer``'s pass (``case.layer_step``) captured in a CUDA graph after two
+    eager runs (buffers sized, kernels compiled)."""
     step = case.layer_step(layer, backward)
     for _ in range(2):
         step()
@@ -290,6 +288,14 @@ def _graph_ms(case: Case, layer, backward: bool, timed) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    return graph
+
+
+def _graph_ms(case: Case, layer, backward: bool, timed) -> float:
+    """Time of ``layer``'s pass captured in a CUDA graph (:func:`capture`). The
+    graph is freed after its timing: graphs of several C kept at once hold their
+    pools (out of memory at DeepSeek-V3's shape)."""
+    graph = capture(case, layer, backward)
     try:
         return timed(graph.replay)[0]
     finally:
