@@ -23,7 +23,8 @@ gloo, as a smoke test):
                 T_pipe, the host sets the pipeline's pace
     T_graph     with ``--graph`` (the NVLink engine): MoEExchange in one piece with
                 ``max_rows`` (the largest N + 10%), the pass captured in a CUDA graph
-                and replayed: no host in the loop
+                and replayed: no host in the loop (the time of one replay of
+                ``GRAPH_REPLAYS`` queued back to back); by each C of ``--chunks``
     T_mb        with ``--micro-batches``: two micro-batches of the shape by the async
                 verbs, micro-batch 1's dispatch in flight beside micro-batch 0's experts
                 and micro-batch 0's combine beside micro-batch 1's experts (backward by
@@ -291,13 +292,24 @@ def capture(case: Case, layer, backward: bool) -> torch.cuda.CUDAGraph:
     return graph
 
 
+GRAPH_REPLAYS = 4  # replays queued back to back in one timed run of a captured pass
+
+
 def _graph_ms(case: Case, layer, backward: bool, timed) -> float:
-    """Time of ``layer``'s pass captured in a CUDA graph (:func:`capture`). The
-    graph is freed after its timing: graphs of several C kept at once hold their
-    pools (out of memory at DeepSeek-V3's shape)."""
+    """Time of one replay of ``layer``'s pass captured in a CUDA graph
+    (:func:`capture`): ``GRAPH_REPLAYS`` replays queued back to back, as a
+    training loop queues its steps, so that the host's launch of a replay is
+    behind the previous one on the GPU (a lone replay's time starts with the
+    GPU waiting for it). The graph is freed after its timing: graphs of several
+    C kept at once hold their pools (out of memory at DeepSeek-V3's shape)."""
     graph = capture(case, layer, backward)
+
+    def replays():
+        for _ in range(GRAPH_REPLAYS):
+            graph.replay()
+
     try:
-        return timed(graph.replay)[0]
+        return timed(replays)[0] / GRAPH_REPLAYS
     finally:
         torch.cuda.synchronize()  # host sync: the last replay done before its pool goes
         graph.reset()
