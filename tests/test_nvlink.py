@@ -79,6 +79,51 @@ def test_round_trip_matches_nccl(worlds, mode, per_rank, topk, tokens, dtype, wi
         _equal(got["nccl"][rank], got["nvlink"][rank], f"rank {rank}")
 
 
+FOUR = 4
+needs_four = pytest.mark.skipif(
+    not (cuda.available() and torch.cuda.device_count() >= FOUR), reason="needs 4 CUDA devices and CuPy"
+)
+
+
+@needs_four
+@pytest.mark.parametrize("mode, per_rank, topk, tokens", [
+    ("random", 4, 4, [96, 80, 0, 57]), ("one_rank", 4, 3, [64, 64, 64, 64]), ("sparse", 8, 6, [33, 17, 90, 1]),
+    ("random", 64, 8, [700, 1100, 300, 900]),
+])
+@pytest.mark.parametrize("dtype, wire, hidden", [
+    (torch.bfloat16, "native", 256), (torch.bfloat16, "fp8", 384), (torch.float64, "native", 64),
+])
+def test_round_trip_on_four_ranks_matches_nccl(worlds, mode, per_rank, topk, tokens, dtype, wire, hidden):
+    """A world of 4 (T = 0 on a rank, all to one rank): round trip and its
+    gradients bitwise the NCCL transport's."""
+    routing = make_routing(FOUR, per_rank, topk, tokens, mode, seed=len(tokens) + hidden)
+    xs, ws = _inputs(routing, hidden, dtype, seed=hidden)
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(t, hidden, generator=gen).to(dtype) for t in routing.num_tokens]
+    rows = [int(sum((idx // per_rank == r).sum() for idx in routing.topk_idx)) for r in range(FOUR)]
+    expert_out = [torch.randn(n, hidden, generator=gen).to(dtype) for n in rows]
+    got = {}
+    for transport in ("nccl", "nvlink"):
+        config = dict(num_experts=routing.num_experts, dispatch_wire=wire, transport=transport)
+        trips = worlds(FOUR).run(rank_fns.round_trip, [(xs[r], routing.topk_idx[r], ws[r].float(), dict(config),
+                                                        "scaled", 2) for r in range(FOUR)])
+        config.pop("dispatch_wire")
+        grads_of = worlds(FOUR).run(rank_fns.gradients, [(xs[r], routing.topk_idx[r], ws[r].float(), grads[r],
+                                                          expert_out[r], dict(config)) for r in range(FOUR)])
+        got[transport] = list(zip(trips, grads_of))
+    for rank in range(FOUR):
+        for part in range(2):
+            _equal(got["nccl"][rank][part], got["nvlink"][rank][part], f"rank {rank} part {part}")
+
+
+@needs_four
+def test_graph_replays_on_four_ranks(worlds):
+    """A round trip with max_rows captured once and replayed 200 times on a world
+    of 4, each replay with a new routing checked against NCCL."""
+    args = [(dict(num_experts=32), 300, 512, 4, 300 * 4 * 2, 200, 5)] * FOUR
+    assert worlds(FOUR).run(_graph_replays, args) == [0] * FOUR
+
+
 @needs_engine
 @pytest.mark.parametrize("mode, per_rank, topk, tokens", CASES[:3])
 @pytest.mark.parametrize("dtype, weights_dtype, grad_wire", [
