@@ -24,7 +24,9 @@ gloo, as a smoke test):
     T_graph     with ``--graph`` (the NVLink engine): MoEExchange in one piece with
                 ``max_rows`` (the largest N + 10%), the pass captured in a CUDA graph
                 and replayed: no host in the loop (the time of one replay of
-                ``GRAPH_REPLAYS`` queued back to back); by each C of ``--chunks``
+                ``GRAPH_REPLAYS`` queued back to back); by each C of ``--chunks``;
+                beside it the experts alone captured and replayed the same way
+                (T_compute_graph), and T_graph / T_compute_graph
     T_mb        with ``--micro-batches``: two micro-batches of the shape by the async
                 verbs, micro-batch 1's dispatch in flight beside micro-batch 0's experts
                 and micro-batch 0's combine beside micro-batch 1's experts (backward by
@@ -249,11 +251,14 @@ class Case:
 
         return run
 
-    def compute_step(self, backward: bool):
-        """One forward (and backward) of the experts alone on the dispatched rows."""
+    def compute_step(self, backward: bool, counts: torch.Tensor | None = None):
+        """One forward (and backward) of the experts alone on the dispatched rows
+        (``counts``: the rows per expert to give them, by default the dispatch's)."""
+        counts = self.tokens_per_expert if counts is None else counts
+
         def run():
             leaf = self.tokens.detach().requires_grad_(backward)
-            y = self.experts(leaf, self.tokens_per_expert)
+            y = self.experts(leaf, counts)
             if backward:
                 y.backward(torch.ones_like(y))
                 self.experts.zero_grad(set_to_none=True)
@@ -279,10 +284,9 @@ def make_case(shape: Shape, args, group) -> Case:
     return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert, x2)
 
 
-def capture(case: Case, layer, backward: bool) -> torch.cuda.CUDAGraph:
-    """``layer``'s pass (``case.layer_step``) captured in a CUDA graph after two
-    eager runs (buffers sized, kernels compiled)."""
-    step = case.layer_step(layer, backward)
+def capture(step) -> torch.cuda.CUDAGraph:
+    """``step()`` (a pass of ``case.layer_step`` or ``case.compute_step``) captured in
+    a CUDA graph after two eager runs (buffers sized, kernels compiled)."""
     for _ in range(2):
         step()
     torch.cuda.synchronize()  # host sync: nothing of the eager runs in flight at the capture
@@ -295,14 +299,14 @@ def capture(case: Case, layer, backward: bool) -> torch.cuda.CUDAGraph:
 GRAPH_REPLAYS = 4  # replays queued back to back in one timed run of a captured pass
 
 
-def _graph_ms(case: Case, layer, backward: bool, timed) -> float:
-    """Time of one replay of ``layer``'s pass captured in a CUDA graph
+def _graph_ms(step, timed) -> float:
+    """Time of one replay of ``step()`` captured in a CUDA graph
     (:func:`capture`): ``GRAPH_REPLAYS`` replays queued back to back, as a
     training loop queues its steps, so that the host's launch of a replay is
     behind the previous one on the GPU (a lone replay's time starts with the
     GPU waiting for it). The graph is freed after its timing: graphs of several
     C kept at once hold their pools (out of memory at DeepSeek-V3's shape)."""
-    graph = capture(case, layer, backward)
+    graph = capture(step)
 
     def replays():
         for _ in range(GRAPH_REPLAYS):
@@ -401,11 +405,13 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         if backward and device.type == "cuda":  # the sequential layer (C = 1) first, then each C
             peak = {"seq": _peak_mib(case.layer_step(seq, True), device, group)}
             peak.update({str(c): _peak_mib(case.layer_step(layers[c], True), device, group) for c in candidates})
-        t_graph, graph_by_chunks = None, None
+        t_graph, graph_by_chunks, t_compute_graph = None, None, None
         if args.graph:  # the layer in one piece, and by each C, captured
-            graph_by_chunks = {c: _graph_ms(case, case.layer_bounded(prio, group, c), backward, timed)
+            graph_by_chunks = {c: _graph_ms(case.layer_step(case.layer_bounded(prio, group, c), backward), timed)
                                for c in sorted({1, *candidates})}
             t_graph = graph_by_chunks[1]
+            # the experts alone captured and replayed the same way (their counts on the device)
+            t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
         short, long = sorted((t_comm, t_compute))
         mb = _micro_batches(case, seq, backward, timed, group) if args.micro_batches else {}
         if mb:
@@ -418,7 +424,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
             hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
-            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph,
+            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph, t_compute_graph_ms=t_compute_graph,
             t_graph_by_chunks_ms=None if graph_by_chunks is None else {str(c): t for c, t in graph_by_chunks.items()},
             **mb,
             host_ms={"seq": seq_host, **{str(c): host for c, (_, host) in pipe_times.items()}},
@@ -438,12 +444,15 @@ def suffix(args) -> str:
 
 
 def _graph_cell(row: dict) -> str:
-    """T_graph of a row, with its times by C where more than one C was captured."""
+    """T_graph of a row, with the experts alone captured beside it and its times by
+    C where more than one C was captured."""
     if row.get("t_graph_ms") is None:
         return "-"
     by_c = row.get("t_graph_by_chunks_ms") or {}
     more = ", ".join(f"{c}: {t:.2f}" for c, t in by_c.items() if c != "1")
-    return f"{row['t_graph_ms']:.3f}" + (f" (by C: {more})" if more else "")
+    experts = row.get("t_compute_graph_ms")
+    alone = "" if experts is None else f" / experts {experts:.3f} ({row['t_graph_ms'] / experts:.3f}x)"
+    return f"{row['t_graph_ms']:.3f}" + alone + (f" (by C: {more})" if more else "")
 
 
 def _budget(row: dict) -> str:
