@@ -55,25 +55,35 @@ __device__ void block_exclusive_scan(int* v, int n) {
   __syncthreads();
 }
 
-// The per-slot fields of token t (route_layout's blocks from E on).
+// The per-slot fields of one slot (route_layout's blocks from E on): a token takes
+// `width` lanes (the power of two >= K, so that a token's lanes share a warp), its
+// lane k slot k, so that each slot's loads and stores are one lane's, coalesced over
+// the warp; the token's mask of ranks, its sends and the check of a repeated expert
+// come from its lanes by shuffles. Every lane of the block calls it (shuffles).
 template <typename IdxT, typename WT>
-__device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* weights, int t, int topk, int experts,
-                                             int experts_per_rank, Slot* route, Slot* shared, unsigned* hit,
-                                             int* bad, int* block_sends) {
-  unsigned mask = 0;
-  for (int k = 0; k < topk; ++k) {
+__device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weights, int block, int tokens, int topk,
+                                            int width, int experts, int experts_per_rank, Slot* route, Slot* shared,
+                                            unsigned* hit, int* bad, int* block_sends) {
+  const int lane = threadIdx.x & 31, k = lane & (width - 1), leader = lane - k;
+  const int t = block * (Tuning::kThreads / width) + (int)threadIdx.x / width;
+  const bool mine = t < tokens && k < topk;
+  long long e = -1;
+  double w = 0.0;
+  bool valid = false;
+  if (mine) {
     const long long at = (long long)t * topk + k;
-    const long long e = (long long)topk_idx[at];
-    const bool valid = e >= 0 && e < experts;
+    e = (long long)topk_idx[at];
+    w = (double)weights[at];
+    valid = e >= 0 && e < experts;
     int w_lo, w_hi = 0;
     if (sizeof(WT) == 8) {
-      const long long bits = __double_as_longlong((double)weights[at]);
+      const long long bits = __double_as_longlong(w);
       w_lo = (int)(bits & 0xffffffffll);
       w_hi = (int)(bits >> 32);
     } else {
-      w_lo = __float_as_int((float)weights[at]);
+      w_lo = __float_as_int((float)w);  // a float weight round-trips through double exactly
     }
-    // pos is the expert blocks' (another block); these fields are this thread's
+    // pos is the expert blocks' (another block); these fields are this lane's
     Slot* const targets[2] = {route + at, shared == nullptr ? nullptr : shared + at};
     for (Slot* s : targets) {
       if (s == nullptr) continue;
@@ -82,18 +92,18 @@ __device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* wei
       s->w_lo = w_lo;
       s->w_hi = w_hi;
     }
-    if (valid) mask |= 1u << (int)(e / experts_per_rank);
   }
-  hit[t] = mask;
-  for (unsigned m = mask; m; m &= m - 1) atomicAdd(block_sends + __ffs(m) - 1, 1);
+  unsigned mask = valid ? 1u << (int)(e / experts_per_rank) : 0u;  // the token's ranks: OR over its lanes
+  for (int d = 1; d < width; d <<= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, d);
+  if (k == 0 && t < tokens) {
+    hit[t] = mask;
+    for (unsigned m = mask; m; m &= m - 1) atomicAdd(block_sends + __ffs(m) - 1, 1);
+  }
   if (bad != nullptr) {
-    bool wrong = false;
-    for (int k = 0; k < topk; ++k) {
-      const long long at = (long long)t * topk + k;
-      const long long e = (long long)topk_idx[at];
-      const double w = (double)weights[at];
-      wrong |= e < -1 || e >= experts || !(fabs(w) <= 1.7976931348623157e308);
-      for (int j = 0; j < k && e >= 0; ++j) wrong |= (long long)topk_idx[(long long)t * topk + j] == e;
+    bool wrong = mine && (e < -1 || e >= experts || !(fabs(w) <= 1.7976931348623157e308));
+    for (int j = 0; j + 1 < width; ++j) {  // an expert named by an earlier slot of the token
+      const long long earlier = __shfl_sync(0xffffffffu, e, leader + j);
+      wrong |= mine && j < k && e >= 0 && earlier == e;
     }
     if (wrong) atomicExch(bad, 1);
   }
@@ -111,7 +121,8 @@ __device__ __forceinline__ void layout_token(const IdxT* topk_idx, const WT* wei
 //   bad (if not null; zeroed by the caller): set to 1 where some row holds an
 //     id outside [-1, E), an expert twice, or a non-finite weight.
 // Blocks [0, E) each scan every token for one expert; blocks from E on fill the
-// per-slot fields, one token a thread.
+// per-slot fields, a lane a slot (kThreads / width tokens a block, width the
+// power of two >= K).
 template <typename IdxT, typename WT>
 __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
                                                                  int topk, int experts, int experts_per_rank,
@@ -152,9 +163,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
   __shared__ int block_sends[Tuning::kMaxWorld];  // this block's tokens per destination rank
   if (threadIdx.x < Tuning::kMaxWorld) block_sends[threadIdx.x] = 0;
   __syncthreads();
-  const int t = (blockIdx.x - experts) * Tuning::kThreads + threadIdx.x;
-  if (t < tokens) layout_token(topk_idx, weights, t, topk, experts, experts_per_rank, route, shared, hit, bad,
-                               block_sends);
+  int width = 1;
+  while (width < topk) width <<= 1;
+  layout_slot(topk_idx, weights, (int)blockIdx.x - experts, tokens, topk, width, experts, experts_per_rank, route,
+              shared, hit, bad, block_sends);
   __syncthreads();
   if (threadIdx.x < Tuning::kMaxWorld && block_sends[threadIdx.x]) atomicAdd(sends + threadIdx.x, block_sends[threadIdx.x]);
 }

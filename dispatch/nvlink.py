@@ -368,8 +368,9 @@ class Engine:
         counts, sends = row[self.counts_col :], row[SENDS_COL : self.counts_col]
         route_start, route_copy = self._region("route") if fits else (0, 0)
         if tokens:
+            lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the slot blocks
             self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
-                self.num_experts + -(-tokens // cuda.THREADS),
+                self.num_experts + -(-tokens // (cuda.THREADS // lanes)),
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
                  i32(self.experts_per_rank), ptr(route),
                  u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
