@@ -57,7 +57,8 @@ def _job(args: argparse.Namespace) -> None:
         for c in overlap.chunk_values(args, case.dispatcher.num_local_experts):
             graph = None
             if args.graph:  # the layer with max_rows, its step captured: the replay is profiled
-                graph = overlap.capture(case.layer_step(case.layer_bounded(args.comm_priority, group, c), backward=True))
+                layer = case.layer_bounded(args.comm_priority, group, c)
+                graph = overlap.capture(case.layer_step(layer, backward=True))
                 step = graph.replay
             else:
                 step = case.layer_step(case.layer(c, args.comm_priority, sm_carveout=args.sm_carveout), backward=True)

@@ -32,6 +32,15 @@ def _inputs(routing, hidden, dtype, seed):
     return xs, ws
 
 
+def _gradient_inputs(routing, per_rank, hidden, dtype):
+    """Each rank's output gradient [T, H] and its experts' outputs [N, H] (seeded)."""
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(t, hidden, generator=gen).to(dtype) for t in routing.num_tokens]
+    rows = [int(sum((idx // per_rank == r).sum() for idx in routing.topk_idx)) for r in range(len(routing.num_tokens))]
+    expert_out = [torch.randn(n, hidden, generator=gen).to(dtype) for n in rows]
+    return grads, expert_out
+
+
 def _run(worlds, fn, routing, xs, ws, config, *extra):
     args = [(xs[r], routing.topk_idx[r], ws[r].float(), dict(config), *extra) for r in range(WORLD)]
     return worlds(WORLD).run(fn, args)
@@ -98,10 +107,7 @@ def test_round_trip_on_four_ranks_matches_nccl(worlds, mode, per_rank, topk, tok
     gradients bitwise the NCCL transport's."""
     routing = make_routing(FOUR, per_rank, topk, tokens, mode, seed=len(tokens) + hidden)
     xs, ws = _inputs(routing, hidden, dtype, seed=hidden)
-    gen = torch.Generator().manual_seed(11)
-    grads = [torch.randn(t, hidden, generator=gen).to(dtype) for t in routing.num_tokens]
-    rows = [int(sum((idx // per_rank == r).sum() for idx in routing.topk_idx)) for r in range(FOUR)]
-    expert_out = [torch.randn(n, hidden, generator=gen).to(dtype) for n in rows]
+    grads, expert_out = _gradient_inputs(routing, per_rank, hidden, dtype)
     got = {}
     for transport in ("nccl", "nvlink"):
         config = dict(num_experts=routing.num_experts, dispatch_wire=wire, transport=transport)
@@ -134,10 +140,7 @@ def test_gradients_match_nccl(worlds, mode, per_rank, topk, tokens, dtype, weigh
     routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=7)
     hidden = 128
     xs, ws = _inputs(routing, hidden, dtype, seed=3)
-    gen = torch.Generator().manual_seed(11)
-    grads = [torch.randn(t, hidden, generator=gen).to(dtype) for t in routing.num_tokens]
-    rows = [int(sum((idx // per_rank == r).sum() for idx in routing.topk_idx)) for r in range(WORLD)]
-    expert_out = [torch.randn(n, hidden, generator=gen).to(dtype) for n in rows]
+    grads, expert_out = _gradient_inputs(routing, per_rank, hidden, dtype)
     got = {}
     for transport in ("nccl", "nvlink"):
         config = dict(num_experts=routing.num_experts, transport=transport, combine_grad_wire=grad_wire)
