@@ -172,6 +172,20 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
 }
 
 
+// What the experts and the later kernels read of a failed counts exchange: no
+// rows (every expert's count and N zero, each group of a padded dispatch empty),
+// so that nothing sized by the counts (the experts' grouped GEMMs on a bounded
+// dispatch's rows) reads or writes past the bound before the failure is raised.
+// Every thread of the block calls it.
+__device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_end, int experts_per_rank,
+                        int groups, int budget) {
+  for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) tokens_per_expert[e] = 0;
+  const bool padded = groups > 1 && budget >= 0;
+  const long long bound = padded ? ((long long)budget + groups - 1) / groups : 0;
+  for (int g = threadIdx.x; padded && g < groups; g += blockDim.x) group_end[g] = (int)(g * bound);
+  if (threadIdx.x == 0) *num_rows = 0;
+}
+
 // One block, the operation's epoch = seq + 1 (stored in seq once the flags are
 // raised). Writes this rank's row into row `me` of the epoch's copy of every
 // rank's counts matrix: the header from the arguments (failed: the larger of
@@ -188,7 +202,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* top
 // every row in rank order: the same header and G, no failed mark, N of that
 // rank (each group's rows, by groups) within its budget; the first that fails
 // is recorded (the same on every rank), so that every later kernel of the group
-// skips its work.
+// skips its work; a failed exchange gives no rows (``no_rows``).
 // meta_ptrs: [W] base of every rank's meta buffer (flags [W] u32 at 0, the two
 // copies of the counts matrix from rows_offset, matrix_bytes apart). Dynamic
 // shared memory: E_local + 1 + W E_local ints. Every step after the wait is
@@ -202,12 +216,19 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     int* src_start, int* num_rows, int* group_end) {
   extern __shared__ int shared_ints[];
   __shared__ unsigned epoch_of;
+  __shared__ int stop;  // the block's one reading of a failure
   int* matrix = out + 4;
-  if (threadIdx.x == 0) epoch_of = load_seq(seq) + 1;
+  if (threadIdx.x == 0) {
+    epoch_of = load_seq(seq) + 1;
+    stop = failed(status);
+  }
   if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
   __syncthreads();
   const unsigned epoch = epoch_of;
-  if (failed(status)) return;
+  if (stop) {
+    no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
+    return;
+  }
   const int head[Row::kSends] = {topk, hidden, x_dtype, w_dtype, x_grad, w_grad,
                                  max(failed_mark, row[Row::kFailed]), budget, memory_rows, tokens, staged, groups};
   const long long copy = by_parity(rows_offset, matrix_bytes, epoch);
@@ -224,6 +245,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   const unsigned* own_flags = reinterpret_cast<const unsigned*>(meta_ptrs[me]);
   if (!wait_peers(own_flags, world, epoch, timeout_ns, status, 0)) {
     if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
+    no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
     return;
   }
   const volatile int* rows = reinterpret_cast<const volatile int*>(meta_ptrs[me] + copy);
@@ -303,5 +325,8 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
       }
     }
     for (int i = 0; i < 4; ++i) out[i] = status[i];
+    stop = failed(status);
   }
+  __syncthreads();
+  if (stop) no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
 }

@@ -298,6 +298,8 @@ class ChunkedExperts:
         so that a grouped GEMM is sized for the experts it computes."""
         if self.counts[c] is not None:
             raise ValueError(f"chunk {c}'s counts were given already")
+        if self.group_rows is not None and c and self.taken[c - 1] is None:
+            raise ValueError(f"group {c}'s counts came before group {c - 1}'s: give them in group order")
         self.counts[c], self.counts_host[c], self.experts_of[c] = counts, counts_host, experts
         if self.group_rows is None:
             self.rows[c] = int(counts_host.sum())
@@ -307,8 +309,6 @@ class ChunkedExperts:
     def _place_group(self, c: int) -> None:
         """Group c's places (``group_rows``): its row j < n_c goes to j plus the rows of
         the earlier groups, the rest to the dump row past them all (on the device)."""
-        if c and self.taken[c - 1] is None:
-            raise ValueError(f"group {c}'s counts came before group {c - 1}'s: give them in group order")
         counts, bound = self.counts[c], self.group_rows
         taken = counts.sum().reshape(1)
         before = self._before if c else torch.zeros_like(taken)

@@ -311,6 +311,8 @@ def test_chunked_experts_by_padded_groups_in_order():
     chunked = ChunkedExperts(experts, [None, None], [None, None], grad_on=True, group_rows=4)
     with pytest.raises(ValueError, match="group order"):
         chunked.set_counts(1, torch.tensor([0, 0, 1, 1]), None, (2, 4))
+    chunked.set_counts(0, torch.tensor([1, 0, 0, 0]), None, (0, 2))  # the refusal kept nothing
+    chunked.set_counts(1, torch.tensor([0, 0, 1, 1]), None, (2, 4))
     with pytest.raises(ValueError, match="group order"):
         ChunkedExperts(experts, [torch.tensor([1, 0, 0, 0]), None], [None, None], grad_on=True, group_rows=4)
 

@@ -26,7 +26,9 @@ gloo, as a smoke test):
                 and replayed: no host in the loop (the time of one replay of
                 ``GRAPH_REPLAYS`` queued back to back); by each C of ``--chunks``;
                 beside it the experts alone captured and replayed the same way
-                (T_compute_graph), and T_graph / T_compute_graph
+                (T_compute_graph, on the N rows; the layer's experts get the M
+                rows, whose elementwise work covers the 10% past N), and
+                T_graph / T_compute_graph
     T_mb        with ``--micro-batches``: two micro-batches of the shape by the async
                 verbs, micro-batch 1's dispatch in flight beside micro-batch 0's experts
                 and micro-batch 0's combine beside micro-batch 1's experts (backward by
