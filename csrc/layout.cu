@@ -206,8 +206,8 @@ __device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_
 // meta_ptrs: [W] base of every rank's meta buffer (flags [W] u32 at 0, the two
 // copies of the counts matrix from rows_offset, matrix_bytes apart). Dynamic
 // shared memory: E_local + 1 + W E_local ints. Every step after the wait is
-// spread over the block (a scan, atomics in shared memory): one thread walking
-// every rank's counts was most of the kernel at 128 experts a rank.
+// spread over the block (a scan of the places, each rank's group rows by
+// shared-memory atomics).
 __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
     int row_len, int count_start, int experts_per_rank, const int* row, int topk, int hidden, int x_dtype,

@@ -283,6 +283,7 @@ class ChunkedExperts:
                 raise ValueError("group_rows: give each group's counts by set_counts, in group order")
             self.rows, self.places = [group_rows] * chunks, [None] * chunks
             self.taken = [None] * chunks  # per group, [1] its rows (on the device)
+            self._before = None  # [1] the rows of the groups placed so far (on the device)
         self.waiting = []  # (kept name, chunk, rows) until every chunk's counts are known
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
         self.hidden, self.outs = [None] * chunks, [None] * chunks

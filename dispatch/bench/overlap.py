@@ -306,8 +306,8 @@ def _graph_ms(step, timed) -> float:
     (:func:`capture`): ``GRAPH_REPLAYS`` replays queued back to back, as a
     training loop queues its steps, so that the host's launch of a replay is
     behind the previous one on the GPU (a lone replay's time starts with the
-    GPU waiting for it). The graph is freed after its timing: graphs of several
-    C kept at once hold their pools (out of memory at DeepSeek-V3's shape)."""
+    GPU waiting for it). The graph is freed after its timing, so that graphs of
+    several C never hold their memory pools at once."""
     graph = capture(step)
 
     def replays():
