@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -259,8 +260,15 @@ def captured_round_trip(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             result = step()
-        replays[name] = graph.replay
+        # the combine's graph reads the eager dispatch's outputs and plan (held): a
+        # replay after they were freed would read whatever the allocator put there since
+        replays[name] = functools.partial(_replay, graph, held, x, topk_idx, topk_weights)
     return replays, result
+
+
+def _replay(graph: torch.cuda.CUDAGraph, *inputs) -> None:
+    """``graph.replay()``; ``inputs``: what its kernels read, held alive with the replay."""
+    graph.replay()
 
 
 def time_each(steps: dict[str, Callable[[], None]], iters: int, warmup: int, dev: torch.device) -> list[dict]:
