@@ -167,8 +167,12 @@ class Counts:
 
     @property
     def items(self) -> int:
-        """(source rank, token) pairs of the group (a bound without a host read)."""
-        return sum(self.tokens_of) if self.tokens_of is not None else self.matrix.shape[0] * self.bound
+        """(source rank, token) pairs of the group, to size a kernel's grid by (the
+        kernels loop over the pairs the ranks sent, whatever the grid): without a
+        host read, W times this rank's T, as if every rank had as many tokens."""
+        if self.tokens_of is not None:
+            return sum(self.tokens_of)
+        return self.matrix.shape[0] * self.route.shape[0]
 
 
 class Engine:
