@@ -4,6 +4,26 @@
 
 using namespace engine;
 
+// Block-wide exclusive scan of one flag per thread; returns the thread's offset
+// and writes the block's total to *total (every thread sees it).
+__device__ __forceinline__ int block_scan(bool flag, int* total) {
+  __shared__ int warp_sums[Tuning::kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
+  if (lane == 0) warp_sums[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, sum = 0;
+#pragma unroll
+  for (int w = 0; w < Tuning::kWarps; ++w) {
+    before += (w < warp) ? warp_sums[w] : 0;
+    sum += warp_sums[w];
+  }
+  __syncthreads();
+  *total = sum;
+  return before + in_warp;
+}
+
 // In-place exclusive prefix of v[0, n) (shared memory) by the whole block, tile
 // by tile of one value a thread; v[n] = the total. Every thread of the block calls it.
 __device__ void block_exclusive_scan(int* v, int n) {
@@ -89,75 +109,6 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
   }
 }
 
-// The places of one expert e (route_layout's blocks [0, E)): each slot naming e
-// gets pos = the tokens before its own, in token order, that name e; a slot that
-// names e again in its row gets -1. Returns the tokens naming e (on every thread).
-// A lane a slot, as in layout_slot: a round of a warp is 32 / width tokens
-// (width = the power of two >= K), its lanes one coalesced load; a tile is
-// kRounds rounds of every warp, a warp's rounds consecutive tokens, so that a
-// tile needs one block-wide sum of the warps' counts and each lane keeps
-// kRounds loads in flight. Every thread of the block calls it.
-template <typename IdxT>
-__device__ int expert_places(const IdxT* topk_idx, int tokens, int topk, int e, Slot* route, Slot* shared) {
-  constexpr int kRounds = 8;
-  __shared__ int warp_count[Tuning::kWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int width = 1;
-  while (width < topk) width <<= 1;
-  const int k = lane & (width - 1);
-  const unsigned group = (width == 32 ? 0xffffffffu : ((1u << width) - 1u)) << (lane - k);  // the token's lanes
-  const unsigned before_me = (1u << lane) - 1u;
-  const int per_round = 32 / width;  // tokens of a round
-  const int per_tile = per_round * kRounds * Tuning::kWarps;
-  int running = 0;  // tokens naming e in earlier tiles (the same on every thread)
-  for (int base = 0; base < tokens; base += per_tile) {
-    const int first = base + warp * kRounds * per_round + lane / width;  // this lane's token in round 0
-    unsigned mine = 0;  // bit r: this lane's slot of round r names e (the first slot of its token that does)
-    unsigned firsts[kRounds];  // per round: one bit per token naming e, at its first such slot
-    int count = 0;
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-      const int t = first + r * per_round;
-      if (t < tokens && k < topk && (long long)topk_idx[(long long)t * topk + k] == e) mine |= 1u << r;
-    }
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-      const bool named_here = (mine >> r) & 1u;
-      const unsigned named = __ballot_sync(0xffffffffu, named_here);
-      const bool lead = named_here && (named & group & before_me) == 0;
-      firsts[r] = __ballot_sync(0xffffffffu, lead);
-      if (named_here && !lead) {  // e again in the row (unchecked input): no place
-        const long long at = (long long)(first + r * per_round) * topk + k;
-        route[at].pos = -1;
-        if (shared != nullptr) shared[at].pos = -1;
-        mine &= ~(1u << r);
-      }
-      count += __popc(firsts[r]);
-    }
-    if (lane == 0) warp_count[warp] = count;
-    __syncthreads();
-    int place = running, total = 0;
-#pragma unroll
-    for (int w = 0; w < Tuning::kWarps; ++w) {
-      place += (w < warp) ? warp_count[w] : 0;
-      total += warp_count[w];
-    }
-    __syncthreads();  // warp_count read by every thread before the next tile writes it
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-      if ((mine >> r) & 1u) {
-        const long long at = (long long)(first + r * per_round) * topk + k;
-        const int pos = place + __popc(firsts[r] & before_me);
-        route[at].pos = pos;
-        if (shared != nullptr) shared[at].pos = pos;
-      }
-      place += __popc(firsts[r]);
-    }
-    running += total;
-  }
-  return running;
-}
-
 // topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
 //   route [T, K]: expert (-1 if empty or out of range), place among this rank's
 //     tokens sent to that expert (token order), weight bits; written too, if
@@ -169,11 +120,11 @@ __device__ int expert_places(const IdxT* topk_idx, int tokens, int topk, int e, 
 //   hit [T]: mask of the ranks each token goes to;
 //   bad (if not null; zeroed by the caller): set to 1 where some row holds an
 //     id outside [-1, E), an expert twice, or a non-finite weight.
-// Blocks [0, E) each place every slot of one expert (expert_places); blocks from E
-// on fill the per-slot fields, a lane a slot (kThreads / width tokens a block,
-// width the power of two >= K).
+// Blocks [0, E) each scan every token for one expert; blocks from E on fill the
+// per-slot fields, a lane a slot (kThreads / width tokens a block, width the
+// power of two >= K).
 template <typename IdxT, typename WT>
-__global__ void __launch_bounds__(Tuning::kThreads, 3) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
+__global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
                                                                  int topk, int experts, int experts_per_rank,
                                                                  Slot* route, unsigned long long shared_route,
                                                                  long long copy_bytes, const unsigned* seq,
@@ -182,8 +133,31 @@ __global__ void __launch_bounds__(Tuning::kThreads, 3) route_layout(const IdxT* 
                                    : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
                                                                        load_seq(seq) + 1));
   if ((int)blockIdx.x < experts) {
-    const int count = expert_places(topk_idx, tokens, topk, (int)blockIdx.x, route, shared);
-    if (threadIdx.x == 0) counts[blockIdx.x] = count;
+    const int e = blockIdx.x;
+    int running = 0;
+    for (int base = 0; base < tokens; base += Tuning::kThreads) {
+      const int t = base + threadIdx.x;
+      int slot = -1;
+      if (t < tokens) {
+        for (int k = 0; k < topk; ++k) {
+          if ((long long)topk_idx[(long long)t * topk + k] != e) continue;
+          if (slot < 0) {
+            slot = k;
+          } else {  // e again in the row (unchecked input): no place
+            route[(long long)t * topk + k].pos = -1;
+            if (shared != nullptr) shared[(long long)t * topk + k].pos = -1;
+          }
+        }
+      }
+      int total;
+      const int offset = block_scan(slot >= 0, &total);
+      if (slot >= 0) {
+        route[(long long)t * topk + slot].pos = running + offset;
+        if (shared != nullptr) shared[(long long)t * topk + slot].pos = running + offset;
+      }
+      running += total;
+    }
+    if (threadIdx.x == 0) counts[e] = running;
     return;
   }
   __shared__ int block_sends[Tuning::kMaxWorld];  // this block's tokens per destination rank
