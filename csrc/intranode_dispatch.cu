@@ -94,20 +94,8 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
     const unsigned long long* flag_ptrs, int world, int me, int* counter) {
   const unsigned epoch = load_seq(seq) + 1;
   char* base = reinterpret_cast<char*>(by_parity((long long)dst, copy_bytes, epoch));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long warps = (long long)gridDim.x * Tuning::kWarps;
-  const bool wide = (row_bytes % 16) == 0 && (src_stride % 16) == 0 && (dst_stride % 16) == 0 &&
-                    (reinterpret_cast<unsigned long long>(src) % 16) == 0;
-  for (long long r = (long long)blockIdx.x * Tuning::kWarps + warp; r < rows; r += warps) {
-    const char* from = src + r * src_stride;
-    char* to = base + r * dst_stride;
-    if (wide) {
-      for (long long i = lane; i < row_bytes / 16; i += 32)
-        reinterpret_cast<uint4*>(to)[i] = __ldg(reinterpret_cast<const uint4*>(from) + i);
-    } else {
-      for (long long i = lane; i < row_bytes; i += 32) to[i] = from[i];
-    }
-  }
+  copy_rows(src, src_stride, row_bytes, rows, base, dst_stride,
+            (long long)blockIdx.x * Tuning::kWarps + (threadIdx.x >> 5), (long long)gridDim.x * Tuning::kWarps);
   if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
 }
 

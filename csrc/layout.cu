@@ -120,18 +120,35 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
 //   hit [T]: mask of the ranks each token goes to;
 //   bad (if not null; zeroed by the caller): set to 1 where some row holds an
 //     id outside [-1, E), an expert twice, or a non-finite weight.
-// Blocks [0, E) each scan every token for one expert; blocks from E on fill the
-// per-slot fields, a lane a slot (kThreads / width tokens a block, width the
-// power of two >= K).
+//   with stage_blocks > 0, the last stage_blocks blocks copy this rank's rows
+//     [T, row_bytes] (wire format, at stage_src, src_stride bytes apart) into the
+//     next epoch's copy of the data buffer's stage region (copy 0 at stage_dst,
+//     stage_copy bytes apart; dst_stride bytes apart), where the peers pull them:
+//     the copy runs beside the layout instead of after it.
+// Blocks [0, E) each scan every token for one expert; blocks from E on (before
+// the staging blocks) fill the per-slot fields, a lane a slot (kThreads / width
+// tokens a block, width the power of two >= K).
 template <typename IdxT, typename WT>
-__global__ void __launch_bounds__(Tuning::kThreads) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
+__global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
                                                                  int topk, int experts, int experts_per_rank,
                                                                  Slot* route, unsigned long long shared_route,
                                                                  long long copy_bytes, const unsigned* seq,
-                                                                 int* counts, int* sends, unsigned* hit, int* bad) {
+                                                                 int* counts, int* sends, unsigned* hit, int* bad,
+                                                                 const char* stage_src, long long src_stride,
+                                                                 long long row_bytes, unsigned long long stage_dst,
+                                                                 long long stage_copy, long long dst_stride,
+                                                                 int stage_blocks) {
   Slot* shared = shared_route == 0 ? nullptr
                                    : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
                                                                        load_seq(seq) + 1));
+  const int first_stage = (int)gridDim.x - stage_blocks;
+  if ((int)blockIdx.x >= first_stage) {  // this rank's rows staged for the peers, beside the layout
+    char* dst = reinterpret_cast<char*>(by_parity((long long)stage_dst, stage_copy, load_seq(seq) + 1));
+    copy_rows(stage_src, src_stride, row_bytes, tokens, dst, dst_stride,
+              (long long)(blockIdx.x - first_stage) * Tuning::kWarps + (threadIdx.x >> 5),
+              (long long)stage_blocks * Tuning::kWarps);
+    return;
+  }
   if ((int)blockIdx.x < experts) {
     const int e = blockIdx.x;
     int running = 0;

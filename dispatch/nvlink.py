@@ -219,6 +219,7 @@ class Engine:
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._tickets = torch.zeros(3, dtype=torch.int32, device=self.device)  # push_home's work counters
         # (event recorded after the latest operation, the id of the CUDA graph capture it was
         # recorded in or None)
         self._last: tuple | None = None
@@ -319,11 +320,15 @@ class Engine:
         start, copy = self._region(region)
         stride = src.stride(0) * src.element_size() if tokens else row_bytes
         self._kernel("intranode_dispatch.cu", "stage_rows")(
-            min(self.blocks, max(1, -(-tokens // (cuda.THREADS // 32)))),
+            self._copy_grid(tokens),
             (ptr(src), i64(stride), i64(row_bytes), i64(tokens), u64(self._data.data_ptr() + start), i64(copy),
              i64(dst_stride), ptr(self._seq), i32(int(signal)), ptr(self._meta_ptrs), i32(self.world),
              i32(self.rank), ptr(self._counter)),
         )
+
+    def _copy_grid(self, rows: int) -> int:
+        """Blocks that copy ``rows`` rows, a warp a row, within the budget."""
+        return min(self.blocks, max(1, -(-rows // (cuda.THREADS // 32))))
 
     def _stage_rows(self, rows: torch.Tensor, codec, stage_row: int, signal: bool) -> None:
         """Encode rows [T, H] for the wire and stage them (``_stage``)."""
@@ -343,9 +348,10 @@ class Engine:
             header: this rank's ``plan.HEADER`` entries (failure mark and row
                 budgets included: where some rank has a max_rows, the kernel
                 checks every rank's N against it).
-            rows, codec: [T, H] rows to stage with the routes, before the flag
-                is raised, so that the pull needs no second exchange (where
-                every rank's routes and rows fit the buffers; ``Counts.staged``).
+            rows, codec: [T, H] rows to stage with the routes (by blocks of the
+                layout's launch, beside it), before the flag is raised, so that
+                the pull needs no second exchange (where every rank's routes and
+                rows fit the buffers; ``Counts.staged``).
             check_values: the layout kernel raises the header's ``failed`` entry
                 where a row holds an id outside [-1, E), an expert twice or a
                 non-finite weight (``checks.value_flags``), so that every rank
@@ -373,16 +379,22 @@ class Engine:
         route_start, route_copy = self._region("route") if fits else (0, 0)
         if tokens:
             lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the slot blocks
+            # the rows staged beside the layout, by blocks of the same launch, where they fit
+            wire = codec.pack(rows) if fits and rows is not None else None
+            stage_blocks = 0 if wire is None else self._copy_grid(tokens)
+            stage_start, stage_copy = self._region("stage") if wire is not None else (0, 0)
             self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
-                self.num_experts + -(-tokens // (cuda.THREADS // lanes)),
+                self.num_experts + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
                  i32(self.experts_per_rank), ptr(route),
                  u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
                  ptr(counts), ptr(sends), ptr(hit),
-                 ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None)),
+                 ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None),
+                 ptr(wire), i64(0 if wire is None else wire.stride(0) * wire.element_size()),
+                 i64(0 if wire is None else codec.row_bytes(rows.shape[1])),
+                 u64(0 if wire is None else self._data.data_ptr() + stage_start), i64(stage_copy), i64(stage_row),
+                 i32(stage_blocks)),
             )
-        if fits and rows is not None and tokens:
-            self._stage_rows(rows, codec, stage_row, signal=False)
         world, length, local = self.world, self.row_len, self.experts_per_rank
         out = torch.empty(4 + world * length + world * local + 1 + groups, dtype=torch.int32, device=device)
         per_expert = torch.empty(local, dtype=torch.int64, device=device)
@@ -497,9 +509,14 @@ class Engine:
     def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
                 at_least: torch.dtype | None) -> torch.Tensor:
         """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
-        (token, rank) pushed home in ``wire``, summed in ascending rank order."""
+        (token, rank) pushed home in ``wire``, summed in ascending rank order
+        (in fp64 where rows, wire or ``at_least`` are). One launch where both
+        sides sum in one type (``_push_home``), else the push and the home sum."""
         with self._ordered():
             rows = aligned_rows(rows)
+            push_acc = _accumulator(rows.dtype, wire, torch.float32 if weights is None else weights.dtype)
+            if push_acc == _accumulator(rows.dtype, wire, at_least):
+                return self._push_home(rows, weights, wire, counts, presum, push_acc)
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
 
@@ -553,7 +570,7 @@ class Engine:
         part_row = partial_row_bytes(wire, hidden)
         self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
         weight_dtype = torch.float32 if weights is None else weights.dtype
-        acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
+        acc = _accumulator(rows.dtype, wire, weight_dtype)
         part_start, part_copy = self._region("partials")
         if pieces is None:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = None, None, None, 0, (0, 2**62), True
@@ -571,12 +588,36 @@ class Engine:
              ptr(self._counter), ptr(self.status), i32(int(signal))),
         )
 
+    def _push_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, acc: torch.dtype) -> torch.Tensor:
+        """A whole combine in one launch (``push_home``): the pre-sums of the peers'
+        tokens pushed to them, then this rank's tokens summed at home, its own
+        pre-sums made in place, both sides accumulating in ``acc``; [T, H] in the
+        dtype of rows."""
+        tokens, hidden = counts.route.shape[0], rows.shape[1]
+        part_row = partial_row_bytes(wire, hidden)
+        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
+        weight_dtype = torch.float32 if weights is None else weights.dtype
+        part_start, part_copy = self._region("partials")
+        out = torch.empty(tokens, hidden, dtype=rows.dtype, device=self.device)
+        self._kernel(
+            "intranode_combine.cu", "push_home", rows.dtype, weight_dtype, "false" if weights is None else "true",
+            wire, acc,
+        )(
+            self._row_grid(counts.items),
+            (ptr(rows), ptr(weights), ptr(presum), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix),
+             i32(self.row_len), i32(TOKENS_COL), ptr(counts.hit), i32(hidden), ptr(self._data_ptrs),
+             u64(self._data.data_ptr() + part_start), i64(part_start), i64(part_copy), i64(part_row),
+             i64(self.capacity.tokens), i32(self.rank), i32(self.world), ptr(self._meta_ptrs), ptr(self._flags),
+             ptr(self._seq), ptr(self._tickets), ptr(out), u64(self.timeout_ns), ptr(self.status)),
+        )
+        return out
+
     def _home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
                   at_least: torch.dtype | None) -> torch.Tensor:
         tokens = counts.route.shape[0]
         part_start, part_copy = self._region("partials")
         out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
-        home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
+        home_acc = _accumulator(wire, dtype, at_least)
         self._kernel("intranode_combine.cu", "home_sum", wire, dtype, home_acc)(
             self._row_grid(tokens),
             (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + part_start), i64(part_copy),
@@ -611,6 +652,11 @@ class Engine:
              ptr(out), i32(self.world), ptr(self._flags), ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
         )
         return out.to(values.dtype)
+
+
+def _accumulator(*dtypes) -> torch.dtype:
+    """What a sum over rows of these dtypes (None: none) accumulates in: fp64 if one is fp64, else fp32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
