@@ -9,8 +9,7 @@
 // Host entry points (launched from dispatch/nvlink.py through dispatch/cuda.py):
 //   layout.cu             route_layout (with the rows staged beside it), exchange_counts
 //   intranode_dispatch.cu stage_rows, pull_rows
-//   intranode_combine.cu  push_home (a whole combine), push_partials and home_sum (a combine
-//                         by groups), push_slots, home_slots
+//   intranode_combine.cu  push_partials, home_sum, push_slots, home_slots
 #pragma once
 
 #include <cuda_bf16.h>
@@ -143,26 +142,6 @@ __device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, uns
   return late == 0;
 }
 
-// The same for one warp and the ranks in `mask`: lane s polls word s. False (and
-// the status recorded) if one did not arrive in time or the status is failed.
-__device__ bool warp_wait_peers(const unsigned* flags, unsigned mask, unsigned epoch, unsigned long long timeout_ns,
-                                int* status, int where) {
-  const int lane = threadIdx.x & 31;
-  if (((mask >> lane) & 1u) && !failed(status)) {
-    const unsigned long long start = now_ns();
-    while ((int)(ld_acquire(flags + lane) - epoch) < 0) {
-      if (failed(status)) break;
-      if (now_ns() - start > timeout_ns) {
-        record(status, kTimeout, lane, where);
-        break;
-      }
-      __nanosleep(Tuning::kSleepNs);
-    }
-  }
-  __syncwarp();
-  return __shfl_sync(0xffffffffu, failed(status) ? 0 : 1, 0) != 0;  // one reading for the warp
-}
-
 // Raise word `me` of every rank's flags to `epoch` and store it in seq, after
 // this block's writes (and, through the counter, every block's writes of this
 // launch) are visible to the whole system. counter: a zeroed int of the caller,
@@ -200,15 +179,6 @@ __device__ __forceinline__ void copy_rows(const char* src, long long src_stride,
       for (long long i = lane; i < row_bytes; i += 32) to[i] = from[i];
     }
   }
-}
-
-// After a system fence, raise word `me` of every rank's flags to `epoch` and
-// store it in seq (one thread, once every write it orders is made).
-__device__ __noinline__ void raise_flags(unsigned long long const* flag_ptrs, int world, int me, unsigned epoch,
-                                         unsigned* seq) {
-  __threadfence_system();
-  for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(flag_ptrs[p]) + me, epoch);
-  *seq = epoch;
 }
 
 // -- element conversions (round to nearest even, as torch's casts) -----------

@@ -6,45 +6,6 @@
 
 using namespace engine;
 
-// The pre-sum (in A, from zero, in the order of the item's rows, one fused
-// multiply-add a weighted term) of units base + 32 u (u < kUnroll, those below
-// `units`) of an item's `count` rows (rows[j], their weights scale[j]).
-template <typename YT, bool WEIGHTED, typename A>
-__device__ __forceinline__ void presum_step(const YT* const* rows, const A* scale, int count, long long base,
-                                            long long units, A (&acc)[Tuning::kUnroll][8]) {
-  constexpr int kU = Tuning::kUnroll;
-#pragma unroll
-  for (int u = 0; u < kU; ++u)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
-  for (int j = 0; j < count; ++j) {
-    const YT* row = rows[j];
-    Vec8<YT> v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-      if (base + 32 * u < units) v[u] = load8(row + (base + 32 * u) * 8);
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if constexpr (WEIGHTED) acc[u][i] = fma(widen<A>(v[u].v[i]), scale[j], acc[u][i]);
-        else acc[u][i] += widen<A>(v[u].v[i]);
-      }
-  }
-}
-
-// The same for one element (rows whose H is not a multiple of 8).
-template <typename YT, bool WEIGHTED, typename A>
-__device__ __forceinline__ A presum_one(const YT* const* rows, const A* scale, int count, long long col) {
-  A acc = (A)0;
-  for (int j = 0; j < count; ++j) {
-    const A v = widen<A>(rows[j][col]);
-    if constexpr (WEIGHTED) acc = fma(v, scale[j], acc);
-    else acc += v;
-  }
-  return acc;
-}
-
 // Expert side. Items are (source rank s, token t); presum [W * tstride, J] lists
 // this rank's rows of each item (ascending local expert, -1 padded). The partial
 // of item (s, t) goes to rank s's buffer at [me, t] of its partials region
@@ -114,7 +75,24 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
         constexpr int kU = Tuning::kUnroll;  // units in flight per lane
         for (long long base = begin + lane; base < units; base += 32 * kU) {
           A acc[kU][8];
-          presum_step<YT, WEIGHTED, A>(rows[warp], scale[warp], count, base, units, acc);
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
+          for (int j = 0; j < count; ++j) {
+            const YT* row = rows[warp][j];
+            Vec8<YT> v[kU];
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+              if (base + 32 * u < units) v[u] = load8(row + (base + 32 * u) * 8);
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                if constexpr (WEIGHTED) acc[u][i] = fma(widen<A>(v[u].v[i]), scale[warp][j], acc[u][i]);
+                else acc[u][i] += widen<A>(v[u].v[i]);
+              }
+          }
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             if (base + 32 * u >= units) continue;
@@ -125,8 +103,15 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
           }
         }
       } else {
-        for (long long col = lane; col < hidden; col += 32)
-          reinterpret_cast<WireT*>(dst)[col] = narrow<WireT>(presum_one<YT, WEIGHTED, A>(rows[warp], scale[warp], count, col));
+        for (long long col = lane; col < hidden; col += 32) {
+          A acc = (A)0;
+          for (int j = 0; j < count; ++j) {
+            const A v = widen<A>(rows[warp][j][col]);
+            if constexpr (WEIGHTED) acc = fma(v, scale[warp][j], acc);
+            else acc += v;
+          }
+          reinterpret_cast<WireT*>(dst)[col] = narrow<WireT>(acc);
+        }
       }
     }
     __syncwarp();
@@ -136,84 +121,6 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
   } else {  // a group before the last: its writes visible before the last group's raise
     __syncthreads();
     if (threadIdx.x == 0) __threadfence_system();
-  }
-}
-
-// Segment `part` of token t at home: dst = the sum in ascending rank order of the
-// partials of the ranks in `mask` (zero for none), cast once. A rank's partial is
-// read from `partials` ([W, tcap] rows of part_row bytes), except rank own_rank's
-// (-1: none), which is its pre-sum of own_count rows (own_rows, own_scale) made
-// here and cast to WireT, the bits its pushed partial would have.
-template <typename WireT, typename OutT, typename A, typename YT, bool WEIGHTED>
-__device__ __forceinline__ void home_unit(const char* partials, long long tcap, long long part_row, int world,
-                                          unsigned mask, long long t, long long part, const Segments& seg, int hidden,
-                                          OutT* dst, int own_rank, const YT* const* own_rows, const A* own_scale,
-                                          int own_count) {
-  const int lane = threadIdx.x & 31;
-  if ((hidden & 7) == 0) {
-    const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
-    constexpr int kU = Tuning::kUnroll;  // units in flight per lane
-    constexpr int kWords = sizeof(Vec8<WireT>) / 16;
-    const bool own_here = own_rank >= 0 && ((mask >> own_rank) & 1u);
-    for (long long base = begin + lane; base < units; base += 32 * kU) {
-      Vec8<WireT> mine[kU];  // the own partial, cast to the wire type first
-      if (own_here) {
-        A own[kU][8];
-        presum_step<YT, WEIGHTED, A>(own_rows, own_scale, own_count, base, units, own);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) mine[u].v[i] = narrow<WireT>(own[u][i]);
-      }
-      A acc[kU][8];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
-      for (int r = 0; r < world; ++r) {
-        if (!((mask >> r) & 1u)) continue;
-        if (r == own_rank) {
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[u][i] += widen<A>(mine[u].v[i]);
-          continue;
-        }
-        const WireT* p = reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row);
-        Vec8<WireT> v[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (base + 32 * u < units)
-#pragma unroll
-            for (int i = 0; i < kWords; ++i)
-              reinterpret_cast<uint4*>(&v[u])[i] = __ldcg(reinterpret_cast<const uint4*>(p + (base + 32 * u) * 8) + i);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[u][i] += widen<A>(v[u].v[i]);
-      }
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (base + 32 * u >= units) continue;
-        Vec8<OutT> o;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(acc[u][i]);
-        store8(dst + (base + 32 * u) * 8, o);
-      }
-    }
-  } else {
-    for (long long col = lane; col < hidden; col += 32) {
-      A acc = (A)0;
-      for (int r = 0; r < world; ++r) {
-        if (!((mask >> r) & 1u)) continue;
-        if (r == own_rank) {
-          acc += widen<A>(narrow<WireT>(presum_one<YT, WEIGHTED, A>(own_rows, own_scale, own_count, col)));
-          continue;
-        }
-        acc += widen<A>(__ldcg(reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row) + col));
-      }
-      dst[col] = narrow<OutT>(acc);
-    }
   }
 }
 
@@ -229,147 +136,57 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
   const unsigned epoch = load_seq(seq);
   partials += (long long)(epoch & 1u) * part_copy;
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 2)) return;
-  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long warps = (long long)gridDim.x * Tuning::kWarps;
   const Segments seg = split_rows(tokens, hidden, warps);
   for (long long work = (long long)blockIdx.x * Tuning::kWarps + warp; work < tokens * seg.count; work += warps) {
     const long long t = work / seg.count, part = work % seg.count;
-    home_unit<WireT, OutT, A, OutT, false>(partials, tcap, part_row, world, hit[t], t, part, seg, hidden,
-                                           out + t * hidden, -1, nullptr, nullptr, 0);
-  }
-}
-
-// The units of push_home, taken by tickets until none is left (one warp; rows
-// and scale: the warp's shared-memory lists of an item's rows and weights).
-template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A>
-__device__ __forceinline__ void push_home_units(
-    const YT* y, const WT* weights, const int* presum, int width, long long tstride, const int* matrix, int row_len,
-    int tokens_col, const unsigned* hit, int hidden, const unsigned long long* data_ptrs, const char* partials,
-    long long part_off, long long part_row, long long tcap, int me, int world, const unsigned long long* flag_ptrs,
-    const unsigned* flags, unsigned* seq, unsigned epoch, int* tickets, YT* out, unsigned long long timeout_ns,
-    int* status, const int* peer_tokens, const YT** rows, A* scale) {
-  const long long own_tokens = matrix[me * row_len + tokens_col];
-  long long remote_items = 0;
-  for (int p = 0; p + 1 < world; ++p) remote_items += peer_tokens[p];
-  const int lane = threadIdx.x & 31;
-  const long long warps = (long long)gridDim.x * Tuning::kWarps;
-  const Segments seg = split_rows(remote_items + own_tokens, hidden, warps);
-  const long long remote_units = remote_items * seg.count, units = remote_units + own_tokens * seg.count;
-  if (remote_units == 0 && blockIdx.x == 0 && threadIdx.x == 0) raise_flags(flag_ptrs, world, me, epoch, seq);
-  const unsigned peers = ((world == 32 ? 0u : 1u << world) - 1u) & ~(1u << me);
-  bool waited = false, arrived = true;
-  for (;;) {
-    long long unit = 0;
-    if (lane == 0) unit = atomicAdd(tickets, 1);
-    unit = __shfl_sync(0xffffffffu, unit, 0);
-    if (unit >= units) break;
-    const bool remote = unit < remote_units;
-    const long long item = (remote ? unit : unit - remote_units) / seg.count, part = unit % seg.count;
-    int s = me, t = (int)item;
-    if (remote) {
-      int p;
-      item_of(item, peer_tokens, world - 1, &p, &t);
-      s = p + (p >= me);
-    } else {
-      if (!waited && (hit[t] & peers)) {  // the peers' partials, once per warp
-        arrived = warp_wait_peers(flags, peers, epoch, timeout_ns, status, 2);
-        waited = true;
-      }
-      if (!arrived) continue;  // failed: the units are drained, nothing summed
-    }
-    // the item's rows here (ascending local expert)
-    const long long at = ((long long)s * tstride + t) * width;
-    const int row = (remote || ((hit[t] >> me) & 1u)) && lane < width ? presum[at + lane] : -1;
-    const int count = __popc(__ballot_sync(0xffffffffu, row >= 0));
-    if (row >= 0) {
-      rows[lane] = y + (long long)row * hidden;
-      if constexpr (WEIGHTED) scale[lane] = widen<A>(weights[row]);
-    }
-    __syncwarp();
-    if (remote) {
-      if (count > 0) {
-        WireT* dst = reinterpret_cast<WireT*>(data_ptrs[s] + part_off + ((long long)me * tcap + t) * part_row);
-        if ((hidden & 7) == 0) {
-          constexpr int kU = Tuning::kUnroll;
-          const long long begin = part * seg.units, units_hi = min(hidden / 8LL, begin + seg.units);
-          for (long long base = begin + lane; base < units_hi; base += 32 * kU) {
-            A acc[kU][8];
-            presum_step<YT, WEIGHTED, A>(rows, scale, count, base, units_hi, acc);
+    const unsigned mask = hit[t];
+    OutT* dst = out + t * hidden;
+    if ((hidden & 7) == 0) {
+      const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
+      constexpr int kU = Tuning::kUnroll;  // units in flight per lane
+      constexpr int kWords = sizeof(Vec8<WireT>) / 16;
+      for (long long base = begin + lane; base < units; base += 32 * kU) {
+        A acc[kU][8];
 #pragma unroll
-            for (int u = 0; u < kU; ++u) {
-              if (base + 32 * u >= units_hi) continue;
-              Vec8<WireT> o;
+        for (int u = 0; u < kU; ++u)
 #pragma unroll
-              for (int i = 0; i < 8; ++i) o.v[i] = narrow<WireT>(acc[u][i]);
-              store8(dst + (base + 32 * u) * 8, o);
-            }
-          }
-        } else if (part == 0) {
-          for (long long col = lane; col < hidden; col += 32)
-            dst[col] = narrow<WireT>(presum_one<YT, WEIGHTED, A>(rows, scale, count, col));
+          for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
+        for (int r = 0; r < world; ++r) {
+          if (!((mask >> r) & 1u)) continue;
+          const WireT* p = reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row);
+          Vec8<WireT> v[kU];
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+            if (base + 32 * u < units)
+#pragma unroll
+              for (int i = 0; i < kWords; ++i)
+                reinterpret_cast<uint4*>(&v[u])[i] = __ldcg(reinterpret_cast<const uint4*>(p + (base + 32 * u) * 8) + i);
+#pragma unroll
+          for (int u = 0; u < kU; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[u][i] += widen<A>(v[u].v[i]);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (base + 32 * u >= units) continue;
+          Vec8<OutT> o;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(acc[u][i]);
+          store8(dst + (base + 32 * u) * 8, o);
         }
       }
-      __syncwarp();  // the unit's writes (every lane's) before lane 0's fence, rows before the next unit
-      if (lane == 0) {
-        if (count > 0) __threadfence_system();
-        if (atomicAdd(tickets + 1, 1) + 1 == remote_units) raise_flags(flag_ptrs, world, me, epoch, seq);
+    } else {
+      for (long long col = lane; col < hidden; col += 32) {
+        A acc = (A)0;
+        for (int r = 0; r < world; ++r) {
+          if (!((mask >> r) & 1u)) continue;
+          acc += widen<A>(__ldcg(reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row) + col));
+        }
+        dst[col] = narrow<OutT>(acc);
       }
-      continue;
     }
-    home_unit<WireT, YT, A, YT, WEIGHTED>(partials, tcap, part_row, world, hit[t], t, part, seg, hidden,
-                                          out + (long long)t * hidden, me, rows, scale, count);
-    __syncwarp();  // rows rewritten by the next unit
-  }
-}
-
-// A whole combine in one launch, the expert side and the home side:
-//   remote units: the pre-sum of each (source rank s != me, token t) with rows
-//     here, pushed into rank s's partials region at [me, t] (as push_partials);
-//     once every remote unit is visible, the epoch's flags (seq + 1) are raised
-//     (and seq stored);
-//   home units: each token t of this rank summed in ascending rank order over
-//     the ranks in hit[t] (home_unit): this rank's own pre-sum made here, the
-//     others' partials read from this rank's partials region (copy 0 at
-//     partials) once their flags reach the epoch; cast once into out [T, H].
-// The bits of push_partials followed by home_sum, the own partial never written.
-// Warps take units in order from a ticket counter, every remote unit before any
-// home unit, so that a warp waits for its peers only once every remote unit is
-// taken by a running warp: the flags go up whatever blocks of the grid are
-// resident (or busy elsewhere). tickets: three zeroed ints of the caller ([0] the
-// next unit, [1] remote units done, [2] warps that left), zeroed again by the
-// last warp to leave. A: accumulator (float or double).
-template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A>
-__global__ void __launch_bounds__(Tuning::kThreads) push_home(
-    const YT* y, const WT* weights, const int* presum, int width, long long tstride, const int* matrix, int row_len,
-    int tokens_col, const unsigned* hit, int hidden, const unsigned long long* data_ptrs, const char* partials,
-    long long part_off, long long part_copy, long long part_row, long long tcap, int me, int world,
-    const unsigned long long* flag_ptrs, const unsigned* flags, unsigned* seq, int* tickets, YT* out,
-    unsigned long long timeout_ns, int* status) {
-  __shared__ int peer_tokens[Tuning::kMaxWorld];  // the peers' T, in rank order without this rank
-  __shared__ const YT* rows[Tuning::kWarps][Tuning::kMaxTopk];
-  __shared__ A scale[Tuning::kWarps][Tuning::kMaxTopk];
-  __shared__ int stop;  // the block's one reading of a failure
-  if ((int)threadIdx.x < world && (int)threadIdx.x != me)
-    peer_tokens[(int)threadIdx.x - ((int)threadIdx.x > me)] = matrix[threadIdx.x * row_len + tokens_col];
-  if (threadIdx.x == 0) stop = failed(status);
-  const unsigned epoch = load_seq(seq) + 1;
-  part_off = by_parity(part_off, part_copy, epoch);
-  partials += (long long)(epoch & 1u) * part_copy;
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long warps = (long long)gridDim.x * Tuning::kWarps;
-  if (stop) {  // as push_partials, the flags still go up; as home_sum, no sums
-    if (blockIdx.x == 0 && threadIdx.x == 0) raise_flags(flag_ptrs, world, me, epoch, seq);
-  } else {
-    push_home_units<YT, WT, WEIGHTED, WireT, A>(y, weights, presum, width, tstride, matrix, row_len, tokens_col, hit,
-                                               hidden, data_ptrs, partials, part_off, part_row, tcap, me, world,
-                                               flag_ptrs, flags, seq, epoch, tickets, out, timeout_ns, status,
-                                               peer_tokens, rows[warp], scale[warp]);
-  }
-  if (lane == 0 && atomicAdd(tickets + 2, 1) + 1 == warps) {  // the last warp to leave
-    tickets[0] = 0;
-    tickets[1] = 0;
-    tickets[2] = 0;
   }
 }
 
@@ -427,4 +244,3 @@ __global__ void __launch_bounds__(Tuning::kThreads) store_pair(long long* table,
     table[stride + at] = b;
   }
 }
-

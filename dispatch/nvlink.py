@@ -219,7 +219,6 @@ class Engine:
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._tickets = torch.zeros(3, dtype=torch.int32, device=self.device)  # push_home's work counters
         # (event recorded after the latest operation, the id of the CUDA graph capture it was
         # recorded in or None)
         self._last: tuple | None = None
@@ -509,14 +508,9 @@ class Engine:
     def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
                 at_least: torch.dtype | None) -> torch.Tensor:
         """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
-        (token, rank) pushed home in ``wire``, summed in ascending rank order
-        (in fp64 where rows, wire or ``at_least`` are). One launch where both
-        sides sum in one type (``_push_home``), else the push and the home sum."""
+        (token, rank) pushed home in ``wire``, summed in ascending rank order."""
         with self._ordered():
             rows = aligned_rows(rows)
-            push_acc = _accumulator(rows.dtype, wire, torch.float32 if weights is None else weights.dtype)
-            if push_acc == _accumulator(rows.dtype, wire, at_least):
-                return self._push_home(rows, weights, wire, counts, presum, push_acc)
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
 
@@ -570,7 +564,7 @@ class Engine:
         part_row = partial_row_bytes(wire, hidden)
         self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
         weight_dtype = torch.float32 if weights is None else weights.dtype
-        acc = _accumulator(rows.dtype, wire, weight_dtype)
+        acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
         part_start, part_copy = self._region("partials")
         if pieces is None:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = None, None, None, 0, (0, 2**62), True
@@ -588,36 +582,12 @@ class Engine:
              ptr(self._counter), ptr(self.status), i32(int(signal))),
         )
 
-    def _push_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum, acc: torch.dtype) -> torch.Tensor:
-        """A whole combine in one launch (``push_home``): the pre-sums of the peers'
-        tokens pushed to them, then this rank's tokens summed at home, its own
-        pre-sums made in place, both sides accumulating in ``acc``; [T, H] in the
-        dtype of rows."""
-        tokens, hidden = counts.route.shape[0], rows.shape[1]
-        part_row = partial_row_bytes(wire, hidden)
-        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
-        weight_dtype = torch.float32 if weights is None else weights.dtype
-        part_start, part_copy = self._region("partials")
-        out = torch.empty(tokens, hidden, dtype=rows.dtype, device=self.device)
-        self._kernel(
-            "intranode_combine.cu", "push_home", rows.dtype, weight_dtype, "false" if weights is None else "true",
-            wire, acc,
-        )(
-            self._row_grid(counts.items),
-            (ptr(rows), ptr(weights), ptr(presum), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix),
-             i32(self.row_len), i32(TOKENS_COL), ptr(counts.hit), i32(hidden), ptr(self._data_ptrs),
-             u64(self._data.data_ptr() + part_start), i64(part_start), i64(part_copy), i64(part_row),
-             i64(self.capacity.tokens), i32(self.rank), i32(self.world), ptr(self._meta_ptrs), ptr(self._flags),
-             ptr(self._seq), ptr(self._tickets), ptr(out), u64(self.timeout_ns), ptr(self.status)),
-        )
-        return out
-
     def _home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
                   at_least: torch.dtype | None) -> torch.Tensor:
         tokens = counts.route.shape[0]
         part_start, part_copy = self._region("partials")
         out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
-        home_acc = _accumulator(wire, dtype, at_least)
+        home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
         self._kernel("intranode_combine.cu", "home_sum", wire, dtype, home_acc)(
             self._row_grid(tokens),
             (ptr(counts.hit), i32(tokens), i32(hidden), u64(self._data.data_ptr() + part_start), i64(part_copy),
@@ -652,11 +622,6 @@ class Engine:
              ptr(out), i32(self.world), ptr(self._flags), ptr(self._seq), u64(self.timeout_ns), ptr(self.status)),
         )
         return out.to(values.dtype)
-
-
-def _accumulator(*dtypes) -> torch.dtype:
-    """What a sum over rows of these dtypes (None: none) accumulates in: fp64 if one is fp64, else fp32."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:

@@ -98,7 +98,6 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e.status = torch.zeros(4, dtype=torch.int32)
     e._seq = torch.zeros(1, dtype=torch.int32)
     e._counter = torch.zeros(1, dtype=torch.int32)
-    e._tickets = torch.zeros(3, dtype=torch.int32)
     return e
 
 
@@ -127,7 +126,6 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     y = torch.randn(max_rows, hidden, generator=gen).to(dtype)
     engine._push(y, places[0], combine_wire, counts, presum)  # the combine
     engine._home_sum(counts, combine_wire, y.dtype, hidden, None)
-    engine._push_home(y, places[0], combine_wire, counts, presum, torch.float32)  # the same in one launch
     table = torch.zeros(6, dtype=torch.int64)
     bounds = torch.tensor([0, 30, 70, max_rows])
     engine._store_group(table, 1, y[30:70], places[0][30:70])  # group 1 of 3 of a combine by groups
@@ -139,7 +137,7 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     engine._to_experts(x, codec, by_groups, presum, slot_k, 102, meta_out=places, piece=(34, 68), out=out, group=1)
     # the rows staged with the counts by the layout's launch; along a plan by stage_rows
     assert launches == ["route_layout", "exchange_counts", "pull_rows", "stage_rows", "pull_rows",
-                        "pull_rows", "push_partials", "home_sum", "push_home", "store_pair", "push_partials", "push_slots",
+                        "pull_rows", "push_partials", "home_sum", "store_pair", "push_partials", "push_slots",
                         "home_slots", "route_layout", "exchange_counts", "pull_rows"]
 
 
@@ -147,7 +145,7 @@ def test_the_signatures_are_read():
     """The parser finds every kernel the engine launches, with parameters."""
     names = {name for _, name in SIGNATURES}
     assert {"route_layout", "exchange_counts", "stage_rows", "pull_rows", "push_partials", "home_sum",
-            "push_home", "push_slots", "home_slots"} <= names
+            "push_slots", "home_slots"} <= names
     assert all(types for _, types in SIGNATURES.values())
     count, types = SIGNATURES[("layout.cu", "exchange_counts")]
     assert count == 0 and types[0] is np.uint64 and types[3] is np.int32 and types[-1] is np.uint64
