@@ -127,7 +127,8 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
 //     the copy runs beside the layout instead of after it.
 // Blocks [0, E) each scan every token for one expert; blocks from E on (before
 // the staging blocks) fill the per-slot fields, a lane a slot (kThreads / width
-// tokens a block, width the power of two >= K).
+// tokens a block, width the power of two >= K). Held to four blocks per SM (32
+// registers), so that most staging blocks run beside the layout's, not after.
 template <typename IdxT, typename WT>
 __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
                                                                  int topk, int experts, int experts_per_rank,
