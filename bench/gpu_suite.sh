@@ -5,6 +5,7 @@
 #   groups    the tests of dispatches by groups of experts and of MoEExchange (a part of tests)
 #   dispatch  dispatch-bench dispatch (all shapes x variants x wires x routings,
 #             Megatron-Core alongside) and the a2a sweep
+#   a2a       the a2a sweep alone (NCCL, ours, the NVLink engine's raw all-to-all)
 #   overlap   dispatch-bench overlap on the model shapes (MoEExchange by groups of experts):
 #             NCCL defaults (with two micro-batches overlapped by the async verbs), then the
 #             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
@@ -16,7 +17,8 @@
 #   host      where the engine's eager round trip spends host time (cProfile, per call)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
 #   deepep    build DeepEP (bench/build_deepep.sh; its source carried in .deepep/), then
-#             dispatch-bench dispatch with its row beside ours (host read, graphs) and Megatron's
+#             dispatch-bench dispatch with its row beside ours (host read, graphs) and Megatron's,
+#             every routing (uniform, Zipf, all to one rank)
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
 #             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
@@ -89,6 +91,8 @@ for part in "$@"; do
     dispatch)
       bench 330 dispatch dispatch --transports nccl,nvlink,nvlink-graph --iters 20 --warmup 5 --out "$RES"
       bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
+    a2a)
+      bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     overlap)
       bench 240 overlap overlap --chunks 2,4,8 --sm-carveout 16 --micro-batches --out "$RES"
       bench 200 overlap-slow overlap --chunks 2,4,8 --sm-carveout 16 --comm-max-ctas 2 --comm-high-priority \
@@ -111,7 +115,7 @@ for part in "$@"; do
       step 420 build-deepep bash bench/build_deepep.sh
       outer=$PYTHONPATH
       export PYTHONPATH=$PWD/.deepep:$PYTHONPATH
-      bench 300 dispatch-deepep dispatch --shapes deepseek-v3,mixtral-8x7b,decode --routings uniform \
+      bench 400 dispatch-deepep dispatch --shapes deepseek-v3,mixtral-8x7b,decode --routings all \
         --variants alltoall --transports nccl,nvlink,nvlink-graph --wires native,fp8 --iters 20 --warmup 5 --out "$RES"
       export PYTHONPATH=$outer ;;
     soak)
