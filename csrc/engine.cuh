@@ -261,11 +261,12 @@ __device__ __forceinline__ Segments split_rows(long long rows, int hidden, long 
   return {count, ((units + count - 1) / count + 31) / 32 * 32};
 }
 
-// Which (source rank, token) item `item` is, from the tokens of each source.
-// Items interleave the sources token by token (while every source has tokens
-// left: the first W * min T items), so that the warps of a grid work on every
-// source at once and the NVLink transfers of the peers' items run beside the
-// local items' HBM traffic; then the rest of each source in turn.
+// Which (source rank, index) item `item` is, from the items of each source
+// (tokens_of: the tokens each source sends this rank). Items interleave the
+// sources one by one (while every source has items left: the first W * the
+// least items), so that the warps of a grid work on every source at once and
+// the NVLink transfers of the peers' items run beside the local items' HBM
+// traffic; then the rest of each source in turn.
 __device__ __forceinline__ void item_of(long long item, const int* tokens_of, int world, int* src, int* tok) {
   int least = tokens_of[0];
   for (int s = 1; s < world; ++s) least = min(least, tokens_of[s]);

@@ -6,8 +6,10 @@
 
 using namespace engine;
 
-// Expert side. Items are (source rank s, token t); presum [W * tstride, J] lists
-// this rank's rows of each item (ascending local expert, -1 padded). The partial
+// Expert side. Items are (source rank s, j) as the dispatch's pull walked them
+// (j < n_s, column sends_col + me of the counts matrix), item (s, j) s's token
+// tokens_at[s tstride + j]; presum [W * tstride, J] lists this rank's rows of
+// each item (ascending local expert, -1 padded). The partial
 // of item (s, t) goes to rank s's buffer at [me, t] of its partials region
 // ([W, tcap] rows of part_row bytes; copy 0 at part_off, part_copy bytes apart)
 // of the operation's epoch, seq + 1, raised (and stored in seq) at the end
@@ -22,14 +24,14 @@ using namespace engine;
 template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A>
 __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     const YT* y, const WT* weights, const long long* y_parts, const long long* w_parts, const long long* bounds,
-    int parts, long long row_lo, long long row_hi, const int* presum, int width, long long tstride,
-    const int* matrix, int row_len, int tokens_col, int hidden, const unsigned long long* data_ptrs,
+    int parts, long long row_lo, long long row_hi, const int* presum, const int* tokens_at, int width,
+    long long tstride, const int* matrix, int row_len, int sends_col, int hidden, const unsigned long long* data_ptrs,
     long long part_off, long long part_copy, long long part_row, long long tcap, int me, int world,
     const unsigned long long* flag_ptrs, unsigned* seq, int* counter, const int* status, int signal) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ const YT* rows[Tuning::kWarps][Tuning::kMaxTopk];
   __shared__ A scale[Tuning::kWarps][Tuning::kMaxTopk];
-  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + sends_col + me];
   const unsigned epoch = load_seq(seq) + 1;
   part_off = by_parity(part_off, part_copy, epoch);
   __syncthreads();
@@ -42,9 +44,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
   for (long long work = (long long)blockIdx.x * Tuning::kWarps + warp; ok && work < items * seg.count;
        work += warps) {
     const long long item = work / seg.count, part = work % seg.count;
-    int s, t;
-    item_of(item, tokens_of, world, &s, &t);
-    const long long at = ((long long)s * tstride + t) * width;
+    int s, j;
+    item_of(item, tokens_of, world, &s, &j);
+    const int t = tokens_at[(long long)s * tstride + j];
+    const long long at = ((long long)s * tstride + j) * width;
     const int row = lane < width ? presum[at + lane] : -1;
     const int count = __popc(__ballot_sync(0xffffffffu, row >= 0));
     const int last = __shfl_sync(0xffffffffu, row, max(count - 1, 0));  // rows ascend in the list
@@ -193,14 +196,15 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
 // Expert side of the routing-weight gradients: values [N] of this rank's rows
 // go to slot (t, k) of their home rank's slots region ([T, K] of VT; copy 0 at
 // slots_off, slots_copy bytes apart) of the epoch seq + 1, raised at the end.
+// Items as push_partials'.
 template <typename VT>
 __global__ void __launch_bounds__(Tuning::kThreads) push_slots(
-    const VT* values, const int* presum, const int* slot_k, int width, long long tstride, const int* matrix,
-    int row_len, int tokens_col, int topk, const unsigned long long* data_ptrs, long long slots_off,
+    const VT* values, const int* presum, const int* slot_k, const int* tokens_at, int width, long long tstride,
+    const int* matrix, int row_len, int sends_col, int topk, const unsigned long long* data_ptrs, long long slots_off,
     long long slots_copy, int me, int world, const unsigned long long* flag_ptrs, unsigned* seq, int* counter,
     const int* status) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
-  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + sends_col + me];
   const unsigned epoch = load_seq(seq) + 1;
   slots_off = by_parity(slots_off, slots_copy, epoch);
   __syncthreads();
@@ -210,13 +214,13 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_slots(
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; !failed(status) && i < items * width;
        i += threads) {
     const long long item = i / width;
-    int s, t;
-    item_of(item, tokens_of, world, &s, &t);
-    const long long at = ((long long)s * tstride + t) * width + i % width;
+    int s, j;
+    item_of(item, tokens_of, world, &s, &j);
+    const long long at = ((long long)s * tstride + j) * width + i % width;
     const int row = presum[at];
     if (row < 0) continue;
     VT* dst = reinterpret_cast<VT*>(data_ptrs[s] + slots_off);
-    dst[(long long)t * topk + slot_k[at]] = values[row];
+    dst[(long long)tokens_at[(long long)s * tstride + j] * topk + slot_k[at]] = values[row];
   }
   signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
 }

@@ -99,13 +99,20 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
   if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
 }
 
-// Receiver side of a dispatch. Items are (source rank s, token t) for every
-// token of every source; one warp an item.
-//   FROM_ROUTE: the places come from the sources' routes (a dispatch with a
-//     plan): writes presum/slot_k [W * tstride, J] (this rank's expanded rows of
-//     each item in ascending local expert, -1 padded, and the slot of each),
-//     and per expanded row its weight, source rank and source token.
-//   else: the places come from presum (a move along an existing plan).
+// Receiver side of a dispatch. Items are (source rank s, j) for j in [0, n_s),
+// n_s the tokens s sends this rank (column sends_col + me of the counts
+// matrix); item (s, j) is s's token t = its list for this rank at j; one warp
+// an item (the receivers walk only their own tokens, each at its own pace,
+// whatever the order of the sources' tokens).
+//   FROM_ROUTE: the tokens come from the sources' lists (lists region: copy 0 at
+//     lists_off, lists_copy bytes apart, this rank's at me * list_stride ints),
+//     the places from their routes (a dispatch with a plan): writes
+//     tokens_at [W * tstride] (t of each item), presum/slot_k [W * tstride, J]
+//     (this rank's expanded rows of each item in ascending local expert, -1
+//     padded, and the slot of each), and per expanded row its weight, source
+//     rank and source token.
+//   else: the tokens come from tokens_at, the places from presum (a move along
+//     an existing plan).
 // A = the type the conversion goes through (float, or double for fp64 data).
 // The operation's epoch is seq (raised by the kernel before). Rows of out past
 // the N rows counted (*num_rows) up to max_rows are zeroed (and, FROM_ROUTE,
@@ -120,17 +127,19 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
 __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,
-    long long stage_copy, long long stage_row, long long scales_at, const int* matrix, int row_len, int tokens_col,
-    const int* src_start, const int* num_rows, int me, int world, int experts_per_rank, int topk, int width,
-    int hidden, long long tstride, OutT* out, long long max_rows, int* presum, int* slot_k, WOutT* out_weights,
-    long long* out_src_rank, long long* out_src_token, float out_max, long long row_lo, long long row_hi,
-    long long tail_to, const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
+    long long stage_copy, long long stage_row, long long scales_at, long long lists_off, long long lists_copy,
+    long long list_stride, const int* matrix, int row_len, int sends_col, int* tokens_at, const int* src_start,
+    const int* num_rows, int me, int world, int experts_per_rank, int topk, int width, int hidden, long long tstride,
+    OutT* out, long long max_rows, int* presum, int* slot_k, WOutT* out_weights, long long* out_src_rank,
+    long long* out_src_token, float out_max, long long row_lo, long long row_hi, long long tail_to,
+    const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ long long dest[Tuning::kWarps][Tuning::kMaxTopk];
-  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + tokens_col];
+  if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + sends_col + me];
   const unsigned epoch = load_seq(seq);
   route_off = by_parity(route_off, route_copy, epoch);
   stage_off = by_parity(stage_off, stage_copy, epoch);
+  lists_off = by_parity(lists_off, lists_copy, epoch) + (long long)me * list_stride * 4;
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) return;
   zero_tail<FROM_ROUTE>(out, hidden, *num_rows, tail_to, out_weights, out_src_rank, out_src_token);
   long long items = 0;
@@ -139,12 +148,29 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   const long long warps = (long long)gridDim.x * Tuning::kWarps;
   using Load = typename Codec<WireT, FP8>::type;
   const Segments seg = split_rows(items, hidden, warps);
-  for (long long work = (long long)blockIdx.x * Tuning::kWarps + warp; work < items * seg.count; work += warps) {
+  const long long works = items * seg.count;
+  auto listed = [&](long long work) {  // the token of a work's item, from its source's list
+    int s, j;
+    item_of(work / seg.count, tokens_of, world, &s, &j);
+    return __ldcg(reinterpret_cast<const int*>(data_ptrs[s] + lists_off) + j);
+  };
+  long long work = (long long)blockIdx.x * Tuning::kWarps + warp;
+  int next = FROM_ROUTE && work < works ? listed(work) : 0;  // one item ahead: its read in flight
+  for (; work < works; work += warps) {
     const long long item = work / seg.count, part = work % seg.count;
     const bool first = part == 0;  // the segment that writes the item's plan and places
-    int s, t;
-    item_of(item, tokens_of, world, &s, &t);
-    const long long at = ((long long)s * tstride + t) * width;
+    int s, j;
+    item_of(item, tokens_of, world, &s, &j);
+    const long long at_item = (long long)s * tstride + j;
+    int t;
+    if constexpr (FROM_ROUTE) {
+      t = next;
+      if (work + warps < works) next = listed(work + warps);
+      if (first && lane == 0) tokens_at[at_item] = t;
+    } else {
+      t = tokens_at[at_item];
+    }
+    const long long at = at_item * width;
     int count;
     if constexpr (FROM_ROUTE) {
       Slot slot = {-1, -1, 0, 0};

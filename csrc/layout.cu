@@ -63,7 +63,7 @@ __device__ void block_exclusive_scan(int* v, int n) {
 template <typename IdxT, typename WT>
 __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weights, int block, int tokens, int topk,
                                             int width, int experts, int experts_per_rank, Slot* route, Slot* shared,
-                                            unsigned* hit, int* bad, int* block_sends) {
+                                            unsigned* hit, int* bad) {
   const int lane = threadIdx.x & 31, k = lane & (width - 1), leader = lane - k;
   const int t = block * (Tuning::kThreads / width) + (int)threadIdx.x / width;
   const bool mine = t < tokens && k < topk;
@@ -95,10 +95,7 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
   }
   unsigned mask = valid ? 1u << (int)(e / experts_per_rank) : 0u;  // the token's ranks: OR over its lanes
   for (int d = 1; d < width; d <<= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, d);
-  if (k == 0 && t < tokens) {
-    hit[t] = mask;
-    for (unsigned m = mask; m; m &= m - 1) atomicAdd(block_sends + __ffs(m) - 1, 1);
-  }
+  if (k == 0 && t < tokens) hit[t] = mask;
   if (bad != nullptr) {
     bool wrong = mine && (e < -1 || e >= experts || !(fabs(w) <= 1.7976931348623157e308));
     for (int j = 0; j + 1 < width; ++j) {  // an expert named by an earlier slot of the token
@@ -116,7 +113,12 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
 //     (copy 0 at shared_route, copy_bytes apart) of the next epoch (seq + 1),
 //     where the peers read it;
 //   counts [E]: this rank's tokens per expert (the counts part of its row);
-//   sends [W]: this rank's tokens per destination rank (zeroed by the caller);
+//   sends [W]: this rank's tokens per destination rank;
+//   lists [W, T]: the tokens each destination rank d gets, ascending, at
+//     [d, 0 .. sends[d]); written too, if shared_lists is not 0, into the
+//     next epoch's copy of the data buffer's lists region (copy 0 at
+//     shared_lists, lists_copy bytes apart; destination d's at d list_stride
+//     ints), where rank d reads its own: a receiver walks only its items;
 //   hit [T]: mask of the ranks each token goes to;
 //   bad (if not null; zeroed by the caller): set to 1 where some row holds an
 //     id outside [-1, E), an expert twice, or a non-finite weight.
@@ -125,7 +127,8 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
 //     next epoch's copy of the data buffer's stage region (copy 0 at stage_dst,
 //     stage_copy bytes apart; dst_stride bytes apart), where the peers pull them:
 //     the copy runs beside the layout instead of after it.
-// Blocks [0, E) each scan every token for one expert; blocks from E on (before
+// Blocks [0, E) each scan every token for one expert; blocks [E, E + W) each
+// every token for one destination rank (its list); blocks from E + W on (before
 // the staging blocks) fill the per-slot fields, a lane a slot (kThreads / width
 // tokens a block, width the power of two >= K). Held to four blocks per SM (32
 // registers), so that most staging blocks run beside the layout's, not after.
@@ -134,7 +137,10 @@ __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* 
                                                                  int topk, int experts, int experts_per_rank,
                                                                  Slot* route, unsigned long long shared_route,
                                                                  long long copy_bytes, const unsigned* seq,
-                                                                 int* counts, int* sends, unsigned* hit, int* bad,
+                                                                 int* counts, int* sends, int* lists,
+                                                                 unsigned long long shared_lists,
+                                                                 long long lists_copy, long long list_stride,
+                                                                 unsigned* hit, int* bad,
                                                                  const char* stage_src, long long src_stride,
                                                                  long long row_bytes, unsigned long long stage_dst,
                                                                  long long stage_copy, long long dst_stride,
@@ -178,15 +184,36 @@ __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* 
     if (threadIdx.x == 0) counts[e] = running;
     return;
   }
-  __shared__ int block_sends[Tuning::kMaxWorld];  // this block's tokens per destination rank
-  if (threadIdx.x < Tuning::kMaxWorld) block_sends[threadIdx.x] = 0;
-  __syncthreads();
+  const int world = experts / experts_per_rank;
+  if ((int)blockIdx.x < experts + world) {  // destination d's list: its tokens, ascending
+    const int d = blockIdx.x - experts;
+    int* own = lists + (long long)d * tokens;
+    int* peer = shared_lists == 0 ? nullptr
+                                  : reinterpret_cast<int*>(by_parity((long long)shared_lists, lists_copy,
+                                                                     load_seq(seq) + 1)) + (long long)d * list_stride;
+    int running = 0;
+    for (int base = 0; base < tokens; base += Tuning::kThreads) {
+      const int t = base + threadIdx.x;
+      bool to_d = false;  // some valid expert of the token on rank d (as hit's mask)
+      for (int k = 0; t < tokens && k < topk; ++k) {
+        const long long e = (long long)topk_idx[(long long)t * topk + k];
+        to_d |= e >= 0 && e < experts && e / experts_per_rank == d;
+      }
+      int total;
+      const int offset = block_scan(to_d, &total);
+      if (to_d) {
+        own[running + offset] = t;
+        if (peer != nullptr) peer[running + offset] = t;
+      }
+      running += total;
+    }
+    if (threadIdx.x == 0) sends[d] = running;
+    return;
+  }
   int width = 1;
   while (width < topk) width <<= 1;
-  layout_slot(topk_idx, weights, (int)blockIdx.x - experts, tokens, topk, width, experts, experts_per_rank, route,
-              shared, hit, bad, block_sends);
-  __syncthreads();
-  if (threadIdx.x < Tuning::kMaxWorld && block_sends[threadIdx.x]) atomicAdd(sends + threadIdx.x, block_sends[threadIdx.x]);
+  layout_slot(topk_idx, weights, (int)blockIdx.x - experts - world, tokens, topk, width, experts, experts_per_rank,
+              route, shared, hit, bad);
 }
 
 

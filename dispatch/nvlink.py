@@ -14,9 +14,11 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
   tokens per destination rank [W], its tokens per global expert [E] (the
   columns ``csrc/engine.cuh``'s ``Row`` names).
 * ``data`` (grown collectively): two copies (by epoch parity) each of the routes
-  [T_max, K] (16-byte ``Slot``), the slots [T_max, K] (8 bytes), the staged
-  rows [T_max, B] (B: wire bytes of a row, 16-aligned) and the partial sums
-  [W, T_max, P] (P: wire bytes of a partial row).
+  [T_max, K] (16-byte ``Slot``), the lists [W, T_max] int32 (the tokens each
+  destination rank gets, ascending: a receiver walks only its own), the slots
+  [T_max, K] (8 bytes), the staged rows [T_max, B] (B: wire bytes of a row,
+  16-aligned) and the partial sums [W, T_max, P] (P: wire bytes of a partial
+  row).
 
 Every operation (a counts exchange with the rows staged beside it, a rows
 exchange, a combine, a slots exchange) takes the next epoch; a combine by groups
@@ -118,6 +120,7 @@ class Capacity:
         """name -> (offset of copy 0, bytes of one copy)."""
         sizes = {
             "route": self.tokens * self.topk * 16,
+            "lists": world * self.tokens * 4,
             "slots": self.tokens * self.topk * 8,
             "stage": self.tokens * self.stage_row,
             "partials": world * self.tokens * self.part_row,
@@ -145,12 +148,19 @@ class Counts:
         src_start: [W, E_local] int32 on the device: first row of (source, local expert).
         num_rows: [1] int32 on the device, N.
         route: [T, K] ``Slot`` (int32 [T, K, 4]) of this rank's tokens, on the device.
+        lists: [W, T] int32 on the device: the tokens of this rank each rank
+            gets, ascending, at [d, 0 .. its count).
+        tokens_at: [W * bound] int32 on the device, written by the dispatch's
+            pull: the token of each item (source rank s, j) this rank received,
+            at s * bound + j, in the order the later kernels walk them.
         hit: [T] int32 mask of the ranks each token goes to.
         staged: every rank staged its routes and rows with the counts (else
             they move in an exchange of their own).
         group_end: [G] int32 on the device, the end of each group's rows, for a
             dispatch by G > 1 groups with a row budget (group g's rows start at
             g B, B = ceil(max_rows / G)); None otherwise.
+        received: the items (source rank, token) this rank receives (host; None
+            without a host read).
     """
 
     matrix: torch.Tensor
@@ -161,17 +171,20 @@ class Counts:
     src_start: torch.Tensor
     num_rows: torch.Tensor
     route: torch.Tensor
+    lists: torch.Tensor
+    tokens_at: torch.Tensor
     hit: torch.Tensor
     staged: bool
     group_end: torch.Tensor | None = None
+    received: int | None = None
 
     @property
     def items(self) -> int:
-        """(source rank, token) pairs of the group, to size a kernel's grid by (the
-        kernels loop over the pairs the ranks sent, whatever the grid): without a
-        host read, W times this rank's T, as if every rank had as many tokens."""
-        if self.tokens_of is not None:
-            return sum(self.tokens_of)
+        """(source rank, token) pairs this rank receives, to size a kernel's grid by
+        (the kernels loop over the pairs, whatever the grid): without a host read,
+        W times this rank's T, as if every rank sent it every token."""
+        if self.received is not None:
+            return self.received
         return self.matrix.shape[0] * self.route.shape[0]
 
 
@@ -373,9 +386,11 @@ class Engine:
         fits = self._fits(tokens, topk, stage_row)
         row = torch.zeros(self.row_len, dtype=torch.int32, device=device)  # sends, counts, the bad-values mark
         route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
+        lists = torch.empty(self.world, tokens, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
         counts, sends = row[self.counts_col :], row[SENDS_COL : self.counts_col]
         route_start, route_copy = self._region("route") if fits else (0, 0)
+        lists_start, lists_copy = self._region("lists") if fits else (0, 0)
         if tokens:
             lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the slot blocks
             # the rows staged beside the layout, by blocks of the same launch, where they fit
@@ -383,11 +398,12 @@ class Engine:
             stage_blocks = 0 if wire is None else self._copy_grid(tokens)
             stage_start, stage_copy = self._region("stage") if wire is not None else (0, 0)
             self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
-                self.num_experts + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
+                self.num_experts + self.world + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
                  i32(self.experts_per_rank), ptr(route),
                  u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
-                 ptr(counts), ptr(sends), ptr(hit),
+                 ptr(counts), ptr(sends), ptr(lists), u64(self._data.data_ptr() + lists_start if fits else 0),
+                 i64(lists_copy), i64(self.capacity.tokens), ptr(hit),
                  ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None),
                  ptr(wire), i64(0 if wire is None else wire.stride(0) * wire.element_size()),
                  i64(0 if wire is None else codec.row_bytes(rows.shape[1])),
@@ -413,8 +429,9 @@ class Engine:
         budgeted = header[plan.HEADER.index("max_rows")] >= 0
         group_end = out[places + world * local + 1 :] if groups > 1 and budgeted else None
         if not host_read:
-            return Counts(matrix, None, None, self.capacity.tokens, per_expert, src_start, num_rows, route, hit,
-                          fits and rows is not None, group_end)
+            bound = self.capacity.tokens
+            return Counts(matrix, None, None, bound, per_expert, src_start, num_rows, route, lists,
+                          self._tokens_at(bound), hit, fits and rows is not None, group_end)
         # host sync: row counts (to size the output), headers, status
         host = out[: 4 + world * length].tolist()
         code, peer, where = host[:3]
@@ -423,8 +440,14 @@ class Engine:
         matrix_host = [host[4 + s * length : 4 + (s + 1) * length] for s in range(world)]
         tokens_of = tuple(r[TOKENS_COL] for r in matrix_host)
         staged = rows is not None and all(r[STAGED_COL] for r in matrix_host)
-        return Counts(matrix, matrix_host, tokens_of, max(1, max(tokens_of)), per_expert, src_start, num_rows,
-                      route, hit, staged, group_end)
+        bound = max(1, max(tokens_of))
+        return Counts(matrix, matrix_host, tokens_of, bound, per_expert, src_start, num_rows, route, lists,
+                      self._tokens_at(bound), hit, staged, group_end,
+                      sum(r[SENDS_COL + self.rank] for r in matrix_host))
+
+    def _tokens_at(self, bound: int) -> torch.Tensor:
+        """``Counts.tokens_at`` of a dispatch whose sources have at most ``bound`` tokens."""
+        return torch.empty(self.world * bound, dtype=torch.int32, device=self.device)
 
     # -- rows to the experts ---------------------------------------------------
 
@@ -460,6 +483,7 @@ class Engine:
             self.ensure(Capacity(counts.bound, topk, stage_row, 0))
             if from_route and tokens:
                 self._stage(counts.route.view(tokens, -1), topk * 16, "route", topk * 16, signal=False)
+                self._stage(counts.lists, tokens * 4, "lists", self.capacity.tokens * 4, signal=False)
             self._stage_rows(rows, codec, stage_row, signal=True)
         if out is None:
             out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
@@ -471,14 +495,16 @@ class Engine:
         width = presum.shape[1]
         route_start, route_copy = self._region("route")
         stage_start, stage_copy = self._region("stage")
+        lists_start, lists_copy = self._region("lists")
         self._kernel(
             "intranode_dispatch.cu", "pull_rows", torch.uint8 if fp8 else wire, str(fp8), rows.dtype, acc,
             "true" if from_route else "false", weights.dtype if from_route else torch.float32,
         )(
             self._row_grid(max(counts.items, num_rows)),
             (ptr(self._data_ptrs), i64(route_start), i64(route_copy), i64(stage_start), i64(stage_copy),
-             i64(stage_row), i64(quantize.codes_bytes(hidden)), ptr(counts.matrix), i32(self.row_len),
-             i32(TOKENS_COL), ptr(counts.src_start), ptr(tail_from), i32(self.rank), i32(self.world),
+             i64(stage_row), i64(quantize.codes_bytes(hidden)), i64(lists_start), i64(lists_copy),
+             i64(self.capacity.tokens), ptr(counts.matrix), i32(self.row_len), i32(SENDS_COL),
+             ptr(counts.tokens_at), ptr(counts.src_start), ptr(tail_from), i32(self.rank), i32(self.world),
              i32(self.experts_per_rank), i32(topk), i32(width), i32(hidden), i64(counts.bound), ptr(out),
              i64(num_rows), ptr(presum), ptr(slot_k), ptr(weights), ptr(src_rank), ptr(src_token),
              f32(quantize._out_max(rows.dtype)) if fp8 else f32(0.0), i64(lo), i64(hi), i64(tail_to),
@@ -576,8 +602,8 @@ class Engine:
         )(
             self._row_grid(counts.items),
             (ptr(rows), ptr(weights), ptr(y_parts), ptr(w_parts), ptr(bounds), i32(parts), i64(lo), i64(hi),
-             ptr(presum), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix), i32(self.row_len),
-             i32(TOKENS_COL), i32(hidden), ptr(self._data_ptrs), i64(part_start), i64(part_copy), i64(part_row),
+             ptr(presum), ptr(counts.tokens_at), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix),
+             i32(self.row_len), i32(SENDS_COL), i32(hidden), ptr(self._data_ptrs), i64(part_start), i64(part_copy), i64(part_row),
              i64(self.capacity.tokens), i32(self.rank), i32(self.world), ptr(self._meta_ptrs), ptr(self._seq),
              ptr(self._counter), ptr(self.status), i32(int(signal))),
         )
@@ -610,8 +636,8 @@ class Engine:
         slots_start, slots_copy = self._region("slots")
         self._kernel("intranode_combine.cu", "push_slots", value_type)(
             min(self.blocks, max(1, -(-items // cuda.THREADS))),
-            (ptr(wide), ptr(presum), ptr(slot_k), i32(presum.shape[1]), i64(counts.bound), ptr(counts.matrix),
-             i32(self.row_len), i32(TOKENS_COL), i32(topk), ptr(self._data_ptrs), i64(slots_start), i64(slots_copy),
+            (ptr(wide), ptr(presum), ptr(slot_k), ptr(counts.tokens_at), i32(presum.shape[1]), i64(counts.bound),
+             ptr(counts.matrix), i32(self.row_len), i32(SENDS_COL), i32(topk), ptr(self._data_ptrs), i64(slots_start), i64(slots_copy),
              i32(self.rank), i32(self.world), ptr(self._meta_ptrs), ptr(self._seq), ptr(self._counter),
              ptr(self.status)),
         )
