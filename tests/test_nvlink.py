@@ -223,6 +223,7 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     it writes its group's rows only, and copies an item that an earlier group
     brought from that group's row (marked here) instead of reading it again."""
     from dispatch.codec import to_experts_codec
+    from dispatch.nvlink import SENDS_COL
     from world import current_device
 
     device = current_device()
@@ -234,9 +235,11 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     out = torch.cat([tokens[:lo] * 2, torch.full_like(tokens[lo:], 7.0)])
     d.engine.to_experts(x, to_experts_codec("native", x.dtype), h.counts, h.presum, h.slot_k, h.num_rows,
                         piece=(lo, hi), out=out)
-    # presum holds bound rows per source; those past a source's T are not written
+    # presum holds bound rows per source, one an item (a token the source sends this
+    # rank, in its list's order); those past the source's items are not written
     written = torch.zeros(h.presum.shape[0], dtype=torch.bool, device=device)
-    for source, count in enumerate(h.counts.tokens_of):
+    for source, row in enumerate(h.counts.rows):
+        count = row[SENDS_COL + d.rank]
         written[source * h.counts.bound:source * h.counts.bound + count] = True
     listed = (h.presum >= 0) & written.unsqueeze(1)
     first = torch.full((tokens.shape[0],), -1, dtype=torch.int64, device=device)
