@@ -124,8 +124,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
 // crossing again. The whole dispatch is one piece [0, max_rows). The rows zeroed
 // are [*num_rows, tail_to): for a piece of a dispatch by groups with a row
 // budget, from the group's end (group_end) to its bound.
+// Held to two blocks per SM (64 registers; 68 unbounded, one block), so that
+// twice the warps keep reads of the peers' rows in flight.
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
-__global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
+__global__ void __launch_bounds__(Tuning::kThreads, 2) pull_rows(
     const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,
     long long stage_copy, long long stage_row, long long scales_at, long long lists_off, long long lists_copy,
     long long list_stride, const int* matrix, int row_len, int sends_col, int* tokens_at, const int* src_start,
@@ -141,7 +143,6 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   stage_off = by_parity(stage_off, stage_copy, epoch);
   lists_off = by_parity(lists_off, lists_copy, epoch) + (long long)me * list_stride * 4;
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) return;
-  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, tail_to, out_weights, out_src_rank, out_src_token);
   long long items = 0;
   for (int s = 0; s < world; ++s) items += tokens_of[s];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -156,6 +157,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   };
   long long work = (long long)blockIdx.x * Tuning::kWarps + warp;
   int next = FROM_ROUTE && work < works ? listed(work) : 0;  // one item ahead: its read in flight
+  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, tail_to, out_weights, out_src_rank, out_src_token);
   for (; work < works; work += warps) {
     const long long item = work / seg.count, part = work % seg.count;
     const bool first = part == 0;  // the segment that writes the item's plan and places
