@@ -4,6 +4,19 @@
 
 using namespace engine;
 
+// The sums of the warps before `warp` (*before) and of all (*total), from each
+// warp's sum in shared memory.
+__device__ __forceinline__ void warps_before(const int* warp_sums, int warp, int* before, int* total) {
+  int b = 0, t = 0;
+#pragma unroll
+  for (int w = 0; w < Tuning::kWarps; ++w) {
+    b += (w < warp) ? warp_sums[w] : 0;
+    t += warp_sums[w];
+  }
+  *before = b;
+  *total = t;
+}
+
 // Block-wide exclusive scan of one flag per thread; returns the thread's offset
 // and writes the block's total to *total (every thread sees it).
 __device__ __forceinline__ int block_scan(bool flag, int* total) {
@@ -13,12 +26,8 @@ __device__ __forceinline__ int block_scan(bool flag, int* total) {
   const int in_warp = __popc(ballot & ((1u << lane) - 1u));
   if (lane == 0) warp_sums[warp] = __popc(ballot);
   __syncthreads();
-  int before = 0, sum = 0;
-#pragma unroll
-  for (int w = 0; w < Tuning::kWarps; ++w) {
-    before += (w < warp) ? warp_sums[w] : 0;
-    sum += warp_sums[w];
-  }
+  int before, sum;
+  warps_before(warp_sums, warp, &before, &sum);
   __syncthreads();
   *total = sum;
   return before + in_warp;
@@ -41,12 +50,8 @@ __device__ void block_exclusive_scan(int* v, int n) {
     }
     if (lane == 31) warp_sums[warp] = inclusive;
     __syncthreads();
-    int before = 0, tile = 0;
-#pragma unroll
-    for (int w = 0; w < Tuning::kWarps; ++w) {
-      before += (w < warp) ? warp_sums[w] : 0;
-      tile += warp_sums[w];
-    }
+    int before, tile;
+    warps_before(warp_sums, warp, &before, &tile);
     if (i < n) v[i] = carry + before + inclusive - x;
     carry += tile;
     __syncthreads();  // warp_sums read by every thread before the next tile writes them
