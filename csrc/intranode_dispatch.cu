@@ -124,10 +124,8 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
 // crossing again. The whole dispatch is one piece [0, max_rows). The rows zeroed
 // are [*num_rows, tail_to): for a piece of a dispatch by groups with a row
 // budget, from the group's end (group_end) to its bound.
-// Held to two blocks per SM (64 registers; 68 unbounded, one block), so that
-// twice the warps keep reads of the peers' rows in flight.
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
-__global__ void __launch_bounds__(Tuning::kThreads, 2) pull_rows(
+__global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,
     long long stage_copy, long long stage_row, long long scales_at, long long lists_off, long long lists_copy,
     long long list_stride, const int* matrix, int row_len, int sends_col, int* tokens_at, const int* src_start,
