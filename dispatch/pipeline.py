@@ -104,11 +104,20 @@ class MoEExchange(nn.Module):
             a rank with more rows in a group fails. None: the dispatch reads its
             counts on the host. What a graph saves is measured by
             ``dispatch-bench overlap --graph`` (bench/results/README.md).
+        weighted_experts: the experts weigh their rows themselves, as
+            Megatron-Core's do: they are called ``experts(tokens,
+            tokens_per_expert, weights)`` with the rows' routing weights ([N]
+            in the dispatch's weight dtype, differentiable: their gradients come
+            from the experts' backward) and ``tokens_per_expert`` on the host
+            where the dispatch read its counts (else on the device); the rows
+            are summed home unweighted. Default False: ``experts(tokens,
+            tokens_per_expert)``, the sums weighted as ``combine(...,
+            weights=...)``.
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
                  sm_carveout: int | None = None, out_dtype: torch.dtype | None = None,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, weighted_experts: bool = False):
         super().__init__()
         if not isinstance(dispatcher, TokenDispatcher):
             raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
@@ -137,7 +146,10 @@ class MoEExchange(nn.Module):
         if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
                                         or sm_carveout < 0):
             raise ValueError(f"sm_carveout must be None or an int >= 0, got {sm_carveout!r}")
+        if not isinstance(weighted_experts, bool):
+            raise TypeError(f"weighted_experts must be a bool, got {type(weighted_experts).__name__}")
         self.out_dtype, self.sm_carveout, self.max_rows = out_dtype, sm_carveout, max_rows
+        self.weighted_experts = weighted_experts
         self.dispatcher = dispatcher
         self.experts = experts
         self.chunks = chunks
@@ -224,7 +236,8 @@ class _PipelineFn(torch.autograd.Function):
         chunked = None
         # weight gradients once, over all groups; with max_rows, from each group's
         # B = ceil(M / G) rows placed on the device (one group: autograd's GEMMs)
-        if _plain_grouped_experts(experts, x.device.type) and (layer.max_rows is None or groups > 1):
+        if (not layer.weighted_experts and _plain_grouped_experts(experts, x.device.type)
+                and (layer.max_rows is None or groups > 1)):
             bound = None if layer.max_rows is None else -(-layer.max_rows // groups)
             chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on, group_rows=bound)
         weights, leaves, ys = [None] * groups, [None] * groups, [None] * groups
@@ -236,6 +249,15 @@ class _PipelineFn(torch.autograd.Function):
                     chunked.set_counts(g, per_expert, per_expert_host, group_experts)
                     with layer._carveout():
                         y = chunked.forward(g, tokens)
+                elif layer.weighted_experts:  # the experts weigh the rows: their weights are leaves too
+                    leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
+                    w_leaf = weights[g].detach().requires_grad_(grad_on and handle.weights_grad_any)
+                    counts = per_expert if per_expert_host is None else per_expert_host
+                    with torch.set_grad_enabled(grad_on), layer._carveout():
+                        y = experts(leaf, counts, w_leaf)
+                    _check_expert_out(y, tokens)
+                    if grad_on:
+                        leaves[g], ys[g] = (leaf, w_leaf), y
                 else:
                     leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
                     with torch.set_grad_enabled(grad_on), layer._carveout():
@@ -245,7 +267,7 @@ class _PipelineFn(torch.autograd.Function):
                         leaves[g], ys[g] = leaf, y
                 if sums is None:
                     sums = d.combine_groups(handle, dtype=layer._out_dtype(x), wire=d.config.combine_wire)
-                sums.add(y.detach(), weights[g])
+                sums.add(y.detach(), None if layer.weighted_experts else weights[g])
                 tokens = y = None
             result = sums.wait()
         ctx.layer, ctx.handle, ctx.weights = layer, handle, weights
@@ -276,12 +298,19 @@ class _PipelineFn(torch.autograd.Function):
             for g in range(groups):
                 grad_rows = brings.wait() if groups == 1 else brings.wait_group(g)
                 y = ctx.ys[g] if chunked is None else chunked.output(g)
-                grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[g], y, w_any)
+                if layer.weighted_experts:  # the weights' gradients from the experts' backward
+                    (leaf, w_leaf), grad_y = ctx.leaves[g], grad_rows.to(y.dtype)
+                else:
+                    leaf, w_leaf = ctx.leaves[g], None
+                    grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[g], y, w_any)
                 with layer._carveout():
                     if chunked is not None:
                         grad_tokens = chunked.backward(g, grad_y, x_any) if x_any or ctx.params else None
+                    elif w_leaf is None:
+                        grad_tokens = autograd_rows(leaf, y, grad_y, x_any, ctx.params, grad_params)
                     else:
-                        grad_tokens = autograd_rows(ctx.leaves[g], y, grad_y, x_any, ctx.params, grad_params)
+                        grad_tokens, grad_weight = autograd_rows(leaf, y, grad_y, x_any, ctx.params, grad_params,
+                                                                 w_leaf, w_any)
                     ctx.ys[g] = ctx.leaves[g] = None  # the group's graph is spent
                 if x_any:
                     to_x.add(grad_tokens)
@@ -313,23 +342,32 @@ class _PipelineFn(torch.autograd.Function):
         )
 
 
-def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list):
+def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list, weights=None,
+                  weights_grad: bool = False):
     """Backward of one call of experts differentiated by autograd: the gradient
     of its rows ``leaf`` (if ``rows_grad``; zeros where autograd has none), and
     its parameters' gradients summed into ``grad_params`` in place, in the
-    parameters' dtype (as autograd would sum them over calls)."""
+    parameters' dtype (as autograd would sum them over calls). With the rows'
+    routing ``weights`` (a leaf the experts weighed the rows by), returns
+    (rows' gradient, weights' gradient if ``weights_grad``, else None)."""
     rows_grad = rows_grad and leaf.requires_grad
-    inputs = ([leaf] if rows_grad else []) + list(params)
+    weights_grad = weights is not None and weights_grad and weights.requires_grad
+    inputs = ([leaf] if rows_grad else []) + ([weights] if weights_grad else []) + list(params)
     grads = [None] * len(inputs)
     if inputs and y.requires_grad:
         grads = list(torch.autograd.grad(y, inputs, grad_y, allow_unused=True))
     grad_rows = grads.pop(0) if rows_grad else None
+    grad_weights = grads.pop(0) if weights_grad else None
     for i, g in enumerate(grads):
         if g is not None:
             grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
     if rows_grad and grad_rows is None:
         grad_rows = leaf.new_zeros(leaf.shape)
-    return grad_rows
+    if weights is None:
+        return grad_rows
+    if weights_grad and grad_weights is None:
+        grad_weights = weights.new_zeros(weights.shape)
+    return grad_rows, grad_weights
 
 
 def _check_expert_out(y: object, tokens: torch.Tensor) -> None:

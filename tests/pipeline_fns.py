@@ -160,6 +160,52 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
     return results
 
 
+class WeighingExperts(nn.Module):
+    """E_local MLPs that weigh their rows themselves, as Megatron-Core's do:
+    ``y = (relu(x @ w_in[e]) * weight) @ w_out[e]``, called ``(tokens,
+    tokens_per_expert on the host, weights)``, one GEMM pair per expert over its rows."""
+
+    def __init__(self, num_local_experts: int, hidden: int, dtype: torch.dtype, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.w_in = nn.Parameter(torch.randn(num_local_experts, hidden, 2 * hidden, generator=gen).to(dtype))
+        self.w_out = nn.Parameter(torch.randn(num_local_experts, 2 * hidden, hidden, generator=gen).to(dtype))
+        self.calls: list = []  # the counts of each call
+
+    def forward(self, tokens, tokens_per_expert, weights):
+        assert tokens_per_expert.device.type == "cpu", "the counts come on the host, as Megatron's experts take them"
+        counts = tokens_per_expert.tolist()
+        self.calls.append(counts)
+        out = []
+        for e, (rows, w) in enumerate(zip(tokens.split(counts), weights.split(counts))):
+            if counts[e]:
+                out.append(((rows @ self.w_in[e]).relu() * w.unsqueeze(1).to(rows.dtype)) @ self.w_out[e])
+        return torch.cat(out) if out else tokens.new_zeros(0, self.w_out.shape[2])
+
+
+def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts):
+    """MoEExchange(weighted_experts=True) for each C in ``chunk_counts`` against
+    dispatch -> experts(tokens, counts, weights) -> combine(weights=None) ("plain"),
+    forward and backward; {C: {"out", "x", "topk_weights", "params", "calls"}} on the CPU."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    results = {}
+    for chunks in ("plain", *chunk_counts):
+        experts = WeighingExperts(d.num_local_experts, x.shape[1], x.dtype, seed=d.rank).to(device)
+        xs = x.to(device).requires_grad_(True)
+        ws = topk_weights.to(device).requires_grad_(True)
+        idx = topk_idx.to(device)
+        if chunks == "plain":
+            out = d.dispatch(xs, idx, ws)
+            h = d.combine(experts(out.tokens, out.tokens_per_expert_host, out.weights), out.handle, weights=None)
+        else:
+            h = dispatch.MoEExchange(d, experts, chunks=chunks, weighted_experts=True)(xs, idx, ws)
+        (h * grad_out.to(device)).sum().backward()
+        results[chunks] = {"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
+                           "params": [_cpu(p.grad) for p in experts.parameters()], "calls": experts.calls}
+    return results
+
+
 def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: bool = False):
     """Forward only, under no_grad (no expert graph kept)."""
     device = current_device()

@@ -32,6 +32,35 @@ def _run(worlds, routing, dtype, experts, chunk_counts, generic=False, x_grad=Tr
     return xs, worlds(world_size).run(pipeline_fns.pipelined, args)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_that_weigh_their_rows(worlds, world_size, dtype):
+    """weighted_experts=True (Megatron's experts apply the routing weights): every C
+    bitwise dispatch -> experts(tokens, counts, weights) -> combine(weights=None),
+    forward, the rows', routing weights' and parameters' gradients; each group's
+    call counts only that group's experts."""
+    routing = make_routing(world_size, LOCAL, 3, [7, 0, 5][:world_size], "random", seed=11)
+    xs = [random_tokens(r, t, HIDDEN, dtype, 3) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, dtype, 4) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    chunks = (1, 2, 3, LOCAL)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, chunks) for r in range(world_size)]
+    for rank, result in enumerate(worlds(world_size).run(pipeline_fns.weighing_experts, args)):
+        want = result["plain"]
+        for c in chunks:
+            got = result[c]
+            for key in ("out", "x", "topk_weights"):
+                assert torch.equal(got[key], want[key]), f"rank {rank} C={c} {key}"
+            for a, b in zip(got["params"], want["params"]):
+                assert torch.equal(a, b), f"rank {rank} C={c} params"
+            bounds = dispatch.plan.expert_groups(LOCAL, c)
+            assert len(got["calls"]) == c
+            for counts, lo, hi in zip(got["calls"], bounds, bounds[1:]):
+                assert all(n == 0 for e, n in enumerate(counts) if not lo <= e < hi), (rank, c, counts)
+        if routing.num_tokens[rank]:  # the weights' gradients came through the experts
+            assert want["topk_weights"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", ["random", "sparse"])
 def test_chunks_bitwise_fp32(worlds, world_size, mode):
