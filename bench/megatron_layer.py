@@ -35,8 +35,12 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
    step, and ours Megatron's.
 5. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
    expert FFN 2048, ``--experts`` experts, top-8, sigmoid scores) with each
-   dispatcher swapped into the same layer; CUDA events after warm-up and a
-   barrier, median and p10-p90 over ``--iters``.
+   dispatcher swapped into the same layer, ours also with the experts by
+   ``--overlap-groups`` groups beside the exchange (``install(overlap=...)``), and
+   the layer's experts alone on the rows ours hands them (forward + backward, no
+   exchange); CUDA events after warm-up and a barrier, median and p10-p90 over
+   ``--iters``. Megatron's exchange time is its layer's less the experts alone;
+   the report gives the share of it the overlapped layer saves.
 
     python3 bench/megatron_layer.py --out bench/results/
 
@@ -81,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=256, help="experts of the timed layer (default 256)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the timed layer (default 4096)")
     parser.add_argument("--iters", type=int, default=10, help="timed forward+backward passes (default 10)")
+    parser.add_argument("--overlap-groups", type=int, default=None,
+                        help="groups of local experts of the timed overlapped layer (default: install(overlap=True)'s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed passes first (default 3)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option for an extra 'ours' timing row, e.g. dispatch_wire=fp8 (repeatable)")
@@ -90,7 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = sorted(set(args.parts) - {"layer", "train", "graphs", "overlap", "timing"})
     if bad or not args.parts:
         parser.error(f"--parts must name some of layer, train, graphs, overlap, timing; got {bad or 'nothing'}")
-    for name in ("steps", "graph_steps", "experts", "tokens", "iters"):
+    for name in ("steps", "graph_steps", "experts", "tokens", "iters", "overlap_groups"):
+        if getattr(args, name) is None:
+            continue
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -607,7 +615,7 @@ def check_overlap(steps: int, seed: int = 1357) -> dict:
 def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
     """deepseek-v3-like ``MoELayer`` forward + backward with each dispatcher swapped in,
     the dispatchers' timed runs taken in turns (round robin)."""
-    from dispatch.integrations.megatron import MegatronDispatcher
+    from dispatch.integrations.megatron import OVERLAP_GROUPS, MegatronDispatcher
 
     config = moe_config(
         hidden=7168, ffn=2048, experts=args.experts, topk=8,
@@ -624,6 +632,10 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
         dispatchers[name] = MegatronDispatcher(
             layer.num_local_experts, layer.local_expert_indices, config, groups, options=options
         )
+    overlap = min(args.overlap_groups or OVERLAP_GROUPS, layer.num_local_experts)
+    overlapped = f"ours overlap G={overlap}"
+    dispatchers[overlapped] = MegatronDispatcher(layer.num_local_experts, layer.local_expert_indices, config, groups)
+    dispatchers[overlapped].pipeline(layer, overlap)  # as install(layer, overlap=G); the steps set the stage
     gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
     x = torch.randn(args.tokens, 1, 7168, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
@@ -631,6 +643,10 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
     def step_with(dispatcher):
         def step():
             layer.token_dispatcher = dispatcher
+            if getattr(dispatcher, "exchange", None) is not None:  # ours with the experts by groups
+                layer.routed_experts_compute = dispatcher.experts_by_groups
+            else:
+                vars(layer).pop("routed_experts_compute", None)
             layer.zero_grad(set_to_none=True)
             x.grad = None
             out, _ = layer(x)
@@ -640,8 +656,10 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
         return step
 
     steps = {name: step_with(dispatcher) for name, dispatcher in dispatchers.items()}
+    rows_in = _keep_expert_inputs(dispatchers["ours"])
     outs = {name: step().detach() for name, step in steps.items()}
     reference = outs["megatron alltoall"]
+    steps["experts alone"] = _experts_alone(layer, *rows_in.pop(), seed)
     for _ in range(args.warmup):
         for step in steps.values():
             step()
@@ -655,7 +673,8 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
     rows = []
     for name in names:
         stats = spread(samples[name])
-        error = _worst_over_ranks({"output": _relative_error(reference, outs[name])})["output"]
+        error = (_worst_over_ranks({"output": _relative_error(reference, outs[name])})["output"] if name in outs
+                 else None)
         rows.append({
             "name": name,
             "median_ms": stats["median"],
@@ -664,10 +683,47 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
             "output_error_vs_megatron": error,
         })
     layer.token_dispatcher = dispatchers["megatron alltoall"]
+    vars(layer).pop("routed_experts_compute", None)
+    median = {r["name"]: r["median_ms"] for r in rows}
+    exchange = median["megatron alltoall"] - median["experts alone"]  # Megatron's time outside its experts
     return {
         "shape": {"tokens_per_rank": args.tokens, "hidden": 7168, "ffn": 2048, "experts": args.experts, "topk": 8},
         "rows": rows,
+        "overlapped": overlapped,
+        "megatron_exchange_ms": exchange,
+        "saved_share": (median["megatron alltoall"] - median[overlapped]) / exchange if exchange > 0 else None,
     }
+
+
+def _keep_expert_inputs(dispatcher) -> list:
+    """A list that ``dispatcher.dispatch_postprocess`` appends what it hands the
+    experts to (tokens, counts, probs; detached)."""
+    kept, postprocess = [], dispatcher.dispatch_postprocess
+
+    def keep(hidden_states, probs):
+        out = postprocess(hidden_states, probs)
+        kept[:] = [tuple(t.detach() for t in out)]
+        return out
+
+    dispatcher.dispatch_postprocess = keep
+    return kept
+
+
+def _experts_alone(layer, tokens, counts, probs, seed: int):
+    """A step: ``layer.experts`` forward + backward on rows a dispatch handed them,
+    with no exchange (the experts' own time in the layer)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1 + dist.get_rank())
+    grad = torch.randn(tokens.shape, device="cuda", generator=gen).to(tokens.dtype)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        rows = tokens.clone().requires_grad_()
+        weights = probs.clone().requires_grad_()
+        out, _ = layer.experts(rows, counts, weights)
+        out.backward(grad)
+        return out
+
+    return step
 
 
 def _groups(layer):
@@ -755,11 +811,17 @@ def report(result: dict, args: argparse.Namespace) -> None:
             "| --- | --- | --- | --- |",
         ]
         for r in timing["rows"]:
+            error = r["output_error_vs_megatron"]
             lines.append(
                 f"| {r['name']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | "
-                f"{r['output_error_vs_megatron']:.2e} |"
+                f"{'-' if error is None else f'{error:.2e}'} |"
             )
-        passed &= all(r["output_error_vs_megatron"] <= LAYER_TOLERANCE for r in timing["rows"])
+        passed &= all(r["output_error_vs_megatron"] is None or r["output_error_vs_megatron"] <= LAYER_TOLERANCE
+                      for r in timing["rows"])
+        share = timing["saved_share"]
+        lines += ["", f"Megatron's layer less its experts alone: {timing['megatron_exchange_ms']:.2f} ms; "
+                      f"{timing['overlapped']} saves "
+                      f"{'-' if share is None else f'{share:.2f}'} of it against Megatron's layer"]
     env = environment()
     lines += ["", "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     text = "\n".join(lines)

@@ -668,3 +668,66 @@ def split_node_round_trip(hidden, logits_seed: int, num_experts: int, topk: int)
     finally:
         base._DispatchFn.backward = original
     return results[0], results[1], one_graph, list(seen)
+
+
+def megatron_overlap_vs_plain(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, overlaps: tuple,
+                              dtype: str = "fp32"):
+    """A real MoELayer over the world with our dispatcher installed without overlap, then
+    with ``install(overlap=G)`` for each G of ``overlaps`` (the experts by groups), the
+    same weights and input each time; {G or "plain": out, x_grad, router_grad,
+    expert_grads, stage} on the CPU ("stage": whether the layer's routed_experts_compute
+    is ours)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dispatch.bench.megatron_baseline import _ensure_parallel_state
+        from dispatch.integrations.megatron import install
+
+        from bench_scripts import load
+
+        moe_config = load("megatron_layer").moe_config
+        world, rank = dist.get_world_size(), dist.get_rank()
+        _ensure_parallel_state(world)
+        layer = _build_layer(moe_config(hidden=hidden, ffn=2 * hidden, experts=num_experts, topk=topk, dtype=dtype,
+                                        use_cpu_initialization=True, moe_token_dispatcher_type="allgather"),
+                             ProcessGroupCollection.use_mpu_process_groups())
+    _fill(layer, rank * (num_experts // world), seed)
+    device = current_device()
+    layer = layer.to(device)
+    results = {}
+    for overlap in ("plain", *overlaps):
+        dispatcher = install(layer, overlap=False if overlap == "plain" else overlap)
+        layer.zero_grad(set_to_none=True)
+        got = _forward_backward((("layer", layer),), seed * 7 + rank, shape, hidden, device)["layer"]
+        got["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())]
+                               for e in layer.experts.local_experts]
+        got["stage"] = vars(layer).get("routed_experts_compute") == dispatcher.experts_by_groups
+        results[overlap] = got
+    return results
+
+
+def megatron_overlap_refusal(num_experts: int, overlap, config_extra: dict):
+    """``install(overlap=...)`` on a layer whose config has ``config_extra``: the error's
+    type and message, or None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dispatch.bench.megatron_baseline import _ensure_parallel_state
+        from dispatch.integrations.megatron import install
+
+        from bench_scripts import load
+
+        moe_config = load("megatron_layer").moe_config
+        _ensure_parallel_state(dist.get_world_size())
+        layer = _build_layer(moe_config(hidden=8, ffn=16, experts=num_experts, topk=2, dtype="fp32",
+                                        use_cpu_initialization=True, moe_token_dispatcher_type="allgather"),
+                             ProcessGroupCollection.use_mpu_process_groups())
+    for name, value in config_extra.items():
+        setattr(layer.config, name, value)
+    try:
+        install(layer, overlap=overlap)
+    except (ValueError, TypeError) as exc:
+        return type(exc).__name__, str(exc)
+    return None

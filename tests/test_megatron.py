@@ -519,7 +519,8 @@ def test_import_does_not_need_megatron():
     "argv, needle",
     [(["--parts", "nope"], "--parts"), (["--steps", "0"], "--steps"), (["--graph-steps", "0"], "--graph-steps"),
      (["--option", "dispatch_wire"], "KEY=VALUE"),
-     (["--option", "local_world_size=0"], "local_world_size"), (["--option", "dispatch_wire=fp4"], "dispatch_wire")],
+     (["--option", "local_world_size=0"], "local_world_size"), (["--option", "dispatch_wire=fp4"], "dispatch_wire"),
+     (["--overlap-groups", "0"], "--overlap-groups")],
 )
 def test_layer_script_bad_flags(argv, needle, capsys):
     from bench_scripts import load

@@ -133,3 +133,44 @@ def test_doc_snippet_runs(worlds):
     results = worlds(world_size).run(megatron_rank_fns.run_doc_snippet, [(_doc_snippet(),)] * world_size)
     for loss, installed in results:
         assert installed == 2 and loss == loss and 0 < loss < 20
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_overlap_by_groups_is_bitwise_the_plain_adapter(worlds, world_size):
+    """install(overlap=G): the layer's experts by G groups of local experts as their rows
+    land; output, input, router and expert gradients bitwise those without overlap, for
+    every G (True: 2), and install without overlap puts the layer's own stage back."""
+    import megatron_rank_fns
+
+    local = 4
+    overlaps = (1, True, 3, local)
+    args = (5, local * world_size, 3, 16, (6, 2), overlaps)
+    results = worlds(world_size).run(megatron_rank_fns.megatron_overlap_vs_plain, [args] * world_size)
+    for rank, result in enumerate(results):
+        want = result["plain"]
+        assert not want["stage"]
+        for overlap in overlaps:
+            got = result[overlap]
+            assert got["stage"], (rank, overlap)
+            for key in ("out", "x_grad", "router_grad"):
+                assert torch.equal(got[key], want[key]), f"rank {rank} overlap={overlap} {key}"
+            for mine, theirs in zip(got["expert_grads"], want["expert_grads"]):
+                for a, b in zip(mine, theirs):
+                    assert torch.equal(a, b), f"rank {rank} overlap={overlap} expert grads"
+        assert want["router_grad"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("overlap, extra, words", [
+    (0, {}, "an int in [1, 4]"),
+    (5, {}, "an int in [1, 4]"),
+    (2.0, {}, "overlap must be"),
+    (True, {"moe_pad_expert_input_to_capacity": True}, "padding to capacity"),
+    (2, {"overlap_moe_expert_parallel_comm": True}, "overlap_moe_expert_parallel_comm"),
+    (2, {"delay_wgrad_compute": True}, "delay_wgrad_compute"),
+    (2, {"moe_layer_recompute": True}, "moe_layer_recompute"),
+])
+def test_overlap_refusals_name_the_setting(worlds, overlap, extra, words):
+    import megatron_rank_fns
+
+    for result in worlds(2).run(megatron_rank_fns.megatron_overlap_refusal, [(8, overlap, extra)] * 2):
+        assert result is not None and result[0] == "ValueError" and words in result[1], result

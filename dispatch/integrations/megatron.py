@@ -11,7 +11,8 @@ pg_collection)`` and the six stages ``MoELayer.forward`` calls in this order::
     combine_preprocess(y) -> token_combine(y) -> combine_postprocess(h)           the engine's combine
 
 ``install(moe_layer, **options)`` swaps it into a built ``MoELayer``;
-``install_all(model, **options)`` into every ``MoELayer`` of a model.
+``install_all(model, **options)`` into every ``MoELayer`` of a model; with
+``overlap=True`` the layer's experts run by groups beside the exchange (below).
 
 Notation:
 
@@ -134,16 +135,36 @@ once; Megatron's reduce-scatter): the experts leave that reduction to the
 dispatcher, as with Megatron's. Backward: the gather's gradient is that sum, the
 sum's is the gather.
 
+Overlap by groups of local experts
+----------------------------------
+``install(moe_layer, overlap=True)`` (or ``overlap=G``) runs the layer's own
+experts group by group of its local experts as their rows land, while the next
+group's rows move (``dispatch.MoEExchange`` with ``weighted_experts``: Megatron's
+experts apply ``permuted_probs`` themselves, so the sums go home unweighted). The
+layer's ``routed_experts_compute`` is replaced by the dispatcher's
+``experts_by_groups``: ``token_dispatch`` hands the rows on untouched,
+``experts_by_groups`` dispatches by groups, calls ``moe_layer.experts`` once per
+group (``tokens_per_expert`` zero outside the group: ``SequentialMLP`` runs only
+that group's expert modules on rows, a grouped MLP gets empty GEMMs for the others)
+and adds each group's outputs to the pre-sums going home, and ``token_combine``
+hands the home sums on. Each expert's weights are read once per pass; backward is
+the mirror image. The results are bitwise those of the adapter without overlap
+(one dispatch, the experts called once, one combine): each expert sees the same
+rows in the same order, and the sums go home in the same order. Not taken (a
+ValueError naming them): expert tensor parallelism, shared experts overlapped
+with the exchange, padding to capacity or for quantization, CUDA graphs of the MoE
+stages, Megatron's own EP overlap, delayed weight gradients and MoE layer
+recompute. ``install(moe_layer)`` again puts the layer's own stage back.
+
 The engine's own options (``variant``, ``dispatch_wire``, ``combine_wire``, the
 gradient wires, ``check_inputs``, ...) are the fields of
 :class:`dispatch.DispatchConfig` other than ``num_experts``, passed as ``options``;
-the config validates them. There is no ``chunks`` option: ``MoELayer`` calls its
-experts once between dispatch and combine, so the engine cannot pipeline chunks
-of the exchange with the expert compute from inside this interface.
+the config validates them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -254,13 +275,17 @@ class _InFlight:
             engine's host read, or fixed by the capacity when graphs hold every stage).
         tp_rows: the rows of the expert-TP group, once ``dispatch_postprocess`` ran
             (expert tensor parallelism only).
+        routing: by groups of local experts (``install(overlap=...)``): ``(topk_idx,
+            too_many)`` of ``dispatch_preprocess``, for ``experts_by_groups``, which
+            moves the rows (``dispatched`` and ``counts`` are then empty).
     """
 
     next_stage: int
     hidden_shape: torch.Size
     dispatched: tuple[dispatch.Dispatched, ...]
-    counts: torch.Tensor
+    counts: torch.Tensor | None
     tp_rows: "expert_tp.TensorParallelRows | None" = None
+    routing: tuple | None = None
 
 
 def _group_size(group) -> int:
@@ -379,6 +404,8 @@ class MegatronDispatcher:
         self._too_many: tuple[torch.Tensor, torch.Tensor] | None = None
         self.hidden_shape: torch.Size | None = None
         self._in_flight: _InFlight | None = None
+        # install(overlap=...): the layer's exchange and experts by groups of local experts
+        self.exchange: "dispatch.MoEExchange | None" = None
 
     # -- what Megatron reads besides the stages --------------------------------
 
@@ -480,6 +507,11 @@ class MegatronDispatcher:
         if topk_idx is None:
             raise self._out_of_order("token_dispatch")
         self.topk_idx = None
+        if self.exchange is not None:  # by groups: the rows move with the experts' groups (experts_by_groups)
+            too_many, self._too_many = self._too_many, None
+            self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, dispatched=(), counts=None,
+                                        routing=(topk_idx, too_many))
+            return hidden_states, probs
         groups = self._groups_for(topk_idx.shape[1])
         per_expert = None
         if self.fixed_rows:  # each expert gets its capacity of every rank's tokens, exactly
@@ -501,15 +533,8 @@ class MegatronDispatcher:
         for group in groups:
             idx, weights = (topk_idx, probs) if len(groups) == 1 else self._group_slots(topk_idx, probs, group)
             max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
-            try:
+            with self._too_many_named(too_many):
                 outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
-            except ValueError as exc:
-                if too_many is not None and bool(too_many[1]):  # host sync, on the way out only
-                    raise ValueError(
-                        f"routing_map has a row with more than moe_router_topk={self.topk} experts; only padding "
-                        "(moe_pad_expert_input_to_capacity, moe_router_padding_for_quantization) names more"
-                    ) from exc
-                raise
         tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])
         permuted_probs = outs[0].weights if len(outs) == 1 else torch.cat([o.weights for o in outs])
         if shared is not None:  # beside the exchange's kernels
@@ -600,6 +625,8 @@ class MegatronDispatcher:
             no rows, that of the ranks whose did): per token, the sum of its rows.
         """
         state = self._advance("token_combine")
+        if state.routing is not None:  # by groups: experts_by_groups summed the rows home
+            return hidden_states
         shared = self.shared_experts
         if shared is not None:
             shared.wait_current_stream()
@@ -656,6 +683,51 @@ class MegatronDispatcher:
                 f"tokens (moe_expert_capacity_factor={self.capacity_factor}), {fixed[0].item()} from the "
                 f"{self.ep_size} ranks together; {whose}")
 
+    @contextlib.contextmanager
+    def _too_many_named(self, too_many):
+        """A dispatch that refused a routing row of more than top-k experts (marked by
+        ``dispatch_preprocess``) raises saying so."""
+        try:
+            yield
+        except ValueError as exc:
+            if too_many is not None and bool(too_many[1]):  # host sync, on the way out only
+                raise ValueError(
+                    f"routing_map has a row with more than moe_router_topk={self.topk} experts; only padding "
+                    "(moe_pad_expert_input_to_capacity, moe_router_padding_for_quantization) names more"
+                ) from exc
+            raise
+
+    def pipeline(self, moe_layer, groups: int) -> None:
+        """Run ``moe_layer``'s experts by ``groups`` groups of local experts as their
+        rows land (``install(overlap=...)``, which checks the layer first; see the
+        module's "Overlap by groups of local experts"): its ``routed_experts_compute``
+        becomes :meth:`experts_by_groups`."""
+        self.exchange = dispatch.MoEExchange(self.engine, _GroupExperts(moe_layer.experts), chunks=groups,
+                                             weighted_experts=True)
+        moe_layer.routed_experts_compute = self.experts_by_groups
+
+    def experts_by_groups(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """In place of ``MoELayer.routed_experts_compute`` (``install(overlap=...)``):
+        the dispatch by groups of local experts, the layer's experts on each group's
+        rows as they land, each group's outputs summed into the pre-sums going home.
+
+        Args:
+            hidden_states: ``[T, H]`` as ``token_dispatch`` handed them on.
+            probs: ``[T, K]`` topk weights, likewise.
+        Returns:
+            ``([T, H] the home sums, None)`` (no bias), for ``token_combine``.
+        """
+        state = self._advance("dispatch_postprocess")
+        if state.routing is None:
+            raise self._out_of_order("experts_by_groups")
+        topk_idx, too_many = state.routing
+        if too_many is not None and too_many[0] is not topk_idx:  # of another routing
+            too_many = None
+        with self._too_many_named(too_many):
+            out = self.exchange(hidden_states, topk_idx, probs)
+        self._advance("combine_preprocess")
+        return out, None
+
     def check(self) -> None:
         """Raises what the engine's kernels recorded (a peer that timed out, a rank over
         its rows): with every stage inside CUDA graphs nothing is read on the host, so
@@ -680,6 +752,26 @@ class MegatronDispatcher:
         )
 
 
+class _GroupExperts(torch.nn.Module):
+    """Megatron's experts called for one group of local experts at a time
+    (``install(overlap=...)``): ``(tokens [N_g, H], tokens_per_expert [E_local]
+    int64 on the CPU, zero outside the group, permuted_probs [N_g]) -> [N_g, H]``, as
+    ``MoELayer`` calls them; ``SequentialMLP`` gives the other experts no rows, a
+    grouped MLP empty GEMMs. Not a submodule of the layer (its parameters are the
+    experts' own, counted once)."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        out, bias = self.experts(tokens, tokens_per_expert, probs)
+        if bias is not None:
+            raise ValueError(f"install(overlap=...): the experts ({type(self.experts).__name__}) returned a bias; "
+                             "MoELayer takes none from its dispatchers' experts either")
+        return out
+
+
 # ----------------------------------------------------------------------------- expert tensor parallelism
 
 
@@ -692,13 +784,21 @@ def _describe(value) -> str:
 # ----------------------------------------------------------------------------- installing
 
 
-def install(moe_layer, **options) -> MegatronDispatcher:
+OVERLAP_GROUPS = 2  # install(overlap=True): the fewest groups that pipeline (bench/results/README.md)
+
+
+def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispatcher:
     """Replace the token dispatcher of a built Megatron-Core ``MoELayer`` by the engine.
 
     Collective over the layer's EP group (the engine is created there).
 
     Args:
         moe_layer: a ``megatron.core.transformer.moe.moe_layer.MoELayer``.
+        overlap: run the layer's experts group by group of local experts as their
+            rows land, beside the next group's exchange (see the module's "Overlap
+            by groups of local experts"): True for ``OVERLAP_GROUPS`` groups (or
+            E_local where fewer), an int G for G groups; False (default): one
+            exchange, the experts called once, as ``MoELayer`` does.
         **options: the engine's options (fields of :class:`dispatch.DispatchConfig`
             other than ``num_experts``), e.g. ``dispatch_wire="bf16"``.
     Returns:
@@ -706,7 +806,7 @@ def install(moe_layer, **options) -> MegatronDispatcher:
     Raises:
         ImportError (saying what to install) when megatron-core is missing;
         TypeError when ``moe_layer`` is not a ``MoELayer``; ValueError for settings
-        the adapter does not support.
+        the adapter does not support, and for an ``overlap`` the layer cannot take.
     """
     moe_layer_cls = _import_moe_layer()
     if not isinstance(moe_layer, moe_layer_cls):
@@ -714,18 +814,52 @@ def install(moe_layer, **options) -> MegatronDispatcher:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     old = moe_layer.token_dispatcher
-    groups = ProcessGroupCollection(ep=moe_layer.ep_group, expt_tp=getattr(old, "tp_group", None))
-    dispatcher = MegatronDispatcher(
-        moe_layer.num_local_experts, moe_layer.local_expert_indices, moe_layer.config, groups, options=options
-    )
+    expt_tp = getattr(old, "tp_group", None)
     shared = getattr(old, "shared_experts", None)
+    groups = _overlap_groups(moe_layer, overlap, _group_size(expt_tp), shared)  # before any communication
+    dispatcher = MegatronDispatcher(
+        moe_layer.num_local_experts, moe_layer.local_expert_indices, moe_layer.config,
+        ProcessGroupCollection(ep=moe_layer.ep_group, expt_tp=expt_tp), options=options
+    )
     if shared is not None:  # MoELayer handed them to its dispatcher (moe_shared_expert_overlap)
         dispatcher.set_shared_experts(shared)
+    if groups:
+        dispatcher.pipeline(moe_layer, groups)
+    else:  # the layer's own experts stage again, where an earlier install(overlap=...) replaced it
+        vars(moe_layer).pop("routed_experts_compute", None)
     moe_layer.token_dispatcher = dispatcher
     return dispatcher
 
 
-def install_all(model: torch.nn.Module, **options) -> list[MegatronDispatcher]:
+def _overlap_groups(moe_layer, overlap, tp_size: int, shared) -> int:
+    """The groups of local experts ``install(overlap=...)`` runs ``moe_layer``'s
+    experts by (0: none), or a ValueError naming what the layer or its config
+    does not allow with it."""
+    local = moe_layer.num_local_experts
+    if overlap is False:
+        return 0
+    if overlap is True:
+        groups = min(OVERLAP_GROUPS, local)
+    elif isinstance(overlap, int) and 1 <= overlap <= local:
+        groups = overlap
+    else:
+        raise ValueError(f"overlap must be a bool or an int in [1, {local}] (groups of the layer's {local} local "
+                         f"experts), got {overlap!r}")
+    problems = settings.overlap_refusals(moe_layer.config)
+    if tp_size > 1:
+        problems.append(f"expert_tensor_parallel_size={tp_size} (the experts' rows are gathered over the "
+                        "expert-TP group whole)")
+    if shared is not None:
+        problems.append("moe_shared_expert_overlap=True (the shared experts run beside a whole exchange)")
+    if not isinstance(getattr(moe_layer, "experts", None), torch.nn.Module):
+        problems.append(f"experts of type {type(getattr(moe_layer, 'experts', None)).__name__} (an nn.Module "
+                        "called as MoELayer calls it)")
+    if problems:
+        raise ValueError("install(overlap=...) does not support: " + "; ".join(problems))
+    return groups
+
+
+def install_all(model: torch.nn.Module, overlap: bool | int = False, **options) -> list[MegatronDispatcher]:
     """``install`` into every ``MoELayer`` of ``model`` (e.g. a ``GPTModel``), in module order.
 
     Collective over each layer's EP group. Returns the dispatchers; raises as ``install``,
@@ -735,4 +869,4 @@ def install_all(model: torch.nn.Module, **options) -> list[MegatronDispatcher]:
     layers = [m for m in model.modules() if isinstance(m, moe_layer_cls)]
     if not layers:
         raise ValueError(f"model ({type(model).__name__}) holds no MoELayer")
-    return [install(layer, **options) for layer in layers]
+    return [install(layer, overlap=overlap, **options) for layer in layers]

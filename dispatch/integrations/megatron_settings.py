@@ -43,6 +43,30 @@ def refusals(config) -> list[str]:
     return problems
 
 
+def overlap_refusals(config) -> list[str]:
+    """Settings of Megatron's TransformerConfig that ``install(overlap=...)`` (the
+    experts by groups of local experts) does not take, besides those ``refusals`` names."""
+    def get(name, default=None):
+        return getattr(config, name, default)
+
+    problems = []
+    if capture(config) is not None:
+        problems.append(f"cuda_graph_impl={get('cuda_graph_impl')!r} capturing MoE stages (the pipeline reads its "
+                        "counts on the host)")
+    if get("moe_pad_expert_input_to_capacity", False) or get("moe_router_padding_for_quantization", False) \
+            or get("moe_router_padding_for_fp8", False):
+        problems.append("padding to capacity or for quantization (padded rows are placed with the whole dispatch)")
+    if get("overlap_moe_expert_parallel_comm", False):
+        problems.append("overlap_moe_expert_parallel_comm=True (Megatron's own overlap runs the stages as nodes "
+                        "of their own)")
+    for name in ("overlap_dispatch_backward_with_experts_wgrad", "delay_wgrad_compute"):
+        if get(name, False):
+            problems.append(f"{name}=True (the experts' weight gradients come with each group's backward)")
+    if get("moe_layer_recompute", False):
+        problems.append("moe_layer_recompute=True (the pipeline would move every group again in the recompute)")
+    return problems
+
+
 def engine_refusals(config, engine) -> list[str]:
     """What ``engine`` cannot do of ``config``: padding over more ranks than the
     slots it moves per token, and CUDA graphs that capture every stage (``capture``
