@@ -144,8 +144,8 @@ experts apply ``permuted_probs`` themselves, so the sums go home unweighted). Th
 layer's ``routed_experts_compute`` is replaced by the dispatcher's
 ``experts_by_groups``: ``token_dispatch`` hands the rows on untouched,
 ``experts_by_groups`` dispatches by groups, calls ``moe_layer.experts`` once per
-group (``tokens_per_expert`` zero outside the group: ``SequentialMLP`` runs only
-that group's expert modules on rows, a grouped MLP gets empty GEMMs for the others)
+group (``tokens_per_expert`` zero outside the group: ``SequentialMLP`` calls the
+other experts' modules on no rows, a grouped MLP runs empty GEMMs for them)
 and adds each group's outputs to the pre-sums going home, and ``token_combine``
 hands the home sums on. Each expert's weights are read once per pass; backward is
 the mirror image. The results are bitwise those of the adapter without overlap
