@@ -696,13 +696,15 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
 
 
 def _keep_expert_inputs(dispatcher) -> list:
-    """A list that ``dispatcher.dispatch_postprocess`` appends what it hands the
-    experts to (tokens, counts, probs; detached)."""
+    """A list that the next ``dispatcher.dispatch_postprocess`` appends what it hands
+    the experts to (tokens, counts, probs; detached); the stage is its own again after
+    (the timed runs call it unwrapped)."""
     kept, postprocess = [], dispatcher.dispatch_postprocess
 
     def keep(hidden_states, probs):
         out = postprocess(hidden_states, probs)
-        kept[:] = [tuple(t.detach() for t in out)]
+        kept.append(tuple(t.detach() for t in out))
+        del dispatcher.dispatch_postprocess
         return out
 
     dispatcher.dispatch_postprocess = keep

@@ -141,7 +141,8 @@ class Counts:
     Attributes:
         matrix: [W, L] int32 on the device (the counts matrix).
         rows: the same on the host, W lists of L ints (None without a host read).
-        tokens_of: T of every rank (host; None without a host read).
+        received: the items (source rank, token) this rank receives (host; None
+            without a host read).
         bound: rows of each source in presum: the largest T of the group, or
             without a host read the token capacity of the buffers.
         tokens_per_expert: [E_local] int64 on the device.
@@ -159,13 +160,11 @@ class Counts:
         group_end: [G] int32 on the device, the end of each group's rows, for a
             dispatch by G > 1 groups with a row budget (group g's rows start at
             g B, B = ceil(max_rows / G)); None otherwise.
-        received: the items (source rank, token) this rank receives (host; None
-            without a host read).
     """
 
     matrix: torch.Tensor
     rows: list | None
-    tokens_of: tuple | None
+    received: int | None
     bound: int
     tokens_per_expert: torch.Tensor
     src_start: torch.Tensor
@@ -176,7 +175,6 @@ class Counts:
     hit: torch.Tensor
     staged: bool
     group_end: torch.Tensor | None = None
-    received: int | None = None
 
     @property
     def items(self) -> int:
@@ -438,12 +436,11 @@ class Engine:
         if code:
             self._raise(code, peer, where)
         matrix_host = [host[4 + s * length : 4 + (s + 1) * length] for s in range(world)]
-        tokens_of = tuple(r[TOKENS_COL] for r in matrix_host)
         staged = rows is not None and all(r[STAGED_COL] for r in matrix_host)
-        bound = max(1, max(tokens_of))
-        return Counts(matrix, matrix_host, tokens_of, bound, per_expert, src_start, num_rows, route, lists,
-                      self._tokens_at(bound), hit, staged, group_end,
-                      sum(r[SENDS_COL + self.rank] for r in matrix_host))
+        bound = max(1, max(r[TOKENS_COL] for r in matrix_host))
+        received = sum(r[SENDS_COL + self.rank] for r in matrix_host)
+        return Counts(matrix, matrix_host, received, bound, per_expert, src_start, num_rows, route, lists,
+                      self._tokens_at(bound), hit, staged, group_end)
 
     def _tokens_at(self, bound: int) -> torch.Tensor:
         """``Counts.tokens_at`` of a dispatch whose sources have at most ``bound`` tokens."""
