@@ -31,6 +31,8 @@ struct Tuning {
   static constexpr int kUnit = 8;             // elements a lane moves per step (16 bytes of bf16)
   static constexpr int kUnroll = ENGINE_UNROLL;  // steps a lane has in flight
   static constexpr unsigned kSleepNs = 100;   // back-off between polls of a flag
+  static constexpr int kScanTiles = 4;        // tiles of 32 slots a warp of route_layout's scan holds
+  static constexpr int kScanShared = 48 * 1024;  // bytes of the scan's per-warp counts, at most
 };
 static_assert(Tuning::kThreads % 32 == 0 && Tuning::kThreads <= 1024, "whole warps, one block");
 static_assert(Tuning::kMaxWorld <= 32 && Tuning::kMaxTopk <= 32, "masks and lanes are 32 wide");

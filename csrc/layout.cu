@@ -17,22 +17,6 @@ __device__ __forceinline__ void warps_before(const int* warp_sums, int warp, int
   *total = t;
 }
 
-// Block-wide exclusive scan of one flag per thread; returns the thread's offset
-// and writes the block's total to *total (every thread sees it).
-__device__ __forceinline__ int block_scan(bool flag, int* total) {
-  __shared__ int warp_sums[Tuning::kWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
-  if (lane == 0) warp_sums[warp] = __popc(ballot);
-  __syncthreads();
-  int before, sum;
-  warps_before(warp_sums, warp, &before, &sum);
-  __syncthreads();
-  *total = sum;
-  return before + in_warp;
-}
-
 // In-place exclusive prefix of v[0, n) (shared memory) by the whole block, tile
 // by tile of one value a thread; v[n] = the total. Every thread of the block calls it.
 __device__ void block_exclusive_scan(int* v, int n) {
@@ -111,6 +95,159 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
   }
 }
 
+// The ranks a token goes to (a mask), from its lanes' experts (-1, -2: none);
+// every lane of the warp calls it.
+__device__ __forceinline__ unsigned token_ranks(int e, int experts_per_rank, int width) {
+  unsigned mask = e >= 0 ? 1u << (e / experts_per_rank) : 0u;
+  for (int d = 1; d < width; d <<= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, d);
+  return mask;
+}
+
+// One chunk of this rank's tokens, placed (route_layout's scan blocks): each
+// slot's place among the tokens sent to its expert, each token's among those
+// sent to each of its ranks (the lists). A warp holds kScanTiles tiles of 32
+// slots, lane l slot l % width of token l / width of the tile (width: the power
+// of two >= K); a chunk is scan_warps warps' tiles, in token order. The slots
+// of one expert in a tile are found by __match_any_sync, so that a slot's place
+// in its tile is the lanes of its expert below it. Each warp counts its slots
+// per expert and its tokens per rank into its row of shared memory ([scan_warps]
+// [E + W]); the block turns the rows into each warp's first places in the chunk,
+// then adds the places of the chunks before it (a decoupled look-back): chunks
+// take their turn by a ticket (state[0]), publish their totals (sums [chunks]
+// [E + W]) and, once they have the sums of every chunk before them, those
+// through themselves (sums + chunks (E + W)), raising state[1 + chunk] to 1 and
+// 2; a chunk adds the totals back to the nearest chunk that has raised 2. The
+// chunks before it took their tickets earlier, so they run, and none waits for
+// a later one. The last chunk writes counts [E] and sends [W]. The warps place
+// their slots from the ids they kept in registers.
+template <typename IdxT>
+__device__ void scan_chunk(const IdxT* topk_idx, int tokens, int topk, int width, int experts, int experts_per_rank,
+                           int world, int scan_warps, int chunks, int* state, int* sums, Slot* route, Slot* shared,
+                           int* counts, int* sends, int* lists, int* peer_lists, long long list_stride) {
+  extern __shared__ int rows[];  // [scan_warps][E + W]: each warp's counts, then its next places
+  __shared__ int chunk_of, nearest;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int cols = experts + world;
+  if (threadIdx.x == 0) chunk_of = atomicAdd(state, 1);
+  for (int i = threadIdx.x; i < scan_warps * cols; i += blockDim.x) rows[i] = 0;
+  __syncthreads();
+  const int chunk = chunk_of;
+  unsigned* ready = reinterpret_cast<unsigned*>(state) + 1;
+  const int k = lane & (width - 1);
+  const unsigned below = (1u << lane) - 1u;
+  const unsigned token_lanes = (width == 32 ? 0xffffffffu : (1u << width) - 1u) << (lane - k);
+  const int per_tile = 32 / width;
+  const long long first = ((long long)chunk * scan_warps + warp) * Tuning::kScanTiles * per_tile + lane / width;
+  const bool scans = warp < scan_warps;  // the same on the warp's lanes
+  int* row = rows + warp * cols;
+  // the lane's slot of each tile: its expert, -1 (none: empty, out of range,
+  // past the tokens) or -2 (an expert the token named before: no place)
+  int id[Tuning::kScanTiles];
+#pragma unroll
+  for (int j = 0; j < Tuning::kScanTiles; ++j) {
+    const long long t = first + (long long)j * per_tile;
+    id[j] = -1;
+    if (scans && t < tokens && k < topk) {
+      const long long e = (long long)topk_idx[t * topk + k];
+      if (e >= 0 && e < experts) id[j] = (int)e;
+    }
+  }
+  if (scans) {
+#pragma unroll
+    for (int j = 0; j < Tuning::kScanTiles; ++j) {
+      const unsigned same = __match_any_sync(0xffffffffu, id[j]);
+      if (id[j] >= 0 && (same & token_lanes & below) != 0u) id[j] = -2;
+      const unsigned group = same & __ballot_sync(0xffffffffu, id[j] >= 0);
+      if (id[j] >= 0 && (group & below) == 0u) row[id[j]] += __popc(group);  // the group's lowest lane
+      const unsigned ranks = token_ranks(id[j], experts_per_rank, width);
+      for (int d = 0; d < world; ++d) {
+        const unsigned to_d = __ballot_sync(0xffffffffu, k == 0 && ((ranks >> d) & 1u));
+        if (lane == 0) row[experts + d] += __popc(to_d);
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  int* totals = sums;                                // [chunks][E + W]
+  int* through = sums + (long long)chunks * cols;    // [chunks][E + W]
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    int sum = 0;
+    for (int w = 0; w < scan_warps; ++w) {
+      const int v = rows[w * cols + c];
+      rows[w * cols + c] = sum;
+      sum += v;
+    }
+    totals[(long long)chunk * cols + c] = sum;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && chunk > 0) st_release(ready + chunk, 1u);
+  if (warp == 0) {  // the nearest chunk before this one with its sums through it (-1: none, chunk 0)
+    int from = chunk - 1, found = -1;
+    while (found < 0 && from >= 0) {
+      const int p = from - lane;
+      unsigned got = 0u;
+      if (p >= 0) {
+        while ((got = ld_acquire(ready + p)) == 0u) {
+        }
+      }
+      const unsigned done = __ballot_sync(0xffffffffu, got == 2u);
+      if (done != 0u) found = from - (__ffs(done) - 1);
+      from -= 32;
+    }
+    if (lane == 0) nearest = found;
+    __threadfence();
+  }
+  __syncthreads();
+  const int from = nearest;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    int before = 0;
+    if (from >= 0) {
+      before = __ldcg(through + (long long)from * cols + c);
+      for (int q = from + 1; q < chunk; ++q) before += __ldcg(totals + (long long)q * cols + c);
+    }
+    const int sum = before + totals[(long long)chunk * cols + c];
+    through[(long long)chunk * cols + c] = sum;
+    for (int w = 0; w < scan_warps; ++w) rows[w * cols + c] += before;
+    if (chunk == chunks - 1) {
+      if (c < experts) counts[c] = sum;
+      else sends[c - experts] = sum;
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) st_release(ready + chunk, 2u);
+  if (!scans) return;
+#pragma unroll
+  for (int j = 0; j < Tuning::kScanTiles; ++j) {
+    const long long t = first + (long long)j * per_tile;
+    const unsigned same = __match_any_sync(0xffffffffu, id[j]);
+    const unsigned group = same & __ballot_sync(0xffffffffu, id[j] >= 0);
+    const int at = id[j] >= 0 ? row[id[j]] : 0;
+    if (id[j] != -1) {
+      const int pos = id[j] >= 0 ? at + __popc(group & below) : -1;
+      route[t * topk + k].pos = pos;
+      if (shared != nullptr) shared[t * topk + k].pos = pos;
+    }
+    const unsigned ranks = token_ranks(id[j], experts_per_rank, width);
+    for (int d = 0; d < world; ++d) {
+      const bool to_me = k == 0 && ((ranks >> d) & 1u);
+      const unsigned to_d = __ballot_sync(0xffffffffu, to_me);
+      const int next = row[experts + d];
+      if (to_me) {
+        const int place = next + __popc(to_d & below);
+        lists[(long long)d * tokens + place] = (int)t;
+        if (peer_lists != nullptr) peer_lists[(long long)d * list_stride + place] = (int)t;
+      }
+      __syncwarp();
+      if (lane == 0) row[experts + d] = next + __popc(to_d);
+    }
+    __syncwarp();
+    if (id[j] >= 0 && (group & below) == 0u) row[id[j]] = at + __popc(group);
+    __syncwarp();
+  }
+}
+
 // topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
 //   route [T, K]: expert (-1 if empty or out of range), place among this rank's
 //     tokens sent to that expert (token order), weight bits; written too, if
@@ -132,10 +269,12 @@ __device__ __forceinline__ void layout_slot(const IdxT* topk_idx, const WT* weig
 //     next epoch's copy of the data buffer's stage region (copy 0 at stage_dst,
 //     stage_copy bytes apart; dst_stride bytes apart), where the peers pull them:
 //     the copy runs beside the layout instead of after it.
-// Blocks [0, E) each scan every token for one expert; blocks [E, E + W) each
-// every token for one destination rank (its list); blocks from E + W on (before
-// the staging blocks) fill the per-slot fields, a lane a slot (kThreads / width
-// tokens a block, width the power of two >= K). Held to four blocks per SM (32
+// Blocks [0, chunks) place the slots and list the tokens, a chunk of tokens
+// each (scan_chunk: scan_warps warps of kScanTiles tiles; scan_state [1 +
+// chunks] zeroed by the caller, scan_sums [2 chunks (E + W)]; dynamic shared
+// memory scan_warps (E + W) ints); the blocks after them, up to the staging
+// blocks, fill the per-slot fields, a lane a slot (kThreads / width tokens a
+// block, width the power of two >= K). Held to four blocks per SM (32
 // registers), so that most staging blocks run beside the layout's, not after.
 template <typename IdxT, typename WT>
 __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
@@ -145,7 +284,8 @@ __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* 
                                                                  int* counts, int* sends, int* lists,
                                                                  unsigned long long shared_lists,
                                                                  long long lists_copy, long long list_stride,
-                                                                 unsigned* hit, int* bad,
+                                                                 int chunks, int scan_warps, int* scan_state,
+                                                                 int* scan_sums, unsigned* hit, int* bad,
                                                                  const char* stage_src, long long src_stride,
                                                                  long long row_bytes, unsigned long long stage_dst,
                                                                  long long stage_copy, long long dst_stride,
@@ -161,66 +301,20 @@ __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* 
               (long long)stage_blocks * Tuning::kWarps);
     return;
   }
-  if ((int)blockIdx.x < experts) {
-    const int e = blockIdx.x;
-    int running = 0;
-    for (int base = 0; base < tokens; base += Tuning::kThreads) {
-      const int t = base + threadIdx.x;
-      int slot = -1;
-      if (t < tokens) {
-        for (int k = 0; k < topk; ++k) {
-          if ((long long)topk_idx[(long long)t * topk + k] != e) continue;
-          if (slot < 0) {
-            slot = k;
-          } else {  // e again in the row (unchecked input): no place
-            route[(long long)t * topk + k].pos = -1;
-            if (shared != nullptr) shared[(long long)t * topk + k].pos = -1;
-          }
-        }
-      }
-      int total;
-      const int offset = block_scan(slot >= 0, &total);
-      if (slot >= 0) {
-        route[(long long)t * topk + slot].pos = running + offset;
-        if (shared != nullptr) shared[(long long)t * topk + slot].pos = running + offset;
-      }
-      running += total;
-    }
-    if (threadIdx.x == 0) counts[e] = running;
-    return;
-  }
-  const int world = experts / experts_per_rank;
-  if ((int)blockIdx.x < experts + world) {  // destination d's list: its tokens, ascending
-    const int d = blockIdx.x - experts;
-    int* own = lists + (long long)d * tokens;
-    int* peer = shared_lists == 0 ? nullptr
-                                  : reinterpret_cast<int*>(by_parity((long long)shared_lists, lists_copy,
-                                                                     load_seq(seq) + 1)) + (long long)d * list_stride;
-    int running = 0;
-    for (int base = 0; base < tokens; base += Tuning::kThreads) {
-      const int t = base + threadIdx.x;
-      bool to_d = false;  // some valid expert of the token on rank d (as hit's mask)
-      for (int k = 0; t < tokens && k < topk; ++k) {
-        const long long e = (long long)topk_idx[(long long)t * topk + k];
-        to_d |= e >= 0 && e < experts && e / experts_per_rank == d;
-      }
-      int total;
-      const int offset = block_scan(to_d, &total);
-      if (to_d) {
-        own[running + offset] = t;
-        if (peer != nullptr) peer[running + offset] = t;
-      }
-      running += total;
-    }
-    if (threadIdx.x == 0) sends[d] = running;
-    return;
-  }
   int width = 1;
   while (width < topk) width <<= 1;
-  layout_slot(topk_idx, weights, (int)blockIdx.x - experts - world, tokens, topk, width, experts, experts_per_rank,
-              route, shared, hit, bad);
+  const int world = experts / experts_per_rank;
+  if ((int)blockIdx.x < chunks) {
+    int* peer_lists = shared_lists == 0 ? nullptr
+                                        : reinterpret_cast<int*>(by_parity((long long)shared_lists, lists_copy,
+                                                                           load_seq(seq) + 1));
+    scan_chunk(topk_idx, tokens, topk, width, experts, experts_per_rank, world, scan_warps, chunks, scan_state,
+               scan_sums, route, shared, counts, sends, lists, peer_lists, list_stride);
+    return;
+  }
+  layout_slot(topk_idx, weights, (int)blockIdx.x - chunks, tokens, topk, width, experts, experts_per_rank, route,
+              shared, hit, bad);
 }
-
 
 // What the experts and the later kernels read of a failed counts exchange: no
 // rows (every expert's count and N zero, each group of a padded dispatch empty),

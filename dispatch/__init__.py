@@ -95,7 +95,7 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
     if config.variant == "alltoall" and config.transport != "nccl":
         from dispatch.dispatchers.nvlink import NVLinkDispatcher, unusable
 
-        problem = unusable(group)  # a collective on NCCL groups: every rank gets the same answer
+        problem = unusable(group, config.num_experts)  # a collective on NCCL groups: every rank gets the same answer
         if problem is None:
             return NVLinkDispatcher(config, group)
         if config.transport == "nvlink":

@@ -205,6 +205,7 @@ class Engine:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // self.world
+        self._scan_warps = scan_warps(num_experts, self.world)  # >= 1: dispatchers.nvlink.unusable checked it
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.sms = cuda.num_sms(self.device)
         self.blocks = sm_budget or self.sms * BLOCKS_PER_SM
@@ -382,7 +383,11 @@ class Engine:
         device = self.device
         stage_row = 0 if rows is None else staged_row_bytes(codec, rows.shape[1])
         fits = self._fits(tokens, topk, stage_row)
-        row = torch.zeros(self.row_len, dtype=torch.int32, device=device)  # sends, counts, the bad-values mark
+        lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
+        chunks = -(-tokens // (self._scan_warps * cuda.SCAN_TILES * (32 // lanes)))  # the scan's blocks
+        # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states
+        zeroed = torch.zeros(self.row_len + 1 + chunks, dtype=torch.int32, device=device)
+        row, scan_state = zeroed[: self.row_len], zeroed[self.row_len :]
         route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
         lists = torch.empty(self.world, tokens, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
@@ -390,23 +395,25 @@ class Engine:
         route_start, route_copy = self._region("route") if fits else (0, 0)
         lists_start, lists_copy = self._region("lists") if fits else (0, 0)
         if tokens:
-            lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the slot blocks
+            scan_sums = torch.empty(2 * chunks * (self.num_experts + self.world), dtype=torch.int32, device=device)
             # the rows staged beside the layout, by blocks of the same launch, where they fit
             wire = codec.pack(rows) if fits and rows is not None else None
             stage_blocks = 0 if wire is None else self._copy_grid(tokens)
             stage_start, stage_copy = self._region("stage") if wire is not None else (0, 0)
             self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
-                self.num_experts + self.world + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
+                chunks + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
                  i32(self.experts_per_rank), ptr(route),
                  u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
                  ptr(counts), ptr(sends), ptr(lists), u64(self._data.data_ptr() + lists_start if fits else 0),
-                 i64(lists_copy), i64(self.capacity.tokens), ptr(hit),
+                 i64(lists_copy), i64(self.capacity.tokens), i32(chunks), i32(self._scan_warps), ptr(scan_state),
+                 ptr(scan_sums), ptr(hit),
                  ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None),
                  ptr(wire), i64(0 if wire is None else wire.stride(0) * wire.element_size()),
                  i64(0 if wire is None else codec.row_bytes(rows.shape[1])),
                  u64(0 if wire is None else self._data.data_ptr() + stage_start), i64(stage_copy), i64(stage_row),
                  i32(stage_blocks)),
+                shared=4 * self._scan_warps * (self.num_experts + self.world),
             )
         world, length, local = self.world, self.row_len, self.experts_per_rank
         out = torch.empty(4 + world * length + world * local + 1 + groups, dtype=torch.int32, device=device)
@@ -689,6 +696,12 @@ def aligned_rows(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` contiguous at a 16-byte-aligned address (the kernels load 16 bytes at a time)."""
     rows = rows.contiguous()
     return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
+def scan_warps(num_experts: int, world: int) -> int:
+    """Warps of a block of the routing layout's scan (``route_layout``): as many as
+    hold a row of E + W counts each in its shared memory; 0 where not one does."""
+    return min(cuda.THREADS // 32, cuda.SCAN_SHARED // (4 * (num_experts + world)))
 
 
 _ENGINES: dict = {}

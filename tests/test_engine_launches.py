@@ -18,7 +18,7 @@ import torch
 
 from dispatch import cuda, plan
 from dispatch.codec import to_experts_codec
-from dispatch.nvlink import SENDS_COL, Capacity, Engine, partial_row_bytes, staged_row_bytes
+from dispatch.nvlink import SENDS_COL, Capacity, Engine, partial_row_bytes, scan_warps, staged_row_bytes
 
 _KERNEL = re.compile(
     r"(?:template\s*<(?P<template>[^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
@@ -67,6 +67,7 @@ class _Checked:
 
     def __call__(self, blocks, args, shared=0):
         assert int(blocks) >= 1
+        assert 0 <= shared <= 48 * 1024, f"{self.name}: {shared} bytes of dynamic shared memory (48 KiB without opt-in)"
         assert len(args) == len(self.types), f"{self.name}: {len(args)} arguments for {len(self.types)} parameters"
         for i, (arg, want) in enumerate(zip(args, self.types)):
             assert type(arg) is want, f"{self.name} argument {i}: {type(arg).__name__}, the kernel takes {want.__name__}"
@@ -85,6 +86,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e = object.__new__(Engine)
     e.group, e.world, e.rank = None, world, 0
     e.num_experts, e.experts_per_rank = experts, experts // world
+    e._scan_warps = scan_warps(experts, world)
     e.device, e.sms, e.blocks, e.timeout_ns = torch.device("cpu"), 2, 8, 10**9
     e.counts_col = SENDS_COL + world
     e.row_len = e.counts_col + experts
@@ -149,3 +151,24 @@ def test_the_signatures_are_read():
     assert all(types for _, types in SIGNATURES.values())
     count, types = SIGNATURES[("layout.cu", "exchange_counts")]
     assert count == 0 and types[0] is np.uint64 and types[3] is np.int32 and types[-1] is np.uint64
+
+
+def test_the_host_side_mirrors_the_kernels_tuning():
+    """The constants the host sizes launches by are the kernels' (engine.cuh)."""
+    text = (cuda.csrc_dir() / "engine.cuh").read_text()
+
+    def constant(name: str) -> int:
+        m = re.search(rf"static constexpr (?:int|unsigned) {name} = ([^;]+);", text)
+        assert m, f"engine.cuh has no Tuning::{name}"
+        return int(eval(m[1], {}))  # an integer literal or product of them
+
+    assert (cuda.THREADS, cuda.SCAN_TILES, cuda.SCAN_SHARED) == (
+        constant("kThreads"), constant("kScanTiles"), constant("kScanShared"))
+
+
+def test_the_layout_scan_takes_the_warps_whose_counts_fit():
+    assert scan_warps(256, 8) == cuda.THREADS // 32  # DeepSeek-V3 on 8 ranks: every warp
+    limit = cuda.SCAN_SHARED // 4  # ints of counts in one block
+    assert scan_warps(limit - 8, 8) == 1
+    assert scan_warps(limit - 7, 8) == 0  # unusable() names num_experts
+    assert scan_warps(1024, 8) == cuda.SCAN_SHARED // (4 * 1032)

@@ -67,6 +67,8 @@ CASES = [
     ("one_expert", 8, 2, [50, 70]),
     ("sparse", 4, 4, [33, 17]),
     ("random", 160, 8, [1100, 700]),  # several blocks of tokens, 320 experts
+    ("random", 512, 8, [600, 300]),  # 1024 experts: the layout's scan by fewer warps than a block has
+    ("random", 2, 1, [5000, 3000]),  # K = 1: chunks of the layout's scan of 2048 tokens
 ]
 
 

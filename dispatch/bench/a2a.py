@@ -147,7 +147,7 @@ def _engine(world: int, largest_rows: int, hidden: int, dev):
         return None
     from dispatch.dispatchers.nvlink import NVLinkDispatcher, unusable
 
-    if unusable(None) is not None:  # a collective: every rank gets the same answer
+    if unusable(None, world) is not None:  # a collective: every rank gets the same answer
         return None
     engine = NVLinkDispatcher(config.DispatchConfig(num_experts=world, transport="nvlink", check_inputs=False))
     if largest_rows:

@@ -23,7 +23,8 @@ from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.dispatchers.base import CombineHandle, GroupSumsIssuer, PlanOutputs, TokenDispatcher
 from dispatch.dispatchers.streams import Pending, PendingGroups
-from dispatch.nvlink import SENDS_COL, Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, staged_row_bytes
+from dispatch.nvlink import (SENDS_COL, Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
+                             staged_row_bytes)
 from dispatch.stats import make_stats, resolve_local_world_size, tier_split
 from dispatch.timing import mark
 
@@ -345,10 +346,11 @@ def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:
     return num_tokens, topk
 
 
-def unusable(group) -> str | None:
-    """Why the engine cannot serve ``group`` here (None if it can): it needs an
-    NCCL group of at most 32 ranks, all on one host with peer access between
-    their GPUs, PyTorch's symmetric memory and CuPy. On an NCCL group this is a
+def unusable(group, num_experts: int) -> str | None:
+    """Why the engine cannot serve ``group`` and ``num_experts`` here (None if it
+    can): it needs an NCCL group of at most 32 ranks, all on one host with peer
+    access between their GPUs, PyTorch's symmetric memory and CuPy, and E + W
+    counts within one block's shared memory. On an NCCL group this is a
     collective (every rank must call it, and all get the same answer); on any
     other it answers at once."""
     backend = dist.get_backend(group)
@@ -368,6 +370,9 @@ def unusable(group) -> str | None:
     problem = None
     if world > MAX_WORLD:
         problem = f"takes at most {MAX_WORLD} ranks, the group has {world}"
+    elif scan_warps(num_experts, world) == 0:
+        problem = (f"takes at most {cuda.SCAN_SHARED // 4 - world} experts on {world} ranks (its routing layout "
+                   f"counts them in one block's shared memory), got num_experts={num_experts}")
     elif not all(ok for _, _, ok, _ in everyone):
         problem = "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
     elif not all(ok for _, _, _, ok in everyone):
