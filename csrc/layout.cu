@@ -118,17 +118,19 @@ __device__ __forceinline__ unsigned token_ranks(int e, int experts_per_rank, int
 // through themselves (sums + chunks (E + W)), raising state[1 + chunk] to 1 and
 // 2; a chunk adds the totals back to the nearest chunk that has raised 2. The
 // chunks before it took their tickets earlier, so they run, and none waits for
-// a later one. The last chunk writes counts [E] and sends [W]. The warps place
-// their slots from the ids they kept in registers.
+// a later one. The last chunk writes counts [E] and sends [W] (one chunk: its
+// sums are those, and it publishes nothing). The warps place their slots from
+// the ids they kept in registers. Not inlined: its registers are its own, and
+// the staging blocks of the launch spill none.
 template <typename IdxT>
-__device__ void scan_chunk(const IdxT* topk_idx, int tokens, int topk, int width, int experts, int experts_per_rank,
+__device__ __noinline__ void scan_chunk(const IdxT* topk_idx, int tokens, int topk, int width, int experts, int experts_per_rank,
                            int world, int scan_warps, int chunks, int* state, int* sums, Slot* route, Slot* shared,
                            int* counts, int* sends, int* lists, int* peer_lists, long long list_stride) {
   extern __shared__ int rows[];  // [scan_warps][E + W]: each warp's counts, then its next places
   __shared__ int chunk_of, nearest;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int cols = experts + world;
-  if (threadIdx.x == 0) chunk_of = atomicAdd(state, 1);
+  if (threadIdx.x == 0) chunk_of = chunks == 1 ? 0 : atomicAdd(state, 1);
   for (int i = threadIdx.x; i < scan_warps * cols; i += blockDim.x) rows[i] = 0;
   __syncthreads();
   const int chunk = chunk_of;
@@ -168,6 +170,7 @@ __device__ void scan_chunk(const IdxT* topk_idx, int tokens, int topk, int width
     }
   }
   __syncthreads();
+  // each warp's first places in the chunk; the chunk's totals
   int* totals = sums;                                // [chunks][E + W]
   int* through = sums + (long long)chunks * cols;    // [chunks][E + W]
   for (int c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -177,46 +180,52 @@ __device__ void scan_chunk(const IdxT* topk_idx, int tokens, int topk, int width
       rows[w * cols + c] = sum;
       sum += v;
     }
-    totals[(long long)chunk * cols + c] = sum;
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0 && chunk > 0) st_release(ready + chunk, 1u);
-  if (warp == 0) {  // the nearest chunk before this one with its sums through it (-1: none, chunk 0)
-    int from = chunk - 1, found = -1;
-    while (found < 0 && from >= 0) {
-      const int p = from - lane;
-      unsigned got = 0u;
-      if (p >= 0) {
-        while ((got = ld_acquire(ready + p)) == 0u) {
-        }
-      }
-      const unsigned done = __ballot_sync(0xffffffffu, got == 2u);
-      if (done != 0u) found = from - (__ffs(done) - 1);
-      from -= 32;
+    if (chunks == 1) {  // the sums are this rank's: nothing to publish
+      if (c < experts) counts[c] = sum;
+      else sends[c - experts] = sum;
+    } else {
+      totals[(long long)chunk * cols + c] = sum;
     }
-    if (lane == 0) nearest = found;
+  }
+  if (chunks > 1) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && chunk > 0) st_release_gpu(ready + chunk, 1u);
+    if (warp == 0) {  // the nearest chunk before this one with its sums through it (-1: none, chunk 0)
+      int from = chunk - 1, found = -1;
+      while (found < 0 && from >= 0) {
+        const int p = from - lane;
+        unsigned got = 0u;
+        if (p >= 0) {
+          while ((got = ld_acquire_gpu(ready + p)) == 0u) {
+          }
+        }
+        const unsigned done = __ballot_sync(0xffffffffu, got == 2u);
+        if (done != 0u) found = from - (__ffs(done) - 1);
+        from -= 32;
+      }
+      if (lane == 0) nearest = found;
+    }
+    __syncthreads();
+    const int from = nearest;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+      int before = 0;
+      if (from >= 0) {
+        before = __ldcg(through + (long long)from * cols + c);
+        for (int q = from + 1; q < chunk; ++q) before += __ldcg(totals + (long long)q * cols + c);
+      }
+      const int sum = before + totals[(long long)chunk * cols + c];
+      through[(long long)chunk * cols + c] = sum;
+      for (int w = 0; w < scan_warps; ++w) rows[w * cols + c] += before;
+      if (chunk == chunks - 1) {
+        if (c < experts) counts[c] = sum;
+        else sends[c - experts] = sum;
+      }
+    }
     __threadfence();
   }
   __syncthreads();
-  const int from = nearest;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    int before = 0;
-    if (from >= 0) {
-      before = __ldcg(through + (long long)from * cols + c);
-      for (int q = from + 1; q < chunk; ++q) before += __ldcg(totals + (long long)q * cols + c);
-    }
-    const int sum = before + totals[(long long)chunk * cols + c];
-    through[(long long)chunk * cols + c] = sum;
-    for (int w = 0; w < scan_warps; ++w) rows[w * cols + c] += before;
-    if (chunk == chunks - 1) {
-      if (c < experts) counts[c] = sum;
-      else sends[c - experts] = sum;
-    }
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) st_release(ready + chunk, 2u);
+  if (chunks > 1 && threadIdx.x == 0) st_release_gpu(ready + chunk, 2u);
   if (!scans) return;
 #pragma unroll
   for (int j = 0; j < Tuning::kScanTiles; ++j) {
