@@ -74,7 +74,12 @@ class MoEExchange(nn.Module):
             called once per group with that group's rows and counts (zero for
             the experts of other groups). If it is an ``nn.Module`` it becomes
             a submodule and the gradients of its parameters are computed by the
-            pipelined backward.
+            pipelined backward. Experts that hold each expert's weights apart
+            may name them: ``group_parameters(first, end)``, the parameters that
+            a call with rows of local experts [first, end) only can reach; each
+            group's backward then differentiates those only (once per pass),
+            not every expert's again (zeros for the experts the group gives no
+            rows, as those that run every expert on its rows, empty or not, give).
         chunks: G, the groups of local experts, in [1, E_local] (1: no
             pipelining, one dispatch and one combine in one piece each).
         comm_priority: CUDA priority of the dispatcher's communication stream
@@ -241,10 +246,12 @@ class _PipelineFn(torch.autograd.Function):
             bound = None if layer.max_rows is None else -(-layer.max_rows // groups)
             chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on, group_rows=bound)
         weights, leaves, ys = [None] * groups, [None] * groups, [None] * groups
+        reach = [None] * groups  # each group's parameters, by index into params (None: all)
         with layer._priority():
             sums = None
             for g in range(groups):
                 tokens, per_expert, per_expert_host, weights[g], handle, group_experts = _group(work, g, groups)
+                reach[g] = _reached(experts, params, group_experts)
                 if chunked is not None:
                     chunked.set_counts(g, per_expert, per_expert_host, group_experts)
                     with layer._carveout():
@@ -271,7 +278,7 @@ class _PipelineFn(torch.autograd.Function):
                 tokens = y = None
             result = sums.wait()
         ctx.layer, ctx.handle, ctx.weights = layer, handle, weights
-        ctx.leaves, ctx.ys, ctx.params, ctx.chunked = leaves, ys, params, chunked
+        ctx.leaves, ctx.ys, ctx.params, ctx.chunked, ctx.reach = leaves, ys, params, chunked, reach
         ctx.spent = False
         ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
         ctx.anchor_dtype = anchor.dtype
@@ -306,11 +313,17 @@ class _PipelineFn(torch.autograd.Function):
                 with layer._carveout():
                     if chunked is not None:
                         grad_tokens = chunked.backward(g, grad_y, x_any) if x_any or ctx.params else None
-                    elif w_leaf is None:
-                        grad_tokens = autograd_rows(leaf, y, grad_y, x_any, ctx.params, grad_params)
                     else:
-                        grad_tokens, grad_weight = autograd_rows(leaf, y, grad_y, x_any, ctx.params, grad_params,
-                                                                 w_leaf, w_any)
+                        reach = ctx.reach[g]
+                        params = ctx.params if reach is None else [ctx.params[i] for i in reach]
+                        grads = grad_params if reach is None else [grad_params[i] for i in reach]
+                        if w_leaf is None:
+                            grad_tokens = autograd_rows(leaf, y, grad_y, x_any, params, grads)
+                        else:
+                            grad_tokens, grad_weight = autograd_rows(leaf, y, grad_y, x_any, params, grads,
+                                                                     w_leaf, w_any)
+                        for i, grad in zip(reach or (), grads):
+                            grad_params[i] = grad
                     ctx.ys[g] = ctx.leaves[g] = None  # the group's graph is spent
                 if x_any:
                     to_x.add(grad_tokens)
@@ -340,6 +353,18 @@ class _PipelineFn(torch.autograd.Function):
             None,
             *grad_params,
         )
+
+
+def _reached(experts, params: tuple, group_experts: tuple[int, int] | None) -> list[int] | None:
+    """The indices into ``params`` of the parameters that a call of ``experts`` with
+    rows of local experts ``group_experts`` = (first, end) only can reach, where the
+    experts name them (``group_parameters``); None: every one (one group, or
+    experts that do not say)."""
+    named = getattr(experts, "group_parameters", None)
+    if group_experts is None or named is None:
+        return None
+    reached = {id(p) for p in named(*group_experts)}
+    return [i for i, p in enumerate(params) if id(p) in reached]
 
 
 def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list, weights=None,

@@ -703,6 +703,10 @@ def megatron_overlap_vs_plain(seed: int, num_experts: int, topk: int, hidden: in
         got["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())]
                                for e in layer.experts.local_experts]
         got["stage"] = vars(layer).get("routed_experts_compute") == dispatcher.experts_by_groups
+        if overlap != "plain":  # a group's backward reaches its SequentialMLP experts' weights only
+            mlps = layer.experts.local_experts
+            got["first_group_reaches"] = [id(p) for p in dispatcher.exchange.experts.group_parameters(0, 1)] == [
+                id(p) for p in mlps[0].parameters()]
         results[overlap] = got
     return results
 

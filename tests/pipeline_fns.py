@@ -183,7 +183,36 @@ class WeighingExperts(nn.Module):
         return torch.cat(out) if out else tokens.new_zeros(0, self.w_out.shape[2])
 
 
-def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts):
+class ExpertsApart(nn.Module):
+    """E_local MLPs with weights of their own, each run on its rows, empty or not (as
+    Megatron-Core's SequentialMLP), weighing them; names each group's parameters
+    (``group_parameters``) and counts the gradients computed for each expert's."""
+
+    def __init__(self, num_local_experts: int, hidden: int, dtype: torch.dtype, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.w_in = nn.ParameterList(
+            torch.randn(hidden, 2 * hidden, generator=gen).to(dtype) for _ in range(num_local_experts))
+        self.w_out = nn.ParameterList(
+            torch.randn(2 * hidden, hidden, generator=gen).to(dtype) for _ in range(num_local_experts))
+        self.gradients = [0] * num_local_experts  # of each expert's weights, over a backward
+        for e in range(num_local_experts):
+            for p in (self.w_in[e], self.w_out[e]):
+                p.register_hook(lambda grad, e=e: self._count(e))
+
+    def _count(self, e: int) -> None:
+        self.gradients[e] += 1
+
+    def forward(self, tokens, tokens_per_expert, weights):
+        counts = tokens_per_expert.tolist()
+        return torch.cat([((rows @ self.w_in[e]).relu() * w.unsqueeze(1).to(rows.dtype)) @ self.w_out[e]
+                          for e, (rows, w) in enumerate(zip(tokens.split(counts), weights.split(counts)))])
+
+    def group_parameters(self, first: int, end: int) -> list:
+        return [p for e in range(first, end) for p in (self.w_in[e], self.w_out[e])]
+
+
+def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, apart: bool = False):
     """MoEExchange(weighted_experts=True) for each C in ``chunk_counts`` against
     dispatch -> experts(tokens, counts, weights) -> combine(weights=None) ("plain"),
     forward and backward; {C: {"out", "x", "topk_weights", "params", "calls"}} on the CPU."""
@@ -191,7 +220,8 @@ def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_co
     d = dispatch.create(dispatch.DispatchConfig(**config))
     results = {}
     for chunks in ("plain", *chunk_counts):
-        experts = WeighingExperts(d.num_local_experts, x.shape[1], x.dtype, seed=d.rank).to(device)
+        kind = ExpertsApart if apart else WeighingExperts
+        experts = kind(d.num_local_experts, x.shape[1], x.dtype, seed=d.rank).to(device)
         xs = x.to(device).requires_grad_(True)
         ws = topk_weights.to(device).requires_grad_(True)
         idx = topk_idx.to(device)
@@ -202,7 +232,8 @@ def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_co
             h = dispatch.MoEExchange(d, experts, chunks=chunks, weighted_experts=True)(xs, idx, ws)
         (h * grad_out.to(device)).sum().backward()
         results[chunks] = {"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
-                           "params": [_cpu(p.grad) for p in experts.parameters()], "calls": experts.calls}
+                           "params": [_cpu(p.grad) for p in experts.parameters()],
+                           "calls": getattr(experts, "calls", None), "gradients": getattr(experts, "gradients", None)}
     return results
 
 

@@ -152,6 +152,7 @@ def test_overlap_by_groups_is_bitwise_the_plain_adapter(worlds, world_size):
         for overlap in overlaps:
             got = result[overlap]
             assert got["stage"], (rank, overlap)
+            assert got["first_group_reaches"], (rank, overlap)
             for key in ("out", "x_grad", "router_grad"):
                 assert torch.equal(got[key], want[key]), f"rank {rank} overlap={overlap} {key}"
             for mine, theirs in zip(got["expert_grads"], want["expert_grads"]):

@@ -61,6 +61,32 @@ def test_experts_that_weigh_their_rows(worlds, world_size, dtype):
             assert want["topk_weights"].abs().sum() > 0
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_each_groups_backward_reaches_its_experts_weights_only(worlds, world_size):
+    """Experts that hold each expert's weights apart and run every expert, empty or
+    not (Megatron-Core's SequentialMLP), naming each group's (``group_parameters``):
+    every C bitwise the unpipelined round trip, and each expert's weights get one
+    gradient a backward, not one a group (zeros from the groups that gave it no rows)."""
+    routing = make_routing(world_size, LOCAL, 3, [9, 0, 6][:world_size], "random", seed=5)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 3) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 4) for r, t in enumerate(routing.num_tokens)]
+    chunks = (1, 2, 3, LOCAL)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], dict(num_experts=routing.num_experts),
+             chunks, True) for r in range(world_size)]
+    for rank, result in enumerate(worlds(world_size).run(pipeline_fns.weighing_experts, args)):
+        want = result["plain"]
+        assert want["gradients"] == [2] * LOCAL  # w_in and w_out of each expert, once
+        for c in chunks:
+            got = result[c]
+            for key in ("out", "x", "topk_weights"):
+                assert torch.equal(got[key], want[key]), f"rank {rank} C={c} {key}"
+            for a, b in zip(got["params"], want["params"]):
+                assert torch.equal(a, b), f"rank {rank} C={c} params"
+            # each of an expert's two weights: its gradient made once by its group's
+            # backward, then accumulated once into .grad (the hook sees both)
+            assert got["gradients"] == [4] * LOCAL, f"rank {rank} C={c}: {got['gradients']}"
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", ["random", "sparse"])
 def test_chunks_bitwise_fp32(worlds, world_size, mode):

@@ -763,6 +763,20 @@ class _GroupExperts(torch.nn.Module):
     def __init__(self, experts: torch.nn.Module) -> None:
         super().__init__()
         self.experts = experts
+        # SequentialMLP: an MLP a local expert, each run on its rows (none for the other
+        # groups' experts), its parameters its MLPs' and nothing else
+        mlps = getattr(experts, "local_experts", None)
+        apart = isinstance(mlps, torch.nn.ModuleList) and len(mlps) > 0 and (
+            {id(p) for p in experts.parameters()} == {id(p) for mlp in mlps for p in mlp.parameters()})
+        self._mlps = tuple(mlps) if apart else None
+
+    def group_parameters(self, first: int, end: int) -> list:
+        """The parameters that a call with rows of local experts [first, end) only can
+        reach (``MoEExchange``): those experts' MLPs' where each expert has its own
+        (SequentialMLP), else all (a grouped MLP's weights hold every expert)."""
+        if self._mlps is None:
+            return list(self.experts.parameters())
+        return [p for mlp in self._mlps[first:end] for p in mlp.parameters()]
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         out, bias = self.experts(tokens, tokens_per_expert, probs)
