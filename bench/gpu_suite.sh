@@ -29,7 +29,8 @@
 #             graphs, its EP-communication overlap, timing)
 #   megatron-timing  its timing part alone on 2 ranks (the layer with each dispatcher, ours
 #             with its experts by groups beside the exchange, the experts alone): 256
-#             experts (SequentialMLP, host-bound), then 16 (GEMM-bound; in experts16/)
+#             experts (SequentialMLP, host-bound), then 16 (GEMM-bound; in experts16/), each
+#             row also traced once (GPU busy time against wall time, longest kernels and host ops)
 #   studies   the bench/ scripts: wire formats, the overlap layer's timelines (C = 4,
 #             slowed exchange), and the ranks as 2 nodes (hierarchical tiers, bytes per tier)
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -132,9 +133,9 @@ for part in "$@"; do
     megatron)
       step 540 megatron-layer python3 bench/megatron_layer.py --out "$RES" ;;
     megatron-timing)
-      step 300 megatron-timing python3 bench/megatron_layer.py --parts timing --world-size 2 --out "$RES"
+      step 300 megatron-timing python3 bench/megatron_layer.py --parts timing --world-size 2 --trace --out "$RES"
       step 300 megatron-timing-16 python3 bench/megatron_layer.py --parts timing --world-size 2 --experts 16 \
-        --out "$RES/experts16" ;;
+        --trace --out "$RES/experts16" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
       step 120 overlap-trace python3 bench/overlap_trace.py --chunks 1,4 --sm-carveout 16 --comm-max-ctas 2 \

@@ -57,6 +57,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overlap-groups", type=int, default=None,
                         help="groups of local experts of the timed overlapped layer (default: install(overlap=True)'s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed passes first (default 3)")
+    parser.add_argument("--trace", action="store_true",
+                        help="timing: profile one more pass of each row (torch.profiler): the GPU's busy time "
+                             "against the pass's wall time, the kernels and host operations that took longest")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option for an extra 'ours' timing row, e.g. dispatch_wire=fp8 (repeatable)")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
@@ -682,6 +686,7 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
             "p90_ms": stats["p90"],
             "output_error_vs_megatron": error,
         })
+    traces = {name: _trace(steps[name]) for name in names} if args.trace else None
     layer.token_dispatcher = dispatchers["megatron alltoall"]
     vars(layer).pop("routed_experts_compute", None)
     median = {r["name"]: r["median_ms"] for r in rows}
@@ -692,6 +697,49 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
         "overlapped": overlapped,
         "megatron_exchange_ms": exchange,
         "saved_share": (median["megatron alltoall"] - median[overlapped]) / exchange if exchange > 0 else None,
+        "traces": traces,
+    }
+
+
+TRACE_TOP = 6  # kernels and host operations a trace names
+
+
+def covered(spans: list) -> float:
+    """The length of the union of the intervals ``spans`` [(start, end)]."""
+    total, reach = 0.0, None
+    for lo, hi in sorted(spans):
+        if reach is None or lo > reach:
+            total, reach = total + hi - lo, hi
+        elif hi > reach:
+            total, reach = total + hi - reach, hi
+    return total
+
+
+def _trace(step) -> dict:
+    """One profiled pass of ``step`` on every rank (after a barrier); this rank's
+    wall time of it (to the GPU's end), the GPU's busy time (the union of its kernels'
+    and copies' intervals, every stream), and the longest kernels (by device time)
+    and host operations (by their own host time), in ms."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    table = prof.key_averages()
+    top_gpu = sorted(table, key=lambda a: a.self_device_time_total, reverse=True)[:TRACE_TOP]
+    top_cpu = sorted(table, key=lambda a: a.self_cpu_time_total, reverse=True)[:TRACE_TOP]
+    return {
+        "wall_ms": wall * 1e3,
+        "gpu_busy_ms": covered(spans) / 1e3,
+        "kernels": len(spans),
+        "top_gpu": [[a.key[:60], a.self_device_time_total / 1e3, a.count] for a in top_gpu],
+        "top_host": [[a.key[:60], a.self_cpu_time_total / 1e3, a.count] for a in top_cpu],
     }
 
 
@@ -824,6 +872,11 @@ def report(result: dict, args: argparse.Namespace) -> None:
         lines += ["", f"Megatron's layer less its experts alone: {timing['megatron_exchange_ms']:.2f} ms; "
                       f"{timing['overlapped']} saves "
                       f"{'-' if share is None else f'{share:.2f}'} of it against Megatron's layer"]
+        for name, trace in (timing.get("traces") or {}).items():
+            lines += ["", f"trace of one pass, {name} (rank 0): wall {trace['wall_ms']:.2f} ms, GPU busy "
+                          f"{trace['gpu_busy_ms']:.2f} ms ({trace['kernels']} kernels and copies)"]
+            for what, key in (("kernels", "top_gpu"), ("host", "top_host")):
+                lines.append(f"  {what}: " + "; ".join(f"{n} {ms:.2f} ms x{c}" for n, ms, c in trace[key]))
     env = environment()
     lines += ["", "environment: " + ", ".join(f"{k} {v}" for k, v in env.items())]
     text = "\n".join(lines)

@@ -531,6 +531,15 @@ def test_layer_script_bad_flags(argv, needle, capsys):
     assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_layer_script_traces_busy_time_as_the_union_of_spans():
+    from bench_scripts import load
+
+    covered = load("megatron_layer").covered
+    assert covered([]) == 0
+    assert covered([(5, 9), (0, 2), (1, 3), (8, 12), (20, 21)]) == 3 + 7 + 1  # [0, 3), [5, 12), [20, 21)
+    assert covered([(0, 10), (2, 3)]) == 10  # one inside another
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_layer_script_needs_cuda(capsys):
     from bench_scripts import load
