@@ -812,7 +812,10 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
             rows land, beside the next group's exchange (see the module's "Overlap
             by groups of local experts"): True for ``OVERLAP_GROUPS`` groups (or
             E_local where fewer), an int G for G groups; False (default): one
-            exchange, the experts called once, as ``MoELayer`` does.
+            exchange, the experts called once, as ``MoELayer`` does. Measured
+            slower than False on an eager, host-bound layer (16 and 256 experts
+            on 2 x H100, bench/results/README.md): measure yours before turning
+            it on.
         **options: the engine's options (fields of :class:`dispatch.DispatchConfig`
             other than ``num_experts``), e.g. ``dispatch_wire="bf16"``.
     Returns:
