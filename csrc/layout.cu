@@ -190,14 +190,14 @@ __device__ __noinline__ void scan_chunk(const IdxT* topk_idx, int tokens, int to
   if (chunks > 1) {
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0 && chunk > 0) st_release_gpu(ready + chunk, 1u);
+    if (threadIdx.x == 0 && chunk > 0) st_release<false>(ready + chunk, 1u);
     if (warp == 0) {  // the nearest chunk before this one with its sums through it (-1: none, chunk 0)
       int from = chunk - 1, found = -1;
       while (found < 0 && from >= 0) {
         const int p = from - lane;
         unsigned got = 0u;
         if (p >= 0) {
-          while ((got = ld_acquire_gpu(ready + p)) == 0u) {
+          while ((got = ld_acquire<false>(ready + p)) == 0u) {
           }
         }
         const unsigned done = __ballot_sync(0xffffffffu, got == 2u);
@@ -225,7 +225,7 @@ __device__ __noinline__ void scan_chunk(const IdxT* topk_idx, int tokens, int to
     __threadfence();
   }
   __syncthreads();
-  if (chunks > 1 && threadIdx.x == 0) st_release_gpu(ready + chunk, 2u);
+  if (chunks > 1 && threadIdx.x == 0) st_release<false>(ready + chunk, 2u);
   if (!scans) return;
 #pragma unroll
   for (int j = 0; j < Tuning::kScanTiles; ++j) {

@@ -32,33 +32,47 @@ def _run(worlds, routing, dtype, experts, chunk_counts, generic=False, x_grad=Tr
     return xs, worlds(world_size).run(pipeline_fns.pipelined, args)
 
 
+WEIGHING_CHUNKS = (1, 2, 3, LOCAL)
+
+
+def _weighing(worlds, world_size: int, dtype, tokens: list, seed: int, apart: bool = False):
+    """(routing, every rank's pipeline_fns.weighing_experts results), every C checked
+    bitwise against dispatch -> experts(tokens, counts, weights) -> combine(weights=None):
+    forward, the rows', routing weights' and parameters' gradients."""
+    routing = make_routing(world_size, LOCAL, 3, tokens[:world_size], "random", seed=seed)
+    xs = [random_tokens(r, t, HIDDEN, dtype, 3) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, dtype, 4) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, WEIGHING_CHUNKS, apart)
+            for r in range(world_size)]
+    results = worlds(world_size).run(pipeline_fns.weighing_experts, args)
+    for rank, result in enumerate(results):
+        want = result["plain"]
+        for c in WEIGHING_CHUNKS:
+            got = result[c]
+            for key in ("out", "x", "topk_weights"):
+                assert torch.equal(got[key], want[key]), f"rank {rank} C={c} {key}"
+            for mine, theirs in zip(got["params"], want["params"]):
+                assert torch.equal(mine, theirs), f"rank {rank} C={c} params"
+    return routing, results
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_that_weigh_their_rows(worlds, world_size, dtype):
     """weighted_experts=True (Megatron's experts apply the routing weights): every C
-    bitwise dispatch -> experts(tokens, counts, weights) -> combine(weights=None),
-    forward, the rows', routing weights' and parameters' gradients; each group's
-    call counts only that group's experts."""
-    routing = make_routing(world_size, LOCAL, 3, [7, 0, 5][:world_size], "random", seed=11)
-    xs = [random_tokens(r, t, HIDDEN, dtype, 3) for r, t in enumerate(routing.num_tokens)]
-    gs = [random_tokens(r, t, HIDDEN, dtype, 4) for r, t in enumerate(routing.num_tokens)]
-    config = dict(num_experts=routing.num_experts)
-    chunks = (1, 2, 3, LOCAL)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, chunks) for r in range(world_size)]
-    for rank, result in enumerate(worlds(world_size).run(pipeline_fns.weighing_experts, args)):
-        want = result["plain"]
-        for c in chunks:
-            got = result[c]
-            for key in ("out", "x", "topk_weights"):
-                assert torch.equal(got[key], want[key]), f"rank {rank} C={c} {key}"
-            for a, b in zip(got["params"], want["params"]):
-                assert torch.equal(a, b), f"rank {rank} C={c} params"
+    bitwise the unpipelined round trip; each group's call counts only that group's
+    experts."""
+    routing, results = _weighing(worlds, world_size, dtype, [7, 0, 5], seed=11)
+    for rank, result in enumerate(results):
+        for c in WEIGHING_CHUNKS:
+            calls = result[c]["calls"]
             bounds = dispatch.plan.expert_groups(LOCAL, c)
-            assert len(got["calls"]) == c
-            for counts, lo, hi in zip(got["calls"], bounds, bounds[1:]):
+            assert len(calls) == c
+            for counts, lo, hi in zip(calls, bounds, bounds[1:]):
                 assert all(n == 0 for e, n in enumerate(counts) if not lo <= e < hi), (rank, c, counts)
         if routing.num_tokens[rank]:  # the weights' gradients came through the experts
-            assert want["topk_weights"].abs().sum() > 0
+            assert result["plain"]["topk_weights"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -67,24 +81,13 @@ def test_each_groups_backward_reaches_its_experts_weights_only(worlds, world_siz
     not (Megatron-Core's SequentialMLP), naming each group's (``group_parameters``):
     every C bitwise the unpipelined round trip, and each expert's weights get one
     gradient a backward, not one a group (zeros from the groups that gave it no rows)."""
-    routing = make_routing(world_size, LOCAL, 3, [9, 0, 6][:world_size], "random", seed=5)
-    xs = [random_tokens(r, t, HIDDEN, torch.float32, 3) for r, t in enumerate(routing.num_tokens)]
-    gs = [random_tokens(r, t, HIDDEN, torch.float32, 4) for r, t in enumerate(routing.num_tokens)]
-    chunks = (1, 2, 3, LOCAL)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], dict(num_experts=routing.num_experts),
-             chunks, True) for r in range(world_size)]
-    for rank, result in enumerate(worlds(world_size).run(pipeline_fns.weighing_experts, args)):
-        want = result["plain"]
-        assert want["gradients"] == [2] * LOCAL  # w_in and w_out of each expert, once
-        for c in chunks:
-            got = result[c]
-            for key in ("out", "x", "topk_weights"):
-                assert torch.equal(got[key], want[key]), f"rank {rank} C={c} {key}"
-            for a, b in zip(got["params"], want["params"]):
-                assert torch.equal(a, b), f"rank {rank} C={c} params"
+    _, results = _weighing(worlds, world_size, torch.float32, [9, 0, 6], seed=5, apart=True)
+    for rank, result in enumerate(results):
+        assert result["plain"]["gradients"] == [2] * LOCAL  # w_in and w_out of each expert, once
+        for c in WEIGHING_CHUNKS:
             # each of an expert's two weights: its gradient made once by its group's
             # backward, then accumulated once into .grad (the hook sees both)
-            assert got["gradients"] == [4] * LOCAL, f"rank {rank} C={c}: {got['gradients']}"
+            assert result[c]["gradients"] == [4] * LOCAL, f"rank {rank} C={c}: {result[c]['gradients']}"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
