@@ -8,13 +8,16 @@ dispatch, combine and round-trip times (CUDA events, after warm-up and a
 barrier), every result checked against the NCCL transport bit for bit; the
 engine with one host read per dispatch, with max_rows (no host read; this
 rank's N plus 10%, the rows past N zeroed), and with max_rows captured in CUDA
-graphs (dispatch, combine, round trip: each one graph, replayed); then one
-profiled round trip of the engine, its kernels' times on rank 0.
+graphs (dispatch, combine, round trip: each one graph, replayed), and there the
+plan phase alone (the routing layout and the counts exchange of a dispatch with
+max_rows, no rows staged) in a graph of its own; then one profiled round trip of
+the engine, its kernels' times on rank 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -71,6 +74,27 @@ def _time(fn, iters, warmup):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)
     return statistics.median(times), min(times), max(times)
+
+
+def _captured_plan(d, x, topk_idx, topk_weights, bound: int):
+    """The plan phase of a dispatch with ``max_rows=bound`` alone: the routing layout
+    and the counts exchange on the device (no rows staged beside the layout), run
+    once eagerly and captured in a CUDA graph; returns its replay."""
+    from dispatch import plan
+
+    weights, _, codec = d._wire_inputs(x, topk_weights)
+    header = plan.header(x, topk_weights, topk_idx.shape[1], (bound, -1))
+    idx = topk_idx.contiguous()
+
+    def plan_only():
+        d.engine.exchange_counts(idx, weights, header, None, codec, False, host_read=False)
+
+    plan_only()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan_only()
+    return functools.partial(common._replay, graph, idx, weights)
 
 
 def _host_sections(round_trip, calls=20):
@@ -166,14 +190,16 @@ def _worker(rank, world, args, port):
             t_d = _time(dispatch_only, args.iters, args.warmup)
             t_c = _time(combine_only, args.iters, args.warmup)
             t_r = _time(round_trip, args.iters, args.warmup)
+            t_p = _time(_captured_plan(d, x, idx, w, bound), args.iters, args.warmup) if mode == "graph" else None
             if bound is not None:
                 d.check()
             rows.append(dict(shape=name, setting=label, max_rows=bound, dispatch_us=t_d[0], combine_us=t_c[0],
                              round_trip_us=t_r[0], round_trip_min_us=t_r[1], round_trip_max_us=t_r[2],
-                             bitwise_equal_nccl=bool(same)))
+                             plan_us=None if t_p is None else t_p[0], bitwise_equal_nccl=bool(same)))
             if rank == 0:
+                plan_text = "" if t_p is None else f"  plan {t_p[0]:6.1f} us (min {t_p[1]:.1f})"
                 print(f"{name:14s} {label:18s} dispatch {t_d[0]:8.1f} us  combine {t_c[0]:8.1f} us  "
-                      f"round trip {t_r[0]:8.1f} us (min {t_r[1]:.1f})  equal to nccl: {same}", flush=True)
+                      f"round trip {t_r[0]:8.1f} us (min {t_r[1]:.1f})  equal to nccl: {same}{plan_text}", flush=True)
             profiled = label in ("nvlink", "nvlink-bounded")
             if profiled and args.host_profile and rank == 0:
                 import cProfile
