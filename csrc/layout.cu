@@ -123,9 +123,10 @@ __device__ __forceinline__ unsigned token_ranks(int e, int experts_per_rank, int
 // the ids they kept in registers. Not inlined: its registers are its own, and
 // the staging blocks of the launch spill none.
 template <typename IdxT>
-__device__ __noinline__ void scan_chunk(const IdxT* topk_idx, int tokens, int topk, int width, int experts, int experts_per_rank,
-                           int world, int scan_warps, int chunks, int* state, int* sums, Slot* route, Slot* shared,
-                           int* counts, int* sends, int* lists, int* peer_lists, long long list_stride) {
+__device__ __noinline__ void scan_chunk(const IdxT* topk_idx, int tokens, int topk, int width, int experts,
+                                        int experts_per_rank, int world, int scan_warps, int chunks, int* state,
+                                        int* sums, Slot* route, Slot* shared, int* counts, int* sends, int* lists,
+                                        int* peer_lists, long long list_stride) {
   extern __shared__ int rows[];  // [scan_warps][E + W]: each warp's counts, then its next places
   __shared__ int chunk_of, nearest;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
