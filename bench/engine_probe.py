@@ -9,9 +9,12 @@ barrier), every result checked against the NCCL transport bit for bit; the
 engine with one host read per dispatch, with max_rows (no host read; this
 rank's N plus 10%, the rows past N zeroed), and with max_rows captured in CUDA
 graphs (dispatch, combine, round trip: each one graph, replayed), and there the
-plan phase alone (the routing layout and the counts exchange of a dispatch with
-max_rows, no rows staged) in a graph of its own; then one profiled round trip of
-the engine, its kernels' times on rank 0.
+round trip in steady state (STEADY replays queued back to back, timed together:
+a single replay's time includes how much later the peers' graphs were launched,
+which the counts exchange waits out) and the plan phase alone (the routing
+layout and the counts exchange of a dispatch with max_rows, no rows staged) in a
+graph of its own; then one profiled round trip of the engine, its kernels' times
+on rank 0.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SHAPES = {  # T per rank, H, E, K
     "mixtral-8x7b": (8192, 4096, 8, 2),
     "decode": (128, 7168, 256, 8),
 }
+STEADY = 10  # graph replays of the round trip queued back to back for the steady-state time
 SETTINGS = [  # name, transport, dispatch wire, sm budget, mode
     # mode: "host" (one host read per dispatch), "bounded" (max_rows, no host read),
     # "graph" (max_rows, the round trip captured once in a CUDA graph and replayed)
@@ -190,16 +194,22 @@ def _worker(rank, world, args, port):
             t_d = _time(dispatch_only, args.iters, args.warmup)
             t_c = _time(combine_only, args.iters, args.warmup)
             t_r = _time(round_trip, args.iters, args.warmup)
-            t_p = _time(_captured_plan(d, x, idx, w, bound), args.iters, args.warmup) if mode == "graph" else None
+            t_s = t_p = None
+            if mode == "graph":
+                t_s = [t / STEADY for t in _time(lambda: [round_trip() for _ in range(STEADY)], args.iters,
+                                                 args.warmup)]
+                t_p = _time(_captured_plan(d, x, idx, w, bound), args.iters, args.warmup)
             if bound is not None:
                 d.check()
             rows.append(dict(shape=name, setting=label, max_rows=bound, dispatch_us=t_d[0], combine_us=t_c[0],
                              round_trip_us=t_r[0], round_trip_min_us=t_r[1], round_trip_max_us=t_r[2],
+                             steady_round_trip_us=None if t_s is None else t_s[0],
                              plan_us=None if t_p is None else t_p[0], bitwise_equal_nccl=bool(same)))
             if rank == 0:
-                plan_text = "" if t_p is None else f"  plan {t_p[0]:6.1f} us (min {t_p[1]:.1f})"
+                graph_text = "" if t_p is None else (f"  steady {t_s[0]:8.1f} us  plan {t_p[0]:6.1f} us "
+                                                    f"(min {t_p[1]:.1f})")
                 print(f"{name:14s} {label:18s} dispatch {t_d[0]:8.1f} us  combine {t_c[0]:8.1f} us  "
-                      f"round trip {t_r[0]:8.1f} us (min {t_r[1]:.1f})  equal to nccl: {same}{plan_text}", flush=True)
+                      f"round trip {t_r[0]:8.1f} us (min {t_r[1]:.1f})  equal to nccl: {same}{graph_text}", flush=True)
             profiled = label in ("nvlink", "nvlink-bounded")
             if profiled and args.host_profile and rank == 0:
                 import cProfile
