@@ -20,7 +20,6 @@ on rank 0.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -85,8 +84,11 @@ def _captured_plan(d, x, topk_idx, topk_weights, bound: int):
     and the counts exchange on the device (no rows staged beside the layout), run
     once eagerly and captured in a CUDA graph; returns its replay."""
     from dispatch import plan
+    from dispatch.codec import to_experts_codec
 
-    weights, _, codec = d._wire_inputs(x, topk_weights)
+    # what the dispatch hands the engine: the weights in their wire dtype, x's codec
+    weights = topk_weights.to(plan.weight_wire_dtype(topk_weights.dtype)).contiguous()
+    codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
     header = plan.header(x, topk_weights, topk_idx.shape[1], (bound, -1))
     idx = topk_idx.contiguous()
 
@@ -98,7 +100,11 @@ def _captured_plan(d, x, topk_idx, topk_weights, bound: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         plan_only()
-    return functools.partial(common._replay, graph, idx, weights)
+
+    def replay(_reads=(idx, weights)):  # the graph reads them: held as long as the replay is
+        graph.replay()
+
+    return replay
 
 
 def _host_sections(round_trip, calls=20):

@@ -373,6 +373,16 @@ def test_auto_transport_takes_the_collectives_on_gloo(worlds):
         assert message is not None and "transport='nvlink'" in message and "gloo" in message
 
 
+def test_more_experts_than_the_layout_counts_refused_by_name(worlds):
+    """E + W past what one block's shared memory counts: transport='nvlink' refused
+    naming num_experts, on every rank, before any communication; 'auto' takes NCCL."""
+    experts = cuda.SCAN_SHARED // 4  # E + W over the limit by W
+    config = dict(num_experts=experts, transport="nvlink")
+    for message in worlds(WORLD).run(_refused, [(config,)] * WORLD):
+        assert message is not None and f"num_experts={experts}" in message, message
+    assert worlds(WORLD).run(_picked, [(dict(num_experts=experts),)] * WORLD) == ["AllToAllDispatcher"] * WORLD
+
+
 def _bad_on_rank0(x, topk_idx, topk_weights, config, case):
     from world import current_device
 

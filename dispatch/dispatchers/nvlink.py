@@ -353,10 +353,13 @@ def unusable(group, num_experts: int) -> str | None:
     counts within one block's shared memory. On an NCCL group this is a
     collective (every rank must call it, and all get the same answer); on any
     other it answers at once."""
+    world = dist.get_world_size(group)
+    if scan_warps(num_experts, world) == 0:  # the same on every rank: no collective needed
+        return (f"takes at most {cuda.SCAN_SHARED // 4 - world} experts on {world} ranks (its routing layout "
+                f"counts them in one block's shared memory), got num_experts={num_experts}")
     backend = dist.get_backend(group)
     if backend != "nccl":
         return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
-    world = dist.get_world_size(group)
     if world == 1:  # and no symmetric-memory rendezvous that its peers outside it would not make
         return "needs peers: the group has one rank"
     import socket
@@ -370,9 +373,6 @@ def unusable(group, num_experts: int) -> str | None:
     problem = None
     if world > MAX_WORLD:
         problem = f"takes at most {MAX_WORLD} ranks, the group has {world}"
-    elif scan_warps(num_experts, world) == 0:
-        problem = (f"takes at most {cuda.SCAN_SHARED // 4 - world} experts on {world} ranks (its routing layout "
-                   f"counts them in one block's shared memory), got num_experts={num_experts}")
     elif not all(ok for _, _, ok, _ in everyone):
         problem = "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
     elif not all(ok for _, _, _, ok in everyone):

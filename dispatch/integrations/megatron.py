@@ -798,7 +798,7 @@ def _describe(value) -> str:
 # ----------------------------------------------------------------------------- installing
 
 
-OVERLAP_GROUPS = 2  # install(overlap=True): the fewest groups that pipeline (bench/results/README.md)
+OVERLAP_GROUPS = 2  # install(overlap=True): the fewest groups that overlap anything (slower so far: README)
 
 
 def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispatcher:
