@@ -56,6 +56,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import sys
 import time
 import traceback
@@ -91,7 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed passes first (default 3)")
     parser.add_argument("--trace", action="store_true",
                         help="timing: profile one more pass of each row (torch.profiler): the GPU's busy time "
-                             "against the pass's wall time, the kernels and host operations that took longest")
+                             "against the pass's wall time, the kernels and host operations that took longest, "
+                             "the host's time to issue a pass (unprofiled); rank 0's timeline of each row in "
+                             "OUT/traces/ (chrome trace JSON)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option for an extra 'ours' timing row, e.g. dispatch_wire=fp8 (repeatable)")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
@@ -686,7 +690,8 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
             "p90_ms": stats["p90"],
             "output_error_vs_megatron": error,
         })
-    traces = {name: _trace(steps[name]) for name in names} if args.trace else None
+    trace_dir = os.path.join(args.out, "traces") if args.trace else None
+    traces = {name: _trace(steps[name], trace_dir, name) for name in names} if args.trace else None
     layer.token_dispatcher = dispatchers["megatron alltoall"]
     vars(layer).pop("routed_experts_compute", None)
     median = {r["name"]: r["median_ms"] for r in rows}
@@ -702,6 +707,7 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
 
 
 TRACE_TOP = 6  # kernels and host operations a trace names
+TRACE_HOST_PASSES = 5  # unprofiled passes whose host time a trace reports
 
 
 def covered(spans: list) -> float:
@@ -715,14 +721,25 @@ def covered(spans: list) -> float:
     return total
 
 
-def _trace(step) -> dict:
+def _trace(step, trace_dir: str | None = None, name: str = "") -> dict:
     """One profiled pass of ``step`` on every rank (after a barrier); this rank's
     wall time of it (to the GPU's end), the GPU's busy time (the union of its kernels'
     and copies' intervals, every stream), and the longest kernels (by device time)
-    and host operations (by their own host time), in ms."""
+    and host operations (by their own host time), in ms; before it, the median host
+    time of TRACE_HOST_PASSES unprofiled passes until ``step`` returns (the GPU
+    waited for after each, untimed). Rank 0 writes the profiled pass's timeline to
+    ``trace_dir/<name>.json`` where given."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    issued = []
+    for _ in range(TRACE_HOST_PASSES):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        issued.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -734,7 +751,11 @@ def _trace(step) -> dict:
     table = prof.key_averages()
     top_gpu = sorted(table, key=lambda a: a.self_device_time_total, reverse=True)[:TRACE_TOP]
     top_cpu = sorted(table, key=lambda a: a.self_cpu_time_total, reverse=True)[:TRACE_TOP]
+    if trace_dir is not None and dist.get_rank() == 0:
+        os.makedirs(trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace_dir, re.sub(r"[^A-Za-z0-9_.=-]+", "_", name) + ".json"))
     return {
+        "host_issue_ms": statistics.median(issued) * 1e3,
         "wall_ms": wall * 1e3,
         "gpu_busy_ms": covered(spans) / 1e3,
         "kernels": len(spans),
@@ -873,7 +894,8 @@ def report(result: dict, args: argparse.Namespace) -> None:
                       f"{timing['overlapped']} saves "
                       f"{'-' if share is None else f'{share:.2f}'} of it against Megatron's layer"]
         for name, trace in (timing.get("traces") or {}).items():
-            lines += ["", f"trace of one pass, {name} (rank 0): wall {trace['wall_ms']:.2f} ms, GPU busy "
+            lines += ["", f"trace of one pass, {name} (rank 0): the host issues a pass in {trace['host_issue_ms']:.2f} ms "
+                          f"(unprofiled); profiled: wall {trace['wall_ms']:.2f} ms, GPU busy "
                           f"{trace['gpu_busy_ms']:.2f} ms ({trace['kernels']} kernels and copies)"]
             for what, key in (("kernels", "top_gpu"), ("host", "top_host")):
                 lines.append(f"  {what}: " + "; ".join(f"{n} {ms:.2f} ms x{c}" for n, ms, c in trace[key]))
