@@ -419,7 +419,11 @@ def _plain_grouped_experts(experts, device_type: str) -> bool:
         return False
     if any(True for _ in experts.children()) or torch.is_autocast_enabled(device_type):
         return False
-    hooks = (experts._forward_hooks, experts._forward_pre_hooks, experts._backward_hooks,
-             experts._backward_pre_hooks)
-    global_hooks = getattr(nn.modules.module, "_has_any_global_hook", lambda: False)()
-    return not any(hooks) and not global_hooks
+    return not hooked(experts)
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs hooks (its own or global ones), which a
+    computation in its place would skip."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(own) or getattr(nn.modules.module, "_has_any_global_hook", lambda: False)()

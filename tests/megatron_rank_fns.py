@@ -675,8 +675,9 @@ def megatron_overlap_vs_plain(seed: int, num_experts: int, topk: int, hidden: in
     """A real MoELayer over the world with our dispatcher installed without overlap, then
     with ``install(overlap=G)`` for each G of ``overlaps`` (the experts by groups), the
     same weights and input each time; {G or "plain": out, x_grad, router_grad,
-    expert_grads, stage} on the CPU ("stage": whether the layer's routed_experts_compute
-    is ours)."""
+    expert_grads, stage, mlp_calls, mlp_calls_on_rows, mlp_rows} on the CPU ("stage":
+    whether the layer's routed_experts_compute is ours; each local expert's MLP's calls
+    in the forward, those on some rows, and the rows they took)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -696,10 +697,24 @@ def megatron_overlap_vs_plain(seed: int, num_experts: int, topk: int, hidden: in
     device = current_device()
     layer = layer.to(device)
     results = {}
+    seen = [[0, 0, 0] for _ in layer.experts.local_experts]  # each local expert's MLP: calls, on rows, rows
+
+    def counting(e):
+        def hook(module, args):
+            rows = args[0].shape[0]
+            seen[e][0] += 1
+            seen[e][1] += rows > 0
+            seen[e][2] += rows
+        return hook
+
+    hooks = [mlp.register_forward_pre_hook(counting(e)) for e, mlp in enumerate(layer.experts.local_experts)]
     for overlap in ("plain", *overlaps):
         dispatcher = install(layer, overlap=False if overlap == "plain" else overlap)
         layer.zero_grad(set_to_none=True)
+        for counts in seen:
+            counts[:] = [0, 0, 0]
         got = _forward_backward((("layer", layer),), seed * 7 + rank, shape, hidden, device)["layer"]
+        got["mlp_calls"], got["mlp_calls_on_rows"], got["mlp_rows"] = (list(c) for c in zip(*seen))
         got["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())]
                                for e in layer.experts.local_experts]
         got["stage"] = vars(layer).get("routed_experts_compute") == dispatcher.experts_by_groups
@@ -708,6 +723,8 @@ def megatron_overlap_vs_plain(seed: int, num_experts: int, topk: int, hidden: in
             got["first_group_reaches"] = [id(p) for p in dispatcher.exchange.experts.group_parameters(0, 1)] == [
                 id(p) for p in mlps[0].parameters()]
         results[overlap] = got
+    for hook in hooks:
+        hook.remove()
     return results
 
 

@@ -136,29 +136,40 @@ def test_doc_snippet_runs(worlds):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_overlap_by_groups_is_bitwise_the_plain_adapter(worlds, world_size):
+@pytest.mark.parametrize("local, shape", [(4, (6, 2)), (8, (2, 2))])
+def test_overlap_by_groups_is_bitwise_the_plain_adapter(worlds, world_size, local, shape):
     """install(overlap=G): the layer's experts by G groups of local experts as their rows
     land; output, input, router and expert gradients bitwise those without overlap, for
-    every G (True: 2), and install without overlap puts the layer's own stage back."""
+    every G (True: 2), and install without overlap puts the layer's own stage back. The
+    SequentialMLP's MLPs run once a forward on the rows they have without overlap, and
+    with it only those that have rows, and one MLP on no rows for a group without any
+    (the second case has experts without rows)."""
     import megatron_rank_fns
 
-    local = 4
     overlaps = (1, True, 3, local)
-    args = (5, local * world_size, 3, 16, (6, 2), overlaps)
+    args = (5, local * world_size, 3, 16, shape, overlaps)
     results = worlds(world_size).run(megatron_rank_fns.megatron_overlap_vs_plain, [args] * world_size)
     for rank, result in enumerate(results):
         want = result["plain"]
         assert not want["stage"]
+        assert want["mlp_calls"] == [1] * local, rank  # SequentialMLP runs every expert
         for overlap in overlaps:
             got = result[overlap]
             assert got["stage"], (rank, overlap)
             assert got["first_group_reaches"], (rank, overlap)
+            assert got["mlp_rows"] == want["mlp_rows"], (rank, overlap)
+            # each MLP with rows once, and one call without rows at most for each group without
+            assert got["mlp_calls_on_rows"] == [int(rows > 0) for rows in want["mlp_rows"]], (rank, overlap)
+            groups = local if overlap == local else 2 if overlap is True else overlap
+            assert sum(got["mlp_calls"]) - sum(got["mlp_calls_on_rows"]) <= groups, (rank, overlap)
             for key in ("out", "x_grad", "router_grad"):
                 assert torch.equal(got[key], want[key]), f"rank {rank} overlap={overlap} {key}"
             for mine, theirs in zip(got["expert_grads"], want["expert_grads"]):
                 for a, b in zip(mine, theirs):
                     assert torch.equal(a, b), f"rank {rank} overlap={overlap} expert grads"
         assert want["router_grad"].abs().sum() > 0
+    if local == 8:
+        assert any(0 in result["plain"]["mlp_rows"] for result in results)
 
 
 @pytest.mark.parametrize("overlap, extra, words", [

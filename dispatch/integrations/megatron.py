@@ -176,6 +176,7 @@ import dispatch
 from dispatch.config import DispatchConfig
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations import megatron_tp as expert_tp
+from dispatch.pipeline import hooked
 
 __all__ = ["ENGINE_OPTIONS", "STAGES", "MegatronDispatcher", "install", "install_all", "routing_to_topk"]
 
@@ -756,9 +757,12 @@ class _GroupExperts(torch.nn.Module):
     """Megatron's experts called for one group of local experts at a time
     (``install(overlap=...)``): ``(tokens [N_g, H], tokens_per_expert [E_local]
     int64 on the CPU, zero outside the group, permuted_probs [N_g]) -> [N_g, H]``, as
-    ``MoELayer`` calls them; ``SequentialMLP`` gives the other experts no rows, a
-    grouped MLP empty GEMMs. Not a submodule of the layer (its parameters are the
-    experts' own, counted once)."""
+    ``MoELayer`` calls them. A plain ``SequentialMLP`` (``_runs_alone``) runs the MLPs
+    of the experts with rows only, as its own forward runs each on its rows (the
+    others' calls on no rows would cost the host as much as a full one, once per
+    group); other experts are called whole (a grouped MLP: empty GEMMs for the other
+    groups' experts). Not a submodule of the layer (its parameters are the experts'
+    own, counted once)."""
 
     def __init__(self, experts: torch.nn.Module) -> None:
         super().__init__()
@@ -769,6 +773,7 @@ class _GroupExperts(torch.nn.Module):
         apart = isinstance(mlps, torch.nn.ModuleList) and len(mlps) > 0 and (
             {id(p) for p in experts.parameters()} == {id(p) for mlp in mlps for p in mlp.parameters()})
         self._mlps = tuple(mlps) if apart else None
+        self._alone = apart and _runs_alone(experts)
 
     def group_parameters(self, first: int, end: int) -> list:
         """The parameters that a call with rows of local experts [first, end) only can
@@ -779,11 +784,35 @@ class _GroupExperts(torch.nn.Module):
         return [p for mlp in self._mlps[first:end] for p in mlp.parameters()]
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        if self._alone and not hooked(self.experts):
+            # SequentialMLP.forward's loop over the experts with rows (each MLP's bias,
+            # if any, is in its output; SequentialMLP returns none); a group without
+            # rows gets its empty output from one MLP
+            counts = tokens_per_expert.tolist()  # on the CPU where the dispatch read its counts
+            rows, weights = tokens.split(counts), probs.split(counts)
+            outs = [mlp(r, w)[0] for mlp, r, w, n in zip(self._mlps, rows, weights, counts) if n]
+            if not outs:
+                return self._mlps[0](tokens, probs)[0]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         out, bias = self.experts(tokens, tokens_per_expert, probs)
         if bias is not None:
             raise ValueError(f"install(overlap=...): the experts ({type(self.experts).__name__}) returned a bias; "
                              "MoELayer takes none from its dispatchers' experts either")
         return out
+
+
+def _runs_alone(experts: torch.nn.Module) -> bool:
+    """Whether ``experts`` is a ``SequentialMLP`` whose forward is, for more than one
+    local expert, each MLP on its rows and probs (split by the counts) and the outputs
+    concatenated: its own forward, no input scaling by the probs, no padding for
+    fp8/fp4 quantization."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    config = getattr(experts, "config", None)
+    return (type(experts).forward is SequentialMLP.forward and isinstance(experts, SequentialMLP)
+            and len(experts.local_experts) > 1 and config is not None
+            and not getattr(config, "moe_apply_probs_on_input", False)
+            and not getattr(config, "fp8", None) and not getattr(config, "fp4", None))
 
 
 # ----------------------------------------------------------------------------- expert tensor parallelism
