@@ -258,6 +258,74 @@ __device__ __noinline__ void scan_chunk(const IdxT* topk_idx, int tokens, int to
   }
 }
 
+// topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
+//   route [T, K]: expert (-1 if empty or out of range), place among this rank's
+//     tokens sent to that expert (token order), weight bits; written too, if
+//     shared_route is not 0, into the copy of the data buffer's route region
+//     (copy 0 at shared_route, copy_bytes apart) of the next epoch (seq + 1),
+//     where the peers read it;
+//   counts [E]: this rank's tokens per expert (the counts part of its row);
+//   sends [W]: this rank's tokens per destination rank;
+//   lists [W, T]: the tokens each destination rank d gets, ascending, at
+//     [d, 0 .. sends[d]); written too, if shared_lists is not 0, into the
+//     next epoch's copy of the data buffer's lists region (copy 0 at
+//     shared_lists, lists_copy bytes apart; destination d's at d list_stride
+//     ints), where rank d reads its own: a receiver walks only its items;
+//   hit [T]: mask of the ranks each token goes to;
+//   bad (if not null; zeroed by the caller): set to 1 where some row holds an
+//     id outside [-1, E), an expert twice, or a non-finite weight.
+//   with stage_blocks > 0, the last stage_blocks blocks copy this rank's rows
+//     [T, row_bytes] (wire format, at stage_src, src_stride bytes apart) into the
+//     next epoch's copy of the data buffer's stage region (copy 0 at stage_dst,
+//     stage_copy bytes apart; dst_stride bytes apart), where the peers pull them:
+//     the copy runs beside the layout instead of after it.
+// Blocks [0, chunks) place the slots and list the tokens, a chunk of tokens
+// each (scan_chunk: scan_warps warps of kScanTiles tiles; scan_state [1 +
+// chunks] zeroed by the caller, scan_sums [2 chunks (E + W)]; dynamic shared
+// memory scan_warps (E + W) ints); the blocks after them, up to the staging
+// blocks, fill the per-slot fields, a lane a slot (kThreads / width tokens a
+// block, width the power of two >= K). Held to four blocks per SM (32
+// registers), so that most staging blocks run beside the layout's, not after.
+template <typename IdxT, typename WT>
+__global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
+                                                                 int topk, int experts, int experts_per_rank,
+                                                                 Slot* route, unsigned long long shared_route,
+                                                                 long long copy_bytes, const unsigned* seq,
+                                                                 int* counts, int* sends, int* lists,
+                                                                 unsigned long long shared_lists,
+                                                                 long long lists_copy, long long list_stride,
+                                                                 int chunks, int scan_warps, int* scan_state,
+                                                                 int* scan_sums, unsigned* hit, int* bad,
+                                                                 const char* stage_src, long long src_stride,
+                                                                 long long row_bytes, unsigned long long stage_dst,
+                                                                 long long stage_copy, long long dst_stride,
+                                                                 int stage_blocks) {
+  Slot* shared = shared_route == 0 ? nullptr
+                                   : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
+                                                                       load_seq(seq) + 1));
+  const int first_stage = (int)gridDim.x - stage_blocks;
+  if ((int)blockIdx.x >= first_stage) {  // this rank's rows staged for the peers, beside the layout
+    char* dst = reinterpret_cast<char*>(by_parity((long long)stage_dst, stage_copy, load_seq(seq) + 1));
+    copy_rows(stage_src, src_stride, row_bytes, tokens, dst, dst_stride,
+              (long long)(blockIdx.x - first_stage) * Tuning::kWarps + (threadIdx.x >> 5),
+              (long long)stage_blocks * Tuning::kWarps);
+    return;
+  }
+  int width = 1;
+  while (width < topk) width <<= 1;
+  const int world = experts / experts_per_rank;
+  if ((int)blockIdx.x < chunks) {
+    int* peer_lists = shared_lists == 0 ? nullptr
+                                        : reinterpret_cast<int*>(by_parity((long long)shared_lists, lists_copy,
+                                                                           load_seq(seq) + 1));
+    scan_chunk(topk_idx, tokens, topk, width, experts, experts_per_rank, world, scan_warps, chunks, scan_state,
+               scan_sums, route, shared, counts, sends, lists, peer_lists, list_stride);
+    return;
+  }
+  layout_slot(topk_idx, weights, (int)blockIdx.x - chunks, tokens, topk, width, experts, experts_per_rank, route,
+              shared, hit, bad);
+}
+
 // What the experts and the later kernels read of a failed counts exchange: no
 // rows (every expert's count and N zero, each group of a padded dispatch empty),
 // so that nothing sized by the counts (the experts' grouped GEMMs on a bounded
@@ -272,9 +340,8 @@ __device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_
   if (threadIdx.x == 0) *num_rows = 0;
 }
 
-// The counts exchange, by one block (the last of route_layout's launch, or
-// exchange_counts alone), the operation's epoch = seq + 1 (stored in seq once
-// the flags are raised). Writes this rank's row into row `me` of the epoch's copy of every
+// One block, the operation's epoch = seq + 1 (stored in seq once the flags are
+// raised). Writes this rank's row into row `me` of the epoch's copy of every
 // rank's counts matrix: the header from the arguments (failed: the larger of
 // the argument and row[Row::kFailed], where route_layout marks bad values), the
 // rest (sends, counts) from `row`; raises its flag there, waits for every
@@ -294,9 +361,8 @@ __device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_
 // copies of the counts matrix from rows_offset, matrix_bytes apart). Dynamic
 // shared memory: E_local + 1 + W E_local ints. Every step after the wait is
 // spread over the block (a scan of the places, each rank's group rows by
-// shared-memory atomics). Every thread of the block calls it. `row` is read
-// through L2 (the other blocks of route_layout's launch wrote it).
-__device__ __noinline__ void counts_exchange(
+// shared-memory atomics).
+__global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
     int row_len, int count_start, int experts_per_rank, const int* row, int topk, int hidden, int x_dtype,
     int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens, int staged,
@@ -318,12 +384,11 @@ __device__ __noinline__ void counts_exchange(
     return;
   }
   const int head[Row::kSends] = {topk, hidden, x_dtype, w_dtype, x_grad, w_grad,
-                                 max(failed_mark, __ldcg(row + Row::kFailed)), budget, memory_rows, tokens, staged,
-                                 groups};
+                                 max(failed_mark, row[Row::kFailed]), budget, memory_rows, tokens, staged, groups};
   const long long copy = by_parity(rows_offset, matrix_bytes, epoch);
   for (int p = 0; p < world; ++p) {
     int* dst = reinterpret_cast<int*>(meta_ptrs[p] + copy) + (long long)me * row_len;
-    for (int i = threadIdx.x; i < row_len; i += blockDim.x) dst[i] = i < Row::kSends ? head[i] : __ldcg(row + i);
+    for (int i = threadIdx.x; i < row_len; i += blockDim.x) dst[i] = i < Row::kSends ? head[i] : row[i];
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -418,115 +483,4 @@ __device__ __noinline__ void counts_exchange(
   }
   __syncthreads();
   if (stop) no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
-}
-
-// The counts exchange alone (counts_exchange), for a rank without tokens (no
-// routing layout to run it at its end).
-__global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
-    const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
-    int row_len, int count_start, int experts_per_rank, const int* row, int topk, int hidden, int x_dtype,
-    int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens, int staged,
-    int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out, long long* tokens_per_expert,
-    int* src_start, int* num_rows, int* group_end) {
-  counts_exchange(meta_ptrs, rows_offset, matrix_bytes, me, world, row_len, count_start, experts_per_rank, row, topk,
-                  hidden, x_dtype, w_dtype, x_grad, w_grad, failed_mark, budget, memory_rows, tokens, staged, groups,
-                  seq, timeout_ns, status, out, tokens_per_expert, src_start, num_rows, group_end);
-}
-
-// topk_idx [T, K] (IdxT) and weights [T, K] (WT: float or double) of this rank ->
-//   route [T, K]: expert (-1 if empty or out of range), place among this rank's
-//     tokens sent to that expert (token order), weight bits; written too, if
-//     shared_route is not 0, into the copy of the data buffer's route region
-//     (copy 0 at shared_route, copy_bytes apart) of the next epoch (seq + 1),
-//     where the peers read it;
-//   counts [E]: this rank's tokens per expert (the counts part of its row);
-//   sends [W]: this rank's tokens per destination rank;
-//   lists [W, T]: the tokens each destination rank d gets, ascending, at
-//     [d, 0 .. sends[d]); written too, if shared_lists is not 0, into the
-//     next epoch's copy of the data buffer's lists region (copy 0 at
-//     shared_lists, lists_copy bytes apart; destination d's at d list_stride
-//     ints), where rank d reads its own: a receiver walks only its items;
-//   hit [T]: mask of the ranks each token goes to;
-//   bad (if not null; zeroed by the caller): set to 1 where some row holds an
-//     id outside [-1, E), an expert twice, or a non-finite weight.
-//   with stage_blocks > 0, the last stage_blocks blocks copy this rank's rows
-//     [T, row_bytes] (wire format, at stage_src, src_stride bytes apart) into the
-//     next epoch's copy of the data buffer's stage region (copy 0 at stage_dst,
-//     stage_copy bytes apart; dst_stride bytes apart), where the peers pull them:
-//     the copy runs beside the layout instead of after it.
-// Blocks [0, chunks) place the slots and list the tokens, a chunk of tokens
-// each (scan_chunk: scan_warps warps of kScanTiles tiles; scan_state [1 +
-// chunks] zeroed by the caller, scan_sums [2 chunks (E + W)]; dynamic shared
-// memory scan_warps (E + W) ints); the blocks after them, up to the staging
-// blocks, fill the per-slot fields, a lane a slot (kThreads / width tokens a
-// block, width the power of two >= K). Held to four blocks per SM (32
-// registers), so that most staging blocks run beside the layout's, not after.
-// The last block to finish (done: an int zeroed by the caller, the blocks'
-// tickets) then runs the counts exchange (counts_exchange, from meta_ptrs on:
-// its arguments; the launch's dynamic shared memory is the larger of the
-// scan's and the exchange's), so that the flag goes up as the layout's last
-// block ends, with no second launch.
-template <typename IdxT, typename WT>
-__global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* topk_idx, const WT* weights, int tokens,
-                                                                 int topk, int experts, int experts_per_rank,
-                                                                 Slot* route, unsigned long long shared_route,
-                                                                 long long copy_bytes, unsigned* seq,
-                                                                 int* counts, int* sends, int* lists,
-                                                                 unsigned long long shared_lists,
-                                                                 long long lists_copy, long long list_stride,
-                                                                 int chunks, int scan_warps, int* scan_state,
-                                                                 int* scan_sums, unsigned* hit, int* bad,
-                                                                 const char* stage_src, long long src_stride,
-                                                                 long long row_bytes, unsigned long long stage_dst,
-                                                                 long long stage_copy, long long dst_stride,
-                                                                 int stage_blocks, int* done,
-                                                                 const unsigned long long* meta_ptrs,
-                                                                 long long rows_offset, long long matrix_bytes,
-                                                                 int me, int row_len, int count_start,
-                                                                 const int* row, int hidden, int x_dtype,
-                                                                 int w_dtype, int x_grad, int w_grad,
-                                                                 int failed_mark, int budget, int memory_rows,
-                                                                 int staged, int groups,
-                                                                 unsigned long long timeout_ns, int* status,
-                                                                 int* out, long long* tokens_per_expert,
-                                                                 int* src_start, int* num_rows, int* group_end) {
-  Slot* shared = shared_route == 0 ? nullptr
-                                   : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
-                                                                       load_seq(seq) + 1));
-  const int first_stage = (int)gridDim.x - stage_blocks;
-  const int world = experts / experts_per_rank;
-  if ((int)blockIdx.x >= first_stage) {  // this rank's rows staged for the peers, beside the layout
-    char* dst = reinterpret_cast<char*>(by_parity((long long)stage_dst, stage_copy, load_seq(seq) + 1));
-    copy_rows(stage_src, src_stride, row_bytes, tokens, dst, dst_stride,
-              (long long)(blockIdx.x - first_stage) * Tuning::kWarps + (threadIdx.x >> 5),
-              (long long)stage_blocks * Tuning::kWarps);
-  } else {
-    int width = 1;
-    while (width < topk) width <<= 1;
-    if ((int)blockIdx.x < chunks) {
-      int* peer_lists = shared_lists == 0 ? nullptr
-                                          : reinterpret_cast<int*>(by_parity((long long)shared_lists, lists_copy,
-                                                                             load_seq(seq) + 1));
-      scan_chunk(topk_idx, tokens, topk, width, experts, experts_per_rank, world, scan_warps, chunks, scan_state,
-                 scan_sums, route, shared, counts, sends, lists, peer_lists, list_stride);
-    } else {
-      layout_slot(topk_idx, weights, (int)blockIdx.x - chunks, tokens, topk, width, experts, experts_per_rank,
-                  route, shared, hit, bad);
-    }
-  }
-  // the last block to finish runs the counts exchange: every block's writes (the
-  // row, and what the peers read: routes, lists, staged rows) are visible to the
-  // whole system before its ticket is taken
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    last = atomicAdd(done, 1) == (int)gridDim.x - 1;
-    if (last) __threadfence();
-  }
-  __syncthreads();
-  if (!last) return;
-  counts_exchange(meta_ptrs, rows_offset, matrix_bytes, me, world, row_len, count_start, experts_per_rank, row, topk,
-                  hidden, x_dtype, w_dtype, x_grad, w_grad, failed_mark, budget, memory_rows, tokens, staged, groups,
-                  seq, timeout_ns, status, out, tokens_per_expert, src_start, num_rows, group_end);
 }

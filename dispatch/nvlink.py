@@ -385,23 +385,16 @@ class Engine:
         fits = self._fits(tokens, topk, stage_row)
         lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
         chunks = -(-tokens // (self._scan_warps * cuda.SCAN_TILES * (32 // lanes)))  # the scan's blocks
-        # sends, counts, the bad-values mark; the layout blocks' tickets; the scan's ticket and its chunks' states
-        zeroed = torch.zeros(self.row_len + 2 + chunks, dtype=torch.int32, device=device)
-        row, done, scan_state = zeroed[: self.row_len], zeroed[self.row_len :][:1], zeroed[self.row_len + 1 :]
+        # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states
+        zeroed = torch.zeros(self.row_len + 1 + chunks, dtype=torch.int32, device=device)
+        row, scan_state = zeroed[: self.row_len], zeroed[self.row_len :]
         route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
         lists = torch.empty(self.world, tokens, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
         counts, sends = row[self.counts_col :], row[SENDS_COL : self.counts_col]
         route_start, route_copy = self._region("route") if fits else (0, 0)
         lists_start, lists_copy = self._region("lists") if fits else (0, 0)
-        world, length, local = self.world, self.row_len, self.experts_per_rank
-        out = torch.empty(4 + world * length + world * local + 1 + groups, dtype=torch.int32, device=device)
-        per_expert = torch.empty(local, dtype=torch.int64, device=device)
-        places = 4 + world * length  # src_start, then num_rows, then group_end
-        exchanged = (ptr(out), ptr(per_expert), ptr(out[places:]), ptr(out[places + world * local :]),
-                     ptr(out[places + world * local + 1 :]))
-        exchange_shared = 4 * (local + 1 + world * local)
-        if tokens:  # the layout's last block runs the counts exchange (counts_exchange in layout.cu)
+        if tokens:
             scan_sums = torch.empty(2 * chunks * (self.num_experts + self.world), dtype=torch.int32, device=device)
             # the rows staged beside the layout, by blocks of the same launch, where they fit
             wire = codec.pack(rows) if fits and rows is not None else None
@@ -419,20 +412,22 @@ class Engine:
                  ptr(wire), i64(0 if wire is None else wire.stride(0) * wire.element_size()),
                  i64(0 if wire is None else codec.row_bytes(rows.shape[1])),
                  u64(0 if wire is None else self._data.data_ptr() + stage_start), i64(stage_copy), i64(stage_row),
-                 i32(stage_blocks), ptr(done),
-                 ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(length),
-                 i32(self.counts_col), ptr(row), *(i32(v) for v in header[1:]), i32(int(fits)), i32(groups),
-                 u64(self.timeout_ns), ptr(self.status), *exchanged),
-                shared=max(4 * self._scan_warps * (self.num_experts + self.world), exchange_shared),
+                 i32(stage_blocks)),
+                shared=4 * self._scan_warps * (self.num_experts + self.world),
             )
-        else:  # nothing to lay out: the exchange alone
-            self._kernel("layout.cu", "exchange_counts")(
-                1,
-                (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
-                 i32(length), i32(self.counts_col), i32(local), ptr(row), *(i32(v) for v in header), i32(tokens),
-                 i32(int(fits)), i32(groups), ptr(self._seq), u64(self.timeout_ns), ptr(self.status), *exchanged),
-                shared=exchange_shared,
-            )
+        world, length, local = self.world, self.row_len, self.experts_per_rank
+        out = torch.empty(4 + world * length + world * local + 1 + groups, dtype=torch.int32, device=device)
+        per_expert = torch.empty(local, dtype=torch.int64, device=device)
+        places = 4 + world * length  # src_start, then num_rows, then group_end
+        self._kernel("layout.cu", "exchange_counts")(
+            1,
+            (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
+             i32(length), i32(self.counts_col), i32(local), ptr(row), *(i32(v) for v in header), i32(tokens),
+             i32(int(fits)), i32(groups), ptr(self._seq), u64(self.timeout_ns),
+             ptr(self.status), ptr(out), ptr(per_expert), ptr(out[places:]), ptr(out[places + world * local :]),
+             ptr(out[places + world * local + 1 :])),
+            shared=4 * (local + 1 + world * local),
+        )
         matrix = out[4 : 4 + world * length].view(world, length)
         src_start = out[places : places + world * local]
         num_rows = out[places + world * local : places + world * local + 1]

@@ -137,11 +137,10 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     by_groups = engine._exchange_counts(idx, w, header, x, codec, True, False, groups=3)  # padded by 3 groups
     assert by_groups.group_end is not None and by_groups.group_end.shape == (3,)
     engine._to_experts(x, codec, by_groups, presum, slot_k, 102, meta_out=places, piece=(34, 68), out=out, group=1)
-    engine._exchange_counts(idx[:0], w[:0], header, x[:0], codec, True, False)  # no tokens: the exchange alone
-    # the rows staged and the counts exchanged by the layout's launch; along a plan by stage_rows
-    assert launches == ["route_layout", "pull_rows", "stage_rows", "pull_rows",
+    # the rows staged with the counts by the layout's launch; along a plan by stage_rows
+    assert launches == ["route_layout", "exchange_counts", "pull_rows", "stage_rows", "pull_rows",
                         "pull_rows", "push_partials", "home_sum", "store_pair", "push_partials", "push_slots",
-                        "home_slots", "route_layout", "pull_rows", "exchange_counts"]
+                        "home_slots", "route_layout", "exchange_counts", "pull_rows"]
 
 
 def test_the_signatures_are_read():
