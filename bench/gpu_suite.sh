@@ -29,8 +29,10 @@
 #             graphs, its EP-communication overlap, timing)
 #   megatron-timing  its timing part alone on 2 ranks (the layer with each dispatcher, ours
 #             with its experts by groups beside the exchange, the experts alone): 256
-#             experts (SequentialMLP, host-bound), then 16 (GEMM-bound; in experts16/), each
-#             row also traced once (GPU busy time against wall time, longest kernels and host ops)
+#             experts (SequentialMLP, host-bound), then 16 (GEMM-bound, ours by 2, 4 and 8
+#             groups; in experts16/), each row also traced once (GPU busy time against wall
+#             time, longest kernels and host ops, the host's time to issue a pass; rank 0's
+#             timelines in traces/)
 #   studies   the bench/ scripts: wire formats, the overlap layer's timelines (C = 4,
 #             slowed exchange), and the ranks as 2 nodes (hierarchical tiers, bytes per tier)
 # Usage: before sending the tree, record what it is (the device's copy has no
@@ -135,6 +137,7 @@ for part in "$@"; do
     megatron-timing)
       step 300 megatron-timing python3 bench/megatron_layer.py --parts timing --world-size 2 --trace --out "$RES"
       step 300 megatron-timing-16 python3 bench/megatron_layer.py --parts timing --world-size 2 --experts 16 \
+        --overlap-groups 2 4 8 \
         --trace --out "$RES/experts16" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"

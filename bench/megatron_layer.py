@@ -36,11 +36,12 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
 5. ``timing``: forward + backward of one deepseek-v3-like ``MoELayer`` (H 7168,
    expert FFN 2048, ``--experts`` experts, top-8, sigmoid scores) with each
    dispatcher swapped into the same layer, ours also with the experts by
-   ``--overlap-groups`` groups beside the exchange (``install(overlap=...)``), and
+   ``--overlap-groups`` groups beside the exchange (``install(overlap=...)``, a row
+   for each G), and
    the layer's experts alone on the rows ours hands them (forward + backward, no
    exchange); CUDA events after warm-up and a barrier, median and p10-p90 over
    ``--iters``. Megatron's exchange time is its layer's less the experts alone;
-   the report gives the share of it the overlapped layer saves.
+   the report gives the share of it each overlapped layer saves.
 
     python3 bench/megatron_layer.py --out bench/results/
 
@@ -89,7 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank of the timed layer (default 4096)")
     parser.add_argument("--iters", type=int, default=10, help="timed forward+backward passes (default 10)")
     parser.add_argument("--overlap-groups", type=int, default=None,
-                        help="groups of local experts of the timed overlapped layer (default: install(overlap=True)'s)")
+                        nargs="+",
+                        help="groups of local experts of the timed overlapped layer, a row each (default: "
+                             "install(overlap=True)'s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed passes first (default 3)")
     parser.add_argument("--trace", action="store_true",
                         help="timing: profile one more pass of each row (torch.profiler): the GPU's busy time "
@@ -105,10 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad or not args.parts:
         parser.error(f"--parts must name some of layer, train, graphs, overlap, timing; got {bad or 'nothing'}")
     for name in ("steps", "graph_steps", "experts", "tokens", "iters", "overlap_groups"):
-        if getattr(args, name) is None:
+        value = getattr(args, name)
+        if value is None:
             continue
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if min(value if isinstance(value, list) else [value]) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.world_size is not None and args.world_size < 1:
@@ -640,10 +644,12 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
         dispatchers[name] = MegatronDispatcher(
             layer.num_local_experts, layer.local_expert_indices, config, groups, options=options
         )
-    overlap = min(args.overlap_groups or OVERLAP_GROUPS, layer.num_local_experts)
-    overlapped = f"ours overlap G={overlap}"
-    dispatchers[overlapped] = MegatronDispatcher(layer.num_local_experts, layer.local_expert_indices, config, groups)
-    dispatchers[overlapped].pipeline(layer, overlap)  # as install(layer, overlap=G); the steps set the stage
+    overlapped = []
+    for overlap in sorted({min(g, layer.num_local_experts) for g in args.overlap_groups or [OVERLAP_GROUPS]}):
+        name = f"ours overlap G={overlap}"
+        dispatchers[name] = MegatronDispatcher(layer.num_local_experts, layer.local_expert_indices, config, groups)
+        dispatchers[name].pipeline(layer, overlap)  # as install(layer, overlap=G); the steps set the stage
+        overlapped.append(name)
     gen = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
     x = torch.randn(args.tokens, 1, 7168, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
@@ -701,7 +707,8 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
         "rows": rows,
         "overlapped": overlapped,
         "megatron_exchange_ms": exchange,
-        "saved_share": (median["megatron alltoall"] - median[overlapped]) / exchange if exchange > 0 else None,
+        "saved_share": {name: (median["megatron alltoall"] - median[name]) / exchange if exchange > 0 else None
+                        for name in overlapped},
         "traces": traces,
     }
 
@@ -889,10 +896,10 @@ def report(result: dict, args: argparse.Namespace) -> None:
             )
         passed &= all(r["output_error_vs_megatron"] is None or r["output_error_vs_megatron"] <= LAYER_TOLERANCE
                       for r in timing["rows"])
-        share = timing["saved_share"]
+        saves = "; ".join(f"{name} saves {'-' if share is None else f'{share:.2f}'} of it"
+                          for name, share in timing["saved_share"].items())
         lines += ["", f"Megatron's layer less its experts alone: {timing['megatron_exchange_ms']:.2f} ms; "
-                      f"{timing['overlapped']} saves "
-                      f"{'-' if share is None else f'{share:.2f}'} of it against Megatron's layer"]
+                      f"{saves} against Megatron's layer"]
         for name, trace in (timing.get("traces") or {}).items():
             lines += ["", f"trace of one pass, {name} (rank 0): the host issues a pass in {trace['host_issue_ms']:.2f} ms "
                           f"(unprofiled); profiled: wall {trace['wall_ms']:.2f} ms, GPU busy "

@@ -183,14 +183,15 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int)
     max_rows where it gave one).
 
     Args:
-        headers: [W, len(HEADER)] host int64, every rank's header.
+        headers: [W, len(HEADER)] every rank's header (host int64 tensor, or lists).
         rows_of: N of every rank.
         row_bytes: bytes the dispatch allocates per received row (for the message).
     Raises:
         ValueError after the counts exchange and before any token moves.
     """
-    max_rows = headers[:, HEADER.index("max_rows")].tolist()
-    memory = headers[:, HEADER.index("memory_rows")].tolist()
+    headers = _rows(headers)
+    max_rows = [h[HEADER.index("max_rows")] for h in headers]
+    memory = [h[HEADER.index("memory_rows")] for h in headers]
     over = [f"rank {r}: {n} rows, over its max_rows={m}" for r, (n, m) in enumerate(zip(rows_of, max_rows))
             if 0 <= m < n]
     if over:
@@ -210,27 +211,34 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
     gradients some rank needs (x, topk_weights).
 
     Args:
-        headers: [W, len(HEADER)] host int64, every rank's ``plan.header``.
+        headers: [W, len(HEADER)] every rank's ``plan.header`` (host int64
+            tensor, or lists).
     Raises:
         ValueError on every rank alike (all ranks see the same headers), after
         the counts all-gather and before any token moves; RuntimeError where
         a rank marked itself failed (``plan.mark_failed``).
     """
-    failed = headers[:, HEADER.index("failed")].nonzero().flatten().tolist()
+    headers = _rows(headers)  # a few host values: plain Python, no tensor op per check
+    failed = [r for r, h in enumerate(headers) if h[HEADER.index("failed")]]
     if failed:
         raise RuntimeError(
             f"rank(s) {failed} of the group failed before the exchange (see their errors); "
             "every rank stops here, before any token moves"
         )
     for column, (argument, what) in _MUST_AGREE.items():
-        values = headers[:, HEADER.index(column)]
-        if not bool((values == values[0]).all()):
+        values = [h[HEADER.index(column)] for h in headers]
+        if any(v != values[0] for v in values):
             raise ValueError(
-                f"{argument}: ranks disagree on {what}: {values.tolist()} by rank; "
+                f"{argument}: ranks disagree on {what}: {values} by rank; "
                 "every rank of the group must dispatch the same K, H and dtypes"
             )
-    needs = headers[:, HEADER.index("x_grad")], headers[:, HEADER.index("weights_grad")]
-    return bool(needs[0].any()), bool(needs[1].any())
+    return (any(h[HEADER.index("x_grad")] for h in headers),
+            any(h[HEADER.index("weights_grad")] for h in headers))
+
+
+def _rows(headers) -> list[list[int]]:
+    """Headers as lists of ints (from a host tensor, or as given)."""
+    return headers.tolist() if isinstance(headers, torch.Tensor) else headers
 
 
 def check_combine_inputs(

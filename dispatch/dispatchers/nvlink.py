@@ -85,7 +85,7 @@ class NVLinkDispatcher(TokenDispatcher):
             error = checks.values_error(checks.value_flags(topk_idx, weights, self.config.num_experts).cpu(),
                                         topk_idx, weights, self.config.num_experts)  # host sync: the message
             raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
-        headers = torch.tensor([r[: len(plan.HEADER)] for r in rows_of])
+        headers = [r[: len(plan.HEADER)] for r in rows_of]
         grads_any = checks.check_peer_headers(headers)
         local = self.num_local_experts
         received = [sum(sum(r[engine.counts_col + d * local : engine.counts_col + (d + 1) * local]) for r in rows_of)
