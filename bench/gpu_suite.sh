@@ -28,7 +28,8 @@
 #             dispatcher and ours (agreement, 50-step trainings, Megatron's local CUDA
 #             graphs, its EP-communication overlap, timing)
 #   megatron-timing  its timing part alone on 2 ranks (the layer with each dispatcher, ours
-#             with its experts by groups beside the exchange, the experts alone): 256
+#             with its experts by groups beside the exchange, the experts alone, the router
+#             alone): 256
 #             experts (SequentialMLP, host-bound), then 16 (GEMM-bound, ours by 2, 4 and 8
 #             groups; in experts16/), each row also traced once (GPU busy time against wall
 #             time, longest kernels and host ops, the host's time to issue a pass; rank 0's

@@ -39,9 +39,11 @@ megatron-core 0.19 importable and no Transformer Engine needed (local specs,
    ``--overlap-groups`` groups beside the exchange (``install(overlap=...)``, a row
    for each G), and
    the layer's experts alone on the rows ours hands them (forward + backward, no
-   exchange); CUDA events after warm-up and a barrier, median and p10-p90 over
-   ``--iters``. Megatron's exchange time is its layer's less the experts alone;
-   the report gives the share of it each overlapped layer saves.
+   exchange) and the layer's router alone (forward + backward); CUDA events after
+   warm-up and a barrier, median and p10-p90 over ``--iters``. Megatron's time
+   outside its experts is its layer's less the experts alone, its dispatch and
+   combine that less the router alone too; the report gives the share of each that
+   ours saves.
 
     python3 bench/megatron_layer.py --out bench/results/
 
@@ -674,6 +676,7 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
     outs = {name: step().detach() for name, step in steps.items()}
     reference = outs["megatron alltoall"]
     steps["experts alone"] = _experts_alone(layer, *rows_in.pop(), seed)
+    steps["router alone"] = _router_alone(layer, x, seed)
     for _ in range(args.warmup):
         for step in steps.values():
             step()
@@ -702,6 +705,9 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
     vars(layer).pop("routed_experts_compute", None)
     median = {r["name"]: r["median_ms"] for r in rows}
     exchange = median["megatron alltoall"] - median["experts alone"]  # Megatron's time outside its experts
+    # Megatron's time in its dispatcher (dispatch and combine, forward and backward): outside its
+    # experts and its router, which run alike whatever the dispatcher
+    own = exchange - median["router alone"]
     return {
         "shape": {"tokens_per_rank": args.tokens, "hidden": 7168, "ffn": 2048, "experts": args.experts, "topk": 8},
         "rows": rows,
@@ -709,6 +715,10 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
         "megatron_exchange_ms": exchange,
         "saved_share": {name: (median["megatron alltoall"] - median[name]) / exchange if exchange > 0 else None
                         for name in overlapped},
+        "megatron_dispatch_combine_ms": own,
+        "saved_share_of_dispatch_combine": {
+            name: (median["megatron alltoall"] - median[name]) / own if own > 0 else None
+            for name in ("ours", *overlapped)},
         "traces": traces,
     }
 
@@ -800,6 +810,24 @@ def _experts_alone(layer, tokens, counts, probs, seed: int):
         out, _ = layer.experts(rows, counts, weights)
         out.backward(grad)
         return out
+
+    return step
+
+
+def _router_alone(layer, x, seed: int):
+    """A step: the layer's router forward + backward on the layer's input (its
+    probabilities' gradient random where the routing map is True, zero elsewhere, as
+    a dispatch's combine gives it), nothing dispatched (the router's own time in the
+    layer, whatever the dispatcher)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed + 2 + dist.get_rank())
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        probs, routing_map = layer.route(x)
+        grad = torch.randn(probs.shape, device="cuda", generator=gen).to(probs.dtype)
+        probs.backward(torch.where(routing_map, grad, torch.zeros_like(grad)))
+        return probs
 
     return step
 
@@ -900,6 +928,12 @@ def report(result: dict, args: argparse.Namespace) -> None:
                           for name, share in timing["saved_share"].items())
         lines += ["", f"Megatron's layer less its experts alone: {timing['megatron_exchange_ms']:.2f} ms; "
                       f"{saves} against Megatron's layer"]
+        own = timing.get("megatron_dispatch_combine_ms")
+        if own is not None:
+            saves = "; ".join(f"{name} {'-' if share is None else f'{share:.2f}'}"
+                              for name, share in timing["saved_share_of_dispatch_combine"].items())
+            lines.append(f"Megatron's dispatch and combine (its layer less the experts alone and the router alone): "
+                         f"{own:.2f} ms; the share of it saved against Megatron's layer: {saves}")
         for name, trace in (timing.get("traces") or {}).items():
             lines += ["", f"trace of one pass, {name} (rank 0): the host issues a pass in {trace['host_issue_ms']:.2f} ms "
                           f"(unprofiled); profiled: wall {trace['wall_ms']:.2f} ms, GPU busy "

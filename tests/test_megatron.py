@@ -520,7 +520,7 @@ def test_import_does_not_need_megatron():
     [(["--parts", "nope"], "--parts"), (["--steps", "0"], "--steps"), (["--graph-steps", "0"], "--graph-steps"),
      (["--option", "dispatch_wire"], "KEY=VALUE"),
      (["--option", "local_world_size=0"], "local_world_size"), (["--option", "dispatch_wire=fp4"], "dispatch_wire"),
-     (["--overlap-groups", "0"], "--overlap-groups")],
+     (["--overlap-groups", "0"], "--overlap-groups"), (["--overlap-groups", "2", "0"], "--overlap-groups")],
 )
 def test_layer_script_bad_flags(argv, needle, capsys):
     from bench_scripts import load
