@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "against the pass's wall time, the kernels and host operations that took longest, "
                              "the host's time to issue a pass (unprofiled); rank 0's timeline of each row in "
                              "OUT/traces/ (chrome trace JSON)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="timing: profile the host's Python over one more pass of each row (cProfile, rank 0), "
+                             "the functions that took longest, in OUT/host-profile-<row>.txt")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine option for an extra 'ours' timing row, e.g. dispatch_wire=fp8 (repeatable)")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
@@ -699,6 +702,9 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
             "p90_ms": stats["p90"],
             "output_error_vs_megatron": error,
         })
+    if args.host_profile:
+        for name in names:
+            _host_profile(steps[name], args.out, name)
     trace_dir = os.path.join(args.out, "traces") if args.trace else None
     traces = {name: _trace(steps[name], trace_dir, name) for name in names} if args.trace else None
     layer.token_dispatcher = dispatchers["megatron alltoall"]
@@ -779,6 +785,37 @@ def _trace(step, trace_dir: str | None = None, name: str = "") -> dict:
         "top_gpu": [[a.key[:60], a.self_device_time_total / 1e3, a.count] for a in top_gpu],
         "top_host": [[a.key[:60], a.self_cpu_time_total / 1e3, a.count] for a in top_cpu],
     }
+
+
+HOST_PROFILE_TOP = 30  # functions a host profile lists, by own time and by cumulative time
+
+
+def _host_profile(step, out: str, name: str) -> None:
+    """One pass of ``step`` on every rank (after a barrier, the GPU waited for after
+    it) with rank 0's Python profiled (cProfile); rank 0 writes the functions that
+    took longest, by own and by cumulative time, to ``out/host-profile-<name>.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile() if dist.get_rank() == 0 else None
+    if profiler is not None:
+        profiler.enable()
+    step()
+    if profiler is not None:
+        profiler.disable()
+    torch.cuda.synchronize()
+    if profiler is None:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(HOST_PROFILE_TOP)
+    stats.sort_stats("cumulative").print_stats(HOST_PROFILE_TOP)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "host-profile-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".txt"), "w") as f:
+        f.write(f"{name}: one pass, rank 0's host (cProfile)\n{text.getvalue()}")
 
 
 def _keep_expert_inputs(dispatcher) -> list:
