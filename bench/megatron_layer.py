@@ -776,7 +776,7 @@ def _trace(step, trace_dir: str | None = None, name: str = "") -> dict:
     top_cpu = sorted(table, key=lambda a: a.self_cpu_time_total, reverse=True)[:TRACE_TOP]
     if trace_dir is not None and dist.get_rank() == 0:
         os.makedirs(trace_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(trace_dir, re.sub(r"[^A-Za-z0-9_.=-]+", "_", name) + ".json"))
+        prof.export_chrome_trace(os.path.join(trace_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".json"))
     return {
         "host_issue_ms": statistics.median(issued) * 1e3,
         "wall_ms": wall * 1e3,
