@@ -787,13 +787,14 @@ def _trace(step, trace_dir: str | None = None, name: str = "") -> dict:
     }
 
 
-HOST_PROFILE_TOP = 30  # functions a host profile lists, by own time and by cumulative time
+HOST_PROFILE_TOP = 60  # functions a host profile lists, by own time and by cumulative time
 
 
 def _host_profile(step, out: str, name: str) -> None:
     """One pass of ``step`` on every rank (after a barrier, the GPU waited for after
     it) with rank 0's Python profiled (cProfile); rank 0 writes the functions that
-    took longest, by own and by cumulative time, to ``out/host-profile-<name>.txt``."""
+    took longest, by own and by cumulative time, and what the adapter's and the
+    pipeline's functions called, to ``out/host-profile-<name>.txt``."""
     import cProfile
     import io
     import pstats
@@ -813,6 +814,7 @@ def _host_profile(step, out: str, name: str) -> None:
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(HOST_PROFILE_TOP)
     stats.sort_stats("cumulative").print_stats(HOST_PROFILE_TOP)
+    stats.print_callees(r"dispatch/(pipeline|integrations/megatron)\.py")  # where our layer's stages spend it
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "host-profile-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".txt"), "w") as f:
         f.write(f"{name}: one pass, rank 0's host (cProfile)\n{text.getvalue()}")
