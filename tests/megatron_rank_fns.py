@@ -671,13 +671,15 @@ def split_node_round_trip(hidden, logits_seed: int, num_experts: int, topk: int)
 
 
 def megatron_overlap_vs_plain(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, overlaps: tuple,
-                              dtype: str = "fp32"):
+                              dtype: str = "fp32", experts_hook: bool = False):
     """A real MoELayer over the world with our dispatcher installed without overlap, then
     with ``install(overlap=G)`` for each G of ``overlaps`` (the experts by groups), the
     same weights and input each time; {G or "plain": out, x_grad, router_grad,
     expert_grads, stage, mlp_calls, mlp_calls_on_rows, mlp_rows} on the CPU ("stage":
     whether the layer's routed_experts_compute is ours; each local expert's MLP's calls
-    in the forward, those on some rows, and the rows they took)."""
+    in the forward, those on some rows, and the rows they took). ``experts_hook``: a
+    forward pre-hook on the layer's experts module (SequentialMLP) counts its calls
+    too ("experts_calls")."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -708,13 +710,19 @@ def megatron_overlap_vs_plain(seed: int, num_experts: int, topk: int, hidden: in
         return hook
 
     hooks = [mlp.register_forward_pre_hook(counting(e)) for e, mlp in enumerate(layer.experts.local_experts)]
+    module_calls = [0]
+    if experts_hook:
+        hooks.append(layer.experts.register_forward_pre_hook(lambda module, args: module_calls.__setitem__(
+            0, module_calls[0] + 1)))
     for overlap in ("plain", *overlaps):
         dispatcher = install(layer, overlap=False if overlap == "plain" else overlap)
         layer.zero_grad(set_to_none=True)
         for counts in seen:
             counts[:] = [0, 0, 0]
+        module_calls[0] = 0
         got = _forward_backward((("layer", layer),), seed * 7 + rank, shape, hidden, device)["layer"]
         got["mlp_calls"], got["mlp_calls_on_rows"], got["mlp_rows"] = (list(c) for c in zip(*seen))
+        got["experts_calls"] = module_calls[0]
         got["expert_grads"] = [[_cpu(p.grad) for _, p in sorted(e.named_parameters())]
                                for e in layer.experts.local_experts]
         got["stage"] = vars(layer).get("routed_experts_compute") == dispatcher.experts_by_groups

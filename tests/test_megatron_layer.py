@@ -172,6 +172,26 @@ def test_overlap_by_groups_is_bitwise_the_plain_adapter(worlds, world_size, loca
         assert any(0 in result["plain"]["mlp_rows"] for result in results)
 
 
+def test_overlap_calls_hooked_experts_whole(worlds):
+    """install(overlap=2) on a SequentialMLP with a hook of its own (one that, say,
+    gathers sharded weights) calls the whole module for each group, so that the hook
+    sees every call; still bitwise the plain adapter."""
+    import megatron_rank_fns
+
+    local, world_size = 4, 2
+    args = (7, local * world_size, 3, 16, (6, 2), (2,), "fp32", True)
+    for rank, result in enumerate(worlds(world_size).run(megatron_rank_fns.megatron_overlap_vs_plain,
+                                                         [args] * world_size)):
+        want, got = result["plain"], result[2]
+        assert (want["experts_calls"], got["experts_calls"]) == (1, 2), rank
+        assert got["mlp_calls"] == [2] * local, rank  # the whole module: every MLP, each group
+        for key in ("out", "x_grad", "router_grad"):
+            assert torch.equal(got[key], want[key]), f"rank {rank} {key}"
+        for mine, theirs in zip(got["expert_grads"], want["expert_grads"]):
+            for a, b in zip(mine, theirs):
+                assert torch.equal(a, b), f"rank {rank} expert grads"
+
+
 @pytest.mark.parametrize("overlap, extra, words", [
     (0, {}, "an int in [1, 4]"),
     (5, {}, "an int in [1, 4]"),
