@@ -10,6 +10,8 @@ would leave the next one mismatched or hung).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -235,3 +237,35 @@ def test_ranks_that_disagree_are_refused_alike(worlds, case):
     results = world.run(rank_fns.error_of, [("call_dispatch_as", CFG, [first, second])] * 2)
     _assert_error(results, ValueError, argument, collectives=1)
     _good_round_trip_still_works(world)
+
+
+def test_peer_header_checks_read_lists_as_tensors():
+    """checks.check_peer_headers / check_row_budgets take every rank's header as a host
+    tensor (the NCCL plan) or as lists (the NVLink engine's host read) alike: the same
+    answer, the same refusals."""
+    from dispatch import checks
+    from dispatch.plan import HEADER
+
+    def header(**values):
+        row = [0] * len(HEADER)
+        row[HEADER.index("topk")], row[HEADER.index("hidden")] = 2, 8
+        row[HEADER.index("max_rows")] = row[HEADER.index("memory_rows")] = -1
+        for name, value in values.items():
+            row[HEADER.index(name)] = value
+        return row
+
+    agree = [header(x_grad=1), header(weights_grad=0)]
+    for form in (agree, torch.tensor(agree)):
+        assert checks.check_peer_headers(form) == (True, False)
+        checks.check_row_budgets(form, [5, 7], 16)
+    cases = [([header(), header(failed=1)], RuntimeError, "rank(s) [1]", None),
+             ([header(), header(hidden=4)], ValueError, "[8, 4] by rank", None),
+             ([header(max_rows=4), header()], ValueError, "over its max_rows=4", [5, 7]),
+             ([header(), header(memory_rows=6)], ValueError, "holds 6", [5, 7])]
+    for rows, error, words, received in cases:
+        for form in (rows, torch.tensor(rows)):
+            with pytest.raises(error, match=re.escape(words)):
+                if received is None:
+                    checks.check_peer_headers(form)
+                else:
+                    checks.check_row_budgets(form, received, 16)

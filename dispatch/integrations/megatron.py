@@ -143,10 +143,11 @@ group's rows move (``dispatch.MoEExchange`` with ``weighted_experts``: Megatron'
 experts apply ``permuted_probs`` themselves, so the sums go home unweighted). The
 layer's ``routed_experts_compute`` is replaced by the dispatcher's
 ``experts_by_groups``: ``token_dispatch`` hands the rows on untouched,
-``experts_by_groups`` dispatches by groups, calls ``moe_layer.experts`` once per
-group (``tokens_per_expert`` zero outside the group: ``SequentialMLP`` calls the
-other experts' modules on no rows, a grouped MLP runs empty GEMMs for them)
-and adds each group's outputs to the pre-sums going home, and ``token_combine``
+``experts_by_groups`` dispatches by groups, runs the layer's experts on each
+group's rows (a plain ``SequentialMLP``: the MLPs of the group's experts that have
+rows, as its own forward runs each on its rows; other experts are called whole
+with ``tokens_per_expert`` zero outside the group, a grouped MLP running empty
+GEMMs for the others) and adds each group's outputs to the pre-sums going home, and ``token_combine``
 hands the home sums on. Each expert's weights are read once per pass; backward is
 the mirror image. The results are bitwise those of the adapter without overlap
 (one dispatch, the experts called once, one combine): each expert sees the same
