@@ -165,15 +165,14 @@ def free_bytes(device: torch.device) -> int | None:
     and what torch's caching allocator holds unused; None off CUDA (no budget)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    free, _ = torch.cuda.mem_get_info(index)
     # one read of the allocator's statistics, left nested (memory_reserved and
     # memory_allocated would flatten them each, on every dispatch)
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-
-    def current(name: str) -> int:
-        return stats.get(name, {}).get("all", {}).get("current", 0)
-
-    return free + current("reserved_bytes") - current("allocated_bytes")
+    stats = torch.cuda.memory_stats_as_nested_dict(index)
+    reserved, allocated = (stats.get(name, {}).get("all", {}).get("current", 0)
+                           for name in ("reserved_bytes", "allocated_bytes"))
+    return free + reserved - allocated
 
 
 def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int) -> None:

@@ -9,7 +9,10 @@ kernels can run here (CUDA, and CuPy importable).
 
 Arguments travel by value with the exact C type of the kernel's parameter:
 wrap them in :func:`i32`, :func:`i64`, :func:`u32`, :func:`u64`, :func:`f32`
-or :func:`ptr` (a tensor's data pointer, 0 for None).
+or :func:`ptr` (a tensor's data pointer, 0 for None). A launch packs them into
+one parameter block (each at its C alignment, :func:`parameter_block`) and
+hands it to the driver's ``cuLaunchKernel`` through CuPy's binding: the
+engine's host time per launch is this packing, not a conversion per argument.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
-import warnings
+import struct
+import threading
 
-import numpy as np
 import torch
 
 _CSRC_NAMES = ("engine.cuh", "layout.cu", "intranode_dispatch.cu", "intranode_combine.cu")
@@ -89,29 +92,48 @@ def available() -> bool:
     return torch.cuda.is_available() and _cupy() is not None
 
 
-def i32(v) -> np.int32:
-    return np.int32(v)
+# An argument: (struct format code of its C type, value). Pointers travel as their address.
+Arg = tuple[str, int | float]
 
 
-def u32(v) -> np.uint32:
-    return np.uint32(v & 0xFFFFFFFF)
+def i32(v) -> Arg:
+    return ("i", v)
 
 
-def i64(v) -> np.int64:
-    return np.int64(v)
+def u32(v) -> Arg:
+    return ("I", v & 0xFFFFFFFF)
 
 
-def u64(v) -> np.uint64:
-    return np.uint64(v)
+def i64(v) -> Arg:
+    return ("q", v)
 
 
-def f32(v) -> np.float32:
-    return np.float32(v)
+def u64(v) -> Arg:
+    return ("Q", v)
 
 
-def ptr(t: torch.Tensor | None) -> np.uint64:
+def f32(v) -> Arg:
+    return ("f", v)
+
+
+def ptr(t: torch.Tensor | None) -> Arg:
     """The data pointer of ``t`` (0 for None)."""
-    return np.uint64(0 if t is None else t.data_ptr())
+    return ("Q", 0 if t is None else t.data_ptr())
+
+
+@functools.lru_cache(maxsize=256)
+def parameter_block(codes: str) -> tuple[struct.Struct, tuple[int, ...]]:
+    """(packer, offset of each parameter) of a kernel whose parameters have the
+    struct format ``codes``: each at the next multiple of its size, as C lays out
+    scalars and pointers (native alignment, no padding after the last)."""
+    layout = struct.Struct("@" + codes)
+    offsets, at = [], 0
+    for code in codes:
+        size = struct.calcsize(code)
+        at = -(-at // size) * size
+        offsets.append(at)
+        at += size
+    return layout, tuple(offsets)
 
 
 class Kernel:
@@ -119,26 +141,60 @@ class Kernel:
 
     def __init__(self, function, threads: int) -> None:
         self._function, self.threads = function, threads
+        self._handles: dict[int, int] = {}  # CUDA device -> the kernel's CUfunction there
+        self._local = threading.local()  # this thread's parameter blocks, by format
 
-    def __call__(self, blocks: int, args: tuple, shared: int = 0) -> None:
-        device = torch.cuda.current_device()  # the CUDA runtime's current device, which CuPy launches on too
-        stream = _stream(_raw_stream(device), device)
-        self._function((max(int(blocks), 1),), (self.threads,), args, shared_mem=shared, stream=stream)
+    def __call__(self, blocks: int, args: tuple[Arg, ...], shared: int = 0) -> None:
+        device = torch.cuda.current_device()  # the CUDA runtime's current device, which the launch uses
+        handle = self._handles.get(device) or self._load(device)
+        codes = "".join([a[0] for a in args])
+        blocks_of = getattr(self._local, "blocks", None)
+        if blocks_of is None:
+            blocks_of = self._local.blocks = {}
+        layout, block, params, _ = blocks_of.get(codes) or self._block(blocks_of, codes)
+        # this thread's block, refilled for each launch: the driver copies it at the call
+        layout.pack_into(block, 0, *[a[1] for a in args])
+        _launch()(handle, max(int(blocks), 1), 1, 1, self.threads, 1, 1, shared, _raw_stream(device), params, 0)
+
+    @staticmethod
+    def _block(blocks_of: dict, codes: str) -> tuple:
+        """(packer, parameter block, address of the array of the parameters' addresses,
+        that array), kept for the thread's later launches of that format."""
+        layout, offsets = parameter_block(codes)
+        block = ctypes.create_string_buffer(max(layout.size, 1))
+        base = ctypes.addressof(block)
+        params = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
+        made = blocks_of[codes] = (layout, block, ctypes.addressof(params), params)
+        return made
+
+    def _load(self, device: int) -> int:
+        with _cupy().cuda.Device(device):
+            handle = self._handles[device] = self._function.kernel.ptr  # the module loaded on that device
+        return handle
+
+
+@functools.lru_cache(maxsize=1)
+def _launch():
+    """The driver's ``cuLaunchKernel`` as CuPy binds it (raises on an error)."""
+    return _cupy().cuda.driver.launchKernel
+
+
+def current_stream(device: int) -> "torch.cuda.Stream":
+    """torch's current stream on CUDA device ``device`` (an index), as
+    ``torch.cuda.current_stream`` gives it, without its device guard: the
+    engine asks for it several times per operation."""
+    return _stream_object(*torch._C._cuda_getCurrentStream(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_object(stream_id: int, device_index: int, device_type: int) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
 
 def _raw_stream(device: int) -> int:
     """The handle of torch's current stream on ``device``."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-
-
-@functools.lru_cache(maxsize=64)
-def _stream(handle: int, device: int):
-    cupy = _cupy()
-    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for Stream.from_external
-        warnings.simplefilter("ignore", category=FutureWarning)
-        warnings.simplefilter("ignore", category=DeprecationWarning)
-        return cupy.cuda.ExternalStream(handle, device)
 
 
 _OPTIONS = ("-std=c++17",)  # NVRTC options (with the include path of csrc/)

@@ -282,10 +282,15 @@ class Engine:
             code, peer, where, _ = self._polled.tolist()  # landed: no wait
             if code:
                 self._raise(code, peer, where)
-        with self._ordered(writes=False):
-            self._polled.copy_(self.status, non_blocking=True)
-            self._polled_event = torch.cuda.Event()
-            self._polled_event.record(torch.cuda.current_stream(self.device))
+        # the copy comes after the latest operation, on whatever stream; it orders nothing
+        # after it (it only reads the status words)
+        stream = cuda.current_stream(self.device.index)
+        last = self._last
+        if last is not None and last[1] is None:
+            stream.wait_event(last[0])
+        self._polled.copy_(self.status, non_blocking=True)
+        self._polled_event = torch.cuda.Event()
+        self._polled_event.record(stream)
 
     # -- buffers -------------------------------------------------------------
 
@@ -304,7 +309,7 @@ class Engine:
         # host sync: this rank's earlier reads of its peers' buffers are done before the
         # rendezvous, which every rank reaches only after the same sync, so no rank still
         # reads a buffer when it is dropped.
-        torch.cuda.current_stream(self.device).synchronize()
+        cuda.current_stream(self.device.index).synchronize()
         if self._last is not None and self._last[1] is None:
             self._last[0].synchronize()
         if self._captured and self._data is not None:  # a captured graph may still replay on these
@@ -385,13 +390,13 @@ class Engine:
         fits = self._fits(tokens, topk, stage_row)
         lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
         chunks = -(-tokens // (self._scan_warps * cuda.SCAN_TILES * (32 // lanes)))  # the scan's blocks
-        # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states
+        # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
+        # kernels get addresses into it: int32 words at these offsets)
         zeroed = torch.zeros(self.row_len + 1 + chunks, dtype=torch.int32, device=device)
-        row, scan_state = zeroed[: self.row_len], zeroed[self.row_len :]
+        row = zeroed.data_ptr()
         route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
         lists = torch.empty(self.world, tokens, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
-        counts, sends = row[self.counts_col :], row[SENDS_COL : self.counts_col]
         route_start, route_copy = self._region("route") if fits else (0, 0)
         lists_start, lists_copy = self._region("lists") if fits else (0, 0)
         if tokens:
@@ -405,10 +410,11 @@ class Engine:
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
                  i32(self.experts_per_rank), ptr(route),
                  u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
-                 ptr(counts), ptr(sends), ptr(lists), u64(self._data.data_ptr() + lists_start if fits else 0),
-                 i64(lists_copy), i64(self.capacity.tokens), i32(chunks), i32(self._scan_warps), ptr(scan_state),
-                 ptr(scan_sums), ptr(hit),
-                 ptr(row[plan.HEADER.index("failed") :]) if check_values else ptr(None),
+                 u64(row + 4 * self.counts_col), u64(row + 4 * SENDS_COL), ptr(lists),
+                 u64(self._data.data_ptr() + lists_start if fits else 0),
+                 i64(lists_copy), i64(self.capacity.tokens), i32(chunks), i32(self._scan_warps),
+                 u64(row + 4 * self.row_len), ptr(scan_sums), ptr(hit),
+                 u64(row + 4 * plan.HEADER.index("failed") if check_values else 0),
                  ptr(wire), i64(0 if wire is None else wire.stride(0) * wire.element_size()),
                  i64(0 if wire is None else codec.row_bytes(rows.shape[1])),
                  u64(0 if wire is None else self._data.data_ptr() + stage_start), i64(stage_copy), i64(stage_row),
@@ -419,13 +425,14 @@ class Engine:
         out = torch.empty(4 + world * length + world * local + 1 + groups, dtype=torch.int32, device=device)
         per_expert = torch.empty(local, dtype=torch.int64, device=device)
         places = 4 + world * length  # src_start, then num_rows, then group_end
+        at = out.data_ptr()
         self._kernel("layout.cu", "exchange_counts")(
             1,
             (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
-             i32(length), i32(self.counts_col), i32(local), ptr(row), *(i32(v) for v in header), i32(tokens),
+             i32(length), i32(self.counts_col), i32(local), u64(row), *(i32(v) for v in header), i32(tokens),
              i32(int(fits)), i32(groups), ptr(self._seq), u64(self.timeout_ns),
-             ptr(self.status), ptr(out), ptr(per_expert), ptr(out[places:]), ptr(out[places + world * local :]),
-             ptr(out[places + world * local + 1 :])),
+             ptr(self.status), u64(at), ptr(per_expert), u64(at + 4 * places), u64(at + 4 * (places + world * local)),
+             u64(at + 4 * (places + world * local + 1))),
             shared=4 * (local + 1 + world * local),
         )
         matrix = out[4 : 4 + world * length].view(world, length)
@@ -673,16 +680,17 @@ class _Ordered:
         self.engine, self.writes = engine, writes
 
     def __enter__(self) -> None:
+        device = self.engine.device
+        self.stream, self.capture = cuda.current_stream(device.index), cuda.capture_id(device)
         last = self.engine._last
-        if last is not None and last[1] == cuda.capture_id(self.engine.device):
-            torch.cuda.current_stream(self.engine.device).wait_event(last[0])
+        if last is not None and last[1] == self.capture:
+            self.stream.wait_event(last[0])
 
     def __exit__(self, *exc) -> bool:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.engine.device))
-        capture = cuda.capture_id(self.engine.device)
-        self.engine._last = (event, capture)
-        self.engine._captured |= capture is not None
+        event.record(self.stream)  # the operation's stream and capture: an operation stays on its stream
+        self.engine._last = (event, self.capture)
+        self.engine._captured |= self.capture is not None
         self.engine.operations += int(self.writes)
         return False
 

@@ -10,9 +10,10 @@ kernel would otherwise show only on a GPU, as garbage read by the kernel.
 
 from __future__ import annotations
 
+import ctypes
 import re
+import struct
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,19 +25,19 @@ _KERNEL = re.compile(
     r"(?:template\s*<(?P<template>[^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
     r"(?P<name>\w+)\s*\((?P<params>[^)]*)\)"
 )
-_BY_VALUE = {
-    "int": np.int32,
-    "unsigned": np.uint32,
-    "unsigned int": np.uint32,
-    "long long": np.int64,
-    "unsigned long long": np.uint64,
-    "float": np.float32,
-    "double": np.float64,
+_BY_VALUE = {  # C type -> the struct format code its argument travels as (dispatch.cuda.Arg)
+    "int": "i",
+    "unsigned": "I",
+    "unsigned int": "I",
+    "long long": "q",
+    "unsigned long long": "Q",
+    "float": "f",
+    "double": "d",
 }
 
 
 def _signatures() -> dict:
-    """(file, kernel) -> (template parameter count, [numpy type of each parameter])."""
+    """(file, kernel) -> (template parameter count, [format code of each parameter])."""
     out = {}
     for path in sorted(cuda.csrc_dir().glob("*.cu")):
         for m in _KERNEL.finditer(path.read_text()):
@@ -44,7 +45,7 @@ def _signatures() -> dict:
             for param in m["params"].split(","):
                 decl = " ".join(param.split())
                 if "*" in decl:
-                    types.append(np.uint64)  # every pointer travels as its address
+                    types.append("Q")  # every pointer travels as its address
                     continue
                 base = " ".join(w for w in decl.split()[:-1] if w != "const")
                 types.append(_BY_VALUE[base])
@@ -70,7 +71,9 @@ class _Checked:
         assert 0 <= shared <= 48 * 1024, f"{self.name}: {shared} bytes of dynamic shared memory (48 KiB without opt-in)"
         assert len(args) == len(self.types), f"{self.name}: {len(args)} arguments for {len(self.types)} parameters"
         for i, (arg, want) in enumerate(zip(args, self.types)):
-            assert type(arg) is want, f"{self.name} argument {i}: {type(arg).__name__}, the kernel takes {want.__name__}"
+            assert arg[0] == want, f"{self.name} argument {i}: {arg[0]!r}, the kernel takes {want!r}"
+        layout, _ = cuda.parameter_block("".join(a[0] for a in args))
+        layout.pack(*(a[1] for a in args))  # every value fits its C type
         self.launches.append(self.name)
 
 
@@ -143,6 +146,47 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
                         "home_slots", "route_layout", "exchange_counts", "pull_rows"]
 
 
+def test_a_parameter_block_lays_each_argument_at_its_c_alignment():
+    """The block a launch hands the driver: a 4-byte int then a pointer puts the
+    pointer at 8 (C pads to its alignment), ints pack tight, nothing after the last."""
+    layout, offsets = cuda.parameter_block("iQiiqfI")
+    assert offsets == (0, 8, 16, 20, 24, 32, 36)
+    assert layout.size == 40
+    args = (cuda.i32(-3), cuda.ptr(None), cuda.i32(7), cuda.i32(2**31 - 1), cuda.i64(-(2**40)), cuda.f32(0.5),
+            cuda.u32(-1))
+    block = layout.pack(*(a[1] for a in args))
+    assert struct.unpack_from("<i", block, 0)[0] == -3 and struct.unpack_from("<Q", block, 8)[0] == 0
+    assert struct.unpack_from("<q", block, 24)[0] == -(2**40) and struct.unpack_from("<f", block, 32)[0] == 0.5
+    assert struct.unpack_from("<I", block, 36)[0] == 2**32 - 1  # u32 wraps to the unsigned value
+    with pytest.raises(struct.error):  # a value its C type cannot hold is refused, not truncated
+        layout.pack(*(a[1] for a in args[:3]), 2**31, *(a[1] for a in args[4:]))
+
+
+def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
+    """What ``Kernel`` passes ``cuLaunchKernel``: kernelParams, an array of addresses, each
+    holding its argument with its C type, refilled for each launch of the format."""
+    calls = []
+    monkeypatch.setattr(cuda, "_launch", lambda: lambda *a: calls.append(a))
+    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 77)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = cuda.Kernel(None, cuda.THREADS)
+    kernel._handles[0] = 1234  # the CUfunction on device 0, as _load would find it
+
+    def values(params: int, codes: str) -> list:
+        at = (ctypes.c_void_p * len(codes)).from_address(params)
+        return [struct.unpack(c, ctypes.string_at(at[i], struct.calcsize(c)))[0] for i, c in enumerate(codes)]
+
+    for i, last in enumerate((1.5, -2.0)):
+        kernel(3 - i, (cuda.i32(5 + i), cuda.ptr(None), cuda.i64(-(2**33) - i), cuda.u32(-1), cuda.f32(last)),
+               shared=16 * i)
+        handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra = calls[-1]
+        assert (handle, gx, gy, gz, bx, by, bz, shared, stream, extra) == (1234, 3 - i, 1, 1, cuda.THREADS, 1, 1,
+                                                                           16 * i, 77, 0)
+        assert values(params, "iQqIf") == [5 + i, 0, -(2**33) - i, 2**32 - 1, last]
+    kernel(0, (cuda.i32(1),))  # an empty grid still launches one block
+    assert calls[-1][1] == 1 and values(calls[-1][9], "i") == [1]
+
+
 def test_the_signatures_are_read():
     """The parser finds every kernel the engine launches, with parameters."""
     names = {name for _, name in SIGNATURES}
@@ -150,7 +194,7 @@ def test_the_signatures_are_read():
             "push_slots", "home_slots"} <= names
     assert all(types for _, types in SIGNATURES.values())
     count, types = SIGNATURES[("layout.cu", "exchange_counts")]
-    assert count == 0 and types[0] is np.uint64 and types[3] is np.int32 and types[-1] is np.uint64
+    assert count == 0 and types[0] == "Q" and types[3] == "i" and types[-1] == "Q"
 
 
 def test_the_host_side_mirrors_the_kernels_tuning():

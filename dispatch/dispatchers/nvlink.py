@@ -87,12 +87,11 @@ class NVLinkDispatcher(TokenDispatcher):
             raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
         headers = [r[: len(plan.HEADER)] for r in rows_of]
         grads_any = checks.check_peer_headers(headers)
-        local = self.num_local_experts
-        received = [sum(sum(r[engine.counts_col + d * local : engine.counts_col + (d + 1) * local]) for r in rows_of)
-                    for d in range(self.world_size)]  # N of every rank
+        local, first = self.num_local_experts, engine.counts_col
+        to_expert = list(map(sum, zip(*(r[first:] for r in rows_of))))  # rows of every expert, from every rank
+        received = [sum(to_expert[d * local : (d + 1) * local]) for d in range(self.world_size)]  # N of every rank
         checks.check_row_budgets(headers, received, self.row_bytes(x))
-        first = engine.counts_col + self.rank * local
-        per_expert = [sum(r[first + e] for r in rows_of) for e in range(local)]
+        per_expert = to_expert[self.rank * local : (self.rank + 1) * local]
         has_rows = tuple(n > 0 for n in received)
         split = tuple(tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of)
         handle, outputs = self._handle(x, counts, num_tokens, topk, sum(per_expert), grads_any, has_rows, split,
