@@ -108,27 +108,6 @@ def _captured_plan(d, x, topk_idx, topk_weights, bound: int):
     return replay
 
 
-def _profile_text(profiler, calls: int, top: int = 45) -> str:
-    """cProfile's statistics in microseconds per round trip (pstats prints
-    milliseconds, which rounds every function of one call to zero): the
-    functions by own time, then this package's functions by cumulative time."""
-    import pstats
-
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
-    def line(key, value):
-        file, number, function = key
-        where = function if file == "~" else f"{os.path.relpath(file) if '/dispatch/' in file else os.path.basename(file)}:{number}({function})"
-        return f"{value[1] / calls:8.1f} {value[2] * 1e6 / calls:9.1f} {value[3] * 1e6 / calls:9.1f}  {where}"
-
-    head = "   calls   own us    cum us  function (per round trip)"
-    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    ours = sorted(((k, v) for k, v in stats.items() if "/dispatch/" in k[0]), key=lambda kv: -kv[1][3])[:top]
-    total = sum(v[2] for v in stats.values()) * 1e6 / calls
-    return "\n".join([f"{total:.0f} us of host time per round trip under the profiler", "by own time:", head,
-                      *(line(k, v) for k, v in own), "the package's functions by cumulative time:", head,
-                      *(line(k, v) for k, v in ours)])
-
-
 def _host_sections(round_trip, calls=20):
     """Host microseconds per round trip spent inside the engine's main calls
     (wall clock on the host, the waits of its host reads included)."""
@@ -248,7 +227,7 @@ def _worker(rank, world, args, port):
                     round_trip()
                 torch.cuda.synchronize()
                 profiler.disable()
-                print(f"{name} {label} host profile, per round trip:\n" + _profile_text(profiler, HOST_CALLS),
+                print(f"{name} {label} host profile, per round trip:\n" + common.profile_text(profiler, HOST_CALLS),
                       flush=True)
             elif profiled and args.host_profile:
                 for _ in range(HOST_CALLS):

@@ -72,7 +72,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import dispatch  # noqa: E402
-from dispatch.bench.common import device, environment, launch, spread, time_phases, world_size_for  # noqa: E402
+from dispatch.bench.common import (device, environment, launch, profile_text, spread, time_phases,  # noqa: E402
+                                   world_size_for)
 from dispatch.bench.megatron_baseline import _ensure_parallel_state, megatron_available  # noqa: E402
 
 LAYER_TOLERANCE = 2e-2  # bf16: relative to the tensor's largest magnitude
@@ -793,11 +794,9 @@ HOST_PROFILE_TOP = 60  # functions a host profile lists, by own time and by cumu
 def _host_profile(step, out: str, name: str) -> None:
     """One pass of ``step`` on every rank (after a barrier, the GPU waited for after
     it) with rank 0's Python profiled (cProfile); rank 0 writes the functions that
-    took longest, by own and by cumulative time, and what the adapter's and the
-    pipeline's functions called, to ``out/host-profile-<name>.txt``."""
+    took longest by own time, and this package's by cumulative time, in
+    microseconds, to ``out/host-profile-<name>.txt``."""
     import cProfile
-    import io
-    import pstats
 
     dist.barrier()
     torch.cuda.synchronize()
@@ -810,14 +809,10 @@ def _host_profile(step, out: str, name: str) -> None:
     torch.cuda.synchronize()
     if profiler is None:
         return
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(HOST_PROFILE_TOP)
-    stats.sort_stats("cumulative").print_stats(HOST_PROFILE_TOP)
-    stats.print_callees(r"dispatch/(pipeline|integrations/megatron)\.py")  # where our layer's stages spend it
+    text = profile_text(profiler, 1, HOST_PROFILE_TOP)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "host-profile-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".txt"), "w") as f:
-        f.write(f"{name}: one pass, rank 0's host (cProfile)\n{text.getvalue()}")
+        f.write(f"{name}: one pass, rank 0's host (cProfile)\n{text}\n")
 
 
 def _keep_expert_inputs(dispatcher) -> list:

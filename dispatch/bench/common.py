@@ -353,6 +353,29 @@ class Progress:
             print(f"[{self.label} {self.done}/{self.total} {elapsed:6.1f}s] {what} {result}", file=sys.stderr, flush=True)
 
 
+def profile_text(profiler, calls: int, top: int = 45, ours: str = "/dispatch/") -> str:
+    """A cProfile's statistics in microseconds per call of the profiled step
+    (pstats prints seconds to three places, which rounds every function of one
+    step to zero): the functions by own time, then those whose file path holds
+    ``ours`` by cumulative time."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+
+    def line(key, value) -> str:
+        file, number, function = key
+        where = function if file == "~" else f"{'/'.join(file.split('/')[-3:])}:{number}({function})"
+        return f"{value[1] / calls:8.1f} {value[2] * 1e6 / calls:9.1f} {value[3] * 1e6 / calls:9.1f}  {where}"
+
+    head = "   calls   own us    cum us  function (per step)"
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    mine = sorted(((k, v) for k, v in stats.items() if ours in k[0]), key=lambda kv: -kv[1][3])[:top]
+    total = sum(v[2] for v in stats.values()) * 1e6 / calls
+    return "\n".join([f"{total:.0f} us of host time per step under the profiler", "by own time:", head,
+                      *(line(k, v) for k, v in own), f"functions of {ours} by cumulative time:", head,
+                      *(line(k, v) for k, v in mine)])
+
+
 def environment() -> dict:
     """Machine, versions and commit, for every result file."""
     info = {
