@@ -194,7 +194,7 @@ class MoEExchange(nn.Module):
         """The experts' parameters that require grad (none for a plain callable)."""
         if not isinstance(self.experts, nn.Module):
             return ()
-        return tuple(p for p in self.experts.parameters() if p.requires_grad)
+        return tuple(p for p in module_parameters(self.experts) if p.requires_grad)
 
     @contextlib.contextmanager
     def _carveout(self):
@@ -420,6 +420,28 @@ def _plain_grouped_experts(experts, device_type: str) -> bool:
     if any(True for _ in experts.children()) or torch.is_autocast_enabled(device_type):
         return False
     return not hooked(experts)
+
+
+def module_parameters(module: nn.Module) -> list:
+    """``list(module.parameters())``, in its order (a module's own, then its
+    submodules' depth first, each parameter and module once), walked without the
+    generators ``parameters()`` stacks: the layer asks for them every pass."""
+    out, seen, visited = [], set(), set()
+
+    def walk(m: nn.Module) -> None:
+        if id(m) in visited:
+            return
+        visited.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        for child in m._modules.values():
+            if child is not None:
+                walk(child)
+
+    walk(module)
+    return out
 
 
 def hooked(module: nn.Module) -> bool:

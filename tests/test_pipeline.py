@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import dispatch
 import pipeline_fns
+from dispatch.pipeline import module_parameters
 from reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
@@ -468,3 +470,15 @@ def test_plan_graphs_in_the_pipeline(worlds, world_size, chunks):
             pipeline_fns.assert_same(b, a, f"rank {rank}, step {step}")
     for rank in range(2):  # and the steps differ: each used its own routing (rank 2 has no tokens)
         assert not torch.equal(runs[0][rank][0]["out"], runs[0][rank][1]["out"])
+
+
+def test_module_parameters_is_parameters_in_order():
+    """The layer's walk of its experts' parameters gives what ``parameters()`` gives,
+    in its order: shared parameters and modules once, None entries skipped."""
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(nn.Linear(2, 3), shared, nn.ReLU(), nn.Sequential(shared, nn.Linear(3, 1, bias=False)))
+    model.extra = nn.Parameter(torch.zeros(1))
+    model[0].register_parameter("gone", None)
+    model[3][1].weight = model[0].weight  # a parameter shared by two modules
+    assert [id(p) for p in module_parameters(model)] == [id(p) for p in model.parameters()]
+    assert module_parameters(nn.ReLU()) == []

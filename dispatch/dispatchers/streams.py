@@ -17,9 +17,33 @@ they are done: decode, expand, final sum). :class:`CommStreams` runs it:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
+
+from dispatch.cuda import current_stream as _current_stream
+
+
+def _caller_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The current stream of CUDA ``device`` (its index, or the current device's)."""
+    return _current_stream(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@contextlib.contextmanager
+def _on(stream: "torch.cuda.Stream"):
+    """``torch.cuda.stream(stream)`` for a stream of the current device, without the
+    device guards and lookups that context takes each time (several per exchange)."""
+    if stream.device_index != torch.cuda.current_device():
+        with torch.cuda.stream(stream):
+            yield
+        return
+    before = _current_stream(stream.device_index)
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(before)
 
 
 class Pending:
@@ -87,7 +111,7 @@ class StartedGroups:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self._pending.finish(g)
         if self._events is not None and self._events[g] is not None:
-            stream = torch.cuda.current_stream(self._device)
+            stream = _caller_stream(self._device)
             stream.wait_event(self._events[g])
             out.record_stream(stream)
             self._events[g] = None
@@ -109,7 +133,7 @@ class Started:
         """The exchange's result, ready for the caller's current stream."""
         out = self._pending.finish()
         if self._event is not None:
-            stream = torch.cuda.current_stream(self._device)
+            stream = _caller_stream(self._device)
             stream.wait_event(self._event)
             # made in the communication stream's pool, used on the caller's stream:
             # its memory is not handed out again before that use
@@ -131,10 +155,10 @@ class CommStreams:
         device = reads[0].device
         if not async_op or device.type != "cuda":
             return Started(issue())
-        caller = torch.cuda.current_stream(device)
+        caller = _caller_stream(device)
         stream = self.stream(device, priority)
         stream.wait_stream(caller)  # an event: the inputs are made by now
-        with torch.cuda.stream(stream):
+        with _on(stream):
             pending = Pending.done(issue().finish())
             event = torch.cuda.Event()
             event.record(stream)
@@ -150,11 +174,11 @@ class CommStreams:
         device = reads[0].device
         if not async_op or device.type != "cuda":
             return StartedGroups(issue())
-        caller = torch.cuda.current_stream(device)
+        caller = _caller_stream(device)
         stream = self.stream(device, priority)
         stream.wait_stream(caller)
         events = []
-        with torch.cuda.stream(stream):
+        with _on(stream):
             pending = issue()
             for g in range(pending.groups):
                 pending.finish(g)

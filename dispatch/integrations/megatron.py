@@ -177,7 +177,7 @@ import dispatch
 from dispatch.config import DispatchConfig
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations import megatron_tp as expert_tp
-from dispatch.pipeline import hooked
+from dispatch.pipeline import hooked, module_parameters
 
 __all__ = ["ENGINE_OPTIONS", "STAGES", "MegatronDispatcher", "install", "install_all", "routing_to_topk"]
 
@@ -781,8 +781,8 @@ class _GroupExperts(torch.nn.Module):
         reach (``MoEExchange``): those experts' MLPs' where each expert has its own
         (SequentialMLP), else all (a grouped MLP's weights hold every expert)."""
         if self._mlps is None:
-            return list(self.experts.parameters())
-        return [p for mlp in self._mlps[first:end] for p in mlp.parameters()]
+            return module_parameters(self.experts)
+        return [p for mlp in self._mlps[first:end] for p in module_parameters(mlp)]
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         if self._alone and not hooked(self.experts):
