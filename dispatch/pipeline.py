@@ -425,7 +425,12 @@ def _plain_grouped_experts(experts, device_type: str) -> bool:
 def module_parameters(module: nn.Module) -> list:
     """``list(module.parameters())``, in its order (a module's own, then its
     submodules' depth first, each parameter and module once), walked without the
-    generators ``parameters()`` stacks: the layer asks for them every pass."""
+    generators ``parameters()`` stacks: the layer asks for them every pass. A
+    module whose class defines its own walk gets ``parameters()`` itself."""
+    cls = type(module)
+    if any(getattr(cls, name) is not getattr(nn.Module, name)
+           for name in ("parameters", "named_parameters", "named_modules", "_named_members")):
+        return list(module.parameters())
     out, seen, visited = [], set(), set()
 
     def walk(m: nn.Module) -> None:

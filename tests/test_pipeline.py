@@ -482,3 +482,14 @@ def test_module_parameters_is_parameters_in_order():
     model[3][1].weight = model[0].weight  # a parameter shared by two modules
     assert [id(p) for p in module_parameters(model)] == [id(p) for p in model.parameters()]
     assert module_parameters(nn.ReLU()) == []
+
+    class Flat(nn.Module):  # a module that names its parameters its own way
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def parameters(self, recurse=True):
+            return iter([self.inner.weight])
+
+    flat = Flat()
+    assert [id(p) for p in module_parameters(flat)] == [id(flat.inner.weight)]  # its walk: no bias
