@@ -11,8 +11,7 @@ Arguments travel by value with the exact C type of the kernel's parameter:
 wrap them in :func:`i32`, :func:`i64`, :func:`u32`, :func:`u64`, :func:`f32`
 or :func:`ptr` (a tensor's data pointer, 0 for None). A launch packs them into
 one parameter block (each at its C alignment, :func:`parameter_block`) and
-hands it to the driver's ``cuLaunchKernel`` through CuPy's binding: the
-engine's host time per launch is this packing, not a conversion per argument.
+hands the driver's ``cuLaunchKernel`` (CuPy's binding) their addresses.
 """
 
 from __future__ import annotations
@@ -151,20 +150,21 @@ class Kernel:
         blocks_of = getattr(self._local, "blocks", None)
         if blocks_of is None:
             blocks_of = self._local.blocks = {}
-        layout, block, params, _ = blocks_of.get(codes) or self._block(blocks_of, codes)
+        layout, block, params = blocks_of.get(codes) or self._block(blocks_of, codes)
         # this thread's block, refilled for each launch: the driver copies it at the call
         layout.pack_into(block, 0, *[a[1] for a in args])
-        _launch()(handle, max(int(blocks), 1), 1, 1, self.threads, 1, 1, shared, _raw_stream(device), params, 0)
+        _launch()(handle, max(int(blocks), 1), 1, 1, self.threads, 1, 1, shared, _raw_stream(device),
+                  ctypes.addressof(params), 0)
 
     @staticmethod
     def _block(blocks_of: dict, codes: str) -> tuple:
-        """(packer, parameter block, address of the array of the parameters' addresses,
-        that array), kept for the thread's later launches of that format."""
+        """(packer, parameter block, the array of the parameters' addresses in it),
+        kept for the thread's later launches of that format."""
         layout, offsets = parameter_block(codes)
         block = ctypes.create_string_buffer(max(layout.size, 1))
         base = ctypes.addressof(block)
         params = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
-        made = blocks_of[codes] = (layout, block, ctypes.addressof(params), params)
+        made = blocks_of[codes] = (layout, block, params)
         return made
 
     def _load(self, device: int) -> int:

@@ -393,7 +393,7 @@ class Engine:
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
         # kernels get addresses into it: int32 words at these offsets)
         zeroed = torch.zeros(self.row_len + 1 + chunks, dtype=torch.int32, device=device)
-        row = zeroed.data_ptr()
+        row_at = zeroed.data_ptr()
         route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
         lists = torch.empty(self.world, tokens, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
@@ -410,11 +410,11 @@ class Engine:
                 (ptr(topk_idx), ptr(weights), i32(tokens), i32(topk), i32(self.num_experts),
                  i32(self.experts_per_rank), ptr(route),
                  u64(self._data.data_ptr() + route_start if fits else 0), i64(route_copy), ptr(self._seq),
-                 u64(row + 4 * self.counts_col), u64(row + 4 * SENDS_COL), ptr(lists),
+                 u64(row_at + 4 * self.counts_col), u64(row_at + 4 * SENDS_COL), ptr(lists),
                  u64(self._data.data_ptr() + lists_start if fits else 0),
                  i64(lists_copy), i64(self.capacity.tokens), i32(chunks), i32(self._scan_warps),
-                 u64(row + 4 * self.row_len), ptr(scan_sums), ptr(hit),
-                 u64(row + 4 * plan.HEADER.index("failed") if check_values else 0),
+                 u64(row_at + 4 * self.row_len), ptr(scan_sums), ptr(hit),
+                 u64(row_at + 4 * plan.HEADER.index("failed") if check_values else 0),
                  ptr(wire), i64(0 if wire is None else wire.stride(0) * wire.element_size()),
                  i64(0 if wire is None else codec.row_bytes(rows.shape[1])),
                  u64(0 if wire is None else self._data.data_ptr() + stage_start), i64(stage_copy), i64(stage_row),
@@ -429,7 +429,7 @@ class Engine:
         self._kernel("layout.cu", "exchange_counts")(
             1,
             (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
-             i32(length), i32(self.counts_col), i32(local), u64(row), *(i32(v) for v in header), i32(tokens),
+             i32(length), i32(self.counts_col), i32(local), u64(row_at), *(i32(v) for v in header), i32(tokens),
              i32(int(fits)), i32(groups), ptr(self._seq), u64(self.timeout_ns),
              ptr(self.status), u64(at), ptr(per_expert), u64(at + 4 * places), u64(at + 4 * (places + world * local)),
              u64(at + 4 * (places + world * local + 1))),

@@ -52,6 +52,7 @@ an expert without rows a zero gradient).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -425,28 +426,30 @@ def _plain_grouped_experts(experts, device_type: str) -> bool:
 def module_parameters(module: nn.Module) -> list:
     """``list(module.parameters())``, in its order (a module's own, then its
     submodules' depth first, each parameter and module once), walked without the
-    generators ``parameters()`` stacks: the layer asks for them every pass. A
-    module whose class defines its own walk gets ``parameters()`` itself."""
-    cls = type(module)
-    if any(getattr(cls, name) is not getattr(nn.Module, name)
-           for name in ("parameters", "named_parameters", "named_modules", "_named_members")):
-        return list(module.parameters())
+    generators ``parameters()`` stacks: the layer asks for them every pass. Where
+    a module's class walks its parameters or submodules its own way, that walk."""
     out, seen, visited = [], set(), set()
 
-    def walk(m: nn.Module) -> None:
+    def walk(m: nn.Module) -> bool:  # False: a class with a walk of its own
         if id(m) in visited:
-            return
+            return True
         visited.add(id(m))
+        if _own_walk(type(m)):
+            return False
         for p in m._parameters.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
-        for child in m._modules.values():
-            if child is not None:
-                walk(child)
+        return all(walk(child) for child in m._modules.values() if child is not None)
 
-    walk(module)
-    return out
+    return out if walk(module) else list(module.parameters())
+
+
+@functools.lru_cache(maxsize=None)
+def _own_walk(cls: type) -> bool:
+    """Whether ``cls`` overrides how ``nn.Module.parameters()`` walks a module."""
+    return any(getattr(cls, name) is not getattr(nn.Module, name)
+               for name in ("parameters", "named_parameters", "named_modules", "_named_members"))
 
 
 def hooked(module: nn.Module) -> bool:

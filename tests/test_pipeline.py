@@ -493,3 +493,15 @@ def test_module_parameters_is_parameters_in_order():
 
     flat = Flat()
     assert [id(p) for p in module_parameters(flat)] == [id(flat.inner.weight)]  # its walk: no bias
+
+    class Hidden(nn.Sequential):  # a submodule that hides its children from the walk
+        def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+            if memo is not None and self in memo:
+                return
+            if memo is not None:
+                memo.add(self)
+            yield prefix, self
+
+    outer = nn.Sequential(nn.Linear(2, 2), Hidden(nn.Linear(2, 1)))
+    assert [id(p) for p in module_parameters(outer)] == [id(p) for p in outer.parameters()]
+    assert len(module_parameters(outer)) == 2  # the hidden Linear's are not walked

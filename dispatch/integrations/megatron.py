@@ -828,7 +828,7 @@ def _describe(value) -> str:
 # ----------------------------------------------------------------------------- installing
 
 
-OVERLAP_GROUPS = 2  # install(overlap=True): the fewest groups that overlap anything (slower so far: README)
+OVERLAP_GROUPS = 2  # install(overlap=True): the fewest groups that overlap anything
 
 
 def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispatcher:
