@@ -3,14 +3,15 @@ lane, on the model shapes, with the round trip captured in CUDA graphs (so that
 only the device's time shows).
 
     python3 bench/engine_tuning.py [--shapes deepseek-v3,mixtral-8x7b,decode]
-        [--blocks-per-sm 1,2,4] [--unroll 4,8] [--out DIR]
+        [--blocks-per-sm 1,2,4 | --sm-budget 24,48] [--unroll 4,8] [--out DIR]
 
 One process per local GPU (NCCL). For each shape and setting: median dispatch,
 combine and round-trip times of graph replays (max_rows: this rank's N plus
 10%), the mean time of each kernel in a profiled replay (rank 0), and whether
 the results equal the first setting's bit for bit. The settings are compiled in
-(``-DENGINE_UNROLL``) and set on the engine (``dispatch.nvlink.BLOCKS_PER_SM``)
-here only; the library keeps the chosen defaults.
+(``-DENGINE_UNROLL``) and set on the engine (``dispatch.nvlink.BLOCKS_PER_SM``, or
+the dispatcher's ``sm_budget``: blocks in all) here only; the library keeps the
+chosen defaults.
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ def _worker(rank, world, args, port):
             x, idx, w = _inputs(shape, rank, device)
             first = None
             for unroll in args.unroll:
-                for per_sm in args.blocks_per_sm:
+                for per_sm, budget in args.launches:
                     _compile_with(f"-DENGINE_UNROLL={unroll}")
                     nvlink.BLOCKS_PER_SM = per_sm
                     nvlink._ENGINES.clear()  # a fresh engine: its blocks and kernels
                     d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink",
-                                                                check_inputs=False))
+                                                                sm_budget=budget, check_inputs=False))
                     n = d.dispatch(x, idx, w).tokens.shape[0]
                     bound = int(n * common.GRAPH_SLACK)
                     replays, result = common.captured_round_trip(d, x, idx, w, bound)
@@ -77,11 +78,13 @@ def _worker(rank, world, args, port):
                     d.check()
                     same = first is None or torch.equal(first, result)
                     first = result.clone() if first is None else first
-                    rows.append(dict(shape=name, unroll=unroll, blocks_per_sm=per_sm, dispatch_us=times[0],
+                    rows.append(dict(shape=name, unroll=unroll, blocks_per_sm=per_sm, sm_budget=budget,
+                                     dispatch_us=times[0],
                                      combine_us=times[1], round_trip_us=times[2], kernels_us=kernels,
                                      equal_to_first=bool(same)))
                     if rank == 0:
-                        print(f"{name:14s} unroll {unroll} blocks/SM {per_sm}: dispatch {times[0]:7.1f} us  "
+                        launch = f"budget {budget}" if budget else f"blocks/SM {per_sm}"
+                        print(f"{name:14s} unroll {unroll} {launch}: dispatch {times[0]:7.1f} us  "
                               f"combine {times[1]:7.1f} us  round trip {times[2]:7.1f} us  equal {same}  "
                               f"kernels {kernels}", flush=True)
                     del d
@@ -96,13 +99,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="deepseek-v3,mixtral-8x7b,decode")
     parser.add_argument("--blocks-per-sm", default="1,2,4")
+    parser.add_argument("--sm-budget", default="",
+                        help="blocks in all (DispatchConfig.sm_budget), instead of --blocks-per-sm")
     parser.add_argument("--unroll", default="4,8")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.shapes = args.shapes.split(",")
-    args.blocks_per_sm = [int(v) for v in args.blocks_per_sm.split(",")]
+    if args.sm_budget:
+        args.launches = [(nvlink.BLOCKS_PER_SM, int(v)) for v in args.sm_budget.split(",")]
+    else:
+        args.launches = [(int(v), None) for v in args.blocks_per_sm.split(",")]
     args.unroll = [int(v) for v in args.unroll.split(",")]
     world = torch.cuda.device_count()
     mp.spawn(_worker, args=(world, args, 29700 + os.getpid() % 1000), nprocs=world, join=True)
