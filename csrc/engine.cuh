@@ -30,6 +30,9 @@ struct Tuning {
   static constexpr int kMaxTopk = 32;         // a token's slots are one warp's lanes
   static constexpr int kUnit = 8;             // elements a lane moves per step (16 bytes of bf16)
   static constexpr int kUnroll = ENGINE_UNROLL;  // steps a lane has in flight
+  static constexpr int kSumRows = 4;          // rows a lane of a pre-sum loads together where items have more than 2
+  static constexpr int kSumUnits = 2;         // units of each of those rows (kUnroll of one row otherwise)
+  static constexpr int kHomeRanks = 2;        // ranks whose partials a lane of the home sum loads together
   static constexpr unsigned kSleepNs = 100;   // back-off between polls of a flag
   static constexpr int kScanTiles = 4;        // tiles of 32 slots a warp of route_layout's scan holds
   static constexpr int kScanShared = 48 * 1024;  // bytes of the scan's per-warp counts, at most
@@ -225,8 +228,12 @@ template <typename T> __device__ __forceinline__ T narrow(double v) {
 template <> __device__ __forceinline__ double narrow<double>(double v) { return v; }
 template <> __device__ __forceinline__ double narrow<double>(float v) { return (double)v; }
 
+// Whether A and B are one type (NVRTC has no <type_traits> of its own).
+template <typename A, typename B> inline constexpr bool same_type = false;
+template <typename A> inline constexpr bool same_type<A, A> = true;
+
 // 8 consecutive elements at a 16-byte-aligned (for 2-byte types) address.
-template <typename T> struct Vec8 { T v[8]; };
+template <typename T> struct alignas(16) Vec8 { T v[8]; };  // its 16-byte words aligned
 
 template <typename T> __device__ __forceinline__ Vec8<T> load8(const T* p) {
   Vec8<T> out;
@@ -241,8 +248,11 @@ template <typename T> __device__ __forceinline__ Vec8<T> load8(const T* p) {
 template <typename T> __device__ __forceinline__ void store8(T* p, const Vec8<T>& v) {
   constexpr int kWords = sizeof(Vec8<T>) / 16;
 #pragma unroll
-  for (int i = 0; i < kWords; ++i)
-    reinterpret_cast<uint4*>(p)[i] = reinterpret_cast<const uint4*>(&v)[i];
+  for (int i = 0; i < kWords; ++i) {
+    uint4 word;
+    memcpy(&word, reinterpret_cast<const char*>(&v) + 16 * i, 16);
+    __stwb(reinterpret_cast<uint4*>(p) + i, word);  // one 16-byte store (a plain assignment may be split in four)
+  }
 }
 
 // The route of one slot of a source token, written by route_layout.

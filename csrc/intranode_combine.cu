@@ -6,6 +6,55 @@
 
 using namespace engine;
 
+// One lane's units [first, units) (32 apart in groups of U) of a pre-sum: for
+// each unit the count rows' values (weighted by scale) summed in ascending row
+// order from zero, stored once as WireT. R rows' loads go out together, before
+// any is summed (R * U units in flight); a row past the count re-reads the last
+// one, unused, so that no branch comes between the loads.
+template <int R, int U, bool WEIGHTED, typename A, typename YT, typename WireT>
+__device__ __forceinline__ void presum_rows(const YT* const* rows, const A* scale, int count, long long first,
+                                            long long units, WireT* out) {
+  for (long long base = first; base < units; base += 32 * U) {
+    A acc[U][8];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
+    for (int j0 = 0; j0 < count; j0 += R) {
+      Vec8<YT> v[R][U];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const YT* row = rows[min(j0 + r, count - 1)];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (base + 32 * u < units) v[r][u] = load8(row + (base + 32 * u) * 8);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const bool live = j0 + r < count;
+        const A w = WEIGHTED ? scale[min(j0 + r, count - 1)] : (A)1;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            A next;
+            if constexpr (WEIGHTED) next = fma(widen<A>(v[r][u].v[i]), w, acc[u][i]);
+            else next = acc[u][i] + widen<A>(v[r][u].v[i]);
+            acc[u][i] = live ? next : acc[u][i];
+          }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + 32 * u >= units) continue;
+      Vec8<WireT> o;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o.v[i] = narrow<WireT>(acc[u][i]);
+      store8(out + (base + 32 * u) * 8, o);
+    }
+  }
+}
+
 // Expert side. Items are (source rank s, j) as the dispatch's pull walked them
 // (j < n_s, column sends_col + me of the counts matrix), item (s, j) s's token
 // tokens_at[s tstride + j]; presum [W * tstride, J] lists this rank's rows of
@@ -20,8 +69,10 @@ using namespace engine;
 // y_parts[p] (and their weights w_parts[p]); only the last piece signals. Each
 // partial is summed whole, from zero, in one piece: the bits of one combine.
 // The whole combine is one piece (parts 0: rows of y and weights, every item).
-// A: accumulator (float or double).
-template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A>
+// A: accumulator (float or double). ROWS: rows a lane loads together, 1 (kUnroll
+// units of each row) or, where an item has more than 2 rows here (J > 2),
+// kSumRows (kSumUnits units of each): one body per kernel, as two spill.
+template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A, int ROWS>
 __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     const YT* y, const WT* weights, const long long* y_parts, const long long* w_parts, const long long* bounds,
     int parts, long long row_lo, long long row_hi, const int* presum, const int* tokens_at, int width,
@@ -75,36 +126,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
       char* dst = reinterpret_cast<char*>(data_ptrs[s] + part_off + ((long long)me * tcap + t) * part_row);
       if ((hidden & 7) == 0) {
         const long long begin = part * seg.units, units = min(hidden / 8LL, begin + seg.units);
-        constexpr int kU = Tuning::kUnroll;  // units in flight per lane
-        for (long long base = begin + lane; base < units; base += 32 * kU) {
-          A acc[kU][8];
-#pragma unroll
-          for (int u = 0; u < kU; ++u)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
-          for (int j = 0; j < count; ++j) {
-            const YT* row = rows[warp][j];
-            Vec8<YT> v[kU];
-#pragma unroll
-            for (int u = 0; u < kU; ++u)
-              if (base + 32 * u < units) v[u] = load8(row + (base + 32 * u) * 8);
-#pragma unroll
-            for (int u = 0; u < kU; ++u)
-#pragma unroll
-              for (int i = 0; i < 8; ++i) {
-                if constexpr (WEIGHTED) acc[u][i] = fma(widen<A>(v[u].v[i]), scale[warp][j], acc[u][i]);
-                else acc[u][i] += widen<A>(v[u].v[i]);
-              }
-          }
-#pragma unroll
-          for (int u = 0; u < kU; ++u) {
-            if (base + 32 * u >= units) continue;
-            Vec8<WireT> o;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) o.v[i] = narrow<WireT>(acc[u][i]);
-            store8(reinterpret_cast<WireT*>(dst) + (base + 32 * u) * 8, o);
-          }
-        }
+        WireT* out = reinterpret_cast<WireT*>(dst);
+        presum_rows<ROWS, ROWS == 1 ? Tuning::kUnroll : Tuning::kSumUnits, WEIGHTED, A>(rows[warp], scale[warp],
+                                                                                     count, begin + lane, units, out);
       } else {
         for (long long col = lane; col < hidden; col += 32) {
           A acc = (A)0;
@@ -156,20 +180,31 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
         for (int u = 0; u < kU; ++u)
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
-        for (int r = 0; r < world; ++r) {
-          if (!((mask >> r) & 1u)) continue;
-          const WireT* p = reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row);
-          Vec8<WireT> v[kU];
+        constexpr int kR = Tuning::kHomeRanks;  // ranks whose partials' loads are in flight together
+        for (int r0 = 0; r0 < world; r0 += kR) {
+          Vec8<WireT> v[kR][kU];
 #pragma unroll
-          for (int u = 0; u < kU; ++u)
-            if (base + 32 * u < units)
+          for (int q = 0; q < kR; ++q) {
+            const int r = r0 + q;
+            if (r >= world || !((mask >> r) & 1u)) continue;
+            const WireT* p = reinterpret_cast<const WireT*>(partials + ((long long)r * tcap + t) * part_row);
 #pragma unroll
-              for (int i = 0; i < kWords; ++i)
-                reinterpret_cast<uint4*>(&v[u])[i] = __ldcg(reinterpret_cast<const uint4*>(p + (base + 32 * u) * 8) + i);
+            for (int u = 0; u < kU; ++u)
+              if (base + 32 * u < units)
 #pragma unroll
-          for (int u = 0; u < kU; ++u)
+                for (int i = 0; i < kWords; ++i)
+                  reinterpret_cast<uint4*>(&v[q][u])[i] =
+                      __ldcg(reinterpret_cast<const uint4*>(p + (base + 32 * u) * 8) + i);
+          }
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[u][i] += widen<A>(v[u].v[i]);
+          for (int q = 0; q < kR; ++q) {  // summed in ascending rank order
+            const int r = r0 + q;
+            if (r >= world || !((mask >> r) & 1u)) continue;
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[u][i] += widen<A>(v[q][u].v[i]);
+          }
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u) {

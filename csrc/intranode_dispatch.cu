@@ -74,7 +74,13 @@ __device__ void zero_tail(OutT* out, int hidden, long long n, long long max_rows
   const long long first = n * hidden, last = max_rows * hidden;
   const long long threads = (long long)gridDim.x * blockDim.x;
   const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  for (long long i = first + tid; i < last; i += threads) out[i] = OutT(0.0f);
+  constexpr long long kPer = 16 / sizeof(OutT);  // elements of a 16-byte word
+  if ((hidden % kPer) == 0 && (reinterpret_cast<unsigned long long>(out) % 16) == 0) {
+    uint4* words = reinterpret_cast<uint4*>(out + first);
+    for (long long i = tid; i < (last - first) / kPer; i += threads) __stwb(words + i, make_uint4(0, 0, 0, 0));
+  } else {
+    for (long long i = first + tid; i < last; i += threads) out[i] = OutT(0.0f);
+  }
   if constexpr (WITH_META) {
     for (long long r = n + tid; r < max_rows; r += threads) {
       weights[r] = WOutT(0.0f);
@@ -242,6 +248,8 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
           if (unit < units) {
             if (local) {
               o[u] = load8(copy + unit * 8);
+            } else if constexpr (FP8 == 0 && same_type<WireT, OutT>) {  // the wire is the output: its bits
+              o[u] = Wire<WireT, 0>::load8_cg(reinterpret_cast<const WireT*>(src) + unit * 8);
             } else {
               A v[8];
               Load::template load<A>(src, unit, scales_at, out_max, v);

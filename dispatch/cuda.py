@@ -213,6 +213,7 @@ def _module(source: str, names: tuple[str, ...]):
 THREADS = 512  # engine::Tuning::kThreads
 SCAN_TILES = 4  # engine::Tuning::kScanTiles: tiles of 32 slots a warp of the routing layout's scan holds
 SCAN_SHARED = 48 * 1024  # engine::Tuning::kScanShared: bytes of the scan's per-warp counts, at most
+SUM_ROWS = 4  # engine::Tuning::kSumRows: rows a lane of a pre-sum loads together where an item has more than 2
 
 
 @functools.lru_cache(maxsize=None)

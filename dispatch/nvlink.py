@@ -609,7 +609,7 @@ class Engine:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = pieces
         self._kernel(
             "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
-            wire, acc,
+            wire, acc, str(cuda.SUM_ROWS if presum.shape[1] > 2 else 1),  # rows a lane loads together
         )(
             self._row_grid(counts.items),
             (ptr(rows), ptr(weights), ptr(y_parts), ptr(w_parts), ptr(bounds), i32(parts), i64(lo), i64(hi),

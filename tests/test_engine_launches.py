@@ -206,8 +206,8 @@ def test_the_host_side_mirrors_the_kernels_tuning():
         assert m, f"engine.cuh has no Tuning::{name}"
         return int(eval(m[1], {}))  # an integer literal or product of them
 
-    assert (cuda.THREADS, cuda.SCAN_TILES, cuda.SCAN_SHARED) == (
-        constant("kThreads"), constant("kScanTiles"), constant("kScanShared"))
+    assert (cuda.THREADS, cuda.SCAN_TILES, cuda.SCAN_SHARED, cuda.SUM_ROWS) == (
+        constant("kThreads"), constant("kScanTiles"), constant("kScanShared"), constant("kSumRows"))
 
 
 def test_the_layout_scan_takes_the_warps_whose_counts_fit():
