@@ -83,6 +83,18 @@ __device__ __forceinline__ int group_first(int g, int groups, int experts_per_ra
   return (int)((long long)g * experts_per_rank / groups);
 }
 
+// Programmatic dependent launch (compute capability 9.0 and later, where the
+// host allows it at every launch): the next kernel of the stream may be launched
+// now, and, as this one does here, waits until the kernel before it has
+// completed and its writes are visible. Every kernel calls this first, before
+// it reads or writes memory.
+__device__ __forceinline__ void follow_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // The epoch of an operation lives on the device (`seq`, one word of the engine),
 // so that a captured CUDA graph replays with fresh epochs: the kernel that raises
 // the flags of an operation takes seq + 1 and stores it; kernels before it in the

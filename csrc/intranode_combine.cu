@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     long long tstride, const int* matrix, int row_len, int sends_col, int hidden, const unsigned long long* data_ptrs,
     long long part_off, long long part_copy, long long part_row, long long tcap, int me, int world,
     const unsigned long long* flag_ptrs, unsigned* seq, int* counter, const int* status, int signal) {
+  follow_previous();
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ const YT* rows[Tuning::kWarps][Tuning::kMaxTopk];
   __shared__ A scale[Tuning::kWarps][Tuning::kMaxTopk];
@@ -160,6 +161,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
     const unsigned* hit, int tokens, int hidden, const char* partials, long long part_copy, long long part_row,
     long long tcap, int world, OutT* out, const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns,
     int* status) {
+  follow_previous();
   const unsigned epoch = load_seq(seq);
   partials += (long long)(epoch & 1u) * part_copy;
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 2)) return;
@@ -238,6 +240,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_slots(
     const int* matrix, int row_len, int sends_col, int topk, const unsigned long long* data_ptrs, long long slots_off,
     long long slots_copy, int me, int world, const unsigned long long* flag_ptrs, unsigned* seq, int* counter,
     const int* status) {
+  follow_previous();
   __shared__ int tokens_of[Tuning::kMaxWorld];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + sends_col + me];
   const unsigned epoch = load_seq(seq) + 1;
@@ -266,6 +269,7 @@ template <typename VT>
 __global__ void __launch_bounds__(Tuning::kThreads) home_slots(
     const Slot* route, long long slots, const VT* pushed, long long pushed_copy, VT* out, int world,
     const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
+  follow_previous();
   const unsigned epoch = load_seq(seq);
   pushed = reinterpret_cast<const VT*>(reinterpret_cast<const char*>(pushed) + (long long)(epoch & 1u) * pushed_copy);
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 3)) return;
@@ -278,6 +282,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_slots(
 // CUDA graph replays them.
 __global__ void __launch_bounds__(Tuning::kThreads) store_pair(long long* table, int at, int stride, long long a,
                                                                 long long b) {
+  follow_previous();
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     table[at] = a;
     table[stride + at] = b;

@@ -98,6 +98,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
     const char* src, long long src_stride, long long row_bytes, long long rows, unsigned long long dst,
     long long copy_bytes, long long dst_stride, unsigned* seq, int signal,
     const unsigned long long* flag_ptrs, int world, int me, int* counter) {
+  follow_previous();
   const unsigned epoch = load_seq(seq) + 1;
   char* base = reinterpret_cast<char*>(by_parity((long long)dst, copy_bytes, epoch));
   copy_rows(src, src_stride, row_bytes, rows, base, dst_stride,
@@ -139,6 +140,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     OutT* out, long long max_rows, int* presum, int* slot_k, WOutT* out_weights, long long* out_src_rank,
     long long* out_src_token, float out_max, long long row_lo, long long row_hi, long long tail_to,
     const unsigned* flags, const unsigned* seq, unsigned long long timeout_ns, int* status) {
+  follow_previous();
   __shared__ int tokens_of[Tuning::kMaxWorld];
   __shared__ long long dest[Tuning::kWarps][Tuning::kMaxTopk];
   if (threadIdx.x < world) tokens_of[threadIdx.x] = matrix[threadIdx.x * row_len + sends_col + me];

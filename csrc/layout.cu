@@ -300,6 +300,7 @@ __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* 
                                                                  long long row_bytes, unsigned long long stage_dst,
                                                                  long long stage_copy, long long dst_stride,
                                                                  int stage_blocks) {
+  follow_previous();
   Slot* shared = shared_route == 0 ? nullptr
                                    : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
                                                                        load_seq(seq) + 1));
@@ -368,6 +369,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens, int staged,
     int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out, long long* tokens_per_expert,
     int* src_start, int* num_rows, int* group_end) {
+  follow_previous();
   extern __shared__ int shared_ints[];
   __shared__ unsigned epoch_of;
   __shared__ int stop;  // the block's one reading of a failure

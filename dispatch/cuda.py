@@ -11,7 +11,10 @@ Arguments travel by value with the exact C type of the kernel's parameter:
 wrap them in :func:`i32`, :func:`i64`, :func:`u32`, :func:`u64`, :func:`f32`
 or :func:`ptr` (a tensor's data pointer, 0 for None). A launch packs them into
 one parameter block (each at its C alignment, :func:`parameter_block`) and
-hands the driver's ``cuLaunchKernel`` (CuPy's binding) their addresses.
+hands the driver's ``cuLaunchKernelEx`` their addresses. On compute capability
+9.0 and later it allows programmatic dependent launch: the next kernel of the
+stream may be launched while this one runs, and waits on the device for it
+(``engine::follow_previous``, the first thing every kernel does).
 """
 
 from __future__ import annotations
@@ -153,8 +156,21 @@ class Kernel:
         layout, block, params = blocks_of.get(codes) or self._block(blocks_of, codes)
         # this thread's block, refilled for each launch: the driver copies it at the call
         layout.pack_into(block, 0, *[a[1] for a in args])
-        _launch()(handle, max(int(blocks), 1), 1, 1, self.threads, 1, 1, shared, _raw_stream(device),
-                  ctypes.addressof(params), 0)
+        config = getattr(self._local, "config", None) or self._config()
+        config.gridDimX, config.blockDimX, config.sharedMemBytes = max(int(blocks), 1), self.threads, shared
+        config.hStream = _raw_stream(device)
+        config.numAttrs = 1 if _dependent_launch(device) else 0
+        _check(_launch()(ctypes.addressof(config), handle, ctypes.addressof(params), None), "cuLaunchKernelEx")
+
+    def _config(self) -> "LaunchConfig":
+        """This thread's launch configuration, kept for its later launches (the
+        grid, block, shared memory and stream are set at each)."""
+        attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+        config = self._local.config = LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1,
+                                                   attrs=ctypes.pointer(attribute))
+        config.keep = attribute  # the attribute lives as long as the configuration
+        return config
 
     @staticmethod
     def _block(blocks_of: dict, codes: str) -> tuple:
@@ -173,10 +189,51 @@ class Kernel:
         return handle
 
 
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: programmatic dependent launch allowed
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value (a union,
+    8-byte aligned; a flag is its first int, the low half of the first word here)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int64 * 8)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``, as ``cuLaunchKernelEx`` reads it."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    return ctypes.CDLL("libcuda.so.1")
+
+
 @functools.lru_cache(maxsize=1)
 def _launch():
-    """The driver's ``cuLaunchKernel`` as CuPy binds it (raises on an error)."""
-    return _cupy().cuda.driver.launchKernel
+    """The driver's ``cuLaunchKernelEx`` (config, function, kernel parameters, extra)."""
+    fn = _driver().cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _check(result: int, call: str) -> None:
+    """Raise the driver's error of a call that did not return CUDA_SUCCESS."""
+    if result != 0:
+        name, text = ctypes.c_char_p(), ctypes.c_char_p()
+        _driver().cuGetErrorName(result, ctypes.byref(name))
+        _driver().cuGetErrorString(result, ctypes.byref(text))
+        raise RuntimeError(f"{call} failed: {(name.value or b'?').decode()} ({result}): {(text.value or b'').decode()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _dependent_launch(device: int) -> bool:
+    """Whether launches on CUDA device ``device`` allow programmatic dependent
+    launch (compute capability 9.0 and later; the kernels wait for it there)."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def current_stream(device: int) -> "torch.cuda.Stream":

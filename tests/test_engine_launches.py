@@ -163,12 +163,24 @@ def test_a_parameter_block_lays_each_argument_at_its_c_alignment():
 
 
 def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
-    """What ``Kernel`` passes ``cuLaunchKernel``: kernelParams, an array of addresses, each
-    holding its argument with its C type, refilled for each launch of the format."""
+    """What ``Kernel`` passes ``cuLaunchKernelEx``: a configuration (grid, block,
+    shared memory, stream, and programmatic dependent launch allowed where the
+    device has it) and kernelParams, an array of addresses, each holding its
+    argument with its C type, refilled for each launch of the format."""
     calls = []
-    monkeypatch.setattr(cuda, "_launch", lambda: lambda *a: calls.append(a))
+
+    def launch(config, handle, params, extra):
+        c = cuda.LaunchConfig.from_address(config)
+        attrs = [(c.attrs[i].id, c.attrs[i].value[0]) for i in range(c.numAttrs)]
+        calls.append((handle, c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ,
+                      c.sharedMemBytes, c.hStream, attrs, params, extra))
+        return 0
+
+    monkeypatch.setattr(cuda, "_launch", lambda: launch)
     monkeypatch.setattr(cuda, "_raw_stream", lambda device: 77)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    dependent = [True]
+    monkeypatch.setattr(cuda, "_dependent_launch", lambda device: dependent[0])
     kernel = cuda.Kernel(None, cuda.THREADS)
     kernel._handles[0] = 1234  # the CUfunction on device 0, as _load would find it
 
@@ -179,12 +191,38 @@ def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
     for i, last in enumerate((1.5, -2.0)):
         kernel(3 - i, (cuda.i32(5 + i), cuda.ptr(None), cuda.i64(-(2**33) - i), cuda.u32(-1), cuda.f32(last)),
                shared=16 * i)
-        handle, gx, gy, gz, bx, by, bz, shared, stream, params, extra = calls[-1]
+        handle, gx, gy, gz, bx, by, bz, shared, stream, attrs, params, extra = calls[-1]
         assert (handle, gx, gy, gz, bx, by, bz, shared, stream, extra) == (1234, 3 - i, 1, 1, cuda.THREADS, 1, 1,
-                                                                           16 * i, 77, 0)
+                                                                           16 * i, 77, None)
+        assert attrs == [(cuda.PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
         assert values(params, "iQqIf") == [5 + i, 0, -(2**33) - i, 2**32 - 1, last]
+    dependent[0] = False  # a device before compute capability 9.0: a plain launch
     kernel(0, (cuda.i32(1),))  # an empty grid still launches one block
-    assert calls[-1][1] == 1 and values(calls[-1][9], "i") == [1]
+    assert calls[-1][1] == 1 and calls[-1][9] == [] and values(calls[-1][10], "i") == [1]
+
+
+def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
+    monkeypatch.setattr(cuda, "_launch", lambda: lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(cuda, "_dependent_launch", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Driver:  # what the driver names error 1
+        @staticmethod
+        def cuGetErrorName(code, out):
+            out._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+            return 0
+
+        @staticmethod
+        def cuGetErrorString(code, out):
+            out._obj.value = b"invalid argument"
+            return 0
+
+    monkeypatch.setattr(cuda, "_driver", lambda: Driver)
+    kernel = cuda.Kernel(None, cuda.THREADS)
+    kernel._handles[0] = 1
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\): invalid"):
+        kernel(1, (cuda.i32(0),))
 
 
 def test_the_signatures_are_read():
