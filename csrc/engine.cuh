@@ -267,6 +267,20 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const Vec8<T>
   }
 }
 
+// A lane's U accumulated units (32 units apart from base; acc[u] the 8 elements
+// of unit base + 32 u) narrowed to T and stored at out, those below units.
+template <typename T, int U, typename A>
+__device__ __forceinline__ void store_units(T* out, long long base, long long units, const A (&acc)[U][8]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (base + 32 * u >= units) continue;
+    Vec8<T> o;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.v[i] = narrow<T>(acc[u][i]);
+    store8(out + (base + 32 * u) * 8, o);
+  }
+}
+
 // The route of one slot of a source token, written by route_layout.
 struct Slot {
   int expert;  // global expert id, -1 for an empty slot

@@ -44,14 +44,7 @@ __device__ __forceinline__ void presum_rows(const YT* const* rows, const A* scal
           }
       }
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (base + 32 * u >= units) continue;
-      Vec8<WireT> o;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) o.v[i] = narrow<WireT>(acc[u][i]);
-      store8(out + (base + 32 * u) * 8, o);
-    }
+    store_units(out, base, units, acc);
   }
 }
 
@@ -71,7 +64,8 @@ __device__ __forceinline__ void presum_rows(const YT* const* rows, const A* scal
 // The whole combine is one piece (parts 0: rows of y and weights, every item).
 // A: accumulator (float or double). ROWS: rows a lane loads together, 1 (kUnroll
 // units of each row) or, where an item has more than 2 rows here (J > 2),
-// kSumRows (kSumUnits units of each): one body per kernel, as two spill.
+// kSumRows (kSumUnits units of each); one body per instantiation (both bodies
+// in one kernel spill registers).
 template <typename YT, typename WT, bool WEIGHTED, typename WireT, typename A, int ROWS>
 __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     const YT* y, const WT* weights, const long long* y_parts, const long long* w_parts, const long long* bounds,
@@ -208,14 +202,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
               for (int i = 0; i < 8; ++i) acc[u][i] += widen<A>(v[q][u].v[i]);
           }
         }
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          if (base + 32 * u >= units) continue;
-          Vec8<OutT> o;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) o.v[i] = narrow<OutT>(acc[u][i]);
-          store8(dst + (base + 32 * u) * 8, o);
-        }
+        store_units(dst, base, units, acc);
       }
     } else {
       for (long long col = lane; col < hidden; col += 32) {

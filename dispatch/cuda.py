@@ -67,7 +67,7 @@ def _capture_info():
     in every version of this entry point; the outputs after them, where a version has
     them, may be null, so it is called with four null ones whatever the version."""
     try:
-        fn = ctypes.CDLL("libcuda.so.1").cuStreamGetCaptureInfo
+        fn = _driver().cuStreamGetCaptureInfo
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64)] + [ctypes.c_void_p] * 4
