@@ -11,9 +11,9 @@ combine and round-trip times of graph replays (max_rows: this rank's N plus
 10%), the mean time of each kernel in a profiled replay (rank 0), and whether
 the results equal the first setting's bit for bit. The settings are compiled in
 (``-DENGINE_UNROLL``; ``-DENGINE_RELEASE_AT_END``: a kernel lets the next one
-launch as each block ends its work, not at its start) and set on the engine (``dispatch.nvlink.BLOCKS_PER_SM``, or
-the dispatcher's ``sm_budget``: blocks in all) here only; the library keeps the
-chosen defaults.
+launch as each block ends its work, not at its start) and set on the engine
+(``dispatch.nvlink.BLOCKS_PER_SM``, or the dispatcher's ``sm_budget``: blocks in
+all) here only; the library keeps the chosen defaults.
 """
 
 from __future__ import annotations
@@ -81,15 +81,14 @@ def _worker(rank, world, args, port):
                     d.check()
                     same = first is None or torch.equal(first, result)
                     first = result.clone() if first is None else first
-                    rows.append(dict(shape=name, unroll=unroll, release=release, blocks_per_sm=per_sm, sm_budget=budget,
-                                     dispatch_us=times[0],
-                                     combine_us=times[1], round_trip_us=times[2], kernels_us=kernels,
-                                     equal_to_first=bool(same)))
+                    rows.append(dict(shape=name, unroll=unroll, release=release, blocks_per_sm=per_sm,
+                                     sm_budget=budget, dispatch_us=times[0], combine_us=times[1],
+                                     round_trip_us=times[2], kernels_us=kernels, equal_to_first=bool(same)))
                     if rank == 0:
                         launch = f"budget {budget}" if budget else f"blocks/SM {per_sm}"
-                        print(f"{name:14s} unroll {unroll} release at {release} {launch}: dispatch {times[0]:7.1f} us  "
-                              f"combine {times[1]:7.1f} us  round trip {times[2]:7.1f} us  equal {same}  "
-                              f"kernels {kernels}", flush=True)
+                        print(f"{name:14s} unroll {unroll} release at {release} {launch}: "
+                              f"dispatch {times[0]:7.1f} us  combine {times[1]:7.1f} us  "
+                              f"round trip {times[2]:7.1f} us  equal {same}  kernels {kernels}", flush=True)
                     del d
                     torch.cuda.synchronize()
                     dist.barrier()
