@@ -124,7 +124,7 @@ for part in "$@"; do
     budget)
       step 300 engine-budget python3 bench/engine_tuning.py --sm-budget 24,528 --unroll 4 --release start,end \
         --out "$RES"
-      step 120 tma-probe python3 -W ignore bench/tma_probe.py ;;
+      step 120 tma-probe python3 bench/tma_probe.py ;;
     deepep)
       step 420 build-deepep bash bench/build_deepep.sh
       outer=$PYTHONPATH
