@@ -146,6 +146,29 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
                         "home_slots", "route_layout", "exchange_counts", "pull_rows"]
 
 
+@pytest.mark.parametrize("topk, rows_together", [(2, "1"), (4, str(cuda.SUM_ROWS))])
+def test_a_pre_sum_loads_several_rows_together_where_items_hold_more_than_two(monkeypatch, topk, rows_together):
+    """push_partials' last template argument: the rows a lane loads together, 1
+    where an item holds at most 2 rows on this rank (J <= 2), else SUM_ROWS."""
+    made: list = []
+    monkeypatch.setattr(cuda, "kernel",
+                        lambda source, name, *t: made.append((name, t)) or _Checked(source, name, t, []))
+    world, experts, tokens, hidden = 2, 8, 40, 64
+    codec = to_experts_codec("native", torch.bfloat16)
+    engine = _cpu_engine(world, experts, Capacity(64, topk, staged_row_bytes(codec, hidden),
+                                                  partial_row_bytes(torch.float32, hidden)))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+    w = torch.rand(tokens, topk, generator=gen)
+    counts = engine._exchange_counts(idx, w, plan.header(x, w, topk, (100, 1000)), x, codec, True, False)
+    presum = torch.empty(world * counts.bound, min(topk, engine.experts_per_rank), dtype=torch.int32)
+    engine._push(torch.randn(100, hidden, generator=gen).to(torch.bfloat16), torch.rand(100), torch.float32, counts,
+                 presum)
+    (args,) = [t for name, t in made if name == "push_partials"]
+    assert args[-1] == rows_together
+
+
 def test_a_parameter_block_lays_each_argument_at_its_c_alignment():
     """The block a launch hands the driver: a 4-byte int then a pointer puts the
     pointer at 8 (C pads to its alignment), ints pack tight, nothing after the last."""
