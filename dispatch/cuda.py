@@ -144,7 +144,7 @@ class Kernel:
     def __init__(self, function, threads: int) -> None:
         self._function, self.threads = function, threads
         self._handles: dict[int, int] = {}  # CUDA device -> the kernel's CUfunction there
-        self._local = threading.local()  # this thread's parameter blocks, by format
+        self._local = threading.local()  # this thread's parameter blocks (by format) and launch configuration
 
     def __call__(self, blocks: int, args: tuple[Arg, ...], shared: int = 0) -> None:
         device = torch.cuda.current_device()  # the CUDA runtime's current device, which the launch uses
