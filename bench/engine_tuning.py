@@ -3,17 +3,15 @@ lane, on the model shapes, with the round trip captured in CUDA graphs (so that
 only the device's time shows).
 
     python3 bench/engine_tuning.py [--shapes deepseek-v3,mixtral-8x7b,decode]
-        [--blocks-per-sm 1,2,4 | --sm-budget 24,48] [--unroll 4,8] [--release start,end]
-        [--out DIR]
+        [--blocks-per-sm 1,2,4 | --sm-budget 24,48] [--unroll 4,8] [--out DIR]
 
 One process per local GPU (NCCL). For each shape and setting: median dispatch,
 combine and round-trip times of graph replays (max_rows: this rank's N plus
 10%), the mean time of each kernel in a profiled replay (rank 0), and whether
 the results equal the first setting's bit for bit. The settings are compiled in
-(``-DENGINE_UNROLL``; ``-DENGINE_RELEASE_AT_END``: a kernel lets the next one
-launch as each block ends its work, not at its start) and set on the engine
-(``dispatch.nvlink.BLOCKS_PER_SM``, or the dispatcher's ``sm_budget``: blocks in
-all) here only; the library keeps the chosen defaults.
+(``-DENGINE_UNROLL``) and set on the engine (``dispatch.nvlink.BLOCKS_PER_SM``, or
+the dispatcher's ``sm_budget``: blocks in all) here only; the library keeps the
+chosen defaults.
 """
 
 from __future__ import annotations
@@ -35,10 +33,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from engine_probe import SHAPES, _inputs, _time, init_rank, write_json  # noqa: E402
 
 
-def _compile_with(*options: str) -> None:
-    """Compile the engine's kernels from now on with these NVRTC options too (this
-    study's knobs; the library keeps its defaults)."""
-    cuda._OPTIONS = ("-std=c++17", *options)
+def _compile_with(option: str) -> None:
+    """Compile the engine's kernels from now on with one more NVRTC option (this
+    study's knob; the library keeps its defaults)."""
+    cuda._OPTIONS = ("-std=c++17", option)
     cuda.kernel.cache_clear()
     cuda._module.cache_clear()
 
@@ -64,10 +62,9 @@ def _worker(rank, world, args, port):
             shape = SHAPES[name]
             x, idx, w = _inputs(shape, rank, device)
             first = None
-            for unroll, release in ((u, r) for r in args.release for u in args.unroll):
+            for unroll in args.unroll:
                 for per_sm, budget in args.launches:
-                    at_end = ("-DENGINE_RELEASE_AT_END",) if release == "end" else ()
-                    _compile_with(f"-DENGINE_UNROLL={unroll}", *at_end)
+                    _compile_with(f"-DENGINE_UNROLL={unroll}")
                     nvlink.BLOCKS_PER_SM = per_sm
                     nvlink._ENGINES.clear()  # a fresh engine: its blocks and kernels
                     d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink",
@@ -81,12 +78,12 @@ def _worker(rank, world, args, port):
                     d.check()
                     same = first is None or torch.equal(first, result)
                     first = result.clone() if first is None else first
-                    rows.append(dict(shape=name, unroll=unroll, release=release, blocks_per_sm=per_sm,
+                    rows.append(dict(shape=name, unroll=unroll, blocks_per_sm=per_sm,
                                      sm_budget=budget, dispatch_us=times[0], combine_us=times[1],
                                      round_trip_us=times[2], kernels_us=kernels, equal_to_first=bool(same)))
                     if rank == 0:
                         launch = f"budget {budget}" if budget else f"blocks/SM {per_sm}"
-                        print(f"{name:14s} unroll {unroll} release at {release} {launch}: "
+                        print(f"{name:14s} unroll {unroll} {launch}: "
                               f"dispatch {times[0]:7.1f} us  combine {times[1]:7.1f} us  "
                               f"round trip {times[2]:7.1f} us  equal {same}  kernels {kernels}", flush=True)
                     del d
@@ -104,8 +101,6 @@ def main(argv=None):
     parser.add_argument("--sm-budget", default="",
                         help="blocks in all (DispatchConfig.sm_budget), instead of --blocks-per-sm")
     parser.add_argument("--unroll", default="4,8")
-    parser.add_argument("--release", default="start",
-                        help="where a kernel lets the next one launch: start, end (ENGINE_RELEASE_AT_END) or both")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=None)
@@ -116,9 +111,6 @@ def main(argv=None):
     else:
         args.launches = [(int(v), None) for v in args.blocks_per_sm.split(",")]
     args.unroll = [int(v) for v in args.unroll.split(",")]
-    args.release = args.release.split(",")
-    if not set(args.release) <= {"start", "end"}:
-        parser.error("--release: start, end or start,end")
     world = torch.cuda.device_count()
     mp.spawn(_worker, args=(world, args, 29700 + os.getpid() % 1000), nprocs=world, join=True)
     return 0

@@ -16,9 +16,8 @@
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   host      where the engine's eager round trip spends host time (cProfile, per call)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
-#   budget    bench/engine_tuning.py at 24 blocks (DeepEP's SM budget) and at the default 4 per SM,
-#             each kernel letting the next launch at its start and at its end; then
-#             bench/tma_probe.py (what 24 blocks and every SM move: copies, expansions, NVLink)
+#   budget    bench/engine_tuning.py at 24 blocks (DeepEP's SM budget) and at the default 4 per SM;
+#             then bench/tma_probe.py (what 24 blocks and every SM move: copies, expansions, NVLink)
 #   deepep    build DeepEP (bench/build_deepep.sh; its source carried in .deepep/), then
 #             dispatch-bench dispatch with its row beside ours (host read, graphs) and Megatron's,
 #             every routing (uniform, Zipf, all to one rank)
@@ -122,8 +121,7 @@ for part in "$@"; do
     tuning)
       step 300 engine-tuning python3 bench/engine_tuning.py --out "$RES" ;;
     budget)
-      step 300 engine-budget python3 bench/engine_tuning.py --sm-budget 24,528 --unroll 4 --release start,end \
-        --out "$RES"
+      step 300 engine-budget python3 bench/engine_tuning.py --sm-budget 24,528 --unroll 4 --out "$RES"
       step 120 tma-probe python3 bench/tma_probe.py ;;
     deepep)
       step 420 build-deepep bash bench/build_deepep.sh

@@ -84,25 +84,14 @@ __device__ __forceinline__ int group_first(int g, int groups, int experts_per_ra
 }
 
 // Programmatic dependent launch (compute capability 9.0 and later, where the
-// host allows it at every launch). Every kernel calls follow_previous first,
-// before it reads or writes memory: it waits until the kernel before it in the
-// stream has completed and its writes are visible, and lets the next kernel be
-// launched now (its blocks then wait likewise). Blocks of the next kernel may so
-// sit resident beside this one's; with ENGINE_RELEASE_AT_END (a study: kernels
-// that share the GPU with other streams) the next kernel is let go only as each
-// block ends its work, at release_next.
+// host allows it at every launch). Every kernel calls this first, before it
+// reads or writes memory: it lets the next kernel of the stream be launched now
+// (its blocks then wait likewise), and waits until the kernel before it has
+// completed and its writes are visible.
 __device__ __forceinline__ void follow_previous() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#ifndef ENGINE_RELEASE_AT_END
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void release_next() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(ENGINE_RELEASE_AT_END)
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
@@ -186,7 +175,6 @@ __device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, uns
 // reset here.
 __device__ void signal_when_done(unsigned long long const* flag_ptrs, int world, int me, unsigned epoch,
                                  int* counter, unsigned* seq) {
-  release_next();
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();

@@ -167,9 +167,9 @@ class Kernel:
         grid, block, shared memory and stream are set at each)."""
         attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
         attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+        # the pointer in the configuration keeps the attribute alive
         config = self._local.config = LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1,
                                                    attrs=ctypes.pointer(attribute))
-        config.keep = attribute  # the attribute lives as long as the configuration
         return config
 
     @staticmethod
