@@ -363,12 +363,16 @@ __device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_
 // shared memory: E_local + 1 + W E_local ints. Every step after the wait is
 // spread over the block (a scan of the places, each rank's group rows by
 // shared-memory atomics).
+// row: the first row_len of the scratch_words words route_layout wrote (its
+// row, then the scan's ticket and chunk states), zero before it ran; they are
+// zeroed again once read, so that the next operation's layout finds them so
+// (the engine keeps them from one operation to the next, no memset between).
 __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
-    int row_len, int count_start, int experts_per_rank, const int* row, int topk, int hidden, int x_dtype,
-    int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens, int staged,
-    int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out, long long* tokens_per_expert,
-    int* src_start, int* num_rows, int* group_end) {
+    int row_len, int count_start, int experts_per_rank, int* row, int scratch_words, int topk, int hidden,
+    int x_dtype, int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens,
+    int staged, int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out,
+    long long* tokens_per_expert, int* src_start, int* num_rows, int* group_end) {
   follow_previous();
   extern __shared__ int shared_ints[];
   __shared__ unsigned epoch_of;
@@ -382,6 +386,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   __syncthreads();
   const unsigned epoch = epoch_of;
   if (stop) {
+    for (int i = threadIdx.x; i < scratch_words; i += blockDim.x) row[i] = 0;
     no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
     return;
   }
@@ -393,6 +398,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     for (int i = threadIdx.x; i < row_len; i += blockDim.x) dst[i] = i < Row::kSends ? head[i] : row[i];
   }
   __syncthreads();
+  for (int i = threadIdx.x; i < scratch_words; i += blockDim.x) row[i] = 0;  // read: zero for the next layout
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(meta_ptrs[p]) + me, epoch);

@@ -223,7 +223,7 @@ class Engine:
         self._flags = meta[: 4 * self.world].view(torch.int32)
         self._meta_handle.barrier(channel=0)  # every rank's flags are zero before any is raised
         self._data = self._data_handle = self._data_ptrs = None
-        self._retired: list = []  # buffers outgrown after a capture: its graphs still use them
+        self._retired: list = []  # buffers outgrown that queued work or captured graphs may still use
         self._captured = False  # some operation was captured in a CUDA graph
         self.capacity = Capacity()
         self._regions = Capacity().regions(self.world)
@@ -231,6 +231,7 @@ class Engine:
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._scratch = torch.zeros(0, dtype=torch.int32, device=self.device)  # the layout's zeroed words
         # (event recorded after the latest operation, the id of the CUDA graph capture it was
         # recorded in or None)
         self._last: tuple | None = None
@@ -391,9 +392,10 @@ class Engine:
         lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
         chunks = -(-tokens // (self._scan_warps * cuda.SCAN_TILES * (32 // lanes)))  # the scan's blocks
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
-        # kernels get addresses into it: int32 words at these offsets)
-        zeroed = torch.zeros(self.row_len + 1 + chunks, dtype=torch.int32, device=device)
-        row_at = zeroed.data_ptr()
+        # kernels get addresses into it: int32 words at these offsets), zeroed again by
+        # exchange_counts once read
+        words = self.row_len + 1 + chunks
+        row_at = self._zeroed(words).data_ptr()
         route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
         lists = torch.empty(self.world, tokens, dtype=torch.int32, device=device)
         hit = torch.empty(tokens, dtype=torch.int32, device=device)
@@ -429,7 +431,8 @@ class Engine:
         self._kernel("layout.cu", "exchange_counts")(
             1,
             (ptr(self._meta_ptrs), i64(self.rows_offset), i64(self._matrix_stride), i32(self.rank), i32(world),
-             i32(length), i32(self.counts_col), i32(local), u64(row_at), *(i32(v) for v in header), i32(tokens),
+             i32(length), i32(self.counts_col), i32(local), u64(row_at), i32(words), *(i32(v) for v in header),
+             i32(tokens),
              i32(int(fits)), i32(groups), ptr(self._seq), u64(self.timeout_ns),
              ptr(self.status), u64(at), ptr(per_expert), u64(at + 4 * places), u64(at + 4 * (places + world * local)),
              u64(at + 4 * (places + world * local + 1))),
@@ -455,6 +458,21 @@ class Engine:
         received = sum(r[SENDS_COL + self.rank] for r in matrix_host)
         return Counts(matrix, matrix_host, received, bound, per_expert, src_start, num_rows, route, lists,
                       self._tokens_at(bound), hit, staged, group_end)
+
+    def _zeroed(self, words: int) -> torch.Tensor:
+        """At least ``words`` zero int32 words for the routing layout (its row, the
+        scan's ticket and chunk states), which exchange_counts zeroes again once it
+        has read them: the engine's own, kept from one operation to the next (no
+        memset a dispatch), grown to twice the need where short; inside a CUDA
+        graph capture a short one gives a zeroed tensor of the call's own."""
+        if self._scratch.numel() >= words:
+            return self._scratch
+        zeroed = torch.zeros(max(words, 2 * self._scratch.numel()), dtype=torch.int32, device=self.device)
+        if not torch.cuda.is_current_stream_capturing():
+            # an operation queued on another stream may still use the outgrown one: kept
+            self._retired.append(self._scratch)
+            self._scratch = zeroed
+        return zeroed
 
     def _tokens_at(self, bound: int) -> torch.Tensor:
         """``Counts.tokens_at`` of a dispatch whose sources have at most ``bound`` tokens."""

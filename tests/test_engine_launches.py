@@ -81,6 +81,7 @@ class _Checked:
 def launches(monkeypatch):
     made: list = []
     monkeypatch.setattr(cuda, "kernel", lambda source, name, *t: _Checked(source, name, t, made))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no streams
     return made
 
 
@@ -103,6 +104,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e.status = torch.zeros(4, dtype=torch.int32)
     e._seq = torch.zeros(1, dtype=torch.int32)
     e._counter = torch.zeros(1, dtype=torch.int32)
+    e._scratch = torch.zeros(0, dtype=torch.int32)
     return e
 
 
@@ -146,6 +148,47 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
                         "home_slots", "route_layout", "exchange_counts", "pull_rows"]
 
 
+def test_the_layouts_zeroed_words_are_the_engines_own_from_one_dispatch_to_the_next(launches, monkeypatch):
+    """route_layout's zeroed words (its row, the scan's ticket and chunk states) are
+    a buffer of the engine's, which exchange_counts zeroes again after reading: no
+    allocation or memset a dispatch; it grows outside a CUDA graph capture (the
+    outgrown one kept for work still queued), and a capture that needs more takes a
+    zeroed tensor of its own, leaving the engine's as it is."""
+    world, experts, hidden, topk = 2, 8, 64, 4
+    codec = to_experts_codec("native", torch.bfloat16)
+    engine = _cpu_engine(world, experts, Capacity(4096, topk, staged_row_bytes(codec, hidden),
+                                                  partial_row_bytes(torch.float32, hidden)))
+    made: list = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: made.append(a) or real_zeros(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+
+    def dispatch(tokens):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+        idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+        w = torch.rand(tokens, topk, generator=gen)
+        engine._exchange_counts(idx, w, plan.header(x, w, topk, (100, 10**6)), x, codec, True, False)
+
+    per_chunk = engine._scan_warps * cuda.SCAN_TILES * (32 // topk)  # tokens a scan block places
+    dispatch(10)
+    first = engine._scratch
+    assert first.numel() == engine.row_len + 1 + 1 and len(made) == 1
+    dispatch(10)
+    dispatch(per_chunk)  # one chunk still: the same words, nothing allocated
+    assert engine._scratch is first and len(made) == 1
+    dispatch(4 * per_chunk)  # 4 chunks: grown to twice the words at least, the old one kept
+    assert engine._scratch.numel() >= 2 * first.numel() and engine._scratch.numel() >= engine.row_len + 1 + 4
+    assert engine._retired[-1] is first and len(made) == 2
+    grown = engine._scratch
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    dispatch(64 * per_chunk)  # inside a capture: a zeroed tensor of its own
+    assert engine._scratch is grown and len(made) == 3
+    dispatch(per_chunk)
+    assert engine._scratch is grown and len(made) == 3
+    counts_launches = [name for name in launches if name == "exchange_counts"]
+    assert len(counts_launches) == 6
+
+
 @pytest.mark.parametrize("topk, rows_together", [(2, "1"), (4, str(cuda.SUM_ROWS))])
 def test_a_pre_sum_loads_several_rows_together_where_items_hold_more_than_two(monkeypatch, topk, rows_together):
     """push_partials' last template argument: the rows a lane loads together, 1
@@ -153,6 +196,7 @@ def test_a_pre_sum_loads_several_rows_together_where_items_hold_more_than_two(mo
     made: list = []
     monkeypatch.setattr(cuda, "kernel",
                         lambda source, name, *t: made.append((name, t)) or _Checked(source, name, t, []))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     world, experts, tokens, hidden = 2, 8, 40, 64
     codec = to_experts_codec("native", torch.bfloat16)
     engine = _cpu_engine(world, experts, Capacity(64, topk, staged_row_bytes(codec, hidden),
