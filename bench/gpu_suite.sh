@@ -14,7 +14,8 @@
 #             layer by groups of experts on the engine (C = 2, 4, 8), eager and captured
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
-#   host      where the engine's eager round trip spends host time (cProfile, per call)
+#   host      where the engine's eager round trip spends host time (cProfile, per call), then
+#             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
 #   budget    bench/engine_tuning.py at 24 blocks (DeepEP's SM budget) and at the default 4 per SM;
 #             then bench/tma_probe.py (what 24 blocks and every SM move: copies, expansions, NVLink)
@@ -118,7 +119,9 @@ for part in "$@"; do
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
-        --iters 10 --warmup 3 ;;
+        --iters 10 --warmup 3
+      step 120 eager-trace python3 bench/eager_trace.py --shape decode --out "$OUT/eager-trace"
+      step 120 eager-trace-bounded python3 bench/eager_trace.py --shape decode --max-rows --out "$OUT/eager-trace-bounded" ;;
     tuning)
       step 300 engine-tuning python3 bench/engine_tuning.py --out "$RES" ;;
     budget)
