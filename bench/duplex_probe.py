@@ -15,7 +15,12 @@ bytes crossing NVLink per direction per second; every copy is checked.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tma_probe import two_gpus  # noqa: E402  (a study beside this one)
 
 SOURCE = r"""
 // Blocks [0, split) copy a_rows rows of `words` 16-byte words from a to b; blocks
@@ -53,12 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mib", type=int, default=512, help="MiB crossing NVLink each way (default 512)")
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
-    import cupy
-
+    cupy = two_gpus("duplex_probe")
     runtime = cupy.cuda.runtime
-    if runtime.getDeviceCount() < 2:
-        print("duplex_probe needs two GPUs", file=sys.stderr)
-        return 2
     rows = (args.mib << 20) // ROW
     words = ROW // 16
     gpus, fns, bufs, sms = (0, 1), {}, {}, 0

@@ -102,8 +102,9 @@ def _summary(path: str, rank: int) -> str:
     picked = []
     for e in events:
         cat, name = e.get("cat", ""), e["name"]
-        keep = ((name.startswith("## ") and cat != "gpu_user_annotation") or cat in ("kernel", "gpu_memcpy", "gpu_memset")
-                or (cat == "cuda_runtime" or cat == "cuda_driver") and name in API)
+        on_gpu = cat in ("kernel", "gpu_memcpy", "gpu_memset")
+        marked = name.startswith("## ") and cat != "gpu_user_annotation"  # the host's range, not its GPU shadow
+        keep = marked or on_gpu or (cat in ("cuda_runtime", "cuda_driver") and name in API)
         if keep and start - 50 <= e["ts"] <= end + 300:  # the round trip and its GPU tail
             picked.append(e)
     lines = [f"rank {rank}: round trip on the host {trip['dur']:.1f} us"]

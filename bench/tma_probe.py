@@ -105,6 +105,17 @@ __global__ void __launch_bounds__(512) tma_expand(const char* src, char* dst, lo
 }
 """
 
+def two_gpus(script: str):
+    """CuPy, where this machine has two GPUs for ``script``; else the script
+    exits with status 2, saying why on stderr."""
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        print(f"{script} needs two GPUs", file=sys.stderr)
+        raise SystemExit(2)
+    return cupy
+
+
 NAMES = ("lsu_expand<4>", "lsu_expand<8>", "lsu_expand<16>", "tma_expand<4>")
 
 
@@ -114,12 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--row-bytes", type=int, default=14336)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
-    import cupy
-
+    cupy = two_gpus("tma_probe")
     runtime = cupy.cuda.runtime
-    if runtime.getDeviceCount() < 2:
-        print("tma_probe needs two GPUs", file=sys.stderr)
-        return 2
     cupy.cuda.Device(0).use()
     runtime.deviceEnablePeerAccess(1)
     module = cupy.RawModule(code=SOURCE, options=("-std=c++17", "-arch=sm_90"), name_expressions=NAMES)
