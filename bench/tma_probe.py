@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(512) tma_expand(const char* src, char* dst, lo
 }
 """
 
+
 def two_gpus(script: str):
     """CuPy, where this machine has two GPUs for ``script``; else the script
     exits with status 2, saying why on stderr."""
