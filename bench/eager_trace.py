@@ -61,7 +61,7 @@ def _worker(rank, world, args, port):
     for owner, name in MARKED:
         _mark(owner, name)
     shape = engine_probe.SHAPES[args.shape]
-    x, idx, w = engine_probe._inputs(shape, rank, device)
+    x, idx, w = engine_probe.inputs(shape, rank, device)
     d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink", check_inputs=False))
     bound = None
     if args.max_rows:

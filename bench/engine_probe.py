@@ -55,7 +55,8 @@ SETTINGS = [  # name, transport, dispatch wire, sm budget, mode
 ]
 
 
-def _inputs(shape, rank, device):
+def inputs(shape, rank, device):
+    """(x [T, H] bf16, topk_idx, normalised weights) of rank ``rank`` for ``shape``, seeded by the rank."""
     tokens, hidden, experts, topk = shape
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
@@ -64,7 +65,8 @@ def _inputs(shape, rank, device):
     return x, idx, (weights / weights.sum(1, keepdim=True)).float()
 
 
-def _time(fn, iters, warmup):
+def timed(fn, iters, warmup):
+    """(median, min, max) us of ``fn`` on the device, each run between two events, after a barrier."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -126,14 +128,14 @@ def _host_sections(round_trip, calls=20):
         original = getattr(cls, name)
         originals.append((cls, name, original))
 
-        def timed(*a, _original=original, _key=f"{cls.__name__}.{name}", **k):
+        def clocked(*a, _original=original, _key=f"{cls.__name__}.{name}", **k):
             start = time.perf_counter()
             try:
                 return _original(*a, **k)
             finally:
                 spent[_key] += time.perf_counter() - start
 
-        setattr(cls, name, timed)
+        setattr(cls, name, clocked)
     try:
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -163,7 +165,7 @@ def _worker(rank, world, args, port):
     rows = []
     for name in args.shapes:
         shape = SHAPES[name]
-        x, idx, w = _inputs(shape, rank, device)
+        x, idx, w = inputs(shape, rank, device)
         reference = None
         for label, transport, wire, budget, mode in SETTINGS:
             config = dispatch.DispatchConfig(num_experts=shape[2], transport=transport, dispatch_wire=wire,
@@ -198,14 +200,14 @@ def _worker(rank, world, args, port):
             if mode == "graph":
                 replays, _ = common.captured_round_trip(d, x, idx, w, bound)
                 dispatch_only, combine_only, round_trip = (replays[k] for k in ("dispatch", "combine", "total"))
-            t_d = _time(dispatch_only, args.iters, args.warmup)
-            t_c = _time(combine_only, args.iters, args.warmup)
-            t_r = _time(round_trip, args.iters, args.warmup)
+            t_d = timed(dispatch_only, args.iters, args.warmup)
+            t_c = timed(combine_only, args.iters, args.warmup)
+            t_r = timed(round_trip, args.iters, args.warmup)
             t_s = t_p = None
             if mode == "graph":
-                t_s = [t / STEADY for t in _time(lambda: [round_trip() for _ in range(STEADY)], args.iters,
+                t_s = [t / STEADY for t in timed(lambda: [round_trip() for _ in range(STEADY)], args.iters,
                                                  args.warmup)]
-                t_p = _time(_captured_plan(d, x, idx, w, bound), args.iters, args.warmup)
+                t_p = timed(_captured_plan(d, x, idx, w, bound), args.iters, args.warmup)
             if bound is not None:
                 d.check()
             rows.append(dict(shape=name, setting=label, max_rows=bound, dispatch_us=t_d[0], combine_us=t_c[0],

@@ -30,7 +30,7 @@ from dispatch import cuda, nvlink
 from dispatch.bench import common
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from engine_probe import SHAPES, _inputs, _time, init_rank, write_json  # noqa: E402
+from engine_probe import SHAPES, init_rank, inputs, timed, write_json  # noqa: E402
 
 
 def _compile_with(option: str) -> None:
@@ -60,7 +60,7 @@ def _worker(rank, world, args, port):
     with torch.no_grad():
         for name in args.shapes:
             shape = SHAPES[name]
-            x, idx, w = _inputs(shape, rank, device)
+            x, idx, w = inputs(shape, rank, device)
             first = None
             for unroll in args.unroll:
                 for per_sm, budget in args.launches:
@@ -73,7 +73,7 @@ def _worker(rank, world, args, port):
                     bound = int(n * common.GRAPH_SLACK)
                     replays, result = common.captured_round_trip(d, x, idx, w, bound)
                     t_d, t_c, t_r = (replays[k] for k in ("dispatch", "combine", "total"))
-                    times = [_time(fn, args.iters, args.warmup)[0] for fn in (t_d, t_c, t_r)]
+                    times = [timed(fn, args.iters, args.warmup)[0] for fn in (t_d, t_c, t_r)]
                     kernels = _kernels_us(t_r)
                     d.check()
                     same = first is None or torch.equal(first, result)
