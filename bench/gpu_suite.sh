@@ -12,6 +12,9 @@
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
 #             layer by groups of experts on the engine (C = 2, 4, 8), eager and captured
+#   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
+#             two streams against each alone: the most any overlap schedule hides), then two
+#             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
@@ -112,6 +115,10 @@ for part in "$@"; do
       bench 300 overlap-engine overlap --transport auto --chunks 1 --graph --micro-batches --out "$RES"
       bench 240 overlap-engine-groups overlap --transport auto --chunks 2,4,8 --graph --iters 10 --warmup 3 \
         --out "$RES" ;;
+    ceiling)
+      step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
+      bench 240 overlap-slow-mb overlap --shapes deepseek-v3,mixtral-8x7b --chunks 1 --micro-batches \
+        --comm-max-ctas 2 --comm-high-priority --iters 10 --warmup 3 --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
