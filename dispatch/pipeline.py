@@ -63,6 +63,22 @@ from dispatch.experts import ChunkedExperts, GroupedExperts
 from dispatch.kernels.row_grads import weighted_row_grads
 
 
+@contextlib.contextmanager
+def carved_out(sms: int | None):
+    """GEMMs launched inside leave ``sms`` SMs free for kernels beside them (torch's
+    experimental SM carveout, process-wide, restored after). None, or no CUDA:
+    nothing changes."""
+    if sms is None or not torch.cuda.is_available():
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 class MoEExchange(nn.Module):
     """dispatch -> experts -> combine, by G groups of local experts overlapping
     exchange and compute.
@@ -197,18 +213,9 @@ class MoEExchange(nn.Module):
             return ()
         return tuple(p for p in module_parameters(self.experts) if p.requires_grad)
 
-    @contextlib.contextmanager
     def _carveout(self):
         """The experts' GEMMs inside leave ``sm_carveout`` SMs free (G > 1 on CUDA)."""
-        if self.sm_carveout is None or self.chunks == 1 or not torch.cuda.is_available():
-            yield
-            return
-        before = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(self.sm_carveout)
-        try:
-            yield
-        finally:
-            torch._C._set_sm_carveout_experimental(before)
+        return carved_out(None if self.chunks == 1 else self.sm_carveout)
 
     @contextlib.contextmanager
     def _priority(self):

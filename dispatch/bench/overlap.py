@@ -36,7 +36,8 @@ gloo, as a smoke test):
                 exchange waited for before the next starts (so the difference is the
                 overlap alone); hidden_mb = (T_mb_seq - T_mb) / (2 min(T_comm, T_compute));
                 and T_mb_layer, the layer (C = 1) run twice in a row, what the verbs'
-                path costs beside MoEExchange
+                path costs beside MoEExchange. With ``--sm-carveout N`` the overlapped
+                micro-batches' GEMMs leave N SMs to the exchange beside them
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
@@ -63,6 +64,7 @@ from dispatch.bench.common import (
 )
 from dispatch.bench.roundtrip import make_routing
 from dispatch.experts import GroupedExperts
+from dispatch.pipeline import carved_out
 
 OVERLAP_SHAPES = ("deepseek-v3", "mixtral-8x7b", "cpu-tiny")
 PASSES = ("fwd", "fwd+bwd")
@@ -107,7 +109,8 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--comm-high-priority", action="store_true",
                         help="EP group's NCCL collectives on a high-priority stream (ahead of waiting GEMM blocks)")
     parser.add_argument("--sm-carveout", type=int,
-                        help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (C > 1)")
+                        help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (C > 1); "
+                             "with --micro-batches, also the overlapped micro-batches' GEMMs")
     parser.add_argument("--comm-priority", type=int, default=-1,
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
     parser.add_argument("--graph", action="store_true",
@@ -219,15 +222,18 @@ class Case:
 
         return run
 
-    def micro_batch_step(self, backward: bool, overlapped: bool = True):
+    def micro_batch_step(self, backward: bool, overlapped: bool = True, sm_carveout: int | None = None):
         """Two micro-batches (``x``, ``x2``) by the async verbs. Overlapped: both
         dispatches started, then each one's experts and started combine in turn, so
         that micro-batch 1's dispatch and micro-batch 0's combine move beside the
-        other's experts. Otherwise each micro-batch's dispatch, experts and combine
-        are waited for before the next micro-batch starts. Backward by autograd over
-        both. Returns the two outputs."""
+        other's experts; the experts' GEMMs (forward and backward) then leave
+        ``sm_carveout`` SMs to the exchange beside them. Otherwise each
+        micro-batch's dispatch, experts and combine are waited for before the next
+        micro-batch starts. Backward by autograd over both. Returns the two
+        outputs."""
         d, experts = self.dispatcher, self.experts
 
+        @carved_out(sm_carveout if overlapped else None)
         def run():
             xs = [x.detach().requires_grad_(backward) for x in (self.x, self.x2)]
             ws = [self.topk_weights.detach().requires_grad_(backward) for _ in xs]
@@ -322,18 +328,20 @@ def _graph_ms(step, timed) -> float:
         torch.cuda.empty_cache()
 
 
-def _micro_batches(case: Case, seq, backward: bool, timed, group) -> dict:
-    """T_mb (two micro-batches by the async verbs, overlapped), T_mb_seq (the same
-    verbs, one micro-batch after the other), T_mb_layer (the layer ``seq`` run on
-    each in a row), and the largest difference of the outputs (collective)."""
+def _micro_batches(case: Case, seq, backward: bool, timed, group, sm_carveout: int | None) -> dict:
+    """T_mb (two micro-batches by the async verbs, overlapped, the GEMMs leaving
+    ``sm_carveout`` SMs free), T_mb_seq (the same verbs, one micro-batch after the
+    other, no carveout), T_mb_layer (the layer ``seq`` run on each in a row), and
+    the largest difference of the outputs (collective)."""
     step = case.layer_step(seq, backward)
     second = replace(case, x=case.x2).layer_step(seq, backward)
     t_layer = timed(lambda: (step(), second()))[0]
     t_seq = timed(case.micro_batch_step(backward, overlapped=False))[0]
-    t_mb = timed(case.micro_batch_step(backward))[0]
+    t_mb = timed(case.micro_batch_step(backward, sm_carveout=sm_carveout))[0]
     with torch.no_grad():
         want = [seq(x, case.topk_idx, case.topk_weights) for x in (case.x, case.x2)]
-        got = case.micro_batch_step(False)() + case.micro_batch_step(False, overlapped=False)()
+        got = (case.micro_batch_step(False, sm_carveout=sm_carveout)()
+               + case.micro_batch_step(False, overlapped=False)())
     diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
     diff = torch.tensor([diff], device=case.x.device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
@@ -415,7 +423,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             # the experts alone captured and replayed the same way (their counts on the device)
             t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
         short, long = sorted((t_comm, t_compute))
-        mb = _micro_batches(case, seq, backward, timed, group) if args.micro_batches else {}
+        mb = _micro_batches(case, seq, backward, timed, group, carve) if args.micro_batches else {}
         if mb:
             mb["hidden_mb"] = (mb["t_mb_seq_ms"] - mb["t_mb_ms"]) / (2 * short)
         rows.append(dict(
