@@ -65,7 +65,7 @@ def _experts_pass(experts, rows, counts, backward: bool):
         y = experts(leaf, counts)
         if backward:
             y.backward(grad)
-            experts.zero_grad(set_to_none=False)
+            experts.zero_grad(set_to_none=True)  # each pass makes its gradients, none accumulated
 
     return run
 
