@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dispatch import bench
 from dispatch.bench import a2a, common, roundtrip
@@ -135,7 +136,6 @@ def test_experts_must_split_over_ranks(capsys):
 def test_main_job_defaults_cover_both_benchmarks():
     args = bench.parse_args([])
     assert args.command is None
-    import torch
 
     on_gpus = torch.cuda.is_available()
     assert args.shapes == list(common.GPU_SHAPES if on_gpus else common.CPU_SHAPES)
@@ -173,3 +173,13 @@ def test_launch_leaves_with_and_without_teardown(teardown):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("job ran") == 2, done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="runs the probe itself on 2 or more GPUs")
+def test_concurrency_probe_refuses_without_two_gpus(capsys):
+    """bench/concurrency_probe.py needs two GPUs: without them it says so and exits 2,
+    before it starts a process."""
+    from bench_scripts import load
+
+    assert load("concurrency_probe").main(["--shapes", "deepseek-v3"]) == 2
+    assert "needs 2 or more GPUs" in capsys.readouterr().err
