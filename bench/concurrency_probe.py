@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,8 @@ def _worker(rank, world, args, port):
     rows_out = []
     for name in args.shapes:
         shape = common.SHAPES[name]
+        if args.experts is not None:
+            shape = replace(shape, name=f"{name}-e{args.experts}", experts=args.experts)
         x, idx, w = inputs((shape.tokens, shape.hidden, shape.experts, shape.topk), rank, device)
         exchanges = {}
         for budget in [None] + args.sm_budgets:
@@ -176,7 +179,8 @@ def _worker(rank, world, args, port):
         del exchanges, experts, planned
         torch.cuda.empty_cache()
     if rank == 0 and args.out:
-        write_json(args.out, "concurrency-probe.json", rows_out)
+        write_json(args.out, "concurrency-probe" + ("" if args.experts is None else f"-e{args.experts}") + ".json",
+                   rows_out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -188,6 +192,8 @@ def main(argv=None):
     parser.add_argument("--carveouts", default="24", help="SMs carved out of the experts' GEMMs, beside none")
     parser.add_argument("--carveout-with", default="nvlink-24sm,nccl-2cta",
                         help="the exchanges measured beside the carved-out GEMMs")
+    parser.add_argument("--experts", type=int,
+                        help="E for every shape (e.g. 16: the Megatron timing layer's, 4,096 rows an expert)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
@@ -200,6 +206,8 @@ def main(argv=None):
     if world < 2:
         print("concurrency_probe: needs 2 or more GPUs", file=sys.stderr)
         return 2
+    if args.experts is not None and (args.experts < world or args.experts % world):
+        parser.error(f"--experts must be a multiple of the {world} GPUs, got {args.experts}")
     mp.spawn(_worker, args=(world, args, 29700 + os.getpid() % 1000), nprocs=world, join=True)
     return 0
 

@@ -13,7 +13,8 @@
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
 #             layer by groups of experts on the engine (C = 2, 4, 8), eager and captured
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
-#             two streams against each alone: the most any overlap schedule hides), then two
+#             two streams against each alone: the most any overlap schedule hides; also DeepSeek-V3
+#             with 16 experts, the Megatron timing layer's shape), then two
 #             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
@@ -117,6 +118,7 @@ for part in "$@"; do
         --out "$RES" ;;
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
+      step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"
       bench 240 overlap-slow-mb overlap --shapes deepseek-v3,mixtral-8x7b --chunks 1 --micro-batches \
         --comm-max-ctas 2 --comm-high-priority --iters 10 --warmup 3 --out "$RES" ;;
     nvlink)
