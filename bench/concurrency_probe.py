@@ -167,12 +167,12 @@ def _worker(rank, world, args, port):
                     t_b = _slowest(timed(b, args.iters, args.warmup)[0], device)
                     t_ab = _slowest(timed(_together(compute, b, side, high), args.iters, args.warmup)[0], device)
                     ceiling = (t_a + t_b - t_ab) / min(t_a, t_b)
-                    row = dict(shape=name, passes="fwd+bwd" if backward else "fwd", exchange=label,
+                    row = dict(shape=shape.name, passes="fwd+bwd" if backward else "fwd", exchange=label,
                                gemm_carveout=carve, experts_us=t_a, exchange_us=t_b, together_us=t_ab,
                                sequential_us=t_a + t_b, ceiling=ceiling)
                     rows_out.append(row)
                     if rank == 0:
-                        print(f"{name:13s} {row['passes']:7s} carveout {str(carve):4s} {label:12s} "
+                        print(f"{shape.name:16s} {row['passes']:7s} carveout {str(carve):4s} {label:12s} "
                               f"experts {t_a / 1e3:7.3f} ms  exchange {t_b / 1e3:7.3f} ms  "
                               f"together {t_ab / 1e3:7.3f} ms (one after the other {(t_a + t_b) / 1e3:7.3f})  "
                               f"ceiling {ceiling:5.2f}", flush=True)
