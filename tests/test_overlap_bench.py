@@ -9,6 +9,7 @@ import torch
 
 from dispatch import bench
 from dispatch.bench import overlap
+from dispatch.experts import GroupedExperts
 
 # The bench's experts are GroupedExperts: on CPU one matmul per expert, whose
 # tiling may depend on the chunk's row count, so a chunked layer equals C = 1 up
@@ -32,6 +33,9 @@ def test_cpu_smoke_run_writes_results(tmp_path):
         assert row["hidden_fraction"] == pytest.approx((row["t_seq_ms"] - row["t_pipe_ms"]) / short)
         assert row["hidden_ceiling"] == pytest.approx((row["t_seq_ms"] - long) / short)
         assert set(row["host_ms"]) == {"seq", "2", "4"} and min(row["host_ms"].values()) > 0
+        # each expert's weights read once a GEMM for every C: once forward, again for the rows' gradients
+        once = 1.0 if row["passes"] == "fwd" else 2.0
+        assert row["weight_reads"] == {"seq": once, "2": once, "4": once}
         if not torch.cuda.is_available():
             assert row["peak_mib"] is None  # measured on CUDA only
         elif row["passes"] == "fwd+bwd":
@@ -73,18 +77,22 @@ def test_global_flags_before_the_command(tmp_path):
     assert json.loads((tmp_path / "overlap-cpu-tiny-w2.json").read_text())["iters"] == 1
 
 
-def test_peak_memory_column():
-    """The peak column lists the sequential layer first, then each C, in MiB; '-' where not measured."""
+def test_weights_and_peak_memory_columns():
+    """The weights and peak columns list the sequential layer first, then each C (weights
+    read in units of all the experts' weights, peak in MiB); '-' where not measured."""
     row = dict(shape="s", passes="fwd+bwd", world_size=4, dispatch_wire="native", comm_max_ctas=None,
                comm_high_priority=False, t_comm_ms=1.0, t_compute_ms=2.0, t_seq_ms=3.0,
                t_pipe_ms=2.5, best_chunks=4, hidden_fraction=0.5, hidden_ceiling=1.0,
                t_pipe_by_chunks_ms={"2": 2.6, "4": 2.5}, max_abs_diff_vs_seq=0.0,
+               weight_reads={"seq": 2.0, "2": 2.0, "4": 2.0},
                peak_mib={"seq": 5120.4, "2": 4990.0, "4": 6001.7}, host_ms={"seq": 1.234, "2": 2.5, "4": 3.0})
-    lines = overlap.markdown_table([row, dict(row, passes="fwd", peak_mib=None, t_graph_ms=0.75)]).splitlines()
+    rows = [row, dict(row, passes="fwd", weight_reads=None, peak_mib=None, t_graph_ms=0.75)]
+    lines = overlap.markdown_table(rows).splitlines()
     assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
     assert "| T_graph ms |" in lines[0] and "| 2: 2.60, 4: 2.50 | - |" in lines[2] and "| 0.750 |" in lines[3]
-    assert lines[2].endswith("| 0 | seq: 5120, 2: 4990, 4: 6002 | seq: 1.23, 2: 2.50, 4: 3.00 |")
-    assert lines[3].endswith("| 0 | - | seq: 1.23, 2: 2.50, 4: 3.00 |")
+    assert lines[2].endswith("| 0 | seq: 2.00, 2: 2.00, 4: 2.00 | seq: 5120, 2: 4990, 4: 6002 | "
+                             "seq: 1.23, 2: 2.50, 4: 3.00 |")
+    assert lines[3].endswith("| 0 | - | - | seq: 1.23, 2: 2.50, 4: 3.00 |")
 
 
 @pytest.mark.parametrize(
@@ -99,3 +107,26 @@ def test_bad_flags(argv, needle, capsys):
         overlap.main(argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_weight_reads_count_the_products_of_parameter_views():
+    """The weights column counts the bytes of the experts' parameters that matrix
+    products take, forward and backward, and only products with a result: an
+    expert without rows reads nothing, and a pass over every expert per group
+    would count each again."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 8, 16, activation="gelu", backend="loop")
+    params = list(experts.parameters())
+    one = experts.w_in[0].numel() * 4 + experts.w_out[0].numel() * 4  # fp32: one expert's weights
+    tokens = torch.randn(6, 8)
+    counts = torch.tensor([3, 0, 3, 0])
+    with overlap._WeightReads(params) as reads:
+        experts(tokens, counts)
+    assert reads.bytes == 2 * one  # experts 0 and 2
+    with overlap._WeightReads(params) as reads:
+        experts(tokens.requires_grad_(), counts).sum().backward()
+    assert reads.bytes == 4 * one  # and again for the rows' gradients (the weights' own take none)
+    with overlap._WeightReads(params) as reads:
+        for group in ([3, 0, 0, 0], [0, 0, 3, 0]):
+            experts(tokens[:3], torch.tensor(group))
+    assert reads.bytes == 2 * one

@@ -15,6 +15,13 @@ gloo, as a smoke test):
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
                 where the layer at C = 1 costs less (more) than that sum
+    weights     the experts' weights handed to matrix products in one step, in units
+                of all their weights ("seq" and each C): every product whose
+                operand is a view of an expert parameter, with a non-empty result,
+                adds the bytes of that view (counted at the dispatcher's aten level,
+                so the backward's products count too). 1 forward and 2 forward+
+                backward where each expert's weights are read once per GEMM, for
+                every C
     peak        on CUDA, forward+backward: the most memory one step allocates above
                 what was allocated before it (MiB, the largest rank's), for the
                 sequential layer ("seq", C = 1) and each C
@@ -56,6 +63,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dispatch
 from dispatch import plan
@@ -370,6 +379,39 @@ def _time(fn, iters: int, warmup: int, device) -> tuple[float, float]:
     return statistics.median(r["total"] for r in runs), statistics.median(issued.tolist())
 
 
+_MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "_grouped_mm"})
+
+
+class _WeightReads(TorchDispatchMode):
+    """While active: ``bytes``, the bytes of ``params``' views handed to matrix
+    products whose result is not empty."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr() for p in params}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in _MATMULS and out.numel():
+            self.bytes += sum(t.numel() * t.element_size() for t in args
+                              if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages)
+        return out
+
+
+def _weight_reads(fn, experts: nn.Module, device, group) -> float:
+    """The experts' weights that one run of ``fn`` hands to matrix products, in
+    units of all their weights (:class:`_WeightReads`), the largest over the
+    ranks (collective)."""
+    params = list(experts.parameters())
+    with _WeightReads(params) as reads:
+        fn()
+    total = sum(p.numel() * p.element_size() for p in params)
+    ratio = torch.tensor([reads.bytes / total], device=device)
+    dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=group)
+    return float(ratio)
+
+
 def _peak_mib(fn, device, group) -> float | None:
     """The most memory one run of ``fn`` allocates above what was allocated
     before it, in MiB, the largest over the ranks; None off CUDA."""
@@ -415,6 +457,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         if backward and device.type == "cuda":  # the sequential layer (C = 1) first, then each C
             peak = {"seq": _peak_mib(case.layer_step(seq, True), device, group)}
             peak.update({str(c): _peak_mib(case.layer_step(layers[c], True), device, group) for c in candidates})
+        weights = {"seq": _weight_reads(case.layer_step(seq, backward), case.experts, device, group)}
+        weights.update({str(c): _weight_reads(case.layer_step(layers[c], backward), case.experts, device, group)
+                        for c in candidates})
         t_graph, graph_by_chunks, t_compute_graph = None, None, None
         if args.graph:  # the layer in one piece, and by each C, captured
             graph_by_chunks = {c: _graph_ms(case.layer_step(case.layer_bounded(prio, group, c), backward), timed)
@@ -434,7 +479,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
             t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
             hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
-            max_abs_diff_vs_seq=float(diff), peak_mib=peak, t_graph_ms=t_graph, t_compute_graph_ms=t_compute_graph,
+            max_abs_diff_vs_seq=float(diff), weight_reads=weights, peak_mib=peak, t_graph_ms=t_graph, t_compute_graph_ms=t_compute_graph,
             t_graph_by_chunks_ms=None if graph_by_chunks is None else {str(c): t for c, t in graph_by_chunks.items()},
             **mb,
             host_ms={"seq": seq_host, **{str(c): host for c, (_, host) in pipe_times.items()}},
@@ -473,7 +518,8 @@ def _budget(row: dict) -> str:
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "pass", "W", "dispatcher", "wire", "carveout", "max_ctas", "NCCL stream", "T_comm ms",
             "T_compute ms", "T_seq ms", "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "T_graph ms",
-            "T_mb_layer / T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "peak MiB by C", "host ms by C"]
+            "T_mb_layer / T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "weights read by C", "peak MiB by C",
+            "host ms by C"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
@@ -486,7 +532,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
             f"{_graph_cell(r)} | "
             f"{_micro_batch_cell(r)} | "
-            f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r['peak_mib'])} | {_by_c(r['host_ms'], '.2f')} |"
+            f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r.get('weight_reads'), '.2f')} | {_by_c(r['peak_mib'])} | "
+            f"{_by_c(r['host_ms'], '.2f')} |"
         )
     return "\n".join(lines)
 
