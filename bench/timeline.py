@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 
-COMM_WORDS = ("nccl", "all_to_all", "alltoall", "allgather", "memcpy", "barrier")
+# NCCL's and torch's collectives and copies, and the NVLink engine's kernels that read or
+# write a peer's memory (csrc/: the counts exchange, the pull, the pushes)
+COMM_WORDS = ("nccl", "all_to_all", "alltoall", "allgather", "memcpy", "barrier",
+              "exchange_counts", "pull_rows", "push_partials", "push_slots")
 
 
 def is_comm(name: str) -> bool:

@@ -66,3 +66,13 @@ def test_lanes_summary_and_timeline(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 0
     with pytest.raises(ValueError, match="no kernels"):
         timeline.lanes_summary([_trace_file(tmp_path / "empty.json", [], [])])
+
+
+def test_the_engines_peer_kernels_draw_as_communication():
+    """The timeline colours NCCL's kernels and the NVLink engine's kernels that touch a
+    peer's memory as communication; its local sums and layout as compute."""
+    for name in ("ncclDevKernel_SendRecv(x)", "exchange_counts(unsigned long long const*)",
+                 "void pull_rows<__nv_bfloat16, 0>(x)", "void push_partials<float>(x)", "void push_slots<float>(x)"):
+        assert timeline.is_comm(name), name
+    for name in ("void home_sum<__nv_bfloat16>(x)", "route_layout(x)", "void stage_rows<float>(x)", "cutlass_gemm"):
+        assert not timeline.is_comm(name), name
