@@ -433,14 +433,16 @@ def run_doc_snippet(snippet: str):
     return float(scope["loss"]), len(scope["dispatchers"])
 
 
-def run_doc_snippet_on_cpu(snippet: str):
+def run_doc_snippet_on_cpu(snippet: str, grads: bool = False):
     """The docs snippet on a CPU gloo rank, as written except for what only CUDA runs, patched
     for the call and restored after (the world outlives it): ``device="cuda"`` reads "cpu",
     the config adds ``use_cpu_initialization=True``, ``Module.cuda`` returns the module, Megatron's CUDA seeding is ``torch.manual_seed``, its
     ``TopKRouter`` is ``CpuTopKRouter``, the ``alltoall`` dispatcher the layers are built with
     (ours replaces it before the first forward) is the ``allgather`` one, dropout runs outside
     the CUDA RNG tracker and the global memory buffer allocates on the CPU. Returns the loss,
-    the dispatchers installed, the parameter dtypes the forward saw and the loss's dtype."""
+    the dispatchers installed, the parameter dtypes the forward saw and the names of the
+    parameters left without a gradient; with ``grads``, also {name: gradient} and how many
+    MoE layers run their experts by groups (``install(overlap=...)``)."""
     import contextlib
     from unittest import mock
 
@@ -475,9 +477,21 @@ def run_doc_snippet_on_cpu(snippet: str):
         assert all(isinstance(m.token_dispatcher, MegatronDispatcher) for m in model.modules() if hasattr(m, "token_dispatcher"))
         dtypes = sorted({str(p.dtype) for p in model.parameters()})
         missing = [n for n, p in model.named_parameters() if p.grad is None]
+        if grads:
+            named = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            by_groups = sum("routed_experts_compute" in vars(m) for m in model.modules() if hasattr(m, "token_dispatcher"))
+            return float(scope["loss"]), len(scope["dispatchers"]), dtypes, missing, named, by_groups
         return float(scope["loss"]), len(scope["dispatchers"]), dtypes, missing
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def doc_snippet_overlap_vs_plain(snippet: str, overlapped: str):
+    """The docs snippet on CPU (``run_doc_snippet_on_cpu``) as written, then as
+    ``overlapped`` (the same with ``install_all(..., overlap=G)``), from the same seeds:
+    both runs' (loss, dispatchers, dtypes, parameters without a gradient, gradients,
+    layers by groups)."""
+    return [run_doc_snippet_on_cpu(text, grads=True) for text in (snippet, overlapped)]
 
 
 def megatron_layer_expert_tp(seed: int, num_experts: int, topk: int, hidden: int, shape: tuple, tp: int):

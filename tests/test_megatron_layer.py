@@ -125,6 +125,31 @@ def test_doc_snippet_runs_on_cpu(worlds):
         assert missing == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the snippet is patched for gloo (see run_doc_snippet_on_cpu)")
+def test_doc_snippet_with_overlap_is_bitwise_the_plain_adapter(worlds):
+    """The snippet's GPTModel (two MoE layers, 2 local experts a rank, bf16 wire) with
+    ``install_all(..., overlap=2)``: the loss and every parameter's gradient bitwise those
+    of ``install_all`` without overlap, and every parameter gets one."""
+    import megatron_rank_fns
+
+    snippet = _doc_snippet()
+    plain = 'install_all(model, dispatch_wire="bf16")'
+    assert snippet.count(plain) == 1
+    overlapped = snippet.replace(plain, 'install_all(model, dispatch_wire="bf16", overlap=2)')
+    world_size = 2
+    results = worlds(world_size).run(megatron_rank_fns.doc_snippet_overlap_vs_plain,
+                                     [(snippet, overlapped)] * world_size)
+    for rank, (want, got) in enumerate(results):
+        assert want[1] == got[1] == 2 and want[3] == got[3] == [], rank
+        assert (want[5], got[5]) == (0, 2), rank  # both MoE layers by groups with overlap, none without
+        assert got[0] == want[0] and 0 < want[0] < 20, (rank, got[0], want[0])
+        assert got[4].keys() == want[4].keys() and any("experts" in name for name in want[4]), rank
+        for name, grad in want[4].items():
+            assert torch.equal(got[4][name], grad), f"rank {rank}: {name}"
+    # the experts had rows somewhere (the snippet's fresh router may send every token to one rank's)
+    assert any(grad.abs().sum() > 0 for want, _ in results for name, grad in want[4].items() if "experts" in name)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the snippet trains on CUDA (Megatron's router needs it)")
 def test_doc_snippet_runs(worlds):
     import megatron_rank_fns
