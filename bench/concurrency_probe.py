@@ -74,14 +74,12 @@ def _experts_pass(experts, rows, counts, backward: bool):
 def _a2a(rows_to, group, hidden, device):
     """An NCCL all-to-all there and back of ``rows_to[r]`` rows [H] bf16 to each rank r
     over ``group`` (what a dispatch and its combine move, rows once per rank)."""
-    world = dist.get_world_size(group)
     send = torch.tensor(rows_to, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     rows_from = recv.tolist()  # host sync: the split sizes, once at setup
     out = torch.randn(sum(rows_to), hidden, device=device).to(torch.bfloat16)
     back = torch.empty(sum(rows_from), hidden, device=device, dtype=torch.bfloat16)
-    assert len(rows_to) == world
 
     def run():
         dist.all_to_all_single(back, out, rows_from, rows_to, group=group)
@@ -132,7 +130,7 @@ def _worker(rank, world, args, port):
         if args.experts is not None:
             shape = replace(shape, name=f"{name}-e{args.experts}", experts=args.experts)
         x, idx, w = inputs((shape.tokens, shape.hidden, shape.experts, shape.topk), rank, device)
-        exchanges = {}
+        exchanges = {}  # label: (one exchange, what its replay reads kept alive)
         for budget in [None] + args.sm_budgets:
             config = dispatch.DispatchConfig(num_experts=shape.experts, transport="nvlink", sm_budget=budget,
                                              check_inputs=False)

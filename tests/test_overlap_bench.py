@@ -112,8 +112,8 @@ def test_bad_flags(argv, needle, capsys):
 def test_weight_reads_count_the_products_of_parameter_views():
     """The weights column counts the bytes of the experts' parameters that matrix
     products take, forward and backward, and only products with a result: an
-    expert without rows reads nothing, and a pass over every expert per group
-    would count each again."""
+    expert without rows reads nothing, and two groups' calls, each on its own
+    expert's rows, read each expert once."""
     torch.manual_seed(0)
     experts = GroupedExperts(4, 8, 16, activation="gelu", backend="loop")
     params = list(experts.parameters())
