@@ -23,14 +23,15 @@ shapes) and pass (forward; forward+backward):
             experts can hide no more than this, and usually less, since it also
             waits for its first piece and its last.
 
-Times are the slowest rank's median of ``--iters`` runs (CUDA events, after a
-barrier and ``--warmup`` runs).
+Times are the median of ``--iters`` runs, each the slowest rank's, each after a
+barrier (``dispatch.bench.common.time_each``), after ``--warmup`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from dataclasses import replace
 
@@ -43,7 +44,7 @@ from dispatch.bench import common
 from dispatch.experts import GroupedExperts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_probe import init_rank, inputs, timed, write_json  # noqa: E402
+from engine_probe import init_rank, inputs, write_json  # noqa: E402
 
 
 def _graph(step):
@@ -113,10 +114,9 @@ def _together(a, b, side: torch.cuda.Stream, high: torch.cuda.Stream):
     return run
 
 
-def _slowest(value: float, device) -> float:
-    t = torch.tensor([value], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+def _median_ms(step, args, device) -> float:
+    """Median milliseconds of ``step()`` over ``args.iters`` runs, each the slowest rank's."""
+    return statistics.median(run["step"] for run in common.time_each({"step": step}, args.iters, args.warmup, device))
 
 
 def _worker(rank, world, args, port):
@@ -157,22 +157,22 @@ def _worker(rank, world, args, port):
                     compute = _graph(_experts_pass(experts, planned.tokens, planned.tokens_per_expert, backward))
                 finally:
                     torch._C._set_sm_carveout_experimental(before)
-                t_a = _slowest(timed(compute, args.iters, args.warmup)[0], device)
+                t_a = _median_ms(compute, args, device)
                 for label, (exchange, _) in exchanges.items():
                     if carve is not None and label not in args.carveout_with:
                         continue
                     b = _repeat(exchange, passes)
-                    t_b = _slowest(timed(b, args.iters, args.warmup)[0], device)
-                    t_ab = _slowest(timed(_together(compute, b, side, high), args.iters, args.warmup)[0], device)
+                    t_b = _median_ms(b, args, device)
+                    t_ab = _median_ms(_together(compute, b, side, high), args, device)
                     ceiling = (t_a + t_b - t_ab) / min(t_a, t_b)
                     row = dict(shape=shape.name, passes="fwd+bwd" if backward else "fwd", exchange=label,
-                               gemm_carveout=carve, experts_us=t_a, exchange_us=t_b, together_us=t_ab,
-                               sequential_us=t_a + t_b, ceiling=ceiling)
+                               gemm_carveout=carve, experts_ms=t_a, exchange_ms=t_b, together_ms=t_ab,
+                               sequential_ms=t_a + t_b, ceiling=ceiling)
                     rows_out.append(row)
                     if rank == 0:
                         print(f"{shape.name:16s} {row['passes']:7s} carveout {str(carve):4s} {label:12s} "
-                              f"experts {t_a / 1e3:7.3f} ms  exchange {t_b / 1e3:7.3f} ms  "
-                              f"together {t_ab / 1e3:7.3f} ms (one after the other {(t_a + t_b) / 1e3:7.3f})  "
+                              f"experts {t_a:7.3f} ms  exchange {t_b:7.3f} ms  "
+                              f"together {t_ab:7.3f} ms (one after the other {t_a + t_b:7.3f})  "
                               f"ceiling {ceiling:5.2f}", flush=True)
         del exchanges, experts, planned
         torch.cuda.empty_cache()
