@@ -18,6 +18,7 @@
 #             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
+#   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
@@ -126,6 +127,15 @@ for part in "$@"; do
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     probe)
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
+    ab)
+      # the engine probe of a base tree (git archive BASE | tar -x -C .wt/base; carry .wt/base) and of
+      # this tree, twice in turn, in one call: what a change costs on the eager, bounded and captured paths
+      for i in 1 2; do
+        for tree in .wt/base .; do
+          step 150 "engine-probe-ab-$tree-$i" env PYTHONPATH="$PWD/$tree" python3 "$tree/bench/engine_probe.py" \
+            --shapes decode,deepseek-v3 --iters 10 --warmup 3
+        done
+      done ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
         --iters 10 --warmup 3

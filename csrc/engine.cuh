@@ -51,25 +51,25 @@ enum Code : int {
   kTooManyRows = 2,   // a route places a row past the rows counted
   kBadRoute = 3,      // a route no checked dispatch makes
   kOverBudget = 4,    // the peer's rows exceed its budget (max_rows)
-  kMismatch = 5,      // the peer's K, H, dtypes or gradient needs differ from this rank's
+  kMismatch = 5,      // the peer's call, K, H, dtypes or gradient needs differ from this rank's
   kPeerInput = 6,     // the peer marked its own input bad (values, or more tokens than the buffers hold)
 };
 
 // Columns of a rank's row of the counts matrix (dispatch/nvlink.py names them):
-// the header (plan.HEADER: K, H, x dtype, weights dtype, x grad, weights grad,
-// failed, max_rows (-1: none), the rows its free memory holds (checked on the
-// host)), then T, staged, the groups of experts the dispatch moves by (G, the
+// the header (plan.HEADER: the call's verb, number and handle's dispatch (0), K, H, x dtype, weights dtype,
+// x grad, weights grad, failed, max_rows (-1: none), the rows its free memory holds
+// (checked on the host)), then T, staged, the groups of experts the dispatch moves by (G, the
 // same on every rank), tokens per destination rank [W], tokens per global
 // expert [E].
 struct Row {
-  static constexpr int kAgreed = 6;  // columns [0, kAgreed) must be equal on every rank
-  static constexpr int kFailed = 6;
-  static constexpr int kBudget = 7;
-  static constexpr int kMemory = 8;
-  static constexpr int kTokens = 9;
-  static constexpr int kStaged = 10;
-  static constexpr int kGroups = 11;
-  static constexpr int kSends = 12;
+  static constexpr int kAgreed = 9;  // columns [0, kAgreed) must be equal on every rank
+  static constexpr int kFailed = 9;
+  static constexpr int kBudget = 10;
+  static constexpr int kMemory = 11;
+  static constexpr int kTokens = 12;
+  static constexpr int kStaged = 13;
+  static constexpr int kGroups = 14;
+  static constexpr int kSends = 15;
 };
 
 // The group of local expert e among G groups of E_local (plan.expert_groups:

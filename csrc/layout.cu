@@ -369,9 +369,9 @@ __device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_
 // (the engine keeps them from one operation to the next, no memset between).
 __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
-    int row_len, int count_start, int experts_per_rank, int* row, int scratch_words, int topk, int hidden,
-    int x_dtype, int w_dtype, int x_grad, int w_grad, int failed_mark, int budget, int memory_rows, int tokens,
-    int staged, int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out,
+    int row_len, int count_start, int experts_per_rank, int* row, int scratch_words, int verb, int call,
+    int along, int topk, int hidden, int x_dtype, int w_dtype, int x_grad, int w_grad, int failed_mark, int budget,
+    int memory_rows, int tokens, int staged, int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out,
     long long* tokens_per_expert, int* src_start, int* num_rows, int* group_end) {
   follow_previous();
   extern __shared__ int shared_ints[];
@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
     return;
   }
-  const int head[Row::kSends] = {topk, hidden, x_dtype, w_dtype, x_grad, w_grad,
+  const int head[Row::kSends] = {verb, call, along, topk, hidden, x_dtype, w_dtype, x_grad, w_grad,
                                  max(failed_mark, row[Row::kFailed]), budget, memory_rows, tokens, staged, groups};
   const long long copy = by_parity(rows_offset, matrix_bytes, epoch);
   for (int p = 0; p < world; ++p) {

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from dispatch.checks import PeerRefused
 from dispatch.config import DispatchConfig
 from dispatch.cost_model import LinkModel
 from dispatch.dispatchers import (
@@ -47,6 +48,7 @@ __all__ = [
     "ExchangeWork",
     "LinkModel",
     "MoEExchange",
+    "PeerRefused",
     "PhaseTimer",
     "TokenDispatcher",
     "create",

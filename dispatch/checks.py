@@ -1,21 +1,31 @@
-"""Input validation: every check runs before any token moves.
+"""Input validation, and the agreement of every call across the ranks.
 
 A bad argument raises ``TypeError`` (wrong kind or dtype) or ``ValueError``
 (wrong shape, device or value), and the message names the argument. Checks of
-shapes, dtypes and devices are free and run before any communication; checks
-of values (expert ids, repeats, finite weights) need one host synchronisation
-and can be turned off with ``DispatchConfig(check_inputs=False)`` once the
-router is trusted. Only one rank may see bad values, so they are raised after
-the counts all-gather, in which the rank marks itself failed
-(``values_error``): its peers raise there too instead of waiting for it.
+shapes, dtypes and devices are free; checks of values (expert ids, repeats,
+finite weights) need one host synchronisation and can be turned off with
+``DispatchConfig(check_inputs=False)`` once the router is trusted.
+
+Only one rank may see its own mistake, so no rank raises alone: every verb that
+communicates takes part in its first message whatever its own checks found
+(the counts all-gather of a dispatch, a small all-gather of the call's header
+for the other verbs, :func:`agree`). The header names the call (its verb and
+its number on the dispatcher) and marks a rank that refused its input; after
+that message every rank raises alike, before any token moves: the rank that
+refused its own error, its peers a :class:`PeerRefused` naming it, and every
+rank a RuntimeError naming both calls where the ranks are at different calls,
+so that no call completes by pairing with another. A refusal agreed so leaves
+the dispatcher usable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 
 import torch
 
+from dispatch import comm, plan
 from dispatch.plan import HEADER
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -205,6 +215,102 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int)
             "or spread the routing)")
 
 
+# what ``plan.Ticket.verb`` indexes: every verb (and backward) that communicates
+VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combine_slots", "combine_groups",
+         "GroupSums.add", "the backward of dispatch", "the backward of combine")
+
+
+class PeerRefused(RuntimeError):
+    """Some rank refused its own arguments of this call (its error says why).
+
+    Attributes:
+        ranks: the ranks that refused.
+    """
+
+    def __init__(self, ranks: list[int], call: str) -> None:
+        super().__init__(f"rank(s) {ranks} of the group refused {call} (see their errors); every rank stops "
+                         "here, before any token moves, and the dispatcher stays usable")
+        self.ranks = ranks
+
+
+def call_name(verb: int, call: int, along: int = 0) -> str:
+    """``"combine #3 along dispatch #2"``: a call as the messages name it."""
+    name = f"{VERBS[verb] if 0 <= verb < len(VERBS) else f'verb {verb}'} #{call}"
+    return f"{name} along dispatch #{along}" if along else name
+
+
+def check_peer_calls(headers) -> None:
+    """Every rank is at the same call, and none refused it.
+
+    Args:
+        headers: [W, len(HEADER)] every rank's header (host int64 tensor, or lists).
+    Raises:
+        RuntimeError naming the ranks and their calls where they differ;
+        :class:`PeerRefused` naming the ranks that refused (on every rank alike).
+    """
+    headers = _rows(headers)
+    columns = [HEADER.index(c) for c in ("verb", "call", "along")]
+    calls = [tuple(h[c] for c in columns) for h in headers]
+    if any(c != calls[0] for c in calls):
+        at: dict[tuple[int, ...], list[int]] = {}
+        for rank, c in enumerate(calls):
+            at.setdefault(c, []).append(rank)
+        told = "; ".join(f"rank(s) {ranks} at {call_name(*c)}" for c, ranks in at.items())
+        raise RuntimeError(f"the ranks of the group are at different calls of the dispatcher ({told}): a rank "
+                           "skipped a call or made another; no call completes by pairing with another, and "
+                           "every rank stops here, before any token moves")
+    failed = [r for r, h in enumerate(headers) if h[HEADER.index("failed")]]
+    if failed:
+        raise PeerRefused(failed, call_name(*calls[0]))
+
+
+def agree(ticket: plan.Ticket, group, world_size: int, device: torch.device, width: int, at: int,
+          arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
+    """The first message of a call that has no counts exchange of its own:
+    every rank's header of the call, all-gathered and checked
+    (:func:`check_peer_calls`).
+
+    The row has the length of the dispatcher's counts row, with the header at
+    the same place (``at``), so that where one rank dispatches while another
+    is at another verb, the two messages pair and both see the different
+    calls. On CUDA it runs on a stream of its own: the host waits for the
+    peers to reach the call, not for the work queued before it.
+
+    Args:
+        ticket: this call (``refused``: this rank takes part, then raises).
+        width, at: the counts row's length and its header's offset.
+        dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
+            the verb agrees on one (``combine``), -1 for none.
+        tail: entries after the header (at most ``width - at - len(HEADER)``).
+    Returns:
+        [W][len(HEADER) + len(tail)] every rank's header and tail.
+    """
+    head = {"verb": ticket.verb, "call": ticket.call, "along": ticket.along, "x_dtype": dtype_code, "weights_dtype": -1,
+            "failed": int(ticket.refused), "max_rows": -1, "memory_rows": -1}
+    row = torch.zeros(width, dtype=torch.int64)
+    end = at + len(HEADER) + len(tail)
+    row[at:end] = torch.tensor([head.get(column, 0) for column in HEADER] + list(tail), dtype=torch.int64)
+    with _side_stream(device):
+        gathered = comm.all_gather_rows(plan.to_device(row, device), group, world_size, arrivals=arrivals)
+        rows = gathered[:, at:end].tolist()  # host sync: the call agreed
+    check_peer_calls(rows)
+    return rows
+
+
+_SIDE: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device):
+    """On CUDA, a stream of the device's own for the agreement (ordered after
+    nothing the caller queued); elsewhere nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(index)
+    return torch.cuda.stream(_SIDE[index])
+
+
 def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
     """Check that every rank dispatched the same kind of input; return which
     gradients some rank needs (x, topk_weights).
@@ -218,12 +324,7 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
         a rank marked itself failed (``plan.mark_failed``).
     """
     headers = _rows(headers)  # a few host values: plain Python, no tensor op per check
-    failed = [r for r, h in enumerate(headers) if h[HEADER.index("failed")]]
-    if failed:
-        raise RuntimeError(
-            f"rank(s) {failed} of the group failed before the exchange (see their errors); "
-            "every rank stops here, before any token moves"
-        )
+    check_peer_calls(headers)
     for column, (argument, what) in _MUST_AGREE.items():
         values = [h[HEADER.index(column)] for h in headers]
         if any(v != values[0] for v in values):

@@ -61,7 +61,8 @@ def all_gather_rows(
 
 
 class Arrivals:
-    """Bounded waits at one dispatcher's counts exchanges, naming the ranks that
+    """Bounded waits at one dispatcher's first messages of its calls (the counts
+    exchanges, the calls' agreements), naming the ranks that
     did not arrive (a rank that died, stalled, or stopped calling).
 
     ``wait(issue)`` issues the collective and polls it (no host thread is
@@ -137,7 +138,8 @@ class Arrivals:
             if at < self.exchange:
                 late.append(rank)
         who = f"rank(s) {late}" if late else "some rank"
-        return (f"{_LATE}{who} of the group did not reach counts exchange {self.exchange} of this dispatcher within "
+        return (f"{_LATE}{who} of the group did not reach exchange {self.exchange} of this dispatcher (a counts "
+                f"exchange, or a call's agreement) within "
                 f"{self.timeout:g} s (DispatchConfig.timeout): a peer died, stalled or stopped calling; "
                 "this process group cannot be used any more")
 

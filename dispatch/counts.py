@@ -66,7 +66,7 @@ def exchange(
     world_size: int,
     check_values: bool,
     arrivals: comm.Arrivals | None = None,
-    budgets: tuple[int, int] = (-1, -1),
+    ticket: plan.Ticket = plan.Ticket(),
     row_bytes: int = 0,
 ) -> GlobalCounts:
     """Route, check values, all-gather the counts, check peers; one host sync
@@ -77,7 +77,7 @@ def exchange(
     Args:
         x: [T, H]; topk_idx: [T, K] int32/int64; topk_weights: [T, K] floating.
         local_world_size: L (ranks per node).
-        budgets, row_bytes: this rank's row budgets (``plan.header``) and the
+        ticket, row_bytes: this call's :class:`dispatch.plan.Ticket` (``plan.header``) and the
             bytes a received row takes (``checks.check_row_budgets``).
     """
     num_tokens, topk = topk_idx.shape
@@ -89,7 +89,7 @@ def exchange(
     route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     nodes = world_size // local_world_size
     node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
-    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, budgets) + [num_tokens]), x.device)
+    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket) + [num_tokens]), x.device)
     tail = torch.cat([header_row[-1:], node_hit.sum(0, dtype=torch.int64)])
     header_row = header_row[:-1]
     row = torch.cat([plan.exchange_row(route, header_row), tail])
@@ -111,6 +111,11 @@ def exchange(
         x_grad_any=x_grad_any,
         weights_grad_any=weights_grad_any,
     )
+
+
+def row_width(world_size: int, local_experts: int, local_world_size: int) -> int:
+    """Length of the row :func:`exchange` all-gathers: counts, header, T, node hits."""
+    return world_size * (1 + local_experts) + len(plan.HEADER) + 1 + world_size // local_world_size
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,8 @@ _STATUS = (
     "rank {me} received a route no checked dispatch makes (an expert id twice in a row, check_inputs=False) "
     "from rank {peer}",
     "rank {peer} receives more rows than its max_rows",
-    "rank {peer} dispatched with another K, H, x or topk_weights dtype, need of gradients or number of groups "
-    "of experts than rank {me}",
+    "rank {peer} was at another call of the dispatcher, or dispatched with another K, H, x or topk_weights "
+    "dtype, need of gradients or number of groups of experts than rank {me}",
     "rank {peer} marked its input bad (topk_idx/topk_weights values, more tokens than the buffers hold, or a "
     "max_rows its free device memory does not hold)",
 )

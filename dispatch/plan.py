@@ -42,6 +42,7 @@ held rows to ranks (``dispatch.counts``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -100,28 +101,62 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
     return Route(dest=dest, hit=hit, counts=counts)
 
 
-# What each rank adds to the counts all-gather so that every rank can check that
-# all ranks agree, learn which gradients some rank needs, learn that a rank
-# failed in work it did before the all-gather (its peers then stop too), and
-# learn every rank's row budgets (its max_rows, and the rows its free device
-# memory holds; -1: none), so that all refuse a rank over one alike.
-HEADER = ("topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad", "failed", "max_rows",
-          "memory_rows")
+# What each rank adds to the counts all-gather (and to every other verb's first
+# message, ``checks.agree``): the call itself (its verb, its number on the
+# dispatcher, and the number of the dispatch whose handle it moves along: ranks
+# whose calls differ all raise, so that no call completes by pairing with
+# another), so that every rank can check that all ranks agree, learn
+# which gradients some rank needs, learn that a rank failed or refused its input
+# in work it did before the all-gather (its peers then stop too), and learn every
+# rank's row budgets (its max_rows, and the rows its free device memory holds;
+# -1: none), so that all refuse a rank over one alike.
+HEADER = ("verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype", "x_grad", "weights_grad", "failed",
+          "max_rows", "memory_rows")
 DTYPE_CODES = {dtype: code for code, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32, torch.float64))}
 
 
-def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, budgets: tuple[int, int] = (-1, -1)) -> list[int]:
-    """This rank's entries of ``HEADER``; ``budgets``: (max_rows, memory_rows), -1 for none."""
+@dataclass(frozen=True)
+class Ticket:
+    """What a call's header carries besides its inputs.
+
+    Attributes:
+        verb: index of the verb in ``checks.VERBS``.
+        call: the call's number among this dispatcher's calls of that verb (1, 2, ...).
+        along: the number of the dispatch whose handle the call moves along (0
+            for a dispatch).
+        refused: this rank refused its own arguments: it takes part in the
+            call's first message marked failed, then raises its own error.
+        max_rows, memory_rows: the row budgets (``max_rows``, and the rows the
+            free device memory holds), -1 for none.
+    """
+
+    verb: int = 0
+    call: int = 0
+    along: int = 0
+    refused: bool = False
+    max_rows: int = -1
+    memory_rows: int = -1
+
+    def with_budgets(self, budgets: tuple[int, int]) -> "Ticket":
+        return dataclasses.replace(self, max_rows=budgets[0], memory_rows=budgets[1])
+
+
+def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, ticket: Ticket = Ticket()) -> list[int]:
+    """This rank's entries of ``HEADER``."""
     grad = torch.is_grad_enabled()
     return [
+        ticket.verb,
+        ticket.call,
+        ticket.along,
         topk,
         x.shape[1],
         DTYPE_CODES[x.dtype],
         DTYPE_CODES[topk_weights.dtype],
         int(grad and x.requires_grad),
         int(grad and topk_weights.requires_grad),
-        0,  # raised later in the row itself (``mark_failed``)
-        *budgets,
+        int(ticket.refused),  # or raised later in the row itself (``mark_failed``)
+        ticket.max_rows,
+        ticket.memory_rows,
     ]
 
 

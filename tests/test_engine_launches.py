@@ -17,7 +17,7 @@ import struct
 import pytest
 import torch
 
-from dispatch import cuda, plan
+from dispatch import cuda, nvlink, plan
 from dispatch.codec import to_experts_codec
 from dispatch.nvlink import SENDS_COL, Capacity, Engine, partial_row_bytes, scan_warps, staged_row_bytes
 
@@ -120,7 +120,7 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.to(idx_dtype)
     w = torch.rand(tokens, topk, generator=gen, dtype=weight_dtype)
-    header = plan.header(x, w, topk, (100, 1000))
+    header = plan.header(x, w, topk, plan.Ticket(max_rows=100, memory_rows=1000))
     counts = engine._exchange_counts(idx, w, header, x, codec, True, False)
     width, max_rows = min(topk, engine.experts_per_rank), 100
     presum = torch.empty(world * counts.bound, width, dtype=torch.int32)
@@ -167,7 +167,8 @@ def test_the_layouts_zeroed_words_are_the_engines_own_from_one_dispatch_to_the_n
         x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
         idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
         w = torch.rand(tokens, topk, generator=gen)
-        engine._exchange_counts(idx, w, plan.header(x, w, topk, (100, 10**6)), x, codec, True, False)
+        header = plan.header(x, w, topk, plan.Ticket(max_rows=100, memory_rows=10**6))
+        engine._exchange_counts(idx, w, header, x, codec, True, False)
 
     per_chunk = engine._scan_warps * cuda.SCAN_TILES * (32 // topk)  # tokens a scan block places
     dispatch(10)
@@ -205,7 +206,8 @@ def test_a_pre_sum_loads_several_rows_together_where_items_hold_more_than_two(mo
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
     w = torch.rand(tokens, topk, generator=gen)
-    counts = engine._exchange_counts(idx, w, plan.header(x, w, topk, (100, 1000)), x, codec, True, False)
+    header = plan.header(x, w, topk, plan.Ticket(max_rows=100, memory_rows=1000))
+    counts = engine._exchange_counts(idx, w, header, x, codec, True, False)
     presum = torch.empty(world * counts.bound, min(topk, engine.experts_per_rank), dtype=torch.int32)
     engine._push(torch.randn(100, hidden, generator=gen).to(torch.bfloat16), torch.rand(100), torch.float32, counts,
                  presum)
@@ -313,6 +315,28 @@ def test_the_host_side_mirrors_the_kernels_tuning():
 
     assert (cuda.THREADS, cuda.SCAN_TILES, cuda.SCAN_SHARED, cuda.SUM_ROWS) == (
         constant("kThreads"), constant("kScanTiles"), constant("kScanShared"), constant("kSumRows"))
+
+
+def test_the_counts_rows_columns_are_the_headers():
+    """engine.cuh's ``Row`` names the columns of ``plan.HEADER`` (and those after it)
+    where the host puts them: the agreed columns are those before ``failed``."""
+    text = (cuda.csrc_dir() / "engine.cuh").read_text()
+    row = dict(re.findall(r"static constexpr int (k\w+) = (\d+);", text[text.index("struct Row"):]))
+    header = plan.HEADER
+    assert int(row["kAgreed"]) == header.index("failed")
+    assert header[:header.index("failed")] == ("verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype",
+                                                "x_grad", "weights_grad")
+    assert (int(row["kFailed"]), int(row["kBudget"]), int(row["kMemory"])) == tuple(
+        header.index(c) for c in ("failed", "max_rows", "memory_rows"))
+    assert (int(row["kTokens"]), int(row["kStaged"]), int(row["kGroups"]), int(row["kSends"])) == (
+        nvlink.TOKENS_COL, nvlink.STAGED_COL, nvlink.GROUPS_COL, nvlink.SENDS_COL)
+    # the kernel takes the header's columns by name, in HEADER's order, before T
+    names = re.search(r"exchange_counts\((.*?)\)\s*{", (cuda.csrc_dir() / "layout.cu").read_text(), re.S)[1]
+    params = [p.split()[-1].lstrip("*") for p in names.split(",")]
+    start = params.index("verb")
+    assert params[start : start + len(header) + 1] == ["verb", "call", "along", "topk", "hidden", "x_dtype", "w_dtype",
+                                                        "x_grad", "w_grad", "failed_mark", "budget",
+                                                        "memory_rows", "tokens"]
 
 
 def test_the_layout_scan_takes_the_warps_whose_counts_fit():

@@ -423,7 +423,7 @@ def test_bad_input_on_one_rank_stops_every_rank(worlds, case, argument):
         assert all(r is not None and r[0] == "ValueError" and argument in r[1] for r in results), results
         return
     assert results[0] is not None and results[0][0] == "ValueError" and argument in results[0][1], results
-    assert results[1] is not None and results[1][0] == "RuntimeError" and "[0]" in results[1][1], results
+    assert results[1] is not None and results[1][0] == "PeerRefused" and "[0]" in results[1][1], results
 
 
 def _async_out_of_order(x, topk_idx, topk_weights, config):

@@ -1,6 +1,6 @@
 """A peer that dies or stops calling (stalled, or its code failed before its
 exchange): the others raise a RuntimeError naming it within
-DispatchConfig.timeout, and exit. Fresh processes per case (gloo on CPU), since
+DispatchConfig.timeout, on every verb and in each backward, and exit. Fresh processes per case (gloo on CPU), since
 the group is not usable afterwards."""
 
 from __future__ import annotations
@@ -17,24 +17,33 @@ import torch.distributed as dist
 TIMEOUT = 2.0
 
 
-def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, queue) -> None:
+def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, where: str, queue) -> None:
     import dispatch
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     d = dispatch.create(dispatch.DispatchConfig(num_experts=2 * world, variant=variant, transport="nccl",
                                                 timeout=TIMEOUT))
-    x = torch.randn(6, 8)
+    x = torch.randn(6, 8, requires_grad=where.startswith("backward"))
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]]) % (2 * world)
     w = torch.full((6, 2), 0.5)
     out = d.dispatch(x, idx, w)  # one good round trip first
     d.combine(out.tokens, out.handle)
+    calls = {
+        "dispatch": lambda: d.dispatch(x, idx, w),
+        "combine": lambda: d.combine(out.tokens, out.handle),
+        "combine_rows": lambda: d.combine_rows(out.tokens.detach(), out.handle),
+        "dispatch_rows": lambda: d.dispatch_rows(x.detach(), out.handle),
+        "combine_slots": lambda: d.combine_slots(out.weights.detach(), out.handle),
+        "backward of dispatch": lambda: out.tokens.sum().backward(),
+        "backward of combine": lambda: d.combine(out.tokens * 2, out.handle).sum().backward(),
+    }
     if rank == world - 1:
         if behaviour == "dies":
             os._exit(3)
-        time.sleep(60)  # stops calling: alive (its connections open), but makes no more dispatches
+        time.sleep(60)  # stops calling: alive (its connections open), but makes no more calls
     start = time.monotonic()
     try:
-        d.dispatch(x, idx, w)
+        calls[where]()
         queue.put((rank, "returned", "", time.monotonic() - start))
     except RuntimeError as exc:
         queue.put((rank, "RuntimeError", str(exc), time.monotonic() - start))
@@ -43,15 +52,21 @@ def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, 
     os._exit(0)  # the group cannot be used any more: leave without tearing it down
 
 
-@pytest.mark.parametrize("behaviour", ["dies", "stops calling"])
-@pytest.mark.parametrize("variant", ["alltoall", "allgather"])
-def test_peer_failure_is_named_within_the_timeout(behaviour, variant):
+CASES = [(behaviour, variant, "dispatch") for behaviour in ("dies", "stops calling")
+         for variant in ("alltoall", "allgather")]
+CASES += [("stops calling", "alltoall", where) for where in ("combine", "combine_rows", "dispatch_rows",
+                                                             "combine_slots", "backward of dispatch",
+                                                             "backward of combine")]
+
+
+@pytest.mark.parametrize("behaviour, variant, where", CASES)
+def test_peer_failure_is_named_within_the_timeout(behaviour, variant, where):
     world = 3
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as folder:
         store = os.path.join(folder, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, behaviour, variant, queue)) for r in range(world)]
+        procs = [ctx.Process(target=_rank, args=(r, world, store, behaviour, variant, where, queue)) for r in range(world)]
         for p in procs:
             p.start()
         reports = {}

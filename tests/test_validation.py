@@ -1,11 +1,12 @@
-"""Bad input: a clear error naming the argument, raised before any token moves
-(shapes, dtypes and devices before any communication; values right after the
-counts all-gather, which carries a rank's failure to its peers).
+"""Bad input: a clear error naming the argument, raised before any token moves,
+right after the call's first message (the counts all-gather of a dispatch, the
+call's agreement of the other verbs), which carries a rank's refusal to its peers.
 
 Every case runs on a world of 2 where all ranks get the same bad input (and the
 value cases also where one rank does); a good round trip on the same world
 afterwards proves no rank was left inside an exchange (a half-started exchange
-would leave the next one mismatched or hung).
+would leave the next one mismatched or hung). Mistakes one rank alone makes,
+on every verb, are in test_agreement.py.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def _good_round_trip_still_works(world):
         assert torch.equal(results[r]["combined"], xs[r] * (routing.topk_weights[r].float() * live).sum(1, keepdim=True))
 
 
-def _assert_error(results, error, argument, collectives=0):
+def _assert_error(results, error, argument, collectives=1):
     """Every rank raised ``error`` naming ``argument`` after exactly ``collectives``
-    collectives of the dispatcher (0: before any communication)."""
+    collectives of the dispatcher (1: the call's first message alone)."""
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank}: no error raised"
         name, message, calls = result
@@ -80,7 +81,7 @@ def test_dispatch_rejects(worlds, case):
     x, idx, w, error, argument = DISPATCH_CASES[case]
     world = worlds(2)
     results = world.run(rank_fns.error_of, [("call_dispatch", CFG, x, idx, w)] * 2)
-    _assert_error(results, error, argument, collectives=int(case in VALUE_CASES))
+    _assert_error(results, error, argument)
     _good_round_trip_still_works(world)
 
 
@@ -105,7 +106,7 @@ def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     assert None not in results, results
     (name, message, calls), (bad_name, bad_message, bad_calls) = results
     assert bad_name == error.__name__ and argument in bad_message, (bad_name, bad_message)
-    assert name == "RuntimeError" and "rank(s) [1]" in message, (name, message)
+    assert name == "PeerRefused" and "rank(s) [1]" in message, (name, message)
     assert calls == bad_calls, (calls, bad_calls)  # both stop at the same collective, no peer left waiting
     assert calls == ["all_gather_rows"], calls  # one plan, by groups or not: the counts all-gather alone
     _good_round_trip_still_works(world)
@@ -128,14 +129,15 @@ def test_combine_rejects(worlds, case):
         rank_fns.error_of, [("call_combine", CFG, GOOD_X, GOOD_IDX, GOOD_W, expert_out, weights)] * 2
     )
     # the dispatch inside call_combine communicates (successfully: one all-gather,
-    # two all-to-alls) before combine rejects its input on every rank.
-    _assert_error(results, error, argument, collectives=3)
+    # two all-to-alls) before combine rejects its input on every rank, after its
+    # agreement (one all-gather).
+    _assert_error(results, error, argument, collectives=4)
     _good_round_trip_still_works(world)
 
 
 def test_combine_rejects_foreign_handle(worlds):
     results = worlds(2).run(rank_fns.error_of, [("call_foreign_handle", CFG, GOOD_X, GOOD_IDX, GOOD_W)] * 2)
-    _assert_error(results, ValueError, "handle", collectives=3)
+    _assert_error(results, ValueError, "handle", collectives=4)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +148,7 @@ def test_combine_rejects_foreign_handle(worlds):
     ],
 )
 def test_config_must_match_group(worlds, config, error, argument):
-    _assert_error(worlds(2).run(rank_fns.error_of, [("call_create", config)] * 2), error, argument)
+    _assert_error(worlds(2).run(rank_fns.error_of, [("call_create", config)] * 2), error, argument, collectives=0)
 
 
 def test_group_not_a_group_or_without_this_rank(worlds):

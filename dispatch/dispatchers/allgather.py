@@ -75,12 +75,15 @@ class AllGatherDispatcher(TokenDispatcher):
         super().__init__(config, group)
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
-    def _plan(self, x, topk_idx, topk_weights, check_values, budgets):
+    def _counts_row_width(self) -> int:
+        return counts.row_width(self.world_size, self.num_local_experts, self.local_world_size)
+
+    def _plan(self, x, topk_idx, topk_weights, check_values, ticket):
         world, rank = self.world_size, self.rank
         num_tokens, topk = topk_idx.shape
         gc = counts.exchange(
             x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, check_values,
-            self._arrivals, budgets, self.row_bytes(x),
+            self._arrivals, ticket, self.row_bytes(x),
         )
         block = int(gc.tokens.max())
         mine = gc.counts[:, rank]  # [W_src, 1 + E_local] host

@@ -102,12 +102,12 @@ class AllToAllDispatcher(TokenDispatcher):
         self._graphs = PlanGraphCache() if config.plan_graphs else None
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
-    def _plan_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups):
-        return self._plan(x, topk_idx, topk_weights, check_values, budgets, groups)
+    def _plan_groups(self, x, topk_idx, topk_weights, check_values, ticket, groups):
+        return self._plan(x, topk_idx, topk_weights, check_values, ticket, groups)
 
     def _plan(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool,
-        budgets: tuple[int, int], groups: int = 1,
+        ticket: plan.Ticket, groups: int = 1,
     ) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one
         metadata all-to-all. On CUDA the part before the host synchronisation
@@ -119,7 +119,7 @@ class AllToAllDispatcher(TokenDispatcher):
         num_tokens, topk = topk_idx.shape
         weights = topk_weights.detach()
         check_values = check_values and num_tokens > 0
-        header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, budgets), dtype=torch.int64),
+        header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket), dtype=torch.int64),
                                     x.device)
         captured, failed = None, None
         if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
@@ -196,6 +196,9 @@ class AllToAllDispatcher(TokenDispatcher):
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
+
+    def _counts_row_width(self) -> int:
+        return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + self._tail_width()
 
     def _tail_width(self) -> int:
         """Entries after the counts and header in the row this variant all-gathers

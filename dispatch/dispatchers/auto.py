@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from dispatch import counts
+from dispatch import counts, plan
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.cost_model import LinkModel, estimate
 from dispatch.dispatchers.allgather import AllGatherDispatcher
@@ -72,10 +72,12 @@ class AutoDispatcher(TokenDispatcher):
         for variant in self.variants.values():
             variant.phase_timer = timer
 
-    def choose(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> TokenDispatcher:
+    def choose(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+               ticket: plan.Ticket = plan.Ticket()) -> TokenDispatcher:
         """The variant for this call (a collective: every rank must call it alike).
 
-        Args: as :meth:`dispatch` (already checked for shapes, dtypes and devices).
+        Args: as :meth:`dispatch` (already checked for shapes, dtypes and devices);
+            ``ticket``: the call (``plan.Ticket``), carried in the counts exchange.
         """
         gc = counts.exchange(
             x,
@@ -87,6 +89,7 @@ class AutoDispatcher(TokenDispatcher):
             self.world_size,
             self.config.check_inputs,
             self._arrivals,
+            ticket,
         )
         hidden = x.shape[1]
         costs = estimate(
@@ -103,12 +106,15 @@ class AutoDispatcher(TokenDispatcher):
         log.debug("auto: %s (modelled ms: %s)", choice, {k: round(v * 1e3, 4) for k, v in costs.items()})
         return self.variants[choice]
 
+    def _counts_row_width(self) -> int:
+        return counts.row_width(self.world_size, self.num_local_experts, self.local_world_size)
+
     def _made(self, handle: CombineHandle) -> bool:
         return any(handle.owner is v for v in self.variants.values())
 
     # The plan chooses; the data movements go to the variant that made the handle.
-    def _plan(self, x, topk_idx, topk_weights, check_values, budgets):
-        return self.choose(x, topk_idx, topk_weights)._plan(x, topk_idx, topk_weights, False, budgets)
+    def _plan(self, x, topk_idx, topk_weights, check_values, ticket):
+        return self.choose(x, topk_idx, topk_weights, ticket)._plan(x, topk_idx, topk_weights, False, ticket)
 
     def _to_experts(self, rows, handle, codec):
         return handle.owner._to_experts(rows, handle, codec)
@@ -128,9 +134,9 @@ class AutoDispatcher(TokenDispatcher):
     def _weights_to_home_start(self, values, handle):
         return handle.owner._weights_to_home_start(values, handle)
 
-    def _plan_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups):
-        chosen = self.choose(x, topk_idx, topk_weights)
-        return chosen._plan_groups(x, topk_idx, topk_weights, False, budgets, groups)
+    def _plan_groups(self, x, topk_idx, topk_weights, check_values, ticket, groups):
+        chosen = self.choose(x, topk_idx, topk_weights, ticket)
+        return chosen._plan_groups(x, topk_idx, topk_weights, False, ticket, groups)
 
     def _to_experts_groups_start(self, rows, handle, codec, own):
         return handle.owner._to_experts_groups_start(rows, handle, codec, own)

@@ -81,6 +81,13 @@ class CombineHandle:
             local experts (``plan.expert_groups``); None for one group.
         group_rows: the G + 1 bounds of the groups' rows among the N
             (host); None for one group.
+        call: the number of its dispatch among the dispatcher's (``plan.Ticket``):
+            the verbs along it carry it, so that ranks moving along the
+            handles of different dispatches raise.
+        agreed: whether the verbs along it agree on each call on the host
+            (``checks.agree``); False along a dispatch that read nothing on the
+            host (the NVLink engine with ``max_rows``), whose device-side checks
+            and bounded waits stand for it.
     """
 
     owner: "TokenDispatcher"
@@ -96,6 +103,8 @@ class CombineHandle:
     pad_index: torch.Tensor | None = None
     group_experts: tuple[int, ...] | None = None
     group_rows: tuple[int, ...] | None = None
+    call: int = 0
+    agreed: bool = True
 
     @property
     def rows(self) -> int:
@@ -215,6 +224,7 @@ class TokenDispatcher(abc.ABC):
         self.phase_timer: PhaseTimer | None = None
         self.comm_priority = -1
         self._streams = CommStreams()
+        self._calls: dict[str, int] = {}  # calls made so far, per verb (``_ticket``)
 
     # -- public verbs -------------------------------------------------------
 
@@ -278,51 +288,42 @@ class TokenDispatcher(abc.ABC):
             Gradients flow to ``x`` (through ``tokens``) and to ``topk_weights``
             (through ``weights``).
         """
-        checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
-        checks.check_groups(groups, self.num_local_experts)
-        if groups > 1 and self.config.pad_to_capacity:
-            raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
-                             "places its rows group by group; use groups=1")
-        if groups > 1 and max_rows is not None and not self.host_free:
-            raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs a "
-                             f"dispatcher that reads nothing on the host (the NVLink engine), {type(self).__name__} "
-                             "sizes its rows on the host; use groups=1 or no max_rows")
+        ticket = self._ticket("dispatch")
+        try:
+            codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
+        except (TypeError, ValueError) as error:  # still take part in the counts exchange: the peers raise there
+            self._refuse(error, lambda: self._take_part_refused(ticket))
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
                                                             self.config.capacity_factor, self.config.drop_policy)
-        pad = self.config.pad_to_capacity
-        if pad and max_rows is not None:
-            raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum "
-                             "of the ranks' capacities); dispatch without max_rows")
-        if pad:  # the blocks every rank pads to, before any row moves
-            blocks = self._capacity_blocks(x, topk_idx)
+        check = self.config.check_inputs
+        if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
+            blocks = self._capacity_blocks(x, topk_idx, ticket)
             padded_rows = self.num_local_experts * sum(blocks)
             memory_rows = self._row_budgets(x, None)[1]  # the N received and their padded copy, at once
-            handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
-                                          (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0)))
+            budgets = (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0))
+            handle, plan_out = self._plan(x, topk_idx, topk_weights, check, ticket.with_budgets(budgets))
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
         elif groups > 1 and max_rows is not None:  # each group's rows padded to ceil(max_rows / G)
-            checks.check_max_rows(max_rows)
-            handle, plan_out = self._plan_bounded_groups(x, topk_idx, topk_weights, self.config.check_inputs,
-                                                         self._row_budgets(x, max_rows), groups)
+            handle, plan_out = self._plan_bounded_groups(x, topk_idx, topk_weights, check,
+                                                         ticket.with_budgets(self._row_budgets(x, max_rows)), groups)
         elif groups > 1:
-            handle, plan_out = self._plan_groups(x, topk_idx, topk_weights, self.config.check_inputs,
-                                                 self._row_budgets(x, None), groups)
+            handle, plan_out = self._plan_groups(x, topk_idx, topk_weights, check,
+                                                 ticket.with_budgets(self._row_budgets(x, None)), groups)
             bounds = plan.expert_groups(self.num_local_experts, groups)
             per_expert = plan_out.tokens_per_expert_host.tolist()
             handle = dataclasses.replace(handle, group_experts=bounds,
                                          group_rows=tuple(sum(per_expert[:b]) for b in bounds))
         elif max_rows is None:
-            handle, plan_out = self._plan(x, topk_idx, topk_weights, self.config.check_inputs,
-                                          self._row_budgets(x, None))
+            handle, plan_out = self._plan(x, topk_idx, topk_weights, check,
+                                          ticket.with_budgets(self._row_budgets(x, None)))
         else:
-            checks.check_max_rows(max_rows)
-            handle, plan_out = self._plan_bounded(x, topk_idx, topk_weights, self.config.check_inputs,
-                                                  self._row_budgets(x, max_rows))
+            handle, plan_out = self._plan_bounded(x, topk_idx, topk_weights, check,
+                                                  ticket.with_budgets(self._row_budgets(x, max_rows)))
             if handle.num_rows != max_rows:  # the variant read N on the host: the verbs pad
                 handle = dataclasses.replace(handle, max_rows=max_rows)
-        codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+        handle = dataclasses.replace(handle, call=ticket.call)
         rows = x.detach()
         if handle.groups > 1:
             started = self._streams.start_groups(lambda: self._to_experts_groups_start(rows, handle, codec, True),
@@ -358,6 +359,18 @@ class TokenDispatcher(abc.ABC):
             theirs (``_home_rows``). Differentiable w.r.t. ``expert_out`` and
             ``weights`` (the backward is a dispatch of the gradient).
         """
+        ticket = self._along("combine", handle, lambda: self._check_combine(expert_out, handle, weights))
+        rows = _received(expert_out.detach(), handle)
+        headers = None if ticket is None else self._agree(ticket, _dtype_code(rows))
+        rows = self._home_rows(rows, handle, headers).contiguous()
+        wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
+        w = None if weights is None else _received(weights.detach(), handle)
+        started = self._start(lambda: self._to_home_start(rows, handle, w, wire), _present(rows, w), async_op)
+        work = ExchangeWork(lambda: _CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
+        return work if async_op else work.wait()
+
+    def _check_combine(self, expert_out, handle: CombineHandle, weights) -> None:
+        """``combine``'s own checks of its arguments (this rank alone)."""
         self._check_handle(handle)
         checks.check_combine_inputs(expert_out, weights, handle.rows, self.devices)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
@@ -366,12 +379,6 @@ class TokenDispatcher(abc.ABC):
                 "expert_out (or weights) requires grad but the dispatch behind handle ran with "
                 "grad mode off: run dispatch with grad mode on so every rank joins the backward"
             )
-        rows = self._home_rows(_received(expert_out.detach(), handle), handle).contiguous()
-        wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
-        w = None if weights is None else _received(weights.detach(), handle)
-        started = self._start(lambda: self._to_home_start(rows, handle, w, wire), _present(rows, w), async_op)
-        work = ExchangeWork(lambda: _CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
-        return work if async_op else work.wait()
 
     def dispatch_rows(
         self, rows: torch.Tensor, handle: CombineHandle, *, wire: str = "native", async_op: bool = False
@@ -392,9 +399,13 @@ class TokenDispatcher(abc.ABC):
             [N, H'] in the dtype of ``rows``: row i is the row of the token behind
             dispatched row i (``Dispatched.src_rank/src_token``), canonical order.
         """
-        self._check_handle(handle)
-        rows = checks.check_rows("rows", rows, handle.num_tokens, "the dispatch behind handle had T =", self.devices)
-        _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
+        def check():
+            self._check_handle(handle)
+            checks.check_rows("rows", rows, handle.num_tokens, "the dispatch behind handle had T =", self.devices)
+            _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
+            to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
+
+        self._agreed(self._along("dispatch_rows", handle, check))
         codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
         rows = rows.detach().contiguous()
         if handle.groups > 1:
@@ -430,9 +441,12 @@ class TokenDispatcher(abc.ABC):
             [T, H'] in the dtype of ``rows``: per token, the sum of its rows
             (weighted), in fp32 (fp64 for fp64 rows or weights), ascending rank order.
         """
-        self._check_handle(handle)
-        checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
-        _check_wire("wire", wire, SUM_WIRES)
+        def check():
+            self._check_handle(handle)
+            checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
+            _check_wire("wire", wire, SUM_WIRES)
+
+        self._agreed(self._along("combine_rows", handle, check))
         rows = _received(rows.detach(), handle).contiguous()
         w = None if weights is None else _received(weights.detach(), handle)
         wire_dtype = sum_wire_dtype(wire, rows.dtype)
@@ -455,9 +469,12 @@ class TokenDispatcher(abc.ABC):
             [T, K] in the dtype of ``values``: the value of the row of each
             (token, slot), 0 for empty slots.
         """
-        self._check_handle(handle)
-        values = checks.check_values("values", values, handle.rows, self.devices).detach().contiguous()
-        values = _received(values, handle)
+        def check():
+            self._check_handle(handle)
+            checks.check_values("values", values, handle.rows, self.devices)
+
+        self._agreed(self._along("combine_slots", handle, check))
+        values = _received(values.detach().contiguous(), handle)
         started = self._start(lambda: self._weights_to_home_start(values, handle), (values,), async_op)
         work = ExchangeWork(started.result)
         return work if async_op else work.wait()
@@ -485,13 +502,16 @@ class TokenDispatcher(abc.ABC):
                 agreed between the ranks as ``combine`` does.
             wire: how the pre-sums travel: "native", "bf16" or "fp32".
         """
-        self._check_handle(handle)
-        _check_wire("wire", wire, SUM_WIRES)
-        if dtype is None and handle.groups > 1:
-            raise TypeError(f"dtype: a dispatch by {handle.groups} groups sums rows of a dtype given up front, "
-                            "got None")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        def check():
+            self._check_handle(handle)
+            _check_wire("wire", wire, SUM_WIRES)
+            if dtype is None and handle.groups > 1:
+                raise TypeError(f"dtype: a dispatch by {handle.groups} groups sums rows of a dtype given up front, "
+                                "got None")
+            if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
+                raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+        self._agreed(self._along("combine_groups", handle, check))
         return GroupSums(self, handle, dtype, wire)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
@@ -512,6 +532,104 @@ class TokenDispatcher(abc.ABC):
 
     # -- shared by the verbs --------------------------------------------------
 
+    def _check_dispatch(self, x, topk_idx, topk_weights, max_rows, groups) -> Codec:
+        """``dispatch``'s own checks of its arguments (this rank alone); its wire codec."""
+        checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
+        checks.check_groups(groups, self.num_local_experts)
+        if self.max_topk is not None and topk_idx.shape[1] > self.max_topk:
+            raise ValueError(f"topk_idx: {type(self).__name__} takes at most {self.max_topk} slots per token, "
+                             f"got K={topk_idx.shape[1]}")
+        if groups > 1 and self.config.pad_to_capacity:
+            raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
+                             "places its rows group by group; use groups=1")
+        if groups > 1 and max_rows is not None and not self.host_free:
+            raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs a "
+                             f"dispatcher that reads nothing on the host (the NVLink engine), {type(self).__name__} "
+                             "sizes its rows on the host; use groups=1 or no max_rows")
+        if self.config.pad_to_capacity and max_rows is not None:
+            raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum "
+                             "of the ranks' capacities); dispatch without max_rows")
+        if max_rows is not None:
+            checks.check_max_rows(max_rows)
+        return to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+
+    def _ticket(self, verb: str) -> plan.Ticket:
+        """The next call of ``verb`` on this dispatcher (numbered from 1)."""
+        number = self._calls.get(verb, 0) + 1
+        self._calls[verb] = number
+        return plan.Ticket(verb=checks.VERBS.index(verb), call=number)
+
+    @staticmethod
+    def _refuse(error: Exception, take_part) -> None:
+        """Raise ``error``, this rank's refusal of its arguments, once it took part
+        in the call's first message marked refused (``take_part()``, which
+        raises :class:`checks.PeerRefused` on every rank): its peers raise there
+        too, naming it, instead of pairing their exchanges with its next call."""
+        try:
+            take_part()
+        except checks.PeerRefused:
+            raise error from None
+        except Exception as other:  # the ranks are at different calls, or a peer is missing
+            raise other from error
+        raise error  # not reached: a refused first message raises on every rank
+
+    def _take_part_refused(self, ticket: plan.Ticket) -> None:
+        """This rank's share of a dispatch it refuses: the first message (the
+        counts exchange, marked refused, with no tokens), as its peers make it."""
+        ticket = dataclasses.replace(ticket, refused=True)
+        if self.config.pad_to_capacity:
+            self._agree(ticket, tail=(0,))
+            return
+        device = self._agree_device()
+        self._plan(torch.zeros(0, 1, device=device), torch.zeros(0, 1, dtype=torch.int64, device=device),
+                   torch.zeros(0, 1, device=device), False, ticket)
+
+    def _agree_device(self) -> torch.device:
+        """Where the agreement's all-gather runs: a CUDA device where the group's
+        backend moves CUDA tensors (NCCL), else the CPU."""
+        if "cuda" in self.devices:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _counts_row_width(self) -> int:
+        """Length of the row this variant's counts exchange all-gathers (the
+        agreement's row has it too, ``checks.agree``): counts, header, a tail of
+        at least one entry."""
+        return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + 1
+
+    def _agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
+        """``checks.agree`` for this dispatcher: [W][len(HEADER) + tail] every
+        rank's header of the call and what followed it (``tail``, placed after
+        the header)."""
+        width, at = self._counts_row_width(), self.world_size * (1 + self.num_local_experts)
+        return checks.agree(ticket, self.group, self.world_size, self._agree_device(), width, at, self._arrivals,
+                            dtype_code, tail)
+
+    def _agreed(self, ticket: plan.Ticket | None) -> None:
+        """Agree on the call of ``ticket`` with the peers (None: not on the host)."""
+        if ticket is not None:
+            self._agree(ticket)
+
+    def _along(self, verb: str, handle, check) -> plan.Ticket | None:
+        """Start a verb that moves rows along ``handle``: run its own checks
+        (``check()``), then agree on the call with the peers (:meth:`_agree`),
+        refusing there if the checks failed. Returns the call's ticket, or None
+        where the verb does not agree on the host: inside a CUDA graph capture,
+        and along a handle whose dispatch read nothing on the host (the
+        engine's device-side checks and bounded waits stand for it there)."""
+        ticket = self._ticket(verb)
+        known = isinstance(handle, CombineHandle)
+        if known:
+            ticket = dataclasses.replace(ticket, along=handle.call)
+        on_host = not (known and not handle.agreed) and not _capturing()
+        try:
+            check()
+        except (TypeError, ValueError) as error:
+            if on_host:
+                self._refuse(error, lambda: self._agree(dataclasses.replace(ticket, refused=True)))
+            raise
+        return ticket if on_host else None
+
     def _start(self, issue, reads: tuple, async_op: bool) -> Started:
         return self._streams.start(issue, reads, async_op, self.comm_priority)
 
@@ -526,7 +644,8 @@ class TokenDispatcher(abc.ABC):
             raise ValueError("handle: a pad_to_capacity dispatch places its rows when it is waited for; move rows "
                              "along the handle of its result (DispatchWork.wait().handle)")
 
-    def _home_rows(self, rows: torch.Tensor, handle: CombineHandle) -> torch.Tensor:
+    def _home_rows(self, rows: torch.Tensor, handle: CombineHandle,
+                   headers: list[list[int]] | None = None) -> torch.Tensor:
         """``rows``, expert outputs about to go home, in the dtype in which the
         group's partial sums travel.
 
@@ -538,16 +657,21 @@ class TokenDispatcher(abc.ABC):
         its rows (one small collective and a host read, only then) and a rank
         without rows takes the dtype of the others; ranks with rows in different
         dtypes are then refused, on every rank alike. Where every rank has rows
-        nothing is exchanged or checked: their dtypes must agree (the wire
-        carries no dtype; a mismatch fails in the collective, or worse).
+        nothing is checked: their dtypes must agree (the wire carries no dtype;
+        a mismatch fails in the collective, or worse). ``headers``: the call's
+        agreement (``_agree`` with ``_dtype_code``), which carries every rank's
+        code; without it (no agreement on the host) the codes are all-gathered
+        here where needed.
         """
         has = handle.has_rows
         if all(has) or not any(has):
             return rows
-        dtypes = checks.FLOAT_DTYPES  # code: index there, len(dtypes) for any other, -1 for no rows
-        code = (dtypes.index(rows.dtype) if rows.dtype in dtypes else len(dtypes)) if rows.shape[0] else -1
-        row = plan.to_device(torch.tensor([code], dtype=torch.int64), rows.device)
-        codes = comm.all_gather_rows(row, self.group, self.world_size).flatten().tolist()  # host sync: agreed dtype
+        dtypes = checks.FLOAT_DTYPES
+        if headers is not None:
+            codes = [h[plan.HEADER.index("x_dtype")] for h in headers]
+        else:
+            row = plan.to_device(torch.tensor([_dtype_code(rows)], dtype=torch.int64), rows.device)
+            codes = comm.all_gather_rows(row, self.group, self.world_size).flatten().tolist()  # host sync: dtype
         known = sorted({c for c in codes if c >= 0})
         if len(known) != 1 or known[0] == len(dtypes):
             names = ", ".join(f"rank {r}: {dtypes[c] if c < len(dtypes) else 'not floating'}"
@@ -557,12 +681,12 @@ class TokenDispatcher(abc.ABC):
 
     # -- what a variant provides ------------------------------------------
 
-    def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[int, ...]:
-        """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): one
-        small all-gather of T and a host read."""
+    def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor, ticket: plan.Ticket) -> tuple[int, ...]:
+        """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): the
+        dispatch's first message is the call's agreement with T after the
+        header (one small all-gather and a host read)."""
         config = self.config
-        mine = plan.to_device(torch.tensor([topk_idx.shape[0]], dtype=torch.int64), x.device)
-        tokens = comm.all_gather_rows(mine, self.group, self.world_size).flatten().tolist()  # host sync: every T
+        tokens = [row[-1] for row in self._agree(ticket, tail=(topk_idx.shape[0],))]
         topk = topk_idx.shape[1]
         return tuple(min(capacity.capacity(t, topk, config.num_experts, config.capacity_factor), t) for t in tokens)
 
@@ -702,29 +826,36 @@ class GroupSums:
         if given in another) and their routing weights ([N_g] floating, e.g.
         ``DispatchedGroup.weights``), or None (in every group alike). The
         pre-sums' way home starts behind the caller's current stream's work so
-        far. A rank that refuses its rows here (shape, weights) leaves its
-        peers to the group's timeout, as ``combine`` does. Leave the rows and
-        weights unchanged until :meth:`wait`: a later group's pre-sums may read
-        them (the NVLink engine sums each pre-sum whole when its last group
-        comes)."""
+        far. A rank that refuses its rows here (shape, weights) makes its
+        peers raise too, naming it (each group's add agrees on the call, as
+        ``combine`` does). Leave the rows and weights unchanged until
+        :meth:`wait`: a later group's pre-sums may read them (the NVLink engine
+        sums each pre-sum whole when its last group comes)."""
         handle, g = self._handle, self._added
-        if g == handle.groups:
-            raise ValueError(f"add: all {handle.groups} groups were added already")
-        lo, hi = handle.row_range(g)
-        devices = self._dispatcher.devices
-        rows = checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices)
+        given = weights.dtype if isinstance(weights, torch.Tensor) else None
+
+        def check():
+            if g == handle.groups:
+                raise ValueError(f"add: all {handle.groups} groups were added already")
+            lo, hi = handle.row_range(g)
+            devices = self._dispatcher.devices
+            checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices)
+            if self._last is not None and rows.shape[1] != self._last.shape[1]:
+                raise ValueError(f"rows of group {g} have {rows.shape[1]} columns, earlier groups "
+                                 f"{self._last.shape[1]}")
+            if weights is not None:
+                checks.check_values("weights", weights, hi - lo, devices)
+            if self._weights_dtype is not False and given != self._weights_dtype:
+                raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh "
+                                 "every group alike (or none)")
+
+        self._dispatcher._agreed(self._dispatcher._along("GroupSums.add", handle, check))
         if self.dtype is not None and rows.dtype != self.dtype:
             # cast, not refused: a rank without rows in this group could not
             # refuse alike, and would send its pieces to peers that wait
             rows = rows.to(self.dtype)
-        if self._last is not None and rows.shape[1] != self._last.shape[1]:
-            raise ValueError(f"rows of group {g} have {rows.shape[1]} columns, earlier groups {self._last.shape[1]}")
         if weights is not None:
-            weights = checks.check_values("weights", weights, hi - lo, devices).detach().contiguous()
-        given = None if weights is None else weights.dtype
-        if self._weights_dtype is not False and given != self._weights_dtype:
-            raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh every "
-                             "group alike (or none)")
+            weights = weights.detach().contiguous()
         rows = rows.detach().contiguous()
         reads = (rows,) if weights is None else (rows, weights)
         self._dispatcher._start(lambda: Pending.done(self._issuer.add(g, rows, weights)), reads, True)
@@ -930,6 +1061,18 @@ def _only(counts: torch.Tensor, first: int, end: int) -> torch.Tensor:
     return out
 
 
+def _dtype_code(rows: torch.Tensor) -> int:
+    """The code of expert rows' dtype that ranks agree on (``_home_rows``): its
+    index in ``checks.FLOAT_DTYPES``, one past them for any other, -1 for no rows."""
+    dtypes = checks.FLOAT_DTYPES
+    return (dtypes.index(rows.dtype) if rows.dtype in dtypes else len(dtypes)) if rows.shape[0] else -1
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host read there)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _present(*tensors) -> tuple:
     return tuple(t for t in tensors if t is not None)
 
@@ -965,6 +1108,7 @@ class _DispatchFn(torch.autograd.Function):
         # Exchanges follow what the group needs (handle), not this rank alone, so
         # that every rank makes the same collective calls.
         dispatcher, handle = ctx.dispatcher, ctx.handle
+        dispatcher._agreed(dispatcher._along("the backward of dispatch", handle, lambda: None))
         grad_x = grad_topk = None
         if handle.x_grad_any:
             grad_tokens = _received(grad_tokens, handle).contiguous()
@@ -991,6 +1135,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         expert_out, weights = ctx.saved_tensors
+        ctx.dispatcher._agreed(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
         grad_out = grad_out.contiguous()
         config = ctx.dispatcher.config
         codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.fp8_pow2_scales)

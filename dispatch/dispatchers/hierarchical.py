@@ -129,14 +129,17 @@ class HierarchicalDispatcher(TokenDispatcher):
         self.node, self.local_rank = divmod(self.rank, self.local_world_size)
         self.tiers = tier_groups(group, self.local_world_size)
 
-    def _plan(self, x, topk_idx, topk_weights, check_values, budgets):
+    def _counts_row_width(self) -> int:
+        return counts.row_width(self.world_size, self.num_local_experts, self.local_world_size)
+
+    def _plan(self, x, topk_idx, topk_weights, check_values, ticket):
         world, rank, local = self.world_size, self.rank, self.local_world_size
         node, index, nodes = self.node, self.local_rank, self.num_nodes
         num_experts = self.config.num_experts
         num_tokens, topk = topk_idx.shape
         device = x.device
         gc = counts.exchange(x, topk_idx, topk_weights, num_experts, local, self.group, world, check_values,
-                             self._arrivals, budgets, self.row_bytes(x))
+                             self._arrivals, ticket, self.row_bytes(x))
         hits = gc.counts[:, :, 0]  # [W_src, W_dst] host
         holders_sources = [b * local + index for b in range(nodes)]  # sources whose tokens this rank holds
         send1 = tuple(gc.node_hits[rank].tolist())

@@ -72,16 +72,16 @@ class NVLinkDispatcher(TokenDispatcher):
         self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
         self.engine = engine_for(group, config.num_experts, config.sm_budget, config.timeout)
 
-    def _plan(self, x, topk_idx, topk_weights, check_values, budgets):
+    def _plan(self, x, topk_idx, topk_weights, check_values, ticket):
         num_tokens, topk = _check_topk(topk_idx)
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
         # the values are checked by the layout kernel, which marks this rank failed in
         # the counts every rank reads: no host synchronisation of its own
-        counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, budgets),
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, ticket),
                                         x.detach().contiguous(), codec, check_values)
         rows_of = counts.rows  # host: every rank's row of the counts matrix
-        if rows_of[self.rank][plan.HEADER.index("failed")]:
+        if rows_of[self.rank][plan.HEADER.index("failed")] and not ticket.refused:
             error = checks.values_error(checks.value_flags(topk_idx, weights, self.config.num_experts).cpu(),
                                         topk_idx, weights, self.config.num_experts)  # host sync: the message
             raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
@@ -99,10 +99,10 @@ class NVLinkDispatcher(TokenDispatcher):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _plan_bounded_groups(self, x, topk_idx, topk_weights, check_values, budgets, groups: int):
-        return self._plan_bounded(x, topk_idx, topk_weights, check_values, budgets, groups)
+    def _plan_bounded_groups(self, x, topk_idx, topk_weights, check_values, ticket, groups: int):
+        return self._plan_bounded(x, topk_idx, topk_weights, check_values, ticket, groups)
 
-    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, budgets, groups: int = 1):
+    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, ticket, groups: int = 1):
         # nothing read on the host: the counts exchange kernel checks what _plan checks
         # here, for every rank alike, and a failure surfaces at a later host read; by
         # groups, each group's rows padded to B = ceil(max_rows / G)
@@ -113,8 +113,8 @@ class NVLinkDispatcher(TokenDispatcher):
         stage_row = staged_row_bytes(codec, x.shape[1])
         if engine.capacity.tokens == 0:  # the same on every rank: size the buffers once, by agreement
             self.reserve(x, topk)
-        header = plan.header(x, topk_weights, topk, budgets)
-        max_rows, memory_rows = budgets
+        header = plan.header(x, topk_weights, topk, ticket)
+        max_rows, memory_rows = ticket.max_rows, ticket.memory_rows
         bound = -(-max_rows // groups)
         out_rows = groups * bound  # the outputs have these rows, whatever N
         over = not engine.capacity.covers(Capacity(num_tokens, topk, stage_row, 0))
@@ -138,6 +138,7 @@ class NVLinkDispatcher(TokenDispatcher):
         x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
         handle, outputs = self._handle(x, counts, num_tokens, topk, out_rows, (bool(x_grad), bool(w_grad)),
                                        (True,) * self.world_size, None, wire, None)
+        handle = dataclasses.replace(handle, agreed=False)  # the counts exchange kernel checks on the device
         if groups > 1:
             handle = dataclasses.replace(
                 handle, group_experts=plan.expert_groups(self.num_local_experts, groups),

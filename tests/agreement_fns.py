@@ -1,0 +1,146 @@
+"""Rank functions of test_agreement.py: one rank's own mistake on one verb, and
+calls that one rank skips.
+
+Every function runs on every rank of a world and returns what this rank saw:
+(the name of what the verb raised or None, its message, seconds the verb took,
+whether a good round trip on the same dispatcher afterwards gave the dense
+answer).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import dispatch
+from routing import identity_tokens, make_routing
+from world import current_device
+
+E = 12  # experts: a multiple of every W of the tests (2, 3, 4)
+H = 4
+
+
+def _routing(world: int, seed: int, more: int = 0):
+    routing = make_routing(world, E // world, 2, [5 + r + more for r in range(world)], "random", seed=seed)
+    rank = dist.get_rank()
+    device = current_device()
+    x = identity_tokens(rank, routing.num_tokens[rank], H, torch.float32).to(device)
+    return x, routing.topk_idx[rank].to(device), routing.topk_weights[rank].float().to(device)
+
+
+def _round_trip_is_right(d) -> bool:
+    """A good dispatch and combine on ``d``: the combined rows are the dense answer."""
+    x, idx, w = _routing(dist.get_world_size(), seed=11)
+    out = d.dispatch(x, idx, w)
+    home = d.combine(out.tokens, out.handle, weights=out.weights)
+    live = idx >= 0 if out.dropped is None else (idx >= 0) & ~out.dropped  # slots over capacity dropped
+    return torch.equal(home, x * (w * live).sum(1, keepdim=True))
+
+
+def _bad(value: torch.Tensor, mistake: str):
+    """``value`` spoilt by ``mistake`` (a dtype, a shape, a device)."""
+    if mistake == "dtype":
+        return value.to(torch.int32) if value.is_floating_point() else value.float()
+    if mistake == "shape":
+        return value[1:]
+    if mistake == "device":
+        return value.to("meta")
+    raise AssertionError(mistake)
+
+
+def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
+    """Every rank runs ``verb`` (after the dispatches it moves along); rank
+    ``bad_rank`` makes ``mistake`` in it: a dtype, a shape or a device of its
+    tensor argument, rows of another dispatch than its handle's ("rows versus
+    handle"), or a handle of another dispatcher ("handle")."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, idx, w = _routing(world, seed=3)
+    mine = rank == bad_rank
+    if verb == "dispatch":
+        args = (_bad(x, mistake), idx, w) if mine else (x, idx, w)
+        return _timed(lambda: d.dispatch(*args), d)
+    groups = 2 if verb == "combine_groups" else 1
+    out = d.dispatch(x, idx, w, groups=groups, async_op=True).wait()
+    handle, rows, home_rows, values = out.handle, out.tokens, x, out.weights
+    if mistake == "handle":  # every rank dispatches on another dispatcher; one passes that handle
+        other = dispatch.create(dispatch.DispatchConfig(**config))
+        foreign = other.dispatch(x, idx, w).handle
+        handle = foreign if mine else handle
+    elif mistake == "rows versus handle":  # every rank dispatches again, with 3 more tokens
+        x2, idx2, w2 = _routing(world, seed=4, more=3)
+        second = d.dispatch(x2, idx2, w2)
+        if mine:
+            rows, home_rows, values = second.tokens, x2, second.weights
+    elif mine:
+        rows, home_rows, values = _bad(rows, mistake), _bad(home_rows, mistake), _bad(values, mistake)
+    call = {
+        "combine": lambda: d.combine(rows, handle, weights=out.weights),
+        "combine_rows": lambda: d.combine_rows(rows, handle),
+        "dispatch_rows": lambda: d.dispatch_rows(home_rows, handle),
+        "combine_slots": lambda: d.combine_slots(values, handle),
+        "combine_groups": lambda: _combine_groups(d, handle, rows, out.handle),
+    }[verb]
+    return _timed(call, d)
+
+
+def _combine_groups(d, handle, rows, own):
+    """Both groups' rows of ``rows`` summed home along ``handle`` (``own``: the
+    handle the rows' group bounds come from)."""
+    sums = d.combine_groups(handle, dtype=torch.float32)
+    lo, hi = own.row_range(0) if own.groups > 1 else (0, rows.shape[0])
+    sums.add(rows[lo:hi])
+    if own.groups > 1:
+        sums.add(rows[hi:])
+    return sums.wait()
+
+
+def _timed(call, d):
+    start = time.monotonic()
+    try:
+        call()
+        raised = None
+    except Exception as exc:  # the test inspects what each rank raised
+        raised = (type(exc).__name__, str(exc))
+    elapsed = time.monotonic() - start
+    name, message = raised or (None, "")
+    return name, message, elapsed, _round_trip_is_right(d)
+
+
+def skipped_call(config: dict, skipping: int, check: bool = True):
+    """Rank ``skipping`` skips the combine_rows along dispatch 1 and makes the
+    one along dispatch 2; every other rank makes the one along dispatch 1 (the
+    same routing, other rows: a mis-pairing completes silently with the wrong
+    rows). ``check=False`` is the mutation: the calls' agreement no longer
+    compares the calls. Returns (what the call raised or None, the rows
+    returned are those of dispatch 1)."""
+    rank = dist.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=5)
+    first = d.dispatch(x, idx, w)
+    second = d.dispatch(x + 100, idx, w)
+    handle, rows = (second.handle, second.tokens) if rank == skipping else (first.handle, first.tokens)
+    if not check:
+        from dispatch import checks
+
+        checks.check_peer_calls, original = _only_refusals, checks.check_peer_calls
+    try:
+        home = d.combine_rows(rows, handle)
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        if not check:
+            checks.check_peer_calls = original
+    expected = d.combine_rows(first.tokens, first.handle) if check else None
+    return None, expected is None or torch.equal(home, expected)
+
+
+def _only_refusals(headers) -> None:
+    """``checks.check_peer_calls`` without its comparison of the calls (the mutation)."""
+    from dispatch import checks, plan
+
+    failed = [r for r, h in enumerate(headers) if h[plan.HEADER.index("failed")]]
+    if failed:
+        raise checks.PeerRefused(failed, "a call")

@@ -1,0 +1,91 @@
+"""One rank's own mistake reaches every rank at once, and no call completes by
+pairing with another call.
+
+A rank that refuses its own arguments (a dtype, a shape, a device, rows of
+another dispatch than its handle's, another dispatcher's handle) still takes
+part in the call's first message, marked refused: it raises its own error, every
+peer a ``PeerRefused`` (a RuntimeError) naming it, at once, and the dispatcher
+is usable on every rank afterwards. Ranks at different calls (one skipped a
+call) all raise, naming the ranks and both calls. Over the NCCL transport's
+variants on gloo worlds of 2 to 4 ranks; the engine's share is in test_nvlink.py
+(GPU), a peer that never arrives in test_peer_failure.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import agreement_fns
+
+ALONG = ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups")
+MISTAKES = {
+    "dispatch": ("dtype", "shape", "device"),
+    **{verb: ("dtype", "shape", "device", "rows versus handle", "handle") for verb in ALONG},
+}
+ERRORS = {"dtype": "TypeError", "shape": "ValueError", "device": "ValueError", "rows versus handle": "ValueError",
+          "handle": "ValueError"}
+SOON = 5.0  # seconds: peers raise at the call's first message, not at the timeout (60 s by default)
+
+
+def _check(results, mistake: str, bad_rank: int) -> None:
+    """The rank that made the mistake raised its own error; every other rank a
+    PeerRefused naming it, soon; the dispatcher worked afterwards on every rank."""
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        if rank == bad_rank:
+            assert name == ERRORS[mistake], (rank, name, message)
+        else:
+            assert name == "PeerRefused" and f"rank(s) [{bad_rank}]" in message, (rank, name, message)
+        assert elapsed < SOON, (rank, elapsed)
+        assert usable, f"rank {rank}: the round trip after the refusal went wrong"
+
+
+@pytest.mark.parametrize("verb, mistake", [(v, m) for v, ms in MISTAKES.items() for m in ms])
+@pytest.mark.parametrize("bad_rank", [0, 2])
+def test_one_ranks_mistake_stops_every_rank_at_once(worlds, verb, mistake, bad_rank):
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(3).run(agreement_fns.one_rank_mistake, [(config, verb, mistake, bad_rank)] * 3)
+    _check(results, mistake, bad_rank)
+
+
+VARIANTS = {
+    "allgather": dict(variant="allgather"),
+    "hierarchical": dict(variant="hierarchical", local_world_size=2),
+    "auto": dict(variant="auto"),
+    "alltoall-pad": dict(variant="alltoall", capacity_factor=1.0, pad_to_capacity=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("verb, mistake", [("dispatch", "dtype"), ("dispatch", "device"), ("combine", "shape"),
+                                           ("combine_rows", "handle"), ("dispatch_rows", "rows versus handle"),
+                                           ("combine_slots", "dtype"), ("combine_groups", "shape")])
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_variant_agrees_on_refusals(worlds, variant, verb, mistake, world):
+    if verb == "combine_groups" and variant == "alltoall-pad":
+        pytest.skip("a pad_to_capacity dispatch moves as one group")
+    config = dict(num_experts=agreement_fns.E, transport="nccl", **VARIANTS[variant])
+    bad_rank = world - 1
+    results = worlds(world).run(agreement_fns.one_rank_mistake, [(config, verb, mistake, bad_rank)] * world)
+    _check(results, mistake, bad_rank)
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather"])
+def test_a_skipped_call_stops_every_rank_naming_both_calls(worlds, variant):
+    """Rank 1 skips the combine_rows along dispatch #1 and makes the one along
+    dispatch #2: every rank raises, naming the ranks and both calls."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", variant=variant)
+    results = worlds(3).run(agreement_fns.skipped_call, [(config, 1)] * 3)
+    for rank, (name, message) in enumerate(results):
+        assert name == "RuntimeError", (rank, name, message)
+        assert "rank(s) [0, 2] at combine_rows #1 along dispatch #1" in message, message
+        assert "rank(s) [1] at combine_rows #1 along dispatch #2" in message, message
+
+
+def test_the_mutation_without_the_call_check_pairs_the_skipped_call_silently(worlds):
+    """The mutation test of the check above: with the calls' comparison taken
+    out, the same skipped call completes on every rank, the skipping rank's
+    rows summed with its peers' rows of another dispatch; so the check is what
+    stops it."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(3).run(agreement_fns.skipped_call, [(config, 1, False)] * 3)
+    assert all(name is None for name, _ in results), results
