@@ -92,7 +92,7 @@ def _captured_plan(d, x, topk_idx, topk_weights, bound: int):
     # what the dispatch hands the engine: the weights in their wire dtype, x's codec
     weights = topk_weights.to(plan.weight_wire_dtype(topk_weights.dtype)).contiguous()
     codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
-    header = plan.header(x, topk_weights, topk_idx.shape[1], (bound, -1))
+    header = plan.header(x, topk_weights, topk_idx.shape[1], plan.Ticket(max_rows=bound))
     idx = topk_idx.contiguous()
 
     def plan_only():

@@ -56,7 +56,8 @@ def all_gather_rows(
     elif arrivals is None:
         _all_gather_single(out.view(-1), row.contiguous(), group=group)
     else:
-        arrivals.wait(lambda: _all_gather_single(out.view(-1), row.contiguous(), group=group, async_op=True))
+        arrivals.wait(lambda: _all_gather_single(out.view(-1), row.contiguous(), group=group, async_op=True),
+                      spin=row.is_cuda)
     return out
 
 
@@ -88,8 +89,11 @@ class Arrivals:
         self.prefix = f"moe-dispatch/{name}/{made}"
         self.exchange = 0
 
-    def wait(self, issue) -> None:
-        """Issue the collective (``issue()`` returns its work) and wait for it, bounded."""
+    def wait(self, issue, spin: bool = False) -> None:
+        """Issue the collective (``issue()`` returns its work) and wait for it, bounded;
+        ``spin``: poll without sleeping for the first ``_SPIN`` seconds (a GPU
+        collective, whose end a sleep would see tens of microseconds late; not on
+        the CPU, where the polling would take a core from the collective)."""
         self.exchange += 1
         published = False
         start = time.monotonic()
@@ -103,8 +107,9 @@ class Arrivals:
                     published = True
                 if waited > self.timeout:
                     raise RuntimeError(self._late_message())
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
+                if not spin or waited > _SPIN:
+                    time.sleep(pause)
+                    pause = min(2 * pause, 1e-3)
             work.wait()  # raises the backend's error, if it had one
         except RuntimeError as exc:
             if str(exc).startswith(_LATE):
@@ -145,6 +150,7 @@ class Arrivals:
 
 
 _LATE = "peer missing: "
+_SPIN = 2e-3  # seconds a bounded wait on a GPU collective polls without sleeping
 
 
 def _store():
