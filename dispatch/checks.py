@@ -20,7 +20,6 @@ the dispatcher usable.
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 
 import torch
@@ -264,51 +263,40 @@ def check_peer_calls(headers) -> None:
         raise PeerRefused(failed, call_name(*calls[0]))
 
 
-def agree(ticket: plan.Ticket, group, world_size: int, device: torch.device, width: int, at: int,
-          arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
+def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arrivals: comm.Arrivals | None = None,
+          dtype_code: int = -1, tail: tuple[int, ...] = (), spin: bool = False) -> list[list[int]]:
     """The first message of a call that has no counts exchange of its own:
-    every rank's header of the call, all-gathered and checked
+    every rank's header of the call, all-gathered on the host and checked
     (:func:`check_peer_calls`).
 
-    The row has the length of the dispatcher's counts row, with the header at
-    the same place (``at``), so that where one rank dispatches while another
-    is at another verb, the two messages pair and both see the different
-    calls. On CUDA it runs on a stream of its own: the host waits for the
-    peers to reach the call, not for the work queued before it.
+    It runs over the group's host channel (``comm.host_group``: the group
+    itself on gloo, a gloo group of the same ranks beside NCCL), so that it
+    waits for the peers to reach the call and for nothing queued on the GPU.
+    On gloo its row has the length of the dispatcher's counts row, with the
+    header at the same place (``at``), so that where one rank dispatches while
+    another is at another verb, the two messages pair and both see the
+    different calls.
 
     Args:
         ticket: this call (``refused``: this rank takes part, then raises).
+        group: the host channel's group.
         width, at: the counts row's length and its header's offset.
         dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
             the verb agrees on one (``combine``), -1 for none.
         tail: entries after the header (at most ``width - at - len(HEADER)``).
+        spin: poll without sleeping at first (``comm.Arrivals.wait``): where a
+            core per rank is free (one process per GPU).
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
-    head = {"verb": ticket.verb, "call": ticket.call, "along": ticket.along, "x_dtype": dtype_code, "weights_dtype": -1,
-            "failed": int(ticket.refused), "max_rows": -1, "memory_rows": -1}
+    head = {"verb": ticket.verb, "call": ticket.call, "along": ticket.along, "x_dtype": dtype_code,
+            "weights_dtype": -1, "failed": int(ticket.refused), "max_rows": -1, "memory_rows": -1}
     row = torch.zeros(width, dtype=torch.int64)
     end = at + len(HEADER) + len(tail)
     row[at:end] = torch.tensor([head.get(column, 0) for column in HEADER] + list(tail), dtype=torch.int64)
-    with _side_stream(device):
-        gathered = comm.all_gather_rows(plan.to_device(row, device), group, world_size, arrivals=arrivals)
-        rows = gathered[:, at:end].tolist()  # host sync: the call agreed
+    rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals, spin=spin)[:, at:end].tolist()
     check_peer_calls(rows)
     return rows
-
-
-_SIDE: dict[int, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device):
-    """On CUDA, a stream of the device's own for the agreement (ordered after
-    nothing the caller queued); elsewhere nothing."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(index)
-    return torch.cuda.stream(_SIDE[index])
 
 
 def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:

@@ -37,6 +37,7 @@ def all_gather_rows(
     world_size: int,
     out: torch.Tensor | None = None,
     arrivals: "Arrivals | None" = None,
+    spin: bool | None = None,
 ) -> torch.Tensor:
     """All-gather of one fixed-size row per rank.
 
@@ -46,6 +47,8 @@ def all_gather_rows(
         arrivals: bound the wait (:class:`Arrivals`): the host waits until the
             rows are there, at most ``arrivals.timeout`` seconds, then raises a
             RuntimeError naming the ranks that did not arrive.
+        spin: poll the bounded wait without sleeping at first
+            (``Arrivals.wait``); None: where the row is on a GPU.
     Returns:
         [W, L]; ``out[s]`` is rank s's ``row``.
     """
@@ -57,8 +60,25 @@ def all_gather_rows(
         _all_gather_single(out.view(-1), row.contiguous(), group=group)
     else:
         arrivals.wait(lambda: _all_gather_single(out.view(-1), row.contiguous(), group=group, async_op=True),
-                      spin=row.is_cuda)
+                      spin=row.is_cuda if spin is None else spin)
     return out
+
+
+def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A group of the same ranks whose collectives run on the host (gloo): the
+    group itself where its backend moves CPU tensors, else a gloo group made
+    beside it once (a collective of the group's ranks, at the first call:
+    every rank makes its dispatchers in the same order)."""
+    if "cpu" in device_types(group):
+        return group
+    name = (group if group is not None else dist.group.WORLD).group_name
+    if name not in _HOST_GROUPS:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        _HOST_GROUPS[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[name]
+
+
+_HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
 class Arrivals:

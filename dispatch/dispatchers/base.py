@@ -225,6 +225,7 @@ class TokenDispatcher(abc.ABC):
         self.comm_priority = -1
         self._streams = CommStreams()
         self._calls: dict[str, int] = {}  # calls made so far, per verb (``_ticket``)
+        self._host_group = comm.host_group(group)  # where the calls' agreements run (``_agree``)
 
     # -- public verbs -------------------------------------------------------
 
@@ -580,16 +581,9 @@ class TokenDispatcher(abc.ABC):
         if self.config.pad_to_capacity:
             self._agree(ticket, tail=(0,))
             return
-        device = self._agree_device()
+        device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in self.devices else torch.device("cpu")
         self._plan(torch.zeros(0, 1, device=device), torch.zeros(0, 1, dtype=torch.int64, device=device),
                    torch.zeros(0, 1, device=device), False, ticket)
-
-    def _agree_device(self) -> torch.device:
-        """Where the agreement's all-gather runs: a CUDA device where the group's
-        backend moves CUDA tensors (NCCL), else the CPU."""
-        if "cuda" in self.devices:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def _counts_row_width(self) -> int:
         """Length of the row this variant's counts exchange all-gathers (the
@@ -602,8 +596,8 @@ class TokenDispatcher(abc.ABC):
         rank's header of the call and what followed it (``tail``, placed after
         the header)."""
         width, at = self._counts_row_width(), self.world_size * (1 + self.num_local_experts)
-        return checks.agree(ticket, self.group, self.world_size, self._agree_device(), width, at, self._arrivals,
-                            dtype_code, tail)
+        return checks.agree(ticket, self._host_group, self.world_size, width, at, self._arrivals, dtype_code, tail,
+                            spin="cuda" in self.devices)
 
     def _agreed(self, ticket: plan.Ticket | None) -> None:
         """Agree on the call of ``ticket`` with the peers (None: not on the host)."""
