@@ -133,7 +133,7 @@ for part in "$@"; do
       for i in 1 2; do
         for tree in .wt/base .; do
           step 150 "engine-probe-ab-$tree-$i" env PYTHONPATH="$PWD/$tree" python3 "$tree/bench/engine_probe.py" \
-            --shapes decode,deepseek-v3 --iters 10 --warmup 3
+            --shapes decode,deepseek-v3 --iters 30 --warmup 5
         done
       done ;;
     host)
