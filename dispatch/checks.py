@@ -238,11 +238,14 @@ def call_name(verb: int, call: int, along: int = 0) -> str:
     return f"{name} along dispatch #{along}" if along else name
 
 
-def check_peer_calls(headers) -> None:
-    """Every rank is at the same call, and none refused it.
+def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
+    """Every rank is at the same call (of the same dispatcher), and none refused it.
 
     Args:
         headers: [W, len(HEADER)] every rank's header (host int64 tensor, or lists).
+        dispatchers: where one channel serves every dispatcher of the group
+            (``dispatch.board``), each rank's dispatcher (its place in the
+            order the ranks made them); None otherwise.
     Raises:
         RuntimeError naming the ranks and their calls where they differ;
         :class:`PeerRefused` naming the ranks that refused (on every rank alike).
@@ -250,6 +253,12 @@ def check_peer_calls(headers) -> None:
     headers = _rows(headers)
     columns = [HEADER.index(c) for c in ("verb", "call", "along")]
     calls = [tuple(h[c] for c in columns) for h in headers]
+    if dispatchers is not None and any(d != dispatchers[0] for d in dispatchers):
+        told = ", ".join(f"rank {r}: dispatcher #{d + 1} at {call_name(*c)}"
+                         for r, (d, c) in enumerate(zip(dispatchers, calls)))
+        raise RuntimeError(f"the ranks of the group are at calls of different dispatchers ({told}): every rank "
+                           "must make the same calls of each dispatcher in the same order; every rank stops here, "
+                           "before any token moves")
     if any(c != calls[0] for c in calls):
         at: dict[tuple[int, ...], list[int]] = {}
         for rank, c in enumerate(calls):
@@ -261,6 +270,14 @@ def check_peer_calls(headers) -> None:
     failed = [r for r, h in enumerate(headers) if h[HEADER.index("failed")]]
     if failed:
         raise PeerRefused(failed, call_name(*calls[0]))
+
+
+def call_header(ticket: plan.Ticket, dtype_code: int = -1) -> list[int]:
+    """The header (``plan.HEADER``) of a call that has no inputs of a dispatch:
+    the call, its refusal, and ``dtype_code`` in ``x_dtype`` (-1: none)."""
+    head = {"verb": ticket.verb, "call": ticket.call, "along": ticket.along, "x_dtype": dtype_code,
+            "weights_dtype": -1, "failed": int(ticket.refused), "max_rows": -1, "memory_rows": -1}
+    return [head.get(column, 0) for column in HEADER]
 
 
 def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arrivals: comm.Arrivals | None = None,
@@ -289,11 +306,9 @@ def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arri
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
-    head = {"verb": ticket.verb, "call": ticket.call, "along": ticket.along, "x_dtype": dtype_code,
-            "weights_dtype": -1, "failed": int(ticket.refused), "max_rows": -1, "memory_rows": -1}
     row = torch.zeros(width, dtype=torch.int64)
     end = at + len(HEADER) + len(tail)
-    row[at:end] = torch.tensor([head.get(column, 0) for column in HEADER] + list(tail), dtype=torch.int64)
+    row[at:end] = torch.tensor(call_header(ticket, dtype_code) + list(tail), dtype=torch.int64)
     rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals, spin=spin)[:, at:end].tolist()
     check_peer_calls(rows)
     return rows

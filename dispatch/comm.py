@@ -106,6 +106,7 @@ class Arrivals:
         name = (group if group is not None else dist.group.WORLD).group_name
         made = Arrivals._made.get(name, 0)
         Arrivals._made[name] = made + 1
+        self.index = made  # the dispatcher's place among the group's, in the order every rank makes them
         self.prefix = f"moe-dispatch/{name}/{made}"
         self.exchange = 0
 

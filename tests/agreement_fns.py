@@ -50,6 +50,18 @@ def _bad(value: torch.Tensor, mistake: str):
     raise AssertionError(mistake)
 
 
+def _without_board(fn, *args):
+    """``fn(*args)`` with the dispatchers it makes agreeing over the host channel
+    (a gloo collective) instead of the board: as ranks on several hosts do."""
+    from dispatch.dispatchers import base
+
+    made, base.Board.for_group = base.Board.for_group, staticmethod(lambda group: None)
+    try:
+        return fn(*args)
+    finally:
+        base.Board.for_group = made
+
+
 def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
     """Every rank runs ``verb`` (after the dispatches it moves along); rank
     ``bad_rank`` makes ``mistake`` in it: a dtype, a shape or a device of its
@@ -137,10 +149,18 @@ def skipped_call(config: dict, skipping: int, check: bool = True):
     return None, expected is None or torch.equal(home, expected)
 
 
-def _only_refusals(headers) -> None:
+def _only_refusals(headers, dispatchers=None) -> None:
     """``checks.check_peer_calls`` without its comparison of the calls (the mutation)."""
     from dispatch import checks, plan
 
     failed = [r for r, h in enumerate(headers) if h[plan.HEADER.index("failed")]]
     if failed:
         raise checks.PeerRefused(failed, "a call")
+
+
+def one_rank_mistake_without_board(*args):
+    return _without_board(one_rank_mistake, *args)
+
+
+def skipped_call_without_board(*args):
+    return _without_board(skipped_call, *args)

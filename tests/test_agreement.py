@@ -7,7 +7,9 @@ part in the call's first message, marked refused: it raises its own error, every
 peer a ``PeerRefused`` (a RuntimeError) naming it, at once, and the dispatcher
 is usable on every rank afterwards. Ranks at different calls (one skipped a
 call) all raise, naming the ranks and both calls. Over the NCCL transport's
-variants on gloo worlds of 2 to 4 ranks; the engine's share is in test_nvlink.py
+variants on gloo worlds of 2 to 4 ranks, the calls agreed on the board (ranks on
+one host) and over the host channel (a gloo collective, as ranks on several
+hosts agree); the engine's share is in test_nvlink.py
 (GPU), a peer that never arrives in test_peer_failure.py.
 """
 
@@ -69,12 +71,26 @@ def test_every_variant_agrees_on_refusals(worlds, variant, verb, mistake, world)
     _check(results, mistake, bad_rank)
 
 
+@pytest.mark.parametrize("verb, mistake", [("dispatch", "dtype"), ("dispatch", "shape"), ("combine", "device"),
+                                           ("combine_rows", "handle"), ("dispatch_rows", "rows versus handle"),
+                                           ("combine_slots", "shape"), ("combine_groups", "dtype")])
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "alltoall-pad"])
+def test_refusals_agree_over_the_host_channel_without_a_board(worlds, verb, mistake, variant):
+    if verb == "combine_groups" and variant == "alltoall-pad":
+        pytest.skip("a pad_to_capacity dispatch moves as one group")
+    config = dict(num_experts=agreement_fns.E, transport="nccl", **VARIANTS.get(variant, dict(variant=variant)))
+    results = worlds(3).run(agreement_fns.one_rank_mistake_without_board, [(config, verb, mistake, 1)] * 3)
+    _check(results, mistake, 1)
+
+
+@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
 @pytest.mark.parametrize("variant", ["alltoall", "allgather"])
-def test_a_skipped_call_stops_every_rank_naming_both_calls(worlds, variant):
+def test_a_skipped_call_stops_every_rank_naming_both_calls(worlds, variant, board):
     """Rank 1 skips the combine_rows along dispatch #1 and makes the one along
     dispatch #2: every rank raises, naming the ranks and both calls."""
     config = dict(num_experts=agreement_fns.E, transport="nccl", variant=variant)
-    results = worlds(3).run(agreement_fns.skipped_call, [(config, 1)] * 3)
+    fn = agreement_fns.skipped_call if board else agreement_fns.skipped_call_without_board
+    results = worlds(3).run(fn, [(config, 1)] * 3)
     for rank, (name, message) in enumerate(results):
         assert name == "RuntimeError", (rank, name, message)
         assert "rank(s) [0, 2] at combine_rows #1 along dispatch #1" in message, message

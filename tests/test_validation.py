@@ -1,6 +1,7 @@
 """Bad input: a clear error naming the argument, raised before any token moves,
-right after the call's first message (the counts all-gather of a dispatch, the
-call's agreement of the other verbs), which carries a rank's refusal to its peers.
+right after the call's first message, which carries a rank's refusal to its
+peers: on one host the call's agreement on the board (shared memory, no
+collective); the counts all-gather for bad values, which only the plan sees.
 
 Every case runs on a world of 2 where all ranks get the same bad input (and the
 value cases also where one rank does); a good round trip on the same world
@@ -60,9 +61,9 @@ def _good_round_trip_still_works(world):
         assert torch.equal(results[r]["combined"], xs[r] * (routing.topk_weights[r].float() * live).sum(1, keepdim=True))
 
 
-def _assert_error(results, error, argument, collectives=1):
+def _assert_error(results, error, argument, collectives=0):
     """Every rank raised ``error`` naming ``argument`` after exactly ``collectives``
-    collectives of the dispatcher (1: the call's first message alone)."""
+    collectives of the dispatcher (0: before any)."""
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank}: no error raised"
         name, message, calls = result
@@ -81,7 +82,7 @@ def test_dispatch_rejects(worlds, case):
     x, idx, w, error, argument = DISPATCH_CASES[case]
     world = worlds(2)
     results = world.run(rank_fns.error_of, [("call_dispatch", CFG, x, idx, w)] * 2)
-    _assert_error(results, error, argument)
+    _assert_error(results, error, argument, collectives=int(case in VALUE_CASES))
     _good_round_trip_still_works(world)
 
 
@@ -129,15 +130,15 @@ def test_combine_rejects(worlds, case):
         rank_fns.error_of, [("call_combine", CFG, GOOD_X, GOOD_IDX, GOOD_W, expert_out, weights)] * 2
     )
     # the dispatch inside call_combine communicates (successfully: one all-gather,
-    # two all-to-alls) before combine rejects its input on every rank, after its
-    # agreement (one all-gather).
-    _assert_error(results, error, argument, collectives=4)
+    # two all-to-alls) before combine rejects its input on every rank, at its
+    # agreement on the board.
+    _assert_error(results, error, argument, collectives=3)
     _good_round_trip_still_works(world)
 
 
 def test_combine_rejects_foreign_handle(worlds):
     results = worlds(2).run(rank_fns.error_of, [("call_foreign_handle", CFG, GOOD_X, GOOD_IDX, GOOD_W)] * 2)
-    _assert_error(results, ValueError, "handle", collectives=4)
+    _assert_error(results, ValueError, "handle", collectives=3)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +149,7 @@ def test_combine_rejects_foreign_handle(worlds):
     ],
 )
 def test_config_must_match_group(worlds, config, error, argument):
-    _assert_error(worlds(2).run(rank_fns.error_of, [("call_create", config)] * 2), error, argument, collectives=0)
+    _assert_error(worlds(2).run(rank_fns.error_of, [("call_create", config)] * 2), error, argument)
 
 
 def test_group_not_a_group_or_without_this_rank(worlds):

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import capacity, checks, comm, plan
+from dispatch.board import Board
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.dispatchers.streams import CommStreams, Pending, PendingGroups, Started
@@ -84,10 +85,6 @@ class CombineHandle:
         call: the number of its dispatch among the dispatcher's (``plan.Ticket``):
             the verbs along it carry it, so that ranks moving along the
             handles of different dispatches raise.
-        agreed: whether the verbs along it agree on each call on the host
-            (``checks.agree``); False along a dispatch that read nothing on the
-            host (the NVLink engine with ``max_rows``), whose device-side checks
-            and bounded waits stand for it.
     """
 
     owner: "TokenDispatcher"
@@ -104,7 +101,6 @@ class CombineHandle:
     group_experts: tuple[int, ...] | None = None
     group_rows: tuple[int, ...] | None = None
     call: int = 0
-    agreed: bool = True
 
     @property
     def rows(self) -> int:
@@ -225,7 +221,8 @@ class TokenDispatcher(abc.ABC):
         self.comm_priority = -1
         self._streams = CommStreams()
         self._calls: dict[str, int] = {}  # calls made so far, per verb (``_ticket``)
-        self._host_group = comm.host_group(group)  # where the calls' agreements run (``_agree``)
+        self._board = Board.for_group(group)  # where the calls' agreements run on one host (``_agree``)
+        self._host_group = comm.host_group(group) if self._board is None else None  # or there
 
     # -- public verbs -------------------------------------------------------
 
@@ -292,8 +289,10 @@ class TokenDispatcher(abc.ABC):
         ticket = self._ticket("dispatch")
         try:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
-        except (TypeError, ValueError) as error:  # still take part in the counts exchange: the peers raise there
+        except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
             self._refuse(error, lambda: self._take_part_refused(ticket))
+        if self._board is not None and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
+            self._agree(ticket)  # the call agreed on the host; the counts exchange checks it again
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
@@ -362,7 +361,7 @@ class TokenDispatcher(abc.ABC):
         """
         ticket = self._along("combine", handle, lambda: self._check_combine(expert_out, handle, weights))
         rows = _received(expert_out.detach(), handle)
-        headers = None if ticket is None else self._agree(ticket, _dtype_code(rows))
+        headers = self._agree(ticket, _dtype_code(rows))
         rows = self._home_rows(rows, handle, headers).contiguous()
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
         w = None if weights is None else _received(weights.detach(), handle)
@@ -406,7 +405,7 @@ class TokenDispatcher(abc.ABC):
             _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
             to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
 
-        self._agreed(self._along("dispatch_rows", handle, check))
+        self._agree(self._along("dispatch_rows", handle, check))
         codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
         rows = rows.detach().contiguous()
         if handle.groups > 1:
@@ -447,7 +446,7 @@ class TokenDispatcher(abc.ABC):
             checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
             _check_wire("wire", wire, SUM_WIRES)
 
-        self._agreed(self._along("combine_rows", handle, check))
+        self._agree(self._along("combine_rows", handle, check))
         rows = _received(rows.detach(), handle).contiguous()
         w = None if weights is None else _received(weights.detach(), handle)
         wire_dtype = sum_wire_dtype(wire, rows.dtype)
@@ -474,7 +473,7 @@ class TokenDispatcher(abc.ABC):
             self._check_handle(handle)
             checks.check_values("values", values, handle.rows, self.devices)
 
-        self._agreed(self._along("combine_slots", handle, check))
+        self._agree(self._along("combine_slots", handle, check))
         values = _received(values.detach().contiguous(), handle)
         started = self._start(lambda: self._weights_to_home_start(values, handle), (values,), async_op)
         work = ExchangeWork(started.result)
@@ -512,7 +511,7 @@ class TokenDispatcher(abc.ABC):
             if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
                 raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
 
-        self._agreed(self._along("combine_groups", handle, check))
+        self._agree(self._along("combine_groups", handle, check))
         return GroupSums(self, handle, dtype, wire)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
@@ -576,9 +575,10 @@ class TokenDispatcher(abc.ABC):
 
     def _take_part_refused(self, ticket: plan.Ticket) -> None:
         """This rank's share of a dispatch it refuses: the first message (the
-        counts exchange, marked refused, with no tokens), as its peers make it."""
+        call's agreement on the board, or the counts exchange marked refused,
+        with no tokens), as its peers make it."""
         ticket = dataclasses.replace(ticket, refused=True)
-        if self.config.pad_to_capacity:
+        if self._board is not None or self.config.pad_to_capacity:
             self._agree(ticket, tail=(0,))
             return
         device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in self.devices else torch.device("cpu")
@@ -592,37 +592,32 @@ class TokenDispatcher(abc.ABC):
         return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + 1
 
     def _agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
-        """``checks.agree`` for this dispatcher: [W][len(HEADER) + tail] every
-        rank's header of the call and what followed it (``tail``, placed after
-        the header)."""
+        """Agree on the call of ``ticket`` with the peers, on the group's board
+        (``dispatch.board``) or over its host channel (``checks.agree``):
+        [W][len(HEADER) + len(tail)] every rank's header of the call and what
+        followed it (``tail``: at most one entry)."""
+        if self._board is not None:  # one row's length for every call: the header, one tail entry, the index
+            row = [*checks.call_header(ticket, dtype_code), *(tail or (0,)), self._arrivals.index]
+            rows = self._board.agree(row, self.config.timeout, checks.call_name(ticket.verb, ticket.call, ticket.along))
+            checks.check_peer_calls([r[: len(plan.HEADER)] for r in rows], [r[-1] for r in rows])
+            return [r[: len(plan.HEADER) + len(tail)] for r in rows]
         width, at = self._counts_row_width(), self.world_size * (1 + self.num_local_experts)
         return checks.agree(ticket, self._host_group, self.world_size, width, at, self._arrivals, dtype_code, tail,
                             spin="cuda" in self.devices)
 
-    def _agreed(self, ticket: plan.Ticket | None) -> None:
-        """Agree on the call of ``ticket`` with the peers (None: not on the host)."""
-        if ticket is not None:
-            self._agree(ticket)
-
-    def _along(self, verb: str, handle, check) -> plan.Ticket | None:
+    def _along(self, verb: str, handle, check) -> plan.Ticket:
         """Start a verb that moves rows along ``handle``: run its own checks
-        (``check()``), then agree on the call with the peers (:meth:`_agree`),
-        refusing there if the checks failed. Returns the call's ticket, or None
-        where the verb does not agree on the host: inside a CUDA graph capture,
-        and along a handle whose dispatch read nothing on the host (the
-        engine's device-side checks and bounded waits stand for it there)."""
+        (``check()``); if they fail, agree on the call refused and raise (the
+        peers raise :class:`checks.PeerRefused`). Returns the call's ticket,
+        which the verb then agrees on (:meth:`_agree`)."""
         ticket = self._ticket(verb)
-        known = isinstance(handle, CombineHandle)
-        if known:
+        if isinstance(handle, CombineHandle):
             ticket = dataclasses.replace(ticket, along=handle.call)
-        on_host = not (known and not handle.agreed) and not _capturing()
         try:
             check()
         except (TypeError, ValueError) as error:
-            if on_host:
-                self._refuse(error, lambda: self._agree(dataclasses.replace(ticket, refused=True)))
-            raise
-        return ticket if on_host else None
+            self._refuse(error, lambda: self._agree(dataclasses.replace(ticket, refused=True)))
+        return ticket
 
     def _start(self, issue, reads: tuple, async_op: bool) -> Started:
         return self._streams.start(issue, reads, async_op, self.comm_priority)
@@ -843,7 +838,7 @@ class GroupSums:
                 raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh "
                                  "every group alike (or none)")
 
-        self._dispatcher._agreed(self._dispatcher._along("GroupSums.add", handle, check))
+        self._dispatcher._agree(self._dispatcher._along("GroupSums.add", handle, check))
         if self.dtype is not None and rows.dtype != self.dtype:
             # cast, not refused: a rank without rows in this group could not
             # refuse alike, and would send its pieces to peers that wait
@@ -1062,11 +1057,6 @@ def _dtype_code(rows: torch.Tensor) -> int:
     return (dtypes.index(rows.dtype) if rows.dtype in dtypes else len(dtypes)) if rows.shape[0] else -1
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (no host read there)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
 def _present(*tensors) -> tuple:
     return tuple(t for t in tensors if t is not None)
 
@@ -1102,7 +1092,7 @@ class _DispatchFn(torch.autograd.Function):
         # Exchanges follow what the group needs (handle), not this rank alone, so
         # that every rank makes the same collective calls.
         dispatcher, handle = ctx.dispatcher, ctx.handle
-        dispatcher._agreed(dispatcher._along("the backward of dispatch", handle, lambda: None))
+        dispatcher._agree(dispatcher._along("the backward of dispatch", handle, lambda: None))
         grad_x = grad_topk = None
         if handle.x_grad_any:
             grad_tokens = _received(grad_tokens, handle).contiguous()
@@ -1129,7 +1119,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         expert_out, weights = ctx.saved_tensors
-        ctx.dispatcher._agreed(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
+        ctx.dispatcher._agree(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
         grad_out = grad_out.contiguous()
         config = ctx.dispatcher.config
         codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.fp8_pow2_scales)

@@ -138,7 +138,6 @@ class NVLinkDispatcher(TokenDispatcher):
         x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
         handle, outputs = self._handle(x, counts, num_tokens, topk, out_rows, (bool(x_grad), bool(w_grad)),
                                        (True,) * self.world_size, None, wire, None)
-        handle = dataclasses.replace(handle, agreed=False)  # the counts exchange kernel checks on the device
         if groups > 1:
             handle = dataclasses.replace(
                 handle, group_experts=plan.expert_groups(self.num_local_experts, groups),
