@@ -6,7 +6,8 @@ the others through a name in the group's store, unlinked once every rank has
 it mapped) holds two copies (by parity) of one slot per rank: ``[k, row]``. A
 rank at its k-th agreement writes its row into copy k % 2, then k into the
 slot's first word, and waits until every rank's first word in that copy reads
-k; then it reads their rows. A rank gets to agreement k + 2 (the same copy)
+k; then it confirms (k in its second word), waits for every rank's
+confirmation, and reads their rows. A rank gets to agreement k + 2 (the same copy)
 only once every rank has arrived at k + 1, that is, once each has read copy k:
 no row is overwritten before it is read. Stores and loads keep their program
 order on x86-64, where the board is used (elsewhere, and where the ranks do
@@ -16,8 +17,9 @@ over a gloo group, ``comm.host_group``).
 Every agreement of every dispatcher of the group goes through its one board,
 in the order the ranks make them (as every collective of a group). A rank that
 does not arrive (it died, stalled, or is elsewhere in the program) leaves its
-word behind: the others raise within the dispatcher's timeout, naming it; the
-board is then out of step and the group not usable any more.
+word behind: the others raise within the dispatcher's timeout, naming it, and
+withdraw from that agreement; where the missing rank makes that call late, it
+finds them withdrawn and raises too, and the board is in step again.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ import uuid
 import torch.distributed as dist
 
 ROW = 16  # int64 words of a row (the call's header, its tail and the dispatcher's index)
-_SLOT = 1 + ROW
+_SLOT = 2 + ROW  # arrived, confirmed, the row
 _SPIN = 2e-3  # seconds a wait polls with a yield only, before it sleeps
 
 
 class Board:
     """The shared page of one group's ranks (:meth:`for_group`)."""
 
-    _of_group: dict[str, "Board | None"] = {}
+    _of_group: dict[tuple[str, int], "Board | None"] = {}
 
     def __init__(self, words: memoryview, world: int, rank: int, keep) -> None:
         self._words, self._world, self._rank, self._keep = words, world, rank, keep
@@ -52,10 +54,11 @@ class Board:
         order); None where some rank cannot map it (not x86-64, another host,
         no shared memory)."""
         real = group if group is not None else dist.group.WORLD
-        name = real.group_name
-        if name not in cls._of_group:
-            cls._of_group[name] = cls._make(real, name)
-        return cls._of_group[name]
+        key = (real.group_name, id(real))
+        if key not in cls._of_group:
+            made = sum(name == real.group_name for name, _ in cls._of_group)  # boards of this name made so far
+            cls._of_group[key] = cls._make(real, f"{real.group_name}/{made}")
+        return cls._of_group[key]
 
     @classmethod
     def _make(cls, group: dist.ProcessGroup, name: str) -> "Board | None":
@@ -91,31 +94,60 @@ class Board:
         """Write this rank's ``row`` (at most ``ROW`` ints), wait for every rank's
         row of the same agreement, return them ([W][len(row)]).
 
+        Two steps: every rank arrives (its row, then k in its first word),
+        then every rank confirms it saw all arrive (k in its second word); a
+        rank returns once all confirmed. A rank that times out withdraws (-k
+        in its first word): a rank that sees that raises too (a late one as
+        well, when it comes), and none can have returned (the withdrawn rank
+        never confirms), so no rank leaves an agreement that another gave up;
+        every rank has then spent agreement k, and the next is in step.
+
         Raises:
             RuntimeError naming the ranks that did not arrive within ``timeout``
-            seconds (``what``: the call, for the message).
+            seconds (``what``: the call, for the message), or that gave up
+            waiting for it.
         """
         self._count += 1
         k, words, world = self._count, self._words, self._world
         base = (k % 2) * world * _SLOT
         mine = base + self._rank * _SLOT
         for i, value in enumerate(row):
-            words[mine + 1 + i] = value
+            words[mine + 2 + i] = value
         words[mine] = k  # after the row: a peer that reads k reads the row
         heads = range(base, base + world * _SLOT, _SLOT)
         start = time.monotonic()
+        self._wait(heads, 0, k, start, timeout, what)
+        words[mine + 1] = k  # saw every rank arrive
+        self._wait(heads, 1, k, start, timeout, what)
+        return [list(words[h + 2 : h + 2 + len(row)]) for h in heads]
+
+    def _wait(self, heads, word: int, k: int, start: float, timeout: float, what: str) -> None:
+        """Until word ``word`` of every slot reads k; withdraw and raise where a
+        rank withdrew, or past ``timeout``."""
+        words = self._words
         pause = 2e-5
-        while any(words[h] != k for h in heads):
+        while True:
+            state = [words[h + word] for h in heads]
+            if all(v == k for v in state):
+                return
+            withdrawn = [r for r, h in enumerate(heads) if words[h] == -k]
             waited = time.monotonic() - start
-            if waited > timeout:
-                missing = [r for r, h in enumerate(heads) if words[h] != k]
-                raise RuntimeError(
-                    f"peer missing: rank(s) {missing} of the group did not reach {what} within {timeout:g} s "
-                    "(DispatchConfig.timeout): a peer died, stalled or stopped calling; this process group cannot "
-                    "be used any more")
+            if withdrawn or waited > timeout:
+                missing = [r for r, h in enumerate(heads) if words[h] not in (k, -k)]
+                words[heads[self._rank]] = -k  # withdrawn: the others stop too, a late rank raises
+                raise RuntimeError(self._message(missing, withdrawn, what, timeout))
             if waited < _SPIN:
                 os.sched_yield()
             else:
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)
-        return [list(words[h + 1 : h + 1 + len(row)]) for h in heads]
+
+    @staticmethod
+    def _message(missing: list[int], withdrawn: list[int], what: str, timeout: float) -> str:
+        if missing:
+            names = ", ".join(f"rank {r}" for r in missing)
+            return (f"peer missing: rank(s) {missing} of the group ({names}) did not reach {what}: timed out after "
+                    f"{timeout:g} s (DispatchConfig.timeout); a peer died, stalled or stopped calling; this process "
+                    "group cannot be used any more")
+        return (f"peer missing: rank(s) {withdrawn} of the group gave up waiting for {what} (DispatchConfig.timeout: "
+                f"{timeout:g} s) before every rank arrived; this process group cannot be used any more")

@@ -164,3 +164,17 @@ def one_rank_mistake_without_board(*args):
 
 def skipped_call_without_board(*args):
     return _without_board(skipped_call, *args)
+
+
+def never_calls(config: dict, absent: int):
+    """Rank ``absent`` makes the combine_rows its peers make only after their
+    timeout: they raise, naming it, within the timeout; it raises when it comes
+    (its peers gave up that call); then every rank makes a round trip on the
+    same group, which must come out right (the board is in step). Returns
+    (what the call raised, its message, seconds, the round trip was right)."""
+    d = dispatch.create(dispatch.DispatchConfig(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=9)
+    out = d.dispatch(x, idx, w)
+    if dist.get_rank() == absent:
+        time.sleep(1.25 * config["timeout"])  # past their timeout, within the next call's
+    return _timed(lambda: d.combine_rows(out.tokens, out.handle), d)

@@ -105,3 +105,22 @@ def test_the_mutation_without_the_call_check_pairs_the_skipped_call_silently(wor
     config = dict(num_experts=agreement_fns.E, transport="nccl")
     results = worlds(3).run(agreement_fns.skipped_call, [(config, 1, False)] * 3)
     assert all(name is None for name, _ in results), results
+
+
+def test_a_rank_late_for_a_call_is_named_within_the_timeout(worlds):
+    """Rank 2 makes a combine_rows its peers make only after their timeout: they
+    raise a RuntimeError naming it within DispatchConfig.timeout, it raises when
+    it comes (they gave the call up), and the same group then serves a good
+    round trip (the board is in step; over the host channel a timeout leaves a
+    collective behind: test_peer_failure.py)."""
+    timeout = 2.0
+    config = dict(num_experts=agreement_fns.E, transport="nccl", timeout=timeout)
+    results = worlds(3).run(agreement_fns.never_calls, [(config, 2)] * 3)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "RuntimeError", (rank, name, message)
+        if rank < 2:
+            assert "rank(s) [2]" in message and "did not reach" in message, message
+            assert timeout <= elapsed < timeout + SOON, elapsed
+        else:
+            assert "gave up waiting" in message, message
+        assert usable, f"rank {rank}: the round trip after the timeout went wrong"

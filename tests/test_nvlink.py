@@ -325,20 +325,28 @@ def test_interleaved_micro_batches_and_growth(worlds):
 
 
 @needs_engine
-def test_a_rank_that_never_calls_raises_on_its_peer(worlds):
-    assert _timeout_case(worlds) == ["RuntimeError", None]
+def test_a_rank_that_does_not_call_raises_on_its_peer(worlds):
+    """Rank 1 dispatches only after rank 0's timeout: rank 0 raises naming it, rank 1
+    raises when it comes (rank 0 gave the call up); nothing hangs, and the world
+    serves the tests after it."""
+    assert _timeout_case(worlds) == ["RuntimeError", "late"]
 
 
 def _stall(x, topk_idx, topk_weights, config):
+    import time
+
     from world import current_device
 
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=2.0))
     if torch.distributed.get_rank() == 1:
-        return None  # never dispatches
+        time.sleep(2.5)  # past rank 0's timeout
     try:
         d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     except RuntimeError as exc:
+        if torch.distributed.get_rank() == 1:
+            assert "gave up waiting" in str(exc), str(exc)
+            return "late"
         assert "rank 1" in str(exc), str(exc)
         return "RuntimeError"
     return "returned"
