@@ -24,12 +24,14 @@ finds them withdrawn and raises too, and the board is in step again.
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import platform
 import tempfile
 import time
 import uuid
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -46,6 +48,7 @@ class Board:
     def __init__(self, words: memoryview, world: int, rank: int, keep) -> None:
         self._words, self._world, self._rank, self._keep = words, world, rank, keep
         self._count = 0  # agreements made
+        self._heads = [range(copy * world * _SLOT, (copy + 1) * world * _SLOT, _SLOT) for copy in (0, 1)]
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None) -> "Board | None":
@@ -90,7 +93,7 @@ class Board:
             return None
         return cls(memoryview(mapped).cast("q"), world, rank, mapped)
 
-    def agree(self, row: list[int], timeout: float, what: str) -> list[list[int]]:
+    def agree(self, row: list[int], timeout: float, what: Callable[[], str]) -> list[list[int]]:
         """Write this rank's ``row`` (at most ``ROW`` ints), wait for every rank's
         row of the same agreement, return them ([W][len(row)]).
 
@@ -104,38 +107,35 @@ class Board:
 
         Raises:
             RuntimeError naming the ranks that did not arrive within ``timeout``
-            seconds (``what``: the call, for the message), or that gave up
+            seconds (``what()``: the call, for the message), or that gave up
             waiting for it.
         """
         self._count += 1
-        k, words, world = self._count, self._words, self._world
-        base = (k % 2) * world * _SLOT
-        mine = base + self._rank * _SLOT
-        for i, value in enumerate(row):
-            words[mine + 2 + i] = value
+        k, words = self._count, self._words
+        heads = self._heads[k % 2]
+        mine = heads[self._rank]
+        words[mine + 2 : mine + 2 + len(row)] = array.array("q", row)
         words[mine] = k  # after the row: a peer that reads k reads the row
-        heads = range(base, base + world * _SLOT, _SLOT)
         start = time.monotonic()
         self._wait(heads, 0, k, start, timeout, what)
         words[mine + 1] = k  # saw every rank arrive
         self._wait(heads, 1, k, start, timeout, what)
         return [list(words[h + 2 : h + 2 + len(row)]) for h in heads]
 
-    def _wait(self, heads, word: int, k: int, start: float, timeout: float, what: str) -> None:
+    def _wait(self, heads, word: int, k: int, start: float, timeout: float, what: Callable[[], str]) -> None:
         """Until word ``word`` of every slot reads k; withdraw and raise where a
         rank withdrew, or past ``timeout``."""
         words = self._words
         pause = 2e-5
         while True:
-            state = [words[h + word] for h in heads]
-            if all(v == k for v in state):
+            if all(words[h + word] == k for h in heads):
                 return
             withdrawn = [r for r, h in enumerate(heads) if words[h] == -k]
             waited = time.monotonic() - start
             if withdrawn or waited > timeout:
                 missing = [r for r, h in enumerate(heads) if words[h] not in (k, -k)]
                 words[heads[self._rank]] = -k  # withdrawn: the others stop too, a late rank raises
-                raise RuntimeError(self._message(missing, withdrawn, what, timeout))
+                raise RuntimeError(self._message(missing, withdrawn, what(), timeout))
             if waited < _SPIN:
                 os.sched_yield()
             else:

@@ -217,6 +217,7 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int)
 # what ``plan.Ticket.verb`` indexes: every verb (and backward) that communicates
 VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combine_slots", "combine_groups",
          "GroupSums.add", "the backward of dispatch", "the backward of combine")
+VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
 
 
 class PeerRefused(RuntimeError):
@@ -275,9 +276,14 @@ def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
 def call_header(ticket: plan.Ticket, dtype_code: int = -1) -> list[int]:
     """The header (``plan.HEADER``) of a call that has no inputs of a dispatch:
     the call, its refusal, and ``dtype_code`` in ``x_dtype`` (-1: none)."""
-    head = {"verb": ticket.verb, "call": ticket.call, "along": ticket.along, "x_dtype": dtype_code,
-            "weights_dtype": -1, "failed": int(ticket.refused), "max_rows": -1, "memory_rows": -1}
-    return [head.get(column, 0) for column in HEADER]
+    head = list(_CALL_HEADER)
+    head[_VERB], head[_CALL], head[_ALONG] = ticket.verb, ticket.call, ticket.along
+    head[_X_DTYPE], head[_FAILED] = dtype_code, int(ticket.refused)
+    return head
+
+
+_VERB, _CALL, _ALONG, _X_DTYPE, _FAILED = (HEADER.index(c) for c in ("verb", "call", "along", "x_dtype", "failed"))
+_CALL_HEADER = tuple(-1 if c in ("weights_dtype", "max_rows", "memory_rows") else 0 for c in HEADER)
 
 
 def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arrivals: comm.Arrivals | None = None,

@@ -553,11 +553,12 @@ class TokenDispatcher(abc.ABC):
             checks.check_max_rows(max_rows)
         return to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
 
-    def _ticket(self, verb: str) -> plan.Ticket:
-        """The next call of ``verb`` on this dispatcher (numbered from 1)."""
+    def _ticket(self, verb: str, along: int = 0) -> plan.Ticket:
+        """The next call of ``verb`` on this dispatcher (numbered from 1), along
+        the handle of dispatch ``along`` (0: none)."""
         number = self._calls.get(verb, 0) + 1
         self._calls[verb] = number
-        return plan.Ticket(verb=checks.VERBS.index(verb), call=number)
+        return plan.Ticket(checks.VERB_CODES[verb], number, along)
 
     @staticmethod
     def _refuse(error: Exception, take_part) -> None:
@@ -598,8 +599,10 @@ class TokenDispatcher(abc.ABC):
         followed it (``tail``: at most one entry)."""
         if self._board is not None:  # one row's length for every call: the header, one tail entry, the index
             row = [*checks.call_header(ticket, dtype_code), *(tail or (0,)), self._arrivals.index]
-            rows = self._board.agree(row, self.config.timeout, checks.call_name(ticket.verb, ticket.call, ticket.along))
-            checks.check_peer_calls([r[: len(plan.HEADER)] for r in rows], [r[-1] for r in rows])
+            rows = self._board.agree(row, self.config.timeout,
+                                     lambda: checks.call_name(ticket.verb, ticket.call, ticket.along))
+            if ticket.refused or rows.count(row) < len(rows):  # else every rank made this very call, unrefused
+                checks.check_peer_calls([r[: len(plan.HEADER)] for r in rows], [r[-1] for r in rows])
             return [r[: len(plan.HEADER) + len(tail)] for r in rows]
         width, at = self._counts_row_width(), self.world_size * (1 + self.num_local_experts)
         return checks.agree(ticket, self._host_group, self.world_size, width, at, self._arrivals, dtype_code, tail,
@@ -610,9 +613,7 @@ class TokenDispatcher(abc.ABC):
         (``check()``); if they fail, agree on the call refused and raise (the
         peers raise :class:`checks.PeerRefused`). Returns the call's ticket,
         which the verb then agrees on (:meth:`_agree`)."""
-        ticket = self._ticket(verb)
-        if isinstance(handle, CombineHandle):
-            ticket = dataclasses.replace(ticket, along=handle.call)
+        ticket = self._ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
         try:
             check()
         except (TypeError, ValueError) as error:
