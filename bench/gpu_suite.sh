@@ -18,7 +18,8 @@
 #             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
-#   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn
+#   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
+#             then bench/agreement_probe.py (what a call's agreement costs on the host)
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
@@ -135,7 +136,8 @@ for part in "$@"; do
           step 150 "engine-probe-ab-$tree-$i" env PYTHONPATH="$PWD/$tree" python3 "$tree/bench/engine_probe.py" \
             --shapes decode,deepseek-v3 --iters 30 --warmup 5
         done
-      done ;;
+      done
+      step 120 agreement-probe python3 bench/agreement_probe.py ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
         --iters 10 --warmup 3
