@@ -96,18 +96,20 @@ class DispatchConfig:
             fixed block of rows from every source rank s, min(C_s, T_s) rows
             (C_s its capacity on rank s): the kept rows, then padding rows (zero
             tokens and weights, sources -1). The outputs then have E_local *
-            sum_s min(C_s, T_s) rows whatever the routing (one small all-gather
-            of T per dispatch), and ``tokens_per_expert`` is that block sum for
+            sum_s min(C_s, T_s) rows whatever the routing (every rank's T
+            travels in the call's agreement), and ``tokens_per_expert`` is that block sum for
             every expert; the verbs along the handle take rows so laid out.
         timeout: seconds a rank waits for its peers before it raises a
             RuntimeError naming the ones that did not arrive (died, stalled or
-            stopped calling), instead of hanging. NCCL transport: the wait at
-            each dispatch's counts exchange (``comm.Arrivals``); the process
-            group is not usable after it. NVLink engine: every kernel's wait for
-            a peer; the dispatch that waited, or else the next dispatch, raises
-            (a combine does not read the device's status: its results are then
-            invalid), and the engine stays failed: every rank builds its
-            dispatchers again.
+            stopped calling), instead of hanging: at every call's agreement
+            (``dispatch.board``; off one host the host channel), at each
+            dispatch's counts exchange over NCCL (``comm.Arrivals``), and in
+            every kernel's wait for a peer on the NVLink engine (the dispatch
+            that waited, or else the next dispatch, raises; a combine does not
+            read the device's status: its results are then invalid; the engine
+            stays failed: every rank builds its dispatchers again). After a
+            collective's timeout the process group is not usable; after the
+            board's, a late rank raises at that call and the group goes on.
     """
 
     num_experts: int

@@ -202,7 +202,8 @@ class TokenDispatcher(abc.ABC):
     communication stream on CUDA (the caller's stream waits for it at
     ``wait()`` by an event, the host does not block), and as asynchronous
     collectives on CPU (``wait()`` finishes them). Every rank of the group must
-    start the same exchanges in the same order; several may be in flight at
+    start the same exchanges in the same order (each call is agreed by every
+    rank before any token moves: ``checks``, ``dispatch.board``); several may be in flight at
     once (each has its own handle), and may be waited for in any order.
     """
 
@@ -587,9 +588,11 @@ class TokenDispatcher(abc.ABC):
                    torch.zeros(0, 1, device=device), False, ticket)
 
     def _counts_row_width(self) -> int:
-        """Length of the row this variant's counts exchange all-gathers (the
-        agreement's row has it too, ``checks.agree``): counts, header, a tail of
-        at least one entry."""
+        """Length of the row this variant's counts exchange all-gathers: counts,
+        header, a tail of at least one entry. The agreement over the host
+        channel (``checks.agree``) all-gathers rows of this length, so that on
+        gloo, where it shares the group with the counts exchange, the two pair
+        and see the different calls."""
         return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + 1
 
     def _agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
@@ -643,15 +646,14 @@ class TokenDispatcher(abc.ABC):
         answer one in another dtype than their outputs (autocast, an early
         return). That rank still receives its tokens' partial sums, in the dtype
         of the ranks that computed them. So where ``handle.has_rows`` shows ranks
-        without rows beside ranks with rows, every rank all-gathers the dtype of
-        its rows (one small collective and a host read, only then) and a rank
-        without rows takes the dtype of the others; ranks with rows in different
-        dtypes are then refused, on every rank alike. Where every rank has rows
-        nothing is checked: their dtypes must agree (the wire carries no dtype;
-        a mismatch fails in the collective, or worse). ``headers``: the call's
-        agreement (``_agree`` with ``_dtype_code``), which carries every rank's
-        code; without it (no agreement on the host) the codes are all-gathered
-        here where needed.
+        without rows beside ranks with rows, every rank learns the dtype of the
+        others' rows and a rank without rows takes it; ranks with rows in
+        different dtypes are then refused, on every rank alike. Where every rank
+        has rows nothing is checked: their dtypes must agree (the wire carries
+        no dtype; a mismatch fails in the collective, or worse). ``headers``:
+        the call's agreement (``_agree`` with ``_dtype_code``), which carries
+        every rank's code; without it (``GroupSums`` of one group) the codes
+        are all-gathered here, where needed (a host read).
         """
         has = handle.has_rows
         if all(has) or not any(has):
@@ -672,9 +674,8 @@ class TokenDispatcher(abc.ABC):
     # -- what a variant provides ------------------------------------------
 
     def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor, ticket: plan.Ticket) -> tuple[int, ...]:
-        """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): the
-        dispatch's first message is the call's agreement with T after the
-        header (one small all-gather and a host read)."""
+        """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): every
+        rank's T travels in the call's agreement (:meth:`_agree`)."""
         config = self.config
         tokens = [row[-1] for row in self._agree(ticket, tail=(topk_idx.shape[0],))]
         topk = topk_idx.shape[1]
