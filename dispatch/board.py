@@ -74,8 +74,11 @@ class Board:
             if platform.machine() in ("x86_64", "AMD64"):
                 folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
                 path = os.path.join(folder, f"moe-dispatch-{uuid.uuid4().hex}")
-                with open(path, "wb") as f:
-                    f.truncate(size)
+                try:
+                    with open(path, "wb") as f:
+                        f.truncate(size)
+                except OSError:  # no room or no right to write there: no board
+                    path = ""
             store.set(f"{key}/path", path)
         path = store.get(f"{key}/path").decode()
         mapped = None

@@ -19,7 +19,7 @@ from routing import identity_tokens, make_routing
 from world import current_device
 
 E = 12  # experts: a multiple of every W of the tests (2, 3, 4)
-H = 4
+H = 64
 
 
 def _routing(world: int, seed: int, more: int = 0):

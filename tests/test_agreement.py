@@ -9,15 +9,17 @@ is usable on every rank afterwards. Ranks at different calls (one skipped a
 call) all raise, naming the ranks and both calls. Over the NCCL transport's
 variants on gloo worlds of 2 to 4 ranks, the calls agreed on the board (ranks on
 one host) and over the host channel (a gloo collective, as ranks on several
-hosts agree); the engine's share is in test_nvlink.py
-(GPU), a peer that never arrives in test_peer_failure.py.
+hosts agree), and the NVLink engine's share on 2 GPUs; a peer that dies or
+never arrives is also in test_peer_failure.py (fresh processes).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import agreement_fns
+from dispatch import cuda
 
 ALONG = ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups")
 MISTAKES = {
@@ -69,6 +71,17 @@ def test_every_variant_agrees_on_refusals(worlds, variant, verb, mistake, world)
     bad_rank = world - 1
     results = worlds(world).run(agreement_fns.one_rank_mistake, [(config, verb, mistake, bad_rank)] * world)
     _check(results, mistake, bad_rank)
+
+
+@pytest.mark.skipif(not (cuda.available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA devices and CuPy")
+@pytest.mark.parametrize("verb, mistake", [("dispatch", "dtype"), ("dispatch", "device"), ("combine", "shape"),
+                                           ("combine_rows", "handle"), ("dispatch_rows", "rows versus handle"),
+                                           ("combine_slots", "dtype"), ("combine_groups", "shape")])
+def test_the_engine_agrees_on_refusals(worlds, verb, mistake):
+    """The NVLink engine's share: the same refusals on a world of 2 GPUs."""
+    config = dict(num_experts=agreement_fns.E, transport="nvlink")
+    results = worlds(2).run(agreement_fns.one_rank_mistake, [(config, verb, mistake, 1)] * 2)
+    _check(results, mistake, 1)
 
 
 @pytest.mark.parametrize("verb, mistake", [("dispatch", "dtype"), ("dispatch", "shape"), ("combine", "device"),
