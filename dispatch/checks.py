@@ -7,15 +7,17 @@ finite weights) need one host synchronisation and can be turned off with
 ``DispatchConfig(check_inputs=False)`` once the router is trusted.
 
 Only one rank may see its own mistake, so no rank raises alone: every verb that
-communicates takes part in its first message whatever its own checks found
-(the counts all-gather of a dispatch, a small all-gather of the call's header
-for the other verbs, :func:`agree`). The header names the call (its verb and
-its number on the dispatcher) and marks a rank that refused its input; after
-that message every rank raises alike, before any token moves: the rank that
-refused its own error, its peers a :class:`PeerRefused` naming it, and every
-rank a RuntimeError naming both calls where the ranks are at different calls,
-so that no call completes by pairing with another. A refusal agreed so leaves
-the dispatcher usable.
+communicates (and each backward) first agrees on the call with its peers,
+whatever its own checks found: on the group's board in shared memory where the
+ranks share a host (``dispatch.board``), else over the host channel
+(:func:`agree`; a dispatch then rides on its counts all-gather). The call's
+header (``plan.HEADER``) names it (its verb, its number on the dispatcher, the
+dispatch whose handle it moves along) and marks a rank that refused its input;
+after the agreement every rank raises alike, before any token moves: the rank
+that refused its own error, its peers a :class:`PeerRefused` naming it, and
+every rank a RuntimeError naming both calls where the ranks are at different
+calls, so that no call completes by pairing with another. A refusal agreed so
+leaves the dispatcher usable.
 """
 
 from __future__ import annotations
