@@ -104,9 +104,12 @@ class Board:
         then every rank confirms it saw all arrive (k in its second word); a
         rank returns once all confirmed. A rank that times out withdraws (-k
         in its first word): a rank that sees that raises too (a late one as
-        well, when it comes), and none can have returned (the withdrawn rank
-        never confirms), so no rank leaves an agreement that another gave up;
-        every rank has then spent agreement k, and the next is in step.
+        well, when it comes), and none can have returned (a rank withdrawn
+        before it confirmed never confirms; one that finds every rank
+        confirmed after all returns with them), so no rank leaves an agreement
+        that another gave up, but for a peer that read the withdrawal in the
+        instant before the last confirmation landed; every rank has then spent
+        agreement k, and the next is in step.
 
         Raises:
             RuntimeError naming the ranks that did not arrive within ``timeout``
@@ -136,8 +139,11 @@ class Board:
             withdrawn = [r for r, h in enumerate(heads) if words[h] == -k]
             waited = time.monotonic() - start
             if withdrawn or waited > timeout:
-                missing = [r for r, h in enumerate(heads) if words[h] not in (k, -k)]
                 words[heads[self._rank]] = -k  # withdrawn: the others stop too, a late rank raises
+                if word == 1 and all(words[h + 1] == k for h in heads):  # every rank confirmed meanwhile
+                    words[heads[self._rank]] = k
+                    return
+                missing = [r for r, h in enumerate(heads) if words[h + word] != k and words[h] != -k]
                 raise RuntimeError(self._message(missing, withdrawn, what(), timeout))
             if waited < _SPIN:
                 os.sched_yield()

@@ -130,7 +130,7 @@ def test_a_rank_late_for_a_call_is_named_within_the_timeout(worlds):
         assert name == "RuntimeError", (rank, name, message)
         if rank < 2:
             assert "rank(s) [2]" in message and "did not reach" in message, message
-            assert timeout <= elapsed < timeout + SOON, elapsed
+            assert timeout / 2 < elapsed < timeout + SOON, elapsed  # the first to time out stops the others
         else:
             assert "gave up waiting" in message, message
         assert usable, f"rank {rank}: the round trip after the timeout went wrong"
