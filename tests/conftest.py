@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -27,3 +28,16 @@ def worlds():
     yield get
     for world in alive.values():
         world.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line that accounts for the skipped tests by reason (CUDA devices,
+    CuPy, megatron-core): what a CPU machine cannot run."""
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        told = "; ".join(f"{count} {reason}" for reason, count in reasons.most_common())
+        terminalreporter.write_line(f"skipped by reason: {told}")
