@@ -10,7 +10,7 @@ Notation (used throughout the package):
     N        expanded rows on this rank     (one per (source token, local expert))
     J        min(K, E_local): most slots one token can have on one rank
 
-Orders (the contract of DESIGN.md):
+Orders (the contract in README.md):
 
 * send order: destination rank ascending, then token index ascending. A token is
   sent to a rank once, however many of its experts live there.

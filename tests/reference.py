@@ -2,7 +2,7 @@
 
 Slow and obviously correct: plain Python loops over ranks, tokens and slots.
 Tests compare every distributed variant with it, and benchmarks use it for
-their correctness column. It follows the contract of DESIGN.md literally:
+their correctness column. It follows the contract in README.md literally:
 
 * each local expert receives the tokens routed to it ordered by (source rank,
   source token);

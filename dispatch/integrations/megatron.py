@@ -36,7 +36,7 @@ What Megatron's experts expect, and what they get
   Megatron's experts multiply their activations by these; combine therefore runs
   with ``weights=None`` and does not weight a second time.
 
-Combine sums the rows of a token in fp32 (as the engine always does, see DESIGN.md)
+Combine sums the rows of a token in fp32 (as the engine always does, see the contract in README.md)
 where Megatron's ``alltoall`` dispatcher sums them in the activation dtype: for bf16
 activations the results agree within bf16 rounding, not bit for bit.
 
