@@ -79,6 +79,15 @@ def world_size_for(requested: int | None, cpu_default: int = 4) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else cpu_default
 
 
+def what_runs() -> str:
+    """One line, said before a run starts: the ranks, their devices and backend."""
+    world, backend = dist.get_world_size(), dist.get_backend()
+    if backend == "nccl":
+        return f"dispatch-bench: {world} ranks, one per GPU ({torch.cuda.get_device_name()}), NCCL"
+    return (f"dispatch-bench: a CPU world of {world} {backend} processes (no GPU here), with the small CPU shapes; "
+            "the transport called nccl in the tables is torch.distributed's collectives, here over gloo")
+
+
 def shapes_fit(names, world: int, prog: str = "dispatch-bench") -> bool:
     """True if every shape's experts split over ``world`` ranks; else says which on stderr."""
     bad = [n for n in names if SHAPES[n].experts % world]
