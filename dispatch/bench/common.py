@@ -146,6 +146,8 @@ def _rank_main(local_rank: int, job: Callable, args, env: dict | None, teardown:
         torch.cuda.set_device(device_id)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600),
                             device_id=device_id)
+    if not use_cuda:  # the CPU's cores shared by the ranks: more threads each spin against the others' work
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     done = False
     try:
         job(args)
