@@ -27,6 +27,7 @@ import numbers
 import torch
 
 from dispatch import comm, plan
+from dispatch.board import Board
 from dispatch.plan import HEADER
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -275,21 +276,8 @@ def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
         raise PeerRefused(failed, call_name(*calls[0]))
 
 
-def call_header(ticket: plan.Ticket, dtype_code: int = -1) -> list[int]:
-    """The header (``plan.HEADER``) of a call that has no inputs of a dispatch:
-    the call, its refusal, and ``dtype_code`` in ``x_dtype`` (-1: none)."""
-    head = list(_CALL_HEADER)
-    head[_VERB], head[_CALL], head[_ALONG] = ticket.verb, ticket.call, ticket.along
-    head[_X_DTYPE], head[_FAILED] = dtype_code, int(ticket.refused)
-    return head
-
-
-_VERB, _CALL, _ALONG, _X_DTYPE, _FAILED = (HEADER.index(c) for c in ("verb", "call", "along", "x_dtype", "failed"))
-_CALL_HEADER = tuple(-1 if c in ("weights_dtype", "max_rows", "memory_rows") else 0 for c in HEADER)
-
-
 def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arrivals: comm.Arrivals | None = None,
-          dtype_code: int = -1, tail: tuple[int, ...] = (), spin: bool = False) -> list[list[int]]:
+          dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
     """The first message of a call that has no counts exchange of its own:
     every rank's header of the call, all-gathered on the host and checked
     (:func:`check_peer_calls`).
@@ -309,17 +297,76 @@ def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arri
         dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
             the verb agrees on one (``combine``), -1 for none.
         tail: entries after the header (at most ``width - at - len(HEADER)``).
-        spin: poll without sleeping at first (``comm.Arrivals.wait``): where a
-            core per rank is free (one process per GPU).
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
     row = torch.zeros(width, dtype=torch.int64)
     end = at + len(HEADER) + len(tail)
-    row[at:end] = torch.tensor(call_header(ticket, dtype_code) + list(tail), dtype=torch.int64)
-    rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals, spin=spin)[:, at:end].tolist()
+    row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code) + list(tail), dtype=torch.int64)
+    rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, at:end].tolist()
     check_peer_calls(rows)
     return rows
+
+
+class Calls:
+    """One dispatcher's calls: numbered per verb, and agreed with the peers
+    before any token moves, on the group's board where the ranks share a host
+    (``dispatch.board``), else over the host channel (:func:`agree`).
+
+    Args:
+        group, world_size: the dispatcher's group.
+        arrivals: its bounded waits (its ``index`` is the dispatcher's place in
+            the group, which the board's rows carry).
+        timeout: ``DispatchConfig.timeout``.
+        counts_row: () -> (length, header offset) of the dispatcher's counts
+            row, the host channel's row shape.
+    """
+
+    def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float, counts_row) -> None:
+        self._made: dict[str, int] = {}
+        self._board = Board.for_group(group)
+        self._host = comm.host_group(group) if self._board is None else None
+        self._group, self._world, self._arrivals = group, world_size, arrivals
+        self._timeout, self._counts_row = timeout, counts_row
+
+    @property
+    def on_board(self) -> bool:
+        """Whether the calls agree on the board (every rank on one host)."""
+        return self._board is not None
+
+    def ticket(self, verb: str, along: int = 0) -> plan.Ticket:
+        """The next call of ``verb`` (numbered from 1), along the handle of
+        dispatch ``along`` (0: none)."""
+        number = self._made.get(verb, 0) + 1
+        self._made[verb] = number
+        return plan.Ticket(VERB_CODES[verb], number, along)
+
+    def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
+        """Agree on the call of ``ticket`` with the peers: [W][len(HEADER) +
+        len(tail)] every rank's header of the call and what followed it
+        (``tail``: at most one entry). Raises as :func:`check_peer_calls`."""
+        if self._board is None:
+            width, at = self._counts_row()
+            return agree(ticket, self._host, self._world, width, at, self._arrivals, dtype_code, tail)
+        row = [*plan.call_header(ticket, dtype_code), *(tail or (0,)), self._arrivals.index]  # one length for all
+        rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
+        if ticket.refused or rows.count(row) < len(rows):  # else every rank made this very call, unrefused
+            check_peer_calls([r[: len(HEADER)] for r in rows], [r[-1] for r in rows])
+        return [r[: len(HEADER) + len(tail)] for r in rows]
+
+
+def refuse(error: Exception, take_part) -> None:
+    """Raise ``error``, this rank's refusal of its arguments, once it took part
+    in the call's first message marked refused (``take_part()``, which raises
+    :class:`PeerRefused` on every rank): its peers raise there too, naming it,
+    instead of pairing their exchanges with its next call."""
+    try:
+        take_part()
+    except PeerRefused:
+        raise error from None
+    except Exception as other:  # the ranks are at different calls, or a peer is missing
+        raise other from error
+    raise error  # not reached: a refused first message raises on every rank
 
 
 def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:

@@ -37,7 +37,6 @@ def all_gather_rows(
     world_size: int,
     out: torch.Tensor | None = None,
     arrivals: "Arrivals | None" = None,
-    spin: bool | None = None,
 ) -> torch.Tensor:
     """All-gather of one fixed-size row per rank.
 
@@ -47,8 +46,6 @@ def all_gather_rows(
         arrivals: bound the wait (:class:`Arrivals`): the host waits until the
             rows are there, at most ``arrivals.timeout`` seconds, then raises a
             RuntimeError naming the ranks that did not arrive.
-        spin: poll the bounded wait without sleeping at first
-            (``Arrivals.wait``); None: where the row is on a GPU.
     Returns:
         [W, L]; ``out[s]`` is rank s's ``row``.
     """
@@ -59,8 +56,7 @@ def all_gather_rows(
     elif arrivals is None:
         _all_gather_single(out.view(-1), row.contiguous(), group=group)
     else:
-        arrivals.wait(lambda: _all_gather_single(out.view(-1), row.contiguous(), group=group, async_op=True),
-                      spin=row.is_cuda if spin is None else spin)
+        arrivals.wait(lambda: _all_gather_single(out.view(-1), row.contiguous(), group=group, async_op=True))
     return out
 
 
@@ -82,9 +78,9 @@ _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
 class Arrivals:
-    """Bounded waits at one dispatcher's first messages of its calls (the counts
-    exchanges, the calls' agreements), naming the ranks that
-    did not arrive (a rank that died, stalled, or stopped calling).
+    """Bounded waits at one dispatcher's collectives that open a call (its counts
+    exchanges, its calls' agreements over the host channel), naming the ranks
+    that did not arrive (a rank that died, stalled, or stopped calling).
 
     ``wait(issue)`` issues the collective and polls it (no host thread is
     parked in the backend); a rank still waiting after a moment writes the number of the
@@ -110,11 +106,8 @@ class Arrivals:
         self.prefix = f"moe-dispatch/{name}/{made}"
         self.exchange = 0
 
-    def wait(self, issue, spin: bool = False) -> None:
-        """Issue the collective (``issue()`` returns its work) and wait for it, bounded;
-        ``spin``: poll without sleeping for the first ``_SPIN`` seconds (a GPU
-        collective, whose end a sleep would see tens of microseconds late; not on
-        the CPU, where the polling would take a core from the collective)."""
+    def wait(self, issue) -> None:
+        """Issue the collective (``issue()`` returns its work) and wait for it, bounded."""
         self.exchange += 1
         published = False
         start = time.monotonic()
@@ -128,9 +121,8 @@ class Arrivals:
                     published = True
                 if waited > self.timeout:
                     raise RuntimeError(self._late_message())
-                if not spin or waited > _SPIN:
-                    time.sleep(pause)
-                    pause = min(2 * pause, 1e-3)
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
             work.wait()  # raises the backend's error, if it had one
         except RuntimeError as exc:
             if str(exc).startswith(_LATE):
@@ -171,7 +163,6 @@ class Arrivals:
 
 
 _LATE = "peer missing: "
-_SPIN = 2e-3  # seconds a bounded wait on a GPU collective polls without sleeping
 
 
 def _store():

@@ -160,6 +160,13 @@ def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, ticket: Ticke
     ]
 
 
+def call_header(ticket: Ticket, dtype_code: int = -1) -> list[int]:
+    """The entries of ``HEADER`` for a call without a dispatch's inputs (its
+    agreement, ``checks.agree`` and ``dispatch.board``): the call, its refusal,
+    and ``dtype_code`` in ``x_dtype`` (the code of its rows' dtype, -1: none)."""
+    return [ticket.verb, ticket.call, ticket.along, 0, 0, dtype_code, -1, 0, 0, int(ticket.refused), -1, -1]
+
+
 def mark_failed(row: torch.Tensor) -> None:
     """Raise the ``failed`` entry of a row about to be all-gathered ([... + len(HEADER)])."""
     row[row.shape[0] - len(HEADER) + HEADER.index("failed")] = 1

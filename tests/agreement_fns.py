@@ -53,13 +53,13 @@ def _bad(value: torch.Tensor, mistake: str):
 def _without_board(fn, *args):
     """``fn(*args)`` with the dispatchers it makes agreeing over the host channel
     (a gloo collective) instead of the board: as ranks on several hosts do."""
-    from dispatch.dispatchers import base
+    from dispatch import checks
 
-    made, base.Board.for_group = base.Board.for_group, staticmethod(lambda group: None)
+    made, checks.Board.for_group = checks.Board.for_group, staticmethod(lambda group: None)
     try:
         return fn(*args)
     finally:
-        base.Board.for_group = made
+        checks.Board.for_group = made
 
 
 def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):

@@ -242,6 +242,22 @@ def test_ranks_that_disagree_are_refused_alike(worlds, case):
     _good_round_trip_still_works(world)
 
 
+def test_both_headers_put_each_column_where_HEADER_names_it():
+    """plan.header (a dispatch) and plan.call_header (any other call's agreement)
+    write the call, its refusal and the budgets in HEADER's columns by name."""
+    from dispatch.plan import HEADER, Ticket, call_header, header
+
+    ticket = Ticket(verb=2, call=7, along=5, refused=True, max_rows=40, memory_rows=90)
+    x, w = torch.ones(3, 6, dtype=torch.bfloat16), torch.ones(3, 2, dtype=torch.float64)
+    full, bare = dict(zip(HEADER, header(x, w, 2, ticket))), dict(zip(HEADER, call_header(ticket, dtype_code=3)))
+    for row in (full, bare):
+        assert (row["verb"], row["call"], row["along"], row["failed"]) == (2, 7, 5, 1)
+    assert (full["topk"], full["hidden"], full["x_dtype"], full["weights_dtype"]) == (2, 6, 1, 3)
+    assert (full["max_rows"], full["memory_rows"]) == (40, 90)
+    assert (bare["x_dtype"], bare["weights_dtype"], bare["max_rows"], bare["memory_rows"]) == (3, -1, -1, -1)
+    assert len(full) == len(bare) == len(HEADER)
+
+
 def test_peer_header_checks_read_lists_as_tensors():
     """checks.check_peer_headers / check_row_budgets take every rank's header as a host
     tensor (the NCCL plan) or as lists (the NVLink engine's host read) alike: the same

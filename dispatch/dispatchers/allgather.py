@@ -119,6 +119,7 @@ class AllGatherDispatcher(TokenDispatcher):
         expand_src = ex.slots // topk
         handle = AllGatherHandle(
             owner=self,
+            call=ticket.call,
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,

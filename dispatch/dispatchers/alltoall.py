@@ -171,6 +171,7 @@ class AllToAllDispatcher(TokenDispatcher):
             pieces = _pieces(by_group, groups, rp, table, planned.summary[2 * world : counts_end])
         handle = AllToAllHandle(
             owner=self,
+            call=ticket.call,
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,

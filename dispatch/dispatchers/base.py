@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from dispatch import capacity, checks, comm, plan
-from dispatch.board import Board
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.dispatchers.streams import CommStreams, Pending, PendingGroups, Started
@@ -82,9 +81,9 @@ class CombineHandle:
             local experts (``plan.expert_groups``); None for one group.
         group_rows: the G + 1 bounds of the groups' rows among the N
             (host); None for one group.
-        call: the number of its dispatch among the dispatcher's (``plan.Ticket``):
-            the verbs along it carry it, so that ranks moving along the
-            handles of different dispatches raise.
+        call: the number of its dispatch among the dispatcher's (``plan.Ticket``;
+            the variant's plan sets it): the verbs along it carry it, so that
+            ranks moving along the handles of different dispatches raise.
     """
 
     owner: "TokenDispatcher"
@@ -221,9 +220,8 @@ class TokenDispatcher(abc.ABC):
         self.phase_timer: PhaseTimer | None = None
         self.comm_priority = -1
         self._streams = CommStreams()
-        self._calls: dict[str, int] = {}  # calls made so far, per verb (``_ticket``)
-        self._board = Board.for_group(group)  # where the calls' agreements run on one host (``_agree``)
-        self._host_group = comm.host_group(group) if self._board is None else None  # or there
+        # the calls, numbered and agreed with the peers
+        self._calls = checks.Calls(group, self.world_size, self._arrivals, config.timeout, self._counts_row)
 
     # -- public verbs -------------------------------------------------------
 
@@ -287,13 +285,13 @@ class TokenDispatcher(abc.ABC):
             Gradients flow to ``x`` (through ``tokens``) and to ``topk_weights``
             (through ``weights``).
         """
-        ticket = self._ticket("dispatch")
+        ticket = self._calls.ticket("dispatch")
         try:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
-            self._refuse(error, lambda: self._take_part_refused(ticket))
-        if self._board is not None and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
-            self._agree(ticket)  # the call agreed on the host; the counts exchange checks it again
+            checks.refuse(error, lambda: self._take_part_refused(ticket))
+        if self._calls.on_board and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
+            self._calls.agree(ticket)  # the call agreed on the host; the counts exchange checks it again
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
@@ -324,7 +322,6 @@ class TokenDispatcher(abc.ABC):
                                                   ticket.with_budgets(self._row_budgets(x, max_rows)))
             if handle.num_rows != max_rows:  # the variant read N on the host: the verbs pad
                 handle = dataclasses.replace(handle, max_rows=max_rows)
-        handle = dataclasses.replace(handle, call=ticket.call)
         rows = x.detach()
         if handle.groups > 1:
             started = self._streams.start_groups(lambda: self._to_experts_groups_start(rows, handle, codec, True),
@@ -362,7 +359,7 @@ class TokenDispatcher(abc.ABC):
         """
         ticket = self._along("combine", handle, lambda: self._check_combine(expert_out, handle, weights))
         rows = _received(expert_out.detach(), handle)
-        headers = self._agree(ticket, _dtype_code(rows))
+        headers = self._calls.agree(ticket, _dtype_code(rows))
         rows = self._home_rows(rows, handle, headers).contiguous()
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
         w = None if weights is None else _received(weights.detach(), handle)
@@ -406,7 +403,7 @@ class TokenDispatcher(abc.ABC):
             _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
             to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
 
-        self._agree(self._along("dispatch_rows", handle, check))
+        self._calls.agree(self._along("dispatch_rows", handle, check))
         codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
         rows = rows.detach().contiguous()
         if handle.groups > 1:
@@ -447,7 +444,7 @@ class TokenDispatcher(abc.ABC):
             checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
             _check_wire("wire", wire, SUM_WIRES)
 
-        self._agree(self._along("combine_rows", handle, check))
+        self._calls.agree(self._along("combine_rows", handle, check))
         rows = _received(rows.detach(), handle).contiguous()
         w = None if weights is None else _received(weights.detach(), handle)
         wire_dtype = sum_wire_dtype(wire, rows.dtype)
@@ -474,7 +471,7 @@ class TokenDispatcher(abc.ABC):
             self._check_handle(handle)
             checks.check_values("values", values, handle.rows, self.devices)
 
-        self._agree(self._along("combine_slots", handle, check))
+        self._calls.agree(self._along("combine_slots", handle, check))
         values = _received(values.detach().contiguous(), handle)
         started = self._start(lambda: self._weights_to_home_start(values, handle), (values,), async_op)
         work = ExchangeWork(started.result)
@@ -512,7 +509,7 @@ class TokenDispatcher(abc.ABC):
             if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
                 raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
 
-        self._agree(self._along("combine_groups", handle, check))
+        self._calls.agree(self._along("combine_groups", handle, check))
         return GroupSums(self, handle, dtype, wire)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
@@ -554,34 +551,13 @@ class TokenDispatcher(abc.ABC):
             checks.check_max_rows(max_rows)
         return to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
 
-    def _ticket(self, verb: str, along: int = 0) -> plan.Ticket:
-        """The next call of ``verb`` on this dispatcher (numbered from 1), along
-        the handle of dispatch ``along`` (0: none)."""
-        number = self._calls.get(verb, 0) + 1
-        self._calls[verb] = number
-        return plan.Ticket(checks.VERB_CODES[verb], number, along)
-
-    @staticmethod
-    def _refuse(error: Exception, take_part) -> None:
-        """Raise ``error``, this rank's refusal of its arguments, once it took part
-        in the call's first message marked refused (``take_part()``, which
-        raises :class:`checks.PeerRefused` on every rank): its peers raise there
-        too, naming it, instead of pairing their exchanges with its next call."""
-        try:
-            take_part()
-        except checks.PeerRefused:
-            raise error from None
-        except Exception as other:  # the ranks are at different calls, or a peer is missing
-            raise other from error
-        raise error  # not reached: a refused first message raises on every rank
-
     def _take_part_refused(self, ticket: plan.Ticket) -> None:
         """This rank's share of a dispatch it refuses: the first message (the
         call's agreement on the board, or the counts exchange marked refused,
         with no tokens), as its peers make it."""
         ticket = dataclasses.replace(ticket, refused=True)
-        if self._board is not None or self.config.pad_to_capacity:
-            self._agree(ticket, tail=(0,))
+        if self._calls.on_board or self.config.pad_to_capacity:
+            self._calls.agree(ticket, tail=(0,))
             return
         device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in self.devices else torch.device("cpu")
         self._plan(torch.zeros(0, 1, device=device), torch.zeros(0, 1, dtype=torch.int64, device=device),
@@ -595,32 +571,20 @@ class TokenDispatcher(abc.ABC):
         and see the different calls."""
         return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + 1
 
-    def _agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
-        """Agree on the call of ``ticket`` with the peers, on the group's board
-        (``dispatch.board``) or over its host channel (``checks.agree``):
-        [W][len(HEADER) + len(tail)] every rank's header of the call and what
-        followed it (``tail``: at most one entry)."""
-        if self._board is not None:  # one row's length for every call: the header, one tail entry, the index
-            row = [*checks.call_header(ticket, dtype_code), *(tail or (0,)), self._arrivals.index]
-            rows = self._board.agree(row, self.config.timeout,
-                                     lambda: checks.call_name(ticket.verb, ticket.call, ticket.along))
-            if ticket.refused or rows.count(row) < len(rows):  # else every rank made this very call, unrefused
-                checks.check_peer_calls([r[: len(plan.HEADER)] for r in rows], [r[-1] for r in rows])
-            return [r[: len(plan.HEADER) + len(tail)] for r in rows]
-        width, at = self._counts_row_width(), self.world_size * (1 + self.num_local_experts)
-        return checks.agree(ticket, self._host_group, self.world_size, width, at, self._arrivals, dtype_code, tail,
-                            spin="cuda" in self.devices)
+    def _counts_row(self) -> tuple[int, int]:
+        """(length of the counts row, offset of its header): ``checks.Calls``."""
+        return self._counts_row_width(), self.world_size * (1 + self.num_local_experts)
 
     def _along(self, verb: str, handle, check) -> plan.Ticket:
         """Start a verb that moves rows along ``handle``: run its own checks
         (``check()``); if they fail, agree on the call refused and raise (the
         peers raise :class:`checks.PeerRefused`). Returns the call's ticket,
-        which the verb then agrees on (:meth:`_agree`)."""
-        ticket = self._ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
+        which the verb then agrees on (``checks.Calls.agree``)."""
+        ticket = self._calls.ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
         try:
             check()
         except (TypeError, ValueError) as error:
-            self._refuse(error, lambda: self._agree(dataclasses.replace(ticket, refused=True)))
+            checks.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
         return ticket
 
     def _start(self, issue, reads: tuple, async_op: bool) -> Started:
@@ -651,7 +615,7 @@ class TokenDispatcher(abc.ABC):
         different dtypes are then refused, on every rank alike. Where every rank
         has rows nothing is checked: their dtypes must agree (the wire carries
         no dtype; a mismatch fails in the collective, or worse). ``headers``:
-        the call's agreement (``_agree`` with ``_dtype_code``), which carries
+        the call's agreement (``Calls.agree`` with ``_dtype_code``), which carries
         every rank's code; without it (``GroupSums`` of one group) the codes
         are all-gathered here, where needed (a host read).
         """
@@ -675,9 +639,9 @@ class TokenDispatcher(abc.ABC):
 
     def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor, ticket: plan.Ticket) -> tuple[int, ...]:
         """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): every
-        rank's T travels in the call's agreement (:meth:`_agree`)."""
+        rank's T travels in the call's agreement (``checks.Calls.agree``)."""
         config = self.config
-        tokens = [row[-1] for row in self._agree(ticket, tail=(topk_idx.shape[0],))]
+        tokens = [row[-1] for row in self._calls.agree(ticket, tail=(topk_idx.shape[0],))]
         topk = topk_idx.shape[1]
         return tuple(min(capacity.capacity(t, topk, config.num_experts, config.capacity_factor), t) for t in tokens)
 
@@ -840,7 +804,7 @@ class GroupSums:
                 raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh "
                                  "every group alike (or none)")
 
-        self._dispatcher._agree(self._dispatcher._along("GroupSums.add", handle, check))
+        self._dispatcher._calls.agree(self._dispatcher._along("GroupSums.add", handle, check))
         if self.dtype is not None and rows.dtype != self.dtype:
             # cast, not refused: a rank without rows in this group could not
             # refuse alike, and would send its pieces to peers that wait
@@ -1094,7 +1058,7 @@ class _DispatchFn(torch.autograd.Function):
         # Exchanges follow what the group needs (handle), not this rank alone, so
         # that every rank makes the same collective calls.
         dispatcher, handle = ctx.dispatcher, ctx.handle
-        dispatcher._agree(dispatcher._along("the backward of dispatch", handle, lambda: None))
+        dispatcher._calls.agree(dispatcher._along("the backward of dispatch", handle, lambda: None))
         grad_x = grad_topk = None
         if handle.x_grad_any:
             grad_tokens = _received(grad_tokens, handle).contiguous()
@@ -1121,7 +1085,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         expert_out, weights = ctx.saved_tensors
-        ctx.dispatcher._agree(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
+        ctx.dispatcher._calls.agree(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
         grad_out = grad_out.contiguous()
         config = ctx.dispatcher.config
         codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.fp8_pow2_scales)

@@ -177,6 +177,7 @@ class HierarchicalDispatcher(TokenDispatcher):
         expand_src = ex.slots // topk
         handle = HierarchicalHandle(
             owner=self,
+            call=ticket.call,
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,

@@ -95,7 +95,7 @@ class NVLinkDispatcher(TokenDispatcher):
         has_rows = tuple(n > 0 for n in received)
         split = tuple(tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of)
         handle, outputs = self._handle(x, counts, num_tokens, topk, sum(per_expert), grads_any, has_rows, split,
-                                       wire, torch.tensor(per_expert, dtype=torch.int64))
+                                       wire, torch.tensor(per_expert, dtype=torch.int64), ticket.call)
         mark(self.phase_timer, "plan")
         return handle, outputs
 
@@ -137,7 +137,7 @@ class NVLinkDispatcher(TokenDispatcher):
                 f"K={topk}: give the first dispatch with max_rows the largest T on some rank; the engine is failed")
         x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
         handle, outputs = self._handle(x, counts, num_tokens, topk, out_rows, (bool(x_grad), bool(w_grad)),
-                                       (True,) * self.world_size, None, wire, None)
+                                       (True,) * self.world_size, None, wire, None, ticket.call)
         if groups > 1:
             handle = dataclasses.replace(
                 handle, group_experts=plan.expert_groups(self.num_local_experts, groups),
@@ -167,12 +167,14 @@ class NVLinkDispatcher(TokenDispatcher):
         codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
         return topk_weights.detach().to(wire).contiguous(), wire, codec
 
-    def _handle(self, x, counts: Counts, num_tokens, topk, num_rows, grads_any, has_rows, split, wire, per_expert_host):
+    def _handle(self, x, counts: Counts, num_tokens, topk, num_rows, grads_any, has_rows, split, wire, per_expert_host,
+                call: int):
         device = x.device
         width = min(topk, self.num_local_experts)
         presum = torch.empty(self.world_size * counts.bound, width, dtype=torch.int32, device=device)
         handle = NVLinkHandle(
             owner=self,
+            call=call,
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,
