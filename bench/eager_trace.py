@@ -27,14 +27,14 @@ import engine_probe  # noqa: E402  (the shapes, inputs and process setup of the 
 
 import dispatch  # noqa: E402
 from dispatch import nvlink  # noqa: E402
-from dispatch.dispatchers import base  # noqa: E402
-from dispatch.dispatchers.nvlink import NVLinkDispatcher  # noqa: E402
+from dispatch import dispatcher as base  # noqa: E402
+from dispatch.transports.nvlink import NVLinkTransport  # noqa: E402
 
 MARKED = [  # (owner, method): host ranges named in the trace
     (base.TokenDispatcher, "dispatch"),
     (base.TokenDispatcher, "combine"),
-    (NVLinkDispatcher, "_plan"),
-    (NVLinkDispatcher, "_plan_bounded"),
+    (NVLinkTransport, "plan"),
+    (NVLinkTransport, "_plan_bounded"),
     (base.TokenDispatcher, "_row_budgets"),
     (nvlink.Engine, "exchange_counts"),
     (nvlink.Engine, "to_experts"),

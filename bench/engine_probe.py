@@ -96,7 +96,7 @@ def _captured_plan(d, x, topk_idx, topk_weights, bound: int):
     idx = topk_idx.contiguous()
 
     def plan_only():
-        d.engine.exchange_counts(idx, weights, header, None, codec, False, host_read=False)
+        d.transport.engine.exchange_counts(idx, weights, header, None, codec, False, host_read=False)
 
     plan_only()
     torch.cuda.synchronize()
@@ -116,11 +116,11 @@ def _host_sections(round_trip, calls=20):
     import time
 
     from dispatch import cuda, nvlink
-    from dispatch.dispatchers import base
-    from dispatch.dispatchers import nvlink as nvlink_dispatcher
+    from dispatch import dispatcher as base
+    from dispatch.transports import nvlink as nvlink_transport
 
     targets = [(nvlink.Engine, "exchange_counts"), (nvlink.Engine, "to_experts"), (nvlink.Engine, "to_home"),
-               (nvlink_dispatcher.NVLinkDispatcher, "_plan"), (base.TokenDispatcher, "dispatch"),
+               (nvlink_transport.NVLinkTransport, "plan"), (base.TokenDispatcher, "dispatch"),
                (base.TokenDispatcher, "combine"), (cuda.Kernel, "__call__")]
     spent = {f"{cls.__name__}.{name}": 0.0 for cls, name in targets}
     originals = []

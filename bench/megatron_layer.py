@@ -548,7 +548,7 @@ def check_graphs(setting: str, steps: int, seed: int = 2468) -> dict:
         "setting": setting,
         "graphs": {k: [str(getattr(m, "name", m)) for m in v] if isinstance(v, list) else v
                    for k, v in graph_fields.items()} | {"cuda_graph_impl": "local"},
-        "engine": sorted({type(d.engine).__name__ for d in installed["captured"]}),
+        "engine": sorted({"/".join(d.engine.transport.key) for d in installed["captured"]}),
         # every stage inside the graphs: the rows fixed by the capacity
         "fixed_rows": sorted({d.fixed_rows for d in installed["captured"]}),
         "experts": experts,
@@ -615,7 +615,7 @@ def check_overlap(steps: int, seed: int = 1357) -> dict:
              "ours vs megatron, overlapped": _worst(losses, "megatron overlapped", "ours overlapped")}
     tolerance = LOSS_TOLERANCE["bf16"]
     return {
-        "engine": sorted({type(d.engine).__name__ for d in installed["overlapped"]}),
+        "engine": sorted({"/".join(d.engine.transport.key) for d in installed["overlapped"]}),
         "split_nodes": sorted({d.split_nodes for d in installed["overlapped"]}),
         "micro_batches": len(micro_batches),
         "steps": steps,

@@ -26,14 +26,10 @@ import torch.distributed as dist
 from dispatch.checks import PeerRefused
 from dispatch.config import DispatchConfig
 from dispatch.cost_model import LinkModel
-from dispatch.dispatchers import (
-    VARIANT_CLASSES,
-    CombineHandle,
-    Dispatched,
-    DispatchWork,
-    ExchangeWork,
-    TokenDispatcher,
-)
+from dispatch.dispatcher import TokenDispatcher
+from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup
+from dispatch.transports import build as _build_transport
+from dispatch.work import DispatchWork, ExchangeWork, GroupSums
 from dispatch import experts  # noqa: F401  (dispatch.experts.GroupedExperts)
 from dispatch.pipeline import MoEExchange
 from dispatch.stats import DispatchStats
@@ -45,7 +41,9 @@ __all__ = [
     "DispatchStats",
     "DispatchWork",
     "Dispatched",
+    "DispatchedGroup",
     "ExchangeWork",
+    "GroupSums",
     "LinkModel",
     "MoEExchange",
     "PeerRefused",
@@ -64,10 +62,12 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         group: the expert-parallel process group (default: the whole world).
             ``torch.distributed`` must be initialised.
 
-    On an NCCL group the alltoall variant with ``transport`` ``"auto"`` or
-    ``"nvlink"`` makes this a collective (the ranks agree whether the NVLink
-    engine can run, and its buffers are allocated): every rank of the group calls
-    ``create`` with the same config, in the same order.
+    The transport comes from the registry (``dispatch.transports``), keyed by
+    (variant, transport). On an NCCL group the alltoall and auto variants with
+    ``transport`` ``"auto"`` or ``"nvlink"`` make this a collective (the ranks
+    agree whether the NVLink engine can run, and its buffers are allocated):
+    every rank of the group calls ``create`` with the same config, in the same
+    order.
     Raises:
         TypeError / ValueError, naming the argument, when ``group`` is not a
         process group this rank belongs to, or the config does not fit the group (``num_experts`` not a multiple of the group size,
@@ -94,12 +94,4 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         raise ValueError(
             f"local_world_size={config.local_world_size} does not divide the group size {world}"
         )
-    if config.variant == "alltoall" and config.transport != "nccl":
-        from dispatch.dispatchers.nvlink import NVLinkDispatcher, unusable
-
-        problem = unusable(group, config.num_experts)  # a collective on NCCL groups: every rank gets the same answer
-        if problem is None:
-            return NVLinkDispatcher(config, group)
-        if config.transport == "nvlink":
-            raise ValueError(f"transport='nvlink': {problem}")
-    return VARIANT_CLASSES[config.variant](config, group)
+    return TokenDispatcher(config, group, _build_transport(config, group))

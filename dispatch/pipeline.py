@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from dispatch import checks
-from dispatch.dispatchers.base import TokenDispatcher
+from dispatch.dispatcher import TokenDispatcher
 from dispatch.experts import ChunkedExperts, GroupedExperts
 from dispatch.kernels.row_grads import weighted_row_grads
 

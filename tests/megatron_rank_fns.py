@@ -113,10 +113,9 @@ def _after_preprocess(d, h, w, x, p, grad_out, log: list) -> dict:
 def with_slot_limit(limit: int, round_trip: str, *args):
     """``round_trip(*args)`` (a function of this module, by name) with either transport
     moving at most ``limit`` slots per token (the NVLink engine moves 32, NCCL any)."""
-    from dispatch.dispatchers.alltoall import AllToAllDispatcher
-    from dispatch.dispatchers.nvlink import NVLinkDispatcher
+    from dispatch.transports import AllToAllTransport, NVLinkTransport
 
-    classes = (AllToAllDispatcher, NVLinkDispatcher)
+    classes = (AllToAllTransport, NVLinkTransport)
     saved = [cls.__dict__.get("max_topk") for cls in classes]
     for cls in classes:
         cls.max_topk = limit
@@ -176,11 +175,11 @@ def fixed_rows_round_trip(hidden, routing_map, probs, grad_out, num_experts: int
     on the host; with ``tp`` > 1, by ``stage_round_trip_expert_tp``. The NCCL/gloo
     transport stands in for the engine here (its ``max_rows`` gives the engine's shapes,
     with a host read): it is marked host-free for the call."""
-    from dispatch.dispatchers.alltoall import AllToAllDispatcher
+    from dispatch.transports import AllToAllTransport
 
     config = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"],
               "moe_expert_capacity_factor": factor, "moe_pad_expert_input_to_capacity": True}
-    AllToAllDispatcher.host_free = True
+    AllToAllTransport.host_free = True
     try:
         if tp > 1:
             return stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts, topk, tp, config)
@@ -188,7 +187,7 @@ def fixed_rows_round_trip(hidden, routing_map, probs, grad_out, num_experts: int
     except ValueError as exc:
         return str(exc)
     finally:
-        del AllToAllDispatcher.host_free
+        del AllToAllTransport.host_free
 
 
 def stage_round_trip_expert_tp(hidden, routing_map, probs, grad_out, num_experts: int, topk: int, tp: int,
@@ -601,7 +600,7 @@ def split_node_round_trip(hidden, logits_seed: int, num_experts: int, topk: int)
     combine_postprocess) with their inputs freed after forward as Megatron frees
     them. Returns (gradients of x, router, experts: one graph; the same: nodes;
     the dispatch backwards each run made, and the gradient norms they got)."""
-    import dispatch.dispatchers.base as base
+    import dispatch.autograd as base
 
     device = current_device()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -618,7 +617,7 @@ def split_node_round_trip(hidden, logits_seed: int, num_experts: int, topk: int)
     weight = torch.randn(width, width, generator=gen, dtype=torch.float64).to(device).requires_grad_()
     x = hidden.to(device).requires_grad_()
     seen = []
-    original = base._DispatchFn.backward
+    original = base.DispatchFn.backward
 
     def counted(ctx, grad_tokens, grad_weights, grad_link):
         seen.append(float(grad_tokens.abs().sum()))
@@ -634,7 +633,7 @@ def split_node_round_trip(hidden, logits_seed: int, num_experts: int, topk: int)
         return torch.tanh(tokens @ weight) * permuted_probs.unsqueeze(1)
 
     results = []
-    base._DispatchFn.backward = staticmethod(counted)
+    base.DispatchFn.backward = staticmethod(counted)
     try:
         # one graph
         h = torch.tanh(x)
@@ -680,7 +679,7 @@ def split_node_round_trip(hidden, logits_seed: int, num_experts: int, topk: int)
         x.backward(grads[0])
         results.append([_cpu(t.grad) for t in (x, router, weight)])
     finally:
-        base._DispatchFn.backward = original
+        base.DispatchFn.backward = original
     return results[0], results[1], one_graph, list(seen)
 
 

@@ -9,8 +9,8 @@ from torch import nn
 
 import dispatch
 from dispatch import comm
-from dispatch.dispatchers.alltoall import AllToAllDispatcher
-from dispatch.dispatchers.streams import Pending
+from dispatch.transports.alltoall import AllToAllTransport
+from dispatch.streams import Pending, PendingGroups
 from dispatch.experts import GroupedExperts
 from world import current_device
 
@@ -35,19 +35,20 @@ class RowwiseExperts(nn.Module):
         return tokens * self.scale[expert] + tokens * tokens * self.quad[expert]
 
 
-class FinishedOnStart(AllToAllDispatcher):
-    """The alltoall variant with every exchange finished when it is started
-    (as the base class's start hooks do), for comparison with the ones left
-    in flight."""
+class FinishedOnStart(AllToAllTransport):
+    """The alltoall transport with every exchange finished when it is started,
+    for comparison with the ones left in flight."""
 
-    def _to_experts_start(self, rows, handle, codec):
-        return Pending.done(super()._to_experts_start(rows, handle, codec).finish())
+    def to_experts(self, rows, handle, codec, own=False):
+        pieces = super().to_experts(rows, handle, codec, own)
+        done = [pieces.finish(g) for g in range(pieces.groups)]
+        return PendingGroups([None] * len(done), [lambda out=out: out for out in done])
 
-    def _to_home_start(self, rows, handle, weights, wire):
-        return Pending.done(super()._to_home_start(rows, handle, weights, wire).finish())
+    def to_home(self, rows, handle, weights, wire):
+        return Pending.done(super().to_home(rows, handle, weights, wire).finish())
 
-    def _weights_to_home_start(self, values, handle):
-        return Pending.done(super()._weights_to_home_start(values, handle).finish())
+    def slots_home(self, values, handle):
+        return Pending.done(super().slots_home(values, handle).finish())
 
 
 LATE_CYCLES = 2_000_000  # about a millisecond of GPU clock
@@ -130,7 +131,7 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
     device = current_device()
     cfg = dispatch.DispatchConfig(**config)
-    d = FinishedOnStart(cfg) if generic else dispatch.create(cfg)
+    d = dispatch.TokenDispatcher(cfg, None, FinishedOnStart(cfg)) if generic else dispatch.create(cfg)
     results = {}
     for chunks in chunk_counts:
         experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)

@@ -40,7 +40,7 @@ def round_trip(x, topk_idx, topk_weights, config: dict, experts: str = "identity
         "src_token": _cpu(out.src_token),
         "combined": _cpu(combined),
         "stats": None if out.stats is None else out.stats.as_dict(),
-        "variant": out.handle.owner.config.variant,
+        "variant": out.handle.transport.variant,
     }
 
 

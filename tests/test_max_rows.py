@@ -66,8 +66,8 @@ def _over_bound(x, topk_idx, topk_weights, config, bounds):
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(**config))
     moved = []
-    original = d._dispatch_start
-    d._dispatch_start = lambda *a: moved.append(1) or original(*a)
+    original = d.transport.to_experts
+    d.transport.to_experts = lambda *a: moved.append(1) or original(*a)
     try:
         d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device),
                    max_rows=bounds[torch.distributed.get_rank()])
@@ -100,9 +100,9 @@ def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows):
     d = dispatch.create(dispatch.DispatchConfig(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     moved = []
-    original_start, original_free = d._dispatch_start, checks.free_bytes
-    d._dispatch_start = lambda *a: moved.append(1) or original_start(*a)
-    checks.free_bytes = lambda dev: 3 * d.row_bytes(x) + 1 if rank == short_rank else None
+    original_start, original_free = d.transport.to_experts, checks.free_bytes
+    d.transport.to_experts = lambda *a: moved.append(1) or original_start(*a)
+    checks.free_bytes = lambda dev: 3 * d.transport.row_bytes(x) + 1 if rank == short_rank else None
     try:
         d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
         message = None

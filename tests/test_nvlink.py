@@ -235,7 +235,7 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     h, tokens = full.handle, full.tokens
     lo, hi = h.row_range(1)
     out = torch.cat([tokens[:lo] * 2, torch.full_like(tokens[lo:], 7.0)])
-    d.engine.to_experts(x, to_experts_codec("native", x.dtype), h.counts, h.presum, h.slot_k, h.num_rows,
+    d.transport.engine.to_experts(x, to_experts_codec("native", x.dtype), h.counts, h.presum, h.slot_k, h.num_rows,
                         piece=(lo, hi), out=out)
     # presum holds bound rows per source, one an item (a token the source sends this
     # rank, in its list's order); those past the source's items are not written
@@ -361,7 +361,7 @@ def _timeout_case(worlds):
 
 
 def _picked(config):
-    return type(dispatch.create(dispatch.DispatchConfig(**config))).__name__
+    return "/".join(dispatch.create(dispatch.DispatchConfig(**config)).transport.key)
 
 
 def _refused(config):
@@ -375,7 +375,7 @@ def _refused(config):
 @pytest.mark.skipif(cuda.available() and torch.cuda.device_count() >= WORLD, reason="the CPU (gloo) side")
 def test_auto_transport_takes_the_collectives_on_gloo(worlds):
     config = dict(num_experts=4)
-    assert worlds(WORLD).run(_picked, [(config,)] * WORLD) == ["AllToAllDispatcher"] * WORLD
+    assert worlds(WORLD).run(_picked, [(config,)] * WORLD) == ["alltoall/nccl"] * WORLD
     config = dict(num_experts=4, transport="nvlink")
     for message in worlds(WORLD).run(_refused, [(config,)] * WORLD):
         assert message is not None and "transport='nvlink'" in message and "gloo" in message
@@ -388,7 +388,7 @@ def test_more_experts_than_the_layout_counts_refused_by_name(worlds):
     config = dict(num_experts=experts, transport="nvlink")
     for message in worlds(WORLD).run(_refused, [(config,)] * WORLD):
         assert message is not None and f"num_experts={experts}" in message, message
-    assert worlds(WORLD).run(_picked, [(dict(num_experts=experts),)] * WORLD) == ["AllToAllDispatcher"] * WORLD
+    assert worlds(WORLD).run(_picked, [(dict(num_experts=experts),)] * WORLD) == ["alltoall/nccl"] * WORLD
 
 
 def _bad_on_rank0(x, topk_idx, topk_weights, config, case):

@@ -337,9 +337,7 @@ class _OneRank(dispatch.TokenDispatcher):
     """A dispatcher object that needs no process group, for argument checks only."""
 
     def __init__(self) -> None:
-        self.num_local_experts = 4
-
-    _plan = _to_experts = _to_home = _weights_to_home = None
+        self.num_local_experts, self.host_free = 4, False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -145,11 +145,13 @@ def _engine(world: int, largest_rows: int, hidden: int, dev):
 
     if world < 2 or not cuda.available():
         return None
-    from dispatch.dispatchers.nvlink import NVLinkDispatcher, unusable
+    import dispatch
+    from dispatch.transports import unusable
 
     if unusable(None, world) is not None:  # a collective: every rank gets the same answer
         return None
-    engine = NVLinkDispatcher(config.DispatchConfig(num_experts=world, transport="nvlink", check_inputs=False))
+    cfg = config.DispatchConfig(num_experts=world, transport="nvlink", check_inputs=False)
+    engine = dispatch.create(cfg)
     if largest_rows:
         x = torch.zeros(largest_rows, hidden, dtype=torch.bfloat16, device=dev)
         engine.dispatch(x, _to_ranks(largest_rows, world, dev), torch.ones(largest_rows, 1, device=dev),

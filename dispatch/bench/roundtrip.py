@@ -251,7 +251,8 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
     codec = to_experts_codec(cfg.dispatch_wire, x.dtype)
     traffic = _traffic(out, topk_idx, codec.row_bytes(shape.hidden), dev)
     if cfg.variant == "auto":
-        traffic["auto_choice"] = d.last_choice
+        variant, transport = out.handle.transport.key
+        traffic["auto_choice"] = variant + ("/nvlink" if transport == "nvlink" else "")
     del out, combined
 
     def step(timer):

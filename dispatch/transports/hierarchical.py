@@ -42,9 +42,11 @@ import torch.distributed as dist
 
 from dispatch import comm, counts, plan
 from dispatch.codec import Codec
-from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
+from dispatch.handle import CombineHandle, PlanOutputs
+from dispatch.streams import Pending, PendingGroups
+from dispatch.transports.base import Request, Transport, by_pieces, shape_fields
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
-from dispatch.stats import make_stats, resolve_local_world_size
+from dispatch.stats import make_stats
 from dispatch.timing import mark
 
 
@@ -114,32 +116,35 @@ class HierarchicalHandle(CombineHandle):
     self_recv: int
 
 
-class HierarchicalDispatcher(TokenDispatcher):
-    """Two-tier dispatcher (``variant="hierarchical"``).
+class HierarchicalTransport(Transport):
+    """Two-tier transport (``variant="hierarchical"``, over the process group's collectives).
 
     Attributes:
         local_world_size: L; ``node``, ``local_rank``: this rank's (a, l).
         tiers: :class:`TierGroups`.
     """
 
+    variant = "hierarchical"
+
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
-        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
         self.num_nodes = self.world_size // self.local_world_size
         self.node, self.local_rank = divmod(self.rank, self.local_world_size)
         self.tiers = tier_groups(group, self.local_world_size)
 
-    def _counts_row_width(self) -> int:
+    def counts_row_width(self) -> int:
         return counts.row_width(self.world_size, self.num_local_experts, self.local_world_size)
 
-    def _plan(self, x, topk_idx, topk_weights, check_values, ticket):
+    def plan(self, request: Request):
+        x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
+        check_values = request.check_values
         world, rank, local = self.world_size, self.rank, self.local_world_size
         node, index, nodes = self.node, self.local_rank, self.num_nodes
         num_experts = self.config.num_experts
         num_tokens, topk = topk_idx.shape
         device = x.device
         gc = counts.exchange(x, topk_idx, topk_weights, num_experts, local, self.group, world, check_values,
-                             self._arrivals, ticket, self.row_bytes(x))
+                             self.arrivals, ticket, self.row_bytes(x))
         hits = gc.counts[:, :, 0]  # [W_src, W_dst] host
         holders_sources = [b * local + index for b in range(nodes)]  # sources whose tokens this rank holds
         send1 = tuple(gc.node_hits[rank].tolist())
@@ -176,7 +181,8 @@ class HierarchicalDispatcher(TokenDispatcher):
         ex = counts.expand(local_expert, order_key, world * block, num_rows, width)
         expand_src = ex.slots // topk
         handle = HierarchicalHandle(
-            owner=self,
+            owner=request.owner,
+            transport=self,
             call=ticket.call,
             num_tokens=num_tokens,
             num_rows=num_rows,
@@ -196,6 +202,7 @@ class HierarchicalDispatcher(TokenDispatcher):
             presum_index=ex.presum_index,
             self_send=sum(send1[:node]),
             self_recv=sum(recv1[:node]),
+            **shape_fields(request, self.num_local_experts, per_expert_host.tolist(), num_rows),
         )
         outputs = PlanOutputs(
             weights=arrived[:, 2 + topk :].contiguous().view(torch.float64).flatten().index_select(0, ex.slots),
@@ -207,7 +214,8 @@ class HierarchicalDispatcher(TokenDispatcher):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _to_experts(self, rows: torch.Tensor, handle: HierarchicalHandle, codec: Codec) -> torch.Tensor:
+    def to_experts(self, rows: torch.Tensor, handle: HierarchicalHandle, codec: Codec,
+                   own: bool = False) -> PendingGroups:
         packed = codec.pack(rows, handle.send1_token)
         held = comm.all_to_all_rows(packed, handle.send1, handle.recv1, self.tiers.inter)
         forward = held.index_select(0, handle.send2_row)
@@ -215,9 +223,9 @@ class HierarchicalDispatcher(TokenDispatcher):
         mark(self.phase_timer, "exchange_out")
         expanded = codec.unpack(arrived, rows.dtype, rows.shape[1], handle.slots // handle.topk)
         mark(self.phase_timer, "expand")
-        return expanded
+        return by_pieces(Pending.done(expanded), handle)
 
-    def _to_home(self, rows, handle: HierarchicalHandle, weights, wire):
+    def to_home(self, rows, handle: HierarchicalHandle, weights, wire) -> Pending:
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R2, H]
         mark(self.phase_timer, "presum")
@@ -231,9 +239,9 @@ class HierarchicalDispatcher(TokenDispatcher):
             back1[handle.self_send : handle.self_send + own] = node_sum[handle.self_recv : handle.self_recv + own]
         out = gather_sum(back1, handle.home_index, None, rows.dtype, acc)  # [T, H]
         mark(self.phase_timer, "final_sum")
-        return out
+        return Pending.done(out)
 
-    def _weights_to_home(self, values: torch.Tensor, handle: HierarchicalHandle) -> torch.Tensor:
+    def slots_home(self, values: torch.Tensor, handle: HierarchicalHandle) -> Pending:
         # each slot lives on one rank: the sums below add zeros to it, exact in any dtype
         topk = handle.topk
         grid = values.new_zeros(sum(handle.recv2) * topk)
@@ -242,9 +250,9 @@ class HierarchicalDispatcher(TokenDispatcher):
         back2 = comm.all_to_all_rows(grid, handle.recv2, handle.send2, self.tiers.intra)
         node_sum = gather_sum(back2, handle.node_index, None, values.dtype)  # [R1, K]
         back1 = comm.all_to_all_rows(node_sum, handle.recv1, handle.send1, self.tiers.inter)
-        return gather_sum(back1, handle.home_index, None, values.dtype)  # [T, K]
+        return Pending.done(gather_sum(back1, handle.home_index, None, values.dtype))  # [T, K]
 
-    def _stats(self, handle: HierarchicalHandle, dispatch_row_bytes, combine_wire, hidden):
+    def stats(self, handle: HierarchicalHandle, dispatch_row_bytes, combine_wire, hidden):
         node, index = self.node, self.local_rank
         inter_out = sum(handle.send1) - handle.send1[node]
         intra_out = sum(handle.send2) - handle.send2[index]

@@ -35,9 +35,11 @@ import torch.distributed as dist
 
 from dispatch import comm, counts, plan
 from dispatch.codec import Codec
-from dispatch.dispatchers.base import CombineHandle, PlanOutputs, TokenDispatcher
+from dispatch.handle import CombineHandle, PlanOutputs
+from dispatch.streams import Pending, PendingGroups
+from dispatch.transports.base import Request, Transport, by_pieces, shape_fields
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
-from dispatch.stats import make_stats, resolve_local_world_size, tier_split
+from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -68,22 +70,22 @@ class AllGatherHandle(CombineHandle):
     home_index: torch.Tensor
 
 
-class AllGatherDispatcher(TokenDispatcher):
-    """All-gather dispatcher (``variant="allgather"``)."""
+class AllGatherTransport(Transport):
+    """All-gather transport (``variant="allgather"``, over the process group's collectives)."""
 
-    def __init__(self, config, group=None) -> None:
-        super().__init__(config, group)
-        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
+    variant = "allgather"
 
-    def _counts_row_width(self) -> int:
+    def counts_row_width(self) -> int:
         return counts.row_width(self.world_size, self.num_local_experts, self.local_world_size)
 
-    def _plan(self, x, topk_idx, topk_weights, check_values, ticket):
+    def plan(self, request: Request):
+        x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
+        check_values = request.check_values
         world, rank = self.world_size, self.rank
         num_tokens, topk = topk_idx.shape
         gc = counts.exchange(
             x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, check_values,
-            self._arrivals, ticket, self.row_bytes(x),
+            self.arrivals, ticket, self.row_bytes(x),
         )
         block = int(gc.tokens.max())
         mine = gc.counts[:, rank]  # [W_src, 1 + E_local] host
@@ -118,7 +120,8 @@ class AllGatherDispatcher(TokenDispatcher):
         home_index = plan.rows_by_item(hit, plan.send_positions(hit, send_splits))
         expand_src = ex.slots // topk
         handle = AllGatherHandle(
-            owner=self,
+            owner=request.owner,
+            transport=self,
             call=ticket.call,
             num_tokens=num_tokens,
             num_rows=num_rows,
@@ -133,6 +136,7 @@ class AllGatherDispatcher(TokenDispatcher):
             send_splits=send_splits,
             recv_splits=recv_splits,
             home_index=home_index,
+            **shape_fields(request, self.num_local_experts, per_expert_host.tolist(), num_rows),
         )
         outputs = PlanOutputs(
             weights=weights_all.flatten().index_select(0, ex.slots),
@@ -144,7 +148,8 @@ class AllGatherDispatcher(TokenDispatcher):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _to_experts(self, rows: torch.Tensor, handle: AllGatherHandle, codec: Codec) -> torch.Tensor:
+    def to_experts(self, rows: torch.Tensor, handle: AllGatherHandle, codec: Codec,
+                   own: bool = False) -> PendingGroups:
         packed = codec.pack(rows)
         pad = handle.block - packed.shape[0]
         if pad:
@@ -159,9 +164,9 @@ class AllGatherDispatcher(TokenDispatcher):
         mark(self.phase_timer, "exchange_out")
         expanded = codec.unpack(wire_rows, rows.dtype, rows.shape[1], handle.slots // handle.topk)
         mark(self.phase_timer, "expand")
-        return expanded
+        return by_pieces(Pending.done(expanded), handle)
 
-    def _to_home(self, rows, handle: AllGatherHandle, weights, wire):
+    def to_home(self, rows, handle: AllGatherHandle, weights, wire) -> Pending:
         hidden = rows.shape[1]
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
         if wire == torch.float32 and acc == torch.float32:  # fp64 data or weights: fp64 sums below
@@ -183,18 +188,18 @@ class AllGatherDispatcher(TokenDispatcher):
             mark(self.phase_timer, "exchange_back")
             out = gather_sum(back, handle.home_index, None, rows.dtype, acc)  # [T, H]
         mark(self.phase_timer, "final_sum")
-        return out
+        return Pending.done(out)
 
-    def _weights_to_home(self, values: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
+    def slots_home(self, values: torch.Tensor, handle: AllGatherHandle) -> Pending:
         world, block, topk = self.world_size, handle.block, handle.topk
         # each slot lives on one rank: the others send zeros for it, so the sum is exact
         grid = values.new_zeros(world * block * topk)
         grid.index_copy_(0, handle.slots, values)
         grid = grid.view(world * block, topk)
         back = grid if block == 0 else comm.all_to_all_rows(grid, (block,) * world, (block,) * world, self.group)
-        return back.view(world, block, topk).sum(0)[: handle.num_tokens]
+        return Pending.done(back.view(world, block, topk).sum(0)[: handle.num_tokens])
 
-    def _stats(self, handle: AllGatherHandle, dispatch_row_bytes, combine_wire, hidden):
+    def stats(self, handle: AllGatherHandle, dispatch_row_bytes, combine_wire, hidden):
         local, rank = self.local_world_size, self.rank
         blocks = tier_split((handle.block,) * self.world_size, rank, local)
         if combine_wire == torch.float32:

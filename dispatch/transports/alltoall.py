@@ -24,12 +24,13 @@ import torch
 
 from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype
-from dispatch.dispatchers.base import CombineHandle, GroupSumsIssuer, PlanOutputs, TokenDispatcher
-from dispatch.dispatchers.streams import Pending, PendingGroups
+from dispatch.handle import CombineHandle, PlanOutputs
+from dispatch.streams import Pending, PendingGroups
+from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_pieces, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
 from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
-from dispatch.stats import make_stats, resolve_local_world_size, tier_split
+from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
 
@@ -94,31 +95,30 @@ class GroupPieces:
     held_of_arrival: torch.Tensor
 
 
-class AllToAllDispatcher(TokenDispatcher):
-    """Deduplicated all-to-all dispatcher (``variant="alltoall"``)."""
+class AllToAllTransport(Transport):
+    """Deduplicated all-to-all over the process group's collectives
+    (``variant="alltoall"``, ``transport="nccl"``; gloo on CPU)."""
+
+    variant = "alltoall"
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self._graphs = PlanGraphCache() if config.plan_graphs else None
-        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
 
-    def _plan_groups(self, x, topk_idx, topk_weights, check_values, ticket, groups):
-        return self._plan(x, topk_idx, topk_weights, check_values, ticket, groups)
-
-    def _plan(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, check_values: bool,
-        ticket: plan.Ticket, groups: int = 1,
-    ) -> tuple[AllToAllHandle, PlanOutputs]:
+    def plan(self, request: Request) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one
-        metadata all-to-all. On CUDA the part before the host synchronisation
-        is replayed as CUDA graphs. If the values are bad, this rank marks
-        itself failed in the row it all-gathers and raises after the
+        metadata all-to-all; by groups, one piece per group
+        (:class:`GroupPieces`). On CUDA the part before the host
+        synchronisation is replayed as CUDA graphs. If the values are bad, this
+        rank marks itself failed in the row it all-gathers and raises after the
         all-gather, where its peers raise too (``checks.check_peer_headers``):
         none is left waiting."""
+        x, topk_idx, topk_weights, ticket, groups = (request.x, request.topk_idx, request.topk_weights,
+                                                     request.ticket, request.groups)
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         weights = topk_weights.detach()
-        check_values = check_values and num_tokens > 0
+        check_values = request.check_values and num_tokens > 0
         header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket), dtype=torch.int64),
                                     x.device)
         captured, failed = None, None
@@ -135,7 +135,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if failed is not None:  # the peers are about to wait in the all-gather: stop them there
             plan.mark_failed(row[: row.numel() - self._tail_width()])
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
-                                        arrivals=self._arrivals)
+                                        arrivals=self.arrivals)
         if failed is not None:
             raise failed  # its peers raise in check_peer_headers
         if captured is not None:
@@ -170,7 +170,8 @@ class AllToAllDispatcher(TokenDispatcher):
         if groups > 1:
             pieces = _pieces(by_group, groups, rp, table, planned.summary[2 * world : counts_end])
         handle = AllToAllHandle(
-            owner=self,
+            owner=request.owner,
+            transport=self,
             call=ticket.call,
             num_tokens=num_tokens,
             num_rows=num_rows,
@@ -187,6 +188,7 @@ class AllToAllDispatcher(TokenDispatcher):
             expand_src=rp.expand_src,
             presum_index=rp.presum_index,
             by_group=pieces,
+            **shape_fields(request, self.num_local_experts, per_expert.tolist(), num_rows),
         )
         outputs = PlanOutputs(
             weights=rp.weights,
@@ -198,7 +200,7 @@ class AllToAllDispatcher(TokenDispatcher):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _counts_row_width(self) -> int:
+    def counts_row_width(self) -> int:
         return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + self._tail_width()
 
     def _tail_width(self) -> int:
@@ -206,19 +208,10 @@ class AllToAllDispatcher(TokenDispatcher):
         (``plan_graph.group_tail``)."""
         return 2 * self.world_size * self.num_local_experts + 1
 
-    def _to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> torch.Tensor:
-        return self._to_experts_start(rows, handle, codec).finish()
-
-    def _to_home(self, rows, handle: AllToAllHandle, weights, wire) -> torch.Tensor:
-        return self._to_home_start(rows, handle, weights, wire).finish()
-
-    def _weights_to_home(self, values: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
-        return self._weights_to_home_start(values, handle).finish()
-
-    def _to_experts_start(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec) -> Pending:
-        if handle.by_group is not None:  # every piece, then all groups' rows at once
-            pieces = self._to_experts_groups_start(rows, handle, codec, False)
-            return Pending(None, lambda: torch.cat([pieces.finish(g) for g in range(pieces.groups)]))
+    def to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec,
+                   own: bool = False) -> PendingGroups:
+        if handle.by_group is not None:
+            return self._to_experts_by_group(rows, handle, codec)
         sent = codec.pack(rows, handle.send_token)
         received, work = self._rows_start(sent, handle, back=False)
 
@@ -228,12 +221,10 @@ class AllToAllDispatcher(TokenDispatcher):
             mark(self.phase_timer, "expand")
             return expanded
 
-        return Pending(work, then)
+        return by_pieces(Pending(work, then), handle)
 
-    def _to_experts_groups_start(self, rows, handle: AllToAllHandle, codec: Codec, own: bool) -> PendingGroups:
+    def _to_experts_by_group(self, rows, handle: AllToAllHandle, codec: Codec) -> PendingGroups:
         pieces = handle.by_group
-        if pieces is None:
-            return super()._to_experts_groups_start(rows, handle, codec, own)
         sent = codec.pack(rows, handle.send_token)  # group after group
         received = sent.new_empty(handle.presum_index.shape[0], *sent.shape[1:])
         works, thens, at_send, at_recv = [], [], 0, 0
@@ -249,12 +240,12 @@ class AllToAllDispatcher(TokenDispatcher):
         mark(self.phase_timer, "exchange_out")
         return PendingGroups(works, thens)
 
-    def _group_sums(self, handle: AllToAllHandle, wire: str, dtype):
+    def group_sums(self, handle: AllToAllHandle, wire: str, dtype):
         if handle.by_group is None:
-            return super()._group_sums(handle, wire, dtype)
+            return super().group_sums(handle, wire, dtype)
         return _GroupedPresums(self, handle, wire)
 
-    def _to_home_start(self, rows, handle: AllToAllHandle, weights, wire) -> Pending:
+    def to_home(self, rows, handle: AllToAllHandle, weights, wire) -> Pending:
         if handle.by_group is not None:
             sums = _GroupedPresums(self, handle, wire)
             for g in range(handle.groups):
@@ -274,7 +265,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
         return Pending(work, then)
 
-    def _weights_to_home_start(self, values: torch.Tensor, handle: AllToAllHandle) -> Pending:
+    def slots_home(self, values: torch.Tensor, handle: AllToAllHandle) -> Pending:
         index = handle.presum_index  # [R, J]
         padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
@@ -291,7 +282,7 @@ class AllToAllDispatcher(TokenDispatcher):
             return comm.all_to_all_rows_start(rows, handle.recv_splits, handle.send_splits, self.group)
         return comm.all_to_all_rows_start(rows, handle.send_splits, handle.recv_splits, self.group)
 
-    def _stats(self, handle: AllToAllHandle, dispatch_row_bytes, combine_wire, hidden):
+    def stats(self, handle: AllToAllHandle, dispatch_row_bytes, combine_wire, hidden):
         local = self.local_world_size
         return make_stats(
             local,
@@ -308,7 +299,7 @@ class _GroupedPresums(GroupSumsIssuer):
     completes go home as that group's all-to-all, and the home rank sums them
     in ascending rank order once all are in: bitwise ``_to_home_start``'s."""
 
-    def __init__(self, dispatcher: AllToAllDispatcher, handle: AllToAllHandle, wire) -> None:
+    def __init__(self, dispatcher: AllToAllTransport, handle: AllToAllHandle, wire) -> None:
         """``wire``: the pre-sums' wire dtype, or the name of their wire format."""
         self._dispatcher, self._handle, self._wire = dispatcher, handle, wire
         self._works: list = []

@@ -13,7 +13,6 @@ summing the partials in ascending rank order and casting once.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +20,12 @@ import torch.distributed as dist
 
 from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
-from dispatch.dispatchers.base import CombineHandle, GroupSumsIssuer, PlanOutputs, TokenDispatcher
-from dispatch.dispatchers.streams import Pending, PendingGroups
+from dispatch.handle import CombineHandle, PlanOutputs
+from dispatch.streams import Pending, PendingGroups
+from dispatch.transports.base import GroupSumsIssuer, Request, Transport, shape_fields
 from dispatch.nvlink import (SENDS_COL, Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
                              staged_row_bytes)
-from dispatch.stats import make_stats, resolve_local_world_size, tier_split
+from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
 MAX_WORLD = 32  # a token's ranks are one 32-bit mask
@@ -45,7 +45,7 @@ class NVLinkHandle(CombineHandle):
             for a dispatch with max_rows).
         places: [N] routing weight (wire dtype), source rank and source token
             (int64) of each expanded row, written by the dispatch's own pull
-            (``_dispatch_start``), which reads the sources' routes.
+            (``to_experts`` with ``own``), which reads the sources' routes.
         group_bound: B, the rows of each group of a dispatch by groups with
             ``max_rows`` (group g's rows at [g B, g B + its rows), then zero rows);
             None otherwise.
@@ -59,27 +59,30 @@ class NVLinkHandle(CombineHandle):
     group_bound: int | None = None
 
 
-class NVLinkDispatcher(TokenDispatcher):
+class NVLinkTransport(Transport):
     """Deduplicated all-to-all over NVLink with the engine's kernels
-    (``variant="alltoall"``, ``transport="nvlink"`` or ``"auto"``; built by
-    ``dispatch.create`` once :func:`unusable` found nothing against it)."""
+    (``variant="alltoall"``, ``transport="nvlink"`` or ``"auto"``; chosen by
+    the registry once :func:`unusable` found nothing against it)."""
 
+    variant, transport = "alltoall", "nvlink"
     host_free = True
     max_topk = MAX_TOPK
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
-        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
         self.engine = engine_for(group, config.num_experts, config.sm_budget, config.timeout)
 
-    def _plan(self, x, topk_idx, topk_weights, check_values, ticket):
+    def plan(self, request: Request) -> tuple[NVLinkHandle, PlanOutputs]:
+        if request.max_rows is not None:
+            return self._plan_bounded(request)
+        x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
         num_tokens, topk = _check_topk(topk_idx)
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
         # the values are checked by the layout kernel, which marks this rank failed in
         # the counts every rank reads: no host synchronisation of its own
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, ticket),
-                                        x.detach().contiguous(), codec, check_values)
+                                        x.detach().contiguous(), codec, request.check_values)
         rows_of = counts.rows  # host: every rank's row of the counts matrix
         if rows_of[self.rank][plan.HEADER.index("failed")] and not ticket.refused:
             error = checks.values_error(checks.value_flags(topk_idx, weights, self.config.num_experts).cpu(),
@@ -94,18 +97,18 @@ class NVLinkDispatcher(TokenDispatcher):
         per_expert = to_expert[self.rank * local : (self.rank + 1) * local]
         has_rows = tuple(n > 0 for n in received)
         split = tuple(tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of)
-        handle, outputs = self._handle(x, counts, num_tokens, topk, sum(per_expert), grads_any, has_rows, split,
-                                       wire, torch.tensor(per_expert, dtype=torch.int64), ticket.call)
+        handle, outputs = self._handle(request, counts, sum(per_expert), grads_any, has_rows, split, wire,
+                                       torch.tensor(per_expert, dtype=torch.int64),
+                                       shape_fields(request, local, per_expert, sum(per_expert)))
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _plan_bounded_groups(self, x, topk_idx, topk_weights, check_values, ticket, groups: int):
-        return self._plan_bounded(x, topk_idx, topk_weights, check_values, ticket, groups)
-
-    def _plan_bounded(self, x, topk_idx, topk_weights, check_values, ticket, groups: int = 1):
-        # nothing read on the host: the counts exchange kernel checks what _plan checks
-        # here, for every rank alike, and a failure surfaces at a later host read; by
+    def _plan_bounded(self, request: Request) -> tuple[NVLinkHandle, PlanOutputs]:
+        # nothing read on the host: the counts exchange kernel checks what plan checks
+        # there, for every rank alike, and a failure surfaces at a later host read; by
         # groups, each group's rows padded to B = ceil(max_rows / G)
+        x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
+        groups = request.groups
         num_tokens, topk = _check_topk(topk_idx)
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
@@ -123,7 +126,7 @@ class NVLinkDispatcher(TokenDispatcher):
             header[plan.HEADER.index("failed")] = 2
             topk_idx, weights = topk_idx[:0], weights[:0]
         rows = x.detach().contiguous()[: len(topk_idx)]
-        counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, rows, codec, check_values,
+        counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, rows, codec, request.check_values,
                                         host_read=False, groups=groups)
         if short:
             raise ValueError(
@@ -136,12 +139,12 @@ class NVLinkDispatcher(TokenDispatcher):
                 f"(the buffers the first such dispatch sized from the group's largest T), got T={num_tokens}, "
                 f"K={topk}: give the first dispatch with max_rows the largest T on some rank; the engine is failed")
         x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
-        handle, outputs = self._handle(x, counts, num_tokens, topk, out_rows, (bool(x_grad), bool(w_grad)),
-                                       (True,) * self.world_size, None, wire, None, ticket.call)
+        shape = {}
         if groups > 1:
-            handle = dataclasses.replace(
-                handle, group_experts=plan.expert_groups(self.num_local_experts, groups),
-                group_rows=tuple(g * bound for g in range(groups + 1)), group_bound=bound)
+            shape = dict(group_experts=plan.expert_groups(self.num_local_experts, groups),
+                         group_rows=tuple(g * bound for g in range(groups + 1)), group_bound=bound)
+        handle, outputs = self._handle(request, counts, out_rows, (bool(x_grad), bool(w_grad)),
+                                       (True,) * self.world_size, None, wire, None, shape)
         mark(self.phase_timer, "plan")
         return handle, outputs
 
@@ -167,14 +170,16 @@ class NVLinkDispatcher(TokenDispatcher):
         codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
         return topk_weights.detach().to(wire).contiguous(), wire, codec
 
-    def _handle(self, x, counts: Counts, num_tokens, topk, num_rows, grads_any, has_rows, split, wire, per_expert_host,
-                call: int):
-        device = x.device
+    def _handle(self, request: Request, counts: Counts, num_rows, grads_any, has_rows, split, wire, per_expert_host,
+                shape: dict):
+        device = request.x.device
+        num_tokens, topk = request.topk_idx.shape
         width = min(topk, self.num_local_experts)
         presum = torch.empty(self.world_size * counts.bound, width, dtype=torch.int32, device=device)
         handle = NVLinkHandle(
-            owner=self,
-            call=call,
+            owner=request.owner,
+            transport=self,
+            call=request.ticket.call,
             num_tokens=num_tokens,
             num_rows=num_rows,
             topk=topk,
@@ -188,6 +193,7 @@ class NVLinkDispatcher(TokenDispatcher):
             places=(torch.empty(num_rows, dtype=wire, device=device),
                     torch.empty(num_rows, dtype=torch.int64, device=device),
                     torch.empty(num_rows, dtype=torch.int64, device=device)),
+            **shape,
         )
         routed, src_rank, src_token = handle.places
         outputs = PlanOutputs(
@@ -202,49 +208,36 @@ class NVLinkDispatcher(TokenDispatcher):
     def check(self) -> None:
         self.engine.check()
 
-    def _dispatch_start(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> Pending:
-        # x's rows to their places, with each place's weight and source; where every rank
-        # staged its rows with the counts, nothing more is exchanged first
+    def to_experts(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec,
+                   own: bool = False) -> PendingGroups:
+        if handle.groups > 1:
+            # one pull a group, in order, into one output: a row that an earlier group of this
+            # rank brought is copied from there, so a token still crosses to a rank once
+            pieces = _Pieces(self, rows.contiguous(), handle, codec, own)
+            return PendingGroups([None] * handle.groups, [lambda g=g: pieces.upto(g) for g in range(handle.groups)])
+        # the dispatch's own x: the rows to their places, with each place's weight and
+        # source; where every rank staged its rows with the counts, nothing more is exchanged
         tokens = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
-                                        handle.num_rows, meta_out=handle.places)
+                                        handle.num_rows, meta_out=handle.places if own else None)
         mark(self.phase_timer, "exchange_out")
-        return Pending.done(tokens)
+        return PendingGroups.one(Pending.done(tokens))
 
-    def _to_experts(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec) -> torch.Tensor:
-        if handle.group_bound is not None:  # rows padded by groups: each piece zeroes its own padding
-            pieces = _Pieces(self, rows.contiguous(), handle, codec, False)
-            pieces.upto(handle.groups - 1)
-            return pieces.out
-        out = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
-                                     handle.num_rows)
-        mark(self.phase_timer, "exchange_out")
-        return out
-
-    def _to_home(self, rows, handle: NVLinkHandle, weights, wire):
+    def to_home(self, rows, handle: NVLinkHandle, weights, wire) -> Pending:
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
         out = self.engine.to_home(rows.contiguous(), None if weights is None else weights.contiguous(), wire,
                                   handle.counts, handle.presum, at_least)
         mark(self.phase_timer, "exchange_back")
-        return out
+        return Pending.done(out)
 
-    def _to_experts_groups_start(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec,
-                                 own: bool) -> PendingGroups:
-        # one pull a group, in order, into one output: a row that an earlier group of this
-        # rank brought is copied from there, so a token still crosses to a rank once
+    def group_sums(self, handle: NVLinkHandle, wire: str, dtype):
         if handle.groups == 1:
-            return super()._to_experts_groups_start(rows, handle, codec, own)
-        pieces = _Pieces(self, rows.contiguous(), handle, codec, own)
-        return PendingGroups([None] * handle.groups, [lambda g=g: pieces.upto(g) for g in range(handle.groups)])
-
-    def _group_sums(self, handle: NVLinkHandle, wire: str, dtype):
-        if handle.groups == 1:
-            return super()._group_sums(handle, wire, dtype)
+            return super().group_sums(handle, wire, dtype)
         return _GroupPushes(self, handle, wire)
 
-    def _weights_to_home(self, values, handle: NVLinkHandle):
-        return self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k)
+    def slots_home(self, values, handle: NVLinkHandle) -> Pending:
+        return Pending.done(self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k))
 
-    def _stats(self, handle: NVLinkHandle, dispatch_row_bytes, combine_wire, hidden):
+    def stats(self, handle: NVLinkHandle, dispatch_row_bytes, combine_wire, hidden):
         if handle.split_matrix is None:  # a dispatch with max_rows: the sizes are not on the host
             return None
         local = self.local_world_size
@@ -258,7 +251,7 @@ class _Pieces:
     """The pulls of a move by groups, issued in group order whatever order the
     groups are asked for in (a piece copies rows that earlier pieces brought)."""
 
-    def __init__(self, dispatcher: NVLinkDispatcher, rows, handle: NVLinkHandle, codec: Codec, own: bool) -> None:
+    def __init__(self, dispatcher: NVLinkTransport, rows, handle: NVLinkHandle, codec: Codec, own: bool) -> None:
         self._d, self._rows, self._handle, self._codec, self._own = dispatcher, rows, handle, codec, own
         self._out, self._issued = None, 0
 
@@ -297,7 +290,7 @@ class _GroupPushes(GroupSumsIssuer):
     push nothing, and the last pushes every pre-sum (the same bits, nothing
     hidden)."""
 
-    def __init__(self, dispatcher: NVLinkDispatcher, handle: NVLinkHandle, wire: str) -> None:
+    def __init__(self, dispatcher: NVLinkTransport, handle: NVLinkHandle, wire: str) -> None:
         self._d, self._handle, self._wire_name = dispatcher, handle, wire
         self._rows: list = []  # every group's rows and weights, alive until the last push
         self._weights: list = []

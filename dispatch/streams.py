@@ -1,8 +1,10 @@
 """Where a dispatcher's exchanges run: the one place that knows about streams.
 
-A variant's ``_*_start`` hooks issue an exchange and return a :class:`Pending`
-(collectives issued with ``async_op=True``, plus what remains to be done once
-they are done: decode, expand, final sum). :class:`CommStreams` runs it:
+A transport's movements (``dispatch.transports.base.Transport``) issue an
+exchange and return a :class:`Pending` (collectives issued with
+``async_op=True``, plus what remains to be done once they are done: decode,
+expand, final sum), or a :class:`PendingGroups` of one per group of local
+experts. :class:`CommStreams` runs it:
 
 * on CUDA, with ``async_op``, the whole exchange (pack, collectives, unpack) is
   queued on the dispatcher's communication stream (one per device and
@@ -78,9 +80,19 @@ class PendingGroups:
         self._works, self._thens = list(works), list(thens)
         self._results: list = [None] * len(thens)
 
+    @classmethod
+    def one(cls, pending: Pending) -> "PendingGroups":
+        """An exchange in one piece."""
+        return cls([None], [pending.finish])
+
     @property
     def groups(self) -> int:
         return len(self._thens)
+
+    def whole(self) -> torch.Tensor:
+        """Every piece finished; their results concatenated (one piece: its own)."""
+        parts = [self.finish(g) for g in range(self.groups)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def finish(self, g: int) -> torch.Tensor:
         if self._thens[g] is not None:

@@ -1,0 +1,75 @@
+"""The autograd of dispatch and combine: each is the other's adjoint.
+
+The backward of dispatch is the sum of the rows' gradients home (unweighted),
+the backward of combine a dispatch of the gradient, so both directions keep the
+contract (deduplicated wire, fp32 sums in a fixed order). Every rank joins
+both backwards' exchanges, whatever it needs itself (``CombineHandle.x_grad_any``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dispatch.codec import sum_wire_dtype, to_experts_codec
+from dispatch.handle import padded, received
+from dispatch.kernels.row_grads import weighted_row_grads
+
+
+class DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle, started):
+        # ``started``: the exchange of x to the experts, started by the verb
+        ctx.dispatcher, ctx.handle = dispatcher, handle
+        tokens = padded(started.result(), handle, 0)
+        weights = padded(routed_weights.to(topk_weights.dtype, copy=True), handle, 0)
+        return tokens, weights, x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad_tokens, grad_weights, _grad_link):
+        # Exchanges follow what the group needs (handle), not this rank alone, so
+        # that every rank makes the same collective calls.
+        dispatcher, handle = ctx.dispatcher, ctx.handle
+        dispatcher._calls.agree(dispatcher._along("the backward of dispatch", handle, lambda: None))
+        grad_x = grad_topk = None
+        if handle.x_grad_any:
+            grad_tokens = received(grad_tokens, handle).contiguous()
+            wire = sum_wire_dtype(dispatcher.config.dispatch_grad_wire, grad_tokens.dtype)
+            grad_x = handle.transport.to_home(grad_tokens, handle, None, wire).finish()
+        if handle.weights_grad_any:
+            grad_topk = handle.transport.slots_home(received(grad_weights, handle).contiguous(), handle).finish()
+        needs = ctx.needs_input_grad
+        return (grad_x if needs[0] else None), (grad_topk if needs[1] else None), None, None, None, None, None
+
+
+class CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, link, dispatcher, handle, started):
+        # ``started``: the exchange of expert_out home, started by the verb
+        ctx.dispatcher, ctx.handle = dispatcher, handle
+        ctx.out_dtype, ctx.link_dtype = expert_out.dtype, link.dtype
+        ctx.weights_dtype = None if weights is None else weights.dtype
+        ctx.save_for_backward(
+            expert_out if weights is not None and weights.requires_grad else None, weights
+        )
+        return started.result()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        expert_out, weights = ctx.saved_tensors
+        ctx.dispatcher._calls.agree(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
+        grad_out = grad_out.contiguous()
+        config = ctx.dispatcher.config
+        codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.fp8_pow2_scales)
+        grad_rows = padded(ctx.handle.transport.to_experts(grad_out, ctx.handle, codec).whole(), ctx.handle, 0)
+        grad_expert = grad_weights = None
+        needs = ctx.needs_input_grad
+        if weights is None:
+            if needs[0]:
+                grad_expert = grad_rows.to(ctx.out_dtype)
+        elif needs[0] or needs[1]:
+            # expert_out is saved where the weights need a gradient; else rows of its dtype stand in
+            y = expert_out if needs[1] else grad_rows.new_empty(0, 0, dtype=ctx.out_dtype)
+            grad_expert, grad_weights = weighted_row_grads(grad_rows, weights, y, needs[1])
+            grad_expert = grad_expert if needs[0] else None
+        return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None, None, None
+

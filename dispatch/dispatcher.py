@@ -1,0 +1,509 @@
+"""The front end: the verbs users call, their checks, and the call agreement.
+
+Notation as in ``dispatch.handle`` (W, E, E_local, T, K, H, N; canonical order).
+
+:class:`TokenDispatcher` turns one transport (``dispatch.transports``: the
+protocol of ``transports.base.Transport``) into the public verbs:
+
+* ``dispatch`` / ``combine``: differentiable (``dispatch.autograd``), or work in
+  flight with ``async_op=True`` (``dispatch.work``);
+* ``dispatch_rows`` / ``combine_rows`` / ``combine_slots`` / ``combine_groups``:
+  the same movements along an existing handle, not differentiable (what a
+  hand-written backward or a pipeline needs).
+
+Every verb checks its arguments on this rank, then agrees on the call with
+every peer (``checks.Calls``) before any token moves: a rank's refusal, or
+ranks at different calls, raise on every rank alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from dispatch import capacity, checks, comm, plan
+from dispatch.autograd import CombineFn
+from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
+from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
+from dispatch.handle import CombineHandle, Dispatched, padded, received
+from dispatch.streams import CommStreams, Started, StartedGroups
+from dispatch.timing import PhaseTimer
+from dispatch.transports.base import Request, Transport
+from dispatch.work import DispatchWork, ExchangeWork, GroupSums
+
+
+class TokenDispatcher:
+    """Moves tokens to the ranks that hold their experts and back.
+
+    Construct through ``dispatch.create(config, group)``.
+
+    Attributes:
+        config: the :class:`DispatchConfig`.
+        group, world_size (W), rank, num_local_experts (E_local).
+        comm_priority: CUDA priority of the communication stream that the
+            verbs' ``async_op=True`` work runs on (lower is higher, clamped to
+            the device's range; default -1, high: the exchange's small
+            kernels do not queue behind the experts' GEMMs).
+        phase_timer: optionally a :class:`dispatch.timing.PhaseTimer` timing
+            the phases of the work.
+        transport: what moves its rows (``dispatch.transports``), chosen by
+            ``create`` from the registry by (variant, transport).
+        host_free: whether ``dispatch(..., max_rows=M)`` and the round trip
+            after it read nothing on the host, so that they can be captured in
+            a CUDA graph (the NVLink engine); elsewhere ``max_rows`` gives the
+            same shapes with a host read.
+        max_topk: the most slots per token it moves (None: any).
+
+    Every verb takes ``async_op``: False (default) returns the result; True
+    returns a work object (:class:`DispatchWork` / :class:`ExchangeWork`) whose
+    ``wait()`` returns it. Started work runs on the dispatcher's
+    communication stream on CUDA (the caller's stream waits for it at
+    ``wait()`` by an event, the host does not block), and as asynchronous
+    collectives on CPU (``wait()`` finishes them). Every rank of the group must
+    start the same exchanges in the same order (each call is agreed by every
+    rank before any token moves: ``checks``, ``dispatch.board``); several may be in flight at
+    once (each has its own handle), and may be waited for in any order.
+    """
+
+    def __init__(self, config: DispatchConfig, group: dist.ProcessGroup | None, transport: Transport) -> None:
+        self.config, self.group, self.transport = config, group, transport
+        self.world_size, self.rank = transport.world_size, transport.rank
+        self.num_local_experts = transport.num_local_experts
+        self.host_free, self.max_topk = transport.host_free, transport.max_topk
+        self.devices = comm.device_types(group)
+        self.comm_priority = -1
+        self._streams = CommStreams()
+        self._members = transport.members()  # the transports whose handles it moves along
+        # the calls, numbered and agreed with the peers (a row of the width of the counts exchange's)
+        counts_row = (transport.counts_row_width(), self.world_size * (1 + self.num_local_experts))
+        self._calls = checks.Calls(group, self.world_size, transport.arrivals, config.timeout, lambda: counts_row)
+
+    @property
+    def phase_timer(self) -> PhaseTimer | None:
+        return self.transport.phase_timer
+
+    @phase_timer.setter
+    def phase_timer(self, timer: PhaseTimer | None) -> None:
+        for transport in {self.transport, *self._members}:
+            transport.phase_timer = timer
+
+    # -- public verbs -------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        max_rows: int | None = None,
+        groups: int = 1,
+        async_op: bool = False,
+    ) -> "Dispatched | DispatchWork":
+        """Send each token to the ranks holding its experts, expanded per local expert.
+
+        The routing plan (with its counts exchange and one host synchronisation
+        for the split sizes) is made at once; with ``async_op`` the token
+        exchange is left in flight.
+
+        Args:
+            x: [T, H] float16/bfloat16/float32/float64 tokens of this rank (T may be 0).
+            topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
+            topk_weights: [T, K] floating routing weights.
+            max_rows: None, or a bound on the rows this rank receives. Its
+                outputs then have ``max_rows`` rows (those past the N received:
+                zero tokens and weights, sources -1; experts size by
+                ``tokens_per_expert``), and so do the expert outputs and row
+                arguments the verbs take along its handle. On the NVLink engine
+                the dispatch reads nothing on the host (it can be captured in a
+                CUDA graph): ``tokens_per_expert_host`` and ``stats`` are None,
+                and failures (a rank over its bound, bad values, ranks that
+                disagree) are raised at a later host read (the next such
+                dispatch, or :meth:`check`). Elsewhere the plan reads N on the
+                host as always, and a rank over its bound makes every rank
+                raise a ValueError before any token moves (the bounds travel
+                in the counts exchange). Every rank passes one or none; none
+                with ``pad_to_capacity``, which fixes the rows itself.
+            groups: G >= 1 groups of local experts (``plan.expert_groups``,
+                G <= E_local) to move the rows by: with ``async_op``,
+                ``DispatchWork.wait_group(g)`` hands out group g's rows while
+                later groups' still move, and ``combine_groups`` brings the
+                experts' outputs home group by group. The alltoall variant
+                on the NCCL transport (and on gloo; ``auto`` where it picks
+                alltoall) moves each group as its own all-to-all, the NVLink
+                engine pulls each group's rows in turn (either way a token
+                still crosses to a rank once: with the first group there that
+                needs it); the other variants move all groups at once and
+                hand them out by group. Every rank passes
+                the same G (checked where the pieces must match); not with
+                ``pad_to_capacity``. With ``max_rows`` (the NVLink engine
+                only), each group's rows are padded to B = ceil(max_rows / G):
+                group g's rows at [g B, g B + its rows), then zero rows, the
+                outputs G B rows, nothing read on the host; a rank with more
+                than B rows in a group fails every rank alike (raised at a
+                later host read). The rows are then not expert-contiguous
+                from row 0: hand each group's to the experts (``wait_group``,
+                with its ``tokens_per_expert``).
+            async_op: return a :class:`DispatchWork` instead of the result.
+        Returns:
+            :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).
+            Gradients flow to ``x`` (through ``tokens``) and to ``topk_weights``
+            (through ``weights``).
+        """
+        ticket = self._calls.ticket("dispatch")
+        try:
+            codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
+        except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
+            checks.refuse(error, lambda: self._take_part_refused(ticket))
+        if self._calls.on_board and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
+            self._calls.agree(ticket)  # the call agreed on the host; the counts exchange checks it again
+        dropped = None
+        if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
+            topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
+                                                            self.config.capacity_factor, self.config.drop_policy)
+        request = Request(self, x, topk_idx, topk_weights, ticket, self.config.check_inputs, groups)
+        if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
+            blocks = self._capacity_blocks(x, topk_idx, ticket)
+            padded_rows = self.num_local_experts * sum(blocks)
+            memory_rows = self._row_budgets(x, None)[1]  # the N received and their padded copy, at once
+            budgets = (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0))
+            handle, plan_out = self.transport.plan(dataclasses.replace(request, ticket=ticket.with_budgets(budgets)))
+            handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
+        else:
+            request = dataclasses.replace(request, ticket=ticket.with_budgets(self._row_budgets(x, max_rows)))
+            handle, plan_out = self.transport.plan(request)
+        rows = x.detach()
+        started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
+                                             (rows,), async_op, self.comm_priority)
+        hidden = x.shape[1]
+        dispatch_row_bytes = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
+        combine_wire = sum_wire_dtype(self.config.combine_wire, x.dtype)
+        stats = handle.transport.stats(handle, dispatch_row_bytes, combine_wire, hidden)
+        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, stats, dropped)
+        return work if async_op else work.wait()
+
+    def combine(
+        self,
+        expert_out: torch.Tensor,
+        handle: CombineHandle,
+        weights: torch.Tensor | None = None,
+        *,
+        async_op: bool = False,
+    ) -> "torch.Tensor | ExchangeWork":
+        """Bring expert outputs home and sum them per token.
+
+        Args:
+            expert_out: [N, H'] expert outputs in the dispatched (canonical) order.
+            handle: ``Dispatched.handle`` of the matching dispatch.
+            weights: [N] routing weights to apply (usually ``Dispatched.weights``),
+                or None if the experts already weighted their outputs.
+            async_op: return an :class:`ExchangeWork` instead of the result.
+        Returns:
+            [T, H'] in the dtype of ``expert_out``: for each token, the sum over its
+            slots of ``weight * expert_out``, accumulated in fp32 (fp64 for fp64).
+            On a rank whose experts got no rows while others' did, in the dtype of
+            theirs (``_home_rows``). Differentiable w.r.t. ``expert_out`` and
+            ``weights`` (the backward is a dispatch of the gradient).
+        """
+        ticket = self._along("combine", handle, lambda: self._check_combine(expert_out, handle, weights))
+        rows = received(expert_out.detach(), handle)
+        headers = self._calls.agree(ticket, _dtype_code(rows))
+        rows = self._home_rows(rows, handle, headers).contiguous()
+        wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
+        w = None if weights is None else received(weights.detach(), handle)
+        started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), async_op)
+        work = ExchangeWork(lambda: CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
+        return work if async_op else work.wait()
+
+    def _check_combine(self, expert_out, handle: CombineHandle, weights) -> None:
+        """``combine``'s own checks of its arguments (this rank alone)."""
+        self._check_handle(handle)
+        checks.check_combine_inputs(expert_out, weights, handle.rows, self.devices)
+        differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
+        if torch.is_grad_enabled() and differentiable and not handle.link.requires_grad:
+            raise ValueError(
+                "expert_out (or weights) requires grad but the dispatch behind handle ran with "
+                "grad mode off: run dispatch with grad mode on so every rank joins the backward"
+            )
+
+    def dispatch_rows(
+        self, rows: torch.Tensor, handle: CombineHandle, *, wire: str = "native", async_op: bool = False
+    ) -> "torch.Tensor | ExchangeWork":
+        """Move per-token rows to the experts along an existing handle, as its
+        dispatch moved x (the backward of ``combine``); not differentiable.
+
+        Args:
+            rows: [T, H'] floating, one row per token of the dispatch behind ``handle``.
+            handle: ``Dispatched.handle``.
+            wire: how the rows travel: "native" (their dtype, lossless), "bf16",
+                "fp32", "fp8" or "e5m2" (block-scaled as ``DispatchConfig.dispatch_wire``,
+                with its ``fp8_pow2_scales``).
+            async_op: return an :class:`ExchangeWork` instead of the result;
+                along the handle of a dispatch by groups, its ``wait_group(g)``
+                gives group g's rows while later groups' still move.
+        Returns:
+            [N, H'] in the dtype of ``rows``: row i is the row of the token behind
+            dispatched row i (``Dispatched.src_rank/src_token``), canonical order.
+        """
+        def check():
+            self._check_handle(handle)
+            checks.check_rows("rows", rows, handle.num_tokens, "the dispatch behind handle had T =", self.devices)
+            _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
+            to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
+
+        self._calls.agree(self._along("dispatch_rows", handle, check))
+        codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
+        rows = rows.detach().contiguous()
+        started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec),
+                                             (rows,), async_op, self.comm_priority)
+        if handle.groups > 1:
+            work = ExchangeWork(started.result, started.result)
+        else:
+            work = ExchangeWork(lambda: padded(started.result(), handle, 0))
+        return work if async_op else work.wait()
+
+    def combine_rows(
+        self,
+        rows: torch.Tensor,
+        handle: CombineHandle,
+        weights: torch.Tensor | None = None,
+        *,
+        wire: str = "native",
+        async_op: bool = False,
+    ) -> "torch.Tensor | ExchangeWork":
+        """Sum dispatched rows home along an existing handle, as ``combine`` does
+        (the backward of ``dispatch`` with ``weights=None``); not differentiable.
+
+        Args:
+            rows: [N, H'] floating, in the dispatched order; the same dtype on
+                every rank that has rows (no dtype is agreed, unlike ``combine``).
+            handle: ``Dispatched.handle``.
+            weights: None or [N] floating, applied to the rows before the sums.
+            wire: how the expert-side partial sums travel: "native" (their
+                accumulation's input dtype), "bf16" or "fp32".
+            async_op: return an :class:`ExchangeWork` instead of the result.
+        Returns:
+            [T, H'] in the dtype of ``rows``: per token, the sum of its rows
+            (weighted), in fp32 (fp64 for fp64 rows or weights), ascending rank order.
+        """
+        def check():
+            self._check_handle(handle)
+            checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
+            _check_wire("wire", wire, SUM_WIRES)
+
+        self._calls.agree(self._along("combine_rows", handle, check))
+        rows = received(rows.detach(), handle).contiguous()
+        w = None if weights is None else received(weights.detach(), handle)
+        wire_dtype = sum_wire_dtype(wire, rows.dtype)
+        started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire_dtype), _present(rows, w),
+                              async_op)
+        work = ExchangeWork(started.result)
+        return work if async_op else work.wait()
+
+    def combine_slots(
+        self, values: torch.Tensor, handle: CombineHandle, *, async_op: bool = False
+    ) -> "torch.Tensor | ExchangeWork":
+        """Bring one value per dispatched row home to its (token, slot), along an
+        existing handle (the gradient of the routing weights goes home so);
+        not differentiable.
+
+        Args:
+            values: [N] floating, one per dispatched row (canonical order).
+            handle: ``Dispatched.handle``.
+            async_op: return an :class:`ExchangeWork` instead of the result.
+        Returns:
+            [T, K] in the dtype of ``values``: the value of the row of each
+            (token, slot), 0 for empty slots.
+        """
+        def check():
+            self._check_handle(handle)
+            checks.check_values("values", values, handle.rows, self.devices)
+
+        self._calls.agree(self._along("combine_slots", handle, check))
+        values = received(values.detach().contiguous(), handle)
+        started = self._start(lambda: handle.transport.slots_home(values, handle), (values,), async_op)
+        work = ExchangeWork(started.result)
+        return work if async_op else work.wait()
+
+    def combine_groups(
+        self, handle: CombineHandle, *, dtype: torch.dtype | None, wire: str = "native"
+    ) -> "GroupSums":
+        """Sum dispatched rows home group by group, along the handle of a dispatch
+        by groups (``dispatch(groups=G)``): ``combine_rows`` in pieces, for a
+        pipeline that computes one group of experts at a time. Not differentiable.
+
+        Each :meth:`GroupSums.add` takes the next group's rows (and their
+        routing weights, or None) and adds them to the running pre-sums of
+        their (token, source rank) rows, in fp32 (fp64 as ``combine_rows``); a
+        pre-sum whose last group is in starts home at once (on the
+        communication stream). :meth:`GroupSums.wait` gives the home sums:
+        bitwise ``combine_rows`` of all groups' rows at once, for every G.
+
+        Args:
+            handle: the handle of a dispatch by groups (or of any dispatch: one group).
+            dtype: the dtype the rows are summed from and the sums come home
+                in, the same on every rank (the pre-sums travel before some
+                ranks have computed any row); rows added in another dtype are
+                cast to it first. None for one group only: the rows' own dtype,
+                agreed between the ranks as ``combine`` does.
+            wire: how the pre-sums travel: "native", "bf16" or "fp32".
+        """
+        def check():
+            self._check_handle(handle)
+            _check_wire("wire", wire, SUM_WIRES)
+            if dtype is None and handle.groups > 1:
+                raise TypeError(f"dtype: a dispatch by {handle.groups} groups sums rows of a dtype given up front, "
+                                "got None")
+            if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
+                raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+        self._calls.agree(self._along("combine_groups", handle, check))
+        return GroupSums(self, handle, dtype, wire)
+
+    def reserve(self, x: torch.Tensor, topk: int) -> None:
+        """Make room for dispatches with ``max_rows`` of up to ``x``'s T tokens of
+        ``topk`` slots, rows like ``x`` (round trip and backward included), so that
+        they read nothing on the host. A collective over the group: every rank calls
+        it at the same point, each with its own ``x`` (one host synchronisation).
+        Without it the first dispatch with ``max_rows`` sizes the room once, and a
+        later one that does not fit raises. Nothing to do where ``max_rows`` reads
+        the host anyway."""
+        self.transport.reserve(x, topk)
+
+    def check(self) -> None:
+        """Raise a failure that an exchange with no host read (``max_rows``)
+        recorded on the device: a rank over its ``max_rows``, bad values, ranks
+        that disagree, a peer that did not arrive. A host read: it waits for the
+        work queued so far. Without such exchanges nothing is pending (failures
+        are raised by the call that meets them)."""
+        self.transport.check()
+
+    # -- shared by the verbs --------------------------------------------------
+
+    def _check_dispatch(self, x, topk_idx, topk_weights, max_rows, groups) -> Codec:
+        """``dispatch``'s own checks of its arguments (this rank alone); its wire codec."""
+        checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
+        checks.check_groups(groups, self.num_local_experts)
+        if self.max_topk is not None and topk_idx.shape[1] > self.max_topk:
+            raise ValueError(f"topk_idx: {self._name()} takes at most {self.max_topk} slots per token, "
+                             f"got K={topk_idx.shape[1]}")
+        if groups > 1 and self.config.pad_to_capacity:
+            raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
+                             "places its rows group by group; use groups=1")
+        if groups > 1 and max_rows is not None and not self.host_free:
+            raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs a "
+                             f"dispatcher that reads nothing on the host (the NVLink engine), {self._name()} "
+                             "sizes its rows on the host; use groups=1 or no max_rows")
+        if self.config.pad_to_capacity and max_rows is not None:
+            raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum "
+                             "of the ranks' capacities); dispatch without max_rows")
+        if max_rows is not None:
+            checks.check_max_rows(max_rows)
+        return to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+
+    def _take_part_refused(self, ticket: plan.Ticket) -> None:
+        """This rank's share of a dispatch it refuses: the first message (the
+        call's agreement on the board, or the counts exchange marked refused,
+        with no tokens), as its peers make it."""
+        ticket = dataclasses.replace(ticket, refused=True)
+        if self._calls.on_board or self.config.pad_to_capacity:
+            self._calls.agree(ticket, tail=(0,))
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in self.devices else torch.device("cpu")
+        self.transport.plan(Request(self, torch.zeros(0, 1, device=device),
+                                    torch.zeros(0, 1, dtype=torch.int64, device=device),
+                                    torch.zeros(0, 1, device=device), ticket, False))
+
+    def _name(self) -> str:
+        variant, transport = self.transport.key
+        return f"the {variant} variant over {transport}"
+
+    def _along(self, verb: str, handle, check) -> plan.Ticket:
+        """Start a verb that moves rows along ``handle``: run its own checks
+        (``check()``); if they fail, agree on the call refused and raise (the
+        peers raise :class:`checks.PeerRefused`). Returns the call's ticket,
+        which the verb then agrees on (``checks.Calls.agree``)."""
+        ticket = self._calls.ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
+        try:
+            check()
+        except (TypeError, ValueError) as error:
+            checks.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
+        return ticket
+
+    def _start(self, issue, reads: tuple, async_op: bool) -> Started:
+        return self._streams.start(issue, reads, async_op, self.comm_priority)
+
+    def _check_handle(self, handle: object) -> None:
+        if not isinstance(handle, CombineHandle) or handle.owner is not self:
+            raise ValueError("handle must be the Dispatched.handle of a dispatch made by this dispatcher")
+        if handle.pad_blocks is not None and handle.pad_index is None:
+            raise ValueError("handle: a pad_to_capacity dispatch places its rows when it is waited for; move rows "
+                             "along the handle of its result (DispatchWork.wait().handle)")
+
+    def _home_rows(self, rows: torch.Tensor, handle: CombineHandle,
+                   headers: list[list[int]] | None = None) -> torch.Tensor:
+        """``rows``, expert outputs about to go home, in the dtype in which the
+        group's partial sums travel.
+
+        A rank whose experts got no rows answered an empty call, and experts may
+        answer one in another dtype than their outputs (autocast, an early
+        return). That rank still receives its tokens' partial sums, in the dtype
+        of the ranks that computed them. So where ``handle.has_rows`` shows ranks
+        without rows beside ranks with rows, every rank learns the dtype of the
+        others' rows and a rank without rows takes it; ranks with rows in
+        different dtypes are then refused, on every rank alike. Where every rank
+        has rows nothing is checked: their dtypes must agree (the wire carries
+        no dtype; a mismatch fails in the collective, or worse). ``headers``:
+        the call's agreement (``Calls.agree`` with ``_dtype_code``), which carries
+        every rank's code; without it (``GroupSums`` of one group) the codes
+        are all-gathered here, where needed (a host read).
+        """
+        has = handle.has_rows
+        if all(has) or not any(has):
+            return rows
+        dtypes = checks.FLOAT_DTYPES
+        if headers is not None:
+            codes = [h[plan.HEADER.index("x_dtype")] for h in headers]
+        else:
+            row = plan.to_device(torch.tensor([_dtype_code(rows)], dtype=torch.int64), rows.device)
+            codes = comm.all_gather_rows(row, self.group, self.world_size).flatten().tolist()  # host sync: dtype
+        known = sorted({c for c in codes if c >= 0})
+        if len(known) != 1 or known[0] == len(dtypes):
+            names = ", ".join(f"rank {r}: {dtypes[c] if c < len(dtypes) else 'not floating'}"
+                              for r, c in enumerate(codes) if c >= 0)
+            raise ValueError(f"expert outputs must have one floating dtype on every rank that has rows; got {names}")
+        return rows if rows.shape[0] else rows.to(dtypes[known[0]])
+
+    def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor, ticket: plan.Ticket) -> tuple[int, ...]:
+        """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): every
+        rank's T travels in the call's agreement (``checks.Calls.agree``)."""
+        config = self.config
+        tokens = [row[-1] for row in self._calls.agree(ticket, tail=(topk_idx.shape[0],))]
+        topk = topk_idx.shape[1]
+        return tuple(min(capacity.capacity(t, topk, config.num_experts, config.capacity_factor), t) for t in tokens)
+
+    def _row_budgets(self, x: torch.Tensor, max_rows: int | None) -> tuple[int, int]:
+        """This rank's (max_rows, rows its free device memory holds), -1 for none:
+        the budgets its header carries (``plan.header``), checked on every rank
+        before any token moves (``checks.check_row_budgets``)."""
+        free = checks.free_bytes(x.device)
+        memory_rows = -1 if free is None else min(free // self.transport.row_bytes(x), 2**31 - 1)
+        return -1 if max_rows is None else max_rows, memory_rows
+
+
+def _dtype_code(rows: torch.Tensor) -> int:
+    """The code of expert rows' dtype that ranks agree on (``_home_rows``): its
+    index in ``checks.FLOAT_DTYPES``, one past them for any other, -1 for no rows."""
+    dtypes = checks.FLOAT_DTYPES
+    return (dtypes.index(rows.dtype) if rows.dtype in dtypes else len(dtypes)) if rows.shape[0] else -1
+
+
+def _present(*tensors) -> tuple:
+    return tuple(t for t in tensors if t is not None)
+
+
+def _check_wire(name: str, wire: object, choices: tuple[str, ...]) -> None:
+    if wire not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {wire!r}")
+

@@ -1,0 +1,219 @@
+"""The transport protocol: what moves a dispatch's rows, behind the front end.
+
+Notation as in ``dispatch.handle`` (W, E_local, T, K, H, N).
+
+A transport is one way of moving rows over one kind of link (the alltoall
+variant over NCCL, over the NVLink engine, the allgather and hierarchical
+variants, ``auto``'s choice among them). The front end
+(``dispatch.dispatcher.TokenDispatcher``) checks the verbs' arguments, agrees
+on each call with the peers and runs the autograd and the streams; it talks to
+its transport through these methods only, each in one form:
+
+* ``plan(request)``: the routing plan of one dispatch and its counts exchange
+  (a :class:`Request`); returns the handle and the per-row facts;
+* ``to_experts(rows, handle, codec, own)``: [T, H] home rows -> [N, H] rows
+  for the experts, one piece per group of local experts (``PendingGroups``);
+* ``to_home(rows, handle, weights, wire)``: [N, H] rows -> [T, H] sums home
+  (``Pending``);
+* ``slots_home(values, handle)``: [N] per-row values -> [T, K] per slot;
+* ``group_sums(handle, wire, dtype)``: the sums home of a combine by groups;
+* ``stats(...)``: the traffic of a round trip, from host-side sizes.
+
+Each movement returns work in flight; ``finish()`` gives its result. The
+transports are registered by (variant, transport) in ``dispatch.transports``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dispatch import comm, plan
+from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
+from dispatch.handle import CombineHandle, PlanOutputs, received
+from dispatch.stats import DispatchStats, resolve_local_world_size
+from dispatch.streams import Pending, PendingGroups
+
+
+@dataclass(frozen=True)
+class Request:
+    """One dispatch, checked by the front end, for a transport's ``plan``.
+
+    Attributes:
+        owner: the dispatcher it is for (the handle's ``owner``).
+        x: [T, H] tokens; topk_idx: [T, K] expert ids (-1 empty); topk_weights: [T, K].
+        ticket: the call (``plan.Ticket``): its number, whether this rank
+            refused it, its row budgets (``max_rows``, ``memory_rows``; -1: none).
+        check_values: check the values of the routing (``checks.value_flags``).
+        groups: G, the groups of local experts the rows move by.
+    """
+
+    owner: object
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    ticket: plan.Ticket
+    check_values: bool
+    groups: int = 1
+
+    @property
+    def max_rows(self) -> int | None:
+        """The dispatch's bound on the rows this rank receives (None: none)."""
+        return None if self.ticket.max_rows < 0 else self.ticket.max_rows
+
+
+class Transport(abc.ABC):
+    """Moves rows for one dispatcher (see the module doc).
+
+    Attributes:
+        variant, transport: (class) its key in the registry.
+        host_free: (class) whether a dispatch with ``max_rows`` and the round
+            trip after it read nothing on the host (CUDA-graph capturable).
+        max_topk: (class) the most slots per token it moves (None: any).
+        config, group, world_size (W), rank, num_local_experts (E_local),
+        local_world_size (ranks per node), arrivals (``comm.Arrivals``: the
+        bounded wait of its counts exchange), phase_timer (or None).
+    """
+
+    variant = ""
+    transport = "nccl"
+    host_free = False
+    max_topk: int | None = None
+
+    def __init__(self, config, group: dist.ProcessGroup | None) -> None:
+        self.config, self.group = config, group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.num_local_experts = config.num_experts // self.world_size
+        self.local_world_size = resolve_local_world_size(config.local_world_size, self.world_size)
+        self.arrivals = comm.Arrivals(group, config.timeout)
+        self.phase_timer = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.variant, self.transport
+
+    @abc.abstractmethod
+    def plan(self, request: Request) -> tuple[CombineHandle, PlanOutputs]:
+        """The routing plan and its exchanges; no token data moves yet. With
+        ``check_values``, a rank with bad values raises right after the counts
+        exchange, in which it marks itself failed so that its peers raise there
+        too; ranks that disagree on the call, K, H or dtypes are refused
+        (``checks.check_peer_headers``), and so is a rank over one of its row
+        budgets (``checks.check_row_budgets``), before any token moves. With
+        ``max_rows`` a transport that reads its counts on the host pads the
+        rows to it (``CombineHandle.max_rows``); by groups, it plans all at once
+        unless it moves by groups (``shape_fields``)."""
+
+    @abc.abstractmethod
+    def to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec, own: bool = False) -> PendingGroups:
+        """[T, H] home rows -> [N, H] expanded rows (dtype of ``rows``), packed
+        by ``codec`` (gather + encode), exchanged, unpacked (decode + expand);
+        piece g is group g's rows. ``own``: the dispatch's own x (the NVLink
+        engine writes the rows' places as it moves them)."""
+
+    @abc.abstractmethod
+    def to_home(self, rows: torch.Tensor, handle: CombineHandle, weights: torch.Tensor | None,
+                wire: torch.dtype) -> Pending:
+        """[N, H] expanded rows -> [T, H] (dtype of ``rows``): weighted pre-sum
+        per (token, rank), exchange back via ``wire``, sum in ascending rank order."""
+
+    @abc.abstractmethod
+    def slots_home(self, values: torch.Tensor, handle: CombineHandle) -> Pending:
+        """[N] per-row values -> [T, K] per-slot values (0 for empty slots)."""
+
+    def group_sums(self, handle: CombineHandle, wire: str, dtype: torch.dtype | None) -> "GroupSumsIssuer":
+        """What issues a ``GroupSums``' work; ``wire``: the pre-sums' wire
+        format's name; ``dtype``: the rows' (None: agreed, one group only).
+        Here: every group's rows kept, then summed home at once."""
+        return WholeSums(handle, wire, dtype)
+
+    def stats(self, handle: CombineHandle, dispatch_row_bytes: int, combine_wire: torch.dtype,
+              hidden: int) -> DispatchStats | None:
+        """Traffic of the round trip behind ``handle`` (``dispatch.stats``), from
+        host-side sizes only; None where it is not accounted."""
+        return None
+
+    def counts_row_width(self) -> int:
+        """Length of the row its counts exchange all-gathers (counts, header,
+        a tail of at least one entry): the agreement over the host channel
+        all-gathers rows of this length, so that on gloo the two pair."""
+        return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + 1
+
+    def members(self) -> tuple["Transport", ...]:
+        """The transports whose handles the front end takes (``auto``: its candidates)."""
+        return (self,)
+
+    def row_bytes(self, x: torch.Tensor) -> int:
+        """Bytes a dispatch of x allocates per row it receives: the row on the
+        wire, the output row, its weight and sources (the free-memory budget)."""
+        hidden = x.shape[1]
+        wire = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
+        return wire + hidden * x.element_size() + 24
+
+    def reserve(self, x: torch.Tensor, topk: int) -> None:
+        """``TokenDispatcher.reserve``: nothing where ``max_rows`` reads the host anyway."""
+
+    def check(self) -> None:
+        """``TokenDispatcher.check``: nothing is pending where every failure is raised at once."""
+
+
+def shape_fields(request: Request, num_local: int, per_expert: list[int], num_rows: int) -> dict:
+    """The handle's fields that a plan read on the host gives the front end:
+    its groups' bounds (``group_experts``, ``group_rows``) for a dispatch by
+    groups, and ``max_rows`` where the rows are padded to a bound."""
+    fields = {}
+    if request.groups > 1:
+        bounds = plan.expert_groups(num_local, request.groups)
+        fields.update(group_experts=bounds, group_rows=tuple(sum(per_expert[:b]) for b in bounds))
+    if request.max_rows is not None and request.max_rows != num_rows:
+        fields["max_rows"] = request.max_rows
+    return fields
+
+
+def by_pieces(whole: Pending, handle: CombineHandle) -> PendingGroups:
+    """A movement made at once, handed out by group: piece g is group g's rows."""
+    if handle.groups == 1:
+        return PendingGroups.one(whole)
+    return PendingGroups([None] * handle.groups,
+                         [lambda g=g: whole.finish()[slice(*handle.row_range(g))] for g in range(handle.groups)])
+
+
+class GroupSumsIssuer:
+    """A transport's side of a ``GroupSums``: ``add(g, rows, weights)`` issues
+    group g's work, ``finish()`` returns a :class:`Pending` of the home sums."""
+
+    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> Pending:
+        raise NotImplementedError
+
+
+class WholeSums(GroupSumsIssuer):
+    """Every group's rows kept until the last is in, then summed home at once
+    (as ``combine_rows``; for rows of one group of no given dtype, in the
+    dtype the ranks agree on, as ``combine``)."""
+
+    def __init__(self, handle: CombineHandle, wire: str, dtype) -> None:
+        self._handle, self._wire, self._dtype = handle, wire, dtype
+        self._parts: list[tuple] = []
+        self._pending: Pending | None = None
+
+    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        self._parts.append((rows, weights))
+        if g + 1 == self._handle.groups:
+            parts, self._parts = self._parts, []
+            handle = self._handle
+            rows = received(torch.cat([r for r, _ in parts]) if len(parts) > 1 else parts[0][0], handle)
+            if self._dtype is None:  # the dtype agreed, as combine
+                rows = handle.owner._home_rows(rows, handle)
+            rows = rows.contiguous()
+            w = None if weights is None else received(torch.cat([w for _, w in parts]), handle)
+            self._pending = handle.transport.to_home(rows, handle, w, sum_wire_dtype(self._wire, rows.dtype))
+
+    def finish(self) -> Pending:
+        return self._pending

@@ -1,0 +1,179 @@
+"""Work in flight: a dispatch started with ``async_op=True`` (:class:`DispatchWork`),
+a combine or a move along a handle (:class:`ExchangeWork`), and the sums of a
+combine by groups (:class:`GroupSums`).
+
+Notation as in ``dispatch.handle``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+from dispatch import checks
+from dispatch.autograd import DispatchFn
+from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup, only, pad_to_blocks, padded
+from dispatch.streams import Pending, StartedGroups
+
+
+class GroupSums:
+    """Expert rows summed home group by group (``TokenDispatcher.combine_groups``)."""
+
+    def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, dtype, wire: str) -> None:
+        self._dispatcher, self._handle, self.dtype = dispatcher, handle, dtype
+        self._issuer = handle.transport.group_sums(handle, wire, dtype)
+        self._added, self._last, self._result = 0, None, None
+        self._weights_dtype = False  # not known before the first add
+
+    def add(self, rows: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """The next group's rows ([N_g, H'], canonical order; cast to ``dtype``
+        if given in another) and their routing weights ([N_g] floating, e.g.
+        ``DispatchedGroup.weights``), or None (in every group alike). The
+        pre-sums' way home starts behind the caller's current stream's work so
+        far. A rank that refuses its rows here (shape, weights) makes its
+        peers raise too, naming it (each group's add agrees on the call, as
+        ``combine`` does). Leave the rows and weights unchanged until
+        :meth:`wait`: a later group's pre-sums may read them (the NVLink engine
+        sums each pre-sum whole when its last group comes)."""
+        handle, g = self._handle, self._added
+        given = weights.dtype if isinstance(weights, torch.Tensor) else None
+
+        def check():
+            if g == handle.groups:
+                raise ValueError(f"add: all {handle.groups} groups were added already")
+            lo, hi = handle.row_range(g)
+            devices = self._dispatcher.devices
+            checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices)
+            if self._last is not None and rows.shape[1] != self._last.shape[1]:
+                raise ValueError(f"rows of group {g} have {rows.shape[1]} columns, earlier groups "
+                                 f"{self._last.shape[1]}")
+            if weights is not None:
+                checks.check_values("weights", weights, hi - lo, devices)
+            if self._weights_dtype is not False and given != self._weights_dtype:
+                raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh "
+                                 "every group alike (or none)")
+
+        self._dispatcher._calls.agree(self._dispatcher._along("GroupSums.add", handle, check))
+        if self.dtype is not None and rows.dtype != self.dtype:
+            # cast, not refused: a rank without rows in this group could not
+            # refuse alike, and would send its pieces to peers that wait
+            rows = rows.to(self.dtype)
+        if weights is not None:
+            weights = weights.detach().contiguous()
+        rows = rows.detach().contiguous()
+        reads = (rows,) if weights is None else (rows, weights)
+        self._dispatcher._start(lambda: Pending.done(self._issuer.add(g, rows, weights)), reads, True)
+        self._added, self._last, self._weights_dtype = g + 1, rows, given
+
+    def wait(self) -> torch.Tensor:
+        """[T, H'] in ``dtype``: per token, the (weighted) sum of its rows, as
+        ``combine_rows``; the caller's current stream waits for it. Once every
+        group is added."""
+        if self._result is None:
+            if self._added != self._handle.groups:
+                raise ValueError(f"wait: {self._added} of {self._handle.groups} groups were added; add every group")
+            started = self._dispatcher._start(self._issuer.finish, (self._last,), True)
+            self._result, self._issuer, self._last = started.result(), None, None
+        return self._result
+
+
+class DispatchWork:
+    """A dispatch in flight (``TokenDispatcher.dispatch(..., async_op=True)``).
+
+    Its routing plan is made (``handle`` is known); the token exchange may
+    still be moving. It holds the inputs and the buffers until waited for.
+
+    Attributes:
+        handle: the :class:`CombineHandle` of this dispatch (also
+            ``wait().handle``; with ``pad_to_capacity``, only ``wait().handle``
+            moves rows: the rows are placed in their blocks at the wait).
+    """
+
+    def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: StartedGroups, stats, dropped) -> None:
+        self._args = (x, topk_weights, stats, dropped)
+        self.handle = handle
+        self._result: Dispatched | None = None
+        self._dispatcher, self._started, self._plan_out = dispatcher, started, plan_out
+
+    def wait_group(self, g: int) -> DispatchedGroup:
+        """Group g's rows (:class:`DispatchedGroup`), not differentiable; the
+        caller's current stream waits for that group's piece only (the later
+        groups' rows may still be moving). A dispatch without ``groups`` is
+        one group. Leave the rows unchanged until every group is waited for:
+        on the NVLink engine a later group copies rows that an earlier group
+        brought."""
+        handle = self.handle
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < handle.groups:
+            raise ValueError(f"g must be a group index in [0, {handle.groups}), got {g!r}")
+        if self._started is None:
+            raise ValueError("wait_group: the dispatch was waited for (wait()); take its rows from that result")
+        if handle.pad_blocks is not None:
+            raise ValueError("wait_group: a pad_to_capacity dispatch places its rows at wait(); use wait()")
+        g = int(g)
+        lo, hi = handle.row_range(g)
+        bounds = handle.group_experts or (0, self._dispatcher.num_local_experts)
+        first, end = bounds[g], bounds[g + 1]
+        tokens = self._started.result(g)  # once waited for, again at wait()
+        if handle.groups == 1:
+            tokens = padded(tokens, handle, 0)
+        per_expert_host = self._plan_out.tokens_per_expert_host
+        if per_expert_host is not None:
+            per_expert_host = only(per_expert_host, first, end)
+        per_expert = only(self._plan_out.tokens_per_expert, first, end)  # on the device: no host copy
+        weights = padded(self._plan_out.weights, handle, 0)[lo:hi].to(self._args[1].dtype)
+        return DispatchedGroup(tokens.detach(), per_expert, per_expert_host, weights, (lo, hi), (first, end))
+
+    def wait(self) -> Dispatched:
+        """The :class:`Dispatched` result; the caller's current stream waits for
+        the exchange (the host does not, on CUDA). Call it in the grad mode the
+        dispatch started in; the autograd node of the dispatch is made here."""
+        if self._result is None:
+            x, topk_weights, stats, dropped = self._args
+            dispatcher, plan_out, started = self._dispatcher, self._plan_out, self._started
+            if self.handle.pad_blocks is not None:  # the rows' places among the blocks, from their sources
+                started.result()  # the caller's stream follows the exchange (the engine writes the sources)
+                self.handle, plan_out = pad_to_blocks(self.handle, plan_out, dispatcher.num_local_experts)
+            anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
+            tokens, weights, link = DispatchFn.apply(
+                x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
+            )
+            self.handle = dataclasses.replace(self.handle, link=link)
+            self._result = Dispatched(
+                tokens=tokens,
+                tokens_per_expert=plan_out.tokens_per_expert,
+                tokens_per_expert_host=plan_out.tokens_per_expert_host,
+                weights=weights,
+                src_rank=padded(plan_out.src_rank, self.handle, -1),
+                src_token=padded(plan_out.src_token, self.handle, -1),
+                handle=self.handle,
+                stats=stats,
+                dropped=dropped,
+            )
+            self._args = self._started = self._plan_out = None
+        return self._result
+
+
+class ExchangeWork:
+    """A combine or a move along a handle in flight (the verbs' ``async_op=True``).
+    It holds the buffers of the exchange until waited for."""
+
+    def __init__(self, finish, group=None) -> None:
+        self._finish, self._result, self._group = finish, None, group
+
+    def wait_group(self, g: int) -> torch.Tensor:
+        """Group g's rows of a ``dispatch_rows`` along the handle of a dispatch
+        by groups; the caller's current stream waits for that group's piece."""
+        if self._group is None:
+            raise ValueError("wait_group: only a dispatch_rows along the handle of a dispatch by groups "
+                             "(dispatch(groups=G), G > 1) moves by groups")
+        return self._group(g)
+
+    def wait(self) -> torch.Tensor:
+        """The verb's result tensor; the caller's current stream waits for the
+        exchange (the host does not, on CUDA). Once: later calls return it again."""
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
