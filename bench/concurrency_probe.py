@@ -132,7 +132,7 @@ def _worker(rank, world, args, port):
         x, idx, w = inputs((shape.tokens, shape.hidden, shape.experts, shape.topk), rank, device)
         exchanges = {}  # label: (one exchange, what its replay reads kept alive)
         for budget in [None] + args.sm_budgets:
-            config = dispatch.DispatchConfig(num_experts=shape.experts, transport="nvlink", sm_budget=budget,
+            config = dispatch.DispatchConfig.from_options(num_experts=shape.experts, transport="nvlink", sm_budget=budget,
                                              check_inputs=False)
             d = dispatch.create(config)
             out = d.dispatch(x, idx, w)
@@ -143,7 +143,7 @@ def _worker(rank, world, args, port):
         rows_to = [int(((idx // local) == r).any(1).sum()) for r in range(world)]
         exchanges["nccl"] = (_a2a(rows_to, dist.group.WORLD, shape.hidden, device), None)
         exchanges["nccl-2cta"] = (_a2a(rows_to, slow_group, shape.hidden, device), None)
-        nccl = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport="nccl",
+        nccl = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=shape.experts, transport="nccl",
                                                        check_inputs=False))
         planned = nccl.dispatch(x, idx, w)
         experts = GroupedExperts(local, shape.hidden, shape.ffn, dtype=torch.bfloat16, device=device)

@@ -128,7 +128,7 @@ def _batch(args, rank: int, step: int, device):
 def train(args, wire: str, device) -> list[float]:
     """Train from scratch with one wire setting; the global mean loss of each step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = dispatch.DispatchConfig(num_experts=args.experts, **WIRES[wire])
+    config = dispatch.DispatchConfig.from_options(num_experts=args.experts, **WIRES[wire])
     dispatcher = dispatch.create(config)
     layers = torch.nn.ModuleList(MoELayer(args, rank, world, i) for i in range(args.layers)).to(device)
     head = torch.nn.Linear(args.hidden, CLASSES if args.task == "classify" else args.hidden).to(device)

@@ -62,7 +62,7 @@ def _worker(rank, world, args, port):
         _mark(owner, name)
     shape = engine_probe.SHAPES[args.shape]
     x, idx, w = engine_probe.inputs(shape, rank, device)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink", check_inputs=False))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=shape[2], transport="nvlink", check_inputs=False))
     bound = None
     if args.max_rows:
         bound = int(d.dispatch(x, idx, w).tokens.shape[0] * 1.1)

@@ -91,7 +91,7 @@ def _captured_plan(d, x, topk_idx, topk_weights, bound: int):
 
     # what the dispatch hands the engine: the weights in their wire dtype, x's codec
     weights = topk_weights.to(plan.weight_wire_dtype(topk_weights.dtype)).contiguous()
-    codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.fp8_pow2_scales)
+    codec = to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.tuning.fp8_pow2_scales)
     header = plan.header(x, topk_weights, topk_idx.shape[1], plan.Ticket(max_rows=bound))
     idx = topk_idx.contiguous()
 
@@ -168,7 +168,7 @@ def _worker(rank, world, args, port):
         x, idx, w = inputs(shape, rank, device)
         reference = None
         for label, transport, wire, budget, mode in SETTINGS:
-            config = dispatch.DispatchConfig(num_experts=shape[2], transport=transport, dispatch_wire=wire,
+            config = dispatch.DispatchConfig.from_options(num_experts=shape[2], transport=transport, dispatch_wire=wire,
                                              sm_budget=budget, check_inputs=False)
             d = dispatch.create(config)
             out = d.dispatch(x, idx, w)

@@ -67,7 +67,7 @@ def _worker(rank, world, args, port):
                     _compile_with(f"-DENGINE_UNROLL={unroll}")
                     nvlink.BLOCKS_PER_SM = per_sm
                     nvlink._ENGINES.clear()  # a fresh engine: its blocks and kernels
-                    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape[2], transport="nvlink",
+                    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=shape[2], transport="nvlink",
                                                                 sm_budget=budget, check_inputs=False))
                     n = d.dispatch(x, idx, w).tokens.shape[0]
                     bound = int(n * common.GRAPH_SLACK)

@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.extra_options[key] = _option_value(value)
     if args.extra_options:
         try:  # refused here, not minutes later in the timing part
-            dispatch.DispatchConfig(num_experts=8, **args.extra_options)
+            dispatch.DispatchConfig.from_options(num_experts=8, **args.extra_options)
         except (TypeError, ValueError) as exc:
             parser.error(f"--option: {exc}")
     return args

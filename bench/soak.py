@@ -175,7 +175,7 @@ def check_call(d, plan: dict, call: int, args, world: int, rank: int, device,
 def soak(transport: str, args, device) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     bounded = transport == "nvlink-bounded"
-    configs = {wire: dispatch.DispatchConfig(num_experts=world * args.experts_per_rank,
+    configs = {wire: dispatch.DispatchConfig.from_options(num_experts=world * args.experts_per_rank,
                                              transport="nvlink" if bounded else transport, dispatch_wire=wire,
                                              timeout=30.0 if bounded else 60.0) for wire in WIRES}
     dispatchers = {wire: dispatch.create(cfg) for wire, cfg in configs.items()}

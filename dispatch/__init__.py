@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from dispatch.checks import PeerRefused
-from dispatch.config import DispatchConfig
+from dispatch.config import DispatchConfig, Tuning
 from dispatch.cost_model import LinkModel
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup
@@ -49,6 +49,7 @@ __all__ = [
     "PeerRefused",
     "PhaseTimer",
     "TokenDispatcher",
+    "Tuning",
     "create",
 ]
 __version__ = "0.1.0"
@@ -90,8 +91,8 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
             f"num_experts={config.num_experts} is not a multiple of the group size {world}; "
             "every rank must hold the same number of experts"
         )
-    if config.local_world_size is not None and world % config.local_world_size != 0:
+    if config.tuning.local_world_size is not None and world % config.tuning.local_world_size != 0:
         raise ValueError(
-            f"local_world_size={config.local_world_size} does not divide the group size {world}"
+            f"local_world_size={config.tuning.local_world_size} does not divide the group size {world}"
         )
     return TokenDispatcher(config, group, _build_transport(config, group))

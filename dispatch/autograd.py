@@ -59,7 +59,7 @@ class CombineFn(torch.autograd.Function):
         ctx.dispatcher._calls.agree(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
         grad_out = grad_out.contiguous()
         config = ctx.dispatcher.config
-        codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.fp8_pow2_scales)
+        codec = to_experts_codec(config.combine_grad_wire, grad_out.dtype, config.tuning.fp8_pow2_scales)
         grad_rows = padded(ctx.handle.transport.to_experts(grad_out, ctx.handle, codec).whole(), ctx.handle, 0)
         grad_expert = grad_weights = None
         needs = ctx.needs_input_grad

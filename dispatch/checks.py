@@ -4,7 +4,7 @@ A bad argument raises ``TypeError`` (wrong kind or dtype) or ``ValueError``
 (wrong shape, device or value), and the message names the argument. Checks of
 shapes, dtypes and devices are free; checks of values (expert ids, repeats,
 finite weights) need one host synchronisation and can be turned off with
-``DispatchConfig(check_inputs=False)`` once the router is trusted.
+``DispatchConfig(tuning=Tuning(check_inputs=False))`` once the router is trusted.
 
 Only one rank may see its own mistake, so no rank raises alone: every verb that
 communicates (and each backward) first agrees on the call with its peers,

@@ -1,8 +1,10 @@
 """DispatchConfig: the one validated description of a dispatcher.
 
-Every option a dispatcher reads lives here; there are no hidden globals. The
-dataclass is frozen and checks itself on construction, so a config that exists
-is a config that makes sense on its own. What can only be checked against a
+Every option a dispatcher reads lives here; there are no hidden globals:
+:class:`DispatchConfig` holds what a user chooses (variant, transport, wires,
+capacity, timeout), :class:`Tuning` how it runs on the machines at hand. Both
+are frozen and check themselves on construction, so a config that exists is a
+config that makes sense on its own. What can only be checked against a
 process group (``num_experts % W``, ``local_world_size``) is checked by
 ``dispatch.create``.
 """
@@ -35,8 +37,9 @@ class DispatchConfig:
             direction, each token sent once per destination rank. ``"allgather"``:
             all-gather the tokens, each rank takes its experts' rows, reduce back.
             ``"hierarchical"``: a token crosses to another node once, then is
-            forwarded inside the node. ``"auto"``: one of these per call, by a
-            cost model (``link_model``).
+            forwarded inside the node. ``"auto"``: the NVLink engine where every
+            rank shares a host and it can run, else one of the others by a cost
+            model (``Tuning.link_model``; ``dispatch.transports.auto``).
         dispatch_wire: how a token row travels to the experts. ``"native"`` (the
             input's own dtype, lossless), ``"bf16"``, ``"fp32"`` or ``"fp8"`` (e4m3
             with one fp32 scale per 128 channels: about half the bytes of bf16,
@@ -53,26 +56,6 @@ class DispatchConfig:
             gradient of the expert outputs. Choices as ``dispatch_wire``, and
             ``"e5m2"`` (block-scaled like ``"fp8"``, one mantissa bit fewer and a
             wider range inside a block, the usual fp8 format for gradients).
-        fp8_pow2_scales: the fp8/e5m2 block scales are rounded up to powers of
-            two (scaling is then exact; the error bound is unchanged in form,
-            with a scale up to 2x larger).
-        local_world_size: ranks per node (nodes are blocks of consecutive group
-            ranks), for the hierarchical variant, the auto cost model and the
-            intra-/inter-node split of ``Dispatched.stats``; checked to divide the
-            group size. None: ``LOCAL_WORLD_SIZE`` from torchrun, else one node.
-        link_model: bandwidths and latencies of the tiers for ``variant="auto"``
-            (a :class:`dispatch.cost_model.LinkModel`; None: its defaults).
-        check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``
-            (expert ids in range, no expert twice in a row, finite weights) before
-            any token moves. Over NCCL this costs one host synchronisation per
-            dispatch; the NVLink engine checks them in its layout kernel, at no
-            host synchronisation of its own. Shapes, dtypes and devices are always
-            checked (they cost nothing).
-        plan_graphs: on CUDA, replay the host-free part of the routing plan as
-            CUDA graphs, captured the second time a (T, K, dtypes) is seen (a few
-            MB each, the 8 most recent shapes kept); the alltoall variant only. This removes some sixty kernel launches per
-            dispatch. Turn it off when the dispatch itself runs inside a graph
-            capture of the caller's. (NCCL transport.)
         transport: what moves the rows of the ``alltoall`` variant. ``"nvlink"``:
             the NVLink engine (``dispatch.nvlink``): every rank of the group on
             one host with peer access between the GPUs, NCCL group, CuPy; the
@@ -82,8 +65,6 @@ class DispatchConfig:
             collectives (the only one on CPU/gloo and across hosts). ``"auto"``
             (default): the engine where it can run, else the collectives.
             Other variants use the collectives.
-        sm_budget: NVLink engine: thread blocks its data kernels may use (None:
-            one per SM); fewer leave SMs to expert GEMMs running beside it.
         capacity_factor: None (default: no token is dropped), or drop tokens
             as Megatron-Core's router does: each rank sends each expert at most
             ``ceil(T * K / E * capacity_factor)`` of its slots, chosen by
@@ -110,6 +91,7 @@ class DispatchConfig:
             stays failed: every rank builds its dispatchers again). After a
             collective's timeout the process group is not usable; after the
             board's, a late rank raises at that call and the group goes on.
+        tuning: a :class:`Tuning` (None: its defaults).
     """
 
     num_experts: int
@@ -118,17 +100,27 @@ class DispatchConfig:
     combine_wire: str = "native"
     dispatch_grad_wire: str = "native"
     combine_grad_wire: str = "native"
-    fp8_pow2_scales: bool = False
-    local_world_size: int | None = None
-    link_model: LinkModel | None = None
-    check_inputs: bool = True
-    plan_graphs: bool = True
     transport: str = "auto"
-    sm_budget: int | None = None
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     pad_to_capacity: bool = False
     timeout: float = 60.0
+    tuning: "Tuning | None" = None
+
+    @classmethod
+    def from_options(cls, **options) -> "DispatchConfig":
+        """A config from flat options: the fields of :class:`DispatchConfig` and
+        of :class:`Tuning` by name (e.g. from a command line), each checked as
+        there; an unknown name raises a TypeError naming it."""
+        tuning_names = set(Tuning.__dataclass_fields__)
+        tuning = {k: options.pop(k) for k in list(options) if k in tuning_names}
+        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown dispatcher option(s) {', '.join(unknown)}: DispatchConfig takes "
+                            f"{', '.join(cls.__dataclass_fields__)}; Tuning takes {', '.join(sorted(tuning_names))}")
+        if tuning and options.get("tuning") is not None:
+            raise TypeError(f"{', '.join(tuning)} given beside tuning=: give one or the other")
+        return cls(**options, **({"tuning": Tuning(**tuning)} if tuning else {}))
 
     def __post_init__(self) -> None:
         if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int):
@@ -140,20 +132,6 @@ class DispatchConfig:
         _check_choice("combine_wire", self.combine_wire, SUM_WIRES)
         _check_choice("dispatch_grad_wire", self.dispatch_grad_wire, SUM_WIRES)
         _check_choice("combine_grad_wire", self.combine_grad_wire, GRAD_TO_EXPERTS_WIRES)
-        if self.local_world_size is not None:
-            if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int):
-                raise TypeError(
-                    f"local_world_size must be an int or None, got {type(self.local_world_size).__name__}"
-                )
-            if self.local_world_size < 1:
-                raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
-        if self.link_model is not None and not isinstance(self.link_model, LinkModel):
-            raise TypeError(
-                f"link_model must be a dispatch.cost_model.LinkModel or None, got {type(self.link_model).__name__}"
-            )
-        if self.sm_budget is not None and (isinstance(self.sm_budget, bool) or not isinstance(self.sm_budget, int)
-                                           or self.sm_budget < 1):
-            raise ValueError(f"sm_budget must be an int >= 1 or None, got {self.sm_budget!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e6:
             raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
         if self.capacity_factor is not None and (
@@ -169,6 +147,65 @@ class DispatchConfig:
         _check_choice("transport", self.transport, TRANSPORTS)
         if self.transport == "nvlink" and self.variant != "alltoall":
             raise ValueError(f"transport='nvlink' needs variant='alltoall', got variant={self.variant!r}")
+        if self.tuning is None:
+            object.__setattr__(self, "tuning", Tuning())
+        elif not isinstance(self.tuning, Tuning):
+            raise TypeError(f"tuning must be a dispatch.Tuning or None, got {type(self.tuning).__name__}")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How a dispatcher runs on these machines, beside what it computes
+    (``DispatchConfig.tuning``). The defaults are measured (``bench/results``);
+    none changes which rows reach which expert.
+
+    Args:
+        fp8_pow2_scales: the fp8/e5m2 block scales are rounded up to powers of
+            two (scaling is then exact; the error bound is unchanged in form,
+            with a scale up to 2x larger).
+        local_world_size: ranks per node (nodes are blocks of consecutive group
+            ranks), for the hierarchical variant, the auto cost model and the
+            intra-/inter-node split of ``Dispatched.stats``; checked to divide the
+            group size. None: ``LOCAL_WORLD_SIZE`` from torchrun, else one node.
+        link_model: bandwidths and latencies of the tiers for ``variant="auto"``
+            (a :class:`dispatch.cost_model.LinkModel`; None: its defaults).
+        check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``
+            (expert ids in range, no expert twice in a row, finite weights) before
+            any token moves. Over NCCL this costs one host synchronisation per
+            dispatch; the NVLink engine checks them in its layout kernel, at no
+            host synchronisation of its own. Shapes, dtypes and devices are always
+            checked (they cost nothing).
+        plan_graphs: on CUDA, replay the host-free part of the routing plan as
+            CUDA graphs, captured the second time a (T, K, dtypes) is seen (a few
+            MB each, the 8 most recent shapes kept); the alltoall variant only. This removes some sixty kernel launches per
+            dispatch. Turn it off when the dispatch itself runs inside a graph
+            capture of the caller's. (NCCL transport.)
+        sm_budget: NVLink engine: thread blocks its data kernels may use (None:
+            one per SM); fewer leave SMs to expert GEMMs running beside it.
+    """
+
+    local_world_size: int | None = None
+    link_model: LinkModel | None = None
+    check_inputs: bool = True
+    plan_graphs: bool = True
+    sm_budget: int | None = None
+    fp8_pow2_scales: bool = False
+
+    def __post_init__(self) -> None:
+        if self.local_world_size is not None:
+            if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int):
+                raise TypeError(
+                    f"local_world_size must be an int or None, got {type(self.local_world_size).__name__}"
+                )
+            if self.local_world_size < 1:
+                raise ValueError(f"local_world_size must be >= 1, got {self.local_world_size}")
+        if self.link_model is not None and not isinstance(self.link_model, LinkModel):
+            raise TypeError(
+                f"link_model must be a dispatch.cost_model.LinkModel or None, got {type(self.link_model).__name__}"
+            )
+        if self.sm_budget is not None and (isinstance(self.sm_budget, bool) or not isinstance(self.sm_budget, int)
+                                           or self.sm_budget < 1):
+            raise ValueError(f"sm_budget must be an int >= 1 or None, got {self.sm_budget!r}")
         for name in ("fp8_pow2_scales", "check_inputs", "plan_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

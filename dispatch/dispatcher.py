@@ -162,7 +162,7 @@ class TokenDispatcher:
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
                                                             self.config.capacity_factor, self.config.drop_policy)
-        request = Request(self, x, topk_idx, topk_weights, ticket, self.config.check_inputs, groups)
+        request = Request(self, x, topk_idx, topk_weights, ticket, self.config.tuning.check_inputs, groups)
         if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
             blocks = self._capacity_blocks(x, topk_idx, ticket)
             padded_rows = self.num_local_experts * sum(blocks)
@@ -250,10 +250,10 @@ class TokenDispatcher:
             self._check_handle(handle)
             checks.check_rows("rows", rows, handle.num_tokens, "the dispatch behind handle had T =", self.devices)
             _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
-            to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
+            to_experts_codec(wire, rows.dtype, self.config.tuning.fp8_pow2_scales)
 
         self._calls.agree(self._along("dispatch_rows", handle, check))
-        codec = to_experts_codec(wire, rows.dtype, self.config.fp8_pow2_scales)
+        codec = to_experts_codec(wire, rows.dtype, self.config.tuning.fp8_pow2_scales)
         rows = rows.detach().contiguous()
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec),
                                              (rows,), async_op, self.comm_priority)
@@ -400,7 +400,7 @@ class TokenDispatcher:
                              "of the ranks' capacities); dispatch without max_rows")
         if max_rows is not None:
             checks.check_max_rows(max_rows)
-        return to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+        return to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.tuning.fp8_pow2_scales)
 
     def _take_part_refused(self, ticket: plan.Ticket) -> None:
         """This rank's share of a dispatch it refuses: the first message (the

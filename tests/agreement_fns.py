@@ -68,7 +68,7 @@ def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
     tensor argument, rows of another dispatch than its handle's ("rows versus
     handle"), or a handle of another dispatcher ("handle")."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, idx, w = _routing(world, seed=3)
     mine = rank == bad_rank
     if verb == "dispatch":
@@ -78,7 +78,7 @@ def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
     out = d.dispatch(x, idx, w, groups=groups, async_op=True).wait()
     handle, rows, home_rows, values = out.handle, out.tokens, x, out.weights
     if mistake == "handle":  # every rank dispatches on another dispatcher; one passes that handle
-        other = dispatch.create(dispatch.DispatchConfig(**config))
+        other = dispatch.create(dispatch.DispatchConfig.from_options(**config))
         foreign = other.dispatch(x, idx, w).handle
         handle = foreign if mine else handle
     elif mistake == "rows versus handle":  # every rank dispatches again, with 3 more tokens
@@ -129,7 +129,7 @@ def skipped_call(config: dict, skipping: int, check: bool = True):
     compares the calls. Returns (what the call raised or None, the rows
     returned are those of dispatch 1)."""
     rank = dist.get_rank()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, idx, w = _routing(dist.get_world_size(), seed=5)
     first = d.dispatch(x, idx, w)
     second = d.dispatch(x + 100, idx, w)
@@ -172,7 +172,7 @@ def never_calls(config: dict, absent: int):
     (its peers gave up that call); then every rank makes a round trip on the
     same group, which must come out right (the board is in step). Returns
     (what the call raised, its message, seconds, the round trip was right)."""
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, idx, w = _routing(dist.get_world_size(), seed=9)
     out = d.dispatch(x, idx, w)
     if dist.get_rank() == absent:

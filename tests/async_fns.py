@@ -24,7 +24,7 @@ def two_micro_batches(batches, grad_outs, config: dict, overlapped: bool):
     start combine 1, wait both; one backward over both); else one after the
     other with the plain verbs. Returns outputs and gradients on the CPU."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     hidden, dtype = batches[0][0].shape[1], batches[0][0].dtype
     experts = make_experts("rowwise", d.num_local_experts, hidden, dtype, seed=d.rank)
     xs = [x.to(device).requires_grad_() for x, _, _ in batches]
@@ -54,7 +54,7 @@ def verbs(x, topk_idx, topk_weights, rows_out, values, config: dict):
     moves along the handle against what dispatch/combine and their backwards
     give. Returns {name: (plain, async)} and {name: (move, reference)}, on the CPU."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     rows_out, values = rows_out.to(device), values.to(device)
     out = d.dispatch(x, topk_idx, topk_weights)
@@ -98,7 +98,7 @@ def async_gradients(x, topk_idx, topk_weights, grad_out, config: dict, async_op:
     """dispatch -> experts -> combine -> backward with the verbs plain or async:
     output and gradients of x, topk_weights and the experts' parameters."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     experts = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
     xs = x.to(device).requires_grad_()
     ws = topk_weights.to(device).requires_grad_()
@@ -114,8 +114,8 @@ def async_gradients(x, topk_idx, topk_weights, grad_out, config: dict, async_op:
 def verb_errors(x, topk_idx, topk_weights, config: dict):
     """(exception type, message) of bad calls of the moves along a handle."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
-    other = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    other = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     out = d.dispatch(x, topk_idx, topk_weights)
     n = out.tokens.shape[0]
@@ -151,14 +151,14 @@ def two_groups(batches, config: dict):
     device = current_device()
     ranks = list(range(dist.get_world_size()))
     groups = [dist.new_group(ranks), dist.new_group(ranks)]
-    ds = [dispatch.create(dispatch.DispatchConfig(**config), group=g) for g in groups]
+    ds = [dispatch.create(dispatch.DispatchConfig.from_options(**config), group=g) for g in groups]
     inputs = [(x.to(device), i.to(device), w.to(device)) for x, i, w in batches]
     started = [d.dispatch(*inputs[m], async_op=True) for m, d in enumerate(ds)]
     outs = [started[1].wait(), started[0].wait()][::-1]
     combines = [ds[m].combine(outs[m].tokens * (m + 2), outs[m].handle, weights=outs[m].weights, async_op=True)
                 for m in (1, 0)][::-1]
     interleaved = [_cpu(c.wait()) for c in combines]
-    plain_d = dispatch.create(dispatch.DispatchConfig(**config))
+    plain_d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     plain = []
     for m in range(2):
         out = plain_d.dispatch(*inputs[m])

@@ -17,7 +17,7 @@ def grouped_verbs(x, topk_idx, topk_weights, rows_out, values, config: dict, gro
     dispatch in one piece: every verb, group by group and whole. Returns
     {name: (grouped, one piece)} on the CPU, and facts about the groups."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     rows_out, values = rows_out.to(device), values.to(device)
     ref = d.dispatch(x, topk_idx, topk_weights)
@@ -75,7 +75,7 @@ def grouped_errors(x, topk_idx, topk_weights, config: dict, groups_of_rank: list
     from dispatch import DispatchConfig
 
     device = current_device()
-    d = dispatch.create(DispatchConfig(**config))
+    d = dispatch.create(DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     rank = torch.distributed.get_rank()
     errors = {}

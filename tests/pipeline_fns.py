@@ -130,7 +130,7 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
     MoEExchange(max_rows=BOUND).
     Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
     device = current_device()
-    cfg = dispatch.DispatchConfig(**config)
+    cfg = dispatch.DispatchConfig.from_options(**config)
     d = dispatch.TokenDispatcher(cfg, None, FinishedOnStart(cfg)) if generic else dispatch.create(cfg)
     results = {}
     for chunks in chunk_counts:
@@ -218,7 +218,7 @@ def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_co
     dispatch -> experts(tokens, counts, weights) -> combine(weights=None) ("plain"),
     forward and backward; {C: {"out", "x", "topk_weights", "params", "calls"}} on the CPU."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     results = {}
     for chunks in ("plain", *chunk_counts):
         kind = ExpertsApart if apart else WeighingExperts
@@ -241,7 +241,7 @@ def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_co
 def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: bool = False):
     """Forward only, under no_grad (no expert graph kept)."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     experts = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
     if late:
         experts = LateExperts(experts)
@@ -253,7 +253,7 @@ def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: boo
 def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
     """Peak CUDA memory (bytes above the start) of one forward + backward."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     torch.manual_seed(0)
     experts = GroupedExperts(d.num_local_experts, x.shape[1], 4 * x.shape[1], dtype=x.dtype, device=device)
     layer = make_layer(d, experts, chunks)
@@ -275,7 +275,7 @@ def expert_calls(x, topk_idx, topk_weights, config: dict, chunks: int):
     """Calls seen by a forward pre-hook of GroupedExperts and by a subclass's own
     forward, through one MoEExchange(chunks) forward + backward each."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
 
     class Counted(GroupedExperts):
         calls = 0
@@ -301,7 +301,7 @@ def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str
     from torch.nn.utils import parametrize
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     results = {}
     for chunks in ("plain", *chunks_list):
         torch.manual_seed(d.rank)
@@ -329,7 +329,7 @@ class _Doubled(nn.Module):
 def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str, chunks=2):
     """The error of a second backward through one MoEExchange forward."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
     xs = x.to(device).requires_grad_()
     out = make_layer(d, experts, chunks)(xs, topk_idx.to(device), topk_weights.to(device)).sum()
@@ -406,7 +406,7 @@ def repeated(x, steps, grad_out, config: dict, chunks, experts_kind: str):
     the plan's graphs, later ones replay them on new routing). Returns per step
     {"out", "x", "topk_weights", "params"} on the CPU."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
     layer = make_layer(d, experts, chunks)
     results = []

@@ -23,7 +23,7 @@ def round_trip(x, topk_idx, topk_weights, config: dict, experts: str = "identity
     With ``repeats`` > 1 the same dispatcher runs that many times and the last run
     is returned (on CUDA, the second run of a shape replays the captured plan)."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     for _ in range(repeats - 1):
         d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
@@ -48,7 +48,7 @@ def gradients(x, topk_idx, topk_weights, grad_out, expert_out, config: dict):
     """Gradients of sum(grad_out * combine(f(dispatch(x)))) for x and topk_weights,
     and of sum(grad_out * combine(expert_out, weights)) for expert_out and weights."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x = x.to(device).requires_grad_()
     w = topk_weights.to(device).requires_grad_()
     g = grad_out.to(device)
@@ -110,13 +110,13 @@ def _move(value, device):
 
 def call_dispatch(config: dict, x, topk_idx, topk_weights):
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     d.dispatch(_move(x, device), _move(topk_idx, device), _move(topk_weights, device))
 
 
 def call_combine(config: dict, x, topk_idx, topk_weights, expert_out, weights):
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     if expert_out == "same":
         expert_out = out.tokens
@@ -136,19 +136,19 @@ def call_layer_as(config: dict, options: dict, per_rank: list):
     import torch.distributed as dist
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = (_move(t, device) for t in per_rank[dist.get_rank()])
     dispatch.MoEExchange(d, lambda tokens, per_expert: tokens, **options)(x, topk_idx, topk_weights)
 
 
 def call_create(config: dict):
-    dispatch.create(dispatch.DispatchConfig(**config))
+    dispatch.create(dispatch.DispatchConfig.from_options(**config))
 
 
 def call_foreign_handle(config: dict, x, topk_idx, topk_weights):
     device = current_device()
-    first = dispatch.create(dispatch.DispatchConfig(**config))
-    second = dispatch.create(dispatch.DispatchConfig(**config))
+    first = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    second = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     out = first.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     second.combine(out.tokens, out.handle, weights=out.weights)
 
@@ -169,7 +169,7 @@ def two_in_flight(x, first_idx, second_idx, topk_weights, config: dict):
     """Two dispatches of one shape on one dispatcher before either combine (on CUDA
     both plans come from the same captured graphs: their handles must not alias)."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, w = x.to(device), topk_weights.to(device)
     d.dispatch(x, second_idx.to(device), w)  # first sighting of the shape: eager plan
     first = d.dispatch(x, first_idx.to(device), w)  # CUDA: captured ...
@@ -184,7 +184,7 @@ def mixed_gradients(x, topk_idx, topk_weights, grad_out, x_grad: bool, w_grad: b
     """Ranks that need different gradients, experts applying the weights themselves;
     with ``fresh`` this rank's experts return a new tensor unconnected to the tokens."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x = x.to(device).requires_grad_(x_grad)
     w = topk_weights.to(device).requires_grad_(w_grad)
     out = d.dispatch(x, topk_idx.to(device), w)
@@ -207,7 +207,7 @@ def bench_traffic(idx, config: dict, hidden: int):
     topk_idx = torch.tensor(idx, dtype=torch.int64, device=device)
     weights = torch.full(topk_idx.shape, 0.5, device=device)
     x = torch.zeros(topk_idx.shape[0], hidden, device=device)
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     out = d.dispatch(x, topk_idx, weights)
     return _traffic(out, topk_idx, hidden * 4, device)
 
@@ -221,7 +221,7 @@ def round_trip_in_ep_groups(x, topk_idx, topk_weights, config: dict, ep_size: in
     groups = [dist.new_group(list(range(s, s + ep_size))) for s in range(0, world, ep_size)]
     group = groups[rank // ep_size]
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config), group)
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config), group)
     out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     combined = d.combine(out.tokens, out.handle, weights=out.weights)
     return {"tokens": _cpu(out.tokens), "src_rank": _cpu(out.src_rank), "src_token": _cpu(out.src_token),
@@ -232,4 +232,4 @@ def call_create_in_group(config: dict, members):
     """dispatch.create on a group of ``members`` made by every rank (or, with
     members None, on something that is not a group)."""
     group = torch.distributed.new_group(members) if members is not None else "world"
-    dispatch.create(dispatch.DispatchConfig(**config), group)
+    dispatch.create(dispatch.DispatchConfig.from_options(**config), group)

@@ -93,7 +93,7 @@ def _dropping_round_trip(x, topk_idx, topk_weights, grad_out, config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     w = topk_weights.to(device).requires_grad_()
     out = d.dispatch(x.to(device), topk_idx.to(device), w)
     combined = d.combine(out.tokens * 2, out.handle, weights=out.weights)
@@ -152,7 +152,7 @@ def _groups_with_capacity(x, topk_idx, topk_weights, config):
 
     device = current_device()
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     got = []
     for chunks in (1, 2):
         torch.manual_seed(0)
@@ -161,7 +161,7 @@ def _groups_with_capacity(x, topk_idx, topk_weights, config):
         out = dispatch.MoEExchange(d, experts, chunks=chunks)(xx, topk_idx, topk_weights)
         out.sum().backward()
         got.append((out.detach().cpu(), xx.grad.cpu()))
-    padded = dispatch.create(dispatch.DispatchConfig(**config, pad_to_capacity=True))
+    padded = dispatch.create(dispatch.DispatchConfig.from_options(**config, pad_to_capacity=True))
     try:
         dispatch.MoEExchange(padded, experts, chunks=2)
         refused = None
@@ -194,7 +194,7 @@ def _padded_against_plain(x, topk_idx, topk_weights, grad_out, config):
     x, topk_idx, grad_out = x.to(device), topk_idx.to(device), grad_out.to(device)
     got = {}
     for pad in (False, True):
-        d = dispatch.create(dispatch.DispatchConfig(**config, pad_to_capacity=pad))
+        d = dispatch.create(dispatch.DispatchConfig.from_options(**config, pad_to_capacity=pad))
         xx, ww = x.clone().requires_grad_(), topk_weights.to(device).requires_grad_()
         out = d.dispatch(xx, topk_idx, ww)
         y = out.tokens * 1.5 + out.tokens * out.tokens * 0.25
@@ -262,7 +262,7 @@ def _padded_with_max_rows(config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     try:
         d.dispatch(torch.zeros(4, 8, device=device), torch.zeros(4, 1, dtype=torch.int64, device=device),
                    torch.ones(4, 1, device=device), max_rows=64)

@@ -191,12 +191,12 @@ def test_codec_choice_and_row_bytes():
 )
 def test_config_refuses_wires_a_direction_cannot_take(field, value):
     with pytest.raises(ValueError, match=field):
-        dispatch.DispatchConfig(num_experts=4, **{field: value})
+        dispatch.DispatchConfig.from_options(num_experts=4, **{field: value})
 
 
 def test_config_accepts_fp8_directions():
-    cfg = dispatch.DispatchConfig(num_experts=4, dispatch_wire="fp8", combine_grad_wire="e5m2", fp8_pow2_scales=True)
-    assert cfg.fp8_pow2_scales
-    dispatch.DispatchConfig(num_experts=4, combine_grad_wire="fp8")
+    cfg = dispatch.DispatchConfig.from_options(num_experts=4, dispatch_wire="fp8", combine_grad_wire="e5m2", fp8_pow2_scales=True)
+    assert cfg.tuning.fp8_pow2_scales
+    dispatch.DispatchConfig.from_options(num_experts=4, combine_grad_wire="fp8")
     with pytest.raises(TypeError, match="fp8_pow2_scales"):
-        dispatch.DispatchConfig(num_experts=4, fp8_pow2_scales=1)
+        dispatch.DispatchConfig.from_options(num_experts=4, fp8_pow2_scales=1)

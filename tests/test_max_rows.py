@@ -18,7 +18,7 @@ def _padded_against_plain(x, topk_idx, topk_weights, grad_out, config, pad):
 
     device = current_device()
     x, topk_idx, topk_weights, grad_out = (t.to(device) for t in (x, topk_idx, topk_weights, grad_out))
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     got = {}
     for name in ("plain", "padded"):
         xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
@@ -64,7 +64,7 @@ def _over_bound(x, topk_idx, topk_weights, config, bounds):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     moved = []
     original = d.transport.to_experts
     d.transport.to_experts = lambda *a: moved.append(1) or original(*a)
@@ -97,7 +97,7 @@ def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows):
 
     device = current_device()
     rank = torch.distributed.get_rank()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     moved = []
     original_start, original_free = d.transport.to_experts, checks.free_bytes

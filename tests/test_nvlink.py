@@ -192,7 +192,7 @@ def _interleaved_sums(x, topk_idx, topk_weights, config, groups):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     work = d.dispatch(x, topk_idx, topk_weights, groups=groups, async_op=True)
     parts = [work.wait_group(g) for g in range(groups)]
@@ -229,7 +229,7 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     full = d.dispatch(x, topk_idx, topk_weights, groups=groups)
     h, tokens = full.handle, full.tokens
@@ -301,8 +301,8 @@ def _many_calls(x, topk_idx, topk_weights, config):
     from world import current_device
 
     device = current_device()
-    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink"))
-    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    engine = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
     outs = []
     for d in (engine, nccl):
         first = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
@@ -338,7 +338,7 @@ def _stall(x, topk_idx, topk_weights, config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=2.0))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=2.0))
     if torch.distributed.get_rank() == 1:
         time.sleep(2.5)  # past rank 0's timeout
     try:
@@ -361,12 +361,12 @@ def _timeout_case(worlds):
 
 
 def _picked(config):
-    return "/".join(dispatch.create(dispatch.DispatchConfig(**config)).transport.key)
+    return "/".join(dispatch.create(dispatch.DispatchConfig.from_options(**config)).transport.key)
 
 
 def _refused(config):
     try:
-        dispatch.create(dispatch.DispatchConfig(**config))
+        dispatch.create(dispatch.DispatchConfig.from_options(**config))
     except ValueError as exc:
         return str(exc)
     return None
@@ -395,7 +395,7 @@ def _bad_on_rank0(x, topk_idx, topk_weights, config, case):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink"))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
     if torch.distributed.get_rank() == 0:
         if case == "id":
             topk_idx = topk_idx.clone()
@@ -443,14 +443,14 @@ def _async_out_of_order(x, topk_idx, topk_weights, config):
     device = current_device()
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     parts = [slice(0, None), slice(0, x.shape[0] // 2), slice(x.shape[0] // 3, None)]
-    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink"))
+    engine = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
     works = [engine.dispatch(x[p] * (i + 1), topk_idx[p], topk_weights[p], async_op=True) for i, p in enumerate(parts)]
     outs = [w.wait() for w in reversed(works)][::-1]
     started = engine.combine(outs[0].tokens, outs[0].handle, weights=outs[0].weights, async_op=True)
     second = engine.combine(outs[1].tokens * 3, outs[1].handle, weights=outs[1].weights)
     third = engine.combine(outs[2].tokens, outs[2].handle, async_op=True).wait()
     got = [o.tokens for o in outs] + [started.wait(), second, third]
-    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
     ref = [nccl.dispatch(x[p] * (i + 1), topk_idx[p], topk_weights[p]) for i, p in enumerate(parts)]
     want = [o.tokens for o in ref] + [nccl.combine(ref[0].tokens, ref[0].handle, weights=ref[0].weights),
                                       nccl.combine(ref[1].tokens * 3, ref[1].handle, weights=ref[1].weights),
@@ -480,7 +480,7 @@ def _bounded_against_host_read(x, topk_idx, topk_weights, config, pad):
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     got = {}
     for name, extra in (("host", {}), ("bounded", {"sm_budget": 64})):
-        d = dispatch.create(dispatch.DispatchConfig(**config, **extra, transport="nvlink"))
+        d = dispatch.create(dispatch.DispatchConfig.from_options(**config, **extra, transport="nvlink"))
         xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
         bound = None if name == "host" else got["host"]["n"] + pad
         out = d.dispatch(xx, topk_idx, ww, max_rows=bound)
@@ -539,8 +539,8 @@ def _graph_replays(config, tokens, hidden, topk, max_rows, replays, seed):
     device = current_device()
     fresh = _fresh_inputs(config["num_experts"], tokens, hidden, topk, seed)
     static = [t.to(device) for t in fresh()[:3]]
-    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", sm_budget=48))
-    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    engine = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", sm_budget=48))
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
     with torch.no_grad():
         out = engine.dispatch(*static, max_rows=max_rows)  # eager: sizes the buffers, compiles the kernels
         engine.combine(out.tokens * 2, out.handle, weights=out.weights)
@@ -583,8 +583,8 @@ def _graph_setup(config, tokens, hidden, topk, seed):
     x, idx, w, grad = (t.to(device) for t in fresh())
     x.requires_grad_()
     w.requires_grad_()
-    engine = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", sm_budget=40))
-    nccl = dispatch.create(dispatch.DispatchConfig(**config, transport="nccl"))
+    engine = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", sm_budget=40))
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
     return fresh, (x, idx, w, grad), engine, nccl
 
 
@@ -739,7 +739,7 @@ def _over_budget(x, topk_idx, topk_weights, config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=5.0))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=5.0))
     bound = 1 if torch.distributed.get_rank() == 0 else 10**6
     messages = []
     out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device), max_rows=bound)
@@ -763,7 +763,7 @@ def _group_over_bound(x, topk_idx, topk_weights, config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=5.0))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=5.0))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     bounds = d.dispatch(x, topk_idx, topk_weights, groups=2).handle.group_rows
     fullest = max(bounds[1] - bounds[0], bounds[2] - bounds[1])
@@ -801,7 +801,7 @@ def _tokens_over_capacity(x, topk_idx, topk_weights, config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=6.0))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=6.0))
     rank = torch.distributed.get_rank()
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     d.dispatch(x[:8], topk_idx[:8], topk_weights[:8], max_rows=4096)  # sizes the buffers (256 tokens)
@@ -829,7 +829,7 @@ def _built_again_after_failure(x, topk_idx, topk_weights, config):
 
     failed = _tokens_over_capacity(x, topk_idx, topk_weights, config)  # fails the engine on every rank
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=6.0))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=6.0))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     out = d.dispatch(x, topk_idx, topk_weights, max_rows=4096)
     d.check()
@@ -848,7 +848,7 @@ def _reserved_room(x, topk_idx, topk_weights, config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, transport="nvlink", timeout=6.0))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=6.0))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     d.dispatch(x[:8], topk_idx[:8, :1], topk_weights[:8, :1], max_rows=4096)  # sizes the room: 256 tokens of K = 1
     d.reserve(x, topk_idx.shape[1])  # every rank, the same point
@@ -874,7 +874,7 @@ def _bounded_refused(config, bound):
 
     device = current_device()
     try:
-        d = dispatch.create(dispatch.DispatchConfig(**config))
+        d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
         d.dispatch(torch.zeros(4, 8, device=device), torch.zeros(4, 1, dtype=torch.int64, device=device),
                    torch.ones(4, 1, device=device), max_rows=bound)
     except ValueError as exc:
@@ -1058,7 +1058,7 @@ def _padded_round_trip(x, topk_idx, topk_weights, config):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config, capacity_factor=0.8, pad_to_capacity=True))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, capacity_factor=0.8, pad_to_capacity=True))
     xx, ww = x.to(device).requires_grad_(), topk_weights.to(device).requires_grad_()
     out = d.dispatch(xx, topk_idx.to(device), ww)
     combined = d.combine(out.tokens * 2, out.handle, weights=out.weights)
@@ -1100,7 +1100,7 @@ def _bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, slack):
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(**config))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     ref = d.dispatch(x, topk_idx, topk_weights, groups=groups)
     bounds = ref.handle.group_rows

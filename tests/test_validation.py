@@ -215,7 +215,7 @@ def test_strided_and_overlapping_inputs_move_like_their_copies(worlds):
 )
 def test_config_validates_itself(kwargs, error, argument):
     with pytest.raises(error, match=argument):
-        dispatch.DispatchConfig(**kwargs)
+        dispatch.DispatchConfig.from_options(**kwargs)
 
 
 def test_create_needs_a_config():

@@ -150,7 +150,7 @@ def _engine(world: int, largest_rows: int, hidden: int, dev):
 
     if unusable(None, world) is not None:  # a collective: every rank gets the same answer
         return None
-    cfg = config.DispatchConfig(num_experts=world, transport="nvlink", check_inputs=False)
+    cfg = config.DispatchConfig.from_options(num_experts=world, transport="nvlink", check_inputs=False)
     engine = dispatch.create(cfg)
     if largest_rows:
         x = torch.zeros(largest_rows, hidden, dtype=torch.bfloat16, device=dev)

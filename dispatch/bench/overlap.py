@@ -153,7 +153,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error("--graph needs the NVLink engine (--transport auto or nvlink, on GPUs): over NCCL a dispatch "
                      "reads its counts on the host, which a CUDA graph cannot hold")
     try:
-        dispatch.DispatchConfig(num_experts=8, dispatch_wire=args.dispatch_wire, transport=args.transport)
+        dispatch.DispatchConfig.from_options(num_experts=8, dispatch_wire=args.dispatch_wire, transport=args.transport)
     except ValueError as exc:
         parser.error(f"--dispatch-wire: {exc}")
     args.shapes = args.shapes or (["deepseek-v3", "mixtral-8x7b"] if torch.cuda.is_available() else ["cpu-tiny"])
@@ -288,7 +288,7 @@ def make_case(shape: Shape, args, group) -> Case:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    config = dispatch.DispatchConfig(num_experts=shape.experts, dispatch_wire=args.dispatch_wire,
+    config = dispatch.DispatchConfig.from_options(num_experts=shape.experts, dispatch_wire=args.dispatch_wire,
                                      transport=args.transport, sm_budget=args.sm_budget)
     d = dispatch.create(config, group)
     torch.manual_seed(1234 + rank)

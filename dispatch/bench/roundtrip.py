@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
                              "bytes per tier; default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="token dtype (default bf16)")
-    parser.add_argument("--no-check", action="store_true", help="DispatchConfig(check_inputs=False)")
+    parser.add_argument("--no-check", action="store_true", help="DispatchConfig.from_options(check_inputs=False)")
     parser.add_argument("--baselines", choices=["auto", "none"], default="auto",
                         help="auto: Megatron-Core's dispatchers too, on GPUs, when megatron-core imports; "
                         "DeepEP's intranode kernels when deep_ep imports (bf16)")
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> dict | None:
                 transport = "nvlink" if graphs else transport
                 key = (shape.experts, variant, wire, transport)
                 if key not in dispatchers:
-                    cfg = dispatch.DispatchConfig(
+                    cfg = dispatch.DispatchConfig.from_options(
                         num_experts=shape.experts, variant=variant, dispatch_wire=wire, transport=transport,
                         check_inputs=not args.no_check, **_node_options(args),
                     )
@@ -214,7 +214,7 @@ def _warm_up(shape, dtype, dev, args) -> None:
     otherwise be charged to whichever configuration comes first."""
     made = make_routing("uniform", shape, dist.get_world_size(), dist.get_rank(), dev, seed=1)
     x = torch.randn(shape.tokens, shape.hidden, device=dev).to(dtype)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport="nccl"))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=shape.experts, transport="nccl"))
     for _ in range(4 * args.warmup + 2):
         out = d.dispatch(x, *made)
         d.combine(out.tokens, out.handle, weights=out.weights)

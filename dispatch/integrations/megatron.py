@@ -159,8 +159,9 @@ recompute. ``install(moe_layer)`` again puts the layer's own stage back.
 
 The engine's own options (``variant``, ``dispatch_wire``, ``combine_wire``, the
 gradient wires, ``check_inputs``, ...) are the fields of
-:class:`dispatch.DispatchConfig` other than ``num_experts``, passed as ``options``;
-the config validates them.
+:class:`dispatch.DispatchConfig` other than ``num_experts`` and of
+:class:`dispatch.Tuning`, passed as ``options``
+(``DispatchConfig.from_options``); the config validates them.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ import torch
 import torch.distributed as dist
 
 import dispatch
-from dispatch.config import DispatchConfig
+from dispatch.config import DispatchConfig, Tuning
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations import megatron_tp as expert_tp
 from dispatch.pipeline import hooked, module_parameters
@@ -183,8 +184,8 @@ __all__ = ["ENGINE_OPTIONS", "STAGES", "MegatronDispatcher", "install", "install
 
 # DispatchConfig fields a user may set; num_experts comes from Megatron's config.
 # token dropping is Megatron's router's (moe_expert_capacity_factor), not the engine's here
-ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(DispatchConfig)
-                       if f.name not in ("num_experts", "capacity_factor", "drop_policy", "pad_to_capacity"))
+ENGINE_OPTIONS = tuple(f.name for f in (*dataclasses.fields(DispatchConfig), *dataclasses.fields(Tuning))
+                       if f.name not in ("num_experts", "capacity_factor", "drop_policy", "pad_to_capacity", "tuning"))
 
 _INSTALL_HINT = 'pip install megatron-core (or pip install "moe-dispatch[megatron]")'
 
@@ -376,7 +377,7 @@ class MegatronDispatcher:
         self.split_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
         self.local_expert_indices = expected
         self.topk = topk
-        self.engine = dispatch.create(DispatchConfig(num_experts=num_experts, **options), self.ep_group)
+        self.engine = dispatch.create(DispatchConfig.from_options(num_experts=num_experts, **options), self.ep_group)
         problems = settings.engine_refusals(config, self.engine)
         if problems:  # the same on every rank: all refuse alike
             raise ValueError("MegatronDispatcher does not support: " + "; ".join(problems))
@@ -465,7 +466,7 @@ class MegatronDispatcher:
             topk = self.num_experts
         elif self.pad_to_capacity or self.quantization_multiple:  # up to every expert per token
             topk = self._padded_topk(routing_map)
-        elif self.engine.config.check_inputs and num_tokens and not settings.capturing():
+        elif self.engine.config.tuning.check_inputs and num_tokens and not settings.capturing():
             too_many = routing_map.sum(dim=1) > self.topk  # on the device: read only where the dispatch fails
         topk_idx, topk_weights = routing_to_topk(routing_map, probs, topk)
         if too_many is not None:

@@ -103,7 +103,7 @@ class AllToAllTransport(Transport):
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
-        self._graphs = PlanGraphCache() if config.plan_graphs else None
+        self._graphs = PlanGraphCache() if config.tuning.plan_graphs else None
 
     def plan(self, request: Request) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one

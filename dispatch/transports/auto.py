@@ -50,8 +50,8 @@ class AutoTransport(Transport):
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
-        self.link_model = config.link_model or LinkModel()
-        inner = dataclasses.replace(config, check_inputs=False)  # checked here, at a choice
+        self.link_model = config.tuning.link_model or LinkModel()
+        inner = config  # (the values are checked by the choice's exchange, or by the plan between choices)
         classes = {"alltoall": AllToAllTransport, "allgather": AllGatherTransport}
         if 1 < self.local_world_size < self.world_size:
             classes["hierarchical"] = HierarchicalTransport

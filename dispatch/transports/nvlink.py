@@ -70,7 +70,7 @@ class NVLinkTransport(Transport):
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
-        self.engine = engine_for(group, config.num_experts, config.sm_budget, config.timeout)
+        self.engine = engine_for(group, config.num_experts, config.tuning.sm_budget, config.timeout)
 
     def plan(self, request: Request) -> tuple[NVLinkHandle, PlanOutputs]:
         if request.max_rows is not None:
@@ -167,7 +167,7 @@ class NVLinkTransport(Transport):
     def _wire_inputs(self, x, topk_weights):
         """(routing weights in their wire dtype, contiguous; that dtype; the codec of x)."""
         wire = plan.weight_wire_dtype(topk_weights.dtype)
-        codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.fp8_pow2_scales)
+        codec = to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.tuning.fp8_pow2_scales)
         return topk_weights.detach().to(wire).contiguous(), wire, codec
 
     def _handle(self, request: Request, counts: Counts, num_rows, grads_any, has_rows, split, wire, per_expert_host,
