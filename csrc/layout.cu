@@ -370,7 +370,7 @@ __device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_
 __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
     const unsigned long long* meta_ptrs, long long rows_offset, long long matrix_bytes, int me, int world,
     int row_len, int count_start, int experts_per_rank, int* row, int scratch_words, int verb, int call,
-    int along, int topk, int hidden, int x_dtype, int w_dtype, int x_grad, int w_grad, int failed_mark, int budget,
+    int along, int topk, int hidden, int x_dtype, int weights_dtype, int x_grad, int weights_grad, int failed, int max_rows,
     int memory_rows, int tokens, int staged, int groups, unsigned* seq, unsigned long long timeout_ns, int* status, int* out,
     long long* tokens_per_expert, int* src_start, int* num_rows, int* group_end) {
   follow_previous();
@@ -380,18 +380,18 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   int* matrix = out + 4;
   if (threadIdx.x == 0) {
     epoch_of = load_seq(seq) + 1;
-    stop = failed(status);
+    stop = engine::failed(status);
   }
   if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
   __syncthreads();
   const unsigned epoch = epoch_of;
   if (stop) {
     for (int i = threadIdx.x; i < scratch_words; i += blockDim.x) row[i] = 0;
-    no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
+    no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, max_rows);
     return;
   }
-  const int head[Row::kSends] = {verb, call, along, topk, hidden, x_dtype, w_dtype, x_grad, w_grad,
-                                 max(failed_mark, row[Row::kFailed]), budget, memory_rows, tokens, staged, groups};
+  const int head[Row::kSends] = {verb, call, along, topk, hidden, x_dtype, weights_dtype, x_grad, weights_grad,
+                                 max(failed, row[Row::kFailed]), max_rows, memory_rows, tokens, staged, groups};
   const long long copy = by_parity(rows_offset, matrix_bytes, epoch);
   for (int p = 0; p < world; ++p) {
     int* dst = reinterpret_cast<int*>(meta_ptrs[p] + copy) + (long long)me * row_len;
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   const unsigned* own_flags = reinterpret_cast<const unsigned*>(meta_ptrs[me]);
   if (!wait_peers(own_flags, world, epoch, timeout_ns, status, 0)) {
     if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
-    no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
+    no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, max_rows);
     return;
   }
   const volatile int* rows = reinterpret_cast<const volatile int*>(meta_ptrs[me] + copy);
@@ -425,9 +425,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   }
   __syncthreads();
   block_exclusive_scan(place, experts_per_rank);  // place[e]: rows before expert e; place[E_local] = N
-  // by groups with a budget, each group from its first place: g B + the rows of its earlier experts
-  const bool padded = groups > 1 && budget >= 0;
-  const long long bound = padded ? ((long long)budget + groups - 1) / groups : 0;
+  // by groups with a max_rows, each group from its first place: g B + the rows of its earlier experts
+  const bool padded = groups > 1 && max_rows >= 0;
+  const long long bound = padded ? ((long long)max_rows + groups - 1) / groups : 0;
   for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
     int start = place[e];
     if (padded) {
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
       const int* other = matrix + r * row_len;
       bool same = other[Row::kGroups] == mine[Row::kGroups];
       for (int c = 0; c < Row::kAgreed; ++c) same &= other[c] == mine[c];
-      // rank r over its budget: its N, or by groups the rows of its fullest group against B
+      // rank r over its max_rows: its N, or by groups the rows of its fullest group against B
       const int g_of_r = max(other[Row::kGroups], 1);
       const long long budget_r = other[Row::kBudget];
       const long long bound_r = g_of_r > 1 ? (budget_r + g_of_r - 1) / g_of_r : budget_r;
@@ -487,8 +487,8 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
       }
     }
     for (int i = 0; i < 4; ++i) out[i] = status[i];
-    stop = failed(status);
+    stop = engine::failed(status);
   }
   __syncthreads();
-  if (stop) no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, budget);
+  if (stop) no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, max_rows);
 }

@@ -20,9 +20,13 @@ class DispatchFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle, started):
         # ``started``: the exchange of x to the experts, started by the verb
         ctx.dispatcher, ctx.handle = dispatcher, handle
+        return *DispatchFn.outputs(topk_weights, routed_weights, handle, started), x.new_empty(0)
+
+    @staticmethod
+    def outputs(topk_weights, routed_weights, handle, started):
+        """(tokens, weights) of a dispatch, as its node hands them out (with grad mode off: without one)."""
         tokens = padded(started.result(), handle, 0)
-        weights = padded(routed_weights.to(topk_weights.dtype, copy=True), handle, 0)
-        return tokens, weights, x.new_empty(0)
+        return tokens, padded(routed_weights.to(topk_weights.dtype, copy=True), handle, 0)
 
     @staticmethod
     def backward(ctx, grad_tokens, grad_weights, _grad_link):

@@ -201,6 +201,12 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int)
         ValueError after the counts exchange and before any token moves.
     """
     headers = _rows(headers)
+    for h, n in zip(headers, rows_of):  # the usual case, at a glance: every rank within its budgets
+        m, f = h[_MAX_ROWS], h[_MEMORY_ROWS]
+        if 0 <= m < n or 0 <= f < (n if n > m else m):
+            break
+    else:
+        return
     max_rows = [h[HEADER.index("max_rows")] for h in headers]
     memory = [h[HEADER.index("memory_rows")] for h in headers]
     over = [f"rank {r}: {n} rows, over its max_rows={m}" for r, (n, m) in enumerate(zip(rows_of, max_rows))
@@ -382,6 +388,9 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
         a rank marked itself failed (``plan.mark_failed``).
     """
     headers = _rows(headers)  # a few host values: plain Python, no tensor op per check
+    first = headers[0][:_AGREED]
+    if not headers[0][_FAILED] and all(h[:_AGREED] == first and not h[_FAILED] for h in headers):  # the usual case
+        return (any(h[_X_GRAD] for h in headers), any(h[_WEIGHTS_GRAD] for h in headers))
     check_peer_calls(headers)
     for column, (argument, what) in _MUST_AGREE.items():
         values = [h[HEADER.index(column)] for h in headers]
@@ -392,6 +401,13 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
             )
     return (any(h[HEADER.index("x_grad")] for h in headers),
             any(h[HEADER.index("weights_grad")] for h in headers))
+
+
+# where the checks read a header (``plan.HEADER``); the columns every rank must agree on come first
+_AGREED = HEADER.index("weights_dtype") + 1
+_FAILED, _X_GRAD, _WEIGHTS_GRAD = HEADER.index("failed"), HEADER.index("x_grad"), HEADER.index("weights_grad")
+_MAX_ROWS, _MEMORY_ROWS = HEADER.index("max_rows"), HEADER.index("memory_rows")
+assert set(HEADER[:_AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
 
 
 def _rows(headers) -> list[list[int]]:

@@ -5,13 +5,15 @@ Importing this module never needs CuPy; :func:`available` says whether the
 kernels can run here (CUDA, and CuPy importable).
 
     k = kernel("layout.cu", "route_layout", "long long", "float")
-    k(grid, (ptr(idx), ptr(w), i32(T), ...), shared=0)
+    k(grid, topk_idx=idx, weights=w, tokens=T, ..., shared=0)
 
-Arguments travel by value with the exact C type of the kernel's parameter:
-wrap them in :func:`i32`, :func:`i64`, :func:`u32`, :func:`u64`, :func:`f32`
-or :func:`ptr` (a tensor's data pointer, 0 for None). A launch packs them into
-one parameter block (each at its C alignment, :func:`parameter_block`) and
-hands the driver's ``cuLaunchKernelEx`` their addresses. On compute capability
+A launch names every parameter of the kernel's signature, read from its
+source (:func:`signature`): a missing or unknown name raises, and each value
+travels with the exact C type of its parameter (a pointer takes a tensor, its
+data pointer, an address as an int, or None for 0; a scalar the number). The
+values are packed into one parameter block (each at its C alignment,
+:func:`parameter_block`) whose address array goes to the driver's
+``cuLaunchKernelEx``. On compute capability
 9.0 and later it allows programmatic dependent launch: the next kernel of the
 stream may be launched while this one runs, and waits on the device for it
 (``engine::follow_previous``, the first thing every kernel does).
@@ -22,8 +24,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
+import re
 import struct
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -94,33 +98,64 @@ def available() -> bool:
     return torch.cuda.is_available() and _cupy() is not None
 
 
-# An argument: (struct format code of its C type, value). Pointers travel as their address.
-Arg = tuple[str, int | float]
+_KERNEL = re.compile(  # a kernel's declaration in csrc/: its template, name and parameters
+    r"(?:template\s*<(?P<template>[^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
+    r"(?P<name>\w+)\s*\((?P<params>[^)]*)\)"
+)
+_BY_VALUE = {  # C type of a parameter passed by value -> its struct format code
+    "int": "i",
+    "unsigned": "I",
+    "unsigned int": "I",
+    "long long": "q",
+    "unsigned long long": "Q",
+    "float": "f",
+    "double": "d",
+}
 
 
-def i32(v) -> Arg:
-    return ("i", v)
+@dataclass(frozen=True)
+class Signature:
+    """A kernel's parameters as its source declares them.
+
+    Attributes:
+        template: how many template arguments it takes.
+        names: its parameters' names, in order.
+        codes: the struct format code each travels as ("Q" for a pointer: its address).
+        pointers: the places of its pointer parameters.
+    """
+
+    template: int
+    names: tuple[str, ...]
+    codes: str
+    pointers: tuple[int, ...]
 
 
-def u32(v) -> Arg:
-    return ("I", v & 0xFFFFFFFF)
+@functools.lru_cache(maxsize=1)
+def signatures() -> dict[tuple[str, str], Signature]:
+    """(file, kernel) -> :class:`Signature`, for every kernel of ``csrc/*.cu``."""
+    out = {}
+    for path in sorted(csrc_dir().glob("*.cu")):
+        for m in _KERNEL.finditer(path.read_text()):
+            names, codes, pointers = [], [], []
+            for param in m["params"].split(","):
+                words = " ".join(param.replace("*", " * ").split()).split()
+                if "*" in words:
+                    pointers.append(len(names))
+                    codes.append("Q")
+                else:
+                    codes.append(_BY_VALUE[" ".join(w for w in words[:-1] if w != "const")])
+                names.append(words[-1])
+            template = 0 if m["template"] is None else len(m["template"].split(","))
+            out[(path.name, m["name"])] = Signature(template, tuple(names), "".join(codes), tuple(pointers))
+    return out
 
 
-def i64(v) -> Arg:
-    return ("q", v)
-
-
-def u64(v) -> Arg:
-    return ("Q", v)
-
-
-def f32(v) -> Arg:
-    return ("f", v)
-
-
-def ptr(t: torch.Tensor | None) -> Arg:
-    """The data pointer of ``t`` (0 for None)."""
-    return ("Q", 0 if t is None else t.data_ptr())
+def signature(source: str, name: str) -> Signature:
+    """The :class:`Signature` of kernel ``name`` in ``csrc/source``."""
+    try:
+        return signatures()[(source, name)]
+    except KeyError:
+        raise ValueError(f"csrc/{source} declares no kernel {name!r}") from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -141,21 +176,17 @@ def parameter_block(codes: str) -> tuple[struct.Struct, tuple[int, ...]]:
 class Kernel:
     """One compiled kernel; calling it launches on torch's current stream."""
 
-    def __init__(self, function, threads: int) -> None:
-        self._function, self.threads = function, threads
+    def __init__(self, function, threads: int, signature: Signature) -> None:
+        self._function, self.threads, self.signature = function, threads, signature
         self._handles: dict[int, int] = {}  # CUDA device -> the kernel's CUfunction there
-        self._local = threading.local()  # this thread's parameter blocks (by format) and launch configuration
+        self._local = threading.local()  # this thread's parameter block and launch configuration
 
-    def __call__(self, blocks: int, args: tuple[Arg, ...], shared: int = 0) -> None:
+    def __call__(self, blocks: int, shared: int = 0, **args) -> None:
         device = torch.cuda.current_device()  # the CUDA runtime's current device, which the launch uses
         handle = self._handles.get(device) or self._load(device)
-        codes = "".join([a[0] for a in args])
-        blocks_of = getattr(self._local, "blocks", None)
-        if blocks_of is None:
-            blocks_of = self._local.blocks = {}
-        layout, block, params = blocks_of.get(codes) or self._block(blocks_of, codes)
+        layout, block, params = getattr(self._local, "block", None) or self._block()
         # this thread's block, refilled for each launch: the driver copies it at the call
-        layout.pack_into(block, 0, *[a[1] for a in args])
+        layout.pack_into(block, 0, *arguments(self.signature, args))
         config = getattr(self._local, "config", None) or self._config()
         config.gridDimX, config.blockDimX, config.sharedMemBytes = max(int(blocks), 1), self.threads, shared
         config.hStream = _raw_stream(device)
@@ -172,21 +203,42 @@ class Kernel:
                                                    attrs=ctypes.pointer(attribute))
         return config
 
-    @staticmethod
-    def _block(blocks_of: dict, codes: str) -> tuple:
+    def _block(self) -> tuple:
         """(packer, parameter block, the array of the parameters' addresses in it),
-        kept for the thread's later launches of that format."""
-        layout, offsets = parameter_block(codes)
+        kept for the thread's later launches."""
+        layout, offsets = parameter_block(self.signature.codes)
         block = ctypes.create_string_buffer(max(layout.size, 1))
         base = ctypes.addressof(block)
         params = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
-        made = blocks_of[codes] = (layout, block, params)
+        made = self._local.block = (layout, block, params)
         return made
 
     def _load(self, device: int) -> int:
         with _cupy().cuda.Device(device):
             handle = self._handles[device] = self._function.kernel.ptr  # the module loaded on that device
         return handle
+
+
+def arguments(signature: Signature, args: dict) -> list:
+    """The values of a launch's named ``args`` in the order of ``signature``, each
+    as it travels (a pointer parameter's tensor as its data pointer, None as 0).
+    Raises TypeError naming the parameters missing or unknown."""
+    names = signature.names
+    try:
+        values = [args[n] for n in names]
+        if len(args) != len(names):
+            raise KeyError
+    except KeyError:
+        missing, unknown = [n for n in names if n not in args], sorted(set(args) - set(names))
+        raise TypeError(f"a launch must name every parameter of the kernel once: missing {missing}, "
+                        f"unknown {unknown}") from None
+    for i in signature.pointers:
+        v = values[i]
+        if v is None:
+            values[i] = 0
+        elif not isinstance(v, int):
+            values[i] = v.data_ptr()
+    return values
 
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID: programmatic dependent launch allowed
@@ -267,19 +319,34 @@ def _module(source: str, names: tuple[str, ...]):
                           name_expressions=names)
 
 
-THREADS = 512  # engine::Tuning::kThreads
-SCAN_TILES = 4  # engine::Tuning::kScanTiles: tiles of 32 slots a warp of the routing layout's scan holds
-SCAN_SHARED = 48 * 1024  # engine::Tuning::kScanShared: bytes of the scan's per-warp counts, at most
-SUM_ROWS = 4  # engine::Tuning::kSumRows: rows a lane of a pre-sum loads together where an item has more than 2
+def tuning() -> dict[str, int]:
+    """The integer constants of ``engine::Tuning`` (``csrc/engine.cuh``) by name:
+    the one table of the kernels' tuned values, which the host side reads here."""
+    text = (csrc_dir() / "engine.cuh").read_text()
+    start = text.index("struct Tuning {")
+    table = text[start : text.index("};", start)]
+    found = re.findall(r"static constexpr (?:int|unsigned) (k\w+) = (\d+)(?: \* (\d+))?;", table)
+    return {name: int(a) * int(b or 1) for name, a, b in found}
+
+
+_TUNING = tuning()
+THREADS = _TUNING["kThreads"]  # threads of a block, every kernel
+SCAN_TILES = _TUNING["kScanTiles"]  # tiles of 32 slots a warp of the routing layout's scan holds
+SCAN_SHARED = _TUNING["kScanShared"]  # bytes of the scan's per-warp counts, at most
+SUM_ROWS = _TUNING["kSumRows"]  # rows a lane of a pre-sum loads together where an item has more than 2
 
 
 @functools.lru_cache(maxsize=None)
 def kernel(source: str, name: str, *template_args: str) -> Kernel:
     """The kernel ``name<template_args...>`` of ``csrc/source``, compiled on first use
     (one NVRTC compile per instantiation) and cached for the process."""
+    declared = signature(source, name)
+    if len(template_args) != declared.template:
+        raise ValueError(f"{name}<{', '.join(template_args)}>: the kernel takes {declared.template} template "
+                         "arguments")
     expression = f"{name}<{', '.join(template_args)}>" if template_args else name
     module = _module(source, (expression,))
-    return Kernel(module.get_function(expression), THREADS)
+    return Kernel(module.get_function(expression), THREADS, declared)
 
 
 def c_type(dtype: torch.dtype) -> str:

@@ -162,17 +162,19 @@ class TokenDispatcher:
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
                                                             self.config.capacity_factor, self.config.drop_policy)
-        request = Request(self, x, topk_idx, topk_weights, ticket, self.config.tuning.check_inputs, groups)
+        check = self.config.tuning.check_inputs
         if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
             blocks = self._capacity_blocks(x, topk_idx, ticket)
             padded_rows = self.num_local_experts * sum(blocks)
             memory_rows = self._row_budgets(x, None)[1]  # the N received and their padded copy, at once
             budgets = (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0))
-            handle, plan_out = self.transport.plan(dataclasses.replace(request, ticket=ticket.with_budgets(budgets)))
+            handle, plan_out = self.transport.plan(
+                Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups))
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
         else:
-            request = dataclasses.replace(request, ticket=ticket.with_budgets(self._row_budgets(x, max_rows)))
-            handle, plan_out = self.transport.plan(request)
+            handle, plan_out = self.transport.plan(
+                Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows)), check,
+                        groups))
         rows = x.detach()
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
                                              (rows,), async_op, self.comm_priority)
@@ -213,7 +215,10 @@ class TokenDispatcher:
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
         w = None if weights is None else received(weights.detach(), handle)
         started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), async_op)
-        work = ExchangeWork(lambda: CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
+        if torch.is_grad_enabled() and handle.link is not None:
+            work = ExchangeWork(lambda: CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
+        else:  # no backward: no node
+            work = ExchangeWork(started.result)
         return work if async_op else work.wait()
 
     def _check_combine(self, expert_out, handle: CombineHandle, weights) -> None:
@@ -221,7 +226,7 @@ class TokenDispatcher:
         self._check_handle(handle)
         checks.check_combine_inputs(expert_out, weights, handle.rows, self.devices)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
-        if torch.is_grad_enabled() and differentiable and not handle.link.requires_grad:
+        if torch.is_grad_enabled() and differentiable and handle.link is None:
             raise ValueError(
                 "expert_out (or weights) requires grad but the dispatch behind handle ran with "
                 "grad mode off: run dispatch with grad mode on so every rank joins the backward"

@@ -138,7 +138,7 @@ class Ticket:
     memory_rows: int = -1
 
     def with_budgets(self, budgets: tuple[int, int]) -> "Ticket":
-        return dataclasses.replace(self, max_rows=budgets[0], memory_rows=budgets[1])
+        return Ticket(self.verb, self.call, self.along, self.refused, budgets[0], budgets[1])
 
 
 def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, ticket: Ticket = Ticket()) -> list[int]:

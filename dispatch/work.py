@@ -7,7 +7,6 @@ Notation as in ``dispatch.handle``.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import torch
@@ -135,11 +134,14 @@ class DispatchWork:
             if self.handle.pad_blocks is not None:  # the rows' places among the blocks, from their sources
                 started.result()  # the caller's stream follows the exchange (the engine writes the sources)
                 self.handle, plan_out = pad_to_blocks(self.handle, plan_out, dispatcher.num_local_experts)
-            anchor = torch.empty(0, device=x.device, requires_grad=torch.is_grad_enabled())
-            tokens, weights, link = DispatchFn.apply(
-                x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
-            )
-            self.handle = dataclasses.replace(self.handle, link=link)
+            if torch.is_grad_enabled():  # the node every rank makes, whatever it needs itself (``link``)
+                anchor = torch.empty(0, device=x.device, requires_grad=True)
+                tokens, weights, link = DispatchFn.apply(
+                    x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
+                )
+                object.__setattr__(self.handle, "link", link)  # set once, here (``CombineHandle.link``)
+            else:
+                tokens, weights = DispatchFn.outputs(topk_weights, plan_out.weights, self.handle, started)
             self._result = Dispatched(
                 tokens=tokens,
                 tokens_per_expert=plan_out.tokens_per_expert,

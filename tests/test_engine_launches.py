@@ -1,11 +1,13 @@
 """The NVLink engine's launches against its kernels' signatures, on CPU.
 
 The kernels (``csrc/``) run only on GPUs; their calling contract is held here, in
-CI: every argument tuple the engine's host side (``dispatch.nvlink.Engine``)
-builds has the count and the C type of each parameter of the kernel it
-launches (read from the source), and every instantiation names as many template
-arguments as the kernel's template takes. An argument list out of step with its
-kernel would otherwise show only on a GPU, as garbage read by the kernel.
+CI: every launch the engine's host side (``dispatch.nvlink.Engine``) makes names
+each parameter of the kernel it launches (its signature read from the source,
+``cuda.signature``), by name, with a value its C type holds (a pointer: a tensor,
+an address or None), and the values this test knows (the rank, the world, K,
+H, T ...) where the kernel names them; every instantiation names as many
+template arguments as the kernel's template takes. An argument out of step with
+its kernel would otherwise show only on a GPU, as garbage read by the kernel.
 """
 
 from __future__ import annotations
@@ -21,66 +23,49 @@ from dispatch import cuda, nvlink, plan
 from dispatch.codec import to_experts_codec
 from dispatch.nvlink import SENDS_COL, Capacity, Engine, partial_row_bytes, scan_warps, staged_row_bytes
 
-_KERNEL = re.compile(
-    r"(?:template\s*<(?P<template>[^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
-    r"(?P<name>\w+)\s*\((?P<params>[^)]*)\)"
-)
-_BY_VALUE = {  # C type -> the struct format code its argument travels as (dispatch.cuda.Arg)
-    "int": "i",
-    "unsigned": "I",
-    "unsigned int": "I",
-    "long long": "q",
-    "unsigned long long": "Q",
-    "float": "f",
-    "double": "d",
-}
-
-
-def _signatures() -> dict:
-    """(file, kernel) -> (template parameter count, [format code of each parameter])."""
-    out = {}
-    for path in sorted(cuda.csrc_dir().glob("*.cu")):
-        for m in _KERNEL.finditer(path.read_text()):
-            types = []
-            for param in m["params"].split(","):
-                decl = " ".join(param.split())
-                if "*" in decl:
-                    types.append("Q")  # every pointer travels as its address
-                    continue
-                base = " ".join(w for w in decl.split()[:-1] if w != "const")
-                types.append(_BY_VALUE[base])
-            template = m["template"]
-            out[(path.name, m["name"])] = (0 if template is None else len(template.split(",")), types)
-    return out
-
-
-SIGNATURES = _signatures()
+SIGNATURES = cuda.signatures()
 
 
 class _Checked:
-    """Stands for a compiled kernel: checks each launch's arguments and records it."""
+    """Stands for a compiled kernel: checks each launch's arguments and records it.
 
-    def __init__(self, source: str, name: str, template_args: tuple, launches: list) -> None:
-        assert (source, name) in SIGNATURES, f"{source} has no kernel {name}"
-        count, self.types = SIGNATURES[(source, name)]
+    ``known``: {parameter name: value} that every launch naming it must pass
+    (the engine's rank and world, the dispatch's T, K, H ...)."""
+
+    def __init__(self, source: str, name: str, template_args: tuple, launches: list, known: dict) -> None:
+        self.signature = cuda.signature(source, name)
+        count = self.signature.template
         assert len(template_args) == count, f"{name}<{', '.join(template_args)}>: the template takes {count}"
-        self.name, self.launches = name, launches
+        self.name, self.launches, self.known = name, launches, known
 
-    def __call__(self, blocks, args, shared=0):
+    def __call__(self, blocks, shared=0, **args):
         assert int(blocks) >= 1
         assert 0 <= shared <= 48 * 1024, f"{self.name}: {shared} bytes of dynamic shared memory (48 KiB without opt-in)"
-        assert len(args) == len(self.types), f"{self.name}: {len(args)} arguments for {len(self.types)} parameters"
-        for i, (arg, want) in enumerate(zip(args, self.types)):
-            assert arg[0] == want, f"{self.name} argument {i}: {arg[0]!r}, the kernel takes {want!r}"
-        layout, _ = cuda.parameter_block("".join(a[0] for a in args))
-        layout.pack(*(a[1] for a in args))  # every value fits its C type
+        sig = self.signature
+        for i, (name, code) in enumerate(zip(sig.names, sig.codes)):
+            value = args.get(name)
+            if i in sig.pointers:
+                assert value is None or isinstance(value, (int, torch.Tensor)), f"{self.name}.{name}: {value!r}"
+            elif code in "fd":
+                assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{self.name}.{name}"
+            else:
+                assert isinstance(value, int) and not isinstance(value, bool), f"{self.name}.{name}: {value!r}"
+            if name in self.known:
+                assert value == self.known[name], f"{self.name}.{name} = {value}, the launch's is {self.known[name]}"
+        layout, _ = cuda.parameter_block(sig.codes)
+        layout.pack(*cuda.arguments(sig, args))  # every name given once, every value fits its C type
         self.launches.append(self.name)
+
+
+KNOWN: dict = {}  # the values the launches of the running test must pass (``launches``)
 
 
 @pytest.fixture
 def launches(monkeypatch):
     made: list = []
-    monkeypatch.setattr(cuda, "kernel", lambda source, name, *t: _Checked(source, name, t, made))
+    KNOWN.clear()
+    KNOWN.update(me=0, world=2)  # the engine of rank 0 of 2 (``_cpu_engine``)
+    monkeypatch.setattr(cuda, "kernel", lambda source, name, *t: _Checked(source, name, t, made, KNOWN))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no streams
     return made
 
@@ -112,6 +97,8 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
 @pytest.mark.parametrize("dtype, wire", [(torch.bfloat16, "native"), (torch.bfloat16, "fp8"), (torch.float32, "bf16")])
 def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, weight_dtype, dtype, wire):
     world, experts, tokens, topk, hidden = 2, 8, 40, 4, 64
+    KNOWN.update(topk=topk, hidden=hidden, experts=experts, experts_per_rank=experts // world,
+                 tokens=tokens)
     codec = to_experts_codec(wire, dtype)
     combine_wire = torch.float32
     engine = _cpu_engine(world, experts, Capacity(64, topk, staged_row_bytes(codec, hidden),
@@ -196,7 +183,7 @@ def test_a_pre_sum_loads_several_rows_together_where_items_hold_more_than_two(mo
     where an item holds at most 2 rows on this rank (J <= 2), else SUM_ROWS."""
     made: list = []
     monkeypatch.setattr(cuda, "kernel",
-                        lambda source, name, *t: made.append((name, t)) or _Checked(source, name, t, []))
+                        lambda source, name, *t: made.append((name, t)) or _Checked(source, name, t, [], {"me": 0, "world": 2}))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     world, experts, tokens, hidden = 2, 8, 40, 64
     codec = to_experts_codec("native", torch.bfloat16)
@@ -221,14 +208,15 @@ def test_a_parameter_block_lays_each_argument_at_its_c_alignment():
     layout, offsets = cuda.parameter_block("iQiiqfI")
     assert offsets == (0, 8, 16, 20, 24, 32, 36)
     assert layout.size == 40
-    args = (cuda.i32(-3), cuda.ptr(None), cuda.i32(7), cuda.i32(2**31 - 1), cuda.i64(-(2**40)), cuda.f32(0.5),
-            cuda.u32(-1))
-    block = layout.pack(*(a[1] for a in args))
+    args = (-3, 0, 7, 2**31 - 1, -(2**40), 0.5, 2**32 - 1)
+    block = layout.pack(*args)
     assert struct.unpack_from("<i", block, 0)[0] == -3 and struct.unpack_from("<Q", block, 8)[0] == 0
     assert struct.unpack_from("<q", block, 24)[0] == -(2**40) and struct.unpack_from("<f", block, 32)[0] == 0.5
-    assert struct.unpack_from("<I", block, 36)[0] == 2**32 - 1  # u32 wraps to the unsigned value
+    assert struct.unpack_from("<I", block, 36)[0] == 2**32 - 1
     with pytest.raises(struct.error):  # a value its C type cannot hold is refused, not truncated
-        layout.pack(*(a[1] for a in args[:3]), 2**31, *(a[1] for a in args[4:]))
+        layout.pack(*args[:3], 2**31, *args[4:])
+    with pytest.raises(struct.error):
+        layout.pack(*args[:6], -1)  # nor wrapped
 
 
 def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
@@ -250,7 +238,8 @@ def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     dependent = [True]
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: dependent[0])
-    kernel = cuda.Kernel(None, cuda.THREADS)
+    signature = cuda.Signature(0, ("a", "p", "b", "c", "d"), "iQqIf", (1,))
+    kernel = cuda.Kernel(None, cuda.THREADS, signature)
     kernel._handles[0] = 1234  # the CUfunction on device 0, as _load would find it
 
     def values(params: int, codes: str) -> list:
@@ -258,16 +247,20 @@ def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
         return [struct.unpack(c, ctypes.string_at(at[i], struct.calcsize(c)))[0] for i, c in enumerate(codes)]
 
     for i, last in enumerate((1.5, -2.0)):
-        kernel(3 - i, (cuda.i32(5 + i), cuda.ptr(None), cuda.i64(-(2**33) - i), cuda.u32(-1), cuda.f32(last)),
-               shared=16 * i)
+        kernel(3 - i, d=last, c=2**32 - 1, b=-(2**33) - i, p=None, a=5 + i, shared=16 * i)  # by name, any order
         handle, gx, gy, gz, bx, by, bz, shared, stream, attrs, params, extra = calls[-1]
         assert (handle, gx, gy, gz, bx, by, bz, shared, stream, extra) == (1234, 3 - i, 1, 1, cuda.THREADS, 1, 1,
                                                                            16 * i, 77, None)
         assert attrs == [(cuda.PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
         assert values(params, "iQqIf") == [5 + i, 0, -(2**33) - i, 2**32 - 1, last]
     dependent[0] = False  # a device before compute capability 9.0: a plain launch
-    kernel(0, (cuda.i32(1),))  # an empty grid still launches one block
-    assert calls[-1][1] == 1 and calls[-1][9] == [] and values(calls[-1][10], "i") == [1]
+    pointer = torch.zeros(2)
+    kernel(0, a=1, p=pointer, b=0, c=0, d=0.0)  # an empty grid still launches one block
+    assert calls[-1][1] == 1 and calls[-1][9] == [] and values(calls[-1][10], "iQ") == [1, pointer.data_ptr()]
+    with pytest.raises(TypeError, match=r"missing \['d'\], unknown \['e'\]"):
+        kernel(1, a=1, p=None, b=0, c=0, e=0.0)
+    with pytest.raises(TypeError, match=r"missing \[\], unknown \['e'\]"):
+        kernel(1, a=1, p=None, b=0, c=0, d=0.0, e=0)
 
 
 def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
@@ -288,10 +281,10 @@ def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
             return 0
 
     monkeypatch.setattr(cuda, "_driver", lambda: Driver)
-    kernel = cuda.Kernel(None, cuda.THREADS)
+    kernel = cuda.Kernel(None, cuda.THREADS, cuda.Signature(0, ("a",), "i", ()))
     kernel._handles[0] = 1
     with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\): invalid"):
-        kernel(1, (cuda.i32(0),))
+        kernel(1, a=0)
 
 
 def test_the_signatures_are_read():
@@ -299,13 +292,35 @@ def test_the_signatures_are_read():
     names = {name for _, name in SIGNATURES}
     assert {"route_layout", "exchange_counts", "stage_rows", "pull_rows", "push_partials", "home_sum",
             "push_slots", "home_slots"} <= names
-    assert all(types for _, types in SIGNATURES.values())
-    count, types = SIGNATURES[("layout.cu", "exchange_counts")]
-    assert count == 0 and types[0] == "Q" and types[3] == "i" and types[-1] == "Q"
+    assert all(sig.names and len(sig.names) == len(sig.codes) for sig in SIGNATURES.values())
+    sig = SIGNATURES[("layout.cu", "exchange_counts")]
+    assert sig.template == 0 and sig.codes[0] == "Q" and sig.codes[3] == "i" and sig.codes[-1] == "Q"
+    assert sig.names[:5] == ("meta_ptrs", "rows_offset", "matrix_bytes", "me", "world") and 0 in sig.pointers
+    assert SIGNATURES[("layout.cu", "route_layout")].template == 2
 
 
-def test_the_host_side_mirrors_the_kernels_tuning():
-    """The constants the host sizes launches by are the kernels' (engine.cuh)."""
+def test_the_counts_exchange_takes_the_header_by_its_names():
+    """exchange_counts' header parameters are ``plan.HEADER``'s columns, by name and
+    in order (the launch passes the header by those names)."""
+    names = SIGNATURES[("layout.cu", "exchange_counts")].names
+    start = names.index(plan.HEADER[0])
+    assert names[start : start + len(plan.HEADER)] == plan.HEADER
+
+
+def test_a_swapped_pair_of_arguments_fails_the_check(launches):
+    """The check above holds each value the test knows by its parameter's name: a
+    launch that swaps the rank and the world size (both ints) is caught."""
+    sig = SIGNATURES[("intranode_dispatch.cu", "stage_rows")]
+    kernel = cuda.kernel("intranode_dispatch.cu", "stage_rows")
+    args = {name: (0 if i in sig.pointers else 1) for i, name in enumerate(sig.names)}
+    kernel(1, **{**args, "me": 0, "world": 2})
+    with pytest.raises(AssertionError, match=r"stage_rows\.(me = 2|world = 0)"):
+        kernel(1, **{**args, "me": 2, "world": 0})
+
+
+def test_the_host_side_reads_the_kernels_tuning():
+    """The constants the host sizes launches by are the kernels' (engine.cuh), read
+    from there (``cuda.tuning``), not copied."""
     text = (cuda.csrc_dir() / "engine.cuh").read_text()
 
     def constant(name: str) -> int:
@@ -330,13 +345,6 @@ def test_the_counts_rows_columns_are_the_headers():
         header.index(c) for c in ("failed", "max_rows", "memory_rows"))
     assert (int(row["kTokens"]), int(row["kStaged"]), int(row["kGroups"]), int(row["kSends"])) == (
         nvlink.TOKENS_COL, nvlink.STAGED_COL, nvlink.GROUPS_COL, nvlink.SENDS_COL)
-    # the kernel takes the header's columns by name, in HEADER's order, before T
-    names = re.search(r"exchange_counts\((.*?)\)\s*{", (cuda.csrc_dir() / "layout.cu").read_text(), re.S)[1]
-    params = [p.split()[-1].lstrip("*") for p in names.split(",")]
-    start = params.index("verb")
-    assert params[start : start + len(header) + 1] == ["verb", "call", "along", "topk", "hidden", "x_dtype", "w_dtype",
-                                                        "x_grad", "w_grad", "failed_mark", "budget",
-                                                        "memory_rows", "tokens"]
 
 
 def test_the_layout_scan_takes_the_warps_whose_counts_fit():
