@@ -111,17 +111,17 @@ for part in "$@"; do
     a2a)
       bench 240 a2a a2a --iters 20 --warmup 5 --out "$RES" ;;
     overlap)
-      bench 240 overlap overlap --chunks 2,4,8 --sm-carveout 16 --micro-batches --out "$RES"
-      bench 200 overlap-slow overlap --chunks 2,4,8 --sm-carveout 16 --comm-max-ctas 2 --comm-high-priority \
+      bench 240 overlap overlap --groups 2,4,8 --sm-carveout 16 --micro-batches --out "$RES"
+      bench 200 overlap-slow overlap --groups 2,4,8 --sm-carveout 16 --comm-max-ctas 2 --comm-high-priority \
         --out "$RES" ;;
     overlap-engine)
-      bench 300 overlap-engine overlap --transport auto --chunks 1 --graph --micro-batches --out "$RES"
-      bench 240 overlap-engine-groups overlap --transport auto --chunks 2,4,8 --graph --iters 10 --warmup 3 \
+      bench 300 overlap-engine overlap --transport auto --groups 1 --graph --micro-batches --out "$RES"
+      bench 240 overlap-engine-groups overlap --transport auto --groups 2,4,8 --graph --iters 10 --warmup 3 \
         --out "$RES" ;;
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
       step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"
-      bench 240 overlap-slow-mb overlap --shapes deepseek-v3,mixtral-8x7b --chunks 1 --micro-batches \
+      bench 240 overlap-slow-mb overlap --shapes deepseek-v3,mixtral-8x7b --groups 1 --micro-batches \
         --comm-max-ctas 2 --comm-high-priority --iters 10 --warmup 3 --out "$RES" ;;
     nvlink)
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
@@ -173,7 +173,7 @@ for part in "$@"; do
         --trace --out "$RES/experts16" ;;
     studies)
       step 120 wire python3 bench/wire.py --out "$RES"
-      step 120 overlap-trace python3 bench/overlap_trace.py --chunks 1,4 --sm-carveout 16 --comm-max-ctas 2 \
+      step 120 overlap-trace python3 bench/overlap_trace.py --groups 1,4 --sm-carveout 16 --comm-max-ctas 2 \
         --comm-high-priority --out "$RES"
       bench 150 hierarchical dispatch --nodes 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b --routings uniform \
         --wires native --baselines none --iters 20 --warmup 5 --out "$RES" ;;

@@ -2,7 +2,7 @@
 
     python3 bench/group_dedup.py [--out DIR]
 
-Pipelining the exchange by groups of local experts (issue: chunks are groups of
+Pipelining the exchange by groups of local experts (issue: groups are groups of
 local experts) over the collectives means one exchange per group: a token whose
 experts on one rank fall in several groups crosses to that rank once per group,
 where one exchange sends it once. Under uniform top-K routing (K distinct experts

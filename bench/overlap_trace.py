@@ -1,6 +1,6 @@
 """Where a pipelined MoE layer's time goes: profiler timelines of ``dispatch-bench overlap``'s layer.
 
-For each shape and each C of ``--chunks``, on the same layer, inputs and EP
+For each shape and each C of ``--groups``, on the same layer, inputs and EP
 group as ``dispatch-bench overlap`` (same flags): one forward+backward of
 MoEExchange(C) with GroupedExperts is profiled on every rank (torch.profiler).
 Each rank writes its chrome trace (rank 0 ``<stem>.json``, rank R
@@ -17,7 +17,7 @@ functions by their own time and by their time with callees.
 ``--graph`` profiles the replay of the layer with ``max_rows`` captured in a
 CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
 
-    python3 bench/overlap_trace.py --chunks 1,4 --comm-max-ctas 2 --out bench/results/<machine>/
+    python3 bench/overlap_trace.py --groups 1,4 --comm-max-ctas 2 --out bench/results/<machine>/
 """
 
 from __future__ import annotations

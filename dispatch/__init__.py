@@ -15,7 +15,7 @@ Public API::
     # moves along a handle, not differentiable (hand-written backwards):
     # d.dispatch_rows(rows, handle), d.combine_rows(rows, handle), d.combine_slots(values, handle)
 
-    layer = dispatch.MoEExchange(d, experts, chunks=4)   # the same, pipelined
+    layer = dispatch.MoEExchange(d, experts, groups=4)   # the same, by groups of local experts
     h = layer(x, topk_idx, topk_weights)
 """
 

@@ -28,7 +28,7 @@ from dispatch.autograd import CombineFn
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.handle import CombineHandle, Dispatched, padded, received
-from dispatch.streams import CommStreams, Started, StartedGroups
+from dispatch.streams import CommStreams, Started
 from dispatch.timing import PhaseTimer
 from dispatch.transports.base import Request, Transport
 from dispatch.work import DispatchWork, ExchangeWork, GroupSums

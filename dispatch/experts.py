@@ -21,7 +21,7 @@ Two paths compute the same thing:
 
 Neither a grouped GEMM nor a library matmul promises that a row's result is
 bitwise independent of the other rows of the batch (the tiling may depend on
-the group sizes), so computing the experts by groups (``MoEExchange(chunks=G)``)
+the group sizes), so computing the experts by groups (``MoEExchange(groups=G)``)
 gives these experts' outputs equal to those of G = 1 up to rounding, and bitwise
 equal only where the kernels happen to keep the per-row reduction order.
 """
@@ -233,38 +233,38 @@ def _dense_grad(out: torch.Tensor) -> torch.Tensor:
 
 
 class ChunkedExperts:
-    """:class:`GroupedExperts` over the C chunks of one ``MoEExchange`` step (its
+    """:class:`GroupedExperts` over the C groups of one ``MoEExchange`` step (its
     groups of local experts), with the weight gradients computed once, over the
-    rows of all chunks.
+    rows of all groups.
 
-    Backward per chunk computes only what the exchange waits for (the rows'
+    Backward per group computes only what the exchange waits for (the rows'
     gradients and, kept for later, the gradient at the first GEMM's output);
-    after the last chunk, one grouped GEMM per weight forms its gradient from
-    every chunk's rows. Rows are kept expert-major over the chunks (expert e's
-    rows of chunk 0, then of chunk 1, ...), which is the canonical order of the
+    after the last group, one grouped GEMM per weight forms its gradient from
+    every group's rows. Rows are kept expert-major over the groups (expert e's
+    rows of group 0, then of group 1, ...), which is the canonical order of the
     whole step: each expert's weight gradient is one GEMM over the same rows in
-    the same order for every C, and no chunk writes a full set of weight
+    the same order for every C, and no group writes a full set of weight
     gradients. (The activations and gradients in those rows come from
-    chunk-sized GEMMs, so the parameter gradients equal those of C = 1 where
+    group-sized GEMMs, so the parameter gradients equal those of C = 1 where
     the GEMMs give a row the same bits whatever the batch, and to rounding
     otherwise.) What a weight gradient needs is kept only for a weight that
     requires grad: for ``w_in`` the rows and the first GEMM's output
     gradients, for ``w_out`` the activations and the output gradients, all
-    chunks' at once until the end of backward.
+    groups' at once until the end of backward.
 
     Args:
         experts: the :class:`GroupedExperts`.
-        counts: per chunk, [E_local] int64 rows per expert on the device; None
-            for a chunk whose counts come later (:meth:`set_counts`, before its
-            forward; what earlier chunks keep waits for them).
+        counts: per group, [E_local] int64 rows per expert on the device; None
+            for a group whose counts come later (:meth:`set_counts`, before its
+            forward; what earlier groups keep waits for them).
         counts_host: the same on the host.
         grad_on: keep what backward needs.
-        group_rows: B, for chunks that are groups of experts given as B rows each,
+        group_rows: B, for groups that are groups of experts given as B rows each,
             the group's own first and then rows that no expert takes (a dispatch
             by groups with ``max_rows``), with counts on the device only
             (``counts_host`` None): nothing is read on the host. The rows kept
             for the weight gradients are placed expert-major on the device, the
-            same rows in the same order as one chunk's.
+            same rows in the same order as one group's.
     """
 
     def __init__(self, experts: GroupedExperts, counts, counts_host, grad_on: bool,
@@ -273,32 +273,32 @@ class ChunkedExperts:
         self.counts, self.counts_host = list(counts), list(counts_host)
         self.need_in = grad_on and experts.w_in.requires_grad
         self.need_out = grad_on and experts.w_out.requires_grad
-        chunks = len(counts)
+        groups = len(counts)
         self.group_rows = group_rows
         if group_rows is None:
             self.rows = [None if c is None else int(c.sum()) for c in counts_host]
-            self.places = None  # per chunk, the expert-major row of each of its rows (made on first use)
+            self.places = None  # per group, the expert-major row of each of its rows (made on first use)
         else:  # the places of each group, made as its counts come (in group order)
             if any(c is not None for c in counts):
                 raise ValueError("group_rows: give each group's counts by set_counts, in group order")
-            self.rows, self.places = [group_rows] * chunks, [None] * chunks
-            self.taken = [None] * chunks  # per group, [1] its rows (on the device)
+            self.rows, self.places = [group_rows] * groups, [None] * groups
+            self.taken = [None] * groups  # per group, [1] its rows (on the device)
             self._before = None  # [1] the rows of the groups placed so far (on the device)
-        self.waiting = []  # (kept name, chunk, rows) until every chunk's counts are known
+        self.waiting = []  # (kept name, group, rows) until every group's counts are known
         self.tokens = self.acts = self.grad_outs = self.grad_hidden = None
-        self.hidden, self.outs = [None] * chunks, [None] * chunks
-        self.experts_of: list[tuple[int, int] | None] = [None] * chunks
+        self.hidden, self.outs = [None] * groups, [None] * groups
+        self.experts_of: list[tuple[int, int] | None] = [None] * groups
 
     def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor,
                    experts: tuple[int, int] | None = None) -> None:
-        """Chunk c's counts, given as None at construction. What earlier chunks
-        keep is placed with chunk c's first kept rows, behind its GEMMs (with
+        """Group c's counts, given as None at construction. What earlier groups
+        keep is placed with group c's first kept rows, behind its GEMMs (with
         ``forward(defer_keep=True)``, by :meth:`place_kept`). ``experts``:
-        (first, end), the only local experts with rows in chunk c (a group of
+        (first, end), the only local experts with rows in group c (a group of
         experts): its GEMMs then take those experts' weights and counts alone,
         so that a grouped GEMM is sized for the experts it computes."""
         if self.counts[c] is not None:
-            raise ValueError(f"chunk {c}'s counts were given already")
+            raise ValueError(f"group {c}'s counts were given already")
         if self.group_rows is not None and c and self.taken[c - 1] is None:
             raise ValueError(f"group {c}'s counts came before group {c - 1}'s: give them in group order")
         self.counts[c], self.counts_host[c], self.experts_of[c] = counts, counts_host, experts
@@ -318,7 +318,7 @@ class ChunkedExperts:
         self.taken[c], self._before = taken, before + taken
 
     def _sliced(self, c: int, weight: torch.Tensor):
-        """(weight, counts, host counts) of chunk c's GEMMs: its experts' only
+        """(weight, counts, host counts) of group c's GEMMs: its experts' only
         where it is a group of experts."""
         if self.experts_of[c] is None:
             return weight, self.counts[c], self.counts_host[c]
@@ -327,8 +327,8 @@ class ChunkedExperts:
         return weight[first:end], self.counts[c][first:end], None if host is None else host[first:end]
 
     def forward(self, c: int, tokens: torch.Tensor, defer_keep: bool = False) -> torch.Tensor:
-        """Chunk c's rows [N_c, H] -> [N_c, H] (detached). ``defer_keep``: what
-        backward keeps of the chunk is placed by :meth:`place_kept` (at the
+        """Group c's rows [N_c, H] -> [N_c, H] (detached). ``defer_keep``: what
+        backward keeps of the group is placed by :meth:`place_kept` (at the
         latest by :meth:`weight_grads`), not behind its GEMMs."""
         e = self.experts
         w_in, w_out = e.w_in.detach(), e.w_out.detach()
@@ -352,17 +352,17 @@ class ChunkedExperts:
         return y if self.group_rows is None else _ZeroPast.apply(y, self.taken[c])
 
     def place_kept(self) -> None:
-        """Place what waits to be kept, once every chunk's counts are known."""
+        """Place what waits to be kept, once every group's counts are known."""
         if self.waiting and None not in self.rows:
             self._place_waiting()
 
     def output(self, c: int) -> torch.Tensor:
-        """Chunk c's output as :meth:`forward` returned it."""
+        """Group c's output as :meth:`forward` returned it."""
         return self.outs[c].detach()
 
     def backward(self, c: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
-        """Gradient of chunk c's output -> gradient of its rows (if ``rows_grad``);
-        keeps what the weight gradients need, and frees the chunk's graph."""
+        """Gradient of group c's output -> gradient of its rows (if ``rows_grad``);
+        keeps what the weight gradients need, and frees the group's graph."""
         e = self.experts
         (grad_h,) = torch.autograd.grad(self.outs[c], [self.hidden[c]], grad_y)
         self.hidden[c] = self.outs[c] = None
@@ -375,7 +375,7 @@ class ChunkedExperts:
         return e._matmul(grad_h, *self._sliced(c, e.w_in.detach().transpose(1, 2)))
 
     def weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(grad of w_in, grad of w_out), once every chunk's backward has run;
+        """(grad of w_in, grad of w_out), once every group's backward has run;
         None for a weight that does not require grad."""
         e = self.experts
         if self.waiting:
@@ -394,8 +394,8 @@ class ChunkedExperts:
         return [by_param[id(p)] for p in params]
 
     def _keep(self, name: str, c: int, rows: torch.Tensor) -> None:
-        """Chunk c's rows placed expert-major in the buffer ``name`` (allocated on
-        first use), row-major like the buffer of several chunks, so that the
+        """Group c's rows placed expert-major in the buffer ``name`` (allocated on
+        first use), row-major like the buffer of several groups, so that the
         weight-gradient GEMMs see the same layout for every C."""
         if len(self.rows) == 1:
             setattr(self, name, rows.contiguous())
@@ -418,19 +418,19 @@ class ChunkedExperts:
             self._keep(*earlier)
 
     def _expert_major(self) -> list[torch.Tensor]:
-        """Per chunk, [N_c] the expert-major row of each of its rows. Row g of
-        all chunks' rows (chunk-major) goes to g plus a shift that depends only
-        on its run (chunk, expert): the shifts are worked out on the host from
+        """Per group, [N_c] the expert-major row of each of its rows. Row g of
+        all groups' rows (group-major) goes to g plus a shift that depends only
+        on its run (group, expert): the shifts are worked out on the host from
         the host counts, then spread over the rows on the device in a few
         kernels (their launches bind the host, not the GPU: made on first use,
-        in chunk 0's forward once its GEMMs are queued)."""
+        in group 0's forward once its GEMMs are queued)."""
         per_chunk = torch.stack([counts.to("cpu", torch.int64) for counts in self.counts_host])  # [C, E_local]
         total, sizes = per_chunk.sum(0), per_chunk.sum(1)
         shift = (
             (torch.cumsum(total, 0) - total)  # expert e's first row, expert-major
-            + (torch.cumsum(per_chunk, 0) - per_chunk)  # its rows in earlier chunks
-            - (torch.cumsum(per_chunk, 1) - per_chunk)  # minus the run's first row in its chunk
-            - (torch.cumsum(sizes, 0) - sizes)[:, None]  # minus the chunk's first row
+            + (torch.cumsum(per_chunk, 0) - per_chunk)  # its rows in earlier groups
+            - (torch.cumsum(per_chunk, 1) - per_chunk)  # minus the run's first row in its group
+            - (torch.cumsum(sizes, 0) - sizes)[:, None]  # minus the group's first row
         )
         device = self.counts[0].device
         rows = sum(self.rows)

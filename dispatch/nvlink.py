@@ -523,13 +523,13 @@ class Engine:
     # -- rows to the experts ---------------------------------------------------
 
     def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
-                   piece: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+                   span: tuple[int, int] | None = None, out: torch.Tensor | None = None,
                    group: int | None = None) -> torch.Tensor:
         with self._ordered():
-            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out, piece, out, group)
+            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out, span, out, group)
 
     def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
-                    piece: tuple[int, int] | None = None, out: torch.Tensor | None = None,
+                    span: tuple[int, int] | None = None, out: torch.Tensor | None = None,
                     group: int | None = None) -> torch.Tensor:
         """Move rows [T, H] to this rank's expert-major places ([num_rows, H],
         dtype of rows; rows past the N received zeroed).
@@ -539,12 +539,12 @@ class Engine:
         and where ``counts.staged`` the rows were staged with the counts;
         otherwise from ``presum`` (a move along a plan), in an exchange of its own.
 
-        ``piece`` = (lo, hi): one group's places of a move by groups, the pieces
+        ``span`` = (lo, hi): one group's places of a move by groups, the spans
         issued in order, the first with ``out`` None (it stages and makes the
         output), the later ones with the output it returned; a row that an
-        earlier piece brought is copied from there instead of crossing again.
-        ``group``: the piece's group where each group's rows are padded to a
-        bound (``Counts.group_end``): the piece zeroes its group's padding."""
+        earlier span brought is copied from there instead of crossing again.
+        ``group``: the span's group where each group's rows are padded to a
+        bound (``Counts.group_end``): the span zeroes its group's padding."""
         tokens, hidden = rows.shape
         wire, fp8 = _wire_of(codec, rows.dtype)
         stage_row = staged_row_bytes(codec, hidden)
@@ -558,7 +558,7 @@ class Engine:
             self._stage_rows(rows, codec, stage_row, signal=True)
         if out is None:
             out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
-        lo, hi = (0, num_rows) if piece is None else piece
+        lo, hi = (0, num_rows) if span is None else span
         # the rows zeroed: [N, num_rows), or a padded group's [its end, its bound)
         tail_from, tail_to = (counts.num_rows, num_rows) if group is None else (counts.group_end[group:], hi)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
@@ -660,10 +660,10 @@ class Engine:
         )
 
     def push_group(self, rows: torch.Tensor, weights: torch.Tensor | None, table: torch.Tensor,
-                   bounds: torch.Tensor, parts: int, piece: tuple[int, int], last: bool, wire: torch.dtype,
+                   bounds: torch.Tensor, parts: int, span: tuple[int, int], last: bool, wire: torch.dtype,
                    counts: Counts, presum) -> None:
         """One group of a combine by groups: push the pre-sums that group
-        completes (those whose last row lies in ``piece``), each summed whole
+        completes (those whose last row lies in ``span``), each summed whole
         from the rows of its groups.
 
         Args:
@@ -672,14 +672,14 @@ class Engine:
             table: the groups' row and weight pointers (:meth:`store_group`), those
                 of groups 0 .. parts - 1 written.
             bounds: [G + 1] int64 on the device, the groups' first rows.
-            piece: (lo, hi), the rows of the group pushed (every group's, for all
+            span: (lo, hi), the rows of the group pushed (every group's, for all
                 the pre-sums).
             last: the last group (its push raises the operation's flags).
         """
         with self._ordered():
             groups = table.shape[0] // 2
             self._push(rows, weights, wire, counts, presum,
-                       (table[:groups], table[groups:], bounds, parts, piece, last), rows.shape[1])
+                       (table[:groups], table[groups:], bounds, parts, span, last), rows.shape[1])
 
     def home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
                  at_least: torch.dtype | None) -> torch.Tensor:
@@ -687,10 +687,10 @@ class Engine:
         with self._ordered(writes=False):
             return self._home_sum(counts, wire, dtype, hidden, at_least)
 
-    def _push(self, rows, weights, wire: torch.dtype, counts: Counts, presum, pieces=None,
+    def _push(self, rows, weights, wire: torch.dtype, counts: Counts, presum, by_group=None,
               hidden: int | None = None) -> None:
         """The expert side of a combine (``push_partials``): every pre-sum, or
-        with ``pieces`` = (row pointers [G'], weight pointers [G'], bounds, G',
+        with ``by_group`` = (row pointers [G'], weight pointers [G'], bounds, G',
         (lo, hi), signal) those one group completes."""
         hidden = rows.shape[1] if hidden is None else hidden
         part_row = partial_row_bytes(wire, hidden)
@@ -698,10 +698,10 @@ class Engine:
         weight_dtype = torch.float32 if weights is None else weights.dtype
         acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
         part_start, part_copy = self._region("partials")
-        if pieces is None:
+        if by_group is None:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = None, None, None, 0, (0, 2**62), True
         else:
-            y_parts, w_parts, bounds, parts, (lo, hi), signal = pieces
+            y_parts, w_parts, bounds, parts, (lo, hi), signal = by_group
         self._kernel(
             "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
             wire, acc, str(cuda.SUM_ROWS if presum.shape[1] > 2 else 1),  # rows a lane loads together

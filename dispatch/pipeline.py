@@ -3,7 +3,7 @@
 Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N); G groups; H' the
 experts' output width.
 
-The pipeline's chunks are **groups of local experts** (``plan.expert_groups``:
+The pipeline's groups are **groups of local experts** (``plan.expert_groups``:
 G contiguous ranges of each rank's experts, so that a group's rows are one
 range of the canonical order). One dispatch by groups (``dispatch(groups=G)``)
 makes one plan and moves the rows group after group; the experts compute
@@ -97,7 +97,7 @@ class MoEExchange(nn.Module):
             group's backward then differentiates those only (once per pass),
             not every expert's again (zeros for the experts the group gives no
             rows, as those that run every expert on its rows, empty or not, give).
-        chunks: G, the groups of local experts, in [1, E_local] (1: no
+        groups: G, the groups of local experts, in [1, E_local] (1: no
             pipelining, one dispatch and one combine in one piece each).
         comm_priority: CUDA priority of the dispatcher's communication stream
             during this layer's exchanges (lower is higher; clamped to the
@@ -137,7 +137,7 @@ class MoEExchange(nn.Module):
             weights=...)``.
     """
 
-    def __init__(self, dispatcher: TokenDispatcher, experts, chunks: int = 1, comm_priority: int = -1,
+    def __init__(self, dispatcher: TokenDispatcher, experts, groups: int = 1, comm_priority: int = -1,
                  sm_carveout: int | None = None, out_dtype: torch.dtype | None = None,
                  max_rows: int | None = None, weighted_experts: bool = False):
         super().__init__()
@@ -148,19 +148,19 @@ class MoEExchange(nn.Module):
                 f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}"
             )
         local = dispatcher.num_local_experts
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= local:
-            raise ValueError(f"chunks must be an int in [1, {local}] (groups of the {local} local experts), "
-                             f"got {chunks!r}")
+        if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= local:
+            raise ValueError(f"groups must be an int in [1, {local}] (groups of the {local} local experts), "
+                             f"got {groups!r}")
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
                                      or not 0 <= max_rows < 2**31):
             raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
-        if max_rows is not None and chunks > 1 and not dispatcher.host_free:
-            raise ValueError(f"max_rows={max_rows!r} with chunks={chunks}: a dispatch by groups with a row bound "
+        if max_rows is not None and groups > 1 and not dispatcher.host_free:
+            raise ValueError(f"max_rows={max_rows!r} with groups={groups}: a dispatch by groups with a row bound "
                              f"needs the NVLink engine ({type(dispatcher).__name__} reads its counts on the host); "
-                             "use chunks=1")
-        if chunks > 1 and dispatcher.config.pad_to_capacity:
-            raise ValueError(f"chunks={chunks} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
-                             "the whole dispatch is in; use chunks=1")
+                             "use groups=1")
+        if groups > 1 and dispatcher.config.pad_to_capacity:
+            raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
+                             "the whole dispatch is in; use groups=1")
         if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
             raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
         if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
@@ -174,7 +174,7 @@ class MoEExchange(nn.Module):
         self.weighted_experts = weighted_experts
         self.dispatcher = dispatcher
         self.experts = experts
-        self.chunks = chunks
+        self.chunks = groups
         self.comm_priority = comm_priority
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,6 @@ held rows to ranks (``dispatch.counts``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch

@@ -8,6 +8,7 @@ Notation as in ``dispatch.handle``.
 from __future__ import annotations
 
 import numbers
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from dispatch import checks
 from dispatch.autograd import DispatchFn
 from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup, only, pad_to_blocks, padded
 from dispatch.streams import Pending, StartedGroups
+
+if TYPE_CHECKING:
+    from dispatch.dispatcher import TokenDispatcher
 
 
 class GroupSums:

@@ -111,13 +111,13 @@ def grouped_errors(x, topk_idx, topk_weights, config: dict, groups_of_rank: list
     return errors
 
 
-def experts_in_another_dtype(x, topk_idx, topk_weights, num_experts: int, chunks: int):
+def experts_in_another_dtype(x, topk_idx, topk_weights, num_experts: int, groups: int):
     """MoEExchange whose experts answer rows in fp64 (x fp32) where they have rows:
     (output, its gradient of x) on the CPU."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, transport="nccl"))
     xs = x.to(device).requires_grad_()
-    out = dispatch.MoEExchange(d, lambda t, n: t.double() * 2 if t.shape[0] else t, chunks=chunks)(
+    out = dispatch.MoEExchange(d, lambda t, n: t.double() * 2 if t.shape[0] else t, groups=groups)(
         xs, topk_idx.to(device), topk_weights.to(device))
     out.double().sum().backward()
     return _cpu(out), _cpu(xs.grad)

@@ -115,11 +115,11 @@ def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dt
 BOUND = 512  # max_rows of the "bounded" runs: more than any test's rank receives
 
 
-def make_layer(d, experts, chunks):
-    """MoEExchange with ``chunks`` groups; "bounded": one group, max_rows=BOUND."""
-    if chunks == "bounded":
+def make_layer(d, experts, groups):
+    """MoEExchange with ``groups`` groups; "bounded": one group, max_rows=BOUND."""
+    if groups == "bounded":
         return dispatch.MoEExchange(d, experts, max_rows=BOUND)
-    return dispatch.MoEExchange(d, experts, chunks=chunks)
+    return dispatch.MoEExchange(d, experts, groups=groups)
 
 
 def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
@@ -133,25 +133,25 @@ def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, e
     cfg = dispatch.DispatchConfig.from_options(**config)
     d = dispatch.TokenDispatcher(cfg, None, FinishedOnStart(cfg)) if generic else dispatch.create(cfg)
     results = {}
-    for chunks in chunk_counts:
+    for groups in chunk_counts:
         experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
-        if late and not str(chunks).startswith("plain"):
+        if late and not str(groups).startswith("plain"):
             experts = LateExperts(experts)
         seen = []  # the rows the experts were called with, in the bounded runs (a hook: the generic path)
-        if "bounded" in str(chunks):
+        if "bounded" in str(groups):
             experts.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
         xs = x.to(device).requires_grad_(x_grad)
         ws = topk_weights.to(device).requires_grad_(w_grad)
         idx = topk_idx.to(device)
-        with late_collectives(late and not str(chunks).startswith("plain")):
-            if chunks in ("plain", "plain bounded"):
-                out = d.dispatch(xs, idx, ws, max_rows=BOUND if chunks == "plain bounded" else None)
+        with late_collectives(late and not str(groups).startswith("plain")):
+            if groups in ("plain", "plain bounded"):
+                out = d.dispatch(xs, idx, ws, max_rows=BOUND if groups == "plain bounded" else None)
                 y = experts(out.tokens, out.tokens_per_expert)
                 h = d.combine(y, out.handle, weights=out.weights)
             else:
-                h = make_layer(d, experts, chunks)(xs, idx, ws)
+                h = make_layer(d, experts, groups)(xs, idx, ws)
             (h * grad_out.to(device)).sum().backward()
-        results[chunks] = {
+        results[groups] = {
             "out": _cpu(h),
             "x": _cpu(xs.grad),
             "topk_weights": _cpu(ws.grad),
@@ -220,25 +220,25 @@ def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_co
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     results = {}
-    for chunks in ("plain", *chunk_counts):
+    for groups in ("plain", *chunk_counts):
         kind = ExpertsApart if apart else WeighingExperts
         experts = kind(d.num_local_experts, x.shape[1], x.dtype, seed=d.rank).to(device)
         xs = x.to(device).requires_grad_(True)
         ws = topk_weights.to(device).requires_grad_(True)
         idx = topk_idx.to(device)
-        if chunks == "plain":
+        if groups == "plain":
             out = d.dispatch(xs, idx, ws)
             h = d.combine(experts(out.tokens, out.tokens_per_expert_host, out.weights), out.handle, weights=None)
         else:
-            h = dispatch.MoEExchange(d, experts, chunks=chunks, weighted_experts=True)(xs, idx, ws)
+            h = dispatch.MoEExchange(d, experts, groups=groups, weighted_experts=True)(xs, idx, ws)
         (h * grad_out.to(device)).sum().backward()
-        results[chunks] = {"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
+        results[groups] = {"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
                            "params": [_cpu(p.grad) for p in experts.parameters()],
                            "calls": getattr(experts, "calls", None), "gradients": getattr(experts, "gradients", None)}
     return results
 
 
-def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: bool = False):
+def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, groups, late: bool = False):
     """Forward only, under no_grad (no expert graph kept)."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
@@ -246,17 +246,17 @@ def pipelined_no_grad(x, topk_idx, topk_weights, config: dict, chunks, late: boo
     if late:
         experts = LateExperts(experts)
     with torch.no_grad(), late_collectives(late):
-        h = make_layer(d, experts, chunks)(x.to(device), topk_idx.to(device), topk_weights.to(device))
+        h = make_layer(d, experts, groups)(x.to(device), topk_idx.to(device), topk_weights.to(device))
     return _cpu(h), h.requires_grad
 
 
-def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
+def peak_memory(x, topk_idx, topk_weights, config: dict, groups: int):
     """Peak CUDA memory (bytes above the start) of one forward + backward."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     torch.manual_seed(0)
     experts = GroupedExperts(d.num_local_experts, x.shape[1], 4 * x.shape[1], dtype=x.dtype, device=device)
-    layer = make_layer(d, experts, chunks)
+    layer = make_layer(d, experts, groups)
     xs = x.to(device).requires_grad_()
     ws = topk_weights.to(device).requires_grad_()
     idx = topk_idx.to(device)
@@ -271,9 +271,9 @@ def peak_memory(x, topk_idx, topk_weights, config: dict, chunks: int):
     return torch.cuda.max_memory_allocated() - start
 
 
-def expert_calls(x, topk_idx, topk_weights, config: dict, chunks: int):
+def expert_calls(x, topk_idx, topk_weights, config: dict, groups: int):
     """Calls seen by a forward pre-hook of GroupedExperts and by a subclass's own
-    forward, through one MoEExchange(chunks) forward + backward each."""
+    forward, through one MoEExchange(groups) forward + backward each."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
 
@@ -290,7 +290,7 @@ def expert_calls(x, topk_idx, topk_weights, config: dict, chunks: int):
     counted = Counted(d.num_local_experts, x.shape[1], 2 * x.shape[1], dtype=x.dtype).to(device)
     for experts in (hooked, counted):
         xs = x.to(device).requires_grad_()
-        dispatch.MoEExchange(d, experts, chunks=chunks)(xs, topk_idx.to(device), topk_weights.to(device)).sum().backward()
+        dispatch.MoEExchange(d, experts, groups=groups)(xs, topk_idx.to(device), topk_weights.to(device)).sum().backward()
     return len(seen), Counted.calls
 
 
@@ -303,7 +303,7 @@ def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     results = {}
-    for chunks in ("plain", *chunks_list):
+    for groups in ("plain", *chunks_list):
         torch.manual_seed(d.rank)
         experts = GroupedExperts(d.num_local_experts, x.shape[1], 2 * x.shape[1], dtype=x.dtype).to(device)
         if kind == "parametrized":
@@ -311,13 +311,13 @@ def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str
         xs = x.to(device).requires_grad_()
         idx, ws = topk_idx.to(device), topk_weights.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=kind == "autocast"):
-            if chunks == "plain":
+            if groups == "plain":
                 out = d.dispatch(xs, idx, ws)
                 h = d.combine(experts(out.tokens, out.tokens_per_expert), out.handle, weights=out.weights)
             else:
-                h = make_layer(d, experts, chunks)(xs, idx, ws)
+                h = make_layer(d, experts, groups)(xs, idx, ws)
         (h.float() * grad_out.to(device)).sum().backward()
-        results[chunks] = (_cpu(h), _cpu(xs.grad), [_cpu(p.grad) for p in experts.parameters()])
+        results[groups] = (_cpu(h), _cpu(xs.grad), [_cpu(p.grad) for p in experts.parameters()])
     return results
 
 
@@ -326,13 +326,13 @@ class _Doubled(nn.Module):
         return 2 * w
 
 
-def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str, chunks=2):
+def backward_twice(x, topk_idx, topk_weights, config: dict, experts_kind: str, groups=2):
     """The error of a second backward through one MoEExchange forward."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
     xs = x.to(device).requires_grad_()
-    out = make_layer(d, experts, chunks)(xs, topk_idx.to(device), topk_weights.to(device)).sum()
+    out = make_layer(d, experts, groups)(xs, topk_idx.to(device), topk_weights.to(device)).sum()
     out.backward(retain_graph=True)
     try:
         out.backward()
@@ -370,19 +370,19 @@ class _EmptyInOwnDtype(nn.Module):
         return tokens @ self.w
 
 
-def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, chunks, variant: str = "alltoall"):
+def empty_part_under_autocast(x, topk_idx, topk_weights, num_experts: int, groups, variant: str = "alltoall"):
     """Output of a layer whose experts answer empty calls in another dtype, under
-    bf16 autocast; ``chunks`` "plain" runs dispatch -> experts -> combine."""
+    bf16 autocast; ``groups`` "plain" runs dispatch -> experts -> combine."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, variant=variant))
     experts = _EmptyInOwnDtype(x.shape[1]).to(device)
     xs, idx, ws = x.to(device).requires_grad_(), topk_idx.to(device), topk_weights.to(device)
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        if chunks == "plain":
+        if groups == "plain":
             out = d.dispatch(xs, idx, ws)
             h = d.combine(experts(out.tokens, out.tokens_per_expert), out.handle, weights=out.weights)
         else:
-            h = make_layer(d, experts, chunks)(xs, idx, ws)
+            h = make_layer(d, experts, groups)(xs, idx, ws)
     h.float().sum().backward()
     return _cpu(h), _cpu(xs.grad)
 
@@ -400,7 +400,7 @@ def combine_in_rank_dtype(x, topk_idx, topk_weights, num_experts: int):
     return None
 
 
-def repeated(x, steps, grad_out, config: dict, chunks, experts_kind: str):
+def repeated(x, steps, grad_out, config: dict, groups, experts_kind: str):
     """One dispatcher and one layer, a forward and backward per (topk_idx,
     topk_weights) in ``steps`` (same shapes: on CUDA the second step captures
     the plan's graphs, later ones replay them on new routing). Returns per step
@@ -408,7 +408,7 @@ def repeated(x, steps, grad_out, config: dict, chunks, experts_kind: str):
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
-    layer = make_layer(d, experts, chunks)
+    layer = make_layer(d, experts, groups)
     results = []
     for topk_idx, topk_weights in steps:
         experts.zero_grad(set_to_none=True)

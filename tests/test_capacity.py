@@ -154,16 +154,16 @@ def _groups_with_capacity(x, topk_idx, topk_weights, config):
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     got = []
-    for chunks in (1, 2):
+    for groups in (1, 2):
         torch.manual_seed(0)
         experts = GroupedExperts(config["num_experts"] // torch.distributed.get_world_size(), 8, 16).to(device)
         xx = x.clone().requires_grad_()
-        out = dispatch.MoEExchange(d, experts, chunks=chunks)(xx, topk_idx, topk_weights)
+        out = dispatch.MoEExchange(d, experts, groups=groups)(xx, topk_idx, topk_weights)
         out.sum().backward()
         got.append((out.detach().cpu(), xx.grad.cpu()))
     padded = dispatch.create(dispatch.DispatchConfig.from_options(**config, pad_to_capacity=True))
     try:
-        dispatch.MoEExchange(padded, experts, chunks=2)
+        dispatch.MoEExchange(padded, experts, groups=2)
         refused = None
     except ValueError as exc:
         refused = str(exc)
@@ -183,7 +183,7 @@ def test_groups_keep_the_drops_of_one_dispatch(worlds):
     for got, refused in worlds(2).run(_groups_with_capacity, args):
         (a, ga), (b, gb) = got
         assert torch.equal(a, b) and torch.equal(ga, gb)
-        assert refused is not None and "pad_to_capacity" in refused and "chunks=2" in refused, refused
+        assert refused is not None and "pad_to_capacity" in refused and "groups=2" in refused, refused
 
 
 def _padded_against_plain(x, topk_idx, topk_weights, grad_out, config):
@@ -292,7 +292,7 @@ def _layer_padded_against_plain(x, topk_idx, topk_weights):
         torch.manual_seed(0)
         experts = GroupedExperts(2, 8, 16).to(device)
         xx = x.clone().requires_grad_()
-        out = dispatch.MoEExchange(d, experts, chunks=1)(xx, topk_idx, topk_weights)
+        out = dispatch.MoEExchange(d, experts, groups=1)(xx, topk_idx, topk_weights)
         out.sum().backward()
         got.append((out.detach(), xx.grad, [p.grad.clone() for p in experts.parameters()]))
     d_pad = dispatch.create(dispatch.DispatchConfig(num_experts=4, capacity_factor=0.7, pad_to_capacity=True,

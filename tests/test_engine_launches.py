@@ -116,7 +116,7 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
               torch.empty(max_rows, dtype=torch.int64))
     engine._to_experts(x, codec, counts, presum, slot_k, max_rows, meta_out=places)  # the dispatch
     out = engine._to_experts(x, codec, counts, presum, slot_k, max_rows)  # rows along the plan
-    engine._to_experts(x, codec, counts, presum, slot_k, max_rows, piece=(30, 70), out=out)  # a later group's
+    engine._to_experts(x, codec, counts, presum, slot_k, max_rows, span=(30, 70), out=out)  # a later group's
     y = torch.randn(max_rows, hidden, generator=gen).to(dtype)
     engine._push(y, places[0], combine_wire, counts, presum)  # the combine
     engine._home_sum(counts, combine_wire, y.dtype, hidden, None)
@@ -128,7 +128,7 @@ def test_a_round_trip_launches_every_kernel_as_declared(launches, idx_dtype, wei
     engine._slots_home(torch.randn(max_rows, generator=gen), counts, presum, slot_k)  # routing-weight gradients
     by_groups = engine._exchange_counts(idx, w, header, x, codec, True, False, groups=3)  # padded by 3 groups
     assert by_groups.group_end is not None and by_groups.group_end.shape == (3,)
-    engine._to_experts(x, codec, by_groups, presum, slot_k, 102, meta_out=places, piece=(34, 68), out=out, group=1)
+    engine._to_experts(x, codec, by_groups, presum, slot_k, 102, meta_out=places, span=(34, 68), out=out, group=1)
     # the rows staged with the counts by the layout's launch; along a plan by stage_rows
     assert launches == ["route_layout", "exchange_counts", "pull_rows", "stage_rows", "pull_rows",
                         "pull_rows", "push_partials", "home_sum", "store_pair", "push_partials", "push_slots",

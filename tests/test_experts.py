@@ -140,7 +140,7 @@ def _chunked_case(splits, activation, dtype, backend, device):
     total = sum(counts)
     x = torch.randn(int(total.sum()), 16, dtype=dtype, device=device)
     grad_y = torch.randn_like(x)
-    # chunk c holds, for each expert, the next counts[c][e] rows of that expert
+    # group c holds, for each expert, the next counts[c][e] rows of that expert
     start, taken, order = torch.cumsum(total, 0) - total, torch.zeros_like(total), []
     for cnt in counts:
         order.append(torch.cat([start[e] + taken[e] + torch.arange(int(cnt[e]), device=device) for e in range(3)]))
@@ -149,7 +149,7 @@ def _chunked_case(splits, activation, dtype, backend, device):
 
 
 def _check_chunked(splits, activation, dtype, backend, tol):
-    """ChunkedExperts on the chunks of ``splits`` against autograd through the whole batch."""
+    """ChunkedExperts on the groups of ``splits`` against autograd through the whole batch."""
     experts, counts, total, x, grad_y, order = _chunked_case(splits, activation, dtype, backend, DEVICE)
     leaf = x.clone().requires_grad_()
     y = experts(leaf, total)
@@ -160,7 +160,7 @@ def _check_chunked(splits, activation, dtype, backend, tol):
     chunked = ChunkedExperts(experts, counts, [c.cpu() for c in counts], grad_on=True)
     outs = [chunked.forward(c, x[rows]) for c, rows in enumerate(order)]
     grads = [chunked.backward(c, grad_y[rows], rows_grad=True) for c, rows in enumerate(order)]
-    assert torch.equal(chunked.tokens, x)  # expert-major over the chunks: the whole batch's order
+    assert torch.equal(chunked.tokens, x)  # expert-major over the groups: the whole batch's order
     got = chunked.weight_grads()
     every = torch.cat(order)
     close = dict(rtol=tol, atol=tol) if tol else {}
@@ -176,8 +176,8 @@ def _check_chunked(splits, activation, dtype, backend, tol):
     "splits", [[[3, 0, 5]], [[1, 0, 2], [2, 0, 3]], [[0, 0, 0], [3, 0, 5]], [[1, 0, 1], [1, 0, 1], [1, 0, 3]]]
 )
 def test_chunked_experts_match_autograd(splits, activation):
-    """ChunkedExperts (the pipeline's experts: row gradients per chunk, weight
-    gradients once over all chunks) against autograd through the whole batch."""
+    """ChunkedExperts (the pipeline's experts: row gradients per group, weight
+    gradients once over all groups) against autograd through the whole batch."""
     _check_chunked(splits, activation, torch.float64, "loop", tol=None)
 
 
@@ -187,7 +187,7 @@ def test_chunked_experts_match_autograd(splits, activation):
 )
 def test_chunked_experts_grouped_mm_match_autograd():
     """The grouped-GEMM path of ChunkedExperts (weight gradients as one 2D x 2D
-    grouped GEMM over all chunks) against autograd through GroupedExperts, in bf16."""
+    grouped GEMM over all groups) against autograd through GroupedExperts, in bf16."""
     _check_chunked([[40, 0, 17], [9, 0, 64], [0, 0, 5]], "swiglu", torch.bfloat16, "auto", tol=2e-2)
 
 
@@ -216,9 +216,9 @@ def test_chunked_experts_keep_only_what_a_weight_gradient_needs():
 
 
 def test_chunked_experts_counts_given_later():
-    """A chunk's counts given after construction: what the first chunk kept waits
+    """A group's counts given after construction: what the first group kept waits
     for them, and the weight gradients are those of counts given up front; a
-    chunk's counts are given once."""
+    group's counts are given once."""
     torch.manual_seed(0)
     experts = GroupedExperts(3, 4, 6, activation="relu", dtype=torch.float64)
     with torch.no_grad():
@@ -238,7 +238,7 @@ def test_chunked_experts_counts_given_later():
             with pytest.raises(ValueError, match="already"):
                 chunked.set_counts(1, counts[1], counts[1])
         chunked.forward(1, rows[1], defer_keep=defer)
-        if defer:  # chunk 1's rows wait until placed
+        if defer:  # group 1's rows wait until placed
             assert len(chunked.waiting) == 4 and chunked.tokens is None
             chunked.place_kept()
             assert not chunked.waiting and chunked.tokens.shape == (5 + 5, 4)

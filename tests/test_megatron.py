@@ -457,7 +457,7 @@ DROP_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity
         ({"overlap_moe_expert_parallel_comm": True, "moe_token_dispatcher_type": "flex"}, {},
          "overlap_moe_expert_parallel_comm=True with moe_token_dispatcher_type='flex'"),
         ({"transformer_impl": "inference_optimized"}, {}, "inference_optimized"),
-        ({}, {"chunks": 2}, "unknown engine option(s) chunks"),
+        ({}, {"groups": 2}, "unknown engine option(s) groups"),
         ({}, {"num_experts": 8}, "num_experts comes from config.num_moe_experts"),
         ({}, {"dispatch_wire": "fp4"}, "dispatch_wire"),
     ],

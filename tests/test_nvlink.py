@@ -168,7 +168,7 @@ def test_groups_on_the_engine_give_the_bits_of_one_piece(worlds, mode, per_rank,
                                                          hidden, wires):
     """A dispatch by groups on the engine (a pull a group, a row that an earlier
     group brought copied locally; the pre-sums a group completes pushed as it
-    is added): every verb gives the bits of the same dispatch in one piece,
+    is added): every verb gives the bits of the same dispatch in one span,
     the groups waited for in reverse order."""
     routing = make_routing(WORLD, per_rank, topk, tokens, mode, seed=groups + hidden)
     xs, ws = _inputs(routing, hidden, dtype, seed=hidden)
@@ -221,7 +221,7 @@ def _interleaved_sums(x, topk_idx, topk_weights, config, groups):
 
 
 def _piece_rows(x, topk_idx, topk_weights, config, groups):
-    """A pull of one group's piece into an output whose other rows hold marks:
+    """A pull of one group's span into an output whose other rows hold marks:
     it writes its group's rows only, and copies an item that an earlier group
     brought from that group's row (marked here) instead of reading it again."""
     from dispatch.codec import to_experts_codec
@@ -236,7 +236,7 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     lo, hi = h.row_range(1)
     out = torch.cat([tokens[:lo] * 2, torch.full_like(tokens[lo:], 7.0)])
     d.transport.engine.to_experts(x, to_experts_codec("native", x.dtype), h.counts, h.presum, h.slot_k, h.num_rows,
-                        piece=(lo, hi), out=out)
+                        span=(lo, hi), out=out)
     # presum holds bound rows per source, one an item (a token the source sends this
     # rank, in its list's order); those past the source's items are not written
     written = torch.zeros(h.presum.shape[0], dtype=torch.bool, device=device)
@@ -276,7 +276,7 @@ def test_combines_by_groups_interleaved(worlds):
 def test_layer_by_groups_on_the_engine(worlds, experts, dtype, hidden, late):
     """MoEExchange by groups of experts on the engine, the experts late on their
     stream: output and gradients of x and topk_weights bitwise those of one
-    piece and of dispatch -> experts -> combine; parameter gradients too, where
+    span and of dispatch -> experts -> combine; parameter gradients too, where
     the sums are exact (fp64 dyadic data)."""
     routing = make_routing(WORLD, 6, 3, [70, 0], "random", seed=hidden)
     xs, _ = _inputs(routing, hidden, dtype, seed=1)
@@ -284,12 +284,12 @@ def test_layer_by_groups_on_the_engine(worlds, experts, dtype, hidden, late):
     if dtype == torch.float64:  # dyadic: every sum exact
         xs, gs = [(x * 8).round() / 8 for x in xs], [(g * 8).round() / 8 for g in gs]
     config = dict(num_experts=routing.num_experts, transport="nvlink")
-    chunks = ["plain", 1, 2, 3, 6]
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, chunks, experts, False,
+    groups = ["plain", 1, 2, 3, 6]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, groups, experts, False,
              True, True, late) for r in range(WORLD)]
     exact = dtype == torch.float64
     for rank, per_c in enumerate(worlds(WORLD).run(pipeline_fns.pipelined, args)):
-        for c in chunks[1:]:
+        for c in groups[1:]:
             if not exact:  # parameter gradients are sums over rows taken group by group
                 per_c[c]["params"] = per_c["plain"]["params"] = []
             pipeline_fns.assert_same(per_c[c], per_c["plain"], f"rank {rank} C={c}", params_exact=exact)
@@ -1172,7 +1172,7 @@ def _bounded_groups_layer(config, tokens, hidden, topk, groups, max_rows, replay
     eager = {}
     for bound in (None, max_rows):
         experts = copy.deepcopy(relu)
-        layer = dispatch.MoEExchange(engine, experts, chunks=groups, max_rows=bound)
+        layer = dispatch.MoEExchange(engine, experts, groups=groups, max_rows=bound)
         xr, wr = exact[0].clone().requires_grad_(), exact[1].clone().requires_grad_()
         h = layer(xr, idx, wr)
         (h * exact[2]).sum().backward()
@@ -1181,8 +1181,8 @@ def _bounded_groups_layer(config, tokens, hidden, topk, groups, max_rows, replay
     torch.manual_seed(seed)
     experts = dispatch.experts.GroupedExperts(engine.num_local_experts, hidden, 2 * hidden, dtype=torch.bfloat16,
                                               device=x.device)
-    layer = dispatch.MoEExchange(engine, experts, chunks=groups, max_rows=max_rows)
-    reference = dispatch.MoEExchange(engine, copy.deepcopy(experts), chunks=groups, max_rows=max_rows)
+    layer = dispatch.MoEExchange(engine, experts, groups=groups, max_rows=max_rows)
+    reference = dispatch.MoEExchange(engine, copy.deepcopy(experts), groups=groups, max_rows=max_rows)
     wrong += _layer_replays(layer, reference, (x, idx, w, grad), fresh, replays)
     engine.check()
     return wrong

@@ -12,21 +12,21 @@ from dispatch.bench import overlap
 from dispatch.experts import GroupedExperts
 
 # The bench's experts are GroupedExperts: on CPU one matmul per expert, whose
-# tiling may depend on the chunk's row count, so a chunked layer equals C = 1 up
+# tiling may depend on the group's row count, so a chunked layer equals C = 1 up
 # to fp32 rounding (dispatch/experts.py); a row routed wrong would be off by O(1).
 # The bitwise contract is proven with row-wise experts (tests/test_pipeline.py).
 ROUNDING = 1e-5
 
 
 def test_cpu_smoke_run_writes_results(tmp_path):
-    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2,4",
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--groups", "2,4",
             "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2.json").read_text())
     assert [r["passes"] for r in result["rows"]] == ["fwd", "fwd+bwd"]
     for row in result["rows"]:
-        assert set(row["t_pipe_by_chunks_ms"]) == {"2", "4"} and row["best_chunks"] in (2, 4)
-        assert row["t_pipe_ms"] == min(row["t_pipe_by_chunks_ms"].values())
+        assert set(row["t_pipe_by_groups_ms"]) == {"2", "4"} and row["best_groups"] in (2, 4)
+        assert row["t_pipe_ms"] == min(row["t_pipe_by_groups_ms"].values())
         assert row["max_abs_diff_vs_seq"] <= ROUNDING
         assert row["t_comm_ms"] > 0 and row["t_compute_ms"] > 0 and row["t_seq_ms"] > 0
         short, long = sorted((row["t_comm_ms"], row["t_compute_ms"]))
@@ -47,7 +47,7 @@ def test_cpu_micro_batches(tmp_path):
     """--micro-batches: two micro-batches by the async verbs give the layer's outputs
     (to the experts' rounding), overlapped and one after the other, with T_mb beside
     T_mb_seq (the verbs in sequence) and T_mb_layer, and hidden_mb from T_mb_seq."""
-    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--chunks", "2",
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--groups", "2",
             "--micro-batches", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / "overlap-cpu-tiny-w2-mb.json").read_text())
@@ -62,17 +62,17 @@ def test_cpu_micro_batches(tmp_path):
     assert cell in (tmp_path / "overlap-cpu-tiny-w2-mb.md").read_text()
 
 
-def test_chunks_above_local_experts_are_capped():
+def test_groups_above_local_experts_are_capped():
     """cpu-tiny on 2 ranks has 4 local experts: C = 8 is C = 4, counted once."""
-    args = overlap.parse_args(["--chunks", "1,2,4,8"])
-    assert args.chunks == [1, 2, 4, 8]
+    args = overlap.parse_args(["--groups", "1,2,4,8"])
+    assert args.groups == [1, 2, 4, 8]
     assert overlap.chunk_values(args, 4) == [1, 2, 4]
 
 
 def test_global_flags_before_the_command(tmp_path):
     """``dispatch-bench --iters 1 --warmup 0 --out DIR overlap ...`` gives overlap the global flags."""
     argv = ["--iters", "1", "--warmup", "0", "--out", str(tmp_path), "overlap", "--shapes", "cpu-tiny",
-            "--world-size", "2", "--chunks", "2"]
+            "--world-size", "2", "--groups", "2"]
     assert bench.main(argv) == 0
     assert json.loads((tmp_path / "overlap-cpu-tiny-w2.json").read_text())["iters"] == 1
 
@@ -82,8 +82,8 @@ def test_weights_and_peak_memory_columns():
     read in units of all the experts' weights, peak in MiB); '-' where not measured."""
     row = dict(shape="s", passes="fwd+bwd", world_size=4, dispatch_wire="native", comm_max_ctas=None,
                comm_high_priority=False, t_comm_ms=1.0, t_compute_ms=2.0, t_seq_ms=3.0,
-               t_pipe_ms=2.5, best_chunks=4, hidden_fraction=0.5, hidden_ceiling=1.0,
-               t_pipe_by_chunks_ms={"2": 2.6, "4": 2.5}, max_abs_diff_vs_seq=0.0,
+               t_pipe_ms=2.5, best_groups=4, hidden_fraction=0.5, hidden_ceiling=1.0,
+               t_pipe_by_groups_ms={"2": 2.6, "4": 2.5}, max_abs_diff_vs_seq=0.0,
                weight_reads={"seq": 2.0, "2": 2.0, "4": 2.0},
                peak_mib={"seq": 5120.4, "2": 4990.0, "4": 6001.7}, host_ms={"seq": 1.234, "2": 2.5, "4": 3.0})
     rows = [row, dict(row, passes="fwd", weight_reads=None, peak_mib=None, t_graph_ms=0.75)]
@@ -97,8 +97,8 @@ def test_weights_and_peak_memory_columns():
 
 @pytest.mark.parametrize(
     "argv, needle",
-    [(["--iters", "0"], "--iters"), (["--chunks", "0"], "--chunks"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
-     (["--shapes", "nope"], "--shapes"), (["--chunks", "1:3:1"], "--chunks"), (["--chunks", "2,x"], "--chunks"),
+    [(["--iters", "0"], "--iters"), (["--groups", "0"], "--groups"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
+     (["--shapes", "nope"], "--shapes"), (["--groups", "1:3:1"], "--groups"), (["--groups", "2,x"], "--groups"),
      (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized"),
      (["--graph"], "--graph needs the NVLink engine")],
 )

@@ -14,7 +14,7 @@ timeline = load("timeline")
 
 
 def test_cpu_run_writes_traces_timeline_and_host_profile(tmp_path):
-    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--chunks", "2", "--host-profile", "--out", str(tmp_path)]
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--groups", "2", "--host-profile", "--out", str(tmp_path)]
     assert overlap_trace.main(argv) == 0
     stem = "overlap-trace-cpu-tiny-w2-c2"
     assert (tmp_path / f"{stem}.png").stat().st_size > 0
@@ -29,8 +29,8 @@ def test_cpu_run_writes_traces_timeline_and_host_profile(tmp_path):
 
 def test_bad_flags(capsys):
     with pytest.raises(SystemExit) as exc:
-        overlap_trace.main(["--chunks", "0"])
-    assert exc.value.code == 2 and "--chunks" in capsys.readouterr().err
+        overlap_trace.main(["--groups", "0"])
+    assert exc.value.code == 2 and "--groups" in capsys.readouterr().err
 
 
 def _trace_file(path, kernels, launches):

@@ -97,13 +97,13 @@ def test_each_groups_backward_reaches_its_experts_weights_only(worlds, world_siz
 def test_chunks_bitwise_fp32(worlds, world_size, mode):
     """fp32 random data, row-wise experts: output and gradients of x and topk_weights
     are bitwise those of the unchunked round trip for every C; parameter
-    gradients (sums over rows, accumulated per chunk) agree to rounding."""
+    gradients (sums over rows, accumulated per group) agree to rounding."""
     tokens = [7, 0, 3, 12][:world_size]  # T = 0 on a rank
     routing = make_routing(world_size, LOCAL, 3, tokens, mode, seed=world_size)
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", *CHUNKS])
     for rank, per_c in enumerate(results):
-        for chunks in CHUNKS:
-            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+        for groups in CHUNKS:
+            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}", params_exact=False)
 
 
 @pytest.mark.parametrize(
@@ -118,8 +118,8 @@ def test_chunks_with_every_variant_and_wire(worlds, options):
     routing = make_routing(4, 5, 3, [9, 0, 4, 6], "random", seed=11)
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", 1, 3, 5], **options)
     for rank, per_c in enumerate(results):
-        for chunks in (1, 3, 5):
-            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"{options} rank {rank} C={chunks}", params_exact=False)
+        for groups in (1, 3, 5):
+            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"{options} rank {rank} C={groups}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -137,8 +137,8 @@ def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
     ]
     results = worlds(world_size).run(pipeline_fns.pipelined, args)
     for rank, per_c in enumerate(results):
-        for chunks in (1, 2, 3, 4):
-            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}")
+        for groups in (1, 2, 3, 4):
+            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -187,12 +187,12 @@ def test_parametrized_or_autocast_grouped_experts(worlds, kind):
     for rank, per_c in enumerate(worlds(2).run(pipeline_fns.special_experts, args)):
         want_out, want_x, want_params = per_c["plain"]
         assert all(g is not None and g.abs().sum() > 0 for g in want_params)
-        for chunks in (1, 3):
-            out, gx, params = per_c[chunks]
-            torch.testing.assert_close(out, want_out, **tol, msg=f"rank {rank} C={chunks}: output")
-            torch.testing.assert_close(gx, want_x, **tol, msg=f"rank {rank} C={chunks}: x grad")
+        for groups in (1, 3):
+            out, gx, params = per_c[groups]
+            torch.testing.assert_close(out, want_out, **tol, msg=f"rank {rank} C={groups}: output")
+            torch.testing.assert_close(gx, want_x, **tol, msg=f"rank {rank} C={groups}: x grad")
             for i, (a, b) in enumerate(zip(params, want_params)):
-                torch.testing.assert_close(a, b, **tol, msg=f"rank {rank} C={chunks}: parameter {i}")
+                torch.testing.assert_close(a, b, **tol, msg=f"rank {rank} C={groups}: parameter {i}")
 
 
 @pytest.mark.parametrize("experts", ["rowwise", "swiglu"])
@@ -236,8 +236,8 @@ def test_wire_formats_match_plain(worlds, pow2):
         for r in range(2)
     ]
     for rank, per_c in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
-        for chunks in (1, 3):
-            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+        for groups in (1, 3):
+            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -248,8 +248,8 @@ def test_exchanges_finished_on_start_match_in_flight(worlds, world_size):
     _, native = _run(worlds, routing, torch.float32, "rowwise", [1, 4])
     _, generic = _run(worlds, routing, torch.float32, "rowwise", [1, 4], generic=True)
     for rank in range(world_size):
-        for chunks in (1, 4):
-            pipeline_fns.assert_same(generic[rank][chunks], native[rank][chunks], f"rank {rank} C={chunks}")
+        for groups in (1, 4):
+            pipeline_fns.assert_same(generic[rank][groups], native[rank][groups], f"rank {rank} C={groups}")
 
 
 def test_gradients_only_where_asked(worlds):
@@ -298,8 +298,8 @@ def test_late_streams_change_nothing(worlds, world_size):
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 4],
              "rowwise", False, True, True, True) for r in range(world_size)]
     for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        for chunks in (1, 3, 4):
-            pipeline_fns.assert_same(per_c[chunks], per_c["plain"], f"rank {rank} C={chunks}", params_exact=False)
+        for groups in (1, 3, 4):
+            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}", params_exact=False)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4, True) for r in range(world_size)]
     late = worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(world_size)]
@@ -310,9 +310,9 @@ def test_late_streams_change_nothing(worlds, world_size):
 def test_bad_arguments_raise():
     with pytest.raises(TypeError, match="dispatcher"):
         dispatch.MoEExchange(object(), lambda t, n: t)
-    for chunks in [0, 5, (1, 2), [1], None, True, "2", 2.0]:  # 5: more groups than the 4 local experts
-        with pytest.raises(ValueError, match="chunks"):
-            dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=chunks)
+    for groups in [0, 5, (1, 2), [1], None, True, "2", 2.0]:  # 5: more groups than the 4 local experts
+        with pytest.raises(ValueError, match="groups"):
+            dispatch.MoEExchange(_OneRank(), lambda t, n: t, groups=groups)
     for gone in ("ahead", "local_first"):
         with pytest.raises(TypeError, match=gone):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, **{gone: 1})
@@ -329,8 +329,8 @@ def test_bad_arguments_raise():
     for bad in (-1, 1.5, True, "8", 2**31):
         with pytest.raises(ValueError, match="max_rows"):
             dispatch.MoEExchange(_OneRank(), lambda t, n: t, max_rows=bad)
-    with pytest.raises(ValueError, match="max_rows=64 with chunks=2"):
-        dispatch.MoEExchange(_OneRank(), lambda t, n: t, chunks=2, max_rows=64)
+    with pytest.raises(ValueError, match="max_rows=64 with groups=2"):
+        dispatch.MoEExchange(_OneRank(), lambda t, n: t, groups=2, max_rows=64)
 
 
 class _OneRank(dispatch.TokenDispatcher):
@@ -342,15 +342,15 @@ class _OneRank(dispatch.TokenDispatcher):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_peak_memory_not_above_one_chunk(worlds):
-    """Peak memory of forward + backward with C = 4 (every chunk dispatched
+    """Peak memory of forward + backward with C = 4 (every group dispatched
     ahead) is no larger than with C = 1."""
     routing = make_routing(2, 4, 2, [2048, 2048], "random", seed=1)
     xs = [random_tokens(r, 2048, 512, torch.bfloat16, 0) for r in range(2)]
     config = dict(num_experts=routing.num_experts)
     peaks = {}
-    for chunks in (1, 4):
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, chunks) for r in range(2)]
-        peaks[chunks] = worlds(2).run(pipeline_fns.peak_memory, args)
+    for groups in (1, 4):
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, groups) for r in range(2)]
+        peaks[groups] = worlds(2).run(pipeline_fns.peak_memory, args)
     for rank in range(2):
         assert peaks[4][rank] <= peaks[1][rank], f"rank {rank}: {peaks}"
 
@@ -359,7 +359,7 @@ def test_peak_memory_not_above_one_chunk(worlds):
 def test_grouped_experts_bf16_on_gpus(worlds):
     """GroupedExperts (torch._grouped_mm on sm90) in bf16 over NCCL: C = 4 equals C = 1
     to bf16 rounding. Bitwise equality is not asserted: a grouped GEMM's tiling may
-    depend on the group sizes, so a row's reduction order may change with the chunk."""
+    depend on the group sizes, so a row's reduction order may change with the group."""
     routing = make_routing(2, 4, 2, [256, 192], "random", seed=4)
     xs = [random_tokens(r, t, 64, torch.bfloat16, 0) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, 64, torch.bfloat16, 1) for r, t in enumerate(routing.num_tokens)]
@@ -370,8 +370,8 @@ def test_grouped_experts_bf16_on_gpus(worlds):
         for name in ("out", "x", "topk_weights"):
             torch.testing.assert_close(per_c[4][name], per_c[1][name], rtol=2e-2, atol=2e-2)
         for a, b in zip(per_c[4]["params"], per_c[1]["params"]):
-            # one GEMM over all chunks' rows (ChunkedExperts), but the rows'
-            # activations and gradients come from chunk-sized bf16 GEMMs: an
+            # one GEMM over all groups' rows (ChunkedExperts), but the rows'
+            # activations and gradients come from group-sized bf16 GEMMs: an
             # element whose terms cancel can differ by a few bf16 steps of the
             # gradient's scale, not of its own
             a, b = a.float(), b.float()
@@ -379,8 +379,8 @@ def test_grouped_experts_bf16_on_gpus(worlds):
             assert ((a - b).abs() <= bound).all(), f"rank {rank}: parameter gradient beyond bf16 rounding"
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_part_without_rows(worlds, chunks):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_part_without_rows(worlds, groups):
     """Experts that answer an empty call in another dtype (fp32 under bf16
     autocast), and ranks with no rows in a group (rank 1 in both groups of
     C = 2): every rank's output is its tokens in the experts' dtype (the
@@ -393,7 +393,7 @@ def test_part_without_rows(worlds, chunks):
     def args(c):
         return [(xs[r], idx[r], ws[r], 4, c) for r in range(2)]
 
-    runs, plain = (worlds(2).run(pipeline_fns.empty_part_under_autocast, args(c)) for c in (chunks, "plain"))
+    runs, plain = (worlds(2).run(pipeline_fns.empty_part_under_autocast, args(c)) for c in (groups, "plain"))
     for rank in range(2):
         out, grad = runs[rank]
         assert out.dtype == torch.bfloat16, f"rank {rank}"
@@ -448,8 +448,8 @@ def test_combine_refuses_rows_in_different_dtypes(worlds):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_plan_graphs_in_the_pipeline(worlds, world_size, chunks):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_plan_graphs_in_the_pipeline(worlds, world_size, groups):
     """Three steps on one layer, each with new routing of the same shape: with
     the plan's CUDA graphs (on GPUs the second step captures, the third
     replays) the results are bitwise those without."""
@@ -460,7 +460,7 @@ def test_plan_graphs_in_the_pipeline(worlds, world_size, chunks):
     runs = []
     for graphs in (False, True):
         config = dict(num_experts=routings[0].num_experts, plan_graphs=graphs)
-        args = [(xs[r], [(g.topk_idx[r], g.topk_weights[r].float()) for g in routings], gs[r], config, chunks,
+        args = [(xs[r], [(g.topk_idx[r], g.topk_weights[r].float()) for g in routings], gs[r], config, groups,
                  "rowwise") for r in range(world_size)]
         runs.append(worlds(world_size).run(pipeline_fns.repeated, args))
     for rank, (eager, replayed) in enumerate(zip(*runs)):

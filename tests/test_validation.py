@@ -89,9 +89,9 @@ def test_dispatch_rejects(worlds, case):
 @pytest.mark.parametrize("case", VALUE_CASES)
 @pytest.mark.parametrize("layer", [dict(variant="alltoall"), dict(variant="allgather"),
                                    dict(variant="hierarchical", local_world_size=1), dict(variant="auto"),
-                                   dict(variant="alltoall", chunks=2),
-                                   dict(variant="allgather", chunks=2),
-                                   dict(variant="hierarchical", local_world_size=2, chunks=2)],
+                                   dict(variant="alltoall", groups=2),
+                                   dict(variant="allgather", groups=2),
+                                   dict(variant="hierarchical", local_world_size=2, groups=2)],
                          ids=lambda layer: "-".join(f"{k}={v}" for k, v in layer.items()))
 def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     """Rank 1 alone has bad values: it raises their ValueError and rank 0, which
@@ -100,7 +100,7 @@ def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     peer. For dispatch in every variant and for MoEExchange, by groups or not."""
     x, idx, w, error, argument = DISPATCH_CASES[case]
     config = dict(CFG, variant=layer["variant"], local_world_size=layer.get("local_world_size"))
-    options = {k: v for k, v in layer.items() if k == "chunks"}
+    options = {k: v for k, v in layer.items() if k == "groups"}
     call = ("call_layer_as", config, options) if options else ("call_dispatch_as", config)
     world = worlds(2)
     results = world.run(rank_fns.error_of, [(*call, [(GOOD_X, GOOD_IDX, GOOD_W), (x, idx, w)])] * 2)

@@ -7,7 +7,7 @@ gloo, as a smoke test):
     T_comm      the exchange alone (MoEExchange, C = 1, identity experts)
     T_compute   the experts alone, on the rows one dispatch delivers
     T_seq       MoEExchange(C = 1) with GroupedExperts
-    T_pipe      MoEExchange(C) with GroupedExperts, the best C of ``--chunks``
+    T_pipe      MoEExchange(C) with GroupedExperts, the best C of ``--groups``
                 (C groups of local experts; a C above E_local is taken as
                 E_local). Each expert's weights are read once per GEMM for
                 every C: a group's grouped GEMM computes its experts only
@@ -31,7 +31,7 @@ gloo, as a smoke test):
     T_graph     with ``--graph`` (the NVLink engine): MoEExchange in one piece with
                 ``max_rows`` (the largest N + 10%), the pass captured in a CUDA graph
                 and replayed: no host in the loop (the time of one replay of
-                ``GRAPH_REPLAYS`` queued back to back); by each C of ``--chunks``;
+                ``GRAPH_REPLAYS`` queued back to back); by each C of ``--groups``;
                 beside it the experts alone captured and replayed the same way
                 (T_compute_graph, on the N rows; the layer's experts get the M
                 rows, whose elementwise work covers the 10% past N), and
@@ -87,8 +87,8 @@ def _shapes(text: str) -> list[str]:
     return names
 
 
-def _chunks(text: str) -> list[int]:
-    """A ``--chunks`` value: comma-separated C values, ints >= 1."""
+def _groups(text: str) -> list[int]:
+    """A ``--groups`` value: comma-separated C values, ints >= 1."""
     parts = [p.strip() for p in text.split(",")]
     if not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints >= 1 (e.g. 1,2,4)")
@@ -102,7 +102,7 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
                         help=f"comma-separated from {', '.join(OVERLAP_SHAPES)} "
                              "(default: deepseek-v3,mixtral-8x7b on GPUs, cpu-tiny on CPU)")
     parser.add_argument("--world-size", type=int, help="ranks (default: all GPUs, or 2 CPU processes)")
-    parser.add_argument("--chunks", type=_chunks, default=[2, 4, 8],
+    parser.add_argument("--groups", type=_groups, default=[2, 4, 8],
                         help="comma-separated C values tried for T_pipe (default 2,4,8)")
     parser.add_argument("--iters", type=int, default=20, help="timed runs (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
@@ -124,7 +124,7 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
     parser.add_argument("--graph", action="store_true",
                         help="also T_graph: the layer with max_rows (the largest N + 10%%), in one piece and by each "
-                             "C of --chunks, its pass captured in a CUDA graph and replayed (the NVLink engine: "
+                             "C of --groups, its pass captured in a CUDA graph and replayed (the NVLink engine: "
                              "--transport auto or nvlink)")
     parser.add_argument("--micro-batches", action="store_true",
                         help="also T_mb: two micro-batches overlapped by the async verbs, against the layer twice")
@@ -199,23 +199,23 @@ class Case:
     tokens_per_expert: torch.Tensor
     x2: torch.Tensor  # a second micro-batch's tokens (same routing)
 
-    def layer(self, chunks: int, comm_priority: int = -1, experts=None, sm_carveout=None) -> dispatch.MoEExchange:
-        """MoEExchange(chunks) over these experts (or ``experts``)."""
+    def layer(self, groups: int, comm_priority: int = -1, experts=None, sm_carveout=None) -> dispatch.MoEExchange:
+        """MoEExchange(groups) over these experts (or ``experts``)."""
         return dispatch.MoEExchange(self.dispatcher, self.experts if experts is None else experts,
-                                    chunks=chunks, comm_priority=comm_priority, sm_carveout=sm_carveout)
+                                    groups=groups, comm_priority=comm_priority, sm_carveout=sm_carveout)
 
-    def layer_bounded(self, comm_priority: int, group, chunks: int = 1) -> dispatch.MoEExchange:
-        """MoEExchange by ``chunks`` groups with max_rows: the most rows a rank of
+    def layer_bounded(self, comm_priority: int, group, groups: int = 1) -> dispatch.MoEExchange:
+        """MoEExchange by ``groups`` groups with max_rows: the most rows a rank of
         ``group`` receives, plus 10%; by groups, C times the most rows of one group
         of a rank, plus 10% (collective)."""
         if not self.dispatcher.host_free:
             raise ValueError(f"--graph: {type(self.dispatcher).__name__} reads its counts on the host")
-        bounds = plan.expert_groups(self.dispatcher.num_local_experts, chunks)
+        bounds = plan.expert_groups(self.dispatcher.num_local_experts, groups)
         per_group = [int(self.tokens_per_expert[lo:hi].sum()) for lo, hi in zip(bounds[:-1], bounds[1:])]
         most = torch.tensor([max(per_group)], device=self.x.device)  # host sync: the fullest group, once
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-        bound = chunks * (int(most.item() * 1.1) + 1)  # host sync: the bound, once
-        return dispatch.MoEExchange(self.dispatcher, self.experts, chunks=chunks, comm_priority=comm_priority,
+        bound = groups * (int(most.item() * 1.1) + 1)  # host sync: the bound, once
+        return dispatch.MoEExchange(self.dispatcher, self.experts, groups=groups, comm_priority=comm_priority,
                                     max_rows=bound)
 
     def layer_step(self, layer, backward: bool):
@@ -358,8 +358,8 @@ def _micro_batches(case: Case, seq, backward: bool, timed, group, sm_carveout: i
 
 
 def chunk_values(args, num_local_experts: int) -> list[int]:
-    """The C values of ``--chunks``, each at most E_local, without repeats."""
-    return list(dict.fromkeys(min(c, num_local_experts) for c in args.chunks))
+    """The C values of ``--groups``, each at most E_local, without repeats."""
+    return list(dict.fromkeys(min(c, num_local_experts) for c in args.groups))
 
 
 def _time(fn, iters: int, warmup: int, device) -> tuple[float, float]:
@@ -446,8 +446,8 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         t_seq, seq_host = timed(case.layer_step(seq, backward))
         layers = {c: case.layer(c, prio, sm_carveout=carve) for c in candidates}
         pipe_times = {c: timed(case.layer_step(layers[c], backward)) for c in candidates}
-        by_chunks = {c: gpu for c, (gpu, _) in pipe_times.items()}
-        best = min(by_chunks, key=by_chunks.get)
+        by_groups = {c: gpu for c, (gpu, _) in pipe_times.items()}
+        best = min(by_groups, key=by_groups.get)
         with torch.no_grad():
             want = seq(case.x, case.topk_idx, case.topk_weights)
             got = layers[best](case.x, case.topk_idx, case.topk_weights)
@@ -460,11 +460,11 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         weights = {"seq": _weight_reads(case.layer_step(seq, backward), case.experts, device, group)}
         weights.update({str(c): _weight_reads(case.layer_step(layers[c], backward), case.experts, device, group)
                         for c in candidates})
-        t_graph, graph_by_chunks, t_compute_graph = None, None, None
+        t_graph, graph_by_groups, t_compute_graph = None, None, None
         if args.graph:  # the layer in one piece, and by each C, captured
-            graph_by_chunks = {c: _graph_ms(case.layer_step(case.layer_bounded(prio, group, c), backward), timed)
+            graph_by_groups = {c: _graph_ms(case.layer_step(case.layer_bounded(prio, group, c), backward), timed)
                                for c in sorted({1, *candidates})}
-            t_graph = graph_by_chunks[1]
+            t_graph = graph_by_groups[1]
             # the experts alone captured and replayed the same way (their counts on the device)
             t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
         short, long = sorted((t_comm, t_compute))
@@ -476,12 +476,12 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             transport=type(case.dispatcher).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
             sm_budget=args.sm_budget,
-            t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_chunks[best], best_chunks=best,
-            t_pipe_by_chunks_ms={str(c): t for c, t in by_chunks.items()},
-            hidden_fraction=(t_seq - by_chunks[best]) / short, hidden_ceiling=(t_seq - long) / short,
+            t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_groups[best], best_groups=best,
+            t_pipe_by_groups_ms={str(c): t for c, t in by_groups.items()},
+            hidden_fraction=(t_seq - by_groups[best]) / short, hidden_ceiling=(t_seq - long) / short,
             max_abs_diff_vs_seq=float(diff), weight_reads=weights, peak_mib=peak, t_graph_ms=t_graph,
             t_compute_graph_ms=t_compute_graph,
-            t_graph_by_chunks_ms=None if graph_by_chunks is None else {str(c): t for c, t in graph_by_chunks.items()},
+            t_graph_by_groups_ms=None if graph_by_groups is None else {str(c): t for c, t in graph_by_groups.items()},
             **mb,
             host_ms={"seq": seq_host, **{str(c): host for c, (_, host) in pipe_times.items()}},
         ))
@@ -504,7 +504,7 @@ def _graph_cell(row: dict) -> str:
     C where more than one C was captured."""
     if row.get("t_graph_ms") is None:
         return "-"
-    by_c = row.get("t_graph_by_chunks_ms") or {}
+    by_c = row.get("t_graph_by_groups_ms") or {}
     more = ", ".join(f"{c}: {t:.2f}" for c, t in by_c.items() if c != "1")
     experts = row.get("t_compute_graph_ms")
     alone = "" if experts is None else f" / experts {experts:.3f} ({row['t_graph_ms'] / experts:.3f}x)"
@@ -523,14 +523,14 @@ def markdown_table(rows: list[dict]) -> str:
             "host ms by C"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_chunks_ms"].items())
+        by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_groups_ms"].items())
         lines.append(
             f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('transport', '-')}{_budget(r)} | "
             f"{r['dispatch_wire']} | "
             f"{r.get('sm_carveout') if r.get('sm_carveout') is not None else '-'} | "
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
-            f"{r['best_chunks']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
+            f"{r['best_groups']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
             f"{_graph_cell(r)} | "
             f"{_micro_batch_cell(r)} | "
             f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r.get('weight_reads'), '.2f')} | {_by_c(r['peak_mib'])} | "

@@ -705,7 +705,7 @@ class MegatronDispatcher:
         rows land (``install(overlap=...)``, which checks the layer first; see the
         module's "Overlap by groups of local experts"): its ``routed_experts_compute``
         becomes :meth:`experts_by_groups`."""
-        self.exchange = dispatch.MoEExchange(self.engine, _GroupExperts(moe_layer.experts), chunks=groups,
+        self.exchange = dispatch.MoEExchange(self.engine, _GroupExperts(moe_layer.experts), groups=groups,
                                              weighted_experts=True)
         moe_layer.routed_experts_compute = self.experts_by_groups
 

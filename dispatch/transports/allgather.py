@@ -37,7 +37,7 @@ from dispatch import comm, counts, plan
 from dispatch.codec import Codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import Request, Transport, by_pieces, shape_fields
+from dispatch.transports.base import Request, Transport, by_groups, shape_fields
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
@@ -164,7 +164,7 @@ class AllGatherTransport(Transport):
         mark(self.phase_timer, "exchange_out")
         expanded = codec.unpack(wire_rows, rows.dtype, rows.shape[1], handle.slots // handle.topk)
         mark(self.phase_timer, "expand")
-        return by_pieces(Pending.done(expanded), handle)
+        return by_groups(Pending.done(expanded), handle)
 
     def to_home(self, rows, handle: AllGatherHandle, weights, wire) -> Pending:
         hidden = rows.shape[1]

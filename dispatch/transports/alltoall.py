@@ -26,7 +26,7 @@ from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_pieces, shape_fields
+from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_groups, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
 from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
@@ -46,8 +46,8 @@ class AllToAllHandle(CombineHandle):
         slot_col: [T, K] column of each slot in its row's slot list.
         expand_src: [N] received row of each expanded row.
         presum_index: [R, J] expanded rows of each received row, -1 padded.
-        by_group: for a dispatch by groups of local experts, its pieces
-            (:class:`GroupPieces`); None for one piece.
+        by_group: for a dispatch by groups of local experts, its splits by group
+            (:class:`GroupSplits`); None for one group.
     """
 
     send_splits: tuple[int, ...]
@@ -58,11 +58,11 @@ class AllToAllHandle(CombineHandle):
     slot_col: torch.Tensor
     expand_src: torch.Tensor
     presum_index: torch.Tensor
-    by_group: "GroupPieces | None" = None
+    by_group: "GroupSplits | None" = None
 
 
 @dataclass(frozen=True)
-class GroupPieces:
+class GroupSplits:
     """How an exchange by G groups of local experts moves, piece by piece.
 
     Rows leave group after group (``send_token`` is in that order: first
@@ -108,7 +108,7 @@ class AllToAllTransport(Transport):
     def plan(self, request: Request) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one
         metadata all-to-all; by groups, one piece per group
-        (:class:`GroupPieces`). On CUDA the part before the host
+        (:class:`GroupSplits`). On CUDA the part before the host
         synchronisation is replayed as CUDA graphs. If the values are bad, this
         rank marks itself failed in the row it all-gathers and raises after the
         all-gather, where its peers raise too (``checks.check_peer_headers``):
@@ -166,9 +166,9 @@ class AllToAllTransport(Transport):
         group_recv = [list(recv_splits)] if groups == 1 else by_group[1, :, 0, :groups].t().tolist()
         table = plan.to_device(torch.tensor(plan.recv_table(group_recv), dtype=torch.int64), recv_meta.device)
         rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
-        pieces = None
+        splits = None
         if groups > 1:
-            pieces = _pieces(by_group, groups, rp, table, planned.summary[2 * world : counts_end])
+            splits = _group_splits(by_group, groups, rp, table, planned.summary[2 * world : counts_end])
         handle = AllToAllHandle(
             owner=request.owner,
             transport=self,
@@ -187,7 +187,7 @@ class AllToAllTransport(Transport):
             slot_col=keep(sp.slot_col),
             expand_src=rp.expand_src,
             presum_index=rp.presum_index,
-            by_group=pieces,
+            by_group=splits,
             **shape_fields(request, self.num_local_experts, per_expert.tolist(), num_rows),
         )
         outputs = PlanOutputs(
@@ -221,20 +221,20 @@ class AllToAllTransport(Transport):
             mark(self.phase_timer, "expand")
             return expanded
 
-        return by_pieces(Pending(work, then), handle)
+        return by_groups(Pending(work, then), handle)
 
     def _to_experts_by_group(self, rows, handle: AllToAllHandle, codec: Codec) -> PendingGroups:
-        pieces = handle.by_group
+        splits = handle.by_group
         sent = codec.pack(rows, handle.send_token)  # group after group
         received = sent.new_empty(handle.presum_index.shape[0], *sent.shape[1:])
         works, thens, at_send, at_recv = [], [], 0, 0
-        for g, (send, recv) in enumerate(zip(pieces.send, pieces.recv)):
+        for g, (send, recv) in enumerate(zip(splits.send, splits.recv)):
             piece = received[at_recv : at_recv + sum(recv)]
             works.append(comm.all_to_all_rows_start(sent[at_send : at_send + sum(send)], send, recv, self.group,
                                                     out=piece)[1])
             at_send, at_recv = at_send + sum(send), at_recv + sum(recv)
             lo, hi = handle.row_range(g)
-            # group g's rows come from the pieces of groups up to g, all arrived by then
+            # group g's rows come from the splits of groups up to g, all arrived by then
             thens.append(lambda lo=lo, hi=hi: codec.unpack(received, rows.dtype, rows.shape[1],
                                                            handle.expand_src[lo:hi]))
         mark(self.phase_timer, "exchange_out")
@@ -308,7 +308,7 @@ class _GroupedPresums(GroupSumsIssuer):
         self._at_send = self._at_recv = 0
 
     def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
-        handle, pieces = self._handle, self._handle.by_group
+        handle, splits = self._handle, self._handle.by_group
         if self._acc is None:
             if isinstance(self._wire, str):
                 self._wire = sum_wire_dtype(self._wire, rows.dtype)
@@ -320,13 +320,13 @@ class _GroupedPresums(GroupSumsIssuer):
             make = torch.zeros if zeroed else torch.empty
             self._acc = make(held, hidden, dtype=acc_dtype, device=rows.device)
             self._out = torch.empty(held, hidden, dtype=self._wire, device=rows.device)
-            home_rows = sum(sum(recv) for recv in pieces.back_recv)
+            home_rows = sum(sum(recv) for recv in splits.back_recv)
             self._home = torch.empty(home_rows, hidden, dtype=self._wire, device=rows.device)
             self._dtype = rows.dtype
         lo, hi = handle.row_range(g)
-        accumulate_group(self._acc, self._out, rows, handle.presum_index, weights, lo, hi, pieces.back_place,
-                         handle.expand_src, pieces.expand_col)
-        send, recv = pieces.back_send[g], pieces.back_recv[g]
+        accumulate_group(self._acc, self._out, rows, handle.presum_index, weights, lo, hi, splits.back_place,
+                         handle.expand_src, splits.expand_col)
+        send, recv = splits.back_send[g], splits.back_recv[g]
         piece = self._out[self._at_send : self._at_send + sum(send)]
         home = self._home[self._at_recv : self._at_recv + sum(recv)]
         self._works.append(comm.all_to_all_rows_start(piece, send, recv, self._dispatcher.group,
@@ -349,9 +349,9 @@ class _GroupedPresums(GroupSumsIssuer):
         return Pending(None, then)
 
 
-def _pieces(by_group: torch.Tensor, groups: int, rp: plan.RecvPlan, table: torch.Tensor,
-            per_expert: torch.Tensor) -> GroupPieces:
-    """The :class:`GroupPieces` of a plan by ``groups`` groups, from the
+def _group_splits(by_group: torch.Tensor, groups: int, rp: plan.RecvPlan, table: torch.Tensor,
+            per_expert: torch.Tensor) -> GroupSplits:
+    """The :class:`GroupSplits` of a plan by ``groups`` groups, from the
     summary's rows by group (``by_group`` [2, W, 2, E_local] on the host: this
     rank's to each rank, then each rank's to this one; by first, then last
     group), the receive plan, its table and the rows per local expert on the
@@ -382,7 +382,7 @@ def _pieces(by_group: torch.Tensor, groups: int, rp: plan.RecvPlan, table: torch
     arrival = torch.arange(held, device=device)
     block = torch.searchsorted(arrival_start, arrival, right=True) - 1
     held_of_arrival = held_start[block] + arrival - arrival_start[block]
-    return GroupPieces(send, recv, back_send, back_recv, expand_col[:num_rows], back_place, held_of_arrival)
+    return GroupSplits(send, recv, back_send, back_recv, expand_col[:num_rows], back_place, held_of_arrival)
 
 
 def _slots_from_rows(back: torch.Tensor, handle: AllToAllHandle, values: torch.Tensor) -> torch.Tensor:

@@ -174,7 +174,7 @@ def shape_fields(request: Request, num_local: int, per_expert: list[int], num_ro
     return fields
 
 
-def by_pieces(whole: Pending, handle: CombineHandle) -> PendingGroups:
+def by_groups(whole: Pending, handle: CombineHandle) -> PendingGroups:
     """A movement made at once, handed out by group: piece g is group g's rows."""
     if handle.groups == 1:
         return PendingGroups.one(whole)

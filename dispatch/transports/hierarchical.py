@@ -44,7 +44,7 @@ from dispatch import comm, counts, plan
 from dispatch.codec import Codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import Request, Transport, by_pieces, shape_fields
+from dispatch.transports.base import Request, Transport, by_groups, shape_fields
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
 from dispatch.stats import make_stats
 from dispatch.timing import mark
@@ -223,7 +223,7 @@ class HierarchicalTransport(Transport):
         mark(self.phase_timer, "exchange_out")
         expanded = codec.unpack(arrived, rows.dtype, rows.shape[1], handle.slots // handle.topk)
         mark(self.phase_timer, "expand")
-        return by_pieces(Pending.done(expanded), handle)
+        return by_groups(Pending.done(expanded), handle)
 
     def to_home(self, rows, handle: HierarchicalHandle, weights, wire) -> Pending:
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))

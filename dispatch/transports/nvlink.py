@@ -213,8 +213,8 @@ class NVLinkTransport(Transport):
         if handle.groups > 1:
             # one pull a group, in order, into one output: a row that an earlier group of this
             # rank brought is copied from there, so a token still crosses to a rank once
-            pieces = _Pieces(self, rows.contiguous(), handle, codec, own)
-            return PendingGroups([None] * handle.groups, [lambda g=g: pieces.upto(g) for g in range(handle.groups)])
+            pulls = _GroupPulls(self, rows.contiguous(), handle, codec, own)
+            return PendingGroups([None] * handle.groups, [lambda g=g: pulls.upto(g) for g in range(handle.groups)])
         # the dispatch's own x: the rows to their places, with each place's weight and
         # source; where every rank staged its rows with the counts, nothing more is exchanged
         tokens = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
@@ -247,9 +247,9 @@ class NVLinkTransport(Transport):
                           tier_split(received, self.rank, local), hidden * combine_wire.itemsize)
 
 
-class _Pieces:
+class _GroupPulls:
     """The pulls of a move by groups, issued in group order whatever order the
-    groups are asked for in (a piece copies rows that earlier pieces brought)."""
+    groups are asked for in (a span copies rows that earlier pulls brought)."""
 
     def __init__(self, dispatcher: NVLinkTransport, rows, handle: NVLinkHandle, codec: Codec, own: bool) -> None:
         self._d, self._rows, self._handle, self._codec, self._own = dispatcher, rows, handle, codec, own
@@ -261,7 +261,7 @@ class _Pieces:
         while self._issued <= g:
             self._out = self._d.engine.to_experts(
                 self._rows, self._codec, handle.counts, handle.presum, handle.slot_k, handle.num_rows,
-                meta_out=handle.places if self._own else None, piece=handle.row_range(self._issued), out=self._out,
+                meta_out=handle.places if self._own else None, span=handle.row_range(self._issued), out=self._out,
                 group=None if handle.group_bound is None else self._issued)
             self._issued += 1
         if self._issued == handle.groups:
@@ -270,7 +270,7 @@ class _Pieces:
 
     @property
     def out(self) -> torch.Tensor | None:
-        """Every group's rows, once every piece is issued."""
+        """Every group's rows, once every span is issued."""
         return self._out
 
 
@@ -319,8 +319,8 @@ class _GroupPushes(GroupSumsIssuer):
         last = g + 1 == handle.groups
         if self._whole and not last:
             return
-        piece = (0, handle.rows) if self._whole else handle.row_range(g)
-        engine.push_group(rows, weights, self._table, self._bounds, g + 1, piece, last, self._wire, handle.counts,
+        span = (0, handle.rows) if self._whole else handle.row_range(g)
+        engine.push_group(rows, weights, self._table, self._bounds, g + 1, span, last, self._wire, handle.counts,
                           handle.presum)
         self._after = engine.operations
         if last:  # the home sums right behind the pushes, before any other operation
