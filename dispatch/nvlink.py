@@ -53,15 +53,17 @@ One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from dispatch import cuda, plan
-from dispatch.kernels import quantize
+from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts, _up,
+                                    aligned_rows, partial_row_bytes, scan_warps, staged_row_bytes)
+from dispatch.nvlink_moves import EngineMoves
 
-_ALIGN = 256
+__all__ = ["GROUPS_COL", "SENDS_COL", "STAGED_COL", "TOKENS_COL", "Capacity", "Counts", "Engine", "aligned_rows",
+           "engine_for", "partial_row_bytes", "scan_warps", "staged_row_bytes"]
+
 BLOCKS_PER_SM = 4  # blocks of the data kernels per SM without an SM budget (measured: bench/engine_tuning.py)
 _STATUS = (
     "ok",
@@ -76,116 +78,9 @@ _STATUS = (
     "max_rows its free device memory does not hold)",
 )
 _WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
-# the columns of a row of the counts matrix (``Row`` in csrc/engine.cuh)
-TOKENS_COL = len(plan.HEADER)
-STAGED_COL = TOKENS_COL + 1
-GROUPS_COL = TOKENS_COL + 2
-SENDS_COL = TOKENS_COL + 3
 
 
-def _up(n: int, to: int = _ALIGN) -> int:
-    return -(-n // to) * to
-
-
-def staged_row_bytes(codec, hidden: int) -> int:
-    """Bytes of one staged row of ``hidden`` channels under ``codec`` (16-aligned)."""
-    return _up(codec.row_bytes(hidden), 16)
-
-
-def partial_row_bytes(wire: torch.dtype, hidden: int) -> int:
-    """Bytes of one partial-sum row of ``hidden`` channels in ``wire`` (16-aligned)."""
-    return _up(hidden * wire.itemsize, 16)
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """Sizes the data buffer holds (per parity copy)."""
-
-    tokens: int = 0  # T_max
-    topk: int = 0  # K
-    stage_row: int = 0  # bytes of a staged row
-    part_row: int = 0  # bytes of a partial row
-
-    def covers(self, other: "Capacity") -> bool:
-        return all(getattr(self, f) >= getattr(other, f) for f in ("tokens", "topk", "stage_row", "part_row"))
-
-    def union(self, other: "Capacity") -> "Capacity":
-        tokens = max(self.tokens, other.tokens)
-        return Capacity(max(256, 1 << max(tokens - 1, 0).bit_length()) if tokens > self.tokens else tokens,
-                        max(self.topk, other.topk), max(self.stage_row, other.stage_row),
-                        max(self.part_row, other.part_row))
-
-    def regions(self, world: int) -> dict[str, tuple[int, int]]:
-        """name -> (offset of copy 0, bytes of one copy)."""
-        sizes = {
-            "route": self.tokens * self.topk * 16,
-            "lists": world * self.tokens * 4,
-            "slots": self.tokens * self.topk * 8,
-            "stage": self.tokens * self.stage_row,
-            "partials": world * self.tokens * self.part_row,
-        }
-        out, at = {}, 0
-        for name, size in sizes.items():
-            size = _up(size)
-            out[name] = (at, size)
-            at += 2 * size
-        out["total"] = (at, 0)
-        return out
-
-
-@dataclass(frozen=True)
-class Counts:
-    """What the counts exchange of one dispatch gave.
-
-    Attributes:
-        matrix: [W, L] int32 on the device (the counts matrix).
-        rows: the same on the host, W lists of L ints (None without a host read).
-        received: the items (source rank, token) this rank receives (host; None
-            without a host read).
-        bound: rows of each source in presum: the largest T of the group, or
-            without a host read the token capacity of the buffers.
-        tokens_per_expert: [E_local] int64 on the device.
-        src_start: [W, E_local] int32 on the device: first row of (source, local expert).
-        num_rows: [1] int32 on the device, N.
-        route: [T, K] ``Slot`` (int32 [T, K, 4]) of this rank's tokens, on the device.
-        lists: [W, T] int32 on the device: the tokens of this rank each rank
-            gets, ascending, at [d, 0 .. its count).
-        tokens_at: [W * bound] int32 on the device, written by the dispatch's
-            pull: the token of each item (source rank s, j) this rank received,
-            at s * bound + j, in the order the later kernels walk them.
-        hit: [T] int32 mask of the ranks each token goes to.
-        staged: every rank staged its routes and rows with the counts (else
-            they move in an exchange of their own).
-        group_end: [G] int32 on the device, the end of each group's rows, for a
-            dispatch by G > 1 groups with a row budget (group g's rows start at
-            g B, B = ceil(max_rows / G)); None otherwise.
-    """
-
-    matrix: torch.Tensor
-    rows: list | None
-    received: int | None
-    bound: int
-    tokens_per_expert: torch.Tensor
-    src_start: torch.Tensor
-    num_rows: torch.Tensor
-    route: torch.Tensor
-    lists: torch.Tensor
-    tokens_at: torch.Tensor
-    hit: torch.Tensor
-    staged: bool
-    group_end: torch.Tensor | None = None
-
-    @property
-    def items(self) -> int:
-        """(source rank, token) pairs this rank receives, to size a kernel's grid by
-        (the kernels loop over the pairs, whatever the grid): without a host read,
-        W times this rank's T, as if every rank sent it every token."""
-        if self.received is not None:
-            return self.received
-        return self.matrix.shape[0] * self.route.shape[0]
-
-
-class Engine:
+class Engine(EngineMoves):
     """Buffers and launches of the NVLink transport for the dispatchers of one
     group (:func:`engine_for`).
 
@@ -204,7 +99,7 @@ class Engine:
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // self.world
-        self._scan_warps = scan_warps(num_experts, self.world)  # >= 1: dispatchers.nvlink.unusable checked it
+        self._scan_warps = scan_warps(num_experts, self.world)  # >= 1: transports.nvlink.unusable checked it
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.sms = cuda.num_sms(self.device)
         self.blocks = sm_budget or self.sms * BLOCKS_PER_SM
@@ -520,305 +415,6 @@ class Engine:
         """``Counts.tokens_at`` of a dispatch whose sources have at most ``bound`` tokens."""
         return torch.empty(self.world * bound, dtype=torch.int32, device=self.device)
 
-    # -- rows to the experts ---------------------------------------------------
-
-    def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
-                   span: tuple[int, int] | None = None, out: torch.Tensor | None = None,
-                   group: int | None = None) -> torch.Tensor:
-        with self._ordered():
-            return self._to_experts(rows, codec, counts, presum, slot_k, num_rows, meta_out, span, out, group)
-
-    def _to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
-                    span: tuple[int, int] | None = None, out: torch.Tensor | None = None,
-                    group: int | None = None) -> torch.Tensor:
-        """Move rows [T, H] to this rank's expert-major places ([num_rows, H],
-        dtype of rows; rows past the N received zeroed).
-
-        With ``meta_out`` = (weights, src_rank, src_token) [num_rows] the places
-        come from the routes (a dispatch; ``presum``/``slot_k`` are written),
-        and where ``counts.staged`` the rows were staged with the counts;
-        otherwise from ``presum`` (a move along a plan), in an exchange of its own.
-
-        ``span`` = (lo, hi): one group's places of a move by groups, the spans
-        issued in order, the first with ``out`` None (it stages and makes the
-        output), the later ones with the output it returned; a row that an
-        earlier span brought is copied from there instead of crossing again.
-        ``group``: the span's group where each group's rows are padded to a
-        bound (``Counts.group_end``): the span zeroes its group's padding."""
-        tokens, hidden = rows.shape
-        wire, fp8 = _wire_of(codec, rows.dtype)
-        stage_row = staged_row_bytes(codec, hidden)
-        topk = counts.route.shape[1]
-        from_route = meta_out is not None
-        if out is None and not (from_route and counts.staged):  # stage (and route) in an exchange of their own
-            self.ensure(Capacity(counts.bound, topk, stage_row, 0))
-            if from_route and tokens:
-                self._stage(counts.route.view(tokens, -1), topk * 16, "route", topk * 16, signal=False)
-                self._stage(counts.lists, tokens * 4, "lists", self.capacity.tokens * 4, signal=False)
-            self._stage_rows(rows, codec, stage_row, signal=True)
-        if out is None:
-            out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
-        lo, hi = (0, num_rows) if span is None else span
-        # the rows zeroed: [N, num_rows), or a padded group's [its end, its bound)
-        tail_from, tail_to = (counts.num_rows, num_rows) if group is None else (counts.group_end[group:], hi)
-        weights, src_rank, src_token = meta_out if from_route else (None, None, None)
-        acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
-        width = presum.shape[1]
-        route_start, route_copy = self._region("route")
-        stage_start, stage_copy = self._region("stage")
-        lists_start, lists_copy = self._region("lists")
-        self._kernel(
-            "intranode_dispatch.cu", "pull_rows", torch.uint8 if fp8 else wire, str(fp8), rows.dtype, acc,
-            "true" if from_route else "false", weights.dtype if from_route else torch.float32,
-        )(
-            self._row_grid(max(counts.items, num_rows)),
-            data_ptrs=self._data_ptrs,
-            route_off=route_start,
-            route_copy=route_copy,
-            stage_off=stage_start,
-            stage_copy=stage_copy,
-            stage_row=stage_row,
-            scales_at=quantize.codes_bytes(hidden),
-            lists_off=lists_start,
-            lists_copy=lists_copy,
-            list_stride=self.capacity.tokens,
-            matrix=counts.matrix,
-            row_len=self.row_len,
-            sends_col=SENDS_COL,
-            tokens_at=counts.tokens_at,
-            src_start=counts.src_start,
-            num_rows=tail_from,
-            me=self.rank,
-            world=self.world,
-            experts_per_rank=self.experts_per_rank,
-            topk=topk,
-            width=width,
-            hidden=hidden,
-            tstride=counts.bound,
-            out=out,
-            max_rows=num_rows,
-            presum=presum,
-            slot_k=slot_k,
-            out_weights=weights,
-            out_src_rank=src_rank,
-            out_src_token=src_token,
-            out_max=quantize._out_max(rows.dtype) if fp8 else 0.0,
-            row_lo=lo,
-            row_hi=hi,
-            tail_to=tail_to,
-            flags=self._flags,
-            seq=self._seq,
-            timeout_ns=self.timeout_ns,
-            status=self.status,
-        )
-        return out
-
-    def _row_grid(self, rows: int) -> int:
-        """Blocks of a kernel that moves ``rows`` rows, a warp a row or a segment of one
-        (``split_rows``): a warp a row, but at least a block per SM (few rows, as in a
-        decode step, are cut into more segments so that every SM keeps loads in
-        flight), at most the budget."""
-        return min(self.blocks, max(self.sms, -(-rows // (cuda.THREADS // 32))))
-
-    def _kernel(self, source: str, name: str, *types) -> "cuda.Kernel":
-        """The kernel ``name`` of ``source`` for these template arguments (dtypes
-        or C spellings), resolved once per engine."""
-        key = (name, *types)
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            spelled = [cuda.c_type(t) if isinstance(t, torch.dtype) else t for t in types]
-            kernel = self._kernels[key] = cuda.kernel(source, name, *spelled)
-        return kernel
-
-    # -- partial sums home -------------------------------------------------------
-
-    def to_home(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
-                at_least: torch.dtype | None) -> torch.Tensor:
-        """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
-        (token, rank) pushed home in ``wire``, summed in ascending rank order."""
-        with self._ordered():
-            rows = aligned_rows(rows)
-            self._push(rows, weights, wire, counts, presum)
-            return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
-
-    def store_group(self, table: torch.Tensor, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
-        """Write group g's row and weight pointers into ``table`` ([2 G] int64 on the
-        device: the rows' pointers, then the weights'; 0 for no weights), on the
-        device, so that a CUDA graph replays them. ``rows`` 16-byte aligned, kept
-        alive by the caller until the combine's last group is pushed."""
-        with self._ordered(writes=False):
-            self._store_group(table, g, rows, weights)
-
-    def _store_group(self, table, g: int, rows, weights) -> None:
-        self._kernel("intranode_combine.cu", "store_pair")(
-            1,
-            table=table,
-            at=g,
-            stride=table.shape[0] // 2,
-            a=rows.data_ptr(),
-            b=0 if weights is None else weights.data_ptr(),
-        )
-
-    def push_group(self, rows: torch.Tensor, weights: torch.Tensor | None, table: torch.Tensor,
-                   bounds: torch.Tensor, parts: int, span: tuple[int, int], last: bool, wire: torch.dtype,
-                   counts: Counts, presum) -> None:
-        """One group of a combine by groups: push the pre-sums that group
-        completes (those whose last row lies in ``span``), each summed whole
-        from the rows of its groups.
-
-        Args:
-            rows, weights: a group's rows [N_g, H] and weights (their dtypes and H
-                are every group's).
-            table: the groups' row and weight pointers (:meth:`store_group`), those
-                of groups 0 .. parts - 1 written.
-            bounds: [G + 1] int64 on the device, the groups' first rows.
-            span: (lo, hi), the rows of the group pushed (every group's, for all
-                the pre-sums).
-            last: the last group (its push raises the operation's flags).
-        """
-        with self._ordered():
-            groups = table.shape[0] // 2
-            self._push(rows, weights, wire, counts, presum,
-                       (table[:groups], table[groups:], bounds, parts, span, last), rows.shape[1])
-
-    def home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
-                 at_least: torch.dtype | None) -> torch.Tensor:
-        """[T, H] in ``dtype``: the partials pushed home, summed in ascending rank order."""
-        with self._ordered(writes=False):
-            return self._home_sum(counts, wire, dtype, hidden, at_least)
-
-    def _push(self, rows, weights, wire: torch.dtype, counts: Counts, presum, by_group=None,
-              hidden: int | None = None) -> None:
-        """The expert side of a combine (``push_partials``): every pre-sum, or
-        with ``by_group`` = (row pointers [G'], weight pointers [G'], bounds, G',
-        (lo, hi), signal) those one group completes."""
-        hidden = rows.shape[1] if hidden is None else hidden
-        part_row = partial_row_bytes(wire, hidden)
-        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
-        weight_dtype = torch.float32 if weights is None else weights.dtype
-        acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
-        part_start, part_copy = self._region("partials")
-        if by_group is None:
-            y_parts, w_parts, bounds, parts, (lo, hi), signal = None, None, None, 0, (0, 2**62), True
-        else:
-            y_parts, w_parts, bounds, parts, (lo, hi), signal = by_group
-        self._kernel(
-            "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
-            wire, acc, str(cuda.SUM_ROWS if presum.shape[1] > 2 else 1),  # rows a lane loads together
-        )(
-            self._row_grid(counts.items),
-            y=rows,
-            weights=weights,
-            y_parts=y_parts,
-            w_parts=w_parts,
-            bounds=bounds,
-            parts=parts,
-            row_lo=lo,
-            row_hi=hi,
-            presum=presum,
-            tokens_at=counts.tokens_at,
-            width=presum.shape[1],
-            tstride=counts.bound,
-            matrix=counts.matrix,
-            row_len=self.row_len,
-            sends_col=SENDS_COL,
-            hidden=hidden,
-            data_ptrs=self._data_ptrs,
-            part_off=part_start,
-            part_copy=part_copy,
-            part_row=part_row,
-            tcap=self.capacity.tokens,
-            me=self.rank,
-            world=self.world,
-            flag_ptrs=self._meta_ptrs,
-            seq=self._seq,
-            counter=self._counter,
-            status=self.status,
-            signal=int(signal),
-        )
-
-    def _home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
-                  at_least: torch.dtype | None) -> torch.Tensor:
-        tokens = counts.route.shape[0]
-        part_start, part_copy = self._region("partials")
-        out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
-        home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
-        self._kernel("intranode_combine.cu", "home_sum", wire, dtype, home_acc)(
-            self._row_grid(tokens),
-            hit=counts.hit,
-            tokens=tokens,
-            hidden=hidden,
-            partials=self._data.data_ptr() + part_start,
-            part_copy=part_copy,
-            part_row=partial_row_bytes(wire, hidden),
-            tcap=self.capacity.tokens,
-            world=self.world,
-            out=out,
-            flags=self._flags,
-            seq=self._seq,
-            timeout_ns=self.timeout_ns,
-            status=self.status,
-        )
-        return out
-
-    def slots_home(self, values, counts: Counts, presum, slot_k) -> torch.Tensor:
-        with self._ordered():
-            return self._slots_home(values, counts, presum, slot_k)
-
-    def _slots_home(self, values, counts: Counts, presum, slot_k) -> torch.Tensor:
-        """[N] per-row values -> [T, K] per-slot values at home (0 for empty slots)."""
-        tokens, topk = counts.route.shape[:2]
-        self.ensure(Capacity(counts.bound, topk, 0, 0))
-        value_type = torch.float64 if values.dtype == torch.float64 else torch.float32
-        wide = values.to(value_type).contiguous()
-        items = counts.items * presum.shape[1]
-        slots_start, slots_copy = self._region("slots")
-        self._kernel("intranode_combine.cu", "push_slots", value_type)(
-            min(self.blocks, max(1, -(-items // cuda.THREADS))),
-            values=wide,
-            presum=presum,
-            slot_k=slot_k,
-            tokens_at=counts.tokens_at,
-            width=presum.shape[1],
-            tstride=counts.bound,
-            matrix=counts.matrix,
-            row_len=self.row_len,
-            sends_col=SENDS_COL,
-            topk=topk,
-            data_ptrs=self._data_ptrs,
-            slots_off=slots_start,
-            slots_copy=slots_copy,
-            me=self.rank,
-            world=self.world,
-            flag_ptrs=self._meta_ptrs,
-            seq=self._seq,
-            counter=self._counter,
-            status=self.status,
-        )
-        out = torch.empty(tokens, topk, dtype=value_type, device=self.device)
-        self._kernel("intranode_combine.cu", "home_slots", value_type)(
-            min(self.blocks, max(1, -(-tokens * topk // cuda.THREADS))),
-            route=counts.route,
-            slots=tokens * topk,
-            pushed=self._data.data_ptr() + slots_start,
-            pushed_copy=slots_copy,
-            out=out,
-            world=self.world,
-            flags=self._flags,
-            seq=self._seq,
-            timeout_ns=self.timeout_ns,
-            status=self.status,
-        )
-        return out.to(values.dtype)
-
-
-def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
-    """(wire dtype, fp8 kind: 0 none, 1 e4m3, 2 e5m2) of a codec for rows of ``dtype``."""
-    fmt = getattr(codec, "fmt", None)
-    if fmt is None:
-        return codec.wire, 0
-    return torch.uint8, 1 if fmt is quantize.E4M3 else 2
-
 
 class _Ordered:
     """See :meth:`Engine._ordered`. Inside a CUDA graph capture an operation
@@ -849,18 +445,6 @@ class _Ordered:
 def _pointers(handle, device: torch.device) -> torch.Tensor:
     """[W] int64 on ``device``: every rank's base pointer of a symmetric allocation."""
     return plan.to_device(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64), device)
-
-
-def aligned_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` contiguous at a 16-byte-aligned address (the kernels load 16 bytes at a time)."""
-    rows = rows.contiguous()
-    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
-
-
-def scan_warps(num_experts: int, world: int) -> int:
-    """Warps of a block of the routing layout's scan (``route_layout``): as many as
-    hold a row of E + W counts each in its shared memory; 0 where not one does."""
-    return min(cuda.THREADS // 32, cuda.SCAN_SHARED // (4 * (num_experts + world)))
 
 
 _ENGINES: dict = {}

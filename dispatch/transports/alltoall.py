@@ -297,7 +297,7 @@ class _GroupedPresums(GroupSumsIssuer):
     """The expert side's pre-sums of an exchange by groups: each group's rows
     are added into running sums (``accumulate_group``), the pre-sums a group
     completes go home as that group's all-to-all, and the home rank sums them
-    in ascending rank order once all are in: bitwise ``_to_home_start``'s."""
+    in ascending rank order once all are in: bitwise ``to_home``'s."""
 
     def __init__(self, dispatcher: AllToAllTransport, handle: AllToAllHandle, wire) -> None:
         """``wire``: the pre-sums' wire dtype, or the name of their wire format."""

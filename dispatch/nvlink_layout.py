@@ -1,0 +1,144 @@
+"""The NVLink engine's layout shared by its host modules: the columns of a
+row of the counts matrix (``Row`` in ``csrc/engine.cuh``), the sizes of its
+buffers (:class:`Capacity`) and what a counts exchange gives (:class:`Counts`).
+
+Notation as in ``dispatch.nvlink``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dispatch import cuda, plan
+from dispatch.kernels import quantize
+
+_ALIGN = 256
+# the columns of a row of the counts matrix (``Row`` in csrc/engine.cuh)
+TOKENS_COL = len(plan.HEADER)
+STAGED_COL = TOKENS_COL + 1
+GROUPS_COL = TOKENS_COL + 2
+SENDS_COL = TOKENS_COL + 3
+
+
+def _up(n: int, to: int = _ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def staged_row_bytes(codec, hidden: int) -> int:
+    """Bytes of one staged row of ``hidden`` channels under ``codec`` (16-aligned)."""
+    return _up(codec.row_bytes(hidden), 16)
+
+
+def partial_row_bytes(wire: torch.dtype, hidden: int) -> int:
+    """Bytes of one partial-sum row of ``hidden`` channels in ``wire`` (16-aligned)."""
+    return _up(hidden * wire.itemsize, 16)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Sizes the data buffer holds (per parity copy)."""
+
+    tokens: int = 0  # T_max
+    topk: int = 0  # K
+    stage_row: int = 0  # bytes of a staged row
+    part_row: int = 0  # bytes of a partial row
+
+    def covers(self, other: "Capacity") -> bool:
+        return all(getattr(self, f) >= getattr(other, f) for f in ("tokens", "topk", "stage_row", "part_row"))
+
+    def union(self, other: "Capacity") -> "Capacity":
+        tokens = max(self.tokens, other.tokens)
+        return Capacity(max(256, 1 << max(tokens - 1, 0).bit_length()) if tokens > self.tokens else tokens,
+                        max(self.topk, other.topk), max(self.stage_row, other.stage_row),
+                        max(self.part_row, other.part_row))
+
+    def regions(self, world: int) -> dict[str, tuple[int, int]]:
+        """name -> (offset of copy 0, bytes of one copy)."""
+        sizes = {
+            "route": self.tokens * self.topk * 16,
+            "lists": world * self.tokens * 4,
+            "slots": self.tokens * self.topk * 8,
+            "stage": self.tokens * self.stage_row,
+            "partials": world * self.tokens * self.part_row,
+        }
+        out, at = {}, 0
+        for name, size in sizes.items():
+            size = _up(size)
+            out[name] = (at, size)
+            at += 2 * size
+        out["total"] = (at, 0)
+        return out
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the counts exchange of one dispatch gave.
+
+    Attributes:
+        matrix: [W, L] int32 on the device (the counts matrix).
+        rows: the same on the host, W lists of L ints (None without a host read).
+        received: the items (source rank, token) this rank receives (host; None
+            without a host read).
+        bound: rows of each source in presum: the largest T of the group, or
+            without a host read the token capacity of the buffers.
+        tokens_per_expert: [E_local] int64 on the device.
+        src_start: [W, E_local] int32 on the device: first row of (source, local expert).
+        num_rows: [1] int32 on the device, N.
+        route: [T, K] ``Slot`` (int32 [T, K, 4]) of this rank's tokens, on the device.
+        lists: [W, T] int32 on the device: the tokens of this rank each rank
+            gets, ascending, at [d, 0 .. its count).
+        tokens_at: [W * bound] int32 on the device, written by the dispatch's
+            pull: the token of each item (source rank s, j) this rank received,
+            at s * bound + j, in the order the later kernels walk them.
+        hit: [T] int32 mask of the ranks each token goes to.
+        staged: every rank staged its routes and rows with the counts (else
+            they move in an exchange of their own).
+        group_end: [G] int32 on the device, the end of each group's rows, for a
+            dispatch by G > 1 groups with a row budget (group g's rows start at
+            g B, B = ceil(max_rows / G)); None otherwise.
+    """
+
+    matrix: torch.Tensor
+    rows: list | None
+    received: int | None
+    bound: int
+    tokens_per_expert: torch.Tensor
+    src_start: torch.Tensor
+    num_rows: torch.Tensor
+    route: torch.Tensor
+    lists: torch.Tensor
+    tokens_at: torch.Tensor
+    hit: torch.Tensor
+    staged: bool
+    group_end: torch.Tensor | None = None
+
+    @property
+    def items(self) -> int:
+        """(source rank, token) pairs this rank receives, to size a kernel's grid by
+        (the kernels loop over the pairs, whatever the grid): without a host read,
+        W times this rank's T, as if every rank sent it every token."""
+        if self.received is not None:
+            return self.received
+        return self.matrix.shape[0] * self.route.shape[0]
+
+
+def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(wire dtype, fp8 kind: 0 none, 1 e4m3, 2 e5m2) of a codec for rows of ``dtype``."""
+    fmt = getattr(codec, "fmt", None)
+    if fmt is None:
+        return codec.wire, 0
+    return torch.uint8, 1 if fmt is quantize.E4M3 else 2
+
+
+def aligned_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` contiguous at a 16-byte-aligned address (the kernels load 16 bytes at a time)."""
+    rows = rows.contiguous()
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
+def scan_warps(num_experts: int, world: int) -> int:
+    """Warps of a block of the routing layout's scan (``route_layout``): as many as
+    hold a row of E + W counts each in its shared memory; 0 where not one does."""
+    return min(cuda.THREADS // 32, cuda.SCAN_SHARED // (4 * (num_experts + world)))
