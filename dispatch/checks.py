@@ -282,8 +282,8 @@ def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
         raise PeerRefused(failed, call_name(*calls[0]))
 
 
-def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arrivals: comm.Arrivals | None = None,
-          dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
+def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRow,
+          arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
     """The first message of a call that has no counts exchange of its own:
     every rank's header of the call, all-gathered on the host and checked
     (:func:`check_peer_calls`).
@@ -291,22 +291,23 @@ def agree(ticket: plan.Ticket, group, world_size: int, width: int, at: int, arri
     It runs over the group's host channel (``comm.host_group``: the group
     itself on gloo, a gloo group of the same ranks beside NCCL), so that it
     waits for the peers to reach the call and for nothing queued on the GPU.
-    On gloo its row has the length of the dispatcher's counts row, with the
-    header at the same place (``at``), so that where one rank dispatches while
-    another is at another verb, the two messages pair and both see the
-    different calls.
+    On gloo its row is the shape of the dispatcher's counts row
+    (``counts_row``), with the header at the same place, so that where one
+    rank dispatches while another is at another verb, the two messages pair and
+    both see the different calls.
 
     Args:
         ticket: this call (``refused``: this rank takes part, then raises).
         group: the host channel's group.
-        width, at: the counts row's length and its header's offset.
+        counts_row: the dispatcher's counts row (``plan.CountsRow``).
         dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
             the verb agrees on one (``combine``), -1 for none.
-        tail: entries after the header (at most ``width - at - len(HEADER)``).
+        tail: entries after the header (at most ``counts_row.tail``).
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
-    row = torch.zeros(width, dtype=torch.int64)
+    at = counts_row.header_at
+    row = torch.zeros(counts_row.width, dtype=torch.int64)
     end = at + len(HEADER) + len(tail)
     row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code) + list(tail), dtype=torch.int64)
     rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, at:end].tolist()
@@ -324,11 +325,12 @@ class Calls:
         arrivals: its bounded waits (its ``index`` is the dispatcher's place in
             the group, which the board's rows carry).
         timeout: ``DispatchConfig.timeout``.
-        counts_row: () -> (length, header offset) of the dispatcher's counts
-            row, the host channel's row shape.
+        counts_row: the dispatcher's counts row (``plan.CountsRow``), the
+            host channel's row shape.
     """
 
-    def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float, counts_row) -> None:
+    def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float,
+                 counts_row: plan.CountsRow) -> None:
         self._made: dict[str, int] = {}
         self._board = Board.for_group(group)
         self._host = comm.host_group(group) if self._board is None else None
@@ -352,8 +354,7 @@ class Calls:
         len(tail)] every rank's header of the call and what followed it
         (``tail``: at most one entry). Raises as :func:`check_peer_calls`."""
         if self._board is None:
-            width, at = self._counts_row()
-            return agree(ticket, self._host, self._world, width, at, self._arrivals, dtype_code, tail)
+            return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail)
         row = [*plan.call_header(ticket, dtype_code), *(tail or (0,)), self._arrivals.index]  # one length for all
         rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
         if ticket.refused or rows.count(row) < len(rows):  # else every rank made this very call, unrefused

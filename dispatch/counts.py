@@ -90,32 +90,31 @@ def exchange(
     nodes = world_size // local_world_size
     node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
     header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket) + [num_tokens]), x.device)
-    tail = torch.cat([header_row[-1:], node_hit.sum(0, dtype=torch.int64)])
-    header_row = header_row[:-1]
-    row = torch.cat([plan.exchange_row(route, header_row), tail])
-    base = row.numel() - tail.numel()  # the counts and the header; the tail after them
+    tail = torch.cat([header_row[-1:], node_hit.sum(0, dtype=torch.int64)])  # T, then the node hits
+    layout = counts_row(world_size, route.counts.shape[1] - 1, local_world_size)
+    row = layout.row(route.counts, header_row[:-1], tail)
     if failed is not None:
-        plan.mark_failed(row[:base])
+        layout.mark_failed(row)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     if failed is not None:
         raise failed  # its peers raise in check_peer_headers
-    all_counts, headers = plan.split_gathered(gathered[:, :base], world_size)
+    all_counts, headers, tails = layout.split(gathered)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
     checks.check_row_budgets(headers, all_counts[:, :, 1:].sum((0, 2)).tolist(), row_bytes)
     return GlobalCounts(
         route=route,
         node_hit=node_hit,
         counts=all_counts,
-        tokens=gathered[:, base],
-        node_hits=gathered[:, base + 1 :],
+        tokens=tails[:, 0],
+        node_hits=tails[:, 1:],
         x_grad_any=x_grad_any,
         weights_grad_any=weights_grad_any,
     )
 
 
-def row_width(world_size: int, local_experts: int, local_world_size: int) -> int:
-    """Length of the row :func:`exchange` all-gathers: counts, header, T, node hits."""
-    return world_size * (1 + local_experts) + len(plan.HEADER) + 1 + world_size // local_world_size
+def counts_row(world_size: int, local_experts: int, local_world_size: int) -> plan.CountsRow:
+    """The row :func:`exchange` all-gathers: counts, header, then T and the node hits."""
+    return plan.CountsRow(world_size, local_experts, 1 + world_size // local_world_size)
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,7 @@ class TokenDispatcher:
         self._streams = CommStreams()
         self._members = transport.members()  # the transports whose handles it moves along
         # the calls, numbered and agreed with the peers (a row of the width of the counts exchange's)
-        counts_row = (transport.counts_row_width(), self.world_size * (1 + self.num_local_experts))
-        self._calls = checks.Calls(group, self.world_size, transport.arrivals, config.timeout, lambda: counts_row)
+        self._calls = checks.Calls(group, self.world_size, transport.arrivals, config.timeout, transport.counts_row)
 
     @property
     def phase_timer(self) -> PhaseTimer | None:

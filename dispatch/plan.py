@@ -166,20 +166,46 @@ def call_header(ticket: Ticket, dtype_code: int = -1) -> list[int]:
     return [ticket.verb, ticket.call, ticket.along, 0, 0, dtype_code, -1, 0, 0, int(ticket.refused), -1, -1]
 
 
-def mark_failed(row: torch.Tensor) -> None:
-    """Raise the ``failed`` entry of a row about to be all-gathered ([... + len(HEADER)])."""
-    row[row.shape[0] - len(HEADER) + HEADER.index("failed")] = 1
+@dataclass(frozen=True)
+class CountsRow:
+    """The row each rank all-gathers in a counts exchange over the collectives,
+    defined here once: ``[counts W * (1 + E_local) | header | tail]``, the
+    counts this rank's ``Route.counts``, the header its ``HEADER`` entries, the
+    tail what the exchange adds (at least one entry). The host channel's
+    agreement (``checks.agree``) all-gathers rows of the same width, so that on
+    gloo the two pair. (The NVLink engine's row is ``Row`` in
+    ``csrc/engine.cuh``: ``dispatch.nvlink_layout``.)
 
+    Attributes:
+        world: W; local: E_local; tail: entries after the header.
+    """
 
-def exchange_row(r: Route, header_row: torch.Tensor) -> torch.Tensor:
-    """[W * (1 + E_local) + len(HEADER)] int64: what this rank all-gathers."""
-    return torch.cat([r.counts.flatten(), header_row])
+    world: int
+    local: int
+    tail: int = 1
 
+    @property
+    def header_at(self) -> int:
+        """Where the header starts."""
+        return self.world * (1 + self.local)
 
-def split_gathered(gathered: torch.Tensor, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[W, L] all-gathered rows -> (all_counts [W_src, W_dst, 1 + E_local], headers [W, len(HEADER)])."""
-    counts = gathered[:, : gathered.shape[1] - len(HEADER)]
-    return counts.view(world_size, world_size, -1), gathered[:, counts.shape[1] :]
+    @property
+    def width(self) -> int:
+        return self.header_at + len(HEADER) + self.tail
+
+    def row(self, counts: torch.Tensor, header_row: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """[width] int64: what this rank all-gathers (counts [W, 1 + E_local])."""
+        return torch.cat([counts.flatten(), header_row, tail])
+
+    def mark_failed(self, row: torch.Tensor) -> None:
+        """Raise the ``failed`` entry of ``row``, about to be all-gathered."""
+        row[self.header_at + HEADER.index("failed")] = 1
+
+    def split(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[W, width] all-gathered rows -> (all_counts [W_src, W_dst, 1 + E_local],
+        headers [W, len(HEADER)], tails [W, tail])."""
+        at, end = self.header_at, self.header_at + len(HEADER)
+        return gathered[:, :at].view(self.world, self.world, -1), gathered[:, at:end], gathered[:, end:]
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

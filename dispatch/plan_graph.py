@@ -52,7 +52,14 @@ def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, che
     flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
     route = plan.route(topk_idx, num_experts, world_size)
     grouped = plan.group_route(route, topk_idx, groups) if groups > 1 else None
-    return flags, route, grouped, torch.cat([plan.exchange_row(route, header_row), group_tail(route, grouped, groups)])
+    world, local = route.hit.shape[1], route.counts.shape[1] - 1
+    return flags, route, grouped, counts_row(world, local).row(route.counts, header_row,
+                                                               group_tail(route, grouped, groups))
+
+
+def counts_row(world: int, local: int) -> plan.CountsRow:
+    """The row the alltoall transport all-gathers: counts, header, ``group_tail``."""
+    return plan.CountsRow(world, local, world * 2 * local + 1)
 
 
 def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int) -> torch.Tensor:
@@ -66,11 +73,9 @@ def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int
 
 
 def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planned:
-    world = gathered.shape[0]
-    tail = 2 * world * (route.counts.shape[1] - 1) + 1
-    all_counts, headers = plan.split_gathered(gathered[:, :-tail], world)
+    all_counts, headers, tails = counts_row(gathered.shape[0], route.counts.shape[1] - 1).split(gathered)
     send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights, grouped)
-    return Planned(send, plan_summary(route.counts, all_counts, headers, rank, gathered[:, -tail:]))
+    return Planned(send, plan_summary(route.counts, all_counts, headers, rank, tails))
 
 
 def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int,
@@ -90,6 +95,44 @@ def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.
                       by_group[rank].flatten(), by_group[:, rank].flatten(), tails[:, -1]])
 
 
+@dataclass(frozen=True)
+class Summary:
+    """A :func:`plan_summary` read on the host, by part (the one place that knows
+    its layout).
+
+    Attributes:
+        send, recv: [W] rows this rank sends to / receives from each rank.
+        per_expert: [E_local] expanded rows per local expert.
+        headers: [W, len(HEADER)] every rank's header.
+        matrix: [W_src, W_dst] the rows every rank sends every rank.
+        received: [W] every rank's N.
+        by_group: [2, W, 2, E_local] this rank's rows to each rank, then every
+            rank's rows to this one, by first and last group.
+        groups: [W] every rank's G.
+    """
+
+    send: torch.Tensor
+    recv: torch.Tensor
+    per_expert: torch.Tensor
+    headers: torch.Tensor
+    matrix: torch.Tensor
+    received: torch.Tensor
+    by_group: torch.Tensor
+    groups: torch.Tensor
+
+    @staticmethod
+    def per_expert_of(summary: torch.Tensor, world: int, local: int) -> torch.Tensor:
+        """The ``per_expert`` part of a summary (on its device)."""
+        return summary[2 * world : 2 * world + local]
+
+    @classmethod
+    def read(cls, summary: torch.Tensor, world: int, local: int) -> "Summary":
+        sizes = (world, world, local, world * len(plan.HEADER), world * world, world, 4 * world * local, world)
+        send, recv, per_expert, headers, matrix, received, by_group, groups = summary.split(sizes)
+        return cls(send, recv, per_expert, headers.view(world, -1), matrix.view(world, world), received,
+                   by_group.view(2, world, 2, local), groups)
+
+
 class CapturedPlan:
     """Graphs 1 and 2 for one :class:`PlanKey`, with their static buffers."""
 
@@ -100,8 +143,7 @@ class CapturedPlan:
         self.topk_weights = torch.zeros(key.num_tokens, key.topk, dtype=key.weight_dtype, device=device)
         self.header_row = torch.zeros(len(plan.HEADER), dtype=torch.int64, device=device)
         local = num_experts // world_size
-        width = world_size * (1 + local) + len(plan.HEADER) + world_size * 2 * local + 1
-        self.gathered = torch.zeros(world_size, width, dtype=torch.int64, device=device)
+        self.gathered = torch.zeros(world_size, counts_row(world_size, local).width, dtype=torch.int64, device=device)
 
         def first():
             return route_phase(

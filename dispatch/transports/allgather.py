@@ -75,8 +75,9 @@ class AllGatherTransport(Transport):
 
     variant = "allgather"
 
-    def counts_row_width(self) -> int:
-        return counts.row_width(self.world_size, self.num_local_experts, self.local_world_size)
+    @property
+    def counts_row(self) -> plan.CountsRow:
+        return counts.counts_row(self.world_size, self.num_local_experts, self.local_world_size)
 
     def plan(self, request: Request):
         x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket

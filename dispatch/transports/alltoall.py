@@ -29,7 +29,7 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_groups, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
-from dispatch.plan_graph import PlanGraphCache, PlanKey, route_phase, send_phase
+from dispatch.plan_graph import PlanGraphCache, PlanKey, Summary, counts_row, route_phase, send_phase
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
@@ -105,6 +105,10 @@ class AllToAllTransport(Transport):
         super().__init__(config, group)
         self._graphs = PlanGraphCache() if config.tuning.plan_graphs else None
 
+    @property
+    def counts_row(self) -> plan.CountsRow:
+        return counts_row(self.world_size, self.num_local_experts)
+
     def plan(self, request: Request) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one
         metadata all-to-all; by groups, one piece per group
@@ -133,7 +137,7 @@ class AllToAllTransport(Transport):
         if flags is not None:  # before the first exchange
             failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
         if failed is not None:  # the peers are about to wait in the all-gather: stop them there
-            plan.mark_failed(row[: row.numel() - self._tail_width()])
+            self.counts_row.mark_failed(row)
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
                                         arrivals=self.arrivals)
         if failed is not None:
@@ -142,25 +146,22 @@ class AllToAllTransport(Transport):
             planned = captured.run_send()
         else:
             planned = send_phase(route, grouped, gathered, rank, topk_idx, weights)
-        summary = planned.summary.cpu()  # host sync: split sizes for NCCL, row counts, peers' headers
-        counts_end = 2 * world + self.num_local_experts  # rows sent, rows received, rows per local expert
-        headers_end = counts_end + world * len(plan.HEADER)
-        headers = summary[counts_end:headers_end].view(world, -1)
-        grads_any = checks.check_peer_headers(headers)
-        matrix = summary[headers_end : headers_end + world * world].view(world, world)  # rows rank to rank
-        received_end = headers_end + world * world + world
-        checks.check_row_budgets(headers, summary[headers_end + world * world : received_end].tolist(),
-                                 self.row_bytes(x))
         local = self.num_local_experts
-        by_group = summary[received_end : received_end + 4 * world * local].view(2, world, 2, local)
-        checks.check_peer_groups(summary[received_end + 4 * world * local :].tolist())
+        # host sync: split sizes for NCCL, row counts, peers' headers
+        summary = Summary.read(planned.summary.cpu(), world, local)
+        headers = summary.headers.tolist()
+        grads_any = checks.check_peer_headers(headers)
+        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x))
+        by_group = summary.by_group
+        checks.check_peer_groups(summary.groups.tolist())
         # what outlives a replayed graph is copied out of its buffers
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         sp = planned.send  # its meta is read at once, on the stream of the replays
-        send_splits = tuple(summary[:world].tolist())
-        recv_splits = tuple(summary[world : 2 * world].tolist())
-        per_expert = summary[2 * world : counts_end]
-        num_rows = int(per_expert.sum())
+        send_splits, recv_splits = tuple(summary.send.tolist()), tuple(summary.recv.tolist())
+        per_expert = summary.per_expert
+        per_expert_list = per_expert.tolist()
+        num_rows = sum(per_expert_list)
+        device_per_expert = Summary.per_expert_of(planned.summary, world, local)
         recv_meta = comm.all_to_all_rows(sp.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
         # the slot lists arrive by source rank, each source's group after group; held group after group
         group_recv = [list(recv_splits)] if groups == 1 else by_group[1, :, 0, :groups].t().tolist()
@@ -168,7 +169,7 @@ class AllToAllTransport(Transport):
         rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
         splits = None
         if groups > 1:
-            splits = _group_splits(by_group, groups, rp, table, planned.summary[2 * world : counts_end])
+            splits = _group_splits(by_group, groups, rp, table, device_per_expert)
         handle = AllToAllHandle(
             owner=request.owner,
             transport=self,
@@ -178,7 +179,7 @@ class AllToAllTransport(Transport):
             topk=topk,
             x_grad_any=grads_any[0],
             weights_grad_any=grads_any[1],
-            has_rows=tuple(bool(n) for n in matrix.sum(0).tolist()),
+            has_rows=tuple(bool(n) for n in summary.matrix.sum(0).tolist()),
             send_splits=send_splits,
             recv_splits=recv_splits,
             send_token=keep(sp.send_token[: sum(send_splits)]),
@@ -188,25 +189,17 @@ class AllToAllTransport(Transport):
             expand_src=rp.expand_src,
             presum_index=rp.presum_index,
             by_group=splits,
-            **shape_fields(request, self.num_local_experts, per_expert.tolist(), num_rows),
+            **shape_fields(request, local, per_expert_list, num_rows),
         )
         outputs = PlanOutputs(
             weights=rp.weights,
-            tokens_per_expert=keep(planned.summary[2 * world : counts_end]),
+            tokens_per_expert=keep(device_per_expert),
             tokens_per_expert_host=per_expert,
             src_rank=rp.src_rank[rp.expand_src],
             src_token=rp.src_token[rp.expand_src],
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
-
-    def counts_row_width(self) -> int:
-        return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + self._tail_width()
-
-    def _tail_width(self) -> int:
-        """Entries after the counts and header in the row this variant all-gathers
-        (``plan_graph.group_tail``)."""
-        return 2 * self.world_size * self.num_local_experts + 1
 
     def to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec,
                    own: bool = False) -> PendingGroups:

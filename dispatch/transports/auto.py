@@ -64,8 +64,9 @@ class AutoTransport(Transport):
     def members(self) -> tuple[Transport, ...]:
         return tuple(self.candidates.values())
 
-    def counts_row_width(self) -> int:
-        return counts.row_width(self.world_size, self.num_local_experts, self.local_world_size)
+    @property
+    def counts_row(self):
+        return counts.counts_row(self.world_size, self.num_local_experts, self.local_world_size)
 
     def plan(self, request: Request):
         call = request.ticket.call

@@ -137,11 +137,12 @@ class Transport(abc.ABC):
         host-side sizes only; None where it is not accounted."""
         return None
 
-    def counts_row_width(self) -> int:
-        """Length of the row its counts exchange all-gathers (counts, header,
-        a tail of at least one entry): the agreement over the host channel
-        all-gathers rows of this length, so that on gloo the two pair."""
-        return self.world_size * (1 + self.num_local_experts) + len(plan.HEADER) + 1
+    @property
+    def counts_row(self) -> plan.CountsRow:
+        """The row its counts exchange all-gathers (``plan.CountsRow``): the
+        agreement over the host channel all-gathers rows of its width, so that
+        on gloo the two pair."""
+        return plan.CountsRow(self.world_size, self.num_local_experts)
 
     def members(self) -> tuple["Transport", ...]:
         """The transports whose handles the front end takes (``auto``: its candidates)."""

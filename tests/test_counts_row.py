@@ -1,0 +1,59 @@
+"""The counts rows, defined once (``plan.CountsRow``; the engine's ``Row`` in
+csrc/engine.cuh, held by test_engine_launches.py), and every parser of them:
+what a rank builds, every rank reads back where it was put."""
+
+from __future__ import annotations
+
+import torch
+
+from dispatch import counts, plan, plan_graph
+
+
+def _row_parts(world, local, tail, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    c = torch.randint(0, 100, (world, 1 + local), generator=gen)
+    h = torch.randint(-5, 100, (len(plan.HEADER),), generator=gen)
+    t = torch.randint(0, 100, (tail,), generator=gen)
+    return c, h, t
+
+
+def test_a_row_splits_back_into_its_parts():
+    world, local, tail = 3, 2, 4
+    layout = plan.CountsRow(world, local, tail)
+    parts = [_row_parts(world, local, tail, seed=r) for r in range(world)]
+    rows = torch.stack([layout.row(*p) for p in parts])
+    assert rows.shape == (world, layout.width) and layout.width == world * (1 + local) + len(plan.HEADER) + tail
+    all_counts, headers, tails = layout.split(rows)
+    for r, (c, h, t) in enumerate(parts):
+        assert torch.equal(all_counts[r], c) and torch.equal(headers[r], h) and torch.equal(tails[r], t)
+    row = rows[1].clone()
+    layout.mark_failed(row)
+    assert layout.split(row[None])[1][0, plan.HEADER.index("failed")] == 1
+    assert torch.equal(row[: layout.header_at], rows[1][: layout.header_at])
+
+
+def test_each_exchange_names_its_row():
+    """The alltoall transport's row ends in its group tail, the others' in T and
+    the node hits: the widths the host channel pairs with."""
+    assert plan_graph.counts_row(4, 3).tail == 4 * 2 * 3 + 1
+    assert counts.counts_row(4, 3, 2).tail == 1 + 2
+
+
+def test_the_plan_summary_reads_back_by_part():
+    world, local, rank = 3, 2, 1
+    gen = torch.Generator().manual_seed(0)
+    route_counts = torch.randint(0, 9, (world, 1 + local), generator=gen)
+    all_counts = torch.randint(0, 9, (world, world, 1 + local), generator=gen)
+    headers = torch.randint(0, 9, (world, len(plan.HEADER)), generator=gen)
+    tails = torch.randint(0, 9, (world, plan_graph.counts_row(world, local).tail), generator=gen)
+    summary = plan_graph.plan_summary(route_counts, all_counts, headers, rank, tails)
+    got = plan_graph.Summary.read(summary, world, local)
+    assert torch.equal(got.send, route_counts[:, 0]) and torch.equal(got.recv, all_counts[:, rank, 0])
+    assert torch.equal(got.per_expert, all_counts[:, rank, 1:].sum(0))
+    assert torch.equal(plan_graph.Summary.per_expert_of(summary, world, local), got.per_expert)
+    assert torch.equal(got.headers, headers) and torch.equal(got.matrix, all_counts[:, :, 0])
+    assert torch.equal(got.received, all_counts[:, :, 1:].sum((0, 2)))
+    by_group = tails[:, :-1].view(world, world, 2 * local)
+    assert torch.equal(got.by_group[0].flatten(), by_group[rank].flatten())
+    assert torch.equal(got.by_group[1].flatten(), by_group[:, rank].flatten())
+    assert torch.equal(got.groups, tails[:, -1])
