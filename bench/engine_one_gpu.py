@@ -1,0 +1,122 @@
+"""Study: the NVLink engine on one GPU, a world of one rank, where no second GPU is lent.
+
+    python3 bench/engine_one_gpu.py TREE [--check] [--profile]
+
+The engine is built directly (the registry refuses a group of one rank: a
+sub-group's rendezvous its peers would not make), so its kernels and their
+launches run on one device. ``--check`` holds it bitwise against the NCCL
+transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups;
+native and fp8 wires; T = 0 to 2048). Then the eager round trip's host time at
+the decode and DeepSeek-V3 shapes (wall time from dispatch to combine's return,
+and the issuing thread's CPU time, median of 200), ``--profile`` first a cProfile
+of 50 decode round trips. TREE is a source tree (this one, or an older one for
+an A/B in one call, e.g. ``git archive BASE | tar -x -C .wt/base``).
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+    sys.exit(__doc__)
+if not torch.cuda.is_available():
+    print("bench/engine_one_gpu.py needs a CUDA device (and CuPy)", file=sys.stderr)
+    sys.exit(2)
+sys.path.insert(0, os.path.abspath(sys.argv[1]))
+import torch.distributed as dist  # noqa: E402
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29561"))
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+import dispatch  # noqa: E402  (the tree given)
+
+NEW = hasattr(dispatch, "Tuning")
+
+
+def make(E, transport, wire="native"):
+    if NEW:
+        from dispatch.dispatcher import TokenDispatcher
+        from dispatch.transports import AllToAllTransport, NVLinkTransport
+        cfg = dispatch.DispatchConfig(num_experts=E, transport=transport, dispatch_wire=wire)
+        cls = NVLinkTransport if transport == "nvlink" else AllToAllTransport
+        return TokenDispatcher(cfg, None, cls(cfg, None))
+    cfg = dispatch.DispatchConfig(num_experts=E, transport=transport, dispatch_wire=wire)
+    if transport == "nvlink":
+        from dispatch.dispatchers.nvlink import NVLinkDispatcher
+        return NVLinkDispatcher(cfg, None)
+    from dispatch.dispatchers.alltoall import AllToAllDispatcher
+    return AllToAllDispatcher(cfg, None)
+
+
+def inputs(T, H, E, K, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    scores = torch.rand(T, E, generator=gen, device="cuda")
+    w, idx = scores.topk(K, dim=1)
+    return x, idx, (w / w.sum(1, keepdim=True)).float()
+
+
+def trip(d, x, idx, w, **kw):
+    x = x.clone().requires_grad_(True)
+    w = w.clone().requires_grad_(True)
+    out = d.dispatch(x, idx, w, **kw)
+    y = out.tokens.float().pow(2).to(out.tokens.dtype)
+    h = d.combine(y, out.handle, weights=out.weights)
+    h.float().sum().backward()
+    n = out.handle.num_rows if "max_rows" not in kw else int(out.tokens_per_expert.sum())
+    return [out.tokens[:n], out.weights[:n], out.src_rank[:n], out.src_token[:n], out.tokens_per_expert, h, x.grad,
+            w.grad]
+
+
+if "--check" in sys.argv:
+    bad = 0
+    for wire in ("native", "fp8"):
+        E = 16
+        eng, ref = make(E, "nvlink", wire), make(E, "nccl", wire)
+        for T, H, K in ((0, 256, 4), (5, 256, 4), (300, 512, 4), (2048, 1024, 8)):
+            x, idx, w = inputs(T, H, E, K, T)
+            want = trip(ref, x, idx, w)
+            for kw in ({}, {"max_rows": T * K + 8}, {"groups": 2}):
+                got = trip(eng, x, idx, w, **kw)
+                same = all(torch.equal(a, b) for a, b in zip(got, want))
+                bad += not same
+                print(f"wire={wire} T={T} H={H} K={K} {kw}: {'bitwise equal' if same else 'DIFFERENT'}", flush=True)
+    print("check:", "all equal" if bad == 0 else f"{bad} different", flush=True)
+
+for name, (T, H, E, K) in (("decode", (128, 7168, 256, 8)), ("deepseek-v3", (4096, 7168, 256, 8))):
+    d = make(E, "nvlink")
+    x, idx, w = inputs(T, H, E, K, 0)
+
+    def rt():
+        out = d.dispatch(x, idx, w)
+        return d.combine(out.tokens, out.handle, weights=out.weights)
+
+    for _ in range(20):
+        rt()
+    torch.cuda.synchronize()
+    walls, cpus = [], []
+    for _ in range(200):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        rt()
+        c1, t1 = time.thread_time(), time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append((t1 - t0) * 1e6)
+        cpus.append((c1 - c0) * 1e6)
+    if "--profile" in sys.argv and name == "decode":
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            rt()
+        prof.disable()
+        torch.cuda.synchronize()
+        st = pstats.Stats(prof)
+        print(f"calls per round trip: {st.total_calls / 50:.0f}")
+        st.sort_stats("tottime").print_stats(35)
+    print(f"{'new' if NEW else 'base'} {name}: eager round trip, host wall to combine's return median "
+          f"{statistics.median(walls):.0f} us (p10 {sorted(walls)[20]:.0f}, p90 {sorted(walls)[180]:.0f}); "
+          f"thread CPU median {statistics.median(cpus):.0f} us", flush=True)
+dist.destroy_process_group()
