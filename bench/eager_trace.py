@@ -2,11 +2,12 @@
 rank, on one clock: the host's calls into the package (marked), its CUDA API
 calls, and the GPU's kernels, for one round trip after a barrier.
 
-    python3 bench/eager_trace.py [--shape decode] [--max-rows] [--out DIR]
+    python3 bench/eager_trace.py [--shape decode] [--max-rows] [--world 2] [--out DIR]
 
-Two processes (GPUs 0 and 1), torch.profiler around three round trips each after
-a barrier; prints the middle one's events per rank (start and duration in us
-from the round trip's start), and writes each rank's chrome trace to --out.
+Two processes (GPUs 0 and 1; ``--world 1``: one, the engine built directly, as
+``bench/engine_one_gpu.py`` does), torch.profiler around three round trips each
+after a barrier; prints the middle one's events per rank (start and duration in
+us from the round trip's start), and writes each rank's chrome trace to --out.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_probe  # noqa: E402  (the shapes, inputs and process setup of the probe)
 
 import dispatch  # noqa: E402
-from dispatch import nvlink  # noqa: E402
+from dispatch import checks, nvlink, work  # noqa: E402
 from dispatch import dispatcher as base  # noqa: E402
 from dispatch.transports.nvlink import NVLinkTransport  # noqa: E402
 
@@ -40,6 +41,10 @@ MARKED = [  # (owner, method): host ranges named in the trace
     (nvlink.Engine, "to_experts"),
     (nvlink.Engine, "to_home"),
     (nvlink.Engine, "poll"),
+    (checks.Calls, "agree"),
+    (work.DispatchWork, "wait"),
+    (checks, "check_dispatch_inputs"),
+    (checks, "free_bytes"),
 ]
 API = ("cuLaunchKernelEx", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize",
        "cudaDeviceSynchronize", "cudaMemGetInfo", "cudaStreamWaitEvent", "cudaLaunchKernel", "cudaMemsetAsync")
@@ -62,7 +67,11 @@ def _worker(rank, world, args, port):
         _mark(owner, name)
     shape = engine_probe.SHAPES[args.shape]
     x, idx, w = engine_probe.inputs(shape, rank, device)
-    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=shape[2], transport="nvlink", check_inputs=False))
+    config = dispatch.DispatchConfig.from_options(num_experts=shape[2], transport="nvlink", check_inputs=False)
+    if world == 1:  # the registry refuses a group of one rank: built directly
+        d = base.TokenDispatcher(config, None, NVLinkTransport(config, None))
+    else:
+        d = dispatch.create(config)
     bound = None
     if args.max_rows:
         bound = int(d.dispatch(x, idx, w).tokens.shape[0] * 1.1)
@@ -121,9 +130,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="decode", choices=sorted(engine_probe.SHAPES))
     parser.add_argument("--max-rows", action="store_true", help="dispatch with max_rows (no host read)")
+    parser.add_argument("--world", type=int, default=2, choices=(1, 2), help="processes (GPUs)")
     parser.add_argument("--out", default="eager-trace")
     args = parser.parse_args(argv)
-    world = 2
+    world = args.world
     mp.spawn(_worker, args=(world, args, 29700 + os.getpid() % 1000), nprocs=world, join=True)
     return 0
 

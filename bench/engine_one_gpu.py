@@ -1,6 +1,6 @@
 """Study: the NVLink engine on one GPU, a world of one rank, where no second GPU is lent.
 
-    python3 bench/engine_one_gpu.py TREE [--check] [--profile]
+    python3 bench/engine_one_gpu.py TREE [--check] [--profile] [--pieces]
 
 The engine is built directly (the registry refuses a group of one rank: a
 sub-group's rendezvous its peers would not make), so its kernels and their
@@ -9,7 +9,9 @@ transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups;
 native and fp8 wires; T = 0 to 2048). Then the eager round trip's host time at
 the decode and DeepSeek-V3 shapes (wall time from dispatch to combine's return,
 and the issuing thread's CPU time, median of 200), ``--profile`` first a cProfile
-of 50 decode round trips. TREE is a source tree (this one, or an older one for
+of 50 decode round trips, ``--pieces`` first the host cost of the round
+trip's pieces one by one (a launch, an allocation, a host read, the free-memory
+budget, an autograd node, an agreement; this tree only). TREE is a source tree (this one, or an older one for
 an A/B in one call, e.g. ``git archive BASE | tar -x -C .wt/base``).
 """
 import os
@@ -84,6 +86,66 @@ if "--check" in sys.argv:
                 bad += not same
                 print(f"wire={wire} T={T} H={H} K={K} {kw}: {'bitwise equal' if same else 'DIFFERENT'}", flush=True)
     print("check:", "all equal" if bad == 0 else f"{bad} different", flush=True)
+
+
+
+def host_pieces() -> None:
+    """The host cost of the pieces of an eager round trip (us a call, median of 2000)."""
+    from dispatch import checks, plan
+
+    d = make(256, "nvlink")
+    T, H, E, K = 128, 7168, 256, 8
+    x, idx, w = inputs(T, H, E, K, 0)
+    dev = torch.device("cuda", 0)
+    small = torch.zeros(64, dtype=torch.int32, device=dev)
+    eng = d.transport.engine
+    k = eng._kernel("intranode_combine.cu", "store_pair")
+    table = torch.zeros(8, dtype=torch.int64, device=dev)
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a.new_empty(0)
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, None
+
+    anchor = torch.empty(0, device=dev, requires_grad=True)
+
+    def rt():
+        out = d.dispatch(x, idx, w)
+        return d.combine(out.tokens, out.handle, weights=out.weights)
+
+    pieces = {
+        "free_bytes (mem_get_info + allocator stats)": lambda: checks.free_bytes(dev),
+        "torch.cuda.mem_get_info": lambda: torch.cuda.mem_get_info(0),
+        "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
+        "torch.empty [64] int32 cuda": lambda: torch.empty(64, dtype=torch.int32, device=dev),
+        "small device tensor .tolist() (a host read)": lambda: small.tolist(),
+        "kernel launch, 5 named args (store_pair)": lambda: k(1, table=table, at=0, stride=4, a=1, b=2),
+        "autograd Function.apply, 2 inputs": lambda: F.apply(x, anchor),
+        "board agree (W=1)": lambda: d._calls.agree(d._calls.ticket("combine")),
+        "checks.check_dispatch_inputs": lambda: checks.check_dispatch_inputs(x, idx, w, d.devices),
+        "plan.header": lambda: plan.header(x, w, K),
+        "eager round trip (decode)": rt,
+    }
+    for name, fn in pieces.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        n = 300 if "round trip" in name else 2000
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        print(f"{name:48s} {statistics.median(ts):8.1f} us", flush=True)
+
+
+if "--pieces" in sys.argv:
+    host_pieces()
 
 for name, (T, H, E, K) in (("decode", (128, 7168, 256, 8)), ("deepseek-v3", (4096, 7168, 256, 8))):
     d = make(E, "nvlink")

@@ -26,7 +26,7 @@ from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_groups, shape_fields
+from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_groups, handle_fields, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
 from dispatch.plan_graph import PlanGraphCache, PlanKey, Summary, counts_row, route_phase, send_phase
@@ -171,15 +171,7 @@ class AllToAllTransport(Transport):
         if groups > 1:
             splits = _group_splits(by_group, groups, rp, table, device_per_expert)
         handle = AllToAllHandle(
-            owner=request.owner,
-            transport=self,
-            call=ticket.call,
-            num_tokens=num_tokens,
-            num_rows=num_rows,
-            topk=topk,
-            x_grad_any=grads_any[0],
-            weights_grad_any=grads_any[1],
-            has_rows=tuple(bool(n) for n in summary.matrix.sum(0).tolist()),
+            **handle_fields(request, self, num_rows, grads_any, tuple(bool(n) for n in summary.matrix.sum(0).tolist())),
             send_splits=send_splits,
             recv_splits=recv_splits,
             send_token=keep(sp.send_token[: sum(send_splits)]),

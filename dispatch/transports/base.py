@@ -162,6 +162,15 @@ class Transport(abc.ABC):
         """``TokenDispatcher.check``: nothing is pending where every failure is raised at once."""
 
 
+def handle_fields(request: Request, transport: Transport, num_rows: int, grads_any: tuple[bool, bool],
+                  has_rows: tuple[bool, ...]) -> dict:
+    """The fields every transport's handle of ``request`` has (``CombineHandle``'s)."""
+    num_tokens, topk = request.topk_idx.shape
+    return dict(owner=request.owner, transport=transport, call=request.ticket.call, num_tokens=num_tokens,
+                num_rows=num_rows, topk=topk, x_grad_any=grads_any[0], weights_grad_any=grads_any[1],
+                has_rows=has_rows)
+
+
 def shape_fields(request: Request, num_local: int, per_expert: list[int], num_rows: int) -> dict:
     """The handle's fields that a plan read on the host gives the front end:
     its groups' bounds (``group_experts``, ``group_rows``) for a dispatch by

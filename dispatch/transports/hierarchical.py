@@ -44,7 +44,7 @@ from dispatch import comm, counts, plan
 from dispatch.codec import Codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import Request, Transport, by_groups, shape_fields
+from dispatch.transports.base import Request, Transport, by_groups, handle_fields, shape_fields
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
 from dispatch.stats import make_stats
 from dispatch.timing import mark
@@ -182,15 +182,7 @@ class HierarchicalTransport(Transport):
         ex = counts.expand(local_expert, order_key, world * block, num_rows, width)
         expand_src = ex.slots // topk
         handle = HierarchicalHandle(
-            owner=request.owner,
-            transport=self,
-            call=ticket.call,
-            num_tokens=num_tokens,
-            num_rows=num_rows,
-            topk=topk,
-            x_grad_any=gc.x_grad_any,
-            weights_grad_any=gc.weights_grad_any,
-            has_rows=gc.has_rows(),
+            **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
             send1=send1,
             recv1=recv1,
             send2=send2,

@@ -22,7 +22,7 @@ from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import GroupSumsIssuer, Request, Transport, shape_fields
+from dispatch.transports.base import GroupSumsIssuer, Request, Transport, handle_fields, shape_fields
 from dispatch.nvlink import (SENDS_COL, Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
                              staged_row_bytes)
 from dispatch.stats import make_stats, tier_split
@@ -177,15 +177,7 @@ class NVLinkTransport(Transport):
         width = min(topk, self.num_local_experts)
         presum = torch.empty(self.world_size * counts.bound, width, dtype=torch.int32, device=device)
         handle = NVLinkHandle(
-            owner=request.owner,
-            transport=self,
-            call=request.ticket.call,
-            num_tokens=num_tokens,
-            num_rows=num_rows,
-            topk=topk,
-            x_grad_any=grads_any[0],
-            weights_grad_any=grads_any[1],
-            has_rows=has_rows,
+            **handle_fields(request, self, num_rows, grads_any, has_rows),
             counts=counts,
             presum=presum,
             slot_k=torch.empty_like(presum),
