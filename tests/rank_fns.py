@@ -233,3 +233,18 @@ def call_create_in_group(config: dict, members):
     members None, on something that is not a group)."""
     group = torch.distributed.new_group(members) if members is not None else "world"
     dispatch.create(dispatch.DispatchConfig.from_options(**config), group)
+
+
+def auto_choices(x, topk_idx, topk_weights, config: dict, calls: int):
+    """The calls at which ``variant="auto"`` chose (its cost model's counts
+    exchange), over ``calls`` round trips; and the variant it runs."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    transport, chosen = d.transport, []
+    choose = transport._choose
+    transport._choose = lambda request: chosen.append(request.ticket.call) or choose(request)
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    for _ in range(calls):
+        out = d.dispatch(x, topk_idx, topk_weights)
+        d.combine(out.tokens, out.handle, weights=out.weights)
+    return chosen, out.handle.transport.variant

@@ -153,6 +153,19 @@ def test_auto_choice_is_the_same_on_every_rank_and_exposed(worlds, link, tokens,
         torch.testing.assert_close(got["combined"], expected[rank], rtol=1e-6, atol=1e-5)
 
 
+def test_auto_chooses_at_the_first_dispatch_and_every_64th(worlds):
+    """The cost model's choice (its own counts exchange) runs at dispatches 1, 65, ...
+    on every rank alike; the calls between run the chosen variant alone."""
+    from dispatch.transports.auto import RECHOOSE
+
+    routing = make_routing(2, 2, 2, [6, 5], "random", seed=3)
+    xs = [identity_tokens(r, t, 16, torch.float32) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, variant="auto")
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, RECHOOSE + 2) for r in range(2)]
+    for chosen, variant in worlds(2).run(rank_fns.auto_choices, args):
+        assert chosen == [1, RECHOOSE + 1] and variant == "alltoall", (chosen, variant)
+
+
 def test_local_world_size_resolution(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert resolve_local_world_size(None, 8) == 8
