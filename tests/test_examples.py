@@ -16,3 +16,23 @@ def test_the_cpu_round_trip_example_equals_the_dense_answer():
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 ranks: every token's round trip equals the dense answer" in done.stdout, done.stdout
+
+
+def test_the_two_micro_batches_example_equals_one_at_a_time():
+    """examples/two_micro_batches.py on 2 gloo ranks: two micro-batches in flight by
+    the async verbs give the results and gradients of one at a time, bitwise."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "two_micro_batches.py"), "--ranks", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 ranks: two micro-batches in flight equal one at a time, gradients included" in done.stdout, done.stdout
+
+
+def test_the_megatron_example_says_what_it_needs_where_it_cannot_run():
+    """examples/megatron_layer.py trains on GPUs under torchrun with megatron-core;
+    elsewhere it exits 2 saying which is missing."""
+    path = os.path.join(ROOT, "examples", "megatron_layer.py")
+    compile(open(path).read(), path, "exec")
+    done = subprocess.run([sys.executable, path], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "megatron-core" in done.stderr or "torchrun" in done.stderr, done.stderr
