@@ -445,7 +445,11 @@ def summary(rows: list[dict]) -> str:
         body.append([r["shape"]["name"], r["routing"], r["name"], _ms(r["round_trip_ms"]), _ms(r["dispatch_ms"]),
                      _ms(r["combine_ms"]), f"{base / r['round_trip_ms']['median']:.2f}x" if base else "-",
                      str(r["wrong"])])
-    return common.fixed_width(cols, body)
+    table = common.fixed_width(cols, body)
+    if not any(r["name"] == "megatron alltoall" for r in rows):
+        table += ("\n(vs mcore a2a: - because Megatron-Core's alltoall dispatcher did not run here: it runs on GPUs "
+                  "where megatron-core imports, unless --baselines none)")
+    return table
 
 
 def report(result: dict, args: argparse.Namespace) -> str:
