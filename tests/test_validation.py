@@ -12,6 +12,7 @@ on every verb, are in test_agreement.py.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -211,11 +212,22 @@ def test_strided_and_overlapping_inputs_move_like_their_copies(worlds):
         (dict(num_experts=4, variant="allgather", transport="nvlink"), ValueError, "transport"),
         (dict(num_experts=4, sm_budget=0), ValueError, "sm_budget"),
         (dict(num_experts=4, timeout=0), ValueError, "timeout"),
+        (dict(num_experts=4, chunks=2), TypeError, "chunks"),  # an unknown option, named
+        (dict(num_experts=4, sm_budget=8, tuning=dispatch.Tuning()), TypeError, "sm_budget"),  # both ways at once
+        (dict(num_experts=4, tuning={"sm_budget": 8}), TypeError, "tuning"),
     ],
 )
 def test_config_validates_itself(kwargs, error, argument):
     with pytest.raises(error, match=argument):
         dispatch.DispatchConfig.from_options(**kwargs)
+
+
+def test_flat_options_split_into_the_config_and_its_tuning():
+    cfg = dispatch.DispatchConfig.from_options(num_experts=4, variant="allgather", sm_budget=8, check_inputs=False)
+    assert cfg == dispatch.DispatchConfig(num_experts=4, variant="allgather",
+                                          tuning=dispatch.Tuning(sm_budget=8, check_inputs=False))
+    assert dispatch.DispatchConfig(num_experts=4).tuning == dispatch.Tuning()
+    assert len(dataclasses.fields(dispatch.DispatchConfig)) <= 12  # what a user chooses; the rest is Tuning
 
 
 def test_create_needs_a_config():
