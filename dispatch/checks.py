@@ -416,6 +416,45 @@ def _rows(headers) -> list[list[int]]:
     return headers.tolist() if isinstance(headers, torch.Tensor) else headers
 
 
+def dtype_code(rows: torch.Tensor) -> int:
+    """The code of expert rows' dtype that ranks agree on (:func:`home_rows`): its
+    index in ``FLOAT_DTYPES``, one past them for any other, -1 for no rows."""
+    return (FLOAT_DTYPES.index(rows.dtype) if rows.dtype in FLOAT_DTYPES else len(FLOAT_DTYPES)) if rows.shape[0] else -1
+
+
+def home_rows(rows: torch.Tensor, has_rows: tuple[bool, ...], group, world_size: int,
+              headers: list[list[int]] | None = None) -> torch.Tensor:
+    """``rows``, expert outputs about to go home, in the dtype in which the
+    group's partial sums travel.
+
+    A rank whose experts got no rows answered an empty call, and experts may
+    answer one in another dtype than their outputs (autocast, an early
+    return). That rank still receives its tokens' partial sums, in the dtype
+    of the ranks that computed them. So where ``has_rows`` (``CombineHandle``)
+    shows ranks without rows beside ranks with rows, every rank learns the
+    dtype of the others' rows and a rank without rows takes it; ranks with
+    rows in different dtypes are then refused, on every rank alike. Where every
+    rank has rows nothing is checked: their dtypes must agree (the wire carries
+    no dtype; a mismatch fails in the collective, or worse). ``headers``: the
+    call's agreement (``Calls.agree`` with :func:`dtype_code`), which carries
+    every rank's code; without it (``GroupSums`` of one group) the codes are
+    all-gathered here over ``group``, where needed (a host read).
+    """
+    if all(has_rows) or not any(has_rows):
+        return rows
+    if headers is not None:
+        codes = [h[HEADER.index("x_dtype")] for h in headers]
+    else:
+        row = plan.to_device(torch.tensor([dtype_code(rows)], dtype=torch.int64), rows.device)
+        codes = comm.all_gather_rows(row, group, world_size).flatten().tolist()  # host sync: dtype
+    known = sorted({c for c in codes if c >= 0})
+    if len(known) != 1 or known[0] == len(FLOAT_DTYPES):
+        names = ", ".join(f"rank {r}: {FLOAT_DTYPES[c] if c < len(FLOAT_DTYPES) else 'not floating'}"
+                          for r, c in enumerate(codes) if c >= 0)
+        raise ValueError(f"expert outputs must have one floating dtype on every rank that has rows; got {names}")
+    return rows if rows.shape[0] else rows.to(FLOAT_DTYPES[known[0]])
+
+
 def check_combine_inputs(
     expert_out: object,
     weights: object,

@@ -71,13 +71,20 @@ class TokenDispatcher:
         self.config, self.group, self.transport = config, group, transport
         self.world_size, self.rank = transport.world_size, transport.rank
         self.num_local_experts = transport.num_local_experts
-        self.host_free, self.max_topk = transport.host_free, transport.max_topk
         self.devices = comm.device_types(group)
         self.comm_priority = -1
         self._streams = CommStreams()
         self._members = transport.members()  # the transports whose handles it moves along
         # the calls, numbered and agreed with the peers (a row of the width of the counts exchange's)
         self._calls = checks.Calls(group, self.world_size, transport.arrivals, config.timeout, transport.counts_row)
+
+    @property
+    def host_free(self) -> bool:
+        return self.transport.host_free
+
+    @property
+    def max_topk(self) -> int | None:
+        return self.transport.max_topk
 
     @property
     def phase_timer(self) -> PhaseTimer | None:
@@ -204,13 +211,13 @@ class TokenDispatcher:
             [T, H'] in the dtype of ``expert_out``: for each token, the sum over its
             slots of ``weight * expert_out``, accumulated in fp32 (fp64 for fp64).
             On a rank whose experts got no rows while others' did, in the dtype of
-            theirs (``_home_rows``). Differentiable w.r.t. ``expert_out`` and
+            theirs (``checks.home_rows``). Differentiable w.r.t. ``expert_out`` and
             ``weights`` (the backward is a dispatch of the gradient).
         """
         ticket = self._along("combine", handle, lambda: self._check_combine(expert_out, handle, weights))
         rows = received(expert_out.detach(), handle)
-        headers = self._calls.agree(ticket, _dtype_code(rows))
-        rows = self._home_rows(rows, handle, headers).contiguous()
+        headers = self._calls.agree(ticket, checks.dtype_code(rows))
+        rows = checks.home_rows(rows, handle.has_rows, self.group, self.world_size, headers).contiguous()
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
         w = None if weights is None else received(weights.detach(), handle)
         started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), async_op)
@@ -445,40 +452,6 @@ class TokenDispatcher:
             raise ValueError("handle: a pad_to_capacity dispatch places its rows when it is waited for; move rows "
                              "along the handle of its result (DispatchWork.wait().handle)")
 
-    def _home_rows(self, rows: torch.Tensor, handle: CombineHandle,
-                   headers: list[list[int]] | None = None) -> torch.Tensor:
-        """``rows``, expert outputs about to go home, in the dtype in which the
-        group's partial sums travel.
-
-        A rank whose experts got no rows answered an empty call, and experts may
-        answer one in another dtype than their outputs (autocast, an early
-        return). That rank still receives its tokens' partial sums, in the dtype
-        of the ranks that computed them. So where ``handle.has_rows`` shows ranks
-        without rows beside ranks with rows, every rank learns the dtype of the
-        others' rows and a rank without rows takes it; ranks with rows in
-        different dtypes are then refused, on every rank alike. Where every rank
-        has rows nothing is checked: their dtypes must agree (the wire carries
-        no dtype; a mismatch fails in the collective, or worse). ``headers``:
-        the call's agreement (``Calls.agree`` with ``_dtype_code``), which carries
-        every rank's code; without it (``GroupSums`` of one group) the codes
-        are all-gathered here, where needed (a host read).
-        """
-        has = handle.has_rows
-        if all(has) or not any(has):
-            return rows
-        dtypes = checks.FLOAT_DTYPES
-        if headers is not None:
-            codes = [h[plan.HEADER.index("x_dtype")] for h in headers]
-        else:
-            row = plan.to_device(torch.tensor([_dtype_code(rows)], dtype=torch.int64), rows.device)
-            codes = comm.all_gather_rows(row, self.group, self.world_size).flatten().tolist()  # host sync: dtype
-        known = sorted({c for c in codes if c >= 0})
-        if len(known) != 1 or known[0] == len(dtypes):
-            names = ", ".join(f"rank {r}: {dtypes[c] if c < len(dtypes) else 'not floating'}"
-                              for r, c in enumerate(codes) if c >= 0)
-            raise ValueError(f"expert outputs must have one floating dtype on every rank that has rows; got {names}")
-        return rows if rows.shape[0] else rows.to(dtypes[known[0]])
-
     def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor, ticket: plan.Ticket) -> tuple[int, ...]:
         """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): every
         rank's T travels in the call's agreement (``checks.Calls.agree``)."""
@@ -494,13 +467,6 @@ class TokenDispatcher:
         free = checks.free_bytes(x.device)
         memory_rows = -1 if free is None else min(free // self.transport.row_bytes(x), 2**31 - 1)
         return -1 if max_rows is None else max_rows, memory_rows
-
-
-def _dtype_code(rows: torch.Tensor) -> int:
-    """The code of expert rows' dtype that ranks agree on (``_home_rows``): its
-    index in ``checks.FLOAT_DTYPES``, one past them for any other, -1 for no rows."""
-    dtypes = checks.FLOAT_DTYPES
-    return (dtypes.index(rows.dtype) if rows.dtype in dtypes else len(dtypes)) if rows.shape[0] else -1
 
 
 def _present(*tensors) -> tuple:

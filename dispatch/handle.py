@@ -38,7 +38,7 @@ class CombineHandle:
         has_rows: per rank of the group, whether its experts get rows in this
             exchange (host, from the counts exchange; the same on every rank).
             Where some rank has rows and another none, the partial sums' dtype
-            is agreed (``TokenDispatcher._home_rows``).
+            is agreed (``checks.home_rows``).
         max_rows: a dispatch with ``max_rows`` whose variant read N on the host,
             or with ``pad_to_capacity``: the rows the verbs hand out and take
             (the N received, padded); the variant moves N. None otherwise (a

@@ -75,10 +75,6 @@ class AllGatherTransport(Transport):
 
     variant = "allgather"
 
-    @property
-    def counts_row(self) -> plan.CountsRow:
-        return counts.counts_row(self.world_size, self.num_local_experts, self.local_world_size)
-
     def plan(self, request: Request):
         x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
         check_values = request.check_values

@@ -64,10 +64,6 @@ class AutoTransport(Transport):
     def members(self) -> tuple[Transport, ...]:
         return tuple(self.candidates.values())
 
-    @property
-    def counts_row(self):
-        return counts.counts_row(self.world_size, self.num_local_experts, self.local_world_size)
-
     def plan(self, request: Request):
         call = request.ticket.call
         if self.last_choice is None or call - self._chosen_at >= RECHOOSE:  # the same call on every rank
@@ -91,13 +87,3 @@ class AutoTransport(Transport):
         self.last_choice = min(costs, key=costs.get)  # first of equals: dict order
         self.last_costs = costs
         log.debug("auto: %s (modelled ms: %s)", self.last_choice, {k: round(v * 1e3, 4) for k, v in costs.items()})
-
-    # the movements go to the transport that made the handle (``handle.transport``)
-    def to_experts(self, rows, handle, codec, own=False):
-        return handle.transport.to_experts(rows, handle, codec, own)
-
-    def to_home(self, rows, handle, weights, wire):
-        return handle.transport.to_home(rows, handle, weights, wire)
-
-    def slots_home(self, values, handle):
-        return handle.transport.slots_home(values, handle)

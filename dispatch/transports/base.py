@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dispatch import comm, plan
+from dispatch import checks, comm, counts, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs, received
 from dispatch.stats import DispatchStats, resolve_local_world_size
@@ -108,22 +108,26 @@ class Transport(abc.ABC):
         rows to it (``CombineHandle.max_rows``); by groups, it plans all at once
         unless it moves by groups (``shape_fields``)."""
 
-    @abc.abstractmethod
+    # The movements along a handle: the front end calls them on ``handle.transport``,
+    # the transport that planned it (a transport that only chooses, as ``auto``,
+    # plans through another and has none of its own).
+
     def to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec, own: bool = False) -> PendingGroups:
         """[T, H] home rows -> [N, H] expanded rows (dtype of ``rows``), packed
         by ``codec`` (gather + encode), exchanged, unpacked (decode + expand);
         piece g is group g's rows. ``own``: the dispatch's own x (the NVLink
         engine writes the rows' places as it moves them)."""
+        raise NotImplementedError(f"{type(self).__name__} moves no rows of its own")
 
-    @abc.abstractmethod
     def to_home(self, rows: torch.Tensor, handle: CombineHandle, weights: torch.Tensor | None,
                 wire: torch.dtype) -> Pending:
         """[N, H] expanded rows -> [T, H] (dtype of ``rows``): weighted pre-sum
         per (token, rank), exchange back via ``wire``, sum in ascending rank order."""
+        raise NotImplementedError(f"{type(self).__name__} moves no rows of its own")
 
-    @abc.abstractmethod
     def slots_home(self, values: torch.Tensor, handle: CombineHandle) -> Pending:
         """[N] per-row values -> [T, K] per-slot values (0 for empty slots)."""
+        raise NotImplementedError(f"{type(self).__name__} moves no rows of its own")
 
     def group_sums(self, handle: CombineHandle, wire: str, dtype: torch.dtype | None) -> "GroupSumsIssuer":
         """What issues a ``GroupSums``' work; ``wire``: the pre-sums' wire
@@ -139,10 +143,10 @@ class Transport(abc.ABC):
 
     @property
     def counts_row(self) -> plan.CountsRow:
-        """The row its counts exchange all-gathers (``plan.CountsRow``): the
-        agreement over the host channel all-gathers rows of its width, so that
-        on gloo the two pair."""
-        return plan.CountsRow(self.world_size, self.num_local_experts)
+        """The row its counts exchange all-gathers (``plan.CountsRow``; here
+        ``dispatch.counts``'): the agreement over the host channel all-gathers
+        rows of its width, so that on gloo the two pair."""
+        return counts.counts_row(self.world_size, self.num_local_experts, self.local_world_size)
 
     def members(self) -> tuple["Transport", ...]:
         """The transports whose handles the front end takes (``auto``: its candidates)."""
@@ -220,7 +224,8 @@ class WholeSums(GroupSumsIssuer):
             handle = self._handle
             rows = received(torch.cat([r for r, _ in parts]) if len(parts) > 1 else parts[0][0], handle)
             if self._dtype is None:  # the dtype agreed, as combine
-                rows = handle.owner._home_rows(rows, handle)
+                transport = handle.transport
+                rows = checks.home_rows(rows, handle.has_rows, transport.group, transport.world_size)
             rows = rows.contiguous()
             w = None if weights is None else received(torch.cat([w for _, w in parts]), handle)
             self._pending = handle.transport.to_home(rows, handle, w, sum_wire_dtype(self._wire, rows.dtype))
