@@ -7,6 +7,7 @@ Notation as in ``dispatch.handle``.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import TYPE_CHECKING
 
@@ -143,7 +144,9 @@ class DispatchWork:
                 tokens, weights, link = DispatchFn.apply(
                     x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
                 )
-                object.__setattr__(self.handle, "link", link)  # set once, here (``CombineHandle.link``)
+                # a new handle: the node keeps the one without the link, so that no cycle
+                # (handle, link, node) keeps the graph and its inputs' gradient streams alive
+                self.handle = dataclasses.replace(self.handle, link=link)
             else:
                 tokens, weights = DispatchFn.outputs(topk_weights, plan_out.weights, self.handle, started)
             self._result = Dispatched(

@@ -124,6 +124,39 @@ def test_gradcheck_world_of_one():
             assert world.run(_gradcheck_single_rank, [(5, variant)]) == [True], variant
 
 
+def _graph_freed_without_gc(variant):
+    """A round trip's autograd graph (and what its nodes keep: here a tensor saved
+    by the op that made x) is freed with its outputs by reference counting alone:
+    no reference cycle through the handle keeps it, and with it the streams its
+    leaves' gradients were first accumulated on (a CUDA graph captured after an
+    eager warm-up would replay them)."""
+    import gc
+    import weakref
+
+    routing = make_routing(1, 4, 3, [4], "sparse", seed=3)
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=routing.num_experts, variant=variant))
+    leaf = random_tokens(0, 4, 2, torch.float64, 3).requires_grad_()
+    w = routing.topk_weights[0].clone().requires_grad_()
+    scale = torch.full((4, 2), 2.0, dtype=torch.float64)
+    saved = weakref.ref(scale)
+    gc.disable()
+    try:
+        x = leaf * scale  # its node keeps scale (the gradient of leaf)
+        del scale
+        out = d.dispatch(x, routing.topk_idx[0], w)
+        h = d.combine(out.tokens * 2.0, out.handle, weights=out.weights)
+        del x, out, h
+        return saved() is None
+    finally:
+        gc.enable()
+
+
+def test_round_trip_graph_freed_without_gc():
+    with World(1, backend="gloo") as world:
+        for variant in VARIANTS:
+            assert world.run(_graph_freed_without_gc, [(variant,)]) == [True], variant
+
+
 @pytest.mark.parametrize(
     "x_grad, w_grad, fresh",
     [
