@@ -149,6 +149,15 @@ class DispatchedGroup:
     experts: tuple[int, int]
 
 
+def with_link(handle: CombineHandle, link: torch.Tensor) -> CombineHandle:
+    """A copy of ``handle`` with its ``link`` set (shallow: the dispatch's autograd
+    node keeps the handle without the link, so that no reference cycle (handle,
+    link, node) keeps the graph alive past its outputs)."""
+    linked = object.__new__(type(handle))
+    linked.__dict__.update(handle.__dict__, link=link)
+    return linked
+
+
 def padded(rows: torch.Tensor, handle: CombineHandle, fill) -> torch.Tensor:
     """The N rows a variant moved, padded with ``fill`` to the ``max_rows`` of a
     handle that has one (a dispatch with ``max_rows`` over a host read: after

@@ -7,7 +7,6 @@ Notation as in ``dispatch.handle``.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import TYPE_CHECKING
 
@@ -15,7 +14,7 @@ import torch
 
 from dispatch import checks
 from dispatch.autograd import DispatchFn
-from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup, only, pad_to_blocks, padded
+from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup, only, pad_to_blocks, padded, with_link
 from dispatch.streams import Pending, StartedGroups
 
 if TYPE_CHECKING:
@@ -144,9 +143,7 @@ class DispatchWork:
                 tokens, weights, link = DispatchFn.apply(
                     x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
                 )
-                # a new handle: the node keeps the one without the link, so that no cycle
-                # (handle, link, node) keeps the graph and its inputs' gradient streams alive
-                self.handle = dataclasses.replace(self.handle, link=link)
+                self.handle = with_link(self.handle, link)  # ``CombineHandle.link``
             else:
                 tokens, weights = DispatchFn.outputs(topk_weights, plan_out.weights, self.handle, started)
             self._result = Dispatched(
