@@ -127,7 +127,7 @@ def _job(args: argparse.Namespace) -> None:
         texts.append(a2a.report(results["a2a"], args))
         rows = results["a2a"]["rows"]
         for transport in dict.fromkeys(r["transport"] for r in rows):
-            print(f"\n# all-to-all: {transport}\n" + a2a.table(rows, transport), flush=True)
+            print(f"\n# all-to-all, {a2a.label(transport)}\n" + a2a.table(rows, transport), flush=True)
         for line in a2a.comparison(rows):
             print(line, flush=True)
     if args.command is None:

@@ -286,12 +286,24 @@ def comparison(rows: list[dict], from_bytes: int = 8 << 20) -> list[str]:
     return lines
 
 
+def label(transport: str) -> str:
+    """A transport's table title, naming what ran (the process group's backend: gloo on CPU)."""
+    backend = dist.get_backend()
+    if transport == "nccl":
+        return f"{backend}: torch.distributed.all_to_all_single"
+    if transport == "ours":
+        return f"ours: dispatch.comm.all_to_all_rows over {backend}"
+    if transport == "nvlink":
+        return "nvlink: the NVLink engine's all-to-all"
+    return f"{transport}: ours with the {transport} wire over {backend}"
+
+
 def report(result: dict, args: argparse.Namespace) -> str:
     rows, world = result["rows"], result["world_size"]
     title = f"all-to-all sweep, W={world}, {common.environment().get('gpu', 'CPU gloo')}"
     sections = []
     for transport in dict.fromkeys(r["transport"] for r in rows):
-        sections.append(f"## {transport}\n\n```\n{table(rows, transport)}\n```")
+        sections.append(f"## {label(transport)}\n\n```\n{table(rows, transport)}\n```")
     notes = comparison(rows)
     stem = f"a2a-w{world}"
     png = plots.bandwidth_plot(rows, os.path.join(args.out, stem + ".png"), title)
