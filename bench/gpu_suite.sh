@@ -28,7 +28,8 @@
 #             and bench/duplex_probe.py (NVLink both ways at once, and an all-to-all's shape)
 #   deepep    build DeepEP (bench/build_deepep.sh; its source carried in .deepep/), then
 #             dispatch-bench dispatch with its row beside ours (host read, graphs) and Megatron's,
-#             every routing (uniform, Zipf, all to one rank)
+#             every routing (uniform, Zipf, all to one rank), then DeepEP's own
+#             tests/test_intranode.py (its tuned kernels at 24 SMs, DeepSeek-V3's shape)
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
 #             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
@@ -155,6 +156,7 @@ for part in "$@"; do
       export PYTHONPATH=$PWD/.deepep:$PYTHONPATH
       bench 400 dispatch-deepep dispatch --shapes deepseek-v3,mixtral-8x7b,decode --routings all \
         --variants alltoall --transports nccl,nvlink,nvlink-graph --wires native,fp8 --iters 20 --warmup 5 --out "$RES"
+      step 300 deepep-intranode python3 .deepep/tests/test_intranode.py --num-processes "$(nvidia-smi -L | wc -l)"
       export PYTHONPATH=$outer ;;
     soak)
       step 280 soak-nccl python3 bench/soak.py --calls 10000 --transports nccl --out "$RES/soak-nccl"
