@@ -127,9 +127,9 @@ def test_gradcheck_world_of_one():
 def _graph_freed_without_gc(variant):
     """A round trip's autograd graph (and what its nodes keep: here a tensor saved
     by the op that made x) is freed with its outputs by reference counting alone:
-    no reference cycle through the handle keeps it, and with it the streams its
-    leaves' gradients were first accumulated on (a CUDA graph captured after an
-    eager warm-up would replay them)."""
+    no reference cycle through the handle keeps it (nor, with it, its leaves'
+    gradient accumulators and the streams they were made on, which a CUDA graph
+    captured after an eager warm-up would then reuse)."""
     import gc
     import weakref
 
