@@ -20,6 +20,9 @@
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
 #             then bench/agreement_probe.py (what a call's agreement costs on the host)
+#   one-gpu   on one GPU (no second one lent): bench/engine_one_gpu.py, the engine at W = 1 held
+#             bitwise against NCCL, then the eager round trip's host time of a base tree in
+#             .wt/base and of this one, twice in turn
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
@@ -139,6 +142,13 @@ for part in "$@"; do
         done
       done
       step 120 agreement-probe python3 bench/agreement_probe.py ;;
+    one-gpu)
+      step 200 engine-one-gpu-check python3 bench/engine_one_gpu.py . --check
+      for i in 1 2; do
+        for tree in .wt/base .; do
+          step 100 "engine-one-gpu-$tree-$i" python3 bench/engine_one_gpu.py "$tree"
+        done
+      done ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
         --iters 10 --warmup 3
