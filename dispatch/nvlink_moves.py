@@ -62,7 +62,6 @@ class EngineMoves:
         tail_from, tail_to = (counts.num_rows, num_rows) if group is None else (counts.group_end[group:], hi)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
         acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
-        width = presum.shape[1]
         route_start, route_copy = self._region("route")
         stage_start, stage_copy = self._region("stage")
         lists_start, lists_copy = self._region("lists")
@@ -81,22 +80,14 @@ class EngineMoves:
             lists_off=lists_start,
             lists_copy=lists_copy,
             list_stride=self.capacity.tokens,
-            matrix=counts.matrix,
-            row_len=self.row_len,
-            sends_col=SENDS_COL,
-            tokens_at=counts.tokens_at,
+            **self._items(counts, presum),
             src_start=counts.src_start,
             num_rows=tail_from,
-            me=self.rank,
-            world=self.world,
             experts_per_rank=self.experts_per_rank,
             topk=topk,
-            width=width,
             hidden=hidden,
-            tstride=counts.bound,
             out=out,
             max_rows=num_rows,
-            presum=presum,
             slot_k=slot_k,
             out_weights=weights,
             out_src_rank=src_rank,
@@ -118,6 +109,13 @@ class EngineMoves:
         decode step, are cut into more segments so that every SM keeps loads in
         flight), at most the budget."""
         return min(self.blocks, max(self.sms, -(-rows // (cuda.THREADS // 32))))
+
+    def _items(self, counts: Counts, presum) -> dict:
+        """The arguments by which a kernel walks this rank's items (source rank s, j)
+        and their rows: the counts matrix (this rank's column of sends), each item's
+        token and its rows here (``presum`` [W * bound, J]), this rank and W."""
+        return dict(matrix=counts.matrix, row_len=self.row_len, sends_col=SENDS_COL, tokens_at=counts.tokens_at,
+                    presum=presum, width=presum.shape[1], tstride=counts.bound, me=self.rank, world=self.world)
 
     def _kernel(self, source: str, name: str, *types) -> "cuda.Kernel":
         """The kernel ``name`` of ``source`` for these template arguments (dtypes
@@ -214,21 +212,13 @@ class EngineMoves:
             parts=parts,
             row_lo=lo,
             row_hi=hi,
-            presum=presum,
-            tokens_at=counts.tokens_at,
-            width=presum.shape[1],
-            tstride=counts.bound,
-            matrix=counts.matrix,
-            row_len=self.row_len,
-            sends_col=SENDS_COL,
+            **self._items(counts, presum),
             hidden=hidden,
             data_ptrs=self._data_ptrs,
             part_off=part_start,
             part_copy=part_copy,
             part_row=part_row,
             tcap=self.capacity.tokens,
-            me=self.rank,
-            world=self.world,
             flag_ptrs=self._meta_ptrs,
             seq=self._seq,
             counter=self._counter,
@@ -275,20 +265,12 @@ class EngineMoves:
         self._kernel("intranode_combine.cu", "push_slots", value_type)(
             min(self.blocks, max(1, -(-items // cuda.THREADS))),
             values=wide,
-            presum=presum,
+            **self._items(counts, presum),
             slot_k=slot_k,
-            tokens_at=counts.tokens_at,
-            width=presum.shape[1],
-            tstride=counts.bound,
-            matrix=counts.matrix,
-            row_len=self.row_len,
-            sends_col=SENDS_COL,
             topk=topk,
             data_ptrs=self._data_ptrs,
             slots_off=slots_start,
             slots_copy=slots_copy,
-            me=self.rank,
-            world=self.world,
             flag_ptrs=self._meta_ptrs,
             seq=self._seq,
             counter=self._counter,
