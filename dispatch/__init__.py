@@ -65,15 +65,18 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
 
     The transport comes from the registry (``dispatch.transports``), keyed by
     (variant, transport). On an NCCL group the alltoall and auto variants with
-    ``transport`` ``"auto"`` or ``"nvlink"`` make this a collective (the ranks
-    agree whether the NVLink engine can run, and its buffers are allocated):
+    ``transport`` ``"auto"``, ``"nvlink"`` or ``"nvshmem"`` make this a
+    collective (the ranks agree whether the engine or NVSHMEM can run, and
+    their buffers are allocated):
     every rank of the group calls ``create`` with the same config, in the same
     order.
     Raises:
         TypeError / ValueError, naming the argument, when ``group`` is not a
         process group this rank belongs to, or the config does not fit the group (``num_experts`` not a multiple of the group size,
         ``local_world_size`` not dividing it, ``transport="nvlink"`` where the
-        engine cannot run: not CUDA/NCCL, ranks on several hosts, no CuPy).
+        engine cannot run: not CUDA/NCCL, ranks on several hosts, no CuPy;
+        ``transport="nvshmem"`` where NVSHMEM cannot: not CUDA/NCCL, one rank,
+        a torch without NVSHMEM, the engine already in the process).
     """
     if not isinstance(config, DispatchConfig):
         raise TypeError(f"config must be a dispatch.DispatchConfig, got {type(config).__name__}")

@@ -411,6 +411,33 @@ _MAX_ROWS, _MEMORY_ROWS = HEADER.index("max_rows"), HEADER.index("memory_rows")
 assert set(HEADER[:_AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
 
 
+def fold_flags(row: torch.Tensor, flags: torch.Tensor, header_at: int) -> None:
+    """Raise the ``failed`` entry of a counts row about to be all-gathered where
+    ``flags`` (``value_flags``) found a bad value, on the device: a dispatch that
+    reads nothing on the host marks its failure for every rank to see instead of
+    raising at once (the flag's kind is told by ``check_peer_headers`` later)."""
+    at = header_at + _FAILED
+    row[at : at + 1] = torch.maximum(row[at : at + 1], flags.any().view(1).to(row.dtype))
+
+
+def peers_fail(headers: torch.Tensor, rows_of: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """The device twin of ``check_peer_headers``, ``check_peer_groups`` and
+    ``check_row_budgets`` for a dispatch that reads nothing on the host: a
+    0-dim bool, True where they would raise (every rank computes it from the
+    same all-gathered rows, so all agree without a word).
+
+    Args:
+        headers: [W, len(HEADER)] every rank's header; rows_of: [W] every
+            rank's N; groups: [W] every rank's G (int64, on the device).
+    """
+    agreed = headers[:, :_AGREED]
+    bound, memory = headers[:, _MAX_ROWS], headers[:, _MEMORY_ROWS]
+    over = (bound >= 0) & (rows_of > bound)
+    short = (memory >= 0) & (memory < torch.maximum(rows_of, bound))
+    return ((agreed != agreed[:1]).any() | (headers[:, _FAILED] != 0).any() | over.any() | short.any()
+            | (groups != groups[:1]).any())
+
+
 def _rows(headers) -> list[list[int]]:
     """Headers as lists of ints (from a host tensor, or as given)."""
     return headers.tolist() if isinstance(headers, torch.Tensor) else headers

@@ -23,7 +23,7 @@ VARIANTS = ("alltoall", "allgather", "hierarchical", "auto")
 TO_EXPERTS_WIRES = ("native", "bf16", "fp32", "fp8")
 GRAD_TO_EXPERTS_WIRES = (*TO_EXPERTS_WIRES, "e5m2")
 SUM_WIRES = ("native", "bf16", "fp32")
-TRANSPORTS = ("auto", "nccl", "nvlink")
+TRANSPORTS = ("auto", "nccl", "nvlink", "nvshmem")
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,18 @@ class DispatchConfig:
             one host with peer access between the GPUs, NCCL group, CuPy; the
             routing plan and the exchanges run in its own kernels over
             symmetric memory, with one host read per dispatch; results are
-            bitwise those of ``"nccl"``. ``"nccl"``: the process group's
-            collectives (the only one on CPU/gloo and across hosts). ``"auto"``
-            (default): the engine where it can run, else the collectives.
-            Other variants use the collectives.
+            bitwise those of ``"nccl"``. ``"nvshmem"``: PyTorch's NVSHMEM
+            all-to-all, whose split sizes stay on the device (any link NVSHMEM
+            reaches, across hosts too; ``dispatch.transports.nvshmem``): a
+            dispatch with ``max_rows`` reads nothing on the host; results are
+            bitwise those of ``"nccl"``; it needs a torch built with NVSHMEM,
+            and cannot share a process with the NVLink engine (torch fixes one
+            symmetric-memory backend per process). ``"nccl"``: the process
+            group's collectives (the only one on CPU/gloo). ``"auto"``
+            (default): the engine where every rank shares a host and it can
+            run; else NVSHMEM where the group spans hosts and it can run; else
+            the collectives (``dispatch.transports.choose``). Other variants
+            use the collectives.
         capacity_factor: None (default: no token is dropped), or drop tokens
             as Megatron-Core's router does: each rank sends each expert at most
             ``ceil(T * K / E * capacity_factor)`` of its slots, chosen by
@@ -145,8 +153,8 @@ class DispatchConfig:
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs a capacity_factor (the capacity it pads to)")
         _check_choice("transport", self.transport, TRANSPORTS)
-        if self.transport == "nvlink" and self.variant != "alltoall":
-            raise ValueError(f"transport='nvlink' needs variant='alltoall', got variant={self.variant!r}")
+        if self.transport in ("nvlink", "nvshmem") and self.variant != "alltoall":
+            raise ValueError(f"transport={self.transport!r} needs variant='alltoall', got variant={self.variant!r}")
         if self.tuning is None:
             object.__setattr__(self, "tuning", Tuning())
         elif not isinstance(self.tuning, Tuning):

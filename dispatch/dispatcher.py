@@ -402,10 +402,10 @@ class TokenDispatcher:
         if groups > 1 and self.config.pad_to_capacity:
             raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
                              "places its rows group by group; use groups=1")
-        if groups > 1 and max_rows is not None and not self.host_free:
-            raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs a "
-                             f"dispatcher that reads nothing on the host (the NVLink engine), {self._name()} "
-                             "sizes its rows on the host; use groups=1 or no max_rows")
+        if groups > 1 and max_rows is not None and not self.transport.bounded_groups:
+            raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs the "
+                             f"NVLink engine (each group padded to its bound on the device); {self._name()} does "
+                             "not move one; use groups=1 or no max_rows")
         if self.config.pad_to_capacity and max_rows is not None:
             raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum "
                              "of the ranks' capacities); dispatch without max_rows")

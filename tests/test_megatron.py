@@ -446,10 +446,13 @@ DROP_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity
         ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"]}, {},
          "capturing moe without moe_pad_expert_input_to_capacity"),
         ({"cuda_graph_impl": "full_iteration"}, {}, "capturing the whole iteration without"),
-        # padded to capacity, every stage inside graphs: only the NVLink engine reads nothing on the host
+        # padded to capacity, every stage inside graphs: only the NVLink engine or NVSHMEM reads nothing on the host
         ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"], **DROP_PAD}, {},
-         "capturing moe without the NVLink engine (variant='alltoall', transport='auto' here reads split"),
-        ({"cuda_graph_impl": "local", **DROP_PAD}, {"transport": "nccl"}, "capturing whole layers without the NVLink engine (variant='alltoall', transport='nccl'"),
+         "capturing moe without a transport that reads nothing on the host (variant='alltoall', transport='auto' "
+         "here reads split"),
+        ({"cuda_graph_impl": "local", **DROP_PAD}, {"transport": "nccl"},
+         "capturing whole layers without a transport that reads nothing on the host (variant='alltoall', "
+         "transport='nccl'"),
         ({"cuda_graph_impl": "local", "cuda_graph_modules": ["moe_router"], **DROP_PAD}, {},
          "(moe_preprocess) with padding to capacity"),
         ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"],

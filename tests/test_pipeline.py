@@ -5,6 +5,8 @@ empty calls in another dtype; the plan's CUDA graphs."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -336,7 +338,7 @@ def test_bad_arguments_raise():
 class _OneRank(dispatch.TokenDispatcher):
     """A dispatcher object that needs no process group, for argument checks only."""
 
-    host_free = False
+    transport = types.SimpleNamespace(key=("alltoall", "nccl"), bounded_groups=False)
 
     def __init__(self) -> None:
         self.num_local_experts = 4

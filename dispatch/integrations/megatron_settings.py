@@ -84,9 +84,10 @@ def engine_refusals(config, engine) -> list[str]:
     what = graph_text(config)
     if not getattr(engine, "host_free", False):
         chosen = engine.config
-        problems.append(f"{what} without the NVLink engine (variant={chosen.variant!r}, transport={chosen.transport!r} "
-                        "here reads split sizes on the host; the engine, variant 'alltoall' with transport 'nvlink', "
-                        "or 'auto' on one host with peer access, reads nothing with max_rows)")
+        problems.append(f"{what} without a transport that reads nothing on the host (variant={chosen.variant!r}, "
+                        f"transport={chosen.transport!r} here reads split sizes on the host; variant 'alltoall' with "
+                        "transport 'nvlink' (or 'auto' on one host with peer access) or 'nvshmem' reads nothing with "
+                        "max_rows)")
     return problems
 
 

@@ -8,17 +8,24 @@ variant             transport   class
 ==================  ==========  =========================================
 ``alltoall``        ``nccl``    :class:`AllToAllTransport` (gloo on CPU)
 ``alltoall``        ``nvlink``  :class:`NVLinkTransport` (the engine)
+``alltoall``        ``nvshmem`` :class:`NVSHMEMTransport` (splits on the device)
 ``allgather``       ``nccl``    :class:`AllGatherTransport`
 ``hierarchical``    ``nccl``    :class:`HierarchicalTransport`
 ``auto``            ``nccl``    :class:`AutoTransport` (cost model per call)
 ==================  ==========  =========================================
 
 :func:`build` resolves ``DispatchConfig.transport="auto"`` (and
-``variant="auto"``): the NVLink engine where it can run (every rank on one
-host, NCCL, CuPy; ``nvlink.unusable``), the collectives otherwise.
+``variant="auto"``) by :func:`choose`: the NVLink engine where it can run
+(every rank on one host, NCCL, CuPy; ``nvlink.unusable``); else, for the
+alltoall variant on a group that spans hosts, NVSHMEM where it can run
+(``nvshmem.unusable``); the collectives otherwise.
 """
 
 from __future__ import annotations
+
+import socket
+
+import torch.distributed as dist
 
 from dispatch.transports.allgather import AllGatherTransport
 from dispatch.transports.alltoall import AllToAllTransport
@@ -26,28 +33,81 @@ from dispatch.transports.auto import AutoTransport
 from dispatch.transports.base import Request, Transport
 from dispatch.transports.hierarchical import HierarchicalTransport
 from dispatch.transports.nvlink import NVLinkTransport, unusable
+from dispatch.transports.nvshmem import NVSHMEMTransport
+from dispatch.transports import nvshmem
 
 REGISTRY: dict[tuple[str, str], type[Transport]] = {
     (cls.variant, cls.transport): cls
-    for cls in (AllToAllTransport, NVLinkTransport, AllGatherTransport, HierarchicalTransport, AutoTransport)
+    for cls in (AllToAllTransport, NVLinkTransport, NVSHMEMTransport, AllGatherTransport, HierarchicalTransport,
+                AutoTransport)
 }
 
 
 def build(config, group) -> Transport:
     """The transport ``config`` asks for over ``group``: ``REGISTRY[(variant,
-    transport)]``, where ``transport="auto"`` (and ``variant="auto"``) takes the
-    NVLink engine if it can run, else the collectives. Where it asks whether
-    the engine can run on an NCCL group, a collective (every rank gets the same
-    answer). Raises ValueError for ``transport="nvlink"`` where the engine
-    cannot run, naming why."""
-    variant, transport = config.variant, config.transport
-    if transport != "nccl" and variant in ("alltoall", "auto"):
-        problem = unusable(group, config.num_experts)
-        if problem is None:
-            return REGISTRY["alltoall", "nvlink"](config, group)
-        if transport == "nvlink":
-            raise ValueError(f"transport='nvlink': {problem}")
-    return REGISTRY[variant, "nccl"](config, group)
+    transport)]``, the transport resolved by :func:`choose`. Where it asks
+    whether the engine or NVSHMEM can run on an NCCL group, a collective
+    (every rank gets the same answer). Raises ValueError for
+    ``transport="nvlink"`` or ``"nvshmem"`` where it cannot run, naming why."""
+    key = choose(config.variant, config.transport, lambda: unusable(group, config.num_experts),
+                 lambda: _spans_hosts(group), lambda: _agreed(group, nvshmem.unusable(group)))
+    return REGISTRY[config.variant if key == "nccl" else "alltoall", key](config, group)
+
+
+def choose(variant: str, transport: str, engine_problem, spans_hosts, nvshmem_problem) -> str:
+    """The transport that moves ``variant``'s rows when the config asks for
+    ``transport``: ``"nccl"``, ``"nvlink"`` or ``"nvshmem"``.
+
+    The rule for ``"auto"``: the NVLink engine where it can run (every rank on
+    one host); else, for the alltoall variant, NVSHMEM where the group spans
+    hosts and it can run (its counts stay on the device where NCCL's splits
+    are read on the host); else NCCL. Variants other than alltoall (and
+    ``variant="auto"``'s cost model) move over NCCL off the engine. The
+    answers are asked lazily, in that order, each at most once: each of
+    ``engine_problem()``, ``nvshmem_problem()`` (why it cannot run, or None) and
+    ``spans_hosts()`` may be a collective; ``nvshmem_problem()`` fixes this
+    process's symmetric memory on NVSHMEM where it answers None.
+
+    Raises ValueError for ``"nvlink"`` / ``"nvshmem"`` where it cannot run."""
+    if transport == "nccl" or variant not in ("alltoall", "auto"):
+        return "nccl"
+    if transport == "nvshmem":
+        problem = nvshmem_problem()
+        if problem is not None:
+            raise ValueError(f"transport='nvshmem': {problem}")
+        return "nvshmem"
+    problem = engine_problem()
+    if problem is None:
+        return "nvlink"
+    if transport == "nvlink":
+        raise ValueError(f"transport='nvlink': {problem}")
+    if variant == "alltoall" and spans_hosts() and nvshmem_problem() is None:
+        return "nvshmem"
+    return "nccl"
+
+
+def _spans_hosts(group) -> bool:
+    """Whether the ranks of an NCCL group run on more than one host (a
+    collective); False for any other group (no NVSHMEM there)."""
+    if dist.get_backend(group) != "nccl":
+        return False
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)  # host sync: where every rank runs
+    return len(set(hosts)) > 1
+
+
+def _agreed(group, problem: str | None) -> str | None:
+    """This rank's answer to "can it run?" agreed by every rank of an NCCL
+    group (a collective: the first rank's problem, named; None if none has
+    one); on any other group the answer as it is (the same on every rank)."""
+    if dist.get_backend(group) != "nccl" or dist.get_world_size(group) == 1:
+        return problem
+    told: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(told, problem, group=group)  # host sync: every rank's answer
+    for rank, said in enumerate(told):
+        if said is not None:
+            return said if rank == dist.get_rank(group) else f"rank {rank}: {said}"
+    return None
 
 
 __all__ = [
@@ -57,7 +117,9 @@ __all__ = [
     "AutoTransport",
     "HierarchicalTransport",
     "NVLinkTransport",
+    "NVSHMEMTransport",
     "Request",
     "Transport",
     "build",
+    "choose",
 ]

@@ -117,35 +117,11 @@ class AllToAllTransport(Transport):
         rank marks itself failed in the row it all-gathers and raises after the
         all-gather, where its peers raise too (``checks.check_peer_headers``):
         none is left waiting."""
-        x, topk_idx, topk_weights, ticket, groups = (request.x, request.topk_idx, request.topk_weights,
-                                                     request.ticket, request.groups)
-        world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
-        num_tokens, topk = topk_idx.shape
-        weights = topk_weights.detach()
-        check_values = request.check_values and num_tokens > 0
-        header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket), dtype=torch.int64),
-                                    x.device)
-        captured, failed = None, None
-        if self._graphs is not None and topk_idx.is_cuda and num_tokens > 0:
-            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, groups)
-            captured = self._graphs.get(key, num_experts, world, rank)
-        if captured is not None:
-            flags, row = captured.run_route(topk_idx, weights, header_row)
-        else:
-            flags, route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values,
-                                                     groups)
-        if flags is not None:  # before the first exchange
-            failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
-        if failed is not None:  # the peers are about to wait in the all-gather: stop them there
-            self.counts_row.mark_failed(row)
-        gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
-                                        arrivals=self.arrivals)
-        if failed is not None:
-            raise failed  # its peers raise in check_peer_headers
-        if captured is not None:
-            planned = captured.run_send()
-        else:
-            planned = send_phase(route, grouped, gathered, rank, topk_idx, weights)
+        x, groups = request.x, request.groups
+        weights = request.topk_weights.detach()
+        planned, captured = self._counts_and_send_plan(request, plan.header(x, request.topk_weights,
+                                                                            request.topk_idx.shape[1], request.ticket))
+        world, rank = self.world_size, self.rank
         local = self.num_local_experts
         # host sync: split sizes for NCCL, row counts, peers' headers
         summary = Summary.read(planned.summary.cpu(), world, local)
@@ -192,6 +168,51 @@ class AllToAllTransport(Transport):
         )
         mark(self.phase_timer, "plan")
         return handle, outputs
+
+    def _counts_and_send_plan(self, request: Request, header: list[int], bounded: bool = False,
+                              grouped_sends: bool = True):
+        """The plan up to the host read: route, counts all-gather, send plan (on
+        CUDA replayed as CUDA graphs once a shape repeats). Returns (``Planned``,
+        the captured plan or None: what outlives a replay is copied out of its
+        buffers). ``bounded``: nothing is read on the host: bad values raise the
+        failed entry of this rank's row on the device (``checks.fold_flags``)
+        instead of raising here, and the all-gather is not polled.
+        ``grouped_sends``: by groups, the sends in the grouped orders
+        (``plan.group_orders``); else in one order whatever G (G still
+        travels in the row, for the ranks to agree on)."""
+        x, topk_idx, ticket, groups = request.x, request.topk_idx, request.ticket, request.groups
+        world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
+        num_tokens, topk = topk_idx.shape
+        weights = request.topk_weights.detach()
+        check_values = request.check_values and num_tokens > 0
+        header_row = self._header_row(header, x.device)
+        captured, failed = None, None
+        if (self._graphs is not None and topk_idx.is_cuda and num_tokens > 0 and (grouped_sends or groups == 1)
+                and not torch.cuda.is_current_stream_capturing()):
+            key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, groups)
+            captured = self._graphs.get(key, num_experts, world, rank)
+        if captured is not None:
+            flags, row = captured.run_route(topk_idx, weights, header_row)
+        else:
+            flags, route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values,
+                                                     groups)
+        if flags is not None and bounded:
+            checks.fold_flags(row, flags, self.counts_row.header_at)
+        elif flags is not None:  # before the first exchange
+            failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
+        if failed is not None:  # the peers are about to wait in the all-gather: stop them there
+            self.counts_row.mark_failed(row)
+        gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
+                                        arrivals=None if bounded else self.arrivals)
+        if failed is not None:
+            raise failed  # its peers raise in check_peer_headers
+        if captured is not None:
+            return captured.run_send(), captured
+        return send_phase(route, grouped if grouped_sends else None, gathered, rank, topk_idx, weights), None
+
+    def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
+        """This rank's header entries on ``device`` (``plan.to_device``)."""
+        return plan.to_device(torch.tensor(header, dtype=torch.int64), device)
 
     def to_experts(self, rows: torch.Tensor, handle: AllToAllHandle, codec: Codec,
                    own: bool = False) -> PendingGroups:

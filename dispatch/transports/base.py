@@ -73,6 +73,8 @@ class Transport(abc.ABC):
         host_free: (class) whether a dispatch with ``max_rows`` and the round
             trip after it read nothing on the host (CUDA-graph capturable).
         max_topk: (class) the most slots per token it moves (None: any).
+        bounded_groups: (class) whether it moves a dispatch by groups with
+            ``max_rows`` (each group padded to its bound, nothing read on the host).
         config, group, world_size (W), rank, num_local_experts (E_local),
         local_world_size (ranks per node), arrivals (``comm.Arrivals``: the
         bounded wait of its counts exchange), phase_timer (or None).
@@ -82,6 +84,7 @@ class Transport(abc.ABC):
     transport = "nccl"
     host_free = False
     max_topk: int | None = None
+    bounded_groups = False
 
     def __init__(self, config, group: dist.ProcessGroup | None) -> None:
         self.config, self.group = config, group

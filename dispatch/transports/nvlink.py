@@ -67,6 +67,7 @@ class NVLinkTransport(Transport):
     variant, transport = "alltoall", "nvlink"
     host_free = True
     max_topk = MAX_TOPK
+    bounded_groups = True
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)

@@ -1,0 +1,98 @@
+"""Study: the alltoall variant over NVSHMEM beside NCCL and the NVLink engine.
+
+    torchrun --nproc-per-node W bench/nvshmem_probe.py OUT_DIR TRANSPORT [TRANSPORT ...]
+
+TRANSPORT is ``nccl``, ``nvshmem`` or ``nvlink``. NVSHMEM and the engine cannot
+share a process (torch fixes one symmetric-memory backend per process), so the
+suite runs this twice in one call: ``nvshmem nccl``, then ``nvlink``. For each
+shape (decode, DeepSeek-V3, Mixtral-8x7B; bf16, uniform routing) and transport:
+the eager round trip (dispatch + combine, timed back to back on the device, and
+the issuing thread's wall time per call), and where the transport reads
+nothing on the host with ``max_rows`` (nvshmem, nvlink), the same with
+``max_rows`` eager and captured in a CUDA graph; first a check that its
+combine equals NCCL's bitwise. Writes OUT_DIR/nvshmem-probe-<transports>.json and
+prints one line per row (median milliseconds, the slowest rank's).
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dispatch  # noqa: E402
+from dispatch.bench.common import SHAPES, captured_round_trip, spread, time_back_to_back, time_each  # noqa: E402
+
+ITERS, WARMUP = 30, 5
+
+
+def inputs(shape, world, rank):
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(shape.tokens, shape.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    scores = torch.rand(shape.tokens, shape.experts, generator=gen, device="cuda")
+    w, idx = scores.topk(shape.topk, dim=1)
+    return x, idx, (w / w.sum(1, keepdim=True)).float()
+
+
+def main():
+    out_dir, transports = sys.argv[1], sys.argv[2:]
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    world = dist.get_world_size()
+    dev = torch.device("cuda", rank)
+    rows = []
+    for name in ("decode", "deepseek-v3", "mixtral-8x7b"):
+        shape = SHAPES[name]
+        x, idx, w = inputs(shape, world, rank)
+        made = {t: dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport=t)) for t in transports}
+        reference = None
+        if "nccl" not in made:
+            reference = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport="nccl"))
+        for transport, d in made.items():
+            plain = d.dispatch(x, idx, w)
+            limit = torch.tensor([plain.tokens.shape[0] + 256], device=dev)
+            dist.all_reduce(limit, op=dist.ReduceOp.MAX)
+            bound = int(limit)  # every rank's N and some room, the same bound on every rank
+            check = reference or made.get("nccl")
+            want = check.combine(*(lambda o: (o.tokens, o.handle))(check.dispatch(x, idx, w)))
+            got = d.combine(plain.tokens, plain.handle)
+            row = dict(shape=name, world=world, transport=transport, bitwise=bool(torch.equal(got, want)))
+
+            def eager():
+                out = d.dispatch(x, idx, w)
+                d.combine(out.tokens, out.handle, weights=out.weights)
+
+            times = time_back_to_back(eager, ITERS, WARMUP, dev)
+            row["eager_ms"] = spread(times)["median"]
+            if d.host_free:
+                def bounded():
+                    out = d.dispatch(x, idx, w, max_rows=bound)
+                    d.combine(out.tokens, out.handle, weights=out.weights)
+
+                row["eager_max_rows_ms"] = spread(time_back_to_back(bounded, ITERS, WARMUP, dev))["median"]
+                host = []
+                for _ in range(ITERS):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    bounded()
+                    host.append((time.perf_counter() - t0) * 1e3)
+                row["host_max_rows_ms"] = spread(host)["median"]
+                replays, _ = captured_round_trip(d, x, idx, w, bound)
+                runs = time_each({"total": replays["total"]}, ITERS, WARMUP, dev)
+                row["captured_ms"] = spread([r["total"] for r in runs])["median"]
+                d.check()
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"nvshmem-probe-{'-'.join(transports)}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""The ``alltoall`` variant over NVSHMEM (``transport="nvshmem"``): the rows move
+by PyTorch's NVSHMEM all-to-all, whose split sizes stay on the device
+(``torch.ops.symm_mem.all_to_all_vdev``), so that a dispatch with ``max_rows``
+and the round trip after it read nothing on the host, over any link NVSHMEM
+reaches (NVLink and PCIe inside a host; InfiniBand or RoCE between hosts).
+
+Notation as in ``dispatch.plan`` (W, E_local, K, T, H, S, R, N, J).
+
+The plan is the NCCL transport's (``transports.alltoall``): the same route,
+counts all-gather (an NCCL collective of device tensors), send plan and
+receive plan, so the results are bitwise those of ``transport="nccl"``. What
+changes is how the rows move (the slot lists and the rows to the experts, the
+pre-sums and the per-slot values home): through :class:`SymmetricExchange`,
+with the split sizes taken on the device from the all-gathered counts.
+
+With ``max_rows`` nothing is read on the host. The buffers have fixed bounds
+(S <= T min(K, W) rows sent, R <= N <= max_rows received, sized once for the
+group's largest T and K: ``reserve``); the rows past the real ones are masked;
+the checks the NCCL transport makes on the host (the ranks agree, no rank over
+a bound, no bad value) are made on the device (``checks.peers_fail``), every
+rank alike from the same all-gathered rows: a dispatch that fails them moves no
+row on any rank, its outputs are padding, and its error is raised at a later
+host read (the next dispatch that finds it, or ``check()``). Without
+``max_rows`` the plan reads its summary on the host as the NCCL transport does
+(its outputs have N rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dispatch import checks, comm, plan
+from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
+from dispatch.handle import PlanOutputs
+from dispatch.plan_graph import Summary
+from dispatch.streams import Pending, PendingGroups
+from dispatch.timing import mark
+from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
+from dispatch.transports.base import Request, by_groups, handle_fields, shape_fields
+from dispatch.kernels.gather_sum import gather_sum
+
+
+@dataclass(frozen=True, kw_only=True)
+class NVSHMEMHandle(AllToAllHandle):
+    """Plan of one exchange over NVSHMEM (``AllToAllHandle``'s fields; with
+    ``max_rows``, ``send_splits`` and ``recv_splits`` are None: not read).
+
+    Attributes:
+        sends, receives: [W] int64 on the device, rows this rank sends to /
+            receives from each rank (zeros where the dispatch failed).
+        send_rows, recv_rows: the rows every rank's send / receive buffers hold
+            (the same on every rank: symmetric memory is allocated alike);
+            row ``recv_rows`` of a received buffer is zeros (padding reads it).
+    """
+
+    sends: torch.Tensor
+    receives: torch.Tensor
+    send_rows: int
+    recv_rows: int
+
+
+class SymmetricExchange:
+    """A variable-split all-to-all of rows whose split sizes are on the device:
+    torch's NVSHMEM ``all_to_all_vdev``, over symmetric buffers it owns.
+
+    ``exchange(role, rows, sends, receives, send_rows, recv_rows)`` sends
+    ``rows`` (destination-major, ``sends[r]`` to rank r) and returns the
+    [recv_rows + 1, width] received rows (source-major, the first
+    ``receives.sum()`` real, then unset, then one zero row).
+
+    Each role (``"meta"``: slot lists; ``"rows"``: rows to the experts;
+    ``"home"``: rows home) has two send buffers used in turn. Torch's kernel
+    reads a peer's send buffer with one-sided gets and tells nobody when it is
+    done; a buffer is written again only after another exchange of its role,
+    whose opening barrier no rank passes before every rank finished the
+    exchange before it. Rows are padded to a stride that the kernel's blocks
+    per peer divide evenly (it asserts that), and the send buffers hold at
+    least 8 MiB, so that its block count is its largest whatever the rows.
+    Symmetric memory is allocated alike on every rank, at the same point: the
+    sizes come from values every rank holds (the all-gathered counts, or
+    ``reserve``), and buffers are never freed (a free is collective too).
+    """
+
+    ROLES = ("meta", "rows", "home")
+    MIN_SEND_BYTES = 8 << 20
+
+    def __init__(self, group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> None:
+        self.group = group
+        self.group_name = (group if group is not None else dist.group.WORLD).group_name
+        self.world, self.device = world_size, device
+        # torch's kernel gives each peer (at most 64 blocks, 16 off one host) // W blocks
+        self.unit = math.lcm(16, max(64 // world_size, 1), max(16 // world_size, 1))
+        self._turn = dict.fromkeys(self.ROLES, 0)
+        self._splits = {(role, turn): (self._empty((world_size,), torch.int64),
+                                       self._empty((2, world_size), torch.int64))
+                        for role in self.ROLES for turn in (0, 1)}
+        self._send: dict[tuple[str, int], torch.Tensor] = {}
+        self._recv: torch.Tensor | None = None
+        self._spent: list[torch.Tensor] = []
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A symmetric tensor, rendezvoused with the group (a collective)."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        tensor = symm_mem.empty(*shape, dtype=dtype, device=self.device)
+        symm_mem.rendezvous(tensor, self.group_name)  # host sync: a collective through the store
+        return tensor
+
+    def stride(self, row_bytes: int) -> int:
+        """Bytes a row of ``row_bytes`` takes in the buffers."""
+        return -(-row_bytes // self.unit) * self.unit
+
+    def ensure(self, send_bytes: int, recv_bytes: int) -> None:
+        """Buffers of at least these bytes (a collective where they grow: every
+        rank calls it at the same point with the same sizes)."""
+        have = self._send.get((self.ROLES[0], 0))
+        if have is None or have.numel() < send_bytes:
+            size = max(send_bytes, self.MIN_SEND_BYTES, 0 if have is None else 2 * have.numel())
+            self._spent.extend(self._send.values())
+            self._send = {(role, turn): self._empty((size,), torch.uint8) for role in self.ROLES for turn in (0, 1)}
+        if self._recv is None or self._recv.numel() < recv_bytes:
+            size = max(recv_bytes, 0 if self._recv is None else 2 * self._recv.numel())
+            if self._recv is not None:
+                self._spent.append(self._recv)
+            self._recv = self._empty((size,), torch.uint8)
+
+    def exchange(self, role: str, rows: torch.Tensor, sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
+                 recv_rows: int) -> torch.Tensor:
+        count, width = rows.shape
+        row_bytes = width * rows.element_size()
+        stride = self.stride(row_bytes)
+        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+        turn = self._turn[role]
+        self._turn[role] = 1 - turn
+        send = self._send[role, turn]
+        send = _rows_of(send, stride)  # the whole buffer: its size sets the kernel's blocks
+        send[:count, :row_bytes].copy_(rows.contiguous().view(torch.uint8))
+        in_splits, out_splits = self._splits[role, turn]
+        in_splits.copy_(sends)
+        recv = _rows_of(self._recv, stride)
+        all_to_all_vdev(send, recv, in_splits, out_splits, self.group_name)
+        out = recv[: recv_rows + 1, :row_bytes]
+        out[recv_rows].zero_()
+        return out.view(rows.dtype)
+
+
+def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) -> None:
+    """torch's NVSHMEM all-to-all (``torch.ops.symm_mem.all_to_all_vdev``):
+    rows of ``send`` [rows, stride] to each rank by ``in_splits`` [W], into
+    ``recv`` by source rank; writes the rows received from each rank and
+    their offsets into ``out_splits_offsets`` [2, W]. Every argument symmetric."""
+    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
+
+
+def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
+    """A byte buffer as [rows, stride] from its start (where its rendezvous is)."""
+    rows = buffer.numel() // stride
+    return buffer[: rows * stride].view(rows, stride)
+
+
+def unusable(group: dist.ProcessGroup | None) -> str | None:
+    """Why NVSHMEM cannot serve ``group`` here (None if it can), answered at
+    once from this process alone (no collective): it needs an NCCL group of
+    two ranks or more on CUDA devices, a torch built with NVSHMEM, and this
+    process's symmetric memory on the NVSHMEM backend (torch fixes the backend
+    at a process's first symmetric allocation: the NVLink engine's buffers make
+    it ``CUDA``, and then NVSHMEM cannot serve the process)."""
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
+    if dist.get_world_size(group) == 1:
+        return "needs peers: the group has one rank (torch's NVSHMEM rendezvous takes two or more)"
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return "needs torch.distributed._symmetric_memory"
+    if not symm_mem.is_nvshmem_available():
+        return "needs a torch built with NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available())"
+    device = torch.device("cuda", torch.cuda.current_device())
+    if symm_mem.get_backend(device) != "NVSHMEM":
+        try:
+            symm_mem.set_backend("NVSHMEM")
+        except RuntimeError:
+            return (f"this process's symmetric memory is on the {symm_mem.get_backend(device)} backend already "
+                    "(torch fixes it at the first symmetric allocation, e.g. the NVLink engine's): "
+                    "NVSHMEM cannot serve it; one transport of the two per process")
+    return None
+
+
+class NVSHMEMTransport(AllToAllTransport):
+    """Deduplicated all-to-all with its split sizes on the device
+    (``variant="alltoall"``, ``transport="nvshmem"``; see the module doc).
+
+    Args:
+        exchange: what moves the rows (a :class:`SymmetricExchange` on this
+            group by default; anything with its ``exchange`` and ``ensure``).
+    """
+
+    transport = "nvshmem"
+    host_free = True
+
+    def __init__(self, config, group=None, exchange=None) -> None:
+        super().__init__(config, group)
+        if exchange is None:
+            exchange = SymmetricExchange(group, self.world_size, torch.device("cuda", torch.cuda.current_device()))
+        self.exchange = exchange
+        self._capacity: tuple[int, int] | None = None  # (T, K) the buffers of a dispatch with max_rows hold
+        self._failed = self._failure = None  # on the device: a dispatch with max_rows failed, and its summary
+        self._seen = self._seen_at = None  # the failure flag, copied to the host as the work runs
+        self._row_bytes = 0
+        self._kept: list[torch.Tensor] = []  # host headers read by captured graphs
+
+    def plan(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
+        if request.max_rows is not None:
+            return self._plan_bounded(request)
+        x, groups, local = request.x, request.groups, self.num_local_experts
+        header = plan.header(x, request.topk_weights, request.topk_idx.shape[1], request.ticket)
+        planned, captured = self._counts_and_send_plan(request, header, grouped_sends=False)
+        summary = Summary.read(planned.summary.cpu(), self.world_size, local)  # host sync: N, peers' headers
+        headers = summary.headers.tolist()
+        grads_any = checks.check_peer_headers(headers)
+        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x))
+        checks.check_peer_groups(summary.groups.tolist())
+        matrix = summary.matrix
+        per_expert = summary.per_expert
+        num_rows = int(per_expert.sum())
+        sizes = (int(matrix.sum(1).max()), int(matrix.sum(0).max()))  # every rank's largest S and R
+        send, recv = tuple(summary.send.tolist()), tuple(summary.recv.tolist())
+        fields = dict(send_splits=send, recv_splits=recv, **shape_fields(request, local, per_expert.tolist(), num_rows))
+        return self._finish_plan(request, planned, captured, grads_any, num_rows, None, sizes,
+                                 tuple(bool(n) for n in matrix.sum(0).tolist()), per_expert, counts=(sum(send), sum(recv)),
+                                 fields=fields)
+
+    def _plan_bounded(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
+        self._poll()
+        x, topk_idx, ticket = request.x, request.topk_idx, request.ticket
+        num_tokens, topk = topk_idx.shape
+        if self._capacity is None:  # the same on every rank: size the buffers once, by agreement
+            self.reserve(x, topk)
+        header = plan.header(x, request.topk_weights, topk, ticket)
+        tokens, most_topk = self._capacity
+        over = num_tokens > tokens or topk > most_topk
+        short = 0 <= ticket.memory_rows < ticket.max_rows
+        if over or short:  # this rank raises; its mark makes every peer record the failure
+            header[plan.HEADER.index("failed")] = 2
+            request = Request(request.owner, x, topk_idx[:0], request.topk_weights[:0], ticket, False)
+        planned, captured = self._counts_and_send_plan(request, header, bounded=True)
+        if short:
+            raise ValueError(f"max_rows: {ticket.max_rows} rows do not fit this rank's free device memory "
+                             f"({ticket.memory_rows} rows of {self.row_bytes(x)} bytes, the dispatch's outputs)")
+        if over:
+            raise ValueError(f"x: a dispatch with max_rows takes at most {tokens} tokens of K <= {most_topk} (the "
+                             f"buffers sized for the group's largest T and K: TokenDispatcher.reserve), got "
+                             f"T={num_tokens}, K={topk}")
+        world, local = self.world_size, self.num_local_experts
+        summary = Summary.read(planned.summary, world, local)  # views on the device
+        failed = checks.peers_fail(summary.headers, summary.received, summary.groups)
+        self._record(failed, planned.summary)
+        self._row_bytes = self.row_bytes(x)
+        x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
+        sizes = (tokens * min(most_topk, world), world * tokens)
+        per_expert = torch.where(failed, 0, summary.per_expert)
+        return self._finish_plan(request, planned, captured, (bool(x_grad), bool(w_grad)), ticket.max_rows, failed,
+                                 sizes, (True,) * world, None, per_expert)
+
+    def _finish_plan(self, request: Request, planned, captured, grads_any, num_rows: int, failed, sizes,
+                     has_rows, per_expert_host, per_expert=None, counts: tuple[int, int] | None = None,
+                     fields: dict | None = None) -> tuple[NVSHMEMHandle, PlanOutputs]:
+        """The slot lists exchanged and the receive plan, from the send plan.
+        ``failed``: None where the sizes were read on the host (N =
+        ``num_rows``, (S, R) = ``counts``), or the dispatch's failure flag on the
+        device (``num_rows`` = max_rows: what is past the N received is
+        padding). ``sizes``: (send_rows, recv_rows) of :class:`NVSHMEMHandle`;
+        ``per_expert``: the rows per local expert on the device (None: the
+        summary's); ``fields``: the handle's other fields."""
+        world, local = self.world_size, self.num_local_experts
+        send_rows, recv_rows = sizes
+        summary = Summary.read(planned.summary, world, local)
+        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
+        sends, receives = summary.send, summary.recv
+        if failed is not None:  # a failed dispatch moves nothing, on every rank alike
+            sends, receives = torch.where(failed, 0, sends), torch.where(failed, 0, receives)
+        sends, receives = keep(sends), keep(receives)
+        sp = planned.send
+        send_token = sp.send_token if failed is not None else sp.send_token[: counts[0]]
+        meta = self.exchange.exchange("meta", sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows)
+        if failed is None:
+            meta = meta[: counts[1]]
+        else:  # the rows past the R received are no rows (R <= N <= max_rows)
+            held = min(num_rows, recv_rows)
+            real = torch.arange(held, device=meta.device) < receives.sum()
+            meta = torch.where(real.unsqueeze(1), meta[:held], -1)
+        start = torch.cumsum(receives, 0) - receives
+        table = torch.stack([start, start, torch.arange(world, device=start.device)])
+        rp = plan.build_recv_plan(meta, table, num_rows, plan.weight_wire_dtype(request.topk_weights.dtype))
+        if per_expert is None:
+            per_expert = keep(Summary.per_expert_of(planned.summary, world, local))
+        expand_src, weights = rp.expand_src, rp.weights
+        if failed is None:
+            src_rank, src_token = rp.src_rank[expand_src], rp.src_token[expand_src]
+        else:  # padding: the zero row, weight 0, sources -1
+            real = torch.arange(num_rows, device=expand_src.device) < per_expert.sum()
+            index = torch.where(real, expand_src, meta.shape[0])
+            src_rank, src_token = (torch.cat([src, src.new_full((1,), -1)])[index]
+                                   for src in (rp.src_rank, rp.src_token))
+            expand_src, weights = torch.where(real, expand_src, recv_rows), torch.where(real, weights, 0)
+            # the rows past S are gathered too (not sent): any token will do
+            send_token = torch.where(torch.arange(send_token.shape[0], device=send_token.device) < sends.sum(),
+                                     send_token, 0)
+        handle = NVSHMEMHandle(
+            **handle_fields(request, self, num_rows, grads_any, has_rows),
+            **(fields or dict(send_splits=None, recv_splits=None)),
+            send_token=keep(send_token), home_index=keep(sp.home_index), slot_row=keep(sp.slot_row),
+            slot_col=keep(sp.slot_col), expand_src=expand_src, presum_index=rp.presum_index,
+            sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows)
+        outputs = PlanOutputs(weights=weights, tokens_per_expert=per_expert, tokens_per_expert_host=per_expert_host,
+                              src_rank=src_rank, src_token=src_token)
+        mark(self.phase_timer, "plan")
+        return handle, outputs
+
+    # -- the movements --------------------------------------------------------
+
+    def to_experts(self, rows: torch.Tensor, handle: NVSHMEMHandle, codec: Codec, own: bool = False) -> PendingGroups:
+        sent = codec.pack(rows, handle.send_token)  # [S, wire row]
+        received = self.exchange.exchange("rows", sent, handle.sends, handle.receives, handle.send_rows,
+                                          handle.recv_rows)
+        mark(self.phase_timer, "exchange_out")
+        expanded = codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
+        mark(self.phase_timer, "expand")
+        return by_groups(Pending.done(expanded), handle)
+
+    def to_home(self, rows, handle: NVSHMEMHandle, weights, wire) -> Pending:
+        partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
+        mark(self.phase_timer, "presum")
+        back = self._home(partial, handle)
+        at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
+        out = gather_sum(back, handle.home_index, None, rows.dtype, at_least)  # [T, H]
+        mark(self.phase_timer, "final_sum")
+        return Pending.done(out)
+
+    def slots_home(self, values: torch.Tensor, handle: NVSHMEMHandle) -> Pending:
+        index = handle.presum_index  # [R, J]
+        padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
+        back = self._home(padded[torch.where(index >= 0, index, values.shape[0])], handle)
+        return Pending.done(_slots_from_rows(back, handle, values))
+
+    def _home(self, rows: torch.Tensor, handle: NVSHMEMHandle) -> torch.Tensor:
+        """Rows of the received rows' order home, in the send order."""
+        out = self.exchange.exchange("home", rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows)
+        mark(self.phase_timer, "exchange_back")
+        return out
+
+    def stats(self, handle: NVSHMEMHandle, dispatch_row_bytes, combine_wire, hidden):
+        if handle.send_splits is None:
+            return None  # with max_rows: nothing read on the host
+        return super().stats(handle, dispatch_row_bytes, combine_wire, hidden)
+
+    # -- sizes and failures ---------------------------------------------------
+
+    def reserve(self, x: torch.Tensor, topk: int) -> None:
+        need = plan.to_device(torch.tensor([x.shape[0], topk, *self._round_trip_bytes(x, topk)],
+                                           dtype=torch.int64), x.device)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
+        tokens, most_topk, send_stride, recv_stride = need.tolist()  # host sync: the group's largest T, K, rows
+        self._capacity = (tokens, most_topk)
+        self.exchange.ensure(tokens * min(most_topk, self.world_size) * send_stride,
+                             (self.world_size * tokens + 1) * recv_stride)
+
+    def _round_trip_bytes(self, x: torch.Tensor, topk: int) -> tuple[int, int]:
+        """The largest buffer strides of a round trip of x, expert outputs like
+        x, backward included: (rows sent, rows received)."""
+        hidden, config = x.shape[1], self.config
+        width = min(topk, self.num_local_experts)
+        rows = [to_experts_codec(wire, x.dtype).row_bytes(hidden)
+                for wire in (config.dispatch_wire, config.combine_grad_wire)]
+        rows += [sum_wire_dtype(wire, x.dtype).itemsize * hidden
+                 for wire in (config.combine_wire, config.dispatch_grad_wire)]
+        rows += [4 * (width + 1 + 2 * width), 8 * width]  # slot lists (fp64 weights), per-slot values
+        stride = max(self.exchange.stride(b) for b in rows)
+        return stride, stride
+
+    def _record(self, failed: torch.Tensor, summary: torch.Tensor) -> None:
+        """Keep the first failed dispatch's summary on the device, and start
+        the failure flag's copy to the host (read by the next ``_poll``)."""
+        if self._failed is None:
+            self._failed, self._failure = torch.zeros_like(failed), torch.zeros_like(summary)
+        self._failure = torch.where(failed & ~self._failed, summary, self._failure)
+        self._failed = self._failed | failed
+        if failed.is_cuda and not torch.cuda.is_current_stream_capturing():
+            if self._seen is None:
+                self._seen = torch.zeros((), dtype=torch.bool, pin_memory=True)
+                self._seen_at = torch.cuda.Event()
+            self._seen.copy_(self._failed, non_blocking=True)
+            self._seen_at.record()
+
+    def _poll(self) -> None:
+        """Raise a failure recorded by an earlier dispatch that the host sees by now
+        (its flag's copy arrived; off CUDA, the flag itself)."""
+        if self._failed is None:
+            return
+        if not self._failed.is_cuda or (self._seen is not None and self._seen_at.query() and bool(self._seen)):
+            self.check()
+
+    def check(self) -> None:
+        if self._failed is None or not bool(self._failed):  # host sync: the failure flag
+            return
+        summary = Summary.read(self._failure.cpu(), self.world_size, self.num_local_experts)
+        self._failed, self._failure = None, None
+        if self._seen is not None:
+            self._seen.fill_(False)
+        headers = summary.headers.tolist()
+        checks.check_peer_headers(headers)
+        checks.check_peer_groups(summary.groups.tolist())
+        checks.check_row_budgets(headers, summary.received.tolist(), self._row_bytes)
+        raise RuntimeError("a dispatch with max_rows failed on the device")  # every check above passes: not reached
+
+    def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a captured copy reads its host source at every replay: keep it for the graph's life
+            host = torch.tensor(header, dtype=torch.int64).pin_memory()
+            self._kept.append(host)
+            return host.to(device, non_blocking=True)
+        return super()._header_row(header, device)

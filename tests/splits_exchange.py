@@ -1,0 +1,88 @@
+"""The contract of ``dispatch.transports.nvshmem.SymmetricExchange`` over the
+process group's own all-to-all (split sizes read on the host), so that the
+NVSHMEM transport's plan and movements run on gloo ranks in CI. The rows past
+the real ones are garbage (NaN, or huge ints), so a plan that reads them fails
+the comparisons, and every call is checked against the contract: the receiver's
+counts are what the senders send, and nothing overflows the stated bounds."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dispatch import comm
+
+
+class HostSplitsExchange:
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.calls: list[str] = []  # the roles, in order
+
+    def stride(self, row_bytes: int) -> int:
+        return row_bytes
+
+    def ensure(self, send_bytes: int, recv_bytes: int) -> None:
+        pass
+
+    def exchange(self, role, rows, sends, receives, send_rows, recv_rows):
+        self.calls.append(role)
+        send, recv = sends.tolist(), receives.tolist()
+        world = len(send)
+        told = torch.tensor(send, dtype=torch.int64)
+        truth = torch.empty_like(told)
+        dist.all_to_all_single(truth, told, group=self.group)  # what the senders send this rank
+        assert truth.tolist() == recv, (role, truth.tolist(), recv)
+        assert sum(send) <= rows.shape[0] <= max(send_rows, sum(send)), (role, send, rows.shape, send_rows)
+        assert sum(recv) <= recv_rows, (role, recv, recv_rows)
+        got = comm.all_to_all_rows(rows[: sum(send)], tuple(send), tuple(recv), self.group) if world > 1 else rows[:sum(send)]
+        filler = float("nan") if rows.dtype.is_floating_point else (2**30 if rows.dtype != torch.uint8 else 0x7F)
+        out = torch.full((recv_rows + 1, *rows.shape[1:]), filler, dtype=rows.dtype, device=rows.device)
+        out[: sum(recv)] = got
+        out[recv_rows] = 0
+        return out
+
+
+class FakeSymmetricMemory:
+    """torch's NVSHMEM pieces that ``SymmetricExchange`` calls, on gloo: its
+    buffers plain tensors, its all-to-all the process group's with the same
+    layout (rows from each rank at the exclusive prefix of the splits) and
+    the same check torch's kernel asserts (each peer's bytes divide evenly
+    among its blocks per peer). ``with FakeSymmetricMemory(): ...``."""
+
+    def __enter__(self):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from dispatch.transports import nvshmem
+
+        self._saved = [(symm_mem, "empty", symm_mem.empty), (symm_mem, "rendezvous", symm_mem.rendezvous),
+                       (nvshmem, "all_to_all_vdev", nvshmem.all_to_all_vdev)]
+        symm_mem.empty = _fake_empty
+        symm_mem.rendezvous = lambda tensor, group: None
+        nvshmem.all_to_all_vdev = _fake_vdev
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, value in self._saved:
+            setattr(module, name, value)
+
+
+def _fake_empty(*shape, dtype, device):
+    tensor = torch.empty(*shape, dtype=dtype, device=device)
+    return tensor.fill_(0x55) if dtype == torch.uint8 else tensor.zero_()  # byte buffers: garbage rows
+
+
+def _fake_vdev(send, recv, in_splits, out_splits_offsets, group_name):
+    world = in_splits.numel()
+    out_splits = torch.empty_like(in_splits)
+    dist.all_to_all_single(out_splits, in_splits)
+    send_list, recv_list = in_splits.tolist(), out_splits.tolist()
+    stride = send.stride(0) * send.element_size()
+    blocks = -(-send.numel() * send.element_size() // 65536)  # torch's kernel: 64 KiB a block, a multiple of W,
+    blocks = min(-(-blocks // world) * world, 64)  # at most 64
+    per_peer = max(blocks // world, 1)
+    assert all(n * stride % per_peer == 0 for n in recv_list), (recv_list, stride, per_peer)
+    assert sum(recv_list) <= recv.shape[0]
+    got = comm.all_to_all_rows(send[: sum(send_list)], tuple(send_list), tuple(recv_list), None)
+    recv[: sum(recv_list)] = got
+    out_splits_offsets[0] = out_splits
+    out_splits_offsets[1] = torch.cumsum(out_splits, 0) - out_splits

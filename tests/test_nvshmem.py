@@ -1,0 +1,317 @@
+"""The NVSHMEM transport (``transport="nvshmem"``): bitwise the NCCL transport,
+with and without ``max_rows``, every wire, dtypes, gradients, groups and the
+async verbs; with ``max_rows`` nothing read on the host and failures recorded
+on the device, raised at a later host read on every rank alike; refused by name
+where NVSHMEM cannot run; ``auto``'s rule.
+
+On CPU its rows move through ``splits_exchange.HostSplitsExchange`` (the
+contract of torch's NVSHMEM all-to-all over gloo): everything but the NVSHMEM
+call itself runs here, on several ranks. On two GPUs or more with a torch built
+with NVSHMEM the same comparisons run on the real thing, in a world of its own
+(torch fixes one symmetric-memory backend per process, and the NVLink engine's
+tests take the shared worlds to CUDA's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dispatch
+from dispatch.dispatcher import TokenDispatcher
+from dispatch.transports import NVSHMEMTransport, choose
+from routing import routings
+
+VERBS = ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "combined", "grad_x", "grad_w", "rows",
+         "home", "slots")
+
+
+def _dispatcher(config: dict, emulated: bool):
+    """The NVSHMEM transport's dispatcher (its rows over gloo where ``emulated``)."""
+    from splits_exchange import HostSplitsExchange
+
+    cfg = dispatch.DispatchConfig.from_options(**config, transport="nvshmem")
+    if not emulated:
+        return dispatch.create(cfg)
+    return TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=HostSplitsExchange()))
+
+
+def _round_trip(d, x, topk_idx, topk_weights, grad_out, max_rows, groups, async_op):
+    xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+    out = d.dispatch(xx, topk_idx, ww, max_rows=max_rows, groups=groups, async_op=async_op)
+    if async_op:
+        out = out.wait()
+    y = out.tokens * 1.5 + out.tokens * out.tokens * 0.25
+    combined = d.combine(y, out.handle, weights=out.weights)
+    (combined * grad_out).sum().backward()
+    rows = d.dispatch_rows(x * 3, out.handle)
+    home = d.combine_rows(out.tokens.detach() * 2, out.handle, out.weights.detach())
+    slots = d.combine_slots(out.weights.detach() * 5, out.handle)
+    got = dict(tokens=out.tokens.detach(), weights=out.weights.detach(), src_rank=out.src_rank,
+               src_token=out.src_token, tokens_per_expert=out.tokens_per_expert, combined=combined.detach(),
+               grad_x=xx.grad, grad_w=ww.grad, rows=rows, home=home, slots=slots)
+    return {k: v.cpu() for k, v in got.items()}, out.tokens_per_expert_host
+
+
+def against_nccl(x, topk_idx, topk_weights, grad_out, config, pad, groups, async_op, emulated):
+    """Every verb of one round trip over NVSHMEM and over NCCL on the same
+    inputs; with ``pad`` not None, both with max_rows = N + pad. Returns the
+    verbs that differ, and whether the bounded one read its counts on the host."""
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights, grad_out = (t.to(device) for t in (x, topk_idx, topk_weights, grad_out))
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
+    bound = None
+    if pad is not None:
+        bound = nccl.dispatch(x, topk_idx, topk_weights).tokens.shape[0] + pad
+    want, _ = _round_trip(nccl, x, topk_idx, topk_weights, grad_out, bound, groups, False)
+    d = _dispatcher(config, emulated)
+    got, host_counts = _round_trip(d, x, topk_idx, topk_weights, grad_out, bound, groups, async_op)
+    d.check()
+    differ = [k for k in VERBS if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    return differ, host_counts is not None
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_verb_is_bitwise_the_nccl_transports(worlds, data):
+    world = data.draw(st.sampled_from([2, 3]))
+    routing = data.draw(routings(world, max_tokens=12))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+    wire = data.draw(st.sampled_from(["native", "bf16", "fp8"]))
+    pad = data.draw(st.sampled_from([None, 0, 5]))
+    local = routing.num_experts // world
+    groups = data.draw(st.sampled_from([1, 2])) if pad is None and local >= 2 else 1
+    async_op = data.draw(st.booleans())
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    xs = [torch.randn(t, 16, generator=gen).to(dtype) for t in routing.num_tokens]
+    gs = [torch.randn(t, 16, generator=gen).to(dtype) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, dispatch_wire=wire, combine_grad_wire=wire)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, pad, groups, async_op,
+             True) for r in range(world)]
+    for rank, (differ, read_host) in enumerate(worlds(world).run(against_nccl, args)):
+        assert differ == [], (rank, differ)
+        assert read_host == (pad is None), rank
+
+
+def bounded_failures(x, topk_idx, topk_weights, bounds, bad_rank):
+    """A dispatch with max_rows over some rank's bound (or with a bad value on
+    ``bad_rank``): no rank raises at the dispatch, its outputs are padding,
+    ``check()`` raises on every rank, once; then a failure found by the next
+    dispatch instead. Returns what each step saw."""
+    import torch.distributed as dist
+    from world import current_device
+
+    rank = dist.get_rank()
+    x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
+    if rank == bad_rank:
+        topk_idx = topk_idx.clone()
+        topk_idx[0, 0] = 10_000
+    d = _dispatcher(dict(num_experts=4), True)
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=bounds[rank])
+    seen = dict(padding=bool((out.tokens == 0).all()) and bool((out.src_rank == -1).all()),
+                per_expert=int(out.tokens_per_expert.sum()))
+    for step in ("check", "again"):
+        try:
+            d.check()
+            seen[step] = None
+        except (RuntimeError, ValueError) as exc:
+            seen[step] = type(exc).__name__ + ": " + str(exc)
+    d.dispatch(x, topk_idx, topk_weights, max_rows=bounds[rank])
+    if x.is_cuda:
+        torch.cuda.synchronize()  # the failure's flag has reached the host
+    try:
+        d.dispatch(x, topk_idx, topk_weights, max_rows=bounds[rank])
+        seen["next"] = None
+    except (RuntimeError, ValueError) as exc:
+        seen["next"] = type(exc).__name__
+    return seen
+
+
+@pytest.mark.parametrize("case", ["over_bound", "bad_value"])
+def test_a_bounded_failure_moves_nothing_and_raises_at_the_next_host_read(worlds, case):
+    tokens = 6
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(tokens, 8, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)]) for _ in range(2)]
+    ws = [torch.rand(tokens, 2, generator=gen) for _ in range(2)]
+    bounds, bad = ([100, 1], -1) if case == "over_bound" else ([100, 100], 0)
+    results = worlds(2).run(bounded_failures, [(xs[r], idx[r], ws[r], bounds, bad) for r in range(2)])
+    for rank, seen in enumerate(results):
+        assert seen["padding"] and seen["per_expert"] == 0, (rank, seen)
+        assert seen["check"] is not None and seen["again"] is None, (rank, seen)
+        assert seen["next"] is not None, (rank, seen)
+        if case == "over_bound":
+            assert "max_rows" in seen["check"] and "rank 1" in seen["check"], (rank, seen)
+    assert len({seen["check"] for seen in results}) == 1  # every rank alike
+
+
+def refused_on_cpu():
+    try:
+        dispatch.create(dispatch.DispatchConfig(num_experts=4, transport="nvshmem"))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_refused_by_name_where_nvshmem_cannot_run(worlds):
+    from world import World
+
+    world = worlds(2) if worlds(2).backend == "gloo" else World(2, backend="gloo")  # not a GPU world's backend
+    try:
+        told_by_rank = world.run(refused_on_cpu, [()] * 2)
+    finally:
+        if world is not worlds(2):
+            world.close()
+    for told in told_by_rank:
+        assert told is not None and told.startswith("transport='nvshmem': needs an NCCL process group"), told
+    with pytest.raises(ValueError, match="transport='nvshmem' needs variant='alltoall'"):
+        dispatch.DispatchConfig(num_experts=4, variant="allgather", transport="nvshmem")
+
+
+def _never():
+    raise AssertionError("asked what the rule does not need")
+
+
+@pytest.mark.parametrize("variant, transport, engine, spans, nvshmem, want", [
+    ("alltoall", "auto", None, _never, _never, "nvlink"),  # the engine can run: nothing else asked
+    ("auto", "auto", None, _never, _never, "nvlink"),
+    ("alltoall", "auto", "ranks on 2 hosts", True, None, "nvshmem"),  # across hosts: NVSHMEM
+    ("alltoall", "auto", "no CuPy", False, _never, "nccl"),  # one host, no engine: NCCL
+    ("alltoall", "auto", "ranks on 2 hosts", True, "no NVSHMEM", "nccl"),
+    ("auto", "auto", "ranks on 2 hosts", _never, _never, "nccl"),  # the cost model over the collectives
+    ("allgather", "auto", _never, _never, _never, "nccl"),
+    ("alltoall", "nccl", _never, _never, _never, "nccl"),
+    ("alltoall", "nvshmem", _never, _never, None, "nvshmem"),
+    ("alltoall", "nvshmem", _never, _never, "gloo", ValueError),
+    ("alltoall", "nvlink", "gloo", _never, _never, ValueError),
+])
+def test_the_transport_rule(variant, transport, engine, spans, nvshmem, want):
+    answers = [(lambda a=a: a()) if callable(a) else (lambda a=a: a) for a in (engine, spans, nvshmem)]
+    if want is ValueError:
+        with pytest.raises(ValueError, match=f"transport='{transport}': "):
+            choose(variant, transport, *answers)
+    else:
+        assert choose(variant, transport, *answers) == want
+
+
+# -- on the real NVSHMEM: two GPUs or more, a torch built with it ------------------------------------
+
+
+def _nvshmem_ready() -> bool:
+    if torch.cuda.device_count() < 2:
+        return False
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return symm_mem.is_nvshmem_available()
+
+
+@pytest.fixture(scope="module")
+def nvshmem_world():
+    if not _nvshmem_ready():
+        pytest.skip("needs 2 CUDA devices and a torch built with NVSHMEM")
+    from world import World
+
+    world = World(2, backend="nccl")
+    yield world
+    world.close()
+
+
+@pytest.mark.parametrize("wire", ["native", "fp8"])
+@pytest.mark.parametrize("pad", [None, 0, 9])
+def test_on_nvshmem_every_verb_is_bitwise_the_nccl_transports(nvshmem_world, wire, pad):
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 4, [40, 33], "random", seed=7)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, dispatch_wire=wire)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, 1, False, False)
+            for r in range(2)]
+    for rank, (differ, read_host) in enumerate(nvshmem_world.run(against_nccl, args)):
+        assert differ == [], (rank, differ)
+        assert read_host == (pad is None), rank
+
+
+def captured_round_trip(x, topk_idx, topk_weights, max_rows):
+    """A round trip with max_rows captured in a CUDA graph and replayed on new
+    values: the replay's outputs equal an eager round trip's on those values."""
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
+    d = _dispatcher(dict(num_experts=8), False)
+    d.reserve(x, topk_idx.shape[1])
+
+    def trip(xx, ii, ww):
+        out = d.dispatch(xx, ii, ww, max_rows=max_rows)
+        return out.tokens, d.combine(out.tokens * 2, out.handle, weights=out.weights)
+
+    static = [t.clone() for t in (x, topk_idx, topk_weights)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        trip(*static)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            captured = trip(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    static[0].copy_(x * 3)
+    static[2].copy_(topk_weights.flip(1))
+    graph.replay()
+    eager = trip(x * 3, topk_idx, topk_weights.flip(1))
+    torch.cuda.synchronize()
+    d.check()
+    return [torch.equal(a, b) for a, b in zip(captured, eager)]
+
+
+def test_on_nvshmem_a_bounded_round_trip_is_captured(nvshmem_world):
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 4, [64, 64], "random", seed=2)
+    gen = torch.Generator().manual_seed(5)
+    args = [(torch.randn(64, 128, generator=gen), routing.topk_idx[r], routing.topk_weights[r].float(), 512)
+            for r in range(2)]
+    for rank, same in enumerate(nvshmem_world.run(captured_round_trip, args)):
+        assert all(same), (rank, same)
+
+
+def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
+    """A round trip through ``SymmetricExchange`` (its buffers, strides, turns
+    and padding row) on gloo, torch's NVSHMEM pieces faked by
+    ``splits_exchange.FakeSymmetricMemory``, against the NCCL transport."""
+    from splits_exchange import FakeSymmetricMemory
+
+    from dispatch.transports.nvshmem import SymmetricExchange
+
+    with FakeSymmetricMemory():
+        cfg = dispatch.DispatchConfig.from_options(**config, transport="nvshmem")
+        exchange = SymmetricExchange(None, torch.distributed.get_world_size(), torch.device("cpu"))
+        d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
+        got, _ = _round_trip(d, x, topk_idx, topk_weights, x, max_rows, 1, False)
+        d.check()
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
+    want, _ = _round_trip(nccl, x, topk_idx, topk_weights, x, max_rows, 1, False)
+    return [k for k in VERBS if not torch.equal(got[k], want[k])]
+
+
+@pytest.mark.parametrize("world, hidden, wire", [(2, 16, "native"), (3, 7, "bf16"), (2, 128, "fp8")])
+def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire):
+    from routing import make_routing
+
+    if worlds(world).backend != "gloo":
+        pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
+    routing = make_routing(world, 2, 3, [9, 0, 14][:world], "random", seed=world)
+    gen = torch.Generator().manual_seed(hidden)
+    xs = [torch.randn(t, hidden, generator=gen) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, dispatch_wire=wire, combine_grad_wire=wire)
+    for max_rows in (None, 40):
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows) for r in range(world)]
+        for rank, differ in enumerate(worlds(world).run(through_symmetric_exchange, args)):
+            assert differ == [], (rank, max_rows, differ)
