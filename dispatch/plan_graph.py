@@ -125,9 +125,19 @@ class Summary:
         """The ``per_expert`` part of a summary (on its device)."""
         return summary[2 * world : 2 * world + local]
 
+    @staticmethod
+    def sizes(world: int, local: int) -> tuple[int, ...]:
+        """The entries of each part, in order."""
+        return (world, world, local, world * len(plan.HEADER), world * world, world, 4 * world * local, world)
+
+    @classmethod
+    def width(cls, world: int, local: int) -> int:
+        """The entries of a summary."""
+        return sum(cls.sizes(world, local))
+
     @classmethod
     def read(cls, summary: torch.Tensor, world: int, local: int) -> "Summary":
-        sizes = (world, world, local, world * len(plan.HEADER), world * world, world, 4 * world * local, world)
+        sizes = cls.sizes(world, local)
         send, recv, per_expert, headers, matrix, received, by_group, groups = summary.split(sizes)
         return cls(send, recv, per_expert, headers.view(world, -1), matrix.view(world, world), received,
                    by_group.view(2, world, 2, local), groups)

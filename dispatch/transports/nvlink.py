@@ -363,7 +363,8 @@ def unusable(group, num_experts: int) -> str | None:
     elif not all(ok for _, _, ok, _ in everyone):
         problem = "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
     elif not all(ok for _, _, _, ok in everyone):
-        problem = "needs torch.distributed._symmetric_memory on every rank"
+        problem = ("needs torch.distributed._symmetric_memory on CUDA's backend on every rank (not NVSHMEM's: "
+                   "a transport='nvshmem' dispatcher took the process's; one of the two per process)")
     elif len({host for host, _, _, _ in everyone}) > 1:
         problem = "every rank of the group must be on one host"
     elif len({uuid for _, uuid, _, _ in everyone}) < world:
@@ -381,8 +382,12 @@ def unusable(group, num_experts: int) -> str | None:
 
 
 def _symmetric_memory_importable() -> bool:
+    """Whether symmetric memory is there on CUDA's backend (torch fixes one per
+    process at its first allocation: after a ``transport="nvshmem"``
+    dispatcher's, NVSHMEM's, on which the engine does not run)."""
     try:
-        from torch.distributed import _symmetric_memory  # noqa: F401
+        from torch.distributed import _symmetric_memory as symm_mem
     except ImportError:
         return False
-    return True
+    get_backend = getattr(symm_mem, "get_backend", None)
+    return get_backend is None or get_backend(torch.device("cuda", torch.cuda.current_device())) != "NVSHMEM"

@@ -367,6 +367,10 @@ class NVSHMEMTransport(AllToAllTransport):
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
         tokens, most_topk, send_stride, recv_stride = need.tolist()  # host sync: the group's largest T, K, rows
         self._capacity = (tokens, most_topk)
+        if self._failed is None:  # the failure record, before any capture
+            width = Summary.width(self.world_size, self.num_local_experts)
+            self._failed = torch.zeros((), dtype=torch.bool, device=x.device)
+            self._failure = torch.zeros(width, dtype=torch.int64, device=x.device)
         self.exchange.ensure(tokens * min(most_topk, self.world_size) * send_stride,
                              (self.world_size * tokens + 1) * recv_stride)
 
@@ -384,12 +388,13 @@ class NVSHMEMTransport(AllToAllTransport):
         return stride, stride
 
     def _record(self, failed: torch.Tensor, summary: torch.Tensor) -> None:
-        """Keep the first failed dispatch's summary on the device, and start
-        the failure flag's copy to the host (read by the next ``_poll``)."""
+        """Keep the first failed dispatch's summary on the device (in place: a
+        captured dispatch records into the same tensors), and start the failure
+        flag's copy to the host (read by the next ``_poll``)."""
         if self._failed is None:
             self._failed, self._failure = torch.zeros_like(failed), torch.zeros_like(summary)
-        self._failure = torch.where(failed & ~self._failed, summary, self._failure)
-        self._failed = self._failed | failed
+        self._failure.copy_(torch.where(failed & ~self._failed, summary, self._failure))
+        self._failed.logical_or_(failed)
         if failed.is_cuda and not torch.cuda.is_current_stream_capturing():
             if self._seen is None:
                 self._seen = torch.zeros((), dtype=torch.bool, pin_memory=True)
@@ -402,14 +407,17 @@ class NVSHMEMTransport(AllToAllTransport):
         (its flag's copy arrived; off CUDA, the flag itself)."""
         if self._failed is None:
             return
-        if not self._failed.is_cuda or (self._seen is not None and self._seen_at.query() and bool(self._seen)):
+        if self._failed.is_cuda:
+            if self._seen is not None and self._seen_at.query() and bool(self._seen):
+                self.check()
+        elif bool(self._failed):
             self.check()
 
     def check(self) -> None:
         if self._failed is None or not bool(self._failed):  # host sync: the failure flag
             return
         summary = Summary.read(self._failure.cpu(), self.world_size, self.num_local_experts)
-        self._failed, self._failure = None, None
+        self._failed.zero_()  # raised once
         if self._seen is not None:
             self._seen.fill_(False)
         headers = summary.headers.tolist()
