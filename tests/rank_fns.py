@@ -248,3 +248,25 @@ def auto_choices(x, topk_idx, topk_weights, config: dict, calls: int):
         out = d.dispatch(x, topk_idx, topk_weights)
         d.combine(out.tokens, out.handle, weights=out.weights)
     return chosen, out.handle.transport.variant
+
+
+def every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows=None, groups=1, async_op=False) -> dict:
+    """One round trip through every verb along one handle: dispatch (with
+    ``max_rows``, ``groups``, ``async_op``), a combine of a nonlinear expert
+    and its backward, then dispatch_rows, combine_rows and combine_slots.
+    Returns each result by name (``n``: the rows dispatched; ``per_expert``:
+    ``tokens_per_expert_host``)."""
+    xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+    out = d.dispatch(xx, topk_idx, ww, max_rows=max_rows, groups=groups, async_op=async_op)
+    if async_op:
+        out = out.wait()
+    y = out.tokens * 1.5 + out.tokens * out.tokens * 0.25
+    combined = d.combine(y, out.handle, weights=out.weights)
+    (combined * grad_out).sum().backward()
+    rows = d.dispatch_rows(x * 3, out.handle)
+    home = d.combine_rows(out.tokens.detach() * 2, out.handle, out.weights.detach())
+    slots = d.combine_slots(out.weights.detach() * 5, out.handle)
+    return dict(n=out.tokens.shape[0], tokens=out.tokens.detach(), weights=out.weights.detach(), src_rank=out.src_rank,
+                src_token=out.src_token, tokens_per_expert=out.tokens_per_expert, combined=combined.detach(),
+                grad_x=xx.grad, grad_w=ww.grad, rows=rows, home=home, slots=slots,
+                per_expert=out.tokens_per_expert_host)

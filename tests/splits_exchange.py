@@ -28,9 +28,8 @@ class HostSplitsExchange:
         self.calls.append(role)
         send, recv = sends.tolist(), receives.tolist()
         world = len(send)
-        told = torch.tensor(send, dtype=torch.int64)
-        truth = torch.empty_like(told)
-        dist.all_to_all_single(truth, told, group=self.group)  # what the senders send this rank
+        truth = torch.empty_like(sends)
+        dist.all_to_all_single(truth, sends.contiguous(), group=self.group)  # what the senders send this rank
         assert truth.tolist() == recv, (role, truth.tolist(), recv)
         assert sum(send) <= rows.shape[0] <= max(send_rows, sum(send)), (role, send, rows.shape, send_rows)
         assert sum(recv) <= recv_rows, (role, recv, recv_rows)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dispatch
+import rank_fns
 from routing import make_routing
 
 
@@ -21,19 +22,8 @@ def _padded_against_plain(x, topk_idx, topk_weights, grad_out, config, pad):
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     got = {}
     for name in ("plain", "padded"):
-        xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
         bound = None if name == "plain" else got["plain"]["n"] + pad
-        out = d.dispatch(xx, topk_idx, ww, max_rows=bound)
-        y = out.tokens * 1.5 + out.tokens * out.tokens * 0.25
-        combined = d.combine(y, out.handle, weights=out.weights)
-        (combined * grad_out).sum().backward()
-        rows = d.dispatch_rows(x * 3, out.handle)
-        home = d.combine_rows(out.tokens.detach() * 2, out.handle, out.weights.detach())
-        slots = d.combine_slots(out.weights.detach() * 5, out.handle)
-        got[name] = dict(n=out.tokens.shape[0], tokens=out.tokens.detach(), weights=out.weights.detach(),
-                         src_rank=out.src_rank, src_token=out.src_token, combined=combined.detach(),
-                         grad_x=xx.grad, grad_w=ww.grad, rows=rows, home=home, slots=slots,
-                         per_expert=out.tokens_per_expert_host)
+        got[name] = rank_fns.every_verb(d, x, topk_idx, topk_weights, grad_out, bound)
     plain, padded, n = got["plain"], got["padded"], got["plain"]["n"]
     checks = [padded["n"] == n + pad, torch.equal(padded["per_expert"], plain["per_expert"])]
     for key in ("combined", "grad_x", "grad_w", "home", "slots"):

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dispatch
+import rank_fns
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.transports import NVSHMEMTransport, choose
 from routing import routings
@@ -39,20 +40,8 @@ def _dispatcher(config: dict, emulated: bool):
 
 
 def _round_trip(d, x, topk_idx, topk_weights, grad_out, max_rows, groups, async_op):
-    xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
-    out = d.dispatch(xx, topk_idx, ww, max_rows=max_rows, groups=groups, async_op=async_op)
-    if async_op:
-        out = out.wait()
-    y = out.tokens * 1.5 + out.tokens * out.tokens * 0.25
-    combined = d.combine(y, out.handle, weights=out.weights)
-    (combined * grad_out).sum().backward()
-    rows = d.dispatch_rows(x * 3, out.handle)
-    home = d.combine_rows(out.tokens.detach() * 2, out.handle, out.weights.detach())
-    slots = d.combine_slots(out.weights.detach() * 5, out.handle)
-    got = dict(tokens=out.tokens.detach(), weights=out.weights.detach(), src_rank=out.src_rank,
-               src_token=out.src_token, tokens_per_expert=out.tokens_per_expert, combined=combined.detach(),
-               grad_x=xx.grad, grad_w=ww.grad, rows=rows, home=home, slots=slots)
-    return {k: v.cpu() for k, v in got.items()}, out.tokens_per_expert_host
+    got = rank_fns.every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows, groups, async_op)
+    return {k: got[k].cpu() for k in VERBS}, got["per_expert"]
 
 
 def against_nccl(x, topk_idx, topk_weights, grad_out, config, pad, groups, async_op, emulated):
@@ -315,3 +304,24 @@ def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire):
         args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows) for r in range(world)]
         for rank, differ in enumerate(worlds(world).run(through_symmetric_exchange, args)):
             assert differ == [], (rank, max_rows, differ)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("wire", ["native", "fp8"])
+def test_on_one_gpu_its_plan_and_kernels_are_bitwise_the_nccl_transports(wire):
+    """W = 1 over NCCL (no NVSHMEM: torch's rendezvous takes two ranks), rows
+    moved by the all-to-all's contract: the Triton receive plan, codecs and sums
+    on CUDA, the bounded path's masked rows included."""
+    from routing import make_routing
+    from world import World
+
+    routing = make_routing(1, 16, 8, [300], "random", seed=11)
+    gen = torch.Generator().manual_seed(2)
+    x, g = (torch.randn(300, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
+    config = dict(num_experts=routing.num_experts, dispatch_wire=wire)
+    with World(1, backend="nccl") as world:
+        for pad in (None, 0, 7):
+            args = [(x, routing.topk_idx[0], routing.topk_weights[0].to(torch.bfloat16), g, config, pad, 1,
+                     pad is None, True)]
+            ((differ, read_host),) = world.run(against_nccl, args)
+            assert differ == [] and read_host == (pad is None), (pad, differ)
