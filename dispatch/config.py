@@ -96,7 +96,9 @@ class DispatchConfig:
             every kernel's wait for a peer on the NVLink engine (the dispatch
             that waited, or else the next dispatch, raises; a combine does not
             read the device's status: its results are then invalid; the engine
-            stays failed: every rank builds its dispatchers again). After a
+            stays failed: every rank builds its dispatchers again). Over
+            NVSHMEM with ``max_rows`` no host waits: a missing peer is caught
+            by the process group's own timeout (NCCL's watchdog). After a
             collective's timeout the process group is not usable; after the
             board's, a late rank raises at that call and the group goes on.
         tuning: a :class:`Tuning` (None: its defaults).

@@ -59,9 +59,22 @@ def against_nccl(x, topk_idx, topk_weights, grad_out, config, pad, groups, async
     want, _ = _round_trip(nccl, x, topk_idx, topk_weights, grad_out, bound, groups, False)
     d = _dispatcher(config, emulated)
     got, host_counts = _round_trip(d, x, topk_idx, topk_weights, grad_out, bound, groups, async_op)
+    if groups > 1:  # the sums home group by group too
+        want["by_groups"], got["by_groups"] = (_by_groups(one, x, topk_idx, topk_weights, groups) for one in (nccl, d))
     d.check()
-    differ = [k for k in VERBS if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    differ = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
     return differ, host_counts is not None
+
+
+def _by_groups(d, x, topk_idx, topk_weights, groups):
+    """combine_groups of a dispatch by groups: each group's rows doubled, home group by group."""
+    work = d.dispatch(x, topk_idx, topk_weights, groups=groups, async_op=True)
+    sums = d.combine_groups(work.handle, dtype=x.dtype)
+    for g in range(groups):
+        piece = work.wait_group(g)
+        sums.add(piece.tokens * 2, piece.weights)
+    work.wait()
+    return sums.wait().cpu()
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
