@@ -28,6 +28,7 @@ host read (the next dispatch that finds it, or ``check()``). Without
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +93,11 @@ class SymmetricExchange:
         self.group = group
         self.group_name = (group if group is not None else dist.group.WORLD).group_name
         self.world, self.device = world_size, device
-        # torch's kernel gives each peer (at most 64 blocks, 16 off one host) // W blocks
-        self.unit = math.lcm(16, max(64 // world_size, 1), max(16 // world_size, 1))
+        # torch's kernel gives each peer blocks // W blocks: at most 64 (16 off one host), or
+        # TORCH_SYMMMEM_NBLOCKS where the user set it
+        told = os.environ.get("TORCH_SYMMMEM_NBLOCKS", "")
+        blocks = (int(told),) if told.isdigit() and int(told) > 0 else (64, 16)
+        self.unit = math.lcm(16, *(max(b // world_size, 1) for b in blocks))
         self._turn = dict.fromkeys(self.ROLES, 0)
         self._splits = {(role, turn): (self._empty((world_size,), torch.int64),
                                        self._empty((2, world_size), torch.int64))
