@@ -169,7 +169,8 @@ def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
 def unusable(group: dist.ProcessGroup | None) -> str | None:
     """Why NVSHMEM cannot serve ``group`` here (None if it can), answered at
     once from this process alone (no collective): it needs an NCCL group of
-    two ranks or more on CUDA devices, a torch built with NVSHMEM, and this
+    two ranks or more on CUDA devices, the whole world (NVSHMEM's allocations
+    are collective over every process), a torch built with NVSHMEM, and this
     process's symmetric memory on the NVSHMEM backend (torch fixes the backend
     at a process's first symmetric allocation: the NVLink engine's buffers make
     it ``CUDA``, and then NVSHMEM cannot serve the process)."""
@@ -178,6 +179,10 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
         return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
     if dist.get_world_size(group) == 1:
         return "needs peers: the group has one rank (torch's NVSHMEM rendezvous takes two or more)"
+    if dist.get_world_size(group) != dist.get_world_size():
+        return (f"needs the whole world as its group ({dist.get_world_size(group)} of {dist.get_world_size()} "
+                "ranks here): NVSHMEM allocates symmetric memory on every process of the job at once, alike, "
+                "which dispatchers of different groups would not do")
     try:
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError:
