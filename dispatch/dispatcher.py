@@ -162,7 +162,11 @@ class TokenDispatcher:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
             checks.refuse(error, lambda: self._take_part_refused(ticket))
-        if self._calls.on_board and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
+        agreed = None
+        if self.transport.agrees_dispatch and not self.config.pad_to_capacity:  # its word, every rank's
+            word = self.transport.dispatch_word(x, topk_weights, max_rows)
+            agreed = tuple(row[-1] for row in self._calls.agree(ticket, tail=(word,)))
+        elif self._calls.on_board and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
             self._calls.agree(ticket)  # the call agreed on the host; the counts exchange checks it again
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
@@ -180,7 +184,7 @@ class TokenDispatcher:
         else:
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows)), check,
-                        groups))
+                        groups, agreed))
         rows = x.detach()
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
                                              (rows,), async_op, self.comm_priority)
@@ -418,7 +422,7 @@ class TokenDispatcher:
         call's agreement on the board, or the counts exchange marked refused,
         with no tokens), as its peers make it."""
         ticket = dataclasses.replace(ticket, refused=True)
-        if self._calls.on_board or self.config.pad_to_capacity:
+        if self._calls.on_board or self.config.pad_to_capacity or self.transport.agrees_dispatch:
             self._calls.agree(ticket, tail=(0,))
             return
         device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in self.devices else torch.device("cpu")

@@ -151,6 +151,86 @@ def test_a_bounded_failure_moves_nothing_and_raises_at_the_next_host_read(worlds
     assert len({seen["check"] for seen in results}) == 1  # every rank alike
 
 
+def local_failures(x, topk_idx, topk_weights, case):
+    """A rank whose own dispatch is over the buffers' bounds (``over``), ranks
+    that mix max_rows with none (``mixed``), a rank that refuses its own
+    argument (``refused``): no rank is left waiting in an exchange; what each
+    raises, and where."""
+    import torch.distributed as dist
+    from world import current_device
+
+    rank = dist.get_rank()
+    x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
+    d = _dispatcher(dict(num_experts=4), True)
+    d.dispatch(x, topk_idx, topk_weights, max_rows=64)  # sizes the buffers for T = 6
+    seen = {}
+    try:
+        if case == "over":
+            more = torch.cat([x, x]) if rank == 1 else x
+            more_idx = torch.cat([topk_idx, topk_idx]) if rank == 1 else topk_idx
+            more_w = torch.cat([topk_weights, topk_weights]) if rank == 1 else topk_weights
+            out = d.dispatch(more, more_idx, more_w, max_rows=64)
+            home = d.combine(out.tokens, out.handle, weights=out.weights)
+            seen["padding"] = bool((out.tokens == 0).all()) and home.shape[0] == more.shape[0]
+            seen["home_zero"] = bool((home == 0).all())
+            d.dispatch(x, topk_idx, topk_weights, max_rows=64)
+        elif case == "mixed":
+            d.dispatch(x, topk_idx, topk_weights, max_rows=64 if rank == 0 else None)
+        else:
+            d.dispatch(x, topk_idx, topk_weights[:, :1] if rank == 1 else topk_weights, max_rows=64)
+        seen["raised"] = None
+    except (RuntimeError, ValueError) as exc:
+        seen["raised"] = f"{type(exc).__name__}: {exc}"
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=64)  # the group goes on
+    seen["after"] = bool(torch.isfinite(d.combine(out.tokens, out.handle, weights=out.weights)).all())
+    return seen
+
+
+@pytest.mark.parametrize("case", ["over", "mixed", "refused"])
+def test_no_rank_is_left_waiting_by_a_peer_that_raises(worlds, case):
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
+    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
+    results = worlds(2).run(local_failures, [(xs[r], idx[r], ws[r], case) for r in range(2)])
+    for rank, seen in enumerate(results):
+        assert seen["raised"] is not None and seen["after"], (rank, seen)
+    if case == "over":
+        assert all(seen["padding"] and seen["home_zero"] for seen in results), results
+        assert "takes at most 6 tokens" in results[1]["raised"], results
+        assert "rank(s) [1]" in results[0]["raised"] and "dispatch #2" in results[0]["raised"], results
+    if case == "mixed":
+        assert all("passes one or none" in seen["raised"] for seen in results), results
+    if case == "refused":
+        assert "topk_weights" in results[1]["raised"] and "PeerRefused" in results[0]["raised"], results
+
+
+def gradients_where_one_rank_needs_none(x, topk_idx, topk_weights, needs):
+    """Backward of a bounded round trip where only some ranks' x need a
+    gradient: every rank joins the backward's exchanges; x's gradient bitwise
+    NCCL's."""
+    from world import current_device
+
+    x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
+    grads = []
+    for d in (dispatch.create(dispatch.DispatchConfig(num_experts=4, transport="nccl")),
+              _dispatcher(dict(num_experts=4), True)):
+        xx = x.clone().requires_grad_(needs)
+        out = d.dispatch(xx, topk_idx, topk_weights, max_rows=64)
+        (d.combine(out.tokens * out.tokens, out.handle, weights=out.weights) * 3).sum().backward()
+        grads.append(None if xx.grad is None else xx.grad.cpu())
+    return grads[0] is None and grads[1] is None or torch.equal(grads[0], grads[1])
+
+
+def test_gradients_when_one_rank_needs_none(worlds):
+    gen = torch.Generator().manual_seed(9)
+    xs = [torch.randn(5, 8, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(5)]) for _ in range(2)]
+    ws = [torch.rand(5, 2, generator=gen) for _ in range(2)]
+    assert all(worlds(2).run(gradients_where_one_rank_needs_none,
+                             [(xs[r], idx[r], ws[r], r == 0) for r in range(2)]))
+
+
 def refused_on_cpu():
     try:
         dispatch.create(dispatch.DispatchConfig(num_experts=4, transport="nvshmem"))
@@ -289,12 +369,15 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
     and padding row) on gloo, torch's NVSHMEM pieces faked by
     ``splits_exchange.FakeSymmetricMemory``, against the NCCL transport."""
     from splits_exchange import FakeSymmetricMemory
+    from world import current_device
 
     from dispatch.transports.nvshmem import SymmetricExchange
 
+    device = current_device()
+    x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
     with FakeSymmetricMemory():
         cfg = dispatch.DispatchConfig.from_options(**config, transport="nvshmem")
-        exchange = SymmetricExchange(None, torch.distributed.get_world_size(), torch.device("cpu"))
+        exchange = SymmetricExchange(None, torch.distributed.get_world_size(), device)
         d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
         got, _ = _round_trip(d, x, topk_idx, topk_weights, x, max_rows, 1, False)
         d.check()
@@ -338,3 +421,7 @@ def test_on_one_gpu_its_plan_and_kernels_are_bitwise_the_nccl_transports(wire):
                      pad is None, True)]
             ((differ, read_host),) = world.run(against_nccl, args)
             assert differ == [] and read_host == (pad is None), (pad, differ)
+        # SymmetricExchange itself (its own stream, fenced both ways), torch's NVSHMEM pieces faked
+        for max_rows in (None, 4000):
+            args = [(x, routing.topk_idx[0], routing.topk_weights[0].to(torch.bfloat16), config, max_rows)]
+            assert world.run(through_symmetric_exchange, args) == [[]], max_rows

@@ -49,6 +49,9 @@ class Request:
             refused it, its row budgets (``max_rows``, ``memory_rows``; -1: none).
         check_values: check the values of the routing (``checks.value_flags``).
         groups: G, the groups of local experts the rows move by.
+        agreed: where the transport agrees on its dispatches over the host
+            (``Transport.agrees_dispatch``), every rank's ``dispatch_word``;
+            else None.
     """
 
     owner: object
@@ -58,6 +61,7 @@ class Request:
     ticket: plan.Ticket
     check_values: bool
     groups: int = 1
+    agreed: tuple[int, ...] | None = None
 
     @property
     def max_rows(self) -> int | None:
@@ -75,6 +79,10 @@ class Transport(abc.ABC):
         max_topk: (class) the most slots per token it moves (None: any).
         bounded_groups: (class) whether it moves a dispatch by groups with
             ``max_rows`` (each group padded to its bound, nothing read on the host).
+        agrees_dispatch: (class) whether every dispatch is agreed over the
+            host before any exchange, off one host too, with a word of its own
+            (``dispatch_word``): a transport whose exchanges cannot time out
+            (a peer that raised alone would leave the others waiting).
         config, group, world_size (W), rank, num_local_experts (E_local),
         local_world_size (ranks per node), arrivals (``comm.Arrivals``: the
         bounded wait of its counts exchange), phase_timer (or None).
@@ -85,6 +93,7 @@ class Transport(abc.ABC):
     host_free = False
     max_topk: int | None = None
     bounded_groups = False
+    agrees_dispatch = False
 
     def __init__(self, config, group: dist.ProcessGroup | None) -> None:
         self.config, self.group = config, group
@@ -161,6 +170,10 @@ class Transport(abc.ABC):
         hidden = x.shape[1]
         wire = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
         return wire + hidden * x.element_size() + 24
+
+    def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
+        """What this rank adds to a dispatch's agreement (``agrees_dispatch``)."""
+        return 0
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
         """``TokenDispatcher.reserve``: nothing where ``max_rows`` reads the host anyway."""

@@ -27,6 +27,8 @@ host read (the next dispatch that finds it, or ``check()``). Without
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -66,31 +68,34 @@ class NVSHMEMHandle(AllToAllHandle):
 
 class SymmetricExchange:
     """A variable-split all-to-all of rows whose split sizes are on the device:
-    torch's NVSHMEM ``all_to_all_vdev``, over symmetric buffers it owns.
+    torch's NVSHMEM ``all_to_all_vdev``, over symmetric buffers it owns; one
+    per (group, device), shared by every dispatcher there (``exchange_for``).
 
-    ``exchange(role, rows, sends, receives, send_rows, recv_rows)`` sends
-    ``rows`` (destination-major, ``sends[r]`` to rank r) and returns the
-    [recv_rows + 1, width] received rows (source-major, the first
-    ``receives.sum()`` real, then unset, then one zero row).
+    ``exchange(rows, sends, receives, send_rows, recv_rows, consume)`` sends
+    ``rows`` (destination-major, ``sends[r]`` to rank r; at most ``send_rows``,
+    the rows every rank's send buffer holds) and returns ``consume(received)``:
+    the [recv_rows + 1, width] rows received (source-major, the first
+    ``receives.sum()`` real, then unset, then one zero row), read by
+    ``consume`` before the next exchange reuses them.
 
-    Each role (``"meta"``: slot lists; ``"rows"``: rows to the experts;
-    ``"home"``: rows home) has two send buffers used in turn. Torch's kernel
-    reads a peer's send buffer with one-sided gets and tells nobody when it is
-    done; a buffer is written again only after another exchange of its role,
-    whose opening barrier no rank passes before every rank finished the
-    exchange before it. Rows are padded to a stride that the kernel's blocks
-    per peer divide evenly (it asserts that), and the send buffers hold at
-    least 8 MiB, so that its block count is its largest whatever the rows.
-    Symmetric memory is allocated alike on every rank, at the same point: the
+    Every exchange runs on the exchange's own stream, in the order issued
+    (the caller's stream waits for it), and opens with a barrier of the group
+    (torch's all-to-all with no rows: its split exchange ends in one): torch's
+    kernel reads the peers' send buffers with one-sided gets and tells nobody
+    when it is done, and torch 2.11's NVSHMEM symmetric memory has no barrier
+    of its own, so a rank rewrites its send buffer only once every peer is past
+    its previous exchange, whatever ran before (a CUDA graph replayed back to
+    back included). Rows are padded to a stride that the kernel's blocks per
+    peer divide evenly (it asserts that); the send buffer holds at least 8 MiB,
+    so that its block count is its largest whatever the rows. Symmetric memory
+    is allocated alike on every process of the job at the same point: the
     sizes come from values every rank holds (the all-gathered counts, or
     ``reserve``), and buffers are never freed (a free is collective too).
     """
 
-    ROLES = ("meta", "rows", "home")
     MIN_SEND_BYTES = 8 << 20
 
     def __init__(self, group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> None:
-        self.group = group
         self.group_name = (group if group is not None else dist.group.WORLD).group_name
         self.world, self.device = world_size, device
         # torch's kernel gives each peer blocks // W blocks: at most 64 (16 off one host), or
@@ -98,13 +103,13 @@ class SymmetricExchange:
         told = os.environ.get("TORCH_SYMMMEM_NBLOCKS", "")
         blocks = (int(told),) if told.isdigit() and int(told) > 0 else (64, 16)
         self.unit = math.lcm(16, *(max(b // world_size, 1) for b in blocks))
-        self._turn = dict.fromkeys(self.ROLES, 0)
-        self._splits = {(role, turn): (self._empty((world_size,), torch.int64),
-                                       self._empty((2, world_size), torch.int64))
-                        for role in self.ROLES for turn in (0, 1)}
-        self._send: dict[tuple[str, int], torch.Tensor] = {}
+        self._splits = (self._empty((world_size,), torch.int64), self._empty((2, world_size), torch.int64))
+        self._sync = (self._empty((1, 16), torch.uint8), self._empty((1, 16), torch.uint8),
+                      self._empty((world_size,), torch.int64).zero_(), self._empty((2, world_size), torch.int64))
+        self._send: torch.Tensor | None = None
         self._recv: torch.Tensor | None = None
         self._spent: list[torch.Tensor] = []
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A symmetric tensor, rendezvoused with the group (a collective)."""
@@ -118,38 +123,62 @@ class SymmetricExchange:
         """Bytes a row of ``row_bytes`` takes in the buffers."""
         return -(-row_bytes // self.unit) * self.unit
 
+    def holds(self, send_bytes: int, recv_bytes: int) -> bool:
+        """Whether the buffers hold these bytes already."""
+        return (self._send is not None and self._send.numel() >= send_bytes and self._recv is not None
+                and self._recv.numel() >= recv_bytes)
+
     def ensure(self, send_bytes: int, recv_bytes: int) -> None:
         """Buffers of at least these bytes (a collective where they grow: every
         rank calls it at the same point with the same sizes)."""
-        have = self._send.get((self.ROLES[0], 0))
-        if have is None or have.numel() < send_bytes:
-            size = max(send_bytes, self.MIN_SEND_BYTES, 0 if have is None else 2 * have.numel())
-            self._spent.extend(self._send.values())
-            self._send = {(role, turn): self._empty((size,), torch.uint8) for role in self.ROLES for turn in (0, 1)}
+        if self._send is None or self._send.numel() < send_bytes:
+            size = max(send_bytes, self.MIN_SEND_BYTES, 0 if self._send is None else 2 * self._send.numel())
+            self._spent += [] if self._send is None else [self._send]
+            self._send = self._empty((size,), torch.uint8)
         if self._recv is None or self._recv.numel() < recv_bytes:
             size = max(recv_bytes, 0 if self._recv is None else 2 * self._recv.numel())
-            if self._recv is not None:
-                self._spent.append(self._recv)
+            self._spent += [] if self._recv is None else [self._recv]
             self._recv = self._empty((size,), torch.uint8)
 
-    def exchange(self, role: str, rows: torch.Tensor, sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
-                 recv_rows: int) -> torch.Tensor:
-        count, width = rows.shape
+    def exchange(self, rows: torch.Tensor, sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
+                 recv_rows: int, consume):
+        count, width = min(rows.shape[0], send_rows), rows.shape[1]
         row_bytes = width * rows.element_size()
         stride = self.stride(row_bytes)
         self.ensure(send_rows * stride, (recv_rows + 1) * stride)
-        turn = self._turn[role]
-        self._turn[role] = 1 - turn
-        send = self._send[role, turn]
-        send = _rows_of(send, stride)  # the whole buffer: its size sets the kernel's blocks
-        send[:count, :row_bytes].copy_(rows.contiguous().view(torch.uint8))
-        in_splits, out_splits = self._splits[role, turn]
-        in_splits.copy_(sends)
-        recv = _rows_of(self._recv, stride)
-        all_to_all_vdev(send, recv, in_splits, out_splits, self.group_name)
-        out = recv[: recv_rows + 1, :row_bytes]
-        out[recv_rows].zero_()
-        return out.view(rows.dtype)
+        current = None if self._stream is None else torch.cuda.current_stream(self.device)
+        if current is not None:
+            self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream) if current is not None else contextlib.nullcontext():
+            all_to_all_vdev(*self._sync, self.group_name)  # a barrier: every peer is past its last exchange
+            send = _rows_of(self._send, stride)  # the whole buffer: its size sets the kernel's blocks
+            send[:count, :row_bytes].copy_(rows[:count].contiguous().view(torch.uint8))
+            in_splits, out_splits = self._splits
+            in_splits.copy_(sends)
+            recv = _rows_of(self._recv, stride)
+            all_to_all_vdev(send, recv, in_splits, out_splits, self.group_name)
+            out = recv[: recv_rows + 1, :row_bytes]
+            out[recv_rows].zero_()
+            result = consume(out.view(rows.dtype))
+        if current is not None:
+            current.wait_stream(self._stream)
+            if not torch.cuda.is_current_stream_capturing():  # made and read on two streams
+                for tensor in (rows, sends, receives):
+                    tensor.record_stream(self._stream)
+                result.record_stream(current)
+        return result
+
+
+_EXCHANGES: dict = {}
+
+
+def exchange_for(group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> SymmetricExchange:
+    """The :class:`SymmetricExchange` of (group, device), made on first use (a
+    collective: every rank makes its dispatchers in the same order)."""
+    key = ((group if group is not None else dist.group.WORLD).group_name, device)
+    if key not in _EXCHANGES:
+        _EXCHANGES[key] = SymmetricExchange(group, world_size, device)
+    return _EXCHANGES[key]
 
 
 def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) -> None:
@@ -200,33 +229,64 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
     return None
 
 
+# the bits of a rank's word in a dispatch's agreement (``dispatch_word``)
+_BOUNDED, _X_GRAD, _WEIGHTS_GRAD, _FAILED = 1, 2, 4, 8
+
+
 class NVSHMEMTransport(AllToAllTransport):
     """Deduplicated all-to-all with its split sizes on the device
     (``variant="alltoall"``, ``transport="nvshmem"``; see the module doc).
 
+    Its exchanges cannot time out (NVSHMEM's barriers wait for ever), so no
+    rank may leave a dispatch that its peers go on with: every dispatch is
+    agreed over the host first (``agrees_dispatch``: a refused argument, ranks
+    that mix ``max_rows`` with none, and a failure some rank has seen raise on
+    every rank there), and a rank that finds its own dispatch over the
+    buffers' bounds takes part with nothing, recording the failure, instead of
+    raising alone.
+
     Args:
-        exchange: what moves the rows (a :class:`SymmetricExchange` on this
-            group by default; anything with its ``exchange`` and ``ensure``).
+        exchange: what moves the rows (the group's :class:`SymmetricExchange`
+            by default; anything with its ``exchange``, ``ensure``, ``holds``
+            and ``stride``).
     """
 
     transport = "nvshmem"
     host_free = True
+    agrees_dispatch = True
 
     def __init__(self, config, group=None, exchange=None) -> None:
         super().__init__(config, group)
         if exchange is None:
-            exchange = SymmetricExchange(group, self.world_size, torch.device("cuda", torch.cuda.current_device()))
+            exchange = exchange_for(group, self.world_size, torch.device("cuda", torch.cuda.current_device()))
         self.exchange = exchange
-        self._capacity: tuple[int, int] | None = None  # (T, K) the buffers of a dispatch with max_rows hold
+        self._capacity: tuple[int, int, int] | None = None  # (T, K, row stride) the buffers of max_rows hold
         self._failed = self._failure = None  # on the device: a dispatch with max_rows failed, and its summary
         self._seen = self._seen_at = None  # the failure flag, copied to the host as the work runs
+        self._local_error: Exception | None = None  # this rank's own reason, where it had one
         self._row_bytes = 0
         self._kept: list[torch.Tensor] = []  # host headers read by captured graphs
 
+    def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
+        grad = torch.is_grad_enabled()
+        return ((_BOUNDED if max_rows is not None else 0) | (_X_GRAD if grad and x.requires_grad else 0)
+                | (_WEIGHTS_GRAD if grad and topk_weights.requires_grad else 0) | (_FAILED if self._seen_failed() else 0))
+
     def plan(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
+        words = request.agreed
+        if words is not None:
+            seen = [r for r, w in enumerate(words) if w & _FAILED]
+            if seen:  # some rank has seen a failure: every rank raises here (this one its own, if it has it)
+                self.check()
+                raise RuntimeError(f"a dispatch with max_rows failed: rank(s) {seen} found it (raised there); "
+                                   "no token of this dispatch moved")
+            bounded = [bool(w & _BOUNDED) for w in words]
+            if any(b != bounded[0] for b in bounded):
+                told = ", ".join(f"rank {r}: {'max_rows' if b else 'none'}" for r, b in enumerate(bounded))
+                raise ValueError(f"max_rows: every rank of the group passes one or none ({told})")
         if request.max_rows is not None:
             return self._plan_bounded(request)
-        x, groups, local = request.x, request.groups, self.num_local_experts
+        x, local = request.x, self.num_local_experts
         header = plan.header(x, request.topk_weights, request.topk_idx.shape[1], request.ticket)
         planned, captured = self._counts_and_send_plan(request, header, grouped_sends=False)
         summary = Summary.read(planned.summary.cpu(), self.world_size, local)  # host sync: N, peers' headers
@@ -245,36 +305,37 @@ class NVSHMEMTransport(AllToAllTransport):
                                  fields=fields)
 
     def _plan_bounded(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
-        self._poll()
         x, topk_idx, ticket = request.x, request.topk_idx, request.ticket
         num_tokens, topk = topk_idx.shape
-        if self._capacity is None:  # the same on every rank: size the buffers once, by agreement
+        if self._capacity is None:  # the same on every rank (agreed): size the buffers once, by agreement
             self.reserve(x, topk)
         header = plan.header(x, request.topk_weights, topk, ticket)
-        tokens, most_topk = self._capacity
-        over = num_tokens > tokens or topk > most_topk
-        short = 0 <= ticket.memory_rows < ticket.max_rows
-        if over or short:  # this rank raises; its mark makes every peer record the failure
+        tokens, most_topk, stride = self._capacity
+        wide = max(self.exchange.stride(b) for b in self._row_sizes(x, topk))
+        error = None
+        if num_tokens > tokens or topk > most_topk or wide > stride:
+            error = ValueError(f"x: a dispatch with max_rows takes at most {tokens} tokens of K <= {most_topk} "
+                               f"and rows like the x the buffers were sized for (TokenDispatcher.reserve), got "
+                               f"T={num_tokens}, K={topk}, H={x.shape[1]} {x.dtype}")
+        elif 0 <= ticket.memory_rows < ticket.max_rows:
+            error = ValueError(f"max_rows: {ticket.max_rows} rows do not fit this rank's free device memory "
+                               f"({ticket.memory_rows} rows of {self.row_bytes(x)} bytes, the dispatch's outputs)")
+        if error is not None:  # this rank takes part with no slots; its mark fails the dispatch on every rank
             header[plan.HEADER.index("failed")] = 2
-            request = Request(request.owner, x, topk_idx[:0], request.topk_weights[:0], ticket, False)
+            request = dataclasses.replace(request, topk_idx=torch.full_like(topk_idx, -1), check_values=False)
+            self._local_error = self._local_error or error
         planned, captured = self._counts_and_send_plan(request, header, bounded=True)
-        if short:
-            raise ValueError(f"max_rows: {ticket.max_rows} rows do not fit this rank's free device memory "
-                             f"({ticket.memory_rows} rows of {self.row_bytes(x)} bytes, the dispatch's outputs)")
-        if over:
-            raise ValueError(f"x: a dispatch with max_rows takes at most {tokens} tokens of K <= {most_topk} (the "
-                             f"buffers sized for the group's largest T and K: TokenDispatcher.reserve), got "
-                             f"T={num_tokens}, K={topk}")
         world, local = self.world_size, self.num_local_experts
         summary = Summary.read(planned.summary, world, local)  # views on the device
         failed = checks.peers_fail(summary.headers, summary.received, summary.groups)
         self._record(failed, planned.summary)
         self._row_bytes = self.row_bytes(x)
-        x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
-        sizes = (tokens * min(most_topk, world), world * tokens)
+        words = request.agreed or (self.dispatch_word(x, request.topk_weights, ticket.max_rows),)
+        grads_any = (any(w & _X_GRAD for w in words), any(w & _WEIGHTS_GRAD for w in words))
+        sizes = (0, 0) if error is not None else (world * tokens, world * tokens)
         per_expert = torch.where(failed, 0, summary.per_expert)
-        return self._finish_plan(request, planned, captured, (bool(x_grad), bool(w_grad)), ticket.max_rows, failed,
-                                 sizes, (True,) * world, None, per_expert)
+        return self._finish_plan(request, planned, captured, grads_any, ticket.max_rows, failed, sizes,
+                                 (True,) * world, None, per_expert)
 
     def _finish_plan(self, request: Request, planned, captured, grads_any, num_rows: int, failed, sizes,
                      has_rows, per_expert_host, per_expert=None, counts: tuple[int, int] | None = None,
@@ -283,26 +344,32 @@ class NVSHMEMTransport(AllToAllTransport):
         ``failed``: None where the sizes were read on the host (N =
         ``num_rows``, (S, R) = ``counts``), or the dispatch's failure flag on the
         device (``num_rows`` = max_rows: what is past the N received is
-        padding). ``sizes``: (send_rows, recv_rows) of :class:`NVSHMEMHandle`;
-        ``per_expert``: the rows per local expert on the device (None: the
-        summary's); ``fields``: the handle's other fields."""
+        padding). ``sizes``: (send_rows, recv_rows) of :class:`NVSHMEMHandle`
+        ((0, 0): this rank takes part with nothing); ``per_expert``: the rows
+        per local expert on the device (None: the summary's); ``fields``: the
+        handle's other fields."""
         world, local = self.world_size, self.num_local_experts
         send_rows, recv_rows = sizes
         summary = Summary.read(planned.summary, world, local)
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         sends, receives = summary.send, summary.recv
-        if failed is not None:  # a failed dispatch moves nothing, on every rank alike
-            sends, receives = torch.where(failed, 0, sends), torch.where(failed, 0, receives)
-        sends, receives = keep(sends), keep(receives)
         sp = planned.send
+        home_index, slot_row = sp.home_index, sp.slot_row
+        if failed is not None:  # a failed dispatch moves nothing and sums nothing, on every rank alike
+            sends, receives = torch.where(failed, 0, sends), torch.where(failed, 0, receives)
+            home_index, slot_row = torch.where(failed, -1, home_index), torch.where(failed, -1, slot_row)
+        sends, receives = keep(sends), keep(receives)
         send_token = sp.send_token if failed is not None else sp.send_token[: counts[0]]
-        meta = self.exchange.exchange("meta", sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows)
         if failed is None:
-            meta = meta[: counts[1]]
+            def received(meta):
+                return meta[: counts[1]].clone()
         else:  # the rows past the R received are no rows (R <= N <= max_rows)
             held = min(num_rows, recv_rows)
-            real = torch.arange(held, device=meta.device) < receives.sum()
-            meta = torch.where(real.unsqueeze(1), meta[:held], -1)
+
+            def received(meta):
+                real = torch.arange(held, device=meta.device) < receives.sum()
+                return torch.where(real.unsqueeze(1), meta[:held], -1)
+        meta = self.exchange.exchange(sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows, received)
         start = torch.cumsum(receives, 0) - receives
         table = torch.stack([start, start, torch.arange(world, device=start.device)])
         rp = plan.build_recv_plan(meta, table, num_rows, plan.weight_wire_dtype(request.topk_weights.dtype))
@@ -323,7 +390,7 @@ class NVSHMEMTransport(AllToAllTransport):
         handle = NVSHMEMHandle(
             **handle_fields(request, self, num_rows, grads_any, has_rows),
             **(fields or dict(send_splits=None, recv_splits=None)),
-            send_token=keep(send_token), home_index=keep(sp.home_index), slot_row=keep(sp.slot_row),
+            send_token=keep(send_token), home_index=keep(home_index), slot_row=keep(slot_row),
             slot_col=keep(sp.slot_col), expand_src=expand_src, presum_index=rp.presum_index,
             sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows)
         outputs = PlanOutputs(weights=weights, tokens_per_expert=per_expert, tokens_per_expert_host=per_expert_host,
@@ -335,31 +402,38 @@ class NVSHMEMTransport(AllToAllTransport):
 
     def to_experts(self, rows: torch.Tensor, handle: NVSHMEMHandle, codec: Codec, own: bool = False) -> PendingGroups:
         sent = codec.pack(rows, handle.send_token)  # [S, wire row]
-        received = self.exchange.exchange("rows", sent, handle.sends, handle.receives, handle.send_rows,
-                                          handle.recv_rows)
+        expanded = self.exchange.exchange(sent, handle.sends, handle.receives, handle.send_rows, handle.recv_rows,
+                                          lambda received: codec.unpack(received, rows.dtype, rows.shape[1],
+                                                                        handle.expand_src))
         mark(self.phase_timer, "exchange_out")
-        expanded = codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
-        mark(self.phase_timer, "expand")
         return by_groups(Pending.done(expanded), handle)
 
     def to_home(self, rows, handle: NVSHMEMHandle, weights, wire) -> Pending:
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
         mark(self.phase_timer, "presum")
-        back = self._home(partial, handle)
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
-        out = gather_sum(back, handle.home_index, None, rows.dtype, at_least)  # [T, H]
+        out = self._home(partial, handle, lambda back: gather_sum(back, handle.home_index, None, rows.dtype, at_least))
         mark(self.phase_timer, "final_sum")
-        return Pending.done(out)
+        return Pending.done(out)  # [T, H]
 
     def slots_home(self, values: torch.Tensor, handle: NVSHMEMHandle) -> Pending:
         index = handle.presum_index  # [R, J]
         padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
-        back = self._home(padded[torch.where(index >= 0, index, values.shape[0])], handle)
-        return Pending.done(_slots_from_rows(back, handle, values))
+        grid = padded[torch.where(index >= 0, index, values.shape[0])]
+        return Pending.done(self._home(grid, handle, lambda back: _slots_from_rows(back, handle, values)))
 
-    def _home(self, rows: torch.Tensor, handle: NVSHMEMHandle) -> torch.Tensor:
-        """Rows of the received rows' order home, in the send order."""
-        out = self.exchange.exchange("home", rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows)
+    def _home(self, rows: torch.Tensor, handle: NVSHMEMHandle, consume) -> torch.Tensor:
+        """``consume`` of rows of the received rows' order home, in the send order.
+        Rows wider than the buffers a dispatch with ``max_rows`` was sized for
+        are refused before any exchange (the same on every rank where the
+        expert outputs are alike)."""
+        if handle.send_splits is None and handle.recv_rows:  # with max_rows: the buffers do not grow
+            stride = self.exchange.stride(rows.shape[1] * rows.element_size())
+            if not self.exchange.holds(handle.recv_rows * stride, (handle.send_rows + 1) * stride):
+                raise ValueError(f"expert_out: rows of {rows.shape[1]} x {rows.dtype} are wider than the buffers "
+                                 "a dispatch with max_rows was sized for (rows like x: TokenDispatcher.reserve "
+                                 "with the widest rows of the round trip)")
+        out = self.exchange.exchange(rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows, consume)
         mark(self.phase_timer, "exchange_back")
         return out
 
@@ -371,35 +445,34 @@ class NVSHMEMTransport(AllToAllTransport):
     # -- sizes and failures ---------------------------------------------------
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
-        need = plan.to_device(torch.tensor([x.shape[0], topk, *self._round_trip_bytes(x, topk)],
-                                           dtype=torch.int64), x.device)
+        stride = max(self.exchange.stride(b) for b in self._row_sizes(x, topk))
+        need = plan.to_device(torch.tensor([x.shape[0], topk, stride], dtype=torch.int64), x.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
-        tokens, most_topk, send_stride, recv_stride = need.tolist()  # host sync: the group's largest T, K, rows
-        self._capacity = (tokens, most_topk)
+        tokens, most_topk, stride = need.tolist()  # host sync: the group's largest T, K, row
+        self._capacity = (tokens, most_topk, stride)
+        rows = self.world_size * tokens  # R <= W T; S <= T min(K, W) <= W T
+        self.exchange.ensure(rows * stride, (rows + 1) * stride)
         if self._failed is None:  # the failure record, before any capture
             width = Summary.width(self.world_size, self.num_local_experts)
             self._failed = torch.zeros((), dtype=torch.bool, device=x.device)
             self._failure = torch.zeros(width, dtype=torch.int64, device=x.device)
-        self.exchange.ensure(tokens * min(most_topk, self.world_size) * send_stride,
-                             (self.world_size * tokens + 1) * recv_stride)
 
-    def _round_trip_bytes(self, x: torch.Tensor, topk: int) -> tuple[int, int]:
-        """The largest buffer strides of a round trip of x, expert outputs like
-        x, backward included: (rows sent, rows received)."""
+    def _row_sizes(self, x: torch.Tensor, topk: int) -> list[int]:
+        """The bytes of every kind of row a round trip of x moves, expert
+        outputs like x and backward included: rows to the experts, pre-sums,
+        slot lists (fp64 weights), per-slot values."""
         hidden, config = x.shape[1], self.config
         width = min(topk, self.num_local_experts)
-        rows = [to_experts_codec(wire, x.dtype).row_bytes(hidden)
-                for wire in (config.dispatch_wire, config.combine_grad_wire)]
-        rows += [sum_wire_dtype(wire, x.dtype).itemsize * hidden
-                 for wire in (config.combine_wire, config.dispatch_grad_wire)]
-        rows += [4 * (width + 1 + 2 * width), 8 * width]  # slot lists (fp64 weights), per-slot values
-        stride = max(self.exchange.stride(b) for b in rows)
-        return stride, stride
+        sizes = [to_experts_codec(wire, x.dtype).row_bytes(hidden)
+                 for wire in (config.dispatch_wire, config.combine_grad_wire)]
+        sizes += [sum_wire_dtype(wire, x.dtype).itemsize * hidden
+                  for wire in (config.combine_wire, config.dispatch_grad_wire)]
+        return sizes + [4 * (width + 1 + 2 * width), 8 * width]
 
     def _record(self, failed: torch.Tensor, summary: torch.Tensor) -> None:
         """Keep the first failed dispatch's summary on the device (in place: a
         captured dispatch records into the same tensors), and start the failure
-        flag's copy to the host (read by the next ``_poll``)."""
+        flag's copy to the host (read by the next dispatch's ``dispatch_word``)."""
         if self._failed is None:
             self._failed, self._failure = torch.zeros_like(failed), torch.zeros_like(summary)
         self._failure.copy_(torch.where(failed & ~self._failed, summary, self._failure))
@@ -411,24 +484,30 @@ class NVSHMEMTransport(AllToAllTransport):
             self._seen.copy_(self._failed, non_blocking=True)
             self._seen_at.record()
 
-    def _poll(self) -> None:
-        """Raise a failure recorded by an earlier dispatch that the host sees by now
-        (its flag's copy arrived; off CUDA, the flag itself)."""
-        if self._failed is None:
-            return
-        if self._failed.is_cuda:
-            if self._seen is not None and self._seen_at.query() and bool(self._seen):
-                self.check()
-        elif bool(self._failed):
-            self.check()
+    def _seen_failed(self) -> bool:
+        """Whether this rank knows on the host, without waiting, that a
+        dispatch failed: its own reason, or the failure flag's copy arrived
+        (off CUDA, the flag itself). Never while capturing."""
+        if self._local_error is not None:
+            return True
+        if self._failed is None or (self._failed.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return False
+        if not self._failed.is_cuda:
+            return bool(self._failed)
+        return self._seen is not None and self._seen_at.query() and bool(self._seen)
 
     def check(self) -> None:
+        local, self._local_error = self._local_error, None
         if self._failed is None or not bool(self._failed):  # host sync: the failure flag
+            if local is not None:
+                raise local
             return
         summary = Summary.read(self._failure.cpu(), self.world_size, self.num_local_experts)
         self._failed.zero_()  # raised once
         if self._seen is not None:
             self._seen.fill_(False)
+        if local is not None:
+            raise local
         headers = summary.headers.tolist()
         checks.check_peer_headers(headers)
         checks.check_peer_groups(summary.groups.tolist())
