@@ -14,15 +14,16 @@ pre-sums and the per-slot values home): through :class:`SymmetricExchange`,
 with the split sizes taken on the device from the all-gathered counts.
 
 With ``max_rows`` nothing is read on the host. The buffers have fixed bounds
-(S <= T min(K, W) rows sent, R <= N <= max_rows received, sized once for the
-group's largest T and K: ``reserve``); the rows past the real ones are masked;
-the checks the NCCL transport makes on the host (the ranks agree, no rank over
-a bound, no bad value) are made on the device (``checks.peers_fail``), every
-rank alike from the same all-gathered rows: a dispatch that fails them moves no
-row on any rank, its outputs are padding, and its error is raised at a later
-host read (the next dispatch that finds it, or ``check()``). Without
-``max_rows`` the plan reads its summary on the host as the NCCL transport does
-(its outputs have N rows).
+(S <= T min(K, W) and R <= W T rows, sized once for the group's largest T, K
+and rows: ``reserve``); the rows past the real ones are masked; the checks the
+NCCL transport makes on the host (the ranks agree, no rank over a bound, no
+bad value) are made on the device (``checks.peers_fail``), every rank alike
+from the same all-gathered rows: a dispatch that fails them moves no row on any
+rank, its outputs are padding and its sums zeros, and its error is raised on
+every rank at the next dispatch that some rank has seen it by (each dispatch's
+agreement over the host carries that), or by ``check()``. Without ``max_rows``
+the plan reads its summary on the host as the NCCL transport does (its outputs
+have N rows).
 """
 
 from __future__ import annotations
