@@ -121,7 +121,7 @@ class AllToAllTransport(Transport):
         weights = request.topk_weights.detach()
         planned, captured = self._counts_and_send_plan(request, plan.header(x, request.topk_weights,
                                                                             request.topk_idx.shape[1], request.ticket))
-        world, rank = self.world_size, self.rank
+        world = self.world_size
         local = self.num_local_experts
         # host sync: split sizes for NCCL, row counts, peers' headers
         summary = Summary.read(planned.summary.cpu(), world, local)
@@ -180,7 +180,7 @@ class AllToAllTransport(Transport):
         ``grouped_sends``: by groups, the sends in the grouped orders
         (``plan.group_orders``); else in one order whatever G (G still
         travels in the row, for the ranks to agree on)."""
-        x, topk_idx, ticket, groups = request.x, request.topk_idx, request.ticket, request.groups
+        x, topk_idx, groups = request.x, request.topk_idx, request.groups
         world, rank, num_experts = self.world_size, self.rank, self.config.num_experts
         num_tokens, topk = topk_idx.shape
         weights = request.topk_weights.detach()

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, comm, plan
+from dispatch import checks, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import PlanOutputs
 from dispatch.plan_graph import Summary
