@@ -33,7 +33,8 @@
 #             then bench/tma_probe.py (what 24 blocks and every SM move: copies, expansions, NVLink)
 #             and bench/duplex_probe.py (NVLink both ways at once, and an all-to-all's shape)
 #   deepep    build DeepEP (bench/build_deepep.sh; its source carried in .deepep/), then
-#             dispatch-bench dispatch with its row beside ours (host read, graphs) and Megatron's,
+#             dispatch-bench dispatch with its rows beside ours and Megatron's (its eager round trip,
+#             beside our eager one; its kernels along a cached layout, beside our CUDA graph),
 #             every routing (uniform, Zipf, all to one rank), then DeepEP's own
 #             tests/test_intranode.py (its tuned kernels at 24 SMs, DeepSeek-V3's shape)
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with

@@ -7,8 +7,12 @@ token that has an expert there once, rank-major, with its top-k ids and weights
 (no expansion to the expert-major rows that ours and Megatron's experts get);
 its combine sums the rows home unweighted. So that the row computes what ours
 does, the identity experts here multiply each received row by the sum of its
-local slots' weights (in fp32, cast to bf16) before the combine. Its dispatch
-reads the received count on the host once (as ours does without ``max_rows``).
+local slots' weights (in fp32, cast to bf16) before the combine. Two rows, each
+the fair pair of one of ours: eager (its layout kernel, and its dispatch reads
+the received count on the host once, as ours does without ``max_rows``),
+beside our eager round trip; and its kernels alone along a cached layout (its
+handle reused: no layout, no host read), beside our round trip captured in a
+CUDA graph.
 Its SM budget is DeepEP's usual 24 (``Buffer.set_num_sms``), its configs its
 defaults for the group size.
 """
@@ -44,11 +48,13 @@ def build_buffer(group=None):
 
 
 def deepep_round_trip(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                      num_experts: int, timer=None) -> torch.Tensor:
-    """Layout, dispatch, weighted identity experts, combine; ``[T, H]`` bf16.
+                      num_experts: int, timer=None):
+    """Layout, dispatch, weighted identity experts, combine: DeepEP eager.
+    Returns (``[T, H]`` bf16, the layout ``deepep_cached_round_trip`` reuses).
 
-    Phases marked on ``timer``: plan (the layout), exchange_out (dispatch),
-    presum (the experts' weighting), exchange_back (combine)."""
+    Phases marked on ``timer``: plan (the layout), exchange_out (dispatch, its
+    host read of the received count included), presum (the experts'
+    weighting), exchange_back (combine)."""
     import deep_ep
 
     idx = topk_idx.to(getattr(deep_ep, "topk_idx_t", torch.int64))
@@ -59,6 +65,22 @@ def deepep_round_trip(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
         topk_idx=idx, topk_weights=topk_weights.float())
     mark(timer, "exchange_out")
     scale = torch.where(recv_idx >= 0, recv_w, 0.0).sum(1, keepdim=True)
+    y = (recv_x.float() * scale).to(recv_x.dtype)
+    mark(timer, "presum")
+    out, _, _ = buffer.combine(y, handle)
+    mark(timer, "exchange_back")
+    return out, (handle, scale)
+
+
+def deepep_cached_round_trip(buffer, x: torch.Tensor, layout, timer=None) -> torch.Tensor:
+    """DeepEP's kernels alone: dispatch and combine along the layout of an
+    earlier round trip on the same routing (its handle reused: no layout
+    kernel and no host read, as its own tests time it, with its default tuned
+    configs), the same weighting; ``[T, H]`` bf16. Phases as
+    ``deepep_round_trip``'s, without plan."""
+    handle, scale = layout
+    recv_x = buffer.dispatch(x, handle=handle)[0]
+    mark(timer, "exchange_out")
     y = (recv_x.float() * scale).to(recv_x.dtype)
     mark(timer, "presum")
     out, _, _ = buffer.combine(y, handle)

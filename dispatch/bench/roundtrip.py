@@ -4,8 +4,8 @@ For each shape x routing, every variant x wire format of ours (the alltoall
 variant over NCCL, over the NVLink engine, and over the engine with ``max_rows``
 in CUDA graphs) and, on GPUs, Megatron-Core's ``alltoall`` and ``allgather``
 dispatchers when megatron-core imports and DeepEP's intranode kernels when
-``deep_ep`` imports (``dispatch.bench.deepep_baseline``), in the same processes
-and table:
+``deep_ep`` imports (eager, and along a cached layout: ``dispatch.bench.deepep_baseline``),
+in the same processes and table:
 
 * dispatch, combine and round-trip times (median and 10th-90th percentile over
   ``--iters`` timed runs after ``--warmup``, barrier first, CUDA events, the
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict | None:
     dtype = DTYPES[args.dtype]
     megatron = args.baselines == "auto" and dev.type == "cuda" and _megatron_importable()
     deepep = args.baselines == "auto" and dev.type == "cuda" and dtype == torch.bfloat16 and _deepep_importable()
-    baselines = (2 if megatron else 0) + (1 if deepep else 0)
+    baselines = (2 if megatron else 0) + (2 if deepep else 0)
     shapes = [common.SHAPES[s] for s in args.shapes]
     bad = [s.name for s in shapes if s.experts % world]
     if bad:
@@ -201,9 +201,9 @@ def run(args: argparse.Namespace) -> dict | None:
                     from dispatch.bench import deepep_baseline
 
                     dispatchers["deepep"] = deepep_baseline.build_buffer()
-                row = _deepep(dispatchers["deepep"], shape, routing, x, topk_idx, topk_weights, args, dev)
-                rows.append(row)
-                progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
+                for row in _deepep(dispatchers["deepep"], shape, routing, x, topk_idx, topk_weights, args, dev):
+                    rows.append(row)
+                    progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
     result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes}
     return result if rank == 0 else None
 
@@ -336,18 +336,27 @@ def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
     return _row(f"megatron {kind}", kind, "native", shape, routing, runs, wrong, traffic, PHASES)
 
 
-def _deepep(buffer, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
-    """DeepEP's intranode round trip (``dispatch.bench.deepep_baseline`` says what it includes)."""
+def _deepep(buffer, shape, routing, x, topk_idx, topk_weights, args, dev) -> list[dict]:
+    """DeepEP's intranode round trip eager, then its kernels along a cached
+    layout (``dispatch.bench.deepep_baseline`` says what each includes)."""
     from dispatch.bench import deepep_baseline as db
 
-    result = db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts)
+    result, layout = db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts)
     wrong = wrong_rows(result, x, topk_weights)
 
     def step(timer):
         db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts, timer=timer)
 
     runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
-    return _row("deepep (rank-major)", "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
+    eager = _row("deepep eager (layout, host read)", "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
+    cached = wrong_rows(db.deepep_cached_round_trip(buffer, x, layout), x, topk_weights)
+
+    def cached_step(timer):
+        db.deepep_cached_round_trip(buffer, x, layout, timer=timer)
+
+    runs = common.time_phases(cached_step, args.iters, args.warmup, dev, SECTIONS)
+    kernels = _row("deepep kernels (cached layout)", "deepep", "native", shape, routing, runs, cached, {}, PHASES)
+    return [eager, kernels]
 
 
 def _row(name, variant, wire, shape, routing, runs, wrong, traffic, phases) -> dict:
