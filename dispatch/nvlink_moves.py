@@ -96,10 +96,7 @@ class EngineMoves:
             row_lo=lo,
             row_hi=hi,
             tail_to=tail_to,
-            flags=self._flags,
-            seq=self._seq,
-            timeout_ns=self.timeout_ns,
-            status=self.status,
+            **self._waits(),
         )
         return out
 
@@ -116,6 +113,11 @@ class EngineMoves:
         token and its rows here (``presum`` [W * bound, J]), this rank and W."""
         return dict(matrix=counts.matrix, row_len=self.row_len, sends_col=SENDS_COL, tokens_at=counts.tokens_at,
                     presum=presum, width=presum.shape[1], tstride=counts.bound, me=self.rank, world=self.world)
+
+    def _waits(self) -> dict:
+        """The arguments by which a kernel waits for its peers (their flags, this
+        operation's sequence number, the timeout) and records a failure (status)."""
+        return dict(flags=self._flags, seq=self._seq, timeout_ns=self.timeout_ns, status=self.status)
 
     def _kernel(self, source: str, name: str, *types) -> "cuda.Kernel":
         """The kernel ``name`` of ``source`` for these template arguments (dtypes
@@ -243,10 +245,7 @@ class EngineMoves:
             tcap=self.capacity.tokens,
             world=self.world,
             out=out,
-            flags=self._flags,
-            seq=self._seq,
-            timeout_ns=self.timeout_ns,
-            status=self.status,
+            **self._waits(),
         )
         return out
 
@@ -285,9 +284,6 @@ class EngineMoves:
             pushed_copy=slots_copy,
             out=out,
             world=self.world,
-            flags=self._flags,
-            seq=self._seq,
-            timeout_ns=self.timeout_ns,
-            status=self.status,
+            **self._waits(),
         )
         return out.to(values.dtype)

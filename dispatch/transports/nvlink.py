@@ -354,7 +354,7 @@ def unusable(group, num_experts: int) -> str | None:
     device = torch.cuda.current_device()
     visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
     mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid), cuda.available(),
-            _symmetric_memory_importable())
+            _symmetric_memory_usable())
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)  # host sync: where every rank runs, what it has
     problem = None
@@ -381,7 +381,7 @@ def unusable(group, num_experts: int) -> str | None:
     return problem
 
 
-def _symmetric_memory_importable() -> bool:
+def _symmetric_memory_usable() -> bool:
     """Whether symmetric memory is there on CUDA's backend (torch fixes one per
     process at its first allocation: after a ``transport="nvshmem"``
     dispatcher's, NVSHMEM's, on which the engine does not run)."""
