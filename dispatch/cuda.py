@@ -174,49 +174,118 @@ def parameter_block(codes: str) -> tuple[struct.Struct, tuple[int, ...]]:
 
 
 class Kernel:
-    """One compiled kernel; calling it launches on torch's current stream."""
+    """One compiled kernel; calling it launches on torch's current stream, every
+    parameter named (``kernel(blocks, shared=0, **args)``). :meth:`bind` makes a
+    :class:`Launch` with some arguments fixed once."""
 
     def __init__(self, function, threads: int, signature: Signature) -> None:
         self._function, self.threads, self.signature = function, threads, signature
         self._handles: dict[int, int] = {}  # CUDA device -> the kernel's CUfunction there
-        self._local = threading.local()  # this thread's parameter block and launch configuration
+        self._unbound: Launch | None = None
 
     def __call__(self, blocks: int, shared: int = 0, **args) -> None:
+        launch = self._unbound or self.bind()
+        launch(blocks, shared, **args)
+
+    def bind(self, **bound) -> "Launch":
+        """A :class:`Launch` of this kernel with ``bound`` (parameters by name, as
+        a launch names them) packed once; no argument given: every one named at
+        each launch."""
+        launch = Launch(self, bound)
+        if not bound:
+            self._unbound = launch
+        return launch
+
+    def handle(self, device: int) -> int:
+        """The kernel's CUfunction on CUDA device ``device`` (loaded on first use)."""
+        handle = self._handles.get(device)
+        if handle is None:
+            with _cupy().cuda.Device(device):
+                handle = self._handles[device] = self._function.kernel.ptr  # the module loaded on that device
+        return handle
+
+
+class Launch:
+    """Launches of one kernel whose ``bound`` arguments were packed once (values
+    that hold for many launches: an engine's buffers and constants, a shape's
+    sizes); each call names the rest (``launch(blocks, shared=0, **free)``),
+    every one of them, and only those: a missing or unknown name (or one
+    bound) raises TypeError naming it. One parameter block per thread, its
+    bound values written when it is made and the free ones at each launch
+    (the driver copies the block at the call)."""
+
+    def __init__(self, kernel: Kernel, bound: dict) -> None:
+        signature = kernel.signature
+        unknown = sorted(set(bound) - set(signature.names))
+        if unknown:
+            raise TypeError(f"a launch binds parameters of the kernel only: unknown {unknown}")
+        self.kernel = kernel
+        self.free = tuple(n for n in signature.names if n not in bound)
+        # the bound values as they travel, by place (a pointer's address), None where free
+        values = arguments(signature, {**dict.fromkeys(self.free, 0), **bound})
+        self._bound = tuple(None if n in self.free else v for n, v in zip(signature.names, values))
+        self._pack = _packer(signature, self.free)
+        self._local = threading.local()
+
+    def __call__(self, blocks: int, shared: int = 0, **free) -> None:
         device = torch.cuda.current_device()  # the CUDA runtime's current device, which the launch uses
-        handle = self._handles.get(device) or self._load(device)
-        layout, block, params = getattr(self._local, "block", None) or self._block()
-        # this thread's block, refilled for each launch: the driver copies it at the call
-        layout.pack_into(block, 0, *arguments(self.signature, args))
-        config = getattr(self._local, "config", None) or self._config()
-        config.gridDimX, config.blockDimX, config.sharedMemBytes = max(int(blocks), 1), self.threads, shared
+        handle = self.kernel.handle(device)
+        made = getattr(self._local, "made", None) or self._make()
+        pack_into, block, config, config_at, params_at = made
+        try:
+            self._pack(pack_into, block, free, self._bound)
+        except KeyError:  # a name missing or unknown: the error names them
+            missing, unknown = [n for n in self.free if n not in free], sorted(set(free) - set(self.free))
+            raise TypeError(f"a launch must name every parameter of the kernel once: missing {missing}, "
+                            f"unknown {unknown}") from None
+        config.gridDimX, config.sharedMemBytes = max(int(blocks), 1), shared
         config.hStream = _raw_stream(device)
         config.numAttrs = 1 if _dependent_launch(device) else 0
-        _check(_launch()(ctypes.addressof(config), handle, ctypes.addressof(params), None), "cuLaunchKernelEx")
+        _check(_launch()(config_at, handle, params_at, None), "cuLaunchKernelEx")
 
-    def _config(self) -> "LaunchConfig":
-        """This thread's launch configuration, kept for its later launches (the
-        grid, block, shared memory and stream are set at each)."""
-        attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-        attribute.value[0] = 1  # programmaticStreamSerializationAllowed
-        # the pointer in the configuration keeps the attribute alive
-        config = self._local.config = LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1,
-                                                   attrs=ctypes.pointer(attribute))
-        return config
-
-    def _block(self) -> tuple:
-        """(packer, parameter block, the array of the parameters' addresses in it),
-        kept for the thread's later launches."""
-        layout, offsets = parameter_block(self.signature.codes)
+    def _make(self) -> tuple:
+        """This thread's (packer, parameter block, launch configuration and the
+        addresses of both that the driver takes), kept for its later launches.
+        The configuration allows programmatic dependent launch (its attribute,
+        kept alive by the pointer in it); grid, shared memory and stream are set
+        at each launch."""
+        layout, offsets = parameter_block(self.kernel.signature.codes)
         block = ctypes.create_string_buffer(max(layout.size, 1))
         base = ctypes.addressof(block)
         params = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
-        made = self._local.block = (layout, block, params)
+        attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+        config = LaunchConfig(gridDimY=1, gridDimZ=1, blockDimX=self.kernel.threads, blockDimY=1, blockDimZ=1,
+                              attrs=ctypes.pointer(attribute))
+        made = self._local.made = (layout.pack_into, block, config, ctypes.addressof(config),
+                                   ctypes.addressof(params))
+        self._local.keep = params  # the addresses' array lives as long as the thread's block
         return made
 
-    def _load(self, device: int) -> int:
-        with _cupy().cuda.Device(device):
-            handle = self._handles[device] = self._function.kernel.ptr  # the module loaded on that device
-        return handle
+
+@functools.lru_cache(maxsize=None)
+def _packer(signature: Signature, free: tuple[str, ...]):
+    """``pack(pack_into, block, args, bound)``: a launch's values packed into
+    ``block`` in the order of ``signature``: the ``free`` parameters from
+    ``args`` (a pointer's tensor as its data pointer, None as 0), every one and
+    nothing else (KeyError otherwise), the others from ``bound`` (by place, as
+    they travel). One function made per (signature, free names): no loop over
+    the parameters at each launch."""
+    values = []
+    for i, name in enumerate(signature.names):
+        if name not in free:
+            values.append(f"c[{i}]")
+        elif i in signature.pointers:  # a tensor's data pointer, an address, or None for 0
+            values.append(f"(0 if (v := a[{name!r}]) is None else v if v.__class__ is int else v.data_ptr())")
+        else:
+            values.append(f"a[{name!r}]")
+    source = (f"def pack(pack_into, block, a, c):\n"
+              f"    if len(a) != {len(free)}:\n"
+              f"        raise KeyError\n"
+              f"    pack_into(block, 0, {', '.join(values)})\n")
+    scope: dict = {}
+    exec(source, scope)  # names and places from csrc/'s declarations (``signature``), nothing else
+    return scope["pack"]
 
 
 def arguments(signature: Signature, args: dict) -> list:
@@ -300,10 +369,14 @@ def _stream_object(stream_id: int, device_index: int, device_type: int) -> "torc
     return torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
 
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _raw_stream(device: int) -> int:
     """The handle of torch's current stream on ``device``."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    if _CURRENT_RAW_STREAM is not None:
+        return _CURRENT_RAW_STREAM(device)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 _OPTIONS = ("-std=c++17",)  # NVRTC options (with the include path of csrc/)

@@ -122,13 +122,17 @@ class Engine(EngineMoves):
         self.capacity = Capacity()
         self._regions = Capacity().regions(self.world)
         self._kernels: dict = {}
+        # launches made per shape, their arguments that hold while the buffers last bound (a
+        # buffer grown empties it)
+        self._launches: dict = {}
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._scratch = torch.zeros(0, dtype=torch.int32, device=self.device)  # the layout's zeroed words
         # (event recorded after the latest operation, the id of the CUDA graph capture it was
-        # recorded in or None)
+        # recorded in or None, its stream)
         self._last: tuple | None = None
+        self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (_Ordered)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
         self._polled_event: torch.cuda.Event | None = None
         # operations issued so far that may write the peers' buffers or raise an epoch (a
@@ -214,6 +218,7 @@ class Engine(EngineMoves):
         self._data, self._data_handle = data, handle
         self._data_ptrs = _pointers(handle, self.device)
         self.capacity, self._regions = capacity, regions
+        self._launches.clear()  # their bound addresses and sizes were the outgrown buffer's
 
     def _region(self, name: str) -> tuple[int, int]:
         """(offset of copy 0, bytes between the copies) of a region of the data buffer."""
@@ -291,89 +296,51 @@ class Engine(EngineMoves):
                          groups: int = 1) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
-        stage_row = 0 if rows is None else staged_row_bytes(codec, rows.shape[1])
-        fits = self._fits(tokens, topk, stage_row)
-        lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
-        chunks = -(-tokens // (self._scan_warps * cuda.SCAN_TILES * (32 // lanes)))  # the scan's blocks
+        hidden = 0 if rows is None else rows.shape[1]
+        fits, layout, counts, sizes = self._counts_launches(
+            tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden, check_values,
+            groups)
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
         # kernels get addresses into it: int32 words at these offsets), zeroed again by
         # exchange_counts once read
-        words = self.row_len + 1 + chunks
-        row_at = self._zeroed(words).data_ptr()
-        route = torch.empty(tokens, topk, 4, dtype=torch.int32, device=device)
-        lists = torch.empty(self.world, tokens, dtype=torch.int32, device=device)
-        hit = torch.empty(tokens, dtype=torch.int32, device=device)
-        route_start, route_copy = self._region("route") if fits else (0, 0)
-        lists_start, lists_copy = self._region("lists") if fits else (0, 0)
+        row_at = self._zeroed(counts.words).data_ptr()
+        # the dispatch's int32 words in one allocation: routes, lists, hits, the exchange's output,
+        # the scan's sums
+        route, lists, hit, out, scan_sums = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)
+        route, lists = route.view(tokens, topk, 4), lists.view(self.world, tokens)
         if tokens:
-            scan_sums = torch.empty(2 * chunks * (self.num_experts + self.world), dtype=torch.int32, device=device)
             # the rows staged beside the layout, by blocks of the same launch, where they fit
             wire = codec.pack(rows) if fits and rows is not None else None
-            stage_blocks = 0 if wire is None else self._copy_grid(tokens)
-            stage_start, stage_copy = self._region("stage") if wire is not None else (0, 0)
-            self._kernel("layout.cu", "route_layout", topk_idx.dtype, weights.dtype)(
-                chunks + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
+            layout.launch(
+                layout.blocks,
                 topk_idx=topk_idx,
                 weights=weights,
-                tokens=tokens,
-                topk=topk,
-                experts=self.num_experts,
-                experts_per_rank=self.experts_per_rank,
                 route=route,
-                shared_route=self._data.data_ptr() + route_start if fits else 0,
-                copy_bytes=route_copy,
-                seq=self._seq,
                 counts=row_at + 4 * self.counts_col,
                 sends=row_at + 4 * SENDS_COL,
                 lists=lists,
-                shared_lists=self._data.data_ptr() + lists_start if fits else 0,
-                lists_copy=lists_copy,
-                list_stride=self.capacity.tokens,
-                chunks=chunks,
-                scan_warps=self._scan_warps,
                 scan_state=row_at + 4 * self.row_len,
                 scan_sums=scan_sums,
                 hit=hit,
                 bad=row_at + 4 * plan.HEADER.index("failed") if check_values else 0,
                 stage_src=wire,
                 src_stride=0 if wire is None else wire.stride(0) * wire.element_size(),
-                row_bytes=0 if wire is None else codec.row_bytes(rows.shape[1]),
-                stage_dst=0 if wire is None else self._data.data_ptr() + stage_start,
-                stage_copy=stage_copy,
-                dst_stride=stage_row,
-                stage_blocks=stage_blocks,
-                shared=4 * self._scan_warps * (self.num_experts + self.world),
+                shared=layout.shared,
             )
         world, length, local = self.world, self.row_len, self.experts_per_rank
-        out = torch.empty(4 + world * length + world * local + 1 + groups, dtype=torch.int32, device=device)
         per_expert = torch.empty(local, dtype=torch.int64, device=device)
         places = 4 + world * length  # src_start, then num_rows, then group_end
         at = out.data_ptr()
-        self._kernel("layout.cu", "exchange_counts")(
+        counts.launch(
             1,
-            meta_ptrs=self._meta_ptrs,
-            rows_offset=self.rows_offset,
-            matrix_bytes=self._matrix_stride,
-            me=self.rank,
-            world=world,
-            row_len=length,
-            count_start=self.counts_col,
-            experts_per_rank=local,
             row=row_at,
-            scratch_words=words,
             **dict(zip(plan.HEADER, header)),
-            tokens=tokens,
-            staged=int(fits),
-            groups=groups,
-            seq=self._seq,
-            timeout_ns=self.timeout_ns,
-            status=self.status,
             out=at,
             tokens_per_expert=per_expert,
             src_start=at + 4 * places,
             num_rows=at + 4 * (places + world * local),
             group_end=at + 4 * (places + world * local + 1),
-            shared=4 * (local + 1 + world * local),
+            shared=counts.shared,
         )
         matrix = out[4 : 4 + world * length].view(world, length)
         src_start = out[places : places + world * local]
@@ -396,6 +363,88 @@ class Engine(EngineMoves):
         return Counts(matrix, matrix_host, received, bound, per_expert, src_start, num_rows, route, lists,
                       self._tokens_at(bound), hit, staged, group_end)
 
+    def _counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,
+                         hidden: int, check_values: bool, groups: int) -> tuple:
+        """(whether the routes and rows fit the buffers, the routing layout's launch,
+        the counts exchange's launch, the int32 words of the dispatch's routes,
+        lists, hits, exchange output and scan sums) of a dispatch of this
+        shape (``codec``: the rows' staged with the counts, None for none): made
+        once per shape while the buffers last (``_launches``), the arguments that
+        hold for every such dispatch bound."""
+        key = ("counts", tokens, topk, idx_dtype, weight_dtype, codec, hidden, check_values, groups)
+        made = self._launches.get(key)
+        return made if made is not None else self._cache(key, self._make_counts_launches(
+            tokens, topk, idx_dtype, weight_dtype, codec, hidden, check_values, groups))
+
+    def _make_counts_launches(self, tokens, topk, idx_dtype, weight_dtype, codec, hidden, check_values,
+                              groups) -> tuple:
+        stage_row = 0 if codec is None else staged_row_bytes(codec, hidden)
+        fits = self._fits(tokens, topk, stage_row)
+        lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
+        chunks = -(-tokens // (self._scan_warps * cuda.SCAN_TILES * (32 // lanes)))  # the scan's blocks
+        words = self.row_len + 1 + chunks
+        layout = None
+        if tokens:
+            stage = fits and codec is not None
+            stage_blocks = self._copy_grid(tokens) if stage else 0
+            route_start, route_copy = self._region("route") if fits else (0, 0)
+            lists_start, lists_copy = self._region("lists") if fits else (0, 0)
+            stage_start, stage_copy = self._region("stage") if stage else (0, 0)
+            data = self._data.data_ptr() if fits else 0
+            launch = self._kernel("layout.cu", "route_layout", idx_dtype, weight_dtype).bind(
+                tokens=tokens,
+                topk=topk,
+                experts=self.num_experts,
+                experts_per_rank=self.experts_per_rank,
+                shared_route=data + route_start if fits else 0,
+                copy_bytes=route_copy,
+                seq=self._seq,
+                shared_lists=data + lists_start if fits else 0,
+                lists_copy=lists_copy,
+                list_stride=self.capacity.tokens,
+                chunks=chunks,
+                scan_warps=self._scan_warps,
+                row_bytes=codec.row_bytes(hidden) if stage else 0,
+                stage_dst=data + stage_start if stage else 0,
+                stage_copy=stage_copy,
+                dst_stride=stage_row,
+                stage_blocks=stage_blocks,
+            )
+            layout = _Bound(launch, chunks + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
+                            4 * self._scan_warps * (self.num_experts + self.world))
+        world, local = self.world, self.experts_per_rank
+        launch = self._kernel("layout.cu", "exchange_counts").bind(
+            meta_ptrs=self._meta_ptrs,
+            rows_offset=self.rows_offset,
+            matrix_bytes=self._matrix_stride,
+            me=self.rank,
+            world=world,
+            row_len=self.row_len,
+            count_start=self.counts_col,
+            experts_per_rank=local,
+            scratch_words=words,
+            tokens=tokens,
+            staged=int(fits),
+            groups=groups,
+            seq=self._seq,
+            timeout_ns=self.timeout_ns,
+            status=self.status,
+        )
+        counts = _Bound(launch, 1, 4 * (local + 1 + world * local), words=words)
+        # int32 words of the routes, the lists, the hits, the exchange's output, the scan's sums
+        sizes = (tokens * topk * 4, world * tokens, tokens, 4 + world * self.row_len + world * local + 1 + groups,
+                 2 * chunks * (self.num_experts + world) if tokens else 0)
+        return fits, layout, counts, sizes
+
+    def _cache(self, key: tuple, made):
+        """Keep ``made`` (launches of one shape) under ``key`` in ``_launches``: at most
+        256 shapes, emptied when full (shapes that change at every call, such as T
+        in serving, cost the making of their launches again, not memory)."""
+        if len(self._launches) >= 256:
+            self._launches.clear()
+        self._launches[key] = made
+        return made
+
     def _zeroed(self, words: int) -> torch.Tensor:
         """At least ``words`` zero int32 words for the routing layout (its row, the
         scan's ticket and chunk states), which exchange_counts zeroes again once it
@@ -416,12 +465,26 @@ class Engine(EngineMoves):
         return torch.empty(self.world * bound, dtype=torch.int32, device=self.device)
 
 
+class _Bound:
+    """A launch made once per shape (``cuda.Launch``, its shape's arguments bound),
+    with its grid, dynamic shared memory and what else the call needs (``extra``
+    as attributes)."""
+
+    def __init__(self, launch: "cuda.Launch", blocks: int, shared: int, **extra) -> None:
+        self.launch, self.blocks, self.shared = launch, blocks, shared
+        self.__dict__.update(extra)
+
+
 class _Ordered:
     """See :meth:`Engine._ordered`. Inside a CUDA graph capture an operation
     waits only for one recorded in the same capture (a capture may not wait for
     another's events; graphs, such as a layer's forward and backward captured
     apart, are ordered by the stream they are replayed on), and eager work only
-    for eager work."""
+    for eager work. An operation on the stream of the one before it needs no
+    wait (the stream orders them); eager operations record one event of the
+    engine's again and again (a wait takes the record it follows when it is
+    queued), a captured one an event of its own (its graph records it at each
+    replay)."""
 
     def __init__(self, engine: Engine, writes: bool) -> None:
         self.engine, self.writes = engine, writes
@@ -430,15 +493,21 @@ class _Ordered:
         device = self.engine.device
         self.stream, self.capture = cuda.current_stream(device.index), cuda.capture_id(device)
         last = self.engine._last
-        if last is not None and last[1] == self.capture:
+        if last is not None and last[1] == self.capture and last[2] is not self.stream:
             self.stream.wait_event(last[0])
 
     def __exit__(self, *exc) -> bool:
-        event = torch.cuda.Event()
+        engine = self.engine
+        if self.capture is None:
+            event = engine._eager_event
+            if event is None:
+                event = engine._eager_event = torch.cuda.Event()
+        else:
+            event = torch.cuda.Event()
+            engine._captured = True
         event.record(self.stream)  # the operation's stream and capture: an operation stays on its stream
-        self.engine._last = (event, self.capture)
-        self.engine._captured |= self.capture is not None
-        self.engine.operations += int(self.writes)
+        engine._last = (event, self.capture, self.stream)
+        engine.operations += int(self.writes)
         return False
 
 

@@ -46,7 +46,8 @@ class Capacity:
     part_row: int = 0  # bytes of a partial row
 
     def covers(self, other: "Capacity") -> bool:
-        return all(getattr(self, f) >= getattr(other, f) for f in ("tokens", "topk", "stage_row", "part_row"))
+        return (self.tokens >= other.tokens and self.topk >= other.topk and self.stage_row >= other.stage_row
+                and self.part_row >= other.part_row)
 
     def union(self, other: "Capacity") -> "Capacity":
         tokens = max(self.tokens, other.tokens)

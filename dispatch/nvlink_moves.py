@@ -61,44 +61,61 @@ class EngineMoves:
         # the rows zeroed: [N, num_rows), or a padded group's [its end, its bound)
         tail_from, tail_to = (counts.num_rows, num_rows) if group is None else (counts.group_end[group:], hi)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
-        acc = torch.float64 if torch.float64 in (rows.dtype, wire) and not fp8 else torch.float32
-        route_start, route_copy = self._region("route")
-        stage_start, stage_copy = self._region("stage")
-        lists_start, lists_copy = self._region("lists")
-        self._kernel(
-            "intranode_dispatch.cu", "pull_rows", torch.uint8 if fp8 else wire, str(fp8), rows.dtype, acc,
-            "true" if from_route else "false", weights.dtype if from_route else torch.float32,
-        )(
+        key = ("pull", codec, rows.dtype, hidden, topk, presum.shape[1], None if weights is None else weights.dtype)
+        launch = self._launches.get(key) or self._cache(key, self._pull_launch(*key[1:]))
+        launch(
             self._row_grid(max(counts.items, num_rows)),
-            data_ptrs=self._data_ptrs,
-            route_off=route_start,
-            route_copy=route_copy,
-            stage_off=stage_start,
-            stage_copy=stage_copy,
-            stage_row=stage_row,
-            scales_at=quantize.codes_bytes(hidden),
-            lists_off=lists_start,
-            lists_copy=lists_copy,
-            list_stride=self.capacity.tokens,
-            **self._items(counts, presum),
+            matrix=counts.matrix,
+            tokens_at=counts.tokens_at,
+            presum=presum,
+            tstride=counts.bound,
             src_start=counts.src_start,
             num_rows=tail_from,
-            experts_per_rank=self.experts_per_rank,
-            topk=topk,
-            hidden=hidden,
             out=out,
             max_rows=num_rows,
             slot_k=slot_k,
             out_weights=weights,
             out_src_rank=src_rank,
             out_src_token=src_token,
-            out_max=quantize._out_max(rows.dtype) if fp8 else 0.0,
             row_lo=lo,
             row_hi=hi,
             tail_to=tail_to,
-            **self._waits(),
         )
         return out
+
+    def _pull_launch(self, codec, dtype: torch.dtype, hidden: int, topk: int, width: int,
+                     weight_dtype: torch.dtype | None) -> "cuda.Launch":
+        """``pull_rows`` for rows of ``dtype`` [., H] under ``codec``, routes of K slots
+        and J = ``width`` rows a (source rank, token) here at most, the places'
+        weights in ``weight_dtype`` (None: a move along a plan); what holds for
+        every such pull bound (``_launches``)."""
+        wire, fp8 = _wire_of(codec, dtype)
+        acc = torch.float64 if torch.float64 in (dtype, wire) and not fp8 else torch.float32
+        from_route = weight_dtype is not None
+        route_start, route_copy = self._region("route")
+        stage_start, stage_copy = self._region("stage")
+        lists_start, lists_copy = self._region("lists")
+        return self._kernel(
+            "intranode_dispatch.cu", "pull_rows", torch.uint8 if fp8 else wire, str(fp8), dtype, acc,
+            "true" if from_route else "false", weight_dtype if from_route else torch.float32,
+        ).bind(
+            data_ptrs=self._data_ptrs,
+            route_off=route_start,
+            route_copy=route_copy,
+            stage_off=stage_start,
+            stage_copy=stage_copy,
+            stage_row=staged_row_bytes(codec, hidden),
+            scales_at=quantize.codes_bytes(hidden),
+            lists_off=lists_start,
+            lists_copy=lists_copy,
+            list_stride=self.capacity.tokens,
+            **self._walk(width),
+            experts_per_rank=self.experts_per_rank,
+            topk=topk,
+            hidden=hidden,
+            out_max=quantize._out_max(dtype) if fp8 else 0.0,
+            **self._waits(),
+        )
 
     def _row_grid(self, rows: int) -> int:
         """Blocks of a kernel that moves ``rows`` rows, a warp a row or a segment of one
@@ -111,8 +128,12 @@ class EngineMoves:
         """The arguments by which a kernel walks this rank's items (source rank s, j)
         and their rows: the counts matrix (this rank's column of sends), each item's
         token and its rows here (``presum`` [W * bound, J]), this rank and W."""
-        return dict(matrix=counts.matrix, row_len=self.row_len, sends_col=SENDS_COL, tokens_at=counts.tokens_at,
-                    presum=presum, width=presum.shape[1], tstride=counts.bound, me=self.rank, world=self.world)
+        return dict(matrix=counts.matrix, tokens_at=counts.tokens_at, presum=presum, tstride=counts.bound,
+                    **self._walk(presum.shape[1]))
+
+    def _walk(self, width: int) -> dict:
+        """The part of ``_items`` that holds for every dispatch of J = ``width``."""
+        return dict(row_len=self.row_len, sends_col=SENDS_COL, width=width, me=self.rank, world=self.world)
 
     def _waits(self) -> dict:
         """The arguments by which a kernel waits for its peers (their flags, this
@@ -192,19 +213,14 @@ class EngineMoves:
         with ``by_group`` = (row pointers [G'], weight pointers [G'], bounds, G',
         (lo, hi), signal) those one group completes."""
         hidden = rows.shape[1] if hidden is None else hidden
-        part_row = partial_row_bytes(wire, hidden)
-        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, part_row))
-        weight_dtype = torch.float32 if weights is None else weights.dtype
-        acc = torch.float64 if torch.float64 in (rows.dtype, wire, weight_dtype) else torch.float32
-        part_start, part_copy = self._region("partials")
+        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, partial_row_bytes(wire, hidden)))
         if by_group is None:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = None, None, None, 0, (0, 2**62), True
         else:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = by_group
-        self._kernel(
-            "intranode_combine.cu", "push_partials", rows.dtype, weight_dtype, "false" if weights is None else "true",
-            wire, acc, str(cuda.SUM_ROWS if presum.shape[1] > 2 else 1),  # rows a lane loads together
-        )(
+        key = ("push", rows.dtype, None if weights is None else weights.dtype, wire, hidden, presum.shape[1])
+        launch = self._launches.get(key) or self._cache(key, self._push_launch(*key[1:]))
+        launch(
             self._row_grid(counts.items),
             y=rows,
             weights=weights,
@@ -214,40 +230,62 @@ class EngineMoves:
             parts=parts,
             row_lo=lo,
             row_hi=hi,
-            **self._items(counts, presum),
+            matrix=counts.matrix,
+            tokens_at=counts.tokens_at,
+            presum=presum,
+            tstride=counts.bound,
+            signal=int(signal),
+        )
+
+    def _push_launch(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
+                     width: int) -> "cuda.Launch":
+        """``push_partials`` for rows of ``dtype`` [., H], weights of ``weight_dtype``
+        (None: none), pre-sums in ``wire``, J = ``width``; what holds for every such
+        push bound (``_launches``)."""
+        weighted = weight_dtype is not None
+        weight_dtype = weight_dtype or torch.float32
+        acc = torch.float64 if torch.float64 in (dtype, wire, weight_dtype) else torch.float32
+        part_start, part_copy = self._region("partials")
+        return self._kernel(
+            "intranode_combine.cu", "push_partials", dtype, weight_dtype, "true" if weighted else "false",
+            wire, acc, str(cuda.SUM_ROWS if width > 2 else 1),  # rows a lane loads together
+        ).bind(
+            **self._walk(width),
             hidden=hidden,
             data_ptrs=self._data_ptrs,
             part_off=part_start,
             part_copy=part_copy,
-            part_row=part_row,
+            part_row=partial_row_bytes(wire, hidden),
             tcap=self.capacity.tokens,
             flag_ptrs=self._meta_ptrs,
             seq=self._seq,
             counter=self._counter,
             status=self.status,
-            signal=int(signal),
         )
 
     def _home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
                   at_least: torch.dtype | None) -> torch.Tensor:
         tokens = counts.route.shape[0]
-        part_start, part_copy = self._region("partials")
         out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
         home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
-        self._kernel("intranode_combine.cu", "home_sum", wire, dtype, home_acc)(
-            self._row_grid(tokens),
-            hit=counts.hit,
-            tokens=tokens,
+        key = ("home", wire, dtype, home_acc, hidden)
+        launch = self._launches.get(key) or self._cache(key, self._home_launch(*key[1:]))
+        launch(self._row_grid(tokens), hit=counts.hit, tokens=tokens, out=out)
+        return out
+
+    def _home_launch(self, wire: torch.dtype, dtype: torch.dtype, acc: torch.dtype, hidden: int) -> "cuda.Launch":
+        """``home_sum`` of pre-sums in ``wire`` into rows of ``dtype`` [T, H], summed in
+        ``acc``; what holds for every such sum bound (``_launches``)."""
+        part_start, part_copy = self._region("partials")
+        return self._kernel("intranode_combine.cu", "home_sum", wire, dtype, acc).bind(
             hidden=hidden,
             partials=self._data.data_ptr() + part_start,
             part_copy=part_copy,
             part_row=partial_row_bytes(wire, hidden),
             tcap=self.capacity.tokens,
             world=self.world,
-            out=out,
             **self._waits(),
         )
-        return out
 
     def slots_home(self, values, counts: Counts, presum, slot_k) -> torch.Tensor:
         with self._ordered():

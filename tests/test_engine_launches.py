@@ -56,6 +56,16 @@ class _Checked:
         layout.pack(*cuda.arguments(sig, args))  # every name given once, every value fits its C type
         self.launches.append(self.name)
 
+    def bind(self, **bound):
+        """A launch with ``bound`` given once, checked with the free arguments at each launch."""
+        unknown = set(bound) - set(self.signature.names)
+        assert not unknown, f"{self.name}: binds {sorted(unknown)}"
+
+        def launch(blocks, shared=0, **free):
+            assert not set(free) & set(bound), f"{self.name}: {sorted(set(free) & set(bound))} bound and given"
+            self(blocks, shared, **bound, **free)
+        return launch
+
 
 KNOWN: dict = {}  # the values the launches of the running test must pass (``launches``)
 
@@ -85,7 +95,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e.capacity, e._regions = capacity, capacity.regions(world)
     e._data = torch.zeros(e._regions["total"][0], dtype=torch.uint8)
     e._data_ptrs = torch.zeros(world, dtype=torch.int64)
-    e._kernels, e._retired, e._captured, e._last = {}, [], False, None
+    e._kernels, e._launches, e._retired, e._captured, e._last, e._eager_event = {}, {}, [], False, None, None
     e.status = torch.zeros(4, dtype=torch.int32)
     e._seq = torch.zeros(1, dtype=torch.int32)
     e._counter = torch.zeros(1, dtype=torch.int32)
@@ -353,3 +363,59 @@ def test_the_layout_scan_takes_the_warps_whose_counts_fit():
     assert scan_warps(limit - 8, 8) == 1
     assert scan_warps(limit - 7, 8) == 0  # unusable() names num_experts
     assert scan_warps(1024, 8) == cuda.SCAN_SHARED // (4 * 1032)
+
+
+def test_each_kernels_packer_lays_its_arguments_as_the_signature_does():
+    """The function a launch packs its arguments with (``cuda._packer``, made per
+    signature and free names) writes the bytes the signature's layout packs from
+    ``arguments``, for every kernel of csrc/, whether every argument is named at
+    the launch or some were bound before (as they travel, by place); a free name
+    missing or unknown raises KeyError (the launch then names them)."""
+    pointer = torch.zeros(3)
+    for (source, name), sig in SIGNATURES.items():
+        layout, _ = cuda.parameter_block(sig.codes)
+        args = {}
+        for i, (param, code) in enumerate(zip(sig.names, sig.codes)):
+            args[param] = ((pointer, None, 4096)[i % 3] if i in sig.pointers
+                           else 0.25 * i if code in "fd" else i + 1)
+        want = layout.pack(*cuda.arguments(sig, args))
+        travelled = cuda.arguments(sig, args)
+        for free in (sig.names, sig.names[::2]):
+            bound = tuple(None if n in free else v for n, v in zip(sig.names, travelled))
+            given = {n: args[n] for n in free}
+            block = ctypes.create_string_buffer(max(layout.size, 1))
+            cuda._packer(sig, free)(layout.pack_into, block, given, bound)
+            assert block.raw[: layout.size] == want, f"{source}:{name}"
+            for wrong in ({**given, "unknown": 1}, {k: v for k, v in given.items() if k != free[-1]}):
+                with pytest.raises(KeyError):
+                    cuda._packer(sig, free)(layout.pack_into, block, wrong, bound)
+
+
+def test_a_launch_with_bound_arguments_hands_the_driver_the_same_block(monkeypatch):
+    """``Kernel.bind``: the bound values packed once, the free ones named at each
+    launch, the block the driver gets the one an unbound launch of the same
+    values gives; a free name missing, unknown or bound again is named."""
+    blocks = []
+
+    def launch(config, handle, params, extra):
+        at = (ctypes.c_void_p * 5).from_address(params)
+        blocks.append([struct.unpack(c, ctypes.string_at(at[i], struct.calcsize(c)))[0]
+                       for i, c in enumerate("iQqIf")])
+        return 0
+
+    monkeypatch.setattr(cuda, "_launch", lambda: launch)
+    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(cuda, "_dependent_launch", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = cuda.Kernel(None, cuda.THREADS, cuda.Signature(0, ("a", "p", "b", "c", "d"), "iQqIf", (1,)))
+    kernel._handles[0] = 1
+    pointer = torch.zeros(2)
+    bound = kernel.bind(p=pointer, c=7)
+    for i in range(2):
+        bound(1, a=i, b=-i, d=0.5 * i)
+        kernel(1, a=i, p=pointer, b=-i, c=7, d=0.5 * i)
+        assert blocks[-1] == blocks[-2] == [i, pointer.data_ptr(), -i, 7, 0.5 * i]
+    with pytest.raises(TypeError, match=r"missing \['d'\], unknown \['c'\]"):
+        bound(1, a=0, b=0, c=7)
+    with pytest.raises(TypeError, match=r"unknown \['e'\]"):
+        kernel.bind(e=1)
