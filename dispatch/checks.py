@@ -23,6 +23,7 @@ leaves the dispatcher usable.
 from __future__ import annotations
 
 import numbers
+from typing import Callable
 
 import torch
 
@@ -187,7 +188,17 @@ def free_bytes(device: torch.device) -> int | None:
     return free + reserved - allocated
 
 
-def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int) -> None:
+def device_free_bytes(device: torch.device) -> int | None:
+    """A lower bound of :func:`free_bytes` at a third of its cost: the device's
+    free memory alone (what torch's caching allocator holds unused not
+    counted); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(torch.cuda.current_device() if device.index is None else device.index)[0]
+
+
+def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int,
+                      exact: Callable[[], list[int]] | None = None) -> None:
     """Refuse, on every rank alike, a dispatch in which some rank would receive
     more rows than its ``max_rows``, or need more than its free device memory
     holds (the ``memory_rows`` of ``plan.header``: its outputs have N rows, or
@@ -197,6 +208,10 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int)
         headers: [W, len(HEADER)] every rank's header (host int64 tensor, or lists).
         rows_of: N of every rank.
         row_bytes: bytes the dispatch allocates per received row (for the message).
+        exact: where the headers' memory budgets are lower bounds
+            (:func:`device_free_bytes`), a collective giving every rank's exact
+            one (:func:`free_bytes`), made only where some rank falls short of
+            its lower bound (every rank alike: they see the same headers and N).
     Raises:
         ValueError after the counts exchange and before any token moves.
     """
@@ -216,6 +231,10 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int)
                          "no token moved")
     short = [f"rank {r}: {max(n, m)} rows, its free device memory holds {f}"
              for r, (n, m, f) in enumerate(zip(rows_of, max_rows, memory)) if 0 <= f < max(n, m)]
+    if short and exact is not None:  # lower bounds fell short: the exact budgets decide
+        memory = exact()
+        short = [f"rank {r}: {max(n, m)} rows, its free device memory holds {f}"
+                 for r, (n, m, f) in enumerate(zip(rows_of, max_rows, memory)) if 0 <= f < max(n, m)]
     if short:
         raise ValueError(
             f"x: the routing sends some rank more rows than its free device memory holds for the dispatch's "

@@ -68,6 +68,7 @@ def exchange(
     arrivals: comm.Arrivals | None = None,
     ticket: plan.Ticket = plan.Ticket(),
     row_bytes: int = 0,
+    exact_memory_rows=None,
 ) -> GlobalCounts:
     """Route, check values, all-gather the counts, check peers; one host sync
     (two with the value checks). Bad values on this rank are raised after the
@@ -100,7 +101,7 @@ def exchange(
         raise failed  # its peers raise in check_peer_headers
     all_counts, headers, tails = layout.split(gathered)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
-    checks.check_row_budgets(headers, all_counts[:, :, 1:].sum((0, 2)).tolist(), row_bytes)
+    checks.check_row_budgets(headers, all_counts[:, :, 1:].sum((0, 2)).tolist(), row_bytes, exact_memory_rows)
     return GlobalCounts(
         route=route,
         node_hit=node_hit,

@@ -176,15 +176,15 @@ class TokenDispatcher:
         if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
             blocks = self._capacity_blocks(x, topk_idx, ticket)
             padded_rows = self.num_local_experts * sum(blocks)
-            memory_rows = self._row_budgets(x, None)[1]  # the N received and their padded copy, at once
+            memory_rows = self._memory_rows(x, checks.free_bytes)  # the N received and their padded copy, at once
             budgets = (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0))
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups))
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
         else:
             handle, plan_out = self.transport.plan(
-                Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows)), check,
-                        groups, agreed))
+                Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows, groups)),
+                        check, groups, agreed, lambda: self._exact_memory_rows(x, ticket)))
         rows = x.detach()
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
                                              (rows,), async_op, self.comm_priority)
@@ -464,13 +464,30 @@ class TokenDispatcher:
         topk = topk_idx.shape[1]
         return tuple(min(capacity.capacity(t, topk, config.num_experts, config.capacity_factor), t) for t in tokens)
 
-    def _row_budgets(self, x: torch.Tensor, max_rows: int | None) -> tuple[int, int]:
+    def _row_budgets(self, x: torch.Tensor, max_rows: int | None, groups: int) -> tuple[int, int]:
         """This rank's (max_rows, rows its free device memory holds), -1 for none:
         the budgets its header carries (``plan.header``), checked on every rank
-        before any token moves (``checks.check_row_budgets``)."""
-        free = checks.free_bytes(x.device)
-        memory_rows = -1 if free is None else min(free // self.transport.row_bytes(x), 2**31 - 1)
-        return -1 if max_rows is None else max_rows, memory_rows
+        before any token moves (``checks.check_row_budgets``). The memory's is
+        the device's free memory alone (a lower bound, cheap to read); with
+        max_rows, the exact one where that bound falls short of the outputs'
+        rows (this rank decides alone); without, every rank's exact one where
+        some rank falls short of its bound (``Request.exact_memory_rows``)."""
+        memory_rows = self._memory_rows(x, checks.device_free_bytes)
+        if max_rows is None:
+            return -1, memory_rows
+        if 0 <= memory_rows < max_rows + groups:  # the outputs have G * ceil(max_rows / G) rows
+            memory_rows = self._memory_rows(x, checks.free_bytes)
+        return max_rows, memory_rows
+
+    def _memory_rows(self, x: torch.Tensor, free_bytes) -> int:
+        """Rows of a dispatch of x that ``free_bytes(device)`` holds (-1: no budget)."""
+        free = free_bytes(x.device)
+        return -1 if free is None else min(free // self.transport.row_bytes(x), 2**31 - 1)
+
+    def _exact_memory_rows(self, x: torch.Tensor, ticket: plan.Ticket) -> list[int]:
+        """Every rank's exact memory budget in rows (``checks.free_bytes``), agreed
+        (``Request.exact_memory_rows``)."""
+        return [row[-1] for row in self._calls.agree(ticket, tail=(self._memory_rows(x, checks.free_bytes),))]
 
 
 def _present(*tensors) -> tuple:

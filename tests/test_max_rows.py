@@ -78,9 +78,10 @@ def test_a_rank_over_its_bound_stops_every_rank_before_tokens_move(worlds):
         assert moved == 0
 
 
-def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows):
-    """Dispatch with rank ``short_rank``'s free device memory holding 3 rows, then
-    with its memory back (the same dispatcher)."""
+def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows, exact_short=True):
+    """Dispatch with rank ``short_rank``'s free device memory holding 3 rows (by
+    the cheap lower bound; by the exact budget too where ``exact_short``, else
+    the exact budget holds any), then with its memory back (the same dispatcher)."""
     from world import current_device
 
     from dispatch import checks
@@ -90,16 +91,18 @@ def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows):
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     moved = []
-    original_start, original_free = d.transport.to_experts, checks.free_bytes
+    original_start, original_free, original_lower = d.transport.to_experts, checks.free_bytes, checks.device_free_bytes
     d.transport.to_experts = lambda *a: moved.append(1) or original_start(*a)
-    checks.free_bytes = lambda dev: 3 * d.transport.row_bytes(x) + 1 if rank == short_rank else None
+    short = 3 * d.transport.row_bytes(x) + 1
+    checks.device_free_bytes = lambda dev: short if rank == short_rank else None
+    checks.free_bytes = lambda dev: short if rank == short_rank and exact_short else None
     try:
         d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
         message = None
     except ValueError as exc:
         message = str(exc)
     finally:
-        checks.free_bytes = original_free
+        checks.free_bytes, checks.device_free_bytes = original_free, original_lower
     refused_moves = len(moved)
     out = d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
     return message, refused_moves, out.handle.num_rows
@@ -121,4 +124,23 @@ def test_a_rank_short_of_memory_stops_every_rank_before_tokens_move(worlds, vari
         assert message is not None and "free device memory" in message and "rank 2:" in message, message
         assert "holds 3" in message and "rank 0" not in message and "rank 1" not in message, message
         assert moved == 0
+        assert rows > 3
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
+@pytest.mark.parametrize("max_rows", [None, 10**4])
+def test_a_rank_short_only_by_the_cheap_bound_of_its_memory_dispatches(worlds, variant, max_rows):
+    """The header carries the device's free memory alone (a lower bound); where
+    a rank falls short of it but its exact budget (the allocator's unused pool
+    counted) holds its rows, every rank reads the exact budgets in one more
+    agreement and the dispatch goes on, on every rank alike."""
+    routing = make_routing(3, 2, 2, [20, 20, 20], "random", seed=4)
+    xs = [torch.randn(t, 8) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, transport="nccl", variant=variant)
+    if variant == "hierarchical":
+        config["local_world_size"] = 1
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, 2, max_rows, False) for r in range(3)]
+    for message, moved, rows in worlds(3).run(_short_of_memory, args):
+        assert message is None
+        assert moved == 1  # its rows moved
         assert rows > 3

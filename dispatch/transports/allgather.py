@@ -82,7 +82,7 @@ class AllGatherTransport(Transport):
         num_tokens, topk = topk_idx.shape
         gc = counts.exchange(
             x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, check_values,
-            self.arrivals, ticket, self.row_bytes(x),
+            self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows,
         )
         block = int(gc.tokens.max())
         mine = gc.counts[:, rank]  # [W_src, 1 + E_local] host

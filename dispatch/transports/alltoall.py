@@ -127,7 +127,7 @@ class AllToAllTransport(Transport):
         summary = Summary.read(planned.summary.cpu(), world, local)
         headers = summary.headers.tolist()
         grads_any = checks.check_peer_headers(headers)
-        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x))
+        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x), request.exact_memory_rows)
         by_group = summary.by_group
         checks.check_peer_groups(summary.groups.tolist())
         # what outlives a replayed graph is copied out of its buffers

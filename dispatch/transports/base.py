@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,10 @@ class Request:
         agreed: where the transport agrees on its dispatches over the host
             (``Transport.agrees_dispatch``), every rank's ``dispatch_word``;
             else None.
+        exact_memory_rows: where the ticket's ``memory_rows`` is a lower bound,
+            a collective giving every rank's exact budget of device memory in
+            rows, which every rank makes where some rank falls short of its
+            bound (``checks.check_row_budgets``); else None.
     """
 
     owner: object
@@ -62,6 +67,7 @@ class Request:
     check_values: bool
     groups: int = 1
     agreed: tuple[int, ...] | None = None
+    exact_memory_rows: Callable[[], list[int]] | None = None
 
     @property
     def max_rows(self) -> int | None:

@@ -13,6 +13,7 @@ summing the partials in ascending rank order and casting once.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -91,16 +92,14 @@ class NVLinkTransport(Transport):
             raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
         headers = [r[: len(plan.HEADER)] for r in rows_of]
         grads_any = checks.check_peer_headers(headers)
-        local, first = self.num_local_experts, engine.counts_col
-        to_expert = list(map(sum, zip(*(r[first:] for r in rows_of))))  # rows of every expert, from every rank
-        received = [sum(to_expert[d * local : (d + 1) * local]) for d in range(self.world_size)]  # N of every rank
-        checks.check_row_budgets(headers, received, self.row_bytes(x))
-        per_expert = to_expert[self.rank * local : (self.rank + 1) * local]
+        received, per_expert = _received(rows_of, engine.counts_col, self.num_local_experts, self.rank)
+        checks.check_row_budgets(headers, received, self.row_bytes(x), request.exact_memory_rows)
         has_rows = tuple(n > 0 for n in received)
         split = tuple(tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of)
-        handle, outputs = self._handle(request, counts, sum(per_expert), grads_any, has_rows, split, wire,
-                                       torch.tensor(per_expert, dtype=torch.int64),
-                                       shape_fields(request, local, per_expert, sum(per_expert)))
+        num_rows = received[self.rank]
+        handle, outputs = self._handle(request, counts, num_rows, grads_any, has_rows, split, wire,
+                                       torch.frombuffer(array.array("q", per_expert), dtype=torch.int64),
+                                       shape_fields(request, self.num_local_experts, per_expert, num_rows))
         mark(self.phase_timer, "plan")
         return handle, outputs
 
@@ -176,16 +175,16 @@ class NVLinkTransport(Transport):
         device = request.x.device
         num_tokens, topk = request.topk_idx.shape
         width = min(topk, self.num_local_experts)
-        presum = torch.empty(self.world_size * counts.bound, width, dtype=torch.int32, device=device)
+        presum, slot_k = torch.empty(2, self.world_size * counts.bound, width, dtype=torch.int32,
+                                     device=device).unbind()
+        src_rank, src_token = torch.empty(2, num_rows, dtype=torch.int64, device=device).unbind()
         handle = NVLinkHandle(
             **handle_fields(request, self, num_rows, grads_any, has_rows),
             counts=counts,
             presum=presum,
-            slot_k=torch.empty_like(presum),
+            slot_k=slot_k,
             split_matrix=split,
-            places=(torch.empty(num_rows, dtype=wire, device=device),
-                    torch.empty(num_rows, dtype=torch.int64, device=device),
-                    torch.empty(num_rows, dtype=torch.int64, device=device)),
+            places=(torch.empty(num_rows, dtype=wire, device=device), src_rank, src_token),
             **shape,
         )
         routed, src_rank, src_token = handle.places
@@ -324,6 +323,18 @@ class _GroupPushes(GroupSumsIssuer):
 
     def finish(self) -> Pending:
         return Pending.done(self._out)
+
+
+def _received(rows_of: list[list[int]], first: int, local: int, rank: int) -> tuple[list[int], list[int]]:
+    """(N of every rank, this rank's rows of each of its local experts) from every
+    rank's row of the counts matrix (its counts to every expert from column
+    ``first``, E_local experts a rank): sums of slices, no loop over the experts."""
+    received = [sum(sum(r[first + d * local : first + (d + 1) * local]) for r in rows_of)
+                for d in range(len(rows_of))]
+    mine = first + rank * local
+    if len(rows_of) == 1:
+        return received, rows_of[0][mine : mine + local]
+    return received, list(map(sum, zip(*(r[mine : mine + local] for r in rows_of))))
 
 
 def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:

@@ -293,7 +293,7 @@ class NVSHMEMTransport(AllToAllTransport):
         summary = Summary.read(planned.summary.cpu(), self.world_size, local)  # host sync: N, peers' headers
         headers = summary.headers.tolist()
         grads_any = checks.check_peer_headers(headers)
-        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x))
+        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x), request.exact_memory_rows)
         checks.check_peer_groups(summary.groups.tolist())
         matrix = summary.matrix
         per_expert = summary.per_expert
