@@ -38,6 +38,7 @@ bf16, whose error is relative to each element.
 from __future__ import annotations
 
 import abc
+import functools
 
 import torch
 
@@ -145,8 +146,10 @@ class BlockFp8Codec(Codec):
 _BLOCK_WIRES = {"fp8": quantize.E4M3, "e5m2": quantize.E5M2}
 
 
+@functools.lru_cache(maxsize=256)
 def to_experts_codec(wire: str, data_dtype: torch.dtype, pow2_scales: bool = False) -> Codec:
-    """The codec for rows of ``data_dtype`` travelling to the experts under ``wire``.
+    """The codec for rows of ``data_dtype`` travelling to the experts under ``wire``
+    (made once per arguments: a codec holds no state).
 
     Args:
         wire: ``"native"``, ``"bf16"``, ``"fp32"``, ``"fp8"`` (e4m3) or ``"e5m2"``.
