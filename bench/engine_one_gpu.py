@@ -1,6 +1,6 @@
 """Study: the NVLink engine on one GPU, a world of one rank, where no second GPU is lent.
 
-    python3 bench/engine_one_gpu.py TREE [--check] [--profile] [--pieces]
+    python3 bench/engine_one_gpu.py TREE [--check] [--against BASE] [--profile] [--pieces]
 
 The engine is built directly (the registry refuses a group of one rank: a
 sub-group's rendezvous its peers would not make), so its kernels and their
@@ -8,11 +8,16 @@ launches run on one device. ``--check`` holds it bitwise against the NCCL
 transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups;
 native and fp8 wires; T = 0 to 2048). Then the eager round trip's host time at
 the decode and DeepSeek-V3 shapes (wall time from dispatch to combine's return,
-and the issuing thread's CPU time, median of 200), ``--profile`` first a cProfile
-of 50 decode round trips, ``--pieces`` first the host cost of the round
-trip's pieces one by one (a launch, an allocation, a host read, the free-memory
-budget, an autograd node, an agreement; this tree only). TREE is a source tree (this one, or an older one for
-an A/B in one call, e.g. ``git archive BASE | tar -x -C .wt/base``).
+the GPU idle at the start; median of 800): of TREE alone, or with ``--against
+BASE`` of both source trees in one process (BASE's package imported first and
+its modules moved aside, then TREE's), in alternating blocks of 40 round trips,
+with their ratio: between processes the same tree's host time varied 1.5x on
+one machine, within one process it holds to a few percent. ``--profile``: a
+cProfile of 50 decode round trips of TREE first; ``--pieces``: the host cost of
+the round trip's pieces one by one (a launch, an allocation, a host read, the
+free-memory budget, an autograd node, an agreement) first. TREE and BASE are
+source trees (this one, or an older one, e.g. ``git archive BASE | tar -x -C
+.wt/base``).
 """
 import os
 import statistics
@@ -26,30 +31,39 @@ if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
 if not torch.cuda.is_available():
     print("bench/engine_one_gpu.py needs a CUDA device (and CuPy)", file=sys.stderr)
     sys.exit(2)
-sys.path.insert(0, os.path.abspath(sys.argv[1]))
 import torch.distributed as dist  # noqa: E402
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29561"))
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-import dispatch  # noqa: E402  (the tree given)
-
-NEW = hasattr(dispatch, "Tuning")
 
 
-def make(E, transport, wire="native"):
-    if NEW:
-        from dispatch.dispatcher import TokenDispatcher
-        from dispatch.transports import AllToAllTransport, NVLinkTransport
-        cfg = dispatch.DispatchConfig(num_experts=E, transport=transport, dispatch_wire=wire)
-        cls = NVLinkTransport if transport == "nvlink" else AllToAllTransport
-        return TokenDispatcher(cfg, None, cls(cfg, None))
-    cfg = dispatch.DispatchConfig(num_experts=E, transport=transport, dispatch_wire=wire)
-    if transport == "nvlink":
-        from dispatch.dispatchers.nvlink import NVLinkDispatcher
-        return NVLinkDispatcher(cfg, None)
-    from dispatch.dispatchers.alltoall import AllToAllDispatcher
-    return AllToAllDispatcher(cfg, None)
+def load(tree: str):
+    """The ``dispatch`` package of source tree ``tree``, imported afresh (the
+    modules of one imported before are moved aside, and keep working)."""
+    for name in [n for n in sys.modules if n == "dispatch" or n.startswith("dispatch.")]:
+        del sys.modules[name]
+    sys.path.insert(0, os.path.abspath(tree))
+    try:
+        import dispatch
+        import dispatch.dispatcher
+        import dispatch.transports
+    finally:
+        sys.path.pop(0)
+    return dispatch
+
+
+BASE = sys.argv[sys.argv.index("--against") + 1] if "--against" in sys.argv else None
+packages = {"base": load(BASE)} if BASE else {}
+packages["tree"] = load(sys.argv[1])
+dispatch = packages["tree"]
+
+
+def make(E, transport, wire="native", package=dispatch):
+    cfg = package.DispatchConfig(num_experts=E, transport=transport, dispatch_wire=wire)
+    transports = package.transports
+    cls = transports.NVLinkTransport if transport == "nvlink" else transports.AllToAllTransport
+    return package.dispatcher.TokenDispatcher(cfg, None, cls(cfg, None))
 
 
 def inputs(T, H, E, K, seed):
@@ -88,11 +102,9 @@ if "--check" in sys.argv:
     print("check:", "all equal" if bad == 0 else f"{bad} different", flush=True)
 
 
-
 def host_pieces() -> None:
     """The host cost of the pieces of an eager round trip (us a call, median of 2000)."""
-    from dispatch import checks, plan
-
+    checks, plan = dispatch.checks, dispatch.plan
     d = make(256, "nvlink")
     T, H, E, K = 128, 7168, 256, 8
     x, idx, w = inputs(T, H, E, K, 0)
@@ -147,38 +159,55 @@ def host_pieces() -> None:
 if "--pieces" in sys.argv:
     host_pieces()
 
+
+def quantile(values, q):
+    return sorted(values)[int(q * (len(values) - 1))]
+
+
 for name, (T, H, E, K) in (("decode", (128, 7168, 256, 8)), ("deepseek-v3", (4096, 7168, 256, 8))):
-    d = make(E, "nvlink")
     x, idx, w = inputs(T, H, E, K, 0)
+    trips = {}
+    for label, package in packages.items():
+        d = make(E, "nvlink", package=package)
 
-    def rt():
-        out = d.dispatch(x, idx, w)
-        return d.combine(out.tokens, out.handle, weights=out.weights)
+        def rt(d=d):
+            out = d.dispatch(x, idx, w)
+            return d.combine(out.tokens, out.handle, weights=out.weights)
 
-    for _ in range(20):
-        rt()
+        for _ in range(20):
+            rt()
+        trips[label] = rt
     torch.cuda.synchronize()
-    walls, cpus = [], []
-    for _ in range(200):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        rt()
-        c1, t1 = time.thread_time(), time.perf_counter()
-        torch.cuda.synchronize()
-        walls.append((t1 - t0) * 1e6)
-        cpus.append((c1 - c0) * 1e6)
+    walls = {label: [] for label in trips}
+    for block in range(20):
+        for label in (trips if block % 2 else reversed(list(trips))):
+            rt = trips[label]
+            for _ in range(3):
+                rt()
+            torch.cuda.synchronize()
+            for _ in range(40):
+                t0 = time.perf_counter()
+                rt()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                walls[label].append((t1 - t0) * 1e6)
     if "--profile" in sys.argv and name == "decode":
         import cProfile
         import pstats
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(50):
-            rt()
+            trips["tree"]()
         prof.disable()
         torch.cuda.synchronize()
         st = pstats.Stats(prof)
         print(f"calls per round trip: {st.total_calls / 50:.0f}")
         st.sort_stats("tottime").print_stats(35)
-    print(f"{'new' if NEW else 'base'} {name}: eager round trip, host wall to combine's return median "
-          f"{statistics.median(walls):.0f} us (p10 {sorted(walls)[20]:.0f}, p90 {sorted(walls)[180]:.0f}); "
-          f"thread CPU median {statistics.median(cpus):.0f} us", flush=True)
+    told = "; ".join(f"{label} {statistics.median(v):.0f} us (p10 {quantile(v, 0.1):.0f}, p90 {quantile(v, 0.9):.0f})"
+                     for label, v in walls.items())
+    ratio = ""
+    if BASE:
+        ratio = f"; tree/base {statistics.median(walls['tree']) / statistics.median(walls['base']):.3f}"
+    print(f"{name}: eager round trip, host wall from dispatch to combine's return, median of {len(walls['tree'])}: "
+          f"{told}{ratio}", flush=True)
 dist.destroy_process_group()
