@@ -188,11 +188,13 @@ class TokenDispatcher:
         rows = x.detach()
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
                                              (rows,), async_op, self.comm_priority)
-        hidden = x.shape[1]
-        dispatch_row_bytes = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
-        combine_wire = sum_wire_dtype(self.config.combine_wire, x.dtype)
-        stats = handle.transport.stats(handle, dispatch_row_bytes, combine_wire, hidden)
-        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, stats, dropped)
+        config = self.config
+
+        def traffic(handle=handle, dtype=x.dtype, hidden=x.shape[1]):  # ``Dispatched.stats``, at its first read
+            row_bytes = to_experts_codec(config.dispatch_wire, dtype).row_bytes(hidden)
+            return handle.transport.stats(handle, row_bytes, sum_wire_dtype(config.combine_wire, dtype), hidden)
+
+        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
         return work if async_op else work.wait()
 
     def combine(

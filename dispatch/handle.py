@@ -9,7 +9,9 @@ source token) ascending.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -109,7 +111,9 @@ class Dispatched:
         handle: pass to ``combine``.
         stats: :class:`dispatch.stats.DispatchStats`, rows and bytes this rank
             sends per tier (intra-/inter-node) in this round trip, from the plan's
-            host-side split sizes (None for a variant that does not account them).
+            host-side split sizes (None for a variant that does not account them,
+            or a dispatch with ``max_rows`` on the NVLink engine); counted when
+            first read.
         dropped: [T, K] bool, the slots of this rank dropped by expert capacity
             (``DispatchConfig.capacity_factor``; None without it).
     """
@@ -121,8 +125,13 @@ class Dispatched:
     src_rank: torch.Tensor
     src_token: torch.Tensor
     handle: CombineHandle
-    stats: DispatchStats | None = None
     dropped: torch.Tensor | None = None
+    # what counts ``stats`` (a function of no arguments), called at its first read
+    _traffic: Callable[[], DispatchStats | None] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def stats(self) -> DispatchStats | None:
+        return None if self._traffic is None else self._traffic()
 
 
 @dataclass(frozen=True)

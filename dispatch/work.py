@@ -94,8 +94,9 @@ class DispatchWork:
             moves rows: the rows are placed in their blocks at the wait).
     """
 
-    def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: StartedGroups, stats, dropped) -> None:
-        self._args = (x, topk_weights, stats, dropped)
+    def __init__(self, dispatcher, x, topk_weights, handle, plan_out, started: StartedGroups, traffic,
+                 dropped) -> None:
+        self._args = (x, topk_weights, traffic, dropped)
         self.handle = handle
         self._result: Dispatched | None = None
         self._dispatcher, self._started, self._plan_out = dispatcher, started, plan_out
@@ -133,7 +134,7 @@ class DispatchWork:
         the exchange (the host does not, on CUDA). Call it in the grad mode the
         dispatch started in; the autograd node of the dispatch is made here."""
         if self._result is None:
-            x, topk_weights, stats, dropped = self._args
+            x, topk_weights, traffic, dropped = self._args
             dispatcher, plan_out, started = self._dispatcher, self._plan_out, self._started
             if self.handle.pad_blocks is not None:  # the rows' places among the blocks, from their sources
                 started.result()  # the caller's stream follows the exchange (the engine writes the sources)
@@ -154,7 +155,7 @@ class DispatchWork:
                 src_rank=padded(plan_out.src_rank, self.handle, -1),
                 src_token=padded(plan_out.src_token, self.handle, -1),
                 handle=self.handle,
-                stats=stats,
+                _traffic=traffic,
                 dropped=dropped,
             )
             self._args = self._started = self._plan_out = None
