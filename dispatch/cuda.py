@@ -276,7 +276,7 @@ def _packer(signature: Signature, free: tuple[str, ...]):
         if name not in free:
             values.append(f"c[{i}]")
         elif i in signature.pointers:  # a tensor's data pointer, an address, or None for 0
-            values.append(f"(0 if (v := a[{name!r}]) is None else v if v.__class__ is int else v.data_ptr())")
+            values.append(f"(0 if (v := a[{name!r}]) is None else v if isinstance(v, int) else v.data_ptr())")
         else:
             values.append(f"a[{name!r}]")
     source = (f"def pack(pack_into, block, a, c):\n"

@@ -55,6 +55,7 @@ class _Checked:
         layout, _ = cuda.parameter_block(sig.codes)
         layout.pack(*cuda.arguments(sig, args))  # every name given once, every value fits its C type
         self.launches.append(self.name)
+        ARGS[self.name] = args
 
     def bind(self, **bound):
         """A launch with ``bound`` given once, checked with the free arguments at each launch."""
@@ -68,12 +69,14 @@ class _Checked:
 
 
 KNOWN: dict = {}  # the values the launches of the running test must pass (``launches``)
+ARGS: dict = {}  # kernel name -> the arguments of its latest launch
 
 
 @pytest.fixture
 def launches(monkeypatch):
     made: list = []
     KNOWN.clear()
+    ARGS.clear()
     KNOWN.update(me=0, world=2)  # the engine of rank 0 of 2 (``_cpu_engine``)
     monkeypatch.setattr(cuda, "kernel", lambda source, name, *t: _Checked(source, name, t, made, KNOWN))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no streams
@@ -419,3 +422,66 @@ def test_a_launch_with_bound_arguments_hands_the_driver_the_same_block(monkeypat
         bound(1, a=0, b=0, c=7)
     with pytest.raises(TypeError, match=r"unknown \['e'\]"):
         kernel.bind(e=1)
+
+
+def test_launches_made_per_shape_take_the_grown_buffers(launches, monkeypatch):
+    """A shape's launches bind the engine's buffers (their addresses, regions and
+    sizes): buffers grown by ``ensure`` make every launch of that shape anew, with
+    the new buffers' values, not the outgrown ones'."""
+    world, experts, tokens, topk, hidden = 2, 8, 40, 4, 64
+    codec = to_experts_codec("native", torch.bfloat16)
+    engine = _cpu_engine(world, experts, Capacity(64, topk, staged_row_bytes(codec, hidden),
+                                                  partial_row_bytes(torch.float32, hidden)))
+
+    class Handle:  # what the symmetric rendezvous gives: every rank's address of the buffer
+        def __init__(self, data):
+            self.buffer_ptrs = [data.data_ptr()] * world
+
+    class Symm:
+        @staticmethod
+        def empty(size, dtype, device):
+            return torch.zeros(size, dtype=dtype)
+
+        @staticmethod
+        def rendezvous(data, group):
+            return Handle(data)
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    engine._symm = Symm
+    monkeypatch.setattr(cuda, "current_stream", lambda index: Stream())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+    w = torch.rand(tokens, topk, generator=gen)
+    header = plan.header(x, w, topk, plan.Ticket(max_rows=100, memory_rows=10**6))
+
+    def round_trip():
+        counts = engine._exchange_counts(idx, w, header, x, codec, True, False)
+        presum = torch.empty(world * counts.bound, min(topk, engine.experts_per_rank), dtype=torch.int32)
+        places = (torch.empty(100, dtype=w.dtype), torch.empty(100, dtype=torch.int64),
+                  torch.empty(100, dtype=torch.int64))
+        engine._to_experts(x, codec, counts, presum, torch.empty_like(presum), 100, meta_out=places)
+        y = torch.randn(100, hidden, generator=gen).to(torch.bfloat16)
+        engine._push(y, places[0], torch.float32, counts, presum)
+        engine._home_sum(counts, torch.float32, y.dtype, hidden, None)
+
+    round_trip()
+    old_data, old_ptrs = engine._data, engine._data_ptrs
+    assert ARGS["pull_rows"]["list_stride"] == 64 and ARGS["pull_rows"]["data_ptrs"] is old_ptrs
+    engine.ensure(Capacity(1000, topk, 0, 0))  # the buffers grow (T_max to 1024)
+    assert engine._data is not old_data and engine.capacity.tokens == 1024
+    round_trip()  # the same shape: its launches made again on the grown buffers
+    regions = engine._regions
+    layout, counts, pull = ARGS["route_layout"], ARGS["exchange_counts"], ARGS["pull_rows"]
+    push, home = ARGS["push_partials"], ARGS["home_sum"]
+    assert layout["list_stride"] == pull["list_stride"] == push["tcap"] == home["tcap"] == 1024
+    assert layout["shared_route"] == engine._data.data_ptr() + regions["route"][0]
+    assert layout["copy_bytes"] == regions["route"][1] and layout["stage_copy"] == regions["stage"][1]
+    assert pull["data_ptrs"] is engine._data_ptrs and push["data_ptrs"] is engine._data_ptrs
+    assert (pull["route_off"], pull["route_copy"], pull["stage_off"]) == (*regions["route"], regions["stage"][0])
+    assert (push["part_off"], push["part_copy"]) == regions["partials"]
+    assert home["partials"] == engine._data.data_ptr() + regions["partials"][0]
+    assert counts["staged"] == 1
