@@ -146,16 +146,20 @@ class BlockFp8Codec(Codec):
 _BLOCK_WIRES = {"fp8": quantize.E4M3, "e5m2": quantize.E5M2}
 
 
-@functools.lru_cache(maxsize=256)
 def to_experts_codec(wire: str, data_dtype: torch.dtype, pow2_scales: bool = False) -> Codec:
     """The codec for rows of ``data_dtype`` travelling to the experts under ``wire``
-    (made once per arguments: a codec holds no state).
+    (one object per codec: a codec holds no state).
 
     Args:
         wire: ``"native"``, ``"bf16"``, ``"fp32"``, ``"fp8"`` (e4m3) or ``"e5m2"``.
         data_dtype: dtype of the rows (and of the rows the experts receive).
         pow2_scales: for the fp8 formats, power-of-two scales.
     """
+    return _codec(wire, data_dtype, bool(pow2_scales))
+
+
+@functools.lru_cache(maxsize=256)
+def _codec(wire: str, data_dtype: torch.dtype, pow2_scales: bool) -> Codec:
     if wire == "native":
         return CastCodec(wire, data_dtype, None)
     if wire in _CAST_WIRES:
