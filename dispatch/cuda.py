@@ -267,7 +267,8 @@ class Launch:
 def _packer(signature: Signature, free: tuple[str, ...]):
     """``pack(pack_into, block, args, bound)``: a launch's values packed into
     ``block`` in the order of ``signature``: the ``free`` parameters from
-    ``args`` (a pointer's tensor as its data pointer, None as 0), every one and
+    ``args`` (a pointer's tensor as its data pointer, an address as a plain int,
+    None as 0: no call for the test, a launch passes some twenty), every one and
     nothing else (KeyError otherwise), the others from ``bound`` (by place, as
     they travel). One function made per (signature, free names): no loop over
     the parameters at each launch."""
@@ -276,7 +277,7 @@ def _packer(signature: Signature, free: tuple[str, ...]):
         if name not in free:
             values.append(f"c[{i}]")
         elif i in signature.pointers:  # a tensor's data pointer, an address, or None for 0
-            values.append(f"(0 if (v := a[{name!r}]) is None else v if isinstance(v, int) else v.data_ptr())")
+            values.append(f"(0 if (v := a[{name!r}]) is None else v if v.__class__ is int else v.data_ptr())")
         else:
             values.append(f"a[{name!r}]")
     source = (f"def pack(pack_into, block, a, c):\n"
