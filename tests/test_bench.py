@@ -168,6 +168,7 @@ def test_group_dedup_study_counts_what_it_models():
     assert deepseek[0] == 1.0 and deepseek[0] < deepseek[1] < deepseek[2]
 
 
+@world_of_two
 @pytest.mark.parametrize("teardown", [True, False])
 def test_launch_leaves_with_and_without_teardown(teardown):
     """Every rank runs the job and the launcher returns 0, whether the ranks destroy
