@@ -10,10 +10,11 @@ token that live on it (one row per (token, rank) goes back), and the home rank
 sums the partials in ascending rank order, in fp32, casting once.
 
 Exchanges per round trip: one all-gather of the counts (fixed size), one
-metadata all-to-all, one token all-to-all each way. One host synchronisation for
-the split sizes NCCL needs, and one before any exchange for the value checks
-when ``DispatchConfig.check_inputs`` is on. On CUDA the part of the plan before
-the split sizes is replayed as CUDA graphs (``dispatch.plan_graph``).
+metadata all-to-all, one token all-to-all each way. One host synchronisation, for
+the split sizes NCCL needs: the value checks (``Tuning.check_inputs``) mark a
+rank with bad values failed in the row it all-gathers, on the device, and it
+raises once the split sizes are read (its peers too). On CUDA the part of the
+plan before the split sizes is replayed as CUDA graphs (``dispatch.plan_graph``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gath
 from dispatch.plan_graph import PlanGraphCache, PlanKey, Summary, counts_row, route_phase, send_phase
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
+
+
+_FAILED = plan.HEADER.index("failed")  # where a header marks its rank failed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +130,7 @@ class AllToAllTransport(Transport):
         # host sync: split sizes for NCCL, row counts, peers' headers
         summary = Summary.read(planned.summary.cpu(), world, local)
         headers = summary.headers.tolist()
+        self._raise_own_values(request, headers)
         grads_any = checks.check_peer_headers(headers)
         checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x), request.exact_memory_rows)
         by_group = summary.by_group
@@ -174,9 +179,10 @@ class AllToAllTransport(Transport):
         """The plan up to the host read: route, counts all-gather, send plan (on
         CUDA replayed as CUDA graphs once a shape repeats). Returns (``Planned``,
         the captured plan or None: what outlives a replay is copied out of its
-        buffers). ``bounded``: nothing is read on the host: bad values raise the
-        failed entry of this rank's row on the device (``checks.fold_flags``)
-        instead of raising here, and the all-gather is not polled.
+        buffers). Bad values raise the failed entry of this rank's row on the
+        device (``checks.fold_flags``), for every rank to see in the summary it
+        reads (no host read of their own: :meth:`_raise_own_values` after it).
+        ``bounded``: nothing is read on the host, and the all-gather is not polled.
         ``grouped_sends``: by groups, the sends in the grouped orders
         (``plan.group_orders``); else in one order whatever G (G still
         travels in the row, for the ranks to agree on)."""
@@ -186,7 +192,7 @@ class AllToAllTransport(Transport):
         weights = request.topk_weights.detach()
         check_values = request.check_values and num_tokens > 0
         header_row = self._header_row(header, x.device)
-        captured, failed = None, None
+        captured = None
         if (self._graphs is not None and topk_idx.is_cuda and num_tokens > 0 and (grouped_sends or groups == 1)
                 and not torch.cuda.is_current_stream_capturing()):
             key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, groups)
@@ -196,19 +202,24 @@ class AllToAllTransport(Transport):
         else:
             flags, route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values,
                                                      groups)
-        if flags is not None and bounded:
+        if flags is not None:  # a bad value marks this rank failed for every rank to see
             checks.fold_flags(row, flags, self.counts_row.header_at)
-        elif flags is not None:  # before the first exchange
-            failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
-        if failed is not None:  # the peers are about to wait in the all-gather: stop them there
-            self.counts_row.mark_failed(row)
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
                                         arrivals=None if bounded else self.arrivals)
-        if failed is not None:
-            raise failed  # its peers raise in check_peer_headers
         if captured is not None:
             return captured.run_send(), captured
         return send_phase(route, grouped if grouped_sends else None, gathered, rank, topk_idx, weights), None
+
+    def _raise_own_values(self, request: Request, headers: list[list[int]]) -> None:
+        """Where this rank's own header (``headers``, read on the host) is marked
+        failed by its bad values, raise the ValueError naming them (one more host
+        read, on the failure only); its peers raise in ``check_peer_headers``."""
+        if headers[self.rank][_FAILED] and not request.ticket.refused:
+            topk_idx, weights = request.topk_idx, request.topk_weights.detach()
+            num_experts = self.config.num_experts
+            flags = checks.value_flags(topk_idx, weights, num_experts).cpu()  # host sync: the message
+            raise (checks.values_error(flags, topk_idx, weights, num_experts)
+                   or ValueError("topk_idx/topk_weights: the plan found a bad value"))
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
         """This rank's header entries on ``device`` (``plan.to_device``)."""
