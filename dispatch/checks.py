@@ -147,8 +147,9 @@ def values_error(
 
     The dispatchers do not raise it at once: only this rank sees its values, so
     it marks itself failed in the row of the counts all-gather
-    (``plan.mark_failed``) and raises after it, where its peers raise too
-    (``check_peer_headers``) instead of waiting for it in that all-gather."""
+    (``plan.mark_failed``, or ``fold_flags`` on the device) and raises after it,
+    where its peers raise too (``check_peer_headers``) instead of waiting for it
+    in that all-gather."""
     if not flags.any():
         return None
     kind = int(flags.nonzero()[0])
@@ -189,9 +190,9 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def device_free_bytes(device: torch.device) -> int | None:
-    """A lower bound of :func:`free_bytes` at a third of its cost: the device's
-    free memory alone (what torch's caching allocator holds unused not
-    counted); None off CUDA."""
+    """A lower bound of :func:`free_bytes`, cheaper to read: the device's free
+    memory alone (what torch's caching allocator holds unused not counted);
+    None off CUDA."""
     if device.type != "cuda":
         return None
     return torch.cuda.mem_get_info(torch.cuda.current_device() if device.index is None else device.index)[0]
@@ -432,9 +433,9 @@ assert set(HEADER[:_AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_d
 
 def fold_flags(row: torch.Tensor, flags: torch.Tensor, header_at: int) -> None:
     """Raise the ``failed`` entry of a counts row about to be all-gathered where
-    ``flags`` (``value_flags``) found a bad value, on the device: a dispatch that
-    reads nothing on the host marks its failure for every rank to see instead of
-    raising at once (the flag's kind is told by ``check_peer_headers`` later)."""
+    ``flags`` (``value_flags``) found a bad value, on the device: every rank sees
+    the failure where it reads the rows back (the split sizes' host read, or a
+    later one where nothing is read on the host), with no host read of its own."""
     at = header_at + _FAILED
     row[at : at + 1] = torch.maximum(row[at : at + 1], flags.any().view(1).to(row.dtype))
 

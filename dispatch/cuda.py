@@ -268,7 +268,7 @@ def _packer(signature: Signature, free: tuple[str, ...]):
     """``pack(pack_into, block, args, bound)``: a launch's values packed into
     ``block`` in the order of ``signature``: the ``free`` parameters from
     ``args`` (a pointer's tensor as its data pointer, an address as a plain int,
-    None as 0: no call for the test, a launch passes some twenty), every one and
+    None as 0), every one and
     nothing else (KeyError otherwise), the others from ``bound`` (by place, as
     they travel). One function made per (signature, free names): no loop over
     the parameters at each launch."""

@@ -53,6 +53,8 @@ One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -297,13 +299,13 @@ class Engine(EngineMoves):
         tokens, topk = topk_idx.shape
         device = self.device
         hidden = 0 if rows is None else rows.shape[1]
-        fits, layout, counts, sizes = self._counts_launches(
-            tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden, check_values,
-            groups)
+        key = ("counts", tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden,
+               groups)
+        fits, layout, counts, words, sizes = self._cached(key, self._counts_launches)
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
         # kernels get addresses into it: int32 words at these offsets), zeroed again by
         # exchange_counts once read
-        row_at = self._zeroed(counts.words).data_ptr()
+        row_at = self._zeroed(words).data_ptr()
         # the dispatch's int32 words in one allocation: routes, lists, hits, the exchange's output,
         # the scan's sums
         route, lists, hit, out, scan_sums = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)
@@ -364,20 +366,13 @@ class Engine(EngineMoves):
                       self._tokens_at(bound), hit, staged, group_end)
 
     def _counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,
-                         hidden: int, check_values: bool, groups: int) -> tuple:
+                         hidden: int, groups: int) -> tuple:
         """(whether the routes and rows fit the buffers, the routing layout's launch,
-        the counts exchange's launch, the int32 words of the dispatch's routes,
-        lists, hits, exchange output and scan sums) of a dispatch of this
-        shape (``codec``: the rows' staged with the counts, None for none): made
-        once per shape while the buffers last (``_launches``), the arguments that
-        hold for every such dispatch bound."""
-        key = ("counts", tokens, topk, idx_dtype, weight_dtype, codec, hidden, check_values, groups)
-        made = self._launches.get(key)
-        return made if made is not None else self._cache(key, self._make_counts_launches(
-            tokens, topk, idx_dtype, weight_dtype, codec, hidden, check_values, groups))
-
-    def _make_counts_launches(self, tokens, topk, idx_dtype, weight_dtype, codec, hidden, check_values,
-                              groups) -> tuple:
+        the counts exchange's launch, the scratch words the layout zeroes, the
+        int32 words of the dispatch's routes, lists, hits, exchange output and
+        scan sums) of a dispatch of this shape (``codec``: the rows' staged with
+        the counts, None for none), the arguments that hold for every such
+        dispatch bound (made once per shape: ``_cached``)."""
         stage_row = 0 if codec is None else staged_row_bytes(codec, hidden)
         fits = self._fits(tokens, topk, stage_row)
         lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
@@ -430,19 +425,22 @@ class Engine(EngineMoves):
             timeout_ns=self.timeout_ns,
             status=self.status,
         )
-        counts = _Bound(launch, 1, 4 * (local + 1 + world * local), words=words)
+        counts = _Bound(launch, 1, 4 * (local + 1 + world * local))
         # int32 words of the routes, the lists, the hits, the exchange's output, the scan's sums
         sizes = (tokens * topk * 4, world * tokens, tokens, 4 + world * self.row_len + world * local + 1 + groups,
                  2 * chunks * (self.num_experts + world) if tokens else 0)
-        return fits, layout, counts, sizes
+        return fits, layout, counts, words, sizes
 
-    def _cache(self, key: tuple, made):
-        """Keep ``made`` (launches of one shape) under ``key`` in ``_launches``: at most
-        256 shapes, emptied when full (shapes that change at every call, such as T
-        in serving, cost the making of their launches again, not memory)."""
-        if len(self._launches) >= 256:
-            self._launches.clear()
-        self._launches[key] = made
+    def _cached(self, key: tuple, make):
+        """``make(*key[1:])`` (launches of one shape, ``key[0]`` naming which), made
+        once while the buffers last and kept in ``_launches``: at most 256 shapes,
+        emptied when full (shapes that change at every call, such as T in
+        serving, cost the making of their launches again, not memory)."""
+        made = self._launches.get(key)
+        if made is None:
+            if len(self._launches) >= 256:
+                self._launches.clear()
+            made = self._launches[key] = make(*key[1:])
         return made
 
     def _zeroed(self, words: int) -> torch.Tensor:
@@ -465,14 +463,13 @@ class Engine(EngineMoves):
         return torch.empty(self.world * bound, dtype=torch.int32, device=self.device)
 
 
-class _Bound:
+class _Bound(NamedTuple):
     """A launch made once per shape (``cuda.Launch``, its shape's arguments bound),
-    with its grid, dynamic shared memory and what else the call needs (``extra``
-    as attributes)."""
+    with its grid and dynamic shared memory."""
 
-    def __init__(self, launch: "cuda.Launch", blocks: int, shared: int, **extra) -> None:
-        self.launch, self.blocks, self.shared = launch, blocks, shared
-        self.__dict__.update(extra)
+    launch: "cuda.Launch"
+    blocks: int
+    shared: int
 
 
 class _Ordered:

@@ -62,13 +62,9 @@ class EngineMoves:
         tail_from, tail_to = (counts.num_rows, num_rows) if group is None else (counts.group_end[group:], hi)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
         key = ("pull", codec, rows.dtype, hidden, topk, presum.shape[1], None if weights is None else weights.dtype)
-        launch = self._launches.get(key) or self._cache(key, self._pull_launch(*key[1:]))
-        launch(
+        self._cached(key, self._pull_launch)(
             self._row_grid(max(counts.items, num_rows)),
-            matrix=counts.matrix,
-            tokens_at=counts.tokens_at,
-            presum=presum,
-            tstride=counts.bound,
+            **self._item_tables(counts, presum),
             src_start=counts.src_start,
             num_rows=tail_from,
             out=out,
@@ -128,8 +124,12 @@ class EngineMoves:
         """The arguments by which a kernel walks this rank's items (source rank s, j)
         and their rows: the counts matrix (this rank's column of sends), each item's
         token and its rows here (``presum`` [W * bound, J]), this rank and W."""
-        return dict(matrix=counts.matrix, tokens_at=counts.tokens_at, presum=presum, tstride=counts.bound,
-                    **self._walk(presum.shape[1]))
+        return {**self._item_tables(counts, presum), **self._walk(presum.shape[1])}
+
+    def _item_tables(self, counts: Counts, presum) -> dict:
+        """The part of ``_items`` that is a dispatch's own: its counts matrix, its
+        items' tokens and rows here, its T_max."""
+        return dict(matrix=counts.matrix, tokens_at=counts.tokens_at, presum=presum, tstride=counts.bound)
 
     def _walk(self, width: int) -> dict:
         """The part of ``_items`` that holds for every dispatch of J = ``width``."""
@@ -219,8 +219,7 @@ class EngineMoves:
         else:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = by_group
         key = ("push", rows.dtype, None if weights is None else weights.dtype, wire, hidden, presum.shape[1])
-        launch = self._launches.get(key) or self._cache(key, self._push_launch(*key[1:]))
-        launch(
+        self._cached(key, self._push_launch)(
             self._row_grid(counts.items),
             y=rows,
             weights=weights,
@@ -230,10 +229,7 @@ class EngineMoves:
             parts=parts,
             row_lo=lo,
             row_hi=hi,
-            matrix=counts.matrix,
-            tokens_at=counts.tokens_at,
-            presum=presum,
-            tstride=counts.bound,
+            **self._item_tables(counts, presum),
             signal=int(signal),
         )
 
@@ -268,9 +264,8 @@ class EngineMoves:
         tokens = counts.route.shape[0]
         out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
         home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
-        key = ("home", wire, dtype, home_acc, hidden)
-        launch = self._launches.get(key) or self._cache(key, self._home_launch(*key[1:]))
-        launch(self._row_grid(tokens), hit=counts.hit, tokens=tokens, out=out)
+        self._cached(("home", wire, dtype, home_acc, hidden), self._home_launch)(
+            self._row_grid(tokens), hit=counts.hit, tokens=tokens, out=out)
         return out
 
     def _home_launch(self, wire: torch.dtype, dtype: torch.dtype, acc: torch.dtype, hidden: int) -> "cuda.Launch":

@@ -35,9 +35,6 @@ from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
 
-_FAILED = plan.HEADER.index("failed")  # where a header marks its rank failed
-
-
 @dataclass(frozen=True, kw_only=True)
 class AllToAllHandle(CombineHandle):
     """Plan of one all-to-all exchange (see ``dispatch.plan`` for each tensor).
@@ -118,9 +115,9 @@ class AllToAllTransport(Transport):
         metadata all-to-all; by groups, one piece per group
         (:class:`GroupSplits`). On CUDA the part before the host
         synchronisation is replayed as CUDA graphs. If the values are bad, this
-        rank marks itself failed in the row it all-gathers and raises after the
-        all-gather, where its peers raise too (``checks.check_peer_headers``):
-        none is left waiting."""
+        rank marks itself failed in the row it all-gathers, on the device, and
+        raises once it reads the split sizes, where its peers raise too
+        (``checks.check_peer_headers``): none is left waiting."""
         x, groups = request.x, request.groups
         weights = request.topk_weights.detach()
         planned, captured = self._counts_and_send_plan(request, plan.header(x, request.topk_weights,
@@ -130,7 +127,7 @@ class AllToAllTransport(Transport):
         # host sync: split sizes for NCCL, row counts, peers' headers
         summary = Summary.read(planned.summary.cpu(), world, local)
         headers = summary.headers.tolist()
-        self._raise_own_values(request, headers)
+        self._raise_own_values(request, headers[self.rank])
         grads_any = checks.check_peer_headers(headers)
         checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x), request.exact_memory_rows)
         by_group = summary.by_group
@@ -209,17 +206,6 @@ class AllToAllTransport(Transport):
         if captured is not None:
             return captured.run_send(), captured
         return send_phase(route, grouped if grouped_sends else None, gathered, rank, topk_idx, weights), None
-
-    def _raise_own_values(self, request: Request, headers: list[list[int]]) -> None:
-        """Where this rank's own header (``headers``, read on the host) is marked
-        failed by its bad values, raise the ValueError naming them (one more host
-        read, on the failure only); its peers raise in ``check_peer_headers``."""
-        if headers[self.rank][_FAILED] and not request.ticket.refused:
-            topk_idx, weights = request.topk_idx, request.topk_weights.detach()
-            num_experts = self.config.num_experts
-            flags = checks.value_flags(topk_idx, weights, num_experts).cpu()  # host sync: the message
-            raise (checks.values_error(flags, topk_idx, weights, num_experts)
-                   or ValueError("topk_idx/topk_weights: the plan found a bad value"))
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
         """This rank's header entries on ``device`` (``plan.to_device``)."""

@@ -86,10 +86,7 @@ class NVLinkTransport(Transport):
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, ticket),
                                         x.detach().contiguous(), codec, request.check_values)
         rows_of = counts.rows  # host: every rank's row of the counts matrix
-        if rows_of[self.rank][plan.HEADER.index("failed")] and not ticket.refused:
-            error = checks.values_error(checks.value_flags(topk_idx, weights, self.config.num_experts).cpu(),
-                                        topk_idx, weights, self.config.num_experts)  # host sync: the message
-            raise error or ValueError("topk_idx/topk_weights: the layout kernel found a bad value")
+        self._raise_own_values(request, rows_of[self.rank])
         headers = [r[: len(plan.HEADER)] for r in rows_of]
         grads_any = checks.check_peer_headers(headers)
         received, per_expert = _received(rows_of, engine.counts_col, self.num_local_experts, self.rank)
