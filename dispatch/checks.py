@@ -140,6 +140,19 @@ def value_flags(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts:
     return _bad_rows(topk_idx, topk_weights, num_experts).any(1)
 
 
+def raise_own_values(header: list[int], ticket: plan.Ticket, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     num_experts: int) -> None:
+    """Where this rank's own header as the counts exchange read it back
+    (``header``, its ``plan.HEADER`` entries first) is marked failed by its bad
+    values (``fold_flags``), raise the ValueError naming them (one more host
+    read, on the failure only); its peers raise in :func:`check_peer_headers`."""
+    if header[_FAILED] and not ticket.refused:
+        weights = topk_weights.detach()
+        flags = value_flags(topk_idx, weights, num_experts).cpu()  # host sync: the message
+        raise (values_error(flags, topk_idx, weights, num_experts)
+               or ValueError("topk_idx/topk_weights: the plan found a bad value"))
+
+
 def values_error(
     flags: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
 ) -> ValueError | None:
@@ -147,7 +160,7 @@ def values_error(
 
     The dispatchers do not raise it at once: only this rank sees its values, so
     it marks itself failed in the row of the counts all-gather
-    (``plan.mark_failed``, or ``fold_flags`` on the device) and raises after it,
+    (``fold_flags``, on the device) and raises after it (``raise_own_values``),
     where its peers raise too (``check_peer_headers``) instead of waiting for it
     in that all-gather."""
     if not flags.any():
@@ -406,7 +419,7 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
     Raises:
         ValueError on every rank alike (all ranks see the same headers), after
         the counts all-gather and before any token moves; RuntimeError where
-        a rank marked itself failed (``plan.mark_failed``).
+        a rank marked itself failed (``fold_flags``).
     """
     headers = _rows(headers)  # a few host values: plain Python, no tensor op per check
     first = headers[0][:_AGREED]
@@ -431,13 +444,15 @@ _MAX_ROWS, _MEMORY_ROWS = HEADER.index("max_rows"), HEADER.index("memory_rows")
 assert set(HEADER[:_AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
 
 
-def fold_flags(row: torch.Tensor, flags: torch.Tensor, header_at: int) -> None:
-    """Raise the ``failed`` entry of a counts row about to be all-gathered where
-    ``flags`` (``value_flags``) found a bad value, on the device: every rank sees
-    the failure where it reads the rows back (the split sizes' host read, or a
-    later one where nothing is read on the host), with no host read of its own."""
-    at = header_at + _FAILED
-    row[at : at + 1] = torch.maximum(row[at : at + 1], flags.any().view(1).to(row.dtype))
+def fold_flags(header_row: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """``header_row`` (a ``plan.header`` on the device) with its ``failed``
+    entry raised where ``flags`` (``value_flags``) found a bad value, on the
+    device: every rank sees the failure where it reads the all-gathered rows
+    back (the split sizes' host read, or a later one where nothing is read on
+    the host), with no host read of its own."""
+    folded = header_row.clone()
+    folded[_FAILED] = torch.maximum(header_row[_FAILED], flags.any().to(header_row.dtype))
+    return folded
 
 
 def peers_fail(headers: torch.Tensor, rows_of: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

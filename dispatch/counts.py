@@ -64,16 +64,17 @@ def exchange(
     local_world_size: int,
     group,
     world_size: int,
+    rank: int,
     check_values: bool,
     arrivals: comm.Arrivals | None = None,
     ticket: plan.Ticket = plan.Ticket(),
     row_bytes: int = 0,
     exact_memory_rows=None,
 ) -> GlobalCounts:
-    """Route, check values, all-gather the counts, check peers; one host sync
-    (two with the value checks). Bad values on this rank are raised after the
-    all-gather, which marks this rank failed, so that its peers raise there too
-    (``checks.values_error``).
+    """Route, check values, all-gather the counts, check peers; one host sync.
+    Bad values on this rank mark it failed in the row it all-gathers, on the
+    device (``checks.fold_flags``), and it raises once it reads the rows back,
+    where its peers raise too (``checks.raise_own_values``).
 
     Args:
         x: [T, H]; topk_idx: [T, K] int32/int64; topk_weights: [T, K] floating.
@@ -82,24 +83,19 @@ def exchange(
             bytes a received row takes (``checks.check_row_budgets``).
     """
     num_tokens, topk = topk_idx.shape
-    weights = topk_weights.detach()
-    failed = None
-    if check_values and num_tokens > 0:
-        flags = checks.value_flags(topk_idx, weights, num_experts)
-        failed = checks.values_error(flags.cpu(), topk_idx, weights, num_experts)  # host sync: value checks
     route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     nodes = world_size // local_world_size
     node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
     header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket) + [num_tokens]), x.device)
+    if check_values and num_tokens > 0:  # a bad value marks this rank failed in its row, on the device
+        header_row = checks.fold_flags(header_row, checks.value_flags(topk_idx, topk_weights.detach(), num_experts))
     tail = torch.cat([header_row[-1:], node_hit.sum(0, dtype=torch.int64)])  # T, then the node hits
     layout = counts_row(world_size, route.counts.shape[1] - 1, local_world_size)
     row = layout.row(route.counts, header_row[:-1], tail)
-    if failed is not None:
-        layout.mark_failed(row)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
-    if failed is not None:
-        raise failed  # its peers raise in check_peer_headers
     all_counts, headers, tails = layout.split(gathered)
+    # this rank's own bad values: its error (its peers raise in check_peer_headers)
+    checks.raise_own_values(headers[rank].tolist(), ticket, topk_idx, topk_weights, num_experts)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
     checks.check_row_budgets(headers, all_counts[:, :, 1:].sum((0, 2)).tolist(), row_bytes, exact_memory_rows)
     return GlobalCounts(

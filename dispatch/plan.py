@@ -153,7 +153,7 @@ def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, ticket: Ticke
         DTYPE_CODES[topk_weights.dtype],
         int(grad and x.requires_grad),
         int(grad and topk_weights.requires_grad),
-        int(ticket.refused),  # or raised later in the row itself (``mark_failed``)
+        int(ticket.refused),  # or raised later on the device (``checks.fold_flags``)
         ticket.max_rows,
         ticket.memory_rows,
     ]
@@ -196,10 +196,6 @@ class CountsRow:
     def row(self, counts: torch.Tensor, header_row: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """[width] int64: what this rank all-gathers (counts [W, 1 + E_local])."""
         return torch.cat([counts.flatten(), header_row, tail])
-
-    def mark_failed(self, row: torch.Tensor) -> None:
-        """Raise the ``failed`` entry of ``row``, about to be all-gathered."""
-        row[self.header_at + HEADER.index("failed")] = 1
 
     def split(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[W, width] all-gathered rows -> (all_counts [W_src, W_dst, 1 + E_local],

@@ -7,8 +7,8 @@ the plan's time was made of (about 2.5 ms for the DeepSeek-V3 shape on H200,
 1.0 ms with the graphs). Their shapes depend only on (T, K, dtypes), so once a
 shape has been seen twice they are captured as two CUDA graphs and replayed:
 
-    graph 1: value checks' flags + ``plan.route`` + the row to all-gather
-    (host)   raise on bad values; all-gather the rows     (eager: a collective)
+    graph 1: value checks (folded into the row) + ``plan.route`` + the row to all-gather
+    (host)   all-gather the rows                           (eager: a collective)
     graph 2: ``plan.build_send_plan`` + the summary the host needs
 
 A shape seen once runs eagerly, so batches whose T keeps changing never pay for
@@ -47,14 +47,16 @@ class Planned:
 
 
 def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups=1):
-    """Flags (or None), Route, GroupRoute (None for one group), and the row to
-    all-gather: the counts and header, then ``group_tail``."""
-    flags = checks.value_flags(topk_idx, topk_weights, num_experts) if check_values else None
+    """Route, GroupRoute (None for one group), and the row to all-gather: the
+    counts and header, then ``group_tail``. With ``check_values``, a bad value
+    raises the header's failed entry in that row (``checks.fold_flags``, on the
+    device: in graph 1 where it is replayed)."""
+    if check_values:
+        header_row = checks.fold_flags(header_row, checks.value_flags(topk_idx, topk_weights, num_experts))
     route = plan.route(topk_idx, num_experts, world_size)
     grouped = plan.group_route(route, topk_idx, groups) if groups > 1 else None
     world, local = route.hit.shape[1], route.counts.shape[1] - 1
-    return flags, route, grouped, counts_row(world, local).row(route.counts, header_row,
-                                                               group_tail(route, grouped, groups))
+    return route, grouped, counts_row(world, local).row(route.counts, header_row, group_tail(route, grouped, groups))
 
 
 def counts_row(world: int, local: int) -> plan.CountsRow:
@@ -168,13 +170,13 @@ class CapturedPlan:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            second(*first()[1:3])  # warm-up outside capture (allocator, library handles)
+            second(*first()[:2])  # warm-up outside capture (allocator, library handles)
             # capture_begin/end directly: torch.cuda.graph() would also synchronise
             # the device and empty the allocator's cache on every capture.
             self.graph1, self.graph2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             self.graph1.capture_begin(capture_error_mode="thread_local")
             try:
-                self.flags, route, grouped, self.row = first()
+                route, grouped, self.row = first()
             finally:
                 self.graph1.capture_end()
             self.graph2.capture_begin(pool=self.graph1.pool(), capture_error_mode="thread_local")
@@ -185,12 +187,12 @@ class CapturedPlan:
         current.wait_stream(side)
 
     def run_route(self, topk_idx, topk_weights, header_row):
-        """Replay graph 1 on new inputs: (flags or None, row to all-gather)."""
+        """Replay graph 1 on new inputs: the row to all-gather."""
         self.topk_idx.copy_(topk_idx)
         self.topk_weights.copy_(topk_weights)
         self.header_row.copy_(header_row)
         self.graph1.replay()
-        return self.flags, self.row
+        return self.row
 
     def run_send(self) -> Planned:
         """Replay graph 2 once ``self.gathered`` holds the all-gathered rows."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dispatch import counts, plan, plan_graph
+from dispatch import checks, counts, plan, plan_graph
 
 
 def _row_parts(world, local, tail, seed=0):
@@ -26,10 +26,21 @@ def test_a_row_splits_back_into_its_parts():
     all_counts, headers, tails = layout.split(rows)
     for r, (c, h, t) in enumerate(parts):
         assert torch.equal(all_counts[r], c) and torch.equal(headers[r], h) and torch.equal(tails[r], t)
-    row = rows[1].clone()
-    layout.mark_failed(row)
-    assert layout.split(row[None])[1][0, plan.HEADER.index("failed")] == 1
-    assert torch.equal(row[: layout.header_at], rows[1][: layout.header_at])
+
+
+def test_bad_values_raise_the_failed_entry_alone():
+    """``checks.fold_flags``: a bad value marks the header failed (at least 1,
+    a higher mark kept), nothing else changes; no bad value, nothing changes."""
+    failed = plan.HEADER.index("failed")
+    header = torch.arange(len(plan.HEADER), dtype=torch.int64) + 10
+    for mark in (0, 2):
+        header[failed] = mark
+        for bad, want in ((False, mark), (True, max(mark, 1))):
+            flags = torch.tensor([False, bad, False])
+            folded = checks.fold_flags(header, flags)
+            assert folded[failed] == want
+            keep = torch.arange(len(plan.HEADER)) != failed
+            assert torch.equal(folded[keep], header[keep]) and header[failed] == mark  # the input untouched
 
 
 def test_each_exchange_names_its_row():

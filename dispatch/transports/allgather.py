@@ -81,7 +81,7 @@ class AllGatherTransport(Transport):
         world, rank = self.world_size, self.rank
         num_tokens, topk = topk_idx.shape
         gc = counts.exchange(
-            x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, check_values,
+            x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, rank, check_values,
             self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows,
         )
         block = int(gc.tokens.max())

@@ -195,12 +195,9 @@ class AllToAllTransport(Transport):
             key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, groups)
             captured = self._graphs.get(key, num_experts, world, rank)
         if captured is not None:
-            flags, row = captured.run_route(topk_idx, weights, header_row)
+            row = captured.run_route(topk_idx, weights, header_row)
         else:
-            flags, route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values,
-                                                     groups)
-        if flags is not None:  # a bad value marks this rank failed for every rank to see
-            checks.fold_flags(row, flags, self.counts_row.header_at)
+            route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values, groups)
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
                                         arrivals=None if bounded else self.arrivals)
         if captured is not None:

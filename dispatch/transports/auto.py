@@ -77,7 +77,7 @@ class AutoTransport(Transport):
         rank chooses at the same call, from the same all-gathered figures)."""
         x = request.x
         gc = counts.exchange(x, request.topk_idx, request.topk_weights, self.config.num_experts,
-                             self.local_world_size, self.group, self.world_size, request.check_values,
+                             self.local_world_size, self.group, self.world_size, self.rank, request.check_values,
                              self.arrivals, request.ticket, exact_memory_rows=request.exact_memory_rows)
         hidden = x.shape[1]
         costs = estimate(gc.routing_stats(), self.local_world_size,

@@ -39,8 +39,6 @@ from dispatch.stats import DispatchStats, resolve_local_world_size
 from dispatch.streams import Pending, PendingGroups
 
 
-_FAILED = plan.HEADER.index("failed")  # where a header marks its rank failed
-
 
 @dataclass(frozen=True)
 class Request:
@@ -181,16 +179,8 @@ class Transport(abc.ABC):
         return wire + hidden * x.element_size() + 24
 
     def _raise_own_values(self, request: Request, header: list[int]) -> None:
-        """Where this rank's own header as its plan read it back (``header``, its
-        ``plan.HEADER`` entries first) is marked failed by its bad values, raise
-        the ValueError naming them (one more host read, on the failure only);
-        its peers raise in ``checks.check_peer_headers``."""
-        if header[_FAILED] and not request.ticket.refused:
-            topk_idx, weights = request.topk_idx, request.topk_weights.detach()
-            num_experts = self.config.num_experts
-            flags = checks.value_flags(topk_idx, weights, num_experts).cpu()  # host sync: the message
-            raise (checks.values_error(flags, topk_idx, weights, num_experts)
-                   or ValueError("topk_idx/topk_weights: the plan found a bad value"))
+        """``checks.raise_own_values`` for ``request``."""
+        checks.raise_own_values(header, request.ticket, request.topk_idx, request.topk_weights, self.config.num_experts)
 
     def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
         """What this rank adds to a dispatch's agreement (``agrees_dispatch``)."""
