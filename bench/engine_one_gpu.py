@@ -7,8 +7,9 @@ sub-group's rendezvous its peers would not make), so its kernels and their
 launches run on one device. ``--check`` holds it bitwise against the NCCL
 transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups;
 native and fp8 wires; T = 0 to 2048). Then the eager round trip's host time at
-the decode and DeepSeek-V3 shapes (wall time from dispatch to combine's return,
-the GPU idle at the start; median of 800): of TREE alone, or with ``--against
+the decode and DeepSeek-V3 shapes, on the engine and on the NCCL transport (wall
+time from dispatch to combine's return, the GPU idle at the start; median of
+800): of TREE alone, or with ``--against
 BASE`` of both source trees in one process (BASE's package imported first and
 its modules moved aside, then TREE's), in alternating blocks of 40 round trips,
 with their ratio: between processes the same tree's host time varied 1.5x on
@@ -164,11 +165,12 @@ def quantile(values, q):
     return sorted(values)[int(q * (len(values) - 1))]
 
 
-for name, (T, H, E, K) in (("decode", (128, 7168, 256, 8)), ("deepseek-v3", (4096, 7168, 256, 8))):
+for (name, (T, H, E, K)), transport in ((shape, transport) for transport in ("nvlink", "nccl") for shape in (
+        ("decode", (128, 7168, 256, 8)), ("deepseek-v3", (4096, 7168, 256, 8)))):
     x, idx, w = inputs(T, H, E, K, 0)
     trips = {}
     for label, package in packages.items():
-        d = make(E, "nvlink", package=package)
+        d = make(E, transport, package=package)
 
         def rt(d=d):
             out = d.dispatch(x, idx, w)
@@ -191,7 +193,7 @@ for name, (T, H, E, K) in (("decode", (128, 7168, 256, 8)), ("deepseek-v3", (409
                 t1 = time.perf_counter()
                 torch.cuda.synchronize()
                 walls[label].append((t1 - t0) * 1e6)
-    if "--profile" in sys.argv and name == "decode":
+    if "--profile" in sys.argv and name == "decode" and transport == "nvlink":
         import cProfile
         import pstats
         prof = cProfile.Profile()
@@ -208,6 +210,7 @@ for name, (T, H, E, K) in (("decode", (128, 7168, 256, 8)), ("deepseek-v3", (409
     ratio = ""
     if BASE:
         ratio = f"; tree/base {statistics.median(walls['tree']) / statistics.median(walls['base']):.3f}"
-    print(f"{name}: eager round trip, host wall from dispatch to combine's return, median of {len(walls['tree'])}: "
+    print(f"{transport} {name}: eager round trip, host wall from dispatch to combine's return, median of "
+          f"{len(walls['tree'])}: "
           f"{told}{ratio}", flush=True)
 dist.destroy_process_group()

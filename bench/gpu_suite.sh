@@ -24,8 +24,9 @@
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
 #             then bench/agreement_probe.py (what a call's agreement costs on the host)
 #   one-gpu   on one GPU (no second one lent): bench/engine_one_gpu.py, the engine at W = 1 held
-#             bitwise against NCCL, then the eager round trip's host time of this tree against a
-#             base tree in .wt/base (where there is one), both in one process, blocks in turn
+#             bitwise against NCCL, then the eager round trip's host time (the engine, and the
+#             NCCL transport) of this tree against a base tree in .wt/base (where there is one),
+#             both in one process, blocks in turn
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels

@@ -204,13 +204,16 @@ class CountsRow:
         return gathered[:, :at].view(self.world, self.world, -1), gathered[:, at:end], gathered[:, end:]
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host-built tensor on ``device``; on CUDA through a pinned buffer
-    with ``non_blocking=True``, so that the copy does not wait for the work
-    queued on the stream (every host-to-device copy of the package goes here)."""
+def to_device(host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A small host-built tensor on ``device`` (into ``out`` there, if given);
+    on CUDA through a pinned buffer with ``non_blocking=True``, so that the
+    copy does not wait for the work queued on the stream (every host-to-device
+    copy of the package goes here)."""
     if device.type != "cuda" or host.device.type != "cpu":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return host.to(device) if out is None else out.copy_(host)
+    if out is None:
+        return host.pin_memory().to(device, non_blocking=True)
+    return out.copy_(host.pin_memory(), non_blocking=True)
 
 
 def send_positions(hit: torch.Tensor, sizes: "torch.Tensor | tuple[int, ...]") -> torch.Tensor:

@@ -19,8 +19,10 @@ one stream (the caller's current stream) in the order of the calls.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -145,6 +147,25 @@ class Summary:
                    by_group.view(2, world, 2, local), groups)
 
 
+class Kept(NamedTuple):
+    """What an exchange's handle keeps of its plan (``SendPlan``'s send_token,
+    home_index, slot_row and slot_col; the rows per local expert): int64
+    tensors, all of them."""
+
+    send_token: torch.Tensor
+    home_index: torch.Tensor
+    slot_row: torch.Tensor
+    slot_col: torch.Tensor
+    per_expert: torch.Tensor
+
+    @classmethod
+    def of(cls, planned: Planned, world: int, local: int) -> "Kept":
+        """The parts themselves, of a plan that was not replayed (nothing overwrites them)."""
+        send = planned.send
+        return cls(send.send_token, send.home_index, send.slot_row, send.slot_col,
+                   Summary.per_expert_of(planned.summary, world, local))
+
+
 class CapturedPlan:
     """Graphs 1 and 2 for one :class:`PlanKey`, with their static buffers."""
 
@@ -182,15 +203,20 @@ class CapturedPlan:
             self.graph2.capture_begin(pool=self.graph1.pool(), capture_error_mode="thread_local")
             try:
                 self.planned = second(route, grouped)
+                # what outlives a replay, in one buffer: one copy of it per call (``kept``)
+                self._kept = torch.cat([part.flatten() for part in Kept.of(self.planned, world_size, local)])
             finally:
                 self.graph2.capture_end()
         current.wait_stream(side)
+        self._kept_shapes = tuple(part.shape for part in Kept.of(self.planned, world_size, local))
+        self._kept_sizes = [math.prod(shape) for shape in self._kept_shapes]
 
-    def run_route(self, topk_idx, topk_weights, header_row):
-        """Replay graph 1 on new inputs: the row to all-gather."""
+    def run_route(self, topk_idx, topk_weights, header: torch.Tensor):
+        """Replay graph 1 on new inputs (``header``: this rank's ``plan.header``
+        on the host): the row to all-gather."""
         self.topk_idx.copy_(topk_idx)
         self.topk_weights.copy_(topk_weights)
-        self.header_row.copy_(header_row)
+        plan.to_device(header, self.header_row.device, out=self.header_row)
         self.graph1.replay()
         return self.row
 
@@ -198,6 +224,12 @@ class CapturedPlan:
         """Replay graph 2 once ``self.gathered`` holds the all-gathered rows."""
         self.graph2.replay()
         return self.planned
+
+    def kept(self) -> "Kept":
+        """A copy of what the caller keeps of this call's replays (:class:`Kept`),
+        which the next replay overwrites: one copy, its parts views of it."""
+        parts = self._kept.clone().split(self._kept_sizes)
+        return Kept(*(part.view(shape) for part, shape in zip(parts, self._kept_shapes)))
 
 
 class PlanGraphCache:

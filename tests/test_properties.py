@@ -253,9 +253,10 @@ def test_cast_wires(worlds, world_size, variant, local, wire):
             assert_sums_close(got["combined"], expected[rank], magnitude[rank], (wire_dtype,), f"rank {rank}")
 
 
-@pytest.mark.parametrize("world_size, variant, local", variant_cases([2, 4]))
+@pytest.mark.parametrize("world_size, variant, local", variant_cases([2, 4]) + variant_cases([1], ["alltoall"]))
 def test_two_dispatches_in_flight(worlds, world_size, variant, local):
-    """Handles are independent: combine the second micro-batch, then the first."""
+    """Handles are independent: combine the second micro-batch, then the first
+    (one rank: on one GPU, the all-to-all's plan replayed as CUDA graphs)."""
     first = make_routing(world_size, 2, 3, [8] * world_size, "random", seed=21)
     second = make_routing(world_size, 2, 3, [8] * world_size, "one_rank", seed=22)
     xs = [identity_tokens(r, 8, HIDDEN, torch.float32) for r in range(world_size)]
@@ -271,7 +272,7 @@ def test_two_dispatches_in_flight(worlds, world_size, variant, local):
             assert torch.equal(got, xs[rank] * (weights[rank] * live).sum(1, keepdim=True))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_plan_graphs_match_eager_plan(worlds, world_size):
     """The CUDA-graph replay of the plan (used on GPUs) gives the eager plan's results."""
     routing = make_routing(world_size, 3, 4, [9, 0, 5][:world_size], "sparse", seed=5)

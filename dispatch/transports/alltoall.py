@@ -30,7 +30,7 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_groups, handle_fields, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
-from dispatch.plan_graph import PlanGraphCache, PlanKey, Summary, counts_row, route_phase, send_phase
+from dispatch.plan_graph import Kept, PlanGraphCache, PlanKey, Summary, counts_row, route_phase, send_phase
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
@@ -133,13 +133,12 @@ class AllToAllTransport(Transport):
         by_group = summary.by_group
         checks.check_peer_groups(summary.groups.tolist())
         # what outlives a replayed graph is copied out of its buffers
-        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
+        kept = captured.kept() if captured is not None else Kept.of(planned, world, local)
         sp = planned.send  # its meta is read at once, on the stream of the replays
         send_splits, recv_splits = tuple(summary.send.tolist()), tuple(summary.recv.tolist())
         per_expert = summary.per_expert
         per_expert_list = per_expert.tolist()
         num_rows = sum(per_expert_list)
-        device_per_expert = Summary.per_expert_of(planned.summary, world, local)
         recv_meta = comm.all_to_all_rows(sp.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
         # the slot lists arrive by source rank, each source's group after group; held group after group
         group_recv = [list(recv_splits)] if groups == 1 else by_group[1, :, 0, :groups].t().tolist()
@@ -147,15 +146,15 @@ class AllToAllTransport(Transport):
         rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
         splits = None
         if groups > 1:
-            splits = _group_splits(by_group, groups, rp, table, device_per_expert)
+            splits = _group_splits(by_group, groups, rp, table, kept.per_expert)
         handle = AllToAllHandle(
             **handle_fields(request, self, num_rows, grads_any, tuple(bool(n) for n in summary.matrix.sum(0).tolist())),
             send_splits=send_splits,
             recv_splits=recv_splits,
-            send_token=keep(sp.send_token[: sum(send_splits)]),
-            home_index=keep(sp.home_index),
-            slot_row=keep(sp.slot_row),
-            slot_col=keep(sp.slot_col),
+            send_token=kept.send_token[: sum(send_splits)],
+            home_index=kept.home_index,
+            slot_row=kept.slot_row,
+            slot_col=kept.slot_col,
             expand_src=rp.expand_src,
             presum_index=rp.presum_index,
             by_group=splits,
@@ -163,7 +162,7 @@ class AllToAllTransport(Transport):
         )
         outputs = PlanOutputs(
             weights=rp.weights,
-            tokens_per_expert=keep(device_per_expert),
+            tokens_per_expert=kept.per_expert,
             tokens_per_expert_host=per_expert,
             src_rank=rp.src_rank[rp.expand_src],
             src_token=rp.src_token[rp.expand_src],
@@ -188,16 +187,16 @@ class AllToAllTransport(Transport):
         num_tokens, topk = topk_idx.shape
         weights = request.topk_weights.detach()
         check_values = request.check_values and num_tokens > 0
-        header_row = self._header_row(header, x.device)
         captured = None
         if (self._graphs is not None and topk_idx.is_cuda and num_tokens > 0 and (grouped_sends or groups == 1)
                 and not torch.cuda.is_current_stream_capturing()):
             key = PlanKey(num_tokens, topk, topk_idx.dtype, weights.dtype, topk_idx.device, check_values, groups)
             captured = self._graphs.get(key, num_experts, world, rank)
         if captured is not None:
-            row = captured.run_route(topk_idx, weights, header_row)
+            row = captured.run_route(topk_idx, weights, torch.tensor(header, dtype=torch.int64))
         else:
-            route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values, groups)
+            route, grouped, row = route_phase(topk_idx, weights, self._header_row(header, x.device), num_experts, world,
+                                              check_values, groups)
         gathered = comm.all_gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
                                         arrivals=None if bounded else self.arrivals)
         if captured is not None:
