@@ -511,6 +511,13 @@ def recv_table(recv_rows: list[list[int]]) -> list[list[int]]:
     return table
 
 
+def one_group_table(recv: torch.Tensor) -> torch.Tensor:
+    """:func:`recv_table` of one group on ``recv``'s device, from ``recv``: [W]
+    int64 rows received from each rank (no host copy)."""
+    start = torch.cumsum(recv, 0) - recv
+    return torch.stack([start, start, torch.arange(recv.shape[0], device=recv.device)])
+
+
 def _prefix(values: list[int]) -> list[int]:
     out, total = [], 0
     for v in values:

@@ -46,6 +46,7 @@ class Planned:
 
     send: plan.SendPlan
     summary: torch.Tensor  # see ``plan_summary``
+    table: torch.Tensor  # ``plan.recv_table`` of one group, [len(RECV_TABLE), W] (``plan.one_group_table``)
 
 
 def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups=1):
@@ -79,7 +80,8 @@ def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int
 def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planned:
     all_counts, headers, tails = counts_row(gathered.shape[0], route.counts.shape[1] - 1).split(gathered)
     send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights, grouped)
-    return Planned(send, plan_summary(route.counts, all_counts, headers, rank, tails))
+    return Planned(send, plan_summary(route.counts, all_counts, headers, rank, tails),
+                   plan.one_group_table(all_counts[:, rank, 0]))
 
 
 def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int,

@@ -68,3 +68,11 @@ def test_the_plan_summary_reads_back_by_part():
     assert torch.equal(got.by_group[0].flatten(), by_group[rank].flatten())
     assert torch.equal(got.by_group[1].flatten(), by_group[:, rank].flatten())
     assert torch.equal(got.groups, tails[:, -1])
+
+
+def test_the_receive_table_of_one_group_on_the_device_is_the_hosts():
+    """``plan.one_group_table`` (made with the plan, no host copy) is
+    ``plan.recv_table`` of one group."""
+    for recv in ([0], [3], [2, 0, 5, 1], [0, 0, 0]):
+        want = torch.tensor(plan.recv_table([recv]), dtype=torch.int64)
+        assert torch.equal(plan.one_group_table(torch.tensor(recv, dtype=torch.int64)), want)

@@ -141,8 +141,11 @@ class AllToAllTransport(Transport):
         num_rows = sum(per_expert_list)
         recv_meta = comm.all_to_all_rows(sp.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
         # the slot lists arrive by source rank, each source's group after group; held group after group
-        group_recv = [list(recv_splits)] if groups == 1 else by_group[1, :, 0, :groups].t().tolist()
-        table = plan.to_device(torch.tensor(plan.recv_table(group_recv), dtype=torch.int64), recv_meta.device)
+        if groups == 1:  # made on the device with the plan (overwritten by the next replay: read at once)
+            table = planned.table
+        else:
+            group_recv = by_group[1, :, 0, :groups].t().tolist()
+            table = plan.to_device(torch.tensor(plan.recv_table(group_recv), dtype=torch.int64), recv_meta.device)
         rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
         splits = None
         if groups > 1:

@@ -372,8 +372,7 @@ class NVSHMEMTransport(AllToAllTransport):
                 real = torch.arange(held, device=meta.device) < receives.sum()
                 return torch.where(real.unsqueeze(1), meta[:held], -1)
         meta = self.exchange.exchange(sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows, received)
-        start = torch.cumsum(receives, 0) - receives
-        table = torch.stack([start, start, torch.arange(world, device=start.device)])
+        table = plan.one_group_table(receives)
         rp = plan.build_recv_plan(meta, table, num_rows, plan.weight_wire_dtype(request.topk_weights.dtype))
         if per_expert is None:
             per_expert = keep(Summary.per_expert_of(planned.summary, world, local))
