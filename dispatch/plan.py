@@ -476,6 +476,9 @@ class RecvPlan:
         weights: [N] routing weight of each expanded row (in the wire dtype of weights).
         src_token: [R] int64, source token of each held row.
         src_rank: [R] int64, source rank of each held row.
+        expanded_token, expanded_rank: [N] int64, those of each expanded row
+            (``src_token[expand_src]``, ``src_rank[expand_src]``; like
+            ``expand_src``, unset past the rows the slots fill).
     """
 
     expand_src: torch.Tensor
@@ -483,6 +486,8 @@ class RecvPlan:
     weights: torch.Tensor
     src_token: torch.Tensor
     src_rank: torch.Tensor
+    expanded_token: torch.Tensor
+    expanded_rank: torch.Tensor
 
 
 RECV_TABLE = ("arrival_start", "held_start", "src_rank")
@@ -563,15 +568,19 @@ def build_recv_plan_reference(
     expand_src.scatter_(0, at, held.repeat_interleave(width))
     presum_index = torch.empty_like(slots)
     presum_index[held] = slots
+    token, rank = meta[:, width].long(), src[block]  # of each row as it arrived
     src_token = torch.empty(num_recv, dtype=torch.int64, device=device)
-    src_token[held] = meta[:, width].long()
+    src_token[held] = token
     src_rank = torch.empty(num_recv, dtype=torch.int64, device=device)
-    src_rank[held] = src[block]
+    src_rank[held] = rank
+    expanded_token, expanded_rank = (torch.empty(num_rows + 1, dtype=torch.int64, device=device).scatter_(
+        0, at, values.repeat_interleave(width)) for values in (token, rank))
     weight_words = torch.empty(num_recv, width * words, dtype=torch.int32, device=device)
     weight_words.copy_(meta[:, width + 1 :])
     weights = torch.empty(num_rows + 1, dtype=weight_dtype, device=device)
     weights.scatter_(0, at, weight_words.view(weight_dtype).flatten())
-    return RecvPlan(expand_src[:num_rows], presum_index, weights[:num_rows], src_token, src_rank)
+    return RecvPlan(expand_src[:num_rows], presum_index, weights[:num_rows], src_token, src_rank,
+                    expanded_token[:num_rows], expanded_rank[:num_rows])
 
 
 def _pack_left(values: torch.Tensor) -> torch.Tensor:

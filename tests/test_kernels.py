@@ -173,6 +173,8 @@ def test_recv_plan_kernel_matches_reference(world, groups, width, words, seed):
     # every row lands where it is held: its slot list, and every expanded row points back at it
     assert torch.equal(want.presum_index.cpu(), held[:, :width].long())
     assert torch.equal(want.src_token.cpu(), held[:, width].long())
+    assert torch.equal(want.expanded_token, want.src_token[want.expand_src])
+    assert torch.equal(want.expanded_rank, want.src_rank[want.expand_src])
     for n, j in enumerate(want.expand_src.tolist()):
         assert n in want.presum_index[j].tolist(), (n, j)
 

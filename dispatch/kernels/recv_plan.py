@@ -3,8 +3,8 @@
 Same result as ``dispatch.plan.build_recv_plan_reference``: each received row
 (a program handles ``BLOCK_R`` of them) finds its arrival block (source rank,
 group) in the host-made table by binary search, and writes its slot list,
-source token and rank at its held place, and for each valid slot its held row
-and its weight at the slot's expanded position. Every output element is written
+source token and rank at its held place, and for each valid slot its held row,
+its weight and its source token and rank at the slot's expanded position. Every output element is written
 by exactly one row, so nothing is atomic and the result does not depend on the
 launch. On the deepseek-v3 shape
 this replaces some thirty small operations, whose launches and framework
@@ -35,6 +35,8 @@ if triton is not None:
         presum_ptr,
         src_token_ptr,
         src_rank_ptr,
+        expanded_token_ptr,
+        expanded_rank_ptr,
         num_recv,
         num_blocks,
         meta_stride,
@@ -68,6 +70,8 @@ if triton is not None:
             tl.store(presum_ptr + held * WIDTH + k, slot, mask=live)
             valid = live & (slot >= 0)
             tl.store(expand_src_ptr + slot, held, mask=valid)
+            tl.store(expanded_token_ptr + slot, token.to(tl.int64), mask=valid)
+            tl.store(expanded_rank_ptr + slot, src, mask=valid)
             for w in tl.static_range(WORDS):
                 word = tl.load(base + WIDTH + 1 + k * WORDS + w, mask=valid, other=0)
                 tl.store(weight_words_ptr + slot * WORDS + w, word, mask=valid)
@@ -89,11 +93,13 @@ def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, wei
     presum_index = torch.empty(num_recv, width, dtype=torch.int64, device=device)
     src_token = torch.empty(num_recv, dtype=torch.int64, device=device)
     src_rank = torch.empty(num_recv, dtype=torch.int64, device=device)
+    expanded_token = torch.empty(num_rows, dtype=torch.int64, device=device)
+    expanded_rank = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_recv:
         num_blocks = table.shape[1]
         _recv_plan_kernel[(triton.cdiv(num_recv, BLOCK_R),)](
-            meta, table, expand_src, weights.view(torch.int32), presum_index, src_token, src_rank,
-            num_recv, num_blocks, meta.stride(0),
+            meta, table, expand_src, weights.view(torch.int32), presum_index, src_token, src_rank, expanded_token,
+            expanded_rank, num_recv, num_blocks, meta.stride(0),
             WIDTH=width, WORDS=words, STEPS=max(1, (num_blocks - 1).bit_length()), BLOCK=BLOCK_R,
         )
-    return expand_src, presum_index, weights, src_token, src_rank
+    return expand_src, presum_index, weights, src_token, src_rank, expanded_token, expanded_rank

@@ -167,8 +167,8 @@ class AllToAllTransport(Transport):
             weights=rp.weights,
             tokens_per_expert=kept.per_expert,
             tokens_per_expert_host=per_expert,
-            src_rank=rp.src_rank[rp.expand_src],
-            src_token=rp.src_token[rp.expand_src],
+            src_rank=rp.expanded_rank,
+            src_token=rp.expanded_token,
         )
         mark(self.phase_timer, "plan")
         return handle, outputs

@@ -378,7 +378,7 @@ class NVSHMEMTransport(AllToAllTransport):
             per_expert = keep(Summary.per_expert_of(planned.summary, world, local))
         expand_src, weights = rp.expand_src, rp.weights
         if failed is None:
-            src_rank, src_token = rp.src_rank[expand_src], rp.src_token[expand_src]
+            src_rank, src_token = rp.expanded_rank, rp.expanded_token
         else:  # padding: the zero row, weight 0, sources -1
             real = torch.arange(num_rows, device=expand_src.device) < per_expert.sum()
             index = torch.where(real, expand_src, meta.shape[0])
