@@ -39,10 +39,15 @@ torch.cuda.set_device(0)
 dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
 
+def _ours() -> dict:
+    """The ``dispatch`` modules imported now, by name."""
+    return {name: module for name, module in sys.modules.items() if name == "dispatch" or name.startswith("dispatch.")}
+
+
 def load(tree: str):
     """The ``dispatch`` package of source tree ``tree``, imported afresh (the
     modules of one imported before are moved aside, and keep working)."""
-    for name in [n for n in sys.modules if n == "dispatch" or n.startswith("dispatch.")]:
+    for name in _ours():
         del sys.modules[name]
     sys.path.insert(0, os.path.abspath(tree))
     try:
@@ -51,9 +56,19 @@ def load(tree: str):
         import dispatch.transports
     finally:
         sys.path.pop(0)
+    MODULES[dispatch] = _ours()
     return dispatch
 
 
+def use(package) -> None:
+    """Make ``package``'s modules the imported ``dispatch`` ones, so that an
+    import inside one of its functions finds its own tree's module."""
+    for name in _ours():
+        del sys.modules[name]
+    sys.modules.update(MODULES[package])
+
+
+MODULES: dict = {}  # each loaded package's modules
 BASE = sys.argv[sys.argv.index("--against") + 1] if "--against" in sys.argv else None
 packages = {"base": load(BASE)} if BASE else {}
 packages["tree"] = load(sys.argv[1])
@@ -170,6 +185,7 @@ for (name, (T, H, E, K)), transport in ((shape, transport) for transport in ("nv
     x, idx, w = inputs(T, H, E, K, 0)
     trips = {}
     for label, package in packages.items():
+        use(package)
         d = make(E, transport, package=package)
 
         def rt(d=d):
@@ -183,6 +199,7 @@ for (name, (T, H, E, K)), transport in ((shape, transport) for transport in ("nv
     walls = {label: [] for label in trips}
     for block in range(20):
         for label in (trips if block % 2 else reversed(list(trips))):
+            use(packages[label])
             rt = trips[label]
             for _ in range(3):
                 rt()
@@ -193,6 +210,7 @@ for (name, (T, H, E, K)), transport in ((shape, transport) for transport in ("nv
                 t1 = time.perf_counter()
                 torch.cuda.synchronize()
                 walls[label].append((t1 - t0) * 1e6)
+    use(packages["tree"])
     if "--profile" in sys.argv and name == "decode" and transport == "nvlink":
         import cProfile
         import pstats
