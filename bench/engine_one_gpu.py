@@ -16,7 +16,8 @@ with their ratio: between processes the same tree's host time varied 1.5x on
 one machine, within one process it holds to a few percent. ``--profile``: a
 cProfile of 50 decode round trips of TREE first; ``--pieces``: the host cost of
 the round trip's pieces one by one (a launch, an allocation, a host read, the
-free-memory budget, an autograd node, an agreement) first. TREE and BASE are
+free-memory budget, an autograd node, an agreement), and the NCCL transport's
+plan graphs (their kernels, GPU time and host replay time) first. TREE and BASE are
 source trees (this one, or an older one, e.g. ``git archive BASE | tar -x -C
 .wt/base``).
 """
@@ -73,6 +74,8 @@ BASE = sys.argv[sys.argv.index("--against") + 1] if "--against" in sys.argv else
 packages = {"base": load(BASE)} if BASE else {}
 packages["tree"] = load(sys.argv[1])
 dispatch = packages["tree"]
+print(f"machine: {torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores; torch {torch.__version__}; tree "
+      f"{os.environ.get('DISPATCH_COMMIT', '?')}" + (f" against {BASE}" if BASE else ""), flush=True)
 
 
 def make(E, transport, wire="native", package=dispatch):
@@ -172,8 +175,36 @@ def host_pieces() -> None:
         print(f"{name:48s} {statistics.median(ts):8.1f} us", flush=True)
 
 
+def nccl_plan_graphs() -> None:
+    """The NCCL transport's plan before its host read at the decode shape: its two
+    CUDA graphs (the kernels each replays, their GPU time, a replay's host time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    d = make(256, "nccl")
+    x, idx, w = inputs(128, 7168, 256, 8, 0)
+    for _ in range(5):  # the second dispatch of a shape captures its plan, the later ones replay it
+        out = d.dispatch(x, idx, w)
+        d.combine(out.tokens, out.handle, weights=out.weights)
+    torch.cuda.synchronize()
+    captured = next(c for c in d.transport._graphs._plans.values() if c is not None)
+    for name, graph in (("graph 1 (route)", captured.graph1), ("graph 2 (send plan)", captured.graph2)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        replays = []
+        for _ in range(300):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            replays.append((time.perf_counter() - t) * 1e6)
+        print(f"nccl plan {name}: {len(kernels)} kernels and copies, {sum(e.device_time for e in kernels):.1f} us "
+              f"of GPU, replay {statistics.median(replays):.1f} us on the host", flush=True)
+
+
 if "--pieces" in sys.argv:
     host_pieces()
+    nccl_plan_graphs()
 
 
 def quantile(values, q):

@@ -24,9 +24,10 @@
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
 #             then bench/agreement_probe.py (what a call's agreement costs on the host)
 #   one-gpu   on one GPU (no second one lent): bench/engine_one_gpu.py, the engine at W = 1 held
-#             bitwise against NCCL, then the eager round trip's host time (the engine, and the
+#             bitwise against NCCL, the host cost of a round trip's pieces and the NCCL plan's
+#             graphs, a host profile, then the eager round trip's host time (the engine, and the
 #             NCCL transport) of this tree against a base tree in .wt/base (where there is one),
-#             both in one process, blocks in turn
+#             both in one process, blocks in turn (in results/engine-one-gpu.txt)
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
@@ -153,12 +154,10 @@ for part in "$@"; do
       done
       step 120 agreement-probe python3 bench/agreement_probe.py ;;
     one-gpu)
-      step 200 engine-one-gpu-check python3 bench/engine_one_gpu.py . --check
-      if [ -d .wt/base ]; then
-        step 200 engine-one-gpu-ab python3 bench/engine_one_gpu.py . --against .wt/base
-      else
-        step 100 engine-one-gpu python3 bench/engine_one_gpu.py .
-      fi ;;
+      against=()
+      [ -d .wt/base ] && against=(--against .wt/base)
+      step 400 engine-one-gpu bash -c "set -o pipefail; python3 bench/engine_one_gpu.py . --check --pieces --profile ${against[*]} \
+        | tee $RES/engine-one-gpu.txt" ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
         --iters 10 --warmup 3
