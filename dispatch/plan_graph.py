@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from dispatch import checks, plan
+from dispatch.kernels import route_row
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,20 @@ def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, che
     """Route, GroupRoute (None for one group), and the row to all-gather: the
     counts and header, then ``group_tail``. With ``check_values``, a bad value
     raises the header's failed entry in that row (``checks.fold_flags``, on the
-    device: in graph 1 where it is replayed)."""
+    device: in graph 1 where it is replayed). For one group on CUDA, one Triton
+    kernel (``dispatch.kernels.route_row``); else :func:`route_phase_reference`."""
+    if groups == 1 and topk_idx.is_cuda and route_row.triton is not None:
+        local = num_experts // world_size
+        layout = counts_row(world_size, local)
+        dest, hit, row = route_row.route_row_triton(topk_idx, topk_weights, header_row, num_experts, world_size,
+                                                    check_values, layout.width, layout.header_at,
+                                                    layout.header_at + plan.HEADER.index("failed"))
+        return plan.Route(dest=dest, hit=hit, counts=row[: layout.header_at].view(world_size, 1 + local)), None, row
+    return route_phase_reference(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups)
+
+
+def route_phase_reference(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups=1):
+    """:func:`route_phase` in torch operations (any device, any G)."""
     if check_values:
         header_row = checks.fold_flags(header_row, checks.value_flags(topk_idx, topk_weights, num_experts))
     route = plan.route(topk_idx, num_experts, world_size)

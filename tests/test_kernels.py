@@ -239,3 +239,55 @@ def test_weighted_row_grads_fp64_takes_the_reference():
         row_grads.weighted_row_grads_triton(g, torch.rand(4, dtype=torch.float64), g, True)
     got = row_grads.weighted_row_grads(g, torch.rand(4, dtype=torch.float64), g, True)
     assert got[0].dtype == torch.float64 and got[1].dtype == torch.float64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 9),
+    local=st.integers(1, 4),
+    tokens=st.integers(0, 70),
+    topk=st.integers(1, 6),
+    idx_dtype=st.sampled_from([torch.int32, torch.int64]),
+    weight_dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
+    bad=st.sampled_from(["none", "id", "repeat", "nan", "inf", "empty"]),
+    check_values=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_route_row_kernel_matches_reference(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values,
+                                            seed):
+    """The route and counts row of one group in one kernel: bitwise the torch
+    operations' (``plan_graph.route_phase_reference``), bad values included
+    (ids out of range, repeats, non-finite weights: dropped from the route, and
+    the failed entry raised with the checks)."""
+    from dispatch import plan, plan_graph
+    from dispatch.kernels import route_row
+
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    idx = scores.argsort(dim=1, descending=True)[:, : min(topk, experts)]
+    idx = torch.cat([idx, torch.full((tokens, topk - idx.shape[1]), -1)], 1)  # more slots than experts: empty
+    idx = torch.where(torch.rand(tokens, topk, generator=gen) < 0.2, -1, idx)  # some empty slots
+    weights = torch.rand(tokens, topk, generator=gen, dtype=torch.float64)
+    if tokens and bad != "none":
+        t, k = int(torch.randint(tokens, (1,), generator=gen)), int(torch.randint(topk, (1,), generator=gen))
+        if bad == "id":
+            idx[t, k] = experts + int(torch.randint(3, (1,), generator=gen)) if k % 2 else -2
+        elif bad == "repeat" and topk > 1:
+            idx[t, k], idx[t, (k + 1) % topk] = 0, 0
+        elif bad == "nan":
+            weights[t, k] = float("nan")
+        elif bad == "inf":
+            weights[t, k] = float("-inf") if k % 2 else float("inf")
+        elif bad == "empty":
+            idx[t] = -1
+    idx, weights = idx.to(idx_dtype).to(DEVICE), weights.to(weight_dtype).to(DEVICE)
+    header = torch.arange(len(plan.HEADER), dtype=torch.int64, device=DEVICE) + 7
+    header[plan.HEADER.index("failed")] = 0
+    want_route, _, want_row = plan_graph.route_phase_reference(idx, weights, header, experts, world, check_values)
+    layout = plan_graph.counts_row(world, local)
+    dest, hit, row = route_row.route_row_triton(idx, weights, header, experts, world, check_values, layout.width,
+                                                layout.header_at, layout.header_at + plan.HEADER.index("failed"))
+    assert torch.equal(dest, want_route.dest)
+    assert torch.equal(hit, want_route.hit)
+    assert torch.equal(row, want_row)
