@@ -95,7 +95,7 @@ def route_row_triton(topk_idx: torch.Tensor, topk_weights: torch.Tensor, header_
     device = topk_idx.device
     row = torch.zeros(width, dtype=torch.int64, device=device)
     row[header_at : header_at + header_row.numel()] = header_row
-    row[-1] = 1  # G
+    row[-1:].fill_(1)  # G (a fill: no host copy, which a CUDA graph's capture refuses)
     dest = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
     hit = torch.empty(num_tokens, world_size, dtype=torch.int8, device=device)
     if num_tokens:
