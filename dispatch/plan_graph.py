@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from dispatch import checks, plan
-from dispatch.kernels import route_row
+from dispatch.kernels import route_row, send_plan
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,11 @@ def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int
 
 def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planned:
     all_counts, headers, tails = counts_row(gathered.shape[0], route.counts.shape[1] - 1).split(gathered)
-    send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights, grouped)
+    if grouped is None and route.hit.is_cuda and send_plan.triton is not None:  # one group on CUDA: two kernels
+        send = plan.SendPlan(*send_plan.send_plan_triton(route.hit, route.dest, route.counts[:, 0], all_counts, rank,
+                                                         topk_idx, topk_weights))
+    else:
+        send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights, grouped)
     return Planned(send, plan_summary(route.counts, all_counts, headers, rank, tails),
                    plan.one_group_table(all_counts[:, rank, 0]))
 

@@ -291,3 +291,42 @@ def test_route_row_kernel_matches_reference(world, local, tokens, topk, idx_dtyp
     assert torch.equal(dest, want_route.dest)
     assert torch.equal(hit, want_route.hit)
     assert torch.equal(row, want_row)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 9),
+    local=st.integers(1, 4),
+    tokens=st.integers(0, 40),
+    topk=st.integers(1, 6),
+    rank=st.integers(0, 8),
+    weight_dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
+    seed=st.integers(0, 10**6),
+)
+def test_send_plan_kernel_matches_reference(world, local, tokens, topk, rank, weight_dtype, seed):
+    """The send plan of one group in two kernels: bitwise the torch operations'
+    (``plan.build_send_plan``) on every row the exchange reads (``send_token``
+    and ``meta`` up to the S rows sent), any rank of any world (the peers'
+    counts made up around this rank's own)."""
+    from dispatch import plan
+    from dispatch.kernels import send_plan
+
+    rank = rank % world
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, : min(topk, experts)]
+    idx = torch.cat([idx, torch.full((tokens, topk - idx.shape[1]), -1)], 1)
+    idx = torch.where(torch.rand(tokens, topk, generator=gen) < 0.2, -1, idx).to(DEVICE)
+    weights = (torch.rand(tokens, topk, generator=gen, dtype=torch.float64) * 3 - 1).to(weight_dtype).to(DEVICE)
+    route = plan.route(idx, experts, world)
+    all_counts = torch.randint(0, 50, (world, world, 1 + local), generator=gen).to(DEVICE)
+    all_counts[rank] = route.counts
+    want = plan.build_send_plan(route, all_counts, rank, idx, weights)
+    got = plan.SendPlan(*send_plan.send_plan_triton(route.hit, route.dest, route.counts[:, 0], all_counts, rank, idx,
+                                                    weights))
+    sent = int(route.counts[:, 0].sum())
+    assert torch.equal(got.send_token[:sent], want.send_token[:sent])
+    assert got.send_token.shape == want.send_token.shape and got.meta.shape == want.meta.shape
+    assert torch.equal(got.meta[:sent], want.meta[:sent])
+    for name in ("home_index", "slot_row", "slot_col"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
