@@ -156,8 +156,8 @@ for part in "$@"; do
     one-gpu)
       against=()
       [ -d .wt/base ] && against=(--against .wt/base)
-      step 400 engine-one-gpu bash -c "set -o pipefail; python3 bench/engine_one_gpu.py . --check --pieces --profile ${against[*]} \
-        | tee $RES/engine-one-gpu.txt" ;;
+      step 400 engine-one-gpu bash -c 'set -o pipefail; python3 bench/engine_one_gpu.py . --check --pieces --profile \
+        "${@:2}" | tee "$1"' _ "$RES/engine-one-gpu.txt" "${against[@]}" ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
         --iters 10 --warmup 3

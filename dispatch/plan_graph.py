@@ -93,7 +93,9 @@ def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int
 
 def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planned:
     all_counts, headers, tails = counts_row(gathered.shape[0], route.counts.shape[1] - 1).split(gathered)
-    if grouped is None and route.hit.is_cuda and send_plan.triton is not None:  # one group on CUDA: two kernels
+    hit, dest = route.hit, route.dest
+    if (grouped is None and hit.is_cuda and send_plan.triton is not None  # one group on CUDA: two kernels
+            and send_plan.fits(hit.shape[0], dest.shape[1], all_counts.shape[0] * (all_counts.shape[2] - 1))):
         send = plan.SendPlan(*send_plan.send_plan_triton(route.hit, route.dest, route.counts[:, 0], all_counts, rank,
                                                          topk_idx, topk_weights))
     else:

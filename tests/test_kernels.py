@@ -241,6 +241,14 @@ def test_weighted_row_grads_fp64_takes_the_reference():
     assert got[0].dtype == torch.float64 and got[1].dtype == torch.float64
 
 
+def _slots(tokens: int, topk: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, K] int64 distinct expert ids per token, some slots empty (-1; all
+    past E where K > E)."""
+    idx = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, : min(topk, experts)]
+    idx = torch.cat([idx, torch.full((tokens, topk - idx.shape[1]), -1)], 1)
+    return torch.where(torch.rand(tokens, topk, generator=gen) < 0.2, -1, idx)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     world=st.integers(1, 9),
@@ -264,10 +272,7 @@ def test_route_row_kernel_matches_reference(world, local, tokens, topk, idx_dtyp
 
     experts = world * local
     gen = torch.Generator().manual_seed(seed)
-    scores = torch.rand(tokens, experts, generator=gen)
-    idx = scores.argsort(dim=1, descending=True)[:, : min(topk, experts)]
-    idx = torch.cat([idx, torch.full((tokens, topk - idx.shape[1]), -1)], 1)  # more slots than experts: empty
-    idx = torch.where(torch.rand(tokens, topk, generator=gen) < 0.2, -1, idx)  # some empty slots
+    idx = _slots(tokens, topk, experts, gen)
     weights = torch.rand(tokens, topk, generator=gen, dtype=torch.float64)
     if tokens and bad != "none":
         t, k = int(torch.randint(tokens, (1,), generator=gen)), int(torch.randint(topk, (1,), generator=gen))
@@ -314,9 +319,7 @@ def test_send_plan_kernel_matches_reference(world, local, tokens, topk, rank, we
     rank = rank % world
     experts = world * local
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, : min(topk, experts)]
-    idx = torch.cat([idx, torch.full((tokens, topk - idx.shape[1]), -1)], 1)
-    idx = torch.where(torch.rand(tokens, topk, generator=gen) < 0.2, -1, idx).to(DEVICE)
+    idx = _slots(tokens, topk, experts, gen).to(DEVICE)
     weights = (torch.rand(tokens, topk, generator=gen, dtype=torch.float64) * 3 - 1).to(weight_dtype).to(DEVICE)
     route = plan.route(idx, experts, world)
     all_counts = torch.randint(0, 50, (world, world, 1 + local), generator=gen).to(DEVICE)
@@ -330,3 +333,15 @@ def test_send_plan_kernel_matches_reference(world, local, tokens, topk, rank, we
     assert torch.equal(got.meta[:sent], want.meta[:sent])
     for name in ("home_index", "slot_row", "slot_col"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_send_plan_kernel_only_where_its_counts_stay_small():
+    """The blocks' counts per expert grow as T x E: past ``MAX_COUNTS`` entries
+    the plan runs the torch operations (``plan_graph.send_phase``)."""
+    from dispatch.kernels import send_plan
+
+    assert send_plan.fits(4096, 8, 256) and send_plan.fits(0, 8, 10**9)
+    assert not send_plan.fits(65536, 8, 512)
+    tokens = send_plan._block_tokens(8)  # a block's tokens at K = 8
+    blocks = send_plan.MAX_COUNTS // 256
+    assert send_plan.fits(blocks * tokens, 8, 256) and not send_plan.fits(blocks * tokens + 1, 8, 256)

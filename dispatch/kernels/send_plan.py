@@ -33,6 +33,19 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 _SLOTS = 64  # slots of a block (BLOCK_T * BLOCK_K), at most: its [slots, slots] comparison
+MAX_COUNTS = 1 << 20  # entries of the blocks' counts per expert, at most (8 MB, and as much for their sums)
+
+
+def _block_tokens(topk: int) -> int:
+    """Tokens of a block: ``_SLOTS`` slots of K rounded up to a power of two."""
+    return max(1, _SLOTS // (1 << (topk - 1).bit_length()))
+
+
+def fits(num_tokens: int, topk: int, num_experts: int) -> bool:
+    """Whether the blocks' counts per expert of a plan of this shape stay within
+    ``MAX_COUNTS`` (a larger plan runs the torch operations: the counts grow as
+    T x E, where the plan itself grows as T x K)."""
+    return -(-num_tokens // _block_tokens(topk)) * num_experts <= MAX_COUNTS
 
 
 if triton is not None:
@@ -126,7 +139,7 @@ def send_plan_triton(hit: torch.Tensor, dest: torch.Tensor, rank_counts: torch.T
     wide = topk_weights.dtype == torch.float64
     capacity = num_tokens * min(topk, world)
     block_k, block_w = triton.next_power_of_2(topk), triton.next_power_of_2(world)
-    block_t = max(1, _SLOTS // block_k)
+    block_t = _block_tokens(topk)
     blocks = triton.cdiv(num_tokens, block_t)
     hit, dest, topk_idx, topk_weights = (t.contiguous() for t in (hit, dest, topk_idx, topk_weights))
     hit_bytes = hit.view(torch.int8)
