@@ -1,20 +1,22 @@
 """The host-free half of the routing plan, replayed as CUDA graphs.
 
-Before its host synchronisation, the plan is some sixty small kernels on
-``[T, K]`` and ``[T, W]`` tensors. Each is microseconds of GPU work but costs a
-kernel launch and the framework's per-op overhead on the host, which is what
-the plan's time was made of (about 2.5 ms for the DeepSeek-V3 shape on H200,
-1.0 ms with the graphs). Their shapes depend only on (T, K, dtypes), so once a
-shape has been seen twice they are captured as two CUDA graphs and replayed:
+Before its host synchronisation, the plan in torch operations is some 140 small
+kernels on ``[T, K]`` and ``[T, W]`` tensors. Each is microseconds of GPU work
+but costs a kernel launch and the framework's per-op overhead on the host. For
+one group on CUDA, the route and the counts row are one Triton kernel
+(``dispatch.kernels.route_row``) and the send plan two
+(``dispatch.kernels.send_plan``): about 35 kernels in all. Their shapes depend
+only on (T, K, dtypes), so once a shape has been seen twice they are captured
+as two CUDA graphs and replayed:
 
-    graph 1: value checks (folded into the row) + ``plan.route`` + the row to all-gather
+    graph 1: value checks (folded into the row) + the route + the row to all-gather
     (host)   all-gather the rows                           (eager: a collective)
-    graph 2: ``plan.build_send_plan`` + the summary the host needs
+    graph 2: the send plan + the summary the host needs
 
 A shape seen once runs eagerly, so batches whose T keeps changing never pay for
 a capture. Replays overwrite the graphs' buffers, so whatever outlives the call
-(what a handle keeps) is copied out by the caller, and the replays must stay on
-one stream (the caller's current stream) in the order of the calls.
+(what a handle keeps, ``Kept``) is copied out by the caller, and the replays
+must stay on one stream (the caller's current stream) in the order of the calls.
 """
 
 from __future__ import annotations

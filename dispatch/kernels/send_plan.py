@@ -20,6 +20,8 @@ row for the slots that do not move, are not read). The tokens go by blocks of
 Every output element is written by one program, once (the counts of step 1 by
 integer atomics): the result does not depend on the launch. Where the torch
 operations are some sixty small kernels, most of the plan's time on the GPU.
+The blocks' counts per expert grow as T x E: plans past ``MAX_COUNTS`` of them
+run the torch operations (:func:`fits`).
 """
 
 from __future__ import annotations
