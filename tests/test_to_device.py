@@ -10,9 +10,10 @@ import torch
 
 from dispatch import plan
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@needs_cuda
 def test_copies_queued_behind_the_stream_keep_their_values():
     device = torch.device("cuda", torch.cuda.current_device())
     copies = 100
@@ -26,6 +27,7 @@ def test_copies_queued_behind_the_stream_keep_their_values():
         assert torch.equal(out.cpu(), torch.arange(i, i + 16, dtype=torch.int64))
 
 
+@needs_cuda
 @pytest.mark.parametrize("host", [torch.tensor(True), torch.zeros(0, 3, dtype=torch.int32),
                                   torch.arange(12, dtype=torch.float64).view(3, 4).t(),
                                   torch.arange(4096, dtype=torch.int64)])
@@ -34,3 +36,14 @@ def test_dtypes_shapes_and_sizes(host):
     out = plan.to_device(host, torch.device("cuda"))
     assert out.is_cuda and out.dtype == host.dtype and out.shape == host.shape
     assert torch.equal(out.cpu(), host)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_a_copy_into_a_given_tensor(device):
+    """``out=``: the values land in that tensor, which is returned (a replayed
+    graph's input buffer takes the host header so)."""
+    out = torch.full((4,), -1, dtype=torch.int64, device=device)
+    got = plan.to_device(torch.arange(4), torch.device(device), out=out)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert got is out and torch.equal(out.cpu(), torch.arange(4))
