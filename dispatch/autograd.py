@@ -17,8 +17,10 @@ from dispatch.kernels.row_grads import weighted_row_grads
 
 class DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, anchor, routed_weights, dispatcher, handle, started):
-        # ``started``: the exchange of x to the experts, started by the verb
+    def forward(ctx, x, topk_weights, anchor, routed_weights, call):
+        # ``call``: (dispatcher, handle, the exchange of x to the experts started by the verb),
+        # one argument (autograd looks at each argument of a call)
+        dispatcher, handle, started = call
         ctx.dispatcher, ctx.handle = dispatcher, handle
         return *DispatchFn.outputs(topk_weights, routed_weights, handle, started), x.new_empty(0)
 
@@ -46,13 +48,14 @@ class DispatchFn(torch.autograd.Function):
         if handle.weights_grad_any:
             grad_topk = handle.transport.slots_home(received(grad_weights, handle).contiguous(), handle).finish()
         needs = ctx.needs_input_grad
-        return (grad_x if needs[0] else None), (grad_topk if needs[1] else None), None, None, None, None, None
+        return (grad_x if needs[0] else None), (grad_topk if needs[1] else None), None, None, None
 
 
 class CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, weights, link, dispatcher, handle, started):
-        # ``started``: the exchange of expert_out home, started by the verb
+    def forward(ctx, expert_out, weights, link, call):
+        # ``call``: (dispatcher, handle, the exchange of expert_out home started by the verb)
+        dispatcher, handle, started = call
         ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.out_dtype, ctx.link_dtype = expert_out.dtype, link.dtype
         ctx.weights_dtype = None if weights is None else weights.dtype
@@ -79,5 +82,5 @@ class CombineFn(torch.autograd.Function):
             y = expert_out if needs[1] else grad_rows.new_empty(0, 0, dtype=ctx.out_dtype)
             grad_expert, grad_weights = weighted_row_grads(grad_rows, weights, y, needs[1])
             grad_expert = grad_expert if needs[0] else None
-        return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None, None, None
+        return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None
 

@@ -122,11 +122,19 @@ class Board:
         mine = heads[self._rank]
         words[mine + 2 : mine + 2 + len(row)] = array.array("q", row)
         words[mine] = k  # after the row: a peer that reads k reads the row
-        start = time.monotonic()
-        self._wait(heads, 0, k, start, timeout, what)
+        start = None  # read at the first wait that does not find every rank there
+        for h in heads:
+            if words[h] != k:
+                start = time.monotonic()
+                self._wait(heads, 0, k, start, timeout, what)
+                break
         words[mine + 1] = k  # saw every rank arrive
-        self._wait(heads, 1, k, start, timeout, what)
-        return [list(words[h + 2 : h + 2 + len(row)]) for h in heads]
+        for h in heads:
+            if words[h + 1] != k:
+                self._wait(heads, 1, k, time.monotonic() if start is None else start, timeout, what)
+                break
+        width = len(row)
+        return [list(words[h + 2 : h + 2 + width]) for h in heads]
 
     def _wait(self, heads, word: int, k: int, start: float, timeout: float, what: Callable[[], str]) -> None:
         """Until word ``word`` of every slot reads k; withdraw and raise where a

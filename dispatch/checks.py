@@ -390,9 +390,13 @@ class Calls:
             return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail)
         row = [*plan.call_header(ticket, dtype_code), *(tail or (0,)), self._arrivals.index]  # one length for all
         rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
-        if ticket.refused or rows.count(row) < len(rows):  # else every rank made this very call, unrefused
+        same = not ticket.refused
+        for r in rows:
+            same = same and r == row
+        if not same:  # else every rank made this very call, unrefused
             check_peer_calls([r[: len(HEADER)] for r in rows], [r[-1] for r in rows])
-        return [r[: len(HEADER) + len(tail)] for r in rows]
+        end = len(HEADER) + len(tail)
+        return [r[:end] for r in rows]
 
 
 def refuse(error: Exception, take_part) -> None:
@@ -423,8 +427,12 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
     """
     headers = _rows(headers)  # a few host values: plain Python, no tensor op per check
     first = headers[0][:_AGREED]
-    if not headers[0][_FAILED] and all(h[:_AGREED] == first and not h[_FAILED] for h in headers):  # the usual case
-        return (any(h[_X_GRAD] for h in headers), any(h[_WEIGHTS_GRAD] for h in headers))
+    usual, x_grad, weights_grad = True, False, False
+    for h in headers:  # a loop, not generators: every dispatch's host path
+        usual = usual and not h[_FAILED] and h[:_AGREED] == first
+        x_grad, weights_grad = x_grad or bool(h[_X_GRAD]), weights_grad or bool(h[_WEIGHTS_GRAD])
+    if usual:
+        return x_grad, weights_grad
     check_peer_calls(headers)
     for column, (argument, what) in _MUST_AGREE.items():
         values = [h[HEADER.index(column)] for h in headers]

@@ -83,7 +83,7 @@ def capture_id(device: torch.device) -> int | None:
     """The id of the CUDA graph capture that torch's current stream on ``device`` is
     in; None when it is not capturing (0 for every capture where the driver cannot
     say which)."""
-    if not torch.cuda.is_current_stream_capturing():
+    if not capturing():
         return None
     fn = _capture_info()
     status, ident = ctypes.c_int(), ctypes.c_uint64()
@@ -228,7 +228,7 @@ class Launch:
         self._local = threading.local()
 
     def __call__(self, blocks: int, shared: int = 0, **free) -> None:
-        device = torch.cuda.current_device()  # the CUDA runtime's current device, which the launch uses
+        device = current_device()  # the CUDA runtime's current device, which the launch uses
         handle = self.kernel.handle(device)
         made = getattr(self._local, "made", None) or self._make()
         pack_into, block, config, config_at, params_at = made
@@ -371,6 +371,28 @@ def _stream_object(stream_id: int, device_index: int, device_type: int) -> "torc
 
 
 _CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+def _binding(name: str):
+    """torch's CUDA binding ``name``, None where this build has none (a CPU build
+    names some of them by a placeholder class)."""
+    found = getattr(torch._C, name, None)
+    return None if found is None or isinstance(found, type) else found
+
+
+_GET_DEVICE = _binding("_cuda_getDevice")
+_CAPTURING = _binding("_cuda_isCurrentStreamCapturing")
+
+
+def current_device() -> int:
+    """``torch.cuda.current_device()`` without its initialisation check: for the
+    engine's operations, which run on an initialised device (each launch asks)."""
+    return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
+
+
+def capturing() -> bool:
+    """``torch.cuda.is_current_stream_capturing()``, one call (the engine asks at
+    every operation)."""
+    return _CAPTURING() if _CAPTURING is not None else torch.cuda.is_current_stream_capturing()
 
 
 def _raw_stream(device: int) -> int:

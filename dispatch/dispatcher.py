@@ -74,6 +74,8 @@ class TokenDispatcher:
         self.devices = comm.device_types(group)
         self.comm_priority = -1
         self._streams = CommStreams()
+        self._signatures: dict[tuple, object] = {}  # signatures of the verbs' arguments checked (_signature)
+        self._anchors: dict[torch.device, torch.Tensor] = {}
         self._members = transport.members()  # the transports whose handles it moves along
         # the calls, numbered and agreed with the peers (a row of the width of the counts exchange's)
         self._calls = checks.Calls(group, self.world_size, transport.arrivals, config.timeout, transport.counts_row)
@@ -94,6 +96,15 @@ class TokenDispatcher:
     def phase_timer(self, timer: PhaseTimer | None) -> None:
         for transport in {self.transport, *self._members}:
             transport.phase_timer = timer
+
+    def anchor(self, device: torch.device) -> torch.Tensor:
+        """An empty leaf that requires grad, on ``device``, made once: the input by
+        which every rank's dispatch is a node of the graph, whatever its own
+        inputs need (its gradient is always None: nothing accumulates in it)."""
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            anchor = self._anchors[device] = torch.empty(0, device=device, requires_grad=True)
+        return anchor
 
     # -- public verbs -------------------------------------------------------
 
@@ -228,7 +239,7 @@ class TokenDispatcher:
         w = None if weights is None else received(weights.detach(), handle)
         started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), async_op)
         if torch.is_grad_enabled() and handle.link is not None:
-            work = ExchangeWork(lambda: CombineFn.apply(expert_out, weights, handle.link, self, handle, started))
+            work = ExchangeWork(lambda: CombineFn.apply(expert_out, weights, handle.link, (self, handle, started)))
         else:  # no backward: no node
             work = ExchangeWork(started.result)
         return work if async_op else work.wait()
@@ -236,7 +247,13 @@ class TokenDispatcher:
     def _check_combine(self, expert_out, handle: CombineHandle, weights) -> None:
         """``combine``'s own checks of its arguments (this rank alone)."""
         self._check_handle(handle)
-        checks.check_combine_inputs(expert_out, weights, handle.rows, self.devices)
+        rows = handle.rows
+        try:
+            key = ("combine", expert_out.__class__, expert_out.shape, expert_out.dtype, expert_out.device,
+                   weights.__class__, None if weights is None else (weights.shape, weights.dtype, weights.device), rows)
+        except AttributeError:
+            key = None
+        self._signature(key, lambda: checks.check_combine_inputs(expert_out, weights, rows, self.devices) or True)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
         if torch.is_grad_enabled() and differentiable and handle.link is None:
             raise ValueError(
@@ -399,7 +416,39 @@ class TokenDispatcher:
     # -- shared by the verbs --------------------------------------------------
 
     def _check_dispatch(self, x, topk_idx, topk_weights, max_rows, groups) -> Codec:
-        """``dispatch``'s own checks of its arguments (this rank alone); its wire codec."""
+        """``dispatch``'s own checks of its arguments (this rank alone); its wire codec.
+        They read the arguments' types, shapes, dtypes and devices only (the values are
+        checked with the plan): once passed for a signature, its codec is kept
+        (``_SIGNATURES`` of them at most), so that a dispatch of a shape met before
+        pays one lookup."""
+        try:
+            key = ("dispatch", x.__class__, x.shape, x.dtype, x.device, topk_idx.__class__, topk_idx.shape,
+                   topk_idx.dtype, topk_idx.device, topk_weights.__class__, topk_weights.shape, topk_weights.dtype,
+                   topk_weights.device, max_rows.__class__, max_rows, groups.__class__, groups)
+        except AttributeError:  # not tensors: the checks name the argument
+            key = None
+        return self._signature(key, lambda: self._check_dispatch_signature(x, topk_idx, topk_weights, max_rows,
+                                                                             groups))
+
+    def _signature(self, key: tuple | None, check):
+        """``check()``'s result (not None), kept for ``key``: the signature of a
+        verb's arguments (their types, shapes, dtypes, devices) where ``check``
+        reads nothing else, so that a call of a signature met before pays one
+        lookup (``_SIGNATURES`` kept at most; None or an unhashable key: no
+        keeping)."""
+        try:
+            result = self._signatures.get(key)
+        except TypeError:  # unhashable (an argument of a type the checks refuse)
+            return check()
+        if result is None:
+            result = check()
+            if key is not None:
+                if len(self._signatures) >= _SIGNATURES:
+                    self._signatures.clear()
+                self._signatures[key] = result
+        return result
+
+    def _check_dispatch_signature(self, x, topk_idx, topk_weights, max_rows, groups) -> Codec:
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
         checks.check_groups(groups, self.num_local_experts)
         if self.max_topk is not None and topk_idx.shape[1] > self.max_topk:
@@ -490,6 +539,9 @@ class TokenDispatcher:
         """Every rank's exact memory budget in rows (``checks.free_bytes``), agreed
         (``Request.exact_memory_rows``)."""
         return [row[-1] for row in self._calls.agree(ticket, tail=(self._memory_rows(x, checks.free_bytes),))]
+
+
+_SIGNATURES = 64  # dispatch signatures a dispatcher keeps as checked
 
 
 def _present(*tensors) -> tuple:

@@ -148,8 +148,8 @@ class Engine(EngineMoves):
         operation (whatever stream it ran on), and recorded for the next;
         ``writes``: it may write the peers' buffers or raise an epoch (counted in
         ``operations``)."""
-        if torch.cuda.current_device() != self.device.index:
-            raise ValueError(f"the current CUDA device is {torch.cuda.current_device()}, the dispatcher's is "
+        if cuda.current_device() != self.device.index:
+            raise ValueError(f"the current CUDA device is {cuda.current_device()}, the dispatcher's is "
                              f"{self.device.index}: call it with its own device current")
         return _Ordered(self, writes)
 
@@ -174,7 +174,7 @@ class Engine(EngineMoves):
         """Raise a failure recorded by work that has finished, without waiting:
         reads the copy of the status words that the previous poll queued (if it
         has landed) and queues a new one. Nothing outside a CUDA graph capture."""
-        if torch.cuda.is_current_stream_capturing():
+        if cuda.capturing():
             return
         event = self._polled_event
         if event is not None and not event.query():
@@ -359,9 +359,11 @@ class Engine(EngineMoves):
         if code:
             self._raise(code, peer, where)
         matrix_host = [host[4 + s * length : 4 + (s + 1) * length] for s in range(world)]
-        staged = rows is not None and all(r[STAGED_COL] for r in matrix_host)
-        bound = max(1, max(r[TOKENS_COL] for r in matrix_host))
-        received = sum(r[SENDS_COL + self.rank] for r in matrix_host)
+        staged, bound, received = rows is not None, 1, 0
+        for r in matrix_host:  # a loop, not three generators: this is every dispatch's host path
+            staged = staged and bool(r[STAGED_COL])
+            bound = r[TOKENS_COL] if r[TOKENS_COL] > bound else bound
+            received += r[SENDS_COL + self.rank]
         return Counts(matrix, matrix_host, received, bound, per_expert, src_start, num_rows, route, lists,
                       self._tokens_at(bound), hit, staged, group_end)
 
@@ -452,7 +454,7 @@ class Engine(EngineMoves):
         if self._scratch.numel() >= words:
             return self._scratch
         zeroed = torch.zeros(max(words, 2 * self._scratch.numel()), dtype=torch.int32, device=self.device)
-        if not torch.cuda.is_current_stream_capturing():
+        if not cuda.capturing():
             # an operation queued on another stream may still use the outgrown one: kept
             self._retired.append(self._scratch)
             self._scratch = zeroed

@@ -140,9 +140,8 @@ class DispatchWork:
                 started.result()  # the caller's stream follows the exchange (the engine writes the sources)
                 self.handle, plan_out = pad_to_blocks(self.handle, plan_out, dispatcher.num_local_experts)
             if torch.is_grad_enabled():  # the node every rank makes, whatever it needs itself (``link``)
-                anchor = torch.empty(0, device=x.device, requires_grad=True)
                 tokens, weights, link = DispatchFn.apply(
-                    x, topk_weights, anchor, plan_out.weights, dispatcher, self.handle, started
+                    x, topk_weights, dispatcher.anchor(x.device), plan_out.weights, (dispatcher, self.handle, started)
                 )
                 self.handle = with_link(self.handle, link)  # ``CombineHandle.link``
             else:

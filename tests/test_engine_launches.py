@@ -80,6 +80,7 @@ def launches(monkeypatch):
     KNOWN.update(me=0, world=2)  # the engine of rank 0 of 2 (``_cpu_engine``)
     monkeypatch.setattr(cuda, "kernel", lambda source, name, *t: _Checked(source, name, t, made, KNOWN))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no streams
+    monkeypatch.setattr(cuda, "capturing", lambda: False)
     return made
 
 
@@ -182,6 +183,7 @@ def test_the_layouts_zeroed_words_are_the_engines_own_from_one_dispatch_to_the_n
     assert engine._retired[-1] is first and len(made) == 2
     grown = engine._scratch
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(cuda, "capturing", lambda: True)
     dispatch(64 * per_chunk)  # inside a capture: a zeroed tensor of its own
     assert engine._scratch is grown and len(made) == 3
     dispatch(per_chunk)
@@ -198,6 +200,7 @@ def test_a_pre_sum_loads_several_rows_together_where_items_hold_more_than_two(mo
     monkeypatch.setattr(cuda, "kernel",
                         lambda source, name, *t: made.append((name, t)) or _Checked(source, name, t, [], {"me": 0, "world": 2}))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(cuda, "capturing", lambda: False)
     world, experts, tokens, hidden = 2, 8, 40, 64
     codec = to_experts_codec("native", torch.bfloat16)
     engine = _cpu_engine(world, experts, Capacity(64, topk, staged_row_bytes(codec, hidden),
@@ -249,6 +252,7 @@ def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
     monkeypatch.setattr(cuda, "_launch", lambda: launch)
     monkeypatch.setattr(cuda, "_raw_stream", lambda device: 77)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
     dependent = [True]
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: dependent[0])
     signature = cuda.Signature(0, ("a", "p", "b", "c", "d"), "iQqIf", (1,))
@@ -281,6 +285,7 @@ def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
     monkeypatch.setattr(cuda, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
 
     class Driver:  # what the driver names error 1
         @staticmethod
@@ -410,6 +415,7 @@ def test_a_launch_with_bound_arguments_hands_the_driver_the_same_block(monkeypat
     monkeypatch.setattr(cuda, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
     kernel = cuda.Kernel(None, cuda.THREADS, cuda.Signature(0, ("a", "p", "b", "c", "d"), "iQqIf", (1,)))
     kernel._handles[0] = 1
     pointer = torch.zeros(2)

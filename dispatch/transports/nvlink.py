@@ -91,8 +91,8 @@ class NVLinkTransport(Transport):
         grads_any = checks.check_peer_headers(headers)
         received, per_expert = _received(rows_of, engine.counts_col, self.num_local_experts, self.rank)
         checks.check_row_budgets(headers, received, self.row_bytes(x), request.exact_memory_rows)
-        has_rows = tuple(n > 0 for n in received)
-        split = tuple(tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of)
+        has_rows = tuple([n > 0 for n in received])
+        split = tuple([tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of])
         num_rows = received[self.rank]
         handle, outputs = self._handle(request, counts, num_rows, grads_any, has_rows, split, wire,
                                        torch.frombuffer(array.array("q", per_expert), dtype=torch.int64),
