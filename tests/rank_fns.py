@@ -114,6 +114,16 @@ def call_dispatch(config: dict, x, topk_idx, topk_weights):
     d.dispatch(_move(x, device), _move(topk_idx, device), _move(topk_weights, device))
 
 
+def call_dispatch_after_good(config: dict, good: tuple, x, topk_idx, topk_weights):
+    """call_dispatch on a dispatcher that made a good round trip of ``good`` (x,
+    topk_idx, topk_weights) first: its checks of that signature passed and are kept."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    out = d.dispatch(*(t.to(device) for t in good))
+    d.combine(out.tokens, out.handle, weights=out.weights)
+    d.dispatch(_move(x, device), _move(topk_idx, device), _move(topk_weights, device))
+
+
 def call_combine(config: dict, x, topk_idx, topk_weights, expert_out, weights):
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))

@@ -87,6 +87,21 @@ def test_dispatch_rejects(worlds, case):
     _good_round_trip_still_works(world)
 
 
+@pytest.mark.parametrize("case", [c for c in DISPATCH_CASES if c not in VALUE_CASES])
+def test_a_signature_checked_once_lets_no_other_through(worlds, case):
+    """A dispatcher checks the types, shapes, dtypes and devices of a dispatch's
+    arguments once per signature: after a good round trip, every bad argument
+    is still refused by name, on every rank."""
+    x, idx, w, error, argument = DISPATCH_CASES[case]
+    world = worlds(2)
+    results = world.run(rank_fns.error_of, [("call_dispatch_after_good", CFG, (GOOD_X, GOOD_IDX, GOOD_W), x, idx, w)] * 2)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank}: no error raised"
+        name, message, _ = result
+        assert name == error.__name__ and argument in message, (rank, name, message)
+    _good_round_trip_still_works(world)
+
+
 @pytest.mark.parametrize("case", VALUE_CASES)
 @pytest.mark.parametrize("layer", [dict(variant="alltoall"), dict(variant="allgather"),
                                    dict(variant="hierarchical", local_world_size=1), dict(variant="auto"),
