@@ -21,6 +21,7 @@ must stay on one stream (the caller's current stream) in the order of the calls.
 
 from __future__ import annotations
 
+import array
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -169,6 +170,52 @@ class Summary:
         send, recv, per_expert, headers, matrix, received, by_group, groups = summary.split(sizes)
         return cls(send, recv, per_expert, headers.view(world, -1), matrix.view(world, world), received,
                    by_group.view(2, world, 2, local), groups)
+
+
+@dataclass(frozen=True)
+class HostSummary:
+    """A :func:`plan_summary` read on the host in one read, as Python ints by part
+    (the parts of :class:`Summary`; ``by_group`` flat, [2 W 2 E_local] in order):
+    what a plan's host path reads, with no tensor operation per part.
+
+    Attributes:
+        send, recv: [W] each; per_expert: [E_local]; headers: [W][len(HEADER)];
+        matrix: [W_src][W_dst]; received: [W]; by_group: flat; groups: [W].
+    """
+
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    per_expert: list[int]
+    headers: list[list[int]]
+    matrix: list[list[int]]
+    received: list[int]
+    by_group: list[int]
+    groups: list[int]
+
+    @classmethod
+    def read(cls, summary: torch.Tensor, world: int, local: int) -> "HostSummary":
+        """Read ``summary`` (on its device: the host read of a plan) into its parts."""
+        flat, parts, at = summary.tolist(), [], 0
+        for size in Summary.sizes(world, local):
+            parts.append(flat[at : at + size])
+            at += size
+        send, recv, per_expert, headers, matrix, received, by_group, groups = parts
+        width = len(plan.HEADER)
+        return cls(tuple(send), tuple(recv), per_expert, [headers[r * width : (r + 1) * width] for r in range(world)],
+                   [matrix[r * world : (r + 1) * world] for r in range(world)], received, by_group, groups)
+
+    @property
+    def has_rows(self) -> tuple[bool, ...]:
+        """Whether each rank receives rows (a column of ``matrix`` not all zero)."""
+        return tuple([any(column) for column in zip(*self.matrix)])
+
+    def per_expert_host(self) -> torch.Tensor:
+        """``per_expert`` as a host int64 tensor (``tokens_per_expert_host``)."""
+        return torch.frombuffer(array.array("q", self.per_expert), dtype=torch.int64)
+
+    def by_group_tensor(self, world: int, local: int) -> torch.Tensor:
+        """``by_group`` as [2, W, 2, E_local] on the host."""
+        return torch.tensor(self.by_group, dtype=torch.int64).view(2, world, 2, local)
 
 
 class Kept(NamedTuple):

@@ -55,6 +55,7 @@ def test_the_plan_summary_reads_back_by_part():
     gen = torch.Generator().manual_seed(0)
     route_counts = torch.randint(0, 9, (world, 1 + local), generator=gen)
     all_counts = torch.randint(0, 9, (world, world, 1 + local), generator=gen)
+    all_counts[:, 2, 0] = 0  # rank 2 receives no rows
     headers = torch.randint(0, 9, (world, len(plan.HEADER)), generator=gen)
     tails = torch.randint(0, 9, (world, plan_graph.counts_row(world, local).tail), generator=gen)
     summary = plan_graph.plan_summary(route_counts, all_counts, headers, rank, tails)
@@ -68,6 +69,14 @@ def test_the_plan_summary_reads_back_by_part():
     assert torch.equal(got.by_group[0].flatten(), by_group[rank].flatten())
     assert torch.equal(got.by_group[1].flatten(), by_group[:, rank].flatten())
     assert torch.equal(got.groups, tails[:, -1])
+    # the host path's one read: the same parts as Python ints
+    host = plan_graph.HostSummary.read(summary, world, local)
+    assert host.send == tuple(got.send.tolist()) and host.recv == tuple(got.recv.tolist())
+    assert host.per_expert == got.per_expert.tolist() and torch.equal(host.per_expert_host(), got.per_expert)
+    assert host.headers == got.headers.tolist() and host.matrix == got.matrix.tolist()
+    assert host.received == got.received.tolist() and host.groups == got.groups.tolist()
+    assert torch.equal(host.by_group_tensor(world, local), got.by_group)
+    assert host.has_rows == tuple(bool(n) for n in got.matrix.sum(0).tolist()) and host.has_rows[2] is False
 
 
 def test_the_receive_table_of_one_group_on_the_device_is_the_hosts():

@@ -88,13 +88,11 @@ def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, wei
     words = torch.finfo(weight_dtype).bits // 32
     width = (meta.shape[1] - 1) // (1 + words)
     device = meta.device
-    expand_src = torch.empty(num_rows, dtype=torch.int64, device=device)
+    # the int64 outputs of one length in one allocation each (every allocation costs the host)
+    expand_src, expanded_token, expanded_rank = torch.empty(3, num_rows, dtype=torch.int64, device=device).unbind()
+    src_token, src_rank = torch.empty(2, num_recv, dtype=torch.int64, device=device).unbind()
     weights = torch.empty(num_rows, dtype=weight_dtype, device=device)
     presum_index = torch.empty(num_recv, width, dtype=torch.int64, device=device)
-    src_token = torch.empty(num_recv, dtype=torch.int64, device=device)
-    src_rank = torch.empty(num_recv, dtype=torch.int64, device=device)
-    expanded_token = torch.empty(num_rows, dtype=torch.int64, device=device)
-    expanded_rank = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_recv:
         num_blocks = table.shape[1]
         _recv_plan_kernel[(triton.cdiv(num_recv, BLOCK_R),)](

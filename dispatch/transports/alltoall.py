@@ -30,7 +30,7 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_groups, handle_fields, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
-from dispatch.plan_graph import Kept, PlanGraphCache, PlanKey, Summary, counts_row, route_phase, send_phase
+from dispatch.plan_graph import HostSummary, Kept, PlanGraphCache, PlanKey, counts_row, route_phase, send_phase
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
@@ -125,25 +125,24 @@ class AllToAllTransport(Transport):
         world = self.world_size
         local = self.num_local_experts
         # host sync: split sizes for NCCL, row counts, peers' headers
-        summary = Summary.read(planned.summary.cpu(), world, local)
-        headers = summary.headers.tolist()
+        summary = HostSummary.read(planned.summary, world, local)
+        headers = summary.headers
         self._raise_own_values(request, headers[self.rank])
         grads_any = checks.check_peer_headers(headers)
-        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x), request.exact_memory_rows)
-        by_group = summary.by_group
-        checks.check_peer_groups(summary.groups.tolist())
+        checks.check_row_budgets(headers, summary.received, self.row_bytes(x), request.exact_memory_rows)
+        checks.check_peer_groups(summary.groups)
         # what outlives a replayed graph is copied out of its buffers
         kept = captured.kept() if captured is not None else Kept.of(planned, world, local)
         sp = planned.send  # its meta is read at once, on the stream of the replays
-        send_splits, recv_splits = tuple(summary.send.tolist()), tuple(summary.recv.tolist())
-        per_expert = summary.per_expert
-        per_expert_list = per_expert.tolist()
+        send_splits, recv_splits = summary.send, summary.recv
+        per_expert_list = summary.per_expert
         num_rows = sum(per_expert_list)
         recv_meta = comm.all_to_all_rows(sp.meta[: sum(send_splits)], send_splits, recv_splits, self.group)
         # the slot lists arrive by source rank, each source's group after group; held group after group
         if groups == 1:  # made on the device with the plan (overwritten by the next replay: read at once)
             table = planned.table
         else:
+            by_group = summary.by_group_tensor(world, local)
             group_recv = by_group[1, :, 0, :groups].t().tolist()
             table = plan.to_device(torch.tensor(plan.recv_table(group_recv), dtype=torch.int64), recv_meta.device)
         rp = plan.build_recv_plan(recv_meta, table, num_rows, plan.weight_wire_dtype(weights.dtype))
@@ -151,7 +150,7 @@ class AllToAllTransport(Transport):
         if groups > 1:
             splits = _group_splits(by_group, groups, rp, table, kept.per_expert)
         handle = AllToAllHandle(
-            **handle_fields(request, self, num_rows, grads_any, tuple(bool(n) for n in summary.matrix.sum(0).tolist())),
+            **handle_fields(request, self, num_rows, grads_any, summary.has_rows),
             send_splits=send_splits,
             recv_splits=recv_splits,
             send_token=kept.send_token[: sum(send_splits)],
@@ -166,7 +165,7 @@ class AllToAllTransport(Transport):
         outputs = PlanOutputs(
             weights=rp.weights,
             tokens_per_expert=kept.per_expert,
-            tokens_per_expert_host=per_expert,
+            tokens_per_expert_host=summary.per_expert_host(),
             src_rank=rp.expanded_rank,
             src_token=rp.expanded_token,
         )

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from dispatch import checks, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import PlanOutputs
-from dispatch.plan_graph import Summary
+from dispatch.plan_graph import HostSummary, Summary
 from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
@@ -290,21 +290,19 @@ class NVSHMEMTransport(AllToAllTransport):
         x, local = request.x, self.num_local_experts
         header = plan.header(x, request.topk_weights, request.topk_idx.shape[1], request.ticket)
         planned, captured = self._counts_and_send_plan(request, header, grouped_sends=False)
-        summary = Summary.read(planned.summary.cpu(), self.world_size, local)  # host sync: N, peers' headers
-        headers = summary.headers.tolist()
+        summary = HostSummary.read(planned.summary, self.world_size, local)  # host sync: N, peers' headers
+        headers = summary.headers
         self._raise_own_values(request, headers[self.rank])
         grads_any = checks.check_peer_headers(headers)
-        checks.check_row_budgets(headers, summary.received.tolist(), self.row_bytes(x), request.exact_memory_rows)
-        checks.check_peer_groups(summary.groups.tolist())
+        checks.check_row_budgets(headers, summary.received, self.row_bytes(x), request.exact_memory_rows)
+        checks.check_peer_groups(summary.groups)
         matrix = summary.matrix
-        per_expert = summary.per_expert
-        num_rows = int(per_expert.sum())
-        sizes = (int(matrix.sum(1).max()), int(matrix.sum(0).max()))  # every rank's largest S and R
-        send, recv = tuple(summary.send.tolist()), tuple(summary.recv.tolist())
-        fields = dict(send_splits=send, recv_splits=recv, **shape_fields(request, local, per_expert.tolist(), num_rows))
-        return self._finish_plan(request, planned, captured, grads_any, num_rows, None, sizes,
-                                 tuple(bool(n) for n in matrix.sum(0).tolist()), per_expert, counts=(sum(send), sum(recv)),
-                                 fields=fields)
+        num_rows = sum(summary.per_expert)
+        sizes = (max(map(sum, matrix)), max(map(sum, zip(*matrix))))  # every rank's largest S and R
+        send, recv = summary.send, summary.recv
+        fields = dict(send_splits=send, recv_splits=recv, **shape_fields(request, local, summary.per_expert, num_rows))
+        return self._finish_plan(request, planned, captured, grads_any, num_rows, None, sizes, summary.has_rows,
+                                 summary.per_expert_host(), counts=(sum(send), sum(recv)), fields=fields)
 
     def _plan_bounded(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
         x, topk_idx, ticket = request.x, request.topk_idx, request.ticket
@@ -503,16 +501,16 @@ class NVSHMEMTransport(AllToAllTransport):
             if local is not None:
                 raise local
             return
-        summary = Summary.read(self._failure.cpu(), self.world_size, self.num_local_experts)
+        summary = HostSummary.read(self._failure, self.world_size, self.num_local_experts)
         self._failed.zero_()  # raised once
         if self._seen is not None:
             self._seen.fill_(False)
         if local is not None:
             raise local
-        headers = summary.headers.tolist()
+        headers = summary.headers
         checks.check_peer_headers(headers)
-        checks.check_peer_groups(summary.groups.tolist())
-        checks.check_row_budgets(headers, summary.received.tolist(), self._row_bytes)
+        checks.check_peer_groups(summary.groups)
+        checks.check_row_budgets(headers, summary.received, self._row_bytes)
         raise RuntimeError("a dispatch with max_rows failed on the device")  # every check above passes: not reached
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
