@@ -173,7 +173,7 @@ class MoEExchange(nn.Module):
         self.weighted_experts = weighted_experts
         self.dispatcher = dispatcher
         self.experts = experts
-        self.chunks = groups
+        self.groups = groups
         self.comm_priority = comm_priority
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -191,14 +191,14 @@ class MoEExchange(nn.Module):
         d = self.dispatcher
         checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
         with self._priority():
-            work = d.dispatch(x, topk_idx, topk_weights, groups=self.chunks, async_op=True, max_rows=self.max_rows)
+            work = d.dispatch(x, topk_idx, topk_weights, groups=self.groups, async_op=True, max_rows=self.max_rows)
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, work, grad_on, *self._trained_params())
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype the pre-sums travel in (None for one group: agreed as combine)."""
-        if self.chunks == 1:
+        if self.groups == 1:
             return None
         if self.out_dtype is not None:
             return self.out_dtype
@@ -214,7 +214,7 @@ class MoEExchange(nn.Module):
 
     def _carveout(self):
         """The experts' GEMMs inside leave ``sm_carveout`` SMs free (G > 1 on CUDA)."""
-        return carved_out(None if self.chunks == 1 else self.sm_carveout)
+        return carved_out(None if self.groups == 1 else self.sm_carveout)
 
     @contextlib.contextmanager
     def _priority(self):
@@ -242,7 +242,7 @@ def _group(work, g: int, groups: int):
 class _PipelineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, anchor, layer, work, grad_on, *params):
-        d, experts, groups = layer.dispatcher, layer.experts, layer.chunks
+        d, experts, groups = layer.dispatcher, layer.experts, layer.groups
         handle = work.handle
         x_grad_any = handle.x_grad_any
         chunked = None
@@ -300,7 +300,7 @@ class _PipelineFn(torch.autograd.Function):
             )
         ctx.spent = True
         layer, handle, chunked = ctx.layer, ctx.handle, ctx.chunked
-        d, config, groups = layer.dispatcher, layer.dispatcher.config, layer.chunks
+        d, config, groups = layer.dispatcher, layer.dispatcher.config, layer.groups
         grad_out = grad_out.contiguous()
         x_any, w_any = handle.x_grad_any, handle.weights_grad_any
         grad_params = [None] * len(ctx.params)
