@@ -202,8 +202,105 @@ def nccl_plan_graphs() -> None:
               f"of GPU, replay {statistics.median(replays):.1f} us on the host", flush=True)
 
 
+_FLOOR_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda.h>
+#include <dlfcn.h>
+#include <chrono>
+static double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+// each: the mean cost of one of n calls made back to back in C++, in us
+double alloc_loop(int64_t n, torch::Tensor like) {
+  double t = now_us();
+  for (int64_t i = 0; i < n; ++i) { auto a = torch::empty({64}, like.options()); }
+  return (now_us() - t) / n;
+}
+double op_loop(int64_t n, torch::Tensor like) {
+  double t = now_us();
+  for (int64_t i = 0; i < n; ++i) like.zero_();
+  return (now_us() - t) / n;
+}
+double slice_loop(int64_t n, torch::Tensor like) {
+  double t = now_us();
+  for (int64_t i = 0; i < n; ++i) { auto a = like.slice(0, 4, 32); }
+  return (now_us() - t) / n;
+}
+typedef CUresult (*Launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           CUstream, void**, void**);
+double launch_loop(int64_t n, int64_t function, int64_t table, int64_t threads) {  // store_pair(table, 0, 4, 1, 2)
+  auto launch = (Launch)dlsym(dlopen("libcuda.so.1", RTLD_NOW), "cuLaunchKernel");
+  auto stream = at::cuda::getCurrentCUDAStream().stream();
+  long long where = table, a = 1, b = 2;
+  int at = 0, stride = 4;
+  void* params[] = {&where, &at, &stride, &a, &b};
+  double t = now_us();
+  for (int64_t i = 0; i < n; ++i) launch((CUfunction)function, 1, 1, 1, threads, 1, 1, 0, stream, params, nullptr);
+  return (now_us() - t) / n;
+}
+double record_loop(int64_t n) {
+  cudaEvent_t event;
+  cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  auto stream = at::cuda::getCurrentCUDAStream().stream();
+  double t = now_us();
+  for (int64_t i = 0; i < n; ++i) cudaEventRecord(event, stream);
+  return (now_us() - t) / n;
+}
+"""
+
+
+def compiled_floor() -> None:
+    """What the pieces cost issued from C++ (a small extension built here, the calls
+    made back to back): the floor of a compiled per-call path on this host, beside
+    the same piece from Python (us a call, median of 100 runs of 200)."""
+    from torch.utils import cpp_extension
+    try:
+        ext = cpp_extension.load_inline("floor_probe", cpp_sources=_FLOOR_SOURCE, with_cuda=True,
+                                        functions=["alloc_loop", "op_loop", "slice_loop", "launch_loop", "record_loop"])
+    except Exception as error:  # no compiler or ninja here: say so, measure the rest
+        print(f"compiled floor: the extension did not build ({type(error).__name__})", flush=True)
+        return
+    dev = torch.device("cuda", 0)
+    like = torch.zeros(64, dtype=torch.int32, device=dev)
+    table = torch.zeros(8, dtype=torch.int64, device=dev)
+    kernel = dispatch.cuda.kernel("intranode_combine.cu", "store_pair")
+    event, stream = torch.cuda.Event(), torch.cuda.current_stream()
+
+    def in_python(fn):
+        for _ in range(200):
+            fn()
+        runs = []
+        for _ in range(100):
+            t = time.perf_counter()
+            for _ in range(200):
+                fn()
+            runs.append((time.perf_counter() - t) / 200 * 1e6)
+        torch.cuda.synchronize()
+        return statistics.median(runs)
+
+    def in_cxx(loop):
+        loop(200)
+        runs = [loop(200) for _ in range(100)]
+        torch.cuda.synchronize()
+        return statistics.median(runs)
+
+    for name, cxx, py in (
+        ("an allocation (torch.empty [64] int32)", lambda n: ext.alloc_loop(n, like),
+         lambda: torch.empty(64, dtype=torch.int32, device=dev)),
+        ("a torch op with one kernel (zero_)", lambda n: ext.op_loop(n, like), like.zero_),
+        ("a view (slice)", lambda n: ext.slice_loop(n, like), lambda: like[4:32]),
+        ("a launch (store_pair; ours: named args)",
+         lambda n: ext.launch_loop(n, kernel.handle(0), table.data_ptr(), kernel.threads),
+         lambda: kernel(1, table=table, at=0, stride=4, a=1, b=2)),
+        ("an event record", lambda n: ext.record_loop(n), lambda: event.record(stream)),
+    ):
+        print(f"compiled floor, {name:40s} C++ {in_cxx(cxx):6.2f} us, Python {in_python(py):6.2f} us", flush=True)
+
+
 if "--pieces" in sys.argv:
     host_pieces()
+    compiled_floor()
     nccl_plan_graphs()
 
 
