@@ -124,6 +124,31 @@ def call_dispatch_after_good(config: dict, good: tuple, x, topk_idx, topk_weight
     d.dispatch(_move(x, device), _move(topk_idx, device), _move(topk_weights, device))
 
 
+def call_dispatch_twice(config: dict, x, topk_idx, topk_weights, first: dict, second: dict):
+    """Two dispatches of the same tensors on one dispatcher, with the keyword
+    arguments ``first`` (which pass), then ``second``."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    args = (_move(x, device), _move(topk_idx, device), _move(topk_weights, device))
+    d.dispatch(*args, **first)
+    d.dispatch(*args, **second)
+
+
+def call_combine_after_good(config: dict, x, topk_idx, topk_weights, expert_out, weights):
+    """call_combine on a dispatcher whose first round trip of the same inputs
+    combined their own rows (its combine checks of that signature passed and
+    are kept)."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    args = (x.to(device), topk_idx.to(device), topk_weights.to(device))
+    out = d.dispatch(*args)
+    d.combine(out.tokens, out.handle, weights=out.weights)
+    out = d.dispatch(*args)
+    if expert_out == "same":
+        expert_out = out.tokens
+    d.combine(_move(expert_out, device), out.handle, weights=_move(weights, device))
+
+
 def call_combine(config: dict, x, topk_idx, topk_weights, expert_out, weights):
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))

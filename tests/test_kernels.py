@@ -177,6 +177,9 @@ def test_recv_plan_kernel_matches_reference(world, groups, width, words, seed):
     assert torch.equal(want.expanded_rank, want.src_rank[want.expand_src])
     for n, j in enumerate(want.expand_src.tolist()):
         assert n in want.presum_index[j].tolist(), (n, j)
+    # the kernel's int64 outputs share allocations, each still starting 16-byte aligned
+    assert all(t.data_ptr() % 16 == 0 for t in (got.expand_src, got.expanded_token, got.expanded_rank,
+                                                 got.src_token, got.src_rank))
 
 
 @settings(max_examples=30, deadline=None)

@@ -102,6 +102,33 @@ def test_a_signature_checked_once_lets_no_other_through(worlds, case):
     _good_round_trip_still_works(world)
 
 
+NO_ROWS = torch.full((3, 2), -1)  # no slot anywhere: max_rows=1 holds on every rank
+SECOND_CALLS = {  # (routing, first dispatch's keywords, second's, error, argument)
+    "groups True after groups 1": (GOOD_IDX, {}, {"groups": True}, ValueError, "groups"),
+    "groups 0": (GOOD_IDX, {}, {"groups": 0}, ValueError, "groups"),
+    "groups over E_local": (GOOD_IDX, {}, {"groups": 3}, ValueError, "groups"),
+    "max_rows True after max_rows 1": (NO_ROWS, {"max_rows": 1}, {"max_rows": True}, ValueError, "max_rows"),
+    "max_rows -1": (GOOD_IDX, {}, {"max_rows": -1}, ValueError, "max_rows"),
+    "groups with max_rows off the engine": (GOOD_IDX, {"groups": 2}, {"groups": 2, "max_rows": 10}, ValueError,
+                                            "groups"),
+}
+
+
+@pytest.mark.parametrize("case", list(SECOND_CALLS))
+def test_a_signature_checked_once_lets_no_other_keywords_through(worlds, case):
+    """The same, for the keywords the signature holds (max_rows, groups, their
+    types as well as their values): a dispatch that passed does not let a
+    second of other keywords through."""
+    idx, first, second, error, argument = SECOND_CALLS[case]
+    world = worlds(2)
+    results = world.run(rank_fns.error_of, [("call_dispatch_twice", CFG, GOOD_X, idx, GOOD_W, first, second)] * 2)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank}: no error raised"
+        name, message, _ = result
+        assert name == error.__name__ and argument in message, (rank, name, message)
+    _good_round_trip_still_works(world)
+
+
 @pytest.mark.parametrize("case", VALUE_CASES)
 @pytest.mark.parametrize("layer", [dict(variant="alltoall"), dict(variant="allgather"),
                                    dict(variant="hierarchical", local_world_size=1), dict(variant="auto"),
@@ -149,6 +176,21 @@ def test_combine_rejects(worlds, case):
     # two all-to-alls) before combine rejects its input on every rank, at its
     # agreement on the board.
     _assert_error(results, error, argument, collectives=3)
+    _good_round_trip_still_works(world)
+
+
+@pytest.mark.parametrize("case", list(COMBINE_CASES))
+def test_a_combine_signature_checked_once_lets_no_other_through(worlds, case):
+    """A combine's checks are kept per signature too: after a good round trip
+    on the same dispatcher, each bad combine argument is still refused by name."""
+    expert_out, weights, error, argument = COMBINE_CASES[case]
+    world = worlds(2)
+    results = world.run(rank_fns.error_of, [("call_combine_after_good", CFG, GOOD_X, GOOD_IDX, GOOD_W, expert_out,
+                                              weights)] * 2)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank}: no error raised"
+        name, message, _ = result
+        assert name == error.__name__ and argument in message, (rank, name, message)
     _good_round_trip_still_works(world)
 
 

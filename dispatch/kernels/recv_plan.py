@@ -88,9 +88,10 @@ def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, wei
     words = torch.finfo(weight_dtype).bits // 32
     width = (meta.shape[1] - 1) // (1 + words)
     device = meta.device
-    # the int64 outputs of one length in one allocation each (every allocation costs the host)
-    expand_src, expanded_token, expanded_rank = torch.empty(3, num_rows, dtype=torch.int64, device=device).unbind()
-    src_token, src_rank = torch.empty(2, num_recv, dtype=torch.int64, device=device).unbind()
+    # the int64 outputs of one length in one allocation each (every allocation costs the host),
+    # each starting 16-byte aligned (an even stride), as separate allocations would
+    expand_src, expanded_token, expanded_rank = _rows(3, num_rows, device)
+    src_token, src_rank = _rows(2, num_recv, device)
     weights = torch.empty(num_rows, dtype=weight_dtype, device=device)
     presum_index = torch.empty(num_recv, width, dtype=torch.int64, device=device)
     if num_recv:
@@ -101,3 +102,10 @@ def recv_plan_triton(meta: torch.Tensor, table: torch.Tensor, num_rows: int, wei
             WIDTH=width, WORDS=words, STEPS=max(1, (num_blocks - 1).bit_length()), BLOCK=BLOCK_R,
         )
     return expand_src, presum_index, weights, src_token, src_rank, expanded_token, expanded_rank
+
+
+def _rows(count: int, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``count`` int64 vectors of ``length`` in one allocation, each at a 16-byte
+    aligned start (Triton specialises its kernels on their pointers' alignment)."""
+    stride = length + (length & 1)
+    return torch.empty(count, stride, dtype=torch.int64, device=device)[:, :length].unbind()
