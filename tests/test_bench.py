@@ -14,10 +14,9 @@ import torch
 
 from dispatch import bench
 from dispatch.bench import a2a, common, roundtrip
+from world import bench_world_of
 
-# the bench runs on the local GPUs where there are any, else on CPU processes
-world_of_two = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                                  reason="the bench's world of 2 runs on 2 GPUs where the machine has one")
+world_of_two = bench_world_of(2)
 
 
 @world_of_two

@@ -10,6 +10,7 @@ import torch
 from dispatch import bench
 from dispatch.bench import overlap
 from dispatch.experts import GroupedExperts
+from world import bench_world_of
 
 # The bench's experts are GroupedExperts: on CPU one matmul per expert, whose
 # tiling may depend on the group's row count, so a chunked layer equals C = 1 up
@@ -18,6 +19,7 @@ from dispatch.experts import GroupedExperts
 ROUNDING = 1e-5
 
 
+@bench_world_of(2)
 def test_cpu_smoke_run_writes_results(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--groups", "2,4",
             "--out", str(tmp_path)]
@@ -43,6 +45,7 @@ def test_cpu_smoke_run_writes_results(tmp_path):
     assert "| cpu-tiny | fwd+bwd | 2 |" in (tmp_path / "overlap-cpu-tiny-w2.md").read_text()
 
 
+@bench_world_of(2)
 def test_cpu_micro_batches(tmp_path):
     """--micro-batches: two micro-batches by the async verbs give the layer's outputs
     (to the experts' rounding), overlapped and one after the other, with T_mb beside
@@ -69,6 +72,7 @@ def test_groups_above_local_experts_are_capped():
     assert overlap.chunk_values(args, 4) == [1, 2, 4]
 
 
+@bench_world_of(2)
 def test_global_flags_before_the_command(tmp_path):
     """``dispatch-bench --iters 1 --warmup 0 --out DIR overlap ...`` gives overlap the global flags."""
     argv = ["--iters", "1", "--warmup", "0", "--out", str(tmp_path), "overlap", "--shapes", "cpu-tiny",

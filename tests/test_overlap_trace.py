@@ -8,11 +8,13 @@ import json
 import pytest
 
 from bench_scripts import load
+from world import bench_world_of
 
 overlap_trace = load("overlap_trace")
 timeline = load("timeline")
 
 
+@bench_world_of(2)
 def test_cpu_run_writes_traces_timeline_and_host_profile(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--groups", "2", "--host-profile", "--out", str(tmp_path)]
     assert overlap_trace.main(argv) == 0

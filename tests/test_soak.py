@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 from bench_scripts import load
+from world import bench_world_of
 
 
+@bench_world_of(2)
 def test_soak_checks_every_call(tmp_path):
     soak = load("soak")
     assert soak.main(["--calls", "12", "--world-size", "2", "--max-tokens", "40", "--hidden", "136",

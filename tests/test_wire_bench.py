@@ -7,10 +7,12 @@ import json
 import pytest
 
 from bench_scripts import load
+from world import bench_world_of
 
 wire = load("wire")
 
 
+@bench_world_of(2)
 def test_cpu_smoke_run_writes_results(tmp_path):
     argv = ["--shapes", "cpu-small", "--world-size", "2", "--iters", "1", "--warmup", "1", "--out", str(tmp_path)]
     assert wire.main(argv) == 0

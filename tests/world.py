@@ -29,6 +29,16 @@ import torch.distributed as dist
 _DEVICE: torch.device | None = None
 
 
+def bench_world_of(size: int):
+    """A skip mark for a test of a bench run on a world of ``size``: the bench runs
+    on the local GPUs where there are any (else on CPU processes), so a machine
+    with fewer GPUs than that cannot make the world."""
+    import pytest
+
+    return pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < size,
+                              reason=f"the bench's world of {size} runs on {size} GPUs where the machine has fewer")
+
+
 def current_device() -> torch.device:
     """The device a function running on a world rank should put its tensors on."""
     return _DEVICE if _DEVICE is not None else torch.device("cpu")
