@@ -541,7 +541,7 @@ class TokenDispatcher:
         return [row[-1] for row in self._calls.agree(ticket, tail=(self._memory_rows(x, checks.free_bytes),))]
 
 
-_SIGNATURES = 64  # dispatch signatures a dispatcher keeps as checked
+_SIGNATURES = 64  # argument signatures (of every verb) a dispatcher keeps as checked
 
 
 def _present(*tensors) -> tuple:
