@@ -1,25 +1,27 @@
 """Study: the NVLink engine on one GPU, a world of one rank, where no second GPU is lent.
 
-    python3 bench/engine_one_gpu.py TREE [--check] [--against BASE] [--profile] [--pieces]
+    python3 bench/engine_one_gpu.py TREE [--check] [--against BASE] [--gpu-time] [--profile] [--pieces]
 
 The engine is built directly (the registry refuses a group of one rank: a
 sub-group's rendezvous its peers would not make), so its kernels and their
 launches run on one device. ``--check`` holds it bitwise against the NCCL
-transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups;
-native and fp8 wires; T = 0 to 2048). Then the eager round trip's host time at
-the decode and DeepSeek-V3 shapes, on the engine and on the NCCL transport (wall
-time from dispatch to combine's return, the GPU idle at the start; median of
-800): of TREE alone, or with ``--against
-BASE`` of both source trees in one process (BASE's package imported first and
-its modules moved aside, then TREE's), in alternating blocks of 40 round trips,
-with their ratio: between processes the same tree's host time varied 1.5x on
-one machine, within one process it holds to a few percent. ``--profile``: a
-cProfile of 50 decode round trips of TREE first; ``--pieces``: the host cost of
-the round trip's pieces one by one (a launch, an allocation, a host read, the
-free-memory budget, an autograd node, an agreement), and the NCCL transport's
-plan graphs (their kernels, GPU time and host replay time) first. TREE and BASE are
-source trees (this one, or an older one, e.g. ``git archive BASE | tar -x -C
-.wt/base``).
+transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups, and
+forward and backward with ``max_rows`` captured in a CUDA graph and replayed;
+native and fp8 wires; T = 0 to 2048). ``--gpu-time``: the captured forward round
+trip's GPU time at every SM and at 24 blocks (:func:`gpu_time`), and beside the
+experts' forward (:func:`beside_experts`). Then the eager round trip's host time
+at the decode and DeepSeek-V3 shapes, on the engine and on the NCCL transport
+(wall time from dispatch to combine's return, the GPU idle at the start; median
+of 800): of TREE alone, or with ``--against BASE`` of both source trees in one
+process (BASE's package imported first and its modules moved aside, then
+TREE's), in alternating blocks of 40 round trips, with their ratio: between
+processes the same tree's host time varied 1.5x on one machine, within one
+process it holds to a few percent. ``--profile``: a cProfile of 50 decode round
+trips of TREE first; ``--pieces``: the host cost of the round trip's pieces one
+by one (a launch, an allocation, a host read, the free-memory budget, an
+autograd node, an agreement), and the NCCL transport's plan graphs (their
+kernels, GPU time and host replay time) first. TREE and BASE are source trees
+(this one, or an older one, e.g. ``git archive BASE | tar -x -C .wt/base``).
 """
 import os
 import statistics
@@ -55,6 +57,7 @@ def load(tree: str):
         import dispatch
         import dispatch.dispatcher
         import dispatch.transports
+        import dispatch.cuda
     finally:
         sys.path.pop(0)
     MODULES[dispatch] = _ours()
@@ -78,8 +81,9 @@ print(f"machine: {torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores; to
       f"{os.environ.get('DISPATCH_COMMIT', '?')}" + (f" against {BASE}" if BASE else ""), flush=True)
 
 
-def make(E, transport, wire="native", package=dispatch):
-    cfg = package.DispatchConfig(num_experts=E, transport=transport, dispatch_wire=wire)
+def make(E, transport, wire="native", package=dispatch, sm_budget=None):
+    cfg = package.DispatchConfig(num_experts=E, transport=transport, dispatch_wire=wire,
+                                 tuning=package.Tuning(sm_budget=sm_budget))
     transports = package.transports
     cls = transports.NVLinkTransport if transport == "nvlink" else transports.AllToAllTransport
     return package.dispatcher.TokenDispatcher(cfg, None, cls(cfg, None))
@@ -93,14 +97,16 @@ def inputs(T, H, E, K, seed):
     return x, idx, (w / w.sum(1, keepdim=True)).float()
 
 
-def trip(d, x, idx, w, **kw):
+def trip(d, x, idx, w, whole=False, **kw):
+    """A round trip's results (rows, weights, sources, counts, output, gradients); the
+    rows as many as received (``whole``: every row of a max_rows output, no host read)."""
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
     out = d.dispatch(x, idx, w, **kw)
     y = out.tokens.float().pow(2).to(out.tokens.dtype)
     h = d.combine(y, out.handle, weights=out.weights)
     h.float().sum().backward()
-    n = out.handle.num_rows if "max_rows" not in kw else int(out.tokens_per_expert.sum())
+    n = None if whole else out.handle.num_rows if "max_rows" not in kw else int(out.tokens_per_expert.sum())
     return [out.tokens[:n], out.weights[:n], out.src_rank[:n], out.src_token[:n], out.tokens_per_expert, h, x.grad,
             w.grad]
 
@@ -118,6 +124,26 @@ if "--check" in sys.argv:
                 same = all(torch.equal(a, b) for a, b in zip(got, want))
                 bad += not same
                 print(f"wire={wire} T={T} H={H} K={K} {kw}: {'bitwise equal' if same else 'DIFFERENT'}", flush=True)
+    # forward and backward with max_rows captured in one CUDA graph, replayed on new inputs
+    for wire in ("native", "fp8"):
+        E, T, H, K = 16, 300, 512, 4
+        eng, ref = make(E, "nvlink", wire), make(E, "nccl", wire)
+        static = [t.clone() for t in inputs(T, H, E, K, 7)]
+        for _ in range(2):
+            trip(eng, *static, max_rows=T * K + 8)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = trip(eng, *static, whole=True, max_rows=T * K + 8)
+        for seed in range(3):
+            for s, t in zip(static, inputs(T, H, E, K, 100 + seed)):
+                s.copy_(t)
+            graph.replay()
+            want = trip(ref, *static)
+            n = want[0].shape[0]
+            same = all(torch.equal(a[:n] if i < 4 else a, b) for i, (a, b) in enumerate(zip(got, want)))
+            bad += not same
+            print(f"wire={wire} T={T} captured, replay {seed}: {'bitwise equal' if same else 'DIFFERENT'}", flush=True)
     print("check:", "all equal" if bad == 0 else f"{bad} different", flush=True)
 
 
@@ -306,6 +332,140 @@ if "--pieces" in sys.argv:
 
 def quantile(values, q):
     return sorted(values)[int(q * (len(values) - 1))]
+
+
+def gpu_time() -> None:
+    """The engine's captured forward round trip (dispatch with max_rows, combine) on
+    the GPU, of each tree, at every SM and at 24 blocks: replays timed by events in
+    alternating blocks (median of 60, us), and the tree's kernels at 24 blocks
+    (torch.profiler, DeepSeek-V3)."""
+    # the largest first: an engine's bounded dispatches are sized by its first
+    for name, (T, H, E, K) in (("deepseek-v3", (4096, 7168, 256, 8)), ("decode", (128, 7168, 256, 8))):
+        x, idx, w = inputs(T, H, E, K, 0)
+        graphs = {}
+        for budget in (None, 24):
+            for label, package in packages.items():
+                use(package)
+                d = make(E, "nvlink", package=package, sm_budget=budget)
+                for _ in range(3):
+                    out = d.dispatch(x, idx, w, max_rows=T * K)
+                    d.combine(out.tokens, out.handle, weights=out.weights)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = d.dispatch(x, idx, w, max_rows=T * K)
+                    d.combine(out.tokens, out.handle, weights=out.weights)
+                graphs[label, budget] = graph
+                rows, counts = out.tokens, out.tokens_per_expert  # the rows one dispatch delivers (the same in every)
+        times = {key: [] for key in graphs}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for block in range(6):
+            for key in (graphs if block % 2 else reversed(list(graphs))):
+                graphs[key].replay()
+                for _ in range(10):
+                    start.record()
+                    graphs[key].replay()
+                    end.record()
+                    end.synchronize()
+                    times[key].append(start.elapsed_time(end) * 1e3)
+        for budget in (None, 24):
+            told = "; ".join(f"{label} {statistics.median(times[label, budget]):.0f} us" for label in packages)
+            ratio = ""
+            if BASE:
+                ratio = (f"; tree/base "
+                         f"{statistics.median(times['tree', budget]) / statistics.median(times['base', budget]):.3f}")
+            print(f"nvlink {name}: captured forward round trip on the GPU, sm_budget {budget}, median of "
+                  f"{len(times['tree', budget])}: {told}{ratio}", flush=True)
+        if name == "deepseek-v3":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    graphs["tree", 24].replay()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+            beside_experts(graphs, rows, counts, E, H, ffn=2048)
+    use(packages["tree"])
+
+
+def beside_experts(graphs, rows, counts, E, H, ffn) -> None:
+    """The experts' forward (GroupedExperts on the rows one dispatch delivers, a CUDA
+    graph; its GEMMs on every SM, or leaving 24 to the exchange) and each captured
+    round trip queued at once on two streams (the round trip on a high-priority
+    one), against each alone: the share of the shorter one that running them side
+    by side saved, (T_A + T_B - T_A+B) / min(T_A, T_B) (median of 30, us); then
+    the kernels' timeline of one such pair. At W = 1 the exchange's link is this
+    GPU's memory."""
+    from dispatch.experts import GroupedExperts
+    experts = GroupedExperts(E, H, ffn, dtype=torch.bfloat16, device=rows.device)
+
+    def captured(carveout: int):
+        """The experts' forward in a CUDA graph, its GEMMs leaving ``carveout`` SMs."""
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    experts(rows, counts)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    experts(rows, counts)
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+        return graph
+
+    computes = {0: captured(0), 24: captured(24)}
+    side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+
+    def timed(step) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        values = []
+        for _ in range(33):
+            torch.cuda.synchronize()
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            values.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(values[3:])
+
+    def together(exchange, compute):
+        def run():
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            high.wait_stream(main)
+            with torch.cuda.stream(side):
+                compute.replay()
+            with torch.cuda.stream(high):
+                exchange.replay()
+            main.wait_stream(side)
+            main.wait_stream(high)
+        return run
+
+    for carveout, compute in computes.items():
+        t_a = timed(compute.replay)
+        for (label, budget), graph in graphs.items():
+            if carveout and budget is None:
+                continue
+            t_b, t_ab = timed(graph.replay), timed(together(graph, compute))
+            print(f"beside the experts' forward (GEMMs leaving {carveout} SMs: {t_a:.0f} us): {label} round trip, "
+                  f"sm_budget {budget}: {t_b:.0f} us alone, {t_ab:.0f} us together ({t_a + t_b:.0f} one after the "
+                  f"other): saved {(t_a + t_b - t_ab) / min(t_a, t_b):.2f} of the shorter", flush=True)
+    for key in [(label, 24) for label in ("tree", "base") if (label, 24) in graphs]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            together(graphs[key], computes[24])()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        if kernels:
+            t0 = kernels[0].time_range.start
+            print(f"{key[0]} at sm_budget {key[1]} beside the experts leaving 24 SMs, the kernels (start, duration, "
+                  f"us):", flush=True)
+            for e in kernels:
+                print(f"  {e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:60]}", flush=True)
+
+
+if "--gpu-time" in sys.argv:
+    gpu_time()
 
 
 for (name, (T, H, E, K)), transport in ((shape, transport) for transport in ("nvlink", "nccl") for shape in (

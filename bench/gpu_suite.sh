@@ -25,7 +25,8 @@
 #             then bench/agreement_probe.py (what a call's agreement costs on the host)
 #   one-gpu   on one GPU (no second one lent): bench/engine_one_gpu.py, the engine at W = 1 held
 #             bitwise against NCCL, the host cost of a round trip's pieces and the NCCL plan's
-#             graphs, a host profile, then the eager round trip's host time (the engine, and the
+#             graphs, a host profile, the captured round trip's GPU time (every SM, 24 blocks; alone
+#             and beside the experts' GEMMs), then the eager round trip's host time (the engine, and the
 #             NCCL transport) of this tree against a base tree in .wt/base (where there is one),
 #             both in one process, blocks in turn (in results/engine-one-gpu.txt)
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
@@ -156,7 +157,7 @@ for part in "$@"; do
     one-gpu)
       against=()
       [ -d .wt/base ] && against=(--against .wt/base)
-      step 400 engine-one-gpu bash -c 'set -o pipefail; python3 bench/engine_one_gpu.py . --check --pieces --profile \
+      step 400 engine-one-gpu bash -c 'set -o pipefail; python3 bench/engine_one_gpu.py . --check --pieces --profile --gpu-time \
         "${@:2}" | tee "$1"' _ "$RES/engine-one-gpu.txt" "${against[@]}" ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
