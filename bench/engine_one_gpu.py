@@ -390,9 +390,9 @@ def beside_experts(graphs, rows, counts, E, H, ffn) -> None:
     graph; its GEMMs on every SM, or leaving 24 to the exchange) and each captured
     round trip queued at once on two streams (the round trip on a high-priority
     one), against each alone: the share of the shorter one that running them side
-    by side saved, (T_A + T_B - T_A+B) / min(T_A, T_B) (median of 30, us); then
-    the kernels' timeline of one such pair. At W = 1 the exchange's link is this
-    GPU's memory."""
+    by side saved, (T_A + T_B - T_A+B) / min(T_A, T_B), the three taken together
+    (median of 16 rounds, us); then the kernels' timeline of one such pair. At
+    W = 1 the exchange's link is this GPU's memory."""
     from dispatch.experts import GroupedExperts
     experts = GroupedExperts(E, H, ffn, dtype=torch.bfloat16, device=rows.device)
 
@@ -415,17 +415,16 @@ def beside_experts(graphs, rows, counts, E, H, ffn) -> None:
     computes = {0: captured(0), 24: captured(24)}
     side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
 
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
     def timed(step) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        values = []
-        for _ in range(33):
-            torch.cuda.synchronize()
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            values.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(values[3:])
+        """One run of ``step`` on an idle GPU, us."""
+        torch.cuda.synchronize()
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
 
     def together(exchange, compute):
         def run():
@@ -440,15 +439,24 @@ def beside_experts(graphs, rows, counts, E, H, ffn) -> None:
             main.wait_stream(high)
         return run
 
+    # in rounds, the pairs in turn (every other round reversed), each pair's three times taken
+    # together: the GPU's clock drifts over the seconds of 10 ms GEMMs, so that times taken apart
+    # (or one pair after the other) compare runs of different speeds
     for carveout, compute in computes.items():
-        t_a = timed(compute.replay)
-        for (label, budget), graph in graphs.items():
-            if carveout and budget is None:
-                continue
-            t_b, t_ab = timed(graph.replay), timed(together(graph, compute))
+        pairs = [key for key in graphs if not (carveout and key[1] is None)]
+        runs: dict = {key: [] for key in pairs}
+        for _ in range(3):  # warm
+            timed(compute.replay)
+        for r in range(16):
+            for key in pairs if r % 2 else reversed(pairs):
+                t_a, t_b = timed(compute.replay), timed(graphs[key].replay)
+                runs[key].append((t_a, t_b, timed(together(graphs[key], compute))))
+        for (label, budget), values in runs.items():
+            t_a, t_b, t_ab = (statistics.median(v[i] for v in values) for i in range(3))
+            saved = statistics.median((a + b - ab) / min(a, b) for a, b, ab in values)
             print(f"beside the experts' forward (GEMMs leaving {carveout} SMs: {t_a:.0f} us): {label} round trip, "
                   f"sm_budget {budget}: {t_b:.0f} us alone, {t_ab:.0f} us together ({t_a + t_b:.0f} one after the "
-                  f"other): saved {(t_a + t_b - t_ab) / min(t_a, t_b):.2f} of the shorter", flush=True)
+                  f"other): saved {saved:.2f} of the shorter (median of 16 rounds)", flush=True)
     for key in [(label, 24) for label in ("tree", "base") if (label, 24) in graphs]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             together(graphs[key], computes[24])()
