@@ -11,7 +11,7 @@
 #             exchange slowed to 2 NCCL CTAs (--comm-max-ctas 2, high-priority stream)
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
-#             layer by groups of experts on the engine (C = 2, 4, 8), eager and captured
+#             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
 #             two streams against each alone: the most any overlap schedule hides; also DeepSeek-V3
 #             with 16 experts, the Megatron timing layer's shape), then two
@@ -55,7 +55,7 @@
 #             groups; in experts16/), each row also traced once (GPU busy time against wall
 #             time, longest kernels and host ops, the host's time to issue a pass; rank 0's
 #             timelines in traces/)
-#   studies   the bench/ scripts: wire formats, the overlap layer's timelines (C = 4,
+#   studies   the bench/ scripts: wire formats, the overlap layer's timelines (G = 4,
 #             slowed exchange), and the ranks as 2 nodes (hierarchical tiers, bytes per tier)
 # Usage: before sending the tree, record what it is (the device's copy has no
 # reliable git history): git describe --always --dirty > .dispatch-commit

@@ -1,17 +1,17 @@
 """Where a pipelined MoE layer's time goes: profiler timelines of ``dispatch-bench overlap``'s layer.
 
-For each shape and each C of ``--groups``, on the same layer, inputs and EP
+For each shape and each G of ``--groups``, on the same layer, inputs and EP
 group as ``dispatch-bench overlap`` (same flags): one forward+backward of
-MoEExchange(C) with GroupedExperts is profiled on every rank (torch.profiler).
+MoEExchange(G) with GroupedExperts is profiled on every rank (torch.profiler).
 Each rank writes its chrome trace (rank 0 ``<stem>.json``, rank R
 ``<stem>-rank<R>.json``; one host, one folder); rank 0 writes the kernel table
 (``<stem>.txt``), every rank's streams on one PNG timeline (``<stem>.png``) and
 a lane-by-lane summary of idle time and host waits (``<stem>-lanes.txt``,
 ``timeline.lanes_summary``), with ``<stem>`` =
-``overlap-trace-<shape>-w<W><suffix>-c<C>``.
+``overlap-trace-<shape>-w<W><suffix>-g<G>``.
 
 ``--host-profile`` also profiles the host (cProfile of rank 0) over 5
-forward+backward steps: ``overlap-host-<shape>-w<W><suffix>-c<C>.txt``, the
+forward+backward steps: ``overlap-host-<shape>-w<W><suffix>-g<G>.txt``, the
 functions by their own time and by their time with callees.
 
 ``--graph`` profiles the replay of the layer with ``max_rows`` captured in a
@@ -54,23 +54,23 @@ def _job(args: argparse.Namespace) -> None:
     group = overlap.ep_group(args)
     for name in args.shapes:
         case = overlap.make_case(SHAPES[name], args, group)
-        for c in overlap.chunk_values(args, case.dispatcher.num_local_experts):
+        for g in overlap.group_values(args, case.dispatcher.num_local_experts):
             graph = None
             if args.graph:  # the layer with max_rows, its step captured: the replay is profiled
-                layer = case.layer_bounded(args.comm_priority, group, c)
+                layer = case.layer_bounded(args.comm_priority, group, g)
                 graph = overlap.capture(case.layer_step(layer, backward=True))
                 step = graph.replay
             else:
-                step = case.layer_step(case.layer(c, args.comm_priority, sm_carveout=args.sm_carveout), backward=True)
-            tail = f"{name}-w{dist.get_world_size()}{overlap.suffix(args)}-c{c}"
+                step = case.layer_step(case.layer(g, args.comm_priority, sm_carveout=args.sm_carveout), backward=True)
+            tail = f"{name}-w{dist.get_world_size()}{overlap.suffix(args)}-g{g}"
             trace(step, os.path.join(args.out, f"overlap-trace-{tail}"), case.x.device,
-                  f"{name}: one fwd+bwd step{' (graph replay)' if graph else ''}, C={c}")
+                  f"{name}: one fwd+bwd step{' (graph replay)' if graph else ''}, G={g}")
             if args.host_profile:
                 host_profile(step, os.path.join(args.out, f"overlap-host-{tail}.txt"), case.x.device,
-                             f"host profile of 5 forward+backward steps, {name}, C={c}, rank 0")
+                             f"host profile of 5 forward+backward steps, {name}, G={g}, rank 0")
             if graph is not None:
                 _sync(case.x.device)
-                graph.reset()  # its pool goes before the next C's
+                graph.reset()  # its pool goes before the next G's
 
 def _sync(device) -> None:
     if device.type == "cuda":

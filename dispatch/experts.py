@@ -232,8 +232,8 @@ def _dense_grad(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class ChunkedExperts:
-    """:class:`GroupedExperts` over the C groups of one ``MoEExchange`` step (its
+class ExpertsByGroups:
+    """:class:`GroupedExperts` over the G groups of one ``MoEExchange`` step (its
     groups of local experts), with the weight gradients computed once, over the
     rows of all groups.
 
@@ -243,9 +243,9 @@ class ChunkedExperts:
     every group's rows. Rows are kept expert-major over the groups (expert e's
     rows of group 0, then of group 1, ...), which is the canonical order of the
     whole step: each expert's weight gradient is one GEMM over the same rows in
-    the same order for every C, and no group writes a full set of weight
+    the same order for every G, and no group writes a full set of weight
     gradients. (The activations and gradients in those rows come from
-    group-sized GEMMs, so the parameter gradients equal those of C = 1 where
+    group-sized GEMMs, so the parameter gradients equal those of G = 1 where
     the GEMMs give a row the same bits whatever the batch, and to rounding
     otherwise.) What a weight gradient needs is kept only for a weight that
     requires grad: for ``w_in`` the rows and the first GEMM's output
@@ -276,10 +276,10 @@ class ChunkedExperts:
         groups = len(counts)
         self.group_rows = group_rows
         if group_rows is None:
-            self.rows = [None if c is None else int(c.sum()) for c in counts_host]
+            self.rows = [None if g is None else int(g.sum()) for g in counts_host]
             self.places = None  # per group, the expert-major row of each of its rows (made on first use)
         else:  # the places of each group, made as its counts come (in group order)
-            if any(c is not None for c in counts):
+            if any(g is not None for g in counts):
                 raise ValueError("group_rows: give each group's counts by set_counts, in group order")
             self.rows, self.places = [group_rows] * groups, [None] * groups
             self.taken = [None] * groups  # per group, [1] its rows (on the device)
@@ -289,90 +289,90 @@ class ChunkedExperts:
         self.hidden, self.outs = [None] * groups, [None] * groups
         self.experts_of: list[tuple[int, int] | None] = [None] * groups
 
-    def set_counts(self, c: int, counts: torch.Tensor, counts_host: torch.Tensor,
+    def set_counts(self, g: int, counts: torch.Tensor, counts_host: torch.Tensor,
                    experts: tuple[int, int] | None = None) -> None:
-        """Group c's counts, given as None at construction. What earlier groups
-        keep is placed with group c's first kept rows, behind its GEMMs (with
+        """Group g's counts, given as None at construction. What earlier groups
+        keep is placed with group g's first kept rows, behind its GEMMs (with
         ``forward(defer_keep=True)``, by :meth:`place_kept`). ``experts``:
-        (first, end), the only local experts with rows in group c (a group of
+        (first, end), the only local experts with rows in group g (a group of
         experts): its GEMMs then take those experts' weights and counts alone,
         so that a grouped GEMM is sized for the experts it computes."""
-        if self.counts[c] is not None:
-            raise ValueError(f"group {c}'s counts were given already")
-        if self.group_rows is not None and c and self.taken[c - 1] is None:
-            raise ValueError(f"group {c}'s counts came before group {c - 1}'s: give them in group order")
-        self.counts[c], self.counts_host[c], self.experts_of[c] = counts, counts_host, experts
+        if self.counts[g] is not None:
+            raise ValueError(f"group {g}'s counts were given already")
+        if self.group_rows is not None and g and self.taken[g - 1] is None:
+            raise ValueError(f"group {g}'s counts came before group {g - 1}'s: give them in group order")
+        self.counts[g], self.counts_host[g], self.experts_of[g] = counts, counts_host, experts
         if self.group_rows is None:
-            self.rows[c] = int(counts_host.sum())
+            self.rows[g] = int(counts_host.sum())
         else:
-            self._place_group(c)
+            self._place_group(g)
 
-    def _place_group(self, c: int) -> None:
-        """Group c's places (``group_rows``): its row j < n_c goes to j plus the rows of
+    def _place_group(self, g: int) -> None:
+        """Group g's places (``group_rows``): its row j < n_c goes to j plus the rows of
         the earlier groups, the rest to the dump row past them all (on the device)."""
-        counts, bound = self.counts[c], self.group_rows
+        counts, bound = self.counts[g], self.group_rows
         taken = counts.sum().reshape(1)
-        before = self._before if c else torch.zeros_like(taken)
+        before = self._before if g else torch.zeros_like(taken)
         local = torch.arange(bound, device=counts.device)
-        self.places[c] = torch.where(local < taken, before + local, len(self.rows) * bound)
-        self.taken[c], self._before = taken, before + taken
+        self.places[g] = torch.where(local < taken, before + local, len(self.rows) * bound)
+        self.taken[g], self._before = taken, before + taken
 
-    def _sliced(self, c: int, weight: torch.Tensor):
-        """(weight, counts, host counts) of group c's GEMMs: its experts' only
+    def _sliced(self, g: int, weight: torch.Tensor):
+        """(weight, counts, host counts) of group g's GEMMs: its experts' only
         where it is a group of experts."""
-        if self.experts_of[c] is None:
-            return weight, self.counts[c], self.counts_host[c]
-        first, end = self.experts_of[c]
-        host = self.counts_host[c]
-        return weight[first:end], self.counts[c][first:end], None if host is None else host[first:end]
+        if self.experts_of[g] is None:
+            return weight, self.counts[g], self.counts_host[g]
+        first, end = self.experts_of[g]
+        host = self.counts_host[g]
+        return weight[first:end], self.counts[g][first:end], None if host is None else host[first:end]
 
-    def forward(self, c: int, tokens: torch.Tensor, defer_keep: bool = False) -> torch.Tensor:
-        """Group c's rows [N_c, H] -> [N_c, H] (detached). ``defer_keep``: what
+    def forward(self, g: int, tokens: torch.Tensor, defer_keep: bool = False) -> torch.Tensor:
+        """Group g's rows [N_g, H] -> [N_g, H] (detached). ``defer_keep``: what
         backward keeps of the group is placed by :meth:`place_kept` (at the
         latest by :meth:`weight_grads`), not behind its GEMMs."""
         e = self.experts
         w_in, w_out = e.w_in.detach(), e.w_out.detach()
-        h = e._matmul(tokens, *self._sliced(c, w_in))
+        h = e._matmul(tokens, *self._sliced(g, w_in))
         if not self.grad_on:
-            return self._zero_past(c, e._matmul(e._act(h), *self._sliced(c, w_out)))
+            return self._zero_past(g, e._matmul(e._act(h), *self._sliced(g, w_out)))
         h.requires_grad_()
         with torch.enable_grad():
             act = e._act(h)
-            y = self._zero_past(c, e._matmul(act, *self._sliced(c, w_out)))
-        self.hidden[c], self.outs[c] = h, y
+            y = self._zero_past(g, e._matmul(act, *self._sliced(g, w_out)))
+        self.hidden[g], self.outs[g] = h, y
         keep = self.waiting.append if defer_keep else (lambda item: self._keep(*item))
         if self.need_in:
-            keep(("tokens", c, tokens))
+            keep(("tokens", g, tokens))
         if self.need_out:
-            keep(("acts", c, act.detach()))
+            keep(("acts", g, act.detach()))
         return y.detach()
 
-    def _zero_past(self, c: int, y: torch.Tensor) -> torch.Tensor:
-        """Group c's output with the rows past its own zeroed (``group_rows``)."""
-        return y if self.group_rows is None else _ZeroPast.apply(y, self.taken[c])
+    def _zero_past(self, g: int, y: torch.Tensor) -> torch.Tensor:
+        """Group g's output with the rows past its own zeroed (``group_rows``)."""
+        return y if self.group_rows is None else _ZeroPast.apply(y, self.taken[g])
 
     def place_kept(self) -> None:
         """Place what waits to be kept, once every group's counts are known."""
         if self.waiting and None not in self.rows:
             self._place_waiting()
 
-    def output(self, c: int) -> torch.Tensor:
-        """Group c's output as :meth:`forward` returned it."""
-        return self.outs[c].detach()
+    def output(self, g: int) -> torch.Tensor:
+        """Group g's output as :meth:`forward` returned it."""
+        return self.outs[g].detach()
 
-    def backward(self, c: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
-        """Gradient of group c's output -> gradient of its rows (if ``rows_grad``);
+    def backward(self, g: int, grad_y: torch.Tensor, rows_grad: bool) -> torch.Tensor | None:
+        """Gradient of group g's output -> gradient of its rows (if ``rows_grad``);
         keeps what the weight gradients need, and frees the group's graph."""
         e = self.experts
-        (grad_h,) = torch.autograd.grad(self.outs[c], [self.hidden[c]], grad_y)
-        self.hidden[c] = self.outs[c] = None
+        (grad_h,) = torch.autograd.grad(self.outs[g], [self.hidden[g]], grad_y)
+        self.hidden[g] = self.outs[g] = None
         if self.need_out:
-            self._keep("grad_outs", c, grad_y)
+            self._keep("grad_outs", g, grad_y)
         if self.need_in:
-            self._keep("grad_hidden", c, grad_h)
+            self._keep("grad_hidden", g, grad_h)
         if not rows_grad:
             return None
-        return e._matmul(grad_h, *self._sliced(c, e.w_in.detach().transpose(1, 2)))
+        return e._matmul(grad_h, *self._sliced(g, e.w_in.detach().transpose(1, 2)))
 
     def weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(grad of w_in, grad of w_out), once every group's backward has run;
@@ -393,21 +393,21 @@ class ChunkedExperts:
         by_param = dict(zip((id(self.experts.w_in), id(self.experts.w_out)), self.weight_grads()))
         return [by_param[id(p)] for p in params]
 
-    def _keep(self, name: str, c: int, rows: torch.Tensor) -> None:
-        """Group c's rows placed expert-major in the buffer ``name`` (allocated on
+    def _keep(self, name: str, g: int, rows: torch.Tensor) -> None:
+        """Group g's rows placed expert-major in the buffer ``name`` (allocated on
         first use), row-major like the buffer of several groups, so that the
-        weight-gradient GEMMs see the same layout for every C."""
+        weight-gradient GEMMs see the same layout for every G."""
         if len(self.rows) == 1:
             setattr(self, name, rows.contiguous())
             return
         if None in self.rows:
-            self.waiting.append((name, c, rows))
+            self.waiting.append((name, g, rows))
             return
         self._place_waiting()
         held = getattr(self, name)
         if held is None:  # by groups with padding, a dump row past them all
             held = rows.new_empty(sum(self.rows) + (self.group_rows is not None), rows.shape[1])
-        setattr(self, name, scatter_rows(held, self.places[c], rows))
+        setattr(self, name, scatter_rows(held, self.places[g], rows))
 
     def _place_waiting(self) -> None:
         """Make the placement if need be, and place what waited for the counts."""
@@ -418,18 +418,18 @@ class ChunkedExperts:
             self._keep(*earlier)
 
     def _expert_major(self) -> list[torch.Tensor]:
-        """Per group, [N_c] the expert-major row of each of its rows. Row g of
+        """Per group, [N_g] the expert-major row of each of its rows. Row g of
         all groups' rows (group-major) goes to g plus a shift that depends only
         on its run (group, expert): the shifts are worked out on the host from
         the host counts, then spread over the rows on the device in a few
         kernels (their launches bind the host, not the GPU: made on first use,
         in group 0's forward once its GEMMs are queued)."""
-        per_chunk = torch.stack([counts.to("cpu", torch.int64) for counts in self.counts_host])  # [C, E_local]
-        total, sizes = per_chunk.sum(0), per_chunk.sum(1)
+        per_group = torch.stack([counts.to("cpu", torch.int64) for counts in self.counts_host])  # [G, E_local]
+        total, sizes = per_group.sum(0), per_group.sum(1)
         shift = (
             (torch.cumsum(total, 0) - total)  # expert e's first row, expert-major
-            + (torch.cumsum(per_chunk, 0) - per_chunk)  # its rows in earlier groups
-            - (torch.cumsum(per_chunk, 1) - per_chunk)  # minus the run's first row in its group
+            + (torch.cumsum(per_group, 0) - per_group)  # its rows in earlier groups
+            - (torch.cumsum(per_group, 1) - per_group)  # minus the run's first row in its group
             - (torch.cumsum(sizes, 0) - sizes)[:, None]  # minus the group's first row
         )
         device = self.counts[0].device

@@ -39,7 +39,7 @@ Experts' parameters: for a plain :class:`GroupedExperts` (its own ``forward``
 and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the
 backward of each group computes only the rows' gradients, and the weight
 gradients are formed once, after the last group and while its gradients travel
-home, from every group's rows held expert-major (``experts.ChunkedExperts``):
+home, from every group's rows held expert-major (``experts.ExpertsByGroups``):
 the same GEMM over the same rows for every G. With ``max_rows`` (each group's
 rows padded on the device), the rows are placed expert-major on the device, so
 nothing is read on the host. Other experts are differentiated
@@ -59,7 +59,7 @@ from torch import nn
 
 from dispatch import checks
 from dispatch.dispatcher import TokenDispatcher
-from dispatch.experts import ChunkedExperts, GroupedExperts
+from dispatch.experts import ExpertsByGroups, GroupedExperts
 from dispatch.kernels.row_grads import weighted_row_grads
 
 
@@ -245,13 +245,13 @@ class _PipelineFn(torch.autograd.Function):
         d, experts, groups = layer.dispatcher, layer.experts, layer.groups
         handle = work.handle
         x_grad_any = handle.x_grad_any
-        chunked = None
+        by_groups = None
         # weight gradients once, over all groups; with max_rows, from each group's
         # B = ceil(M / G) rows placed on the device (one group: autograd's GEMMs)
         if (not layer.weighted_experts and _plain_grouped_experts(experts, x.device.type)
                 and (layer.max_rows is None or groups > 1)):
             bound = None if layer.max_rows is None else -(-layer.max_rows // groups)
-            chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on, group_rows=bound)
+            by_groups = ExpertsByGroups(experts, [None] * groups, [None] * groups, grad_on, group_rows=bound)
         weights, leaves, ys = [None] * groups, [None] * groups, [None] * groups
         reach = [None] * groups  # each group's parameters, by index into params (None: all)
         with layer._priority():
@@ -259,10 +259,10 @@ class _PipelineFn(torch.autograd.Function):
             for g in range(groups):
                 tokens, per_expert, per_expert_host, weights[g], handle, group_experts = _group(work, g, groups)
                 reach[g] = _reached(experts, params, group_experts)
-                if chunked is not None:
-                    chunked.set_counts(g, per_expert, per_expert_host, group_experts)
+                if by_groups is not None:
+                    by_groups.set_counts(g, per_expert, per_expert_host, group_experts)
                     with layer._carveout():
-                        y = chunked.forward(g, tokens)
+                        y = by_groups.forward(g, tokens)
                 elif layer.weighted_experts:  # the experts weigh the rows: their weights are leaves too
                     leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
                     w_leaf = weights[g].detach().requires_grad_(grad_on and handle.weights_grad_any)
@@ -285,7 +285,7 @@ class _PipelineFn(torch.autograd.Function):
                 tokens = y = None
             result = sums.wait()
         ctx.layer, ctx.handle, ctx.weights = layer, handle, weights
-        ctx.leaves, ctx.ys, ctx.params, ctx.chunked, ctx.reach = leaves, ys, params, chunked, reach
+        ctx.leaves, ctx.ys, ctx.params, ctx.by_groups, ctx.reach = leaves, ys, params, by_groups, reach
         ctx.spent = False
         ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
         ctx.anchor_dtype = anchor.dtype
@@ -299,7 +299,7 @@ class _PipelineFn(torch.autograd.Function):
                 "expert graph is freed as its gradients are sent; run the forward again"
             )
         ctx.spent = True
-        layer, handle, chunked = ctx.layer, ctx.handle, ctx.chunked
+        layer, handle, by_groups = ctx.layer, ctx.handle, ctx.by_groups
         d, config, groups = layer.dispatcher, layer.dispatcher.config, layer.groups
         grad_out = grad_out.contiguous()
         x_any, w_any = handle.x_grad_any, handle.weights_grad_any
@@ -311,15 +311,15 @@ class _PipelineFn(torch.autograd.Function):
             to_x = d.combine_groups(handle, dtype=ctx.x_dtype, wire=config.dispatch_grad_wire) if x_any else None
             for g in range(groups):
                 grad_rows = brings.wait() if groups == 1 else brings.wait_group(g)
-                y = ctx.ys[g] if chunked is None else chunked.output(g)
+                y = ctx.ys[g] if by_groups is None else by_groups.output(g)
                 if layer.weighted_experts:  # the weights' gradients from the experts' backward
                     (leaf, w_leaf), grad_y = ctx.leaves[g], grad_rows.to(y.dtype)
                 else:
                     leaf, w_leaf = ctx.leaves[g], None
                     grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[g], y, w_any)
                 with layer._carveout():
-                    if chunked is not None:
-                        grad_tokens = chunked.backward(g, grad_y, x_any) if x_any or ctx.params else None
+                    if by_groups is not None:
+                        grad_tokens = by_groups.backward(g, grad_y, x_any) if x_any or ctx.params else None
                     else:
                         reach = ctx.reach[g]
                         params = ctx.params if reach is None else [ctx.params[i] for i in reach]
@@ -340,12 +340,12 @@ class _PipelineFn(torch.autograd.Function):
             if w_any:  # the routing weights' gradients, in one exchange
                 values = grad_w[0] if groups == 1 else torch.cat(grad_w)
                 to_w = d.combine_slots(values, handle, async_op=True)
-            if chunked is not None and ctx.params:  # while the last group's gradients travel home
+            if by_groups is not None and ctx.params:  # while the last group's gradients travel home
                 with layer._carveout():
-                    grad_params[:] = chunked.param_grads(ctx.params)
+                    grad_params[:] = by_groups.param_grads(ctx.params)
             grad_x = to_x.wait().to(ctx.x_dtype) if x_any else None
             grad_topk = to_w.wait().to(ctx.w_dtype) if w_any else None
-        ctx.chunked = None
+        ctx.by_groups = None
         needs = ctx.needs_input_grad
         grad_params = [
             torch.zeros_like(p) if g is None and needs[6 + i] else g
@@ -413,7 +413,7 @@ def _check_expert_out(y: object, tokens: torch.Tensor) -> None:
 
 
 def _plain_grouped_experts(experts, device_type: str) -> bool:
-    """Whether ``experts`` is a :class:`GroupedExperts` that ``ChunkedExperts``
+    """Whether ``experts`` is a :class:`GroupedExperts` that ``ExpertsByGroups``
     may compute in its place: ``forward`` not overridden, ``w_in`` and
     ``w_out`` its own parameters and its only ones (not parametrized), no
     module hooks (a hook, such as one that gathers sharded parameters, must see

@@ -17,7 +17,7 @@ from world import current_device
 
 class RowwiseExperts(nn.Module):
     """E_local elementwise experts: ``y = x * scale[e] + x * x * quad[e]``. Every
-    row is computed on its own, so chunking cannot change a row's bits."""
+    row is computed on its own, so groups cannot change a row's bits."""
 
     def __init__(self, num_local_experts: int, hidden: int, dtype: torch.dtype, seed: int) -> None:
         super().__init__()
@@ -122,18 +122,18 @@ def make_layer(d, experts, groups):
     return dispatch.MoEExchange(d, experts, groups=groups)
 
 
-def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, experts_kind: str,
+def pipelined(x, topk_idx, topk_weights, grad_out, config: dict, group_counts, experts_kind: str,
               generic: bool = False, x_grad: bool = True, w_grad: bool = True, late: bool = False):
-    """For each C in ``chunk_counts``: MoEExchange(C) forward and backward with
-    fresh identical experts; C = "plain" runs dispatch -> experts -> combine
+    """For each G in ``group_counts``: MoEExchange(G) forward and backward with
+    fresh identical experts; G = "plain" runs dispatch -> experts -> combine
     instead, "plain bounded" the same with max_rows=BOUND, "bounded"
     MoEExchange(max_rows=BOUND).
-    Returns {C: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
+    Returns {G: {"out", "x", "topk_weights", "params": [...]}}, all on the CPU."""
     device = current_device()
     cfg = dispatch.DispatchConfig.from_options(**config)
     d = dispatch.TokenDispatcher(cfg, None, FinishedOnStart(cfg)) if generic else dispatch.create(cfg)
     results = {}
-    for groups in chunk_counts:
+    for groups in group_counts:
         experts = make_experts(experts_kind, d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
         if late and not str(groups).startswith("plain"):
             experts = LateExperts(experts)
@@ -213,14 +213,14 @@ class ExpertsApart(nn.Module):
         return [p for e in range(first, end) for p in (self.w_in[e], self.w_out[e])]
 
 
-def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, chunk_counts, apart: bool = False):
-    """MoEExchange(weighted_experts=True) for each C in ``chunk_counts`` against
+def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, group_counts, apart: bool = False):
+    """MoEExchange(weighted_experts=True) for each G in ``group_counts`` against
     dispatch -> experts(tokens, counts, weights) -> combine(weights=None) ("plain"),
-    forward and backward; {C: {"out", "x", "topk_weights", "params", "calls"}} on the CPU."""
+    forward and backward; {G: {"out", "x", "topk_weights", "params", "calls"}} on the CPU."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     results = {}
-    for groups in ("plain", *chunk_counts):
+    for groups in ("plain", *group_counts):
         kind = ExpertsApart if apart else WeighingExperts
         experts = kind(d.num_local_experts, x.shape[1], x.dtype, seed=d.rank).to(device)
         xs = x.to(device).requires_grad_(True)
@@ -294,16 +294,16 @@ def expert_calls(x, topk_idx, topk_weights, config: dict, groups: int):
     return len(seen), Counted.calls
 
 
-def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str, chunks_list=(1, 3)):
+def special_experts(x, topk_idx, topk_weights, grad_out, config: dict, kind: str, groups_list=(1, 3)):
     """GroupedExperts the pipeline must leave to autograd: ``kind`` "parametrized"
     (w_in through a parametrization) or "autocast" (the step under CPU/CUDA
-    autocast to bf16). Returns {C or "plain": (out, x grad, [parameter grads])}."""
+    autocast to bf16). Returns {G or "plain": (out, x grad, [parameter grads])}."""
     from torch.nn.utils import parametrize
 
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     results = {}
-    for groups in ("plain", *chunks_list):
+    for groups in ("plain", *groups_list):
         torch.manual_seed(d.rank)
         experts = GroupedExperts(d.num_local_experts, x.shape[1], 2 * x.shape[1], dtype=x.dtype).to(device)
         if kind == "parametrized":

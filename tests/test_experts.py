@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dispatch.experts import ChunkedExperts, GroupedExperts, grouped_mm_available
+from dispatch.experts import ExpertsByGroups, GroupedExperts, grouped_mm_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -133,14 +133,14 @@ def test_bad_arguments():
         experts(torch.zeros(3, 8, dtype=torch.float64), torch.tensor([1, 2]))
 
 
-def _chunked_case(splits, activation, dtype, backend, device):
+def _groups_case(splits, activation, dtype, backend, device):
     torch.manual_seed(0)
     experts = GroupedExperts(3, 16, 24, activation=activation, backend=backend, dtype=dtype, device=device)
     counts = [torch.tensor(s, device=device) for s in splits]
     total = sum(counts)
     x = torch.randn(int(total.sum()), 16, dtype=dtype, device=device)
     grad_y = torch.randn_like(x)
-    # group c holds, for each expert, the next counts[c][e] rows of that expert
+    # group g holds, for each expert, the next counts[g][e] rows of that expert
     start, taken, order = torch.cumsum(total, 0) - total, torch.zeros_like(total), []
     for cnt in counts:
         order.append(torch.cat([start[e] + taken[e] + torch.arange(int(cnt[e]), device=device) for e in range(3)]))
@@ -148,20 +148,20 @@ def _chunked_case(splits, activation, dtype, backend, device):
     return experts, counts, total, x, grad_y, order
 
 
-def _check_chunked(splits, activation, dtype, backend, tol):
-    """ChunkedExperts on the groups of ``splits`` against autograd through the whole batch."""
-    experts, counts, total, x, grad_y, order = _chunked_case(splits, activation, dtype, backend, DEVICE)
+def _check_by_groups(splits, activation, dtype, backend, tol):
+    """ExpertsByGroups on the groups of ``splits`` against autograd through the whole batch."""
+    experts, counts, total, x, grad_y, order = _groups_case(splits, activation, dtype, backend, DEVICE)
     leaf = x.clone().requires_grad_()
     y = experts(leaf, total)
     y.backward(grad_y)
     want = [p.grad.clone() for p in experts.parameters()]
     experts.zero_grad()
 
-    chunked = ChunkedExperts(experts, counts, [c.cpu() for c in counts], grad_on=True)
-    outs = [chunked.forward(c, x[rows]) for c, rows in enumerate(order)]
-    grads = [chunked.backward(c, grad_y[rows], rows_grad=True) for c, rows in enumerate(order)]
-    assert torch.equal(chunked.tokens, x)  # expert-major over the groups: the whole batch's order
-    got = chunked.weight_grads()
+    by_groups = ExpertsByGroups(experts, counts, [c.cpu() for c in counts], grad_on=True)
+    outs = [by_groups.forward(g, x[rows]) for g, rows in enumerate(order)]
+    grads = [by_groups.backward(g, grad_y[rows], rows_grad=True) for g, rows in enumerate(order)]
+    assert torch.equal(by_groups.tokens, x)  # expert-major over the groups: the whole batch's order
+    got = by_groups.weight_grads()
     every = torch.cat(order)
     close = dict(rtol=tol, atol=tol) if tol else {}
     torch.testing.assert_close(torch.cat(outs), y.detach()[every], **close)
@@ -175,47 +175,47 @@ def _check_chunked(splits, activation, dtype, backend, tol):
 @pytest.mark.parametrize(
     "splits", [[[3, 0, 5]], [[1, 0, 2], [2, 0, 3]], [[0, 0, 0], [3, 0, 5]], [[1, 0, 1], [1, 0, 1], [1, 0, 3]]]
 )
-def test_chunked_experts_match_autograd(splits, activation):
-    """ChunkedExperts (the pipeline's experts: row gradients per group, weight
+def test_experts_by_groups_match_autograd(splits, activation):
+    """ExpertsByGroups (the pipeline's experts: row gradients per group, weight
     gradients once over all groups) against autograd through the whole batch."""
-    _check_chunked(splits, activation, torch.float64, "loop", tol=None)
+    _check_by_groups(splits, activation, torch.float64, "loop", tol=None)
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not grouped_mm_available(torch.bfloat16, torch.device(DEVICE), 16, 24, 3),
     reason="needs torch._grouped_mm on a Hopper GPU",
 )
-def test_chunked_experts_grouped_mm_match_autograd():
-    """The grouped-GEMM path of ChunkedExperts (weight gradients as one 2D x 2D
+def test_experts_by_groups_grouped_mm_match_autograd():
+    """The grouped-GEMM path of ExpertsByGroups (weight gradients as one 2D x 2D
     grouped GEMM over all groups) against autograd through GroupedExperts, in bf16."""
-    _check_chunked([[40, 0, 17], [9, 0, 64], [0, 0, 5]], "swiglu", torch.bfloat16, "auto", tol=2e-2)
+    _check_by_groups([[40, 0, 17], [9, 0, 64], [0, 0, 5]], "swiglu", torch.bfloat16, "auto", tol=2e-2)
 
 
-def test_chunked_experts_keep_only_what_a_weight_gradient_needs():
+def test_experts_by_groups_keep_only_what_a_weight_gradient_needs():
     """With w_out frozen, neither the activations nor the output gradients are
     kept, and only w_in gets a gradient; with no rows at all, zero gradients."""
-    experts, counts, total, x, grad_y, order = _chunked_case([[1, 0, 2], [2, 0, 3]], "swiglu", torch.float64,
+    experts, counts, total, x, grad_y, order = _groups_case([[1, 0, 2], [2, 0, 3]], "swiglu", torch.float64,
                                                              "loop", DEVICE)
     experts.w_out.requires_grad_(False)
-    chunked = ChunkedExperts(experts, counts, [c.cpu() for c in counts], grad_on=True)
-    for c, rows in enumerate(order):
-        chunked.forward(c, x[rows])
-    for c, rows in enumerate(order):
-        chunked.backward(c, grad_y[rows], rows_grad=False)
-    assert chunked.acts is None and chunked.grad_outs is None and chunked.tokens is not None
-    grad_in, grad_out = chunked.weight_grads()
+    by_groups = ExpertsByGroups(experts, counts, [c.cpu() for c in counts], grad_on=True)
+    for g, rows in enumerate(order):
+        by_groups.forward(g, x[rows])
+    for g, rows in enumerate(order):
+        by_groups.backward(g, grad_y[rows], rows_grad=False)
+    assert by_groups.acts is None and by_groups.grad_outs is None and by_groups.tokens is not None
+    grad_in, grad_out = by_groups.weight_grads()
     assert grad_out is None and grad_in.shape == experts.w_in.shape
 
     empty = [torch.zeros(3, dtype=torch.int64, device=DEVICE)] * 2
-    chunked = ChunkedExperts(experts, empty, [c.cpu() for c in empty], grad_on=True)
-    for c in range(2):
-        chunked.forward(c, x[:0])
-        chunked.backward(c, grad_y[:0], rows_grad=True)
-    grad_in, _ = chunked.weight_grads()
+    by_groups = ExpertsByGroups(experts, empty, [c.cpu() for c in empty], grad_on=True)
+    for g in range(2):
+        by_groups.forward(g, x[:0])
+        by_groups.backward(g, grad_y[:0], rows_grad=True)
+    grad_in, _ = by_groups.weight_grads()
     assert grad_in.shape == experts.w_in.shape and not grad_in.any()
 
 
-def test_chunked_experts_counts_given_later():
+def test_experts_by_groups_counts_given_later():
     """A group's counts given after construction: what the first group kept waits
     for them, and the weight gradients are those of counts given up front; a
     group's counts are given once."""
@@ -229,29 +229,29 @@ def test_chunked_experts_counts_given_later():
     grads = [(torch.randn(int(c.sum()), 4, dtype=torch.float64) * 8).round() / 8 for c in counts]
     results = []
     for late, defer in ((False, False), (True, False), (True, True)):
-        chunked = ChunkedExperts(experts, [counts[0], None if late else counts[1]],
+        by_groups = ExpertsByGroups(experts, [counts[0], None if late else counts[1]],
                                  [counts[0], None if late else counts[1]], grad_on=True)
-        chunked.forward(0, rows[0])
+        by_groups.forward(0, rows[0])
         if late:
-            assert chunked.waiting and chunked.tokens is None
-            chunked.set_counts(1, counts[1], counts[1])
+            assert by_groups.waiting and by_groups.tokens is None
+            by_groups.set_counts(1, counts[1], counts[1])
             with pytest.raises(ValueError, match="already"):
-                chunked.set_counts(1, counts[1], counts[1])
-        chunked.forward(1, rows[1], defer_keep=defer)
+                by_groups.set_counts(1, counts[1], counts[1])
+        by_groups.forward(1, rows[1], defer_keep=defer)
         if defer:  # group 1's rows wait until placed
-            assert len(chunked.waiting) == 4 and chunked.tokens is None
-            chunked.place_kept()
-            assert not chunked.waiting and chunked.tokens.shape == (5 + 5, 4)
-        for c in (0, 1):
-            chunked.backward(c, grads[c], rows_grad=False)
-        results.append(chunked.weight_grads())
+            assert len(by_groups.waiting) == 4 and by_groups.tokens is None
+            by_groups.place_kept()
+            assert not by_groups.waiting and by_groups.tokens.shape == (5 + 5, 4)
+        for g in (0, 1):
+            by_groups.backward(g, grads[g], rows_grad=False)
+        results.append(by_groups.weight_grads())
     for other in results[1:]:
         for want, got in zip(results[0], other):
             assert torch.equal(want, got)
 
 
 def _padded_groups(backend, dtype, device, counts, groups, bound):
-    """ChunkedExperts by ``groups`` groups of experts, each given ``bound`` rows (its
+    """ExpertsByGroups by ``groups`` groups of experts, each given ``bound`` rows (its
     own, then rows no expert takes, filled with 1e4 here) and its counts on the
     device only, against autograd through the whole batch: (outputs, row
     gradients, weight gradients) of both, the outputs and row gradients of the
@@ -269,7 +269,7 @@ def _padded_groups(backend, dtype, device, counts, groups, bound):
     experts.zero_grad()
 
     edges = [g * len(counts) // groups for g in range(groups + 1)]
-    chunked = ChunkedExperts(experts, [None] * groups, [None] * groups, grad_on=True, group_rows=bound)
+    by_groups = ExpertsByGroups(experts, [None] * groups, [None] * groups, grad_on=True, group_rows=bound)
     outs, grads, padding_zero, start = [], [], True, 0
     for g in range(groups):
         per_expert = torch.zeros_like(total)
@@ -277,22 +277,22 @@ def _padded_groups(backend, dtype, device, counts, groups, bound):
         n = int(per_expert.sum())
         rows = torch.full((bound, 16), 1e4, dtype=dtype, device=device)
         rows[:n] = x[start:start + n]
-        chunked.set_counts(g, per_expert, None, (edges[g], edges[g + 1]))
-        out = chunked.forward(g, rows)
+        by_groups.set_counts(g, per_expert, None, (edges[g], edges[g + 1]))
+        out = by_groups.forward(g, rows)
         padding_zero &= not out[n:].any()
         grad_rows = torch.zeros(bound, 16, dtype=dtype, device=device)  # padding rows carry weight 0
         grad_rows[:n] = grad_y[start:start + n]
         outs.append(out[:n])
-        grads.append(chunked.backward(g, grad_rows, rows_grad=True)[:n])
+        grads.append(by_groups.backward(g, grad_rows, rows_grad=True)[:n])
         start += n
-    got = (torch.cat(outs), torch.cat(grads), *chunked.weight_grads())
+    got = (torch.cat(outs), torch.cat(grads), *by_groups.weight_grads())
     return want, got, padding_zero
 
 
 @pytest.mark.parametrize("counts, groups, bound", [
     ([3, 0, 5, 2], 2, 8), ([3, 0, 5, 2], 4, 5), ([0, 0, 4, 1], 2, 6), ([2, 2, 2, 2], 2, 4),
 ])
-def test_chunked_experts_by_padded_groups(counts, groups, bound):
+def test_experts_by_groups_by_padded_groups(counts, groups, bound):
     """Groups of experts given B rows each with their counts on the device only (a
     dispatch by groups with max_rows): outputs, row gradients and weight
     gradients bitwise those of autograd through the whole batch (fp64 loop),
@@ -304,24 +304,24 @@ def test_chunked_experts_by_padded_groups(counts, groups, bound):
         assert torch.equal(w, g)
 
 
-def test_chunked_experts_by_padded_groups_in_order():
+def test_experts_by_groups_by_padded_groups_in_order():
     """A group's counts before the previous group's are refused (its places start
     after the earlier groups' rows), and group_rows takes no counts up front."""
     experts = GroupedExperts(4, 4, 6, activation="relu", dtype=torch.float64)
-    chunked = ChunkedExperts(experts, [None, None], [None, None], grad_on=True, group_rows=4)
+    by_groups = ExpertsByGroups(experts, [None, None], [None, None], grad_on=True, group_rows=4)
     with pytest.raises(ValueError, match="group order"):
-        chunked.set_counts(1, torch.tensor([0, 0, 1, 1]), None, (2, 4))
-    chunked.set_counts(0, torch.tensor([1, 0, 0, 0]), None, (0, 2))  # the refusal kept nothing
-    chunked.set_counts(1, torch.tensor([0, 0, 1, 1]), None, (2, 4))
+        by_groups.set_counts(1, torch.tensor([0, 0, 1, 1]), None, (2, 4))
+    by_groups.set_counts(0, torch.tensor([1, 0, 0, 0]), None, (0, 2))  # the refusal kept nothing
+    by_groups.set_counts(1, torch.tensor([0, 0, 1, 1]), None, (2, 4))
     with pytest.raises(ValueError, match="group order"):
-        ChunkedExperts(experts, [torch.tensor([1, 0, 0, 0]), None], [None, None], grad_on=True, group_rows=4)
+        ExpertsByGroups(experts, [torch.tensor([1, 0, 0, 0]), None], [None, None], grad_on=True, group_rows=4)
 
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not grouped_mm_available(torch.bfloat16, torch.device(DEVICE), 16, 24, 4),
     reason="needs torch._grouped_mm on a Hopper GPU",
 )
-def test_chunked_experts_by_padded_groups_grouped_mm():
+def test_experts_by_groups_by_padded_groups_grouped_mm():
     """The grouped-GEMM path of padded groups (nothing read on the host): outputs,
     row gradients and weight gradients against autograd through the whole batch
     to bf16 rounding (the groups' GEMMs are of other sizes), the padding's

@@ -288,11 +288,11 @@ def test_layer_by_groups_on_the_engine(worlds, experts, dtype, hidden, late):
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, groups, experts, False,
              True, True, late) for r in range(WORLD)]
     exact = dtype == torch.float64
-    for rank, per_c in enumerate(worlds(WORLD).run(pipeline_fns.pipelined, args)):
-        for c in groups[1:]:
+    for rank, per_g in enumerate(worlds(WORLD).run(pipeline_fns.pipelined, args)):
+        for g in groups[1:]:
             if not exact:  # parameter gradients are sums over rows taken group by group
-                per_c[c]["params"] = per_c["plain"]["params"] = []
-            pipeline_fns.assert_same(per_c[c], per_c["plain"], f"rank {rank} C={c}", params_exact=exact)
+                per_g[g]["params"] = per_g["plain"]["params"] = []
+            pipeline_fns.assert_same(per_g[g], per_g["plain"], f"rank {rank} G={g}", params_exact=exact)
 
 
 def _many_calls(x, topk_idx, topk_weights, config):

@@ -13,7 +13,7 @@ from dispatch.experts import GroupedExperts
 from world import bench_world_of
 
 # The bench's experts are GroupedExperts: on CPU one matmul per expert, whose
-# tiling may depend on the group's row count, so a chunked layer equals C = 1 up
+# tiling may depend on the group's row count, so a layer by groups equals G = 1 up
 # to fp32 rounding (dispatch/experts.py); a row routed wrong would be off by O(1).
 # The bitwise contract is proven with row-wise experts (tests/test_pipeline.py).
 ROUNDING = 1e-5
@@ -35,7 +35,7 @@ def test_cpu_smoke_run_writes_results(tmp_path):
         assert row["hidden_fraction"] == pytest.approx((row["t_seq_ms"] - row["t_pipe_ms"]) / short)
         assert row["hidden_ceiling"] == pytest.approx((row["t_seq_ms"] - long) / short)
         assert set(row["host_ms"]) == {"seq", "2", "4"} and min(row["host_ms"].values()) > 0
-        # each expert's weights read once a GEMM for every C: once forward, again for the rows' gradients
+        # each expert's weights read once a GEMM for every G: once forward, again for the rows' gradients
         once = 1.0 if row["passes"] == "fwd" else 2.0
         assert row["weight_reads"] == {"seq": once, "2": once, "4": once}
         if not torch.cuda.is_available():
@@ -66,10 +66,10 @@ def test_cpu_micro_batches(tmp_path):
 
 
 def test_groups_above_local_experts_are_capped():
-    """cpu-tiny on 2 ranks has 4 local experts: C = 8 is C = 4, counted once."""
+    """cpu-tiny on 2 ranks has 4 local experts: G = 8 is G = 4, counted once."""
     args = overlap.parse_args(["--groups", "1,2,4,8"])
     assert args.groups == [1, 2, 4, 8]
-    assert overlap.chunk_values(args, 4) == [1, 2, 4]
+    assert overlap.group_values(args, 4) == [1, 2, 4]
 
 
 @bench_world_of(2)
@@ -82,7 +82,7 @@ def test_global_flags_before_the_command(tmp_path):
 
 
 def test_weights_and_peak_memory_columns():
-    """The weights and peak columns list the sequential layer first, then each C (weights
+    """The weights and peak columns list the sequential layer first, then each G (weights
     read in units of all the experts' weights, peak in MiB); '-' where not measured."""
     row = dict(shape="s", passes="fwd+bwd", world_size=4, dispatch_wire="native", comm_max_ctas=None,
                comm_high_priority=False, t_comm_ms=1.0, t_compute_ms=2.0, t_seq_ms=3.0,

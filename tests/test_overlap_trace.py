@@ -18,14 +18,14 @@ timeline = load("timeline")
 def test_cpu_run_writes_traces_timeline_and_host_profile(tmp_path):
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--groups", "2", "--host-profile", "--out", str(tmp_path)]
     assert overlap_trace.main(argv) == 0
-    stem = "overlap-trace-cpu-tiny-w2-c2"
+    stem = "overlap-trace-cpu-tiny-w2-g2"
     assert (tmp_path / f"{stem}.png").stat().st_size > 0
     assert (tmp_path / f"{stem}.json").stat().st_size > 0
     assert (tmp_path / f"{stem}-rank1.json").stat().st_size > 0  # every rank's trace
     lanes = (tmp_path / f"{stem}-lanes.txt").read_text()
     assert lanes.startswith("rank 0, ") and "\nrank 1, " in lanes  # threads on CPU, streams on CUDA
-    host = (tmp_path / "overlap-host-cpu-tiny-w2-c2.txt").read_text()
-    assert host.startswith("host profile of 5 forward+backward steps, cpu-tiny, C=2, rank 0")
+    host = (tmp_path / "overlap-host-cpu-tiny-w2-g2.txt").read_text()
+    assert host.startswith("host profile of 5 forward+backward steps, cpu-tiny, G=2, rank 0")
     assert "function calls" in host  # pstats' header: the steps were profiled
 
 

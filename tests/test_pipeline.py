@@ -1,5 +1,5 @@
 """MoEExchange by groups of local experts: results for every number of groups
-C are bitwise those of C = 1 and of the round trip in one piece, forward and
+G are bitwise those of G = 1 and of the round trip in one piece, forward and
 backward, on worlds of 1-4 ranks (gloo here, NCCL on GPUs); experts that answer
 empty calls in another dtype; the plan's CUDA graphs."""
 
@@ -17,64 +17,64 @@ from dispatch.pipeline import module_parameters
 from reference import reference_combine, reference_dispatch
 from routing import make_routing, random_tokens
 
-LOCAL = 6  # local experts of the routings that try every C
-CHUNKS = list(range(1, LOCAL + 1))  # a group of one expert each at C = 6: groups without rows
+LOCAL = 6  # local experts of the routings that try every G
+GROUPS = list(range(1, LOCAL + 1))  # a group of one expert each at G = 6: groups without rows
 HIDDEN = 4
 
 
-def _run(worlds, routing, dtype, experts, chunk_counts, generic=False, x_grad=True, w_grad=True, seed=0,
+def _run(worlds, routing, dtype, experts, group_counts, generic=False, x_grad=True, w_grad=True, seed=0,
          **options):
     world_size = routing.world_size
     xs = [random_tokens(r, t, HIDDEN, dtype, seed) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, HIDDEN, dtype, seed + 1) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts, **options)
     args = [
-        (xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, chunk_counts, experts,
+        (xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, group_counts, experts,
          generic, x_grad, w_grad)
         for r in range(world_size)
     ]
     return xs, worlds(world_size).run(pipeline_fns.pipelined, args)
 
 
-WEIGHING_CHUNKS = (1, 2, 3, LOCAL)
+WEIGHING_GROUPS = (1, 2, 3, LOCAL)
 
 
 def _weighing(worlds, world_size: int, dtype, tokens: list, seed: int, apart: bool = False):
-    """(routing, every rank's pipeline_fns.weighing_experts results), every C checked
+    """(routing, every rank's pipeline_fns.weighing_experts results), every G checked
     bitwise against dispatch -> experts(tokens, counts, weights) -> combine(weights=None):
     forward, the rows', routing weights' and parameters' gradients."""
     routing = make_routing(world_size, LOCAL, 3, tokens[:world_size], "random", seed=seed)
     xs = [random_tokens(r, t, HIDDEN, dtype, 3) for r, t in enumerate(routing.num_tokens)]
     gs = [random_tokens(r, t, HIDDEN, dtype, 4) for r, t in enumerate(routing.num_tokens)]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, WEIGHING_CHUNKS, apart)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, WEIGHING_GROUPS, apart)
             for r in range(world_size)]
     results = worlds(world_size).run(pipeline_fns.weighing_experts, args)
     for rank, result in enumerate(results):
         want = result["plain"]
-        for c in WEIGHING_CHUNKS:
-            got = result[c]
+        for g in WEIGHING_GROUPS:
+            got = result[g]
             for key in ("out", "x", "topk_weights"):
-                assert torch.equal(got[key], want[key]), f"rank {rank} C={c} {key}"
+                assert torch.equal(got[key], want[key]), f"rank {rank} G={g} {key}"
             for mine, theirs in zip(got["params"], want["params"]):
-                assert torch.equal(mine, theirs), f"rank {rank} C={c} params"
+                assert torch.equal(mine, theirs), f"rank {rank} G={g} params"
     return routing, results
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_that_weigh_their_rows(worlds, world_size, dtype):
-    """weighted_experts=True (Megatron's experts apply the routing weights): every C
+    """weighted_experts=True (Megatron's experts apply the routing weights): every G
     bitwise the unpipelined round trip; each group's call counts only that group's
     experts."""
     routing, results = _weighing(worlds, world_size, dtype, [7, 0, 5], seed=11)
     for rank, result in enumerate(results):
-        for c in WEIGHING_CHUNKS:
-            calls = result[c]["calls"]
-            bounds = dispatch.plan.expert_groups(LOCAL, c)
-            assert len(calls) == c
+        for g in WEIGHING_GROUPS:
+            calls = result[g]["calls"]
+            bounds = dispatch.plan.expert_groups(LOCAL, g)
+            assert len(calls) == g
             for counts, lo, hi in zip(calls, bounds, bounds[1:]):
-                assert all(n == 0 for e, n in enumerate(counts) if not lo <= e < hi), (rank, c, counts)
+                assert all(n == 0 for e, n in enumerate(counts) if not lo <= e < hi), (rank, g, counts)
         if routing.num_tokens[rank]:  # the weights' gradients came through the experts
             assert result["plain"]["topk_weights"].abs().sum() > 0
 
@@ -83,29 +83,29 @@ def test_experts_that_weigh_their_rows(worlds, world_size, dtype):
 def test_each_groups_backward_reaches_its_experts_weights_only(worlds, world_size):
     """Experts that hold each expert's weights apart and run every expert, empty or
     not (Megatron-Core's SequentialMLP), naming each group's (``group_parameters``):
-    every C bitwise the unpipelined round trip, and each expert's weights get one
+    every G bitwise the unpipelined round trip, and each expert's weights get one
     gradient a backward, not one a group (zeros from the groups that gave it no rows)."""
     _, results = _weighing(worlds, world_size, torch.float32, [9, 0, 6], seed=5, apart=True)
     for rank, result in enumerate(results):
         assert result["plain"]["gradients"] == [2] * LOCAL  # w_in and w_out of each expert, once
-        for c in WEIGHING_CHUNKS:
+        for g in WEIGHING_GROUPS:
             # each of an expert's two weights: its gradient made once by its group's
             # backward, then accumulated once into .grad (the hook sees both)
-            assert result[c]["gradients"] == [4] * LOCAL, f"rank {rank} C={c}: {result[c]['gradients']}"
+            assert result[g]["gradients"] == [4] * LOCAL, f"rank {rank} G={g}: {result[g]['gradients']}"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", ["random", "sparse"])
-def test_chunks_bitwise_fp32(worlds, world_size, mode):
+def test_groups_bitwise_fp32(worlds, world_size, mode):
     """fp32 random data, row-wise experts: output and gradients of x and topk_weights
-    are bitwise those of the unchunked round trip for every C; parameter
+    are bitwise those of the round trip in one piece for every G; parameter
     gradients (sums over rows, accumulated per group) agree to rounding."""
     tokens = [7, 0, 3, 12][:world_size]  # T = 0 on a rank
     routing = make_routing(world_size, LOCAL, 3, tokens, mode, seed=world_size)
-    _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", *CHUNKS])
-    for rank, per_c in enumerate(results):
-        for groups in CHUNKS:
-            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}", params_exact=False)
+    _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", *GROUPS])
+    for rank, per_g in enumerate(results):
+        for groups in GROUPS:
+            pipeline_fns.assert_same(per_g[groups], per_g["plain"], f"rank {rank} G={groups}", params_exact=False)
 
 
 @pytest.mark.parametrize(
@@ -113,22 +113,22 @@ def test_chunks_bitwise_fp32(worlds, world_size, mode):
     [dict(variant="allgather"), dict(variant="hierarchical", local_world_size=2),
      dict(variant="auto", local_world_size=2), dict(variant="alltoall", dispatch_wire="fp8")],
 )
-def test_chunks_with_every_variant_and_wire(worlds, options):
+def test_groups_with_every_variant_and_wire(worlds, options):
     """Every variant (allgather and hierarchical through the base class's start
-    hooks, which finish the exchange at once) and a compressed wire: chunked
-    results are those of C = 1."""
+    hooks, which finish the exchange at once) and a compressed wire: by groups
+    results are those of G = 1."""
     routing = make_routing(4, 5, 3, [9, 0, 4, 6], "random", seed=11)
     _, results = _run(worlds, routing, torch.float32, "rowwise", ["plain", 1, 3, 5], **options)
-    for rank, per_c in enumerate(results):
+    for rank, per_g in enumerate(results):
         for groups in (1, 3, 5):
-            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"{options} rank {rank} C={groups}", params_exact=False)
+            pipeline_fns.assert_same(per_g[groups], per_g["plain"], f"{options} rank {rank} G={groups}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("experts", ["rowwise", "relu"])
-def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
+def test_groups_bitwise_exact_sums(worlds, world_size, experts):
     """fp64 dyadic data, where every sum is exact: all gradients, the experts'
-    parameters' included, are bitwise those of C = 1 (GroupedExperts' relu included)."""
+    parameters' included, are bitwise those of G = 1 (GroupedExperts' relu included)."""
     routing = make_routing(world_size, 4, 2, [6, 1, 0, 9][:world_size], "random", seed=7)
     xs = [(random_tokens(r, t, HIDDEN, torch.float64, 3) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
     gs = [(random_tokens(r, t, HIDDEN, torch.float64, 4) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
@@ -138,9 +138,9 @@ def test_chunks_bitwise_exact_sums(worlds, world_size, experts):
         for r in range(world_size)
     ]
     results = worlds(world_size).run(pipeline_fns.pipelined, args)
-    for rank, per_c in enumerate(results):
+    for rank, per_g in enumerate(results):
         for groups in (1, 2, 3, 4):
-            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}")
+            pipeline_fns.assert_same(per_g[groups], per_g["plain"], f"rank {rank} G={groups}")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -157,11 +157,11 @@ def test_max_rows_layer(worlds, world_size, options):
     config = dict(num_experts=routing.num_experts, **options)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config,
              ["plain", "plain bounded", 1, "bounded"], "relu") for r in range(world_size)]
-    for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
-        assert per_c["bounded"]["rows_seen"] == per_c["plain bounded"]["rows_seen"] == [pipeline_fns.BOUND], per_c
-        pipeline_fns.assert_same(per_c["bounded"], per_c["plain bounded"], f"{options} rank {rank} bounded")
+    for rank, per_g in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
+        assert per_g["bounded"]["rows_seen"] == per_g["plain bounded"]["rows_seen"] == [pipeline_fns.BOUND], per_g
+        pipeline_fns.assert_same(per_g["bounded"], per_g["plain bounded"], f"{options} rank {rank} bounded")
         if not options.get("dispatch_wire"):  # fp8 rows are not exact: the bound may change a GEMM's rounding
-            pipeline_fns.assert_same(per_c["bounded"], per_c[1], f"{options} rank {rank} bounded vs C=1")
+            pipeline_fns.assert_same(per_g["bounded"], per_g[1], f"{options} rank {rank} bounded vs G=1")
 
 
 def test_grouped_experts_with_hooks_or_own_forward_are_called(worlds):
@@ -186,15 +186,15 @@ def test_parametrized_or_autocast_grouped_experts(worlds, kind):
     config = dict(num_experts=routing.num_experts)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, kind) for r in range(2)]
     tol = dict(rtol=2e-2, atol=2e-2) if kind == "autocast" else {}
-    for rank, per_c in enumerate(worlds(2).run(pipeline_fns.special_experts, args)):
-        want_out, want_x, want_params = per_c["plain"]
+    for rank, per_g in enumerate(worlds(2).run(pipeline_fns.special_experts, args)):
+        want_out, want_x, want_params = per_g["plain"]
         assert all(g is not None and g.abs().sum() > 0 for g in want_params)
         for groups in (1, 3):
-            out, gx, params = per_c[groups]
-            torch.testing.assert_close(out, want_out, **tol, msg=f"rank {rank} C={groups}: output")
-            torch.testing.assert_close(gx, want_x, **tol, msg=f"rank {rank} C={groups}: x grad")
+            out, gx, params = per_g[groups]
+            torch.testing.assert_close(out, want_out, **tol, msg=f"rank {rank} G={groups}: output")
+            torch.testing.assert_close(gx, want_x, **tol, msg=f"rank {rank} G={groups}: x grad")
             for i, (a, b) in enumerate(zip(params, want_params)):
-                torch.testing.assert_close(a, b, **tol, msg=f"rank {rank} C={groups}: parameter {i}")
+                torch.testing.assert_close(a, b, **tol, msg=f"rank {rank} G={groups}: parameter {i}")
 
 
 @pytest.mark.parametrize("experts", ["rowwise", "swiglu"])
@@ -210,7 +210,7 @@ def test_second_backward_is_refused_clearly(worlds, experts):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_output_matches_dense_reference(worlds, world_size):
-    """C = 3 against the dense single-process reference (identity-like row-wise experts)."""
+    """G = 3 against the dense single-process reference (identity-like row-wise experts)."""
     routing = make_routing(world_size, 3, 2, [5, 2, 8][:world_size], "random", seed=11)
     xs, results = _run(worlds, routing, torch.float64, "rowwise", [3])
     ref = reference_dispatch(xs, routing.topk_idx, routing.topk_weights, routing.num_experts)
@@ -237,9 +237,9 @@ def test_wire_formats_match_plain(worlds, pow2):
         (xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3], "rowwise")
         for r in range(2)
     ]
-    for rank, per_c in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
+    for rank, per_g in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
         for groups in (1, 3):
-            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}", params_exact=False)
+            pipeline_fns.assert_same(per_g[groups], per_g["plain"], f"rank {rank} G={groups}", params_exact=False)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -251,7 +251,7 @@ def test_exchanges_finished_on_start_match_in_flight(worlds, world_size):
     _, generic = _run(worlds, routing, torch.float32, "rowwise", [1, 4], generic=True)
     for rank in range(world_size):
         for groups in (1, 4):
-            pipeline_fns.assert_same(generic[rank][groups], native[rank][groups], f"rank {rank} C={groups}")
+            pipeline_fns.assert_same(generic[rank][groups], native[rank][groups], f"rank {rank} G={groups}")
 
 
 def test_gradients_only_where_asked(worlds):
@@ -266,8 +266,8 @@ def test_gradients_only_where_asked(worlds):
         for r in range(2)
     ]
     results = worlds(2).run(pipeline_fns.pipelined, args)
-    for rank, per_c in enumerate(results):
-        pipeline_fns.assert_same(per_c[3], per_c["plain"], f"rank {rank}", params_exact=False)
+    for rank, per_g in enumerate(results):
+        pipeline_fns.assert_same(per_g[3], per_g["plain"], f"rank {rank}", params_exact=False)
     assert results[0][3]["topk_weights"] is None and results[1][3]["x"] is None
 
 
@@ -299,9 +299,9 @@ def test_late_streams_change_nothing(worlds, world_size):
     config = dict(num_experts=routing.num_experts)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, ["plain", 1, 3, 4],
              "rowwise", False, True, True, True) for r in range(world_size)]
-    for rank, per_c in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
+    for rank, per_g in enumerate(worlds(world_size).run(pipeline_fns.pipelined, args)):
         for groups in (1, 3, 4):
-            pipeline_fns.assert_same(per_c[groups], per_c["plain"], f"rank {rank} C={groups}", params_exact=False)
+            pipeline_fns.assert_same(per_g[groups], per_g["plain"], f"rank {rank} G={groups}", params_exact=False)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 4, True) for r in range(world_size)]
     late = worlds(world_size).run(pipeline_fns.pipelined_no_grad, args)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, 1) for r in range(world_size)]
@@ -345,9 +345,9 @@ class _OneRank(dispatch.TokenDispatcher):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_peak_memory_not_above_one_chunk(worlds):
-    """Peak memory of forward + backward with C = 4 (every group dispatched
-    ahead) is no larger than with C = 1."""
+def test_peak_memory_not_above_one_piece(worlds):
+    """Peak memory of forward + backward with G = 4 (every group dispatched
+    ahead) is no larger than with G = 1."""
     routing = make_routing(2, 4, 2, [2048, 2048], "random", seed=1)
     xs = [random_tokens(r, 2048, 512, torch.bfloat16, 0) for r in range(2)]
     config = dict(num_experts=routing.num_experts)
@@ -361,7 +361,7 @@ def test_peak_memory_not_above_one_chunk(worlds):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_grouped_experts_bf16_on_gpus(worlds):
-    """GroupedExperts (torch._grouped_mm on sm90) in bf16 over NCCL: C = 4 equals C = 1
+    """GroupedExperts (torch._grouped_mm on sm90) in bf16 over NCCL: G = 4 equals G = 1
     to bf16 rounding. Bitwise equality is not asserted: a grouped GEMM's tiling may
     depend on the group sizes, so a row's reduction order may change with the group."""
     routing = make_routing(2, 4, 2, [256, 192], "random", seed=4)
@@ -370,11 +370,11 @@ def test_grouped_experts_bf16_on_gpus(worlds):
     config = dict(num_experts=routing.num_experts)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(torch.bfloat16), gs[r], config, [1, 4], "swiglu")
             for r in range(2)]
-    for rank, per_c in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
+    for rank, per_g in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
         for name in ("out", "x", "topk_weights"):
-            torch.testing.assert_close(per_c[4][name], per_c[1][name], rtol=2e-2, atol=2e-2)
-        for a, b in zip(per_c[4]["params"], per_c[1]["params"]):
-            # one GEMM over all groups' rows (ChunkedExperts), but the rows'
+            torch.testing.assert_close(per_g[4][name], per_g[1][name], rtol=2e-2, atol=2e-2)
+        for a, b in zip(per_g[4]["params"], per_g[1]["params"]):
+            # one GEMM over all groups' rows (ExpertsByGroups), but the rows'
             # activations and gradients come from group-sized bf16 GEMMs: an
             # element whose terms cancel can differ by a few bf16 steps of the
             # gradient's scale, not of its own
@@ -387,17 +387,17 @@ def test_grouped_experts_bf16_on_gpus(worlds):
 def test_part_without_rows(worlds, groups):
     """Experts that answer an empty call in another dtype (fp32 under bf16
     autocast), and ranks with no rows in a group (rank 1 in both groups of
-    C = 2): every rank's output is its tokens in the experts' dtype (the
+    G = 2): every rank's output is its tokens in the experts' dtype (the
     identity in bf16), as the partial sums travel in the dtype of the ranks that
-    computed them (C = 1: agreed; C > 1: autocast's)."""
+    computed them (G = 1: agreed; G > 1: autocast's)."""
     xs = [random_tokens(0, 4, HIDDEN, torch.float32, 0), random_tokens(1, 3, HIDDEN, torch.float32, 0)]
     idx = [torch.tensor([[0], [1], [2], [3]]), torch.tensor([[0], [1], [0]])]  # E = 4: rank 1 routes nothing home
     ws = [torch.ones(4, 1), torch.ones(3, 1)]
 
-    def args(c):
-        return [(xs[r], idx[r], ws[r], 4, c) for r in range(2)]
+    def args(g):
+        return [(xs[r], idx[r], ws[r], 4, g) for r in range(2)]
 
-    runs, plain = (worlds(2).run(pipeline_fns.empty_part_under_autocast, args(c)) for c in (groups, "plain"))
+    runs, plain = (worlds(2).run(pipeline_fns.empty_part_under_autocast, args(g)) for g in (groups, "plain"))
     for rank in range(2):
         out, grad = runs[rank]
         assert out.dtype == torch.bfloat16, f"rank {rank}"
@@ -406,7 +406,7 @@ def test_part_without_rows(worlds, groups):
 
 
 def test_groups_without_rows_anywhere_first(worlds):
-    """C = 4 groups of one expert where no rank has rows in group 0 and only
+    """G = 4 groups of one expert where no rank has rows in group 0 and only
     rank 0 in group 1, with experts answering empty calls in fp32 under bf16
     autocast: the output is in bf16, and the tokens without an expert come out
     as zeros."""

@@ -4,34 +4,34 @@ For each model shape, forward and forward+backward of the MoE layer
 (exchange + GroupedExperts), on every local GPU with NCCL (or a tiny CPU world on
 gloo, as a smoke test):
 
-    T_comm      the exchange alone (MoEExchange, C = 1, identity experts)
+    T_comm      the exchange alone (MoEExchange, G = 1, identity experts)
     T_compute   the experts alone, on the rows one dispatch delivers
-    T_seq       MoEExchange(C = 1) with GroupedExperts
-    T_pipe      MoEExchange(C) with GroupedExperts, the best C of ``--groups``
-                (C groups of local experts; a C above E_local is taken as
+    T_seq       MoEExchange(G = 1) with GroupedExperts
+    T_pipe      MoEExchange(G) with GroupedExperts, the best G of ``--groups``
+                (G groups of local experts; a G above E_local is taken as
                 E_local). Each expert's weights are read once per GEMM for
-                every C: a group's grouped GEMM computes its experts only
+                every G: a group's grouped GEMM computes its experts only
     hidden      (T_seq - T_pipe) / min(T_comm, T_compute)   (1 = fully hidden)
     ceiling     hidden at T_pipe = max(T_comm, T_compute), the most a pipeline
                 can reach here: 1 where T_seq = T_comm + T_compute, less (more)
-                where the layer at C = 1 costs less (more) than that sum
+                where the layer at G = 1 costs less (more) than that sum
     weights     the experts' weights handed to matrix products in one step, in units
-                of all their weights ("seq" and each C): every product whose
+                of all their weights ("seq" and each G): every product whose
                 operand is a view of an expert parameter, with a non-empty result,
                 adds the bytes of that view (counted at the dispatcher's aten level,
                 so the backward's products count too). 1 forward and 2 forward+
                 backward where each expert's weights are read once per GEMM, for
-                every C
+                every G
     peak        on CUDA, forward+backward: the most memory one step allocates above
                 what was allocated before it (MiB, the largest rank's), for the
-                sequential layer ("seq", C = 1) and each C
+                sequential layer ("seq", G = 1) and each G
     host        the host's time to return from the step (on CUDA: to queue its
-                work), the slowest rank's, for "seq" and each C: where it nears
+                work), the slowest rank's, for "seq" and each G: where it nears
                 T_pipe, the host sets the pipeline's pace
     T_graph     with ``--graph`` (the NVLink engine): MoEExchange in one piece with
                 ``max_rows`` (the largest N + 10%), the pass captured in a CUDA graph
                 and replayed: no host in the loop (the time of one replay of
-                ``GRAPH_REPLAYS`` queued back to back); by each C of ``--groups``;
+                ``GRAPH_REPLAYS`` queued back to back); by each G of ``--groups``;
                 beside it the experts alone captured and replayed the same way
                 (T_compute_graph, on the N rows; the layer's experts get the M
                 rows, whose elementwise work covers the 10% past N), and
@@ -42,7 +42,7 @@ gloo, as a smoke test):
                 autograd), against T_mb_seq, the same verbs with each micro-batch's
                 exchange waited for before the next starts (so the difference is the
                 overlap alone); hidden_mb = (T_mb_seq - T_mb) / (2 min(T_comm, T_compute));
-                and T_mb_layer, the layer (C = 1) run twice in a row, what the verbs'
+                and T_mb_layer, the layer (G = 1) run twice in a row, what the verbs'
                 path costs beside MoEExchange. With ``--sm-carveout N`` the overlapped
                 micro-batches' GEMMs leave N SMs to the exchange beside them
 
@@ -88,7 +88,7 @@ def _shapes(text: str) -> list[str]:
 
 
 def _groups(text: str) -> list[int]:
-    """A ``--groups`` value: comma-separated C values, ints >= 1."""
+    """A ``--groups`` value: comma-separated G values, ints >= 1."""
     parts = [p.strip() for p in text.split(",")]
     if not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints >= 1 (e.g. 1,2,4)")
@@ -103,7 +103,7 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
                              "(default: deepseek-v3,mixtral-8x7b on GPUs, cpu-tiny on CPU)")
     parser.add_argument("--world-size", type=int, help="ranks (default: all GPUs, or 2 CPU processes)")
     parser.add_argument("--groups", type=_groups, default=[2, 4, 8],
-                        help="comma-separated C values tried for T_pipe (default 2,4,8)")
+                        help="comma-separated G values tried for T_pipe (default 2,4,8)")
     parser.add_argument("--iters", type=int, default=20, help="timed runs (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
@@ -118,7 +118,7 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--comm-high-priority", action="store_true",
                         help="EP group's NCCL collectives on a high-priority stream (ahead of waiting GEMM blocks)")
     parser.add_argument("--sm-carveout", type=int,
-                        help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (C > 1); "
+                        help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (G > 1); "
                              "with --micro-batches, also the overlapped micro-batches' GEMMs")
     parser.add_argument("--comm-priority", type=int, default=-1,
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
@@ -206,7 +206,7 @@ class Case:
 
     def layer_bounded(self, comm_priority: int, group, groups: int = 1) -> dispatch.MoEExchange:
         """MoEExchange by ``groups`` groups with max_rows: the most rows a rank of
-        ``group`` receives, plus 10%; by groups, C times the most rows of one group
+        ``group`` receives, plus 10%; by groups, G times the most rows of one group
         of a rank, plus 10% (collective)."""
         if not self.dispatcher.host_free:
             raise ValueError(f"--graph: {type(self.dispatcher).__name__} reads its counts on the host")
@@ -322,7 +322,7 @@ def _graph_ms(step, timed) -> float:
     training loop queues its steps, so that the host's launch of a replay is
     behind the previous one on the GPU (a lone replay's time starts with the
     GPU waiting for it). The graph is freed after its timing, so that graphs of
-    several C never hold their memory pools at once."""
+    several G never hold their memory pools at once."""
     graph = capture(step)
 
     def replays():
@@ -357,9 +357,9 @@ def _micro_batches(case: Case, seq, backward: bool, timed, group, sm_carveout: i
     return {"t_mb_layer_ms": t_layer, "t_mb_seq_ms": t_seq, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff)}
 
 
-def chunk_values(args, num_local_experts: int) -> list[int]:
-    """The C values of ``--groups``, each at most E_local, without repeats."""
-    return list(dict.fromkeys(min(c, num_local_experts) for c in args.groups))
+def group_values(args, num_local_experts: int) -> list[int]:
+    """The G values of ``--groups``, each at most E_local, without repeats."""
+    return list(dict.fromkeys(min(g, num_local_experts) for g in args.groups))
 
 
 def _time(fn, iters: int, warmup: int, device) -> tuple[float, float]:
@@ -436,7 +436,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
     def timed(fn):
         return _time(fn, args.iters, args.warmup, device)
 
-    candidates = chunk_values(args, case.dispatcher.num_local_experts)
+    candidates = group_values(args, case.dispatcher.num_local_experts)
     rows = []
     for name in PASSES:
         backward = name == "fwd+bwd"
@@ -444,9 +444,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         t_compute = timed(case.compute_step(backward))[0]
         seq = case.layer(1, prio)
         t_seq, seq_host = timed(case.layer_step(seq, backward))
-        layers = {c: case.layer(c, prio, sm_carveout=carve) for c in candidates}
-        pipe_times = {c: timed(case.layer_step(layers[c], backward)) for c in candidates}
-        by_groups = {c: gpu for c, (gpu, _) in pipe_times.items()}
+        layers = {g: case.layer(g, prio, sm_carveout=carve) for g in candidates}
+        pipe_times = {g: timed(case.layer_step(layers[g], backward)) for g in candidates}
+        by_groups = {g: gpu for g, (gpu, _) in pipe_times.items()}
         best = min(by_groups, key=by_groups.get)
         with torch.no_grad():
             want = seq(case.x, case.topk_idx, case.topk_weights)
@@ -454,16 +454,16 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         diff = torch.tensor([(got.float() - want.float()).abs().max().item() if got.numel() else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
         peak = None
-        if backward and device.type == "cuda":  # the sequential layer (C = 1) first, then each C
+        if backward and device.type == "cuda":  # the sequential layer (G = 1) first, then each G
             peak = {"seq": _peak_mib(case.layer_step(seq, True), device, group)}
-            peak.update({str(c): _peak_mib(case.layer_step(layers[c], True), device, group) for c in candidates})
+            peak.update({str(g): _peak_mib(case.layer_step(layers[g], True), device, group) for g in candidates})
         weights = {"seq": _weight_reads(case.layer_step(seq, backward), case.experts, device, group)}
-        weights.update({str(c): _weight_reads(case.layer_step(layers[c], backward), case.experts, device, group)
-                        for c in candidates})
+        weights.update({str(g): _weight_reads(case.layer_step(layers[g], backward), case.experts, device, group)
+                        for g in candidates})
         t_graph, graph_by_groups, t_compute_graph = None, None, None
-        if args.graph:  # the layer in one piece, and by each C, captured
-            graph_by_groups = {c: _graph_ms(case.layer_step(case.layer_bounded(prio, group, c), backward), timed)
-                               for c in sorted({1, *candidates})}
+        if args.graph:  # the layer in one piece, and by each G, captured
+            graph_by_groups = {g: _graph_ms(case.layer_step(case.layer_bounded(prio, group, g), backward), timed)
+                               for g in sorted({1, *candidates})}
             t_graph = graph_by_groups[1]
             # the experts alone captured and replayed the same way (their counts on the device)
             t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
@@ -477,13 +477,13 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
             sm_budget=args.sm_budget,
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_groups[best], best_groups=best,
-            t_pipe_by_groups_ms={str(c): t for c, t in by_groups.items()},
+            t_pipe_by_groups_ms={str(g): t for g, t in by_groups.items()},
             hidden_fraction=(t_seq - by_groups[best]) / short, hidden_ceiling=(t_seq - long) / short,
             max_abs_diff_vs_seq=float(diff), weight_reads=weights, peak_mib=peak, t_graph_ms=t_graph,
             t_compute_graph_ms=t_compute_graph,
-            t_graph_by_groups_ms=None if graph_by_groups is None else {str(c): t for c, t in graph_by_groups.items()},
+            t_graph_by_groups_ms=None if graph_by_groups is None else {str(g): t for g, t in graph_by_groups.items()},
             **mb,
-            host_ms={"seq": seq_host, **{str(c): host for c, (_, host) in pipe_times.items()}},
+            host_ms={"seq": seq_host, **{str(g): host for g, (_, host) in pipe_times.items()}},
         ))
     return rows
 
@@ -501,14 +501,14 @@ def suffix(args) -> str:
 
 def _graph_cell(row: dict) -> str:
     """T_graph of a row, with the experts alone captured beside it and its times by
-    C where more than one C was captured."""
+    G where more than one G was captured."""
     if row.get("t_graph_ms") is None:
         return "-"
-    by_c = row.get("t_graph_by_groups_ms") or {}
-    more = ", ".join(f"{c}: {t:.2f}" for c, t in by_c.items() if c != "1")
+    by_g = row.get("t_graph_by_groups_ms") or {}
+    more = ", ".join(f"{g}: {t:.2f}" for g, t in by_g.items() if g != "1")
     experts = row.get("t_compute_graph_ms")
     alone = "" if experts is None else f" / experts {experts:.3f} ({row['t_graph_ms'] / experts:.3f}x)"
-    return f"{row['t_graph_ms']:.3f}" + alone + (f" (by C: {more})" if more else "")
+    return f"{row['t_graph_ms']:.3f}" + alone + (f" (by G: {more})" if more else "")
 
 
 def _budget(row: dict) -> str:
@@ -518,19 +518,19 @@ def _budget(row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "pass", "W", "dispatcher", "wire", "carveout", "max_ctas", "NCCL stream", "T_comm ms",
-            "T_compute ms", "T_seq ms", "T_pipe ms", "best C", "hidden", "ceiling", "T_pipe by C", "T_graph ms",
-            "T_mb_layer / T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "weights read by C", "peak MiB by C",
-            "host ms by C"]
+            "T_compute ms", "T_seq ms", "T_pipe ms", "best G", "hidden", "ceiling", "T_pipe by G", "T_graph ms",
+            "T_mb_layer / T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "weights read by G", "peak MiB by G",
+            "host ms by G"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        by_c = ", ".join(f"{c}: {t:.2f}" for c, t in r["t_pipe_by_groups_ms"].items())
+        by_g = ", ".join(f"{g}: {t:.2f}" for g, t in r["t_pipe_by_groups_ms"].items())
         lines.append(
             f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('transport', '-')}{_budget(r)} | "
             f"{r['dispatch_wire']} | "
             f"{r.get('sm_carveout') if r.get('sm_carveout') is not None else '-'} | "
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
-            f"{r['best_groups']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_c} | "
+            f"{r['best_groups']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_g} | "
             f"{_graph_cell(r)} | "
             f"{_micro_batch_cell(r)} | "
             f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r.get('weight_reads'), '.2f')} | {_by_c(r['peak_mib'])} | "
@@ -549,7 +549,7 @@ def _micro_batch_cell(row: dict) -> str:
 
 def _by_c(values: dict | None, fmt: str = ".0f") -> str:
     """"seq: 5120, 2: 4990, ..." (the sequential layer first), or "-" where not measured."""
-    return "-" if not values else ", ".join(f"{c}: {value:{fmt}}" for c, value in values.items())
+    return "-" if not values else ", ".join(f"{g}: {value:{fmt}}" for g, value in values.items())
 
 
 def report(shape: Shape, rows: list[dict], args) -> None:

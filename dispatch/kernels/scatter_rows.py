@@ -4,7 +4,7 @@
 moved about 0.7 TB/s on H200; this kernel copies each row in 16-byte vectors,
 as a plain copy does. A destination row named once is written once, so the
 result does not depend on the launch; a row that ``place`` repeats (the dump row
-that ``ChunkedExperts`` sends a padded group's spare rows to) ends up holding one
+that ``ExpertsByGroups`` sends a padded group's spare rows to) ends up holding one
 of its sources, which one unspecified.
 """
 
