@@ -122,28 +122,30 @@ class Board:
         mine = heads[self._rank]
         words[mine + 2 : mine + 2 + len(row)] = array.array("q", row)
         words[mine] = k  # after the row: a peer that reads k reads the row
-        start = None  # read at the first wait that does not find every rank there
-        for h in heads:
-            if words[h] != k:
-                start = time.monotonic()
-                self._wait(heads, 0, k, start, timeout, what)
-                break
+        start = self._wait(heads, 0, k, None, timeout, what)
         words[mine + 1] = k  # saw every rank arrive
-        for h in heads:
-            if words[h + 1] != k:
-                self._wait(heads, 1, k, time.monotonic() if start is None else start, timeout, what)
-                break
+        self._wait(heads, 1, k, start, timeout, what)
         width = len(row)
         return [list(words[h + 2 : h + 2 + width]) for h in heads]
 
-    def _wait(self, heads, word: int, k: int, start: float, timeout: float, what: Callable[[], str]) -> None:
+    def _wait(self, heads, word: int, k: int, start: float | None, timeout: float,
+              what: Callable[[], str]) -> float | None:
         """Until word ``word`` of every slot reads k; withdraw and raise where a
-        rank withdrew, or past ``timeout``."""
+        rank withdrew, or past ``timeout`` from ``start`` (None: from the first
+        poll that does not find every rank there, the clock read only then).
+        Returns the start it timed from."""
         words = self._words
         pause = 2e-5
         while True:
-            if all(words[h + word] == k for h in heads):
-                return
+            there = True
+            for h in heads:  # a loop, not a generator: every call's host path
+                if words[h + word] != k:
+                    there = False
+                    break
+            if there:
+                return start
+            if start is None:
+                start = time.monotonic()
             withdrawn = [r for r, h in enumerate(heads) if words[h] == -k]
             waited = time.monotonic() - start
             if withdrawn or waited > timeout:
