@@ -143,7 +143,7 @@ class DispatchConfig:
         _check_choice("dispatch_grad_wire", self.dispatch_grad_wire, SUM_WIRES)
         _check_choice("combine_grad_wire", self.combine_grad_wire, GRAD_TO_EXPERTS_WIRES)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e6:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+            raise ValueError(f"timeout must be a number of seconds in (0, 1e6), got {self.timeout!r}")
         if self.capacity_factor is not None and (
             isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float))
             or not 0 < self.capacity_factor < float("inf")
@@ -191,7 +191,7 @@ class Tuning:
             dispatch. Turn it off when the dispatch itself runs inside a graph
             capture of the caller's. (NCCL transport.)
         sm_budget: NVLink engine: thread blocks its data kernels may use (None:
-            one per SM); fewer leave SMs to expert GEMMs running beside it.
+            four per SM); fewer leave SMs to expert GEMMs running beside it.
     """
 
     local_world_size: int | None = None

@@ -89,7 +89,7 @@ class Engine(EngineMoves):
     Args:
         group: the EP process group (NCCL, every rank on this host).
         num_experts: E.
-        sm_budget: blocks the data kernels may use (None: one per SM).
+        sm_budget: blocks the data kernels may use (None: ``BLOCKS_PER_SM`` per SM).
         timeout: seconds a kernel waits for a peer before it gives up.
     """
 
