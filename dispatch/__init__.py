@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from dispatch.checks import PeerRefused
+from dispatch.checks import CallsDiffer, PeerRefused, agree_config as _agree_config
 from dispatch.config import DispatchConfig, Tuning
 from dispatch.cost_model import LinkModel
 from dispatch.dispatcher import TokenDispatcher
@@ -36,6 +36,7 @@ from dispatch.stats import DispatchStats
 from dispatch.timing import PhaseTimer
 
 __all__ = [
+    "CallsDiffer",
     "CombineHandle",
     "DispatchConfig",
     "DispatchStats",
@@ -67,9 +68,11 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
     (variant, transport). On an NCCL group the alltoall and auto variants with
     ``transport`` ``"auto"``, ``"nvlink"`` or ``"nvshmem"`` make this a
     collective (the ranks agree whether the engine or NVSHMEM can run, and
-    their buffers are allocated):
-    every rank of the group calls ``create`` with the same config, in the same
-    order.
+    their buffers are allocated). Every rank of the group calls ``create`` with
+    the same config, in the same order: the ranks first agree on it (over the
+    host channel, waiting at most ``config.timeout`` for a rank that does not
+    come), and where their configs differ every rank raises a ValueError naming
+    the fields.
     Raises:
         TypeError / ValueError, naming the argument, when ``group`` is not a
         process group this rank belongs to, or the config does not fit the group (``num_experts`` not a multiple of the group size,
@@ -98,4 +101,5 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         raise ValueError(
             f"local_world_size={config.tuning.local_world_size} does not divide the group size {world}"
         )
+    _agree_config(config, group)  # before any collective that the config shapes
     return TokenDispatcher(config, group, _build_transport(config, group))

@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from dispatch import checks
+
 DROP_POLICIES = ("probs", "position")
 
 
@@ -39,7 +41,9 @@ def drop_over_capacity(
     """(topk_idx with the dropped slots set to -1, [T, K] bool mask of the dropped slots).
 
     Ids outside [0, E) are left as they are (the value checks refuse them) and
-    never dropped; ``topk_weights`` only orders the slots (``"probs"``).
+    never dropped, and so is every slot of a row that names an expert twice
+    (dropping one of the two would hide it from those checks);
+    ``topk_weights`` only orders the slots (``"probs"``).
     """
     num_tokens, topk = topk_idx.shape
     cap = capacity(num_tokens, topk, num_experts, capacity_factor)
@@ -58,4 +62,5 @@ def drop_over_capacity(
     place = torch.empty_like(order)
     place[order] = torch.arange(order.numel(), device=order.device) - starts[expert[order]]
     dropped = (valid.flatten() & (place >= cap)).view(num_tokens, topk)
+    dropped &= ~checks.repeated_ids(topk_idx).unsqueeze(1)
     return torch.where(dropped, -1, topk_idx), dropped

@@ -15,17 +15,22 @@ header (``plan.HEADER``) names it (its verb, its number on the dispatcher, the
 dispatch whose handle it moves along) and marks a rank that refused its input;
 after the agreement every rank raises alike, before any token moves: the rank
 that refused its own error, its peers a :class:`PeerRefused` naming it, and
-every rank a RuntimeError naming both calls where the ranks are at different
-calls, so that no call completes by pairing with another. A refusal agreed so
-leaves the dispatcher usable.
+every rank a :class:`CallsDiffer` naming both calls where the ranks are at
+different calls, so that no call completes by pairing with another; and where
+the rows a call moves differ between the ranks in dtype or width, every rank a
+ValueError naming them (:func:`check_peer_rows`). A refusal agreed so leaves
+the dispatcher usable.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import numbers
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from dispatch import comm, plan
 from dispatch.board import Board
@@ -39,6 +44,8 @@ def check_tensor(name: str, value: object, ndim: int, dtypes: tuple[torch.dtype,
     """``value`` is a tensor of ``ndim`` dimensions with one of ``dtypes``."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {str(value.layout).replace('torch.', '')}")
     if value.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
     if value.dtype not in dtypes:
@@ -123,13 +130,17 @@ def check_dispatch_inputs(
     check_device("topk_weights", topk_weights, "x", x.device)
 
 
+def repeated_ids(topk_idx: torch.Tensor) -> torch.Tensor:
+    """[T] bool: the rows that name an expert (an id >= 0) twice; no host synchronisation."""
+    ordered = torch.sort(topk_idx, dim=1).values
+    return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
+
+
 def _bad_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[3, T] bool: per row, (an id out of range, an id twice, a non-finite weight)."""
     out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
-    ordered = torch.sort(topk_idx, dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
     non_finite = ~torch.isfinite(topk_weights)
-    return torch.stack([out_of_range.any(1), repeated.any(1), non_finite.any(1)])
+    return torch.stack([out_of_range.any(1), repeated_ids(topk_idx), non_finite.any(1)])
 
 
 def value_flags(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -262,6 +273,38 @@ VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combin
 VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
 
 
+def agree_config(config, group) -> None:
+    """Every rank of ``group`` makes its next dispatcher with the same ``config``
+    (``dispatch.create``'s first collective, before any whose shape the config
+    decides): a digest of it all-gathered over the host channel, waited for at
+    most ``config.timeout``; where the ranks' differ, every rank raises a
+    ValueError naming the fields and the ranks' values (one more all-gather)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    flat = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "tuning"}
+    flat.update({f.name: getattr(config.tuning, f.name) for f in dataclasses.fields(config.tuning)})
+    digest = hashlib.blake2b(repr(sorted(flat.items())).encode(), digest_size=8).digest()
+    host = comm.host_group(group)
+    row = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    got = comm.all_gather_rows(row, host, world, arrivals=comm.Arrivals(group, config.timeout, role="config"))
+    if (got == got[0]).all():
+        return
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, flat, group=host)  # every rank is here: the digests came from all
+    told = "; ".join(f"{name} ({', '.join(f'rank {r}: {theirs[name]!r}' for r, theirs in enumerate(everyone))})"
+                     for name in flat if any(theirs.get(name) != flat[name] for theirs in everyone))
+    raise ValueError(f"config: the ranks of the group made this dispatcher with different configs: {told}; every "
+                     "rank calls dispatch.create with the same config, in the same order")
+
+
+class CallsDiffer(RuntimeError):
+    """The ranks are at different calls (another verb, number, handle's dispatch
+    or dispatcher): every rank raises it alike, and none counts the call as made
+    (:meth:`Calls.agree`), so that where one rank's mistake was an extra call
+    the ranks are in step again at the next."""
+
+
 class PeerRefused(RuntimeError):
     """Some rank refused its own arguments of this call (its error says why).
 
@@ -290,33 +333,37 @@ def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
             (``dispatch.board``), each rank's dispatcher (its place in the
             order the ranks made them); None otherwise.
     Raises:
-        RuntimeError naming the ranks and their calls where they differ;
+        :class:`CallsDiffer` naming the ranks and their calls where they differ
+        (the handle's dispatch compared between the ranks that did not refuse:
+        a refused handle may be none);
         :class:`PeerRefused` naming the ranks that refused (on every rank alike).
     """
     headers = _rows(headers)
     columns = [HEADER.index(c) for c in ("verb", "call", "along")]
     calls = [tuple(h[c] for c in columns) for h in headers]
+    failed = [r for r, h in enumerate(headers) if h[_FAILED]]
     if dispatchers is not None and any(d != dispatchers[0] for d in dispatchers):
         told = ", ".join(f"rank {r}: dispatcher #{d + 1} at {call_name(*c)}"
                          for r, (d, c) in enumerate(zip(dispatchers, calls)))
-        raise RuntimeError(f"the ranks of the group are at calls of different dispatchers ({told}): every rank "
+        raise CallsDiffer(f"the ranks of the group are at calls of different dispatchers ({told}): every rank "
                            "must make the same calls of each dispatcher in the same order; every rank stops here, "
                            "before any token moves")
-    if any(c != calls[0] for c in calls):
+    alongs = {c[2] for r, c in enumerate(calls) if r not in failed}
+    if any(c[:2] != calls[0][:2] for c in calls) or len(alongs) > 1:
         at: dict[tuple[int, ...], list[int]] = {}
         for rank, c in enumerate(calls):
             at.setdefault(c, []).append(rank)
         told = "; ".join(f"rank(s) {ranks} at {call_name(*c)}" for c, ranks in at.items())
-        raise RuntimeError(f"the ranks of the group are at different calls of the dispatcher ({told}): a rank "
+        raise CallsDiffer(f"the ranks of the group are at different calls of the dispatcher ({told}): a rank "
                            "skipped a call or made another; no call completes by pairing with another, and "
                            "every rank stops here, before any token moves")
-    failed = [r for r, h in enumerate(headers) if h[HEADER.index("failed")]]
     if failed:
-        raise PeerRefused(failed, call_name(*calls[0]))
+        raise PeerRefused(failed, call_name(calls[0][0], calls[0][1], min(alongs, default=0)))
 
 
 def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRow,
-          arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
+          arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = (),
+          hidden: int = 0) -> list[list[int]]:
     """The first message of a call that has no counts exchange of its own:
     every rank's header of the call, all-gathered on the host and checked
     (:func:`check_peer_calls`).
@@ -336,13 +383,14 @@ def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRo
         dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
             the verb agrees on one (``combine``), -1 for none.
         tail: entries after the header (at most ``counts_row.tail``).
+        hidden: the ``hidden`` column: the width of the rows the call moves (0: none).
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
     at = counts_row.header_at
     row = torch.zeros(counts_row.width, dtype=torch.int64)
     end = at + len(HEADER) + len(tail)
-    row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code) + list(tail), dtype=torch.int64)
+    row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code, hidden) + list(tail), dtype=torch.int64)
     rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, at:end].tolist()
     check_peer_calls(rows)
     return rows
@@ -382,19 +430,30 @@ class Calls:
         self._made[verb] = number
         return plan.Ticket(VERB_CODES[verb], number, along)
 
-    def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = ()) -> list[list[int]]:
+    def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = (),
+              hidden: int = 0) -> list[list[int]]:
         """Agree on the call of ``ticket`` with the peers: [W][len(HEADER) +
         len(tail)] every rank's header of the call and what followed it
-        (``tail``: at most one entry). Raises as :func:`check_peer_calls`."""
-        if self._board is None:
-            return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail)
-        row = [*plan.call_header(ticket, dtype_code), *(tail or (0,)), self._arrivals.index]  # one length for all
-        rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
-        same = not ticket.refused
-        for r in rows:
-            same = same and r == row
-        if not same:  # else every rank made this very call, unrefused
-            check_peer_calls([r[: len(HEADER)] for r in rows], [r[-1] for r in rows])
+        (``tail``: at most one entry; ``dtype_code``, ``hidden``: the dtype and
+        width of its rows, :func:`check_peer_rows`). Raises as
+        :func:`check_peer_calls`; where the ranks' calls differ, none is
+        counted as made (this rank's number is given again)."""
+        try:
+            if self._board is None:
+                return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail,
+                             hidden)
+            row = [*plan.call_header(ticket, dtype_code, hidden), *(tail or (0,)), self._arrivals.index]
+            rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
+            same = not ticket.refused
+            for r in rows:
+                same = same and r == row
+            if not same:  # else every rank made this very call, unrefused
+                check_peer_calls([r[: len(HEADER)] for r in rows], [r[-1] for r in rows])
+        except CallsDiffer:
+            verb = VERBS[ticket.verb]
+            if self._made.get(verb) == ticket.call:
+                self._made[verb] = ticket.call - 1
+            raise
         end = len(HEADER) + len(tail)
         return [r[:end] for r in rows]
 
@@ -448,6 +507,7 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
 # where the checks read a header (``plan.HEADER``); the columns every rank must agree on come first
 _AGREED = HEADER.index("weights_dtype") + 1
 _FAILED, _X_GRAD, _WEIGHTS_GRAD = HEADER.index("failed"), HEADER.index("x_grad"), HEADER.index("weights_grad")
+_HIDDEN, _X_DTYPE = HEADER.index("hidden"), HEADER.index("x_dtype")
 _MAX_ROWS, _MEMORY_ROWS = HEADER.index("max_rows"), HEADER.index("memory_rows")
 assert set(HEADER[:_AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
 
@@ -486,10 +546,34 @@ def _rows(headers) -> list[list[int]]:
     return headers.tolist() if isinstance(headers, torch.Tensor) else headers
 
 
-def dtype_code(rows: torch.Tensor) -> int:
-    """The code of expert rows' dtype that ranks agree on (:func:`home_rows`): its
-    index in ``FLOAT_DTYPES``, one past them for any other, -1 for no rows."""
-    return (FLOAT_DTYPES.index(rows.dtype) if rows.dtype in FLOAT_DTYPES else len(FLOAT_DTYPES)) if rows.shape[0] else -1
+def check_peer_rows(headers: list[list[int]], name: str) -> None:
+    """The rows a call moves (its agreement's ``hidden`` and ``x_dtype`` columns,
+    :meth:`Calls.agree`) have one width H' on every rank (0: a verb of no
+    width) and one dtype on every rank that gave one (:func:`dtype_code`): the
+    wire carries neither, so rows that differ would be summed, or read, as
+    other bytes. Raises ValueError naming ``name`` and every rank's, on every
+    rank alike (they all read the same headers), before any row moves."""
+    widths = [h[_HIDDEN] for h in headers]
+    codes = [h[_X_DTYPE] for h in headers]
+    if len(set(widths)) > 1:
+        told = ", ".join(f"rank {r}: {w}" for r, w in enumerate(widths))
+        raise ValueError(f"{name}: the ranks' rows have different widths H' ({told}); every rank's {name} must "
+                         "have the same number of columns")
+    if len({c for c in codes if c >= 0}) > 1:
+        told = ", ".join(f"rank {r}: {str(FLOAT_DTYPES[c]).replace('torch.', '')}"
+                         for r, c in enumerate(codes) if 0 <= c < len(FLOAT_DTYPES))
+        raise ValueError(f"{name}: the ranks' rows have different dtypes ({told}); give {name} one floating dtype "
+                         "on every rank")
+
+
+def dtype_code(rows: torch.Tensor, always: bool = False) -> int:
+    """The code of rows' dtype that ranks agree on (:func:`home_rows`,
+    :func:`check_peer_rows`): its index in ``FLOAT_DTYPES``, one past them for
+    any other; -1 for no rows, unless ``always`` (a rank that takes its peers'
+    rows in its own dtype, rows or not)."""
+    if not (rows.shape[0] or always):
+        return -1
+    return FLOAT_DTYPES.index(rows.dtype) if rows.dtype in FLOAT_DTYPES else len(FLOAT_DTYPES)
 
 
 def home_rows(rows: torch.Tensor, has_rows: tuple[bool, ...], group, world_size: int,

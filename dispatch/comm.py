@@ -96,14 +96,19 @@ class Arrivals:
 
     _made: dict[str, int] = {}  # dispatchers made per group
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout: float) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout: float, role: str = "") -> None:
         self.group, self.timeout = group, timeout
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         name = (group if group is not None else dist.group.WORLD).group_name
-        made = Arrivals._made.get(name, 0)
-        Arrivals._made[name] = made + 1
+        # role "config": the waits of dispatch.create's agreement on the config, numbered apart from the
+        # dispatchers' exchanges
+        key = f"{name}/{role}" if role else name
+        made = Arrivals._made.get(key, 0)
+        Arrivals._made[key] = made + 1
         self.index = made  # the dispatcher's place among the group's, in the order every rank makes them
-        self.prefix = f"moe-dispatch/{name}/{made}"
+        self.prefix = f"moe-dispatch/{key}/{made}"
+        self.what = "the agreement on its config at dispatch.create" if role else (
+            "exchange {} of this dispatcher (a counts exchange, or a call's agreement)")
         self.exchange = 0
 
     def wait(self, issue) -> None:
@@ -156,8 +161,7 @@ class Arrivals:
             if at < self.exchange:
                 late.append(rank)
         who = f"rank(s) {late}" if late else "some rank"
-        return (f"{_LATE}{who} of the group did not reach exchange {self.exchange} of this dispatcher (a counts "
-                f"exchange, or a call's agreement) within "
+        return (f"{_LATE}{who} of the group did not reach {self.what.format(self.exchange)} within "
                 f"{self.timeout:g} s (DispatchConfig.timeout): a peer died, stalled or stopped calling; "
                 "this process group cannot be used any more")
 

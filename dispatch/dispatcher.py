@@ -233,7 +233,8 @@ class TokenDispatcher:
         """
         ticket = self._along("combine", handle, lambda: self._check_combine(expert_out, handle, weights))
         rows = received(expert_out.detach(), handle)
-        headers = self._calls.agree(ticket, checks.dtype_code(rows))
+        headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1])
+        checks.check_peer_rows(headers, "expert_out")
         rows = checks.home_rows(rows, handle.has_rows, self.group, self.world_size, headers).contiguous()
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
         w = None if weights is None else received(weights.detach(), handle)
@@ -286,7 +287,9 @@ class TokenDispatcher:
             _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
             to_experts_codec(wire, rows.dtype, self.config.tuning.fp8_pow2_scales)
 
-        self._calls.agree(self._along("dispatch_rows", handle, check))
+        headers = self._calls.agree(self._along("dispatch_rows", handle, check), checks.dtype_code(rows, always=True),
+                                    hidden=rows.shape[1])
+        checks.check_peer_rows(headers, "rows")
         codec = to_experts_codec(wire, rows.dtype, self.config.tuning.fp8_pow2_scales)
         rows = rows.detach().contiguous()
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec),
@@ -310,8 +313,9 @@ class TokenDispatcher:
         (the backward of ``dispatch`` with ``weights=None``); not differentiable.
 
         Args:
-            rows: [N, H'] floating, in the dispatched order; the same dtype on
-                every rank that has rows (no dtype is agreed, unlike ``combine``).
+            rows: [N, H'] floating, in the dispatched order; one H' on every
+                rank, and one dtype on every rank that has rows (a rank without
+                takes theirs, as ``combine``).
             handle: ``Dispatched.handle``.
             weights: None or [N] floating, applied to the rows before the sums.
             wire: how the expert-side partial sums travel: "native" (their
@@ -326,8 +330,11 @@ class TokenDispatcher:
             checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
             _check_wire("wire", wire, SUM_WIRES)
 
-        self._calls.agree(self._along("combine_rows", handle, check))
-        rows = received(rows.detach(), handle).contiguous()
+        ticket = self._along("combine_rows", handle, check)
+        rows = received(rows.detach(), handle)
+        headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1])
+        checks.check_peer_rows(headers, "rows")
+        rows = checks.home_rows(rows, handle.has_rows, self.group, self.world_size, headers).contiguous()
         w = None if weights is None else received(weights.detach(), handle)
         wire_dtype = sum_wire_dtype(wire, rows.dtype)
         started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire_dtype), _present(rows, w),
@@ -347,15 +354,19 @@ class TokenDispatcher:
             handle: ``Dispatched.handle``.
             async_op: return an :class:`ExchangeWork` instead of the result.
         Returns:
-            [T, K] in the dtype of ``values``: the value of the row of each
-            (token, slot), 0 for empty slots.
+            [T, K] in the dtype of ``values`` (one on every rank that has rows;
+            a rank without takes theirs): the value of the row of each (token,
+            slot), 0 for empty slots.
         """
         def check():
             self._check_handle(handle)
             checks.check_values("values", values, handle.rows, self.devices)
 
-        self._calls.agree(self._along("combine_slots", handle, check))
-        values = received(values.detach().contiguous(), handle)
+        ticket = self._along("combine_slots", handle, check)
+        values = received(values.detach(), handle)
+        headers = self._calls.agree(ticket, checks.dtype_code(values))
+        checks.check_peer_rows(headers, "values")
+        values = checks.home_rows(values, handle.has_rows, self.group, self.world_size, headers).contiguous()
         started = self._start(lambda: handle.transport.slots_home(values, handle), (values,), async_op)
         work = ExchangeWork(started.result)
         return work if async_op else work.wait()
@@ -392,7 +403,9 @@ class TokenDispatcher:
             if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in checks.FLOAT_DTYPES):
                 raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
 
-        self._calls.agree(self._along("combine_groups", handle, check))
+        ticket = self._along("combine_groups", handle, check)
+        checks.check_peer_rows(self._calls.agree(ticket, -1 if dtype is None else checks.FLOAT_DTYPES.index(dtype)),
+                               "dtype")
         return GroupSums(self, handle, dtype, wire)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:

@@ -58,7 +58,9 @@ class GroupSums:
                 raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh "
                                  "every group alike (or none)")
 
-        self._dispatcher._calls.agree(self._dispatcher._along("GroupSums.add", handle, check))
+        ticket = self._dispatcher._along("GroupSums.add", handle, check)
+        code = checks.dtype_code(rows) if self.dtype is None else -1  # with a dtype, rows are cast to it
+        checks.check_peer_rows(self._dispatcher._calls.agree(ticket, code, hidden=rows.shape[1]), "rows")
         if self.dtype is not None and rows.dtype != self.dtype:
             # cast, not refused: a rank without rows in this group could not
             # refuse alike, and would send its pieces to peers that wait

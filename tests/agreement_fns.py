@@ -47,6 +47,8 @@ def _bad(value: torch.Tensor, mistake: str):
         return value[1:]
     if mistake == "device":
         return value.to("meta")
+    if mistake == "layout":
+        return value.to_sparse()
     raise AssertionError(mistake)
 
 
@@ -96,6 +98,61 @@ def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
         "combine_groups": lambda: _combine_groups(d, handle, rows, out.handle),
     }[verb]
     return _timed(call, d)
+
+
+def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
+    """Every rank makes ``verb`` with arguments its own checks pass; rank
+    ``bad_rank``'s rows have another dtype (``what="dtype"``) or width
+    (``"width"``) than its peers' (``GroupSums.add``: the rows of
+    ``combine_groups``' first add; ``combine_groups``: its ``dtype``). Returns
+    as :func:`one_rank_mistake`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(world, seed=3)
+    out = d.dispatch(x, idx, w)
+    mine = rank == bad_rank
+
+    def spoilt(rows):
+        return rows if not mine else rows.double() if what == "dtype" else rows[:, : rows.shape[1] // 2]
+
+    call = {
+        "combine": lambda: d.combine(spoilt(out.tokens), out.handle, weights=out.weights),
+        "combine_rows": lambda: d.combine_rows(spoilt(out.tokens), out.handle),
+        "dispatch_rows": lambda: d.dispatch_rows(spoilt(x), out.handle),
+        "combine_slots": lambda: d.combine_slots(out.weights.double() if mine else out.weights, out.handle),
+        "combine_groups": lambda: d.combine_groups(out.handle, dtype=torch.float64 if mine else torch.float32),
+        "GroupSums.add": lambda: d.combine_groups(out.handle, dtype=torch.float32).add(spoilt(out.tokens)),
+    }[verb]
+    return _timed(call, d)
+
+
+def other_dispatchers_call(config: dict, bad_rank: int):
+    """Every rank makes two dispatchers and dispatches on the first; rank
+    ``bad_rank`` then combines on the second (with the first's handle), its
+    peers on the first. Returns as :func:`one_rank_mistake` (the round trip
+    after it on the first dispatcher: the ranks are in step again)."""
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    other = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=6)
+    out = d.dispatch(x, idx, w)
+    chosen = other if dist.get_rank() == bad_rank else d
+    return _timed(lambda: chosen.combine(out.tokens, out.handle, weights=out.weights), d)
+
+
+def configs_differ(config: dict, bad_rank: int, field: str, value):
+    """Every rank makes a dispatcher; rank ``bad_rank``'s config has ``field``
+    = ``value``. Returns (the name of what ``create`` raised or None, its
+    message, seconds it took, whether a dispatcher made next with the same
+    config on every rank gives the dense answer)."""
+    theirs = dict(config, **{field: value}) if dist.get_rank() == bad_rank else config
+    start = time.monotonic()
+    try:
+        dispatch.create(dispatch.DispatchConfig.from_options(**theirs))
+        raised = None, ""
+    except Exception as exc:  # the test inspects what each rank raised
+        raised = type(exc).__name__, str(exc)
+    elapsed = time.monotonic() - start
+    return *raised, elapsed, _round_trip_is_right(dispatch.create(dispatch.DispatchConfig.from_options(**config)))
 
 
 def _combine_groups(d, handle, rows, own):

@@ -23,11 +23,12 @@ from dispatch import cuda
 
 ALONG = ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups")
 MISTAKES = {
-    "dispatch": ("dtype", "shape", "device"),
+    "dispatch": ("dtype", "shape", "device", "layout"),
     **{verb: ("dtype", "shape", "device", "rows versus handle", "handle") for verb in ALONG},
 }
+MISTAKES["combine"] += ("layout",)  # a sparse tensor
 ERRORS = {"dtype": "TypeError", "shape": "ValueError", "device": "ValueError", "rows versus handle": "ValueError",
-          "handle": "ValueError"}
+          "handle": "ValueError", "layout": "TypeError"}
 SOON = 5.0  # seconds: peers raise at the call's first message, not at the timeout (60 s by default)
 
 
@@ -102,9 +103,57 @@ def test_a_skipped_call_stops_every_rank_naming_both_calls(worlds, variant, boar
     fn = agreement_fns.skipped_call if board else agreement_fns.skipped_call_without_board
     results = worlds(3).run(fn, [(config, 1)] * 3)
     for rank, (name, message) in enumerate(results):
-        assert name == "RuntimeError", (rank, name, message)
+        assert name == "CallsDiffer", (rank, name, message)
         assert "rank(s) [0, 2] at combine_rows #1 along dispatch #1" in message, message
         assert "rank(s) [1] at combine_rows #1 along dispatch #2" in message, message
+
+
+ROWS = [("combine", "dtype"), ("combine", "width"), ("combine_rows", "dtype"), ("combine_rows", "width"),
+        ("dispatch_rows", "dtype"), ("dispatch_rows", "width"), ("combine_slots", "dtype"),
+        ("combine_groups", "dtype"), ("GroupSums.add", "width")]
+ROWS_NAMED = {"combine": "expert_out", "combine_slots": "values", "combine_groups": "dtype"}
+
+
+@pytest.mark.parametrize("verb, what", ROWS)
+def test_ranks_whose_rows_differ_all_raise_before_any_row_moves(worlds, verb, what):
+    """Rows that each rank's own checks pass but that differ between the ranks
+    (a dtype, a width H'; the wire carries neither: summed as they are, they
+    were garbage or a crash in the collective) are refused by every rank at
+    the call's agreement, naming the argument; the dispatcher stays usable."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(3).run(agreement_fns.rows_differ, [(config, verb, what, 1)] * 3)
+    differ = f"{ROWS_NAMED.get(verb, 'rows')}: the ranks' rows have different {'dtypes' if what == 'dtype' else 'widths'}"
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "ValueError" and differ in message, (rank, name, message)
+        assert elapsed < SOON, (rank, elapsed)
+        assert usable, f"rank {rank}: the round trip after the refusal went wrong"
+
+
+def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds):
+    """Rank 1 combines on a second dispatcher of the group (with the first's
+    handle) while its peers combine on the first: every rank raises, naming
+    both dispatchers, and none counts the call, so the next round trip on the
+    first dispatcher pairs every rank's calls again."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(3).run(agreement_fns.other_dispatchers_call, [(config, 1)] * 3)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "CallsDiffer" and "different dispatchers" in message, (rank, name, message)
+        assert usable, f"rank {rank}: the round trip after the different calls went wrong"
+
+
+@pytest.mark.parametrize("field, value", [("num_experts", 24), ("variant", "hierarchical"), ("combine_wire", "bf16"),
+                                          ("pad_to_capacity", True), ("timeout", 30.0)])
+def test_ranks_that_create_with_different_configs_all_raise_naming_the_field(worlds, field, value):
+    """A rank whose config differs (here one that would make other collectives
+    at creation, or none, or move other bytes) makes every rank raise at
+    ``create``, naming the field and each rank's value, before anything else
+    is exchanged; a dispatcher made next with one config works."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", capacity_factor=4.0)
+    results = worlds(3).run(agreement_fns.configs_differ, [(config, 2, field, value)] * 3)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "ValueError" and f"{field} (rank 0: " in message and "rank 2: " in message, (rank, message)
+        assert elapsed < SOON, (rank, elapsed)
+        assert usable, f"rank {rank}: the dispatcher made after the refusal went wrong"
 
 
 def test_the_mutation_without_the_call_check_pairs_the_skipped_call_silently(worlds):

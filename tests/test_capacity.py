@@ -32,6 +32,15 @@ def _reference_dropped(topk_idx, weights, num_experts, factor, policy):
     return dropped
 
 
+def test_a_row_naming_an_expert_twice_loses_no_slot():
+    """Dropping one of a repeated id would hide the repeat from the value checks,
+    which refuse the dispatch: every slot of such a row stays, the others drop."""
+    idx = torch.tensor([[0, 1], [0, 0], [0, 2], [0, 3]])  # C = ceil(4 * 2 / 4 * 0.5) = 1: expert 0 keeps token 0
+    new_idx, dropped = drop_over_capacity(idx, torch.ones(4, 2), 4, 0.5, "position")
+    assert dropped.tolist() == [[False, False], [False, False], [True, False], [True, False]]
+    assert new_idx[1].tolist() == [0, 0]
+
+
 @st.composite
 def _routings(draw):
     experts = draw(st.integers(1, 8))

@@ -134,15 +134,18 @@ def test_a_signature_checked_once_lets_no_other_keywords_through(worlds, case):
                                    dict(variant="hierarchical", local_world_size=1), dict(variant="auto"),
                                    dict(variant="alltoall", groups=2),
                                    dict(variant="allgather", groups=2),
-                                   dict(variant="hierarchical", local_world_size=2, groups=2)],
+                                   dict(variant="hierarchical", local_world_size=2, groups=2),
+                                   dict(variant="alltoall", capacity_factor=0.1)],
                          ids=lambda layer: "-".join(f"{k}={v}" for k, v in layer.items()))
 def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     """Rank 1 alone has bad values: it raises their ValueError and rank 0, which
     has good ones, raises a RuntimeError naming rank 1, both right after the
     counts all-gather (one collective, no token moved); nobody waits for a
-    peer. For dispatch in every variant and for MoEExchange, by groups or not."""
+    peer. For dispatch in every variant and for MoEExchange, by groups or not;
+    with token dropping, whose capacity would drop the second of a repeated id."""
     x, idx, w, error, argument = DISPATCH_CASES[case]
-    config = dict(CFG, variant=layer["variant"], local_world_size=layer.get("local_world_size"))
+    config = dict(CFG, variant=layer["variant"], local_world_size=layer.get("local_world_size"),
+                  capacity_factor=layer.get("capacity_factor"))
     options = {k: v for k, v in layer.items() if k == "groups"}
     call = ("call_layer_as", config, options) if options else ("call_dispatch_as", config)
     world = worlds(2)
