@@ -346,8 +346,8 @@ def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
         told = ", ".join(f"rank {r}: dispatcher #{d + 1} at {call_name(*c)}"
                          for r, (d, c) in enumerate(zip(dispatchers, calls)))
         raise CallsDiffer(f"the ranks of the group are at calls of different dispatchers ({told}): every rank "
-                           "must make the same calls of each dispatcher in the same order; every rank stops here, "
-                           "before any token moves")
+                          "must make the same calls of each dispatcher in the same order; every rank stops here, "
+                          "before any token moves")
     alongs = {c[2] for r, c in enumerate(calls) if r not in failed}
     if any(c[:2] != calls[0][:2] for c in calls) or len(alongs) > 1:
         at: dict[tuple[int, ...], list[int]] = {}
@@ -355,8 +355,8 @@ def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
             at.setdefault(c, []).append(rank)
         told = "; ".join(f"rank(s) {ranks} at {call_name(*c)}" for c, ranks in at.items())
         raise CallsDiffer(f"the ranks of the group are at different calls of the dispatcher ({told}): a rank "
-                           "skipped a call or made another; no call completes by pairing with another, and "
-                           "every rank stops here, before any token moves")
+                          "skipped a call or made another; no call completes by pairing with another, and "
+                          "every rank stops here, before any token moves")
     if failed:
         raise PeerRefused(failed, call_name(calls[0][0], calls[0][1], min(alongs, default=0)))
 
@@ -587,12 +587,11 @@ def home_rows(rows: torch.Tensor, has_rows: tuple[bool, ...], group, world_size:
     of the ranks that computed them. So where ``has_rows`` (``CombineHandle``)
     shows ranks without rows beside ranks with rows, every rank learns the
     dtype of the others' rows and a rank without rows takes it; ranks with
-    rows in different dtypes are then refused, on every rank alike. Where every
-    rank has rows nothing is checked: their dtypes must agree (the wire carries
-    no dtype; a mismatch fails in the collective, or worse). ``headers``: the
-    call's agreement (``Calls.agree`` with :func:`dtype_code`), which carries
-    every rank's code; without it (``GroupSums`` of one group) the codes are
-    all-gathered here over ``group``, where needed (a host read).
+    rows in different dtypes are then refused, on every rank alike (the verbs
+    refuse them in any case, at their agreement: :func:`check_peer_rows`).
+    ``headers``: the call's agreement (``Calls.agree`` with :func:`dtype_code`),
+    which carries every rank's code; without it (``GroupSums`` of one group)
+    the codes are all-gathered here over ``group``, where needed (a host read).
     """
     if all(has_rows) or not any(has_rows):
         return rows

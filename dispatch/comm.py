@@ -80,7 +80,8 @@ _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
 class Arrivals:
     """Bounded waits at one dispatcher's collectives that open a call (its counts
     exchanges, its calls' agreements over the host channel), naming the ranks
-    that did not arrive (a rank that died, stalled, or stopped calling).
+    that did not arrive (a rank that died, stalled, or stopped calling);
+    ``role="config"``: those of ``dispatch.create``'s agreement on the config.
 
     ``wait(issue)`` issues the collective and polls it (no host thread is
     parked in the backend); a rank still waiting after a moment writes the number of the
@@ -100,15 +101,12 @@ class Arrivals:
         self.group, self.timeout = group, timeout
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         name = (group if group is not None else dist.group.WORLD).group_name
-        # role "config": the waits of dispatch.create's agreement on the config, numbered apart from the
-        # dispatchers' exchanges
-        key = f"{name}/{role}" if role else name
+        key = f"{name}/{role}" if role else name  # waits of another role are numbered apart from the dispatchers'
         made = Arrivals._made.get(key, 0)
         Arrivals._made[key] = made + 1
         self.index = made  # the dispatcher's place among the group's, in the order every rank makes them
         self.prefix = f"moe-dispatch/{key}/{made}"
-        self.what = "the agreement on its config at dispatch.create" if role else (
-            "exchange {} of this dispatcher (a counts exchange, or a call's agreement)")
+        self.what = _ROLES[role]
         self.exchange = 0
 
     def wait(self, issue) -> None:
@@ -167,6 +165,10 @@ class Arrivals:
 
 
 _LATE = "peer missing: "
+_ROLES = {  # what an Arrivals' waits are for, as its message names them ({}: the exchange's number)
+    "": "exchange {} of this dispatcher (a counts exchange, or a call's agreement)",
+    "config": "the agreement on the dispatcher's config at dispatch.create",
+}
 
 
 def _store():

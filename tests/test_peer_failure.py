@@ -21,8 +21,10 @@ def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, 
     import dispatch
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=2 * world, variant=variant, transport="nccl",
-                                                timeout=TIMEOUT))
+    config = dispatch.DispatchConfig(num_experts=2 * world, variant=variant, transport="nccl", timeout=TIMEOUT)
+    if where == "create":  # the ranks' first exchange: their agreement on the config
+        _call(rank, world, behaviour, lambda: dispatch.create(config), queue)
+    d = dispatch.create(config)
     x = torch.randn(6, 8, requires_grad=where.startswith("backward"))
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]]) % (2 * world)
     w = torch.full((6, 2), 0.5)
@@ -37,13 +39,19 @@ def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, 
         "backward of dispatch": lambda: out.tokens.sum().backward(),
         "backward of combine": lambda: d.combine(out.tokens * 2, out.handle).sum().backward(),
     }
+    _call(rank, world, behaviour, calls[where], queue)
+
+
+def _call(rank: int, world: int, behaviour: str, call, queue) -> None:
+    """The last rank dies or stops calling; the others make ``call`` and report
+    what it raised (or that it returned), then leave."""
     if rank == world - 1:
         if behaviour == "dies":
             os._exit(3)
         time.sleep(60)  # stops calling: alive (its connections open), but makes no more calls
     start = time.monotonic()
     try:
-        calls[where]()
+        call()
         queue.put((rank, "returned", "", time.monotonic() - start))
     except RuntimeError as exc:
         queue.put((rank, "RuntimeError", str(exc), time.monotonic() - start))
@@ -54,7 +62,7 @@ def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, 
 
 CASES = [(behaviour, variant, "dispatch") for behaviour in ("dies", "stops calling")
          for variant in ("alltoall", "allgather")]
-CASES += [("stops calling", "alltoall", where) for where in ("combine", "combine_rows", "dispatch_rows",
+CASES += [("stops calling", "alltoall", where) for where in ("create", "combine", "combine_rows", "dispatch_rows",
                                                              "combine_slots", "backward of dispatch",
                                                              "backward of combine")]
 
