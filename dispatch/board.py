@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-ROW = 16  # int64 words of a row (the call's header, its tail and the dispatcher's index)
+ROW = 16  # int64 words of a row, at most (the call's header and its tail)
 _SLOT = 2 + ROW  # arrived, confirmed, the row
 _SPIN = 2e-3  # seconds a wait polls with a yield only, before it sleeps
 

@@ -267,10 +267,14 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int,
             "or spread the routing)")
 
 
-# what ``plan.Ticket.verb`` indexes: every verb (and backward) that communicates
+# what ``plan.Ticket.verb`` names: every verb (and backward) that communicates, by its index here, plus
+# DISPATCHERS times the dispatcher's place in its group (``Calls``), so that every header of a call (on the
+# board, over the host channel, in a counts exchange) tells calls of two dispatchers apart
 VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combine_slots", "combine_groups",
          "GroupSums.add", "the backward of dispatch", "the backward of combine")
 VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
+DISPATCHERS = 16
+assert len(VERBS) <= DISPATCHERS
 
 
 def agree_config(config, group) -> None:
@@ -319,19 +323,20 @@ class PeerRefused(RuntimeError):
 
 
 def call_name(verb: int, call: int, along: int = 0) -> str:
-    """``"combine #3 along dispatch #2"``: a call as the messages name it."""
+    """``"combine #3 along dispatch #2"``: a call as the messages name it (its
+    dispatcher's place too where it is not the group's first)."""
+    dispatcher, verb = divmod(verb, DISPATCHERS)
     name = f"{VERBS[verb] if 0 <= verb < len(VERBS) else f'verb {verb}'} #{call}"
-    return f"{name} along dispatch #{along}" if along else name
+    name = f"{name} along dispatch #{along}" if along else name
+    return f"{name} of dispatcher #{dispatcher + 1}" if dispatcher else name
 
 
-def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
+def check_peer_calls(headers) -> None:
     """Every rank is at the same call (of the same dispatcher), and none refused it.
 
     Args:
-        headers: [W, len(HEADER)] every rank's header (host int64 tensor, or lists).
-        dispatchers: where one channel serves every dispatcher of the group
-            (``dispatch.board``), each rank's dispatcher (its place in the
-            order the ranks made them); None otherwise.
+        headers: [W, len(HEADER)] every rank's header (host int64 tensor, or
+            lists); its verb tells the dispatcher too (``DISPATCHERS``).
     Raises:
         :class:`CallsDiffer` naming the ranks and their calls where they differ
         (the handle's dispatch compared between the ranks that did not refuse:
@@ -342,8 +347,9 @@ def check_peer_calls(headers, dispatchers: list[int] | None = None) -> None:
     columns = [HEADER.index(c) for c in ("verb", "call", "along")]
     calls = [tuple(h[c] for c in columns) for h in headers]
     failed = [r for r, h in enumerate(headers) if h[_FAILED]]
-    if dispatchers is not None and any(d != dispatchers[0] for d in dispatchers):
-        told = ", ".join(f"rank {r}: dispatcher #{d + 1} at {call_name(*c)}"
+    dispatchers = [c[0] // DISPATCHERS for c in calls]
+    if any(d != dispatchers[0] for d in dispatchers):
+        told = ", ".join(f"rank {r}: dispatcher #{d + 1} at {call_name(c[0] % DISPATCHERS, *c[1:])}"
                          for r, (d, c) in enumerate(zip(dispatchers, calls)))
         raise CallsDiffer(f"the ranks of the group are at calls of different dispatchers ({told}): every rank "
                           "must make the same calls of each dispatcher in the same order; every rank stops here, "
@@ -428,7 +434,7 @@ class Calls:
         dispatch ``along`` (0: none)."""
         number = self._made.get(verb, 0) + 1
         self._made[verb] = number
-        return plan.Ticket(VERB_CODES[verb], number, along)
+        return plan.Ticket(VERB_CODES[verb] + DISPATCHERS * self._arrivals.index, number, along)
 
     def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = (),
               hidden: int = 0) -> list[list[int]]:
@@ -442,15 +448,15 @@ class Calls:
             if self._board is None:
                 return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail,
                              hidden)
-            row = [*plan.call_header(ticket, dtype_code, hidden), *(tail or (0,)), self._arrivals.index]
+            row = [*plan.call_header(ticket, dtype_code, hidden), *(tail or (0,))]  # one length for all
             rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
             same = not ticket.refused
             for r in rows:
                 same = same and r == row
             if not same:  # else every rank made this very call, unrefused
-                check_peer_calls([r[: len(HEADER)] for r in rows], [r[-1] for r in rows])
+                check_peer_calls([r[: len(HEADER)] for r in rows])
         except CallsDiffer:
-            verb = VERBS[ticket.verb]
+            verb = VERBS[ticket.verb % DISPATCHERS]
             if self._made.get(verb) == ticket.call:
                 self._made[verb] = ticket.call - 1
             raise

@@ -206,13 +206,17 @@ def skipped_call(config: dict, skipping: int, check: bool = True):
     return None, expected is None or torch.equal(home, expected)
 
 
-def _only_refusals(headers, dispatchers=None) -> None:
+def _only_refusals(headers) -> None:
     """``checks.check_peer_calls`` without its comparison of the calls (the mutation)."""
     from dispatch import checks, plan
 
     failed = [r for r, h in enumerate(headers) if h[plan.HEADER.index("failed")]]
     if failed:
         raise checks.PeerRefused(failed, "a call")
+
+
+def other_dispatchers_call_without_board(*args):
+    return _without_board(other_dispatchers_call, *args)
 
 
 def one_rank_mistake_without_board(*args):

@@ -129,13 +129,16 @@ def test_ranks_whose_rows_differ_all_raise_before_any_row_moves(worlds, verb, wh
         assert usable, f"rank {rank}: the round trip after the refusal went wrong"
 
 
-def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds):
+@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
+def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds, board):
     """Rank 1 combines on a second dispatcher of the group (with the first's
     handle) while its peers combine on the first: every rank raises, naming
-    both dispatchers, and none counts the call, so the next round trip on the
-    first dispatcher pairs every rank's calls again."""
+    both dispatchers (which the call's header carries, over the host channel
+    too), and none counts the call, so the next round trip on the first
+    dispatcher pairs every rank's calls again."""
     config = dict(num_experts=agreement_fns.E, transport="nccl")
-    results = worlds(3).run(agreement_fns.other_dispatchers_call, [(config, 1)] * 3)
+    fn = agreement_fns.other_dispatchers_call if board else agreement_fns.other_dispatchers_call_without_board
+    results = worlds(3).run(fn, [(config, 1)] * 3)
     for rank, (name, message, elapsed, usable) in enumerate(results):
         assert name == "CallsDiffer" and "different dispatchers" in message, (rank, name, message)
         assert usable, f"rank {rank}: the round trip after the different calls went wrong"
