@@ -271,7 +271,7 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int,
 # DISPATCHERS times the dispatcher's place in its group (``Calls``), so that every header of a call (on the
 # board, over the host channel, in a counts exchange) tells calls of two dispatchers apart
 VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combine_slots", "combine_groups",
-         "GroupSums.add", "the backward of dispatch", "the backward of combine")
+         "GroupSums.add", "the backward of dispatch", "the backward of combine", "dispatch.create")
 VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
 DISPATCHERS = 16
 assert len(VERBS) <= DISPATCHERS
@@ -290,9 +290,15 @@ def agree_config(config, group) -> None:
     flat.update({f.name: getattr(config.tuning, f.name) for f in dataclasses.fields(config.tuning)})
     digest = hashlib.blake2b(repr(sorted(flat.items())).encode(), digest_size=8).digest()
     host = comm.host_group(group)
-    row = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    got = comm.all_gather_rows(row, host, world, arrivals=comm.Arrivals(group, config.timeout, role="config"))
-    if (got == got[0]).all():
+    arrivals = comm.Arrivals(group, config.timeout, role="config")
+    ticket = plan.Ticket(VERB_CODES["dispatch.create"], arrivals.index + 1)  # the group's n-th create
+    # a call's agreement as the host channel makes it (the ranks at another call raise CallsDiffer), its tail the digest
+    try:
+        rows = agree(ticket, host, world, None, arrivals, tail=(int.from_bytes(digest, "little", signed=True),))
+    except CallsDiffer:
+        arrivals.withdraw()  # not counted, as a call's: the next create is numbered as this one
+        raise
+    if all(row[-1] == rows[0][-1] for row in rows):
         return
     everyone: list = [None] * world
     dist.all_gather_object(everyone, flat, group=host)  # every rank is here: the digests came from all
@@ -367,7 +373,7 @@ def check_peer_calls(headers) -> None:
         raise PeerRefused(failed, call_name(calls[0][0], calls[0][1], min(alongs, default=0)))
 
 
-def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRow,
+def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRow | None,
           arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = (),
           hidden: int = 0) -> list[list[int]]:
     """The first message of a call that has no counts exchange of its own:
@@ -380,12 +386,17 @@ def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRo
     On gloo its row is the shape of the dispatcher's counts row
     (``counts_row``), with the header at the same place, so that where one
     rank dispatches while another is at another verb, the two messages pair and
-    both see the different calls.
+    both see the different calls. Beside NCCL (``counts_row`` None), where it
+    meets no counts exchange, its row is the header and one tail entry, the
+    same for every dispatcher of the group and for ``dispatch.create``'s
+    agreement on the config: where ranks are at calls of dispatchers of other
+    shapes, the rows still pair, and the calls differ.
 
     Args:
         ticket: this call (``refused``: this rank takes part, then raises).
         group: the host channel's group.
-        counts_row: the dispatcher's counts row (``plan.CountsRow``).
+        counts_row: the dispatcher's counts row (``plan.CountsRow``), or None
+            (the header and one tail entry).
         dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
             the verb agrees on one (``combine``), -1 for none.
         tail: entries after the header (at most ``counts_row.tail``).
@@ -393,8 +404,8 @@ def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRo
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
-    at = counts_row.header_at
-    row = torch.zeros(counts_row.width, dtype=torch.int64)
+    at = 0 if counts_row is None else counts_row.header_at
+    row = torch.zeros(len(HEADER) + 1 if counts_row is None else counts_row.width, dtype=torch.int64)
     end = at + len(HEADER) + len(tail)
     row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code, hidden) + list(tail), dtype=torch.int64)
     rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, at:end].tolist()
@@ -422,7 +433,8 @@ class Calls:
         self._board = Board.for_group(group)
         self._host = comm.host_group(group) if self._board is None else None
         self._group, self._world, self._arrivals = group, world_size, arrivals
-        self._timeout, self._counts_row = timeout, counts_row
+        # on gloo the agreements meet the counts exchanges: rows of their shape; beside NCCL, one for all
+        self._timeout, self._counts_row = timeout, counts_row if "cpu" in comm.device_types(group) else None
 
     @property
     def on_board(self) -> bool:

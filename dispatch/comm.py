@@ -101,13 +101,19 @@ class Arrivals:
         self.group, self.timeout = group, timeout
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         name = (group if group is not None else dist.group.WORLD).group_name
-        key = f"{name}/{role}" if role else name  # waits of another role are numbered apart from the dispatchers'
+        self._key = key = f"{name}/{role}" if role else name  # other roles are numbered apart from dispatchers
         made = Arrivals._made.get(key, 0)
         Arrivals._made[key] = made + 1
         self.index = made  # the dispatcher's place among the group's, in the order every rank makes them
         self.prefix = f"moe-dispatch/{key}/{made}"
         self.what = _ROLES[role]
         self.exchange = 0
+
+    def withdraw(self) -> None:
+        """Give this one's number back (the last made of its role): the ranks
+        did not count what it waited for (``checks.CallsDiffer``)."""
+        if Arrivals._made.get(self._key) == self.index + 1:
+            Arrivals._made[self._key] = self.index
 
     def wait(self, issue) -> None:
         """Issue the collective (``issue()`` returns its work) and wait for it, bounded."""

@@ -215,6 +215,27 @@ def _only_refusals(headers) -> None:
         raise checks.PeerRefused(failed, "a call")
 
 
+def fixed_rows_apart(kind: str):
+    """The host channel's rows of the form it takes beside NCCL (``checks.agree``
+    with no counts row), the ranks at calls apart: ``"dispatchers"``, each
+    rank at a combine of another dispatcher; ``"create"``, rank 0 agreeing on
+    a config at ``create`` while rank 1 is at a dispatcher's combine. Returns
+    (the name of what was raised, its message)."""
+    from dispatch import checks, plan
+
+    rank = dist.get_rank()
+    combine = plan.Ticket(checks.VERB_CODES["combine"] + checks.DISPATCHERS * (rank if kind == "dispatchers" else 0),
+                          1, 1)
+    try:
+        if kind == "create" and rank == 0:
+            checks.agree_config(dispatch.DispatchConfig(num_experts=E), None)
+        else:
+            checks.agree(combine, None, dist.get_world_size(), None, tail=(0,))
+    except RuntimeError as exc:  # the test inspects what each rank raised
+        return type(exc).__name__, str(exc)
+    return None, ""
+
+
 def other_dispatchers_call_without_board(*args):
     return _without_board(other_dispatchers_call, *args)
 

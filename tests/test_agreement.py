@@ -144,6 +144,19 @@ def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds, board):
         assert usable, f"rank {rank}: the round trip after the different calls went wrong"
 
 
+@pytest.mark.parametrize("kind", ["dispatchers", "create"])
+def test_fixed_host_rows_pair_calls_apart_and_tell_them(worlds, kind):
+    """Beside NCCL the host channel carries only agreements, in rows of one
+    shape for every dispatcher and for create's agreement on the config: ranks
+    at calls of two dispatchers (of other shapes), or one creating a
+    dispatcher while another calls, pair and all raise CallsDiffer naming both
+    (rows of each dispatcher's own shape would abort gloo)."""
+    results = worlds(2).run(agreement_fns.fixed_rows_apart, [(kind,)] * 2)
+    want = "different dispatchers" if kind == "dispatchers" else "dispatch.create #"
+    for rank, (name, message) in enumerate(results):
+        assert name == "CallsDiffer" and want in message, (rank, name, message)
+
+
 @pytest.mark.parametrize("field, value", [("num_experts", 24), ("variant", "hierarchical"), ("combine_wire", "bf16"),
                                           ("pad_to_capacity", True), ("timeout", 30.0)])
 def test_ranks_that_create_with_different_configs_all_raise_naming_the_field(worlds, field, value):
