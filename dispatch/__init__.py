@@ -91,6 +91,7 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
     if not member or dist.get_rank(group) < 0:
         raise ValueError(f"group: rank {dist.get_rank()} of the world is not a member of the group it was given "
                          "(create the dispatcher on the ranks of its group only)")
+    _agree_config(config, group)  # first: a config that differs is named on every rank, not refused on one
     world = dist.get_world_size(group)
     if config.num_experts % world != 0:
         raise ValueError(
@@ -101,5 +102,4 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         raise ValueError(
             f"local_world_size={config.tuning.local_world_size} does not divide the group size {world}"
         )
-    _agree_config(config, group)  # before any collective that the config shapes
     return TokenDispatcher(config, group, _build_transport(config, group))

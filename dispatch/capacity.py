@@ -36,14 +36,16 @@ def capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: floa
 
 
 def drop_over_capacity(
-    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, capacity_factor: float, policy: str
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, capacity_factor: float, policy: str,
+    checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx with the dropped slots set to -1, [T, K] bool mask of the dropped slots).
 
     Ids outside [0, E) are left as they are (the value checks refuse them) and
-    never dropped, and so is every slot of a row that names an expert twice
-    (dropping one of the two would hide it from those checks);
-    ``topk_weights`` only orders the slots (``"probs"``).
+    never dropped; where the value checks run (``checked``), neither is any
+    slot of a row that names an expert twice (dropping one of the two would
+    hide it from them, and they refuse the dispatch); ``topk_weights`` only
+    orders the slots (``"probs"``).
     """
     num_tokens, topk = topk_idx.shape
     cap = capacity(num_tokens, topk, num_experts, capacity_factor)
@@ -62,5 +64,6 @@ def drop_over_capacity(
     place = torch.empty_like(order)
     place[order] = torch.arange(order.numel(), device=order.device) - starts[expert[order]]
     dropped = (valid.flatten() & (place >= cap)).view(num_tokens, topk)
-    dropped &= ~checks.repeated_ids(topk_idx).unsqueeze(1)
+    if checked:
+        dropped &= ~checks.repeated_ids(topk_idx).unsqueeze(1)
     return torch.where(dropped, -1, topk_idx), dropped

@@ -304,6 +304,8 @@ def agree_config(config, group) -> None:
     dist.all_gather_object(everyone, flat, group=host)  # every rank is here: the digests came from all
     told = "; ".join(f"{name} ({', '.join(f'rank {r}: {theirs[name]!r}' for r, theirs in enumerate(everyone))})"
                      for name in flat if any(theirs.get(name) != flat[name] for theirs in everyone))
+    if not told:  # equal values written apart (30 and 30.0): the same config
+        return
     raise ValueError(f"config: the ranks of the group made this dispatcher with different configs: {told}; every "
                      "rank calls dispatch.create with the same config, in the same order")
 
@@ -468,12 +470,17 @@ class Calls:
             if not same:  # else every rank made this very call, unrefused
                 check_peer_calls([r[: len(HEADER)] for r in rows])
         except CallsDiffer:
-            verb = VERBS[ticket.verb % DISPATCHERS]
-            if self._made.get(verb) == ticket.call:
-                self._made[verb] = ticket.call - 1
+            self.withdraw(ticket)
             raise
         end = len(HEADER) + len(tail)
         return [r[:end] for r in rows]
+
+    def withdraw(self, ticket: plan.Ticket) -> None:
+        """Give ``ticket``'s number back (where it is still its verb's last):
+        the ranks' calls differed (:class:`CallsDiffer`), and none counts it."""
+        verb = VERBS[ticket.verb % DISPATCHERS]
+        if self._made.get(verb) == ticket.call:
+            self._made[verb] = ticket.call - 1
 
 
 def refuse(error: Exception, take_part) -> None:
@@ -578,10 +585,14 @@ def check_peer_rows(headers: list[list[int]], name: str) -> None:
         raise ValueError(f"{name}: the ranks' rows have different widths H' ({told}); every rank's {name} must "
                          "have the same number of columns")
     if len({c for c in codes if c >= 0}) > 1:
-        told = ", ".join(f"rank {r}: {str(FLOAT_DTYPES[c]).replace('torch.', '')}"
-                         for r, c in enumerate(codes) if 0 <= c < len(FLOAT_DTYPES))
+        told = ", ".join(f"rank {r}: {_DTYPE_NAMES.get(c, 'not floating')}"
+                         for r, c in enumerate(codes) if c >= 0)
         raise ValueError(f"{name}: the ranks' rows have different dtypes ({told}); give {name} one floating dtype "
                          "on every rank")
+
+
+NO_DTYPE = len(FLOAT_DTYPES) + 1  # the code of a dtype not given (``combine_groups(dtype=None)``)
+_DTYPE_NAMES = {**{code: str(d).replace("torch.", "") for code, d in enumerate(FLOAT_DTYPES)}, NO_DTYPE: "None"}
 
 
 def dtype_code(rows: torch.Tensor, always: bool = False) -> int:

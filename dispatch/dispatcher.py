@@ -170,6 +170,26 @@ class TokenDispatcher:
         """
         ticket = self._calls.ticket("dispatch")
         try:
+            codec, handle, plan_out, dropped = self._plan_dispatch(ticket, x, topk_idx, topk_weights, max_rows, groups)
+        except checks.CallsDiffer:  # its first message met another call (the counts exchange, off the board)
+            self._calls.withdraw(ticket)
+            raise
+        rows = x.detach()
+        started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
+                                             (rows,), async_op, self.comm_priority)
+        config = self.config
+
+        def traffic(handle=handle, dtype=x.dtype, hidden=x.shape[1]):  # ``Dispatched.stats``, at its first read
+            row_bytes = to_experts_codec(config.dispatch_wire, dtype).row_bytes(hidden)
+            return handle.transport.stats(handle, row_bytes, sum_wire_dtype(config.combine_wire, dtype), hidden)
+
+        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
+        return work if async_op else work.wait()
+
+    def _plan_dispatch(self, ticket: plan.Ticket, x, topk_idx, topk_weights, max_rows, groups):
+        """``dispatch`` up to its rows' move: its checks, its agreement and its
+        plan. Returns (its wire codec, handle, plan outputs, dropped slots)."""
+        try:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
             checks.refuse(error, lambda: self._take_part_refused(ticket))
@@ -182,7 +202,8 @@ class TokenDispatcher:
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
             topk_idx, dropped = capacity.drop_over_capacity(topk_idx, topk_weights, self.config.num_experts,
-                                                            self.config.capacity_factor, self.config.drop_policy)
+                                                            self.config.capacity_factor, self.config.drop_policy,
+                                                            self.config.tuning.check_inputs)
         check = self.config.tuning.check_inputs
         if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
             blocks = self._capacity_blocks(x, topk_idx, ticket)
@@ -196,17 +217,7 @@ class TokenDispatcher:
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows, groups)),
                         check, groups, agreed, lambda: self._exact_memory_rows(x, ticket)))
-        rows = x.detach()
-        started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
-                                             (rows,), async_op, self.comm_priority)
-        config = self.config
-
-        def traffic(handle=handle, dtype=x.dtype, hidden=x.shape[1]):  # ``Dispatched.stats``, at its first read
-            row_bytes = to_experts_codec(config.dispatch_wire, dtype).row_bytes(hidden)
-            return handle.transport.stats(handle, row_bytes, sum_wire_dtype(config.combine_wire, dtype), hidden)
-
-        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
-        return work if async_op else work.wait()
+        return codec, handle, plan_out, dropped
 
     def combine(
         self,
@@ -404,8 +415,8 @@ class TokenDispatcher:
                 raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
 
         ticket = self._along("combine_groups", handle, check)
-        checks.check_peer_rows(self._calls.agree(ticket, -1 if dtype is None else checks.FLOAT_DTYPES.index(dtype)),
-                               "dtype")
+        code = checks.NO_DTYPE if dtype is None else checks.FLOAT_DTYPES.index(dtype)
+        checks.check_peer_rows(self._calls.agree(ticket, code), "dtype")
         return GroupSums(self, handle, dtype, wire)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:

@@ -120,7 +120,8 @@ def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
         "combine_rows": lambda: d.combine_rows(spoilt(out.tokens), out.handle),
         "dispatch_rows": lambda: d.dispatch_rows(spoilt(x), out.handle),
         "combine_slots": lambda: d.combine_slots(out.weights.double() if mine else out.weights, out.handle),
-        "combine_groups": lambda: d.combine_groups(out.handle, dtype=torch.float64 if mine else torch.float32),
+        "combine_groups": lambda: d.combine_groups(
+            out.handle, dtype=(torch.float64 if what == "dtype" else None) if mine else torch.float32),
         "GroupSums.add": lambda: d.combine_groups(out.handle, dtype=torch.float32).add(spoilt(out.tokens)),
     }[verb]
     return _timed(call, d)
@@ -234,6 +235,22 @@ def fixed_rows_apart(kind: str):
     except RuntimeError as exc:  # the test inspects what each rank raised
         return type(exc).__name__, str(exc)
     return None, ""
+
+
+def extra_call(config: dict, extra_rank: int):
+    """Rank ``extra_rank`` makes a combine_rows its peers do not make, while they
+    dispatch. Returns as :func:`one_rank_mistake` (the round trip after it: the
+    ranks in step again)."""
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=8)
+    out = d.dispatch(x, idx, w)
+    if dist.get_rank() == extra_rank:
+        return _timed(lambda: d.combine_rows(out.tokens, out.handle), d)
+    return _timed(lambda: d.dispatch(x, idx, w), d)
+
+
+def extra_call_without_board(*args):
+    return _without_board(extra_call, *args)
 
 
 def other_dispatchers_call_without_board(*args):

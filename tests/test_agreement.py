@@ -110,7 +110,7 @@ def test_a_skipped_call_stops_every_rank_naming_both_calls(worlds, variant, boar
 
 ROWS = [("combine", "dtype"), ("combine", "width"), ("combine_rows", "dtype"), ("combine_rows", "width"),
         ("dispatch_rows", "dtype"), ("dispatch_rows", "width"), ("combine_slots", "dtype"),
-        ("combine_groups", "dtype"), ("GroupSums.add", "width")]
+        ("combine_groups", "dtype"), ("combine_groups", "none"), ("GroupSums.add", "width")]
 ROWS_NAMED = {"combine": "expert_out", "combine_slots": "values", "combine_groups": "dtype"}
 
 
@@ -122,7 +122,7 @@ def test_ranks_whose_rows_differ_all_raise_before_any_row_moves(worlds, verb, wh
     the call's agreement, naming the argument; the dispatcher stays usable."""
     config = dict(num_experts=agreement_fns.E, transport="nccl")
     results = worlds(3).run(agreement_fns.rows_differ, [(config, verb, what, 1)] * 3)
-    differ = f"{ROWS_NAMED.get(verb, 'rows')}: the ranks' rows have different {'dtypes' if what == 'dtype' else 'widths'}"
+    differ = f"{ROWS_NAMED.get(verb, 'rows')}: the ranks' rows have different {'widths' if what == 'width' else 'dtypes'}"
     for rank, (name, message, elapsed, usable) in enumerate(results):
         assert name == "ValueError" and differ in message, (rank, name, message)
         assert elapsed < SOON, (rank, elapsed)
@@ -144,6 +144,19 @@ def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds, board):
         assert usable, f"rank {rank}: the round trip after the different calls went wrong"
 
 
+@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
+def test_an_extra_call_beside_a_dispatch_leaves_the_ranks_in_step(worlds, board):
+    """Rank 1 makes a combine_rows while its peers dispatch (off the board the
+    dispatch's counts exchange meets it): every rank raises CallsDiffer, none
+    counts its call, and the next round trip pairs every rank's calls again."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    fn = agreement_fns.extra_call if board else agreement_fns.extra_call_without_board
+    results = worlds(3).run(fn, [(config, 1)] * 3)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "CallsDiffer", (rank, name, message)
+        assert usable, f"rank {rank}: the round trip after the extra call went wrong"
+
+
 @pytest.mark.parametrize("kind", ["dispatchers", "create"])
 def test_fixed_host_rows_pair_calls_apart_and_tell_them(worlds, kind):
     """Beside NCCL the host channel carries only agreements, in rows of one
@@ -157,8 +170,8 @@ def test_fixed_host_rows_pair_calls_apart_and_tell_them(worlds, kind):
         assert name == "CallsDiffer" and want in message, (rank, name, message)
 
 
-@pytest.mark.parametrize("field, value", [("num_experts", 24), ("variant", "hierarchical"), ("combine_wire", "bf16"),
-                                          ("pad_to_capacity", True), ("timeout", 30.0)])
+@pytest.mark.parametrize("field, value", [("num_experts", 24), ("num_experts", 13), ("variant", "hierarchical"),
+                                          ("combine_wire", "bf16"), ("pad_to_capacity", True), ("timeout", 30.0)])
 def test_ranks_that_create_with_different_configs_all_raise_naming_the_field(worlds, field, value):
     """A rank whose config differs (here one that would make other collectives
     at creation, or none, or move other bytes) makes every rank raise at
@@ -170,6 +183,14 @@ def test_ranks_that_create_with_different_configs_all_raise_naming_the_field(wor
         assert name == "ValueError" and f"{field} (rank 0: " in message and "rank 2: " in message, (rank, message)
         assert elapsed < SOON, (rank, elapsed)
         assert usable, f"rank {rank}: the dispatcher made after the refusal went wrong"
+
+
+def test_configs_equal_but_written_apart_agree(worlds):
+    """A capacity factor of 4 on one rank and 4.0 on the others is one config."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", capacity_factor=4.0)
+    results = worlds(3).run(agreement_fns.configs_differ, [(config, 2, "capacity_factor", 4)] * 3)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name is None and usable, (rank, name, message)
 
 
 def test_the_mutation_without_the_call_check_pairs_the_skipped_call_silently(worlds):

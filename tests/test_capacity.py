@@ -39,6 +39,9 @@ def test_a_row_naming_an_expert_twice_loses_no_slot():
     new_idx, dropped = drop_over_capacity(idx, torch.ones(4, 2), 4, 0.5, "position")
     assert dropped.tolist() == [[False, False], [False, False], [True, False], [True, False]]
     assert new_idx[1].tolist() == [0, 0]
+    # without the value checks (check_inputs=False) nothing refuses the row: it drops as any other, within C
+    _, unchecked = drop_over_capacity(idx, torch.ones(4, 2), 4, 0.5, "position", checked=False)
+    assert unchecked.tolist() == [[False, False], [True, True], [True, False], [True, False]]
 
 
 @st.composite
