@@ -268,13 +268,14 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int,
 
 
 # what ``plan.Ticket.verb`` names: every verb (and backward) that communicates, by its index here, plus
-# DISPATCHERS times the dispatcher's place in its group (``Calls``), so that every header of a call (on the
-# board, over the host channel, in a counts exchange) tells calls of two dispatchers apart
+# GRAD_OFF for a dispatch or combine made with grad mode off, plus DISPATCHERS times the dispatcher's place in
+# its group (``Calls.ticket``), so that every header of a call (on the board, over the host channel, in a counts
+# exchange) tells apart calls of two dispatchers, and a differentiable call that some rank makes without autograd
 VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combine_slots", "combine_groups",
          "GroupSums.add", "the backward of dispatch", "the backward of combine", "dispatch.create")
 VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
-DISPATCHERS = 16
-assert len(VERBS) <= DISPATCHERS
+GRAD_OFF, DISPATCHERS = 16, 32
+assert len(VERBS) <= GRAD_OFF
 
 
 def agree_config(config, group) -> None:
@@ -334,8 +335,10 @@ def call_name(verb: int, call: int, along: int = 0) -> str:
     """``"combine #3 along dispatch #2"``: a call as the messages name it (its
     dispatcher's place too where it is not the group's first)."""
     dispatcher, verb = divmod(verb, DISPATCHERS)
+    off, verb = divmod(verb, GRAD_OFF)
     name = f"{VERBS[verb] if 0 <= verb < len(VERBS) else f'verb {verb}'} #{call}"
     name = f"{name} along dispatch #{along}" if along else name
+    name = f"{name} with grad mode off" if off else name
     return f"{name} of dispatcher #{dispatcher + 1}" if dispatcher else name
 
 
@@ -445,10 +448,12 @@ class Calls:
 
     def ticket(self, verb: str, along: int = 0) -> plan.Ticket:
         """The next call of ``verb`` (numbered from 1), along the handle of
-        dispatch ``along`` (0: none)."""
+        dispatch ``along`` (0: none); a dispatch or combine made with grad
+        mode off says so (its backward is every rank's or none's)."""
         number = self._made.get(verb, 0) + 1
         self._made[verb] = number
-        return plan.Ticket(VERB_CODES[verb] + DISPATCHERS * self._arrivals.index, number, along)
+        off = GRAD_OFF if verb in ("dispatch", "combine") and not torch.is_grad_enabled() else 0
+        return plan.Ticket(VERB_CODES[verb] + off + DISPATCHERS * self._arrivals.index, number, along)
 
     def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = (),
               hidden: int = 0) -> list[list[int]]:
@@ -478,7 +483,7 @@ class Calls:
     def withdraw(self, ticket: plan.Ticket) -> None:
         """Give ``ticket``'s number back (where it is still its verb's last):
         the ranks' calls differed (:class:`CallsDiffer`), and none counts it."""
-        verb = VERBS[ticket.verb % DISPATCHERS]
+        verb = VERBS[ticket.verb % GRAD_OFF]
         if self._made.get(verb) == ticket.call:
             self._made[verb] = ticket.call - 1
 

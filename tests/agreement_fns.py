@@ -9,6 +9,7 @@ answer).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -235,6 +236,26 @@ def fixed_rows_apart(kind: str):
     except RuntimeError as exc:  # the test inspects what each rank raised
         return type(exc).__name__, str(exc)
     return None, ""
+
+
+def grad_modes_differ(config: dict, verb: str, bad_rank: int):
+    """Every rank dispatches (and combines) with grad mode on, but rank
+    ``bad_rank`` makes ``verb`` with it off. Returns as :func:`one_rank_mistake`."""
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=12)
+    x.requires_grad_(True)
+    off = torch.no_grad() if dist.get_rank() == bad_rank else contextlib.nullcontext()
+    if verb == "dispatch":
+        def call():
+            with off:
+                d.dispatch(x, idx, w)
+        return _timed(call, d)
+    out = d.dispatch(x, idx, w)
+
+    def call():
+        with off:
+            d.combine(out.tokens, out.handle, weights=out.weights)
+    return _timed(call, d)
 
 
 def extra_call(config: dict, extra_rank: int):

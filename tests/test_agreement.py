@@ -157,6 +157,19 @@ def test_an_extra_call_beside_a_dispatch_leaves_the_ranks_in_step(worlds, board)
         assert usable, f"rank {rank}: the round trip after the extra call went wrong"
 
 
+@pytest.mark.parametrize("verb", ["dispatch", "combine"])
+def test_ranks_whose_grad_modes_differ_all_raise_at_the_call(worlds, verb):
+    """A rank that dispatches (or combines) with grad mode off while its peers
+    have it on would leave them waiting in the backward; every rank raises at
+    that very call instead, naming it, and none counts it."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(3).run(agreement_fns.grad_modes_differ, [(config, verb, 1)] * 3)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "CallsDiffer" and f"rank(s) [1] at {verb} #" in message and "grad mode off" in message, \
+            (rank, name, message)
+        assert usable, f"rank {rank}: the round trip after the different grad modes went wrong"
+
+
 @pytest.mark.parametrize("kind", ["dispatchers", "create"])
 def test_fixed_host_rows_pair_calls_apart_and_tell_them(worlds, kind):
     """Beside NCCL the host channel carries only agreements, in rows of one
