@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from dispatch.checks import CallsDiffer, PeerRefused, agree_config as _agree_config
+from dispatch.agreement import CallsDiffer, PeerRefused, agree_config as _agree_config
 from dispatch.config import DispatchConfig, Tuning
 from dispatch.cost_model import LinkModel
 from dispatch.dispatcher import TokenDispatcher

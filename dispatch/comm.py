@@ -111,7 +111,7 @@ class Arrivals:
 
     def withdraw(self) -> None:
         """Give this one's number back (the last made of its role): the ranks
-        did not count what it waited for (``checks.CallsDiffer``)."""
+        did not count what it waited for (``agreement.CallsDiffer``)."""
         if Arrivals._made.get(self._key) == self.index + 1:
             Arrivals._made[self._key] = self.index
 

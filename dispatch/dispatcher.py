@@ -12,7 +12,7 @@ protocol of ``transports.base.Transport``) into the public verbs:
   hand-written backward or a pipeline needs).
 
 Every verb checks its arguments on this rank, then agrees on the call with
-every peer (``checks.Calls``) before any token moves: a rank's refusal, or
+every peer (``agreement.Calls``) before any token moves: a rank's refusal, or
 ranks at different calls, raise on every rank alike.
 """
 
@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from dispatch import capacity, checks, comm, plan
+from dispatch import agreement, capacity, checks, comm, plan
 from dispatch.autograd import CombineFn
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
@@ -78,7 +78,8 @@ class TokenDispatcher:
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._members = transport.members()  # the transports whose handles it moves along
         # the calls, numbered and agreed with the peers (a row of the width of the counts exchange's)
-        self._calls = checks.Calls(group, self.world_size, transport.arrivals, config.timeout, transport.counts_row)
+        self._calls = agreement.Calls(group, self.world_size, transport.arrivals, config.timeout,
+                                      transport.counts_row)
 
     @property
     def host_free(self) -> bool:
@@ -171,7 +172,7 @@ class TokenDispatcher:
         ticket = self._calls.ticket("dispatch")
         try:
             codec, handle, plan_out, dropped = self._plan_dispatch(ticket, x, topk_idx, topk_weights, max_rows, groups)
-        except checks.CallsDiffer:  # its first message met another call (the counts exchange, off the board)
+        except agreement.CallsDiffer:  # its first message met another call (the counts exchange, off the board)
             self._calls.withdraw(ticket)
             raise
         rows = x.detach()
@@ -192,7 +193,7 @@ class TokenDispatcher:
         try:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
-            checks.refuse(error, lambda: self._take_part_refused(ticket))
+            agreement.refuse(error, lambda: self._take_part_refused(ticket))
         agreed = None
         if self.transport.agrees_dispatch and not self.config.pad_to_capacity:  # its word, every rank's
             word = self.transport.dispatch_word(x, topk_weights, max_rows)
@@ -512,13 +513,13 @@ class TokenDispatcher:
     def _along(self, verb: str, handle, check) -> plan.Ticket:
         """Start a verb that moves rows along ``handle``: run its own checks
         (``check()``); if they fail, agree on the call refused and raise (the
-        peers raise :class:`checks.PeerRefused`). Returns the call's ticket,
-        which the verb then agrees on (``checks.Calls.agree``)."""
+        peers raise :class:`agreement.PeerRefused`). Returns the call's ticket,
+        which the verb then agrees on (``agreement.Calls.agree``)."""
         ticket = self._calls.ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
         try:
             check()
         except (TypeError, ValueError) as error:
-            checks.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
+            agreement.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
         return ticket
 
     def _start(self, issue, reads: tuple, async_op: bool) -> Started:
@@ -533,7 +534,7 @@ class TokenDispatcher:
 
     def _capacity_blocks(self, x: torch.Tensor, topk_idx: torch.Tensor, ticket: plan.Ticket) -> tuple[int, ...]:
         """min(C_s, T_s) of every rank s of the group (``pad_to_capacity``): every
-        rank's T travels in the call's agreement (``checks.Calls.agree``)."""
+        rank's T travels in the call's agreement (``agreement.Calls.agree``)."""
         config = self.config
         tokens = [row[-1] for row in self._calls.agree(ticket, tail=(topk_idx.shape[0],))]
         topk = topk_idx.shape[1]

@@ -101,7 +101,7 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
 
 
 # What each rank adds to the counts all-gather (and to every other verb's first
-# message, ``checks.agree``): the call itself (its verb, its number on the
+# message, ``agreement.agree``): the call itself (its verb, its number on the
 # dispatcher, and the number of the dispatch whose handle it moves along: ranks
 # whose calls differ all raise, so that no call completes by pairing with
 # another), so that every rank can check that all ranks agree, learn
@@ -119,7 +119,7 @@ class Ticket:
     """What a call's header carries besides its inputs.
 
     Attributes:
-        verb: index of the verb in ``checks.VERBS``.
+        verb: index of the verb in ``agreement.VERBS``.
         call: the call's number among this dispatcher's calls of that verb (1, 2, ...).
         along: the number of the dispatch whose handle the call moves along (0
             for a dispatch).
@@ -161,7 +161,7 @@ def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, ticket: Ticke
 
 def call_header(ticket: Ticket, dtype_code: int = -1, hidden: int = 0) -> list[int]:
     """The entries of ``HEADER`` for a call without a dispatch's inputs (its
-    agreement, ``checks.agree`` and ``dispatch.board``): the call, its refusal,
+    agreement, ``agreement.agree`` and ``dispatch.board``): the call, its refusal,
     ``hidden`` (the width of its rows, 0: none) and ``dtype_code`` in
     ``x_dtype`` (the code of its rows' dtype, -1: none)."""
     return [ticket.verb, ticket.call, ticket.along, 0, hidden, dtype_code, -1, 0, 0, int(ticket.refused), -1, -1]
@@ -173,7 +173,7 @@ class CountsRow:
     defined here once: ``[counts W * (1 + E_local) | header | tail]``, the
     counts this rank's ``Route.counts``, the header its ``HEADER`` entries, the
     tail what the exchange adds (at least one entry). The host channel's
-    agreement (``checks.agree``) all-gathers rows of the same width, so that on
+    agreement (``agreement.agree``) all-gathers rows of the same width, so that on
     gloo the two pair. (The NVLink engine's row is ``Row`` in
     ``csrc/engine.cuh``: ``dispatch.nvlink_layout``.)
 

@@ -56,13 +56,13 @@ def _bad(value: torch.Tensor, mistake: str):
 def _without_board(fn, *args):
     """``fn(*args)`` with the dispatchers it makes agreeing over the host channel
     (a gloo collective) instead of the board: as ranks on several hosts do."""
-    from dispatch import checks
+    from dispatch import agreement
 
-    made, checks.Board.for_group = checks.Board.for_group, staticmethod(lambda group: None)
+    made, agreement.Board.for_group = agreement.Board.for_group, staticmethod(lambda group: None)
     try:
         return fn(*args)
     finally:
-        checks.Board.for_group = made
+        agreement.Board.for_group = made
 
 
 def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
@@ -194,45 +194,45 @@ def skipped_call(config: dict, skipping: int, check: bool = True):
     second = d.dispatch(x + 100, idx, w)
     handle, rows = (second.handle, second.tokens) if rank == skipping else (first.handle, first.tokens)
     if not check:
-        from dispatch import checks
+        from dispatch import agreement
 
-        checks.check_peer_calls, original = _only_refusals, checks.check_peer_calls
+        agreement.check_peer_calls, original = _only_refusals, agreement.check_peer_calls
     try:
         home = d.combine_rows(rows, handle)
     except RuntimeError as exc:
         return type(exc).__name__, str(exc)
     finally:
         if not check:
-            checks.check_peer_calls = original
+            agreement.check_peer_calls = original
     expected = d.combine_rows(first.tokens, first.handle) if check else None
     return None, expected is None or torch.equal(home, expected)
 
 
 def _only_refusals(headers) -> None:
-    """``checks.check_peer_calls`` without its comparison of the calls (the mutation)."""
-    from dispatch import checks, plan
+    """``agreement.check_peer_calls`` without its comparison of the calls (the mutation)."""
+    from dispatch import agreement, plan
 
     failed = [r for r, h in enumerate(headers) if h[plan.HEADER.index("failed")]]
     if failed:
-        raise checks.PeerRefused(failed, "a call")
+        raise agreement.PeerRefused(failed, "a call")
 
 
 def fixed_rows_apart(kind: str):
-    """The host channel's rows of the form it takes beside NCCL (``checks.agree``
+    """The host channel's rows of the form it takes beside NCCL (``agreement.agree``
     with no counts row), the ranks at calls apart: ``"dispatchers"``, each
     rank at a combine of another dispatcher; ``"create"``, rank 0 agreeing on
     a config at ``create`` while rank 1 is at a dispatcher's combine. Returns
     (the name of what was raised, its message)."""
-    from dispatch import checks, plan
+    from dispatch import agreement, plan
 
     rank = dist.get_rank()
-    combine = plan.Ticket(checks.VERB_CODES["combine"] + checks.DISPATCHERS * (rank if kind == "dispatchers" else 0),
-                          1, 1)
+    place = rank if kind == "dispatchers" else 0
+    combine = plan.Ticket(agreement.VERB_CODES["combine"] + agreement.DISPATCHERS * place, 1, 1)
     try:
         if kind == "create" and rank == 0:
-            checks.agree_config(dispatch.DispatchConfig(num_experts=E), None)
+            agreement.agree_config(dispatch.DispatchConfig(num_experts=E), None)
         else:
-            checks.agree(combine, None, dist.get_world_size(), None, tail=(0,))
+            agreement.agree(combine, None, dist.get_world_size(), None, tail=(0,))
     except RuntimeError as exc:  # the test inspects what each rank raised
         return type(exc).__name__, str(exc)
     return None, ""

@@ -1,0 +1,272 @@
+"""The agreement of every call across the ranks: before any token moves, every
+verb that communicates (and each backward) agrees on the call with its peers,
+whatever its own checks (``dispatch.checks``) found.
+
+Only one rank may see its own mistake, so no rank raises alone. The agreement
+runs on the group's board in shared memory where the ranks share a host
+(``dispatch.board``), else over the host channel (:func:`agree`; a dispatch
+then rides on its counts all-gather). The call's header (``plan.HEADER``)
+names it (its verb, dispatcher and grad mode, its number on the dispatcher,
+the dispatch whose handle it moves along) and marks a rank that refused its
+input; after the agreement every rank raises alike, before any token moves:
+the rank that refused its own error, its peers a :class:`PeerRefused` naming
+it, and every rank a :class:`CallsDiffer` naming both calls where the ranks
+are at different calls, so that no call completes by pairing with another.
+A refusal agreed so leaves the dispatcher usable; calls that differ are
+counted by no rank. ``dispatch.create`` agrees on the config the same way
+(:func:`agree_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from dispatch import comm, plan
+from dispatch.board import Board
+from dispatch.plan import HEADER
+
+_FAILED = HEADER.index("failed")
+
+
+def header_rows(headers) -> list[list[int]]:
+    """Headers as lists of ints (from a host tensor, or as given)."""
+    return headers.tolist() if isinstance(headers, torch.Tensor) else headers
+
+
+# what ``plan.Ticket.verb`` names: every verb (and backward) that communicates, by its index here, plus
+# GRAD_OFF for a dispatch or combine made with grad mode off, plus DISPATCHERS times the dispatcher's place in
+# its group (``Calls.ticket``), so that every header of a call (on the board, over the host channel, in a counts
+# exchange) tells apart calls of two dispatchers, and a differentiable call that some rank makes without autograd
+VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combine_slots", "combine_groups",
+         "GroupSums.add", "the backward of dispatch", "the backward of combine", "dispatch.create")
+VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
+GRAD_OFF, DISPATCHERS = 16, 32
+assert len(VERBS) <= GRAD_OFF
+
+
+def agree_config(config, group) -> None:
+    """Every rank of ``group`` makes its next dispatcher with the same ``config``
+    (``dispatch.create``'s first collective, before any whose shape the config
+    decides): a digest of it all-gathered over the host channel, waited for at
+    most ``config.timeout``; where the ranks' differ, every rank raises a
+    ValueError naming the fields and the ranks' values (one more all-gather)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    flat = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "tuning"}
+    flat.update({f.name: getattr(config.tuning, f.name) for f in dataclasses.fields(config.tuning)})
+    digest = hashlib.blake2b(repr(sorted(flat.items())).encode(), digest_size=8).digest()
+    host = comm.host_group(group)
+    arrivals = comm.Arrivals(group, config.timeout, role="config")
+    ticket = plan.Ticket(VERB_CODES["dispatch.create"], arrivals.index + 1)  # the group's n-th create
+    # a call's agreement as the host channel makes it (the ranks at another call raise CallsDiffer), its tail the digest
+    try:
+        rows = agree(ticket, host, world, None, arrivals, tail=(int.from_bytes(digest, "little", signed=True),))
+    except CallsDiffer:
+        arrivals.withdraw()  # not counted, as a call's: the next create is numbered as this one
+        raise
+    if all(row[-1] == rows[0][-1] for row in rows):
+        return
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, flat, group=host)  # every rank is here: the digests came from all
+    told = "; ".join(f"{name} ({', '.join(f'rank {r}: {theirs[name]!r}' for r, theirs in enumerate(everyone))})"
+                     for name in flat if any(theirs.get(name) != flat[name] for theirs in everyone))
+    if not told:  # equal values written apart (30 and 30.0): the same config
+        return
+    raise ValueError(f"config: the ranks of the group made this dispatcher with different configs: {told}; every "
+                     "rank calls dispatch.create with the same config, in the same order")
+
+
+class CallsDiffer(RuntimeError):
+    """The ranks are at different calls (another verb, number, handle's dispatch
+    or dispatcher): every rank raises it alike, and none counts the call as made
+    (:meth:`Calls.agree`), so that where one rank's mistake was an extra call
+    the ranks are in step again at the next."""
+
+
+class PeerRefused(RuntimeError):
+    """Some rank refused its own arguments of this call (its error says why).
+
+    Attributes:
+        ranks: the ranks that refused.
+    """
+
+    def __init__(self, ranks: list[int], call: str) -> None:
+        super().__init__(f"rank(s) {ranks} of the group refused {call} (see their errors); every rank stops "
+                         "here, before any token moves, and the dispatcher stays usable")
+        self.ranks = ranks
+
+
+def call_name(verb: int, call: int, along: int = 0) -> str:
+    """``"combine #3 along dispatch #2"``: a call as the messages name it (its
+    dispatcher's place too where it is not the group's first)."""
+    dispatcher, verb = divmod(verb, DISPATCHERS)
+    off, verb = divmod(verb, GRAD_OFF)
+    name = f"{VERBS[verb] if 0 <= verb < len(VERBS) else f'verb {verb}'} #{call}"
+    name = f"{name} along dispatch #{along}" if along else name
+    name = f"{name} with grad mode off" if off else name
+    return f"{name} of dispatcher #{dispatcher + 1}" if dispatcher else name
+
+
+def check_peer_calls(headers) -> None:
+    """Every rank is at the same call (of the same dispatcher), and none refused it.
+
+    Args:
+        headers: [W, len(HEADER)] every rank's header (host int64 tensor, or
+            lists); its verb tells the dispatcher too (``DISPATCHERS``).
+    Raises:
+        :class:`CallsDiffer` naming the ranks and their calls where they differ
+        (the handle's dispatch compared between the ranks that did not refuse:
+        a refused handle may be none);
+        :class:`PeerRefused` naming the ranks that refused (on every rank alike).
+    """
+    headers = header_rows(headers)
+    columns = [HEADER.index(c) for c in ("verb", "call", "along")]
+    calls = [tuple(h[c] for c in columns) for h in headers]
+    failed = [r for r, h in enumerate(headers) if h[_FAILED]]
+    dispatchers = [c[0] // DISPATCHERS for c in calls]
+    if any(d != dispatchers[0] for d in dispatchers):
+        told = ", ".join(f"rank {r}: dispatcher #{d + 1} at {call_name(c[0] % DISPATCHERS, *c[1:])}"
+                         for r, (d, c) in enumerate(zip(dispatchers, calls)))
+        raise CallsDiffer(f"the ranks of the group are at calls of different dispatchers ({told}): every rank "
+                          "must make the same calls of each dispatcher in the same order; every rank stops here, "
+                          "before any token moves")
+    alongs = {c[2] for r, c in enumerate(calls) if r not in failed}
+    if any(c[:2] != calls[0][:2] for c in calls) or len(alongs) > 1:
+        at: dict[tuple[int, ...], list[int]] = {}
+        for rank, c in enumerate(calls):
+            at.setdefault(c, []).append(rank)
+        told = "; ".join(f"rank(s) {ranks} at {call_name(*c)}" for c, ranks in at.items())
+        raise CallsDiffer(f"the ranks of the group are at different calls of the dispatcher ({told}): a rank "
+                          "skipped a call or made another; no call completes by pairing with another, and "
+                          "every rank stops here, before any token moves")
+    if failed:
+        raise PeerRefused(failed, call_name(calls[0][0], calls[0][1], min(alongs, default=0)))
+
+
+def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRow | None,
+          arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = (),
+          hidden: int = 0) -> list[list[int]]:
+    """The first message of a call that has no counts exchange of its own:
+    every rank's header of the call, all-gathered on the host and checked
+    (:func:`check_peer_calls`).
+
+    It runs over the group's host channel (``comm.host_group``: the group
+    itself on gloo, a gloo group of the same ranks beside NCCL), so that it
+    waits for the peers to reach the call and for nothing queued on the GPU.
+    On gloo its row is the shape of the dispatcher's counts row
+    (``counts_row``), with the header at the same place, so that where one
+    rank dispatches while another is at another verb, the two messages pair and
+    both see the different calls. Beside NCCL (``counts_row`` None), where it
+    meets no counts exchange, its row is the header and one tail entry, the
+    same for every dispatcher of the group and for ``dispatch.create``'s
+    agreement on the config: where ranks are at calls of dispatchers of other
+    shapes, the rows still pair, and the calls differ.
+
+    Args:
+        ticket: this call (``refused``: this rank takes part, then raises).
+        group: the host channel's group.
+        counts_row: the dispatcher's counts row (``plan.CountsRow``), or None
+            (the header and one tail entry).
+        dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
+            the verb agrees on one (``combine``), -1 for none.
+        tail: entries after the header (at most ``counts_row.tail``).
+        hidden: the ``hidden`` column: the width of the rows the call moves (0: none).
+    Returns:
+        [W][len(HEADER) + len(tail)] every rank's header and tail.
+    """
+    at = 0 if counts_row is None else counts_row.header_at
+    row = torch.zeros(len(HEADER) + 1 if counts_row is None else counts_row.width, dtype=torch.int64)
+    end = at + len(HEADER) + len(tail)
+    row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code, hidden) + list(tail), dtype=torch.int64)
+    rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, at:end].tolist()
+    check_peer_calls(rows)
+    return rows
+
+
+class Calls:
+    """One dispatcher's calls: numbered per verb, and agreed with the peers
+    before any token moves, on the group's board where the ranks share a host
+    (``dispatch.board``), else over the host channel (:func:`agree`).
+
+    Args:
+        group, world_size: the dispatcher's group.
+        arrivals: its bounded waits (its ``index`` is the dispatcher's place in
+            the group, which the board's rows carry).
+        timeout: ``DispatchConfig.timeout``.
+        counts_row: the dispatcher's counts row (``plan.CountsRow``), the
+            host channel's row shape.
+    """
+
+    def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float,
+                 counts_row: plan.CountsRow) -> None:
+        self._made: dict[str, int] = {}
+        self._board = Board.for_group(group)
+        self._host = comm.host_group(group) if self._board is None else None
+        self._group, self._world, self._arrivals = group, world_size, arrivals
+        # on gloo the agreements meet the counts exchanges: rows of their shape; beside NCCL, one for all
+        self._timeout, self._counts_row = timeout, counts_row if "cpu" in comm.device_types(group) else None
+
+    @property
+    def on_board(self) -> bool:
+        """Whether the calls agree on the board (every rank on one host)."""
+        return self._board is not None
+
+    def ticket(self, verb: str, along: int = 0) -> plan.Ticket:
+        """The next call of ``verb`` (numbered from 1), along the handle of
+        dispatch ``along`` (0: none); a dispatch or combine made with grad
+        mode off says so (its backward is every rank's or none's)."""
+        number = self._made.get(verb, 0) + 1
+        self._made[verb] = number
+        off = GRAD_OFF if verb in ("dispatch", "combine") and not torch.is_grad_enabled() else 0
+        return plan.Ticket(VERB_CODES[verb] + off + DISPATCHERS * self._arrivals.index, number, along)
+
+    def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = (),
+              hidden: int = 0) -> list[list[int]]:
+        """Agree on the call of ``ticket`` with the peers: [W][len(HEADER) +
+        len(tail)] every rank's header of the call and what followed it
+        (``tail``: at most one entry; ``dtype_code``, ``hidden``: the dtype and
+        width of its rows, :func:`check_peer_rows`). Raises as
+        :func:`check_peer_calls`; where the ranks' calls differ, none is
+        counted as made (this rank's number is given again)."""
+        try:
+            if self._board is None:
+                return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail,
+                             hidden)
+            row = [*plan.call_header(ticket, dtype_code, hidden), *(tail or (0,))]  # one length for all
+            rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
+            same = not ticket.refused
+            for r in rows:
+                same = same and r == row
+            if not same:  # else every rank made this very call, unrefused
+                check_peer_calls([r[: len(HEADER)] for r in rows])
+        except CallsDiffer:
+            self.withdraw(ticket)
+            raise
+        end = len(HEADER) + len(tail)
+        return [r[:end] for r in rows]
+
+    def withdraw(self, ticket: plan.Ticket) -> None:
+        """Give ``ticket``'s number back (where it is still its verb's last):
+        the ranks' calls differed (:class:`CallsDiffer`), and none counts it."""
+        verb = VERBS[ticket.verb % GRAD_OFF]
+        if self._made.get(verb) == ticket.call:
+            self._made[verb] = ticket.call - 1
+
+
+def refuse(error: Exception, take_part) -> None:
+    """Raise ``error``, this rank's refusal of its arguments, once it took part
+    in the call's first message marked refused (``take_part()``, which raises
+    :class:`PeerRefused` on every rank): its peers raise there too, naming it,
+    instead of pairing their exchanges with its next call."""
+    try:
+        take_part()
+    except PeerRefused:
+        raise error from None
+    except Exception as other:  # the ranks are at different calls, or a peer is missing
+        raise other from error
+    raise error  # not reached: a refused first message raises on every rank
