@@ -9,13 +9,13 @@ setup(
     python_requires=">=3.10",
     packages=[*find_packages(include=["dispatch", "dispatch.*"]), "dispatch.csrc"],
     package_dir={"dispatch.csrc": "csrc"},  # the NVLink engine's kernels, compiled at first use
-    package_data={"dispatch.csrc": ["*.cu", "*.cuh"]},
+    package_data={"dispatch.csrc": ["*.cu", "*.cuh", "*.cpp"]},
     install_requires=["torch>=2.4"],
     extras_require={
         "test": ["pytest", "hypothesis", "triton", "matplotlib"],
         "bench": ["matplotlib"],
-        "cuda12": ["cupy-cuda12x"],
-        "cuda13": ["cupy-cuda13x"],
+        "cuda12": ["cupy-cuda12x", "ninja"],
+        "cuda13": ["cupy-cuda13x", "ninja"],
         "megatron": ["megatron-core"],
     },
     entry_points={"console_scripts": ["dispatch-bench=dispatch.bench:main"]},

@@ -266,10 +266,10 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
         a rank marked itself failed (``fold_flags``).
     """
     headers = agreement.header_rows(headers)  # a few host values: plain Python, no tensor op per check
-    first = headers[0][:_AGREED]
+    first = headers[0][:AGREED]
     usual, x_grad, weights_grad = True, False, False
     for h in headers:  # a loop, not generators: every dispatch's host path
-        usual = usual and not h[_FAILED] and h[:_AGREED] == first
+        usual = usual and not h[_FAILED] and h[:AGREED] == first
         x_grad, weights_grad = x_grad or bool(h[_X_GRAD]), weights_grad or bool(h[_WEIGHTS_GRAD])
     if usual:
         return x_grad, weights_grad
@@ -286,11 +286,12 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
 
 
 # where the checks read a header (``plan.HEADER``); the columns every rank must agree on come first
-_AGREED = HEADER.index("weights_dtype") + 1
+# (AGREED of them: the compiled counts exchange, csrc/host.cpp, compares them too)
+AGREED = HEADER.index("weights_dtype") + 1
 _FAILED, _X_GRAD, _WEIGHTS_GRAD = HEADER.index("failed"), HEADER.index("x_grad"), HEADER.index("weights_grad")
 _HIDDEN, _X_DTYPE = HEADER.index("hidden"), HEADER.index("x_dtype")
 _MAX_ROWS, _MEMORY_ROWS = HEADER.index("max_rows"), HEADER.index("memory_rows")
-assert set(HEADER[:_AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
+assert set(HEADER[:AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
 
 
 def fold_flags(header_row: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
@@ -314,7 +315,7 @@ def peers_fail(headers: torch.Tensor, rows_of: torch.Tensor, groups: torch.Tenso
         headers: [W, len(HEADER)] every rank's header; rows_of: [W] every
             rank's N; groups: [W] every rank's G (int64, on the device).
     """
-    agreed = headers[:, :_AGREED]
+    agreed = headers[:, :AGREED]
     bound, memory = headers[:, _MAX_ROWS], headers[:, _MEMORY_ROWS]
     over = (bound >= 0) & (rows_of > bound)
     short = (memory >= 0) & (memory < torch.maximum(rows_of, bound))

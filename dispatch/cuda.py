@@ -224,24 +224,65 @@ class Launch:
         # the bound values as they travel, by place (a pointer's address), None where free
         values = arguments(signature, {**dict.fromkeys(self.free, 0), **bound})
         self._bound = tuple(None if n in self.free else v for n, v in zip(signature.names, values))
+        self._block = parameter_block(signature.codes)[0].pack(*values)  # the free values 0
         self._pack = _packer(signature, self.free)
         self._local = threading.local()
+        self._compiled: dict = {}  # (device, order of the free values) -> host.Launcher, or None
 
     def __call__(self, blocks: int, shared: int = 0, **free) -> None:
         device = current_device()  # the CUDA runtime's current device, which the launch uses
+        compiled = self._compiled.get((device, None), False)
+        if compiled is False:
+            compiled = self.compiled(device)
+        if compiled is not None:
+            try:
+                values = _gatherer(self.kernel.signature, self.free)(free)
+            except KeyError:
+                self._refuse(free)
+            compiled.launch(max(int(blocks), 1), shared, _raw_stream(device), values)
+            return
         handle = self.kernel.handle(device)
         made = getattr(self._local, "made", None) or self._make()
         pack_into, block, config, config_at, params_at = made
         try:
             self._pack(pack_into, block, free, self._bound)
-        except KeyError:  # a name missing or unknown: the error names them
-            missing, unknown = [n for n in self.free if n not in free], sorted(set(free) - set(self.free))
-            raise TypeError(f"a launch must name every parameter of the kernel once: missing {missing}, "
-                            f"unknown {unknown}") from None
+        except KeyError:
+            self._refuse(free)
         config.gridDimX, config.sharedMemBytes = max(int(blocks), 1), shared
         config.hStream = _raw_stream(device)
         config.numAttrs = 1 if _dependent_launch(device) else 0
         _check(_launch()(config_at, handle, params_at, None), "cuLaunchKernelEx")
+
+    def _refuse(self, free: dict):
+        """Raise the TypeError of a launch whose names are not its free parameters."""
+        missing, unknown = [n for n in self.free if n not in free], sorted(set(free) - set(self.free))
+        raise TypeError(f"a launch must name every parameter of the kernel once: missing {missing}, "
+                        f"unknown {unknown}") from None
+
+    def compiled(self, device: int, order: tuple[str, ...] | None = None):
+        """This launch on CUDA device ``device`` through the compiled host path
+        (``dispatch.host``): a ``Launcher`` whose ``launch(blocks, shared, stream,
+        values)`` takes the free values in ``order`` (their names; None: the
+        signature's order), each as it travels; None where the path is not built
+        here."""
+        key = (device, order)
+        if key in self._compiled:
+            return self._compiled[key]
+        from dispatch import host
+
+        module = host.module()
+        launcher = None
+        if module is not None:
+            signature = self.kernel.signature
+            names = self.free if order is None else order
+            if sorted(names) != sorted(self.free):
+                raise TypeError(f"a compiled launch takes its free parameters {sorted(self.free)}, got {list(names)}")
+            _, offsets = parameter_block(signature.codes)
+            launcher = module.Launcher(self.kernel.handle(device), self.kernel.threads, _dependent_launch(device),
+                                       self._block, signature.codes, list(offsets),
+                                       [signature.names.index(n) for n in names])
+        self._compiled[key] = launcher
+        return launcher
 
     def _make(self) -> tuple:
         """This thread's (packer, parameter block, launch configuration and the
@@ -267,26 +308,37 @@ class Launch:
 def _packer(signature: Signature, free: tuple[str, ...]):
     """``pack(pack_into, block, args, bound)``: a launch's values packed into
     ``block`` in the order of ``signature``: the ``free`` parameters from
-    ``args`` (a pointer's tensor as its data pointer, an address as a plain int,
-    None as 0), every one and
-    nothing else (KeyError otherwise), the others from ``bound`` (by place, as
-    they travel). One function made per (signature, free names): no loop over
-    the parameters at each launch."""
-    values = []
-    for i, name in enumerate(signature.names):
-        if name not in free:
-            values.append(f"c[{i}]")
-        elif i in signature.pointers:  # a tensor's data pointer, an address, or None for 0
-            values.append(f"(0 if (v := a[{name!r}]) is None else v if v.__class__ is int else v.data_ptr())")
-        else:
-            values.append(f"a[{name!r}]")
-    source = (f"def pack(pack_into, block, a, c):\n"
-              f"    if len(a) != {len(free)}:\n"
-              f"        raise KeyError\n"
-              f"    pack_into(block, 0, {', '.join(values)})\n")
+    ``args`` (:func:`_given`), every one and nothing else (KeyError otherwise),
+    the others from ``bound`` (by place, as they travel). One function made per
+    (signature, free names): no loop over the parameters at each launch."""
+    values = [_given(signature, name) if name in free else f"c[{i}]" for i, name in enumerate(signature.names)]
+    return _made("pack(pack_into, block, a, c)", len(free), f"pack_into(block, 0, {', '.join(values)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _gatherer(signature: Signature, free: tuple[str, ...]):
+    """``values(args)``: a launch's ``free`` values from ``args`` in that order
+    (:func:`_given`), every one and nothing else (KeyError otherwise): the
+    compiled path's counterpart of :func:`_packer`."""
+    return _made("values(a)", len(free), f"return ({''.join(_given(signature, n) + ', ' for n in free)})")
+
+
+def _given(signature: Signature, name: str) -> str:
+    """The expression of parameter ``name``'s value as it travels, from the launch's
+    arguments ``a``: a pointer's tensor as its data pointer, an address as a plain
+    int, None as 0; a scalar as given."""
+    if signature.names.index(name) in signature.pointers:
+        return f"(0 if (v := a[{name!r}]) is None else v if v.__class__ is int else v.data_ptr())"
+    return f"a[{name!r}]"
+
+
+def _made(head: str, count: int, body: str):
+    """The function ``def {head}: {body}`` that raises KeyError unless its ``a``
+    holds ``count`` names (its names and places come from csrc/'s declarations,
+    nothing else)."""
     scope: dict = {}
-    exec(source, scope)  # names and places from csrc/'s declarations (``signature``), nothing else
-    return scope["pack"]
+    exec(f"def {head}:\n    if len(a) != {count}:\n        raise KeyError\n    {body}\n", scope)
+    return scope[head.split("(")[0]]
 
 
 def arguments(signature: Signature, args: dict) -> list:

@@ -53,14 +53,15 @@ One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
 
 from __future__ import annotations
 
+import array
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dispatch import cuda, plan
-from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts, _up,
-                                    aligned_rows, partial_row_bytes, scan_warps, staged_row_bytes)
+from dispatch import cuda, host, plan
+from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts,
+                                    HostCounts, _up, aligned_rows, partial_row_bytes, scan_warps, staged_row_bytes)
 from dispatch.nvlink_moves import EngineMoves
 
 __all__ = ["GROUPS_COL", "SENDS_COL", "STAGED_COL", "TOKENS_COL", "Capacity", "Counts", "Engine", "aligned_rows",
@@ -137,6 +138,7 @@ class Engine(EngineMoves):
         self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (_Ordered)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
         self._polled_event: torch.cuda.Event | None = None
+        self._host_words: torch.Tensor | None = None  # pinned: the compiled counts exchange reads into it
         # operations issued so far that may write the peers' buffers or raise an epoch (a
         # combine by groups sees whether another came between two of its groups)
         self.operations = 0
@@ -267,7 +269,7 @@ class Engine(EngineMoves):
 
     def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int],
                         rows: torch.Tensor | None = None, codec=None, check_values: bool = False,
-                        host_read: bool = True, groups: int = 1) -> Counts:
+                        host_read: bool = True, groups: int = 1, planned: tuple | None = None) -> Counts:
         """Counts, routes and the counts exchange of one dispatch.
 
         Args:
@@ -290,18 +292,26 @@ class Engine(EngineMoves):
             groups: G, the groups of local experts the dispatch moves by (the
                 same on every rank); with a row budget and G > 1 each group's
                 rows are padded to B = ceil(max_rows / G) (``Counts.group_end``).
+            planned: (J, the dtype of the places' weights): with a host read on
+                the compiled path, check the usual case and make the handle's
+                tensors there (``Counts.planned``).
         """
         with self._ordered():
-            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read, groups)
+            return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read, groups,
+                                         planned)
 
     def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, host_read,
-                         groups: int = 1) -> Counts:
+                         groups: int = 1, planned: tuple | None = None) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
         hidden = 0 if rows is None else rows.shape[1]
         key = ("counts", tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden,
                groups)
-        fits, layout, counts, words, sizes = self._cached(key, self._counts_launches)
+        fits, layout, counts, words, sizes, compiled = self._cached(key, self._counts_launches)
+        budgeted = header[plan.HEADER.index("max_rows")] >= 0
+        if compiled is not None and host_read and rows is not None and not (groups > 1 and budgeted):
+            return host.exchange_counts(self, compiled, topk_idx, weights, header, rows, codec, check_values, fits,
+                                        words, planned or (0, torch.float32))
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
         # kernels get addresses into it: int32 words at these offsets), zeroed again by
         # exchange_counts once read
@@ -347,25 +357,37 @@ class Engine(EngineMoves):
         matrix = out[4 : 4 + world * length].view(world, length)
         src_start = out[places : places + world * local]
         num_rows = out[places + world * local : places + world * local + 1]
-        budgeted = header[plan.HEADER.index("max_rows")] >= 0
         group_end = out[places + world * local + 1 :] if groups > 1 and budgeted else None
         if not host_read:
             bound = self.capacity.tokens
             return Counts(matrix, None, None, bound, per_expert, src_start, num_rows, route, lists,
                           self._tokens_at(bound), hit, fits and rows is not None, group_end)
         # host sync: row counts (to size the output), headers, status
-        host = out[: 4 + world * length].tolist()
-        code, peer, where = host[:3]
+        words_read = out[: 4 + world * length].tolist()
+        code, peer, where = words_read[:3]
         if code:
             self._raise(code, peer, where)
-        matrix_host = [host[4 + s * length : 4 + (s + 1) * length] for s in range(world)]
+        matrix_host = [words_read[4 + s * length : 4 + (s + 1) * length] for s in range(world)]
         staged, bound, received = rows is not None, 1, 0
         for r in matrix_host:  # a loop, not three generators: this is every dispatch's host path
             staged = staged and bool(r[STAGED_COL])
             bound = r[TOKENS_COL] if r[TOKENS_COL] > bound else bound
             received += r[SENDS_COL + self.rank]
-        return Counts(matrix, matrix_host, received, bound, per_expert, src_start, num_rows, route, lists,
-                      self._tokens_at(bound), hit, staged, group_end)
+        return Counts(matrix, self._host_counts(matrix_host), received, bound, per_expert, src_start, num_rows,
+                      route, lists, self._tokens_at(bound), hit, staged, group_end)
+
+    def _host_counts(self, matrix_host: list[list[int]]) -> HostCounts:
+        """:class:`HostCounts` of the counts matrix read on the host (W rows of L ints)."""
+        header_len, first, local, rank = len(plan.HEADER), self.counts_col, self.experts_per_rank, self.rank
+        rows = [sum(sum(r[first + d * local : first + (d + 1) * local]) for r in matrix_host)
+                for d in range(self.world)]
+        if self.world == 1:
+            mine = matrix_host[0][first : first + local]
+        else:
+            mine = list(map(sum, zip(*(r[first + rank * local : first + (rank + 1) * local] for r in matrix_host))))
+        return HostCounts(tuple(r[:header_len] for r in matrix_host),
+                          tuple(tuple(r[SENDS_COL:first]) for r in matrix_host), rows, mine,
+                          torch.frombuffer(array.array("q", mine), dtype=torch.int64))
 
     def _counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,
                          hidden: int, groups: int) -> tuple:
@@ -431,7 +453,7 @@ class Engine(EngineMoves):
         # int32 words of the routes, the lists, the hits, the exchange's output, the scan's sums
         sizes = (tokens * topk * 4, world * tokens, tokens, 4 + world * self.row_len + world * local + 1 + groups,
                  2 * chunks * (self.num_experts + world) if tokens else 0)
-        return fits, layout, counts, words, sizes
+        return fits, layout, counts, words, sizes, host.counts_launchers(self, tokens, topk, layout, counts, sizes)
 
     def _cached(self, key: tuple, make):
         """``make(*key[1:])`` (launches of one shape, ``key[0]`` naming which), made

@@ -8,6 +8,7 @@ Notation as in ``dispatch.nvlink``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -73,13 +74,32 @@ class Capacity:
         return out
 
 
+class HostCounts(NamedTuple):
+    """What the host reads of a counts exchange (every rank's row of the counts
+    matrix), summed.
+
+    Attributes:
+        headers: every rank's ``plan.HEADER`` entries.
+        sends: every rank's tokens to every rank, ``sends[s][d]``.
+        rows: N of every rank: the rows it receives.
+        per_expert: this rank's rows of each local expert (E_local ints).
+        per_expert_host: the same, [E_local] int64 on the host.
+    """
+
+    headers: tuple
+    sends: tuple[tuple[int, ...], ...]
+    rows: tuple | list
+    per_expert: list
+    per_expert_host: torch.Tensor
+
+
 @dataclass(frozen=True)
 class Counts:
     """What the counts exchange of one dispatch gave.
 
     Attributes:
         matrix: [W, L] int32 on the device (the counts matrix).
-        rows: the same on the host, W lists of L ints (None without a host read).
+        host: what the host read of it (:class:`HostCounts`; None without a host read).
         received: the items (source rank, token) this rank receives (host; None
             without a host read).
         bound: rows of each source in presum: the largest T of the group, or
@@ -99,10 +119,15 @@ class Counts:
         group_end: [G] int32 on the device, the end of each group's rows, for a
             dispatch by G > 1 groups with a row budget (group g's rows start at
             g B, B = ceil(max_rows / G)); None otherwise.
+        planned: where the compiled counts exchange found the usual case (every
+            header agreeing, none failed, every rank within its budgets: the
+            checks would pass), what they would give and the handle's tensors:
+            (x_grad and weights_grad of any rank, presum, slot_k, weights,
+            src_rank, src_token); None otherwise (the checks run on the host).
     """
 
     matrix: torch.Tensor
-    rows: list | None
+    host: HostCounts | None
     received: int | None
     bound: int
     tokens_per_expert: torch.Tensor
@@ -114,6 +139,7 @@ class Counts:
     hit: torch.Tensor
     staged: bool
     group_end: torch.Tensor | None = None
+    planned: tuple | None = None
 
     @property
     def items(self) -> int:

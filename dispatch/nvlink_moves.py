@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dispatch import cuda
+from dispatch import cuda, host
 from dispatch.kernels import quantize
 from dispatch.nvlink_layout import (SENDS_COL, Capacity, Counts, _wire_of, aligned_rows, partial_row_bytes,
                                     staged_row_bytes)
@@ -55,14 +55,23 @@ class EngineMoves:
                 self._stage(counts.route.view(tokens, -1), topk * 16, "route", topk * 16, signal=False)
                 self._stage(counts.lists, tokens * 4, "lists", self.capacity.tokens * 4, signal=False)
             self._stage_rows(rows, codec, stage_row, signal=True)
+        weights, src_rank, src_token = meta_out if from_route else (None, None, None)
+        key = ("pull", codec, rows.dtype, hidden, topk, presum.shape[1], None if weights is None else weights.dtype)
+        launch = self._cached(key, self._pull_launch)
+        if out is None and span is None and group is None and from_route:  # a dispatch's own pull: compiled
+            compiled = launch.compiled(self.device.index, host.PULL_FREE) if host.module() else None
+            if compiled is not None:
+                return host.module().pull(
+                    compiled, self._row_grid(max(counts.items, num_rows)), rows, num_rows, counts.matrix.data_ptr(),
+                    counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.src_start.data_ptr(),
+                    counts.num_rows.data_ptr(), slot_k.data_ptr(), weights.data_ptr(), src_rank.data_ptr(),
+                    src_token.data_ptr(), cuda._raw_stream(self.device.index))
         if out is None:
             out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
         lo, hi = (0, num_rows) if span is None else span
         # the rows zeroed: [N, num_rows), or a padded group's [its end, its bound)
         tail_from, tail_to = (counts.num_rows, num_rows) if group is None else (counts.group_end[group:], hi)
-        weights, src_rank, src_token = meta_out if from_route else (None, None, None)
-        key = ("pull", codec, rows.dtype, hidden, topk, presum.shape[1], None if weights is None else weights.dtype)
-        self._cached(key, self._pull_launch)(
+        launch(
             self._row_grid(max(counts.items, num_rows)),
             **self._item_tables(counts, presum),
             src_start=counts.src_start,
@@ -158,6 +167,17 @@ class EngineMoves:
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
         with self._ordered():
             rows = aligned_rows(rows)
+            if host.module() is not None:  # compiled: both launches and the output in one call
+                hidden = rows.shape[1]
+                push = self._push_of(rows, weights, wire, counts, presum, hidden).compiled(self.device.index,
+                                                                                          host.PUSH_FREE)
+                home = self._home_of(wire, rows.dtype, hidden, at_least).compiled(self.device.index, host.HOME_FREE)
+                tokens = counts.route.shape[0]
+                return host.module().to_home(
+                    push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
+                    0 if weights is None else weights.data_ptr(), counts.matrix.data_ptr(),
+                    counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.hit.data_ptr(), tokens,
+                    cuda._raw_stream(self.device.index))
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
 
@@ -213,13 +233,11 @@ class EngineMoves:
         with ``by_group`` = (row pointers [G'], weight pointers [G'], bounds, G',
         (lo, hi), signal) those one group completes."""
         hidden = rows.shape[1] if hidden is None else hidden
-        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, partial_row_bytes(wire, hidden)))
         if by_group is None:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = None, None, None, 0, (0, 2**62), True
         else:
             y_parts, w_parts, bounds, parts, (lo, hi), signal = by_group
-        key = ("push", rows.dtype, None if weights is None else weights.dtype, wire, hidden, presum.shape[1])
-        self._cached(key, self._push_launch)(
+        self._push_of(rows, weights, wire, counts, presum, hidden)(
             self._row_grid(counts.items),
             y=rows,
             weights=weights,
@@ -232,6 +250,12 @@ class EngineMoves:
             **self._item_tables(counts, presum),
             signal=int(signal),
         )
+
+    def _push_of(self, rows, weights, wire: torch.dtype, counts: Counts, presum, hidden: int) -> "cuda.Launch":
+        """The push of these rows, weights and pre-sums, the buffers grown to hold its partials first."""
+        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, partial_row_bytes(wire, hidden)))
+        key = ("push", rows.dtype, None if weights is None else weights.dtype, wire, hidden, presum.shape[1])
+        return self._cached(key, self._push_launch)
 
     def _push_launch(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
                      width: int) -> "cuda.Launch":
@@ -263,10 +287,14 @@ class EngineMoves:
                   at_least: torch.dtype | None) -> torch.Tensor:
         tokens = counts.route.shape[0]
         out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
-        home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
-        self._cached(("home", wire, dtype, home_acc, hidden), self._home_launch)(
-            self._row_grid(tokens), hit=counts.hit, tokens=tokens, out=out)
+        self._home_of(wire, dtype, hidden, at_least)(self._row_grid(tokens), hit=counts.hit, tokens=tokens, out=out)
         return out
+
+    def _home_of(self, wire: torch.dtype, dtype: torch.dtype, hidden: int, at_least: torch.dtype | None):
+        """The home sum of partials in ``wire`` into rows of ``dtype``, summed in fp64 where
+        any of them (or ``at_least``) is fp64, else fp32."""
+        home_acc = torch.float64 if torch.float64 in (wire, dtype, at_least) else torch.float32
+        return self._cached(("home", wire, dtype, home_acc, hidden), self._home_launch)
 
     def _home_launch(self, wire: torch.dtype, dtype: torch.dtype, acc: torch.dtype, hidden: int) -> "cuda.Launch":
         """``home_sum`` of pre-sums in ``wire`` into rows of ``dtype`` [T, H], summed in

@@ -19,7 +19,7 @@ import struct
 import pytest
 import torch
 
-from dispatch import cuda, nvlink, plan
+from dispatch import cuda, host, nvlink, plan
 from dispatch.codec import to_experts_codec
 from dispatch.nvlink import SENDS_COL, Capacity, Engine, partial_row_bytes, scan_warps, staged_row_bytes
 
@@ -68,6 +68,13 @@ class _Checked:
         return launch
 
 
+@pytest.fixture(autouse=True)
+def python_launches(monkeypatch):
+    """Launches issued from Python, whose blocks these tests see (on a GPU the
+    compiled path would issue them; tests/test_host.py holds it to these)."""
+    monkeypatch.setattr(host, "enabled", False)
+
+
 KNOWN: dict = {}  # the values the launches of the running test must pass (``launches``)
 ARGS: dict = {}  # kernel name -> the arguments of its latest launch
 
@@ -104,6 +111,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e._seq = torch.zeros(1, dtype=torch.int32)
     e._counter = torch.zeros(1, dtype=torch.int32)
     e._scratch = torch.zeros(0, dtype=torch.int32)
+    e._host_words = None
     return e
 
 

@@ -225,7 +225,6 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     it writes its group's rows only, and copies an item that an earlier group
     brought from that group's row (marked here) instead of reading it again."""
     from dispatch.codec import to_experts_codec
-    from dispatch.nvlink import SENDS_COL
     from world import current_device
 
     device = current_device()
@@ -240,8 +239,8 @@ def _piece_rows(x, topk_idx, topk_weights, config, groups):
     # presum holds bound rows per source, one an item (a token the source sends this
     # rank, in its list's order); those past the source's items are not written
     written = torch.zeros(h.presum.shape[0], dtype=torch.bool, device=device)
-    for source, row in enumerate(h.counts.rows):
-        count = row[SENDS_COL + d.rank]
+    for source, sends in enumerate(h.counts.host.sends):
+        count = sends[d.rank]
         written[source * h.counts.bound:source * h.counts.bound + count] = True
     listed = (h.presum >= 0) & written.unsqueeze(1)
     first = torch.full((tokens.shape[0],), -1, dtype=torch.int64, device=device)

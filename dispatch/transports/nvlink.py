@@ -13,7 +13,6 @@ summing the partials in ascending rank order and casting once.
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, handle_fields, shape_fields
-from dispatch.nvlink import (SENDS_COL, Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
+from dispatch.nvlink import (Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
                              staged_row_bytes)
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
@@ -84,19 +83,21 @@ class NVLinkTransport(Transport):
         # the values are checked by the layout kernel, which marks this rank failed in
         # the counts every rank reads: no host synchronisation of its own
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, ticket),
-                                        x.detach().contiguous(), codec, request.check_values)
-        rows_of = counts.rows  # host: every rank's row of the counts matrix
-        self._raise_own_values(request, rows_of[self.rank])
-        headers = [r[: len(plan.HEADER)] for r in rows_of]
-        grads_any = checks.check_peer_headers(headers)
-        received, per_expert = _received(rows_of, engine.counts_col, self.num_local_experts, self.rank)
-        checks.check_row_budgets(headers, received, self.row_bytes(x), request.exact_memory_rows)
+                                        x.detach().contiguous(), codec, request.check_values,
+                                        planned=(min(topk, self.num_local_experts), wire))
+        read = counts.host  # what the host read: every rank's header, sends and rows
+        headers, received = read.headers, read.rows
+        if counts.planned is None:  # not the usual case (or no compiled path): the checks say what it is
+            self._raise_own_values(request, headers[self.rank])
+            grads_any = checks.check_peer_headers(headers)
+            checks.check_row_budgets(headers, received, self.row_bytes(x), request.exact_memory_rows)
+        else:  # the checks would pass: the compiled exchange found every header agreeing, every budget kept
+            grads_any = counts.planned[:2]
         has_rows = tuple([n > 0 for n in received])
-        split = tuple([tuple(r[SENDS_COL : engine.counts_col]) for r in rows_of])
         num_rows = received[self.rank]
-        handle, outputs = self._handle(request, counts, num_rows, grads_any, has_rows, split, wire,
-                                       torch.frombuffer(array.array("q", per_expert), dtype=torch.int64),
-                                       shape_fields(request, self.num_local_experts, per_expert, num_rows))
+        handle, outputs = self._handle(request, counts, num_rows, grads_any, has_rows, read.sends, wire,
+                                       read.per_expert_host,
+                                       shape_fields(request, self.num_local_experts, read.per_expert, num_rows))
         mark(self.phase_timer, "plan")
         return handle, outputs
 
@@ -169,19 +170,22 @@ class NVLinkTransport(Transport):
 
     def _handle(self, request: Request, counts: Counts, num_rows, grads_any, has_rows, split, wire, per_expert_host,
                 shape: dict):
-        device = request.x.device
-        num_tokens, topk = request.topk_idx.shape
-        width = min(topk, self.num_local_experts)
-        presum, slot_k = torch.empty(2, self.world_size * counts.bound, width, dtype=torch.int32,
-                                     device=device).unbind()
-        src_rank, src_token = torch.empty(2, num_rows, dtype=torch.int64, device=device).unbind()
+        if counts.planned is not None:  # made with the counts exchange
+            presum, slot_k, *places = counts.planned[2:]
+        else:
+            device = request.x.device
+            width = min(request.topk_idx.shape[1], self.num_local_experts)
+            presum, slot_k = torch.empty(2, self.world_size * counts.bound, width, dtype=torch.int32,
+                                         device=device).unbind()
+            places = (torch.empty(num_rows, dtype=wire, device=device),
+                      *torch.empty(2, num_rows, dtype=torch.int64, device=device).unbind())
         handle = NVLinkHandle(
             **handle_fields(request, self, num_rows, grads_any, has_rows),
             counts=counts,
             presum=presum,
             slot_k=slot_k,
             split_matrix=split,
-            places=(torch.empty(num_rows, dtype=wire, device=device), src_rank, src_token),
+            places=tuple(places),
             **shape,
         )
         routed, src_rank, src_token = handle.places
@@ -320,18 +324,6 @@ class _GroupPushes(GroupSumsIssuer):
 
     def finish(self) -> Pending:
         return Pending.done(self._out)
-
-
-def _received(rows_of: list[list[int]], first: int, local: int, rank: int) -> tuple[list[int], list[int]]:
-    """(N of every rank, this rank's rows of each of its local experts) from every
-    rank's row of the counts matrix (its counts to every expert from column
-    ``first``, E_local experts a rank): sums of slices, no loop over the experts."""
-    received = [sum(sum(r[first + d * local : first + (d + 1) * local]) for r in rows_of)
-                for d in range(len(rows_of))]
-    mine = first + rank * local
-    if len(rows_of) == 1:
-        return received, rows_of[0][mine : mine + local]
-    return received, list(map(sum, zip(*(r[mine : mine + local] for r in rows_of))))
 
 
 def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,412 @@
+// The engine's per-call host work, compiled (dispatch/host.py builds it at first use).
+//
+// A Python launch of a kernel packs its parameter block, sets the launch's
+// configuration and calls the driver through ctypes: about 10 us a launch, of
+// which the driver takes 4. Here a launch of one shape keeps its parameter block
+// with the values that hold for every such launch packed once (by
+// dispatch.cuda.Launch, from the kernel's signature in csrc/), and each call
+// writes only the free values at their places and calls the driver.
+//
+// `counts_plan` is the host side of a dispatch's counts exchange on the engine
+// (dispatch/nvlink.py, Engine.exchange_counts with its host read) in one call:
+// the dispatch's int32 words and its tokens per expert allocated, the routing
+// layout and the counts exchange launched, the counts matrix read back, and
+// what the host needs of it summed (every rank's header, sends and rows).
+// `pull` and `to_home` are a dispatch's pull and a combine's push and home sum,
+// each with its output allocated, in one call.
+//
+// The driver's entry points are found in libcuda.so.1 at first use (nothing is
+// linked): the extension builds wherever torch's headers and CUDA's cuda.h are.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace py = pybind11;
+
+using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+using CopyDtoH = CUresult (*)(void*, CUdeviceptr, size_t, CUstream);
+using Synchronize = CUresult (*)(CUstream);
+using ErrorText = CUresult (*)(CUresult, const char**);
+
+struct Driver {
+  LaunchEx launch = nullptr;
+  CopyDtoH copy_to_host = nullptr;
+  Synchronize synchronize = nullptr;
+  ErrorText name = nullptr, text = nullptr;
+};
+
+const Driver& driver() {
+  static const Driver found = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (lib == nullptr) throw std::runtime_error("libcuda.so.1 could not be opened");
+    Driver d;
+    d.launch = reinterpret_cast<LaunchEx>(dlsym(lib, "cuLaunchKernelEx"));
+    d.copy_to_host = reinterpret_cast<CopyDtoH>(dlsym(lib, "cuMemcpyDtoHAsync_v2"));
+    d.synchronize = reinterpret_cast<Synchronize>(dlsym(lib, "cuStreamSynchronize"));
+    d.name = reinterpret_cast<ErrorText>(dlsym(lib, "cuGetErrorName"));
+    d.text = reinterpret_cast<ErrorText>(dlsym(lib, "cuGetErrorString"));
+    if (!d.launch || !d.copy_to_host || !d.synchronize || !d.name || !d.text)
+      throw std::runtime_error("libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoHAsync_v2 or cuStreamSynchronize");
+    return d;
+  }();
+  return found;
+}
+
+void check(CUresult result, const char* call) {
+  if (result == CUDA_SUCCESS) return;
+  const char* name = nullptr;
+  const char* text = nullptr;
+  driver().name(result, &name);
+  driver().text(result, &text);
+  throw std::runtime_error(std::string(call) + " failed: " + (name ? name : "?") + " (" +
+                           std::to_string(static_cast<int>(result)) + "): " + (text ? text : ""));
+}
+
+// One kernel's launches of one shape (dispatch.cuda.Launch): its parameter block
+// with the bound values packed, and the place, size and kind of each free value.
+class Launcher {
+ public:
+  Launcher(uint64_t function, unsigned threads, bool dependent, const std::string& block, const std::string& codes,
+           const std::vector<int64_t>& offsets, const std::vector<int64_t>& free)
+      : function_(reinterpret_cast<CUfunction>(function)), threads_(threads), dependent_(dependent),
+        block_(block.begin(), block.end()) {
+    if (offsets.size() != codes.size()) throw std::invalid_argument("Launcher: one offset a parameter");
+    for (int64_t p : free) {
+      if (p < 0 || p >= static_cast<int64_t>(codes.size())) throw std::invalid_argument("Launcher: free place");
+      free_at_.push_back(offsets[p]);
+      free_code_.push_back(codes[p]);
+    }
+    for (size_t p = 0; p < offsets.size(); ++p) {
+      if (offsets[p] + size_of(codes[p]) > static_cast<int64_t>(block_.size()))
+        throw std::invalid_argument("Launcher: the block is shorter than its parameters");
+      params_.push_back(block_.data() + offsets[p]);
+    }
+    if (params_.empty()) params_.push_back(nullptr);
+    attribute_.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute_.value.programmaticStreamSerializationAllowed = 1;
+  }
+
+  size_t free_count() const { return free_at_.size(); }
+
+  // free values from Python (ints; floats where the parameter is one), in order
+  void launch_py(unsigned blocks, unsigned shared, uint64_t stream, const py::tuple& values) {
+    patch(values);
+    launch(blocks, shared, stream);
+  }
+
+  // the parameter block as a launch with these free values hands it to the driver
+  py::bytes block_of(const py::tuple& values) {
+    patch(values);
+    return py::bytes(reinterpret_cast<const char*>(block_.data()), block_.size());
+  }
+
+  // the free values, as 64-bit words (integers and addresses), from C++
+  void launch_words(unsigned blocks, unsigned shared, uint64_t stream, std::initializer_list<uint64_t> values) {
+    if (values.size() != free_at_.size()) throw std::invalid_argument("Launcher: one value a free parameter");
+    size_t i = 0;
+    for (uint64_t v : values) put(i++, v);
+    launch(blocks, shared, stream);
+  }
+
+ private:
+  void patch(const py::tuple& values) {
+    if (values.size() != free_at_.size()) throw std::invalid_argument("Launcher: one value a free parameter");
+    for (size_t i = 0; i < free_at_.size(); ++i) {
+      PyObject* v = values[i].ptr();
+      char code = free_code_[i];
+      if (code == 'f' || code == 'd') {
+        const double real = PyFloat_AsDouble(v);
+        if (PyErr_Occurred()) throw py::error_already_set();
+        put_real(i, real);
+        continue;
+      }
+      // each integer within its C type, as struct.pack holds the Python launch's
+      int overflow = 0;
+      const long long value = PyLong_AsLongLongAndOverflow(v, &overflow);
+      if (PyErr_Occurred()) throw py::error_already_set();
+      uint64_t word = static_cast<uint64_t>(value);
+      bool fits = overflow == 0;
+      if (code == 'i') fits = fits && value >= INT32_MIN && value <= INT32_MAX;
+      if (code == 'I') fits = fits && value >= 0 && value <= UINT32_MAX;
+      if (code == 'Q' && overflow > 0) {  // an address past 2^63
+        word = PyLong_AsUnsignedLongLong(v);
+        fits = !PyErr_Occurred();
+        PyErr_Clear();
+      } else if (code == 'Q') {
+        fits = fits && value >= 0;
+      }
+      if (!fits) throw py::value_error("Launcher: argument " + std::to_string(i) + " out of range for its C type");
+      put(i, word);
+    }
+  }
+
+  static int64_t size_of(char code) { return code == 'i' || code == 'I' || code == 'f' ? 4 : 8; }
+
+  void put(size_t i, uint64_t v) {
+    unsigned char* at = block_.data() + free_at_[i];
+    switch (free_code_[i]) {
+      case 'i': case 'I': { uint32_t w = static_cast<uint32_t>(v); std::memcpy(at, &w, 4); break; }
+      case 'q': case 'Q': std::memcpy(at, &v, 8); break;
+      default: throw std::invalid_argument("Launcher: a real parameter takes a float");
+    }
+  }
+
+  void put_real(size_t i, double v) {
+    unsigned char* at = block_.data() + free_at_[i];
+    if (free_code_[i] == 'f') {
+      float f = static_cast<float>(v);
+      std::memcpy(at, &f, 4);
+    } else {
+      std::memcpy(at, &v, 8);
+    }
+  }
+
+  void launch(unsigned blocks, unsigned shared, uint64_t stream) {
+    CUlaunchConfig config{};
+    config.gridDimX = blocks > 0 ? blocks : 1;
+    config.gridDimY = config.gridDimZ = 1;
+    config.blockDimX = threads_;
+    config.blockDimY = config.blockDimZ = 1;
+    config.sharedMemBytes = shared;
+    config.hStream = reinterpret_cast<CUstream>(stream);
+    config.attrs = &attribute_;
+    config.numAttrs = dependent_ ? 1 : 0;
+    check(driver().launch(&config, function_, params_.data(), nullptr), "cuLaunchKernelEx");
+  }
+
+  CUfunction function_;
+  unsigned threads_;
+  bool dependent_;
+  std::vector<unsigned char> block_;
+  std::vector<void*> params_;
+  std::vector<int64_t> free_at_;
+  std::vector<char> free_code_;
+  CUlaunchAttribute attribute_{};
+};
+
+// What one shape of dispatch asks of the counts exchange on the host, fixed for
+// the shape (dispatch/nvlink.py: Engine._counts_plan).
+struct CountsShape {
+  int64_t tokens, topk, world, rank, row_len, counts_col, experts_per_rank;
+  int64_t tokens_col, staged_col, sends_col, header_len, failed_col;
+  std::vector<int64_t> sizes;  // int32 words of the routes, lists, hits, exchange output, scan sums
+  int64_t layout_blocks, layout_shared, counts_shared;
+  // the header's columns (plan.HEADER): those every rank must agree on come first
+  int64_t agreed, x_grad_col, weights_grad_col, max_rows_col, memory_rows_col;
+};
+
+// Whether every rank's header agrees with rank 0's on the columns that must agree,
+// none is marked failed and every rank's rows are within its budgets: the usual
+// case, in which the checks of dispatch/checks.py (check_peer_headers,
+// check_row_budgets) pass and say nothing; anything else is left to them.
+bool usual(const CountsShape& s, const int32_t* rows, const std::vector<int64_t>& rows_of) {
+  for (int64_t r = 0; r < s.world; ++r) {
+    const int32_t* h = rows + r * s.row_len;
+    if (h[s.failed_col] != 0 || std::memcmp(h, rows, 4 * s.agreed) != 0) return false;
+    const int64_t n = rows_of[r], m = h[s.max_rows_col], f = h[s.memory_rows_col];
+    if ((0 <= m && m < n) || (0 <= f && f < (n > m ? n : m))) return false;
+  }
+  return true;
+}
+
+int64_t word_at(const std::vector<int64_t>& sizes, size_t part) {
+  int64_t at = 0;
+  for (size_t i = 0; i < part; ++i) at += sizes[i];
+  return at;
+}
+
+// The counts exchange of one dispatch, read back: see the file's comment. Returns
+// (status code, peer, where) where the kernels recorded a failure; else
+// (route, lists, hit, matrix, src_start, num_rows, tokens_per_expert, tokens_at: tensors
+// on the device; headers: every rank's header; sends: every rank's tokens to every rank;
+// rows: the N of every rank; this rank's rows of each local expert, as ints and as a CPU
+// int64 tensor; bound: the largest T; received: this rank's (source, token) items;
+// staged: every rank staged its rows with the counts; and, where ``width`` > 0 and the
+// usual case holds (``usual``), the handle's tensors and what the checks would give:
+// (x_grad and weights_grad of any rank, presum, slot_k [W * bound, width] int32,
+// weights [N] of weights_dtype, src_rank, src_token [N] int64), else None).
+//
+// An allocation or launch that fails raises; the engine's state is then that of a
+// Python launch that failed.
+py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, const at::Tensor& topk_idx,
+                      const at::Tensor& weights, uint64_t stage_src, int64_t src_stride, uint64_t row_at, bool bad,
+                      const std::vector<int64_t>& header, uint64_t stream, const at::Tensor& host, int64_t width,
+                      at::ScalarType weights_dtype) {
+  const int64_t T = s.tokens, K = s.topk, W = s.world, L = s.row_len, local = s.experts_per_rank;
+  auto device = topk_idx.device();
+  int64_t words = 0;
+  for (int64_t n : s.sizes) words += n;
+  at::Tensor meta = at::empty({words}, at::TensorOptions().dtype(at::kInt).device(device));
+  at::Tensor per_expert = at::empty({local}, at::TensorOptions().dtype(at::kLong).device(device));
+  auto base = reinterpret_cast<uint64_t>(meta.data_ptr<int32_t>());
+  const uint64_t route = base, lists = base + 4 * word_at(s.sizes, 1), hit = base + 4 * word_at(s.sizes, 2);
+  const uint64_t out = base + 4 * word_at(s.sizes, 3), scan_sums = base + 4 * word_at(s.sizes, 4);
+  if (T > 0) {
+    if (layout == nullptr) throw std::invalid_argument("counts_plan: tokens without a layout launch");
+    layout->launch_words(
+        s.layout_blocks, s.layout_shared, stream,
+        {reinterpret_cast<uint64_t>(topk_idx.data_ptr()), reinterpret_cast<uint64_t>(weights.data_ptr()), route,
+         row_at + 4 * s.counts_col, row_at + 4 * s.sends_col, lists, row_at + 4 * s.row_len, scan_sums, hit,
+         bad ? row_at + 4 * s.failed_col : 0, stage_src, static_cast<uint64_t>(src_stride)});
+  }
+  const int64_t places = 4 + W * L;  // src_start, then num_rows, then group_end
+  if (header.size() != static_cast<size_t>(s.header_len)) throw std::invalid_argument("counts_plan: header");
+  counts.launch_words(
+      1, s.counts_shared, stream,
+      {row_at, static_cast<uint64_t>(header[0]), static_cast<uint64_t>(header[1]), static_cast<uint64_t>(header[2]),
+       static_cast<uint64_t>(header[3]), static_cast<uint64_t>(header[4]), static_cast<uint64_t>(header[5]),
+       static_cast<uint64_t>(header[6]), static_cast<uint64_t>(header[7]), static_cast<uint64_t>(header[8]),
+       static_cast<uint64_t>(header[9]), static_cast<uint64_t>(header[10]), static_cast<uint64_t>(header[11]), out,
+       reinterpret_cast<uint64_t>(per_expert.data_ptr()), out + 4 * places, out + 4 * (places + W * local),
+       out + 4 * (places + W * local + 1)});
+  // host sync: the counts matrix and the status, into this engine's pinned words
+  auto* words_host = host.data_ptr<int32_t>();
+  {
+    py::gil_scoped_release release;
+    check(driver().copy_to_host(words_host, static_cast<CUdeviceptr>(out), 4 * (4 + W * L),
+                                reinterpret_cast<CUstream>(stream)), "cuMemcpyDtoHAsync");
+    check(driver().synchronize(reinterpret_cast<CUstream>(stream)), "cuStreamSynchronize");
+  }
+  if (words_host[0] != 0) return py::make_tuple(words_host[0], words_host[1], words_host[2]);
+  py::list headers(W), sends(W), rows(W);
+  std::vector<int64_t> rows_of(W, 0);
+  at::Tensor mine_host = at::zeros({local}, at::TensorOptions().dtype(at::kLong));
+  auto* per = mine_host.data_ptr<int64_t>();
+  int64_t bound = 1, received = 0;
+  bool staged = true;
+  for (int64_t r = 0; r < W; ++r) {
+    const int32_t* row = words_host + 4 + r * L;
+    py::list h(s.header_len);
+    for (int64_t c = 0; c < s.header_len; ++c) h[c] = row[c];
+    headers[r] = h;
+    py::tuple to(W);
+    for (int64_t d = 0; d < W; ++d) to[d] = row[s.sends_col + d];
+    sends[r] = to;
+    staged = staged && row[s.staged_col] != 0;
+    if (row[s.tokens_col] > bound) bound = row[s.tokens_col];
+    received += row[s.sends_col + s.rank];
+    const int32_t* by_expert = row + s.counts_col;
+    for (int64_t d = 0; d < W; ++d)
+      for (int64_t e = 0; e < local; ++e) rows_of[d] += by_expert[d * local + e];
+    for (int64_t e = 0; e < local; ++e) per[e] += by_expert[s.rank * local + e];
+  }
+  for (int64_t d = 0; d < W; ++d) rows[d] = rows_of[d];
+  py::list mine(local);
+  for (int64_t e = 0; e < local; ++e) mine[e] = per[e];
+  // the handle's int32 tables: each item's token (tokens_at), then, in the usual case,
+  // its rows here and their slots (presum, slot_k [W * bound, width])
+  const int64_t items = W * bound;
+  const bool planned = width > 0 && usual(s, words_host + 4, rows_of);
+  at::Tensor tables = at::empty({items * (planned ? 1 + 2 * width : 1)}, meta.options());
+  py::object handle = py::none();
+  if (planned) {
+    bool x_grad = false, weights_grad = false;
+    for (int64_t r = 0; r < W; ++r) {
+      x_grad = x_grad || words_host[4 + r * L + s.x_grad_col] != 0;
+      weights_grad = weights_grad || words_host[4 + r * L + s.weights_grad_col] != 0;
+    }
+    const int64_t n = rows_of[s.rank];
+    at::Tensor sources = at::empty({2, n}, per_expert.options());
+    handle = py::make_tuple(x_grad, weights_grad, tables.slice(0, items, items * (1 + width)).view({items, width}),
+                            tables.slice(0, items * (1 + width)).view({items, width}),
+                            at::empty({n}, weights.options().dtype(weights_dtype)), sources[0], sources[1]);
+  }
+  const int64_t lists_at = word_at(s.sizes, 1), hit_at = word_at(s.sizes, 2), out_at = word_at(s.sizes, 3);
+  const int64_t start_at = out_at + places;
+  return py::make_tuple(
+      meta.slice(0, 0, T * K * 4).view({T, K, 4}), meta.slice(0, lists_at, lists_at + W * T).view({W, T}),
+      meta.slice(0, hit_at, hit_at + T), meta.slice(0, out_at + 4, out_at + 4 + W * L).view({W, L}),
+      meta.slice(0, start_at, start_at + W * local), meta.slice(0, start_at + W * local, start_at + W * local + 1),
+      per_expert, tables.slice(0, 0, items), py::tuple(headers), py::tuple(sends), py::tuple(rows), mine, mine_host,
+      bound, received, staged, handle);
+}
+
+// The rows of a dispatch pulled to this rank's experts (dispatch/nvlink_moves.py,
+// EngineMoves.to_experts for a dispatch's own rows staged with its counts): new
+// [N, H] rows of rows' dtype, the places' weights and sources written beside.
+at::Tensor pull(Launcher& launcher, unsigned blocks, const at::Tensor& rows, int64_t num_rows, uint64_t matrix,
+                uint64_t tokens_at, uint64_t presum, int64_t tstride, uint64_t src_start, uint64_t num_rows_at,
+                uint64_t slot_k, uint64_t weights, uint64_t src_rank, uint64_t src_token, uint64_t stream) {
+  at::Tensor out = at::empty({num_rows, rows.size(1)}, rows.options());
+  const auto n = static_cast<uint64_t>(num_rows);
+  launcher.launch_words(blocks, 0, stream,
+                        {matrix, tokens_at, presum, static_cast<uint64_t>(tstride), src_start, num_rows_at,
+                         reinterpret_cast<uint64_t>(out.data_ptr()), n, slot_k, weights, src_rank, src_token, 0, n, n});
+  return out;
+}
+
+// A combine's movement on the engine (dispatch/nvlink_moves.py, EngineMoves.to_home):
+// every pre-sum pushed home (push_partials), then summed there (home_sum) into new
+// [T, H] rows of rows' dtype.
+at::Tensor to_home(Launcher& push, unsigned push_blocks, Launcher& home, unsigned home_blocks,
+                   const at::Tensor& rows, uint64_t weights, uint64_t matrix, uint64_t tokens_at, uint64_t presum,
+                   int64_t tstride, uint64_t hit, int64_t tokens, uint64_t stream) {
+  push.launch_words(push_blocks, 0, stream,
+                    {reinterpret_cast<uint64_t>(rows.data_ptr()), weights, 0, 0, 0, 0, 0, uint64_t{1} << 62, matrix,
+                     tokens_at, presum, static_cast<uint64_t>(tstride), 1});
+  at::Tensor out = at::empty({tokens, rows.size(1)}, rows.options());
+  home.launch_words(home_blocks, 0, stream,
+                    {hit, static_cast<uint64_t>(tokens), reinterpret_cast<uint64_t>(out.data_ptr())});
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Launcher>(m, "Launcher")
+      .def(py::init<uint64_t, unsigned, bool, const std::string&, const std::string&, const std::vector<int64_t>&,
+                    const std::vector<int64_t>&>())
+      .def("launch", &Launcher::launch_py)
+      .def("block_of", &Launcher::block_of)
+      .def_property_readonly("free_count", &Launcher::free_count);
+  py::class_<CountsShape>(m, "CountsShape")
+      .def_readonly("world", &CountsShape::world)
+      .def_readonly("rank", &CountsShape::rank)
+      .def_readonly("row_len", &CountsShape::row_len)
+      .def_readonly("counts_col", &CountsShape::counts_col)
+      .def_readonly("experts_per_rank", &CountsShape::experts_per_rank)
+      .def_readonly("sizes", &CountsShape::sizes)
+      .def(py::init([](const py::kwargs& named) {
+        // every field by its name, once (dispatch/nvlink.py: Engine._counts_compiled)
+        static const char* names[] = {"tokens", "topk", "world", "rank", "row_len", "counts_col", "experts_per_rank",
+                                      "tokens_col", "staged_col", "sends_col", "header_len", "failed_col",
+                                      "layout_blocks", "layout_shared", "counts_shared", "agreed", "x_grad_col",
+                                      "weights_grad_col", "max_rows_col", "memory_rows_col"};
+        CountsShape s{};
+        int64_t* fields[] = {&s.tokens, &s.topk, &s.world, &s.rank, &s.row_len, &s.counts_col, &s.experts_per_rank,
+                             &s.tokens_col, &s.staged_col, &s.sends_col, &s.header_len, &s.failed_col,
+                             &s.layout_blocks, &s.layout_shared, &s.counts_shared, &s.agreed, &s.x_grad_col,
+                             &s.weights_grad_col, &s.max_rows_col, &s.memory_rows_col};
+        size_t found = 0;
+        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); ++i) {
+          if (!named.contains(names[i])) throw std::invalid_argument(std::string("CountsShape: no ") + names[i]);
+          *fields[i] = named[names[i]].cast<int64_t>();
+          ++found;
+        }
+        if (!named.contains("sizes")) throw std::invalid_argument("CountsShape: no sizes");
+        s.sizes = named["sizes"].cast<std::vector<int64_t>>();
+        if (s.sizes.size() != 5) throw std::invalid_argument("CountsShape: five sizes");
+        if (named.size() != found + 1) throw std::invalid_argument("CountsShape: unknown fields");
+        return s;
+      }));
+  m.def("counts_plan", &counts_plan);
+  m.def("pull", &pull);
+  m.def("to_home", &to_home);
+  m.def("usual", [](const CountsShape& s, const std::vector<int32_t>& rows, const std::vector<int64_t>& rows_of) {
+    if (rows.size() != static_cast<size_t>(s.world * s.row_len) || rows_of.size() != static_cast<size_t>(s.world))
+      throw std::invalid_argument("usual: W rows of the counts matrix and W row counts");
+    return usual(s, rows.data(), rows_of);
+  });
+}

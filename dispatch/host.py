@@ -1,0 +1,123 @@
+"""The engine's compiled host path (``csrc/host.cpp``), built at first use.
+
+A launch of the engine's kernels from Python costs about 10 us of host time, of
+which the driver takes 4; the counts exchange of a dispatch, with its host read,
+about 90. ``csrc/host.cpp`` does the same work compiled: a launch keeps its
+parameter block packed (``dispatch.cuda.Launch``) and writes only its free
+values at each call, and a dispatch's counts exchange is one call
+(``dispatch.nvlink``). The kernels, their signatures and their arguments are
+the same either way (bitwise the same results): the compiled path changes only
+what the host spends.
+
+It is built once per machine by ``torch.utils.cpp_extension`` (a C++ compiler,
+ninja and CUDA's ``cuda.h``; about half a minute, then cached in torch's
+extensions folder). Where it cannot be built the engine runs its host side in
+Python, as it does on a build of torch without CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from dispatch import checks, cuda, plan
+from dispatch.nvlink_layout import SENDS_COL, STAGED_COL, TOKENS_COL, Counts, HostCounts
+
+# the free values of the routing layout's and the counts exchange's launches, in the order
+# csrc/host.cpp's counts_plan passes them
+LAYOUT_FREE = ("topk_idx", "weights", "route", "counts", "sends", "lists", "scan_state", "scan_sums", "hit", "bad",
+               "stage_src", "src_stride")
+COUNTS_FREE = ("row", *plan.HEADER, "out", "tokens_per_expert", "src_start", "num_rows", "group_end")
+# and of the pull's, the push's and the home sum's, in the order pull and to_home pass them
+PULL_FREE = ("matrix", "tokens_at", "presum", "tstride", "src_start", "num_rows", "out", "max_rows", "slot_k",
+             "out_weights", "out_src_rank", "out_src_token", "row_lo", "row_hi", "tail_to")
+PUSH_FREE = ("y", "weights", "y_parts", "w_parts", "bounds", "parts", "row_lo", "row_hi", "matrix", "tokens_at",
+             "presum", "tstride", "signal")
+HOME_FREE = ("hit", "tokens", "out")
+
+
+@functools.lru_cache(maxsize=1)
+def built():
+    """The compiled module, or None where it cannot be built here (no C++
+    compiler, ninja or ``cuda.h``)."""
+    from torch.utils import cpp_extension
+
+    include = _cuda_include(cpp_extension.CUDA_HOME)
+    if include is None:
+        return None
+    try:
+        return cpp_extension.load("dispatch_host", [str(cuda.csrc_dir() / "host.cpp")], extra_include_paths=[include],
+                                  extra_cflags=["-O2"], verbose=False)
+    except Exception:  # no compiler or ninja: the host side runs in Python
+        return None
+
+
+def _cuda_include(cuda_home: str | None) -> str | None:
+    """The folder of CUDA's ``cuda.h`` (torch's CUDA_HOME, else $CUDA_HOME or
+    /usr/local/cuda: the header alone is needed, so a build of torch without
+    CUDA finds it too), or None."""
+    for home in (cuda_home, os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "include", "cuda.h")):
+            return os.path.join(home, "include")
+    return None
+
+
+def module():
+    """:func:`built` where the engine's kernels run (a CUDA device), else None."""
+    return _here() if enabled else None
+
+
+@functools.lru_cache(maxsize=1)
+def _here():
+    return built() if torch.cuda.is_available() else None
+
+
+enabled = True  # False: the engine's host side in Python (bitwise the same; for tests and the bench)
+
+
+def counts_launchers(engine, tokens: int, topk: int, layout, counts, sizes) -> tuple | None:
+    """(shape, layout launcher, counts launcher) of ``counts_plan`` for an engine's
+    dispatch of T = ``tokens`` and K = ``topk`` (``layout``, ``counts``: its bound
+    launches, ``Engine._counts_launches``; their free values in the order
+    ``counts_plan`` passes them), or None where the compiled path is not built."""
+    compiled_module = module()
+    if compiled_module is None:
+        return None
+    device = engine.device.index
+    layout_c = None if layout is None else layout.launch.compiled(device, LAYOUT_FREE)
+    counts_c = counts.launch.compiled(device, COUNTS_FREE)
+    if counts_c is None or (layout is not None and layout_c is None):
+        return None
+    if engine._host_words is None:  # the counts matrix read back, W rows
+        engine._host_words = torch.empty(4 + engine.world * engine.row_len, dtype=torch.int32).pin_memory()
+    column = plan.HEADER.index
+    shape = compiled_module.CountsShape(
+        tokens=tokens, topk=topk, world=engine.world, rank=engine.rank, row_len=engine.row_len,
+        counts_col=engine.counts_col, experts_per_rank=engine.experts_per_rank, tokens_col=TOKENS_COL,
+        staged_col=STAGED_COL, sends_col=SENDS_COL, header_len=len(plan.HEADER), failed_col=column("failed"),
+        sizes=list(sizes), layout_blocks=0 if layout is None else layout.blocks,
+        layout_shared=0 if layout is None else layout.shared, counts_shared=counts.shared,
+        agreed=checks.AGREED, x_grad_col=column("x_grad"), weights_grad_col=column("weights_grad"),
+        max_rows_col=column("max_rows"), memory_rows_col=column("memory_rows"))
+    return shape, layout_c, counts_c
+
+
+def exchange_counts(engine, compiled, topk_idx, weights, header, rows, codec, check_values: bool, fits: bool,
+                    words: int, planned: tuple) -> Counts:
+    """``Engine._exchange_counts`` with its host read, compiled (``counts_plan``,
+    with ``compiled`` from :func:`counts_launchers`): the same launches, the same
+    Counts; and where the usual case holds, the handle's tensors (``Counts.planned``)."""
+    shape, layout, counts = compiled
+    wire = codec.pack(rows) if fits and topk_idx.shape[0] else None
+    got = module().counts_plan(
+        shape, layout, counts, topk_idx, weights, 0 if wire is None else wire.data_ptr(),
+        0 if wire is None else wire.stride(0) * wire.element_size(), engine._zeroed(words).data_ptr(), check_values,
+        header, cuda._raw_stream(engine.device.index), engine._host_words, *planned)
+    if len(got) == 3:  # the status words: a failure the kernels recorded
+        engine._raise(*got)
+    route, lists, hit, matrix, src_start, num_rows, per_expert, tokens_at, headers, sends, rows_of, mine, mine_host, \
+        bound, received, staged, handle = got
+    return Counts(matrix, HostCounts(headers, sends, rows_of, mine, mine_host), received, bound, per_expert,
+                  src_start, num_rows, route, lists, tokens_at, hit, staged, None, handle)
