@@ -231,8 +231,8 @@ int64_t word_at(const std::vector<int64_t>& sizes, size_t part) {
 // (status code, peer, where) where the kernels recorded a failure; else
 // (route, lists, hit, matrix, src_start, num_rows, tokens_per_expert, tokens_at: tensors
 // on the device; headers: every rank's header; sends: every rank's tokens to every rank;
-// rows: the N of every rank; this rank's rows of each local expert, as ints and as a CPU
-// int64 tensor; bound: the largest T; received: this rank's (source, token) items;
+// rows: the N of every rank; this rank's rows of each local expert, a CPU int64
+// tensor; bound: the largest T; received: this rank's (source, token) items;
 // staged: every rank staged its rows with the counts; and, where ``width`` > 0 and the
 // usual case holds (``usual``), the handle's tensors and what the checks would give:
 // (x_grad and weights_grad of any rank, presum, slot_k [W * bound, width] int32,
@@ -303,8 +303,6 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
     for (int64_t e = 0; e < local; ++e) per[e] += by_expert[s.rank * local + e];
   }
   for (int64_t d = 0; d < W; ++d) rows[d] = rows_of[d];
-  py::list mine(local);
-  for (int64_t e = 0; e < local; ++e) mine[e] = per[e];
   // the handle's int32 tables: each item's token (tokens_at), then, in the usual case,
   // its rows here and their slots (presum, slot_k [W * bound, width])
   const int64_t items = W * bound;
@@ -329,7 +327,7 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
       meta.slice(0, 0, T * K * 4).view({T, K, 4}), meta.slice(0, lists_at, lists_at + W * T).view({W, T}),
       meta.slice(0, hit_at, hit_at + T), meta.slice(0, out_at + 4, out_at + 4 + W * L).view({W, L}),
       meta.slice(0, start_at, start_at + W * local), meta.slice(0, start_at + W * local, start_at + W * local + 1),
-      per_expert, tables.slice(0, 0, items), py::tuple(headers), py::tuple(sends), py::tuple(rows), mine, mine_host,
+      per_expert, tables.slice(0, 0, items), py::tuple(headers), py::tuple(sends), py::tuple(rows), mine_host,
       bound, received, staged, handle);
 }
 

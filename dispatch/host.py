@@ -117,7 +117,7 @@ def exchange_counts(engine, compiled, topk_idx, weights, header, rows, codec, ch
         header, cuda._raw_stream(engine.device.index), engine._host_words, *planned)
     if len(got) == 3:  # the status words: a failure the kernels recorded
         engine._raise(*got)
-    route, lists, hit, matrix, src_start, num_rows, per_expert, tokens_at, headers, sends, rows_of, mine, mine_host, \
-        bound, received, staged, handle = got
-    return Counts(matrix, HostCounts(headers, sends, rows_of, mine, mine_host), received, bound, per_expert,
+    route, lists, hit, matrix, src_start, num_rows, per_expert, tokens_at, headers, sends, rows_of, mine, bound, \
+        received, staged, handle = got
+    return Counts(matrix, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert,
                   src_start, num_rows, route, lists, tokens_at, hit, staged, None, handle)

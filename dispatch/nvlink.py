@@ -386,7 +386,7 @@ class Engine(EngineMoves):
         else:
             mine = list(map(sum, zip(*(r[first + rank * local : first + (rank + 1) * local] for r in matrix_host))))
         return HostCounts(tuple(r[:header_len] for r in matrix_host),
-                          tuple(tuple(r[SENDS_COL:first]) for r in matrix_host), rows, mine,
+                          tuple(tuple(r[SENDS_COL:first]) for r in matrix_host), rows,
                           torch.frombuffer(array.array("q", mine), dtype=torch.int64))
 
     def _counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,

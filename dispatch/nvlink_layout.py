@@ -82,15 +82,13 @@ class HostCounts(NamedTuple):
         headers: every rank's ``plan.HEADER`` entries.
         sends: every rank's tokens to every rank, ``sends[s][d]``.
         rows: N of every rank: the rows it receives.
-        per_expert: this rank's rows of each local expert (E_local ints).
-        per_expert_host: the same, [E_local] int64 on the host.
+        per_expert: [E_local] int64 on the host, this rank's rows of each local expert.
     """
 
     headers: tuple
     sends: tuple[tuple[int, ...], ...]
     rows: tuple | list
-    per_expert: list
-    per_expert_host: torch.Tensor
+    per_expert: torch.Tensor
 
 
 @dataclass(frozen=True)

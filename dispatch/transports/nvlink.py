@@ -95,9 +95,10 @@ class NVLinkTransport(Transport):
             grads_any = counts.planned[:2]
         has_rows = tuple([n > 0 for n in received])
         num_rows = received[self.rank]
+        per_expert = read.per_expert.tolist() if request.groups > 1 else ()  # (the groups' bounds sum them)
         handle, outputs = self._handle(request, counts, num_rows, grads_any, has_rows, read.sends, wire,
-                                       read.per_expert_host,
-                                       shape_fields(request, self.num_local_experts, read.per_expert, num_rows))
+                                       read.per_expert,
+                                       shape_fields(request, self.num_local_experts, per_expert, num_rows))
         mark(self.phase_timer, "plan")
         return handle, outputs
 
