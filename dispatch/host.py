@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -38,20 +39,29 @@ PUSH_FREE = ("y", "weights", "y_parts", "w_parts", "bounds", "parts", "row_lo", 
 HOME_FREE = ("hit", "tokens", "out")
 
 
-@functools.lru_cache(maxsize=1)
 def built():
     """The compiled module, or None where it cannot be built here (no C++
-    compiler, ninja or ``cuda.h``)."""
+    compiler, ninja or ``cuda.h``: :func:`why_not` says which)."""
+    return _build()[0]
+
+
+def why_not() -> str | None:
+    """Why :func:`built` is None (None where it built)."""
+    return _build()[1]
+
+
+@functools.lru_cache(maxsize=1)
+def _build() -> tuple:
     from torch.utils import cpp_extension
 
     include = _cuda_include(cpp_extension.CUDA_HOME)
     if include is None:
-        return None
+        return None, "CUDA's cuda.h was not found (set CUDA_HOME)"
     try:
         return cpp_extension.load("dispatch_host", [str(cuda.csrc_dir() / "host.cpp")], extra_include_paths=[include],
-                                  extra_cflags=["-O2"], verbose=False)
-    except Exception:  # no compiler or ninja: the host side runs in Python
-        return None
+                                  extra_cflags=["-O2"], verbose=False), None
+    except Exception as error:  # no compiler or ninja: the host side runs in Python
+        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
 
 
 def _cuda_include(cuda_home: str | None) -> str | None:
@@ -71,7 +81,14 @@ def module():
 
 @functools.lru_cache(maxsize=1)
 def _here():
-    return built() if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    compiled = built()
+    if compiled is None:  # said once: the engine runs, its host side slower
+        warnings.warn(f"the NVLink engine's compiled host path (csrc/host.cpp) did not build ({why_not()}); its "
+                      "host side runs in Python, the same results, more host time a call (pip install ninja and a "
+                      "C++ compiler to build it)", stacklevel=2)
+    return compiled
 
 
 enabled = True  # False: the engine's host side in Python (bitwise the same; for tests and the bench)

@@ -192,3 +192,21 @@ def test_the_compiled_pull_push_and_home_sum_bind_what_the_engine_binds(no_gpu):
     for launch, order in ((pull, host.PULL_FREE), (push, host.PUSH_FREE), (home, host.HOME_FREE)):
         assert sorted(order) == sorted(launch.free)
         assert launch.compiled(0, order) is not None
+
+
+def test_a_host_path_that_does_not_build_is_said_once(monkeypatch):
+    """Where the compiled path cannot be built on a GPU machine, the engine runs
+    its host side in Python and says why, once."""
+    import warnings
+
+    monkeypatch.setattr(host, "_build", lambda: (None, "RuntimeError: ninja is required"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    host._here.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build .RuntimeError: ninja is required"):
+            assert host.module() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert host.module() is None
+    finally:
+        host._here.cache_clear()
