@@ -7,7 +7,9 @@ sub-group's rendezvous its peers would not make), so its kernels and their
 launches run on one device. ``--check`` holds it bitwise against the NCCL
 transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups, and
 forward and backward with ``max_rows`` captured in a CUDA graph and replayed;
-native and fp8 wires; T = 0 to 2048; on every SM and at ``sm_budget=24``).
+native and fp8 wires; T = 0 to 2048; on every SM and at ``sm_budget=24``), its
+host work issued by the compiled path (``dispatch.host``), then on every SM from
+Python.
 ``--gpu-time``: the captured forward round trip's GPU time at every SM and at 24
 blocks (:func:`gpu_time`), and beside the experts' forward
 (:func:`beside_experts`). Then the eager round trip's host time
@@ -112,8 +114,12 @@ def trip(d, x, idx, w, whole=False, **kw):
 
 
 bad = 0  # cases of --check that differ: the script exits 1 at its end if any did
-if "--check" in sys.argv:
-    for budget in (None, 24):  # every SM, and 24 blocks (a budget that leaves SMs to the experts)
+
+
+def check(budgets, path: str) -> None:
+    """The engine bitwise against NCCL, at each SM budget; ``path``: how its host work is issued."""
+    global bad
+    for budget in budgets:
         for wire in ("native", "fp8"):
             E = 16
             eng, ref = make(E, "nvlink", wire, sm_budget=budget), make(E, "nccl", wire)
@@ -124,7 +130,7 @@ if "--check" in sys.argv:
                     got = trip(eng, x, idx, w, **kw)
                     same = all(torch.equal(a, b) for a, b in zip(got, want))
                     bad += not same
-                    print(f"sm_budget={budget} wire={wire} T={T} H={H} K={K} {kw}: "
+                    print(f"{path}sm_budget={budget} wire={wire} T={T} H={H} K={K} {kw}: "
                           f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
         # forward and backward with max_rows captured in one CUDA graph, replayed on new inputs
         for wire in ("native", "fp8"):
@@ -145,8 +151,18 @@ if "--check" in sys.argv:
                 n = want[0].shape[0]
                 same = all(torch.equal(a[:n] if i < 4 else a, b) for i, (a, b) in enumerate(zip(got, want)))
                 bad += not same
-                print(f"sm_budget={budget} wire={wire} T={T} captured, replay {seed}: "
+                print(f"{path}sm_budget={budget} wire={wire} T={T} captured, replay {seed}: "
                       f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
+
+
+if "--check" in sys.argv:
+    check((None, 24), "")
+    # the same with the engine's host work issued from Python (new engines, made without the compiled path)
+    dispatch.host.enabled = False
+    dispatch.nvlink._ENGINES.clear()
+    check((None,), "host in Python: ")
+    dispatch.host.enabled = True
+    dispatch.nvlink._ENGINES.clear()
     print("check:", "all equal" if bad == 0 else f"{bad} different", flush=True)
 
 

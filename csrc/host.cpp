@@ -1,11 +1,9 @@
 // The engine's per-call host work, compiled (dispatch/host.py builds it at first use).
 //
-// A Python launch of a kernel packs its parameter block, sets the launch's
-// configuration and calls the driver through ctypes: about 10 us a launch, of
-// which the driver takes 4. Here a launch of one shape keeps its parameter block
-// with the values that hold for every such launch packed once (by
-// dispatch.cuda.Launch, from the kernel's signature in csrc/), and each call
-// writes only the free values at their places and calls the driver.
+// A Launcher is one kernel's launches of one shape: its parameter block with the
+// values that hold for every such launch packed once (by dispatch.cuda.Launch,
+// from the kernel's signature in csrc/); each launch writes only the free values
+// at their places and calls the driver.
 //
 // `counts_plan` is the host side of a dispatch's counts exchange on the engine
 // (dispatch/nvlink.py, Engine.exchange_counts with its host read) in one call:
@@ -75,64 +73,77 @@ void check(CUresult result, const char* call) {
 }
 
 // One kernel's launches of one shape (dispatch.cuda.Launch): its parameter block
-// with the bound values packed, and the place, size and kind of each free value.
+// with the bound values packed, and the place and C type of each free value. It
+// does not change once made: each launch writes its free values into a copy of
+// the block (the driver copies the parameters at the call), so launches from
+// several threads do not meet.
 class Launcher {
  public:
   Launcher(uint64_t function, unsigned threads, bool dependent, const std::string& block, const std::string& codes,
            const std::vector<int64_t>& offsets, const std::vector<int64_t>& free)
       : function_(reinterpret_cast<CUfunction>(function)), threads_(threads), dependent_(dependent),
-        block_(block.begin(), block.end()) {
+        block_(block.begin(), block.end()), offsets_(offsets) {
     if (offsets.size() != codes.size()) throw std::invalid_argument("Launcher: one offset a parameter");
+    for (size_t p = 0; p < offsets.size(); ++p) {
+      if (offsets[p] < 0 || offsets[p] + size_of(codes[p]) > static_cast<int64_t>(block_.size()))
+        throw std::invalid_argument("Launcher: the block is shorter than its parameters");
+    }
     for (int64_t p : free) {
       if (p < 0 || p >= static_cast<int64_t>(codes.size())) throw std::invalid_argument("Launcher: free place");
       free_at_.push_back(offsets[p]);
       free_code_.push_back(codes[p]);
     }
-    for (size_t p = 0; p < offsets.size(); ++p) {
-      if (offsets[p] + size_of(codes[p]) > static_cast<int64_t>(block_.size()))
-        throw std::invalid_argument("Launcher: the block is shorter than its parameters");
-      params_.push_back(block_.data() + offsets[p]);
-    }
-    if (params_.empty()) params_.push_back(nullptr);
-    attribute_.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attribute_.value.programmaticStreamSerializationAllowed = 1;
   }
-
-  size_t free_count() const { return free_at_.size(); }
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
 
   // free values from Python (ints; floats where the parameter is one), in order
   void launch_py(unsigned blocks, unsigned shared, uint64_t stream, const py::tuple& values) {
-    patch(values);
-    launch(blocks, shared, stream);
+    std::vector<unsigned char> block = block_;
+    fill_py(block, values);
+    launch(block, blocks, shared, stream);
   }
 
-  // the parameter block as a launch with these free values hands it to the driver
-  py::bytes block_of(const py::tuple& values) {
-    patch(values);
-    return py::bytes(reinterpret_cast<const char*>(block_.data()), block_.size());
+  // the parameter block a launch with these free values hands the driver
+  py::bytes block_of(const py::tuple& values) const {
+    std::vector<unsigned char> block = block_;
+    fill_py(block, values);
+    return py::bytes(reinterpret_cast<const char*>(block.data()), block.size());
   }
 
-  // the free values, as 64-bit words (integers and addresses), from C++
-  void launch_words(unsigned blocks, unsigned shared, uint64_t stream, std::initializer_list<uint64_t> values) {
+  // the free values as 64-bit words (an int parameter's as a signed one), from C++
+  void launch_words(unsigned blocks, unsigned shared, uint64_t stream, std::initializer_list<uint64_t> values) const {
     if (values.size() != free_at_.size()) throw std::invalid_argument("Launcher: one value a free parameter");
+    std::vector<unsigned char> block = block_;
     size_t i = 0;
-    for (uint64_t v : values) put(i++, v);
-    launch(blocks, shared, stream);
+    for (uint64_t v : values) {
+      const char code = free_code_[i];
+      const auto value = static_cast<int64_t>(v);
+      if ((code == 'i' && (value < INT32_MIN || value > INT32_MAX)) || (code == 'I' && v > UINT32_MAX))
+        throw py::value_error("Launcher: argument " + std::to_string(i) + " out of range for its C type");
+      put(block, i++, v);
+    }
+    launch(block, blocks, shared, stream);
   }
 
  private:
-  void patch(const py::tuple& values) {
+  // each integer within its C type, as struct.pack holds a Python launch's
+  void fill_py(std::vector<unsigned char>& block, const py::tuple& values) const {
     if (values.size() != free_at_.size()) throw std::invalid_argument("Launcher: one value a free parameter");
     for (size_t i = 0; i < free_at_.size(); ++i) {
       PyObject* v = values[i].ptr();
-      char code = free_code_[i];
+      const char code = free_code_[i];
       if (code == 'f' || code == 'd') {
         const double real = PyFloat_AsDouble(v);
         if (PyErr_Occurred()) throw py::error_already_set();
-        put_real(i, real);
+        if (code == 'f') {
+          const float f = static_cast<float>(real);
+          std::memcpy(block.data() + free_at_[i], &f, 4);
+        } else {
+          std::memcpy(block.data() + free_at_[i], &real, 8);
+        }
         continue;
       }
-      // each integer within its C type, as struct.pack holds the Python launch's
       int overflow = 0;
       const long long value = PyLong_AsLongLongAndOverflow(v, &overflow);
       if (PyErr_Occurred()) throw py::error_already_set();
@@ -148,32 +159,27 @@ class Launcher {
         fits = fits && value >= 0;
       }
       if (!fits) throw py::value_error("Launcher: argument " + std::to_string(i) + " out of range for its C type");
-      put(i, word);
+      put(block, i, word);
     }
   }
 
   static int64_t size_of(char code) { return code == 'i' || code == 'I' || code == 'f' ? 4 : 8; }
 
-  void put(size_t i, uint64_t v) {
-    unsigned char* at = block_.data() + free_at_[i];
+  void put(std::vector<unsigned char>& block, size_t i, uint64_t v) const {
+    unsigned char* at = block.data() + free_at_[i];
     switch (free_code_[i]) {
-      case 'i': case 'I': { uint32_t w = static_cast<uint32_t>(v); std::memcpy(at, &w, 4); break; }
+      case 'i': case 'I': { const auto w = static_cast<uint32_t>(v); std::memcpy(at, &w, 4); break; }
       case 'q': case 'Q': std::memcpy(at, &v, 8); break;
       default: throw std::invalid_argument("Launcher: a real parameter takes a float");
     }
   }
 
-  void put_real(size_t i, double v) {
-    unsigned char* at = block_.data() + free_at_[i];
-    if (free_code_[i] == 'f') {
-      float f = static_cast<float>(v);
-      std::memcpy(at, &f, 4);
-    } else {
-      std::memcpy(at, &v, 8);
-    }
-  }
-
-  void launch(unsigned blocks, unsigned shared, uint64_t stream) {
+  void launch(std::vector<unsigned char>& block, unsigned blocks, unsigned shared, uint64_t stream) const {
+    std::vector<void*> params(offsets_.size() + 1, nullptr);  // (one past for a kernel of no parameters)
+    for (size_t p = 0; p < offsets_.size(); ++p) params[p] = block.data() + offsets_[p];
+    CUlaunchAttribute attribute{};
+    attribute.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
     CUlaunchConfig config{};
     config.gridDimX = blocks > 0 ? blocks : 1;
     config.gridDimY = config.gridDimZ = 1;
@@ -181,19 +187,18 @@ class Launcher {
     config.blockDimY = config.blockDimZ = 1;
     config.sharedMemBytes = shared;
     config.hStream = reinterpret_cast<CUstream>(stream);
-    config.attrs = &attribute_;
+    config.attrs = &attribute;
     config.numAttrs = dependent_ ? 1 : 0;
-    check(driver().launch(&config, function_, params_.data(), nullptr), "cuLaunchKernelEx");
+    check(driver().launch(&config, function_, params.data(), nullptr), "cuLaunchKernelEx");
   }
 
-  CUfunction function_;
-  unsigned threads_;
-  bool dependent_;
-  std::vector<unsigned char> block_;
-  std::vector<void*> params_;
+  const CUfunction function_;
+  const unsigned threads_;
+  const bool dependent_;
+  const std::vector<unsigned char> block_;
+  const std::vector<int64_t> offsets_;
   std::vector<int64_t> free_at_;
   std::vector<char> free_code_;
-  CUlaunchAttribute attribute_{};
 };
 
 // What one shape of dispatch asks of the counts exchange on the host, fixed for
@@ -245,6 +250,12 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
                       const std::vector<int64_t>& header, uint64_t stream, const at::Tensor& host, int64_t width,
                       at::ScalarType weights_dtype) {
   const int64_t T = s.tokens, K = s.topk, W = s.world, L = s.row_len, local = s.experts_per_rank;
+  TORCH_CHECK(topk_idx.is_contiguous() && topk_idx.numel() == T * K && weights.is_contiguous() &&
+                  weights.numel() == T * K && weights.device() == topk_idx.device(),
+              "counts_plan: topk_idx and weights must be contiguous [T, K] of the shape, on one device");
+  TORCH_CHECK(host.device().is_cpu() && host.scalar_type() == at::kInt && host.is_contiguous() &&
+                  host.numel() >= 4 + W * L,
+              "counts_plan: the host words must be int32 on the host, 4 + W L of them");
   auto device = topk_idx.device();
   int64_t words = 0;
   for (int64_t n : s.sizes) words += n;
@@ -367,8 +378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<uint64_t, unsigned, bool, const std::string&, const std::string&, const std::vector<int64_t>&,
                     const std::vector<int64_t>&>())
       .def("launch", &Launcher::launch_py)
-      .def("block_of", &Launcher::block_of)
-      .def_property_readonly("free_count", &Launcher::free_count);
+      .def("block_of", &Launcher::block_of);
   py::class_<CountsShape>(m, "CountsShape")
       .def_readonly("world", &CountsShape::world)
       .def_readonly("rank", &CountsShape::rank)

@@ -1,18 +1,16 @@
 """The engine's compiled host path (``csrc/host.cpp``), built at first use.
 
-A launch of the engine's kernels from Python costs about 10 us of host time, of
-which the driver takes 4; the counts exchange of a dispatch, with its host read,
-about 90. ``csrc/host.cpp`` does the same work compiled: a launch keeps its
-parameter block packed (``dispatch.cuda.Launch``) and writes only its free
-values at each call, and a dispatch's counts exchange is one call
-(``dispatch.nvlink``). The kernels, their signatures and their arguments are
-the same either way (bitwise the same results): the compiled path changes only
-what the host spends.
+It issues the engine's per-call host work from C++: each launch of a kernel
+keeps its parameter block packed (``dispatch.cuda.Launch``) and writes only its
+free values; a dispatch's counts exchange with its host read, its pull, and a
+combine's push and home sum are one call each (``dispatch.nvlink``,
+``dispatch.nvlink_moves``). The kernels and their arguments are the same as
+from Python, so the results are the same bits; only the host time differs.
 
 It is built once per machine by ``torch.utils.cpp_extension`` (a C++ compiler,
 ninja and CUDA's ``cuda.h``; about half a minute, then cached in torch's
-extensions folder). Where it cannot be built the engine runs its host side in
-Python, as it does on a build of torch without CUDA.
+extensions folder). Where it cannot be built the engine issues its host work
+from Python, and says so once.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import warnings
 import torch
 
 from dispatch import checks, cuda, plan
-from dispatch.nvlink_layout import SENDS_COL, STAGED_COL, TOKENS_COL, Counts, HostCounts
+from dispatch.nvlink_layout import SENDS_COL, STAGED_COL, TOKENS_COL, Counts, HostCounts, Planned
 
 # the free values of the routing layout's and the counts exchange's launches, in the order
 # csrc/host.cpp's counts_plan passes them
@@ -75,7 +73,8 @@ def _cuda_include(cuda_home: str | None) -> str | None:
 
 
 def module():
-    """:func:`built` where the engine's kernels run (a CUDA device), else None."""
+    """:func:`built` where the engine's kernels run (a CUDA device), else None.
+    An engine, and a launch, take it (or None) once, when made."""
     return _here() if enabled else None
 
 
@@ -91,26 +90,24 @@ def _here():
     return compiled
 
 
-enabled = True  # False: the engine's host side in Python (bitwise the same; for tests and the bench)
+enabled = True  # False: engines and launches made from then on issue from Python (the same bits)
 
 
 def counts_launchers(engine, tokens: int, topk: int, layout, counts, sizes) -> tuple | None:
     """(shape, layout launcher, counts launcher) of ``counts_plan`` for an engine's
     dispatch of T = ``tokens`` and K = ``topk`` (``layout``, ``counts``: its bound
     launches, ``Engine._counts_launches``; their free values in the order
-    ``counts_plan`` passes them), or None where the compiled path is not built."""
-    compiled_module = module()
-    if compiled_module is None:
+    ``counts_plan`` passes them), or None where the engine has no compiled path."""
+    compiled = engine._host
+    if compiled is None:
         return None
     device = engine.device.index
     layout_c = None if layout is None else layout.launch.compiled(device, LAYOUT_FREE)
     counts_c = counts.launch.compiled(device, COUNTS_FREE)
     if counts_c is None or (layout is not None and layout_c is None):
         return None
-    if engine._host_words is None:  # the counts matrix read back, W rows
-        engine._host_words = torch.empty(4 + engine.world * engine.row_len, dtype=torch.int32).pin_memory()
     column = plan.HEADER.index
-    shape = compiled_module.CountsShape(
+    shape = compiled.CountsShape(
         tokens=tokens, topk=topk, world=engine.world, rank=engine.rank, row_len=engine.row_len,
         counts_col=engine.counts_col, experts_per_rank=engine.experts_per_rank, tokens_col=TOKENS_COL,
         staged_col=STAGED_COL, sends_col=SENDS_COL, header_len=len(plan.HEADER), failed_col=column("failed"),
@@ -128,13 +125,15 @@ def exchange_counts(engine, compiled, topk_idx, weights, header, rows, codec, ch
     Counts; and where the usual case holds, the handle's tensors (``Counts.planned``)."""
     shape, layout, counts = compiled
     wire = codec.pack(rows) if fits and topk_idx.shape[0] else None
-    got = module().counts_plan(
+    # host sync: the counts matrix read back, in counts_plan
+    got = engine._host.counts_plan(
         shape, layout, counts, topk_idx, weights, 0 if wire is None else wire.data_ptr(),
         0 if wire is None else wire.stride(0) * wire.element_size(), engine._zeroed(words).data_ptr(), check_values,
         header, cuda._raw_stream(engine.device.index), engine._host_words, *planned)
     if len(got) == 3:  # the status words: a failure the kernels recorded
         engine._raise(*got)
     route, lists, hit, matrix, src_start, num_rows, per_expert, tokens_at, headers, sends, rows_of, mine, bound, \
-        received, staged, handle = got
+        received, staged, planned_out = got
     return Counts(matrix, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert,
-                  src_start, num_rows, route, lists, tokens_at, hit, staged, None, handle)
+                  src_start, num_rows, route, lists, tokens_at, hit, staged, None,
+                  None if planned_out is None else Planned(*planned_out))

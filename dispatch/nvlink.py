@@ -92,11 +92,17 @@ class Engine(EngineMoves):
         num_experts: E.
         sm_budget: blocks the data kernels may use (None: ``BLOCKS_PER_SM`` per SM).
         timeout: seconds a kernel waits for a peer before it gives up.
+
+    Its operations are issued by one thread at a time (they share its epochs,
+    its order and its host words).
     """
 
     def __init__(self, group, num_experts: int, sm_budget: int | None, timeout: float) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
 
+        # the compiled host path, built here (the first time on this machine) before the
+        # rendezvous below, so that the ranks line up after it, not in their first dispatch
+        self._host = host.module()
         self._symm = symm_mem
         self.group = group if group is not None else dist.group.WORLD
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -138,7 +144,9 @@ class Engine(EngineMoves):
         self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (_Ordered)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
         self._polled_event: torch.cuda.Event | None = None
-        self._host_words: torch.Tensor | None = None  # pinned: the compiled counts exchange reads into it
+        self._host_words = None  # the counts matrix as the compiled counts exchange reads it (pinned)
+        if self._host is not None:
+            self._host_words = torch.empty(4 + self.world * self.row_len, dtype=torch.int32).pin_memory()
         # operations issued so far that may write the peers' buffers or raise an epoch (a
         # combine by groups sees whether another came between two of its groups)
         self.operations = 0
@@ -379,8 +387,8 @@ class Engine(EngineMoves):
     def _host_counts(self, matrix_host: list[list[int]]) -> HostCounts:
         """:class:`HostCounts` of the counts matrix read on the host (W rows of L ints)."""
         header_len, first, local, rank = len(plan.HEADER), self.counts_col, self.experts_per_rank, self.rank
-        rows = [sum(sum(r[first + d * local : first + (d + 1) * local]) for r in matrix_host)
-                for d in range(self.world)]
+        rows = tuple([sum(sum(r[first + d * local : first + (d + 1) * local]) for r in matrix_host)
+                      for d in range(self.world)])
         if self.world == 1:
             mine = matrix_host[0][first : first + local]
         else:

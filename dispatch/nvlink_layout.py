@@ -87,8 +87,23 @@ class HostCounts(NamedTuple):
 
     headers: tuple
     sends: tuple[tuple[int, ...], ...]
-    rows: tuple | list
+    rows: tuple[int, ...]
     per_expert: torch.Tensor
+
+
+class Planned(NamedTuple):
+    """What the compiled counts exchange makes in the usual case (``Counts.planned``):
+    what the checks of every rank's header would give (whether some rank needs
+    the gradient of x, of topk_weights) and the handle's tensors (presum,
+    slot_k [W * bound, J] int32; the places' weights [N], src_rank, src_token [N])."""
+
+    x_grad: bool
+    weights_grad: bool
+    presum: torch.Tensor
+    slot_k: torch.Tensor
+    weights: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -119,9 +134,8 @@ class Counts:
             g B, B = ceil(max_rows / G)); None otherwise.
         planned: where the compiled counts exchange found the usual case (every
             header agreeing, none failed, every rank within its budgets: the
-            checks would pass), what they would give and the handle's tensors:
-            (x_grad and weights_grad of any rank, presum, slot_k, weights,
-            src_rank, src_token); None otherwise (the checks run on the host).
+            checks would pass), :class:`Planned`; None otherwise (the checks run
+            on the host).
     """
 
     matrix: torch.Tensor
@@ -137,7 +151,7 @@ class Counts:
     hit: torch.Tensor
     staged: bool
     group_end: torch.Tensor | None = None
-    planned: tuple | None = None
+    planned: Planned | None = None
 
     @property
     def items(self) -> int:

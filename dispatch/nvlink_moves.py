@@ -59,9 +59,9 @@ class EngineMoves:
         key = ("pull", codec, rows.dtype, hidden, topk, presum.shape[1], None if weights is None else weights.dtype)
         launch = self._cached(key, self._pull_launch)
         if out is None and span is None and group is None and from_route:  # a dispatch's own pull: compiled
-            compiled = launch.compiled(self.device.index, host.PULL_FREE) if host.module() else None
+            compiled = launch.compiled(self.device.index, host.PULL_FREE) if self._host else None
             if compiled is not None:
-                return host.module().pull(
+                return self._host.pull(
                     compiled, self._row_grid(max(counts.items, num_rows)), rows, num_rows, counts.matrix.data_ptr(),
                     counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.src_start.data_ptr(),
                     counts.num_rows.data_ptr(), slot_k.data_ptr(), weights.data_ptr(), src_rank.data_ptr(),
@@ -167,13 +167,13 @@ class EngineMoves:
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
         with self._ordered():
             rows = aligned_rows(rows)
-            if host.module() is not None:  # compiled: both launches and the output in one call
+            if self._host is not None:  # compiled: both launches and the output in one call
                 hidden = rows.shape[1]
                 push = self._push_of(rows, weights, wire, counts, presum, hidden).compiled(self.device.index,
                                                                                           host.PUSH_FREE)
                 home = self._home_of(wire, rows.dtype, hidden, at_least).compiled(self.device.index, host.HOME_FREE)
                 tokens = counts.route.shape[0]
-                return host.module().to_home(
+                return self._host.to_home(
                     push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
                     0 if weights is None else weights.data_ptr(), counts.matrix.data_ptr(),
                     counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.hit.data_ptr(), tokens,

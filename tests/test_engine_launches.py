@@ -111,7 +111,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e._seq = torch.zeros(1, dtype=torch.int32)
     e._counter = torch.zeros(1, dtype=torch.int32)
     e._scratch = torch.zeros(0, dtype=torch.int32)
-    e._host_words = None
+    e._host, e._host_words = None, None  # launches from Python
     return e
 
 

@@ -1,14 +1,23 @@
 """The engine's compiled host path (``csrc/host.cpp``, ``dispatch.host``) on CPU.
 
 What a compiled launch hands the driver is held to the Python packer, byte for
-byte, for every kernel of csrc/, and the counts exchange's compiled launches to
-the names the engine binds; where the module cannot be built here (no compiler,
-ninja or ``cuda.h``) these skip. The compiled path's results are held bitwise
-to the Python path's on a GPU (``bench/engine_one_gpu.py --check``, and the
-GPU suite: every engine test runs it).
+byte, for every kernel of csrc/; and on a stand-in driver
+(``tests/fake_cuda/libcuda.c``), an engine's counts exchange, pull and combine
+issued from C++ are held to the same issued from Python: every launch's
+configuration and arguments, and what the host reads back. Where the module
+cannot be built here (no compiler, ninja or ``cuda.h``) these skip. On a GPU
+the results of both are held bitwise to NCCL's (``bench/engine_one_gpu.py
+--check``, and the GPU suite: every engine test runs the compiled path).
 """
 
 from __future__ import annotations
+
+import contextlib
+import ctypes
+import pathlib
+import shutil
+import struct
+import subprocess
 
 import pytest
 import torch
@@ -29,16 +38,23 @@ def compiled():
 
 
 class _Kernel:
-    """A kernel of csrc/ without CuPy: its signature, a block size, no function."""
+    """A kernel of csrc/ without CuPy: its signature, a block size, and for a
+    function handle its signature's id (``_KERNELS``)."""
 
     def __init__(self, source: str, name: str) -> None:
-        self.signature, self.threads = cuda.signature(source, name), 128
+        self.signature, self.threads, self.name = cuda.signature(source, name), 128, name
 
     def handle(self, device: int) -> int:
-        return 0
+        return id(self.signature)
 
     def bind(self, **bound) -> cuda.Launch:
         return cuda.Launch(self, bound)
+
+    def __call__(self, blocks: int, shared: int = 0, **args) -> None:
+        self.bind()(blocks, shared, **args)
+
+
+_KERNELS = {id(sig): (name, sig) for (_, name), sig in SIGNATURES.items()}  # function handle -> kernel
 
 
 @pytest.fixture
@@ -82,11 +98,16 @@ def test_a_compiled_launch_takes_its_free_names_and_no_others(no_gpu):
         launcher.block_of((0,) * (len(launch.free) - 1))
 
 
-def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
-    """An Engine of rank 0 whose buffers are CPU tensors (no peers, no kernels run)."""
+def _cpu_engine(world: int, experts: int, capacity: Capacity, compiled=None) -> Engine:
+    """An Engine of rank 0 whose buffers are CPU tensors (no peers, no kernels run),
+    its host work issued from ``compiled`` (None: from Python)."""
     from test_engine_launches import _cpu_engine as made
 
-    return made(world, experts, capacity)
+    engine = made(world, experts, capacity)
+    if compiled is not None:
+        engine._host = compiled
+        engine._host_words = torch.empty(4 + engine.world * engine.row_len, dtype=torch.int32)
+    return engine
 
 
 @pytest.mark.parametrize("tokens", [0, 37])
@@ -94,8 +115,7 @@ def test_the_compiled_counts_exchange_binds_what_the_engine_binds(no_gpu, tokens
     """The counts exchange's compiled launches take, in the order csrc/host.cpp
     passes them, exactly the free names of the engine's own launches of that
     shape (the layout's none where T = 0), and its shape the engine's columns."""
-    engine = _cpu_engine(4, 32, Capacity(64, 4, 1024, 512))
-    engine._host_words = torch.empty(0, dtype=torch.int32)  # (pinned on a GPU machine)
+    engine = _cpu_engine(4, 32, Capacity(64, 4, 1024, 512), host.built())
     codec = to_experts_codec("native", torch.bfloat16)
     fits, layout, counts, words, sizes, compiled = engine._counts_launches(
         tokens, 4, torch.int64, torch.float32, codec, 512, 1)
@@ -128,7 +148,7 @@ def test_the_host_counts_sum_every_ranks_row():
     assert torch.equal(got.per_expert, counts[:, rank * local : (rank + 1) * local].sum(0))
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_the_compiled_usual_case_is_where_the_checks_pass_and_say_nothing(no_gpu, seed):
     """``usual`` (csrc/host.cpp), by which the compiled counts exchange skips the
     host's checks of every rank's header and budgets, holds exactly where those
@@ -137,8 +157,7 @@ def test_the_compiled_usual_case_is_where_the_checks_pass_and_say_nothing(no_gpu
     from dispatch import checks
 
     world = 3
-    engine = _cpu_engine(world, 6, Capacity(64, 4, 1024, 512))
-    engine._host_words = torch.empty(0, dtype=torch.int32)
+    engine = _cpu_engine(world, 6, Capacity(64, 4, 1024, 512), host.built())
     codec = to_experts_codec("native", torch.bfloat16)
     shape = engine._counts_launches(8, 4, torch.int64, torch.float32, codec, 512, 1)[-1][0]
     gen = torch.Generator().manual_seed(seed)
@@ -147,7 +166,7 @@ def test_the_compiled_usual_case_is_where_the_checks_pass_and_say_nothing(no_gpu
     rows, rows_of = [], []
     for r in range(world):
         h = list(header)
-        column = pick(None, None, "call", "hidden", "x_dtype", "failed", "max_rows", "memory_rows", "x_grad")
+        column = pick(None, None, None, *plan.HEADER)
         if column is not None:
             h[plan.HEADER.index(column)] = pick(0, 1, 2, 30, 2000)
         rows.append(h + [0] * (engine.row_len - len(h)))
@@ -173,10 +192,13 @@ def test_a_compiled_launch_refuses_a_value_its_c_type_does_not_hold(no_gpu):
     launcher.block_of(good)
     me = launch.free.index("me")  # an int
     meta = launch.free.index("meta_ptrs")  # a pointer
+    layout = cuda.parameter_block(sig.codes)[0]
     for place, value in ((me, 2**31), (me, -2**31 - 1), (meta, -1), (me, 1.5)):
         wrong = tuple(value if i == place else v for i, v in enumerate(good))
         with pytest.raises((ValueError, TypeError, OverflowError)):
             launcher.block_of(wrong)
+        with pytest.raises(struct.error):  # as the Python launch refuses it
+            layout.pack(*wrong)
     widest = tuple(2**64 - 1 if i == meta else -2**31 if i == me else v for i, v in enumerate(good))
     launcher.block_of(widest)  # the widest values each type holds
 
@@ -210,3 +232,159 @@ def test_a_host_path_that_does_not_build_is_said_once(monkeypatch):
             assert host.module() is None
     finally:
         host._here.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def fake_driver(compiled, tmp_path_factory):
+    """The stand-in driver (tests/fake_cuda/libcuda.c) loaded as libcuda.so.1, so
+    that both paths' launches reach the hook it is given; only where no real
+    driver is loaded (a CPU machine) and a C compiler is."""
+    if torch.cuda.is_available():
+        pytest.skip("a real CUDA driver serves this process")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the stand-in driver")
+    path = tmp_path_factory.mktemp("fake_cuda") / "libcuda.so.1"
+    source = pathlib.Path(__file__).parent / "fake_cuda" / "libcuda.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(path), str(source)], check=True)
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it by its soname
+
+
+_HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+
+
+class _Recorder:
+    """Each launch the stand-in driver is handed: kernel, grid, shared memory,
+    stream, attributes and every argument by name, addresses as (buffer, offset)
+    of the buffers named in ``regions``. The counts exchange's launch gets the
+    counts matrix ``words`` written into its ``out`` (as the kernel would)."""
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self.words, self.launches, self.regions = words, [], {}
+        self.hook = _HOOK(self._launched)
+
+    def _launched(self, config, function, params) -> int:
+        name, sig = _KERNELS[function]
+        values = {}
+        for i, (param, code) in enumerate(zip(sig.names, sig.codes)):
+            values[param] = struct.unpack(code, ctypes.string_at(params[i], struct.calcsize(code)))[0]
+        if name == "exchange_counts":
+            ctypes.memmove(values["out"], self.words.data_ptr(), self.words.numel() * 4)
+        c = cuda.LaunchConfig.from_address(config)
+        self.launches.append((name, c.gridDimX, c.blockDimX, c.sharedMemBytes, c.hStream, c.numAttrs, values,
+                              {p for i, (p, code) in enumerate(zip(sig.names, sig.codes))
+                               if i in sig.pointers or code == "Q"}))  # (an address, by value)
+        return 0
+
+    def seen(self) -> list:
+        """The launches, each address named by the region it falls in."""
+        spans = [(name, t.data_ptr(), t.numel() * t.element_size()) for name, t in self.regions.items()]
+
+        def named(address: int):
+            for name, start, size in spans:
+                if start <= address < start + max(size, 1):
+                    return name, address - start
+            return "?" if address else 0
+
+        return [(*launch[:6], {p: named(v) if p in launch[7] else v for p, v in launch[6].items()})
+                for launch in self.launches]
+
+
+def _counts_words(world: int, rank: int, engine: Engine, topk: int, hidden: int, tokens: int, agree: bool,
+                  staged: bool, gen: torch.Generator) -> torch.Tensor:
+    """The status and counts matrix a counts exchange reads back: every rank's
+    header (rank ``rank``'s own as given, a peer's with another H where not
+    ``agree``), T, staged, G, sends, counts to every expert."""
+    experts = engine.num_experts
+    rows = []
+    for r in range(world):
+        header = [0, 1, 0, topk, hidden if agree or r == rank else hidden + 8, 1, 2, 1, r % 2, 0, -1, 10**6]
+        t = tokens if r == rank else int(torch.randint(1, 60, (1,), generator=gen))
+        sends = torch.randint(0, t + 1, (world,), generator=gen).tolist()
+        counts = torch.randint(0, 9, (experts,), generator=gen).tolist()
+        rows.append(header + [t, int(staged or r == rank), 1] + sends + counts)
+    return torch.tensor([0, 0, 0, 0] + [w for r in rows for w in r], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("world, rank, tokens, agree, staged, idx_dtype, weight_dtype", [
+    (1, 0, 37, True, True, torch.int64, torch.float32),
+    (2, 1, 37, True, True, torch.int32, torch.float64),
+    (4, 2, 37, True, False, torch.int64, torch.float32),
+    (4, 3, 0, True, True, torch.int64, torch.float32),
+    (2, 0, 37, False, True, torch.int64, torch.float32),
+])
+def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
+        fake_driver, compiled, monkeypatch, world, rank, tokens, agree, staged, idx_dtype, weight_dtype):
+    """On the stand-in driver: a dispatch's counts exchange, its pull and a
+    combine's push and home sum, issued from C++ and from Python, launch the
+    same kernels with the same configuration and arguments (addresses by the
+    buffer they fall in), and read back the same counts; in the usual case
+    (every header agreeing, every budget kept) the compiled exchange also gives
+    what the host's checks would and the handle's tensors, shaped as the
+    Python path makes them."""
+    from dispatch import checks
+    from dispatch.nvlink_layout import Planned
+
+    experts, topk, hidden = 8 * world, 4, 64
+    monkeypatch.setattr(cuda, "kernel", lambda source, name, *types: _Kernel(source, name))
+    monkeypatch.setattr(cuda, "_dependent_launch", lambda device: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(cuda, "capturing", lambda: False)
+    codec = to_experts_codec("native", torch.bfloat16)
+    gen = torch.Generator().manual_seed(world * 10 + rank)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices.to(idx_dtype)
+    w = torch.rand(tokens, topk, generator=gen, dtype=weight_dtype)
+    seen = {}
+    for path in ("python", "compiled"):
+        monkeypatch.setattr(host, "module", lambda path=path: compiled if path == "compiled" else None)
+        engine = _cpu_engine(world, experts, Capacity(64, topk, 256, 512), compiled if path == "compiled" else None)
+        engine.rank = rank
+        engine._ordered = lambda writes=True: contextlib.nullcontext()
+        words = _counts_words(world, rank, engine, topk, hidden, tokens, agree, staged,
+                              torch.Generator().manual_seed(1))
+        recorder = _Recorder(words)
+        fake_driver.fake_set_hook(recorder.hook)
+        header = plan.header(x, w, topk, plan.Ticket(memory_rows=10**6))
+        width = min(topk, engine.experts_per_rank)
+        counts = engine._exchange_counts(idx, w, header, x, codec, True, True, 1, (width, weight_dtype))
+        num_rows = counts.host.rows[rank]
+        planned = counts.planned
+        if planned is None:
+            presum, slot_k = torch.empty(2, world * counts.bound, width, dtype=torch.int32).unbind()
+            places = (torch.empty(num_rows, dtype=weight_dtype), *torch.empty(2, num_rows, dtype=torch.int64))
+        else:
+            presum, slot_k, places = planned.presum, planned.slot_k, planned[4:]
+        tokens_out = engine._to_experts(x, codec, counts, presum, slot_k, num_rows, meta_out=places)
+        y = torch.randn(num_rows, hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        home = engine.to_home(y, places[0], torch.float32, counts, presum, None)
+        recorder.regions = dict(
+            idx=idx, w=w, x=x, y=y, scratch=engine._scratch, data=engine._data, seq=engine._seq,
+            status=engine.status, counter=engine._counter, flags=engine._flags, meta_ptrs=engine._meta_ptrs,
+            data_ptrs=engine._data_ptrs, per_expert=counts.tokens_per_expert, tokens_at=counts.tokens_at,
+            presum=presum, slot_k=slot_k, weights=places[0], src_rank=places[1], src_token=places[2],
+            tokens=tokens_out, home=home,
+            words=torch.empty(0).set_(counts.route.untyped_storage()))  # the dispatch's int32 words, whole
+        seen[path] = (recorder.seen(), counts, planned, tuple(t.shape for t in (presum, slot_k, *places)),
+                      (tokens_out.shape, home.shape, home.dtype))
+    (launched, counts, _, shapes, outs), (launched_c, counts_c, planned, shapes_c, outs_c) = seen["python"], \
+        seen["compiled"]
+    assert launched_c == launched
+    assert [name for name, *_ in launched] == ["route_layout"] * bool(tokens) + ["exchange_counts"] + \
+        ["stage_rows"] * (not staged) * (1 + 2 * bool(tokens)) + ["pull_rows", "push_partials", "home_sum"]
+    assert counts_c.host[:3] == counts.host[:3] and torch.equal(counts_c.host.per_expert, counts.host.per_expert)
+    assert (counts_c.received, counts_c.bound, counts_c.staged) == (counts.received, counts.bound, counts.staged)
+    assert torch.equal(counts_c.matrix, counts.matrix) and counts_c.tokens_at.shape == counts.tokens_at.shape
+    assert shapes_c == shapes and outs_c == outs
+    assert counts.planned is None  # the Python path leaves the checks to the host
+    headers = counts.host.headers
+    try:
+        grads = checks.check_peer_headers(headers)
+        checks.check_row_budgets(headers, counts.host.rows, 1024)
+    except (ValueError, RuntimeError):
+        grads = None
+    assert (planned is None) == (grads is None) == (not agree)
+    if planned is not None:
+        assert isinstance(planned, Planned) and (planned.x_grad, planned.weights_grad) == grads
+        assert planned.weights.dtype == weight_dtype

@@ -86,15 +86,15 @@ class NVLinkTransport(Transport):
                                         x.detach().contiguous(), codec, request.check_values,
                                         planned=(min(topk, self.num_local_experts), wire))
         read = counts.host  # what the host read: every rank's header, sends and rows
-        headers, received = read.headers, read.rows
+        headers, rows_of = read.headers, read.rows
         if counts.planned is None:  # not the usual case (or no compiled path): the checks say what it is
             self._raise_own_values(request, headers[self.rank])
             grads_any = checks.check_peer_headers(headers)
-            checks.check_row_budgets(headers, received, self.row_bytes(x), request.exact_memory_rows)
+            checks.check_row_budgets(headers, rows_of, self.row_bytes(x), request.exact_memory_rows)
         else:  # the checks would pass: the compiled exchange found every header agreeing, every budget kept
-            grads_any = counts.planned[:2]
-        has_rows = tuple([n > 0 for n in received])
-        num_rows = received[self.rank]
+            grads_any = (counts.planned.x_grad, counts.planned.weights_grad)
+        has_rows = tuple([n > 0 for n in rows_of])
+        num_rows = rows_of[self.rank]
         per_expert = read.per_expert.tolist() if request.groups > 1 else ()  # (the groups' bounds sum them)
         handle, outputs = self._handle(request, counts, num_rows, grads_any, has_rows, read.sends, wire,
                                        read.per_expert,
@@ -172,7 +172,9 @@ class NVLinkTransport(Transport):
     def _handle(self, request: Request, counts: Counts, num_rows, grads_any, has_rows, split, wire, per_expert_host,
                 shape: dict):
         if counts.planned is not None:  # made with the counts exchange
-            presum, slot_k, *places = counts.planned[2:]
+            planned = counts.planned
+            presum, slot_k, places = planned.presum, planned.slot_k, (planned.weights, planned.src_rank,
+                                                                      planned.src_token)
         else:
             device = request.x.device
             width = min(request.topk_idx.shape[1], self.num_local_experts)
@@ -186,7 +188,7 @@ class NVLinkTransport(Transport):
             presum=presum,
             slot_k=slot_k,
             split_matrix=split,
-            places=tuple(places),
+            places=places,
             **shape,
         )
         routed, src_rank, src_token = handle.places

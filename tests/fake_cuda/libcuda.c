@@ -1,0 +1,41 @@
+/* A stand-in for the CUDA driver (libcuda.so.1) on a machine without one, for
+ * tests/test_host.py: the entry points csrc/host.cpp and dispatch/cuda.py call,
+ * each launch handed to the test's hook, copies done as plain memory copies
+ * (the tensors are the host's), synchronisation a no-op. */
+#include <stddef.h>
+#include <string.h>
+
+typedef int (*Hook)(const void* config, void* function, void** params);
+static Hook hook = 0;
+
+void fake_set_hook(Hook h) { hook = h; }
+
+int cuLaunchKernelEx(const void* config, void* function, void** params, void** extra) {
+  (void)extra;
+  return hook ? hook(config, function, params) : 0;
+}
+
+int cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t bytes, void* stream) {
+  (void)stream;
+  memcpy(dst, (const void*)src, bytes);
+  return 0;
+}
+
+int cuStreamSynchronize(void* stream) {
+  (void)stream;
+  return 0;
+}
+
+static const char* fake = "fake driver";
+
+int cuGetErrorName(int result, const char** name) {
+  (void)result;
+  *name = fake;
+  return 0;
+}
+
+int cuGetErrorString(int result, const char** text) {
+  (void)result;
+  *text = fake;
+  return 0;
+}
