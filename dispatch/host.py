@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import time
 import warnings
 
 import torch
@@ -55,11 +57,33 @@ def _build() -> tuple:
     include = _cuda_include(cpp_extension.CUDA_HOME)
     if include is None:
         return None, "CUDA's cuda.h was not found (set CUDA_HOME)"
+    folder = _build_folder(cpp_extension.get_default_build_root())
     try:
         return cpp_extension.load("dispatch_host", [str(cuda.csrc_dir() / "host.cpp")], extra_include_paths=[include],
-                                  extra_cflags=["-O2"], verbose=False), None
+                                  extra_cflags=["-O2"], build_directory=folder, verbose=False), None
     except Exception as error:  # no compiler or ninja: the host side runs in Python
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+
+
+STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by a build that died
+
+
+def _build_folder(default_root: str) -> str:
+    """Where the module is built and kept: one folder per Python and torch (under
+    $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
+    there by a build that died (killed mid-build) would make every later build
+    wait for ever: one older than ``STALE_LOCK`` seconds is removed (a build
+    takes under a minute)."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root, f"dispatch_host-{version}")
+    os.makedirs(folder, exist_ok=True)
+    lock = os.path.join(folder, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK:
+            os.remove(lock)
+    except OSError:  # no lock (the usual case), or another process removed it first
+        pass
+    return folder
 
 
 def _cuda_include(cuda_home: str | None) -> str | None:

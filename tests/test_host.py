@@ -388,3 +388,23 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
     if planned is not None:
         assert isinstance(planned, Planned) and (planned.x_grad, planned.weights_grad) == grads
         assert planned.weights.dtype == weight_dtype
+
+
+def test_a_lock_left_by_a_build_that_died_is_removed(tmp_path, monkeypatch):
+    """A build killed mid-way leaves its lock; every later build would wait on it
+    for ever. The build folder removes one older than ``STALE_LOCK``, and keeps
+    a fresh one (a build under way in another process)."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = host._build_folder("/nowhere")
+    assert folder.startswith(str(tmp_path)) and os.path.isdir(folder)
+    lock = os.path.join(folder, "lock")
+    open(lock, "w").close()
+    host._build_folder("/nowhere")
+    assert os.path.exists(lock)  # fresh: another build holds it
+    old = time.time() - host.STALE_LOCK - 60
+    os.utime(lock, (old, old))
+    host._build_folder("/nowhere")
+    assert not os.path.exists(lock)
