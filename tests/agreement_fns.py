@@ -223,16 +223,17 @@ def fixed_rows_apart(kind: str):
     rank at a combine of another dispatcher; ``"create"``, rank 0 agreeing on
     a config at ``create`` while rank 1 is at a dispatcher's combine. Returns
     (the name of what was raised, its message)."""
-    from dispatch import agreement, plan
+    from dispatch import agreement, comm, plan
 
     rank = dist.get_rank()
     place = rank if kind == "dispatchers" else 0
     combine = plan.Ticket(agreement.VERB_CODES["combine"] + agreement.DISPATCHERS * place, 1, 1)
+    host = comm.host_group(None)  # the host channel (the world itself on gloo; beside NCCL a gloo group of it)
     try:
         if kind == "create" and rank == 0:
             agreement.agree_config(dispatch.DispatchConfig(num_experts=E), None)
         else:
-            agreement.agree(combine, None, dist.get_world_size(), None, tail=(0,))
+            agreement.agree(combine, host, dist.get_world_size(), None, tail=(0,))
     except RuntimeError as exc:  # the test inspects what each rank raised
         return type(exc).__name__, str(exc)
     return None, ""
