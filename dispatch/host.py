@@ -52,6 +52,7 @@ def why_not() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _build() -> tuple:
+    """(the compiled module or None, why not or None), once a process."""
     from torch.utils import cpp_extension
 
     include = _cuda_include(cpp_extension.CUDA_HOME)
