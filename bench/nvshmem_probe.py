@@ -1,6 +1,6 @@
 """Study: the alltoall variant over NVSHMEM beside NCCL and the NVLink engine.
 
-    torchrun --nproc-per-node W bench/nvshmem_probe.py OUT_DIR TRANSPORT [TRANSPORT ...]
+    torchrun --nproc-per-node W bench/nvshmem_probe.py OUT_DIR TRANSPORT [TRANSPORT ...] [--profile]
 
 TRANSPORT is ``nccl``, ``nvshmem`` or ``nvlink``. NVSHMEM and the engine cannot
 share a process (torch fixes one symmetric-memory backend per process), so the
@@ -11,7 +11,10 @@ the issuing thread's wall time per call), and where the transport reads
 nothing on the host with ``max_rows`` (nvshmem, nvlink), the same with
 ``max_rows`` eager and captured in a CUDA graph; first a check that its
 combine equals NCCL's bitwise. Writes OUT_DIR/nvshmem-probe-<transports>.json and
-prints one line per row (median milliseconds, the slowest rank's).
+prints one line per row (median milliseconds, the slowest rank's). ``--profile``:
+then, on rank 0, a kernel table (torch.profiler, by device time) of 5 eager and
+5 captured round trips of each transport at the DeepSeek-V3 shape, written to
+OUT_DIR/nvshmem-profile-<transport>.txt.
 """
 import json
 import os
@@ -36,8 +39,27 @@ def inputs(shape, world, rank):
     return x, idx, (w / w.sum(1, keepdim=True)).float()
 
 
+def kernel_table(run, rounds: int = 5) -> str:
+    """The kernels (and host calls) of ``rounds`` calls of ``run``, by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            run()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("device_time_total", "cuda_time_total"):  # the name differs between torch versions
+        try:
+            return averages.table(sort_by=key, row_limit=30)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=30)
+
+
 def main():
-    out_dir, transports = sys.argv[1], sys.argv[2:]
+    profiling = "--profile" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--profile"]
+    out_dir, transports = args[0], args[1:]
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -90,6 +112,14 @@ def main():
                 runs = time_each({"total": replays["total"]}, ITERS, WARMUP, dev)
                 row["captured_ms"] = spread([r["total"] for r in runs])["median"]
                 d.check()
+                if profiling and name == "deepseek-v3":
+                    tables = [f"{transport} {name} W={world}: eager round trips", kernel_table(eager),
+                              f"{transport} {name} W={world}: captured round trips (max_rows)",
+                              kernel_table(replays["total"])]
+                    if rank == 0:
+                        os.makedirs(out_dir, exist_ok=True)
+                        with open(os.path.join(out_dir, f"nvshmem-profile-{transport}.txt"), "w") as f:
+                            f.write("\n\n".join(tables) + "\n")
             rows.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
