@@ -202,7 +202,7 @@ class Launcher {
 };
 
 // What one shape of dispatch asks of the counts exchange on the host, fixed for
-// the shape (dispatch/nvlink.py: Engine._counts_plan).
+// the shape (dispatch/host.py: counts_launchers).
 struct CountsShape {
   int64_t tokens, topk, world, rank, row_len, counts_col, experts_per_rank;
   int64_t tokens_col, staged_col, sends_col, header_len, failed_col;
@@ -256,6 +256,8 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
   TORCH_CHECK(host.device().is_cpu() && host.scalar_type() == at::kInt && host.is_contiguous() &&
                   host.numel() >= 4 + W * L,
               "counts_plan: the host words must be int32 on the host, 4 + W L of them");
+  TORCH_CHECK(header.size() == static_cast<size_t>(s.header_len), "counts_plan: the header has ", s.header_len,
+              " entries");
   auto device = topk_idx.device();
   int64_t words = 0;
   for (int64_t n : s.sizes) words += n;
@@ -273,7 +275,6 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
          bad ? row_at + 4 * s.failed_col : 0, stage_src, static_cast<uint64_t>(src_stride)});
   }
   const int64_t places = 4 + W * L;  // src_start, then num_rows, then group_end
-  if (header.size() != static_cast<size_t>(s.header_len)) throw std::invalid_argument("counts_plan: header");
   counts.launch_words(
       1, s.counts_shared, stream,
       {row_at, static_cast<uint64_t>(header[0]), static_cast<uint64_t>(header[1]), static_cast<uint64_t>(header[2]),
