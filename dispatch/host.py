@@ -150,6 +150,7 @@ def exchange_counts(engine, compiled, topk_idx, weights, header, rows, codec, ch
     Counts; and where the usual case holds, the handle's tensors (``Counts.planned``)."""
     shape, layout, counts = compiled
     wire = codec.pack(rows) if fits and topk_idx.shape[0] else None
+    said_sync()
     # host sync: the counts matrix read back, in counts_plan
     got = engine._host.counts_plan(
         shape, layout, counts, topk_idx, weights, 0 if wire is None else wire.data_ptr(),
@@ -162,3 +163,18 @@ def exchange_counts(engine, compiled, topk_idx, weights, header, rows, codec, ch
     return Counts(matrix, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert,
                   src_start, num_rows, route, lists, tokens_at, hit, staged, None,
                   None if planned_out is None else Planned(*planned_out))
+
+
+_SYNC_DEBUG = cuda._binding("_cuda_get_sync_debug_mode")
+
+
+def said_sync() -> None:
+    """What ``torch.cuda.set_sync_debug_mode`` asks of a synchronising operation,
+    for the compiled host read (which synchronises through the driver, where
+    torch does not see it): a warning ("warn"), an error ("error"), or nothing."""
+    mode = _SYNC_DEBUG() if _SYNC_DEBUG is not None else 0
+    if mode:
+        what = "called a synchronizing CUDA operation (the NVLink engine's host read of a dispatch's counts)"
+        if mode == 2:
+            raise RuntimeError(what)
+        warnings.warn(what, stacklevel=3)

@@ -408,3 +408,23 @@ def test_a_lock_left_by_a_build_that_died_is_removed(tmp_path, monkeypatch):
     os.utime(lock, (old, old))
     host._build_folder("/nowhere")
     assert not os.path.exists(lock)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_the_compiled_host_read_is_said_as_torch_says_a_sync(monkeypatch, mode):
+    """The compiled host read synchronises through the driver; under
+    ``torch.cuda.set_sync_debug_mode`` it warns or raises as torch's own
+    synchronising operations do."""
+    import warnings
+
+    monkeypatch.setattr(host, "_SYNC_DEBUG", lambda: mode)
+    if mode == 2:
+        with pytest.raises(RuntimeError, match="synchronizing CUDA operation"):
+            host.said_sync()
+    elif mode == 1:
+        with pytest.warns(UserWarning, match="synchronizing CUDA operation"):
+            host.said_sync()
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            host.said_sync()
