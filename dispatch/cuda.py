@@ -239,7 +239,7 @@ class Launch:
                 values = _gatherer(self.kernel.signature, self.free)(free)
             except KeyError:
                 self._refuse(free)
-            compiled.launch(max(int(blocks), 1), shared, _raw_stream(device), values)
+            compiled.launch(max(int(blocks), 1), shared, raw_stream(device), values)
             return
         handle = self.kernel.handle(device)
         made = getattr(self._local, "made", None) or self._make()
@@ -249,7 +249,7 @@ class Launch:
         except KeyError:
             self._refuse(free)
         config.gridDimX, config.sharedMemBytes = max(int(blocks), 1), shared
-        config.hStream = _raw_stream(device)
+        config.hStream = raw_stream(device)
         config.numAttrs = 1 if _dependent_launch(device) else 0
         _check(_launch()(config_at, handle, params_at, None), "cuLaunchKernelEx")
 
@@ -432,6 +432,7 @@ def _binding(name: str):
 
 
 _GET_DEVICE = _binding("_cuda_getDevice")
+_SYNC_DEBUG = _binding("_cuda_get_sync_debug_mode")
 _CAPTURING = _binding("_cuda_isCurrentStreamCapturing")
 
 
@@ -441,14 +442,21 @@ def current_device() -> int:
     return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
 
 
+def sync_debug_mode() -> int:
+    """``torch.cuda.get_sync_debug_mode()`` (0 off, 1 warn, 2 error) without its
+    initialisation check; 0 where this build has no CUDA."""
+    return _SYNC_DEBUG() if _SYNC_DEBUG is not None else 0
+
+
 def capturing() -> bool:
     """``torch.cuda.is_current_stream_capturing()``, one call (the engine asks at
     every operation)."""
     return _CAPTURING() if _CAPTURING is not None else torch.cuda.is_current_stream_capturing()
 
 
-def _raw_stream(device: int) -> int:
-    """The handle of torch's current stream on ``device``."""
+def raw_stream(device: int) -> int:
+    """The handle of torch's current stream on CUDA device ``device`` (an index),
+    as a launch from C++ takes it (``dispatch.host``)."""
     if _CURRENT_RAW_STREAM is not None:
         return _CURRENT_RAW_STREAM(device)
     return torch.cuda.current_stream(device).cuda_stream

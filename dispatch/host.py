@@ -118,18 +118,16 @@ def _here():
 enabled = True  # False: engines and launches made from then on issue from Python (the same bits)
 
 
-def counts_launchers(engine, tokens: int, topk: int, layout, counts, sizes) -> tuple | None:
-    """(shape, layout launcher, counts launcher) of ``counts_plan`` for an engine's
-    dispatch of T = ``tokens`` and K = ``topk`` (``layout``, ``counts``: its bound
-    launches, ``Engine._counts_launches``; their free values in the order
-    ``counts_plan`` passes them), or None where the engine has no compiled path."""
-    compiled = engine._host
-    if compiled is None:
-        return None
+def counts_launchers(compiled, engine, tokens: int, topk: int, layout, counts, sizes) -> tuple | None:
+    """(shape, layout launcher, counts launcher) of ``counts_plan`` for a dispatch
+    of T = ``tokens`` and K = ``topk`` on ``engine`` (its world, rank and columns;
+    ``layout``, ``counts``: its bound launches of that shape, their free values
+    in the order ``counts_plan`` passes them), from ``compiled`` (the module);
+    None where those launches issue from Python."""
     device = engine.device.index
     layout_c = None if layout is None else layout.launch.compiled(device, LAYOUT_FREE)
     counts_c = counts.launch.compiled(device, COUNTS_FREE)
-    if counts_c is None or (layout is not None and layout_c is None):
+    if counts_c is None or (layout is not None and layout_c is None):  # launches made with the path off
         return None
     column = plan.HEADER.index
     shape = compiled.CountsShape(
@@ -143,21 +141,24 @@ def counts_launchers(engine, tokens: int, topk: int, layout, counts, sizes) -> t
     return shape, layout_c, counts_c
 
 
-def exchange_counts(engine, compiled, topk_idx, weights, header, rows, codec, check_values: bool, fits: bool,
-                    words: int, planned: tuple) -> Counts:
-    """``Engine._exchange_counts`` with its host read, compiled (``counts_plan``,
-    with ``compiled`` from :func:`counts_launchers`): the same launches, the same
-    Counts; and where the usual case holds, the handle's tensors (``Counts.planned``)."""
-    shape, layout, counts = compiled
-    wire = codec.pack(rows) if fits and topk_idx.shape[0] else None
+def exchange_counts(compiled, launchers: tuple, topk_idx, weights, header, wire, row_at: int, check_values: bool,
+                    stream: int, host_words: torch.Tensor, planned: tuple) -> "Counts | tuple[int, int, int]":
+    """A dispatch's counts exchange with its host read, compiled (``counts_plan``
+    of ``compiled``, with ``launchers`` from :func:`counts_launchers`): ``wire``
+    the rows staged beside the layout (None: none), ``row_at`` the address of the
+    layout's zeroed words, ``host_words`` the pinned words the matrix is read
+    into, ``planned`` (J, the places' weights' dtype; J = 0: no handle tensors).
+    Returns the Counts (with ``Counts.planned`` where the usual case holds), or
+    the status words (code, peer, where) of a failure the kernels recorded."""
+    shape, layout, counts = launchers
     said_sync()
     # host sync: the counts matrix read back, in counts_plan
-    got = engine._host.counts_plan(
+    got = compiled.counts_plan(
         shape, layout, counts, topk_idx, weights, 0 if wire is None else wire.data_ptr(),
-        0 if wire is None else wire.stride(0) * wire.element_size(), engine._zeroed(words).data_ptr(), check_values,
-        header, cuda._raw_stream(engine.device.index), engine._host_words, *planned)
-    if len(got) == 3:  # the status words: a failure the kernels recorded
-        engine._raise(*got)
+        0 if wire is None else wire.stride(0) * wire.element_size(), row_at, check_values, header, stream, host_words,
+        *planned)
+    if len(got) == 3:
+        return got
     route, lists, hit, matrix, src_start, num_rows, per_expert, tokens_at, headers, sends, rows_of, mine, bound, \
         received, staged, planned_out = got
     return Counts(matrix, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert,
@@ -165,14 +166,11 @@ def exchange_counts(engine, compiled, topk_idx, weights, header, rows, codec, ch
                   None if planned_out is None else Planned(*planned_out))
 
 
-_SYNC_DEBUG = cuda._binding("_cuda_get_sync_debug_mode")
-
-
 def said_sync() -> None:
     """What ``torch.cuda.set_sync_debug_mode`` asks of a synchronising operation,
     for the compiled host read (which synchronises through the driver, where
     torch does not see it): a warning ("warn"), an error ("error"), or nothing."""
-    mode = _SYNC_DEBUG() if _SYNC_DEBUG is not None else 0
+    mode = cuda.sync_debug_mode()
     if mode:
         what = "called a synchronizing CUDA operation (the NVLink engine's host read of a dispatch's counts)"
         if mode == 2:

@@ -318,8 +318,13 @@ class Engine(EngineMoves):
         fits, layout, counts, words, sizes, compiled = self._cached(key, self._counts_launches)
         budgeted = header[plan.HEADER.index("max_rows")] >= 0
         if compiled is not None and host_read and rows is not None and not (groups > 1 and budgeted):
-            return host.exchange_counts(self, compiled, topk_idx, weights, header, rows, codec, check_values, fits,
-                                        words, planned or (0, torch.float32))
+            got = host.exchange_counts(self._host, compiled, topk_idx, weights, header,
+                                       codec.pack(rows) if fits and tokens else None, self._zeroed(words).data_ptr(),
+                                       check_values, cuda.raw_stream(device.index), self._host_words,
+                                       planned or (0, torch.float32))
+            if isinstance(got, tuple):  # the status words: a failure the kernels recorded
+                self._raise(*got)
+            return got
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
         # kernels get addresses into it: int32 words at these offsets), zeroed again by
         # exchange_counts once read
@@ -461,7 +466,9 @@ class Engine(EngineMoves):
         # int32 words of the routes, the lists, the hits, the exchange's output, the scan's sums
         sizes = (tokens * topk * 4, world * tokens, tokens, 4 + world * self.row_len + world * local + 1 + groups,
                  2 * chunks * (self.num_experts + world) if tokens else 0)
-        return fits, layout, counts, words, sizes, host.counts_launchers(self, tokens, topk, layout, counts, sizes)
+        compiled = None if self._host is None else host.counts_launchers(self._host, self, tokens, topk, layout,
+                                                                         counts, sizes)
+        return fits, layout, counts, words, sizes, compiled
 
     def _cached(self, key: tuple, make):
         """``make(*key[1:])`` (launches of one shape, ``key[0]`` naming which), made

@@ -65,7 +65,7 @@ class EngineMoves:
                     compiled, self._row_grid(max(counts.items, num_rows)), rows, num_rows, counts.matrix.data_ptr(),
                     counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.src_start.data_ptr(),
                     counts.num_rows.data_ptr(), slot_k.data_ptr(), weights.data_ptr(), src_rank.data_ptr(),
-                    src_token.data_ptr(), cuda._raw_stream(self.device.index))
+                    src_token.data_ptr(), cuda.raw_stream(self.device.index))
         if out is None:
             out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
         lo, hi = (0, num_rows) if span is None else span
@@ -177,7 +177,7 @@ class EngineMoves:
                     push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
                     0 if weights is None else weights.data_ptr(), counts.matrix.data_ptr(),
                     counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.hit.data_ptr(), tokens,
-                    cuda._raw_stream(self.device.index))
+                    cuda.raw_stream(self.device.index))
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
 

@@ -258,7 +258,7 @@ def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
         return 0
 
     monkeypatch.setattr(cuda, "_launch", lambda: launch)
-    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 77)
+    monkeypatch.setattr(cuda, "raw_stream", lambda device: 77)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
     dependent = [True]
@@ -290,7 +290,7 @@ def test_a_launch_hands_the_driver_each_parameter_at_its_address(monkeypatch):
 
 def test_a_failed_launch_raises_the_drivers_error(monkeypatch):
     monkeypatch.setattr(cuda, "_launch", lambda: lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
-    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(cuda, "raw_stream", lambda device: 0)
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
@@ -420,7 +420,7 @@ def test_a_launch_with_bound_arguments_hands_the_driver_the_same_block(monkeypat
         return 0
 
     monkeypatch.setattr(cuda, "_launch", lambda: launch)
-    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(cuda, "raw_stream", lambda device: 0)
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(cuda, "current_device", lambda: 0)

@@ -329,7 +329,7 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
     monkeypatch.setattr(cuda, "kernel", lambda source, name, *types: _Kernel(source, name))
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: True)
     monkeypatch.setattr(cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(cuda, "raw_stream", lambda device: 7)
     monkeypatch.setattr(cuda, "capturing", lambda: False)
     codec = to_experts_codec("native", torch.bfloat16)
     gen = torch.Generator().manual_seed(world * 10 + rank)
@@ -417,7 +417,7 @@ def test_the_compiled_host_read_is_said_as_torch_says_a_sync(monkeypatch, mode):
     synchronising operations do."""
     import warnings
 
-    monkeypatch.setattr(host, "_SYNC_DEBUG", lambda: mode)
+    monkeypatch.setattr(cuda, "sync_debug_mode", lambda: mode)
     if mode == 2:
         with pytest.raises(RuntimeError, match="synchronizing CUDA operation"):
             host.said_sync()
