@@ -241,14 +241,22 @@ int64_t word_at(const std::vector<int64_t>& sizes, size_t part) {
 // staged: every rank staged its rows with the counts; and, where ``width`` > 0 and the
 // usual case holds (``usual``), the handle's tensors and what the checks would give:
 // (x_grad and weights_grad of any rank, presum, slot_k [W * bound, width] int32,
-// weights [N] of weights_dtype, src_rank, src_token [N] int64), else None).
+// weights [N] of weights_dtype, src_rank, src_token [N] int64, then the rows pulled:
+// [N, H] of ``rows``' dtype where ``pull`` is given and every rank staged, else None),
+// else None).
+//
+// ``pull``: the dispatch's own pull (dispatch/nvlink_moves.py, EngineMoves.to_experts)
+// of its rows ``x`` [T, H], issued here in the usual case, after the handle's tensors
+// it writes; its grid as
+// EngineMoves._row_grid: min(pull_cap, max(pull_min, ceil(rows / rows_per_block))).
 //
 // An allocation or launch that fails raises; the engine's state is then that of a
 // Python launch that failed.
 py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, const at::Tensor& topk_idx,
                       const at::Tensor& weights, uint64_t stage_src, int64_t src_stride, uint64_t row_at, bool bad,
                       const std::vector<int64_t>& header, uint64_t stream, const at::Tensor& host, int64_t width,
-                      at::ScalarType weights_dtype) {
+                      at::ScalarType weights_dtype, Launcher* pull, const at::Tensor& x, int64_t pull_cap,
+                      int64_t pull_min, int64_t rows_per_block) {
   const int64_t T = s.tokens, K = s.topk, W = s.world, L = s.row_len, local = s.experts_per_rank;
   TORCH_CHECK(topk_idx.is_contiguous() && topk_idx.numel() == T * K && weights.is_contiguous() &&
                   weights.numel() == T * K && weights.device() == topk_idx.device(),
@@ -274,15 +282,15 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
          row_at + 4 * s.counts_col, row_at + 4 * s.sends_col, lists, row_at + 4 * s.row_len, scan_sums, hit,
          bad ? row_at + 4 * s.failed_col : 0, stage_src, static_cast<uint64_t>(src_stride)});
   }
-  const int64_t places = 4 + W * L;  // src_start, then num_rows, then group_end
+  const int64_t places_words = 4 + W * L;  // src_start, then num_rows, then group_end
   counts.launch_words(
       1, s.counts_shared, stream,
       {row_at, static_cast<uint64_t>(header[0]), static_cast<uint64_t>(header[1]), static_cast<uint64_t>(header[2]),
        static_cast<uint64_t>(header[3]), static_cast<uint64_t>(header[4]), static_cast<uint64_t>(header[5]),
        static_cast<uint64_t>(header[6]), static_cast<uint64_t>(header[7]), static_cast<uint64_t>(header[8]),
        static_cast<uint64_t>(header[9]), static_cast<uint64_t>(header[10]), static_cast<uint64_t>(header[11]), out,
-       reinterpret_cast<uint64_t>(per_expert.data_ptr()), out + 4 * places, out + 4 * (places + W * local),
-       out + 4 * (places + W * local + 1)});
+       reinterpret_cast<uint64_t>(per_expert.data_ptr()), out + 4 * places_words,
+       out + 4 * (places_words + W * local), out + 4 * (places_words + W * local + 1)});
   // host sync: the counts matrix and the status, into this engine's pinned words
   auto* words_host = host.data_ptr<int32_t>();
   {
@@ -329,12 +337,32 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
     }
     const int64_t n = rows_of[s.rank];
     at::Tensor sources = at::empty({2, n}, per_expert.options());
+    at::Tensor places = at::empty({n}, weights.options().dtype(weights_dtype));
+    py::object pulled = py::none();
+    if (pull != nullptr && staged) {
+      TORCH_CHECK(x.dim() == 2 && x.size(0) == T && rows_per_block > 0,
+                  "counts_plan: the rows to pull are [T, H] of the shape");
+      at::Tensor tokens = at::empty({n, x.size(1)}, x.options());
+      const int64_t most = received > n ? received : n;
+      int64_t blocks = (most + rows_per_block - 1) / rows_per_block;
+      blocks = blocks > pull_min ? blocks : pull_min;
+      blocks = blocks < pull_cap ? blocks : pull_cap;
+      const auto table = reinterpret_cast<uint64_t>(tables.data_ptr<int32_t>());
+      const auto from = reinterpret_cast<uint64_t>(sources.data_ptr<int64_t>());
+      const auto un = static_cast<uint64_t>(n);
+      pull->launch_words(static_cast<unsigned>(blocks), 0, stream,
+                         {out + 16, table, table + 4 * items, static_cast<uint64_t>(bound), out + 4 * places_words,
+                          out + 4 * (places_words + W * local), reinterpret_cast<uint64_t>(tokens.data_ptr()), un,
+                          table + 4 * items * (1 + width), reinterpret_cast<uint64_t>(places.data_ptr()), from,
+                          from + 8 * un, 0, un, un});
+      pulled = py::cast(tokens);
+    }
     handle = py::make_tuple(x_grad, weights_grad, tables.slice(0, items, items * (1 + width)).view({items, width}),
-                            tables.slice(0, items * (1 + width)).view({items, width}),
-                            at::empty({n}, weights.options().dtype(weights_dtype)), sources[0], sources[1]);
+                            tables.slice(0, items * (1 + width)).view({items, width}), places, sources[0],
+                            sources[1], pulled);
   }
   const int64_t lists_at = word_at(s.sizes, 1), hit_at = word_at(s.sizes, 2), out_at = word_at(s.sizes, 3);
-  const int64_t start_at = out_at + places;
+  const int64_t start_at = out_at + places_words;
   return py::make_tuple(
       meta.slice(0, 0, T * K * 4).view({T, K, 4}), meta.slice(0, lists_at, lists_at + W * T).view({W, T}),
       meta.slice(0, hit_at, hit_at + T), meta.slice(0, out_at + 4, out_at + 4 + W * L).view({W, L}),

@@ -171,7 +171,8 @@ class TokenDispatcher:
         """
         ticket = self._calls.ticket("dispatch")
         try:
-            codec, handle, plan_out, dropped = self._plan_dispatch(ticket, x, topk_idx, topk_weights, max_rows, groups)
+            codec, handle, plan_out, dropped = self._plan_dispatch(ticket, x, topk_idx, topk_weights, max_rows, groups,
+                                                                   not async_op and groups == 1)
         except agreement.CallsDiffer:  # its first message met another call (the counts exchange, off the board)
             self._calls.withdraw(ticket)
             raise
@@ -187,9 +188,10 @@ class TokenDispatcher:
         work = DispatchWork(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
         return work if async_op else work.wait()
 
-    def _plan_dispatch(self, ticket: plan.Ticket, x, topk_idx, topk_weights, max_rows, groups):
+    def _plan_dispatch(self, ticket: plan.Ticket, x, topk_idx, topk_weights, max_rows, groups, at_once=False):
         """``dispatch`` up to its rows' move: its checks, its agreement and its
-        plan. Returns (its wire codec, handle, plan outputs, dropped slots)."""
+        plan (``at_once``: the rows move right after it, ``Request.at_once``).
+        Returns (its wire codec, handle, plan outputs, dropped slots)."""
         try:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
@@ -217,7 +219,8 @@ class TokenDispatcher:
         else:
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows, groups)),
-                        check, groups, agreed, lambda: self._exact_memory_rows(x, ticket)))
+                        check, groups, agreed, lambda: self._exact_memory_rows(x, ticket),
+                        at_once and self.phase_timer is None))
         return codec, handle, plan_out, dropped
 
     def combine(

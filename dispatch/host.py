@@ -141,22 +141,28 @@ def counts_launchers(compiled, engine, tokens: int, topk: int, layout, counts, s
     return shape, layout_c, counts_c
 
 
-def exchange_counts(compiled, launchers: tuple, topk_idx, weights, header, wire, row_at: int, check_values: bool,
-                    stream: int, host_words: torch.Tensor, planned: tuple) -> "Counts | tuple[int, int, int]":
+def exchange_counts(compiled, launchers: tuple, topk_idx, weights, header, rows, wire, row_at: int,
+                    check_values: bool, stream: int, host_words: torch.Tensor, planned: tuple,
+                    pull: tuple | None = None) -> "Counts | tuple[int, int, int]":
     """A dispatch's counts exchange with its host read, compiled (``counts_plan``
-    of ``compiled``, with ``launchers`` from :func:`counts_launchers`): ``wire``
-    the rows staged beside the layout (None: none), ``row_at`` the address of the
-    layout's zeroed words, ``host_words`` the pinned words the matrix is read
-    into, ``planned`` (J, the places' weights' dtype; J = 0: no handle tensors).
-    Returns the Counts (with ``Counts.planned`` where the usual case holds), or
-    the status words (code, peer, where) of a failure the kernels recorded."""
+    of ``compiled``, with ``launchers`` from :func:`counts_launchers`): ``rows``
+    the dispatch's [T, H] rows, ``wire`` those staged beside the layout (None:
+    none), ``row_at`` the address of the layout's zeroed words, ``host_words``
+    the pinned words the matrix is read into, ``planned`` (J, the places'
+    weights' dtype; J = 0: no handle tensors), ``pull`` (the compiled launcher
+    of the dispatch's own pull, its grid's cap, floor and rows a block) to pull
+    the rows in the usual case where every rank staged them (``Planned.tokens``),
+    or None. Returns the Counts (with ``Counts.planned`` where the usual case
+    holds), or the status words (code, peer, where) of a failure the kernels
+    recorded."""
     shape, layout, counts = launchers
+    puller, cap, least, per_block = pull or (None, 0, 0, 1)
     said_sync()
     # host sync: the counts matrix read back, in counts_plan
     got = compiled.counts_plan(
         shape, layout, counts, topk_idx, weights, 0 if wire is None else wire.data_ptr(),
         0 if wire is None else wire.stride(0) * wire.element_size(), row_at, check_values, header, stream, host_words,
-        *planned)
+        *planned, puller, rows, cap, least, per_block)
     if len(got) == 3:
         return got
     route, lists, hit, matrix, src_start, num_rows, per_expert, tokens_at, headers, sends, rows_of, mine, bound, \

@@ -277,7 +277,8 @@ class Engine(EngineMoves):
 
     def exchange_counts(self, topk_idx: torch.Tensor, weights: torch.Tensor, header: list[int],
                         rows: torch.Tensor | None = None, codec=None, check_values: bool = False,
-                        host_read: bool = True, groups: int = 1, planned: tuple | None = None) -> Counts:
+                        host_read: bool = True, groups: int = 1, planned: tuple | None = None,
+                        pull: bool = False) -> Counts:
         """Counts, routes and the counts exchange of one dispatch.
 
         Args:
@@ -303,13 +304,16 @@ class Engine(EngineMoves):
             planned: (J, the dtype of the places' weights): with a host read on
                 the compiled path, check the usual case and make the handle's
                 tensors there (``Counts.planned``).
+            pull: with ``planned``, in the usual case where every rank staged its
+                rows, also pull this rank's rows to its experts (the dispatch's
+                own ``to_experts``, in the same call: ``Planned.tokens``).
         """
         with self._ordered():
             return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read, groups,
-                                         planned)
+                                         planned, pull)
 
     def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, host_read,
-                         groups: int = 1, planned: tuple | None = None) -> Counts:
+                         groups: int = 1, planned: tuple | None = None, pull: bool = False) -> Counts:
         tokens, topk = topk_idx.shape
         device = self.device
         hidden = 0 if rows is None else rows.shape[1]
@@ -318,12 +322,15 @@ class Engine(EngineMoves):
         fits, layout, counts, words, sizes, compiled = self._cached(key, self._counts_launches)
         budgeted = header[plan.HEADER.index("max_rows")] >= 0
         if compiled is not None and host_read and rows is not None and not (groups > 1 and budgeted):
-            got = host.exchange_counts(self._host, compiled, topk_idx, weights, header,
+            puller = self._own_pull(codec, rows, topk, planned) if pull and planned else None
+            got = host.exchange_counts(self._host, compiled, topk_idx, weights, header, rows,
                                        codec.pack(rows) if fits and tokens else None, self._zeroed(words).data_ptr(),
                                        check_values, cuda.raw_stream(device.index), self._host_words,
-                                       planned or (0, torch.float32))
+                                       planned or (0, torch.float32), puller)
             if isinstance(got, tuple):  # the status words: a failure the kernels recorded
                 self._raise(*got)
+            if got.planned is not None and got.planned.tokens is not None:
+                self.operations += 1  # the pull's, with the counts exchange's (its _ordered)
             return got
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
         # kernels get addresses into it: int32 words at these offsets), zeroed again by

@@ -95,7 +95,9 @@ class Planned(NamedTuple):
     """What the compiled counts exchange makes in the usual case (``Counts.planned``):
     what the checks of every rank's header would give (whether some rank needs
     the gradient of x, of topk_weights) and the handle's tensors (presum,
-    slot_k [W * bound, J] int32; the places' weights [N], src_rank, src_token [N])."""
+    slot_k [W * bound, J] int32; the places' weights [N], src_rank, src_token [N]);
+    ``tokens``: the dispatch's rows [N, H] where it pulled them with the counts
+    (``Engine.exchange_counts(pull=True)``), else None."""
 
     x_grad: bool
     weights_grad: bool
@@ -104,6 +106,7 @@ class Planned(NamedTuple):
     weights: torch.Tensor
     src_rank: torch.Tensor
     src_token: torch.Tensor
+    tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

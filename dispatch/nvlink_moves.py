@@ -88,6 +88,17 @@ class EngineMoves:
         )
         return out
 
+    def _own_pull(self, codec, rows, topk: int, planned: tuple) -> tuple | None:
+        """What the compiled counts exchange needs to issue a dispatch's own pull
+        (``Engine.exchange_counts(pull=True)``): the compiled launcher of the pull
+        of ``rows`` [T, H] under ``codec``, K = ``topk``, ``planned`` = (J, the
+        places' weights' dtype), and its grid's terms (``_row_grid``: cap, floor,
+        rows a block); None where launches issue from Python."""
+        width, weight_dtype = planned
+        launch = self._cached(("pull", codec, rows.dtype, rows.shape[1], topk, width, weight_dtype), self._pull_launch)
+        compiled = launch.compiled(self.device.index, host.PULL_FREE)
+        return None if compiled is None else (compiled, self.blocks, self.sms, cuda.THREADS // 32)
+
     def _pull_launch(self, codec, dtype: torch.dtype, hidden: int, topk: int, width: int,
                      weight_dtype: torch.dtype | None) -> "cuda.Launch":
         """``pull_rows`` for rows of ``dtype`` [., H] under ``codec``, routes of K slots
@@ -126,7 +137,8 @@ class EngineMoves:
         """Blocks of a kernel that moves ``rows`` rows, a warp a row or a segment of one
         (``split_rows``): a warp a row, but at least a block per SM (few rows, as in a
         decode step, are cut into more segments so that every SM keeps loads in
-        flight), at most the budget."""
+        flight), at most the budget (``counts_plan`` in csrc/host.cpp sizes the pull
+        it issues so, from ``_own_pull``'s terms)."""
         return min(self.blocks, max(self.sms, -(-rows // (cuda.THREADS // 32))))
 
     def _items(self, counts: Counts, presum) -> dict:

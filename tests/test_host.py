@@ -104,6 +104,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity, compiled=None) -> 
     from test_engine_launches import _cpu_engine as made
 
     engine = made(world, experts, capacity)
+    engine.sms = 7  # of a budget of 8 blocks: a row grid meets its floor, or its cap (the rows of a case decide)
     if compiled is not None:
         engine._host = compiled
         engine._host_words = torch.empty(4 + engine.world * engine.row_len, dtype=torch.int32)
@@ -313,15 +314,17 @@ def _counts_words(world: int, rank: int, engine: Engine, topk: int, hidden: int,
     (4, 3, 0, True, True, torch.int64, torch.float32),
     (2, 0, 37, False, True, torch.int64, torch.float32),
 ])
+@pytest.mark.parametrize("pull", [False, True])
 def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
-        fake_driver, compiled, monkeypatch, world, rank, tokens, agree, staged, idx_dtype, weight_dtype):
+        fake_driver, compiled, monkeypatch, world, rank, tokens, agree, staged, idx_dtype, weight_dtype, pull):
     """On the stand-in driver: a dispatch's counts exchange, its pull and a
     combine's push and home sum, issued from C++ and from Python, launch the
     same kernels with the same configuration and arguments (addresses by the
     buffer they fall in), and read back the same counts; in the usual case
     (every header agreeing, every budget kept) the compiled exchange also gives
     what the host's checks would and the handle's tensors, shaped as the
-    Python path makes them."""
+    Python path makes them, and with ``pull`` (where every rank staged) the
+    pull too, within the same call."""
     from dispatch import checks
     from dispatch.nvlink_layout import Planned
 
@@ -348,15 +351,19 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
         fake_driver.fake_set_hook(recorder.hook)
         header = plan.header(x, w, topk, plan.Ticket(memory_rows=10**6))
         width = min(topk, engine.experts_per_rank)
-        counts = engine._exchange_counts(idx, w, header, x, codec, True, True, 1, (width, weight_dtype))
+        counts = engine._exchange_counts(idx, w, header, x, codec, True, True, 1, (width, weight_dtype),
+                                         pull and path == "compiled")
         num_rows = counts.host.rows[rank]
         planned = counts.planned
         if planned is None:
             presum, slot_k = torch.empty(2, world * counts.bound, width, dtype=torch.int32).unbind()
             places = (torch.empty(num_rows, dtype=weight_dtype), *torch.empty(2, num_rows, dtype=torch.int64))
         else:
-            presum, slot_k, places = planned.presum, planned.slot_k, planned[4:]
-        tokens_out = engine._to_experts(x, codec, counts, presum, slot_k, num_rows, meta_out=places)
+            presum, slot_k, places = planned.presum, planned.slot_k, planned[4:7]
+        if planned is not None and planned.tokens is not None:  # pulled within the counts exchange
+            tokens_out = planned.tokens
+        else:
+            tokens_out = engine._to_experts(x, codec, counts, presum, slot_k, num_rows, meta_out=places)
         y = torch.randn(num_rows, hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
         home = engine.to_home(y, places[0], torch.float32, counts, presum, None)
         recorder.regions = dict(
@@ -388,6 +395,7 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
     if planned is not None:
         assert isinstance(planned, Planned) and (planned.x_grad, planned.weights_grad) == grads
         assert planned.weights.dtype == weight_dtype
+        assert (planned.tokens is not None) == (pull and staged)
 
 
 def test_a_lock_left_by_a_build_that_died_is_removed(tmp_path, monkeypatch):

@@ -58,6 +58,10 @@ class Request:
             a collective giving every rank's exact budget of device memory in
             rows, which every rank makes where some rank falls short of its
             bound (``checks.check_row_budgets``); else None.
+        at_once: the dispatch's own rows move right after its plan, on the
+            caller's stream, in one group, untimed (no ``async_op``, no groups,
+            no phase timer): the transport may move them within its plan, and
+            its ``to_experts`` of them then hands those out.
     """
 
     owner: object
@@ -69,6 +73,7 @@ class Request:
     groups: int = 1
     agreed: tuple[int, ...] | None = None
     exact_memory_rows: Callable[[], list[int]] | None = None
+    at_once: bool = False
 
     @property
     def max_rows(self) -> int | None:

@@ -84,7 +84,7 @@ class NVLinkTransport(Transport):
         # the counts every rank reads: no host synchronisation of its own
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, ticket),
                                         x.detach().contiguous(), codec, request.check_values,
-                                        planned=(min(topk, self.num_local_experts), wire))
+                                        planned=(min(topk, self.num_local_experts), wire), pull=request.at_once)
         read = counts.host  # what the host read: every rank's header, sends and rows
         headers, rows_of = read.headers, read.rows
         if counts.planned is None:  # not the usual case (or no compiled path): the checks say what it is
@@ -213,6 +213,9 @@ class NVLinkTransport(Transport):
             return PendingGroups([None] * handle.groups, [lambda g=g: pulls.upto(g) for g in range(handle.groups)])
         # the dispatch's own x: the rows to their places, with each place's weight and
         # source; where every rank staged its rows with the counts, nothing more is exchanged
+        planned = handle.counts.planned
+        if own and planned is not None and planned.tokens is not None:  # pulled with the counts (Request.at_once)
+            return PendingGroups.one(Pending.done(planned.tokens))
         tokens = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
                                         handle.num_rows, meta_out=handle.places if own else None)
         mark(self.phase_timer, "exchange_out")
