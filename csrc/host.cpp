@@ -23,6 +23,8 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -226,6 +228,10 @@ bool usual(const CountsShape& s, const int32_t* rows, const std::vector<int64_t>
   return true;
 }
 
+// How long the last host read of a counts exchange (in this process) waited for
+// the GPU, in ns: what a measure of the host's own time leaves out (bench/).
+std::atomic<int64_t> last_wait_ns{0};
+
 int64_t word_at(const std::vector<int64_t>& sizes, size_t part) {
   int64_t at = 0;
   for (size_t i = 0; i < part; ++i) at += sizes[i];
@@ -297,7 +303,10 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
     py::gil_scoped_release release;
     check(driver().copy_to_host(words_host, static_cast<CUdeviceptr>(out), 4 * (4 + W * L),
                                 reinterpret_cast<CUstream>(stream)), "cuMemcpyDtoHAsync");
+    const auto waited = std::chrono::steady_clock::now();
     check(driver().synchronize(reinterpret_cast<CUstream>(stream)), "cuStreamSynchronize");
+    last_wait_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - waited)
+                       .count();
   }
   if (words_host[0] != 0) return py::make_tuple(words_host[0], words_host[1], words_host[2]);
   py::list headers(W), sends(W), rows(W);
@@ -439,6 +448,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return s;
       }));
   m.def("counts_plan", &counts_plan);
+  m.def("last_wait_ns", [] { return last_wait_ns.load(); });
   m.def("pull", &pull);
   m.def("to_home", &to_home);
   m.def("usual", [](const CountsShape& s, const std::vector<int32_t>& rows, const std::vector<int64_t>& rows_of) {

@@ -7,15 +7,17 @@ combine's push and home sum are one call each (``dispatch.nvlink``,
 ``dispatch.nvlink_moves``). The kernels and their arguments are the same as
 from Python, so the results are the same bits; only the host time differs.
 
-It is built once per machine by ``torch.utils.cpp_extension`` (a C++ compiler,
-ninja and CUDA's ``cuda.h``; about half a minute, then cached in torch's
-extensions folder). Where it cannot be built the engine issues its host work
-from Python, and says so once.
+It is built once per machine and source by ``torch.utils.cpp_extension`` (a
+C++ compiler, ninja and CUDA's ``cuda.h``; about half a minute, then cached in
+torch's extensions folder, one module per source: its name holds the source's
+digest, so that two trees load theirs side by side). Where it cannot be built
+the engine issues its host work from Python, and says so once.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import time
@@ -58,10 +60,12 @@ def _build() -> tuple:
     include = _cuda_include(cpp_extension.CUDA_HOME)
     if include is None:
         return None, "CUDA's cuda.h was not found (set CUDA_HOME)"
-    folder = _build_folder(cpp_extension.get_default_build_root())
+    source = cuda.csrc_dir() / "host.cpp"
+    name = f"dispatch_host_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
+    folder = _build_folder(cpp_extension.get_default_build_root(), name)
     try:
-        return cpp_extension.load("dispatch_host", [str(cuda.csrc_dir() / "host.cpp")], extra_include_paths=[include],
-                                  extra_cflags=["-O2"], build_directory=folder, verbose=False), None
+        return cpp_extension.load(name, [str(source)], extra_include_paths=[include], extra_cflags=["-O2"],
+                                  build_directory=folder, verbose=False), None
     except Exception as error:  # no compiler or ninja: the host side runs in Python
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
 
@@ -69,14 +73,14 @@ def _build() -> tuple:
 STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by a build that died
 
 
-def _build_folder(default_root: str) -> str:
-    """Where the module is built and kept: one folder per Python and torch (under
-    $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
+def _build_folder(default_root: str, name: str) -> str:
+    """Where the module ``name`` is built and kept: one folder per Python and
+    torch (under $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
     there by a build that died (killed mid-build) would make every later build
     wait for ever: one older than ``STALE_LOCK`` seconds is removed (a build
     takes under a minute)."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root, f"dispatch_host-{version}")
+    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root, f"{name}-{version}")
     os.makedirs(folder, exist_ok=True)
     lock = os.path.join(folder, "lock")
     try:
