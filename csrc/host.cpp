@@ -275,8 +275,10 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
   auto device = topk_idx.device();
   int64_t words = 0;
   for (int64_t n : s.sizes) words += n;
-  at::Tensor meta = at::empty({words}, at::TensorOptions().dtype(at::kInt).device(device));
-  at::Tensor per_expert = at::empty({local}, at::TensorOptions().dtype(at::kLong).device(device));
+  // the dispatch's int32 words and, after them (8-byte aligned), its tokens per expert: one allocation
+  const int64_t per_at = (words + 1) / 2 * 2;
+  at::Tensor meta = at::empty({per_at + 2 * local}, at::TensorOptions().dtype(at::kInt).device(device));
+  at::Tensor per_expert = meta.slice(0, per_at).view(at::kLong);
   auto base = reinterpret_cast<uint64_t>(meta.data_ptr<int32_t>());
   const uint64_t route = base, lists = base + 4 * word_at(s.sizes, 1), hit = base + 4 * word_at(s.sizes, 2);
   const uint64_t out = base + 4 * word_at(s.sizes, 3), scan_sums = base + 4 * word_at(s.sizes, 4);
@@ -336,7 +338,12 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
   // its rows here and their slots (presum, slot_k [W * bound, width])
   const int64_t items = W * bound;
   const bool planned = width > 0 && usual(s, words_host + 4, rows_of);
-  at::Tensor tables = at::empty({items * (planned ? 1 + 2 * width : 1)}, meta.options());
+  // in the usual case one allocation: the tables, then (8-byte aligned) the places' sources [2, N] int64 and
+  // their weights [N] of weights_dtype
+  const int64_t n = rows_of[s.rank];
+  const int64_t table_words = items * (planned ? 1 + 2 * width : 1), sources_at = (table_words + 1) / 2 * 2;
+  const int64_t weight_words = n * static_cast<int64_t>(c10::elementSize(weights_dtype)) / 4;
+  at::Tensor tables = at::empty({planned ? sources_at + 4 * n + weight_words : table_words}, meta.options());
   py::object handle = py::none();
   if (planned) {
     bool x_grad = false, weights_grad = false;
@@ -344,9 +351,8 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
       x_grad = x_grad || words_host[4 + r * L + s.x_grad_col] != 0;
       weights_grad = weights_grad || words_host[4 + r * L + s.weights_grad_col] != 0;
     }
-    const int64_t n = rows_of[s.rank];
-    at::Tensor sources = at::empty({2, n}, per_expert.options());
-    at::Tensor places = at::empty({n}, weights.options().dtype(weights_dtype));
+    at::Tensor sources = tables.slice(0, sources_at, sources_at + 4 * n).view(at::kLong);
+    at::Tensor places = tables.slice(0, sources_at + 4 * n).view(weights_dtype);
     py::object pulled = py::none();
     if (pull != nullptr && staged) {
       TORCH_CHECK(x.dim() == 2 && x.size(0) == T && rows_per_block > 0,
@@ -366,17 +372,17 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
                           from + 8 * un, 0, un, un});
       pulled = py::cast(tokens);
     }
-    handle = py::make_tuple(x_grad, weights_grad, tables.slice(0, items, items * (1 + width)).view({items, width}),
-                            tables.slice(0, items * (1 + width)).view({items, width}), places, sources[0],
-                            sources[1], pulled);
+    handle = py::make_tuple(x_grad, weights_grad, tables.as_strided({items, width}, {width, 1}, items),
+                            tables.as_strided({items, width}, {width, 1}, items * (1 + width)), places,
+                            sources.slice(0, 0, n), sources.slice(0, n), pulled);
   }
   const int64_t lists_at = word_at(s.sizes, 1), hit_at = word_at(s.sizes, 2), out_at = word_at(s.sizes, 3);
   const int64_t start_at = out_at + places_words;
   return py::make_tuple(
-      meta.slice(0, 0, T * K * 4).view({T, K, 4}), meta.slice(0, lists_at, lists_at + W * T).view({W, T}),
-      meta.slice(0, hit_at, hit_at + T), meta.slice(0, out_at + 4, out_at + 4 + W * L).view({W, L}),
-      meta.slice(0, start_at, start_at + W * local), meta.slice(0, start_at + W * local, start_at + W * local + 1),
-      per_expert, tables.slice(0, 0, items), py::tuple(headers), py::tuple(sends), py::tuple(rows), mine_host,
+      meta.as_strided({T, K, 4}, {K * 4, 4, 1}, 0), meta.as_strided({W, T}, {T, 1}, lists_at),
+      meta.as_strided({T}, {1}, hit_at), meta.as_strided({W, L}, {L, 1}, out_at + 4),
+      meta.as_strided({W * local}, {1}, start_at), meta.as_strided({1}, {1}, start_at + W * local), per_expert,
+      tables.as_strided({items}, {1}, 0), py::tuple(headers), py::tuple(sends), py::tuple(rows), mine_host,
       bound, received, staged, handle);
 }
 
