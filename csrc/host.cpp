@@ -18,6 +18,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)  // torch's CUDA headers (a CPU build of torch lacks them)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define DISPATCH_HOST_ALLOCATOR 1
+#endif
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 #include <cuda.h>
@@ -226,6 +230,29 @@ bool usual(const CountsShape& s, const int32_t* rows, const std::vector<int64_t>
     if ((0 <= m && m < n) || (0 <= f && f < (n > m ? n : m))) return false;
   }
   return true;
+}
+
+// Bytes torch's CUDA caching allocator holds on ``device`` (reserved from the device, in
+// use or not), read from the allocator itself (in libc10_cuda, which torch's CUDA build
+// loads; found at first use, nothing linked); -1 where there is none (a CPU build) or it
+// cannot say. It is called through the class of torch's headers this was built against:
+// the build is one per torch version (dispatch/host.py).
+int64_t reserved_bytes(int64_t device) {
+#ifndef DISPATCH_HOST_ALLOCATOR
+  (void)device;
+  return -1;
+#else
+  using Allocator = c10::cuda::CUDACachingAllocator::CUDAAllocator;
+  static auto* const found = reinterpret_cast<std::atomic<Allocator*>*>(
+      dlsym(RTLD_DEFAULT, "_ZN3c104cuda20CUDACachingAllocator9allocatorE"));
+  Allocator* allocator = found == nullptr ? nullptr : found->load();
+  if (allocator == nullptr || !allocator->initialized()) return -1;
+  try {
+    return allocator->getDeviceStats(static_cast<c10::DeviceIndex>(device)).reserved_bytes[0].current;
+  } catch (const std::exception&) {  // a device it does not serve
+    return -1;
+  }
+#endif
 }
 
 // How long the last host read of a counts exchange (in this process) waited for
@@ -455,6 +482,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }));
   m.def("counts_plan", &counts_plan);
   m.def("last_wait_ns", [] { return last_wait_ns.load(); });
+  m.def("reserved_bytes", &reserved_bytes);
   m.def("pull", &pull);
   m.def("to_home", &to_home);
   m.def("usual", [](const CountsShape& s, const std::vector<int32_t>& rows, const std::vector<int64_t>& rows_of) {

@@ -15,6 +15,7 @@ every rank's header (:func:`check_peer_headers`, :func:`check_peer_rows`,
 from __future__ import annotations
 
 import numbers
+import time
 from typing import Callable
 
 import torch
@@ -201,11 +202,51 @@ def free_bytes(device: torch.device) -> int | None:
 
 def device_free_bytes(device: torch.device) -> int | None:
     """A lower bound of :func:`free_bytes`, cheaper to read: the device's free
-    memory alone (what torch's caching allocator holds unused not counted);
-    None off CUDA."""
+    memory alone (what torch's caching allocator holds unused not counted), as
+    :data:`FREE_MEMORY` reads it; None off CUDA."""
     if device.type != "cuda":
         return None
-    return torch.cuda.mem_get_info(torch.cuda.current_device() if device.index is None else device.index)[0]
+    return FREE_MEMORY(torch.cuda.current_device() if device.index is None else device.index)
+
+
+FREE_MEMORY_AGE = 0.1  # seconds a reading of the driver's free memory serves FreeMemory
+
+
+class FreeMemory:
+    """A device's free memory, as every dispatch's budget reads it.
+
+    The driver's reading (``cudaMemGetInfo``: 10-20 us in a busy dispatch) is
+    kept for ``FREE_MEMORY_AGE`` seconds, less what torch's caching allocator
+    has reserved from the device since (or plus what it gave back): exact for
+    every allocation made through torch in this process, and read again where
+    the reading is older, or anything else allocated device memory
+    (:meth:`forget`: the NVLink engine's symmetric buffers). Without a reader
+    of the allocator's reserved bytes (``reserved``: the compiled host path's,
+    ``dispatch.host``; None before it is loaded, or -1 from it where it cannot
+    say) the driver is read every time.
+    """
+
+    def __init__(self) -> None:
+        self.reserved = None  # device index -> bytes torch's caching allocator reserved (-1: cannot say)
+        self._read: dict[int, tuple[float, int, int]] = {}  # device -> (when, free, reserved then)
+
+    def __call__(self, index: int) -> int:
+        reserved = -1 if self.reserved is None else self.reserved(index)
+        if reserved >= 0:
+            read = self._read.get(index)
+            if read is not None and time.monotonic() - read[0] < FREE_MEMORY_AGE:
+                return read[1] - (reserved - read[2])
+        free = torch.cuda.mem_get_info(index)[0]
+        if reserved >= 0:
+            self._read[index] = (time.monotonic(), free, reserved)
+        return free
+
+    def forget(self) -> None:
+        """Read the driver again next time (device memory was allocated outside torch's allocator)."""
+        self._read.clear()
+
+
+FREE_MEMORY = FreeMemory()
 
 
 def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int,

@@ -64,10 +64,12 @@ def _build() -> tuple:
     name = f"dispatch_host_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
     folder = _build_folder(cpp_extension.get_default_build_root(), name)
     try:
-        return cpp_extension.load(name, [str(source)], extra_include_paths=[include], extra_cflags=["-O2"],
-                                  build_directory=folder, verbose=False), None
+        module = cpp_extension.load(name, [str(source)], extra_include_paths=[include], extra_cflags=["-O2"],
+                                    build_directory=folder, verbose=False)
     except Exception as error:  # no compiler or ninja: the host side runs in Python
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    checks.FREE_MEMORY.reserved = module.reserved_bytes  # the dispatches' memory budgets read the allocator
+    return module, None
 
 
 STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by a build that died

@@ -59,7 +59,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from dispatch import cuda, host, plan
+from dispatch import checks, cuda, host, plan
 from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts,
                                     HostCounts, _up, aligned_rows, partial_row_bytes, scan_warps, staged_row_bytes)
 from dispatch.nvlink_moves import EngineMoves
@@ -122,6 +122,7 @@ class Engine(EngineMoves):
         meta.zero_()
         self._meta = meta
         self._meta_handle = symm_mem.rendezvous(meta, self.group)  # host sync: a collective through the store
+        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
         self._meta_ptrs = _pointers(self._meta_handle, self.device)
         self._flags = meta[: 4 * self.world].view(torch.int32)
         self._meta_handle.barrier(channel=0)  # every rank's flags are zero before any is raised
@@ -228,6 +229,7 @@ class Engine(EngineMoves):
         data = self._symm.empty(max(regions["total"][0], _ALIGN), dtype=torch.uint8, device=self.device)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
         self._data, self._data_handle = data, handle
+        checks.FREE_MEMORY.forget()
         self._data_ptrs = _pointers(handle, self.device)
         self.capacity, self._regions = capacity, regions
         self._launches.clear()  # their bound addresses and sizes were the outgrown buffer's

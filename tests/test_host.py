@@ -436,3 +436,46 @@ def test_the_compiled_host_read_is_said_as_torch_says_a_sync(monkeypatch, mode):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             host.said_sync()
+
+
+def test_the_free_memory_budget_reads_the_driver_once_an_age(monkeypatch):
+    """A dispatch's memory budget (``checks.device_free_bytes``) reads the
+    driver's free memory once per ``FREE_MEMORY_AGE`` seconds a device, and in
+    between takes off what torch's caching allocator reserved since (or adds
+    what it gave back); again at once after ``forget``; every time without a
+    reader of the allocator, or where it cannot say (-1)."""
+    from dispatch import checks
+
+    reads, free, reserved, clock = [], {"now": 10_000}, {"now": 8_000}, {"t": 100.0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (reads.append(index) or free["now"], 99_999))
+    monkeypatch.setattr(checks.time, "monotonic", lambda: clock["t"])
+    memory = checks.FreeMemory()
+    assert memory(0) == 10_000 and memory(0) == 10_000 and len(reads) == 2  # no reader: the driver each time
+    memory.reserved = lambda index: reserved["now"]
+    assert memory(0) == 10_000 and len(reads) == 3
+    reserved["now"] += 3_000  # torch reserves more: the device has that much less
+    free["now"] -= 3_000
+    assert memory(0) == 7_000 and len(reads) == 3
+    reserved["now"] -= 5_000  # torch gives some back (empty_cache)
+    free["now"] += 5_000
+    assert memory(0) == 12_000 and len(reads) == 3
+    assert memory(1) == 12_000 and reads[-1] == 1  # another device: a reading of its own
+    free["now"] -= 500  # taken outside torch: seen once the reading is older than the age
+    assert memory(0) == 12_000 and len(reads) == 4
+    clock["t"] += 2 * checks.FREE_MEMORY_AGE
+    assert memory(0) == 11_500 and len(reads) == 5
+    free["now"] -= 100
+    memory.forget()
+    assert memory(0) == 11_400 and len(reads) == 6
+    memory.reserved = lambda index: -1
+    assert memory(0) == 11_400 and memory(0) == 11_400 and len(reads) == 8
+
+
+def test_the_compiled_path_gives_the_budget_its_reader_of_the_allocator(compiled):
+    """Loading the compiled module hands ``checks.FREE_MEMORY`` its reader of
+    torch's caching allocator (where torch has no CUDA: -1, cannot say)."""
+    from dispatch import checks
+
+    assert checks.FREE_MEMORY.reserved is compiled.reserved_bytes
+    if not torch.cuda.is_available():
+        assert compiled.reserved_bytes(0) == -1
