@@ -267,8 +267,9 @@ int64_t word_at(const std::vector<int64_t>& sizes, size_t part) {
 
 // The counts exchange of one dispatch, read back: see the file's comment. Returns
 // (status code, peer, where) where the kernels recorded a failure; else
-// (route, lists, hit, matrix, src_start, num_rows, tokens_per_expert, tokens_at: tensors
-// on the device; headers: every rank's header; sends: every rank's tokens to every rank;
+// (words: the dispatch's int32 words, its routes, lists, hits and the exchange's output
+// (dispatch/nvlink_layout.py, WordsAt), then its tokens per expert; tokens_per_expert,
+// a view of them; tokens_at; headers: every rank's header; sends: every rank's tokens to every rank;
 // rows: the N of every rank; this rank's rows of each local expert, a CPU int64
 // tensor; bound: the largest T; received: this rank's (source, token) items;
 // staged: every rank staged its rows with the counts; and, where ``width`` > 0 and the
@@ -403,13 +404,9 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
                             tables.as_strided({items, width}, {width, 1}, items * (1 + width)), places,
                             sources.slice(0, 0, n), sources.slice(0, n), pulled);
   }
-  const int64_t lists_at = word_at(s.sizes, 1), hit_at = word_at(s.sizes, 2), out_at = word_at(s.sizes, 3);
-  const int64_t start_at = out_at + places_words;
   return py::make_tuple(
-      meta.as_strided({T, K, 4}, {K * 4, 4, 1}, 0), meta.as_strided({W, T}, {T, 1}, lists_at),
-      meta.as_strided({T}, {1}, hit_at), meta.as_strided({W, L}, {L, 1}, out_at + 4),
-      meta.as_strided({W * local}, {1}, start_at), meta.as_strided({1}, {1}, start_at + W * local), per_expert,
-      tables.as_strided({items}, {1}, 0), py::tuple(headers), py::tuple(sends), py::tuple(rows), mine_host,
+      meta, per_expert, tables.as_strided({items}, {1}, 0), py::tuple(headers), py::tuple(sends), py::tuple(rows),
+      mine_host,
       bound, received, staged, handle);
 }
 

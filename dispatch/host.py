@@ -147,11 +147,12 @@ def counts_launchers(compiled, engine, tokens: int, topk: int, layout, counts, s
     return shape, layout_c, counts_c
 
 
-def exchange_counts(compiled, launchers: tuple, topk_idx, weights, header, rows, wire, row_at: int,
+def exchange_counts(compiled, launchers: tuple, at, topk_idx, weights, header, rows, wire, row_at: int,
                     check_values: bool, stream: int, host_words: torch.Tensor, planned: tuple,
                     pull: tuple | None = None) -> "Counts | tuple[int, int, int]":
     """A dispatch's counts exchange with its host read, compiled (``counts_plan``
-    of ``compiled``, with ``launchers`` from :func:`counts_launchers`): ``rows``
+    of ``compiled``, with ``launchers`` from :func:`counts_launchers`, ``at``
+    the ``WordsAt`` of the dispatch's words): ``rows``
     the dispatch's [T, H] rows, ``wire`` those staged beside the layout (None:
     none), ``row_at`` the address of the layout's zeroed words, ``host_words``
     the pinned words the matrix is read into, ``planned`` (J, the places'
@@ -171,11 +172,9 @@ def exchange_counts(compiled, launchers: tuple, topk_idx, weights, header, rows,
         *planned, puller, rows, cap, least, per_block)
     if len(got) == 3:
         return got
-    route, lists, hit, matrix, src_start, num_rows, per_expert, tokens_at, headers, sends, rows_of, mine, bound, \
-        received, staged, planned_out = got
-    return Counts(matrix, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert,
-                  src_start, num_rows, route, lists, tokens_at, hit, staged, None,
-                  None if planned_out is None else Planned(*planned_out))
+    words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned_out = got
+    return Counts(words, at, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert, tokens_at,
+                  staged, None, None if planned_out is None else Planned(*planned_out))
 
 
 def said_sync() -> None:

@@ -61,7 +61,8 @@ import torch.distributed as dist
 
 from dispatch import checks, cuda, host, plan
 from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts,
-                                    HostCounts, _up, aligned_rows, partial_row_bytes, scan_warps, staged_row_bytes)
+                                    HostCounts, WordsAt, _up, aligned_rows, partial_row_bytes, scan_warps,
+                                    staged_row_bytes)
 from dispatch.nvlink_moves import EngineMoves
 
 __all__ = ["GROUPS_COL", "SENDS_COL", "STAGED_COL", "TOKENS_COL", "Capacity", "Counts", "Engine", "aligned_rows",
@@ -321,11 +322,11 @@ class Engine(EngineMoves):
         hidden = 0 if rows is None else rows.shape[1]
         key = ("counts", tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden,
                groups)
-        fits, layout, counts, words, sizes, compiled = self._cached(key, self._counts_launches)
+        fits, layout, counts, words, sizes, compiled, words_at = self._cached(key, self._counts_launches)
         budgeted = header[plan.HEADER.index("max_rows")] >= 0
         if compiled is not None and host_read and rows is not None and not (groups > 1 and budgeted):
             puller = self._own_pull(codec, rows, topk, planned) if pull and planned else None
-            got = host.exchange_counts(self._host, compiled, topk_idx, weights, header, rows,
+            got = host.exchange_counts(self._host, compiled, words_at, topk_idx, weights, header, rows,
                                        codec.pack(rows) if fits and tokens else None, self._zeroed(words).data_ptr(),
                                        check_values, cuda.raw_stream(device.index), self._host_words,
                                        planned or (0, torch.float32), puller)
@@ -340,7 +341,8 @@ class Engine(EngineMoves):
         row_at = self._zeroed(words).data_ptr()
         # the dispatch's int32 words in one allocation: routes, lists, hits, the exchange's output,
         # the scan's sums
-        route, lists, hit, out, scan_sums = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)
+        every = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+        route, lists, hit, out, scan_sums = every.split(sizes)
         route, lists = route.view(tokens, topk, 4), lists.view(self.world, tokens)
         if tokens:
             # the rows staged beside the layout, by blocks of the same launch, where they fit
@@ -376,14 +378,11 @@ class Engine(EngineMoves):
             group_end=at + 4 * (places + world * local + 1),
             shared=counts.shared,
         )
-        matrix = out[4 : 4 + world * length].view(world, length)
-        src_start = out[places : places + world * local]
-        num_rows = out[places + world * local : places + world * local + 1]
         group_end = out[places + world * local + 1 :] if groups > 1 and budgeted else None
         if not host_read:
             bound = self.capacity.tokens
-            return Counts(matrix, None, None, bound, per_expert, src_start, num_rows, route, lists,
-                          self._tokens_at(bound), hit, fits and rows is not None, group_end)
+            return Counts(every, words_at, None, None, bound, per_expert, self._tokens_at(bound), fits and rows is not None,
+                          group_end)
         # host sync: row counts (to size the output), headers, status
         words_read = out[: 4 + world * length].tolist()
         code, peer, where = words_read[:3]
@@ -395,8 +394,8 @@ class Engine(EngineMoves):
             staged = staged and bool(r[STAGED_COL])
             bound = r[TOKENS_COL] if r[TOKENS_COL] > bound else bound
             received += r[SENDS_COL + self.rank]
-        return Counts(matrix, self._host_counts(matrix_host), received, bound, per_expert, src_start, num_rows,
-                      route, lists, self._tokens_at(bound), hit, staged, group_end)
+        return Counts(every, words_at, self._host_counts(matrix_host), received, bound, per_expert, self._tokens_at(bound),
+                      staged, group_end)
 
     def _host_counts(self, matrix_host: list[list[int]]) -> HostCounts:
         """:class:`HostCounts` of the counts matrix read on the host (W rows of L ints)."""
@@ -416,9 +415,10 @@ class Engine(EngineMoves):
         """(whether the routes and rows fit the buffers, the routing layout's launch,
         the counts exchange's launch, the scratch words the layout zeroes, the
         int32 words of the dispatch's routes, lists, hits, exchange output and
-        scan sums) of a dispatch of this shape (``codec``: the rows' staged with
-        the counts, None for none), the arguments that hold for every such
-        dispatch bound (made once per shape: ``_cached``)."""
+        scan sums, the compiled path's launchers (or None), where those words
+        hold what: ``WordsAt``) of a dispatch of this shape (``codec``: the rows'
+        staged with the counts, None for none), the arguments that hold for every
+        such dispatch bound (made once per shape: ``_cached``)."""
         stage_row = 0 if codec is None else staged_row_bytes(codec, hidden)
         fits = self._fits(tokens, topk, stage_row)
         lanes = 1 << (topk - 1).bit_length() if topk else 1  # a token's lanes in the layout's blocks
@@ -477,7 +477,7 @@ class Engine(EngineMoves):
                  2 * chunks * (self.num_experts + world) if tokens else 0)
         compiled = None if self._host is None else host.counts_launchers(self._host, self, tokens, topk, layout,
                                                                          counts, sizes)
-        return fits, layout, counts, words, sizes, compiled
+        return fits, layout, counts, words, sizes, compiled, WordsAt.of(tokens, topk, world, self.row_len, local, sizes)
 
     def _cached(self, key: tuple, make):
         """``make(*key[1:])`` (launches of one shape, ``key[0]`` naming which), made

@@ -7,6 +7,7 @@ Notation as in ``dispatch.nvlink``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -109,27 +110,47 @@ class Planned(NamedTuple):
     tokens: torch.Tensor | None = None
 
 
+class WordsAt(NamedTuple):
+    """Where a dispatch's int32 words (``Counts.words``) hold what: T, K, W, L,
+    E_local, and the offsets (in words) of its routes (at 0), lists, hits and
+    the counts exchange's output (status, the counts matrix, src_start,
+    num_rows, group_end). One per shape of dispatch (``Engine._counts_launches``)."""
+
+    tokens: int
+    topk: int
+    world: int
+    row_len: int
+    local: int
+    lists: int
+    hit: int
+    out: int
+
+    @classmethod
+    def of(cls, tokens: int, topk: int, world: int, row_len: int, local: int, sizes) -> "WordsAt":
+        """From the words' part sizes (routes, lists, hits, output, scan sums)."""
+        return cls(tokens, topk, world, row_len, local, sizes[0], sizes[0] + sizes[1],
+                   sizes[0] + sizes[1] + sizes[2])
+
+
 @dataclass(frozen=True)
 class Counts:
     """What the counts exchange of one dispatch gave.
 
     Attributes:
-        matrix: [W, L] int32 on the device (the counts matrix).
+        words: the dispatch's int32 words on the device (``at``: where each part is);
+            ``route``, ``lists``, ``hit``, ``matrix``, ``src_start`` and ``num_rows``
+            are views of it, made at their first use (a dispatch on the compiled
+            path hands the kernels their addresses: ``address``).
+        at: :class:`WordsAt`.
         host: what the host read of it (:class:`HostCounts`; None without a host read).
         received: the items (source rank, token) this rank receives (host; None
             without a host read).
         bound: rows of each source in presum: the largest T of the group, or
             without a host read the token capacity of the buffers.
         tokens_per_expert: [E_local] int64 on the device.
-        src_start: [W, E_local] int32 on the device: first row of (source, local expert).
-        num_rows: [1] int32 on the device, N.
-        route: [T, K] ``Slot`` (int32 [T, K, 4]) of this rank's tokens, on the device.
-        lists: [W, T] int32 on the device: the tokens of this rank each rank
-            gets, ascending, at [d, 0 .. its count).
         tokens_at: [W * bound] int32 on the device, written by the dispatch's
             pull: the token of each item (source rank s, j) this rank received,
             at s * bound + j, in the order the later kernels walk them.
-        hit: [T] int32 mask of the ranks each token goes to.
         staged: every rank staged its routes and rows with the counts (else
             they move in an exchange of their own).
         group_end: [G] int32 on the device, the end of each group's rows, for a
@@ -139,22 +160,76 @@ class Counts:
             header agreeing, none failed, every rank within its budgets: the
             checks would pass), :class:`Planned`; None otherwise (the checks run
             on the host).
+
+    The views: ``matrix`` [W, L] (the counts matrix); ``src_start`` [W * E_local],
+    first row of (source, local expert); ``num_rows`` [1], N; ``route`` [T, K]
+    ``Slot`` (int32 [T, K, 4]) of this rank's tokens; ``lists`` [W, T], the
+    tokens of this rank each rank gets, ascending, at [d, 0 .. its count);
+    ``hit`` [T], the mask of the ranks each token goes to.
     """
 
-    matrix: torch.Tensor
+    words: torch.Tensor
+    at: WordsAt
     host: HostCounts | None
     received: int | None
     bound: int
     tokens_per_expert: torch.Tensor
-    src_start: torch.Tensor
-    num_rows: torch.Tensor
-    route: torch.Tensor
-    lists: torch.Tensor
     tokens_at: torch.Tensor
-    hit: torch.Tensor
     staged: bool
     group_end: torch.Tensor | None = None
     planned: Planned | None = None
+
+    @property
+    def tokens(self) -> int:
+        """T, this rank's tokens."""
+        return self.at.tokens
+
+    @property
+    def topk(self) -> int:
+        """K, slots a token."""
+        return self.at.topk
+
+    def address(self, part: str) -> int:
+        """The device address of ``part`` ("matrix", "hit", "src_start", "num_rows") of
+        the words, as its view's ``data_ptr()`` gives it (0 for an empty one: hit where T = 0)."""
+        at = self.at
+        if part == "hit" and at.tokens == 0:
+            return 0
+        return self.words.data_ptr() + 4 * {
+            "matrix": at.out + 4,
+            "hit": at.hit,
+            "src_start": at.out + 4 + at.world * at.row_len,
+            "num_rows": at.out + 4 + at.world * at.row_len + at.world * at.local,
+        }[part]
+
+    @functools.cached_property
+    def route(self) -> torch.Tensor:
+        at = self.at
+        return self.words.as_strided((at.tokens, at.topk, 4), (at.topk * 4, 4, 1), 0)
+
+    @functools.cached_property
+    def lists(self) -> torch.Tensor:
+        at = self.at
+        return self.words.as_strided((at.world, at.tokens), (at.tokens, 1), at.lists)
+
+    @functools.cached_property
+    def hit(self) -> torch.Tensor:
+        return self.words.as_strided((self.at.tokens,), (1,), self.at.hit)
+
+    @functools.cached_property
+    def matrix(self) -> torch.Tensor:
+        at = self.at
+        return self.words.as_strided((at.world, at.row_len), (at.row_len, 1), at.out + 4)
+
+    @functools.cached_property
+    def src_start(self) -> torch.Tensor:
+        at = self.at
+        return self.words.as_strided((at.world * at.local,), (1,), at.out + 4 + at.world * at.row_len)
+
+    @functools.cached_property
+    def num_rows(self) -> torch.Tensor:
+        at = self.at
+        return self.words.as_strided((1,), (1,), at.out + 4 + at.world * at.row_len + at.world * at.local)
 
     @property
     def items(self) -> int:
@@ -163,7 +238,7 @@ class Counts:
         W times this rank's T, as if every rank sent it every token."""
         if self.received is not None:
             return self.received
-        return self.matrix.shape[0] * self.route.shape[0]
+        return self.at.world * self.at.tokens
 
 
 def _wire_of(codec, dtype: torch.dtype) -> tuple[torch.dtype, int]:

@@ -47,7 +47,7 @@ class EngineMoves:
         tokens, hidden = rows.shape
         wire, fp8 = _wire_of(codec, rows.dtype)
         stage_row = staged_row_bytes(codec, hidden)
-        topk = counts.route.shape[1]
+        topk = counts.topk
         from_route = meta_out is not None
         if out is None and not (from_route and counts.staged):  # stage (and route) in an exchange of their own
             self.ensure(Capacity(counts.bound, topk, stage_row, 0))
@@ -62,9 +62,9 @@ class EngineMoves:
             compiled = launch.compiled(self.device.index, host.PULL_FREE) if self._host else None
             if compiled is not None:
                 return self._host.pull(
-                    compiled, self._row_grid(max(counts.items, num_rows)), rows, num_rows, counts.matrix.data_ptr(),
-                    counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.src_start.data_ptr(),
-                    counts.num_rows.data_ptr(), slot_k.data_ptr(), weights.data_ptr(), src_rank.data_ptr(),
+                    compiled, self._row_grid(max(counts.items, num_rows)), rows, num_rows, counts.address("matrix"),
+                    counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.address("src_start"),
+                    counts.address("num_rows"), slot_k.data_ptr(), weights.data_ptr(), src_rank.data_ptr(),
                     src_token.data_ptr(), cuda.raw_stream(self.device.index))
         if out is None:
             out = torch.empty(num_rows, hidden, dtype=rows.dtype, device=rows.device)
@@ -184,11 +184,11 @@ class EngineMoves:
                 push = self._push_of(rows, weights, wire, counts, presum, hidden).compiled(self.device.index,
                                                                                           host.PUSH_FREE)
                 home = self._home_of(wire, rows.dtype, hidden, at_least).compiled(self.device.index, host.HOME_FREE)
-                tokens = counts.route.shape[0]
+                tokens = counts.tokens
                 return self._host.to_home(
                     push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
-                    0 if weights is None else weights.data_ptr(), counts.matrix.data_ptr(),
-                    counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.hit.data_ptr(), tokens,
+                    0 if weights is None else weights.data_ptr(), counts.address("matrix"),
+                    counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.address("hit"), tokens,
                     cuda.raw_stream(self.device.index))
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
@@ -265,7 +265,7 @@ class EngineMoves:
 
     def _push_of(self, rows, weights, wire: torch.dtype, counts: Counts, presum, hidden: int) -> "cuda.Launch":
         """The push of these rows, weights and pre-sums, the buffers grown to hold its partials first."""
-        self.ensure(Capacity(counts.bound, counts.route.shape[1], 0, partial_row_bytes(wire, hidden)))
+        self.ensure(Capacity(counts.bound, counts.topk, 0, partial_row_bytes(wire, hidden)))
         key = ("push", rows.dtype, None if weights is None else weights.dtype, wire, hidden, presum.shape[1])
         return self._cached(key, self._push_launch)
 
@@ -297,7 +297,7 @@ class EngineMoves:
 
     def _home_sum(self, counts: Counts, wire: torch.dtype, dtype: torch.dtype, hidden: int,
                   at_least: torch.dtype | None) -> torch.Tensor:
-        tokens = counts.route.shape[0]
+        tokens = counts.tokens
         out = torch.empty(tokens, hidden, dtype=dtype, device=self.device)
         self._home_of(wire, dtype, hidden, at_least)(self._row_grid(tokens), hit=counts.hit, tokens=tokens, out=out)
         return out
@@ -328,7 +328,7 @@ class EngineMoves:
 
     def _slots_home(self, values, counts: Counts, presum, slot_k) -> torch.Tensor:
         """[N] per-row values -> [T, K] per-slot values at home (0 for empty slots)."""
-        tokens, topk = counts.route.shape[:2]
+        tokens, topk = counts.tokens, counts.topk
         self.ensure(Capacity(counts.bound, topk, 0, 0))
         value_type = torch.float64 if values.dtype == torch.float64 else torch.float32
         wide = values.to(value_type).contiguous()

@@ -118,7 +118,7 @@ def test_the_compiled_counts_exchange_binds_what_the_engine_binds(no_gpu, tokens
     shape (the layout's none where T = 0), and its shape the engine's columns."""
     engine = _cpu_engine(4, 32, Capacity(64, 4, 1024, 512), host.built())
     codec = to_experts_codec("native", torch.bfloat16)
-    fits, layout, counts, words, sizes, compiled = engine._counts_launches(
+    fits, layout, counts, words, sizes, compiled, _ = engine._counts_launches(
         tokens, 4, torch.int64, torch.float32, codec, 512, 1)
     shape, layout_c, counts_c = compiled
     assert (layout is None) == (layout_c is None) == (tokens == 0)
@@ -160,7 +160,7 @@ def test_the_compiled_usual_case_is_where_the_checks_pass_and_say_nothing(no_gpu
     world = 3
     engine = _cpu_engine(world, 6, Capacity(64, 4, 1024, 512), host.built())
     codec = to_experts_codec("native", torch.bfloat16)
-    shape = engine._counts_launches(8, 4, torch.int64, torch.float32, codec, 512, 1)[-1][0]
+    shape = engine._counts_launches(8, 4, torch.int64, torch.float32, codec, 512, 1)[5][0]
     gen = torch.Generator().manual_seed(seed)
     pick = lambda *choices: choices[int(torch.randint(len(choices), (1,), generator=gen))]  # noqa: E731
     header = [1, 3, 0, 4, 512, 1, 2, 1, 0, 0, -1, 10**6]
@@ -355,6 +355,8 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
                                          pull and path == "compiled")
         num_rows = counts.host.rows[rank]
         planned = counts.planned
+        for part in ("matrix", "hit", "src_start", "num_rows"):  # the addresses launches take are the views'
+            assert counts.address(part) == getattr(counts, part).data_ptr(), part
         if planned is None:
             presum, slot_k = torch.empty(2, world * counts.bound, width, dtype=torch.int32).unbind()
             places = (torch.empty(num_rows, dtype=weight_dtype), *torch.empty(2, num_rows, dtype=torch.int64))
