@@ -8,6 +8,8 @@ both backwards' exchanges, whatever it needs itself (``CombineHandle.x_grad_any`
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from dispatch.codec import sum_wire_dtype, to_experts_codec
@@ -84,3 +86,25 @@ class CombineFn(torch.autograd.Function):
             grad_expert = grad_expert if needs[0] else None
         return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None
 
+
+
+def _node(fn: type) -> "Callable":
+    """``fn.apply`` without ``torch.autograd.Function``'s Python wrapper where no
+    functorch transform is active: the wrapper then only unwraps functorch's dead
+    wrappers and calls the same C-level apply, a few microseconds of every
+    dispatch and combine. Its full ``apply`` where a transform is active, or where
+    this torch has no such C-level apply."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    raw = None if base is None else base.__dict__.get("apply")
+    if raw is None:
+        return fn.apply
+    bound, active = raw.__get__(None, fn), torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        return fn.apply(*args) if active() else bound(*args)
+
+    return apply
+
+
+dispatch_node = _node(DispatchFn)  # DispatchFn.apply
+combine_node = _node(CombineFn)  # CombineFn.apply

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import agreement, capacity, checks, comm, plan
-from dispatch.autograd import CombineFn
+from dispatch.autograd import combine_node
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.handle import CombineHandle, Dispatched, padded, received
@@ -255,7 +255,7 @@ class TokenDispatcher:
         w = None if weights is None else received(weights.detach(), handle)
         started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), async_op)
         if torch.is_grad_enabled() and handle.link is not None:
-            work = ExchangeWork(lambda: CombineFn.apply(expert_out, weights, handle.link, (self, handle, started)))
+            work = ExchangeWork(lambda: combine_node(expert_out, weights, handle.link, (self, handle, started)))
         else:  # no backward: no node
             work = ExchangeWork(started.result)
         return work if async_op else work.wait()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dispatch import checks
-from dispatch.autograd import DispatchFn
+from dispatch.autograd import DispatchFn, dispatch_node
 from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup, only, pad_to_blocks, padded, with_link
 from dispatch.streams import Pending, StartedGroups
 
@@ -142,7 +142,7 @@ class DispatchWork:
                 started.result()  # the caller's stream follows the exchange (the engine writes the sources)
                 self.handle, plan_out = pad_to_blocks(self.handle, plan_out, dispatcher.num_local_experts)
             if torch.is_grad_enabled():  # the node every rank makes, whatever it needs itself (``link``)
-                tokens, weights, link = DispatchFn.apply(
+                tokens, weights, link = dispatch_node(
                     x, topk_weights, dispatcher.anchor(x.device), plan_out.weights, (dispatcher, self.handle, started)
                 )
                 self.handle = with_link(self.handle, link)  # ``CombineHandle.link``
