@@ -181,17 +181,32 @@ class EngineMoves:
             rows = aligned_rows(rows)
             if self._host is not None:  # compiled: both launches and the output in one call
                 hidden = rows.shape[1]
-                push = self._push_of(rows, weights, wire, counts, presum, hidden).compiled(self.device.index,
-                                                                                          host.PUSH_FREE)
-                home = self._home_of(wire, rows.dtype, hidden, at_least).compiled(self.device.index, host.HOME_FREE)
-                tokens = counts.tokens
-                return self._host.to_home(
-                    push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
-                    0 if weights is None else weights.data_ptr(), counts.address("matrix"),
-                    counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.address("hit"), tokens,
-                    cuda.raw_stream(self.device.index))
+                weight_dtype = None if weights is None else weights.dtype
+                capacity, part_row = self.capacity, partial_row_bytes(wire, hidden)
+                if counts.bound > capacity.tokens or counts.topk > capacity.topk or part_row > capacity.part_row:
+                    self.ensure(Capacity(counts.bound, counts.topk, 0, part_row))  # (as _push_of, in ints first)
+                push, home = self._cached(("to_home", rows.dtype, weight_dtype, wire, hidden, presum.shape[1],
+                                           at_least), self._home_compiled)
+                if push is not None:
+                    tokens = counts.tokens
+                    return self._host.to_home(
+                        push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
+                        0 if weights is None else weights.data_ptr(), counts.address("matrix"),
+                        counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.address("hit"), tokens,
+                        cuda.raw_stream(self.device.index))
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
+
+    def _home_compiled(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
+                       width: int, at_least: torch.dtype | None) -> tuple:
+        """The compiled launchers of a combine's push and home sum of this shape (``to_home``;
+        the buffers already hold its partials), made once while the buffers last; (None,
+        None) where either issues from Python."""
+        device = self.device.index
+        push = self._cached(("push", dtype, weight_dtype, wire, hidden, width), self._push_launch)
+        home = self._home_of(wire, dtype, hidden, at_least)
+        push, home = push.compiled(device, host.PUSH_FREE), home.compiled(device, host.HOME_FREE)
+        return (None, None) if push is None or home is None else (push, home)
 
     def store_group(self, table: torch.Tensor, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
         """Write group g's row and weight pointers into ``table`` ([2 G] int64 on the
