@@ -9,12 +9,14 @@
 // (dispatch/nvlink.py, Engine.exchange_counts with its host read) in one call:
 // the dispatch's int32 words and its tokens per expert allocated, the routing
 // layout and the counts exchange launched, the counts matrix read back, and
-// what the host needs of it summed (every rank's header, sends and rows).
-// `pull` and `to_home` are a dispatch's pull and a combine's push and home sum,
-// each with its output allocated, in one call.
+// what the host needs of it summed (every rank's header, sends and rows); in
+// the usual case also the handle's tensors and, for a dispatch that moves at
+// once, its pull. `pull` and `to_home` are a dispatch's pull and a combine's push
+// and home sum, each with its output allocated, in one call.
 //
 // The driver's entry points are found in libcuda.so.1 at first use (nothing is
 // linked): the extension builds wherever torch's headers and CUDA's cuda.h are.
+// `reserved_bytes` reads torch's CUDA caching allocator (where torch has CUDA).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>

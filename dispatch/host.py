@@ -2,10 +2,12 @@
 
 It issues the engine's per-call host work from C++: each launch of a kernel
 keeps its parameter block packed (``dispatch.cuda.Launch``) and writes only its
-free values; a dispatch's counts exchange with its host read, its pull, and a
-combine's push and home sum are one call each (``dispatch.nvlink``,
-``dispatch.nvlink_moves``). The kernels and their arguments are the same as
-from Python, so the results are the same bits; only the host time differs.
+free values; a dispatch's counts exchange with its host read (and, where the
+dispatch moves at once, its pull), its pull otherwise, and a combine's push and
+home sum are one call each (``dispatch.nvlink``, ``dispatch.nvlink_moves``). The
+kernels and their arguments are the same as from Python, so the results are the
+same bits; only the host time differs. It also reads torch's caching allocator
+for the memory budgets of ``dispatch.checks`` (``FreeMemory``).
 
 It is built once per machine and source by ``torch.utils.cpp_extension`` (a
 C++ compiler, ninja and CUDA's ``cuda.h``; about half a minute, then cached in
