@@ -368,12 +368,12 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
   // its rows here and their slots (presum, slot_k [W * bound, width])
   const int64_t items = W * bound;
   const bool planned = width > 0 && usual(s, words_host + 4, rows_of);
-  // in the usual case one allocation: the tables, then (8-byte aligned) the places' sources [2, N] int64 and
-  // their weights [N] of weights_dtype
+  // in the usual case one allocation: the tables, then (8-byte aligned) the places' sources [2, N] int64;
+  // their weights [N] apart (a dispatch's output that combine's backward keeps: a tensor of its own, whose
+  // version no in-place change of another output moves)
   const int64_t n = rows_of[s.rank];
   const int64_t table_words = items * (planned ? 1 + 2 * width : 1), sources_at = (table_words + 1) / 2 * 2;
-  const int64_t weight_words = n * static_cast<int64_t>(c10::elementSize(weights_dtype)) / 4;
-  at::Tensor tables = at::empty({planned ? sources_at + 4 * n + weight_words : table_words}, meta.options());
+  at::Tensor tables = at::empty({planned ? sources_at + 4 * n : table_words}, meta.options());
   py::object handle = py::none();
   if (planned) {
     bool x_grad = false, weights_grad = false;
@@ -381,8 +381,8 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
       x_grad = x_grad || words_host[4 + r * L + s.x_grad_col] != 0;
       weights_grad = weights_grad || words_host[4 + r * L + s.weights_grad_col] != 0;
     }
-    at::Tensor sources = tables.slice(0, sources_at, sources_at + 4 * n).view(at::kLong);
-    at::Tensor places = tables.slice(0, sources_at + 4 * n).view(weights_dtype);
+    at::Tensor sources = tables.slice(0, sources_at).view(at::kLong);
+    at::Tensor places = at::empty({n}, weights.options().dtype(weights_dtype));
     py::object pulled = py::none();
     if (pull != nullptr && staged) {
       TORCH_CHECK(x.dim() == 2 && x.size(0) == T && rows_per_block > 0,

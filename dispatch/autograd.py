@@ -91,9 +91,11 @@ class CombineFn(torch.autograd.Function):
 def _node(fn: type) -> "Callable":
     """``fn.apply`` without ``torch.autograd.Function``'s Python wrapper where no
     functorch transform is active: the wrapper then only unwraps functorch's dead
-    wrappers and calls the same C-level apply, a few microseconds of every
+    wrappers (tensors that outlived a finished ``torch.func`` transform: not the
+    verbs' inputs) and calls the same C-level apply, a few microseconds of every
     dispatch and combine. Its full ``apply`` where a transform is active, or where
-    this torch has no such C-level apply."""
+    this torch has no such C-level apply. (``torch.compile`` breaks its graph at
+    the verbs either way: they read the host and call collectives.)"""
     base = getattr(torch._C, "_FunctionBase", None)
     raw = None if base is None else base.__dict__.get("apply")
     if raw is None:

@@ -203,7 +203,8 @@ def free_bytes(device: torch.device) -> int | None:
 def device_free_bytes(device: torch.device) -> int | None:
     """A lower bound of :func:`free_bytes`, cheaper to read: the device's free
     memory alone (what torch's caching allocator holds unused not counted), as
-    :data:`FREE_MEMORY` reads it; None off CUDA."""
+    :data:`FREE_MEMORY` reads it (a bound but for what was allocated outside
+    torch's allocator in the last ``FREE_MEMORY_AGE`` seconds); None off CUDA."""
     if device.type != "cuda":
         return None
     return FREE_MEMORY(torch.cuda.current_device() if device.index is None else device.index)
@@ -219,11 +220,13 @@ class FreeMemory:
     kept for ``FREE_MEMORY_AGE`` seconds, less what torch's caching allocator
     has reserved from the device since (or plus what it gave back): exact for
     every allocation made through torch in this process, and read again where
-    the reading is older, or anything else allocated device memory
-    (:meth:`forget`: the NVLink engine's symmetric buffers). Without a reader
-    of the allocator's reserved bytes (``reserved``: the compiled host path's,
-    ``dispatch.host``; None before it is loaded, or -1 from it where it cannot
-    say) the driver is read every time.
+    the reading is older, or where this package allocated device memory
+    outside torch's allocator (:meth:`forget`: the NVLink engine's and the
+    NVSHMEM transport's symmetric buffers). Without a reader of the allocator's
+    reserved bytes (``reserved``: the compiled host path's, ``dispatch.host``,
+    given only where torch's own caching allocator serves: not under
+    ``PYTORCH_NO_CUDA_MEMORY_CACHING`` or another backend; None before it is
+    loaded, or -1 from it where it cannot say) the driver is read every time.
     """
 
     def __init__(self) -> None:

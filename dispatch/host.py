@@ -70,8 +70,21 @@ def _build() -> tuple:
                                     build_directory=folder, verbose=False)
     except Exception as error:  # no compiler or ninja: the host side runs in Python
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-    checks.FREE_MEMORY.reserved = module.reserved_bytes  # the dispatches' memory budgets read the allocator
+    if _caching_allocator():  # the dispatches' memory budgets read the allocator's reserved bytes
+        checks.FREE_MEMORY.reserved = module.reserved_bytes
     return module, None
+
+
+def _caching_allocator() -> bool:
+    """Whether torch's own CUDA caching allocator serves this process (its reserved
+    bytes then count every allocation made through torch): not with caching off
+    (``PYTORCH_NO_CUDA_MEMORY_CACHING``) or another backend (``cudaMallocAsync``)."""
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"):
+        return False
+    try:
+        return torch.cuda.get_allocator_backend() == "native"
+    except (AttributeError, RuntimeError):  # a torch without CUDA, or older
+        return False
 
 
 STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by a build that died

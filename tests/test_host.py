@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import pathlib
 import shutil
 import struct
@@ -473,11 +474,19 @@ def test_the_free_memory_budget_reads_the_driver_once_an_age(monkeypatch):
     assert memory(0) == 11_400 and memory(0) == 11_400 and len(reads) == 8
 
 
-def test_the_compiled_path_gives_the_budget_its_reader_of_the_allocator(compiled):
+def test_the_compiled_path_gives_the_budget_its_reader_of_the_allocator(compiled, monkeypatch):
     """Loading the compiled module hands ``checks.FREE_MEMORY`` its reader of
-    torch's caching allocator (where torch has no CUDA: -1, cannot say)."""
+    torch's caching allocator where torch's own allocator serves (not with
+    caching off, nor another backend, nor without CUDA: there its reader says
+    -1, cannot say)."""
     from dispatch import checks
 
-    assert checks.FREE_MEMORY.reserved is compiled.reserved_bytes
+    native = torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "native"
+    assert (checks.FREE_MEMORY.reserved is compiled.reserved_bytes) == (
+        native and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"))
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    assert not host._caching_allocator()
     if not torch.cuda.is_available():
         assert compiled.reserved_bytes(0) == -1
+        monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING")
+        assert not host._caching_allocator()

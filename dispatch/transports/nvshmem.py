@@ -118,6 +118,7 @@ class SymmetricExchange:
 
         tensor = symm_mem.empty(*shape, dtype=dtype, device=self.device)
         symm_mem.rendezvous(tensor, self.group_name)  # host sync: a collective through the store
+        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
         return tensor
 
     def stride(self, row_bytes: int) -> int:
