@@ -398,6 +398,9 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
     if planned is not None:
         assert isinstance(planned, Planned) and (planned.x_grad, planned.weights_grad) == grads
         assert planned.weights.dtype == weight_dtype
+        # the weights (which combine's backward keeps) share no storage, nor so a version, with another output
+        storages = {t.untyped_storage().data_ptr() for t in (planned.presum, planned.src_rank, planned.src_token)}
+        assert planned.weights.numel() == 0 or planned.weights.untyped_storage().data_ptr() not in storages
         assert (planned.tokens is not None) == (pull and staged)
 
 
