@@ -171,8 +171,9 @@ class TokenDispatcher:
         """
         ticket = self._calls.ticket("dispatch")
         try:
+            at_once = not async_op and groups == 1 and self.phase_timer is None  # Request.at_once
             codec, handle, plan_out, dropped = self._plan_dispatch(ticket, x, topk_idx, topk_weights, max_rows, groups,
-                                                                   not async_op and groups == 1)
+                                                                   at_once)
         except agreement.CallsDiffer:  # its first message met another call (the counts exchange, off the board)
             self._calls.withdraw(ticket)
             raise
@@ -219,8 +220,7 @@ class TokenDispatcher:
         else:
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows, groups)),
-                        check, groups, agreed, lambda: self._exact_memory_rows(x, ticket),
-                        at_once and self.phase_timer is None))
+                        check, groups, agreed, lambda: self._exact_memory_rows(x, ticket), at_once))
         return codec, handle, plan_out, dropped
 
     def combine(

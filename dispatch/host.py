@@ -91,8 +91,8 @@ STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by 
 
 
 def _build_folder(default_root: str, name: str) -> str:
-    """Where the module ``name`` is built and kept: one folder per Python and
-    torch (under $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
+    """Where the module ``name`` is built and kept: one folder per name, Python
+    and torch (under $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
     there by a build that died (killed mid-build) would make every later build
     wait for ever: one older than ``STALE_LOCK`` seconds is removed (a build
     takes under a minute)."""

@@ -381,8 +381,8 @@ class Engine(EngineMoves):
         group_end = out[places + world * local + 1 :] if groups > 1 and budgeted else None
         if not host_read:
             bound = self.capacity.tokens
-            return Counts(every, words_at, None, None, bound, per_expert, self._tokens_at(bound), fits and rows is not None,
-                          group_end)
+            return Counts(every, words_at, None, None, bound, per_expert, self._tokens_at(bound),
+                          fits and rows is not None, group_end)
         # host sync: row counts (to size the output), headers, status
         words_read = out[: 4 + world * length].tolist()
         code, peer, where = words_read[:3]
@@ -394,8 +394,8 @@ class Engine(EngineMoves):
             staged = staged and bool(r[STAGED_COL])
             bound = r[TOKENS_COL] if r[TOKENS_COL] > bound else bound
             received += r[SENDS_COL + self.rank]
-        return Counts(every, words_at, self._host_counts(matrix_host), received, bound, per_expert, self._tokens_at(bound),
-                      staged, group_end)
+        return Counts(every, words_at, self._host_counts(matrix_host), received, bound, per_expert,
+                      self._tokens_at(bound), staged, group_end)
 
     def _host_counts(self, matrix_host: list[list[int]]) -> HostCounts:
         """:class:`HostCounts` of the counts matrix read on the host (W rows of L ints)."""

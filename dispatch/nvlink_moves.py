@@ -56,8 +56,8 @@ class EngineMoves:
                 self._stage(counts.lists, tokens * 4, "lists", self.capacity.tokens * 4, signal=False)
             self._stage_rows(rows, codec, stage_row, signal=True)
         weights, src_rank, src_token = meta_out if from_route else (None, None, None)
-        key = ("pull", codec, rows.dtype, hidden, topk, presum.shape[1], None if weights is None else weights.dtype)
-        launch = self._cached(key, self._pull_launch)
+        launch = self._pull_of(codec, rows.dtype, hidden, topk, presum.shape[1],
+                               None if weights is None else weights.dtype)
         if out is None and span is None and group is None and from_route:  # a dispatch's own pull: compiled
             compiled = launch.compiled(self.device.index, host.PULL_FREE) if self._host else None
             if compiled is not None:
@@ -95,9 +95,14 @@ class EngineMoves:
         places' weights' dtype), and its grid's terms (``_row_grid``: cap, floor,
         rows a block); None where launches issue from Python."""
         width, weight_dtype = planned
-        launch = self._cached(("pull", codec, rows.dtype, rows.shape[1], topk, width, weight_dtype), self._pull_launch)
-        compiled = launch.compiled(self.device.index, host.PULL_FREE)
+        compiled = self._pull_of(codec, rows.dtype, rows.shape[1], topk, width, weight_dtype).compiled(
+            self.device.index, host.PULL_FREE)
         return None if compiled is None else (compiled, self.blocks, self.sms, cuda.THREADS // 32)
+
+    def _pull_of(self, codec, dtype: torch.dtype, hidden: int, topk: int, width: int,
+                 weight_dtype: torch.dtype | None) -> "cuda.Launch":
+        """The pull of this shape (``_pull_launch``), made once while the buffers last."""
+        return self._cached(("pull", codec, dtype, hidden, topk, width, weight_dtype), self._pull_launch)
 
     def _pull_launch(self, codec, dtype: torch.dtype, hidden: int, topk: int, width: int,
                      weight_dtype: torch.dtype | None) -> "cuda.Launch":
@@ -182,9 +187,7 @@ class EngineMoves:
             if self._host is not None:  # compiled: both launches and the output in one call
                 hidden = rows.shape[1]
                 weight_dtype = None if weights is None else weights.dtype
-                capacity, part_row = self.capacity, partial_row_bytes(wire, hidden)
-                if counts.bound > capacity.tokens or counts.topk > capacity.topk or part_row > capacity.part_row:
-                    self.ensure(Capacity(counts.bound, counts.topk, 0, part_row))  # (as _push_of, in ints first)
+                self._ensure_partials(counts, wire, hidden)
                 push, home = self._cached(("to_home", rows.dtype, weight_dtype, wire, hidden, presum.shape[1],
                                            at_least), self._home_compiled)
                 if push is not None:
@@ -203,7 +206,7 @@ class EngineMoves:
         the buffers already hold its partials), made once while the buffers last; (None,
         None) where either issues from Python."""
         device = self.device.index
-        push = self._cached(("push", dtype, weight_dtype, wire, hidden, width), self._push_launch)
+        push = self._push_launch_of(dtype, weight_dtype, wire, hidden, width)
         home = self._home_of(wire, dtype, hidden, at_least)
         push, home = push.compiled(device, host.PUSH_FREE), home.compiled(device, host.HOME_FREE)
         return (None, None) if push is None or home is None else (push, home)
@@ -280,9 +283,22 @@ class EngineMoves:
 
     def _push_of(self, rows, weights, wire: torch.dtype, counts: Counts, presum, hidden: int) -> "cuda.Launch":
         """The push of these rows, weights and pre-sums, the buffers grown to hold its partials first."""
-        self.ensure(Capacity(counts.bound, counts.topk, 0, partial_row_bytes(wire, hidden)))
-        key = ("push", rows.dtype, None if weights is None else weights.dtype, wire, hidden, presum.shape[1])
-        return self._cached(key, self._push_launch)
+        self._ensure_partials(counts, wire, hidden)
+        return self._push_launch_of(rows.dtype, None if weights is None else weights.dtype, wire, hidden,
+                                    presum.shape[1])
+
+    def _ensure_partials(self, counts: Counts, wire: torch.dtype, hidden: int) -> None:
+        """The buffers grown (``ensure``) where they do not hold a combine's partials of
+        ``counts`` in ``wire`` [., H]; the usual case, that they do, read in ints."""
+        capacity, part_row = self.capacity, partial_row_bytes(wire, hidden)
+        if self._data is None or counts.bound > capacity.tokens or counts.topk > capacity.topk or \
+                part_row > capacity.part_row:
+            self.ensure(Capacity(counts.bound, counts.topk, 0, part_row))
+
+    def _push_launch_of(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
+                        width: int) -> "cuda.Launch":
+        """The push of this shape (``_push_launch``), made once while the buffers last."""
+        return self._cached(("push", dtype, weight_dtype, wire, hidden, width), self._push_launch)
 
     def _push_launch(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
                      width: int) -> "cuda.Launch":
