@@ -9,25 +9,20 @@ kernels and their arguments are the same as from Python, so the results are the
 same bits; only the host time differs. It also reads torch's caching allocator
 for the memory budgets of ``dispatch.checks`` (``FreeMemory``).
 
-It is built once per machine and source by ``torch.utils.cpp_extension`` (a
-C++ compiler, ninja and CUDA's ``cuda.h``; about half a minute, then cached in
-torch's extensions folder, one module per source: its name holds the source's
-digest, so that two trees load theirs side by side). Where it cannot be built
+It is built once per machine and source (``dispatch.build``: a C++ compiler,
+ninja and CUDA's ``cuda.h``; about half a minute, then cached). Where it cannot be built
 the engine issues its host work from Python, and says so once.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import sys
-import time
 import warnings
 
 import torch
 
-from dispatch import checks, cuda, plan
+from dispatch import build, checks, cuda, plan
 from dispatch.nvlink_layout import SENDS_COL, STAGED_COL, TOKENS_COL, Counts, HostCounts, Planned
 
 # the free values of the routing layout's and the counts exchange's launches, in the order
@@ -62,17 +57,10 @@ def _build() -> tuple:
     include = _cuda_include(cpp_extension.CUDA_HOME)
     if include is None:
         return None, "CUDA's cuda.h was not found (set CUDA_HOME)"
-    source = cuda.csrc_dir() / "host.cpp"
-    name = f"dispatch_host_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
-    folder = _build_folder(cpp_extension.get_default_build_root(), name)
-    try:
-        module = cpp_extension.load(name, [str(source)], extra_include_paths=[include], extra_cflags=["-O2"],
-                                    build_directory=folder, verbose=False)
-    except Exception as error:  # no compiler or ninja: the host side runs in Python
-        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-    if _caching_allocator():  # the dispatches' memory budgets read the allocator's reserved bytes
+    module, why = build.load("host.cpp", "dispatch_host", (include,))
+    if module is not None and _caching_allocator():  # the dispatches' memory budgets read the allocator's bytes
         checks.FREE_MEMORY.reserved = module.reserved_bytes
-    return module, None
+    return module, why
 
 
 def _caching_allocator() -> bool:
@@ -85,27 +73,6 @@ def _caching_allocator() -> bool:
         return torch.cuda.get_allocator_backend() == "native"
     except (AttributeError, RuntimeError):  # a torch without CUDA, or older
         return False
-
-
-STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by a build that died
-
-
-def _build_folder(default_root: str, name: str) -> str:
-    """Where the module ``name`` is built and kept: one folder per name, Python
-    and torch (under $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
-    there by a build that died (killed mid-build) would make every later build
-    wait for ever: one older than ``STALE_LOCK`` seconds is removed (a build
-    takes under a minute)."""
-    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root, f"{name}-{version}")
-    os.makedirs(folder, exist_ok=True)
-    lock = os.path.join(folder, "lock")
-    try:
-        if time.time() - os.path.getmtime(lock) > STALE_LOCK:
-            os.remove(lock)
-    except OSError:  # no lock (the usual case), or another process removed it first
-        pass
-    return folder
 
 
 def _cuda_include(cuda_home: str | None) -> str | None:

@@ -534,7 +534,8 @@ def _prefix(values: list[int]) -> list[int]:
 
 def build_recv_plan(meta: torch.Tensor, table: torch.Tensor, num_rows: int, weight_dtype: torch.dtype) -> RecvPlan:
     """Expansion of the received rows, from their slot lists; the Triton kernel
-    on CUDA (``dispatch.kernels.recv_plan``), the reference elsewhere.
+    on CUDA (``dispatch.kernels.recv_plan``), the compiled one on CPU
+    (``dispatch.kernels.plan_cpu``), the reference elsewhere.
 
     Args:
         meta: [R, J + 1 + J * w] int32 received metadata (see :class:`SendPlan`),
@@ -543,10 +544,13 @@ def build_recv_plan(meta: torch.Tensor, table: torch.Tensor, num_rows: int, weig
         num_rows: N, expanded rows, known on the host from the counts exchange.
         weight_dtype: dtype the weights travelled in (``weight_wire_dtype``).
     """
-    from dispatch.kernels import recv_plan
+    from dispatch.kernels import plan_cpu, recv_plan
 
     if meta.is_cuda and recv_plan.triton is not None:
         return RecvPlan(*recv_plan.recv_plan_triton(meta, table, num_rows, weight_dtype))
+    compiled = plan_cpu.on_cpu(meta)
+    if compiled is not None:
+        return RecvPlan(*compiled.recv_plan(meta, table, num_rows, torch.finfo(weight_dtype).bits // 32))
     return build_recv_plan_reference(meta, table, num_rows, weight_dtype)
 
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from dispatch import checks, plan
-from dispatch.kernels import route_row, send_plan
+from dispatch.kernels import plan_cpu, route_row, send_plan
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,20 @@ def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, che
     counts and header, then ``group_tail``. With ``check_values``, a bad value
     raises the header's failed entry in that row (``checks.fold_flags``, on the
     device: in graph 1 where it is replayed). For one group on CUDA, one Triton
-    kernel (``dispatch.kernels.route_row``); else :func:`route_phase_reference`."""
+    kernel (``dispatch.kernels.route_row``), on CPU one compiled call
+    (``dispatch.kernels.plan_cpu``); else :func:`route_phase_reference`."""
+    local = num_experts // world_size
     if groups == 1 and topk_idx.is_cuda and route_row.triton is not None:
-        local = num_experts // world_size
         layout = counts_row(world_size, local)
         dest, hit, row = route_row.route_row_triton(topk_idx, topk_weights, header_row, num_experts, world_size,
                                                     check_values, layout.width, layout.header_at,
                                                     layout.header_at + plan.HEADER.index("failed"))
-        return plan.Route(dest=dest, hit=hit, counts=row[: layout.header_at].view(world_size, 1 + local)), None, row
-    return route_phase_reference(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups)
+    elif groups == 1 and (compiled := plan_cpu.on_cpu(topk_idx)) is not None:
+        dest, hit, row = compiled.route_row(topk_idx, topk_weights, header_row, num_experts, world_size, check_values,
+                                            plan.HEADER.index("failed"))
+    else:
+        return route_phase_reference(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups)
+    return plan.Route(dest=dest, hit=hit, counts=row[: world_size * (1 + local)].view(world_size, 1 + local)), None, row
 
 
 def route_phase_reference(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups=1):
@@ -95,6 +100,14 @@ def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int
 
 
 def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planned:
+    """The send plan, the summary the host reads and the receive table of one
+    group, from the all-gathered rows: for one group on CUDA two Triton kernels
+    (``dispatch.kernels.send_plan``) and torch operations, on CPU one compiled
+    call (``dispatch.kernels.plan_cpu``); else torch operations."""
+    if grouped is None and (compiled := plan_cpu.on_cpu(gathered)) is not None:
+        *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, rank, topk_idx, topk_weights,
+                                                   len(plan.HEADER))
+        return Planned(plan.SendPlan(*send), summary, table)
     all_counts, headers, tails = counts_row(gathered.shape[0], route.counts.shape[1] - 1).split(gathered)
     hit, dest = route.hit, route.dest
     if (grouped is None and hit.is_cuda and send_plan.triton is not None  # one group on CUDA: two kernels

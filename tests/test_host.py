@@ -23,7 +23,7 @@ import subprocess
 import pytest
 import torch
 
-from dispatch import cuda, host, plan
+from dispatch import build, cuda, host, plan
 from dispatch.codec import to_experts_codec
 from dispatch.nvlink import HostCounts, SENDS_COL, Capacity, Engine
 
@@ -412,15 +412,15 @@ def test_a_lock_left_by_a_build_that_died_is_removed(tmp_path, monkeypatch):
     import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    folder = host._build_folder("/nowhere", "dispatch_host_test")
+    folder = build.build_folder("/nowhere", "dispatch_host_test")
     assert folder.startswith(str(tmp_path)) and os.path.isdir(folder)
     lock = os.path.join(folder, "lock")
     open(lock, "w").close()
-    host._build_folder("/nowhere", "dispatch_host_test")
+    build.build_folder("/nowhere", "dispatch_host_test")
     assert os.path.exists(lock)  # fresh: another build holds it
-    old = time.time() - host.STALE_LOCK - 60
+    old = time.time() - build.STALE_LOCK - 60
     os.utime(lock, (old, old))
-    host._build_folder("/nowhere", "dispatch_host_test")
+    build.build_folder("/nowhere", "dispatch_host_test")
     assert not os.path.exists(lock)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from dispatch.kernels import plan_cpu
+
 try:  # Triton is optional: CPU-only installs run the reference.
     import triton
     import triton.language as tl
@@ -151,9 +153,14 @@ def gather_sum(
     out_dtype: torch.dtype,
     at_least: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Weighted gathered row sum; the Triton kernel on CUDA, the reference elsewhere."""
+    """Weighted gathered row sum; the Triton kernel on CUDA, the compiled one on
+    CPU (``dispatch.kernels.plan_cpu``), the reference elsewhere."""
     if src.is_cuda and triton is not None:
         return gather_sum_triton(src, index, weight, out_dtype, at_least)
+    compiled = plan_cpu.on_cpu(src)
+    if compiled is not None:
+        acc_dtype = _acc_dtype(src, weight, out_dtype, at_least)
+        return compiled.gather_sum(src, index, weight, out_dtype, acc_dtype == torch.float64)
     return gather_sum_reference(src, index, weight, out_dtype, at_least)
 
 

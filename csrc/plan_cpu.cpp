@@ -1,0 +1,309 @@
+// The routing plan and the gathered sums of the collectives' transports on CPU,
+// compiled: each function below is one call where its torch reference is tens of
+// small operations (dispatch/kernels/cpu.py loads it; tests/test_plan_cpu.py holds
+// each to its reference, bitwise).
+//
+//   route_row   plan_graph.route_phase_reference, one group: the route and the row
+//               each rank all-gathers (value checks folded into its failed entry)
+//   send_plan   plan_graph.send_phase, one group: the send plan, the summary the
+//               host reads and the receive table
+//   recv_plan   plan.build_recv_plan_reference
+//   gather_sum  kernels.gather_sum.gather_sum_reference
+//
+// Notation as in dispatch/plan.py: T tokens, K slots, W ranks, L local experts,
+// E = W L experts, J = min(K, L) slots a send row carries.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// The weights as their wire dtype's 32-bit words (fp32: one; fp64: two), row-major.
+Tensor weight_words(const Tensor& weights) {
+  const auto wire = weights.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return weights.to(wire).reshape({-1}).contiguous().view(at::kInt);  // (reshaped: an empty one's strides may be 0)
+}
+
+bool all_finite(const Tensor& weights) {
+  const Tensor w = weights.contiguous();
+  bool finite = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "all_finite", [&] {
+    const scalar_t* p = w.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < w.numel() && finite; ++i) finite = std::isfinite(static_cast<double>(p[i]));
+  });
+  return finite;
+}
+
+// (dest [T, K] int64, hit [T, W] bool, row [W (1 + L) + header + W 2 L + 1] int64).
+// A slot is routed where its id is in [0, E) and no earlier slot of its token names
+// it; dest is W for the others. With check_values, an id outside [-1, E), an id
+// >= 0 twice in a token or a non-finite weight raises the row's failed entry.
+std::tuple<Tensor, Tensor, Tensor> route_row(const Tensor& topk_idx, const Tensor& weights, const Tensor& header,
+                                             int64_t num_experts, int64_t world, bool check_values,
+                                             int64_t failed_col) {
+  TORCH_CHECK(topk_idx.dim() == 2 && header.scalar_type() == at::kLong, "route_row: bad arguments");
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t tokens = idx.size(0), topk = idx.size(1), local = num_experts / world;
+  const int64_t header_len = header.numel(), header_at = world * (1 + local);
+  Tensor dest = at::empty({tokens, topk}, idx.options());
+  Tensor hit = at::zeros({tokens, world}, idx.options().dtype(at::kBool));
+  Tensor row = at::zeros({header_at + header_len + world * 2 * local + 1}, idx.options());
+  const int64_t* id = idx.data_ptr<int64_t>();
+  int64_t* to = dest.data_ptr<int64_t>();
+  bool* hits = hit.data_ptr<bool>();
+  int64_t* out = row.data_ptr<int64_t>();
+  bool bad = false;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t* slots = id + t * topk;
+    for (int64_t k = 0; k < topk; ++k) {
+      const int64_t v = slots[k];
+      bool repeat = false;
+      for (int64_t j = 0; j < k && !repeat; ++j) repeat = slots[j] == v;
+      bad |= v < -1 || v >= num_experts || (repeat && v >= 0);
+      if (v < 0 || v >= num_experts || repeat) {
+        to[t * topk + k] = world;
+        continue;
+      }
+      const int64_t d = v / local;
+      to[t * topk + k] = d;
+      if (!hits[t * world + d]) {
+        hits[t * world + d] = true;
+        out[d * (1 + local)] += 1;
+      }
+      out[d * (1 + local) + 1 + (v - d * local)] += 1;
+    }
+  }
+  const Tensor head = header.contiguous();
+  std::copy(head.data_ptr<int64_t>(), head.data_ptr<int64_t>() + header_len, out + header_at);
+  if (check_values && (bad || !all_finite(weights)))
+    out[header_at + failed_col] = std::max<int64_t>(out[header_at + failed_col], 1);
+  out[row.numel() - 1] = 1;  // G: one group
+  return {dest, hit, row};
+}
+
+// (send_token [C], meta [C + 1, J + 1 + J w], home_index [T, W], slot_row [T, K],
+// slot_col [T, K], summary, table [3, W]) with C = T min(K, W), from this rank's
+// route and the all-gathered rows [W, row width]: plan.SendPlan, then
+// plan_graph.plan_summary and plan.one_group_table. Rows past the S sent are -1.
+std::vector<Tensor> send_plan(const Tensor& dest_in, const Tensor& hit_in, const Tensor& gathered_in, int64_t rank,
+                              const Tensor& topk_idx, const Tensor& weights, int64_t header_len) {
+  const Tensor dest = dest_in.contiguous(), hit = hit_in.contiguous(), gathered = gathered_in.contiguous();
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t tokens = hit.size(0), world = hit.size(1), topk = dest.size(1);
+  const int64_t width_row = gathered.size(1);
+  const int64_t local = (width_row - header_len - 1 - world) / (3 * world);  // row: W (1 + L) + header + 2 W L + 1
+  TORCH_CHECK(world * (3 * local + 1) + header_len + 1 == width_row, "send_plan: gathered rows of a bad width");
+  const int64_t header_at = world * (1 + local), tail_at = header_at + header_len;
+  const int64_t width = std::min(topk, local), capacity = tokens * std::min(topk, world);
+  const Tensor words_of = weight_words(weights);
+  const int64_t words = weights.scalar_type() == at::kDouble ? 2 : 1;
+  const auto i64 = idx.options();
+  const int64_t* g = gathered.data_ptr<int64_t>();
+  auto count = [&](int64_t s, int64_t d, int64_t c) { return g[s * width_row + d * (1 + local) + c]; };
+
+  // send rows: destination-major, then token
+  std::vector<int64_t> next(world), end(world);
+  for (int64_t d = 0, at = 0; d < world; ++d) {
+    next[d] = at;
+    end[d] = at += count(rank, d, 0);
+  }
+  Tensor send_token = at::full({capacity}, -1, i64);
+  Tensor home_index = at::full({tokens, world}, -1, i64);
+  Tensor meta = at::full({capacity + 1, width + 1 + width * words}, -1, i64.dtype(at::kInt));
+  const bool* hits = hit.data_ptr<bool>();
+  int64_t* token_of = send_token.data_ptr<int64_t>();
+  int64_t* home = home_index.data_ptr<int64_t>();
+  int32_t* m = meta.data_ptr<int32_t>();
+  const int64_t meta_width = meta.size(1);
+  std::vector<int64_t> row_of(tokens * world, -1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t d = 0, n = 0; d < world; ++d) {
+      if (!hits[t * world + d]) continue;
+      const int64_t r = next[d]++;
+      TORCH_CHECK(r < end[d], "send_plan: this rank's row disagrees with its route");
+      row_of[t * world + d] = r;
+      token_of[r] = t;
+      home[t * world + n++] = r;
+      m[r * meta_width + width] = static_cast<int32_t>(t);
+    }
+  }
+  // each expert's first expanded row from this rank on its rank (expert-major,
+  // then source rank, then token)
+  std::vector<int64_t> start(world * local);
+  for (int64_t d = 0; d < world; ++d) {
+    for (int64_t e = 0, before = 0; e < local; ++e) {
+      int64_t earlier_ranks = 0, all = 0;
+      for (int64_t s = 0; s < world; ++s) {
+        all += count(s, d, 1 + e);
+        if (s < rank) earlier_ranks += count(s, d, 1 + e);
+      }
+      start[d * local + e] = before + earlier_ranks;
+      before += all;
+    }
+  }
+  Tensor slot_row = at::full({tokens, topk}, -1, i64), slot_col = at::full({tokens, topk}, -1, i64);
+  int64_t* srow = slot_row.data_ptr<int64_t>();
+  int64_t* scol = slot_col.data_ptr<int64_t>();
+  const int64_t* id = idx.data_ptr<int64_t>();
+  const int64_t* to = dest.data_ptr<int64_t>();
+  const int32_t* w = words_of.data_ptr<int32_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t k = 0; k < topk; ++k) {
+      const int64_t at = t * topk + k, d = to[at];
+      if (d >= world) continue;
+      int64_t col = 0;
+      for (int64_t j = 0; j < topk; ++j) col += to[t * topk + j] == d && id[t * topk + j] < id[at];
+      const int64_t r = row_of[t * world + d];
+      srow[at] = r;
+      scol[at] = col;
+      int32_t* line = m + r * meta_width;
+      line[col] = static_cast<int32_t>(start[id[at]]++);
+      for (int64_t word = 0; word < words; ++word) line[width + 1 + col * words + word] = w[at * words + word];
+    }
+  }
+  // the summary (plan_graph.plan_summary) and the receive table of one group
+  const int64_t tail_width = 2 * world * local;
+  Tensor summary = at::empty({2 * world + local + world * header_len + world * world + world + 2 * tail_width + world},
+                             i64);
+  int64_t* sum = summary.data_ptr<int64_t>();
+  for (int64_t d = 0; d < world; ++d) *sum++ = count(rank, d, 0);
+  for (int64_t s = 0; s < world; ++s) *sum++ = count(s, rank, 0);
+  for (int64_t e = 0; e < local; ++e) {
+    int64_t all = 0;
+    for (int64_t s = 0; s < world; ++s) all += count(s, rank, 1 + e);
+    *sum++ = all;
+  }
+  for (int64_t s = 0; s < world; ++s) sum = std::copy(g + s * width_row + header_at, g + s * width_row + tail_at, sum);
+  for (int64_t s = 0; s < world; ++s)
+    for (int64_t d = 0; d < world; ++d) *sum++ = count(s, d, 0);
+  for (int64_t d = 0; d < world; ++d) {
+    int64_t all = 0;
+    for (int64_t s = 0; s < world; ++s)
+      for (int64_t e = 0; e < local; ++e) all += count(s, d, 1 + e);
+    *sum++ = all;
+  }
+  const int64_t* tail = g + rank * width_row + tail_at;
+  sum = std::copy(tail, tail + tail_width, sum);
+  for (int64_t s = 0; s < world; ++s) {
+    const int64_t* theirs = g + s * width_row + tail_at + rank * 2 * local;
+    sum = std::copy(theirs, theirs + 2 * local, sum);
+  }
+  for (int64_t s = 0; s < world; ++s) *sum++ = g[s * width_row + tail_at + tail_width];
+  Tensor table = at::empty({3, world}, i64);
+  int64_t* tab = table.data_ptr<int64_t>();
+  for (int64_t s = 0, at = 0; s < world; ++s) {
+    tab[s] = tab[world + s] = at;
+    tab[2 * world + s] = s;
+    at += count(s, rank, 0);
+  }
+  return {send_token, meta, home_index, slot_row, slot_col, summary, table};
+}
+
+// plan.RecvPlan: (expand_src [N], presum_index [R, J], weights [N], src_token [R],
+// src_rank [R], expanded_token [N], expanded_rank [N]) from the received slot lists
+// meta [R, J + 1 + J w] int32 and the table [3, B] int64 of plan.recv_table.
+std::vector<Tensor> recv_plan(const Tensor& meta_in, const Tensor& table_in, int64_t num_rows, int64_t words) {
+  const Tensor meta = meta_in.contiguous(), table = table_in.contiguous();
+  const int64_t received = meta.size(0), blocks = table.size(1);
+  const int64_t width = (meta.size(1) - 1) / (1 + words), meta_width = meta.size(1);
+  const auto i64 = meta.options().dtype(at::kLong);
+  Tensor expand_src = at::empty({num_rows}, i64), presum_index = at::empty({received, width}, i64);
+  Tensor src_token = at::empty({received}, i64), src_rank = at::empty({received}, i64);
+  Tensor expanded_token = at::empty({num_rows}, i64), expanded_rank = at::empty({num_rows}, i64);
+  Tensor weight_words = at::empty({num_rows, words}, meta.options());
+  const int32_t* m = meta.data_ptr<int32_t>();
+  const int64_t* arrival = table.data_ptr<int64_t>();
+  const int64_t *held_start = arrival + blocks, *rank_of = arrival + 2 * blocks;
+  int64_t *src = expand_src.data_ptr<int64_t>(), *presum = presum_index.data_ptr<int64_t>();
+  int64_t *token_of = src_token.data_ptr<int64_t>(), *from = src_rank.data_ptr<int64_t>();
+  int64_t *exp_token = expanded_token.data_ptr<int64_t>(), *exp_rank = expanded_rank.data_ptr<int64_t>();
+  int32_t* ww = weight_words.data_ptr<int32_t>();
+  for (int64_t b = 0; b < blocks; ++b) {  // a block's rows: from its start to the next block's
+    const int64_t end = b + 1 < blocks ? arrival[b + 1] : received;
+    for (int64_t r = arrival[b]; r < end; ++r) {
+      const int64_t held = held_start[b] + r - arrival[b];
+      TORCH_CHECK(held >= 0 && held < received, "recv_plan: a table that places a row outside the rows");
+      const int32_t* line = m + r * meta_width;
+      const int64_t token = line[width];
+      token_of[held] = token;
+      from[held] = rank_of[b];
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t slot = line[j];
+        presum[held * width + j] = slot;
+        if (slot < 0) continue;
+        TORCH_CHECK(slot < num_rows, "recv_plan: a slot past the expanded rows");
+        src[slot] = held;
+        exp_token[slot] = token;
+        exp_rank[slot] = rank_of[b];
+        for (int64_t word = 0; word < words; ++word) ww[slot * words + word] = line[width + 1 + j * words + word];
+      }
+    }
+  }
+  const Tensor weights = weight_words.view(words == 2 ? at::kDouble : at::kFloat).view({num_rows});
+  return {expand_src, presum_index, weights, src_token, src_rank, expanded_token, expanded_rank};
+}
+
+template <typename acc_t, typename src_t>
+void gather_rows(const Tensor& src, const Tensor& index, const acc_t* weight, Tensor& acc) {
+  const int64_t rows = index.size(0), width = index.size(1), hidden = src.size(1);
+  const src_t* s = src.data_ptr<src_t>();
+  const int64_t* ix = index.data_ptr<int64_t>();
+  acc_t* out = acc.data_ptr<acc_t>();
+  at::parallel_for(0, rows, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      acc_t* o = out + r * hidden;
+      for (int64_t j = 0; j < width; ++j) {  // in j order, one rounding per product and per sum
+        const int64_t i = ix[r * width + j];
+        if (i < 0) continue;
+        const src_t* row = s + i * hidden;
+        if (weight != nullptr) {
+          const acc_t wi = weight[i];
+          for (int64_t h = 0; h < hidden; ++h) {
+            const acc_t term = static_cast<acc_t>(row[h]) * wi;
+            o[h] = o[h] + term;
+          }
+        } else {
+          for (int64_t h = 0; h < hidden; ++h) o[h] = o[h] + static_cast<acc_t>(row[h]);
+        }
+      }
+    }
+  });
+}
+
+// out[r] = cast(sum over j of weight[index[r, j]] * src[index[r, j]]), summed in j
+// order in fp32 (fp64 with acc_fp64), products and sums each rounded once, cast
+// once to out_dtype; index -1 = none.
+Tensor gather_sum(const Tensor& src_in, const Tensor& index_in, const c10::optional<Tensor>& weight_in,
+                  at::ScalarType out_dtype, bool acc_fp64) {
+  const auto acc_dtype = acc_fp64 ? at::kDouble : at::kFloat;
+  const Tensor index = index_in.contiguous();
+  Tensor acc = at::zeros({index.size(0), src_in.size(1)}, src_in.options().dtype(acc_dtype));
+  if (src_in.size(0) == 0) return acc.to(out_dtype);  // then every index is -1
+  TORCH_CHECK(index.scalar_type() == at::kLong, "gather_sum: index must be int64");
+  const Tensor src = src_in.contiguous();
+  const Tensor weight = weight_in.has_value() ? weight_in->to(acc_dtype).contiguous() : Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "gather_sum", [&] {
+    if (acc_fp64)
+      gather_rows<double, scalar_t>(src, index, weight.defined() ? weight.data_ptr<double>() : nullptr, acc);
+    else
+      gather_rows<float, scalar_t>(src, index, weight.defined() ? weight.data_ptr<float>() : nullptr, acc);
+  });
+  return acc.to(out_dtype);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("route_row", &route_row);
+  m.def("send_plan", &send_plan);
+  m.def("recv_plan", &recv_plan);
+  m.def("gather_sum", &gather_sum);
+}

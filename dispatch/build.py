@@ -1,0 +1,52 @@
+"""Compiled modules built at first use from ``csrc/`` (``torch.utils.cpp_extension``):
+the engine's host path (``dispatch.host``) and the CPU plan (``dispatch.kernels.plan_cpu``).
+
+Each is built once per machine and source (a C++ compiler and ninja; under a
+minute), then kept in torch's extensions folder, one module per source: its
+name holds the source's digest, so that two trees load theirs side by side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+
+import torch
+
+from dispatch.cuda import csrc_dir
+
+STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by a build that died
+
+
+def load(source: str, prefix: str, include: tuple[str, ...] = (), cflags: tuple[str, ...] = ("-O2",)) -> tuple:
+    """(the module built from ``csrc/<source>``, None) or (None, why it did not build)."""
+    from torch.utils import cpp_extension
+
+    path = csrc_dir() / source
+    name = f"{prefix}_{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
+    folder = build_folder(cpp_extension.get_default_build_root(), name)
+    try:
+        return cpp_extension.load(name, [str(path)], extra_include_paths=list(include), extra_cflags=list(cflags),
+                                  build_directory=folder, verbose=False), None
+    except Exception as error:  # no compiler or ninja
+        return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+
+
+def build_folder(default_root: str, name: str) -> str:
+    """Where the module ``name`` is built and kept: one folder per name, Python
+    and torch (under $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
+    there by a build that died (killed mid-build) would make every later build
+    wait for ever: one older than ``STALE_LOCK`` seconds is removed (a build
+    takes under a minute)."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root, f"{name}-{version}")
+    os.makedirs(folder, exist_ok=True)
+    lock = os.path.join(folder, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK:
+            os.remove(lock)
+    except OSError:  # no lock (the usual case), or another process removed it first
+        pass
+    return folder

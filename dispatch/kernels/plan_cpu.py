@@ -1,0 +1,47 @@
+"""The routing plan and the gathered sums on CPU, compiled (``csrc/plan_cpu.cpp``).
+
+On CPU (gloo) the collectives' transports plan in torch operations: some 150
+small operations a round trip, each a Python call and the framework's per-op
+overhead, for work that is a few loops over [T, K]. The compiled module does
+each step of one group in one call, with the same results, bitwise (integer
+tables; the sums in the same order, each product and sum rounded once):
+
+* ``route_row``: ``plan_graph.route_phase_reference`` (the value checks folded in);
+* ``send_plan``: ``plan_graph.send_phase`` (the send plan, summary and receive table);
+* ``recv_plan``: ``plan.build_recv_plan_reference``;
+* ``gather_sum``: ``kernels.gather_sum.gather_sum_reference``.
+
+It is built at first use (``dispatch.build``: a C++ compiler and ninja, under a
+minute once per machine). Where it cannot be built, the torch operations run
+(the same results, more host time); :func:`why_not` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dispatch import build
+
+enabled = True  # False: the torch operations run (the same results)
+
+
+def module():
+    """The compiled module where it is enabled and builds here, else None."""
+    return _build()[0] if enabled else None
+
+
+def why_not() -> str | None:
+    """Why the module does not build here (None where it does)."""
+    return _build()[1]
+
+
+@functools.lru_cache(maxsize=1)
+def _build() -> tuple:
+    return build.load("plan_cpu.cpp", "dispatch_plan_cpu", cflags=("-O2", "-ffp-contract=off"))
+
+
+def on_cpu(tensor: torch.Tensor):
+    """The module where ``tensor`` is on the CPU and the module is enabled and built, else None."""
+    return module() if tensor.device.type == "cpu" else None

@@ -1,0 +1,170 @@
+"""The compiled CPU plan and sums (``csrc/plan_cpu.cpp``) held to their torch
+references, bitwise; and a round trip on gloo with it equal to one without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dispatch import plan, plan_graph
+from dispatch.kernels import gather_sum as gs
+from dispatch.kernels import plan_cpu
+from test_kernels import _case, _recv_case, _slots
+
+compiled = plan_cpu.module()
+pytestmark = pytest.mark.skipif(compiled is None, reason="the compiled CPU plan does not build here (no C++ "
+                                                         "compiler or ninja)")
+
+
+def _bad(idx, weights, bad, gen, experts):
+    """``idx`` and ``weights`` with one bad value of kind ``bad`` (or none)."""
+    tokens, topk = idx.shape
+    if tokens and bad != "none":
+        t, k = int(torch.randint(tokens, (1,), generator=gen)), int(torch.randint(topk, (1,), generator=gen))
+        if bad == "id":
+            idx[t, k] = experts + int(torch.randint(3, (1,), generator=gen)) if k % 2 else -2
+        elif bad == "repeat" and topk > 1:
+            idx[t, k], idx[t, (k + 1) % topk] = 0, 0
+        elif bad == "nan":
+            weights[t, k] = float("nan")
+        elif bad == "inf":
+            weights[t, k] = float("-inf") if k % 2 else float("inf")
+        elif bad == "empty":
+            idx[t] = -1
+    return idx, weights
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(1, 9),
+    local=st.integers(1, 4),
+    tokens=st.integers(0, 70),
+    topk=st.integers(1, 6),
+    idx_dtype=st.sampled_from([torch.int32, torch.int64]),
+    weight_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+    bad=st.sampled_from(["none", "id", "repeat", "nan", "inf", "empty"]),
+    check_values=st.booleans(),
+    seed=st.integers(0, 10**6),
+)
+def test_route_row_is_the_references(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values, seed):
+    """The route and the counts row of one group, bad values included (dropped
+    from the route; with the checks, the failed entry raised): bitwise
+    ``plan_graph.route_phase_reference``."""
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    idx, weights = _bad(_slots(tokens, topk, experts, gen),
+                        torch.rand(tokens, topk, generator=gen, dtype=torch.float64), bad, gen, experts)
+    idx, weights = idx.to(idx_dtype), weights.to(weight_dtype)
+    header = torch.arange(len(plan.HEADER), dtype=torch.int64) + 7
+    header[plan.HEADER.index("failed")] = 0
+    want, _, want_row = plan_graph.route_phase_reference(idx, weights, header, experts, world, check_values)
+    dest, hit, row = compiled.route_row(idx, weights, header, experts, world, check_values,
+                                        plan.HEADER.index("failed"))
+    assert torch.equal(dest, want.dest) and torch.equal(hit, want.hit) and torch.equal(row, want_row)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(1, 9),
+    local=st.integers(1, 4),
+    tokens=st.integers(0, 40),
+    topk=st.integers(1, 6),
+    rank=st.integers(0, 8),
+    weight_dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
+    seed=st.integers(0, 10**6),
+)
+def test_send_plan_is_the_references(world, local, tokens, topk, rank, weight_dtype, seed):
+    """The send plan, summary and receive table of one group, any rank of any
+    world (the peers' rows made up around this rank's own): bitwise
+    ``plan_graph.send_phase`` in torch operations on every row the exchange
+    reads (``send_token`` and ``meta`` up to the S rows sent; the C rows past
+    them are -1 here, unset or a dump there)."""
+    rank = rank % world
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    idx = _slots(tokens, topk, experts, gen)
+    weights = (torch.rand(tokens, topk, generator=gen, dtype=torch.float64) * 3 - 1).to(weight_dtype)
+    header = torch.zeros(len(plan.HEADER), dtype=torch.int64)
+    route, _, row = plan_graph.route_phase_reference(idx, weights, header, experts, world, False)
+    gathered = torch.randint(0, 50, (world, row.numel()), generator=gen)
+    gathered[rank] = row
+    plan_cpu.enabled = False
+    try:
+        want = plan_graph.send_phase(route, None, gathered, rank, idx, weights)
+    finally:
+        plan_cpu.enabled = True
+    *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, rank, idx, weights,
+                                               len(plan.HEADER))
+    got = plan.SendPlan(*send)
+    sent = int(route.counts[:, 0].sum())
+    assert got.send_token.shape == want.send.send_token.shape and got.meta.shape == want.send.meta.shape
+    assert torch.equal(got.send_token[:sent], want.send.send_token[:sent])
+    assert torch.equal(got.meta[:sent], want.send.meta[:sent])
+    assert (got.send_token[sent:] == -1).all() and (got.meta[sent:] == -1).all()
+    for name in ("home_index", "slot_row", "slot_col"):
+        assert torch.equal(getattr(got, name), getattr(want.send, name)), name
+    assert torch.equal(summary, want.summary) and torch.equal(table, want.table)
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(1, 8), groups=st.integers(1, 5), width=st.integers(1, 4), words=st.sampled_from([1, 2]),
+       seed=st.integers(0, 10**6))
+def test_recv_plan_is_the_references(world, groups, width, words, seed):
+    """The expansion of the received rows, by any number of groups: bitwise
+    ``plan.build_recv_plan_reference``."""
+    meta, recv_rows, num_rows, weight_dtype, _ = _recv_case(world, groups, width, words, seed)
+    table = torch.tensor(plan.recv_table(recv_rows), dtype=torch.int64)
+    want = plan.build_recv_plan_reference(meta, table, num_rows, weight_dtype)
+    got = plan.RecvPlan(*compiled.recv_plan(meta, table, num_rows, words))
+    for name in plan.RecvPlan.__dataclass_fields__:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    width=st.integers(1, 5),
+    src_rows=st.integers(0, 12),
+    hidden=st.sampled_from([1, 7, 128, 1030]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+    out_dtype=st.sampled_from(["same", torch.float32, torch.bfloat16, torch.float64]),
+    weight_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float64]),
+    at_least=st.sampled_from([None, torch.float64]),
+    seed=st.integers(0, 10**6),
+)
+def test_gather_sum_is_the_references(rows, width, src_rows, hidden, dtype, out_dtype, weight_dtype, at_least,
+                                      seed):
+    """Weighted gathered sums in fp32 or fp64, every dtype in and out: bitwise
+    ``gather_sum_reference`` (the same terms in the same order, each product
+    and sum rounded once), and so what ``gather_sum`` gives on CPU."""
+    src, index, weight = _case(rows, width, src_rows, hidden, dtype, seed, weight_dtype is not None)
+    weight = None if weight is None else (weight * 3 - 1).to(weight_dtype)
+    src = src * 1e3  # sums that round
+    out_dtype = dtype if out_dtype == "same" else out_dtype
+    want = gs.gather_sum_reference(src, index, weight, out_dtype, at_least)
+    got = gs.gather_sum(src, index, weight, out_dtype, at_least)
+    assert got.dtype == want.dtype == out_dtype
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # the bits, signed zeros included
+
+
+def test_gather_sum_takes_strided_rows():
+    """Rows that are a view (a column slice) sum as their contiguous copy."""
+    src = torch.randn(6, 10)[:, 2:8]
+    index = torch.tensor([[0, 5, -1], [3, -1, -1]])
+    weight = torch.rand(6)
+    want = gs.gather_sum_reference(src.contiguous(), index, weight, torch.bfloat16)
+    assert torch.equal(compiled.gather_sum(src, index, weight, torch.bfloat16, False), want)
+
+
+def test_send_plan_takes_no_tokens_with_any_strides():
+    """T = 0 with weights whose strides are 0 (an expanded empty tensor, as a
+    rank with no tokens may pass): an empty plan, as the reference's."""
+    idx = torch.empty(0, 3, dtype=torch.int64)
+    weights = torch.empty(0, 1, dtype=torch.float64).expand(0, 3)
+    route, _, row = plan_graph.route_phase_reference(idx, weights, torch.zeros(len(plan.HEADER), dtype=torch.int64),
+                                                     4, 2, False)
+    gathered = torch.stack([row, row])
+    *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, 0, idx, weights, len(plan.HEADER))
+    assert [t.numel() for t in send] == [0, 7, 0, 0, 0] and table.tolist() == [[0, 0], [0, 0], [0, 1]]
