@@ -279,10 +279,12 @@ void gather_rows(const Tensor& src, const Tensor& index, const acc_t* weight, Te
 }
 
 // out[r] = cast(sum over j of weight[index[r, j]] * src[index[r, j]]), summed in j
-// order in fp32 (fp64 with acc_fp64), products and sums each rounded once, cast
-// once to out_dtype; index -1 = none.
+// order in fp32 (fp64 where src, weight, out_dtype or at_least_fp64 says fp64),
+// products and sums each rounded once, cast once to out_dtype; index -1 = none.
 Tensor gather_sum(const Tensor& src_in, const Tensor& index_in, const c10::optional<Tensor>& weight_in,
-                  at::ScalarType out_dtype, bool acc_fp64) {
+                  at::ScalarType out_dtype, bool at_least_fp64) {
+  const bool acc_fp64 = at_least_fp64 || out_dtype == at::kDouble || src_in.scalar_type() == at::kDouble ||
+                        (weight_in.has_value() && weight_in->scalar_type() == at::kDouble);
   const auto acc_dtype = acc_fp64 ? at::kDouble : at::kFloat;
   const Tensor index = index_in.contiguous();
   Tensor acc = at::zeros({index.size(0), src_in.size(1)}, src_in.options().dtype(acc_dtype));

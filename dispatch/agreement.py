@@ -29,7 +29,7 @@ from dispatch import comm, plan
 from dispatch.board import Board
 from dispatch.plan import HEADER
 
-_FAILED = HEADER.index("failed")
+_FAILED, _HEADER_LEN = HEADER.index("failed"), len(HEADER)
 
 
 def header_rows(headers) -> list[list[int]]:
@@ -206,15 +206,11 @@ class Calls:
                  counts_row: plan.CountsRow) -> None:
         self._made: dict[str, int] = {}
         self._board = Board.for_group(group)
+        self.on_board = self._board is not None  # the calls agree on the board (every rank on one host)
         self._host = comm.host_group(group) if self._board is None else None
         self._group, self._world, self._arrivals = group, world_size, arrivals
         # on gloo the agreements meet the counts exchanges: rows of their shape; beside NCCL, one for all
         self._timeout, self._counts_row = timeout, counts_row if "cpu" in comm.device_types(group) else None
-
-    @property
-    def on_board(self) -> bool:
-        """Whether the calls agree on the board (every rank on one host)."""
-        return self._board is not None
 
     def ticket(self, verb: str, along: int = 0) -> plan.Ticket:
         """The next call of ``verb`` (numbered from 1), along the handle of
@@ -238,17 +234,18 @@ class Calls:
                 return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail,
                              hidden)
             row = [*plan.call_header(ticket, dtype_code, hidden), *(tail or (0,))]  # one length for all
-            rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along))
-            same = not ticket.refused
+            end = _HEADER_LEN + (1 if tail else 0)  # what the caller reads back (no tail: the same 0 on every rank)
+            rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along),
+                                     end)
+            same, mine = not ticket.refused, row[:end]
             for r in rows:
-                same = same and r == row
+                same = same and r == mine
             if not same:  # else every rank made this very call, unrefused
                 check_peer_calls([r[: len(HEADER)] for r in rows])
         except CallsDiffer:
             self.withdraw(ticket)
             raise
-        end = len(HEADER) + len(tail)
-        return [r[:end] for r in rows]
+        return rows
 
     def withdraw(self, ticket: plan.Ticket) -> None:
         """Give ``ticket``'s number back (where it is still its verb's last):

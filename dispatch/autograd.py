@@ -29,12 +29,14 @@ class DispatchFn(torch.autograd.Function):
     @staticmethod
     def outputs(topk_weights, routed_weights, handle, started):
         """(tokens, weights) of a dispatch, as its node hands them out (with grad mode off: without one)."""
-        tokens = padded(started.result(), handle, 0)
+        tokens = started.result()
         # in topk_weights' dtype: a new tensor where that is another, else the routed weights
         # themselves (a new tensor object on their memory, which nothing reads after the dispatch)
         dtype = topk_weights.dtype
         weights = routed_weights.detach() if routed_weights.dtype == dtype else routed_weights.to(dtype)
-        return tokens, padded(weights, handle, 0)
+        if handle.max_rows is None:  # the N rows as moved (the usual case: no padding)
+            return tokens, weights
+        return padded(tokens, handle, 0), padded(weights, handle, 0)
 
     @staticmethod
     def backward(ctx, grad_tokens, grad_weights, _grad_link):

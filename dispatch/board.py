@@ -96,9 +96,11 @@ class Board:
             return None
         return cls(memoryview(mapped).cast("q"), world, rank, mapped)
 
-    def agree(self, row: list[int], timeout: float, what: Callable[[], str]) -> list[list[int]]:
+    def agree(self, row: list[int], timeout: float, what: Callable[[], str],
+              width: int | None = None) -> list[list[int]]:
         """Write this rank's ``row`` (at most ``ROW`` ints), wait for every rank's
-        row of the same agreement, return them ([W][len(row)]).
+        row of the same agreement, return them ([W][len(row)], or their first
+        ``width`` entries).
 
         Two steps: every rank arrives (its row, then k in its first word),
         then every rank confirms it saw all arrive (k in its second word); a
@@ -122,10 +124,17 @@ class Board:
         mine = heads[self._rank]
         words[mine + 2 : mine + 2 + len(row)] = array.array("q", row)
         words[mine] = k  # after the row: a peer that reads k reads the row
-        start = self._wait(heads, 0, k, None, timeout, what)
+        start = None
+        for h in heads:  # every rank there already (the usual case at the second word): no wait
+            if words[h] != k:
+                start = self._wait(heads, 0, k, None, timeout, what)
+                break
         words[mine + 1] = k  # saw every rank arrive
-        self._wait(heads, 1, k, start, timeout, what)
-        width = len(row)
+        for h in heads:
+            if words[h + 1] != k:
+                self._wait(heads, 1, k, start, timeout, what)
+                break
+        width = len(row) if width is None else width
         return [list(words[h + 2 : h + 2 + width]) for h in heads]
 
     def _wait(self, heads, word: int, k: int, start: float | None, timeout: float,

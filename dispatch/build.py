@@ -25,13 +25,26 @@ def load(source: str, prefix: str, include: tuple[str, ...] = (), cflags: tuple[
     from torch.utils import cpp_extension
 
     path = csrc_dir() / source
-    name = f"{prefix}_{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}"
-    folder = build_folder(cpp_extension.get_default_build_root(), name)
+    name, folder = _where(source, prefix)
     try:
         return cpp_extension.load(name, [str(path)], extra_include_paths=list(include), extra_cflags=list(cflags),
                                   build_directory=folder, verbose=False), None
     except Exception as error:  # no compiler or ninja
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+
+
+def cached(source: str, prefix: str) -> bool:
+    """Whether the module of ``csrc/<source>`` was built here before (loading it is then quick)."""
+    name, folder = _where(source, prefix)
+    return os.path.isfile(os.path.join(folder, f"{name}.so"))
+
+
+def _where(source: str, prefix: str) -> tuple[str, str]:
+    """(the module's name, its build folder): one name per source's digest."""
+    from torch.utils import cpp_extension
+
+    name = f"{prefix}_{hashlib.sha256((csrc_dir() / source).read_bytes()).hexdigest()[:12]}"
+    return name, build_folder(cpp_extension.get_default_build_root(), name)
 
 
 def build_folder(default_root: str, name: str) -> str:

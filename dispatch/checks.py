@@ -270,7 +270,7 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int,
     Raises:
         ValueError after the counts exchange and before any token moves.
     """
-    headers = agreement.header_rows(headers)
+    headers = headers if isinstance(headers, list) else agreement.header_rows(headers)
     for h, n in zip(headers, rows_of):  # the usual case, at a glance: every rank within its budgets
         m, f = h[_MAX_ROWS], h[_MEMORY_ROWS]
         if 0 <= m < n or 0 <= f < (n if n > m else m):
@@ -309,7 +309,7 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
         the counts all-gather and before any token moves; RuntimeError where
         a rank marked itself failed (``fold_flags``).
     """
-    headers = agreement.header_rows(headers)  # a few host values: plain Python, no tensor op per check
+    headers = headers if isinstance(headers, list) else agreement.header_rows(headers)  # a few host values
     first = headers[0][:AGREED]
     usual, x_grad, weights_grad = True, False, False
     for h in headers:  # a loop, not generators: every dispatch's host path
@@ -374,6 +374,12 @@ def check_peer_rows(headers: list[list[int]], name: str) -> None:
     wire carries neither, so rows that differ would be summed, or read, as
     other bytes. Raises ValueError naming ``name`` and every rank's, on every
     rank alike (they all read the same headers), before any row moves."""
+    first = headers[0]
+    for h in headers:  # the usual case, at a glance: one width and one dtype (a loop: every verb's host path)
+        if h[_HIDDEN] != first[_HIDDEN] or h[_X_DTYPE] != first[_X_DTYPE]:
+            break
+    else:
+        return
     widths = [h[_HIDDEN] for h in headers]
     codes = [h[_X_DTYPE] for h in headers]
     if len(set(widths)) > 1:

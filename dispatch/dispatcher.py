@@ -171,15 +171,18 @@ class TokenDispatcher:
         """
         ticket = self._calls.ticket("dispatch")
         try:
-            at_once = not async_op and groups == 1 and self.phase_timer is None  # Request.at_once
+            at_once = not async_op and groups == 1 and self.transport.phase_timer is None  # Request.at_once
             codec, handle, plan_out, dropped = self._plan_dispatch(ticket, x, topk_idx, topk_weights, max_rows, groups,
                                                                    at_once)
         except agreement.CallsDiffer:  # its first message met another call (the counts exchange, off the board)
             self._calls.withdraw(ticket)
             raise
         rows = x.detach()
-        started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
-                                             (rows,), async_op, self.comm_priority)
+        if async_op:
+            started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
+                                                 (rows,), True, self.comm_priority)
+        else:  # on the caller's stream: its result once the collectives are done (``streams.Pending``)
+            started = handle.transport.to_experts(rows, handle, codec, True)
         config = self.config
 
         def traffic(handle=handle, dtype=x.dtype, hidden=x.shape[1]):  # ``Dispatched.stats``, at its first read
@@ -246,19 +249,22 @@ class TokenDispatcher:
             theirs (``checks.home_rows``). Differentiable w.r.t. ``expert_out`` and
             ``weights`` (the backward is a dispatch of the gradient).
         """
-        ticket = self._along("combine", handle, lambda: self._check_combine(expert_out, handle, weights))
-        rows = received(expert_out.detach(), handle)
+        ticket = self._along("combine", handle, self._check_combine, expert_out, handle, weights)
+        rows = expert_out.detach() if handle.max_rows is None else received(expert_out.detach(), handle)
         headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1])
         checks.check_peer_rows(headers, "expert_out")
         rows = checks.home_rows(rows, handle.has_rows, self.group, self.world_size, headers).contiguous()
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
-        w = None if weights is None else received(weights.detach(), handle)
-        started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), async_op)
-        if torch.is_grad_enabled() and handle.link is not None:
-            work = ExchangeWork(lambda: combine_node(expert_out, weights, handle.link, (self, handle, started)))
-        else:  # no backward: no node
-            work = ExchangeWork(started.result)
-        return work if async_op else work.wait()
+        w = None
+        if weights is not None:
+            w = weights.detach() if handle.max_rows is None else received(weights.detach(), handle)
+        node = torch.is_grad_enabled() and handle.link is not None  # else no backward: no node
+        if async_op:
+            started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), True)
+            return ExchangeWork(lambda: combine_node(expert_out, weights, handle.link, (self, handle, started))
+                                if node else started.result())
+        started = handle.transport.to_home(rows, handle, w, wire)  # on the caller's stream, as dispatch's
+        return combine_node(expert_out, weights, handle.link, (self, handle, started)) if node else started.result()
 
     def _check_combine(self, expert_out, handle: CombineHandle, weights) -> None:
         """``combine``'s own checks of its arguments (this rank alone)."""
@@ -513,14 +519,14 @@ class TokenDispatcher:
         variant, transport = self.transport.key
         return f"the {variant} variant over {transport}"
 
-    def _along(self, verb: str, handle, check) -> plan.Ticket:
+    def _along(self, verb: str, handle, check, *args) -> plan.Ticket:
         """Start a verb that moves rows along ``handle``: run its own checks
-        (``check()``); if they fail, agree on the call refused and raise (the
+        (``check(*args)``); if they fail, agree on the call refused and raise (the
         peers raise :class:`agreement.PeerRefused`). Returns the call's ticket,
         which the verb then agrees on (``agreement.Calls.agree``)."""
         ticket = self._calls.ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
         try:
-            check()
+            check(*args)
         except (TypeError, ValueError) as error:
             agreement.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
         return ticket

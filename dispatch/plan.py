@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dispatch.kernels import plan_cpu, recv_plan
+
 # Larger than any row position, used to push padding to the end of a sort.
 _PAD = torch.iinfo(torch.int64).max
 
@@ -211,6 +213,8 @@ def to_device(host: torch.Tensor, device: torch.device, out: torch.Tensor | None
     copy does not wait for the work queued on the stream (every host-to-device
     copy of the package goes here)."""
     if device.type != "cuda" or host.device.type != "cpu":
+        if out is None and host.device == device:  # (CPU: the tensor itself)
+            return host
         return host.to(device) if out is None else out.copy_(host)
     if out is None:
         return host.pin_memory().to(device, non_blocking=True)
@@ -544,8 +548,6 @@ def build_recv_plan(meta: torch.Tensor, table: torch.Tensor, num_rows: int, weig
         num_rows: N, expanded rows, known on the host from the counts exchange.
         weight_dtype: dtype the weights travelled in (``weight_wire_dtype``).
     """
-    from dispatch.kernels import plan_cpu, recv_plan
-
     if meta.is_cuda and recv_plan.triton is not None:
         return RecvPlan(*recv_plan.recv_plan_triton(meta, table, num_rows, weight_dtype))
     compiled = plan_cpu.on_cpu(meta)

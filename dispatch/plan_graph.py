@@ -32,6 +32,8 @@ import torch
 from dispatch import checks, plan
 from dispatch.kernels import plan_cpu, route_row, send_plan
 
+_FAILED, _HEADER_LEN = plan.HEADER.index("failed"), len(plan.HEADER)
+
 
 @dataclass(frozen=True)
 class PlanKey:
@@ -68,7 +70,7 @@ def route_phase(topk_idx, topk_weights, header_row, num_experts, world_size, che
                                                     layout.header_at + plan.HEADER.index("failed"))
     elif groups == 1 and (compiled := plan_cpu.on_cpu(topk_idx)) is not None:
         dest, hit, row = compiled.route_row(topk_idx, topk_weights, header_row, num_experts, world_size, check_values,
-                                            plan.HEADER.index("failed"))
+                                            _FAILED)
     else:
         return route_phase_reference(topk_idx, topk_weights, header_row, num_experts, world_size, check_values, groups)
     return plan.Route(dest=dest, hit=hit, counts=row[: world_size * (1 + local)].view(world_size, 1 + local)), None, row
@@ -106,7 +108,7 @@ def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planne
     call (``dispatch.kernels.plan_cpu``); else torch operations."""
     if grouped is None and (compiled := plan_cpu.on_cpu(gathered)) is not None:
         *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, rank, topk_idx, topk_weights,
-                                                   len(plan.HEADER))
+                                                   _HEADER_LEN)
         return Planned(plan.SendPlan(*send), summary, table)
     all_counts, headers, tails = counts_row(gathered.shape[0], route.counts.shape[1] - 1).split(gathered)
     hit, dest = route.hit, route.dest
@@ -208,14 +210,16 @@ class HostSummary:
     @classmethod
     def read(cls, summary: torch.Tensor, world: int, local: int) -> "HostSummary":
         """Read ``summary`` (on its device: the host read of a plan) into its parts."""
-        flat, parts, at = summary.tolist(), [], 0
-        for size in Summary.sizes(world, local):
-            parts.append(flat[at : at + size])
-            at += size
-        send, recv, per_expert, headers, matrix, received, by_group, groups = parts
-        width = len(plan.HEADER)
-        return cls(tuple(send), tuple(recv), per_expert, [headers[r * width : (r + 1) * width] for r in range(world)],
-                   [matrix[r * world : (r + 1) * world] for r in range(world)], received, by_group, groups)
+        flat, width = summary.tolist(), len(plan.HEADER)
+        at = 2 * world + local  # the parts' starts, in the order of Summary.sizes
+        headers, matrix = at, at + world * width
+        received = matrix + world * world
+        by_group = received + world
+        groups = by_group + 4 * world * local
+        return cls(tuple(flat[:world]), tuple(flat[world : 2 * world]), flat[2 * world : at],
+                   [flat[headers + r * width : headers + (r + 1) * width] for r in range(world)],
+                   [flat[matrix + r * world : matrix + (r + 1) * world] for r in range(world)],
+                   flat[received:by_group], flat[by_group:groups], flat[groups:])
 
     @property
     def has_rows(self) -> tuple[bool, ...]:
@@ -247,7 +251,7 @@ class Kept(NamedTuple):
         """The parts themselves, of a plan that was not replayed (nothing overwrites them)."""
         send = planned.send
         return cls(send.send_token, send.home_index, send.slot_row, send.slot_col,
-                   Summary.per_expert_of(planned.summary, world, local))
+                   planned.summary[2 * world : 2 * world + local])  # (Summary.per_expert_of)
 
 
 class CapturedPlan:

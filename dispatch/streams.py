@@ -51,7 +51,11 @@ def _on(stream: "torch.cuda.Stream"):
 class Pending:
     """An exchange in flight: ``finish()`` waits for its collective (``work``) and
     runs what remains (``then()``) on the current stream, once. It holds the
-    buffers the collective writes until it is finished."""
+    buffers the collective writes until it is finished. It is an exchange in
+    one piece too (``PendingGroups``' and, run at once, ``Started``'s and
+    ``StartedGroups``' methods: ``groups``, ``finish(0)``, ``whole()``, ``result()``)."""
+
+    groups = 1
 
     def __init__(self, work, then: Callable[[], torch.Tensor]) -> None:
         self._work, self._then = work, then
@@ -63,12 +67,14 @@ class Pending:
         pending._result = result
         return pending
 
-    def finish(self) -> torch.Tensor:
+    def finish(self, g: int = 0) -> torch.Tensor:
         if self._then is not None:
             if self._work is not None:
                 self._work.wait()
             self._result, self._work, self._then = self._then(), None, None
         return self._result
+
+    whole = result = finish
 
 
 class PendingGroups:
@@ -80,11 +86,6 @@ class PendingGroups:
         self._works, self._thens = list(works), list(thens)
         self._results: list = [None] * len(thens)
 
-    @classmethod
-    def one(cls, pending: Pending) -> "PendingGroups":
-        """An exchange in one piece."""
-        return cls([None], [pending.finish])
-
     @property
     def groups(self) -> int:
         return len(self._thens)
@@ -93,6 +94,10 @@ class PendingGroups:
         """Every piece finished; their results concatenated (one piece: its own)."""
         parts = [self.finish(g) for g in range(self.groups)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def result(self, g: int | None = None) -> torch.Tensor:
+        """``StartedGroups.result`` of pieces run at once (``CommStreams.start_groups``)."""
+        return self.whole() if g is None else self.finish(g)
 
     def finish(self, g: int) -> torch.Tensor:
         if self._thens[g] is not None:
@@ -161,12 +166,12 @@ class CommStreams:
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
     def start(self, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...], async_op: bool,
-              priority: int) -> Started:
+              priority: int) -> "Started | Pending":
         """Run ``issue()`` (a variant's start hook reading ``reads``) for an
         exchange; see the module doc."""
         device = reads[0].device
         if not async_op or device.type != "cuda":
-            return Started(issue())
+            return issue()  # a Pending: the result where the collectives are done
         caller = _caller_stream(device)
         stream = self.stream(device, priority)
         stream.wait_stream(caller)  # an event: the inputs are made by now
@@ -178,14 +183,14 @@ class CommStreams:
             tensor.record_stream(stream)
         return Started(pending, event, device, keep=(issue, reads))
 
-    def start_groups(self, issue: Callable[[], PendingGroups], reads: tuple[torch.Tensor, ...], async_op: bool,
-                     priority: int) -> StartedGroups:
+    def start_groups(self, issue: Callable[[], "PendingGroups | Pending"], reads: tuple[torch.Tensor, ...],
+                     async_op: bool, priority: int) -> "StartedGroups | PendingGroups | Pending":
         """:meth:`start` for an exchange in pieces: on CUDA with ``async_op``,
         each piece's end is its own event, so that the caller's stream waits
         for group g's rows alone."""
         device = reads[0].device
         if not async_op or device.type != "cuda":
-            return StartedGroups(issue())
+            return issue()  # a Pending or PendingGroups: each group's result where its collectives are done
         caller = _caller_stream(device)
         stream = self.stream(device, priority)
         stream.wait_stream(caller)

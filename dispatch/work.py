@@ -148,13 +148,16 @@ class DispatchWork:
                 self.handle = with_link(self.handle, link)  # ``CombineHandle.link``
             else:
                 tokens, weights = DispatchFn.outputs(topk_weights, plan_out.weights, self.handle, started)
+            src_rank, src_token = plan_out.src_rank, plan_out.src_token
+            if self.handle.max_rows is not None:  # (else the N rows as moved)
+                src_rank, src_token = padded(src_rank, self.handle, -1), padded(src_token, self.handle, -1)
             self._result = Dispatched(
                 tokens=tokens,
                 tokens_per_expert=plan_out.tokens_per_expert,
                 tokens_per_expert_host=plan_out.tokens_per_expert_host,
                 weights=weights,
-                src_rank=padded(plan_out.src_rank, self.handle, -1),
-                src_token=padded(plan_out.src_token, self.handle, -1),
+                src_rank=src_rank,
+                src_token=src_token,
                 handle=self.handle,
                 _traffic=traffic,
                 dropped=dropped,

@@ -19,6 +19,9 @@ from world import World  # noqa: E402
 def worlds():
     """``worlds(W)``: a live world of W ranks, shared by the whole session."""
     alive: dict[int, World] = {}
+    from dispatch.kernels import plan_cpu
+
+    plan_cpu.module()  # the compiled CPU plan built here once, not by the ranks of a world at their first dispatch
 
     def get(size: int) -> World:
         if size not in alive:

@@ -317,3 +317,49 @@ def every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows=None, groups=1, 
                 src_token=out.src_token, tokens_per_expert=out.tokens_per_expert, combined=combined.detach(),
                 grad_x=xx.grad, grad_w=ww.grad, rows=rows, home=home, slots=slots,
                 per_expert=out.tokens_per_expert_host)
+
+
+def with_and_without_compiled_plan(x, topk_idx, topk_weights, grad_out, expert_out, config: dict):
+    """``round_trip`` and ``gradients`` with the compiled CPU plan
+    (``dispatch.kernels.plan_cpu``) and with the torch operations: (both, built)."""
+    from dispatch.kernels import plan_cpu
+
+    got = []
+    for enabled in (True, False):
+        plan_cpu.enabled = enabled
+        try:
+            got.append((round_trip(x, topk_idx, topk_weights, config),
+                        gradients(x, topk_idx, topk_weights, grad_out, expert_out, config)))
+        finally:
+            plan_cpu.enabled = True
+    return got, plan_cpu.module() is not None
+
+
+def round_trip_calls(config: dict, tokens: int = 64, hidden: int = 32, topk: int = 2):
+    """The Python calls (cProfile) of one usual round trip (dispatch, combine with
+    the dispatch's weights, grad mode on), after three to warm up; and whether the
+    compiled CPU plan served it."""
+    import cProfile
+    import pstats
+
+    from dispatch.kernels import plan_cpu
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    gen = torch.Generator().manual_seed(0)
+    experts = config["num_experts"]
+    x = torch.randn(tokens, hidden, generator=gen).to(device)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).to(device)
+    w = torch.rand(tokens, topk, generator=gen).to(device)
+
+    def trip():
+        out = d.dispatch(x, idx, w)
+        return d.combine(out.tokens, out.handle, weights=out.weights)
+
+    for _ in range(3):
+        trip()
+    profile = cProfile.Profile()
+    profile.enable()
+    trip()
+    profile.disable()
+    return pstats.Stats(profile).total_calls, plan_cpu.module() is not None

@@ -156,6 +156,12 @@ def test_gather_sum_takes_strided_rows():
     weight = torch.rand(6)
     want = gs.gather_sum_reference(src.contiguous(), index, weight, torch.bfloat16)
     assert torch.equal(compiled.gather_sum(src, index, weight, torch.bfloat16, False), want)
+    # fp64 anywhere accumulates in fp64
+    for args in ((src.double(), weight, torch.float32, False), (src, weight.double(), torch.float32, False),
+                 (src, weight, torch.float64, False), (src, weight, torch.float32, True)):
+        want = gs.gather_sum_reference(args[0].contiguous(), index, args[1], args[2],
+                                       torch.float64 if args[3] else None)
+        assert torch.equal(compiled.gather_sum(args[0], index, *args[1:]), want)
 
 
 def test_send_plan_takes_no_tokens_with_any_strides():

@@ -84,8 +84,13 @@ def what_runs() -> str:
     world, backend = dist.get_world_size(), dist.get_backend()
     if backend == "nccl":
         return f"dispatch-bench: {world} ranks, one per GPU ({torch.cuda.get_device_name()}), NCCL"
+    from dispatch.kernels import plan_cpu
+
+    why = plan_cpu.why_not()
+    plan_in = "compiled (csrc/plan_cpu.cpp)" if why is None else f"in torch operations ({why})"
     return (f"dispatch-bench: a CPU world of {world} {backend} processes (no GPU here), with the small CPU shapes; "
-            "the transport called nccl in the tables is torch.distributed's collectives, here over gloo")
+            "the transport called nccl in the tables is torch.distributed's collectives, here over gloo; the "
+            f"routing plan {plan_in}")
 
 
 def shapes_fit(names, world: int, prog: str = "dispatch-bench") -> bool:
@@ -113,6 +118,13 @@ def launch(job: Callable, args, world_size: int | None, cpu_default: int = 4, te
         return 0
     use_cuda = torch.cuda.is_available()
     world = world_size_for(world_size, cpu_default)
+    if not use_cuda:  # the CPU plan built once here, not in every rank at its first dispatch
+        from dispatch.kernels import plan_cpu
+
+        if not plan_cpu.cached():
+            print("dispatch-bench: compiling the CPU routing plan (csrc/plan_cpu.cpp), once per machine: under a "
+                  "minute", flush=True)
+        plan_cpu.module()
     if use_cuda and world > torch.cuda.device_count():
         print(f"dispatch-bench: --world-size {world} but only {torch.cuda.device_count()} GPUs", file=sys.stderr)
         return 2

@@ -158,9 +158,8 @@ def gather_sum(
     if src.is_cuda and triton is not None:
         return gather_sum_triton(src, index, weight, out_dtype, at_least)
     compiled = plan_cpu.on_cpu(src)
-    if compiled is not None:
-        acc_dtype = _acc_dtype(src, weight, out_dtype, at_least)
-        return compiled.gather_sum(src, index, weight, out_dtype, acc_dtype == torch.float64)
+    if compiled is not None:  # (it accumulates in fp64 where an input, the result or at_least is fp64)
+        return compiled.gather_sum(src, index, weight, out_dtype, at_least == torch.float64)
     return gather_sum_reference(src, index, weight, out_dtype, at_least)
 
 

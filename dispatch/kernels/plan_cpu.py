@@ -18,30 +18,38 @@ minute once per machine). Where it cannot be built, the torch operations run
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dispatch import build
 
 enabled = True  # False: the torch operations run (the same results)
+_built: tuple = ()  # (the module or None, why not or None), once a process
 
 
 def module():
     """The compiled module where it is enabled and builds here, else None."""
-    return _build()[0] if enabled else None
+    return (_built or _build())[0] if enabled else None
 
 
 def why_not() -> str | None:
     """Why the module does not build here (None where it does)."""
-    return _build()[1]
+    return (_built or _build())[1]
 
 
-@functools.lru_cache(maxsize=1)
+def cached() -> bool:
+    """Whether the module was built on this machine before (else its first use builds it)."""
+    return bool(_built) or build.cached(_SOURCE, _PREFIX)
+
+
+_SOURCE, _PREFIX = "plan_cpu.cpp", "dispatch_plan_cpu"
+
+
 def _build() -> tuple:
-    return build.load("plan_cpu.cpp", "dispatch_plan_cpu", cflags=("-O2", "-ffp-contract=off"))
+    global _built
+    _built = build.load(_SOURCE, _PREFIX, cflags=("-O2", "-ffp-contract=off"))
+    return _built
 
 
 def on_cpu(tensor: torch.Tensor):
     """The module where ``tensor`` is on the CPU and the module is enabled and built, else None."""
-    return module() if tensor.device.type == "cpu" else None
+    return (_built or _build())[0] if enabled and tensor.device.type == "cpu" else None

@@ -27,7 +27,7 @@ from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import GroupSumsIssuer, Request, Transport, by_groups, handle_fields, shape_fields
+from dispatch.transports.base import GroupSumsIssuer, Request, Transport, handle_fields, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
 from dispatch.plan_graph import HostSummary, Kept, PlanGraphCache, PlanKey, counts_row, route_phase, send_phase
@@ -169,7 +169,8 @@ class AllToAllTransport(Transport):
             src_rank=rp.expanded_rank,
             src_token=rp.expanded_token,
         )
-        mark(self.phase_timer, "plan")
+        if self.phase_timer is not None:
+            self.phase_timer.mark("plan")
         return handle, outputs
 
     def _counts_and_send_plan(self, request: Request, header: list[int], bounded: bool = False,
@@ -214,15 +215,18 @@ class AllToAllTransport(Transport):
         if handle.by_group is not None:
             return self._to_experts_by_group(rows, handle, codec)
         sent = codec.pack(rows, handle.send_token)
-        received, work = self._rows_start(sent, handle, back=False)
+        received, work = comm.all_to_all_rows_start(sent, handle.send_splits, handle.recv_splits, self.group)
+        timer = self.phase_timer  # (marked where there is one: every dispatch's host path)
 
         def then():
-            mark(self.phase_timer, "exchange_out")
+            if timer is not None:
+                timer.mark("exchange_out")
             expanded = codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
-            mark(self.phase_timer, "expand")
+            if timer is not None:
+                timer.mark("expand")
             return expanded
 
-        return by_groups(Pending(work, then), handle)
+        return Pending(work, then)  # one group (by groups: by_group)
 
     def _to_experts_by_group(self, rows, handle: AllToAllHandle, codec: Codec) -> PendingGroups:
         splits = handle.by_group
@@ -253,15 +257,19 @@ class AllToAllTransport(Transport):
                 part = slice(*handle.row_range(g))
                 sums.add(g, rows[part], None if weights is None else weights[part])
             return sums.finish()
+        timer = self.phase_timer  # (marked where there is one: every combine's host path)
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
-        mark(self.phase_timer, "presum")
-        back, work = self._rows_start(partial, handle, back=True)
+        if timer is not None:
+            timer.mark("presum")
+        back, work = comm.all_to_all_rows_start(partial, handle.recv_splits, handle.send_splits, self.group)
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
 
         def then():
-            mark(self.phase_timer, "exchange_back")
+            if timer is not None:
+                timer.mark("exchange_back")
             out = gather_sum(back, handle.home_index, None, rows.dtype, at_least)  # [T, H]
-            mark(self.phase_timer, "final_sum")
+            if timer is not None:
+                timer.mark("final_sum")
             return out
 
         return Pending(work, then)
@@ -272,16 +280,8 @@ class AllToAllTransport(Transport):
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
         if handle.by_group is not None:  # back in the order the slot lists came
             grid = grid.index_select(0, handle.by_group.held_of_arrival)
-        back, work = self._rows_start(grid, handle, back=True)  # [S, J]
+        back, work = comm.all_to_all_rows_start(grid, handle.recv_splits, handle.send_splits, self.group)  # [S, J]
         return Pending(work, lambda: _slots_from_rows(back, handle, values))
-
-    def _rows_start(self, rows: torch.Tensor, handle: AllToAllHandle, back: bool):
-        """Start the all-to-all of ``rows`` to the experts (``back=False``: send
-        rows in, received rows out) or home (``back=True``: the reverse);
-        (out, work) as ``comm.all_to_all_rows_start``."""
-        if back:
-            return comm.all_to_all_rows_start(rows, handle.recv_splits, handle.send_splits, self.group)
-        return comm.all_to_all_rows_start(rows, handle.send_splits, handle.recv_splits, self.group)
 
     def stats(self, handle: AllToAllHandle, dispatch_row_bytes, combine_wire, hidden):
         local = self.local_world_size

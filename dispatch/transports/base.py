@@ -12,7 +12,8 @@ its transport through these methods only, each in one form:
 * ``plan(request)``: the routing plan of one dispatch and its counts exchange
   (a :class:`Request`); returns the handle and the per-row facts;
 * ``to_experts(rows, handle, codec, own)``: [T, H] home rows -> [N, H] rows
-  for the experts, one piece per group of local experts (``PendingGroups``);
+  for the experts, one piece per group of local experts (``PendingGroups``; a
+  ``Pending`` for one group);
 * ``to_home(rows, handle, weights, wire)``: [N, H] rows -> [T, H] sums home
   (``Pending``);
 * ``slots_home(values, handle)``: [N] per-row values -> [T, K] per slot;
@@ -37,6 +38,8 @@ from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs, received
 from dispatch.stats import DispatchStats, resolve_local_world_size
 from dispatch.streams import Pending, PendingGroups
+
+_FAILED = plan.HEADER.index("failed")
 
 
 
@@ -115,6 +118,7 @@ class Transport(abc.ABC):
         self.local_world_size = resolve_local_world_size(config.tuning.local_world_size, self.world_size)
         self.arrivals = comm.Arrivals(group, config.timeout)
         self.phase_timer = None
+        self._row_bytes_of: dict[tuple, int] = {}
 
     @property
     def key(self) -> tuple[str, str]:
@@ -136,7 +140,8 @@ class Transport(abc.ABC):
     # the transport that planned it (a transport that only chooses, as ``auto``,
     # plans through another and has none of its own).
 
-    def to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec, own: bool = False) -> PendingGroups:
+    def to_experts(self, rows: torch.Tensor, handle: CombineHandle, codec: Codec,
+                   own: bool = False) -> "PendingGroups | Pending":
         """[T, H] home rows -> [N, H] expanded rows (dtype of ``rows``), packed
         by ``codec`` (gather + encode), exchanged, unpacked (decode + expand);
         piece g is group g's rows. ``own``: the dispatch's own x (the NVLink
@@ -180,12 +185,17 @@ class Transport(abc.ABC):
         """Bytes a dispatch of x allocates per row it receives: the row on the
         wire, the output row, its weight and sources (the free-memory budget)."""
         hidden = x.shape[1]
-        wire = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
-        return wire + hidden * x.element_size() + 24
+        got = self._row_bytes_of.get((x.dtype, hidden))
+        if got is None:  # (once per dtype and width: every dispatch's host path)
+            wire = to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden)
+            got = self._row_bytes_of[x.dtype, hidden] = wire + hidden * x.element_size() + 24
+        return got
 
     def _raise_own_values(self, request: Request, header: list[int]) -> None:
-        """``checks.raise_own_values`` for ``request``."""
-        checks.raise_own_values(header, request.ticket, request.topk_idx, request.topk_weights, self.config.num_experts)
+        """``checks.raise_own_values`` for ``request`` (where ``header`` is marked failed)."""
+        if header[_FAILED]:
+            checks.raise_own_values(header, request.ticket, request.topk_idx, request.topk_weights,
+                                    self.config.num_experts)
 
     def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
         """What this rank adds to a dispatch's agreement (``agrees_dispatch``)."""
@@ -215,15 +225,17 @@ def shape_fields(request: Request, num_local: int, per_expert: list[int], num_ro
     if request.groups > 1:
         bounds = plan.expert_groups(num_local, request.groups)
         fields.update(group_experts=bounds, group_rows=tuple(sum(per_expert[:b]) for b in bounds))
-    if request.max_rows is not None and request.max_rows != num_rows:
-        fields["max_rows"] = request.max_rows
+    bound = request.ticket.max_rows  # (Request.max_rows, -1: none)
+    if bound >= 0 and bound != num_rows:
+        fields["max_rows"] = bound
     return fields
 
 
-def by_groups(whole: Pending, handle: CombineHandle) -> PendingGroups:
-    """A movement made at once, handed out by group: piece g is group g's rows."""
+def by_groups(whole: Pending, handle: CombineHandle) -> "PendingGroups | Pending":
+    """A movement made at once, handed out by group: piece g is group g's rows
+    (one group: the movement itself)."""
     if handle.groups == 1:
-        return PendingGroups.one(whole)
+        return whole
     return PendingGroups([None] * handle.groups,
                          [lambda g=g: whole.finish()[slice(*handle.row_range(g))] for g in range(handle.groups)])
 

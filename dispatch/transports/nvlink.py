@@ -215,11 +215,11 @@ class NVLinkTransport(Transport):
         # source; where every rank staged its rows with the counts, nothing more is exchanged
         planned = handle.counts.planned
         if own and planned is not None and planned.tokens is not None:  # pulled with the counts (Request.at_once)
-            return PendingGroups.one(Pending.done(planned.tokens))
+            return Pending.done(planned.tokens)
         tokens = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
                                         handle.num_rows, meta_out=handle.places if own else None)
         mark(self.phase_timer, "exchange_out")
-        return PendingGroups.one(Pending.done(tokens))
+        return Pending.done(tokens)
 
     def to_home(self, rows, handle: NVLinkHandle, weights, wire) -> Pending:
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
