@@ -21,8 +21,8 @@ SHAPES = {"small": (64, 32, 2, 8), "cpu-small": (512, 256, 4, 16)}  # T, H, K, E
 VARIANTS = ("alltoall", "auto", "allgather", "hierarchical")
 
 
-def _measure(variant: str, shape: str, trips: int) -> dict:
-    """One tree's (the ``dispatch`` on sys.path) calls and round-trip time."""
+def _measure(tree: str, variant: str, shape: str, trips: int) -> dict:
+    """The calls and round-trip time of the ``dispatch`` of source tree ``tree``."""
     import cProfile
     import pstats
     import time
@@ -30,10 +30,16 @@ def _measure(variant: str, shape: str, trips: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    # the tree's package, not an installed one (an editable install's finder comes before sys.path)
+    sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith("__editable__")]
+    sys.path.insert(0, tree)
+    import dispatch
+
+    if not os.path.abspath(dispatch.__file__).startswith(tree + os.sep):
+        raise RuntimeError(f"{dispatch.__file__} is not of {tree}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    import dispatch
 
     tokens, hidden, topk, experts = SHAPES[shape]
     d = dispatch.create(dispatch.DispatchConfig(num_experts=experts, variant=variant), None)
@@ -62,10 +68,11 @@ def _measure(variant: str, shape: str, trips: int) -> dict:
 
 
 def _run(tree: str, variant: str, shape: str, trips: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    tree = os.path.abspath(tree)
     code = f"import sys; sys.path.insert(0, {os.path.abspath(os.path.dirname(__file__))!r}); import host_calls, json; " \
-           f"print(json.dumps(host_calls._measure({variant!r}, {shape!r}, {trips})))"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+           f"print(json.dumps(host_calls._measure({tree!r}, {variant!r}, {shape!r}, {trips})))"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": tree}, capture_output=True,
+                          text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

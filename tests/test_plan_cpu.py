@@ -139,7 +139,8 @@ def test_gather_sum_is_the_references(rows, width, src_rows, hidden, dtype, out_
     """Weighted gathered sums in fp32 or fp64, every dtype in and out: bitwise
     ``gather_sum_reference`` (the same terms in the same order, each product
     and sum rounded once), and so what ``gather_sum`` gives on CPU."""
-    src, index, weight = _case(rows, width, src_rows, hidden, dtype, seed, weight_dtype is not None)
+    src, index, weight = (None if t is None else t.cpu()  # (the case is made on the GPU where there is one)
+                          for t in _case(rows, width, src_rows, hidden, dtype, seed, weight_dtype is not None))
     weight = None if weight is None else (weight * 3 - 1).to(weight_dtype)
     src = src * 1e3  # sums that round
     out_dtype = dtype if out_dtype == "same" else out_dtype
