@@ -252,6 +252,25 @@ def _slots(tokens: int, topk: int, experts: int, gen: torch.Generator) -> torch.
     return torch.where(torch.rand(tokens, topk, generator=gen) < 0.2, -1, idx)
 
 
+def _bad_values(idx, weights, bad, gen, experts):
+    """``idx`` and ``weights`` with one bad value of kind ``bad`` ("none": as they are): an id
+    out of range, a repeat, a NaN or infinite weight, or a token with every slot empty."""
+    tokens, topk = idx.shape
+    if tokens and bad != "none":
+        t, k = int(torch.randint(tokens, (1,), generator=gen)), int(torch.randint(topk, (1,), generator=gen))
+        if bad == "id":
+            idx[t, k] = experts + int(torch.randint(3, (1,), generator=gen)) if k % 2 else -2
+        elif bad == "repeat" and topk > 1:
+            idx[t, k], idx[t, (k + 1) % topk] = 0, 0
+        elif bad == "nan":
+            weights[t, k] = float("nan")
+        elif bad == "inf":
+            weights[t, k] = float("-inf") if k % 2 else float("inf")
+        elif bad == "empty":
+            idx[t] = -1
+    return idx, weights
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     world=st.integers(1, 9),
@@ -275,20 +294,8 @@ def test_route_row_kernel_matches_reference(world, local, tokens, topk, idx_dtyp
 
     experts = world * local
     gen = torch.Generator().manual_seed(seed)
-    idx = _slots(tokens, topk, experts, gen)
-    weights = torch.rand(tokens, topk, generator=gen, dtype=torch.float64)
-    if tokens and bad != "none":
-        t, k = int(torch.randint(tokens, (1,), generator=gen)), int(torch.randint(topk, (1,), generator=gen))
-        if bad == "id":
-            idx[t, k] = experts + int(torch.randint(3, (1,), generator=gen)) if k % 2 else -2
-        elif bad == "repeat" and topk > 1:
-            idx[t, k], idx[t, (k + 1) % topk] = 0, 0
-        elif bad == "nan":
-            weights[t, k] = float("nan")
-        elif bad == "inf":
-            weights[t, k] = float("-inf") if k % 2 else float("inf")
-        elif bad == "empty":
-            idx[t] = -1
+    idx, weights = _bad_values(_slots(tokens, topk, experts, gen),
+                               torch.rand(tokens, topk, generator=gen, dtype=torch.float64), bad, gen, experts)
     idx, weights = idx.to(idx_dtype).to(DEVICE), weights.to(weight_dtype).to(DEVICE)
     header = torch.arange(len(plan.HEADER), dtype=torch.int64, device=DEVICE) + 7
     header[plan.HEADER.index("failed")] = 0

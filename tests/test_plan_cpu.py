@@ -11,29 +11,11 @@ from hypothesis import strategies as st
 from dispatch import plan, plan_graph
 from dispatch.kernels import gather_sum as gs
 from dispatch.kernels import plan_cpu
-from test_kernels import _case, _recv_case, _slots
+from test_kernels import _bad_values, _case, _recv_case, _slots
 
 compiled = plan_cpu.module()
 pytestmark = pytest.mark.skipif(compiled is None, reason="the compiled CPU plan does not build here (no C++ "
                                                          "compiler or ninja)")
-
-
-def _bad(idx, weights, bad, gen, experts):
-    """``idx`` and ``weights`` with one bad value of kind ``bad`` (or none)."""
-    tokens, topk = idx.shape
-    if tokens and bad != "none":
-        t, k = int(torch.randint(tokens, (1,), generator=gen)), int(torch.randint(topk, (1,), generator=gen))
-        if bad == "id":
-            idx[t, k] = experts + int(torch.randint(3, (1,), generator=gen)) if k % 2 else -2
-        elif bad == "repeat" and topk > 1:
-            idx[t, k], idx[t, (k + 1) % topk] = 0, 0
-        elif bad == "nan":
-            weights[t, k] = float("nan")
-        elif bad == "inf":
-            weights[t, k] = float("-inf") if k % 2 else float("inf")
-        elif bad == "empty":
-            idx[t] = -1
-    return idx, weights
 
 
 @settings(max_examples=80, deadline=None)
@@ -54,8 +36,8 @@ def test_route_row_is_the_references(world, local, tokens, topk, idx_dtype, weig
     ``plan_graph.route_phase_reference``."""
     experts = world * local
     gen = torch.Generator().manual_seed(seed)
-    idx, weights = _bad(_slots(tokens, topk, experts, gen),
-                        torch.rand(tokens, topk, generator=gen, dtype=torch.float64), bad, gen, experts)
+    idx, weights = _bad_values(_slots(tokens, topk, experts, gen),
+                               torch.rand(tokens, topk, generator=gen, dtype=torch.float64), bad, gen, experts)
     idx, weights = idx.to(idx_dtype), weights.to(weight_dtype)
     header = torch.arange(len(plan.HEADER), dtype=torch.int64) + 7
     header[plan.HEADER.index("failed")] = 0

@@ -160,7 +160,8 @@ def test_auto_chooses_at_the_first_dispatch_and_every_64th(worlds):
 
     routing = make_routing(2, 2, 2, [6, 5], "random", seed=3)
     xs = [identity_tokens(r, t, 16, torch.float32) for r, t in enumerate(routing.num_tokens)]
-    config = dict(num_experts=routing.num_experts, variant="auto")
+    # over the collectives: where the NVLink engine can run, transport="auto" takes it and no cost model chooses
+    config = dict(num_experts=routing.num_experts, variant="auto", transport="nccl")
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, RECHOOSE + 2) for r in range(2)]
     for chosen, variant in worlds(2).run(rank_fns.auto_choices, args):
         assert chosen == [1, RECHOOSE + 1] and variant == "alltoall", (chosen, variant)
