@@ -69,8 +69,9 @@ def _measure(tree: str, variant: str, shape: str, trips: int) -> dict:
 
 def _run(tree: str, variant: str, shape: str, trips: int) -> dict:
     tree = os.path.abspath(tree)
-    code = f"import sys; sys.path.insert(0, {os.path.abspath(os.path.dirname(__file__))!r}); import host_calls, json; " \
-           f"print(json.dumps(host_calls._measure({tree!r}, {variant!r}, {shape!r}, {trips})))"
+    here = os.path.abspath(os.path.dirname(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import host_calls, json; "
+            f"print(json.dumps(host_calls._measure({tree!r}, {variant!r}, {shape!r}, {trips})))")
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": tree}, capture_output=True,
                           text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,10 +1,10 @@
 """What every benchmark of ``dispatch-bench`` shares: shapes, the process world,
 timing, progress and the result files.
 
-Timing convention (STYLE.md): warm-up first, then every timed run starts after a
-barrier, is measured with CUDA events on the GPU (``perf_counter`` on CPU), and
-the figure of one run is the slowest rank's. Reports give the median and the
-10th-90th percentile spread.
+Timing convention (``bench/results/README.md`` states it too): warm-up first,
+then every timed run starts after a barrier, is measured with CUDA events on the
+GPU (``perf_counter`` on CPU), and the figure of one run is the slowest rank's.
+Reports give the median and the 10th-90th percentile spread.
 """
 
 from __future__ import annotations
