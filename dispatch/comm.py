@@ -48,10 +48,10 @@ def all_gather_rows(
             RuntimeError naming the ranks that did not arrive.
     Returns:
         [W, L]; ``out[s]`` is rank s's ``row`` (in a world of one without
-        ``out``: ``row`` itself, viewed as [1, L]).
+        ``out``: ``row`` itself as [1, L], a view where its strides allow).
     """
     if world_size == 1 and out is None:  # alone: the row is every rank's
-        return row.view(1, -1)
+        return row.reshape(1, -1)
     if out is None:
         out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=row.device)
     if world_size == 1:

@@ -10,8 +10,8 @@ same bits; only the host time differs. It also reads torch's caching allocator
 for the memory budgets of ``dispatch.checks`` (``FreeMemory``).
 
 It is built once per machine and source (``dispatch.build``: a C++ compiler,
-ninja and CUDA's ``cuda.h``; about half a minute, then cached). Where it cannot be built
-the engine issues its host work from Python, and says so once.
+ninja and CUDA's ``cuda.h``; about half a minute, then cached). Where it cannot
+be built the engine issues its host work from Python, and says so once.
 """
 
 from __future__ import annotations

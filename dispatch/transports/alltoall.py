@@ -226,7 +226,7 @@ class AllToAllTransport(Transport):
                 timer.mark("expand")
             return expanded
 
-        return Pending(work, then)  # one group (by groups: by_group)
+        return Pending(work, then)  # one group (by_group is None)
 
     def _to_experts_by_group(self, rows, handle: AllToAllHandle, codec: Codec) -> PendingGroups:
         splits = handle.by_group

@@ -42,7 +42,6 @@ from dispatch.streams import Pending, PendingGroups
 _FAILED = plan.HEADER.index("failed")
 
 
-
 @dataclass(frozen=True)
 class Request:
     """One dispatch, checked by the front end, for a transport's ``plan``.
