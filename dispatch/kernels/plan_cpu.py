@@ -52,4 +52,4 @@ def _build() -> tuple:
 
 def on_cpu(tensor: torch.Tensor):
     """The module where ``tensor`` is on the CPU and the module is enabled and built, else None."""
-    return (_built or _build())[0] if enabled and tensor.device.type == "cpu" else None
+    return (_built or _build())[0] if enabled and tensor.is_cpu else None
