@@ -25,17 +25,19 @@ def _case(rows, width, src_rows, hidden, dtype, seed, weighted):
     return move(src), move(index), move(weight)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+# the gathered sums' cases (``_case``) the implementations are held to the reference on (tests/test_plan_cpu.py too)
+GATHER_CASES = dict(
     rows=st.integers(0, 9),
     width=st.integers(1, 5),
     src_rows=st.integers(0, 12),
     hidden=st.sampled_from([1, 7, 128, 1030]),
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
-    out_dtype=st.sampled_from(["same", torch.float32, torch.bfloat16]),
-    weighted=st.booleans(),
     seed=st.integers(0, 10**6),
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(**GATHER_CASES, out_dtype=st.sampled_from(["same", torch.float32, torch.bfloat16]), weighted=st.booleans())
 def test_gather_sum_matches_reference(rows, width, src_rows, hidden, dtype, out_dtype, weighted, seed):
     src, index, weight = _case(rows, width, src_rows, hidden, dtype, seed, weighted)
     out_dtype = dtype if out_dtype == "same" else out_dtype
@@ -271,8 +273,8 @@ def _bad_values(idx, weights, bad, gen, experts):
     return idx, weights
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+# the routings the route's implementations are held to their reference on (tests/test_plan_cpu.py too)
+ROUTE_CASES = dict(
     world=st.integers(1, 9),
     local=st.integers(1, 4),
     tokens=st.integers(0, 70),
@@ -283,6 +285,20 @@ def _bad_values(idx, weights, bad, gen, experts):
     check_values=st.booleans(),
     seed=st.integers(0, 10**6),
 )
+# and the send plan's
+SEND_CASES = dict(
+    world=st.integers(1, 9),
+    local=st.integers(1, 4),
+    tokens=st.integers(0, 40),
+    topk=st.integers(1, 6),
+    rank=st.integers(0, 8),
+    weight_dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
+    seed=st.integers(0, 10**6),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**ROUTE_CASES)
 def test_route_row_kernel_matches_reference(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values,
                                             seed):
     """The route and counts row of one group in one kernel: bitwise the torch
@@ -309,15 +325,7 @@ def test_route_row_kernel_matches_reference(world, local, tokens, topk, idx_dtyp
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    world=st.integers(1, 9),
-    local=st.integers(1, 4),
-    tokens=st.integers(0, 40),
-    topk=st.integers(1, 6),
-    rank=st.integers(0, 8),
-    weight_dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
-    seed=st.integers(0, 10**6),
-)
+@given(**SEND_CASES)
 def test_send_plan_kernel_matches_reference(world, local, tokens, topk, rank, weight_dtype, seed):
     """The send plan of one group in two kernels: bitwise the torch operations'
     (``plan.build_send_plan``) on every row the exchange reads (``send_token``

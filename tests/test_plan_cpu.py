@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from dispatch import plan, plan_graph
 from dispatch.kernels import gather_sum as gs
 from dispatch.kernels import plan_cpu
-from test_kernels import _bad_values, _case, _recv_case, _slots
+from test_kernels import GATHER_CASES, ROUTE_CASES, SEND_CASES, _bad_values, _case, _recv_case, _slots
 
 compiled = plan_cpu.module()
 pytestmark = pytest.mark.skipif(compiled is None, reason="the compiled CPU plan does not build here (no C++ "
@@ -19,17 +19,8 @@ pytestmark = pytest.mark.skipif(compiled is None, reason="the compiled CPU plan 
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    world=st.integers(1, 9),
-    local=st.integers(1, 4),
-    tokens=st.integers(0, 70),
-    topk=st.integers(1, 6),
-    idx_dtype=st.sampled_from([torch.int32, torch.int64]),
-    weight_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
-    bad=st.sampled_from(["none", "id", "repeat", "nan", "inf", "empty"]),
-    check_values=st.booleans(),
-    seed=st.integers(0, 10**6),
-)
+@given(**{**ROUTE_CASES, "weight_dtype": st.sampled_from([torch.bfloat16, torch.float16, torch.float32,
+                                                          torch.float64])})
 def test_route_row_is_the_references(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values, seed):
     """The route and the counts row of one group, bad values included (dropped
     from the route; with the checks, the failed entry raised): bitwise
@@ -48,15 +39,7 @@ def test_route_row_is_the_references(world, local, tokens, topk, idx_dtype, weig
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    world=st.integers(1, 9),
-    local=st.integers(1, 4),
-    tokens=st.integers(0, 40),
-    topk=st.integers(1, 6),
-    rank=st.integers(0, 8),
-    weight_dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64]),
-    seed=st.integers(0, 10**6),
-)
+@given(**SEND_CASES)
 def test_send_plan_is_the_references(world, local, tokens, topk, rank, weight_dtype, seed):
     """The send plan, summary and receive table of one group, any rank of any
     world (the peers' rows made up around this rank's own): bitwise
@@ -105,17 +88,9 @@ def test_recv_plan_is_the_references(world, groups, width, words, seed):
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    rows=st.integers(0, 9),
-    width=st.integers(1, 5),
-    src_rows=st.integers(0, 12),
-    hidden=st.sampled_from([1, 7, 128, 1030]),
-    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
-    out_dtype=st.sampled_from(["same", torch.float32, torch.bfloat16, torch.float64]),
-    weight_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float64]),
-    at_least=st.sampled_from([None, torch.float64]),
-    seed=st.integers(0, 10**6),
-)
+@given(**GATHER_CASES, out_dtype=st.sampled_from(["same", torch.float32, torch.bfloat16, torch.float64]),
+       weight_dtype=st.sampled_from([None, torch.float32, torch.bfloat16, torch.float64]),
+       at_least=st.sampled_from([None, torch.float64]))
 def test_gather_sum_is_the_references(rows, width, src_rows, hidden, dtype, out_dtype, weight_dtype, at_least,
                                       seed):
     """Weighted gathered sums in fp32 or fp64, every dtype in and out: bitwise
