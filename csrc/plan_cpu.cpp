@@ -49,7 +49,9 @@ bool all_finite(const Tensor& weights) {
 std::tuple<Tensor, Tensor, Tensor> route_row(const Tensor& topk_idx, const Tensor& weights, const Tensor& header,
                                              int64_t num_experts, int64_t world, bool check_values,
                                              int64_t failed_col) {
-  TORCH_CHECK(topk_idx.dim() == 2 && header.scalar_type() == at::kLong, "route_row: bad arguments");
+  TORCH_CHECK(topk_idx.dim() == 2 && weights.numel() == topk_idx.numel() && header.scalar_type() == at::kLong &&
+                  0 <= failed_col && failed_col < header.numel() && world > 0 && num_experts >= world,
+              "route_row: arguments of other shapes than a dispatch's");
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const int64_t tokens = idx.size(0), topk = idx.size(1), local = num_experts / world;
   const int64_t header_len = header.numel(), header_at = world * (1 + local);
@@ -99,6 +101,9 @@ std::vector<Tensor> send_plan(const Tensor& dest_in, const Tensor& hit_in, const
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const int64_t tokens = hit.size(0), world = hit.size(1), topk = dest.size(1);
   const int64_t width_row = gathered.size(1);
+  TORCH_CHECK(dest.size(0) == tokens && idx.sizes() == dest.sizes() && weights.numel() == dest.numel() &&
+                  gathered.size(0) == world && 0 <= rank && rank < world,
+              "send_plan: arguments of other shapes than a dispatch's");
   const int64_t local = (width_row - header_len - 1 - world) / (3 * world);  // row: W (1 + L) + header + 2 W L + 1
   TORCH_CHECK(world * (3 * local + 1) + header_len + 1 == width_row, "send_plan: gathered rows of a bad width");
   const int64_t header_at = world * (1 + local), tail_at = header_at + header_len;
@@ -213,6 +218,9 @@ std::vector<Tensor> send_plan(const Tensor& dest_in, const Tensor& hit_in, const
 std::vector<Tensor> recv_plan(const Tensor& meta_in, const Tensor& table_in, int64_t num_rows, int64_t words) {
   const Tensor meta = meta_in.contiguous(), table = table_in.contiguous();
   const int64_t received = meta.size(0), blocks = table.size(1);
+  TORCH_CHECK(meta.scalar_type() == at::kInt && table.scalar_type() == at::kLong && table.size(0) == 3 &&
+                  (words == 1 || words == 2),
+              "recv_plan: arguments of other forms than a plan's");
   const int64_t width = (meta.size(1) - 1) / (1 + words), meta_width = meta.size(1);
   const auto i64 = meta.options().dtype(at::kLong);
   Tensor expand_src = at::empty({num_rows}, i64), presum_index = at::empty({received, width}, i64);
@@ -263,6 +271,7 @@ void gather_rows(const Tensor& src, const Tensor& index, const acc_t* weight, Te
       for (int64_t j = 0; j < width; ++j) {  // in j order, one rounding per product and per sum
         const int64_t i = ix[r * width + j];
         if (i < 0) continue;
+        TORCH_CHECK(i < src.size(0), "gather_sum: an index past the rows");
         const src_t* row = s + i * hidden;
         if (weight != nullptr) {
           const acc_t wi = weight[i];
@@ -289,7 +298,9 @@ Tensor gather_sum(const Tensor& src_in, const Tensor& index_in, const c10::optio
   const Tensor index = index_in.contiguous();
   Tensor acc = at::zeros({index.size(0), src_in.size(1)}, src_in.options().dtype(acc_dtype));
   if (src_in.size(0) == 0) return acc.to(out_dtype);  // then every index is -1
-  TORCH_CHECK(index.scalar_type() == at::kLong, "gather_sum: index must be int64");
+  TORCH_CHECK(index.scalar_type() == at::kLong && src_in.dim() == 2 &&
+                  (!weight_in.has_value() || weight_in->numel() == src_in.size(0)),
+              "gather_sum: arguments of other forms than a combine's");
   const Tensor src = src_in.contiguous();
   const Tensor weight = weight_in.has_value() ? weight_in->to(acc_dtype).contiguous() : Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "gather_sum", [&] {

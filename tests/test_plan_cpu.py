@@ -132,3 +132,18 @@ def test_send_plan_takes_no_tokens_with_any_strides():
     gathered = torch.stack([row, row])
     *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, 0, idx, weights, len(plan.HEADER))
     assert [t.numel() for t in send] == [0, 7, 0, 0, 0] and table.tolist() == [[0, 0], [0, 0], [0, 1]]
+
+
+def test_arguments_of_other_shapes_are_refused_not_read_past():
+    """The compiled calls check what they index with (a RuntimeError, no read past a tensor)."""
+    with pytest.raises(RuntimeError, match="an index past the rows"):
+        compiled.gather_sum(torch.randn(3, 4), torch.tensor([[0, 3]]), None, torch.float32, False)
+    with pytest.raises(RuntimeError, match="other forms"):
+        compiled.gather_sum(torch.randn(3, 4), torch.tensor([[0, 1]]), torch.rand(2), torch.float32, False)
+    idx = torch.tensor([[0, 1], [2, 3]])
+    header = torch.zeros(len(plan.HEADER), dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="other shapes"):
+        compiled.route_row(idx, torch.rand(2, 3), header, 4, 2, True, plan.HEADER.index("failed"))
+    route, _, row = plan_graph.route_phase_reference(idx, torch.rand(2, 2), header, 4, 2, False)
+    with pytest.raises(RuntimeError, match="other shapes"):
+        compiled.send_plan(route.dest, route.hit, torch.stack([row, row]), 0, idx, torch.rand(2, 1), len(plan.HEADER))
