@@ -89,7 +89,6 @@ class CombineFn(torch.autograd.Function):
         return grad_expert, grad_weights, grad_out.new_zeros(0, dtype=ctx.link_dtype), None
 
 
-
 def _node(fn: type) -> "Callable":
     """``fn.apply`` without ``torch.autograd.Function``'s Python wrapper where no
     functorch transform is active: the wrapper then only unwraps functorch's dead

@@ -270,7 +270,7 @@ def check_row_budgets(headers: torch.Tensor, rows_of: list[int], row_bytes: int,
     Raises:
         ValueError after the counts exchange and before any token moves.
     """
-    headers = headers if isinstance(headers, list) else agreement.header_rows(headers)
+    headers = agreement.header_rows(headers)
     for h, n in zip(headers, rows_of):  # the usual case, at a glance: every rank within its budgets
         m, f = h[_MAX_ROWS], h[_MEMORY_ROWS]
         if 0 <= m < n or 0 <= f < (n if n > m else m):
@@ -309,7 +309,7 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
         the counts all-gather and before any token moves; RuntimeError where
         a rank marked itself failed (``fold_flags``).
     """
-    headers = headers if isinstance(headers, list) else agreement.header_rows(headers)  # a few host values
+    headers = agreement.header_rows(headers)  # a few host values: plain Python, no tensor op per check
     first = headers[0][:AGREED]
     usual, x_grad, weights_grad = True, False, False
     for h in headers:  # a loop, not generators: every dispatch's host path

@@ -333,33 +333,3 @@ def with_and_without_compiled_plan(x, topk_idx, topk_weights, grad_out, expert_o
         finally:
             plan_cpu.enabled = True
     return got, plan_cpu.module() is not None
-
-
-def round_trip_calls(config: dict, tokens: int = 64, hidden: int = 32, topk: int = 2):
-    """The Python calls (cProfile) of one usual round trip (dispatch, combine with
-    the dispatch's weights, grad mode on), after three to warm up; and whether the
-    compiled CPU plan served it."""
-    import cProfile
-    import pstats
-
-    from dispatch.kernels import plan_cpu
-
-    device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
-    gen = torch.Generator().manual_seed(0)
-    experts = config["num_experts"]
-    x = torch.randn(tokens, hidden, generator=gen).to(device)
-    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).to(device)
-    w = torch.rand(tokens, topk, generator=gen).to(device)
-
-    def trip():
-        out = d.dispatch(x, idx, w)
-        return d.combine(out.tokens, out.handle, weights=out.weights)
-
-    for _ in range(3):
-        trip()
-    profile = cProfile.Profile()
-    profile.enable()
-    trip()
-    profile.disable()
-    return pstats.Stats(profile).total_calls, plan_cpu.module() is not None

@@ -4,13 +4,17 @@ the torch operations' round trip and gradients."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import rank_fns
 from reference import reference_dispatch
+from bench_scripts import load
 from routing import make_routing, random_tokens
-from world import World
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MAX_CALLS = 150  # Python calls (cProfile) of a round trip on a one-rank gloo world
 
@@ -19,9 +23,10 @@ MAX_CALLS = 150  # Python calls (cProfile) of a round trip on a one-rank gloo wo
 def test_a_round_trip_makes_few_python_calls(variant):
     """dispatch + combine, as a user calls them, on one gloo rank: at most
     ``MAX_CALLS`` Python calls, builtins included (the routing plan and the sums
-    compiled, the front end one pass through its checks, agreement and exchange)."""
-    with World(1, backend="gloo") as world:  # (a GPU machine's worlds are NCCL ones)
-        calls, compiled = world.run(rank_fns.round_trip_calls, [({"num_experts": 8, "variant": variant},)])[0]
+    compiled, the front end one pass through its checks, agreement and exchange).
+    Measured as ``bench/host_calls.py`` measures it, in a process of its own."""
+    got = load("host_calls").measure(REPO, variant, trips=1)
+    calls, compiled = got["calls"], got["compiled"]
     if not compiled:
         pytest.skip("the compiled CPU plan does not build here (no C++ compiler or ninja)")
     assert calls <= MAX_CALLS, f"a round trip made {calls} Python calls (at most {MAX_CALLS})"
