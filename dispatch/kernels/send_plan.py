@@ -54,7 +54,10 @@ if triton is not None:
 
     @triton.jit
     def _block_counts_kernel(hit_ptr, dest_ptr, idx_ptr, ranks_out, experts_out, num_tokens, topk, world, num_experts,
-                             BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+                             blocks, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+        # counts by (rank, block) and (expert, block): the blocks run along the contiguous
+        # dimension, so that their prefix sums scan it (a scan down the outer dimension of a
+        # [blocks, E] tensor is E-way parallel only, and slow)
         block = tl.program_id(0)
         tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
         ranks = tl.arange(0, BLOCK_W)
@@ -62,17 +65,17 @@ if triton is not None:
         live = tokens < num_tokens
         hit = tl.load(hit_ptr + tokens[:, None].to(tl.int64) * world + ranks[None, :],
                       mask=live[:, None] & (ranks[None, :] < world), other=0).to(tl.int64)
-        tl.store(ranks_out + block * world + ranks, tl.sum(hit, axis=0), mask=ranks < world)
+        tl.store(ranks_out + ranks.to(tl.int64) * blocks + block, tl.sum(hit, axis=0), mask=ranks < world)
         slot = live[:, None] & (ks[None, :] < topk)
         at = tokens[:, None].to(tl.int64) * topk + ks[None, :]
         moves = slot & (tl.load(dest_ptr + at, mask=slot, other=world) < world)
         idx = tl.load(idx_ptr + at, mask=moves, other=0).to(tl.int64)
         ones = tl.full([BLOCK_T, BLOCK_K], 1, tl.int64)
-        tl.atomic_add(experts_out + block.to(tl.int64) * num_experts + idx, ones, mask=moves)
+        tl.atomic_add(experts_out + idx * blocks + block, ones, mask=moves)
 
     @triton.jit
     def _place_kernel(hit_ptr, dest_ptr, idx_ptr, weights_ptr, rank_base_ptr, expert_base_ptr, send_token_ptr,
-                      home_ptr, slot_row_ptr, slot_col_ptr, meta_ptr, num_tokens, topk, world, num_experts,
+                      home_ptr, slot_row_ptr, slot_col_ptr, meta_ptr, num_tokens, topk, world, num_experts, blocks,
                       meta_stride, width, WIDE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_W: tl.constexpr):
         block = tl.program_id(0)
@@ -85,7 +88,7 @@ if triton is not None:
         hit = tl.load(hit_ptr + tokens[:, None].to(tl.int64) * world + ranks[None, :], mask=in_world,
                       other=0).to(tl.int64)
         goes = hit > 0
-        base = tl.load(rank_base_ptr + block * world + ranks, mask=ranks < world, other=0)
+        base = tl.load(rank_base_ptr + ranks.to(tl.int64) * blocks + block, mask=ranks < world, other=0)
         row = base[None, :] + tl.cumsum(hit, axis=0) - hit  # [T, W]
         token_of = tokens[:, None].to(tl.int64) + tl.zeros([BLOCK_T, BLOCK_W], tl.int64)
         tl.store(send_token_ptr + row, token_of, mask=goes)
@@ -113,7 +116,7 @@ if triton is not None:
         owner = tl.reshape(tokens[:, None] + tl.zeros([BLOCK_T, BLOCK_K], tl.int32), [BLOCK_T * BLOCK_K])
         same = (key[None, :] == key[:, None]) & (owner[None, :] < owner[:, None]) & (key[None, :] >= 0)
         earlier = tl.reshape(tl.sum(same.to(tl.int32), axis=1), [BLOCK_T, BLOCK_K]).to(tl.int64)
-        expert_base = tl.load(expert_base_ptr + block.to(tl.int64) * num_experts + idx, mask=moves, other=0)
+        expert_base = tl.load(expert_base_ptr + idx * blocks + block, mask=moves, other=0)
         cell = meta_ptr + slot_row * meta_stride
         tl.store(cell + col, (expert_base + earlier).to(tl.int32), mask=moves)
         weights = tl.load(weights_ptr + at, mask=moves, other=0.0)
@@ -151,9 +154,9 @@ def send_plan_triton(hit: torch.Tensor, dest: torch.Tensor, rank_counts: torch.T
     slot_row = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
     slot_col = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
     if num_tokens:
-        block_ranks = torch.empty(blocks, world, dtype=torch.int64, device=device)
-        block_experts = torch.zeros(blocks, num_experts, dtype=torch.int64, device=device)
-        sizes = (num_tokens, topk, world, num_experts)
+        block_ranks = torch.empty(world, blocks, dtype=torch.int64, device=device)
+        block_experts = torch.zeros(num_experts, blocks, dtype=torch.int64, device=device)
+        sizes = (num_tokens, topk, world, num_experts, blocks)
         _block_counts_kernel[(blocks,)](hit_bytes, dest, topk_idx, block_ranks, block_experts, *sizes,
                                         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=block_w)
         # where each rank's rows start in the send order, each expert's slots from this rank on its rank
@@ -161,8 +164,8 @@ def send_plan_triton(hit: torch.Tensor, dest: torch.Tensor, rank_counts: torch.T
         per_source = all_counts[:, :, 1:]
         totals = per_source.sum(0)
         expert_start = (torch.cumsum(totals, 1) - totals + per_source[:rank].sum(0)).flatten()
-        rank_base = torch.cumsum(block_ranks, 0) - block_ranks + rank_start
-        expert_base = torch.cumsum(block_experts, 0) - block_experts + expert_start
+        rank_base = torch.cumsum(block_ranks, 1) - block_ranks + rank_start[:, None]
+        expert_base = torch.cumsum(block_experts, 1) - block_experts + expert_start[:, None]
         _place_kernel[(blocks,)](hit_bytes, dest, topk_idx, topk_weights, rank_base, expert_base, send_token,
                                  home_index, slot_row, slot_col, meta, *sizes, meta.stride(0), width, WIDE=wide,
                                  BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=block_w)
