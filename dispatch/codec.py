@@ -60,15 +60,22 @@ class Codec(abc.ABC):
         """Bytes one packed row of ``hidden`` channels takes on the wire."""
 
     @abc.abstractmethod
-    def pack(self, rows: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def wire_row(self, dtype: torch.dtype, hidden: int) -> tuple[torch.dtype, int]:
+        """(dtype, width) of the wire row ``pack`` makes of a row of ``hidden`` channels of ``dtype``."""
+
+    @abc.abstractmethod
+    def pack(self, rows: torch.Tensor, index: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Encode ``rows[index]`` (all rows if index is None) for the wire.
 
         Args:
             rows: [T, H] data rows.
             index: [n] int64 rows of ``rows`` to send, or None.
+            out: None, or where to write them: a contiguous tensor of the
+                shape and dtype they take (e.g. an exchange's send buffer).
         Returns:
-            [n, ...] wire rows; any dtype and trailing shape ``comm`` can move
-            (it moves bytes), ``row_bytes(H)`` bytes per row.
+            [n, ...] wire rows (``out`` where given); any dtype and trailing
+            shape ``comm`` can move (it moves bytes), ``row_bytes(H)`` bytes per row.
         """
 
     @abc.abstractmethod
@@ -97,9 +104,14 @@ class CastCodec(Codec):
     def row_bytes(self, hidden: int) -> int:
         return hidden * self.wire.itemsize
 
-    def pack(self, rows, index=None):
+    def wire_row(self, dtype, hidden):
+        return self.wire, hidden
+
+    def pack(self, rows, index=None, out=None):
+        if out is not None and index is not None and rows.dtype == self.wire:
+            return torch.index_select(rows, 0, index, out=out)  # one pass, straight into out
         picked = rows if index is None else rows.index_select(0, index)
-        return picked.to(self.wire)
+        return picked.to(self.wire) if out is None else out.copy_(picked)
 
     def unpack(self, wire_rows, dtype, hidden, index=None):
         picked = wire_rows if index is None else wire_rows.index_select(0, index)  # then convert only those
@@ -127,9 +139,13 @@ class BlockFp8Codec(Codec):
     def row_bytes(self, hidden: int) -> int:
         return quantize.row_bytes(hidden)
 
-    def pack(self, rows, index=None):
+    def wire_row(self, dtype, hidden):
+        return torch.uint8, self.row_bytes(hidden)
+
+    def pack(self, rows, index=None, out=None):
         """Returns [n, row_bytes(H)] uint8; the Triton kernel on CUDA."""
-        return quantize.pack(rows, index, self.fmt, self.pow2_scales)
+        packed = quantize.pack(rows, index, self.fmt, self.pow2_scales)
+        return packed if out is None else out.copy_(packed)
 
     def unpack(self, wire_rows, dtype, hidden, index=None):
         if wire_rows.dtype != torch.uint8 or wire_rows.dim() != 2 or wire_rows.shape[1] != self.row_bytes(hidden):

@@ -27,6 +27,10 @@ class HostSplitsExchange:
         pass
 
     def exchange(self, rows, sends, receives, send_rows, recv_rows, consume):
+        from dispatch.transports.nvshmem import Packed
+
+        if isinstance(rows, Packed):  # made where they go: here, a tensor of their own
+            rows = rows.tensor(min(rows.count, send_rows), sends.device)
         send, recv = sends.tolist(), receives.tolist()
         world = len(send)
         truth = torch.empty_like(sends)

@@ -185,6 +185,25 @@ def test_codec_choice_and_row_bytes():
         fp8.unpack(torch.zeros(2, 5, dtype=torch.uint8), torch.float32, 7168)
 
 
+@pytest.mark.parametrize("wire", ["native", "bf16", "fp32", "fp8", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_into_a_buffer_is_pack(wire, dtype):
+    """``pack(rows, index, out)`` writes into ``out`` (an exchange's send buffer)
+    the bits ``pack(rows, index)`` returns, in the dtype and width ``wire_row``
+    states."""
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(9, 130, generator=gen) * 100).to(dtype)
+    index = torch.tensor([4, 0, 8, 8, 2], dtype=torch.int64)
+    codec = to_experts_codec(wire, dtype)
+    want = codec.pack(rows, index)
+    wire_dtype, width = codec.wire_row(dtype, rows.shape[1])
+    assert (want.dtype, want.shape[1], want.shape[1] * want.element_size()) == (wire_dtype, width,
+                                                                                codec.row_bytes(130))
+    out = torch.full((5, width), 7, dtype=wire_dtype)
+    assert codec.pack(rows, index, out) is out
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("dispatch_wire", "e5m2"), ("combine_wire", "fp8"), ("dispatch_grad_wire", "fp8"), ("combine_grad_wire", "fp4")],

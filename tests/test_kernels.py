@@ -55,6 +55,13 @@ def test_gather_sum_matches_reference(rows, width, src_rows, hidden, dtype, out_
     bound = (width + 1) * acc_eps * magnitude + torch.finfo(out_dtype).eps * want.double().abs()
     excess = (got.double() - want.double()).abs() - bound
     assert not (excess > 0).any(), f"kernel differs from reference by more than rounding: {excess.max()}"
+    # written into a buffer's rows (an exchange's send buffer, rows wider than H): the same bits, nothing else
+    buffer = torch.full((rows, hidden + 3), 5.0, dtype=out_dtype, device=src.device)
+    assert torch.equal(gs.gather_sum(src, index, weight, out_dtype, out=buffer[:, :hidden]),
+                       gs.gather_sum(src, index, weight, out_dtype))
+    assert torch.equal(buffer[:, hidden:], torch.full((rows, 3), 5.0, dtype=out_dtype, device=src.device))
+    with pytest.raises(ValueError, match="out must be"):
+        gs.gather_sum(src, index, weight, out_dtype, out=buffer)
 
 
 def _groups_case(held, width, hidden, groups, seed, dtype, weighted):

@@ -115,15 +115,18 @@ def gather_sum_triton(
     weight: torch.Tensor | None,
     out_dtype: torch.dtype,
     at_least: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`gather_sum_reference` (same arguments and result)."""
+    """Triton version of :func:`gather_sum_reference` (same arguments and result;
+    ``out``: where to write it, [R, H] of ``out_dtype`` with rows of stride 1)."""
     if triton is None:
         raise RuntimeError("gather_sum_triton needs triton; install the 'test' extra or use the reference")
     src = src.contiguous()
     index = index.contiguous()
     rows, width = index.shape
     hidden = src.shape[1]
-    out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
+    if out is None:
+        out = torch.empty(rows, hidden, dtype=out_dtype, device=src.device)
     if rows == 0 or hidden == 0:
         return out
     acc_dtype = _acc_dtype(src, weight, out_dtype, at_least)
@@ -152,15 +155,24 @@ def gather_sum(
     weight: torch.Tensor | None,
     out_dtype: torch.dtype,
     at_least: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted gathered row sum; the Triton kernel on CUDA, the compiled one on
-    CPU (``dispatch.kernels.plan_cpu``), the reference elsewhere."""
+    CPU (``dispatch.kernels.plan_cpu``), the reference elsewhere. ``out``: None,
+    or where to write it ([R, H] of ``out_dtype``, rows of stride 1: e.g. an
+    exchange's send buffer); the result is returned either way."""
+    if out is not None and (out.shape != (index.shape[0], src.shape[1]) or out.dtype != out_dtype
+                            or (out.shape[1] > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be [{index.shape[0]}, {src.shape[1]}] {out_dtype} with rows of stride 1, "
+                         f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
     if src.is_cuda and triton is not None:
-        return gather_sum_triton(src, index, weight, out_dtype, at_least)
+        return gather_sum_triton(src, index, weight, out_dtype, at_least, out)
     compiled = plan_cpu.on_cpu(src)
     if compiled is not None:  # (it accumulates in fp64 where an input, the result or at_least is fp64)
-        return compiled.gather_sum(src, index, weight, out_dtype, at_least == torch.float64)
-    return gather_sum_reference(src, index, weight, out_dtype, at_least)
+        result = compiled.gather_sum(src, index, weight, out_dtype, at_least == torch.float64)
+    else:
+        result = gather_sum_reference(src, index, weight, out_dtype, at_least)
+    return result if out is None else out.copy_(result)
 
 
 # -- the expert-side pre-sum, group by group ------------------------------------

@@ -33,6 +33,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -142,10 +143,12 @@ class SymmetricExchange:
             self._spent += [] if self._recv is None else [self._recv]
             self._recv = self._empty((size,), torch.uint8)
 
-    def exchange(self, rows: torch.Tensor, sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
+    def exchange(self, rows: "torch.Tensor | Packed", sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
                  recv_rows: int, consume):
-        count, width = min(rows.shape[0], send_rows), rows.shape[1]
-        row_bytes = width * rows.element_size()
+        if not isinstance(rows, Packed):
+            rows = Packed.of(rows)
+        count, width, dtype = min(rows.count, send_rows), rows.width, rows.dtype
+        row_bytes = width * dtype.itemsize
         stride = self.stride(row_bytes)
         self.ensure(send_rows * stride, (recv_rows + 1) * stride)
         current = None if self._stream is None else torch.cuda.current_stream(self.device)
@@ -154,21 +157,49 @@ class SymmetricExchange:
         with torch.cuda.stream(self._stream) if current is not None else contextlib.nullcontext():
             all_to_all_vdev(*self._sync, self.group_name)  # a barrier: every peer is past its last exchange
             send = _rows_of(self._send, stride)  # the whole buffer: its size sets the kernel's blocks
-            send[:count, :row_bytes].copy_(rows[:count].contiguous().view(torch.uint8))
+            place = send[:count, :row_bytes]
+            if stride == row_bytes:  # written in place: no copy
+                rows.write(place.view(-1).view(dtype).view(count, width))
+            else:
+                place.copy_(rows.tensor(count, self.device).view(torch.uint8))
             in_splits, out_splits = self._splits
             in_splits.copy_(sends)
             recv = _rows_of(self._recv, stride)
             all_to_all_vdev(send, recv, in_splits, out_splits, self.group_name)
             out = recv[: recv_rows + 1, :row_bytes]
             out[recv_rows].zero_()
-            result = consume(out.view(rows.dtype))
+            result = consume(out.view(dtype))
         if current is not None:
             current.wait_stream(self._stream)
             if not torch.cuda.is_current_stream_capturing():  # made and read on two streams
-                for tensor in (rows, sends, receives):
+                for tensor in (*rows.reads, sends, receives):
                     tensor.record_stream(self._stream)
                 result.record_stream(current)
         return result
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Rows to send, made where they go: ``write(out)`` writes the first n of
+    them into ``out``, [n, width] of ``dtype``, contiguous (an exchange's send
+    buffer: no copy of them in between), reading only ``reads``."""
+
+    count: int
+    width: int
+    dtype: torch.dtype
+    write: Callable[[torch.Tensor], object]
+    reads: tuple
+
+    @staticmethod
+    def of(rows: torch.Tensor) -> Packed:
+        """Rows made already (a 2-D tensor): written by a copy."""
+        return Packed(rows.shape[0], rows.shape[1], rows.dtype, lambda out: out.copy_(rows[: out.shape[0]]), (rows,))
+
+    def tensor(self, count: int, device: torch.device) -> torch.Tensor:
+        """The first ``count`` rows in a tensor of their own."""
+        out = torch.empty(count, self.width, dtype=self.dtype, device=device)
+        self.write(out)
+        return out
 
 
 _EXCHANGES: dict = {}
@@ -189,6 +220,10 @@ def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) 
     ``recv`` by source rank; writes the rows received from each rank and
     their offsets into ``out_splits_offsets`` [2, W]. Every argument symmetric."""
     torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
+
+
+def _present(*tensors) -> tuple:
+    return tuple(t for t in tensors if t is not None)
 
 
 def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
@@ -401,7 +436,10 @@ class NVSHMEMTransport(AllToAllTransport):
     # -- the movements --------------------------------------------------------
 
     def to_experts(self, rows: torch.Tensor, handle: NVSHMEMHandle, codec: Codec, own: bool = False) -> PendingGroups:
-        sent = codec.pack(rows, handle.send_token)  # [S, wire row]
+        index = handle.send_token
+        dtype, width = codec.wire_row(rows.dtype, rows.shape[1])
+        sent = Packed(index.shape[0], width, dtype,  # [S, wire row], packed into the send buffer
+                      lambda out: codec.pack(rows, index[: out.shape[0]], out), (rows, index))
         expanded = self.exchange.exchange(sent, handle.sends, handle.receives, handle.send_rows, handle.recv_rows,
                                           lambda received: codec.unpack(received, rows.dtype, rows.shape[1],
                                                                         handle.expand_src))
@@ -409,7 +447,10 @@ class NVSHMEMTransport(AllToAllTransport):
         return by_groups(Pending.done(expanded), handle)
 
     def to_home(self, rows, handle: NVSHMEMHandle, weights, wire) -> Pending:
-        partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
+        index = handle.presum_index
+        partial = Packed(index.shape[0], rows.shape[1], wire,  # [R, H], summed into the send buffer
+                         lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
+                         _present(rows, index, weights))
         mark(self.phase_timer, "presum")
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
         out = self._home(partial, handle, lambda back: gather_sum(back, handle.home_index, None, rows.dtype, at_least))
@@ -422,13 +463,15 @@ class NVSHMEMTransport(AllToAllTransport):
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
         return Pending.done(self._home(grid, handle, lambda back: _slots_from_rows(back, handle, values)))
 
-    def _home(self, rows: torch.Tensor, handle: NVSHMEMHandle, consume) -> torch.Tensor:
+    def _home(self, rows: "torch.Tensor | Packed", handle: NVSHMEMHandle, consume) -> torch.Tensor:
         """``consume`` of rows of the received rows' order home, in the send order.
         Rows wider than the buffers a dispatch with ``max_rows`` was sized for
         are refused before any exchange (the same on every rank where the
         expert outputs are alike)."""
         if handle.send_splits is None and handle.recv_rows:  # with max_rows: the buffers do not grow
-            stride = self.exchange.stride(rows.shape[1] * rows.element_size())
+            width, itemsize = ((rows.width, rows.dtype.itemsize) if isinstance(rows, Packed)
+                               else (rows.shape[1], rows.element_size()))
+            stride = self.exchange.stride(width * itemsize)
             if not self.exchange.holds(handle.recv_rows * stride, (handle.send_rows + 1) * stride):
                 raise ValueError(f"expert_out: rows of {rows.shape[1]} x {rows.dtype} are wider than the buffers "
                                  "a dispatch with max_rows was sized for (rows like x: TokenDispatcher.reserve "
