@@ -18,9 +18,9 @@
 #             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   nvshmem   the NVSHMEM transport: its tests (bitwise against NCCL, a bounded round trip captured),
-#             then bench/nvshmem_probe.py: NVSHMEM beside NCCL in one process, the NVLink engine in
-#             another (torch takes one symmetric-memory backend per process), in the same call, each
-#             with a kernel table of its DeepSeek-V3 round trips (eager and captured)
+#             then bench/nvshmem_probe.py: NVSHMEM, NCCL and the NVLink engine (on NVSHMEM's buffers)
+#             in one process, each with a kernel table of its DeepSeek-V3 round trips (eager and
+#             captured); then the engine alone in another (on CUDA's symmetric memory)
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
 #             then bench/agreement_probe.py (what a call's agreement costs on the host)
@@ -141,8 +141,9 @@ for part in "$@"; do
     nvshmem)
       step 200 nvshmem-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvshmem.py
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-      step 240 nvshmem-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvshmem nccl --profile
-      step 200 nvshmem-probe-engine torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvlink --profile ;;
+      step 240 nvshmem-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvshmem nccl nvlink \
+        --profile
+      step 200 nvshmem-probe-engine torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvlink ;;
     probe)
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     ab)

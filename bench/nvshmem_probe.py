@@ -2,9 +2,11 @@
 
     torchrun --nproc-per-node W bench/nvshmem_probe.py OUT_DIR TRANSPORT [TRANSPORT ...] [--profile]
 
-TRANSPORT is ``nccl``, ``nvshmem`` or ``nvlink``. NVSHMEM and the engine cannot
-share a process (torch fixes one symmetric-memory backend per process), so the
-suite runs this twice in one call: ``nvshmem nccl``, then ``nvlink``. For each
+TRANSPORT is ``nccl``, ``nvshmem`` or ``nvlink``, made in the order given. Torch fixes
+one symmetric-memory backend per process at its first allocation: after
+``nvshmem``, the engine runs on NVSHMEM's buffers (each row names its
+backend). The suite runs this twice in one call: ``nvshmem nccl nvlink``, then
+``nvlink`` alone (the engine on CUDA's backend). For each
 shape (decode, DeepSeek-V3, Mixtral-8x7B; bf16, uniform routing) and transport:
 the eager round trip (dispatch + combine, timed back to back on the device, and
 the issuing thread's wall time per call), and where the transport reads
@@ -88,6 +90,10 @@ def main():
             want = check.combine(*(lambda o: (o.tokens, o.handle))(check.dispatch(x, idx, w)))
             got = d.combine(plain.tokens, plain.handle)
             row = dict(shape=name, world=world, transport=transport, bitwise=bool(torch.equal(got, want)))
+            if transport != "nccl":
+                from torch.distributed import _symmetric_memory as symm_mem
+
+                row["backend"] = symm_mem.get_backend(dev)
 
             def eager():
                 out = d.dispatch(x, idx, w)

@@ -66,8 +66,10 @@ class DispatchConfig:
             reaches, across hosts too; ``dispatch.transports.nvshmem``): a
             dispatch with ``max_rows`` reads nothing on the host; results are
             bitwise those of ``"nccl"``; it needs a torch built with NVSHMEM,
-            and cannot share a process with the NVLink engine (torch fixes one
-            symmetric-memory backend per process). ``"nccl"``: the process
+            and shares a process with the NVLink engine only where it is made
+            first (torch fixes one symmetric-memory backend per process at its
+            first allocation; the engine then runs on NVSHMEM's buffers, for a
+            group of the whole world). ``"nccl"``: the process
             group's collectives (the only one on CPU/gloo). ``"auto"``
             (default): the engine where every rank shares a host and it can
             run; else NVSHMEM where the group spans hosts and it can run; else

@@ -119,14 +119,20 @@ class Engine(EngineMoves):
         self.rows_offset = _up(4 * self.world)
         matrix_bytes = 4 * self.world * self.row_len
         self._matrix_stride = _up(matrix_bytes)  # two copies, by epoch parity
-        meta = symm_mem.empty(self.rows_offset + 2 * self._matrix_stride, dtype=torch.uint8, device=self.device)
+        # on NVSHMEM's backend (where a transport="nvshmem" dispatcher set it first) its buffers are
+        # NVSHMEM's, reached through their peer pointers as CUDA's
+        self._on_nvshmem = getattr(symm_mem, "get_backend", lambda device: "CUDA")(self.device) == "NVSHMEM"
+        meta, self._meta_handle = self._symmetric(self.rows_offset + 2 * self._matrix_stride)
         meta.zero_()
         self._meta = meta
-        self._meta_handle = symm_mem.rendezvous(meta, self.group)  # host sync: a collective through the store
-        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
         self._meta_ptrs = _pointers(self._meta_handle, self.device)
         self._flags = meta[: 4 * self.world].view(torch.int32)
-        self._meta_handle.barrier(channel=0)  # every rank's flags are zero before any is raised
+        # every rank's flags are zero before any is raised (NVSHMEM's handle has no barrier: the host's)
+        if self._on_nvshmem:
+            torch.cuda.current_stream(self.device).synchronize()
+            dist.barrier(group=self.group, device_ids=[self.device.index])
+        else:
+            self._meta_handle.barrier(channel=0)
         self._data = self._data_handle = self._data_ptrs = None
         self._retired: list = []  # buffers outgrown that queued work or captured graphs may still use
         self._captured = False  # some operation was captured in a CUDA graph
@@ -227,13 +233,22 @@ class Engine(EngineMoves):
             self._last[0].synchronize()
         if self._captured and self._data is not None:  # a captured graph may still replay on these
             self._retired.append((self._data, self._data_handle, self._data_ptrs))
-        data = self._symm.empty(max(regions["total"][0], _ALIGN), dtype=torch.uint8, device=self.device)
-        handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
-        self._data, self._data_handle = data, handle
-        checks.FREE_MEMORY.forget()
-        self._data_ptrs = _pointers(handle, self.device)
+        self._data, self._data_handle = self._symmetric(max(regions["total"][0], _ALIGN))
+        self._data_ptrs = _pointers(self._data_handle, self.device)
         self.capacity, self._regions = capacity, regions
         self._launches.clear()  # their bound addresses and sizes were the outgrown buffer's
+
+    def _symmetric(self, size: int):
+        """(a symmetric byte buffer of ``size``, its handle): a collective of the
+        group. On NVSHMEM's backend it is never freed (NVSHMEM's free is a
+        collective of every process, which the ranks' dropping it at different
+        times would not make)."""
+        data = self._symm.empty(size, dtype=torch.uint8, device=self.device)
+        handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
+        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
+        if self._on_nvshmem:
+            _NVSHMEM_KEPT.append(data)
+        return data, handle
 
     def _region(self, name: str) -> tuple[int, int]:
         """(offset of copy 0, bytes between the copies) of a region of the data buffer."""
@@ -562,6 +577,7 @@ def _pointers(handle, device: torch.device) -> torch.Tensor:
 
 
 _ENGINES: dict = {}
+_NVSHMEM_KEPT: list = []  # the engines' buffers on NVSHMEM's backend (Engine._symmetric)
 
 
 def engine_for(group, num_experts: int, sm_budget: int | None, timeout: float) -> Engine:

@@ -9,7 +9,8 @@ contract of torch's NVSHMEM all-to-all over gloo): everything but the NVSHMEM
 call itself runs here, on several ranks. On two GPUs or more with a torch built
 with NVSHMEM the same comparisons run on the real thing, in a world of its own
 (torch fixes one symmetric-memory backend per process, and the NVLink engine's
-tests take the shared worlds to CUDA's).
+tests take the shared worlds to CUDA's); there the engine runs too, on
+NVSHMEM's buffers.
 """
 
 from __future__ import annotations
@@ -362,6 +363,44 @@ def test_on_nvshmem_a_bounded_round_trip_is_captured(nvshmem_world):
             for r in range(2)]
     for rank, same in enumerate(nvshmem_world.run(captured_round_trip, args)):
         assert all(same), (rank, same)
+
+
+def engine_beside_nvshmem(x, topk_idx, topk_weights, grad_out, pad):
+    """The NVLink engine in a process whose symmetric memory NVSHMEM's backend
+    took (an NVSHMEM dispatcher made first): its buffers NVSHMEM's. Returns the
+    verbs of its round trip (and of the NVSHMEM dispatcher's after it) that
+    differ from the NCCL transport's, the backend and the engine's key."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights, grad_out = (t.to(device) for t in (x, topk_idx, topk_weights, grad_out))
+    config = dict(num_experts=8)
+    first = _dispatcher(config, False)  # the process's symmetric memory on NVSHMEM's backend
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
+    bound = None if pad is None else nccl.dispatch(x, topk_idx, topk_weights).tokens.shape[0] + pad
+    want, _ = _round_trip(nccl, x, topk_idx, topk_weights, grad_out, bound, 1, False)
+    engine = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
+    got, _ = _round_trip(engine, x, topk_idx, topk_weights, grad_out, bound, 1, False)
+    engine.check()
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    beside, _ = _round_trip(first, x, topk_idx, topk_weights, grad_out, bound, 1, False)  # both in use
+    first.check()
+    differ += [f"nvshmem {k}" for k in want if not torch.equal(beside[k], want[k])]
+    return differ, symm_mem.get_backend(device), engine.transport.key
+
+
+@pytest.mark.parametrize("pad", [None, 5])
+def test_on_nvshmem_the_engine_runs_in_the_same_process(nvshmem_world, pad):
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 4, [40, 33], "random", seed=11)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], pad) for r in range(2)]
+    for rank, (differ, backend, key) in enumerate(nvshmem_world.run(engine_beside_nvshmem, args)):
+        assert (differ, backend, key) == ([], "NVSHMEM", ("alltoall", "nvlink")), rank
 
 
 def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):

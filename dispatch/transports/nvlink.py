@@ -360,7 +360,7 @@ def unusable(group, num_experts: int) -> str | None:
     device = torch.cuda.current_device()
     visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
     mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid), cuda.available(),
-            _symmetric_memory_usable())
+            _symmetric_memory_usable(world == dist.get_world_size()))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)  # host sync: where every rank runs, what it has
     problem = None
@@ -369,8 +369,9 @@ def unusable(group, num_experts: int) -> str | None:
     elif not all(ok for _, _, ok, _ in everyone):
         problem = "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
     elif not all(ok for _, _, _, ok in everyone):
-        problem = ("needs torch.distributed._symmetric_memory on CUDA's backend on every rank (not NVSHMEM's: "
-                   "a transport='nvshmem' dispatcher took the process's; one of the two per process)")
+        problem = ("needs torch.distributed._symmetric_memory on every rank, and on NVSHMEM's backend (which a "
+                   "transport='nvshmem' dispatcher sets for the process) the whole world as its group: NVSHMEM "
+                   "allocates on every process of the job at once")
     elif len({host for host, _, _, _ in everyone}) > 1:
         problem = "every rank of the group must be on one host"
     elif len({uuid for _, uuid, _, _ in everyone}) < world:
@@ -387,13 +388,15 @@ def unusable(group, num_experts: int) -> str | None:
     return problem
 
 
-def _symmetric_memory_usable() -> bool:
-    """Whether symmetric memory is there on CUDA's backend (torch fixes one per
-    process at its first allocation: after a ``transport="nvshmem"``
-    dispatcher's, NVSHMEM's, on which the engine does not run)."""
+def _symmetric_memory_usable(whole_world: bool) -> bool:
+    """Whether symmetric memory is there for the engine: on CUDA's backend, or on
+    NVSHMEM's (torch fixes one per process at its first allocation: a
+    ``transport="nvshmem"`` dispatcher's makes it NVSHMEM's) for a group of the
+    whole world, whose every process allocates alike."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError:
         return False
     get_backend = getattr(symm_mem, "get_backend", None)
-    return get_backend is None or get_backend(torch.device("cuda", torch.cuda.current_device())) != "NVSHMEM"
+    return (get_backend is None or whole_world
+            or get_backend(torch.device("cuda", torch.cuda.current_device())) != "NVSHMEM")

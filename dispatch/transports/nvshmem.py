@@ -261,8 +261,9 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
             symm_mem.set_backend("NVSHMEM")
         except RuntimeError:
             return (f"this process's symmetric memory is on the {symm_mem.get_backend(device)} backend already "
-                    "(torch fixes it at the first symmetric allocation, e.g. the NVLink engine's): "
-                    "NVSHMEM cannot serve it; one transport of the two per process")
+                    "(torch fixes it at the first symmetric allocation, e.g. the NVLink engine's: "
+                    "NVSHMEM cannot serve it; make the NVSHMEM dispatcher first, and the engine runs on its "
+                    "backend's buffers)")
     return None
 
 
