@@ -107,6 +107,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e._data = torch.zeros(e._regions["total"][0], dtype=torch.uint8)
     e._data_ptrs = torch.zeros(world, dtype=torch.int64)
     e._kernels, e._launches, e._retired, e._captured, e._last, e._eager_event = {}, {}, [], False, None, None
+    e._on_nvshmem = False
     e.operations = 0
     e.status = torch.zeros(4, dtype=torch.int32)
     e._seq = torch.zeros(1, dtype=torch.int32)
@@ -439,14 +440,21 @@ def test_a_launch_with_bound_arguments_hands_the_driver_the_same_block(monkeypat
         kernel.bind(e=1)
 
 
-def test_launches_made_per_shape_take_the_grown_buffers(launches, monkeypatch):
+@pytest.mark.parametrize("on_nvshmem", [False, True])
+def test_launches_made_per_shape_take_the_grown_buffers(launches, monkeypatch, on_nvshmem):
     """A shape's launches bind the engine's buffers (their addresses, regions and
     sizes): buffers grown by ``ensure`` make every launch of that shape anew, with
-    the new buffers' values, not the outgrown ones'."""
+    the new buffers' values, not the outgrown ones'. On NVSHMEM's symmetric
+    memory no buffer is ever freed (its free is a collective of every process)."""
+    from dispatch import nvlink
+
     world, experts, tokens, topk, hidden = 2, 8, 40, 4, 64
     codec = to_experts_codec("native", torch.bfloat16)
     engine = _cpu_engine(world, experts, Capacity(64, topk, staged_row_bytes(codec, hidden),
                                                   partial_row_bytes(torch.float32, hidden)))
+    engine._on_nvshmem = on_nvshmem
+    kept: list = []
+    monkeypatch.setattr(nvlink, "_NVSHMEM_KEPT", kept)
 
     class Handle:  # what the symmetric rendezvous gives: every rank's address of the buffer
         def __init__(self, data):
@@ -500,3 +508,6 @@ def test_launches_made_per_shape_take_the_grown_buffers(launches, monkeypatch):
     assert (push["part_off"], push["part_copy"]) == regions["partials"]
     assert home["partials"] == engine._data.data_ptr() + regions["partials"][0]
     assert counts["staged"] == 1
+    grown = engine._data
+    engine.ensure(Capacity(3000, topk, 0, 0))  # and again: the first grown buffer is outgrown
+    assert [t.data_ptr() for t in kept] == ([grown.data_ptr(), engine._data.data_ptr()] if on_nvshmem else [])
