@@ -189,14 +189,18 @@ class Packed:
     dtype: torch.dtype
     write: Callable[[torch.Tensor], object]
     reads: tuple
+    made: torch.Tensor | None = None  # the rows themselves, where they were made already
 
     @staticmethod
     def of(rows: torch.Tensor) -> Packed:
         """Rows made already (a 2-D tensor): written by a copy."""
-        return Packed(rows.shape[0], rows.shape[1], rows.dtype, lambda out: out.copy_(rows[: out.shape[0]]), (rows,))
+        return Packed(rows.shape[0], rows.shape[1], rows.dtype, lambda out: out.copy_(rows[: out.shape[0]]), (rows,),
+                      rows)
 
     def tensor(self, count: int, device: torch.device) -> torch.Tensor:
-        """The first ``count`` rows in a tensor of their own."""
+        """The first ``count`` rows, contiguous (in a tensor of their own where they were not made yet)."""
+        if self.made is not None:
+            return self.made[:count].contiguous()
         out = torch.empty(count, self.width, dtype=self.dtype, device=device)
         self.write(out)
         return out
@@ -220,10 +224,6 @@ def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) 
     ``recv`` by source rank; writes the rows received from each rank and
     their offsets into ``out_splits_offsets`` [2, W]. Every argument symmetric."""
     torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
-
-
-def _present(*tensors) -> tuple:
-    return tuple(t for t in tensors if t is not None)
 
 
 def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
@@ -451,7 +451,7 @@ class NVSHMEMTransport(AllToAllTransport):
         index = handle.presum_index
         partial = Packed(index.shape[0], rows.shape[1], wire,  # [R, H], summed into the send buffer
                          lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
-                         _present(rows, index, weights))
+                         (rows, index) if weights is None else (rows, index, weights))
         mark(self.phase_timer, "presum")
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
         out = self._home(partial, handle, lambda back: gather_sum(back, handle.home_index, None, rows.dtype, at_least))
