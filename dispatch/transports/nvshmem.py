@@ -24,6 +24,11 @@ every rank at the next dispatch that some rank has seen it by (each dispatch's
 agreement over the host carries that), or by ``check()``. Without ``max_rows``
 the plan reads its summary on the host as the NCCL transport does (its outputs
 have N rows).
+
+The rows to the experts are packed, and the pre-sums summed, straight into the
+send buffer. Torch's kernel moves them with at most 64 blocks on one host (16
+across hosts); ``TORCH_SYMMMEM_NBLOCKS=128``, set before the first exchange,
+made captured round trips 0.85-0.87x on 2 x H200 (bench/results/README.md).
 """
 
 from __future__ import annotations
