@@ -1,4 +1,4 @@
-"""The contract of ``dispatch.transports.nvshmem.SymmetricExchange`` over the
+"""The contract of ``dispatch.transports.symmetric.SymmetricExchange`` over the
 process group's own all-to-all (split sizes read on the host), so that the
 NVSHMEM transport's plan and movements run on gloo ranks in CI. The rows past
 the real ones are garbage (NaN, or huge ints), so a plan that reads them fails
@@ -27,7 +27,7 @@ class HostSplitsExchange:
         pass
 
     def exchange(self, rows, sends, receives, send_rows, recv_rows, consume):
-        from dispatch.transports.nvshmem import Packed
+        from dispatch.transports.symmetric import Packed
 
         if isinstance(rows, Packed):  # made where they go: here, a tensor of their own
             rows = rows.tensor(min(rows.count, send_rows), sends.device)
@@ -45,6 +45,26 @@ class HostSplitsExchange:
         out[recv_rows] = 0
         return consume(out)
 
+    def can_put(self, rows):
+        return True
+
+    def put(self, rows, send_token, sends, at, send_rows, recv_rows, consume):
+        """The put kernel's contract: this rank's rows to rank d start at row
+        ``at[d]`` of its receive rows, after the rows of every lower rank."""
+        world = sends.numel()
+        everyone = [torch.empty_like(sends) for _ in range(world)]
+        dist.all_gather(everyone, sends.contiguous(), group=self.group)
+        rank = dist.get_rank(self.group)
+        want = [sum(int(everyone[s][d]) for s in range(rank)) for d in range(world)]
+        assert at.tolist() == want, (at.tolist(), want)
+        return self.exchange(rows[send_token[: int(sends.sum())]], sends, _received_by(everyone, rank), send_rows,
+                             recv_rows, consume)
+
+
+def _received_by(everyone: list, rank: int) -> torch.Tensor:
+    """[W] the rows each rank sends this one."""
+    return torch.stack([sends[rank] for sends in everyone])
+
 
 class FakeSymmetricMemory:
     """torch's NVSHMEM pieces that ``SymmetricExchange`` calls, on gloo: its
@@ -56,13 +76,13 @@ class FakeSymmetricMemory:
     def __enter__(self):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        from dispatch.transports import nvshmem
+        from dispatch.transports import symmetric
 
         self._saved = [(symm_mem, "empty", symm_mem.empty), (symm_mem, "rendezvous", symm_mem.rendezvous),
-                       (nvshmem, "all_to_all_vdev", nvshmem.all_to_all_vdev)]
+                       (symmetric, "all_to_all_vdev", symmetric.all_to_all_vdev)]
         symm_mem.empty = _fake_empty
         symm_mem.rendezvous = lambda tensor, group: None
-        nvshmem.all_to_all_vdev = _fake_vdev
+        symmetric.all_to_all_vdev = _fake_vdev
         return self
 
     def __exit__(self, *exc):

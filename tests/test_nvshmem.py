@@ -403,6 +403,23 @@ def test_on_nvshmem_the_engine_runs_in_the_same_process(nvshmem_world, pad):
         assert (differ, backend, key) == ([], "NVSHMEM", ("alltoall", "nvlink")), rank
 
 
+def put_kernel_why_not():
+    """Why NVSHMEM's put kernel cannot run here (None where it moves the rows
+    sent as they are), once an NVSHMEM dispatcher has started NVSHMEM."""
+    from world import current_device
+
+    from dispatch.kernels import nvshmem_puts
+
+    _dispatcher(dict(num_experts=8), False)
+    return nvshmem_puts.why_not(current_device())
+
+
+def test_on_nvshmem_rows_sent_as_they_are_move_by_our_put_kernel(nvshmem_world):
+    """The GPU machines build it (nvcc, nvlink and the nvidia-nvshmem wheel's
+    device library): the bitwise tests above then ran it for every native wire."""
+    assert nvshmem_world.run(put_kernel_why_not, [()] * 2) == [None, None]
+
+
 def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
     """A round trip through ``SymmetricExchange`` (its buffers, strides, turns
     and padding row) on gloo, torch's NVSHMEM pieces faked by
@@ -410,7 +427,7 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
     from splits_exchange import FakeSymmetricMemory
     from world import current_device
 
-    from dispatch.transports.nvshmem import SymmetricExchange
+    from dispatch.transports.symmetric import SymmetricExchange
 
     device = current_device()
     x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))

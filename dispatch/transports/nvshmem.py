@@ -25,20 +25,19 @@ agreement over the host carries that), or by ``check()``. Without ``max_rows``
 the plan reads its summary on the host as the NCCL transport does (its outputs
 have N rows).
 
-The rows to the experts are packed, and the pre-sums summed, straight into the
-send buffer. Torch's kernel moves them with at most 64 blocks on one host (16
-across hosts); ``TORCH_SYMMMEM_NBLOCKS=128``, set before the first exchange,
-made captured round trips 0.85-0.87x on 2 x H200 (bench/results/README.md).
+Rows to the experts that travel as they are (the native wire) are put by a
+kernel of ours straight from x to their places at the receivers
+(``dispatch.kernels.nvshmem_puts``, where it builds: no send buffer, no pack).
+Other rows are packed, and the pre-sums summed, straight into the send buffer,
+which torch's kernel reads with at most 64 blocks on one host (16 across
+hosts); ``TORCH_SYMMMEM_NBLOCKS=128``, set before the first exchange, made
+captured round trips 0.85-0.87x on 2 x H200 (bench/results/README.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
-import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,7 +50,9 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
 from dispatch.transports.base import Request, by_groups, handle_fields, shape_fields
+from dispatch.kernels import nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
+from dispatch.transports.symmetric import Packed, exchange_for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,176 +66,15 @@ class NVSHMEMHandle(AllToAllHandle):
         send_rows, recv_rows: the rows every rank's send / receive buffers hold
             (the same on every rank: symmetric memory is allocated alike);
             row ``recv_rows`` of a received buffer is zeros (padding reads it).
+        put_at: [W] int64 on the device, where this rank's rows start in each
+            rank's receive rows (what rows put straight there need).
     """
 
     sends: torch.Tensor
     receives: torch.Tensor
     send_rows: int
     recv_rows: int
-
-
-class SymmetricExchange:
-    """A variable-split all-to-all of rows whose split sizes are on the device:
-    torch's NVSHMEM ``all_to_all_vdev``, over symmetric buffers it owns; one
-    per (group, device), shared by every dispatcher there (``exchange_for``).
-
-    ``exchange(rows, sends, receives, send_rows, recv_rows, consume)`` sends
-    ``rows`` (destination-major, ``sends[r]`` to rank r; at most ``send_rows``,
-    the rows every rank's send buffer holds) and returns ``consume(received)``:
-    the [recv_rows + 1, width] rows received (source-major, the first
-    ``receives.sum()`` real, then unset, then one zero row), read by
-    ``consume`` before the next exchange reuses them.
-
-    Every exchange runs on the exchange's own stream, in the order issued
-    (the caller's stream waits for it), and opens with a barrier of the group
-    (torch's all-to-all with no rows: its split exchange ends in one): torch's
-    kernel reads the peers' send buffers with one-sided gets and tells nobody
-    when it is done, and torch 2.11's NVSHMEM symmetric memory has no barrier
-    of its own, so a rank rewrites its send buffer only once every peer is past
-    its previous exchange, whatever ran before (a CUDA graph replayed back to
-    back included). Rows are padded to a stride that the kernel's blocks per
-    peer divide evenly (it asserts that); the send buffer holds at least 8 MiB,
-    so that its block count is its largest whatever the rows. Symmetric memory
-    is allocated alike on every process of the job at the same point: the
-    sizes come from values every rank holds (the all-gathered counts, or
-    ``reserve``), and buffers are never freed (a free is collective too).
-    """
-
-    MIN_SEND_BYTES = 8 << 20
-
-    def __init__(self, group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> None:
-        self.group_name = (group if group is not None else dist.group.WORLD).group_name
-        self.world, self.device = world_size, device
-        # torch's kernel gives each peer blocks // W blocks: at most 64 (16 off one host), or
-        # TORCH_SYMMMEM_NBLOCKS where the user set it
-        told = os.environ.get("TORCH_SYMMMEM_NBLOCKS", "")
-        blocks = (int(told),) if told.isdigit() and int(told) > 0 else (64, 16)
-        self.unit = math.lcm(16, *(max(b // world_size, 1) for b in blocks))
-        self._splits = (self._empty((world_size,), torch.int64), self._empty((2, world_size), torch.int64))
-        self._sync = (self._empty((1, 16), torch.uint8), self._empty((1, 16), torch.uint8),
-                      self._empty((world_size,), torch.int64).zero_(), self._empty((2, world_size), torch.int64))
-        self._send: torch.Tensor | None = None
-        self._recv: torch.Tensor | None = None
-        self._spent: list[torch.Tensor] = []
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A symmetric tensor, rendezvoused with the group (a collective)."""
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        tensor = symm_mem.empty(*shape, dtype=dtype, device=self.device)
-        symm_mem.rendezvous(tensor, self.group_name)  # host sync: a collective through the store
-        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
-        return tensor
-
-    def stride(self, row_bytes: int) -> int:
-        """Bytes a row of ``row_bytes`` takes in the buffers."""
-        return -(-row_bytes // self.unit) * self.unit
-
-    def holds(self, send_bytes: int, recv_bytes: int) -> bool:
-        """Whether the buffers hold these bytes already."""
-        return (self._send is not None and self._send.numel() >= send_bytes and self._recv is not None
-                and self._recv.numel() >= recv_bytes)
-
-    def ensure(self, send_bytes: int, recv_bytes: int) -> None:
-        """Buffers of at least these bytes (a collective where they grow: every
-        rank calls it at the same point with the same sizes)."""
-        if self._send is None or self._send.numel() < send_bytes:
-            size = max(send_bytes, self.MIN_SEND_BYTES, 0 if self._send is None else 2 * self._send.numel())
-            self._spent += [] if self._send is None else [self._send]
-            self._send = self._empty((size,), torch.uint8)
-        if self._recv is None or self._recv.numel() < recv_bytes:
-            size = max(recv_bytes, 0 if self._recv is None else 2 * self._recv.numel())
-            self._spent += [] if self._recv is None else [self._recv]
-            self._recv = self._empty((size,), torch.uint8)
-
-    def exchange(self, rows: "torch.Tensor | Packed", sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
-                 recv_rows: int, consume):
-        if not isinstance(rows, Packed):
-            rows = Packed.of(rows)
-        count, width, dtype = min(rows.count, send_rows), rows.width, rows.dtype
-        row_bytes = width * dtype.itemsize
-        stride = self.stride(row_bytes)
-        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
-        current = None if self._stream is None else torch.cuda.current_stream(self.device)
-        if current is not None:
-            self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream) if current is not None else contextlib.nullcontext():
-            all_to_all_vdev(*self._sync, self.group_name)  # a barrier: every peer is past its last exchange
-            send = _rows_of(self._send, stride)  # the whole buffer: its size sets the kernel's blocks
-            place = send[:count, :row_bytes]
-            if stride == row_bytes:  # written in place: no copy
-                rows.write(place.view(-1).view(dtype).view(count, width))
-            else:
-                place.copy_(rows.tensor(count, self.device).view(torch.uint8))
-            in_splits, out_splits = self._splits
-            in_splits.copy_(sends)
-            recv = _rows_of(self._recv, stride)
-            all_to_all_vdev(send, recv, in_splits, out_splits, self.group_name)
-            out = recv[: recv_rows + 1, :row_bytes]
-            out[recv_rows].zero_()
-            result = consume(out.view(dtype))
-        if current is not None:
-            current.wait_stream(self._stream)
-            if not torch.cuda.is_current_stream_capturing():  # made and read on two streams
-                for tensor in (*rows.reads, sends, receives):
-                    tensor.record_stream(self._stream)
-                result.record_stream(current)
-        return result
-
-
-@dataclass(frozen=True)
-class Packed:
-    """Rows to send, made where they go: ``write(out)`` writes the first n of
-    them into ``out``, [n, width] of ``dtype``, contiguous (an exchange's send
-    buffer: no copy of them in between), reading only ``reads``."""
-
-    count: int
-    width: int
-    dtype: torch.dtype
-    write: Callable[[torch.Tensor], object]
-    reads: tuple
-    made: torch.Tensor | None = None  # the rows themselves, where they were made already
-
-    @staticmethod
-    def of(rows: torch.Tensor) -> Packed:
-        """Rows made already (a 2-D tensor): written by a copy."""
-        return Packed(rows.shape[0], rows.shape[1], rows.dtype, lambda out: out.copy_(rows[: out.shape[0]]), (rows,),
-                      rows)
-
-    def tensor(self, count: int, device: torch.device) -> torch.Tensor:
-        """The first ``count`` rows, contiguous (in a tensor of their own where they were not made yet)."""
-        if self.made is not None:
-            return self.made[:count].contiguous()
-        out = torch.empty(count, self.width, dtype=self.dtype, device=device)
-        self.write(out)
-        return out
-
-
-_EXCHANGES: dict = {}
-
-
-def exchange_for(group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> SymmetricExchange:
-    """The :class:`SymmetricExchange` of (group, device), made on first use (a
-    collective: every rank makes its dispatchers in the same order)."""
-    key = ((group if group is not None else dist.group.WORLD).group_name, device)
-    if key not in _EXCHANGES:
-        _EXCHANGES[key] = SymmetricExchange(group, world_size, device)
-    return _EXCHANGES[key]
-
-
-def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) -> None:
-    """torch's NVSHMEM all-to-all (``torch.ops.symm_mem.all_to_all_vdev``):
-    rows of ``send`` [rows, stride] to each rank by ``in_splits`` [W], into
-    ``recv`` by source rank; writes the rows received from each rank and
-    their offsets into ``out_splits_offsets`` [2, W]. Every argument symmetric."""
-    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
-
-
-def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
-    """A byte buffer as [rows, stride] from its start (where its rendezvous is)."""
-    rows = buffer.numel() // stride
-    return buffer[: rows * stride].view(rows, stride)
+    put_at: torch.Tensor | None = None
 
 
 def unusable(group: dist.ProcessGroup | None) -> str | None:
@@ -290,8 +130,8 @@ class NVSHMEMTransport(AllToAllTransport):
 
     Args:
         exchange: what moves the rows (the group's :class:`SymmetricExchange`
-            by default; anything with its ``exchange``, ``ensure``, ``holds``
-            and ``stride``).
+            by default; anything with its ``exchange``, ``put``, ``can_put``,
+            ``ensure``, ``holds`` and ``stride``).
     """
 
     transport = "nvshmem"
@@ -301,7 +141,9 @@ class NVSHMEMTransport(AllToAllTransport):
     def __init__(self, config, group=None, exchange=None) -> None:
         super().__init__(config, group)
         if exchange is None:
-            exchange = exchange_for(group, self.world_size, torch.device("cuda", torch.cuda.current_device()))
+            device = torch.device("cuda", torch.cuda.current_device())
+            exchange = exchange_for(group, self.world_size, device)
+            nvshmem_puts.usable(device)  # its put kernel built and loaded here (the first time: seconds), not mid-call
         self.exchange = exchange
         self._capacity: tuple[int, int, int] | None = None  # (T, K, row stride) the buffers of max_rows hold
         self._failed = self._failure = None  # on the device: a dispatch with max_rows failed, and its summary
@@ -395,12 +237,14 @@ class NVSHMEMTransport(AllToAllTransport):
         summary = Summary.read(planned.summary, world, local)
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         sends, receives = summary.send, summary.recv
+        put_at = (torch.cumsum(summary.matrix, 0) - summary.matrix)[self.rank]  # this rank's first row at each
         sp = planned.send
         home_index, slot_row = sp.home_index, sp.slot_row
         if failed is not None:  # a failed dispatch moves nothing and sums nothing, on every rank alike
             sends, receives = torch.where(failed, 0, sends), torch.where(failed, 0, receives)
             home_index, slot_row = torch.where(failed, -1, home_index), torch.where(failed, -1, slot_row)
-        sends, receives = keep(sends), keep(receives)
+            put_at = torch.where(failed, 0, put_at)
+        sends, receives, put_at = keep(sends), keep(receives), keep(put_at)
         send_token = sp.send_token if failed is not None else sp.send_token[: counts[0]]
         if failed is None:
             def received(meta):
@@ -433,7 +277,7 @@ class NVSHMEMTransport(AllToAllTransport):
             **(fields or dict(send_splits=None, recv_splits=None)),
             send_token=keep(send_token), home_index=keep(home_index), slot_row=keep(slot_row),
             slot_col=keep(sp.slot_col), expand_src=expand_src, presum_index=rp.presum_index,
-            sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows)
+            sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows, put_at=put_at)
         outputs = PlanOutputs(weights=weights, tokens_per_expert=per_expert, tokens_per_expert_host=per_expert_host,
                               src_rank=src_rank, src_token=src_token)
         mark(self.phase_timer, "plan")
@@ -443,12 +287,20 @@ class NVSHMEMTransport(AllToAllTransport):
 
     def to_experts(self, rows: torch.Tensor, handle: NVSHMEMHandle, codec: Codec, own: bool = False) -> PendingGroups:
         index = handle.send_token
+
+        def consume(received):
+            return codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
+
         dtype, width = codec.wire_row(rows.dtype, rows.shape[1])
-        sent = Packed(index.shape[0], width, dtype,  # [S, wire row], packed into the send buffer
-                      lambda out: codec.pack(rows, index[: out.shape[0]], out), (rows, index))
-        expanded = self.exchange.exchange(sent, handle.sends, handle.receives, handle.send_rows, handle.recv_rows,
-                                          lambda received: codec.unpack(received, rows.dtype, rows.shape[1],
-                                                                        handle.expand_src))
+        if dtype == rows.dtype and handle.put_at is not None and self.exchange.can_put(rows):
+            # the rows as they are: put straight from x to their places at the receivers
+            expanded = self.exchange.put(rows.contiguous(), index, handle.sends, handle.put_at, handle.send_rows,
+                                         handle.recv_rows, consume)
+        else:
+            sent = Packed(index.shape[0], width, dtype,  # [S, wire row], packed into the send buffer
+                          lambda out: codec.pack(rows, index[: out.shape[0]], out), (rows, index))
+            expanded = self.exchange.exchange(sent, handle.sends, handle.receives, handle.send_rows,
+                                              handle.recv_rows, consume)
         mark(self.phase_timer, "exchange_out")
         return by_groups(Pending.done(expanded), handle)
 

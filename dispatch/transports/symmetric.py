@@ -1,0 +1,213 @@
+"""The symmetric exchange under the NVSHMEM transport (``transport="nvshmem"``):
+variable-split all-to-alls of rows whose split sizes are on the device, over
+symmetric buffers of NVSHMEM's backend; by torch's ``all_to_all_vdev``, or by
+our put kernel (``dispatch.kernels.nvshmem_puts``) for rows sent as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dispatch import checks
+from dispatch.kernels import nvshmem_puts
+
+
+class SymmetricExchange:
+    """A variable-split all-to-all of rows whose split sizes are on the device:
+    torch's NVSHMEM ``all_to_all_vdev``, over symmetric buffers it owns; one
+    per (group, device), shared by every dispatcher there (``exchange_for``).
+
+    ``exchange(rows, sends, receives, send_rows, recv_rows, consume)`` sends
+    ``rows`` (destination-major, ``sends[r]`` to rank r; at most ``send_rows``,
+    the rows every rank's send buffer holds) and returns ``consume(received)``:
+    the [recv_rows + 1, width] rows received (source-major, the first
+    ``receives.sum()`` real, then unset, then one zero row), read by
+    ``consume`` before the next exchange reuses them.
+
+    Every exchange runs on the exchange's own stream, in the order issued
+    (the caller's stream waits for it), and opens with a barrier of the group
+    (torch's all-to-all with no rows: its split exchange ends in one): torch's
+    kernel reads the peers' send buffers with one-sided gets and tells nobody
+    when it is done, and torch 2.11's NVSHMEM symmetric memory has no barrier
+    of its own, so a rank rewrites its send buffer only once every peer is past
+    its previous exchange, whatever ran before (a CUDA graph replayed back to
+    back included). Rows are padded to a stride that the kernel's blocks per
+    peer divide evenly (it asserts that); the send buffer holds at least 8 MiB,
+    so that its block count is its largest whatever the rows. Symmetric memory
+    is allocated alike on every process of the job at the same point: the
+    sizes come from values every rank holds (the all-gathered counts, or
+    ``reserve``), and buffers are never freed (a free is collective too).
+    """
+
+    MIN_SEND_BYTES = 8 << 20
+
+    def __init__(self, group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> None:
+        self.group_name = (group if group is not None else dist.group.WORLD).group_name
+        self.world, self.device = world_size, device
+        # torch's kernel gives each peer blocks // W blocks: at most 64 (16 off one host), or
+        # TORCH_SYMMMEM_NBLOCKS where the user set it
+        told = os.environ.get("TORCH_SYMMMEM_NBLOCKS", "")
+        blocks = (int(told),) if told.isdigit() and int(told) > 0 else (64, 16)
+        self.unit = math.lcm(16, *(max(b // world_size, 1) for b in blocks))
+        self._splits = (self._empty((world_size,), torch.int64), self._empty((2, world_size), torch.int64))
+        self._sync = (self._empty((1, 16), torch.uint8), self._empty((1, 16), torch.uint8),
+                      self._empty((world_size,), torch.int64).zero_(), self._empty((2, world_size), torch.int64))
+        self._send: torch.Tensor | None = None
+        self._recv: torch.Tensor | None = None
+        self._spent: list[torch.Tensor] = []
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A symmetric tensor, rendezvoused with the group (a collective)."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        tensor = symm_mem.empty(*shape, dtype=dtype, device=self.device)
+        symm_mem.rendezvous(tensor, self.group_name)  # host sync: a collective through the store
+        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
+        return tensor
+
+    def stride(self, row_bytes: int) -> int:
+        """Bytes a row of ``row_bytes`` takes in the buffers."""
+        return -(-row_bytes // self.unit) * self.unit
+
+    def holds(self, send_bytes: int, recv_bytes: int) -> bool:
+        """Whether the buffers hold these bytes already."""
+        return (self._send is not None and self._send.numel() >= send_bytes and self._recv is not None
+                and self._recv.numel() >= recv_bytes)
+
+    def ensure(self, send_bytes: int, recv_bytes: int) -> None:
+        """Buffers of at least these bytes (a collective where they grow: every
+        rank calls it at the same point with the same sizes)."""
+        if self._send is None or self._send.numel() < send_bytes:
+            size = max(send_bytes, self.MIN_SEND_BYTES, 0 if self._send is None else 2 * self._send.numel())
+            self._spent += [] if self._send is None else [self._send]
+            self._send = self._empty((size,), torch.uint8)
+        if self._recv is None or self._recv.numel() < recv_bytes:
+            size = max(recv_bytes, 0 if self._recv is None else 2 * self._recv.numel())
+            self._spent += [] if self._recv is None else [self._recv]
+            self._recv = self._empty((size,), torch.uint8)
+
+    def exchange(self, rows: "torch.Tensor | Packed", sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
+                 recv_rows: int, consume):
+        if not isinstance(rows, Packed):
+            rows = Packed.of(rows)
+        count, width, dtype = min(rows.count, send_rows), rows.width, rows.dtype
+        row_bytes = width * dtype.itemsize
+        stride = self.stride(row_bytes)
+        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+
+        def move():
+            all_to_all_vdev(*self._sync, self.group_name)  # a barrier: every peer is past its last exchange
+            send = _rows_of(self._send, stride)  # the whole buffer: its size sets the kernel's blocks
+            place = send[:count, :row_bytes]
+            if stride == row_bytes:  # written in place: no copy
+                rows.write(place.view(-1).view(dtype).view(count, width))
+            else:
+                place.copy_(rows.tensor(count, self.device).view(torch.uint8))
+            in_splits, out_splits = self._splits
+            in_splits.copy_(sends)
+            all_to_all_vdev(send, _rows_of(self._recv, stride), in_splits, out_splits, self.group_name)
+            return self._received(stride, recv_rows, row_bytes, dtype, consume)
+
+        return self._in_turn(move, (*rows.reads, sends, receives))
+
+    def can_put(self, rows: torch.Tensor) -> bool:
+        """Whether :meth:`put` moves these rows here (NVSHMEM's put kernel on CUDA)."""
+        return rows.is_cuda and nvshmem_puts.usable(rows.device)
+
+    def put(self, rows: torch.Tensor, send_token: torch.Tensor, sends: torch.Tensor, at: torch.Tensor,
+            send_rows: int, recv_rows: int, consume):
+        """:meth:`exchange` of ``rows[send_token]`` (``rows`` contiguous [T, H]), the
+        rows put by this rank straight to their places at the receivers (this
+        rank's first at row ``at[d]`` of rank d's): no send buffer, no pack."""
+        row_bytes = rows.shape[1] * rows.element_size()
+        stride = self.stride(row_bytes)
+        self.ensure(0, (recv_rows + 1) * stride)
+
+        def move():
+            nvshmem_puts.put_rows(self._recv, stride, rows, send_token, sends, at, min(send_token.shape[0], send_rows))
+            return self._received(stride, recv_rows, row_bytes, rows.dtype, consume)
+
+        return self._in_turn(move, (rows, send_token, sends, at))
+
+    def _received(self, stride: int, recv_rows: int, row_bytes: int, dtype: torch.dtype, consume):
+        """``consume`` of the rows received, [recv_rows + 1, row], the last zeros."""
+        out = _rows_of(self._recv, stride)[: recv_rows + 1, :row_bytes]
+        out[recv_rows].zero_()
+        return consume(out.view(dtype))
+
+    def _in_turn(self, move, reads: tuple):
+        """``move()`` on the exchange's own stream, after the caller's work and
+        before the caller's next (``reads``: the caller's tensors it reads)."""
+        current = None if self._stream is None else torch.cuda.current_stream(self.device)
+        if current is None:
+            return move()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            result = move()
+        current.wait_stream(self._stream)
+        if not torch.cuda.is_current_stream_capturing():  # made and read on two streams
+            for tensor in reads:
+                tensor.record_stream(self._stream)
+            result.record_stream(current)
+        return result
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Rows to send, made where they go: ``write(out)`` writes the first n of
+    them into ``out``, [n, width] of ``dtype``, contiguous (an exchange's send
+    buffer: no copy of them in between), reading only ``reads``."""
+
+    count: int
+    width: int
+    dtype: torch.dtype
+    write: Callable[[torch.Tensor], object]
+    reads: tuple
+    made: torch.Tensor | None = None  # the rows themselves, where they were made already
+
+    @staticmethod
+    def of(rows: torch.Tensor) -> Packed:
+        """Rows made already (a 2-D tensor): written by a copy."""
+        return Packed(rows.shape[0], rows.shape[1], rows.dtype, lambda out: out.copy_(rows[: out.shape[0]]), (rows,),
+                      rows)
+
+    def tensor(self, count: int, device: torch.device) -> torch.Tensor:
+        """The first ``count`` rows, contiguous (in a tensor of their own where they were not made yet)."""
+        if self.made is not None:
+            return self.made[:count].contiguous()
+        out = torch.empty(count, self.width, dtype=self.dtype, device=device)
+        self.write(out)
+        return out
+
+
+_EXCHANGES: dict = {}
+
+
+def exchange_for(group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> SymmetricExchange:
+    """The :class:`SymmetricExchange` of (group, device), made on first use (a
+    collective: every rank makes its dispatchers in the same order)."""
+    key = ((group if group is not None else dist.group.WORLD).group_name, device)
+    if key not in _EXCHANGES:
+        _EXCHANGES[key] = SymmetricExchange(group, world_size, device)
+    return _EXCHANGES[key]
+
+
+def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) -> None:
+    """torch's NVSHMEM all-to-all (``torch.ops.symm_mem.all_to_all_vdev``):
+    rows of ``send`` [rows, stride] to each rank by ``in_splits`` [W], into
+    ``recv`` by source rank; writes the rows received from each rank and
+    their offsets into ``out_splits_offsets`` [2, W]. Every argument symmetric."""
+    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
+
+
+def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
+    """A byte buffer as [rows, stride] from its start (where its rendezvous is)."""
+    rows = buffer.numel() // stride
+    return buffer[: rows * stride].view(rows, stride)
