@@ -60,6 +60,11 @@ class SymmetricExchange:
                       self._empty((world_size,), torch.int64).zero_(), self._empty((2, world_size), torch.int64))
         self._send: torch.Tensor | None = None
         self._recv: torch.Tensor | None = None
+        # its buffers NVSHMEM's (where torch's symmetric memory runs on NVSHMEM): our put kernel may write them
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        get_backend = getattr(symm_mem, "get_backend", None)
+        self._on_nvshmem = device.type == "cuda" and get_backend is not None and get_backend(device) == "NVSHMEM"
         self._spent: list[torch.Tensor] = []
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -118,8 +123,9 @@ class SymmetricExchange:
         return self._in_turn(move, (*rows.reads, sends, receives))
 
     def can_put(self, rows: torch.Tensor) -> bool:
-        """Whether :meth:`put` moves these rows here (NVSHMEM's put kernel on CUDA)."""
-        return rows.is_cuda and nvshmem_puts.usable(rows.device)
+        """Whether :meth:`put` moves these rows here (NVSHMEM's put kernel, on
+        buffers of NVSHMEM's backend, on CUDA)."""
+        return self._on_nvshmem and rows.is_cuda and nvshmem_puts.usable(rows.device)
 
     def put(self, rows: torch.Tensor, send_token: torch.Tensor, sends: torch.Tensor, at: torch.Tensor,
             send_rows: int, recv_rows: int, consume):
