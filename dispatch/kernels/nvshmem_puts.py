@@ -16,6 +16,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 
@@ -25,6 +26,8 @@ from dispatch import build
 from dispatch.cuda import csrc_dir, signatures
 
 _SOURCE, _KERNEL, _BLOCKS, _THREADS = "nvshmem_puts.cu", "put_rows", 264, 256
+# ranks the kernel's table of starts holds, as its source states it
+MAX_WORLD = int(re.search(r"kMaxWorld = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])
 enabled = True  # False: torch's all-to-all moves the rows (the same results)
 _loaded: dict = {}  # device index -> (the kernel's CUfunction, or None; why not)
 

@@ -125,7 +125,8 @@ class SymmetricExchange:
     def can_put(self, rows: torch.Tensor) -> bool:
         """Whether :meth:`put` moves these rows here (NVSHMEM's put kernel, on
         buffers of NVSHMEM's backend, on CUDA)."""
-        return self._on_nvshmem and rows.is_cuda and nvshmem_puts.usable(rows.device)
+        return (self._on_nvshmem and self.world <= nvshmem_puts.MAX_WORLD and rows.is_cuda
+                and nvshmem_puts.usable(rows.device))
 
     def put(self, rows: torch.Tensor, send_token: torch.Tensor, sends: torch.Tensor, at: torch.Tensor,
             send_rows: int, recv_rows: int, consume):
