@@ -420,6 +420,18 @@ def test_on_nvshmem_rows_sent_as_they_are_move_by_our_put_kernel(nvshmem_world):
     assert nvshmem_world.run(put_kernel_why_not, [()] * 2) == [None, None]
 
 
+def test_the_put_kernel_stands_aside_where_it_cannot_run():
+    """Off CUDA the put kernel moves nothing (torch's all-to-all does); where the
+    nvidia-nvshmem wheel is missing, ``why_not`` names it, before any build."""
+    from importlib.util import find_spec
+
+    from dispatch.kernels import nvshmem_puts
+
+    assert not nvshmem_puts.usable(torch.device("cpu"))
+    if find_spec("nvidia") is None or find_spec("nvidia.nvshmem") is None:
+        assert "nvidia-nvshmem" in nvshmem_puts.why_not(torch.device("cuda", 0))
+
+
 def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
     """A round trip through ``SymmetricExchange`` (its buffers, strides, turns
     and padding row) on gloo, torch's NVSHMEM pieces faked by
