@@ -422,12 +422,17 @@ def test_on_nvshmem_rows_sent_as_they_are_move_by_our_put_kernel(nvshmem_world):
 
 def test_the_put_kernel_stands_aside_where_it_cannot_run():
     """Off CUDA the put kernel moves nothing (torch's all-to-all does); where the
-    nvidia-nvshmem wheel is missing, ``why_not`` names it, before any build."""
+    nvidia-nvshmem wheel is missing, ``why_not`` names it, before any build; its
+    launch has a C type for every parameter the source declares."""
     from importlib.util import find_spec
 
     from dispatch.kernels import nvshmem_puts
 
     assert not nvshmem_puts.usable(torch.device("cpu"))
+    # its launch passes every parameter in the C type the source declares
+    from dispatch.cuda import signatures
+
+    assert set(signatures()[("nvshmem_puts.cu", "put_rows")].codes) <= set(nvshmem_puts._C_TYPES)
     if find_spec("nvidia") is None or find_spec("nvidia.nvshmem") is None:
         assert "nvidia-nvshmem" in nvshmem_puts.why_not(torch.device("cuda", 0))
 

@@ -29,6 +29,7 @@ _SOURCE, _KERNEL, _BLOCKS, _THREADS = "nvshmem_puts.cu", "put_rows", 264, 256
 # ranks the kernel's table of starts holds, as its source states it
 MAX_WORLD = int(re.search(r"kMaxWorld = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])
 enabled = True  # False: torch's all-to-all moves the rows (the same results)
+_C_TYPES = {"i": ctypes.c_int, "I": ctypes.c_uint, "q": ctypes.c_longlong, "Q": ctypes.c_uint64}
 _loaded: dict = {}  # device index -> (the kernel's CUfunction, or None; why not)
 
 
@@ -51,12 +52,13 @@ def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: 
     function, why = _load(x.device)
     if function is None:
         raise RuntimeError(f"the NVSHMEM put kernel cannot run here: {why}")
-    names = signatures()[(_SOURCE, _KERNEL)].names
+    signature = signatures()[(_SOURCE, _KERNEL)]
     values = dict(recv=recv.data_ptr(), recv_stride=recv_stride, x=x.data_ptr(),
                   x_stride=x.stride(0) * x.element_size(), send_token=send_token.data_ptr(),
                   sends=sends.data_ptr(), at=at.data_ptr(), world=sends.numel(),
                   row_bytes=x.shape[1] * x.element_size(), most=most)
-    holders = [ctypes.c_int(values[n]) if n == "world" else ctypes.c_uint64(values[n]) for n in names]
+    # each argument by its name, in the C type the source declares (pointers as addresses)
+    holders = [_C_TYPES[code](values[name]) for name, code in zip(signature.names, signature.codes)]
     params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
     stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
     host = _host()
