@@ -30,8 +30,7 @@ kernel of ours straight from x to their places at the receivers
 (``dispatch.kernels.nvshmem_puts``, where it builds: no send buffer, no pack).
 Other rows are packed, and the pre-sums summed, straight into the send buffer,
 which torch's kernel reads with at most 64 blocks on one host (16 across
-hosts); ``TORCH_SYMMMEM_NBLOCKS=128``, set before the first exchange, made
-captured round trips 0.85-0.87x on 2 x H200 (bench/results/README.md).
+hosts), or ``TORCH_SYMMMEM_NBLOCKS`` where set before the first exchange.
 """
 
 from __future__ import annotations

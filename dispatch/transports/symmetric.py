@@ -28,7 +28,10 @@ class SymmetricExchange:
     the rows every rank's send buffer holds) and returns ``consume(received)``:
     the [recv_rows + 1, width] rows received (source-major, the first
     ``receives.sum()`` real, then unset, then one zero row), read by
-    ``consume`` before the next exchange reuses them.
+    ``consume`` before the next exchange reuses them. ``put`` does the same for
+    rows taken from a tensor by index, put by this rank straight into the
+    receivers' buffers (``dispatch.kernels.nvshmem_puts``, between two NVSHMEM
+    barriers), where ``can_put`` says it runs.
 
     Every exchange runs on the exchange's own stream, in the order issued
     (the caller's stream waits for it), and opens with a barrier of the group
