@@ -16,7 +16,10 @@ combine equals NCCL's bitwise. Writes OUT_DIR/nvshmem-probe-<transports>.json an
 prints one line per row (median milliseconds, the slowest rank's). ``--profile``:
 then, on rank 0, a kernel table (torch.profiler, by device time) of 5 eager and
 5 captured round trips of each transport at the DeepSeek-V3 shape, written to
-OUT_DIR/nvshmem-profile-<transport>.txt.
+OUT_DIR/nvshmem-profile-<transport>.txt. ``--host-profile``: on rank 0, where the
+issuing thread spends 20 eager round trips with ``max_rows`` of each host-free
+transport at the decode shape (cProfile, by own and by cumulative time), in
+OUT_DIR/nvshmem-host-<transport>.txt.
 """
 import json
 import os
@@ -58,9 +61,28 @@ def kernel_table(run, rounds: int = 5) -> str:
     return averages.table(row_limit=30)
 
 
+def host_table(run, rounds: int = 20) -> str:
+    """Where the issuing thread spends ``rounds`` calls of ``run`` (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(rounds):
+        run()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(50)
+    return text.getvalue()
+
+
 def main():
-    profiling = "--profile" in sys.argv
-    args = [a for a in sys.argv[1:] if a != "--profile"]
+    profiling, host_profiling = "--profile" in sys.argv, "--host-profile" in sys.argv
+    args = [a for a in sys.argv[1:] if a not in ("--profile", "--host-profile")]
     out_dir, transports = args[0], args[1:]
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
@@ -118,6 +140,12 @@ def main():
                 runs = time_each({"total": replays["total"]}, ITERS, WARMUP, dev)
                 row["captured_ms"] = spread([r["total"] for r in runs])["median"]
                 d.check()
+                if host_profiling and name == "decode":
+                    table = host_table(bounded)
+                    if rank == 0:
+                        os.makedirs(out_dir, exist_ok=True)
+                        with open(os.path.join(out_dir, f"nvshmem-host-{transport}.txt"), "w") as f:
+                            f.write(f"{transport} {name} W={world}: 20 eager round trips with max_rows\n{table}")
                 if profiling and name == "deepseek-v3":
                     tables = [f"{transport} {name} W={world}: eager round trips", kernel_table(eager),
                               f"{transport} {name} W={world}: captured round trips (max_rows)",

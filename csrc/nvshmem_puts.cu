@@ -1,6 +1,8 @@
-// The NVSHMEM transport's rows to the experts, put by the sender straight from
-// its tokens to their places at the receivers (dispatch/kernels/nvshmem_puts.py):
-// no send buffer, no pack pass. Built with NVSHMEM's device library (nvcc -rdc,
+// The NVSHMEM transport's exchanges, put by the sender straight to their places
+// at the receivers (dispatch/kernels/nvshmem_puts.py): the rows to the experts
+// from the tokens themselves (row send_token[i] of x; no send buffer, no pack
+// pass), and every other exchange from rows made in send order (send_token
+// null: row i of x). Built with NVSHMEM's device library (nvcc -rdc,
 // nvlink with the wheel's libnvshmem_device.a) into a cubin, initialised in the
 // NVSHMEM instance torch's symmetric memory started.
 //
@@ -36,7 +38,8 @@ extern "C" __global__ void put_rows(char* recv, unsigned long long recv_stride, 
     int d = 0;
     while (d + 1 < world && static_cast<long long>(i) >= first[d + 1]) ++d;
     const unsigned long long place = static_cast<unsigned long long>(at[d] + static_cast<long long>(i) - first[d]);
-    nvshmemx_putmem_nbi_warp(recv + place * recv_stride, x + send_token[i] * x_stride, row_bytes, d);
+    const unsigned long long row = send_token != nullptr ? static_cast<unsigned long long>(send_token[i]) : i;
+    nvshmemx_putmem_nbi_warp(recv + place * recv_stride, x + row * x_stride, row_bytes, d);
   }
   nvshmem_quiet();
 }

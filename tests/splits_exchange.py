@@ -26,9 +26,11 @@ class HostSplitsExchange:
     def ensure(self, send_bytes: int, recv_bytes: int) -> None:
         pass
 
-    def exchange(self, rows, sends, receives, send_rows, recv_rows, consume):
+    def exchange(self, rows, sends, receives, send_rows, recv_rows, consume, at=None):
         from dispatch.transports.symmetric import Packed
 
+        if at is not None:  # rows that would be put: their places at the receivers
+            self._check_places(sends, at)
         if isinstance(rows, Packed):  # made where they go: here, a tensor of their own
             rows = rows.tensor(min(rows.count, send_rows), sends.device)
         send, recv = sends.tolist(), receives.tolist()
@@ -45,20 +47,25 @@ class HostSplitsExchange:
         out[recv_rows] = 0
         return consume(out)
 
-    def can_put(self, rows):
+    def can_put(self, device):
         return True
 
     def put(self, rows, send_token, sends, at, send_rows, recv_rows, consume):
+        everyone = self._check_places(sends, at)
+        receives = _received_by(everyone, dist.get_rank(self.group))
+        return self.exchange(rows[send_token[: int(sends.sum())]], sends, receives, send_rows, recv_rows, consume)
+
+    def _check_places(self, sends, at):
         """The put kernel's contract: this rank's rows to rank d start at row
-        ``at[d]`` of its receive rows, after the rows of every lower rank."""
+        ``at[d]`` of its receive rows, after the rows of every lower rank.
+        Returns every rank's ``sends``."""
         world = sends.numel()
         everyone = [torch.empty_like(sends) for _ in range(world)]
         dist.all_gather(everyone, sends.contiguous(), group=self.group)
         rank = dist.get_rank(self.group)
         want = [sum(int(everyone[s][d]) for s in range(rank)) for d in range(world)]
         assert at.tolist() == want, (at.tolist(), want)
-        return self.exchange(rows[send_token[: int(sends.sum())]], sends, _received_by(everyone, rank), send_rows,
-                             recv_rows, consume)
+        return everyone
 
 
 def _received_by(everyone: list, rank: int) -> torch.Tensor:

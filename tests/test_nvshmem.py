@@ -420,6 +420,47 @@ def test_on_nvshmem_rows_sent_as_they_are_move_by_our_put_kernel(nvshmem_world):
     assert nvshmem_world.run(put_kernel_why_not, [()] * 2) == [None, None]
 
 
+def exchanges_by_torch(puts: bool, *args):
+    """``against_nccl(*args)`` with our put kernel on or off; also how many of
+    torch's all-to-alls the NVSHMEM round trip called."""
+    from dispatch.kernels import nvshmem_puts
+    from dispatch.transports import symmetric
+
+    calls, saved = [], (symmetric.all_to_all_vdev, nvshmem_puts.enabled)
+
+    def counted(*a):
+        calls.append(1)
+        return saved[0](*a)
+
+    symmetric.all_to_all_vdev, nvshmem_puts.enabled = counted, puts
+    try:
+        differ, _ = against_nccl(*args)
+    finally:
+        symmetric.all_to_all_vdev, nvshmem_puts.enabled = saved
+    return differ, len(calls)
+
+
+@pytest.mark.parametrize("wire", ["native", "fp8"])
+def test_on_nvshmem_every_exchange_is_put_by_our_kernel_and_torchs_is_the_same(nvshmem_world, wire):
+    """With the put kernel, a round trip (plain and with max_rows, gradients
+    included) calls none of torch's all-to-alls; without it, torch's move the
+    same rows: both bitwise the NCCL transport."""
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 4, [40, 33], "random", seed=8)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, dispatch_wire=wire, combine_wire="fp32")
+    for puts in (True, False):
+        for pad in (None, 9):
+            args = [(puts, xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, 1, False,
+                     False) for r in range(2)]
+            for rank, (differ, by_torch) in enumerate(nvshmem_world.run(exchanges_by_torch, args)):
+                assert differ == [], (rank, puts, pad, differ)
+                assert (by_torch == 0) == puts, (rank, puts, pad, by_torch)
+
+
 def test_the_put_kernel_stands_aside_where_it_cannot_run():
     """Off CUDA the put kernel moves nothing (torch's all-to-all does); where the
     nvidia-nvshmem wheel is missing, ``why_not`` names it, before any build; its

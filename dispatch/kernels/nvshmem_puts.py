@@ -1,5 +1,6 @@
 """The NVSHMEM transport's put kernel (``csrc/nvshmem_puts.cu``): rows put by the
-sender straight from its tokens to their places at the receivers.
+sender straight to their places at the receivers, picked from its tokens by
+index or taken in order.
 
 Built at first use with NVSHMEM's device library (``nvcc -rdc``, then ``nvlink``
 with ``libnvshmem_device.a`` of the ``nvidia-nvshmem`` wheel torch installs) into
@@ -43,18 +44,20 @@ def usable(device: torch.device) -> bool:
     return enabled and device.type == "cuda" and _load(device)[0] is not None
 
 
-def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: torch.Tensor,
+def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: torch.Tensor | None,
              sends: torch.Tensor, at: torch.Tensor, most: int) -> None:
-    """Put row ``send_token[i]`` of ``x`` (contiguous [T, H]) for every send row i,
-    ``sends[d]`` of them to rank d in order, at row ``at[d] + i - first[d]`` (rows
-    of ``recv_stride`` bytes) of rank d's symmetric ``recv``; at most ``most``
-    rows. On the current stream, between two NVSHMEM barriers of every process."""
+    """Put row ``send_token[i]`` of ``x`` (rows contiguous, [T, H]; row i where
+    ``send_token`` is None) for every send row i, ``sends[d]`` of them to rank d
+    in order, at row ``at[d] + i - first[d]`` (rows of ``recv_stride`` bytes) of
+    rank d's symmetric ``recv``; at most ``most`` rows. On the current stream,
+    between two NVSHMEM barriers of every process."""
     function, why = _load(x.device)
     if function is None:
         raise RuntimeError(f"the NVSHMEM put kernel cannot run here: {why}")
     signature = signatures()[(_SOURCE, _KERNEL)]
     values = dict(recv=recv.data_ptr(), recv_stride=recv_stride, x=x.data_ptr(),
-                  x_stride=x.stride(0) * x.element_size(), send_token=send_token.data_ptr(),
+                  x_stride=x.stride(0) * x.element_size(),
+                  send_token=0 if send_token is None else send_token.data_ptr(),
                   sends=sends.data_ptr(), at=at.data_ptr(), world=sends.numel(),
                   row_bytes=x.shape[1] * x.element_size(), most=most)
     # each argument by its name, in the C type the source declares (pointers as addresses)

@@ -25,12 +25,15 @@ agreement over the host carries that), or by ``check()``. Without ``max_rows``
 the plan reads its summary on the host as the NCCL transport does (its outputs
 have N rows).
 
-Rows to the experts that travel as they are (the native wire) are put by a
-kernel of ours straight from x to their places at the receivers
-(``dispatch.kernels.nvshmem_puts``, where it builds: no send buffer, no pack).
-Other rows are packed, and the pre-sums summed, straight into the send buffer,
-which torch's kernel reads with at most 64 blocks on one host (16 across
-hosts), or ``TORCH_SYMMMEM_NBLOCKS`` where set before the first exchange.
+Every exchange is put by a kernel of ours straight to its places at the
+receivers (``dispatch.kernels.nvshmem_puts``, where it builds), the places
+taken on the device from the all-gathered counts: the rows to the experts that
+travel as they are straight from x (no pack), the others (fp8 rows, slot lists,
+pre-sums and per-slot values home) from the rows made in send order. Where the
+kernel cannot run, the rows are packed, and the pre-sums summed, straight into
+a send buffer that torch's kernel reads with at most 64 blocks on one host (16
+across hosts), or ``TORCH_SYMMMEM_NBLOCKS`` where set before the first
+exchange; the results are the same.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ class NVSHMEMHandle(AllToAllHandle):
         send_rows, recv_rows: the rows every rank's send / receive buffers hold
             (the same on every rank: symmetric memory is allocated alike);
             row ``recv_rows`` of a received buffer is zeros (padding reads it).
-        put_at: [W] int64 on the device, where this rank's rows start in each
-            rank's receive rows (what rows put straight there need).
+        put_at, back_at: [W] int64 on the device, where this rank's rows start
+            in each rank's receive rows, to the experts and back home (what rows
+            put straight there need).
     """
 
     sends: torch.Tensor
@@ -74,6 +78,7 @@ class NVSHMEMHandle(AllToAllHandle):
     send_rows: int
     recv_rows: int
     put_at: torch.Tensor | None = None
+    back_at: torch.Tensor | None = None
 
 
 def unusable(group: dist.ProcessGroup | None) -> str | None:
@@ -236,14 +241,16 @@ class NVSHMEMTransport(AllToAllTransport):
         summary = Summary.read(planned.summary, world, local)
         keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
         sends, receives = summary.send, summary.recv
-        put_at = (torch.cumsum(summary.matrix, 0) - summary.matrix)[self.rank]  # this rank's first row at each
+        matrix = summary.matrix  # [source, destination] rows of the dispatch
+        put_at = (torch.cumsum(matrix, 0) - matrix)[self.rank]  # this rank's first row at each, to the experts
+        back_at = (torch.cumsum(matrix, 1) - matrix)[:, self.rank]  # and back home
         sp = planned.send
         home_index, slot_row = sp.home_index, sp.slot_row
         if failed is not None:  # a failed dispatch moves nothing and sums nothing, on every rank alike
             sends, receives = torch.where(failed, 0, sends), torch.where(failed, 0, receives)
             home_index, slot_row = torch.where(failed, -1, home_index), torch.where(failed, -1, slot_row)
-            put_at = torch.where(failed, 0, put_at)
-        sends, receives, put_at = keep(sends), keep(receives), keep(put_at)
+            put_at, back_at = torch.where(failed, 0, put_at), torch.where(failed, 0, back_at)
+        sends, receives, put_at, back_at = keep(sends), keep(receives), keep(put_at), keep(back_at)
         send_token = sp.send_token if failed is not None else sp.send_token[: counts[0]]
         if failed is None:
             def received(meta):
@@ -254,7 +261,8 @@ class NVSHMEMTransport(AllToAllTransport):
             def received(meta):
                 real = torch.arange(held, device=meta.device) < receives.sum()
                 return torch.where(real.unsqueeze(1), meta[:held], -1)
-        meta = self.exchange.exchange(sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows, received)
+        meta = self.exchange.exchange(sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows, received,
+                                      at=put_at)
         table = plan.one_group_table(receives)
         rp = plan.build_recv_plan(meta, table, num_rows, plan.weight_wire_dtype(request.topk_weights.dtype))
         if per_expert is None:
@@ -276,7 +284,7 @@ class NVSHMEMTransport(AllToAllTransport):
             **(fields or dict(send_splits=None, recv_splits=None)),
             send_token=keep(send_token), home_index=keep(home_index), slot_row=keep(slot_row),
             slot_col=keep(sp.slot_col), expand_src=expand_src, presum_index=rp.presum_index,
-            sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows, put_at=put_at)
+            sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows, put_at=put_at, back_at=back_at)
         outputs = PlanOutputs(weights=weights, tokens_per_expert=per_expert, tokens_per_expert_host=per_expert_host,
                               src_rank=src_rank, src_token=src_token)
         mark(self.phase_timer, "plan")
@@ -291,7 +299,7 @@ class NVSHMEMTransport(AllToAllTransport):
             return codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
 
         dtype, width = codec.wire_row(rows.dtype, rows.shape[1])
-        if dtype == rows.dtype and handle.put_at is not None and self.exchange.can_put(rows):
+        if dtype == rows.dtype and self.exchange.can_put(rows.device):
             # the rows as they are: put straight from x to their places at the receivers
             expanded = self.exchange.put(rows.contiguous(), index, handle.sends, handle.put_at, handle.send_rows,
                                          handle.recv_rows, consume)
@@ -299,7 +307,7 @@ class NVSHMEMTransport(AllToAllTransport):
             sent = Packed(index.shape[0], width, dtype,  # [S, wire row], packed into the send buffer
                           lambda out: codec.pack(rows, index[: out.shape[0]], out), (rows, index))
             expanded = self.exchange.exchange(sent, handle.sends, handle.receives, handle.send_rows,
-                                              handle.recv_rows, consume)
+                                              handle.recv_rows, consume, at=handle.put_at)
         mark(self.phase_timer, "exchange_out")
         return by_groups(Pending.done(expanded), handle)
 
@@ -333,7 +341,8 @@ class NVSHMEMTransport(AllToAllTransport):
                 raise ValueError(f"expert_out: rows of {rows.shape[1]} x {rows.dtype} are wider than the buffers "
                                  "a dispatch with max_rows was sized for (rows like x: TokenDispatcher.reserve "
                                  "with the widest rows of the round trip)")
-        out = self.exchange.exchange(rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows, consume)
+        out = self.exchange.exchange(rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows, consume,
+                                     at=handle.back_at)
         mark(self.phase_timer, "exchange_back")
         return out
 

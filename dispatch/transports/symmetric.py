@@ -1,7 +1,8 @@
 """The symmetric exchange under the NVSHMEM transport (``transport="nvshmem"``):
 variable-split all-to-alls of rows whose split sizes are on the device, over
-symmetric buffers of NVSHMEM's backend; by torch's ``all_to_all_vdev``, or by
-our put kernel (``dispatch.kernels.nvshmem_puts``) for rows sent as they are.
+symmetric buffers of NVSHMEM's backend; by our put kernel
+(``dispatch.kernels.nvshmem_puts``) where it runs, else by torch's
+``all_to_all_vdev``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ class SymmetricExchange:
     the rows every rank's send buffer holds) and returns ``consume(received)``:
     the [recv_rows + 1, width] rows received (source-major, the first
     ``receives.sum()`` real, then unset, then one zero row), read by
-    ``consume`` before the next exchange reuses them. ``put`` does the same for
-    rows taken from a tensor by index, put by this rank straight into the
-    receivers' buffers (``dispatch.kernels.nvshmem_puts``, between two NVSHMEM
-    barriers), where ``can_put`` says it runs.
+    ``consume`` before the next exchange reuses them. Where ``can_put`` says it
+    runs, rows given ``at`` (this rank's first row at each receiver, [W] on the
+    device) are put by this rank straight into the receivers' buffers instead
+    (``dispatch.kernels.nvshmem_puts``, between two NVSHMEM barriers): no send
+    buffer, no split exchange; ``put`` puts rows taken from a tensor by index
+    (no pack either).
 
     Every exchange runs on the exchange's own stream, in the order issued
     (the caller's stream waits for it), and opens with a barrier of the group
@@ -102,10 +105,13 @@ class SymmetricExchange:
             self._recv = self._empty((size,), torch.uint8)
 
     def exchange(self, rows: "torch.Tensor | Packed", sends: torch.Tensor, receives: torch.Tensor, send_rows: int,
-                 recv_rows: int, consume):
+                 recv_rows: int, consume, at: torch.Tensor | None = None):
         if not isinstance(rows, Packed):
             rows = Packed.of(rows)
         count, width, dtype = min(rows.count, send_rows), rows.width, rows.dtype
+        if at is not None and self.can_put(self.device):
+            return self._put(lambda: rows.tensor(count, self.device), None, sends, at, count, recv_rows,
+                             width * dtype.itemsize, dtype, consume, (*rows.reads, sends, at))
         row_bytes = width * dtype.itemsize
         stride = self.stride(row_bytes)
         self.ensure(send_rows * stride, (recv_rows + 1) * stride)
@@ -125,26 +131,32 @@ class SymmetricExchange:
 
         return self._in_turn(move, (*rows.reads, sends, receives))
 
-    def can_put(self, rows: torch.Tensor) -> bool:
-        """Whether :meth:`put` moves these rows here (NVSHMEM's put kernel, on
+    def can_put(self, device: torch.device) -> bool:
+        """Whether rows on ``device`` are put here (NVSHMEM's put kernel, on
         buffers of NVSHMEM's backend, on CUDA)."""
-        return (self._on_nvshmem and self.world <= nvshmem_puts.MAX_WORLD and rows.is_cuda
-                and nvshmem_puts.usable(rows.device))
+        return (self._on_nvshmem and self.world <= nvshmem_puts.MAX_WORLD and device.type == "cuda"
+                and nvshmem_puts.usable(device))
 
     def put(self, rows: torch.Tensor, send_token: torch.Tensor, sends: torch.Tensor, at: torch.Tensor,
             send_rows: int, recv_rows: int, consume):
         """:meth:`exchange` of ``rows[send_token]`` (``rows`` contiguous [T, H]), the
         rows put by this rank straight to their places at the receivers (this
         rank's first at row ``at[d]`` of rank d's): no send buffer, no pack."""
-        row_bytes = rows.shape[1] * rows.element_size()
+        return self._put(lambda: rows, send_token, sends, at, min(send_token.shape[0], send_rows), recv_rows,
+                         rows.shape[1] * rows.element_size(), rows.dtype, consume, (rows, send_token, sends, at))
+
+    def _put(self, source, send_token, sends, at, most: int, recv_rows: int, row_bytes: int, dtype, consume,
+             reads: tuple):
+        """Rows of ``source()`` (by ``send_token``, or in order) put to the
+        receivers, then ``consume`` of the rows received."""
         stride = self.stride(row_bytes)
         self.ensure(0, (recv_rows + 1) * stride)
 
         def move():
-            nvshmem_puts.put_rows(self._recv, stride, rows, send_token, sends, at, min(send_token.shape[0], send_rows))
-            return self._received(stride, recv_rows, row_bytes, rows.dtype, consume)
+            nvshmem_puts.put_rows(self._recv, stride, source(), send_token, sends, at, most)
+            return self._received(stride, recv_rows, row_bytes, dtype, consume)
 
-        return self._in_turn(move, (rows, send_token, sends, at))
+        return self._in_turn(move, reads)
 
     def _received(self, stride: int, recv_rows: int, row_bytes: int, dtype: torch.dtype, consume):
         """``consume`` of the rows received, [recv_rows + 1, row], the last zeros."""
