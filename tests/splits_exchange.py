@@ -58,7 +58,8 @@ class HostSplitsExchange:
     def _check_places(self, sends, at):
         """The put kernel's contract: this rank's rows to rank d start at row
         ``at[d]`` of its receive rows, after the rows of every lower rank.
-        Returns every rank's ``sends``."""
+        Returns every rank's ``sends``; the kernel reads both as contiguous int64."""
+        assert all(t.dtype == torch.int64 and t.is_contiguous() for t in (sends, at)), (sends.stride(), at.stride())
         world = sends.numel()
         everyone = [torch.empty_like(sends) for _ in range(world)]
         dist.all_gather(everyone, sends.contiguous(), group=self.group)

@@ -476,6 +476,12 @@ def test_the_put_kernel_stands_aside_where_it_cannot_run():
     assert set(signatures()[("nvshmem_puts.cu", "put_rows")].codes) <= set(nvshmem_puts._C_TYPES)
     if find_spec("nvidia") is None or find_spec("nvidia.nvshmem") is None:
         assert "nvidia-nvshmem" in nvshmem_puts.why_not(torch.device("cuda", 0))
+    # it reads its tables as contiguous int64: a strided one is refused by name, before any launch
+    rows, places = torch.zeros(4, 8), torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^at: "):
+        nvshmem_puts.put_rows(rows, 32, rows, None, torch.zeros(2, dtype=torch.int64), places[:, 0], 4)
+    with pytest.raises(ValueError, match="^sends: "):
+        nvshmem_puts.put_rows(rows, 32, rows, None, torch.zeros(2, dtype=torch.int32), places[0], 4)
 
 
 def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):

@@ -51,6 +51,10 @@ def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: 
     in order, at row ``at[d] + i - first[d]`` (rows of ``recv_stride`` bytes) of
     rank d's symmetric ``recv``; at most ``most`` rows. On the current stream,
     between two NVSHMEM barriers of every process."""
+    for name, tensor in (("send_token", send_token), ("sends", sends), ("at", at)):
+        if tensor is not None and (tensor.dtype != torch.int64 or not tensor.is_contiguous()):
+            raise ValueError(f"{name}: the put kernel reads it as contiguous int64, got {tensor.dtype} "
+                             f"of strides {tensor.stride()}")
     function, why = _load(x.device)
     if function is None:
         raise RuntimeError(f"the NVSHMEM put kernel cannot run here: {why}")

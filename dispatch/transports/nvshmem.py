@@ -243,7 +243,7 @@ class NVSHMEMTransport(AllToAllTransport):
         sends, receives = summary.send, summary.recv
         matrix = summary.matrix  # [source, destination] rows of the dispatch
         put_at = (torch.cumsum(matrix, 0) - matrix)[self.rank]  # this rank's first row at each, to the experts
-        back_at = (torch.cumsum(matrix, 1) - matrix)[:, self.rank]  # and back home
+        back_at = (torch.cumsum(matrix, 1) - matrix)[:, self.rank].contiguous()  # and back home
         sp = planned.send
         home_index, slot_row = sp.home_index, sp.slot_row
         if failed is not None:  # a failed dispatch moves nothing and sums nothing, on every rank alike
