@@ -55,6 +55,10 @@ class HostSplitsExchange:
         receives = _received_by(everyone, dist.get_rank(self.group))
         return self.exchange(rows[send_token[: int(sends.sum())]], sends, receives, send_rows, recv_rows, consume)
 
+    def gather(self, row, out=None):
+        assert row.dim() == 1, row.shape  # one row per rank
+        return comm.all_gather_rows(row, self.group, dist.get_world_size(self.group), out=out)
+
     def _check_places(self, sends, at):
         """The put kernel's contract: this rank's rows to rank d start at row
         ``at[d]`` of its receive rows, after the rows of every lower rank.

@@ -134,7 +134,7 @@ class NVSHMEMTransport(AllToAllTransport):
 
     Args:
         exchange: what moves the rows (the group's :class:`SymmetricExchange`
-            by default; anything with its ``exchange``, ``put``, ``can_put``,
+            by default; anything with its ``exchange``, ``put``, ``gather``, ``can_put``,
             ``ensure``, ``holds`` and ``stride``).
     """
 
@@ -289,6 +289,12 @@ class NVSHMEMTransport(AllToAllTransport):
                               src_rank=src_rank, src_token=src_token)
         mark(self.phase_timer, "plan")
         return handle, outputs
+
+    def _gather_rows(self, row: torch.Tensor, out: torch.Tensor | None, bounded: bool) -> torch.Tensor:
+        # put by our kernel where it runs (every rank is at this dispatch: agreed over the host first)
+        if self.exchange.can_put(row.device):
+            return self.exchange.gather(row, out)
+        return super()._gather_rows(row, out, bounded)
 
     # -- the movements --------------------------------------------------------
 

@@ -34,7 +34,7 @@ class SymmetricExchange:
     device) are put by this rank straight into the receivers' buffers instead
     (``dispatch.kernels.nvshmem_puts``, between two NVSHMEM barriers): no send
     buffer, no split exchange; ``put`` puts rows taken from a tensor by index
-    (no pack either).
+    (no pack either); ``gather`` all-gathers one row per rank (the counts).
 
     Every exchange runs on the exchange's own stream, in the order issued
     (the caller's stream waits for it), and opens with a barrier of the group
@@ -72,6 +72,10 @@ class SymmetricExchange:
         get_backend = getattr(symm_mem, "get_backend", None)
         self._on_nvshmem = device.type == "cuda" and get_backend is not None and get_backend(device) == "NVSHMEM"
         self._spent: list[torch.Tensor] = []
+        # a row to every rank, at row `rank` of each (``gather``): its index, sends and places
+        rank = dist.get_rank(group)
+        self._to_everyone = tuple(torch.full((world_size,), value, dtype=torch.int64, device=device)
+                                  for value in (0, 1, rank))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -144,6 +148,18 @@ class SymmetricExchange:
         rank's first at row ``at[d]`` of rank d's): no send buffer, no pack."""
         return self._put(lambda: rows, send_token, sends, at, min(send_token.shape[0], send_rows), recv_rows,
                          rows.shape[1] * rows.element_size(), rows.dtype, consume, (rows, send_token, sends, at))
+
+    def gather(self, row: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All-gather of one row per rank ([L] on the device, alike on every
+        rank) by the put kernel (where ``can_put``): [W, L] (``out`` where
+        given), row s rank s's."""
+        if out is None:
+            out = torch.empty(self.world, row.numel(), dtype=row.dtype, device=row.device)
+        source = row.reshape(1, -1).contiguous()
+        index, sends, at = self._to_everyone
+        row_bytes = source.shape[1] * source.element_size()
+        return self._put(lambda: source, index, sends, at, self.world, self.world, row_bytes, row.dtype,
+                         lambda got: out.copy_(got[: self.world]), (source, out))
 
     def _put(self, source, send_token, sends, at, most: int, recv_rows: int, row_bytes: int, dtype, consume,
              reads: tuple):
