@@ -247,11 +247,14 @@ class NVSHMEMTransport(AllToAllTransport):
         sp = planned.send
         home_index, slot_row = sp.home_index, sp.slot_row
         if failed is not None:  # a failed dispatch moves nothing and sums nothing, on every rank alike
+            # (new tensors: none of them is a replayed plan's buffer, which the next replay rewrites)
             sends, receives = torch.where(failed, 0, sends), torch.where(failed, 0, receives)
             home_index, slot_row = torch.where(failed, -1, home_index), torch.where(failed, -1, slot_row)
             put_at, back_at = torch.where(failed, 0, put_at), torch.where(failed, 0, back_at)
-        sends, receives, put_at, back_at = keep(sends), keep(receives), keep(put_at), keep(back_at)
-        send_token = sp.send_token if failed is not None else sp.send_token[: counts[0]]
+            send_token = sp.send_token  # made new below
+        else:
+            sends, receives, home_index, slot_row = (keep(t) for t in (sends, receives, home_index, slot_row))
+            send_token = keep(sp.send_token[: counts[0]])
         if failed is None:
             def received(meta):
                 return meta[: counts[1]].clone()
@@ -282,8 +285,7 @@ class NVSHMEMTransport(AllToAllTransport):
         handle = NVSHMEMHandle(
             **handle_fields(request, self, num_rows, grads_any, has_rows),
             **(fields or dict(send_splits=None, recv_splits=None)),
-            send_token=keep(send_token), home_index=keep(home_index), slot_row=keep(slot_row),
-            slot_col=keep(sp.slot_col), expand_src=expand_src, presum_index=rp.presum_index,
+            send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col), expand_src=expand_src, presum_index=rp.presum_index,
             sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows, put_at=put_at, back_at=back_at)
         outputs = PlanOutputs(weights=weights, tokens_per_expert=per_expert, tokens_per_expert_host=per_expert_host,
                               src_rank=src_rank, src_token=src_token)
