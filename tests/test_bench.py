@@ -39,6 +39,22 @@ def test_dispatch_run_writes_results(tmp_path):
 
 
 @world_of_two
+def test_auto_is_timed_in_turns_against_the_fastest_of_its_wire(tmp_path):
+    argv = ["dispatch", "--shapes", "cpu-decode", "--routings", "uniform", "--variants", "alltoall,allgather,auto",
+            "--wires", "native", "--baselines", "none", "--transports", "nccl", "--world-size", "2", "--iters", "3",
+            "--warmup", "1", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "dispatch-w2.json").read_text())["rows"]
+    auto = [r for r in rows if r["variant"] == "auto"]
+    assert len(auto) == 1 and all("in_turns" not in r for r in rows if r["variant"] != "auto")
+    turns = auto[0]["in_turns"]
+    assert set(turns["median_ms"]) == {r["name"] for r in rows}
+    assert turns["fastest"] == min(("ours alltoall", "ours allgather"), key=turns["median_ms"].__getitem__)
+    assert turns["ratio"] == pytest.approx(turns["median_ms"][auto[0]["name"]] / turns["median_ms"][turns["fastest"]])
+    assert f"{turns['ratio']:.2f}x {turns['fastest'].removeprefix('ours ')}" in roundtrip.summary(rows)
+
+
+@world_of_two
 def test_a2a_run_columns_units_and_bandwidth(tmp_path):
     argv = ["a2a", "--world-size", "2", "--min-bytes", "1K", "--max-bytes", "16K", "--iters", "2",
             "--warmup", "1", "--out", str(tmp_path)]

@@ -319,6 +319,33 @@ def time_each(steps: dict[str, Callable[[], None]], iters: int, warmup: int, dev
     return [dict(zip(names, row)) for row in table.cpu().tolist()]
 
 
+def time_in_turns(steps: dict[str, Callable[[], None]], iters: int, warmup: int,
+                  dev: torch.device) -> dict[str, list[float]]:
+    """``iters`` runs of each step taken in turns (the order reversed every other
+    run, so that neither always follows the other), each after a barrier and
+    timed alone (:class:`PhaseTimer`: CUDA events, or the host clock on CPU);
+    {name: ms per run}, the slowest rank's figure per run. Side by side like
+    this, a slow spell of the machine falls on both alike."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    names = list(steps)
+    runs = []
+    for i in range(iters):
+        run = {}
+        for name in names if i % 2 == 0 else names[::-1]:
+            dist.barrier()
+            timer = PhaseTimer(dev)
+            timer.start()
+            steps[name]()
+            timer.mark("run")
+            run[name] = timer.phases()["run"]
+        runs.append(run)
+    table = torch.tensor([[r[n] for n in names] for r in runs], dtype=torch.float64).to(dev)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return {n: column for n, column in zip(names, table.t().cpu().tolist())}
+
+
 def time_back_to_back(step: Callable[[], None], iters: int, warmup: int, dev: torch.device) -> list[float]:
     """Milliseconds of each of ``iters`` runs of ``step()`` issued back to back
     after one barrier, the slowest rank's, as nccl-tests times a collective: on

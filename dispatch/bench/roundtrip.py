@@ -19,7 +19,9 @@ in the same processes and table:
   in dispatch (one per (token, rank), its own included) over the dispatch time,
   and the same bytes over the combine time;
 * ``#wrong``: rows of combine(dispatch(x)) (identity experts) that are not
-  ``x * sum(weights)`` within the wire format's rounding.
+  ``x * sum(weights)`` within the wire format's rounding;
+* for ``auto``: its round trip over the fastest other eager row of ours with
+  its wire, all of them timed again in turns, run by run.
 
 Routings: ``uniform`` (K distinct experts uniformly at random), ``zipf``
 (expert popularity ~ 1 / rank^1.2, the same hot experts on every rank) and
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> dict | None:
                     progress.step(f"{shape.name} {routing}", "skipped: K > experts per rank")
                 continue
             topk_idx, topk_weights = made
+            eager = []  # this shape and routing's eager rows of ours, with their dispatchers
             for variant, wire, transport in ours:
                 graphs = transport == "nvlink-graph"
                 transport = "nvlink" if graphs else transport
@@ -188,9 +191,12 @@ def run(args: argparse.Namespace) -> dict | None:
                 ours_row = _ours_graphs if graphs else _ours
                 row = ours_row(dispatchers[key], shape, routing, x, topk_idx, topk_weights, args, dev)
                 rows.append(row)
+                if not graphs:
+                    eager.append((row, dispatchers[key]))
                 progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
                 if args.profile and len(rows) == 1:
                     _profile(dispatchers[key], x, topk_idx, topk_weights, args, shape, dev)
+            _auto_in_turns(eager, x, topk_idx, topk_weights, args, dev)
             if megatron:
                 for kind in ("alltoall", "allgather"):
                     row = _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev)
@@ -265,6 +271,34 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
     wire = cfg.dispatch_wire if cfg.combine_wire == "native" else f"{cfg.dispatch_wire}/{cfg.combine_wire}"
     name = f"ours {cfg.variant}" + ("/nvlink" if cfg.transport == "nvlink" else "")
     return _row(name, cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
+
+
+def _auto_in_turns(eager: list, x, topk_idx, topk_weights, args, dev) -> None:
+    """Each ``auto`` row against the other eager rows of ours with its wire, all
+    timed again in turns (``common.time_in_turns``), so that the comparison
+    does not hang on when each row was measured: ``row["in_turns"]`` holds
+    auto's median over the fastest one's and that one's name."""
+    for row, d in eager:
+        rivals = [(r, other) for r, other in eager if r["variant"] != "auto" and r["wire"] == row["wire"]]
+        if row["variant"] != "auto" or not rivals:
+            continue
+
+        def step(d):
+            def run():
+                out = d.dispatch(x, topk_idx, topk_weights)
+                d.combine(out.tokens, out.handle, weights=out.weights)
+            return run
+
+        steps = {r["name"]: step(other) for r, other in [(row, d), *rivals]}
+        medians = {name: common.spread(ms)["median"]
+                   for name, ms in common.time_in_turns(steps, args.iters, args.warmup, dev).items()}
+        fastest = min((r["name"] for r, _ in rivals), key=medians.__getitem__)
+        row["in_turns"] = {"ratio": medians[row["name"]] / medians[fastest], "fastest": fastest, "median_ms": medians}
+
+
+def _in_turns(row: dict) -> str:
+    turns = row.get("in_turns")
+    return "-" if turns is None else f"{turns['ratio']:.2f}x {turns['fastest'].removeprefix('ours ')}"
 
 
 def _ours_graphs(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
@@ -419,7 +453,7 @@ def _ms(stats: dict) -> str:
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "routing", "dispatcher", "round trip ms", "p10-p90", "vs megatron a2a", "dispatch ms",
             "combine ms", *PHASES, "MB out/rank (dispatch, combine)", "of which inter-node",
-            "DeepEP-style GB/s (dispatch, combine)", "#wrong"]
+            "DeepEP-style GB/s (dispatch, combine)", "auto in turns: / the fastest", "#wrong"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         base = _baseline(rows, r)
@@ -431,7 +465,7 @@ def markdown_table(rows: list[dict]) -> str:
         bw = (f"{r['deepep_dispatch_gbps']:.0f}, {r['deepep_combine_gbps']:.0f}" if "deepep_dispatch_gbps" in r else "-")
         lines.append("| " + " | ".join([
             r["shape"]["name"], r["routing"], r["name"], _ms(rt), f"{rt['p10']:.3f}-{rt['p90']:.3f}", speedup,
-            _ms(r["dispatch_ms"]), _ms(r["combine_ms"]), *phases, moved, inter, bw, str(r["wrong"]),
+            _ms(r["dispatch_ms"]), _ms(r["combine_ms"]), *phases, moved, inter, bw, _in_turns(r), str(r["wrong"]),
         ]) + " |")
     return "\n".join(lines)
 
@@ -447,13 +481,14 @@ def _baseline(rows: list[dict], row: dict) -> float | None:
 def summary(rows: list[dict]) -> str:
     """The fixed-width table printed at the end of a run."""
     cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 40), ("round trip", "(ms)", 10),
-            ("dispatch", "(ms)", 9), ("combine", "(ms)", 9), ("vs mcore a2a", "", 12), ("#wrong", "", 7)]
+            ("dispatch", "(ms)", 9), ("combine", "(ms)", 9), ("vs mcore a2a", "", 12),
+            ("auto in turns", "/ the fastest", 26), ("#wrong", "", 7)]
     body = []
     for r in rows:
         base = _baseline(rows, r)
         body.append([r["shape"]["name"], r["routing"], r["name"], _ms(r["round_trip_ms"]), _ms(r["dispatch_ms"]),
                      _ms(r["combine_ms"]), f"{base / r['round_trip_ms']['median']:.2f}x" if base else "-",
-                     str(r["wrong"])])
+                     _in_turns(r), str(r["wrong"])])
     table = common.fixed_width(cols, body)
     if not any(r["name"] == "megatron alltoall" for r in rows):
         table += ("\n(vs mcore a2a: - because Megatron-Core's alltoall dispatcher did not run here: it runs on GPUs "
@@ -476,7 +511,9 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "combine_postprocess) fill the six phase columns in that order. MB out/rank: bytes sent to other "
         "ranks per direction. DeepEP-style GB/s: bytes of the rows a rank receives in dispatch (its own "
         "included: one row per (token, rank) for ours, one per (token, expert) for Megatron's alltoall, "
-        "what each actually moves) over the dispatch time, and over the combine time."
+        "what each actually moves) over the dispatch time, and over the combine time. Auto in turns: "
+        "the auto row and the other eager rows of ours with its wire timed again, run by run in turns; auto's "
+        "median over the fastest one's, and which one that was."
     ]
     png = plots.round_trip_plot(rows, os.path.join(args.out, stem + ".png"), title, PHASES)
     if png:
