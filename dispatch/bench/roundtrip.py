@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the alltoall variant's transports, comma-separated from nccl, nvlink, nvlink-graph "
                              "(the engine with max_rows = N + 10%%, dispatch, combine and round trip each "
                              "captured in a CUDA graph and replayed), or 'all' (nccl and nvlink on GPUs where "
-                             "the NVLink engine runs, nccl elsewhere)")
+                             "the NVLink engine runs, nccl elsewhere); the other variants over NCCL, auto over "
+                             "the transport it chooses (transport=\"auto\")")
     parser.add_argument("--nodes", type=int, default=1,
                         help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
                              "bytes per tier; default 1)")
@@ -161,8 +162,9 @@ def run(args: argparse.Namespace) -> dict | None:
     bad = [s.name for s in shapes if s.experts % world]
     if bad:
         raise ValueError(f"--shapes: {', '.join(bad)} cannot split its experts over {world} ranks")
+    # auto as a user gets it (its transport "auto": the NVLink engine where it runs); the others over each transport
     ours = [(v, w, t) for v in args.variants for w in args.dispatch_wires
-            for t in (args.transports if v == "alltoall" else ["nccl"])]
+            for t in (args.transports if v == "alltoall" else ["auto"] if v == "auto" else ["nccl"])]
     total = len(shapes) * len(args.routings) * (len(ours) + baselines)
     progress = common.Progress(total, "dispatch")
     _warm_up(shapes[0], dtype, dev, args)
