@@ -365,6 +365,45 @@ def test_on_nvshmem_a_bounded_round_trip_is_captured(nvshmem_world):
         assert all(same), (rank, same)
 
 
+def replayed_plans(x, topk_idx, topk_weights, pad):
+    """Dispatches with max_rows of one signature on new values each call (the
+    tokens rolled: the same rows per rank), all held, then combined: the plan
+    runs op by op, then is captured whole, then replayed; every dispatch's rows
+    and every combine equal the NCCL transport's. Also whether it replayed."""
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
+    config = dict(num_experts=8)
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
+    d = _dispatcher(config, False)
+    bound = nccl.dispatch(x, topk_idx, topk_weights).tokens.shape[0] + pad
+    calls = [tuple(t.roll(i, 0) for t in (x, topk_idx, topk_weights)) for i in range(5)]
+    held = [d.dispatch(*call, max_rows=bound) for call in calls]  # handles outlive the later replays
+    same = []
+    for out, call in zip(held, calls):
+        want = nccl.dispatch(*call)
+        rows = want.tokens.shape[0]
+        same.append(torch.equal(out.tokens[:rows], want.tokens) and not out.tokens[rows:].any()
+                    and torch.equal(out.tokens_per_expert, want.tokens_per_expert))
+        same.append(torch.equal(d.combine(out.tokens * 3, out.handle, weights=out.weights),
+                                nccl.combine(want.tokens * 3, want.handle, weights=want.weights)))
+    d.check()
+    return same, any(r is not None for r in d.transport._replays.values())
+
+
+@pytest.mark.parametrize("pad", [0, 7])
+def test_on_nvshmem_a_plan_with_max_rows_is_replayed_whole(nvshmem_world, pad):
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 4, [40, 33], "random", seed=13)
+    gen = torch.Generator().manual_seed(3)
+    args = [(torch.randn(t, 256, generator=gen).to(torch.bfloat16), routing.topk_idx[r],
+             routing.topk_weights[r].float(), pad) for r, t in enumerate(routing.num_tokens)]
+    for rank, (same, replayed) in enumerate(nvshmem_world.run(replayed_plans, args)):
+        assert all(same) and replayed, (rank, same, replayed)
+
+
 def engine_beside_nvshmem(x, topk_idx, topk_weights, grad_out, pad):
     """The NVLink engine in a process whose symmetric memory NVSHMEM's backend
     took (an NVSHMEM dispatcher made first): its buffers NVSHMEM's. Returns the

@@ -21,9 +21,11 @@ bad value) are made on the device (``checks.peers_fail``), every rank alike
 from the same all-gathered rows: a dispatch that fails them moves no row on any
 rank, its outputs are padding and its sums zeros, and its error is raised on
 every rank at the next dispatch that some rank has seen it by (each dispatch's
-agreement over the host carries that), or by ``check()``. Without ``max_rows``
-the plan reads its summary on the host as the NCCL transport does (its outputs
-have N rows).
+agreement over the host carries that), or by ``check()``. On CUDA, such a plan
+of a signature seen before is one CUDA graph, replayed (:class:`_Replayed`): a
+few host calls where op by op it makes some hundred. Without ``max_rows`` the
+plan reads its summary on the host as the NCCL transport does (its outputs have
+N rows).
 
 Every exchange is put by a kernel of ours straight to its places at the
 receivers (``dispatch.kernels.nvshmem_puts``, where it builds), the places
@@ -39,6 +41,7 @@ exchange; the results are the same.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +119,11 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
     return None
 
 
+# the handle's tensors (:meth:`NVSHMEMTransport._plan_tensors` makes them and the outputs')
+_HANDLE_TENSORS = ("send_token", "home_index", "slot_row", "slot_col", "expand_src", "presum_index", "sends",
+                   "receives", "put_at", "back_at")
+_REPLAYS = 8  # signatures whose plan with max_rows is kept captured
+
 # the bits of a rank's word in a dispatch's agreement (``dispatch_word``)
 _BOUNDED, _X_GRAD, _WEIGHTS_GRAD, _FAILED = 1, 2, 4, 8
 
@@ -155,6 +163,8 @@ class NVSHMEMTransport(AllToAllTransport):
         self._local_error: Exception | None = None  # this rank's own reason, where it had one
         self._row_bytes = 0
         self._kept: list[torch.Tensor] = []  # host headers read by captured graphs
+        self._replays: dict = {}  # signature -> its plan captured whole (None: seen once), oldest first
+        self._header_input: torch.Tensor | None = None  # the header of a plan being captured whole
 
     def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
         grad = torch.is_grad_enabled()
@@ -189,8 +199,9 @@ class NVSHMEMTransport(AllToAllTransport):
         sizes = (max(map(sum, matrix)), max(map(sum, zip(*matrix))))  # every rank's largest S and R
         send, recv = summary.send, summary.recv
         fields = dict(send_splits=send, recv_splits=recv, **shape_fields(request, local, summary.per_expert, num_rows))
-        return self._finish_plan(request, planned, captured, grads_any, num_rows, None, sizes, summary.has_rows,
-                                 summary.per_expert_host(), counts=(sum(send), sum(recv)), fields=fields)
+        tensors = self._plan_tensors(request, planned, captured, num_rows, None, sizes, counts=(sum(send), sum(recv)))
+        return self._made_plan(request, tensors, grads_any, num_rows, sizes, summary.has_rows,
+                               summary.per_expert_host(), fields)
 
     def _plan_bounded(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
         x, topk_idx, ticket = request.x, request.topk_idx, request.ticket
@@ -212,30 +223,62 @@ class NVSHMEMTransport(AllToAllTransport):
             header[plan.HEADER.index("failed")] = 2
             request = dataclasses.replace(request, topk_idx=torch.full_like(topk_idx, -1), check_values=False)
             self._local_error = self._local_error or error
+        world = self.world_size
+        self._row_bytes = self.row_bytes(x)
+        words = request.agreed or (self.dispatch_word(x, request.topk_weights, ticket.max_rows),)
+        grads_any = (any(w & _X_GRAD for w in words), any(w & _WEIGHTS_GRAD for w in words))
+        sizes = (0, 0) if error is not None else (world * tokens, world * tokens)
+        replay = None if error is not None else self._replay_for(request, ticket.max_rows, sizes)
+        if replay is not None:
+            tensors = replay.run(request, header)
+        else:
+            tensors = self._bounded_tensors(request, header, ticket.max_rows, sizes)
+        self._watch_failure()
+        return self._made_plan(request, tensors, grads_any, ticket.max_rows, sizes, (True,) * world, None)
+
+    def _bounded_tensors(self, request: Request, header: list[int], num_rows: int, sizes) -> dict:
+        """The device work of a dispatch with max_rows (:meth:`_plan_tensors`),
+        its failure recorded on the device; nothing read on the host, so that
+        it can be captured whole (:class:`_Replayed`)."""
         planned, captured = self._counts_and_send_plan(request, header, bounded=True)
         world, local = self.world_size, self.num_local_experts
         summary = Summary.read(planned.summary, world, local)  # views on the device
         failed = checks.peers_fail(summary.headers, summary.received, summary.groups)
         self._record(failed, planned.summary)
-        self._row_bytes = self.row_bytes(x)
-        words = request.agreed or (self.dispatch_word(x, request.topk_weights, ticket.max_rows),)
-        grads_any = (any(w & _X_GRAD for w in words), any(w & _WEIGHTS_GRAD for w in words))
-        sizes = (0, 0) if error is not None else (world * tokens, world * tokens)
         per_expert = torch.where(failed, 0, summary.per_expert)
-        return self._finish_plan(request, planned, captured, grads_any, ticket.max_rows, failed, sizes,
-                                 (True,) * world, None, per_expert)
+        return self._plan_tensors(request, planned, captured, num_rows, failed, sizes, per_expert)
 
-    def _finish_plan(self, request: Request, planned, captured, grads_any, num_rows: int, failed, sizes,
-                     has_rows, per_expert_host, per_expert=None, counts: tuple[int, int] | None = None,
-                     fields: dict | None = None) -> tuple[NVSHMEMHandle, PlanOutputs]:
-        """The slot lists exchanged and the receive plan, from the send plan.
+    def _replay_for(self, request: Request, num_rows: int, sizes) -> "_Replayed | None":
+        """The captured plan of this dispatch's signature (made the second time
+        it is seen), or None where it runs op by op: off CUDA, for no tokens,
+        while the caller captures, without plan graphs
+        (``TuningConfig.plan_graphs``), or where the counts are not put by our
+        kernel (an NCCL collective)."""
+        topk_idx, weights = request.topk_idx, request.topk_weights
+        if (self._graphs is None or not topk_idx.is_cuda or not topk_idx.shape[0]
+                or torch.cuda.is_current_stream_capturing() or not self.exchange.can_put(topk_idx.device)):
+            return None
+        key = (tuple(topk_idx.shape), topk_idx.dtype, weights.dtype, topk_idx.device, request.check_values,
+               request.groups, num_rows, sizes)
+        seen = key in self._replays
+        replay = self._replays.pop(key, None)
+        if seen and replay is None:
+            replay = _Replayed(self, request, num_rows, sizes)
+        self._replays[key] = replay
+        while len(self._replays) > _REPLAYS:
+            self._replays.pop(next(iter(self._replays)))
+        return replay
+
+    def _plan_tensors(self, request: Request, planned, captured, num_rows: int, failed, sizes, per_expert=None,
+                      counts: tuple[int, int] | None = None) -> dict:
+        """The slot lists exchanged and the receive plan, from the send plan:
+        the handle's tensors and the plan's outputs on the device, by name.
         ``failed``: None where the sizes were read on the host (N =
         ``num_rows``, (S, R) = ``counts``), or the dispatch's failure flag on the
         device (``num_rows`` = max_rows: what is past the N received is
         padding). ``sizes``: (send_rows, recv_rows) of :class:`NVSHMEMHandle`
         ((0, 0): this rank takes part with nothing); ``per_expert``: the rows
-        per local expert on the device (None: the summary's); ``fields``: the
-        handle's other fields."""
+        per local expert on the device (None: the summary's)."""
         world, local = self.world_size, self.num_local_experts
         send_rows, recv_rows = sizes
         summary = Summary.read(planned.summary, world, local)
@@ -282,13 +325,21 @@ class NVSHMEMTransport(AllToAllTransport):
             # the rows past S are gathered too (not sent): any token will do
             send_token = torch.where(torch.arange(send_token.shape[0], device=send_token.device) < sends.sum(),
                                      send_token, 0)
+        return dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
+                    expand_src=expand_src, presum_index=rp.presum_index, sends=sends, receives=receives,
+                    put_at=put_at, back_at=back_at, weights=weights, tokens_per_expert=per_expert, src_rank=src_rank,
+                    src_token=src_token)
+
+    def _made_plan(self, request: Request, tensors: dict, grads_any, num_rows: int, sizes, has_rows,
+                   per_expert_host, fields: dict | None = None) -> tuple[NVSHMEMHandle, PlanOutputs]:
+        """The handle and outputs of a plan from its tensors (:meth:`_plan_tensors`)."""
         handle = NVSHMEMHandle(
             **handle_fields(request, self, num_rows, grads_any, has_rows),
-            **(fields or dict(send_splits=None, recv_splits=None)),
-            send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col), expand_src=expand_src, presum_index=rp.presum_index,
-            sends=sends, receives=receives, send_rows=send_rows, recv_rows=recv_rows, put_at=put_at, back_at=back_at)
-        outputs = PlanOutputs(weights=weights, tokens_per_expert=per_expert, tokens_per_expert_host=per_expert_host,
-                              src_rank=src_rank, src_token=src_token)
+            **(fields or dict(send_splits=None, recv_splits=None)), send_rows=sizes[0], recv_rows=sizes[1],
+            **{name: tensors[name] for name in _HANDLE_TENSORS})
+        outputs = PlanOutputs(weights=tensors["weights"], tokens_per_expert=tensors["tokens_per_expert"],
+                              tokens_per_expert_host=per_expert_host, src_rank=tensors["src_rank"],
+                              src_token=tensors["src_token"])
         mark(self.phase_timer, "plan")
         return handle, outputs
 
@@ -388,13 +439,16 @@ class NVSHMEMTransport(AllToAllTransport):
 
     def _record(self, failed: torch.Tensor, summary: torch.Tensor) -> None:
         """Keep the first failed dispatch's summary on the device (in place: a
-        captured dispatch records into the same tensors), and start the failure
-        flag's copy to the host (read by the next dispatch's ``dispatch_word``)."""
+        captured dispatch records into the same tensors)."""
         if self._failed is None:
             self._failed, self._failure = torch.zeros_like(failed), torch.zeros_like(summary)
         self._failure.copy_(torch.where(failed & ~self._failed, summary, self._failure))
         self._failed.logical_or_(failed)
-        if failed.is_cuda and not torch.cuda.is_current_stream_capturing():
+
+    def _watch_failure(self) -> None:
+        """Start the failure flag's copy to the host (read by the next
+        dispatch's ``dispatch_word``), unless capturing."""
+        if self._failed.is_cuda and not torch.cuda.is_current_stream_capturing():
             if self._seen is None:
                 self._seen = torch.zeros((), dtype=torch.bool, pin_memory=True)
                 self._seen_at = torch.cuda.Event()
@@ -432,9 +486,62 @@ class NVSHMEMTransport(AllToAllTransport):
         raise RuntimeError("a dispatch with max_rows failed on the device")  # every check above passes: not reached
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
+        if self._header_input is not None:  # a plan captured whole: its header is a device input
+            return self._header_input
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a captured copy reads its host source at every replay: keep it for the graph's life
             host = torch.tensor(header, dtype=torch.int64).pin_memory()
             self._kept.append(host)
             return host.to(device, non_blocking=True)
         return super()._header_row(header, device)
+
+
+class _Replayed:
+    """A dispatch with max_rows planned whole in one CUDA graph, for one
+    signature (:meth:`NVSHMEMTransport._replay_for`): its route, its counts put
+    to every rank, send plan, device checks, slot lists put and receive plan,
+    replayed on each call's routing and header in a few host calls instead of
+    some hundred. What the call keeps is copied out of the graph's buffers
+    (one copy per dtype). Captured without a warm-up (the signature ran op by
+    op once before): a warm-up would run the puts and barriers once more on
+    this rank only. Replays run the same kernels, barriers and puts as the ops,
+    in the same order, so a rank that replays pairs with one that does not."""
+
+    def __init__(self, transport: NVSHMEMTransport, request: Request, num_rows: int, sizes) -> None:
+        device = request.topk_idx.device
+        self.topk_idx = request.topk_idx.clone()
+        self.topk_weights = request.topk_weights.detach().clone()
+        self.header = torch.zeros(len(plan.HEADER), dtype=torch.int64, device=device)
+        static = dataclasses.replace(request, topk_idx=self.topk_idx, topk_weights=self.topk_weights)
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        transport._header_input = self.header
+        try:
+            with torch.cuda.stream(side):
+                self.graph = torch.cuda.CUDAGraph()
+                self.graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    tensors = transport._bounded_tensors(static, [], num_rows, sizes)  # header: self.header
+                    dtypes = sorted({t.dtype for t in tensors.values()}, key=str)
+                    self._layout = [(dtype, [(name, t.shape) for name, t in tensors.items() if t.dtype == dtype])
+                                    for dtype in dtypes]
+                    self._packed = [torch.cat([tensors[name].flatten() for name, _ in names])
+                                    for _, names in self._layout]
+                finally:
+                    self.graph.capture_end()
+        finally:
+            transport._header_input = None
+        current.wait_stream(side)
+
+    def run(self, request: Request, header: list[int]) -> dict:
+        """This call's tensors (:meth:`NVSHMEMTransport._plan_tensors`), replayed."""
+        self.topk_idx.copy_(request.topk_idx)
+        self.topk_weights.copy_(request.topk_weights.detach())
+        plan.to_device(torch.tensor(header, dtype=torch.int64), self.header.device, out=self.header)
+        self.graph.replay()
+        tensors = {}
+        for (_, names), packed in zip(self._layout, self._packed):
+            parts = packed.clone().split([math.prod(shape) for _, shape in names])
+            tensors.update((name, part.view(shape)) for (name, shape), part in zip(names, parts))
+        return tensors
