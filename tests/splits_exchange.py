@@ -14,6 +14,8 @@ from dispatch import comm
 
 
 class HostSplitsExchange:
+    capturable = False  # it reads the split sizes on the host
+
     def __init__(self, group=None) -> None:
         self.group = group
 

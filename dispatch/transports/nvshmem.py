@@ -142,7 +142,7 @@ class NVSHMEMTransport(AllToAllTransport):
 
     Args:
         exchange: what moves the rows (the group's :class:`SymmetricExchange`
-            by default; anything with its ``exchange``, ``put``, ``gather``, ``can_put``,
+            by default; anything with its ``capturable``, ``exchange``, ``put``, ``gather``, ``can_put``,
             ``ensure``, ``holds`` and ``stride``).
     """
 
@@ -252,11 +252,12 @@ class NVSHMEMTransport(AllToAllTransport):
         """The captured plan of this dispatch's signature (made the second time
         it is seen), or None where it runs op by op: off CUDA, for no tokens,
         while the caller captures, without plan graphs
-        (``TuningConfig.plan_graphs``), or where the counts are not put by our
-        kernel (an NCCL collective)."""
+        (``TuningConfig.plan_graphs``), where the exchange cannot be captured,
+        or where the counts are not put by our kernel (an NCCL collective)."""
         topk_idx, weights = request.topk_idx, request.topk_weights
         if (self._graphs is None or not topk_idx.is_cuda or not topk_idx.shape[0]
-                or torch.cuda.is_current_stream_capturing() or not self.exchange.can_put(topk_idx.device)):
+                or torch.cuda.is_current_stream_capturing() or not self.exchange.capturable
+                or not self.exchange.can_put(topk_idx.device)):
             return None
         key = (tuple(topk_idx.shape), topk_idx.dtype, weights.dtype, topk_idx.device, request.check_values,
                request.groups, num_rows, sizes)

@@ -52,6 +52,7 @@ class SymmetricExchange:
     """
 
     MIN_SEND_BYTES = 8 << 20
+    capturable = True  # its exchanges read nothing on the host: a CUDA graph may hold them
 
     def __init__(self, group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> None:
         self.group_name = (group if group is not None else dist.group.WORLD).group_name
