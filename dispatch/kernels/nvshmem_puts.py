@@ -45,12 +45,12 @@ def usable(device: torch.device) -> bool:
 
 
 def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: torch.Tensor | None,
-             sends: torch.Tensor, at: torch.Tensor, most: int) -> None:
+             sends: torch.Tensor, at: torch.Tensor, most: int, stream: "torch.cuda.Stream | None" = None) -> None:
     """Put row ``send_token[i]`` of ``x`` (rows contiguous, [T, H]; row i where
     ``send_token`` is None) for every send row i, ``sends[d]`` of them to rank d
     in order, at row ``at[d] + i - first[d]`` (rows of ``recv_stride`` bytes) of
-    rank d's symmetric ``recv``; at most ``most`` rows. On the current stream,
-    between two NVSHMEM barriers of every process."""
+    rank d's symmetric ``recv``; at most ``most`` rows. On ``stream`` (None: the
+    current one), between two NVSHMEM barriers of every process."""
     for name, tensor in (("send_token", send_token), ("sends", sends), ("at", at)):
         if tensor is not None and (tensor.dtype != torch.int64 or not tensor.is_contiguous()):
             raise ValueError(f"{name}: the put kernel reads it as contiguous int64, got {tensor.dtype} "
@@ -67,7 +67,7 @@ def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: 
     # each argument by its name, in the C type the source declares (pointers as addresses)
     holders = [_C_TYPES[code](values[name]) for name, code in zip(signature.names, signature.codes)]
     params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
-    stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+    stream = ctypes.c_void_p((stream if stream is not None else torch.cuda.current_stream(x.device)).cuda_stream)
     host = _host()
     host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer
     status = _driver().cuLaunchKernel(function, _BLOCKS, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
