@@ -369,7 +369,8 @@ def replayed_plans(x, topk_idx, topk_weights, pad):
     """Dispatches with max_rows of one signature on new values each call (the
     tokens rolled: the same rows per rank), all held, then combined: the plan
     runs op by op, then is captured whole, then replayed; every dispatch's rows
-    and every combine equal the NCCL transport's. Also whether it replayed."""
+    and every combine equal the NCCL transport's, also after the receive
+    buffer grew. Also whether it replayed, and the buffer grew."""
     from world import current_device
 
     device = current_device()
@@ -388,8 +389,19 @@ def replayed_plans(x, topk_idx, topk_weights, pad):
                     and torch.equal(out.tokens_per_expert, want.tokens_per_expert))
         same.append(torch.equal(d.combine(out.tokens * 3, out.handle, weights=out.weights),
                                 nccl.combine(want.tokens * 3, want.handle, weights=want.weights)))
+    replayed = any(r is not None for r in d.transport._replays.values())
+    # a dispatch without max_rows of wider rows grows the receive buffer (on every rank): the captured plans
+    # put into the old one, so they are captured anew
+    made = d.transport.exchange.generation
+    out = d.dispatch(torch.cat([x] * 8, 1), topk_idx, topk_weights)
+    d.combine(out.tokens, out.handle)
+    grew = d.transport.exchange.generation > made
+    for call in calls[:3]:
+        out, want = d.dispatch(*call, max_rows=bound), nccl.dispatch(*call)
+        same.append(torch.equal(d.combine(out.tokens, out.handle, weights=out.weights),
+                                nccl.combine(want.tokens, want.handle, weights=want.weights)))
     d.check()
-    return same, any(r is not None for r in d.transport._replays.values())
+    return same, replayed and grew
 
 
 @pytest.mark.parametrize("pad", [0, 7])
@@ -540,9 +552,16 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
         d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
         got, _ = _round_trip(d, x, topk_idx, topk_weights, x, max_rows, 1, False)
         d.check()
+        # a receive buffer made anew is a new generation (what captured puts check); one that holds is not
+        made = exchange.generation
+        exchange.ensure(0, exchange._recv.numel())
+        held = exchange.generation == made
+        exchange.ensure(0, exchange._recv.numel() + 1)
+        grown = exchange.generation == made + 1
     nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
     want, _ = _round_trip(nccl, x, topk_idx, topk_weights, x, max_rows, 1, False)
-    return [k for k in VERBS if not torch.equal(got[k], want[k])]
+    differ = [k for k in VERBS if not torch.equal(got[k], want[k])]
+    return differ + ([] if made >= 1 and held and grown else ["generation"])
 
 
 @pytest.mark.parametrize("world, hidden, wire", [(2, 16, "native"), (3, 7, "bf16"), (2, 128, "fp8")])

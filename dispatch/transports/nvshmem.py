@@ -263,6 +263,8 @@ class NVSHMEMTransport(AllToAllTransport):
                request.groups, num_rows, sizes)
         seen = key in self._replays
         replay = self._replays.pop(key, None)
+        if replay is not None and replay.generation != self.exchange.generation:
+            replay = None  # it puts into receive buffers since replaced (on every rank alike): captured anew
         if seen and replay is None:
             replay = _Replayed(self, request, num_rows, sizes)
         self._replays[key] = replay
@@ -510,6 +512,7 @@ class _Replayed:
 
     def __init__(self, transport: NVSHMEMTransport, request: Request, num_rows: int, sizes) -> None:
         device = request.topk_idx.device
+        self.generation = transport.exchange.generation  # the receive buffer its puts go to
         self.topk_idx = request.topk_idx.clone()
         self.topk_weights = request.topk_weights.detach().clone()
         self.header = torch.zeros(len(plan.HEADER), dtype=torch.int64, device=device)

@@ -67,6 +67,7 @@ class SymmetricExchange:
                       self._empty((world_size,), torch.int64).zero_(), self._empty((2, world_size), torch.int64))
         self._send: torch.Tensor | None = None
         self._recv: torch.Tensor | None = None
+        self.generation = 0  # receive buffers made so far (``ensure``)
         # its buffers NVSHMEM's (where torch's symmetric memory runs on NVSHMEM): our put kernel may write them
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -99,7 +100,11 @@ class SymmetricExchange:
 
     def ensure(self, send_bytes: int, recv_bytes: int) -> None:
         """Buffers of at least these bytes (a collective where they grow: every
-        rank calls it at the same point with the same sizes)."""
+        rank calls it at the same point with the same sizes). ``generation``
+        counts the receive buffers made: a CUDA graph that put into an earlier
+        one is stale."""
+        if self._recv is None or self._recv.numel() < recv_bytes:
+            self.generation += 1
         if self._send is None or self._send.numel() < send_bytes:
             size = max(send_bytes, self.MIN_SEND_BYTES, 0 if self._send is None else 2 * self._send.numel())
             self._spent += [] if self._send is None else [self._send]
