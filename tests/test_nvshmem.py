@@ -390,12 +390,15 @@ def replayed_plans(x, topk_idx, topk_weights, pad):
         same.append(torch.equal(d.combine(out.tokens * 3, out.handle, weights=out.weights),
                                 nccl.combine(want.tokens * 3, want.handle, weights=want.weights)))
     replayed = any(r is not None for r in d.transport._replays.values())
-    # a dispatch without max_rows of wider rows grows the receive buffer (on every rank): the captured plans
-    # put into the old one, so they are captured anew
-    made = d.transport.exchange.generation
+    # a receive buffer made anew (on every rank alike): the captured plans put into the old one, so they are
+    # captured anew. A dispatch without max_rows of wider rows may grow it; the exchange is the process's, which
+    # earlier calls may have grown already, so it is then grown for certain
+    exchange = d.transport.exchange
+    made = exchange.generation
     out = d.dispatch(torch.cat([x] * 8, 1), topk_idx, topk_weights)
     d.combine(out.tokens, out.handle)
-    grew = d.transport.exchange.generation > made
+    exchange.ensure(0, exchange._recv.numel() + 1)
+    grew = exchange.generation > made
     for call in calls[:3]:
         out, want = d.dispatch(*call, max_rows=bound), nccl.dispatch(*call)
         same.append(torch.equal(d.combine(out.tokens, out.handle, weights=out.weights),
