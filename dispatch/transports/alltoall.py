@@ -101,6 +101,8 @@ class AllToAllTransport(Transport):
     (``variant="alltoall"``, ``transport="nccl"``; gloo on CPU)."""
 
     variant = "alltoall"
+    # every rank's counts row: (row, group, W, out=, arrivals=) -> [W, width] (``comm.all_gather_rows``'s form)
+    _gather_rows = staticmethod(comm.all_gather_rows)
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
@@ -200,16 +202,11 @@ class AllToAllTransport(Transport):
         else:
             route, grouped, row = route_phase(topk_idx, weights, self._header_row(header, x.device), num_experts, world,
                                               check_values, groups)
-        gathered = self._gather_rows(row, None if captured is None else captured.gathered, bounded)
+        gathered = self._gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
+                                     arrivals=None if bounded else self.arrivals)
         if captured is not None:
             return captured.run_send(), captured
         return send_phase(route, grouped if grouped_sends else None, gathered, rank, topk_idx, weights), None
-
-    def _gather_rows(self, row: torch.Tensor, out: torch.Tensor | None, bounded: bool) -> torch.Tensor:
-        """Every rank's counts row, [W, width] (into ``out`` where given); polled
-        for late peers unless ``bounded``."""
-        return comm.all_gather_rows(row, self.group, self.world_size, out=out,
-                                    arrivals=None if bounded else self.arrivals)
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
         """This rank's header entries on ``device`` (``plan.to_device``)."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, plan
+from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import PlanOutputs
 from dispatch.plan_graph import HostSummary, Summary
@@ -346,11 +346,12 @@ class NVSHMEMTransport(AllToAllTransport):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _gather_rows(self, row: torch.Tensor, out: torch.Tensor | None, bounded: bool) -> torch.Tensor:
-        # put by our kernel where it runs (every rank is at this dispatch: agreed over the host first)
+    def _gather_rows(self, row: torch.Tensor, group, world: int, out: torch.Tensor | None = None,
+                     arrivals=None) -> torch.Tensor:
+        # put by our kernel where it runs (no wait to bound: every rank is at this dispatch, agreed over the host)
         if self.exchange.can_put(row.device):
             return self.exchange.gather(row, out)
-        return super()._gather_rows(row, out, bounded)
+        return comm.all_gather_rows(row, group, world, out=out, arrivals=arrivals)
 
     # -- the movements --------------------------------------------------------
 
