@@ -53,6 +53,7 @@ class HostSplitsExchange:
         return True
 
     def put(self, rows, send_token, sends, at, send_rows, recv_rows, consume):
+        assert send_token.dtype == torch.int64 and send_token.is_contiguous(), send_token.stride()  # as the kernel
         everyone = self._check_places(sends, at)
         receives = _received_by(everyone, dist.get_rank(self.group))
         return self.exchange(rows[send_token[: int(sends.sum())]], sends, receives, send_rows, recv_rows, consume)

@@ -419,6 +419,40 @@ def test_on_nvshmem_a_plan_with_max_rows_is_replayed_whole(nvshmem_world, pad):
         assert all(same) and replayed, (rank, same, replayed)
 
 
+def replays_beside_ops(x, topk_idx, topk_weights, vary):
+    """Dispatches with max_rows where this rank repeats one signature (its plan
+    replayed from the third call) or, with ``vary``, changes it every call (op
+    by op): the two kinds pair puts and barriers alike. Every combine against
+    the NCCL transport's, and whether this rank replayed."""
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
+    config = dict(num_experts=8)
+    nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
+    d = _dispatcher(config, False)
+    bound = nccl.dispatch(x, topk_idx, topk_weights).tokens.shape[0] + 3
+    same = []
+    for i in range(5):
+        call = tuple(t[: x.shape[0] - (i if vary else 0)] for t in (x, topk_idx, topk_weights))
+        out, want = d.dispatch(*call, max_rows=bound), nccl.dispatch(*call)
+        same.append(torch.equal(d.combine(out.tokens, out.handle, weights=out.weights),
+                                nccl.combine(want.tokens, want.handle, weights=want.weights)))
+    d.check()
+    return same, any(r is not None for r in d.transport._replays.values())
+
+
+def test_on_nvshmem_a_rank_that_replays_pairs_with_one_that_does_not(nvshmem_world):
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 4, [40, 33], "random", seed=17)
+    gen = torch.Generator().manual_seed(4)
+    args = [(torch.randn(t, 256, generator=gen).to(torch.bfloat16), routing.topk_idx[r],
+             routing.topk_weights[r].float(), r == 0) for r, t in enumerate(routing.num_tokens)]
+    for rank, (same, replayed) in enumerate(nvshmem_world.run(replays_beside_ops, args)):
+        assert all(same) and replayed == (rank == 1), (rank, same, replayed)
+
+
 def engine_beside_nvshmem(x, topk_idx, topk_weights, grad_out, pad):
     """The NVLink engine in a process whose symmetric memory NVSHMEM's backend
     took (an NVSHMEM dispatcher made first): its buffers NVSHMEM's. Returns the

@@ -41,7 +41,12 @@ def why_not(device: torch.device) -> str | None:
 
 def usable(device: torch.device) -> bool:
     """Whether the kernel moves rows on ``device`` (a CUDA device where it builds and loads)."""
-    return enabled and device.type == "cuda" and _load(device)[0] is not None
+    return enabled and built(device)
+
+
+def built(device: torch.device) -> bool:
+    """Whether the kernel builds and loads on ``device`` (a CUDA device), ``enabled`` or not."""
+    return device.type == "cuda" and _load(device)[0] is not None
 
 
 def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: torch.Tensor | None,

@@ -101,8 +101,9 @@ class AllToAllTransport(Transport):
     (``variant="alltoall"``, ``transport="nccl"``; gloo on CPU)."""
 
     variant = "alltoall"
-    # every rank's counts row: (row, group, W, out=, arrivals=) -> [W, width] (``comm.all_gather_rows``'s form)
-    _gather_rows = staticmethod(comm.all_gather_rows)
+    # every rank's counts row, where not ``comm.all_gather_rows`` (looked up at each call):
+    # (row, group, W, out=, arrivals=) -> [W, width]
+    _gather_rows = None
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
@@ -202,8 +203,9 @@ class AllToAllTransport(Transport):
         else:
             route, grouped, row = route_phase(topk_idx, weights, self._header_row(header, x.device), num_experts, world,
                                               check_values, groups)
-        gathered = self._gather_rows(row, self.group, world, out=None if captured is None else captured.gathered,
-                                     arrivals=None if bounded else self.arrivals)
+        gather = self._gather_rows or comm.all_gather_rows
+        gathered = gather(row, self.group, world, out=None if captured is None else captured.gathered,
+                          arrivals=None if bounded else self.arrivals)
         if captured is not None:
             return captured.run_send(), captured
         return send_phase(route, grouped if grouped_sends else None, gathered, rank, topk_idx, weights), None

@@ -40,6 +40,7 @@ exchange; the results are the same.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -55,7 +56,6 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
 from dispatch.transports.base import Request, by_groups, handle_fields, shape_fields
-from dispatch.kernels import nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.transports.symmetric import Packed, exchange_for
 
@@ -154,8 +154,7 @@ class NVSHMEMTransport(AllToAllTransport):
         super().__init__(config, group)
         if exchange is None:
             device = torch.device("cuda", torch.cuda.current_device())
-            exchange = exchange_for(group, self.world_size, device)
-            nvshmem_puts.usable(device)  # its put kernel built and loaded here (the first time: seconds), not mid-call
+            exchange = exchange_for(group, self.world_size, device)  # (it builds our put kernel: seconds, once)
         self.exchange = exchange
         self._capacity: tuple[int, int, int] | None = None  # (T, K, row stride) the buffers of max_rows hold
         self._failed = self._failure = None  # on the device: a dispatch with max_rows failed, and its summary
@@ -164,6 +163,7 @@ class NVSHMEMTransport(AllToAllTransport):
         self._row_bytes = 0
         self._kept: list[torch.Tensor] = []  # host headers read by captured graphs
         self._replays: dict = {}  # signature -> its plan captured whole (None: seen once), oldest first
+        self._uncaptured: set = set()  # signatures whose capture failed here
         self._header_input: torch.Tensor | None = None  # the header of a plan being captured whole
 
     def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
@@ -261,12 +261,17 @@ class NVSHMEMTransport(AllToAllTransport):
             return None
         key = (tuple(topk_idx.shape), topk_idx.dtype, weights.dtype, topk_idx.device, request.check_values,
                request.groups, num_rows, sizes)
+        if key in self._uncaptured:
+            return None
         seen = key in self._replays
         replay = self._replays.pop(key, None)
         if replay is not None and replay.generation != self.exchange.generation:
             replay = None  # it puts into receive buffers since replaced (on every rank alike): captured anew
         if seen and replay is None:
-            replay = _Replayed(self, request, num_rows, sizes)
+            try:
+                replay = _Replayed(self, request, num_rows, sizes)
+            except RuntimeError:  # (out of memory, say) the capture ran nothing: op by op, as its peers may be
+                self._uncaptured.add(key)
         self._replays[key] = replay
         while len(self._replays) > _REPLAYS:
             self._replays.pop(next(iter(self._replays)))
@@ -521,6 +526,7 @@ class _Replayed:
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
+        self.exchange = transport.exchange
         transport._header_input = self.header
         try:
             with torch.cuda.stream(side):
@@ -533,18 +539,21 @@ class _Replayed:
                                     for dtype in dtypes]
                     self._packed = [torch.cat([tensors[name].flatten() for name, _ in names])
                                     for _, names in self._layout]
-                finally:
-                    self.graph.capture_end()
+                except BaseException:
+                    with contextlib.suppress(RuntimeError):  # (ending a broken capture raises too: not that)
+                        self.graph.capture_end()
+                    raise
+                self.graph.capture_end()
         finally:
             transport._header_input = None
-        current.wait_stream(side)
+            current.wait_stream(side)
 
     def run(self, request: Request, header: list[int]) -> dict:
         """This call's tensors (:meth:`NVSHMEMTransport._plan_tensors`), replayed."""
         self.topk_idx.copy_(request.topk_idx)
         self.topk_weights.copy_(request.topk_weights.detach())
         plan.to_device(torch.tensor(header, dtype=torch.int64), self.header.device, out=self.header)
-        self.graph.replay()
+        self.exchange.in_order(self.graph.replay)  # its puts in turn with the exchanges of other streams
         tensors = {}
         for (_, names), packed in zip(self._layout, self._packed):
             parts = packed.clone().split([math.prod(shape) for _, shape in names])

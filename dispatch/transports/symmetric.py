@@ -79,6 +79,13 @@ class SymmetricExchange:
         self._to_everyone = tuple(torch.full((world_size,), value, dtype=torch.int64, device=device)
                                   for value in (0, 1, rank))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # whether our put kernel runs, agreed by every rank (a rank whose build failed would otherwise pair
+        # torch's all-to-all, or NCCL's, with its peers' puts)
+        self._puts = False
+        if self._on_nvshmem and world_size <= nvshmem_puts.MAX_WORLD:
+            built = torch.tensor([int(nvshmem_puts.built(device))], device=device)
+            dist.all_reduce(built, op=dist.ReduceOp.MIN, group=group)
+            self._puts = bool(built.item())  # host sync: once, at the exchange's making
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A symmetric tensor, rendezvoused with the group (a collective)."""
@@ -143,9 +150,18 @@ class SymmetricExchange:
 
     def can_put(self, device: torch.device) -> bool:
         """Whether rows on ``device`` are put here (NVSHMEM's put kernel, on
-        buffers of NVSHMEM's backend, on CUDA)."""
-        return (self._on_nvshmem and self.world <= nvshmem_puts.MAX_WORLD and device.type == "cuda"
-                and nvshmem_puts.usable(device))
+        buffers of NVSHMEM's backend, on CUDA, built on every rank)."""
+        return self._puts and nvshmem_puts.enabled and device == self.device
+
+    def in_order(self, run):
+        """``run()`` on the caller's stream in the exchanges' order: after the
+        exchanges issued before, before those issued after (a CUDA graph
+        replayed there that holds exchanges of its own)."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self._stream)
+        result = run()
+        self._stream.wait_stream(current)
+        return result
 
     def put(self, rows: torch.Tensor, send_token: torch.Tensor, sends: torch.Tensor, at: torch.Tensor,
             send_rows: int, recv_rows: int, consume):
@@ -193,11 +209,8 @@ class SymmetricExchange:
         if current is None:
             return move()
         self._stream.wait_stream(current)
-        torch.cuda.set_stream(self._stream)  # (not torch.cuda.stream(): a few calls fewer, on every exchange)
-        try:
+        with torch.cuda.stream(self._stream):
             result = move()
-        finally:
-            torch.cuda.set_stream(current)
         current.wait_stream(self._stream)
         if not torch.cuda.is_current_stream_capturing():  # made and read on two streams
             for tensor in reads:
