@@ -20,7 +20,8 @@
 #   nvshmem   the NVSHMEM transport: its tests (bitwise against NCCL, a bounded round trip captured),
 #             then bench/nvshmem_probe.py: NVSHMEM, NCCL and the NVLink engine (on NVSHMEM's buffers)
 #             in one process, each with a kernel table of its DeepSeek-V3 round trips (eager and
-#             captured); then the engine alone in another (on CUDA's symmetric memory); then
+#             captured) and a host profile of its decode round trips with max_rows; then the engine
+#             alone in another (on CUDA's symmetric memory); then
 #             bench/nvshmem_device_probe.py (a kernel of ours on NVSHMEM's device API, in torch's instance)
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
@@ -143,7 +144,7 @@ for part in "$@"; do
       step 200 nvshmem-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvshmem.py
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
       step 240 nvshmem-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvshmem nccl nvlink \
-        --profile
+        --profile --host-profile
       step 200 nvshmem-probe-engine torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvlink
       step 120 nvshmem-device-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_device_probe.py ;;
     probe)
