@@ -189,9 +189,11 @@ class Tuning:
             checked (they cost nothing).
         plan_graphs: on CUDA, replay the host-free part of the routing plan as
             CUDA graphs, captured the second time a (T, K, dtypes) is seen (a few
-            MB each, the 8 most recent shapes kept); the alltoall variant only. This removes some sixty kernel launches per
-            dispatch. Turn it off when the dispatch itself runs inside a graph
-            capture of the caller's. (NCCL transport.)
+            MB each, the 8 most recent shapes kept); the alltoall variant only.
+            This removes some sixty kernel launches per dispatch; over NVSHMEM a
+            dispatch with ``max_rows`` replays its whole plan (its puts
+            included) as one graph. Turn it off when the dispatch itself runs
+            inside a graph capture of the caller's.
         sm_budget: NVLink engine: thread blocks its data kernels may use (None:
             four per SM); fewer leave SMs to expert GEMMs running beside it.
     """
