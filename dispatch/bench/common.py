@@ -295,37 +295,12 @@ def _replay(graph: torch.cuda.CUDAGraph, *inputs) -> None:
 
 
 def time_each(steps: dict[str, Callable[[], None]], iters: int, warmup: int, dev: torch.device) -> list[dict]:
-    """``iters`` runs of every step (after ``warmup`` untimed ones), each run after a
-    barrier and timed alone with CUDA events; one {name: ms} dict per run, the
-    slowest rank's figures (as :func:`time_phases`)."""
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    runs = []
-    for _ in range(iters):
-        run = {}
-        for name, step in steps.items():
-            dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            run[name] = start.elapsed_time(end)
-        runs.append(run)
-    names = list(steps)
-    table = torch.tensor([[r[n] for n in names] for r in runs], dtype=torch.float64, device=dev)
-    dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return [dict(zip(names, row)) for row in table.cpu().tolist()]
-
-
-def time_in_turns(steps: dict[str, Callable[[], None]], iters: int, warmup: int,
-                  dev: torch.device) -> dict[str, list[float]]:
-    """``iters`` runs of each step taken in turns (the order reversed every other
-    run, so that neither always follows the other), each after a barrier and
-    timed alone (:class:`PhaseTimer`: CUDA events, or the host clock on CPU);
-    {name: ms per run}, the slowest rank's figure per run. Side by side like
-    this, a slow spell of the machine falls on both alike."""
+    """``iters`` runs of every step (after ``warmup`` untimed ones), taken in
+    turns (the order reversed every other run, so that none always follows
+    another), each after a barrier and timed alone (:class:`PhaseTimer`: CUDA
+    events, or the host clock on CPU); one {name: ms} dict per run, the slowest
+    rank's figures (as :func:`time_phases`). Side by side like this, a slow
+    spell of the machine falls on every step alike."""
     for _ in range(warmup):
         for step in steps.values():
             step()
@@ -343,7 +318,7 @@ def time_in_turns(steps: dict[str, Callable[[], None]], iters: int, warmup: int,
         runs.append(run)
     table = torch.tensor([[r[n] for n in names] for r in runs], dtype=torch.float64).to(dev)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    return {n: column for n, column in zip(names, table.t().cpu().tolist())}
+    return [dict(zip(names, row)) for row in table.cpu().tolist()]
 
 
 def time_back_to_back(step: Callable[[], None], iters: int, warmup: int, dev: torch.device) -> list[float]:

@@ -277,7 +277,7 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
 
 def _auto_in_turns(eager: list, x, topk_idx, topk_weights, args, dev) -> None:
     """Each ``auto`` row against the other eager rows of ours with its wire, all
-    timed again in turns (``common.time_in_turns``), so that the comparison
+    timed again in turns (``common.time_each``), so that the comparison
     does not hang on when each row was measured: ``row["in_turns"]`` holds
     auto's median over the fastest one's and that one's name."""
     for row, d in eager:
@@ -292,8 +292,8 @@ def _auto_in_turns(eager: list, x, topk_idx, topk_weights, args, dev) -> None:
             return run
 
         steps = {r["name"]: step(other) for r, other in [(row, d), *rivals]}
-        medians = {name: common.spread(ms)["median"]
-                   for name, ms in common.time_in_turns(steps, args.iters, args.warmup, dev).items()}
+        runs = common.time_each(steps, args.iters, args.warmup, dev)
+        medians = {name: common.spread([run[name] for run in runs])["median"] for name in steps}
         fastest = min((r["name"] for r, _ in rivals), key=medians.__getitem__)
         row["in_turns"] = {"ratio": medians[row["name"]] / medians[fastest], "fastest": fastest, "median_ms": medians}
 

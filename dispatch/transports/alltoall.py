@@ -176,7 +176,7 @@ class AllToAllTransport(Transport):
             self.phase_timer.mark("plan")
         return handle, outputs
 
-    def _counts_and_send_plan(self, request: Request, header: list[int], bounded: bool = False,
+    def _counts_and_send_plan(self, request: Request, header: "list[int] | torch.Tensor", bounded: bool = False,
                               grouped_sends: bool = True):
         """The plan up to the host read: route, counts all-gather, send plan (on
         CUDA replayed as CUDA graphs once a shape repeats). Returns (``Planned``,
@@ -184,6 +184,8 @@ class AllToAllTransport(Transport):
         buffers). Bad values raise the failed entry of this rank's row on the
         device (``checks.fold_flags``), for every rank to see in the summary it
         reads (no host read of their own: :meth:`_raise_own_values` after it).
+        ``header``: this rank's ``plan.header`` (a tensor: its row on the device
+        already, read at each replay of a capture that holds this plan).
         ``bounded``: nothing is read on the host, and the all-gather is not polled.
         ``grouped_sends``: by groups, the sends in the grouped orders
         (``plan.group_orders``); else in one order whatever G (G still
@@ -201,8 +203,8 @@ class AllToAllTransport(Transport):
         if captured is not None:
             row = captured.run_route(topk_idx, weights, torch.tensor(header, dtype=torch.int64))
         else:
-            route, grouped, row = route_phase(topk_idx, weights, self._header_row(header, x.device), num_experts, world,
-                                              check_values, groups)
+            header_row = header if isinstance(header, torch.Tensor) else self._header_row(header, x.device)
+            route, grouped, row = route_phase(topk_idx, weights, header_row, num_experts, world, check_values, groups)
         gather = self._gather_rows or comm.all_gather_rows
         gathered = gather(row, self.group, world, out=None if captured is None else captured.gathered,
                           arrivals=None if bounded else self.arrivals)

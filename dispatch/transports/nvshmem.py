@@ -164,7 +164,6 @@ class NVSHMEMTransport(AllToAllTransport):
         self._kept: list[torch.Tensor] = []  # host headers read by captured graphs
         self._replays: dict = {}  # signature -> its plan captured whole (None: seen once), oldest first
         self._uncaptured: set = set()  # signatures whose capture failed here
-        self._header_input: torch.Tensor | None = None  # the header of a plan being captured whole
 
     def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
         grad = torch.is_grad_enabled()
@@ -236,7 +235,7 @@ class NVSHMEMTransport(AllToAllTransport):
         self._watch_failure()
         return self._made_plan(request, tensors, grads_any, ticket.max_rows, sizes, (True,) * world, None)
 
-    def _bounded_tensors(self, request: Request, header: list[int], num_rows: int, sizes) -> dict:
+    def _bounded_tensors(self, request: Request, header: "list[int] | torch.Tensor", num_rows: int, sizes) -> dict:
         """The device work of a dispatch with max_rows (:meth:`_plan_tensors`),
         its failure recorded on the device; nothing read on the host, so that
         it can be captured whole (:class:`_Replayed`)."""
@@ -495,8 +494,6 @@ class NVSHMEMTransport(AllToAllTransport):
         raise RuntimeError("a dispatch with max_rows failed on the device")  # every check above passes: not reached
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
-        if self._header_input is not None:  # a plan captured whole: its header is a device input
-            return self._header_input
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a captured copy reads its host source at every replay: keep it for the graph's life
             host = torch.tensor(header, dtype=torch.int64).pin_memory()
@@ -527,13 +524,12 @@ class _Replayed:
         side = torch.cuda.Stream(device)
         side.wait_stream(current)
         self.exchange = transport.exchange
-        transport._header_input = self.header
         try:
             with torch.cuda.stream(side):
                 self.graph = torch.cuda.CUDAGraph()
                 self.graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    tensors = transport._bounded_tensors(static, [], num_rows, sizes)  # header: self.header
+                    tensors = transport._bounded_tensors(static, self.header, num_rows, sizes)
                     dtypes = sorted({t.dtype for t in tensors.values()}, key=str)
                     self._layout = [(dtype, [(name, t.shape) for name, t in tensors.items() if t.dtype == dtype])
                                     for dtype in dtypes]
@@ -545,7 +541,6 @@ class _Replayed:
                     raise
                 self.graph.capture_end()
         finally:
-            transport._header_input = None
             current.wait_stream(side)
 
     def run(self, request: Request, header: list[int]) -> dict:
