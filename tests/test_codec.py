@@ -27,13 +27,17 @@ def _rows(seed: int, count: int, hidden: int, log_spread: float) -> torch.Tensor
 def fp8_error_bound(x: torch.Tensor, scales: torch.Tensor, fmt: quantize.Fp8Format, out_dtype) -> torch.Tensor:
     """Per-element bound of |decode(encode(x)) - x| for fp32 values x [n, H] and their
     block scales [n, G]: half a step of the format (relative, or the subnormal step
-    times the scale), the fp32 scaling roundings, and one rounding to ``out_dtype``."""
+    times the scale), the fp32 scaling roundings, and one rounding to ``out_dtype``
+    (relative, or half its subnormal step)."""
     m = fmt.mantissa_bits
     scale = scales.double().repeat_interleave(quantize.BLOCK, dim=1)[:, : x.shape[1]]
     half_step = torch.maximum(2.0 ** -(m + 1) * x.abs(), scale * 2.0 ** (fmt.min_exponent - m - 1))
     fp32_slack = 4 * 2.0**-24 * (x.abs() + scale * fmt.max * 2.0**-24)
     out_eps = torch.finfo(out_dtype).eps / 2 if out_dtype != torch.float64 else 0.0
-    return half_step * (1 + 2.0**-20) + fp32_slack + out_eps * (x.abs() * (1 + 2.0 ** -m))
+    # a result in out_dtype's subnormal range rounds to its fixed step: half of it, absolute
+    info = torch.finfo(out_dtype)
+    out_tiny = info.smallest_normal * info.eps / 2 if out_dtype != torch.float64 else 0.0
+    return half_step * (1 + 2.0**-20) + fp32_slack + out_eps * (x.abs() * (1 + 2.0 ** -m)) + out_tiny
 
 
 @settings(max_examples=80, deadline=None)
