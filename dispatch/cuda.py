@@ -410,6 +410,11 @@ def _dependent_launch(device: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def synchronize(device: int) -> None:
+    """Wait for every stream's work on CUDA device ``device`` (an index)."""
+    torch.cuda.synchronize(device)
+
+
 def current_stream(device: int) -> "torch.cuda.Stream":
     """torch's current stream on CUDA device ``device`` (an index), as
     ``torch.cuda.current_stream`` gives it, without its device guard: the

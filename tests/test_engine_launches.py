@@ -475,6 +475,8 @@ def test_launches_made_per_shape_take_the_grown_buffers(launches, monkeypatch, o
 
     engine._symm = Symm
     monkeypatch.setattr(cuda, "current_stream", lambda index: Stream())
+    synced: list = []  # the device's work waited for before each allocation, on NVSHMEM's backend
+    monkeypatch.setattr(cuda, "synchronize", lambda index: synced.append(len(kept)))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
@@ -511,3 +513,4 @@ def test_launches_made_per_shape_take_the_grown_buffers(launches, monkeypatch, o
     grown = engine._data
     engine.ensure(Capacity(3000, topk, 0, 0))  # and again: the first grown buffer is outgrown
     assert [t.data_ptr() for t in kept] == ([grown.data_ptr(), engine._data.data_ptr()] if on_nvshmem else [])
+    assert synced == ([0, 1] if on_nvshmem else [])  # one wait before each allocation, none after
