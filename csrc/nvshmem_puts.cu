@@ -10,9 +10,20 @@
 // send_token); rank d keeps them source-major, this rank's at row at[d] of its
 // receive buffer. The caller brackets the launch with NVSHMEM's barrier: before,
 // so that no receiver still reads its buffer; after, so that every row landed.
+//
+// The exchange and the experts' layout in one pass, each (token, rank) row over
+// the link once (the NVLink engine's shape on NVSHMEM): `get_expand` fetches
+// each row a rank receives from its source's staged tokens and writes it to its
+// expert-major places; `presum_put` sums the expert outputs of each received
+// row (its places, in order, weighted: as dispatch/kernels/gather_sum.py does,
+// bitwise) and puts the sum to its home. A peer's memory is read or written
+// straight where NVSHMEM maps it (nvshmem_ptr: inside a host), else by NVSHMEM's
+// get and put through this rank's receive / send buffer (across hosts).
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
+
+#include "engine.cuh"
 
 constexpr int kMaxWorld = 64;
 
@@ -40,6 +51,191 @@ extern "C" __global__ void put_rows(char* recv, unsigned long long recv_stride, 
     const unsigned long long place = static_cast<unsigned long long>(at[d] + static_cast<long long>(i) - first[d]);
     const unsigned long long row = send_token != nullptr ? static_cast<unsigned long long>(send_token[i]) : i;
     nvshmemx_putmem_nbi_warp(recv + place * recv_stride, x + row * x_stride, row_bytes, d);
+  }
+  nvshmem_quiet();
+}
+
+namespace {
+
+using engine::Vec8;
+
+// Where the rows received from each rank start (source-major): first[s], first[world] the sum.
+__device__ __forceinline__ void starts(const long long* receives, int world, long long* first) {
+  long long start = 0;
+  for (int s = 0; s < world; ++s) {
+    first[s] = start;
+    start += receives[s];
+  }
+  first[world] = start;
+}
+
+// A warp copies row_bytes from src to each of count places (16-byte words where all are aligned).
+__device__ __forceinline__ void copy_to_places(const char* src, char* const* dst, int count,
+                                               unsigned long long row_bytes, int lane) {
+  bool words = (row_bytes % 16) == 0 && (reinterpret_cast<unsigned long long>(src) % 16) == 0;
+  for (int j = 0; j < count; ++j) words = words && (reinterpret_cast<unsigned long long>(dst[j]) % 16) == 0;
+  if (words) {
+    const uint4* from = reinterpret_cast<const uint4*>(src);
+    for (unsigned long long i = lane; i < row_bytes / 16; i += 32) {
+      const uint4 v = __ldcg(from + i);
+      for (int j = 0; j < count; ++j) reinterpret_cast<uint4*>(dst[j])[i] = v;
+    }
+  } else {
+    for (unsigned long long i = lane; i < row_bytes; i += 32) {
+      const char v = src[i];
+      for (int j = 0; j < count; ++j) dst[j][i] = v;
+    }
+  }
+}
+
+// One received row's sum: over its places (in order, -1 skipped) of y's rows (y_stride elements
+// apart), each times weights[place] where given (one fused multiply-add a term), in fp32, narrowed
+// once into out (hidden elements).
+template <typename Y, typename O>
+__device__ void presum_row(const Y* y, unsigned long long y_stride, const float* weights, const long long* places,
+                           int width, int hidden, O* out, int lane) {
+  const bool vec = (hidden % 8) == 0 && (y_stride % 8) == 0 && (reinterpret_cast<unsigned long long>(y) % 16) == 0 &&
+                   (reinterpret_cast<unsigned long long>(out) % 16) == 0;
+  if (vec) {
+    for (int unit = lane; unit < hidden / 8; unit += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int j = 0; j < width; ++j) {
+        const long long at = places[j];
+        if (at < 0) continue;
+        const Vec8<Y> v = engine::load8(y + at * y_stride + unit * 8);
+        if (weights != nullptr) {
+          const float w = weights[at];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = fmaf(engine::widen<float>(v.v[i]), w, acc[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], engine::widen<float>(v.v[i]));
+        }
+      }
+      Vec8<O> o;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o.v[i] = engine::narrow<O>(acc[i]);
+      engine::store8(out + unit * 8, o);
+    }
+  } else {
+    for (int col = lane; col < hidden; col += 32) {
+      float acc = 0.f;
+      for (int j = 0; j < width; ++j) {
+        const long long at = places[j];
+        if (at < 0) continue;
+        const float v = engine::widen<float>(y[at * y_stride + col]);
+        acc = weights != nullptr ? fmaf(v, weights[at], acc) : __fadd_rn(acc, v);
+      }
+      out[col] = engine::narrow<O>(acc);
+    }
+  }
+}
+
+template <typename Y>
+__device__ void presum_row_to(int out_code, const Y* y, unsigned long long y_stride, const float* weights,
+                              const long long* places, int width, int hidden, char* out, int lane) {
+  if (out_code == 0) {
+    presum_row(y, y_stride, weights, places, width, hidden, reinterpret_cast<__nv_bfloat16*>(out), lane);
+  } else if (out_code == 1) {
+    presum_row(y, y_stride, weights, places, width, hidden, reinterpret_cast<__half*>(out), lane);
+  } else {
+    presum_row(y, y_stride, weights, places, width, hidden, reinterpret_cast<float*>(out), lane);
+  }
+}
+
+}  // namespace
+
+// Dispatch: for each row r this rank receives (source-major, receives[s] from rank s; at most
+// most), rank src_rank[r]'s token src_token[r] (row_bytes, the tokens' own dtype), written to its
+// expert-major places (places[r, :width], -1 padded) of out (rows out_stride bytes apart): this
+// rank's own rows from x, a peer's from its staged tokens (row t at t * stage_stride of the
+// symmetric stage), read where NVSHMEM maps them, else got into row r of this rank's symmetric recv
+// first. Rows i of out whose expand_src[i] is zero_at (padding) are zeroed. The caller brackets it
+// with NVSHMEM's barrier (every stage written before; the peers read it until after).
+extern "C" __global__ void get_expand(char* out, unsigned long long out_stride, const char* x,
+                                      unsigned long long x_stride, const char* stage,
+                                      unsigned long long stage_stride, char* recv, unsigned long long recv_stride,
+                                      const long long* src_rank, const long long* src_token,
+                                      const long long* places, int width, const long long* receives, int world,
+                                      int me, unsigned long long row_bytes, unsigned long long most,
+                                      const long long* expand_src, unsigned long long num_rows, long long zero_at) {
+  __shared__ long long first[kMaxWorld + 1];
+  if (threadIdx.x == 0) starts(receives, world, first);
+  __syncthreads();
+  const unsigned long long rows = static_cast<unsigned long long>(first[world]) < most
+                                      ? static_cast<unsigned long long>(first[world]) : most;
+  const int lane = threadIdx.x & 31;
+  const unsigned long long lanes = blockDim.x / 32;
+  const unsigned long long warp = blockIdx.x * lanes + threadIdx.x / 32;
+  const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * lanes;
+  for (unsigned long long r = warp; r < rows; r += warps) {
+    const int s = static_cast<int>(src_rank[r]);
+    const long long t = src_token[r];
+    char* dst[32];
+    int count = 0;
+    for (int j = 0; j < width && j < 32; ++j) {
+      const long long at = places[r * width + j];
+      if (at >= 0) dst[count++] = out + at * out_stride;
+    }
+    const char* src;
+    if (s == me) {
+      src = x + t * x_stride;
+    } else {
+      const char* staged = stage + t * stage_stride;
+      src = static_cast<const char*>(nvshmem_ptr(staged, s));
+      if (src == nullptr) {  // not mapped here (another host): got into this rank's receive row r first
+        char* landed = recv + r * recv_stride;
+        nvshmemx_getmem_warp(landed, staged, row_bytes, s);
+        src = landed;
+      }
+    }
+    copy_to_places(src, dst, count, row_bytes, lane);
+  }
+  for (unsigned long long i = warp; i < num_rows; i += warps) {  // padding rows: zeros
+    if (expand_src[i] != zero_at) continue;
+    char* row = out + i * out_stride;
+    for (unsigned long long b = lane; b < row_bytes; b += 32) row[b] = 0;
+  }
+}
+
+// Combine: for each row r this rank received in the dispatch (as in get_expand), the sum of its
+// places' rows of y (y_code 0 bf16, 1 fp16, 2 fp32; rows y_stride elements apart; weights fp32 or
+// null), narrowed once to the wire (out_code, coded as y_code), put to its home rank s at row
+// back_at[s] + r - first[s] of its symmetric recv (rows recv_stride bytes apart): stored where
+// NVSHMEM maps it, else made in row r of this rank's symmetric send and put. The caller brackets it
+// with NVSHMEM's barrier.
+extern "C" __global__ void presum_put(char* recv, unsigned long long recv_stride, char* send,
+                                      unsigned long long send_stride, const char* y, unsigned long long y_stride,
+                                      int y_code, const float* weights, const long long* places, int width,
+                                      const long long* receives, const long long* back_at, int world, int hidden,
+                                      int out_code, unsigned long long most) {
+  __shared__ long long first[kMaxWorld + 1];
+  if (threadIdx.x == 0) starts(receives, world, first);
+  __syncthreads();
+  const unsigned long long rows = static_cast<unsigned long long>(first[world]) < most
+                                      ? static_cast<unsigned long long>(first[world]) : most;
+  const int lane = threadIdx.x & 31;
+  const unsigned long long lanes = blockDim.x / 32;
+  const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * lanes;
+  const unsigned long long out_bytes = static_cast<unsigned long long>(hidden) * (out_code == 2 ? 4 : 2);
+  for (unsigned long long r = blockIdx.x * lanes + threadIdx.x / 32; r < rows; r += warps) {
+    int s = 0;
+    while (s + 1 < world && static_cast<long long>(r) >= first[s + 1]) ++s;
+    char* home = recv + static_cast<unsigned long long>(back_at[s] + static_cast<long long>(r) - first[s]) * recv_stride;
+    char* direct = static_cast<char*>(nvshmem_ptr(home, s));
+    char* out = direct != nullptr ? direct : send + r * send_stride;
+    const long long* mine = places + r * width;
+    if (y_code == 0) {
+      presum_row_to(out_code, reinterpret_cast<const __nv_bfloat16*>(y), y_stride, weights, mine, width, hidden, out, lane);
+    } else if (y_code == 1) {
+      presum_row_to(out_code, reinterpret_cast<const __half*>(y), y_stride, weights, mine, width, hidden, out, lane);
+    } else {
+      presum_row_to(out_code, reinterpret_cast<const float*>(y), y_stride, weights, mine, width, hidden, out, lane);
+    }
+    if (direct == nullptr) {
+      __syncwarp();
+      nvshmemx_putmem_nbi_warp(home, out, out_bytes, s);
+    }
   }
   nvshmem_quiet();
 }

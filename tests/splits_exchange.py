@@ -58,6 +58,45 @@ class HostSplitsExchange:
         receives = _received_by(everyone, dist.get_rank(self.group))
         return self.exchange(rows[send_token[: int(sends.sum())]], sends, receives, send_rows, recv_rows, consume)
 
+    def get_expand(self, x, src_rank, src_token, places, receives, recv_rows, expand_src):
+        """As the kernel: row r received is rank src_rank[r]'s token src_token[r],
+        written to its places; the rows of each source in one block, in source
+        order, as many as the counts say; padding rows zeros, the rest garbage."""
+        for t in (src_rank, src_token, places, receives, expand_src):
+            assert t.dtype == torch.int64 and t.is_contiguous(), (t.dtype, t.stride())  # as the kernel reads them
+        world = receives.numel()
+        counts = receives.tolist()
+        got = sum(counts)
+        assert got <= recv_rows and got <= places.shape[0], (counts, recv_rows, places.shape)
+        assert src_rank[:got].tolist() == [s for s in range(world) for _ in range(counts[s])], src_rank[:got].tolist()
+        tokens = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(tokens, torch.tensor([x.shape[0]]), group=self.group)
+        most = max(int(t) for t in tokens)
+        padded = torch.zeros(most, *x.shape[1:], dtype=x.dtype)
+        padded[: x.shape[0]] = x
+        staged = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(staged, padded, group=self.group)  # every rank's tokens
+        out = torch.full((expand_src.shape[0], x.shape[1]), float("nan"), dtype=x.dtype)
+        for r in range(got):
+            s, t = int(src_rank[r]), int(src_token[r])
+            assert 0 <= t < int(tokens[s]), (s, t, int(tokens[s]))
+            for place in places[r].tolist():
+                if place >= 0:
+                    out[place] = staged[s][t]
+        out[expand_src == recv_rows] = 0
+        return out
+
+    def presum_put(self, y, weights, places, receives, back_at, wire, send_rows, recv_rows, consume):
+        """As the kernel: each received row's sum (gather_sum's), put home."""
+        from dispatch.kernels.gather_sum import gather_sum_reference
+
+        assert y.is_contiguous() and (weights is None or weights.dtype == torch.float32), (y.stride(), weights)
+        got = int(receives.sum())
+        partial = gather_sum_reference(y, places[:got], weights, wire)
+        back = torch.empty_like(receives)
+        dist.all_to_all_single(back, receives.contiguous(), group=self.group)  # what comes home from each rank
+        return self.exchange(partial, receives, back, send_rows, recv_rows, consume, at=back_at)
+
     def gather(self, row, out=None):
         assert row.dim() == 1, row.shape  # one row per rank
         return comm.all_gather_rows(row, self.group, dist.get_world_size(self.group), out=out)

@@ -1,6 +1,10 @@
-"""The NVSHMEM transport's put kernel (``csrc/nvshmem_puts.cu``): rows put by the
+"""The NVSHMEM transport's kernels (``csrc/nvshmem_puts.cu``): rows put by the
 sender straight to their places at the receivers, picked from its tokens by
-index or taken in order.
+index or taken in order (``put_rows``); and the exchange with the experts'
+layout in one pass, each (token, rank) row over the link once: the rows to the
+experts got from their sources and written to their expert-major places
+(``get_expand``), the expert outputs of each received row summed and put home
+(``presum_put``).
 
 Built at first use with NVSHMEM's device library (``nvcc -rdc``, then ``nvlink``
 with ``libnvshmem_device.a`` of the ``nvidia-nvshmem`` wheel torch installs) into
@@ -26,7 +30,8 @@ import torch
 from dispatch import build
 from dispatch.cuda import csrc_dir, signatures
 
-_SOURCE, _KERNEL, _BLOCKS, _THREADS = "nvshmem_puts.cu", "put_rows", 264, 256
+_SOURCE, _KERNELS, _BLOCKS, _THREADS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put"), 264, 256
+_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the dtypes presum_put sums and sends
 # ranks the kernel's table of starts holds, as its source states it
 MAX_WORLD = int(re.search(r"kMaxWorld = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])
 enabled = True  # False: torch's all-to-all moves the rows (the same results)
@@ -56,29 +61,87 @@ def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: 
     in order, at row ``at[d] + i - first[d]`` (rows of ``recv_stride`` bytes) of
     rank d's symmetric ``recv``; at most ``most`` rows. On ``stream`` (None: the
     current one), between two NVSHMEM barriers of every process."""
-    for name, tensor in (("send_token", send_token), ("sends", sends), ("at", at)):
+    _int64(send_token=send_token, sends=sends, at=at)
+    _launch("put_rows", x.device, stream, recv=recv.data_ptr(), recv_stride=recv_stride, x=x.data_ptr(),
+            x_stride=x.stride(0) * x.element_size(), send_token=0 if send_token is None else send_token.data_ptr(),
+            sends=sends.data_ptr(), at=at.data_ptr(), world=sends.numel(), row_bytes=x.shape[1] * x.element_size(),
+            most=most)
+
+
+def get_expand(out: torch.Tensor, x: torch.Tensor, stage: torch.Tensor, recv: torch.Tensor, stride: int,
+               src_rank: torch.Tensor, src_token: torch.Tensor, places: torch.Tensor, receives: torch.Tensor,
+               most: int, expand_src: torch.Tensor, zero_at: int, rank: int,
+               stream: "torch.cuda.Stream | None" = None) -> None:
+    """The rows to the experts, expanded as they are got: for each row r this
+    rank receives (``receives[s]`` from rank s, source-major; at most ``most``),
+    row ``src_token[r]`` of rank ``src_rank[r]``'s tokens (this rank's own from
+    ``x`` [T, H], contiguous; a peer's from its symmetric ``stage``, rows
+    ``stride`` bytes apart), written to rows ``places[r]`` (-1: none) of ``out``
+    [N, H] of x's dtype; rows i of out with ``expand_src[i] == zero_at`` zeroed.
+    A peer's rows are read where NVSHMEM maps them, else got into row r of the
+    symmetric ``recv`` first. Between two NVSHMEM barriers: every rank's stage
+    is written before it is called."""
+    _int64(src_rank=src_rank, src_token=src_token, places=places, receives=receives, expand_src=expand_src)
+    row_bytes = x.shape[1] * x.element_size()
+    _launch("get_expand", x.device, stream, out=out.data_ptr(), out_stride=row_bytes, x=x.data_ptr(),
+            x_stride=row_bytes, stage=stage.data_ptr(), stage_stride=stride, recv=recv.data_ptr(),
+            recv_stride=stride, src_rank=src_rank.data_ptr(), src_token=src_token.data_ptr(),
+            places=places.data_ptr(), width=places.shape[1], receives=receives.data_ptr(),
+            world=receives.numel(), me=rank, row_bytes=row_bytes, most=most, expand_src=expand_src.data_ptr(),
+            num_rows=out.shape[0], zero_at=zero_at)
+
+
+def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Tensor, weights: torch.Tensor | None,
+               places: torch.Tensor, receives: torch.Tensor, back_at: torch.Tensor, wire: torch.dtype, most: int,
+               stream: "torch.cuda.Stream | None" = None) -> None:
+    """Each received row's pre-sum put home: for row r this rank received in
+    the dispatch (``receives[s]`` from rank s, source-major; at most ``most``),
+    the sum of rows ``places[r]`` (-1: none) of ``y`` [N, H] (contiguous),
+    each times ``weights`` of its row where given (fp32), in fp32, cast once to
+    ``wire``: as :func:`dispatch.kernels.gather_sum.gather_sum`, bitwise; put
+    at row ``back_at[s] + r - first[s]`` of rank s's symmetric ``recv`` (rows
+    ``stride`` bytes apart); made in row r of the symmetric ``send`` first where
+    NVSHMEM does not map rank s's memory here. Between two NVSHMEM barriers."""
+    if not sums_here(y.dtype, None if weights is None else weights.dtype, wire):
+        raise ValueError(f"presum_put sums {sorted(map(str, _CODES))} rows with fp32 weights or none, got "
+                         f"{y.dtype} rows, weights {None if weights is None else weights.dtype}, wire {wire}")
+    _int64(places=places, receives=receives, back_at=back_at)
+    _launch("presum_put", y.device, stream, recv=recv.data_ptr(), recv_stride=stride, send=send.data_ptr(),
+            send_stride=stride, y=y.data_ptr(), y_stride=y.stride(0), y_code=_CODES[y.dtype],
+            weights=0 if weights is None else weights.data_ptr(), places=places.data_ptr(), width=places.shape[1],
+            receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(), hidden=y.shape[1],
+            out_code=_CODES[wire], most=most)
+
+
+def sums_here(dtype: torch.dtype, weights: torch.dtype | None, wire: torch.dtype) -> bool:
+    """Whether :func:`presum_put` sums rows of ``dtype`` with weights of that
+    dtype (None: none) onto ``wire`` (sums that accumulate in fp32)."""
+    return dtype in _CODES and wire in _CODES and weights in (None, torch.float32)
+
+
+def _int64(**tables) -> None:
+    for name, tensor in tables.items():
         if tensor is not None and (tensor.dtype != torch.int64 or not tensor.is_contiguous()):
-            raise ValueError(f"{name}: the put kernel reads it as contiguous int64, got {tensor.dtype} "
+            raise ValueError(f"{name}: the NVSHMEM kernels read it as contiguous int64, got {tensor.dtype} "
                              f"of strides {tensor.stride()}")
-    function, why = _load(x.device)
-    if function is None:
-        raise RuntimeError(f"the NVSHMEM put kernel cannot run here: {why}")
-    signature = signatures()[(_SOURCE, _KERNEL)]
-    values = dict(recv=recv.data_ptr(), recv_stride=recv_stride, x=x.data_ptr(),
-                  x_stride=x.stride(0) * x.element_size(),
-                  send_token=0 if send_token is None else send_token.data_ptr(),
-                  sends=sends.data_ptr(), at=at.data_ptr(), world=sends.numel(),
-                  row_bytes=x.shape[1] * x.element_size(), most=most)
-    # each argument by its name, in the C type the source declares (pointers as addresses)
+
+
+def _launch(kernel: str, device: torch.device, stream, **values) -> None:
+    """Launch ``kernel`` with its arguments by name (each in the C type the
+    source declares; pointers as addresses), between two NVSHMEM barriers."""
+    functions, why = _load(device)
+    if functions is None:
+        raise RuntimeError(f"the NVSHMEM kernels cannot run here: {why}")
+    signature = signatures()[(_SOURCE, kernel)]
     holders = [_C_TYPES[code](values[name]) for name, code in zip(signature.names, signature.codes)]
     params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
-    stream = ctypes.c_void_p((stream if stream is not None else torch.cuda.current_stream(x.device)).cuda_stream)
+    stream = ctypes.c_void_p((stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream)
     host = _host()
-    host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer
-    status = _driver().cuLaunchKernel(function, _BLOCKS, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
+    host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
+    status = _driver().cuLaunchKernel(functions[kernel], _BLOCKS, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
     if status != 0:
-        raise RuntimeError(f"cuLaunchKernel of put_rows failed: CUDA error {status}")
-    host.nvshmemx_barrier_all_on_stream(stream)  # every row landed
+        raise RuntimeError(f"cuLaunchKernel of {kernel} failed: CUDA error {status}")
+    host.nvshmemx_barrier_all_on_stream(stream)  # every row landed; no peer reads a stage any more
 
 
 def _load(device: torch.device) -> tuple:
@@ -104,7 +167,8 @@ def _build_and_load(index: int) -> tuple:
         return None, "needs nvcc, nvlink and the wheel's libnvshmem_device.a"
     source = csrc_dir() / _SOURCE
     major, minor = torch.cuda.get_device_capability(index)
-    name = f"dispatch_nvshmem_puts_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}_sm{major}{minor}"
+    digest = hashlib.sha256(source.read_bytes() + (csrc_dir() / "engine.cuh").read_bytes()).hexdigest()[:12]
+    name = f"dispatch_nvshmem_puts_{digest}_sm{major}{minor}"
     from torch.utils import cpp_extension
 
     folder = build.build_folder(cpp_extension.get_default_build_root(), name)
@@ -121,7 +185,7 @@ def _build_and_load(index: int) -> tuple:
             return None, f"the build failed: {error.stderr.decode(errors='replace').strip()[-300:]}"
         os.replace(part, cubin)
     driver = _driver()
-    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    module, functions = ctypes.c_void_p(), {}
     with torch.cuda.device(index):
         torch.cuda.init()
         if driver.cuModuleLoad(ctypes.byref(module), cubin.encode()) != 0:
@@ -129,9 +193,11 @@ def _build_and_load(index: int) -> tuple:
         status = _host().nvshmemx_cumodule_init(module)
         if status != 0:
             return None, f"nvshmemx_cumodule_init failed ({status})"
-        if driver.cuModuleGetFunction(ctypes.byref(function), module, _KERNEL.encode()) != 0:
-            return None, f"no {_KERNEL} in {cubin}"
-    return function, None
+        for kernel in _KERNELS:
+            functions[kernel] = ctypes.c_void_p()
+            if driver.cuModuleGetFunction(ctypes.byref(functions[kernel]), module, kernel.encode()) != 0:
+                return None, f"no {kernel} in {cubin}"
+    return functions, None
 
 
 @functools.lru_cache(maxsize=1)

@@ -56,6 +56,7 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
 from dispatch.transports.base import Request, by_groups, handle_fields, shape_fields
+from dispatch.kernels import nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.transports.symmetric import Packed, exchange_for
 
@@ -74,6 +75,9 @@ class NVSHMEMHandle(AllToAllHandle):
         put_at, back_at: [W] int64 on the device, where this rank's rows start
             in each rank's receive rows, to the experts and back home (what rows
             put straight there need).
+        recv_rank, recv_token: [R] int64 on the device, the source rank and
+            token of each row received (source-major; what rows got from their
+            sources need).
     """
 
     sends: torch.Tensor
@@ -82,6 +86,8 @@ class NVSHMEMHandle(AllToAllHandle):
     recv_rows: int
     put_at: torch.Tensor | None = None
     back_at: torch.Tensor | None = None
+    recv_rank: torch.Tensor | None = None
+    recv_token: torch.Tensor | None = None
 
 
 def unusable(group: dist.ProcessGroup | None) -> str | None:
@@ -121,7 +127,7 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
 
 # the handle's tensors (:meth:`NVSHMEMTransport._plan_tensors` makes them and the outputs')
 _HANDLE_TENSORS = ("send_token", "home_index", "slot_row", "slot_col", "expand_src", "presum_index", "sends",
-                   "receives", "put_at", "back_at")
+                   "receives", "put_at", "back_at", "recv_rank", "recv_token")
 _REPLAYS = 8  # signatures whose plan with max_rows is kept captured
 
 # the bits of a rank's word in a dispatch's agreement (``dispatch_word``)
@@ -334,8 +340,8 @@ class NVSHMEMTransport(AllToAllTransport):
                                      send_token, 0)
         return dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
                     expand_src=expand_src, presum_index=rp.presum_index, sends=sends, receives=receives,
-                    put_at=put_at, back_at=back_at, weights=weights, tokens_per_expert=per_expert, src_rank=src_rank,
-                    src_token=src_token)
+                    put_at=put_at, back_at=back_at, recv_rank=rp.src_rank, recv_token=rp.src_token, weights=weights,
+                    tokens_per_expert=per_expert, src_rank=src_rank, src_token=src_token)
 
     def _made_plan(self, request: Request, tensors: dict, grads_any, num_rows: int, sizes, has_rows,
                    per_expert_host, fields: dict | None = None) -> tuple[NVSHMEMHandle, PlanOutputs]:
@@ -367,9 +373,10 @@ class NVSHMEMTransport(AllToAllTransport):
 
         dtype, width = codec.wire_row(rows.dtype, rows.shape[1])
         if dtype == rows.dtype and self.exchange.can_put(rows.device):
-            # the rows as they are: put straight from x to their places at the receivers
-            expanded = self.exchange.put(rows.contiguous(), index, handle.sends, handle.put_at, handle.send_rows,
-                                         handle.recv_rows, consume)
+            # the rows as they are: got by their receivers and written straight to their expert-major places
+            expanded = self.exchange.get_expand(rows.contiguous(), handle.recv_rank, handle.recv_token,
+                                                handle.presum_index, handle.receives, handle.recv_rows,
+                                                handle.expand_src)
         else:
             sent = Packed(index.shape[0], width, dtype,  # [S, wire row], packed into the send buffer
                           lambda out: codec.pack(rows, index[: out.shape[0]], out), (rows, index))
@@ -380,12 +387,22 @@ class NVSHMEMTransport(AllToAllTransport):
 
     def to_home(self, rows, handle: NVSHMEMHandle, weights, wire) -> Pending:
         index = handle.presum_index
-        partial = Packed(index.shape[0], rows.shape[1], wire,  # [R, H], summed into the send buffer
-                         lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
-                         (rows, index) if weights is None else (rows, index, weights))
-        mark(self.phase_timer, "presum")
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
-        out = self._home(partial, handle, lambda back: gather_sum(back, handle.home_index, None, rows.dtype, at_least))
+
+        def home_sum(back):
+            return gather_sum(back, handle.home_index, None, rows.dtype, at_least)
+
+        if self.exchange.can_put(rows.device) and nvshmem_puts.sums_here(rows.dtype, at_least, wire):
+            # each received row's pre-sum made where it is put home
+            self._check_holds(handle, rows.shape[1], wire)
+            out = self.exchange.presum_put(rows.contiguous(), None if weights is None else weights.contiguous(), index,
+                                           handle.receives, handle.back_at, wire, handle.recv_rows, handle.send_rows,
+                                           home_sum)
+        else:
+            partial = Packed(index.shape[0], rows.shape[1], wire,  # [R, H], summed into the send buffer
+                             lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
+                             (rows, index) if weights is None else (rows, index, weights))
+            out = self._home(partial, handle, home_sum)
         mark(self.phase_timer, "final_sum")
         return Pending.done(out)  # [T, H]
 
@@ -400,18 +417,24 @@ class NVSHMEMTransport(AllToAllTransport):
         Rows wider than the buffers a dispatch with ``max_rows`` was sized for
         are refused before any exchange (the same on every rank where the
         expert outputs are alike)."""
-        if handle.send_splits is None and handle.recv_rows:  # with max_rows: the buffers do not grow
-            width, itemsize = ((rows.width, rows.dtype.itemsize) if isinstance(rows, Packed)
-                               else (rows.shape[1], rows.element_size()))
-            stride = self.exchange.stride(width * itemsize)
-            if not self.exchange.holds(handle.recv_rows * stride, (handle.send_rows + 1) * stride):
-                raise ValueError(f"expert_out: rows of {rows.shape[1]} x {rows.dtype} are wider than the buffers "
-                                 "a dispatch with max_rows was sized for (rows like x: TokenDispatcher.reserve "
-                                 "with the widest rows of the round trip)")
+        if isinstance(rows, Packed):
+            self._check_holds(handle, rows.width, rows.dtype)
+        else:
+            self._check_holds(handle, rows.shape[1], rows.dtype)
         out = self.exchange.exchange(rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows, consume,
                                      at=handle.back_at)
         mark(self.phase_timer, "exchange_back")
         return out
+
+    def _check_holds(self, handle: NVSHMEMHandle, width: int, dtype: torch.dtype) -> None:
+        """Refuse rows home of ``width`` x ``dtype`` wider than the buffers a
+        dispatch with max_rows was sized for (they do not grow then)."""
+        if handle.send_splits is None and handle.recv_rows:
+            stride = self.exchange.stride(width * dtype.itemsize)
+            if not self.exchange.holds(handle.recv_rows * stride, (handle.send_rows + 1) * stride):
+                raise ValueError(f"expert_out: rows of {width} x {dtype} are wider than the buffers a dispatch with "
+                                 "max_rows was sized for (rows like x: TokenDispatcher.reserve with the widest rows "
+                                 "of the round trip)")
 
     def stats(self, handle: NVSHMEMHandle, dispatch_row_bytes, combine_wire, hidden):
         if handle.send_splits is None:

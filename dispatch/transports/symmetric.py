@@ -75,7 +75,7 @@ class SymmetricExchange:
         self._on_nvshmem = device.type == "cuda" and get_backend is not None and get_backend(device) == "NVSHMEM"
         self._spent: list[torch.Tensor] = []
         # a row to every rank, at row `rank` of each (``gather``): its index, sends and places
-        rank = dist.get_rank(group)
+        self.rank = rank = dist.get_rank(group)
         self._to_everyone = tuple(torch.full((world_size,), value, dtype=torch.int64, device=device)
                                   for value in (0, 1, rank))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -175,6 +175,50 @@ class SymmetricExchange:
         rank's first at row ``at[d]`` of rank d's): no send buffer, no pack."""
         return self._put(lambda: rows, send_token, sends, at, min(send_token.shape[0], send_rows), recv_rows,
                          rows.shape[1] * rows.element_size(), rows.dtype, consume, (rows, send_token, sends, at))
+
+    def get_expand(self, x: torch.Tensor, src_rank: torch.Tensor, src_token: torch.Tensor, places: torch.Tensor,
+                   receives: torch.Tensor, recv_rows: int, expand_src: torch.Tensor) -> torch.Tensor:
+        """The rows to the experts as they are (``x`` contiguous [T, H]),
+        expanded where they land, each (token, rank) row over the link once:
+        [N, H] (N = ``expand_src``'s length), row i the received row
+        ``expand_src[i]`` (``recv_rows``: zeros). Row r received (``receives[s]``
+        from rank s, source-major) is rank ``src_rank[r]``'s token
+        ``src_token[r]``, and its places are ``places[r]`` ([R, J], -1 padded).
+        Every rank's tokens are staged in its send buffer first, then got by
+        their receivers (``nvshmem_puts.get_expand``)."""
+        row_bytes = x.shape[1] * x.element_size()
+        stride = self.stride(row_bytes)
+        self.ensure(x.shape[0] * stride, (recv_rows + 1) * stride)
+
+        def move():
+            _rows_of(self._send, stride)[: x.shape[0], :row_bytes].copy_(x.detach().view(torch.uint8))
+            out = torch.empty(expand_src.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+            nvshmem_puts.get_expand(out, x, self._send, self._recv, stride, src_rank, src_token, places, receives,
+                                    recv_rows, expand_src, recv_rows, self.rank, self._stream)
+            return out
+
+        return self._in_turn(move, (x, src_rank, src_token, places, receives, expand_src))
+
+    def presum_put(self, y: torch.Tensor, weights: torch.Tensor | None, places: torch.Tensor, receives: torch.Tensor,
+                   back_at: torch.Tensor, wire: torch.dtype, send_rows: int, recv_rows: int, consume):
+        """Each received row's pre-sum home, summed where it is put: row r
+        (received from rank s in the dispatch, as in :meth:`get_expand`) sums
+        rows ``places[r]`` of ``y`` ([N, H], contiguous; each times ``weights``
+        of its row where given) in fp32 onto ``wire``, as ``gather_sum`` does,
+        and goes to row ``back_at[s] + r - first[s]`` of rank s's receive rows
+        (``nvshmem_puts.presum_put``); then ``consume`` of the rows this rank
+        got back, as :meth:`exchange` gives them (``recv_rows`` + 1 rows).
+        ``send_rows``: the most rows any rank sends."""
+        row_bytes = y.shape[1] * wire.itemsize
+        stride = self.stride(row_bytes)
+        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+
+        def move():
+            nvshmem_puts.presum_put(self._recv, self._send, stride, y, weights, places, receives, back_at, wire,
+                                    send_rows, self._stream)
+            return self._received(stride, recv_rows, row_bytes, wire, consume)
+
+        return self._in_turn(move, (y, places, receives, back_at) + (() if weights is None else (weights,)))
 
     def gather(self, row: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """All-gather of one row per rank ([L] on the device, alike on every
