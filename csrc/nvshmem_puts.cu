@@ -69,16 +69,30 @@ __device__ __forceinline__ void starts(const long long* receives, int world, lon
   first[world] = start;
 }
 
-// A warp copies row_bytes from src to each of count places (16-byte words where all are aligned).
+constexpr int kThreads = 256;            // threads of a block (dispatch/kernels/nvshmem_puts.py launches so)
+constexpr int kWarps = kThreads / 32;
+constexpr int kCopyUnits = 4;            // 16-byte words in flight per lane, a row copied
+constexpr int kSumRows = 4, kSumUnits = 2;  // rows and 8-element units in flight per lane, a row summed
+
+// A warp copies row_bytes from src to each of count places (16-byte words where all are aligned;
+// kCopyUnits of them in flight per lane).
 __device__ __forceinline__ void copy_to_places(const char* src, char* const* dst, int count,
                                                unsigned long long row_bytes, int lane) {
   bool words = (row_bytes % 16) == 0 && (reinterpret_cast<unsigned long long>(src) % 16) == 0;
   for (int j = 0; j < count; ++j) words = words && (reinterpret_cast<unsigned long long>(dst[j]) % 16) == 0;
   if (words) {
     const uint4* from = reinterpret_cast<const uint4*>(src);
-    for (unsigned long long i = lane; i < row_bytes / 16; i += 32) {
-      const uint4 v = __ldcg(from + i);
-      for (int j = 0; j < count; ++j) reinterpret_cast<uint4*>(dst[j])[i] = v;
+    const unsigned long long units = row_bytes / 16;
+    for (unsigned long long base = lane; base < units; base += 32 * kCopyUnits) {
+      uint4 v[kCopyUnits];
+#pragma unroll
+      for (int u = 0; u < kCopyUnits; ++u)
+        if (base + 32 * u < units) v[u] = __ldcg(from + base + 32 * u);
+      for (int j = 0; j < count; ++j) {
+#pragma unroll
+        for (int u = 0; u < kCopyUnits; ++u)
+          if (base + 32 * u < units) reinterpret_cast<uint4*>(dst[j])[base + 32 * u] = v[u];
+      }
     }
   } else {
     for (unsigned long long i = lane; i < row_bytes; i += 32) {
@@ -88,43 +102,59 @@ __device__ __forceinline__ void copy_to_places(const char* src, char* const* dst
   }
 }
 
-// One received row's sum: over its places (in order, -1 skipped) of y's rows (y_stride elements
-// apart), each times weights[place] where given (one fused multiply-add a term), in fp32, narrowed
-// once into out (hidden elements).
-template <typename Y, typename O>
-__device__ void presum_row(const Y* y, unsigned long long y_stride, const float* weights, const long long* places,
-                           int width, int hidden, O* out, int lane) {
-  const bool vec = (hidden % 8) == 0 && (y_stride % 8) == 0 && (reinterpret_cast<unsigned long long>(y) % 16) == 0 &&
-                   (reinterpret_cast<unsigned long long>(out) % 16) == 0;
+// One received row's sum over its count rows (rows[j], in order) of y, each times scale[j] where
+// WEIGHTED (one fused multiply-add a term), in fp32 from zero, narrowed once into out (hidden
+// elements). kSumRows rows' kSumUnits units are loaded together before any is summed; a row past
+// the count re-reads the last one, unused.
+template <bool WEIGHTED, typename Y, typename O>
+__device__ __noinline__ void presum_row(const Y* const* rows, const float* scale, int count, int hidden, O* out, bool vec,
+                           int lane) {
   if (vec) {
-    for (int unit = lane; unit < hidden / 8; unit += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < width; ++j) {
-        const long long at = places[j];
-        if (at < 0) continue;
-        const Vec8<Y> v = engine::load8(y + at * y_stride + unit * 8);
-        if (weights != nullptr) {
-          const float w = weights[at];
+    const long long units = hidden / 8;
+    for (long long base = lane; base < units; base += 32 * kSumUnits) {
+      float acc[kSumUnits][8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = fmaf(engine::widen<float>(v.v[i]), w, acc[i]);
-        } else {
+      for (int u = 0; u < kSumUnits; ++u)
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], engine::widen<float>(v.v[i]));
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+      for (int j0 = 0; j0 < count; j0 += kSumRows) {
+        Vec8<Y> v[kSumRows][kSumUnits];
+#pragma unroll
+        for (int r = 0; r < kSumRows; ++r) {
+          const Y* row = rows[min(j0 + r, count - 1)];
+#pragma unroll
+          for (int u = 0; u < kSumUnits; ++u)
+            if (base + 32 * u < units) v[r][u] = engine::load8(row + (base + 32 * u) * 8);
+        }
+#pragma unroll
+        for (int r = 0; r < kSumRows; ++r) {
+          const bool live = j0 + r < count;
+          const float w = WEIGHTED ? scale[min(j0 + r, count - 1)] : 1.f;
+#pragma unroll
+          for (int u = 0; u < kSumUnits; ++u)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const float value = engine::widen<float>(v[r][u].v[i]);
+              const float next = WEIGHTED ? fmaf(value, w, acc[u][i]) : __fadd_rn(acc[u][i], value);
+              acc[u][i] = live ? next : acc[u][i];
+            }
         }
       }
-      Vec8<O> o;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o.v[i] = engine::narrow<O>(acc[i]);
-      engine::store8(out + unit * 8, o);
+      for (int u = 0; u < kSumUnits; ++u) {
+        if (base + 32 * u >= units) continue;
+        Vec8<O> o;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o.v[i] = engine::narrow<O>(acc[u][i]);
+        engine::store8(out + (base + 32 * u) * 8, o);
+      }
     }
   } else {
     for (int col = lane; col < hidden; col += 32) {
       float acc = 0.f;
-      for (int j = 0; j < width; ++j) {
-        const long long at = places[j];
-        if (at < 0) continue;
-        const float v = engine::widen<float>(y[at * y_stride + col]);
-        acc = weights != nullptr ? fmaf(v, weights[at], acc) : __fadd_rn(acc, v);
+      for (int j = 0; j < count; ++j) {
+        const float value = engine::widen<float>(rows[j][col]);
+        acc = WEIGHTED ? fmaf(value, scale[j], acc) : __fadd_rn(acc, value);
       }
       out[col] = engine::narrow<O>(acc);
     }
@@ -132,15 +162,15 @@ __device__ void presum_row(const Y* y, unsigned long long y_stride, const float*
 }
 
 template <typename Y>
-__device__ void presum_row_to(int out_code, const Y* y, unsigned long long y_stride, const float* weights,
-                              const long long* places, int width, int hidden, char* out, int lane) {
-  if (out_code == 0) {
-    presum_row(y, y_stride, weights, places, width, hidden, reinterpret_cast<__nv_bfloat16*>(out), lane);
-  } else if (out_code == 1) {
-    presum_row(y, y_stride, weights, places, width, hidden, reinterpret_cast<__half*>(out), lane);
-  } else {
-    presum_row(y, y_stride, weights, places, width, hidden, reinterpret_cast<float*>(out), lane);
-  }
+__device__ void presum_row_to(int out_code, const Y* const* rows, const float* scale, bool weighted, int count,
+                              int hidden, char* out, bool vec, int lane) {
+#define DISPATCH_PRESUM(O)                                                                   \
+  (weighted ? presum_row<true>(rows, scale, count, hidden, reinterpret_cast<O*>(out), vec, lane) \
+            : presum_row<false>(rows, scale, count, hidden, reinterpret_cast<O*>(out), vec, lane))
+  if (out_code == 0) DISPATCH_PRESUM(__nv_bfloat16);
+  else if (out_code == 1) DISPATCH_PRESUM(__half);
+  else DISPATCH_PRESUM(float);
+#undef DISPATCH_PRESUM
 }
 
 }  // namespace
@@ -152,31 +182,29 @@ __device__ void presum_row_to(int out_code, const Y* y, unsigned long long y_str
 // symmetric stage), read where NVSHMEM maps them, else got into row r of this rank's symmetric recv
 // first. Rows i of out whose expand_src[i] is zero_at (padding) are zeroed. The caller brackets it
 // with NVSHMEM's barrier (every stage written before; the peers read it until after).
-extern "C" __global__ void get_expand(char* out, unsigned long long out_stride, const char* x,
-                                      unsigned long long x_stride, const char* stage,
-                                      unsigned long long stage_stride, char* recv, unsigned long long recv_stride,
-                                      const long long* src_rank, const long long* src_token,
-                                      const long long* places, int width, const long long* receives, int world,
-                                      int me, unsigned long long row_bytes, unsigned long long most,
-                                      const long long* expand_src, unsigned long long num_rows, long long zero_at) {
+extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
+    char* out, unsigned long long out_stride, const char* x, unsigned long long x_stride, const char* stage,
+    unsigned long long stage_stride, char* recv, unsigned long long recv_stride, const long long* src_rank,
+    const long long* src_token, const long long* places, int width, const long long* receives, int world, int me,
+    unsigned long long row_bytes, unsigned long long most, const long long* expand_src, unsigned long long num_rows,
+    long long zero_at) {
   __shared__ long long first[kMaxWorld + 1];
+  __shared__ char* dst[kWarps][32];
   if (threadIdx.x == 0) starts(receives, world, first);
   __syncthreads();
   const unsigned long long rows = static_cast<unsigned long long>(first[world]) < most
                                       ? static_cast<unsigned long long>(first[world]) : most;
-  const int lane = threadIdx.x & 31;
-  const unsigned long long lanes = blockDim.x / 32;
-  const unsigned long long warp = blockIdx.x * lanes + threadIdx.x / 32;
-  const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * lanes;
+  const int lane = threadIdx.x & 31, in_block = threadIdx.x >> 5;
+  const unsigned long long warp = blockIdx.x * kWarps + in_block;
+  const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * kWarps;
   for (unsigned long long r = warp; r < rows; r += warps) {
     const int s = static_cast<int>(src_rank[r]);
     const long long t = src_token[r];
-    char* dst[32];
-    int count = 0;
-    for (int j = 0; j < width && j < 32; ++j) {
-      const long long at = places[r * width + j];
-      if (at >= 0) dst[count++] = out + at * out_stride;
-    }
+    // the row's places (packed left, -1 after), one a lane
+    const long long at = lane < width ? places[r * width + lane] : -1;
+    const int count = __popc(__ballot_sync(0xffffffffu, at >= 0));
+    if (at >= 0) dst[in_block][lane] = out + at * out_stride;
+    __syncwarp();
     const char* src;
     if (s == me) {
       src = x + t * x_stride;
@@ -189,7 +217,8 @@ extern "C" __global__ void get_expand(char* out, unsigned long long out_stride, 
         src = landed;
       }
     }
-    copy_to_places(src, dst, count, row_bytes, lane);
+    copy_to_places(src, dst[in_block], count, row_bytes, lane);
+    __syncwarp();  // dst is rewritten by the next row
   }
   for (unsigned long long i = warp; i < num_rows; i += warps) {  // padding rows: zeros
     if (expand_src[i] != zero_at) continue;
@@ -204,38 +233,51 @@ extern "C" __global__ void get_expand(char* out, unsigned long long out_stride, 
 // back_at[s] + r - first[s] of its symmetric recv (rows recv_stride bytes apart): stored where
 // NVSHMEM maps it, else made in row r of this rank's symmetric send and put. The caller brackets it
 // with NVSHMEM's barrier.
-extern "C" __global__ void presum_put(char* recv, unsigned long long recv_stride, char* send,
-                                      unsigned long long send_stride, const char* y, unsigned long long y_stride,
-                                      int y_code, const float* weights, const long long* places, int width,
-                                      const long long* receives, const long long* back_at, int world, int hidden,
-                                      int out_code, unsigned long long most) {
+extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
+    char* recv, unsigned long long recv_stride, char* send, unsigned long long send_stride, const char* y,
+    unsigned long long y_stride, int y_code, const float* weights, const long long* places, int width,
+    const long long* receives, const long long* back_at, int world, int hidden, int out_code,
+    unsigned long long most) {
   __shared__ long long first[kMaxWorld + 1];
+  __shared__ const char* rows[kWarps][32];
+  __shared__ float scale[kWarps][32];
   if (threadIdx.x == 0) starts(receives, world, first);
   __syncthreads();
-  const unsigned long long rows = static_cast<unsigned long long>(first[world]) < most
-                                      ? static_cast<unsigned long long>(first[world]) : most;
-  const int lane = threadIdx.x & 31;
-  const unsigned long long lanes = blockDim.x / 32;
-  const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * lanes;
+  const unsigned long long count_rows = static_cast<unsigned long long>(first[world]) < most
+                                            ? static_cast<unsigned long long>(first[world]) : most;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * kWarps;
+  const int y_size = y_code == 2 ? 4 : 2;
   const unsigned long long out_bytes = static_cast<unsigned long long>(hidden) * (out_code == 2 ? 4 : 2);
-  for (unsigned long long r = blockIdx.x * lanes + threadIdx.x / 32; r < rows; r += warps) {
+  for (unsigned long long r = blockIdx.x * kWarps + warp; r < count_rows; r += warps) {
     int s = 0;
     while (s + 1 < world && static_cast<long long>(r) >= first[s + 1]) ++s;
     char* home = recv + static_cast<unsigned long long>(back_at[s] + static_cast<long long>(r) - first[s]) * recv_stride;
     char* direct = static_cast<char*>(nvshmem_ptr(home, s));
     char* out = direct != nullptr ? direct : send + r * send_stride;
-    const long long* mine = places + r * width;
+    // the row's places (packed left, -1 after), one a lane
+    const long long at = lane < width ? places[r * width + lane] : -1;
+    const int count = __popc(__ballot_sync(0xffffffffu, at >= 0));
+    if (at >= 0) {
+      rows[warp][lane] = y + static_cast<unsigned long long>(at) * y_stride * y_size;
+      scale[warp][lane] = weights != nullptr ? weights[at] : 1.f;
+    }
+    __syncwarp();
+    const bool vec = (hidden % 8) == 0 && (y_stride % 8) == 0 && (reinterpret_cast<unsigned long long>(y) % 16) == 0 &&
+                     (reinterpret_cast<unsigned long long>(out) % 16) == 0;
     if (y_code == 0) {
-      presum_row_to(out_code, reinterpret_cast<const __nv_bfloat16*>(y), y_stride, weights, mine, width, hidden, out, lane);
+      presum_row_to(out_code, reinterpret_cast<const __nv_bfloat16* const*>(rows[warp]), scale[warp],
+                    weights != nullptr, count, hidden, out, vec, lane);
     } else if (y_code == 1) {
-      presum_row_to(out_code, reinterpret_cast<const __half*>(y), y_stride, weights, mine, width, hidden, out, lane);
+      presum_row_to(out_code, reinterpret_cast<const __half* const*>(rows[warp]), scale[warp], weights != nullptr,
+                    count, hidden, out, vec, lane);
     } else {
-      presum_row_to(out_code, reinterpret_cast<const float*>(y), y_stride, weights, mine, width, hidden, out, lane);
+      presum_row_to(out_code, reinterpret_cast<const float* const*>(rows[warp]), scale[warp], weights != nullptr,
+                    count, hidden, out, vec, lane);
     }
-    if (direct == nullptr) {
-      __syncwarp();
-      nvshmemx_putmem_nbi_warp(home, out, out_bytes, s);
-    }
+    __syncwarp();
+    if (direct == nullptr) nvshmemx_putmem_nbi_warp(home, out, out_bytes, s);
+    __syncwarp();  // rows[warp] is rewritten by the next row
   }
   nvshmem_quiet();
 }

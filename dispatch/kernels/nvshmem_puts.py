@@ -30,10 +30,12 @@ import torch
 from dispatch import build
 from dispatch.cuda import csrc_dir, signatures
 
-_SOURCE, _KERNELS, _BLOCKS, _THREADS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put"), 264, 256
+_SOURCE, _KERNELS, _BLOCKS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put"), 264
 _CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the dtypes presum_put sums and sends
 # ranks the kernel's table of starts holds, as its source states it
 MAX_WORLD = int(re.search(r"kMaxWorld = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])
+_THREADS = int(re.search(r"kThreads = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])  # a block's, as it states
+MAX_WIDTH = 32  # places of a received row get_expand and presum_put take (one a lane of a warp)
 enabled = True  # False: torch's all-to-all moves the rows (the same results)
 _C_TYPES = {"i": ctypes.c_int, "I": ctypes.c_uint, "q": ctypes.c_longlong, "Q": ctypes.c_uint64}
 _loaded: dict = {}  # device index -> (the kernel's CUfunction, or None; why not)
@@ -82,6 +84,7 @@ def get_expand(out: torch.Tensor, x: torch.Tensor, stage: torch.Tensor, recv: to
     symmetric ``recv`` first. Between two NVSHMEM barriers: every rank's stage
     is written before it is called."""
     _int64(src_rank=src_rank, src_token=src_token, places=places, receives=receives, expand_src=expand_src)
+    _at_most_max_width(places)
     row_bytes = x.shape[1] * x.element_size()
     _launch("get_expand", x.device, stream, out=out.data_ptr(), out_stride=row_bytes, x=x.data_ptr(),
             x_stride=row_bytes, stage=stage.data_ptr(), stage_stride=stride, recv=recv.data_ptr(),
@@ -106,6 +109,7 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
         raise ValueError(f"presum_put sums {sorted(map(str, _CODES))} rows with fp32 weights or none, got "
                          f"{y.dtype} rows, weights {None if weights is None else weights.dtype}, wire {wire}")
     _int64(places=places, receives=receives, back_at=back_at)
+    _at_most_max_width(places)
     _launch("presum_put", y.device, stream, recv=recv.data_ptr(), recv_stride=stride, send=send.data_ptr(),
             send_stride=stride, y=y.data_ptr(), y_stride=y.stride(0), y_code=_CODES[y.dtype],
             weights=0 if weights is None else weights.data_ptr(), places=places.data_ptr(), width=places.shape[1],
@@ -124,6 +128,11 @@ def _int64(**tables) -> None:
         if tensor is not None and (tensor.dtype != torch.int64 or not tensor.is_contiguous()):
             raise ValueError(f"{name}: the NVSHMEM kernels read it as contiguous int64, got {tensor.dtype} "
                              f"of strides {tensor.stride()}")
+
+
+def _at_most_max_width(places: torch.Tensor) -> None:
+    if places.shape[1] > MAX_WIDTH:
+        raise ValueError(f"places: at most {MAX_WIDTH} a received row (one a lane), got {places.shape[1]}")
 
 
 def _launch(kernel: str, device: torch.device, stream, **values) -> None:

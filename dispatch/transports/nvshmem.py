@@ -372,7 +372,8 @@ class NVSHMEMTransport(AllToAllTransport):
             return codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
 
         dtype, width = codec.wire_row(rows.dtype, rows.shape[1])
-        if dtype == rows.dtype and self.exchange.can_put(rows.device):
+        if (dtype == rows.dtype and self.exchange.can_put(rows.device)
+                and handle.presum_index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # the rows as they are: got by their receivers and written straight to their expert-major places
             expanded = self.exchange.get_expand(rows.contiguous(), handle.recv_rank, handle.recv_token,
                                                 handle.presum_index, handle.receives, handle.recv_rows,
@@ -392,7 +393,8 @@ class NVSHMEMTransport(AllToAllTransport):
         def home_sum(back):
             return gather_sum(back, handle.home_index, None, rows.dtype, at_least)
 
-        if self.exchange.can_put(rows.device) and nvshmem_puts.sums_here(rows.dtype, at_least, wire):
+        if (self.exchange.can_put(rows.device) and nvshmem_puts.sums_here(rows.dtype, at_least, wire)
+                and index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # each received row's pre-sum made where it is put home
             self._check_holds(handle, rows.shape[1], wire)
             out = self.exchange.presum_put(rows.contiguous(), None if weights is None else weights.contiguous(), index,
