@@ -69,14 +69,14 @@ class HostSplitsExchange:
         got = sum(counts)
         assert got <= recv_rows and got <= places.shape[0], (counts, recv_rows, places.shape)
         assert src_rank[:got].tolist() == [s for s in range(world) for _ in range(counts[s])], src_rank[:got].tolist()
-        tokens = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(tokens, torch.tensor([x.shape[0]]), group=self.group)
+        tokens = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(world)]
+        dist.all_gather(tokens, torch.tensor([x.shape[0]], device=x.device), group=self.group)
         most = max(int(t) for t in tokens)
-        padded = torch.zeros(most, *x.shape[1:], dtype=x.dtype)
+        padded = torch.zeros(most, *x.shape[1:], dtype=x.dtype, device=x.device)
         padded[: x.shape[0]] = x
         staged = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(staged, padded, group=self.group)  # every rank's tokens
-        out = torch.full((expand_src.shape[0], x.shape[1]), float("nan"), dtype=x.dtype)
+        out = torch.full((expand_src.shape[0], x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
         for r in range(got):
             s, t = int(src_rank[r]), int(src_token[r])
             assert 0 <= t < int(tokens[s]), (s, t, int(tokens[s]))
