@@ -59,7 +59,10 @@
 #             time, longest kernels and host ops, the host's time to issue a pass; rank 0's
 #             timelines in traces/)
 #   studies   the bench/ scripts: wire formats, the overlap layer's timelines (G = 4,
-#             slowed exchange), and the ranks as 2 nodes (hierarchical tiers, bytes per tier)
+#             slowed exchange), and the ranks as 2 nodes (hierarchical tiers, bytes per tier); then
+#             the CPU studies: bench/convergence.py (the wires trained, classify and regress, on two
+#             GPUs where there are two; regress within 5%, its loss driven towards zero),
+#             bench/group_dedup.py, bench/host_calls.py (this tree alone)
 # Usage: before sending the tree, record what it is (the device's copy has no
 # reliable git history): git describe --always --dirty > .dispatch-commit
 # (git-ignored; carry it), then on the device machine, from the repository root:
@@ -203,7 +206,12 @@ for part in "$@"; do
       step 120 overlap-trace python3 bench/overlap_trace.py --groups 1,4 --sm-carveout 16 --comm-max-ctas 2 \
         --comm-high-priority --out "$RES"
       bench 150 hierarchical dispatch --nodes 2 --shapes deepseek-v3,qwen3-235b,mixtral-8x7b --routings uniform \
-        --wires native --baselines none --iters 20 --warmup 5 --out "$RES" ;;
+        --wires native --baselines none --iters 20 --warmup 5 --out "$RES"
+      step 90 convergence python3 bench/convergence.py --wires bf16,fp8,native --steps 400 --out "$RES"
+      step 90 convergence-regress python3 bench/convergence.py --wires bf16,fp8,native --steps 400 --task regress \
+        --tolerance 0.05 --out "$RES"
+      step 30 group-dedup python3 bench/group_dedup.py --out "$RES"
+      step 150 host-calls python3 bench/host_calls.py --out "$RES/host-calls.txt" ;;
     *)
       echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac

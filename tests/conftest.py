@@ -33,14 +33,21 @@ def worlds():
         world.close()
 
 
-def pytest_terminal_summary(terminalreporter):
-    """One line that accounts for the skipped tests by reason (CUDA devices,
-    CuPy, megatron-core): what a CPU machine cannot run."""
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session):
+    """After pytest's own summary, whose stats line it follows as the last line: one
+    line that accounts for the skipped tests by reason (CUDA devices, CuPy,
+    megatron-core): what a CPU machine cannot run."""
+    result = yield
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or reporter.no_summary:
+        return result
     reasons = collections.Counter()
-    for report in terminalreporter.stats.get("skipped", []):
+    for report in reporter.stats.get("skipped", []):
         longrepr = report.longrepr
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
         reasons[reason.removeprefix("Skipped: ")] += 1
     if reasons:
         told = "; ".join(f"{count} {reason}" for reason, count in reasons.most_common())
-        terminalreporter.write_line(f"skipped by reason: {told}")
+        reporter.write_line(f"skipped by reason: {told}")
+    return result

@@ -111,7 +111,7 @@ def _only_global_flags(words: list[str]) -> bool:
 def _job(args: argparse.Namespace) -> None:
     """One rank's part of the run; rank 0 reports."""
     if dist.get_rank() == 0:
-        print(common.what_runs(), flush=True)
+        print(common.what_runs(roundtrip.what_runs(args) if args.command in (None, "dispatch") else ""), flush=True)
     results = {}
     if args.command in (None, "dispatch"):
         results["dispatch"] = roundtrip.run(args)

@@ -122,11 +122,11 @@ def run(args: argparse.Namespace) -> dict | None:
         per_peer = size // (2 * world)
         for transport in transports:
             if per_peer == 0 or (transport not in LOSSLESS and per_peer < args.hidden):
-                progress.step(f"{size} B {transport}", "skipped (smaller than one element/row per peer)")
+                progress.step(f"{size} B {name(transport)}", "skipped (smaller than one element/row per peer)")
                 continue
             row = _measure(transport, per_peer, world, rank, dev, args, engine)
             rows.append(row)
-            progress.step(f"{size} B {transport}", f"{row['time_us']:.1f} us {row['busbw_gbps']:.1f} GB/s")
+            progress.step(f"{size} B {name(transport)}", f"{row['time_us']:.1f} us {row['busbw_gbps']:.1f} GB/s")
     return {"rows": rows, "world_size": world} if rank == 0 else None
 
 
@@ -266,24 +266,29 @@ def table(rows: list[dict], transport: str) -> str:
 
 
 def comparison(rows: list[dict], from_bytes: int = 8 << 20) -> list[str]:
-    """Lines comparing ``ours`` and the engine with raw NCCL at every size from
-    ``from_bytes`` up (none below), and the engine at 1 MiB."""
+    """Lines comparing ``ours`` and the engine with raw NCCL (the backend's all-to-all) at
+    every size from ``from_bytes`` up (none below), and the engine at 1 MiB."""
     nccl = {r["size"]: r for r in rows if r["transport"] == "nccl"}
     lines = []
-    for name in ("ours", "nvlink"):
+    for transport in ("ours", "nvlink"):
         ratios = [
             (r["size"], nccl[r["size"]]["time_us"] / r["time_us"])
-            for r in rows if r["transport"] == name and r["size"] >= from_bytes and r["size"] in nccl
+            for r in rows if r["transport"] == transport and r["size"] >= from_bytes and r["size"] in nccl
         ]
         if ratios:
             worst = min(ratios, key=lambda p: p[1])
-            lines.append(f"{name} / nccl bandwidth from {from_bytes >> 20} MiB up: worst {worst[1]:.3f} at "
-                         f"{worst[0]} B, mean {sum(r for _, r in ratios) / len(ratios):.3f}")
+            lines.append(f"{transport} / {name('nccl')} bandwidth from {from_bytes >> 20} MiB up: worst "
+                         f"{worst[1]:.3f} at {worst[0]} B, mean {sum(r for _, r in ratios) / len(ratios):.3f}")
         at_1m = [nccl[r["size"]]["time_us"] / r["time_us"] for r in rows
-                 if r["transport"] == name == "nvlink" and r["size"] == 1 << 20 and r["size"] in nccl]
+                 if r["transport"] == transport == "nvlink" and r["size"] == 1 << 20 and r["size"] in nccl]
         if at_1m:
-            lines.append(f"nvlink / nccl bandwidth at 1 MiB: {at_1m[0]:.3f}")
+            lines.append(f"nvlink / {name('nccl')} bandwidth at 1 MiB: {at_1m[0]:.3f}")
     return lines
+
+
+def name(transport: str) -> str:
+    """A transport's short name in progress lines and plots: ``nccl`` is the process group's backend (gloo on CPU)."""
+    return dist.get_backend() if transport == "nccl" else transport
 
 
 def label(transport: str) -> str:
@@ -306,7 +311,7 @@ def report(result: dict, args: argparse.Namespace) -> str:
         sections.append(f"## {label(transport)}\n\n```\n{table(rows, transport)}\n```")
     notes = comparison(rows)
     stem = f"a2a-w{world}"
-    png = plots.bandwidth_plot(rows, os.path.join(args.out, stem + ".png"), title)
+    png = plots.bandwidth_plot(rows, os.path.join(args.out, stem + ".png"), title, name)
     if png:
         notes.append(f"plot: {os.path.basename(png)}")
     return common.write_results(args.out, stem, title, "\n\n".join(sections), result, notes)

@@ -79,18 +79,19 @@ def world_size_for(requested: int | None, cpu_default: int = 4) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else cpu_default
 
 
-def what_runs() -> str:
-    """One line, said before a run starts: the ranks, their devices and backend."""
+def what_runs(runs: str = "") -> str:
+    """One line, said before a run starts: the ranks, their devices and backend, then
+    ``runs`` (what the job runs on them: its transports and baselines)."""
     world, backend = dist.get_world_size(), dist.get_backend()
+    runs = f"; {runs}" if runs else ""
     if backend == "nccl":
-        return f"dispatch-bench: {world} ranks, one per GPU ({torch.cuda.get_device_name()}), NCCL"
+        return f"dispatch-bench: {world} ranks, one per GPU ({torch.cuda.get_device_name()}), NCCL{runs}"
     from dispatch.kernels import plan_cpu
 
     why = plan_cpu.why_not()
     plan_in = "compiled (csrc/plan_cpu.cpp)" if why is None else f"in torch operations ({why})"
-    return (f"dispatch-bench: a CPU world of {world} {backend} processes (no GPU here), with the small CPU shapes; "
-            "the transport called nccl in the tables is torch.distributed's collectives, here over gloo; the "
-            f"routing plan {plan_in}")
+    return (f"dispatch-bench: a CPU world of {world} {backend} processes (no GPU here), with the small CPU shapes"
+            f"{runs}; the routing plan {plan_in}")
 
 
 def shapes_fit(names, world: int, prog: str = "dispatch-bench") -> bool:

@@ -22,9 +22,9 @@ def _pyplot():
     return plt
 
 
-def bandwidth_plot(rows: list[dict], path: str, title: str) -> str | None:
+def bandwidth_plot(rows: list[dict], path: str, title: str, name=str) -> str | None:
     """Bus bandwidth (effective bandwidth for compressed wires) against buffer size,
-    one line per transport."""
+    one line per transport, named in the legend by ``name(transport)``."""
     plt = _pyplot()
     if plt is None or not rows:
         return None
@@ -33,7 +33,7 @@ def bandwidth_plot(rows: list[dict], path: str, title: str) -> str | None:
         picked = [r for r in rows if r["transport"] == transport]
         lossless = picked[0]["type"] == "bf16"  # the buffer moved as it is (a2a rows name their wire)
         key = "busbw_gbps" if lossless else "effective_gbps"
-        label = f"{transport} busbw" if lossless else f"{transport} effective (uncompressed B/s)"
+        label = f"{name(transport)} busbw" if lossless else f"{name(transport)} effective (uncompressed B/s)"
         ax.plot([r["size"] for r in picked], [r[key] for r in picked], marker="o", ms=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("buffer size per rank (bytes)")

@@ -4,8 +4,8 @@ For each shape x routing, every variant x wire format of ours (the alltoall
 variant over NCCL, over the NVLink engine, and over the engine with ``max_rows``
 in CUDA graphs) and, on GPUs, Megatron-Core's ``alltoall`` and ``allgather``
 dispatchers when megatron-core imports and DeepEP's intranode kernels when
-``deep_ep`` imports (eager, and along a cached layout: ``dispatch.bench.deepep_baseline``),
-in the same processes and table:
+``deep_ep`` imports (eager, and along a cached layout: ``dispatch.bench.deepep_baseline``;
+each row beside its fair pair of ours, ``FAIR_PAIRS``), in the same processes and table:
 
 * dispatch, combine and round-trip times (median and 10th-90th percentile over
   ``--iters`` timed runs after ``--warmup``, barrier first, CUDA events, the
@@ -47,6 +47,11 @@ SECTIONS = {"dispatch": PHASES[:3], "combine": PHASES[3:]}
 ROUTINGS = ("uniform", "zipf", "one-rank")
 # the alltoall variant's: NCCL, the NVLink engine, and the engine with max_rows in CUDA graphs
 TRANSPORTS = ("nccl", "nvlink", "nvlink-graph")
+TRANSPORT_WORDS = {"nvlink": "the NVLink engine", "nvlink-graph": "the engine in CUDA graphs"}
+DEEPEP_EAGER, DEEPEP_CACHED = "deepep eager (layout, host read)", "deepep kernels (cached layout)"
+# each DeepEP row's fair pair of ours: (the pair's label, our row's name)
+FAIR_PAIRS = {DEEPEP_EAGER: ("eager", "ours alltoall/nvlink"),
+              DEEPEP_CACHED: ("captured", "ours alltoall/nvlink graph")}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -61,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the alltoall variant's transports, comma-separated from nccl, nvlink, nvlink-graph "
                              "(the engine with max_rows = N + 10%%, dispatch, combine and round trip each "
                              "captured in a CUDA graph and replayed), or 'all' (nccl and nvlink on GPUs where "
-                             "the NVLink engine runs, nccl elsewhere); the other variants over NCCL, auto over "
+                             "the NVLink engine runs, with nvlink-graph too where DeepEP's rows run: its cached "
+                             "layout's pair; nccl elsewhere); the other variants over NCCL, auto over "
                              "the transport it chooses (transport=\"auto\")")
     parser.add_argument("--nodes", type=int, default=1,
                         help="treat the ranks as this many nodes of consecutive ranks (hierarchical tiers, "
@@ -101,7 +107,10 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
     if args.transports == "all":
         from dispatch import cuda
 
-        args.transports = ["nccl", "nvlink"] if use_cuda and cuda.available() else ["nccl"]
+        engine = use_cuda and cuda.available()
+        # DeepEP's kernels on a cached layout need their fair pair: our round trip captured
+        deepep = engine and args.baselines == "auto" and args.dtype == "bf16" and _deepep_importable()
+        args.transports = ["nccl", "nvlink", *(["nvlink-graph"] if deepep else [])] if engine else ["nccl"]
     else:
         args.transports = _pick(parser, "--transports", args.transports, TRANSPORTS)
     if args.nodes < 1:
@@ -155,8 +164,7 @@ def run(args: argparse.Namespace) -> dict | None:
     dev = common.device()
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[args.dtype]
-    megatron = args.baselines == "auto" and dev.type == "cuda" and _megatron_importable()
-    deepep = args.baselines == "auto" and dev.type == "cuda" and dtype == torch.bfloat16 and _deepep_importable()
+    megatron, deepep = _baselines(args, dev)
     baselines = (2 if megatron else 0) + (2 if deepep else 0)
     shapes = [common.SHAPES[s] for s in args.shapes]
     bad = [s.name for s in shapes if s.experts % world]
@@ -179,6 +187,7 @@ def run(args: argparse.Namespace) -> dict | None:
                     progress.step(f"{shape.name} {routing}", "skipped: K > experts per rank")
                 continue
             topk_idx, topk_weights = made
+            start = len(rows)  # this shape and routing's first row
             eager = []  # this shape and routing's eager rows of ours, with their dispatchers
             for variant, wire, transport in ours:
                 graphs = transport == "nvlink-graph"
@@ -210,10 +219,46 @@ def run(args: argparse.Namespace) -> dict | None:
 
                     dispatchers["deepep"] = deepep_baseline.build_buffer()
                 for row in _deepep(dispatchers["deepep"], shape, routing, x, topk_idx, topk_weights, args, dev):
-                    rows.append(row)
+                    _beside_its_pair(rows, start, row)
                     progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
     result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes}
     return result if rank == 0 else None
+
+
+def _baselines(args, dev) -> tuple[bool, bool]:
+    """Whether Megatron-Core's rows and DeepEP's run beside ours (on GPUs, where each imports)."""
+    wanted = args.baselines == "auto" and dev.type == "cuda"
+    return wanted and _megatron_importable(), wanted and args.dtype == "bf16" and _deepep_importable()
+
+
+def what_runs(args) -> str:
+    """The transports and baselines of the comparison, for the job's first line."""
+    dev = common.device()
+    over = [f"torch.distributed's collectives over {dist.get_backend()}" if t == "nccl" else TRANSPORT_WORDS[t]
+            for t in args.transports]
+    if args.baselines == "none" or dev.type != "cuda":
+        why = "--baselines none" if args.baselines == "none" else "Megatron-Core's and DeepEP's run on GPUs"
+        return f"transports: {', '.join(over)}; baselines: none ({why})"
+    megatron, deepep = _baselines(args, dev)
+    beside = [
+        "Megatron-Core's alltoall and allgather" if megatron else "no Megatron-Core (megatron-core does not import)",
+        "DeepEP eager and on a cached layout, each beside its fair pair of ours" if deepep
+        else "no DeepEP (deep_ep does not import)" if args.dtype == "bf16" else "no DeepEP (bf16 tokens only)",
+    ]
+    return f"transports: {', '.join(over)}; baselines: {', '.join(beside)}"
+
+
+def _beside_its_pair(rows: list[dict], start: int, row: dict) -> None:
+    """A DeepEP row into ``rows`` right after its fair pair of ours (``FAIR_PAIRS``)
+    among this shape and routing's, from ``start``, both labelled with the pair;
+    last where that row of ours did not run."""
+    pair, partner = FAIR_PAIRS[row["name"]]
+    at = next((i for i in range(start, len(rows)) if rows[i]["name"] == partner), None)
+    if at is None:
+        rows.append(row)
+        return
+    rows[at]["pair"] = row["pair"] = pair
+    rows.insert(at + 1, row)
 
 
 def _warm_up(shape, dtype, dev, args) -> None:
@@ -384,14 +429,14 @@ def _deepep(buffer, shape, routing, x, topk_idx, topk_weights, args, dev) -> lis
         db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts, timer=timer)
 
     runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
-    eager = _row("deepep eager (layout, host read)", "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
+    eager = _row(DEEPEP_EAGER, "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
     cached = wrong_rows(db.deepep_cached_round_trip(buffer, x, layout), x, topk_weights)
 
     def cached_step(timer):
         db.deepep_cached_round_trip(buffer, x, layout, timer=timer)
 
     runs = common.time_phases(cached_step, args.iters, args.warmup, dev, SECTIONS)
-    kernels = _row("deepep kernels (cached layout)", "deepep", "native", shape, routing, runs, cached, {}, PHASES)
+    kernels = _row(DEEPEP_CACHED, "deepep", "native", shape, routing, runs, cached, {}, PHASES)
     return [eager, kernels]
 
 
@@ -452,10 +497,15 @@ def _ms(stats: dict) -> str:
     return f"{stats['median']:.3f}"
 
 
+def _paired(rows: list[dict]) -> bool:
+    return any("pair" in r for r in rows)
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = ["shape", "routing", "dispatcher", "round trip ms", "p10-p90", "vs megatron a2a", "dispatch ms",
-            "combine ms", *PHASES, "MB out/rank (dispatch, combine)", "of which inter-node",
-            "DeepEP-style GB/s (dispatch, combine)", "auto in turns: / the fastest", "#wrong"]
+    paired = _paired(rows)
+    head = ["shape", "routing", "dispatcher", *(["fair pair"] if paired else []), "round trip ms", "p10-p90",
+            "vs megatron a2a", "dispatch ms", "combine ms", *PHASES, "MB out/rank (dispatch, combine)",
+            "of which inter-node", "DeepEP-style GB/s (dispatch, combine)", "auto in turns: / the fastest", "#wrong"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         base = _baseline(rows, r)
@@ -466,7 +516,8 @@ def markdown_table(rows: list[dict]) -> str:
         inter = f"{_mb(r.get('dispatch_inter_bytes'))}, {_mb(r.get('combine_inter_bytes'))}"
         bw = (f"{r['deepep_dispatch_gbps']:.0f}, {r['deepep_combine_gbps']:.0f}" if "deepep_dispatch_gbps" in r else "-")
         lines.append("| " + " | ".join([
-            r["shape"]["name"], r["routing"], r["name"], _ms(rt), f"{rt['p10']:.3f}-{rt['p90']:.3f}", speedup,
+            r["shape"]["name"], r["routing"], r["name"], *([r.get("pair", "-")] if paired else []), _ms(rt),
+            f"{rt['p10']:.3f}-{rt['p90']:.3f}", speedup,
             _ms(r["dispatch_ms"]), _ms(r["combine_ms"]), *phases, moved, inter, bw, _in_turns(r), str(r["wrong"]),
         ]) + " |")
     return "\n".join(lines)
@@ -481,21 +532,31 @@ def _baseline(rows: list[dict], row: dict) -> float | None:
 
 
 def summary(rows: list[dict]) -> str:
-    """The fixed-width table printed at the end of a run."""
-    cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 40), ("round trip", "(ms)", 10),
-            ("dispatch", "(ms)", 9), ("combine", "(ms)", 9), ("vs mcore a2a", "", 12),
+    """The fixed-width table printed at the end of a run, with the notes on its columns."""
+    paired = _paired(rows)
+    cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 40), *([("fair pair", "", 9)] if paired else []),
+            ("round trip", "(ms)", 10), ("dispatch", "(ms)", 9), ("combine", "(ms)", 9), ("vs megatron a2a", "", 15),
             ("auto in turns", "/ the fastest", 26), ("#wrong", "", 7)]
     body = []
     for r in rows:
         base = _baseline(rows, r)
-        body.append([r["shape"]["name"], r["routing"], r["name"], _ms(r["round_trip_ms"]), _ms(r["dispatch_ms"]),
-                     _ms(r["combine_ms"]), f"{base / r['round_trip_ms']['median']:.2f}x" if base else "-",
-                     _in_turns(r), str(r["wrong"])])
-    table = common.fixed_width(cols, body)
+        body.append([r["shape"]["name"], r["routing"], r["name"], *([r.get("pair", "-")] if paired else []),
+                     _ms(r["round_trip_ms"]), _ms(r["dispatch_ms"]), _ms(r["combine_ms"]),
+                     f"{base / r['round_trip_ms']['median']:.2f}x" if base else "-", _in_turns(r), str(r["wrong"])])
+    return "\n".join([common.fixed_width(cols, body), *(f"({note})" for note in _notes_on_columns(rows))])
+
+
+def _notes_on_columns(rows: list[dict]) -> list[str]:
+    """What the summary and the written report say of a column left empty, and of the fair pairs."""
+    notes = []
     if not any(r["name"] == "megatron alltoall" for r in rows):
-        table += ("\n(vs mcore a2a: - because Megatron-Core's alltoall dispatcher did not run here: it runs on GPUs "
-                  "where megatron-core imports, unless --baselines none)")
-    return table
+        notes.append("vs megatron a2a: - because Megatron-Core's alltoall dispatcher did not run here: it runs on GPUs "
+                     "where megatron-core imports, unless --baselines none")
+    if _paired(rows):
+        notes.append("fair pair: eager, our eager round trip on the NVLink engine beside DeepEP's (each with its "
+                     "layout and one host read); captured, ours with max_rows in a CUDA graph beside DeepEP's kernels "
+                     "on a cached layout (no host read); a DeepEP row is compared with its pair only")
+    return notes
 
 
 def report(result: dict, args: argparse.Namespace) -> str:
@@ -515,7 +576,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "included: one row per (token, rank) for ours, one per (token, expert) for Megatron's alltoall, "
         "what each actually moves) over the dispatch time, and over the combine time. Auto in turns: "
         "the auto row and the other eager rows of ours with its wire timed again, run by run in turns; auto's "
-        "median over the fastest one's, and which one that was."
+        "median over the fastest one's, and which one that was.",
+        *_notes_on_columns(rows),
     ]
     png = plots.round_trip_plot(rows, os.path.join(args.out, stem + ".png"), title, PHASES)
     if png:
