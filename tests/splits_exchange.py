@@ -52,12 +52,6 @@ class HostSplitsExchange:
     def can_put(self, device):
         return True
 
-    def put(self, rows, send_token, sends, at, send_rows, recv_rows, consume):
-        assert send_token.dtype == torch.int64 and send_token.is_contiguous(), send_token.stride()  # as the kernel
-        everyone = self._check_places(sends, at)
-        receives = _received_by(everyone, dist.get_rank(self.group))
-        return self.exchange(rows[send_token[: int(sends.sum())]], sends, receives, send_rows, recv_rows, consume)
-
     def get_expand(self, x, src_rank, src_token, places, receives, recv_rows, expand_src):
         """As the kernel: row r received is rank src_rank[r]'s token src_token[r],
         written to its places; the rows of each source in one block, in source
@@ -113,11 +107,6 @@ class HostSplitsExchange:
         want = [sum(int(everyone[s][d]) for s in range(rank)) for d in range(world)]
         assert at.tolist() == want, (at.tolist(), want)
         return everyone
-
-
-def _received_by(everyone: list, rank: int) -> torch.Tensor:
-    """[W] the rows each rank sends this one."""
-    return torch.stack([sends[rank] for sends in everyone])
 
 
 class FakeSymmetricMemory:

@@ -15,6 +15,8 @@ NVSHMEM's buffers.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -550,18 +552,28 @@ def test_on_nvshmem_every_exchange_is_put_by_our_kernel_and_torchs_is_the_same(n
 
 
 def test_the_put_kernel_stands_aside_where_it_cannot_run():
-    """Off CUDA the put kernel moves nothing (torch's all-to-all does); where the
-    nvidia-nvshmem wheel is missing, ``why_not`` names it, before any build; its
-    launch has a C type for every parameter the source declares."""
+    """Off CUDA the NVSHMEM kernels move nothing (torch's all-to-all does); where the
+    nvidia-nvshmem wheel is missing, ``why_not`` names it, before any build; each
+    launch packs every parameter by name where C lays it out, in the C type the
+    source declares; the tables and places they read are checked by name."""
+    import struct
     from importlib.util import find_spec
 
     from dispatch.kernels import nvshmem_puts
 
     assert not nvshmem_puts.usable(torch.device("cpu"))
-    # its launch passes every parameter in the C type the source declares
-    from dispatch.cuda import signatures
+    from dispatch.cuda import parameter_block, signatures
 
-    assert set(signatures()[("nvshmem_puts.cu", "put_rows")].codes) <= set(nvshmem_puts._C_TYPES)
+    for kernel in ("put_rows", "get_expand", "presum_put"):
+        signature = signatures()[("nvshmem_puts.cu", kernel)]
+        names, packer, block, params = nvshmem_puts._parameters(kernel)
+        assert names == signature.names and len(params) == len(names)
+        values = {name: 1000 + i for i, name in enumerate(names)}  # each its own value
+        packer.pack_into(block, 0, *[values[name] for name in names])
+        _, offsets = parameter_block(signature.codes)
+        for name, code, offset, address in zip(names, signature.codes, offsets, params):
+            assert address == ctypes.addressof(block) + offset, name
+            assert struct.unpack_from("@" + code, block, offset)[0] == values[name], (kernel, name)
     if find_spec("nvidia") is None or find_spec("nvidia.nvshmem") is None:
         assert "nvidia-nvshmem" in nvshmem_puts.why_not(torch.device("cuda", 0))
     # it reads its tables as contiguous int64: a strided one is refused by name, before any launch
@@ -570,6 +582,11 @@ def test_the_put_kernel_stands_aside_where_it_cannot_run():
         nvshmem_puts.put_rows(rows, 32, rows, None, torch.zeros(2, dtype=torch.int64), places[:, 0], 4)
     with pytest.raises(ValueError, match="^sends: "):
         nvshmem_puts.put_rows(rows, 32, rows, None, torch.zeros(2, dtype=torch.int32), places[0], 4)
+    wide = torch.zeros(2, nvshmem_puts.MAX_WIDTH + 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^places: "):
+        nvshmem_puts.presum_put(rows, rows, 32, rows, None, wide, places[0], places[0], torch.float32, 2)
+    with pytest.raises(ValueError, match="^presum_put sums"):
+        nvshmem_puts.presum_put(rows, rows, 32, rows.double(), None, places, places[0], places[0], torch.float32, 2)
 
 
 def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):

@@ -24,21 +24,24 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 
 import torch
 
 from dispatch import build
-from dispatch.cuda import csrc_dir, signatures
+from dispatch.cuda import csrc_dir, parameter_block, signatures
 
-_SOURCE, _KERNELS, _BLOCKS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put"), 264
+_SOURCE, _KERNELS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put")
+# blocks of a launch: put_rows's puts a fixed 264; the kernels that also read and write the experts' rows
+# (a row a warp, bound by HBM more than by the link) 4 a multiprocessor
+_BLOCKS, _BLOCKS_PER_SM = {"put_rows": 264}, 4
 _CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the dtypes presum_put sums and sends
 # ranks the kernel's table of starts holds, as its source states it
 MAX_WORLD = int(re.search(r"kMaxWorld = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])
 _THREADS = int(re.search(r"kThreads = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])  # a block's, as it states
 MAX_WIDTH = 32  # places of a received row get_expand and presum_put take (one a lane of a warp)
 enabled = True  # False: torch's all-to-all moves the rows (the same results)
-_C_TYPES = {"i": ctypes.c_int, "I": ctypes.c_uint, "q": ctypes.c_longlong, "Q": ctypes.c_uint64}
-_loaded: dict = {}  # device index -> (the kernel's CUfunction, or None; why not)
+_loaded: dict = {}  # device index -> ({kernel: its CUfunction} or None, why not)
 
 
 def why_not(device: torch.device) -> str | None:
@@ -47,7 +50,7 @@ def why_not(device: torch.device) -> str | None:
 
 
 def usable(device: torch.device) -> bool:
-    """Whether the kernel moves rows on ``device`` (a CUDA device where it builds and loads)."""
+    """Whether the kernels move rows on ``device`` (a CUDA device where they build and load)."""
     return enabled and built(device)
 
 
@@ -141,16 +144,36 @@ def _launch(kernel: str, device: torch.device, stream, **values) -> None:
     functions, why = _load(device)
     if functions is None:
         raise RuntimeError(f"the NVSHMEM kernels cannot run here: {why}")
-    signature = signatures()[(_SOURCE, kernel)]
-    holders = [_C_TYPES[code](values[name]) for name, code in zip(signature.names, signature.codes)]
-    params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
+    names, packer, block, params = _parameters(kernel)
+    packer.pack_into(block, 0, *[values[name] for name in names])  # the driver copies it at the launch
     stream = ctypes.c_void_p((stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream)
     host = _host()
     host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
-    status = _driver().cuLaunchKernel(functions[kernel], _BLOCKS, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
+    blocks = _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
+    status = _driver().cuLaunchKernel(functions[kernel], blocks, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernel of {kernel} failed: CUDA error {status}")
     host.nvshmemx_barrier_all_on_stream(stream)  # every row landed; no peer reads a stage any more
+
+
+_THREAD = threading.local()  # each thread's parameter blocks (a launch writes its own, then the driver copies it)
+
+
+def _parameters(kernel: str) -> tuple:
+    """(parameter names, their packer, the block they are packed into, the
+    launch's array of their addresses) of ``kernel``, made once a thread: each
+    parameter at the place C lays it out, in the C type the source declares."""
+    made = getattr(_THREAD, "blocks", None)
+    if made is None:
+        made = _THREAD.blocks = {}
+    if kernel not in made:
+        signature = signatures()[(_SOURCE, kernel)]
+        packer, offsets = parameter_block(signature.codes)
+        block = ctypes.create_string_buffer(max(packer.size, 1))
+        base = ctypes.addressof(block)
+        params = (ctypes.c_void_p * len(offsets))(*[base + offset for offset in offsets])
+        made[kernel] = (signature.names, packer, block, params)
+    return made[kernel]
 
 
 def _load(device: torch.device) -> tuple:
@@ -207,6 +230,11 @@ def _build_and_load(index: int) -> tuple:
             if driver.cuModuleGetFunction(ctypes.byref(functions[kernel]), module, kernel.encode()) != 0:
                 return None, f"no {kernel} in {cubin}"
     return functions, None
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=1)

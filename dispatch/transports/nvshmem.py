@@ -27,15 +27,18 @@ few host calls where op by op it makes some hundred. Without ``max_rows`` the
 plan reads its summary on the host as the NCCL transport does (its outputs have
 N rows).
 
-Every exchange is put by a kernel of ours straight to its places at the
-receivers (``dispatch.kernels.nvshmem_puts``, where it builds), the places
-taken on the device from the all-gathered counts: the rows to the experts that
-travel as they are straight from x (no pack), the others (fp8 rows, slot lists,
-pre-sums and per-slot values home) from the rows made in send order. Where the
-kernel cannot run, the rows are packed, and the pre-sums summed, straight into
-a send buffer that torch's kernel reads with at most 64 blocks on one host (16
-across hosts), or ``TORCH_SYMMMEM_NBLOCKS`` where set before the first
-exchange; the results are the same.
+Every exchange is moved by kernels of ours (``dispatch.kernels.nvshmem_puts``,
+where they build), the places taken on the device from the all-gathered counts.
+The rows to the experts that travel as they are are got by their receivers
+from the sources' staged tokens and written straight to their expert-major
+places, and each received row's pre-sum is made where it is put home: the
+experts' layout in the exchange's pass, each (token, rank) row over the link
+once (``SymmetricExchange.get_expand``, ``presum_put``). The others (fp8 rows,
+slot lists, pre-sums of fp64 sums, per-slot values home) are put from rows made
+in send order. Where the kernels cannot run, the rows are packed, and the
+pre-sums summed, straight into a send buffer that torch's kernel reads with at
+most 64 blocks on one host (16 across hosts), or ``TORCH_SYMMMEM_NBLOCKS`` where
+set before the first exchange; the results are the same.
 """
 
 from __future__ import annotations

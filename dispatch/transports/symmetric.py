@@ -33,8 +33,9 @@ class SymmetricExchange:
     runs, rows given ``at`` (this rank's first row at each receiver, [W] on the
     device) are put by this rank straight into the receivers' buffers instead
     (``dispatch.kernels.nvshmem_puts``, between two NVSHMEM barriers): no send
-    buffer, no split exchange; ``put`` puts rows taken from a tensor by index
-    (no pack either); ``gather`` all-gathers one row per rank (the counts).
+    buffer, no split exchange; ``gather`` all-gathers one row per rank (the
+    counts); ``get_expand`` and ``presum_put`` move the rows to the experts and
+    their pre-sums home with the experts' layout in the same pass.
 
     Every exchange runs on the exchange's own stream, in the order issued
     (the caller's stream waits for it), and opens with a barrier of the group
@@ -167,14 +168,6 @@ class SymmetricExchange:
         result = run()
         self._stream.wait_stream(current)
         return result
-
-    def put(self, rows: torch.Tensor, send_token: torch.Tensor, sends: torch.Tensor, at: torch.Tensor,
-            send_rows: int, recv_rows: int, consume):
-        """:meth:`exchange` of ``rows[send_token]`` (``rows`` contiguous [T, H]), the
-        rows put by this rank straight to their places at the receivers (this
-        rank's first at row ``at[d]`` of rank d's): no send buffer, no pack."""
-        return self._put(lambda: rows, send_token, sends, at, min(send_token.shape[0], send_rows), recv_rows,
-                         rows.shape[1] * rows.element_size(), rows.dtype, consume, (rows, send_token, sends, at))
 
     def get_expand(self, x: torch.Tensor, src_rank: torch.Tensor, src_token: torch.Tensor, places: torch.Tensor,
                    receives: torch.Tensor, recv_rows: int, expand_src: torch.Tensor) -> torch.Tensor:
