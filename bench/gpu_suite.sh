@@ -35,9 +35,7 @@
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
-#   budget    bench/engine_tuning.py at 24 blocks (DeepEP's SM budget) and at the default 4 per SM;
-#             then bench/tma_probe.py (what 24 blocks and every SM move: copies, expansions, NVLink)
-#             and bench/duplex_probe.py (NVLink both ways at once, and an all-to-all's shape)
+#   budget    bench/engine_tuning.py at 24 blocks (DeepEP's SM budget) and at the default 4 per SM
 #   deepep    build DeepEP (bench/build_deepep.sh; its source carried in .deepep/), then
 #             dispatch-bench dispatch with its rows beside ours and Megatron's (its eager round trip,
 #             beside our eager one; its kernels along a cached layout, beside our CUDA graph),
@@ -175,9 +173,7 @@ for part in "$@"; do
     tuning)
       step 300 engine-tuning python3 bench/engine_tuning.py --out "$RES" ;;
     budget)
-      step 300 engine-budget python3 bench/engine_tuning.py --sm-budget 24,528 --unroll 4 --out "$RES"
-      step 120 tma-probe python3 bench/tma_probe.py
-      step 120 duplex-probe python3 bench/duplex_probe.py ;;
+      step 300 engine-budget python3 bench/engine_tuning.py --sm-budget 24,528 --unroll 4 --out "$RES" ;;
     deepep)
       step 420 build-deepep bash bench/build_deepep.sh
       outer=$PYTHONPATH
