@@ -206,3 +206,50 @@ def test_concurrency_probe_refuses_without_two_gpus(capsys):
 
     assert load("concurrency_probe").main(["--shapes", "deepseek-v3"]) == 2
     assert "needs 2 or more GPUs" in capsys.readouterr().err
+
+
+def test_deepep_rows_sit_beside_their_fair_pair_of_ours():
+    """Each DeepEP row goes right after its fair pair of ours among its shape and
+    routing's rows (eager beside our eager engine row, its cached layout beside
+    our captured one), both labelled, and the tables gain the pair's column and
+    its note; a DeepEP row whose pair did not run goes last, unlabelled."""
+    def row(name, routing="uniform"):
+        stats = {"median": 1.0, "p10": 0.9, "p90": 1.1}
+        return {"name": name, "routing": routing, "shape": {"name": "decode"}, "round_trip_ms": stats,
+                "dispatch_ms": stats, "combine_ms": stats, "wrong": 0, "phases_ms": {}}
+
+    rows = [row("ours alltoall/nccl", "zipf"), row("ours alltoall/nccl"), row("ours alltoall/nvlink"),
+            row("ours alltoall/nvlink graph"), row("megatron alltoall")]
+    start = 1  # the uniform routing's rows: the zipf row before them is another routing's
+    roundtrip._beside_its_pair(rows, start, row(roundtrip.DEEPEP_EAGER))
+    roundtrip._beside_its_pair(rows, start, row(roundtrip.DEEPEP_CACHED))
+    names = [r["name"] for r in rows]
+    assert names == ["ours alltoall/nccl", "ours alltoall/nccl", "ours alltoall/nvlink", roundtrip.DEEPEP_EAGER,
+                     "ours alltoall/nvlink graph", roundtrip.DEEPEP_CACHED, "megatron alltoall"]
+    assert [r.get("pair") for r in rows] == [None, None, "eager", "eager", "captured", "captured", None]
+    table = roundtrip.markdown_table(rows)
+    assert "| fair pair |" in table.splitlines()[0]
+    assert any("fair pair: eager" in note for note in roundtrip._notes_on_columns(rows))
+    alone = [row("ours alltoall/nccl")]
+    roundtrip._beside_its_pair(alone, 0, row(roundtrip.DEEPEP_CACHED))  # our captured row did not run
+    assert [r["name"] for r in alone] == ["ours alltoall/nccl", roundtrip.DEEPEP_CACHED]
+    assert "pair" not in alone[1] and "| fair pair |" not in roundtrip.markdown_table(alone)
+
+
+@pytest.mark.parametrize("deepep", [False, True])
+def test_the_captured_engine_row_runs_by_default_where_deepeps_cached_layout_does(monkeypatch, deepep):
+    """On GPUs where the engine runs, the default transports are NCCL and the
+    engine, and the engine captured too where DeepEP's rows run (the fair pair of
+    its kernels on a cached layout); on CPU, NCCL (gloo) alone."""
+    from dispatch import cuda
+
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(roundtrip, "_deepep_importable", lambda: deepep)
+    parser = argparse.ArgumentParser()
+    roundtrip.add_arguments(parser)
+    args = parser.parse_args([])
+    roundtrip.resolve(args, True, parser)
+    assert args.transports == ["nccl", "nvlink", *(["nvlink-graph"] if deepep else [])]
+    args = parser.parse_args([])
+    roundtrip.resolve(args, False, parser)
+    assert args.transports == ["nccl"]
