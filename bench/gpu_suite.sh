@@ -18,7 +18,8 @@
 #             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
 #   nvshmem   the NVSHMEM transport: its tests (bitwise against NCCL, a bounded round trip captured),
-#             then bench/nvshmem_probe.py: NVSHMEM, NCCL and the NVLink engine (on NVSHMEM's buffers)
+#             then bench/nvshmem_probe.py: NVSHMEM (also with every peer reached by its get and put, as
+#             across hosts), NCCL and the NVLink engine (on NVSHMEM's buffers)
 #             in one process, each with a kernel table of its DeepSeek-V3 round trips (eager and
 #             captured) and a host profile of its decode round trips with max_rows; then the engine
 #             alone in another (on CUDA's symmetric memory); then
@@ -144,7 +145,7 @@ for part in "$@"; do
     nvshmem)
       step 200 nvshmem-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvshmem.py
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-      step 240 nvshmem-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvshmem nccl nvlink \
+      step 240 nvshmem-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvshmem nvshmem-unmapped nccl nvlink \
         --profile --host-profile
       step 200 nvshmem-probe-engine torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvlink
       step 120 nvshmem-device-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_device_probe.py ;;

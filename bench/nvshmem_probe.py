@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node W bench/nvshmem_probe.py OUT_DIR TRANSPORT [TRANSPORT ...] [--profile]
 
-TRANSPORT is ``nccl``, ``nvshmem`` or ``nvlink``, made in the order given. Torch fixes
+TRANSPORT is ``nccl``, ``nvshmem``, ``nvshmem-unmapped`` (NVSHMEM with every peer's rows got
+and put through NVSHMEM as across hosts, not read and written where it maps them here:
+``nvshmem_puts.mapped``) or ``nvlink``, made in the order given. Torch fixes
 one symmetric-memory backend per process at its first allocation: after
 ``nvshmem``, the engine runs on NVSHMEM's buffers (each row names its
 backend). The suite runs this twice in one call: ``nvshmem nccl nvlink``, then
@@ -32,6 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dispatch  # noqa: E402
 from dispatch.bench.common import SHAPES, captured_round_trip, spread, time_back_to_back, time_each  # noqa: E402
+from dispatch.kernels import nvshmem_puts  # noqa: E402
 
 ITERS, WARMUP = 30, 5
 
@@ -96,7 +99,8 @@ def main():
         made = {}
         for t in transports:
             try:
-                made[t] = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport=t))
+                made[t] = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts,
+                                                                  transport=t.removesuffix("-unmapped")))
             except ValueError as exc:  # the same on every rank: the transport cannot run here
                 if rank == 0:
                     print(f"{name}: {exc}; not measured", flush=True)
@@ -104,6 +108,7 @@ def main():
         if "nccl" not in made:
             reference = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport="nccl"))
         for transport, d in made.items():
+            nvshmem_puts.mapped = not transport.endswith("-unmapped")
             plain = d.dispatch(x, idx, w)
             limit = torch.tensor([plain.tokens.shape[0] + 256], device=dev)
             dist.all_reduce(limit, op=dist.ReduceOp.MAX)

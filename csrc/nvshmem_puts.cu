@@ -180,14 +180,15 @@ __device__ void presum_row_to(int out_code, const Y* const* rows, const float* s
 // expert-major places (places[r, :width], -1 padded) of out (rows out_stride bytes apart): this
 // rank's own rows from x, a peer's from its staged tokens (row t at t * stage_stride of the
 // symmetric stage), read where NVSHMEM maps them, else got into row r of this rank's symmetric recv
-// first. Rows i of out whose expand_src[i] is zero_at (padding) are zeroed. The caller brackets it
-// with NVSHMEM's barrier (every stage written before; the peers read it until after).
+// first (always, where mapped is 0: the way across hosts). Rows i of out whose expand_src[i] is
+// zero_at (padding) are zeroed. The caller brackets it with NVSHMEM's barrier (every stage written
+// before; the peers read it until after).
 extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
     char* out, unsigned long long out_stride, const char* x, unsigned long long x_stride, const char* stage,
     unsigned long long stage_stride, char* recv, unsigned long long recv_stride, const long long* src_rank,
     const long long* src_token, const long long* places, int width, const long long* receives, int world, int me,
     unsigned long long row_bytes, unsigned long long most, const long long* expand_src, unsigned long long num_rows,
-    long long zero_at) {
+    long long zero_at, int mapped) {
   __shared__ long long first[kMaxWorld + 1];
   __shared__ char* dst[kWarps][32];
   if (threadIdx.x == 0) starts(receives, world, first);
@@ -210,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
       src = x + t * x_stride;
     } else {
       const char* staged = stage + t * stage_stride;
-      src = static_cast<const char*>(nvshmem_ptr(staged, s));
+      src = mapped ? static_cast<const char*>(nvshmem_ptr(staged, s)) : nullptr;
       if (src == nullptr) {  // not mapped here (another host): got into this rank's receive row r first
         char* landed = recv + r * recv_stride;
         nvshmemx_getmem_warp(landed, staged, row_bytes, s);
@@ -231,13 +232,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
 // places' rows of y (y_code 0 bf16, 1 fp16, 2 fp32; rows y_stride elements apart; weights fp32 or
 // null), narrowed once to the wire (out_code, coded as y_code), put to its home rank s at row
 // back_at[s] + r - first[s] of its symmetric recv (rows recv_stride bytes apart): stored where
-// NVSHMEM maps it, else made in row r of this rank's symmetric send and put. The caller brackets it
-// with NVSHMEM's barrier.
+// NVSHMEM maps it (and mapped is 1), else made in row r of this rank's symmetric send and put. The
+// caller brackets it with NVSHMEM's barrier.
 extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
     char* recv, unsigned long long recv_stride, char* send, unsigned long long send_stride, const char* y,
     unsigned long long y_stride, int y_code, const float* weights, const long long* places, int width,
     const long long* receives, const long long* back_at, int world, int hidden, int out_code,
-    unsigned long long most) {
+    unsigned long long most, int mapped) {
   __shared__ long long first[kMaxWorld + 1];
   __shared__ const char* rows[kWarps][32];
   __shared__ float scale[kWarps][32];
@@ -253,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
     int s = 0;
     while (s + 1 < world && static_cast<long long>(r) >= first[s + 1]) ++s;
     char* home = recv + static_cast<unsigned long long>(back_at[s] + static_cast<long long>(r) - first[s]) * recv_stride;
-    char* direct = static_cast<char*>(nvshmem_ptr(home, s));
+    char* direct = mapped ? static_cast<char*>(nvshmem_ptr(home, s)) : nullptr;
     char* out = direct != nullptr ? direct : send + r * send_stride;
     // the row's places (packed left, -1 after), one a lane
     const long long at = lane < width ? places[r * width + lane] : -1;
@@ -275,8 +276,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
       presum_row_to(out_code, reinterpret_cast<const float* const*>(rows[warp]), scale[warp], weights != nullptr,
                     count, hidden, out, vec, lane);
     }
-    __syncwarp();
-    if (direct == nullptr) nvshmemx_putmem_nbi_warp(home, out, out_bytes, s);
+    if (direct == nullptr) {
+      __threadfence();  // the row made, visible to whatever NVSHMEM reads it with
+      __syncwarp();
+      nvshmemx_putmem_nbi_warp(home, out, out_bytes, s);
+    }
     __syncwarp();  // rows[warp] is rewritten by the next row
   }
   nvshmem_quiet();

@@ -551,6 +551,36 @@ def test_on_nvshmem_every_exchange_is_put_by_our_kernel_and_torchs_is_the_same(n
                 assert (by_torch == 0) == puts, (rank, puts, pad, by_torch)
 
 
+def got_and_put_as_across_hosts(*args):
+    """``against_nccl(*args)`` with every peer's rows got and put by NVSHMEM (as
+    across hosts), not read and written where NVSHMEM maps them."""
+    from dispatch.kernels import nvshmem_puts
+
+    nvshmem_puts.mapped = False
+    try:
+        return against_nccl(*args)[0]
+    finally:
+        nvshmem_puts.mapped = True
+
+
+@pytest.mark.parametrize("pad", [None, 6])
+def test_on_nvshmem_rows_got_and_put_as_across_hosts_are_the_same_bits(nvshmem_world, pad):
+    """The way across hosts (each peer's rows got into the receive buffer, then
+    expanded; each pre-sum made in the send buffer, then put home), run on one
+    host: every verb bitwise the NCCL transport, plain and with max_rows."""
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 4, [40, 33], "random", seed=21)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, 1, False, False)
+            for r in range(2)]
+    for rank, differ in enumerate(nvshmem_world.run(got_and_put_as_across_hosts, args)):
+        assert differ == [], (rank, differ)
+
+
 def test_the_put_kernel_stands_aside_where_it_cannot_run():
     """Off CUDA the NVSHMEM kernels move nothing (torch's all-to-all does); where the
     nvidia-nvshmem wheel is missing, ``why_not`` names it, before any build; each

@@ -41,6 +41,9 @@ MAX_WORLD = int(re.search(r"kMaxWorld = (\d+);", (csrc_dir() / _SOURCE).read_tex
 _THREADS = int(re.search(r"kThreads = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])  # a block's, as it states
 MAX_WIDTH = 32  # places of a received row get_expand and presum_put take (one a lane of a warp)
 enabled = True  # False: torch's all-to-all moves the rows (the same results)
+# False: get_expand and presum_put reach every peer by NVSHMEM's get and put, as across hosts, even where
+# NVSHMEM maps its memory here (the same results; how the tests run the cross-host path on one host)
+mapped = True
 _loaded: dict = {}  # device index -> ({kernel: its CUfunction} or None, why not)
 
 
@@ -94,7 +97,7 @@ def get_expand(out: torch.Tensor, x: torch.Tensor, stage: torch.Tensor, recv: to
             recv_stride=stride, src_rank=src_rank.data_ptr(), src_token=src_token.data_ptr(),
             places=places.data_ptr(), width=places.shape[1], receives=receives.data_ptr(),
             world=receives.numel(), me=rank, row_bytes=row_bytes, most=most, expand_src=expand_src.data_ptr(),
-            num_rows=out.shape[0], zero_at=zero_at)
+            num_rows=out.shape[0], zero_at=zero_at, mapped=int(mapped))
 
 
 def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Tensor, weights: torch.Tensor | None,
@@ -117,7 +120,7 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
             send_stride=stride, y=y.data_ptr(), y_stride=y.stride(0), y_code=_CODES[y.dtype],
             weights=0 if weights is None else weights.data_ptr(), places=places.data_ptr(), width=places.shape[1],
             receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(), hidden=y.shape[1],
-            out_code=_CODES[wire], most=most)
+            out_code=_CODES[wire], most=most, mapped=int(mapped))
 
 
 def sums_here(dtype: torch.dtype, weights: torch.dtype | None, wire: torch.dtype) -> bool:
