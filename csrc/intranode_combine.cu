@@ -6,48 +6,6 @@
 
 using namespace engine;
 
-// One lane's units [first, units) (32 apart in groups of U) of a pre-sum: for
-// each unit the count rows' values (weighted by scale) summed in ascending row
-// order from zero, stored once as WireT. R rows' loads go out together, before
-// any is summed (R * U units in flight); a row past the count re-reads the last
-// one, unused, so that no branch comes between the loads.
-template <int R, int U, bool WEIGHTED, typename A, typename YT, typename WireT>
-__device__ __forceinline__ void presum_rows(const YT* const* rows, const A* scale, int count, long long first,
-                                            long long units, WireT* out) {
-  for (long long base = first; base < units; base += 32 * U) {
-    A acc[U][8];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[u][i] = (A)0;
-    for (int j0 = 0; j0 < count; j0 += R) {
-      Vec8<YT> v[R][U];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const YT* row = rows[min(j0 + r, count - 1)];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (base + 32 * u < units) v[r][u] = load8(row + (base + 32 * u) * 8);
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const bool live = j0 + r < count;
-        const A w = WEIGHTED ? scale[min(j0 + r, count - 1)] : (A)1;
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            A next;
-            if constexpr (WEIGHTED) next = fma(widen<A>(v[r][u].v[i]), w, acc[u][i]);
-            else next = acc[u][i] + widen<A>(v[r][u].v[i]);
-            acc[u][i] = live ? next : acc[u][i];
-          }
-      }
-    }
-    store_units(out, base, units, acc);
-  }
-}
-
 // Expert side. Items are (source rank s, j) as the dispatch's pull walked them
 // (j < n_s, column sends_col + me of the counts matrix), item (s, j) s's token
 // tokens_at[s tstride + j]; presum [W * tstride, J] lists this rank's rows of

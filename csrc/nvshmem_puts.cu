@@ -104,51 +104,13 @@ __device__ __forceinline__ void copy_to_places(const char* src, char* const* dst
 
 // One received row's sum over its count rows (rows[j], in order) of y, each times scale[j] where
 // WEIGHTED (one fused multiply-add a term), in fp32 from zero, narrowed once into out (hidden
-// elements). kSumRows rows' kSumUnits units are loaded together before any is summed; a row past
-// the count re-reads the last one, unused.
+// elements): the engine's pre-sum (engine::presum_rows) where the rows are 16-byte words, else
+// element by element.
 template <bool WEIGHTED, typename Y, typename O>
 __device__ __noinline__ void presum_row(const Y* const* rows, const float* scale, int count, int hidden, O* out, bool vec,
                            int lane) {
   if (vec) {
-    const long long units = hidden / 8;
-    for (long long base = lane; base < units; base += 32 * kSumUnits) {
-      float acc[kSumUnits][8];
-#pragma unroll
-      for (int u = 0; u < kSumUnits; ++u)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
-      for (int j0 = 0; j0 < count; j0 += kSumRows) {
-        Vec8<Y> v[kSumRows][kSumUnits];
-#pragma unroll
-        for (int r = 0; r < kSumRows; ++r) {
-          const Y* row = rows[min(j0 + r, count - 1)];
-#pragma unroll
-          for (int u = 0; u < kSumUnits; ++u)
-            if (base + 32 * u < units) v[r][u] = engine::load8(row + (base + 32 * u) * 8);
-        }
-#pragma unroll
-        for (int r = 0; r < kSumRows; ++r) {
-          const bool live = j0 + r < count;
-          const float w = WEIGHTED ? scale[min(j0 + r, count - 1)] : 1.f;
-#pragma unroll
-          for (int u = 0; u < kSumUnits; ++u)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              const float value = engine::widen<float>(v[r][u].v[i]);
-              const float next = WEIGHTED ? fmaf(value, w, acc[u][i]) : __fadd_rn(acc[u][i], value);
-              acc[u][i] = live ? next : acc[u][i];
-            }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kSumUnits; ++u) {
-        if (base + 32 * u >= units) continue;
-        Vec8<O> o;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o.v[i] = engine::narrow<O>(acc[u][i]);
-        engine::store8(out + (base + 32 * u) * 8, o);
-      }
-    }
+    engine::presum_rows<kSumRows, kSumUnits, WEIGHTED, float>(rows, scale, count, lane, hidden / 8, out);
   } else {
     for (int col = lane; col < hidden; col += 32) {
       float acc = 0.f;
