@@ -92,7 +92,7 @@ class SymmetricExchange:
         """A symmetric tensor, rendezvoused with the group (a collective)."""
         from torch.distributed import _symmetric_memory as symm_mem
 
-        if getattr(self, "_stream", None) is not None and not torch.cuda.is_current_stream_capturing():
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             # host sync: NVSHMEM's allocation is a collective with a barrier of its own (on its stream); an
             # exchange's barrier still queued on this rank's streams would pair with a peer's allocation
             # barrier crosswise, and both ranks wait for ever. So none is queued when it starts
