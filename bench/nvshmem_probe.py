@@ -17,8 +17,8 @@ nothing on the host with ``max_rows`` (nvshmem, nvlink), the same with
 combine equals NCCL's bitwise. Writes OUT_DIR/nvshmem-probe-<transports>.json and
 prints one line per row (median milliseconds, the slowest rank's). ``--profile``:
 then, on rank 0, a kernel table (torch.profiler, by device time) of 5 eager and
-5 captured round trips of each transport at the DeepSeek-V3 shape, written to
-OUT_DIR/nvshmem-profile-<transport>.txt. ``--host-profile``: on rank 0, where the
+5 captured round trips of each transport at the DeepSeek-V3 and Mixtral shapes,
+written to OUT_DIR/nvshmem-profile-<transport>-<shape>.txt. ``--host-profile``: on rank 0, where the
 issuing thread spends 20 eager round trips with ``max_rows`` of each host-free
 transport at the decode shape (cProfile, by own and by cumulative time), in
 OUT_DIR/nvshmem-host-<transport>.txt.
@@ -151,13 +151,13 @@ def main():
                         os.makedirs(out_dir, exist_ok=True)
                         with open(os.path.join(out_dir, f"nvshmem-host-{transport}.txt"), "w") as f:
                             f.write(f"{transport} {name} W={world}: 20 eager round trips with max_rows\n{table}")
-                if profiling and name == "deepseek-v3":
+                if profiling and name != "decode":
                     tables = [f"{transport} {name} W={world}: eager round trips", kernel_table(eager),
                               f"{transport} {name} W={world}: captured round trips (max_rows)",
                               kernel_table(replays["total"])]
                     if rank == 0:
                         os.makedirs(out_dir, exist_ok=True)
-                        with open(os.path.join(out_dir, f"nvshmem-profile-{transport}.txt"), "w") as f:
+                        with open(os.path.join(out_dir, f"nvshmem-profile-{transport}-{name}.txt"), "w") as f:
                             f.write("\n\n".join(tables) + "\n")
             rows.append(row)
             if rank == 0:
