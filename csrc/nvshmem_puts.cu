@@ -13,8 +13,8 @@
 //
 // The exchange and the experts' layout in one pass, each (token, rank) row over
 // the link once (the NVLink engine's shape on NVSHMEM): `get_expand` fetches
-// each row a rank receives from its source's staged tokens and writes it to its
-// expert-major places; `presum_put` sums the expert outputs of each received
+// each row a rank receives from its source's staged send rows and writes it to
+// its expert-major places; `presum_put` sums the expert outputs of each received
 // row (its places, in order, weighted: as dispatch/kernels/gather_sum.py does,
 // bitwise) and puts the sum to its home. A peer's memory is read or written
 // straight where NVSHMEM maps it (nvshmem_ptr: inside a host), else by NVSHMEM's
@@ -138,19 +138,19 @@ __device__ void presum_row_to(int out_code, const Y* const* rows, const float* s
 }  // namespace
 
 // Dispatch: for each row r this rank receives (source-major, receives[s] from rank s; at most
-// most), rank src_rank[r]'s token src_token[r] (row_bytes, the tokens' own dtype), written to its
-// expert-major places (places[r, :width], -1 padded) of out (rows out_stride bytes apart): this
-// rank's own rows from x, a peer's from its staged tokens (row t at t * stage_stride of the
-// symmetric stage), read where NVSHMEM maps them, else got into row r of this rank's symmetric recv
-// first (always, where mapped is 0: the way across hosts). Rows i of out whose expand_src[i] is
-// zero_at (padding) are zeroed. The caller brackets it with NVSHMEM's barrier (every stage written
-// before; the peers read it until after).
+// most), written (row_bytes, the tokens' own dtype) to its expert-major places (places[r, :width],
+// -1 padded) of out (rows out_stride bytes apart). Every rank staged the rows it sends in its send
+// order (destination-major) in its symmetric stage (rows stage_stride bytes apart): row r, the
+// (r - first[s])-th from rank s, is row back_at[s] + r - first[s] of rank s's stage (back_at[s]: the
+// rows s sends the ranks before this one), read where NVSHMEM maps it, else got into row r of this
+// rank's symmetric recv first (always, where mapped is 0: the way across hosts). Rows i of out whose
+// expand_src[i] is zero_at (padding) are zeroed. The caller brackets it with NVSHMEM's barrier
+// (every stage written before; the peers read it until after).
 extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
-    char* out, unsigned long long out_stride, const char* x, unsigned long long x_stride, const char* stage,
-    unsigned long long stage_stride, char* recv, unsigned long long recv_stride, const long long* src_rank,
-    const long long* src_token, const long long* places, int width, const long long* receives, int world, int me,
-    unsigned long long row_bytes, unsigned long long most, const long long* expand_src, unsigned long long num_rows,
-    long long zero_at, int mapped) {
+    char* out, unsigned long long out_stride, const char* stage, unsigned long long stage_stride, char* recv,
+    unsigned long long recv_stride, const long long* places, int width, const long long* receives,
+    const long long* back_at, int world, unsigned long long row_bytes, unsigned long long most,
+    const long long* expand_src, unsigned long long num_rows, long long zero_at, int mapped) {
   __shared__ long long first[kMaxWorld + 1];
   __shared__ char* dst[kWarps][32];
   if (threadIdx.x == 0) starts(receives, world, first);
@@ -161,24 +161,20 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
   const unsigned long long warp = blockIdx.x * kWarps + in_block;
   const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * kWarps;
   for (unsigned long long r = warp; r < rows; r += warps) {
-    const int s = static_cast<int>(src_rank[r]);
-    const long long t = src_token[r];
+    int s = 0;
+    while (s + 1 < world && static_cast<long long>(r) >= first[s + 1]) ++s;
     // the row's places (packed left, -1 after), one a lane
     const long long at = lane < width ? places[r * width + lane] : -1;
     const int count = __popc(__ballot_sync(0xffffffffu, at >= 0));
     if (at >= 0) dst[in_block][lane] = out + at * out_stride;
     __syncwarp();
-    const char* src;
-    if (s == me) {
-      src = x + t * x_stride;
-    } else {
-      const char* staged = stage + t * stage_stride;
-      src = mapped ? static_cast<const char*>(nvshmem_ptr(staged, s)) : nullptr;
-      if (src == nullptr) {  // not mapped here (another host): got into this rank's receive row r first
-        char* landed = recv + r * recv_stride;
-        nvshmemx_getmem_warp(landed, staged, row_bytes, s);
-        src = landed;
-      }
+    const char* staged =
+        stage + static_cast<unsigned long long>(back_at[s] + static_cast<long long>(r) - first[s]) * stage_stride;
+    const char* src = mapped ? static_cast<const char*>(nvshmem_ptr(staged, s)) : nullptr;
+    if (src == nullptr) {  // not mapped here (another host): got into this rank's receive row r first
+      char* landed = recv + r * recv_stride;
+      nvshmemx_getmem_warp(landed, staged, row_bytes, s);
+      src = landed;
     }
     copy_to_places(src, dst[in_block], count, row_bytes, lane);
     __syncwarp();  // dst is rewritten by the next row

@@ -243,8 +243,8 @@ class Engine(EngineMoves):
         group. On NVSHMEM's backend it is never freed (NVSHMEM's free is a
         collective of every process, which the ranks' dropping it at different
         times would not make)."""
-        if self._on_nvshmem:  # host sync: NVSHMEM's allocation has a barrier of its own, which a barrier
-            cuda.synchronize(self.device.index)  # still queued here (the NVSHMEM transport's) would pair crosswise
+        if self._on_nvshmem and not torch.cuda.is_current_stream_capturing():  # host sync: NVSHMEM's allocation
+            cuda.synchronize(self.device.index)  # has a barrier of its own, which one queued here would pair crosswise
         data = self._symm.empty(size, dtype=torch.uint8, device=self.device)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
         checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator

@@ -52,31 +52,36 @@ class HostSplitsExchange:
     def can_put(self, device):
         return True
 
-    def get_expand(self, x, src_rank, src_token, places, receives, recv_rows, expand_src):
-        """As the kernel: row r received is rank src_rank[r]'s token src_token[r],
-        written to its places; the rows of each source in one block, in source
-        order, as many as the counts say; padding rows zeros, the rest garbage."""
-        for t in (src_rank, src_token, places, receives, expand_src):
+    def get_expand(self, x, send_token, places, receives, back_at, send_rows, recv_rows, expand_src):
+        """As the kernel: every rank stages x[send_token] (its send order); row r,
+        the (r - first[s])-th received from rank s, is row back_at[s] + r - first[s]
+        of rank s's stage, written to its places; padding rows zeros, the rest
+        garbage."""
+        for t in (send_token, places, receives, back_at, expand_src):
             assert t.dtype == torch.int64 and t.is_contiguous(), (t.dtype, t.stride())  # as the kernel reads them
+        assert places.shape[1] <= 32 and bool(((places >= 0).int().diff(dim=1) <= 0).all()), places  # packed left
+        self._check_places(receives, back_at)
         world = receives.numel()
         counts = receives.tolist()
         got = sum(counts)
         assert got <= recv_rows and got <= places.shape[0], (counts, recv_rows, places.shape)
-        assert src_rank[:got].tolist() == [s for s in range(world) for _ in range(counts[s])], src_rank[:got].tolist()
-        tokens = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(world)]
-        dist.all_gather(tokens, torch.tensor([x.shape[0]], device=x.device), group=self.group)
-        most = max(int(t) for t in tokens)
-        padded = torch.zeros(most, *x.shape[1:], dtype=x.dtype, device=x.device)
-        padded[: x.shape[0]] = x
-        staged = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(staged, padded, group=self.group)  # every rank's tokens
+        count = min(send_token.shape[0], send_rows)
+        sizes = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([send_rows], device=x.device), group=self.group)
+        staged = torch.zeros(max(int(n) for n in sizes), *x.shape[1:], dtype=x.dtype, device=x.device)
+        staged[:count] = x[send_token[:count]]
+        stages = [torch.empty_like(staged) for _ in range(world)]
+        dist.all_gather(stages, staged, group=self.group)  # every rank's stage
         out = torch.full((expand_src.shape[0], x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-        for r in range(got):
-            s, t = int(src_rank[r]), int(src_token[r])
-            assert 0 <= t < int(tokens[s]), (s, t, int(tokens[s]))
-            for place in places[r].tolist():
-                if place >= 0:
-                    out[place] = staged[s][t]
+        first = 0
+        for s in range(world):
+            for j in range(counts[s]):
+                row = int(back_at[s]) + j
+                assert row < int(sizes[s]), (s, j, row, int(sizes[s]))  # within what rank s staged
+                for place in places[first + j].tolist():
+                    if place >= 0:
+                        out[place] = stages[s][row]
+            first += counts[s]
         out[expand_src == recv_rows] = 0
         return out
 

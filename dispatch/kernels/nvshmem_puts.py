@@ -76,28 +76,25 @@ def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: 
             most=most)
 
 
-def get_expand(out: torch.Tensor, x: torch.Tensor, stage: torch.Tensor, recv: torch.Tensor, stride: int,
-               src_rank: torch.Tensor, src_token: torch.Tensor, places: torch.Tensor, receives: torch.Tensor,
-               most: int, expand_src: torch.Tensor, zero_at: int, rank: int,
-               stream: "torch.cuda.Stream | None" = None) -> None:
+def get_expand(out: torch.Tensor, stage: torch.Tensor, recv: torch.Tensor, stride: int, row_bytes: int,
+               places: torch.Tensor, receives: torch.Tensor, back_at: torch.Tensor, most: int,
+               expand_src: torch.Tensor, zero_at: int, stream: "torch.cuda.Stream | None" = None) -> None:
     """The rows to the experts, expanded as they are got: for each row r this
     rank receives (``receives[s]`` from rank s, source-major; at most ``most``),
-    row ``src_token[r]`` of rank ``src_rank[r]``'s tokens (this rank's own from
-    ``x`` [T, H], contiguous; a peer's from its symmetric ``stage``, rows
-    ``stride`` bytes apart), written to rows ``places[r]`` (-1: none) of ``out``
-    [N, H] of x's dtype; rows i of out with ``expand_src[i] == zero_at`` zeroed.
-    A peer's rows are read where NVSHMEM maps them, else got into row r of the
+    row ``back_at[s] + r - first[s]`` of rank s's symmetric ``stage`` (its send
+    rows in its send order, ``stride`` bytes apart; ``row_bytes`` each), written
+    to rows ``places[r]`` (-1: none) of ``out`` [N, H] (contiguous, rows of
+    ``row_bytes``); rows i of out with ``expand_src[i] == zero_at`` zeroed. A
+    peer's rows are read where NVSHMEM maps them, else got into row r of the
     symmetric ``recv`` first. Between two NVSHMEM barriers: every rank's stage
     is written before it is called."""
-    _int64(src_rank=src_rank, src_token=src_token, places=places, receives=receives, expand_src=expand_src)
-    _at_most_max_width(places)
-    row_bytes = x.shape[1] * x.element_size()
-    _launch("get_expand", x.device, stream, out=out.data_ptr(), out_stride=row_bytes, x=x.data_ptr(),
-            x_stride=row_bytes, stage=stage.data_ptr(), stage_stride=stride, recv=recv.data_ptr(),
-            recv_stride=stride, src_rank=src_rank.data_ptr(), src_token=src_token.data_ptr(),
-            places=places.data_ptr(), width=places.shape[1], receives=receives.data_ptr(),
-            world=receives.numel(), me=rank, row_bytes=row_bytes, most=most, expand_src=expand_src.data_ptr(),
-            num_rows=out.shape[0], zero_at=zero_at, mapped=int(mapped))
+    _int64(places=places, receives=receives, back_at=back_at, expand_src=expand_src)
+    _at_most_max_width("places", places)
+    _launch("get_expand", out.device, stream, out=out.data_ptr(), out_stride=row_bytes, stage=stage.data_ptr(),
+            stage_stride=stride, recv=recv.data_ptr(), recv_stride=stride, places=places.data_ptr(),
+            width=places.shape[1], receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(),
+            row_bytes=row_bytes, most=most, expand_src=expand_src.data_ptr(), num_rows=out.shape[0],
+            zero_at=zero_at, mapped=int(mapped))
 
 
 def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Tensor, weights: torch.Tensor | None,
@@ -115,7 +112,7 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
         raise ValueError(f"presum_put sums {sorted(map(str, _CODES))} rows with fp32 weights or none, got "
                          f"{y.dtype} rows, weights {None if weights is None else weights.dtype}, wire {wire}")
     _int64(places=places, receives=receives, back_at=back_at)
-    _at_most_max_width(places)
+    _at_most_max_width("places", places)
     _launch("presum_put", y.device, stream, recv=recv.data_ptr(), recv_stride=stride, send=send.data_ptr(),
             send_stride=stride, y=y.data_ptr(), y_stride=y.stride(0), y_code=_CODES[y.dtype],
             weights=0 if weights is None else weights.data_ptr(), places=places.data_ptr(), width=places.shape[1],
@@ -132,7 +129,7 @@ def home_sum(out: torch.Tensor, rows: torch.Tensor, stride: int, index: torch.Te
     if not sums_here(rows.dtype, None, out.dtype):
         raise ValueError(f"home_sum sums {sorted(map(str, _CODES))} rows onto those, got {rows.dtype} onto {out.dtype}")
     _int64(index=index)
-    _at_most_max_width(index)
+    _at_most_max_width("index", index)
     _launch("home_sum", out.device, stream, barriers=False, out=out.data_ptr(), rows=rows.data_ptr(),
             row_stride=stride, rows_code=_CODES[rows.dtype], out_code=_CODES[out.dtype], index=index.data_ptr(),
             width=index.shape[1], tokens=out.shape[0], hidden=out.shape[1])
@@ -152,9 +149,9 @@ def _int64(**tables) -> None:
                              f"of strides {tensor.stride()}")
 
 
-def _at_most_max_width(places: torch.Tensor) -> None:
-    if places.shape[1] > MAX_WIDTH:
-        raise ValueError(f"places: at most {MAX_WIDTH} a received row (one a lane), got {places.shape[1]}")
+def _at_most_max_width(name: str, table: torch.Tensor) -> None:
+    if table.shape[1] > MAX_WIDTH:
+        raise ValueError(f"{name}: at most {MAX_WIDTH} entries a row (one a lane of a warp), got {table.shape[1]}")
 
 
 def _launch(kernel: str, device: torch.device, stream, barriers: bool = True, **values) -> None:
@@ -172,10 +169,10 @@ def _launch(kernel: str, device: torch.device, stream, barriers: bool = True, **
         host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
     blocks = _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
     status = _driver().cuLaunchKernel(functions[kernel], blocks, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
+    if barriers:  # (also where the launch failed: the peers wait for it)
+        host.nvshmemx_barrier_all_on_stream(stream)  # every row landed; no peer reads a stage any more
     if status != 0:
         raise RuntimeError(f"cuLaunchKernel of {kernel} failed: CUDA error {status}")
-    if barriers:
-        host.nvshmemx_barrier_all_on_stream(stream)  # every row landed; no peer reads a stage any more
 
 
 _THREAD = threading.local()  # each thread's parameter blocks (a launch writes its own, then the driver copies it)
@@ -221,7 +218,9 @@ def _build_and_load(index: int) -> tuple:
         return None, "needs nvcc, nvlink and the wheel's libnvshmem_device.a"
     source = csrc_dir() / _SOURCE
     major, minor = torch.cuda.get_device_capability(index)
-    digest = hashlib.sha256(source.read_bytes() + (csrc_dir() / "engine.cuh").read_bytes()).hexdigest()[:12]
+    stat = os.stat(library)  # a new wheel's device library: built anew
+    digest = hashlib.sha256(source.read_bytes() + (csrc_dir() / "engine.cuh").read_bytes()
+                            + f"{stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:12]
     name = f"dispatch_nvshmem_puts_{digest}_sm{major}{minor}"
     from torch.utils import cpp_extension
 

@@ -30,7 +30,7 @@ N rows).
 Every exchange is moved by kernels of ours (``dispatch.kernels.nvshmem_puts``,
 where they build), the places taken on the device from the all-gathered counts.
 The rows to the experts that travel as they are are got by their receivers
-from the sources' staged tokens and written straight to their expert-major
+from the sources' staged send rows and written straight to their expert-major
 places, and each received row's pre-sum is made where it is put home: the
 experts' layout in the exchange's pass, each (token, rank) row over the link
 once (``SymmetricExchange.get_expand``, ``presum_put``). The others (fp8 rows,
@@ -78,9 +78,6 @@ class NVSHMEMHandle(AllToAllHandle):
         put_at, back_at: [W] int64 on the device, where this rank's rows start
             in each rank's receive rows, to the experts and back home (what rows
             put straight there need).
-        recv_rank, recv_token: [R] int64 on the device, the source rank and
-            token of each row received (source-major; what rows got from their
-            sources need).
     """
 
     sends: torch.Tensor
@@ -89,8 +86,6 @@ class NVSHMEMHandle(AllToAllHandle):
     recv_rows: int
     put_at: torch.Tensor | None = None
     back_at: torch.Tensor | None = None
-    recv_rank: torch.Tensor | None = None
-    recv_token: torch.Tensor | None = None
 
 
 def unusable(group: dist.ProcessGroup | None) -> str | None:
@@ -130,7 +125,7 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
 
 # the handle's tensors (:meth:`NVSHMEMTransport._plan_tensors` makes them and the outputs')
 _HANDLE_TENSORS = ("send_token", "home_index", "slot_row", "slot_col", "expand_src", "presum_index", "sends",
-                   "receives", "put_at", "back_at", "recv_rank", "recv_token")
+                   "receives", "put_at", "back_at")
 _REPLAYS = 8  # signatures whose plan with max_rows is kept captured
 
 # the bits of a rank's word in a dispatch's agreement (``dispatch_word``)
@@ -343,8 +338,8 @@ class NVSHMEMTransport(AllToAllTransport):
                                      send_token, 0)
         return dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
                     expand_src=expand_src, presum_index=rp.presum_index, sends=sends, receives=receives,
-                    put_at=put_at, back_at=back_at, recv_rank=rp.src_rank, recv_token=rp.src_token, weights=weights,
-                    tokens_per_expert=per_expert, src_rank=src_rank, src_token=src_token)
+                    put_at=put_at, back_at=back_at, weights=weights, tokens_per_expert=per_expert, src_rank=src_rank,
+                    src_token=src_token)
 
     def _made_plan(self, request: Request, tensors: dict, grads_any, num_rows: int, sizes, has_rows,
                    per_expert_host, fields: dict | None = None) -> tuple[NVSHMEMHandle, PlanOutputs]:
@@ -378,8 +373,8 @@ class NVSHMEMTransport(AllToAllTransport):
         if (dtype == rows.dtype and self.exchange.can_put(rows.device)
                 and handle.presum_index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # the rows as they are: got by their receivers and written straight to their expert-major places
-            expanded = self.exchange.get_expand(rows.contiguous(), handle.recv_rank, handle.recv_token,
-                                                handle.presum_index, handle.receives, handle.recv_rows,
+            expanded = self.exchange.get_expand(rows.detach(), index, handle.presum_index, handle.receives,
+                                                handle.back_at, handle.send_rows, handle.recv_rows,
                                                 handle.expand_src)
         else:
             sent = Packed(index.shape[0], width, dtype,  # [S, wire row], packed into the send buffer

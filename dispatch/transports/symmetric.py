@@ -169,28 +169,34 @@ class SymmetricExchange:
         self._stream.wait_stream(current)
         return result
 
-    def get_expand(self, x: torch.Tensor, src_rank: torch.Tensor, src_token: torch.Tensor, places: torch.Tensor,
-                   receives: torch.Tensor, recv_rows: int, expand_src: torch.Tensor) -> torch.Tensor:
-        """The rows to the experts as they are (``x`` contiguous [T, H]),
-        expanded where they land, each (token, rank) row over the link once:
-        [N, H] (N = ``expand_src``'s length), row i the received row
-        ``expand_src[i]`` (``recv_rows``: zeros). Row r received (``receives[s]``
-        from rank s, source-major) is rank ``src_rank[r]``'s token
-        ``src_token[r]``, and its places are ``places[r]`` ([R, J], -1 padded).
-        Every rank's tokens are staged in its send buffer first, then got by
-        their receivers (``nvshmem_puts.get_expand``)."""
+    def get_expand(self, x: torch.Tensor, send_token: torch.Tensor, places: torch.Tensor, receives: torch.Tensor,
+                   back_at: torch.Tensor, send_rows: int, recv_rows: int, expand_src: torch.Tensor) -> torch.Tensor:
+        """The rows to the experts as they are (``x`` [T, H]), expanded where they
+        land, each (token, rank) row over the link once: [N, H] (N =
+        ``expand_src``'s length), row i the received row ``expand_src[i]``
+        (``recv_rows``: zeros). Every rank stages its send rows (``x[send_token]``,
+        at most ``send_rows``, the most any rank sends) in its send buffer, then
+        each receiver gets row r (received from rank s, source-major by
+        ``receives``) from row ``back_at[s] + r - first[s]`` of rank s's, and writes
+        it to its places ``places[r]`` ([R, J], -1 padded): ``nvshmem_puts.get_expand``.
+        The buffers' sizes come from ``send_rows`` and ``recv_rows``, the same on every rank."""
         row_bytes = x.shape[1] * x.element_size()
         stride = self.stride(row_bytes)
-        self.ensure(x.shape[0] * stride, (recv_rows + 1) * stride)
+        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+        count = min(send_token.shape[0], send_rows)
 
         def move():
-            _rows_of(self._send, stride)[: x.shape[0], :row_bytes].copy_(x.detach().view(torch.uint8))
+            stage = _rows_of(self._send, stride)[:count, :row_bytes].view(x.dtype)
+            if stride == row_bytes:  # straight into the stage: one pass
+                torch.index_select(x, 0, send_token[:count], out=stage)
+            else:
+                stage.copy_(x.index_select(0, send_token[:count]))
             out = torch.empty(expand_src.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-            nvshmem_puts.get_expand(out, x, self._send, self._recv, stride, src_rank, src_token, places, receives,
-                                    recv_rows, expand_src, recv_rows, self.rank, self._stream)
+            nvshmem_puts.get_expand(out, self._send, self._recv, stride, row_bytes, places, receives, back_at,
+                                    recv_rows, expand_src, recv_rows, self._stream)
             return out
 
-        return self._in_turn(move, (x, src_rank, src_token, places, receives, expand_src))
+        return self._in_turn(move, (x, send_token, places, receives, back_at, expand_src))
 
     def presum_put(self, y: torch.Tensor, weights: torch.Tensor | None, places: torch.Tensor, receives: torch.Tensor,
                    back_at: torch.Tensor, wire: torch.dtype, send_rows: int, recv_rows: int, consume):
