@@ -85,16 +85,19 @@ class HostSplitsExchange:
         out[expand_src == recv_rows] = 0
         return out
 
-    def presum_put(self, y, weights, places, receives, back_at, wire, send_rows, recv_rows, consume):
-        """As the kernel: each received row's sum (gather_sum's), put home."""
-        from dispatch.kernels.gather_sum import gather_sum_reference
+    def presum_put(self, y, weights, places, receives, back_at, wire, send_rows, recv_rows, home_index):
+        """As the kernels: each received row's sum (gather_sum's), put home, and
+        the partials of each token summed there (the kernels' sums are gather_sum's, bitwise)."""
+        from dispatch.kernels.gather_sum import gather_sum  # the sums of the NCCL transport on this device
 
         assert y.is_contiguous() and (weights is None or weights.dtype == torch.float32), (y.stride(), weights)
+        assert home_index.dtype == torch.int64 and home_index.is_contiguous(), home_index.stride()
         got = int(receives.sum())
-        partial = gather_sum_reference(y, places[:got], weights, wire)
+        partial = gather_sum(y, places[:got], weights, wire)
         back = torch.empty_like(receives)
         dist.all_to_all_single(back, receives.contiguous(), group=self.group)  # what comes home from each rank
-        return self.exchange(partial, receives, back, send_rows, recv_rows, consume, at=back_at)
+        return self.exchange(partial, receives, back, send_rows, recv_rows,
+                             lambda rows: gather_sum(rows, home_index, None, y.dtype), at=back_at)
 
     def gather(self, row, out=None):
         assert row.dim() == 1, row.shape  # one row per rank

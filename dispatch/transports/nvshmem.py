@@ -393,17 +393,11 @@ class NVSHMEMTransport(AllToAllTransport):
 
         if (self.exchange.can_put(rows.device) and nvshmem_puts.sums_here(rows.dtype, at_least, wire)
                 and max(index.shape[1], handle.home_index.shape[1]) <= nvshmem_puts.MAX_WIDTH):
-            # each received row's pre-sum made where it is put home, and summed there, by our kernels
+            # each received row's pre-sum made where it is put home, and the partials summed there
             self._check_holds(handle, rows.shape[1], wire)
-            home_index = handle.home_index.contiguous()
-
-            def summed_at_home(back):  # home_sum's sums, bitwise, by our kernel
-                out = torch.empty(home_index.shape[0], back.shape[1], dtype=rows.dtype, device=back.device)
-                return nvshmem_puts.home_sum(out, back, back.stride(0) * back.element_size(), home_index)
-
             out = self.exchange.presum_put(rows.contiguous(), None if weights is None else weights.contiguous(), index,
                                            handle.receives, handle.back_at, wire, handle.recv_rows, handle.send_rows,
-                                           summed_at_home if nvshmem_puts.usable(rows.device) else home_sum)
+                                           handle.home_index.contiguous())
         else:
             partial = Packed(index.shape[0], rows.shape[1], wire,  # [R, H], summed into the send buffer
                              lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),

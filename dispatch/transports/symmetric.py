@@ -199,25 +199,32 @@ class SymmetricExchange:
         return self._in_turn(move, (x, send_token, places, receives, back_at, expand_src))
 
     def presum_put(self, y: torch.Tensor, weights: torch.Tensor | None, places: torch.Tensor, receives: torch.Tensor,
-                   back_at: torch.Tensor, wire: torch.dtype, send_rows: int, recv_rows: int, consume):
-        """Each received row's pre-sum home, summed where it is put: row r
-        (received from rank s in the dispatch, as in :meth:`get_expand`) sums
-        rows ``places[r]`` of ``y`` ([N, H], contiguous; each times ``weights``
-        of its row where given) in fp32 onto ``wire``, as ``gather_sum`` does,
-        and goes to row ``back_at[s] + r - first[s]`` of rank s's receive rows
-        (``nvshmem_puts.presum_put``); then ``consume`` of the rows this rank
-        got back, as :meth:`exchange` gives them (``recv_rows`` + 1 rows).
-        ``send_rows``: the most rows any rank sends."""
+                   back_at: torch.Tensor, wire: torch.dtype, send_rows: int, recv_rows: int,
+                   home_index: torch.Tensor) -> torch.Tensor:
+        """Combine's pre-sums made where they are put home, and summed there:
+        row r (received from rank s in the dispatch, as in :meth:`get_expand`)
+        sums rows ``places[r]`` of ``y`` ([N, H], contiguous; each times
+        ``weights`` of its row where given) in fp32 onto ``wire``, as
+        ``gather_sum`` does, and goes to row ``back_at[s] + r - first[s]`` of rank
+        s's receive rows (``nvshmem_puts.presum_put``); then each token's
+        partials (``home_index`` [T, W], ascending rank, -1 padded) summed in
+        fp32 into a [T, H] of y's dtype (``nvshmem_puts.home_sum``). ``send_rows``:
+        the most rows any rank sends home; ``recv_rows``: the most it gets."""
         row_bytes = y.shape[1] * wire.itemsize
         stride = self.stride(row_bytes)
         self.ensure(send_rows * stride, (recv_rows + 1) * stride)
 
+        def home_sum(back):
+            out = torch.empty(home_index.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+            return nvshmem_puts.home_sum(out, back, stride, home_index)
+
         def move():
             nvshmem_puts.presum_put(self._recv, self._send, stride, y, weights, places, receives, back_at, wire,
                                     send_rows, self._stream)
-            return self._received(stride, recv_rows, row_bytes, wire, consume)
+            return self._received(stride, recv_rows, row_bytes, wire, home_sum)
 
-        return self._in_turn(move, (y, places, receives, back_at) + (() if weights is None else (weights,)))
+        reads = (y, places, receives, back_at, home_index) + (() if weights is None else (weights,))
+        return self._in_turn(move, reads)
 
     def gather(self, row: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """All-gather of one row per rank ([L] on the device, alike on every
