@@ -243,37 +243,3 @@ extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
   }
   nvshmem_quiet();
 }
-
-// Combine, at home: out [T, hidden] (out_code as presum_put's), row t the sum of the rows
-// index[t, :width] (-1 padded; ascending rank) of rows (rows_code; row_stride bytes apart: the
-// partials received), in fp32 from zero, narrowed once: as dispatch/kernels/gather_sum.py sums
-// them, bitwise. This rank's memory only: no barrier.
-extern "C" __global__ void __launch_bounds__(kThreads) home_sum(char* out, const char* rows,
-                                                                unsigned long long row_stride, int rows_code,
-                                                                int out_code, const long long* index, int width,
-                                                                long long tokens, int hidden) {
-  __shared__ const char* picked[kWarps][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long warps = static_cast<long long>(gridDim.x) * kWarps;
-  const int out_size = out_code == 2 ? 4 : 2;
-  for (long long t = blockIdx.x * kWarps + warp; t < tokens; t += warps) {
-    const long long at = lane < width ? index[t * width + lane] : -1;
-    const int count = __popc(__ballot_sync(0xffffffffu, at >= 0));
-    if (at >= 0) picked[warp][lane] = rows + static_cast<unsigned long long>(at) * row_stride;
-    __syncwarp();
-    char* row = out + static_cast<unsigned long long>(t) * hidden * out_size;
-    const bool vec = (hidden % 8) == 0 && (row_stride % 16) == 0 && (reinterpret_cast<unsigned long long>(rows) % 16) == 0 &&
-                     (reinterpret_cast<unsigned long long>(out) % 16) == 0;
-    if (rows_code == 0) {
-      presum_row_to(out_code, reinterpret_cast<const __nv_bfloat16* const*>(picked[warp]), nullptr, false, count,
-                    hidden, row, vec, lane);
-    } else if (rows_code == 1) {
-      presum_row_to(out_code, reinterpret_cast<const __half* const*>(picked[warp]), nullptr, false, count, hidden,
-                    row, vec, lane);
-    } else {
-      presum_row_to(out_code, reinterpret_cast<const float* const*>(picked[warp]), nullptr, false, count, hidden,
-                    row, vec, lane);
-    }
-    __syncwarp();  // picked[warp] is rewritten by the next token
-  }
-}

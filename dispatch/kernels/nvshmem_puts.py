@@ -31,7 +31,7 @@ import torch
 from dispatch import build
 from dispatch.cuda import csrc_dir, parameter_block, signatures
 
-_SOURCE, _KERNELS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put", "home_sum")
+_SOURCE, _KERNELS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put")
 # blocks of a launch: put_rows's puts a fixed 264; the kernels that also read and write the experts' rows
 # (a row a warp, bound by HBM more than by the link) 4 a multiprocessor
 _BLOCKS, _BLOCKS_PER_SM = {"put_rows": 264}, 4
@@ -120,22 +120,6 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
             out_code=_CODES[wire], most=most, mapped=int(mapped))
 
 
-def home_sum(out: torch.Tensor, rows: torch.Tensor, stride: int, index: torch.Tensor,
-             stream: "torch.cuda.Stream | None" = None) -> torch.Tensor:
-    """``out`` [T, H] (contiguous), row t the sum of the rows ``index[t]`` (-1:
-    none) of ``rows`` (the received partials, ``stride`` bytes apart, H of
-    their dtype each), in fp32 from zero, cast once to out's dtype: as
-    :func:`dispatch.kernels.gather_sum.gather_sum`, bitwise. No barrier."""
-    if not sums_here(rows.dtype, None, out.dtype):
-        raise ValueError(f"home_sum sums {sorted(map(str, _CODES))} rows onto those, got {rows.dtype} onto {out.dtype}")
-    _int64(index=index)
-    _at_most_max_width("index", index)
-    _launch("home_sum", out.device, stream, barriers=False, out=out.data_ptr(), rows=rows.data_ptr(),
-            row_stride=stride, rows_code=_CODES[rows.dtype], out_code=_CODES[out.dtype], index=index.data_ptr(),
-            width=index.shape[1], tokens=out.shape[0], hidden=out.shape[1])
-    return out
-
-
 def sums_here(dtype: torch.dtype, weights: torch.dtype | None, wire: torch.dtype) -> bool:
     """Whether :func:`presum_put` sums rows of ``dtype`` with weights of that
     dtype (None: none) onto ``wire`` (sums that accumulate in fp32)."""
@@ -154,10 +138,9 @@ def _at_most_max_width(name: str, table: torch.Tensor) -> None:
         raise ValueError(f"{name}: at most {MAX_WIDTH} entries a row (one a lane of a warp), got {table.shape[1]}")
 
 
-def _launch(kernel: str, device: torch.device, stream, barriers: bool = True, **values) -> None:
+def _launch(kernel: str, device: torch.device, stream, **values) -> None:
     """Launch ``kernel`` with its arguments by name (each in the C type the
-    source declares; pointers as addresses), between two NVSHMEM barriers
-    (``barriers``)."""
+    source declares; pointers as addresses), between two NVSHMEM barriers."""
     functions, why = _load(device)
     if functions is None:
         raise RuntimeError(f"the NVSHMEM kernels cannot run here: {why}")
@@ -165,12 +148,11 @@ def _launch(kernel: str, device: torch.device, stream, barriers: bool = True, **
     packer.pack_into(block, 0, *[values[name] for name in names])  # the driver copies it at the launch
     stream = ctypes.c_void_p((stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream)
     host = _host()
-    if barriers:
-        host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
+    host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
     blocks = _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
     status = _driver().cuLaunchKernel(functions[kernel], blocks, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
-    if barriers:  # (also where the launch failed: the peers wait for it)
-        host.nvshmemx_barrier_all_on_stream(stream)  # every row landed; no peer reads a stage any more
+    # every row landed; no peer reads a stage any more (queued also where the launch failed: the peers wait for it)
+    host.nvshmemx_barrier_all_on_stream(stream)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernel of {kernel} failed: CUDA error {status}")
 

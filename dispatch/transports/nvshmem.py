@@ -392,7 +392,7 @@ class NVSHMEMTransport(AllToAllTransport):
             return gather_sum(back, handle.home_index, None, rows.dtype, at_least)
 
         if (self.exchange.can_put(rows.device) and nvshmem_puts.sums_here(rows.dtype, at_least, wire)
-                and max(index.shape[1], handle.home_index.shape[1]) <= nvshmem_puts.MAX_WIDTH):
+                and index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # each received row's pre-sum made where it is put home, and the partials summed there
             self._check_holds(handle, rows.shape[1], wire)
             out = self.exchange.presum_put(rows.contiguous(), None if weights is None else weights.contiguous(), index,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dispatch import checks
 from dispatch.kernels import nvshmem_puts
+from dispatch.kernels.gather_sum import gather_sum
 
 
 class SymmetricExchange:
@@ -208,15 +209,14 @@ class SymmetricExchange:
         ``gather_sum`` does, and goes to row ``back_at[s] + r - first[s]`` of rank
         s's receive rows (``nvshmem_puts.presum_put``); then each token's
         partials (``home_index`` [T, W], ascending rank, -1 padded) summed in
-        fp32 into a [T, H] of y's dtype (``nvshmem_puts.home_sum``). ``send_rows``:
+        fp32 into a [T, H] of y's dtype (``gather_sum``). ``send_rows``:
         the most rows any rank sends home; ``recv_rows``: the most it gets."""
         row_bytes = y.shape[1] * wire.itemsize
         stride = self.stride(row_bytes)
         self.ensure(send_rows * stride, (recv_rows + 1) * stride)
 
         def home_sum(back):
-            out = torch.empty(home_index.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-            return nvshmem_puts.home_sum(out, back, stride, home_index)
+            return gather_sum(back, home_index, None, y.dtype)
 
         def move():
             nvshmem_puts.presum_put(self._recv, self._send, stride, y, weights, places, receives, back_at, wire,
