@@ -119,14 +119,22 @@ class HostSplitsExchange:
 
 class FakeSymmetricMemory:
     """torch's NVSHMEM pieces that ``SymmetricExchange`` calls, on gloo: its
-    buffers plain tensors, its all-to-all the process group's with the same
-    layout (rows from each rank at the exclusive prefix of the splits) and
-    the same check torch's kernel asserts (each peer's bytes divide evenly
-    among its blocks per peer). ``with FakeSymmetricMemory(): ...``."""
+    buffers plain tensors, allocated alike on every rank (as NVSHMEM's
+    collective allocation needs: checked), its all-to-all the process group's
+    with the same layout (rows from each rank at the exclusive prefix of the
+    splits) and the same check torch's kernel asserts (each peer's bytes divide
+    evenly among its blocks per peer). With ``kernels``, also our NVSHMEM
+    kernels (``dispatch.kernels.nvshmem_puts``: put_rows, get_expand,
+    presum_put) as their contracts say, each peer's symmetric buffer reached by
+    the process group. ``with FakeSymmetricMemory(): ...``."""
+
+    def __init__(self, kernels: bool = False) -> None:
+        self.kernels = kernels
 
     def __enter__(self):
         from torch.distributed import _symmetric_memory as symm_mem
 
+        from dispatch.kernels import nvshmem_puts
         from dispatch.transports import symmetric
 
         self._saved = [(symm_mem, "empty", symm_mem.empty), (symm_mem, "rendezvous", symm_mem.rendezvous),
@@ -134,6 +142,11 @@ class FakeSymmetricMemory:
         symm_mem.empty = _fake_empty
         symm_mem.rendezvous = lambda tensor, group: None
         symmetric.all_to_all_vdev = _fake_vdev
+        if self.kernels:
+            for name, fake in (("put_rows", _fake_put_rows), ("get_expand", _fake_get_expand),
+                               ("presum_put", _fake_presum_put)):
+                self._saved.append((nvshmem_puts, name, getattr(nvshmem_puts, name)))
+                setattr(nvshmem_puts, name, fake)
         return self
 
     def __exit__(self, *exc):
@@ -142,8 +155,73 @@ class FakeSymmetricMemory:
 
 
 def _fake_empty(*shape, dtype, device):
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, (tuple(shape), str(dtype)))
+    assert len(set(sizes)) == 1, f"a symmetric allocation differs between ranks: {sizes}"  # a collective
     tensor = torch.empty(*shape, dtype=dtype, device=device)
     return tensor.fill_(0x55) if dtype == torch.uint8 else tensor.zero_()  # byte buffers: garbage rows
+
+
+def _rows(buffer: torch.Tensor, stride: int) -> torch.Tensor:
+    """A symmetric byte buffer as [rows, stride] (as ``symmetric._rows_of``)."""
+    return buffer[: buffer.numel() // stride * stride].view(-1, stride)
+
+
+def _everyone(tensor: torch.Tensor) -> list:
+    """Every rank's ``tensor`` (its shape may differ between ranks)."""
+    told = [None] * dist.get_world_size()
+    dist.all_gather_object(told, tensor.cpu())
+    return told
+
+
+def _fake_put_rows(recv, recv_stride, x, send_token, sends, at, most, stream=None):
+    """put_rows's contract: this rank's rows (x[send_token[i]], or x[i]) for each
+    send row i < min(sum(sends), most), sends[d] to rank d in order, land at
+    row at[d] onwards of rank d's recv."""
+    total = min(int(sends.sum()), most)
+    rows = x[:total] if send_token is None else x[send_token[:total]]
+    raw = rows.contiguous().view(torch.uint8).reshape(total, rows.shape[1] * rows.element_size())
+    me = dist.get_rank()
+    for s, (their_raw, their_sends, their_at) in enumerate(zip(_everyone(raw), _everyone(sends), _everyone(at))):
+        first, count = int(their_sends[:me].sum()), int(their_sends[me])
+        place = int(their_at[me])
+        _rows(recv, recv_stride)[place : place + count, : their_raw.shape[1]] = their_raw[first : first + count]
+
+
+def _fake_get_expand(out, stage, recv, stride, row_bytes, places, receives, back_at, most, expand_src, zero_at,
+                     stream=None):
+    """get_expand's contract: row r received (the (r - first[s])-th from rank s)
+    is row back_at[s] + r - first[s] of rank s's stage, written to its places;
+    padding rows zeros."""
+    stages = _everyone(stage)
+    assert len({t.numel() for t in stages}) == 1, "the stages differ between ranks"
+    flat = out.view(torch.uint8).reshape(out.shape[0], -1)
+    total, r = min(int(receives.sum()), most), 0
+    for s, count in enumerate(receives.tolist()):
+        for j in range(count):
+            if r >= total:
+                break
+            row = _rows(stages[s], stride)[int(back_at[s]) + j, :row_bytes]
+            for place in places[r].tolist():
+                if place >= 0:
+                    flat[place] = row
+            r += 1
+    flat[expand_src == zero_at] = 0
+
+
+def _fake_presum_put(recv, send, stride, y, weights, places, receives, back_at, wire, most, stream=None):
+    """presum_put's contract: each received row's sum (gather_sum's) goes to its
+    home s at row back_at[s] + r - first[s] of s's recv."""
+    from dispatch.kernels.gather_sum import gather_sum
+
+    total = min(int(receives.sum()), most)
+    raw = gather_sum(y, places[:total], weights, wire).view(torch.uint8).reshape(total, y.shape[1] * wire.itemsize)
+    me = dist.get_rank()
+    for s, (their_raw, their_receives, their_back) in enumerate(
+            zip(_everyone(raw), _everyone(receives), _everyone(back_at))):
+        first, count = int(their_receives[:me].sum()), int(their_receives[me])
+        place = int(their_back[me])
+        _rows(recv, stride)[place : place + count, : their_raw.shape[1]] = their_raw[first : first + count]
 
 
 def _fake_vdev(send, recv, in_splits, out_splits_offsets, group_name):

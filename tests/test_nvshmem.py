@@ -619,10 +619,12 @@ def test_the_put_kernel_stands_aside_where_it_cannot_run():
         nvshmem_puts.presum_put(rows, rows, 32, rows.double(), None, places, places[0], places[0], torch.float32, 2)
 
 
-def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
+def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels=False):
     """A round trip through ``SymmetricExchange`` (its buffers, strides, turns
     and padding row) on gloo, torch's NVSHMEM pieces faked by
-    ``splits_exchange.FakeSymmetricMemory``, against the NCCL transport."""
+    ``splits_exchange.FakeSymmetricMemory``, against the NCCL transport. With
+    ``kernels``, through our kernels' contracts (faked likewise) from a send
+    buffer that starts empty, so that it grows (alike on every rank, checked)."""
     from splits_exchange import FakeSymmetricMemory
     from world import current_device
 
@@ -630,9 +632,11 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
 
     device = current_device()
     x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
-    with FakeSymmetricMemory():
+    with FakeSymmetricMemory(kernels):
         cfg = dispatch.DispatchConfig.from_options(**config, transport="nvshmem")
         exchange = SymmetricExchange(None, torch.distributed.get_world_size(), device)
+        if kernels:  # our kernels' contracts, faked: every exchange by them, from a send buffer that grows
+            exchange._puts, exchange.MIN_SEND_BYTES = True, 0
         d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
         got, _ = _round_trip(d, x, topk_idx, topk_weights, x, max_rows, 1, False)
         d.check()
@@ -648,8 +652,12 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows):
     return differ + ([] if made >= 1 and held and grown else ["generation"])
 
 
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("world, hidden, wire", [(2, 16, "native"), (3, 7, "bf16"), (2, 128, "fp8")])
-def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire):
+def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, kernels):
+    """Through torch's all-to-all, or through our kernels' contracts (ranks of
+    different T: the buffers they grow are alike, and every row lands where
+    the kernels put it), every verb bitwise the NCCL transport's."""
     from routing import make_routing
 
     if worlds(world).backend != "gloo":
@@ -659,7 +667,8 @@ def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire):
     xs = [torch.randn(t, hidden, generator=gen) for t in routing.num_tokens]
     config = dict(num_experts=routing.num_experts, dispatch_wire=wire, combine_grad_wire=wire)
     for max_rows in (None, 40):
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows) for r in range(world)]
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows, kernels)
+                for r in range(world)]
         for rank, differ in enumerate(worlds(world).run(through_symmetric_exchange, args)):
             assert differ == [], (rank, max_rows, differ)
 
