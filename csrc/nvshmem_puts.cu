@@ -1,8 +1,8 @@
-// The NVSHMEM transport's exchanges, put by the sender straight to their places
-// at the receivers (dispatch/kernels/nvshmem_puts.py): the rows to the experts
-// from the tokens themselves (row send_token[i] of x; no send buffer, no pack
-// pass), and every other exchange from rows made in send order (send_token
-// null: row i of x). Built with NVSHMEM's device library (nvcc -rdc,
+// The NVSHMEM transport's exchanges (dispatch/kernels/nvshmem_puts.py). `put_rows`
+// puts rows by the sender straight to their places at the receivers: rows picked
+// by index (row send_token[i] of x: the counts row to every rank) or taken in
+// order (send_token null: row i of x, rows made in send order: the slot lists,
+// fp8 rows, per-slot values). Built with NVSHMEM's device library (nvcc -rdc,
 // nvlink with the wheel's libnvshmem_device.a) into a cubin, initialised in the
 // NVSHMEM instance torch's symmetric memory started.
 //
@@ -56,8 +56,6 @@ extern "C" __global__ void put_rows(char* recv, unsigned long long recv_stride, 
 }
 
 namespace {
-
-using engine::Vec8;
 
 // Where the rows received from each rank start (source-major): first[s], first[world] the sum.
 __device__ __forceinline__ void starts(const long long* receives, int world, long long* first) {
