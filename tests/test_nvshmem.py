@@ -591,7 +591,7 @@ def test_the_put_kernel_stands_aside_where_it_cannot_run():
 
     from dispatch.kernels import nvshmem_puts
 
-    assert not nvshmem_puts.usable(torch.device("cpu"))
+    assert not nvshmem_puts.built(torch.device("cpu"))
     from dispatch.cuda import parameter_block, signatures
 
     for kernel in nvshmem_puts._KERNELS:

@@ -52,11 +52,6 @@ def why_not(device: torch.device) -> str | None:
     return _load(device)[1]
 
 
-def usable(device: torch.device) -> bool:
-    """Whether the kernels move rows on ``device`` (a CUDA device where they build and load)."""
-    return enabled and built(device)
-
-
 def built(device: torch.device) -> bool:
     """Whether the kernel builds and loads on ``device`` (a CUDA device), ``enabled`` or not."""
     return device.type == "cuda" and _load(device)[0] is not None

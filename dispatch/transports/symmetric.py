@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dispatch import checks
+from dispatch import checks, cuda
 from dispatch.kernels import nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 
@@ -97,7 +97,7 @@ class SymmetricExchange:
             # host sync: NVSHMEM's allocation is a collective with a barrier of its own (on its stream); an
             # exchange's barrier still queued on this rank's streams would pair with a peer's allocation
             # barrier crosswise, and both ranks wait for ever. So none is queued when it starts
-            torch.cuda.synchronize(self.device)
+            cuda.synchronize(self.device.index)
         tensor = symm_mem.empty(*shape, dtype=dtype, device=self.device)
         symm_mem.rendezvous(tensor, self.group_name)  # host sync: a collective through the store
         checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
