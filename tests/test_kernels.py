@@ -370,3 +370,86 @@ def test_send_plan_kernel_only_where_its_counts_stay_small():
     tokens = send_plan._block_tokens(8)  # a block's tokens at K = 8
     blocks = send_plan.MAX_COUNTS // 256
     assert send_plan.fits(blocks * tokens, 8, 256) and not send_plan.fits(blocks * tokens + 1, 8, 256)
+
+
+def _summary_case(world, local, spoil, gen):
+    """A plan summary (``plan_graph.plan_summary``'s layout) of ranks that agree,
+    spoiled by one way ``checks.peers_fail`` names (or none)."""
+    from dispatch import checks, plan
+    from dispatch.plan_graph import Summary
+
+    sizes = Summary.sizes(world, local)
+    summary = torch.randint(0, 40, (sum(sizes),), generator=gen)
+    send, recv, per_expert, headers, matrix, received, by_group, groups = summary.split(sizes)
+    headers = headers.view(world, len(plan.HEADER))
+    headers[:, : checks.AGREED] = headers[0, : checks.AGREED].clone()
+    failed, bound, memory = (plan.HEADER.index(name) for name in ("failed", "max_rows", "memory_rows"))
+    headers[:, failed] = 0
+    received.add_(1)  # (a rank over its bound or its memory has rows)
+    headers[:, bound] = torch.where(torch.rand(world, generator=gen) < 0.5, -1, received + 5)
+    headers[:, memory] = torch.where(torch.rand(world, generator=gen) < 0.5, -1, received + 50)
+    groups.fill_(int(groups[0]))
+    peer = int(torch.randint(0, world, (1,), generator=gen))
+    if spoil == "agreed":
+        headers[peer, int(torch.randint(0, checks.AGREED, (1,), generator=gen))] += 1
+    elif spoil == "failed":
+        headers[peer, failed] = 2
+    elif spoil == "over":
+        headers[peer, bound] = received[peer] - 1
+    elif spoil == "short":
+        headers[peer, memory] = received[peer] - 1
+    elif spoil == "groups":
+        groups[peer] += 1
+    return summary
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.sampled_from([1, 2, 3, 5, 8]), local=st.sampled_from([1, 3, 16, 128]), rank=st.integers(0, 7),
+       spoil=st.sampled_from(["none", "agreed", "failed", "over", "short", "groups"]), seen=st.booleans(),
+       seed=st.integers(0, 10**6))
+def test_settle_kernel_matches_reference(world, local, rank, spoil, seen, seed):
+    """A bounded NVSHMEM plan settled in one kernel (``bounded_plan.settle``):
+    its failure, the record of the first one (in place), the masked W-vectors,
+    the rows per local expert and the receive table, bitwise the torch
+    operations', every way a dispatch fails and none."""
+    from dispatch.kernels import bounded_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    summary = _summary_case(world, local, spoil, gen).to(DEVICE)
+    rank %= world
+    records = [(torch.tensor(seen, device=DEVICE), torch.randint(0, 9, summary.shape, generator=gen).to(DEVICE))
+               for _ in range(2)]
+    records[1][1].copy_(records[0][1])
+    want = bounded_plan.settle_reference(summary, world, local, rank, *records[0])
+    got = bounded_plan.settle_triton(summary, world, local, rank, *records[1])
+    assert bool(want.failed) == (spoil in ("failed", "over", "short") or (world > 1 and spoil != "none"))
+    for name, one, other in zip(bounded_plan.Settled._fields, got, want):
+        assert one.dtype == other.dtype and torch.equal(one, other), name
+    assert torch.equal(records[0][0], records[1][0]) and torch.equal(records[0][1], records[1][1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_rows=st.integers(0, 700), held=st.integers(0, 40), sent_rows=st.integers(0, 600), local=st.integers(1, 9),
+       world=st.integers(1, 8), wide=st.booleans(), seed=st.integers(0, 10**6))
+def test_pad_kernel_matches_reference(num_rows, held, sent_rows, local, world, wide, seed):
+    """A bounded NVSHMEM plan's padding in one kernel (``bounded_plan.pad``):
+    the expanded rows past N and the send rows past S, bitwise the torch
+    operations' (N and S anywhere from none to every row)."""
+    from dispatch.kernels import bounded_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    real = int(torch.randint(0, num_rows + 1, (1,), generator=gen)) if held else 0
+    per_expert = torch.zeros(local, dtype=torch.int64)
+    per_expert.index_add_(0, torch.randint(0, local, (real,), generator=gen), torch.ones(real, dtype=torch.int64))
+    sent = int(torch.randint(0, sent_rows + 1, (1,), generator=gen))
+    sends = torch.zeros(world, dtype=torch.int64)
+    sends.index_add_(0, torch.randint(0, world, (sent,), generator=gen), torch.ones(sent, dtype=torch.int64))
+    args = (torch.randint(0, max(held, 1), (num_rows,), generator=gen),
+            torch.randn(num_rows, generator=gen, dtype=torch.float64 if wide else torch.float32),
+            torch.randint(0, 8, (held,), generator=gen), torch.randint(0, 5000, (held,), generator=gen), per_expert,
+            torch.randint(0, 5000, (sent_rows,), generator=gen), sends)
+    args = tuple(t.to(DEVICE) for t in args)
+    want = bounded_plan.pad_reference(*args, held + 3)
+    got = bounded_plan.pad_triton(*args, held + 3)
+    for name, one, other in zip(bounded_plan.Padded._fields, got, want):
+        assert one.dtype == other.dtype and torch.equal(one, other), name

@@ -59,7 +59,7 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
 from dispatch.transports.base import Request, by_groups, handle_fields, shape_fields
-from dispatch.kernels import nvshmem_puts
+from dispatch.kernels import bounded_plan, nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.transports.symmetric import Packed, exchange_for
 
@@ -244,12 +244,12 @@ class NVSHMEMTransport(AllToAllTransport):
         its failure recorded on the device; nothing read on the host, so that
         it can be captured whole (:class:`_Replayed`)."""
         planned, captured = self._counts_and_send_plan(request, header, bounded=True)
-        world, local = self.world_size, self.num_local_experts
-        summary = Summary.read(planned.summary, world, local)  # views on the device
-        failed = checks.peers_fail(summary.headers, summary.received, summary.groups)
-        self._record(failed, planned.summary)
-        per_expert = torch.where(failed, 0, summary.per_expert)
-        return self._plan_tensors(request, planned, captured, num_rows, failed, sizes, per_expert)
+        if self._failed is None:  # (reserve makes the record; a transport used without it makes it here)
+            self._failed = torch.zeros((), dtype=torch.bool, device=planned.summary.device)
+            self._failure = torch.zeros_like(planned.summary)
+        settled = bounded_plan.settle(planned.summary, self.world_size, self.num_local_experts, self.rank,
+                                      self._failed, self._failure)
+        return self._plan_tensors(request, planned, captured, num_rows, settled, sizes)
 
     def _replay_for(self, request: Request, num_rows: int, sizes) -> "_Replayed | None":
         """The captured plan of this dispatch's signature (made the second time
@@ -280,62 +280,48 @@ class NVSHMEMTransport(AllToAllTransport):
             self._replays.pop(next(iter(self._replays)))
         return replay
 
-    def _plan_tensors(self, request: Request, planned, captured, num_rows: int, failed, sizes, per_expert=None,
-                      counts: tuple[int, int] | None = None) -> dict:
+    def _plan_tensors(self, request: Request, planned, captured, num_rows: int, settled: "bounded_plan.Settled | None",
+                      sizes, counts: tuple[int, int] | None = None) -> dict:
         """The slot lists exchanged and the receive plan, from the send plan:
         the handle's tensors and the plan's outputs on the device, by name.
-        ``failed``: None where the sizes were read on the host (N =
-        ``num_rows``, (S, R) = ``counts``), or the dispatch's failure flag on the
-        device (``num_rows`` = max_rows: what is past the N received is
-        padding). ``sizes``: (send_rows, recv_rows) of :class:`NVSHMEMHandle`
-        ((0, 0): this rank takes part with nothing); ``per_expert``: the rows
-        per local expert on the device (None: the summary's)."""
+        ``settled``: None where the sizes were read on the host (N =
+        ``num_rows``, (S, R) = ``counts``), or the settled plan of a dispatch
+        with max_rows (``bounded_plan.settle``: ``num_rows`` = max_rows, what is
+        past the N received is padding). ``sizes``: (send_rows, recv_rows) of
+        :class:`NVSHMEMHandle` ((0, 0): this rank takes part with nothing)."""
         world, local = self.world_size, self.num_local_experts
         send_rows, recv_rows = sizes
-        summary = Summary.read(planned.summary, world, local)
-        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
-        sends, receives = summary.send, summary.recv
-        matrix = summary.matrix  # [source, destination] rows of the dispatch
-        put_at = (torch.cumsum(matrix, 0) - matrix)[self.rank]  # this rank's first row at each, to the experts
-        back_at = (torch.cumsum(matrix, 1) - matrix)[:, self.rank].contiguous()  # and back home
         sp = planned.send
-        home_index, slot_row = sp.home_index, sp.slot_row
-        if failed is not None:  # a failed dispatch moves nothing and sums nothing, on every rank alike
-            # (new tensors: none of them is a replayed plan's buffer, which the next replay rewrites)
-            sends, receives = torch.where(failed, 0, sends), torch.where(failed, 0, receives)
-            home_index, slot_row = torch.where(failed, -1, home_index), torch.where(failed, -1, slot_row)
-            put_at, back_at = torch.where(failed, 0, put_at), torch.where(failed, 0, back_at)
-            send_token = sp.send_token  # made new below
-        else:
-            sends, receives, home_index, slot_row = (keep(t) for t in (sends, receives, home_index, slot_row))
+        keep = (lambda t: t.clone()) if captured is not None else (lambda t: t)  # noqa: E731
+        if settled is None:
+            summary = Summary.read(planned.summary, world, local)
+            put_at, back_at = bounded_plan.starts(summary.matrix, self.rank)
+            sends, receives, home_index, slot_row = (keep(t) for t in (summary.send, summary.recv, sp.home_index,
+                                                                        sp.slot_row))
             send_token = keep(sp.send_token[: counts[0]])
-        if failed is None:
+            per_expert = keep(Summary.per_expert_of(planned.summary, world, local))
+            table = plan.one_group_table(receives)
+
             def received(meta):
                 return meta[: counts[1]].clone()
-        else:  # the rows past the R received are no rows (R <= N <= max_rows)
-            held = min(num_rows, recv_rows)
+        else:  # a failed dispatch moves nothing and sums nothing, on every rank alike (new tensors: none
+            # of them is a replayed plan's buffer, which the next replay rewrites)
+            failed, sends, receives, put_at, back_at, per_expert, table = settled
+            home_index, slot_row = torch.where(failed, -1, sp.home_index), torch.where(failed, -1, sp.slot_row)
+            send_token = sp.send_token  # made new below
+            held = min(num_rows, recv_rows)  # the rows past the R received are no rows (R <= N <= max_rows)
 
             def received(meta):
                 real = torch.arange(held, device=meta.device) < receives.sum()
                 return torch.where(real.unsqueeze(1), meta[:held], -1)
         meta = self.exchange.exchange(sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows, received,
                                       at=put_at)
-        table = plan.one_group_table(receives)
         rp = plan.build_recv_plan(meta, table, num_rows, plan.weight_wire_dtype(request.topk_weights.dtype))
-        if per_expert is None:
-            per_expert = keep(Summary.per_expert_of(planned.summary, world, local))
-        expand_src, weights = rp.expand_src, rp.weights
-        if failed is None:
-            src_rank, src_token = rp.expanded_rank, rp.expanded_token
-        else:  # padding: the zero row, weight 0, sources -1
-            real = torch.arange(num_rows, device=expand_src.device) < per_expert.sum()
-            index = torch.where(real, expand_src, meta.shape[0])
-            src_rank, src_token = (torch.cat([src, src.new_full((1,), -1)])[index]
-                                   for src in (rp.src_rank, rp.src_token))
-            expand_src, weights = torch.where(real, expand_src, recv_rows), torch.where(real, weights, 0)
-            # the rows past S are gathered too (not sent): any token will do
-            send_token = torch.where(torch.arange(send_token.shape[0], device=send_token.device) < sends.sum(),
-                                     send_token, 0)
+        if settled is None:
+            expand_src, weights, src_rank, src_token = rp.expand_src, rp.weights, rp.expanded_rank, rp.expanded_token
+        else:  # padding: the zero row, weight 0, sources -1; the rows past S are gathered too (not sent)
+            expand_src, weights, src_rank, src_token, send_token = bounded_plan.pad(
+                rp.expand_src, rp.weights, rp.src_rank, rp.src_token, per_expert, send_token, sends, recv_rows)
         return dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
                     expand_src=expand_src, presum_index=rp.presum_index, sends=sends, receives=receives,
                     put_at=put_at, back_at=back_at, weights=weights, tokens_per_expert=per_expert, src_rank=src_rank,
@@ -467,14 +453,6 @@ class NVSHMEMTransport(AllToAllTransport):
         sizes += [sum_wire_dtype(wire, x.dtype).itemsize * hidden
                   for wire in (config.combine_wire, config.dispatch_grad_wire)]
         return sizes + [4 * (width + 1 + 2 * width), 8 * width]
-
-    def _record(self, failed: torch.Tensor, summary: torch.Tensor) -> None:
-        """Keep the first failed dispatch's summary on the device (in place: a
-        captured dispatch records into the same tensors)."""
-        if self._failed is None:
-            self._failed, self._failure = torch.zeros_like(failed), torch.zeros_like(summary)
-        self._failure.copy_(torch.where(failed & ~self._failed, summary, self._failure))
-        self._failed.logical_or_(failed)
 
     def _watch_failure(self) -> None:
         """Start the failure flag's copy to the host (read by the next
