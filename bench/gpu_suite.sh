@@ -21,7 +21,7 @@
 #             then bench/nvshmem_probe.py: NVSHMEM (also with every peer reached by its get and put, as
 #             across hosts), NCCL and the NVLink engine (on NVSHMEM's buffers)
 #             in one process, each with kernel tables of its DeepSeek-V3 and Mixtral round trips (eager and
-#             captured) and a host profile of its decode round trips with max_rows; then the engine
+#             captured) and a host profile of its round trips with max_rows; then the engine
 #             alone in another (on CUDA's symmetric memory); then
 #             bench/nvshmem_device_probe.py (a kernel of ours on NVSHMEM's device API, in torch's instance)
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)

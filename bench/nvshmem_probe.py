@@ -20,8 +20,8 @@ then, on rank 0, a kernel table (torch.profiler, by device time) of 5 eager and
 5 captured round trips of each transport at the DeepSeek-V3 and Mixtral shapes,
 written to OUT_DIR/nvshmem-profile-<transport>-<shape>.txt. ``--host-profile``: on rank 0, where the
 issuing thread spends 20 eager round trips with ``max_rows`` of each host-free
-transport at the decode shape (cProfile, by own and by cumulative time), in
-OUT_DIR/nvshmem-host-<transport>.txt.
+transport at each shape (cProfile, by own and by cumulative time), in
+OUT_DIR/nvshmem-host-<transport>-<shape>.txt.
 """
 import json
 import os
@@ -145,11 +145,11 @@ def main():
                 runs = time_each({"total": replays["total"]}, ITERS, WARMUP, dev)
                 row["captured_ms"] = spread([r["total"] for r in runs])["median"]
                 d.check()
-                if host_profiling and name == "decode":
+                if host_profiling:
                     table = host_table(bounded)
                     if rank == 0:
                         os.makedirs(out_dir, exist_ok=True)
-                        with open(os.path.join(out_dir, f"nvshmem-host-{transport}.txt"), "w") as f:
+                        with open(os.path.join(out_dir, f"nvshmem-host-{transport}-{name}.txt"), "w") as f:
                             f.write(f"{transport} {name} W={world}: 20 eager round trips with max_rows\n{table}")
                 if profiling and name != "decode":
                     tables = [f"{transport} {name} W={world}: eager round trips", kernel_table(eager),
