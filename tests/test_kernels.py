@@ -398,14 +398,21 @@ def _summary_case(world, local, spoil, gen):
         headers[peer, bound] = received[peer] - 1
     elif spoil == "short":
         headers[peer, memory] = received[peer] - 1
+    elif spoil == "at bound":  # (not over it)
+        headers[peer, bound] = received[peer]
+    elif spoil == "short of bound":  # memory for its rows, not for its bound
+        headers[peer, bound], headers[peer, memory] = received[peer] + 10, received[peer] + 5
+    elif spoil == "zero bound":
+        headers[peer, bound] = 0
     elif spoil == "groups":
         groups[peer] += 1
     return summary
 
 
 @settings(max_examples=60, deadline=None)
-@given(world=st.sampled_from([1, 2, 3, 5, 8]), local=st.sampled_from([1, 3, 16, 128]), rank=st.integers(0, 7),
-       spoil=st.sampled_from(["none", "agreed", "failed", "over", "short", "groups"]), seen=st.booleans(),
+@given(world=st.sampled_from([1, 2, 3, 5, 8, 300]), local=st.sampled_from([1, 3, 16, 128]), rank=st.integers(0, 299),
+       spoil=st.sampled_from(["none", "agreed", "failed", "over", "short", "at bound", "short of bound", "zero bound",
+                              "groups"]), seen=st.booleans(),
        seed=st.integers(0, 10**6))
 def test_settle_kernel_matches_reference(world, local, rank, spoil, seen, seed):
     """A bounded NVSHMEM plan settled in one kernel (``bounded_plan.settle``):
@@ -422,10 +429,12 @@ def test_settle_kernel_matches_reference(world, local, rank, spoil, seen, seed):
     records[1][1].copy_(records[0][1])
     want = bounded_plan.settle_reference(summary, world, local, rank, *records[0])
     got = bounded_plan.settle_triton(summary, world, local, rank, *records[1])
-    assert bool(want.failed) == (spoil in ("failed", "over", "short") or (world > 1 and spoil != "none"))
+    one_rank_fails = ("failed", "over", "short", "short of bound", "zero bound")
+    assert bool(want.failed) == (spoil in one_rank_fails or (world > 1 and spoil in ("agreed", "groups")))
     for name, one, other in zip(bounded_plan.Settled._fields, got, want):
         assert one.dtype == other.dtype and torch.equal(one, other), name
     assert torch.equal(records[0][0], records[1][0]) and torch.equal(records[0][1], records[1][1])
+    assert all(t.data_ptr() % 16 == 0 for t in got[1:])  # one allocation, each part aligned as its own would be
 
 
 @settings(max_examples=40, deadline=None)
@@ -453,3 +462,4 @@ def test_pad_kernel_matches_reference(num_rows, held, sent_rows, local, world, w
     got = bounded_plan.pad_triton(*args, held + 3)
     for name, one, other in zip(bounded_plan.Padded._fields, got, want):
         assert one.dtype == other.dtype and torch.equal(one, other), name
+    assert all(t.data_ptr() % 16 == 0 for t in got)

@@ -36,7 +36,8 @@ _BLOCK, _PAD_BLOCK = 1024, 512  # the summary's entries a step of the record; ro
 
 
 class Settled(NamedTuple):
-    """What :func:`settle` makes: ``failed`` a 0-dim bool; the rest int64, zeros where it fails."""
+    """What :func:`settle` makes: ``failed`` a 0-dim bool; the rest int64, the
+    counts and starts zeros where it fails (and the table's from them)."""
 
     failed: torch.Tensor
     sends: torch.Tensor  # [W]
@@ -78,24 +79,33 @@ def starts(matrix: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def settle_triton(summary, world, local, rank, seen, failure) -> Settled:
-    """:func:`settle` in one Triton kernel (one program: W and E_local are small)."""
+    """:func:`settle` in one Triton kernel (one program; W and E_local wide
+    vectors, no [W, W] tile, so that any group compiles)."""
     if triton is None:
         raise RuntimeError("settle_triton needs triton; install the 'test' extra or use the reference")
     device = summary.device
     sizes = Summary.sizes(world, local)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    out = torch.empty(7 * world + local, dtype=torch.int64, device=device)  # one allocation
+    starts_at = [sum(sizes[:i]) for i in range(len(sizes))]
+    # one allocation: the table [3, W] first, then sends, receives, put_at, back_at and per_expert, each
+    # starting 16-byte aligned, as separate allocations would (Triton specialises on it)
+    first, step = _even(3 * world), _even(world)
+    out = torch.empty(first + 4 * step + local, dtype=torch.int64, device=device)
     failed = torch.empty((), dtype=torch.bool, device=device)
     _settle_kernel[(1,)](
         summary, seen.view(torch.uint8), failure, failed.view(torch.uint8), out, world, local, rank,
-        summary.numel(), starts[3], starts[4], starts[5], starts[7],
+        summary.numel(), starts_at[3], starts_at[4], starts_at[5], starts_at[7], first, step,
         HEADER=len(plan.HEADER), AGREED=checks.AGREED, FAILED=plan.HEADER.index("failed"),
         MAX_ROWS=plan.HEADER.index("max_rows"), MEMORY_ROWS=plan.HEADER.index("memory_rows"),
         BLOCK_W=triton.next_power_of_2(world), BLOCK_H=triton.next_power_of_2(len(plan.HEADER)),
         BLOCK_L=triton.next_power_of_2(local), BLOCK=_BLOCK,
     )
-    sends, receives, put_at, back_at, table, per_expert = out.split([world] * 4 + [3 * world, local])
-    return Settled(failed, sends, receives, put_at, back_at, per_expert, table.view(3, world))
+    sends, receives, put_at, back_at = (out[first + i * step : first + i * step + world] for i in range(4))
+    per_expert = out[first + 4 * step :]
+    return Settled(failed, sends, receives, put_at, back_at, per_expert, out[: 3 * world].view(3, world))
+
+
+def _even(n: int) -> int:
+    return n + (n & 1)
 
 
 class Padded(NamedTuple):
@@ -137,8 +147,10 @@ def pad_triton(expand_src, weights, src_rank, src_token, per_expert, send_token,
     if triton is None:
         raise RuntimeError("pad_triton needs triton; install the 'test' extra or use the reference")
     num_rows, sent_rows, device = expand_src.shape[0], send_token.shape[0], expand_src.device
-    out = torch.empty(3 * num_rows + sent_rows, dtype=torch.int64, device=device)  # one allocation
-    padded_src, padded_rank, padded_token, padded_send = out.split([num_rows] * 3 + [sent_rows])
+    step = _even(num_rows)  # one allocation, each part 16-byte aligned
+    out = torch.empty(3 * step + sent_rows, dtype=torch.int64, device=device)
+    padded_src, padded_rank, padded_token = (out[i * step : i * step + num_rows] for i in range(3))
+    padded_send = out[3 * step :]
     padded_weights = torch.empty_like(weights)
     rows = max(num_rows, sent_rows)
     if rows:
@@ -155,10 +167,11 @@ if triton is not None:
 
     @triton.jit
     def _settle_kernel(summary_ptr, seen_ptr, failure_ptr, failed_ptr, out_ptr, world, local, rank, width,
-                       headers_at, matrix_at, received_at, groups_at, HEADER: tl.constexpr, AGREED: tl.constexpr,
-                       FAILED: tl.constexpr, MAX_ROWS: tl.constexpr, MEMORY_ROWS: tl.constexpr,
+                       headers_at, matrix_at, received_at, groups_at, first, step, HEADER: tl.constexpr,
+                       AGREED: tl.constexpr, FAILED: tl.constexpr, MAX_ROWS: tl.constexpr, MEMORY_ROWS: tl.constexpr,
                        BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK: tl.constexpr):
-        # out: sends, receives, put_at, back_at [W] each, the table [3, W], per_expert [E_local]
+        # out: the table [3, W] at 0; sends, receives, put_at, back_at [W] each from first, step apart;
+        # per_expert [E_local] after them
         r = tl.arange(0, BLOCK_W)
         live = r < world
         # checks.peers_fail: the agreed columns differ from rank 0's, a rank failed, a rank over its
@@ -166,8 +179,8 @@ if triton is not None:
         c = tl.arange(0, BLOCK_H)
         cell = live[:, None] & (c < AGREED)[None, :]
         headers = tl.load(summary_ptr + headers_at + r[:, None] * HEADER + c[None, :], mask=cell, other=0)
-        first = tl.load(summary_ptr + headers_at + c, mask=c < AGREED, other=0)
-        bad = tl.sum(tl.sum(((headers != first[None, :]) & cell).to(tl.int32), axis=1), axis=0)
+        rank0 = tl.load(summary_ptr + headers_at + c, mask=c < AGREED, other=0)
+        bad = tl.sum(tl.sum(((headers != rank0[None, :]) & cell).to(tl.int32), axis=1), axis=0)
         row = summary_ptr + headers_at + r * HEADER
         flags = tl.load(row + FAILED, mask=live, other=0)
         bound = tl.load(row + MAX_ROWS, mask=live, other=-1)
@@ -181,8 +194,8 @@ if triton is not None:
         # the record: the first failed dispatch's summary, then the flag
         seen = tl.load(seen_ptr) != 0
         take = failed & (~seen)
-        for start in range(0, width, BLOCK):
-            i = start + tl.arange(0, BLOCK)
+        for at in range(0, width, BLOCK):
+            i = at + tl.arange(0, BLOCK)
             inside = i < width
             kept = tl.load(failure_ptr + i, mask=inside, other=0)
             tl.store(failure_ptr + i, tl.where(take, tl.load(summary_ptr + i, mask=inside, other=0), kept),
@@ -193,21 +206,22 @@ if triton is not None:
         # of the sources before it, and each source's rows here after its rows to the ranks before this
         sends = tl.where(failed, 0, tl.load(summary_ptr + r, mask=live, other=0))
         receives = tl.where(failed, 0, tl.load(summary_ptr + world + r, mask=live, other=0))
-        both = live[:, None] & live[None, :]
-        matrix = tl.load(summary_ptr + matrix_at + r[:, None] * world + r[None, :], mask=both, other=0)
-        put_at = tl.where(failed, 0, tl.sum(tl.where((r < rank)[:, None], matrix, 0), axis=0))
-        back_at = tl.where(failed, 0, tl.sum(tl.where((r < rank)[None, :], matrix, 0), axis=1))
-        start = tl.sum(tl.where(r[None, :] < r[:, None], receives[None, :], 0), axis=1)  # exclusive prefix
-        tl.store(out_ptr + r, sends, mask=live)
-        tl.store(out_ptr + world + r, receives, mask=live)
-        tl.store(out_ptr + 2 * world + r, put_at, mask=live)
-        tl.store(out_ptr + 3 * world + r, back_at, mask=live)
-        tl.store(out_ptr + 4 * world + r, start, mask=live)
-        tl.store(out_ptr + 5 * world + r, start, mask=live)
-        tl.store(out_ptr + 6 * world + r, r.to(tl.int64), mask=live)
+        put_at = tl.zeros([BLOCK_W], dtype=tl.int64)
+        back_at = tl.zeros([BLOCK_W], dtype=tl.int64)
+        for k in range(0, rank):
+            put_at += tl.load(summary_ptr + matrix_at + k * world + r, mask=live, other=0)
+            back_at += tl.load(summary_ptr + matrix_at + r * world + k, mask=live, other=0)
+        start = tl.cumsum(receives, axis=0) - receives  # exclusive prefix
+        tl.store(out_ptr + r, start, mask=live)
+        tl.store(out_ptr + world + r, start, mask=live)
+        tl.store(out_ptr + 2 * world + r, r.to(tl.int64), mask=live)
+        tl.store(out_ptr + first + r, sends, mask=live)
+        tl.store(out_ptr + first + step + r, receives, mask=live)
+        tl.store(out_ptr + first + 2 * step + r, tl.where(failed, 0, put_at), mask=live)
+        tl.store(out_ptr + first + 3 * step + r, tl.where(failed, 0, back_at), mask=live)
         e = tl.arange(0, BLOCK_L)
         per_expert = tl.load(summary_ptr + 2 * world + e, mask=e < local, other=0)
-        tl.store(out_ptr + 7 * world + e, tl.where(failed, 0, per_expert), mask=e < local)
+        tl.store(out_ptr + first + 4 * step + e, tl.where(failed, 0, per_expert), mask=e < local)
 
     @triton.jit
     def _pad_kernel(expand_ptr, weights_ptr, src_rank_ptr, src_token_ptr, per_expert_ptr, send_token_ptr, sends_ptr,
