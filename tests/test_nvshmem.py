@@ -16,6 +16,7 @@ NVSHMEM's buffers.
 from __future__ import annotations
 
 import ctypes
+import re
 
 import pytest
 import torch
@@ -152,6 +153,54 @@ def test_a_bounded_failure_moves_nothing_and_raises_at_the_next_host_read(worlds
         if case == "over_bound":
             assert "max_rows" in seen["check"] and "rank 1" in seen["check"], (rank, seen)
     assert len({seen["check"] for seen in results}) == 1  # every rank alike
+
+
+def through_the_plan_kernels(fn, *args):
+    """``fn(*args)`` with the bounded plan settled and padded by its Triton
+    kernels (``bounded_plan.settle_triton``, ``pad_triton``; Triton's
+    interpreter on CPU) where off CUDA their torch references run."""
+    from dispatch.kernels import bounded_plan
+
+    saved = bounded_plan.settle, bounded_plan.pad
+    bounded_plan.settle, bounded_plan.pad = bounded_plan.settle_triton, bounded_plan.pad_triton
+    try:
+        return fn(*args)
+    finally:
+        bounded_plan.settle, bounded_plan.pad = saved
+
+
+@pytest.mark.parametrize("case", ["round_trip", "over_bound", "bad_value"])
+def test_the_bounded_plan_through_its_kernels_on_gloo(worlds, case):
+    """The transport's bounded path with the kernels it runs on GPUs, on gloo
+    ranks: a round trip bitwise the NCCL transport's (rows to spare and none),
+    and a failed dispatch moving nothing and raising alike on every rank, as
+    with the torch references."""
+    from dispatch.kernels import bounded_plan
+
+    if bounded_plan.triton is None or worlds(2).backend != "gloo":
+        pytest.skip("the kernels under Triton's interpreter, on gloo ranks (on GPUs the transport runs them)")
+    gen = torch.Generator().manual_seed(5)
+    tokens = [7, 6]
+    xs = [torch.randn(t, 8, generator=gen) for t in tokens]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(t)]) for t in tokens]
+    ws = [torch.rand(t, 2, generator=gen) for t in tokens]
+    if case == "round_trip":
+        config = dict(num_experts=4)
+        for pad in (0, 5):
+            args = [(against_nccl, xs[r], idx[r], ws[r], xs[r], config, pad, 1, False, True) for r in range(2)]
+            for rank, (differ, read_host) in enumerate(worlds(2).run(through_the_plan_kernels, args)):
+                assert differ == [] and not read_host, (rank, pad, differ)
+        return
+    bounds, bad = ([100, 1], -1) if case == "over_bound" else ([100, 100], 0)
+    args = [(xs[r][:6], idx[r][:6], ws[r][:6], bounds, bad) for r in range(2)]
+    want = worlds(2).run(bounded_failures, args)
+    got = worlds(2).run(through_the_plan_kernels, [(bounded_failures, *a) for a in args])
+
+    def same(seen):  # (a later dispatcher of the process is named by its number in the errors)
+        return {k: re.sub(r" of dispatcher #\d+", "", v) if isinstance(v, str) else v for k, v in seen.items()}
+
+    assert [same(s) for s in got] == [same(s) for s in want], (got, want)
+    assert want[0]["check"] is not None and want[0]["padding"] and want[0]["per_expert"] == 0
 
 
 def local_failures(x, topk_idx, topk_weights, case):
