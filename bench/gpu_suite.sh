@@ -17,7 +17,8 @@
 #             with 16 experts, the Megatron timing layer's shape), then two
 #             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
-#   nvshmem   the NVSHMEM transport: its tests (bitwise against NCCL, a bounded round trip captured),
+#   nvshmem   the NVSHMEM transport: its tests (bitwise against NCCL, a bounded round trip captured; its
+#             plan's Triton kernels against their references),
 #             then bench/nvshmem_probe.py: NVSHMEM (also with every peer reached by its get and put, as
 #             across hosts), NCCL and the NVLink engine (on NVSHMEM's buffers)
 #             in one process, each with kernel tables of its DeepSeek-V3 and Mixtral round trips (eager and
@@ -143,7 +144,8 @@ for part in "$@"; do
       step 200 nvlink-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     nvshmem)
-      step 200 nvshmem-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvshmem.py
+      step 240 nvshmem-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvshmem.py tests/test_kernels.py \
+        -k "nvshmem or settle or pad_kernel"
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
       step 240 nvshmem-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvshmem nvshmem-unmapped nccl nvlink \
         --profile --host-profile
