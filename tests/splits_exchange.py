@@ -22,9 +22,6 @@ class HostSplitsExchange:
     def stride(self, row_bytes: int) -> int:
         return row_bytes
 
-    def holds(self, send_bytes: int, recv_bytes: int) -> bool:
-        return True
-
     def ensure(self, send_bytes: int, recv_bytes: int) -> None:
         pass
 

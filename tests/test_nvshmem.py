@@ -238,6 +238,82 @@ def local_failures(x, topk_idx, topk_weights, case):
     return seen
 
 
+def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb):
+    """A bounded dispatch that rank 1 fails on its own (more tokens than the
+    buffers were sized for: it takes part with no rows), then rows wider than
+    the buffers along its handle (``verb``: the experts' outputs home, or rows
+    out by ``dispatch_rows``), through the real ``SymmetricExchange`` (every
+    symmetric allocation checked alike). What each rank raised."""
+    import torch.distributed as dist
+    from splits_exchange import FakeSymmetricMemory
+
+    from dispatch.transports.symmetric import SymmetricExchange
+
+    rank = dist.get_rank()
+    with FakeSymmetricMemory(True):
+        cfg = dispatch.DispatchConfig.from_options(num_experts=4, transport="nvshmem")
+        exchange = SymmetricExchange(None, dist.get_world_size(), torch.device("cpu"))
+        exchange._puts = True  # our kernels' contracts, faked
+        d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
+        d.dispatch(x, topk_idx, topk_weights, max_rows=64)  # sizes the buffers for T = 6, H = 8
+        more, more_idx, more_w = ((torch.cat([t, t]) if rank == 1 else t) for t in (x, topk_idx, topk_weights))
+        out = d.dispatch(more, more_idx, more_w, max_rows=64)
+        try:
+            if verb == "combine":
+                d.combine(torch.cat([out.tokens] * 4, 1), out.handle, weights=out.weights)
+            else:
+                d.dispatch_rows(torch.cat([more] * 4, 1), out.handle)
+            raised = None
+        except ValueError as exc:
+            raised = str(exc).split(":")[0]
+        try:
+            d.check()
+        except ValueError:
+            pass  # rank 1's own reason
+        except RuntimeError:
+            pass
+        d.dispatch(x[:0], topk_idx[:0], topk_weights[:0], max_rows=64)  # the group goes on
+    return raised
+
+
+@pytest.mark.parametrize("verb", ["combine", "dispatch_rows"])
+def test_rows_wider_than_the_buffers_are_refused_on_every_rank(worlds, verb):
+    """Along a bounded handle, rows wider than the buffers were sized for are
+    refused by name on every rank before any exchange, also on a rank whose
+    own dispatch failed (it has no rows, its peers do): no rank goes on into
+    an exchange or a symmetric allocation that its peers do not make."""
+    if worlds(2).backend != "gloo":
+        pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
+    gen = torch.Generator().manual_seed(8)
+    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
+    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
+    name = "expert_out" if verb == "combine" else "rows"
+    got = worlds(2).run(wide_rows_after_a_local_failure, [(xs[r], idx[r], ws[r], verb) for r in range(2)])
+    assert got == [name, name], got
+
+
+def bounded_after_no_tokens(x, topk_idx, topk_weights):
+    """A first bounded dispatch with no tokens on any rank, then one with
+    tokens: whether each went through."""
+    d = _dispatcher(dict(num_experts=4), True)
+    d.dispatch(x[:0], topk_idx[:0], topk_weights[:0], max_rows=64)
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=64)
+    d.check()
+    return int(out.tokens_per_expert.sum())
+
+
+def test_a_first_bounded_dispatch_of_no_tokens_sizes_nothing_for_good(worlds):
+    """The buffers of a bounded dispatch are sized by the group's first
+    dispatch with a token, not fixed at none by an empty one."""
+    gen = torch.Generator().manual_seed(9)
+    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
+    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
+    got = worlds(2).run(bounded_after_no_tokens, [(xs[r], idx[r], ws[r]) for r in range(2)])
+    assert sum(got) == 2 * 6 * 2, got  # every slot arrived somewhere
+
+
 @pytest.mark.parametrize("case", ["over", "mixed", "refused"])
 def test_no_rank_is_left_waiting_by_a_peer_that_raises(worlds, case):
     gen = torch.Generator().manual_seed(8)

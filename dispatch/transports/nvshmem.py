@@ -146,8 +146,8 @@ class NVSHMEMTransport(AllToAllTransport):
 
     Args:
         exchange: what moves the rows (the group's :class:`SymmetricExchange`
-            by default; anything with its ``capturable``, ``exchange``, ``put``, ``gather``, ``can_put``,
-            ``ensure``, ``holds`` and ``stride``).
+            by default; anything with its ``capturable``, ``generation``, ``exchange``, ``gather``,
+            ``get_expand``, ``presum_put``, ``in_order``, ``can_put``, ``ensure`` and ``stride``).
     """
 
     transport = "nvshmem"
@@ -209,7 +209,8 @@ class NVSHMEMTransport(AllToAllTransport):
     def _plan_bounded(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
         x, topk_idx, ticket = request.x, request.topk_idx, request.ticket
         num_tokens, topk = topk_idx.shape
-        if self._capacity is None:  # the same on every rank (agreed): size the buffers once, by agreement
+        if self._capacity is None or not self._capacity[0]:  # the same on every rank (agreed): size the buffers
+            # by agreement, once (again while no rank has had a token)
             self.reserve(x, topk)
         header = plan.header(x, request.topk_weights, topk, ticket)
         tokens, most_topk, stride = self._capacity
@@ -356,6 +357,7 @@ class NVSHMEMTransport(AllToAllTransport):
             return codec.unpack(received, rows.dtype, rows.shape[1], handle.expand_src)
 
         dtype, width = codec.wire_row(rows.dtype, rows.shape[1])
+        self._check_holds(handle, width, dtype, "rows")
         if (dtype == rows.dtype and self.exchange.can_put(rows.device)
                 and handle.presum_index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # the rows as they are: got by their receivers and written straight to their expert-major places
@@ -380,7 +382,7 @@ class NVSHMEMTransport(AllToAllTransport):
         if (self.exchange.can_put(rows.device) and nvshmem_puts.sums_here(rows.dtype, at_least, wire)
                 and index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # each received row's pre-sum made where it is put home, and the partials summed there
-            self._check_holds(handle, rows.shape[1], wire)
+            self._check_holds(handle, rows.shape[1], wire, "expert_out")
             out = self.exchange.presum_put(rows.contiguous(), None if weights is None else weights.contiguous(), index,
                                            handle.receives, handle.back_at, wire, handle.recv_rows, handle.send_rows,
                                            handle.home_index.contiguous())
@@ -404,23 +406,24 @@ class NVSHMEMTransport(AllToAllTransport):
         are refused before any exchange (the same on every rank where the
         expert outputs are alike)."""
         if isinstance(rows, Packed):
-            self._check_holds(handle, rows.width, rows.dtype)
+            self._check_holds(handle, rows.width, rows.dtype, "expert_out")
         else:
-            self._check_holds(handle, rows.shape[1], rows.dtype)
+            self._check_holds(handle, rows.shape[1], rows.dtype, "values")
         out = self.exchange.exchange(rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows, consume,
                                      at=handle.back_at)
         mark(self.phase_timer, "exchange_back")
         return out
 
-    def _check_holds(self, handle: NVSHMEMHandle, width: int, dtype: torch.dtype) -> None:
-        """Refuse rows home of ``width`` x ``dtype`` wider than the buffers a
-        dispatch with max_rows was sized for (they do not grow then)."""
-        if handle.send_splits is None and handle.recv_rows:
-            stride = self.exchange.stride(width * dtype.itemsize)
-            if not self.exchange.holds(handle.recv_rows * stride, (handle.send_rows + 1) * stride):
-                raise ValueError(f"expert_out: rows of {width} x {dtype} are wider than the buffers a dispatch with "
-                                 "max_rows was sized for (rows like x: TokenDispatcher.reserve with the widest rows "
-                                 "of the round trip)")
+    def _check_holds(self, handle: NVSHMEMHandle, width: int, dtype: torch.dtype, name: str) -> None:
+        """Refuse rows of ``width`` x ``dtype`` (the argument ``name``) wider than
+        the rows the buffers of a dispatch with max_rows were sized for (they
+        do not grow then: a growth is a collective): by the agreed capacity,
+        so alike on every rank, a rank whose own dispatch failed (and has no
+        rows) included, and before any exchange."""
+        if handle.send_splits is None and self.exchange.stride(width * dtype.itemsize) > self._capacity[2]:
+            raise ValueError(f"{name}: rows of {width} x {dtype} are wider than the rows the buffers of a dispatch "
+                             "with max_rows were sized for (rows like x: TokenDispatcher.reserve with the widest "
+                             "rows of the round trip)")
 
     def stats(self, handle: NVSHMEMHandle, dispatch_row_bytes, combine_wire, hidden):
         if handle.send_splits is None:
@@ -545,13 +548,20 @@ class _Replayed:
             current.wait_stream(side)
 
     def run(self, request: Request, header: list[int]) -> dict:
-        """This call's tensors (:meth:`NVSHMEMTransport._plan_tensors`), replayed."""
-        self.topk_idx.copy_(request.topk_idx)
-        self.topk_weights.copy_(request.topk_weights.detach())
-        plan.to_device(torch.tensor(header, dtype=torch.int64), self.header.device, out=self.header)
-        self.exchange.in_order(self.graph.replay)  # its puts in turn with the exchanges of other streams
+        """This call's tensors (:meth:`NVSHMEMTransport._plan_tensors`), replayed:
+        its inputs copied in, the replay and the copies out in the exchanges'
+        order (a call of the same signature on another stream waits for them)."""
+        header = torch.tensor(header, dtype=torch.int64)
+
+        def replay():
+            self.topk_idx.copy_(request.topk_idx)
+            self.topk_weights.copy_(request.topk_weights.detach())
+            plan.to_device(header, self.header.device, out=self.header)
+            self.graph.replay()
+            return [packed.clone() for packed in self._packed]
+
         tensors = {}
-        for (_, names), packed in zip(self._layout, self._packed):
-            parts = packed.clone().split([math.prod(shape) for _, shape in names])
+        for (_, names), packed in zip(self._layout, self.exchange.in_order(replay)):
+            parts = packed.split([math.prod(shape) for _, shape in names])
             tensors.update((name, part.view(shape)) for (name, shape), part in zip(names, parts))
         return tensors

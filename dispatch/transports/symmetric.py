@@ -107,11 +107,6 @@ class SymmetricExchange:
         """Bytes a row of ``row_bytes`` takes in the buffers."""
         return -(-row_bytes // self.unit) * self.unit
 
-    def holds(self, send_bytes: int, recv_bytes: int) -> bool:
-        """Whether the buffers hold these bytes already."""
-        return (self._send is not None and self._send.numel() >= send_bytes and self._recv is not None
-                and self._recv.numel() >= recv_bytes)
-
     def ensure(self, send_bytes: int, recv_bytes: int) -> None:
         """Buffers of at least these bytes (a collective where they grow: every
         rank calls it at the same point with the same sizes). ``generation``
