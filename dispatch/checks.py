@@ -367,6 +367,19 @@ def peers_fail(headers: torch.Tensor, rows_of: torch.Tensor, groups: torch.Tenso
             | (groups != groups[:1]).any())
 
 
+def check_peer_choice(rows: list[list[int]], name: str, choices: tuple[str, ...]) -> None:
+    """Every rank chose one of ``choices`` alike for the argument ``name`` of a
+    call (its index, the last entry of each rank's row of the call's
+    agreement): a ``wire`` decides the bytes each row takes on the way, so
+    that ranks that differ would read each other's rows as other bytes. Raises
+    ValueError naming ``name`` and every rank's, on every rank alike."""
+    codes = [row[-1] for row in rows]
+    if any(code != codes[0] for code in codes):
+        told = ", ".join(f"rank {r}: {choices[code]!r}" for r, code in enumerate(codes))
+        raise ValueError(f"{name}: the ranks of the group chose different ones ({told}); every rank passes the "
+                         f"same {name}")
+
+
 def check_peer_rows(headers: list[list[int]], name: str) -> None:
     """The rows a call moves (its agreement's ``hidden`` and ``x_dtype`` columns,
     :meth:`agreement.Calls.agree`) have one width H' on every rank (0: a verb of no

@@ -309,8 +309,9 @@ class TokenDispatcher:
             to_experts_codec(wire, rows.dtype, self.config.tuning.fp8_pow2_scales)
 
         headers = self._calls.agree(self._along("dispatch_rows", handle, check), checks.dtype_code(rows, always=True),
-                                    hidden=rows.shape[1])
+                                    hidden=rows.shape[1], tail=(GRAD_TO_EXPERTS_WIRES.index(wire),))
         checks.check_peer_rows(headers, "rows")
+        checks.check_peer_choice(headers, "wire", GRAD_TO_EXPERTS_WIRES)
         codec = to_experts_codec(wire, rows.dtype, self.config.tuning.fp8_pow2_scales)
         rows = rows.detach().contiguous()
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec),
@@ -353,8 +354,10 @@ class TokenDispatcher:
 
         ticket = self._along("combine_rows", handle, check)
         rows = received(rows.detach(), handle)
-        headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1])
+        headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1],
+                                    tail=(SUM_WIRES.index(wire),))
         checks.check_peer_rows(headers, "rows")
+        checks.check_peer_choice(headers, "wire", SUM_WIRES)
         rows = checks.home_rows(rows, handle.has_rows, self.group, self.world_size, headers).contiguous()
         w = None if weights is None else received(weights.detach(), handle)
         wire_dtype = sum_wire_dtype(wire, rows.dtype)
@@ -426,7 +429,9 @@ class TokenDispatcher:
 
         ticket = self._along("combine_groups", handle, check)
         code = checks.NO_DTYPE if dtype is None else checks.FLOAT_DTYPES.index(dtype)
-        checks.check_peer_rows(self._calls.agree(ticket, code), "dtype")
+        headers = self._calls.agree(ticket, code, tail=(SUM_WIRES.index(wire),))
+        checks.check_peer_rows(headers, "dtype")
+        checks.check_peer_choice(headers, "wire", SUM_WIRES)
         return GroupSums(self, handle, dtype, wire)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:

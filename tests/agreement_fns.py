@@ -105,8 +105,8 @@ def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
     """Every rank makes ``verb`` with arguments its own checks pass; rank
     ``bad_rank``'s rows have another dtype (``what="dtype"``) or width
     (``"width"``) than its peers' (``GroupSums.add``: the rows of
-    ``combine_groups``' first add; ``combine_groups``: its ``dtype``). Returns
-    as :func:`one_rank_mistake`."""
+    ``combine_groups``' first add; ``combine_groups``: its ``dtype``), or
+    another ``wire`` (``"wire"``). Returns as :func:`one_rank_mistake`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, idx, w = _routing(world, seed=3)
@@ -116,6 +116,14 @@ def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
     def spoilt(rows):
         return rows if not mine else rows.double() if what == "dtype" else rows[:, : rows.shape[1] // 2]
 
+    if what == "wire":  # rows alike, the wire they travel in not
+        wire = ("bf16" if verb == "dispatch_rows" else "fp32") if mine else "native"
+        call = {
+            "dispatch_rows": lambda: d.dispatch_rows(x, out.handle, wire=wire),
+            "combine_rows": lambda: d.combine_rows(out.tokens, out.handle, wire=wire),
+            "combine_groups": lambda: d.combine_groups(out.handle, dtype=torch.float32, wire=wire),
+        }[verb]
+        return _timed(call, d)
     call = {
         "combine": lambda: d.combine(spoilt(out.tokens), out.handle, weights=out.weights),
         "combine_rows": lambda: d.combine_rows(spoilt(out.tokens), out.handle),

@@ -110,19 +110,23 @@ def test_a_skipped_call_stops_every_rank_naming_both_calls(worlds, variant, boar
 
 ROWS = [("combine", "dtype"), ("combine", "width"), ("combine_rows", "dtype"), ("combine_rows", "width"),
         ("dispatch_rows", "dtype"), ("dispatch_rows", "width"), ("combine_slots", "dtype"),
-        ("combine_groups", "dtype"), ("combine_groups", "none"), ("GroupSums.add", "width")]
+        ("combine_groups", "dtype"), ("combine_groups", "none"), ("GroupSums.add", "width"), ("dispatch_rows", "wire"),
+        ("combine_rows", "wire"), ("combine_groups", "wire")]
 ROWS_NAMED = {"combine": "expert_out", "combine_slots": "values", "combine_groups": "dtype"}
 
 
 @pytest.mark.parametrize("verb, what", ROWS)
 def test_ranks_whose_rows_differ_all_raise_before_any_row_moves(worlds, verb, what):
     """Rows that each rank's own checks pass but that differ between the ranks
-    (a dtype, a width H'; the wire carries neither: summed as they are, they
-    were garbage or a crash in the collective) are refused by every rank at
-    the call's agreement, naming the argument; the dispatcher stays usable."""
+    (a dtype, a width H', the wire they travel in; the wire carries none of
+    them: summed as they are, they were garbage or a crash in the collective)
+    are refused by every rank at the call's agreement, naming the argument;
+    the dispatcher stays usable."""
     config = dict(num_experts=agreement_fns.E, transport="nccl")
     results = worlds(3).run(agreement_fns.rows_differ, [(config, verb, what, 1)] * 3)
     differ = f"{ROWS_NAMED.get(verb, 'rows')}: the ranks' rows have different {'widths' if what == 'width' else 'dtypes'}"
+    if what == "wire":
+        differ = "wire: the ranks of the group chose different ones"
     for rank, (name, message, elapsed, usable) in enumerate(results):
         assert name == "ValueError" and differ in message, (rank, name, message)
         assert elapsed < SOON, (rank, elapsed)
