@@ -272,7 +272,8 @@ class TokenDispatcher:
         rows = handle.rows
         try:
             key = ("combine", expert_out.__class__, expert_out.shape, expert_out.dtype, expert_out.device,
-                   weights.__class__, None if weights is None else (weights.shape, weights.dtype, weights.device), rows)
+                   expert_out.layout, weights.__class__,
+                   None if weights is None else (weights.shape, weights.dtype, weights.device, weights.layout), rows)
         except AttributeError:
             key = None
         self._signature(key, lambda: checks.check_combine_inputs(expert_out, weights, rows, self.devices) or True)
@@ -456,14 +457,15 @@ class TokenDispatcher:
 
     def _check_dispatch(self, x, topk_idx, topk_weights, max_rows, groups) -> Codec:
         """``dispatch``'s own checks of its arguments (this rank alone); its wire codec.
-        They read the arguments' types, shapes, dtypes and devices only (the values are
+        They read the arguments' types, shapes, dtypes, devices and layouts only (the values are
         checked with the plan): once passed for a signature, its codec is kept
         (``_SIGNATURES`` of them at most), so that a dispatch of a shape met before
         pays one lookup."""
         try:
-            key = ("dispatch", x.__class__, x.shape, x.dtype, x.device, topk_idx.__class__, topk_idx.shape,
-                   topk_idx.dtype, topk_idx.device, topk_weights.__class__, topk_weights.shape, topk_weights.dtype,
-                   topk_weights.device, max_rows.__class__, max_rows, groups.__class__, groups)
+            key = ("dispatch", x.__class__, x.shape, x.dtype, x.device, x.layout, topk_idx.__class__, topk_idx.shape,
+                   topk_idx.dtype, topk_idx.device, topk_idx.layout, topk_weights.__class__, topk_weights.shape,
+                   topk_weights.dtype, topk_weights.device, topk_weights.layout, max_rows.__class__, max_rows,
+                   groups.__class__, groups)
         except AttributeError:  # not tensors: the checks name the argument
             key = None
         return self._signature(key, lambda: self._check_dispatch_signature(x, topk_idx, topk_weights, max_rows,

@@ -67,13 +67,18 @@ def _without_board(fn, *args):
 
 def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
     """Every rank runs ``verb`` (after the dispatches it moves along); rank
-    ``bad_rank`` makes ``mistake`` in it: a dtype, a shape or a device of its
-    tensor argument, rows of another dispatch than its handle's ("rows versus
+    ``bad_rank`` makes ``mistake`` in it: a dtype, a shape, a device or a
+    layout of its tensor argument (the layout also "after a dense call" of the
+    same signature), rows of another dispatch than its handle's ("rows versus
     handle"), or a handle of another dispatcher ("handle")."""
     rank, world = dist.get_rank(), dist.get_world_size()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, idx, w = _routing(world, seed=3)
     mine = rank == bad_rank
+    if mistake == "layout after a dense call":  # the checks of a signature are kept: dense first, then sparse
+        seen = d.dispatch(x, idx, w)
+        d.combine(seen.tokens, seen.handle, weights=seen.weights)
+        mistake = "layout"
     if verb == "dispatch":
         args = (_bad(x, mistake), idx, w) if mine else (x, idx, w)
         return _timed(lambda: d.dispatch(*args), d)

@@ -23,12 +23,12 @@ from dispatch import cuda
 
 ALONG = ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups")
 MISTAKES = {
-    "dispatch": ("dtype", "shape", "device", "layout"),
+    "dispatch": ("dtype", "shape", "device", "layout", "layout after a dense call"),
     **{verb: ("dtype", "shape", "device", "rows versus handle", "handle") for verb in ALONG},
 }
-MISTAKES["combine"] += ("layout",)  # a sparse tensor
+MISTAKES["combine"] += ("layout", "layout after a dense call")  # a sparse tensor
 ERRORS = {"dtype": "TypeError", "shape": "ValueError", "device": "ValueError", "rows versus handle": "ValueError",
-          "handle": "ValueError", "layout": "TypeError"}
+          "handle": "ValueError", "layout": "TypeError", "layout after a dense call": "TypeError"}
 SOON = 5.0  # seconds: peers raise at the call's first message, not at the timeout (60 s by default)
 
 
