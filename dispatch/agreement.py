@@ -150,7 +150,7 @@ def check_peer_calls(headers) -> None:
 
 def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRow | None,
           arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = (),
-          hidden: int = 0) -> list[list[int]]:
+          hidden: int = 0, weights_code: int = -1) -> list[list[int]]:
     """The first message of a call that has no counts exchange of its own:
     every rank's header of the call, all-gathered on the host and checked
     (:func:`check_peer_calls`).
@@ -176,13 +176,16 @@ def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRo
             the verb agrees on one (``combine``), -1 for none.
         tail: entries after the header (at most ``counts_row.tail``).
         hidden: the ``hidden`` column: the width of the rows the call moves (0: none).
+        weights_code: the ``weights_dtype`` column: the code of the weights' dtype where the
+            call takes weights (``checks.weights_code``), -1 for none.
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
     at = 0 if counts_row is None else counts_row.header_at
     row = torch.zeros(len(HEADER) + 1 if counts_row is None else counts_row.width, dtype=torch.int64)
     end = at + len(HEADER) + len(tail)
-    row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code, hidden) + list(tail), dtype=torch.int64)
+    row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code, hidden, weights_code) + list(tail),
+                               dtype=torch.int64)
     rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, at:end].tolist()
     check_peer_calls(rows)
     return rows
@@ -222,18 +225,19 @@ class Calls:
         return plan.Ticket(VERB_CODES[verb] + off + DISPATCHERS * self._arrivals.index, number, along)
 
     def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = (),
-              hidden: int = 0) -> list[list[int]]:
+              hidden: int = 0, weights_code: int = -1) -> list[list[int]]:
         """Agree on the call of ``ticket`` with the peers: [W][len(HEADER) +
         len(tail)] every rank's header of the call and what followed it
         (``tail``: at most one entry; ``dtype_code``, ``hidden``: the dtype and
-        width of its rows, :func:`check_peer_rows`). Raises as
+        width of its rows, :func:`check_peer_rows`; ``weights_code``: its
+        weights' dtype, ``checks.check_peer_weights``). Raises as
         :func:`check_peer_calls`; where the ranks' calls differ, none is
         counted as made (this rank's number is given again)."""
         try:
             if self._board is None:
                 return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail,
-                             hidden)
-            row = [*plan.call_header(ticket, dtype_code, hidden), *(tail or (0,))]  # one length for all
+                             hidden, weights_code)
+            row = [*plan.call_header(ticket, dtype_code, hidden, weights_code), *(tail or (0,))]  # one length for all
             end = _HEADER_LEN + (1 if tail else 0)  # what the caller reads back (no tail: the same 0 on every rank)
             rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along),
                                      end)

@@ -333,7 +333,7 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
 # (AGREED of them: the compiled counts exchange, csrc/host.cpp, compares them too)
 AGREED = HEADER.index("weights_dtype") + 1
 _FAILED, _X_GRAD, _WEIGHTS_GRAD = HEADER.index("failed"), HEADER.index("x_grad"), HEADER.index("weights_grad")
-_HIDDEN, _X_DTYPE = HEADER.index("hidden"), HEADER.index("x_dtype")
+_HIDDEN, _X_DTYPE, _WEIGHTS_DTYPE = HEADER.index("hidden"), HEADER.index("x_dtype"), HEADER.index("weights_dtype")
 _MAX_ROWS, _MEMORY_ROWS = HEADER.index("max_rows"), HEADER.index("memory_rows")
 assert set(HEADER[:AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
 
@@ -378,6 +378,29 @@ def check_peer_choice(rows: list[list[int]], name: str, choices: tuple[str, ...]
         told = ", ".join(f"rank {r}: {choices[code]!r}" for r, code in enumerate(codes))
         raise ValueError(f"{name}: the ranks of the group chose different ones ({told}); every rank passes the "
                          f"same {name}")
+
+
+def weights_code(weights: torch.Tensor | None) -> int:
+    """The code of a call's weights' dtype that ranks agree on
+    (:func:`check_peer_weights`): its index in ``FLOAT_DTYPES``, one past them
+    for any other, -1 for none (rows or not: the weights' dtype decides the
+    sums' accumulation, and with it what travels)."""
+    if weights is None:
+        return -1
+    return FLOAT_DTYPES.index(weights.dtype) if weights.dtype in FLOAT_DTYPES else len(FLOAT_DTYPES)
+
+
+def check_peer_weights(headers: list[list[int]], name: str) -> None:
+    """Every rank gave weights of one dtype, or every rank none (the agreement's
+    ``weights_dtype`` column, :func:`weights_code`): fp64 weights sum in fp64,
+    and a variant may move such sums another way (the all-gather's). Raises
+    ValueError naming ``name`` and every rank's, on every rank alike."""
+    codes = [h[_WEIGHTS_DTYPE] for h in headers]
+    if any(code != codes[0] for code in codes):
+        told = ", ".join(f"rank {r}: {_DTYPE_NAMES.get(c, 'None' if c < 0 else 'not floating')}"
+                         for r, c in enumerate(codes))
+        raise ValueError(f"{name}: the ranks' weights differ ({told}); every rank passes weights of one dtype, or "
+                         "every rank None")
 
 
 def check_peer_rows(headers: list[list[int]], name: str) -> None:

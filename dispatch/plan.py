@@ -161,12 +161,14 @@ def header(x: torch.Tensor, topk_weights: torch.Tensor, topk: int, ticket: Ticke
     ]
 
 
-def call_header(ticket: Ticket, dtype_code: int = -1, hidden: int = 0) -> list[int]:
+def call_header(ticket: Ticket, dtype_code: int = -1, hidden: int = 0, weights_code: int = -1) -> list[int]:
     """The entries of ``HEADER`` for a call without a dispatch's inputs (its
     agreement, ``agreement.agree`` and ``dispatch.board``): the call, its refusal,
-    ``hidden`` (the width of its rows, 0: none) and ``dtype_code`` in
-    ``x_dtype`` (the code of its rows' dtype, -1: none)."""
-    return [ticket.verb, ticket.call, ticket.along, 0, hidden, dtype_code, -1, 0, 0, int(ticket.refused), -1, -1]
+    ``hidden`` (the width of its rows, 0: none), ``dtype_code`` in ``x_dtype``
+    (the code of its rows' dtype, -1: none) and ``weights_code`` in
+    ``weights_dtype`` (the code of its weights' dtype, -1: none)."""
+    return [ticket.verb, ticket.call, ticket.along, 0, hidden, dtype_code, weights_code, 0, 0, int(ticket.refused),
+            -1, -1]
 
 
 @dataclass(frozen=True)

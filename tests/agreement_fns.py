@@ -110,8 +110,9 @@ def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
     """Every rank makes ``verb`` with arguments its own checks pass; rank
     ``bad_rank``'s rows have another dtype (``what="dtype"``) or width
     (``"width"``) than its peers' (``GroupSums.add``: the rows of
-    ``combine_groups``' first add; ``combine_groups``: its ``dtype``), or
-    another ``wire`` (``"wire"``). Returns as :func:`one_rank_mistake`."""
+    ``combine_groups``' first add; ``combine_groups``: its ``dtype``),
+    another ``wire`` (``"wire"``), fp64 weights where its peers' are fp32
+    (``"weights"``) or none (``"no weights"``). Returns as :func:`one_rank_mistake`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, idx, w = _routing(world, seed=3)
@@ -121,6 +122,13 @@ def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
     def spoilt(rows):
         return rows if not mine else rows.double() if what == "dtype" else rows[:, : rows.shape[1] // 2]
 
+    if what in ("weights", "no weights"):  # rows alike, the weights not: fp64 on one rank, or none there
+        weights = (out.weights.double() if what == "weights" else None) if mine else out.weights
+        call = {
+            "combine": lambda: d.combine(out.tokens, out.handle, weights=weights),
+            "combine_rows": lambda: d.combine_rows(out.tokens, out.handle, weights),
+        }[verb]
+        return _timed(call, d)
     if what == "wire":  # rows alike, the wire they travel in not
         wire = ("bf16" if verb == "dispatch_rows" else "fp32") if mine else "native"
         call = {

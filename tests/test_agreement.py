@@ -115,6 +115,20 @@ ROWS = [("combine", "dtype"), ("combine", "width"), ("combine_rows", "dtype"), (
 ROWS_NAMED = {"combine": "expert_out", "combine_slots": "values", "combine_groups": "dtype"}
 
 
+@pytest.mark.parametrize("variant", ["alltoall", "allgather"])
+@pytest.mark.parametrize("verb, what", [(v, w) for v in ("combine", "combine_rows") for w in ("weights", "no weights")])
+def test_ranks_whose_weights_differ_all_raise_before_any_row_moves(worlds, variant, verb, what):
+    """Weights of another dtype on one rank (fp64 sums there, which the
+    all-gather variant moves another way: a hang), or none there: every rank
+    raises at the call's agreement naming weights; the dispatcher stays usable."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", variant=variant)
+    results = worlds(3).run(agreement_fns.rows_differ, [(config, verb, what, 1)] * 3)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "ValueError" and "weights: the ranks' weights differ" in message, (rank, name, message)
+        assert elapsed < SOON, (rank, elapsed)
+        assert usable, f"rank {rank}: the round trip after the refusal went wrong"
+
+
 @pytest.mark.parametrize("verb, what", ROWS)
 def test_ranks_whose_rows_differ_all_raise_before_any_row_moves(worlds, verb, what):
     """Rows that each rank's own checks pass but that differ between the ranks
