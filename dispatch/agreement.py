@@ -177,7 +177,7 @@ def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRo
         tail: entries after the header (at most ``counts_row.tail``).
         hidden: the ``hidden`` column: the width of the rows the call moves (0: none).
         weights_code: the ``weights_dtype`` column: the code of the weights' dtype where the
-            call takes weights (``checks.weights_code``), -1 for none.
+            call takes weights (``checks.FLOAT_CODES``), -1 for none.
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
@@ -230,7 +230,7 @@ class Calls:
         len(tail)] every rank's header of the call and what followed it
         (``tail``: at most one entry; ``dtype_code``, ``hidden``: the dtype and
         width of its rows, :func:`check_peer_rows`; ``weights_code``: its
-        weights' dtype, ``checks.check_peer_weights``). Raises as
+        weights' dtype, ``checks.check_peer_rows``). Raises as
         :func:`check_peer_calls`; where the ranks' calls differ, none is
         counted as made (this rank's number is given again)."""
         try:

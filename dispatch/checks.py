@@ -333,7 +333,7 @@ def check_peer_headers(headers: torch.Tensor) -> tuple[bool, bool]:
 # (AGREED of them: the compiled counts exchange, csrc/host.cpp, compares them too)
 AGREED = HEADER.index("weights_dtype") + 1
 _FAILED, _X_GRAD, _WEIGHTS_GRAD = HEADER.index("failed"), HEADER.index("x_grad"), HEADER.index("weights_grad")
-_HIDDEN, _X_DTYPE, _WEIGHTS_DTYPE = HEADER.index("hidden"), HEADER.index("x_dtype"), HEADER.index("weights_dtype")
+_HIDDEN, _X_DTYPE, _WEIGHTS = HEADER.index("hidden"), HEADER.index("x_dtype"), HEADER.index("weights_dtype")
 _MAX_ROWS, _MEMORY_ROWS = HEADER.index("max_rows"), HEADER.index("memory_rows")
 assert set(HEADER[:AGREED]) == {"verb", "call", "along", "topk", "hidden", "x_dtype", "weights_dtype"}
 
@@ -380,39 +380,20 @@ def check_peer_choice(rows: list[list[int]], name: str, choices: tuple[str, ...]
                          f"same {name}")
 
 
-def weights_code(weights: torch.Tensor | None) -> int:
-    """The code of a call's weights' dtype that ranks agree on
-    (:func:`check_peer_weights`): its index in ``FLOAT_DTYPES``, one past them
-    for any other, -1 for none (rows or not: the weights' dtype decides the
-    sums' accumulation, and with it what travels)."""
-    if weights is None:
-        return -1
-    return FLOAT_DTYPES.index(weights.dtype) if weights.dtype in FLOAT_DTYPES else len(FLOAT_DTYPES)
-
-
-def check_peer_weights(headers: list[list[int]], name: str) -> None:
-    """Every rank gave weights of one dtype, or every rank none (the agreement's
-    ``weights_dtype`` column, :func:`weights_code`): fp64 weights sum in fp64,
-    and a variant may move such sums another way (the all-gather's). Raises
-    ValueError naming ``name`` and every rank's, on every rank alike."""
-    codes = [h[_WEIGHTS_DTYPE] for h in headers]
-    if any(code != codes[0] for code in codes):
-        told = ", ".join(f"rank {r}: {_DTYPE_NAMES.get(c, 'None' if c < 0 else 'not floating')}"
-                         for r, c in enumerate(codes))
-        raise ValueError(f"{name}: the ranks' weights differ ({told}); every rank passes weights of one dtype, or "
-                         "every rank None")
-
-
 def check_peer_rows(headers: list[list[int]], name: str) -> None:
     """The rows a call moves (its agreement's ``hidden`` and ``x_dtype`` columns,
     :meth:`agreement.Calls.agree`) have one width H' on every rank (0: a verb of no
     width) and one dtype on every rank that gave one (:func:`dtype_code`): the
     wire carries neither, so rows that differ would be summed, or read, as
     other bytes. Raises ValueError naming ``name`` and every rank's, on every
-    rank alike (they all read the same headers), before any row moves."""
+    rank alike (they all read the same headers), before any row moves. Its
+    weights too (``weights_dtype``: their dtype's ``FLOAT_CODES``, -1 for none and
+    on every rank of a verb without): of one dtype on every rank, or none on every rank, since
+    fp64 weights sum in fp64, which a variant may move another way (the
+    all-gather's); a ValueError naming ``weights`` where they differ."""
     first = headers[0]
-    for h in headers:  # the usual case, at a glance: one width and one dtype (a loop: every verb's host path)
-        if h[_HIDDEN] != first[_HIDDEN] or h[_X_DTYPE] != first[_X_DTYPE]:
+    for h in headers:  # the usual case, at a glance: one width, one dtype (a loop: every verb's host path)
+        if h[_HIDDEN] != first[_HIDDEN] or h[_X_DTYPE] != first[_X_DTYPE] or h[_WEIGHTS] != first[_WEIGHTS]:
             break
     else:
         return
@@ -427,10 +408,16 @@ def check_peer_rows(headers: list[list[int]], name: str) -> None:
                          for r, c in enumerate(codes) if c >= 0)
         raise ValueError(f"{name}: the ranks' rows have different dtypes ({told}); give {name} one floating dtype "
                          "on every rank")
+    if any(h[_WEIGHTS] != first[_WEIGHTS] for h in headers):
+        told = ", ".join(f"rank {r}: {_DTYPE_NAMES.get(h[_WEIGHTS], 'None' if h[_WEIGHTS] < 0 else 'not floating')}"
+                         for r, h in enumerate(headers))
+        raise ValueError(f"weights: the ranks' weights differ ({told}); every rank passes weights of one dtype, or "
+                         "every rank None")
 
 
 NO_DTYPE = len(FLOAT_DTYPES) + 1  # the code of a dtype not given (``combine_groups(dtype=None)``)
 _DTYPE_NAMES = {**{code: str(d).replace("torch.", "") for code, d in enumerate(FLOAT_DTYPES)}, NO_DTYPE: "None"}
+FLOAT_CODES = {dtype: code for code, dtype in enumerate(FLOAT_DTYPES)}  # a floating dtype's code (FLOAT_DTYPES)
 
 
 def dtype_code(rows: torch.Tensor, always: bool = False) -> int:

@@ -252,9 +252,8 @@ class TokenDispatcher:
         ticket = self._along("combine", handle, self._check_combine, expert_out, handle, weights)
         rows = expert_out.detach() if handle.max_rows is None else received(expert_out.detach(), handle)
         headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1],
-                                    weights_code=checks.weights_code(weights))
+                                    weights_code=-1 if weights is None else checks.FLOAT_CODES[weights.dtype])
         checks.check_peer_rows(headers, "expert_out")
-        checks.check_peer_weights(headers, "weights")
         rows = checks.home_rows(rows, handle.has_rows, self.group, self.world_size, headers).contiguous()
         wire = sum_wire_dtype(self.config.combine_wire, rows.dtype)
         w = None
@@ -358,9 +357,9 @@ class TokenDispatcher:
         ticket = self._along("combine_rows", handle, check)
         rows = received(rows.detach(), handle)
         headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1],
-                                    tail=(SUM_WIRES.index(wire),), weights_code=checks.weights_code(weights))
+                                    tail=(SUM_WIRES.index(wire),),
+                                    weights_code=-1 if weights is None else checks.FLOAT_CODES[weights.dtype])
         checks.check_peer_rows(headers, "rows")
-        checks.check_peer_weights(headers, "weights")
         checks.check_peer_choice(headers, "wire", SUM_WIRES)
         rows = checks.home_rows(rows, handle.has_rows, self.group, self.world_size, headers).contiguous()
         w = None if weights is None else received(weights.detach(), handle)
