@@ -57,7 +57,6 @@ import functools
 import torch
 from torch import nn
 
-from dispatch import checks
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.experts import ExpertsByGroups, GroupedExperts
 from dispatch.kernels.row_grads import weighted_row_grads
@@ -188,8 +187,7 @@ class MoEExchange(nn.Module):
             Differentiable w.r.t. x, topk_weights and the experts' parameters.
             With G > 1, in ``out_dtype`` (see the class).
         """
-        d = self.dispatcher
-        checks.check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
+        d = self.dispatcher  # (its dispatch checks the arguments, within the call's agreement: every rank raises)
         with self._priority():
             work = d.dispatch(x, topk_idx, topk_weights, groups=self.groups, async_op=True, max_rows=self.max_rows)
         grad_on = torch.is_grad_enabled()

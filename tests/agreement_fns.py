@@ -106,6 +106,17 @@ def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
     return _timed(call, d)
 
 
+def moe_layer_mistake(config: dict, bad_rank: int):
+    """Every rank runs a ``MoEExchange`` layer; rank ``bad_rank``'s x has a
+    dtype its dispatch refuses. Returns as :func:`one_rank_mistake`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(world, seed=3)
+    layer = dispatch.MoEExchange(d, lambda rows, counts: rows * 2)
+    mine = x.to(torch.int32) if rank == bad_rank else x
+    return _timed(lambda: layer(mine, idx, w), d)
+
+
 def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
     """Every rank makes ``verb`` with arguments its own checks pass; rank
     ``bad_rank``'s rows have another dtype (``what="dtype"``) or width

@@ -64,6 +64,13 @@ SOME = [("dispatch", "dtype"), ("dispatch", "device"), ("combine", "shape"), ("c
         ("dispatch_rows", "rows versus handle"), ("combine_slots", "dtype"), ("combine_groups", "shape")]
 
 
+def test_a_layers_mistake_stops_every_rank_at_once(worlds):
+    """``MoEExchange`` leaves its arguments' checks to its dispatch, within the
+    call's agreement: one rank's bad x stops every rank at once."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    _check(worlds(3).run(agreement_fns.moe_layer_mistake, [(config, 1)] * 3), "dtype", 1)
+
+
 def _cases(variants):
     """(variant, verb, mistake) of SOME on each variant (a pad_to_capacity dispatch moves as one group)."""
     return [(v, verb, m) for v in variants for verb, m in SOME if not (v == "alltoall-pad" and verb == "combine_groups")]
