@@ -245,9 +245,7 @@ class NVSHMEMTransport(AllToAllTransport):
         its failure recorded on the device; nothing read on the host, so that
         it can be captured whole (:class:`_Replayed`)."""
         planned, captured = self._counts_and_send_plan(request, header, bounded=True)
-        if self._failed is None:  # (reserve makes the record; a transport used without it makes it here)
-            self._failed = torch.zeros((), dtype=torch.bool, device=planned.summary.device)
-            self._failure = torch.zeros_like(planned.summary)
+        # into the failure record reserve made, before any bounded plan
         settled = bounded_plan.settle(planned.summary, self.world_size, self.num_local_experts, self.rank,
                                       self._failed, self._failure)
         return self._plan_tensors(request, planned, captured, num_rows, settled, sizes)

@@ -77,7 +77,7 @@ class SymmetricExchange:
         self._on_nvshmem = device.type == "cuda" and get_backend is not None and get_backend(device) == "NVSHMEM"
         self._spent: list[torch.Tensor] = []
         # a row to every rank, at row `rank` of each (``gather``): its index, sends and places
-        self.rank = rank = dist.get_rank(group)
+        rank = dist.get_rank(group)
         self._to_everyone = tuple(torch.full((world_size,), value, dtype=torch.int64, device=device)
                                   for value in (0, 1, rank))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
