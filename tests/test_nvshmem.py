@@ -304,6 +304,9 @@ def test_rows_wider_than_the_buffers_are_refused_on_every_rank(worlds, verb):
 def bounded_after_no_tokens(x, topk_idx, topk_weights):
     """A first bounded dispatch with no tokens on any rank, then one with
     tokens: whether each went through."""
+    from world import current_device
+
+    x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
     d = _dispatcher(dict(num_experts=4), True)
     d.dispatch(x[:0], topk_idx[:0], topk_weights[:0], max_rows=64)
     out = d.dispatch(x, topk_idx, topk_weights, max_rows=64)
