@@ -51,7 +51,7 @@ enum Code : int {
   kTooManyRows = 2,   // a route places a row past the rows counted
   kBadRoute = 3,      // a route no checked dispatch makes
   kOverBudget = 4,    // the peer's rows exceed its budget (max_rows)
-  kMismatch = 5,      // the peer's call, K, H, dtypes or gradient needs differ from this rank's
+  kMismatch = 5,      // the peer's call, K, H or dtypes differ from this rank's
   kPeerInput = 6,     // the peer marked its own input bad (values, or more tokens than the buffers hold)
 };
 
@@ -62,7 +62,7 @@ enum Code : int {
 // same on every rank), tokens per destination rank [W], tokens per global
 // expert [E].
 struct Row {
-  static constexpr int kAgreed = 9;  // columns [0, kAgreed) must be equal on every rank
+  static constexpr int kAgreed = 7;  // columns [0, kAgreed) must be equal on every rank (checks.AGREED)
   static constexpr int kFailed = 9;
   static constexpr int kBudget = 10;
   static constexpr int kMemory = 11;

@@ -148,6 +148,8 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   route_off = by_parity(route_off, route_copy, epoch);
   stage_off = by_parity(stage_off, stage_copy, epoch);
   lists_off = by_parity(lists_off, lists_copy, epoch) + (long long)me * list_stride * 4;
+  // the rows past N zeroed first: a dispatch that failed (N = 0) returns no stale rows either
+  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, tail_to, out_weights, out_src_rank, out_src_token);
   if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) return;
   long long items = 0;
   for (int s = 0; s < world; ++s) items += tokens_of[s];
@@ -163,7 +165,6 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   };
   long long work = (long long)blockIdx.x * Tuning::kWarps + warp;
   int next = FROM_ROUTE && work < works ? listed(work) : 0;  // one item ahead: its read in flight
-  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, tail_to, out_weights, out_src_rank, out_src_token);
   for (; work < works; work += warps) {
     const long long item = work / seg.count, part = work % seg.count;
     const bool first = part == 0;  // the segment that writes the item's plan and places

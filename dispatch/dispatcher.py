@@ -64,7 +64,8 @@ class TokenDispatcher:
     collectives on CPU (``wait()`` finishes them). Every rank of the group must
     start the same exchanges in the same order (each call is agreed by every
     rank before any token moves: ``checks``, ``dispatch.board``); several may be in flight at
-    once (each has its own handle), and may be waited for in any order.
+    once (each has its own handle), and may be waited for in any order; a CUDA
+    graph's replay is ordered by its stream only: wait for them before it.
     """
 
     def __init__(self, config: DispatchConfig, group: dist.ProcessGroup | None, transport: Transport) -> None:

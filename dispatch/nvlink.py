@@ -44,8 +44,9 @@ output has ``max_rows`` rows (those past the N received zeroed), and the
 checks a host read makes elsewhere (headers agreed, no rank's input marked bad,
 every rank's N within its budget) run in the counts exchange kernel, which
 records the first failure, in rank order, on every rank alike; the error is
-raised at a later host read (:meth:`Engine.poll` at the next such dispatch,
-or :meth:`Engine.check`).
+raised on every rank at a later dispatch's agreement, the first at which some
+rank has seen it reach the host (:meth:`Engine.seen_failed`), or by
+:meth:`Engine.check`.
 
 One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
 (:func:`engine_for`), so that a model's MoE layers share its buffers.
@@ -53,7 +54,6 @@ One engine serves every dispatcher of a (group, device, E, SM budget, timeout)
 
 from __future__ import annotations
 
-import array
 from typing import NamedTuple
 
 import torch
@@ -61,27 +61,14 @@ import torch.distributed as dist
 
 from dispatch import checks, cuda, host, plan
 from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts,
-                                    HostCounts, WordsAt, _up, aligned_rows, partial_row_bytes, scan_warps,
-                                    staged_row_bytes)
+                                    HostCounts, WordsAt, _up, aligned_rows, failure_message, partial_row_bytes,
+                                    scan_warps, staged_row_bytes)
 from dispatch.nvlink_moves import EngineMoves
 
 __all__ = ["GROUPS_COL", "SENDS_COL", "STAGED_COL", "TOKENS_COL", "Capacity", "Counts", "Engine", "aligned_rows",
            "engine_for", "partial_row_bytes", "scan_warps", "staged_row_bytes"]
 
 BLOCKS_PER_SM = 4  # blocks of the data kernels per SM without an SM budget (measured: bench/engine_tuning.py)
-_STATUS = (
-    "ok",
-    "rank {me} timed out waiting for rank {peer}",
-    "rank {me} received more rows than the dispatch counted from rank {peer}",
-    "rank {me} received a route no checked dispatch makes (an expert id twice in a row, check_inputs=False) "
-    "from rank {peer}",
-    "rank {peer} receives more rows than its max_rows",
-    "rank {peer} was at another call of the dispatcher, or dispatched with another K, H, x or topk_weights "
-    "dtype, need of gradients or number of groups of experts than rank {me}",
-    "rank {peer} marked its input bad (topk_idx/topk_weights values, more tokens than the buffers hold, or a "
-    "max_rows its free device memory does not hold)",
-)
-_WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
 
 
 class Engine(EngineMoves):
@@ -122,6 +109,7 @@ class Engine(EngineMoves):
         # on NVSHMEM's backend (where a transport="nvshmem" dispatcher set it first) its buffers are
         # NVSHMEM's, reached through their peer pointers as CUDA's
         self._on_nvshmem = getattr(symm_mem, "get_backend", lambda device: "CUDA")(self.device) == "NVSHMEM"
+        self._allocated = torch.zeros(self.world + 1, dtype=torch.int32, device=self.device)  # (_agree_allocated)
         meta, self._meta_handle = self._symmetric(self.rows_offset + 2 * self._matrix_stride)
         meta.zero_()
         self._meta = meta
@@ -137,6 +125,7 @@ class Engine(EngineMoves):
         self._retired: list = []  # buffers outgrown that queued work or captured graphs may still use
         self._captured = False  # some operation was captured in a CUDA graph
         self.capacity = Capacity()
+        self.reserved = False  # a dispatch with max_rows sized the buffers by agreement (transports.nvlink.reserve)
         self._regions = Capacity().regions(self.world)
         self._kernels: dict = {}
         # launches made per shape, their arguments that hold while the buffers last bound (a
@@ -152,6 +141,7 @@ class Engine(EngineMoves):
         self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (_Ordered)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
         self._polled_event: torch.cuda.Event | None = None
+        self.failure_seen = False  # a failure recorded on the device has reached the host (seen_failed)
         self._host_words = None  # the counts matrix as the compiled counts exchange reads it (pinned)
         if self._host is not None:
             self._host_words = torch.empty(4 + self.world * self.row_len, dtype=torch.int32).pin_memory()
@@ -172,12 +162,7 @@ class Engine(EngineMoves):
         return _Ordered(self, writes)
 
     def _raise(self, code: int, peer: int, where: int) -> None:
-        what = _STATUS[code].format(me=self.rank, peer=peer) if 0 < code < len(_STATUS) else f"status {code}"
-        raise RuntimeError(
-            f"NVLink transport: {what} in {_WHERE[where] if 0 <= where < len(_WHERE) else where} "
-            f"(timeout {self.timeout_ns / 1e9:g} s); the exchange's results are invalid and the engine stays "
-            f"failed (build the dispatchers again on every rank)"
-        )
+        raise RuntimeError(failure_message(code, peer, where, self.rank, self.timeout_ns))
 
     def check(self) -> None:
         """Raise the failure the kernels recorded, if any (a host read: it waits
@@ -186,30 +171,34 @@ class Engine(EngineMoves):
             self._last[0].synchronize()  # host sync: the latest operation, on whatever stream
         code, peer, where, _ = self.status.tolist()  # host sync: the status words
         if code:
+            self.failure_seen = True
             self._raise(code, peer, where)
 
-    def poll(self) -> None:
-        """Raise a failure recorded by work that has finished, without waiting:
-        reads the copy of the status words that the previous poll queued (if it
-        has landed) and queues a new one. Nothing outside a CUDA graph capture."""
-        if cuda.capturing():
-            return
+    def seen_failed(self, poll: bool) -> bool:
+        """Whether a failure the kernels recorded has reached the host, without
+        waiting (seen once, for good: the engine stays failed): reads the copy of
+        the status words that an earlier call queued, if it has landed; with
+        ``poll``, queues a new one where none is in flight. Never inside a CUDA
+        graph capture."""
+        if self.failure_seen or cuda.capturing():
+            return self.failure_seen
         event = self._polled_event
-        if event is not None and not event.query():
-            return
         if event is not None:
-            code, peer, where, _ = self._polled.tolist()  # landed: no wait
-            if code:
-                self._raise(code, peer, where)
-        # the copy comes after the latest operation, on whatever stream; it orders nothing
-        # after it (it only reads the status words)
-        stream = cuda.current_stream(self.device.index)
-        last = self._last
-        if last is not None and last[1] is None:
-            stream.wait_event(last[0])
-        self._polled.copy_(self.status, non_blocking=True)
-        self._polled_event = torch.cuda.Event()
-        self._polled_event.record(stream)
+            if not event.query():
+                return False
+            self._polled_event = None
+            if self._polled[0]:  # landed: no wait
+                self.failure_seen = True
+                return True
+        if poll:  # the copy comes after the latest operation, on whatever stream; it orders nothing after it
+            stream = cuda.current_stream(self.device.index)
+            last = self._last
+            if last is not None and last[1] is None:
+                stream.wait_event(last[0])
+            self._polled.copy_(self.status, non_blocking=True)
+            self._polled_event = torch.cuda.Event()
+            self._polled_event.record(stream)
+        return False
 
     # -- buffers -------------------------------------------------------------
 
@@ -231,9 +220,10 @@ class Engine(EngineMoves):
         cuda.current_stream(self.device.index).synchronize()
         if self._last is not None and self._last[1] is None:
             self._last[0].synchronize()
+        data, handle = self._symmetric(max(regions["total"][0], _ALIGN))
         if self._captured and self._data is not None:  # a captured graph may still replay on these
             self._retired.append((self._data, self._data_handle, self._data_ptrs))
-        self._data, self._data_handle = self._symmetric(max(regions["total"][0], _ALIGN))
+        self._data, self._data_handle = data, handle
         self._data_ptrs = _pointers(self._data_handle, self.device)
         self.capacity, self._regions = capacity, regions
         self._launches.clear()  # their bound addresses and sizes were the outgrown buffer's
@@ -245,12 +235,31 @@ class Engine(EngineMoves):
         times would not make)."""
         if self._on_nvshmem and not torch.cuda.is_current_stream_capturing():  # host sync: NVSHMEM's allocation
             cuda.synchronize(self.device.index)  # has a barrier of its own, which one queued here would pair crosswise
-        data = self._symm.empty(size, dtype=torch.uint8, device=self.device)
+        try:
+            data, error = self._symm.empty(size, dtype=torch.uint8, device=self.device), None
+        except torch.OutOfMemoryError as exc:  # this rank alone, maybe: its peers would wait in the rendezvous
+            data, error = None, exc
+        if not self._on_nvshmem:  # (NVSHMEM's allocation is a collective of its own, on a heap of one size)
+            self._agree_allocated(size, error)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
         checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
         if self._on_nvshmem:
             _NVSHMEM_KEPT.append(data)
         return data, handle
+
+    def _agree_allocated(self, size: int, error: Exception | None) -> None:
+        """Every rank learns whether each allocated its part of a symmetric
+        buffer of ``size`` bytes (``error``: this rank's failure), before the
+        rendezvous: where some rank could not, every rank raises, naming it,
+        and keeps the buffers it had."""
+        words = self._allocated
+        words[self.world].fill_(int(error is None))
+        dist.all_gather_into_tensor(words[: self.world], words[self.world:], group=self.group)
+        short = [r for r, ok in enumerate(words[: self.world].tolist()) if not ok]  # host sync: every rank's
+        if short:
+            message = (f"NVLink transport: rank(s) {short} could not allocate {size} bytes of device memory for the "
+                       "engine's symmetric buffers; no rank grew them (free device memory, or dispatch fewer tokens)")
+            raise (torch.OutOfMemoryError(message) if error is not None else RuntimeError(message)) from error
 
     def _region(self, name: str) -> tuple[int, int]:
         """(offset of copy 0, bytes between the copies) of a region of the data buffer."""
@@ -411,21 +420,8 @@ class Engine(EngineMoves):
             staged = staged and bool(r[STAGED_COL])
             bound = r[TOKENS_COL] if r[TOKENS_COL] > bound else bound
             received += r[SENDS_COL + self.rank]
-        return Counts(every, words_at, self._host_counts(matrix_host), received, bound, per_expert,
+        return Counts(every, words_at, HostCounts.read(matrix_host, self.rank, self.experts_per_rank), received, bound, per_expert,
                       self._tokens_at(bound), staged, group_end)
-
-    def _host_counts(self, matrix_host: list[list[int]]) -> HostCounts:
-        """:class:`HostCounts` of the counts matrix read on the host (W rows of L ints)."""
-        header_len, first, local, rank = len(plan.HEADER), self.counts_col, self.experts_per_rank, self.rank
-        rows = tuple([sum(sum(r[first + d * local : first + (d + 1) * local]) for r in matrix_host)
-                      for d in range(self.world)])
-        if self.world == 1:
-            mine = matrix_host[0][first : first + local]
-        else:
-            mine = list(map(sum, zip(*(r[first + rank * local : first + (rank + 1) * local] for r in matrix_host))))
-        return HostCounts(tuple(r[:header_len] for r in matrix_host),
-                          tuple(tuple(r[SENDS_COL:first]) for r in matrix_host), rows,
-                          torch.frombuffer(array.array("q", mine), dtype=torch.int64))
 
     def _counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,
                          hidden: int, groups: int) -> tuple:

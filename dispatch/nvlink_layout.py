@@ -7,6 +7,7 @@ Notation as in ``dispatch.nvlink``.
 
 from __future__ import annotations
 
+import array
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -22,6 +23,29 @@ TOKENS_COL = len(plan.HEADER)
 STAGED_COL = TOKENS_COL + 1
 GROUPS_COL = TOKENS_COL + 2
 SENDS_COL = TOKENS_COL + 3
+
+# what the status words (csrc/engine.cuh's Status, and where it was recorded) say
+_STATUS = (
+    "ok",
+    "rank {me} timed out waiting for rank {peer}",
+    "rank {me} received more rows than the dispatch counted from rank {peer}",
+    "rank {me} received a route no checked dispatch makes (an expert id twice in a row, check_inputs=False) "
+    "from rank {peer}",
+    "rank {peer} receives more rows than its max_rows",
+    "rank {peer} was at another call of the dispatcher, or dispatched with another K, H, x or topk_weights "
+    "dtype or number of groups of experts than rank {me}",
+    "rank {peer} marked its input bad (topk_idx/topk_weights values, more tokens than the buffers hold, or a "
+    "max_rows its free device memory does not hold)",
+)
+_WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
+
+
+def failure_message(code: int, peer: int, where: int, me: int, timeout_ns: int) -> str:
+    """What a failure the kernels recorded (status words ``code, peer, where``) says to the user."""
+    what = _STATUS[code].format(me=me, peer=peer) if 0 < code < len(_STATUS) else f"status {code}"
+    return (f"NVLink transport: {what} in {_WHERE[where] if 0 <= where < len(_WHERE) else where} "
+            f"(timeout {timeout_ns / 1e9:g} s); the exchange's results are invalid and the engine stays failed "
+            "(build the dispatchers again on every rank)")
 
 
 def _up(n: int, to: int = _ALIGN) -> int:
@@ -90,6 +114,20 @@ class HostCounts(NamedTuple):
     sends: tuple[tuple[int, ...], ...]
     rows: tuple[int, ...]
     per_expert: torch.Tensor
+
+    @classmethod
+    def read(cls, matrix_host: list[list[int]], rank: int, local: int) -> "HostCounts":
+        """Those of the counts matrix read on the host (W rows), for ``rank`` of E_local = ``local`` experts."""
+        world = len(matrix_host)
+        header_len, first = len(plan.HEADER), SENDS_COL + world
+        rows = tuple([sum(sum(r[first + d * local : first + (d + 1) * local]) for r in matrix_host)
+                      for d in range(world)])
+        if world == 1:
+            mine = matrix_host[0][first : first + local]
+        else:
+            mine = list(map(sum, zip(*(r[first + rank * local : first + (rank + 1) * local] for r in matrix_host))))
+        return cls(tuple(r[:header_len] for r in matrix_host), tuple(tuple(r[SENDS_COL:first]) for r in matrix_host),
+                   rows, torch.frombuffer(array.array("q", mine), dtype=torch.int64))
 
 
 class Planned(NamedTuple):

@@ -1,6 +1,7 @@
 """The NVLink engine (transport="nvlink") against the NCCL transport, bit for bit.
 
-GPU only: needs 2 CUDA devices and CuPy (skipped elsewhere). Inputs are random
+GPU only but for a few host-side checks on gloo: needs 2 CUDA devices and CuPy
+(skipped elsewhere). Inputs are random
 (not dyadic), so that a sum taken in another order or with another rounding
 shows as a different bit.
 """
@@ -796,6 +797,140 @@ def test_a_rank_over_its_max_rows_fails_every_rank(worlds, fn, mode, calls, mess
     assert results[0] == results[1]  # the same failure on every rank
 
 
+def _failure_raised_alike(x, topk_idx, topk_weights, config):
+    """A dispatch with max_rows that fails (rank 0 over its max_rows) gives
+    every rank zero rows of weight 0 and source -1; the ranks go on
+    dispatching, rank 1 with its GPU kept busy so that the failure reaches its
+    host later than rank 0's: every rank raises at the same later dispatch
+    (its number, its message), none inside an exchange its peers skip."""
+    from world import current_device
+
+    device = current_device()
+    rank = torch.distributed.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=5.0))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=1 if rank == 0 else 4096)
+    torch.cuda.synchronize()
+    zeroed = (bool((out.tokens == 0).all()) and bool((out.weights == 0).all()) and bool((out.src_rank == -1).all())
+              and bool((out.src_token == -1).all()) and int(out.tokens_per_expert.sum()) == 0)
+    for k in range(1, 8):
+        if rank == 1:
+            torch.cuda._sleep(400_000_000)  # about 0.2 s of this rank's GPU before each dispatch
+        try:
+            d.dispatch(x, topk_idx, topk_weights, max_rows=4096)
+        except RuntimeError as exc:
+            return zeroed, k, str(exc)
+    return zeroed, None, None
+
+
+@needs_engine
+def test_a_failure_is_raised_at_one_dispatch_on_every_rank(worlds):
+    routing = make_routing(WORLD, 4, 2, [64, 64], "random", seed=2)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    got = _run(worlds, _failure_raised_alike, routing, xs, ws, dict(num_experts=routing.num_experts))
+    assert all(zeroed for zeroed, _, _ in got), got
+    assert got[0][1] is not None and got[0][1] == got[1][1], got  # the same dispatch on every rank
+    assert all("rank 0 receives more rows than its max_rows" in message for _, _, message in got), got
+
+
+class _ShortOnOneRank:
+    """torch's symmetric memory, whose allocations past ``size`` bytes fail on rank 1."""
+
+    def __init__(self, symm, size: int) -> None:
+        self.symm, self.size = symm, size
+
+    def empty(self, size, **kwargs):
+        if torch.distributed.get_rank() == 1 and size > self.size:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+        return self.symm.empty(size, **kwargs)
+
+    def rendezvous(self, *args):
+        return self.symm.rendezvous(*args)
+
+
+def _symmetric_allocation(short_rank):
+    """Engine._symmetric of an engine on this gloo world (no kernels), its
+    allocation failing on ``short_rank`` (None: on none): what this rank
+    raised (its type and message) and the rendezvous it made."""
+    import torch.distributed as dist
+    from dispatch.nvlink import Engine
+
+    engine = object.__new__(Engine)
+    engine.group, engine.world, engine.rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    engine.device, engine._on_nvshmem = torch.device("cpu"), False
+    engine._allocated = torch.zeros(engine.world + 1, dtype=torch.int32)
+    made = []
+
+    class Symm:
+        @staticmethod
+        def empty(size, dtype, device):
+            if engine.rank == short_rank:
+                raise torch.OutOfMemoryError("out of memory (a test's)")
+            return torch.zeros(size, dtype=dtype)
+
+        @staticmethod
+        def rendezvous(data, group):
+            made.append(data.numel())
+
+    engine._symm = Symm
+    try:
+        engine._symmetric(1024)
+    except RuntimeError as exc:
+        return (type(exc).__name__, str(exc)), made
+    return None, made
+
+
+@pytest.mark.parametrize("short_rank", [None, 0, 1])
+def test_an_allocation_is_agreed_before_its_rendezvous(worlds, short_rank):
+    """Growing the engine's buffers is a collective (the rendezvous): a rank
+    whose allocation fails tells its peers first, and every rank raises,
+    naming it, instead of waiting in a rendezvous it will not make."""
+    got = worlds(WORLD).run(_symmetric_allocation, [(short_rank,)] * WORLD)
+    if short_rank is None:
+        assert got == [(None, [1024])] * WORLD, got
+        return
+    for rank, (raised, made) in enumerate(got):
+        assert made == [] and raised is not None, got
+        assert raised[0] == ("OutOfMemoryError" if rank == short_rank else "RuntimeError"), got
+        assert f"rank(s) [{short_rank}] could not allocate 1024 bytes" in raised[1], got
+
+
+def _short_of_memory_on_growth(x, topk_idx, topk_weights, config):
+    """The engine's buffers grow (a collective) where rank 1 cannot allocate:
+    every rank raises, naming it, none waits in the rendezvous; the buffers
+    stay as they were and the dispatchers go on."""
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=6.0))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    d.dispatch(x[:8], topk_idx[:8], topk_weights[:8])  # sizes the buffers: 256 tokens
+    engine = d.transport.engine
+    engine._symm = _ShortOnOneRank(engine._symm, engine._data.numel())
+    try:
+        d.dispatch(x, topk_idx, topk_weights)  # 300 tokens: the buffers grow
+        raised = None
+    except RuntimeError as exc:  # (torch.OutOfMemoryError is one)
+        raised = type(exc).__name__, str(exc)
+    engine._symm = engine._symm.symm
+    out = d.dispatch(x[:200], topk_idx[:200], topk_weights[:200])
+    return raised, int(out.tokens_per_expert.sum())
+
+
+@needs_engine
+def test_a_rank_short_of_memory_for_the_buffers_stops_every_rank(worlds):
+    routing = make_routing(WORLD, 4, 2, [300, 300], "random", seed=4)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    got = _run(worlds, _short_of_memory_on_growth, routing, xs, ws, dict(num_experts=routing.num_experts))
+    (one, rows_one), (two, rows_two) = got
+    assert one is not None and one[0] == "RuntimeError" and "rank(s) [1] could not allocate" in one[1], got
+    assert two is not None and two[0] == "OutOfMemoryError" and "rank(s) [1] could not allocate" in two[1], got
+    local = routing.num_experts // WORLD  # the rows each rank's experts get of the 200 first tokens of every rank
+    want = [sum(int(((idx[:200] // local == r) & (idx[:200] >= 0)).sum()) for idx in routing.topk_idx)
+            for r in range(WORLD)]
+    assert [rows_one, rows_two] == want, (got, want)
+
+
 def _tokens_over_capacity(x, topk_idx, topk_weights, config):
     from world import current_device
 
@@ -841,6 +976,31 @@ def test_dispatchers_built_again_after_a_failure_start_afresh(worlds):
     xs, ws = _inputs(routing, 64, torch.float32, seed=0)
     got = _run(worlds, _built_again_after_failure, routing, xs, ws, dict(num_experts=routing.num_experts))
     assert all(failed for failed, _ in got) and all(rows > 0 for _, rows in got), got
+
+
+def _bounded_after_unbounded(x, topk_idx, topk_weights, config):
+    """A dispatch without max_rows grows the buffers first (for 8 tokens); the
+    first with max_rows still sizes them by agreement, from the group's
+    largest T: it goes through, its rows those of the host-read dispatch."""
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=6.0))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    d.dispatch(x[:8], topk_idx[:8], topk_weights[:8])
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=4096)
+    d.check()
+    want = d.dispatch(x, topk_idx, topk_weights)
+    n = want.tokens.shape[0]
+    return torch.equal(out.tokens[:n].cpu(), want.tokens.cpu()) and bool((out.tokens[n:] == 0).all())
+
+
+@needs_engine
+def test_the_first_bounded_dispatch_sizes_buffers_another_grew(worlds):
+    routing = make_routing(WORLD, 4, 2, [300, 280], "random", seed=6)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=1)
+    config = dict(num_experts=routing.num_experts)
+    assert _run(worlds, _bounded_after_unbounded, routing, xs, ws, config) == [True, True]
 
 
 def _reserved_room(x, topk_idx, topk_weights, config):

@@ -40,6 +40,13 @@ from dispatch.stats import DispatchStats, resolve_local_world_size
 from dispatch.streams import Pending, PendingGroups
 
 _FAILED = plan.HEADER.index("failed")
+# the bits of a rank's word in a dispatch's agreement (``Transport.dispatch_word``)
+BOUNDED, X_GRAD, WEIGHTS_GRAD, FAILED = 1, 2, 4, 8
+
+
+def grads_of(words: tuple[int, ...]) -> tuple[bool, bool]:
+    """Which gradients some rank needs (x, topk_weights), from every rank's word."""
+    return any(w & X_GRAD for w in words), any(w & WEIGHTS_GRAD for w in words)
 
 
 @dataclass(frozen=True)
@@ -197,8 +204,37 @@ class Transport(abc.ABC):
                                     self.config.num_experts)
 
     def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
-        """What this rank adds to a dispatch's agreement (``agrees_dispatch``)."""
-        return 0
+        """What this rank adds to a dispatch's agreement (``agrees_dispatch``):
+        whether it passes ``max_rows``, which gradients it needs, and whether
+        it has seen a dispatch fail (``seen_failed``), as the bits ``WORD``."""
+        grad = torch.is_grad_enabled()
+        return ((BOUNDED if max_rows is not None else 0) | (X_GRAD if grad and x.requires_grad else 0)
+                | (WEIGHTS_GRAD if grad and topk_weights.requires_grad else 0)
+                | (FAILED if self.seen_failed(max_rows is not None) else 0))
+
+    def seen_failed(self, bounded: bool) -> bool:
+        """Whether this rank knows on the host, without waiting, that an earlier
+        dispatch failed (``agrees_dispatch``; ``bounded``: this one passes ``max_rows``)."""
+        return False
+
+    def agreed_words(self, request: Request) -> tuple[int, ...]:
+        """Every rank's ``dispatch_word`` of ``request`` (this rank's alone where
+        none was agreed); raises alike on every rank, before any exchange, where
+        some rank has seen a failure (this rank's own failure first, where
+        ``check`` has it) or the ranks mix ``max_rows`` with none."""
+        words = request.agreed
+        if words is None:
+            return (self.dispatch_word(request.x, request.topk_weights, request.max_rows),)
+        seen = [r for r, w in enumerate(words) if w & FAILED]
+        if seen:
+            self.check()
+            raise RuntimeError(f"a dispatch with max_rows failed: rank(s) {seen} found it (raised there); "
+                               "no token of this dispatch moved")
+        bounded = [bool(w & BOUNDED) for w in words]
+        if any(b != bounded[0] for b in bounded):
+            told = ", ".join(f"rank {r}: {'max_rows' if b else 'none'}" for r, b in enumerate(bounded))
+            raise ValueError(f"max_rows: every rank of the group passes one or none ({told})")
+        return words
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
         """``TokenDispatcher.reserve``: nothing where ``max_rows`` reads the host anyway."""

@@ -22,7 +22,7 @@ from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
-from dispatch.transports.base import GroupSumsIssuer, Request, Transport, handle_fields, shape_fields
+from dispatch.transports.base import GroupSumsIssuer, Request, Transport, grads_of, handle_fields, shape_fields
 from dispatch.nvlink import (Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
                              staged_row_bytes)
 from dispatch.stats import make_stats, tier_split
@@ -68,14 +68,16 @@ class NVLinkTransport(Transport):
     host_free = True
     max_topk = MAX_TOPK
     bounded_groups = True
+    agrees_dispatch = True  # every rank on one host: on the board, as every call is
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self.engine = engine_for(group, config.num_experts, config.tuning.sm_budget, config.timeout)
 
     def plan(self, request: Request) -> tuple[NVLinkHandle, PlanOutputs]:
+        words = self.agreed_words(request)
         if request.max_rows is not None:
-            return self._plan_bounded(request)
+            return self._plan_bounded(request, words)
         x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
         num_tokens, topk = _check_topk(topk_idx)
         weights, wire, codec = self._wire_inputs(x, topk_weights)
@@ -102,19 +104,19 @@ class NVLinkTransport(Transport):
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _plan_bounded(self, request: Request) -> tuple[NVLinkHandle, PlanOutputs]:
+    def _plan_bounded(self, request: Request, words: tuple[int, ...]) -> tuple[NVLinkHandle, PlanOutputs]:
         # nothing read on the host: the counts exchange kernel checks what plan checks
-        # there, for every rank alike, and a failure surfaces at a later host read; by
-        # groups, each group's rows padded to B = ceil(max_rows / G)
+        # there, for every rank alike, and a failure surfaces at a later dispatch's
+        # agreement (seen_failed) or host read; by groups, each group's rows padded to
+        # B = ceil(max_rows / G)
         x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
         groups = request.groups
         num_tokens, topk = _check_topk(topk_idx)
         weights, wire, codec = self._wire_inputs(x, topk_weights)
         engine = self.engine
-        engine.poll()
         stage_row = staged_row_bytes(codec, x.shape[1])
-        if engine.capacity.tokens == 0:  # the same on every rank: size the buffers once, by agreement
-            self.reserve(x, topk)
+        if not engine.reserved:  # the same on every rank: size the buffers by agreement, once some rank has a
+            self.reserve(x, topk)  # token (whatever grew them before)
         header = plan.header(x, topk_weights, topk, ticket)
         max_rows, memory_rows = ticket.max_rows, ticket.memory_rows
         bound = -(-max_rows // groups)
@@ -137,12 +139,11 @@ class NVLinkTransport(Transport):
                 f"x: a dispatch with max_rows takes at most {capacity.tokens} tokens of K <= {capacity.topk} "
                 f"(the buffers the first such dispatch sized from the group's largest T), got T={num_tokens}, "
                 f"K={topk}: give the first dispatch with max_rows the largest T on some rank; the engine is failed")
-        x_grad, w_grad = (header[plan.HEADER.index(c)] for c in ("x_grad", "weights_grad"))
         shape = {}
         if groups > 1:
             shape = dict(group_experts=plan.expert_groups(self.num_local_experts, groups),
                          group_rows=tuple(g * bound for g in range(groups + 1)), group_bound=bound)
-        handle, outputs = self._handle(request, counts, out_rows, (bool(x_grad), bool(w_grad)),
+        handle, outputs = self._handle(request, counts, out_rows, grads_of(words),
                                        (True,) * self.world_size, None, wire, None, shape)
         mark(self.phase_timer, "plan")
         return handle, outputs
@@ -151,7 +152,9 @@ class NVLinkTransport(Transport):
         need = plan.to_device(torch.tensor([x.shape[0], topk, *self._round_trip_rows(x)], dtype=torch.int64),
                               x.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
-        self.engine.ensure(Capacity(*need.tolist()))  # host sync: the group's largest T, K, rows
+        need = Capacity(*need.tolist())  # host sync: the group's largest T, K, rows
+        self.engine.ensure(need)
+        self.engine.reserved = self.engine.reserved or need.tokens > 0
 
     def _round_trip_rows(self, x) -> tuple[int, int]:
         """(staged, partial) row bytes of a round trip of x with expert outputs
@@ -203,6 +206,9 @@ class NVLinkTransport(Transport):
 
     def check(self) -> None:
         self.engine.check()
+
+    def seen_failed(self, bounded: bool) -> bool:
+        return self.engine.seen_failed(poll=bounded)
 
     def to_experts(self, rows: torch.Tensor, handle: NVLinkHandle, codec: Codec,
                    own: bool = False) -> PendingGroups:

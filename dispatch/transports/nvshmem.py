@@ -58,7 +58,7 @@ from dispatch.plan_graph import HostSummary, Summary
 from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
-from dispatch.transports.base import Request, by_groups, handle_fields, shape_fields
+from dispatch.transports.base import Request, by_groups, grads_of, handle_fields, shape_fields
 from dispatch.kernels import bounded_plan, nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.transports.symmetric import Packed, exchange_for
@@ -128,9 +128,6 @@ _HANDLE_TENSORS = ("send_token", "home_index", "slot_row", "slot_col", "expand_s
                    "receives", "put_at", "back_at")
 _REPLAYS = 8  # signatures whose plan with max_rows is kept captured
 
-# the bits of a rank's word in a dispatch's agreement (``dispatch_word``)
-_BOUNDED, _X_GRAD, _WEIGHTS_GRAD, _FAILED = 1, 2, 4, 8
-
 
 class NVSHMEMTransport(AllToAllTransport):
     """Deduplicated all-to-all with its split sizes on the device
@@ -169,25 +166,10 @@ class NVSHMEMTransport(AllToAllTransport):
         self._replays: dict = {}  # signature -> its plan captured whole (None: seen once), oldest first
         self._uncaptured: set = set()  # signatures whose capture failed here
 
-    def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
-        grad = torch.is_grad_enabled()
-        return ((_BOUNDED if max_rows is not None else 0) | (_X_GRAD if grad and x.requires_grad else 0)
-                | (_WEIGHTS_GRAD if grad and topk_weights.requires_grad else 0) | (_FAILED if self._seen_failed() else 0))
-
     def plan(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
-        words = request.agreed
-        if words is not None:
-            seen = [r for r, w in enumerate(words) if w & _FAILED]
-            if seen:  # some rank has seen a failure: every rank raises here (this one its own, if it has it)
-                self.check()
-                raise RuntimeError(f"a dispatch with max_rows failed: rank(s) {seen} found it (raised there); "
-                                   "no token of this dispatch moved")
-            bounded = [bool(w & _BOUNDED) for w in words]
-            if any(b != bounded[0] for b in bounded):
-                told = ", ".join(f"rank {r}: {'max_rows' if b else 'none'}" for r, b in enumerate(bounded))
-                raise ValueError(f"max_rows: every rank of the group passes one or none ({told})")
+        words = self.agreed_words(request)
         if request.max_rows is not None:
-            return self._plan_bounded(request)
+            return self._plan_bounded(request, words)
         x, local = request.x, self.num_local_experts
         header = plan.header(x, request.topk_weights, request.topk_idx.shape[1], request.ticket)
         planned, captured = self._counts_and_send_plan(request, header, grouped_sends=False)
@@ -206,7 +188,7 @@ class NVSHMEMTransport(AllToAllTransport):
         return self._made_plan(request, tensors, grads_any, num_rows, sizes, summary.has_rows,
                                summary.per_expert_host(), fields)
 
-    def _plan_bounded(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
+    def _plan_bounded(self, request: Request, words: tuple[int, ...]) -> tuple[NVSHMEMHandle, PlanOutputs]:
         x, topk_idx, ticket = request.x, request.topk_idx, request.ticket
         num_tokens, topk = topk_idx.shape
         if self._capacity is None or not self._capacity[0]:  # the same on every rank (agreed): size the buffers
@@ -229,8 +211,7 @@ class NVSHMEMTransport(AllToAllTransport):
             self._local_error = self._local_error or error
         world = self.world_size
         self._row_bytes = self.row_bytes(x)
-        words = request.agreed or (self.dispatch_word(x, request.topk_weights, ticket.max_rows),)
-        grads_any = (any(w & _X_GRAD for w in words), any(w & _WEIGHTS_GRAD for w in words))
+        grads_any = grads_of(words)
         sizes = (0, 0) if error is not None else (world * tokens, world * tokens)
         replay = None if error is not None else self._replay_for(request, ticket.max_rows, sizes)
         if replay is not None:
@@ -466,10 +447,9 @@ class NVSHMEMTransport(AllToAllTransport):
             self._seen.copy_(self._failed, non_blocking=True)
             self._seen_at.record()
 
-    def _seen_failed(self) -> bool:
-        """Whether this rank knows on the host, without waiting, that a
-        dispatch failed: its own reason, or the failure flag's copy arrived
-        (off CUDA, the flag itself). Never while capturing."""
+    def seen_failed(self, bounded: bool) -> bool:
+        """Its own reason, or the failure flag's copy arrived (off CUDA, the
+        flag itself). Never while capturing."""
         if self._local_error is not None:
             return True
         if self._failed is None or (self._failed.is_cuda and torch.cuda.is_current_stream_capturing()):
