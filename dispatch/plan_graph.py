@@ -15,8 +15,9 @@ as two CUDA graphs and replayed:
 
 A shape seen once runs eagerly, so batches whose T keeps changing never pay for
 a capture. Replays overwrite the graphs' buffers, so whatever outlives the call
-(what a handle keeps, ``Kept``) is copied out by the caller, and the replays
-must stay on one stream (the caller's current stream) in the order of the calls.
+(what a handle keeps, ``Kept``) is copied out by the caller, and a call's
+replays wait for the reads of the call before (``CapturedPlan.release``),
+whatever stream each ran on.
 """
 
 from __future__ import annotations
@@ -296,12 +297,16 @@ class CapturedPlan:
             finally:
                 self.graph2.capture_end()
         current.wait_stream(side)
+        self._released: torch.cuda.Event | None = None  # recorded after a call's last read of the buffers
         self._kept_shapes = tuple(part.shape for part in Kept.of(self.planned, world_size, local))
         self._kept_sizes = [math.prod(shape) for shape in self._kept_shapes]
 
     def run_route(self, topk_idx, topk_weights, header: torch.Tensor):
         """Replay graph 1 on new inputs (``header``: this rank's ``plan.header``
-        on the host): the row to all-gather."""
+        on the host): the row to all-gather. It waits for the reads of the
+        call before (:meth:`release`), on whatever stream they were queued."""
+        if self._released is not None:
+            torch.cuda.current_stream(self.key.device).wait_event(self._released)
         self.topk_idx.copy_(topk_idx)
         self.topk_weights.copy_(topk_weights)
         plan.to_device(header, self.header_row.device, out=self.header_row)
@@ -312,6 +317,13 @@ class CapturedPlan:
         """Replay graph 2 once ``self.gathered`` holds the all-gathered rows."""
         self.graph2.replay()
         return self.planned
+
+    def release(self) -> None:
+        """Mark that the call's reads of the buffers are queued, on the current
+        stream: the next call's replays come after them."""
+        if self._released is None:
+            self._released = torch.cuda.Event()
+        self._released.record(torch.cuda.current_stream(self.key.device))
 
     def kept(self) -> "Kept":
         """A copy of what the caller keeps of this call's replays (:class:`Kept`),

@@ -152,6 +152,8 @@ class AllToAllTransport(Transport):
         splits = None
         if groups > 1:
             splits = _group_splits(by_group, groups, rp, table, kept.per_expert)
+        if captured is not None:  # the replayed buffers read: the next call's replays may come
+            captured.release()
         handle = AllToAllHandle(
             **handle_fields(request, self, num_rows, grads_any, summary.has_rows),
             send_splits=send_splits,

@@ -302,10 +302,13 @@ class NVSHMEMTransport(AllToAllTransport):
         else:  # padding: the zero row, weight 0, sources -1; the rows past S are gathered too (not sent)
             expand_src, weights, src_rank, src_token, send_token = bounded_plan.pad(
                 rp.expand_src, rp.weights, rp.src_rank, rp.src_token, per_expert, send_token, sends, recv_rows)
-        return dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
-                    expand_src=expand_src, presum_index=rp.presum_index, sends=sends, receives=receives,
-                    put_at=put_at, back_at=back_at, weights=weights, tokens_per_expert=per_expert, src_rank=src_rank,
-                    src_token=src_token)
+        tensors = dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
+                       expand_src=expand_src, presum_index=rp.presum_index, sends=sends, receives=receives,
+                       put_at=put_at, back_at=back_at, weights=weights, tokens_per_expert=per_expert,
+                       src_rank=src_rank, src_token=src_token)
+        if captured is not None:  # the replayed buffers read: the next call's replays may come
+            captured.release()
+        return tensors
 
     def _made_plan(self, request: Request, tensors: dict, grads_any, num_rows: int, sizes, has_rows,
                    per_expert_host, fields: dict | None = None) -> tuple[NVSHMEMHandle, PlanOutputs]:
