@@ -849,16 +849,17 @@ class _ShortOnOneRank:
 
 
 def _symmetric_allocation(short_rank):
-    """Engine._symmetric of an engine on this gloo world (no kernels), its
+    """Engine._symmetric of an engine on this world (no kernels), its
     allocation failing on ``short_rank`` (None: on none): what this rank
     raised (its type and message) and the rendezvous it made."""
     import torch.distributed as dist
     from dispatch.nvlink import Engine
+    from world import current_device
 
     engine = object.__new__(Engine)
     engine.group, engine.world, engine.rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    engine.device, engine._on_nvshmem = torch.device("cpu"), False
-    engine._allocated = torch.zeros(engine.world + 1, dtype=torch.int32)
+    engine.device, engine._on_nvshmem = current_device(), False
+    engine._allocated = torch.zeros(engine.world + 1, dtype=torch.int32, device=engine.device)
     made = []
 
     class Symm:
