@@ -144,6 +144,14 @@ template <bool kSystem = true> __device__ __forceinline__ void st_release(unsign
   }
 }
 
+// out[0, n) zeroed by the whole grid: the output of a home kernel whose
+// operation failed (no stale values, as a failed dispatch's rows).
+template <typename T>
+__device__ void zero_all(T* out, long long n) {
+  const long long threads = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += threads) out[i] = T(0.0f);
+}
+
 // flags: this rank's own [W] words; word s is raised by rank s to the epoch it
 // reached. Threads s < W of the block each wait for one peer, then the block
 // meets. False (and the status recorded) if a peer did not arrive in time.

@@ -116,7 +116,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_sum(
   follow_previous();
   const unsigned epoch = load_seq(seq);
   partials += (long long)(epoch & 1u) * part_copy;
-  if (!wait_peers(flags, world, epoch, timeout_ns, status, 2)) return;
+  if (!wait_peers(flags, world, epoch, timeout_ns, status, 2)) {  // failed: zero sums, not stale ones
+    zero_all(out, (long long)tokens * hidden);
+    return;
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long warps = (long long)gridDim.x * Tuning::kWarps;
   const Segments seg = split_rows(tokens, hidden, warps);
@@ -217,7 +220,10 @@ __global__ void __launch_bounds__(Tuning::kThreads) home_slots(
   follow_previous();
   const unsigned epoch = load_seq(seq);
   pushed = reinterpret_cast<const VT*>(reinterpret_cast<const char*>(pushed) + (long long)(epoch & 1u) * pushed_copy);
-  if (!wait_peers(flags, world, epoch, timeout_ns, status, 3)) return;
+  if (!wait_peers(flags, world, epoch, timeout_ns, status, 3)) {  // failed: zero values, not stale ones
+    zero_all(out, slots);
+    return;
+  }
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < slots; i += (long long)gridDim.x * blockDim.x)
     out[i] = route[i].expert >= 0 ? __ldcg(pushed + i) : (VT)0;
 }

@@ -138,8 +138,8 @@ class TokenDispatcher:
                 the dispatch reads nothing on the host (it can be captured in a
                 CUDA graph): ``tokens_per_expert_host`` and ``stats`` are None,
                 and failures (a rank over its bound, bad values, ranks that
-                disagree) are raised at a later host read (the next such
-                dispatch, or :meth:`check`). Elsewhere the plan reads N on the
+                disagree) are raised on every rank at a later dispatch (the
+                first after some rank saw one), or by :meth:`check`. Elsewhere the plan reads N on the
                 host as always, and a rank over its bound makes every rank
                 raise a ValueError before any token moves (the bounds travel
                 in the counts exchange). Every rank passes one or none; none
@@ -161,7 +161,7 @@ class TokenDispatcher:
                 group g's rows at [g B, g B + its rows), then zero rows, the
                 outputs G B rows, nothing read on the host; a rank with more
                 than B rows in a group fails every rank alike (raised at a
-                later host read). The rows are then not expert-contiguous
+                later dispatch, or by :meth:`check`). The rows are then not expert-contiguous
                 from row 0: hand each group's to the experts (``wait_group``,
                 with its ``tokens_per_expert``).
             async_op: return a :class:`DispatchWork` instead of the result.

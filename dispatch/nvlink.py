@@ -139,8 +139,9 @@ class Engine(EngineMoves):
         # recorded in or None, its stream)
         self._last: tuple | None = None
         self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (_Ordered)
-        self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status, read by poll()
+        self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status (seen_failed)
         self._polled_event: torch.cuda.Event | None = None
+        self._poll_stream: torch.cuda.Stream | None = None
         self.failure_seen = False  # a failure recorded on the device has reached the host (seen_failed)
         self._host_words = None  # the counts matrix as the compiled counts exchange reads it (pinned)
         if self._host is not None:
@@ -190,12 +191,15 @@ class Engine(EngineMoves):
             if self._polled[0]:  # landed: no wait
                 self.failure_seen = True
                 return True
-        if poll:  # the copy comes after the latest operation, on whatever stream; it orders nothing after it
-            stream = cuda.current_stream(self.device.index)
+        if poll:  # the copy comes after the latest operation, on whatever stream, on a stream of its own (the
+            stream = self._poll_stream  # caller's stream does not wait for it, nor for that operation)
+            if stream is None:
+                stream = self._poll_stream = torch.cuda.Stream(self.device)
             last = self._last
             if last is not None and last[1] is None:
                 stream.wait_event(last[0])
-            self._polled.copy_(self.status, non_blocking=True)
+            with torch.cuda.stream(stream):
+                self._polled.copy_(self.status, non_blocking=True)
             self._polled_event = torch.cuda.Event()
             self._polled_event.record(stream)
         return False
@@ -237,8 +241,8 @@ class Engine(EngineMoves):
             cuda.synchronize(self.device.index)  # has a barrier of its own, which one queued here would pair crosswise
         try:
             data, error = self._symm.empty(size, dtype=torch.uint8, device=self.device), None
-        except torch.OutOfMemoryError as exc:  # this rank alone, maybe: its peers would wait in the rendezvous
-            data, error = None, exc
+        except RuntimeError as exc:  # (out of memory: torch's, or the driver's) this rank alone, maybe: its
+            data, error = None, exc  # peers would wait in the rendezvous
         if not self._on_nvshmem:  # (NVSHMEM's allocation is a collective of its own, on a heap of one size)
             self._agree_allocated(size, error)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
@@ -259,7 +263,8 @@ class Engine(EngineMoves):
         if short:
             message = (f"NVLink transport: rank(s) {short} could not allocate {size} bytes of device memory for the "
                        "engine's symmetric buffers; no rank grew them (free device memory, or dispatch fewer tokens)")
-            raise (torch.OutOfMemoryError(message) if error is not None else RuntimeError(message)) from error
+            raise (torch.OutOfMemoryError if isinstance(error, torch.OutOfMemoryError) else RuntimeError)(
+                message) from error
 
     def _region(self, name: str) -> tuple[int, int]:
         """(offset of copy 0, bytes between the copies) of a region of the data buffer."""

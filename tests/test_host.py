@@ -132,7 +132,7 @@ def test_the_compiled_counts_exchange_binds_what_the_engine_binds(no_gpu, tokens
 
 
 def test_the_host_counts_sum_every_ranks_row():
-    """``Engine._host_counts``: every rank's header and sends as read, the rows
+    """``HostCounts.read``: every rank's header and sends as read, the rows
     each rank receives (its experts' columns summed over the sources), and this
     rank's rows of each of its experts."""
     world, experts, rank = 3, 6, 1
@@ -141,7 +141,7 @@ def test_the_host_counts_sum_every_ranks_row():
     local = experts // world
     gen = torch.Generator().manual_seed(0)
     matrix = torch.randint(0, 9, (world, engine.row_len), generator=gen).tolist()
-    got = engine._host_counts(matrix)
+    got = HostCounts.read(matrix, rank, local)
     assert isinstance(got, HostCounts)
     assert got.headers == tuple(r[: len(plan.HEADER)] for r in matrix)
     assert got.sends == tuple(tuple(r[SENDS_COL : SENDS_COL + world]) for r in matrix)

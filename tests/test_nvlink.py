@@ -799,7 +799,8 @@ def test_a_rank_over_its_max_rows_fails_every_rank(worlds, fn, mode, calls, mess
 
 def _failure_raised_alike(x, topk_idx, topk_weights, config):
     """A dispatch with max_rows that fails (rank 0 over its max_rows) gives
-    every rank zero rows of weight 0 and source -1; the ranks go on
+    every rank zero rows of weight 0 and source -1, and its combine zero sums;
+    the ranks go on
     dispatching, rank 1 with its GPU kept busy so that the failure reaches its
     host later than rank 0's: every rank raises at the same later dispatch
     (its number, its message), none inside an exchange its peers skip."""
@@ -810,9 +811,11 @@ def _failure_raised_alike(x, topk_idx, topk_weights, config):
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=5.0))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     out = d.dispatch(x, topk_idx, topk_weights, max_rows=1 if rank == 0 else 4096)
+    home = d.combine(out.tokens + 1, out.handle, weights=out.weights)  # skipped on the device: zero sums
     torch.cuda.synchronize()
     zeroed = (bool((out.tokens == 0).all()) and bool((out.weights == 0).all()) and bool((out.src_rank == -1).all())
-              and bool((out.src_token == -1).all()) and int(out.tokens_per_expert.sum()) == 0)
+              and bool((out.src_token == -1).all()) and int(out.tokens_per_expert.sum()) == 0
+              and bool((home == 0).all()))
     for k in range(1, 8):
         if rank == 1:
             torch.cuda._sleep(400_000_000)  # about 0.2 s of this rank's GPU before each dispatch
@@ -833,6 +836,73 @@ def test_a_failure_is_raised_at_one_dispatch_on_every_rank(worlds):
     assert all("rank 0 receives more rows than its max_rows" in message for _, _, message in got), got
 
 
+def _bounded_mistakes(x, topk_idx, topk_weights, config, case):
+    """One rank's mistake with max_rows on the engine, and what each rank
+    raised (type, message) where, or what it got: ``mixed``, max_rows on
+    rank 0 only; ``grads``, x needs its gradient on rank 0 only (no mistake:
+    x's gradient there, against the host-read dispatch's); ``more``, rank 0
+    with more tokens than the buffers hold, then a dispatch of every rank;
+    ``capture``, the first dispatch with max_rows inside a CUDA graph capture."""
+    from world import current_device
+
+    device = current_device()
+    rank = torch.distributed.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=6.0))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    seen = []
+    if case == "grads":
+        grads = []
+        for bound in (4096, None):
+            xx = x.clone().requires_grad_(rank == 0)
+            out = d.dispatch(xx, topk_idx, topk_weights, max_rows=bound)
+            d.combine(out.tokens * 2, out.handle, weights=out.weights).sum().backward()
+            grads.append(xx.grad)
+        d.check()
+        return rank != 0 or torch.equal(grads[0], grads[1])
+    if case == "capture":
+        d.dispatch(x, topk_idx, topk_weights)  # eager, without max_rows: the buffers grown, nothing reserved
+        torch.cuda.synchronize()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            try:
+                with torch.cuda.graph(graph, stream=stream):
+                    d.dispatch(x, topk_idx, topk_weights, max_rows=4096)
+            except RuntimeError as exc:
+                seen.append(str(exc))
+        return seen
+    calls = [lambda: d.dispatch(x, topk_idx, topk_weights, max_rows=4096 if rank == 0 else None)]
+    if case == "more":
+        d.dispatch(x[:8], topk_idx[:8], topk_weights[:8], max_rows=4096)  # sizes the buffers (256 tokens)
+        big = torch.cat([x] * 5)[:300], torch.cat([topk_idx] * 5)[:300], torch.cat([topk_weights] * 5)[:300]
+        calls = [lambda: d.dispatch(*(big if rank == 0 else (x, topk_idx, topk_weights)), max_rows=4096),
+                 lambda: d.dispatch(x, topk_idx, topk_weights, max_rows=4096)]
+    for call in calls:
+        try:
+            call()
+            torch.cuda.synchronize()
+            seen.append(None)
+        except (ValueError, RuntimeError) as exc:
+            seen.append((type(exc).__name__, str(exc)))
+    return seen
+
+
+@needs_engine
+@pytest.mark.parametrize("case", ["mixed", "grads", "more", "capture"])
+def test_one_ranks_bounded_mistake_on_the_engine(worlds, case):
+    routing = make_routing(WORLD, 4, 2, [64, 64], "random", seed=2)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    got = _run(worlds, _bounded_mistakes, routing, xs, ws, dict(num_experts=routing.num_experts), case)
+    if case == "mixed":  # at the agreement, on every rank
+        assert all(g[0][0] == "ValueError" and "max_rows: every rank" in g[0][1] for g in got), got
+    elif case == "grads":
+        assert got == [True, True], got
+    elif case == "more":  # rank 0 at once; every rank at the next dispatch, where rank 0's word says so
+        assert got[0][0][0] == "ValueError" and "T=300" in got[0][0][1] and got[1][0] is None, got
+        assert all(g[1][0] == "RuntimeError" and "rank 0 marked its input bad" in g[1][1] for g in got), got
+    else:
+        assert all(len(g) == 1 and "cannot hold: run one eagerly first" in g[0] for g in got), got
+
+
 class _ShortOnOneRank:
     """torch's symmetric memory, whose allocations past ``size`` bytes fail on rank 1."""
 
@@ -848,10 +918,45 @@ class _ShortOnOneRank:
         return self.symm.rendezvous(*args)
 
 
-def _symmetric_allocation(short_rank):
+def test_the_words_of_a_dispatch_raise_alike_on_every_rank():
+    """``Transport.dispatch_word`` and ``agreed_words`` (the engine's and
+    NVSHMEM's agreement of a dispatch): what every rank's words make each rank
+    raise, or the gradients some rank needs."""
+    from types import SimpleNamespace
+
+    from dispatch.transports.base import BOUNDED, FAILED, WEIGHTS_GRAD, X_GRAD, Transport, grads_of
+
+    checked = []
+    seen = {"failed": False}
+    me = SimpleNamespace(check=lambda: checked.append(True), seen_failed=lambda bounded: seen["failed"])
+    me.dispatch_word = lambda x, w, max_rows: Transport.dispatch_word(me, x, w, max_rows)
+    x, w = torch.zeros(2, 4, requires_grad=True), torch.zeros(2, 2)
+    assert me.dispatch_word(x, w, 8) == BOUNDED | X_GRAD
+    with torch.no_grad():
+        assert me.dispatch_word(x, w.requires_grad_(), None) == 0
+    seen["failed"] = True
+    assert me.dispatch_word(x, w, None) == X_GRAD | WEIGHTS_GRAD | FAILED
+
+    def agreed(*words):
+        return Transport.agreed_words(me, SimpleNamespace(agreed=words, x=x, topk_weights=w, max_rows=8))
+
+    assert grads_of(agreed(BOUNDED | X_GRAD, BOUNDED | WEIGHTS_GRAD)) == (True, True)
+    assert grads_of(agreed(BOUNDED, BOUNDED)) == (False, False) and not checked
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] found it"):
+        agreed(BOUNDED, BOUNDED | FAILED)
+    assert checked == [True]  # this rank's own failure first, where it has one
+    with pytest.raises(ValueError, match="max_rows: every rank of the group passes one or none .rank 0: max_rows, "
+                                         "rank 1: none"):
+        agreed(BOUNDED | X_GRAD, X_GRAD)
+    assert Transport.agreed_words(me, SimpleNamespace(agreed=None, x=x, topk_weights=w, max_rows=None)) == (
+        X_GRAD | WEIGHTS_GRAD | FAILED,)
+
+
+def _symmetric_allocation(short_rank, error):
     """Engine._symmetric of an engine on this world (no kernels), its
-    allocation failing on ``short_rank`` (None: on none): what this rank
-    raised (its type and message) and the rendezvous it made."""
+    allocation failing on ``short_rank`` (None: on none) with ``error`` (torch's
+    out of memory, or the driver's as torch's symmetric memory raises it): what
+    this rank raised (its type and message) and the rendezvous it made."""
     import torch.distributed as dist
     from dispatch.nvlink import Engine
     from world import current_device
@@ -866,7 +971,7 @@ def _symmetric_allocation(short_rank):
         @staticmethod
         def empty(size, dtype, device):
             if engine.rank == short_rank:
-                raise torch.OutOfMemoryError("out of memory (a test's)")
+                raise (torch.OutOfMemoryError if error == "torch" else RuntimeError)("out of memory (a test's)")
             return torch.zeros(size, dtype=dtype)
 
         @staticmethod
@@ -881,18 +986,18 @@ def _symmetric_allocation(short_rank):
     return None, made
 
 
-@pytest.mark.parametrize("short_rank", [None, 0, 1])
-def test_an_allocation_is_agreed_before_its_rendezvous(worlds, short_rank):
+@pytest.mark.parametrize("short_rank, error", [(None, None), (0, "torch"), (1, "torch"), (1, "driver")])
+def test_an_allocation_is_agreed_before_its_rendezvous(worlds, short_rank, error):
     """Growing the engine's buffers is a collective (the rendezvous): a rank
     whose allocation fails tells its peers first, and every rank raises,
     naming it, instead of waiting in a rendezvous it will not make."""
-    got = worlds(WORLD).run(_symmetric_allocation, [(short_rank,)] * WORLD)
+    got = worlds(WORLD).run(_symmetric_allocation, [(short_rank, error)] * WORLD)
     if short_rank is None:
         assert got == [(None, [1024])] * WORLD, got
         return
     for rank, (raised, made) in enumerate(got):
         assert made == [] and raised is not None, got
-        assert raised[0] == ("OutOfMemoryError" if rank == short_rank else "RuntimeError"), got
+        assert raised[0] == ("OutOfMemoryError" if rank == short_rank and error == "torch" else "RuntimeError"), got
         assert f"rank(s) [{short_rank}] could not allocate 1024 bytes" in raised[1], got
 
 

@@ -102,8 +102,10 @@ class Transport(abc.ABC):
             ``max_rows`` (each group padded to its bound, nothing read on the host).
         agrees_dispatch: (class) whether every dispatch is agreed over the
             host before any exchange, off one host too, with a word of its own
-            (``dispatch_word``): a transport whose exchanges cannot time out
-            (a peer that raised alone would leave the others waiting).
+            (``dispatch_word``): a transport that learns of failures on the
+            device (with ``max_rows``), so that every rank raises them at one
+            dispatch, or whose exchanges cannot time out (a peer that raised
+            alone would leave the others waiting).
         config, group, world_size (W), rank, num_local_experts (E_local),
         local_world_size (ranks per node), arrivals (``comm.Arrivals``: the
         bounded wait of its counts exchange), phase_timer (or None).
@@ -206,7 +208,8 @@ class Transport(abc.ABC):
     def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
         """What this rank adds to a dispatch's agreement (``agrees_dispatch``):
         whether it passes ``max_rows``, which gradients it needs, and whether
-        it has seen a dispatch fail (``seen_failed``), as the bits ``WORD``."""
+        it has seen a dispatch fail (``seen_failed``): the bits BOUNDED, X_GRAD,
+        WEIGHTS_GRAD and FAILED."""
         grad = torch.is_grad_enabled()
         return ((BOUNDED if max_rows is not None else 0) | (X_GRAD if grad and x.requires_grad else 0)
                 | (WEIGHTS_GRAD if grad and topk_weights.requires_grad else 0)

@@ -68,7 +68,7 @@ class NVLinkTransport(Transport):
     host_free = True
     max_topk = MAX_TOPK
     bounded_groups = True
-    agrees_dispatch = True  # every rank on one host: on the board, as every call is
+    agrees_dispatch = True  # on the group's board (x86-64), else over the host channel: one all-gather a dispatch
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
@@ -116,7 +116,11 @@ class NVLinkTransport(Transport):
         engine = self.engine
         stage_row = staged_row_bytes(codec, x.shape[1])
         if not engine.reserved:  # the same on every rank: size the buffers by agreement, once some rank has a
-            self.reserve(x, topk)  # token (whatever grew them before)
+            if cuda.capturing():  # token (whatever grew them before)
+                raise RuntimeError("max_rows: the first dispatch with max_rows on the engine sizes its buffers by a "
+                                   "collective, which a CUDA graph capture cannot hold: run one eagerly first (or "
+                                   "d.reserve(x, K))")
+            self.reserve(x, topk)
         header = plan.header(x, topk_weights, topk, ticket)
         max_rows, memory_rows = ticket.max_rows, ticket.memory_rows
         bound = -(-max_rows // groups)
@@ -129,6 +133,8 @@ class NVLinkTransport(Transport):
         rows = x.detach().contiguous()[: len(topk_idx)]
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, header, rows, codec, request.check_values,
                                         host_read=False, groups=groups)
+        if over or short:  # its peers raise at their next dispatch, where this rank's word says it saw the failure
+            engine.failure_seen = True
         if short:
             raise ValueError(
                 f"max_rows: {out_rows} rows do not fit this rank's free device memory ({memory_rows} rows of "
