@@ -191,10 +191,10 @@ class Engine(EngineMoves):
             if self._polled[0]:  # landed: no wait
                 self.failure_seen = True
                 return True
-        if poll:  # the copy comes after the latest operation, on whatever stream, on a stream of its own (the
-            stream = self._poll_stream  # caller's stream does not wait for it, nor for that operation)
-            if stream is None:
-                stream = self._poll_stream = torch.cuda.Stream(self.device)
+        if poll:  # the copy after the latest operation (any stream) and the caller's work (the status words'
+            stream = self._poll_stream = self._poll_stream or torch.cuda.Stream(self.device)  # zeroing at least),
+            # on a stream of its own: the caller's stream does not wait for it, nor for that operation
+            stream.wait_stream(cuda.current_stream(self.device.index))
             last = self._last
             if last is not None and last[1] is None:
                 stream.wait_event(last[0])
