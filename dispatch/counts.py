@@ -7,11 +7,11 @@ split sizes are needed. It reuses ``dispatch.plan``'s route, header and send
 order (``plan.send_positions``, ``plan.rows_by_item``, ``plan.items_by_row``), so the
 checks are those of the alltoall variant: values before the first exchange
 (a rank with bad values marks itself failed in it and raises right after it),
-peers' headers right after it (every rank raises).
+peers' headers and groups right after it (every rank raises).
 
-Notation as in ``dispatch.plan``; M = W // L nodes of L ranks.
+Notation as in ``dispatch.plan``; M = W // L nodes of L ranks; G groups of local experts.
 
-Gathered row of one rank: ``[counts W * (1 + E_local) | header | T | node hits M]``.
+Gathered row of one rank: ``[counts W * (1 + E_local) | header | T | node hits M | G]``.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def exchange(
     ticket: plan.Ticket = plan.Ticket(),
     row_bytes: int = 0,
     exact_memory_rows=None,
+    groups: int = 1,
 ) -> GlobalCounts:
     """Route, check values, all-gather the counts, check peers; one host sync.
     Bad values on this rank mark it failed in the row it all-gathers, on the
@@ -81,37 +82,42 @@ def exchange(
         local_world_size: L (ranks per node).
         ticket, row_bytes: this call's :class:`dispatch.plan.Ticket` (``plan.header``) and the
             bytes a received row takes (``checks.check_row_budgets``).
+        groups: G of the dispatch (``dispatch(groups=G)``): every rank's must be
+            the same (``checks.check_peer_groups``): a rank of other groups hands
+            out other rows by group, and sends its sums home at another add.
     """
     num_tokens, topk = topk_idx.shape
     route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     nodes = world_size // local_world_size
     node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
-    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket) + [num_tokens]), x.device)
+    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket) + [num_tokens, groups]),
+                                x.device)
     if check_values and num_tokens > 0:  # a bad value marks this rank failed in its row, on the device
         header_row = checks.fold_flags(header_row, checks.value_flags(topk_idx, topk_weights.detach(), num_experts))
-    tail = torch.cat([header_row[-1:], node_hit.sum(0, dtype=torch.int64)])  # T, then the node hits
+    tail = torch.cat([header_row[-2:-1], node_hit.sum(0, dtype=torch.int64), header_row[-1:]])  # T, node hits, G
     layout = counts_row(world_size, route.counts.shape[1] - 1, local_world_size)
-    row = layout.row(route.counts, header_row[:-1], tail)
+    row = layout.row(route.counts, header_row[:-2], tail)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     all_counts, headers, tails = layout.split(gathered)
     # this rank's own bad values: its error (its peers raise in check_peer_headers)
     checks.raise_own_values(headers[rank].tolist(), ticket, topk_idx, topk_weights, num_experts)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
     checks.check_row_budgets(headers, all_counts[:, :, 1:].sum((0, 2)).tolist(), row_bytes, exact_memory_rows)
+    checks.check_peer_groups(tails[:, -1].tolist())
     return GlobalCounts(
         route=route,
         node_hit=node_hit,
         counts=all_counts,
         tokens=tails[:, 0],
-        node_hits=tails[:, 1:],
+        node_hits=tails[:, 1:-1],
         x_grad_any=x_grad_any,
         weights_grad_any=weights_grad_any,
     )
 
 
 def counts_row(world_size: int, local_experts: int, local_world_size: int) -> plan.CountsRow:
-    """The row :func:`exchange` all-gathers: counts, header, then T and the node hits."""
-    return plan.CountsRow(world_size, local_experts, 1 + world_size // local_world_size)
+    """The row :func:`exchange` all-gathers: counts, header, then T, the node hits and G."""
+    return plan.CountsRow(world_size, local_experts, 2 + world_size // local_world_size)
 
 
 @dataclass(frozen=True)

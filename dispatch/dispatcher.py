@@ -155,7 +155,7 @@ class TokenDispatcher:
                 still crosses to a rank once: with the first group there that
                 needs it); the other variants move all groups at once and
                 hand them out by group. Every rank passes
-                the same G (checked where the pieces must match); not with
+                the same G (where they differ, every rank raises before any row moves); not with
                 ``pad_to_capacity``. With ``max_rows`` (the NVLink engine
                 only), each group's rows are padded to B = ceil(max_rows / G):
                 group g's rows at [g B, g B + its rows), then zero rows, the

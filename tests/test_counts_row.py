@@ -44,10 +44,10 @@ def test_bad_values_raise_the_failed_entry_alone():
 
 
 def test_each_exchange_names_its_row():
-    """The alltoall transport's row ends in its group tail, the others' in T and
-    the node hits: the widths the host channel pairs with."""
+    """The alltoall transport's row ends in its group tail, the others' in T, the
+    node hits and G: the widths the host channel pairs with."""
     assert plan_graph.counts_row(4, 3).tail == 4 * 2 * 3 + 1
-    assert counts.counts_row(4, 3, 2).tail == 1 + 2
+    assert counts.counts_row(4, 3, 2).tail == 1 + 2 + 1
 
 
 def test_the_plan_summary_reads_back_by_part():

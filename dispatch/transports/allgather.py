@@ -81,8 +81,8 @@ class AllGatherTransport(Transport):
         world, rank = self.world_size, self.rank
         num_tokens, topk = topk_idx.shape
         gc = counts.exchange(
-            x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, rank, check_values,
-            self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows,
+            x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, rank,
+            check_values, self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows, request.groups,
         )
         block = int(gc.tokens.max())
         mine = gc.counts[:, rank]  # [W_src, 1 + E_local] host

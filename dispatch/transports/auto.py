@@ -78,7 +78,8 @@ class AutoTransport(Transport):
         x = request.x
         gc = counts.exchange(x, request.topk_idx, request.topk_weights, self.config.num_experts,
                              self.local_world_size, self.group, self.world_size, self.rank, request.check_values,
-                             self.arrivals, request.ticket, exact_memory_rows=request.exact_memory_rows)
+                             self.arrivals, request.ticket, exact_memory_rows=request.exact_memory_rows,
+                             groups=request.groups)
         hidden = x.shape[1]
         costs = estimate(gc.routing_stats(), self.local_world_size,
                          to_experts_codec(self.config.dispatch_wire, x.dtype).row_bytes(hidden),

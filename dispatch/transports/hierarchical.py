@@ -141,7 +141,7 @@ class HierarchicalTransport(Transport):
         num_tokens, topk = topk_idx.shape
         device = x.device
         gc = counts.exchange(x, topk_idx, topk_weights, num_experts, local, self.group, world, rank, check_values,
-                             self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows)
+                             self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows, request.groups)
         hits = gc.counts[:, :, 0]  # [W_src, W_dst] host
         holders_sources = [b * local + index for b in range(nodes)]  # sources whose tokens this rank holds
         send1 = tuple(gc.node_hits[rank].tolist())
