@@ -27,6 +27,8 @@ class CombineHandle:
         owner: the dispatcher that made it (checked by the verbs along it).
         transport: the transport that planned it and moves along it
             (``dispatch.transports``; for ``variant="auto"``, the one it chose).
+        device: the device of the dispatch's x, where its rows and the rows
+            moved along it lie (``GroupSums.add`` holds the experts' rows to it).
         num_tokens: T of the dispatch.
         num_rows: N, rows handed to the experts.
         topk: K of the dispatch.
@@ -63,6 +65,7 @@ class CombineHandle:
 
     owner: object
     transport: object
+    device: torch.device
     num_tokens: int
     num_rows: int
     topk: int

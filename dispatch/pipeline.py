@@ -267,19 +267,17 @@ class _PipelineFn(torch.autograd.Function):
                     counts = per_expert if per_expert_host is None else per_expert_host
                     with torch.set_grad_enabled(grad_on), layer._carveout():
                         y = experts(leaf, counts, w_leaf)
-                    _check_expert_out(y, tokens)
                     if grad_on:
                         leaves[g], ys[g] = (leaf, w_leaf), y
                 else:
                     leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
                     with torch.set_grad_enabled(grad_on), layer._carveout():
                         y = experts(leaf, per_expert)
-                    _check_expert_out(y, tokens)
                     if grad_on:  # kept for backward; without grad, group g's rows die here
                         leaves[g], ys[g] = leaf, y
                 if sums is None:
                     sums = d.combine_groups(handle, dtype=layer._out_dtype(x), wire=d.config.combine_wire)
-                sums.add(y.detach(), None if layer.weighted_experts else weights[g])
+                _add_expert_out(sums, y, None if layer.weighted_experts else weights[g], tokens, g)
                 tokens = y = None
             result = sums.wait()
         ctx.layer, ctx.handle, ctx.weights = layer, handle, weights
@@ -400,14 +398,16 @@ def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list, w
     return grad_rows, grad_weights
 
 
-def _check_expert_out(y: object, tokens: torch.Tensor) -> None:
-    if not isinstance(y, torch.Tensor):
-        raise TypeError(f"experts must return a tensor, got {type(y).__name__}")
-    if y.dim() != 2 or y.shape[0] != tokens.shape[0] or y.device != tokens.device:
-        raise ValueError(
-            f"experts must return [N, H'] rows on {tokens.device} for N={tokens.shape[0]} tokens; "
-            f"got shape {tuple(y.shape)} on {y.device}"
-        )
+def _add_expert_out(sums, y: object, weights, tokens: torch.Tensor, g: int) -> None:
+    """Add the experts' rows ``y`` of group g (``tokens`` their input) to
+    ``sums``: its add checks them within the call's agreement, so that a rank
+    whose experts answered other rows raises there, naming them, and its peers
+    raise ``PeerRefused`` at once (none waits for it in an exchange)."""
+    try:
+        sums.add(y.detach() if isinstance(y, torch.Tensor) else y, weights)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"experts must return [N, H'] floating rows on {tokens.device} for the "
+                          f"N={tokens.shape[0]} rows of group {g}: {error}") from error
 
 
 def _plain_grouped_experts(experts, device_type: str) -> bool:

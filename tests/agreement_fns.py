@@ -117,6 +117,26 @@ def moe_layer_mistake(config: dict, bad_rank: int):
     return _timed(lambda: layer(mine, idx, w), d)
 
 
+def moe_experts_mistake(config: dict, mistake: str, groups: int, bad_rank: int):
+    """Every rank runs a ``MoEExchange`` layer by ``groups`` groups; rank
+    ``bad_rank``'s experts answer rows its peers' would not: one row too many
+    (``"shape"``), integers (``"dtype"``), or no tensor (``"not a tensor"``).
+    Returns as :func:`one_rank_mistake`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(world, seed=3)
+
+    def experts(rows, counts):
+        y = rows * 2
+        if rank != bad_rank:
+            return y
+        return {"shape": lambda: torch.cat([y, y.new_zeros(1, y.shape[1])]), "dtype": lambda: y.to(torch.int32),
+                "not a tensor": lambda: y.tolist()}[mistake]()
+
+    layer = dispatch.MoEExchange(d, experts, groups=groups)
+    return _timed(lambda: layer(x, idx, w), d)
+
+
 def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
     """Every rank makes ``verb`` with arguments its own checks pass; rank
     ``bad_rank``'s rows have another dtype (``what="dtype"``) or width

@@ -71,6 +71,26 @@ def test_a_layers_mistake_stops_every_rank_at_once(worlds):
     _check(worlds(3).run(agreement_fns.moe_layer_mistake, [(config, 1)] * 3), "dtype", 1)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("mistake, error", [("shape", "ValueError"), ("dtype", "TypeError"),
+                                            ("not a tensor", "TypeError")])
+def test_a_layers_expert_mistake_stops_every_rank_at_once(worlds, mistake, error, groups):
+    """``MoEExchange`` checks its experts' rows within the agreement of the add
+    that sums them home (``GroupSums.add``): one rank's experts answering rows of
+    another shape, a dtype that is not floating or no tensor stop every rank at
+    once, that rank with an error naming the experts, its peers with
+    ``PeerRefused`` (they wait for none in an exchange)."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(2).run(agreement_fns.moe_experts_mistake, [(config, mistake, groups, 1)] * 2)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        if rank == 1:
+            assert name == error and "experts must return" in message, (rank, name, message)
+        else:
+            assert name == "PeerRefused" and "rank(s) [1]" in message, (rank, name, message)
+        assert elapsed < SOON, (rank, elapsed)
+        assert usable, f"rank {rank}: the round trip after the refusal went wrong"
+
+
 def _cases(variants):
     """(variant, verb, mistake) of SOME on each variant (a pad_to_capacity dispatch moves as one group)."""
     return [(v, verb, m) for v in variants for verb, m in SOME if not (v == "alltoall-pad" and verb == "combine_groups")]

@@ -250,9 +250,9 @@ def handle_fields(request: Request, transport: Transport, num_rows: int, grads_a
                   has_rows: tuple[bool, ...]) -> dict:
     """The fields every transport's handle of ``request`` has (``CombineHandle``'s)."""
     num_tokens, topk = request.topk_idx.shape
-    return dict(owner=request.owner, transport=transport, call=request.ticket.call, num_tokens=num_tokens,
-                num_rows=num_rows, topk=topk, x_grad_any=grads_any[0], weights_grad_any=grads_any[1],
-                has_rows=has_rows)
+    return dict(owner=request.owner, transport=transport, device=request.x.device, call=request.ticket.call,
+                num_tokens=num_tokens, num_rows=num_rows, topk=topk, x_grad_any=grads_any[0],
+                weights_grad_any=grads_any[1], has_rows=has_rows)
 
 
 def shape_fields(request: Request, num_local: int, per_expert: list[int], num_rows: int) -> dict:
