@@ -141,7 +141,6 @@ class Engine(EngineMoves):
         self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (_Ordered)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status (seen_failed)
         self._polled_event: torch.cuda.Event | None = None
-        self._poll_stream: torch.cuda.Stream | None = None
         self.failure_seen = False  # a failure recorded on the device has reached the host (seen_failed)
         self._host_words = None  # the counts matrix as the compiled counts exchange reads it (pinned)
         if self._host is not None:
@@ -191,15 +190,12 @@ class Engine(EngineMoves):
             if self._polled[0]:  # landed: no wait
                 self.failure_seen = True
                 return True
-        if poll:  # the copy after the latest operation (any stream) and the caller's work (the status words'
-            stream = self._poll_stream = self._poll_stream or torch.cuda.Stream(self.device)  # zeroing at least),
-            # on a stream of its own: the caller's stream does not wait for it, nor for that operation
-            stream.wait_stream(cuda.current_stream(self.device.index))
+        if poll:  # the copy comes after the latest operation, on whatever stream; it orders nothing after it
+            stream = cuda.current_stream(self.device.index)
             last = self._last
             if last is not None and last[1] is None:
                 stream.wait_event(last[0])
-            with torch.cuda.stream(stream):
-                self._polled.copy_(self.status, non_blocking=True)
+            self._polled.copy_(self.status, non_blocking=True)
             self._polled_event = torch.cuda.Event()
             self._polled_event.record(stream)
         return False
