@@ -251,6 +251,31 @@ class Calls:
             raise
         return rows
 
+    def agree_part(self, ticket: plan.Ticket, whole: plan.Ticket, dtype_code: int = -1,
+                   hidden: int = 0) -> list[list[int]]:
+        """:meth:`agree` for a call that is a part of the call ``whole`` (a
+        ``GroupSums.add`` of its ``combine_groups``): the whole's number travels
+        in the tail, so that parts of two calls along one handle, made in
+        another order on some rank, do not pair crosswise: every rank raises
+        :class:`CallsDiffer` naming the ranks and both calls, and none counts
+        the part."""
+        rows = self.agree(ticket, dtype_code, (whole.call,), hidden)
+        wholes = [row[-1] for row in rows]
+        for number in wholes:  # the usual case, at a glance: every rank at a part of this very call
+            if number != whole.call:
+                break
+        else:
+            return rows
+        self.withdraw(ticket)
+        at: dict[int, list[int]] = {}
+        for rank, number in enumerate(wholes):
+            at.setdefault(number, []).append(rank)
+        told = "; ".join(f"rank(s) {ranks} at {call_name(ticket.verb % DISPATCHERS, ticket.call)} of "
+                         f"{call_name(whole.verb, number, whole.along)}" for number, ranks in at.items())
+        raise CallsDiffer(f"the ranks of the group are at parts of different calls ({told}): every rank makes "
+                          "the parts of its calls in the same order; no part completes by pairing with another "
+                          "call's, and every rank stops here, before any row moves")
+
     def withdraw(self, ticket: plan.Ticket) -> None:
         """Give ``ticket``'s number back (where it is still its verb's last):
         the ranks' calls differed (:class:`CallsDiffer`), and none counts it."""

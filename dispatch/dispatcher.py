@@ -436,7 +436,7 @@ class TokenDispatcher:
         headers = self._calls.agree(ticket, code, tail=(SUM_WIRES.index(wire),))
         checks.check_peer_rows(headers, "dtype")
         checks.check_peer_choice(headers, "wire", SUM_WIRES)
-        return GroupSums(self, handle, dtype, wire)
+        return GroupSums(self, handle, dtype, wire, ticket)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
         """Make room for dispatches with ``max_rows`` of up to ``x``'s T tokens of

@@ -19,13 +19,16 @@ from dispatch.streams import Pending, StartedGroups
 
 if TYPE_CHECKING:
     from dispatch.dispatcher import TokenDispatcher
+    from dispatch.plan import Ticket
 
 
 class GroupSums:
-    """Expert rows summed home group by group (``TokenDispatcher.combine_groups``)."""
+    """Expert rows summed home group by group (``TokenDispatcher.combine_groups``;
+    ``call``: the ticket of that call, which each add names in its agreement)."""
 
-    def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, dtype, wire: str) -> None:
-        self._dispatcher, self._handle, self.dtype = dispatcher, handle, dtype
+    def __init__(self, dispatcher: "TokenDispatcher", handle: CombineHandle, dtype, wire: str,
+                 call: "Ticket") -> None:
+        self._dispatcher, self._handle, self.dtype, self._call = dispatcher, handle, dtype, call
         self._issuer = handle.transport.group_sums(handle, wire, dtype)
         self._added, self._last, self._result = 0, None, None
         self._weights_dtype = False  # not known before the first add
@@ -37,9 +40,12 @@ class GroupSums:
         pre-sums' way home starts behind the caller's current stream's work so
         far. A rank that refuses its rows here (shape, weights) makes its
         peers raise too, naming it (each group's add agrees on the call, as
-        ``combine`` does). Leave the rows and weights unchanged until
-        :meth:`wait`: a later group's pre-sums may read them (the NVLink engine
-        sums each pre-sum whole when its last group comes)."""
+        ``combine`` does). Each add names its ``combine_groups`` there too:
+        the adds of two along one handle, made in another order on some rank,
+        raise ``CallsDiffer`` on every rank instead of pairing crosswise. Leave
+        the rows and weights unchanged until :meth:`wait`: a later group's
+        pre-sums may read them (the NVLink engine sums each pre-sum whole when
+        its last group comes)."""
         handle, g = self._handle, self._added
         given = weights.dtype if isinstance(weights, torch.Tensor) else None
 
@@ -62,7 +68,7 @@ class GroupSums:
 
         ticket = self._dispatcher._along("GroupSums.add", handle, check)
         code = checks.dtype_code(rows) if self.dtype is None else -1  # with a dtype, rows are cast to it
-        checks.check_peer_rows(self._dispatcher._calls.agree(ticket, code, hidden=rows.shape[1]), "rows")
+        checks.check_peer_rows(self._dispatcher._calls.agree_part(ticket, self._call, code, rows.shape[1]), "rows")
         if self.dtype is not None and rows.dtype != self.dtype:
             # cast, not refused: a rank without rows in this group could not
             # refuse alike, and would send its pieces to peers that wait

@@ -137,6 +137,31 @@ def moe_experts_mistake(config: dict, mistake: str, groups: int, bad_rank: int):
     return _timed(lambda: layer(x, idx, w), d)
 
 
+def crosswise_adds(config: dict, groups: int, crossing: int):
+    """Every rank dispatches by ``groups`` groups and makes two ``combine_groups``
+    along its handle, A of the dispatched rows and B of other rows; rank
+    ``crossing`` adds each group's rows to B before A, its peers to A before B.
+    Returns (the name of what was raised or None, its message, whether both
+    sums were those of ``combine_rows``, the round trip after it was right)."""
+    rank = dist.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=7)
+    out = d.dispatch(x, idx, w, groups=groups, async_op=True).wait()
+    handle, tokens = out.handle, out.tokens.detach()
+    rows = {"A": tokens, "B": tokens + 100}
+    sums = {name: d.combine_groups(handle, dtype=torch.float32) for name in rows}
+    try:
+        for g in range(groups):
+            lo, hi = handle.row_range(g)
+            for name in ("B", "A") if rank == crossing else ("A", "B"):
+                sums[name].add(rows[name][lo:hi])
+        got = {name: s.wait() for name, s in sums.items()}
+    except RuntimeError as exc:  # the test inspects what each rank raised
+        return type(exc).__name__, str(exc), False, _round_trip_is_right(d)
+    right = all(torch.equal(got[name], d.combine_rows(rows[name], handle)) for name in rows)
+    return None, "", right, _round_trip_is_right(d)
+
+
 def rows_differ(config: dict, verb: str, what: str, bad_rank: int):
     """Every rank makes ``verb`` with arguments its own checks pass; rank
     ``bad_rank``'s rows have another dtype (``what="dtype"``) or width

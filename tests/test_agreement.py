@@ -91,6 +91,22 @@ def test_a_layers_expert_mistake_stops_every_rank_at_once(worlds, mistake, error
         assert usable, f"rank {rank}: the round trip after the refusal went wrong"
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("variant", ["alltoall", "allgather"])
+def test_adds_of_two_combines_in_another_order_stop_every_rank(worlds, variant, groups):
+    """Two ``combine_groups`` along one handle whose adds one rank makes in the
+    other order (B before A): each add names its combine in its agreement, so
+    the adds do not pair crosswise (the sums were silently wrong); every rank
+    raises CallsDiffer naming both combines, and the dispatcher stays usable."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", variant=variant)
+    results = worlds(2).run(agreement_fns.crosswise_adds, [(config, groups, 1)] * 2)
+    for rank, (name, message, right, usable) in enumerate(results):
+        assert name == "CallsDiffer", (rank, name, message, right)
+        assert "rank(s) [0] at GroupSums.add #1 of combine_groups #1" in message, message
+        assert "rank(s) [1] at GroupSums.add #1 of combine_groups #2" in message, message
+        assert usable, f"rank {rank}: the round trip after the crossed adds went wrong"
+
+
 def _cases(variants):
     """(variant, verb, mistake) of SOME on each variant (a pad_to_capacity dispatch moves as one group)."""
     return [(v, verb, m) for v in variants for verb, m in SOME if not (v == "alltoall-pad" and verb == "combine_groups")]
