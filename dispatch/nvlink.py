@@ -421,8 +421,9 @@ class Engine(EngineMoves):
             staged = staged and bool(r[STAGED_COL])
             bound = r[TOKENS_COL] if r[TOKENS_COL] > bound else bound
             received += r[SENDS_COL + self.rank]
-        return Counts(every, words_at, HostCounts.read(matrix_host, self.rank, self.experts_per_rank), received, bound, per_expert,
-                      self._tokens_at(bound), staged, group_end)
+        host_counts = HostCounts.read(matrix_host, self.rank, self.experts_per_rank)
+        return Counts(every, words_at, host_counts, received, bound, per_expert, self._tokens_at(bound), staged,
+                      group_end)
 
     def _counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,
                          hidden: int, groups: int) -> tuple:
