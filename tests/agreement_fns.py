@@ -376,3 +376,18 @@ def never_calls(config: dict, absent: int):
     if dist.get_rank() == absent:
         time.sleep(1.25 * config["timeout"])  # past their timeout, within the next call's
     return _timed(lambda: d.combine_rows(out.tokens, out.handle), d)
+
+
+def extra_call_on_auto_without_board(config: dict, extra_rank: int):
+    """:func:`extra_call` off the board on ``variant="auto"`` whose choice is
+    alltoall, whose counts row is wider than the one auto's agreements
+    all-gather: an agreement must never meet such a counts exchange (over gloo
+    a collective of rows of another width aborts the process)."""
+    from dispatch.transports import auto
+
+    modelled = auto.estimate
+    auto.estimate = lambda *args: {"alltoall": 0.0, "allgather": 1.0, "hierarchical": 1.0}
+    try:
+        return _without_board(extra_call, dict(config, variant="auto"), extra_rank)
+    finally:
+        auto.estimate = modelled

@@ -205,13 +205,16 @@ def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds, board):
         assert usable, f"rank {rank}: the round trip after the different calls went wrong"
 
 
-@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
+@pytest.mark.parametrize("board", [True, False, "auto"], ids=["board", "host channel", "auto, host channel"])
 def test_an_extra_call_beside_a_dispatch_leaves_the_ranks_in_step(worlds, board):
     """Rank 1 makes a combine_rows while its peers dispatch (off the board the
-    dispatch's counts exchange meets it): every rank raises CallsDiffer, none
-    counts its call, and the next round trip pairs every rank's calls again."""
+    dispatch's counts exchange meets it; on auto its own agreement, whose rows
+    its alltoall's counts exchange would not match): every rank raises
+    CallsDiffer, none counts its call, and the next round trip pairs every
+    rank's calls again."""
     config = dict(num_experts=agreement_fns.E, transport="nccl")
-    fn = agreement_fns.extra_call if board else agreement_fns.extra_call_without_board
+    fn = {True: agreement_fns.extra_call, False: agreement_fns.extra_call_without_board,
+          "auto": agreement_fns.extra_call_on_auto_without_board}[board]
     results = worlds(3).run(fn, [(config, 1)] * 3)
     for rank, (name, message, elapsed, usable) in enumerate(results):
         assert name == "CallsDiffer", (rank, name, message)
