@@ -5,7 +5,8 @@ whatever its own checks (``dispatch.checks``) found.
 Only one rank may see its own mistake, so no rank raises alone. The agreement
 runs on the group's board in shared memory where the ranks share a host
 (``dispatch.board``), else over the host channel (:func:`agree`; a dispatch
-then rides on its counts all-gather). The call's header (``plan.HEADER``)
+then rides on its counts all-gather, but where its transport agrees on each
+dispatch first: ``Transport.agrees_dispatch``). The call's header (``plan.HEADER``)
 names it (its verb, dispatcher and grad mode, its number on the dispatcher,
 the dispatch whose handle it moves along) and marks a rank that refused its
 input; after the agreement every rank raises alike, before any token moves:

@@ -406,8 +406,8 @@ def _add_expert_out(sums, y: object, weights, tokens: torch.Tensor, g: int) -> N
     try:
         sums.add(y.detach() if isinstance(y, torch.Tensor) else y, weights)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"experts must return [N, H'] floating rows on {tokens.device} for the "
-                          f"N={tokens.shape[0]} rows of group {g}: {error}") from error
+        raise type(error)(f"the experts' rows of group {g} (each rank's experts return [N, H'] floating rows on "
+                          f"its device; here N={tokens.shape[0]} on {tokens.device}): {error}") from error
 
 
 def _plain_grouped_experts(experts, device_type: str) -> bool:

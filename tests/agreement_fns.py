@@ -391,3 +391,7 @@ def extra_call_on_auto_without_board(config: dict, extra_rank: int):
         return _without_board(extra_call, dict(config, variant="auto"), extra_rank)
     finally:
         auto.estimate = modelled
+
+
+def crosswise_adds_without_board(*args):
+    return _without_board(crosswise_adds, *args)

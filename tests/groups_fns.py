@@ -121,3 +121,10 @@ def experts_in_another_dtype(x, topk_idx, topk_weights, num_experts: int, groups
         xs, topk_idx.to(device), topk_weights.to(device))
     out.double().sum().backward()
     return _cpu(out), _cpu(xs.grad)
+
+
+def grouped_errors_without_board(*args):
+    """:func:`grouped_errors` with the calls agreed over the host channel (as off one host)."""
+    from agreement_fns import _without_board
+
+    return _without_board(grouped_errors, *args)

@@ -72,17 +72,20 @@ def test_groups_every_variant(worlds, config):
     _check(results, 3, 4)
 
 
+@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
 @pytest.mark.parametrize("config", [dict(variant="alltoall"), dict(variant="allgather"),
-                                    dict(variant="hierarchical", local_world_size=1)],
-                         ids=["alltoall", "allgather", "hierarchical"])
-def test_group_refusals(worlds, config):
-    """Refusals of dispatches by groups, on every variant: ranks that pass
-    different G all raise naming groups and each rank's G (the counts exchange
-    carries it), before any row moves."""
+                                    dict(variant="hierarchical", local_world_size=1), dict(variant="auto")],
+                         ids=["alltoall", "allgather", "hierarchical", "auto"])
+def test_group_refusals(worlds, config, board):
+    """Refusals of dispatches by groups, on every variant, the calls agreed on
+    the board or over the host channel: ranks that pass different G all raise
+    naming groups and each rank's G (the counts exchange carries it), before
+    any row moves."""
     g = make_routing(2, 4, 2, [5, 4], "random", seed=3)
     args = [(random_tokens(r, g.num_tokens[r], HIDDEN, torch.float32, 1), g.topk_idx[r], g.topk_weights[r].float(),
              dict(num_experts=g.num_experts, transport="nccl", **config), [2, 3]) for r in range(2)]
-    for errors in worlds(2).run(groups_fns.grouped_errors, args):
+    fn = groups_fns.grouped_errors if board else groups_fns.grouped_errors_without_board
+    for errors in worlds(2).run(fn, args):
         assert "groups must be an int in [1, 4]" in errors["zero"]
         assert "groups must be an int in [1, 4]" in errors["too many"]
         assert "max_rows" in errors["max_rows"]

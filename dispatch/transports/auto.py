@@ -64,6 +64,7 @@ class AutoTransport(Transport):
         # over gloo off the board (ranks on several hosts) a call's agreement and a counts exchange meet in one
         # collective where the ranks' calls differ, and alltoall's counts row is wider than the one the agreements
         # all-gather (this transport's): a dispatch agrees first, so that an agreement meets only another agreement
+        # (one host all-gather a dispatch; on a group of gloo and NCCL too, where CPU tensors may take gloo)
         self.agrees_dispatch = "cpu" in comm.device_types(group) and Board.for_group(group) is None
 
     def members(self) -> tuple[Transport, ...]:

@@ -100,12 +100,14 @@ class Transport(abc.ABC):
         max_topk: (class) the most slots per token it moves (None: any).
         bounded_groups: (class) whether it moves a dispatch by groups with
             ``max_rows`` (each group padded to its bound, nothing read on the host).
-        agrees_dispatch: (class) whether every dispatch is agreed over the
-            host before any exchange, off one host too, with a word of its own
+        agrees_dispatch: whether every dispatch is agreed over the host
+            before any exchange, off one host too, with a word of its own
             (``dispatch_word``): a transport that learns of failures on the
             device (with ``max_rows``), so that every rank raises them at one
             dispatch, or whose exchanges cannot time out (a peer that raised
-            alone would leave the others waiting).
+            alone would leave the others waiting), or (``auto`` over gloo off
+            the board) whose counts exchanges have rows of another width than
+            its agreements'.
         config, group, world_size (W), rank, num_local_experts (E_local),
         local_world_size (ranks per node), arrivals (``comm.Arrivals``: the
         bounded wait of its counts exchange), phase_timer (or None).
