@@ -4,9 +4,8 @@ whatever its own checks (``dispatch.checks``) found.
 
 Only one rank may see its own mistake, so no rank raises alone. The agreement
 runs on the group's board in shared memory where the ranks share a host
-(``dispatch.board``), else over the host channel (:func:`agree`; a dispatch
-then rides on its counts all-gather, but where its transport agrees on each
-dispatch first: ``Transport.agrees_dispatch``). The call's header (``plan.HEADER``)
+(``dispatch.board``), else over the host channel (:func:`agree`; beside
+NCCL a dispatch then rides on its counts all-gather). The call's header (``plan.HEADER``)
 names it (its verb, dispatcher and grad mode, its number on the dispatcher,
 the dispatch whose handle it moves along) and marks a rank that refused its
 input; after the agreement every rank raises alike, before any token moves:
@@ -66,7 +65,7 @@ def agree_config(config, group) -> None:
     ticket = plan.Ticket(VERB_CODES["dispatch.create"], arrivals.index + 1)  # the group's n-th create
     # a call's agreement as the host channel makes it (the ranks at another call raise CallsDiffer), its tail the digest
     try:
-        rows = agree(ticket, host, world, None, arrivals, tail=(int.from_bytes(digest, "little", signed=True),))
+        rows = agree(ticket, host, world, arrivals, tail=(int.from_bytes(digest, "little", signed=True),))
     except CallsDiffer:
         arrivals.withdraw()  # not counted, as a call's: the next create is numbered as this one
         raise
@@ -149,45 +148,39 @@ def check_peer_calls(headers) -> None:
         raise PeerRefused(failed, call_name(calls[0][0], calls[0][1], min(alongs, default=0)))
 
 
-def agree(ticket: plan.Ticket, group, world_size: int, counts_row: plan.CountsRow | None,
-          arrivals: comm.Arrivals | None = None, dtype_code: int = -1, tail: tuple[int, ...] = (),
-          hidden: int = 0, weights_code: int = -1) -> list[list[int]]:
-    """The first message of a call that has no counts exchange of its own:
-    every rank's header of the call, all-gathered on the host and checked
-    (:func:`check_peer_calls`).
+def agree(ticket: plan.Ticket, group, world_size: int, arrivals: comm.Arrivals | None = None, dtype_code: int = -1,
+          tail: tuple[int, ...] = (), hidden: int = 0, weights_code: int = -1) -> list[list[int]]:
+    """The first message of a call over the host channel: every rank's header
+    of the call, all-gathered on the host and checked (:func:`check_peer_calls`).
 
     It runs over the group's host channel (``comm.host_group``: the group
     itself on gloo, a gloo group of the same ranks beside NCCL), so that it
     waits for the peers to reach the call and for nothing queued on the GPU.
-    On gloo its row is the shape of the dispatcher's counts row
-    (``counts_row``), with the header at the same place, so that where one
-    rank dispatches while another is at another verb, the two messages pair and
-    both see the different calls. Beside NCCL (``counts_row`` None), where it
-    meets no counts exchange, its row is the header and one tail entry, the
-    same for every dispatcher of the group and for ``dispatch.create``'s
-    agreement on the config: where ranks are at calls of dispatchers of other
-    shapes, the rows still pair, and the calls differ.
+    Its row is the header and one tail entry, the same for every call of
+    every dispatcher of the group and for ``dispatch.create``'s agreement on
+    the config: where ranks are at different calls, of dispatchers of other
+    shapes too, the rows pair, and the calls differ. It never meets a counts
+    exchange (whose rows have other widths: on gloo a collective of rows of
+    two widths aborts the process): on gloo a dispatch agrees here before its
+    counts exchange (``Calls.dispatch_agrees``); beside NCCL the counts
+    exchanges run on NCCL.
 
     Args:
         ticket: this call (``refused``: this rank takes part, then raises).
         group: the host channel's group.
-        counts_row: the dispatcher's counts row (``plan.CountsRow``), or None
-            (the header and one tail entry).
         dtype_code: the ``x_dtype`` column: the code of the rows' dtype where
             the verb agrees on one (``combine``), -1 for none.
-        tail: entries after the header (at most ``counts_row.tail``).
+        tail: entries after the header (at most one).
         hidden: the ``hidden`` column: the width of the rows the call moves (0: none).
         weights_code: the ``weights_dtype`` column: the code of the weights' dtype where the
             call takes weights (``checks.FLOAT_CODES``), -1 for none.
     Returns:
         [W][len(HEADER) + len(tail)] every rank's header and tail.
     """
-    at = 0 if counts_row is None else counts_row.header_at
-    row = torch.zeros(len(HEADER) + 1 if counts_row is None else counts_row.width, dtype=torch.int64)
-    end = at + len(HEADER) + len(tail)
-    row[at:end] = torch.tensor(plan.call_header(ticket, dtype_code, hidden, weights_code) + list(tail),
-                               dtype=torch.int64)
-    rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, at:end].tolist()
+    row = torch.zeros(len(HEADER) + 1, dtype=torch.int64)
+    end = len(HEADER) + len(tail)
+    row[:end] = torch.tensor(plan.call_header(ticket, dtype_code, hidden, weights_code) + list(tail), dtype=torch.int64)
+    rows = comm.all_gather_rows(row, group, world_size, arrivals=arrivals)[:, :end].tolist()
     check_peer_calls(rows)
     return rows
 
@@ -202,19 +195,22 @@ class Calls:
         arrivals: its bounded waits (its ``index`` is the dispatcher's place in
             the group, which the board's rows carry).
         timeout: ``DispatchConfig.timeout``.
-        counts_row: the dispatcher's counts row (``plan.CountsRow``), the
-            host channel's row shape.
+
+    Attributes:
+        on_board: the calls agree on the board (every rank on one host).
+        dispatch_agrees: a dispatch agrees on its call before its counts
+            exchange: on the board, and over gloo, whose host channel is the
+            group itself (an agreement meets only another); beside NCCL off
+            the board it rides on its counts exchange, which checks the call.
     """
 
-    def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float,
-                 counts_row: plan.CountsRow) -> None:
+    def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float) -> None:
         self._made: dict[str, int] = {}
         self._board = Board.for_group(group)
-        self.on_board = self._board is not None  # the calls agree on the board (every rank on one host)
+        self.on_board = self._board is not None
+        self.dispatch_agrees = self.on_board or "cpu" in comm.device_types(group)
         self._host = comm.host_group(group) if self._board is None else None
-        self._group, self._world, self._arrivals = group, world_size, arrivals
-        # on gloo the agreements meet the counts exchanges: rows of their shape; beside NCCL, one for all
-        self._timeout, self._counts_row = timeout, counts_row if "cpu" in comm.device_types(group) else None
+        self._group, self._world, self._arrivals, self._timeout = group, world_size, arrivals, timeout
 
     def ticket(self, verb: str, along: int = 0) -> plan.Ticket:
         """The next call of ``verb`` (numbered from 1), along the handle of
@@ -236,7 +232,7 @@ class Calls:
         counted as made (this rank's number is given again)."""
         try:
             if self._board is None:
-                return agree(ticket, self._host, self._world, self._counts_row, self._arrivals, dtype_code, tail,
+                return agree(ticket, self._host, self._world, self._arrivals, dtype_code, tail,
                              hidden, weights_code)
             row = [*plan.call_header(ticket, dtype_code, hidden, weights_code), *(tail or (0,))]  # one length for all
             end = _HEADER_LEN + (1 if tail else 0)  # what the caller reads back (no tail: the same 0 on every rank)

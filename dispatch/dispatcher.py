@@ -78,9 +78,7 @@ class TokenDispatcher:
         self._signatures: dict[tuple, object] = {}  # signatures of the verbs' arguments checked (_signature)
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._members = transport.members()  # the transports whose handles it moves along
-        # the calls, numbered and agreed with the peers (a row of the width of the counts exchange's)
-        self._calls = agreement.Calls(group, self.world_size, transport.arrivals, config.timeout,
-                                      transport.counts_row)
+        self._calls = agreement.Calls(group, self.world_size, transport.arrivals, config.timeout)  # numbered, agreed
 
     @property
     def host_free(self) -> bool:
@@ -205,7 +203,7 @@ class TokenDispatcher:
         if self.transport.agrees_dispatch and not self.config.pad_to_capacity:  # its word, every rank's
             word = self.transport.dispatch_word(x, topk_weights, max_rows)
             agreed = tuple(row[-1] for row in self._calls.agree(ticket, tail=(word,)))
-        elif self._calls.on_board and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
+        elif self._calls.dispatch_agrees and not self.config.pad_to_capacity:  # (with it: in _capacity_blocks)
             self._calls.agree(ticket)  # the call agreed on the host; the counts exchange checks it again
         dropped = None
         if self.config.capacity_factor is not None:  # Megatron's token dropping, on this rank's routing
@@ -517,7 +515,7 @@ class TokenDispatcher:
         call's agreement on the board, or the counts exchange marked refused,
         with no tokens), as its peers make it."""
         ticket = dataclasses.replace(ticket, refused=True)
-        if self._calls.on_board or self.config.pad_to_capacity or self.transport.agrees_dispatch:
+        if self._calls.dispatch_agrees or self.config.pad_to_capacity or self.transport.agrees_dispatch:
             self._calls.agree(ticket, tail=(0,))
             return
         device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in self.devices else torch.device("cpu")

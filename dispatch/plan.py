@@ -176,10 +176,9 @@ class CountsRow:
     """The row each rank all-gathers in a counts exchange over the collectives,
     defined here once: ``[counts W * (1 + E_local) | header | tail]``, the
     counts this rank's ``Route.counts``, the header its ``HEADER`` entries, the
-    tail what the exchange adds (at least one entry). The host channel's
-    agreement (``agreement.agree``) all-gathers rows of the same width, so that on
-    gloo the two pair. (The NVLink engine's row is ``Row`` in
-    ``csrc/engine.cuh``: ``dispatch.nvlink_layout``.)
+    tail what the exchange adds (at least one entry). A call's agreement over
+    the host channel never meets it (``agreement.agree``). (The NVLink engine's
+    row is ``Row`` in ``csrc/engine.cuh``: ``dispatch.nvlink_layout``.)
 
     Attributes:
         world: W; local: E_local; tail: entries after the header.

@@ -310,7 +310,7 @@ def fixed_rows_apart(kind: str):
         if kind == "create" and rank == 0:
             agreement.agree_config(dispatch.DispatchConfig(num_experts=E), None)
         else:
-            agreement.agree(combine, host, dist.get_world_size(), None, tail=(0,))
+            agreement.agree(combine, host, dist.get_world_size(), tail=(0,))
     except RuntimeError as exc:  # the test inspects what each rank raised
         return type(exc).__name__, str(exc)
     return None, ""
@@ -395,3 +395,24 @@ def extra_call_on_auto_without_board(config: dict, extra_rank: int):
 
 def crosswise_adds_without_board(*args):
     return _without_board(crosswise_adds, *args)
+
+
+def calls_of_other_shapes(config: dict, bad_rank: int, kind: str):
+    """Off the board: rank ``bad_rank`` dispatches on a second dispatcher with
+    twice the experts (``"dispatch"``: its counts row is wider) while its peers
+    make a combine_rows on the first, or creates a dispatcher (``"create"``)
+    while its peers dispatch: over gloo a counts exchange meeting an agreement
+    of another width aborts the process; every rank must raise CallsDiffer.
+    Returns as :func:`one_rank_mistake`."""
+    def mistake():
+        d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+        wide = dispatch.create(dispatch.DispatchConfig.from_options(**dict(config, num_experts=2 * E)))
+        x, idx, w = _routing(dist.get_world_size(), seed=10)
+        out = d.dispatch(x, idx, w)
+        if kind == "create":
+            bad = lambda: dispatch.create(dispatch.DispatchConfig.from_options(**config))  # noqa: E731
+            return _timed(bad if dist.get_rank() == bad_rank else lambda: d.dispatch(x, idx, w), d)
+        bad = lambda: wide.dispatch(x, idx, w)  # noqa: E731
+        return _timed(bad if dist.get_rank() == bad_rank else lambda: d.combine_rows(out.tokens, out.handle), d)
+
+    return _without_board(mistake)

@@ -207,6 +207,20 @@ def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds, board):
         assert usable, f"rank {rank}: the round trip after the different calls went wrong"
 
 
+@pytest.mark.parametrize("kind", ["dispatch", "create"])
+def test_calls_of_other_shapes_over_the_host_channel_pair_and_differ(worlds, kind):
+    """Off the board over gloo, a dispatch on a dispatcher of other shapes, or
+    a create, beside a peer's call: the calls' agreements are of one width and
+    a dispatch agrees before its counts exchange, so the messages pair (gloo
+    aborted the process where a counts exchange met an agreement of another
+    width) and every rank raises CallsDiffer; the ranks stay in step."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(2).run(agreement_fns.calls_of_other_shapes, [(config, 1, kind)] * 2)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        assert name == "CallsDiffer", (rank, name, message)
+        assert usable, f"rank {rank}: the round trip after the different calls went wrong"
+
+
 @pytest.mark.parametrize("board", [True, False, "auto"], ids=["board", "host channel", "auto, host channel"])
 def test_an_extra_call_beside_a_dispatch_leaves_the_ranks_in_step(worlds, board):
     """Rank 1 makes a combine_rows while its peers dispatch (off the board the

@@ -30,7 +30,7 @@ from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, handle_fields, shape_fields
 from dispatch.kernels import gather_sum as gather_sum_module
 from dispatch.kernels.gather_sum import accumulate_dtype, accumulate_group, gather_sum
-from dispatch.plan_graph import HostSummary, Kept, PlanGraphCache, PlanKey, counts_row, route_phase, send_phase
+from dispatch.plan_graph import HostSummary, Kept, PlanGraphCache, PlanKey, route_phase, send_phase
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
@@ -108,10 +108,6 @@ class AllToAllTransport(Transport):
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
         self._graphs = PlanGraphCache() if config.tuning.plan_graphs else None
-
-    @property
-    def counts_row(self) -> plan.CountsRow:
-        return counts_row(self.world_size, self.num_local_experts)
 
     def plan(self, request: Request) -> tuple[AllToAllHandle, PlanOutputs]:
         """One route, one counts all-gather, one host synchronisation and one

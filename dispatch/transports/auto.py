@@ -23,8 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from dispatch import comm, counts
-from dispatch.board import Board
+from dispatch import counts
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.cost_model import LinkModel, estimate
 from dispatch.transports.allgather import AllGatherTransport
@@ -61,11 +60,6 @@ class AutoTransport(Transport):
         self.last_choice: str | None = None
         self.last_costs: dict[str, float] = {}
         self._chosen_at = -RECHOOSE
-        # over gloo off the board (ranks on several hosts) a call's agreement and a counts exchange meet in one
-        # collective where the ranks' calls differ, and alltoall's counts row is wider than the one the agreements
-        # all-gather (this transport's): a dispatch agrees first, so that an agreement meets only another agreement
-        # (one host all-gather a dispatch; on a group of gloo and NCCL too, where CPU tensors may take gloo)
-        self.agrees_dispatch = "cpu" in comm.device_types(group) and Board.for_group(group) is None
 
     def members(self) -> tuple[Transport, ...]:
         return tuple(self.candidates.values())

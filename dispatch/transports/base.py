@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, comm, counts, plan
+from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs, received
 from dispatch.stats import DispatchStats, resolve_local_world_size
@@ -105,9 +105,7 @@ class Transport(abc.ABC):
             (``dispatch_word``): a transport that learns of failures on the
             device (with ``max_rows``), so that every rank raises them at one
             dispatch, or whose exchanges cannot time out (a peer that raised
-            alone would leave the others waiting), or (``auto`` over gloo off
-            the board) whose counts exchanges have rows of another width than
-            its agreements'.
+            alone would leave the others waiting).
         config, group, world_size (W), rank, num_local_experts (E_local),
         local_world_size (ranks per node), arrivals (``comm.Arrivals``: the
         bounded wait of its counts exchange), phase_timer (or None).
@@ -179,13 +177,6 @@ class Transport(abc.ABC):
         """Traffic of the round trip behind ``handle`` (``dispatch.stats``), from
         host-side sizes only; None where it is not accounted."""
         return None
-
-    @property
-    def counts_row(self) -> plan.CountsRow:
-        """The row its counts exchange all-gathers (``plan.CountsRow``; here
-        ``dispatch.counts``'): the agreement over the host channel all-gathers
-        rows of its width, so that on gloo the two pair."""
-        return counts.counts_row(self.world_size, self.num_local_experts, self.local_world_size)
 
     def members(self) -> tuple["Transport", ...]:
         """The transports whose handles the front end takes (``auto``: its candidates)."""
