@@ -1,7 +1,7 @@
 """Study: what a call's agreement costs on the host, against the collectives it could ride on.
 
 Per call, on a group of every local GPU (one process each), back to back after a
-warm-up: the dispatcher's agreement on the board (``TokenDispatcher._agree``,
+warm-up: the dispatcher's agreement on the board (``agreement.Calls.agree``,
 shared memory), the same row all-gathered over a gloo group (the host channel
 off one host), and over NCCL with the host reading it back (what an agreement
 on the GPU's side costs when the GPU is idle: with the engine's kernels holding
@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, calls: int) -> None:
     row_gpu, out_gpu = row.cuda(), out.cuda()
 
     def board():
-        d._agree(d._ticket("combine"))
+        d._calls.agree(d._calls.ticket("combine"))
 
     def gloo_all_gather():
         dist.all_gather_into_tensor(out, row, group=gloo)

@@ -197,7 +197,6 @@ class Calls:
         timeout: ``DispatchConfig.timeout``.
 
     Attributes:
-        on_board: the calls agree on the board (every rank on one host).
         dispatch_agrees: a dispatch agrees on its call before its counts
             exchange: on the board, and over gloo, whose host channel is the
             group itself (an agreement meets only another); beside NCCL off
@@ -207,8 +206,7 @@ class Calls:
     def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float) -> None:
         self._made: dict[str, int] = {}
         self._board = Board.for_group(group)
-        self.on_board = self._board is not None
-        self.dispatch_agrees = self.on_board or "cpu" in comm.device_types(group)
+        self.dispatch_agrees = self._board is not None or "cpu" in comm.device_types(group)
         self._host = comm.host_group(group) if self._board is None else None
         self._group, self._world, self._arrivals, self._timeout = group, world_size, arrivals, timeout
 

@@ -100,8 +100,8 @@ class Transport(abc.ABC):
         max_topk: (class) the most slots per token it moves (None: any).
         bounded_groups: (class) whether it moves a dispatch by groups with
             ``max_rows`` (each group padded to its bound, nothing read on the host).
-        agrees_dispatch: whether every dispatch is agreed over the host
-            before any exchange, off one host too, with a word of its own
+        agrees_dispatch: whether every dispatch is agreed on the host (on the
+            board, else over the host channel) before any exchange, with a word of its own
             (``dispatch_word``): a transport that learns of failures on the
             device (with ``max_rows``), so that every rank raises them at one
             dispatch, or whose exchanges cannot time out (a peer that raised
