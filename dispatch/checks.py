@@ -468,6 +468,7 @@ def check_combine_inputs(
     num_rows: int,
     devices: frozenset[str],
     name: str = "expert_out",
+    device: torch.device | None = None,
 ) -> None:
     """Validate the arguments of ``TokenDispatcher.combine`` (and ``combine_rows``,
     whose rows are called ``name``).
@@ -475,8 +476,9 @@ def check_combine_inputs(
     Args:
         expert_out: [N, H'] floating, N = the rows the matching dispatch produced.
         weights: None or [N] floating.
+        device: where they must lie (the dispatch's, ``CombineHandle.device``), or None.
     """
-    expert_out = check_rows(name, expert_out, num_rows, "the dispatch behind handle produced", devices)
+    expert_out = check_rows(name, expert_out, num_rows, "the dispatch behind handle produced", devices, device)
     if weights is not None:
         weights = check_tensor("weights", weights, 1, FLOAT_DTYPES)
         if weights.shape[0] != num_rows:
@@ -484,11 +486,16 @@ def check_combine_inputs(
         check_device("weights", weights, name, expert_out.device)
 
 
-def check_rows(name: str, rows: object, num_rows: int, what: str, devices: frozenset[str]) -> torch.Tensor:
-    """``rows`` is [num_rows, H'] floating (H' >= 1) on a device the backend moves;
-    ``what`` says where ``num_rows`` comes from (for the message)."""
+def check_rows(name: str, rows: object, num_rows: int, what: str, devices: frozenset[str],
+               device: torch.device | None = None) -> torch.Tensor:
+    """``rows`` is [num_rows, H'] floating (H' >= 1) on a device the backend moves
+    (on ``device``, the dispatch's, where given: a kernel of the engine would read
+    another GPU's memory through its address); ``what`` says where ``num_rows``
+    comes from (for the message)."""
     rows = check_tensor(name, rows, 2, FLOAT_DTYPES)
     check_backend_device(name, rows, devices)
+    if device is not None:
+        check_device(name, rows, "the dispatch's x", device)
     if rows.shape[1] < 1:
         raise ValueError(f"{name} must have a hidden size >= 1, got shape {tuple(rows.shape)}")
     if rows.shape[0] != num_rows:
@@ -499,10 +506,14 @@ def check_rows(name: str, rows: object, num_rows: int, what: str, devices: froze
     return rows
 
 
-def check_values(name: str, values: object, num_rows: int, devices: frozenset[str]) -> torch.Tensor:
-    """``values`` is [num_rows] floating, one per dispatched row."""
+def check_values(name: str, values: object, num_rows: int, devices: frozenset[str],
+                 device: torch.device | None = None) -> torch.Tensor:
+    """``values`` is [num_rows] floating, one per dispatched row (on ``device``
+    where given, as :func:`check_rows`)."""
     values = check_tensor(name, values, 1, FLOAT_DTYPES)
     check_backend_device(name, values, devices)
+    if device is not None:
+        check_device(name, values, "the dispatch's x", device)
     if values.shape[0] != num_rows:
         raise ValueError(f"{name} has {values.shape[0]} entries but the dispatch behind handle produced "
                          f"{num_rows} rows; one value per dispatched row")

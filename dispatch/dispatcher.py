@@ -273,10 +273,11 @@ class TokenDispatcher:
         try:
             key = ("combine", expert_out.__class__, expert_out.shape, expert_out.dtype, expert_out.device,
                    expert_out.layout, weights.__class__,
-                   None if weights is None else (weights.shape, weights.dtype, weights.device, weights.layout), rows)
+                   None if weights is None else (weights.shape, weights.dtype, weights.device, weights.layout), rows, handle.device)
         except AttributeError:
             key = None
-        self._signature(key, lambda: checks.check_combine_inputs(expert_out, weights, rows, self.devices) or True)
+        self._signature(key, lambda: checks.check_combine_inputs(expert_out, weights, rows, self.devices,
+                                                                 device=handle.device) or True)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
         if torch.is_grad_enabled() and differentiable and handle.link is None:
             raise ValueError(
@@ -305,7 +306,8 @@ class TokenDispatcher:
         """
         def check():
             self._check_handle(handle)
-            checks.check_rows("rows", rows, handle.num_tokens, "the dispatch behind handle had T =", self.devices)
+            checks.check_rows("rows", rows, handle.num_tokens, "the dispatch behind handle had T =", self.devices,
+                              handle.device)
             _check_wire("wire", wire, GRAD_TO_EXPERTS_WIRES)
             to_experts_codec(wire, rows.dtype, self.config.tuning.fp8_pow2_scales)
 
@@ -350,7 +352,7 @@ class TokenDispatcher:
         """
         def check():
             self._check_handle(handle)
-            checks.check_combine_inputs(rows, weights, handle.rows, self.devices, name="rows")
+            checks.check_combine_inputs(rows, weights, handle.rows, self.devices, "rows", handle.device)
             _check_wire("wire", wire, SUM_WIRES)
 
         ticket = self._along("combine_rows", handle, check)
@@ -386,7 +388,7 @@ class TokenDispatcher:
         """
         def check():
             self._check_handle(handle)
-            checks.check_values("values", values, handle.rows, self.devices)
+            checks.check_values("values", values, handle.rows, self.devices, handle.device)
 
         ticket = self._along("combine_slots", handle, check)
         values = received(values.detach(), handle)

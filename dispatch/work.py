@@ -54,14 +54,12 @@ class GroupSums:
                 raise ValueError(f"add: all {handle.groups} groups were added already")
             lo, hi = handle.row_range(g)
             devices = self._dispatcher.devices
-            checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices)
-            checks.check_device("rows", rows, "the dispatch's x", handle.device)
+            checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices, handle.device)
             if self._last is not None and rows.shape[1] != self._last.shape[1]:
                 raise ValueError(f"rows of group {g} have {rows.shape[1]} columns, earlier groups "
                                  f"{self._last.shape[1]}")
             if weights is not None:
-                checks.check_values("weights", weights, hi - lo, devices)
-                checks.check_device("weights", weights, "the dispatch's x", handle.device)
+                checks.check_values("weights", weights, hi - lo, devices, handle.device)
             if self._weights_dtype is not False and given != self._weights_dtype:
                 raise ValueError(f"weights of group {g}: {given}, earlier groups' {self._weights_dtype}; weigh "
                                  "every group alike (or none)")

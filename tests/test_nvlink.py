@@ -434,6 +434,49 @@ def test_bad_input_on_one_rank_stops_every_rank(worlds, case, argument):
     assert results[1] is not None and results[1][0] == "PeerRefused" and "[0]" in results[1][1], results
 
 
+@needs_engine
+@pytest.mark.parametrize("verb", ["combine", "combine_rows", "combine_slots", "dispatch_rows"])
+def test_rows_on_another_gpu_refused_by_name(worlds, verb):
+    """Rank 0 hands a verb along a handle its rows on the other GPU (a process that
+    sees both): it raises a ValueError naming the argument and both devices, rank 1
+    PeerRefused naming rank 0, before any row moves; a round trip after it
+    completes on both (an engine's kernel would have read the other GPU's memory
+    through its address)."""
+    routing = make_routing(WORLD, 4, 2, [8, 8], "random", seed=3)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=1)
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], ws[r].float(), config, verb) for r in range(WORLD)]
+    results = worlds(WORLD).run(_rows_on_another_gpu, args)
+    name = {"combine_slots": "values", "combine": "expert_out"}.get(verb, "rows")
+    assert results[0][0] == "ValueError" and f"{name} is on cuda:1 but must be on cuda:0" in results[0][1], results
+    assert results[1][0] == "PeerRefused" and "[0]" in results[1][1], results
+    assert all(r[2] for r in results), results
+
+
+def _rows_on_another_gpu(x, topk_idx, topk_weights, config, verb):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    with torch.no_grad():
+        out = d.dispatch(x, topk_idx, topk_weights)
+        moved = {"combine": out.tokens, "combine_rows": out.tokens, "combine_slots": out.weights,
+                 "dispatch_rows": x}[verb]
+        if torch.distributed.get_rank() == 0:
+            moved = moved.to(torch.device("cuda", 1 - device.index))
+        try:
+            getattr(d, verb)(moved, out.handle)
+            raised = None
+        except (ValueError, RuntimeError) as exc:
+            raised = (type(exc).__name__, str(exc))
+        again = d.dispatch(x, topk_idx, topk_weights)
+        back = d.combine(again.tokens, again.handle, weights=again.weights)
+        torch.cuda.synchronize()
+    expected = x * (topk_weights * (topk_idx >= 0)).sum(1, keepdim=True)  # identity experts, weighted
+    return (*raised, bool(torch.allclose(back, expected, rtol=1e-5, atol=1e-5))) if raised else None
+
+
 def _async_out_of_order(x, topk_idx, topk_weights, config):
     """Three micro-batches on one engine dispatcher: dispatches started together
     (on its communication stream) and waited for in reverse order, combines

@@ -360,3 +360,23 @@ def test_peer_header_checks_read_lists_as_tensors():
                     checks.check_peer_headers(form)
                 else:
                     checks.check_row_budgets(form, received, 16)
+
+
+def test_rows_off_the_dispatchs_device_refused_by_name():
+    """The verbs along a handle hold their rows to the dispatch's device
+    (``CombineHandle.device``): an engine's kernel would read another GPU's
+    memory through its address. The checks name the argument and both devices;
+    on the dispatch's device, or with no device given, they pass."""
+    from dispatch import checks
+
+    rows, values, cpu = torch.zeros(3, 4), torch.zeros(3), frozenset({"cpu"})
+    elsewhere = torch.device("meta")
+    with pytest.raises(ValueError, match=r"expert_out is on cpu but must be on meta, the device of the dispatch's x"):
+        checks.check_combine_inputs(rows, None, 3, cpu, device=elsewhere)
+    with pytest.raises(ValueError, match=r"rows is on cpu but must be on meta"):
+        checks.check_rows("rows", rows, 3, "the dispatch had", cpu, elsewhere)
+    with pytest.raises(ValueError, match=r"values is on cpu but must be on meta"):
+        checks.check_values("values", values, 3, cpu, elsewhere)
+    checks.check_combine_inputs(rows, values, 3, cpu, device=torch.device("cpu"))
+    checks.check_rows("rows", rows, 3, "the dispatch had", cpu)
+    checks.check_values("values", values, 3, cpu, torch.device("cpu"))
