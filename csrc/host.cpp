@@ -45,12 +45,14 @@ using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**)
 using CopyDtoH = CUresult (*)(void*, CUdeviceptr, size_t, CUstream);
 using Synchronize = CUresult (*)(CUstream);
 using ErrorText = CUresult (*)(CUresult, const char**);
+using Record = CUresult (*)(CUevent, CUstream);
 
 struct Driver {
   LaunchEx launch = nullptr;
   CopyDtoH copy_to_host = nullptr;
   Synchronize synchronize = nullptr;
   ErrorText name = nullptr, text = nullptr;
+  Record record = nullptr;
 };
 
 const Driver& driver() {
@@ -63,8 +65,10 @@ const Driver& driver() {
     d.synchronize = reinterpret_cast<Synchronize>(dlsym(lib, "cuStreamSynchronize"));
     d.name = reinterpret_cast<ErrorText>(dlsym(lib, "cuGetErrorName"));
     d.text = reinterpret_cast<ErrorText>(dlsym(lib, "cuGetErrorString"));
-    if (!d.launch || !d.copy_to_host || !d.synchronize || !d.name || !d.text)
-      throw std::runtime_error("libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoHAsync_v2 or cuStreamSynchronize");
+    d.record = reinterpret_cast<Record>(dlsym(lib, "cuEventRecord"));
+    if (!d.launch || !d.copy_to_host || !d.synchronize || !d.name || !d.text || !d.record)
+      throw std::runtime_error("libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoHAsync_v2, cuStreamSynchronize or "
+                               "cuEventRecord");
     return d;
   }();
   return found;
@@ -79,6 +83,24 @@ void check(CUresult result, const char* call) {
   throw std::runtime_error(std::string(call) + " failed: " + (name ? name : "?") + " (" +
                            std::to_string(static_cast<int>(result)) + "): " + (text ? text : ""));
 }
+
+// The order of an operation issued here (dispatch/nvlink_order.py): where `event` is
+// not 0, it is recorded on `stream` when the call returns or throws, after every launch
+// the call made (the engine's eager event, which the next operation on another stream
+// waits for).
+class RecordAtExit {
+ public:
+  RecordAtExit(uint64_t event, uint64_t stream) : event_(event), stream_(stream) {}
+  RecordAtExit(const RecordAtExit&) = delete;
+  RecordAtExit& operator=(const RecordAtExit&) = delete;
+  ~RecordAtExit() {
+    if (event_ != 0)
+      (void)driver().record(reinterpret_cast<CUevent>(event_), reinterpret_cast<CUstream>(stream_));
+  }
+
+ private:
+  const uint64_t event_, stream_;
+};
 
 // One kernel's launches of one shape (dispatch.cuda.Launch): its parameter block
 // with the bound values packed, and the place and C type of each free value. It
@@ -286,13 +308,15 @@ int64_t word_at(const std::vector<int64_t>& sizes, size_t part) {
 // it writes; its grid as
 // EngineMoves._row_grid: min(pull_cap, max(pull_min, ceil(rows / rows_per_block))).
 //
-// An allocation or launch that fails raises; the engine's state is then that of a
-// Python launch that failed.
+// ``record``: the engine's eager event, recorded when it returns (or 0: the caller
+// orders the operation). An allocation or launch that fails raises; the engine's state
+// is then that of a Python launch that failed.
 py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, const at::Tensor& topk_idx,
                       const at::Tensor& weights, uint64_t stage_src, int64_t src_stride, uint64_t row_at, bool bad,
                       const std::vector<int64_t>& header, uint64_t stream, const at::Tensor& host, int64_t width,
                       at::ScalarType weights_dtype, Launcher* pull, const at::Tensor& x, int64_t pull_cap,
-                      int64_t pull_min, int64_t rows_per_block) {
+                      int64_t pull_min, int64_t rows_per_block, uint64_t record) {
+  const RecordAtExit order(record, stream);
   const int64_t T = s.tokens, K = s.topk, W = s.world, L = s.row_len, local = s.experts_per_rank;
   TORCH_CHECK(topk_idx.is_contiguous() && topk_idx.numel() == T * K && weights.is_contiguous() &&
                   weights.numel() == T * K && weights.device() == topk_idx.device(),
@@ -428,10 +452,11 @@ at::Tensor pull(Launcher& launcher, unsigned blocks, const at::Tensor& rows, int
 
 // A combine's movement on the engine (dispatch/nvlink_moves.py, EngineMoves.to_home):
 // every pre-sum pushed home (push_partials), then summed there (home_sum) into new
-// [T, H] rows of rows' dtype.
+// [T, H] rows of rows' dtype; ``record`` as counts_plan's.
 at::Tensor to_home(Launcher& push, unsigned push_blocks, Launcher& home, unsigned home_blocks,
                    const at::Tensor& rows, uint64_t weights, uint64_t matrix, uint64_t tokens_at, uint64_t presum,
-                   int64_t tstride, uint64_t hit, int64_t tokens, uint64_t stream) {
+                   int64_t tstride, uint64_t hit, int64_t tokens, uint64_t stream, uint64_t record) {
+  const RecordAtExit order(record, stream);
   push.launch_words(push_blocks, 0, stream,
                     {reinterpret_cast<uint64_t>(rows.data_ptr()), weights, 0, 0, 0, 0, 0, uint64_t{1} << 62, matrix,
                      tokens_at, presum, static_cast<uint64_t>(tstride), 1});

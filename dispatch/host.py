@@ -131,7 +131,7 @@ def counts_launchers(compiled, engine, tokens: int, topk: int, layout, counts, s
 
 def exchange_counts(compiled, launchers: tuple, at, topk_idx, weights, header, rows, wire, row_at: int,
                     check_values: bool, stream: int, host_words: torch.Tensor, planned: tuple,
-                    pull: tuple | None = None) -> "Counts | tuple[int, int, int]":
+                    pull: tuple | None = None, record: int = 0) -> "Counts | tuple[int, int, int]":
     """A dispatch's counts exchange with its host read, compiled (``counts_plan``
     of ``compiled``, with ``launchers`` from :func:`counts_launchers`, ``at``
     the ``WordsAt`` of the dispatch's words): ``rows``
@@ -141,9 +141,10 @@ def exchange_counts(compiled, launchers: tuple, at, topk_idx, weights, header, r
     weights' dtype; J = 0: no handle tensors), ``pull`` (the compiled launcher
     of the dispatch's own pull, its grid's cap, floor and rows a block) to pull
     the rows in the usual case where every rank staged them (``Planned.tokens``),
-    or None. Returns the Counts (with ``Counts.planned`` where the usual case
-    holds), or the status words (code, peer, where) of a failure the kernels
-    recorded."""
+    or None; ``record``: the engine's eager event, which the call records on
+    ``stream`` as it returns or raises (``dispatch.nvlink_order``), or 0.
+    Returns the Counts (with ``Counts.planned`` where the usual case holds), or
+    the status words (code, peer, where) of a failure the kernels recorded."""
     shape, layout, counts = launchers
     puller, cap, least, per_block = pull or (None, 0, 0, 1)
     said_sync()
@@ -151,7 +152,7 @@ def exchange_counts(compiled, launchers: tuple, at, topk_idx, weights, header, r
     got = compiled.counts_plan(
         shape, layout, counts, topk_idx, weights, 0 if wire is None else wire.data_ptr(),
         0 if wire is None else wire.stride(0) * wire.element_size(), row_at, check_values, header, stream, host_words,
-        *planned, puller, rows, cap, least, per_block)
+        *planned, puller, rows, cap, least, per_block, record)
     if len(got) == 3:
         return got
     words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned_out = got

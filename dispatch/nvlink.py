@@ -64,6 +64,7 @@ from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, T
                                     HostCounts, WordsAt, _up, aligned_rows, failure_message, partial_row_bytes,
                                     scan_warps, staged_row_bytes)
 from dispatch.nvlink_moves import EngineMoves
+from dispatch.nvlink_order import Ordered, eager_stream, ordered_eager
 
 __all__ = ["GROUPS_COL", "SENDS_COL", "STAGED_COL", "TOKENS_COL", "Capacity", "Counts", "Engine", "aligned_rows",
            "engine_for", "partial_row_bytes", "scan_warps", "staged_row_bytes"]
@@ -138,7 +139,8 @@ class Engine(EngineMoves):
         # (event recorded after the latest operation, the id of the CUDA graph capture it was
         # recorded in or None, its stream)
         self._last: tuple | None = None
-        self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (_Ordered)
+        self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (Ordered)
+        self._eager_raw = 0  # its handle, once recorded (dispatch.nvlink_order.eager_stream)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status (seen_failed)
         self._polled_event: torch.cuda.Event | None = None
         self.failure_seen = False  # a failure recorded on the device has reached the host (seen_failed)
@@ -151,7 +153,7 @@ class Engine(EngineMoves):
 
     # -- order and failures ----------------------------------------------------
 
-    def _ordered(self, writes: bool = True) -> "_Ordered":
+    def _ordered(self, writes: bool = True) -> Ordered:
         """A context for one operation: on the current stream, after the previous
         operation (whatever stream it ran on), and recorded for the next;
         ``writes``: it may write the peers' buffers or raise an epoch (counted in
@@ -159,7 +161,7 @@ class Engine(EngineMoves):
         if cuda.current_device() != self.device.index:
             raise ValueError(f"the current CUDA device is {cuda.current_device()}, the dispatcher's is "
                              f"{self.device.index}: call it with its own device current")
-        return _Ordered(self, writes)
+        return Ordered(self, writes)
 
     def _raise(self, code: int, peer: int, where: int) -> None:
         raise RuntimeError(failure_message(code, peer, where, self.rank, self.timeout_ns))
@@ -338,14 +340,23 @@ class Engine(EngineMoves):
                 rows, also pull this rank's rows to its experts (the dispatch's
                 own ``to_experts``, in the same call: ``Planned.tokens``).
         """
+        stream = eager_stream(self) if host_read and rows is not None and self._host is not None else 0
+        if stream:  # the usual eager case: ordered by the compiled call (else in Python, below)
+            got = self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read, groups,
+                                        planned, pull, stream)
+            if got is not None:
+                return got
         with self._ordered():
             return self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read, groups,
                                          planned, pull)
 
     def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, host_read,
-                         groups: int = 1, planned: tuple | None = None, pull: bool = False) -> Counts:
+                         groups: int = 1, planned: tuple | None = None, pull: bool = False,
+                         stream: int = 0) -> Counts | None:
+        """``exchange_counts`` in ``Ordered``; or, given the ``stream`` of
+        ``nvlink_order.eager_stream``, ordered by its compiled call, None (nothing
+        issued) where that does not take it."""
         tokens, topk = topk_idx.shape
-        device = self.device
         hidden = 0 if rows is None else rows.shape[1]
         key = ("counts", tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden,
                groups)
@@ -353,15 +364,23 @@ class Engine(EngineMoves):
         budgeted = header[plan.HEADER.index("max_rows")] >= 0
         if compiled is not None and host_read and rows is not None and not (groups > 1 and budgeted):
             puller = self._own_pull(codec, rows, topk, planned) if pull and planned else None
-            got = host.exchange_counts(self._host, compiled, words_at, topk_idx, weights, header, rows,
-                                       codec.pack(rows) if fits and tokens else None, self._zeroed(words).data_ptr(),
-                                       check_values, cuda.raw_stream(device.index), self._host_words,
-                                       planned or (0, torch.float32), puller)
+            try:
+                got = host.exchange_counts(
+                    self._host, compiled, words_at, topk_idx, weights, header, rows,
+                    codec.pack(rows) if fits and tokens else None, self._zeroed(words).data_ptr(), check_values,
+                    stream or cuda.raw_stream(self.device.index), self._host_words, planned or (0, torch.float32),
+                    puller, self._eager_raw if stream else 0)
+            finally:
+                if stream:  # recorded by the call, as it returned or raised
+                    ordered_eager(self, stream)
             if isinstance(got, tuple):  # the status words: a failure the kernels recorded
                 self._raise(*got)
             if got.planned is not None and got.planned.tokens is not None:
-                self.operations += 1  # the pull's, with the counts exchange's (its _ordered)
+                self.operations += 1  # the pull's, with the counts exchange's (its order's)
             return got
+        if stream:
+            return None
+        device = self.device
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the
         # kernels get addresses into it: int32 words at these offsets), zeroed again by
         # exchange_counts once read
@@ -533,42 +552,6 @@ class _Bound(NamedTuple):
     launch: "cuda.Launch"
     blocks: int
     shared: int
-
-
-class _Ordered:
-    """See :meth:`Engine._ordered`. Inside a CUDA graph capture an operation
-    waits only for one recorded in the same capture (a capture may not wait for
-    another's events; graphs, such as a layer's forward and backward captured
-    apart, are ordered by the stream they are replayed on), and eager work only
-    for eager work. An operation on the stream of the one before it needs no
-    wait (the stream orders them); eager operations record one event of the
-    engine's again and again (a wait takes the record it follows when it is
-    queued), a captured one an event of its own (its graph records it at each
-    replay)."""
-
-    def __init__(self, engine: Engine, writes: bool) -> None:
-        self.engine, self.writes = engine, writes
-
-    def __enter__(self) -> None:
-        device = self.engine.device
-        self.stream, self.capture = cuda.current_stream(device.index), cuda.capture_id(device)
-        last = self.engine._last
-        if last is not None and last[1] == self.capture and last[2] is not self.stream:
-            self.stream.wait_event(last[0])
-
-    def __exit__(self, *exc) -> bool:
-        engine = self.engine
-        if self.capture is None:
-            event = engine._eager_event
-            if event is None:
-                event = engine._eager_event = torch.cuda.Event()
-        else:
-            event = torch.cuda.Event()
-            engine._captured = True
-        event.record(self.stream)  # the operation's stream and capture: an operation stays on its stream
-        engine._last = (event, self.capture, self.stream)
-        engine.operations += int(self.writes)
-        return False
 
 
 def _pointers(handle, device: torch.device) -> torch.Tensor:

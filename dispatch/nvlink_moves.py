@@ -14,6 +14,7 @@ from dispatch import cuda, host
 from dispatch.kernels import quantize
 from dispatch.nvlink_layout import (SENDS_COL, Capacity, Counts, _wire_of, aligned_rows, partial_row_bytes,
                                     staged_row_bytes)
+from dispatch.nvlink_order import eager_stream, ordered_eager
 
 
 class EngineMoves:
@@ -182,23 +183,42 @@ class EngineMoves:
                 at_least: torch.dtype | None) -> torch.Tensor:
         """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
+        stream = eager_stream(self) if self._host is not None else 0
+        if stream:  # the usual eager case: ordered by the compiled call (else in Python, below)
+            out = self._to_home_compiled(rows, weights, wire, counts, presum, at_least, stream)
+            if out is not None:
+                return out
         with self._ordered():
             rows = aligned_rows(rows)
             if self._host is not None:  # compiled: both launches and the output in one call
-                hidden = rows.shape[1]
-                weight_dtype = None if weights is None else weights.dtype
-                self._ensure_partials(counts, wire, hidden)
-                push, home = self._cached(("to_home", rows.dtype, weight_dtype, wire, hidden, presum.shape[1],
-                                           at_least), self._home_compiled)
-                if push is not None:
-                    tokens = counts.tokens
-                    return self._host.to_home(
-                        push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
-                        0 if weights is None else weights.data_ptr(), counts.address("matrix"),
-                        counts.tokens_at.data_ptr(), presum.data_ptr(), counts.bound, counts.address("hit"), tokens,
-                        cuda.raw_stream(self.device.index))
+                out = self._to_home_compiled(rows, weights, wire, counts, presum, at_least)
+                if out is not None:
+                    return out
             self._push(rows, weights, wire, counts, presum)
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
+
+    def _to_home_compiled(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
+                          at_least: torch.dtype | None, stream: int = 0) -> torch.Tensor | None:
+        """``to_home`` in one compiled call (both launches and the output), None where
+        its launches issue from Python; given the ``stream`` of
+        ``nvlink_order.eager_stream``, ordered by the call (else in ``Ordered``)."""
+        rows = aligned_rows(rows)
+        hidden = rows.shape[1]
+        self._ensure_partials(counts, wire, hidden)
+        push, home = self._cached(("to_home", rows.dtype, None if weights is None else weights.dtype, wire, hidden,
+                                   presum.shape[1], at_least), self._home_compiled)
+        if push is None:
+            return None
+        tokens = counts.tokens
+        try:
+            return self._host.to_home(
+                push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
+                0 if weights is None else weights.data_ptr(), counts.address("matrix"), counts.tokens_at.data_ptr(),
+                presum.data_ptr(), counts.bound, counts.address("hit"), tokens,
+                stream or cuda.raw_stream(self.device.index), self._eager_raw if stream else 0)
+        finally:
+            if stream:  # recorded by the call, as it returned or raised
+                ordered_eager(self, stream)
 
     def _home_compiled(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
                        width: int, at_least: torch.dtype | None) -> tuple:

@@ -263,9 +263,13 @@ class _Recorder:
 
     def __init__(self, words: torch.Tensor) -> None:
         self.words, self.launches, self.regions = words, [], {}
+        self.records = []  # (launches before it, event, stream) of each event record
         self.hook = _HOOK(self._launched)
 
     def _launched(self, config, function, params) -> int:
+        if not config:  # an event recorded (the stand-in driver's cuEventRecord)
+            self.records.append((len(self.launches), function, params[0]))
+            return 0
         name, sig = _KERNELS[function]
         values = {}
         for i, (param, code) in enumerate(zip(sig.names, sig.codes)):
@@ -402,6 +406,58 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
         storages = {t.untyped_storage().data_ptr() for t in (planned.presum, planned.src_rank, planned.src_token)}
         assert planned.weights.numel() == 0 or planned.weights.untyped_storage().data_ptr() not in storages
         assert (planned.tokens is not None) == (pull and staged)
+
+
+def test_the_usual_eager_operations_are_ordered_by_their_compiled_call(fake_driver, compiled, monkeypatch):
+    """After an eager operation on the same stream (``nvlink_order.eager_stream``) the
+    compiled counts exchange (with its pull) and combine record the engine's eager
+    event themselves, on that stream, after every launch they make, and the engine
+    notes the operation as ``Ordered`` would (its last operation, the operations
+    counted), without entering it. On another stream, in a capture, or before the
+    eager event is made, they are issued in ``Ordered`` and record nothing."""
+    world, rank, tokens, topk, hidden, experts = 2, 0, 37, 4, 64, 16
+    monkeypatch.setattr(cuda, "kernel", lambda source, name, *types: _Kernel(source, name))
+    monkeypatch.setattr(cuda, "_dependent_launch", lambda device: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: None)  # the CPU engine's device index
+    monkeypatch.setattr(cuda, "raw_stream", lambda device: 7)
+    capturing = {"now": False}
+    monkeypatch.setattr(cuda, "capturing", lambda: capturing["now"])
+    codec = to_experts_codec("native", torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+    w = torch.rand(tokens, topk, generator=gen)
+    monkeypatch.setattr(host, "module", lambda: compiled)
+    engine = _cpu_engine(world, experts, Capacity(64, topk, 256, 512), compiled)
+    entered = []
+    engine._ordered = lambda writes=True: entered.append(writes) or contextlib.nullcontext()
+    words = _counts_words(world, rank, engine, topk, hidden, tokens, True, True, torch.Generator().manual_seed(1))
+    recorder = _Recorder(words)
+    fake_driver.fake_set_hook(recorder.hook)
+    width = min(topk, engine.experts_per_rank)
+
+    def round_trip():
+        header = plan.header(x, w, topk, plan.Ticket(memory_rows=10**6))
+        counts = engine.exchange_counts(idx, w, header, x, codec, True, True, 1, (width, torch.float32), True)
+        planned = counts.planned
+        y = torch.randn(planned.tokens.shape, generator=gen).to(torch.bfloat16)
+        engine.to_home(y, planned.weights, torch.float32, counts, planned.presum, None)
+
+    engine._eager_raw, engine._eager_event = 0xE0, "the eager event"
+    round_trip()
+    names = [launch[0] for launch in recorder.launches]
+    assert names == ["route_layout", "exchange_counts", "pull_rows", "push_partials", "home_sum"]
+    assert recorder.records == [(3, 0xE0, 7), (5, 0xE0, 7)]
+    assert engine._last == ("the eager event", None, 7) and engine.operations == 3 and entered == []
+    for case in ("another stream", "captured", "no event yet"):
+        recorder.launches, recorder.records, entered[:] = [], [], []
+        engine._last = ("the eager event", None, 8 if case == "another stream" else 7)
+        capturing["now"] = case == "captured"
+        engine._eager_raw = 0 if case == "no event yet" else 0xE0
+        round_trip()
+        assert recorder.records == [] and entered == [True, True], case
+        assert [launch[0] for launch in recorder.launches] == names, case
+    capturing["now"] = False
 
 
 def test_a_lock_left_by_a_build_that_died_is_removed(tmp_path, monkeypatch):

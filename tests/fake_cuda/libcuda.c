@@ -1,7 +1,7 @@
 /* A stand-in for the CUDA driver (libcuda.so.1) on a machine without one, for
  * tests/test_host.py: the entry points csrc/host.cpp and dispatch/cuda.py call,
- * each launch handed to the test's hook, copies done as plain memory copies
- * (the tensors are the host's), synchronisation a no-op. */
+ * each launch (and event record) handed to the test's hook, copies done as plain
+ * memory copies (the tensors are the host's), synchronisation a no-op. */
 #include <stddef.h>
 #include <string.h>
 
@@ -24,6 +24,13 @@ int cuMemcpyDtoHAsync_v2(void* dst, unsigned long long src, size_t bytes, void* 
 int cuStreamSynchronize(void* stream) {
   (void)stream;
   return 0;
+}
+
+/* the events recorded, in order with the launches: each record calls the hook too,
+ * with a null config and the event as the function (the stream as params[0]) */
+int cuEventRecord(void* event, void* stream) {
+  void* params[1] = {stream};
+  return hook ? hook(0, event, params) : 0;
 }
 
 static const char* fake = "fake driver";

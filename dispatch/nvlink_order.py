@@ -1,0 +1,86 @@
+"""The order of the NVLink engine's operations (``dispatch.nvlink``): on the device a
+rank runs them in the order issued, whatever streams the caller issues them on.
+
+Each operation runs on the caller's current stream, after the engine's previous
+operation: where that ran on another stream, this one waits for the event it
+recorded; each records the event for the next (``Engine._last``: the event, the
+id of the CUDA graph capture it was recorded in or None, the raw handle of its
+stream). :class:`Ordered` does this around an operation issued from Python.
+
+The usual eager operation (a dispatch's counts exchange, a combine's push and
+home sum on the compiled host path) needs no wait: it follows an eager
+operation on the same stream. There the compiled call records the engine's
+eager event itself, when it returns or raises (``csrc/host.cpp``), and the host
+keeps nothing else of the order: :func:`eager_stream` says where this holds,
+:func:`ordered_eager` notes the operation, as :class:`Ordered`'s exit would.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dispatch import cuda
+
+if TYPE_CHECKING:
+    from dispatch.nvlink import Engine
+
+
+class Ordered:
+    """See :meth:`Engine._ordered`. Inside a CUDA graph capture an operation
+    waits only for one recorded in the same capture (a capture may not wait for
+    another's events; graphs, such as a layer's forward and backward captured
+    apart, are ordered by the stream they are replayed on), and eager work only
+    for eager work. An operation on the stream of the one before it needs no
+    wait (the stream orders them); eager operations record one event of the
+    engine's again and again (a wait takes the record it follows when it is
+    queued), a captured one an event of its own (its graph records it at each
+    replay)."""
+
+    def __init__(self, engine: "Engine", writes: bool) -> None:
+        self.engine, self.writes = engine, writes
+
+    def __enter__(self) -> None:
+        device = self.engine.device
+        self.stream, self.capture = cuda.current_stream(device.index), cuda.capture_id(device)
+        self.raw = self.stream.cuda_stream
+        last = self.engine._last
+        if last is not None and last[1] == self.capture and last[2] != self.raw:
+            self.stream.wait_event(last[0])
+
+    def __exit__(self, *exc) -> bool:
+        engine = self.engine
+        if self.capture is None:
+            event = engine._eager_event
+            if event is None:
+                event = engine._eager_event = torch.cuda.Event()
+        else:
+            event = torch.cuda.Event()
+            engine._captured = True
+        event.record(self.stream)  # the operation's stream and capture: an operation stays on its stream
+        if self.capture is None and not engine._eager_raw:  # made by its first record
+            engine._eager_raw = event.cuda_event
+        engine._last = (event, self.capture, self.raw)
+        engine.operations += int(self.writes)
+        return False
+
+
+def eager_stream(engine: "Engine") -> int:
+    """The raw handle of the current stream where ``engine``'s next operation
+    needs no wait and a compiled call may record its eager event: not in a CUDA
+    graph capture, the engine's device current, after an eager operation on this
+    stream (or none), the eager event made; else 0 (the operation is issued in
+    :class:`Ordered`, which also refuses another current device by name)."""
+    if not engine._eager_raw or cuda.capturing() or cuda.current_device() != engine.device.index:
+        return 0
+    raw = cuda.raw_stream(engine.device.index)
+    last = engine._last
+    return raw if last is None or (last[1] is None and last[2] == raw) else 0
+
+
+def ordered_eager(engine: "Engine", raw: int, writes: int = 1) -> None:
+    """Note an operation on stream ``raw`` (:func:`eager_stream`) whose compiled
+    call recorded the eager event there, as :class:`Ordered`'s exit does."""
+    engine._last = (engine._eager_event, None, raw)
+    engine.operations += writes
