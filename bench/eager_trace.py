@@ -40,7 +40,7 @@ MARKED = [  # (owner, method): host ranges named in the trace
     (nvlink.Engine, "exchange_counts"),
     (nvlink.Engine, "to_experts"),
     (nvlink.Engine, "to_home"),
-    (nvlink.Engine, "poll"),
+    (nvlink.Engine, "seen_failed"),
     (agreement.Calls, "agree"),
     (work.DispatchWork, "wait"),
     (checks, "check_dispatch_inputs"),
