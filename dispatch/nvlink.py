@@ -340,8 +340,8 @@ class Engine(EngineMoves):
                 rows, also pull this rank's rows to its experts (the dispatch's
                 own ``to_experts``, in the same call: ``Planned.tokens``).
         """
-        stream = eager_stream(self) if host_read and rows is not None and self._host is not None else 0
-        if stream:  # the usual eager case: ordered by the compiled call (else in Python, below)
+        stream = eager_stream(self) if host_read and rows is not None and self._host is not None else None
+        if stream is not None:  # the usual eager case: ordered by the compiled call (else in Python, below)
             got = self._exchange_counts(topk_idx, weights, header, rows, codec, check_values, host_read, groups,
                                         planned, pull, stream)
             if got is not None:
@@ -352,7 +352,7 @@ class Engine(EngineMoves):
 
     def _exchange_counts(self, topk_idx, weights, header, rows, codec, check_values, host_read,
                          groups: int = 1, planned: tuple | None = None, pull: bool = False,
-                         stream: int = 0) -> Counts | None:
+                         stream: int | None = None) -> Counts | None:
         """``exchange_counts`` in ``Ordered``; or, given the ``stream`` of
         ``nvlink_order.eager_stream``, ordered by its compiled call, None (nothing
         issued) where that does not take it."""
@@ -368,17 +368,17 @@ class Engine(EngineMoves):
                 got = host.exchange_counts(
                     self._host, compiled, words_at, topk_idx, weights, header, rows,
                     codec.pack(rows) if fits and tokens else None, self._zeroed(words).data_ptr(), check_values,
-                    stream or cuda.raw_stream(self.device.index), self._host_words, planned or (0, torch.float32),
-                    puller, self._eager_raw if stream else 0)
+                    cuda.raw_stream(self.device.index) if stream is None else stream, self._host_words,
+                    planned or (0, torch.float32), puller, 0 if stream is None else self._eager_raw)
             finally:
-                if stream:  # recorded by the call, as it returned or raised
+                if stream is not None:  # recorded by the call, as it returned or raised
                     ordered_eager(self, stream)
             if isinstance(got, tuple):  # the status words: a failure the kernels recorded
                 self._raise(*got)
             if got.planned is not None and got.planned.tokens is not None:
                 self.operations += 1  # the pull's, with the counts exchange's (its order's)
             return got
-        if stream:
+        if stream is not None:
             return None
         device = self.device
         # sends, counts, the bad-values mark; then the scan's ticket and its chunks' states (the

@@ -183,8 +183,8 @@ class EngineMoves:
                 at_least: torch.dtype | None) -> torch.Tensor:
         """[N, H] expert-side rows -> [T, H] (dtype of rows): weighted pre-sum per
         (token, rank) pushed home in ``wire``, summed in ascending rank order."""
-        stream = eager_stream(self) if self._host is not None else 0
-        if stream:  # the usual eager case: ordered by the compiled call (else in Python, below)
+        stream = eager_stream(self) if self._host is not None else None
+        if stream is not None:  # the usual eager case: ordered by the compiled call (else in Python, below)
             out = self._to_home_compiled(rows, weights, wire, counts, presum, at_least, stream)
             if out is not None:
                 return out
@@ -198,7 +198,7 @@ class EngineMoves:
             return self._home_sum(counts, wire, rows.dtype, rows.shape[1], at_least)
 
     def _to_home_compiled(self, rows, weights, wire: torch.dtype, counts: Counts, presum,
-                          at_least: torch.dtype | None, stream: int = 0) -> torch.Tensor | None:
+                          at_least: torch.dtype | None, stream: int | None = None) -> torch.Tensor | None:
         """``to_home`` in one compiled call (both launches and the output), None where
         its launches issue from Python; given the ``stream`` of
         ``nvlink_order.eager_stream``, ordered by the call (else in ``Ordered``)."""
@@ -215,9 +215,10 @@ class EngineMoves:
                 push, self._row_grid(counts.items), home, self._row_grid(tokens), rows,
                 0 if weights is None else weights.data_ptr(), counts.address("matrix"), counts.tokens_at.data_ptr(),
                 presum.data_ptr(), counts.bound, counts.address("hit"), tokens,
-                stream or cuda.raw_stream(self.device.index), self._eager_raw if stream else 0)
+                cuda.raw_stream(self.device.index) if stream is None else stream,
+                0 if stream is None else self._eager_raw)
         finally:
-            if stream:  # recorded by the call, as it returned or raised
+            if stream is not None:  # recorded by the call, as it returned or raised
                 ordered_eager(self, stream)
 
     def _home_compiled(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,

@@ -66,17 +66,18 @@ class Ordered:
         return False
 
 
-def eager_stream(engine: "Engine") -> int:
-    """The raw handle of the current stream where ``engine``'s next operation
-    needs no wait and a compiled call may record its eager event: not in a CUDA
-    graph capture, the engine's device current, after an eager operation on this
-    stream (or none), the eager event made; else 0 (the operation is issued in
-    :class:`Ordered`, which also refuses another current device by name)."""
+def eager_stream(engine: "Engine") -> int | None:
+    """The raw handle of the current stream (0 for the default stream) where
+    ``engine``'s next operation needs no wait and a compiled call may record its
+    eager event: not in a CUDA graph capture, the engine's device current, after
+    an eager operation on this stream (or none), the eager event made; else None
+    (the operation is issued in :class:`Ordered`, which also refuses another
+    current device by name)."""
     if not engine._eager_raw or cuda.capturing() or cuda.current_device() != engine.device.index:
-        return 0
+        return None
     raw = cuda.raw_stream(engine.device.index)
     last = engine._last
-    return raw if last is None or (last[1] is None and last[2] == raw) else 0
+    return raw if last is None or (last[1] is None and last[2] == raw) else None
 
 
 def ordered_eager(engine: "Engine", raw: int, writes: int = 1) -> None:

@@ -408,18 +408,20 @@ def test_the_compiled_host_path_launches_and_reads_as_the_python_one(
         assert (planned.tokens is not None) == (pull and staged)
 
 
-def test_the_usual_eager_operations_are_ordered_by_their_compiled_call(fake_driver, compiled, monkeypatch):
-    """After an eager operation on the same stream (``nvlink_order.eager_stream``) the
-    compiled counts exchange (with its pull) and combine record the engine's eager
-    event themselves, on that stream, after every launch they make, and the engine
-    notes the operation as ``Ordered`` would (its last operation, the operations
-    counted), without entering it. On another stream, in a capture, or before the
-    eager event is made, they are issued in ``Ordered`` and record nothing."""
+@pytest.mark.parametrize("stream", [0, 7])
+def test_the_usual_eager_operations_are_ordered_by_their_compiled_call(fake_driver, compiled, monkeypatch, stream):
+    """After an eager operation on the same stream (``nvlink_order.eager_stream``;
+    the default stream's handle is 0) the compiled counts exchange (with its pull)
+    and combine record the engine's eager event themselves, on that stream, after
+    every launch they make, and the engine notes the operation as ``Ordered``
+    would (its last operation, the operations counted), without entering it. On
+    another stream, in a capture, or before the eager event is made, they are
+    issued in ``Ordered`` and record nothing."""
     world, rank, tokens, topk, hidden, experts = 2, 0, 37, 4, 64, 16
     monkeypatch.setattr(cuda, "kernel", lambda source, name, *types: _Kernel(source, name))
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: True)
     monkeypatch.setattr(cuda, "current_device", lambda: None)  # the CPU engine's device index
-    monkeypatch.setattr(cuda, "raw_stream", lambda device: 7)
+    monkeypatch.setattr(cuda, "raw_stream", lambda device: stream)
     capturing = {"now": False}
     monkeypatch.setattr(cuda, "capturing", lambda: capturing["now"])
     codec = to_experts_codec("native", torch.bfloat16)
@@ -447,11 +449,11 @@ def test_the_usual_eager_operations_are_ordered_by_their_compiled_call(fake_driv
     round_trip()
     names = [launch[0] for launch in recorder.launches]
     assert names == ["route_layout", "exchange_counts", "pull_rows", "push_partials", "home_sum"]
-    assert recorder.records == [(3, 0xE0, 7), (5, 0xE0, 7)]
-    assert engine._last == ("the eager event", None, 7) and engine.operations == 3 and entered == []
+    assert [(n, event, at or 0) for n, event, at in recorder.records] == [(3, 0xE0, stream), (5, 0xE0, stream)]
+    assert engine._last == ("the eager event", None, stream) and engine.operations == 3 and entered == []
     for case in ("another stream", "captured", "no event yet"):
         recorder.launches, recorder.records, entered[:] = [], [], []
-        engine._last = ("the eager event", None, 8 if case == "another stream" else 7)
+        engine._last = ("the eager event", None, 8 if case == "another stream" else stream)
         capturing["now"] = case == "captured"
         engine._eager_raw = 0 if case == "no event yet" else 0xE0
         round_trip()
