@@ -31,7 +31,7 @@ from dispatch.handle import CombineHandle, Dispatched, padded, received
 from dispatch.streams import CommStreams, Started
 from dispatch.timing import PhaseTimer
 from dispatch.transports.base import Request, Transport
-from dispatch.work import DispatchWork, ExchangeWork, GroupSums
+from dispatch.work import DispatchWork, ExchangeWork, GroupSums, dispatched
 
 
 class TokenDispatcher:
@@ -188,8 +188,9 @@ class TokenDispatcher:
             row_bytes = to_experts_codec(config.dispatch_wire, dtype).row_bytes(hidden)
             return handle.transport.stats(handle, row_bytes, sum_wire_dtype(config.combine_wire, dtype), hidden)
 
-        work = DispatchWork(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
-        return work if async_op else work.wait()
+        if async_op:
+            return DispatchWork(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
+        return dispatched(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
 
     def _plan_dispatch(self, ticket: plan.Ticket, x, topk_idx, topk_weights, max_rows, groups, at_once=False):
         """``dispatch`` up to its rows' move: its checks, its agreement and its

@@ -142,34 +142,35 @@ class DispatchWork:
         the exchange (the host does not, on CUDA). Call it in the grad mode the
         dispatch started in; the autograd node of the dispatch is made here."""
         if self._result is None:
-            x, topk_weights, traffic, dropped = self._args
-            dispatcher, plan_out, started = self._dispatcher, self._plan_out, self._started
-            if self.handle.pad_blocks is not None:  # the rows' places among the blocks, from their sources
-                started.result()  # the caller's stream follows the exchange (the engine writes the sources)
-                self.handle, plan_out = pad_to_blocks(self.handle, plan_out, dispatcher.num_local_experts)
-            if torch.is_grad_enabled():  # the node every rank makes, whatever it needs itself (``link``)
-                tokens, weights, link = dispatch_node(
-                    x, topk_weights, dispatcher.anchor(x.device), plan_out.weights, (dispatcher, self.handle, started)
-                )
-                self.handle = with_link(self.handle, link)  # ``CombineHandle.link``
-            else:
-                tokens, weights = DispatchFn.outputs(topk_weights, plan_out.weights, self.handle, started)
-            src_rank, src_token = plan_out.src_rank, plan_out.src_token
-            if self.handle.max_rows is not None:  # (else the N rows as moved)
-                src_rank, src_token = padded(src_rank, self.handle, -1), padded(src_token, self.handle, -1)
-            self._result = Dispatched(
-                tokens=tokens,
-                tokens_per_expert=plan_out.tokens_per_expert,
-                tokens_per_expert_host=plan_out.tokens_per_expert_host,
-                weights=weights,
-                src_rank=src_rank,
-                src_token=src_token,
-                handle=self.handle,
-                _traffic=traffic,
-                dropped=dropped,
-            )
+            self._result = dispatched(self._dispatcher, *self._args[:2], self.handle, self._plan_out, self._started,
+                                      *self._args[2:])
+            self.handle = self._result.handle
             self._args = self._started = self._plan_out = None
         return self._result
+
+
+def dispatched(dispatcher: "TokenDispatcher", x, topk_weights, handle: CombineHandle, plan_out,
+               started: StartedGroups, traffic, dropped) -> Dispatched:
+    """The :class:`Dispatched` result of a dispatch from its plan and its rows'
+    move (``DispatchWork.wait``; a dispatch without ``async_op`` makes it at once):
+    the dispatch's autograd node (with grad mode on, on every rank, whatever it
+    needs itself: ``CombineHandle.link``), its outputs padded where its handle
+    says so."""
+    if handle.pad_blocks is not None:  # the rows' places among the blocks, from their sources
+        started.result()  # the caller's stream follows the exchange (the engine writes the sources)
+        handle, plan_out = pad_to_blocks(handle, plan_out, dispatcher.num_local_experts)
+    if torch.is_grad_enabled():
+        tokens, weights, link = dispatch_node(
+            x, topk_weights, dispatcher.anchor(x.device), plan_out.weights, (dispatcher, handle, started))
+        handle = with_link(handle, link)
+    else:
+        tokens, weights = DispatchFn.outputs(topk_weights, plan_out.weights, handle, started)
+    src_rank, src_token = plan_out.src_rank, plan_out.src_token
+    if handle.max_rows is not None:  # (else the N rows as moved)
+        src_rank, src_token = padded(src_rank, handle, -1), padded(src_token, handle, -1)
+    return Dispatched(tokens=tokens, tokens_per_expert=plan_out.tokens_per_expert,
+                      tokens_per_expert_host=plan_out.tokens_per_expert_host, weights=weights, src_rank=src_rank,
+                      src_token=src_token, handle=handle, _traffic=traffic, dropped=dropped)
 
 
 class ExchangeWork:
