@@ -33,7 +33,8 @@
 #             graphs, a host profile, the captured round trip's GPU time (every SM, 24 blocks; alone
 #             and beside the experts' GEMMs), then the eager round trip's host time (the engine, and the
 #             NCCL transport) of this tree against a base tree in .wt/base (where there is one),
-#             both in one process, blocks in turn (in results/engine-one-gpu.txt)
+#             both in one process, blocks in turn; then bench/host_layers.py (that host time layer
+#             by layer, decode and DeepSeek-V3) (all in results/engine-one-gpu.txt)
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
@@ -167,7 +168,11 @@ for part in "$@"; do
       against=()
       [ -d .wt/base ] && against=(--against .wt/base)
       step 400 engine-one-gpu bash -c 'set -o pipefail; python3 bench/engine_one_gpu.py . --check --pieces --profile --gpu-time \
-        "${@:2}" | tee "$1"' _ "$RES/engine-one-gpu.txt" "${against[@]}" ;;
+        "${@:2}" | tee "$1"' _ "$RES/engine-one-gpu.txt" "${against[@]}"
+      for shape in decode deepseek-v3; do
+        step 60 "host-layers-$shape" bash -c 'set -o pipefail; python3 bench/host_layers.py --shape "$2" | tee -a "$1"' _ \
+          "$RES/engine-one-gpu.txt" "$shape"
+      done ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
         --iters 10 --warmup 3
