@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_probe  # noqa: E402  (the shapes, inputs and process setup of the probe)
 
 import dispatch  # noqa: E402
-from dispatch import agreement, checks, nvlink, work  # noqa: E402
+from dispatch import agreement, checks, nvlink  # noqa: E402
 from dispatch import dispatcher as base  # noqa: E402
 from dispatch.transports.nvlink import NVLinkTransport  # noqa: E402
 
@@ -42,7 +42,7 @@ MARKED = [  # (owner, method): host ranges named in the trace
     (nvlink.Engine, "to_home"),
     (nvlink.Engine, "seen_failed"),
     (agreement.Calls, "agree"),
-    (work.DispatchWork, "wait"),
+    (base, "dispatched"),  # the result (work.dispatched, as the dispatcher names it)
     (checks, "check_dispatch_inputs"),
     (checks, "free_bytes"),
 ]

@@ -7,7 +7,9 @@ does). Times a dispatch + combine with grad mode on, back to back after a sync, 
 median of ``--calls`` round trips: wall and the thread's CPU time, less the wait at
 the host read (the compiled counts exchange's ``last_wait_ns``); then again with a
 clock around each layer of the path (front end, agreement, transport, engine,
-compiled calls, autograd nodes), each layer's inclusive median. A clock costs
+compiled calls, autograd nodes), each layer's inclusive median (the wait taken
+off is the one the compiled counts exchange last reported: every round trip here
+takes it, the engine's usual path on a built host module). A clock costs
 about the difference of the two totals divided by the clocks a round trip reads
 (printed). No cProfile: it would add its own cost to every Python call.
 """

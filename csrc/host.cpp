@@ -85,21 +85,29 @@ void check(CUresult result, const char* call) {
 }
 
 // The order of an operation issued here (dispatch/nvlink_order.py): where `event` is
-// not 0, it is recorded on `stream` when the call returns or throws, after every launch
-// the call made (the engine's eager event, which the next operation on another stream
-// waits for).
+// not 0, it is recorded on `stream` after every launch the call made: by `now()` as the
+// call returns (a failed record raises, as a failed launch does), else as it unwinds
+// from an exception (best effort: a destructor does not throw). The event is the
+// engine's eager one, which the next operation on another stream waits for.
 class RecordAtExit {
  public:
   RecordAtExit(uint64_t event, uint64_t stream) : event_(event), stream_(stream) {}
   RecordAtExit(const RecordAtExit&) = delete;
   RecordAtExit& operator=(const RecordAtExit&) = delete;
+  void now() {
+    const uint64_t event = event_;
+    event_ = 0;
+    if (event != 0)
+      check(driver().record(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream_)), "cuEventRecord");
+  }
   ~RecordAtExit() {
     if (event_ != 0)
       (void)driver().record(reinterpret_cast<CUevent>(event_), reinterpret_cast<CUstream>(stream_));
   }
 
  private:
-  const uint64_t event_, stream_;
+  uint64_t event_;
+  const uint64_t stream_;
 };
 
 // One kernel's launches of one shape (dispatch.cuda.Launch): its parameter block
@@ -308,15 +316,15 @@ int64_t word_at(const std::vector<int64_t>& sizes, size_t part) {
 // it writes; its grid as
 // EngineMoves._row_grid: min(pull_cap, max(pull_min, ceil(rows / rows_per_block))).
 //
-// ``record``: the engine's eager event, recorded when it returns (or 0: the caller
-// orders the operation). An allocation or launch that fails raises; the engine's state
+// ``record``: the engine's eager event, recorded after its launches as it returns or
+// raises (or 0: the caller orders the operation). An allocation or launch that fails raises; the engine's state
 // is then that of a Python launch that failed.
 py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, const at::Tensor& topk_idx,
                       const at::Tensor& weights, uint64_t stage_src, int64_t src_stride, uint64_t row_at, bool bad,
                       const std::vector<int64_t>& header, uint64_t stream, const at::Tensor& host, int64_t width,
                       at::ScalarType weights_dtype, Launcher* pull, const at::Tensor& x, int64_t pull_cap,
                       int64_t pull_min, int64_t rows_per_block, uint64_t record) {
-  const RecordAtExit order(record, stream);
+  RecordAtExit order(record, stream);
   const int64_t T = s.tokens, K = s.topk, W = s.world, L = s.row_len, local = s.experts_per_rank;
   TORCH_CHECK(topk_idx.is_contiguous() && topk_idx.numel() == T * K && weights.is_contiguous() &&
                   weights.numel() == T * K && weights.device() == topk_idx.device(),
@@ -364,7 +372,10 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
     last_wait_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - waited)
                        .count();
   }
-  if (words_host[0] != 0) return py::make_tuple(words_host[0], words_host[1], words_host[2]);
+  if (words_host[0] != 0) {
+    order.now();
+    return py::make_tuple(words_host[0], words_host[1], words_host[2]);
+  }
   py::list headers(W), sends(W), rows(W);
   std::vector<int64_t> rows_of(W, 0);
   at::Tensor mine_host = at::zeros({local}, at::TensorOptions().dtype(at::kLong));
@@ -430,6 +441,7 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
                             tables.as_strided({items, width}, {width, 1}, items * (1 + width)), places,
                             sources.slice(0, 0, n), sources.slice(0, n), pulled);
   }
+  order.now();
   return py::make_tuple(
       meta, per_expert, tables.as_strided({items}, {1}, 0), py::tuple(headers), py::tuple(sends), py::tuple(rows),
       mine_host,
@@ -456,13 +468,14 @@ at::Tensor pull(Launcher& launcher, unsigned blocks, const at::Tensor& rows, int
 at::Tensor to_home(Launcher& push, unsigned push_blocks, Launcher& home, unsigned home_blocks,
                    const at::Tensor& rows, uint64_t weights, uint64_t matrix, uint64_t tokens_at, uint64_t presum,
                    int64_t tstride, uint64_t hit, int64_t tokens, uint64_t stream, uint64_t record) {
-  const RecordAtExit order(record, stream);
+  RecordAtExit order(record, stream);
   push.launch_words(push_blocks, 0, stream,
                     {reinterpret_cast<uint64_t>(rows.data_ptr()), weights, 0, 0, 0, 0, 0, uint64_t{1} << 62, matrix,
                      tokens_at, presum, static_cast<uint64_t>(tstride), 1});
   at::Tensor out = at::empty({tokens, rows.size(1)}, rows.options());
   home.launch_words(home_blocks, 0, stream,
                     {hit, static_cast<uint64_t>(tokens), reinterpret_cast<uint64_t>(out.data_ptr())});
+  order.now();
   return out;
 }
 

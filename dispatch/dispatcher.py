@@ -273,8 +273,8 @@ class TokenDispatcher:
         rows = handle.rows
         try:
             key = ("combine", expert_out.__class__, expert_out.shape, expert_out.dtype, expert_out.device,
-                   expert_out.layout, weights.__class__,
-                   None if weights is None else (weights.shape, weights.dtype, weights.device, weights.layout), rows, handle.device)
+                   expert_out.layout, weights.__class__, rows, handle.device,
+                   None if weights is None else (weights.shape, weights.dtype, weights.device, weights.layout))
         except AttributeError:
             key = None
         self._signature(key, lambda: checks.check_combine_inputs(expert_out, weights, rows, self.devices,

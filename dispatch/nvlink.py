@@ -136,9 +136,10 @@ class Engine(EngineMoves):
         self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._scratch = torch.zeros(0, dtype=torch.int32, device=self.device)  # the layout's zeroed words
-        # (event recorded after the latest operation, the id of the CUDA graph capture it was
-        # recorded in or None, its stream)
+        # the latest eager operation's (event, raw stream handle), and the latest captured one's
+        # (event, the id of its capture, raw stream handle): dispatch.nvlink_order
         self._last: tuple | None = None
+        self._last_captured: tuple | None = None
         self._eager_event: torch.cuda.Event | None = None  # the event eager operations record (Ordered)
         self._eager_raw = 0  # its handle, once recorded (dispatch.nvlink_order.eager_stream)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status (seen_failed)
@@ -169,8 +170,8 @@ class Engine(EngineMoves):
     def check(self) -> None:
         """Raise the failure the kernels recorded, if any (a host read: it waits
         for the work queued on the current stream)."""
-        if self._last is not None and self._last[1] is None:
-            self._last[0].synchronize()  # host sync: the latest operation, on whatever stream
+        if self._last is not None:
+            self._last[0].synchronize()  # host sync: the latest eager operation, on whatever stream
         code, peer, where, _ = self.status.tolist()  # host sync: the status words
         if code:
             self.failure_seen = True
@@ -194,9 +195,8 @@ class Engine(EngineMoves):
                 return True
         if poll:  # the copy comes after the latest operation, on whatever stream; it orders nothing after it
             stream = cuda.current_stream(self.device.index)
-            last = self._last
-            if last is not None and last[1] is None:
-                stream.wait_event(last[0])
+            if self._last is not None:  # (the latest eager operation: never inside a capture)
+                stream.wait_event(self._last[0])
             self._polled.copy_(self.status, non_blocking=True)
             self._polled_event = torch.cuda.Event()
             self._polled_event.record(stream)
@@ -220,7 +220,7 @@ class Engine(EngineMoves):
         # rendezvous, which every rank reaches only after the same sync, so no rank still
         # reads a buffer when it is dropped.
         cuda.current_stream(self.device.index).synchronize()
-        if self._last is not None and self._last[1] is None:
+        if self._last is not None:
             self._last[0].synchronize()
         data, handle = self._symmetric(max(regions["total"][0], _ALIGN))
         if self._captured and self._data is not None:  # a captured graph may still replay on these

@@ -3,9 +3,13 @@ rank runs them in the order issued, whatever streams the caller issues them on.
 
 Each operation runs on the caller's current stream, after the engine's previous
 operation: where that ran on another stream, this one waits for the event it
-recorded; each records the event for the next (``Engine._last``: the event, the
-id of the CUDA graph capture it was recorded in or None, the raw handle of its
-stream). :class:`Ordered` does this around an operation issued from Python.
+recorded; each records the event for the next. Eager operations follow eager
+ones (``Engine._last``: the eager event and the raw handle of the stream it was
+last recorded on), and an operation in a CUDA graph capture follows those of its
+capture (``Engine._last_captured``: its event, the capture's id, its stream's
+handle): a capture may not wait for another's events, and graphs (a layer's
+forward and backward captured apart) are ordered by the stream they are
+replayed on. :class:`Ordered` does this around an operation issued from Python.
 
 The usual eager operation (a dispatch's counts exchange, a combine's push and
 home sum on the compiled host path) needs no wait: it follows an eager
@@ -28,15 +32,11 @@ if TYPE_CHECKING:
 
 
 class Ordered:
-    """See :meth:`Engine._ordered`. Inside a CUDA graph capture an operation
-    waits only for one recorded in the same capture (a capture may not wait for
-    another's events; graphs, such as a layer's forward and backward captured
-    apart, are ordered by the stream they are replayed on), and eager work only
-    for eager work. An operation on the stream of the one before it needs no
-    wait (the stream orders them); eager operations record one event of the
-    engine's again and again (a wait takes the record it follows when it is
-    queued), a captured one an event of its own (its graph records it at each
-    replay)."""
+    """See :meth:`Engine._ordered` and the module doc. An operation on the stream
+    of the one it follows needs no wait (the stream orders them); eager
+    operations record one event of the engine's again and again (a wait takes
+    the record it follows when it is queued), a captured one an event of its own
+    (its graph records it at each replay)."""
 
     def __init__(self, engine: "Engine", writes: bool) -> None:
         self.engine, self.writes = engine, writes
@@ -45,9 +45,14 @@ class Ordered:
         device = self.engine.device
         self.stream, self.capture = cuda.current_stream(device.index), cuda.capture_id(device)
         self.raw = self.stream.cuda_stream
-        last = self.engine._last
-        if last is not None and last[1] == self.capture and last[2] != self.raw:
-            self.stream.wait_event(last[0])
+        if self.capture is None:
+            last = self.engine._last
+            if last is not None and last[1] != self.raw:
+                self.stream.wait_event(last[0])
+        else:
+            last = self.engine._last_captured
+            if last is not None and last[1] == self.capture and last[2] != self.raw:
+                self.stream.wait_event(last[0])
 
     def __exit__(self, *exc) -> bool:
         engine = self.engine
@@ -59,9 +64,11 @@ class Ordered:
             event = torch.cuda.Event()
             engine._captured = True
         event.record(self.stream)  # the operation's stream and capture: an operation stays on its stream
-        if self.capture is None and not engine._eager_raw:  # made by its first record
-            engine._eager_raw = event.cuda_event
-        engine._last = (event, self.capture, self.raw)
+        if self.capture is None:
+            engine._eager_raw = engine._eager_raw or event.cuda_event  # (made by its first record)
+            engine._last = (event, self.raw)
+        else:
+            engine._last_captured = (event, self.capture, self.raw)
         engine.operations += int(self.writes)
         return False
 
@@ -77,11 +84,11 @@ def eager_stream(engine: "Engine") -> int | None:
         return None
     raw = cuda.raw_stream(engine.device.index)
     last = engine._last
-    return raw if last is None or (last[1] is None and last[2] == raw) else None
+    return raw if last is None or last[1] == raw else None
 
 
 def ordered_eager(engine: "Engine", raw: int, writes: int = 1) -> None:
     """Note an operation on stream ``raw`` (:func:`eager_stream`) whose compiled
     call recorded the eager event there, as :class:`Ordered`'s exit does."""
-    engine._last = (engine._eager_event, None, raw)
+    engine._last = (engine._eager_event, raw)
     engine.operations += writes

@@ -107,7 +107,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e._data = torch.zeros(e._regions["total"][0], dtype=torch.uint8)
     e._data_ptrs = torch.zeros(world, dtype=torch.int64)
     e._kernels, e._launches, e._retired, e._captured, e._last, e._eager_event = {}, {}, [], False, None, None
-    e._eager_raw = 0
+    e._eager_raw, e._last_captured = 0, None
     e._on_nvshmem = False
     e.operations = 0
     e.status = torch.zeros(4, dtype=torch.int32)

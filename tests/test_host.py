@@ -450,16 +450,68 @@ def test_the_usual_eager_operations_are_ordered_by_their_compiled_call(fake_driv
     names = [launch[0] for launch in recorder.launches]
     assert names == ["route_layout", "exchange_counts", "pull_rows", "push_partials", "home_sum"]
     assert [(n, event, at or 0) for n, event, at in recorder.records] == [(3, 0xE0, stream), (5, 0xE0, stream)]
-    assert engine._last == ("the eager event", None, stream) and engine.operations == 3 and entered == []
+    assert engine._last == ("the eager event", stream) and engine.operations == 3 and entered == []
     for case in ("another stream", "captured", "no event yet"):
         recorder.launches, recorder.records, entered[:] = [], [], []
-        engine._last = ("the eager event", None, 8 if case == "another stream" else stream)
+        engine._last = ("the eager event", 8 if case == "another stream" else stream)
         capturing["now"] = case == "captured"
         engine._eager_raw = 0 if case == "no event yet" else 0xE0
         round_trip()
         assert recorder.records == [] and entered == [True, True], case
         assert [launch[0] for launch in recorder.launches] == names, case
     capturing["now"] = False
+
+
+def test_operations_follow_their_kind_across_streams_and_captures(monkeypatch):
+    """``Ordered``: an eager operation waits for the engine's latest eager one where
+    that ran on another stream, whatever was captured in between; a captured one
+    waits only for the latest of its own capture on another stream; none waits for
+    an operation on its own stream. (An eager operation on stream 2, then one
+    captured on stream 1, then an eager one on stream 1: the last waited for
+    nothing, though stream 2's operation may still run.)"""
+    import types
+
+    from dispatch.nvlink_order import Ordered
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.cuda_event, self.at = 100 + Event.made, None
+
+        def record(self, stream):
+            self.at = stream.cuda_stream
+
+    class Stream:
+        def __init__(self, raw):
+            self.cuda_stream, self.waited = raw, []
+
+        def wait_event(self, event):
+            self.waited.append((event.cuda_event, event.at))
+
+    streams, now = {1: Stream(1), 2: Stream(2)}, {"stream": 1, "capture": None}
+    monkeypatch.setattr(cuda, "current_stream", lambda device: streams[now["stream"]])
+    monkeypatch.setattr(cuda, "capture_id", lambda device: now["capture"])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    engine = types.SimpleNamespace(device=torch.device("cpu"), _last=None, _last_captured=None, _eager_event=None,
+                                   _eager_raw=0, _captured=False, operations=0)
+
+    def operation(stream, capture=None):
+        now.update(stream=stream, capture=capture)
+        streams[stream].waited.clear()
+        with Ordered(engine, True):
+            pass
+        return streams[stream].waited
+
+    assert operation(2) == []  # the first: the eager event made (its handle 101)
+    assert engine._eager_raw == 101 and engine._last == (engine._eager_event, 2)
+    assert operation(1, capture=7) == []  # a capture waits for no eager operation
+    assert operation(1) == [(101, 2)]  # eager after eager on another stream, a capture between
+    assert operation(1) == []  # the same stream
+    assert operation(2, capture=7) == [(102, 1)]  # the capture's own latest, on another stream
+    assert operation(1, capture=8) == []  # another capture's: not waited for
+    assert engine.operations == 6 and engine._captured
 
 
 def test_a_lock_left_by_a_build_that_died_is_removed(tmp_path, monkeypatch):
