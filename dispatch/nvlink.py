@@ -29,7 +29,8 @@ with fresh epochs: the kernel that raises an operation's flags takes seq + 1
 and stores it, the kernels before it write the epoch's copy of the regions,
 the kernels after it wait for every rank's flag to reach it and read. On the
 device a rank runs its operations in order, whatever streams the caller issues
-them on: each waits for an event the previous one recorded (``_ordered``). A
+them on: each waits for an event the previous one of its kind recorded (eager
+work, or a capture's; a graph's replay is ordered by its stream: ``_ordered``). A
 region written in epoch i (the counts matrix, routes, staged rows, partial
 sums, slots: two copies each, by parity) is rewritten in epoch i + 2 at the
 earliest, and a writer only gets there past epoch i + 1's wait, which its peers
@@ -156,7 +157,8 @@ class Engine(EngineMoves):
 
     def _ordered(self, writes: bool = True) -> Ordered:
         """A context for one operation: on the current stream, after the previous
-        operation (whatever stream it ran on), and recorded for the next;
+        operation of its kind (eager, or of its CUDA graph capture; whatever stream
+        it ran on: ``dispatch.nvlink_order``), and recorded for the next;
         ``writes``: it may write the peers' buffers or raise an epoch (counted in
         ``operations``)."""
         if cuda.current_device() != self.device.index:
