@@ -87,8 +87,9 @@ def eager_stream(engine: "Engine") -> int | None:
     return raw if last is None or last[1] == raw else None
 
 
-def ordered_eager(engine: "Engine", raw: int, writes: int = 1) -> None:
+def ordered_eager(engine: "Engine", raw: int) -> None:
     """Note an operation on stream ``raw`` (:func:`eager_stream`) whose compiled
-    call recorded the eager event there, as :class:`Ordered`'s exit does."""
+    call recorded the eager event there, as :class:`Ordered`'s exit does (every
+    such operation writes: it is counted in ``operations``)."""
     engine._last = (engine._eager_event, raw)
-    engine.operations += writes
+    engine.operations += 1
