@@ -36,7 +36,7 @@ MARKED = [  # (owner, method): host ranges named in the trace
     (base.TokenDispatcher, "combine"),
     (NVLinkTransport, "plan"),
     (NVLinkTransport, "_plan_bounded"),
-    (base.TokenDispatcher, "_row_budgets"),
+    (checks, "row_budgets"),
     (nvlink.Engine, "exchange_counts"),
     (nvlink.Engine, "to_experts"),
     (nvlink.Engine, "to_home"),

@@ -271,6 +271,16 @@ class Calls:
                           "the parts of its calls in the same order; no part completes by pairing with another "
                           "call's, and every rank stops here, before any row moves")
 
+    def refuse(self, verb: str, along: int, error: BaseException, whole: plan.Ticket | None = None) -> None:
+        """Raise ``error``: this rank's reason not to make its next call of
+        ``verb`` along dispatch ``along`` (its experts raised, say), once it
+        took part in that call's agreement marked refused, as a refusal of its
+        arguments does (:func:`refuse`): every peer raises :class:`PeerRefused`
+        there, naming it, instead of waiting for it until the timeout.
+        ``whole``: the call it is a part of (:meth:`agree_part`)."""
+        ticket = dataclasses.replace(self.ticket(verb, along), refused=True)
+        refuse(error, (lambda: self.agree(ticket)) if whole is None else (lambda: self.agree_part(ticket, whole)))
+
     def withdraw(self, ticket: plan.Ticket) -> None:
         """Give ``ticket``'s number back (where it is still its verb's last):
         the ranks' calls differed (:class:`CallsDiffer`), and none counts it."""

@@ -215,15 +215,17 @@ class TokenDispatcher:
         if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
             blocks = self._capacity_blocks(x, topk_idx, ticket)
             padded_rows = self.num_local_experts * sum(blocks)
-            memory_rows = self._memory_rows(x, checks.free_bytes)  # the N received and their padded copy, at once
+            # the N received and their padded copy, at once
+            memory_rows = checks.memory_rows(x.device, self.transport.row_bytes(x), checks.free_bytes)
             budgets = (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0))
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups))
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
         else:
+            budgets = checks.row_budgets(x.device, self.transport.row_bytes(x), max_rows, groups)
             handle, plan_out = self.transport.plan(
-                Request(self, x, topk_idx, topk_weights, ticket.with_budgets(self._row_budgets(x, max_rows, groups)),
-                        check, groups, agreed, lambda: self._exact_memory_rows(x, ticket), at_once))
+                Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups, agreed,
+                        lambda: self._exact_memory_rows(x, ticket), at_once))
         return codec, handle, plan_out, dropped
 
     def combine(
@@ -449,6 +451,19 @@ class TokenDispatcher:
         the host anyway."""
         self.transport.reserve(x, topk)
 
+    def refuse(self, verb: str, handle: CombineHandle, error: BaseException) -> None:
+        """Raise ``error``, this rank's reason not to make its next ``verb`` call
+        (combine, combine_rows, dispatch_rows, combine_slots, combine_groups)
+        along ``handle`` (its experts raised, say), once it took part in that
+        call's agreement marked refused: every peer raises
+        ``agreement.PeerRefused`` there, naming it, instead of waiting for it
+        until ``DispatchConfig.timeout``. ``GroupSums.refuse`` for an add."""
+        self._check_handle(handle)
+        if verb not in ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups"):
+            raise ValueError(f"verb must name a call along a handle (combine, combine_rows, dispatch_rows, "
+                             f"combine_slots, combine_groups), got {verb!r}")
+        self._calls.refuse(verb, handle.call, error)
+
     def check(self) -> None:
         """Raise a failure that an exchange with no host read (``max_rows``)
         recorded on the device: a rank over its ``max_rows``, bad values, ranks
@@ -560,30 +575,11 @@ class TokenDispatcher:
         topk = topk_idx.shape[1]
         return tuple(min(capacity.capacity(t, topk, config.num_experts, config.capacity_factor), t) for t in tokens)
 
-    def _row_budgets(self, x: torch.Tensor, max_rows: int | None, groups: int) -> tuple[int, int]:
-        """This rank's (max_rows, rows its free device memory holds), -1 for none:
-        the budgets its header carries (``plan.header``), checked on every rank
-        before any token moves (``checks.check_row_budgets``). The memory's is
-        the device's free memory alone (a lower bound, cheap to read); with
-        max_rows, the exact one where that bound falls short of the outputs'
-        rows (this rank decides alone); without, every rank's exact one where
-        some rank falls short of its bound (``Request.exact_memory_rows``)."""
-        memory_rows = self._memory_rows(x, checks.device_free_bytes)
-        if max_rows is None:
-            return -1, memory_rows
-        if 0 <= memory_rows < max_rows + groups:  # the outputs have G * ceil(max_rows / G) rows
-            memory_rows = self._memory_rows(x, checks.free_bytes)
-        return max_rows, memory_rows
-
-    def _memory_rows(self, x: torch.Tensor, free_bytes) -> int:
-        """Rows of a dispatch of x that ``free_bytes(device)`` holds (-1: no budget)."""
-        free = free_bytes(x.device)
-        return -1 if free is None else min(free // self.transport.row_bytes(x), 2**31 - 1)
-
     def _exact_memory_rows(self, x: torch.Tensor, ticket: plan.Ticket) -> list[int]:
         """Every rank's exact memory budget in rows (``checks.free_bytes``), agreed
         (``Request.exact_memory_rows``)."""
-        return [row[-1] for row in self._calls.agree(ticket, tail=(self._memory_rows(x, checks.free_bytes),))]
+        rows = checks.memory_rows(x.device, self.transport.row_bytes(x), checks.free_bytes)
+        return [row[-1] for row in self._calls.agree(ticket, tail=(rows,))]
 
 
 _SIGNATURES = 64  # argument signatures (of every verb) a dispatcher keeps as checked

@@ -35,6 +35,13 @@ copied locally) and pushes the pre-sums each group completes; the other
 variants move all groups at once, so there G > 1 computes by group but hides
 nothing.
 
+One rank's experts raising (forward or backward) must not leave its peers
+waiting for it until the timeout: that rank takes part in the next call they
+wait at, refused (``GroupSums.refuse``, ``TokenDispatcher.refuse``), so that
+every peer raises ``PeerRefused`` there and it raises its experts' error. In a
+backward where only the experts' parameters want gradients no call follows
+theirs: the peers finish, and that rank raises alone.
+
 Experts' parameters: for a plain :class:`GroupedExperts` (its own ``forward``
 and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the
 backward of each group computes only the rows' gradients, and the weight
@@ -256,25 +263,30 @@ class _PipelineFn(torch.autograd.Function):
             sums = None
             for g in range(groups):
                 tokens, per_expert, per_expert_host, weights[g], handle, group_experts = _group(work, g, groups)
-                reach[g] = _reached(experts, params, group_experts)
-                if by_groups is not None:
-                    by_groups.set_counts(g, per_expert, per_expert_host, group_experts)
-                    with layer._carveout():
-                        y = by_groups.forward(g, tokens)
-                elif layer.weighted_experts:  # the experts weigh the rows: their weights are leaves too
-                    leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
-                    w_leaf = weights[g].detach().requires_grad_(grad_on and handle.weights_grad_any)
-                    counts = per_expert if per_expert_host is None else per_expert_host
-                    with torch.set_grad_enabled(grad_on), layer._carveout():
-                        y = experts(leaf, counts, w_leaf)
-                    if grad_on:
-                        leaves[g], ys[g] = (leaf, w_leaf), y
-                else:
-                    leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
-                    with torch.set_grad_enabled(grad_on), layer._carveout():
-                        y = experts(leaf, per_expert)
-                    if grad_on:  # kept for backward; without grad, group g's rows die here
-                        leaves[g], ys[g] = leaf, y
+                try:  # the experts, on this rank alone: where they raise, its peers must not wait for it
+                    reach[g] = _reached(experts, params, group_experts)
+                    if by_groups is not None:
+                        by_groups.set_counts(g, per_expert, per_expert_host, group_experts)
+                        with layer._carveout():
+                            y = by_groups.forward(g, tokens)
+                    elif layer.weighted_experts:  # the experts weigh the rows: their weights are leaves too
+                        leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
+                        w_leaf = weights[g].detach().requires_grad_(grad_on and handle.weights_grad_any)
+                        counts = per_expert if per_expert_host is None else per_expert_host
+                        with torch.set_grad_enabled(grad_on), layer._carveout():
+                            y = experts(leaf, counts, w_leaf)
+                        if grad_on:
+                            leaves[g], ys[g] = (leaf, w_leaf), y
+                    else:
+                        leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
+                        with torch.set_grad_enabled(grad_on), layer._carveout():
+                            y = experts(leaf, per_expert)
+                        if grad_on:  # kept for backward; without grad, group g's rows die here
+                            leaves[g], ys[g] = leaf, y
+                except Exception as error:  # its peers raise at the call they wait at (PeerRefused)
+                    if sums is None:
+                        d.refuse("combine_groups", handle, error)
+                    sums.refuse(error)
                 if sums is None:
                     sums = d.combine_groups(handle, dtype=layer._out_dtype(x), wire=d.config.combine_wire)
                 _add_expert_out(sums, y, None if layer.weighted_experts else weights[g], tokens, g)
@@ -307,27 +319,30 @@ class _PipelineFn(torch.autograd.Function):
             to_x = d.combine_groups(handle, dtype=ctx.x_dtype, wire=config.dispatch_grad_wire) if x_any else None
             for g in range(groups):
                 grad_rows = brings.wait() if groups == 1 else brings.wait_group(g)
-                y = ctx.ys[g] if by_groups is None else by_groups.output(g)
-                if layer.weighted_experts:  # the weights' gradients from the experts' backward
-                    (leaf, w_leaf), grad_y = ctx.leaves[g], grad_rows.to(y.dtype)
-                else:
-                    leaf, w_leaf = ctx.leaves[g], None
-                    grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[g], y, w_any)
-                with layer._carveout():
-                    if by_groups is not None:
-                        grad_tokens = by_groups.backward(g, grad_y, x_any) if x_any or ctx.params else None
+                try:  # the experts' backward, on this rank alone: where it raises, its peers must not wait for it
+                    y = ctx.ys[g] if by_groups is None else by_groups.output(g)
+                    if layer.weighted_experts:  # the weights' gradients from the experts' backward
+                        (leaf, w_leaf), grad_y = ctx.leaves[g], grad_rows.to(y.dtype)
                     else:
-                        reach = ctx.reach[g]
-                        params = ctx.params if reach is None else [ctx.params[i] for i in reach]
-                        grads = grad_params if reach is None else [grad_params[i] for i in reach]
-                        if w_leaf is None:
-                            grad_tokens = autograd_rows(leaf, y, grad_y, x_any, params, grads)
+                        leaf, w_leaf = ctx.leaves[g], None
+                        grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[g], y, w_any)
+                    with layer._carveout():
+                        if by_groups is not None:
+                            grad_tokens = by_groups.backward(g, grad_y, x_any) if x_any or ctx.params else None
                         else:
-                            grad_tokens, grad_weight = autograd_rows(leaf, y, grad_y, x_any, params, grads,
-                                                                     w_leaf, w_any)
-                        for i, grad in zip(reach or (), grads):
-                            grad_params[i] = grad
-                    ctx.ys[g] = ctx.leaves[g] = None  # the group's graph is spent
+                            reach = ctx.reach[g]
+                            params = ctx.params if reach is None else [ctx.params[i] for i in reach]
+                            grads = grad_params if reach is None else [grad_params[i] for i in reach]
+                            if w_leaf is None:
+                                grad_tokens = autograd_rows(leaf, y, grad_y, x_any, params, grads)
+                            else:
+                                grad_tokens, grad_weight = autograd_rows(leaf, y, grad_y, x_any, params, grads,
+                                                                         w_leaf, w_any)
+                            for i, grad in zip(reach or (), grads):
+                                grad_params[i] = grad
+                        ctx.ys[g] = ctx.leaves[g] = None  # the group's graph is spent
+                except Exception as error:
+                    _refuse_backward(d, handle, brings, to_x, w_any, g, error)
                 if x_any:
                     to_x.add(grad_tokens)
                 if w_any:
@@ -356,6 +371,21 @@ class _PipelineFn(torch.autograd.Function):
             None,
             *grad_params,
         )
+
+
+def _refuse_backward(d, handle, brings, to_x, w_any: bool, g: int, error: Exception) -> None:
+    """Raise ``error``, which this rank's experts' backward raised in group g,
+    once its peers raise too at the next call they make (``PeerRefused``): the
+    add of group g's gradients of x; without those, after the later groups'
+    rows (which the peers move on) the routing weights' gradients' exchange.
+    With neither, nothing follows that its peers wait at: it raises alone."""
+    if to_x is not None:
+        to_x.refuse(error)
+    for later in range(g + 1, handle.groups):
+        brings.wait_group(later)
+    if w_any:
+        d.refuse("combine_slots", handle, error)
+    raise error
 
 
 def _reached(experts, params: tuple, group_experts: tuple[int, int] | None) -> list[int] | None:

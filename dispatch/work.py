@@ -78,6 +78,13 @@ class GroupSums:
         self._dispatcher._start(lambda: Pending.done(self._issuer.add(g, rows, weights)), reads, True)
         self._added, self._last, self._weights_dtype = g + 1, rows, given
 
+    def refuse(self, error: BaseException) -> None:
+        """Raise ``error``, this rank's reason not to add its next group (its
+        experts raised, say), once it took part in that add's agreement marked
+        refused: every peer raises ``agreement.PeerRefused`` there, naming it,
+        instead of waiting for it (``TokenDispatcher.refuse``)."""
+        self._dispatcher._calls.refuse("GroupSums.add", self._handle.call, error, self._call)
+
     def wait(self) -> torch.Tensor:
         """[T, H'] in ``dtype``: per token, the (weighted) sum of its rows, as
         ``combine_rows``; the caller's current stream waits for it. Once every

@@ -106,6 +106,32 @@ def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
     return _timed(call, d)
 
 
+def refused_by_hand(config: dict, verb: str, bad_rank: int):
+    """Every rank dispatches; rank ``bad_rank``'s own loop fails before its next
+    call (``verb`` along the handle, or "GroupSums.add") and hands the error to
+    ``refuse``; the others make that call. Returns as :func:`one_rank_mistake`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(world, seed=3)
+    out = d.dispatch(x, idx, w)
+    handle, rows = out.handle, out.tokens
+    if rank == bad_rank:
+        error = RuntimeError("this rank's own loop failed")
+        if verb == "GroupSums.add":
+            sums = d.combine_groups(handle, dtype=None)
+            return _timed(lambda: sums.refuse(error), d)
+        return _timed(lambda: d.refuse(verb, handle, error), d)
+    call = {
+        "combine": lambda: d.combine(rows, handle, weights=out.weights),
+        "combine_rows": lambda: d.combine_rows(rows, handle),
+        "dispatch_rows": lambda: d.dispatch_rows(x, handle),
+        "combine_slots": lambda: d.combine_slots(out.weights, handle),
+        "combine_groups": lambda: d.combine_groups(handle, dtype=None),
+        "GroupSums.add": lambda: d.combine_groups(handle, dtype=None).add(rows),
+    }[verb]
+    return _timed(call, d)
+
+
 def moe_layer_mistake(config: dict, bad_rank: int):
     """Every rank runs a ``MoEExchange`` layer; rank ``bad_rank``'s x has a
     dtype its dispatch refuses. Returns as :func:`one_rank_mistake`."""
@@ -135,6 +161,50 @@ def moe_experts_mistake(config: dict, mistake: str, groups: int, bad_rank: int):
 
     layer = dispatch.MoEExchange(d, experts, groups=groups)
     return _timed(lambda: layer(x, idx, w), d)
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    """Its rows, unchanged; its backward raises (the experts' backward failing on one rank)."""
+
+    @staticmethod
+    def forward(ctx, rows):
+        return rows.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the experts' backward failed on this rank")
+
+
+def moe_experts_raise(config: dict, groups: int, bad_rank: int, bad_group: int, where: str, grads: str):
+    """Every rank runs a ``MoEExchange`` layer by ``groups`` groups, forward and
+    backward, its experts with a parameter; on rank ``bad_rank`` they raise a
+    RuntimeError of their own at group ``bad_group``, in the forward or the
+    backward (``where``), with the gradients of ``grads`` ("x", "weights",
+    "both" or "none": the parameter's only) asked for. Returns as
+    :func:`one_rank_mistake`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(world, seed=3)
+    x.requires_grad_(grads in ("x", "both"))
+    w.requires_grad_(grads in ("weights", "both"))
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((), 2.0, device=x.device))
+            self.calls = 0
+
+        def forward(self, rows, counts):
+            g, self.calls = self.calls % groups, self.calls + 1
+            y = rows * self.scale
+            if rank == bad_rank and g == bad_group:
+                if where == "forward":
+                    raise RuntimeError("the experts failed on this rank")
+                y = _RaisesInBackward.apply(y)
+            return y
+
+    layer = dispatch.MoEExchange(d, Experts(), groups=groups)
+    return _timed(lambda: layer(x, idx, w).sum().backward(), d)
 
 
 def crosswise_adds(config: dict, groups: int, crossing: int):

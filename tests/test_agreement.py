@@ -91,6 +91,60 @@ def test_a_layers_expert_mistake_stops_every_rank_at_once(worlds, mistake, error
         assert usable, f"rank {rank}: the round trip after the refusal went wrong"
 
 
+@pytest.mark.parametrize("verb", [*ALONG, "GroupSums.add"])
+def test_an_error_handed_to_refuse_stops_every_rank_at_once(worlds, verb):
+    """A rank whose own loop fails before its next call hands the error to
+    ``d.refuse(verb, handle, error)`` (``sums.refuse(error)`` for an add): it
+    raises that error, its peers ``PeerRefused`` naming it at that call, at
+    once; the dispatcher works afterwards."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", timeout=30.0)
+    for rank, (name, message, elapsed, usable) in enumerate(worlds(2).run(agreement_fns.refused_by_hand,
+                                                                           [(config, verb, 0)] * 2)):
+        if rank == 0:
+            assert name == "RuntimeError" and "own loop failed" in message, (rank, name, message)
+        else:
+            assert name == "PeerRefused" and "rank(s) [0]" in message and verb in message, (rank, name, message)
+        assert elapsed < SOON and usable, (rank, elapsed, usable)
+
+
+def test_refuse_names_a_call_along_a_handle():
+    """``refuse`` takes the verbs that move rows along a handle only, checked on
+    this rank before any agreement."""
+    import types
+
+    from dispatch.dispatcher import TokenDispatcher
+
+    me = types.SimpleNamespace(_check_handle=lambda handle: None)
+    with pytest.raises(ValueError, match="verb must name a call along a handle"):
+        TokenDispatcher.refuse(me, "dispatch", None, RuntimeError("x"))
+
+
+@pytest.mark.parametrize("groups, bad_group", [(1, 0), (2, 0), (2, 1)])
+@pytest.mark.parametrize("where, grads", [("forward", "both"), ("backward", "both"), ("backward", "x"),
+                                          ("backward", "weights"), ("backward", "none")])
+def test_a_layers_experts_raising_on_one_rank_stop_every_rank_at_once(worlds, groups, bad_group, where, grads):
+    """``MoEExchange``: one rank's experts raising an error of their own (forward,
+    or backward with the gradients of x, of the routing weights or both) make
+    that rank take part in the next call its peers wait at, refused
+    (``GroupSums.refuse``, ``TokenDispatcher.refuse``): it raises its error, its
+    peers ``PeerRefused`` naming it, at once (not at the timeout), and the
+    dispatcher works afterwards on every rank. Where only the experts'
+    parameters want gradients, no exchange follows the experts' backward: the
+    peers finish theirs, and the rank raises alone."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", timeout=30.0)
+    results = worlds(2).run(agreement_fns.moe_experts_raise, [(config, groups, 1, bad_group, where, grads)] * 2)
+    for rank, (name, message, elapsed, usable) in enumerate(results):
+        if rank == 1:
+            assert name == "RuntimeError" and "the experts" in message and "failed on this rank" in message, \
+                (rank, name, message)
+        elif grads == "none":
+            assert name is None, (rank, name, message)
+        else:
+            assert name == "PeerRefused" and "rank(s) [1]" in message, (rank, name, message)
+        assert elapsed < SOON, (rank, elapsed)
+        assert usable, f"rank {rank}: the round trip after the refusal went wrong"
+
+
 @pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("variant", ["alltoall", "allgather"])

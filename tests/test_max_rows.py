@@ -151,15 +151,9 @@ def test_a_bounded_dispatch_reads_its_exact_memory_alone_where_the_cheap_bound_f
     receives: it reads its exact budget (``checks.free_bytes``) only where the cheap
     lower bound (``checks.device_free_bytes``) holds fewer than max_rows + G rows,
     alone (no agreement); without max_rows the header carries the bound."""
-    import types
-
     from dispatch import checks
-    from dispatch.dispatcher import TokenDispatcher
 
     row_bytes = 100
-    me = types.SimpleNamespace(transport=types.SimpleNamespace(row_bytes=lambda x: row_bytes))
-    me._memory_rows = lambda x, free: TokenDispatcher._memory_rows(me, x, free)
-    x = torch.zeros(4, 8)
     exact_reads = []
     monkeypatch.setattr(checks, "free_bytes", lambda device: exact_reads.append(1) or 10**6 * row_bytes)
     for lower, max_rows, groups, want, reads in [(1000, None, 1, (-1, 1000), 0),  # no bound: the cheap one
@@ -168,5 +162,5 @@ def test_a_bounded_dispatch_reads_its_exact_memory_alone_where_the_cheap_bound_f
                                                  (10, 500, 1, (500, 10**6), 1)]:
         monkeypatch.setattr(checks, "device_free_bytes", lambda device, lower=lower: lower * row_bytes)
         exact_reads.clear()
-        assert TokenDispatcher._row_budgets(me, x, max_rows, groups) == want
+        assert checks.row_budgets(torch.device("cpu"), row_bytes, max_rows, groups) == want
         assert len(exact_reads) == reads
