@@ -2,7 +2,7 @@
 
 Per call, on a group of every local GPU (one process each), back to back after a
 warm-up: the dispatcher's agreement on the board (``agreement.Calls.agree``,
-shared memory), the same row all-gathered over a gloo group (the host channel
+shared memory; compiled, ``csrc/host.cpp``'s ``board_agree``, and in Python), the same row all-gathered over a gloo group (the host channel
 off one host), and over NCCL with the host reading it back (what an agreement
 on the GPU's side costs when the GPU is idle: with the engine's kernels holding
 the SMs it waits for them). Medians of rank 0's host time.
@@ -35,8 +35,14 @@ def _worker(rank: int, world: int, calls: int) -> None:
     row, out = torch.zeros(300, dtype=torch.int64), torch.empty(world * 300, dtype=torch.int64)
     row_gpu, out_gpu = row.cuda(), out.cuda()
 
-    def board():
-        d._calls.agree(d._calls.ticket("combine"))
+    board = d._calls._board
+    compiled = board._compiled  # the compiled agreement, which a process with CUDA uses where it builds
+
+    def on_board(agreement):
+        def step():
+            board._compiled = agreement
+            d._calls.agree(d._calls.ticket("combine"))
+        return step
 
     def gloo_all_gather():
         dist.all_gather_into_tensor(out, row, group=gloo)
@@ -45,8 +51,9 @@ def _worker(rank: int, world: int, calls: int) -> None:
         dist.all_gather_into_tensor(out_gpu, row_gpu)
         out_gpu.tolist()
 
-    for name, step in (("board", board), ("gloo all-gather", gloo_all_gather),
-                       ("nccl all-gather + host read", nccl_all_gather_read)):
+    steps = [("board, compiled", on_board(compiled)), ("board, in Python", on_board(None)),
+             ("gloo all-gather", gloo_all_gather), ("nccl all-gather + host read", nccl_all_gather_read)]
+    for name, step in steps if compiled is not None else steps[1:]:
         for _ in range(50):
             step()
         dist.barrier()

@@ -16,7 +16,8 @@
 //
 // The driver's entry points are found in libcuda.so.1 at first use (nothing is
 // linked): the extension builds wherever torch's headers and CUDA's cuda.h are.
-// `reserved_bytes` reads torch's CUDA caching allocator (where torch has CUDA).
+// `reserved_bytes` reads torch's CUDA caching allocator (where torch has CUDA);
+// `board_agree` is the agreement of dispatch/board.py on its shared words.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -29,12 +30,16 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -479,6 +484,102 @@ at::Tensor to_home(Launcher& push, unsigned push_blocks, Launcher& home, unsigne
   return out;
 }
 
+// The board's agreement (dispatch/board.py: the protocol, the words and their
+// order), compiled: each word written with release and read with acquire order,
+// so that it holds wherever the ranks share memory, not only where stores keep
+// their program order (x86-64, which the agreement in Python relies on). The
+// words are the board's mapped page at ``words_at``: two copies of W slots
+// [arrived, confirmed, row...] of ``slot`` int64 words; ``count_at`` the int64
+// count of this rank's agreements (shared with the Python agreement). The
+// waits release the GIL: spinning with a yield for 2 ms, then sleeping from
+// 20 us, doubling up to 1 ms. Returns every rank's first ``width`` row words
+// ([W][width] lists), or (missing ranks, ranks that withdrew) where this rank
+// gave up, past ``timeout`` seconds or at a peer's withdrawal, having withdrawn
+// (-k in its first word) as board.py's Board._wait does.
+class BoardWait {
+ public:
+  BoardWait(int64_t* copy, int64_t world, int64_t slot, int64_t rank, int64_t k, double timeout)
+      : copy_(copy), world_(world), slot_(slot), rank_(rank), k_(k), timeout_(timeout) {}
+
+  // until word ``word`` of every slot reads k; false where this rank gave up
+  bool until(int64_t word) {
+    if (all_at(word)) return true;
+    py::gil_scoped_release release;
+    if (!started_) {  // the clock runs from the first wait, through the agreement's two
+      start_ = std::chrono::steady_clock::now();
+      started_ = true;
+    }
+    auto pause = std::chrono::microseconds(20);
+    while (true) {
+      if (all_at(word)) return true;
+      bool withdrawn = false;
+      for (int64_t r = 0; r < world_; ++r) withdrawn = withdrawn || load(r, 0) == -k_;
+      const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start_;
+      if (withdrawn || waited.count() > timeout_) {
+        __atomic_store_n(copy_ + rank_ * slot_, -k_, __ATOMIC_SEQ_CST);  // withdrawn: the others stop too
+        if (word == 1 && all_at(1)) {  // every rank confirmed meanwhile
+          __atomic_store_n(copy_ + rank_ * slot_, k_, __ATOMIC_SEQ_CST);
+          return true;
+        }
+        return false;
+      }
+      if (waited.count() < 2e-3) {
+        sched_yield();
+      } else {
+        std::this_thread::sleep_for(pause);
+        pause = std::min(2 * pause, std::chrono::microseconds(1000));
+      }
+    }
+  }
+
+  // (missing, withdrawn) of a wait for ``word`` given up
+  py::tuple who(int64_t word) const {
+    py::list missing, withdrawn;
+    for (int64_t r = 0; r < world_; ++r) {
+      if (load(r, 0) == -k_) withdrawn.append(r);
+      if (load(r, word) != k_ && load(r, 0) != -k_) missing.append(r);
+    }
+    return py::make_tuple(missing, withdrawn);
+  }
+
+ private:
+  int64_t load(int64_t r, int64_t word) const { return __atomic_load_n(copy_ + r * slot_ + word, __ATOMIC_ACQUIRE); }
+  bool all_at(int64_t word) const {
+    for (int64_t r = 0; r < world_; ++r)
+      if (load(r, word) != k_) return false;
+    return true;
+  }
+
+  int64_t* const copy_;
+  const int64_t world_, slot_, rank_, k_;
+  const double timeout_;
+  bool started_ = false;
+  std::chrono::steady_clock::time_point start_;
+};
+
+py::object board_agree(uint64_t words_at, int64_t world, int64_t rank, int64_t slot, uint64_t count_at,
+                       const std::vector<int64_t>& row, double timeout, int64_t width) {
+  if (static_cast<int64_t>(row.size()) > slot - 2 || width > slot - 2 || world < 1 || rank < 0 || rank >= world)
+    throw std::invalid_argument("board_agree: a row longer than a slot's, or no such rank");
+  auto* count = reinterpret_cast<int64_t*>(count_at);
+  const int64_t k = ++*count;
+  int64_t* copy = reinterpret_cast<int64_t*>(words_at) + (k % 2) * world * slot;
+  int64_t* mine = copy + rank * slot;
+  for (size_t i = 0; i < row.size(); ++i) __atomic_store_n(mine + 2 + i, row[i], __ATOMIC_RELAXED);
+  __atomic_store_n(mine, k, __ATOMIC_RELEASE);  // after the row: a peer that reads k reads the row
+  BoardWait wait(copy, world, slot, rank, k, timeout);
+  if (!wait.until(0)) return wait.who(0);
+  __atomic_store_n(mine + 1, k, __ATOMIC_RELEASE);  // saw every rank arrive
+  if (!wait.until(1)) return wait.who(1);
+  py::list rows(world);
+  for (int64_t r = 0; r < world; ++r) {
+    py::list got(width);
+    for (int64_t i = 0; i < width; ++i) got[i] = __atomic_load_n(copy + r * slot + 2 + i, __ATOMIC_RELAXED);
+    rows[r] = got;
+  }
+  return rows;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -522,6 +623,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reserved_bytes", &reserved_bytes);
   m.def("pull", &pull);
   m.def("to_home", &to_home);
+  m.def("board_agree", &board_agree);
   m.def("usual", [](const CountsShape& s, const std::vector<int32_t>& rows, const std::vector<int64_t>& rows_of) {
     if (rows.size() != static_cast<size_t>(s.world * s.row_len) || rows_of.size() != static_cast<size_t>(s.world))
       throw std::invalid_argument("usual: W rows of the counts matrix and W row counts");

@@ -9,10 +9,14 @@ slot's first word, and waits until every rank's first word in that copy reads
 k; then it confirms (k in its second word), waits for every rank's
 confirmation, and reads their rows. A rank gets to agreement k + 2 (the same copy)
 only once every rank has arrived at k + 1, that is, once each has read copy k:
-no row is overwritten before it is read. Stores and loads keep their program
-order on x86-64, where the board is used (elsewhere, and where the ranks do
-not share a host, :meth:`Board.for_group` gives None and the agreement runs
-over a gloo group, ``comm.host_group``).
+no row is overwritten before it is read. The row must be seen before k: the
+compiled agreement (``csrc/host.cpp``'s ``board_agree``, the same words)
+orders its stores and loads so on any architecture, the one in Python only
+where stores keep their program order (x86-64). The compiled one serves where
+this process has the compiled host path (``dispatch.host``: a CUDA device), and
+wherever stores may be reordered; where neither can, or the ranks do not share
+a host, :meth:`Board.for_group` gives None and the agreement runs over a gloo
+group (``comm.host_group``).
 
 Every agreement of every dispatcher of the group goes through its one board,
 in the order the ranks make them (as every collective of a group). A rank that
@@ -25,6 +29,7 @@ finds them withdrawn and raises too, and the board is in step again.
 from __future__ import annotations
 
 import array
+import ctypes
 import mmap
 import os
 import platform
@@ -33,6 +38,7 @@ import time
 import uuid
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 ROW = 16  # int64 words of a row, at most (the call's header and its tail)
@@ -40,15 +46,33 @@ _SLOT = 2 + ROW  # arrived, confirmed, the row
 _SPIN = 2e-3  # seconds a wait polls with a yield only, before it sleeps
 
 
+_X86 = platform.machine() in ("x86_64", "AMD64")
+COMPILED: bool | None = None  # the compiled agreement: None where compiled_agreement() finds it; True, False: tests
+
+
+def compiled_agreement():
+    """The compiled host module whose ``board_agree`` agrees here (``COMPILED``
+    decides where it is set): where this process builds it anyway (a CUDA
+    device, ``dispatch.host``) or needs it (not x86-64); else None (the
+    agreement in Python, x86-64 only)."""
+    from dispatch import host
+
+    if COMPILED is False or (COMPILED is None and _X86 and not torch.cuda.is_available()):
+        return None
+    return host.built()
+
+
 class Board:
     """The shared page of one group's ranks (:meth:`for_group`)."""
 
     _of_group: dict[tuple[str, int], "Board | None"] = {}
 
-    def __init__(self, words: memoryview, world: int, rank: int, keep) -> None:
-        self._words, self._world, self._rank, self._keep = words, world, rank, keep
-        self._count = 0  # agreements made
+    def __init__(self, mapped: mmap.mmap, world: int, rank: int, compiled=None) -> None:
+        self._words, self._world, self._rank, self._keep = memoryview(mapped).cast("q"), world, rank, mapped
+        self._count = array.array("q", [0])  # agreements made (the compiled agreement counts them here too)
         self._heads = [range(copy * world * _SLOT, (copy + 1) * world * _SLOT, _SLOT) for copy in (0, 1)]
+        self._compiled = compiled  # the module of board_agree, or None (in Python)
+        self._at = (ctypes.addressof(ctypes.c_char.from_buffer(mapped)), self._count.buffer_info()[0])
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None) -> "Board | None":
@@ -69,9 +93,10 @@ class Board:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         key = f"moe-dispatch/board/{name}"
         size = 2 * world * _SLOT * 8
+        compiled = compiled_agreement()
         if rank == 0:
             path = ""
-            if platform.machine() in ("x86_64", "AMD64"):
+            if _X86 or compiled is not None:
                 folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
                 path = os.path.join(folder, f"moe-dispatch-{uuid.uuid4().hex}")
                 try:
@@ -83,7 +108,7 @@ class Board:
         path = store.get(f"{key}/path").decode()
         mapped = None
         try:
-            if path:
+            if path and (_X86 or compiled is not None):
                 with open(path, "r+b") as f:
                     mapped = mmap.mmap(f.fileno(), size)
         except OSError:  # another host: no such file here
@@ -94,7 +119,7 @@ class Board:
             os.unlink(path)  # every rank has mapped it, or failed to
         if not all(oks):
             return None
-        return cls(memoryview(mapped).cast("q"), world, rank, mapped)
+        return cls(mapped, world, rank, compiled)
 
     def agree(self, row: list[int], timeout: float, what: Callable[[], str],
               width: int | None = None) -> list[list[int]]:
@@ -118,8 +143,15 @@ class Board:
             seconds (``what()``: the call, for the message), or that gave up
             waiting for it.
         """
-        self._count += 1
-        k, words = self._count, self._words
+        width = len(row) if width is None else width
+        if self._compiled is not None:
+            rows = self._compiled.board_agree(self._at[0], self._world, self._rank, _SLOT, self._at[1], row, timeout,
+                                              width)
+            if isinstance(rows, tuple):  # this rank gave up waiting, and withdrew
+                raise RuntimeError(self._message(*rows, what(), timeout))
+            return rows
+        self._count[0] += 1
+        k, words = self._count[0], self._words
         heads = self._heads[k % 2]
         mine = heads[self._rank]
         words[mine + 2 : mine + 2 + len(row)] = array.array("q", row)
@@ -134,7 +166,6 @@ class Board:
             if words[h + 1] != k:
                 self._wait(heads, 1, k, start, timeout, what)
                 break
-        width = len(row) if width is None else width
         return [list(words[h + 2 : h + 2 + width]) for h in heads]
 
     def _wait(self, heads, word: int, k: int, start: float | None, timeout: float,

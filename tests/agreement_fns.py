@@ -65,6 +65,27 @@ def _without_board(fn, *args):
         agreement.Board.for_group = made
 
 
+def _compiled_board(fn, *args):
+    """``fn(*args)`` with every board of this process agreeing through the
+    compiled agreement (``csrc/host.cpp``'s ``board_agree``), those made inside
+    too: as a process with CUDA, or on a host other than x86-64, agrees."""
+    from dispatch import board, host
+
+    module = host.built()
+    assert module is not None, host.why_not()
+    boards = [b for b in board.Board._of_group.values() if b is not None]
+    before = [b._compiled for b in boards]
+    chosen, board.COMPILED = board.COMPILED, True
+    for b in boards:
+        b._compiled = module
+    try:
+        return fn(*args)
+    finally:
+        board.COMPILED = chosen
+        for b, compiled in zip(boards, before):
+            b._compiled = compiled
+
+
 def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
     """Every rank runs ``verb`` (after the dispatches it moves along); rank
     ``bad_rank`` makes ``mistake`` in it: a dtype, a shape, a device or a
@@ -432,6 +453,26 @@ def one_rank_mistake_without_board(*args):
 
 def skipped_call_without_board(*args):
     return _without_board(skipped_call, *args)
+
+
+def skipped_call_compiled_board(*args):
+    return _compiled_board(skipped_call, *args)
+
+
+def one_rank_mistake_compiled_board(*args):
+    return _compiled_board(one_rank_mistake, *args)
+
+
+def other_dispatchers_call_compiled_board(*args):
+    return _compiled_board(other_dispatchers_call, *args)
+
+
+def crosswise_adds_compiled_board(*args):
+    return _compiled_board(crosswise_adds, *args)
+
+
+def extra_call_compiled_board(*args):
+    return _compiled_board(extra_call, *args)
 
 
 def never_calls(config: dict, absent: int):

@@ -32,6 +32,23 @@ ERRORS = {"dtype": "TypeError", "shape": "ValueError", "device": "ValueError", "
 SOON = 5.0  # seconds: peers raise at the call's first message, not at the timeout (60 s by default)
 
 
+BOARDS = {"board": "", "compiled board": "_compiled_board", "host channel": "_without_board"}
+
+
+def _fn(name: str, board: str):
+    """The rank function ``name`` on the board (in Python on CPU), the compiled board, or the host channel."""
+    if board == "compiled board":
+        _needs_compiled()
+    return getattr(agreement_fns, name + BOARDS[board])
+
+
+def _needs_compiled() -> None:
+    from dispatch import host
+
+    if host.built() is None:
+        pytest.skip("the compiled host path does not build here (no C++ compiler, ninja or cuda.h)")
+
+
 def _check(results, mistake: str, bad_rank: int) -> None:
     """The rank that made the mistake raised its own error; every other rank a
     PeerRefused naming it, soon; the dispatcher worked afterwards on every rank."""
@@ -50,6 +67,16 @@ def test_one_ranks_mistake_stops_every_rank_at_once(worlds, verb, mistake, bad_r
     config = dict(num_experts=agreement_fns.E, transport="nccl")
     results = worlds(3).run(agreement_fns.one_rank_mistake, [(config, verb, mistake, bad_rank)] * 3)
     _check(results, mistake, bad_rank)
+
+
+@pytest.mark.parametrize("verb, mistake", [(v, ms[0]) for v, ms in MISTAKES.items()])
+def test_one_ranks_mistake_stops_every_rank_at_once_on_the_compiled_board(worlds, verb, mistake):
+    """The compiled agreement (``board_agree``: as a process with CUDA, or a host
+    other than x86-64, agrees), on the same words."""
+    _needs_compiled()
+    config = dict(num_experts=agreement_fns.E, transport="nccl")
+    results = worlds(3).run(agreement_fns.one_rank_mistake_compiled_board, [(config, verb, mistake, 1)] * 3)
+    _check(results, mistake, 1)
 
 
 VARIANTS = {
@@ -145,7 +172,7 @@ def test_a_layers_experts_raising_on_one_rank_stop_every_rank_at_once(worlds, gr
         assert usable, f"rank {rank}: the round trip after the refusal went wrong"
 
 
-@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
+@pytest.mark.parametrize("board", BOARDS)
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("variant", ["alltoall", "allgather"])
 def test_adds_of_two_combines_in_another_order_stop_every_rank(worlds, variant, groups, board):
@@ -154,7 +181,7 @@ def test_adds_of_two_combines_in_another_order_stop_every_rank(worlds, variant, 
     the adds do not pair crosswise (the sums were silently wrong); every rank
     raises CallsDiffer naming both combines, and the dispatcher stays usable."""
     config = dict(num_experts=agreement_fns.E, transport="nccl", variant=variant)
-    fn = agreement_fns.crosswise_adds if board else agreement_fns.crosswise_adds_without_board
+    fn = _fn("crosswise_adds", board)
     results = worlds(2).run(fn, [(config, groups, 1)] * 2)
     for rank, (name, message, right, usable) in enumerate(results):
         assert name == "CallsDiffer", (rank, name, message, right)
@@ -193,13 +220,13 @@ def test_refusals_agree_over_the_host_channel_without_a_board(worlds, variant, v
     _check(results, mistake, 1)
 
 
-@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
+@pytest.mark.parametrize("board", BOARDS)
 @pytest.mark.parametrize("variant", ["alltoall", "allgather"])
 def test_a_skipped_call_stops_every_rank_naming_both_calls(worlds, variant, board):
     """Rank 1 skips the combine_rows along dispatch #1 and makes the one along
     dispatch #2: every rank raises, naming the ranks and both calls."""
     config = dict(num_experts=agreement_fns.E, transport="nccl", variant=variant)
-    fn = agreement_fns.skipped_call if board else agreement_fns.skipped_call_without_board
+    fn = _fn("skipped_call", board)
     results = worlds(3).run(fn, [(config, 1)] * 3)
     for rank, (name, message) in enumerate(results):
         assert name == "CallsDiffer", (rank, name, message)
@@ -246,7 +273,7 @@ def test_ranks_whose_rows_differ_all_raise_before_any_row_moves(worlds, verb, wh
         assert usable, f"rank {rank}: the round trip after the refusal went wrong"
 
 
-@pytest.mark.parametrize("board", [True, False], ids=["board", "host channel"])
+@pytest.mark.parametrize("board", BOARDS)
 def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds, board):
     """Rank 1 combines on a second dispatcher of the group (with the first's
     handle) while its peers combine on the first: every rank raises, naming
@@ -254,7 +281,7 @@ def test_a_call_on_another_dispatcher_leaves_the_ranks_in_step(worlds, board):
     too), and none counts the call, so the next round trip on the first
     dispatcher pairs every rank's calls again."""
     config = dict(num_experts=agreement_fns.E, transport="nccl")
-    fn = agreement_fns.other_dispatchers_call if board else agreement_fns.other_dispatchers_call_without_board
+    fn = _fn("other_dispatchers_call", board)
     results = worlds(3).run(fn, [(config, 1)] * 3)
     for rank, (name, message, elapsed, usable) in enumerate(results):
         assert name == "CallsDiffer" and "different dispatchers" in message, (rank, name, message)
@@ -275,7 +302,7 @@ def test_calls_of_other_shapes_over_the_host_channel_pair_and_differ(worlds, kin
         assert usable, f"rank {rank}: the round trip after the different calls went wrong"
 
 
-@pytest.mark.parametrize("board", [True, False, "auto"], ids=["board", "host channel", "auto, host channel"])
+@pytest.mark.parametrize("board", [*BOARDS, "auto, host channel"])
 def test_an_extra_call_beside_a_dispatch_leaves_the_ranks_in_step(worlds, board):
     """Rank 1 makes a combine_rows while its peers dispatch (off the board the
     dispatch's counts exchange meets it; on auto its own agreement, whose rows
@@ -283,8 +310,7 @@ def test_an_extra_call_beside_a_dispatch_leaves_the_ranks_in_step(worlds, board)
     CallsDiffer, none counts its call, and the next round trip pairs every
     rank's calls again."""
     config = dict(num_experts=agreement_fns.E, transport="nccl")
-    fn = {True: agreement_fns.extra_call, False: agreement_fns.extra_call_without_board,
-          "auto": agreement_fns.extra_call_on_auto_without_board}[board]
+    fn = agreement_fns.extra_call_on_auto_without_board if board.startswith("auto") else _fn("extra_call", board)
     results = worlds(3).run(fn, [(config, 1)] * 3)
     for rank, (name, message, elapsed, usable) in enumerate(results):
         assert name == "CallsDiffer", (rank, name, message)

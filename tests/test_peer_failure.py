@@ -17,8 +17,12 @@ import torch.distributed as dist
 TIMEOUT = 2.0
 
 
-def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, where: str, queue) -> None:
+def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, where: str, queue,
+          compiled: bool = False) -> None:
     import dispatch
+    from dispatch import board
+
+    board.COMPILED = compiled or None  # the board's compiled agreement, or as this process would choose
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     config = dispatch.DispatchConfig(num_experts=2 * world, variant=variant, transport="nccl", timeout=TIMEOUT)
@@ -60,21 +64,32 @@ def _call(rank: int, world: int, behaviour: str, call, queue) -> None:
     os._exit(0)  # the group cannot be used any more: leave without tearing it down
 
 
-CASES = [(behaviour, variant, "dispatch") for behaviour in ("dies", "stops calling")
+CASES = [(behaviour, variant, "dispatch", "board") for behaviour in ("dies", "stops calling")
          for variant in ("alltoall", "allgather")]
-CASES += [("stops calling", "alltoall", where) for where in ("create", "combine", "combine_rows", "dispatch_rows",
-                                                             "combine_slots", "backward of dispatch",
-                                                             "backward of combine")]
+CASES += [("stops calling", "alltoall", where, "board") for where in ("create", "combine", "combine_rows",
+                                                                      "dispatch_rows", "combine_slots",
+                                                                      "backward of dispatch", "backward of combine")]
+CASES += [("dies", "alltoall", "combine", "compiled board"), ("stops calling", "alltoall", "dispatch", "compiled board"),
+          ("stops calling", "alltoall", "backward of combine", "compiled board")]
 
 
-@pytest.mark.parametrize("behaviour, variant, where", CASES)
-def test_peer_failure_is_named_within_the_timeout(behaviour, variant, where):
+@pytest.mark.parametrize("behaviour, variant, where, board", CASES)
+def test_peer_failure_is_named_within_the_timeout(behaviour, variant, where, board):
+    """On the board in Python (on CPU), and on the compiled board (``csrc/host.cpp``'s
+    ``board_agree``, the same words: as a process with CUDA agrees)."""
+    if board == "compiled board":
+        from dispatch import host
+
+        if host.built() is None:
+            pytest.skip("the compiled host path does not build here (no C++ compiler, ninja or cuda.h)")
     world = 3
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as folder:
         store = os.path.join(folder, "store")
-        procs = [ctx.Process(target=_rank, args=(r, world, store, behaviour, variant, where, queue)) for r in range(world)]
+        compiled = board == "compiled board"
+        procs = [ctx.Process(target=_rank, args=(r, world, store, behaviour, variant, where, queue, compiled))
+                 for r in range(world)]
         for p in procs:
             p.start()
         reports = {}
