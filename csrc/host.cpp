@@ -484,6 +484,10 @@ at::Tensor to_home(Launcher& push, unsigned push_blocks, Launcher& home, unsigne
   return out;
 }
 
+// The time this process's compiled agreements waited for their peers, in ns, summed:
+// what a measure of the host's own time leaves out (bench/), as last_wait_ns.
+std::atomic<int64_t> board_wait_ns{0};
+
 // The board's agreement (dispatch/board.py: the protocol, the words and their
 // order), compiled: each word written with release and read with acquire order,
 // so that it holds wherever the ranks share memory, not only where stores keep
@@ -505,8 +509,16 @@ class BoardWait {
   bool until(int64_t word) {
     if (all_at(word)) return true;
     py::gil_scoped_release release;
+    const auto entered = std::chrono::steady_clock::now();
+    struct Waited {  // the time waited, counted as the wait ends (board_wait_ns)
+      std::chrono::steady_clock::time_point from;
+      ~Waited() {
+        board_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - from)
+                             .count();
+      }
+    } waited_for{entered};
     if (!started_) {  // the clock runs from the first wait, through the agreement's two
-      start_ = std::chrono::steady_clock::now();
+      start_ = entered;
       started_ = true;
     }
     auto pause = std::chrono::microseconds(20);
@@ -624,6 +636,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pull", &pull);
   m.def("to_home", &to_home);
   m.def("board_agree", &board_agree);
+  m.def("board_wait_ns", [] { return board_wait_ns.load(); });
   m.def("usual", [](const CountsShape& s, const std::vector<int32_t>& rows, const std::vector<int64_t>& rows_of) {
     if (rows.size() != static_cast<size_t>(s.world * s.row_len) || rows_of.size() != static_cast<size_t>(s.world))
       throw std::invalid_argument("usual: W rows of the counts matrix and W row counts");
