@@ -166,7 +166,7 @@ for part in "$@"; do
       done
       step 120 agreement-probe python3 bench/agreement_probe.py
       for shape in decode deepseek-v3; do  # the eager round trip's host time on every local GPU's rank
-        step 120 "host-world-$shape" python3 bench/host_layers.py --shape "$shape" --calls 300 \
+        step 150 "host-world-$shape" python3 bench/host_layers.py --shape "$shape" --calls 300 \
           --world "$(python3 -c 'import torch; print(torch.cuda.device_count())')"
       done ;;
     one-gpu)
