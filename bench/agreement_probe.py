@@ -35,8 +35,8 @@ def _worker(rank: int, world: int, calls: int) -> None:
     row, out = torch.zeros(300, dtype=torch.int64), torch.empty(world * 300, dtype=torch.int64)
     row_gpu, out_gpu = row.cuda(), out.cuda()
 
-    board = d._calls._board
-    compiled = board._compiled  # the compiled agreement, which a process with CUDA uses where it builds
+    board = d._calls._board  # None where the ranks cannot share one (no shared memory): its steps are left out
+    compiled = None if board is None else board._compiled  # the compiled agreement (a process with CUDA, built)
 
     def on_board(agreement):
         def step():
@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, calls: int) -> None:
 
     steps = [("board, compiled", on_board(compiled)), ("board, in Python", on_board(None)),
              ("gloo all-gather", gloo_all_gather), ("nccl all-gather + host read", nccl_all_gather_read)]
-    for name, step in steps if compiled is not None else steps[1:]:
+    for name, step in steps[(0 if compiled is not None else 1) if board is not None else 2:]:
         for _ in range(50):
             step()
         dist.barrier()

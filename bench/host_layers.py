@@ -147,7 +147,8 @@ def _run(rank: int, args) -> None:
             setattr(owner, name, original)
     clocks = reads[0] / args.calls
     wrapped = statistics.median(walls)
-    mine = dict(plain=plain, wrapped=wrapped, layers={label: statistics.median(v) / 1e3 for label, v in spent.items()})
+    mine = dict(plain=plain, wrapped=wrapped, clocks=clocks,
+                layers={label: statistics.median(v) / 1e3 for label, v in spent.items()})
     every = [mine]
     if world > 1:
         every = [None] * world
@@ -159,6 +160,7 @@ def _run(rank: int, args) -> None:
               "less the wait at the host read")
         for r, got in enumerate(every):
             wall, cpu, less_every = got["plain"]
+            clocks = got["clocks"]
             print(f"rank {r}: round trip, host wall {wall:.1f} us, thread CPU {cpu:.1f} us, wall less the "
                   f"agreements' waits for the peers too {less_every:.1f} us; with {clocks:.0f} clocks a round trip "
                   f"{got['wrapped']:.1f} us (a clock about {(got['wrapped'] - wall) / max(clocks, 1):.2f} us)")

@@ -496,7 +496,8 @@ std::atomic<int64_t> board_wait_ns{0};
 // [arrived, confirmed, row...] of ``slot`` int64 words; ``count_at`` the int64
 // count of this rank's agreements (shared with the Python agreement). The
 // waits release the GIL: spinning with a yield for 2 ms, then sleeping from
-// 20 us, doubling up to 1 ms. Returns every rank's first ``width`` row words
+// 20 us, doubling up to 1 ms, with the GIL taken after each sleep to run
+// Python's signal handlers (a KeyboardInterrupt withdraws, then raises). Returns every rank's first ``width`` row words
 // ([W][width] lists), or (missing ranks, ranks that withdrew) where this rank
 // gave up, past ``timeout`` seconds or at a peer's withdrawal, having withdrawn
 // (-k in its first word) as board.py's Board._wait does.
@@ -540,6 +541,11 @@ class BoardWait {
       } else {
         std::this_thread::sleep_for(pause);
         pause = std::min(2 * pause, std::chrono::microseconds(1000));
+        py::gil_scoped_acquire acquire;  // a signal (Ctrl-C) ends a long wait, as in Python's sleep
+        if (PyErr_CheckSignals() != 0) {
+          __atomic_store_n(copy_ + rank_ * slot_, -k_, __ATOMIC_SEQ_CST);  // withdrawn: the others stop too
+          throw py::error_already_set();
+        }
       }
     }
   }
@@ -548,7 +554,7 @@ class BoardWait {
   py::tuple who(int64_t word) const {
     py::list missing, withdrawn;
     for (int64_t r = 0; r < world_; ++r) {
-      if (load(r, 0) == -k_) withdrawn.append(r);
+      if (r != rank_ && load(r, 0) == -k_) withdrawn.append(r);  // (this rank withdrew too, as it gave up)
       if (load(r, word) != k_ && load(r, 0) != -k_) missing.append(r);
     }
     return py::make_tuple(missing, withdrawn);

@@ -97,7 +97,7 @@ class PeerRefused(RuntimeError):
 
     def __init__(self, ranks: list[int], call: str) -> None:
         super().__init__(f"rank(s) {ranks} of the group refused {call} (see their errors); every rank stops "
-                         "here, before any token moves, and the dispatcher stays usable")
+                         "here, before any row of this call moves, and the dispatcher stays usable")
         self.ranks = ranks
 
 
@@ -297,7 +297,7 @@ def refuse(error: Exception, take_part) -> None:
     try:
         take_part()
     except PeerRefused:
-        raise error from None
+        pass  # (raised below, outside this handler: error keeps its own cause, without this one)
     except Exception as other:  # the ranks are at different calls, or a peer is missing
         raise other from error
-    raise error  # not reached: a refused first message raises on every rank
+    raise error  # (a refused first message raises PeerRefused on every rank: take_part does not return)

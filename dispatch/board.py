@@ -52,12 +52,13 @@ COMPILED: bool | None = None  # the compiled agreement: None where compiled_agre
 
 def compiled_agreement():
     """The compiled host module whose ``board_agree`` agrees here (``COMPILED``
-    decides where it is set): where this process builds it anyway (a CUDA
-    device, ``dispatch.host``) or needs it (not x86-64); else None (the
+    decides where it is set): on a host with CUDA (where the engine builds it
+    too: ``dispatch.host``, once per machine) or one that needs it (not
+    x86-64), with the compiled host path on (``host.enabled``); else None (the
     agreement in Python, x86-64 only)."""
     from dispatch import host
 
-    if COMPILED is False or (COMPILED is None and _X86 and not torch.cuda.is_available()):
+    if COMPILED is False or (COMPILED is None and ((_X86 and not torch.cuda.is_available()) or not host.enabled)):
         return None
     return host.built()
 
@@ -78,8 +79,8 @@ class Board:
     def for_group(cls, group: dist.ProcessGroup | None) -> "Board | None":
         """The group's board, made at the first call (a collective of the group's
         ranks, through its store: every rank makes its dispatchers in the same
-        order); None where some rank cannot map it (not x86-64, another host,
-        no shared memory)."""
+        order); None where some rank cannot map it (another host, no shared
+        memory, not x86-64 without the compiled agreement)."""
         real = group if group is not None else dist.group.WORLD
         key = (real.group_name, id(real))
         if key not in cls._of_group:

@@ -457,7 +457,9 @@ class TokenDispatcher:
         along ``handle`` (its experts raised, say), once it took part in that
         call's agreement marked refused: every peer raises
         ``agreement.PeerRefused`` there, naming it, instead of waiting for it
-        until ``DispatchConfig.timeout``. ``GroupSums.refuse`` for an add."""
+        until ``DispatchConfig.timeout``. ``GroupSums.refuse`` for an add. In
+        the grad mode of the call it stands for; a verb or handle refused here
+        raises on this rank alone."""
         self._check_handle(handle)
         if verb not in ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups"):
             raise ValueError(f"verb must name a call along a handle (combine, combine_rows, dispatch_rows, "

@@ -7,7 +7,8 @@ dispatch moves at once, its pull), its pull otherwise, and a combine's push and
 home sum are one call each (``dispatch.nvlink``, ``dispatch.nvlink_moves``). The
 kernels and their arguments are the same as from Python, so the results are the
 same bits; only the host time differs. It also reads torch's caching allocator
-for the memory budgets of ``dispatch.checks`` (``FreeMemory``).
+for the memory budgets of ``dispatch.checks`` (``FreeMemory``), where the engine runs,
+and it holds the board's agreement (``dispatch.board``).
 
 It is built once per machine and source (``dispatch.build``: a C++ compiler,
 ninja and CUDA's ``cuda.h``; about half a minute, then cached). Where it cannot
@@ -57,10 +58,7 @@ def _build() -> tuple:
     include = _cuda_include(cpp_extension.CUDA_HOME)
     if include is None:
         return None, "CUDA's cuda.h was not found (set CUDA_HOME)"
-    module, why = build.load("host.cpp", "dispatch_host", (include,))
-    if module is not None and _caching_allocator():  # the dispatches' memory budgets read the allocator's bytes
-        checks.FREE_MEMORY.reserved = module.reserved_bytes
-    return module, why
+    return build.load("host.cpp", "dispatch_host", (include,))
 
 
 def _caching_allocator() -> bool:
@@ -96,6 +94,8 @@ def _here():
     if not torch.cuda.is_available():
         return None
     compiled = built()
+    if compiled is not None and _caching_allocator():  # the engine's budgets read the allocator's bytes
+        checks.FREE_MEMORY.reserved = compiled.reserved_bytes
     if compiled is None:  # said once: the engine runs, its host side slower
         warnings.warn(f"the NVLink engine's compiled host path (csrc/host.cpp) did not build ({why_not()}); its "
                       "host side runs in Python, the same results, more host time a call (pip install ninja and a "

@@ -82,7 +82,11 @@ class GroupSums:
         """Raise ``error``, this rank's reason not to add its next group (its
         experts raised, say), once it took part in that add's agreement marked
         refused: every peer raises ``agreement.PeerRefused`` there, naming it,
-        instead of waiting for it (``TokenDispatcher.refuse``)."""
+        instead of waiting for it (``TokenDispatcher.refuse``). Once every
+        group is added its peers wait at no add: a ValueError, here alone."""
+        if self._added == self._handle.groups:
+            raise ValueError(f"refuse: all {self._handle.groups} groups were added; refuse the call the peers make "
+                             "next instead (TokenDispatcher.refuse)") from error
         self._dispatcher._calls.refuse("GroupSums.add", self._handle.call, error, self._call)
 
     def wait(self) -> torch.Tensor:

@@ -65,25 +65,36 @@ def _without_board(fn, *args):
         agreement.Board.for_group = made
 
 
-def _compiled_board(fn, *args):
+def _board_agreeing(compiled: bool, fn, *args):
     """``fn(*args)`` with every board of this process agreeing through the
-    compiled agreement (``csrc/host.cpp``'s ``board_agree``), those made inside
-    too: as a process with CUDA, or on a host other than x86-64, agrees."""
+    compiled agreement (``csrc/host.cpp``'s ``board_agree``: as a process with
+    CUDA, or on a host other than x86-64, agrees) or the one in Python, those
+    made inside too."""
     from dispatch import board, host
 
-    module = host.built()
-    assert module is not None, host.why_not()
+    module = host.built() if compiled else None
+    assert module is not None or not compiled, host.why_not()
     boards = [b for b in board.Board._of_group.values() if b is not None]
     before = [b._compiled for b in boards]
-    chosen, board.COMPILED = board.COMPILED, True
+    chosen, board.COMPILED = board.COMPILED, compiled
     for b in boards:
         b._compiled = module
     try:
         return fn(*args)
     finally:
         board.COMPILED = chosen
-        for b, compiled in zip(boards, before):
-            b._compiled = compiled
+        for b, was in zip(boards, before):
+            b._compiled = was
+
+
+def on_board(kind: str, name: str, *args):
+    """The rank function ``name`` of this module, its calls agreeing on the
+    board in Python (``"board"``), on the compiled board (``"compiled board"``)
+    or over the host channel (``"host channel"``)."""
+    fn = globals()[name]
+    if kind == "host channel":
+        return _without_board(fn, *args)
+    return _board_agreeing(kind == "compiled board", fn, *args)
 
 
 def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
@@ -213,19 +224,26 @@ def moe_experts_raise(config: dict, groups: int, bad_rank: int, bad_group: int, 
         def __init__(self):
             super().__init__()
             self.scale = torch.nn.Parameter(torch.full((), 2.0, device=x.device))
-            self.calls = 0
+            self.calls, self.failing = 0, True
 
         def forward(self, rows, counts):
             g, self.calls = self.calls % groups, self.calls + 1
             y = rows * self.scale
-            if rank == bad_rank and g == bad_group:
+            if self.failing and rank == bad_rank and g == bad_group:
                 if where == "forward":
                     raise RuntimeError("the experts failed on this rank")
                 y = _RaisesInBackward.apply(y)
             return y
 
-    layer = dispatch.MoEExchange(d, Experts(), groups=groups)
-    return _timed(lambda: layer(x, idx, w).sum().backward(), d)
+    experts = Experts()
+    layer = dispatch.MoEExchange(d, experts, groups=groups)
+    name, message, elapsed, usable = _timed(lambda: layer(x, idx, w).sum().backward(), d)
+    # the layer again on every rank, forward and backward: the verbs it makes are in step after the refusal
+    experts.failing, experts.calls = False, 0
+    out = layer(x, idx, w)
+    out.sum().backward()
+    dense = x.detach() * 2 * (w.detach() * (idx >= 0)).sum(1, keepdim=True)
+    return name, message, elapsed, usable and torch.allclose(out.detach(), dense, rtol=1e-6, atol=1e-6)
 
 
 def crosswise_adds(config: dict, groups: int, crossing: int):
@@ -439,42 +457,6 @@ def extra_call(config: dict, extra_rank: int):
     return _timed(lambda: d.dispatch(x, idx, w), d)
 
 
-def extra_call_without_board(*args):
-    return _without_board(extra_call, *args)
-
-
-def other_dispatchers_call_without_board(*args):
-    return _without_board(other_dispatchers_call, *args)
-
-
-def one_rank_mistake_without_board(*args):
-    return _without_board(one_rank_mistake, *args)
-
-
-def skipped_call_without_board(*args):
-    return _without_board(skipped_call, *args)
-
-
-def skipped_call_compiled_board(*args):
-    return _compiled_board(skipped_call, *args)
-
-
-def one_rank_mistake_compiled_board(*args):
-    return _compiled_board(one_rank_mistake, *args)
-
-
-def other_dispatchers_call_compiled_board(*args):
-    return _compiled_board(other_dispatchers_call, *args)
-
-
-def crosswise_adds_compiled_board(*args):
-    return _compiled_board(crosswise_adds, *args)
-
-
-def extra_call_compiled_board(*args):
-    return _compiled_board(extra_call, *args)
-
-
 def never_calls(config: dict, absent: int):
     """Rank ``absent`` makes the combine_rows its peers make only after their
     timeout: they raise, naming it, within the timeout; it raises when it comes
@@ -486,6 +468,30 @@ def never_calls(config: dict, absent: int):
     out = d.dispatch(x, idx, w)
     if dist.get_rank() == absent:
         time.sleep(1.25 * config["timeout"])  # past their timeout, within the next call's
+    return _timed(lambda: d.combine_rows(out.tokens, out.handle), d)
+
+
+def interrupted_wait(config: dict):
+    """On the compiled board: rank 0 waits at a combine_rows that rank 1 makes
+    2 s late, and a signal handler raises in rank 0 after 0.3 s (as Ctrl-C
+    does): its wait ends there, it withdraws, and rank 1 raises when it comes.
+    Returns as :func:`one_rank_mistake`."""
+    import signal
+
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=9)
+    out = d.dispatch(x, idx, w)
+    if dist.get_rank() == 0:
+        def alarm(signum, frame):
+            raise TimeoutError("interrupted by the test's alarm")
+
+        before = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            return _timed(lambda: d.combine_rows(out.tokens, out.handle), d)
+        finally:
+            signal.signal(signal.SIGALRM, before)
+    time.sleep(2.0)
     return _timed(lambda: d.combine_rows(out.tokens, out.handle), d)
 
 
@@ -502,10 +508,6 @@ def extra_call_on_auto_without_board(config: dict, extra_rank: int):
         return _without_board(extra_call, dict(config, variant="auto"), extra_rank)
     finally:
         auto.estimate = modelled
-
-
-def crosswise_adds_without_board(*args):
-    return _without_board(crosswise_adds, *args)
 
 
 def calls_of_other_shapes(config: dict, bad_rank: int, kind: str):

@@ -15,6 +15,8 @@ never arrives is also in test_peer_failure.py (fresh processes).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -33,14 +35,15 @@ ERRORS = {"dtype": "TypeError", "shape": "ValueError", "device": "ValueError", "
 SOON = 5.0  # seconds: peers raise at the call's first message, not at the timeout (60 s by default)
 
 
-BOARDS = {"board": "", "compiled board": "_compiled_board", "host channel": "_without_board"}
+BOARDS = ("board", "compiled board", "host channel")
 
 
 def _fn(name: str, board: str):
-    """The rank function ``name`` on the board (in Python on CPU), the compiled board, or the host channel."""
+    """The rank function ``name`` of agreement_fns on the board in Python, the
+    compiled board, or the host channel (``agreement_fns.on_board``)."""
     if board == "compiled board":
         _needs_compiled()
-    return getattr(agreement_fns, name + BOARDS[board])
+    return functools.partial(agreement_fns.on_board, board, name)
 
 
 def _needs_compiled() -> None:
@@ -74,9 +77,8 @@ def test_one_ranks_mistake_stops_every_rank_at_once(worlds, verb, mistake, bad_r
 def test_one_ranks_mistake_stops_every_rank_at_once_on_the_compiled_board(worlds, verb, mistake):
     """The compiled agreement (``board_agree``: as a process with CUDA, or a host
     other than x86-64, agrees), on the same words."""
-    _needs_compiled()
     config = dict(num_experts=agreement_fns.E, transport="nccl")
-    results = worlds(3).run(agreement_fns.one_rank_mistake_compiled_board, [(config, verb, mistake, 1)] * 3)
+    results = worlds(3).run(_fn("one_rank_mistake", "compiled board"), [(config, verb, mistake, 1)] * 3)
     _check(results, mistake, 1)
 
 
@@ -217,7 +219,7 @@ def test_the_engine_agrees_on_refusals(worlds, verb, mistake):
 @pytest.mark.parametrize("variant, verb, mistake", _cases(["alltoall", "allgather", "alltoall-pad"]))
 def test_refusals_agree_over_the_host_channel_without_a_board(worlds, variant, verb, mistake):
     config = dict(num_experts=agreement_fns.E, transport="nccl", **VARIANTS.get(variant, dict(variant=variant)))
-    results = worlds(3).run(agreement_fns.one_rank_mistake_without_board, [(config, verb, mistake, 1)] * 3)
+    results = worlds(3).run(_fn("one_rank_mistake", "host channel"), [(config, verb, mistake, 1)] * 3)
     _check(results, mistake, 1)
 
 
@@ -378,7 +380,21 @@ def test_the_mutation_without_the_call_check_pairs_the_skipped_call_silently(wor
     assert all(name is None for name, _ in results), results
 
 
-def test_a_rank_late_for_a_call_is_named_within_the_timeout(worlds):
+def test_a_signal_ends_a_wait_on_the_compiled_board(worlds):
+    """A signal handler that raises (Ctrl-C's KeyboardInterrupt, here an alarm's
+    TimeoutError) ends a rank's wait at an agreement on the compiled board, as
+    Python's sleep lets it, not the timeout (30 s); the rank withdraws, so its
+    late peer raises when it comes, and the board stays in step."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", timeout=30.0)
+    results = worlds(2).run(_fn("interrupted_wait", "compiled board"), [(config,)] * 2)
+    (name0, message0, elapsed0, usable0), (name1, message1, _, usable1) = results
+    assert name0 == "TimeoutError" and "alarm" in message0 and elapsed0 < SOON, results
+    assert name1 == "RuntimeError" and "rank(s) [0]" in message1 and "gave up waiting" in message1, results
+    assert usable0 and usable1, results
+
+
+@pytest.mark.parametrize("board", BOARDS[:2])
+def test_a_rank_late_for_a_call_is_named_within_the_timeout(worlds, board):
     """Rank 2 makes a combine_rows its peers make only after their timeout: they
     raise a RuntimeError naming it within DispatchConfig.timeout, it raises when
     it comes (they gave the call up), and the same group then serves a good
@@ -386,7 +402,7 @@ def test_a_rank_late_for_a_call_is_named_within_the_timeout(worlds):
     collective behind: test_peer_failure.py)."""
     timeout = 2.0
     config = dict(num_experts=agreement_fns.E, transport="nccl", timeout=timeout)
-    results = worlds(3).run(agreement_fns.never_calls, [(config, 2)] * 3)
+    results = worlds(3).run(_fn("never_calls", board), [(config, 2)] * 3)
     for rank, (name, message, elapsed, usable) in enumerate(results):
         assert name == "RuntimeError", (rank, name, message)
         if rank < 2:

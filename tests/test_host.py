@@ -588,12 +588,13 @@ def test_the_free_memory_budget_reads_the_driver_once_an_age(monkeypatch):
 
 
 def test_the_compiled_path_gives_the_budget_its_reader_of_the_allocator(compiled, monkeypatch):
-    """Loading the compiled module hands ``checks.FREE_MEMORY`` its reader of
-    torch's caching allocator where torch's own allocator serves (not with
-    caching off, nor another backend, nor without CUDA: there its reader says
-    -1, cannot say)."""
+    """The engine's compiled module (``host.module()``) hands ``checks.FREE_MEMORY``
+    its reader of torch's caching allocator where torch's own allocator serves
+    (not with caching off, nor another backend, nor without CUDA: there its
+    reader says -1, cannot say)."""
     from dispatch import checks
 
+    host.module()
     native = torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "native"
     assert (checks.FREE_MEMORY.reserved is compiled.reserved_bytes) == (
         native and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"))

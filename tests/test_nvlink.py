@@ -436,14 +436,17 @@ def test_bad_input_on_one_rank_stops_every_rank(worlds, case, argument):
 
 
 @needs_engine
-@pytest.mark.parametrize("groups, bad_group, where", [(1, 0, "forward"), (2, 1, "forward"), (2, 0, "backward")])
-def test_a_layers_experts_raising_on_one_rank_stop_every_rank_on_the_engine(worlds, groups, bad_group, where):
+@pytest.mark.parametrize("groups, bad_group, where, grads", [(1, 0, "forward", "both"), (2, 1, "forward", "both"),
+                                                             (2, 0, "backward", "both"), (2, 0, "backward", "weights")])
+def test_a_layers_experts_raising_on_one_rank_stop_every_rank_on_the_engine(worlds, groups, bad_group, where, grads):
     """``MoEExchange`` on the engine: rank 1's experts raise in group g (forward,
-    or backward) while the exchange of the other groups is in flight: rank 1
-    raises its error, rank 0 PeerRefused naming it (not at the timeout), and a
-    round trip after it is right on both (the engine's buffers in step)."""
+    or backward; with the weights' gradients only, after the later groups'
+    pulls, which the engine issues as they are waited for) while the exchange
+    of the other groups is in flight: rank 1 raises its error, rank 0
+    PeerRefused naming it (not at the timeout), and a round trip and the layer
+    after it are right on both (the engine's buffers and calls in step)."""
     config = dict(num_experts=agreement_fns.E, transport="nvlink", timeout=30.0)
-    results = worlds(WORLD).run(agreement_fns.moe_experts_raise, [(config, groups, 1, bad_group, where, "both")] * 2)
+    results = worlds(WORLD).run(agreement_fns.moe_experts_raise, [(config, groups, 1, bad_group, where, grads)] * 2)
     assert results[1][0] == "RuntimeError" and "failed on this rank" in results[1][1], results
     assert results[0][0] == "PeerRefused" and "rank(s) [1]" in results[0][1], results
     assert all(r[2] < 10 and r[3] for r in results), results

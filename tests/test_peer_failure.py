@@ -22,7 +22,7 @@ def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, 
     import dispatch
     from dispatch import board
 
-    board.COMPILED = compiled or None  # the board's compiled agreement, or as this process would choose
+    board.COMPILED = compiled  # the board's compiled agreement, or the one in Python
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     config = dispatch.DispatchConfig(num_experts=2 * world, variant=variant, transport="nccl", timeout=TIMEOUT)
@@ -75,7 +75,7 @@ CASES += [("dies", "alltoall", "combine", "compiled board"), ("stops calling", "
 
 @pytest.mark.parametrize("behaviour, variant, where, board", CASES)
 def test_peer_failure_is_named_within_the_timeout(behaviour, variant, where, board):
-    """On the board in Python (on CPU), and on the compiled board (``csrc/host.cpp``'s
+    """On the board in Python, and on the compiled board (``csrc/host.cpp``'s
     ``board_agree``, the same words: as a process with CUDA agrees)."""
     if board == "compiled board":
         from dispatch import host

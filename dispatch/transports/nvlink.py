@@ -68,7 +68,7 @@ class NVLinkTransport(Transport):
     host_free = True
     max_topk = MAX_TOPK
     bounded_groups = True
-    agrees_dispatch = True  # on the group's board (x86-64), else over the host channel: one all-gather a dispatch
+    agrees_dispatch = True  # on the group's board (one host), else over the host channel: one all-gather a dispatch
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)
