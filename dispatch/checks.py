@@ -210,25 +210,26 @@ def device_free_bytes(device: torch.device) -> int | None:
     return FREE_MEMORY(torch.cuda.current_device() if device.index is None else device.index)
 
 
-def memory_rows(device: torch.device, row_bytes: int, free_bytes) -> int:
-    """Rows of ``row_bytes`` that ``free_bytes(device)`` holds (-1: no budget)."""
-    free = free_bytes(device)
-    return -1 if free is None else min(free // row_bytes, 2**31 - 1)
+def memory_rows(x: torch.Tensor, row_bytes, free_bytes) -> int:
+    """Rows of a dispatch of ``x`` (``row_bytes(x)`` bytes each) that
+    ``free_bytes(x.device)`` holds (-1: no budget)."""
+    free = free_bytes(x.device)
+    return -1 if free is None else min(free // row_bytes(x), 2**31 - 1)
 
 
-def row_budgets(device: torch.device, row_bytes: int, max_rows: int | None, groups: int) -> tuple[int, int]:
-    """A dispatch's (max_rows, rows its free device memory holds), -1 for none:
+def row_budgets(x: torch.Tensor, row_bytes, max_rows: int | None, groups: int) -> tuple[int, int]:
+    """A dispatch of ``x``'s (max_rows, rows its free device memory holds), -1 for none:
     the budgets its header carries (``plan.header``), checked on every rank
     before any token moves (:func:`check_row_budgets`). The memory's is the
     device's free memory alone (a lower bound, cheap to read); with max_rows,
     the exact one where that bound falls short of the outputs' rows (this rank
     decides alone); without, every rank's exact one where some rank falls short
     of its bound (``Request.exact_memory_rows``)."""
-    rows = memory_rows(device, row_bytes, device_free_bytes)
+    rows = memory_rows(x, row_bytes, device_free_bytes)
     if max_rows is None:
         return -1, rows
     if 0 <= rows < max_rows + groups:  # the outputs have G * ceil(max_rows / G) rows
-        rows = memory_rows(device, row_bytes, free_bytes)
+        rows = memory_rows(x, row_bytes, free_bytes)
     return max_rows, rows
 
 

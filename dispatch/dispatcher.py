@@ -216,13 +216,13 @@ class TokenDispatcher:
             blocks = self._capacity_blocks(x, topk_idx, ticket)
             padded_rows = self.num_local_experts * sum(blocks)
             # the N received and their padded copy, at once
-            memory_rows = checks.memory_rows(x.device, self.transport.row_bytes(x), checks.free_bytes)
+            memory_rows = checks.memory_rows(x, self.transport.row_bytes, checks.free_bytes)
             budgets = (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0))
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups))
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
         else:
-            budgets = checks.row_budgets(x.device, self.transport.row_bytes(x), max_rows, groups)
+            budgets = checks.row_budgets(x, self.transport.row_bytes, max_rows, groups)
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups, agreed,
                         lambda: self._exact_memory_rows(x, ticket), at_once))
@@ -580,7 +580,7 @@ class TokenDispatcher:
     def _exact_memory_rows(self, x: torch.Tensor, ticket: plan.Ticket) -> list[int]:
         """Every rank's exact memory budget in rows (``checks.free_bytes``), agreed
         (``Request.exact_memory_rows``)."""
-        rows = checks.memory_rows(x.device, self.transport.row_bytes(x), checks.free_bytes)
+        rows = checks.memory_rows(x, self.transport.row_bytes, checks.free_bytes)
         return [row[-1] for row in self._calls.agree(ticket, tail=(rows,))]
 
 
