@@ -284,7 +284,7 @@ class _PipelineFn(torch.autograd.Function):
                         if grad_on:  # kept for backward; without grad, group g's rows die here
                             leaves[g], ys[g] = leaf, y
                 except Exception as error:  # its peers raise at the call they wait at (PeerRefused)
-                    if sums is None:
+                    if sums is None:  # (each refuse raises error)
                         d.refuse("combine_groups", handle, error)
                     sums.refuse(error)
                 if sums is None:
