@@ -6,11 +6,14 @@ another dispatch than its handle's, another dispatcher's handle) still takes
 part in the call's first message, marked refused: it raises its own error, every
 peer a ``PeerRefused`` (a RuntimeError) naming it, at once, and the dispatcher
 is usable on every rank afterwards. Ranks at different calls (one skipped a
-call) all raise, naming the ranks and both calls. Over the NCCL transport's
-variants on gloo worlds of 2 to 4 ranks, the calls agreed on the board (ranks on
-one host) and over the host channel (a gloo collective, as ranks on several
-hosts agree), and the NVLink engine's share on 2 GPUs; a peer that dies or
-never arrives is also in test_peer_failure.py (fresh processes).
+call) all raise, naming the ranks and both calls. A rank whose experts raise
+(``MoEExchange``), or whose own loop hands its error to ``refuse``, takes part
+in its peers' next call refused, alike. Over the NCCL transport's variants on
+gloo worlds of 2 to 4 ranks, the calls agreed on the board (ranks on one host;
+its agreement in Python and compiled) and over the host channel (a gloo
+collective, as ranks on several hosts agree), and the NVLink engine's share on
+2 GPUs; a peer that dies or never arrives is also in test_peer_failure.py
+(fresh processes).
 """
 
 from __future__ import annotations
