@@ -497,10 +497,11 @@ std::atomic<int64_t> board_wait_ns{0};
 // count of this rank's agreements (shared with the Python agreement). The
 // waits release the GIL: spinning with a yield for 2 ms, then sleeping from
 // 20 us, doubling up to 1 ms, with the GIL taken after each sleep to run
-// Python's signal handlers (a KeyboardInterrupt withdraws, then raises). Returns every rank's first ``width`` row words
-// ([W][width] lists), or (missing ranks, ranks that withdrew) where this rank
-// gave up, past ``timeout`` seconds or at a peer's withdrawal, having withdrawn
-// (-k in its first word) as board.py's Board._wait does.
+// Python's signal handlers (a KeyboardInterrupt withdraws, then raises).
+// Returns every rank's first ``width`` row words ([W][width] lists), or
+// (missing ranks, peers that withdrew) where this rank gave up, past
+// ``timeout`` seconds or at a peer's withdrawal, having withdrawn (-k in its
+// first word) as board.py's Board._wait does.
 class BoardWait {
  public:
   BoardWait(int64_t* copy, int64_t world, int64_t slot, int64_t rank, int64_t k, double timeout)
