@@ -47,18 +47,16 @@ _SPIN = 2e-3  # seconds a wait polls with a yield only, before it sleeps
 
 
 _X86 = platform.machine() in ("x86_64", "AMD64")
-COMPILED: bool | None = None  # the compiled agreement: None where compiled_agreement() finds it; True, False: tests
 
 
 def compiled_agreement():
-    """The compiled host module whose ``board_agree`` agrees here (``COMPILED``
-    decides where it is set): on a host with CUDA (where the engine builds it
-    too: ``dispatch.host``, once per machine) or one that needs it (not
-    x86-64), with the compiled host path on (``host.enabled``); else None (the
-    agreement in Python, x86-64 only)."""
+    """The compiled host module whose ``board_agree`` agrees here: on a host
+    with CUDA (where the engine builds it too: ``dispatch.host``, once per
+    machine) or one that needs it (not x86-64), with the compiled host path on
+    (``host.enabled``); else None (the agreement in Python, x86-64 only)."""
     from dispatch import host
 
-    if COMPILED is False or (COMPILED is None and ((_X86 and not torch.cuda.is_available()) or not host.enabled)):
+    if (_X86 and not torch.cuda.is_available()) or not host.enabled:
         return None
     return host.built()
 

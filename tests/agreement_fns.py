@@ -76,13 +76,13 @@ def _board_agreeing(compiled: bool, fn, *args):
     assert module is not None or not compiled, host.why_not()
     boards = [b for b in board.Board._of_group.values() if b is not None]
     before = [b._compiled for b in boards]
-    chosen, board.COMPILED = board.COMPILED, compiled
+    chosen, board.compiled_agreement = board.compiled_agreement, lambda: module
     for b in boards:
         b._compiled = module
     try:
         return fn(*args)
     finally:
-        board.COMPILED = chosen
+        board.compiled_agreement = chosen
         for b, was in zip(boards, before):
             b._compiled = was
 

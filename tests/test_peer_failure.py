@@ -20,9 +20,10 @@ TIMEOUT = 2.0
 def _rank(rank: int, world: int, store_file: str, behaviour: str, variant: str, where: str, queue,
           compiled: bool = False) -> None:
     import dispatch
-    from dispatch import board
+    from dispatch import board, host
 
-    board.COMPILED = compiled  # the board's compiled agreement, or the one in Python
+    module = host.built() if compiled else None
+    board.compiled_agreement = lambda: module  # the board's compiled agreement, or the one in Python
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     config = dispatch.DispatchConfig(num_experts=2 * world, variant=variant, transport="nccl", timeout=TIMEOUT)
