@@ -46,7 +46,7 @@ def _run(rank: int, args) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import dispatch
-    from dispatch import agreement, board, checks, dispatcher, host, nvlink, work
+    from dispatch import agreement, board, checks, dispatcher, host, nvlink, usual, work
     from dispatch.transports import base, nvlink as nvlink_transport
 
     T, H, E, K = SHAPES[args.shape]
@@ -87,13 +87,24 @@ def _run(rank: int, args) -> None:
                 cpus.append((c1 - c0 - read) / 1e3)
                 less_every.append((t1 - t0 - read - agreed) / 1e3)
 
+    fast = d._usual  # the usual dispatch compiled (dispatch.usual), beside the Python path in turns
     measure(20, [])
-    totals = [], [], []
-    measure(args.calls, *totals)
+    totals, python = ([], [], []), ([], [], [])
+    for _ in range(args.calls):
+        for path, into in ((fast, totals), (None, python)):
+            d._usual = path
+            measure(1, *into)
+    d._usual = fast
     plain = [statistics.median(v) for v in totals]
+    plain_python = [statistics.median(v) for v in python]
     # (owner, attribute, label): methods of classes and functions of modules, as the path calls them
     layers = [
         (dispatcher.TokenDispatcher, "dispatch", "dispatch()"),
+        (usual.UsualDispatches, "dispatch", "  UsualDispatches.dispatch (the usual call compiled)"),
+        (compiled.UsualDispatch, "dispatch", "    UsualDispatch.dispatch (C++, less its waits)"),
+        (usual.UsualDispatches, "_result", "    its result in Python"),
+        (nvlink_transport.NVLinkTransport, "planned", "      NVLinkTransport.planned"),
+        (dispatcher.TokenDispatcher, "_dispatched", "      TokenDispatcher._dispatched"),
         (dispatcher.TokenDispatcher, "_plan_dispatch", "  _plan_dispatch"),
         (dispatcher.TokenDispatcher, "_check_dispatch", "    _check_dispatch"),
         (base.Transport, "dispatch_word", "    dispatch_word"),
@@ -121,7 +132,7 @@ def _run(rank: int, args) -> None:
     for owner, name, label in layers:
         original = getattr(owner, name)
         originals.append((owner, name, original))
-        read_less = name in ("dispatch", "_plan_dispatch", "plan", "exchange_counts", "counts_plan")
+        read_less = name in ("dispatch", "_plan_dispatch", "plan", "exchange_counts", "counts_plan")  # (and the usual)
 
         def clocked(*a, _original=original, _label=label, _less=read_less, **k):
             b0, t0 = board_waits(), time.perf_counter_ns()
@@ -147,7 +158,7 @@ def _run(rank: int, args) -> None:
             setattr(owner, name, original)
     clocks = reads[0] / args.calls
     wrapped = statistics.median(walls)
-    mine = dict(plain=plain, wrapped=wrapped, clocks=clocks,
+    mine = dict(plain=plain, python=plain_python, wrapped=wrapped, clocks=clocks,
                 layers={label: statistics.median(v) / 1e3 for label, v in spent.items()})
     every = [mine]
     if world > 1:
@@ -164,6 +175,10 @@ def _run(rank: int, args) -> None:
             print(f"rank {r}: round trip, host wall {wall:.1f} us, thread CPU {cpu:.1f} us, wall less the "
                   f"agreements' waits for the peers too {less_every:.1f} us; with {clocks:.0f} clocks a round trip "
                   f"{got['wrapped']:.1f} us (a clock about {(got['wrapped'] - wall) / max(clocks, 1):.2f} us)")
+            py_wall, _, py_less = got["python"]
+            print(f"rank {r}: the same with the usual dispatch in Python (in turns): host wall {py_wall:.1f} us, less "
+                  f"the agreements' waits {py_less:.1f} us; compiled / Python {wall / py_wall:.2f}x, "
+                  f"{less_every / py_less:.2f}x")
         print("inclusive host us per round trip (the layers less the host read's and the agreements' waits), "
               + ", ".join(f"rank {r}" for r in range(world)) + ":")
         for _, _, label in layers:

@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/python_variable.h>
 #if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)  // torch's CUDA headers (a CPU build of torch lacks them)
 #include <c10/cuda/CUDACachingAllocator.h>
 #define DISPATCH_HOST_ALLOCATOR 1
@@ -51,6 +52,8 @@ using CopyDtoH = CUresult (*)(void*, CUdeviceptr, size_t, CUstream);
 using Synchronize = CUresult (*)(CUstream);
 using ErrorText = CUresult (*)(CUresult, const char**);
 using Record = CUresult (*)(CUevent, CUstream);
+using MemInfo = CUresult (*)(size_t*, size_t*);
+using CtxDevice = CUresult (*)(CUdevice*);
 
 struct Driver {
   LaunchEx launch = nullptr;
@@ -58,6 +61,8 @@ struct Driver {
   Synchronize synchronize = nullptr;
   ErrorText name = nullptr, text = nullptr;
   Record record = nullptr;
+  MemInfo mem_info = nullptr;
+  CtxDevice ctx_device = nullptr;
 };
 
 const Driver& driver() {
@@ -71,9 +76,12 @@ const Driver& driver() {
     d.name = reinterpret_cast<ErrorText>(dlsym(lib, "cuGetErrorName"));
     d.text = reinterpret_cast<ErrorText>(dlsym(lib, "cuGetErrorString"));
     d.record = reinterpret_cast<Record>(dlsym(lib, "cuEventRecord"));
-    if (!d.launch || !d.copy_to_host || !d.synchronize || !d.name || !d.text || !d.record)
-      throw std::runtime_error("libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoHAsync_v2, cuStreamSynchronize or "
-                               "cuEventRecord");
+    d.mem_info = reinterpret_cast<MemInfo>(dlsym(lib, "cuMemGetInfo_v2"));
+    d.ctx_device = reinterpret_cast<CtxDevice>(dlsym(lib, "cuCtxGetDevice"));
+    if (!d.launch || !d.copy_to_host || !d.synchronize || !d.name || !d.text || !d.record || !d.mem_info ||
+        !d.ctx_device)
+      throw std::runtime_error("libcuda.so.1 lacks cuLaunchKernelEx, cuMemcpyDtoHAsync_v2, cuStreamSynchronize, "
+                               "cuEventRecord, cuMemGetInfo_v2 or cuCtxGetDevice");
     return d;
   }();
   return found;
@@ -291,6 +299,37 @@ int64_t reserved_bytes(int64_t device) {
   }
 #endif
 }
+
+// A device's free memory as the dispatches' budgets read it (dispatch/checks.py,
+// FreeMemory, which this serves where the compiled path is loaded): the driver's
+// reading kept ``age`` seconds, less what torch's caching allocator reserved from
+// the device since (``reserved``: its reserved bytes now, reserved_bytes, where
+// they count every allocation of this process; else -1: the driver read every
+// time), read again where older or forgotten (forget_free_bytes: memory allocated
+// outside torch). -2 where ``device`` is not the current one (the caller reads the
+// driver itself).
+struct FreeReading {
+  std::chrono::steady_clock::time_point when;
+  int64_t free = 0, reserved = 0;
+  bool valid = false;
+};
+std::vector<FreeReading> free_readings;
+
+int64_t free_bytes(int64_t device, double age, int64_t reserved) {
+  CUdevice current = -1;
+  if (device < 0 || driver().ctx_device(&current) != CUDA_SUCCESS || current != device) return -2;
+  if (free_readings.size() <= static_cast<size_t>(device)) free_readings.resize(device + 1);
+  FreeReading& read = free_readings[device];
+  const auto now = std::chrono::steady_clock::now();
+  if (reserved >= 0 && read.valid && std::chrono::duration<double>(now - read.when).count() < age)
+    return read.free - (reserved - read.reserved);
+  size_t free = 0, total = 0;
+  check(driver().mem_info(&free, &total), "cuMemGetInfo");
+  if (reserved >= 0) read = FreeReading{now, static_cast<int64_t>(free), reserved, true};
+  return static_cast<int64_t>(free);
+}
+
+void forget_free_bytes() { free_readings.clear(); }
 
 // How long the last host read of a counts exchange (in this process) waited for
 // the GPU, in ns: what a measure of the host's own time leaves out (bench/).
@@ -576,28 +615,222 @@ class BoardWait {
   std::chrono::steady_clock::time_point start_;
 };
 
-py::object board_agree(uint64_t words_at, int64_t world, int64_t rank, int64_t slot, uint64_t count_at,
-                       const std::vector<int64_t>& row, double timeout, int64_t width) {
-  if (static_cast<int64_t>(row.size()) > slot - 2 || width > slot - 2 || world < 1 || rank < 0 || rank >= world)
+// The board's words of one group (dispatch/board.py, Board): its mapped page, the
+// int64 words of a slot, this rank's count of agreements, the dispatcher's timeout.
+struct BoardAt {
+  uint64_t words_at = 0, count_at = 0;
+  int64_t world = 0, rank = 0, slot = 0;
+  double timeout = 0;
+};
+
+// One agreement on the board: ``row`` written, every rank's first ``width`` words
+// read into ``out`` ([W][width]). Returns None, or (missing, withdrawn) where this
+// rank gave up waiting and withdrew (board.py's Board._wait).
+py::object agree_into(const BoardAt& b, const int64_t* row, int64_t len, int64_t width, int64_t* out) {
+  if (len > b.slot - 2 || width > b.slot - 2 || b.world < 1 || b.rank < 0 || b.rank >= b.world)
     throw std::invalid_argument("board_agree: a row longer than a slot's, or no such rank");
-  auto* count = reinterpret_cast<int64_t*>(count_at);
+  auto* count = reinterpret_cast<int64_t*>(b.count_at);
   const int64_t k = ++*count;
-  int64_t* copy = reinterpret_cast<int64_t*>(words_at) + (k % 2) * world * slot;
-  int64_t* mine = copy + rank * slot;
-  for (size_t i = 0; i < row.size(); ++i) __atomic_store_n(mine + 2 + i, row[i], __ATOMIC_RELAXED);
+  int64_t* copy = reinterpret_cast<int64_t*>(b.words_at) + (k % 2) * b.world * b.slot;
+  int64_t* mine = copy + b.rank * b.slot;
+  for (int64_t i = 0; i < len; ++i) __atomic_store_n(mine + 2 + i, row[i], __ATOMIC_RELAXED);
   __atomic_store_n(mine, k, __ATOMIC_RELEASE);  // after the row: a peer that reads k reads the row
-  BoardWait wait(copy, world, slot, rank, k, timeout);
+  BoardWait wait(copy, b.world, b.slot, b.rank, k, b.timeout);
   if (!wait.until(0)) return wait.who(0);
   __atomic_store_n(mine + 1, k, __ATOMIC_RELEASE);  // saw every rank arrive
   if (!wait.until(1)) return wait.who(1);
-  py::list rows(world);
+  for (int64_t r = 0; r < b.world; ++r)
+    for (int64_t i = 0; i < width; ++i) out[r * width + i] = __atomic_load_n(copy + r * b.slot + 2 + i, __ATOMIC_RELAXED);
+  return py::none();
+}
+
+py::list rows_list(const int64_t* rows, int64_t world, int64_t width) {
+  py::list out(world);
   for (int64_t r = 0; r < world; ++r) {
     py::list got(width);
-    for (int64_t i = 0; i < width; ++i) got[i] = __atomic_load_n(copy + r * slot + 2 + i, __ATOMIC_RELAXED);
-    rows[r] = got;
+    for (int64_t i = 0; i < width; ++i) got[i] = rows[r * width + i];
+    out[r] = got;
   }
-  return rows;
+  return out;
 }
+
+py::object board_agree(uint64_t words_at, int64_t world, int64_t rank, int64_t slot, uint64_t count_at,
+                       const std::vector<int64_t>& row, double timeout, int64_t width) {
+  const BoardAt board{words_at, count_at, world, rank, slot, timeout};
+  std::vector<int64_t> rows(static_cast<size_t>(std::max<int64_t>(world, 0) * std::max<int64_t>(width, 0)));
+  py::object gave_up = agree_into(board, row.data(), static_cast<int64_t>(row.size()), width, rows.data());
+  return gave_up.is_none() ? py::object(rows_list(rows.data(), world, width)) : gave_up;
+}
+
+// Named fields of a compiled object's constructor (CountsShape, UsualDispatch): each
+// read once by its name; a missing or unknown name raises.
+class Fields {
+ public:
+  Fields(const char* what, const py::kwargs& named) : what_(what), named_(named) {}
+  template <typename T>
+  T get(const char* name) {
+    if (!named_.contains(name)) throw std::invalid_argument(std::string(what_) + ": no " + name);
+    ++used_;
+    return named_[name].cast<T>();
+  }
+  void done() const {
+    if (named_.size() != used_) throw std::invalid_argument(std::string(what_) + ": unknown fields");
+  }
+
+ private:
+  const char* what_;
+  const py::kwargs& named_;
+  size_t used_ = 0;
+};
+
+// The usual dispatch on the engine, compiled whole (dispatch/usual.py): for one
+// signature of its arguments (exact tensors of one shape, dtype and device,
+// contiguous), with grad mode as it comes, no max_rows, one group, no async_op,
+// rows that travel as they are: the call's number, its agreement on the board,
+// its header with its memory budget, the routing weights in their wire dtype and
+// counts_plan with the dispatch's own pull, in one call. Returns None where the
+// arguments are not of its signature, or the engine's device is not the current
+// one (nothing done: the front end takes the call); else (what, number, ...):
+// ("planned", number, counts_plan's tuple), or where the call went no further than
+// its agreement ("differ", number, every rank's row: the ranks' calls differ, or
+// a word asks for the front end's raise) or ("gave up", number, (missing, withdrawn)).
+class UsualDispatch {
+ public:
+  explicit UsualDispatch(const py::kwargs& named) {
+    Fields f("UsualDispatch", named);
+    shape_ = f.get<CountsShape>("shape");
+    layout_ = f.get<py::object>("layout");
+    counts_ = f.get<py::object>("counts");
+    pull_ = f.get<py::object>("pull");
+    pull_cap_ = f.get<int64_t>("pull_cap");
+    pull_min_ = f.get<int64_t>("pull_min");
+    per_block_ = f.get<int64_t>("rows_per_block");
+    hidden_ = f.get<int64_t>("hidden");
+    device_ = f.get<at::Device>("device");
+    x_dtype_ = f.get<at::ScalarType>("x_dtype");
+    idx_dtype_ = f.get<at::ScalarType>("idx_dtype");
+    weights_dtype_ = f.get<at::ScalarType>("weights_dtype");
+    wire_dtype_ = f.get<at::ScalarType>("wire_dtype");
+    verb_ = f.get<int64_t>("verb");
+    grad_off_ = f.get<int64_t>("grad_off");
+    verb_col_ = f.get<int64_t>("verb_col");
+    call_col_ = f.get<int64_t>("call_col");
+    call_row_ = f.get<std::vector<int64_t>>("call_row");
+    header_ = f.get<std::vector<int64_t>>("header");
+    x_grad_bit_ = f.get<int64_t>("x_grad_bit");
+    weights_grad_bit_ = f.get<int64_t>("weights_grad_bit");
+    raise_bits_ = f.get<int64_t>("raise_bits");
+    made_at_ = f.get<uint64_t>("made_at");
+    board_.words_at = f.get<uint64_t>("board_words");
+    board_.count_at = f.get<uint64_t>("board_count");
+    board_.slot = f.get<int64_t>("board_slot");
+    board_.timeout = f.get<double>("timeout");
+    row_bytes_ = f.get<int64_t>("row_bytes");
+    allocator_ = f.get<bool>("allocator");
+    age_ = f.get<double>("age");
+    row_at_ = f.get<uint64_t>("row_at");
+    host_words_ = f.get<at::Tensor>("host_words");
+    check_values_ = f.get<bool>("check_values");
+    width_ = f.get<int64_t>("width");
+    stage_ = f.get<bool>("stage");
+    record_ = f.get<uint64_t>("record");
+    f.done();
+    board_.world = shape_.world;
+    board_.rank = shape_.rank;
+    if (counts_.is_none() || (shape_.tokens > 0 && layout_.is_none()) || row_bytes_ <= 0 || width_ <= 0 ||
+        hidden_ <= 0 || shape_.header_len + 1 > board_.slot - 2 || made_at_ == 0 ||
+        static_cast<int64_t>(call_row_.size()) != shape_.header_len + 1 ||
+        static_cast<int64_t>(header_.size()) != shape_.header_len || std::max(verb_col_, call_col_) >= shape_.header_len ||
+        std::min(verb_col_, call_col_) < 0)
+      throw std::invalid_argument("UsualDispatch: a counts launch, a layout one where T > 0, positive row bytes, "
+                                  "J and H, a row within a board slot, the call counter, a call row of the header "
+                                  "and a word, a header, and their columns");
+  }
+
+  py::object dispatch(py::handle x_obj, py::handle idx_obj, py::handle weights_obj, uint64_t stream) {
+    if (!THPVariable_CheckExact(x_obj.ptr()) || !THPVariable_CheckExact(idx_obj.ptr()) ||
+        !THPVariable_CheckExact(weights_obj.ptr()))
+      return py::none();
+    const at::Tensor& x = THPVariable_Unpack(x_obj.ptr());
+    const at::Tensor& idx = THPVariable_Unpack(idx_obj.ptr());
+    const at::Tensor& weights = THPVariable_Unpack(weights_obj.ptr());
+    const int64_t T = shape_.tokens, K = shape_.topk, W = shape_.world, len = shape_.header_len + 1;
+    if (!of(x, x_dtype_, T, hidden_) || !x.is_contiguous() || !of(idx, idx_dtype_, T, K) || !idx.is_contiguous() ||
+        !of(weights, weights_dtype_, T, K))
+      return py::none();
+    CUdevice current = -1;
+    if (device_.is_cuda() && (driver().ctx_device(&current) != CUDA_SUCCESS || current != device_.index()))
+      return py::none();
+    const bool grad = at::GradMode::is_enabled();
+    const bool x_grad = grad && x.requires_grad(), weights_grad = grad && weights.requires_grad();
+    const int64_t number = ++*reinterpret_cast<int64_t*>(made_at_);
+    const int64_t verb = verb_ + (grad ? 0 : grad_off_);
+    // the call's agreement: its header (plan.call_header), then this rank's word (Transport.dispatch_word)
+    std::vector<int64_t> row(call_row_), rows(W * len);
+    row[verb_col_] = verb;
+    row[call_col_] = number;
+    row[len - 1] = (x_grad ? x_grad_bit_ : 0) | (weights_grad ? weights_grad_bit_ : 0);
+    py::object gave_up = agree_into(board_, row.data(), len, len, rows.data());
+    if (!gave_up.is_none()) return py::make_tuple("gave up", number, gave_up);
+    bool plain = true;
+    for (int64_t r = 0; r < W; ++r) {
+      const int64_t* theirs = rows.data() + r * len;
+      plain = plain && std::memcmp(theirs, row.data(), 8 * (len - 1)) == 0 && (theirs[len - 1] & raise_bits_) == 0;
+    }
+    if (!plain) return py::make_tuple("differ", number, rows_list(rows.data(), W, len));
+    // its row budgets (checks.row_budgets): none of its own, the rows its free device memory holds
+    // (checks.memory_rows: floor division, as Python's)
+    std::vector<int64_t> header(header_);
+    header[verb_col_] = verb;
+    header[call_col_] = number;
+    header[shape_.x_grad_col] = x_grad;
+    header[shape_.weights_grad_col] = weights_grad;
+    if (device_.is_cuda()) {
+      const int64_t free = free_bytes(device_.index(), age_, allocator_ ? reserved_bytes(device_.index()) : -1);
+      const int64_t held = free >= 0 ? free / row_bytes_ : -((-free + row_bytes_ - 1) / row_bytes_);
+      header[shape_.memory_rows_col] = std::min<int64_t>(held, INT32_MAX);
+    }
+    at::Tensor wire = weights;
+    if (weights.scalar_type() != wire_dtype_ || !weights.is_contiguous()) {
+      at::NoGradGuard no_grad;
+      wire = weights.to(wire_dtype_).contiguous();
+    }
+    const uint64_t stage_src = stage_ ? reinterpret_cast<uint64_t>(x.data_ptr()) : 0;
+    const int64_t src_stride = stage_ ? hidden_ * static_cast<int64_t>(x.element_size()) : 0;
+    Launcher* layout = layout_.is_none() ? nullptr : layout_.cast<Launcher*>();
+    Launcher* pull = pull_.is_none() ? nullptr : pull_.cast<Launcher*>();
+    py::tuple got = counts_plan(shape_, layout, *counts_.cast<Launcher*>(), idx, wire, stage_src, src_stride, row_at_,
+                                check_values_, header, stream, host_words_, width_, wire_dtype_, pull, x, pull_cap_,
+                                pull_min_, per_block_, record_);
+    return py::make_tuple("planned", number, got);
+  }
+
+ private:
+  bool of(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols) const {
+    return t.defined() && t.layout() == at::kStrided && t.scalar_type() == dtype && t.dim() == 2 &&
+           t.size(0) == rows && t.size(1) == cols && t.device() == device_;
+  }
+
+  CountsShape shape_{};
+  py::object layout_, counts_, pull_;
+  int64_t pull_cap_ = 0, pull_min_ = 0, per_block_ = 1, hidden_ = 0;
+  at::Device device_{at::kCPU};
+  at::ScalarType x_dtype_{}, idx_dtype_{}, weights_dtype_{}, wire_dtype_{};
+  int64_t verb_ = 0, grad_off_ = 0, verb_col_ = 0, call_col_ = 0, x_grad_bit_ = 0, weights_grad_bit_ = 0,
+          raise_bits_ = 0;
+  std::vector<int64_t> call_row_, header_;  // the call's row (its header, a word) and its header, as templates
+  uint64_t made_at_ = 0;
+  BoardAt board_;
+  int64_t row_bytes_ = 1;
+  bool allocator_ = false;
+  double age_ = 0;
+  uint64_t row_at_ = 0;
+  at::Tensor host_words_;
+  bool check_values_ = false;
+  int64_t width_ = 0;
+  bool stage_ = false;
+  uint64_t record_ = 0;
+};
 
 }  // namespace
 
@@ -637,7 +870,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (named.size() != found + 1) throw std::invalid_argument("CountsShape: unknown fields");
         return s;
       }));
+  py::class_<UsualDispatch>(m, "UsualDispatch")
+      .def(py::init<const py::kwargs&>())
+      .def("dispatch", &UsualDispatch::dispatch);
   m.def("counts_plan", &counts_plan);
+  m.def("free_bytes", &free_bytes);
+  m.def("forget_free_bytes", &forget_free_bytes);
   m.def("last_wait_ns", [] { return last_wait_ns.load(); });
   m.def("reserved_bytes", &reserved_bytes);
   m.def("pull", &pull);

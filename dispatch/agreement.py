@@ -19,6 +19,7 @@ counted by no rank. ``dispatch.create`` agrees on the config the same way
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 
@@ -204,7 +205,7 @@ class Calls:
     """
 
     def __init__(self, group, world_size: int, arrivals: comm.Arrivals, timeout: float) -> None:
-        self._made: dict[str, int] = {}
+        self._made = array.array("q", [0] * len(VERBS))  # calls made of each verb (read by dispatch.usual too)
         self._board = Board.for_group(group)
         self.dispatch_agrees = self._board is not None or "cpu" in comm.device_types(group)
         self._host = comm.host_group(group) if self._board is None else None
@@ -214,10 +215,26 @@ class Calls:
         """The next call of ``verb`` (numbered from 1), along the handle of
         dispatch ``along`` (0: none); a dispatch or combine made with grad
         mode off says so (its backward is every rank's or none's)."""
-        number = self._made.get(verb, 0) + 1
-        self._made[verb] = number
+        code = VERB_CODES[verb]
+        number = self._made[code] + 1
+        self._made[code] = number
         off = GRAD_OFF if verb in ("dispatch", "combine") and not torch.is_grad_enabled() else 0
-        return plan.Ticket(VERB_CODES[verb] + off + DISPATCHERS * self._arrivals.index, number, along)
+        return plan.Ticket(code + off + DISPATCHERS * self.place, number, along)
+
+    @property
+    def place(self) -> int:
+        """The dispatcher's place among the group's (its calls' verbs carry it: ``DISPATCHERS``)."""
+        return self._arrivals.index
+
+    @property
+    def board(self) -> Board | None:
+        """The group's board, where its ranks agree (None: over the host channel)."""
+        return self._board
+
+    def counter(self, verb: str) -> int:
+        """The address of the int64 count of ``verb``'s calls made, which :meth:`ticket`
+        numbers them from (a compiled call numbers its own there: ``dispatch.usual``)."""
+        return self._made.buffer_info()[0] + 8 * VERB_CODES[verb]
 
     def agree(self, ticket: plan.Ticket, dtype_code: int = -1, tail: tuple[int, ...] = (),
               hidden: int = 0, weights_code: int = -1) -> list[list[int]]:
@@ -236,15 +253,29 @@ class Calls:
             end = _HEADER_LEN + (1 if tail else 0)  # what the caller reads back (no tail: the same 0 on every rank)
             rows = self._board.agree(row, self._timeout, lambda: call_name(ticket.verb, ticket.call, ticket.along),
                                      end)
-            same, mine = not ticket.refused, row[:end]
-            for r in rows:
-                same = same and r == mine
-            if not same:  # else every rank made this very call, unrefused
-                check_peer_calls([r[: len(HEADER)] for r in rows])
         except CallsDiffer:
             self.withdraw(ticket)
             raise
+        same, mine = not ticket.refused, row[:end]
+        for r in rows:
+            same = same and r == mine
+        if not same:  # else every rank made this very call, unrefused
+            self.settle(ticket, rows)
         return rows
+
+    def settle(self, ticket: plan.Ticket, rows) -> None:
+        """Raise as :meth:`agree` does where ``rows``, the call's agreement on the
+        board, are not every rank at this very call unrefused (nothing where
+        they are); ``rows`` may be (missing, withdrawn): this rank gave up
+        waiting (``csrc/host.cpp``'s ``board_agree``)."""
+        if isinstance(rows, tuple):
+            what = call_name(ticket.verb, ticket.call, ticket.along)
+            raise RuntimeError(self._board.message(*rows, what, self._timeout))
+        try:
+            check_peer_calls([r[:_HEADER_LEN] for r in rows])
+        except CallsDiffer:
+            self.withdraw(ticket)
+            raise
 
     def agree_part(self, ticket: plan.Ticket, whole: plan.Ticket, dtype_code: int = -1,
                    hidden: int = 0) -> list[list[int]]:
@@ -284,9 +315,9 @@ class Calls:
     def withdraw(self, ticket: plan.Ticket) -> None:
         """Give ``ticket``'s number back (where it is still its verb's last):
         the ranks' calls differed (:class:`CallsDiffer`), and none counts it."""
-        verb = VERBS[ticket.verb % GRAD_OFF]
-        if self._made.get(verb) == ticket.call:
-            self._made[verb] = ticket.call - 1
+        code = ticket.verb % GRAD_OFF
+        if self._made[code] == ticket.call:
+            self._made[code] = ticket.call - 1
 
 
 def refuse(error: Exception, take_part) -> None:

@@ -73,6 +73,18 @@ class Board:
         self._compiled = compiled  # the module of board_agree, or None (in Python)
         self._at = (ctypes.addressof(ctypes.c_char.from_buffer(mapped)), self._count.buffer_info()[0])
 
+    @property
+    def words_at(self) -> int:
+        """The address of the mapped page (for ``board_agree``)."""
+        return self._at[0]
+
+    @property
+    def count_at(self) -> int:
+        """The address of this rank's int64 count of agreements (for ``board_agree``)."""
+        return self._at[1]
+
+    slot = _SLOT  # int64 words of a rank's slot
+
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None) -> "Board | None":
         """The group's board, made at the first call (a collective of the group's
@@ -147,7 +159,7 @@ class Board:
             rows = self._compiled.board_agree(self._at[0], self._world, self._rank, _SLOT, self._at[1], row, timeout,
                                               width)
             if isinstance(rows, tuple):  # this rank gave up waiting, and withdrew
-                raise RuntimeError(self._message(*rows, what(), timeout))
+                raise RuntimeError(self.message(*rows, what(), timeout))
             return rows
         self._count[0] += 1
         k, words = self._count[0], self._words
@@ -193,7 +205,7 @@ class Board:
                     words[heads[self._rank]] = k
                     return
                 missing = [r for r, h in enumerate(heads) if words[h + word] != k and words[h] != -k]
-                raise RuntimeError(self._message(missing, withdrawn, what(), timeout))
+                raise RuntimeError(self.message(missing, withdrawn, what(), timeout))
             if waited < _SPIN:
                 os.sched_yield()
             else:
@@ -201,7 +213,8 @@ class Board:
                 pause = min(2 * pause, 1e-3)
 
     @staticmethod
-    def _message(missing: list[int], withdrawn: list[int], what: str, timeout: float) -> str:
+    def message(missing: list[int], withdrawn: list[int], what: str, timeout: float) -> str:
+        """What a rank that gave up waiting for ``what`` raises."""
         if missing:
             names = ", ".join(f"rank {r}" for r in missing)
             return (f"peer missing: rank(s) {missing} of the group ({names}) did not reach {what}: timed out after "

@@ -15,7 +15,6 @@ every rank's header (:func:`check_peer_headers`, :func:`check_peer_rows`,
 from __future__ import annotations
 
 import numbers
-import time
 from typing import Callable
 
 import torch
@@ -74,6 +73,33 @@ def check_peer_groups(groups: list[int]) -> None:
     if len(set(groups)) > 1:
         told = ", ".join(f"rank {r}: {g}" for r, g in enumerate(groups))
         raise ValueError(f"groups: every rank of the group must dispatch with the same groups; got {told}")
+
+
+def check_dispatch_signature(d, x, topk_idx, topk_weights, max_rows, groups):
+    """``TokenDispatcher.dispatch``'s own checks of its arguments on dispatcher
+    ``d`` (this rank alone; their types, shapes, dtypes, devices and layouts,
+    which the dispatcher keeps as passed for their signature): the wire codec of x."""
+    from dispatch.codec import to_experts_codec
+
+    check_dispatch_inputs(x, topk_idx, topk_weights, d.devices)
+    check_groups(groups, d.num_local_experts)
+    variant, transport = d.transport.key
+    name = f"the {variant} variant over {transport}"
+    if d.max_topk is not None and topk_idx.shape[1] > d.max_topk:
+        raise ValueError(f"topk_idx: {name} takes at most {d.max_topk} slots per token, got K={topk_idx.shape[1]}")
+    if groups > 1 and d.config.pad_to_capacity:
+        raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
+                         "places its rows group by group; use groups=1")
+    if groups > 1 and max_rows is not None and not d.transport.bounded_groups:
+        raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs the NVLink "
+                         f"engine (each group padded to its bound on the device); {name} does not move one; use "
+                         "groups=1 or no max_rows")
+    if d.config.pad_to_capacity and max_rows is not None:
+        raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum of "
+                         "the ranks' capacities); dispatch without max_rows")
+    if max_rows is not None:
+        check_max_rows(max_rows)
+    return to_experts_codec(d.config.dispatch_wire, x.dtype, d.config.tuning.fp8_pow2_scales)
 
 
 def check_dispatch_inputs(
@@ -245,31 +271,29 @@ class FreeMemory:
     every allocation made through torch in this process, and read again where
     the reading is older, or where this package allocated device memory
     outside torch's allocator (:meth:`forget`: the NVLink engine's and the
-    NVSHMEM transport's symmetric buffers). Without a reader of the allocator's
-    reserved bytes (``reserved``: the compiled host path's, ``dispatch.host``,
-    given only where torch's own caching allocator serves: not under
-    ``PYTORCH_NO_CUDA_MEMORY_CACHING`` or another backend; None before it is
-    loaded, or -1 from it where it cannot say) the driver is read every time.
+    NVSHMEM transport's symmetric buffers). The compiled host path keeps the
+    reading (``compiled``: ``csrc/host.cpp``'s ``free_bytes``, which the
+    engine's compiled dispatch reads too), given only where torch's own
+    caching allocator serves (``dispatch.host``: not under
+    ``PYTORCH_NO_CUDA_MEMORY_CACHING`` or another backend); without it, or for
+    a device that is not the current one, the driver is read every time.
     """
 
     def __init__(self) -> None:
-        self.reserved = None  # device index -> bytes torch's caching allocator reserved (-1: cannot say)
-        self._read: dict[int, tuple[float, int, int]] = {}  # device -> (when, free, reserved then)
+        self.compiled = None  # the compiled host path's module, keeping the reading
 
     def __call__(self, index: int) -> int:
-        reserved = -1 if self.reserved is None else self.reserved(index)
-        if reserved >= 0:
-            read = self._read.get(index)
-            if read is not None and time.monotonic() - read[0] < FREE_MEMORY_AGE:
-                return read[1] - (reserved - read[2])
-        free = torch.cuda.mem_get_info(index)[0]
-        if reserved >= 0:
-            self._read[index] = (time.monotonic(), free, reserved)
-        return free
+        compiled = self.compiled
+        if compiled is not None:
+            free = compiled.free_bytes(index, FREE_MEMORY_AGE, compiled.reserved_bytes(index))
+            if free != -2:  # (-2: not the current device)
+                return free
+        return torch.cuda.mem_get_info(index)[0]
 
     def forget(self) -> None:
         """Read the driver again next time (device memory was allocated outside torch's allocator)."""
-        self._read.clear()
+        if self.compiled is not None:
+            self.compiled.forget_free_bytes()
 
 
 FREE_MEMORY = FreeMemory()

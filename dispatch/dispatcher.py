@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from dispatch import agreement, capacity, checks, comm, plan
+from dispatch import agreement, capacity, checks, comm, plan, usual
 from dispatch.autograd import combine_node
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
@@ -79,6 +79,7 @@ class TokenDispatcher:
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._members = transport.members()  # the transports whose handles it moves along
         self._calls = agreement.Calls(group, self.world_size, transport.arrivals, config.timeout)  # numbered, agreed
+        self._usual = usual.UsualDispatches(self) if usual.usable(self) else None  # the usual dispatch compiled
 
     @property
     def host_free(self) -> bool:
@@ -168,6 +169,11 @@ class TokenDispatcher:
             Gradients flow to ``x`` (through ``tokens``) and to ``topk_weights``
             (through ``weights``).
         """
+        fast = self._usual
+        if fast is not None and max_rows is None and groups == 1 and not async_op:
+            result = fast.dispatch(x, topk_idx, topk_weights)
+            if result is not None:
+                return result
         ticket = self._calls.ticket("dispatch")
         try:
             at_once = not async_op and groups == 1 and self.transport.phase_timer is None  # Request.at_once
@@ -176,20 +182,28 @@ class TokenDispatcher:
         except agreement.CallsDiffer:  # its first message met another call (the counts exchange, off the board)
             self._calls.withdraw(ticket)
             raise
-        rows = x.detach()
+        result = self._dispatched(x, topk_weights, handle, plan_out, codec, dropped, async_op)
+        if fast is not None and at_once and max_rows is None:
+            fast.learn(x, topk_idx, topk_weights, handle, codec)
+        return result
+
+    def _dispatched(self, x, topk_weights, handle, plan_out, codec: Codec, dropped,
+                    async_op: bool = False) -> "Dispatched | DispatchWork":
+        """A planned dispatch's result: its rows moved on the caller's stream (its
+        result once the collectives are done: ``streams.Pending``), or started
+        on the communication stream (``async_op``)."""
+        rows, dtype, hidden = x.detach(), x.dtype, x.shape[1]
+        wires = self.config.dispatch_wire, self.config.combine_wire
+
+        def traffic():  # ``Dispatched.stats``, at its first read
+            return handle.transport.stats(handle, to_experts_codec(wires[0], dtype).row_bytes(hidden),
+                                          sum_wire_dtype(wires[1], dtype), hidden)
+
         if async_op:
             started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec, True),
                                                  (rows,), True, self.comm_priority)
-        else:  # on the caller's stream: its result once the collectives are done (``streams.Pending``)
-            started = handle.transport.to_experts(rows, handle, codec, True)
-        config = self.config
-
-        def traffic(handle=handle, dtype=x.dtype, hidden=x.shape[1]):  # ``Dispatched.stats``, at its first read
-            row_bytes = to_experts_codec(config.dispatch_wire, dtype).row_bytes(hidden)
-            return handle.transport.stats(handle, row_bytes, sum_wire_dtype(config.combine_wire, dtype), hidden)
-
-        if async_op:
             return DispatchWork(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
+        started = handle.transport.to_experts(rows, handle, codec, True)
         return dispatched(self, x, topk_weights, handle, plan_out, started, traffic, dropped)
 
     def _plan_dispatch(self, ticket: plan.Ticket, x, topk_idx, topk_weights, max_rows, groups, at_once=False):
@@ -489,8 +503,8 @@ class TokenDispatcher:
                    groups.__class__, groups)
         except AttributeError:  # not tensors: the checks name the argument
             key = None
-        return self._signature(key, lambda: self._check_dispatch_signature(x, topk_idx, topk_weights, max_rows,
-                                                                             groups))
+        return self._signature(key, lambda: checks.check_dispatch_signature(self, x, topk_idx, topk_weights, max_rows,
+                                                                              groups))
 
     def _signature(self, key: tuple | None, check):
         """``check()``'s result (not None), kept for ``key``: the signature of a
@@ -510,26 +524,6 @@ class TokenDispatcher:
                 self._signatures[key] = result
         return result
 
-    def _check_dispatch_signature(self, x, topk_idx, topk_weights, max_rows, groups) -> Codec:
-        checks.check_dispatch_inputs(x, topk_idx, topk_weights, self.devices)
-        checks.check_groups(groups, self.num_local_experts)
-        if self.max_topk is not None and topk_idx.shape[1] > self.max_topk:
-            raise ValueError(f"topk_idx: {self._name()} takes at most {self.max_topk} slots per token, "
-                             f"got K={topk_idx.shape[1]}")
-        if groups > 1 and self.config.pad_to_capacity:
-            raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
-                             "places its rows group by group; use groups=1")
-        if groups > 1 and max_rows is not None and not self.transport.bounded_groups:
-            raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs the "
-                             f"NVLink engine (each group padded to its bound on the device); {self._name()} does "
-                             "not move one; use groups=1 or no max_rows")
-        if self.config.pad_to_capacity and max_rows is not None:
-            raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum "
-                             "of the ranks' capacities); dispatch without max_rows")
-        if max_rows is not None:
-            checks.check_max_rows(max_rows)
-        return to_experts_codec(self.config.dispatch_wire, x.dtype, self.config.tuning.fp8_pow2_scales)
-
     def _take_part_refused(self, ticket: plan.Ticket) -> None:
         """This rank's share of a dispatch it refuses: the first message (the
         call's agreement on the board, or the counts exchange marked refused,
@@ -542,10 +536,6 @@ class TokenDispatcher:
         self.transport.plan(Request(self, torch.zeros(0, 1, device=device),
                                     torch.zeros(0, 1, dtype=torch.int64, device=device),
                                     torch.zeros(0, 1, device=device), ticket, False))
-
-    def _name(self) -> str:
-        variant, transport = self.transport.key
-        return f"the {variant} variant over {transport}"
 
     def _along(self, verb: str, handle, check, *args) -> plan.Ticket:
         """Start a verb that moves rows along ``handle``: run its own checks

@@ -95,7 +95,7 @@ def _here():
         return None
     compiled = built()
     if compiled is not None and _caching_allocator():  # the engine's budgets read the allocator's bytes
-        checks.FREE_MEMORY.reserved = compiled.reserved_bytes
+        checks.FREE_MEMORY.compiled = compiled
     if compiled is None:  # said once: the engine runs, its host side slower
         warnings.warn(f"the NVLink engine's compiled host path (csrc/host.cpp) did not build ({why_not()}); its "
                       "host side runs in Python, the same results, more host time a call (pip install ninja and a "

@@ -230,7 +230,7 @@ class Engine(EngineMoves):
         self._data, self._data_handle = data, handle
         self._data_ptrs = _pointers(self._data_handle, self.device)
         self.capacity, self._regions = capacity, regions
-        self._launches.clear()  # their bound addresses and sizes were the outgrown buffer's
+        self._launches = {}  # their bound addresses and sizes were the outgrown buffer's (a new dict: dispatch.usual)
 
     def _symmetric(self, size: int):
         """(a symmetric byte buffer of ``size``, its handle): a collective of the

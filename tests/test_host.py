@@ -554,49 +554,54 @@ def test_the_compiled_host_read_is_said_as_torch_says_a_sync(monkeypatch, mode):
             host.said_sync()
 
 
-def test_the_free_memory_budget_reads_the_driver_once_an_age(monkeypatch):
-    """A dispatch's memory budget (``checks.device_free_bytes``) reads the
-    driver's free memory once per ``FREE_MEMORY_AGE`` seconds a device, and in
+def test_the_free_memory_budget_reads_the_driver_once_an_age(fake_driver, compiled, monkeypatch):
+    """A dispatch's memory budget (``checks.device_free_bytes``, and the compiled
+    usual dispatch) reads the driver's free memory through ``free_bytes``
+    (csrc/host.cpp, on the stand-in driver): once per age a device, and in
     between takes off what torch's caching allocator reserved since (or adds
-    what it gave back); again at once after ``forget``; every time without a
-    reader of the allocator, or where it cannot say (-1)."""
+    what it gave back); again at once after ``forget_free_bytes``; every time
+    where the allocator cannot say (-1); -2 for a device that is not the
+    current one. ``checks.FreeMemory`` reads through it, else through torch."""
     from dispatch import checks
 
-    reads, free, reserved, clock = [], {"now": 10_000}, {"now": 8_000}, {"t": 100.0}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (reads.append(index) or free["now"], 99_999))
-    monkeypatch.setattr(checks.time, "monotonic", lambda: clock["t"])
+    fake_driver.fake_set_free.argtypes = [ctypes.c_size_t]
+    fake_driver.fake_set_free(10_000)
+    compiled.forget_free_bytes()
+    start, age = fake_driver.fake_free_reads(), 3600.0
+
+    def reads() -> int:
+        return fake_driver.fake_free_reads() - start
+
+    assert compiled.free_bytes(0, age, -1) == 10_000 and compiled.free_bytes(0, age, -1) == 10_000 and reads() == 2
+    assert compiled.free_bytes(0, age, 8_000) == 10_000 and reads() == 3
+    fake_driver.fake_set_free(7_000)  # torch reserves 3,000 more: the device has that much less
+    assert compiled.free_bytes(0, age, 11_000) == 7_000 and reads() == 3
+    fake_driver.fake_set_free(12_000)  # torch gives 5,000 back (empty_cache)
+    assert compiled.free_bytes(0, age, 6_000) == 12_000 and reads() == 3
+    fake_driver.fake_set_free(11_500)  # taken outside torch: seen once the reading is older than the age
+    assert compiled.free_bytes(0, age, 6_000) == 12_000 and reads() == 3
+    assert compiled.free_bytes(0, 0.0, 6_000) == 11_500 and reads() == 4
+    fake_driver.fake_set_free(11_400)
+    compiled.forget_free_bytes()
+    assert compiled.free_bytes(0, age, 6_000) == 11_400 and reads() == 5
+    assert compiled.free_bytes(1, age, 6_000) == -2 and reads() == 5  # not the current device
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (5 + index, 99))
     memory = checks.FreeMemory()
-    assert memory(0) == 10_000 and memory(0) == 10_000 and len(reads) == 2  # no reader: the driver each time
-    memory.reserved = lambda index: reserved["now"]
-    assert memory(0) == 10_000 and len(reads) == 3
-    reserved["now"] += 3_000  # torch reserves more: the device has that much less
-    free["now"] -= 3_000
-    assert memory(0) == 7_000 and len(reads) == 3
-    reserved["now"] -= 5_000  # torch gives some back (empty_cache)
-    free["now"] += 5_000
-    assert memory(0) == 12_000 and len(reads) == 3
-    assert memory(1) == 12_000 and reads[-1] == 1  # another device: a reading of its own
-    free["now"] -= 500  # taken outside torch: seen once the reading is older than the age
-    assert memory(0) == 12_000 and len(reads) == 4
-    clock["t"] += 2 * checks.FREE_MEMORY_AGE
-    assert memory(0) == 11_500 and len(reads) == 5
-    free["now"] -= 100
-    memory.forget()
-    assert memory(0) == 11_400 and len(reads) == 6
-    memory.reserved = lambda index: -1
-    assert memory(0) == 11_400 and memory(0) == 11_400 and len(reads) == 8
+    assert memory(0) == 5  # without the compiled path: torch's reading
+    memory.compiled = compiled
+    assert memory(0) == 11_400 and memory(1) == 6 and reads() == 6  # (its allocator cannot say here: read again)
 
 
 def test_the_compiled_path_gives_the_budget_its_reader_of_the_allocator(compiled, monkeypatch):
-    """The engine's compiled module (``host.module()``) hands ``checks.FREE_MEMORY``
-    its reader of torch's caching allocator where torch's own allocator serves
+    """The engine's compiled module (``host.module()``) reads ``checks.FREE_MEMORY``
+    with torch's caching allocator's reserved bytes where torch's own allocator serves
     (not with caching off, nor another backend, nor without CUDA: there its
     reader says -1, cannot say)."""
     from dispatch import checks
 
     host.module()
     native = torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "native"
-    assert (checks.FREE_MEMORY.reserved is compiled.reserved_bytes) == (
+    assert (checks.FREE_MEMORY.compiled is compiled) == (
         native and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"))
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     assert not host._caching_allocator()

@@ -87,17 +87,24 @@ class NVLinkTransport(Transport):
         counts = engine.exchange_counts(topk_idx.contiguous(), weights, plan.header(x, topk_weights, topk, ticket),
                                         x.detach().contiguous(), codec, request.check_values,
                                         planned=(min(topk, self.num_local_experts), wire), pull=request.at_once)
+        return self.planned(request, counts)
+
+    def planned(self, request: Request, counts: Counts) -> tuple[NVLinkHandle, PlanOutputs]:
+        """The plan of ``request`` (no ``max_rows``) from its counts exchange, read
+        on the host: the checks of every rank's header and budgets where the
+        compiled exchange did not find the usual case, then the handle."""
         read = counts.host  # what the host read: every rank's header, sends and rows
         headers, rows_of = read.headers, read.rows
         if counts.planned is None:  # not the usual case (or no compiled path): the checks say what it is
             self._raise_own_values(request, headers[self.rank])
             grads_any = checks.check_peer_headers(headers)
-            checks.check_row_budgets(headers, rows_of, self.row_bytes(x), request.exact_memory_rows)
+            checks.check_row_budgets(headers, rows_of, self.row_bytes(request.x), request.exact_memory_rows)
         else:  # the checks would pass: the compiled exchange found every header agreeing, every budget kept
             grads_any = (counts.planned.x_grad, counts.planned.weights_grad)
         has_rows = tuple([n > 0 for n in rows_of])
         num_rows = rows_of[self.rank]
         per_expert = read.per_expert.tolist() if request.groups > 1 else ()  # (the groups' bounds sum them)
+        wire = plan.weight_wire_dtype(request.topk_weights.dtype)
         handle, outputs = self._handle(request, counts, num_rows, grads_any, has_rows, read.sends, wire,
                                        read.per_expert,
                                        shape_fields(request, self.num_local_experts, per_expert, num_rows))

@@ -46,3 +46,24 @@ int cuGetErrorString(int result, const char** text) {
   *text = fake;
   return 0;
 }
+
+/* the free memory a test sets (fake_set_free), the reads of it (fake_free_reads),
+ * and the current device: 0 */
+static size_t free_bytes = (size_t)1 << 34;
+static int free_reads = 0;
+
+void fake_set_free(size_t bytes) { free_bytes = bytes; }
+
+int fake_free_reads(void) { return free_reads; }
+
+int cuMemGetInfo_v2(size_t* free, size_t* total) {
+  ++free_reads;
+  *free = free_bytes;
+  *total = free_bytes;
+  return 0;
+}
+
+int cuCtxGetDevice(int* device) {
+  *device = 0;
+  return 0;
+}

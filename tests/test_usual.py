@@ -1,0 +1,253 @@
+"""The usual dispatch compiled whole (``dispatch.usual``, ``csrc/host.cpp``'s
+``UsualDispatch``), on CPU: the front end over an engine whose buffers are CPU
+tensors, its host work issued from C++ on the stand-in driver
+(``tests/fake_cuda/libcuda.c``), on a one-rank gloo world. The compiled call
+launches what the Python path launches (every kernel, configuration and
+argument), hands out the same result, and leaves the call numbers where the
+Python path leaves them; it takes a call only of a signature it has seen pass
+the checks; where the ranks' agreement differs, a peer refused or never came,
+every rank raises as the agreement in Python raises. On a GPU every engine test
+runs it (the GPU suite).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dispatch import agreement, cuda, host, plan, usual
+from dispatch.board import Board
+from dispatch.codec import to_experts_codec
+from dispatch.config import DispatchConfig
+from dispatch.dispatcher import TokenDispatcher
+from dispatch.nvlink import Capacity
+from dispatch.transports.base import FAILED, Transport
+from dispatch.transports.nvlink import NVLinkTransport
+import test_host
+from test_host import _cpu_engine, _counts_words, _Kernel, _Recorder
+
+compiled, fake_driver = test_host.compiled, test_host.fake_driver  # (their fixtures, here too)
+
+EXPERTS, TOPK, HIDDEN = 8, 4, 64
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo world in this process (its board a page of its own)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def on_the_stand_in(fake_driver, compiled, monkeypatch):
+    """The engine's launches made on CPU and issued from C++ to the stand-in driver."""
+    monkeypatch.setattr(host, "module", lambda: compiled)
+    monkeypatch.setattr(cuda, "kernel", lambda source, name, *types: _Kernel(source, name))
+    monkeypatch.setattr(cuda, "_dependent_launch", lambda device: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "raw_stream", lambda device: 7)
+    monkeypatch.setattr(cuda, "capturing", lambda: False)
+    monkeypatch.setattr(usual, "usable", lambda d: True)  # (CuPy: not needed by the host path)
+    return fake_driver
+
+
+def _dispatcher(compiled, world: int = 1) -> TokenDispatcher:
+    """A dispatcher of the engine on CPU buffers, rank 0 of ``world``, its
+    operations eager on stream 7 after an eager one (``nvlink_order``)."""
+    config = DispatchConfig(num_experts=EXPERTS, transport="nvlink")
+    engine = _cpu_engine(world, EXPERTS, Capacity(64, TOPK, 1024, 512), compiled)
+    engine._ordered = lambda writes=True: contextlib.nullcontext()
+    engine._eager_raw, engine._last = 0x5EED, (None, 7)  # the eager event, last recorded on stream 7
+    engine.device = torch.device("cpu", 0)  # (the current device, as cuda.current_device says here)
+    engine.failure_seen, engine._polled_event, engine.reserved = False, None, False
+    transport = object.__new__(NVLinkTransport)
+    Transport.__init__(transport, config, None)
+    transport.engine = engine
+    return TokenDispatcher(config, None, transport)
+
+
+def _inputs(tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(tokens, EXPERTS, generator=gen).topk(TOPK, dim=1).indices
+    return x, idx, torch.rand(tokens, TOPK, generator=gen)
+
+
+def _launched(d: TokenDispatcher, driver, fn, tokens: int) -> tuple[list, object]:
+    """(the launches ``fn()`` makes, addresses by the engine's buffer they fall in,
+    the call's number and its dispatcher's place left out; its result)."""
+    engine = d.transport.engine
+    recorder = _Recorder(_counts_words(1, 0, engine, TOPK, HIDDEN, tokens, True, True,
+                                       torch.Generator().manual_seed(1)))
+    driver.fake_set_hook(recorder.hook)
+    out = fn()
+    recorder.regions = dict(scratch=engine._scratch, data=engine._data, seq=engine._seq, status=engine.status,
+                            counter=engine._counter, meta_ptrs=engine._meta_ptrs, data_ptrs=engine._data_ptrs)
+    seen = []
+    for *config, args in recorder.seen():
+        args = {p: v % agreement.DISPATCHERS if p == "verb" else v for p, v in args.items() if p != "call"}
+        seen.append((*config, args))
+    return seen, out
+
+
+def _compiled_calls(d: TokenDispatcher) -> int:
+    return len(d._usual._calls)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_compiled_dispatch_launches_and_hands_out_what_the_python_path_does(
+        one_rank, on_the_stand_in, compiled, grad):
+    """A dispatch of a signature seen once takes the compiled call: the same
+    launches as the Python path's (the header with its grad mode, budgets and
+    flags), the same result and handle, the next call numbered as the Python
+    path numbers it; a combine along its handle launches as along the Python
+    path's."""
+    tokens = 37
+    x, idx, w = _inputs(tokens)
+    x.requires_grad_(grad)
+    d, reference = _dispatcher(compiled), _dispatcher(compiled)
+    reference._usual = None  # the Python path, every call
+    taken, result = [], d._usual._result
+    d._usual._result = lambda *args: taken.append(1) or result(*args)
+    with torch.set_grad_enabled(grad):
+        for call in (1, 2):
+            seen = {}
+            for name, one in (("compiled", d), ("python", reference)):
+                seen[name] = _launched(one, on_the_stand_in, lambda one=one: one.dispatch(x, idx, w), tokens)
+            assert _compiled_calls(d) == 1 and len(taken) == call - 1  # learnt at the first call, taken at the next
+            assert seen["compiled"][0] == seen["python"][0], f"call {call}"
+            got, want = seen["compiled"][1], seen["python"][1]
+            for field in ("tokens", "tokens_per_expert", "weights", "src_rank", "src_token"):
+                a, b = getattr(got, field), getattr(want, field)
+                assert (a.shape, a.dtype, a.requires_grad) == (b.shape, b.dtype, b.requires_grad), field
+            assert torch.equal(got.tokens_per_expert_host, want.tokens_per_expert_host)
+            for field in ("num_tokens", "num_rows", "topk", "x_grad_any", "weights_grad_any", "has_rows", "call"):
+                assert getattr(got.handle, field) == getattr(want.handle, field), field
+            assert (got.handle.link is None) == (want.handle.link is None) == (not grad)
+        assert d._calls._made.tolist() == reference._calls._made.tolist()
+        y = torch.randn(got.handle.num_rows, HIDDEN).to(torch.bfloat16)
+        back = [_launched(one, on_the_stand_in, lambda one=one, r=r: one.combine(y, r.handle, r.weights), tokens)[0]
+                for one, r in ((d, got), (reference, want))]
+        assert back[0] == back[1]
+
+
+def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_the_stand_in, compiled):
+    """Another T or dtype, a tensor subclass, a non-contiguous x: the compiled
+    call does nothing (not even its number), the front end takes the call and
+    learns the new signature once it passed; a dispatch by groups never
+    reaches it."""
+    d = _dispatcher(compiled)
+    x, idx, w = _inputs(37)
+    on_the_stand_in.fake_set_hook(_Recorder(_counts_words(1, 0, d.transport.engine, TOPK, HIDDEN, 37, True, True,
+                                                          torch.Generator().manual_seed(1))).hook)
+    d.dispatch(x, idx, w)
+    fast = d._usual._calls[0][0]
+    made = d._calls._made.tolist()
+    for args in ((x[:20], idx[:20], w[:20]), (x.float(), idx, w), (x, idx.int(), w), (x, idx, w.double()),
+                 (x.as_subclass(_Sub), idx, w), (x.t().contiguous().t(), idx, w)):
+        assert fast.dispatch(*args, 7) is None
+    assert d._calls._made.tolist() == made
+    d.dispatch(x[:20], idx[:20], w[:20])  # passed in Python: learnt
+    assert _compiled_calls(d) == 2
+    made = d._calls._made[agreement.VERB_CODES["dispatch"]]
+    d._usual._calls = [(None, None, None)]  # (any call that reached it would raise)
+    d.dispatch(x, idx, w, groups=2)
+    assert d._calls._made[agreement.VERB_CODES["dispatch"]] == made + 1
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (its own torch functions): the front end's to take."""
+
+
+def _peer(words: mmap.mmap, row: list[int] | None, got: list) -> threading.Thread:
+    """Rank 1 of a two-rank board on ``words``, agreeing on ``row`` in Python (None: never there)."""
+    def run():
+        board = Board(words, 2, 1)
+        try:
+            got.append(board.agree(row, 5.0, lambda: "the call", len(row)))
+        except RuntimeError as error:
+            got.append(error)
+
+    thread = threading.Thread(target=run)
+    if row is not None:
+        thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("peer", ["same call", "same call, x's gradient", "another call", "a dispatch that failed",
+                                  "refused", "missing"])
+def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, compiled, peer):
+    """Rank 0's compiled dispatch beside rank 1 agreeing on the board in Python:
+    at the same call (its gradients its own) it plans; where rank 1 is at
+    another call, saw a dispatch fail or refused, it stops at the agreement with
+    every rank's row, from which the agreement's checks raise as in Python; a
+    peer that never comes: it gives up within the timeout, naming it."""
+    engine = _cpu_engine(2, EXPERTS, Capacity(64, TOPK, 1024, 512), compiled)
+    counter = torch.zeros(len(agreement.VERBS), dtype=torch.int64)
+    words = mmap.mmap(-1, 2 * 2 * Board.slot * 8)
+    board = Board(words, 2, 0)
+    x, idx, w = _inputs(37)
+    codec = to_experts_codec("native", x.dtype)
+    key = ("counts", 37, TOPK, idx.dtype, torch.float32, codec, HIDDEN, 1)
+    fits, _, _, words_n, _, launchers, _ = engine._cached(key, engine._counts_launches)
+    shape, layout, counts = launchers
+    pull = engine._own_pull(codec, x, TOPK, (TOPK, torch.float32))
+    fast = compiled.UsualDispatch(
+        shape=shape, layout=layout, counts=counts, pull=pull[0], pull_cap=pull[1], pull_min=pull[2],
+        rows_per_block=pull[3], hidden=HIDDEN, device=x.device, x_dtype=x.dtype, idx_dtype=idx.dtype,
+        weights_dtype=w.dtype, wire_dtype=torch.float32, verb=agreement.VERB_CODES["dispatch"],
+        grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, call_row=[*plan.call_header(plan.Ticket()), 0],
+        header=plan.header(x, w, TOPK), x_grad_bit=2, weights_grad_bit=4, raise_bits=FAILED | 1,
+        made_at=counter.data_ptr() + 8 * agreement.VERB_CODES["dispatch"], board_words=board.words_at,
+        board_count=board.count_at, board_slot=Board.slot, timeout=0.3 if peer == "missing" else 5.0, row_bytes=256,
+        allocator=False, age=0.1, row_at=engine._zeroed(words_n).data_ptr(), host_words=engine._host_words,
+        check_values=True, width=TOPK, stage=fits, record=0)
+    ticket = plan.Ticket(agreement.VERB_CODES["dispatch"] + agreement.GRAD_OFF, 1)  # (made with grad mode off)
+    row = [*plan.call_header(ticket), 0]
+    if peer == "same call, x's gradient":
+        row[-1] = 2
+    elif peer == "another call":
+        row[1] = 2
+    elif peer == "a dispatch that failed":
+        row[-1] = FAILED
+    elif peer == "refused":
+        row[plan.HEADER.index("failed")] = 1
+    got: list = []
+    thread = _peer(words, None if peer == "missing" else row, got)
+    recorder = _Recorder(_counts_words(2, 0, engine, TOPK, HIDDEN, 37, True, True, torch.Generator().manual_seed(1)))
+    on_the_stand_in.fake_set_hook(recorder.hook)
+    with torch.no_grad():
+        what, number, out = fast.dispatch(x, idx, w, 7)
+    if thread.is_alive() or thread.ident is not None:
+        thread.join()
+    assert number == 1 and counter[agreement.VERB_CODES["dispatch"]] == 1
+    launched = [name for name, *_ in recorder.launches]
+    if peer.startswith("same call"):
+        assert what == "planned" and launched == ["route_layout", "exchange_counts", "pull_rows"]
+        assert got[0][0] == [*row[:-1], 0]  # rank 0's row as rank 1 read it
+        return
+    assert launched == []  # nothing moved
+    if peer == "missing":
+        assert what == "gave up" and out == ([1], [])
+        with pytest.raises(RuntimeError, match=r"peer missing: rank\(s\) \[1\]"):
+            raise RuntimeError(Board.message(*out, "dispatch #1", 0.3))
+        return
+    assert what == "differ" and out[1] == row and got[0][1] == row
+    error = {"another call": agreement.CallsDiffer, "a dispatch that failed": None,
+             "refused": agreement.PeerRefused}[peer]
+    if error is None:  # the agreement's rows agree; the words ask the transport to raise (transports.base)
+        agreement.check_peer_calls([r[: len(plan.HEADER)] for r in out])
+        assert out[1][-1] & FAILED
+    else:
+        with pytest.raises(error):
+            agreement.check_peer_calls([r[: len(plan.HEADER)] for r in out])
