@@ -19,6 +19,7 @@
 // `reserved_bytes` reads torch's CUDA caching allocator (where torch has CUDA);
 // `board_agree` is the agreement of dispatch/board.py on its shared words.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/python_variable.h>
