@@ -684,6 +684,18 @@ class Fields {
   size_t used_ = 0;
 };
 
+// What a combine along the handle of a usual dispatch needs of it (dispatch/usual.py,
+// Counts.core), made by UsualDispatch: the dispatch's number, T, K, N, its items
+// (source rank, token) received, the largest T of the group, whether every rank
+// has rows, and the addresses of its counts matrix, hits, items' tokens and
+// pre-sum table (the tensors that hold them kept here too).
+struct HandleCore {
+  int64_t call = 0, tokens = 0, topk = 0, rows = 0, items = 0, bound = 0;
+  bool every_rank_rows = false;
+  uint64_t matrix = 0, hit = 0, tokens_at = 0, presum = 0;
+  at::Tensor words, tables;
+};
+
 // The usual dispatch on the engine, compiled whole (dispatch/usual.py): for one
 // signature of its arguments (exact tensors of one shape, dtype and device,
 // contiguous), with grad mode as it comes, no max_rows, one group, no async_op,
@@ -803,7 +815,25 @@ class UsualDispatch {
     py::tuple got = counts_plan(shape_, layout, *counts_.cast<Launcher*>(), idx, wire, stage_src, src_stride, row_at_,
                                 check_values_, header, stream, host_words_, width_, wire_dtype_, pull, x, pull_cap_,
                                 pull_min_, per_block_, record_);
-    return py::make_tuple("planned", number, got);
+    if (got.size() == 3) return py::make_tuple("planned", number, got, py::none());  // a failure recorded
+    auto core = std::make_unique<HandleCore>();
+    core->call = number;
+    core->tokens = T;
+    core->topk = K;
+    core->words = got[0].cast<at::Tensor>();
+    core->tables = got[2].cast<at::Tensor>();
+    const py::tuple rows_of = got[5].cast<py::tuple>();
+    core->rows = rows_of[shape_.rank].cast<int64_t>();
+    core->every_rank_rows = true;
+    for (const auto& n : rows_of) core->every_rank_rows = core->every_rank_rows && n.cast<int64_t>() > 0;
+    core->bound = got[7].cast<int64_t>();
+    core->items = got[8].cast<int64_t>();
+    const auto base = reinterpret_cast<uint64_t>(core->words.data_ptr<int32_t>());
+    core->matrix = base + 4 * (word_at(shape_.sizes, 3) + 4);
+    core->hit = T > 0 ? base + 4 * word_at(shape_.sizes, 2) : 0;
+    core->tokens_at = reinterpret_cast<uint64_t>(core->tables.data_ptr<int32_t>());
+    core->presum = core->tokens_at + 4 * W * core->bound;
+    return py::make_tuple("planned", number, got, py::cast(std::move(core)));
   }
 
  private:
@@ -830,6 +860,113 @@ class UsualDispatch {
   bool check_values_ = false;
   int64_t width_ = 0;
   bool stage_ = false;
+  uint64_t record_ = 0;
+};
+
+// The usual combine along the handle of a usual dispatch, compiled whole
+// (dispatch/usual.py): for one signature of its rows (exact tensors, [N, H] of one
+// dtype, contiguous at a 16-byte-aligned address; weights of one dtype or none),
+// every rank having rows, eager: the call's number, its agreement on the board and
+// to_home (the push and the home sum, the output allocated), in one call. Returns
+// None where the arguments are not of its signature, the handle's buffers
+// are not the engine's now, or the rows want a gradient the handle's dispatch will
+// not give (nothing done: the front end takes the call); else ("done", number,
+// the output) or, where the call went no further than its agreement, ("differ",
+// number, every rank's row) or ("gave up", number, (missing, withdrawn)).
+class UsualCombine {
+ public:
+  explicit UsualCombine(const py::kwargs& named) {
+    Fields f("UsualCombine", named);
+    push_ = f.get<py::object>("push");
+    home_ = f.get<py::object>("home");
+    hidden_ = f.get<int64_t>("hidden");
+    device_ = f.get<at::Device>("device");
+    dtype_ = f.get<at::ScalarType>("dtype");
+    weighted_ = f.get<bool>("weighted");
+    weights_dtype_ = f.get<at::ScalarType>("weights_dtype");
+    verb_ = f.get<int64_t>("verb");
+    grad_off_ = f.get<int64_t>("grad_off");
+    verb_col_ = f.get<int64_t>("verb_col");
+    call_col_ = f.get<int64_t>("call_col");
+    along_col_ = f.get<int64_t>("along_col");
+    call_row_ = f.get<std::vector<int64_t>>("call_row");
+    made_at_ = f.get<uint64_t>("made_at");
+    board_.words_at = f.get<uint64_t>("board_words");
+    board_.count_at = f.get<uint64_t>("board_count");
+    board_.slot = f.get<int64_t>("board_slot");
+    board_.timeout = f.get<double>("timeout");
+    board_.world = f.get<int64_t>("world");
+    board_.rank = f.get<int64_t>("rank");
+    capacity_tokens_ = f.get<int64_t>("capacity_tokens");
+    capacity_topk_ = f.get<int64_t>("capacity_topk");
+    blocks_ = f.get<int64_t>("blocks");
+    sms_ = f.get<int64_t>("sms");
+    per_block_ = f.get<int64_t>("rows_per_block");
+    record_ = f.get<uint64_t>("record");
+    f.done();
+    const auto len = static_cast<int64_t>(call_row_.size());
+    if (push_.is_none() || home_.is_none() || made_at_ == 0 || per_block_ <= 0 || len < 1 || len > board_.slot - 2 ||
+        std::max({verb_col_, call_col_, along_col_}) >= len || std::min({verb_col_, call_col_, along_col_}) < 0)
+      throw std::invalid_argument("UsualCombine: its launches, the call counter, rows a block, and a call row within "
+                                  "a board slot with its columns");
+  }
+
+  py::object combine(py::handle rows_obj, py::handle weights_obj, const HandleCore& core, bool linked,
+                     uint64_t stream) {
+    if (!THPVariable_CheckExact(rows_obj.ptr()) || weighted_ != !weights_obj.is_none() ||
+        (weighted_ && !THPVariable_CheckExact(weights_obj.ptr())))
+      return py::none();
+    const at::Tensor& rows = THPVariable_Unpack(rows_obj.ptr());
+    const bool grad = at::GradMode::is_enabled();
+    bool wants_grad = grad && rows.requires_grad();
+    uint64_t weights_at = 0;
+    if (weighted_) {
+      const at::Tensor& w = THPVariable_Unpack(weights_obj.ptr());
+      if (!w.defined() || w.layout() != at::kStrided || w.scalar_type() != weights_dtype_ || w.dim() != 1 ||
+          w.size(0) != core.rows || w.device() != device_ || !w.is_contiguous())
+        return py::none();
+      wants_grad = wants_grad || (grad && w.requires_grad());
+      weights_at = reinterpret_cast<uint64_t>(w.data_ptr());
+    }
+    if (!rows.defined() || rows.layout() != at::kStrided || rows.scalar_type() != dtype_ || rows.dim() != 2 ||
+        rows.size(0) != core.rows || rows.size(1) != hidden_ || rows.device() != device_ || !rows.is_contiguous() ||
+        reinterpret_cast<uint64_t>(rows.data_ptr()) % 16 != 0 || !core.every_rank_rows || (wants_grad && !linked) ||
+        core.bound > capacity_tokens_ || core.topk > capacity_topk_)
+      return py::none();
+    CUdevice current = -1;
+    if (device_.is_cuda() && (driver().ctx_device(&current) != CUDA_SUCCESS || current != device_.index()))
+      return py::none();
+    const int64_t number = ++*reinterpret_cast<int64_t*>(made_at_);
+    const int64_t len = static_cast<int64_t>(call_row_.size()), W = board_.world;
+    std::vector<int64_t> row(call_row_), agreed(W * len);
+    row[verb_col_] = verb_ + (grad ? 0 : grad_off_);
+    row[call_col_] = number;
+    row[along_col_] = core.call;
+    py::object gave_up = agree_into(board_, row.data(), len, len, agreed.data());
+    if (!gave_up.is_none()) return py::make_tuple("gave up", number, gave_up);
+    for (int64_t r = 0; r < W; ++r)
+      if (std::memcmp(agreed.data() + r * len, row.data(), 8 * len) != 0)
+        return py::make_tuple("differ", number, rows_list(agreed.data(), W, len));
+    const auto grid = [this](int64_t n) {
+      return static_cast<unsigned>(std::min(blocks_, std::max(sms_, (n + per_block_ - 1) / per_block_)));
+    };
+    at::Tensor out = to_home(*push_.cast<Launcher*>(), grid(core.items), *home_.cast<Launcher*>(), grid(core.tokens),
+                             rows, weights_at, core.matrix, core.tokens_at, core.presum, core.bound, core.hit,
+                             core.tokens, stream, record_);
+    return py::make_tuple("done", number, out);
+  }
+
+ private:
+  py::object push_, home_;
+  int64_t hidden_ = 0;
+  at::Device device_{at::kCPU};
+  at::ScalarType dtype_{}, weights_dtype_{};
+  bool weighted_ = false;
+  int64_t verb_ = 0, grad_off_ = 0, verb_col_ = 0, call_col_ = 0, along_col_ = 0;
+  std::vector<int64_t> call_row_;  // the call's row (its header, a word), as a template
+  uint64_t made_at_ = 0;
+  BoardAt board_;
+  int64_t capacity_tokens_ = 0, capacity_topk_ = 0, blocks_ = 1, sms_ = 1, per_block_ = 1;
   uint64_t record_ = 0;
 };
 
@@ -871,6 +1008,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (named.size() != found + 1) throw std::invalid_argument("CountsShape: unknown fields");
         return s;
       }));
+  py::class_<HandleCore>(m, "HandleCore")
+      .def_readonly("call", &HandleCore::call)
+      .def_readonly("rows", &HandleCore::rows)
+      .def_readonly("every_rank_rows", &HandleCore::every_rank_rows);
+  py::class_<UsualCombine>(m, "UsualCombine")
+      .def(py::init<const py::kwargs&>())
+      .def("combine", &UsualCombine::combine);
   py::class_<UsualDispatch>(m, "UsualDispatch")
       .def(py::init<const py::kwargs&>())
       .def("dispatch", &UsualDispatch::dispatch);

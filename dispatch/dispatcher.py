@@ -265,6 +265,11 @@ class TokenDispatcher:
             theirs (``checks.home_rows``). Differentiable w.r.t. ``expert_out`` and
             ``weights`` (the backward is a dispatch of the gradient).
         """
+        fast = self._usual
+        if fast is not None and not async_op:
+            out = fast.combine(expert_out, handle, weights)
+            if out is not None:
+                return out
         ticket = self._along("combine", handle, self._check_combine, expert_out, handle, weights)
         rows = expert_out.detach() if handle.max_rows is None else received(expert_out.detach(), handle)
         headers = self._calls.agree(ticket, checks.dtype_code(rows), hidden=rows.shape[1],
@@ -281,7 +286,10 @@ class TokenDispatcher:
             return ExchangeWork(lambda: combine_node(expert_out, weights, handle.link, (self, handle, started))
                                 if node else started.result())
         started = handle.transport.to_home(rows, handle, w, wire)  # on the caller's stream, as dispatch's
-        return combine_node(expert_out, weights, handle.link, (self, handle, started)) if node else started.result()
+        out = combine_node(expert_out, weights, handle.link, (self, handle, started)) if node else started.result()
+        if fast is not None:
+            fast.learn_combine(expert_out, handle, weights)
+        return out
 
     def _check_combine(self, expert_out, handle: CombineHandle, weights) -> None:
         """``combine``'s own checks of its arguments (this rank alone)."""

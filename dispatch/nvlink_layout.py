@@ -198,6 +198,9 @@ class Counts:
             header agreeing, none failed, every rank within its budgets: the
             checks would pass), :class:`Planned`; None otherwise (the checks run
             on the host).
+        core: where the usual dispatch compiled made it (``dispatch.usual``),
+            what a combine compiled along its handle reads of it (csrc/host.cpp's
+            ``HandleCore``); None otherwise.
 
     The views: ``matrix`` [W, L] (the counts matrix); ``src_start`` [W * E_local],
     first row of (source, local expert); ``num_rows`` [1], N; ``route`` [T, K]
@@ -216,6 +219,7 @@ class Counts:
     staged: bool
     group_end: torch.Tensor | None = None
     planned: Planned | None = None
+    core: object = None
 
     @property
     def tokens(self) -> int:

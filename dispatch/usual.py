@@ -27,15 +27,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from dispatch import agreement, checks, cuda, host, plan
-from dispatch.codec import CastCodec
+from dispatch.autograd import combine_node
+from dispatch.codec import CastCodec, sum_wire_dtype
 from dispatch.nvlink_layout import Counts, HostCounts, Planned
 from dispatch.nvlink_order import eager_stream, ordered_eager
+from dispatch.streams import Pending
 from dispatch.transports.base import BOUNDED, FAILED, WEIGHTS_GRAD, X_GRAD, Request
 
 if TYPE_CHECKING:
     from dispatch.dispatcher import TokenDispatcher
 
-_SIGNATURES = 8  # compiled dispatches a dispatcher keeps (one per signature of its arguments)
+_SIGNATURES = 8  # compiled dispatches (and combines) a dispatcher keeps, one per signature of its arguments
+_DISPATCH, _COMBINE = agreement.VERB_CODES["dispatch"], agreement.VERB_CODES["combine"]
 
 
 class UsualDispatches:
@@ -45,6 +48,7 @@ class UsualDispatches:
         self._d = dispatcher
         self._engine = dispatcher.transport.engine
         self._calls: list = []  # [UsualDispatch, (codec, WordsAt)] newest first
+        self._combines: list = []  # UsualCombine of each signature of rows and weights learnt
         self._launches = None  # the engine's launches they were made from
 
     def dispatch(self, x, topk_idx, topk_weights):
@@ -65,19 +69,21 @@ class UsualDispatches:
 
     def _result(self, got: tuple, x, topk_idx, topk_weights, codec, at, stream: int):
         d, engine = self._d, self._engine
-        what, number, out = got
-        ticket = plan.Ticket(agreement.VERB_CODES["dispatch"], number)  # (its verb as the rows carry it)
+        what, number, out = got[:3]
         if what != "planned":  # stopped at the agreement: raise as it would
             off = 0 if torch.is_grad_enabled() else agreement.GRAD_OFF
-            d._calls.settle(plan.Ticket(ticket.verb + off + agreement.DISPATCHERS * d._calls.place, number), out)
+            ticket = plan.Ticket(_DISPATCH + off + agreement.DISPATCHERS * d._calls.place, number)
+            d._calls.settle(ticket, out)
             words = tuple(row[-1] for row in out)
             d.transport.agreed_words(Request(d, x, topk_idx, topk_weights, ticket, False, agreed=words))
             raise RuntimeError(f"dispatch #{number}: the ranks' agreement stopped the compiled call, and its "
                                f"checks found nothing: {out}")
         ordered_eager(engine, stream)  # recorded by the call
+        if len(out) == 3:  # the status words: a failure the kernels recorded
+            engine._raise(*out)
         words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned = out
         counts = Counts(words, at, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert,
-                        tokens_at, staged, None, None if planned is None else Planned(*planned))
+                        tokens_at, staged, None, None if planned is None else Planned(*planned), got[3])
         if planned is not None and planned[-1] is not None:
             engine.operations += 1  # the pull's, with the counts exchange's
         header = headers[d.rank]
@@ -86,6 +92,67 @@ class UsualDispatches:
                           lambda: d._exact_memory_rows(x, ticket), True)
         handle, plan_out = d.transport.planned(request, counts)
         return d._dispatched(x, topk_weights, handle, plan_out, codec, None)
+
+    def combine(self, expert_out, handle, weights):
+        """:meth:`TokenDispatcher.combine`'s result (no ``async_op``) along the
+        handle of a usual dispatch compiled, made by a compiled call, or None
+        (nothing done: the front end takes the call)."""
+        core = getattr(getattr(handle, "counts", None), "core", None)
+        engine = self._engine
+        if core is None or handle.owner is not self._d or engine._launches is not self._launches:
+            return None
+        stream = eager_stream(engine)
+        if stream is None or self._d.transport.phase_timer is not None:
+            return None
+        linked = handle.link is not None
+        for compiled in self._combines:
+            got = compiled.combine(expert_out, weights, core, linked, stream)
+            if got is not None:
+                break
+        else:
+            return None
+        what, number, out = got
+        d = self._d
+        if what != "done":  # stopped at the agreement: raise as it would (every rank has rows: its dtype's code)
+            off = 0 if torch.is_grad_enabled() else agreement.GRAD_OFF
+            d._calls.settle(plan.Ticket(_COMBINE + off + agreement.DISPATCHERS * d._calls.place, number, core.call),
+                            out)
+            checks.check_peer_rows([row[: len(plan.HEADER)] for row in out], "expert_out")
+            raise RuntimeError(f"combine #{number}: the ranks' agreement stopped the compiled call, and its checks "
+                               f"found nothing: {out}")
+        ordered_eager(engine, stream)  # recorded by the call
+        if linked and torch.is_grad_enabled():
+            return combine_node(expert_out, weights, handle.link, (d, handle, Pending.done(out)))
+        return out
+
+    def learn_combine(self, expert_out, handle, weights) -> None:
+        """Compile the usual combine of this signature of rows and weights, whose
+        call (no ``async_op``) along the handle of a usual dispatch compiled has
+        just taken the usual path in Python (the checks passed)."""
+        engine, d = self._engine, self._d
+        core = getattr(getattr(handle, "counts", None), "core", None)
+        if (core is None or handle.owner is not d or engine._launches is not self._launches or not engine._eager_raw
+                or len(self._combines) >= _SIGNATURES):
+            return
+        dtype, hidden = expert_out.dtype, expert_out.shape[1]
+        weight_dtype = None if weights is None else weights.dtype
+        wire = sum_wire_dtype(d.config.combine_wire, dtype)
+        key = ("to_home", dtype, weight_dtype, wire, hidden, handle.presum.shape[1], weight_dtype)
+        push, home = engine._cached(key, engine._home_compiled)
+        if push is None:
+            return
+        board = d._calls.board
+        code = -1 if weights is None else checks.FLOAT_CODES[weights.dtype]
+        self._combines.append(engine._host.UsualCombine(
+            push=push, home=home, hidden=hidden, device=expert_out.device, dtype=dtype, weighted=weights is not None,
+            weights_dtype=weight_dtype or torch.float32, verb=_COMBINE + agreement.DISPATCHERS * d._calls.place,
+            grad_off=agreement.GRAD_OFF, verb_col=plan.HEADER.index("verb"), call_col=plan.HEADER.index("call"),
+            along_col=plan.HEADER.index("along"),
+            call_row=[*plan.call_header(plan.Ticket(), checks.dtype_code(expert_out, True), hidden, code), 0],
+            made_at=d._calls.counter("combine"), board_words=board.words_at, board_count=board.count_at,
+            board_slot=board.slot, timeout=d.config.timeout, world=d.world_size, rank=d.rank,
+            capacity_tokens=engine.capacity.tokens, capacity_topk=engine.capacity.topk, blocks=engine.blocks,
+            sms=engine.sms, rows_per_block=cuda.THREADS // 32, record=engine._eager_raw))
 
     def learn(self, x, topk_idx, topk_weights, handle, codec) -> None:
         """Compile the usual dispatch of this signature of arguments, whose call
@@ -98,7 +165,7 @@ class UsualDispatches:
                 or not isinstance(codec, CastCodec) or codec.wire != x.dtype):
             return
         if engine._launches is not self._launches:
-            self._calls, self._launches = [], engine._launches
+            self._calls, self._combines, self._launches = [], [], engine._launches
         tokens, topk = topk_idx.shape
         wire = plan.weight_wire_dtype(topk_weights.dtype)
         key = ("counts", tokens, topk, topk_idx.dtype, wire, codec, x.shape[1], 1)
@@ -114,7 +181,7 @@ class UsualDispatches:
             shape=shape, layout=layout_c, counts=counts_c, pull=pull[0], pull_cap=pull[1], pull_min=pull[2],
             rows_per_block=pull[3], hidden=x.shape[1], device=x.device, x_dtype=x.dtype,
             idx_dtype=topk_idx.dtype, weights_dtype=topk_weights.dtype, wire_dtype=wire,
-            verb=agreement.VERB_CODES["dispatch"] + agreement.DISPATCHERS * d._calls.place,
+            verb=_DISPATCH + agreement.DISPATCHERS * d._calls.place,
             grad_off=agreement.GRAD_OFF, verb_col=plan.HEADER.index("verb"), call_col=plan.HEADER.index("call"),
             call_row=[*plan.call_header(plan.Ticket()), 0], header=header, x_grad_bit=X_GRAD,
             weights_grad_bit=WEIGHTS_GRAD, raise_bits=FAILED | BOUNDED, made_at=d._calls.counter("dispatch"),

@@ -104,27 +104,29 @@ def _compiled_calls(d: TokenDispatcher) -> int:
     return len(d._usual._calls)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("grad", [True, False])
-def test_the_compiled_dispatch_launches_and_hands_out_what_the_python_path_does(
-        one_rank, on_the_stand_in, compiled, grad):
-    """A dispatch of a signature seen once takes the compiled call: the same
-    launches as the Python path's (the header with its grad mode, budgets and
-    flags), the same result and handle, the next call numbered as the Python
-    path numbers it; a combine along its handle launches as along the Python
-    path's."""
+def test_the_compiled_round_trip_launches_and_hands_out_what_the_python_path_does(
+        one_rank, on_the_stand_in, compiled, grad, weighted):
+    """A dispatch of a signature seen once takes the compiled call, and so does a
+    combine along its handle once one of its signature passed: the same launches
+    as the Python path's (the header with its grad mode, budgets and flags),
+    the same results and handle, the autograd nodes where grad mode asks, the
+    next calls numbered as the Python path numbers them."""
     tokens = 37
     x, idx, w = _inputs(tokens)
     x.requires_grad_(grad)
     d, reference = _dispatcher(compiled), _dispatcher(compiled)
     reference._usual = None  # the Python path, every call
-    taken, result = [], d._usual._result
-    d._usual._result = lambda *args: taken.append(1) or result(*args)
+    taken, result, combine = [], d._usual._result, d._usual.combine
+    d._usual._result = lambda *args: taken.append("dispatch") or result(*args)
+    d._usual.combine = lambda *args: (lambda out: out is not None and taken.append("combine") or out)(combine(*args))
     with torch.set_grad_enabled(grad):
-        for call in (1, 2):
+        for call in (1, 2, 3):
             seen = {}
             for name, one in (("compiled", d), ("python", reference)):
                 seen[name] = _launched(one, on_the_stand_in, lambda one=one: one.dispatch(x, idx, w), tokens)
-            assert _compiled_calls(d) == 1 and len(taken) == call - 1  # learnt at the first call, taken at the next
+            assert len(d._usual._calls) == 1  # learnt at the first call, taken at the next
             assert seen["compiled"][0] == seen["python"][0], f"call {call}"
             got, want = seen["compiled"][1], seen["python"][1]
             for field in ("tokens", "tokens_per_expert", "weights", "src_rank", "src_token"):
@@ -134,11 +136,16 @@ def test_the_compiled_dispatch_launches_and_hands_out_what_the_python_path_does(
             for field in ("num_tokens", "num_rows", "topk", "x_grad_any", "weights_grad_any", "has_rows", "call"):
                 assert getattr(got.handle, field) == getattr(want.handle, field), field
             assert (got.handle.link is None) == (want.handle.link is None) == (not grad)
+            y = torch.randn(got.handle.num_rows, HIDDEN).to(torch.bfloat16).requires_grad_(grad)
+            back = [_launched(one, on_the_stand_in, lambda one=one, r=r: one.combine(
+                y, r.handle, r.weights if weighted else None), tokens) for one, r in ((d, got), (reference, want))]
+            assert back[0][0] == back[1][0], f"call {call}"
+            a, b = back[0][1], back[1][1]
+            assert (a.shape, a.dtype, a.requires_grad) == (b.shape, b.dtype, b.requires_grad)
+        # the dispatch compiled from the second call; the combine along its handle from the third (the first
+        # along a compiled dispatch's handle passed in Python)
+        assert taken == ["dispatch", "dispatch", "combine"]
         assert d._calls._made.tolist() == reference._calls._made.tolist()
-        y = torch.randn(got.handle.num_rows, HIDDEN).to(torch.bfloat16)
-        back = [_launched(one, on_the_stand_in, lambda one=one, r=r: one.combine(y, r.handle, r.weights), tokens)[0]
-                for one, r in ((d, got), (reference, want))]
-        assert back[0] == back[1]
 
 
 def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_the_stand_in, compiled):
@@ -169,10 +176,11 @@ class _Sub(torch.Tensor):
     """A tensor subclass (its own torch functions): the front end's to take."""
 
 
-def _peer(words: mmap.mmap, row: list[int] | None, got: list) -> threading.Thread:
-    """Rank 1 of a two-rank board on ``words``, agreeing on ``row`` in Python (None: never there)."""
+def _peer(words: mmap.mmap, row: list[int] | None, got: list, board: Board | None = None) -> threading.Thread:
+    """Rank 1 of a two-rank board on ``words`` (or its ``board``), agreeing on ``row`` in Python (None: never there)."""
+    board = board or Board(words, 2, 1)
+
     def run():
-        board = Board(words, 2, 1)
         try:
             got.append(board.agree(row, 5.0, lambda: "the call", len(row)))
         except RuntimeError as error:
@@ -184,14 +192,9 @@ def _peer(words: mmap.mmap, row: list[int] | None, got: list) -> threading.Threa
     return thread
 
 
-@pytest.mark.parametrize("peer", ["same call", "same call, x's gradient", "another call", "a dispatch that failed",
-                                  "refused", "missing"])
-def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, compiled, peer):
-    """Rank 0's compiled dispatch beside rank 1 agreeing on the board in Python:
-    at the same call (its gradients its own) it plans; where rank 1 is at
-    another call, saw a dispatch fail or refused, it stops at the agreement with
-    every rank's row, from which the agreement's checks raise as in Python; a
-    peer that never comes: it gives up within the timeout, naming it."""
+def _two_ranks(compiled, timeout: float):
+    """Rank 0 of two: (its engine on CPU buffers, its call counts, the board's
+    page, its board, its compiled dispatch of ``_inputs(37)``'s signature)."""
     engine = _cpu_engine(2, EXPERTS, Capacity(64, TOPK, 1024, 512), compiled)
     counter = torch.zeros(len(agreement.VERBS), dtype=torch.int64)
     words = mmap.mmap(-1, 2 * 2 * Board.slot * 8)
@@ -209,9 +212,22 @@ def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, co
         grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, call_row=[*plan.call_header(plan.Ticket()), 0],
         header=plan.header(x, w, TOPK), x_grad_bit=2, weights_grad_bit=4, raise_bits=FAILED | 1,
         made_at=counter.data_ptr() + 8 * agreement.VERB_CODES["dispatch"], board_words=board.words_at,
-        board_count=board.count_at, board_slot=Board.slot, timeout=0.3 if peer == "missing" else 5.0, row_bytes=256,
+        board_count=board.count_at, board_slot=Board.slot, timeout=timeout, row_bytes=256,
         allocator=False, age=0.1, row_at=engine._zeroed(words_n).data_ptr(), host_words=engine._host_words,
         check_values=True, width=TOPK, stage=fits, record=0)
+    return engine, counter, words, board, fast
+
+
+@pytest.mark.parametrize("peer", ["same call", "same call, x's gradient", "another call", "a dispatch that failed",
+                                  "refused", "missing"])
+def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, compiled, peer):
+    """Rank 0's compiled dispatch beside rank 1 agreeing on the board in Python:
+    at the same call (its gradients its own) it plans; where rank 1 is at
+    another call, saw a dispatch fail or refused, it stops at the agreement with
+    every rank's row, from which the agreement's checks raise as in Python; a
+    peer that never comes: it gives up within the timeout, naming it."""
+    engine, counter, words, board, fast = _two_ranks(compiled, 0.3 if peer == "missing" else 5.0)
+    x, idx, w = _inputs(37)
     ticket = plan.Ticket(agreement.VERB_CODES["dispatch"] + agreement.GRAD_OFF, 1)  # (made with grad mode off)
     row = [*plan.call_header(ticket), 0]
     if peer == "same call, x's gradient":
@@ -227,7 +243,7 @@ def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, co
     recorder = _Recorder(_counts_words(2, 0, engine, TOPK, HIDDEN, 37, True, True, torch.Generator().manual_seed(1)))
     on_the_stand_in.fake_set_hook(recorder.hook)
     with torch.no_grad():
-        what, number, out = fast.dispatch(x, idx, w, 7)
+        what, number, out = fast.dispatch(x, idx, w, 7)[:3]
     if thread.is_alive() or thread.ident is not None:
         thread.join()
     assert number == 1 and counter[agreement.VERB_CODES["dispatch"]] == 1
@@ -251,3 +267,66 @@ def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, co
     else:
         with pytest.raises(error):
             agreement.check_peer_calls([r[: len(plan.HEADER)] for r in out])
+
+
+@pytest.mark.parametrize("peer", ["the same rows", "rows of another dtype", "no weights"])
+def test_the_compiled_combine_agrees_as_the_combine_in_python(on_the_stand_in, compiled, peer):
+    """Rank 0's compiled combine along its compiled dispatch's handle beside rank 1
+    agreeing in Python: with the same rows' dtype, width and weights it pushes
+    and sums home; where rank 1's differ, it stops at the agreement, and the
+    checks of the rows raise as in Python, naming them. Rows not of its
+    signature (dtype, weights or none, a misaligned address, a gradient its
+    handle cannot give) it leaves to the front end, unnumbered."""
+    from dispatch import checks
+    from dispatch.nvlink_moves import partial_row_bytes
+
+    engine, counter, words, board, fast = _two_ranks(compiled, 5.0)
+    x, idx, w = _inputs(37)
+    peer_board, got = Board(words, 2, 1), []
+    dispatch_row = [*plan.call_header(plan.Ticket(agreement.VERB_CODES["dispatch"] + agreement.GRAD_OFF, 1)), 0]
+    on_the_stand_in.fake_set_hook(_Recorder(_counts_words(2, 0, engine, TOPK, HIDDEN, 37, True, True,
+                                                          torch.Generator().manual_seed(1))).hook)
+    thread = _peer(words, dispatch_row, got, peer_board)
+    with torch.no_grad():
+        what, _, _, core = fast.dispatch(x, idx, w, 7)
+    thread.join()
+    assert what == "planned" and core.call == 1 and core.every_rank_rows and core.rows > 0
+    engine.ensure(Capacity(64, TOPK, 0, partial_row_bytes(torch.float32, HIDDEN)))
+    push, home = engine._cached(("to_home", torch.bfloat16, torch.float32, torch.float32, HIDDEN, TOPK, torch.float32),
+                                engine._home_compiled)
+    combine = agreement.VERB_CODES["combine"]
+    mine = [*plan.call_header(plan.Ticket(), 1, HIDDEN, checks.FLOAT_CODES[torch.float32]), 0]
+    usual_combine = compiled.UsualCombine(
+        push=push, home=home, hidden=HIDDEN, device=x.device, dtype=torch.bfloat16, weighted=True,
+        weights_dtype=torch.float32, verb=combine, grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, along_col=2,
+        call_row=mine, made_at=counter.data_ptr() + 8 * combine, board_words=board.words_at,
+        board_count=board.count_at, board_slot=Board.slot, timeout=5.0, world=2, rank=0, capacity_tokens=64,
+        capacity_topk=TOPK, blocks=8, sms=2, rows_per_block=4, record=0)
+    y, weights = torch.randn(core.rows, HIDDEN).to(torch.bfloat16), torch.rand(core.rows)
+    theirs = list(mine)
+    theirs[:3] = [combine + agreement.GRAD_OFF, 1, 1]
+    if peer == "rows of another dtype":
+        theirs[plan.HEADER.index("x_dtype")] = 2
+    elif peer == "no weights":
+        theirs[plan.HEADER.index("weights_dtype")] = -1
+    assert usual_combine.combine(y.float(), weights, core, False, 7) is None  # not its signature
+    assert usual_combine.combine(y, None, core, False, 7) is None
+    misaligned = torch.empty(core.rows * HIDDEN + 1, dtype=torch.bfloat16)[1:].view(core.rows, HIDDEN)
+    assert usual_combine.combine(misaligned, weights, core, False, 7) is None  # (the kernels load 16 bytes at once)
+    with torch.enable_grad():  # a gradient that a dispatch with grad mode off does not give: the front end raises
+        assert usual_combine.combine(y.clone().requires_grad_(), weights, core, False, 7) is None
+    recorder = _Recorder(torch.zeros(1, dtype=torch.int32))
+    on_the_stand_in.fake_set_hook(recorder.hook)
+    thread = _peer(words, theirs, got, peer_board)
+    with torch.no_grad():
+        what, number, out = usual_combine.combine(y, weights, core, False, 7)
+    thread.join()
+    assert number == 1 and counter[combine] == 1
+    if peer == "the same rows":
+        assert what == "done" and (out.shape, out.dtype) == ((37, HIDDEN), torch.bfloat16)
+        assert [name for name, *_ in recorder.launches] == ["push_partials", "home_sum"]
+        return
+    assert what == "differ" and recorder.launches == []
+    agreement.check_peer_calls([r[: len(plan.HEADER)] for r in out])  # the same call
+    with pytest.raises(ValueError, match="expert_out" if peer == "rows of another dtype" else "weights"):
+        checks.check_peer_rows([r[: len(plan.HEADER)] for r in out], "expert_out")
