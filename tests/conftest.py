@@ -1,5 +1,9 @@
 import collections
+import ctypes
 import os
+import pathlib
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -31,6 +35,34 @@ def worlds():
     yield get
     for world in alive.values():
         world.close()
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """The engine's compiled host module (``dispatch.host``), where it builds."""
+    from dispatch import host
+
+    module = host.built()
+    if module is None:
+        pytest.skip("the compiled host path does not build here (no C++ compiler, ninja or cuda.h)")
+    return module
+
+
+@pytest.fixture(scope="session")
+def fake_driver(compiled, tmp_path_factory):
+    """The stand-in driver (tests/fake_cuda/libcuda.c) loaded as libcuda.so.1, once
+    a session (the compiled module finds its entry points once a process), so
+    that both paths' launches reach the hook it is given; only where no real
+    driver is loaded (a CPU machine) and a C compiler is."""
+    if torch.cuda.is_available():
+        pytest.skip("a real CUDA driver serves this process")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the stand-in driver")
+    path = tmp_path_factory.mktemp("fake_cuda") / "libcuda.so.1"
+    source = pathlib.Path(__file__).parent / "fake_cuda" / "libcuda.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(path), str(source)], check=True)
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it by its soname
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

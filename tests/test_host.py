@@ -15,10 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import pathlib
-import shutil
 import struct
-import subprocess
 
 import pytest
 import torch
@@ -28,14 +25,6 @@ from dispatch.codec import to_experts_codec
 from dispatch.nvlink import HostCounts, SENDS_COL, Capacity, Engine
 
 SIGNATURES = cuda.signatures()
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    module = host.built()
-    if module is None:
-        pytest.skip("the compiled host path does not build here (no C++ compiler, ninja or cuda.h)")
-    return module
 
 
 class _Kernel:
@@ -234,22 +223,6 @@ def test_a_host_path_that_does_not_build_is_said_once(monkeypatch):
             assert host.module() is None
     finally:
         host._here.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def fake_driver(compiled, tmp_path_factory):
-    """The stand-in driver (tests/fake_cuda/libcuda.c) loaded as libcuda.so.1, so
-    that both paths' launches reach the hook it is given; only where no real
-    driver is loaded (a CPU machine) and a C compiler is."""
-    if torch.cuda.is_available():
-        pytest.skip("a real CUDA driver serves this process")
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler for the stand-in driver")
-    path = tmp_path_factory.mktemp("fake_cuda") / "libcuda.so.1"
-    source = pathlib.Path(__file__).parent / "fake_cuda" / "libcuda.c"
-    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(path), str(source)], check=True)
-    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it by its soname
 
 
 _HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))

@@ -28,10 +28,7 @@ from dispatch.dispatcher import TokenDispatcher
 from dispatch.nvlink import Capacity
 from dispatch.transports.base import FAILED, Transport
 from dispatch.transports.nvlink import NVLinkTransport
-import test_host
 from test_host import _cpu_engine, _counts_words, _Kernel, _Recorder
-
-compiled, fake_driver = test_host.compiled, test_host.fake_driver  # (their fixtures, here too)
 
 EXPERTS, TOPK, HIDDEN = 8, 4, 64
 
