@@ -29,6 +29,7 @@ import torch
 from dispatch import agreement, checks, cuda, host, plan
 from dispatch.autograd import combine_node
 from dispatch.codec import CastCodec, sum_wire_dtype
+from dispatch.handle import made
 from dispatch.nvlink_layout import Counts, HostCounts, Planned
 from dispatch.nvlink_order import eager_stream, ordered_eager
 from dispatch.streams import Pending
@@ -82,14 +83,16 @@ class UsualDispatches:
         if len(out) == 3:  # the status words: a failure the kernels recorded
             engine._raise(*out)
         words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned = out
-        counts = Counts(words, at, HostCounts(headers, sends, rows_of, mine), received, bound, per_expert,
-                        tokens_at, staged, None, None if planned is None else Planned(*planned), got[3])
+        counts = made(Counts, words=words, at=at, host=HostCounts(headers, sends, rows_of, mine), received=received,
+                      bound=bound, tokens_per_expert=per_expert, tokens_at=tokens_at, staged=staged,
+                      planned=None if planned is None else Planned(*planned), core=got[3])
         if planned is not None and planned[-1] is not None:
             engine.operations += 1  # the pull's, with the counts exchange's
         header = headers[d.rank]
         ticket = plan.Ticket(header[0], number, 0, False, -1, header[plan.HEADER.index("memory_rows")])
-        request = Request(d, x, topk_idx, topk_weights, ticket, d.config.tuning.check_inputs, 1, None,
-                          lambda: d._exact_memory_rows(x, ticket), True)
+        request = made(Request, owner=d, x=x, topk_idx=topk_idx, topk_weights=topk_weights, ticket=ticket,
+                       check_values=d.config.tuning.check_inputs, at_once=True,
+                       exact_memory_rows=lambda: d._exact_memory_rows(x, ticket))
         handle, plan_out = d.transport.planned(request, counts)
         return d._dispatched(x, topk_weights, handle, plan_out, codec, None)
 
@@ -188,7 +191,8 @@ class UsualDispatches:
             board_words=board.words_at, board_count=board.count_at, board_slot=board.slot, timeout=d.config.timeout,
             row_bytes=d.transport.row_bytes(x), allocator=checks.FREE_MEMORY.compiled is not None,
             age=checks.FREE_MEMORY_AGE, row_at=engine._zeroed(words).data_ptr(), host_words=engine._host_words,
-            check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens), record=engine._eager_raw)
+            check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens),
+            record=engine._eager_raw)
         self._calls = [(usual, codec, at), *self._calls[: _SIGNATURES - 1]]
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
-from dispatch.handle import CombineHandle, PlanOutputs
+from dispatch.handle import CombineHandle, PlanOutputs, made
 from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, grads_of, handle_fields, shape_fields
 from dispatch.nvlink import (Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
@@ -198,7 +198,8 @@ class NVLinkTransport(Transport):
                                          device=device).unbind()
             places = (torch.empty(num_rows, dtype=wire, device=device),
                       *torch.empty(2, num_rows, dtype=torch.int64, device=device).unbind())
-        handle = NVLinkHandle(
+        handle = made(  # (NVLinkHandle's __init__, faster)
+            NVLinkHandle,
             **handle_fields(request, self, num_rows, grads_any, has_rows),
             counts=counts,
             presum=presum,
@@ -208,7 +209,8 @@ class NVLinkTransport(Transport):
             **shape,
         )
         routed, src_rank, src_token = handle.places
-        outputs = PlanOutputs(
+        outputs = made(
+            PlanOutputs,
             weights=routed,
             tokens_per_expert=counts.tokens_per_expert,
             tokens_per_expert_host=per_expert_host,
