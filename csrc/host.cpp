@@ -332,6 +332,19 @@ int64_t free_bytes(int64_t device, double age, int64_t reserved) {
 
 void forget_free_bytes() { free_readings.clear(); }
 
+// A tensor of ``dtype`` over ``base``'s memory, ``offset`` elements of ``dtype`` from
+// its start, of ``sizes`` and ``strides``: what slice, view and as_strided give, made
+// without the dispatcher (microseconds each on every dispatch). Its version counter is
+// its own (no autograd ever sees these: the handle's tables and the places' sources).
+at::Tensor alias(const at::Tensor& base, at::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                 int64_t offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                   c10::scalarTypeToTypeMeta(dtype));
+  impl->set_sizes_and_strides(sizes, strides, base.storage_offset() * base.element_size() /
+                                                  static_cast<int64_t>(c10::elementSize(dtype)) + offset);
+  return at::Tensor(std::move(impl));
+}
+
 // How long the last host read of a counts exchange (in this process) waited for
 // the GPU, in ns: what a measure of the host's own time leaves out (bench/).
 std::atomic<int64_t> last_wait_ns{0};
@@ -385,7 +398,7 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
   // the dispatch's int32 words and, after them (8-byte aligned), its tokens per expert: one allocation
   const int64_t per_at = (words + 1) / 2 * 2;
   at::Tensor meta = at::empty({per_at + 2 * local}, at::TensorOptions().dtype(at::kInt).device(device));
-  at::Tensor per_expert = meta.slice(0, per_at).view(at::kLong);
+  at::Tensor per_expert = alias(meta, at::kLong, {local}, {1}, per_at / 2);
   auto base = reinterpret_cast<uint64_t>(meta.data_ptr<int32_t>());
   const uint64_t route = base, lists = base + 4 * word_at(s.sizes, 1), hit = base + 4 * word_at(s.sizes, 2);
   const uint64_t out = base + 4 * word_at(s.sizes, 3), scan_sums = base + 4 * word_at(s.sizes, 4);
@@ -461,7 +474,7 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
       x_grad = x_grad || words_host[4 + r * L + s.x_grad_col] != 0;
       weights_grad = weights_grad || words_host[4 + r * L + s.weights_grad_col] != 0;
     }
-    at::Tensor sources = tables.slice(0, sources_at).view(at::kLong);
+    const int64_t sources = sources_at / 2;  // (in int64 words)
     at::Tensor places = at::empty({n}, weights.options().dtype(weights_dtype));
     py::object pulled = py::none();
     if (pull != nullptr && staged) {
@@ -473,7 +486,7 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
       blocks = blocks > pull_min ? blocks : pull_min;
       blocks = blocks < pull_cap ? blocks : pull_cap;
       const auto table = reinterpret_cast<uint64_t>(tables.data_ptr<int32_t>());
-      const auto from = reinterpret_cast<uint64_t>(sources.data_ptr<int64_t>());
+      const auto from = reinterpret_cast<uint64_t>(tables.data_ptr<int32_t>()) + 8 * sources;
       const auto un = static_cast<uint64_t>(n);
       pull->launch_words(static_cast<unsigned>(blocks), 0, stream,
                          {out + 16, table, table + 4 * items, static_cast<uint64_t>(bound), out + 4 * places_words,
@@ -482,13 +495,14 @@ py::tuple counts_plan(const CountsShape& s, Launcher* layout, Launcher& counts, 
                           from + 8 * un, 0, un, un});
       pulled = py::cast(tokens);
     }
-    handle = py::make_tuple(x_grad, weights_grad, tables.as_strided({items, width}, {width, 1}, items),
-                            tables.as_strided({items, width}, {width, 1}, items * (1 + width)), places,
-                            sources.slice(0, 0, n), sources.slice(0, n), pulled);
+    handle = py::make_tuple(x_grad, weights_grad, alias(tables, at::kInt, {items, width}, {width, 1}, items),
+                            alias(tables, at::kInt, {items, width}, {width, 1}, items * (1 + width)), places,
+                            alias(tables, at::kLong, {n}, {1}, sources),
+                            alias(tables, at::kLong, {n}, {1}, sources + n), pulled);
   }
   order.now();
   return py::make_tuple(
-      meta, per_expert, tables.as_strided({items}, {1}, 0), py::tuple(headers), py::tuple(sends), py::tuple(rows),
+      meta, per_expert, alias(tables, at::kInt, {items}, {1}, 0), py::tuple(headers), py::tuple(sends), py::tuple(rows),
       mine_host,
       bound, received, staged, handle);
 }
@@ -641,7 +655,8 @@ py::object agree_into(const BoardAt& b, const int64_t* row, int64_t len, int64_t
   __atomic_store_n(mine + 1, k, __ATOMIC_RELEASE);  // saw every rank arrive
   if (!wait.until(1)) return wait.who(1);
   for (int64_t r = 0; r < b.world; ++r)
-    for (int64_t i = 0; i < width; ++i) out[r * width + i] = __atomic_load_n(copy + r * b.slot + 2 + i, __ATOMIC_RELAXED);
+    for (int64_t i = 0; i < width; ++i)
+      out[r * width + i] = __atomic_load_n(copy + r * b.slot + 2 + i, __ATOMIC_RELAXED);
   return py::none();
 }
 
@@ -753,8 +768,8 @@ class UsualDispatch {
     if (counts_.is_none() || (shape_.tokens > 0 && layout_.is_none()) || row_bytes_ <= 0 || width_ <= 0 ||
         hidden_ <= 0 || shape_.header_len + 1 > board_.slot - 2 || made_at_ == 0 ||
         static_cast<int64_t>(call_row_.size()) != shape_.header_len + 1 ||
-        static_cast<int64_t>(header_.size()) != shape_.header_len || std::max(verb_col_, call_col_) >= shape_.header_len ||
-        std::min(verb_col_, call_col_) < 0)
+        static_cast<int64_t>(header_.size()) != shape_.header_len ||
+        std::max(verb_col_, call_col_) >= shape_.header_len || std::min(verb_col_, call_col_) < 0)
       throw std::invalid_argument("UsualDispatch: a counts launch, a layout one where T > 0, positive row bytes, "
                                   "J and H, a row within a board slot, the call counter, a call row of the header "
                                   "and a word, a header, and their columns");
