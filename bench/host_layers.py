@@ -125,6 +125,9 @@ def _run(rank: int, args) -> None:
         (nvlink.Engine, "to_home", "    Engine.to_home"),
         (compiled, "to_home", "      to_home (C++)"),
         (dispatcher, "combine_node", "  combine's autograd node"),
+        (usual.UsualDispatches, "combine", "  UsualDispatches.combine (the usual call compiled)"),
+        (compiled.UsualCombine, "combine", "    UsualCombine.combine (C++, less its waits)"),
+        (usual, "combine_node", "    combine's autograd node"),
     ]
     spent = {label: [] for _, _, label in layers}
     reads = [0]
@@ -182,7 +185,8 @@ def _run(rank: int, args) -> None:
         print("inclusive host us per round trip (the layers less the host read's and the agreements' waits), "
               + ", ".join(f"rank {r}" for r in range(world)) + ":")
         for _, _, label in layers:
-            print("  " + "".join(f"{got['layers'][label]:8.1f}" for got in every) + f"  {label}")
+            if any(got["layers"][label] for got in every):  # (the layers the compiled calls step around: none)
+                print("  " + "".join(f"{got['layers'][label]:8.1f}" for got in every) + f"  {label}")
     dist.destroy_process_group()
 
 
