@@ -699,6 +699,44 @@ class Fields {
   size_t used_ = 0;
 };
 
+// A verb's call compiled (UsualDispatch, UsualCombine): its number, counted in the
+// dispatcher's int64 count of the verb's calls at ``made_at`` (agreement.Calls), and
+// its row on the group's board, ``call_row`` (plan.call_header) with its verb (grad
+// mode off: plus ``grad_off``) and number at their columns.
+struct CallOnBoard {
+  int64_t verb = 0, grad_off = 0, verb_col = 0, call_col = 0;
+  std::vector<int64_t> call_row;
+  uint64_t made_at = 0;
+  BoardAt board;
+
+  void read(Fields& f) {
+    verb = f.get<int64_t>("verb");
+    grad_off = f.get<int64_t>("grad_off");
+    verb_col = f.get<int64_t>("verb_col");
+    call_col = f.get<int64_t>("call_col");
+    call_row = f.get<std::vector<int64_t>>("call_row");
+    made_at = f.get<uint64_t>("made_at");
+    board.words_at = f.get<uint64_t>("board_words");
+    board.count_at = f.get<uint64_t>("board_count");
+    board.slot = f.get<int64_t>("board_slot");
+    board.timeout = f.get<double>("timeout");
+    const auto len = static_cast<int64_t>(call_row.size());
+    if (made_at == 0 || len < 1 || len > board.slot - 2 || std::max(verb_col, call_col) >= len ||
+        std::min(verb_col, call_col) < 0)
+      throw std::invalid_argument("a compiled call: its call counter, and a call row within a board slot with its "
+                                  "verb's and number's columns");
+  }
+
+  // the next call's number, and its row (its verb and number set) into ``row``
+  int64_t next(bool grad, std::vector<int64_t>& row) const {
+    const int64_t number = ++*reinterpret_cast<int64_t*>(made_at);
+    row = call_row;
+    row[verb_col] = verb + (grad ? 0 : grad_off);
+    row[call_col] = number;
+    return number;
+  }
+};
+
 // What a combine along the handle of a usual dispatch needs of it (dispatch/usual.py,
 // Counts.core), made by UsualDispatch: the dispatch's number, T, K, N, its items
 // (source rank, token) received, the largest T of the group, whether every rank
@@ -739,20 +777,11 @@ class UsualDispatch {
     idx_dtype_ = f.get<at::ScalarType>("idx_dtype");
     weights_dtype_ = f.get<at::ScalarType>("weights_dtype");
     wire_dtype_ = f.get<at::ScalarType>("wire_dtype");
-    verb_ = f.get<int64_t>("verb");
-    grad_off_ = f.get<int64_t>("grad_off");
-    verb_col_ = f.get<int64_t>("verb_col");
-    call_col_ = f.get<int64_t>("call_col");
-    call_row_ = f.get<std::vector<int64_t>>("call_row");
+    call_.read(f);
     header_ = f.get<std::vector<int64_t>>("header");
     x_grad_bit_ = f.get<int64_t>("x_grad_bit");
     weights_grad_bit_ = f.get<int64_t>("weights_grad_bit");
     raise_bits_ = f.get<int64_t>("raise_bits");
-    made_at_ = f.get<uint64_t>("made_at");
-    board_.words_at = f.get<uint64_t>("board_words");
-    board_.count_at = f.get<uint64_t>("board_count");
-    board_.slot = f.get<int64_t>("board_slot");
-    board_.timeout = f.get<double>("timeout");
     row_bytes_ = f.get<int64_t>("row_bytes");
     allocator_ = f.get<bool>("allocator");
     age_ = f.get<double>("age");
@@ -763,16 +792,14 @@ class UsualDispatch {
     stage_ = f.get<bool>("stage");
     record_ = f.get<uint64_t>("record");
     f.done();
-    board_.world = shape_.world;
-    board_.rank = shape_.rank;
+    call_.board.world = shape_.world;
+    call_.board.rank = shape_.rank;
     if (counts_.is_none() || (shape_.tokens > 0 && layout_.is_none()) || row_bytes_ <= 0 || width_ <= 0 ||
-        hidden_ <= 0 || shape_.header_len + 1 > board_.slot - 2 || made_at_ == 0 ||
-        static_cast<int64_t>(call_row_.size()) != shape_.header_len + 1 ||
+        hidden_ <= 0 || static_cast<int64_t>(call_.call_row.size()) != shape_.header_len + 1 ||
         static_cast<int64_t>(header_.size()) != shape_.header_len ||
-        std::max(verb_col_, call_col_) >= shape_.header_len || std::min(verb_col_, call_col_) < 0)
+        std::max(call_.verb_col, call_.call_col) >= shape_.header_len)
       throw std::invalid_argument("UsualDispatch: a counts launch, a layout one where T > 0, positive row bytes, "
-                                  "J and H, a row within a board slot, the call counter, a call row of the header "
-                                  "and a word, a header, and their columns");
+                                  "J and H, a call row of the header and a word, a header, and their columns");
   }
 
   py::object dispatch(py::handle x_obj, py::handle idx_obj, py::handle weights_obj, uint64_t stream) {
@@ -791,14 +818,11 @@ class UsualDispatch {
       return py::none();
     const bool grad = at::GradMode::is_enabled();
     const bool x_grad = grad && x.requires_grad(), weights_grad = grad && weights.requires_grad();
-    const int64_t number = ++*reinterpret_cast<int64_t*>(made_at_);
-    const int64_t verb = verb_ + (grad ? 0 : grad_off_);
     // the call's agreement: its header (plan.call_header), then this rank's word (Transport.dispatch_word)
-    std::vector<int64_t> row(call_row_), rows(W * len);
-    row[verb_col_] = verb;
-    row[call_col_] = number;
+    std::vector<int64_t> row, rows(W * len);
+    const int64_t number = call_.next(grad, row), verb = row[call_.verb_col];
     row[len - 1] = (x_grad ? x_grad_bit_ : 0) | (weights_grad ? weights_grad_bit_ : 0);
-    py::object gave_up = agree_into(board_, row.data(), len, len, rows.data());
+    py::object gave_up = agree_into(call_.board, row.data(), len, len, rows.data());
     if (!gave_up.is_none()) return py::make_tuple("gave up", number, gave_up);
     bool plain = true;
     for (int64_t r = 0; r < W; ++r) {
@@ -809,8 +833,8 @@ class UsualDispatch {
     // its row budgets (checks.row_budgets): none of its own, the rows its free device memory holds
     // (checks.memory_rows: floor division, as Python's)
     std::vector<int64_t> header(header_);
-    header[verb_col_] = verb;
-    header[call_col_] = number;
+    header[call_.verb_col] = verb;
+    header[call_.call_col] = number;
     header[shape_.x_grad_col] = x_grad;
     header[shape_.weights_grad_col] = weights_grad;
     if (device_.is_cuda()) {
@@ -862,11 +886,9 @@ class UsualDispatch {
   int64_t pull_cap_ = 0, pull_min_ = 0, per_block_ = 1, hidden_ = 0;
   at::Device device_{at::kCPU};
   at::ScalarType x_dtype_{}, idx_dtype_{}, weights_dtype_{}, wire_dtype_{};
-  int64_t verb_ = 0, grad_off_ = 0, verb_col_ = 0, call_col_ = 0, x_grad_bit_ = 0, weights_grad_bit_ = 0,
-          raise_bits_ = 0;
-  std::vector<int64_t> call_row_, header_;  // the call's row (its header, a word) and its header, as templates
-  uint64_t made_at_ = 0;
-  BoardAt board_;
+  CallOnBoard call_;  // its row: the call's header and a word
+  std::vector<int64_t> header_;  // the header of its counts exchange, as a template
+  int64_t x_grad_bit_ = 0, weights_grad_bit_ = 0, raise_bits_ = 0;
   int64_t row_bytes_ = 1;
   bool allocator_ = false;
   double age_ = 0;
@@ -899,19 +921,10 @@ class UsualCombine {
     dtype_ = f.get<at::ScalarType>("dtype");
     weighted_ = f.get<bool>("weighted");
     weights_dtype_ = f.get<at::ScalarType>("weights_dtype");
-    verb_ = f.get<int64_t>("verb");
-    grad_off_ = f.get<int64_t>("grad_off");
-    verb_col_ = f.get<int64_t>("verb_col");
-    call_col_ = f.get<int64_t>("call_col");
+    call_.read(f);
     along_col_ = f.get<int64_t>("along_col");
-    call_row_ = f.get<std::vector<int64_t>>("call_row");
-    made_at_ = f.get<uint64_t>("made_at");
-    board_.words_at = f.get<uint64_t>("board_words");
-    board_.count_at = f.get<uint64_t>("board_count");
-    board_.slot = f.get<int64_t>("board_slot");
-    board_.timeout = f.get<double>("timeout");
-    board_.world = f.get<int64_t>("world");
-    board_.rank = f.get<int64_t>("rank");
+    call_.board.world = f.get<int64_t>("world");
+    call_.board.rank = f.get<int64_t>("rank");
     capacity_tokens_ = f.get<int64_t>("capacity_tokens");
     capacity_topk_ = f.get<int64_t>("capacity_topk");
     blocks_ = f.get<int64_t>("blocks");
@@ -919,11 +932,9 @@ class UsualCombine {
     per_block_ = f.get<int64_t>("rows_per_block");
     record_ = f.get<uint64_t>("record");
     f.done();
-    const auto len = static_cast<int64_t>(call_row_.size());
-    if (push_.is_none() || home_.is_none() || made_at_ == 0 || per_block_ <= 0 || len < 1 || len > board_.slot - 2 ||
-        std::max({verb_col_, call_col_, along_col_}) >= len || std::min({verb_col_, call_col_, along_col_}) < 0)
-      throw std::invalid_argument("UsualCombine: its launches, the call counter, rows a block, and a call row within "
-                                  "a board slot with its columns");
+    if (push_.is_none() || home_.is_none() || per_block_ <= 0 || along_col_ < 0 ||
+        along_col_ >= static_cast<int64_t>(call_.call_row.size()))
+      throw std::invalid_argument("UsualCombine: its launches, rows a block, and the along column of its call row");
   }
 
   py::object combine(py::handle rows_obj, py::handle weights_obj, const HandleCore& core, bool linked,
@@ -951,13 +962,11 @@ class UsualCombine {
     CUdevice current = -1;
     if (device_.is_cuda() && (driver().ctx_device(&current) != CUDA_SUCCESS || current != device_.index()))
       return py::none();
-    const int64_t number = ++*reinterpret_cast<int64_t*>(made_at_);
-    const int64_t len = static_cast<int64_t>(call_row_.size()), W = board_.world;
-    std::vector<int64_t> row(call_row_), agreed(W * len);
-    row[verb_col_] = verb_ + (grad ? 0 : grad_off_);
-    row[call_col_] = number;
+    const int64_t len = static_cast<int64_t>(call_.call_row.size()), W = call_.board.world;
+    std::vector<int64_t> row, agreed(W * len);
+    const int64_t number = call_.next(grad, row);
     row[along_col_] = core.call;
-    py::object gave_up = agree_into(board_, row.data(), len, len, agreed.data());
+    py::object gave_up = agree_into(call_.board, row.data(), len, len, agreed.data());
     if (!gave_up.is_none()) return py::make_tuple("gave up", number, gave_up);
     for (int64_t r = 0; r < W; ++r)
       if (std::memcmp(agreed.data() + r * len, row.data(), 8 * len) != 0)
@@ -977,10 +986,8 @@ class UsualCombine {
   at::Device device_{at::kCPU};
   at::ScalarType dtype_{}, weights_dtype_{};
   bool weighted_ = false;
-  int64_t verb_ = 0, grad_off_ = 0, verb_col_ = 0, call_col_ = 0, along_col_ = 0;
-  std::vector<int64_t> call_row_;  // the call's row (its header, a word), as a template
-  uint64_t made_at_ = 0;
-  BoardAt board_;
+  CallOnBoard call_;  // its row: the call's header (along its dispatch) and a 0
+  int64_t along_col_ = 0;
   int64_t capacity_tokens_ = 0, capacity_topk_ = 0, blocks_ = 1, sms_ = 1, per_block_ = 1;
   uint64_t record_ = 0;
 };
