@@ -13,7 +13,9 @@ protocol of ``transports.base.Transport``) into the public verbs:
 
 Every verb checks its arguments on this rank, then agrees on the call with
 every peer (``agreement.Calls``) before any token moves: a rank's refusal, or
-ranks at different calls, raise on every rank alike.
+ranks at different calls, raise on every rank alike. On the NVLink engine a
+dispatch of a signature met before, and a combine along it, is one compiled
+call each, the same steps and bits (``dispatch.usual``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The usual dispatch on the NVLink engine, compiled whole.
+"""The usual dispatch and combine on the NVLink engine, compiled whole.
 
 Most dispatches of a training run are alike: the signature of the call before
 (tensors of one shape, dtype and device), no ``max_rows``, one group, no
@@ -8,16 +8,19 @@ makes in one call what the front end, the transport and the engine make in
 Python: the call's number (``agreement.Calls``), its agreement on the board
 (``dispatch.board``), its header with its memory budget (``checks.row_budgets``),
 the routing weights in their wire dtype, and the counts exchange with the
-dispatch's own pull (``Engine.exchange_counts``). The same kernels with the
-same arguments, so the same bits; only the host time differs.
+dispatch's own pull (``Engine.exchange_counts``). A combine along such a
+dispatch's handle (every rank with rows, rows of a signature met before,
+contiguous, no ``async_op``) is one call too, ``UsualCombine``: its number,
+agreement and ``Engine.to_home``. The same kernels with the same arguments, so
+the same bits; only the host time differs.
 
 :class:`UsualDispatches` keeps one compiled call per signature (made after a
-dispatch of that signature took the usual path in Python, so its checks have
+call of that signature took the usual path in Python, so its checks have
 passed once), dropped when the engine's launches are made again (its buffers
-grew). Where the compiled call stops short (the ranks' calls differ, a peer
-refused or timed out), the front end raises as its agreement would; where the
-compiled exchange finds the case not usual (a budget short), the transport's
-plan goes on from the counts it read.
+grew). Where a compiled call stops short (the ranks' calls or rows differ, a
+peer refused or timed out), the front end raises as its agreement would; where
+the compiled exchange finds the case not usual (a budget short), the
+transport's plan goes on from the counts it read.
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ class UsualDispatches:
     def __init__(self, dispatcher: "TokenDispatcher") -> None:
         self._d = dispatcher
         self._engine = dispatcher.transport.engine
-        self._calls: list = []  # [UsualDispatch, (codec, WordsAt)] newest first
+        self._calls: list = []  # (UsualDispatch, its codec, WordsAt, signature), newest first
         self._combines: list = []  # UsualCombine of each signature of rows and weights learnt
         self._launches = None  # the engine's launches they were made from
+        self._learnt: set = set()  # the signatures of both (a call the compiled ones did not take is not one)
 
     def dispatch(self, x, topk_idx, topk_weights):
         """:meth:`TokenDispatcher.dispatch`'s result (no ``max_rows``, one group,
@@ -62,7 +66,7 @@ class UsualDispatches:
         stream = eager_stream(engine)
         if stream is None or self._d.transport.phase_timer is not None:
             return None
-        for compiled, codec, at in self._calls:
+        for compiled, codec, at, _ in self._calls:
             got = compiled.dispatch(x, topk_idx, topk_weights, stream)
             if got is not None:
                 return self._result(got, x, topk_idx, topk_weights, codec, at, stream)
@@ -139,6 +143,10 @@ class UsualDispatches:
             return
         dtype, hidden = expert_out.dtype, expert_out.shape[1]
         weight_dtype = None if weights is None else weights.dtype
+        signature = ("combine", dtype, hidden, weight_dtype, handle.presum.shape[1])
+        if signature in self._learnt:
+            return
+        self._learnt.add(signature)
         wire = sum_wire_dtype(d.config.combine_wire, dtype)
         key = ("to_home", dtype, weight_dtype, wire, hidden, handle.presum.shape[1], weight_dtype)
         push, home = engine._cached(key, engine._home_compiled)
@@ -168,7 +176,11 @@ class UsualDispatches:
                 or not isinstance(codec, CastCodec) or codec.wire != x.dtype):
             return
         if engine._launches is not self._launches:
-            self._calls, self._combines, self._launches = [], [], engine._launches
+            self._calls, self._combines, self._launches, self._learnt = [], [], engine._launches, set()
+        signature = ("dispatch", x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_weights.dtype)
+        if signature in self._learnt:
+            return
+        self._learnt.add(signature)
         tokens, topk = topk_idx.shape
         wire = plan.weight_wire_dtype(topk_weights.dtype)
         key = ("counts", tokens, topk, topk_idx.dtype, wire, codec, x.shape[1], 1)
@@ -193,7 +205,9 @@ class UsualDispatches:
             age=checks.FREE_MEMORY_AGE, row_at=engine._zeroed(words).data_ptr(), host_words=engine._host_words,
             check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens),
             record=engine._eager_raw)
-        self._calls = [(usual, codec, at), *self._calls[: _SIGNATURES - 1]]
+        if len(self._calls) == _SIGNATURES:
+            self._learnt.discard(self._calls[-1][3])
+        self._calls = [(usual, codec, at, signature), *self._calls[: _SIGNATURES - 1]]
 
 
 def usable(dispatcher: "TokenDispatcher") -> bool:

@@ -148,8 +148,9 @@ def test_the_compiled_round_trip_launches_and_hands_out_what_the_python_path_doe
 def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_the_stand_in, compiled):
     """Another T or dtype, a tensor subclass, a non-contiguous x: the compiled
     call does nothing (not even its number), the front end takes the call and
-    learns the new signature once it passed; a dispatch by groups never
-    reaches it."""
+    learns the new signature once it passed (a signature learnt once, not again
+    where a call of it took the front end for another reason); a dispatch by
+    groups never reaches it."""
     d = _dispatcher(compiled)
     x, idx, w = _inputs(37)
     on_the_stand_in.fake_set_hook(_Recorder(_counts_words(1, 0, d.transport.engine, TOPK, HIDDEN, 37, True, True,
@@ -163,8 +164,12 @@ def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_t
     assert d._calls._made.tolist() == made
     d.dispatch(x[:20], idx[:20], w[:20])  # passed in Python: learnt
     assert _compiled_calls(d) == 2
+    with pytest.MonkeyPatch.context() as patch:  # on another stream than the engine's last operation: in Python,
+        patch.setattr(cuda, "raw_stream", lambda device: 8)  # and not learnt again
+        d.dispatch(x, idx, w)
+    assert _compiled_calls(d) == 2
     made = d._calls._made[agreement.VERB_CODES["dispatch"]]
-    d._usual._calls = [(None, None, None)]  # (any call that reached it would raise)
+    d._usual._calls = [(None, None, None, None)]  # (any call that reached it would raise)
     d.dispatch(x, idx, w, groups=2)
     assert d._calls._made[agreement.VERB_CODES["dispatch"]] == made + 1
 
