@@ -738,12 +738,13 @@ struct CallOnBoard {
 };
 
 // What a combine along the handle of a usual dispatch needs of it (dispatch/usual.py,
-// Counts.core), made by UsualDispatch: the dispatch's number, T, K, N, its items
-// (source rank, token) received, the largest T of the group, whether every rank
-// has rows, and the addresses of its counts matrix, hits, items' tokens and
+// Counts.core), made by UsualDispatch where counts_plan made the handle's tables (the
+// usual case): the dispatch's number, T, K, J (the pre-sum table's width), N, its
+// items (source rank, token) received, the largest T of the group, whether every
+// rank has rows, and the addresses of its counts matrix, hits, items' tokens and
 // pre-sum table (the tensors that hold them kept here too).
 struct HandleCore {
-  int64_t call = 0, tokens = 0, topk = 0, rows = 0, items = 0, bound = 0;
+  int64_t call = 0, tokens = 0, topk = 0, width = 0, rows = 0, items = 0, bound = 0;
   bool every_rank_rows = false;
   uint64_t matrix = 0, hit = 0, tokens_at = 0, presum = 0;
   at::Tensor words, tables;
@@ -854,11 +855,13 @@ class UsualDispatch {
     py::tuple got = counts_plan(shape_, layout, *counts_.cast<Launcher*>(), idx, wire, stage_src, src_stride, row_at_,
                                 check_values_, header, stream, host_words_, width_, wire_dtype_, pull, x, pull_cap_,
                                 pull_min_, per_block_, record_);
-    if (got.size() == 3) return py::make_tuple("planned", number, got, py::none());  // a failure recorded
+    // (a failure recorded: the status words; or not the usual case: the handle's tables are the front end's)
+    if (got.size() == 3 || got[10].is_none()) return py::make_tuple("planned", number, got, py::none());
     auto core = std::make_unique<HandleCore>();
     core->call = number;
     core->tokens = T;
     core->topk = K;
+    core->width = width_;
     core->words = got[0].cast<at::Tensor>();
     core->tables = got[2].cast<at::Tensor>();
     const py::tuple rows_of = got[5].cast<py::tuple>();
@@ -902,7 +905,8 @@ class UsualDispatch {
 
 // The usual combine along the handle of a usual dispatch, compiled whole
 // (dispatch/usual.py): for one signature of its rows (exact tensors, [N, H] of one
-// dtype, contiguous at a 16-byte-aligned address; weights of one dtype or none),
+// dtype, contiguous at a 16-byte-aligned address; weights of one dtype or none)
+// along handles of one J,
 // every rank having rows, eager: the call's number, its agreement on the board and
 // to_home (the push and the home sum, the output allocated), in one call. Returns
 // None where the arguments are not of its signature, the handle's buffers
@@ -921,6 +925,7 @@ class UsualCombine {
     dtype_ = f.get<at::ScalarType>("dtype");
     weighted_ = f.get<bool>("weighted");
     weights_dtype_ = f.get<at::ScalarType>("weights_dtype");
+    width_ = f.get<int64_t>("width");
     call_.read(f);
     along_col_ = f.get<int64_t>("along_col");
     call_.board.world = f.get<int64_t>("world");
@@ -957,7 +962,7 @@ class UsualCombine {
     if (!rows.defined() || rows.layout() != at::kStrided || rows.scalar_type() != dtype_ || rows.dim() != 2 ||
         rows.size(0) != core.rows || rows.size(1) != hidden_ || rows.device() != device_ || !rows.is_contiguous() ||
         reinterpret_cast<uint64_t>(rows.data_ptr()) % 16 != 0 || !core.every_rank_rows || (wants_grad && !linked) ||
-        core.bound > capacity_tokens_ || core.topk > capacity_topk_)
+        core.width != width_ || core.bound > capacity_tokens_ || core.topk > capacity_topk_)
       return py::none();
     CUdevice current = -1;
     if (device_.is_cuda() && (driver().ctx_device(&current) != CUDA_SUCCESS || current != device_.index()))
@@ -986,6 +991,7 @@ class UsualCombine {
   at::Device device_{at::kCPU};
   at::ScalarType dtype_{}, weights_dtype_{};
   bool weighted_ = false;
+  int64_t width_ = 0;  // J of the handles it moves along (its push walks their pre-sum tables so)
   CallOnBoard call_;  // its row: the call's header (along its dispatch) and a 0
   int64_t along_col_ = 0;
   int64_t capacity_tokens_ = 0, capacity_topk_ = 0, blocks_ = 1, sms_ = 1, per_block_ = 1;
@@ -1033,6 +1039,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<HandleCore>(m, "HandleCore")
       .def_readonly("call", &HandleCore::call)
       .def_readonly("rows", &HandleCore::rows)
+      .def_readonly("width", &HandleCore::width)
       .def_readonly("every_rank_rows", &HandleCore::every_rank_rows);
   py::class_<UsualCombine>(m, "UsualCombine")
       .def(py::init<const py::kwargs&>())

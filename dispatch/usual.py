@@ -66,8 +66,13 @@ class UsualDispatches:
         stream = eager_stream(engine)
         if stream is None or self._d.transport.phase_timer is not None:
             return None
+        host.said_sync()  # (its host read, as torch's sync debug mode asks)
         for compiled, codec, at, _ in self._calls:
-            got = compiled.dispatch(x, topk_idx, topk_weights, stream)
+            try:
+                got = compiled.dispatch(x, topk_idx, topk_weights, stream)
+            except BaseException:  # (an allocation or launch that failed: its event recorded as the call unwound; or
+                ordered_eager(engine, stream)  # an interrupt in the agreement, before any: one more operation
+                raise  # counted, which at most makes a combine by groups push its pre-sums whole, the same bits)
             if got is not None:
                 return self._result(got, x, topk_idx, topk_weights, codec, at, stream)
         return None
@@ -113,7 +118,11 @@ class UsualDispatches:
             return None
         linked = handle.link is not None
         for compiled in self._combines:
-            got = compiled.combine(expert_out, weights, core, linked, stream)
+            try:
+                got = compiled.combine(expert_out, weights, core, linked, stream)
+            except BaseException:  # (as the dispatch's)
+                ordered_eager(engine, stream)
+                raise
             if got is not None:
                 break
         else:
@@ -156,7 +165,7 @@ class UsualDispatches:
         code = -1 if weights is None else checks.FLOAT_CODES[weights.dtype]
         self._combines.append(engine._host.UsualCombine(
             push=push, home=home, hidden=hidden, device=expert_out.device, dtype=dtype, weighted=weights is not None,
-            weights_dtype=weight_dtype or torch.float32, verb=_COMBINE + agreement.DISPATCHERS * d._calls.place,
+            weights_dtype=weight_dtype or torch.float32, width=handle.presum.shape[1], verb=_COMBINE + agreement.DISPATCHERS * d._calls.place,
             grad_off=agreement.GRAD_OFF, verb_col=plan.HEADER.index("verb"), call_col=plan.HEADER.index("call"),
             along_col=plan.HEADER.index("along"),
             call_row=[*plan.call_header(plan.Ticket(), checks.dtype_code(expert_out, True), hidden, code), 0],

@@ -49,7 +49,7 @@ def compiled():
 
 
 @pytest.fixture(scope="session")
-def fake_driver(compiled, tmp_path_factory):
+def fake_libcuda(compiled, tmp_path_factory):
     """The stand-in driver (tests/fake_cuda/libcuda.c) loaded as libcuda.so.1, once
     a session (the compiled module finds its entry points once a process), so
     that both paths' launches reach the hook it is given; only where no real
@@ -63,6 +63,14 @@ def fake_driver(compiled, tmp_path_factory):
     source = pathlib.Path(__file__).parent / "fake_cuda" / "libcuda.c"
     subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(path), str(source)], check=True)
     return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)  # dlopen("libcuda.so.1") finds it by its soname
+
+
+@pytest.fixture
+def fake_driver(fake_libcuda):
+    """The stand-in driver for one test: the hook it gives (``fake_set_hook``) is
+    taken back after it, since the test's hook goes with the test."""
+    yield fake_libcuda
+    fake_libcuda.fake_set_hook(None)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -270,14 +270,15 @@ class _Recorder:
 
 
 def _counts_words(world: int, rank: int, engine: Engine, topk: int, hidden: int, tokens: int, agree: bool,
-                  staged: bool, gen: torch.Generator) -> torch.Tensor:
+                  staged: bool, gen: torch.Generator, memory_rows: int = 10**6) -> torch.Tensor:
     """The status and counts matrix a counts exchange reads back: every rank's
     header (rank ``rank``'s own as given, a peer's with another H where not
-    ``agree``), T, staged, G, sends, counts to every expert."""
+    ``agree``; its memory budget ``memory_rows`` rows), T, staged, G, sends,
+    counts to every expert."""
     experts = engine.num_experts
     rows = []
     for r in range(world):
-        header = [0, 1, 0, topk, hidden if agree or r == rank else hidden + 8, 1, 2, 1, r % 2, 0, -1, 10**6]
+        header = [0, 1, 0, topk, hidden if agree or r == rank else hidden + 8, 1, 2, 1, r % 2, 0, -1, memory_rows]
         t = tokens if r == rank else int(torch.randint(1, 60, (1,), generator=gen))
         sends = torch.randint(0, t + 1, (world,), generator=gen).tolist()
         counts = torch.randint(0, 9, (experts,), generator=gen).tolist()

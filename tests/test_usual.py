@@ -73,23 +73,31 @@ def _dispatcher(compiled, world: int = 1) -> TokenDispatcher:
     return TokenDispatcher(config, None, transport)
 
 
-def _inputs(tokens: int, seed: int = 0):
+def _inputs(tokens: int, seed: int = 0, topk: int = TOPK):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
-    idx = torch.rand(tokens, EXPERTS, generator=gen).topk(TOPK, dim=1).indices
-    return x, idx, torch.rand(tokens, TOPK, generator=gen)
+    idx = torch.rand(tokens, EXPERTS, generator=gen).topk(topk, dim=1).indices
+    return x, idx, torch.rand(tokens, topk, generator=gen)
 
 
-def _launched(d: TokenDispatcher, driver, fn, tokens: int) -> tuple[list, object]:
-    """(the launches ``fn()`` makes, addresses by the engine's buffer they fall in,
-    the call's number and its dispatcher's place left out; its result)."""
+def _launched(d: TokenDispatcher, driver, fn, tokens: int, topk: int = TOPK, memory_rows: int = 10**6,
+              handle=None) -> tuple[list, object]:
+    """(the launches ``fn()`` makes, addresses by the engine's buffer (or, along
+    ``handle``, its tables') they fall in, the call's number and its
+    dispatcher's place left out; its result), the counts exchange reading every
+    rank's memory budget as ``memory_rows``."""
     engine = d.transport.engine
-    recorder = _Recorder(_counts_words(1, 0, engine, TOPK, HIDDEN, tokens, True, True,
-                                       torch.Generator().manual_seed(1)))
+    recorder = _Recorder(_counts_words(1, 0, engine, topk, HIDDEN, tokens, True, True,
+                                       torch.Generator().manual_seed(1), memory_rows))
     driver.fake_set_hook(recorder.hook)
     out = fn()
+    driver.fake_set_hook(None)  # (the hook is gone once this returns)
     recorder.regions = dict(scratch=engine._scratch, data=engine._data, seq=engine._seq, status=engine.status,
                             counter=engine._counter, meta_ptrs=engine._meta_ptrs, data_ptrs=engine._data_ptrs)
+    if handle is not None:  # (its presum first: it lies inside the tables of a compiled dispatch)
+        counts = handle.counts
+        recorder.regions = dict(presum=handle.presum, tokens_at=counts.tokens_at, words=counts.words,
+                                weights=handle.places[0], **recorder.regions)
     seen = []
     for *config, args in recorder.seen():
         args = {p: v % agreement.DISPATCHERS if p == "verb" else v for p, v in args.items() if p != "call"}
@@ -135,7 +143,8 @@ def test_the_compiled_round_trip_launches_and_hands_out_what_the_python_path_doe
             assert (got.handle.link is None) == (want.handle.link is None) == (not grad)
             y = torch.randn(got.handle.num_rows, HIDDEN).to(torch.bfloat16).requires_grad_(grad)
             back = [_launched(one, on_the_stand_in, lambda one=one, r=r: one.combine(
-                y, r.handle, r.weights if weighted else None), tokens) for one, r in ((d, got), (reference, want))]
+                y, r.handle, r.weights if weighted else None), tokens, handle=r.handle)
+                for one, r in ((d, got), (reference, want))]
             assert back[0][0] == back[1][0], f"call {call}"
             a, b = back[0][1], back[1][1]
             assert (a.shape, a.dtype, a.requires_grad) == (b.shape, b.dtype, b.requires_grad)
@@ -143,6 +152,35 @@ def test_the_compiled_round_trip_launches_and_hands_out_what_the_python_path_doe
         # along a compiled dispatch's handle passed in Python)
         assert taken == ["dispatch", "dispatch", "combine"]
         assert d._calls._made.tolist() == reference._calls._made.tolist()
+
+
+def test_a_compiled_combine_moves_only_along_handles_it_was_made_for(one_rank, on_the_stand_in, compiled):
+    """A compiled dispatch whose counts exchange finds a rank short of its memory
+    budget leaves the rest to the front end (its exact budget, then its tables):
+    a combine along its handle runs in Python. A combine compiled along handles
+    of one J (the pre-sum table's width: K = 4 here) does not move along those
+    of another (K = 2): the front end does, and learns it. Each launch as the
+    Python path's."""
+    d, reference = _dispatcher(compiled), _dispatcher(compiled)
+    reference._usual = None
+    taken, combine = [], d._usual.combine
+    d._usual.combine = lambda *args: (lambda out: out is not None and taken.append(1) or out)(combine(*args))
+    # (K, the memory budget the counts exchange reads, whether the handle has a core, combines compiled taken so far)
+    steps = ((4, 10**6, False, 0), (4, 10**6, True, 0), (4, 10**6, True, 1), (4, 1, False, 1),
+             (2, 10**6, False, 1), (2, 10**6, True, 1), (2, 10**6, True, 2))
+    for topk, memory_rows, core, combined in steps:
+        x, idx, w = _inputs(37, topk=topk)
+        got = {}
+        for name, one in (("compiled", d), ("python", reference)):
+            got[name] = _launched(one, on_the_stand_in, lambda one=one: one.dispatch(x, idx, w), 37, topk, memory_rows)
+        assert got["compiled"][0] == got["python"][0]
+        out = got["compiled"][1]
+        assert (out.handle.counts.core is not None) == core
+        y = torch.randn(out.handle.num_rows, HIDDEN).to(torch.bfloat16)
+        back = [_launched(one, on_the_stand_in, lambda one=one, r=r: one.combine(y, r.handle, r.weights), 37, topk,
+                          handle=r.handle)[0] for one, r in ((d, out), (reference, got["python"][1]))]
+        assert back[0] == back[1] and len(taken) == combined, (topk, memory_rows)
+    assert len(d._usual._combines) == 2  # one a J, each learnt once
 
 
 def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_the_stand_in, compiled):
@@ -153,8 +191,9 @@ def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_t
     groups never reaches it."""
     d = _dispatcher(compiled)
     x, idx, w = _inputs(37)
-    on_the_stand_in.fake_set_hook(_Recorder(_counts_words(1, 0, d.transport.engine, TOPK, HIDDEN, 37, True, True,
-                                                          torch.Generator().manual_seed(1))).hook)
+    recorder = _Recorder(_counts_words(1, 0, d.transport.engine, TOPK, HIDDEN, 37, True, True,
+                                       torch.Generator().manual_seed(1)))
+    on_the_stand_in.fake_set_hook(recorder.hook)  # (held here: the driver calls it)
     d.dispatch(x, idx, w)
     fast = d._usual._calls[0][0]
     made = d._calls._made.tolist()
@@ -286,8 +325,8 @@ def test_the_compiled_combine_agrees_as_the_combine_in_python(on_the_stand_in, c
     x, idx, w = _inputs(37)
     peer_board, got = Board(words, 2, 1), []
     dispatch_row = [*plan.call_header(plan.Ticket(agreement.VERB_CODES["dispatch"] + agreement.GRAD_OFF, 1)), 0]
-    on_the_stand_in.fake_set_hook(_Recorder(_counts_words(2, 0, engine, TOPK, HIDDEN, 37, True, True,
-                                                          torch.Generator().manual_seed(1))).hook)
+    recorder = _Recorder(_counts_words(2, 0, engine, TOPK, HIDDEN, 37, True, True, torch.Generator().manual_seed(1)))
+    on_the_stand_in.fake_set_hook(recorder.hook)  # (held here: the driver calls it)
     thread = _peer(words, dispatch_row, got, peer_board)
     with torch.no_grad():
         what, _, _, core = fast.dispatch(x, idx, w, 7)
@@ -300,7 +339,7 @@ def test_the_compiled_combine_agrees_as_the_combine_in_python(on_the_stand_in, c
     mine = [*plan.call_header(plan.Ticket(), 1, HIDDEN, checks.FLOAT_CODES[torch.float32]), 0]
     usual_combine = compiled.UsualCombine(
         push=push, home=home, hidden=HIDDEN, device=x.device, dtype=torch.bfloat16, weighted=True,
-        weights_dtype=torch.float32, verb=combine, grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, along_col=2,
+        weights_dtype=torch.float32, width=TOPK, verb=combine, grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, along_col=2,
         call_row=mine, made_at=counter.data_ptr() + 8 * combine, board_words=board.words_at,
         board_count=board.count_at, board_slot=Board.slot, timeout=5.0, world=2, rank=0, capacity_tokens=64,
         capacity_topk=TOPK, blocks=8, sms=2, rows_per_block=4, record=0)
