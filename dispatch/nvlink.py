@@ -537,7 +537,8 @@ class Engine(EngineMoves):
             return self._scratch
         zeroed = torch.zeros(max(words, 2 * self._scratch.numel()), dtype=torch.int32, device=self.device)
         if not cuda.capturing():
-            # an operation queued on another stream may still use the outgrown one: kept
+            # an operation queued on another stream may still use the outgrown one, and a compiled usual
+            # dispatch keeps its address (dispatch.usual; each exchange zeroes its words again): kept
             self._retired.append(self._scratch)
             self._scratch = zeroed
         return zeroed

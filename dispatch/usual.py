@@ -20,7 +20,9 @@ passed once), dropped when the engine's launches are made again (its buffers
 grew). Where a compiled call stops short (the ranks' calls or rows differ, a
 peer refused or timed out), the front end raises as its agreement would; where
 the compiled exchange finds the case not usual (a budget short), the
-transport's plan goes on from the counts it read.
+transport's plan goes on from the counts it read. Its memory budget reads
+the free memory as ``checks.FREE_MEMORY`` does, from the same compiled
+reading (``free_bytes``), not through ``checks.device_free_bytes``.
 """
 
 from __future__ import annotations
