@@ -41,6 +41,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -678,7 +679,7 @@ py::object board_agree(uint64_t words_at, int64_t world, int64_t rank, int64_t s
   return gave_up.is_none() ? py::object(rows_list(rows.data(), world, width)) : gave_up;
 }
 
-// Named fields of a compiled object's constructor (CountsShape, UsualDispatch): each
+// Named fields of a compiled object's constructor (CountsShape, UsualDispatch, UsualCombine): each
 // read once by its name; a missing or unknown name raises.
 class Fields {
  public:
@@ -1013,27 +1014,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("counts_col", &CountsShape::counts_col)
       .def_readonly("experts_per_rank", &CountsShape::experts_per_rank)
       .def_readonly("sizes", &CountsShape::sizes)
-      .def(py::init([](const py::kwargs& named) {
-        // every field by its name, once (dispatch/nvlink.py: Engine._counts_compiled)
-        static const char* names[] = {"tokens", "topk", "world", "rank", "row_len", "counts_col", "experts_per_rank",
-                                      "tokens_col", "staged_col", "sends_col", "header_len", "failed_col",
-                                      "layout_blocks", "layout_shared", "counts_shared", "agreed", "x_grad_col",
-                                      "weights_grad_col", "max_rows_col", "memory_rows_col"};
+      .def(py::init([](const py::kwargs& named) {  // every field by its name (dispatch/host.py: counts_launchers)
+        Fields f("CountsShape", named);
         CountsShape s{};
-        int64_t* fields[] = {&s.tokens, &s.topk, &s.world, &s.rank, &s.row_len, &s.counts_col, &s.experts_per_rank,
-                             &s.tokens_col, &s.staged_col, &s.sends_col, &s.header_len, &s.failed_col,
-                             &s.layout_blocks, &s.layout_shared, &s.counts_shared, &s.agreed, &s.x_grad_col,
-                             &s.weights_grad_col, &s.max_rows_col, &s.memory_rows_col};
-        size_t found = 0;
-        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); ++i) {
-          if (!named.contains(names[i])) throw std::invalid_argument(std::string("CountsShape: no ") + names[i]);
-          *fields[i] = named[names[i]].cast<int64_t>();
-          ++found;
-        }
-        if (!named.contains("sizes")) throw std::invalid_argument("CountsShape: no sizes");
-        s.sizes = named["sizes"].cast<std::vector<int64_t>>();
+        for (auto [name, field] : {std::pair<const char*, int64_t*>{"tokens", &s.tokens}, {"topk", &s.topk},
+                                   {"world", &s.world}, {"rank", &s.rank}, {"row_len", &s.row_len},
+                                   {"counts_col", &s.counts_col}, {"experts_per_rank", &s.experts_per_rank},
+                                   {"tokens_col", &s.tokens_col}, {"staged_col", &s.staged_col},
+                                   {"sends_col", &s.sends_col}, {"header_len", &s.header_len},
+                                   {"failed_col", &s.failed_col}, {"layout_blocks", &s.layout_blocks},
+                                   {"layout_shared", &s.layout_shared}, {"counts_shared", &s.counts_shared},
+                                   {"agreed", &s.agreed}, {"x_grad_col", &s.x_grad_col},
+                                   {"weights_grad_col", &s.weights_grad_col}, {"max_rows_col", &s.max_rows_col},
+                                   {"memory_rows_col", &s.memory_rows_col}})
+          *field = f.get<int64_t>(name);
+        s.sizes = f.get<std::vector<int64_t>>("sizes");
+        f.done();
         if (s.sizes.size() != 5) throw std::invalid_argument("CountsShape: five sizes");
-        if (named.size() != found + 1) throw std::invalid_argument("CountsShape: unknown fields");
         return s;
       }));
   py::class_<HandleCore>(m, "HandleCore")

@@ -360,12 +360,11 @@ class Engine(EngineMoves):
         issued) where that does not take it."""
         tokens, topk = topk_idx.shape
         hidden = 0 if rows is None else rows.shape[1]
-        key = ("counts", tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden,
-               groups)
-        fits, layout, counts, words, sizes, compiled, words_at = self._cached(key, self._counts_launches)
+        fits, layout, counts, words, sizes, compiled, words_at = self.counts_launches(
+            tokens, topk, topk_idx.dtype, weights.dtype, codec if rows is not None else None, hidden, groups)
         budgeted = header[plan.HEADER.index("max_rows")] >= 0
         if compiled is not None and host_read and rows is not None and not (groups > 1 and budgeted):
-            puller = self._own_pull(codec, rows, topk, planned) if pull and planned else None
+            puller = self.own_pull(codec, rows, topk, planned) if pull and planned else None
             try:
                 got = host.exchange_counts(
                     self._host, compiled, words_at, topk_idx, weights, header, rows,
@@ -445,6 +444,13 @@ class Engine(EngineMoves):
         host_counts = HostCounts.read(matrix_host, self.rank, self.experts_per_rank)
         return Counts(every, words_at, host_counts, received, bound, per_expert, self._tokens_at(bound), staged,
                       group_end)
+
+    def counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,
+                        hidden: int, groups: int = 1) -> tuple:
+        """``_counts_launches`` of a dispatch of this shape, made once while the
+        buffers last (``launches``)."""
+        return self._cached(("counts", tokens, topk, idx_dtype, weight_dtype, codec, hidden, groups),
+                            self._counts_launches)
 
     def _counts_launches(self, tokens: int, topk: int, idx_dtype: torch.dtype, weight_dtype: torch.dtype, codec,
                          hidden: int, groups: int) -> tuple:

@@ -20,6 +20,28 @@ from dispatch.nvlink_order import eager_stream, ordered_eager
 class EngineMoves:
     """The movements of an :class:`dispatch.nvlink.Engine` (a part of it)."""
 
+    # -- what a compiled usual call is made of (dispatch.usual) ----------------
+
+    @property
+    def launches(self) -> dict:
+        """The launches made while the buffers last: a new dict each time they
+        grow, so that a compiled call made of them holds while it is this one."""
+        return self._launches
+
+    @property
+    def quiet(self) -> bool:
+        """No failure seen on the host and no poll of the status words in flight."""
+        return not self.failure_seen and self._polled_event is None
+
+    def compiled_parts(self, words: int = 0) -> tuple | None:
+        """(the compiled host module, the address of the layout's ``words`` zeroed
+        words, the pinned host words of the counts matrix, the eager event's
+        handle) that a compiled usual call issues with; None without the compiled
+        host path, or before an eager operation recorded the event."""
+        if self._host is None or not self._eager_raw:
+            return None
+        return self._host, self._zeroed(words).data_ptr(), self._host_words, self._eager_raw
+
     # -- rows to the experts ---------------------------------------------------
 
     def to_experts(self, rows, codec, counts: Counts, presum, slot_k, num_rows: int, meta_out=None,
@@ -89,7 +111,7 @@ class EngineMoves:
         )
         return out
 
-    def _own_pull(self, codec, rows, topk: int, planned: tuple) -> tuple | None:
+    def own_pull(self, codec, rows, topk: int, planned: tuple) -> tuple | None:
         """What the compiled counts exchange needs to issue a dispatch's own pull
         (``Engine.exchange_counts(pull=True)``): the compiled launcher of the pull
         of ``rows`` [T, H] under ``codec``, K = ``topk``, ``planned`` = (J, the
@@ -144,7 +166,7 @@ class EngineMoves:
         (``split_rows``): a warp a row, but at least a block per SM (few rows, as in a
         decode step, are cut into more segments so that every SM keeps loads in
         flight), at most the budget (``counts_plan`` in csrc/host.cpp sizes the pull
-        it issues so, from ``_own_pull``'s terms)."""
+        it issues so, from ``own_pull``'s terms)."""
         return min(self.blocks, max(self.sms, -(-rows // (cuda.THREADS // 32))))
 
     def _items(self, counts: Counts, presum) -> dict:
@@ -205,8 +227,8 @@ class EngineMoves:
         rows = aligned_rows(rows)
         hidden = rows.shape[1]
         self._ensure_partials(counts, wire, hidden)
-        push, home = self._cached(("to_home", rows.dtype, None if weights is None else weights.dtype, wire, hidden,
-                                   presum.shape[1], at_least), self._home_compiled)
+        push, home = self.home_launches(rows.dtype, None if weights is None else weights.dtype, wire, hidden,
+                                        presum.shape[1], at_least)
         if push is None:
             return None
         tokens = counts.tokens
@@ -220,6 +242,11 @@ class EngineMoves:
         finally:
             if stream is not None:  # recorded by the call, as it returned or raised
                 ordered_eager(self, stream)
+
+    def home_launches(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
+                      width: int, at_least: torch.dtype | None) -> tuple:
+        """``_home_compiled`` of this shape, made once while the buffers last."""
+        return self._cached(("to_home", dtype, weight_dtype, wire, hidden, width, at_least), self._home_compiled)
 
     def _home_compiled(self, dtype: torch.dtype, weight_dtype: torch.dtype | None, wire: torch.dtype, hidden: int,
                        width: int, at_least: torch.dtype | None) -> tuple:

@@ -35,7 +35,7 @@ from dispatch import agreement, checks, cuda, host, plan
 from dispatch.autograd import combine_node
 from dispatch.codec import CastCodec, sum_wire_dtype
 from dispatch.handle import made
-from dispatch.nvlink_layout import Counts, HostCounts, Planned
+from dispatch.nvlink_layout import Counts, HostCounts, Planned, failure_message
 from dispatch.nvlink_order import eager_stream, ordered_eager
 from dispatch.streams import Pending
 from dispatch.transports.base import BOUNDED, FAILED, WEIGHTS_GRAD, X_GRAD, Request
@@ -63,7 +63,7 @@ class UsualDispatches:
         no ``async_op``) made by a compiled call, or None (nothing done: the
         front end takes the call)."""
         engine = self._engine
-        if engine._launches is not self._launches or engine.failure_seen or engine._polled_event is not None:
+        if engine.launches is not self._launches or not engine.quiet:
             return None
         stream = eager_stream(engine)
         if stream is None or self._d.transport.phase_timer is not None:
@@ -92,7 +92,7 @@ class UsualDispatches:
                                f"checks found nothing: {out}")
         ordered_eager(engine, stream)  # recorded by the call
         if len(out) == 3:  # the status words: a failure the kernels recorded
-            engine._raise(*out)
+            raise RuntimeError(failure_message(*out, engine.rank, engine.timeout_ns))
         words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned = out
         counts = made(Counts, words=words, at=at, host=HostCounts(headers, sends, rows_of, mine), received=received,
                       bound=bound, tokens_per_expert=per_expert, tokens_at=tokens_at, staged=staged,
@@ -113,7 +113,7 @@ class UsualDispatches:
         (nothing done: the front end takes the call)."""
         core = getattr(getattr(handle, "counts", None), "core", None)
         engine = self._engine
-        if core is None or handle.owner is not self._d or engine._launches is not self._launches:
+        if core is None or handle.owner is not self._d or engine.launches is not self._launches:
             return None
         stream = eager_stream(engine)
         if stream is None or self._d.transport.phase_timer is not None:
@@ -149,7 +149,8 @@ class UsualDispatches:
         just taken the usual path in Python (the checks passed)."""
         engine, d = self._engine, self._d
         core = getattr(getattr(handle, "counts", None), "core", None)
-        if (core is None or handle.owner is not d or engine._launches is not self._launches or not engine._eager_raw
+        parts = engine.compiled_parts()
+        if (core is None or parts is None or handle.owner is not d or engine.launches is not self._launches
                 or len(self._combines) >= _SIGNATURES):
             return
         dtype, hidden = expert_out.dtype, expert_out.shape[1]
@@ -159,22 +160,22 @@ class UsualDispatches:
             return
         self._learnt.add(signature)
         wire = sum_wire_dtype(d.config.combine_wire, dtype)
-        key = ("to_home", dtype, weight_dtype, wire, hidden, handle.presum.shape[1], weight_dtype)
-        push, home = engine._cached(key, engine._home_compiled)
+        push, home = engine.home_launches(dtype, weight_dtype, wire, hidden, handle.presum.shape[1], weight_dtype)
         if push is None:
             return
         board = d._calls.board
         code = -1 if weights is None else checks.FLOAT_CODES[weights.dtype]
-        self._combines.append(engine._host.UsualCombine(
+        self._combines.append(parts[0].UsualCombine(
             push=push, home=home, hidden=hidden, device=expert_out.device, dtype=dtype, weighted=weights is not None,
-            weights_dtype=weight_dtype or torch.float32, width=handle.presum.shape[1], verb=_COMBINE + agreement.DISPATCHERS * d._calls.place,
+            weights_dtype=weight_dtype or torch.float32, width=handle.presum.shape[1],
+            verb=_COMBINE + agreement.DISPATCHERS * d._calls.place,
             grad_off=agreement.GRAD_OFF, verb_col=plan.HEADER.index("verb"), call_col=plan.HEADER.index("call"),
             along_col=plan.HEADER.index("along"),
             call_row=[*plan.call_header(plan.Ticket(), checks.dtype_code(expert_out, True), hidden, code), 0],
             made_at=d._calls.counter("combine"), board_words=board.words_at, board_count=board.count_at,
             board_slot=board.slot, timeout=d.config.timeout, world=d.world_size, rank=d.rank,
             capacity_tokens=engine.capacity.tokens, capacity_topk=engine.capacity.topk, blocks=engine.blocks,
-            sms=engine.sms, rows_per_block=cuda.THREADS // 32, record=engine._eager_raw))
+            sms=engine.sms, rows_per_block=cuda.THREADS // 32, record=parts[3]))
 
     def learn(self, x, topk_idx, topk_weights, handle, codec) -> None:
         """Compile the usual dispatch of this signature of arguments, whose call
@@ -183,27 +184,28 @@ class UsualDispatches:
         exchange made ``handle``'s tensors and pulled its rows."""
         engine, d = self._engine, self._d
         planned = getattr(getattr(handle, "counts", None), "planned", None)
-        if (planned is None or planned.tokens is None or handle.transport is not d.transport or not engine._eager_raw
-                or not isinstance(codec, CastCodec) or codec.wire != x.dtype):
+        if (planned is None or planned.tokens is None or handle.transport is not d.transport
+                or engine.compiled_parts() is None or not isinstance(codec, CastCodec) or codec.wire != x.dtype):
             return
-        if engine._launches is not self._launches:
-            self._calls, self._combines, self._launches, self._learnt = [], [], engine._launches, set()
+        if engine.launches is not self._launches:
+            self._calls, self._combines, self._launches, self._learnt = [], [], engine.launches, set()
         signature = ("dispatch", x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_weights.dtype)
         if signature in self._learnt:
             return
         self._learnt.add(signature)
         tokens, topk = topk_idx.shape
         wire = plan.weight_wire_dtype(topk_weights.dtype)
-        key = ("counts", tokens, topk, topk_idx.dtype, wire, codec, x.shape[1], 1)
-        fits, layout, counts, words, sizes, compiled, at = engine._cached(key, engine._counts_launches)
+        fits, layout, counts, words, sizes, compiled, at = engine.counts_launches(tokens, topk, topk_idx.dtype, wire,
+                                                                                  codec, x.shape[1])
         width = min(topk, d.num_local_experts)
-        pull = engine._own_pull(codec, x, topk, (width, wire)) if compiled is not None else None
+        pull = engine.own_pull(codec, x, topk, (width, wire)) if compiled is not None else None
         if pull is None:
             return
+        module, row_at, host_words, record = engine.compiled_parts(words)
         board = d._calls.board
         shape, layout_c, counts_c = compiled
         header = plan.header(x, topk_weights, topk, plan.Ticket())
-        usual = engine._host.UsualDispatch(
+        usual = module.UsualDispatch(
             shape=shape, layout=layout_c, counts=counts_c, pull=pull[0], pull_cap=pull[1], pull_min=pull[2],
             rows_per_block=pull[3], hidden=x.shape[1], device=x.device, x_dtype=x.dtype,
             idx_dtype=topk_idx.dtype, weights_dtype=topk_weights.dtype, wire_dtype=wire,
@@ -213,9 +215,8 @@ class UsualDispatches:
             weights_grad_bit=WEIGHTS_GRAD, raise_bits=FAILED | BOUNDED, made_at=d._calls.counter("dispatch"),
             board_words=board.words_at, board_count=board.count_at, board_slot=board.slot, timeout=d.config.timeout,
             row_bytes=d.transport.row_bytes(x), allocator=checks.FREE_MEMORY.compiled is not None,
-            age=checks.FREE_MEMORY_AGE, row_at=engine._zeroed(words).data_ptr(), host_words=engine._host_words,
-            check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens),
-            record=engine._eager_raw)
+            age=checks.FREE_MEMORY_AGE, row_at=row_at, host_words=host_words,
+            check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens), record=record)
         if len(self._calls) == _SIGNATURES:
             self._learnt.discard(self._calls[-1][3])
         self._calls = [(usual, codec, at, signature), *self._calls[: _SIGNATURES - 1]]

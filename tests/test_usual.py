@@ -242,10 +242,9 @@ def _two_ranks(compiled, timeout: float):
     board = Board(words, 2, 0)
     x, idx, w = _inputs(37)
     codec = to_experts_codec("native", x.dtype)
-    key = ("counts", 37, TOPK, idx.dtype, torch.float32, codec, HIDDEN, 1)
-    fits, _, _, words_n, _, launchers, _ = engine._cached(key, engine._counts_launches)
+    fits, _, _, words_n, _, launchers, _ = engine.counts_launches(37, TOPK, idx.dtype, torch.float32, codec, HIDDEN)
     shape, layout, counts = launchers
-    pull = engine._own_pull(codec, x, TOPK, (TOPK, torch.float32))
+    pull = engine.own_pull(codec, x, TOPK, (TOPK, torch.float32))
     fast = compiled.UsualDispatch(
         shape=shape, layout=layout, counts=counts, pull=pull[0], pull_cap=pull[1], pull_min=pull[2],
         rows_per_block=pull[3], hidden=HIDDEN, device=x.device, x_dtype=x.dtype, idx_dtype=idx.dtype,
@@ -333,16 +332,21 @@ def test_the_compiled_combine_agrees_as_the_combine_in_python(on_the_stand_in, c
     thread.join()
     assert what == "planned" and core.call == 1 and core.every_rank_rows and core.rows > 0
     engine.ensure(Capacity(64, TOPK, 0, partial_row_bytes(torch.float32, HIDDEN)))
-    push, home = engine._cached(("to_home", torch.bfloat16, torch.float32, torch.float32, HIDDEN, TOPK, torch.float32),
-                                engine._home_compiled)
+    push, home = engine.home_launches(torch.bfloat16, torch.float32, torch.float32, HIDDEN, TOPK, torch.float32)
     combine = agreement.VERB_CODES["combine"]
     mine = [*plan.call_header(plan.Ticket(), 1, HIDDEN, checks.FLOAT_CODES[torch.float32]), 0]
-    usual_combine = compiled.UsualCombine(
+    fields = dict(
         push=push, home=home, hidden=HIDDEN, device=x.device, dtype=torch.bfloat16, weighted=True,
-        weights_dtype=torch.float32, width=TOPK, verb=combine, grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, along_col=2,
+        weights_dtype=torch.float32, width=TOPK, verb=combine, grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1,
+        along_col=2,
         call_row=mine, made_at=counter.data_ptr() + 8 * combine, board_words=board.words_at,
         board_count=board.count_at, board_slot=Board.slot, timeout=5.0, world=2, rank=0, capacity_tokens=64,
         capacity_topk=TOPK, blocks=8, sms=2, rows_per_block=4, record=0)
+    usual_combine = compiled.UsualCombine(**fields)
+    no_width = {k: v for k, v in fields.items() if k != "width"}
+    for wrong, told in ((dict(fields, smz=2), "unknown fields"), (no_width, "no width")):
+        with pytest.raises(ValueError, match=told):  # (every field by its name, once: as CountsShape's)
+            compiled.UsualCombine(**wrong)
     y, weights = torch.randn(core.rows, HIDDEN).to(torch.bfloat16), torch.rand(core.rows)
     theirs = list(mine)
     theirs[:3] = [combine + agreement.GRAD_OFF, 1, 1]
