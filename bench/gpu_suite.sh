@@ -45,6 +45,13 @@
 #             beside our eager one; its kernels along a cached layout, beside our CUDA graph),
 #             every routing (uniform, Zipf, all to one rank), then DeepEP's own
 #             tests/test_intranode.py (its tuned kernels at 24 SMs, DeepSeek-V3's shape)
+#   eager-deepep  issue 46's eager comparison in one call: DeepEP built (bench/build_deepep.sh, in the
+#             background) while the engine's tests run (tests/test_nvlink.py, tests/test_autograd.py), then
+#             dispatch-bench dispatch on decode and DeepSeek-V3 (uniform routing, native wire): our eager round
+#             trip beside DeepEP's eager one (layout, dispatch with its host read, combine) and NCCL's
+#   host-bound  the eager round trip's host time on every rank, layer by layer (bench/host_layers.py
+#             --world, decode and DeepSeek-V3), each rank pinned to cores of its own near its GPU (--bind),
+#             then the same unpinned
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
 #             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
@@ -195,6 +202,25 @@ for part in "$@"; do
         --variants alltoall --transports nccl,nvlink,nvlink-graph --wires native,fp8 --iters 20 --warmup 5 --out "$RES"
       step 300 deepep-intranode python3 .deepep/tests/test_intranode.py --num-processes "$(nvidia-smi -L | wc -l)"
       export PYTHONPATH=$outer ;;
+    eager-deepep)
+      (bash bench/build_deepep.sh > "$OUT/build-deepep.txt" 2>&1; echo "build-deepep: exit $?" >> "$OUT/build-deepep.txt") &
+      builder=$!
+      step 330 engine-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py tests/test_autograd.py
+      wait "$builder"
+      tail -3 "$OUT/build-deepep.txt" | tee -a "$LOG"
+      outer=$PYTHONPATH
+      export PYTHONPATH=$PWD/.deepep:$PYTHONPATH
+      bench 200 eager-deepep dispatch --shapes decode,deepseek-v3 --routings uniform --variants alltoall \
+        --transports nccl,nvlink,nvlink-graph --wires native --iters 30 --warmup 10 --out "$RES/eager-deepep"
+      export PYTHONPATH=$outer ;;
+    host-bound)
+      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      for bind in --bind ""; do
+        for shape in decode deepseek-v3; do
+          step 100 "host-world-$shape$bind" bash -c 'set -o pipefail; python3 bench/host_layers.py --shape "$2" \
+            --calls 300 --world "$3" $4 | tee -a "$1"' _ "$RES/host-w$gpus.txt" "$shape" "$gpus" "$bind"
+        done
+      done ;;
     soak)
       step 280 soak-nccl python3 bench/soak.py --calls 10000 --transports nccl --out "$RES/soak-nccl"
       step 280 soak-nvlink python3 bench/soak.py --calls 10000 --transports nvlink --out "$RES/soak-nvlink"

@@ -1,6 +1,6 @@
 """Study: where an eager round trip on the NVLink engine spends host time, layer by layer.
 
-    python3 bench/host_layers.py [--shape decode|deepseek-v3] [--calls N] [--world W]
+    python3 bench/host_layers.py [--shape decode|deepseek-v3] [--calls N] [--world W] [--bind]
 
 One GPU, a world of one rank (the engine built directly, as ``bench/engine_one_gpu.py``
 does), or ``--world W`` processes, one a GPU. Times a dispatch + combine with grad
@@ -14,7 +14,8 @@ read's is the one the compiled counts exchange last reported: every round trip
 here takes it, the engine's usual path on a built host module). A clock costs
 about the difference of the two totals divided by the clocks a round trip reads
 (printed). No cProfile: it would add its own cost to every Python call. Rank 0
-prints every rank's.
+prints every rank's. ``--bind`` pins each rank to physical cores of its own near
+its GPU (as a launcher's NUMA binding does), before its process group starts.
 """
 import argparse
 import os
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--shape", default="decode", choices=sorted(SHAPES))
     parser.add_argument("--calls", type=int, default=600)
     parser.add_argument("--world", type=int, default=1, help="processes, one a GPU")
+    parser.add_argument("--bind", action="store_true", help="pin each rank to cores of its own near its GPU")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29563"))
     if args.world > 1:
@@ -43,6 +45,7 @@ def main() -> None:
 
 def _run(rank: int, args) -> None:
     world = args.world
+    bound = _bind(rank, world) if args.bind else "not pinned"
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import dispatch
@@ -105,6 +108,7 @@ def _run(rank: int, args) -> None:
         (usual.UsualDispatches, "_result", "    its result in Python"),
         (nvlink_transport.NVLinkTransport, "planned", "      NVLinkTransport.planned"),
         (dispatcher.TokenDispatcher, "_dispatched", "      TokenDispatcher._dispatched"),
+        (usual, "dispatch_node", "      dispatch's autograd node"),
         (dispatcher.TokenDispatcher, "_plan_dispatch", "  _plan_dispatch"),
         (dispatcher.TokenDispatcher, "_check_dispatch", "    _check_dispatch"),
         (base.Transport, "dispatch_word", "    dispatch_word"),
@@ -161,7 +165,7 @@ def _run(rank: int, args) -> None:
             setattr(owner, name, original)
     clocks = reads[0] / args.calls
     wrapped = statistics.median(walls)
-    mine = dict(plain=plain, python=plain_python, wrapped=wrapped, clocks=clocks,
+    mine = dict(bound=bound, plain=plain, python=plain_python, wrapped=wrapped, clocks=clocks,
                 layers={label: statistics.median(v) / 1e3 for label, v in spent.items()})
     every = [mine]
     if world > 1:
@@ -175,6 +179,7 @@ def _run(rank: int, args) -> None:
         for r, got in enumerate(every):
             wall, cpu, less_every = got["plain"]
             clocks = got["clocks"]
+            print(f"rank {r}: CPUs {got['bound']}")
             print(f"rank {r}: round trip, host wall {wall:.1f} us, thread CPU {cpu:.1f} us, wall less the "
                   f"agreements' waits for the peers too {less_every:.1f} us; with {clocks:.0f} clocks a round trip "
                   f"{got['wrapped']:.1f} us (a clock about {(got['wrapped'] - wall) / max(clocks, 1):.2f} us)")
@@ -188,6 +193,46 @@ def _run(rank: int, args) -> None:
             if any(got["layers"][label] for got in every):  # (the layers the compiled calls step around: none)
                 print("  " + "".join(f"{got['layers'][label]:8.1f}" for got in every) + f"  {label}")
     dist.destroy_process_group()
+
+
+def _bind(rank: int, world: int) -> str:
+    """Pin this process to physical cores of its own near GPU ``rank``: the CPUs
+    of that GPU's NUMA node (sysfs), whole cores (hyperthread siblings together),
+    split among the ranks whose GPUs share the node. Returns what it took."""
+    def near(gpu: int) -> tuple[int, ...]:
+        props = torch.cuda.get_device_properties(gpu)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        with open(f"/sys/bus/pci/devices/{bus}/local_cpulist") as f:
+            return _cpus(f.read())
+
+    try:
+        lists = [near(g) for g in range(world)]
+    except (AttributeError, OSError) as error:
+        return f"not pinned ({type(error).__name__}: {error})"
+    mine = lists[rank]
+    sharing = [g for g in range(world) if lists[g] == mine]
+    cores = {}
+    for cpu in mine:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            cores.setdefault(f.read().strip(), []).append(cpu)
+    cores = sorted(cores.values())
+    size = len(cores) // len(sharing)
+    if size == 0:
+        return f"not pinned (fewer cores near GPU {rank} than ranks beside it)"
+    at = sharing.index(rank) * size
+    cpus = sorted(c for core in cores[at : at + size] for c in core)
+    os.sched_setaffinity(0, cpus)
+    return f"{cpus[0]}-{cpus[-1]} ({len(cpus)} CPUs, {size} cores of the {len(cores)} near GPU {rank})" if \
+        cpus == list(range(cpus[0], cpus[-1] + 1)) else f"{cpus} ({size} cores of the {len(cores)} near GPU {rank})"
+
+
+def _cpus(text: str) -> tuple[int, ...]:
+    """The CPUs of a sysfs CPU list ("0-15,32-47")."""
+    out = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)
 
 
 if __name__ == "__main__":

@@ -27,18 +27,19 @@ reading (``free_bytes``), not through ``checks.device_free_bytes``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from dispatch import agreement, checks, cuda, host, plan
-from dispatch.autograd import combine_node
-from dispatch.codec import CastCodec, sum_wire_dtype
-from dispatch.handle import made
-from dispatch.nvlink_layout import Counts, HostCounts, Planned, failure_message
+from dispatch.autograd import DispatchFn, combine_node, dispatch_node
+from dispatch.codec import CastCodec, sum_wire_dtype, to_experts_codec
+from dispatch.handle import Dispatched, made, with_link
+from dispatch.nvlink_layout import Counts, HostCounts, Planned, WordsAt, failure_message
 from dispatch.nvlink_order import eager_stream, ordered_eager
 from dispatch.streams import Pending
 from dispatch.transports.base import BOUNDED, FAILED, WEIGHTS_GRAD, X_GRAD, Request
+from dispatch.transports.nvlink import NVLinkHandle
 
 if TYPE_CHECKING:
     from dispatch.dispatcher import TokenDispatcher
@@ -53,7 +54,7 @@ class UsualDispatches:
     def __init__(self, dispatcher: "TokenDispatcher") -> None:
         self._d = dispatcher
         self._engine = dispatcher.transport.engine
-        self._calls: list = []  # (UsualDispatch, its codec, WordsAt, signature), newest first
+        self._calls: list = []  # _Learnt, newest first
         self._combines: list = []  # UsualCombine of each signature of rows and weights learnt
         self._launches = None  # the engine's launches they were made from
         self._learnt: set = set()  # the signatures of both (a call the compiled ones did not take is not one)
@@ -69,17 +70,17 @@ class UsualDispatches:
         if stream is None or self._d.transport.phase_timer is not None:
             return None
         host.said_sync()  # (its host read, as torch's sync debug mode asks)
-        for compiled, codec, at, _ in self._calls:
+        for learnt in self._calls:
             try:
-                got = compiled.dispatch(x, topk_idx, topk_weights, stream)
+                got = learnt.compiled.dispatch(x, topk_idx, topk_weights, stream)
             except BaseException:  # (an allocation or launch that failed: its event recorded as the call unwound; or
                 ordered_eager(engine, stream)  # an interrupt in the agreement, before any: one more operation
                 raise  # counted, which at most makes a combine by groups push its pre-sums whole, the same bits)
             if got is not None:
-                return self._result(got, x, topk_idx, topk_weights, codec, at, stream)
+                return self._result(got, x, topk_idx, topk_weights, learnt, stream)
         return None
 
-    def _result(self, got: tuple, x, topk_idx, topk_weights, codec, at, stream: int):
+    def _result(self, got: tuple, x, topk_idx, topk_weights, learnt: "_Learnt", stream: int):
         d, engine = self._d, self._engine
         what, number, out = got[:3]
         if what != "planned":  # stopped at the agreement: raise as it would
@@ -94,18 +95,38 @@ class UsualDispatches:
         if len(out) == 3:  # the status words: a failure the kernels recorded
             raise RuntimeError(failure_message(*out, engine.rank, engine.timeout_ns))
         words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned = out
-        counts = made(Counts, words=words, at=at, host=HostCounts(headers, sends, rows_of, mine), received=received,
-                      bound=bound, tokens_per_expert=per_expert, tokens_at=tokens_at, staged=staged,
-                      planned=None if planned is None else Planned(*planned), core=got[3])
-        if planned is not None and planned[-1] is not None:
-            engine.operations += 1  # the pull's, with the counts exchange's
-        header = headers[d.rank]
-        ticket = plan.Ticket(header[0], number, 0, False, -1, header[plan.HEADER.index("memory_rows")])
-        request = made(Request, owner=d, x=x, topk_idx=topk_idx, topk_weights=topk_weights, ticket=ticket,
-                       check_values=d.config.tuning.check_inputs, at_once=True,
-                       exact_memory_rows=lambda: d._exact_memory_rows(x, ticket))
-        handle, plan_out = d.transport.planned(request, counts)
-        return d._dispatched(x, topk_weights, handle, plan_out, codec, None)
+        if planned is not None:
+            planned = Planned(*planned)
+            if planned.tokens is not None:
+                engine.operations += 1  # the pull's, with the counts exchange's
+        counts = made(Counts, words=words, at=learnt.at, host=HostCounts(headers, sends, rows_of, mine),
+                      received=received, bound=bound, tokens_per_expert=per_expert, tokens_at=tokens_at,
+                      staged=staged, planned=planned, core=got[3])
+        if planned is None or planned.tokens is None:  # not the usual case: the transport's plan goes on
+            header = headers[d.rank]
+            ticket = plan.Ticket(header[0], number, 0, False, -1, header[plan.HEADER.index("memory_rows")])
+            request = made(Request, owner=d, x=x, topk_idx=topk_idx, topk_weights=topk_weights, ticket=ticket,
+                           check_values=d.config.tuning.check_inputs, at_once=True,
+                           exact_memory_rows=lambda: d._exact_memory_rows(x, ticket))
+            handle, plan_out = d.transport.planned(request, counts)
+            return d._dispatched(x, topk_weights, handle, plan_out, learnt.codec, None)
+        # the usual case, planned and pulled: the handle and result the transport's plan and the front end
+        # would make (NVLinkTransport._handle, work.dispatched), from the learnt call's handle
+        handle = object.__new__(NVLinkHandle)
+        handle.__dict__.update(learnt.handle, call=number, num_rows=rows_of[d.rank], x_grad_any=planned.x_grad,
+                               weights_grad_any=planned.weights_grad, has_rows=tuple([n > 0 for n in rows_of]),
+                               counts=counts, presum=planned.presum, slot_k=planned.slot_k, split_matrix=sends,
+                               places=(planned.weights, planned.src_rank, planned.src_token))
+        if torch.is_grad_enabled():
+            tokens, weights, link = dispatch_node(x, topk_weights, d.anchor(x.device), planned.weights,
+                                                  (d, handle, Pending.done(planned.tokens)))
+            handle = with_link(handle, link)
+        else:
+            tokens, weights = DispatchFn.outputs(topk_weights, planned.weights, handle, Pending.done(planned.tokens))
+        row_bytes, sum_wire, hidden = learnt.traffic
+        return made(Dispatched, tokens=tokens, tokens_per_expert=per_expert, tokens_per_expert_host=mine,
+                    weights=weights, src_rank=planned.src_rank, src_token=planned.src_token, handle=handle,
+                    _traffic=lambda: handle.transport.stats(handle, row_bytes, sum_wire, hidden))
 
     def combine(self, expert_out, handle, weights):
         """:meth:`TokenDispatcher.combine`'s result (no ``async_op``) along the
@@ -218,8 +239,33 @@ class UsualDispatches:
             age=checks.FREE_MEMORY_AGE, row_at=row_at, host_words=host_words,
             check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens), record=record)
         if len(self._calls) == _SIGNATURES:
-            self._learnt.discard(self._calls[-1][3])
-        self._calls = [(usual, codec, at, signature), *self._calls[: _SIGNATURES - 1]]
+            self._learnt.discard(self._calls[-1].signature)
+        fields = {name: value for name, value in handle.__dict__.items() if name not in _PER_CALL}
+        traffic = (to_experts_codec(d.config.dispatch_wire, x.dtype).row_bytes(x.shape[1]),
+                   sum_wire_dtype(d.config.combine_wire, x.dtype), x.shape[1])
+        learnt = _Learnt(usual, codec, at, signature, dict(fields, link=None), traffic)
+        self._calls = [learnt, *self._calls[: _SIGNATURES - 1]]
+
+
+class _Learnt(NamedTuple):
+    """A compiled usual dispatch (``UsualDispatch``) and what its results take
+    from the call it was learnt from: the wire codec of x, where its words hold
+    what (``WordsAt``), its signature, the fields of that call's handle that
+    every call of the signature shares (not those of ``_PER_CALL``; no link),
+    and what ``Dispatched.stats`` counts rows by (the dispatch's row bytes on
+    the wire, the combine's sum dtype, H)."""
+
+    compiled: object
+    codec: object
+    at: WordsAt
+    signature: tuple
+    handle: dict
+    traffic: tuple
+
+
+# the handle's fields that differ from call to call of one signature (set by _result)
+_PER_CALL = frozenset(("call", "num_rows", "x_grad_any", "weights_grad_any", "has_rows", "counts", "presum", "slot_k",
+                       "split_matrix", "places", "link"))
 
 
 def usable(dispatcher: "TokenDispatcher") -> bool:
