@@ -46,7 +46,8 @@
 #             every routing (uniform, Zipf, all to one rank), then DeepEP's own
 #             tests/test_intranode.py (its tuned kernels at 24 SMs, DeepSeek-V3's shape)
 #   eager-deepep  issue 46's eager comparison in one call: DeepEP built (bench/build_deepep.sh, in the
-#             background) while the engine's tests run (tests/test_nvlink.py, tests/test_autograd.py), then
+#             background) while the engine's tests run (tests/test_nvlink.py, tests/test_autograd.py, or
+#             those $ENGINE_TESTS names), then
 #             dispatch-bench dispatch on decode and DeepSeek-V3 (uniform routing, native wire): our eager round
 #             trip beside DeepEP's eager one (layout, dispatch with its host read, combine) and NCCL's
 #   host-bound  the eager round trip's host time on every rank, layer by layer (bench/host_layers.py
@@ -205,7 +206,8 @@ for part in "$@"; do
     eager-deepep)
       (bash bench/build_deepep.sh > "$OUT/build-deepep.txt" 2>&1; echo "build-deepep: exit $?" >> "$OUT/build-deepep.txt") &
       builder=$!
-      step 330 engine-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvlink.py tests/test_autograd.py
+      # shellcheck disable=SC2086
+      step 330 engine-tests python3 -m pytest -q -p no:cacheprovider ${ENGINE_TESTS:-tests/test_nvlink.py tests/test_autograd.py}
       wait "$builder"
       tail -3 "$OUT/build-deepep.txt" | tee -a "$LOG"
       outer=$PYTHONPATH

@@ -226,6 +226,7 @@ def time_phases(
     warmup: int,
     dev: torch.device,
     sections: dict[str, tuple[str, ...]] | None = None,
+    whole: bool = False,
 ) -> list[dict[str, float]]:
     """Run ``step(timer)`` ``warmup`` times untimed, then ``iters`` times timed.
 
@@ -233,7 +234,11 @@ def time_phases(
     from the start to the end of the step, is added, and each of ``sections``
     (name -> the phases it sums, e.g. ``dispatch``) on each rank before ranks
     are compared. Each timed run starts after a barrier; each figure is the
-    slowest rank's. Returns one {name: ms} dict per timed run.
+    slowest rank's. Returns one {name: ms} dict per timed run. ``whole``: each
+    ``"total"`` is that of a run of ``step(None)`` (no marks: a mark adds host
+    work, and a dispatcher with a phase timer leaves its compiled usual calls
+    aside), ``warmup`` and ``iters`` more runs, the phases still from the
+    marked ones.
     """
     for _ in range(warmup):
         step(PhaseTimer(dev))
@@ -250,6 +255,16 @@ def time_phases(
         for name, members in (sections or {}).items():
             phases[name] = sum(phases.get(m, 0.0) for m in members)
         runs.append(phases)
+    if whole:
+        for _ in range(warmup):
+            step(None)
+        for phases in runs:
+            dist.barrier()
+            timer = PhaseTimer(dev)
+            timer.start()
+            step(None)
+            timer.mark("total")
+            phases["total"] = timer.phases()["total"]
     names = sorted({name for phases in runs for name in phases})
     table = torch.tensor([[phases.get(n, 0.0) for n in names] for phases in runs], dtype=torch.float64)
     table = table.to(dev)

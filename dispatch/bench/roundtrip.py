@@ -314,7 +314,7 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
         d.combine(got.tokens, got.handle, weights=got.weights)
         d.phase_timer = None
 
-    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
+    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS, whole=True)
     wire = cfg.dispatch_wire if cfg.combine_wire == "native" else f"{cfg.dispatch_wire}/{cfg.combine_wire}"
     name = f"ours {cfg.variant}" + ("/nvlink" if cfg.transport == "nvlink" else "")
     return _row(name, cfg.variant, wire, shape, routing, runs, wrong, traffic, PHASES)
@@ -413,7 +413,7 @@ def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
     def step(timer):
         mb.megatron_round_trip(md, x, routing_map, probs, timer=timer)
 
-    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
+    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS, whole=True)
     return _row(f"megatron {kind}", kind, "native", shape, routing, runs, wrong, traffic, PHASES)
 
 
@@ -428,14 +428,14 @@ def _deepep(buffer, shape, routing, x, topk_idx, topk_weights, args, dev) -> lis
     def step(timer):
         db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts, timer=timer)
 
-    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS)
+    runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS, whole=True)
     eager = _row(DEEPEP_EAGER, "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
     cached = wrong_rows(db.deepep_cached_round_trip(buffer, x, layout), x, topk_weights)
 
     def cached_step(timer):
         db.deepep_cached_round_trip(buffer, x, layout, timer=timer)
 
-    runs = common.time_phases(cached_step, args.iters, args.warmup, dev, SECTIONS)
+    runs = common.time_phases(cached_step, args.iters, args.warmup, dev, SECTIONS, whole=True)
     kernels = _row(DEEPEP_CACHED, "deepep", "native", shape, routing, runs, cached, {}, PHASES)
     return [eager, kernels]
 
@@ -548,7 +548,8 @@ def summary(rows: list[dict]) -> str:
 
 def _notes_on_columns(rows: list[dict]) -> list[str]:
     """What the summary and the written report say of a column left empty, and of the fair pairs."""
-    notes = []
+    notes = ["round trip: each run timed whole, without the phase marks (which add host work, and set the "
+             "engine's compiled usual calls aside); dispatch and combine: from runs with the marks"]
     if not any(r["name"] == "megatron alltoall" for r in rows):
         notes.append("vs megatron a2a: - because Megatron-Core's alltoall dispatcher did not run here: it runs on GPUs "
                      "where megatron-core imports, unless --baselines none")
