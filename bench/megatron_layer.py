@@ -665,6 +665,8 @@ def time_layers(args: argparse.Namespace, seed: int = 99) -> dict:
             layer.token_dispatcher = dispatcher
             if getattr(dispatcher, "exchange", None) is not None:  # ours with the experts by groups
                 layer.routed_experts_compute = dispatcher.experts_by_groups
+            elif hasattr(dispatcher, "guard"):  # ours, the layer's own experts stage guarded (as install does)
+                dispatcher.guard(layer)
             else:
                 vars(layer).pop("routed_experts_compute", None)
             layer.zero_grad(set_to_none=True)

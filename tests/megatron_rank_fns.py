@@ -413,6 +413,51 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
     return results
 
 
+def megatron_experts_raise(raising: int, overlap: int, seed: int = 3):
+    """A real MoELayer over the world with our dispatcher installed (``overlap``:
+    groups of experts, or False), whose experts raise on rank ``raising`` only: every rank's
+    forward raises (returned: its exception's type and message); then a forward and
+    backward of the layer on every rank, its output's sum returned, the ranks still
+    in step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dispatch.bench.megatron_baseline import _ensure_parallel_state
+        from dispatch.integrations.megatron import install
+
+        from bench_scripts import load
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        _ensure_parallel_state(world)
+        config = load("megatron_layer").moe_config(hidden=16, ffn=32, experts=2 * world, topk=2, dtype="fp32",
+                                                   use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
+        layer = _build_layer(config, ProcessGroupCollection.use_mpu_process_groups())
+    _fill(layer, rank * 2, seed)
+    device = current_device()
+    layer = layer.to(device)
+    install(layer, overlap=overlap, timeout=60.0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"rank {rank}'s experts broke")
+
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(seed + rank)).to(device).requires_grad_()
+    mlps = layer.experts.local_experts  # (each expert's MLP: what the layer's experts run, whole or by groups)
+    if rank == raising:
+        for mlp in mlps:
+            mlp.forward = broken
+    try:
+        layer(x)
+        raised = None
+    except Exception as error:
+        raised = (type(error).__name__, str(error))
+    for mlp in mlps:
+        vars(mlp).pop("forward", None)
+    out, _ = layer(x)
+    out.sum().backward()
+    return raised, float(out.sum())
+
+
 def run_doc_snippet(snippet: str):
     """Execute the README/docs snippet on this rank (parallel state reset first); return the
     loss and how many dispatchers it installed."""
@@ -478,7 +523,8 @@ def run_doc_snippet_on_cpu(snippet: str, grads: bool = False):
         missing = [n for n, p in model.named_parameters() if p.grad is None]
         if grads:
             named = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            by_groups = sum("routed_experts_compute" in vars(m) for m in model.modules() if hasattr(m, "token_dispatcher"))
+            by_groups = sum(vars(m).get("routed_experts_compute") == m.token_dispatcher.experts_by_groups
+                            for m in model.modules() if hasattr(m, "token_dispatcher"))
             return float(scope["loss"]), len(scope["dispatchers"]), dtypes, missing, named, by_groups
         return float(scope["loss"]), len(scope["dispatchers"]), dtypes, missing
     finally:

@@ -231,3 +231,23 @@ def test_overlap_refusals_name_the_setting(worlds, overlap, extra, words):
 
     for result in worlds(2).run(megatron_rank_fns.megatron_overlap_refusal, [(8, overlap, extra)] * 2):
         assert result is not None and result[0] == "ValueError" and words in result[1], result
+
+
+@pytest.mark.parametrize("overlap", [False, 2])
+def test_one_ranks_experts_raising_stops_every_rank_at_once(worlds, overlap):
+    """The layer's experts raise on one rank only (between its dispatch and its
+    combine): that rank raises its error, its peers PeerRefused naming it, in
+    their combine, at once (not after DispatchConfig.timeout); the next forward
+    and backward run on every rank, in step."""
+    import megatron_rank_fns
+
+    world_size, raising = 2, 1
+    results = worlds(world_size).run(megatron_rank_fns.megatron_experts_raise, [(raising, overlap)] * world_size)
+    for rank, (raised, total) in enumerate(results):
+        assert raised is not None, rank
+        name, message = raised
+        if rank == raising:
+            assert (name, message) == ("RuntimeError", f"rank {rank}'s experts broke"), raised
+        else:
+            assert name == "PeerRefused" and f"rank(s) [{raising}]" in message, raised
+        assert total == total  # (not NaN: the next round trip ran)

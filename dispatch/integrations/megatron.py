@@ -205,6 +205,12 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
             it on.
         **options: the engine's options (fields of :class:`dispatch.DispatchConfig`
             other than ``num_experts``), e.g. ``dispatch_wire="bf16"``.
+    Where the layer's experts raise on one rank (between its dispatch and its
+    combine), that rank raises their error and its peers ``dispatch.PeerRefused``
+    in their combine, at once (``MegatronDispatcher.guard``; by groups,
+    ``MoEExchange``); not where expert tensor parallelism's own collective in
+    ``combine_preprocess`` is what waits for it.
+
     Returns:
         The new dispatcher, also set as ``moe_layer.token_dispatcher``.
     Raises:
@@ -229,8 +235,8 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
         dispatcher.set_shared_experts(shared)
     if groups:
         dispatcher.pipeline(moe_layer, groups)
-    else:  # the layer's own experts stage again, where an earlier install(overlap=...) replaced it
-        vars(moe_layer).pop("routed_experts_compute", None)
+    else:  # the layer's own experts stage, guarded (in place of an earlier install's)
+        dispatcher.guard(moe_layer)
     moe_layer.token_dispatcher = dispatcher
     return dispatcher
 

@@ -471,6 +471,27 @@ class MegatronDispatcher:
                 ) from exc
             raise
 
+    def guard(self, moe_layer) -> None:
+        """Make ``moe_layer``'s experts stage (``MoELayer.routed_experts_compute``,
+        between this rank's dispatch and its combine) refuse the round trip's
+        combine where it raises (``install``; by groups, ``MoEExchange`` does
+        so itself): the rank takes part in that combine's agreement marked
+        refused, so that every peer raises :class:`dispatch.PeerRefused` in its
+        combine at once, naming it, instead of waiting for it until the timeout;
+        then it raises its own error. The round trip is dropped."""
+        compute = type(moe_layer).routed_experts_compute.__get__(moe_layer)
+
+        def routed_experts_compute(hidden_states, probs):
+            try:
+                return compute(hidden_states, probs)
+            except Exception as error:
+                state, self._in_flight = self._in_flight, None
+                if state is None or not state.dispatched:  # no combine of this rank's dispatch ahead
+                    raise
+                self.engine.refuse("combine", state.dispatched[0].handle, error)  # (raises error)
+
+        moe_layer.routed_experts_compute = routed_experts_compute
+
     def pipeline(self, moe_layer, groups: int) -> None:
         """Run ``moe_layer``'s experts by ``groups`` groups of local experts as their
         rows land (``install(overlap=...)``, which checks the layer first; see the
