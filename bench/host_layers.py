@@ -197,16 +197,19 @@ def _run(rank: int, args) -> None:
 
 def _bind(rank: int, world: int) -> str:
     """Pin this process to physical cores of its own near GPU ``rank``: the CPUs
-    of that GPU's NUMA node (sysfs), whole cores (hyperthread siblings together),
-    split among the ranks whose GPUs share the node. Returns what it took."""
+    of that GPU's NUMA node (sysfs) that the process may use, whole cores
+    (hyperthread siblings together), split among the ranks whose GPUs share the
+    node. Returns what it took (or why it did not pin). (Threads started before,
+    by CUDA's initialisation, keep their own.)"""
     def near(gpu: int) -> tuple[int, ...]:
         props = torch.cuda.get_device_properties(gpu)
         bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         with open(f"/sys/bus/pci/devices/{bus}/local_cpulist") as f:
             return _cpus(f.read())
 
+    allowed = os.sched_getaffinity(0)
     try:
-        lists = [near(g) for g in range(world)]
+        lists = [tuple(c for c in near(g) if c in allowed) for g in range(world)]
     except (AttributeError, OSError) as error:
         return f"not pinned ({type(error).__name__}: {error})"
     mine = lists[rank]
@@ -221,7 +224,10 @@ def _bind(rank: int, world: int) -> str:
         return f"not pinned (fewer cores near GPU {rank} than ranks beside it)"
     at = sharing.index(rank) * size
     cpus = sorted(c for core in cores[at : at + size] for c in core)
-    os.sched_setaffinity(0, cpus)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as error:
+        return f"not pinned ({error})"
     return f"{cpus[0]}-{cpus[-1]} ({len(cpus)} CPUs, {size} cores of the {len(cores)} near GPU {rank})" if \
         cpus == list(range(cpus[0], cpus[-1] + 1)) else f"{cpus} ({size} cores of the {len(cores)} near GPU {rank})"
 

@@ -206,7 +206,8 @@ class UsualDispatches:
         engine, d = self._engine, self._d
         planned = getattr(getattr(handle, "counts", None), "planned", None)
         if (planned is None or planned.tokens is None or handle.transport is not d.transport
-                or engine.compiled_parts() is None or not isinstance(codec, CastCodec) or codec.wire != x.dtype):
+                or engine.compiled_parts() is None or not isinstance(codec, CastCodec) or codec.wire != x.dtype
+                or handle.__dict__.keys() != _PER_CALL | _SHARED):  # (a field neither names: not made in _result)
             return
         if engine.launches is not self._launches:
             self._calls, self._combines, self._launches, self._learnt = [], [], engine.launches, set()
@@ -240,7 +241,7 @@ class UsualDispatches:
             check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens), record=record)
         if len(self._calls) == _SIGNATURES:
             self._learnt.discard(self._calls[-1].signature)
-        fields = {name: value for name, value in handle.__dict__.items() if name not in _PER_CALL}
+        fields = {name: value for name, value in handle.__dict__.items() if name in _SHARED}
         traffic = (to_experts_codec(d.config.dispatch_wire, x.dtype).row_bytes(x.shape[1]),
                    sum_wire_dtype(d.config.combine_wire, x.dtype), x.shape[1])
         learnt = _Learnt(usual, codec, at, signature, dict(fields, link=None), traffic)
@@ -263,9 +264,13 @@ class _Learnt(NamedTuple):
     traffic: tuple
 
 
-# the handle's fields that differ from call to call of one signature (set by _result)
+# the handle's fields that differ from call to call of one signature (set by _result), and those that every
+# call of a signature shares (taken from the learnt call's handle: its dispatcher and transport, the signature's
+# device, T and K, and what the usual case leaves None)
 _PER_CALL = frozenset(("call", "num_rows", "x_grad_any", "weights_grad_any", "has_rows", "counts", "presum", "slot_k",
                        "split_matrix", "places", "link"))
+_SHARED = frozenset(("owner", "transport", "device", "num_tokens", "topk", "max_rows", "pad_blocks", "pad_index",
+                     "group_experts", "group_rows", "group_bound"))
 
 
 def usable(dispatcher: "TokenDispatcher") -> bool:

@@ -235,13 +235,16 @@ def time_phases(
     (name -> the phases it sums, e.g. ``dispatch``) on each rank before ranks
     are compared. Each timed run starts after a barrier; each figure is the
     slowest rank's. Returns one {name: ms} dict per timed run. ``whole``: each
-    ``"total"`` is that of a run of ``step(None)`` (no marks: a mark adds host
-    work, and a dispatcher with a phase timer leaves its compiled usual calls
-    aside), ``warmup`` and ``iters`` more runs, the phases still from the
-    marked ones.
+    timed run is followed, after a barrier, by a run of ``step(None)`` (no
+    marks: a mark adds host work, and a dispatcher with a phase timer leaves
+    its compiled usual calls aside), whose time is the run's ``"total"``; the
+    marked run's is ``"marked"`` (the two in turns, so that both see the same
+    drift; warmup likewise).
     """
     for _ in range(warmup):
         step(PhaseTimer(dev))
+        if whole:
+            step(None)
     runs = []
     for _ in range(iters):
         dist.barrier()
@@ -252,19 +255,17 @@ def time_phases(
         phases = timer.phases()
         phases["total"] = sum(phases.values())
         del phases["_tail"]
-        for name, members in (sections or {}).items():
-            phases[name] = sum(phases.get(m, 0.0) for m in members)
-        runs.append(phases)
-    if whole:
-        for _ in range(warmup):
-            step(None)
-        for phases in runs:
+        if whole:
+            phases["marked"] = phases["total"]
             dist.barrier()
             timer = PhaseTimer(dev)
             timer.start()
             step(None)
             timer.mark("total")
             phases["total"] = timer.phases()["total"]
+        for name, members in (sections or {}).items():
+            phases[name] = sum(phases.get(m, 0.0) for m in members)
+        runs.append(phases)
     names = sorted({name for phases in runs for name in phases})
     table = torch.tensor([[phases.get(n, 0.0) for n in names] for phases in runs], dtype=torch.float64)
     table = table.to(dev)

@@ -452,6 +452,7 @@ def _row(name, variant, wire, shape, routing, runs, wrong, traffic, phases) -> d
         "routing": routing,
         "world_size": dist.get_world_size(),
         "round_trip_ms": common.spread([r["total"] for r in runs]),
+        **({"round_trip_marked_ms": common.spread([r["marked"] for r in runs])} if "marked" in runs[0] else {}),
         "dispatch_ms": common.spread(dispatch_ms),
         "combine_ms": common.spread(combine_ms),
         "phases_ms": {p: common.spread([r[p] for r in runs])["median"] for p in phases if p in runs[0]},
@@ -549,7 +550,8 @@ def summary(rows: list[dict]) -> str:
 def _notes_on_columns(rows: list[dict]) -> list[str]:
     """What the summary and the written report say of a column left empty, and of the fair pairs."""
     notes = ["round trip: each run timed whole, without the phase marks (which add host work, and set the "
-             "engine's compiled usual calls aside); dispatch and combine: from runs with the marks"]
+             "engine's compiled usual calls aside); dispatch and combine: from runs with the marks, taken in turns "
+             "with those"]
     if not any(r["name"] == "megatron alltoall" for r in rows):
         notes.append("vs megatron a2a: - because Megatron-Core's alltoall dispatcher did not run here: it runs on GPUs "
                      "where megatron-core imports, unless --baselines none")

@@ -155,7 +155,8 @@ rows in the same order, and the sums go home in the same order. Not taken (a
 ValueError naming them): expert tensor parallelism, shared experts overlapped
 with the exchange, padding to capacity or for quantization, CUDA graphs of the MoE
 stages, Megatron's own EP overlap, delayed weight gradients and MoE layer
-recompute. ``install(moe_layer)`` again puts the layer's own stage back.
+recompute. ``install(moe_layer)`` again puts the layer's own stage back (guarded:
+``MegatronDispatcher.guard``).
 
 The engine's own options (``variant``, ``dispatch_wire``, ``combine_wire``, the
 gradient wires, ``check_inputs``, ...) are the fields of

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -478,12 +479,19 @@ class MegatronDispatcher:
         so itself): the rank takes part in that combine's agreement marked
         refused, so that every peer raises :class:`dispatch.PeerRefused` in its
         combine at once, naming it, instead of waiting for it until the timeout;
-        then it raises its own error. The round trip is dropped."""
-        compute = type(moe_layer).routed_experts_compute.__get__(moe_layer)
+        then it raises its own error. The round trip is dropped. (The layer is
+        held weakly: no reference cycle keeps it alive. A failure outside that
+        stage, of shared experts run beside the exchange say, is not covered;
+        nor a ``MoELayer`` without the stage, from an older Megatron-Core.)"""
+        compute = getattr(type(moe_layer), "routed_experts_compute", None)
+        vars(moe_layer).pop("routed_experts_compute", None)
+        if compute is None:
+            return
+        layer = weakref.ref(moe_layer)
 
         def routed_experts_compute(hidden_states, probs):
             try:
-                return compute(hidden_states, probs)
+                return compute(layer(), hidden_states, probs)
             except Exception as error:
                 state, self._in_flight = self._in_flight, None
                 if state is None or not state.dispatched:  # no combine of this rank's dispatch ahead
