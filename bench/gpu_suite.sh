@@ -50,7 +50,7 @@
 #             those $ENGINE_TESTS names), then
 #             dispatch-bench dispatch on decode and DeepSeek-V3 (uniform routing, native wire): our eager round
 #             trip beside DeepEP's eager one (layout, dispatch with its host read, combine) and NCCL's
-#             ($EAGER_ITERS timed runs each, default 30)
+#             ($EAGER_ITERS timed runs each, default 30; $EAGER_SHAPES, and $EAGER_FLAGS such as --no-grad)
 #   host-bound  the eager round trip's host time on every rank, layer by layer (bench/host_layers.py
 #             --world, decode and DeepSeek-V3), each rank pinned to cores of its own near its GPU (--bind),
 #             then the same unpinned
@@ -213,9 +213,10 @@ for part in "$@"; do
       tail -3 "$OUT/build-deepep.txt" | tee -a "$LOG"
       outer=$PYTHONPATH
       export PYTHONPATH=$PWD/.deepep:$PYTHONPATH
-      bench 200 eager-deepep dispatch --shapes decode,deepseek-v3 --routings uniform --variants alltoall \
-        --transports nccl,nvlink,nvlink-graph --wires native --iters "${EAGER_ITERS:-30}" --warmup 10 \
-        --out "$RES/eager-deepep"
+      # shellcheck disable=SC2086
+      bench 200 eager-deepep dispatch --shapes "${EAGER_SHAPES:-decode,deepseek-v3}" --routings uniform \
+        --variants alltoall --transports nccl,nvlink,nvlink-graph --wires native --iters "${EAGER_ITERS:-30}" \
+        --warmup 10 ${EAGER_FLAGS:-} --out "$RES/eager-deepep"
       export PYTHONPATH=$outer ;;
     host-bound)
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")

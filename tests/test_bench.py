@@ -40,6 +40,18 @@ def test_dispatch_run_writes_results(tmp_path):
 
 
 @world_of_two
+def test_dispatch_runs_under_no_grad(tmp_path):
+    """--no-grad: every row under torch.no_grad (inference), said in the results."""
+    argv = ["dispatch", "--shapes", "cpu-decode", "--routings", "uniform", "--variants", "alltoall", "--wires",
+            "native", "--baselines", "none", "--transports", "nccl", "--world-size", "2", "--iters", "2",
+            "--warmup", "1", "--no-grad", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "dispatch-w2.json").read_text())
+    assert result["grad"] is False and [r["wrong"] for r in result["rows"]] == [0]
+    assert "under torch.no_grad" in (tmp_path / "dispatch-w2.md").read_text().splitlines()[0]
+
+
+@world_of_two
 def test_auto_is_timed_in_turns_against_the_fastest_of_its_wire(tmp_path):
     argv = ["dispatch", "--shapes", "cpu-decode", "--routings", "uniform", "--variants", "alltoall,allgather,auto",
             "--wires", "native", "--baselines", "none", "--transports", "nccl", "--world-size", "2", "--iters", "3",

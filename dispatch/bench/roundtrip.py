@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bytes per tier; default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="token dtype (default bf16)")
     parser.add_argument("--no-check", action="store_true", help="DispatchConfig.from_options(check_inputs=False)")
+    parser.add_argument("--no-grad", action="store_true",
+                        help="every row under torch.no_grad(), as inference runs (no autograd nodes)")
     parser.add_argument("--baselines", choices=["auto", "none"], default="auto",
                         help="auto: Megatron-Core's dispatchers too, on GPUs, when megatron-core imports; "
                         "DeepEP's intranode kernels when deep_ep imports (bf16)")
@@ -161,6 +163,11 @@ def wrong_rows(out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, l
 
 def run(args: argparse.Namespace) -> dict | None:
     """Collective: every configuration on this world; rank 0 returns {"rows": [...]}."""
+    with torch.set_grad_enabled(not args.no_grad):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict | None:
     dev = common.device()
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[args.dtype]
@@ -221,7 +228,8 @@ def run(args: argparse.Namespace) -> dict | None:
                 for row in _deepep(dispatchers["deepep"], shape, routing, x, topk_idx, topk_weights, args, dev):
                     _beside_its_pair(rows, start, row)
                     progress.step(f"{shape.name} {routing} {row['name']}", _brief(row))
-    result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes}
+    result = {"rows": rows, "world_size": world, "dtype": args.dtype, "nodes": args.nodes,
+              "grad": torch.is_grad_enabled()}
     return result if rank == 0 else None
 
 
@@ -569,7 +577,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
     tier = ""
     if nodes > 1:
         tier = f", as {nodes} nodes x {world // nodes}"
-    title = f"dispatch + combine, W={world}{tier}, {result['dtype']} tokens, {where}"
+    title = (f"dispatch + combine, W={world}{tier}, {result['dtype']} tokens, {where}"
+             + ("" if result.get("grad", True) else ", under torch.no_grad"))
     stem = f"dispatch-w{world}" + (f"-{nodes}nodes" if nodes > 1 else "")
     notes = [
         "Times: median over the timed runs, the slowest rank's per run. Megatron-Core's six stages "
