@@ -27,8 +27,8 @@
 #             bench/nvshmem_device_probe.py (a kernel of ours on NVSHMEM's device API, in torch's instance)
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
-#             then bench/agreement_probe.py (what a call's agreement costs on the host), then the eager
-#             round trip's host time on every rank (bench/host_layers.py --world: less its waits)
+#             then bench/agreement_probe.py (what a call's agreement costs on the host); the eager round
+#             trip's host time on every rank is host-bound's
 #   one-gpu   on one GPU (no second one lent): bench/engine_one_gpu.py, the engine at W = 1 held
 #             bitwise against NCCL, the host cost of a round trip's pieces and the NCCL plan's
 #             graphs, a host profile, the captured round trip's GPU time (every SM, 24 blocks; alone
@@ -173,11 +173,7 @@ for part in "$@"; do
             --shapes decode,deepseek-v3 --iters 30 --warmup 5
         done
       done
-      step 120 agreement-probe python3 bench/agreement_probe.py
-      for shape in decode deepseek-v3; do  # the eager round trip's host time on every local GPU's rank
-        step 150 "host-world-$shape" python3 bench/host_layers.py --shape "$shape" --calls 300 \
-          --world "$(python3 -c 'import torch; print(torch.cuda.device_count())')"
-      done ;;
+      step 120 agreement-probe python3 bench/agreement_probe.py ;;
     one-gpu)
       against=()
       [ -d .wt/base ] && against=(--against .wt/base)
