@@ -898,6 +898,41 @@ def test_a_failure_is_raised_at_one_dispatch_on_every_rank(worlds):
     assert all("rank 0 receives more rows than its max_rows" in message for _, _, message in got), got
 
 
+def _padded_after_a_failure(x, topk_idx, topk_weights, config):
+    """A dispatch with max_rows fails (rank 0 over its max_rows) and check()
+    raises it; then a pad_to_capacity dispatcher on the same engine: its
+    dispatch raises on every rank (the engine stays failed), as any other
+    dispatcher's would. Returns what each step raised."""
+    from world import current_device
+
+    device = current_device()
+    rank = torch.distributed.get_rank()
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=5.0))
+    padded = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink", timeout=5.0,
+                                                                  capacity_factor=1.0, pad_to_capacity=True))
+    d.dispatch(x, topk_idx, topk_weights, max_rows=1 if rank == 0 else 4096)
+    torch.cuda.synchronize()
+    seen = []
+    for step in (d.check, lambda: padded.dispatch(x, topk_idx, topk_weights)):
+        try:
+            step()
+            seen.append(None)
+        except RuntimeError as exc:
+            seen.append(str(exc))
+    return seen
+
+
+@needs_engine
+def test_a_padded_dispatch_after_a_failure_raises_on_every_rank(worlds):
+    routing = make_routing(WORLD, 4, 2, [64, 64], "random", seed=2)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=0)
+    got = _run(worlds, _padded_after_a_failure, routing, xs, ws, dict(num_experts=routing.num_experts))
+    for checked, padded in got:
+        assert checked is not None and "rank 0 receives more rows than its max_rows" in checked, got
+        assert padded is not None and "max_rows" in padded, got  # the failure seen again, or found by a rank
+
+
 def _bounded_mistakes(x, topk_idx, topk_weights, config, case):
     """One rank's mistake with max_rows on the engine, and what each rank
     raised (type, message) where, or what it got: ``mixed``, max_rows on

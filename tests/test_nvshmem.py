@@ -155,6 +155,31 @@ def test_a_bounded_failure_moves_nothing_and_raises_at_the_next_host_read(worlds
     assert len({seen["check"] for seen in results}) == 1  # every rank alike
 
 
+def padded_after_a_failure(x, topk_idx, topk_weights, seen_rank):
+    """A pad_to_capacity dispatch where ``seen_rank`` alone has seen an earlier
+    dispatch fail (``Transport.seen_failed``; on the engine a failure of another
+    dispatcher's): what each rank raised, or None. Every rank's word travels in
+    the agreement that carries its T, so every rank raises there alike."""
+    import torch.distributed as dist
+
+    d = _dispatcher(dict(num_experts=4, capacity_factor=1.0, pad_to_capacity=True), True)
+    if dist.get_rank() == seen_rank:
+        d.transport.seen_failed = lambda bounded: True
+    try:
+        d.dispatch(x, topk_idx, topk_weights)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_padded_dispatch_raises_on_every_rank_where_one_has_seen_a_failure(worlds):
+    gen = torch.Generator().manual_seed(5)
+    args = [(torch.randn(6, 8, generator=gen), torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]),
+             torch.rand(6, 2, generator=gen), 1) for _ in range(2)]
+    raised = worlds(2).run(padded_after_a_failure, args)
+    assert all(r is not None and "rank(s) [1] found it" in r for r in raised), raised
+
+
 def through_the_plan_kernels(fn, *args):
     """``fn(*args)`` with the bounded plan settled and padded by its Triton
     kernels (``bounded_plan.settle_triton``, ``pad_triton``; Triton's

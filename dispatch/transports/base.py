@@ -42,6 +42,7 @@ from dispatch.streams import Pending, PendingGroups
 _FAILED = plan.HEADER.index("failed")
 # the bits of a rank's word in a dispatch's agreement (``Transport.dispatch_word``)
 BOUNDED, X_GRAD, WEIGHTS_GRAD, FAILED = 1, 2, 4, 8
+WORD_SPAN = 2 * FAILED  # a word is below it
 
 
 def grads_of(words: tuple[int, ...]) -> tuple[bool, bool]:
