@@ -110,6 +110,42 @@ def _after_preprocess(d, h, w, x, p, grad_out, log: list) -> dict:
     return {"dispatch_slots": calls, **_stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)}
 
 
+def shared_experts_raise(raising: int, first: tuple, second: tuple, num_experts: int, topk: int):
+    """Shared experts run beside the exchange (``RecordingSharedExperts``) whose
+    fc1 raises on rank ``raising`` only, right after its dispatch: what each rank
+    raised in that round trip (its type and message); then a whole round trip on
+    the same dispatcher, every rank in step (``first``, ``second``: (hidden,
+    routing_map, probs, grad_out) of each)."""
+    device = current_device()
+    rank = dist.get_rank()
+    per_rank = num_experts // dist.get_world_size()
+    d = MegatronDispatcher(per_rank, list(range(rank * per_rank, (rank + 1) * per_rank)),
+                           SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk), SimpleNamespace(ep=None),
+                           options=dict(timeout=30.0))
+    log: list = []
+    shared = RecordingSharedExperts(first[0].shape[-1], 11, log, device)
+    d.set_shared_experts(shared)
+    if rank == raising:
+        def broken(overlapped_comm_output=None):
+            raise RuntimeError(f"rank {rank}'s shared experts broke")
+
+        shared.linear_fc1_forward_and_act = broken
+    hidden, routing_map, probs, _ = first
+    try:
+        h, w = d.dispatch_preprocess(hidden.to(device), routing_map.to(device), probs.to(device))
+        tokens, permuted_probs = d.token_dispatch(h, w)
+        tokens, _, permuted_probs = d.dispatch_postprocess(tokens, permuted_probs)
+        d.combine_postprocess(d.token_combine(d.combine_preprocess(tokens * permuted_probs.unsqueeze(-1))))
+        raised = None
+    except Exception as error:
+        raised = (type(error).__name__, str(error))
+    vars(shared).pop("linear_fc1_forward_and_act", None)
+    hidden, routing_map, probs, grad_out = second
+    x, p = hidden.to(device).requires_grad_(), probs.to(device).requires_grad_()
+    h, w = d.dispatch_preprocess(x, routing_map.to(device), p)
+    return raised, _after_preprocess(d, h, w, x, p, grad_out, log)["out"]
+
+
 def with_slot_limit(limit: int, round_trip: str, *args):
     """``round_trip(*args)`` (a function of this module, by name) with either transport
     moving at most ``limit`` slots per token (the NVLink engine moves 32, NCCL any)."""

@@ -331,6 +331,21 @@ def test_shared_experts_run_beside_the_exchange(worlds):
         torch.testing.assert_close(got["x_grad"], xl.grad, rtol=1e-12, atol=1e-12)
 
 
+def test_shared_experts_raising_on_one_rank_stop_every_rank_at_once(worlds):
+    """Shared experts beside the exchange that raise on rank 1 after its dispatch:
+    rank 1 raises their error, rank 0 ``PeerRefused`` naming it in its combine
+    (not the timeout); the next round trip runs in step, as on a fresh dispatcher."""
+    routing = [make_routing(2, 2, 2, [6, 4], "random", seed=s) for s in (8, 9)]
+    inputs = [[rank_inputs(rt, r, 4) for rt in routing] for r in range(2)]
+    got = worlds(2).run(megatron_rank_fns.shared_experts_raise, [(1, *inp, 4, 2) for inp in inputs])
+    want = worlds(2).run(megatron_rank_fns.stage_round_trip, [(*inp[1], 4, 2, {}, 11) for inp in inputs])
+    (kind0, told0), (kind1, told1) = got[0][0], got[1][0]
+    assert kind1 == "RuntimeError" and "rank 1's shared experts broke" in told1, got[1][0]
+    assert kind0 == "PeerRefused" and "rank(s) [1]" in told0 and "refused combine" in told0, got[0][0]
+    for (_, out), w in zip(got, want):
+        assert torch.equal(out, w["out"])
+
+
 @pytest.mark.parametrize("world_size, tp", [(2, 2), (4, 2)])
 def test_expert_tensor_parallel_stages(worlds, world_size, tp):
     """Expert tensor parallelism (EP = world / tp): each expert's rows reach every

@@ -310,17 +310,20 @@ class MegatronDispatcher:
             max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
             with self._too_many_named(too_many):
                 outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
-        tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])
-        permuted_probs = outs[0].weights if len(outs) == 1 else torch.cat([o.weights for o in outs])
-        if shared is not None:  # beside the exchange's kernels
-            shared.linear_fc1_forward_and_act(tokens)
-        if per_expert is None:
-            counts = sum(o.tokens_per_expert_host for o in outs[1:]) + outs[0].tokens_per_expert_host
-        else:
-            counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
-            if not settings.capturing():
-                got = sum(o.tokens_per_expert for o in outs[1:]) + outs[0].tokens_per_expert
-                self._check_fixed_counts(got, counts, per_expert, topk_idx.shape[0])
+        try:  # (where this raises, the combine ahead is refused, as ``guard`` does)
+            tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])
+            permuted_probs = outs[0].weights if len(outs) == 1 else torch.cat([o.weights for o in outs])
+            if shared is not None:  # beside the exchange's kernels
+                shared.linear_fc1_forward_and_act(tokens)
+            if per_expert is None:
+                counts = sum(o.tokens_per_expert_host for o in outs[1:]) + outs[0].tokens_per_expert_host
+            else:
+                counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
+                if not settings.capturing():
+                    got = sum(o.tokens_per_expert for o in outs[1:]) + outs[0].tokens_per_expert
+                    self._check_fixed_counts(got, counts, per_expert, topk_idx.shape[0])
+        except Exception as error:
+            self.engine.refuse("combine", outs[0].handle, error)  # (raises error)
         self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, dispatched=tuple(outs),
                                     counts=counts)
         return tokens, permuted_probs
@@ -480,9 +483,9 @@ class MegatronDispatcher:
         refused, so that every peer raises :class:`dispatch.PeerRefused` in its
         combine at once, naming it, instead of waiting for it until the timeout;
         then it raises its own error. The round trip is dropped. (The layer is
-        held weakly: no reference cycle keeps it alive. A failure outside that
-        stage, of shared experts run beside the exchange say, is not covered;
-        nor a ``MoELayer`` without the stage, from an older Megatron-Core.)"""
+        held weakly: no reference cycle keeps it alive. Shared experts run beside
+        the exchange refuse it likewise, in ``token_dispatch``. Not covered: a
+        ``MoELayer`` without the stage, from an older Megatron-Core.)"""
         compute = getattr(type(moe_layer), "routed_experts_compute", None)
         vars(moe_layer).pop("routed_experts_compute", None)
         if compute is None:
