@@ -206,11 +206,13 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
             it on.
         **options: the engine's options (fields of :class:`dispatch.DispatchConfig`
             other than ``num_experts``), e.g. ``dispatch_wire="bf16"``.
-    Where the layer's experts raise on one rank (between its dispatch and its
-    combine), that rank raises their error and its peers ``dispatch.PeerRefused``
-    in their combine, at once (``MegatronDispatcher.guard``; by groups,
-    ``MoEExchange``); not where expert tensor parallelism's own collective in
-    ``combine_preprocess`` is what waits for it.
+    Where the layer's experts (or shared experts run beside the exchange) raise
+    on one rank between its dispatch and its combine, that rank raises their
+    error and its peers ``dispatch.PeerRefused`` in their combine, at once
+    (``MegatronDispatcher.guard``; by groups, ``MoEExchange``); not where expert
+    tensor parallelism's own collective in ``combine_preprocess`` is what waits
+    for it (its peers there wait for the backend's timeout: joining it with
+    zeros would let them go on with wrong sums).
 
     Returns:
         The new dispatcher, also set as ``moe_layer.token_dispatcher``.
