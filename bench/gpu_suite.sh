@@ -2,6 +2,7 @@
 # The GPU run, in parts that each fit one device call (< 10 minutes):
 #   tests1, tests2  the pytest suite (NCCL worlds on the local GPUs) in two halves, by file name
 #             (test_a* to test_m*, then test_n* to test_z*): the whole suite outgrew one call
+#   tests     the tests named in $TESTS (files, and pytest options such as -k)
 #   groups    the tests of dispatches by groups of experts and of MoEExchange (a part of tests)
 #   dispatch  dispatch-bench dispatch (all shapes x variants x wires x routings,
 #             Megatron-Core alongside) and the a2a sweep
@@ -130,6 +131,9 @@ for part in "$@"; do
       files=(tests/test_[a-m]*.py)
       [ "$part" = tests2 ] && files=(tests/test_[n-z]*.py)
       step 560 "pytest-$part" python3 -m pytest -q -p no:cacheprovider --durations=15 "${files[@]}" ;;
+    tests)
+      # shellcheck disable=SC2086
+      step 560 pytest-named python3 -m pytest -q -p no:cacheprovider --durations=15 ${TESTS:?name the tests in TESTS} ;;
     groups)
       step 240 groups-tests python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_kernels.py \
         tests/test_pipeline.py tests/test_async.py ;;
