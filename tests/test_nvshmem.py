@@ -161,12 +161,13 @@ def padded_after_a_failure(x, topk_idx, topk_weights, seen_rank):
     dispatcher's): what each rank raised, or None. Every rank's word travels in
     the agreement that carries its T, so every rank raises there alike."""
     import torch.distributed as dist
+    from world import current_device
 
     d = _dispatcher(dict(num_experts=4, capacity_factor=1.0, pad_to_capacity=True), True)
     if dist.get_rank() == seen_rank:
         d.transport.seen_failed = lambda bounded: True
     try:
-        d.dispatch(x, topk_idx, topk_weights)
+        d.dispatch(*(t.to(current_device()) for t in (x, topk_idx, topk_weights)))
     except RuntimeError as exc:
         return str(exc)
     return None
