@@ -1,6 +1,6 @@
 // The routing plan and the gathered sums of the collectives' transports on CPU,
 // compiled: each function below is one call where its torch reference is tens of
-// small operations (dispatch/kernels/cpu.py loads it; tests/test_plan_cpu.py holds
+// small operations (dispatch/kernels/plan_cpu.py loads it; tests/test_plan_cpu.py holds
 // each to its reference, bitwise).
 //
 //   route_row   plan_graph.route_phase_reference, one group: the route and the row

@@ -523,7 +523,9 @@ def markdown_table(rows: list[dict]) -> str:
         phases = [f"{r['phases_ms'][p]:.3f}" if p in r["phases_ms"] else "-" for p in PHASES]
         moved = f"{_mb(r.get('dispatch_bytes_out'))}, {_mb(r.get('combine_bytes_out'))}"
         inter = f"{_mb(r.get('dispatch_inter_bytes'))}, {_mb(r.get('combine_inter_bytes'))}"
-        bw = (f"{r['deepep_dispatch_gbps']:.0f}, {r['deepep_combine_gbps']:.0f}" if "deepep_dispatch_gbps" in r else "-")
+        bw = (", ".join(f"{r[k]:.0f}" if r[k] >= 10 else f"{r[k]:.2g}" for k in ("deepep_dispatch_gbps",
+                                                                                "deepep_combine_gbps"))
+              if "deepep_dispatch_gbps" in r else "-")
         lines.append("| " + " | ".join([
             r["shape"]["name"], r["routing"], r["name"], *([r.get("pair", "-")] if paired else []), _ms(rt),
             f"{rt['p10']:.3f}-{rt['p90']:.3f}", speedup,

@@ -202,8 +202,8 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
             E_local where fewer), an int G for G groups; False (default): one
             exchange, the experts called once, as ``MoELayer`` does. Measured
             slower than False on an eager, host-bound layer (16 and 256 experts
-            on 2 x H100, bench/results/README.md): measure yours before turning
-            it on.
+            on 2 GPUs; bench/results/README.md, findings): measure yours before
+            turning it on.
         **options: the engine's options (fields of :class:`dispatch.DispatchConfig`
             other than ``num_experts``), e.g. ``dispatch_wire="bf16"``.
     Where the layer's experts (or shared experts run beside the exchange) raise
