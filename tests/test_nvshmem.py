@@ -835,7 +835,7 @@ def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, 
             assert differ == [], (rank, max_rows, differ)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("wire", ["native", "fp8"])
 def test_on_one_gpu_its_plan_and_kernels_are_bitwise_the_nccl_transports(wire):
     """W = 1 over NCCL (no NVSHMEM: torch's rendezvous takes two ranks), rows

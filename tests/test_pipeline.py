@@ -344,7 +344,7 @@ class _OneRank(dispatch.TokenDispatcher):
         self.num_local_experts = 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_peak_memory_not_above_one_piece(worlds):
     """Peak memory of forward + backward with G = 4 (every group dispatched
     ahead) is no larger than with G = 1."""
@@ -359,7 +359,7 @@ def test_peak_memory_not_above_one_piece(worlds):
         assert peaks[4][rank] <= peaks[1][rank], f"rank {rank}: {peaks}"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_grouped_experts_bf16_on_gpus(worlds):
     """GroupedExperts (torch._grouped_mm on sm90) in bf16 over NCCL: G = 4 equals G = 1
     to bf16 rounding. Bitwise equality is not asserted: a grouped GEMM's tiling may
