@@ -13,6 +13,9 @@
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
 #             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
+#   overlap-slow-nvshmem  two micro-batches by the async verbs over NVSHMEM with max_rows (the counts on the
+#             device, nothing read on the host before the rows move), its kernels throttled to
+#             $NVSHMEM_BLOCKS blocks each (default "8 32": a slow link), the GEMMs beside leaving 16 SMs
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
 #             two streams against each alone: the most any overlap schedule hides; also DeepSeek-V3
 #             with 16 experts, the Megatron timing layer's shape), then two
@@ -150,6 +153,11 @@ for part in "$@"; do
       bench 300 overlap-engine overlap --transport auto --groups 1 --graph --micro-batches --out "$RES"
       bench 240 overlap-engine-groups overlap --transport auto --groups 2,4,8 --graph --iters 10 --warmup 3 \
         --out "$RES" ;;
+    overlap-slow-nvshmem)
+      for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
+        bench 240 "overlap-nvshmem-$blocks" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
+          --micro-batches --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 --warmup 3 --out "$RES"
+      done ;;
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
       step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"

@@ -65,6 +65,20 @@ def test_cpu_micro_batches(tmp_path):
     assert cell in (tmp_path / "overlap-cpu-tiny-w2-mb.md").read_text()
 
 
+@bench_world_of(2)
+def test_cpu_micro_batches_with_max_rows(tmp_path):
+    """--max-rows: T_comm and the micro-batches dispatch with max_rows (the most rows
+    a rank receives, plus 10%), the outputs those of the layer without it."""
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--groups", "1",
+            "--micro-batches", "--max-rows", "--out", str(tmp_path)]
+    assert overlap.main(argv) == 0
+    result = json.loads((tmp_path / "overlap-cpu-tiny-w2-bounded-mb.json").read_text())
+    for row in result["rows"]:
+        assert row["max_rows"] > 0 and row["t_comm_ms"] > 0 and row["t_mb_ms"] > 0
+        assert row["max_abs_diff_mb"] <= ROUNDING
+    assert f"max_rows {result['rows'][0]['max_rows']} |" in (tmp_path / "overlap-cpu-tiny-w2-bounded-mb.md").read_text()
+
+
 def test_groups_above_local_experts_are_capped():
     """cpu-tiny on 2 ranks has 4 local experts: G = 8 is G = 4, counted once."""
     args = overlap.parse_args(["--groups", "1,2,4,8"])
@@ -104,7 +118,8 @@ def test_weights_and_peak_memory_columns():
     [(["--iters", "0"], "--iters"), (["--groups", "0"], "--groups"), (["--dispatch-wire", "fp4"], "--dispatch-wire"),
      (["--shapes", "nope"], "--shapes"), (["--groups", "1:3:1"], "--groups"), (["--groups", "2,x"], "--groups"),
      (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized"),
-     (["--graph"], "--graph needs the NVLink engine")],
+     (["--graph"], "--graph needs the NVLink engine"), (["--nvshmem-blocks", "8"], "--nvshmem-blocks needs"),
+     (["--transport", "nvshmem", "--nvshmem-blocks", "0"], "--nvshmem-blocks needs")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

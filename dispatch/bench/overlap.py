@@ -48,7 +48,8 @@ gloo, as a smoke test):
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
 CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
-with an NCCL budget of N CTAs (a slower exchange, as over a slow link).
+with an NCCL budget of N CTAs, ``--nvshmem-blocks N`` launches the NVSHMEM
+transport's kernels with N blocks (a slower exchange, as over a slow link).
 """
 
 from __future__ import annotations
@@ -107,10 +108,16 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--iters", type=int, default=20, help="timed runs (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
-    parser.add_argument("--transport", default="nccl", choices=("nccl", "auto", "nvlink"),
+    parser.add_argument("--transport", default="nccl", choices=("nccl", "auto", "nvlink", "nvshmem"),
                         help="DispatchConfig.transport (default nccl; over NCCL the alltoall variant moves each "
                              "group of experts as its own all-to-all, the NVLink engine pulls each group's rows "
                              "and pushes the pre-sums each group completes)")
+    parser.add_argument("--max-rows", action="store_true",
+                        help="T_comm and the micro-batches dispatch with max_rows (the largest N + 10%%): on the "
+                             "NVLink engine and over NVSHMEM nothing is read on the host before the rows move")
+    parser.add_argument("--nvshmem-blocks", type=int,
+                        help="blocks of the NVSHMEM transport's data kernels (a slower exchange, as over a slow "
+                             "link; --transport nvshmem)")
     parser.add_argument("--sm-budget", type=int,
                         help="DispatchConfig.sm_budget: blocks the NVLink engine's data kernels take (default: "
                              "four per SM)")
@@ -149,6 +156,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
     if args.comm_high_priority and not torch.cuda.is_available():
         parser.error("--comm-high-priority needs NCCL (a GPU)")
+    if args.nvshmem_blocks is not None and (args.nvshmem_blocks < 1 or args.transport != "nvshmem"):
+        parser.error(f"--nvshmem-blocks needs --transport nvshmem and a value >= 1, got {args.nvshmem_blocks}")
     if args.graph and (args.transport == "nccl" or not torch.cuda.is_available()):
         parser.error("--graph needs the NVLink engine (--transport auto or nvlink, on GPUs): over NCCL a dispatch "
                      "reads its counts on the host, which a CUDA graph cannot hold")
@@ -177,6 +186,10 @@ def ep_group(args):
 
 def _job(args: argparse.Namespace) -> None:
     group = ep_group(args)
+    if args.nvshmem_blocks is not None:  # every launch of its data kernels
+        from dispatch.kernels import nvshmem_puts
+
+        nvshmem_puts._BLOCKS.update(dict.fromkeys(nvshmem_puts._KERNELS, args.nvshmem_blocks))
     for name in args.shapes:
         rows = run_shape(SHAPES[name], args, group)
         if dist.get_rank() == 0:
@@ -199,24 +212,28 @@ class Case:
     tokens_per_expert: torch.Tensor
     x2: torch.Tensor  # a second micro-batch's tokens (same routing)
 
-    def layer(self, groups: int, comm_priority: int = -1, experts=None, sm_carveout=None) -> dispatch.MoEExchange:
+    def layer(self, groups: int, comm_priority: int = -1, experts=None, sm_carveout=None,
+              max_rows: int | None = None) -> dispatch.MoEExchange:
         """MoEExchange(groups) over these experts (or ``experts``)."""
         return dispatch.MoEExchange(self.dispatcher, self.experts if experts is None else experts,
-                                    groups=groups, comm_priority=comm_priority, sm_carveout=sm_carveout)
+                                    groups=groups, comm_priority=comm_priority, sm_carveout=sm_carveout,
+                                    max_rows=max_rows)
 
-    def layer_bounded(self, comm_priority: int, group, groups: int = 1) -> dispatch.MoEExchange:
-        """MoEExchange by ``groups`` groups with max_rows: the most rows a rank of
+    def bound(self, group, groups: int = 1) -> int:
+        """max_rows of a dispatch by ``groups`` groups: the most rows a rank of
         ``group`` receives, plus 10%; by groups, G times the most rows of one group
         of a rank, plus 10% (collective)."""
-        if not self.dispatcher.host_free:
-            raise ValueError(f"--graph: {type(self.dispatcher).__name__} reads its counts on the host")
         bounds = plan.expert_groups(self.dispatcher.num_local_experts, groups)
         per_group = [int(self.tokens_per_expert[lo:hi].sum()) for lo, hi in zip(bounds[:-1], bounds[1:])]
         most = torch.tensor([max(per_group)], device=self.x.device)  # host sync: the fullest group, once
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-        bound = groups * (int(most.item() * 1.1) + 1)  # host sync: the bound, once
-        return dispatch.MoEExchange(self.dispatcher, self.experts, groups=groups, comm_priority=comm_priority,
-                                    max_rows=bound)
+        return groups * (int(most.item() * 1.1) + 1)  # host sync: the bound, once
+
+    def layer_bounded(self, comm_priority: int, group, groups: int = 1) -> dispatch.MoEExchange:
+        """MoEExchange by ``groups`` groups with max_rows (:meth:`bound`), for a CUDA graph."""
+        if not self.dispatcher.host_free:
+            raise ValueError(f"--graph: {type(self.dispatcher).__name__} reads its counts on the host")
+        return self.layer(groups, comm_priority, max_rows=self.bound(group, groups))
 
     def layer_step(self, layer, backward: bool):
         """One forward (and backward) of ``layer`` on the case's tokens."""
@@ -231,8 +248,10 @@ class Case:
 
         return run
 
-    def micro_batch_step(self, backward: bool, overlapped: bool = True, sm_carveout: int | None = None):
-        """Two micro-batches (``x``, ``x2``) by the async verbs. Overlapped: both
+    def micro_batch_step(self, backward: bool, overlapped: bool = True, sm_carveout: int | None = None,
+                         max_rows: int | None = None):
+        """Two micro-batches (``x``, ``x2``) by the async verbs (each dispatch with
+        ``max_rows``). Overlapped: both
         dispatches started, then each one's experts and started combine in turn, so
         that micro-batch 1's dispatch and micro-batch 0's combine move beside the
         other's experts; the experts' GEMMs (forward and backward) then leave
@@ -247,12 +266,13 @@ class Case:
             xs = [x.detach().requires_grad_(backward) for x in (self.x, self.x2)]
             ws = [self.topk_weights.detach().requires_grad_(backward) for _ in xs]
             if overlapped:
-                works = [d.dispatch(x, self.topk_idx, w, async_op=True) for x, w in zip(xs, ws)]
+                works = [d.dispatch(x, self.topk_idx, w, max_rows=max_rows, async_op=True) for x, w in zip(xs, ws)]
             combines, outs = [], []
             for i, (x, w) in enumerate(zip(xs, ws)):
                 # the same verbs (async, on the exchange's stream) either way: waited for at once
                 # when not overlapped
-                out = works[i].wait() if overlapped else d.dispatch(x, self.topk_idx, w, async_op=True).wait()
+                out = (works[i].wait() if overlapped
+                       else d.dispatch(x, self.topk_idx, w, max_rows=max_rows, async_op=True).wait())
                 y = experts(out.tokens, out.tokens_per_expert)
                 combine = d.combine(y, out.handle, weights=out.weights, async_op=True)
                 if overlapped:
@@ -337,20 +357,22 @@ def _graph_ms(step, timed) -> float:
         torch.cuda.empty_cache()
 
 
-def _micro_batches(case: Case, seq, backward: bool, timed, group, sm_carveout: int | None) -> dict:
+def _micro_batches(case: Case, seq, backward: bool, timed, group, sm_carveout: int | None,
+                   max_rows: int | None) -> dict:
     """T_mb (two micro-batches by the async verbs, overlapped, the GEMMs leaving
     ``sm_carveout`` SMs free), T_mb_seq (the same verbs, one micro-batch after the
     other, no carveout), T_mb_layer (the layer ``seq`` run on each in a row), and
-    the largest difference of the outputs (collective)."""
+    the largest difference of the outputs (collective); the verbs' dispatches
+    with ``max_rows``."""
     step = case.layer_step(seq, backward)
     second = replace(case, x=case.x2).layer_step(seq, backward)
     t_layer = timed(lambda: (step(), second()))[0]
-    t_seq = timed(case.micro_batch_step(backward, overlapped=False))[0]
-    t_mb = timed(case.micro_batch_step(backward, sm_carveout=sm_carveout))[0]
+    t_seq = timed(case.micro_batch_step(backward, overlapped=False, max_rows=max_rows))[0]
+    t_mb = timed(case.micro_batch_step(backward, sm_carveout=sm_carveout, max_rows=max_rows))[0]
     with torch.no_grad():
         want = [seq(x, case.topk_idx, case.topk_weights) for x in (case.x, case.x2)]
-        got = (case.micro_batch_step(False, sm_carveout=sm_carveout)()
-               + case.micro_batch_step(False, overlapped=False)())
+        got = (case.micro_batch_step(False, sm_carveout=sm_carveout, max_rows=max_rows)()
+               + case.micro_batch_step(False, overlapped=False, max_rows=max_rows)())
     diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
     diff = torch.tensor([diff], device=case.x.device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
@@ -437,10 +459,11 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         return _time(fn, args.iters, args.warmup, device)
 
     candidates = group_values(args, case.dispatcher.num_local_experts)
+    bound = case.bound(group) if args.max_rows else None
     rows = []
     for name in PASSES:
         backward = name == "fwd+bwd"
-        t_comm = timed(case.layer_step(case.layer(1, prio, experts=lambda t, n: t), backward))[0]
+        t_comm = timed(case.layer_step(case.layer(1, prio, experts=lambda t, n: t, max_rows=bound), backward))[0]
         t_compute = timed(case.compute_step(backward))[0]
         seq = case.layer(1, prio)
         t_seq, seq_host = timed(case.layer_step(seq, backward))
@@ -468,14 +491,14 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             # the experts alone captured and replayed the same way (their counts on the device)
             t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
         short, long = sorted((t_comm, t_compute))
-        mb = _micro_batches(case, seq, backward, timed, group, carve) if args.micro_batches else {}
+        mb = _micro_batches(case, seq, backward, timed, group, carve, bound) if args.micro_batches else {}
         if mb:
             mb["hidden_mb"] = (mb["t_mb_seq_ms"] - mb["t_mb_ms"]) / (2 * short)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
-            sm_budget=args.sm_budget,
+            sm_budget=args.sm_budget, max_rows=bound, nvshmem_blocks=args.nvshmem_blocks,
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_groups[best], best_groups=best,
             t_pipe_by_groups_ms={str(g): t for g, t in by_groups.items()},
             hidden_fraction=(t_seq - by_groups[best]) / short, hidden_ceiling=(t_seq - long) / short,
@@ -495,8 +518,9 @@ def suffix(args) -> str:
     ctas = "" if args.comm_max_ctas is None else f"-ctas{args.comm_max_ctas}"
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
     carve += "" if args.sm_budget is None else f"-budget{args.sm_budget}"
+    carve += "" if args.nvshmem_blocks is None else f"-blocks{args.nvshmem_blocks}"
     return (wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
-            + ("-mb" if args.micro_batches else ""))
+            + ("-bounded" if args.max_rows else "") + ("-mb" if args.micro_batches else ""))
 
 
 def _graph_cell(row: dict) -> str:
@@ -512,8 +536,10 @@ def _graph_cell(row: dict) -> str:
 
 
 def _budget(row: dict) -> str:
-    """The engine's SM budget of a row, for the dispatcher cell."""
-    return "" if row.get("sm_budget") is None else f" ({row['sm_budget']} blocks)"
+    """The engine's SM budget (or NVSHMEM's blocks) of a row and its max_rows, for the dispatcher cell."""
+    blocks = row.get("sm_budget") or row.get("nvshmem_blocks")
+    return (("" if blocks is None else f" ({blocks} blocks)")
+            + ("" if row.get("max_rows") is None else f", max_rows {row['max_rows']}"))
 
 
 def markdown_table(rows: list[dict]) -> str:
