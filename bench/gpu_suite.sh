@@ -15,7 +15,8 @@
 #             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
 #   overlap-slow-nvshmem  two micro-batches by the async verbs over NVSHMEM with max_rows (the counts on the
 #             device, nothing read on the host before the rows move), its kernels throttled to
-#             $NVSHMEM_BLOCKS blocks each (default "8 32": a slow link), the GEMMs beside leaving 16 SMs
+#             $NVSHMEM_BLOCKS blocks each (default "8 32": a slow link), the GEMMs beside leaving 16 SMs;
+#             then one forward+backward of them profiled (bench/overlap_trace.py, the first of those blocks)
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
 #             two streams against each alone: the most any overlap schedule hides; also DeepSeek-V3
 #             with 16 experts, the Megatron timing layer's shape), then two
@@ -157,7 +158,11 @@ for part in "$@"; do
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
         bench 240 "overlap-nvshmem-$blocks" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
           --micro-batches --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 --warmup 3 --out "$RES"
-      done ;;
+      done
+      blocks=${NVSHMEM_BLOCKS:-8}
+      step 200 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
+        --groups 1 --micro-batches --max-rows --nvshmem-blocks "${blocks%% *}" --sm-carveout 16 --out "$RES"
+      find "$RES" -name 'overlap-trace-*.json' -delete ;;  # (the chrome traces: too large to keep)
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
       step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"

@@ -16,6 +16,9 @@ functions by their own time and by their time with callees.
 
 ``--graph`` profiles the replay of the layer with ``max_rows`` captured in a
 CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
+``--micro-batches`` profiles, in place of the layer by groups, one forward+backward
+of two micro-batches overlapped by the async verbs (with ``--max-rows``, bounded),
+as ``dispatch-bench overlap --micro-batches`` times them.
 
     python3 bench/overlap_trace.py --groups 1,4 --comm-max-ctas 2 --out bench/results/<machine>/
 """
@@ -54,6 +57,12 @@ def _job(args: argparse.Namespace) -> None:
     group = overlap.ep_group(args)
     for name in args.shapes:
         case = overlap.make_case(SHAPES[name], args, group)
+        if args.micro_batches:  # the two micro-batches overlapped by the async verbs (--max-rows: bounded)
+            bound = case.bound(group) if args.max_rows else None
+            step = case.micro_batch_step(True, sm_carveout=args.sm_carveout, max_rows=bound)
+            trace(step, os.path.join(args.out, f"overlap-trace-{name}-w{dist.get_world_size()}{overlap.suffix(args)}"),
+                  case.x.device, f"{name}: two micro-batches by the async verbs, one fwd+bwd step")
+            continue
         for g in overlap.group_values(args, case.dispatcher.num_local_experts):
             graph = None
             if args.graph:  # the layer with max_rows, its step captured: the replay is profiled

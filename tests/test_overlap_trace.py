@@ -29,6 +29,18 @@ def test_cpu_run_writes_traces_timeline_and_host_profile(tmp_path):
     assert "function calls" in host  # pstats' header: the steps were profiled
 
 
+@bench_world_of(2)
+def test_cpu_run_traces_two_micro_batches(tmp_path):
+    """--micro-batches --max-rows: one forward+backward of the two micro-batches
+    overlapped by the async verbs, bounded, traced in place of the layer by groups."""
+    argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--groups", "1", "--micro-batches", "--max-rows",
+            "--out", str(tmp_path)]
+    assert overlap_trace.main(argv) == 0
+    stem = "overlap-trace-cpu-tiny-w2-bounded-mb"
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0 and (tmp_path / f"{stem}-rank1.json").stat().st_size > 0
+    assert not list(tmp_path.glob("*-g1*"))  # the layer by groups is not traced
+
+
 def test_bad_flags(capsys):
     with pytest.raises(SystemExit) as exc:
         overlap_trace.main(["--groups", "0"])

@@ -496,7 +496,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             mb["hidden_mb"] = (mb["t_mb_seq_ms"] - mb["t_mb_ms"]) / (2 * short)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
-            transport=type(case.dispatcher).__name__,
+            transport=type(case.dispatcher.transport).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
             sm_budget=args.sm_budget, max_rows=bound, nvshmem_blocks=args.nvshmem_blocks,
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_groups[best], best_groups=best,
