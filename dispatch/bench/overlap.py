@@ -186,10 +186,6 @@ def ep_group(args):
 
 def _job(args: argparse.Namespace) -> None:
     group = ep_group(args)
-    if args.nvshmem_blocks is not None:  # every launch of its data kernels
-        from dispatch.kernels import nvshmem_puts
-
-        nvshmem_puts._BLOCKS.update(dict.fromkeys(nvshmem_puts._KERNELS, args.nvshmem_blocks))
     for name in args.shapes:
         rows = run_shape(SHAPES[name], args, group)
         if dist.get_rank() == 0:
@@ -308,6 +304,10 @@ def make_case(shape: Shape, args, group) -> Case:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if args.nvshmem_blocks is not None:  # every launch of NVSHMEM's data kernels
+        from dispatch.kernels import nvshmem_puts
+
+        nvshmem_puts._BLOCKS.update(dict.fromkeys(nvshmem_puts._KERNELS, args.nvshmem_blocks))
     config = dispatch.DispatchConfig.from_options(num_experts=shape.experts, dispatch_wire=args.dispatch_wire,
                                      transport=args.transport, sm_budget=args.sm_budget)
     d = dispatch.create(config, group)
