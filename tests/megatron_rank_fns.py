@@ -110,18 +110,34 @@ def _after_preprocess(d, h, w, x, p, grad_out, log: list) -> dict:
     return {"dispatch_slots": calls, **_stage_results(tokens, tokens_per_expert, permuted_probs, out, x, p)}
 
 
-def shared_experts_raise(raising: int, first: tuple, second: tuple, num_experts: int, topk: int):
+def shared_experts_raise(raising: int, first: tuple, second: tuple, num_experts: int, topk: int,
+                         config_extra: dict | None = None):
     """Shared experts run beside the exchange (``RecordingSharedExperts``) whose
     fc1 raises on rank ``raising`` only, right after its dispatch: what each rank
     raised in that round trip (its type and message); then a whole round trip on
     the same dispatcher, every rank in step (``first``, ``second``: (hidden,
-    routing_map, probs, grad_out) of each)."""
+    routing_map, probs, grad_out) of each; ``config_extra``: more of Megatron's
+    config, e.g. fixed rows, with the NCCL/gloo transport marked host-free as in
+    ``fixed_rows_round_trip``)."""
+    from dispatch.transports import AllToAllTransport
+
+    if config_extra:
+        AllToAllTransport.host_free = True
+    try:
+        return _shared_experts_raise(raising, first, second, num_experts, topk, config_extra or {})
+    finally:
+        if config_extra:
+            del AllToAllTransport.host_free
+
+
+def _shared_experts_raise(raising: int, first: tuple, second: tuple, num_experts: int, topk: int,
+                          config_extra: dict):
     device = current_device()
     rank = dist.get_rank()
     per_rank = num_experts // dist.get_world_size()
     d = MegatronDispatcher(per_rank, list(range(rank * per_rank, (rank + 1) * per_rank)),
-                           SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk), SimpleNamespace(ep=None),
-                           options=dict(timeout=30.0))
+                           SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=topk, **config_extra),
+                           SimpleNamespace(ep=None), options=dict(timeout=30.0))
     log: list = []
     shared = RecordingSharedExperts(first[0].shape[-1], 11, log, device)
     d.set_shared_experts(shared)

@@ -346,6 +346,21 @@ def test_shared_experts_raising_on_one_rank_stop_every_rank_at_once(worlds):
         assert torch.equal(out, w["out"])
 
 
+def test_shared_experts_raising_with_fixed_rows_stop_every_rank_at_once(worlds):
+    """The same where every expert gets fixed rows (every stage inside CUDA graphs;
+    eager here): the fixed counts' check, a collective, comes before the shared
+    experts, so the peers are not left waiting in it."""
+    fixed = [_padded_round_trips(2, seed)[0] for seed in (3, 5)]
+    config = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"],
+              "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    args = [(1, fixed[0][r][:4], fixed[1][r][:4], fixed[0][r][4], fixed[0][r][5], config) for r in range(2)]
+    got = worlds(2).run(megatron_rank_fns.shared_experts_raise, args)
+    (kind0, told0), (kind1, told1) = got[0][0], got[1][0]
+    assert kind1 == "RuntimeError" and "rank 1's shared experts broke" in told1, got[1][0]
+    assert kind0 == "PeerRefused" and "rank(s) [1]" in told0 and "refused combine" in told0, got[0][0]
+    assert all(bool(torch.isfinite(out).all()) for _, out in got)
+
+
 @pytest.mark.parametrize("world_size, tp", [(2, 2), (4, 2)])
 def test_expert_tensor_parallel_stages(worlds, world_size, tp):
     """Expert tensor parallelism (EP = world / tp): each expert's rows reach every

@@ -313,15 +313,15 @@ class MegatronDispatcher:
         try:  # (where this raises, the combine ahead is refused, as ``guard`` does)
             tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])
             permuted_probs = outs[0].weights if len(outs) == 1 else torch.cat([o.weights for o in outs])
-            if shared is not None:  # beside the exchange's kernels
-                shared.linear_fc1_forward_and_act(tokens)
             if per_expert is None:
                 counts = sum(o.tokens_per_expert_host for o in outs[1:]) + outs[0].tokens_per_expert_host
             else:
                 counts = torch.full((self.num_local_experts,), per_expert * self.ep_size, dtype=torch.int64)
-                if not settings.capturing():
+                if not settings.capturing():  # (a collective: before anything that may raise on one rank)
                     got = sum(o.tokens_per_expert for o in outs[1:]) + outs[0].tokens_per_expert
                     self._check_fixed_counts(got, counts, per_expert, topk_idx.shape[0])
+            if shared is not None:  # beside the exchange's kernels
+                shared.linear_fc1_forward_and_act(tokens)
         except Exception as error:
             self.engine.refuse("combine", outs[0].handle, error)  # (raises error)
         self._in_flight = _InFlight(next_stage=2, hidden_shape=self.hidden_shape, dispatched=tuple(outs),
