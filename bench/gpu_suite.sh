@@ -2,7 +2,7 @@
 # The GPU run, in parts that each fit one device call (< 10 minutes):
 #   tests1, tests2  the pytest suite (NCCL worlds on the local GPUs) in two halves, by file name
 #             (test_a* to test_m*, then test_n* to test_z*): the whole suite outgrew one call
-#   tests     the tests named in $TESTS (files, and pytest options such as -k)
+#   tests     the tests named in $TESTS (files, and pytest options such as -k NAME: split at spaces)
 #   groups    the tests of dispatches by groups of experts and of MoEExchange (a part of tests)
 #   dispatch  dispatch-bench dispatch (all shapes x variants x wires x routings,
 #             Megatron-Core alongside) and the a2a sweep
@@ -136,8 +136,11 @@ for part in "$@"; do
       [ "$part" = tests2 ] && files=(tests/test_[n-z]*.py)
       step 560 "pytest-$part" python3 -m pytest -q -p no:cacheprovider --durations=15 "${files[@]}" ;;
     tests)
+      if [ -z "${TESTS:-}" ]; then
+        echo "part tests: name the tests in TESTS" | tee -a "$LOG"; status=2; continue
+      fi
       # shellcheck disable=SC2086
-      step 560 pytest-named python3 -m pytest -q -p no:cacheprovider --durations=15 ${TESTS:?name the tests in TESTS} ;;
+      step 560 pytest-named python3 -m pytest -q -p no:cacheprovider --durations=15 $TESTS ;;
     groups)
       step 240 groups-tests python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_kernels.py \
         tests/test_pipeline.py tests/test_async.py ;;
@@ -156,13 +159,13 @@ for part in "$@"; do
         --out "$RES" ;;
     overlap-slow-nvshmem)
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
-        bench 240 "overlap-nvshmem-$blocks" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
+        bench 150 "overlap-nvshmem-$blocks" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
           --micro-batches --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 --warmup 3 --out "$RES"
       done
       blocks=${NVSHMEM_BLOCKS:-8}
-      step 200 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
+      step 150 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
         --groups 1 --micro-batches --max-rows --nvshmem-blocks "${blocks%% *}" --sm-carveout 16 --out "$RES"
-      find "$RES" -name 'overlap-trace-*.json' -delete ;;  # (the chrome traces: too large to keep)
+      find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete ;;  # (its chrome traces: too large to keep)
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
       step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"

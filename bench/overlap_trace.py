@@ -43,7 +43,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = overlap.build_parser(prog="bench/overlap_trace.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host (cProfile, rank 0) over 5 forward+backward steps")
-    return overlap.parse_args(argv, parser)
+    args = overlap.parse_args(argv, parser)
+    if args.max_rows and not args.micro_batches:
+        parser.error("--max-rows: the trace bounds the micro-batches only (with --micro-batches)")
+    if args.micro_batches and (args.graph or args.host_profile):
+        parser.error("--micro-batches traces the two micro-batches alone (without --graph and --host-profile)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

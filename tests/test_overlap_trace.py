@@ -41,10 +41,12 @@ def test_cpu_run_traces_two_micro_batches(tmp_path):
     assert not list(tmp_path.glob("*-g1*"))  # the layer by groups is not traced
 
 
-def test_bad_flags(capsys):
+@pytest.mark.parametrize("argv, needle", [(["--groups", "0"], "--groups"), (["--max-rows"], "--max-rows"),
+                                          (["--micro-batches", "--host-profile"], "--micro-batches")])
+def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
-        overlap_trace.main(["--groups", "0"])
-    assert exc.value.code == 2 and "--groups" in capsys.readouterr().err
+        overlap_trace.main(argv)
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
 def _trace_file(path, kernels, launches):
