@@ -307,7 +307,7 @@ def make_case(shape: Shape, args, group) -> Case:
     if args.nvshmem_blocks is not None:  # every launch of NVSHMEM's data kernels
         from dispatch.kernels import nvshmem_puts
 
-        nvshmem_puts._BLOCKS.update(dict.fromkeys(nvshmem_puts._KERNELS, args.nvshmem_blocks))
+        nvshmem_puts.blocks = args.nvshmem_blocks
     config = dispatch.DispatchConfig.from_options(num_experts=shape.experts, dispatch_wire=args.dispatch_wire,
                                      transport=args.transport, sm_budget=args.sm_budget)
     d = dispatch.create(config, group)

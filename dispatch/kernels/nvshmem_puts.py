@@ -44,6 +44,9 @@ enabled = True  # False: torch's all-to-all moves the rows (the same results)
 # False: get_expand and presum_put reach every peer by NVSHMEM's get and put, as across hosts, even where
 # NVSHMEM maps its memory here (the same results; how the tests run the cross-host path on one host)
 mapped = True
+# a block count for every launch of the kernels where set (None: theirs): a slower exchange, as over a slow link
+# (the same results; how `dispatch-bench overlap --nvshmem-blocks` throttles them)
+blocks = None
 _loaded: dict = {}  # device index -> ({kernel: its CUfunction} or None, why not)
 
 
@@ -144,8 +147,8 @@ def _launch(kernel: str, device: torch.device, stream, **values) -> None:
     stream = ctypes.c_void_p((stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream)
     host = _host()
     host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
-    blocks = _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
-    status = _driver().cuLaunchKernel(functions[kernel], blocks, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
+    grid = blocks or _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
+    status = _driver().cuLaunchKernel(functions[kernel], grid, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
     # every row landed; no peer reads a stage any more (queued also where the launch failed: the peers wait for it)
     host.nvshmemx_barrier_all_on_stream(stream)
     if status != 0:
