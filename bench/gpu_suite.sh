@@ -13,10 +13,12 @@
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
 #             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
-#   overlap-slow-nvshmem  two micro-batches by the async verbs over NVSHMEM with max_rows (the counts on the
-#             device, nothing read on the host before the rows move), its kernels throttled to
-#             $NVSHMEM_BLOCKS blocks each (default "8 32": a slow link), the GEMMs beside leaving 16 SMs;
-#             then one forward+backward of them profiled (bench/overlap_trace.py, the first of those blocks)
+#   overlap-slow-nvshmem  MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8), then two micro-batches
+#             by the async verbs, over NVSHMEM with max_rows (the counts on the device, nothing read
+#             on the host before the rows move), its kernels throttled to $NVSHMEM_BLOCKS blocks
+#             each (default "8 32": a slow link), the GEMMs beside leaving 16 SMs; then one
+#             forward+backward of the micro-batches profiled (bench/overlap_trace.py, the first of those
+#             blocks); $NVSHMEM_NO_MB set: the layer by groups alone
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
 #             two streams against each alone: the most any overlap schedule hides; also DeepSeek-V3
 #             with 16 experts, the Megatron timing layer's shape), then two
@@ -159,13 +161,19 @@ for part in "$@"; do
         --out "$RES" ;;
     overlap-slow-nvshmem)
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
+        bench 200 "overlap-nvshmem-$blocks-groups" overlap --shapes deepseek-v3 --transport nvshmem \
+          --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 \
+          --warmup 3 --out "$RES/groups"
+        [ -n "${NVSHMEM_NO_MB:-}" ] && continue
         bench 150 "overlap-nvshmem-$blocks" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
           --micro-batches --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 --warmup 3 --out "$RES"
       done
-      blocks=${NVSHMEM_BLOCKS:-8}
-      step 150 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
-        --groups 1 --micro-batches --max-rows --nvshmem-blocks "${blocks%% *}" --sm-carveout 16 --out "$RES"
-      find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete ;;  # (its chrome traces: too large to keep)
+      if [ -z "${NVSHMEM_NO_MB:-}" ]; then  # ($NVSHMEM_NO_MB set: the layer by groups alone)
+        blocks=${NVSHMEM_BLOCKS:-8}
+        step 150 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
+          --groups 1 --micro-batches --max-rows --nvshmem-blocks "${blocks%% *}" --sm-carveout 16 --out "$RES"
+        find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete  # (its chrome traces: too large to keep)
+      fi ;;
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
       step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"

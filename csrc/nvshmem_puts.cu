@@ -142,13 +142,17 @@ __device__ void presum_row_to(int out_code, const Y* const* rows, const float* s
 // (r - first[s])-th from rank s, is row back_at[s] + r - first[s] of rank s's stage (back_at[s]: the
 // rows s sends the ranks before this one), read where NVSHMEM maps it, else got into row r of this
 // rank's symmetric recv first (always, where mapped is 0: the way across hosts). Rows i of out whose
-// expand_src[i] is zero_at (padding) are zeroed. The caller brackets it with NVSHMEM's barrier
-// (every stage written before; the peers read it until after).
+// expand_src[i] is zero_at (padding) are zeroed. By groups of local experts, one launch a group:
+// only the rows whose first place is in [lo, hi) (written to all their places: each row crosses
+// once, with the first group that needs it; a row of no place with the span that starts at 0) and
+// the padding rows in [lo, hi). The caller brackets it with NVSHMEM's barrier (every stage written
+// before; the peers read it until after).
 extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
     char* out, unsigned long long out_stride, const char* stage, unsigned long long stage_stride, char* recv,
     unsigned long long recv_stride, const long long* places, int width, const long long* receives,
     const long long* back_at, int world, unsigned long long row_bytes, unsigned long long most,
-    const long long* expand_src, unsigned long long num_rows, long long zero_at, int mapped) {
+    const long long* expand_src, unsigned long long num_rows, long long zero_at, int mapped, long long lo,
+    long long hi) {
   __shared__ long long first[kMaxWorld + 1];
   __shared__ char* dst[kWarps][32];
   if (threadIdx.x == 0) starts(receives, world, first);
@@ -164,6 +168,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
     // the row's places (packed left, -1 after), one a lane
     const long long at = lane < width ? places[r * width + lane] : -1;
     const int count = __popc(__ballot_sync(0xffffffffu, at >= 0));
+    const int earliest = __reduce_min_sync(0xffffffffu, at >= 0 ? static_cast<int>(at) : 0x7fffffff);
+    if (count == 0 ? lo != 0 : (earliest < lo || earliest >= hi)) continue;  // another group's row (warp-uniform)
     if (at >= 0) dst[in_block][lane] = out + at * out_stride;
     __syncwarp();
     const char* staged =
@@ -177,7 +183,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
     copy_to_places(src, dst[in_block], count, row_bytes, lane);
     __syncwarp();  // dst is rewritten by the next row
   }
-  for (unsigned long long i = warp; i < num_rows; i += warps) {  // padding rows: zeros
+  const unsigned long long pad_end = hi < static_cast<long long>(num_rows) ? static_cast<unsigned long long>(hi) : num_rows;
+  for (unsigned long long i = static_cast<unsigned long long>(lo) + warp; i < pad_end; i += warps) {  // padding: zeros
     if (expand_src[i] != zero_at) continue;
     char* row = out + i * out_stride;
     for (unsigned long long b = lane; b < row_bytes; b += 32) row[b] = 0;
@@ -188,13 +195,17 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
 // places' rows of y (y_code 0 bf16, 1 fp16, 2 fp32; rows y_stride elements apart; weights fp32 or
 // null), narrowed once to the wire (out_code, coded as y_code), put to its home rank s at row
 // back_at[s] + r - first[s] of its symmetric recv (rows recv_stride bytes apart): stored where
-// NVSHMEM maps it (and mapped is 1), else made in row r of this rank's symmetric send and put. The
-// caller brackets it with NVSHMEM's barrier.
+// NVSHMEM maps it (and mapped is 1), else made in row r of this rank's symmetric send and put.
+// By groups of local experts, one launch a group: the rows are in a tensor a group (table, not
+// null: [G] their addresses, [G] their weights' addresses, 0 for none, then [G + 1] the places each
+// group starts at; y and weights unused), and only the rows whose last place is in [lo, hi) are
+// summed and put (each once every group it needs is in; a row of no place with the span that
+// starts at 0). The caller brackets it with NVSHMEM's barrier.
 extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
     char* recv, unsigned long long recv_stride, char* send, unsigned long long send_stride, const char* y,
     unsigned long long y_stride, int y_code, const float* weights, const long long* places, int width,
     const long long* receives, const long long* back_at, int world, int hidden, int out_code,
-    unsigned long long most, int mapped) {
+    unsigned long long most, int mapped, const long long* table, int groups, long long lo, long long hi) {
   __shared__ long long first[kMaxWorld + 1];
   __shared__ const char* rows[kWarps][32];
   __shared__ float scale[kWarps][32];
@@ -205,6 +216,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * kWarps;
   const int y_size = y_code == 2 ? 4 : 2;
+  const bool weighted = table != nullptr ? table[groups] != 0 : weights != nullptr;
   const unsigned long long out_bytes = static_cast<unsigned long long>(hidden) * (out_code == 2 ? 4 : 2);
   for (unsigned long long r = blockIdx.x * kWarps + warp; r < count_rows; r += warps) {
     int s = 0;
@@ -215,22 +227,37 @@ extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
     // the row's places (packed left, -1 after), one a lane
     const long long at = lane < width ? places[r * width + lane] : -1;
     const int count = __popc(__ballot_sync(0xffffffffu, at >= 0));
+    const int latest = __reduce_max_sync(0xffffffffu, at >= 0 ? static_cast<int>(at) : -1);
+    if (count == 0 ? lo != 0 : (latest < lo || latest >= hi)) continue;  // another group's row (warp-uniform)
+    const char* row = nullptr;
     if (at >= 0) {
-      rows[warp][lane] = y + static_cast<unsigned long long>(at) * y_stride * y_size;
-      scale[warp][lane] = weights != nullptr ? weights[at] : 1.f;
+      const char* base = y;
+      const float* weigh = weights;
+      long long off = at;
+      if (table != nullptr) {  // the group of the place, its rows and weights
+        int g = 0;
+        while (g + 1 < groups && at >= table[2 * groups + g + 1]) ++g;
+        base = reinterpret_cast<const char*>(table[g]);
+        weigh = reinterpret_cast<const float*>(table[groups + g]);
+        off = at - table[2 * groups + g];
+      }
+      row = base + static_cast<unsigned long long>(off) * y_stride * y_size;
+      rows[warp][lane] = row;
+      scale[warp][lane] = weigh != nullptr ? weigh[off] : 1.f;
     }
     __syncwarp();
-    const bool vec = (hidden % 8) == 0 && (y_stride % 8) == 0 && (reinterpret_cast<unsigned long long>(y) % 16) == 0 &&
+    const bool vec = (hidden % 8) == 0 && (y_stride % 8) == 0 &&
+                     __all_sync(0xffffffffu, (reinterpret_cast<unsigned long long>(row) % 16) == 0) &&
                      (reinterpret_cast<unsigned long long>(out) % 16) == 0;
     if (y_code == 0) {
-      presum_row_to(out_code, reinterpret_cast<const __nv_bfloat16* const*>(rows[warp]), scale[warp],
-                    weights != nullptr, count, hidden, out, vec, lane);
+      presum_row_to(out_code, reinterpret_cast<const __nv_bfloat16* const*>(rows[warp]), scale[warp], weighted,
+                    count, hidden, out, vec, lane);
     } else if (y_code == 1) {
-      presum_row_to(out_code, reinterpret_cast<const __half* const*>(rows[warp]), scale[warp], weights != nullptr,
-                    count, hidden, out, vec, lane);
+      presum_row_to(out_code, reinterpret_cast<const __half* const*>(rows[warp]), scale[warp], weighted, count,
+                    hidden, out, vec, lane);
     } else {
-      presum_row_to(out_code, reinterpret_cast<const float* const*>(rows[warp]), scale[warp], weights != nullptr,
-                    count, hidden, out, vec, lane);
+      presum_row_to(out_code, reinterpret_cast<const float* const*>(rows[warp]), scale[warp], weighted, count,
+                    hidden, out, vec, lane);
     }
     if (direct == nullptr) {
       __threadfence();  // the row made, visible to whatever NVSHMEM reads it with

@@ -176,8 +176,8 @@ std::vector<Tensor> send_plan(const Tensor& dest_in, const Tensor& hit_in, const
   }
   // the summary (plan_graph.plan_summary) and the receive table of one group
   const int64_t tail_width = 2 * world * local;
-  Tensor summary = at::empty({2 * world + local + world * header_len + world * world + world + 2 * tail_width + world},
-                             i64);
+  Tensor summary = at::empty(
+      {2 * world + local + world * header_len + world * world + world + 2 * tail_width + world + world}, i64);
   int64_t* sum = summary.data_ptr<int64_t>();
   for (int64_t d = 0; d < world; ++d) *sum++ = count(rank, d, 0);
   for (int64_t s = 0; s < world; ++s) *sum++ = count(s, rank, 0);
@@ -202,6 +202,16 @@ std::vector<Tensor> send_plan(const Tensor& dest_in, const Tensor& hit_in, const
     sum = std::copy(theirs, theirs + 2 * local, sum);
   }
   for (int64_t s = 0; s < world; ++s) *sum++ = g[s * width_row + tail_at + tail_width];
+  // every rank's rows in its fullest group of local experts, by this rank's G (plan.expert_groups)
+  const int64_t spread = std::max<int64_t>(local, 1);
+  const int64_t own = std::min(std::max<int64_t>(g[rank * width_row + tail_at + tail_width], 1), spread);
+  std::vector<int64_t> by(spread);
+  for (int64_t d = 0; d < world; ++d) {
+    std::fill(by.begin(), by.end(), 0);
+    for (int64_t e = 0; e < local; ++e)
+      for (int64_t s = 0; s < world; ++s) by[((e + 1) * own - 1) / spread] += count(s, d, 1 + e);
+    *sum++ = *std::max_element(by.begin(), by.end());
+  }
   Tensor table = at::empty({3, world}, i64);
   int64_t* tab = table.data_ptr<int64_t>();
   for (int64_t s = 0, at = 0; s < world; ++s) {

@@ -278,14 +278,14 @@ class Calls:
             raise
 
     def agree_part(self, ticket: plan.Ticket, whole: plan.Ticket, dtype_code: int = -1,
-                   hidden: int = 0) -> list[list[int]]:
+                   hidden: int = 0, weights_code: int = -1) -> list[list[int]]:
         """:meth:`agree` for a call that is a part of the call ``whole`` (a
         ``GroupSums.add`` of its ``combine_groups``): the whole's number travels
         in the tail, so that parts of two calls along one handle, made in
         another order on some rank, do not pair crosswise: every rank raises
         :class:`CallsDiffer` naming the ranks and both calls, and none counts
         the part."""
-        rows = self.agree(ticket, dtype_code, (whole.call,), hidden)
+        rows = self.agree(ticket, dtype_code, (whole.call,), hidden, weights_code)
         wholes = [row[-1] for row in rows]
         for number in wholes:  # the usual case, at a glance: every rank at a part of this very call
             if number != whole.call:

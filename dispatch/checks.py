@@ -75,6 +75,28 @@ def check_peer_groups(groups: list[int]) -> None:
         raise ValueError(f"groups: every rank of the group must dispatch with the same groups; got {told}")
 
 
+def check_group_bounds(headers, groups: list[int], fullest: list[int]) -> None:
+    """``check_row_budgets`` of a dispatch by G > 1 groups with max_rows, whose
+    outputs pad each group to B = ceil(max_rows / G) rows: refuse, on every
+    rank alike, one in which some rank's fullest group has more rows than B,
+    or whose G B rows some rank's free device memory does not hold. Raises
+    ValueError naming the argument."""
+    headers = agreement.header_rows(headers)
+    over, short = [], []
+    for r, (h, g, n) in enumerate(zip(headers, groups, fullest)):
+        bound, memory, per_group = h[_MAX_ROWS], h[_MEMORY_ROWS], -(-h[_MAX_ROWS] // max(g, 1))
+        if bound >= 0 and n > per_group:
+            over.append(f"rank {r}: {n} rows in a group, over B={per_group} (max_rows={bound}, G={g})")
+        if bound >= 0 and 0 <= memory < g * per_group:
+            short.append(f"rank {r}: {g * per_group} rows, its free device memory holds {memory}")
+    if over:
+        raise ValueError(f"max_rows: by groups each group of local experts takes at most B = ceil(max_rows / G) rows "
+                         f"({'; '.join(over)}); no token moved")
+    if short:
+        raise ValueError(f"max_rows: the rows of a dispatch by groups do not fit some rank's free device memory "
+                         f"({'; '.join(short)}); no token moved")
+
+
 def check_dispatch_signature(d, x, topk_idx, topk_weights, max_rows, groups):
     """``TokenDispatcher.dispatch``'s own checks of its arguments on dispatcher
     ``d`` (this rank alone; their types, shapes, dtypes, devices and layouts,
@@ -92,8 +114,8 @@ def check_dispatch_signature(d, x, topk_idx, topk_weights, max_rows, groups):
                          "places its rows group by group; use groups=1")
     if groups > 1 and max_rows is not None and not d.transport.bounded_groups:
         raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs the NVLink "
-                         f"engine (each group padded to its bound on the device); {name} does not move one; use "
-                         "groups=1 or no max_rows")
+                         f"engine or NVSHMEM (each group padded to its bound on the device); {name} does not move "
+                         "one; use groups=1 or no max_rows")
     if d.config.pad_to_capacity and max_rows is not None:
         raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum of "
                          "the ranks' capacities); dispatch without max_rows")
@@ -396,20 +418,28 @@ def fold_flags(header_row: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
     return folded
 
 
-def peers_fail(headers: torch.Tensor, rows_of: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """The device twin of ``check_peer_headers``, ``check_peer_groups`` and
-    ``check_row_budgets`` for a dispatch that reads nothing on the host: a
-    0-dim bool, True where they would raise (every rank computes it from the
-    same all-gathered rows, so all agree without a word).
+def peers_fail(headers: torch.Tensor, rows_of: torch.Tensor, groups: torch.Tensor,
+               fullest: torch.Tensor) -> torch.Tensor:
+    """The device twin of ``check_peer_headers``, ``check_peer_groups``,
+    ``check_row_budgets`` and ``check_group_bounds`` for a dispatch that reads
+    nothing on the host: a 0-dim bool, True where they would raise (every rank
+    computes it from the same all-gathered rows, so all agree without a word).
+    By G > 1 groups a rank's bound is on each group: B = ceil(max_rows / G)
+    rows (its outputs G B).
 
     Args:
         headers: [W, len(HEADER)] every rank's header; rows_of: [W] every
-            rank's N; groups: [W] every rank's G (int64, on the device).
+            rank's N; groups: [W] every rank's G; fullest: [W] every rank's
+            rows in its fullest group (int64, on the device).
     """
     agreed = headers[:, :AGREED]
     bound, memory = headers[:, _MAX_ROWS], headers[:, _MEMORY_ROWS]
-    over = (bound >= 0) & (rows_of > bound)
-    short = (memory >= 0) & (memory < torch.maximum(rows_of, bound))
+    split = groups.clamp(min=1)
+    per_group = (bound + split - 1) // split  # B (the bound itself for one group)
+    by_groups = groups > 1
+    over = (bound >= 0) & torch.where(by_groups, fullest > per_group, rows_of > bound)
+    outputs = torch.where(by_groups & (bound >= 0), split * per_group, bound)
+    short = (memory >= 0) & (memory < torch.maximum(rows_of, outputs))
     return ((agreed != agreed[:1]).any() | (headers[:, _FAILED] != 0).any() | over.any() | short.any()
             | (groups != groups[:1]).any())
 

@@ -162,7 +162,8 @@ class MoEExchange(nn.Module):
             raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
         if max_rows is not None and groups > 1 and not dispatcher.transport.bounded_groups:
             raise ValueError(f"max_rows={max_rows!r} with groups={groups}: a dispatch by groups with a row bound "
-                             f"needs the NVLink engine ({dispatcher.transport.key} does not move one); use groups=1")
+                             f"needs the NVLink engine or NVSHMEM ({dispatcher.transport.key} does not move one); "
+                             "use groups=1")
         if groups > 1 and dispatcher.config.pad_to_capacity:
             raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
                              "the whole dispatch is in; use groups=1")

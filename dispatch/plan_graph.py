@@ -125,19 +125,24 @@ def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planne
 
 def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int,
                  tails: torch.Tensor) -> torch.Tensor:
-    """[2 W + E_local + W * len(HEADER) + W W + W + 4 W E_local + W] int64:
+    """[2 W + E_local + W * len(HEADER) + W W + W + 4 W E_local + W + W] int64:
     rows sent to each rank, rows received from each rank, expanded rows per
     local expert; every rank's header; the rows every rank sends to every rank
     ([W_src, W_dst], whose columns say which ranks get rows); every rank's N;
     from the group tails (``group_tail``), this rank's rows to each rank by
-    first and last group, every rank's rows to this one so, and every rank's G.
-    The one tensor the host needs."""
-    world = all_counts.shape[0]
+    first and last group, every rank's rows to this one so, and every rank's G;
+    every rank's rows in its fullest group of local experts by this rank's G
+    (``plan.expert_groups``; N for one group). The one tensor the host needs."""
+    world, local = all_counts.shape[0], all_counts.shape[2] - 1
     recv_counts = all_counts[:, rank]  # [W_src, 1 + E_local]
     mine = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)])
     by_group = tails[:, :-1].view(world, world, -1)  # [W_src, W_dst, 2 E_local]
-    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten(), all_counts[:, :, 1:].sum((0, 2)),
-                      by_group[rank].flatten(), by_group[:, rank].flatten(), tails[:, -1]])
+    per_expert = all_counts[:, :, 1:].sum(0)  # [W_dst, E_local]
+    groups = tails[rank, -1].clamp(1, max(local, 1))
+    group_of = ((torch.arange(local, device=per_expert.device) + 1) * groups - 1) // max(local, 1)
+    fullest = per_expert.new_zeros(world, max(local, 1)).index_add_(1, group_of, per_expert).amax(1)
+    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten(), per_expert.sum(1),
+                      by_group[rank].flatten(), by_group[:, rank].flatten(), tails[:, -1], fullest])
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,7 @@ class Summary:
         by_group: [2, W, 2, E_local] this rank's rows to each rank, then every
             rank's rows to this one, by first and last group.
         groups: [W] every rank's G.
+        fullest: [W] every rank's rows in its fullest group (by this rank's G).
     """
 
     send: torch.Tensor
@@ -164,6 +170,7 @@ class Summary:
     received: torch.Tensor
     by_group: torch.Tensor
     groups: torch.Tensor
+    fullest: torch.Tensor
 
     @staticmethod
     def per_expert_of(summary: torch.Tensor, world: int, local: int) -> torch.Tensor:
@@ -173,7 +180,7 @@ class Summary:
     @staticmethod
     def sizes(world: int, local: int) -> tuple[int, ...]:
         """The entries of each part, in order."""
-        return (world, world, local, world * len(plan.HEADER), world * world, world, 4 * world * local, world)
+        return (world, world, local, world * len(plan.HEADER), world * world, world, 4 * world * local, world, world)
 
     @classmethod
     def width(cls, world: int, local: int) -> int:
@@ -183,9 +190,9 @@ class Summary:
     @classmethod
     def read(cls, summary: torch.Tensor, world: int, local: int) -> "Summary":
         sizes = cls.sizes(world, local)
-        send, recv, per_expert, headers, matrix, received, by_group, groups = summary.split(sizes)
+        send, recv, per_expert, headers, matrix, received, by_group, groups, fullest = summary.split(sizes)
         return cls(send, recv, per_expert, headers.view(world, -1), matrix.view(world, world), received,
-                   by_group.view(2, world, 2, local), groups)
+                   by_group.view(2, world, 2, local), groups, fullest)
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,8 @@ class HostSummary:
 
     Attributes:
         send, recv: [W] each; per_expert: [E_local]; headers: [W][len(HEADER)];
-        matrix: [W_src][W_dst]; received: [W]; by_group: flat; groups: [W].
+        matrix: [W_src][W_dst]; received: [W]; by_group: flat; groups: [W];
+        fullest: [W].
     """
 
     send: tuple[int, ...]
@@ -207,6 +215,7 @@ class HostSummary:
     received: list[int]
     by_group: list[int]
     groups: list[int]
+    fullest: list[int]
 
     @classmethod
     def read(cls, summary: torch.Tensor, world: int, local: int) -> "HostSummary":
@@ -217,10 +226,11 @@ class HostSummary:
         received = matrix + world * world
         by_group = received + world
         groups = by_group + 4 * world * local
+        fullest = groups + world
         return cls(tuple(flat[:world]), tuple(flat[world : 2 * world]), flat[2 * world : at],
                    [flat[headers + r * width : headers + (r + 1) * width] for r in range(world)],
                    [flat[matrix + r * world : matrix + (r + 1) * world] for r in range(world)],
-                   flat[received:by_group], flat[by_group:groups], flat[groups:])
+                   flat[received:by_group], flat[by_group:groups], flat[groups:fullest], flat[fullest:])
 
     @property
     def has_rows(self) -> tuple[bool, ...]:

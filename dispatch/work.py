@@ -66,7 +66,9 @@ class GroupSums:
 
         ticket = self._dispatcher._along("GroupSums.add", handle, check)
         code = checks.dtype_code(rows) if self.dtype is None else -1  # with a dtype, rows are cast to it
-        checks.check_peer_rows(self._dispatcher._calls.agree_part(ticket, self._call, code, rows.shape[1]), "rows")
+        weights_code = -1 if given is None else checks.FLOAT_CODES[given]  # (one dtype on every rank, or none)
+        checks.check_peer_rows(self._dispatcher._calls.agree_part(ticket, self._call, code, rows.shape[1],
+                                                                  weights_code), "rows")
         if self.dtype is not None and rows.dtype != self.dtype:
             # cast, not refused: a rank without rows in this group could not
             # refuse alike, and would send its pieces to peers that wait

@@ -333,3 +333,83 @@ def with_and_without_compiled_plan(x, topk_idx, topk_weights, grad_out, expert_o
         finally:
             plan_cpu.enabled = True
     return got, plan_cpu.module() is not None
+
+
+def dispatcher(config: dict, emulated: bool = False):
+    """``dispatch.create`` of ``config``; ``emulated``: the NVSHMEM transport's
+    dispatcher with its rows over gloo (``splits_exchange.HostSplitsExchange``)."""
+    cfg = dispatch.DispatchConfig.from_options(**config)
+    if not emulated:
+        return dispatch.create(cfg)
+    from splits_exchange import HostSplitsExchange
+
+    from dispatch.dispatcher import TokenDispatcher
+    from dispatch.transports import NVSHMEMTransport
+
+    return TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=HostSplitsExchange()))
+
+
+def padded_groups(rows, bounds, bound, fill):
+    """Rows of a dispatch by groups [N, ...] placed as a dispatch by groups with a
+    row bound places them: group g's at [g B, g B + its rows), ``fill`` after."""
+    groups = len(bounds) - 1
+    out = torch.full((groups * bound, *rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device)
+    for g in range(groups):
+        lo, hi = bounds[g], bounds[g + 1]
+        out[g * bound : g * bound + hi - lo] = rows[lo:hi]
+    return out
+
+
+def bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, slack, emulated=False):
+    """A dispatch by groups with max_rows (``slack`` times this rank's fullest
+    group, by G; 1: a tight fit) against the same by groups without: each
+    group's rows in its padded block (zeros after, weight 0, sources -1), and
+    every verb along the handle the same bits, whatever the padding rows of the
+    expert outputs hold; dispatch, combine and their backward too.
+    ``emulated``: over the NVSHMEM transport on gloo (:func:`dispatcher`)."""
+    from world import current_device
+
+    device = current_device()
+    d = dispatcher(config, emulated)
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    ref = d.dispatch(x, topk_idx, topk_weights, groups=groups)
+    bounds = ref.handle.group_rows
+    fullest = max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
+    max_rows = groups * int(slack * fullest)
+    work = d.dispatch(x, topk_idx, topk_weights, groups=groups, max_rows=max_rows, async_op=True)
+    bound = -(-max_rows // groups)
+    parts = [work.wait_group(g) for g in reversed(range(groups))][::-1]
+    tokens = torch.cat([p.tokens for p in parts])
+    weights = torch.cat([p.weights for p in parts])
+    ok = {
+        "rows": [p.rows for p in parts] == [(g * bound, (g + 1) * bound) for g in range(groups)],
+        "tokens": torch.equal(tokens, padded_groups(ref.tokens, bounds, bound, 0)),
+        "weights": torch.equal(weights, padded_groups(ref.weights, bounds, bound, 0)),
+        "per_expert": torch.equal(sum(p.tokens_per_expert for p in parts), ref.tokens_per_expert),
+    }
+    gen = torch.Generator(device=device).manual_seed(1)
+    y = torch.randn(ref.tokens.shape, generator=gen, device=device).to(x.dtype)
+    junk = torch.full((), float("nan"), dtype=x.dtype)  # the padding rows of the outputs are never read
+    y_padded = padded_groups(y, bounds, bound, junk.item())
+    sums = d.combine_groups(work.handle, dtype=x.dtype)
+    for p in parts:
+        sums.add(y_padded[slice(*p.rows)], p.weights)
+    ok["combine_groups"] = torch.equal(sums.wait(), d.combine(y, ref.handle, weights=ref.weights))
+    moved = d.dispatch_rows(x * 3, work.handle, async_op=True)
+    moved = torch.cat([moved.wait_group(g) for g in range(groups)])
+    ok["dispatch_rows"] = torch.equal(moved, padded_groups(d.dispatch_rows(x * 3, ref.handle), bounds, bound, 0))
+    full = work.wait()
+    ok["src"] = torch.equal(full.src_token, padded_groups(ref.src_token, bounds, bound, -1))
+    values = torch.randn(ref.tokens.shape[0], generator=gen, device=device)
+    ok["combine_slots"] = torch.equal(d.combine_slots(padded_groups(values, bounds, bound, float("nan")),
+                                                      work.handle), d.combine_slots(values, ref.handle))
+    grads = []  # the differentiable verbs along the padded handle: combine's backward moves by groups too
+    for bound_rows in (max_rows, None):
+        xg, wg = x.detach().requires_grad_(), topk_weights.detach().requires_grad_()
+        out = d.dispatch(xg, topk_idx, wg, groups=groups, max_rows=bound_rows)
+        home = d.combine(out.tokens * 2, out.handle, weights=out.weights)
+        (home.float() * 3).sum().backward()
+        grads.append((home, xg.grad, wg.grad))
+    ok["autograd"] = all(torch.equal(a, b) for a, b in zip(*grads))
+    d.check()
+    return ok

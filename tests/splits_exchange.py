@@ -18,6 +18,7 @@ class HostSplitsExchange:
 
     def __init__(self, group=None) -> None:
         self.group = group
+        self.operations = 0  # exchanges issued (as SymmetricExchange counts them)
 
     def stride(self, row_bytes: int) -> int:
         return row_bytes
@@ -28,6 +29,7 @@ class HostSplitsExchange:
     def exchange(self, rows, sends, receives, send_rows, recv_rows, consume, at=None):
         from dispatch.transports.symmetric import Packed
 
+        self.operations += 1
         if at is not None:  # rows that would be put: their places at the receivers
             self._check_places(sends, at)
         if isinstance(rows, Packed):  # made where they go: here, a tensor of their own
@@ -49,11 +51,14 @@ class HostSplitsExchange:
     def can_put(self, device):
         return True
 
-    def get_expand(self, x, send_token, places, receives, back_at, send_rows, recv_rows, expand_src):
+    def get_expand(self, x, send_token, places, receives, back_at, send_rows, recv_rows, expand_src, spans=None):
         """As the kernel: every rank stages x[send_token] (its send order); row r,
         the (r - first[s])-th received from rank s, is row back_at[s] + r - first[s]
         of rank s's stage, written to its places; padding rows zeros, the rest
-        garbage."""
+        garbage. By groups (``spans``, each group's places), the rows whose first
+        place is in some span and the padding rows in one, and (out, no events):
+        rows and padding outside every span stay garbage."""
+        self.operations += 1
         for t in (send_token, places, receives, back_at, expand_src):
             assert t.dtype == torch.int64 and t.is_contiguous(), (t.dtype, t.stride())  # as the kernel reads them
         assert places.shape[1] <= 32 and bool(((places >= 0).int().diff(dim=1) <= 0).all()), places  # packed left
@@ -70,23 +75,33 @@ class HostSplitsExchange:
         stages = [torch.empty_like(staged) for _ in range(world)]
         dist.all_gather(stages, staged, group=self.group)  # every rank's stage
         out = torch.full((expand_src.shape[0], x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+        covered = [(0, 2**62)] if spans is None else spans
+        assert all(lo <= hi for lo, hi in covered) and all(a[1] <= b[0] for a, b in zip(covered, covered[1:])), spans
         first = 0
         for s in range(world):
             for j in range(counts[s]):
                 row = int(back_at[s]) + j
                 assert row < int(sizes[s]), (s, j, row, int(sizes[s]))  # within what rank s staged
-                for place in places[first + j].tolist():
-                    if place >= 0:
+                mine = [p for p in places[first + j].tolist() if p >= 0]
+                earliest = min(mine) if mine else None
+                if any(earliest is None and lo == 0 or earliest is not None and lo <= earliest < hi
+                       for lo, hi in covered):
+                    for place in mine:
                         out[place] = stages[s][row]
             first += counts[s]
-        out[expand_src == recv_rows] = 0
-        return out
+        position = torch.arange(expand_src.shape[0], device=x.device)
+        inside = torch.zeros_like(position, dtype=torch.bool)
+        for lo, hi in covered:
+            inside |= (position >= lo) & (position < hi)
+        out[(expand_src == recv_rows) & inside] = 0
+        return out if spans is None else (out, [None] * len(spans))
 
     def presum_put(self, y, weights, places, receives, back_at, wire, send_rows, recv_rows, home_index):
         """As the kernels: each received row's sum (gather_sum's), put home, and
         the partials of each token summed there (the kernels' sums are gather_sum's, bitwise)."""
         from dispatch.kernels.gather_sum import gather_sum  # the sums of the NCCL transport on this device
 
+        self.operations += 1
         assert y.is_contiguous() and (weights is None or weights.dtype == torch.float32), (y.stride(), weights)
         assert home_index.dtype == torch.int64 and home_index.is_contiguous(), home_index.stride()
         got = int(receives.sum())
@@ -96,7 +111,58 @@ class HostSplitsExchange:
         return self.exchange(partial, receives, back, send_rows, recv_rows,
                              lambda rows: gather_sum(rows, home_index, None, y.dtype), at=back_at)
 
+    def group_table(self, bounds):
+        """A combine by groups' state: its groups' places and the rows stored."""
+        return {"bounds": tuple(bounds), "rows": {}, "partial": None}
+
+    def presum_put_group(self, table, new, span, places, receives, back_at, wire, send_rows, recv_rows, home_index):
+        """As the kernels by groups: the groups ``new`` stored; the received rows
+        whose last place is in ``span`` summed (gather_sum's) from the groups
+        stored so far (the others NaN: a pre-sum that reads a group not yet
+        in comes home NaN) and kept as put (lost where another exchange came
+        between two groups, as its rows overwrite them); with ``home_index``
+        (the last group), every received row must have been put once since:
+        they go home and are summed there."""
+        from dispatch.kernels.gather_sum import gather_sum
+
+        if table.get("after") not in (None, self.operations):  # another exchange came: its rows overwrote the puts
+            table["partial"] = None
+        self.operations += 1
+        table["after"] = self.operations
+        for g, rows, weights in new:
+            assert rows.is_contiguous() and (weights is None or weights.dtype == torch.float32), (rows.stride(), weights)
+            table["rows"][g] = (rows, weights)
+        bounds = table["bounds"]
+        total = bounds[-1]
+        y = torch.full((total, rows.shape[1]), float("nan"), dtype=rows.dtype, device=rows.device)
+        w = None if weights is None else torch.full((total,), float("nan"), dtype=weights.dtype, device=rows.device)
+        for k, (held, held_weights) in table["rows"].items():
+            assert held.shape[0] == bounds[k + 1] - bounds[k], (k, held.shape, bounds)
+            y[bounds[k] : bounds[k + 1]] = held
+            if w is not None:
+                w[bounds[k] : bounds[k + 1]] = held_weights
+        got = int(receives.sum())
+        mine = places[:got]
+        latest = mine.max(1).values if mine.shape[1] else torch.full((got,), -1, dtype=torch.int64)
+        lo, hi = span
+        chosen = torch.where(latest < 0, lo == 0, (latest >= lo) & (latest < hi))
+        partial = table["partial"]
+        if partial is None:
+            partial = table["partial"] = torch.full((got, rows.shape[1]), float("nan"), dtype=wire, device=rows.device)
+            table["put"] = torch.zeros(got, dtype=torch.int64, device=rows.device)
+        sums = gather_sum(y, mine, w, wire) if got else partial
+        partial[chosen] = sums[chosen]
+        table["put"] += chosen.long()
+        if home_index is None:
+            return None
+        assert bool((table["put"] == 1).all()), table["put"]  # every pre-sum put once since the buffer was last used
+        back = torch.empty_like(receives)
+        dist.all_to_all_single(back, receives.contiguous(), group=self.group)
+        return self.exchange(partial, receives, back, send_rows, recv_rows,
+                             lambda got_rows: gather_sum(got_rows, home_index, None, rows.dtype), at=back_at)
+
     def gather(self, row, out=None):
+        self.operations += 1
         assert row.dim() == 1, row.shape  # one row per rank
         return comm.all_gather_rows(row, self.group, dist.get_world_size(self.group), out=out)
 
@@ -186,10 +252,13 @@ def _fake_put_rows(recv, recv_stride, x, send_token, sends, at, most, stream=Non
 
 
 def _fake_get_expand(out, stage, recv, stride, row_bytes, places, receives, back_at, most, expand_src, zero_at,
-                     stream=None):
+                     stream=None, span=None):
     """get_expand's contract: row r received (the (r - first[s])-th from rank s)
     is row back_at[s] + r - first[s] of rank s's stage, written to its places;
-    padding rows zeros."""
+    padding rows zeros (in one piece: these tests move no groups)."""
+    from dispatch.kernels import nvshmem_puts
+
+    assert span in (None, nvshmem_puts.EVERY), span
     stages = _everyone(stage)
     assert len({t.numel() for t in stages}) == 1, "the stages differ between ranks"
     flat = out.view(torch.uint8).reshape(out.shape[0], -1)
@@ -206,11 +275,14 @@ def _fake_get_expand(out, stage, recv, stride, row_bytes, places, receives, back
     flat[expand_src == zero_at] = 0
 
 
-def _fake_presum_put(recv, send, stride, y, weights, places, receives, back_at, wire, most, stream=None):
+def _fake_presum_put(recv, send, stride, y, weights, places, receives, back_at, wire, most, stream=None, table=None,
+                     span=None):
     """presum_put's contract: each received row's sum (gather_sum's) goes to its
-    home s at row back_at[s] + r - first[s] of s's recv."""
+    home s at row back_at[s] + r - first[s] of s's recv (in one piece)."""
+    from dispatch.kernels import nvshmem_puts
     from dispatch.kernels.gather_sum import gather_sum
 
+    assert table is None and span in (None, nvshmem_puts.EVERY), (table, span)
     total = min(int(receives.sum()), most)
     raw = gather_sum(y, places[:total], weights, wire).view(torch.uint8).reshape(total, y.shape[1] * wire.itemsize)
     me = dist.get_rank()

@@ -69,12 +69,18 @@ def test_the_plan_summary_reads_back_by_part():
     assert torch.equal(got.by_group[0].flatten(), by_group[rank].flatten())
     assert torch.equal(got.by_group[1].flatten(), by_group[:, rank].flatten())
     assert torch.equal(got.groups, tails[:, -1])
+    own = min(max(int(tails[rank, -1]), 1), local)  # every rank's fullest group by this rank's G
+    groups = plan.expert_groups(local, own)
+    per_expert = all_counts[:, :, 1:].sum(0)
+    fullest = [max(int(per_expert[d, lo:hi].sum()) for lo, hi in zip(groups[:-1], groups[1:])) for d in range(world)]
+    assert got.fullest.tolist() == fullest
     # the host path's one read: the same parts as Python ints
     host = plan_graph.HostSummary.read(summary, world, local)
     assert host.send == tuple(got.send.tolist()) and host.recv == tuple(got.recv.tolist())
     assert host.per_expert == got.per_expert.tolist() and torch.equal(host.per_expert_host(), got.per_expert)
     assert host.headers == got.headers.tolist() and host.matrix == got.matrix.tolist()
     assert host.received == got.received.tolist() and host.groups == got.groups.tolist()
+    assert host.fullest == got.fullest.tolist()
     assert torch.equal(host.by_group_tensor(world, local), got.by_group)
     assert host.has_rows == tuple(bool(n) for n in got.matrix.sum(0).tolist()) and host.has_rows[2] is False
 

@@ -380,7 +380,7 @@ def _summary_case(world, local, spoil, gen):
 
     sizes = Summary.sizes(world, local)
     summary = torch.randint(0, 40, (sum(sizes),), generator=gen)
-    send, recv, per_expert, headers, matrix, received, by_group, groups = summary.split(sizes)
+    send, recv, per_expert, headers, matrix, received, by_group, groups, fullest = summary.split(sizes)
     headers = headers.view(world, len(plan.HEADER))
     headers[:, : checks.AGREED] = headers[0, : checks.AGREED].clone()
     failed, bound, memory = (plan.HEADER.index(name) for name in ("failed", "max_rows", "memory_rows"))
@@ -388,7 +388,10 @@ def _summary_case(world, local, spoil, gen):
     received.add_(1)  # (a rank over its bound or its memory has rows)
     headers[:, bound] = torch.where(torch.rand(world, generator=gen) < 0.5, -1, received + 5)
     headers[:, memory] = torch.where(torch.rand(world, generator=gen) < 0.5, -1, received + 50)
-    groups.fill_(int(groups[0]))
+    # G = 3 for some (the bound of each group then), one group where a rank is over its N's bound
+    split = 3 if spoil.startswith("group ") or (spoil != "over" and bool(torch.rand(1, generator=gen) < 0.3)) else 1
+    groups.fill_(split)
+    fullest.copy_(-(-received // split))  # (each rank's rows spread evenly over its groups)
     peer = int(torch.randint(0, world, (1,), generator=gen))
     if spoil == "agreed":
         headers[peer, int(torch.randint(0, checks.AGREED, (1,), generator=gen))] += 1
@@ -406,13 +409,16 @@ def _summary_case(world, local, spoil, gen):
         headers[peer, bound] = 0
     elif spoil == "groups":
         groups[peer] += 1
+    elif spoil in ("group over", "group at bound"):  # by groups: the fullest group against B = ceil(bound / G)
+        headers[peer, bound] = received[peer] + 5
+        fullest[peer] = -(-(received[peer] + 5) // split) + (spoil == "group over")
     return summary
 
 
 @settings(max_examples=60, deadline=None)
 @given(world=st.sampled_from([1, 2, 3, 5, 8, 300]), local=st.sampled_from([1, 3, 16, 128]), rank=st.integers(0, 299),
        spoil=st.sampled_from(["none", "agreed", "failed", "over", "short", "at bound", "short of bound", "zero bound",
-                              "groups"]), seen=st.booleans(),
+                              "groups", "group over", "group at bound"]), seen=st.booleans(),
        seed=st.integers(0, 10**6))
 def test_settle_kernel_matches_reference(world, local, rank, spoil, seen, seed):
     """A bounded NVSHMEM plan settled in one kernel (``bounded_plan.settle``):
@@ -429,7 +435,7 @@ def test_settle_kernel_matches_reference(world, local, rank, spoil, seen, seed):
     records[1][1].copy_(records[0][1])
     want = bounded_plan.settle_reference(summary, world, local, rank, *records[0])
     got = bounded_plan.settle_triton(summary, world, local, rank, *records[1])
-    one_rank_fails = ("failed", "over", "short", "short of bound", "zero bound")
+    one_rank_fails = ("failed", "over", "short", "short of bound", "zero bound", "group over")
     assert bool(want.failed) == (spoil in one_rank_fails or (world > 1 and spoil in ("agreed", "groups")))
     for name, one, other in zip(bounded_plan.Settled._fields, got, want):
         assert one.dtype == other.dtype and torch.equal(one, other), name

@@ -35,12 +35,7 @@ VERBS = ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "com
 
 def _dispatcher(config: dict, emulated: bool):
     """The NVSHMEM transport's dispatcher (its rows over gloo where ``emulated``)."""
-    from splits_exchange import HostSplitsExchange
-
-    cfg = dispatch.DispatchConfig.from_options(**config, transport="nvshmem")
-    if not emulated:
-        return dispatch.create(cfg)
-    return TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=HostSplitsExchange()))
+    return rank_fns.dispatcher(dict(config, transport="nvshmem"), emulated)
 
 
 def _round_trip(d, x, topk_idx, topk_weights, grad_out, max_rows, groups, async_op):
@@ -101,6 +96,83 @@ def test_every_verb_is_bitwise_the_nccl_transports(worlds, data):
     for rank, (differ, read_host) in enumerate(worlds(world).run(against_nccl, args)):
         assert differ == [], (rank, differ)
         assert read_host == (pad is None), rank
+
+
+@pytest.mark.parametrize("mode, per_rank, topk, tokens, groups, slack", [
+    ("random", 8, 4, [40, 31], 3, 1.0), ("random", 8, 4, [40, 31], 3, 1.5), ("random", 6, 2, [50, 0], 2, 2.0),
+    ("one_expert", 8, 2, [20, 30], 4, 1.0),
+])
+def test_groups_with_max_rows(worlds, mode, per_rank, topk, tokens, groups, slack):
+    """A dispatch by groups with max_rows moves group by group, each group's
+    rows padded to B = ceil(max_rows / G): every verb the bits of the same
+    dispatch by groups without a bound (the emulated transport)."""
+    from routing import make_routing
+
+    routing = make_routing(2, per_rank, topk, tokens, mode, seed=groups)
+    gen = torch.Generator().manual_seed(groups)
+    xs = [torch.randn(t, 16, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, transport="nvshmem")
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, groups, slack, True)
+            for r in range(2)]
+    for rank, ok in enumerate(worlds(2).run(rank_fns.bounded_groups_verbs, args)):
+        assert all(ok.values()), f"rank {rank}: {ok}"
+
+
+def group_over_its_bound(x, topk_idx, topk_weights):
+    """Every token to local expert 0 of rank 1, by 2 groups with max_rows that
+    holds all its rows but not in one group (B = ceil(max_rows / 2)): no rank
+    raises at the dispatch, its outputs are padding, ``check()`` raises on
+    every rank, naming the group's bound."""
+    d = _dispatcher(dict(num_experts=4), True)
+    out = d.dispatch(x, topk_idx, topk_weights, groups=2, max_rows=2 * x.shape[0])
+    seen = dict(padding=bool((out.tokens == 0).all()) and bool((out.src_rank == -1).all()),
+                rows=out.tokens.shape[0], per_expert=int(out.tokens_per_expert.sum()))
+    try:
+        d.check()
+        seen["check"] = None
+    except ValueError as exc:
+        seen["check"] = str(exc)
+    return seen
+
+
+def test_a_group_over_its_bound_fails_the_dispatch_on_every_rank(worlds):
+    tokens = 5
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(tokens, 8, generator=gen) for _ in range(2)]
+    idx = torch.full((tokens, 1), 2)  # 2 local experts a rank: rank 1's expert 0, its first group
+    args = [(xs[r], idx, torch.ones(tokens, 1)) for r in range(2)]
+    for rank, seen in enumerate(worlds(2).run(group_over_its_bound, args)):
+        assert seen["padding"] and seen["rows"] == 2 * tokens and seen["per_expert"] == 0, (rank, seen)
+        assert "rank 1: 10 rows in a group, over B=5" in seen["check"], (rank, seen)
+
+
+def interleaved_group_sums(x, topk_idx, topk_weights, emulated=True):
+    """A combine by groups with another exchange between its groups (a second
+    dispatch): the pre-sums put before it are put again with the last group.
+    Returns whether its sums are the bits of the NCCL transport's."""
+    from world import current_device
+
+    x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
+    sums = []
+    for d in (dispatch.create(dispatch.DispatchConfig.from_options(num_experts=4, transport="nccl")),
+              _dispatcher(dict(num_experts=4), emulated)):
+        work = d.dispatch(x, topk_idx, topk_weights, groups=2, async_op=True)
+        adding = d.combine_groups(work.handle, dtype=x.dtype)
+        piece = work.wait_group(0)
+        adding.add(piece.tokens * 3, piece.weights)
+        d.dispatch(x * 2, topk_idx, topk_weights)  # between the two groups
+        piece = work.wait_group(1)
+        adding.add(piece.tokens * 3, piece.weights)
+        sums.append(adding.wait())
+    return torch.equal(*sums)
+
+
+def test_a_combine_by_groups_with_an_exchange_between_its_groups(worlds):
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(t, 8, generator=gen) for t in (7, 9)]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(t)]) for t in (7, 9)]
+    args = [(xs[r], idx[r], torch.rand(idx[r].shape, generator=gen)) for r in range(2)]
+    assert worlds(2).run(interleaved_group_sums, args) == [True, True]
 
 
 def bounded_failures(x, topk_idx, topk_weights, bounds, bad_rank):
@@ -484,6 +556,33 @@ def test_on_nvshmem_every_verb_is_bitwise_the_nccl_transports(nvshmem_world, wir
     for rank, (differ, read_host) in enumerate(nvshmem_world.run(against_nccl, args)):
         assert differ == [], (rank, differ)
         assert read_host == (pad is None), rank
+
+
+@pytest.mark.parametrize("pad", [None, 3])
+def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
+    """By groups (with max_rows: each group padded to its bound), one get and
+    one put a group: every verb the bits of the NCCL transport's (without a
+    bound), and of the same dispatch without one (with a bound); a combine by
+    groups with another exchange between its groups too."""
+    from routing import make_routing
+
+    routing = make_routing(2, 8, 4, [300, 251], "random", seed=11)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts)
+    if pad is None:
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, None, 4, True, False)
+                for r in range(2)]
+        for rank, (differ, read_host) in enumerate(nvshmem_world.run(against_nccl, args)):
+            assert differ == [] and read_host, (rank, differ)
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), False) for r in range(2)]
+        assert nvshmem_world.run(interleaved_group_sums, args) == [True, True]
+        return
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), dict(config, transport="nvshmem"), 4,
+             1.0 + pad / 10, False) for r in range(2)]
+    for rank, ok in enumerate(nvshmem_world.run(rank_fns.bounded_groups_verbs, args)):
+        assert all(ok.values()), f"rank {rank}: {ok}"
 
 
 def captured_round_trip(x, topk_idx, topk_weights, max_rows):

@@ -46,10 +46,9 @@ gloo, as a smoke test):
                 path costs beside MoEExchange. With ``--sm-carveout N`` the overlapped
                 micro-batches' GEMMs leave N SMs to the exchange beside them
 
-Each time is the slowest rank's, median over ``--iters`` runs after a barrier,
-CUDA events, after ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group
-with an NCCL budget of N CTAs, ``--nvshmem-blocks N`` launches the NVSHMEM
-transport's kernels with N blocks (a slower exchange, as over a slow link).
+Each time is the slowest rank's, median over ``--iters`` runs after a barrier, CUDA events, after
+``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group with an NCCL budget of N CTAs,
+``--nvshmem-blocks N`` launches the NVSHMEM kernels with N blocks (a slower exchange, as a slow link).
 """
 
 from __future__ import annotations
@@ -110,11 +109,12 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--dispatch-wire", default="native", help="DispatchConfig.dispatch_wire (e.g. bf16, fp8)")
     parser.add_argument("--transport", default="nccl", choices=("nccl", "auto", "nvlink", "nvshmem"),
                         help="DispatchConfig.transport (default nccl; over NCCL the alltoall variant moves each "
-                             "group of experts as its own all-to-all, the NVLink engine pulls each group's rows "
-                             "and pushes the pre-sums each group completes)")
+                             "group of experts as its own all-to-all, the NVLink engine and NVSHMEM get each "
+                             "group's rows and put the pre-sums each group completes)")
     parser.add_argument("--max-rows", action="store_true",
-                        help="T_comm and the micro-batches dispatch with max_rows (the largest N + 10%%): on the "
-                             "NVLink engine and over NVSHMEM nothing is read on the host before the rows move")
+                        help="every layer and the micro-batches dispatch with max_rows (the largest N + 10%%; by "
+                             "groups, each group's): on the NVLink engine and over NVSHMEM nothing is read on the "
+                             "host before the rows move")
     parser.add_argument("--nvshmem-blocks", type=int,
                         help="blocks of the NVSHMEM transport's data kernels (a slower exchange, as over a slow "
                              "link; --transport nvshmem)")
@@ -465,9 +465,10 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         backward = name == "fwd+bwd"
         t_comm = timed(case.layer_step(case.layer(1, prio, experts=lambda t, n: t, max_rows=bound), backward))[0]
         t_compute = timed(case.compute_step(backward))[0]
-        seq = case.layer(1, prio)
+        seq = case.layer(1, prio, max_rows=bound)
         t_seq, seq_host = timed(case.layer_step(seq, backward))
-        layers = {g: case.layer(g, prio, sm_carveout=carve) for g in candidates}
+        layers = {g: case.layer(g, prio, sm_carveout=carve, max_rows=case.bound(group, g) if bound else None)
+                  for g in candidates}
         pipe_times = {g: timed(case.layer_step(layers[g], backward)) for g in candidates}
         by_groups = {g: gpu for g, (gpu, _) in pipe_times.items()}
         best = min(by_groups, key=by_groups.get)

@@ -61,7 +61,7 @@ def settle(summary: torch.Tensor, world: int, local: int, rank: int, seen: torch
 def settle_reference(summary, world, local, rank, seen, failure) -> Settled:
     """:func:`settle` in torch operations."""
     parts = Summary.read(summary, world, local)
-    failed = checks.peers_fail(parts.headers, parts.received, parts.groups)
+    failed = checks.peers_fail(parts.headers, parts.received, parts.groups, parts.fullest)
     failure.copy_(torch.where(failed & ~seen, summary, failure))
     seen.logical_or_(failed)
     put_at, back_at = starts(parts.matrix, rank)
@@ -93,7 +93,7 @@ def settle_triton(summary, world, local, rank, seen, failure) -> Settled:
     failed = torch.empty((), dtype=torch.bool, device=device)
     _settle_kernel[(1,)](
         summary, seen.view(torch.uint8), failure, failed.view(torch.uint8), out, world, local, rank,
-        summary.numel(), starts_at[3], starts_at[4], starts_at[5], starts_at[7], first, step,
+        summary.numel(), starts_at[3], starts_at[4], starts_at[5], starts_at[7], starts_at[8], first, step,
         HEADER=len(plan.HEADER), AGREED=checks.AGREED, FAILED=plan.HEADER.index("failed"),
         MAX_ROWS=plan.HEADER.index("max_rows"), MEMORY_ROWS=plan.HEADER.index("memory_rows"),
         BLOCK_W=triton.next_power_of_2(world), BLOCK_H=triton.next_power_of_2(len(plan.HEADER)),
@@ -163,11 +163,41 @@ def pad_triton(expand_src, weights, src_rank, src_token, per_expert, send_token,
     return Padded(padded_src, padded_weights, padded_rank, padded_token, padded_send)
 
 
+def place_by_groups(padded: Padded, presum_index: torch.Tensor, per_expert: torch.Tensor,
+                    expert_bounds: tuple[int, ...], bound: int, recv_rows: int) -> tuple[Padded, torch.Tensor]:
+    """A padded plan (:func:`pad`, N real rows of G B, in the canonical order)
+    placed by groups of local experts, as a dispatch by G groups with
+    ``max_rows`` hands them out: group g's rows (its experts ``expert_bounds[g]``
+    to ``expert_bounds[g + 1]``) at [g B, g B + its rows), padding after (the
+    zero row ``recv_rows``, weight 0, sources -1); ``presum_index`` [R, J] the
+    same places. Every group within B (else the plan failed: N = 0). Torch
+    operations on the device, nothing read on the host (a CUDA graph may hold it)."""
+    num_rows, device = padded.expand_src.shape[0], padded.expand_src.device
+    groups = len(expert_bounds) - 1
+    ends = torch.cumsum(per_expert, 0)
+    starts = ends - per_expert
+    first, last = list(expert_bounds[:-1]), [b - 1 for b in expert_bounds[1:]]
+    group_start, group_end = starts[first], ends[last]  # [G] each group's rows in the canonical order
+    position = torch.arange(num_rows, device=device)
+    group = torch.searchsorted(group_end, position, right=True)
+    real = group < groups
+    group = group.clamp(max=groups - 1)
+    to = torch.where(real, position - group_start[group] + group * bound, num_rows)  # past the rows: dropped
+
+    def placed(values: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full((num_rows + 1,), fill, dtype=values.dtype, device=device)
+        return out.scatter_(0, to, values)[:num_rows]
+
+    moved = Padded(placed(padded.expand_src, recv_rows), placed(padded.weights, 0), placed(padded.src_rank, -1),
+                   placed(padded.src_token, -1), padded.send_token)
+    return moved, torch.where(presum_index >= 0, to[presum_index.clamp(min=0)], -1)
+
+
 if triton is not None:
 
     @triton.jit
     def _settle_kernel(summary_ptr, seen_ptr, failure_ptr, failed_ptr, out_ptr, world, local, rank, width,
-                       headers_at, matrix_at, received_at, groups_at, first, step, HEADER: tl.constexpr,
+                       headers_at, matrix_at, received_at, groups_at, fullest_at, first, step, HEADER: tl.constexpr,
                        AGREED: tl.constexpr, FAILED: tl.constexpr, MAX_ROWS: tl.constexpr, MEMORY_ROWS: tl.constexpr,
                        BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK: tl.constexpr):
         # out: the table [3, W] at 0; sends, receives, put_at, back_at [W] each from first, step apart;
@@ -175,7 +205,7 @@ if triton is not None:
         r = tl.arange(0, BLOCK_W)
         live = r < world
         # checks.peers_fail: the agreed columns differ from rank 0's, a rank failed, a rank over its
-        # bound or its memory, the ranks' G differ
+        # bound (by groups, its fullest group over B) or its memory, the ranks' G differ
         c = tl.arange(0, BLOCK_H)
         cell = live[:, None] & (c < AGREED)[None, :]
         headers = tl.load(summary_ptr + headers_at + r[:, None] * HEADER + c[None, :], mask=cell, other=0)
@@ -187,8 +217,13 @@ if triton is not None:
         memory = tl.load(row + MEMORY_ROWS, mask=live, other=-1)
         rows_of = tl.load(summary_ptr + received_at + r, mask=live, other=0)
         groups = tl.load(summary_ptr + groups_at + r, mask=live, other=0)
-        over = (bound >= 0) & (rows_of > bound)
-        short = (memory >= 0) & (memory < tl.maximum(rows_of, bound))
+        fullest = tl.load(summary_ptr + fullest_at + r, mask=live, other=0)
+        split = tl.maximum(groups, 1)
+        per_group = (bound + split - 1) // split
+        by_groups = groups > 1
+        over = (bound >= 0) & tl.where(by_groups, fullest > per_group, rows_of > bound)
+        outputs = tl.where(by_groups & (bound >= 0), split * per_group, bound)
+        short = (memory >= 0) & (memory < tl.maximum(rows_of, outputs))
         odd = live & ((flags != 0) | over | short | (groups != tl.load(summary_ptr + groups_at)))
         failed = (bad + tl.sum(odd.to(tl.int32), axis=0)) > 0
         # the record: the first failed dispatch's summary, then the flag

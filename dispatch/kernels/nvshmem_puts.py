@@ -74,9 +74,13 @@ def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: 
             most=most)
 
 
+EVERY = (0, 2**62)  # the span of places of a move in one piece
+
+
 def get_expand(out: torch.Tensor, stage: torch.Tensor, recv: torch.Tensor, stride: int, row_bytes: int,
                places: torch.Tensor, receives: torch.Tensor, back_at: torch.Tensor, most: int,
-               expand_src: torch.Tensor, zero_at: int, stream: "torch.cuda.Stream | None" = None) -> None:
+               expand_src: torch.Tensor, zero_at: int, stream: "torch.cuda.Stream | None" = None,
+               span: tuple[int, int] = EVERY) -> None:
     """The rows to the experts, expanded as they are got: for each row r this
     rank receives (``receives[s]`` from rank s, source-major; at most ``most``),
     row ``back_at[s] + r - first[s]`` of rank s's symmetric ``stage`` (its send
@@ -85,19 +89,22 @@ def get_expand(out: torch.Tensor, stage: torch.Tensor, recv: torch.Tensor, strid
     ``row_bytes``); rows i of out with ``expand_src[i] == zero_at`` zeroed. A
     peer's rows are read where NVSHMEM maps them, else got into row r of the
     symmetric ``recv`` first. Between two NVSHMEM barriers: every rank's stage
-    is written before it is called."""
+    is written before it is called. ``span`` (lo, hi): one group of a move by
+    groups, the rows whose first place is in it (to all their places) and the
+    padding rows in it."""
     _int64(places=places, receives=receives, back_at=back_at, expand_src=expand_src)
     _at_most_max_width("places", places)
     _launch("get_expand", out.device, stream, out=out.data_ptr(), out_stride=row_bytes, stage=stage.data_ptr(),
             stage_stride=stride, recv=recv.data_ptr(), recv_stride=stride, places=places.data_ptr(),
             width=places.shape[1], receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(),
             row_bytes=row_bytes, most=most, expand_src=expand_src.data_ptr(), num_rows=out.shape[0],
-            zero_at=zero_at, mapped=int(mapped))
+            zero_at=zero_at, mapped=int(mapped), lo=span[0], hi=span[1])
 
 
 def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Tensor, weights: torch.Tensor | None,
                places: torch.Tensor, receives: torch.Tensor, back_at: torch.Tensor, wire: torch.dtype, most: int,
-               stream: "torch.cuda.Stream | None" = None) -> None:
+               stream: "torch.cuda.Stream | None" = None, table: torch.Tensor | None = None,
+               span: tuple[int, int] = EVERY) -> None:
     """Each received row's pre-sum put home: for row r this rank received in
     the dispatch (``receives[s]`` from rank s, source-major; at most ``most``),
     the sum of rows ``places[r]`` (-1: none) of ``y`` [N, H] (contiguous),
@@ -105,7 +112,10 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
     ``wire``: as :func:`dispatch.kernels.gather_sum.gather_sum`, bitwise; put
     at row ``back_at[s] + r - first[s]`` of rank s's symmetric ``recv`` (rows
     ``stride`` bytes apart); made in row r of the symmetric ``send`` first where
-    NVSHMEM does not map rank s's memory here. Between two NVSHMEM barriers."""
+    NVSHMEM does not map rank s's memory here. Between two NVSHMEM barriers.
+    By groups: ``table`` (:func:`group_table`) gives each group's rows (like
+    ``y``, which only gives their dtype and width) and weights, and only the
+    rows whose last place is in ``span`` go."""
     if not sums_here(y.dtype, None if weights is None else weights.dtype, wire):
         raise ValueError(f"presum_put sums {sorted(map(str, _CODES))} rows with fp32 weights or none, got "
                          f"{y.dtype} rows, weights {None if weights is None else weights.dtype}, wire {wire}")
@@ -115,7 +125,28 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
             send_stride=stride, y=y.data_ptr(), y_stride=y.stride(0), y_code=_CODES[y.dtype],
             weights=0 if weights is None else weights.data_ptr(), places=places.data_ptr(), width=places.shape[1],
             receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(), hidden=y.shape[1],
-            out_code=_CODES[wire], most=most, mapped=int(mapped))
+            out_code=_CODES[wire], most=most, mapped=int(mapped), table=0 if table is None else table.data_ptr(),
+            groups=0 if table is None else (table.numel() - 1) // 3, lo=span[0], hi=span[1])
+
+
+def group_table(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The table of a combine by G groups for :func:`presum_put`: [3 G + 1]
+    int64 on ``device``, each group's rows and weights unset (:func:`store_group`),
+    then the places each group starts at (``bounds``, G + 1). Made by device
+    work alone (a CUDA graph may hold it)."""
+    groups = len(bounds) - 1
+    table = torch.zeros(3 * groups + 1, dtype=torch.int64, device=device)
+    for g, bound in enumerate(bounds):
+        table[2 * groups + g].fill_(bound)
+    return table
+
+
+def store_group(table: torch.Tensor, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+    """Group g's rows (contiguous, like every group's) and weights (fp32, or
+    None in every group alike) into ``table``, on the current stream."""
+    groups = (table.numel() - 1) // 3
+    table[g].fill_(rows.data_ptr())
+    table[groups + g].fill_(0 if weights is None else weights.data_ptr())
 
 
 def sums_here(dtype: torch.dtype, weights: torch.dtype | None, wire: torch.dtype) -> bool:

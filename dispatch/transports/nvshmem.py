@@ -58,7 +58,8 @@ from dispatch.plan_graph import HostSummary, Summary
 from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
-from dispatch.transports.base import Request, by_groups, grads_of, handle_fields, shape_fields
+from dispatch.transports.base import (GroupSumsIssuer, Request, WholeSums, by_groups, grads_of, handle_fields,
+                                      shape_fields)
 from dispatch.kernels import bounded_plan, nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 from dispatch.transports.symmetric import Packed, exchange_for
@@ -149,6 +150,7 @@ class NVSHMEMTransport(AllToAllTransport):
 
     transport = "nvshmem"
     host_free = True
+    bounded_groups = True
     agrees_dispatch = True
 
     def __init__(self, config, group=None, exchange=None) -> None:
@@ -209,23 +211,30 @@ class NVSHMEMTransport(AllToAllTransport):
             header[plan.HEADER.index("failed")] = 2
             request = dataclasses.replace(request, topk_idx=torch.full_like(topk_idx, -1), check_values=False)
             self._local_error = self._local_error or error
-        world = self.world_size
+        world, groups = self.world_size, request.groups
         self._row_bytes = self.row_bytes(x)
         grads_any = grads_of(words)
         sizes = (0, 0) if error is not None else (world * tokens, world * tokens)
-        replay = None if error is not None else self._replay_for(request, ticket.max_rows, sizes)
+        bound = -(-ticket.max_rows // groups)  # by groups, each group's rows padded to B = ceil(max_rows / G)
+        num_rows = groups * bound
+        replay = None if error is not None else self._replay_for(request, num_rows, sizes)
         if replay is not None:
             tensors = replay.run(request, header)
         else:
-            tensors = self._bounded_tensors(request, header, ticket.max_rows, sizes)
+            tensors = self._bounded_tensors(request, header, num_rows, sizes)
         self._watch_failure()
-        return self._made_plan(request, tensors, grads_any, ticket.max_rows, sizes, (True,) * world, None)
+        shape = {}
+        if groups > 1:
+            shape = dict(group_experts=plan.expert_groups(self.num_local_experts, groups),
+                         group_rows=tuple(g * bound for g in range(groups + 1)))
+        return self._made_plan(request, tensors, grads_any, num_rows, sizes, (True,) * world, None,
+                               dict(send_splits=None, recv_splits=None, **shape))
 
     def _bounded_tensors(self, request: Request, header: "list[int] | torch.Tensor", num_rows: int, sizes) -> dict:
         """The device work of a dispatch with max_rows (:meth:`_plan_tensors`),
         its failure recorded on the device; nothing read on the host, so that
         it can be captured whole (:class:`_Replayed`)."""
-        planned, captured = self._counts_and_send_plan(request, header, bounded=True)
+        planned, captured = self._counts_and_send_plan(request, header, bounded=True, grouped_sends=False)
         # into the failure record reserve made, before any bounded plan
         settled = bounded_plan.settle(planned.summary, self.world_size, self.num_local_experts, self.rank,
                                       self._failed, self._failure)
@@ -266,8 +275,8 @@ class NVSHMEMTransport(AllToAllTransport):
         the handle's tensors and the plan's outputs on the device, by name.
         ``settled``: None where the sizes were read on the host (N =
         ``num_rows``, (S, R) = ``counts``), or the settled plan of a dispatch
-        with max_rows (``bounded_plan.settle``: ``num_rows`` = max_rows, what is
-        past the N received is padding). ``sizes``: (send_rows, recv_rows) of
+        with max_rows (``bounded_plan.settle``: ``num_rows`` = max_rows, or G B
+        by G groups, what is past the N received is padding). ``sizes``: (send_rows, recv_rows) of
         :class:`NVSHMEMHandle` ((0, 0): this rank takes part with nothing)."""
         world, local = self.world_size, self.num_local_experts
         send_rows, recv_rows = sizes
@@ -297,13 +306,19 @@ class NVSHMEMTransport(AllToAllTransport):
         meta = self.exchange.exchange(sp.meta[: send_token.shape[0]], sends, receives, send_rows, recv_rows, received,
                                       at=put_at)
         rp = plan.build_recv_plan(meta, table, num_rows, plan.weight_wire_dtype(request.topk_weights.dtype))
+        presum_index = rp.presum_index
         if settled is None:
             expand_src, weights, src_rank, src_token = rp.expand_src, rp.weights, rp.expanded_rank, rp.expanded_token
         else:  # padding: the zero row, weight 0, sources -1; the rows past S are gathered too (not sent)
-            expand_src, weights, src_rank, src_token, send_token = bounded_plan.pad(
-                rp.expand_src, rp.weights, rp.src_rank, rp.src_token, per_expert, send_token, sends, recv_rows)
+            padded = bounded_plan.pad(rp.expand_src, rp.weights, rp.src_rank, rp.src_token, per_expert, send_token,
+                                      sends, recv_rows)
+            if request.groups > 1:  # each group's rows at g B, padded to B
+                padded, presum_index = bounded_plan.place_by_groups(
+                    padded, presum_index, per_expert, plan.expert_groups(local, request.groups),
+                    num_rows // request.groups, recv_rows)
+            expand_src, weights, src_rank, src_token, send_token = padded
         tensors = dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
-                       expand_src=expand_src, presum_index=rp.presum_index, sends=sends, receives=receives,
+                       expand_src=expand_src, presum_index=presum_index, sends=sends, receives=receives,
                        put_at=put_at, back_at=back_at, weights=weights, tokens_per_expert=per_expert,
                        src_rank=src_rank, src_token=src_token)
         if captured is not None:  # the replayed buffers read: the next call's replays may come
@@ -344,9 +359,13 @@ class NVSHMEMTransport(AllToAllTransport):
         if (dtype == rows.dtype and self.exchange.can_put(rows.device)
                 and handle.presum_index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # the rows as they are: got by their receivers and written straight to their expert-major places
-            expanded = self.exchange.get_expand(rows.detach(), index, handle.presum_index, handle.receives,
-                                                handle.back_at, handle.send_rows, handle.recv_rows,
-                                                handle.expand_src)
+            args = (rows.detach(), index, handle.presum_index, handle.receives, handle.back_at, handle.send_rows,
+                    handle.recv_rows, handle.expand_src)
+            if handle.groups > 1:  # one get a group, each row with the first group that needs it
+                return _pieces(*self.exchange.get_expand(*args, spans=[handle.row_range(g)
+                                                                        for g in range(handle.groups)]),
+                               handle, self.phase_timer)
+            expanded = self.exchange.get_expand(*args)
         else:
             sent = Packed(index.shape[0], width, dtype,  # [S, wire row], packed into the send buffer
                           lambda out: codec.pack(rows, index[: out.shape[0]], out), (rows, index))
@@ -376,6 +395,13 @@ class NVSHMEMTransport(AllToAllTransport):
             out = self._home(partial, handle, home_sum)
         mark(self.phase_timer, "final_sum")
         return Pending.done(out)  # [T, H]
+
+    def group_sums(self, handle: NVSHMEMHandle, wire: str, dtype):
+        out = None if dtype is None else sum_wire_dtype(wire, dtype)
+        if (handle.groups == 1 or out is None or not self.exchange.can_put(handle.device)
+                or not nvshmem_puts.sums_here(dtype, None, out) or handle.presum_index.shape[1] > nvshmem_puts.MAX_WIDTH):
+            return super().group_sums(handle, wire, dtype)
+        return _GroupPuts(self, handle, out, WholeSums(handle, wire, dtype))
 
     def slots_home(self, values: torch.Tensor, handle: NVSHMEMHandle) -> Pending:
         index = handle.presum_index  # [R, J]
@@ -476,7 +502,10 @@ class NVSHMEMTransport(AllToAllTransport):
         headers = summary.headers
         checks.check_peer_headers(headers)
         checks.check_peer_groups(summary.groups)
-        checks.check_row_budgets(headers, summary.received, self._row_bytes)
+        if summary.groups[0] > 1:
+            checks.check_group_bounds(headers, summary.groups, summary.fullest)
+        else:
+            checks.check_row_budgets(headers, summary.received, self._row_bytes)
         raise RuntimeError("a dispatch with max_rows failed on the device")  # every check above passes: not reached
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
@@ -486,6 +515,73 @@ class NVSHMEMTransport(AllToAllTransport):
             self._kept.append(host)
             return host.to(device, non_blocking=True)
         return super()._header_row(header, device)
+
+
+def _pieces(out: torch.Tensor, ends: list, handle: NVSHMEMHandle, timer) -> PendingGroups:
+    """A move by groups whose rows land in ``out`` group after group: piece g is
+    group g's rows, the stream that takes it waiting for ``ends[g]`` alone."""
+    mark(timer, "exchange_out")
+
+    def piece(g: int) -> torch.Tensor:
+        if ends[g] is not None:
+            torch.cuda.current_stream(out.device).wait_event(ends[g])
+        return out[slice(*handle.row_range(g))]
+
+    return PendingGroups([None] * handle.groups, [lambda g=g: piece(g) for g in range(handle.groups)])
+
+
+class _GroupPuts(GroupSumsIssuer):
+    """The expert side of a combine by groups over NVSHMEM: as group g's rows
+    come, the pre-sums it completes (those of the received rows whose last
+    place is in group g) are summed from every group's rows so far and put
+    home (``SymmetricExchange.presum_put_group``); the home rank sums them
+    after the last group. The bits of one combine, for every G.
+
+    The puts of groups before the last land in the receive buffer that the
+    next exchange also uses. Where another exchange comes between two groups
+    (a second combine by groups, a dispatch: on every rank alike), the pre-sums
+    put so far may be overwritten: the groups after put nothing, and the last
+    puts every pre-sum (the same bits, nothing hidden). Every group's rows and
+    weights are held until the last is put (a later group's pre-sums read them).
+    Weights other than fp32 (fp64: fp64 sums; of one dtype on every rank, as
+    the adds agree) are summed home at once, after the last group (``at_once``)."""
+
+    def __init__(self, transport: NVSHMEMTransport, handle: NVSHMEMHandle, wire: torch.dtype,
+                 at_once: WholeSums) -> None:
+        self._t, self._handle, self._wire, self._at_once = transport, handle, wire, at_once
+        self._table = transport.exchange.group_table(handle.group_rows)
+        self._held: list = []
+        self._after = None  # the exchanges issued by the last group's put
+        self._stored = 0  # the groups in the table
+        self._whole = self._grouped = False
+        self._out = None
+
+    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
+        handle, exchange = self._handle, self._t.exchange
+        if g == 0:  # (every group is weighed alike)
+            self._grouped = weights is None or weights.dtype == torch.float32
+        if not self._grouped:
+            self._at_once.add(g, rows, weights)
+            return
+        self._held.append((rows, weights))
+        self._whole |= self._after is not None and exchange.operations != self._after
+        last = g + 1 == handle.groups
+        if self._whole and not last:
+            return
+        if g == 0:
+            self._t._check_holds(handle, rows.shape[1], self._wire, "expert_out")
+        span = nvshmem_puts.EVERY if self._whole else handle.row_range(g)
+        new = [(k, *self._held[k]) for k in range(self._stored, g + 1)]  # the groups not in the table yet
+        out = exchange.presum_put_group(self._table, new, span, handle.presum_index, handle.receives,
+                                        handle.back_at, self._wire, handle.recv_rows, handle.send_rows,
+                                        handle.home_index.contiguous() if last else None)
+        self._after, self._stored = exchange.operations, g + 1
+        if last:
+            self._out, self._held = out, []
+            mark(self._t.phase_timer, "final_sum")
+
+    def finish(self) -> Pending:
+        return Pending.done(self._out) if self._grouped else self._at_once.finish()
 
 
 class _Replayed:

@@ -70,6 +70,7 @@ class SymmetricExchange:
         self._send: torch.Tensor | None = None
         self._recv: torch.Tensor | None = None
         self.generation = 0  # receive buffers made so far (``ensure``)
+        self.operations = 0  # exchanges issued so far (a combine by groups sees whether one came between its groups)
         # its buffers NVSHMEM's (where torch's symmetric memory runs on NVSHMEM): our put kernel may write them
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -166,7 +167,8 @@ class SymmetricExchange:
         return result
 
     def get_expand(self, x: torch.Tensor, send_token: torch.Tensor, places: torch.Tensor, receives: torch.Tensor,
-                   back_at: torch.Tensor, send_rows: int, recv_rows: int, expand_src: torch.Tensor) -> torch.Tensor:
+                   back_at: torch.Tensor, send_rows: int, recv_rows: int, expand_src: torch.Tensor,
+                   spans: list[tuple[int, int]] | None = None):
         """The rows to the experts as they are (``x`` [T, H]), expanded where they
         land, each (token, rank) row over the link once: [N, H] (N =
         ``expand_src``'s length), row i the received row ``expand_src[i]``
@@ -175,11 +177,18 @@ class SymmetricExchange:
         each receiver gets row r (received from rank s, source-major by
         ``receives``) from row ``back_at[s] + r - first[s]`` of rank s's, and writes
         it to its places ``places[r]`` ([R, J], -1 padded): ``nvshmem_puts.get_expand``.
-        The buffers' sizes come from ``send_rows`` and ``recv_rows``, the same on every rank."""
+        The buffers' sizes come from ``send_rows`` and ``recv_rows``, the same on every rank.
+
+        By groups (``spans``: each group's places, in order), one get a group,
+        each row with the first group that has a place of it (written to all
+        its places), returning ``(out, ends)``: ``ends[g]`` an event after
+        group g's rows (None off CUDA), for which the stream that reads group
+        g waits (the caller's stream does not wait for the whole move)."""
         row_bytes = x.shape[1] * x.element_size()
         stride = self.stride(row_bytes)
         self.ensure(send_rows * stride, (recv_rows + 1) * stride)
         count = min(send_token.shape[0], send_rows)
+        ends: list = []
 
         def move():
             stage = _rows_of(self._send, stride)[:count, :row_bytes].view(x.dtype)
@@ -188,11 +197,17 @@ class SymmetricExchange:
             else:
                 stage.copy_(x.index_select(0, send_token[:count]))
             out = torch.empty(expand_src.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
-            nvshmem_puts.get_expand(out, self._send, self._recv, stride, row_bytes, places, receives, back_at,
-                                    recv_rows, expand_src, recv_rows, self._stream)
+            for span in spans or (nvshmem_puts.EVERY,):
+                nvshmem_puts.get_expand(out, self._send, self._recv, stride, row_bytes, places, receives, back_at,
+                                        recv_rows, expand_src, recv_rows, self._stream, span)
+                if spans is not None:
+                    ends.append(None if self._stream is None else torch.cuda.Event())
+                    if ends[-1] is not None:
+                        ends[-1].record(self._stream)
             return out
 
-        return self._in_turn(move, (x, send_token, places, receives, back_at, expand_src))
+        out = self._in_turn(move, (x, send_token, places, receives, back_at, expand_src), joined=spans is None)
+        return out if spans is None else (out, ends)
 
     def presum_put(self, y: torch.Tensor, weights: torch.Tensor | None, places: torch.Tensor, receives: torch.Tensor,
                    back_at: torch.Tensor, wire: torch.dtype, send_rows: int, recv_rows: int,
@@ -220,6 +235,39 @@ class SymmetricExchange:
 
         reads = (y, places, receives, back_at, home_index) + (() if weights is None else (weights,))
         return self._in_turn(move, reads)
+
+    def group_table(self, bounds: tuple[int, ...]) -> torch.Tensor:
+        """What :meth:`presum_put_group` keeps of a combine by groups whose
+        groups' places start at ``bounds`` (G + 1): ``nvshmem_puts.group_table``."""
+        return nvshmem_puts.group_table(bounds, self.device)
+
+    def presum_put_group(self, table: torch.Tensor, new: list[tuple[int, torch.Tensor, torch.Tensor | None]],
+                         span: tuple[int, int], places: torch.Tensor, receives: torch.Tensor, back_at: torch.Tensor,
+                         wire: torch.dtype, send_rows: int, recv_rows: int,
+                         home_index: torch.Tensor | None) -> torch.Tensor | None:
+        """Groups of a combine by groups (:meth:`presum_put` in pieces): the
+        groups ``new`` ((g, rows, weights): rows contiguous, like every
+        group's) stored in ``table``, then the pre-sums of the received rows
+        whose last place is in ``span`` (from every group's rows stored so far)
+        put home. With ``home_index`` (the last group), the home sums as
+        :meth:`presum_put` returns them; else None."""
+        rows = new[-1][1]
+        row_bytes = rows.shape[1] * wire.itemsize
+        stride = self.stride(row_bytes)
+        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+
+        def move():
+            for g, group_rows, group_weights in new:
+                nvshmem_puts.store_group(table, g, group_rows, group_weights)
+            nvshmem_puts.presum_put(self._recv, self._send, stride, rows, new[-1][2], places, receives, back_at, wire,
+                                    send_rows, self._stream, table, span)
+            if home_index is None:
+                return None
+            return self._received(stride, recv_rows, row_bytes, wire,
+                                  lambda back: gather_sum(back, home_index, None, rows.dtype))
+
+        reads = [table, places, receives, back_at] + [t for _, r, w in new for t in (r, w) if t is not None]
+        return self._in_turn(move, tuple(reads) + (() if home_index is None else (home_index,)))
 
     def gather(self, row: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """All-gather of one row per rank ([L] on the device, alike on every
@@ -252,20 +300,24 @@ class SymmetricExchange:
         out[recv_rows].zero_()
         return consume(out.view(dtype))
 
-    def _in_turn(self, move, reads: tuple):
+    def _in_turn(self, move, reads: tuple, joined: bool = True):
         """``move()`` on the exchange's own stream, after the caller's work and
-        before the caller's next (``reads``: the caller's tensors it reads)."""
+        (``joined``; else the caller waits for events of the move's own) before
+        the caller's next (``reads``: the caller's tensors it reads)."""
+        self.operations += 1
         current = None if self._stream is None else torch.cuda.current_stream(self.device)
         if current is None:
             return move()
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             result = move()
-        current.wait_stream(self._stream)
+        if joined:
+            current.wait_stream(self._stream)
         if not torch.cuda.is_current_stream_capturing():  # made and read on two streams
             for tensor in reads:
                 tensor.record_stream(self._stream)
-            result.record_stream(current)
+            if result is not None:
+                result.record_stream(current)
         return result
 
 
