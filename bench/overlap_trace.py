@@ -17,8 +17,9 @@ functions by their own time and by their time with callees.
 ``--graph`` profiles the replay of the layer with ``max_rows`` captured in a
 CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
 ``--micro-batches`` profiles, in place of the layer by groups, one forward+backward
-of two micro-batches overlapped by the async verbs (with ``--max-rows``, bounded),
-as ``dispatch-bench overlap --micro-batches`` times them.
+of two micro-batches overlapped by the async verbs, as ``dispatch-bench overlap
+--micro-batches`` times them. ``--max-rows`` bounds the layer by groups (each
+group's rows) or the micro-batches, as ``dispatch-bench overlap`` does.
 
     python3 bench/overlap_trace.py --groups 1,4 --comm-max-ctas 2 --out bench/results/<machine>/
 """
@@ -44,8 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host (cProfile, rank 0) over 5 forward+backward steps")
     args = overlap.parse_args(argv, parser)
-    if args.max_rows and not args.micro_batches:
-        parser.error("--max-rows: the trace bounds the micro-batches only (with --micro-batches)")
+    if args.max_rows and args.graph:
+        parser.error("--max-rows: --graph bounds its layer itself")
     if args.micro_batches and (args.graph or args.host_profile):
         parser.error("--micro-batches traces the two micro-batches alone (without --graph and --host-profile)")
     return args
@@ -74,8 +75,10 @@ def _job(args: argparse.Namespace) -> None:
                 layer = case.layer_bounded(args.comm_priority, group, g)
                 graph = overlap.capture(case.layer_step(layer, backward=True))
                 step = graph.replay
-            else:
-                step = case.layer_step(case.layer(g, args.comm_priority, sm_carveout=args.sm_carveout), backward=True)
+            else:  # (--max-rows: bounded, each group's rows as dispatch-bench overlap bounds them)
+                layer = case.layer(g, args.comm_priority, sm_carveout=args.sm_carveout,
+                                   max_rows=case.bound(group, g) if args.max_rows else None)
+                step = case.layer_step(layer, backward=True)
             tail = f"{name}-w{dist.get_world_size()}{overlap.suffix(args)}-g{g}"
             trace(step, os.path.join(args.out, f"overlap-trace-{tail}"), case.x.device,
                   f"{name}: one fwd+bwd step{' (graph replay)' if graph else ''}, G={g}")

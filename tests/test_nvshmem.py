@@ -123,6 +123,9 @@ def group_over_its_bound(x, topk_idx, topk_weights):
     holds all its rows but not in one group (B = ceil(max_rows / 2)): no rank
     raises at the dispatch, its outputs are padding, ``check()`` raises on
     every rank, naming the group's bound."""
+    from world import current_device
+
+    x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
     d = _dispatcher(dict(num_experts=4), True)
     out = d.dispatch(x, topk_idx, topk_weights, groups=2, max_rows=2 * x.shape[0])
     seen = dict(padding=bool((out.tokens == 0).all()) and bool((out.src_rank == -1).all()),

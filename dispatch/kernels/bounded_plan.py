@@ -173,11 +173,14 @@ def place_by_groups(padded: Padded, presum_index: torch.Tensor, per_expert: torc
     same places. Every group within B (else the plan failed: N = 0). Torch
     operations on the device, nothing read on the host (a CUDA graph may hold it)."""
     num_rows, device = padded.expand_src.shape[0], padded.expand_src.device
-    groups = len(expert_bounds) - 1
-    ends = torch.cumsum(per_expert, 0)
-    starts = ends - per_expert
-    first, last = list(expert_bounds[:-1]), [b - 1 for b in expert_bounds[1:]]
-    group_start, group_end = starts[first], ends[last]  # [G] each group's rows in the canonical order
+    groups, local = len(expert_bounds) - 1, per_expert.shape[0]
+    if expert_bounds != plan.expert_groups(local, groups):
+        raise ValueError(f"expert_bounds: the groups of plan.expert_groups({local}, {groups}), got {expert_bounds}")
+    # [G] each group's rows in the canonical order, by the groups' rule on the device (no host index)
+    group_of = ((torch.arange(local, device=device) + 1) * groups - 1) // local
+    group_end = torch.zeros(groups, dtype=per_expert.dtype, device=device).index_add_(0, group_of, per_expert)
+    group_end = torch.cumsum(group_end, 0)
+    group_start = group_end - torch.zeros_like(group_end).index_add_(0, group_of, per_expert)
     position = torch.arange(num_rows, device=device)
     group = torch.searchsorted(group_end, position, right=True)
     real = group < groups
