@@ -149,7 +149,7 @@ def test_a_group_over_its_bound_fails_the_dispatch_on_every_rank(worlds):
         assert "rank 1: 10 rows in a group, over B=5" in seen["check"], (rank, seen)
 
 
-def interleaved_group_sums(x, topk_idx, topk_weights, emulated=True):
+def interleaved_group_sums(x, topk_idx, topk_weights, emulated=True, num_experts=4):
     """A combine by groups with another exchange between its groups (a second
     dispatch): the pre-sums put before it are put again with the last group.
     Returns whether its sums are the bits of the NCCL transport's."""
@@ -157,8 +157,8 @@ def interleaved_group_sums(x, topk_idx, topk_weights, emulated=True):
 
     x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
     sums = []
-    for d in (dispatch.create(dispatch.DispatchConfig.from_options(num_experts=4, transport="nccl")),
-              _dispatcher(dict(num_experts=4), emulated)):
+    for d in (dispatch.create(dispatch.DispatchConfig.from_options(num_experts=num_experts, transport="nccl")),
+              _dispatcher(dict(num_experts=num_experts), emulated)):
         work = d.dispatch(x, topk_idx, topk_weights, groups=2, async_op=True)
         adding = d.combine_groups(work.handle, dtype=x.dtype)
         piece = work.wait_group(0)
@@ -579,7 +579,8 @@ def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
                 for r in range(2)]
         for rank, (differ, read_host) in enumerate(nvshmem_world.run(against_nccl, args)):
             assert differ == [] and read_host, (rank, differ)
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), False) for r in range(2)]
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), False, routing.num_experts)
+                for r in range(2)]
         assert nvshmem_world.run(interleaved_group_sums, args) == [True, True]
         return
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), dict(config, transport="nvshmem"), 4,
