@@ -589,6 +589,72 @@ def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
         assert all(ok.values()), f"rank {rank}: {ok}"
 
 
+def layer_by_groups_captured(x, topk_idx, topk_weights, grad, groups, max_rows, replays):
+    """MoEExchange by groups with max_rows over NVSHMEM: its forward and
+    backward captured in one CUDA graph, replayed on new values of x and the
+    routing weights; each replay's output and gradients (x, topk_weights, the
+    experts') against an eager run of a twin layer. How many replays differ."""
+    import copy
+
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights, grad = (t.to(device) for t in (x, topk_idx, topk_weights, grad))
+    d = _dispatcher(dict(num_experts=8), False)
+    torch.manual_seed(5)
+    experts = dispatch.experts.GroupedExperts(4, x.shape[1], 2 * x.shape[1], dtype=x.dtype, device=device)
+    layer = dispatch.MoEExchange(d, experts, groups=groups, max_rows=max_rows)
+    twin = dispatch.MoEExchange(d, copy.deepcopy(experts), groups=groups, max_rows=max_rows)
+    xs, ws = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+
+    def step(module, xx, ww):
+        h = module(xx, topk_idx, ww)
+        (h.float() * grad).sum().backward()
+        return h.detach()
+
+    def reset():
+        xs.grad = ws.grad = None
+        experts.zero_grad(set_to_none=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # buffers sized, kernels built, the plan's graph made
+            reset()
+            step(layer, xs, ws)
+        reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            out = step(layer, xs, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    wrong = 0
+    for k in range(replays):
+        with torch.no_grad():
+            xs.copy_(x * (k + 2))
+            ws.copy_(topk_weights.flip(1) if k % 2 else topk_weights * 0.5)
+        graph.replay()
+        xr, wr = xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
+        twin.experts.zero_grad(set_to_none=True)
+        want = step(twin, xr, wr)
+        same = (torch.equal(out, want) and torch.equal(xs.grad, xr.grad) and torch.equal(ws.grad, wr.grad)
+                and all(torch.equal(a.grad, b.grad) for a, b in zip(experts.parameters(), twin.experts.parameters())))
+        wrong += not same
+    torch.cuda.synchronize()
+    d.check()
+    return wrong
+
+
+def test_on_nvshmem_a_layer_by_groups_with_max_rows_is_captured(nvshmem_world):
+    from routing import make_routing
+
+    routing = make_routing(2, 4, 2, [200, 200], "random", seed=6)
+    gen = torch.Generator().manual_seed(6)
+    args = [(torch.randn(200, 256, generator=gen).to(torch.bfloat16), routing.topk_idx[r],
+             routing.topk_weights[r].float(), torch.randn(200, 256, generator=gen), 4, 4 * 200, 4)
+            for r in range(2)]
+    assert nvshmem_world.run(layer_by_groups_captured, args) == [0, 0]
+
+
 def captured_round_trip(x, topk_idx, topk_weights, max_rows):
     """A round trip with max_rows captured in a CUDA graph and replayed on new
     values: the replay's outputs equal an eager round trip's on those values."""

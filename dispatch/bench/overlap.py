@@ -28,7 +28,7 @@ gloo, as a smoke test):
     host        the host's time to return from the step (on CUDA: to queue its
                 work), the slowest rank's, for "seq" and each G: where it nears
                 T_pipe, the host sets the pipeline's pace
-    T_graph     with ``--graph`` (the NVLink engine): MoEExchange in one piece with
+    T_graph     with ``--graph`` (the NVLink engine, NVSHMEM): MoEExchange in one piece with
                 ``max_rows`` (the largest N + 10%), the pass captured in a CUDA graph
                 and replayed: no host in the loop (the time of one replay of
                 ``GRAPH_REPLAYS`` queued back to back); by each G of ``--groups``;
@@ -131,8 +131,8 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
     parser.add_argument("--graph", action="store_true",
                         help="also T_graph: the layer with max_rows (the largest N + 10%%), in one piece and by each "
-                             "C of --groups, its pass captured in a CUDA graph and replayed (the NVLink engine: "
-                             "--transport auto or nvlink)")
+                             "G of --groups, its pass captured in a CUDA graph and replayed (the NVLink engine or "
+                             "NVSHMEM: --transport auto, nvlink or nvshmem)")
     parser.add_argument("--micro-batches", action="store_true",
                         help="also T_mb: two micro-batches overlapped by the async verbs, against the layer twice")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
@@ -159,8 +159,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
     if args.nvshmem_blocks is not None and (args.nvshmem_blocks < 1 or args.transport != "nvshmem"):
         parser.error(f"--nvshmem-blocks needs --transport nvshmem and a value >= 1, got {args.nvshmem_blocks}")
     if args.graph and (args.transport == "nccl" or not torch.cuda.is_available()):
-        parser.error("--graph needs the NVLink engine (--transport auto or nvlink, on GPUs): over NCCL a dispatch "
-                     "reads its counts on the host, which a CUDA graph cannot hold")
+        parser.error("--graph needs the NVLink engine or NVSHMEM (--transport auto, nvlink or nvshmem, on GPUs): "
+                     "over NCCL a dispatch reads its counts on the host, which a CUDA graph cannot hold")
     try:
         dispatch.DispatchConfig.from_options(num_experts=8, dispatch_wire=args.dispatch_wire, transport=args.transport)
     except ValueError as exc:
