@@ -13,8 +13,8 @@
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
 #             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
-#   overlap-slow-nvshmem  MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8), then two micro-batches
-#             by the async verbs, over NVSHMEM with max_rows (the counts on the device, nothing read
+#   overlap-slow-nvshmem  MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8), then M micro-batches
+#             through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"), over NVSHMEM with max_rows (the counts on the device, nothing read
 #             on the host before the rows move), its kernels throttled to $NVSHMEM_BLOCKS blocks
 #             each (default "8 32": a slow link), the GEMMs beside leaving 16 SMs; then one
 #             forward+backward of the micro-batches profiled (bench/overlap_trace.py, the first of those
@@ -165,8 +165,11 @@ for part in "$@"; do
           --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 \
           --warmup 3 --out "$RES/groups"
         [ -n "${NVSHMEM_NO_MB:-}" ] && continue
-        bench 150 "overlap-nvshmem-$blocks" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
-          --micro-batches --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 --warmup 3 --out "$RES"
+        for m in ${MICRO_BATCHES:-2 3}; do
+          bench 150 "overlap-nvshmem-$blocks-mb$m" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
+            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 --warmup 3 \
+            --out "$RES"
+        done
       done
       if [ -z "${NVSHMEM_NO_MB:-}" ]; then  # ($NVSHMEM_NO_MB set: the layer by groups alone)
         blocks=${NVSHMEM_BLOCKS:-8}

@@ -16,8 +16,8 @@ functions by their own time and by their time with callees.
 
 ``--graph`` profiles the replay of the layer with ``max_rows`` captured in a
 CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
-``--micro-batches`` profiles, in place of the layer by groups, one forward+backward
-of two micro-batches overlapped by the async verbs, as ``dispatch-bench overlap
+``--micro-batches [M]`` profiles, in place of the layer by groups, one forward+backward
+of M micro-batches through MoEMicroBatches, as ``dispatch-bench overlap
 --micro-batches`` times them. ``--max-rows`` bounds the layer by groups (each
 group's rows) or the micro-batches, as ``dispatch-bench overlap`` does.
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_rows and args.graph:
         parser.error("--max-rows: --graph bounds its layer itself")
     if args.micro_batches and (args.graph or args.host_profile):
-        parser.error("--micro-batches traces the two micro-batches alone (without --graph and --host-profile)")
+        parser.error("--micro-batches traces the micro-batches alone (without --graph and --host-profile)")
     return args
 
 
@@ -63,11 +63,12 @@ def _job(args: argparse.Namespace) -> None:
     group = overlap.ep_group(args)
     for name in args.shapes:
         case = overlap.make_case(SHAPES[name], args, group)
-        if args.micro_batches:  # the two micro-batches overlapped by the async verbs (--max-rows: bounded)
+        if args.micro_batches:  # the micro-batches through MoEMicroBatches (--max-rows: bounded)
             bound = case.bound(group) if args.max_rows else None
             step = case.micro_batch_step(True, sm_carveout=args.sm_carveout, max_rows=bound)
             trace(step, os.path.join(args.out, f"overlap-trace-{name}-w{dist.get_world_size()}{overlap.suffix(args)}"),
-                  case.x.device, f"{name}: two micro-batches by the async verbs, one fwd+bwd step")
+                  case.x.device, f"{name}: {args.micro_batches} micro-batches through MoEMicroBatches, "
+                  "one fwd+bwd step")
             continue
         for g in overlap.group_values(args, case.dispatcher.num_local_experts):
             graph = None

@@ -17,6 +17,8 @@ Public API::
 
     layer = dispatch.MoEExchange(d, experts, groups=4)   # the same, by groups of local experts
     h = layer(x, topk_idx, topk_weights)
+    pair = dispatch.MoEMicroBatches(d, experts)   # micro-batches at once, each one's exchange under another's experts
+    h0, h1 = pair([x0, x1], [topk_idx0, topk_idx1], [topk_weights0, topk_weights1])
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dispatch.transports import build as _build_transport
 from dispatch.work import DispatchWork, ExchangeWork, GroupSums
 from dispatch import experts  # noqa: F401  (dispatch.experts.GroupedExperts)
 from dispatch.pipeline import MoEExchange
+from dispatch.micro_batches import MoEMicroBatches
 from dispatch.stats import DispatchStats
 from dispatch.timing import PhaseTimer
 
@@ -47,6 +50,7 @@ __all__ = [
     "GroupSums",
     "LinkModel",
     "MoEExchange",
+    "MoEMicroBatches",
     "PeerRefused",
     "PhaseTimer",
     "TokenDispatcher",

@@ -46,29 +46,31 @@ def test_cpu_smoke_run_writes_results(tmp_path):
 
 
 @bench_world_of(2)
-def test_cpu_micro_batches(tmp_path):
-    """--micro-batches: two micro-batches by the async verbs give the layer's outputs
-    (to the experts' rounding), overlapped and one after the other, with T_mb beside
-    T_mb_seq (the verbs in sequence) and T_mb_layer, and hidden_mb from T_mb_seq."""
+@pytest.mark.parametrize("count, stem", [(None, "mb"), (3, "mb3")])
+def test_cpu_micro_batches(tmp_path, count, stem):
+    """--micro-batches [M]: M (2 by default) micro-batches through MoEMicroBatches
+    give the layer's outputs (to the experts' rounding), at once and one after the
+    other, with T_mb beside T_mb_seq (one after the other) and T_mb_layer, and
+    hidden_mb from T_mb_seq over M exchanges."""
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--groups", "2",
-            "--micro-batches", "--out", str(tmp_path)]
+            "--micro-batches", *([] if count is None else [str(count)]), "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
-    result = json.loads((tmp_path / "overlap-cpu-tiny-w2-mb.json").read_text())
+    result = json.loads((tmp_path / f"overlap-cpu-tiny-w2-{stem}.json").read_text())
     for row in result["rows"]:
         assert row["t_mb_ms"] > 0 and row["t_mb_seq_ms"] > 0 and row["t_mb_layer_ms"] > 0
         assert row["max_abs_diff_mb"] <= ROUNDING
         short = min(row["t_comm_ms"], row["t_compute_ms"])
-        assert row["hidden_mb"] == pytest.approx((row["t_mb_seq_ms"] - row["t_mb_ms"]) / (2 * short))
+        assert row["hidden_mb"] == pytest.approx((row["t_mb_seq_ms"] - row["t_mb_ms"]) / ((count or 2) * short))
         assert row["t_graph_ms"] is None
     first = result["rows"][0]
     cell = f"| {first['t_mb_layer_ms']:.3f} / {first['t_mb_seq_ms']:.3f} / {first['t_mb_ms']:.3f} ("
-    assert cell in (tmp_path / "overlap-cpu-tiny-w2-mb.md").read_text()
+    assert cell in (tmp_path / f"overlap-cpu-tiny-w2-{stem}.md").read_text()
 
 
 @bench_world_of(2)
 def test_cpu_micro_batches_with_max_rows(tmp_path):
-    """--max-rows: T_comm and the micro-batches dispatch with max_rows (the most rows
-    a rank receives, plus 10%), the outputs those of the layer without it."""
+    """--max-rows: every layer and the micro-batches dispatch with max_rows (the
+    most rows a rank receives, plus 10%), the outputs those of the layer without it."""
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--groups", "1",
             "--micro-batches", "--max-rows", "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
@@ -119,7 +121,8 @@ def test_weights_and_peak_memory_columns():
      (["--shapes", "nope"], "--shapes"), (["--groups", "1:3:1"], "--groups"), (["--groups", "2,x"], "--groups"),
      (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized"),
      (["--graph"], "--graph needs the NVLink engine"), (["--nvshmem-blocks", "8"], "--nvshmem-blocks needs"),
-     (["--transport", "nvshmem", "--nvshmem-blocks", "0"], "--nvshmem-blocks needs")],
+     (["--transport", "nvshmem", "--nvshmem-blocks", "0"], "--nvshmem-blocks needs"),
+     (["--micro-batches", "1"], "--micro-batches needs M >= 2")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -36,15 +36,14 @@ gloo, as a smoke test):
                 (T_compute_graph, on the N rows; the layer's experts get the M
                 rows, whose elementwise work covers the 10% past N), and
                 T_graph / T_compute_graph
-    T_mb        with ``--micro-batches``: two micro-batches of the shape by the async
-                verbs, micro-batch 1's dispatch in flight beside micro-batch 0's experts
-                and micro-batch 0's combine beside micro-batch 1's experts (backward by
-                autograd), against T_mb_seq, the same verbs with each micro-batch's
-                exchange waited for before the next starts (so the difference is the
-                overlap alone); hidden_mb = (T_mb_seq - T_mb) / (2 min(T_comm, T_compute));
-                and T_mb_layer, the layer (G = 1) run twice in a row, what the verbs'
-                path costs beside MoEExchange. With ``--sm-carveout N`` the overlapped
-                micro-batches' GEMMs leave N SMs to the exchange beside them
+    T_mb        with ``--micro-batches [M]``: M (default 2) micro-batches of the shape
+                through MoEMicroBatches (each one's dispatch and combine, and their
+                backward, in flight beside another's experts, on its explicit schedule),
+                against T_mb_seq, the same layer on one micro-batch after the other (so
+                the difference is the overlap alone); hidden_mb = (T_mb_seq - T_mb) /
+                (M min(T_comm, T_compute)), at most (M - 1) / M; and T_mb_layer,
+                MoEExchange (G = 1) on each in a row. With ``--sm-carveout N`` the
+                overlapped micro-batches' GEMMs leave N SMs to the exchange beside them
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier, CUDA events, after
 ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group with an NCCL budget of N CTAs,
@@ -73,7 +72,7 @@ from dispatch.bench.common import (
 )
 from dispatch.bench.roundtrip import make_routing
 from dispatch.experts import GroupedExperts
-from dispatch.pipeline import carved_out
+from dispatch.micro_batches import MoEMicroBatches
 
 OVERLAP_SHAPES = ("deepseek-v3", "mixtral-8x7b", "cpu-tiny")
 PASSES = ("fwd", "fwd+bwd")
@@ -133,8 +132,8 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
                         help="also T_graph: the layer with max_rows (the largest N + 10%%), in one piece and by each "
                              "G of --groups, its pass captured in a CUDA graph and replayed (the NVLink engine or "
                              "NVSHMEM: --transport auto, nvlink or nvshmem)")
-    parser.add_argument("--micro-batches", action="store_true",
-                        help="also T_mb: two micro-batches overlapped by the async verbs, against the layer twice")
+    parser.add_argument("--micro-batches", type=int, nargs="?", const=2, metavar="M",
+                        help="also T_mb: M (default 2) micro-batches through MoEMicroBatches, against one by one")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
     return parser
 
@@ -158,6 +157,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error("--comm-high-priority needs NCCL (a GPU)")
     if args.nvshmem_blocks is not None and (args.nvshmem_blocks < 1 or args.transport != "nvshmem"):
         parser.error(f"--nvshmem-blocks needs --transport nvshmem and a value >= 1, got {args.nvshmem_blocks}")
+    if args.micro_batches is not None and args.micro_batches < 2:
+        parser.error(f"--micro-batches needs M >= 2, got {args.micro_batches}")
     if args.graph and (args.transport == "nccl" or not torch.cuda.is_available()):
         parser.error("--graph needs the NVLink engine or NVSHMEM (--transport auto, nvlink or nvshmem, on GPUs): "
                      "over NCCL a dispatch reads its counts on the host, which a CUDA graph cannot hold")
@@ -206,7 +207,7 @@ class Case:
     topk_weights: torch.Tensor
     tokens: torch.Tensor
     tokens_per_expert: torch.Tensor
-    x2: torch.Tensor  # a second micro-batch's tokens (same routing)
+    more: list  # the tokens of the micro-batches past the first (same routing)
 
     def layer(self, groups: int, comm_priority: int = -1, experts=None, sm_carveout=None,
               max_rows: int | None = None) -> dispatch.MoEExchange:
@@ -246,40 +247,21 @@ class Case:
 
     def micro_batch_step(self, backward: bool, overlapped: bool = True, sm_carveout: int | None = None,
                          max_rows: int | None = None):
-        """Two micro-batches (``x``, ``x2``) by the async verbs (each dispatch with
-        ``max_rows``). Overlapped: both
-        dispatches started, then each one's experts and started combine in turn, so
-        that micro-batch 1's dispatch and micro-batch 0's combine move beside the
-        other's experts; the experts' GEMMs (forward and backward) then leave
-        ``sm_carveout`` SMs to the exchange beside them. Otherwise each
-        micro-batch's dispatch, experts and combine are waited for before the next
-        micro-batch starts. Backward by autograd over both. Returns the two
-        outputs."""
-        d, experts = self.dispatcher, self.experts
+        """The micro-batches (``x``, then ``more``) through MoEMicroBatches (each
+        dispatch with ``max_rows``): overlapped, all at once (its GEMMs leaving
+        ``sm_carveout`` SMs to the exchange beside them); otherwise one after the
+        other, each waited for before the next starts. Returns the outputs."""
+        layer = MoEMicroBatches(self.dispatcher, self.experts, sm_carveout=sm_carveout if overlapped else None,
+                                max_rows=max_rows)
 
-        @carved_out(sm_carveout if overlapped else None)
         def run():
-            xs = [x.detach().requires_grad_(backward) for x in (self.x, self.x2)]
+            xs = [x.detach().requires_grad_(backward) for x in (self.x, *self.more)]
             ws = [self.topk_weights.detach().requires_grad_(backward) for _ in xs]
-            if overlapped:
-                works = [d.dispatch(x, self.topk_idx, w, max_rows=max_rows, async_op=True) for x, w in zip(xs, ws)]
-            combines, outs = [], []
-            for i, (x, w) in enumerate(zip(xs, ws)):
-                # the same verbs (async, on the exchange's stream) either way: waited for at once
-                # when not overlapped
-                out = (works[i].wait() if overlapped
-                       else d.dispatch(x, self.topk_idx, w, max_rows=max_rows, async_op=True).wait())
-                y = experts(out.tokens, out.tokens_per_expert)
-                combine = d.combine(y, out.handle, weights=out.weights, async_op=True)
-                if overlapped:
-                    combines.append(combine)
-                else:
-                    outs.append(combine.wait())
-            if overlapped:
-                outs = [c.wait() for c in combines]
+            idx = [self.topk_idx] * len(xs)
+            outs = layer(xs, idx, ws) if overlapped else [layer([x], idx[:1], [w])[0] for x, w in zip(xs, ws)]
             if backward:
-                torch.autograd.backward(outs, [self.grad, self.grad])
-                experts.zero_grad(set_to_none=True)
+                torch.autograd.backward(outs, [self.grad] * len(outs))
+                self.experts.zero_grad(set_to_none=True)
             return outs
 
         return run
@@ -317,8 +299,8 @@ def make_case(shape: Shape, args, group) -> Case:
     grad = torch.randn_like(x)
     topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)
     planned = d.dispatch(x, topk_idx, topk_weights)
-    x2 = torch.randn_like(x)
-    return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert, x2)
+    more = [torch.randn_like(x) for _ in range((args.micro_batches or 1) - 1)]
+    return Case(d, experts, x, grad, topk_idx, topk_weights, planned.tokens.detach(), planned.tokens_per_expert, more)
 
 
 def capture(step) -> torch.cuda.CUDAGraph:
@@ -359,18 +341,16 @@ def _graph_ms(step, timed) -> float:
 
 def _micro_batches(case: Case, seq, backward: bool, timed, group, sm_carveout: int | None,
                    max_rows: int | None) -> dict:
-    """T_mb (two micro-batches by the async verbs, overlapped, the GEMMs leaving
-    ``sm_carveout`` SMs free), T_mb_seq (the same verbs, one micro-batch after the
+    """T_mb (the micro-batches through MoEMicroBatches at once, the GEMMs leaving
+    ``sm_carveout`` SMs free), T_mb_seq (the same layer, one micro-batch after the
     other, no carveout), T_mb_layer (the layer ``seq`` run on each in a row), and
-    the largest difference of the outputs (collective); the verbs' dispatches
-    with ``max_rows``."""
-    step = case.layer_step(seq, backward)
-    second = replace(case, x=case.x2).layer_step(seq, backward)
-    t_layer = timed(lambda: (step(), second()))[0]
+    the largest difference of the outputs (collective); the dispatches with ``max_rows``."""
+    steps = [replace(case, x=x).layer_step(seq, backward) for x in (case.x, *case.more)]
+    t_layer = timed(lambda: [step() for step in steps])[0]
     t_seq = timed(case.micro_batch_step(backward, overlapped=False, max_rows=max_rows))[0]
     t_mb = timed(case.micro_batch_step(backward, sm_carveout=sm_carveout, max_rows=max_rows))[0]
     with torch.no_grad():
-        want = [seq(x, case.topk_idx, case.topk_weights) for x in (case.x, case.x2)]
+        want = [seq(x, case.topk_idx, case.topk_weights) for x in (case.x, *case.more)]
         got = (case.micro_batch_step(False, sm_carveout=sm_carveout, max_rows=max_rows)()
                + case.micro_batch_step(False, overlapped=False, max_rows=max_rows)())
     diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
@@ -494,7 +474,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         short, long = sorted((t_comm, t_compute))
         mb = _micro_batches(case, seq, backward, timed, group, carve, bound) if args.micro_batches else {}
         if mb:
-            mb["hidden_mb"] = (mb["t_mb_seq_ms"] - mb["t_mb_ms"]) / (2 * short)
+            mb["hidden_mb"] = (mb["t_mb_seq_ms"] - mb["t_mb_ms"]) / (args.micro_batches * short)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher.transport).__name__,
@@ -521,7 +501,8 @@ def suffix(args) -> str:
     carve += "" if args.sm_budget is None else f"-budget{args.sm_budget}"
     carve += "" if args.nvshmem_blocks is None else f"-blocks{args.nvshmem_blocks}"
     return (wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
-            + ("-bounded" if args.max_rows else "") + ("-mb" if args.micro_batches else ""))
+            + ("-bounded" if args.max_rows else "") + ("-mb" if args.micro_batches else "")
+            + (str(args.micro_batches) if (args.micro_batches or 2) > 2 else ""))
 
 
 def _graph_cell(row: dict) -> str:

@@ -1,0 +1,204 @@
+"""MoEMicroBatches: one MoE layer over N micro-batches at once, on an explicit
+schedule, so that each micro-batch's exchange moves under another's experts,
+forward and backward.
+
+Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N); M micro-batches.
+
+Forward (on CUDA the exchanges run on the dispatcher's communication stream,
+in the order issued; the caller's stream waits for each by event only)::
+
+    dispatch micro-batches 0 .. M-1                        (all started at once)
+    for i: wait dispatch i -> experts(i) -> start the sums home of i
+    wait the sums home 0 .. M-1
+
+so dispatch i + 1 moves under the experts of i, and the sums of i under the
+experts of i + 1: all but the first dispatch and the last sums can hide.
+Backward, the same shape in reverse::
+
+    send the output gradients of 0 .. M-1 to the experts   (all started at once)
+    for i: wait them -> the experts' backward of i -> start x's and the
+           routing weights' gradients of i home
+    wait them 0 .. M-1
+
+Autograd alone would run the micro-batches' backward exchanges in its own
+order, each on the caller's stream between the experts' backward, hiding
+nothing: the schedule is why this layer exists.
+
+Each micro-batch is the round trip of ``combine(experts(dispatch(x)).., weights)``
+(the bits of MoEExchange with one group, micro-batch by micro-batch); the
+experts' parameter gradients are summed over the micro-batches in order, in
+the parameters' dtype. One rank's experts raising (forward or backward) stop
+every rank at the next exchange they wait at (``PeerRefused``), as in
+``MoEExchange``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dispatch.dispatcher import TokenDispatcher
+from dispatch.kernels.row_grads import weighted_row_grads
+from dispatch.pipeline import autograd_rows, carved_out, module_parameters
+
+
+class MoEMicroBatches(nn.Module):
+    """The layer ``combine(experts(dispatch(x_i)), weights)`` of each of M
+    micro-batches, run together on the schedule of the module doc.
+
+    Args:
+        dispatcher: a :class:`dispatch.TokenDispatcher`.
+        experts: callable ``(tokens [N, H], tokens_per_expert [E_local]) -> [N, H']``
+            (e.g. :class:`dispatch.GroupedExperts`), called once per micro-batch.
+        comm_priority: CUDA priority of the exchanges' stream (lower is higher).
+        sm_carveout: SMs the experts' GEMMs leave to the exchange beside them
+            (None: none).
+        max_rows: each micro-batch's dispatch ``max_rows`` (None: none): on the
+            NVLink engine and over NVSHMEM nothing is then read on the host.
+    """
+
+    def __init__(self, dispatcher: TokenDispatcher, experts, comm_priority: int = -1,
+                 sm_carveout: int | None = None, max_rows: int | None = None):
+        super().__init__()
+        if not isinstance(dispatcher, TokenDispatcher):
+            raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
+        if not callable(experts):
+            raise TypeError(
+                f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}")
+        if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
+            raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
+        if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
+                                        or sm_carveout < 0):
+            raise ValueError(f"sm_carveout must be None or an int >= 0, got {sm_carveout!r}")
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
+                                     or not 0 <= max_rows < 2**31):
+            raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
+        self.dispatcher, self.experts = dispatcher, experts
+        self.comm_priority, self.sm_carveout, self.max_rows = comm_priority, sm_carveout, max_rows
+
+    def forward(self, xs, topk_idx, topk_weights) -> list[torch.Tensor]:
+        """Args:
+            xs: M >= 1 tensors [T_i, H] (each as ``MoEExchange``'s x).
+            topk_idx, topk_weights: M of each, [T_i, K] (each micro-batch's routing).
+        Returns:
+            M tensors [T_i, H'], micro-batch i's layer output; differentiable
+            w.r.t. every x_i, topk_weights_i and the experts' parameters.
+        """
+        count = _count(xs, topk_idx, topk_weights)
+        d = self.dispatcher
+        before, d.comm_priority = d.comm_priority, self.comm_priority
+        try:  # (each dispatch checks its arguments within the call's agreement: every rank raises)
+            works = [d.dispatch(x, idx, w, async_op=True, max_rows=self.max_rows)
+                     for x, idx, w in zip(xs, topk_idx, topk_weights)]
+        finally:
+            d.comm_priority = before
+        grad_on = torch.is_grad_enabled()
+        anchor = torch.empty(0, device=xs[0].device, requires_grad=grad_on)
+        params = tuple(p for p in module_parameters(self.experts) if p.requires_grad) if isinstance(
+            self.experts, nn.Module) else ()
+        return list(_MicroBatchesFn.apply(self, works, grad_on, count, *xs, *topk_weights, anchor, *params))
+
+
+def _count(xs, topk_idx, topk_weights) -> int:
+    """M, where xs, topk_idx and topk_weights are sequences of M >= 1 tensors each."""
+    for name, value in (("xs", xs), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in value):
+            raise TypeError(f"{name} must be a list or tuple of tensors, one per micro-batch, got "
+                            f"{type(value).__name__}")
+    if not xs or len(topk_idx) != len(xs) or len(topk_weights) != len(xs):
+        raise ValueError(f"xs, topk_idx and topk_weights: one tensor each per micro-batch, at least one; got "
+                         f"{len(xs)}, {len(topk_idx)} and {len(topk_weights)}")
+    return len(xs)
+
+
+class _MicroBatchesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, works, grad_on, count, *tensors):
+        d, experts = layer.dispatcher, layer.experts
+        xs, ws, anchor, params = tensors[:count], tensors[count : 2 * count], tensors[2 * count], tensors[2 * count + 1:]
+        handles, weights, leaves, ys, sums = [], [], [], [], []
+        before, d.comm_priority = d.comm_priority, layer.comm_priority
+        try:
+            for i, work in enumerate(works):
+                out = work.wait()
+                handles.append(out.handle)
+                weights.append(out.weights)
+                try:  # the experts, on this rank alone: where they raise, its peers must not wait for it
+                    leaf = out.tokens.detach().requires_grad_(grad_on and out.handle.x_grad_any)
+                    with torch.set_grad_enabled(grad_on), carved_out(layer.sm_carveout):
+                        y = experts(leaf, out.tokens_per_expert)
+                except Exception as error:
+                    for later in works[i + 1:]:  # every rank started them: done before this rank stops
+                        later.wait()
+                    d.refuse("combine_groups", out.handle, error)  # raises error; its peers PeerRefused
+                sums.append(d.combine_groups(out.handle, dtype=None, wire=d.config.combine_wire))
+                try:
+                    sums[-1].add(y.detach() if isinstance(y, torch.Tensor) else y, out.weights)
+                except (TypeError, ValueError) as error:
+                    raise type(error)(f"the experts' rows of micro-batch {i} (each rank's experts return [N, H'] "
+                                      f"floating rows on its device; here N={out.tokens.shape[0]}): {error}") from error
+                leaves.append(leaf if grad_on else None)
+                ys.append(y if grad_on else None)
+            results = tuple(s.wait() for s in sums)
+        finally:
+            d.comm_priority = before
+        ctx.layer, ctx.handles, ctx.weights, ctx.leaves, ctx.ys, ctx.params = layer, handles, weights, leaves, ys, params
+        ctx.count, ctx.spent = count, False
+        ctx.x_dtypes, ctx.w_dtypes, ctx.anchor_dtype = [x.dtype for x in xs], [w.dtype for w in ws], anchor.dtype
+        return results
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        if ctx.spent:
+            raise RuntimeError("MoEMicroBatches' backward ran a second time on one forward (retain_graph=True): "
+                               "each micro-batch's expert graph is freed as its gradients are sent; run it again")
+        ctx.spent = True
+        layer, handles, count = ctx.layer, ctx.handles, ctx.count
+        d, config = layer.dispatcher, layer.dispatcher.config
+        grad_params, to_w = [None] * len(ctx.params), [None] * count
+        before, d.comm_priority = d.comm_priority, layer.comm_priority
+        try:
+            brings = []
+            for i, handle in enumerate(handles):  # every micro-batch's output gradient to its experts, at once
+                grad = grad_outs[i]
+                if grad is None:  # (an output the loss did not use)
+                    grad = torch.zeros(handle.num_tokens, ctx.ys[i].shape[1], dtype=ctx.ys[i].dtype,
+                                       device=handle.device)
+                brings.append(d.dispatch_rows(grad.contiguous(), handle, wire=config.combine_grad_wire,
+                                              async_op=True))
+            to_x = [d.combine_groups(h, dtype=ctx.x_dtypes[i], wire=config.dispatch_grad_wire) if h.x_grad_any
+                    else None for i, h in enumerate(handles)]
+            for i, handle in enumerate(handles):
+                grad_rows = brings[i].wait()
+                w_any = handle.weights_grad_any
+                try:  # the experts' backward, on this rank alone: where it raises, its peers must not wait for it
+                    y = ctx.ys[i]
+                    grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[i], y, w_any)
+                    with carved_out(layer.sm_carveout):
+                        grad_tokens = autograd_rows(ctx.leaves[i], y, grad_y, handle.x_grad_any, ctx.params,
+                                                    grad_params)
+                    ctx.ys[i] = ctx.leaves[i] = None  # the micro-batch's graph is spent
+                except Exception as error:
+                    for later in brings[i + 1:]:  # every rank started them: done before this rank stops
+                        later.wait()
+                    if to_x[i] is not None:
+                        to_x[i].refuse(error)  # raises error; its peers PeerRefused
+                    if w_any:
+                        d.refuse("combine_slots", handle, error)
+                    raise  # (nothing follows that its peers wait at: it raises alone)
+                if to_x[i] is not None:
+                    to_x[i].add(grad_tokens)
+                if w_any:
+                    to_w[i] = d.combine_slots(grad_weight, handle, async_op=True)
+                grad_rows = grad_y = grad_weight = grad_tokens = y = None
+            grad_xs = [None if t is None else t.wait().to(ctx.x_dtypes[i]) for i, t in enumerate(to_x)]
+            grad_ws = [None if t is None else t.wait().to(ctx.w_dtypes[i]) for i, t in enumerate(to_w)]
+        finally:
+            d.comm_priority = before
+        needs = ctx.needs_input_grad[4:]
+        grad_xs = [g if needs[i] else None for i, g in enumerate(grad_xs)]
+        grad_ws = [g if needs[count + i] else None for i, g in enumerate(grad_ws)]
+        grad_params = [torch.zeros_like(p) if g is None and needs[2 * count + 1 + i] else g
+                       for i, (g, p) in enumerate(zip(grad_params, ctx.params))]
+        anchor = torch.zeros(0, dtype=ctx.anchor_dtype, device=handles[0].device)
+        return (None, None, None, None, *grad_xs, *grad_ws, anchor, *grad_params)

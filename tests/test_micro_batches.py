@@ -1,0 +1,156 @@
+"""MoEMicroBatches: M micro-batches at once on an explicit schedule, bitwise
+the layer run micro-batch by micro-batch (MoEExchange, one group), forward and
+backward, with and without max_rows, on worlds of 1-3 ranks (gloo here, NCCL
+on GPUs); one rank's experts raising stop every rank at once; bad arguments
+named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dispatch
+import pipeline_fns
+from routing import make_routing, random_tokens
+from world import current_device
+
+HIDDEN = 8
+
+
+def _cpu(t):
+    return None if t is None else t.detach().cpu()
+
+
+def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_rows):
+    """The M micro-batches through MoEMicroBatches and through MoEExchange one
+    after the other (twin experts, fp64 dyadic: exact whatever the order of the
+    parameters' sums): the outputs and every gradient. Returns the names that differ."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    xs, idx, ws, grads = ([t.to(device) for t in ts] for ts in (xs, idx, ws, grads))
+    got = {}
+    for name in ("together", "one by one"):
+        experts = pipeline_fns.make_experts("relu", d.num_local_experts, HIDDEN, torch.float64, seed=3)
+        leaves = [x.clone().requires_grad_() for x in xs]
+        weights = [w.clone().requires_grad_() for w in ws]
+        if name == "together":
+            outs = dispatch.MoEMicroBatches(d, experts, max_rows=max_rows)(leaves, idx, weights)
+        else:
+            layer = dispatch.MoEExchange(d, experts, max_rows=max_rows)
+            outs = [layer(x, i, w) for x, i, w in zip(leaves, idx, weights)]
+        sum((out * g).sum() for out, g in zip(outs, grads)).backward()
+        got[name] = [_cpu(o) for o in outs] + [_cpu(t.grad) for t in leaves + weights] + [
+            _cpu(p.grad) for p in experts.parameters()]
+    return [k for k, (a, b) in enumerate(zip(got["together"], got["one by one"])) if not torch.equal(a, b)]
+
+
+@pytest.mark.parametrize("world_size, tokens, bounded", [
+    (1, [[5], [3]], False), (2, [[9, 4], [0, 7]], False), (2, [[9, 4], [6, 7], [3, 0]], True),
+    (3, [[5, 0, 8], [7, 6, 2]], False),
+])
+def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, tokens, bounded):
+    routings = [make_routing(world_size, 4, 2, t, "random", seed=s) for s, t in enumerate(tokens)]
+    args = []
+    for r in range(world_size):
+        xs = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) * 8).round() / 8
+              for m, rt in enumerate(routings)]
+        grads = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, 10 + m) * 8).round() / 8
+                 for m, rt in enumerate(routings)]
+        ws = [(rt.topk_weights[r].double() * 8).round() / 8 for rt in routings]
+        args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts,
+                     256 if bounded else None))
+    assert worlds(world_size).run(micro_batches_against_one_by_one, args) == [[]] * world_size
+
+
+class _RaisingExperts(nn.Module):
+    """Experts that raise on ``rank`` at micro-batch ``at`` (forward), or in its
+    backward (``backward``)."""
+
+    def __init__(self, experts, rank: int, at: int, backward: bool) -> None:
+        super().__init__()
+        self.experts, self.rank, self.at, self.backward_raises, self.calls = experts, rank, at, backward, 0
+
+    def forward(self, tokens, tokens_per_expert):
+        import torch.distributed as dist
+
+        call, self.calls = self.calls, self.calls + 1
+        mine = dist.get_rank() == self.rank and call == self.at
+        if mine and not self.backward_raises:
+            raise RuntimeError("experts failed here")
+        y = self.experts(tokens, tokens_per_expert)
+        return _FailBackward.apply(y) if mine else y
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("experts' backward failed here")
+
+
+def one_rank_raises(xs, idx, ws, num_experts: int, backward: bool):
+    """Rank 1's experts raise at micro-batch 1 (forward, or its backward): what
+    each rank raised, and whether a round trip after it runs in step."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    xs, idx, ws = ([t.to(device) for t in ts] for ts in (xs, idx, ws))
+    experts = _RaisingExperts(pipeline_fns.make_experts("relu", d.num_local_experts, HIDDEN, torch.float64, 1),
+                              rank=1, at=1, backward=backward)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    try:
+        outs = dispatch.MoEMicroBatches(d, experts)(leaves, idx, ws)
+        sum(o.sum() for o in outs).backward()
+        raised = None
+    except dispatch.PeerRefused:
+        raised = "PeerRefused"
+    except RuntimeError as error:
+        raised = str(error)
+    out = d.dispatch(xs[0], idx[0], ws[0])
+    home = d.combine(out.tokens, out.handle, weights=out.weights)
+    return raised, home.shape == xs[0].shape
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_one_ranks_experts_raising_stop_every_rank_at_once(worlds, backward):
+    routings = [make_routing(2, 4, 2, [6, 5], "random", seed=s) for s in range(3)]
+    args = [([random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) for m, rt in enumerate(routings)],
+             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].double() for rt in routings],
+             routings[0].num_experts, backward) for r in range(2)]
+    (raised0, ok0), (raised1, ok1) = worlds(2).run(one_rank_raises, args)
+    assert raised0 == "PeerRefused" and "failed here" in raised1, (raised0, raised1)
+    assert ok0 and ok1
+
+
+def bad_arguments():
+    """What each bad argument raises (type and message), on one rank."""
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=2))
+    x, idx, w = torch.randn(3, HIDDEN), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    layer = dispatch.MoEMicroBatches(d, lambda t, n: t)
+    seen = []
+    for call in (lambda: dispatch.MoEMicroBatches(object(), lambda t, n: t),
+                 lambda: dispatch.MoEMicroBatches(d, 3),
+                 lambda: dispatch.MoEMicroBatches(d, lambda t, n: t, sm_carveout=-1),
+                 lambda: dispatch.MoEMicroBatches(d, lambda t, n: t, max_rows=True),
+                 lambda: layer(x, [idx], [w]),
+                 lambda: layer([x, x], [idx], [w, w]),
+                 lambda: layer([], [], [])):
+        try:
+            call()
+            seen.append(None)
+        except (TypeError, ValueError) as error:
+            seen.append(f"{type(error).__name__}: {error}")
+    seen.append([o.shape for o in layer([x, x[:1]], [idx, idx[:1]], [w, w[:1]])])
+    return seen
+
+
+def test_bad_arguments_are_named(worlds):
+    (seen,) = worlds(1).run(bad_arguments)
+    assert seen[0].startswith("TypeError: dispatcher") and seen[1].startswith("TypeError: experts"), seen
+    assert seen[2].startswith("ValueError: sm_carveout") and seen[3].startswith("ValueError: max_rows"), seen
+    assert seen[4].startswith("TypeError: xs") and seen[5].startswith("ValueError: xs, topk_idx"), seen
+    assert seen[6].startswith("ValueError: xs, topk_idx"), seen
+    assert seen[7] == [torch.Size([3, HIDDEN]), torch.Size([1, HIDDEN])], seen
