@@ -128,7 +128,9 @@ def test_one_ranks_experts_raising_stop_every_rank_at_once(worlds, backward):
 def bad_arguments():
     """What each bad argument raises (type and message), on one rank."""
     d = dispatch.create(dispatch.DispatchConfig(num_experts=2))
-    x, idx, w = torch.randn(3, HIDDEN), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    device = current_device()
+    x, idx, w = (torch.randn(3, HIDDEN, device=device), torch.zeros(3, 1, dtype=torch.long, device=device),
+                 torch.ones(3, 1, device=device))
     layer = dispatch.MoEMicroBatches(d, lambda t, n: t)
     seen = []
     for call in (lambda: dispatch.MoEMicroBatches(object(), lambda t, n: t),
