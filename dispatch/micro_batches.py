@@ -24,6 +24,16 @@ Autograd alone would run the micro-batches' backward exchanges in its own
 order, each on the caller's stream between the experts' backward, hiding
 nothing: the schedule is why this layer exists.
 
+On CUDA the dispatches' plans run on a stream of the layer's own, so that a
+plan that waits for the exchanges before it (the NVSHMEM transport's buffers
+are used in turn) does not hold up the experts queued behind it. For a plain
+:class:`dispatch.GroupedExperts` (as ``MoEExchange`` takes it), each
+micro-batch's backward computes only what its exchange home waits for (the
+rows' gradients) and keeps what its weight gradients need; those are formed
+micro-batch by micro-batch after the last one's rows' gradients, while they
+travel home (what is kept stays until then). Other experts are differentiated
+by autograd micro-batch by micro-batch.
+
 Each micro-batch is the round trip of ``combine(experts(dispatch(x)).., weights)``
 (the bits of MoEExchange with one group, micro-batch by micro-batch); the
 experts' parameter gradients are summed over the micro-batches in order, in
@@ -34,12 +44,15 @@ every rank at the next exchange they wait at (``PeerRefused``), as in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from dispatch.dispatcher import TokenDispatcher
+from dispatch.experts import ExpertsByGroups
 from dispatch.kernels.row_grads import weighted_row_grads
-from dispatch.pipeline import autograd_rows, carved_out, module_parameters
+from dispatch.pipeline import _plain_grouped_experts, autograd_rows, carved_out, module_parameters
 
 
 class MoEMicroBatches(nn.Module):
@@ -75,6 +88,7 @@ class MoEMicroBatches(nn.Module):
             raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
         self.dispatcher, self.experts = dispatcher, experts
         self.comm_priority, self.sm_carveout, self.max_rows = comm_priority, sm_carveout, max_rows
+        self._plans = None  # the dispatches' plans' stream (on CUDA, made on first use)
 
     def forward(self, xs, topk_idx, topk_weights) -> list[torch.Tensor]:
         """Args:
@@ -88,8 +102,9 @@ class MoEMicroBatches(nn.Module):
         d = self.dispatcher
         before, d.comm_priority = d.comm_priority, self.comm_priority
         try:  # (each dispatch checks its arguments within the call's agreement: every rank raises)
-            works = [d.dispatch(x, idx, w, async_op=True, max_rows=self.max_rows)
-                     for x, idx, w in zip(xs, topk_idx, topk_weights)]
+            with self._planning(xs[0].device, (*xs, *topk_idx, *topk_weights)):
+                works = [d.dispatch(x, idx, w, async_op=True, max_rows=self.max_rows)
+                         for x, idx, w in zip(xs, topk_idx, topk_weights)]
         finally:
             d.comm_priority = before
         grad_on = torch.is_grad_enabled()
@@ -97,6 +112,23 @@ class MoEMicroBatches(nn.Module):
         params = tuple(p for p in module_parameters(self.experts) if p.requires_grad) if isinstance(
             self.experts, nn.Module) else ()
         return list(_MicroBatchesFn.apply(self, works, grad_on, count, *xs, *topk_weights, anchor, *params))
+
+
+    @contextlib.contextmanager
+    def _planning(self, device: torch.device, inputs: tuple):
+        """On CUDA, the dispatches issued inside plan on the layer's own stream,
+        after the caller's work so far (reading ``inputs``); off CUDA, as they are."""
+        if device.type != "cuda":
+            yield
+            return
+        caller = torch.cuda.current_stream(device)
+        if self._plans is None or self._plans.device != device:
+            self._plans = torch.cuda.Stream(device, priority=self.comm_priority)
+        self._plans.wait_stream(caller)
+        for tensor in inputs:
+            tensor.record_stream(self._plans)
+        with torch.cuda.stream(self._plans):
+            yield
 
 
 def _count(xs, topk_idx, topk_weights) -> int:
@@ -111,22 +143,38 @@ def _count(xs, topk_idx, topk_weights) -> int:
     return len(xs)
 
 
+def _used_here(out) -> None:
+    """A dispatch's outputs, planned on another stream, used on the caller's:
+    their memory is not handed out again before that use."""
+    if out.tokens.is_cuda:
+        stream = torch.cuda.current_stream(out.tokens.device)
+        for tensor in (out.tokens, out.tokens_per_expert, out.weights, out.src_rank, out.src_token):
+            tensor.record_stream(stream)
+
+
 class _MicroBatchesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, works, grad_on, count, *tensors):
         d, experts = layer.dispatcher, layer.experts
         xs, ws, anchor, params = tensors[:count], tensors[count : 2 * count], tensors[2 * count], tensors[2 * count + 1:]
         handles, weights, leaves, ys, sums = [], [], [], [], []
+        plain = _plain_grouped_experts(experts, xs[0].device.type)
         before, d.comm_priority = d.comm_priority, layer.comm_priority
         try:
             for i, work in enumerate(works):
                 out = work.wait()
+                _used_here(out)
                 handles.append(out.handle)
                 weights.append(out.weights)
                 try:  # the experts, on this rank alone: where they raise, its peers must not wait for it
                     leaf = out.tokens.detach().requires_grad_(grad_on and out.handle.x_grad_any)
                     with torch.set_grad_enabled(grad_on), carved_out(layer.sm_carveout):
-                        y = experts(leaf, out.tokens_per_expert)
+                        if plain:  # its backward by hand: the rows' gradients first, the weights' at the end
+                            leaf = ExpertsByGroups(experts, [None], [None], grad_on, group_rows=layer.max_rows)
+                            leaf.set_counts(0, out.tokens_per_expert, out.tokens_per_expert_host)
+                            y = leaf.forward(0, out.tokens)
+                        else:
+                            y = experts(leaf, out.tokens_per_expert)
                 except Exception as error:
                     for later in works[i + 1:]:  # every rank started them: done before this rank stops
                         later.wait()
@@ -172,12 +220,16 @@ class _MicroBatchesFn(torch.autograd.Function):
                 grad_rows = brings[i].wait()
                 w_any = handle.weights_grad_any
                 try:  # the experts' backward, on this rank alone: where it raises, its peers must not wait for it
-                    y = ctx.ys[i]
+                    y, leaf = ctx.ys[i], ctx.leaves[i]
                     grad_y, grad_weight = weighted_row_grads(grad_rows, ctx.weights[i], y, w_any)
                     with carved_out(layer.sm_carveout):
-                        grad_tokens = autograd_rows(ctx.leaves[i], y, grad_y, handle.x_grad_any, ctx.params,
-                                                    grad_params)
-                    ctx.ys[i] = ctx.leaves[i] = None  # the micro-batch's graph is spent
+                        if isinstance(leaf, ExpertsByGroups):  # the weights' gradients after the last's rows'
+                            wanted = handle.x_grad_any or ctx.params
+                            grad_tokens = leaf.backward(0, grad_y, handle.x_grad_any) if wanted else None
+                        else:
+                            grad_tokens = autograd_rows(leaf, y, grad_y, handle.x_grad_any, ctx.params, grad_params)
+                            ctx.leaves[i] = None
+                    ctx.ys[i] = None  # the micro-batch's graph is spent
                 except Exception as error:
                     for later in brings[i + 1:]:  # every rank started them: done before this rank stops
                         later.wait()
@@ -190,7 +242,15 @@ class _MicroBatchesFn(torch.autograd.Function):
                     to_x[i].add(grad_tokens)
                 if w_any:
                     to_w[i] = d.combine_slots(grad_weight, handle, async_op=True)
-                grad_rows = grad_y = grad_weight = grad_tokens = y = None
+                grad_rows = grad_y = grad_weight = grad_tokens = y = leaf = None
+            if ctx.params:  # each plain micro-batch's weight gradients, in order, while the last rows travel home
+                with carved_out(layer.sm_carveout):
+                    for i, kept in enumerate(ctx.leaves):
+                        if isinstance(kept, ExpertsByGroups):
+                            for k, grad in enumerate(kept.param_grads(ctx.params)):
+                                if grad is not None:
+                                    grad_params[k] = grad if grad_params[k] is None else grad_params[k].add_(grad)
+                        ctx.leaves[i] = None
             grad_xs = [None if t is None else t.wait().to(ctx.x_dtypes[i]) for i, t in enumerate(to_x)]
             grad_ws = [None if t is None else t.wait().to(ctx.w_dtypes[i]) for i, t in enumerate(to_w)]
         finally:
