@@ -197,8 +197,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
 // back_at[s] + r - first[s] of its symmetric recv (rows recv_stride bytes apart): stored where
 // NVSHMEM maps it (and mapped is 1), else made in row r of this rank's symmetric send and put.
 // By groups of local experts, one launch a group: the rows are in a tensor a group (table, not
-// null: [G] their addresses, [G] their weights' addresses, 0 for none, then [G + 1] the places each
-// group starts at; y and weights unused), and only the rows whose last place is in [lo, hi) are
+// null: [G] their addresses, [G] their weights' addresses, then [G + 1] the places each group starts
+// at, then whether the rows are weighted; y and weights unused; an empty group's addresses may be 0,
+// no place reads them), and only the rows whose last place is in [lo, hi) are
 // summed and put (each once every group it needs is in; a row of no place with the span that
 // starts at 0). The caller brackets it with NVSHMEM's barrier.
 extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
@@ -216,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long warps = static_cast<unsigned long long>(gridDim.x) * kWarps;
   const int y_size = y_code == 2 ? 4 : 2;
-  const bool weighted = table != nullptr ? table[groups] != 0 : weights != nullptr;
+  const bool weighted = table != nullptr ? table[3 * groups + 1] != 0 : weights != nullptr;
   const unsigned long long out_bytes = static_cast<unsigned long long>(hidden) * (out_code == 2 ? 4 : 2);
   for (unsigned long long r = blockIdx.x * kWarps + warp; r < count_rows; r += warps) {
     int s = 0;

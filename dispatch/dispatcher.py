@@ -54,7 +54,7 @@ class TokenDispatcher:
             ``create`` from the registry by (variant, transport).
         host_free: whether ``dispatch(..., max_rows=M)`` and the round trip
             after it read nothing on the host, so that they can be captured in
-            a CUDA graph (the NVLink engine); elsewhere ``max_rows`` gives the
+            a CUDA graph (the NVLink engine, NVSHMEM); elsewhere ``max_rows`` gives the
             same shapes with a host read.
         max_topk: the most slots per token it moves (None: any).
 
@@ -152,13 +152,13 @@ class TokenDispatcher:
                 experts' outputs home group by group. The alltoall variant
                 on the NCCL transport (and on gloo; ``auto`` where it picks
                 alltoall) moves each group as its own all-to-all, the NVLink
-                engine pulls each group's rows in turn (either way a token
-                still crosses to a rank once: with the first group there that
-                needs it); the other variants move all groups at once and
+                engine and NVSHMEM get each group's rows in turn (either way a
+                token still crosses to a rank once: with the first group there
+                that needs it); the other variants move all groups at once and
                 hand them out by group. Every rank passes
                 the same G (where they differ, every rank raises before any row moves); not with
                 ``pad_to_capacity``. With ``max_rows`` (the NVLink engine
-                only), each group's rows are padded to B = ceil(max_rows / G):
+                and NVSHMEM), each group's rows are padded to B = ceil(max_rows / G):
                 group g's rows at [g B, g B + its rows), then zero rows, the
                 outputs G B rows, nothing read on the host; a rank with more
                 than B rows in a group fails every rank alike (raised at a

@@ -1,4 +1,4 @@
-"""MoEMicroBatches: one MoE layer over N micro-batches at once, on an explicit
+"""MoEMicroBatches: one MoE layer over M micro-batches at once, on an explicit
 schedule, so that each micro-batch's exchange moves under another's experts,
 forward and backward.
 
@@ -125,8 +125,9 @@ class MoEMicroBatches(nn.Module):
         if self._plans is None or self._plans.device != device:
             self._plans = torch.cuda.Stream(device, priority=self.comm_priority)
         self._plans.wait_stream(caller)
-        for tensor in inputs:
-            tensor.record_stream(self._plans)
+        for tensor in inputs:  # (a tensor elsewhere is refused by its dispatch's agreed checks)
+            if tensor.device == device:
+                tensor.record_stream(self._plans)
         with torch.cuda.stream(self._plans):
             yield
 
@@ -156,7 +157,8 @@ class _MicroBatchesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer, works, grad_on, count, *tensors):
         d, experts = layer.dispatcher, layer.experts
-        xs, ws, anchor, params = tensors[:count], tensors[count : 2 * count], tensors[2 * count], tensors[2 * count + 1:]
+        xs, ws = tensors[:count], tensors[count : 2 * count]
+        anchor, params = tensors[2 * count], tensors[2 * count + 1 :]
         handles, weights, leaves, ys, sums = [], [], [], [], []
         plain = _plain_grouped_experts(experts, xs[0].device.type)
         before, d.comm_priority = d.comm_priority, layer.comm_priority
@@ -190,7 +192,8 @@ class _MicroBatchesFn(torch.autograd.Function):
             results = tuple(s.wait() for s in sums)
         finally:
             d.comm_priority = before
-        ctx.layer, ctx.handles, ctx.weights, ctx.leaves, ctx.ys, ctx.params = layer, handles, weights, leaves, ys, params
+        ctx.layer, ctx.handles, ctx.weights, ctx.params = layer, handles, weights, params
+        ctx.leaves, ctx.ys = leaves, ys
         ctx.count, ctx.spent = count, False
         ctx.x_dtypes, ctx.w_dtypes, ctx.anchor_dtype = [x.dtype for x in xs], [w.dtype for w in ws], anchor.dtype
         return results
@@ -233,10 +236,11 @@ class _MicroBatchesFn(torch.autograd.Function):
                 except Exception as error:
                     for later in brings[i + 1:]:  # every rank started them: done before this rank stops
                         later.wait()
-                    if to_x[i] is not None:
-                        to_x[i].refuse(error)  # raises error; its peers PeerRefused
-                    if w_any:
-                        d.refuse("combine_slots", handle, error)
+                    for j in range(i, count):  # the next call its peers wait at refused (each raises error)
+                        if to_x[j] is not None:
+                            to_x[j].refuse(error)
+                        if handles[j].weights_grad_any:
+                            d.refuse("combine_slots", handles[j], error)
                     raise  # (nothing follows that its peers wait at: it raises alone)
                 if to_x[i] is not None:
                     to_x[i].add(grad_tokens)

@@ -122,13 +122,13 @@ class MoEExchange(nn.Module):
             device, else x's dtype. With G = 1 the outputs' dtype is agreed
             as ``combine`` does.
         max_rows: M: the dispatch takes ``max_rows=M`` (see
-            ``TokenDispatcher.dispatch``), so that on the NVLink engine nothing
+            ``TokenDispatcher.dispatch``), so that on the NVLink engine and over NVSHMEM nothing
             is read on the host and the layer's forward and backward can be
             captured in a CUDA graph. The experts then get M rows: the N received
             first, then rows that no token takes, with weight 0, and counts on
             the device only (:class:`GroupedExperts` takes them as they are;
             other experts must give those rows any finite values). With G > 1
-            (the NVLink engine only) each group gets B = ceil(M / G) rows so:
+            (the NVLink engine, NVSHMEM) each group gets B = ceil(M / G) rows so:
             a rank with more rows in a group fails. None: the dispatch reads its
             counts on the host. What a graph saves is measured by
             ``dispatch-bench overlap --graph`` (bench/results/README.md).

@@ -19,6 +19,7 @@ class HostSplitsExchange:
     def __init__(self, group=None) -> None:
         self.group = group
         self.operations = 0  # exchanges issued (as SymmetricExchange counts them)
+        self.generation = 0  # (its buffers never grow)
 
     def stride(self, row_bytes: int) -> int:
         return row_bytes

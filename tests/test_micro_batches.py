@@ -22,7 +22,7 @@ def _cpu(t):
     return None if t is None else t.detach().cpu()
 
 
-def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_rows):
+def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_rows, kind: str = "relu"):
     """The M micro-batches through MoEMicroBatches and through MoEExchange one
     after the other (twin experts, fp64 dyadic: exact whatever the order of the
     parameters' sums): the outputs and every gradient. Returns the names that differ."""
@@ -31,7 +31,7 @@ def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_r
     xs, idx, ws, grads = ([t.to(device) for t in ts] for ts in (xs, idx, ws, grads))
     got = {}
     for name in ("together", "one by one"):
-        experts = pipeline_fns.make_experts("relu", d.num_local_experts, HIDDEN, torch.float64, seed=3)
+        experts = pipeline_fns.make_experts(kind, d.num_local_experts, HIDDEN, xs[0].dtype, seed=3)
         leaves = [x.clone().requires_grad_() for x in xs]
         weights = [w.clone().requires_grad_() for w in ws]
         if name == "together":
@@ -61,6 +61,19 @@ def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, toke
         args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts,
                      256 if bounded else None))
     assert worlds(world_size).run(micro_batches_against_one_by_one, args) == [[]] * world_size
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_two_micro_batches_in_bf16_are_bitwise_the_layer_one_by_one(worlds, bounded):
+    """Rounded data, GroupedExperts as MoEExchange computes them (by hand, or by
+    autograd with max_rows): the same bits (two micro-batches: the parameters'
+    two gradients add alike in either order)."""
+    routings = [make_routing(2, 4, 2, t, "random", seed=7 + s) for s, t in enumerate([[9, 6], [5, 8]])]
+    args = [([random_tokens(r, rt.num_tokens[r], HIDDEN, torch.bfloat16, m) for m, rt in enumerate(routings)],
+             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].float() for rt in routings],
+             [random_tokens(r, rt.num_tokens[r], HIDDEN, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
+             routings[0].num_experts, 64 if bounded else None, "gelu") for r in range(2)]
+    assert worlds(2).run(micro_batches_against_one_by_one, args) == [[], []]
 
 
 class _RaisingExperts(nn.Module):

@@ -589,6 +589,26 @@ def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
         assert all(ok.values()), f"rank {rank}: {ok}"
 
 
+def _first_group_empty(emulated: bool) -> list:
+    gen = torch.Generator().manual_seed(8)
+    picks = torch.tensor([2, 3, 6, 7])  # 8 experts, 4 a rank, G = 2: the groups {0, 1} and {2, 3} of each rank
+    idx = [picks[torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(t)])] for t in (30, 21)]
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in (30, 21)]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in (30, 21)]
+    return [(xs[r], idx[r], torch.rand(idx[r].shape, generator=gen), gs[r], dict(num_experts=8), None, 2, True,
+             emulated) for r in range(2)]
+
+
+@pytest.mark.parametrize("where", ["emulated", "on_nvshmem"])
+def test_a_combine_by_groups_whose_first_group_is_empty_is_weighted(worlds, where, request):
+    """Every token to the second group of each rank's experts: the first group's
+    rows (and weights) are empty tensors (on CUDA, of address 0), and the sums
+    home are still weighted, the bits of the NCCL transport's."""
+    world = worlds(2) if where == "emulated" else request.getfixturevalue("nvshmem_world")
+    for rank, (differ, _) in enumerate(world.run(against_nccl, _first_group_empty(where == "emulated"))):
+        assert differ == [], (rank, differ)
+
+
 def layer_by_groups_captured(x, topk_idx, topk_weights, grad, groups, max_rows, replays):
     """MoEExchange by groups with max_rows over NVSHMEM: its forward and
     backward captured in one CUDA graph, replayed on new values of x and the

@@ -39,13 +39,14 @@ def test_route_row_is_the_references(world, local, tokens, topk, idx_dtype, weig
 
 
 @settings(max_examples=80, deadline=None)
-@given(**SEND_CASES)
-def test_send_plan_is_the_references(world, local, tokens, topk, rank, weight_dtype, seed):
+@given(**SEND_CASES, own_groups=st.integers(1, 4))
+def test_send_plan_is_the_references(world, local, tokens, topk, rank, weight_dtype, seed, own_groups):
     """The send plan, summary and receive table of one group, any rank of any
     world (the peers' rows made up around this rank's own): bitwise
     ``plan_graph.send_phase`` in torch operations on every row the exchange
     reads (``send_token`` and ``meta`` up to the S rows sent; the C rows past
-    them are -1 here, unset or a dump there)."""
+    them are -1 here, unset or a dump there). This rank's G (``own_groups``,
+    sent in one order whatever G) sets the summary's fullest groups."""
     rank = rank % world
     experts = world * local
     gen = torch.Generator().manual_seed(seed)
@@ -55,6 +56,7 @@ def test_send_plan_is_the_references(world, local, tokens, topk, rank, weight_dt
     route, _, row = plan_graph.route_phase_reference(idx, weights, header, experts, world, False)
     gathered = torch.randint(0, 50, (world, row.numel()), generator=gen)
     gathered[rank] = row
+    gathered[rank, -1] = own_groups  # (the row's last entry: G)
     plan_cpu.enabled = False
     try:
         want = plan_graph.send_phase(route, None, gathered, rank, idx, weights)

@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error("--comm-high-priority needs NCCL (a GPU)")
     if args.nvshmem_blocks is not None and (args.nvshmem_blocks < 1 or args.transport != "nvshmem"):
         parser.error(f"--nvshmem-blocks needs --transport nvshmem and a value >= 1, got {args.nvshmem_blocks}")
+    if args.max_rows and args.transport == "nccl" and max(args.groups) > 1:
+        parser.error("--max-rows with a G > 1 in --groups needs the NVLink engine or NVSHMEM (--transport auto, "
+                     "nvlink or nvshmem): over NCCL a dispatch by groups takes no max_rows")
     if args.micro_batches is not None and args.micro_batches < 2:
         parser.error(f"--micro-batches needs M >= 2, got {args.micro_batches}")
     if args.graph and (args.transport == "nccl" or not torch.cuda.is_available()):
@@ -440,6 +443,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
 
     candidates = group_values(args, case.dispatcher.num_local_experts)
     bound = case.bound(group) if args.max_rows else None
+    if bound and max(candidates) > 1 and not case.dispatcher.transport.bounded_groups:  # (auto's choice: alike)
+        raise ValueError(f"--max-rows: {case.dispatcher.transport.key} moves no dispatch by groups with max_rows; "
+                         "use --groups 1")
     rows = []
     for name in PASSES:
         backward = name == "fwd+bwd"

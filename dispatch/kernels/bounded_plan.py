@@ -193,7 +193,8 @@ def place_by_groups(padded: Padded, presum_index: torch.Tensor, per_expert: torc
 
     moved = Padded(placed(padded.expand_src, recv_rows), placed(padded.weights, 0), placed(padded.src_rank, -1),
                    placed(padded.src_token, -1), padded.send_token)
-    return moved, torch.where(presum_index >= 0, to[presum_index.clamp(min=0)], -1)
+    to = torch.cat([to, to.new_full((1,), -1)])  # (a place -1 stays -1, whatever the rows: none at max_rows 0)
+    return moved, to[torch.where(presum_index >= 0, presum_index, num_rows)]
 
 
 if triton is not None:

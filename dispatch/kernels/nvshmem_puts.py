@@ -126,16 +126,16 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
             weights=0 if weights is None else weights.data_ptr(), places=places.data_ptr(), width=places.shape[1],
             receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(), hidden=y.shape[1],
             out_code=_CODES[wire], most=most, mapped=int(mapped), table=0 if table is None else table.data_ptr(),
-            groups=0 if table is None else (table.numel() - 1) // 3, lo=span[0], hi=span[1])
+            groups=0 if table is None else (table.numel() - 2) // 3, lo=span[0], hi=span[1])
 
 
 def group_table(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The table of a combine by G groups for :func:`presum_put`: [3 G + 1]
+    """The table of a combine by G groups for :func:`presum_put`: [3 G + 2]
     int64 on ``device``, each group's rows and weights unset (:func:`store_group`),
-    then the places each group starts at (``bounds``, G + 1). Made by device
-    work alone (a CUDA graph may hold it)."""
+    then the places each group starts at (``bounds``, G + 1), then whether the
+    rows are weighted. Made by device work alone (a CUDA graph may hold it)."""
     groups = len(bounds) - 1
-    table = torch.zeros(3 * groups + 1, dtype=torch.int64, device=device)
+    table = torch.zeros(3 * groups + 2, dtype=torch.int64, device=device)
     for g, bound in enumerate(bounds):
         table[2 * groups + g].fill_(bound)
     return table
@@ -143,10 +143,12 @@ def group_table(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def store_group(table: torch.Tensor, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
     """Group g's rows (contiguous, like every group's) and weights (fp32, or
-    None in every group alike) into ``table``, on the current stream."""
-    groups = (table.numel() - 1) // 3
+    None in every group alike) into ``table``, on the current stream (an empty
+    group's addresses may be 0: whether the rows are weighted is its own entry)."""
+    groups = (table.numel() - 2) // 3
     table[g].fill_(rows.data_ptr())
     table[groups + g].fill_(0 if weights is None else weights.data_ptr())
+    table[3 * groups + 1].fill_(int(weights is not None))
 
 
 def sums_here(dtype: torch.dtype, weights: torch.dtype | None, wire: torch.dtype) -> bool:

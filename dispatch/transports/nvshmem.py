@@ -58,10 +58,10 @@ from dispatch.plan_graph import HostSummary, Summary
 from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
-from dispatch.transports.base import (GroupSumsIssuer, Request, WholeSums, by_groups, grads_of, handle_fields,
-                                      shape_fields)
+from dispatch.transports.base import Request, WholeSums, by_groups, grads_of, handle_fields, shape_fields
 from dispatch.kernels import bounded_plan, nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
+from dispatch.transports.nvshmem_groups import GroupPuts, pieces
 from dispatch.transports.symmetric import Packed, exchange_for
 
 
@@ -145,7 +145,8 @@ class NVSHMEMTransport(AllToAllTransport):
     Args:
         exchange: what moves the rows (the group's :class:`SymmetricExchange`
             by default; anything with its ``capturable``, ``generation``, ``exchange``, ``gather``,
-            ``get_expand``, ``presum_put``, ``in_order``, ``can_put``, ``ensure`` and ``stride``).
+            ``get_expand``, ``presum_put``, ``group_table``, ``presum_put_group``, ``operations``,
+            ``in_order``, ``can_put``, ``ensure`` and ``stride``).
     """
 
     transport = "nvshmem"
@@ -362,7 +363,7 @@ class NVSHMEMTransport(AllToAllTransport):
             args = (rows.detach(), index, handle.presum_index, handle.receives, handle.back_at, handle.send_rows,
                     handle.recv_rows, handle.expand_src)
             if handle.groups > 1:  # one get a group, each row with the first group that needs it
-                return _pieces(*self.exchange.get_expand(*args, spans=[handle.row_range(g)
+                return pieces(*self.exchange.get_expand(*args, spans=[handle.row_range(g)
                                                                         for g in range(handle.groups)]),
                                handle, self.phase_timer)
             expanded = self.exchange.get_expand(*args)
@@ -401,7 +402,7 @@ class NVSHMEMTransport(AllToAllTransport):
         if (handle.groups == 1 or out is None or not self.exchange.can_put(handle.device)
                 or not nvshmem_puts.sums_here(dtype, None, out) or handle.presum_index.shape[1] > nvshmem_puts.MAX_WIDTH):
             return super().group_sums(handle, wire, dtype)
-        return _GroupPuts(self, handle, out, WholeSums(handle, wire, dtype))
+        return GroupPuts(self, handle, out, WholeSums(handle, wire, dtype))
 
     def slots_home(self, values: torch.Tensor, handle: NVSHMEMHandle) -> Pending:
         index = handle.presum_index  # [R, J]
@@ -515,73 +516,6 @@ class NVSHMEMTransport(AllToAllTransport):
             self._kept.append(host)
             return host.to(device, non_blocking=True)
         return super()._header_row(header, device)
-
-
-def _pieces(out: torch.Tensor, ends: list, handle: NVSHMEMHandle, timer) -> PendingGroups:
-    """A move by groups whose rows land in ``out`` group after group: piece g is
-    group g's rows, the stream that takes it waiting for ``ends[g]`` alone."""
-    mark(timer, "exchange_out")
-
-    def piece(g: int) -> torch.Tensor:
-        if ends[g] is not None:
-            torch.cuda.current_stream(out.device).wait_event(ends[g])
-        return out[slice(*handle.row_range(g))]
-
-    return PendingGroups([None] * handle.groups, [lambda g=g: piece(g) for g in range(handle.groups)])
-
-
-class _GroupPuts(GroupSumsIssuer):
-    """The expert side of a combine by groups over NVSHMEM: as group g's rows
-    come, the pre-sums it completes (those of the received rows whose last
-    place is in group g) are summed from every group's rows so far and put
-    home (``SymmetricExchange.presum_put_group``); the home rank sums them
-    after the last group. The bits of one combine, for every G.
-
-    The puts of groups before the last land in the receive buffer that the
-    next exchange also uses. Where another exchange comes between two groups
-    (a second combine by groups, a dispatch: on every rank alike), the pre-sums
-    put so far may be overwritten: the groups after put nothing, and the last
-    puts every pre-sum (the same bits, nothing hidden). Every group's rows and
-    weights are held until the last is put (a later group's pre-sums read them).
-    Weights other than fp32 (fp64: fp64 sums; of one dtype on every rank, as
-    the adds agree) are summed home at once, after the last group (``at_once``)."""
-
-    def __init__(self, transport: NVSHMEMTransport, handle: NVSHMEMHandle, wire: torch.dtype,
-                 at_once: WholeSums) -> None:
-        self._t, self._handle, self._wire, self._at_once = transport, handle, wire, at_once
-        self._table = transport.exchange.group_table(handle.group_rows)
-        self._held: list = []
-        self._after = None  # the exchanges issued by the last group's put
-        self._stored = 0  # the groups in the table
-        self._whole = self._grouped = False
-        self._out = None
-
-    def add(self, g: int, rows: torch.Tensor, weights: torch.Tensor | None) -> None:
-        handle, exchange = self._handle, self._t.exchange
-        if g == 0:  # (every group is weighed alike)
-            self._grouped = weights is None or weights.dtype == torch.float32
-        if not self._grouped:
-            self._at_once.add(g, rows, weights)
-            return
-        self._held.append((rows, weights))
-        self._whole |= self._after is not None and exchange.operations != self._after
-        last = g + 1 == handle.groups
-        if self._whole and not last:
-            return
-        if g == 0:
-            self._t._check_holds(handle, rows.shape[1], self._wire, "expert_out")
-        span = nvshmem_puts.EVERY if self._whole else handle.row_range(g)
-        new = [(k, *self._held[k]) for k in range(self._stored, g + 1)]  # the groups not in the table yet
-        out = exchange.presum_put_group(self._table, new, span, handle.presum_index, handle.receives,
-                                        handle.back_at, self._wire, handle.recv_rows, handle.send_rows,
-                                        handle.home_index.contiguous() if last else None)
-        self._after, self._stored = exchange.operations, g + 1
-        if last:
-            self._out, self._held = out, []
-            mark(self._t.phase_timer, "final_sum")
-
-    def finish(self) -> Pending:
-        return Pending.done(self._out) if self._grouped else self._at_once.finish()
 
 
 class _Replayed:

@@ -160,6 +160,7 @@ class SymmetricExchange:
         """``run()`` on the caller's stream in the exchanges' order: after the
         exchanges issued before, before those issued after (a CUDA graph
         replayed there that holds exchanges of its own)."""
+        self.operations += 1
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self._stream)
         result = run()
