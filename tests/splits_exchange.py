@@ -207,8 +207,10 @@ class FakeSymmetricMemory:
         symm_mem.rendezvous = lambda tensor, group: None
         symmetric.all_to_all_vdev = _fake_vdev
         if self.kernels:
+            global _SAVED_STORE
+            _SAVED_STORE = nvshmem_puts.store_group
             for name, fake in (("put_rows", _fake_put_rows), ("get_expand", _fake_get_expand),
-                               ("presum_put", _fake_presum_put)):
+                               ("presum_put", _fake_presum_put), ("store_group", _fake_store_group)):
                 self._saved.append((nvshmem_puts, name, getattr(nvshmem_puts, name)))
                 setattr(nvshmem_puts, name, fake)
         return self
@@ -252,46 +254,88 @@ def _fake_put_rows(recv, recv_stride, x, send_token, sends, at, most, stream=Non
         _rows(recv, recv_stride)[place : place + count, : their_raw.shape[1]] = their_raw[first : first + count]
 
 
+def _in_span(places: torch.Tensor, span, last: bool) -> torch.Tensor:
+    """[R] whether each row (its places, -1 padded) goes with ``span``: its first
+    (``last``: its last) place in [lo, hi), a row of no place with the span from 0."""
+    from dispatch.kernels import nvshmem_puts
+
+    lo, hi = nvshmem_puts.EVERY if span is None else span
+    real = places >= 0
+    key = torch.where(real, places, -1).amax(1) if last else torch.where(real, places, 2**62).amin(1)
+    return torch.where(real.any(1), (key >= lo) & (key < hi), lo == 0)
+
+
 def _fake_get_expand(out, stage, recv, stride, row_bytes, places, receives, back_at, most, expand_src, zero_at,
                      stream=None, span=None):
     """get_expand's contract: row r received (the (r - first[s])-th from rank s)
     is row back_at[s] + r - first[s] of rank s's stage, written to its places;
-    padding rows zeros (in one piece: these tests move no groups)."""
+    padding rows zeros. By groups (``span``): only the rows whose first place is
+    in it, and the padding rows in it."""
     from dispatch.kernels import nvshmem_puts
 
-    assert span in (None, nvshmem_puts.EVERY), span
+    lo, hi = nvshmem_puts.EVERY if span is None else span
     stages = _everyone(stage)
     assert len({t.numel() for t in stages}) == 1, "the stages differ between ranks"
     flat = out.view(torch.uint8).reshape(out.shape[0], -1)
     total, r = min(int(receives.sum()), most), 0
+    chosen = _in_span(places[:total], span, last=False).tolist()
     for s, count in enumerate(receives.tolist()):
         for j in range(count):
             if r >= total:
                 break
             row = _rows(stages[s], stride)[int(back_at[s]) + j, :row_bytes]
-            for place in places[r].tolist():
+            for place in places[r].tolist() if chosen[r] else ():
                 if place >= 0:
                     flat[place] = row
             r += 1
-    flat[expand_src == zero_at] = 0
+    position = torch.arange(out.shape[0], device=out.device)
+    flat[(expand_src == zero_at) & (position >= lo) & (position < hi)] = 0
+
+
+_SAVED_STORE = None  # the real store_group, while faked
+_GROUPS: dict = {}  # a combine by groups' table (its address) -> {g: (rows, weights)} stored in it
+
+
+def _fake_store_group(table, g, rows, weights):
+    """store_group's contract, the rows kept by the table's address for the fake kernel to read."""
+    _SAVED_STORE(table, g, rows, weights)
+    if g == 0:
+        _GROUPS[table.data_ptr()] = {}
+    _GROUPS[table.data_ptr()][g] = (rows, weights)
 
 
 def _fake_presum_put(recv, send, stride, y, weights, places, receives, back_at, wire, most, stream=None, table=None,
                      span=None):
     """presum_put's contract: each received row's sum (gather_sum's) goes to its
-    home s at row back_at[s] + r - first[s] of s's recv (in one piece)."""
-    from dispatch.kernels import nvshmem_puts
+    home s at row back_at[s] + r - first[s] of s's recv. By groups (``table``):
+    the rows of each group as stored in it (a place in a group not stored yet
+    reads NaN), whether weighted as its own entry says, and only the rows whose
+    last place is in ``span``."""
     from dispatch.kernels.gather_sum import gather_sum
 
-    assert table is None and span in (None, nvshmem_puts.EVERY), (table, span)
     total = min(int(receives.sum()), most)
+    if table is not None:
+        groups = (table.numel() - 2) // 3
+        bounds = table[2 * groups : 3 * groups + 1].tolist()
+        stored = _GROUPS[table.data_ptr()]
+        y = torch.full((bounds[-1], y.shape[1]), float("nan"), dtype=y.dtype, device=y.device)
+        weighted = bool(table[3 * groups + 1])
+        weights = torch.full((bounds[-1],), float("nan"), device=y.device) if weighted else None
+        for g, (rows, group_weights) in stored.items():
+            assert int(table[g]) == rows.data_ptr(), (g, "the table holds another group's rows")
+            y[bounds[g] : bounds[g + 1]] = rows
+            if weighted:
+                weights[bounds[g] : bounds[g + 1]] = group_weights
+    chosen = _in_span(places[:total], span, last=True)
     raw = gather_sum(y, places[:total], weights, wire).view(torch.uint8).reshape(total, y.shape[1] * wire.itemsize)
     me = dist.get_rank()
-    for s, (their_raw, their_receives, their_back) in enumerate(
-            zip(_everyone(raw), _everyone(receives), _everyone(back_at))):
+    for s, (their_raw, their_receives, their_back, their_chosen) in enumerate(
+            zip(_everyone(raw), _everyone(receives), _everyone(back_at), _everyone(chosen))):
         first, count = int(their_receives[:me].sum()), int(their_receives[me])
         place = int(their_back[me])
-        _rows(recv, stride)[place : place + count, : their_raw.shape[1]] = their_raw[first : first + count]
+        for j in range(count):
+            if their_chosen[first + j]:
+                _rows(recv, stride)[place + j, : their_raw.shape[1]] = their_raw[first + j]
 
 
 def _fake_vdev(send, recv, in_splits, out_splits_offsets, group_name):

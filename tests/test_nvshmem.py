@@ -970,12 +970,15 @@ def test_the_put_kernel_stands_aside_where_it_cannot_run():
         nvshmem_puts.presum_put(rows, rows, 32, rows.double(), None, places, places[0], places[0], torch.float32, 2)
 
 
-def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels=False):
+def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels=False, groups=1,
+                               bounded_groups=False):
     """A round trip through ``SymmetricExchange`` (its buffers, strides, turns
     and padding row) on gloo, torch's NVSHMEM pieces faked by
     ``splits_exchange.FakeSymmetricMemory``, against the NCCL transport. With
     ``kernels``, through our kernels' contracts (faked likewise) from a send
-    buffer that starts empty, so that it grows (alike on every rank, checked)."""
+    buffer that starts empty, so that it grows (alike on every rank, checked).
+    By ``groups`` (``bounded_groups``: with a bound of its own, against the same
+    dispatch without, ``rank_fns.bounded_groups_verbs``)."""
     from splits_exchange import FakeSymmetricMemory
     from world import current_device
 
@@ -989,7 +992,16 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kern
         if kernels:  # our kernels' contracts, faked: every exchange by them, from a send buffer that grows
             exchange._puts, exchange.MIN_SEND_BYTES = True, 0
         d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
-        got, _ = _round_trip(d, x, topk_idx, topk_weights, x, max_rows, 1, False)
+        if bounded_groups:  # by groups with a bound, against the same without
+            real, rank_fns.dispatcher = rank_fns.dispatcher, lambda config, emulated=False: d
+            try:
+                ok = rank_fns.bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, 1.5)
+            finally:
+                rank_fns.dispatcher = real
+            return [k for k, v in ok.items() if not v]
+        got, _ = _round_trip(d, x, topk_idx, topk_weights, x, max_rows, groups, False)
+        if groups > 1:
+            got["by_groups"] = _by_groups(d, x, topk_idx, topk_weights, groups)
         d.check()
         # a receive buffer made anew is a new generation (what captured puts check); one that holds is not
         made = exchange.generation
@@ -998,8 +1010,10 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kern
         exchange.ensure(0, exchange._recv.numel() + 1)
         grown = exchange.generation == made + 1
     nccl = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nccl"))
-    want, _ = _round_trip(nccl, x, topk_idx, topk_weights, x, max_rows, 1, False)
-    differ = [k for k in VERBS if not torch.equal(got[k], want[k])]
+    want, _ = _round_trip(nccl, x, topk_idx, topk_weights, x, max_rows, groups, False)
+    if groups > 1:
+        want["by_groups"] = _by_groups(nccl, x, topk_idx, topk_weights, groups)
+    differ = [k for k in want if k in got and not torch.equal(got[k], want[k])]
     return differ + ([] if made >= 1 and held and grown else ["generation"])
 
 
@@ -1022,6 +1036,26 @@ def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, 
                 for r in range(world)]
         for rank, differ in enumerate(worlds(world).run(through_symmetric_exchange, args)):
             assert differ == [], (rank, max_rows, differ)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_the_symmetric_exchange_moves_groups_as_nccl(worlds, bounded):
+    """By groups through ``SymmetricExchange`` and our kernels' contracts (a get
+    and a put a group, the groups' rows read through their table): every verb
+    and the sums by groups bitwise the NCCL transport's; with a bound (each
+    group padded), the same dispatch without one's."""
+    from routing import make_routing
+
+    if worlds(2).backend != "gloo":
+        pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
+    routing = make_routing(2, 4, 3, [11, 7], "random", seed=4)
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(t, 16, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, None, True, 3, bounded)
+            for r in range(2)]
+    for rank, differ in enumerate(worlds(2).run(through_symmetric_exchange, args)):
+        assert differ == [], (rank, bounded, differ)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
