@@ -131,7 +131,7 @@ class HostSplitsExchange:
         self.operations += 1
         table["after"] = self.operations
         for g, rows, weights in new:
-            assert rows.is_contiguous() and (weights is None or weights.dtype == torch.float32), (rows.stride(), weights)
+            assert rows.is_contiguous() and (weights is None or weights.dtype == torch.float32), rows.stride()
             table["rows"][g] = (rows, weights)
         bounds = table["bounds"]
         total = bounds[-1]

@@ -400,7 +400,8 @@ class NVSHMEMTransport(AllToAllTransport):
     def group_sums(self, handle: NVSHMEMHandle, wire: str, dtype):
         out = None if dtype is None else sum_wire_dtype(wire, dtype)
         if (handle.groups == 1 or out is None or not self.exchange.can_put(handle.device)
-                or not nvshmem_puts.sums_here(dtype, None, out) or handle.presum_index.shape[1] > nvshmem_puts.MAX_WIDTH):
+                or not nvshmem_puts.sums_here(dtype, None, out)
+                or handle.presum_index.shape[1] > nvshmem_puts.MAX_WIDTH):
             return super().group_sums(handle, wire, dtype)
         return GroupPuts(self, handle, out, WholeSums(handle, wire, dtype))
 
