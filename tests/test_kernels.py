@@ -407,8 +407,9 @@ def _summary_case(world, local, spoil, gen):
         headers[peer, bound], headers[peer, memory] = received[peer] + 10, received[peer] + 5
     elif spoil == "zero bound":
         headers[peer, bound] = 0
-    elif spoil == "groups":
+    elif spoil == "groups":  # (its rows spread over its own G: a one-rank world has nothing to disagree with)
         groups[peer] += 1
+        fullest[peer] = -(-received[peer] // groups[peer])
     elif spoil in ("group over", "group at bound"):  # by groups: the fullest group against B = ceil(bound / G)
         headers[peer, bound] = received[peer] + 5
         fullest[peer] = -(-(received[peer] + 5) // split) + (spoil == "group over")
