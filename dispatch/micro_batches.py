@@ -52,7 +52,8 @@ from torch import nn
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.experts import ExpertsByGroups
 from dispatch.kernels.row_grads import weighted_row_grads
-from dispatch.pipeline import _plain_grouped_experts, autograd_rows, carved_out, module_parameters
+from dispatch.pipeline import (add_expert_out, at_priority, autograd_rows, carved_out, check_layer,
+                               plain_grouped_experts, trained_params)
 
 
 class MoEMicroBatches(nn.Module):
@@ -73,19 +74,7 @@ class MoEMicroBatches(nn.Module):
     def __init__(self, dispatcher: TokenDispatcher, experts, comm_priority: int = -1,
                  sm_carveout: int | None = None, max_rows: int | None = None):
         super().__init__()
-        if not isinstance(dispatcher, TokenDispatcher):
-            raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
-        if not callable(experts):
-            raise TypeError(
-                f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}")
-        if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
-            raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
-        if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
-                                        or sm_carveout < 0):
-            raise ValueError(f"sm_carveout must be None or an int >= 0, got {sm_carveout!r}")
-        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
-                                     or not 0 <= max_rows < 2**31):
-            raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
+        check_layer(dispatcher, experts, comm_priority, sm_carveout, max_rows)
         self.dispatcher, self.experts = dispatcher, experts
         self.comm_priority, self.sm_carveout, self.max_rows = comm_priority, sm_carveout, max_rows
         self._plans = None  # the dispatches' plans' stream (on CUDA, made on first use)
@@ -100,18 +89,14 @@ class MoEMicroBatches(nn.Module):
         """
         count = _count(xs, topk_idx, topk_weights)
         d = self.dispatcher
-        before, d.comm_priority = d.comm_priority, self.comm_priority
-        try:  # (each dispatch checks its arguments within the call's agreement: every rank raises)
-            with self._planning(xs[0].device, (*xs, *topk_idx, *topk_weights)):
-                works = [d.dispatch(x, idx, w, async_op=True, max_rows=self.max_rows)
-                         for x, idx, w in zip(xs, topk_idx, topk_weights)]
-        finally:
-            d.comm_priority = before
+        # (each dispatch checks its arguments within the call's agreement: every rank raises)
+        with at_priority(d, self.comm_priority), self._planning(xs[0].device, (*xs, *topk_idx, *topk_weights)):
+            works = [d.dispatch(x, idx, w, async_op=True, max_rows=self.max_rows)
+                     for x, idx, w in zip(xs, topk_idx, topk_weights)]
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=xs[0].device, requires_grad=grad_on)
-        params = tuple(p for p in module_parameters(self.experts) if p.requires_grad) if isinstance(
-            self.experts, nn.Module) else ()
-        return list(_MicroBatchesFn.apply(self, works, grad_on, count, *xs, *topk_weights, anchor, *params))
+        return list(_MicroBatchesFn.apply(self, works, grad_on, count, *xs, *topk_weights, anchor,
+                                          *trained_params(self.experts)))
 
 
     @contextlib.contextmanager
@@ -160,9 +145,8 @@ class _MicroBatchesFn(torch.autograd.Function):
         xs, ws = tensors[:count], tensors[count : 2 * count]
         anchor, params = tensors[2 * count], tensors[2 * count + 1 :]
         handles, weights, leaves, ys, sums = [], [], [], [], []
-        plain = _plain_grouped_experts(experts, xs[0].device.type)
-        before, d.comm_priority = d.comm_priority, layer.comm_priority
-        try:
+        plain = plain_grouped_experts(experts, xs[0].device.type)
+        with at_priority(d, layer.comm_priority):
             for i, work in enumerate(works):
                 out = work.wait()
                 _used_here(out)
@@ -182,16 +166,10 @@ class _MicroBatchesFn(torch.autograd.Function):
                         later.wait()
                     d.refuse("combine_groups", out.handle, error)  # raises error; its peers PeerRefused
                 sums.append(d.combine_groups(out.handle, dtype=None, wire=d.config.combine_wire))
-                try:
-                    sums[-1].add(y.detach() if isinstance(y, torch.Tensor) else y, out.weights)
-                except (TypeError, ValueError) as error:
-                    raise type(error)(f"the experts' rows of micro-batch {i} (each rank's experts return [N, H'] "
-                                      f"floating rows on its device; here N={out.tokens.shape[0]}): {error}") from error
+                add_expert_out(sums[-1], y, out.weights, out.tokens, f"micro-batch {i}")
                 leaves.append(leaf if grad_on else None)
                 ys.append(y if grad_on else None)
             results = tuple(s.wait() for s in sums)
-        finally:
-            d.comm_priority = before
         ctx.layer, ctx.handles, ctx.weights, ctx.params = layer, handles, weights, params
         ctx.leaves, ctx.ys = leaves, ys
         ctx.count, ctx.spent = count, False
@@ -207,8 +185,7 @@ class _MicroBatchesFn(torch.autograd.Function):
         layer, handles, count = ctx.layer, ctx.handles, ctx.count
         d, config = layer.dispatcher, layer.dispatcher.config
         grad_params, to_w = [None] * len(ctx.params), [None] * count
-        before, d.comm_priority = d.comm_priority, layer.comm_priority
-        try:
+        with at_priority(d, layer.comm_priority):
             brings = []
             for i, handle in enumerate(handles):  # every micro-batch's output gradient to its experts, at once
                 grad = grad_outs[i]
@@ -257,8 +234,6 @@ class _MicroBatchesFn(torch.autograd.Function):
                         ctx.leaves[i] = None
             grad_xs = [None if t is None else t.wait().to(ctx.x_dtypes[i]) for i, t in enumerate(to_x)]
             grad_ws = [None if t is None else t.wait().to(ctx.w_dtypes[i]) for i, t in enumerate(to_w)]
-        finally:
-            d.comm_priority = before
         needs = ctx.needs_input_grad[4:]
         grad_xs = [g if needs[i] else None for i, g in enumerate(grad_xs)]
         grad_ws = [g if needs[count + i] else None for i, g in enumerate(grad_ws)]

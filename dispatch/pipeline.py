@@ -43,7 +43,7 @@ backward where only the experts' parameters want gradients no call follows
 theirs: the peers finish, and that rank raises alone.
 
 Experts' parameters: for a plain :class:`GroupedExperts` (its own ``forward``
-and parameters, no module hooks, no autocast: ``_plain_grouped_experts``) the
+and parameters, no module hooks, no autocast: ``plain_grouped_experts``) the
 backward of each group computes only the rows' gradients, and the weight
 gradients are formed once, after the last group and while its gradients travel
 home, from every group's rows held expert-major (``experts.ExpertsByGroups``):
@@ -83,6 +83,40 @@ def carved_out(sms: int | None):
         yield
     finally:
         torch._C._set_sm_carveout_experimental(before)
+
+
+def check_layer(dispatcher, experts, comm_priority, sm_carveout, max_rows) -> None:
+    """The arguments every layer over a dispatcher takes (``MoEExchange``,
+    ``MoEMicroBatches``), refused by name at its construction."""
+    if not isinstance(dispatcher, TokenDispatcher):
+        raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
+    if not callable(experts):
+        raise TypeError(f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}")
+    if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
+        raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
+    if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
+                                    or sm_carveout < 0):
+        raise ValueError(f"sm_carveout must be None or an int >= 0, got {sm_carveout!r}")
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
+                                 or not 0 <= max_rows < 2**31):
+        raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
+
+
+@contextlib.contextmanager
+def at_priority(dispatcher: TokenDispatcher, priority: int):
+    """The dispatcher's exchanges run at CUDA ``priority`` inside."""
+    before, dispatcher.comm_priority = dispatcher.comm_priority, priority
+    try:
+        yield
+    finally:
+        dispatcher.comm_priority = before
+
+
+def trained_params(experts) -> tuple:
+    """The experts' parameters that require grad (none for a plain callable)."""
+    if not isinstance(experts, nn.Module):
+        return ()
+    return tuple(p for p in module_parameters(experts) if p.requires_grad)
 
 
 class MoEExchange(nn.Module):
@@ -147,19 +181,11 @@ class MoEExchange(nn.Module):
                  sm_carveout: int | None = None, out_dtype: torch.dtype | None = None,
                  max_rows: int | None = None, weighted_experts: bool = False):
         super().__init__()
-        if not isinstance(dispatcher, TokenDispatcher):
-            raise TypeError(f"dispatcher must be a dispatch.TokenDispatcher, got {type(dispatcher).__name__}")
-        if not callable(experts):
-            raise TypeError(
-                f"experts must be callable (tokens, tokens_per_expert) -> out, got {type(experts).__name__}"
-            )
+        check_layer(dispatcher, experts, comm_priority, sm_carveout, max_rows)
         local = dispatcher.num_local_experts
         if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= local:
             raise ValueError(f"groups must be an int in [1, {local}] (groups of the {local} local experts), "
                              f"got {groups!r}")
-        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
-                                     or not 0 <= max_rows < 2**31):
-            raise ValueError(f"max_rows must be None or an int in [0, 2**31), got {max_rows!r}")
         if max_rows is not None and groups > 1 and not dispatcher.transport.bounded_groups:
             raise ValueError(f"max_rows={max_rows!r} with groups={groups}: a dispatch by groups with a row bound "
                              f"needs the NVLink engine or NVSHMEM ({dispatcher.transport.key} does not move one); "
@@ -167,13 +193,8 @@ class MoEExchange(nn.Module):
         if groups > 1 and dispatcher.config.pad_to_capacity:
             raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
                              "the whole dispatch is in; use groups=1")
-        if isinstance(comm_priority, bool) or not isinstance(comm_priority, int):
-            raise TypeError(f"comm_priority must be an int, got {type(comm_priority).__name__}")
         if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
             raise TypeError(f"out_dtype must be None or a floating torch.dtype, got {out_dtype!r}")
-        if sm_carveout is not None and (isinstance(sm_carveout, bool) or not isinstance(sm_carveout, int)
-                                        or sm_carveout < 0):
-            raise ValueError(f"sm_carveout must be None or an int >= 0, got {sm_carveout!r}")
         if not isinstance(weighted_experts, bool):
             raise TypeError(f"weighted_experts must be a bool, got {type(weighted_experts).__name__}")
         self.out_dtype, self.sm_carveout, self.max_rows = out_dtype, sm_carveout, max_rows
@@ -200,7 +221,7 @@ class MoEExchange(nn.Module):
             work = d.dispatch(x, topk_idx, topk_weights, groups=self.groups, async_op=True, max_rows=self.max_rows)
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
-        return _PipelineFn.apply(x, topk_weights, anchor, self, work, grad_on, *self._trained_params())
+        return _PipelineFn.apply(x, topk_weights, anchor, self, work, grad_on, *trained_params(self.experts))
 
     def _out_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The dtype the pre-sums travel in (None for one group: agreed as combine)."""
@@ -212,25 +233,13 @@ class MoEExchange(nn.Module):
             return torch.get_autocast_dtype(x.device.type)
         return x.dtype
 
-    def _trained_params(self) -> tuple:
-        """The experts' parameters that require grad (none for a plain callable)."""
-        if not isinstance(self.experts, nn.Module):
-            return ()
-        return tuple(p for p in module_parameters(self.experts) if p.requires_grad)
-
     def _carveout(self):
         """The experts' GEMMs inside leave ``sm_carveout`` SMs free (G > 1 on CUDA)."""
         return carved_out(None if self.groups == 1 else self.sm_carveout)
 
-    @contextlib.contextmanager
     def _priority(self):
         """The dispatcher's exchanges run at this layer's ``comm_priority`` inside."""
-        d = self.dispatcher
-        before, d.comm_priority = d.comm_priority, self.comm_priority
-        try:
-            yield
-        finally:
-            d.comm_priority = before
+        return at_priority(self.dispatcher, self.comm_priority)
 
 
 def _group(work, g: int, groups: int):
@@ -254,7 +263,7 @@ class _PipelineFn(torch.autograd.Function):
         by_groups = None
         # weight gradients once, over all groups; with max_rows, from each group's
         # B = ceil(M / G) rows placed on the device (one group: autograd's GEMMs)
-        if (not layer.weighted_experts and _plain_grouped_experts(experts, x.device.type)
+        if (not layer.weighted_experts and plain_grouped_experts(experts, x.device.type)
                 and (layer.max_rows is None or groups > 1)):
             bound = None if layer.max_rows is None else -(-layer.max_rows // groups)
             by_groups = ExpertsByGroups(experts, [None] * groups, [None] * groups, grad_on, group_rows=bound)
@@ -290,7 +299,7 @@ class _PipelineFn(torch.autograd.Function):
                     sums.refuse(error)
                 if sums is None:
                     sums = d.combine_groups(handle, dtype=layer._out_dtype(x), wire=d.config.combine_wire)
-                _add_expert_out(sums, y, None if layer.weighted_experts else weights[g], tokens, g)
+                add_expert_out(sums, y, None if layer.weighted_experts else weights[g], tokens, f"group {g}")
                 tokens = y = None
             result = sums.wait()
         ctx.layer, ctx.handle, ctx.weights = layer, handle, weights
@@ -429,19 +438,19 @@ def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list, w
     return grad_rows, grad_weights
 
 
-def _add_expert_out(sums, y: object, weights, tokens: torch.Tensor, g: int) -> None:
-    """Add the experts' rows ``y`` of group g (``tokens`` their input) to
-    ``sums``: its add checks them within the call's agreement, so that a rank
-    whose experts answered other rows raises there, naming them, and its peers
-    raise ``PeerRefused`` at once (none waits for it in an exchange)."""
+def add_expert_out(sums, y: object, weights, tokens: torch.Tensor, what: str) -> None:
+    """Add the experts' rows ``y`` of ``what`` (a group, a micro-batch; ``tokens``
+    their input) to ``sums``: its add checks them within the call's agreement,
+    so that a rank whose experts answered other rows raises there, naming them,
+    and its peers raise ``PeerRefused`` at once (none waits for it in an exchange)."""
     try:
         sums.add(y.detach() if isinstance(y, torch.Tensor) else y, weights)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"the experts' rows of group {g} (each rank's experts return [N, H'] floating rows on "
+        raise type(error)(f"the experts' rows of {what} (each rank's experts return [N, H'] floating rows on "
                           f"its device; here N={tokens.shape[0]} on {tokens.device}): {error}") from error
 
 
-def _plain_grouped_experts(experts, device_type: str) -> bool:
+def plain_grouped_experts(experts, device_type: str) -> bool:
     """Whether ``experts`` is a :class:`GroupedExperts` that ``ExpertsByGroups``
     may compute in its place: ``forward`` not overridden, ``w_in`` and
     ``w_out`` its own parameters and its only ones (not parametrized), no

@@ -163,24 +163,21 @@ def pad_triton(expand_src, weights, src_rank, src_token, per_expert, send_token,
     return Padded(padded_src, padded_weights, padded_rank, padded_token, padded_send)
 
 
-def place_by_groups(padded: Padded, presum_index: torch.Tensor, per_expert: torch.Tensor,
-                    expert_bounds: tuple[int, ...], bound: int, recv_rows: int) -> tuple[Padded, torch.Tensor]:
+def place_by_groups(padded: Padded, presum_index: torch.Tensor, per_expert: torch.Tensor, groups: int,
+                    bound: int, recv_rows: int) -> tuple[Padded, torch.Tensor]:
     """A padded plan (:func:`pad`, N real rows of G B, in the canonical order)
-    placed by groups of local experts, as a dispatch by G groups with
-    ``max_rows`` hands them out: group g's rows (its experts ``expert_bounds[g]``
-    to ``expert_bounds[g + 1]``) at [g B, g B + its rows), padding after (the
+    placed by G ``groups`` of local experts (``plan.expert_groups``), as a
+    dispatch by groups with ``max_rows`` hands them out: group g's rows at
+    [g B, g B + its rows), padding after (the
     zero row ``recv_rows``, weight 0, sources -1); ``presum_index`` [R, J] the
     same places. Every group within B (else the plan failed: N = 0). Torch
     operations on the device, nothing read on the host (a CUDA graph may hold it)."""
-    num_rows, device = padded.expand_src.shape[0], padded.expand_src.device
-    groups, local = len(expert_bounds) - 1, per_expert.shape[0]
-    if expert_bounds != plan.expert_groups(local, groups):
-        raise ValueError(f"expert_bounds: the groups of plan.expert_groups({local}, {groups}), got {expert_bounds}")
+    num_rows, device, local = padded.expand_src.shape[0], padded.expand_src.device, per_expert.shape[0]
     # [G] each group's rows in the canonical order, by the groups' rule on the device (no host index)
     group_of = ((torch.arange(local, device=device) + 1) * groups - 1) // local
-    group_end = torch.zeros(groups, dtype=per_expert.dtype, device=device).index_add_(0, group_of, per_expert)
-    group_end = torch.cumsum(group_end, 0)
-    group_start = group_end - torch.zeros_like(group_end).index_add_(0, group_of, per_expert)
+    sizes = torch.zeros(groups, dtype=per_expert.dtype, device=device).index_add_(0, group_of, per_expert)
+    group_end = torch.cumsum(sizes, 0)
+    group_start = group_end - sizes
     position = torch.arange(num_rows, device=device)
     group = torch.searchsorted(group_end, position, right=True)
     real = group < groups

@@ -314,9 +314,8 @@ class NVSHMEMTransport(AllToAllTransport):
             padded = bounded_plan.pad(rp.expand_src, rp.weights, rp.src_rank, rp.src_token, per_expert, send_token,
                                       sends, recv_rows)
             if request.groups > 1:  # each group's rows at g B, padded to B
-                padded, presum_index = bounded_plan.place_by_groups(
-                    padded, presum_index, per_expert, plan.expert_groups(local, request.groups),
-                    num_rows // request.groups, recv_rows)
+                padded, presum_index = bounded_plan.place_by_groups(padded, presum_index, per_expert, request.groups,
+                                                                    num_rows // request.groups, recv_rows)
             expand_src, weights, src_rank, src_token, send_token = padded
         tensors = dict(send_token=send_token, home_index=home_index, slot_row=slot_row, slot_col=keep(sp.slot_col),
                        expand_src=expand_src, presum_index=presum_index, sends=sends, receives=receives,
@@ -356,7 +355,7 @@ class NVSHMEMTransport(AllToAllTransport):
 
         dtype, width = codec.wire_row(rows.dtype, rows.shape[1])
         if not own:  # (the dispatch's own x: its plan checked it, and a rank whose x is too wide takes part with none)
-            self._check_holds(handle, width, dtype, "rows")
+            self.check_holds(handle, width, dtype, "rows")
         if (dtype == rows.dtype and self.exchange.can_put(rows.device)
                 and handle.presum_index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # the rows as they are: got by their receivers and written straight to their expert-major places
@@ -385,7 +384,7 @@ class NVSHMEMTransport(AllToAllTransport):
         if (self.exchange.can_put(rows.device) and nvshmem_puts.sums_here(rows.dtype, at_least, wire)
                 and index.shape[1] <= nvshmem_puts.MAX_WIDTH):
             # each received row's pre-sum made where it is put home, and the partials summed there
-            self._check_holds(handle, rows.shape[1], wire, "expert_out")
+            self.check_holds(handle, rows.shape[1], wire, "expert_out")
             out = self.exchange.presum_put(rows.contiguous(), None if weights is None else weights.contiguous(), index,
                                            handle.receives, handle.back_at, wire, handle.recv_rows, handle.send_rows,
                                            handle.home_index.contiguous())
@@ -417,15 +416,15 @@ class NVSHMEMTransport(AllToAllTransport):
         are refused before any exchange (the same on every rank where the
         expert outputs are alike)."""
         if isinstance(rows, Packed):
-            self._check_holds(handle, rows.width, rows.dtype, "expert_out")
+            self.check_holds(handle, rows.width, rows.dtype, "expert_out")
         else:
-            self._check_holds(handle, rows.shape[1], rows.dtype, "values")
+            self.check_holds(handle, rows.shape[1], rows.dtype, "values")
         out = self.exchange.exchange(rows, handle.receives, handle.sends, handle.recv_rows, handle.send_rows, consume,
                                      at=handle.back_at)
         mark(self.phase_timer, "exchange_back")
         return out
 
-    def _check_holds(self, handle: NVSHMEMHandle, width: int, dtype: torch.dtype, name: str) -> None:
+    def check_holds(self, handle: NVSHMEMHandle, width: int, dtype: torch.dtype, name: str) -> None:
         """Refuse rows of ``width`` x ``dtype`` (the argument ``name``) wider than
         the rows the buffers of a dispatch with max_rows were sized for (they
         do not grow then: a growth is a collective): by the agreed capacity,

@@ -69,7 +69,7 @@ class GroupPuts(GroupSumsIssuer):
         if self._whole and not last:
             return
         if g == 0:
-            self._t._check_holds(handle, rows.shape[1], self._wire, "expert_out")
+            self._t.check_holds(handle, rows.shape[1], self._wire, "expert_out")
         span = nvshmem_puts.EVERY if self._whole else handle.row_range(g)
         new = [(k, *self._held[k]) for k in range(self._stored, g + 1)]  # the groups not in the table yet
         out = exchange.presum_put_group(self._table, new, span, handle.presum_index, handle.receives,
