@@ -102,11 +102,13 @@ def group_tail(route: plan.Route, grouped: "plan.GroupRoute | None", groups: int
     return torch.cat([counts, route.counts.new_full((1,), groups)])
 
 
-def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planned:
+def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights, groups: int = 1) -> Planned:
     """The send plan, the summary the host reads and the receive table of one
     group, from the all-gathered rows: for one group on CUDA two Triton kernels
     (``dispatch.kernels.send_plan``) and torch operations, on CPU one compiled
-    call (``dispatch.kernels.plan_cpu``); else torch operations."""
+    call (``dispatch.kernels.plan_cpu``); else torch operations. ``groups``:
+    this rank's G (the last entry of its row; sent in one order, ``grouped``
+    is None whatever G)."""
     if grouped is None and (compiled := plan_cpu.on_cpu(gathered)) is not None:
         *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, rank, topk_idx, topk_weights,
                                                    _HEADER_LEN)
@@ -119,12 +121,12 @@ def send_phase(route, grouped, gathered, rank, topk_idx, topk_weights) -> Planne
                                                          topk_idx, topk_weights))
     else:
         send = plan.build_send_plan(route, all_counts, rank, topk_idx, topk_weights, grouped)
-    return Planned(send, plan_summary(route.counts, all_counts, headers, rank, tails),
+    return Planned(send, plan_summary(route.counts, all_counts, headers, rank, tails, groups),
                    plan.one_group_table(all_counts[:, rank, 0]))
 
 
 def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.Tensor, rank: int,
-                 tails: torch.Tensor) -> torch.Tensor:
+                 tails: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """[2 W + E_local + W * len(HEADER) + W W + W + 4 W E_local + W + W] int64:
     rows sent to each rank, rows received from each rank, expanded rows per
     local expert; every rank's header; the rows every rank sends to every rank
@@ -132,16 +134,19 @@ def plan_summary(counts: torch.Tensor, all_counts: torch.Tensor, headers: torch.
     from the group tails (``group_tail``), this rank's rows to each rank by
     first and last group, every rank's rows to this one so, and every rank's G;
     every rank's rows in its fullest group of local experts by this rank's G
-    (``plan.expert_groups``; N for one group). The one tensor the host needs."""
+    (``groups``, the last entry of its tail; ``plan.expert_groups``; N for one
+    group). The one tensor the host needs."""
     world, local = all_counts.shape[0], all_counts.shape[2] - 1
     recv_counts = all_counts[:, rank]  # [W_src, 1 + E_local]
     mine = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)])
     by_group = tails[:, :-1].view(world, world, -1)  # [W_src, W_dst, 2 E_local]
     per_expert = all_counts[:, :, 1:].sum(0)  # [W_dst, E_local]
-    groups = tails[rank, -1].clamp(1, max(local, 1))
-    group_of = ((torch.arange(local, device=per_expert.device) + 1) * groups - 1) // max(local, 1)
-    fullest = per_expert.new_zeros(world, max(local, 1)).index_add_(1, group_of, per_expert).amax(1)
-    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten(), per_expert.sum(1),
+    received = per_expert.sum(1)
+    fullest = received
+    if groups > 1:
+        group_of = ((torch.arange(local, device=per_expert.device) + 1) * groups - 1) // local
+        fullest = per_expert.new_zeros(world, groups).index_add_(1, group_of, per_expert).amax(1)
+    return torch.cat([mine, headers.flatten(), all_counts[:, :, 0].flatten(), received,
                       by_group[rank].flatten(), by_group[:, rank].flatten(), tails[:, -1], fullest])
 
 
@@ -284,7 +289,7 @@ class CapturedPlan:
             )
 
         def second(route, grouped):
-            return send_phase(route, grouped, self.gathered, rank, self.topk_idx, self.topk_weights)
+            return send_phase(route, grouped, self.gathered, rank, self.topk_idx, self.topk_weights, key.groups)
 
         current = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device)

@@ -58,7 +58,9 @@ def test_the_plan_summary_reads_back_by_part():
     all_counts[:, 2, 0] = 0  # rank 2 receives no rows
     headers = torch.randint(0, 9, (world, len(plan.HEADER)), generator=gen)
     tails = torch.randint(0, 9, (world, plan_graph.counts_row(world, local).tail), generator=gen)
-    summary = plan_graph.plan_summary(route_counts, all_counts, headers, rank, tails)
+    own = int(tails[rank, -1]) % local + 1  # this rank's G, in [1, E_local], the last entry of its tail
+    tails[rank, -1] = own
+    summary = plan_graph.plan_summary(route_counts, all_counts, headers, rank, tails, own)
     got = plan_graph.Summary.read(summary, world, local)
     assert torch.equal(got.send, route_counts[:, 0]) and torch.equal(got.recv, all_counts[:, rank, 0])
     assert torch.equal(got.per_expert, all_counts[:, rank, 1:].sum(0))
@@ -69,8 +71,7 @@ def test_the_plan_summary_reads_back_by_part():
     assert torch.equal(got.by_group[0].flatten(), by_group[rank].flatten())
     assert torch.equal(got.by_group[1].flatten(), by_group[:, rank].flatten())
     assert torch.equal(got.groups, tails[:, -1])
-    own = min(max(int(tails[rank, -1]), 1), local)  # every rank's fullest group by this rank's G
-    groups = plan.expert_groups(local, own)
+    groups = plan.expert_groups(local, own)  # every rank's fullest group by this rank's G
     per_expert = all_counts[:, :, 1:].sum(0)
     fullest = [max(int(per_expert[d, lo:hi].sum()) for lo, hi in zip(groups[:-1], groups[1:])) for d in range(world)]
     assert got.fullest.tolist() == fullest

@@ -56,10 +56,11 @@ def test_send_plan_is_the_references(world, local, tokens, topk, rank, weight_dt
     route, _, row = plan_graph.route_phase_reference(idx, weights, header, experts, world, False)
     gathered = torch.randint(0, 50, (world, row.numel()), generator=gen)
     gathered[rank] = row
+    own_groups = min(own_groups, local)  # (a G in [1, E_local], as dispatch takes it)
     gathered[rank, -1] = own_groups  # (the row's last entry: G)
     plan_cpu.enabled = False
     try:
-        want = plan_graph.send_phase(route, None, gathered, rank, idx, weights)
+        want = plan_graph.send_phase(route, None, gathered, rank, idx, weights, own_groups)
     finally:
         plan_cpu.enabled = True
     *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, rank, idx, weights,

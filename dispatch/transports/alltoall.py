@@ -208,7 +208,7 @@ class AllToAllTransport(Transport):
                           arrivals=None if bounded else self.arrivals)
         if captured is not None:
             return captured.run_send(), captured
-        return send_phase(route, grouped if grouped_sends else None, gathered, rank, topk_idx, weights), None
+        return send_phase(route, grouped if grouped_sends else None, gathered, rank, topk_idx, weights, groups), None
 
     def _header_row(self, header: list[int], device: torch.device) -> torch.Tensor:
         """This rank's header entries on ``device`` (``plan.to_device``)."""
