@@ -13,12 +13,14 @@
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
 #             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
-#   overlap-slow-nvshmem  MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8), then M micro-batches
-#             through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"), over NVSHMEM with max_rows (the counts on the device, nothing read
-#             on the host before the rows move), its kernels throttled to $NVSHMEM_BLOCKS blocks
-#             each (default "8 32": a slow link), the GEMMs beside leaving 16 SMs; then one
-#             forward+backward of the micro-batches profiled (bench/overlap_trace.py, the first of those
-#             blocks); $NVSHMEM_NO_MB set: the layer by groups alone
+#   overlap-slow-nvshmem  over NVSHMEM with max_rows (the counts on the device, nothing read on the
+#             host before the rows move), its kernels throttled to $NVSHMEM_BLOCKS blocks each
+#             (default "8 32": a slow link), the GEMMs beside leaving $SM_CARVEOUT SMs (default 16):
+#             MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8; "none": skipped), then M
+#             micro-batches through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"); then one
+#             forward+backward of the first M's micro-batches profiled beside its two baselines
+#             (bench/overlap_trace.py, the first of those blocks); $NVSHMEM_NO_MB set: the layer by
+#             groups alone
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
 #             two streams against each alone: the most any overlap schedule hides; also DeepSeek-V3
 #             with 16 experts, the Megatron timing layer's shape), then two
@@ -160,21 +162,24 @@ for part in "$@"; do
       bench 240 overlap-engine-groups overlap --transport auto --groups 2,4,8 --graph --iters 10 --warmup 3 \
         --out "$RES" ;;
     overlap-slow-nvshmem)
+      carve=${SM_CARVEOUT:-16} mbs=${MICRO_BATCHES:-2 3}
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
-        bench 200 "overlap-nvshmem-$blocks-groups" overlap --shapes deepseek-v3 --transport nvshmem \
-          --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 \
-          --warmup 3 --out "$RES/groups"
+        [ "${NVSHMEM_GROUPS:-}" = none ] ||
+          bench 200 "overlap-nvshmem-$blocks-groups" overlap --shapes deepseek-v3 --transport nvshmem \
+            --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" --sm-carveout "$carve" \
+            --iters 10 --warmup 3 --out "$RES/groups"
         [ -n "${NVSHMEM_NO_MB:-}" ] && continue
-        for m in ${MICRO_BATCHES:-2 3}; do
+        for m in $mbs; do
           bench 150 "overlap-nvshmem-$blocks-mb$m" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
-            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" --sm-carveout 16 --iters 10 --warmup 3 \
-            --out "$RES"
+            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" --sm-carveout "$carve" --iters 10 \
+            --warmup 3 --out "$RES"
         done
       done
       if [ -z "${NVSHMEM_NO_MB:-}" ]; then  # ($NVSHMEM_NO_MB set: the layer by groups alone)
         blocks=${NVSHMEM_BLOCKS:-8}
-        step 150 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
-          --groups 1 --micro-batches --max-rows --nvshmem-blocks "${blocks%% *}" --sm-carveout 16 --out "$RES"
+        step 200 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
+          --groups 1 --micro-batches "${mbs%% *}" --max-rows --nvshmem-blocks "${blocks%% *}" --sm-carveout "$carve" \
+          --out "$RES"
         find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete  # (its chrome traces: too large to keep)
       fi ;;
     ceiling)

@@ -18,7 +18,9 @@ functions by their own time and by their time with callees.
 CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
 ``--micro-batches [M]`` profiles, in place of the layer by groups, one forward+backward
 of M micro-batches through MoEMicroBatches, as ``dispatch-bench overlap
---micro-batches`` times them. ``--max-rows`` bounds the layer by groups (each
+--micro-batches`` times them, then its baselines there: the same layer on one
+micro-batch after the other (``<stem>-seq``) and MoEExchange on each in a row
+(``<stem>-layer``). ``--max-rows`` bounds the layer by groups (each
 group's rows) or the micro-batches, as ``dispatch-bench overlap`` does.
 
     python3 bench/overlap_trace.py --groups 1,4 --comm-max-ctas 2 --out bench/results/<machine>/
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dispatch
 
@@ -65,10 +68,18 @@ def _job(args: argparse.Namespace) -> None:
         case = overlap.make_case(SHAPES[name], args, group)
         if args.micro_batches:  # the micro-batches through MoEMicroBatches (--max-rows: bounded)
             bound = case.bound(group) if args.max_rows else None
-            step = case.micro_batch_step(True, sm_carveout=args.sm_carveout, max_rows=bound)
-            trace(step, os.path.join(args.out, f"overlap-trace-{name}-w{dist.get_world_size()}{overlap.suffix(args)}"),
-                  case.x.device, f"{name}: {args.micro_batches} micro-batches through MoEMicroBatches, "
-                  "one fwd+bwd step")
+            stem = os.path.join(args.out, f"overlap-trace-{name}-w{dist.get_world_size()}{overlap.suffix(args)}")
+            what = f"{name}: {args.micro_batches} micro-batches"
+            trace(case.micro_batch_step(True, sm_carveout=args.sm_carveout, max_rows=bound), stem, case.x.device,
+                  f"{what} through MoEMicroBatches, one fwd+bwd step")
+            # its baselines as dispatch-bench overlap times them: the same layer one micro-batch
+            # after the other (T_mb_seq), and MoEExchange (G = 1) on each in a row (T_mb_layer)
+            trace(case.micro_batch_step(True, overlapped=False, max_rows=bound), stem + "-seq", case.x.device,
+                  f"{what}, one after the other through MoEMicroBatches, one fwd+bwd step")
+            layer = case.layer(1, args.comm_priority, max_rows=bound)
+            steps = [replace(case, x=x).layer_step(layer, True) for x in (case.x, *case.more)]
+            trace(lambda: [step() for step in steps], stem + "-layer", case.x.device,
+                  f"{what}, MoEExchange on each in a row, one fwd+bwd step")
             continue
         for g in overlap.group_values(args, case.dispatcher.num_local_experts):
             graph = None
