@@ -18,8 +18,8 @@ functions by their own time and by their time with callees.
 CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
 ``--micro-batches [M]`` profiles, in place of the layer by groups, one forward+backward
 of M micro-batches through MoEMicroBatches, as ``dispatch-bench overlap
---micro-batches`` times them, then its baselines there: the same layer on one
-micro-batch after the other (``<stem>-seq``) and MoEExchange on each in a row
+--micro-batches`` times them, then its baselines there: the same call with every
+kernel on one stream (``<stem>-serial``) and MoEExchange on each in a row
 (``<stem>-layer``). ``--max-rows`` bounds the layer by groups (each
 group's rows) or the micro-batches, as ``dispatch-bench overlap`` does.
 
@@ -38,7 +38,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dispatch.bench import overlap  # noqa: E402
+from dispatch.bench import overlap, overlap_mb  # noqa: E402
 from dispatch.bench.common import SHAPES, launch, shapes_fit, world_size_for  # noqa: E402
 from timeline import draw_timeline, lanes_summary  # noqa: E402
 
@@ -70,12 +70,12 @@ def _job(args: argparse.Namespace) -> None:
             bound = case.bound(group) if args.max_rows else None
             stem = os.path.join(args.out, f"overlap-trace-{name}-w{dist.get_world_size()}{overlap.suffix(args)}")
             what = f"{name}: {args.micro_batches} micro-batches"
-            trace(case.micro_batch_step(True, sm_carveout=args.sm_carveout, max_rows=bound), stem, case.x.device,
-                  f"{what} through MoEMicroBatches, one fwd+bwd step")
-            # its baselines as dispatch-bench overlap times them: the same layer one micro-batch
-            # after the other (T_mb_seq), and MoEExchange (G = 1) on each in a row (T_mb_layer)
-            trace(case.micro_batch_step(True, overlapped=False, max_rows=bound), stem + "-seq", case.x.device,
-                  f"{what}, one after the other through MoEMicroBatches, one fwd+bwd step")
+            trace(overlap_mb.micro_batch_step(case, True, sm_carveout=args.sm_carveout, max_rows=bound), stem,
+                  case.x.device, f"{what} through MoEMicroBatches, one fwd+bwd step")
+            # its baselines as dispatch-bench overlap times them: the same call with every kernel on
+            # one stream (T_mb_serial), and MoEExchange (G = 1) on each in a row (T_mb_layer)
+            trace(overlap_mb.micro_batch_step(case, True, serial=True, max_rows=bound), stem + "-serial",
+                  case.x.device, f"{what} through MoEMicroBatches on one stream, one fwd+bwd step")
             layer = case.layer(1, args.comm_priority, max_rows=bound)
             steps = [replace(case, x=x).layer_step(layer, True) for x in (case.x, *case.more)]
             trace(lambda: [step() for step in steps], stem + "-layer", case.x.device,

@@ -259,29 +259,35 @@ class ExpertsByGroups:
             forward; what earlier groups keep waits for them).
         counts_host: the same on the host.
         grad_on: keep what backward needs.
-        group_rows: B, for groups that are groups of experts given as B rows each,
-            the group's own first and then rows that no expert takes (a dispatch
-            by groups with ``max_rows``), with counts on the device only
+        group_rows: B, for groups given as B rows each, the group's own first and
+            then rows that no expert takes (a dispatch by groups with ``max_rows``,
+            or micro-batches dispatched with it), with counts on the device only
             (``counts_host`` None): nothing is read on the host. The rows kept
             for the weight gradients are placed expert-major on the device, the
             same rows in the same order as one group's.
+        micro_batches: the groups are micro-batches, each with rows of any local
+            expert, not groups of experts: the rows kept are placed expert-major
+            over all of them (expert e's rows of micro-batch 0, then of 1, ...)
+            once every group's counts are known, so that each weight's gradient
+            is one GEMM over every micro-batch's rows (no sum of M gradients).
     """
 
     def __init__(self, experts: GroupedExperts, counts, counts_host, grad_on: bool,
-                 group_rows: int | None = None) -> None:
+                 group_rows: int | None = None, micro_batches: bool = False) -> None:
         self.experts, self.grad_on = experts, grad_on
         self.counts, self.counts_host = list(counts), list(counts_host)
         self.need_in = grad_on and experts.w_in.requires_grad
         self.need_out = grad_on and experts.w_out.requires_grad
         groups = len(counts)
-        self.group_rows = group_rows
+        self.group_rows, self.micro_batches = group_rows, micro_batches
         if group_rows is None:
             self.rows = [None if g is None else int(g.sum()) for g in counts_host]
             self.places = None  # per group, the expert-major row of each of its rows (made on first use)
-        else:  # the places of each group, made as its counts come (in group order)
+        else:  # groups of experts: the places of each group, made as its counts come (in group order)
             if any(g is not None for g in counts):
                 raise ValueError("group_rows: give each group's counts by set_counts, in group order")
-            self.rows, self.places = [group_rows] * groups, [None] * groups
+            self.rows = [group_rows] * groups
+            self.places = None if micro_batches else [None] * groups  # (micro-batches: once all counts are in)
             self.taken = [None] * groups  # per group, [1] its rows (on the device)
             self._before = None  # [1] the rows of the groups placed so far (on the device)
         self.waiting = []  # (kept name, group, rows) until every group's counts are known
@@ -304,6 +310,8 @@ class ExpertsByGroups:
         self.counts[g], self.counts_host[g], self.experts_of[g] = counts, counts_host, experts
         if self.group_rows is None:
             self.rows[g] = int(counts_host.sum())
+        elif self.micro_batches:
+            self.taken[g] = counts.sum().reshape(1)
         else:
             self._place_group(g)
 
@@ -353,8 +361,16 @@ class ExpertsByGroups:
 
     def place_kept(self) -> None:
         """Place what waits to be kept, once every group's counts are known."""
-        if self.waiting and None not in self.rows:
+        if self.waiting and self._placeable():
             self._place_waiting()
+
+    def _placeable(self) -> bool:
+        """Whether kept rows can be placed now: the placement needs every
+        group's counts, except for groups of experts with ``group_rows`` (each
+        group's places are made as its counts come)."""
+        if self.group_rows is None:
+            return None not in self.rows
+        return not self.micro_batches or all(c is not None for c in self.counts)
 
     def output(self, g: int) -> torch.Tensor:
         """Group g's output as :meth:`forward` returned it."""
@@ -400,7 +416,7 @@ class ExpertsByGroups:
         if len(self.rows) == 1:
             setattr(self, name, rows.contiguous())
             return
-        if None in self.rows:
+        if not self._placeable():
             self.waiting.append((name, g, rows))
             return
         self._place_waiting()
@@ -412,10 +428,26 @@ class ExpertsByGroups:
     def _place_waiting(self) -> None:
         """Make the placement if need be, and place what waited for the counts."""
         if self.places is None:
-            self.places = self._expert_major()
+            self.places = self._expert_major() if self.group_rows is None else self._expert_major_bounded()
         waiting, self.waiting = self.waiting, []
         for earlier in waiting:
             self._keep(*earlier)
+
+    def _expert_major_bounded(self) -> list[torch.Tensor]:
+        """Per micro-batch of B = ``group_rows`` rows, [B] the expert-major row of
+        each of its rows over all micro-batches (as :meth:`_expert_major` places
+        them), its rows past its own to the dump row past them all; on the device."""
+        counts = torch.stack(self.counts)  # [G, E_local]
+        groups, bound = counts.shape[0], self.group_rows
+        total = counts.sum(0)
+        shift = ((torch.cumsum(total, 0) - total)  # expert e's first row, expert-major
+                 + (torch.cumsum(counts, 0) - counts)  # its rows in earlier micro-batches
+                 - (torch.cumsum(counts, 1) - counts))  # minus its first row in its micro-batch
+        local = torch.arange(bound, device=counts.device).expand(groups, bound).contiguous()
+        expert = torch.searchsorted(torch.cumsum(counts, 1), local, right=True).clamp_(max=counts.shape[1] - 1)
+        taken = torch.cat(self.taken).unsqueeze(1)
+        places = torch.where(local < taken, local + shift.gather(1, expert), groups * bound)
+        return list(places.unbind(0))
 
     def _expert_major(self) -> list[torch.Tensor]:
         """Per group, [N_g] the expert-major row of each of its rows. Row g of

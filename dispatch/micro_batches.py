@@ -7,12 +7,14 @@ Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N); M micro-batches.
 Forward (on CUDA the exchanges run on the dispatcher's communication stream,
 in the order issued; the caller's stream waits for each by event only)::
 
-    dispatch micro-batches 0 .. M-1                        (all started at once)
-    for i: wait dispatch i -> experts(i) -> start the sums home of i
+    dispatch micro-batch 0
+    for i: wait dispatch i -> experts(i) -> (i = 0: dispatch 1 .. M-1) -> start the sums home of i
     wait the sums home 0 .. M-1
 
 so dispatch i + 1 moves under the experts of i, and the sums of i under the
-experts of i + 1: all but the first dispatch and the last sums can hide.
+experts of i + 1: all but the first dispatch and the last sums can hide. (The
+host queues the first experts before it issues the other dispatches: on the
+GPU they run in the same order.)
 Backward, the same shape in reverse::
 
     send the output gradients of 0 .. M-1 to the experts   (all started at once)
@@ -30,16 +32,17 @@ are used in turn) does not hold up the experts queued behind it. For a plain
 :class:`dispatch.GroupedExperts` (as ``MoEExchange`` takes it), each
 micro-batch's backward computes only what its exchange home waits for (the
 rows' gradients) and keeps what its weight gradients need; those are formed
-micro-batch by micro-batch after the last one's rows' gradients, while they
-travel home (what is kept stays until then). Other experts are differentiated
-by autograd micro-batch by micro-batch.
+after the last one's rows' gradients, while they travel home (what is kept
+stays until then): each weight's gradient is one grouped GEMM over every
+micro-batch's rows (expert e's rows of micro-batch 0, then of 1, ...), not M
+gradients summed. Other experts are differentiated by autograd micro-batch by
+micro-batch, their parameters' gradients summed in order in their dtype.
 
 Each micro-batch is the round trip of ``combine(experts(dispatch(x)).., weights)``
-(the bits of MoEExchange with one group, micro-batch by micro-batch); the
-experts' parameter gradients are summed over the micro-batches in order, in
-the parameters' dtype. One rank's experts raising (forward or backward) stop
-every rank at the next exchange they wait at (``PeerRefused``), as in
-``MoEExchange``.
+(the bits of MoEExchange with one group, micro-batch by micro-batch; the plain
+experts' weight gradients are those of one GEMM over all the rows, as above).
+One rank's experts raising (forward or backward) stop every rank at the next
+exchange they wait at (``PeerRefused``), as in ``MoEExchange``.
 """
 
 from __future__ import annotations
@@ -89,23 +92,26 @@ class MoEMicroBatches(nn.Module):
         """
         count = _count(xs, topk_idx, topk_weights)
         d = self.dispatcher
-        # (each dispatch checks its arguments within the call's agreement: every rank raises)
-        with at_priority(d, self.comm_priority), self._planning(xs[0].device, (*xs, *topk_idx, *topk_weights)):
-            works = [d.dispatch(x, idx, w, async_op=True, max_rows=self.max_rows)
-                     for x, idx, w in zip(xs, topk_idx, topk_weights)]
         grad_on = torch.is_grad_enabled()
+        planning = self._planning(xs[0].device, (*xs, *topk_idx, *topk_weights))
+
+        def start(i: int):
+            """Dispatch micro-batch i (each checks its arguments within the call's
+            agreement: every rank raises)."""
+            with at_priority(d, self.comm_priority), planning(), torch.set_grad_enabled(grad_on):
+                return d.dispatch(xs[i], topk_idx[i], topk_weights[i], async_op=True, max_rows=self.max_rows)
+
+        first = start(0)
         anchor = torch.empty(0, device=xs[0].device, requires_grad=grad_on)
-        return list(_MicroBatchesFn.apply(self, works, grad_on, count, *xs, *topk_weights, anchor,
+        return list(_MicroBatchesFn.apply(self, first, start, grad_on, count, *xs, *topk_weights, anchor,
                                           *trained_params(self.experts)))
 
-
-    @contextlib.contextmanager
     def _planning(self, device: torch.device, inputs: tuple):
-        """On CUDA, the dispatches issued inside plan on the layer's own stream,
-        after the caller's work so far (reading ``inputs``); off CUDA, as they are."""
+        """A context in which dispatches plan on the layer's own stream (on CUDA;
+        off CUDA, as they are), after the caller's work so far (reading ``inputs``):
+        ordered after it once, here, and not after what the caller queues later."""
         if device.type != "cuda":
-            yield
-            return
+            return contextlib.nullcontext
         caller = torch.cuda.current_stream(device)
         if self._plans is None or self._plans.device != device:
             self._plans = torch.cuda.Stream(device, priority=self.comm_priority)
@@ -113,8 +119,8 @@ class MoEMicroBatches(nn.Module):
         for tensor in inputs:  # (a tensor elsewhere is refused by its dispatch's agreed checks)
             if tensor.device == device:
                 tensor.record_stream(self._plans)
-        with torch.cuda.stream(self._plans):
-            yield
+        plans = self._plans
+        return lambda: torch.cuda.stream(plans)
 
 
 def _count(xs, topk_idx, topk_weights) -> int:
@@ -140,38 +146,44 @@ def _used_here(out) -> None:
 
 class _MicroBatchesFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer, works, grad_on, count, *tensors):
+    def forward(ctx, layer, first, start, grad_on, count, *tensors):
         d, experts = layer.dispatcher, layer.experts
         xs, ws = tensors[:count], tensors[count : 2 * count]
         anchor, params = tensors[2 * count], tensors[2 * count + 1 :]
         handles, weights, leaves, ys, sums = [], [], [], [], []
-        plain = plain_grouped_experts(experts, xs[0].device.type)
+        # plain experts: backward by hand, the rows' gradients first, the weights' at the end,
+        # each weight's one GEMM over every micro-batch's rows
+        shared = (ExpertsByGroups(experts, [None] * count, [None] * count, grad_on, group_rows=layer.max_rows,
+                                  micro_batches=True)
+                  if plain_grouped_experts(experts, xs[0].device.type) else None)
+        works = [first]  # the others are started once the first micro-batch's experts are queued
         with at_priority(d, layer.comm_priority):
-            for i, work in enumerate(works):
-                out = work.wait()
+            for i in range(count):
+                out = works[i].wait()
                 _used_here(out)
                 handles.append(out.handle)
                 weights.append(out.weights)
                 try:  # the experts, on this rank alone: where they raise, its peers must not wait for it
                     leaf = out.tokens.detach().requires_grad_(grad_on and out.handle.x_grad_any)
                     with torch.set_grad_enabled(grad_on), carved_out(layer.sm_carveout):
-                        if plain:  # its backward by hand: the rows' gradients first, the weights' at the end
-                            leaf = ExpertsByGroups(experts, [None], [None], grad_on, group_rows=layer.max_rows)
-                            leaf.set_counts(0, out.tokens_per_expert, out.tokens_per_expert_host)
-                            y = leaf.forward(0, out.tokens)
+                        if shared is not None:
+                            shared.set_counts(i, out.tokens_per_expert, out.tokens_per_expert_host)
+                            leaf, y = shared, shared.forward(i, out.tokens)
                         else:
                             y = experts(leaf, out.tokens_per_expert)
                 except Exception as error:
+                    works += [start(j) for j in range(len(works), count)]  # as its peers do
                     for later in works[i + 1:]:  # every rank started them: done before this rank stops
                         later.wait()
                     d.refuse("combine_groups", out.handle, error)  # raises error; its peers PeerRefused
+                works += [start(j) for j in range(len(works), count)]
                 sums.append(d.combine_groups(out.handle, dtype=None, wire=d.config.combine_wire))
                 add_expert_out(sums[-1], y, out.weights, out.tokens, f"micro-batch {i}")
                 leaves.append(leaf if grad_on else None)
                 ys.append(y if grad_on else None)
             results = tuple(s.wait() for s in sums)
         ctx.layer, ctx.handles, ctx.weights, ctx.params = layer, handles, weights, params
-        ctx.leaves, ctx.ys = leaves, ys
+        ctx.leaves, ctx.ys, ctx.shared = leaves, ys, shared if grad_on else None
         ctx.count, ctx.spent = count, False
         ctx.x_dtypes, ctx.w_dtypes, ctx.anchor_dtype = [x.dtype for x in xs], [w.dtype for w in ws], anchor.dtype
         return results
@@ -205,7 +217,7 @@ class _MicroBatchesFn(torch.autograd.Function):
                     with carved_out(layer.sm_carveout):
                         if isinstance(leaf, ExpertsByGroups):  # the weights' gradients after the last's rows'
                             wanted = handle.x_grad_any or ctx.params
-                            grad_tokens = leaf.backward(0, grad_y, handle.x_grad_any) if wanted else None
+                            grad_tokens = leaf.backward(i, grad_y, handle.x_grad_any) if wanted else None
                         else:
                             grad_tokens = autograd_rows(leaf, y, grad_y, handle.x_grad_any, ctx.params, grad_params)
                             ctx.leaves[i] = None
@@ -224,20 +236,16 @@ class _MicroBatchesFn(torch.autograd.Function):
                 if w_any:
                     to_w[i] = d.combine_slots(grad_weight, handle, async_op=True)
                 grad_rows = grad_y = grad_weight = grad_tokens = y = leaf = None
-            if ctx.params:  # each plain micro-batch's weight gradients, in order, while the last rows travel home
+            if ctx.params and ctx.shared is not None:  # plain experts' weight gradients, while the last rows go home
                 with carved_out(layer.sm_carveout):
-                    for i, kept in enumerate(ctx.leaves):
-                        if isinstance(kept, ExpertsByGroups):
-                            for k, grad in enumerate(kept.param_grads(ctx.params)):
-                                if grad is not None:
-                                    grad_params[k] = grad if grad_params[k] is None else grad_params[k].add_(grad)
-                        ctx.leaves[i] = None
+                    grad_params[:] = ctx.shared.param_grads(ctx.params)
+            ctx.leaves = ctx.shared = None
             grad_xs = [None if t is None else t.wait().to(ctx.x_dtypes[i]) for i, t in enumerate(to_x)]
             grad_ws = [None if t is None else t.wait().to(ctx.w_dtypes[i]) for i, t in enumerate(to_w)]
-        needs = ctx.needs_input_grad[4:]
+        needs = ctx.needs_input_grad[5:]
         grad_xs = [g if needs[i] else None for i, g in enumerate(grad_xs)]
         grad_ws = [g if needs[count + i] else None for i, g in enumerate(grad_ws)]
         grad_params = [torch.zeros_like(p) if g is None and needs[2 * count + 1 + i] else g
                        for i, (g, p) in enumerate(zip(grad_params, ctx.params))]
         anchor = torch.zeros(0, dtype=ctx.anchor_dtype, device=handles[0].device)
-        return (None, None, None, None, *grad_xs, *grad_ws, anchor, *grad_params)
+        return (None, None, None, None, None, *grad_xs, *grad_ws, anchor, *grad_params)

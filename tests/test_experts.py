@@ -317,6 +317,77 @@ def test_experts_by_groups_by_padded_groups_in_order():
         ExpertsByGroups(experts, [torch.tensor([1, 0, 0, 0]), None], [None, None], grad_on=True, group_rows=4)
 
 
+def _padded_micro_batches(backend, dtype, device, splits, bound):
+    """ExpertsByGroups over micro-batches (``splits``: each one's rows per expert),
+    each given ``bound`` rows (its own, expert-major, then rows no expert takes,
+    filled with 1e4) with its counts on the device only, against autograd
+    through the whole batch (expert e's rows of micro-batch 0, then of 1, ...):
+    (outputs, row gradients, weight gradients) of both, and whether every
+    padding row of the outputs is zero. In fp64 the data are dyadic and the
+    activation relu, so that GEMMs of other sizes give the same bits."""
+    exact = dtype == torch.float64
+    experts, counts, total, x, grad_y, order = _groups_case(splits, "relu" if exact else "swiglu", dtype, backend,
+                                                            device)
+    if exact:
+        with torch.no_grad():
+            for t in (x, grad_y, *experts.parameters()):
+                t.copy_((t * 8).round() / 8)
+    leaf = x.clone().requires_grad_()
+    y = experts(leaf, total)
+    y.backward(grad_y)
+    every = torch.cat(order)
+    want = (y.detach()[every], leaf.grad[every], *(p.grad.clone() for p in experts.parameters()))
+    experts.zero_grad()
+
+    by_groups = ExpertsByGroups(experts, [None] * len(splits), [None] * len(splits), grad_on=True,
+                                group_rows=bound, micro_batches=True)
+    outs, padding_zero = [], True
+    for g, rows in enumerate(order):
+        padded = torch.full((bound, x.shape[1]), 1e4, dtype=dtype, device=device)
+        padded[:len(rows)] = x[rows]
+        by_groups.set_counts(g, counts[g], None)
+        out = by_groups.forward(g, padded)
+        padding_zero &= not out[len(rows):].any()
+        outs.append(out[:len(rows)])
+    grads = []
+    for g, rows in enumerate(order):
+        grad_rows = torch.zeros(bound, x.shape[1], dtype=dtype, device=device)  # padding rows carry weight 0
+        grad_rows[:len(rows)] = grad_y[rows]
+        grads.append(by_groups.backward(g, grad_rows, rows_grad=True)[:len(rows)])
+    got = (torch.cat(outs), torch.cat(grads), *by_groups.weight_grads())
+    return want, got, padding_zero
+
+
+@pytest.mark.parametrize("splits, bound", [
+    ([[1, 0, 2], [2, 0, 3]], 6), ([[0, 0, 0], [3, 0, 5]], 8), ([[1, 0, 1], [1, 0, 1], [1, 0, 3]], 5),
+    ([[2, 1, 0]], 4),
+])
+def test_experts_by_groups_of_padded_micro_batches(splits, bound):
+    """Micro-batches given B rows each, every one with rows of any expert and its
+    counts on the device only (MoEMicroBatches with max_rows): outputs, row
+    gradients and weight gradients bitwise those of autograd through the whole
+    batch (fp64 loop), the kept rows placed expert-major over the micro-batches
+    on the device once all counts are in, the padding's outputs zero."""
+    want, got, padding_zero = _padded_micro_batches("loop", torch.float64, DEVICE, splits, bound)
+    assert padding_zero
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not grouped_mm_available(torch.bfloat16, torch.device(DEVICE), 16, 24, 3),
+    reason="needs torch._grouped_mm on a Hopper GPU",
+)
+def test_experts_by_groups_of_padded_micro_batches_grouped_mm():
+    """The grouped-GEMM path of padded micro-batches: against autograd through
+    the whole batch to bf16 rounding (the micro-batches' GEMMs are of other sizes)."""
+    want, got, padding_zero = _padded_micro_batches("auto", torch.bfloat16, DEVICE,
+                                                    [[40, 0, 17], [9, 3, 64], [0, 0, 5]], 96)
+    assert padding_zero
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not grouped_mm_available(torch.bfloat16, torch.device(DEVICE), 16, 24, 4),
     reason="needs torch._grouped_mm on a Hopper GPU",

@@ -22,10 +22,14 @@ def _cpu(t):
     return None if t is None else t.detach().cpu()
 
 
-def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_rows, kind: str = "relu"):
+def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_rows, kind: str = "relu",
+                                     params_tol: float | None = None):
     """The M micro-batches through MoEMicroBatches and through MoEExchange one
     after the other (twin experts, fp64 dyadic: exact whatever the order of the
-    parameters' sums): the outputs and every gradient. Returns the names that differ."""
+    parameters' sums): the outputs and every gradient. Returns the indices that
+    differ (outputs, x's and the routing weights' gradients, then the
+    parameters'); ``params_tol``: the parameters' gradients within it (relative
+    to the largest), not bitwise."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
     xs, idx, ws, grads = ([t.to(device) for t in ts] for ts in (xs, idx, ws, grads))
@@ -42,7 +46,10 @@ def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_r
         sum((out * g).sum() for out, g in zip(outs, grads)).backward()
         got[name] = [_cpu(o) for o in outs] + [_cpu(t.grad) for t in leaves + weights] + [
             _cpu(p.grad) for p in experts.parameters()]
-    return [k for k, (a, b) in enumerate(zip(got["together"], got["one by one"])) if not torch.equal(a, b)]
+    rows = 3 * len(xs)  # outputs, x's gradients, the routing weights' gradients: bitwise
+    return [k for k, (a, b) in enumerate(zip(got["together"], got["one by one"]))
+            if not (torch.equal(a, b) if params_tol is None or k < rows
+                    else torch.allclose(a.float(), b.float(), rtol=0, atol=params_tol * b.float().abs().max()))]
 
 
 @pytest.mark.parametrize("world_size, tokens, bounded", [
@@ -66,13 +73,15 @@ def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, toke
 @pytest.mark.parametrize("bounded", [False, True])
 def test_two_micro_batches_in_bf16_are_bitwise_the_layer_one_by_one(worlds, bounded):
     """Rounded data, GroupedExperts as MoEExchange computes them (by hand, or by
-    autograd with max_rows): the same bits (two micro-batches: the parameters'
-    two gradients add alike in either order)."""
+    autograd with max_rows): the outputs and the inputs' gradients are the same
+    bits; the weights' gradients, one GEMM over both micro-batches' rows against
+    two summed in bf16, within bf16's rounding (the fp64 case above holds them
+    bitwise)."""
     routings = [make_routing(2, 4, 2, t, "random", seed=7 + s) for s, t in enumerate([[9, 6], [5, 8]])]
     args = [([random_tokens(r, rt.num_tokens[r], HIDDEN, torch.bfloat16, m) for m, rt in enumerate(routings)],
              [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].float() for rt in routings],
              [random_tokens(r, rt.num_tokens[r], HIDDEN, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
-             routings[0].num_experts, 64 if bounded else None, "gelu") for r in range(2)]
+             routings[0].num_experts, 64 if bounded else None, "gelu", 2 ** -7) for r in range(2)]
     assert worlds(2).run(micro_batches_against_one_by_one, args) == [[], []]
 
 

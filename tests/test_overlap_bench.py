@@ -49,21 +49,21 @@ def test_cpu_smoke_run_writes_results(tmp_path):
 @pytest.mark.parametrize("count, stem", [(None, "mb"), (3, "mb3")])
 def test_cpu_micro_batches(tmp_path, count, stem):
     """--micro-batches [M]: M (2 by default) micro-batches through MoEMicroBatches
-    give the layer's outputs (to the experts' rounding), at once and one after the
-    other, with T_mb beside T_mb_seq (one after the other) and T_mb_layer, and
-    hidden_mb from T_mb_seq over M exchanges."""
+    give the layer's outputs (to the experts' rounding), overlapped and on one
+    stream, with T_mb beside T_mb_serial (on one stream) and T_mb_layer, and
+    hidden_mb from T_mb_serial over M exchanges."""
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--iters", "1", "--warmup", "0", "--groups", "2",
             "--micro-batches", *([] if count is None else [str(count)]), "--out", str(tmp_path)]
     assert overlap.main(argv) == 0
     result = json.loads((tmp_path / f"overlap-cpu-tiny-w2-{stem}.json").read_text())
     for row in result["rows"]:
-        assert row["t_mb_ms"] > 0 and row["t_mb_seq_ms"] > 0 and row["t_mb_layer_ms"] > 0
+        assert row["t_mb_ms"] > 0 and row["t_mb_serial_ms"] > 0 and row["t_mb_layer_ms"] > 0
         assert row["max_abs_diff_mb"] <= ROUNDING
         short = min(row["t_comm_ms"], row["t_compute_ms"])
-        assert row["hidden_mb"] == pytest.approx((row["t_mb_seq_ms"] - row["t_mb_ms"]) / ((count or 2) * short))
+        assert row["hidden_mb"] == pytest.approx((row["t_mb_serial_ms"] - row["t_mb_ms"]) / ((count or 2) * short))
         assert row["t_graph_ms"] is None
     first = result["rows"][0]
-    cell = f"| {first['t_mb_layer_ms']:.3f} / {first['t_mb_seq_ms']:.3f} / {first['t_mb_ms']:.3f} ("
+    cell = f"| {first['t_mb_layer_ms']:.3f} / {first['t_mb_serial_ms']:.3f} / {first['t_mb_ms']:.3f} ("
     assert cell in (tmp_path / f"overlap-cpu-tiny-w2-{stem}.md").read_text()
 
 

@@ -39,11 +39,14 @@ gloo, as a smoke test):
     T_mb        with ``--micro-batches [M]``: M (default 2) micro-batches of the shape
                 through MoEMicroBatches (each one's dispatch and combine, and their
                 backward, in flight beside another's experts, on its explicit schedule),
-                against T_mb_seq, the same layer on one micro-batch after the other (so
-                the difference is the overlap alone); hidden_mb = (T_mb_seq - T_mb) /
+                against T_mb_serial, the same call with every kernel on the caller's
+                stream in the order issued (the same work with nothing beside anything:
+                the difference is the overlap alone); hidden_mb = (T_mb_serial - T_mb) /
                 (M min(T_comm, T_compute)), at most (M - 1) / M; and T_mb_layer,
-                MoEExchange (G = 1) on each in a row. With ``--sm-carveout N`` the
-                overlapped micro-batches' GEMMs leave N SMs to the exchange beside them
+                MoEExchange (G = 1) on each in a row, the experts' gradients summed
+                over them as a training step accumulates them (what a user runs
+                without MoEMicroBatches). With ``--sm-carveout N`` the overlapped
+                micro-batches' GEMMs leave N SMs to the exchange beside them
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier, CUDA events, after
 ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group with an NCCL budget of N CTAs,
@@ -58,7 +61,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -72,7 +75,7 @@ from dispatch.bench.common import (
 )
 from dispatch.bench.roundtrip import make_routing
 from dispatch.experts import GroupedExperts
-from dispatch.micro_batches import MoEMicroBatches
+from dispatch.bench.overlap_mb import micro_batch_cell, micro_batches
 
 OVERLAP_SHAPES = ("deepseek-v3", "mixtral-8x7b", "cpu-tiny")
 PASSES = ("fwd", "fwd+bwd")
@@ -248,27 +251,6 @@ class Case:
 
         return run
 
-    def micro_batch_step(self, backward: bool, overlapped: bool = True, sm_carveout: int | None = None,
-                         max_rows: int | None = None):
-        """The micro-batches (``x``, then ``more``) through MoEMicroBatches (each
-        dispatch with ``max_rows``): overlapped, all at once (its GEMMs leaving
-        ``sm_carveout`` SMs to the exchange beside them); otherwise one after the
-        other, each waited for before the next starts. Returns the outputs."""
-        layer = MoEMicroBatches(self.dispatcher, self.experts, sm_carveout=sm_carveout if overlapped else None,
-                                max_rows=max_rows)
-
-        def run():
-            xs = [x.detach().requires_grad_(backward) for x in (self.x, *self.more)]
-            ws = [self.topk_weights.detach().requires_grad_(backward) for _ in xs]
-            idx = [self.topk_idx] * len(xs)
-            outs = layer(xs, idx, ws) if overlapped else [layer([x], idx[:1], [w])[0] for x, w in zip(xs, ws)]
-            if backward:
-                torch.autograd.backward(outs, [self.grad] * len(outs))
-                self.experts.zero_grad(set_to_none=True)
-            return outs
-
-        return run
-
     def compute_step(self, backward: bool, counts: torch.Tensor | None = None):
         """One forward (and backward) of the experts alone on the dispatched rows
         (``counts``: the rows per expert to give them, by default the dispatch's)."""
@@ -340,26 +322,6 @@ def _graph_ms(step, timed) -> float:
         torch.cuda.synchronize()  # host sync: the last replay done before its pool goes
         graph.reset()
         torch.cuda.empty_cache()
-
-
-def _micro_batches(case: Case, seq, backward: bool, timed, group, sm_carveout: int | None,
-                   max_rows: int | None) -> dict:
-    """T_mb (the micro-batches through MoEMicroBatches at once, the GEMMs leaving
-    ``sm_carveout`` SMs free), T_mb_seq (the same layer, one micro-batch after the
-    other, no carveout), T_mb_layer (the layer ``seq`` run on each in a row), and
-    the largest difference of the outputs (collective); the dispatches with ``max_rows``."""
-    steps = [replace(case, x=x).layer_step(seq, backward) for x in (case.x, *case.more)]
-    t_layer = timed(lambda: [step() for step in steps])[0]
-    t_seq = timed(case.micro_batch_step(backward, overlapped=False, max_rows=max_rows))[0]
-    t_mb = timed(case.micro_batch_step(backward, sm_carveout=sm_carveout, max_rows=max_rows))[0]
-    with torch.no_grad():
-        want = [seq(x, case.topk_idx, case.topk_weights) for x in (case.x, *case.more)]
-        got = (case.micro_batch_step(False, sm_carveout=sm_carveout, max_rows=max_rows)()
-               + case.micro_batch_step(False, overlapped=False, max_rows=max_rows)())
-    diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
-    diff = torch.tensor([diff], device=case.x.device)
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-    return {"t_mb_layer_ms": t_layer, "t_mb_seq_ms": t_seq, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff)}
 
 
 def group_values(args, num_local_experts: int) -> list[int]:
@@ -478,9 +440,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             # the experts alone captured and replayed the same way (their counts on the device)
             t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
         short, long = sorted((t_comm, t_compute))
-        mb = _micro_batches(case, seq, backward, timed, group, carve, bound) if args.micro_batches else {}
+        mb = micro_batches(case, seq, backward, timed, group, carve, bound) if args.micro_batches else {}
         if mb:
-            mb["hidden_mb"] = (mb["t_mb_seq_ms"] - mb["t_mb_ms"]) / (args.micro_batches * short)
+            mb["hidden_mb"] = (mb["t_mb_serial_ms"] - mb["t_mb_ms"]) / (args.micro_batches * short)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher.transport).__name__,
@@ -533,7 +495,7 @@ def _budget(row: dict) -> str:
 def markdown_table(rows: list[dict]) -> str:
     head = ["shape", "pass", "W", "dispatcher", "wire", "carveout", "max_ctas", "NCCL stream", "T_comm ms",
             "T_compute ms", "T_seq ms", "T_pipe ms", "best G", "hidden", "ceiling", "T_pipe by G", "T_graph ms",
-            "T_mb_layer / T_mb_seq / T_mb ms (hidden_mb)", "max abs diff", "weights read by G", "peak MiB by G",
+            "T_mb_layer / T_mb_serial / T_mb ms (hidden_mb)", "max abs diff", "weights read by G", "peak MiB by G",
             "host ms by G"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -546,19 +508,11 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_groups']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_g} | "
             f"{_graph_cell(r)} | "
-            f"{_micro_batch_cell(r)} | "
+            f"{micro_batch_cell(r)} | "
             f"{r['max_abs_diff_vs_seq']:.3g} | {_by_c(r.get('weight_reads'), '.2f')} | {_by_c(r['peak_mib'])} | "
             f"{_by_c(r['host_ms'], '.2f')} |"
         )
     return "\n".join(lines)
-
-
-def _micro_batch_cell(row: dict) -> str:
-    """"T_mb_layer / T_mb_seq / T_mb (hidden_mb)": "20.000 / 12.345 / 10.000 (0.41)",
-    or "-" where not measured."""
-    if row.get("t_mb_ms") is None:
-        return "-"
-    return f"{row['t_mb_layer_ms']:.3f} / {row['t_mb_seq_ms']:.3f} / {row['t_mb_ms']:.3f} ({row['hidden_mb']:.2f})"
 
 
 def _by_c(values: dict | None, fmt: str = ".0f") -> str:
