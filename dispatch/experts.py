@@ -382,13 +382,13 @@ class ExpertsByGroups:
         e = self.experts
         (grad_h,) = torch.autograd.grad(self.outs[g], [self.hidden[g]], grad_y)
         self.hidden[g] = self.outs[g] = None
+        # the rows' gradients first: what the exchange home waits for is queued before the keeping
+        grad_rows = e._matmul(grad_h, *self._sliced(g, e.w_in.detach().transpose(1, 2))) if rows_grad else None
         if self.need_out:
             self._keep("grad_outs", g, grad_y)
         if self.need_in:
             self._keep("grad_hidden", g, grad_h)
-        if not rows_grad:
-            return None
-        return e._matmul(grad_h, *self._sliced(g, e.w_in.detach().transpose(1, 2)))
+        return grad_rows
 
     def weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(grad of w_in, grad of w_out), once every group's backward has run;
@@ -427,7 +427,7 @@ class ExpertsByGroups:
 
     def _place_waiting(self) -> None:
         """Make the placement if need be, and place what waited for the counts."""
-        if self.places is None:
+        if self.places is None and len(self.rows) > 1:  # (one group keeps its rows as they are)
             self.places = self._expert_major() if self.group_rows is None else self._expert_major_bounded()
         waiting, self.waiting = self.waiting, []
         for earlier in waiting:

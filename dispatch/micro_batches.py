@@ -168,7 +168,7 @@ class _MicroBatchesFn(torch.autograd.Function):
                     with torch.set_grad_enabled(grad_on), carved_out(layer.sm_carveout):
                         if shared is not None:
                             shared.set_counts(i, out.tokens_per_expert, out.tokens_per_expert_host)
-                            leaf, y = shared, shared.forward(i, out.tokens)
+                            leaf, y = shared, shared.forward(i, out.tokens, defer_keep=True)
                         else:
                             y = experts(leaf, out.tokens_per_expert)
                 except Exception as error:
@@ -181,6 +181,8 @@ class _MicroBatchesFn(torch.autograd.Function):
                 add_expert_out(sums[-1], y, out.weights, out.tokens, f"micro-batch {i}")
                 leaves.append(leaf if grad_on else None)
                 ys.append(y if grad_on else None)
+            if shared is not None:  # what backward keeps, placed behind the last sums' start
+                shared.place_kept()
             results = tuple(s.wait() for s in sums)
         ctx.layer, ctx.handles, ctx.weights, ctx.params = layer, handles, weights, params
         ctx.leaves, ctx.ys, ctx.shared = leaves, ys, shared if grad_on else None
