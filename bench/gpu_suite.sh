@@ -15,7 +15,7 @@
 #             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
 #   overlap-slow-nvshmem  over NVSHMEM with max_rows (the counts on the device, nothing read on the
 #             host before the rows move), its kernels throttled to $NVSHMEM_BLOCKS blocks each
-#             (default "8 32": a slow link), the GEMMs beside leaving $SM_CARVEOUT SMs (default 16):
+#             (default "8 32": a slow link), the GEMMs beside leaving $SM_CARVEOUT SMs (default 16; none):
 #             MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8; "none": skipped), then M
 #             micro-batches through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"); then one
 #             forward+backward of the first M's micro-batches profiled beside its two baselines
@@ -162,23 +162,24 @@ for part in "$@"; do
       bench 240 overlap-engine-groups overlap --transport auto --groups 2,4,8 --graph --iters 10 --warmup 3 \
         --out "$RES" ;;
     overlap-slow-nvshmem)
-      carve=${SM_CARVEOUT:-16} mbs=${MICRO_BATCHES:-2 3}
+      carve=(--sm-carveout "${SM_CARVEOUT:-16}") mbs=${MICRO_BATCHES:-2 3}
+      [ "${SM_CARVEOUT:-}" = none ] && carve=()
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
         [ "${NVSHMEM_GROUPS:-}" = none ] ||
           bench 200 "overlap-nvshmem-$blocks-groups" overlap --shapes deepseek-v3 --transport nvshmem \
-            --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" --sm-carveout "$carve" \
+            --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" \
             --iters 10 --warmup 3 --out "$RES/groups"
         [ -n "${NVSHMEM_NO_MB:-}" ] && continue
         for m in $mbs; do
           bench 150 "overlap-nvshmem-$blocks-mb$m" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
-            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" --sm-carveout "$carve" --iters 10 \
+            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" --iters 10 \
             --warmup 3 --out "$RES"
         done
       done
       if [ -z "${NVSHMEM_NO_MB:-}" ]; then  # ($NVSHMEM_NO_MB set: the layer by groups alone)
         blocks=${NVSHMEM_BLOCKS:-8}
         step 200 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
-          --groups 1 --micro-batches "${mbs%% *}" --max-rows --nvshmem-blocks "${blocks%% *}" --sm-carveout "$carve" \
+          --groups 1 --micro-batches "${mbs%% *}" --max-rows --nvshmem-blocks "${blocks%% *}" "${carve[@]}" \
           --out "$RES"
         find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete  # (its chrome traces: too large to keep)
       fi ;;
