@@ -21,6 +21,8 @@
 #             forward+backward of the first M's micro-batches profiled beside its two baselines
 #             (bench/overlap_trace.py, the first of those blocks); $NVSHMEM_NO_MB set: the layer by
 #             groups alone
+#   carveout  bench/carveout_probe.py: each of the experts' GEMMs (DeepSeek-V3 at EP2) under each SM
+#             carveout, on one GPU
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
 #             two streams against each alone: the most any overlap schedule hides; also DeepSeek-V3
 #             with 16 experts, the Megatron timing layer's shape), then two
@@ -183,6 +185,8 @@ for part in "$@"; do
           --out "$RES"
         find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete  # (its chrome traces: too large to keep)
       fi ;;
+    carveout)
+      step 200 carveout-probe python3 bench/carveout_probe.py --out "$RES" ;;
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
       step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"
