@@ -98,8 +98,8 @@ def available() -> bool:
     return torch.cuda.is_available() and _cupy() is not None
 
 
-_KERNEL = re.compile(  # a kernel's declaration in csrc/: its template, name and parameters
-    r"(?:template\s*<(?P<template>[^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
+_KERNEL = re.compile(  # a kernel's declaration in csrc/ (after its __attributes__(...)): template, name, parameters
+    r"(?:template\s*<(?P<template>[^>]*)>\s*)?__global__\s+void\s+(?:__\w+__\([^)]*\)\s+)*"
     r"(?P<name>\w+)\s*\((?P<params>[^)]*)\)"
 )
 _BY_VALUE = {  # C type of a parameter passed by value -> its struct format code
