@@ -18,10 +18,7 @@
 // row (its places, in order, weighted: as dispatch/kernels/gather_sum.py does,
 // bitwise) and puts the sum to its home. A peer's memory is read or written
 // straight where NVSHMEM maps it (nvshmem_ptr: inside a host), else by NVSHMEM's
-// get and put through this rank's receive / send buffer (across hosts). Both launch in clusters of
-// two blocks (an even grid): the SMs they hold beside the experts' GEMMs come in pairs of a GPC, so
-// that the GEMMs' two-SM clusters fill the rest; blocks spread one a GPC would leave an odd SM in
-// each, which no cluster of two can take (a GEMM sized for the SMs a carveout leaves then waits).
+// get and put through this rank's receive / send buffer (across hosts).
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -150,7 +147,7 @@ __device__ void presum_row_to(int out_code, const Y* const* rows, const float* s
 // once, with the first group that needs it; a row of no place with the span that starts at 0) and
 // the padding rows in [lo, hi). The caller brackets it with NVSHMEM's barrier (every stage written
 // before; the peers read it until after).
-extern "C" __global__ void __launch_bounds__(kThreads) __cluster_dims__(2, 1, 1) get_expand(
+extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
     char* out, unsigned long long out_stride, const char* stage, unsigned long long stage_stride, char* recv,
     unsigned long long recv_stride, const long long* places, int width, const long long* receives,
     const long long* back_at, int world, unsigned long long row_bytes, unsigned long long most,
@@ -205,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) __cluster_dims__(2, 1, 1)
 // no place reads them), and only the rows whose last place is in [lo, hi) are
 // summed and put (each once every group it needs is in; a row of no place with the span that
 // starts at 0). The caller brackets it with NVSHMEM's barrier.
-extern "C" __global__ void __launch_bounds__(kThreads) __cluster_dims__(2, 1, 1) presum_put(
+extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
     char* recv, unsigned long long recv_stride, char* send, unsigned long long send_stride, const char* y,
     unsigned long long y_stride, int y_code, const float* weights, const long long* places, int width,
     const long long* receives, const long long* back_at, int world, int hidden, int out_code,

@@ -35,7 +35,6 @@ _SOURCE, _KERNELS = "nvshmem_puts.cu", ("put_rows", "get_expand", "presum_put")
 # blocks of a launch: put_rows's puts a fixed 264; the kernels that also read and write the experts' rows
 # (a row a warp, bound by HBM more than by the link) 4 a multiprocessor
 _BLOCKS, _BLOCKS_PER_SM = {"put_rows": 264}, 4
-_CLUSTERED = ("get_expand", "presum_put")  # launched in clusters of two blocks (the source says why)
 _CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the dtypes presum_put sums and sends
 # ranks the kernel's table of starts holds, as its source states it
 MAX_WORLD = int(re.search(r"kMaxWorld = (\d+);", (csrc_dir() / _SOURCE).read_text())[1])
@@ -182,7 +181,6 @@ def _launch(kernel: str, device: torch.device, stream, **values) -> None:
     host = _host()
     host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
     grid = blocks or _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
-    grid += grid % 2 if kernel in _CLUSTERED else 0  # (their grid: whole clusters of two)
     status = _driver().cuLaunchKernel(functions[kernel], grid, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
     # every row landed; no peer reads a stage any more (queued also where the launch failed: the peers wait for it)
     host.nvshmemx_barrier_all_on_stream(stream)
