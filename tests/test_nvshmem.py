@@ -971,21 +971,38 @@ def test_the_put_kernel_stands_aside_where_it_cannot_run():
 
 
 def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels=False, groups=1,
-                               bounded_groups=False):
+                               bounded_groups=False, pieces=None):
     """A round trip through ``SymmetricExchange`` (its buffers, strides, turns
     and padding row) on gloo, torch's NVSHMEM pieces faked by
     ``splits_exchange.FakeSymmetricMemory``, against the NCCL transport. With
     ``kernels``, through our kernels' contracts (faked likewise) from a send
     buffer that starts empty, so that it grows (alike on every rank, checked).
     By ``groups`` (``bounded_groups``: with a bound of its own, against the same
-    dispatch without, ``rank_fns.bounded_groups_verbs``)."""
-    from splits_exchange import FakeSymmetricMemory
+    dispatch without, ``rank_fns.bounded_groups_verbs``). ``pieces``: each move
+    of the kernels in that many launches (``nvshmem_puts.pieces``; "pieces" among
+    the names returned where no move took more than one)."""
+    import splits_exchange
     from world import current_device
 
-    from dispatch.transports.symmetric import SymmetricExchange
+    from dispatch.kernels import nvshmem_puts
 
     device = current_device()
     x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
+    splits_exchange.FENCE["most"], nvshmem_puts.pieces = 0, pieces
+    try:
+        differ = _through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels, groups,
+                                             bounded_groups, device)
+    finally:
+        nvshmem_puts.pieces = None
+    return differ + (["pieces"] if pieces and splits_exchange.FENCE["most"] < 2 else [])
+
+
+def _through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels, groups, bounded_groups, device):
+    """:func:`through_symmetric_exchange`'s round trips, on ``device``."""
+    from splits_exchange import FakeSymmetricMemory
+
+    from dispatch.transports.symmetric import SymmetricExchange
+
     with FakeSymmetricMemory(kernels):
         cfg = dispatch.DispatchConfig.from_options(**config, transport="nvshmem")
         exchange = SymmetricExchange(None, torch.distributed.get_world_size(), device)
@@ -1017,12 +1034,13 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kern
     return differ + ([] if made >= 1 and held and grown else ["generation"])
 
 
-@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("kernels, pieces", [(False, None), (True, None), (True, 3)])
 @pytest.mark.parametrize("world, hidden, wire", [(2, 16, "native"), (3, 7, "bf16"), (2, 128, "fp8")])
-def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, kernels):
+def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, kernels, pieces):
     """Through torch's all-to-all, or through our kernels' contracts (ranks of
     different T: the buffers they grow are alike, and every row lands where
-    the kernels put it), every verb bitwise the NCCL transport's."""
+    the kernels put it), every verb bitwise the NCCL transport's; with each
+    move in 3 launches, the barriers around it whole, likewise."""
     from routing import make_routing
 
     if worlds(world).backend != "gloo":
@@ -1032,18 +1050,19 @@ def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, 
     xs = [torch.randn(t, hidden, generator=gen) for t in routing.num_tokens]
     config = dict(num_experts=routing.num_experts, dispatch_wire=wire, combine_grad_wire=wire)
     for max_rows in (None, 40):
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows, kernels)
-                for r in range(world)]
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows, kernels, 1, False,
+                 pieces) for r in range(world)]
         for rank, differ in enumerate(worlds(world).run(through_symmetric_exchange, args)):
             assert differ == [], (rank, max_rows, differ)
 
 
-@pytest.mark.parametrize("bounded", [False, True])
-def test_the_symmetric_exchange_moves_groups_as_nccl(worlds, bounded):
+@pytest.mark.parametrize("bounded, pieces", [(False, None), (True, None), (True, 2)])
+def test_the_symmetric_exchange_moves_groups_as_nccl(worlds, bounded, pieces):
     """By groups through ``SymmetricExchange`` and our kernels' contracts (a get
     and a put a group, the groups' rows read through their table): every verb
     and the sums by groups bitwise the NCCL transport's; with a bound (each
-    group padded), the same dispatch without one's."""
+    group padded), the same dispatch without one's; each group's move in 2
+    launches likewise."""
     from routing import make_routing
 
     if worlds(2).backend != "gloo":
@@ -1052,7 +1071,7 @@ def test_the_symmetric_exchange_moves_groups_as_nccl(worlds, bounded):
     gen = torch.Generator().manual_seed(4)
     xs = [torch.randn(t, 16, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, None, True, 3, bounded)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, None, True, 3, bounded, pieces)
             for r in range(2)]
     for rank, differ in enumerate(worlds(2).run(through_symmetric_exchange, args)):
         assert differ == [], (rank, bounded, differ)
