@@ -561,6 +561,35 @@ def test_on_nvshmem_every_verb_is_bitwise_the_nccl_transports(nvshmem_world, wir
         assert read_host == (pad is None), rank
 
 
+def in_pieces(pieces, *args):
+    """:func:`against_nccl` with each move of our kernels in ``pieces`` launches."""
+    from dispatch.kernels import nvshmem_puts
+
+    nvshmem_puts.pieces = pieces
+    try:
+        return against_nccl(*args)
+    finally:
+        nvshmem_puts.pieces = None
+
+
+@pytest.mark.parametrize("groups, pad", [(1, None), (1, 5), (4, None)])
+def test_on_nvshmem_moves_in_pieces_are_bitwise_the_nccl_transports(nvshmem_world, groups, pad):
+    """Each get and put in 3 launches (the barriers around the move whole), in
+    one piece and by groups, with and without max_rows: every verb the bits of
+    the NCCL transport's."""
+    from routing import make_routing
+
+    routing = make_routing(2, 8, 4, [300, 251], "random", seed=5)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts)
+    args = [(3, xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, groups,
+             groups > 1, False) for r in range(2)]
+    for rank, (differ, _) in enumerate(nvshmem_world.run(in_pieces, args)):
+        assert differ == [], (rank, differ)
+
+
 @pytest.mark.parametrize("pad", [None, 3])
 def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
     """By groups (with max_rows: each group padded to its bound), one get and

@@ -381,6 +381,7 @@ def _pieces(span: tuple[int, int], places: int) -> list[tuple[tuple[int, int], t
     parts = nvshmem_puts.pieces_of(span, places)
     return [(part, (i == 0, i == len(parts) - 1)) for i, part in enumerate(parts)]
 
+
 def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
     """A byte buffer as [rows, stride] from its start (where its rendezvous is)."""
     rows = buffer.numel() // stride
