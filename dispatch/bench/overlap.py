@@ -45,8 +45,9 @@ gloo, as a smoke test):
                 (M min(T_comm, T_compute)), at most (M - 1) / M; and T_mb_layer,
                 MoEExchange (G = 1) on each in a row, the experts' gradients summed
                 over them as a training step accumulates them (what a user runs
-                without MoEMicroBatches). With ``--sm-carveout N`` the overlapped
-                micro-batches' GEMMs leave N SMs to the exchange beside them
+                without MoEMicroBatches); on CUDA forward+backward, the peak memory
+                of T_mb_layer's step and of T_mb's. With ``--sm-carveout N`` the
+                overlapped micro-batches' GEMMs leave N SMs to the exchange beside them
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier, CUDA events, after
 ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group with an NCCL budget of N CTAs,
@@ -444,7 +445,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             # the experts alone captured and replayed the same way (their counts on the device)
             t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
         short, long = sorted((t_comm, t_compute))
-        mb = micro_batches(case, seq, backward, timed, group, carve, bound) if args.micro_batches else {}
+        mb = micro_batches(case, seq, backward, timed, lambda fn: _peak_mib(fn, device, group), group, carve, bound) if args.micro_batches else {}
         if mb:
             mb["hidden_mb"] = (mb["t_mb_serial_ms"] - mb["t_mb_ms"]) / (args.micro_batches * short)
         rows.append(dict(

@@ -59,12 +59,15 @@ def one_stream(layer: MoEMicroBatches, device: torch.device):
             exchange._stream = saved
 
 
-def micro_batches(case, seq, backward: bool, timed, group, sm_carveout: int | None, max_rows: int | None) -> dict:
+def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: int | None,
+                  max_rows: int | None) -> dict:
     """T_mb (the micro-batches through MoEMicroBatches, the GEMMs leaving
     ``sm_carveout`` SMs free), T_mb_serial (the same on one stream), T_mb_layer
     (the layer ``seq`` on each in a row, the experts' gradients summed over
     them as a training step accumulates them), and the largest difference of
-    the outputs from ``seq``'s (collective); the dispatches with ``max_rows``."""
+    the outputs from ``seq``'s (collective); the dispatches with ``max_rows``.
+    With ``backward``, also the peak memory (``peak(fn)``, MiB or None) of
+    T_mb_layer's step and of T_mb's."""
     xs = (case.x, *case.more)
 
     def layers():
@@ -77,7 +80,9 @@ def micro_batches(case, seq, backward: bool, timed, group, sm_carveout: int | No
 
     t_layer = timed(layers)[0]
     t_serial = timed(micro_batch_step(case, backward, serial=True, max_rows=max_rows))[0]
-    t_mb = timed(micro_batch_step(case, backward, sm_carveout=sm_carveout, max_rows=max_rows))[0]
+    overlapped = micro_batch_step(case, backward, sm_carveout=sm_carveout, max_rows=max_rows)
+    t_mb = timed(overlapped)[0]
+    peaks = (peak(layers), peak(overlapped)) if backward else (None, None)
     with torch.no_grad():
         want = [seq(x, case.topk_idx, case.topk_weights) for x in xs]
         got = (micro_batch_step(case, False, sm_carveout=sm_carveout, max_rows=max_rows)()
@@ -85,12 +90,16 @@ def micro_batches(case, seq, backward: bool, timed, group, sm_carveout: int | No
     diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
     diff = torch.tensor([diff], device=case.x.device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-    return {"t_mb_layer_ms": t_layer, "t_mb_serial_ms": t_serial, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff)}
+    return {"t_mb_layer_ms": t_layer, "t_mb_serial_ms": t_serial, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff),
+            "peak_mib_mb_layer": peaks[0], "peak_mib_mb": peaks[1]}
 
 
 def micro_batch_cell(row: dict) -> str:
     """"T_mb_layer / T_mb_serial / T_mb (hidden_mb)": "20.000 / 12.345 / 10.000 (0.41)",
-    or "-" where not measured."""
+    then where measured "; peak MiB 900 / 1800" (T_mb_layer's step, T_mb's); "-" where not measured."""
     if row.get("t_mb_ms") is None:
         return "-"
-    return f"{row['t_mb_layer_ms']:.3f} / {row['t_mb_serial_ms']:.3f} / {row['t_mb_ms']:.3f} ({row['hidden_mb']:.2f})"
+    cell = f"{row['t_mb_layer_ms']:.3f} / {row['t_mb_serial_ms']:.3f} / {row['t_mb_ms']:.3f} ({row['hidden_mb']:.2f})"
+    if row.get("peak_mib_mb") is not None:
+        cell += f"; peak MiB {row['peak_mib_mb_layer']:.0f} / {row['peak_mib_mb']:.0f}"
+    return cell
