@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import replace
 
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dispatch
 
@@ -76,10 +75,8 @@ def _job(args: argparse.Namespace) -> None:
             # one stream (T_mb_serial), and MoEExchange (G = 1) on each in a row (T_mb_layer)
             trace(overlap_mb.micro_batch_step(case, True, serial=True, max_rows=bound), stem + "-serial",
                   case.x.device, f"{what} through MoEMicroBatches on one stream, one fwd+bwd step")
-            layer = case.layer(1, args.comm_priority, max_rows=bound)
-            steps = [replace(case, x=x).layer_step(layer, True) for x in (case.x, *case.more)]
-            trace(lambda: [step() for step in steps], stem + "-layer", case.x.device,
-                  f"{what}, MoEExchange on each in a row, one fwd+bwd step")
+            trace(overlap_mb.layer_steps(case, case.layer(1, args.comm_priority, max_rows=bound), True),
+                  stem + "-layer", case.x.device, f"{what}, MoEExchange on each in a row, one fwd+bwd step")
             continue
         for g in overlap.group_values(args, case.dispatcher.num_local_experts):
             graph = None

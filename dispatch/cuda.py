@@ -133,20 +133,25 @@ class Signature:
 @functools.lru_cache(maxsize=1)
 def signatures() -> dict[tuple[str, str], Signature]:
     """(file, kernel) -> :class:`Signature`, for every kernel of ``csrc/*.cu``."""
+    return {(path.name, name): found for path in sorted(csrc_dir().glob("*.cu"))
+            for name, found in signatures_in(path.read_text()).items()}
+
+
+def signatures_in(source: str) -> dict[str, Signature]:
+    """kernel -> :class:`Signature`, for every kernel ``source`` (CUDA text) declares."""
     out = {}
-    for path in sorted(csrc_dir().glob("*.cu")):
-        for m in _KERNEL.finditer(path.read_text()):
-            names, codes, pointers = [], [], []
-            for param in m["params"].split(","):
-                words = " ".join(param.replace("*", " * ").split()).split()
-                if "*" in words:
-                    pointers.append(len(names))
-                    codes.append("Q")
-                else:
-                    codes.append(_BY_VALUE[" ".join(w for w in words[:-1] if w != "const")])
-                names.append(words[-1])
-            template = 0 if m["template"] is None else len(m["template"].split(","))
-            out[(path.name, m["name"])] = Signature(template, tuple(names), "".join(codes), tuple(pointers))
+    for m in _KERNEL.finditer(source):
+        names, codes, pointers = [], [], []
+        for param in m["params"].split(","):
+            words = " ".join(param.replace("*", " * ").split()).split()
+            if "*" in words:
+                pointers.append(len(names))
+                codes.append("Q")
+            else:
+                codes.append(_BY_VALUE[" ".join(w for w in words[:-1] if w != "const")])
+            names.append(words[-1])
+        template = 0 if m["template"] is None else len(m["template"].split(","))
+        out[m["name"]] = Signature(template, tuple(names), "".join(codes), tuple(pointers))
     return out
 
 

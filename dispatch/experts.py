@@ -299,7 +299,8 @@ class ExpertsByGroups:
                    experts: tuple[int, int] | None = None) -> None:
         """Group g's counts, given as None at construction. What earlier groups
         keep is placed with group g's first kept rows, behind its GEMMs (with
-        ``forward(defer_keep=True)``, by :meth:`place_kept`). ``experts``:
+        ``forward(defer_keep=True)``, by :meth:`place_kept`); over micro-batches
+        (``micro_batches``) once every group's counts are in. ``experts``:
         (first, end), the only local experts with rows in group g (a group of
         experts): its GEMMs then take those experts' weights and counts alone,
         so that a grouped GEMM is sized for the experts it computes."""

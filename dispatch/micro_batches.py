@@ -13,8 +13,8 @@ in the order issued; the caller's stream waits for each by event only)::
 
 so dispatch i + 1 moves under the experts of i, and the sums of i under the
 experts of i + 1: all but the first dispatch and the last sums can hide. (The
-host queues the first experts before it issues the other dispatches: on the
-GPU they run in the same order.)
+host queues the first experts before it issues the other dispatches; those
+still run beside them, on the exchanges' stream, in the order above.)
 Backward, the same shape in reverse::
 
     send the output gradients of 0 .. M-1 to the experts   (all started at once)
@@ -35,7 +35,9 @@ rows' gradients) and keeps what its weight gradients need; those are formed
 after the last one's rows' gradients, while they travel home (what is kept
 stays until then): each weight's gradient is one grouped GEMM over every
 micro-batch's rows (expert e's rows of micro-batch 0, then of 1, ...), not M
-gradients summed. Other experts are differentiated by autograd micro-batch by
+gradients summed. Those rows are copied into place at the end of the forward,
+beside the last sums: for a moment both copies of the rows and activations
+are held. Other experts are differentiated by autograd micro-batch by
 micro-batch, their parameters' gradients summed in order in their dtype.
 
 Each micro-batch is the round trip of ``combine(experts(dispatch(x)).., weights)``

@@ -516,3 +516,18 @@ def test_launches_made_per_shape_take_the_grown_buffers(launches, monkeypatch, o
     engine.ensure(Capacity(3000, topk, 0, 0))  # and again: the first grown buffer is outgrown
     assert [t.data_ptr() for t in kept] == ([grown.data_ptr(), engine._data.data_ptr()] if on_nvshmem else [])
     assert synced == ([0, 1] if on_nvshmem else [])  # one wait before each allocation, none after
+
+
+def test_a_kernels_signature_is_read_past_its_attributes():
+    """Any ``__attribute__(...)`` between ``void`` and the name (launch bounds,
+    cluster dims) is passed over; template arguments are counted; pointers
+    travel as addresses and the rest as their C type."""
+    source = """
+    extern "C" __global__ void __launch_bounds__(256) __cluster_dims__(2, 1, 1) moved(
+        char* out, const long long* places, int width, unsigned long long most) {}
+    template <int A, typename T> __global__ void plain(const float* x, long long n) {}
+    """
+    found = cuda.signatures_in(source)
+    assert found["moved"] == cuda.Signature(0, ("out", "places", "width", "most"), "QQiQ", (0, 1))
+    assert found["plain"].template == 2 and found["plain"].names == ("x", "n")
+

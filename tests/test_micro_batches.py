@@ -114,14 +114,14 @@ class _FailBackward(torch.autograd.Function):
         raise RuntimeError("experts' backward failed here")
 
 
-def one_rank_raises(xs, idx, ws, num_experts: int, backward: bool):
-    """Rank 1's experts raise at micro-batch 1 (forward, or its backward): what
-    each rank raised, and whether a round trip after it runs in step."""
+def one_rank_raises(xs, idx, ws, num_experts: int, backward: bool, at: int = 1):
+    """Rank 1's experts raise at micro-batch ``at`` (forward, or its backward):
+    what each rank raised, and whether a round trip after it runs in step."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
     xs, idx, ws = ([t.to(device) for t in ts] for ts in (xs, idx, ws))
     experts = _RaisingExperts(pipeline_fns.make_experts("relu", d.num_local_experts, HIDDEN, torch.float64, 1),
-                              rank=1, at=1, backward=backward)
+                              rank=1, at=at, backward=backward)
     leaves = [x.clone().requires_grad_() for x in xs]
     try:
         outs = dispatch.MoEMicroBatches(d, experts)(leaves, idx, ws)
@@ -137,14 +137,58 @@ def one_rank_raises(xs, idx, ws, num_experts: int, backward: bool):
 
 
 @pytest.mark.parametrize("backward", [False, True])
-def test_one_ranks_experts_raising_stop_every_rank_at_once(worlds, backward):
+@pytest.mark.parametrize("at", [0, 1])
+def test_one_ranks_experts_raising_stop_every_rank_at_once(worlds, backward, at):
+    """At micro-batch 0 (forward: before this rank has issued the other
+    dispatches, which it then issues as its peers did) or 1."""
     routings = [make_routing(2, 4, 2, [6, 5], "random", seed=s) for s in range(3)]
     args = [([random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) for m, rt in enumerate(routings)],
              [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].double() for rt in routings],
-             routings[0].num_experts, backward) for r in range(2)]
+             routings[0].num_experts, backward, at) for r in range(2)]
     (raised0, ok0), (raised1, ok1) = worlds(2).run(one_rank_raises, args)
     assert raised0 == "PeerRefused" and "failed here" in raised1, (raised0, raised1)
     assert ok0 and ok1
+
+
+def weight_gradient_gemms(xs, idx, ws, num_experts: int, max_rows):
+    """Plain GroupedExperts over the micro-batches: how many ExpertsByGroups the
+    layer made and how many times it formed weight gradients (one of each:
+    one GEMM a weight over every micro-batch's rows), and whether every
+    parameter got a gradient."""
+    from dispatch import micro_batches
+
+    made, formed = [], []
+
+    class Counted(micro_batches.ExpertsByGroups):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def weight_grads(self):
+            formed.append(self)
+            return super().weight_grads()
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    experts = pipeline_fns.make_experts("relu", d.num_local_experts, HIDDEN, torch.float64, 2)
+    real, micro_batches.ExpertsByGroups = micro_batches.ExpertsByGroups, Counted
+    try:
+        leaves = [x.to(device).requires_grad_() for x in xs]
+        outs = dispatch.MoEMicroBatches(d, experts, max_rows=max_rows)(leaves, [i.to(device) for i in idx],
+                                                                       [w.to(device) for w in ws])
+        sum(o.sum() for o in outs).backward()
+    finally:
+        micro_batches.ExpertsByGroups = real
+    return len(made), len(formed), all(p.grad is not None for p in experts.parameters())
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_plain_experts_form_their_weight_gradients_once(worlds, bounded):
+    routings = [make_routing(2, 4, 2, t, "random", seed=3 + s) for s, t in enumerate([[7, 5], [4, 6], [5, 5]])]
+    args = [([random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) for m, rt in enumerate(routings)],
+             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].double() for rt in routings],
+             routings[0].num_experts, 64 if bounded else None) for r in range(2)]
+    assert worlds(2).run(weight_gradient_gemms, args) == [(1, 1, True)] * 2
 
 
 def bad_arguments():

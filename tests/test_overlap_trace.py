@@ -32,12 +32,14 @@ def test_cpu_run_writes_traces_timeline_and_host_profile(tmp_path):
 @bench_world_of(2)
 def test_cpu_run_traces_two_micro_batches(tmp_path):
     """--micro-batches --max-rows: one forward+backward of the two micro-batches
-    overlapped by the async verbs, bounded, traced in place of the layer by groups."""
+    through MoEMicroBatches, bounded, traced in place of the layer by groups,
+    and its two baselines (the same call on one stream, MoEExchange on each)."""
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--groups", "1", "--micro-batches", "--max-rows",
             "--out", str(tmp_path)]
     assert overlap_trace.main(argv) == 0
-    stem = "overlap-trace-cpu-tiny-w2-bounded-mb"
-    assert (tmp_path / f"{stem}.png").stat().st_size > 0 and (tmp_path / f"{stem}-rank1.json").stat().st_size > 0
+    for stem in ("overlap-trace-cpu-tiny-w2-bounded-mb" + tail for tail in ("", "-serial", "-layer")):
+        assert (tmp_path / f"{stem}.png").stat().st_size > 0 and (tmp_path / f"{stem}-rank1.json").stat().st_size > 0
+        assert (tmp_path / f"{stem}-lanes.txt").stat().st_size > 0
     assert not list(tmp_path.glob("*-g1*"))  # the layer by groups is not traced
 
 

@@ -40,8 +40,9 @@ gloo, as a smoke test):
                 through MoEMicroBatches (each one's dispatch and combine, and their
                 backward, in flight beside another's experts, on its explicit schedule),
                 against T_mb_serial, the same call with every kernel on the caller's
-                stream in the order issued (the same work with nothing beside anything:
-                the difference is the overlap alone); hidden_mb = (T_mb_serial - T_mb) /
+                stream in the order issued (the same work with nothing beside anything
+                and no carveout: the difference is what the overlap gains less what the
+                carveout costs); hidden_mb = (T_mb_serial - T_mb) /
                 (M min(T_comm, T_compute)), at most (M - 1) / M; and T_mb_layer,
                 MoEExchange (G = 1) on each in a row, the experts' gradients summed
                 over them as a training step accumulates them (what a user runs
@@ -74,9 +75,9 @@ from dispatch import plan
 from dispatch.bench.common import (
     SHAPES, Shape, environment, launch, new_group_with_sm_budget, shapes_fit, time_phases, world_size_for,
 )
+from dispatch.bench.overlap_mb import micro_batch_cell, micro_batches
 from dispatch.bench.roundtrip import make_routing
 from dispatch.experts import GroupedExperts
-from dispatch.bench.overlap_mb import micro_batch_cell, micro_batches
 
 OVERLAP_SHAPES = ("deepseek-v3", "mixtral-8x7b", "cpu-tiny")
 PASSES = ("fwd", "fwd+bwd")
@@ -445,7 +446,9 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             # the experts alone captured and replayed the same way (their counts on the device)
             t_compute_graph = _graph_ms(case.compute_step(backward, case.tokens_per_expert.to(device)), timed)
         short, long = sorted((t_comm, t_compute))
-        mb = micro_batches(case, seq, backward, timed, lambda fn: _peak_mib(fn, device, group), group, carve, bound) if args.micro_batches else {}
+        mb = {}
+        if args.micro_batches:
+            mb = micro_batches(case, seq, backward, timed, lambda fn: _peak_mib(fn, device, group), group, carve, bound)
         if mb:
             mb["hidden_mb"] = (mb["t_mb_serial_ms"] - mb["t_mb_ms"]) / (args.micro_batches * short)
         rows.append(dict(
@@ -453,7 +456,8 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             transport=type(case.dispatcher.transport).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
             sm_budget=args.sm_budget, max_rows=bound, nvshmem_blocks=args.nvshmem_blocks,
-            nvshmem_pieces=args.nvshmem_pieces, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_groups[best], best_groups=best,
+            nvshmem_pieces=args.nvshmem_pieces, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
+            t_pipe_ms=by_groups[best], best_groups=best,
             t_pipe_by_groups_ms={str(g): t for g, t in by_groups.items()},
             hidden_fraction=(t_seq - by_groups[best]) / short, hidden_ceiling=(t_seq - long) / short,
             max_abs_diff_vs_seq=float(diff), weight_reads=weights, peak_mib=peak, t_graph_ms=t_graph,

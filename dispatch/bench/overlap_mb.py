@@ -36,6 +36,21 @@ def micro_batch_step(case, backward: bool, serial: bool = False, sm_carveout: in
     return run
 
 
+def layer_steps(case, seq, backward: bool):
+    """A step of the layer ``seq`` on each micro-batch of ``case`` in a row, the
+    experts' gradients summed over them as a training step accumulates them
+    (T_mb_layer's step)."""
+    def run():
+        for x in (case.x, *case.more):
+            out = seq(x.detach().requires_grad_(backward), case.topk_idx,
+                      case.topk_weights.detach().requires_grad_(backward))
+            if backward:
+                out.backward(case.grad)
+        case.experts.zero_grad(set_to_none=True)
+
+    return run
+
+
 @contextlib.contextmanager
 def one_stream(layer: MoEMicroBatches, device: torch.device):
     """Inside, on CUDA: ``layer``'s exchanges, their plans and the NVSHMEM
@@ -46,17 +61,20 @@ def one_stream(layer: MoEMicroBatches, device: torch.device):
         return
     caller = torch.cuda.current_stream(device)
     streams, exchange = layer.dispatcher._streams, getattr(layer.dispatcher.transport, "exchange", None)
-    saved = getattr(exchange, "_stream", None)
+    saved = (streams.__dict__.get("stream"), layer._plans, getattr(exchange, "_stream", None))
     streams.stream, layer._plans = (lambda device, priority: caller), caller
-    if saved is not None:
+    if saved[2] is not None:
         exchange._stream = caller
     try:
         yield
     finally:
-        del streams.stream  # (the class's method again)
-        layer._plans = None
-        if saved is not None:
-            exchange._stream = saved
+        if saved[0] is None:
+            del streams.stream  # (the class's method again)
+        else:
+            streams.stream = saved[0]
+        layer._plans = saved[1]
+        if saved[2] is not None:
+            exchange._stream = saved[2]
 
 
 def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: int | None,
@@ -69,15 +87,7 @@ def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: in
     With ``backward``, also the peak memory (``peak(fn)``, MiB or None) of
     T_mb_layer's step and of T_mb's."""
     xs = (case.x, *case.more)
-
-    def layers():
-        for x in xs:
-            out = seq(x.detach().requires_grad_(backward), case.topk_idx,
-                      case.topk_weights.detach().requires_grad_(backward))
-            if backward:
-                out.backward(case.grad)
-        case.experts.zero_grad(set_to_none=True)
-
+    layers = layer_steps(case, seq, backward)
     t_layer = timed(layers)[0]
     t_serial = timed(micro_batch_step(case, backward, serial=True, max_rows=max_rows))[0]
     overlapped = micro_batch_step(case, backward, sm_carveout=sm_carveout, max_rows=max_rows)

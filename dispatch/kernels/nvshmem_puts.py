@@ -85,7 +85,9 @@ def pieces_of(span: tuple[int, int], places: int) -> list[tuple[int, int]]:
     """``span`` (of a move over ``places`` places) as the spans of its
     ``pieces`` launches: equal shares of its places, the first from its
     start and the last to its end (so that the rows of no place, and the
-    padding rows, go as with ``span``); ``[span]`` where ``pieces`` is None."""
+    padding rows, go as with ``span``); ``[span]`` where ``pieces`` is None.
+    (Shares of the places, not of the rows: with ``max_rows`` the last pieces
+    hold the padding places, and carry fewer rows.)"""
     lo, hi = span
     end = min(hi, max(lo, places))
     count = max(1, min(pieces or 1, end - lo))
@@ -201,8 +203,8 @@ def _launch(kernel: str, device: torch.device, stream, fence: tuple[bool, bool] 
         host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
     grid = blocks or _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
     status = _driver().cuLaunchKernel(functions[kernel], grid, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
-    if fence[1]:  # every row landed; no peer reads a stage any more (queued also where the launch failed)
-        host.nvshmemx_barrier_all_on_stream(stream)
+    if fence[1] or status != 0:  # every row landed; no peer reads a stage any more (queued also where the
+        host.nvshmemx_barrier_all_on_stream(stream)  # launch failed, a move's first piece too: the peers wait for it)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernel of {kernel} failed: CUDA error {status}")
 

@@ -373,7 +373,6 @@ def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) 
     torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
 
 
-
 def _pieces(span: tuple[int, int], places: int) -> list[tuple[tuple[int, int], tuple[bool, bool]]]:
     """The launches of a move over ``span`` (of ``places`` places; 0: unknown,
     one launch): each piece's span (``nvshmem_puts.pieces_of``) and which of
