@@ -283,7 +283,8 @@ class ExpertsByGroups:
         if group_rows is None:
             self.rows = [None if g is None else int(g.sum()) for g in counts_host]
             self.places = None  # per group, the expert-major row of each of its rows (made on first use)
-        else:  # groups of experts: the places of each group, made as its counts come (in group order)
+        else:  # B rows a group: groups of experts placed as their counts come (in group order), micro-batches
+            # once every group's counts are in
             if any(g is not None for g in counts):
                 raise ValueError("group_rows: give each group's counts by set_counts, in group order")
             self.rows = [group_rows] * groups
