@@ -32,20 +32,20 @@ import torch  # noqa: E402
 
 from dispatch.experts import GroupedExperts, _ends  # noqa: E402
 from dispatch.pipeline import carved_out  # noqa: E402
+from dispatch.timing import PhaseTimer  # noqa: E402
 
 
 def _time(fn, iters: int) -> float:
-    """Median ms of ``fn()`` over ``iters`` runs, after three."""
+    """Median ms of ``fn()`` over ``iters`` runs, each timed alone (``PhaseTimer``), after three."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        timer = PhaseTimer("cuda")
+        timer.start()
         fn()
-        end.record()
-        end.synchronize()  # host sync: each run timed alone
-        times.append(start.elapsed_time(end))
+        timer.mark("run")
+        times.append(timer.phases()["run"])
     return statistics.median(times)
 
 

@@ -72,9 +72,7 @@ class MoEMicroBatches(nn.Module):
         comm_priority: CUDA priority of the exchanges' stream (lower is higher).
         sm_carveout: SMs the experts' GEMMs leave to the exchange beside them
             (None: none). Without one, the GEMMs are sized for every SM and the
-            exchange waits for them: give at least the SMs its kernels take
-            (over NVSHMEM at 8 blocks, DeepSeek-V3 at EP2: 8 hid most, 16 less,
-            none almost nothing; ``bench/results``).
+            exchange waits for them: give at least the SMs its kernels take.
         max_rows: each micro-batch's dispatch ``max_rows`` (None: none): on the
             NVLink engine and over NVSHMEM nothing is then read on the host.
     """
