@@ -20,7 +20,7 @@
 #             micro-batches through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"); then one
 #             forward+backward of the first M's micro-batches profiled beside its two baselines
 #             (bench/overlap_trace.py, the first of those blocks); $NVSHMEM_NO_MB set: the layer by
-#             groups alone; $NVSHMEM_PIECES: each get and put in that many launches
+#             groups alone
 #   carveout  bench/carveout_probe.py: each of the experts' GEMMs (DeepSeek-V3 at EP2) under each SM
 #             carveout, on one GPU
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
@@ -164,25 +164,24 @@ for part in "$@"; do
       bench 240 overlap-engine-groups overlap --transport auto --groups 2,4,8 --graph --iters 10 --warmup 3 \
         --out "$RES" ;;
     overlap-slow-nvshmem)
-      flags=(--sm-carveout "${SM_CARVEOUT:-16}") mbs=${MICRO_BATCHES:-2 3}
-      [ "${SM_CARVEOUT:-}" = none ] && flags=()
-      [ -n "${NVSHMEM_PIECES:-}" ] && flags+=(--nvshmem-pieces "$NVSHMEM_PIECES")
+      carve=(--sm-carveout "${SM_CARVEOUT:-16}") mbs=${MICRO_BATCHES:-2 3}
+      [ "${SM_CARVEOUT:-}" = none ] && carve=()
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
         [ "${NVSHMEM_GROUPS:-}" = none ] ||
           bench 200 "overlap-nvshmem-$blocks-groups" overlap --shapes deepseek-v3 --transport nvshmem \
-            --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" "${flags[@]}" \
+            --groups "${NVSHMEM_GROUPS:-2,4,8}" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" \
             --iters 10 --warmup 3 --out "$RES/groups"
         [ -n "${NVSHMEM_NO_MB:-}" ] && continue
         for m in $mbs; do
           bench 150 "overlap-nvshmem-$blocks-mb$m" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
-            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" "${flags[@]}" --iters 10 \
+            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" --iters 10 \
             --warmup 3 --out "$RES"
         done
       done
       if [ -z "${NVSHMEM_NO_MB:-}" ]; then  # ($NVSHMEM_NO_MB set: the layer by groups alone)
         blocks=${NVSHMEM_BLOCKS:-8}
         step 200 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
-          --groups 1 --micro-batches "${mbs%% *}" --max-rows --nvshmem-blocks "${blocks%% *}" "${flags[@]}" \
+          --groups 1 --micro-batches "${mbs%% *}" --max-rows --nvshmem-blocks "${blocks%% *}" "${carve[@]}" \
           --out "$RES"
         find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete  # (its chrome traces: too large to keep)
       fi ;;

@@ -142,11 +142,11 @@ __device__ void presum_row_to(int out_code, const Y* const* rows, const float* s
 // (r - first[s])-th from rank s, is row back_at[s] + r - first[s] of rank s's stage (back_at[s]: the
 // rows s sends the ranks before this one), read where NVSHMEM maps it, else got into row r of this
 // rank's symmetric recv first (always, where mapped is 0: the way across hosts). Rows i of out whose
-// expand_src[i] is zero_at (padding) are zeroed. By groups of local experts (one launch a group,
-// or a move in pieces: one launch a share of the places): only the rows whose first place is in
-// [lo, hi) (written to all their places: each row crosses once, with the first group that needs it;
-// a row of no place with the span that starts at 0) and the padding rows in [lo, hi). The caller
-// brackets a move with NVSHMEM's barrier (every stage written before; the peers read it until after).
+// expand_src[i] is zero_at (padding) are zeroed. By groups of local experts, one launch a group:
+// only the rows whose first place is in [lo, hi) (written to all their places: each row crosses
+// once, with the first group that needs it; a row of no place with the span that starts at 0) and
+// the padding rows in [lo, hi). The caller brackets it with NVSHMEM's barrier (every stage written
+// before; the peers read it until after).
 extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
     char* out, unsigned long long out_stride, const char* stage, unsigned long long stage_stride, char* recv,
     unsigned long long recv_stride, const long long* places, int width, const long long* receives,
@@ -196,13 +196,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) get_expand(
 // null), narrowed once to the wire (out_code, coded as y_code), put to its home rank s at row
 // back_at[s] + r - first[s] of its symmetric recv (rows recv_stride bytes apart): stored where
 // NVSHMEM maps it (and mapped is 1), else made in row r of this rank's symmetric send and put.
-// By groups of local experts, one launch a group (or its pieces): the rows are in a tensor a group (table, not
+// By groups of local experts, one launch a group: the rows are in a tensor a group (table, not
 // null: [G] their addresses, [G] their weights' addresses, then [G + 1] the places each group starts
 // at, then whether the rows are weighted; y and weights unused; an empty group's addresses may be 0,
 // no place reads them), and only the rows whose last place is in [lo, hi) are
 // summed and put (each once every group it needs is in; a row of no place with the span that
-// starts at 0); a move in pieces likewise, without a table. The caller brackets a move with
-// NVSHMEM's barrier.
+// starts at 0). The caller brackets it with NVSHMEM's barrier.
 extern "C" __global__ void __launch_bounds__(kThreads) presum_put(
     char* recv, unsigned long long recv_stride, char* send, unsigned long long send_stride, const char* y,
     unsigned long long y_stride, int y_code, const float* weights, const long long* places, int width,

@@ -244,7 +244,6 @@ def _fake_put_rows(recv, recv_stride, x, send_token, sends, at, most, stream=Non
     """put_rows's contract: this rank's rows (x[send_token[i]], or x[i]) for each
     send row i < min(sum(sends), most), sends[d] to rank d in order, land at
     row at[d] onwards of rank d's recv."""
-    _fenced((True, True))
     total = min(int(sends.sum()), most)
     rows = x[:total] if send_token is None else x[send_token[:total]]
     raw = rows.contiguous().view(torch.uint8).reshape(total, rows.shape[1] * rows.element_size())
@@ -266,29 +265,14 @@ def _in_span(places: torch.Tensor, span, last: bool) -> torch.Tensor:
     return torch.where(real.any(1), (key >= lo) & (key < hi), lo == 0)
 
 
-# whether a move's first barrier came and its last not yet, its launches so far, the most a move took
-FENCE = {"open": False, "launches": 0, "most": 0}
-
-
-def _fenced(fence) -> None:
-    """The barriers' contract of a move in pieces: the first launch brings the
-    barrier before, the last the one after, none between (checked)."""
-    before, after = fence
-    assert before != FENCE["open"], "a move's launch without the barrier before it, or a second one inside a move"
-    FENCE["open"] = not after
-    FENCE["launches"] = 1 if before else FENCE["launches"] + 1
-    FENCE["most"] = max(FENCE["most"], FENCE["launches"])
-
-
 def _fake_get_expand(out, stage, recv, stride, row_bytes, places, receives, back_at, most, expand_src, zero_at,
-                     stream=None, span=None, fence=(True, True)):
+                     stream=None, span=None):
     """get_expand's contract: row r received (the (r - first[s])-th from rank s)
     is row back_at[s] + r - first[s] of rank s's stage, written to its places;
     padding rows zeros. By groups (``span``): only the rows whose first place is
     in it, and the padding rows in it."""
     from dispatch.kernels import nvshmem_puts
 
-    _fenced(fence)
     lo, hi = nvshmem_puts.EVERY if span is None else span
     stages = _everyone(stage)
     assert len({t.numel() for t in stages}) == 1, "the stages differ between ranks"
@@ -321,7 +305,7 @@ def _fake_store_group(table, g, rows, weights):
 
 
 def _fake_presum_put(recv, send, stride, y, weights, places, receives, back_at, wire, most, stream=None, table=None,
-                     span=None, fence=(True, True)):
+                     span=None):
     """presum_put's contract: each received row's sum (gather_sum's) goes to its
     home s at row back_at[s] + r - first[s] of s's recv. By groups (``table``):
     the rows of each group as stored in it (a place in a group not stored yet
@@ -329,7 +313,6 @@ def _fake_presum_put(recv, send, stride, y, weights, places, receives, back_at, 
     last place is in ``span``."""
     from dispatch.kernels.gather_sum import gather_sum
 
-    _fenced(fence)
     total = min(int(receives.sum()), most)
     if table is not None:
         groups = (table.numel() - 2) // 3

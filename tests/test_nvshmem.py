@@ -561,35 +561,6 @@ def test_on_nvshmem_every_verb_is_bitwise_the_nccl_transports(nvshmem_world, wir
         assert read_host == (pad is None), rank
 
 
-def in_pieces(pieces, *args):
-    """:func:`against_nccl` with each move of our kernels in ``pieces`` launches."""
-    from dispatch.kernels import nvshmem_puts
-
-    nvshmem_puts.pieces = pieces
-    try:
-        return against_nccl(*args)
-    finally:
-        nvshmem_puts.pieces = None
-
-
-@pytest.mark.parametrize("groups, pad", [(1, None), (1, 5), (4, None)])
-def test_on_nvshmem_moves_in_pieces_are_bitwise_the_nccl_transports(nvshmem_world, groups, pad):
-    """Each get and put in 3 launches (the barriers around the move whole), in
-    one piece and by groups, with and without max_rows: every verb the bits of
-    the NCCL transport's."""
-    from routing import make_routing
-
-    routing = make_routing(2, 8, 4, [300, 251], "random", seed=5)
-    gen = torch.Generator().manual_seed(3)
-    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
-    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
-    config = dict(num_experts=routing.num_experts)
-    args = [(3, xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, groups,
-             groups > 1, False) for r in range(2)]
-    for rank, (differ, _) in enumerate(nvshmem_world.run(in_pieces, args)):
-        assert differ == [], (rank, differ)
-
-
 @pytest.mark.parametrize("pad", [None, 3])
 def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
     """By groups (with max_rows: each group padded to its bound), one get and
@@ -1000,38 +971,21 @@ def test_the_put_kernel_stands_aside_where_it_cannot_run():
 
 
 def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels=False, groups=1,
-                               bounded_groups=False, pieces=None):
+                               bounded_groups=False):
     """A round trip through ``SymmetricExchange`` (its buffers, strides, turns
     and padding row) on gloo, torch's NVSHMEM pieces faked by
     ``splits_exchange.FakeSymmetricMemory``, against the NCCL transport. With
     ``kernels``, through our kernels' contracts (faked likewise) from a send
     buffer that starts empty, so that it grows (alike on every rank, checked).
     By ``groups`` (``bounded_groups``: with a bound of its own, against the same
-    dispatch without, ``rank_fns.bounded_groups_verbs``). ``pieces``: each move
-    of the kernels in that many launches (``nvshmem_puts.pieces``; "pieces" among
-    the names returned where no move took more than one)."""
-    import splits_exchange
-    from world import current_device
-
-    from dispatch.kernels import nvshmem_puts
-
-    device = current_device()
-    x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
-    splits_exchange.FENCE["most"], nvshmem_puts.pieces = 0, pieces
-    try:
-        differ = _through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels, groups,
-                                             bounded_groups, device)
-    finally:
-        nvshmem_puts.pieces = None
-    return differ + (["pieces"] if pieces and splits_exchange.FENCE["most"] < 2 else [])
-
-
-def _through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kernels, groups, bounded_groups, device):
-    """:func:`through_symmetric_exchange`'s round trips, on ``device``."""
+    dispatch without, ``rank_fns.bounded_groups_verbs``)."""
     from splits_exchange import FakeSymmetricMemory
+    from world import current_device
 
     from dispatch.transports.symmetric import SymmetricExchange
 
+    device = current_device()
+    x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
     with FakeSymmetricMemory(kernels):
         cfg = dispatch.DispatchConfig.from_options(**config, transport="nvshmem")
         exchange = SymmetricExchange(None, torch.distributed.get_world_size(), device)
@@ -1063,13 +1017,12 @@ def _through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, ker
     return differ + ([] if made >= 1 and held and grown else ["generation"])
 
 
-@pytest.mark.parametrize("kernels, pieces", [(False, None), (True, None), (True, 3)])
+@pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("world, hidden, wire", [(2, 16, "native"), (3, 7, "bf16"), (2, 128, "fp8")])
-def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, kernels, pieces):
+def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, kernels):
     """Through torch's all-to-all, or through our kernels' contracts (ranks of
     different T: the buffers they grow are alike, and every row lands where
-    the kernels put it), every verb bitwise the NCCL transport's; with each
-    move in 3 launches, the barriers around it whole, likewise."""
+    the kernels put it), every verb bitwise the NCCL transport's."""
     from routing import make_routing
 
     if worlds(world).backend != "gloo":
@@ -1079,19 +1032,18 @@ def test_the_symmetric_exchange_moves_rows_as_nccl(worlds, world, hidden, wire, 
     xs = [torch.randn(t, hidden, generator=gen) for t in routing.num_tokens]
     config = dict(num_experts=routing.num_experts, dispatch_wire=wire, combine_grad_wire=wire)
     for max_rows in (None, 40):
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows, kernels, 1, False,
-                 pieces) for r in range(world)]
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, max_rows, kernels)
+                for r in range(world)]
         for rank, differ in enumerate(worlds(world).run(through_symmetric_exchange, args)):
             assert differ == [], (rank, max_rows, differ)
 
 
-@pytest.mark.parametrize("bounded, pieces", [(False, None), (True, None), (True, 2)])
-def test_the_symmetric_exchange_moves_groups_as_nccl(worlds, bounded, pieces):
+@pytest.mark.parametrize("bounded", [False, True])
+def test_the_symmetric_exchange_moves_groups_as_nccl(worlds, bounded):
     """By groups through ``SymmetricExchange`` and our kernels' contracts (a get
     and a put a group, the groups' rows read through their table): every verb
     and the sums by groups bitwise the NCCL transport's; with a bound (each
-    group padded), the same dispatch without one's; each group's move in 2
-    launches likewise."""
+    group padded), the same dispatch without one's."""
     from routing import make_routing
 
     if worlds(2).backend != "gloo":
@@ -1100,7 +1052,7 @@ def test_the_symmetric_exchange_moves_groups_as_nccl(worlds, bounded, pieces):
     gen = torch.Generator().manual_seed(4)
     xs = [torch.randn(t, 16, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
     config = dict(num_experts=routing.num_experts)
-    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, None, True, 3, bounded, pieces)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config, None, True, 3, bounded)
             for r in range(2)]
     for rank, differ in enumerate(worlds(2).run(through_symmetric_exchange, args)):
         assert differ == [], (rank, bounded, differ)

@@ -123,7 +123,6 @@ def test_weights_and_peak_memory_columns():
      (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized"),
      (["--graph"], "--graph needs the NVLink engine"), (["--nvshmem-blocks", "8"], "--nvshmem-blocks needs"),
      (["--transport", "nvshmem", "--nvshmem-blocks", "0"], "--nvshmem-blocks needs"),
-     (["--nvshmem-pieces", "4"], "--nvshmem-pieces needs"),
      (["--micro-batches", "1"], "--micro-batches needs M >= 2")],
 )
 def test_bad_flags(argv, needle, capsys):

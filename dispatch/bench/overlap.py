@@ -122,9 +122,6 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--nvshmem-blocks", type=int,
                         help="blocks of the NVSHMEM transport's data kernels (a slower exchange, as over a slow "
                              "link; --transport nvshmem)")
-    parser.add_argument("--nvshmem-pieces", type=int,
-                        help="each move of the NVSHMEM transport's data kernels in N launches (beside the GEMMs it "
-                             "holds its SMs a launch at a time; --transport nvshmem)")
     parser.add_argument("--sm-budget", type=int,
                         help="DispatchConfig.sm_budget: blocks the NVLink engine's data kernels take (default: "
                              "four per SM)")
@@ -163,9 +160,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error("--comm-max-ctas needs NCCL (a GPU) and a value >= 1")
     if args.comm_high_priority and not torch.cuda.is_available():
         parser.error("--comm-high-priority needs NCCL (a GPU)")
-    for flag, value in (("--nvshmem-blocks", args.nvshmem_blocks), ("--nvshmem-pieces", args.nvshmem_pieces)):
-        if value is not None and (value < 1 or args.transport != "nvshmem"):
-            parser.error(f"{flag} needs --transport nvshmem and a value >= 1, got {value}")
+    if args.nvshmem_blocks is not None and (args.nvshmem_blocks < 1 or args.transport != "nvshmem"):
+        parser.error(f"--nvshmem-blocks needs --transport nvshmem and a value >= 1, got {args.nvshmem_blocks}")
     if args.max_rows and args.transport == "nccl" and max(args.groups) > 1:
         parser.error("--max-rows with a G > 1 in --groups needs the NVLink engine or NVSHMEM (--transport auto, "
                      "nvlink or nvshmem): over NCCL a dispatch by groups takes no max_rows")
@@ -277,10 +273,10 @@ def make_case(shape: Shape, args, group) -> Case:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if args.nvshmem_blocks is not None or args.nvshmem_pieces is not None:  # every launch of NVSHMEM's data kernels
+    if args.nvshmem_blocks is not None:  # every launch of NVSHMEM's data kernels
         from dispatch.kernels import nvshmem_puts
 
-        nvshmem_puts.blocks, nvshmem_puts.pieces = args.nvshmem_blocks, args.nvshmem_pieces
+        nvshmem_puts.blocks = args.nvshmem_blocks
     config = dispatch.DispatchConfig.from_options(num_experts=shape.experts, dispatch_wire=args.dispatch_wire,
                                      transport=args.transport, sm_budget=args.sm_budget)
     d = dispatch.create(config, group)
@@ -456,8 +452,7 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
             transport=type(case.dispatcher.transport).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
             sm_budget=args.sm_budget, max_rows=bound, nvshmem_blocks=args.nvshmem_blocks,
-            nvshmem_pieces=args.nvshmem_pieces, t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq,
-            t_pipe_ms=by_groups[best], best_groups=best,
+            t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_groups[best], best_groups=best,
             t_pipe_by_groups_ms={str(g): t for g, t in by_groups.items()},
             hidden_fraction=(t_seq - by_groups[best]) / short, hidden_ceiling=(t_seq - long) / short,
             max_abs_diff_vs_seq=float(diff), weight_reads=weights, peak_mib=peak, t_graph_ms=t_graph,
@@ -477,7 +472,6 @@ def suffix(args) -> str:
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
     carve += "" if args.sm_budget is None else f"-budget{args.sm_budget}"
     carve += "" if args.nvshmem_blocks is None else f"-blocks{args.nvshmem_blocks}"
-    carve += "" if args.nvshmem_pieces is None else f"-pieces{args.nvshmem_pieces}"
     return (wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
             + ("-bounded" if args.max_rows else "") + ("-mb" if args.micro_batches else "")
             + (str(args.micro_batches) if (args.micro_batches or 2) > 2 else ""))
@@ -496,12 +490,9 @@ def _graph_cell(row: dict) -> str:
 
 
 def _budget(row: dict) -> str:
-    """The engine's SM budget (or NVSHMEM's blocks, and launches a move) of a row and its max_rows, for the
-    dispatcher cell."""
+    """The engine's SM budget (or NVSHMEM's blocks) of a row and its max_rows, for the dispatcher cell."""
     blocks = row.get("sm_budget") or row.get("nvshmem_blocks")
-    parts = ([] if blocks is None else [f"{blocks} blocks"]) + (
-        [] if row.get("nvshmem_pieces") is None else [f"{row['nvshmem_pieces']} launches a move"])
-    return ((f" ({', '.join(parts)})" if parts else "")
+    return (("" if blocks is None else f" ({blocks} blocks)")
             + ("" if row.get("max_rows") is None else f", max_rows {row['max_rows']}"))
 
 

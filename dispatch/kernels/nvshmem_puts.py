@@ -47,10 +47,6 @@ mapped = True
 # a block count for every launch of the kernels where set (None: theirs): a slower exchange, as over a slow link
 # (the same results; how `dispatch-bench overlap --nvshmem-blocks` throttles them)
 blocks = None
-# launches a move of get_expand or presum_put takes where set (None: one), each the rows whose places fall
-# in its share of the places: a long move beside GEMMs that leave it a few SMs holds them a launch at a time,
-# so that a GEMM launched beside it waits at most one launch for an SM it was sized for (the same results)
-pieces = None
 _loaded: dict = {}  # device index -> ({kernel: its CUfunction} or None, why not)
 
 
@@ -81,24 +77,10 @@ def put_rows(recv: torch.Tensor, recv_stride: int, x: torch.Tensor, send_token: 
 EVERY = (0, 2**62)  # the span of places of a move in one piece
 
 
-def pieces_of(span: tuple[int, int], places: int) -> list[tuple[int, int]]:
-    """``span`` (of a move over ``places`` places) as the spans of its
-    ``pieces`` launches: equal shares of its places, the first from its
-    start and the last to its end (so that the rows of no place, and the
-    padding rows, go as with ``span``); ``[span]`` where ``pieces`` is None.
-    (Shares of the places, not of the rows: with ``max_rows`` the last pieces
-    hold the padding places, and carry fewer rows.)"""
-    lo, hi = span
-    end = min(hi, max(lo, places))
-    count = max(1, min(pieces or 1, end - lo))
-    cuts = [lo + (end - lo) * i // count for i in range(count)] + [hi]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 def get_expand(out: torch.Tensor, stage: torch.Tensor, recv: torch.Tensor, stride: int, row_bytes: int,
                places: torch.Tensor, receives: torch.Tensor, back_at: torch.Tensor, most: int,
                expand_src: torch.Tensor, zero_at: int, stream: "torch.cuda.Stream | None" = None,
-               span: tuple[int, int] = EVERY, fence: tuple[bool, bool] = (True, True)) -> None:
+               span: tuple[int, int] = EVERY) -> None:
     """The rows to the experts, expanded as they are got: for each row r this
     rank receives (``receives[s]`` from rank s, source-major; at most ``most``),
     row ``back_at[s] + r - first[s]`` of rank s's symmetric ``stage`` (its send
@@ -109,21 +91,20 @@ def get_expand(out: torch.Tensor, stage: torch.Tensor, recv: torch.Tensor, strid
     symmetric ``recv`` first. Between two NVSHMEM barriers: every rank's stage
     is written before it is called. ``span`` (lo, hi): one group of a move by
     groups, the rows whose first place is in it (to all their places) and the
-    padding rows in it. ``fence`` (before, after): which of the two barriers
-    this launch brings (a move in pieces: the first's before, the last's after)."""
+    padding rows in it."""
     _int64(places=places, receives=receives, back_at=back_at, expand_src=expand_src)
     _at_most_max_width("places", places)
     _launch("get_expand", out.device, stream, out=out.data_ptr(), out_stride=row_bytes, stage=stage.data_ptr(),
             stage_stride=stride, recv=recv.data_ptr(), recv_stride=stride, places=places.data_ptr(),
             width=places.shape[1], receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(),
             row_bytes=row_bytes, most=most, expand_src=expand_src.data_ptr(), num_rows=out.shape[0],
-            zero_at=zero_at, mapped=int(mapped), lo=span[0], hi=span[1], fence=fence)
+            zero_at=zero_at, mapped=int(mapped), lo=span[0], hi=span[1])
 
 
 def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Tensor, weights: torch.Tensor | None,
                places: torch.Tensor, receives: torch.Tensor, back_at: torch.Tensor, wire: torch.dtype, most: int,
                stream: "torch.cuda.Stream | None" = None, table: torch.Tensor | None = None,
-               span: tuple[int, int] = EVERY, fence: tuple[bool, bool] = (True, True)) -> None:
+               span: tuple[int, int] = EVERY) -> None:
     """Each received row's pre-sum put home: for row r this rank received in
     the dispatch (``receives[s]`` from rank s, source-major; at most ``most``),
     the sum of rows ``places[r]`` (-1: none) of ``y`` [N, H] (contiguous),
@@ -134,7 +115,7 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
     NVSHMEM does not map rank s's memory here. Between two NVSHMEM barriers.
     By groups: ``table`` (:func:`group_table`) gives each group's rows (like
     ``y``, which only gives their dtype and width) and weights, and only the
-    rows whose last place is in ``span`` go. ``fence``: as :func:`get_expand`'s."""
+    rows whose last place is in ``span`` go."""
     if not sums_here(y.dtype, None if weights is None else weights.dtype, wire):
         raise ValueError(f"presum_put sums {sorted(map(str, _CODES))} rows with fp32 weights or none, got "
                          f"{y.dtype} rows, weights {None if weights is None else weights.dtype}, wire {wire}")
@@ -145,7 +126,7 @@ def presum_put(recv: torch.Tensor, send: torch.Tensor, stride: int, y: torch.Ten
             weights=0 if weights is None else weights.data_ptr(), places=places.data_ptr(), width=places.shape[1],
             receives=receives.data_ptr(), back_at=back_at.data_ptr(), world=receives.numel(), hidden=y.shape[1],
             out_code=_CODES[wire], most=most, mapped=int(mapped), table=0 if table is None else table.data_ptr(),
-            groups=0 if table is None else (table.numel() - 2) // 3, lo=span[0], hi=span[1], fence=fence)
+            groups=0 if table is None else (table.numel() - 2) // 3, lo=span[0], hi=span[1])
 
 
 def group_table(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -188,10 +169,9 @@ def _at_most_max_width(name: str, table: torch.Tensor) -> None:
         raise ValueError(f"{name}: at most {MAX_WIDTH} entries a row (one a lane of a warp), got {table.shape[1]}")
 
 
-def _launch(kernel: str, device: torch.device, stream, fence: tuple[bool, bool] = (True, True), **values) -> None:
+def _launch(kernel: str, device: torch.device, stream, **values) -> None:
     """Launch ``kernel`` with its arguments by name (each in the C type the
-    source declares; pointers as addresses), between two NVSHMEM barriers
-    (``fence``: which of them; a move in pieces has them around it whole)."""
+    source declares; pointers as addresses), between two NVSHMEM barriers."""
     functions, why = _load(device)
     if functions is None:
         raise RuntimeError(f"the NVSHMEM kernels cannot run here: {why}")
@@ -199,12 +179,11 @@ def _launch(kernel: str, device: torch.device, stream, fence: tuple[bool, bool] 
     packer.pack_into(block, 0, *[values[name] for name in names])  # the driver copies it at the launch
     stream = ctypes.c_void_p((stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream)
     host = _host()
-    if fence[0]:
-        host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
+    host.nvshmemx_barrier_all_on_stream(stream)  # no receiver still reads its buffer; every stage written
     grid = blocks or _BLOCKS.get(kernel) or _BLOCKS_PER_SM * _multiprocessors(device)
     status = _driver().cuLaunchKernel(functions[kernel], grid, 1, 1, _THREADS, 1, 1, 0, stream, params, None)
-    if fence[1] or status != 0:  # every row landed; no peer reads a stage any more (queued also where the
-        host.nvshmemx_barrier_all_on_stream(stream)  # launch failed, a move's first piece too: the peers wait for it)
+    # every row landed; no peer reads a stage any more (queued also where the launch failed: the peers wait for it)
+    host.nvshmemx_barrier_all_on_stream(stream)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernel of {kernel} failed: CUDA error {status}")
 

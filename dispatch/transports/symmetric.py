@@ -199,9 +199,8 @@ class SymmetricExchange:
                 stage.copy_(x.index_select(0, send_token[:count]))
             out = torch.empty(expand_src.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
             for span in spans or (nvshmem_puts.EVERY,):
-                for piece, fence in _pieces(span, out.shape[0]):
-                    nvshmem_puts.get_expand(out, self._send, self._recv, stride, row_bytes, places, receives,
-                                            back_at, recv_rows, expand_src, recv_rows, self._stream, piece, fence)
+                nvshmem_puts.get_expand(out, self._send, self._recv, stride, row_bytes, places, receives, back_at,
+                                        recv_rows, expand_src, recv_rows, self._stream, span)
                 if spans is not None:
                     ends.append(None if self._stream is None else torch.cuda.Event())
                     if ends[-1] is not None:
@@ -231,9 +230,8 @@ class SymmetricExchange:
             return gather_sum(back, home_index, None, y.dtype)
 
         def move():
-            for piece, fence in _pieces(nvshmem_puts.EVERY, y.shape[0]):
-                nvshmem_puts.presum_put(self._recv, self._send, stride, y, weights, places, receives, back_at, wire,
-                                        send_rows, self._stream, span=piece, fence=fence)
+            nvshmem_puts.presum_put(self._recv, self._send, stride, y, weights, places, receives, back_at, wire,
+                                    send_rows, self._stream)
             return self._received(stride, recv_rows, row_bytes, wire, home_sum)
 
         reads = (y, places, receives, back_at, home_index) + (() if weights is None else (weights,))
@@ -262,9 +260,8 @@ class SymmetricExchange:
         def move():
             for g, group_rows, group_weights in new:
                 nvshmem_puts.store_group(table, g, group_rows, group_weights)
-            for piece, fence in _pieces(span, span[1] if span[1] < nvshmem_puts.EVERY[1] else 0):
-                nvshmem_puts.presum_put(self._recv, self._send, stride, rows, new[-1][2], places, receives, back_at,
-                                        wire, send_rows, self._stream, table, piece, fence)
+            nvshmem_puts.presum_put(self._recv, self._send, stride, rows, new[-1][2], places, receives, back_at, wire,
+                                    send_rows, self._stream, table, span)
             if home_index is None:
                 return None
             return self._received(stride, recv_rows, row_bytes, wire,
@@ -371,14 +368,6 @@ def all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name: str) 
     ``recv`` by source rank; writes the rows received from each rank and
     their offsets into ``out_splits_offsets`` [2, W]. Every argument symmetric."""
     torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits_offsets, group_name)
-
-
-def _pieces(span: tuple[int, int], places: int) -> list[tuple[tuple[int, int], tuple[bool, bool]]]:
-    """The launches of a move over ``span`` (of ``places`` places; 0: unknown,
-    one launch): each piece's span (``nvshmem_puts.pieces_of``) and which of
-    the NVSHMEM barriers it brings (the first's before, the last's after)."""
-    parts = nvshmem_puts.pieces_of(span, places)
-    return [(part, (i == 0, i == len(parts) - 1)) for i, part in enumerate(parts)]
 
 
 def _rows_of(buffer: torch.Tensor, stride: int) -> torch.Tensor:
