@@ -20,7 +20,10 @@
 #             micro-batches through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"); then one
 #             forward+backward of the first M's micro-batches profiled beside its two baselines
 #             (bench/overlap_trace.py, the first of those blocks); $NVSHMEM_NO_MB set: the layer by
-#             groups alone
+#             groups alone; $SM_PARTITION: the micro-batches' exchange on that many SMs split off (a
+#             green context), their GEMMs on the rest
+#   partition bench/partition_probe.py: a GEMM beside a few-block stand-in exchange, on shared SMs
+#             and on disjoint partitions (green contexts), on one GPU
 #   carveout  bench/carveout_probe.py: each of the experts' GEMMs (DeepSeek-V3 at EP2) under each SM
 #             carveout, on one GPU
 #   ceiling   bench/concurrency_probe.py (the experts' GEMMs and an exchange queued at once on
@@ -166,6 +169,8 @@ for part in "$@"; do
     overlap-slow-nvshmem)
       carve=(--sm-carveout "${SM_CARVEOUT:-16}") mbs=${MICRO_BATCHES:-2 3}
       [ "${SM_CARVEOUT:-}" = none ] && carve=()
+      split=()
+      [ -n "${SM_PARTITION:-}" ] && split=(--sm-partition "$SM_PARTITION")
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
         [ "${NVSHMEM_GROUPS:-}" = none ] ||
           bench 200 "overlap-nvshmem-$blocks-groups" overlap --shapes deepseek-v3 --transport nvshmem \
@@ -174,7 +179,7 @@ for part in "$@"; do
         [ -n "${NVSHMEM_NO_MB:-}" ] && continue
         for m in $mbs; do
           bench 150 "overlap-nvshmem-$blocks-mb$m" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
-            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" --iters 10 \
+            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" "${split[@]}" --iters 10 \
             --warmup 3 --out "$RES"
         done
       done
@@ -182,11 +187,13 @@ for part in "$@"; do
         blocks=${NVSHMEM_BLOCKS:-8}
         step 200 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
           --groups 1 --micro-batches "${mbs%% *}" --max-rows --nvshmem-blocks "${blocks%% *}" "${carve[@]}" \
-          --out "$RES"
+          "${split[@]}" --out "$RES"
         find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete  # (its chrome traces: too large to keep)
       fi ;;
     carveout)
       step 200 carveout-probe python3 bench/carveout_probe.py --out "$RES" ;;
+    partition)
+      step 120 partition-probe python3 bench/partition_probe.py --out "$RES" ;;
     ceiling)
       step 300 concurrency-probe python3 bench/concurrency_probe.py --out "$RES"
       step 200 concurrency-probe-e16 python3 bench/concurrency_probe.py --shapes deepseek-v3 --experts 16 --out "$RES"

@@ -69,7 +69,8 @@ def _job(args: argparse.Namespace) -> None:
             bound = case.bound(group) if args.max_rows else None
             stem = os.path.join(args.out, f"overlap-trace-{name}-w{dist.get_world_size()}{overlap.suffix(args)}")
             what = f"{name}: {args.micro_batches} micro-batches"
-            trace(overlap_mb.micro_batch_step(case, True, sm_carveout=args.sm_carveout, max_rows=bound), stem,
+            trace(overlap_mb.micro_batch_step(case, True, sm_carveout=args.sm_carveout, max_rows=bound,
+                                              sm_partition=args.sm_partition), stem,
                   case.x.device, f"{what} through MoEMicroBatches, one fwd+bwd step")
             # its baselines as dispatch-bench overlap times them: the same call with every kernel on
             # one stream (T_mb_serial), and MoEExchange (G = 1) on each in a row (T_mb_layer)

@@ -123,7 +123,9 @@ def test_weights_and_peak_memory_columns():
      (["--local-first"], "unrecognized"), (["--sm-carveout", "-1"], "--sm-carveout"), (["--trace"], "unrecognized"),
      (["--graph"], "--graph needs the NVLink engine"), (["--nvshmem-blocks", "8"], "--nvshmem-blocks needs"),
      (["--transport", "nvshmem", "--nvshmem-blocks", "0"], "--nvshmem-blocks needs"),
-     (["--micro-batches", "1"], "--micro-batches needs M >= 2")],
+     (["--micro-batches", "1"], "--micro-batches needs M >= 2"),
+     (["--sm-partition", "8"], "--sm-partition needs --micro-batches"),
+     (["--micro-batches", "2", "--sm-partition", "0"], "--sm-partition needs")],
 )
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -48,7 +48,9 @@ gloo, as a smoke test):
                 over them as a training step accumulates them (what a user runs
                 without MoEMicroBatches); on CUDA forward+backward, the peak memory
                 of T_mb_layer's step and of T_mb's. With ``--sm-carveout N`` the
-                overlapped micro-batches' GEMMs leave N SMs to the exchange beside them
+                overlapped micro-batches' GEMMs leave N SMs to the exchange beside them;
+                with ``--sm-partition N`` their exchange runs on N SMs split off (a CUDA
+                green context) and their GEMMs on the rest
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier, CUDA events, after
 ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group with an NCCL budget of N CTAs,
@@ -131,6 +133,9 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--sm-carveout", type=int,
                         help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (G > 1); "
                              "with --micro-batches, also the overlapped micro-batches' GEMMs")
+    parser.add_argument("--sm-partition", type=int, metavar="N",
+                        help="with --micro-batches on CUDA: the overlapped micro-batches' exchange on N SMs split "
+                             "off (a CUDA green context; rounded up as the device requires), their GEMMs on the rest")
     parser.add_argument("--comm-priority", type=int, default=-1,
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
     parser.add_argument("--graph", action="store_true",
@@ -153,6 +158,9 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if args.sm_carveout is not None and args.sm_carveout < 0:
         parser.error(f"--sm-carveout must be >= 0, got {args.sm_carveout}")
+    if args.sm_partition is not None and (args.sm_partition < 1 or not args.micro_batches
+                                          or not torch.cuda.is_available()):
+        parser.error(f"--sm-partition needs --micro-batches, a GPU and a value >= 1, got {args.sm_partition}")
     if args.sm_budget is not None and (args.sm_budget < 1 or args.transport == "nccl"):
         parser.error(f"--sm-budget needs the NVLink engine (--transport auto or nvlink) and a value >= 1, got "
                      f"{args.sm_budget}")
@@ -444,14 +452,15 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         short, long = sorted((t_comm, t_compute))
         mb = {}
         if args.micro_batches:
-            mb = micro_batches(case, seq, backward, timed, lambda fn: _peak_mib(fn, device, group), group, carve, bound)
+            mb = micro_batches(case, seq, backward, timed, lambda fn: _peak_mib(fn, device, group), group, carve, bound,
+                               args.sm_partition)
         if mb:
             mb["hidden_mb"] = (mb["t_mb_serial_ms"] - mb["t_mb_ms"]) / (args.micro_batches * short)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher.transport).__name__,
             comm_max_ctas=args.comm_max_ctas, comm_high_priority=args.comm_high_priority, sm_carveout=carve,
-            sm_budget=args.sm_budget, max_rows=bound, nvshmem_blocks=args.nvshmem_blocks,
+            sm_budget=args.sm_budget, max_rows=bound, nvshmem_blocks=args.nvshmem_blocks, sm_partition=args.sm_partition,
             t_comm_ms=t_comm, t_compute_ms=t_compute, t_seq_ms=t_seq, t_pipe_ms=by_groups[best], best_groups=best,
             t_pipe_by_groups_ms={str(g): t for g, t in by_groups.items()},
             hidden_fraction=(t_seq - by_groups[best]) / short, hidden_ceiling=(t_seq - long) / short,
@@ -472,6 +481,7 @@ def suffix(args) -> str:
     carve = "" if args.sm_carveout is None else f"-carve{args.sm_carveout}"
     carve += "" if args.sm_budget is None else f"-budget{args.sm_budget}"
     carve += "" if args.nvshmem_blocks is None else f"-blocks{args.nvshmem_blocks}"
+    carve += "" if args.sm_partition is None else f"-split{args.sm_partition}"
     return (wire + ctas + ("-hiprio" if args.comm_high_priority else "") + carve + ("-graph" if args.graph else "")
             + ("-bounded" if args.max_rows else "") + ("-mb" if args.micro_batches else "")
             + (str(args.micro_batches) if (args.micro_batches or 2) > 2 else ""))
@@ -507,7 +517,8 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['shape']} | {r['passes']} | {r['world_size']} | {r.get('transport', '-')}{_budget(r)} | "
             f"{r['dispatch_wire']} | "
-            f"{r.get('sm_carveout') if r.get('sm_carveout') is not None else '-'} | "
+            f"{r.get('sm_carveout') if r.get('sm_carveout') is not None else '-'}"
+            f"{'' if r.get('sm_partition') is None else ', T_mb split ' + str(r['sm_partition'])} | "
             f"{r['comm_max_ctas'] or '-'} | {'high priority' if r['comm_high_priority'] else 'default'} | "
             f"{r['t_comm_ms']:.3f} | {r['t_compute_ms']:.3f} | {r['t_seq_ms']:.3f} | {r['t_pipe_ms']:.3f} | "
             f"{r['best_groups']} | {r['hidden_fraction']:.2f} | {r['hidden_ceiling']:.2f} | {by_g} | "

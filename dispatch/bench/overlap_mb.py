@@ -9,23 +9,27 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from dispatch.bench.sm_partition import exchange_streams, split
 from dispatch.micro_batches import MoEMicroBatches
 
 
 def micro_batch_step(case, backward: bool, serial: bool = False, sm_carveout: int | None = None,
-                     max_rows: int | None = None):
+                     max_rows: int | None = None, sm_partition: int | None = None):
     """The micro-batches of ``case`` (an overlap ``Case``: ``x``, then ``more``)
     through MoEMicroBatches (each dispatch with ``max_rows``), its GEMMs leaving
     ``sm_carveout`` SMs to the exchange beside them; ``serial``: every kernel on
-    the caller's stream in the order issued (:func:`one_stream`; no carveout).
-    Returns a step that returns the outputs."""
+    the caller's stream in the order issued (:func:`one_stream`; no carveout);
+    ``sm_partition``: the exchange on that many SMs split off, the rest on the
+    others (``sm_partition.split``). Returns a step that returns the outputs."""
     layer = MoEMicroBatches(case.dispatcher, case.experts, sm_carveout=None if serial else sm_carveout,
                             max_rows=max_rows)
 
     def run():
         xs = [x.detach().requires_grad_(backward) for x in (case.x, *case.more)]
         ws = [case.topk_weights.detach().requires_grad_(backward) for _ in xs]
-        with one_stream(layer, case.x.device) if serial else contextlib.nullcontext():
+        device = case.x.device
+        with (one_stream(layer, device) if serial else split(layer, device, sm_partition) if sm_partition
+              else contextlib.nullcontext()):
             outs = layer(xs, [case.topk_idx] * len(xs), ws)
             if backward:
                 torch.autograd.backward(outs, [case.grad] * len(outs))
@@ -51,34 +55,18 @@ def layer_steps(case, seq, backward: bool):
     return run
 
 
-@contextlib.contextmanager
 def one_stream(layer: MoEMicroBatches, device: torch.device):
     """Inside, on CUDA: ``layer``'s exchanges, their plans and the NVSHMEM
     transport's data kernels run on the caller's stream, in the order issued:
     the schedule's work with nothing beside anything (T_mb_serial)."""
     if device.type != "cuda":
-        yield
-        return
+        return contextlib.nullcontext()
     caller = torch.cuda.current_stream(device)
-    streams, exchange = layer.dispatcher._streams, getattr(layer.dispatcher.transport, "exchange", None)
-    saved = (streams.__dict__.get("stream"), layer._plans, getattr(exchange, "_stream", None))
-    streams.stream, layer._plans = (lambda device, priority: caller), caller
-    if saved[2] is not None:
-        exchange._stream = caller
-    try:
-        yield
-    finally:
-        if saved[0] is None:
-            del streams.stream  # (the class's method again)
-        else:
-            streams.stream = saved[0]
-        layer._plans = saved[1]
-        if saved[2] is not None:
-            exchange._stream = saved[2]
+    return exchange_streams(layer, lambda device, priority: caller, caller, caller)
 
 
 def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: int | None,
-                  max_rows: int | None) -> dict:
+                  max_rows: int | None, sm_partition: int | None = None) -> dict:
     """T_mb (the micro-batches through MoEMicroBatches, the GEMMs leaving
     ``sm_carveout`` SMs free), T_mb_serial (the same on one stream), T_mb_layer
     (the layer ``seq`` on each in a row, the experts' gradients summed over
@@ -90,12 +78,13 @@ def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: in
     layers = layer_steps(case, seq, backward)
     t_layer = timed(layers)[0]
     t_serial = timed(micro_batch_step(case, backward, serial=True, max_rows=max_rows))[0]
-    overlapped = micro_batch_step(case, backward, sm_carveout=sm_carveout, max_rows=max_rows)
+    overlapped = micro_batch_step(case, backward, sm_carveout=sm_carveout, max_rows=max_rows,
+                                  sm_partition=sm_partition)
     t_mb = timed(overlapped)[0]
     peaks = (peak(layers), peak(overlapped)) if backward else (None, None)
     with torch.no_grad():
         want = [seq(x, case.topk_idx, case.topk_weights) for x in xs]
-        got = (micro_batch_step(case, False, sm_carveout=sm_carveout, max_rows=max_rows)()
+        got = (micro_batch_step(case, False, sm_carveout=sm_carveout, max_rows=max_rows, sm_partition=sm_partition)()
                + micro_batch_step(case, False, serial=True, max_rows=max_rows)())
     diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
     diff = torch.tensor([diff], device=case.x.device)
