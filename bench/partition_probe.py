@@ -3,10 +3,10 @@ whether disjoint SM partitions (CUDA green contexts) keep it whole. One GPU.
 
 The overlap timelines (MoEMicroBatches over NVSHMEM, 8 blocks a kernel, the
 GEMMs leaving 8 SMs) show GEMMs that take up to 2x their time beside a get or a
-put, while alone at the same carveout none takes over 1.22x. The reading to test:
-the grouped GEMMs run clusters of 2 SMs, an exchange kernel's blocks land one per
-SM spread over many SM pairs, and the pairs it breaks leave clusters that wait for
-it to end.
+put, while alone at the same carveout none takes over 1.22x. The reading tested:
+an exchange kernel's blocks land on SMs the GEMM's blocks need, wherever SMs are
+free at its launch (measured: a stand-in landing anywhere slows no GEMM; the
+real exchange on SMs split off with ``dispatch.partition`` does not slow it either).
 
 A stand-in exchange (``--blocks`` blocks of 256 threads copying HBM, long enough to
 outlast the GEMM; each block records the SM it ran on) runs beside one GEMM of the
@@ -16,10 +16,11 @@ DeepSeek-V3 experts at EP2 (bench/carveout_probe.py's shapes), the GEMM leaving
     alone            the GEMM alone
     shared, X first  both in the device's context, the exchange launched first
     shared, G first  the same, the GEMM first
-    split, X first   the exchange in a green context of the SMs split off for it,
-                     the GEMM in one of the rest (disjoint partitions)
-    split, G first   the same, the GEMM first
-    X split only     the exchange in its partition, the GEMM in the device's context
+    shared, X amid   the GEMM's stream runs a many-block kernel first, the exchange
+                     launched amid it (its blocks land where SMs free up)
+    split, ...       the exchange on the SMs split off for it (an SMPartition),
+                     the GEMM on the rest (disjoint partitions), in each order
+    X split only     the exchange on its SMs, the GEMM in the device's context
 
 Printed: the partition's sizes and the SMs the exchange's blocks ran on in each
 arrangement; the GEMM's median ms over ``--iters`` (CUDA events around it alone).
@@ -39,7 +40,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from dispatch.bench.sm_partition import driver, green_contexts, green_stream  # noqa: E402
+from dispatch.partition import SMPartition, driver  # noqa: E402
 from dispatch.experts import GroupedExperts, _ends  # noqa: E402
 from dispatch.pipeline import carved_out  # noqa: E402
 
@@ -57,24 +58,16 @@ extern "C" __global__ void __launch_bounds__(256) spin_copy(const int4* src, int
 }
 """
 
-def spinner(ctx=None):
-    """spin_copy loaded in the device's context (``ctx`` None) or in a green one."""
+def spinner():
+    """spin_copy, loaded in the device's context (a green context's stream runs it too)."""
     import cupy
 
     image = cupy.cuda.compiler.compile_using_nvrtc(_SPIN, options=("-std=c++17",))
     image = image[0] if isinstance(image, (tuple, list)) else image  # (its image, the names' mapping)
     image = image.encode() + b"\0" if isinstance(image, str) else bytes(image)
-    if ctx is not None:
-        plain = ctypes.c_void_p()
-        driver("cuCtxFromGreenCtx", ctypes.byref(plain), ctypes.c_void_p(ctx))
-        driver("cuCtxPushCurrent_v2", plain)
-    try:
-        module, function = ctypes.c_void_p(), ctypes.c_void_p()
-        driver("cuModuleLoadData", ctypes.byref(module), image)
-        driver("cuModuleGetFunction", ctypes.byref(function), module, b"spin_copy")
-    finally:
-        if ctx is not None:
-            driver("cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    driver("cuModuleLoadData", ctypes.byref(module), image)
+    driver("cuModuleGetFunction", ctypes.byref(function), module, b"spin_copy")
     return function
 
 
@@ -106,34 +99,23 @@ def main(argv: list[str] | None = None) -> int:
              "fc2 dgrad": lambda: torch._grouped_mm(x, w_out.transpose(1, 2), offs=offs)}
     lines = [f"# a GEMM beside a {args.blocks}-block stand-in exchange, one {torch.cuda.get_device_name()}, "
              f"GEMMs leaving {args.carveout} SMs", ""]
-    info = torch.cuda.green_contexts.GreenContext if hasattr(torch.cuda, "green_contexts") else None
-    lines.append(f"torch {torch.__version__}: torch.cuda.green_contexts "
-                 f"{'has' if info is not None and hasattr(info, 'Stream') else 'lacks'} GreenContext.Stream")
-    (x_ctx, x_stream), (g_ctx, g_stream) = [(None, None)] * 2
+    split = None
     try:
-        x_ctx, g_ctx, sms = green_contexts(torch.cuda.current_device(), args.blocks)
-        x_stream, g_stream = green_stream(x_ctx, "probe"), green_stream(g_ctx, "probe")
-        lines.append(f"SMs: device {sms[0]}, the exchange's partition {sms[1]}, the GEMMs' {sms[2]}")
-    except (RuntimeError, AttributeError) as exc:
+        split = SMPartition.of(torch.cuda.current_device(), args.blocks)
+        lines.append(f"SMs: the exchange's partition {split.exchange_sms}, the GEMMs' {split.compute_sms}")
+    except (RuntimeError, ValueError) as exc:
         lines.append(f"no green contexts: {exc}")
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     smids = torch.zeros(args.blocks, dtype=torch.int32, device="cuda")
-    shared_spin = spinner()
-    green_spin = None
-    if x_ctx is not None:
-        try:
-            green_spin = spinner(x_ctx)
-        except RuntimeError as exc:
-            lines.append(f"the exchange's module in its green context: {exc}")
+    spin = spinner()
     main_stream = torch.cuda.Stream()
     side_stream = torch.cuda.Stream()
-    gemm_green = torch.cuda.ExternalStream(g_stream) if g_stream else None
 
     # the stand-in's reps: about 3x the longer GEMM, so it outlasts the GEMM in every arrangement
     with carved_out(args.carveout):
         longest = max(_median(lambda: fn(), main_stream, args.iters) for fn in gemms.values())
-    one = _median(lambda: launch_spin(shared_spin, side_stream.cuda_stream, args.blocks, src, dst, 1, smids),
+    one = _median(lambda: launch_spin(spin, side_stream.cuda_stream, args.blocks, src, dst, 1, smids),
                   side_stream, 3)
     reps = max(1, int(3 * longest / one))
     lines.append(f"the stand-in exchange: {one * reps:.2f} ms ({reps} passes over 256 MiB)")
@@ -141,18 +123,17 @@ def main(argv: list[str] | None = None) -> int:
               "| --- | --- | --- | --- | --- | --- |"]
     busy_buf = torch.empty(512 << 20, dtype=torch.bfloat16, device="cuda")
     busy = lambda: busy_buf.mul_(1.0)  # noqa: E731  (a many-block kernel, about 0.4 ms)
-    places = [("shared", side_stream, shared_spin, main_stream)]
-    if green_spin is not None:
-        x_green = torch.cuda.ExternalStream(x_stream)
-        places += [("split", x_green, green_spin, gemm_green), ("X split only", x_green, green_spin, main_stream),
-                   ("split, X's module the device context's", x_green, shared_spin, gemm_green)]
-    arrangements = [(f"{place}, {order}", x_on, spin, g_on, order)
-                    for place, x_on, spin, g_on in places for order in ("X first", "G first", "X amid")]
+    places = [("shared", side_stream, main_stream)]
+    if split is not None:
+        x_split = split.exchange_stream("probe")
+        places += [("split", x_split, split.compute_stream()), ("X split only", x_split, main_stream)]
+    arrangements = [(f"{place}, {order}", x_on, g_on, order)
+                    for place, x_on, g_on in places for order in ("X first", "G first", "X amid")]
     for name, fn in gemms.items():
         with carved_out(args.carveout):
             alone = _median(fn, main_stream, args.iters)
             lines.append(f"| {name} | alone | {alone:.3f} | 1.00 | - | - |")
-            for label, x_on, spin, g_on, order in arrangements:
+            for label, x_on, g_on, order in arrangements:
                 times, seen = [], set()
                 try:
                     for _ in range(args.iters):

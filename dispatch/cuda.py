@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dispatch import partition
+
 _CSRC_NAMES = ("engine.cuh", "layout.cu", "intranode_dispatch.cu", "intranode_combine.cu")
 
 # torch dtype -> the C type the kernels name it by
@@ -416,8 +418,10 @@ def _dependent_launch(device: int) -> bool:
 
 
 def synchronize(device: int) -> None:
-    """Wait for every stream's work on CUDA device ``device`` (an index)."""
+    """Wait for every stream's work on CUDA device ``device`` (an index), an SM
+    partition's streams too."""
     torch.cuda.synchronize(device)
+    partition.synchronize(device)
 
 
 def current_stream(device: int) -> "torch.cuda.Stream":

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from dispatch import partition
 from dispatch.cuda import current_stream as _current_stream
 
 
@@ -160,10 +161,13 @@ class Started:
 
 
 class CommStreams:
-    """A dispatcher's communication streams, one per (CUDA device, priority)."""
+    """A dispatcher's communication streams, one per (CUDA device, priority);
+    where the caller's stream is an SM partition's, that partition's exchange
+    stream instead (``dispatch.partition``), taken in turn with the plain one."""
 
     def __init__(self) -> None:
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+        self._last: dict[tuple[int, int], torch.cuda.Stream] = {}  # the stream each took last
 
     def start(self, issue: Callable[[], Pending], reads: tuple[torch.Tensor, ...], async_op: bool,
               priority: int) -> "Started | Pending":
@@ -206,9 +210,13 @@ class CommStreams:
         return StartedGroups(pending, events, device, keep=(issue, reads))
 
     def stream(self, device: torch.device, priority: int) -> "torch.cuda.Stream":
-        """The communication stream of ``device`` at ``priority`` (made on first use)."""
+        """The communication stream of ``device`` at ``priority`` (made on first
+        use), or beside an SM partition's stream the partition's; after the one
+        taken last at that priority, where they differ."""
         index = torch.cuda.current_device() if device.index is None else device.index
         key = (index, priority)
         if key not in self._streams:
             self._streams[key] = torch.cuda.Stream(device=index, priority=priority)
-        return self._streams[key]
+        taken = partition.beside(_current_stream(index), self._streams[key], "comm", priority)
+        self._last[key] = partition.handed_over(self._last.get(key), taken)
+        return taken

@@ -419,3 +419,26 @@ def repeated(x, steps, grad_out, config: dict, groups, experts_kind: str):
         results.append({"out": _cpu(h), "x": _cpu(xs.grad), "topk_weights": _cpu(ws.grad),
                         "params": [_cpu(p.grad) for p in experts.parameters()]})
     return results
+
+
+def partition_against_shared(xs, topk_idx, topk_weights, grads, config: dict, max_rows, sm_partition: int):
+    """MoEMicroBatches with plain GroupedExperts (bf16) on shared SMs, then with
+    its exchange on ``sm_partition`` SMs split off, then shared and split again
+    (each stream handed over to the next): the outputs and every gradient of the
+    last three against the first's. Returns the runs and indices that differ."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    xs, topk_idx, topk_weights, grads = ([t.to(device) for t in ts] for ts in (xs, topk_idx, topk_weights, grads))
+    torch.manual_seed(5)
+    experts = GroupedExperts(d.num_local_experts, xs[0].shape[1], 64, dtype=torch.bfloat16, device=device)
+    runs = []
+    for split in (None, sm_partition, None, sm_partition):
+        layer = dispatch.MoEMicroBatches(d, experts, max_rows=max_rows, sm_partition=split)
+        leaves = [x.clone().requires_grad_() for x in xs]
+        weights = [w.clone().requires_grad_() for w in topk_weights]
+        outs = layer(leaves, topk_idx, weights)
+        sum((out.float() * g.float()).sum() for out, g in zip(outs, grads)).backward()
+        runs.append([_cpu(t) for t in outs] + [_cpu(t.grad) for t in leaves + weights]
+                    + [_cpu(p.grad) for p in experts.parameters()])
+        experts.zero_grad(set_to_none=True)
+    return [(run, k) for run in (1, 2, 3) for k, (a, b) in enumerate(zip(runs[run], runs[0])) if not torch.equal(a, b)]

@@ -203,6 +203,8 @@ def bad_arguments():
                  lambda: dispatch.MoEMicroBatches(d, 3),
                  lambda: dispatch.MoEMicroBatches(d, lambda t, n: t, sm_carveout=-1),
                  lambda: dispatch.MoEMicroBatches(d, lambda t, n: t, max_rows=True),
+                 lambda: dispatch.MoEMicroBatches(d, lambda t, n: t, sm_partition=0),
+                 lambda: dispatch.MoEMicroBatches(d, lambda t, n: t, sm_partition=True),
                  lambda: layer(x, [idx], [w]),
                  lambda: layer([x, x], [idx], [w, w]),
                  lambda: layer([], [], [])):
@@ -212,6 +214,12 @@ def bad_arguments():
         except (TypeError, ValueError) as error:
             seen.append(f"{type(error).__name__}: {error}")
     seen.append([o.shape for o in layer([x, x[:1]], [idx, idx[:1]], [w, w[:1]])])
+    if device.type == "cpu":  # an SM partition splits a GPU's SMs: refused before any exchange
+        try:
+            dispatch.MoEMicroBatches(d, lambda t, n: t, sm_partition=8)([x], [idx], [w])
+            seen.append(None)
+        except ValueError as error:
+            seen.append(f"ValueError: {error}")
     return seen
 
 
@@ -219,6 +227,22 @@ def test_bad_arguments_are_named(worlds):
     (seen,) = worlds(1).run(bad_arguments)
     assert seen[0].startswith("TypeError: dispatcher") and seen[1].startswith("TypeError: experts"), seen
     assert seen[2].startswith("ValueError: sm_carveout") and seen[3].startswith("ValueError: max_rows"), seen
-    assert seen[4].startswith("TypeError: xs") and seen[5].startswith("ValueError: xs, topk_idx"), seen
-    assert seen[6].startswith("ValueError: xs, topk_idx"), seen
-    assert seen[7] == [torch.Size([3, HIDDEN]), torch.Size([1, HIDDEN])], seen
+    assert seen[4].startswith("ValueError: sm_partition") and seen[5].startswith("ValueError: sm_partition"), seen
+    assert seen[6].startswith("TypeError: xs") and seen[7].startswith("ValueError: xs, topk_idx"), seen
+    assert seen[8].startswith("ValueError: xs, topk_idx"), seen
+    assert seen[9] == [torch.Size([3, HIDDEN]), torch.Size([1, HIDDEN])], seen
+    if len(seen) > 10:
+        assert seen[10].startswith("ValueError: sm_partition splits a GPU's SMs: it needs xs on CUDA"), seen
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("transport, bounded", [("nccl", False), ("nvlink", False), ("nvlink", True)])
+def test_on_cuda_an_sm_partition_keeps_the_bits(worlds, transport, bounded):
+    """The exchange on 8 SMs split off, the experts on the rest: the bits of the
+    layer on shared SMs, forward and backward, taken in turn with it both ways."""
+    routings = [make_routing(2, 8, 2, t, "random", seed=21 + s) for s, t in enumerate([[40, 33], [25, 47]])]
+    args = [([random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, m) for m, rt in enumerate(routings)],
+             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].float() for rt in routings],
+             [random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
+             dict(num_experts=8, transport=transport), 400 if bounded else None, 8) for r in range(2)]
+    assert worlds(2).run(pipeline_fns.partition_against_shared, args) == [[], []]

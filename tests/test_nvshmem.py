@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dispatch
+import pipeline_fns
 import rank_fns
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.transports import NVSHMEMTransport, choose
@@ -587,6 +588,21 @@ def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
              1.0 + pad / 10, False) for r in range(2)]
     for rank, ok in enumerate(nvshmem_world.run(rank_fns.bounded_groups_verbs, args)):
         assert all(ok.values()), f"rank {rank}: {ok}"
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_on_nvshmem_an_sm_partition_keeps_the_bits(nvshmem_world, bounded):
+    """MoEMicroBatches with its exchange (plans, puts and gets) on 8 SMs split
+    off, the experts on the rest: the bits of the layer on shared SMs, forward
+    and backward, taken in turn with it both ways."""
+    from routing import make_routing, random_tokens
+
+    routings = [make_routing(2, 8, 2, t, "random", seed=31 + s) for s, t in enumerate([[40, 33], [25, 47]])]
+    args = [([random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, m) for m, rt in enumerate(routings)],
+             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].float() for rt in routings],
+             [random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
+             dict(num_experts=8, transport="nvshmem"), 400 if bounded else None, 8) for r in range(2)]
+    assert nvshmem_world.run(pipeline_fns.partition_against_shared, args) == [[], []]
 
 
 def _first_group_empty(emulated: bool) -> list:

@@ -9,7 +9,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from dispatch.bench.sm_partition import exchange_streams, split
 from dispatch.micro_batches import MoEMicroBatches
 
 
@@ -19,17 +18,15 @@ def micro_batch_step(case, backward: bool, serial: bool = False, sm_carveout: in
     through MoEMicroBatches (each dispatch with ``max_rows``), its GEMMs leaving
     ``sm_carveout`` SMs to the exchange beside them; ``serial``: every kernel on
     the caller's stream in the order issued (:func:`one_stream`; no carveout);
-    ``sm_partition``: the exchange on that many SMs split off, the rest on the
-    others (``sm_partition.split``). Returns a step that returns the outputs."""
+    ``sm_partition``: MoEMicroBatches' (the exchange on that many SMs split off,
+    the GEMMs on the rest). Returns a step that returns the outputs."""
     layer = MoEMicroBatches(case.dispatcher, case.experts, sm_carveout=None if serial else sm_carveout,
-                            max_rows=max_rows)
+                            max_rows=max_rows, sm_partition=None if serial else sm_partition)
 
     def run():
         xs = [x.detach().requires_grad_(backward) for x in (case.x, *case.more)]
         ws = [case.topk_weights.detach().requires_grad_(backward) for _ in xs]
-        device = case.x.device
-        with (one_stream(layer, device) if serial else split(layer, device, sm_partition) if sm_partition
-              else contextlib.nullcontext()):
+        with one_stream(layer, case.x.device) if serial else contextlib.nullcontext():
             outs = layer(xs, [case.topk_idx] * len(xs), ws)
             if backward:
                 torch.autograd.backward(outs, [case.grad] * len(outs))
@@ -55,14 +52,30 @@ def layer_steps(case, seq, backward: bool):
     return run
 
 
+@contextlib.contextmanager
 def one_stream(layer: MoEMicroBatches, device: torch.device):
     """Inside, on CUDA: ``layer``'s exchanges, their plans and the NVSHMEM
     transport's data kernels run on the caller's stream, in the order issued:
     the schedule's work with nothing beside anything (T_mb_serial)."""
     if device.type != "cuda":
-        return contextlib.nullcontext()
+        yield
+        return
     caller = torch.cuda.current_stream(device)
-    return exchange_streams(layer, lambda device, priority: caller, caller, caller)
+    streams, exchange = layer.dispatcher._streams, getattr(layer.dispatcher.transport, "exchange", None)
+    saved = (streams.__dict__.get("stream"), layer._plans, getattr(exchange, "_own", None))
+    streams.stream, layer._plans = (lambda device, priority: caller), caller
+    if saved[2] is not None:
+        exchange._own = caller  # (the stream its kernels take where no SM partition is in use)
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            del streams.stream  # (the class's method again)
+        else:
+            streams.stream = saved[0]
+        layer._plans = saved[1]
+        if saved[2] is not None:
+            exchange._own = saved[2]
 
 
 def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: int | None,

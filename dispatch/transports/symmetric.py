@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, cuda
+from dispatch import checks, cuda, partition
 from dispatch.kernels import nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 
@@ -81,7 +81,8 @@ class SymmetricExchange:
         rank = dist.get_rank(group)
         self._to_everyone = tuple(torch.full((world_size,), value, dtype=torch.int64, device=device)
                                   for value in (0, 1, rank))
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # its kernels' stream: its own, or beside an SM partition's stream the partition's (:meth:`_beside`)
+        self._own = self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # whether our put kernel runs, agreed by every rank (a rank whose build failed would otherwise pair
         # torch's all-to-all, or NCCL's, with its peers' puts)
         self._puts = False
@@ -162,7 +163,7 @@ class SymmetricExchange:
         replayed there that holds exchanges of its own)."""
         self.operations += 1
         current = torch.cuda.current_stream(self.device)
-        current.wait_stream(self._stream)
+        current.wait_stream(self._beside(current))
         result = run()
         self._stream.wait_stream(current)
         return result
@@ -295,6 +296,13 @@ class SymmetricExchange:
 
         return self._in_turn(move, reads)
 
+    def _beside(self, current: "torch.cuda.Stream") -> "torch.cuda.Stream":
+        """The stream the exchange's kernels take beside ``current`` (its own, or an
+        SM partition's exchange stream beside one of that partition's), after the
+        one they took last: every move stays in the order issued."""
+        self._stream = partition.handed_over(self._stream, partition.beside(current, self._own, "data"))
+        return self._stream
+
     def _received(self, stride: int, recv_rows: int, row_bytes: int, dtype: torch.dtype, consume):
         """``consume`` of the rows received, [recv_rows + 1, row], the last zeros."""
         out = _rows_of(self._recv, stride)[: recv_rows + 1, :row_bytes]
@@ -309,7 +317,7 @@ class SymmetricExchange:
         current = None if self._stream is None else torch.cuda.current_stream(self.device)
         if current is None:
             return move()
-        self._stream.wait_stream(current)
+        self._beside(current).wait_stream(current)
         with torch.cuda.stream(self._stream):
             result = move()
         if joined:
