@@ -442,3 +442,16 @@ def partition_against_shared(xs, topk_idx, topk_weights, grads, config: dict, ma
                     + [_cpu(p.grad) for p in experts.parameters()])
         experts.zero_grad(set_to_none=True)
     return [(run, k) for run in (1, 2, 3) for k, (a, b) in enumerate(zip(runs[run], runs[0])) if not torch.equal(a, b)]
+
+
+def partition_args(transport: str, bounded: bool, seed: int) -> list:
+    """Each of 2 ranks' arguments of :func:`partition_against_shared`: two
+    micro-batches of bf16 rows (H = 256) routed at random to 16 experts, K = 2."""
+    from routing import make_routing, random_tokens
+
+    routings = [make_routing(2, 8, 2, t, "random", seed=seed + s) for s, t in enumerate([[40, 33], [25, 47]])]
+    return [([random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, m) for m, rt in enumerate(routings)],
+             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].float() for rt in routings],
+             [random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
+             dict(num_experts=routings[0].num_experts, transport=transport), 400 if bounded else None, 8)
+            for r in range(2)]

@@ -240,9 +240,5 @@ def test_bad_arguments_are_named(worlds):
 def test_on_cuda_an_sm_partition_keeps_the_bits(worlds, transport, bounded):
     """The exchange on 8 SMs split off, the experts on the rest: the bits of the
     layer on shared SMs, forward and backward, taken in turn with it both ways."""
-    routings = [make_routing(2, 8, 2, t, "random", seed=21 + s) for s, t in enumerate([[40, 33], [25, 47]])]
-    args = [([random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, m) for m, rt in enumerate(routings)],
-             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].float() for rt in routings],
-             [random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
-             dict(num_experts=8, transport=transport), 400 if bounded else None, 8) for r in range(2)]
+    args = pipeline_fns.partition_args(transport, bounded, seed=21)
     assert worlds(2).run(pipeline_fns.partition_against_shared, args) == [[], []]

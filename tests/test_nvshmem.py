@@ -595,13 +595,7 @@ def test_on_nvshmem_an_sm_partition_keeps_the_bits(nvshmem_world, bounded):
     """MoEMicroBatches with its exchange (plans, puts and gets) on 8 SMs split
     off, the experts on the rest: the bits of the layer on shared SMs, forward
     and backward, taken in turn with it both ways."""
-    from routing import make_routing, random_tokens
-
-    routings = [make_routing(2, 8, 2, t, "random", seed=31 + s) for s, t in enumerate([[40, 33], [25, 47]])]
-    args = [([random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, m) for m, rt in enumerate(routings)],
-             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].float() for rt in routings],
-             [random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
-             dict(num_experts=8, transport="nvshmem"), 400 if bounded else None, 8) for r in range(2)]
+    args = pipeline_fns.partition_args("nvshmem", bounded, seed=31)
     assert nvshmem_world.run(pipeline_fns.partition_against_shared, args) == [[], []]
 
 
