@@ -431,6 +431,8 @@ def partition_against_shared(xs, topk_idx, topk_weights, grads, config: dict, ma
     xs, topk_idx, topk_weights, grads = ([t.to(device) for t in ts] for ts in (xs, topk_idx, topk_weights, grads))
     torch.manual_seed(5)
     experts = GroupedExperts(d.num_local_experts, xs[0].shape[1], 64, dtype=torch.bfloat16, device=device)
+    if max_rows is not None:  # the bounded buffers sized for the largest micro-batch, not the first
+        d.reserve(max(xs, key=len), topk_idx[0].shape[1])
     runs = []
     for split in (None, sm_partition, None, sm_partition):
         layer = dispatch.MoEMicroBatches(d, experts, max_rows=max_rows, sm_partition=split)
