@@ -88,7 +88,7 @@ class MoEMicroBatches(nn.Module):
             kernel of either lands on the other's SMs; ``sm_carveout`` then
             defaults to the SMs split off. None: the SMs shared. Measured over
             NVSHMEM at 8 blocks (a slow link) on 2 x H200: forward+backward
-            0.94-0.96x the time on shared SMs, forward 1.01-1.02x. The exchange
+            0.94-0.97x the time on shared SMs, forward 1.01-1.02x. The exchange
             then has those SMs alone: give it no more blocks than it has SMs.
     """
 
