@@ -49,6 +49,27 @@ def _time(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def experts_gemms(e: int = 128, rows_per_expert: int = 256) -> dict:
+    """The experts' GEMMs of the module doc (name -> a call of it), on ``e``
+    experts of ``rows_per_expert`` rows each, bf16 on the current GPU."""
+    hidden, ffn, n = 7168, 2048, e * rows_per_expert
+    torch.manual_seed(0)
+    experts = GroupedExperts(e, hidden, ffn, dtype=torch.bfloat16, device="cuda")
+    offs = _ends(torch.full((e,), rows_per_expert, device="cuda"))
+    x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda")
+    h = torch.randn(n, 2 * ffn, dtype=torch.bfloat16, device="cuda")
+    act = torch.randn(n, ffn, dtype=torch.bfloat16, device="cuda")
+    w_in, w_out = experts.w_in.detach(), experts.w_out.detach()
+    return {
+        "fc1": lambda: torch._grouped_mm(x, w_in, offs=offs),
+        "fc2": lambda: torch._grouped_mm(act, w_out, offs=offs),
+        "fc2 dgrad": lambda: torch._grouped_mm(x, w_out.transpose(1, 2), offs=offs),
+        "fc1 dgrad": lambda: torch._grouped_mm(h, w_in.transpose(1, 2), offs=offs),
+        "w_in wgrad": lambda: torch._grouped_mm(x.t(), h, offs=offs),
+        "w_out wgrad": lambda: torch._grouped_mm(act.t(), x, offs=offs),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--carveouts", default="0,4,8,12,16,20,24,32", help="SM carveouts to time (comma-separated)")
@@ -61,30 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         print("carveout_probe: needs a GPU", file=sys.stderr)
         return 2
     carveouts = [int(c) for c in args.carveouts.split(",")]
-    e, hidden, ffn, n = args.experts, 7168, 2048, args.experts * args.rows_per_expert
-    torch.manual_seed(0)
-    experts = GroupedExperts(e, hidden, ffn, dtype=torch.bfloat16, device="cuda")
-    offs = _ends(torch.full((e,), args.rows_per_expert, device="cuda"))
-    x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda")
-    h = torch.randn(n, 2 * ffn, dtype=torch.bfloat16, device="cuda")
-    act = torch.randn(n, ffn, dtype=torch.bfloat16, device="cuda")
-    w_in, w_out = experts.w_in.detach(), experts.w_out.detach()
-    gemms = {
-        "fc1": lambda: torch._grouped_mm(x, w_in, offs=offs),
-        "fc2": lambda: torch._grouped_mm(act, w_out, offs=offs),
-        "fc2 dgrad": lambda: torch._grouped_mm(x, w_out.transpose(1, 2), offs=offs),
-        "fc1 dgrad": lambda: torch._grouped_mm(h, w_in.transpose(1, 2), offs=offs),
-        "w_in wgrad": lambda: torch._grouped_mm(x.t(), h, offs=offs),
-        "w_out wgrad": lambda: torch._grouped_mm(act.t(), x, offs=offs),
-    }
+    gemms = experts_gemms(args.experts, args.rows_per_expert)
     table = {}
     for name, fn in gemms.items():
         for c in carveouts:
             with carved_out(c):
                 table[name, c] = _time(fn, args.iters)
     lines = [f"# the experts' GEMMs under an SM carveout, one {torch.cuda.get_device_name()} "
-             f"({torch.cuda.get_device_properties(0).multi_processor_count} SMs), E_local={e}, H={hidden}, "
-             f"ffn={ffn} (swiglu), {args.rows_per_expert} rows an expert, bf16; ms (x carveout 0)",
+             f"({torch.cuda.get_device_properties(0).multi_processor_count} SMs), E_local={args.experts}, H=7168, "
+             f"ffn=2048 (swiglu), {args.rows_per_expert} rows an expert, bf16; ms (x carveout 0)",
              "", "| GEMM | " + " | ".join(f"carveout {c}" for c in carveouts) + " |",
              "| --- |" + " --- |" * len(carveouts)]
     for name in gemms:

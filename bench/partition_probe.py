@@ -40,8 +40,8 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+from carveout_probe import experts_gemms  # noqa: E402  (beside this script)
 from dispatch.partition import SMPartition, driver  # noqa: E402
-from dispatch.experts import GroupedExperts, _ends  # noqa: E402
 from dispatch.pipeline import carved_out  # noqa: E402
 
 _SPIN = r"""
@@ -89,14 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print("partition_probe: needs a GPU", file=sys.stderr)
         return 2
     torch.cuda.init()
-    e, hidden, ffn, n = 128, 7168, 2048, 128 * 256
-    torch.manual_seed(0)
-    experts = GroupedExperts(e, hidden, ffn, dtype=torch.bfloat16, device="cuda")
-    offs = _ends(torch.full((e,), 256, device="cuda"))
-    x = torch.randn(n, hidden, dtype=torch.bfloat16, device="cuda")
-    w_in, w_out = experts.w_in.detach(), experts.w_out.detach()
-    gemms = {"fc1": lambda: torch._grouped_mm(x, w_in, offs=offs),
-             "fc2 dgrad": lambda: torch._grouped_mm(x, w_out.transpose(1, 2), offs=offs)}
+    every = experts_gemms()  # (bench/carveout_probe.py's shapes)
+    gemms = {name: every[name] for name in ("fc1", "fc2 dgrad")}
     lines = [f"# a GEMM beside a {args.blocks}-block stand-in exchange, one {torch.cuda.get_device_name()}, "
              f"GEMMs leaving {args.carveout} SMs", ""]
     split = None
