@@ -6,7 +6,9 @@ MoEExchange(G) with GroupedExperts is profiled on every rank (torch.profiler).
 Each rank writes its chrome trace (rank 0 ``<stem>.json``, rank R
 ``<stem>-rank<R>.json``; one host, one folder); rank 0 writes the kernel table
 (``<stem>.txt``), every rank's streams on one PNG timeline (``<stem>.png``) and
-a lane-by-lane summary of idle time and host waits (``<stem>-lanes.txt``,
+a lane-by-lane summary of idle time and host waits (``<stem>-lanes.txt``:
+first the step's time as ``dispatch-bench`` takes it, CUDA events around it
+from an idle GPU, whose lanes start only at the first kernel; then
 ``timeline.lanes_summary``), with ``<stem>`` =
 ``overlap-trace-<shape>-w<W><suffix>-g<G>``.
 
@@ -39,6 +41,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dispatch.bench import overlap, overlap_mb  # noqa: E402
 from dispatch.bench.common import SHAPES, launch, shapes_fit, world_size_for  # noqa: E402
+from dispatch.timing import PhaseTimer  # noqa: E402
 from timeline import draw_timeline, lanes_summary  # noqa: E402
 
 
@@ -115,8 +118,13 @@ def trace(step, stem: str, device, title: str) -> None:
     with profile(activities=activities) as prof:
         dist.barrier()  # inside the profile: every rank's profiler has started before the step
         _sync(device)
+        timer = PhaseTimer(device)  # as dispatch-bench times a step: events around it, from an idle GPU
+        timer.start()
         step()
+        timer.mark("step")
         _sync(device)
+    timed = torch.tensor([timer.phases()["step"]], dtype=torch.float64, device=device)
+    dist.all_reduce(timed, op=dist.ReduceOp.MAX)
     rank, world = dist.get_rank(), dist.get_world_size()
     paths = [stem + ".json"] + [f"{stem}-rank{r}.json" for r in range(1, world)]
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
@@ -127,7 +135,8 @@ def trace(step, stem: str, device, title: str) -> None:
     with open(stem + ".txt", "w") as f:  # where the time goes, kernel by kernel
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         f.write(prof.key_averages().table(sort_by=key, row_limit=40))
-    with open(stem + "-lanes.txt", "w") as f:
+    with open(stem + "-lanes.txt", "w") as f:  # (the lanes start at the first kernel; the events before it)
+        f.write(f"the step timed with CUDA events around it (slowest rank): {float(timed):.2f} ms\n")
         f.write(lanes_summary(paths))
     draw_timeline(paths, stem + ".png", title)
     print(f"timeline: {stem}.png", flush=True)

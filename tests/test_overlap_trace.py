@@ -22,7 +22,9 @@ def test_cpu_run_writes_traces_timeline_and_host_profile(tmp_path):
     assert (tmp_path / f"{stem}.png").stat().st_size > 0
     assert (tmp_path / f"{stem}.json").stat().st_size > 0
     assert (tmp_path / f"{stem}-rank1.json").stat().st_size > 0  # every rank's trace
-    lanes = (tmp_path / f"{stem}-lanes.txt").read_text()
+    first, lanes = (tmp_path / f"{stem}-lanes.txt").read_text().split("\n", 1)
+    assert first.startswith("the step timed with CUDA events around it (slowest rank): ") and first.endswith(" ms")
+    assert float(first.split(": ")[1][:-3]) > 0
     assert lanes.startswith("rank 0, ") and "\nrank 1, " in lanes  # threads on CPU, streams on CUDA
     host = (tmp_path / "overlap-host-cpu-tiny-w2-g2.txt").read_text()
     assert host.startswith("host profile of 5 forward+backward steps, cpu-tiny, G=2, rank 0")
