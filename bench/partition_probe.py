@@ -93,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     gemms = {name: every[name] for name in ("fc1", "fc2 dgrad")}
     lines = [f"# a GEMM beside a {args.blocks}-block stand-in exchange, one {torch.cuda.get_device_name()}, "
              f"GEMMs leaving {args.carveout} SMs", ""]
-    split = None
+    partition = None
     try:
-        split = SMPartition.of(torch.cuda.current_device(), args.blocks)
-        lines.append(f"SMs: the exchange's partition {split.exchange_sms}, the GEMMs' {split.compute_sms}")
+        partition = SMPartition.of(torch.device("cuda"), args.blocks)
+        lines.append(f"SMs: the exchange's {partition.exchange_sms}, the GEMMs' {partition.compute_sms}")
     except (RuntimeError, ValueError) as exc:
-        lines.append(f"no green contexts: {exc}")
+        lines.append(f"no SM partition: {exc}")
     src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     smids = torch.zeros(args.blocks, dtype=torch.int32, device="cuda")
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     busy_buf = torch.empty(512 << 20, dtype=torch.bfloat16, device="cuda")
     busy = lambda: busy_buf.mul_(1.0)  # noqa: E731  (a many-block kernel, about 0.4 ms)
     places = [("shared", side_stream, main_stream)]
-    if split is not None:
-        x_split = split.exchange_stream("probe")
-        places += [("split", x_split, split.compute_stream()), ("X split only", x_split, main_stream)]
+    if partition is not None:
+        x_apart = partition.stand_in(side_stream)
+        places += [("split", x_apart, partition.compute_stream()), ("X split only", x_apart, main_stream)]
     arrangements = [(f"{place}, {order}", x_on, g_on, order)
                     for place, x_on, g_on in places for order in ("X first", "G first", "X amid")]
     for name, fn in gemms.items():

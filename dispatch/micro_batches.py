@@ -43,7 +43,9 @@ micro-batch, their parameters' gradients summed in order in their dtype.
 With ``sm_partition`` (CUDA), the call runs on an SM partition's compute stream
 (``dispatch.partition``): the experts on its compute SMs, every exchange, plan
 and NVSHMEM move beside them on its exchange SMs; the backward likewise. The
-caller's stream waits for it on return, as for the layer on shared SMs.
+caller's stream waits for it on return, as for the layer on shared SMs. A rank
+whose partition cannot be made raises before its first dispatch; its peers stop
+at that dispatch's timeout (ranks alike in GPU and driver fail alike).
 
 Each micro-batch is the round trip of ``combine(experts(dispatch(x)).., weights)``
 (the bits of MoEExchange with one group, micro-batch by micro-batch; the plain
@@ -82,14 +84,14 @@ class MoEMicroBatches(nn.Module):
             exchange waits for them: give at least the SMs its kernels take.
         max_rows: each micro-batch's dispatch ``max_rows`` (None: none): on the
             NVLink engine and over NVSHMEM nothing is then read on the host.
-        sm_partition: on CUDA, the exchange's kernels on this many SMs split off
-            (rounded up as the device requires: a multiple of 8 on H100/H200)
-            and the experts on the rest (``dispatch.partition``), so that no
-            kernel of either lands on the other's SMs; ``sm_carveout`` then
-            defaults to the SMs split off. None: the SMs shared. Measured over
-            NVSHMEM at 8 blocks (a slow link) on 2 x H200: forward+backward
-            0.94-0.97x the time on shared SMs, forward 1.01-1.02x. The exchange
-            then has those SMs alone: give it no more blocks than it has SMs.
+        sm_partition: on CUDA, an SM partition (``dispatch.partition``) of this
+            many SMs (rounded up as the device requires: a multiple of 8 on
+            H100/H200) for the exchange's kernels, the experts on the rest, so
+            that no kernel of either lands on the other's SMs; ``sm_carveout``
+            then defaults to the partition's SMs. None: the SMs shared. Over a
+            slow link (NVSHMEM at 8 blocks, 2 x H200) forward+backward takes
+            0.94-0.97x the time on shared SMs. Give the exchange no more blocks
+            than its SMs. Not in a CUDA graph.
     """
 
     def __init__(self, dispatcher: TokenDispatcher, experts, comm_priority: int = -1,
@@ -119,8 +121,10 @@ class MoEMicroBatches(nn.Module):
             return self._forward(count, xs, topk_idx, topk_weights)
         if device.type != "cuda":
             raise ValueError(f"sm_partition splits a GPU's SMs: it needs xs on CUDA, got {device}")
-        self._partition = SMPartition.of(device.index if device.index is not None else torch.cuda.current_device(),
-                                         self.sm_partition)
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError("sm_partition: a call on an SM partition cannot be captured in a CUDA graph (its "
+                             "streams are green contexts'); capture the layer without it")
+        self._partition = SMPartition.of(device, self.sm_partition)
         caller = torch.cuda.current_stream(device)
         with self._partition.computing():
             outs = self._forward(count, xs, topk_idx, topk_weights)
@@ -154,7 +158,7 @@ class MoEMicroBatches(nn.Module):
         if self._plans is None or self._plans.device != device:
             self._plans = torch.cuda.Stream(device, priority=self.comm_priority)
         # beside an SM partition's compute stream, the partition's plans stream, in turn with the layer's own
-        plans = partition.beside(caller, self._plans, "plans", self.comm_priority)
+        plans = partition.beside(caller, self._plans)
         self._plans_taken = plans = partition.handed_over(self._plans_taken, plans)
         plans.wait_stream(caller)
         for tensor in inputs:  # (a tensor elsewhere is refused by its dispatch's agreed checks)
@@ -165,7 +169,7 @@ class MoEMicroBatches(nn.Module):
     def _carved_out(self):
         """The experts' GEMMs leave ``sm_carveout`` SMs free; with an SM partition
         and no carveout given, the SMs split off."""
-        if self.sm_carveout is None and self._partition is not None:
+        if self.sm_carveout is None and self.sm_partition is not None and self._partition is not None:
             return carved_out(self._partition.exchange_sms)
         return carved_out(self.sm_carveout)
 

@@ -1,16 +1,20 @@
-"""The exchange on SMs of its own: disjoint SM partitions (CUDA green contexts).
+"""SM partitions: one device's SMs in two disjoint sets (CUDA green contexts),
+a small one for an exchange's kernels and the rest for the work beside them, so
+that neither's blocks land on the other's SMs.
 
-Beside the experts' GEMMs, an exchange's kernels land on whatever SMs are free
-when they start, and a GEMM launched while they run can take twice its time
-(over NVSHMEM at 8 blocks on H200, the activations' gradient GEMM 3.4-3.8 ms
-against 1.8 alone, carveout or not). With the exchange's kernels on a few SMs
-split off and the GEMMs on the rest, that GEMM takes 1.95 ms.
+Work queued on a partition's :meth:`SMPartition.compute_stream` runs on the
+compute SMs. The exchange's side streams follow the caller's stream: where the
+caller's current stream is one of a partition's, each side stream (a
+dispatcher's communication stream, a layer's plans stream, the NVSHMEM
+exchange's own) is replaced by the partition's stand-in for it (:func:`beside`),
+which runs on the exchange SMs; elsewhere nothing changes. This is the current
+stream's own rule carried one step further, and why the partitions are known
+process-wide (by their streams). ``MoEMicroBatches(sm_partition=N)`` runs its
+calls on a partition's compute stream.
 
-An :class:`SMPartition` is such a split of one device (two green contexts,
-made once a process through the driver) with streams on each side. Work queued
-on its compute stream runs on the compute SMs; an exchange issued from any of
-its streams takes the partition's exchange streams (:func:`beside`), which run
-on the exchange SMs. ``MoEMicroBatches(sm_partition=N)`` runs its call so.
+Green contexts are made through the CUDA driver (12.4 or later). Memory the work
+allocates on the partition's streams comes from their own pools in torch's
+caching allocator, not the caller's stream's.
 """
 
 from __future__ import annotations
@@ -18,16 +22,44 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import threading
 
 import torch
 
-_RESOURCE_BYTES = 144  # sizeof(CUdevResource), CUDA 12.4 to 13: its type, 92 bytes, a 48-byte union
-_SM_COUNT_AT = 96  # CUdevResource.sm.smCount
+
+class _SmResource(ctypes.Structure):
+    _fields_ = [("smCount", ctypes.c_uint), ("minSmPartitionSize", ctypes.c_uint),
+                ("smCoscheduledAlignment", ctypes.c_uint), ("_rest", ctypes.c_ubyte * 36)]
+
+
+class _DevResource(ctypes.Structure):
+    """``CUdevResource`` (CUDA 12.4 to 13): its type, 92 bytes of padding, a 48-byte union."""
+
+    _fields_ = [("type", ctypes.c_int), ("_padding", ctypes.c_ubyte * 92), ("sm", _SmResource)]
+
+
+assert ctypes.sizeof(_DevResource) == 144 and _DevResource.sm.offset == 96
+
 _SM = 1  # CU_DEV_RESOURCE_TYPE_SM
 _DEFAULT_STREAM = 1  # CU_GREEN_CTX_DEFAULT_STREAM (required)
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING (required of a green context's streams)
+_PTR = ctypes.c_void_p
+_SIGNATURES = {  # the driver calls made here: their arguments, each returns a CUresult
+    "cuDeviceGet": (ctypes.POINTER(ctypes.c_int), ctypes.c_int),
+    "cuDeviceGetDevResource": (ctypes.c_int, ctypes.POINTER(_DevResource), ctypes.c_int),
+    "cuDevSmResourceSplitByCount": (ctypes.POINTER(_DevResource), ctypes.POINTER(ctypes.c_uint),
+                                    ctypes.POINTER(_DevResource), ctypes.POINTER(_DevResource), ctypes.c_uint,
+                                    ctypes.c_uint),
+    "cuDevResourceGenerateDesc": (ctypes.POINTER(_PTR), ctypes.POINTER(_DevResource), ctypes.c_uint),
+    "cuGreenCtxCreate": (ctypes.POINTER(_PTR), _PTR, ctypes.c_int, ctypes.c_uint),
+    "cuGreenCtxDestroy": (_PTR,),
+    "cuGreenCtxStreamCreate": (ctypes.POINTER(_PTR), _PTR, ctypes.c_uint, ctypes.c_int),
+    "cuStreamSynchronize": (_PTR,),
+}
 
-_BY_STREAM: dict[int, "SMPartition"] = {}  # a partition's streams (their handles) -> it
+_LOCK = threading.Lock()  # the partitions and their streams are made once a process, under it
+_PARTITIONS: dict[tuple[int, int], "SMPartition"] = {}  # (device, SMs asked for) -> the partition
+_BY_STREAM: dict[int, "SMPartition"] = {}  # every partition stream (its handle) -> its partition
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,72 +68,89 @@ def _library():
 
 
 def driver(name: str, *args) -> None:
-    """Call the CUDA driver's ``name``; a status other than success raises, naming it."""
+    """Call the CUDA driver's ``name`` (one of ``_SIGNATURES``, typed so); a status
+    other than success raises a RuntimeError naming it."""
     try:
         function = getattr(_library(), name)
     except (OSError, AttributeError) as error:
-        raise RuntimeError(f"the CUDA driver has no {name} (green contexts need CUDA 12.4 or later): "
-                           f"{error}") from None
+        raise RuntimeError(f"the CUDA driver has no {name} (green contexts need CUDA 12.4 or later)") from error
+    function.argtypes, function.restype = _SIGNATURES[name], ctypes.c_int
     status = function(*args)
     if status != 0:
         raise RuntimeError(f"{name} failed: CUDA error {status}")
 
 
-def _sm_count(resource) -> int:
-    return int.from_bytes(bytes(resource)[_SM_COUNT_AT:_SM_COUNT_AT + 4], "little")
-
-
 class SMPartition:
-    """One device's SMs in two disjoint sets: ``exchange_sms`` for the exchange's
-    kernels, ``compute_sms`` (the rest) for the work on :meth:`compute_stream`."""
+    """``exchange_sms`` SMs of a CUDA device for an exchange's kernels, the other
+    ``compute_sms`` for the work on :meth:`compute_stream`. Made by :meth:`of`."""
 
-    def __init__(self, device_index: int, exchange_sms: int) -> None:
-        torch.cuda.init()
+    def __init__(self, device_index: int, sms: int) -> None:
         dev = ctypes.c_int()
         driver("cuDeviceGet", ctypes.byref(dev), device_index)
-        whole = (ctypes.c_ubyte * _RESOURCE_BYTES)()
-        driver("cuDeviceGetDevResource", dev, whole, _SM)
-        if exchange_sms >= _sm_count(whole):
-            raise ValueError(f"sm_partition must leave SMs to the rest: {exchange_sms} of cuda:{device_index}'s "
-                             f"{_sm_count(whole)}")
-        part, rest = (ctypes.c_ubyte * _RESOURCE_BYTES)(), (ctypes.c_ubyte * _RESOURCE_BYTES)()
-        groups = ctypes.c_uint(1)  # one group of at least exchange_sms (rounded as the device requires), and the rest
-        driver("cuDevSmResourceSplitByCount", part, ctypes.byref(groups), whole, rest, 0, exchange_sms)
-        self._contexts = []
-        for resource in (part, rest):
-            desc, ctx = ctypes.c_void_p(), ctypes.c_void_p()
-            driver("cuDevResourceGenerateDesc", ctypes.byref(desc), resource, 1)
-            driver("cuGreenCtxCreate", ctypes.byref(ctx), desc, dev, _DEFAULT_STREAM)
-            self._contexts.append(ctx.value)
+        whole, part, rest = _DevResource(), _DevResource(), _DevResource()
+        driver("cuDeviceGetDevResource", dev, ctypes.byref(whole), _SM)
+        groups = ctypes.c_uint(1)  # one group of at least `sms` (rounded up as the device requires), and the rest
+        if sms < whole.sm.smCount:
+            driver("cuDevSmResourceSplitByCount", ctypes.byref(part), ctypes.byref(groups), ctypes.byref(whole),
+                   ctypes.byref(rest), 0, sms)
+        if sms >= whole.sm.smCount or groups.value != 1 or rest.sm.smCount == 0:
+            raise ValueError(f"sm_partition={sms} leaves no SMs to the rest of cuda:{device_index} "
+                             f"({whole.sm.smCount} SMs, taken in multiples of {whole.sm.smCoscheduledAlignment})")
+        self._contexts: list[int] = []
+        try:
+            for resource in (part, rest):
+                desc, ctx = _PTR(), _PTR()
+                driver("cuDevResourceGenerateDesc", ctypes.byref(desc), ctypes.byref(resource), 1)
+                driver("cuGreenCtxCreate", ctypes.byref(ctx), desc, dev, _DEFAULT_STREAM)
+                self._contexts.append(ctx.value)
+        except RuntimeError:
+            for ctx in self._contexts:
+                driver("cuGreenCtxDestroy", _PTR(ctx))
+            raise
         self.device = torch.device("cuda", device_index)
-        self.exchange_sms, self.compute_sms = _sm_count(part), _sm_count(rest)
-        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+        self.exchange_sms, self.compute_sms = part.sm.smCount, rest.sm.smCount
+        self._stand_ins: dict[int, torch.cuda.Stream] = {}  # a plain stream's handle -> its stand-in here
+        self._compute: torch.cuda.Stream | None = None  # (made on first use)
 
     @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def of(device_index: int, exchange_sms: int) -> "SMPartition":
-        """The partition of CUDA device ``device_index`` with ``exchange_sms`` split
-        off for the exchange (made on first use, then the same one)."""
-        return SMPartition(device_index, exchange_sms)
+    def of(device: torch.device, sms: int) -> "SMPartition":
+        """The partition of CUDA ``device`` with ``sms`` SMs (rounded up as it
+        requires: a multiple of 8 on compute capability 9.0) for the exchange:
+        made on first use, then the same one. Where it cannot be made, a
+        ValueError or RuntimeError that names ``sm_partition``."""
+        index = torch.cuda.current_device() if device.index is None else device.index
+        with _LOCK:
+            if (index, sms) not in _PARTITIONS:
+                try:
+                    _PARTITIONS[index, sms] = SMPartition(index, sms)
+                except RuntimeError as error:
+                    raise RuntimeError(f"sm_partition={sms}: no SM partition of cuda:{index}: {error}") from error
+            return _PARTITIONS[index, sms]
 
-    def _stream(self, side: int, role: str, priority: int) -> "torch.cuda.Stream":
-        key = (role, priority)
-        if key not in self._streams:
-            handle = ctypes.c_void_p()
-            driver("cuGreenCtxStreamCreate", ctypes.byref(handle), ctypes.c_void_p(self._contexts[side]),
-                   _NON_BLOCKING, priority)
-            stream = torch.cuda.ExternalStream(handle.value, device=self.device)
-            self._streams[key] = stream
-            _BY_STREAM[stream.cuda_stream] = self
-        return self._streams[key]
+    def _stream(self, side: int, priority: int) -> "torch.cuda.Stream":
+        handle = _PTR()
+        driver("cuGreenCtxStreamCreate", ctypes.byref(handle), _PTR(self._contexts[side]), _NON_BLOCKING, priority)
+        stream = torch.cuda.ExternalStream(handle.value, device=self.device)
+        _BY_STREAM[stream.cuda_stream] = self
+        return stream
 
-    def exchange_stream(self, role: str, priority: int = 0) -> "torch.cuda.Stream":
-        """The exchange's stream for ``role`` at CUDA ``priority``, on the exchange SMs."""
-        return self._stream(0, role, priority)
+    def stand_in(self, plain: "torch.cuda.Stream") -> "torch.cuda.Stream":
+        """The stream on the exchange SMs that stands in for the side stream
+        ``plain`` (at its priority), made on first use."""
+        key = plain.cuda_stream
+        if key not in self._stand_ins:
+            with _LOCK:
+                if key not in self._stand_ins:
+                    self._stand_ins[key] = self._stream(0, plain.priority)
+        return self._stand_ins[key]
 
     def compute_stream(self) -> "torch.cuda.Stream":
-        """The stream whose work runs on the compute SMs."""
-        return self._stream(1, "compute", 0)
+        """The stream whose work runs on the compute SMs (made on first use)."""
+        if self._compute is None:
+            with _LOCK:
+                if self._compute is None:
+                    self._compute = self._stream(1, 0)
+        return self._compute
 
     @contextlib.contextmanager
     def computing(self):
@@ -116,21 +165,12 @@ class SMPartition:
             caller.wait_stream(compute)
 
 
-def synchronize(device_index: int) -> None:
-    """Wait for the work queued on every SM partition's stream of CUDA device
-    ``device_index`` (a device's synchronize need not cover a green context's)."""
-    for handle, split in list(_BY_STREAM.items()):
-        if split.device.index == device_index:
-            driver("cuStreamSynchronize", ctypes.c_void_p(handle))
-
-
-def beside(caller: "torch.cuda.Stream", plain: "torch.cuda.Stream", role: str,
-           priority: int = 0) -> "torch.cuda.Stream":
-    """The stream an exchange's work for ``role`` takes beside the ``caller``'s:
-    ``plain``, or where ``caller`` is a stream of an :class:`SMPartition`, that
-    partition's exchange stream for ``role`` at ``priority``."""
+def beside(caller: "torch.cuda.Stream", plain: "torch.cuda.Stream") -> "torch.cuda.Stream":
+    """The stream an exchange's side work takes beside the ``caller``'s: the side
+    stream ``plain``, or where ``caller`` is a stream of an :class:`SMPartition`,
+    that partition's stand-in for it."""
     partition = _BY_STREAM.get(caller.cuda_stream)
-    return plain if partition is None else partition.exchange_stream(role, priority)
+    return plain if partition is None else partition.stand_in(plain)
 
 
 def handed_over(last: "torch.cuda.Stream | None", taken: "torch.cuda.Stream") -> "torch.cuda.Stream":
@@ -140,3 +180,11 @@ def handed_over(last: "torch.cuda.Stream | None", taken: "torch.cuda.Stream") ->
     if last is not None and last is not taken:
         taken.wait_stream(last)
     return taken
+
+
+def synchronize(device_index: int) -> None:
+    """Wait for the work queued on every partition stream of CUDA device
+    ``device_index`` (a device's synchronize need not cover a green context's)."""
+    for handle, partition in list(_BY_STREAM.items()):
+        if partition.device.index == device_index:
+            driver("cuStreamSynchronize", _PTR(handle))

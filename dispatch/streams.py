@@ -217,6 +217,6 @@ class CommStreams:
         key = (index, priority)
         if key not in self._streams:
             self._streams[key] = torch.cuda.Stream(device=index, priority=priority)
-        taken = partition.beside(_current_stream(index), self._streams[key], "comm", priority)
+        taken = partition.beside(_current_stream(index), self._streams[key])
         self._last[key] = partition.handed_over(self._last.get(key), taken)
         return taken

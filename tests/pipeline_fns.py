@@ -422,10 +422,16 @@ def repeated(x, steps, grad_out, config: dict, groups, experts_kind: str):
 
 
 def partition_against_shared(xs, topk_idx, topk_weights, grads, config: dict, max_rows, sm_partition: int):
-    """MoEMicroBatches with plain GroupedExperts (bf16) on shared SMs, then with
-    its exchange on ``sm_partition`` SMs split off, then shared and split again
-    (each stream handed over to the next): the outputs and every gradient of the
-    last three against the first's. Returns the runs and indices that differ."""
+    """MoEMicroBatches with plain GroupedExperts (bf16) on shared SMs, then on
+    an SM partition of ``sm_partition`` SMs, then shared and on it again, queued
+    one after the other with no host sync between (each side stream handed over
+    to the next): the outputs and every gradient of the last three against the
+    first's. Returns the runs and indices that differ, then any run whose side
+    streams (the dispatcher's communication streams, the NVSHMEM exchange's)
+    were not the partition's where it ran on one, and plain elsewhere, then
+    what a partition of more SMs than the device has raised."""
+    from dispatch import partition
+
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     xs, topk_idx, topk_weights, grads = ([t.to(device) for t in ts] for ts in (xs, topk_idx, topk_weights, grads))
@@ -433,17 +439,28 @@ def partition_against_shared(xs, topk_idx, topk_weights, grads, config: dict, ma
     experts = GroupedExperts(d.num_local_experts, xs[0].shape[1], 64, dtype=torch.bfloat16, device=device)
     if max_rows is not None:  # the bounded buffers sized for the largest micro-batch, not the first
         d.reserve(max(xs, key=len), topk_idx[0].shape[1])
-    runs = []
-    for split in (None, sm_partition, None, sm_partition):
+    runs, wrong_streams = [], []
+    exchange = getattr(d.transport, "exchange", None)
+    for run, split in enumerate((None, sm_partition, None, sm_partition)):
         layer = dispatch.MoEMicroBatches(d, experts, max_rows=max_rows, sm_partition=split)
         leaves = [x.clone().requires_grad_() for x in xs]
         weights = [w.clone().requires_grad_() for w in topk_weights]
         outs = layer(leaves, topk_idx, weights)
         sum((out.float() * g.float()).sum() for out, g in zip(outs, grads)).backward()
-        runs.append([_cpu(t) for t in outs] + [_cpu(t.grad) for t in leaves + weights]
-                    + [_cpu(p.grad) for p in experts.parameters()])
+        runs.append([t.detach().clone() for t in outs] + [t.grad for t in leaves + weights]
+                    + [p.grad for p in experts.parameters()])
         experts.zero_grad(set_to_none=True)
-    return [(run, k) for run in (1, 2, 3) for k, (a, b) in enumerate(zip(runs[run], runs[0])) if not torch.equal(a, b)]
+        taken = list(d._streams._last.values()) + ([exchange._stream] if exchange is not None else [])
+        if not taken or any((t.cuda_stream in partition._BY_STREAM) != (split is not None) for t in taken):
+            wrong_streams.append(run)
+    differ = [(run, k) for run in (1, 2, 3) for k, (a, b) in enumerate(zip(runs[run], runs[0]))
+              if not torch.equal(_cpu(a), _cpu(b))]
+    try:
+        dispatch.MoEMicroBatches(d, experts, sm_partition=100_000)(xs, topk_idx, topk_weights)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return differ, wrong_streams, refused
 
 
 def partition_args(transport: str, bounded: bool, seed: int) -> list:

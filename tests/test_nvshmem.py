@@ -596,7 +596,9 @@ def test_on_nvshmem_an_sm_partition_keeps_the_bits(nvshmem_world, bounded):
     off, the experts on the rest: the bits of the layer on shared SMs, forward
     and backward, taken in turn with it both ways."""
     args = pipeline_fns.partition_args("nvshmem", bounded, seed=31)
-    assert nvshmem_world.run(pipeline_fns.partition_against_shared, args) == [[], []]
+    for differ, wrong_streams, refused in nvshmem_world.run(pipeline_fns.partition_against_shared, args):
+        assert differ == [] and wrong_streams == [], (differ, wrong_streams)
+        assert refused.startswith("sm_partition=100000 leaves no SMs to the rest of cuda:"), refused
 
 
 def _first_group_empty(emulated: bool) -> list:

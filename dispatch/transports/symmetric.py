@@ -298,9 +298,9 @@ class SymmetricExchange:
 
     def _beside(self, current: "torch.cuda.Stream") -> "torch.cuda.Stream":
         """The stream the exchange's kernels take beside ``current`` (its own, or an
-        SM partition's exchange stream beside one of that partition's), after the
+        SM partition's stand-in for it beside one of that partition's), after the
         one they took last: every move stays in the order issued."""
-        self._stream = partition.handed_over(self._stream, partition.beside(current, self._own, "data"))
+        self._stream = partition.handed_over(self._stream, partition.beside(current, self._own))
         return self._stream
 
     def _received(self, stride: int, recv_rows: int, row_bytes: int, dtype: torch.dtype, consume):
