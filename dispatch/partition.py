@@ -118,6 +118,8 @@ class SMPartition:
         requires: a multiple of 8 on compute capability 9.0) for the exchange:
         made on first use, then the same one. Where it cannot be made, a
         ValueError or RuntimeError that names ``sm_partition``."""
+        if torch.cuda.is_available():
+            torch.cuda.init()  # (the driver's calls need its context)
         index = torch.cuda.current_device() if device.index is None else device.index
         with _LOCK:
             if (index, sms) not in _PARTITIONS:
