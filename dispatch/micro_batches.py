@@ -157,7 +157,7 @@ class MoEMicroBatches(nn.Module):
         caller = torch.cuda.current_stream(device)
         if self._plans is None or self._plans.device != device:
             self._plans = torch.cuda.Stream(device, priority=self.comm_priority)
-        # beside an SM partition's compute stream, the partition's plans stream, in turn with the layer's own
+        # beside an SM partition's compute stream, the partition's stand-in for the plans stream, in turn with it
         plans = partition.beside(caller, self._plans)
         self._plans_taken = plans = partition.handed_over(self._plans_taken, plans)
         plans.wait_stream(caller)
@@ -168,7 +168,7 @@ class MoEMicroBatches(nn.Module):
 
     def _carved_out(self):
         """The experts' GEMMs leave ``sm_carveout`` SMs free; with an SM partition
-        and no carveout given, the SMs split off."""
+        and no carveout given, the partition's exchange SMs."""
         if self.sm_carveout is None and self.sm_partition is not None and self._partition is not None:
             return carved_out(self._partition.exchange_sms)
         return carved_out(self.sm_carveout)

@@ -162,8 +162,8 @@ class Started:
 
 class CommStreams:
     """A dispatcher's communication streams, one per (CUDA device, priority);
-    where the caller's stream is an SM partition's, that partition's exchange
-    stream instead (``dispatch.partition``), taken in turn with the plain one."""
+    where the caller's stream is an SM partition's, the partition's stand-in for
+    one instead (``dispatch.partition``), taken in turn with it."""
 
     def __init__(self) -> None:
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
@@ -211,7 +211,7 @@ class CommStreams:
 
     def stream(self, device: torch.device, priority: int) -> "torch.cuda.Stream":
         """The communication stream of ``device`` at ``priority`` (made on first
-        use), or beside an SM partition's stream the partition's; after the one
+        use), or beside an SM partition's stream its stand-in there; after the one
         taken last at that priority, where they differ."""
         index = torch.cuda.current_device() if device.index is None else device.index
         key = (index, priority)
