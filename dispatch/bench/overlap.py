@@ -49,8 +49,8 @@ gloo, as a smoke test):
                 without MoEMicroBatches); on CUDA forward+backward, the peak memory
                 of T_mb_layer's step and of T_mb's. With ``--sm-carveout N`` the
                 overlapped micro-batches' GEMMs leave N SMs to the exchange beside them;
-                with ``--sm-partition N`` their exchange runs on N SMs split off (a CUDA
-                green context) and their GEMMs on the rest
+                with ``--sm-partition N``, MoEMicroBatches(sm_partition=N): their exchange
+                on an SM partition of N SMs, their GEMMs on the rest
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier, CUDA events, after
 ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group with an NCCL budget of N CTAs,
@@ -134,8 +134,9 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
                         help="MoEExchange(sm_carveout=N): SMs the experts' GEMMs leave to the exchange (G > 1); "
                              "with --micro-batches, also the overlapped micro-batches' GEMMs")
     parser.add_argument("--sm-partition", type=int, metavar="N",
-                        help="with --micro-batches on CUDA: the overlapped micro-batches' exchange on N SMs split "
-                             "off (a CUDA green context; rounded up as the device requires), their GEMMs on the rest")
+                        help="with --micro-batches on CUDA: MoEMicroBatches(sm_partition=N), the overlapped "
+                             "micro-batches' exchange on an SM partition of N SMs (rounded up as the device "
+                             "requires), their GEMMs on the rest")
     parser.add_argument("--comm-priority", type=int, default=-1,
                         help="MoEExchange(comm_priority=P): CUDA priority of its communication stream (default -1)")
     parser.add_argument("--graph", action="store_true",
