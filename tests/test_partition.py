@@ -56,11 +56,31 @@ def test_the_resource_struct_is_the_drivers():
     assert partition._DevResource.sm.offset == 96 and partition._SmResource.smCoscheduledAlignment.offset == 8
 
 
-def test_a_stream_of_no_partition_keeps_its_side_streams():
-    class Stream:
-        def __init__(self, handle):
-            self.cuda_stream = handle
+class _Stream:
+    """A stream as dispatch.partition sees one: its handle, and the streams it was made to wait for."""
 
-    caller, plain = Stream(7), Stream(9)
-    assert partition.beside(caller, plain) is plain
-    assert partition.handed_over(None, plain) is plain and partition.handed_over(plain, plain) is plain
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream, self.waited = handle, []
+
+    def wait_stream(self, other) -> None:
+        self.waited.append(other)
+
+
+def test_side_streams_follow_the_callers_stream_and_are_handed_over_in_order(monkeypatch):
+    class Partition:
+        def __init__(self):
+            self.stand_ins = {}
+
+        def stand_in(self, plain):
+            return self.stand_ins.setdefault(plain.cuda_stream, _Stream(1000 + plain.cuda_stream))
+
+    split = Partition()
+    compute, caller, plain = _Stream(5), _Stream(7), _Stream(9)
+    monkeypatch.setattr(partition, "_BY_STREAM", {compute.cuda_stream: split})
+    assert partition.beside(caller, plain) is plain  # no partition's stream: the side stream itself
+    stand_in = partition.beside(compute, plain)
+    assert stand_in is split.stand_ins[9] and partition.beside(compute, plain) is stand_in  # one stand-in a stream
+    assert partition.handed_over(None, plain) is plain and plain.waited == []
+    assert partition.handed_over(plain, plain) is plain and plain.waited == []  # the same stream: no wait
+    assert partition.handed_over(plain, stand_in) is stand_in and stand_in.waited == [plain]
+    assert partition.handed_over(stand_in, plain) is plain and plain.waited == [stand_in]
