@@ -18,8 +18,8 @@
 #             (default "8 32": a slow link), the GEMMs beside leaving $SM_CARVEOUT SMs (default 16; none):
 #             MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8; "none": skipped), then M
 #             micro-batches through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"); then one
-#             forward+backward of the first M's micro-batches profiled beside its two baselines
-#             (bench/overlap_trace.py, the first of those blocks); $NVSHMEM_NO_MB set: the layer by
+#             forward+backward of the first M's micro-batches profiled beside its two baselines, and
+#             its host (bench/overlap_trace.py --host-profile, the first of those blocks); $NVSHMEM_NO_MB set: the layer by
 #             groups alone; $SM_PARTITION: the micro-batches' exchange on that many SMs split off (a
 #             green context), their GEMMs on the rest
 #   partition bench/partition_probe.py: a GEMM beside a few-block stand-in exchange, on shared SMs
@@ -187,7 +187,7 @@ for part in "$@"; do
         blocks=${NVSHMEM_BLOCKS:-8}
         step 200 overlap-trace-nvshmem python3 bench/overlap_trace.py --shapes deepseek-v3 --transport nvshmem \
           --groups 1 --micro-batches "${mbs%% *}" --max-rows --nvshmem-blocks "${blocks%% *}" "${carve[@]}" \
-          "${split[@]}" --out "$RES"
+          "${split[@]}" --host-profile --out "$RES"
         find "$RES" -name 'overlap-trace-*-nvshmem-*.json' -delete  # (its chrome traces: too large to keep)
       fi ;;
     carveout)

@@ -13,8 +13,9 @@ from an idle GPU, whose lanes start only at the first kernel; then
 ``overlap-trace-<shape>-w<W><suffix>-g<G>``.
 
 ``--host-profile`` also profiles the host (cProfile of rank 0) over 5
-forward+backward steps: ``overlap-host-<shape>-w<W><suffix>-g<G>.txt``, the
-functions by their own time and by their time with callees.
+forward+backward steps: ``overlap-host-<shape>-w<W><suffix>-g<G>.txt`` (with
+``--micro-batches``, of MoEMicroBatches: ``overlap-host-<shape>-w<W><suffix>.txt``),
+the functions by their own time and by their time with callees.
 
 ``--graph`` profiles the replay of the layer with ``max_rows`` captured in a
 CUDA graph (the NVLink engine), as ``dispatch-bench overlap --graph`` times it.
@@ -52,8 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = overlap.parse_args(argv, parser)
     if args.max_rows and args.graph:
         parser.error("--max-rows: --graph bounds its layer itself")
-    if args.micro_batches and (args.graph or args.host_profile):
-        parser.error("--micro-batches traces the micro-batches alone (without --graph and --host-profile)")
+    if args.micro_batches and args.graph:
+        parser.error("--micro-batches traces the micro-batches alone (without --graph)")
     return args
 
 
@@ -72,9 +73,13 @@ def _job(args: argparse.Namespace) -> None:
             bound = case.bound(group) if args.max_rows else None
             stem = os.path.join(args.out, f"overlap-trace-{name}-w{dist.get_world_size()}{overlap.suffix(args)}")
             what = f"{name}: {args.micro_batches} micro-batches"
-            trace(overlap_mb.micro_batch_step(case, True, sm_carveout=args.sm_carveout, max_rows=bound,
-                                              sm_partition=args.sm_partition), stem,
-                  case.x.device, f"{what} through MoEMicroBatches, one fwd+bwd step")
+            step = overlap_mb.micro_batch_step(case, True, sm_carveout=args.sm_carveout, max_rows=bound,
+                                               sm_partition=args.sm_partition)
+            trace(step, stem, case.x.device, f"{what} through MoEMicroBatches, one fwd+bwd step")
+            if args.host_profile:
+                host_profile(step, os.path.join(args.out, f"overlap-host-{name}-w{dist.get_world_size()}"
+                                                f"{overlap.suffix(args)}.txt"), case.x.device,
+                             f"host profile of 5 forward+backward steps, {what} through MoEMicroBatches, rank 0")
             # its baselines as dispatch-bench overlap times them: the same call with every kernel on
             # one stream (T_mb_serial), and MoEExchange (G = 1) on each in a row (T_mb_layer)
             trace(overlap_mb.micro_batch_step(case, True, serial=True, max_rows=bound), stem + "-serial",

@@ -37,16 +37,20 @@ def test_cpu_run_traces_two_micro_batches(tmp_path):
     through MoEMicroBatches, bounded, traced in place of the layer by groups,
     and its two baselines (the same call on one stream, MoEExchange on each)."""
     argv = ["--shapes", "cpu-tiny", "--world-size", "2", "--groups", "1", "--micro-batches", "--max-rows",
-            "--out", str(tmp_path)]
+            "--host-profile", "--out", str(tmp_path)]
     assert overlap_trace.main(argv) == 0
     for stem in ("overlap-trace-cpu-tiny-w2-bounded-mb" + tail for tail in ("", "-serial", "-layer")):
         assert (tmp_path / f"{stem}.png").stat().st_size > 0 and (tmp_path / f"{stem}-rank1.json").stat().st_size > 0
         assert (tmp_path / f"{stem}-lanes.txt").stat().st_size > 0
     assert not list(tmp_path.glob("*-g1*"))  # the layer by groups is not traced
+    host = (tmp_path / "overlap-host-cpu-tiny-w2-bounded-mb.txt").read_text()  # the micro-batches' host profile
+    assert host.startswith("host profile of 5 forward+backward steps, cpu-tiny: 2 micro-batches through "
+                           "MoEMicroBatches, rank 0")
+    assert "micro_batches.py" in host
 
 
 @pytest.mark.parametrize("argv, needle", [(["--groups", "0"], "--groups"), (["--max-rows"], "--max-rows"),
-                                          (["--micro-batches", "--host-profile"], "--micro-batches")])
+                                          (["--micro-batches", "--graph"], "--micro-batches")])
 def test_bad_flags(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         overlap_trace.main(argv)
