@@ -19,9 +19,9 @@
 #             MoEExchange by groups ($NVSHMEM_GROUPS, default 2,4,8; "none": skipped), then M
 #             micro-batches through MoEMicroBatches (M of $MICRO_BATCHES, default "2 3"); then one
 #             forward+backward of the first M's micro-batches profiled beside its two baselines, and
-#             its host (bench/overlap_trace.py --host-profile, the first of those blocks); $NVSHMEM_NO_MB set: the layer by
-#             groups alone; $SM_PARTITION: the micro-batches' exchange on that many SMs split off (a
-#             green context), their GEMMs on the rest
+#             its host (bench/overlap_trace.py --host-profile, the first of those blocks);
+#             $NVSHMEM_NO_MB set: the layer by groups alone; $SM_PARTITION: the micro-batches'
+#             exchange on an SM partition of that many SMs, their GEMMs on the rest
 #   partition bench/partition_probe.py: a GEMM beside a few-block stand-in exchange, on shared SMs
 #             and on disjoint partitions (green contexts), on one GPU
 #   carveout  bench/carveout_probe.py: each of the experts' GEMMs (DeepSeek-V3 at EP2) under each SM
