@@ -41,7 +41,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from carveout_probe import experts_gemms  # noqa: E402  (beside this script)
-from dispatch.partition import SMPartition, driver  # noqa: E402
+from dispatch.partition import SMPartition  # noqa: E402
 from dispatch.pipeline import carved_out  # noqa: E402
 
 _SPIN = r"""
@@ -57,6 +57,24 @@ extern "C" __global__ void __launch_bounds__(256) spin_copy(const int4* src, int
       dst[i] = src[i];
 }
 """
+
+_PTR = ctypes.c_void_p
+_SIGNATURES = {  # the driver calls this probe makes itself (dispatch.partition makes the partition's)
+    "cuModuleLoadData": (ctypes.POINTER(_PTR), ctypes.c_char_p),
+    "cuModuleGetFunction": (ctypes.POINTER(_PTR), _PTR, ctypes.c_char_p),
+    "cuLaunchKernel": (_PTR, *[ctypes.c_uint] * 7, _PTR, ctypes.POINTER(_PTR), ctypes.POINTER(_PTR)),
+    "cuStreamSynchronize": (_PTR,),
+}
+
+
+def driver(name: str, *args) -> None:
+    """The driver's ``name`` (typed as ``_SIGNATURES`` says); a failure raises, naming it."""
+    function = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    function.argtypes, function.restype = _SIGNATURES[name], ctypes.c_int
+    status = function(*args)
+    if status != 0:
+        raise RuntimeError(f"{name} failed: CUDA error {status}")
+
 
 def spinner():
     """spin_copy, loaded in the device's context (a green context's stream runs it too)."""

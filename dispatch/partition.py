@@ -90,10 +90,12 @@ class SMPartition:
         whole, part, rest = _DevResource(), _DevResource(), _DevResource()
         driver("cuDeviceGetDevResource", dev, ctypes.byref(whole), _SM)
         groups = ctypes.c_uint(1)  # one group of at least `sms` (rounded up as the device requires), and the rest
-        if sms < whole.sm.smCount:
+        step = max(whole.sm.smCoscheduledAlignment, 1)
+        fits = -(-max(sms, whole.sm.minSmPartitionSize) // step) * step < whole.sm.smCount
+        if fits:
             driver("cuDevSmResourceSplitByCount", ctypes.byref(part), ctypes.byref(groups), ctypes.byref(whole),
                    ctypes.byref(rest), 0, sms)
-        if sms >= whole.sm.smCount or groups.value != 1 or rest.sm.smCount == 0:
+        if not fits or groups.value != 1 or rest.sm.smCount == 0:
             raise ValueError(f"sm_partition={sms} leaves no SMs to the rest of cuda:{device_index} "
                              f"({whole.sm.smCount} SMs, taken in multiples of {whole.sm.smCoscheduledAlignment})")
         self._contexts: list[int] = []
@@ -105,7 +107,8 @@ class SMPartition:
                 self._contexts.append(ctx.value)
         except RuntimeError:
             for ctx in self._contexts:
-                driver("cuGreenCtxDestroy", _PTR(ctx))
+                with contextlib.suppress(RuntimeError):  # (the error that stopped the making is the one raised)
+                    driver("cuGreenCtxDestroy", _PTR(ctx))
             raise
         self.device = torch.device("cuda", device_index)
         self.exchange_sms, self.compute_sms = part.sm.smCount, rest.sm.smCount
