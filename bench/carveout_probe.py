@@ -35,7 +35,7 @@ from dispatch.pipeline import carved_out  # noqa: E402
 from dispatch.timing import PhaseTimer  # noqa: E402
 
 
-def _time(fn, iters: int) -> float:
+def time_median(fn, iters: int) -> float:
     """Median ms of ``fn()`` over ``iters`` runs, each timed alone (``PhaseTimer``), after three."""
     for _ in range(3):
         fn()
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in gemms.items():
         for c in carveouts:
             with carved_out(c):
-                table[name, c] = _time(fn, args.iters)
+                table[name, c] = time_median(fn, args.iters)
     lines = [f"# the experts' GEMMs under an SM carveout, one {torch.cuda.get_device_name()} "
              f"({torch.cuda.get_device_properties(0).multi_processor_count} SMs), E_local={args.experts}, H=7168, "
              f"ffn=2048 (swiglu), {args.rows_per_expert} rows an expert, bf16; ms (x carveout 0)",

@@ -40,7 +40,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from carveout_probe import experts_gemms  # noqa: E402  (beside this script)
+from carveout_probe import experts_gemms, time_median  # noqa: E402  (beside this script)
 from dispatch.partition import SMPartition  # noqa: E402
 from dispatch.pipeline import carved_out  # noqa: E402
 
@@ -166,18 +166,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _median(fn, stream, iters: int) -> float:
-    """Median ms of ``fn()`` on ``stream`` (events around it), after two."""
-    times = []
-    for i in range(iters + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record()
-            fn()
-            end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """``carveout_probe.time_median`` of ``fn()`` on ``stream``."""
+    with torch.cuda.stream(stream):
+        return time_median(fn, iters)
 
 
 def _beside(gemm, g_on, spin, x_on, order: str, busy) -> float:

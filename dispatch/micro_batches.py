@@ -65,7 +65,6 @@ from dispatch import partition
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.experts import ExpertsByGroups
 from dispatch.kernels.row_grads import weighted_row_grads
-from dispatch.partition import SMPartition
 from dispatch.pipeline import (add_expert_out, at_priority, autograd_rows, carved_out, check_layer,
                                plain_grouped_experts, trained_params)
 
@@ -98,9 +97,7 @@ class MoEMicroBatches(nn.Module):
                  sm_carveout: int | None = None, max_rows: int | None = None, sm_partition: int | None = None):
         super().__init__()
         check_layer(dispatcher, experts, comm_priority, sm_carveout, max_rows)
-        if sm_partition is not None and (isinstance(sm_partition, bool) or not isinstance(sm_partition, int)
-                                         or sm_partition < 1):
-            raise ValueError(f"sm_partition must be None or an int >= 1, got {sm_partition!r}")
+        partition.check(sm_partition)
         self.dispatcher, self.experts = dispatcher, experts
         self.comm_priority, self.sm_carveout, self.max_rows = comm_priority, sm_carveout, max_rows
         self.sm_partition = sm_partition
@@ -116,21 +113,8 @@ class MoEMicroBatches(nn.Module):
             w.r.t. every x_i, topk_weights_i and the experts' parameters.
         """
         count = _count(xs, topk_idx, topk_weights)
-        device = xs[0].device
-        if self.sm_partition is None:
-            return self._forward(count, xs, topk_idx, topk_weights)
-        if device.type != "cuda":
-            raise ValueError(f"sm_partition splits a GPU's SMs: it needs xs on CUDA, got {device}")
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError("sm_partition: a call on an SM partition cannot be captured in a CUDA graph (its "
-                             "streams are green contexts'); capture the layer without it")
-        self._partition = SMPartition.of(device, self.sm_partition)
-        caller = torch.cuda.current_stream(device)
-        with self._partition.computing():
-            outs = self._forward(count, xs, topk_idx, topk_weights)
-        for out in outs:  # made on the partition's compute stream, used on the caller's
-            out.record_stream(caller)
-        return outs
+        self._partition = partition.for_call(self.sm_partition, xs[0].device)
+        return partition.run_on(self._partition, self._forward, count, xs, topk_idx, topk_weights)
 
     def _forward(self, count: int, xs, topk_idx, topk_weights) -> list[torch.Tensor]:
         d = self.dispatcher
@@ -243,15 +227,8 @@ class _MicroBatchesFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        if ctx.partition is None:
-            return _MicroBatchesFn._backward(ctx, grad_outs)
-        caller = torch.cuda.current_stream(ctx.partition.device)
-        with ctx.partition.computing():  # (autograd runs it on the forward's stream, the compute stream: alike)
-            grads = _MicroBatchesFn._backward(ctx, grad_outs)
-        for grad in grads:  # made on the partition's compute stream, used on the caller's
-            if isinstance(grad, torch.Tensor):
-                grad.record_stream(caller)
-        return grads
+        # (autograd runs it on the forward's stream, the compute stream: on it alike)
+        return partition.run_on(ctx.partition, _MicroBatchesFn._backward, ctx, grad_outs)
 
     @staticmethod
     def _backward(ctx, grad_outs):

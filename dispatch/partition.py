@@ -170,6 +170,42 @@ class SMPartition:
             caller.wait_stream(compute)
 
 
+def check(sm_partition) -> None:
+    """A layer's ``sm_partition`` argument: None or an int >= 1, else a ValueError naming it."""
+    if sm_partition is not None and (isinstance(sm_partition, bool) or not isinstance(sm_partition, int)
+                                     or sm_partition < 1):
+        raise ValueError(f"sm_partition must be None or an int >= 1, got {sm_partition!r}")
+
+
+def for_call(sm_partition: int | None, device: torch.device) -> "SMPartition | None":
+    """The partition a layer's call with ``sm_partition`` SMs runs on (None: none),
+    refused by name before any communication where it cannot be: off CUDA, in a
+    CUDA-graph capture, or where the device cannot be split so."""
+    if sm_partition is None:
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"sm_partition splits a GPU's SMs: it needs the layer's tensors on CUDA, got {device}")
+    if torch.cuda.is_current_stream_capturing():
+        raise ValueError("sm_partition: a call on an SM partition cannot be captured in a CUDA graph (its "
+                         "streams are green contexts'); capture the layer without it")
+    return SMPartition.of(device, sm_partition)
+
+
+def run_on(partition: "SMPartition | None", fn, *args):
+    """``fn(*args)`` on ``partition``'s compute stream (:meth:`SMPartition.computing`),
+    its tensor results then marked as used on the caller's stream; where
+    ``partition`` is None, as it is."""
+    if partition is None:
+        return fn(*args)
+    caller = torch.cuda.current_stream(partition.device)
+    with partition.computing():
+        out = fn(*args)
+    for tensor in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(tensor, torch.Tensor):
+            tensor.record_stream(caller)
+    return out
+
+
 def beside(caller: "torch.cuda.Stream", plain: "torch.cuda.Stream") -> "torch.cuda.Stream":
     """The stream an exchange's side work takes beside the ``caller``'s: the side
     stream ``plain``, or where ``caller`` is a stream of an :class:`SMPartition`,

@@ -232,7 +232,8 @@ def test_bad_arguments_are_named(worlds):
     assert seen[8].startswith("ValueError: xs, topk_idx"), seen
     assert seen[9] == [torch.Size([3, HIDDEN]), torch.Size([1, HIDDEN])], seen
     if len(seen) > 10:
-        assert seen[10].startswith("ValueError: sm_partition splits a GPU's SMs: it needs xs on CUDA"), seen
+        assert seen[10].startswith("ValueError: sm_partition splits a GPU's SMs: it needs the layer's tensors on "
+                                   "CUDA"), seen
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
