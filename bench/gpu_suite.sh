@@ -21,7 +21,8 @@
 #             forward+backward of the first M's micro-batches profiled beside its two baselines, and
 #             its host (bench/overlap_trace.py --host-profile, the first of those blocks);
 #             $NVSHMEM_NO_MB set: the layer by groups alone; $SM_PARTITION: the micro-batches'
-#             exchange on an SM partition of that many SMs, their GEMMs on the rest
+#             exchange on an SM partition of that many SMs, their GEMMs on the rest; $MB_GRAPH set:
+#             the micro-batches' step also captured in a CUDA graph (--graph)
 #   partition bench/partition_probe.py: a GEMM beside a few-block stand-in exchange, on shared SMs
 #             and on disjoint partitions (green contexts), on one GPU
 #   carveout  bench/carveout_probe.py: each of the experts' GEMMs (DeepSeek-V3 at EP2) under each SM
@@ -171,6 +172,8 @@ for part in "$@"; do
       [ "${SM_CARVEOUT:-}" = none ] && carve=()
       split=()
       [ -n "${SM_PARTITION:-}" ] && split=(--sm-partition "$SM_PARTITION")
+      graph=()
+      [ -n "${MB_GRAPH:-}" ] && graph=(--graph)
       for blocks in ${NVSHMEM_BLOCKS:-8 32}; do
         [ "${NVSHMEM_GROUPS:-}" = none ] ||
           bench 200 "overlap-nvshmem-$blocks-groups" overlap --shapes deepseek-v3 --transport nvshmem \
@@ -178,9 +181,9 @@ for part in "$@"; do
             --iters 10 --warmup 3 --out "$RES/groups"
         [ -n "${NVSHMEM_NO_MB:-}" ] && continue
         for m in $mbs; do
-          bench 150 "overlap-nvshmem-$blocks-mb$m" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
-            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" "${split[@]}" --iters 10 \
-            --warmup 3 --out "$RES"
+          bench 240 "overlap-nvshmem-$blocks-mb$m" overlap --shapes deepseek-v3 --transport nvshmem --groups 1 \
+            --micro-batches "$m" --max-rows --nvshmem-blocks "$blocks" "${carve[@]}" "${split[@]}" "${graph[@]}" \
+            --iters 10 --warmup 3 --out "$RES"
         done
       done
       if [ -z "${NVSHMEM_NO_MB:-}" ]; then  # ($NVSHMEM_NO_MB set: the layer by groups alone)

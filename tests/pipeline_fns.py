@@ -474,3 +474,68 @@ def partition_args(transport: str, bounded: bool, seed: int) -> list:
              [random_tokens(r, rt.num_tokens[r], 256, torch.bfloat16, 5 + m) for m, rt in enumerate(routings)],
              dict(num_experts=routings[0].num_experts, transport=transport), 400 if bounded else None, 8)
             for r in range(2)]
+
+
+def micro_batches_captured(xs, topk_idx, topk_weights, grads, config: dict, max_rows: int, replays: int):
+    """MoEMicroBatches with max_rows and plain GroupedExperts (bf16): its
+    forward and backward captured in one CUDA graph, replayed on new values of
+    the micro-batches' rows, routing weights and output gradients; each
+    replay's outputs and gradients (every x, every topk_weights, the experts')
+    against an eager run of the same layer on those values. Returns the
+    replays and indices that differ."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    xs, topk_idx, topk_weights, grads = ([t.to(device) for t in ts] for ts in (xs, topk_idx, topk_weights, grads))
+    torch.manual_seed(5)
+    experts = GroupedExperts(d.num_local_experts, xs[0].shape[1], 64, dtype=torch.bfloat16, device=device)
+    d.reserve(max(xs, key=len), topk_idx[0].shape[1])
+    layer = dispatch.MoEMicroBatches(d, experts, max_rows=max_rows)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    weights = [w.clone().requires_grad_() for w in topk_weights]
+    out_grads = [g.clone() for g in grads]
+
+    def step(xx, ww, gg):
+        outs = layer(xx, topk_idx, ww)
+        torch.autograd.backward(outs, gg)
+        return ([o.detach() for o in outs] + [t.grad for t in (*xx, *ww)]
+                + [p.grad for p in experts.parameters()])
+
+    def reset(tensors):
+        for t in (*tensors, *experts.parameters()):
+            t.grad = None
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # buffers sized, kernels built, plans' graphs made
+            reset(leaves + weights)
+            step(leaves, weights, out_grads)
+        reset(leaves + weights)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            captured = step(leaves, weights, out_grads)
+    torch.cuda.current_stream().wait_stream(side)
+    differ = []
+    for k in range(replays):
+        with torch.no_grad():
+            for static, x in zip(leaves, xs):
+                static.copy_(x * (k + 2))
+            for static, w in zip(weights, topk_weights):
+                static.copy_(w.flip(1) if k % 2 else w * 0.5)
+            for static, g in zip(out_grads, grads):
+                static.copy_(g * (k + 1))
+        graph.replay()
+        got = [t.clone() for t in captured]
+        fresh = [t.detach().clone().requires_grad_() for t in leaves + weights]
+        reset(())
+        want = step(fresh[: len(xs)], fresh[len(xs):], out_grads)
+        differ += [(k, i) for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    torch.cuda.synchronize()
+    d.check()
+    return differ
+
+
+def captured_args(transport: str, seed: int) -> list:
+    """Each of 2 ranks' arguments of :func:`micro_batches_captured`: those of
+    :func:`partition_args` with a bound, and 3 replays."""
+    return [(*args[:6], 3) for args in partition_args(transport, True, seed)]

@@ -237,6 +237,16 @@ def test_bad_arguments_are_named(worlds):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_on_the_engine_the_layer_with_max_rows_is_captured(worlds):
+    """Forward and backward of MoEMicroBatches with max_rows on the NVLink
+    engine, captured in one CUDA graph: every replay on new values the bits of
+    the layer run eagerly on them."""
+    args = pipeline_fns.captured_args("nvlink", seed=23)
+    for rank, differ in enumerate(worlds(2).run(pipeline_fns.micro_batches_captured, args)):
+        assert differ == [], (rank, differ)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("transport, bounded", [("nccl", False), ("nvlink", False), ("nvlink", True)])
 def test_on_cuda_an_sm_partition_keeps_the_bits(worlds, transport, bounded):
     """The exchange on 8 SMs split off, the experts on the rest: the bits of the

@@ -590,6 +590,15 @@ def test_on_nvshmem_groups_move_group_by_group(nvshmem_world, pad):
         assert all(ok.values()), f"rank {rank}: {ok}"
 
 
+def test_on_nvshmem_micro_batches_with_max_rows_are_captured(nvshmem_world):
+    """Forward and backward of MoEMicroBatches with max_rows over NVSHMEM,
+    captured in one CUDA graph: every replay on new values the bits of the
+    layer run eagerly on them."""
+    args = pipeline_fns.captured_args("nvshmem", seed=33)
+    for rank, differ in enumerate(nvshmem_world.run(pipeline_fns.micro_batches_captured, args)):
+        assert differ == [], (rank, differ)
+
+
 @pytest.mark.parametrize("bounded", [False, True])
 def test_on_nvshmem_an_sm_partition_keeps_the_bits(nvshmem_world, bounded):
     """MoEMicroBatches with its exchange (plans, puts and gets) on 8 SMs split

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dispatch import bench
-from dispatch.bench import overlap
+from dispatch.bench import overlap, overlap_mb
 from dispatch.experts import GroupedExperts
 from world import bench_world_of
 
@@ -114,6 +114,27 @@ def test_weights_and_peak_memory_columns():
     assert lines[2].endswith("| 0 | seq: 2.00, 2: 2.00, 4: 2.00 | seq: 5120, 2: 4990, 4: 6002 | "
                              "seq: 1.23, 2: 2.50, 4: 3.00 |")
     assert lines[3].endswith("| 0 | - | - | seq: 1.23, 2: 2.50, 4: 3.00 |")
+
+
+def test_the_micro_batches_cell_with_captured_steps():
+    """T_mb's cell: the eager times and hidden, the peaks, then with --graph the
+    captured serial and overlapped steps and their hidden."""
+    row = dict(t_mb_layer_ms=20.0, t_mb_serial_ms=12.345, t_mb_ms=10.0, hidden_mb=0.41, peak_mib_mb_layer=900.2,
+               peak_mib_mb=1800.0, t_mb_serial_graph_ms=11.5, t_mb_graph_ms=8.25, hidden_mb_graph=0.55)
+    assert overlap_mb.micro_batch_cell(row) == ("20.000 / 12.345 / 10.000 (0.41); peak MiB 900 / 1800; "
+                                                "captured T_mb_serial / T_mb 11.500 / 8.250 (0.55)")
+    eager = dict(row, t_mb_graph_ms=None, peak_mib_mb=None)
+    assert overlap_mb.micro_batch_cell(eager) == "20.000 / 12.345 / 10.000 (0.41)"
+    assert overlap_mb.micro_batch_cell({}) == "-"
+
+
+def test_an_sm_partition_is_refused_in_a_graph(monkeypatch, capsys):
+    """--sm-partition with --graph: refused by name (a partition's streams are not captured)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as exc:
+        overlap.parse_args(["--transport", "nvshmem", "--micro-batches", "2", "--sm-partition", "8", "--graph"])
+    assert exc.value.code == 2
+    assert "--sm-partition: an SM partition's streams are not captured" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

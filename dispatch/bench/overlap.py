@@ -50,7 +50,9 @@ gloo, as a smoke test):
                 of T_mb_layer's step and of T_mb's. With ``--sm-carveout N`` the
                 overlapped micro-batches' GEMMs leave N SMs to the exchange beside them;
                 with ``--sm-partition N``, MoEMicroBatches(sm_partition=N): their exchange
-                on an SM partition of N SMs, their GEMMs on the rest
+                on an SM partition of N SMs, their GEMMs on the rest; with ``--graph``,
+                T_mb_serial and T_mb also of the step captured whole (each dispatch with
+                T_graph's ``max_rows``), replayed as T_graph is, and their hidden_mb
 
 Each time is the slowest rank's, median over ``--iters`` runs after a barrier, CUDA events, after
 ``--warmup`` runs. ``--comm-max-ctas N`` builds the EP group with an NCCL budget of N CTAs,
@@ -142,7 +144,8 @@ def build_parser(prog: str = "dispatch-bench overlap", description: str | None =
     parser.add_argument("--graph", action="store_true",
                         help="also T_graph: the layer with max_rows (the largest N + 10%%), in one piece and by each "
                              "G of --groups, its pass captured in a CUDA graph and replayed (the NVLink engine or "
-                             "NVSHMEM: --transport auto, nvlink or nvshmem)")
+                             "NVSHMEM: --transport auto, nvlink or nvshmem); with --micro-batches, the "
+                             "micro-batches' step captured too")
     parser.add_argument("--micro-batches", type=int, nargs="?", const=2, metavar="M",
                         help="also T_mb: M (default 2) micro-batches through MoEMicroBatches, against one by one")
     parser.add_argument("--out", default="dispatch-results", help="folder for JSON and markdown results")
@@ -162,6 +165,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
     if args.sm_partition is not None and (args.sm_partition < 1 or not args.micro_batches
                                           or not torch.cuda.is_available()):
         parser.error(f"--sm-partition needs --micro-batches, a GPU and a value >= 1, got {args.sm_partition}")
+    if args.sm_partition is not None and args.graph:
+        parser.error("--sm-partition: an SM partition's streams are not captured in a CUDA graph (--graph)")
     if args.sm_budget is not None and (args.sm_budget < 1 or args.transport == "nccl"):
         parser.error(f"--sm-budget needs the NVLink engine (--transport auto or nvlink) and a value >= 1, got "
                      f"{args.sm_budget}")
@@ -454,9 +459,12 @@ def run_shape(shape: Shape, args, group) -> list[dict]:
         mb = {}
         if args.micro_batches:
             mb = micro_batches(case, seq, backward, timed, lambda fn: _peak_mib(fn, device, group), group, carve, bound,
-                               args.sm_partition)
+                               args.sm_partition, graph_ms=(lambda fn: _graph_ms(fn, timed)) if args.graph else None,
+                               graph_rows=bound or (case.bound(group) if args.graph else None))
         if mb:
             mb["hidden_mb"] = (mb["t_mb_serial_ms"] - mb["t_mb_ms"]) / (args.micro_batches * short)
+        if "t_mb_graph_ms" in mb:
+            mb["hidden_mb_graph"] = (mb["t_mb_serial_graph_ms"] - mb["t_mb_graph_ms"]) / (args.micro_batches * short)
         rows.append(dict(
             shape=shape.name, passes=name, world_size=world, dispatch_wire=args.dispatch_wire,
             transport=type(case.dispatcher.transport).__name__,

@@ -79,14 +79,17 @@ def one_stream(layer: MoEMicroBatches, device: torch.device):
 
 
 def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: int | None,
-                  max_rows: int | None, sm_partition: int | None = None) -> dict:
+                  max_rows: int | None, sm_partition: int | None = None, graph_ms=None,
+                  graph_rows: int | None = None) -> dict:
     """T_mb (the micro-batches through MoEMicroBatches, the GEMMs leaving
     ``sm_carveout`` SMs free), T_mb_serial (the same on one stream), T_mb_layer
     (the layer ``seq`` on each in a row, the experts' gradients summed over
     them as a training step accumulates them), and the largest difference of
     the outputs from ``seq``'s (collective); the dispatches with ``max_rows``.
     With ``backward``, also the peak memory (``peak(fn)``, MiB or None) of
-    T_mb_layer's step and of T_mb's."""
+    T_mb_layer's step and of T_mb's. With ``graph_ms`` (``graph_ms(step)``: the
+    time of a replay of ``step`` captured), T_mb and T_mb_serial of the step
+    captured whole, each dispatch with ``max_rows=graph_rows``."""
     xs = (case.x, *case.more)
     layers = layer_steps(case, seq, backward)
     t_layer = timed(layers)[0]
@@ -102,8 +105,13 @@ def micro_batches(case, seq, backward: bool, timed, peak, group, sm_carveout: in
     diff = max(((g.float() - w.float()).abs().max().item() if g.numel() else 0.0) for g, w in zip(got, want * 2))
     diff = torch.tensor([diff], device=case.x.device)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+    graphs = {}
+    if graph_ms is not None:  # the serial schedule first, then the overlapped one, each captured whole
+        graphs["t_mb_serial_graph_ms"] = graph_ms(micro_batch_step(case, backward, serial=True, max_rows=graph_rows))
+        graphs["t_mb_graph_ms"] = graph_ms(micro_batch_step(case, backward, sm_carveout=sm_carveout,
+                                                            max_rows=graph_rows))
     return {"t_mb_layer_ms": t_layer, "t_mb_serial_ms": t_serial, "t_mb_ms": t_mb, "max_abs_diff_mb": float(diff),
-            "peak_mib_mb_layer": peaks[0], "peak_mib_mb": peaks[1]}
+            "peak_mib_mb_layer": peaks[0], "peak_mib_mb": peaks[1], **graphs}
 
 
 def micro_batch_cell(row: dict) -> str:
@@ -114,4 +122,7 @@ def micro_batch_cell(row: dict) -> str:
     cell = f"{row['t_mb_layer_ms']:.3f} / {row['t_mb_serial_ms']:.3f} / {row['t_mb_ms']:.3f} ({row['hidden_mb']:.2f})"
     if row.get("peak_mib_mb") is not None:
         cell += f"; peak MiB {row['peak_mib_mb_layer']:.0f} / {row['peak_mib_mb']:.0f}"
+    if row.get("t_mb_graph_ms") is not None:
+        cell += (f"; captured T_mb_serial / T_mb {row['t_mb_serial_graph_ms']:.3f} / {row['t_mb_graph_ms']:.3f} "
+                 f"({row['hidden_mb_graph']:.2f})")
     return cell
