@@ -306,13 +306,20 @@ def make_case(shape: Shape, args, group) -> Case:
 
 def capture(step) -> torch.cuda.CUDAGraph:
     """``step()`` (a pass of ``case.layer_step`` or ``case.compute_step``) captured in
-    a CUDA graph after two eager runs (buffers sized, kernels compiled)."""
-    for _ in range(2):
-        step()
+    a CUDA graph after two eager runs (buffers sized, kernels compiled), those
+    and the capture on one side stream: a step whose side work follows the
+    caller's stream (``micro_batch_step``'s serial one) takes the same streams
+    in both, so the capture waits for no stream outside it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
     torch.cuda.synchronize()  # host sync: nothing of the eager runs in flight at the capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         step()
+    torch.cuda.current_stream().wait_stream(side)
     return graph
 
 
