@@ -476,19 +476,19 @@ class TokenDispatcher:
         the host anyway."""
         self.transport.reserve(x, topk)
 
-    def refuse(self, verb: str, handle: CombineHandle, error: BaseException) -> None:
-        """Raise ``error``, this rank's reason not to make its next ``verb`` call
-        (combine, combine_rows, dispatch_rows, combine_slots, combine_groups)
-        along ``handle`` (its experts raised, say), once it took part in that
-        call's agreement marked refused: every peer raises
-        ``agreement.PeerRefused`` there, naming it, instead of waiting for it
-        until ``DispatchConfig.timeout``. ``GroupSums.refuse`` for an add. In
-        the grad mode of the call it stands for; a verb or handle refused here
-        raises on this rank alone."""
+    def refuse(self, verb: str, handle: CombineHandle | None, error: BaseException) -> None:
+        """Raise ``error`` (its experts raised, a layer's argument failed here), this rank's reason not to make
+        its next ``verb`` call (dispatch, ``handle`` None; combine, combine_rows, dispatch_rows, combine_slots,
+        combine_groups along ``handle``), once it took part in that call's first message marked refused: every
+        peer raises ``agreement.PeerRefused`` there, naming it, not waiting until ``DispatchConfig.timeout``.
+        ``GroupSums.refuse`` for an add. In the call's grad mode; a bad verb or handle raises here alone."""
+        if verb == "dispatch" and handle is None:
+            ticket = self._calls.ticket("dispatch")
+            agreement.refuse(error, lambda: self._take_part_refused(ticket))  # (it raises)
         self._check_handle(handle)
         if verb not in ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups"):
-            raise ValueError(f"verb must name a call along a handle (combine, combine_rows, dispatch_rows, "
-                             f"combine_slots, combine_groups), got {verb!r}")
+            raise ValueError(f"verb must be dispatch (handle None) or name a call along a handle (combine, "
+                             f"combine_rows, dispatch_rows, combine_slots, combine_groups), got {verb!r}")
         self._calls.refuse(verb, handle.call, error)
 
     def check(self) -> None:

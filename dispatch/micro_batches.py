@@ -44,8 +44,8 @@ With ``sm_partition`` (CUDA), the call runs on an SM partition's compute stream
 (``dispatch.partition``): the experts on its compute SMs, every exchange, plan
 and NVSHMEM move beside them on its exchange SMs; the backward likewise. The
 caller's stream waits for it on return, as for the layer on shared SMs. A rank
-whose partition cannot be made raises before its first dispatch; its peers stop
-at that dispatch's timeout (ranks alike in GPU and driver fail alike).
+whose partition cannot be made (or whose arguments fail the layer's own checks)
+refuses its first dispatch: it raises there, and its peers raise ``PeerRefused``.
 
 Each micro-batch is the round trip of ``combine(experts(dispatch(x)).., weights)``
 (the bits of MoEExchange with one group, micro-batch by micro-batch; the plain
@@ -113,8 +113,11 @@ class MoEMicroBatches(nn.Module):
             M tensors [T_i, H'], micro-batch i's layer output; differentiable
             w.r.t. every x_i, topk_weights_i and the experts' parameters.
         """
-        count = _count(xs, topk_idx, topk_weights)
-        self._partition = partition.for_call(self.sm_partition, xs[0].device)
+        try:  # this rank's own checks: where one fails, its peers stop at the first dispatch, as it does
+            count = _count(xs, topk_idx, topk_weights)
+            self._partition = partition.for_call(self.sm_partition, xs[0].device)
+        except (TypeError, ValueError, RuntimeError) as error:
+            self.dispatcher.refuse("dispatch", None, error)
         return partition.run_on(self._partition, self._forward, count, xs, topk_idx, topk_weights)
 
     def _forward(self, count: int, xs, topk_idx, topk_weights) -> list[torch.Tensor]:

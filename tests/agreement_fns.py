@@ -140,7 +140,7 @@ def one_rank_mistake(config: dict, verb: str, mistake: str, bad_rank: int):
 
 def refused_by_hand(config: dict, verb: str, bad_rank: int):
     """Every rank dispatches; rank ``bad_rank``'s own loop fails before its next
-    call (``verb`` along the handle, or "GroupSums.add") and hands the error to
+    call (``verb`` along the handle, "GroupSums.add", or the next "dispatch") and hands the error to
     ``refuse``; the others make that call. Returns as :func:`one_rank_mistake`."""
     rank, world = dist.get_rank(), dist.get_world_size()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
@@ -152,8 +152,9 @@ def refused_by_hand(config: dict, verb: str, bad_rank: int):
         if verb == "GroupSums.add":
             sums = d.combine_groups(handle, dtype=None)
             return _timed(lambda: sums.refuse(error), d)
-        return _timed(lambda: d.refuse(verb, handle, error), d)
+        return _timed(lambda: d.refuse(verb, None if verb == "dispatch" else handle, error), d)
     call = {
+        "dispatch": lambda: d.dispatch(x, idx, w),
         "combine": lambda: d.combine(rows, handle, weights=out.weights),
         "combine_rows": lambda: d.combine_rows(rows, handle),
         "dispatch_rows": lambda: d.dispatch_rows(x, handle),

@@ -124,10 +124,11 @@ def test_a_layers_expert_mistake_stops_every_rank_at_once(worlds, mistake, error
         assert usable, f"rank {rank}: the round trip after the refusal went wrong"
 
 
-@pytest.mark.parametrize("verb", [*ALONG, "GroupSums.add"])
+@pytest.mark.parametrize("verb", [*ALONG, "GroupSums.add", "dispatch"])
 def test_an_error_handed_to_refuse_stops_every_rank_at_once(worlds, verb):
     """A rank whose own loop fails before its next call hands the error to
-    ``d.refuse(verb, handle, error)`` (``sums.refuse(error)`` for an add): it
+    ``d.refuse(verb, handle, error)`` (``sums.refuse(error)`` for an add;
+    ``d.refuse("dispatch", None, error)`` before a dispatch): it
     raises that error, its peers ``PeerRefused`` naming it at that call, at
     once; the dispatcher works afterwards."""
     config = dict(num_experts=agreement_fns.E, transport="nccl", timeout=30.0)
@@ -140,16 +141,17 @@ def test_an_error_handed_to_refuse_stops_every_rank_at_once(worlds, verb):
         assert elapsed < SOON and usable, (rank, elapsed, usable)
 
 
-def test_refuse_names_a_call_along_a_handle():
-    """``refuse`` takes the verbs that move rows along a handle only, checked on
-    this rank before any agreement."""
+def test_refuse_names_a_dispatch_or_a_call_along_a_handle():
+    """``refuse`` takes a dispatch (with no handle) or a verb that moves rows
+    along a handle, checked on this rank before any agreement."""
     import types
 
     from dispatch.dispatcher import TokenDispatcher
 
     me = types.SimpleNamespace(_check_handle=lambda handle: None)
-    with pytest.raises(ValueError, match="verb must name a call along a handle"):
-        TokenDispatcher.refuse(me, "dispatch", None, RuntimeError("x"))
+    for verb, handle in (("bogus", None), ("dispatch", object()), ("combine_all", object())):
+        with pytest.raises(ValueError, match=r"verb must be dispatch \(handle None\) or name a call along a handle"):
+            TokenDispatcher.refuse(me, verb, handle, RuntimeError("x"))
 
 
 @pytest.mark.parametrize("groups, bad_group", [(1, 0), (2, 0), (2, 1)])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import dispatch
@@ -147,6 +148,51 @@ def test_one_ranks_experts_raising_stop_every_rank_at_once(worlds, backward, at)
              routings[0].num_experts, backward, at) for r in range(2)]
     (raised0, ok0), (raised1, ok1) = worlds(2).run(one_rank_raises, args)
     assert raised0 == "PeerRefused" and "failed here" in raised1, (raised0, raised1)
+    assert ok0 and ok1
+
+
+def one_rank_refused(xs, idx, ws, num_experts: int, what: str):
+    """Rank 1's call fails its own checks (``what``: its SM partition cannot be
+    made here, or its lists of micro-batches differ in length): what each rank
+    raised, in how many seconds, and whether a round trip after it runs in step."""
+    import time
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, timeout=20.0))
+    xs, idx, ws = ([t.to(device) for t in ts] for ts in (xs, idx, ws))
+    mine = dist.get_rank() == 1
+    layer = dispatch.MoEMicroBatches(d, lambda t, n: t, sm_partition=100_000 if mine and what == "partition" else None)
+    if mine and what == "lists":
+        idx = idx[:1]
+    start = time.monotonic()
+    try:
+        layer(xs, idx, ws)
+        raised = None
+    except dispatch.PeerRefused as error:
+        raised = f"PeerRefused: {error}"
+    except (TypeError, ValueError) as error:
+        raised = f"{type(error).__name__}: {error}"
+    took = time.monotonic() - start
+    out = d.dispatch(xs[0], idx[0], ws[0])
+    home = d.combine(out.tokens, out.handle, weights=out.weights)
+    return raised, took, home.shape == xs[0].shape
+
+
+@pytest.mark.parametrize("what", ["partition", "lists"])
+def test_one_rank_failing_its_own_checks_stops_every_rank_at_once(worlds, what):
+    """A rank whose SM partition cannot be made, or whose arguments fail the
+    layer's own checks, refuses its first dispatch: it raises its own error
+    and its peers PeerRefused there, not at the timeout; the next round trip
+    runs in step."""
+    routings = [make_routing(2, 4, 2, [6, 5], "random", seed=s) for s in range(2)]
+    args = [([random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) for m, rt in enumerate(routings)],
+             [rt.topk_idx[r] for rt in routings], [rt.topk_weights[r].double() for rt in routings],
+             routings[0].num_experts, what) for r in range(2)]
+    (raised0, took0, ok0), (raised1, took1, ok1) = worlds(2).run(one_rank_refused, args)
+    assert raised0.startswith("PeerRefused: rank(s) [1] of the group refused dispatch"), raised0
+    want = "ValueError: sm_partition" if what == "partition" else "ValueError: xs, topk_idx and topk_weights"
+    assert raised1.startswith(want), raised1
+    assert took0 < 10 and took1 < 10, (took0, took1)
     assert ok0 and ok1
 
 
