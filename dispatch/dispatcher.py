@@ -470,8 +470,8 @@ class TokenDispatcher:
         """Make room for dispatches with ``max_rows`` of up to ``x``'s T tokens of
         ``topk`` slots, rows like ``x`` (round trip and backward included), so that
         they read nothing on the host. A collective over the group: every rank calls
-        it at the same point, each with its own ``x`` (one host synchronisation).
-        Without it the first dispatch with ``max_rows`` sizes the room once, and a
+        it at the same point, each with its own ``x`` (one host synchronisation); room
+        only grows. Without it the first dispatch with ``max_rows`` sizes it once, and a
         later one that does not fit raises. Nothing to do where ``max_rows`` reads
         the host anyway."""
         self.transport.reserve(x, topk)

@@ -427,6 +427,29 @@ def test_a_first_bounded_dispatch_of_no_tokens_sizes_nothing_for_good(worlds):
     assert sum(got) == 2 * 6 * 2, got  # every slot arrived somewhere
 
 
+def bounded_after_a_smaller_reserve(x, topk_idx, topk_weights):
+    """Room made for x, then for a third of it (another layer's reserve, say),
+    then a bounded dispatch of x: how many slots arrived (the room only grows)."""
+    from world import current_device
+
+    x, topk_idx, topk_weights = (t.to(current_device()) for t in (x, topk_idx, topk_weights))
+    d = _dispatcher(dict(num_experts=4), True)
+    d.reserve(x, topk_idx.shape[1])
+    d.reserve(x[: x.shape[0] // 3], 1)
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=64)
+    d.check()
+    return int(out.tokens_per_expert.sum())
+
+
+def test_a_smaller_reserve_keeps_the_room_an_earlier_one_made(worlds):
+    gen = torch.Generator().manual_seed(10)
+    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
+    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
+    got = worlds(2).run(bounded_after_a_smaller_reserve, [(xs[r], idx[r], ws[r]) for r in range(2)])
+    assert sum(got) == 2 * 6 * 2, got  # every slot arrived somewhere
+
+
 @pytest.mark.parametrize("case", ["over", "mixed", "refused"])
 def test_no_rank_is_left_waiting_by_a_peer_that_raises(worlds, case):
     gen = torch.Generator().manual_seed(8)

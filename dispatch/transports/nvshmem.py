@@ -447,6 +447,8 @@ class NVSHMEMTransport(AllToAllTransport):
         need = plan.to_device(torch.tensor([x.shape[0], topk, stride], dtype=torch.int64), x.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
         tokens, most_topk, stride = need.tolist()  # host sync: the group's largest T, K, row
+        if self._capacity is not None:  # room only grows (as the engine's): a later, smaller reserve keeps it
+            tokens, most_topk, stride = (max(old, new) for old, new in zip(self._capacity, (tokens, most_topk, stride)))
         self._capacity = (tokens, most_topk, stride)
         rows = self.world_size * tokens  # R <= W T; S <= T min(K, W) <= W T
         self.exchange.ensure(rows * stride, (rows + 1) * stride)
