@@ -84,6 +84,8 @@ class MoEMicroBatches(nn.Module):
         max_rows: each micro-batch's dispatch ``max_rows`` (None: none): on the
             NVLink engine and over NVSHMEM nothing is then read on the host, and a
             call with its backward can be captured in one CUDA graph (shared SMs).
+            The first dispatch sizes the room for its micro-batch: where a later
+            one is larger, make room first (``TokenDispatcher.reserve``).
         sm_partition: on CUDA, an SM partition (``dispatch.partition``) of this
             many SMs (rounded up as the device requires: a multiple of 8 on
             H100/H200) for the exchange's kernels, the experts on the rest, so
