@@ -28,11 +28,13 @@ def test_the_cpu_round_trip_example_equals_the_dense_answer():
 
 def test_the_two_micro_batches_example_equals_one_at_a_time():
     """examples/two_micro_batches.py on 2 gloo ranks: two micro-batches in flight by
-    the async verbs give the results and gradients of one at a time, bitwise."""
+    the async verbs, and through MoEMicroBatches, give the results and gradients
+    of one at a time, bitwise."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "two_micro_batches.py"), "--ranks", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=180, env=_env())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 ranks: two micro-batches in flight equal one at a time, gradients included" in done.stdout, done.stdout
+    assert ("2 ranks: two micro-batches in flight equal one at a time, gradients included; so does MoEMicroBatches"
+            in done.stdout), done.stdout
 
 
 def test_the_megatron_example_says_what_it_needs_where_it_cannot_run():
