@@ -25,7 +25,7 @@
 #             its host (bench/overlap_trace.py --host-profile, the first of those blocks);
 #             $NVSHMEM_NO_MB set: the layer by groups alone; $SM_PARTITION: the micro-batches'
 #             exchange on an SM partition of that many SMs, their GEMMs on the rest; $MB_GRAPH set:
-#             the micro-batches' step also captured in a CUDA graph (--graph)
+#             the micro-batches' step also captured in a CUDA graph (--graph; not with $SM_PARTITION)
 #   partition bench/partition_probe.py: a GEMM beside a few-block stand-in exchange, on shared SMs
 #             and on disjoint partitions (green contexts), on one GPU
 #   carveout  bench/carveout_probe.py: each of the experts' GEMMs (DeepSeek-V3 at EP2) under each SM

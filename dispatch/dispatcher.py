@@ -131,39 +131,28 @@ class TokenDispatcher:
             x: [T, H] float16/bfloat16/float32/float64 tokens of this rank (T may be 0).
             topk_idx: [T, K] int32/int64 global expert ids; -1 = empty slot.
             topk_weights: [T, K] floating routing weights.
-            max_rows: None, or a bound on the rows this rank receives. Its
-                outputs then have ``max_rows`` rows (those past the N received:
-                zero tokens and weights, sources -1; experts size by
-                ``tokens_per_expert``), and so do the expert outputs and row
-                arguments the verbs take along its handle. On the NVLink engine
-                the dispatch reads nothing on the host (it can be captured in a
-                CUDA graph): ``tokens_per_expert_host`` and ``stats`` are None,
-                and failures (a rank over its bound, bad values, ranks that
-                disagree) are raised on every rank at a later dispatch (the
-                first after some rank saw one), or by :meth:`check`. Elsewhere the plan reads N on the
-                host as always, and a rank over its bound makes every rank
-                raise a ValueError before any token moves (the bounds travel
-                in the counts exchange). Every rank passes one or none; none
-                with ``pad_to_capacity``, which fixes the rows itself.
-            groups: G >= 1 groups of local experts (``plan.expert_groups``,
-                G <= E_local) to move the rows by: with ``async_op``,
-                ``DispatchWork.wait_group(g)`` hands out group g's rows while
-                later groups' still move, and ``combine_groups`` brings the
-                experts' outputs home group by group. The alltoall variant
-                on the NCCL transport (and on gloo; ``auto`` where it picks
-                alltoall) moves each group as its own all-to-all, the NVLink
-                engine and NVSHMEM get each group's rows in turn (either way a
-                token still crosses to a rank once: with the first group there
-                that needs it); the other variants move all groups at once and
-                hand them out by group. Every rank passes
-                the same G (where they differ, every rank raises before any row moves); not with
-                ``pad_to_capacity``. With ``max_rows`` (the NVLink engine
-                and NVSHMEM), each group's rows are padded to B = ceil(max_rows / G):
-                group g's rows at [g B, g B + its rows), then zero rows, the
-                outputs G B rows, nothing read on the host; a rank with more
-                than B rows in a group fails every rank alike (raised at a
-                later dispatch, or by :meth:`check`). The rows are then not expert-contiguous
-                from row 0: hand each group's to the experts (``wait_group``,
+            max_rows: None, or a bound on the rows this rank receives. Its outputs then have ``max_rows`` rows
+                (those past the N received: zero tokens and weights, sources -1; experts size by
+                ``tokens_per_expert``), and so do the expert outputs and row arguments the verbs take along its
+                handle. On the NVLink engine and over NVSHMEM the dispatch reads nothing on the host (it can be
+                captured in a CUDA graph): ``tokens_per_expert_host`` and ``stats`` are None, and failures (a rank
+                over its bound, bad values, ranks that disagree) are raised on every rank at a later dispatch (the
+                first after some rank saw one), or by :meth:`check`. Elsewhere the plan reads N on the host as
+                always, and a rank over its bound makes every rank raise a ValueError before any token moves (the
+                bounds travel in the counts exchange). Every rank passes one or none; none with ``pad_to_capacity``,
+                which fixes the rows itself.
+            groups: G >= 1 groups of local experts (``plan.expert_groups``, G <= E_local) to move the rows by: with
+                ``async_op``, ``DispatchWork.wait_group(g)`` hands out group g's rows while later groups' still
+                move, and ``combine_groups`` brings the experts' outputs home group by group. The alltoall variant
+                on the NCCL transport (and on gloo; ``auto`` where it picks alltoall) moves each group as its own
+                all-to-all, the NVLink engine and NVSHMEM get each group's rows in turn (either way a token still
+                crosses to a rank once: with the first group there that needs it); the other variants move all
+                groups at once and hand them out by group. Every rank passes the same G (where they differ, every
+                rank raises before any row moves); not with ``pad_to_capacity``. With ``max_rows`` (the NVLink
+                engine and NVSHMEM), each group's rows are padded to B = ceil(max_rows / G): group g's rows at [g B,
+                g B + its rows), then zero rows, the outputs G B rows, nothing read on the host; a rank with more
+                than B rows in a group fails every rank alike (raised at a later dispatch, or by :meth:`check`). The
+                rows are then not expert-contiguous from row 0: hand each group's to the experts (``wait_group``,
                 with its ``tokens_per_expert``).
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
@@ -484,7 +473,11 @@ class TokenDispatcher:
         ``GroupSums.refuse`` for an add. In the call's grad mode; a bad verb or handle raises here alone."""
         if verb == "dispatch" and handle is None:
             ticket = self._calls.ticket("dispatch")
-            agreement.refuse(error, lambda: self._take_part_refused(ticket))  # (it raises)
+            try:
+                agreement.refuse(error, lambda: self._take_part_refused(ticket))  # (it raises)
+            except agreement.CallsDiffer:  # as in dispatch: a call the ranks differ on is counted by none
+                self._calls.withdraw(ticket)
+                raise
         self._check_handle(handle)
         if verb not in ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups"):
             raise ValueError(f"verb must be dispatch (handle None) or name a call along a handle (combine, "

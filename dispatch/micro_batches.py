@@ -44,8 +44,10 @@ With ``sm_partition`` (CUDA), the call runs on an SM partition's compute stream
 (``dispatch.partition``): the experts on its compute SMs, every exchange, plan
 and NVSHMEM move beside them on its exchange SMs; the backward likewise. The
 caller's stream waits for it on return, as for the layer on shared SMs. A rank
-whose partition cannot be made (or whose arguments fail the layer's own checks)
-refuses its first dispatch: it raises there, and its peers raise ``PeerRefused``.
+whose partition (its green contexts and compute stream) cannot be made, or
+whose arguments fail the layer's own checks, refuses its first dispatch: it
+raises there, and its peers raise ``PeerRefused``. (The partition's stand-ins
+for the side streams are made as they are first taken, after that.)
 
 Each micro-batch is the round trip of ``combine(experts(dispatch(x)).., weights)``
 (the bits of MoEExchange with one group, micro-batch by micro-batch; the plain
@@ -115,6 +117,7 @@ class MoEMicroBatches(nn.Module):
             M tensors [T_i, H'], micro-batch i's layer output; differentiable
             w.r.t. every x_i, topk_weights_i and the experts' parameters.
         """
+        partition.outside_capture(self.sm_partition)
         try:  # this rank's own checks: where one fails, its peers stop at the first dispatch, as it does
             count = _count(xs, topk_idx, topk_weights)
             self._partition = partition.for_call(self.sm_partition, xs[0].device)

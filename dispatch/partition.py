@@ -177,18 +177,26 @@ def check(sm_partition) -> None:
         raise ValueError(f"sm_partition must be None or an int >= 1, got {sm_partition!r}")
 
 
+def outside_capture(sm_partition: int | None) -> None:
+    """Refuse by name a layer's call with an SM partition inside a CUDA-graph
+    capture (every rank captures alike: each raises here, before any exchange)."""
+    if sm_partition is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise ValueError("sm_partition: a call on an SM partition cannot be captured in a CUDA graph (its "
+                         "streams are green contexts'); capture the layer without it")
+
+
 def for_call(sm_partition: int | None, device: torch.device) -> "SMPartition | None":
     """The partition a layer's call with ``sm_partition`` SMs runs on (None: none),
-    refused by name before any communication where it cannot be: off CUDA, in a
-    CUDA-graph capture, or where the device cannot be split so."""
+    its compute stream made, refused by name before any communication where it
+    cannot be: off CUDA, or where the device cannot be split so (outside a
+    capture: :func:`outside_capture`)."""
     if sm_partition is None:
         return None
     if device.type != "cuda":
         raise ValueError(f"sm_partition splits a GPU's SMs: it needs the layer's tensors on CUDA, got {device}")
-    if torch.cuda.is_current_stream_capturing():
-        raise ValueError("sm_partition: a call on an SM partition cannot be captured in a CUDA graph (its "
-                         "streams are green contexts'); capture the layer without it")
-    return SMPartition.of(device, sm_partition)
+    made = SMPartition.of(device, sm_partition)
+    made.compute_stream()
+    return made
 
 
 def run_on(partition: "SMPartition | None", fn, *args):

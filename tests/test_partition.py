@@ -84,3 +84,16 @@ def test_side_streams_follow_the_callers_stream_and_are_handed_over_in_order(mon
     assert partition.handed_over(plain, plain) is plain and plain.waited == []  # the same stream: no wait
     assert partition.handed_over(plain, stand_in) is stand_in and stand_in.waited == [plain]
     assert partition.handed_over(stand_in, plain) is plain and plain.waited == [stand_in]
+
+
+def test_a_call_on_a_partition_is_refused_in_a_capture(monkeypatch):
+    """Inside a CUDA-graph capture a call with an SM partition is refused by name
+    (every rank alike, before any exchange); without a partition, or outside a
+    capture, nothing is."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="sm_partition: a call on an SM partition cannot be captured"):
+        partition.outside_capture(8)
+    partition.outside_capture(None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    partition.outside_capture(8)
