@@ -13,9 +13,10 @@
 #   overlap-engine  the NVLink engine's layer in one piece, eager and captured in a CUDA
 #             graph (max_rows), and two micro-batches overlapped by the async verbs; then the
 #             layer by groups of experts on the engine (G = 2, 4, 8), eager and captured
-#   overlap-engine-mb  the NVLink engine's kernels in $ENGINE_BUDGETS blocks (default "8 24"): M micro-batches
-#             ($MICRO_BATCHES, default 4) through MoEMicroBatches with max_rows on $MB_SHAPES (default
-#             deepseek-v3), the GEMMs leaving the budget's SMs, then the exchange on an SM partition of them
+#   overlap-engine-mb  the NVLink engine's kernels in $ENGINE_BUDGETS blocks (default "all 8 24"; all: every
+#             SM, no carveout): M micro-batches ($MICRO_BATCHES, default 4) through MoEMicroBatches with
+#             max_rows on $MB_SHAPES (default deepseek-v3), the GEMMs leaving the budget's SMs, then the
+#             exchange on an SM partition of them
 #   overlap-slow-nvshmem  over NVSHMEM with max_rows (the counts on the device, nothing read on the
 #             host before the rows move), its kernels throttled to $NVSHMEM_BLOCKS blocks each
 #             (default "8 32": a slow link), the GEMMs beside leaving $SM_CARVEOUT SMs (default 16; none):
@@ -171,7 +172,12 @@ for part in "$@"; do
       bench 240 overlap-engine-groups overlap --transport auto --groups 2,4,8 --graph --iters 10 --warmup 3 \
         --out "$RES" ;;
     overlap-engine-mb)
-      for budget in ${ENGINE_BUDGETS:-8 24}; do
+      for budget in ${ENGINE_BUDGETS:-all 8 24}; do
+        if [ "$budget" = all ]; then  # the engine on every SM: shared SMs, no carveout (its serial schedule too)
+          bench 200 overlap-engine-mb-all overlap --shapes "${MB_SHAPES:-deepseek-v3}" --transport nvlink --groups 1 \
+            --micro-batches "${MICRO_BATCHES:-4}" --max-rows --iters 10 --warmup 3 --out "$RES"
+          continue
+        fi
         for split in "" "$budget"; do
           bench 200 "overlap-engine-mb-$budget${split:+-split}" overlap --shapes "${MB_SHAPES:-deepseek-v3}" \
             --transport nvlink --groups 1 --sm-budget "$budget" --micro-batches "${MICRO_BATCHES:-4}" --max-rows \
