@@ -359,11 +359,13 @@ def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb):
         d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
         d.dispatch(x, topk_idx, topk_weights, max_rows=64)  # sizes the buffers for T = 6, H = 8
         more, more_idx, more_w = ((torch.cat([t, t]) if rank == 1 else t) for t in (x, topk_idx, topk_weights))
-        if verb == "x":  # rank 1's own x wider than the buffers instead (ranks whose H differ: found on the device)
-            more, more_idx, more_w = (torch.cat([x] * 4, 1) if rank == 1 else x), topk_idx, topk_weights
+        if verb.startswith("x"):  # rank 1's own x wider than the buffers instead (ranks whose H differ: found
+            # on the device); "x64": a row of it wider than the whole receive buffer
+            wider = 64 if verb == "x64" else 4
+            more, more_idx, more_w = (torch.cat([x] * wider, 1) if rank == 1 else x), topk_idx, topk_weights
         out = d.dispatch(more, more_idx, more_w, max_rows=64)
         try:
-            if verb == "x":
+            if verb.startswith("x"):
                 d.combine(out.tokens, out.handle, weights=out.weights)
                 d.check()
             elif verb == "combine":
@@ -383,14 +385,15 @@ def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb):
     return raised
 
 
-@pytest.mark.parametrize("verb", ["combine", "dispatch_rows", "x"])
+@pytest.mark.parametrize("verb", ["combine", "dispatch_rows", "x", "x64"])
 def test_rows_wider_than_the_buffers_are_refused_on_every_rank(worlds, verb):
     """Along a bounded handle, rows wider than the buffers were sized for are
     refused by name on every rank before any exchange, also on a rank whose
     own dispatch failed (it has no rows, its peers do): no rank goes on into
     an exchange or a symmetric allocation that its peers do not make. A rank
     whose own x is too wide takes part in its dispatch with nothing (its
-    peers go on with theirs: no rank raises alone)."""
+    peers go on with theirs: no rank raises alone), also where one of its
+    rows is wider than the whole receive buffer (it grows no buffer alone)."""
     if worlds(2).backend != "gloo":
         pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
     gen = torch.Generator().manual_seed(8)
@@ -399,7 +402,7 @@ def test_rows_wider_than_the_buffers_are_refused_on_every_rank(worlds, verb):
     ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
     got = worlds(2).run(wide_rows_after_a_local_failure, [(xs[r], idx[r], ws[r], verb) for r in range(2)])
     # (with x too wide on rank 1, the dispatch goes through on both, and their outputs' widths differ)
-    name = {"combine": "expert_out", "dispatch_rows": "rows", "x": "expert_out"}[verb]
+    name = {"combine": "expert_out", "dispatch_rows": "rows", "x": "expert_out", "x64": "expert_out"}[verb]
     assert got == [name, name], got
 
 
@@ -439,6 +442,42 @@ def bounded_after_a_smaller_reserve(x, topk_idx, topk_weights):
     out = d.dispatch(x, topk_idx, topk_weights, max_rows=64)
     d.check()
     return int(out.tokens_per_expert.sum())
+
+
+def allocations_after_reserve(x, topk_idx, topk_weights, max_rows, groups):
+    """``reserve``, then a bounded round trip through every verb, through the real
+    ``SymmetricExchange`` and our kernels' contracts (faked): the symmetric
+    allocations made after the reserve (each a host sync; in a capture, an error)."""
+    import torch.distributed as dist
+    from splits_exchange import FakeSymmetricMemory
+
+    from dispatch.transports.symmetric import SymmetricExchange
+
+    with FakeSymmetricMemory(True):
+        cfg = dispatch.DispatchConfig.from_options(num_experts=8, transport="nvshmem")
+        exchange = SymmetricExchange(None, dist.get_world_size(), torch.device("cpu"))
+        exchange._puts, exchange.MIN_SEND_BYTES = True, 0
+        d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
+        d.reserve(x, topk_idx.shape[1])
+        made, allocate = [], exchange._empty
+        exchange._empty = lambda shape, dtype: made.append(shape) or allocate(shape, dtype)
+        rank_fns.every_verb(d, x, topk_idx, topk_weights, torch.ones_like(x), max_rows, groups)
+        d.check()
+    return made
+
+
+@pytest.mark.parametrize("tokens, hidden, groups", [(6, 16, 1), (1, 4, 1), (5, 8, 2)])
+def test_after_reserve_a_bounded_round_trip_allocates_nothing(worlds, tokens, hidden, groups):
+    """``reserve`` makes room for everything a bounded round trip moves, the
+    counts' all-gather included (rows narrower than a counts row, say)."""
+    if worlds(2).backend != "gloo":
+        pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
+    gen = torch.Generator().manual_seed(tokens)
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]) for _ in range(2)]
+    ws = [torch.rand(tokens, 2, generator=gen) for _ in range(2)]
+    got = worlds(2).run(allocations_after_reserve, [(xs[r], idx[r], ws[r], 64, groups) for r in range(2)])
+    assert got == [[], []], got
 
 
 def test_a_smaller_reserve_keeps_the_room_an_earlier_one_made(worlds):

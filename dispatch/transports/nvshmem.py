@@ -54,7 +54,7 @@ import torch.distributed as dist
 from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import PlanOutputs
-from dispatch.plan_graph import HostSummary, Summary
+from dispatch.plan_graph import HostSummary, Summary, counts_row
 from dispatch.streams import Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
@@ -451,7 +451,10 @@ class NVSHMEMTransport(AllToAllTransport):
             tokens, most_topk, stride = (max(old, new) for old, new in zip(self._capacity, (tokens, most_topk, stride)))
         self._capacity = (tokens, most_topk, stride)
         rows = self.world_size * tokens  # R <= W T; S <= T min(K, W) <= W T
-        self.exchange.ensure(rows * stride, (rows + 1) * stride)
+        # the counts all-gather puts a row to every rank too (``_gather_rows``): room for it, so that no bounded
+        # dispatch after this grows a buffer (a host sync; in a capture, an error)
+        counts = self.exchange.stride(8 * counts_row(self.world_size, self.num_local_experts).width)
+        self.exchange.ensure(rows * stride, max((rows + 1) * stride, (self.world_size + 1) * counts))
         if self._failed is None:  # the failure record, before any capture
             width = Summary.width(self.world_size, self.num_local_experts)
             self._failed = torch.zeros((), dtype=torch.bool, device=x.device)

@@ -135,7 +135,7 @@ class SymmetricExchange:
                              width * dtype.itemsize, dtype, consume, (*rows.reads, sends, at))
         row_bytes = width * dtype.itemsize
         stride = self.stride(row_bytes)
-        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+        self._room(send_rows, recv_rows, stride)
 
         def move():
             all_to_all_vdev(*self._sync, self.group_name)  # a barrier: every peer is past its last exchange
@@ -188,7 +188,7 @@ class SymmetricExchange:
         g waits (the caller's stream does not wait for the whole move)."""
         row_bytes = x.shape[1] * x.element_size()
         stride = self.stride(row_bytes)
-        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+        self._room(send_rows, recv_rows, stride)
         count = min(send_token.shape[0], send_rows)
         ends: list = []
 
@@ -225,7 +225,7 @@ class SymmetricExchange:
         the most rows any rank sends home; ``recv_rows``: the most it gets."""
         row_bytes = y.shape[1] * wire.itemsize
         stride = self.stride(row_bytes)
-        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+        self._room(send_rows, recv_rows, stride)
 
         def home_sum(back):
             return gather_sum(back, home_index, None, y.dtype)
@@ -256,7 +256,7 @@ class SymmetricExchange:
         rows = new[-1][1]
         row_bytes = rows.shape[1] * wire.itemsize
         stride = self.stride(row_bytes)
-        self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+        self._room(send_rows, recv_rows, stride)
 
         def move():
             for g, group_rows, group_weights in new:
@@ -288,7 +288,7 @@ class SymmetricExchange:
         """Rows of ``source()`` (by ``send_token``, or in order) put to the
         receivers, then ``consume`` of the rows received."""
         stride = self.stride(row_bytes)
-        self.ensure(0, (recv_rows + 1) * stride)
+        self._room(0, recv_rows, stride)
 
         def move():
             nvshmem_puts.put_rows(self._recv, stride, source(), send_token, sends, at, most, self._stream)
@@ -303,8 +303,21 @@ class SymmetricExchange:
         self._stream = partition.handed_over(self._stream, partition.beside(current, self._own))
         return self._stream
 
+    def _room(self, send_rows: int, recv_rows: int, stride: int) -> None:
+        """Buffers for ``send_rows`` rows to send and ``recv_rows`` received (and the
+        zero row after them), ``stride`` bytes each; none where this rank moves no
+        row either way: a rank that failed its own bounded dispatch takes part
+        with no rows, and its own rows' width (wider than its peers', say) must
+        not grow a buffer alone (a growth is a collective). The first buffers are
+        made whatever the rows (every rank makes them at the same call)."""
+        if send_rows or recv_rows or self._send is None or self._recv is None:
+            self.ensure(send_rows * stride, (recv_rows + 1) * stride)
+
     def _received(self, stride: int, recv_rows: int, row_bytes: int, dtype: torch.dtype, consume):
-        """``consume`` of the rows received, [recv_rows + 1, row], the last zeros."""
+        """``consume`` of the rows received, [recv_rows + 1, row], the last zeros
+        (with none received, that zero row made here: see :meth:`_room`)."""
+        if not recv_rows:
+            return consume(torch.zeros(1, row_bytes, dtype=torch.uint8, device=self.device).view(dtype))
         out = _rows_of(self._recv, stride)[: recv_rows + 1, :row_bytes]
         out[recv_rows].zero_()
         return consume(out.view(dtype))
