@@ -68,7 +68,7 @@ from dispatch.dispatcher import TokenDispatcher
 from dispatch.experts import ExpertsByGroups
 from dispatch.kernels.row_grads import weighted_row_grads
 from dispatch.pipeline import (add_expert_out, at_priority, autograd_rows, carved_out, check_layer,
-                               plain_grouped_experts, trained_params)
+                               plain_grouped_experts, reach_once, trained_params)
 
 
 class MoEMicroBatches(nn.Module):
@@ -78,7 +78,9 @@ class MoEMicroBatches(nn.Module):
     Args:
         dispatcher: a :class:`dispatch.TokenDispatcher`.
         experts: callable ``(tokens [N, H], tokens_per_expert [E_local]) -> [N, H']``
-            (e.g. :class:`dispatch.GroupedExperts`), called once per micro-batch.
+            (e.g. :class:`dispatch.GroupedExperts`), called once per micro-batch;
+            the parameters it trains registered (an ``nn.Module``): an output that
+            reaches another tensor requiring grad is refused, as in ``MoEExchange``.
         comm_priority: CUDA priority of the exchanges' stream (lower is higher).
         sm_carveout: SMs the experts' GEMMs leave to the exchange beside them
             (None: none). Without one, the GEMMs are sized for every SM and the
@@ -107,6 +109,7 @@ class MoEMicroBatches(nn.Module):
         self.comm_priority, self.sm_carveout, self.max_rows = comm_priority, sm_carveout, max_rows
         self.sm_partition = sm_partition
         self._partition = None  # the SMPartition of the last call's device (sm_partition on CUDA)
+        self._reach_checked = False  # whether a call's experts were seen to reach no leaf but their own
         self._plans = self._plans_taken = None  # the plans' stream (on CUDA, made on first use), the one taken last
 
     def forward(self, xs, topk_idx, topk_weights) -> list[torch.Tensor]:
@@ -215,6 +218,8 @@ class _MicroBatchesFn(torch.autograd.Function):
                             leaf, y = shared, shared.forward(i, out.tokens, defer_keep=True)
                         else:
                             y = experts(leaf, out.tokens_per_expert)
+                            if grad_on:
+                                reach_once(layer, y, (leaf, *params))
                 except Exception as error:
                     works += [start(j) for j in range(len(works), count)]  # as its peers do
                     for later in works[i + 1:]:  # every rank started them: done before this rank stops

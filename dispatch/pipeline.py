@@ -131,7 +131,9 @@ class MoEExchange(nn.Module):
             called once per group with that group's rows and counts (zero for
             the experts of other groups). If it is an ``nn.Module`` it becomes
             a submodule and the gradients of its parameters are computed by the
-            pipelined backward. Experts that hold each expert's weights apart
+            pipelined backward; experts whose output reaches another tensor that
+            requires grad (a plain callable closing over parameters) are refused
+            by name at the first call with grad (it would get no gradient). Experts that hold each expert's weights apart
             may name them: ``group_parameters(first, end)``, the parameters that
             a call with rows of local experts [first, end) only can reach; each
             group's backward then differentiates those only (once per pass),
@@ -205,6 +207,7 @@ class MoEExchange(nn.Module):
         self.dispatcher = dispatcher
         self.experts = experts
         self.groups = groups
+        self._reach_checked = False  # whether a call's experts were seen to reach no leaf but their own
         self.comm_priority = comm_priority
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -289,12 +292,14 @@ class _PipelineFn(torch.autograd.Function):
                         with torch.set_grad_enabled(grad_on), layer._carveout():
                             y = experts(leaf, counts, w_leaf)
                         if grad_on:
+                            reach_once(layer, y, (leaf, w_leaf, *params))
                             leaves[g], ys[g] = (leaf, w_leaf), y
                     else:
                         leaf = tokens.detach().requires_grad_(grad_on and x_grad_any)
                         with torch.set_grad_enabled(grad_on), layer._carveout():
                             y = experts(leaf, per_expert)
                         if grad_on:  # kept for backward; without grad, group g's rows die here
+                            reach_once(layer, y, (leaf, *params))
                             leaves[g], ys[g] = leaf, y
                 except Exception as error:  # its peers raise at the call they wait at (PeerRefused)
                     if sums is None:  # (each refuse raises error)
@@ -417,8 +422,9 @@ def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list, w
                   weights_grad: bool = False):
     """Backward of one call of experts differentiated by autograd: the gradient
     of its rows ``leaf`` (if ``rows_grad``; zeros where autograd has none), and
-    its parameters' gradients summed into ``grad_params`` in place, in the
-    parameters' dtype (as autograd would sum them over calls). With the rows'
+    its parameters' gradients summed into ``grad_params``, in the parameters'
+    dtype (as autograd would sum them over calls), each sum a new tensor:
+    autograd may hand one tensor to two parameters, or a broadcast view. With the rows'
     routing ``weights`` (a leaf the experts weighed the rows by), returns
     (rows' gradient, weights' gradient if ``weights_grad``, else None)."""
     rows_grad = rows_grad and leaf.requires_grad
@@ -431,7 +437,7 @@ def autograd_rows(leaf, y, grad_y, rows_grad: bool, params, grad_params: list, w
     grad_weights = grads.pop(0) if weights_grad else None
     for i, g in enumerate(grads):
         if g is not None:
-            grad_params[i] = g if grad_params[i] is None else grad_params[i].add_(g)
+            grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
     if rows_grad and grad_rows is None:
         grad_rows = leaf.new_zeros(leaf.shape)
     if weights is None:
@@ -451,6 +457,36 @@ def add_expert_out(sums, y: object, weights, tokens: torch.Tensor, what: str) ->
     except (TypeError, ValueError) as error:
         raise type(error)(f"the experts' rows of {what} (each rank's experts return [N, H'] floating rows on "
                           f"its device; here N={tokens.shape[0]} on {tokens.device}): {error}") from error
+
+
+def check_reach(y, allowed: tuple) -> None:
+    """Refuse experts whose output ``y`` reaches a tensor that requires grad other
+    than ``allowed`` (their rows, the weights they weigh them by, the parameters
+    they register as an ``nn.Module``): a layer's backward differentiates those
+    only, so such a tensor (a parameter a plain callable closes over, say) would
+    get no gradient, silently. A walk of y's graph: a layer makes it once."""
+    if not isinstance(y, torch.Tensor) or y.grad_fn is None:
+        return
+    known, seen, stack = {id(t) for t in allowed}, set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) not in known:
+            raise ValueError(f"experts: their output depends on a tensor that requires grad ({tuple(leaf.shape)} "
+                             f"{leaf.dtype}) other than their rows and the parameters they register as an "
+                             "nn.Module; the layer's backward would give it no gradient: pass experts as an "
+                             "nn.Module that registers it")
+        stack.extend(following for following, _ in node.next_functions)
+
+
+def reach_once(layer, y, allowed: tuple) -> None:
+    """:func:`check_reach` at the layer's first call with grad (``layer._reach_checked``)."""
+    if not layer._reach_checked:
+        check_reach(y, allowed)
+        layer._reach_checked = True
 
 
 def plain_grouped_experts(experts, device_type: str) -> bool:

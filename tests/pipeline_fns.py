@@ -35,6 +35,28 @@ class RowwiseExperts(nn.Module):
         return tokens * self.scale[expert] + tokens * tokens * self.quad[expert]
 
 
+class AliasedExperts(RowwiseExperts):
+    """Row-wise experts whose parameters' gradients autograd hands out shared:
+    ``y = x * (scale + shift)[e] + x * x * quad[e] + x * tilt.sum()``: scale and
+    shift get one tensor, tilt a broadcast view (summing into either in place
+    corrupts the other, or fails)."""
+
+    def __init__(self, num_local_experts: int, hidden: int, dtype: torch.dtype, seed: int) -> None:
+        super().__init__(num_local_experts, hidden, dtype, seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.shift = nn.Parameter((torch.randint(-8, 9, (num_local_experts, hidden), generator=gen) / 8).to(dtype))
+        self.tilt = nn.Parameter((torch.randint(-8, 9, (hidden,), generator=gen) / 64).to(dtype))
+
+    def forward(self, tokens, tokens_per_expert):
+        expert = torch.repeat_interleave(
+            torch.arange(len(tokens_per_expert), device=tokens.device),
+            tokens_per_expert.to(tokens.device),
+            output_size=tokens.shape[0],
+        )
+        return (tokens * (self.scale + self.shift)[expert] + tokens * tokens * self.quad[expert]
+                + tokens * self.tilt.sum())
+
+
 class FinishedOnStart(AllToAllTransport):
     """The alltoall transport with every exchange finished when it is started,
     for comparison with the ones left in flight."""
@@ -101,8 +123,9 @@ def _cpu(t):
 
 
 def make_experts(kind: str, num_local_experts: int, hidden: int, dtype: torch.dtype, seed: int):
-    if kind == "rowwise":
-        return RowwiseExperts(num_local_experts, hidden, dtype, seed).to(current_device())
+    if kind in ("rowwise", "aliased"):
+        experts = (RowwiseExperts if kind == "rowwise" else AliasedExperts)(num_local_experts, hidden, dtype, seed)
+        return experts.to(current_device())
     torch.manual_seed(seed)
     experts = GroupedExperts(num_local_experts, hidden, 2 * hidden, activation=kind, dtype=dtype)
     if kind == "relu":
@@ -539,3 +562,30 @@ def captured_args(transport: str, seed: int) -> list:
     """Each of 2 ranks' arguments of :func:`micro_batches_captured`: those of
     :func:`partition_args` with a bound, and 3 replays."""
     return [(*args[:6], 3) for args in partition_args(transport, True, seed)]
+
+
+def closure_experts_refused(x, topk_idx, topk_weights, layer_kind: str):
+    """Experts given as a plain callable that closes over a module's parameters
+    (``lambda rows, counts: module(rows, counts)``): what the layer (``layer_kind``:
+    "micro-batches", or "groups N" for MoEExchange) raised on this rank, then
+    whether the same layer over the module itself still runs."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=8))
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    module = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+
+    def run(experts):
+        leaf = x.clone().requires_grad_()
+        if layer_kind == "micro-batches":
+            outs = dispatch.MoEMicroBatches(d, experts)([leaf, leaf * 2], [topk_idx] * 2, [topk_weights] * 2)
+        else:
+            outs = [dispatch.MoEExchange(d, experts, groups=int(layer_kind.split()[1]))(leaf, topk_idx, topk_weights)]
+        sum(o.sum() for o in outs).backward()
+        return [p.grad is not None for p in module.parameters()]
+
+    try:
+        run(lambda rows, counts: module(rows, counts))
+        raised = None
+    except (ValueError, dispatch.PeerRefused) as error:
+        raised = f"{type(error).__name__}: {error}"
+    return raised, run(module)

@@ -71,6 +71,36 @@ def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, toke
     assert worlds(world_size).run(micro_batches_against_one_by_one, args) == [[]] * world_size
 
 
+def test_parameters_autograd_hands_one_gradient_are_summed_apart(worlds):
+    """Experts whose parameters autograd hands one gradient tensor (and a
+    broadcast view): each parameter's gradient over the micro-batches is its
+    own sum, bitwise the layer one micro-batch at a time's (fp64 dyadic)."""
+    routings = [make_routing(2, 4, 2, t, "random", seed=20 + s) for s, t in enumerate([[6, 5], [4, 7], [3, 2]])]
+    args = []
+    for r in range(2):
+        xs = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) * 8).round() / 8
+              for m, rt in enumerate(routings)]
+        grads = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, 10 + m) * 8).round() / 8
+                 for m, rt in enumerate(routings)]
+        ws = [(rt.topk_weights[r].double() * 8).round() / 8 for rt in routings]
+        args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts, None, "aliased"))
+    assert worlds(2).run(micro_batches_against_one_by_one, args) == [[], []]
+
+
+@pytest.mark.parametrize("layer_kind", ["micro-batches", "groups 1", "groups 2"])
+def test_experts_reaching_parameters_they_do_not_register_are_refused(worlds, layer_kind):
+    """A plain callable closing over a module's parameters (whose gradients the
+    layer's backward would not give them): refused by name on every rank; the
+    module itself runs, every parameter with its gradient."""
+    routing = make_routing(2, 4, 2, [7, 5], "random", seed=9)
+    args = [(random_tokens(r, routing.num_tokens[r], HIDDEN, torch.float32, 1), routing.topk_idx[r],
+             routing.topk_weights[r].float(), layer_kind) for r in range(2)]
+    for rank, (raised, grads) in enumerate(worlds(2).run(pipeline_fns.closure_experts_refused, args)):
+        assert raised is not None and raised.startswith("ValueError: experts: their output depends on a tensor "
+                                                        "that requires grad"), (rank, raised)
+        assert grads == [True, True], (rank, grads)
+
+
 @pytest.mark.parametrize("bounded", [False, True])
 def test_two_micro_batches_in_bf16_are_bitwise_the_layer_one_by_one(worlds, bounded):
     """Rounded data, GroupedExperts as MoEExchange computes them (by hand, or by

@@ -125,10 +125,11 @@ def test_groups_with_every_variant_and_wire(worlds, options):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("experts", ["rowwise", "relu"])
+@pytest.mark.parametrize("experts", ["rowwise", "relu", "aliased"])
 def test_groups_bitwise_exact_sums(worlds, world_size, experts):
     """fp64 dyadic data, where every sum is exact: all gradients, the experts'
-    parameters' included, are bitwise those of G = 1 (GroupedExperts' relu included)."""
+    parameters' included, are bitwise those of G = 1 (GroupedExperts' relu
+    included, and experts whose parameters autograd hands one gradient tensor)."""
     routing = make_routing(world_size, 4, 2, [6, 1, 0, 9][:world_size], "random", seed=7)
     xs = [(random_tokens(r, t, HIDDEN, torch.float64, 3) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
     gs = [(random_tokens(r, t, HIDDEN, torch.float64, 4) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
