@@ -31,8 +31,11 @@ DROP_POLICIES = ("probs", "position")
 
 
 def capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
-    """C, the slots of one rank's dispatch an expert takes."""
-    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+    """C, the slots of one rank's dispatch an expert takes (at most its T K slots:
+    a factor large enough to overflow takes them all)."""
+    most = num_tokens * topk
+    share = most / num_experts * capacity_factor
+    return most if share >= most else math.ceil(share)
 
 
 def drop_over_capacity(

@@ -121,6 +121,7 @@ class DispatchWork:
         self.handle = handle
         self._result: Dispatched | None = None
         self._dispatcher, self._started, self._plan_out = dispatcher, started, plan_out
+        self._grad_on = torch.is_grad_enabled()  # the grad mode the call was agreed in
 
     def wait_group(self, g: int) -> DispatchedGroup:
         """Group g's rows (:class:`DispatchedGroup`), not differentiable; the
@@ -152,11 +153,13 @@ class DispatchWork:
 
     def wait(self) -> Dispatched:
         """The :class:`Dispatched` result; the caller's current stream waits for
-        the exchange (the host does not, on CUDA). Call it in the grad mode the
-        dispatch started in; the autograd node of the dispatch is made here."""
+        the exchange (the host does not, on CUDA). The autograd node of the
+        dispatch is made here, in the grad mode the dispatch started in (its
+        peers' at that call), whatever the mode of the wait."""
         if self._result is None:
-            self._result = dispatched(self._dispatcher, *self._args[:2], self.handle, self._plan_out, self._started,
-                                      *self._args[2:])
+            with torch.set_grad_enabled(self._grad_on):
+                self._result = dispatched(self._dispatcher, *self._args[:2], self.handle, self._plan_out,
+                                          self._started, *self._args[2:])
             self.handle = self._result.handle
             self._args = self._started = self._plan_out = None
         return self._result

@@ -530,3 +530,19 @@ def calls_of_other_shapes(config: dict, bad_rank: int, kind: str):
         return _timed(bad if dist.get_rank() == bad_rank else lambda: d.combine_rows(out.tokens, out.handle), d)
 
     return _without_board(mistake)
+
+
+def wait_in_another_grad_mode(config: dict, bad_rank: int):
+    """Every rank dispatches with grad on, async; rank ``bad_rank`` waits under
+    ``no_grad``; all combine and go backward with grad on. Returns whether this
+    rank's x got its gradient, the seconds it took, and whether a round trip
+    after it is right."""
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    x, idx, w = _routing(dist.get_world_size(), seed=6)
+    leaf = x.clone().requires_grad_()
+    start = time.monotonic()
+    work = d.dispatch(leaf, idx, w, async_op=True)
+    with torch.no_grad() if dist.get_rank() == bad_rank else contextlib.nullcontext():
+        out = work.wait()
+    d.combine(out.tokens * 2, out.handle, weights=out.weights).sum().backward()
+    return leaf.grad is not None, time.monotonic() - start, _round_trip_is_right(d)

@@ -142,6 +142,16 @@ def test_an_error_handed_to_refuse_stops_every_rank_at_once(worlds, verb):
         assert elapsed < SOON and usable, (rank, elapsed, usable)
 
 
+def test_a_dispatch_waited_for_in_another_grad_mode_keeps_the_agreed_one(worlds):
+    """``DispatchWork.wait()`` under ``no_grad`` on one rank of a dispatch started
+    with grad on: its node is made in the mode the call was agreed in, so every
+    rank's backward pairs (x's gradient on each), at once."""
+    config = dict(num_experts=agreement_fns.E, transport="nccl", timeout=30.0)
+    for rank, (has_grad, elapsed, usable) in enumerate(worlds(2).run(agreement_fns.wait_in_another_grad_mode,
+                                                                     [(config, 0)] * 2)):
+        assert has_grad and elapsed < SOON and usable, (rank, has_grad, elapsed, usable)
+
+
 def test_refuse_names_a_dispatch_or_a_call_along_a_handle():
     """``refuse`` takes a dispatch (with no handle) or a verb that moves rows
     along a handle, checked on this rank before any agreement."""

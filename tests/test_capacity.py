@@ -148,6 +148,18 @@ def test_every_variant_dispatches_the_kept_slots(worlds, variant, policy, factor
             assert bool(kept[r][1].any())  # this case drops something
 
 
+def test_a_factor_large_enough_to_overflow_takes_every_slot():
+    """C is at most a rank's T K slots: a factor whose share overflows (1e308)
+    keeps them all rather than failing on one rank alone."""
+    from dispatch import capacity
+
+    assert capacity.capacity(26, 2, 4, 1e308) == 52 and capacity.capacity(0, 2, 4, 1e308) == 0
+    assert capacity.capacity(10, 2, 4, 1.0) == 5 and capacity.capacity(10, 2, 4, 1.1) == 6
+    idx = torch.tensor([[0, 1], [1, 2], [0, 3]])
+    kept, dropped = capacity.drop_over_capacity(idx, torch.rand(3, 2), 4, 1e308, "probs")
+    assert torch.equal(kept, idx) and not dropped.any()
+
+
 def test_capacity_refused_by_name():
     for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
         with pytest.raises(ValueError, match="capacity_factor"):
