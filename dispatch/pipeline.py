@@ -126,19 +126,20 @@ class MoEExchange(nn.Module):
     Args:
         dispatcher: a :class:`TokenDispatcher` (``dispatch.create``). Its config's
             wire formats apply to every direction as in ``dispatch``/``combine``.
-        experts: any callable ``(tokens [N, H], tokens_per_expert [E_local] int64
-            on the device of tokens) -> [N, H']``, rows in canonical order;
-            called once per group with that group's rows and counts (zero for
-            the experts of other groups). If it is an ``nn.Module`` it becomes
-            a submodule and the gradients of its parameters are computed by the
-            pipelined backward; experts whose output reaches another tensor that
-            requires grad (a plain callable closing over parameters) are refused
-            by name at the first call with grad (it would get no gradient). Experts that hold each expert's weights apart
-            may name them: ``group_parameters(first, end)``, the parameters that
-            a call with rows of local experts [first, end) only can reach; each
-            group's backward then differentiates those only (once per pass),
-            not every expert's again (zeros for the experts the group gives no
-            rows, as those that run every expert on its rows, empty or not, give).
+        experts: any callable ``(tokens [N, H], tokens_per_expert [E_local] int64 on
+            the device of tokens) -> [N, H']``, rows in canonical order; called once
+            per group with that group's rows and counts (zero for the experts of
+            other groups). If it is an ``nn.Module`` it becomes a submodule and the
+            gradients of its parameters are computed by the pipelined backward;
+            experts whose output reaches another tensor that requires grad (a plain
+            callable closing over parameters) are refused by name at the first call
+            with grad (it would get no gradient). Experts that hold each expert's
+            weights apart may name them: ``group_parameters(first, end)``, the
+            parameters that a call with rows of local experts [first, end) only can
+            reach; each group's backward then differentiates those only (once per
+            pass), not every expert's again (zeros for the experts the group gives
+            no rows, as those that run every expert on its rows, empty or not,
+            give).
         groups: G, the groups of local experts, in [1, E_local] (1: no
             pipelining, one dispatch and one combine in one piece each). The
             default, 1: over NCCL every G > 1 measured slower; over NVSHMEM
