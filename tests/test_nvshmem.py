@@ -340,6 +340,15 @@ def local_failures(x, topk_idx, topk_weights, case):
     return seen
 
 
+def two_ranks_routed(seed: int, tokens: int = 6, hidden: int = 8, experts: int = 4) -> list[tuple]:
+    """Each of 2 ranks' (x [T, H], topk_idx [T, 2] of ``experts`` experts, topk_weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)]) for _ in range(2)]
+    ws = [torch.rand(tokens, 2, generator=gen) for _ in range(2)]
+    return [(xs[r], idx[r], ws[r]) for r in range(2)]
+
+
 def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb):
     """A bounded dispatch that rank 1 fails on its own (more tokens than the
     buffers were sized for: it takes part with no rows), then rows wider than
@@ -396,11 +405,7 @@ def test_rows_wider_than_the_buffers_are_refused_on_every_rank(worlds, verb):
     rows is wider than the whole receive buffer (it grows no buffer alone)."""
     if worlds(2).backend != "gloo":
         pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
-    gen = torch.Generator().manual_seed(8)
-    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
-    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
-    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
-    got = worlds(2).run(wide_rows_after_a_local_failure, [(xs[r], idx[r], ws[r], verb) for r in range(2)])
+    got = worlds(2).run(wide_rows_after_a_local_failure, [(*args, verb) for args in two_ranks_routed(8)])
     # (with x too wide on rank 1, the dispatch goes through on both, and their outputs' widths differ)
     name = {"combine": "expert_out", "dispatch_rows": "rows", "x": "expert_out", "x64": "expert_out"}[verb]
     assert got == [name, name], got
@@ -422,11 +427,7 @@ def bounded_after_no_tokens(x, topk_idx, topk_weights):
 def test_a_first_bounded_dispatch_of_no_tokens_sizes_nothing_for_good(worlds):
     """The buffers of a bounded dispatch are sized by the group's first
     dispatch with a token, not fixed at none by an empty one."""
-    gen = torch.Generator().manual_seed(9)
-    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
-    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
-    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
-    got = worlds(2).run(bounded_after_no_tokens, [(xs[r], idx[r], ws[r]) for r in range(2)])
+    got = worlds(2).run(bounded_after_no_tokens, two_ranks_routed(9))
     assert sum(got) == 2 * 6 * 2, got  # every slot arrived somewhere
 
 
@@ -472,30 +473,19 @@ def test_after_reserve_a_bounded_round_trip_allocates_nothing(worlds, tokens, hi
     counts' all-gather included (rows narrower than a counts row, say)."""
     if worlds(2).backend != "gloo":
         pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
-    gen = torch.Generator().manual_seed(tokens)
-    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
-    idx = [torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]) for _ in range(2)]
-    ws = [torch.rand(tokens, 2, generator=gen) for _ in range(2)]
-    got = worlds(2).run(allocations_after_reserve, [(xs[r], idx[r], ws[r], 64, groups) for r in range(2)])
+    got = worlds(2).run(allocations_after_reserve,
+                        [(*args, 64, groups) for args in two_ranks_routed(tokens, tokens, hidden, experts=8)])
     assert got == [[], []], got
 
 
 def test_a_smaller_reserve_keeps_the_room_an_earlier_one_made(worlds):
-    gen = torch.Generator().manual_seed(10)
-    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
-    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
-    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
-    got = worlds(2).run(bounded_after_a_smaller_reserve, [(xs[r], idx[r], ws[r]) for r in range(2)])
+    got = worlds(2).run(bounded_after_a_smaller_reserve, two_ranks_routed(10))
     assert sum(got) == 2 * 6 * 2, got  # every slot arrived somewhere
 
 
 @pytest.mark.parametrize("case", ["over", "mixed", "refused"])
 def test_no_rank_is_left_waiting_by_a_peer_that_raises(worlds, case):
-    gen = torch.Generator().manual_seed(8)
-    xs = [torch.randn(6, 8, generator=gen) for _ in range(2)]
-    idx = [torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)]) for _ in range(2)]
-    ws = [torch.rand(6, 2, generator=gen) for _ in range(2)]
-    results = worlds(2).run(local_failures, [(xs[r], idx[r], ws[r], case) for r in range(2)])
+    results = worlds(2).run(local_failures, [(*args, case) for args in two_ranks_routed(8)])
     for rank, seen in enumerate(results):
         assert seen["raised"] is not None and seen["after"], (rank, seen)
     if case == "over":
