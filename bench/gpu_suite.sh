@@ -44,6 +44,9 @@
 #             captured) and a host profile of its round trips with max_rows; then the engine
 #             alone in another (on CUDA's symmetric memory); then
 #             bench/nvshmem_device_probe.py (a kernel of ours on NVSHMEM's device API, in torch's instance)
+#   nvshmem-hier  the hierarchical variant over NVSHMEM: its tests, then bench/nvshmem_probe.py with it
+#             (every rank a node: as across hosts, mapped and not) beside itself over NCCL and the alltoall
+#             variant over both
 #   probe     bench/engine_probe.py (the engine beside NCCL per shape, with its kernels' times)
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
 #             then bench/agreement_probe.py (what a call's agreement costs on the host); the eager round
@@ -224,12 +227,17 @@ for part in "$@"; do
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     nvshmem)
       step 240 nvshmem-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvshmem.py tests/test_kernels.py \
-        -k "nvshmem or settle or pad_kernel"
+        tests/test_nvshmem_hierarchical.py -k "nvshmem or settle or pad_kernel"
       gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
       step 240 nvshmem-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvshmem nvshmem-unmapped nccl nvlink \
         --profile --host-profile
       step 200 nvshmem-probe-engine torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" nvlink
       step 120 nvshmem-device-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_device_probe.py ;;
+    nvshmem-hier)
+      step 200 nvshmem-hier-tests python3 -m pytest -q -p no:cacheprovider tests/test_nvshmem_hierarchical.py
+      gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      step 240 nvshmem-hier-probe torchrun --nproc-per-node "$gpus" bench/nvshmem_probe.py "$RES" hier-nvshmem \
+        hier-nvshmem-unmapped hier-nccl nvshmem nccl ;;
     probe)
       step 200 engine-probe python3 bench/engine_probe.py --profile --out "$RES" ;;
     ab)

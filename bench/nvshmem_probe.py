@@ -1,10 +1,12 @@
-"""Study: the alltoall variant over NVSHMEM beside NCCL and the NVLink engine.
+"""Study: the alltoall and hierarchical variants over NVSHMEM beside NCCL and the NVLink engine.
 
     torchrun --nproc-per-node W bench/nvshmem_probe.py OUT_DIR TRANSPORT [TRANSPORT ...] [--profile]
 
 TRANSPORT is ``nccl``, ``nvshmem``, ``nvshmem-unmapped`` (NVSHMEM with every peer's rows got
 and put through NVSHMEM as across hosts, not read and written where it maps them here:
-``nvshmem_puts.mapped``) or ``nvlink``, made in the order given. Torch fixes
+``nvshmem_puts.mapped``) or ``nvlink``, made in the order given; ``hier-`` before
+``nccl`` or ``nvshmem[-unmapped]``: the hierarchical variant over it, every rank a
+node of its own (the inter-node tier is the whole exchange). Torch fixes
 one symmetric-memory backend per process at its first allocation: after
 ``nvshmem``, the engine runs on NVSHMEM's buffers (each row names its
 backend). The suite runs this twice in one call: ``nvshmem nccl nvlink``, then
@@ -14,7 +16,7 @@ the eager round trip (dispatch + combine, timed back to back on the device, and
 the issuing thread's wall time per call), and where the transport reads
 nothing on the host with ``max_rows`` (nvshmem, nvlink), the same with
 ``max_rows`` eager and captured in a CUDA graph; first a check that its
-combine equals NCCL's bitwise. Writes OUT_DIR/nvshmem-probe-<transports>.json and
+combine equals its variant's over NCCL bitwise. Writes OUT_DIR/nvshmem-probe-<transports>.json and
 prints one line per row (median milliseconds, the slowest rank's). ``--profile``:
 then, on rank 0, a kernel table (torch.profiler, by device time) of 5 eager and
 5 captured round trips of each transport at the DeepSeek-V3 and Mixtral shapes,
@@ -83,6 +85,14 @@ def host_table(run, rounds: int = 20) -> str:
     return text.getvalue()
 
 
+def config_of(name: str, experts: int) -> dispatch.DispatchConfig:
+    """The config of a TRANSPORT argument (see the module doc)."""
+    hierarchical = name.startswith("hier-")
+    options = dict(variant="hierarchical", local_world_size=1) if hierarchical else {}
+    return dispatch.DispatchConfig.from_options(num_experts=experts, **options,
+                                                transport=name.removeprefix("hier-").removesuffix("-unmapped"))
+
+
 def main():
     profiling, host_profiling = "--profile" in sys.argv, "--host-profile" in sys.argv
     args = [a for a in sys.argv[1:] if a not in ("--profile", "--host-profile")]
@@ -96,28 +106,28 @@ def main():
     for name in ("decode", "deepseek-v3", "mixtral-8x7b"):
         shape = SHAPES[name]
         x, idx, w = inputs(shape, world, rank)
-        made = {}
+        made, references = {}, {}
         for t in transports:
             try:
-                made[t] = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts,
-                                                                  transport=t.removesuffix("-unmapped")))
+                made[t] = dispatch.create(config_of(t, shape.experts))
             except ValueError as exc:  # the same on every rank: the transport cannot run here
                 if rank == 0:
                     print(f"{name}: {exc}; not measured", flush=True)
-        reference = None
-        if "nccl" not in made:
-            reference = dispatch.create(dispatch.DispatchConfig(num_experts=shape.experts, transport="nccl"))
+        for t in made:  # each variant's rows over NCCL, to check against
+            kind = "hier-nccl" if t.startswith("hier-") else "nccl"
+            if kind not in references:
+                references[kind] = made.get(kind) or dispatch.create(config_of(kind, shape.experts))
         for transport, d in made.items():
             nvshmem_puts.mapped = not transport.endswith("-unmapped")
             plain = d.dispatch(x, idx, w)
             limit = torch.tensor([plain.tokens.shape[0] + 256], device=dev)
             dist.all_reduce(limit, op=dist.ReduceOp.MAX)
             bound = int(limit)  # every rank's N and some room, the same bound on every rank
-            check = reference or made.get("nccl")
+            check = references["hier-nccl" if transport.startswith("hier-") else "nccl"]
             want = check.combine(*(lambda o: (o.tokens, o.handle))(check.dispatch(x, idx, w)))
             got = d.combine(plain.tokens, plain.handle)
             row = dict(shape=name, world=world, transport=transport, bitwise=bool(torch.equal(got, want)))
-            if transport != "nccl":
+            if not transport.endswith("nccl"):
                 from torch.distributed import _symmetric_memory as symm_mem
 
                 row["backend"] = symm_mem.get_backend(dev)

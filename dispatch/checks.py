@@ -113,9 +113,9 @@ def check_dispatch_signature(d, x, topk_idx, topk_weights, max_rows, groups):
         raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: a dispatch by groups of experts "
                          "places its rows group by group; use groups=1")
     if groups > 1 and max_rows is not None and not d.transport.bounded_groups:
-        raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs the NVLink "
-                         f"engine or NVSHMEM (each group padded to its bound on the device); {name} does not move "
-                         "one; use groups=1 or no max_rows")
+        raise ValueError(f"groups={groups} with max_rows: a dispatch by groups with a row bound needs the alltoall "
+                         f"variant on the NVLink engine or NVSHMEM (each group padded to its bound on the device); "
+                         f"{name} does not move one; use groups=1 or no max_rows")
     if d.config.pad_to_capacity and max_rows is not None:
         raise ValueError("max_rows: a dispatcher with pad_to_capacity fixes its rows itself (E_local * the sum of "
                          "the ranks' capacities); dispatch without max_rows")

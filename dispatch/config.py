@@ -56,7 +56,8 @@ class DispatchConfig:
             gradient of the expert outputs. Choices as ``dispatch_wire``, and
             ``"e5m2"`` (block-scaled like ``"fp8"``, one mantissa bit fewer and a
             wider range inside a block, the usual fp8 format for gradients).
-        transport: what moves the rows of the ``alltoall`` variant. ``"nvlink"``:
+        transport: what moves the rows of the ``alltoall`` variant (and of the
+            ``hierarchical`` one: ``"nvshmem"`` or ``"nccl"``). ``"nvlink"``:
             the NVLink engine (``dispatch.nvlink``): every rank of the group on
             one host with peer access between the GPUs, NCCL group, CuPy; the
             routing plan and the exchanges run in its own kernels over
@@ -69,12 +70,15 @@ class DispatchConfig:
             and shares a process with the NVLink engine only where it is made
             first (torch fixes one symmetric-memory backend per process at its
             first allocation; the engine then runs on NVSHMEM's buffers, for a
-            group of the whole world). ``"nccl"``: the process
+            group of the whole world); for the hierarchical variant both tiers
+            move over it (``dispatch.transports.hierarchical_nvshmem``), bitwise
+            its ``"nccl"`` rows. ``"nccl"``: the process
             group's collectives (the only one on CPU/gloo). ``"auto"``
             (default): the engine where every rank shares a host and it can
-            run; else NVSHMEM where the group spans hosts and it can run; else
-            the collectives (``dispatch.transports.choose``). Other variants
-            use the collectives.
+            run (alltoall); else NVSHMEM where the group spans hosts and it can
+            run (alltoall, hierarchical); else the collectives
+            (``dispatch.transports.choose``). The allgather variant uses the
+            collectives.
         capacity_factor: None (default: no token is dropped), or drop tokens
             as Megatron-Core's router does: each rank sends each expert at most
             ``ceil(T * K / E * capacity_factor)`` of its slots, chosen by
@@ -157,8 +161,11 @@ class DispatchConfig:
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("pad_to_capacity=True needs a capacity_factor (the capacity it pads to)")
         _check_choice("transport", self.transport, TRANSPORTS)
-        if self.transport in ("nvlink", "nvshmem") and self.variant != "alltoall":
-            raise ValueError(f"transport={self.transport!r} needs variant='alltoall', got variant={self.variant!r}")
+        if self.transport == "nvlink" and self.variant != "alltoall":
+            raise ValueError(f"transport='nvlink' needs variant='alltoall', got variant={self.variant!r}")
+        if self.transport == "nvshmem" and self.variant not in ("alltoall", "hierarchical"):
+            raise ValueError(f"transport='nvshmem' needs variant='alltoall' or 'hierarchical', got "
+                             f"variant={self.variant!r}")
         if self.tuning is None:
             object.__setattr__(self, "tuning", Tuning())
         elif not isinstance(self.tuning, Tuning):

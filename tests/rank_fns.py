@@ -344,9 +344,9 @@ def dispatcher(config: dict, emulated: bool = False):
     from splits_exchange import HostSplitsExchange
 
     from dispatch.dispatcher import TokenDispatcher
-    from dispatch.transports import NVSHMEMTransport
+    from dispatch.transports import REGISTRY
 
-    return TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=HostSplitsExchange()))
+    return TokenDispatcher(cfg, None, REGISTRY[cfg.variant, "nvshmem"](cfg, None, exchange=HostSplitsExchange()))
 
 
 def padded_groups(rows, bounds, bound, fill):

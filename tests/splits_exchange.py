@@ -75,7 +75,8 @@ class HostSplitsExchange:
         staged[:count] = x[send_token[:count]]
         stages = [torch.empty_like(staged) for _ in range(world)]
         dist.all_gather(stages, staged, group=self.group)  # every rank's stage
-        out = torch.full((expand_src.shape[0], x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+        garbage = float("nan") if x.dtype.is_floating_point else 123  # (bytes of packed rows: any value)
+        out = torch.full((expand_src.shape[0], x.shape[1]), garbage, dtype=x.dtype, device=x.device)
         covered = [(0, 2**62)] if spans is None else spans
         assert all(lo <= hi for lo, hi in covered) and all(a[1] <= b[0] for a, b in zip(covered, covered[1:])), spans
         first = 0

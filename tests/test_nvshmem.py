@@ -563,6 +563,11 @@ def _never():
     ("alltoall", "nvshmem", _never, _never, None, "nvshmem"),
     ("alltoall", "nvshmem", _never, _never, "gloo", ValueError),
     ("alltoall", "nvlink", "gloo", _never, _never, ValueError),
+    ("hierarchical", "auto", _never, True, None, "nvshmem"),  # never the engine: both tiers over NVSHMEM
+    ("hierarchical", "auto", _never, False, _never, "nccl"),
+    ("hierarchical", "auto", _never, True, "no NVSHMEM", "nccl"),
+    ("hierarchical", "nvshmem", _never, _never, None, "nvshmem"),
+    ("hierarchical", "nvshmem", _never, _never, "gloo", ValueError),
 ])
 def test_the_transport_rule(variant, transport, engine, spans, nvshmem, want):
     answers = [(lambda a=a: a()) if callable(a) else (lambda a=a: a) for a in (engine, spans, nvshmem)]
@@ -748,14 +753,14 @@ def test_on_nvshmem_a_layer_by_groups_with_max_rows_is_captured(nvshmem_world):
     assert nvshmem_world.run(layer_by_groups_captured, args) == [0, 0]
 
 
-def captured_round_trip(x, topk_idx, topk_weights, max_rows):
+def captured_round_trip(x, topk_idx, topk_weights, max_rows, config=None):
     """A round trip with max_rows captured in a CUDA graph and replayed on new
     values: the replay's outputs equal an eager round trip's on those values."""
     from world import current_device
 
     device = current_device()
     x, topk_idx, topk_weights = (t.to(device) for t in (x, topk_idx, topk_weights))
-    d = _dispatcher(dict(num_experts=8), False)
+    d = _dispatcher(config or dict(num_experts=8), False)
     d.reserve(x, topk_idx.shape[1])
 
     def trip(xx, ii, ww):

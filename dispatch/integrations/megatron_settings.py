@@ -86,8 +86,8 @@ def engine_refusals(config, engine) -> list[str]:
         chosen = engine.config
         problems.append(f"{what} without a transport that reads nothing on the host (variant={chosen.variant!r}, "
                         f"transport={chosen.transport!r} here reads split sizes on the host; variant 'alltoall' with "
-                        "transport 'nvlink' (or 'auto' on one host with peer access) or 'nvshmem' reads nothing with "
-                        "max_rows)")
+                        "transport 'nvlink' (or 'auto' on one host with peer access) or 'nvshmem', and variant "
+                        "'hierarchical' with transport 'nvshmem', read nothing with max_rows)")
     return problems
 
 

@@ -11,14 +11,15 @@ variant             transport   class
 ``alltoall``        ``nvshmem`` :class:`NVSHMEMTransport` (splits on the device)
 ``allgather``       ``nccl``    :class:`AllGatherTransport`
 ``hierarchical``    ``nccl``    :class:`HierarchicalTransport`
+``hierarchical``    ``nvshmem`` :class:`HierarchicalNVSHMEMTransport`
 ``auto``            ``nccl``    :class:`AutoTransport` (cost model per call)
 ==================  ==========  =========================================
 
 :func:`build` resolves ``DispatchConfig.transport="auto"`` (and
 ``variant="auto"``) by :func:`choose`: the NVLink engine where it can run
 (every rank on one host, NCCL, CuPy; ``nvlink.unusable``); else, for the
-alltoall variant on a group that spans hosts, NVSHMEM where it can run
-(``nvshmem.unusable``); the collectives otherwise.
+alltoall and hierarchical variants on a group that spans hosts, NVSHMEM where it
+can run (``nvshmem.unusable``); the collectives otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dispatch.transports.alltoall import AllToAllTransport
 from dispatch.transports.auto import AutoTransport
 from dispatch.transports.base import Request, Transport
 from dispatch.transports.hierarchical import HierarchicalTransport
+from dispatch.transports.hierarchical_nvshmem import HierarchicalNVSHMEMTransport
 from dispatch.transports.nvlink import NVLinkTransport, unusable
 from dispatch.transports.nvshmem import NVSHMEMTransport
 from dispatch.transports import nvshmem
@@ -39,7 +41,7 @@ from dispatch.transports import nvshmem
 REGISTRY: dict[tuple[str, str], type[Transport]] = {
     (cls.variant, cls.transport): cls
     for cls in (AllToAllTransport, NVLinkTransport, NVSHMEMTransport, AllGatherTransport, HierarchicalTransport,
-                AutoTransport)
+                HierarchicalNVSHMEMTransport, AutoTransport)
 }
 
 
@@ -51,37 +53,40 @@ def build(config, group) -> Transport:
     ``transport="nvlink"`` or ``"nvshmem"`` where it cannot run, naming why."""
     key = choose(config.variant, config.transport, lambda: unusable(group, config.num_experts),
                  lambda: _spans_hosts(group), lambda: _agreed(group, nvshmem.unusable(group)))
-    return REGISTRY[config.variant if key == "nccl" else "alltoall", key](config, group)
+    variant = config.variant if key == "nccl" or config.variant == "hierarchical" else "alltoall"
+    return REGISTRY[variant, key](config, group)
 
 
 def choose(variant: str, transport: str, engine_problem, spans_hosts, nvshmem_problem) -> str:
     """The transport that moves ``variant``'s rows when the config asks for
     ``transport``: ``"nccl"``, ``"nvlink"`` or ``"nvshmem"``.
 
-    The rule for ``"auto"``: the NVLink engine where it can run (every rank on
-    one host); else, for the alltoall variant, NVSHMEM where the group spans
-    hosts and it can run (its counts stay on the device where NCCL's splits
-    are read on the host); else NCCL. Variants other than alltoall (and
-    ``variant="auto"``'s cost model) move over NCCL off the engine. The
+    The rule for ``"auto"``: for the alltoall variant, the NVLink engine where
+    it can run (every rank on one host); else, for the alltoall and
+    hierarchical variants, NVSHMEM where the group spans hosts and it can run
+    (its counts stay on the device where NCCL's splits are read on the host);
+    else NCCL. The allgather variant (and ``variant="auto"``'s cost model) moves
+    over NCCL off the engine. The
     answers are asked lazily, in that order, each at most once: each of
     ``engine_problem()``, ``nvshmem_problem()`` (why it cannot run, or None) and
     ``spans_hosts()`` may be a collective; ``nvshmem_problem()`` fixes this
     process's symmetric memory on NVSHMEM where it answers None.
 
     Raises ValueError for ``"nvlink"`` / ``"nvshmem"`` where it cannot run."""
-    if transport == "nccl" or variant not in ("alltoall", "auto"):
+    if transport == "nccl" or variant not in ("alltoall", "auto", "hierarchical"):
         return "nccl"
     if transport == "nvshmem":
         problem = nvshmem_problem()
         if problem is not None:
             raise ValueError(f"transport='nvshmem': {problem}")
         return "nvshmem"
-    problem = engine_problem()
-    if problem is None:
-        return "nvlink"
-    if transport == "nvlink":
-        raise ValueError(f"transport='nvlink': {problem}")
-    if variant == "alltoall" and spans_hosts() and nvshmem_problem() is None:
+    if variant != "hierarchical":
+        problem = engine_problem()
+        if problem is None:
+            return "nvlink"
+        if transport == "nvlink":
+            raise ValueError(f"transport='nvlink': {problem}")
+    if variant != "auto" and spans_hosts() and nvshmem_problem() is None:
         return "nvshmem"
     return "nccl"
 
@@ -115,6 +120,7 @@ __all__ = [
     "AllGatherTransport",
     "AllToAllTransport",
     "AutoTransport",
+    "HierarchicalNVSHMEMTransport",
     "HierarchicalTransport",
     "NVLinkTransport",
     "NVSHMEMTransport",

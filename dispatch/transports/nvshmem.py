@@ -160,6 +160,7 @@ class NVSHMEMTransport(AllToAllTransport):
             device = torch.device("cuda", torch.cuda.current_device())
             exchange = exchange_for(group, self.world_size, device)  # (it builds our put kernel: seconds, once)
         self.exchange = exchange
+        self.fan = self.world_size  # the most ranks one rank's rows go to or come from: the buffers hold fan T rows
         self._capacity: tuple[int, int, int] | None = None  # (T, K, row stride) the buffers of max_rows hold
         self._failed = self._failure = None  # on the device: a dispatch with max_rows failed, and its summary
         self._seen = self._seen_at = None  # the failure flag, copied to the host as the work runs
@@ -173,6 +174,9 @@ class NVSHMEMTransport(AllToAllTransport):
         words = self.agreed_words(request)
         if request.max_rows is not None:
             return self._plan_bounded(request, words)
+        return self._plan_host(request)
+
+    def _plan_host(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
         x, local = request.x, self.num_local_experts
         header = plan.header(x, request.topk_weights, request.topk_idx.shape[1], request.ticket)
         planned, captured = self._counts_and_send_plan(request, header, grouped_sends=False)
@@ -215,7 +219,7 @@ class NVSHMEMTransport(AllToAllTransport):
         world, groups = self.world_size, request.groups
         self._row_bytes = self.row_bytes(x)
         grads_any = grads_of(words)
-        sizes = (0, 0) if error is not None else (world * tokens, world * tokens)
+        sizes = (0, 0) if error is not None else (self.fan * tokens, self.fan * tokens)
         bound = -(-ticket.max_rows // groups)  # by groups, each group's rows padded to B = ceil(max_rows / G)
         num_rows = groups * bound
         replay = None if error is not None else self._replay_for(request, num_rows, sizes)
@@ -450,7 +454,7 @@ class NVSHMEMTransport(AllToAllTransport):
         if self._capacity is not None:  # room only grows (as the engine's): a later, smaller reserve keeps it
             tokens, most_topk, stride = (max(old, new) for old, new in zip(self._capacity, (tokens, most_topk, stride)))
         self._capacity = (tokens, most_topk, stride)
-        rows = self.world_size * tokens  # R <= W T; S <= T min(K, W) <= W T
+        rows = self.fan * tokens  # R <= W T; S <= T min(K, W) <= W T
         # the counts all-gather puts a row to every rank too (``_gather_rows``): room for it, so that no bounded
         # dispatch after this grows a buffer (a host sync; in a capture, an error)
         counts = self.exchange.stride(8 * counts_row(self.world_size, self.num_local_experts).width)

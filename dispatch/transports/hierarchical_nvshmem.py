@@ -1,0 +1,302 @@
+"""The ``hierarchical`` variant over NVSHMEM (``transport="nvshmem"``): across
+nodes once, then inside the node, with every split size on the device, so that
+a dispatch with ``max_rows`` and the round trip after it read nothing on the
+host, over any link NVSHMEM reaches (InfiniBand or RoCE between hosts).
+
+Notation as in ``dispatch.transports.hierarchical``: L ranks per node, M = W // L
+nodes; this rank is (node a, index l).
+
+Two plans of the NVSHMEM all-to-all (``transports.nvshmem``), over one exchange
+of the whole world (NVSHMEM's symmetric memory is the world's):
+
+1. across nodes: each token to the rank (n, l) of every node n that holds one of
+   its experts (to itself for its own node), planned as a dispatch to W
+   experts, one per rank, with the token's slots (n L + l for each such n);
+   its routing (expert ids and weights) rides along as a row;
+2. inside the node: the rows that rank holds, taken as its tokens, routed to
+   the experts of its own node only (the others' ids dropped), planned as a
+   dispatch to the real experts.
+
+Stage 2 hands each expert its rows by (holder's index, node, token); the
+canonical order is by (source rank = node L + index, token). The permutation
+between them is made once, in the plan, and folded into stage 2's places (the
+receive side writes each row straight to its canonical place), so no row is
+moved twice for it.
+
+The wire rows are packed once at home and unpacked once at the experts (stage
+2 forwards the packed bytes). Combine, in reverse, as the NCCL hierarchical
+variant sums: the experts' pre-sums home to their holder, summed there in
+ascending rank in the accumulation dtype (fp32, fp64 for fp64 weights); the
+node sums cast to the combine wire and home across nodes, the home node's own
+partial kept unrounded, summed in ascending node order and cast once. Every
+verb is bitwise the NCCL hierarchical variant's.
+
+With ``max_rows`` the buffers hold M T rows a stage (T the group's largest
+tokens, ``reserve``): stage 1 pads its held rows to M T, stage 2's outputs to
+``max_rows``. The failure checks are the stages' (``transports.nvshmem``): a
+bad value is marked in stage 1's routing (an id past the ranks), on the
+device; a rank over ``max_rows`` fails stage 2, on every rank alike.
+
+The expert layer inside the node runs on NVSHMEM's kernels as well (on one host
+its transport is NVLink): the NVLink engine and NVSHMEM share no buffers in
+one plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from dispatch import checks, plan
+from dispatch.codec import Codec, to_experts_codec
+from dispatch.handle import CombineHandle, PlanOutputs
+from dispatch.stats import make_stats
+from dispatch.streams import Pending
+from dispatch.transports.base import Request, Transport, by_groups, grads_of, handle_fields, shape_fields
+from dispatch.transports.nvshmem import NVSHMEMHandle, NVSHMEMTransport
+from dispatch.transports.symmetric import Packed, exchange_for
+from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
+from dispatch.timing import mark
+
+_FAILED = plan.HEADER.index("failed")
+
+
+class _Stage(NVSHMEMTransport):
+    """One stage's all-to-all plan over the shared exchange (see the module doc).
+
+    Attributes:
+        fan: the ranks one rank's rows go to or come from in this stage (M
+            across nodes, L inside one): the buffers hold ``fan`` times its
+            tokens.
+        extra: bytes of the rows this stage moves besides its own kinds (the
+            routing rows, per-slot values of the whole round trip).
+        original: stage 1 only: (topk_idx, topk_weights, E) of the dispatch
+            behind its routing, named where a value is bad.
+    """
+
+    def __init__(self, config, group, exchange, fan: int) -> None:
+        super().__init__(config, group, exchange)
+        self.fan = fan
+        self.extra: list[int] = []
+        self.original = None
+
+    def _row_sizes(self, x: torch.Tensor, topk: int) -> list[int]:
+        return super()._row_sizes(x, topk) + self.extra
+
+    def _raise_own_values(self, request: Request, header: list[int]) -> None:
+        if self.original is None or not header[_FAILED]:
+            return super()._raise_own_values(request, header)
+        topk_idx, topk_weights, num_experts = self.original
+        checks.raise_own_values(header, request.ticket, topk_idx, topk_weights, num_experts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagedHandle(CombineHandle):
+    """Plan of one two-stage exchange over NVSHMEM.
+
+    Attributes:
+        across: stage 1's handle (held rows: its N, padded to M T with max_rows).
+        within: stage 2's, its places folded to the canonical order and moving
+            in one piece.
+    """
+
+    across: NVSHMEMHandle
+    within: NVSHMEMHandle
+
+
+class HierarchicalNVSHMEMTransport(Transport):
+    """Two-tier transport over NVSHMEM (``variant="hierarchical"``,
+    ``transport="nvshmem"``; see the module doc). Like the alltoall variant over
+    NVSHMEM, every dispatch is agreed over the host first, and a rank whose own
+    dispatch does not fit the buffers takes part with nothing.
+
+    Args:
+        exchange: what moves the rows (the world's ``SymmetricExchange`` by
+            default), as ``NVSHMEMTransport`` takes it.
+    """
+
+    variant = "hierarchical"
+    transport = "nvshmem"
+    host_free = True
+    agrees_dispatch = True
+
+    def __init__(self, config, group=None, exchange=None) -> None:
+        super().__init__(config, group)
+        local = self.local_world_size
+        self.num_nodes = self.world_size // local
+        self.node, self.local_rank = divmod(self.rank, local)
+        if exchange is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+            exchange = exchange_for(group, self.world_size, device)
+        stage = dataclasses.replace(config, variant="alltoall", transport="nvshmem")
+        self.across = _Stage(dataclasses.replace(stage, num_experts=self.world_size), group, exchange, self.num_nodes)
+        self.within = _Stage(stage, group, exchange, local)
+
+    # -- the plan ---------------------------------------------------------------
+
+    def plan(self, request: Request) -> tuple[StagedHandle, PlanOutputs]:
+        words = self.agreed_words(request)
+        x, topk_idx, weights = request.x, request.topk_idx, request.topk_weights.detach()
+        num_tokens, topk = topk_idx.shape
+        bounded = request.max_rows is not None
+        if bounded and (self.across._capacity is None or not self.across._capacity[0]):
+            self.reserve(x, topk)  # every rank alike (agreed): the buffers sized once
+        # stage 1: each token once to every node that holds one of its experts
+        held_rows = -1 if not bounded else self.num_nodes * self.across._capacity[0]
+        first = Request(owner=request.owner, x=x, topk_idx=self._across_routing(topk_idx, weights, request.check_values),
+                        topk_weights=weights.new_zeros(num_tokens, self.num_nodes, dtype=torch.float32),
+                        ticket=dataclasses.replace(request.ticket, max_rows=held_rows, memory_rows=-1),
+                        check_values=request.check_values, agreed=request.agreed)
+        self.across.original = (topk_idx, weights, self.config.num_experts)
+        try:
+            across, held = self._stage_plan(self.across, first, words)
+        finally:
+            self.across.original = None
+        native = to_experts_codec("native", torch.float64)
+        routing = torch.cat([topk_idx.double(), weights.double()], 1)  # exact in fp64: ids and any weight dtype
+        routing = self.across.to_experts(routing, across, native).finish()  # [N1, 2K]
+        # stage 2: the held rows to this node's experts
+        ids = routing[:, :topk].long()
+        real = torch.arange(ids.shape[0], device=ids.device) < held.tokens_per_expert.sum()  # not padding
+        node = ids.div(self.num_local_experts, rounding_mode="floor").div(self.local_world_size, rounding_mode="floor")
+        second = Request(owner=request.owner, x=_like(x, ids.shape[0]),
+                         topk_idx=torch.where(real.unsqueeze(1) & (ids >= 0) & (node == self.node), ids, -1),
+                         topk_weights=routing[:, topk:].to(weights.dtype), ticket=request.ticket, check_values=False,
+                         groups=request.groups, agreed=request.agreed, exact_memory_rows=request.exact_memory_rows)
+        within, got = self._stage_plan(self.within, second, words)
+        sources = torch.stack([held.src_rank, held.src_token], 1).double()  # [N1, 2] each held row's home
+        sources = self.within.to_experts(sources, within, native).finish().long()  # [N, 2], stage 2's order
+        sources = torch.where(got.src_rank.unsqueeze(1) >= 0, sources, -1)  # padding: no source
+        order = self._canonical(got.tokens_per_expert, sources, within.num_rows)
+        place = torch.empty_like(order)
+        place[order] = torch.arange(order.numel(), device=order.device)
+        presum = within.presum_index
+        within = dataclasses.replace(within, presum_index=torch.where(presum >= 0, place[presum.clamp(min=0)], -1),
+                                     expand_src=within.expand_src[order], group_rows=None, group_experts=None)
+        fields = dict(max_rows=within.max_rows)
+        if request.groups > 1:
+            fields = shape_fields(request, self.num_local_experts, got.tokens_per_expert_host.tolist(),
+                                  within.num_rows)
+        handle = StagedHandle(**handle_fields(request, self, within.num_rows, grads_of(words), within.has_rows),
+                              across=across, within=within, **fields)
+        outputs = PlanOutputs(weights=got.weights[order], tokens_per_expert=got.tokens_per_expert,
+                              tokens_per_expert_host=got.tokens_per_expert_host, src_rank=sources[order, 0],
+                              src_token=sources[order, 1])
+        mark(self.phase_timer, "plan")
+        return handle, outputs
+
+    def _stage_plan(self, stage: _Stage, request: Request, words) -> tuple[NVSHMEMHandle, PlanOutputs]:
+        if request.max_rows is not None:
+            return stage._plan_bounded(request, words)
+        return stage._plan_host(request)
+
+    def _across_routing(self, topk_idx: torch.Tensor, weights: torch.Tensor, check_values: bool) -> torch.Tensor:
+        """[T, M] stage 1's slots: node n's rank with this rank's index where
+        the token has an expert on node n, else -1; where the dispatch's values
+        are bad (``checks.value_flags``), its first slot marked past the ranks,
+        for stage 1's checks to fail the dispatch on every rank."""
+        nodes, local = self.num_nodes, self.local_world_size
+        num_tokens = topk_idx.shape[0]
+        valid = (topk_idx >= 0) & (topk_idx < self.config.num_experts)
+        node = topk_idx.clamp(min=0).div(self.num_local_experts * local, rounding_mode="floor")
+        hit = torch.zeros(num_tokens, nodes + 1, dtype=torch.bool, device=topk_idx.device)
+        hit.scatter_(1, torch.where(valid, node, nodes), True)
+        ranks = torch.arange(nodes, device=topk_idx.device) * local + self.local_rank
+        slots = torch.where(hit[:, :nodes], ranks, -1)
+        if check_values and num_tokens:
+            bad = checks.value_flags(topk_idx, weights, self.config.num_experts).any()
+            slots[:1, :1] = torch.where(bad, self.world_size, slots[:1, :1])
+        return slots
+
+    def _canonical(self, per_expert: torch.Tensor, sources: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """[N] the stage-2 row of each canonical row: by local expert, then
+        (source rank, source token); padding rows (past the real ones) last."""
+        device = per_expert.device
+        expert = torch.searchsorted(per_expert.cumsum(0), torch.arange(num_rows, device=device), right=True)
+        key = (expert * self.world_size + sources[:, 0].clamp(min=0)) * (1 << 31) + sources[:, 1].clamp(min=0)
+        return torch.argsort(key, stable=True)
+
+    # -- the movements ------------------------------------------------------------
+
+    def to_experts(self, rows: torch.Tensor, handle: StagedHandle, codec: Codec, own: bool = False):
+        packed = codec.pack(rows)  # [T, wire row], forwarded as bytes by both stages
+        native = to_experts_codec("native", packed.dtype)
+        held = self.across.to_experts(packed, handle.across, native).finish()
+        arrived = self.within.to_experts(held, handle.within, native).finish()  # canonical order
+        mark(self.phase_timer, "exchange_out")
+        return by_groups(Pending.done(codec.unpack(arrived, rows.dtype, rows.shape[1])), handle)
+
+    def to_home(self, rows, handle: StagedHandle, weights, wire) -> Pending:
+        acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
+        within, across = handle.within, handle.across
+        index = within.presum_index
+        partial = Packed(index.shape[0], rows.shape[1], wire,  # [R2, H] pre-sums, summed into the send buffer
+                         lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
+                         (rows, index) if weights is None else (rows, index, weights))
+        node_sum = self.within._home(partial, within, lambda back: gather_sum(back, within.home_index, None, acc))
+
+        def home(back):  # [S1, H] in stage 1's send order
+            if wire != acc and node_sum.shape[0]:  # this node's partial crossed no link: kept unrounded
+                back = back.to(acc)
+                at = torch.arange(back.shape[0], device=back.device)
+                sent_at, held_at = (torch.cumsum(t, 0)[self.rank] - t[self.rank] for t in (across.sends,
+                                                                                          across.receives))
+                own = (at >= sent_at) & (at < sent_at + across.sends[self.rank])
+                mine = node_sum[(at - sent_at + held_at).clamp(0, node_sum.shape[0] - 1)]
+                back = torch.where(own.unsqueeze(1), mine, back)
+            return gather_sum(back, across.home_index, None, rows.dtype, acc)
+
+        out = self.across._home(node_sum.to(wire), across, home)
+        mark(self.phase_timer, "final_sum")
+        return Pending.done(out)  # [T, H]
+
+    def slots_home(self, values: torch.Tensor, handle: StagedHandle) -> Pending:
+        # each slot lives on one rank: the sums on the way add zeros to it, exact in any dtype
+        held = self.within.slots_home(values, handle.within).finish()  # [N1, K]
+        across = handle.across
+        return Pending.done(self.across._home(held, across,
+                                              lambda back: gather_sum(back, across.home_index, None, values.dtype)))
+
+    def stats(self, handle: StagedHandle, dispatch_row_bytes, combine_wire, hidden):
+        across, within, rank = handle.across, handle.within, self.rank
+        if across.send_splits is None:
+            return None  # with max_rows: nothing read on the host
+        return make_stats(
+            self.local_world_size,
+            (sum(within.send_splits) - within.send_splits[rank], sum(across.send_splits) - across.send_splits[rank]),
+            dispatch_row_bytes,
+            (sum(within.recv_splits) - within.recv_splits[rank], sum(across.recv_splits) - across.recv_splits[rank]),
+            hidden * combine_wire.itemsize,
+        )
+
+    # -- sizes and failures -------------------------------------------------------
+
+    def reserve(self, x: torch.Tensor, topk: int) -> None:
+        """Both stages' buffers for dispatches of up to T tokens of K slots and
+        rows like x, the group's largest (a collective of each stage)."""
+        extra = [16 * topk, 8 * topk]  # the routing rows (fp64 ids and weights), per-slot values home
+        self.across.extra = self.within.extra = extra
+        self.across.reserve(x, self.num_nodes)
+        held = self.num_nodes * self.across._capacity[0]
+        self.within.reserve(_like(x, held), topk)
+
+    def seen_failed(self, bounded: bool) -> bool:
+        return self.across.seen_failed(bounded) or self.within.seen_failed(bounded)
+
+    def check(self) -> None:
+        errors = []
+        for stage in (self.across, self.within):  # each stage's record read (and cleared), the first raised
+            try:
+                stage.check()
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+
+def _like(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A stand-in for ``rows`` rows like x's (its width and dtype, no data): a
+    stage's plan reads only those of its x."""
+    return x.new_empty(1, x.shape[1]).expand(rows, -1)

@@ -1,0 +1,136 @@
+"""The hierarchical variant over NVSHMEM (``variant="hierarchical"``,
+``transport="nvshmem"``): every verb bitwise the NCCL hierarchical variant's,
+with and without ``max_rows`` (then nothing read on the host), every wire,
+dtypes, gradients, groups and the async verbs; nodes of one rank, of every
+rank, and between; failures raised on every rank alike.
+
+On CPU its rows move through ``splits_exchange.HostSplitsExchange`` (the
+contract of torch's NVSHMEM all-to-all over gloo), the ranks taken as nodes of
+``local_world_size``; on two GPUs with a torch built with NVSHMEM, the same
+comparison on the real thing, the two ranks as two nodes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rank_fns
+from routing import make_routing, routings
+from test_nvshmem import against_nccl, captured_round_trip, nvshmem_world  # noqa: F401 - a fixture
+
+
+def _layouts(world: int) -> list[int]:
+    return [n for n in range(1, world + 1) if world % n == 0]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_verb_is_bitwise_the_nccl_hierarchical_variants(worlds, data):
+    world = data.draw(st.sampled_from([2, 4]))
+    local = data.draw(st.sampled_from(_layouts(world)))
+    routing = data.draw(routings(world, max_tokens=12))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+    wire = data.draw(st.sampled_from(["native", "bf16", "fp8"]))
+    pad = data.draw(st.sampled_from([None, 0, 5]))
+    # (with max_rows the buffers hold the widest row of the wires: dispatch_rows' native rows need one as wide)
+    combine = data.draw(st.sampled_from(["native", "bf16"])) if pad is None or dtype == torch.bfloat16 else "native"
+    per_rank = routing.num_experts // world
+    groups = data.draw(st.sampled_from([1, 2])) if pad is None and per_rank >= 2 else 1
+    async_op = data.draw(st.booleans())
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    xs = [torch.randn(t, 16, generator=gen).to(dtype) for t in routing.num_tokens]
+    gs = [torch.randn(t, 16, generator=gen).to(dtype) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=local,
+                  dispatch_wire=wire, combine_grad_wire=wire, combine_wire=combine, dispatch_grad_wire=combine)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r], config, pad, groups, async_op,
+             True) for r in range(world)]
+    for rank, (differ, read_host) in enumerate(worlds(world).run(against_nccl, args)):
+        assert differ == [], (rank, local, differ)
+        assert read_host == (pad is None), rank
+
+
+@pytest.mark.parametrize("tokens", [[30, 0, 17, 9], [0, 0, 0, 0]])
+def test_two_nodes_of_two_with_a_row_bound(worlds, tokens):
+    """2 nodes x 2, a bound with room and one tight (pad 0), tokens on some ranks only."""
+    routing = make_routing(4, 4, 4, tokens, "random", seed=3)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(t, 24, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 24, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2, dispatch_wire="fp8")
+    for pad in (None, 0, 7):
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, 1, False, True)
+                for r in range(4)]
+        for rank, (differ, read_host) in enumerate(worlds(4).run(against_nccl, args)):
+            assert differ == [] and read_host == (pad is None), (pad, rank, differ)
+
+
+def bad_values_everywhere(x, topk_idx, topk_weights, config, bounded):
+    """A dispatch whose topk_idx on rank 1 names an expert past E: (what this
+    rank raised, and whether a later good dispatch then runs)."""
+    d = rank_fns.dispatcher(dict(config, transport="nvshmem"), True)
+    bad = topk_idx.clone()
+    if torch.distributed.get_rank() == 1:
+        bad[0, 0] = config["num_experts"] + 3
+    told = None
+    try:
+        d.dispatch(x, bad, topk_weights, max_rows=64 if bounded else None)
+        if bounded:
+            d.check()
+    except (ValueError, RuntimeError) as error:
+        told = f"{type(error).__name__}: {error}"
+    if bounded and told is None:  # raised at the next dispatch's agreement, on every rank
+        try:
+            d.dispatch(x, topk_idx, topk_weights, max_rows=64)
+        except (ValueError, RuntimeError) as error:
+            told = f"{type(error).__name__}: {error}"
+    out = d.dispatch(x, topk_idx, topk_weights, max_rows=64 if bounded else None)
+    d.check()
+    return told, int(out.tokens_per_expert.sum())
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_a_bad_expert_id_on_one_rank_fails_every_rank(worlds, bounded):
+    routing = make_routing(4, 2, 2, [6, 5, 4, 3], "random", seed=5)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(t, 8, generator=gen) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, bounded) for r in range(4)]
+    results = worlds(4).run(bad_values_everywhere, args)
+    for rank, (told, rows) in enumerate(results):
+        assert told is not None, rank
+        if rank == 1 and not bounded:  # its own values named
+            assert "topk_idx holds an expert id outside" in told, told
+    assert sum(rows for _, rows in results) == sum(int((t >= 0).sum()) for t in routing.topk_idx)
+
+
+# -- on the real NVSHMEM: two GPUs, a torch built with it --------------------------------------------
+
+
+@pytest.mark.parametrize("local", [1, 2])  # two nodes of one rank; one node of two
+@pytest.mark.parametrize("wire", ["native", "fp8"])
+@pytest.mark.parametrize("pad", [None, 0, 9])
+def test_on_nvshmem_every_verb_is_bitwise_the_nccl_hierarchical_variants(nvshmem_world, local, wire, pad):
+    routing = make_routing(2, 4, 4, [40, 33], "random", seed=7)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 256, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=local,
+                  dispatch_wire=wire, combine_wire="bf16")
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, 1, False, False)
+            for r in range(2)]
+    for rank, (differ, read_host) in enumerate(nvshmem_world.run(against_nccl, args)):
+        assert differ == [], (rank, differ)
+        assert read_host == (pad is None), rank
+
+
+def test_on_nvshmem_a_bounded_hierarchical_round_trip_is_captured(nvshmem_world):
+    routing = make_routing(2, 4, 4, [64, 64], "random", seed=2)
+    gen = torch.Generator().manual_seed(5)
+    config = dict(num_experts=8, variant="hierarchical", local_world_size=1)
+    args = [(torch.randn(64, 128, generator=gen), routing.topk_idx[r], routing.topk_weights[r].float(), 512, config)
+            for r in range(2)]
+    for rank, same in enumerate(nvshmem_world.run(captured_round_trip, args)):
+        assert all(same), (rank, same)
