@@ -37,6 +37,29 @@ def worlds():
         world.close()
 
 
+def _nvshmem_ready() -> bool:
+    if torch.cuda.device_count() < 2:
+        return False
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return symm_mem.is_nvshmem_available()
+
+
+@pytest.fixture(scope="module")
+def nvshmem_world():
+    """A world of two ranks on the real NVSHMEM (two GPUs, a torch built with it): a
+    world of its own, since torch fixes one symmetric-memory backend per process."""
+    if not _nvshmem_ready():
+        pytest.skip("needs 2 CUDA devices and a torch built with NVSHMEM")
+    from world import World
+
+    world = World(2, backend="nccl")
+    yield world
+    world.close()
+
+
 @pytest.fixture(scope="session")
 def compiled():
     """The engine's compiled host module (``dispatch.host``), where it builds."""

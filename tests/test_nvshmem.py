@@ -581,27 +581,6 @@ def test_the_transport_rule(variant, transport, engine, spans, nvshmem, want):
 # -- on the real NVSHMEM: two GPUs or more, a torch built with it ------------------------------------
 
 
-def _nvshmem_ready() -> bool:
-    if torch.cuda.device_count() < 2:
-        return False
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except ImportError:
-        return False
-    return symm_mem.is_nvshmem_available()
-
-
-@pytest.fixture(scope="module")
-def nvshmem_world():
-    if not _nvshmem_ready():
-        pytest.skip("needs 2 CUDA devices and a torch built with NVSHMEM")
-    from world import World
-
-    world = World(2, backend="nccl")
-    yield world
-    world.close()
-
-
 @pytest.mark.parametrize("wire", ["native", "fp8"])
 @pytest.mark.parametrize("pad", [None, 0, 9])
 def test_on_nvshmem_every_verb_is_bitwise_the_nccl_transports(nvshmem_world, wire, pad):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import rank_fns
 from routing import make_routing, routings
-from test_nvshmem import against_nccl, captured_round_trip, nvshmem_world  # noqa: F401 - a fixture
+from test_nvshmem import against_nccl, captured_round_trip
 
 
 def _layouts(world: int) -> list[int]:
