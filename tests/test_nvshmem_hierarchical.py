@@ -53,16 +53,17 @@ def test_every_verb_is_bitwise_the_nccl_hierarchical_variants(worlds, data):
 
 
 @pytest.mark.parametrize("tokens", [[30, 0, 17, 9], [0, 0, 0, 0]])
-def test_two_nodes_of_two_with_a_row_bound(worlds, tokens):
-    """2 nodes x 2, a bound with room and one tight (pad 0), tokens on some ranks only."""
+def test_two_nodes_of_two_with_a_row_bound_and_by_groups(worlds, tokens):
+    """2 nodes x 2, a bound with room and one tight (pad 0), and by 2 groups
+    without one (async); tokens on some ranks only, or on none."""
     routing = make_routing(4, 4, 4, tokens, "random", seed=3)
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(t, 24, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
     gs = [torch.randn(t, 24, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
     config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2, dispatch_wire="fp8")
-    for pad in (None, 0, 7):
-        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, 1, False, True)
-                for r in range(4)]
+    for pad, groups in ((None, 1), (0, 1), (7, 1), (None, 2)):
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, pad, groups, groups > 1,
+                 True) for r in range(4)]
         for rank, (differ, read_host) in enumerate(worlds(4).run(against_nccl, args)):
             assert differ == [] and read_host == (pad is None), (pad, rank, differ)
 

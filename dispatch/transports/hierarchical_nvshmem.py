@@ -166,6 +166,7 @@ class HierarchicalNVSHMEMTransport(Transport):
                          topk_weights=routing[:, topk:].to(weights.dtype), ticket=request.ticket, check_values=False,
                          groups=request.groups, agreed=request.agreed, exact_memory_rows=request.exact_memory_rows)
         within, got = self._stage_plan(self.within, second, words)
+        within = dataclasses.replace(within, group_rows=None, group_experts=None)  # (G agreed in its plan) at once
         sources = torch.stack([held.src_rank, held.src_token], 1).double()  # [N1, 2] each held row's home
         sources = self.within.to_experts(sources, within, native).finish().long()  # [N, 2], stage 2's order
         sources = torch.where(got.src_rank.unsqueeze(1) >= 0, sources, -1)  # padding: no source
@@ -174,7 +175,7 @@ class HierarchicalNVSHMEMTransport(Transport):
         place[order] = torch.arange(order.numel(), device=order.device)
         presum = within.presum_index
         within = dataclasses.replace(within, presum_index=torch.where(presum >= 0, place[presum.clamp(min=0)], -1),
-                                     expand_src=within.expand_src[order], group_rows=None, group_experts=None)
+                                     expand_src=within.expand_src[order])
         fields = dict(max_rows=within.max_rows)
         if request.groups > 1:
             fields = shape_fields(request, self.num_local_experts, got.tokens_per_expert_host.tolist(),
