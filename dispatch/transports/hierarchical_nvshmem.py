@@ -37,9 +37,9 @@ tokens, ``reserve``): stage 1 pads its held rows to M T, stage 2's outputs to
 bad value is marked in stage 1's routing (an id past the ranks), on the
 device; a rank over ``max_rows`` fails stage 2, on every rank alike.
 
-The expert layer inside the node runs on NVSHMEM's kernels as well (on one host
-its transport is NVLink): the NVLink engine and NVSHMEM share no buffers in
-one plan.
+Inside the node the rows move by the same kernels (``nvshmem_puts``), which
+reach the node's peers over NVLink where NVSHMEM maps their memory; the NVLink
+engine's own kernels do not serve that tier.
 """
 
 from __future__ import annotations
@@ -240,13 +240,18 @@ class HierarchicalNVSHMEMTransport(Transport):
 
         def home(back):  # [S1, H] in stage 1's send order
             if wire != acc and node_sum.shape[0]:  # this node's partial crossed no link: kept unrounded
-                back = back.to(acc)
-                at = torch.arange(back.shape[0], device=back.device)
+                # (at most T rows, one a token, at this rank's place among the sends; the rows past them to a
+                # spare row)
+                count = back.shape[0]
+                full = torch.empty(count + 1, back.shape[1], dtype=acc, device=back.device)
+                full[:count].copy_(back)
                 sent_at, held_at = (torch.cumsum(t, 0)[self.rank] - t[self.rank] for t in (across.sends,
                                                                                           across.receives))
-                own = (at >= sent_at) & (at < sent_at + across.sends[self.rank])
-                mine = node_sum[(at - sent_at + held_at).clamp(0, node_sum.shape[0] - 1)]
-                back = torch.where(own.unsqueeze(1), mine, back)
+                at = torch.arange(handle.num_tokens, device=back.device)
+                own = at < across.sends[self.rank]
+                full.index_copy_(0, torch.where(own, sent_at + at, count),
+                                 node_sum[torch.where(own, held_at + at, 0).clamp(max=node_sum.shape[0] - 1)])
+                back = full
             return gather_sum(back, across.home_index, None, rows.dtype, acc)
 
         out = self.across._home(node_sum.to(wire), across, home)
