@@ -135,3 +135,18 @@ def test_on_nvshmem_a_bounded_hierarchical_round_trip_is_captured(nvshmem_world)
             for r in range(2)]
     for rank, same in enumerate(nvshmem_world.run(captured_round_trip, args)):
         assert all(same), (rank, same)
+
+
+@pytest.mark.parametrize("capacity", [dict(capacity_factor=0.75), dict(capacity_factor=1.0, pad_to_capacity=True)])
+def test_capacity_drops_and_padding_are_the_nccl_variants(worlds, capacity):
+    """Megatron's token dropping, and with pad_to_capacity fixed blocks of rows:
+    the front end's work around the transport, the same bits over both."""
+    routing = make_routing(4, 2, 2, [20, 13, 0, 9], "random", seed=9)
+    gen = torch.Generator().manual_seed(9)
+    xs = [torch.randn(t, 16, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    gs = [torch.randn(t, 16, generator=gen).to(torch.bfloat16) for t in routing.num_tokens]
+    config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2, **capacity)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], config, None, 1, False, True)
+            for r in range(4)]
+    for rank, (differ, read_host) in enumerate(worlds(4).run(against_nccl, args)):
+        assert differ == [] and read_host, (rank, differ)
