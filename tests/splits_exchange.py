@@ -251,6 +251,9 @@ def _fake_put_rows(recv, recv_stride, x, send_token, sends, at, most, stream=Non
     me = dist.get_rank()
     for s, (their_raw, their_sends, their_at) in enumerate(zip(_everyone(raw), _everyone(sends), _everyone(at))):
         first, count = int(their_sends[:me].sum()), int(their_sends[me])
+        if not count:  # (a rank that takes part with nothing may stage rows of another width: none is put)
+            continue
+        assert their_raw.shape[1] <= recv_stride, (s, their_raw.shape, recv_stride)  # a row within its place
         place = int(their_at[me])
         _rows(recv, recv_stride)[place : place + count, : their_raw.shape[1]] = their_raw[first : first + count]
 

@@ -27,7 +27,7 @@ import dispatch
 import pipeline_fns
 import rank_fns
 from dispatch.dispatcher import TokenDispatcher
-from dispatch.transports import NVSHMEMTransport, choose
+from dispatch.transports import REGISTRY, NVSHMEMTransport, choose
 from routing import routings
 
 VERBS = ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "combined", "grad_x", "grad_w", "rows",
@@ -349,12 +349,14 @@ def two_ranks_routed(seed: int, tokens: int = 6, hidden: int = 8, experts: int =
     return [(xs[r], idx[r], ws[r]) for r in range(2)]
 
 
-def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb):
+def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb, variant="alltoall"):
     """A bounded dispatch that rank 1 fails on its own (more tokens than the
     buffers were sized for: it takes part with no rows), then rows wider than
     the buffers along its handle (``verb``: the experts' outputs home, or rows
     out by ``dispatch_rows``), through the real ``SymmetricExchange`` (every
-    symmetric allocation checked alike). What each rank raised."""
+    symmetric allocation checked alike). ``verb`` "k": rank 1's K past the
+    reserved one instead. What each rank raised. ``variant``: over NVSHMEM
+    (hierarchical: each rank a node)."""
     import torch.distributed as dist
     from splits_exchange import FakeSymmetricMemory
 
@@ -362,19 +364,25 @@ def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb):
 
     rank = dist.get_rank()
     with FakeSymmetricMemory(True):
-        cfg = dispatch.DispatchConfig.from_options(num_experts=4, transport="nvshmem")
+        cfg = dispatch.DispatchConfig.from_options(num_experts=4, transport="nvshmem", variant=variant,
+                                                   local_world_size=1)
         exchange = SymmetricExchange(None, dist.get_world_size(), torch.device("cpu"))
         exchange._puts = True  # our kernels' contracts, faked
-        d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
+        d = TokenDispatcher(cfg, None, REGISTRY[variant, "nvshmem"](cfg, None, exchange=exchange))
         d.dispatch(x, topk_idx, topk_weights, max_rows=64)  # sizes the buffers for T = 6, H = 8
         more, more_idx, more_w = ((torch.cat([t, t]) if rank == 1 else t) for t in (x, topk_idx, topk_weights))
         if verb.startswith("x"):  # rank 1's own x wider than the buffers instead (ranks whose H differ: found
             # on the device); "x64": a row of it wider than the whole receive buffer
             wider = 64 if verb == "x64" else 4
             more, more_idx, more_w = (torch.cat([x] * wider, 1) if rank == 1 else x), topk_idx, topk_weights
+        if verb == "k":  # every expert a slot of each of rank 1's tokens (K = 4, the buffers sized for 2)
+            more, more_idx, more_w = x, topk_idx, topk_weights
+            if rank == 1:
+                more_idx = torch.arange(4).repeat(x.shape[0], 1)
+                more_w = torch.full((x.shape[0], 4), 0.25)
         out = d.dispatch(more, more_idx, more_w, max_rows=64)
         try:
-            if verb.startswith("x"):
+            if verb.startswith("x") or verb == "k":
                 d.combine(out.tokens, out.handle, weights=out.weights)
                 d.check()
             elif verb == "combine":
@@ -394,19 +402,25 @@ def wide_rows_after_a_local_failure(x, topk_idx, topk_weights, verb):
     return raised
 
 
-@pytest.mark.parametrize("verb", ["combine", "dispatch_rows", "x", "x64"])
-def test_rows_wider_than_the_buffers_are_refused_on_every_rank(worlds, verb):
+@pytest.mark.parametrize("variant", ["alltoall", "hierarchical"])
+@pytest.mark.parametrize("verb", ["combine", "dispatch_rows", "x", "x64", "k"])
+def test_rows_wider_than_the_buffers_are_refused_on_every_rank(worlds, verb, variant):
     """Along a bounded handle, rows wider than the buffers were sized for are
     refused by name on every rank before any exchange, also on a rank whose
     own dispatch failed (it has no rows, its peers do): no rank goes on into
     an exchange or a symmetric allocation that its peers do not make. A rank
     whose own x is too wide takes part in its dispatch with nothing (its
     peers go on with theirs: no rank raises alone), also where one of its
-    rows is wider than the whole receive buffer (it grows no buffer alone)."""
+    rows is wider than the whole receive buffer (it grows no buffer alone),
+    and so does a rank with more slots a token than the buffers were sized
+    for. Also for the hierarchical variant over NVSHMEM (each rank a node)."""
     if worlds(2).backend != "gloo":
         pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
-    got = worlds(2).run(wide_rows_after_a_local_failure, [(*args, verb) for args in two_ranks_routed(8)])
+    got = worlds(2).run(wide_rows_after_a_local_failure, [(*args, verb, variant) for args in two_ranks_routed(8)])
     # (with x too wide on rank 1, the dispatch goes through on both, and their outputs' widths differ)
+    if verb == "k":  # the round trip went through on both; then rank 1 raises its own reason, its peer that it refused
+        assert got[1] == "x" and got[0].startswith("rank(s) [1] of the group refused dispatch #2"), got
+        return
     name = {"combine": "expert_out", "dispatch_rows": "rows", "x": "expert_out", "x64": "expert_out"}[verb]
     assert got == [name, name], got
 
@@ -445,20 +459,22 @@ def bounded_after_a_smaller_reserve(x, topk_idx, topk_weights):
     return int(out.tokens_per_expert.sum())
 
 
-def allocations_after_reserve(x, topk_idx, topk_weights, max_rows, groups):
+def allocations_after_reserve(x, topk_idx, topk_weights, max_rows, groups, variant="alltoall"):
     """``reserve``, then a bounded round trip through every verb, through the real
     ``SymmetricExchange`` and our kernels' contracts (faked): the symmetric
-    allocations made after the reserve (each a host sync; in a capture, an error)."""
+    allocations made after the reserve (each a host sync; in a capture, an
+    error). ``variant``: over NVSHMEM (hierarchical: each rank a node)."""
     import torch.distributed as dist
     from splits_exchange import FakeSymmetricMemory
 
     from dispatch.transports.symmetric import SymmetricExchange
 
     with FakeSymmetricMemory(True):
-        cfg = dispatch.DispatchConfig.from_options(num_experts=8, transport="nvshmem")
+        cfg = dispatch.DispatchConfig.from_options(num_experts=8, transport="nvshmem", variant=variant,
+                                                   local_world_size=1)
         exchange = SymmetricExchange(None, dist.get_world_size(), torch.device("cpu"))
         exchange._puts, exchange.MIN_SEND_BYTES = True, 0
-        d = TokenDispatcher(cfg, None, NVSHMEMTransport(cfg, None, exchange=exchange))
+        d = TokenDispatcher(cfg, None, REGISTRY[variant, "nvshmem"](cfg, None, exchange=exchange))
         d.reserve(x, topk_idx.shape[1])
         made, allocate = [], exchange._empty
         exchange._empty = lambda shape, dtype: made.append(shape) or allocate(shape, dtype)
@@ -467,14 +483,17 @@ def allocations_after_reserve(x, topk_idx, topk_weights, max_rows, groups):
     return made
 
 
-@pytest.mark.parametrize("tokens, hidden, groups", [(6, 16, 1), (1, 4, 1), (5, 8, 2)])
-def test_after_reserve_a_bounded_round_trip_allocates_nothing(worlds, tokens, hidden, groups):
+@pytest.mark.parametrize("tokens, hidden, groups, variant", [(6, 16, 1, "alltoall"), (1, 4, 1, "alltoall"),
+                                                             (5, 8, 2, "alltoall"), (6, 16, 1, "hierarchical"),
+                                                             (1, 4, 1, "hierarchical")])
+def test_after_reserve_a_bounded_round_trip_allocates_nothing(worlds, tokens, hidden, groups, variant):
     """``reserve`` makes room for everything a bounded round trip moves, the
-    counts' all-gather included (rows narrower than a counts row, say)."""
+    counts' all-gather included (rows narrower than a counts row, say); the
+    hierarchical variant's routing rows too."""
     if worlds(2).backend != "gloo":
         pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
-    got = worlds(2).run(allocations_after_reserve,
-                        [(*args, 64, groups) for args in two_ranks_routed(tokens, tokens, hidden, experts=8)])
+    got = worlds(2).run(allocations_after_reserve, [(*args, 64, groups, variant)
+                                                    for args in two_ranks_routed(tokens, tokens, hidden, experts=8)])
     assert got == [[], []], got
 
 

@@ -150,3 +150,54 @@ def test_capacity_drops_and_padding_are_the_nccl_variants(worlds, capacity):
             for r in range(4)]
     for rank, (differ, read_host) in enumerate(worlds(4).run(against_nccl, args)):
         assert differ == [] and read_host, (rank, differ)
+
+
+def slots_differ(bounded):
+    """Rank 1 with K = 4 slots a token, rank 0 with 2 (a bounded dispatch:
+    the buffers sized for 2), through the real ``SymmetricExchange`` (every
+    symmetric allocation checked alike on gloo): what each rank raised, and
+    whether a dispatch after it goes through. Stage 1 carries the routing as
+    rows 2K wide: the ranks agree on K before any of them moves (with
+    max_rows, rank 1 takes part with nothing; every rank raises at check)."""
+    import torch.distributed as dist
+    from splits_exchange import FakeSymmetricMemory
+
+    import dispatch
+    from dispatch.dispatcher import TokenDispatcher
+    from dispatch.transports import REGISTRY
+    from dispatch.transports.symmetric import SymmetricExchange
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    topk = 4 if rank == 1 else 2
+    idx = torch.stack([torch.randperm(8, generator=gen)[:topk] for _ in range(6)])
+    weights, x = torch.rand(6, topk, generator=gen), torch.randn(6, 8, generator=gen)
+    with FakeSymmetricMemory(True):
+        cfg = dispatch.DispatchConfig.from_options(num_experts=8, transport="nvshmem", variant="hierarchical",
+                                                   local_world_size=1)
+        exchange = SymmetricExchange(None, dist.get_world_size(), torch.device("cpu"))
+        exchange._puts, exchange.MIN_SEND_BYTES = True, 0  # our kernels' contracts, faked; buffers as small as asked
+        d = TokenDispatcher(cfg, None, REGISTRY["hierarchical", "nvshmem"](cfg, None, exchange=exchange))
+        if bounded:
+            d.reserve(x, 2)
+        told = None
+        try:
+            d.dispatch(x, idx, weights, max_rows=64 if bounded else None)
+            d.check()
+        except (ValueError, RuntimeError) as error:
+            told = str(error).split(":")[0]
+        good = idx[:, :2].contiguous(), weights[:, :2].contiguous()
+        out = d.dispatch(x, *good, max_rows=64 if bounded else None)
+        d.check()
+    return told, out.tokens.shape[0] > 0
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_ranks_with_different_slots_a_token_raise_together(worlds, bounded):
+    if worlds(2).backend != "gloo":
+        pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
+    got = worlds(2).run(slots_differ, [(bounded,)] * 2)
+    if bounded:  # rank 1 over the buffers' K: it takes part with nothing, and raises its own reason
+        assert got[1] == ("x", True) and got[0][0].startswith("rank(s) [1] of the group refused"), got
+    else:
+        assert got == [("topk_idx", True)] * 2, got

@@ -145,8 +145,10 @@ class HierarchicalNVSHMEMTransport(Transport):
             self.reserve(x, topk)  # every rank alike (agreed): the buffers sized once
         # stage 1: each token once to every node that holds one of its experts
         held_rows = -1 if not bounded else self.num_nodes * self.across._capacity[0]
+        # (as wide as the dispatch's slots, its weights' dtype: the ranks agree on K and dtypes in stage 1's header,
+        # before the routing rows move)
         first = Request(owner=request.owner, x=x, topk_idx=self._across_routing(topk_idx, weights, request.check_values),
-                        topk_weights=weights.new_zeros(num_tokens, self.num_nodes, dtype=torch.float32),
+                        topk_weights=torch.zeros_like(weights),
                         ticket=dataclasses.replace(request.ticket, max_rows=held_rows, memory_rows=-1),
                         check_values=request.check_values, agreed=request.agreed)
         self.across.original = (topk_idx, weights, self.config.num_experts)
@@ -156,7 +158,7 @@ class HierarchicalNVSHMEMTransport(Transport):
             self.across.original = None
         native = to_experts_codec("native", torch.float64)
         routing = torch.cat([topk_idx.double(), weights.double()], 1)  # exact in fp64: ids and any weight dtype
-        routing = self.across.to_experts(routing, across, native).finish()  # [N1, 2K]
+        routing = self.across.to_experts(routing, across, native, True).finish()  # [N1, 2K] (sized by reserve)
         # stage 2: the held rows to this node's experts
         ids = routing[:, :topk].long()
         real = torch.arange(ids.shape[0], device=ids.device) < held.tokens_per_expert.sum()  # not padding
@@ -168,7 +170,7 @@ class HierarchicalNVSHMEMTransport(Transport):
         within, got = self._stage_plan(self.within, second, words)
         within = dataclasses.replace(within, group_rows=None, group_experts=None)  # (G agreed in its plan) at once
         sources = torch.stack([held.src_rank, held.src_token], 1).double()  # [N1, 2] each held row's home
-        sources = self.within.to_experts(sources, within, native).finish().long()  # [N, 2], stage 2's order
+        sources = self.within.to_experts(sources, within, native, True).finish().long()  # [N, 2], stage 2's order
         sources = torch.where(got.src_rank.unsqueeze(1) >= 0, sources, -1)  # padding: no source
         order = self._canonical(got.tokens_per_expert, sources, within.num_rows)
         place = torch.empty_like(order)
@@ -194,18 +196,21 @@ class HierarchicalNVSHMEMTransport(Transport):
         return stage._plan_host(request)
 
     def _across_routing(self, topk_idx: torch.Tensor, weights: torch.Tensor, check_values: bool) -> torch.Tensor:
-        """[T, M] stage 1's slots: node n's rank with this rank's index where
-        the token has an expert on node n, else -1; where the dispatch's values
-        are bad (``checks.value_flags``), its first slot marked past the ranks,
-        for stage 1's checks to fail the dispatch on every rank."""
+        """[T, K] stage 1's slots: the rank with this rank's index of each node
+        where the token has an expert (at most K nodes), ascending, then -1;
+        where the dispatch's values are bad (``checks.value_flags``), its first
+        slot marked past the ranks, for stage 1's checks to fail the dispatch
+        on every rank."""
         nodes, local = self.num_nodes, self.local_world_size
-        num_tokens = topk_idx.shape[0]
+        num_tokens, topk = topk_idx.shape
+        device = topk_idx.device
         valid = (topk_idx >= 0) & (topk_idx < self.config.num_experts)
         node = topk_idx.clamp(min=0).div(self.num_local_experts * local, rounding_mode="floor")
-        hit = torch.zeros(num_tokens, nodes + 1, dtype=torch.bool, device=topk_idx.device)
+        hit = torch.zeros(num_tokens, nodes + 1, dtype=torch.bool, device=device)
         hit.scatter_(1, torch.where(valid, node, nodes), True)
-        ranks = torch.arange(nodes, device=topk_idx.device) * local + self.local_rank
-        slots = torch.where(hit[:, :nodes], ranks, -1)
+        hit_nodes = torch.where(hit[:, :nodes], torch.arange(nodes, device=device), nodes).sort(1).values[:, :topk]
+        slots = torch.full((num_tokens, topk), -1, dtype=torch.int64, device=device)
+        slots[:, : hit_nodes.shape[1]] = torch.where(hit_nodes < nodes, hit_nodes * local + self.local_rank, -1)
         if check_values and num_tokens:
             bad = checks.value_flags(topk_idx, weights, self.config.num_experts).any()
             slots[:1, :1] = torch.where(bad, self.world_size, slots[:1, :1])
@@ -224,8 +229,8 @@ class HierarchicalNVSHMEMTransport(Transport):
     def to_experts(self, rows: torch.Tensor, handle: StagedHandle, codec: Codec, own: bool = False):
         packed = codec.pack(rows)  # [T, wire row], forwarded as bytes by both stages
         native = to_experts_codec("native", packed.dtype)
-        held = self.across.to_experts(packed, handle.across, native).finish()
-        arrived = self.within.to_experts(held, handle.within, native).finish()  # canonical order
+        held = self.across.to_experts(packed, handle.across, native, own).finish()
+        arrived = self.within.to_experts(held, handle.within, native, own).finish()  # canonical order
         mark(self.phase_timer, "exchange_out")
         return by_groups(Pending.done(codec.unpack(arrived, rows.dtype, rows.shape[1])), handle)
 
@@ -284,7 +289,7 @@ class HierarchicalNVSHMEMTransport(Transport):
         rows like x, the group's largest (a collective of each stage)."""
         extra = [16 * topk, 8 * topk]  # the routing rows (fp64 ids and weights), per-slot values home
         self.across.extra = self.within.extra = extra
-        self.across.reserve(x, self.num_nodes)
+        self.across.reserve(x, topk)
         held = self.num_nodes * self.across._capacity[0]
         self.within.reserve(_like(x, held), topk)
 
