@@ -201,3 +201,28 @@ def test_ranks_with_different_slots_a_token_raise_together(worlds, bounded):
         assert got[1] == ("x", True) and got[0][0].startswith("rank(s) [1] of the group refused"), got
     else:
         assert got == [("topk_idx", True)] * 2, got
+
+
+def traffic_of_both(x, topk_idx, topk_weights, config):
+    """``Dispatched.stats`` of one dispatch without max_rows over NCCL and over
+    NVSHMEM (emulated), and over NVSHMEM with max_rows (None: not accounted)."""
+    nccl = rank_fns.dispatcher(dict(config, transport="nccl"))
+    d = rank_fns.dispatcher(dict(config, transport="nvshmem"), True)
+    want, got = (one.dispatch(x, topk_idx, topk_weights).stats for one in (nccl, d))
+    bounded = d.dispatch(x, topk_idx, topk_weights, max_rows=64).stats
+    d.check()
+    return want == got, bounded is None, got.dispatch_inter_rows + got.dispatch_intra_rows
+
+
+def test_its_traffic_is_the_nccl_variants(worlds):
+    """The rows and bytes each tier carries, from the host sizes of its plans:
+    those of the NCCL hierarchical variant (one per (token, node) across nodes,
+    then inside the node)."""
+    routing = make_routing(4, 4, 4, [20, 13, 7, 9], "random", seed=4)
+    gen = torch.Generator().manual_seed(4)
+    config = dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2)
+    args = [(torch.randn(t, 16, generator=gen), routing.topk_idx[r], routing.topk_weights[r], config)
+            for r, t in enumerate(routing.num_tokens)]
+    got = worlds(4).run(traffic_of_both, args)
+    assert all(same and unaccounted for same, unaccounted, _ in got), got
+    assert sum(rows for *_, rows in got) > 0, got
