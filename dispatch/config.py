@@ -75,8 +75,8 @@ class DispatchConfig:
             its ``"nccl"`` rows. ``"nccl"``: the process
             group's collectives (the only one on CPU/gloo). ``"auto"``
             (default): the engine where every rank shares a host and it can
-            run (alltoall); else NVSHMEM where the group spans hosts and it can
-            run (alltoall, hierarchical); else the collectives
+            run (alltoall, and variant auto); else NVSHMEM where the group
+            spans hosts and it can run (alltoall, hierarchical); else the collectives
             (``dispatch.transports.choose``). The allgather variant uses the
             collectives.
         capacity_factor: None (default: no token is dropped), or drop tokens

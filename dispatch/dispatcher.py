@@ -148,10 +148,11 @@ class TokenDispatcher:
                 all-to-all, the NVLink engine and NVSHMEM get each group's rows in turn (either way a token still
                 crosses to a rank once: with the first group there that needs it); the other variants move all
                 groups at once and hand them out by group. Every rank passes the same G (where they differ, every
-                rank raises before any row moves); not with ``pad_to_capacity``. With ``max_rows`` (the NVLink
-                engine and NVSHMEM), each group's rows are padded to B = ceil(max_rows / G): group g's rows at [g B,
-                g B + its rows), then zero rows, the outputs G B rows, nothing read on the host; a rank with more
-                than B rows in a group fails every rank alike (raised at a later dispatch, or by :meth:`check`). The
+                rank raises before any row moves); not with ``pad_to_capacity``. With ``max_rows`` (the alltoall
+                variant on the NVLink engine and NVSHMEM), each group's rows are padded to B = ceil(max_rows / G):
+                group g's rows at [g B, g B + its rows), then zero rows, the outputs G B rows, nothing read on the
+                host; a rank with more than B rows in a group fails every rank alike (raised at a later dispatch, or
+                by :meth:`check`). The
                 rows are then not expert-contiguous from row 0: hand each group's to the experts (``wait_group``,
                 with its ``tokens_per_expert``).
             async_op: return a :class:`DispatchWork` instead of the result.

@@ -168,7 +168,7 @@ class MoEExchange(nn.Module):
             first, then rows that no token takes, with weight 0, and counts on
             the device only (:class:`GroupedExperts` takes them as they are;
             other experts must give those rows any finite values). With G > 1
-            (the NVLink engine, NVSHMEM) each group gets B = ceil(M / G) rows so:
+            (the alltoall variant on the NVLink engine, NVSHMEM) each group gets B = ceil(M / G) rows so:
             a rank with more rows in a group fails. None: the dispatch reads its
             counts on the host. What a graph saves is measured by
             ``dispatch-bench overlap --graph`` (bench/results/README.md).
@@ -194,8 +194,8 @@ class MoEExchange(nn.Module):
                              f"got {groups!r}")
         if max_rows is not None and groups > 1 and not dispatcher.transport.bounded_groups:
             raise ValueError(f"max_rows={max_rows!r} with groups={groups}: a dispatch by groups with a row bound "
-                             f"needs the NVLink engine or NVSHMEM ({dispatcher.transport.key} does not move one); "
-                             "use groups=1")
+                             "needs the alltoall variant on the NVLink engine or NVSHMEM "
+                             f"({dispatcher.transport.key} does not move one); use groups=1")
         if groups > 1 and dispatcher.config.pad_to_capacity:
             raise ValueError(f"groups={groups} with DispatchConfig.pad_to_capacity: padded blocks are placed when "
                              "the whole dispatch is in; use groups=1")

@@ -27,7 +27,7 @@ import dispatch
 import pipeline_fns
 import rank_fns
 from dispatch.dispatcher import TokenDispatcher
-from dispatch.transports import REGISTRY, NVSHMEMTransport, choose
+from dispatch.transports import REGISTRY, HierarchicalNVSHMEMTransport, NVSHMEMTransport, choose, registry_key
 from routing import routings
 
 VERBS = ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "combined", "grad_x", "grad_w", "rows",
@@ -340,12 +340,12 @@ def local_failures(x, topk_idx, topk_weights, case):
     return seen
 
 
-def two_ranks_routed(seed: int, tokens: int = 6, hidden: int = 8, experts: int = 4) -> list[tuple]:
-    """Each of 2 ranks' (x [T, H], topk_idx [T, 2] of ``experts`` experts, topk_weights)."""
+def two_ranks_routed(seed: int, tokens: int = 6, hidden: int = 8, experts: int = 4, topk: int = 2) -> list[tuple]:
+    """Each of 2 ranks' (x [T, H], topk_idx [T, K] of ``experts`` experts, topk_weights)."""
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
-    idx = [torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)]) for _ in range(2)]
-    ws = [torch.rand(tokens, 2, generator=gen) for _ in range(2)]
+    idx = [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]) for _ in range(2)]
+    ws = [torch.rand(tokens, topk, generator=gen) for _ in range(2)]
     return [(xs[r], idx[r], ws[r]) for r in range(2)]
 
 
@@ -483,17 +483,18 @@ def allocations_after_reserve(x, topk_idx, topk_weights, max_rows, groups, varia
     return made
 
 
-@pytest.mark.parametrize("tokens, hidden, groups, variant", [(6, 16, 1, "alltoall"), (1, 4, 1, "alltoall"),
-                                                             (5, 8, 2, "alltoall"), (6, 16, 1, "hierarchical"),
-                                                             (1, 4, 1, "hierarchical")])
-def test_after_reserve_a_bounded_round_trip_allocates_nothing(worlds, tokens, hidden, groups, variant):
+@pytest.mark.parametrize("tokens, hidden, groups, variant, topk", [
+    (6, 16, 1, "alltoall", 2), (1, 4, 1, "alltoall", 2), (5, 8, 2, "alltoall", 2), (6, 16, 1, "hierarchical", 2),
+    (1, 4, 1, "hierarchical", 2), (6, 4, 1, "hierarchical", 8),  # (K large against H: its routing rows the widest)
+])
+def test_after_reserve_a_bounded_round_trip_allocates_nothing(worlds, tokens, hidden, groups, variant, topk):
     """``reserve`` makes room for everything a bounded round trip moves, the
     counts' all-gather included (rows narrower than a counts row, say); the
     hierarchical variant's routing rows too."""
     if worlds(2).backend != "gloo":
         pytest.skip("torch's NVSHMEM pieces are faked on gloo ranks")
-    got = worlds(2).run(allocations_after_reserve, [(*args, 64, groups, variant)
-                                                    for args in two_ranks_routed(tokens, tokens, hidden, experts=8)])
+    routed = two_ranks_routed(tokens, tokens, hidden, experts=8, topk=topk)
+    got = worlds(2).run(allocations_after_reserve, [(*args, 64, groups, variant) for args in routed])
     assert got == [[], []], got
 
 
@@ -593,8 +594,11 @@ def test_the_transport_rule(variant, transport, engine, spans, nvshmem, want):
     if want is ValueError:
         with pytest.raises(ValueError, match=f"transport='{transport}': "):
             choose(variant, transport, *answers)
-    else:
-        assert choose(variant, transport, *answers) == want
+        return
+    assert choose(variant, transport, *answers) == want
+    cls = REGISTRY[registry_key(variant, want)]  # the class build makes of it
+    assert (cls.variant, cls.transport) == ((variant if want == "nccl" or variant != "auto" else "alltoall"), want)
+    assert want != "nvshmem" or cls in (NVSHMEMTransport, HierarchicalNVSHMEMTransport)
 
 
 # -- on the real NVSHMEM: two GPUs or more, a torch built with it ------------------------------------

@@ -53,16 +53,21 @@ def build(config, group) -> Transport:
     ``transport="nvlink"`` or ``"nvshmem"`` where it cannot run, naming why."""
     key = choose(config.variant, config.transport, lambda: unusable(group, config.num_experts),
                  lambda: _spans_hosts(group), lambda: _agreed(group, nvshmem.unusable(group)))
-    variant = config.variant if key == "nccl" or config.variant == "hierarchical" else "alltoall"
-    return REGISTRY[variant, key](config, group)
+    return REGISTRY[registry_key(config.variant, key)](config, group)
+
+
+def registry_key(variant: str, transport: str) -> tuple[str, str]:
+    """The ``REGISTRY`` key of ``variant`` over the ``transport`` :func:`choose`
+    gave: off NCCL, ``variant="auto"`` is the alltoall variant there."""
+    return (variant if transport == "nccl" or variant != "auto" else "alltoall"), transport
 
 
 def choose(variant: str, transport: str, engine_problem, spans_hosts, nvshmem_problem) -> str:
     """The transport that moves ``variant``'s rows when the config asks for
     ``transport``: ``"nccl"``, ``"nvlink"`` or ``"nvshmem"``.
 
-    The rule for ``"auto"``: for the alltoall variant, the NVLink engine where
-    it can run (every rank on one host); else, for the alltoall and
+    The rule for ``"auto"``: for the alltoall and auto variants, the NVLink
+    engine where it can run (every rank on one host); else, for the alltoall and
     hierarchical variants, NVSHMEM where the group spans hosts and it can run
     (its counts stay on the device where NCCL's splits are read on the host);
     else NCCL. The allgather variant (and ``variant="auto"``'s cost model) moves
@@ -128,4 +133,5 @@ __all__ = [
     "Transport",
     "build",
     "choose",
+    "registry_key",
 ]

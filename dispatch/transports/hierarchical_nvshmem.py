@@ -9,13 +9,16 @@ nodes; this rank is (node a, index l).
 Two plans of the NVSHMEM all-to-all (``transports.nvshmem``), over one exchange
 of the whole world (NVSHMEM's symmetric memory is the world's):
 
-1. across nodes: each token to the rank (n, l) of every node n that holds one of
-   its experts (to itself for its own node), planned as a dispatch to W
-   experts, one per rank, with the token's slots (n L + l for each such n);
-   its routing (expert ids and weights) rides along as a row;
-2. inside the node: the rows that rank holds, taken as its tokens, routed to
-   the experts of its own node only (the others' ids dropped), planned as a
-   dispatch to the real experts.
+1. ``inter`` (across nodes): each token to the rank (n, l) of every node n that
+   holds one of its experts (to itself for its own node), planned as a dispatch
+   to W experts, one per rank, with the token's slots (n L + l for each such n,
+   K wide: the ranks agree on K and the dtypes in its plan); its routing (expert
+   ids and weights) rides along as a row. With one expert per rank, its
+   expanded rows are its received rows, in their order: the rows the node sums
+   go home by;
+2. ``intra`` (inside the node): the rows that rank holds, taken as its tokens,
+   routed to the experts of its own node only (the others' ids dropped),
+   planned as a dispatch to the real experts.
 
 Stage 2 hands each expert its rows by (holder's index, node, token); the
 canonical order is by (source rank = node L + index, token). The permutation
@@ -31,9 +34,10 @@ node sums cast to the combine wire and home across nodes, the home node's own
 partial kept unrounded, summed in ascending node order and cast once. Every
 verb is bitwise the NCCL hierarchical variant's.
 
-With ``max_rows`` the buffers hold M T rows a stage (T the group's largest
-tokens, ``reserve``): stage 1 pads its held rows to M T, stage 2's outputs to
-``max_rows``. The failure checks are the stages' (``transports.nvshmem``): a
+With ``max_rows`` the buffers hold M T rows in stage 1 and W T in stage 2 (T
+the group's largest tokens, ``reserve``; stage 2's tokens are the M T held rows,
+from L ranks): stage 1 pads its held rows to M T, stage 2's outputs to
+``max_rows``; ``memory_rows`` budgets stage 2's outputs. The failure checks are the stages' (``transports.nvshmem``): a
 bad value is marked in stage 1's routing (an id past the ranks), on the
 device; a rank over ``max_rows`` fails stage 2, on every rank alike.
 
@@ -49,18 +53,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch import checks, plan
+from dispatch import checks
 from dispatch.codec import Codec, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.stats import make_stats
 from dispatch.streams import Pending
 from dispatch.transports.base import Request, Transport, by_groups, grads_of, handle_fields, shape_fields
-from dispatch.transports.nvshmem import NVSHMEMHandle, NVSHMEMTransport
-from dispatch.transports.symmetric import Packed, exchange_for
+from dispatch.transports.nvshmem import NVSHMEMHandle, NVSHMEMTransport, presums
+from dispatch.transports.symmetric import exchange_for
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
 from dispatch.timing import mark
-
-_FAILED = plan.HEADER.index("failed")
 
 
 class _Stage(NVSHMEMTransport):
@@ -71,9 +73,10 @@ class _Stage(NVSHMEMTransport):
             across nodes, L inside one): the buffers hold ``fan`` times its
             tokens.
         extra: bytes of the rows this stage moves besides its own kinds (the
-            routing rows, per-slot values of the whole round trip).
-        original: stage 1 only: (topk_idx, topk_weights, E) of the dispatch
-            behind its routing, named where a value is bad.
+            routing rows, per-slot values of the whole round trip; set by
+            ``HierarchicalNVSHMEMTransport.reserve``).
+        original: ``inter`` only, during its plan: (topk_idx, topk_weights, E)
+            of the dispatch behind its routing, named where a value is bad.
     """
 
     def __init__(self, config, group, exchange, fan: int) -> None:
@@ -86,9 +89,9 @@ class _Stage(NVSHMEMTransport):
         return super()._row_sizes(x, topk) + self.extra
 
     def _raise_own_values(self, request: Request, header: list[int]) -> None:
-        if self.original is None or not header[_FAILED]:
+        if self.original is None:
             return super()._raise_own_values(request, header)
-        topk_idx, topk_weights, num_experts = self.original
+        topk_idx, topk_weights, num_experts = self.original  # (the values stage 1's routing was made of)
         checks.raise_own_values(header, request.ticket, topk_idx, topk_weights, num_experts)
 
 
@@ -97,13 +100,13 @@ class StagedHandle(CombineHandle):
     """Plan of one two-stage exchange over NVSHMEM.
 
     Attributes:
-        across: stage 1's handle (held rows: its N, padded to M T with max_rows).
-        within: stage 2's, its places folded to the canonical order and moving
-            in one piece.
+        inter: stage 1's handle (held rows: its N, padded to M T with max_rows).
+        intra: stage 2's, its places folded to the canonical order, moving in
+            one piece.
     """
 
-    across: NVSHMEMHandle
-    within: NVSHMEMHandle
+    inter: NVSHMEMHandle
+    intra: NVSHMEMHandle
 
 
 class HierarchicalNVSHMEMTransport(Transport):
@@ -131,34 +134,34 @@ class HierarchicalNVSHMEMTransport(Transport):
             device = torch.device("cuda", torch.cuda.current_device())
             exchange = exchange_for(group, self.world_size, device)
         stage = dataclasses.replace(config, variant="alltoall", transport="nvshmem")
-        self.across = _Stage(dataclasses.replace(stage, num_experts=self.world_size), group, exchange, self.num_nodes)
-        self.within = _Stage(stage, group, exchange, local)
+        self.inter = _Stage(dataclasses.replace(stage, num_experts=self.world_size), group, exchange, self.num_nodes)
+        self.intra = _Stage(stage, group, exchange, local)
 
     # -- the plan ---------------------------------------------------------------
 
     def plan(self, request: Request) -> tuple[StagedHandle, PlanOutputs]:
         words = self.agreed_words(request)
         x, topk_idx, weights = request.x, request.topk_idx, request.topk_weights.detach()
-        num_tokens, topk = topk_idx.shape
+        topk = topk_idx.shape[1]
         bounded = request.max_rows is not None
-        if bounded and (self.across._capacity is None or not self.across._capacity[0]):
+        if bounded and (self.inter._capacity is None or not self.inter._capacity[0]):
             self.reserve(x, topk)  # every rank alike (agreed): the buffers sized once
         # stage 1: each token once to every node that holds one of its experts
-        held_rows = -1 if not bounded else self.num_nodes * self.across._capacity[0]
+        held_rows = -1 if not bounded else self.num_nodes * self.inter._capacity[0]
         # (as wide as the dispatch's slots, its weights' dtype: the ranks agree on K and dtypes in stage 1's header,
         # before the routing rows move)
-        first = Request(owner=request.owner, x=x, topk_idx=self._across_routing(topk_idx, weights, request.check_values),
+        first = Request(owner=request.owner, x=x, topk_idx=self._inter_routing(topk_idx, weights, request.check_values),
                         topk_weights=torch.zeros_like(weights),
                         ticket=dataclasses.replace(request.ticket, max_rows=held_rows, memory_rows=-1),
                         check_values=request.check_values, agreed=request.agreed)
-        self.across.original = (topk_idx, weights, self.config.num_experts)
+        self.inter.original = (topk_idx, weights, self.config.num_experts)
         try:
-            across, held = self._stage_plan(self.across, first, words)
+            inter, held = self.inter.plan_agreed(first, words)
         finally:
-            self.across.original = None
+            self.inter.original = None
         native = to_experts_codec("native", torch.float64)
         routing = torch.cat([topk_idx.double(), weights.double()], 1)  # exact in fp64: ids and any weight dtype
-        routing = self.across.to_experts(routing, across, native, True).finish()  # [N1, 2K] (sized by reserve)
+        routing = self.inter.to_experts(routing, inter, native, True).finish()  # [N1, 2K] (sized by reserve)
         # stage 2: the held rows to this node's experts
         ids = routing[:, :topk].long()
         real = torch.arange(ids.shape[0], device=ids.device) < held.tokens_per_expert.sum()  # not padding
@@ -167,35 +170,30 @@ class HierarchicalNVSHMEMTransport(Transport):
                          topk_idx=torch.where(real.unsqueeze(1) & (ids >= 0) & (node == self.node), ids, -1),
                          topk_weights=routing[:, topk:].to(weights.dtype), ticket=request.ticket, check_values=False,
                          groups=request.groups, agreed=request.agreed, exact_memory_rows=request.exact_memory_rows)
-        within, got = self._stage_plan(self.within, second, words)
-        within = dataclasses.replace(within, group_rows=None, group_experts=None)  # (G agreed in its plan) at once
+        intra, got = self.intra.plan_agreed(second, words)
+        intra = dataclasses.replace(intra, group_rows=None, group_experts=None)  # (G agreed in its plan) at once
         sources = torch.stack([held.src_rank, held.src_token], 1).double()  # [N1, 2] each held row's home
-        sources = self.within.to_experts(sources, within, native, True).finish().long()  # [N, 2], stage 2's order
+        sources = self.intra.to_experts(sources, intra, native, True).finish().long()  # [N, 2], stage 2's order
         sources = torch.where(got.src_rank.unsqueeze(1) >= 0, sources, -1)  # padding: no source
-        order = self._canonical(got.tokens_per_expert, sources, within.num_rows)
+        order = self._canonical(got.tokens_per_expert, sources, intra.num_rows)
         place = torch.empty_like(order)
         place[order] = torch.arange(order.numel(), device=order.device)
-        presum = within.presum_index
-        within = dataclasses.replace(within, presum_index=torch.where(presum >= 0, place[presum.clamp(min=0)], -1),
-                                     expand_src=within.expand_src[order])
-        fields = dict(max_rows=within.max_rows)
+        presum = intra.presum_index
+        intra = dataclasses.replace(intra, presum_index=torch.where(presum >= 0, place[presum.clamp(min=0)], -1),
+                                     expand_src=intra.expand_src[order])
+        fields = dict(max_rows=intra.max_rows)
         if request.groups > 1:
             fields = shape_fields(request, self.num_local_experts, got.tokens_per_expert_host.tolist(),
-                                  within.num_rows)
-        handle = StagedHandle(**handle_fields(request, self, within.num_rows, grads_of(words), within.has_rows),
-                              across=across, within=within, **fields)
+                                  intra.num_rows)
+        handle = StagedHandle(**handle_fields(request, self, intra.num_rows, grads_of(words), intra.has_rows),
+                              inter=inter, intra=intra, **fields)
         outputs = PlanOutputs(weights=got.weights[order], tokens_per_expert=got.tokens_per_expert,
                               tokens_per_expert_host=got.tokens_per_expert_host, src_rank=sources[order, 0],
                               src_token=sources[order, 1])
         mark(self.phase_timer, "plan")
         return handle, outputs
 
-    def _stage_plan(self, stage: _Stage, request: Request, words) -> tuple[NVSHMEMHandle, PlanOutputs]:
-        if request.max_rows is not None:
-            return stage._plan_bounded(request, words)
-        return stage._plan_host(request)
-
-    def _across_routing(self, topk_idx: torch.Tensor, weights: torch.Tensor, check_values: bool) -> torch.Tensor:
+    def _inter_routing(self, topk_idx: torch.Tensor, weights: torch.Tensor, check_values: bool) -> torch.Tensor:
         """[T, K] stage 1's slots: the rank with this rank's index of each node
         where the token has an expert (at most K nodes), ascending, then -1;
         where the dispatch's values are bad (``checks.value_flags``), its first
@@ -229,56 +227,53 @@ class HierarchicalNVSHMEMTransport(Transport):
     def to_experts(self, rows: torch.Tensor, handle: StagedHandle, codec: Codec, own: bool = False):
         packed = codec.pack(rows)  # [T, wire row], forwarded as bytes by both stages
         native = to_experts_codec("native", packed.dtype)
-        held = self.across.to_experts(packed, handle.across, native, own).finish()
-        arrived = self.within.to_experts(held, handle.within, native, own).finish()  # canonical order
+        held = self.inter.to_experts(packed, handle.inter, native, own).finish()
+        arrived = self.intra.to_experts(held, handle.intra, native, own).finish()  # canonical order
         mark(self.phase_timer, "exchange_out")
         return by_groups(Pending.done(codec.unpack(arrived, rows.dtype, rows.shape[1])), handle)
 
     def to_home(self, rows, handle: StagedHandle, weights, wire) -> Pending:
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
-        within, across = handle.within, handle.across
-        index = within.presum_index
-        partial = Packed(index.shape[0], rows.shape[1], wire,  # [R2, H] pre-sums, summed into the send buffer
-                         lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
-                         (rows, index) if weights is None else (rows, index, weights))
-        node_sum = self.within._home(partial, within, lambda back: gather_sum(back, within.home_index, None, acc))
+        intra, inter = handle.intra, handle.inter
+        node_sum = self.intra._home(presums(rows, intra.presum_index, weights, wire), intra,
+                                    lambda back: gather_sum(back, intra.home_index, None, acc))  # [N1, H]
 
-        def home(back):  # [S1, H] in stage 1's send order
+        def home(back):  # [S1, H] in stage 1's send order (node_sum: in its received order, the expanded one)
             if wire != acc and node_sum.shape[0]:  # this node's partial crossed no link: kept unrounded
                 # (at most T rows, one a token, at this rank's place among the sends; the rows past them to a
                 # spare row)
                 count = back.shape[0]
                 full = torch.empty(count + 1, back.shape[1], dtype=acc, device=back.device)
                 full[:count].copy_(back)
-                sent_at, held_at = (torch.cumsum(t, 0)[self.rank] - t[self.rank] for t in (across.sends,
-                                                                                          across.receives))
+                sent_at, held_at = (torch.cumsum(t, 0)[self.rank] - t[self.rank] for t in (inter.sends,
+                                                                                          inter.receives))
                 at = torch.arange(handle.num_tokens, device=back.device)
-                own = at < across.sends[self.rank]
+                own = at < inter.sends[self.rank]
                 full.index_copy_(0, torch.where(own, sent_at + at, count),
                                  node_sum[torch.where(own, held_at + at, 0).clamp(max=node_sum.shape[0] - 1)])
                 back = full
-            return gather_sum(back, across.home_index, None, rows.dtype, acc)
+            return gather_sum(back, inter.home_index, None, rows.dtype, acc)
 
-        out = self.across._home(node_sum.to(wire), across, home)
+        out = self.inter._home(node_sum.to(wire), inter, home)
         mark(self.phase_timer, "final_sum")
         return Pending.done(out)  # [T, H]
 
     def slots_home(self, values: torch.Tensor, handle: StagedHandle) -> Pending:
         # each slot lives on one rank: the sums on the way add zeros to it, exact in any dtype
-        held = self.within.slots_home(values, handle.within).finish()  # [N1, K]
-        across = handle.across
-        return Pending.done(self.across._home(held, across,
-                                              lambda back: gather_sum(back, across.home_index, None, values.dtype)))
+        held = self.intra.slots_home(values, handle.intra).finish()  # [N1, K]
+        inter = handle.inter
+        return Pending.done(self.inter._home(held, inter,
+                                              lambda back: gather_sum(back, inter.home_index, None, values.dtype)))
 
     def stats(self, handle: StagedHandle, dispatch_row_bytes, combine_wire, hidden):
-        across, within, rank = handle.across, handle.within, self.rank
-        if across.send_splits is None:
+        inter, intra, rank = handle.inter, handle.intra, self.rank
+        if inter.send_splits is None:
             return None  # with max_rows: nothing read on the host
         return make_stats(
             self.local_world_size,
-            (sum(within.send_splits) - within.send_splits[rank], sum(across.send_splits) - across.send_splits[rank]),
+            (sum(intra.send_splits) - intra.send_splits[rank], sum(inter.send_splits) - inter.send_splits[rank]),
             dispatch_row_bytes,
-            (sum(within.recv_splits) - within.recv_splits[rank], sum(across.recv_splits) - across.recv_splits[rank]),
+            (sum(intra.recv_splits) - intra.recv_splits[rank], sum(inter.recv_splits) - inter.recv_splits[rank]),
             hidden * combine_wire.itemsize,
         )
 
@@ -288,17 +283,17 @@ class HierarchicalNVSHMEMTransport(Transport):
         """Both stages' buffers for dispatches of up to T tokens of K slots and
         rows like x, the group's largest (a collective of each stage)."""
         extra = [16 * topk, 8 * topk]  # the routing rows (fp64 ids and weights), per-slot values home
-        self.across.extra = self.within.extra = extra
-        self.across.reserve(x, topk)
-        held = self.num_nodes * self.across._capacity[0]
-        self.within.reserve(_like(x, held), topk)
+        self.inter.extra = self.intra.extra = extra
+        self.inter.reserve(x, topk)
+        held = self.num_nodes * self.inter._capacity[0]
+        self.intra.reserve(_like(x, held), topk)
 
     def seen_failed(self, bounded: bool) -> bool:
-        return self.across.seen_failed(bounded) or self.within.seen_failed(bounded)
+        return self.inter.seen_failed(bounded) or self.intra.seen_failed(bounded)
 
     def check(self) -> None:
         errors = []
-        for stage in (self.across, self.within):  # each stage's record read (and cleared), the first raised
+        for stage in (self.inter, self.intra):  # each stage's record read (and cleared), the first raised
             try:
                 stage.check()
             except Exception as error:  # noqa: BLE001 - re-raised below

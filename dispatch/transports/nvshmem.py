@@ -171,7 +171,10 @@ class NVSHMEMTransport(AllToAllTransport):
         self._uncaptured: set = set()  # signatures whose capture failed here
 
     def plan(self, request: Request) -> tuple[NVSHMEMHandle, PlanOutputs]:
-        words = self.agreed_words(request)
+        return self.plan_agreed(request, self.agreed_words(request))
+
+    def plan_agreed(self, request: Request, words: tuple[int, ...]) -> tuple[NVSHMEMHandle, PlanOutputs]:
+        """``plan`` of a dispatch whose agreement is made (every rank's ``dispatch_word``)."""
         if request.max_rows is not None:
             return self._plan_bounded(request, words)
         return self._plan_host(request)
@@ -393,10 +396,7 @@ class NVSHMEMTransport(AllToAllTransport):
                                            handle.receives, handle.back_at, wire, handle.recv_rows, handle.send_rows,
                                            handle.home_index.contiguous())
         else:
-            partial = Packed(index.shape[0], rows.shape[1], wire,  # [R, H], summed into the send buffer
-                             lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
-                             (rows, index) if weights is None else (rows, index, weights))
-            out = self._home(partial, handle, home_sum)
+            out = self._home(presums(rows, index, weights, wire), handle, home_sum)
         mark(self.phase_timer, "final_sum")
         return Pending.done(out)  # [T, H]
 
@@ -454,7 +454,7 @@ class NVSHMEMTransport(AllToAllTransport):
         if self._capacity is not None:  # room only grows (as the engine's): a later, smaller reserve keeps it
             tokens, most_topk, stride = (max(old, new) for old, new in zip(self._capacity, (tokens, most_topk, stride)))
         self._capacity = (tokens, most_topk, stride)
-        rows = self.fan * tokens  # R <= W T; S <= T min(K, W) <= W T
+        rows = self.fan * tokens  # R <= fan T; S <= T min(K, fan) <= fan T
         # the counts all-gather puts a row to every rank too (``_gather_rows``): room for it, so that no bounded
         # dispatch after this grows a buffer (a host sync; in a capture, an error)
         counts = self.exchange.stride(8 * counts_row(self.world_size, self.num_local_experts).width)
@@ -525,6 +525,14 @@ class NVSHMEMTransport(AllToAllTransport):
             self._kept.append(host)
             return host.to(device, non_blocking=True)
         return super()._header_row(header, device)
+
+
+def presums(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, wire: torch.dtype) -> Packed:
+    """[R, H] the received rows' weighted pre-sums (``index``: [R, J] their
+    expanded rows), summed straight into an exchange's send buffer."""
+    return Packed(index.shape[0], rows.shape[1], wire,
+                  lambda out: gather_sum(rows, index[: out.shape[0]], weights, wire, out=out),
+                  (rows, index) if weights is None else (rows, index, weights))
 
 
 class _Replayed:
