@@ -69,10 +69,11 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
             ``torch.distributed`` must be initialised.
 
     The transport comes from the registry (``dispatch.transports``), keyed by
-    (variant, transport). On an NCCL group the alltoall, hierarchical and auto
-    variants with ``transport`` ``"auto"``, ``"nvlink"`` or ``"nvshmem"`` make this a
-    collective (the ranks agree whether the engine or NVSHMEM can run, and
-    their buffers are allocated). Every rank of the group calls ``create`` with
+    (variant, transport). On an NCCL group the alltoall and auto variants with
+    ``transport`` ``"auto"``, ``"nvlink"`` or ``"nvshmem"``, and the
+    hierarchical one with ``"nvshmem"``, make this a collective (the ranks
+    agree whether the engine or NVSHMEM can run, and their buffers are
+    allocated). Every rank of the group calls ``create`` with
     the same config, in the same order: the ranks first agree on it (over the
     host channel, waiting at most ``config.timeout`` for a rank that does not
     come), and where their configs differ every rank raises a ValueError naming

@@ -76,9 +76,9 @@ class DispatchConfig:
             group's collectives (the only one on CPU/gloo). ``"auto"``
             (default): the engine where every rank shares a host and it can
             run (alltoall, and variant auto); else NVSHMEM where the group
-            spans hosts and it can run (alltoall, hierarchical); else the collectives
-            (``dispatch.transports.choose``). The allgather variant uses the
-            collectives.
+            spans hosts and it can run (alltoall); else the collectives
+            (``dispatch.transports.choose``). The other variants use the
+            collectives (hierarchical: NVSHMEM where asked).
         capacity_factor: None (default: no token is dropped), or drop tokens
             as Megatron-Core's router does: each rank sends each expert at most
             ``ceil(T * K / E * capacity_factor)`` of its slots, chosen by

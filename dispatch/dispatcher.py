@@ -152,9 +152,8 @@ class TokenDispatcher:
                 variant on the NVLink engine and NVSHMEM), each group's rows are padded to B = ceil(max_rows / G):
                 group g's rows at [g B, g B + its rows), then zero rows, the outputs G B rows, nothing read on the
                 host; a rank with more than B rows in a group fails every rank alike (raised at a later dispatch, or
-                by :meth:`check`). The
-                rows are then not expert-contiguous from row 0: hand each group's to the experts (``wait_group``,
-                with its ``tokens_per_expert``).
+                by :meth:`check`). The rows are then not expert-contiguous from row 0: hand each group's to the
+                experts (``wait_group``, with its ``tokens_per_expert``).
             async_op: return a :class:`DispatchWork` instead of the result.
         Returns:
             :class:`Dispatched` (through ``DispatchWork.wait()`` with ``async_op``).

@@ -168,8 +168,8 @@ class MoEExchange(nn.Module):
             first, then rows that no token takes, with weight 0, and counts on
             the device only (:class:`GroupedExperts` takes them as they are;
             other experts must give those rows any finite values). With G > 1
-            (the alltoall variant on the NVLink engine, NVSHMEM) each group gets B = ceil(M / G) rows so:
-            a rank with more rows in a group fails. None: the dispatch reads its
+            (the alltoall variant on the NVLink engine, NVSHMEM) each group gets
+            B = ceil(M / G) rows so: a rank with more rows in a group fails. None: the dispatch reads its
             counts on the host. What a graph saves is measured by
             ``dispatch-bench overlap --graph`` (bench/results/README.md).
         weighted_experts: the experts weigh their rows themselves, as

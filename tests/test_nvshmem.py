@@ -583,9 +583,7 @@ def _never():
     ("alltoall", "nvshmem", _never, _never, None, "nvshmem"),
     ("alltoall", "nvshmem", _never, _never, "gloo", ValueError),
     ("alltoall", "nvlink", "gloo", _never, _never, ValueError),
-    ("hierarchical", "auto", _never, True, None, "nvshmem"),  # never the engine: both tiers over NVSHMEM
-    ("hierarchical", "auto", _never, False, _never, "nccl"),
-    ("hierarchical", "auto", _never, True, "no NVSHMEM", "nccl"),
+    ("hierarchical", "auto", _never, _never, _never, "nccl"),  # over NVSHMEM only where asked
     ("hierarchical", "nvshmem", _never, _never, None, "nvshmem"),
     ("hierarchical", "nvshmem", _never, _never, "gloo", ValueError),
 ])

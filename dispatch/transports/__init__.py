@@ -18,8 +18,9 @@ variant             transport   class
 :func:`build` resolves ``DispatchConfig.transport="auto"`` (and
 ``variant="auto"``) by :func:`choose`: the NVLink engine where it can run
 (every rank on one host, NCCL, CuPy; ``nvlink.unusable``); else, for the
-alltoall and hierarchical variants on a group that spans hosts, NVSHMEM where it
-can run (``nvshmem.unusable``); the collectives otherwise.
+alltoall variant on a group that spans hosts, NVSHMEM where it can run
+(``nvshmem.unusable``); the collectives otherwise. The hierarchical variant
+moves over NVSHMEM where asked (``transport="nvshmem"``).
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ def choose(variant: str, transport: str, engine_problem, spans_hosts, nvshmem_pr
     ``transport``: ``"nccl"``, ``"nvlink"`` or ``"nvshmem"``.
 
     The rule for ``"auto"``: for the alltoall and auto variants, the NVLink
-    engine where it can run (every rank on one host); else, for the alltoall and
-    hierarchical variants, NVSHMEM where the group spans hosts and it can run
-    (its counts stay on the device where NCCL's splits are read on the host);
-    else NCCL. The allgather variant (and ``variant="auto"``'s cost model) moves
-    over NCCL off the engine. The
+    engine where it can run (every rank on one host); else, for the alltoall
+    variant, NVSHMEM where the group spans hosts and it can run (its counts
+    stay on the device where NCCL's splits are read on the host); else NCCL.
+    The other variants (and ``variant="auto"``'s cost model) move over NCCL off
+    the engine: the hierarchical one over NVSHMEM only where asked
+    (``transport="nvshmem"``; without ``max_rows`` its two plans read the host
+    twice where NCCL's one reads it once). The
     answers are asked lazily, in that order, each at most once: each of
     ``engine_problem()``, ``nvshmem_problem()`` (why it cannot run, or None) and
     ``spans_hosts()`` may be a collective; ``nvshmem_problem()`` fixes this
@@ -85,13 +88,14 @@ def choose(variant: str, transport: str, engine_problem, spans_hosts, nvshmem_pr
         if problem is not None:
             raise ValueError(f"transport='nvshmem': {problem}")
         return "nvshmem"
-    if variant != "hierarchical":
-        problem = engine_problem()
-        if problem is None:
-            return "nvlink"
-        if transport == "nvlink":
-            raise ValueError(f"transport='nvlink': {problem}")
-    if variant != "auto" and spans_hosts() and nvshmem_problem() is None:
+    if variant == "hierarchical":
+        return "nccl"
+    problem = engine_problem()
+    if problem is None:
+        return "nvlink"
+    if transport == "nvlink":
+        raise ValueError(f"transport='nvlink': {problem}")
+    if variant == "alltoall" and spans_hosts() and nvshmem_problem() is None:
         return "nvshmem"
     return "nccl"
 

@@ -37,9 +37,10 @@ verb is bitwise the NCCL hierarchical variant's.
 With ``max_rows`` the buffers hold M T rows in stage 1 and W T in stage 2 (T
 the group's largest tokens, ``reserve``; stage 2's tokens are the M T held rows,
 from L ranks): stage 1 pads its held rows to M T, stage 2's outputs to
-``max_rows``; ``memory_rows`` budgets stage 2's outputs. The failure checks are the stages' (``transports.nvshmem``): a
-bad value is marked in stage 1's routing (an id past the ranks), on the
-device; a rank over ``max_rows`` fails stage 2, on every rank alike.
+``max_rows``; ``memory_rows`` budgets stage 2's outputs. The failure checks are
+the stages' (``transports.nvshmem``): a bad value is marked in stage 1's
+routing (an id past the ranks), on the device; a rank over ``max_rows`` fails
+stage 2, on every rank alike.
 
 Inside the node the rows move by the same kernels (``nvshmem_puts``), which
 reach the node's peers over NVLink where NVSHMEM maps their memory; the NVLink
