@@ -226,3 +226,51 @@ def test_its_traffic_is_the_nccl_variants(worlds):
     got = worlds(4).run(traffic_of_both, args)
     assert all(same and unaccounted for same, unaccounted, _ in got), got
     assert sum(rows for *_, rows in got) > 0, got
+
+
+def layers_over_both(x, topk_idx, topk_weights, grad_out, config):
+    """MoEExchange (one piece, by 2 groups, with max_rows) and MoEMicroBatches
+    (2 micro-batches, with and without max_rows) over NCCL and over NVSHMEM
+    (emulated), fresh identical experts each: the names whose outputs, input
+    gradients or parameter gradients differ."""
+    import pipeline_fns
+
+    import dispatch
+
+    differ = []
+    runs = (("groups 1", 1, None), ("groups 2", 2, None), ("bounded", 1, 64), ("micro", None, None),
+            ("micro bounded", None, 32))
+    for name, groups, bound in runs:
+        got = []
+        for transport in ("nccl", "nvshmem"):
+            d = rank_fns.dispatcher(dict(config, transport=transport), transport == "nvshmem")
+            experts = pipeline_fns.make_experts("swiglu", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
+            xs, ws = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+            if groups is None:  # two micro-batches: the tokens' halves
+                half = x.shape[0] // 2
+                layer = dispatch.MoEMicroBatches(d, experts, max_rows=bound)
+                if bound is not None:
+                    d.reserve(xs, topk_idx.shape[1])
+                outs = layer([xs[:half], xs[half:]], [topk_idx[:half], topk_idx[half:]], [ws[:half], ws[half:]])
+                out = torch.cat(outs)
+            else:
+                out = dispatch.MoEExchange(d, experts, groups=groups, max_rows=bound)(xs, topk_idx, ws)
+            (out * grad_out).sum().backward()
+            d.check()
+            got.append([out.detach(), xs.grad, ws.grad, *[p.grad for p in experts.parameters()]])
+        if any(not torch.equal(a, b) for a, b in zip(*got)):
+            differ.append(name)
+    return differ
+
+
+def test_the_layers_over_it_are_the_nccl_variants(worlds):
+    """MoEExchange and MoEMicroBatches over the hierarchical variant on NVSHMEM
+    (2 nodes of 2): every output and gradient the bits of the same layers over
+    its NCCL rows."""
+    routing = make_routing(4, 4, 3, [16, 12, 10, 14], "random", seed=6)
+    gen = torch.Generator().manual_seed(6)
+    args = [(torch.randn(t, 16, generator=gen).to(torch.bfloat16), routing.topk_idx[r],
+             routing.topk_weights[r].float(), torch.randn(t, 16, generator=gen).to(torch.bfloat16),
+             dict(num_experts=routing.num_experts, variant="hierarchical", local_world_size=2))
+            for r, t in enumerate(routing.num_tokens)]
+    assert worlds(4).run(layers_over_both, args) == [[]] * 4
