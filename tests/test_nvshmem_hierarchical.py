@@ -7,7 +7,7 @@ rank, and between; failures raised on every rank alike.
 On CPU its rows move through ``splits_exchange.HostSplitsExchange`` (the
 contract of torch's NVSHMEM all-to-all over gloo), the ranks taken as nodes of
 ``local_world_size``; on two GPUs with a torch built with NVSHMEM, the same
-comparison on the real thing, the two ranks as two nodes.
+comparison on the real thing, the two ranks as two nodes and as one.
 """
 
 from __future__ import annotations
