@@ -236,26 +236,31 @@ class HierarchicalNVSHMEMTransport(Transport):
     def to_home(self, rows, handle: StagedHandle, weights, wire) -> Pending:
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
         intra, inter = handle.intra, handle.inter
-        node_sum = self.intra._home(presums(rows, intra.presum_index, weights, wire), intra,
-                                    lambda back: gather_sum(back, intra.home_index, None, acc))  # [N1, H]
+        at = torch.arange(handle.num_tokens, device=handle.device)  # this rank's rows to itself in stage 1: one a
+        own = at < inter.sends[self.rank]  # token at most, at these places among its sends and its held rows
+        sent_at, held_at = (torch.cumsum(t, 0)[self.rank] - t[self.rank] for t in (inter.sends, inter.receives))
 
-        def home(back):  # [S1, H] in stage 1's send order (node_sum: in its received order, the expanded one)
-            if wire != acc and node_sum.shape[0]:  # this node's partial crossed no link: kept unrounded
-                # (at most T rows, one a token, at this rank's place among the sends; the rows past them to a
-                # spare row)
+        def node_sums(back):  # [S2, H] the pre-sums at their holder, summed there in ascending rank
+            sums = gather_sum(back, intra.home_index, None, wire, acc)  # [N1, H] as they cross: cast once
+            held = intra.home_index.shape[0]
+            if wire == acc or not held:
+                return sums, None
+            # this node's partials cross no link: its own rows' sums again, unrounded
+            mine = intra.home_index[torch.where(own, held_at + at, 0).clamp(max=held - 1)]
+            return sums, gather_sum(back, torch.where(own.unsqueeze(1), mine, -1), None, acc)  # [T, H]
+
+        sums, mine = self.intra._home(presums(rows, intra.presum_index, weights, wire), intra, node_sums)
+
+        def home(back):  # [S1, H] in stage 1's send order
+            if mine is not None:  # the own rows' unrounded sums in their places (the others' to a spare row)
                 count = back.shape[0]
                 full = torch.empty(count + 1, back.shape[1], dtype=acc, device=back.device)
                 full[:count].copy_(back)
-                sent_at, held_at = (torch.cumsum(t, 0)[self.rank] - t[self.rank] for t in (inter.sends,
-                                                                                          inter.receives))
-                at = torch.arange(handle.num_tokens, device=back.device)
-                own = at < inter.sends[self.rank]
-                full.index_copy_(0, torch.where(own, sent_at + at, count),
-                                 node_sum[torch.where(own, held_at + at, 0).clamp(max=node_sum.shape[0] - 1)])
+                full.index_copy_(0, torch.where(own, sent_at + at, count), mine)
                 back = full
             return gather_sum(back, inter.home_index, None, rows.dtype, acc)
 
-        out = self.inter._home(node_sum.to(wire), inter, home)
+        out = self.inter._home(sums, inter, home)
         mark(self.phase_timer, "final_sum")
         return Pending.done(out)  # [T, H]
 
