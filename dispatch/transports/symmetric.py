@@ -338,8 +338,9 @@ class SymmetricExchange:
         if not torch.cuda.is_current_stream_capturing():  # made and read on two streams
             for tensor in reads:
                 tensor.record_stream(self._stream)
-            if result is not None:
-                result.record_stream(current)
+            for tensor in result if isinstance(result, tuple) else (result,):  # (what consume made: a tuple too)
+                if tensor is not None:
+                    tensor.record_stream(current)
         return result
 
 
