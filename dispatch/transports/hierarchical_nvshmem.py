@@ -86,6 +86,11 @@ class _Stage(NVSHMEMTransport):
         self.extra: list[int] = []
         self.original = None
 
+    @property
+    def tokens(self) -> int:
+        """T its buffers hold with max_rows (0 before any reserve)."""
+        return 0 if self._capacity is None else self._capacity[0]
+
     def _row_sizes(self, x: torch.Tensor, topk: int) -> list[int]:
         return super()._row_sizes(x, topk) + self.extra
 
@@ -145,10 +150,10 @@ class HierarchicalNVSHMEMTransport(Transport):
         x, topk_idx, weights = request.x, request.topk_idx, request.topk_weights.detach()
         topk = topk_idx.shape[1]
         bounded = request.max_rows is not None
-        if bounded and (self.inter._capacity is None or not self.inter._capacity[0]):
+        if bounded and not self.inter.tokens:
             self.reserve(x, topk)  # every rank alike (agreed): the buffers sized once
         # stage 1: each token once to every node that holds one of its experts
-        held_rows = -1 if not bounded else self.num_nodes * self.inter._capacity[0]
+        held_rows = -1 if not bounded else self.num_nodes * self.inter.tokens
         # (as wide as the dispatch's slots, its weights' dtype: the ranks agree on K and dtypes in stage 1's header,
         # before the routing rows move)
         first = Request(owner=request.owner, x=x, topk_idx=self._inter_routing(topk_idx, weights, request.check_values),
@@ -249,7 +254,7 @@ class HierarchicalNVSHMEMTransport(Transport):
             mine = intra.home_index[torch.where(own, held_at + at, 0).clamp(max=held - 1)]
             return sums, gather_sum(back, torch.where(own.unsqueeze(1), mine, -1), None, acc)  # [T, H]
 
-        sums, mine = self.intra._home(presums(rows, intra.presum_index, weights, wire), intra, node_sums)
+        sums, mine = self.intra.back_home(presums(rows, intra.presum_index, weights, wire), intra, node_sums)
 
         def home(back):  # [S1, H] in stage 1's send order
             if mine is not None:  # the own rows' unrounded sums in their places (the others' to a spare row)
@@ -260,7 +265,7 @@ class HierarchicalNVSHMEMTransport(Transport):
                 back = full
             return gather_sum(back, inter.home_index, None, rows.dtype, acc)
 
-        out = self.inter._home(sums, inter, home)
+        out = self.inter.back_home(sums, inter, home)
         mark(self.phase_timer, "final_sum")
         return Pending.done(out)  # [T, H]
 
@@ -268,7 +273,7 @@ class HierarchicalNVSHMEMTransport(Transport):
         # each slot lives on one rank: the sums on the way add zeros to it, exact in any dtype
         held = self.intra.slots_home(values, handle.intra).finish()  # [N1, K]
         inter = handle.inter
-        return Pending.done(self.inter._home(held, inter,
+        return Pending.done(self.inter.back_home(held, inter,
                                               lambda back: gather_sum(back, inter.home_index, None, values.dtype)))
 
     def stats(self, handle: StagedHandle, dispatch_row_bytes, combine_wire, hidden):
@@ -291,7 +296,7 @@ class HierarchicalNVSHMEMTransport(Transport):
         extra = [16 * topk, 8 * topk]  # the routing rows (fp64 ids and weights), per-slot values home
         self.inter.extra = self.intra.extra = extra
         self.inter.reserve(x, topk)
-        held = self.num_nodes * self.inter._capacity[0]
+        held = self.num_nodes * self.inter.tokens
         self.intra.reserve(_like(x, held), topk)
 
     def seen_failed(self, bounded: bool) -> bool:

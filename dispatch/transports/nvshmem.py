@@ -396,7 +396,7 @@ class NVSHMEMTransport(AllToAllTransport):
                                            handle.receives, handle.back_at, wire, handle.recv_rows, handle.send_rows,
                                            handle.home_index.contiguous())
         else:
-            out = self._home(presums(rows, index, weights, wire), handle, home_sum)
+            out = self.back_home(presums(rows, index, weights, wire), handle, home_sum)
         mark(self.phase_timer, "final_sum")
         return Pending.done(out)  # [T, H]
 
@@ -412,9 +412,9 @@ class NVSHMEMTransport(AllToAllTransport):
         index = handle.presum_index  # [R, J]
         padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
-        return Pending.done(self._home(grid, handle, lambda back: _slots_from_rows(back, handle, values)))
+        return Pending.done(self.back_home(grid, handle, lambda back: _slots_from_rows(back, handle, values)))
 
-    def _home(self, rows: "torch.Tensor | Packed", handle: NVSHMEMHandle, consume) -> torch.Tensor:
+    def back_home(self, rows: "torch.Tensor | Packed", handle: NVSHMEMHandle, consume) -> torch.Tensor:
         """``consume`` of rows of the received rows' order home, in the send order.
         Rows wider than the buffers a dispatch with ``max_rows`` was sized for
         are refused before any exchange (the same on every rank where the
