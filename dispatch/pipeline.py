@@ -21,6 +21,10 @@ The pipeline uses the dispatcher's public verbs only. Forward::
     for g: wait piece g -> experts(g) -> add group g's outputs (pre-sums it completes leave)
     wait the home sums
 
+With one group there is nothing to overlap: the forward is the plain verbs,
+``dispatch`` -> experts -> ``combine`` (whose usual calls on the NVLink engine
+are compiled whole, ``dispatch.usual``), the same bits.
+
 Backward is the mirror image: the output gradient is dispatched along the
 handle by groups (``dispatch_rows``), then per group the experts' backward and
 the addition of its rows' gradients into the running sums going home
@@ -225,7 +229,11 @@ class MoEExchange(nn.Module):
         """
         d = self.dispatcher  # (its dispatch checks the arguments, within the call's agreement: every rank raises)
         with self._priority():
-            work = d.dispatch(x, topk_idx, topk_weights, groups=self.groups, async_op=True, max_rows=self.max_rows)
+            if self.groups == 1:  # nothing to overlap: the plain verb, the usual compiled call where it applies
+                work = d.dispatch(x, topk_idx, topk_weights, max_rows=self.max_rows)
+            else:
+                work = d.dispatch(x, topk_idx, topk_weights, groups=self.groups, async_op=True,
+                                  max_rows=self.max_rows)
         grad_on = torch.is_grad_enabled()
         anchor = torch.empty(0, device=x.device, requires_grad=grad_on)
         return _PipelineFn.apply(x, topk_weights, anchor, self, work, grad_on, *trained_params(self.experts))
@@ -253,12 +261,26 @@ def _group(work, g: int, groups: int):
     """(rows, rows per expert on the device, on the host, weights, handle, the
     group's local experts or None for all) of group g; one group takes the whole
     result (where a pad_to_capacity dispatch places its rows)."""
-    if groups == 1:
-        out = work.wait()
+    if groups == 1:  # (dispatched whole, at once)
+        out = work
         return out.tokens, out.tokens_per_expert, out.tokens_per_expert_host, out.weights, out.handle, None
     part = work.wait_group(g)
     return (part.tokens, part.tokens_per_expert, part.tokens_per_expert_host, part.weights, work.handle,
             part.experts)
+
+
+class _Whole:
+    """The sums of one group: ``combine`` along the handle (its usual compiled
+    call where it applies), as ``GroupSums`` takes one add, the same bits."""
+
+    def __init__(self, dispatcher: TokenDispatcher, handle) -> None:
+        self._dispatcher, self._handle, self._result = dispatcher, handle, None
+
+    def add(self, rows, weights=None) -> None:
+        self._result = self._dispatcher.combine(rows, self._handle, weights)
+
+    def wait(self) -> torch.Tensor:
+        return self._result
 
 
 class _PipelineFn(torch.autograd.Function):
@@ -304,10 +326,11 @@ class _PipelineFn(torch.autograd.Function):
                             leaves[g], ys[g] = leaf, y
                 except Exception as error:  # its peers raise at the call they wait at (PeerRefused)
                     if sums is None:  # (each refuse raises error)
-                        d.refuse("combine_groups", handle, error)
+                        d.refuse("combine" if groups == 1 else "combine_groups", handle, error)
                     sums.refuse(error)
                 if sums is None:
-                    sums = d.combine_groups(handle, dtype=layer._out_dtype(x), wire=d.config.combine_wire)
+                    sums = (_Whole(d, handle) if groups == 1 else
+                            d.combine_groups(handle, dtype=layer._out_dtype(x), wire=d.config.combine_wire))
                 add_expert_out(sums, y, None if layer.weighted_experts else weights[g], tokens, f"group {g}")
                 tokens = y = None
             result = sums.wait()

@@ -26,6 +26,7 @@ from dispatch.codec import to_experts_codec
 from dispatch.config import DispatchConfig
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.nvlink import Capacity
+from dispatch.pipeline import MoEExchange
 from dispatch.transports.base import FAILED, Transport
 from dispatch.transports.nvlink import NVLinkTransport
 from test_host import _cpu_engine, _counts_words, _Kernel, _Recorder
@@ -204,6 +205,34 @@ def test_a_compiled_combine_moves_only_along_handles_it_was_made_for(one_rank, o
                           handle=r.handle)[0] for one, r in ((d, out), (reference, got["python"][1]))]
         assert back[0] == back[1] and len(taken) == combined, (topk, memory_rows)
     assert len(d._usual._combines) == 2  # one a J, each learnt once
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_layer_of_one_group_takes_the_compiled_calls(one_rank, on_the_stand_in, compiled, grad):
+    """``MoEExchange`` with one group (nothing to overlap) dispatches and combines
+    through the plain verbs, so that its calls take the compiled ones as a
+    user's own ``dispatch`` and ``combine`` do: the same launches as the layer
+    over the Python path, call by call."""
+    tokens = 37
+    x, idx, w = _inputs(tokens)
+    d, reference = _dispatcher(compiled), _dispatcher(compiled)
+    reference._usual = None
+    taken, result, combine, planned = [], d._usual._result, d._usual.combine, d.transport.planned
+    d.transport.planned = lambda *args: taken.append("planned") or planned(*args)
+    d._usual._result = lambda *args: taken.append("dispatch") or result(*args)
+    d._usual.combine = lambda *args: (lambda out: out is not None and taken.append("combine") or out)(combine(*args))
+    layers = {one: MoEExchange(one, lambda rows, counts: rows) for one in (d, reference)}
+    with torch.set_grad_enabled(grad):
+        for call in (1, 2, 3):
+            seen = [_launched(one, on_the_stand_in, lambda one=one: layers[one](
+                x.detach().requires_grad_(grad), idx, w.detach().requires_grad_(grad)), tokens)
+                for one in (d, reference)]
+            assert seen[0][0] == seen[1][0], f"call {call}"
+            a, b = seen[0][1], seen[1][1]
+            assert (a.shape, a.dtype, a.requires_grad) == (b.shape, b.dtype, b.requires_grad) == \
+                ((tokens, HIDDEN), torch.bfloat16, grad)
+    assert taken == ["planned", "dispatch", "dispatch", "combine"]
+    assert d._calls._made.tolist() == reference._calls._made.tolist()
 
 
 def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_the_stand_in, compiled):
