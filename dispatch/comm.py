@@ -8,6 +8,7 @@ all-to-all, NCCL moves bytes at the same speed as any other type.
 from __future__ import annotations
 
 import math
+import socket
 import time
 
 import torch
@@ -78,6 +79,24 @@ def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 
 _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def group_hosts(group: dist.ProcessGroup | None) -> tuple[str, ...] | None:
+    """The host (its name) of each rank of an NCCL group of two ranks or more,
+    in group order: a collective at a group's first call (every rank makes its
+    dispatchers in the same order), kept after. None for any other group: its
+    ranks are not asked where they run."""
+    if dist.get_backend(group) != "nccl" or dist.get_world_size(group) == 1:
+        return None
+    name = (group if group is not None else dist.group.WORLD).group_name
+    if name not in _HOSTS:
+        hosts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)  # host sync: where every rank runs
+        _HOSTS[name] = tuple(hosts)
+    return _HOSTS[name]
+
+
+_HOSTS: dict[str, tuple[str, ...]] = {}
 
 
 class Arrivals:

@@ -16,6 +16,7 @@ cost no synchronisation and no communication.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import asdict, dataclass
 
@@ -63,13 +64,15 @@ class DispatchStats:
         return asdict(self)
 
 
-def resolve_local_world_size(configured: int | None, world_size: int) -> int:
-    """Ranks per node of an EP group of ``world_size`` ranks.
+def resolve_local_world_size(configured: int | None, world_size: int, hosts: tuple[str, ...] | None = None) -> int:
+    """Ranks per node of an EP group of ``world_size`` ranks (nodes are blocks of
+    consecutive group ranks).
 
-    ``configured`` (``DispatchConfig.local_world_size``) when given; else the
-    ``LOCAL_WORLD_SIZE`` that torchrun sets, when it divides the group size (or
-    is a multiple of it: the whole group then sits in one node); else the whole
-    group is one node. Nodes are blocks of consecutive group ranks.
+    ``configured`` (``Tuning.local_world_size``) when given; else, where the
+    host of each group rank is known (``hosts``, in group order: an NCCL group,
+    ``comm.group_hosts``), :func:`ranks_per_host`; else the ``LOCAL_WORLD_SIZE``
+    that torchrun sets, when it divides the group size; else the whole group
+    is one node.
 
     Raises:
         ValueError: ``configured`` does not divide ``world_size``, or
@@ -79,6 +82,8 @@ def resolve_local_world_size(configured: int | None, world_size: int) -> int:
         if world_size % configured != 0:
             raise ValueError(f"local_world_size={configured} does not divide the group size {world_size}")
         return configured
+    if hosts is not None:
+        return ranks_per_host(hosts)
     env = os.environ.get("LOCAL_WORLD_SIZE")
     if env is None:
         return world_size
@@ -91,6 +96,17 @@ def resolve_local_world_size(configured: int | None, world_size: int) -> int:
     if world_size % local == 0:
         return local
     return world_size  # a group smaller than a node (or not node-aligned): one node
+
+
+def ranks_per_host(hosts: tuple[str, ...]) -> int:
+    """Ranks per node of a group whose ranks run on ``hosts`` (in group order):
+    L where each host's ranks are one block of L consecutive group ranks, the
+    same L for every host; else 1 (every rank a node of its own), so that no
+    tier takes ranks of two hosts for one node. An EP group strided across
+    nodes (tensor parallelism inside them, say) is so counted by its own ranks,
+    not by the processes a node runs."""
+    runs = [len(list(run)) for _, run in itertools.groupby(hosts)]
+    return runs[0] if len(runs) == len(set(hosts)) and len(set(runs)) == 1 else 1
 
 
 def tier_split(rows_to_peer: list[int] | tuple[int, ...], rank: int, local_world_size: int) -> tuple[int, int]:

@@ -297,6 +297,21 @@ def auto_choices(x, topk_idx, topk_weights, config: dict, calls: int):
     return chosen, out.handle.transport.variant
 
 
+def tiers_on_hosts(x, topk_idx, topk_weights, config: dict, hosts: tuple):
+    """The ranks per node a dispatcher's transport takes where its group's ranks
+    are told to run on ``hosts`` (``comm.group_hosts``, which asks NCCL groups
+    only), and the stats of one dispatch by its tiers."""
+    from dispatch import comm
+
+    asked, comm.group_hosts = comm.group_hosts, lambda group: hosts
+    try:
+        d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    finally:
+        comm.group_hosts = asked
+    out = d.dispatch(x, topk_idx, topk_weights)
+    return d.transport.local_world_size, out.stats
+
+
 def every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows=None, groups=1, async_op=False) -> dict:
     """One round trip through every verb along one handle: dispatch (with
     ``max_rows``, ``groups``, ``async_op``), a combine of a nonlinear expert

@@ -181,6 +181,42 @@ def test_local_world_size_resolution(monkeypatch):
         resolve_local_world_size(3, 8)
 
 
+def test_local_world_size_follows_the_hosts_of_the_group(monkeypatch):
+    """Where the host of each group rank is known (an NCCL group), its ranks per
+    node are counted from them, not from the processes a node runs: an EP group
+    strided across two nodes of 8 GPUs (tensor parallelism of 2 inside them) has
+    4 ranks a node where ``LOCAL_WORLD_SIZE`` says 8. Where a host's ranks are not
+    one block of consecutive ranks, or the blocks differ in size, every rank is
+    a node of its own. A size given in the config still wins."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    strided = ("a",) * 4 + ("b",) * 4
+    assert resolve_local_world_size(None, 8) == 8
+    assert resolve_local_world_size(None, 8, strided) == 4
+    assert resolve_local_world_size(2, 8, strided) == 2
+    assert resolve_local_world_size(None, 8, ("a",) * 8) == 8
+    assert resolve_local_world_size(None, 4, ("a", "b", "a", "b")) == 1  # interleaved
+    assert resolve_local_world_size(None, 6, ("a",) * 4 + ("b",) * 2) == 1  # uneven
+    assert resolve_local_world_size(None, 6, ("a", "a", "b", "b", "c", "c")) == 2
+
+
+@pytest.mark.parametrize("variant", ["hierarchical", "alltoall"])
+def test_transports_take_their_tiers_from_the_hosts(worlds, variant):
+    """A dispatcher over a group whose ranks run on two hosts, two ranks each,
+    takes 2 ranks a node (the tiers of the hierarchical variant and of the
+    stats); on hosts interleaved, 1; a size in the config wins."""
+    routing = make_routing(4, 2, 2, [5, 6, 4, 7], "random", seed=5)
+    xs = [identity_tokens(r, t, 8, torch.float32) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, variant=variant, transport="nccl")
+    for hosts, local in ((("a", "a", "b", "b"), 2), (("a", "b", "a", "b"), 1)):
+        args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config, hosts) for r in range(4)]
+        results = worlds(4).run(rank_fns.tiers_on_hosts, args)
+        want = _expected_inter_rows(routing, local)[0 if variant == "alltoall" else 1]
+        assert [got for got, _ in results] == [local] * 4, hosts
+        assert [stats.dispatch_inter_rows for _, stats in results] == want, hosts
+        told = worlds(4).run(rank_fns.tiers_on_hosts, [(*a[:3], dict(config, local_world_size=4), a[4]) for a in args])
+        assert [got for got, _ in told] == [4] * 4
+
+
 @pytest.mark.parametrize(
     "kwargs, error, argument",
     [

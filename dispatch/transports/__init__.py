@@ -25,10 +25,9 @@ moves over NVSHMEM where asked (``transport="nvshmem"``).
 
 from __future__ import annotations
 
-import socket
-
 import torch.distributed as dist
 
+from dispatch import comm
 from dispatch.transports.allgather import AllGatherTransport
 from dispatch.transports.alltoall import AllToAllTransport
 from dispatch.transports.auto import AutoTransport
@@ -102,12 +101,10 @@ def choose(variant: str, transport: str, engine_problem, spans_hosts, nvshmem_pr
 
 def _spans_hosts(group) -> bool:
     """Whether the ranks of an NCCL group run on more than one host (a
-    collective); False for any other group (no NVSHMEM there)."""
-    if dist.get_backend(group) != "nccl":
-        return False
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)  # host sync: where every rank runs
-    return len(set(hosts)) > 1
+    collective at the group's first ask, ``comm.group_hosts``); False for any
+    other group (no NVSHMEM there)."""
+    hosts = comm.group_hosts(group)
+    return hosts is not None and len(set(hosts)) > 1
 
 
 def _agreed(group, problem: str | None) -> str | None:

@@ -124,7 +124,9 @@ class Transport(abc.ABC):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.num_local_experts = config.num_experts // self.world_size
-        self.local_world_size = resolve_local_world_size(config.tuning.local_world_size, self.world_size)
+        configured = config.tuning.local_world_size
+        self.local_world_size = resolve_local_world_size(
+            configured, self.world_size, None if configured is not None else comm.group_hosts(group))
         self.arrivals = comm.Arrivals(group, config.timeout)
         self.phase_timer = None
         self._row_bytes_of: dict[tuple, int] = {}
