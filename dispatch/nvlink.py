@@ -145,6 +145,7 @@ class Engine(EngineMoves):
         self._eager_raw = 0  # its handle, once recorded (dispatch.nvlink_order.eager_stream)
         self._polled = torch.zeros(4, dtype=torch.int32).pin_memory()  # a copy of status (seen_failed)
         self._polled_event: torch.cuda.Event | None = None
+        self._poll_stream: torch.cuda.Stream | None = None  # where that copy runs (made at the first poll)
         self.failure_seen = False  # a failure recorded on the device has reached the host (seen_failed)
         self._host_words = None  # the counts matrix as the compiled counts exchange reads it (pinned)
         if self._host is not None:
@@ -195,13 +196,18 @@ class Engine(EngineMoves):
             if self._polled[0]:  # landed: no wait
                 self.failure_seen = True
                 return True
-        if poll:  # the copy comes after the latest operation, on whatever stream; it orders nothing after it
-            stream = cuda.current_stream(self.device.index)
+        if poll:  # the copy comes after the latest operation and the caller's work so far, on a stream of its
+            # own: it orders nothing after it (the caller's stream does not wait for the engine's latest operation)
+            if self._poll_stream is None:
+                self._poll_stream = torch.cuda.Stream(self.device)
+            side = self._poll_stream
+            side.wait_stream(cuda.current_stream(self.device.index))
             if self._last is not None:  # (the latest eager operation: never inside a capture)
-                stream.wait_event(self._last[0])
-            self._polled.copy_(self.status, non_blocking=True)
-            self._polled_event = torch.cuda.Event()
-            self._polled_event.record(stream)
+                side.wait_event(self._last[0])
+            with torch.cuda.stream(side):
+                self._polled.copy_(self.status, non_blocking=True)
+                self._polled_event = torch.cuda.Event()
+                self._polled_event.record(side)
         return False
 
     # -- buffers -------------------------------------------------------------
