@@ -12,11 +12,12 @@ forward and backward captured apart) are ordered by the stream they are
 replayed on. :class:`Ordered` does this around an operation issued from Python.
 
 The usual eager operation (a dispatch's counts exchange, a combine's push and
-home sum on the compiled host path) needs no wait: it follows an eager
-operation on the same stream. There the compiled call records the engine's
-eager event itself, when it returns or raises (``csrc/host.cpp``), and the host
-keeps nothing else of the order: :func:`eager_stream` says where this holds,
-:func:`ordered_eager` notes the operation, as :class:`Ordered`'s exit would.
+home sum on the compiled host path) follows the engine's latest eager operation
+on its stream (:func:`eager_stream` makes it wait where that ran on another).
+There the compiled call records the engine's eager event itself, when it
+returns or raises (``csrc/host.cpp``), and the host keeps nothing else of the
+order: :func:`eager_stream` says where this holds, :func:`ordered_eager` notes
+the operation, as :class:`Ordered`'s exit would.
 """
 
 from __future__ import annotations
@@ -75,16 +76,20 @@ class Ordered:
 
 def eager_stream(engine: "Engine") -> int | None:
     """The raw handle of the current stream (0 for the default stream) where
-    ``engine``'s next operation needs no wait and a compiled call may record its
-    eager event: not in a CUDA graph capture, the engine's device current, after
-    an eager operation on this stream (or none), the eager event made; else None
-    (the operation is issued in :class:`Ordered`, which also refuses another
-    current device by name)."""
+    ``engine``'s next operation may be issued by a compiled call, which records
+    its eager event: not in a CUDA graph capture, the engine's device current,
+    the eager event made; else None (the operation is issued in
+    :class:`Ordered`, which also refuses another current device by name).
+    Where the engine's latest eager operation ran on another stream (a layer's
+    backward on its communication stream, say), the current stream waits for
+    it here, as :class:`Ordered` would make it."""
     if not engine._eager_raw or cuda.capturing() or cuda.current_device() != engine.device.index:
         return None
     raw = cuda.raw_stream(engine.device.index)
     last = engine._last
-    return raw if last is None or last[1] == raw else None
+    if last is not None and last[1] != raw:
+        cuda.current_stream(engine.device.index).wait_event(last[0])
+    return raw
 
 
 def ordered_eager(engine: "Engine", raw: int) -> None:

@@ -388,9 +388,10 @@ def test_the_usual_eager_operations_are_ordered_by_their_compiled_call(fake_driv
     the default stream's handle is 0) the compiled counts exchange (with its pull)
     and combine record the engine's eager event themselves, on that stream, after
     every launch they make, and the engine notes the operation as ``Ordered``
-    would (its last operation, the operations counted), without entering it. On
-    another stream, in a capture, or before the eager event is made, they are
-    issued in ``Ordered`` and record nothing."""
+    would (its last operation, the operations counted), without entering it;
+    after one on another stream, the same once this stream waited for it. In a
+    capture, or before the eager event is made, they are issued in ``Ordered``
+    and record nothing."""
     world, rank, tokens, topk, hidden, experts = 2, 0, 37, 4, 64, 16
     monkeypatch.setattr(cuda, "kernel", lambda source, name, *types: _Kernel(source, name))
     monkeypatch.setattr(cuda, "_dependent_launch", lambda device: True)
@@ -426,14 +427,26 @@ def test_the_usual_eager_operations_are_ordered_by_their_compiled_call(fake_driv
     assert [(n, event, at or 0) for n, event, at in recorder.records] == [(3, 0xE0, stream), (5, 0xE0, stream)]
     assert engine._last == ("the eager event", stream) and engine.operations == 3 and entered == []
     for case in ("another stream", "captured", "no event yet"):
-        recorder.launches, recorder.records, entered[:] = [], [], []
+        recorder.launches, recorder.records, entered[:], waits = [], [], [], []
+        monkeypatch.setattr(cuda, "current_stream", lambda device: _Waits(waits))
         engine._last = ("the eager event", 8 if case == "another stream" else stream)
         capturing["now"] = case == "captured"
         engine._eager_raw = 0 if case == "no event yet" else 0xE0
         round_trip()
-        assert recorder.records == [] and entered == [True, True], case
+        if case == "another stream":  # this stream waits for it once, then as after an operation on it
+            assert waits == ["the eager event"] and entered == [], case
+            assert [(n, event, at or 0) for n, event, at in recorder.records] == [(3, 0xE0, stream), (5, 0xE0, stream)]
+        else:
+            assert recorder.records == [] and entered == [True, True] and waits == [], case
         assert [launch[0] for launch in recorder.launches] == names, case
     capturing["now"] = False
+
+
+class _Waits:
+    """A stream that notes the events it is made to wait for."""
+
+    def __init__(self, waits: list) -> None:
+        self.wait_event = waits.append
 
 
 def test_operations_follow_their_kind_across_streams_and_captures(monkeypatch):

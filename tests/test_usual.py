@@ -29,7 +29,7 @@ from dispatch.nvlink import Capacity
 from dispatch.pipeline import MoEExchange
 from dispatch.transports.base import FAILED, Transport
 from dispatch.transports.nvlink import NVLinkTransport
-from test_host import _cpu_engine, _counts_words, _Kernel, _Recorder
+from test_host import _cpu_engine, _counts_words, _Kernel, _Recorder, _Waits
 
 EXPERTS, TOPK, HIDDEN = 8, 4, 64
 
@@ -239,8 +239,9 @@ def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_t
     """Another T or dtype, a tensor subclass, a non-contiguous x: the compiled
     call does nothing (not even its number), the front end takes the call and
     learns the new signature once it passed (a signature learnt once, not again
-    where a call of it took the front end for another reason); a dispatch by
-    groups never reaches it."""
+    where a call of it took the front end for another reason); on another stream
+    than the engine's latest operation, it takes the call after that stream
+    waits for it; a dispatch by groups never reaches it."""
     d = _dispatcher(compiled)
     x, idx, w = _inputs(37)
     recorder = _Recorder(_counts_words(1, 0, d.transport.engine, TOPK, HIDDEN, 37, True, True,
@@ -255,10 +256,17 @@ def test_the_compiled_dispatch_takes_only_a_signature_it_has_seen(one_rank, on_t
     assert d._calls._made.tolist() == made
     d.dispatch(x[:20], idx[:20], w[:20])  # passed in Python: learnt
     assert _compiled_calls(d) == 2
-    with pytest.MonkeyPatch.context() as patch:  # on another stream than the engine's last operation: in Python,
-        patch.setattr(cuda, "raw_stream", lambda device: 8)  # and not learnt again
-        d.dispatch(x, idx, w)
+    engine, waits = d.transport.engine, []
+    last = engine._last
+    taken, result = [], d._usual._result
+    d._usual._result = lambda *args: taken.append(1) or result(*args)
+    with pytest.MonkeyPatch.context() as patch:  # on another stream than the engine's last operation (a layer's
+        patch.setattr(cuda, "raw_stream", lambda device: 8)  # backward on its communication stream): that stream
+        patch.setattr(cuda, "current_stream", lambda device: _Waits(waits))  # waits for it, the compiled call takes
+        d.dispatch(x, idx, w)  # it there (its own stand-in order: the Python path's is not kept here)
+    assert waits == [last[0]] and engine._last[1] == 8 and taken == [1]
     assert _compiled_calls(d) == 2
+    d._usual._result, engine._last = result, last  # (back on the stand-in's stream 7)
     made = d._calls._made[agreement.VERB_CODES["dispatch"]]
     d._usual._calls = [(None, None, None, None)]  # (any call that reached it would raise)
     d.dispatch(x, idx, w, groups=2)
