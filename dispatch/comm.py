@@ -82,21 +82,23 @@ _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
 def group_hosts(group: dist.ProcessGroup | None) -> tuple[str, ...] | None:
-    """The host (its name) of each rank of an NCCL group of two ranks or more,
-    in group order: a collective at a group's first call (every rank makes its
-    dispatchers in the same order), kept after. None for any other group: its
-    ranks are not asked where they run."""
-    if dist.get_backend(group) != "nccl" or dist.get_world_size(group) == 1:
+    """The host (its name) of each rank of a group of two ranks or more whose
+    backend is or includes NCCL, in group order: a collective at the group's
+    first call (every rank makes its dispatchers in the same order), kept for
+    that group after. None for any other group: its ranks are not asked where
+    they run."""
+    if "nccl" not in str(dist.get_backend(group)) or dist.get_world_size(group) == 1:
         return None
-    name = (group if group is not None else dist.group.WORLD).group_name
-    if name not in _HOSTS:
+    group = group if group is not None else dist.group.WORLD
+    kept = _HOSTS.get(group.group_name)
+    if kept is None or kept[0] is not group:  # (a name is given again to a group made after a world ends)
         hosts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)  # host sync: where every rank runs
-        _HOSTS[name] = tuple(hosts)
-    return _HOSTS[name]
+        kept = _HOSTS[group.group_name] = (group, tuple(hosts))
+    return kept[1]
 
 
-_HOSTS: dict[str, tuple[str, ...]] = {}
+_HOSTS: dict[str, tuple] = {}  # group name -> (the group, its ranks' hosts)
 
 
 class Arrivals:

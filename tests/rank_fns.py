@@ -312,6 +312,29 @@ def tiers_on_hosts(x, topk_idx, topk_weights, config: dict, hosts: tuple):
     return d.transport.local_world_size, out.stats
 
 
+def hosts_asked(host: str):
+    """``comm.group_hosts`` of the world, asked twice, where this rank runs on
+    ``host`` and the world's backend is taken for NCCL: (its answers, the
+    all-gathers it made); then of a one-rank group."""
+    import socket
+
+    import torch.distributed as dist
+
+    from dispatch import comm
+
+    gathers = []
+    saved = socket.gethostname, dist.get_backend, dist.all_gather_object
+    socket.gethostname = lambda: host
+    dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
+    dist.all_gather_object = lambda *args, **kw: gathers.append(1) or saved[2](*args, **kw)
+    try:
+        answers = [comm.group_hosts(None), comm.group_hosts(dist.group.WORLD)]
+        alone = comm.group_hosts(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+    finally:
+        socket.gethostname, dist.get_backend, dist.all_gather_object = saved
+    return answers, len(gathers), alone, comm.group_hosts(None)
+
+
 def every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows=None, groups=1, async_op=False) -> dict:
     """One round trip through every verb along one handle: dispatch (with
     ``max_rows``, ``groups``, ``async_op``), a combine of a nonlinear expert

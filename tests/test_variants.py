@@ -199,6 +199,16 @@ def test_local_world_size_follows_the_hosts_of_the_group(monkeypatch):
     assert resolve_local_world_size(None, 6, ("a", "a", "b", "b", "c", "c")) == 2
 
 
+def test_the_hosts_of_a_group_are_asked_once(worlds):
+    """``comm.group_hosts``: on a group whose backend includes NCCL, every rank's
+    host in group order, gathered at the first ask only; nothing asked of a
+    one-rank group, nor of a group of another backend (gloo here)."""
+    results = worlds(4).run(rank_fns.hosts_asked, [("a",), ("a",), ("b",), ("b",)])
+    for answers, gathers, alone, gloo in results:
+        assert answers == [("a", "a", "b", "b")] * 2 and gathers == 1, (answers, gathers)
+        assert alone is None and gloo is None
+
+
 @pytest.mark.parametrize("variant", ["hierarchical", "alltoall"])
 def test_transports_take_their_tiers_from_the_hosts(worlds, variant):
     """A dispatcher over a group whose ranks run on two hosts, two ranks each,
