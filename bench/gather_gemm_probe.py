@@ -94,6 +94,8 @@ def run_grouped(src, place, w, counts, bm, bn, bk, stages, warps, tiles):
     total = sum(counts)
     out = torch.empty(total, w.shape[2], dtype=src.dtype, device=src.device)
     n_dim, k_dim = w.shape[2], w.shape[1]
+    if k_dim % bk:  # (the kernel's loads along K are not masked)
+        raise ValueError(f"bk={bk} must divide the contraction length {k_dim}")
     grid = (tiles[0].numel() * triton.cdiv(n_dim, bn),)
     _grouped_gemm[grid](src, place if place is not None else src, w, out, *tiles, n_dim, k_dim, tiles[0].numel(),
                               src.stride(0), w.stride(0), w.stride(1), out.stride(0), GATHER=place is not None,

@@ -88,10 +88,14 @@ def job(args) -> None:
         same = []
         for pair in (("layer", "verbs"), ("layer, identity experts", "verbs, identity experts")):
             got = []
-            for key in pair:
-                out, xs, ws = step(layers[key], True)()
-                got.append((out.detach(), xs.grad, ws.grad))
-            same.append(all(torch.equal(a, b) for a, b in zip(*got)))
+            for key in pair:  # (its step's run, which zeroes the experts' gradients after: taken before that)
+                xs, ws = x.detach().requires_grad_(), topk_weights.detach().requires_grad_()
+                out = layers[key](xs, topk_idx, ws)
+                out.backward(grad)
+                got.append((out.detach(), xs.grad, ws.grad, *[p.grad for p in experts.parameters()]))
+                experts.zero_grad(set_to_none=True)
+            same.append(all(a is b is None or (a is not None and b is not None and torch.equal(a, b))
+                            for a, b in zip(*got)))
         for backward in (False, True):
             steps = {"experts alone": alone(backward)}
             steps.update({key: step(layer, backward) for key, layer in layers.items()})

@@ -152,7 +152,10 @@ class MoEExchange(nn.Module):
         comm_priority: CUDA priority of the dispatcher's communication stream
             during this layer's exchanges (lower is higher; clamped to the
             device's range). Default -1: the small kernels around the
-            collectives are not stuck behind the GEMMs.
+            collectives are not stuck behind the GEMMs. With G = 1 the
+            forward's dispatch and combine run on the caller's stream (as the
+            plain verbs do: nothing beside them to overlap), the backward's
+            exchanges on the communication stream.
         sm_carveout: with G > 1 on CUDA, SMs the experts' GEMMs leave free
             while the groups' exchanges run beside them (torch's experimental
             SM carveout, process-wide, set around each group's experts and
