@@ -51,6 +51,9 @@
 #   ab        the engine probe (decode, DeepSeek-V3) of a base tree in .wt/base and of this one, twice in turn;
 #             then bench/agreement_probe.py (what a call's agreement costs on the host); the eager round
 #             trip's host time on every rank is host-bound's
+#   layer-cost  bench/layer_cost.py: the exchange's cost inside a layer (MoEExchange with one group against
+#             the plain verbs and the experts alone, forward and forward+backward) on $WORLD GPUs (default 2),
+#             $LAYER_SHAPES (default deepseek-v3,mixtral-8x7b)
 #   one-gpu   on one GPU (no second one lent): bench/engine_one_gpu.py, the engine at W = 1 held
 #             bitwise against NCCL, the host cost of a round trip's pieces and the NCCL plan's
 #             graphs, a host profile, the captured round trip's GPU time (every SM, 24 blocks; alone
@@ -250,6 +253,10 @@ for part in "$@"; do
         done
       done
       step 120 agreement-probe python3 bench/agreement_probe.py ;;
+    layer-cost)
+      step 240 layer-cost bash -c 'set -o pipefail; torchrun --nproc-per-node "${WORLD:-2}" bench/layer_cost.py \
+        --shapes "${LAYER_SHAPES:-deepseek-v3,mixtral-8x7b}" 2>&1 | grep -v "^\[\|^W1\|\*\*\*" | tee "$1"' _ \
+        "$RES/layer-cost-w${WORLD:-2}.txt" ;;
     one-gpu)
       against=()
       [ -d .wt/base ] && against=(--against .wt/base)
