@@ -83,9 +83,9 @@ _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 def group_hosts(group: dist.ProcessGroup | None) -> tuple[str, ...] | None:
     """The host (its name) of each rank of a group of two ranks or more whose
-    backend is or includes NCCL, in group order: a collective at the group's
-    first call (every rank makes its dispatchers in the same order), kept for
-    that group after. None for any other group: its ranks are not asked where
+    backend is or includes NCCL, in group order: a collective of its host
+    channel (:func:`host_group`) at the group's first call (every rank makes
+    its dispatchers in the same order), kept for that group after. None for any other group: its ranks are not asked where
     they run."""
     if "nccl" not in str(dist.get_backend(group)) or dist.get_world_size(group) == 1:
         return None
@@ -93,7 +93,7 @@ def group_hosts(group: dist.ProcessGroup | None) -> tuple[str, ...] | None:
     kept = _HOSTS.get(group.group_name)
     if kept is None or kept[0] is not group:  # (a name is given again to a group made after a world ends)
         hosts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)  # host sync: where every rank runs
+        dist.all_gather_object(hosts, socket.gethostname(), group=host_group(group))  # host sync: where each runs
         kept = _HOSTS[group.group_name] = (group, tuple(hosts))
     return kept[1]
 
