@@ -315,14 +315,15 @@ def tiers_on_hosts(x, topk_idx, topk_weights, config: dict, hosts: tuple):
 def hosts_asked(host: str):
     """``comm.group_hosts`` of the world, asked twice, where this rank runs on
     ``host`` and the world's backend is taken for NCCL: (its answers, the
-    all-gathers it made); then of a one-rank group."""
+    all-gathers it made); then of a one-rank group; then (the world's backend,
+    its answer) as they are."""
     import socket
 
     import torch.distributed as dist
 
     from dispatch import comm
 
-    gathers = []
+    gathers, kept = [], dict(comm._HOSTS)
     saved = socket.gethostname, dist.get_backend, dist.all_gather_object
     socket.gethostname = lambda: host
     dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
@@ -330,9 +331,11 @@ def hosts_asked(host: str):
     try:
         answers = [comm.group_hosts(None), comm.group_hosts(dist.group.WORLD)]
         alone = comm.group_hosts(dist.new_group([dist.get_rank()], use_local_synchronization=True))
-    finally:
+    finally:  # (the hosts told here are not kept for the tests after it in this process)
         socket.gethostname, dist.get_backend, dist.all_gather_object = saved
-    return answers, len(gathers), alone, comm.group_hosts(None)
+        comm._HOSTS.clear()
+        comm._HOSTS.update(kept)
+    return answers, len(gathers), alone, (dist.get_backend(), comm.group_hosts(None))
 
 
 def every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows=None, groups=1, async_op=False) -> dict:
