@@ -158,12 +158,45 @@ def check(budgets, path: str) -> None:
                       f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
 
 
+def layer_check(path: str) -> None:
+    """MoEExchange with one group over the engine bitwise against it over NCCL, forward and backward, three steps
+    in a row (its backward's exchanges run on the communication stream; the next forward's dispatch and combine
+    still take the compiled calls), plain and with max_rows (each dispatch polls the engine's status); and how many
+    of the engine's dispatches the compiled call made."""
+    global bad
+    E, T, H, F, K = 16, 300, 512, 256, 4
+    for kw in ({}, {"max_rows": T * K + 8}):
+        eng, ref = make(E, "nvlink"), make(E, "nccl")
+        taken, result = [], eng._usual._result if eng._usual is not None else None
+        if result is not None:
+            eng._usual._result = lambda *args: taken.append(1) or result(*args)
+        torch.manual_seed(5)
+        experts = dispatch.experts.GroupedExperts(E, H, F, dtype=torch.bfloat16, device="cuda")
+        layers = [dispatch.MoEExchange(d, experts, **kw) for d in (eng, ref)]
+        for step in range(3):
+            x, idx, w = inputs(T, H, E, K, 40 + step)
+            runs = []
+            for layer in layers:
+                xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                h = layer(xs, idx, ws)
+                h.float().pow(2).sum().backward()
+                runs.append([h, xs.grad, ws.grad, *[p.grad for p in experts.parameters()]])
+                experts.zero_grad(set_to_none=True)
+            same = all(torch.equal(a, b) for a, b in zip(*runs))
+            bad += not same
+            print(f"{path}MoEExchange(groups=1) {kw} step {step}: {'bitwise equal' if same else 'DIFFERENT'}",
+                  flush=True)
+        print(f"{path}MoEExchange(groups=1) {kw}: {len(taken)} of 3 dispatches by the compiled call", flush=True)
+
+
 if "--check" in sys.argv:
+    layer_check("")
     check((None, 24), "")
     # the same with the engine's host work issued from Python (new engines, made without the compiled path)
     dispatch.host.enabled = False
     dispatch.nvlink._ENGINES.clear()
     check((None,), "host in Python: ")
+    layer_check("host in Python: ")
     dispatch.host.enabled = True
     dispatch.nvlink._ENGINES.clear()
     print("check:", "all equal" if bad == 0 else f"{bad} different", flush=True)
