@@ -26,9 +26,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import dispatch  # noqa: E402
+from dispatch.bench import overlap  # noqa: E402
 from dispatch.bench.common import SHAPES, launch, time_each  # noqa: E402
-from dispatch.bench.roundtrip import make_routing  # noqa: E402
-from dispatch.experts import GroupedExperts  # noqa: E402
 
 
 def _verbs(d, experts):
@@ -41,21 +40,13 @@ def _verbs(d, experts):
 
 
 def job(args) -> None:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
-        config = dispatch.DispatchConfig.from_options(num_experts=shape.experts, transport=args.transport)
-        d = dispatch.create(config, None)
-        torch.manual_seed(1234 + rank)
-        experts = GroupedExperts(d.num_local_experts, shape.hidden, shape.ffn, dtype=dtype, device=device)
-        x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
-        grad = torch.randn_like(x)
-        topk_idx, topk_weights = make_routing("uniform", shape, world, rank, device)
-        topk_weights = topk_weights.to(dtype)
-        rows = d.dispatch(x, topk_idx, topk_weights)
-        tokens, per_expert = rows.tokens.detach(), rows.tokens_per_expert
+        # the inputs of dispatch-bench overlap: its dispatcher, GroupedExperts, tokens, routing, rows for the experts
+        case = overlap.make_case(SHAPES[name], argparse.Namespace(nvshmem_blocks=None, dispatch_wire="native",
+                                                                  transport=args.transport, sm_budget=None,
+                                                                  micro_batches=None), None)
+        d, experts, device = case.dispatcher, case.experts, case.x.device
         identity = lambda t, n: t  # noqa: E731
         layers = {
             "layer": dispatch.MoEExchange(d, experts, groups=1),
@@ -63,42 +54,21 @@ def job(args) -> None:
             "layer, identity experts": dispatch.MoEExchange(d, identity, groups=1),
             "verbs, identity experts": _verbs(d, identity),
         }
-
-        def step(layer, backward):
-            def run():
-                xs = x.detach().requires_grad_(backward)
-                ws = topk_weights.detach().requires_grad_(backward)
-                out = layer(xs, topk_idx, ws)
-                if backward:
-                    out.backward(grad)
-                    experts.zero_grad(set_to_none=True)
-                return out, xs, ws
-            return run
-
-        def alone(backward):
-            def run():
-                leaf = tokens.detach().requires_grad_(backward)
-                y = experts(leaf, per_expert)
-                if backward:
-                    y.backward(torch.ones_like(y))
-                    experts.zero_grad(set_to_none=True)
-            return run
-
         # bitwise: the layer against the verbs, output and gradients
         same = []
         for pair in (("layer", "verbs"), ("layer, identity experts", "verbs, identity experts")):
             got = []
-            for key in pair:  # (its step's run, which zeroes the experts' gradients after: taken before that)
-                xs, ws = x.detach().requires_grad_(), topk_weights.detach().requires_grad_()
-                out = layers[key](xs, topk_idx, ws)
-                out.backward(grad)
+            for key in pair:
+                xs, ws = case.x.detach().requires_grad_(), case.topk_weights.detach().requires_grad_()
+                out = layers[key](xs, case.topk_idx, ws)
+                out.backward(case.grad)
                 got.append((out.detach(), xs.grad, ws.grad, *[p.grad for p in experts.parameters()]))
                 experts.zero_grad(set_to_none=True)
             same.append(all(a is b is None or (a is not None and b is not None and torch.equal(a, b))
                             for a, b in zip(*got)))
         for backward in (False, True):
-            steps = {"experts alone": alone(backward)}
-            steps.update({key: step(layer, backward) for key, layer in layers.items()})
+            steps = {"experts alone": case.compute_step(backward)}
+            steps.update({key: case.layer_step(layer, backward) for key, layer in layers.items()})
             host = {key: [] for key in steps}
             syncs = {key: 0 for key in steps}
 
@@ -119,7 +89,7 @@ def job(args) -> None:
                 return run
 
             runs = time_each({k: timed(k, f) for k, f in steps.items()}, args.iters, args.warmup, device)
-            if rank == 0:
+            if dist.get_rank() == 0:
                 what = "forward+backward" if backward else "forward"
                 print(f"{name}, W = {world}, {d.transport.key}, {what} (median of {args.iters}; host: rank 0's "
                       "thread CPU time issuing the step; host reads in one step)")
@@ -128,7 +98,7 @@ def job(args) -> None:
                     gpu = statistics.median(r[key] for r in runs)
                     print(f"  {key:<26} {gpu:8.3f} ms  {gpu / base:5.2f}x experts  host {statistics.median(host[key]):7.3f}"
                           f" ms  host reads {syncs[key]}")
-        if rank == 0:
+        if dist.get_rank() == 0:
             print(f"  bitwise, layer against verbs: {same[0]}; identity experts: {same[1]}")
 
 
