@@ -871,3 +871,28 @@ def megatron_overlap_refusal(num_experts: int, overlap, config_extra: dict):
     except (ValueError, TypeError) as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+def padded_with_a_rank_absent(absent: int, timeout: float):
+    """Every rank makes a dispatcher that pads to capacity (its slots per token
+    agreed by the EP group before the dispatch); rank ``absent`` then never comes
+    to the layer. Returns, on the others, (seconds until the round trip raised,
+    the error's type and message); None on the absent rank."""
+    import time
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = SimpleNamespace(num_moe_experts=2 * world, moe_router_topk=2, moe_expert_capacity_factor=1.0,
+                             moe_pad_expert_input_to_capacity=True)
+    d = MegatronDispatcher(2, [2 * rank, 2 * rank + 1], config, SimpleNamespace(ep=None),
+                           options=dict(timeout=timeout))
+    if rank == absent:
+        return None
+    routing_map = torch.zeros(6, 2 * world, dtype=torch.bool, device=current_device())
+    routing_map[:, :2] = True
+    start = time.monotonic()
+    try:
+        d.token_dispatch(*d.dispatch_preprocess(torch.randn(3, 2, 4, device=current_device()), routing_map,
+                                                routing_map.float()))
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return time.monotonic() - start, type(error).__name__, str(error)
+    return time.monotonic() - start, None, None

@@ -273,6 +273,20 @@ def test_padding_over_more_ranks_than_the_engine_limit_is_refused(worlds):
         assert "padding (to capacity or for quantization) over an EP group of 2 ranks" in error
 
 
+def test_padding_waits_for_an_absent_rank_within_the_timeout():
+    """With padding, the EP group agrees on the slots per token before the
+    dispatch: a rank that never comes is named there within the engine's
+    timeout, not after the process group's own (a world of its own: the group
+    is not usable after)."""
+    from world import World
+
+    with World(2, timeout=60) as world:
+        results = world.run(megatron_rank_fns.padded_with_a_rank_absent, [(1, 3.0)] * 2)
+    elapsed, kind, message = results[0]
+    assert kind == "RuntimeError" and "rank(s) [1]" in message and "did not reach" in message, (kind, message)
+    assert elapsed < 15, elapsed
+
+
 def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):
     """An expert short of its capacity would leave the fixed counts wrong: refused
     in an eager step (a captured one cannot read the host) on every rank, the rank

@@ -4,7 +4,7 @@
 (0.19): the constructor ``(num_local_experts, local_expert_indices, config,
 pg_collection)`` and the six stages ``MoELayer.forward`` calls in this order::
 
-    dispatch_preprocess(hidden_states, routing_map, probs) -> (x, topk_weights)   local: routing to top-k
+    dispatch_preprocess(hidden_states, routing_map, probs) -> (x, topk_weights)   routing to top-k (padded: K' agreed)
     token_dispatch(x, topk_weights)                        -> (tokens, weights)   the engine's dispatch
     dispatch_postprocess(tokens, weights)                  -> (tokens, tokens_per_expert, permuted_probs)
     experts(tokens, tokens_per_expert, permuted_probs)     -> y                   Megatron's experts

@@ -201,7 +201,9 @@ class MegatronDispatcher:
     # -- the six stages ------------------------------------------------------
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
-        """Routing to top-k form; no communication.
+        """Routing to top-k form; no communication, but with padding (to capacity or
+        for quantization): there the EP group agrees on the slots per token (an
+        all-reduce and its host read, waited for within the engine's timeout).
 
         Args:
             hidden_states: ``[S, B, H]`` (or any ``[..., H]``, T = product of the
@@ -264,8 +266,9 @@ class MegatronDispatcher:
         token of the EP group names (at least 1; the ranks must agree on K)."""
         per_token = routing_map.sum(dim=1)
         most = (per_token.amax() if per_token.numel() else per_token.new_zeros(())).reshape(1).to(torch.int64)
-        if self.ep_size > 1:
-            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.ep_group)
+        if self.ep_size > 1:  # waited for within the engine's timeout, naming a rank that never comes
+            self.engine.transport.arrivals.wait(
+                lambda: dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.ep_group, async_op=True))
         return max(int(most), 1)  # host sync: K' of the group
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
