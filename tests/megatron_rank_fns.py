@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import warnings
 from types import SimpleNamespace
 
@@ -16,34 +17,56 @@ def _cpu(t):
     return None if t is None else t.detach().cpu()
 
 
+class SharedState(enum.Enum):
+    """The states of Megatron's SharedExpertMLP overlapped forward (its ``SharedExpertState``)."""
+
+    IDLE = 0
+    PRE_FORWARD_COMM_DONE = 1
+    FC1_FORWARD_DONE = 2
+    FC2_FORWARD_DONE = 3
+    POST_FORWARD_COMM_DONE = 4
+
+
 class RecordingSharedExperts:
     """Megatron's SharedExpertMLP overlap interface run in place (no streams): the MLP
-    tanh(x @ w1) @ w2 (``shared_mlp``), each call logged after the stage it ran in."""
+    tanh(x @ w1) @ w2 (``shared_mlp``), each call logged after the stage it ran in;
+    each stage refused out of its turn, as Megatron's state machine refuses it
+    (``_overlap_state``)."""
 
     def __init__(self, hidden: int, seed: int, log: list, device) -> None:
         self.w1, self.w2 = shared_mlp_weights(hidden, seed)
         self.w1, self.w2 = self.w1.to(device), self.w2.to(device)
         self.log = log
+        self._overlap_state = SharedState.IDLE
+
+    def _turn(self, required: SharedState, following: SharedState) -> None:
+        assert self._overlap_state == required, f"called from {self._overlap_state.name}, not {required.name}"
+        self._overlap_state = following
 
     def wait_current_stream(self):
         self.log.append("wait")
 
     def pre_forward_comm(self, x):
+        self._turn(SharedState.IDLE, SharedState.PRE_FORWARD_COMM_DONE)
         self.log.append("pre")
         self.x = x
 
     def linear_fc1_forward_and_act(self, overlapped_comm_output=None):
+        self._turn(SharedState.PRE_FORWARD_COMM_DONE, SharedState.FC1_FORWARD_DONE)
         self.log.append("fc1")
         self.h = torch.tanh(self.x @ self.w1)
 
     def linear_fc2_forward(self, overlapped_comm_output=None):
+        self._turn(SharedState.FC1_FORWARD_DONE, SharedState.FC2_FORWARD_DONE)
         self.log.append("fc2")
         self.y = self.h @ self.w2
 
     def post_forward_comm(self):
+        self._turn(SharedState.FC2_FORWARD_DONE, SharedState.POST_FORWARD_COMM_DONE)
         self.log.append("post")
 
     def get_output(self):
+        self._turn(SharedState.POST_FORWARD_COMM_DONE, SharedState.IDLE)
         self.log.append("output")
         return self.y
 

@@ -250,6 +250,7 @@ class MegatronDispatcher:
             too_many = (topk_idx, too_many.any())
         self._too_many = too_many
         if self.shared_experts is not None:
+            _idle(self.shared_experts)  # (a round trip that raised half way left them mid-forward)
             self.shared_experts.pre_forward_comm(hidden_states)
         # A new round trip may always start (one that raised half way is dropped). The
         # routing waits on the object for token_dispatch: under a moe_preprocess graph,
@@ -565,3 +566,17 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {tuple(value.shape)}"
     return type(value).__name__
+
+
+def _idle(shared) -> None:
+    """Megatron's shared experts back in the idle state of their overlapped
+    forward, their cached tensors dropped, where a round trip that raised half
+    way left them in another: their state machine refuses the next round
+    trip's first stage otherwise, and every round trip after it."""
+    state = getattr(shared, "_overlap_state", None)
+    if state is None or state.name == "IDLE":
+        return
+    shared._overlap_state = type(state).IDLE
+    for name in ("cached_fc1_input", "cached_fc2_input", "cached_fc2_output", "cached_output"):
+        if getattr(shared, name, None) is not None:
+            setattr(shared, name, None)
