@@ -198,6 +198,7 @@ _LATE = "peer missing: "
 _ROLES = {  # what an Arrivals' waits are for, as its message names them ({}: the exchange's number)
     "": "exchange {} of this dispatcher (a counts exchange, or a call's agreement)",
     "config": "the agreement on the dispatcher's config at dispatch.create",
+    "expert-tp": "expert-TP collective {} of this Megatron layer's dispatcher",
 }
 
 
@@ -210,6 +211,7 @@ def all_to_all_rows(
     send_splits: tuple[int, ...],
     recv_splits: tuple[int, ...],
     group: dist.ProcessGroup | None,
+    arrivals: "Arrivals | None" = None,
 ) -> torch.Tensor:
     """Variable-split all-to-all of rows of any dtype.
 
@@ -217,6 +219,7 @@ def all_to_all_rows(
         rows: [S, ...] rows in destination-rank order; ``send_splits[r]`` go to rank r.
         send_splits, recv_splits: host row counts per peer (recv_splits[s] rows
             arrive from rank s).
+        arrivals: bound the wait, as :func:`all_gather_rows` does.
     Returns:
         [sum(recv_splits), ...] rows in source-rank order, same dtype as ``rows``.
     """
@@ -227,9 +230,11 @@ def all_to_all_rows(
     as_bytes = rows.view(rows.shape[0], math.prod(tail)).view(torch.uint8)
     num_recv = sum(recv_splits)
     out = torch.empty(num_recv, as_bytes.shape[1], dtype=torch.uint8, device=rows.device)
-    dist.all_to_all_single(
-        out, as_bytes, list(recv_splits), list(send_splits), group=group
-    )
+    if arrivals is None:
+        dist.all_to_all_single(out, as_bytes, list(recv_splits), list(send_splits), group=group)
+    else:
+        arrivals.wait(lambda: dist.all_to_all_single(out, as_bytes, list(recv_splits), list(send_splits),
+                                                     group=group, async_op=True))
     return out.view(rows.dtype).view(num_recv, *tail)
 
 

@@ -919,3 +919,37 @@ def padded_with_a_rank_absent(absent: int, timeout: float):
     except Exception as error:  # noqa: BLE001 - reported to the test
         return time.monotonic() - start, type(error).__name__, str(error)
     return time.monotonic() - start, None, None
+
+
+def expert_tp_with_one_ep_group_failing(timeout: float):
+    """4 ranks, expert TP 2 (EP groups {0, 2} and {1, 3}; expert-TP groups {0, 1} and
+    {2, 3}); rank 0's routing has a non-finite weight, so the dispatch of EP group
+    {0, 2} fails there, while EP group {1, 3}'s succeeds and goes on to the
+    expert-TP collectives with ranks 0 and 2. Returns (seconds until the round
+    trip raised, the error's type and message)."""
+    import time
+
+    rank, world, tp = dist.get_rank(), dist.get_world_size(), 2
+    ep = world // tp
+    tp_groups = [dist.new_group([e * tp + p for p in range(tp)]) for e in range(ep)]
+    ep_groups = [dist.new_group([e * tp + p for e in range(ep)]) for p in range(tp)]
+    tp_rank, ep_rank = rank % tp, rank // tp
+    num_experts = 4
+    d = MegatronDispatcher(2, [2 * ep_rank, 2 * ep_rank + 1],
+                           SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=2),
+                           SimpleNamespace(ep=ep_groups[tp_rank], expt_tp=tp_groups[ep_rank]),
+                           options=dict(timeout=timeout))
+    routing_map = torch.zeros(6, num_experts, dtype=torch.bool, device=current_device())
+    routing_map[:, :2] = True
+    probs = routing_map.float()
+    if rank == 0:
+        probs[2, 0] = float("nan")
+    start = time.monotonic()
+    try:
+        tokens, weights = d.token_dispatch(*d.dispatch_preprocess(torch.randn(3, 2, 4, device=current_device()),
+                                                                  routing_map, probs))
+        tokens, _, weights = d.dispatch_postprocess(tokens, weights)
+        d.combine_postprocess(d.token_combine(d.combine_preprocess(tokens * weights.unsqueeze(-1))))
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return time.monotonic() - start, type(error).__name__, str(error)
+    return time.monotonic() - start, None, None

@@ -287,6 +287,23 @@ def test_padding_waits_for_an_absent_rank_within_the_timeout():
     assert elapsed < 15, elapsed
 
 
+def test_expert_tp_peers_of_a_failed_ep_group_raise_within_the_timeout():
+    """With expert tensor parallelism, a dispatch that fails in one EP group (a
+    non-finite weight on rank 0: rank 0 and its EP peer raise at once) leaves
+    the other EP group's ranks in the expert-TP collectives with them: those
+    name the ranks that never come within the engine's timeout, not after the
+    process group's (a world of its own: the group is not usable after)."""
+    from world import World
+
+    with World(4, timeout=60) as world:
+        results = world.run(megatron_rank_fns.expert_tp_with_one_ep_group_failing, [(3.0,)] * 4)
+    assert results[0][1] == "ValueError" and results[2][1] == "PeerRefused", results
+    for rank in (1, 3):  # (the failed rank of each expert-TP group is its rank 0 there)
+        elapsed, kind, message = results[rank]
+        assert kind == "RuntimeError" and "rank(s) [0]" in message, (rank, kind, message)
+        assert "expert-TP collective" in message and elapsed < 15, (rank, elapsed, message)
+
+
 def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):
     """An expert short of its capacity would leave the fixed counts wrong: refused
     in an eager step (a captured one cannot read the host) on every rank, the rank

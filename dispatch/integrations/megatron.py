@@ -209,10 +209,12 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
     Where the layer's experts (or shared experts run beside the exchange) raise
     on one rank between its dispatch and its combine, that rank raises their
     error and its peers ``dispatch.PeerRefused`` in their combine, at once
-    (``MegatronDispatcher.guard``; by groups, ``MoEExchange``); not where expert
-    tensor parallelism's own collective in ``combine_preprocess`` is what waits
-    for it (its peers there wait for the backend's timeout: joining it with
-    zeros would let them go on with wrong sums).
+    (``MegatronDispatcher.guard``; by groups, ``MoEExchange``). Where expert
+    tensor parallelism's own collectives (its counts and rows in
+    ``dispatch_postprocess``, its sums in ``combine_preprocess``) are what wait
+    for it, eager, its peers there raise within the engine's ``timeout``, naming
+    it (joining them with zeros would let them go on with wrong sums); inside a
+    CUDA graph, at the backend's timeout.
 
     Returns:
         The new dispatcher, also set as ``moe_layer.token_dispatcher``.

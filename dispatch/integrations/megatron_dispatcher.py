@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dispatch
+from dispatch import comm
 from dispatch.config import DispatchConfig, Tuning
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations import megatron_tp as expert_tp
@@ -168,6 +169,10 @@ class MegatronDispatcher:
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         self._reserved = False  # whether the engine was made room for this dispatcher's rows
         self._fixed_tp_rows: dict = {}  # fixed counts -> the expert-TP group's rows (laid out once)
+        # the expert-TP group's eager collectives wait within the engine's timeout, naming a rank that never
+        # comes (a peer whose EP group's dispatch raised: it is in no collective of this group)
+        self._tp_arrivals = (comm.Arrivals(self.tp_group, self.engine.config.timeout, role="expert-tp")
+                             if self.tp_size > 1 else None)
         # Attributes Megatron's MoELayer and TransformerLayer read on any dispatcher. With
         # dispatch_preprocess inside a graph (moe_preprocess), Megatron returns the tensors
         # named in cudagraph_attrs from the graph and sets them again after each replay.
@@ -375,10 +380,11 @@ class MegatronDispatcher:
                     raise RuntimeError("MegatronDispatcher: the expert-TP rows of a shape are laid out in an eager "
                                        "step before a CUDA graph captures them (run one eager step first)")
                 table = (tuple(counts.tolist()),) * self.tp_size
-                rows = expert_tp.TensorParallelRows.of(table, self.tp_group, hidden_states.device)
+                rows = expert_tp.TensorParallelRows.of(table, self.tp_group, hidden_states.device, self._tp_arrivals)
                 self._fixed_tp_rows[table[0]] = rows
         else:
-            rows = expert_tp.TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device)
+            rows = expert_tp.TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device,
+                                                              self._tp_arrivals)
         self._in_flight = dataclasses.replace(self._in_flight, tp_rows=rows)
         tokens = rows.by_expert(expert_tp.GatherRows.apply(hidden_states, rows))
         permuted_probs = rows.by_expert(expert_tp.GatherRows.apply(probs, rows))
@@ -456,7 +462,8 @@ class MegatronDispatcher:
         wrong = torch.tensor([int(not torch.equal(mine, fixed))], dtype=torch.int32, device=got.device)
         dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.ep_group)
         if self.tp_size > 1:
-            dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.tp_group)
+            self._tp_arrivals.wait(lambda: dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.tp_group,
+                                                           async_op=True))
         if wrong.item():
             whose = (f"this rank's experts got {mine.tolist()}" if not torch.equal(mine, fixed)
                      else "another rank's experts got other counts")
