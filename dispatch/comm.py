@@ -111,7 +111,8 @@ class Arrivals:
     parked in the backend); a rank still waiting after a moment writes the number of the
     exchange it waits in under its name in the group's store, and one waiting
     past ``timeout`` seconds reads every rank's entry and raises a RuntimeError
-    naming the ranks that are not at this exchange. Nothing is written to the
+    naming the ranks that are not at this exchange (``role="expert-tp"``: the
+    Megatron adapter's counts exchanges over an expert-TP group). Nothing is written to the
     store while exchanges complete in time. Every rank of the group makes its
     dispatchers in the same order (their names in the store follow it).
 
@@ -198,7 +199,7 @@ _LATE = "peer missing: "
 _ROLES = {  # what an Arrivals' waits are for, as its message names them ({}: the exchange's number)
     "": "exchange {} of this dispatcher (a counts exchange, or a call's agreement)",
     "config": "the agreement on the dispatcher's config at dispatch.create",
-    "expert-tp": "expert-TP collective {} of this Megatron layer's dispatcher",
+    "expert-tp": "expert-TP counts exchange {} of this Megatron layer's dispatcher",
 }
 
 
@@ -211,7 +212,6 @@ def all_to_all_rows(
     send_splits: tuple[int, ...],
     recv_splits: tuple[int, ...],
     group: dist.ProcessGroup | None,
-    arrivals: "Arrivals | None" = None,
 ) -> torch.Tensor:
     """Variable-split all-to-all of rows of any dtype.
 
@@ -219,7 +219,6 @@ def all_to_all_rows(
         rows: [S, ...] rows in destination-rank order; ``send_splits[r]`` go to rank r.
         send_splits, recv_splits: host row counts per peer (recv_splits[s] rows
             arrive from rank s).
-        arrivals: bound the wait, as :func:`all_gather_rows` does.
     Returns:
         [sum(recv_splits), ...] rows in source-rank order, same dtype as ``rows``.
     """
@@ -230,11 +229,7 @@ def all_to_all_rows(
     as_bytes = rows.view(rows.shape[0], math.prod(tail)).view(torch.uint8)
     num_recv = sum(recv_splits)
     out = torch.empty(num_recv, as_bytes.shape[1], dtype=torch.uint8, device=rows.device)
-    if arrivals is None:
-        dist.all_to_all_single(out, as_bytes, list(recv_splits), list(send_splits), group=group)
-    else:
-        arrivals.wait(lambda: dist.all_to_all_single(out, as_bytes, list(recv_splits), list(send_splits),
-                                                     group=group, async_op=True))
+    dist.all_to_all_single(out, as_bytes, list(recv_splits), list(send_splits), group=group)
     return out.view(rows.dtype).view(num_recv, *tail)
 
 

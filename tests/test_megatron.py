@@ -278,8 +278,10 @@ def test_padding_waits_for_an_absent_rank_within_the_timeout():
     dispatch: a rank that never comes is named there within the engine's
     timeout, not after the process group's own (a world of its own: the group
     is not usable after)."""
+    from dispatch.kernels import plan_cpu
     from world import World
 
+    plan_cpu.module()  # (built here, not by the ranks inside the timed round trip)
     with World(2, timeout=60) as world:
         results = world.run(megatron_rank_fns.padded_with_a_rank_absent, [(1, 3.0)] * 2)
     elapsed, kind, message = results[0]
@@ -290,18 +292,20 @@ def test_padding_waits_for_an_absent_rank_within_the_timeout():
 def test_expert_tp_peers_of_a_failed_ep_group_raise_within_the_timeout():
     """With expert tensor parallelism, a dispatch that fails in one EP group (a
     non-finite weight on rank 0: rank 0 and its EP peer raise at once) leaves
-    the other EP group's ranks in the expert-TP collectives with them: those
-    name the ranks that never come within the engine's timeout, not after the
-    process group's (a world of its own: the group is not usable after)."""
+    the other EP group's ranks in the gather of the expert-TP counts with them:
+    those name the ranks that never come within the engine's timeout, not after
+    the process group's (a world of its own: the group is not usable after)."""
+    from dispatch.kernels import plan_cpu
     from world import World
 
+    plan_cpu.module()  # (built here, not by the ranks inside the timed round trip)
     with World(4, timeout=60) as world:
         results = world.run(megatron_rank_fns.expert_tp_with_one_ep_group_failing, [(3.0,)] * 4)
     assert results[0][1] == "ValueError" and results[2][1] == "PeerRefused", results
     for rank in (1, 3):  # (the failed rank of each expert-TP group is its rank 0 there)
         elapsed, kind, message = results[rank]
         assert kind == "RuntimeError" and "rank(s) [0]" in message, (rank, kind, message)
-        assert "expert-TP collective" in message and elapsed < 15, (rank, elapsed, message)
+        assert "expert-TP counts exchange" in message and elapsed < 15, (rank, elapsed, message)
 
 
 def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):
@@ -523,7 +527,8 @@ DROP_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity
         ({"transformer_impl": "inference_optimized"}, {}, "inference_optimized"),
         ({"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep", "fp8": "hybrid"}, {},
          "moe_flex_dispatcher_backend='hybridep' and fp8/fp4"),
-        ({"moe_expert_rank_capacity_factor": 1.5}, {}, "moe_expert_rank_capacity_factor=1.5"),
+        ({"moe_token_dispatcher_type": "flex", "moe_expert_rank_capacity_factor": 1.5}, {},
+         "moe_expert_rank_capacity_factor=1.5"),
         ({}, {"groups": 2}, "unknown engine option(s) groups"),
         ({}, {"num_experts": 8}, "num_experts comes from config.num_moe_experts"),
         ({}, {"dispatch_wire": "fp4"}, "dispatch_wire"),

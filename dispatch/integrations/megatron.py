@@ -45,7 +45,10 @@ What is refused
 The constructor refuses, with a ValueError naming the setting, what this adapter
 does not implement: ``overlap_moe_expert_parallel_comm`` with another
 ``moe_token_dispatcher_type`` than ``alltoall``, the inference-optimized layer,
-and the CUDA graphs below that it cannot hold. Attention tensor parallelism needs
+``flex`` over HybridEP or NCCL-EP with fp8/fp4 and no router padding (Megatron's
+experts then leave the quantization padding of their rows to that dispatcher),
+``flex`` with ``moe_expert_rank_capacity_factor`` (a per-rank budget it does not
+apply), and the CUDA graphs below that it cannot hold. Attention tensor parallelism needs
 nothing: as in Megatron's ``alltoall`` dispatcher with expert tensor parallel
 size 1, each rank dispatches the tokens it holds (with sequence parallelism, its
 sequence shard).
@@ -209,12 +212,15 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
     Where the layer's experts (or shared experts run beside the exchange) raise
     on one rank between its dispatch and its combine, that rank raises their
     error and its peers ``dispatch.PeerRefused`` in their combine, at once
-    (``MegatronDispatcher.guard``; by groups, ``MoEExchange``). Where expert
-    tensor parallelism's own collectives (its counts and rows in
-    ``dispatch_postprocess``, its sums in ``combine_preprocess``) are what wait
-    for it, eager, its peers there raise within the engine's ``timeout``, naming
-    it (joining them with zeros would let them go on with wrong sums); inside a
-    CUDA graph, at the backend's timeout.
+    (``MegatronDispatcher.guard``; by groups, ``MoEExchange``). With expert
+    tensor parallelism, a rank whose EP group's round trip raised is in none of
+    its expert-TP peers' collectives: those waiting in the gather of the
+    expert-TP counts (``dispatch_postprocess``, eager) raise within the engine's
+    ``timeout``, naming it; those waiting in its sums (``combine_preprocess``)
+    wait for the backend's timeout (joining them with zeros would let them go
+    on with wrong sums). Until its peers have raised, that rank must not start
+    another round trip: its collectives would pair with theirs of the round
+    trip before.
 
     Returns:
         The new dispatcher, also set as ``moe_layer.token_dispatcher``.

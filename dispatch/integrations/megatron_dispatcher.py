@@ -169,8 +169,8 @@ class MegatronDispatcher:
         self.capacity_factor = getattr(config, "moe_expert_capacity_factor", None)
         self._reserved = False  # whether the engine was made room for this dispatcher's rows
         self._fixed_tp_rows: dict = {}  # fixed counts -> the expert-TP group's rows (laid out once)
-        # the expert-TP group's eager collectives wait within the engine's timeout, naming a rank that never
-        # comes (a peer whose EP group's dispatch raised: it is in no collective of this group)
+        # the expert-TP group's gathers of its counts (eager, with a host read) wait within the engine's timeout,
+        # naming a rank that never comes (a peer whose EP group's dispatch raised)
         self._tp_arrivals = (comm.Arrivals(self.tp_group, self.engine.config.timeout, role="expert-tp")
                              if self.tp_size > 1 else None)
         # Attributes Megatron's MoELayer and TransformerLayer read on any dispatcher. With
@@ -380,7 +380,7 @@ class MegatronDispatcher:
                     raise RuntimeError("MegatronDispatcher: the expert-TP rows of a shape are laid out in an eager "
                                        "step before a CUDA graph captures them (run one eager step first)")
                 table = (tuple(counts.tolist()),) * self.tp_size
-                rows = expert_tp.TensorParallelRows.of(table, self.tp_group, hidden_states.device, self._tp_arrivals)
+                rows = expert_tp.TensorParallelRows.of(table, self.tp_group, hidden_states.device)
                 self._fixed_tp_rows[table[0]] = rows
         else:
             rows = expert_tp.TensorParallelRows.gather_counts(counts, self.tp_group, self.tp_size, hidden_states.device,

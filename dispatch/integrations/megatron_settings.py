@@ -41,12 +41,13 @@ def refusals(config) -> list[str]:
     if get("transformer_impl") == "inference_optimized":
         problems.append("transformer_impl='inference_optimized' (inference dispatchers)")
     backend = get("moe_flex_dispatcher_backend")
-    if (get("moe_token_dispatcher_type") == "flex" and backend in ("hybridep", "ncclep") and (get("fp8") or get("fp4"))
-            and not get("moe_router_padding_for_quantization", False)):
+    flex = get("moe_token_dispatcher_type") == "flex"
+    if (flex and backend in ("hybridep", "ncclep") and (get("fp8") or get("fp4"))
+            and not get("moe_router_padding_for_quantization", False) and not get("moe_router_padding_for_fp8", False)):
         problems.append(f"moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend={backend!r} and fp8/fp4 "
                         "(Megatron's experts then leave the quantization padding of their rows to that dispatcher, "
                         "which this adapter does not make; moe_router_padding_for_quantization=True pads them)")
-    if get("moe_expert_rank_capacity_factor") is not None:
+    if flex and get("moe_expert_rank_capacity_factor") is not None:
         problems.append(f"moe_expert_rank_capacity_factor={get('moe_expert_rank_capacity_factor')!r} (a token budget "
                         "per rank of Megatron's HybridEP and NCCL-EP dispatchers; this adapter drops by "
                         "moe_expert_capacity_factor only)")

@@ -21,8 +21,6 @@ class TensorParallelRows:
     Attributes:
         counts: host, [P][E_local].
         group, rank: the expert-TP group and this rank in it.
-        arrivals: the bound on the waits of its eager collectives (``comm.Arrivals``),
-            or None (inside a CUDA graph capture: unbounded).
         order: [sum] int64, position in the gathered rows ([p][e] chunks) of each
             row in expert order ([e][p] chunks).
         restore: the inverse permutation.
@@ -35,7 +33,6 @@ class TensorParallelRows:
     order: torch.Tensor
     restore: torch.Tensor
     per_expert: torch.Tensor
-    arrivals: object = None
 
     @staticmethod
     def gather_counts(counts: torch.Tensor, group, size: int, device: torch.device,
@@ -46,11 +43,10 @@ class TensorParallelRows:
 
         gathered = comm.all_gather_rows(plan.to_device(counts.to(torch.int64), device), group, size,
                                         arrivals=arrivals).cpu()
-        return TensorParallelRows.of(tuple(tuple(row) for row in gathered.tolist()), group, device,  # host sync
-                                     arrivals)
+        return TensorParallelRows.of(tuple(tuple(row) for row in gathered.tolist()), group, device)  # host sync
 
     @staticmethod
-    def of(table: tuple[tuple[int, ...], ...], group, device: torch.device, arrivals=None) -> "TensorParallelRows":
+    def of(table: tuple[tuple[int, ...], ...], group, device: torch.device) -> "TensorParallelRows":
         """The group's rows from its counts table ([P][E_local], on the host)."""
         size = len(table)
         starts, at = [], 0
@@ -65,7 +61,7 @@ class TensorParallelRows:
         restore = torch.empty_like(order_t)
         restore[order_t] = torch.arange(len(order), dtype=torch.int64)
         return TensorParallelRows(table, group, dist.get_rank(group), order_t.to(device), restore.to(device),
-                                   torch.tensor(table, dtype=torch.int64).sum(0), arrivals)
+                                   torch.tensor(table, dtype=torch.int64).sum(0))
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -87,7 +83,7 @@ def gather(rows: torch.Tensor, tp: TensorParallelRows) -> torch.Tensor:
     sizes = tp.sizes
     mine = sizes[tp.rank]
     return comm.all_to_all_rows(rows.repeat(len(sizes), *([1] * (rows.dim() - 1))), (mine,) * len(sizes), sizes,
-                                tp.group, _bound(tp))
+                                tp.group)
 
 
 def sum_over_ranks(rows: torch.Tensor, tp: TensorParallelRows) -> torch.Tensor:
@@ -97,20 +93,12 @@ def sum_over_ranks(rows: torch.Tensor, tp: TensorParallelRows) -> torch.Tensor:
 
     sizes = tp.sizes
     mine = sizes[tp.rank]
-    parts = comm.all_to_all_rows(rows.contiguous(), sizes, (mine,) * len(sizes), tp.group, _bound(tp))
+    parts = comm.all_to_all_rows(rows.contiguous(), sizes, (mine,) * len(sizes), tp.group)
     acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
     total = torch.zeros(mine, *rows.shape[1:], dtype=acc, device=rows.device)
     for p in range(len(sizes)):
         total += parts[p * mine : (p + 1) * mine].to(acc)
     return total.to(rows.dtype)
-
-
-def _bound(tp: TensorParallelRows):
-    """The bound on an expert-TP collective's wait (``tp.arrivals``), eager only: a
-    CUDA graph capture cannot poll its collectives."""
-    from dispatch.integrations.megatron_settings import capturing
-
-    return None if capturing() else tp.arrivals
 
 
 class GatherRows(torch.autograd.Function):
