@@ -921,12 +921,28 @@ def padded_with_a_rank_absent(absent: int, timeout: float):
     return time.monotonic() - start, None, None
 
 
-def expert_tp_with_one_ep_group_failing(timeout: float):
+def expert_tp_with_one_ep_group_failing(timeout: float, fixed: bool):
     """4 ranks, expert TP 2 (EP groups {0, 2} and {1, 3}; expert-TP groups {0, 1} and
     {2, 3}); rank 0's routing has a non-finite weight, so the dispatch of EP group
     {0, 2} fails there, while EP group {1, 3}'s succeeds and goes on to the
-    expert-TP collectives with ranks 0 and 2. Returns (seconds until the round
-    trip raised, the error's type and message)."""
+    expert-TP counts exchange with ranks 0 and 2. Then every rank makes a round
+    trip of good routing at once. ``fixed``: with fixed rows (as every stage
+    inside CUDA graphs, eager here: the counts' check is the exchange; the
+    NCCL/gloo transport marked host-free as in ``fixed_rows_round_trip``).
+    Returns per round trip (seconds until it raised or ended, the error's type
+    and message or None, the layer's output)."""
+    from dispatch.transports import AllToAllTransport
+
+    if fixed:
+        AllToAllTransport.host_free = True
+    try:
+        return _expert_tp_with_one_ep_group_failing(timeout, fixed)
+    finally:
+        if fixed:
+            del AllToAllTransport.host_free
+
+
+def _expert_tp_with_one_ep_group_failing(timeout: float, fixed: bool):
     import time
 
     rank, world, tp = dist.get_rank(), dist.get_world_size(), 2
@@ -935,21 +951,28 @@ def expert_tp_with_one_ep_group_failing(timeout: float):
     ep_groups = [dist.new_group([e * tp + p for e in range(ep)]) for p in range(tp)]
     tp_rank, ep_rank = rank % tp, rank // tp
     num_experts = 4
+    extra = {}
+    if fixed:  # (each expert gets exactly its capacity, 3 of a rank's 6 tokens: the map padded to capacity)
+        extra = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe"],
+                 "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
     d = MegatronDispatcher(2, [2 * ep_rank, 2 * ep_rank + 1],
-                           SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=2),
+                           SimpleNamespace(num_moe_experts=num_experts, moe_router_topk=2, **extra),
                            SimpleNamespace(ep=ep_groups[tp_rank], expt_tp=tp_groups[ep_rank]),
                            options=dict(timeout=timeout))
     routing_map = torch.zeros(6, num_experts, dtype=torch.bool, device=current_device())
-    routing_map[:, :2] = True
-    probs = routing_map.float()
-    if rank == 0:
-        probs[2, 0] = float("nan")
-    start = time.monotonic()
-    try:
-        tokens, weights = d.token_dispatch(*d.dispatch_preprocess(torch.randn(3, 2, 4, device=current_device()),
-                                                                  routing_map, probs))
-        tokens, _, weights = d.dispatch_postprocess(tokens, weights)
-        d.combine_postprocess(d.token_combine(d.combine_preprocess(tokens * weights.unsqueeze(-1))))
-    except Exception as error:  # noqa: BLE001 - reported to the test
-        return time.monotonic() - start, type(error).__name__, str(error)
-    return time.monotonic() - start, None, None
+    routing_map[:3, :2] = routing_map[3:, 2:] = True
+    hidden = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(ep_rank)).to(current_device())
+    results = []
+    for step in range(2):
+        probs = routing_map.float()
+        if rank == 0 and step == 0:
+            probs[2, 0] = float("nan")
+        start = time.monotonic()
+        try:
+            tokens, weights = d.token_dispatch(*d.dispatch_preprocess(hidden, routing_map, probs))
+            tokens, _, weights = d.dispatch_postprocess(tokens, weights)
+            out = d.combine_postprocess(d.token_combine(d.combine_preprocess(tokens * weights.unsqueeze(-1))))
+            results.append((time.monotonic() - start, None, None, out.detach().cpu()))
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            results.append((time.monotonic() - start, type(error).__name__, str(error), None))
+    return results

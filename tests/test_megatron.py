@@ -289,23 +289,33 @@ def test_padding_waits_for_an_absent_rank_within_the_timeout():
     assert elapsed < 15, elapsed
 
 
-def test_expert_tp_peers_of_a_failed_ep_group_raise_within_the_timeout():
+@pytest.mark.parametrize("fixed", [False, True])
+def test_expert_tp_peers_of_a_failed_ep_group_raise_at_once_and_stay_in_step(fixed):
     """With expert tensor parallelism, a dispatch that fails in one EP group (a
     non-finite weight on rank 0: rank 0 and its EP peer raise at once) leaves
-    the other EP group's ranks in the gather of the expert-TP counts with them:
-    those name the ranks that never come within the engine's timeout, not after
-    the process group's (a world of its own: the group is not usable after)."""
+    the other EP group's ranks in the expert-TP counts exchange with them: the
+    failed ranks take part there, marked, so that those raise ``PeerRefused`` at
+    once, naming them. The next round trip, every rank at once, pairs no
+    exchange with one of the round trip before: each rank's output is that of
+    the layer (here the tokens themselves: weights 1 on both slots, identity
+    experts, two expert-TP copies summed); also with fixed rows, whose counts'
+    check is the exchange (a world of its own)."""
     from dispatch.kernels import plan_cpu
     from world import World
 
     plan_cpu.module()  # (built here, not by the ranks inside the timed round trip)
     with World(4, timeout=60) as world:
-        results = world.run(megatron_rank_fns.expert_tp_with_one_ep_group_failing, [(3.0,)] * 4)
-    assert results[0][1] == "ValueError" and results[2][1] == "PeerRefused", results
+        results = world.run(megatron_rank_fns.expert_tp_with_one_ep_group_failing, [(30.0, fixed)] * 4)
+    assert results[0][0][1] == "ValueError" and results[2][0][1] == "PeerRefused", results
     for rank in (1, 3):  # (the failed rank of each expert-TP group is its rank 0 there)
-        elapsed, kind, message = results[rank]
-        assert kind == "RuntimeError" and "rank(s) [0]" in message, (rank, kind, message)
-        assert "expert-TP counts exchange" in message and elapsed < 15, (rank, elapsed, message)
+        elapsed, kind, message, _ = results[rank][0]
+        assert kind == "PeerRefused" and "rank(s) [0]" in message, (rank, kind, message)
+        assert elapsed < 10, (rank, elapsed, message)
+    for rank, (step0, step1) in enumerate(results):
+        elapsed, kind, message, out = step1
+        assert kind is None, (rank, kind, message)
+        want = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(rank // 2)) * 4
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_fixed_rows_refuse_a_map_not_padded_to_capacity(worlds):

@@ -213,14 +213,15 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
     on one rank between its dispatch and its combine, that rank raises their
     error and its peers ``dispatch.PeerRefused`` in their combine, at once
     (``MegatronDispatcher.guard``; by groups, ``MoEExchange``). With expert
-    tensor parallelism, a rank whose EP group's round trip raised is in none of
-    its expert-TP peers' collectives: those waiting in the gather of the
-    expert-TP counts (``dispatch_postprocess``, eager) raise within the engine's
-    ``timeout``, naming it; those waiting in its sums (``combine_preprocess``)
-    wait for the backend's timeout (joining them with zeros would let them go
-    on with wrong sums). Until its peers have raised, that rank must not start
-    another round trip: its collectives would pair with theirs of the round
-    trip before.
+    tensor parallelism, a rank whose EP group's dispatch raised takes part in
+    its expert-TP peers' counts exchange of that round trip, marked: they raise
+    ``PeerRefused`` there at once, naming it, and the next round trip starts in
+    step (a rank that never comes is named there within the engine's
+    ``timeout``). Where experts raise after that exchange, their expert-TP peers
+    wait in its sums (``combine_preprocess``) for the backend's timeout
+    (joining them with zeros would let them go on with wrong sums); until those
+    have raised, the rank must not start another round trip: its collectives
+    would pair with theirs of the round trip before.
 
     Returns:
         The new dispatcher, also set as ``moe_layer.token_dispatcher``.

@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 import dispatch
 from dispatch import comm
+from dispatch.agreement import PeerRefused
 from dispatch.config import DispatchConfig, Tuning
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations import megatron_tp as expert_tp
-from dispatch.integrations.megatron_moe import ExpertsByGroup, pad_routing_map, routing_to_topk
+from dispatch.integrations.megatron_moe import ExpertsByGroup, idle, pad_routing_map, routing_to_topk
 
 # DispatchConfig fields a user may set; num_experts comes from Megatron's config.
 # token dropping is Megatron's router's (moe_expert_capacity_factor), not the engine's here
@@ -255,7 +256,7 @@ class MegatronDispatcher:
             too_many = (topk_idx, too_many.any())
         self._too_many = too_many
         if self.shared_experts is not None:
-            _idle(self.shared_experts)  # (a round trip that raised half way left them mid-forward)
+            idle(self.shared_experts)  # (a round trip that raised half way left them mid-forward)
             self.shared_experts.pre_forward_comm(hidden_states)
         # A new round trip may always start (one that raised half way is dropped). The
         # routing waits on the object for token_dispatch: under a moe_preprocess graph,
@@ -314,11 +315,15 @@ class MegatronDispatcher:
         too_many, self._too_many = self._too_many, None
         if too_many is not None and too_many[0] is not topk_idx:  # of another routing (a graph's replay)
             too_many = None
-        for group in groups:
-            idx, weights = (topk_idx, probs) if len(groups) == 1 else self._group_slots(topk_idx, probs, group)
-            max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
-            with self._too_many_named(too_many):
-                outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
+        try:
+            for group in groups:
+                idx, weights = (topk_idx, probs) if len(groups) == 1 else self._group_slots(topk_idx, probs, group)
+                max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
+                with self._too_many_named(too_many):
+                    outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
+        except Exception:  # its expert-TP peers wait in this round trip's counts exchange: told there
+            self._refuse_tp(per_expert is not None, hidden_states.device)
+            raise
         try:  # (where this raises, the combine ahead is refused, as ``guard`` does)
             tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])
             permuted_probs = outs[0].weights if len(outs) == 1 else torch.cat([o.weights for o in outs])
@@ -454,6 +459,12 @@ class MegatronDispatcher:
         out = hidden_states.view(*shape[:-1], hidden_states.shape[-1])
         return out if self.shared_experts is None else out + self.shared_experts.get_output()
 
+    def _refuse_tp(self, fixed: bool, device: torch.device) -> None:
+        """This rank's dispatch raised: its expert-TP peers are told at this round trip's
+        counts exchange (``expert_tp.refuse``). Inside a CUDA graph capture, nothing."""
+        if self.tp_size > 1 and not settings.capturing():
+            expert_tp.refuse(fixed, self.num_local_experts, self.tp_group, self.tp_size, device, self._tp_arrivals)
+
     def _check_fixed_counts(self, got: torch.Tensor, fixed: torch.Tensor, per_expert: int, num_tokens: int) -> None:
         """Eager steps with fixed rows: every rank raises where some rank's experts did
         not get the fixed counts (a host sync, and an all-reduce over the EP group, then
@@ -461,9 +472,13 @@ class MegatronDispatcher:
         mine = got.cpu()  # host sync
         wrong = torch.tensor([int(not torch.equal(mine, fixed))], dtype=torch.int32, device=got.device)
         dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.ep_group)
-        if self.tp_size > 1:
-            self._tp_arrivals.wait(lambda: dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.tp_group,
-                                                           async_op=True))
+        if self.tp_size > 1:  # (gathered: a peer whose dispatch raised marks its row, expert_tp.refuse)
+            told = comm.all_gather_rows(wrong, self.tp_group, self.tp_size, arrivals=self._tp_arrivals).view(-1)
+            refused = [p for p, v in enumerate(told.tolist()) if v == expert_tp.REFUSED]  # host sync
+            if refused:
+                raise PeerRefused(refused, "this round trip in their EP group (their expert-TP peers stop here "
+                                           "with them)")
+            wrong = told.amax()
         if wrong.item():
             whose = (f"this rank's experts got {mine.tolist()}" if not torch.equal(mine, fixed)
                      else "another rank's experts got other counts")
@@ -573,17 +588,3 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {tuple(value.shape)}"
     return type(value).__name__
-
-
-def _idle(shared) -> None:
-    """Megatron's shared experts back in the idle state of their overlapped
-    forward, their cached tensors dropped, where a round trip that raised half
-    way left them in another: their state machine refuses the next round
-    trip's first stage otherwise, and every round trip after it."""
-    state = getattr(shared, "_overlap_state", None)
-    if state is None or state.name == "IDLE":
-        return
-    shared._overlap_state = type(state).IDLE
-    for name in ("cached_fc1_input", "cached_fc2_input", "cached_fc2_output", "cached_output"):
-        if getattr(shared, name, None) is not None:
-            setattr(shared, name, None)

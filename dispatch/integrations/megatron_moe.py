@@ -120,3 +120,17 @@ def runs_alone(experts: torch.nn.Module) -> bool:
             and len(experts.local_experts) > 1 and config is not None
             and not getattr(config, "moe_apply_probs_on_input", False)
             and not getattr(config, "fp8", None) and not getattr(config, "fp4", None))
+
+
+def idle(shared) -> None:
+    """Megatron's shared experts back in the idle state of their overlapped
+    forward, their cached tensors dropped, where a round trip that raised half
+    way left them in another: their state machine refuses the next round
+    trip's first stage otherwise, and every round trip after it."""
+    state = getattr(shared, "_overlap_state", None)
+    if state is None or state.name == "IDLE":
+        return
+    shared._overlap_state = type(state).IDLE
+    for name in ("cached_fc1_input", "cached_fc2_input", "cached_fc2_output", "cached_output"):
+        if getattr(shared, name, None) is not None:
+            setattr(shared, name, None)

@@ -43,7 +43,15 @@ class TensorParallelRows:
 
         gathered = comm.all_gather_rows(plan.to_device(counts.to(torch.int64), device), group, size,
                                         arrivals=arrivals).cpu()
-        return TensorParallelRows.of(tuple(tuple(row) for row in gathered.tolist()), group, device)  # host sync
+        table = tuple(tuple(row) for row in gathered.tolist())  # host sync
+        refused = [p for p, row in enumerate(table) if any(n < 0 for n in row)]
+        if refused:  # (marked counts: those ranks' dispatch raised in their EP groups, :func:`refuse`)
+            from dispatch.agreement import PeerRefused
+
+            raise PeerRefused(refused, "this round trip in their EP group (their expert-TP peers stop here with them)")
+        return TensorParallelRows.of(table, group, device)
+
+
 
     @staticmethod
     def of(table: tuple[tuple[int, ...], ...], group, device: torch.device) -> "TensorParallelRows":
@@ -74,6 +82,23 @@ class TensorParallelRows:
     def by_rank(self, rows: torch.Tensor) -> torch.Tensor:
         """[e][p] chunks -> [p][e] chunks."""
         return rows.index_select(0, self.restore)
+
+
+REFUSED = 2  # the fixed counts' check (MegatronDispatcher._check_fixed_counts) as a rank that refused marks it
+
+
+def refuse(fixed: bool, num_local_experts: int, group, size: int, device: torch.device, arrivals) -> None:
+    """This rank's dispatch raised (in its EP group, every rank did), while its
+    expert-TP peers' EP groups may have gone on to this round trip's counts
+    exchange of the expert-TP group (``TensorParallelRows.gather_counts``; with
+    fixed rows, eager, the counts' check): it takes part there, marked, so that
+    they raise ``PeerRefused`` at once and no exchange of the group pairs with
+    one of another round trip."""
+    from dispatch import comm
+
+    marked = (torch.tensor([REFUSED], dtype=torch.int32, device=device) if fixed
+              else torch.full((num_local_experts,), -1, dtype=torch.int64, device=device))
+    comm.all_gather_rows(marked, group, size, arrivals=arrivals)
 
 
 def gather(rows: torch.Tensor, tp: TensorParallelRows) -> torch.Tensor:
