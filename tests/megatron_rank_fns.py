@@ -961,9 +961,9 @@ def _expert_tp_with_one_ep_group_failing(timeout: float, fixed: bool):
                            options=dict(timeout=timeout))
     routing_map = torch.zeros(6, num_experts, dtype=torch.bool, device=current_device())
     routing_map[:3, :2] = routing_map[3:, 2:] = True
-    hidden = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(ep_rank)).to(current_device())
     results = []
-    for step in range(2):
+    for step in range(2):  # (tokens of each EP rank and step apart: a step paired with another is seen)
+        hidden = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(10 * ep_rank + step)).to(current_device())
         probs = routing_map.float()
         if rank == 0 and step == 0:
             probs[2, 0] = float("nan")

@@ -213,7 +213,8 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
     on one rank between its dispatch and its combine, that rank raises their
     error and its peers ``dispatch.PeerRefused`` in their combine, at once
     (``MegatronDispatcher.guard``; by groups, ``MoEExchange``). With expert
-    tensor parallelism, a rank whose EP group's dispatch raised takes part in
+    tensor parallelism, a rank whose EP group's dispatch raised (every rank of
+    it, as the engine's checks before any row moves make it) takes part in
     its expert-TP peers' counts exchange of that round trip, marked: they raise
     ``PeerRefused`` there at once, naming it, and the next round trip starts in
     step (a rank that never comes is named there within the engine's

@@ -321,8 +321,11 @@ class MegatronDispatcher:
                 max_rows = None if per_expert is None else per_expert * self.ep_size * (group[1] - group[0])
                 with self._too_many_named(too_many):
                     outs.append(self.engine.dispatch(hidden_states, idx, weights, max_rows=max_rows))
-        except Exception:  # its expert-TP peers wait in this round trip's counts exchange: told there
-            self._refuse_tp(per_expert is not None, hidden_states.device)
+        except Exception as error:  # its expert-TP peers wait in this round trip's counts exchange: told there
+            try:
+                self._refuse_tp(per_expert is not None, hidden_states.device)
+            except Exception as other:  # (a peer never came: named, this rank's error beneath)
+                raise other from error
             raise
         try:  # (where this raises, the combine ahead is refused, as ``guard`` does)
             tokens = outs[0].tokens if len(outs) == 1 else torch.cat([o.tokens for o in outs])

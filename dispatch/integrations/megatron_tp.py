@@ -51,8 +51,6 @@ class TensorParallelRows:
             raise PeerRefused(refused, "this round trip in their EP group (their expert-TP peers stop here with them)")
         return TensorParallelRows.of(table, group, device)
 
-
-
     @staticmethod
     def of(table: tuple[tuple[int, ...], ...], group, device: torch.device) -> "TensorParallelRows":
         """The group's rows from its counts table ([P][E_local], on the host)."""
