@@ -471,18 +471,18 @@ class MegatronDispatcher:
     def _check_fixed_counts(self, got: torch.Tensor, fixed: torch.Tensor, per_expert: int, num_tokens: int) -> None:
         """Eager steps with fixed rows: every rank raises where some rank's experts did
         not get the fixed counts (a host sync, and an all-reduce over the EP group, then
-        the expert-TP group, so that no rank waits for one that raised)."""
+        a gather over the expert-TP group, whose rows a peer whose dispatch raised marks,
+        ``expert_tp.refuse``: so that no rank waits for one that raised)."""
         mine = got.cpu()  # host sync
         wrong = torch.tensor([int(not torch.equal(mine, fixed))], dtype=torch.int32, device=got.device)
         dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=self.ep_group)
-        if self.tp_size > 1:  # (gathered: a peer whose dispatch raised marks its row, expert_tp.refuse)
-            told = comm.all_gather_rows(wrong, self.tp_group, self.tp_size, arrivals=self._tp_arrivals).view(-1)
-            refused = [p for p, v in enumerate(told.tolist()) if v == expert_tp.REFUSED]  # host sync
-            if refused:
-                raise PeerRefused(refused, "this round trip in their EP group (their expert-TP peers stop here "
-                                           "with them)")
-            wrong = told.amax()
-        if wrong.item():
+        if self.tp_size > 1:
+            wrong = comm.all_gather_rows(wrong, self.tp_group, self.tp_size, arrivals=self._tp_arrivals)
+        told = wrong.view(-1).tolist()  # host sync
+        refused = [p for p, v in enumerate(told) if v == expert_tp.REFUSED]
+        if refused:
+            raise PeerRefused(refused, "this round trip in their EP group (their expert-TP peers stop here with them)")
+        if max(told):
             whose = (f"this rank's experts got {mine.tolist()}" if not torch.equal(mine, fixed)
                      else "another rank's experts got other counts")
             raise ValueError(
