@@ -353,11 +353,28 @@ def every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows=None, groups=1, 
     (combined * grad_out).sum().backward()
     rows = d.dispatch_rows(x * 3, out.handle)
     home = d.combine_rows(out.tokens.detach() * 2, out.handle, out.weights.detach())
-    slots = d.combine_slots(out.weights.detach() * 5, out.handle)
+    values = out.weights.detach() * 5
+    values[::3] = -0.0  # signed zeros come home as they went
+    slots = d.combine_slots(values, out.handle)
     return dict(n=out.tokens.shape[0], tokens=out.tokens.detach(), weights=out.weights.detach(), src_rank=out.src_rank,
                 src_token=out.src_token, tokens_per_expert=out.tokens_per_expert, combined=combined.detach(),
                 grad_x=xx.grad, grad_w=ww.grad, rows=rows, home=home, slots=slots,
                 per_expert=out.tokens_per_expert_host)
+
+
+def every_verb_by_config(configs: dict, x, topk_idx, topk_weights, grad_out) -> dict:
+    """``every_verb`` on this rank's device through a dispatcher of each of
+    ``configs`` (name -> options): the results by name, on the CPU."""
+    from world import current_device
+
+    device = current_device()
+    x, topk_idx, topk_weights, grad_out = (t.to(device) for t in (x, topk_idx, topk_weights, grad_out))
+    got = {}
+    for name, config in configs.items():
+        d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+        one = every_verb(d, x, topk_idx, topk_weights, grad_out)
+        got[name] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in one.items()}
+    return got
 
 
 def with_and_without_compiled_plan(x, topk_idx, topk_weights, grad_out, expert_out, config: dict):

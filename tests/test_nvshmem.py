@@ -28,6 +28,7 @@ import pipeline_fns
 import rank_fns
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.transports import REGISTRY, HierarchicalNVSHMEMTransport, NVSHMEMTransport, choose, registry_key
+from reference import same_bits
 from routing import routings
 
 VERBS = ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "combined", "grad_x", "grad_w", "rows",
@@ -62,7 +63,7 @@ def against_nccl(x, topk_idx, topk_weights, grad_out, config, pad, groups, async
     if groups > 1:  # the sums home group by group too
         want["by_groups"], got["by_groups"] = (_by_groups(one, x, topk_idx, topk_weights, groups) for one in (nccl, d))
     d.check()
-    differ = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    differ = [k for k in want if not same_bits(got[k], want[k])]
     return differ, host_counts is not None
 
 
@@ -902,10 +903,10 @@ def engine_beside_nvshmem(x, topk_idx, topk_weights, grad_out, pad):
     engine = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
     got, _ = _round_trip(engine, x, topk_idx, topk_weights, grad_out, bound, 1, False)
     engine.check()
-    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    differ = [k for k in want if not same_bits(got[k], want[k])]
     beside, _ = _round_trip(first, x, topk_idx, topk_weights, grad_out, bound, 1, False)  # both in use
     first.check()
-    differ += [f"nvshmem {k}" for k in want if not torch.equal(beside[k], want[k])]
+    differ += [f"nvshmem {k}" for k in want if not same_bits(beside[k], want[k])]
     return differ, symm_mem.get_backend(device), engine.transport.key
 
 
@@ -1091,7 +1092,7 @@ def through_symmetric_exchange(x, topk_idx, topk_weights, config, max_rows, kern
     want, _ = _round_trip(nccl, x, topk_idx, topk_weights, x, max_rows, groups, False)
     if groups > 1:
         want["by_groups"] = _by_groups(nccl, x, topk_idx, topk_weights, groups)
-    differ = [k for k in want if k in got and not torch.equal(got[k], want[k])]
+    differ = [k for k in want if k in got and not same_bits(got[k], want[k])]
     return differ + ([] if made >= 1 and held and grown else ["generation"])
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import dispatch
 import rank_fns
 from dispatch.cost_model import LinkModel, RoutingStats, estimate
-from reference import reference_combine, reference_dispatch
+from reference import reference_combine, reference_dispatch, same_bits
 from dispatch.stats import resolve_local_world_size
 from routing import identity_tokens, make_routing, routings
 
@@ -270,3 +270,23 @@ def test_tier_groups_of_several_ep_groups(worlds, variant):
             live = (routing.topk_idx[r] >= 0).double()
             expected = group_xs[r] * (weights[r] * live).sum(1, keepdim=True)
             assert torch.equal(got["combined"], expected), f"group {g} rank {r}: combine"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_variant_moves_the_all_to_alls_bits(worlds, dtype):
+    """What no variant sums (the rows, their order and sources, the counts, the
+    values brought home to their slots, signed zeros among them, and so the
+    routing weights' gradients) are the all-to-all's bits in every variant."""
+    world, local = 4, 2
+    routing = make_routing(world, 4, 3, [9, 0, 13, 6], "random", seed=5)
+    gen = torch.Generator().manual_seed(3)
+    xs, gs = ([torch.randn(t, HIDDEN, generator=gen).to(dtype) for t in routing.num_tokens] for _ in range(2))
+    configs = {variant: dict(num_experts=routing.num_experts, variant=variant, local_world_size=local)
+               for variant in ("alltoall", "allgather", "hierarchical", "auto")}
+    args = [(configs, xs[r], routing.topk_idx[r], routing.topk_weights[r].to(dtype), gs[r]) for r in range(world)]
+    results = worlds(world).run(rank_fns.every_verb_by_config, args)
+    assert any(bool(torch.signbit(got["alltoall"]["slots"]).any()) for got in results), "no signed zero went home"
+    for rank, got in enumerate(results):
+        for variant in configs:
+            for key in ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "rows", "slots", "grad_w"):
+                assert same_bits(got[variant][key], got["alltoall"][key]), (rank, variant, key)

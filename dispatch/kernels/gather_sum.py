@@ -175,6 +175,26 @@ def gather_sum(
     return result if out is None else out.copy_(result)
 
 
+_SAME_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_of(values: torch.Tensor) -> torch.Tensor:
+    """``values`` seen as signed integers of the same width (no copy)."""
+    return values.view(_SAME_WIDTH[values.element_size()])
+
+
+def gather_owned(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """out[r, k] = src[index[r, j], k] for the one j whose entry is not zero
+    (0 where none is): ``gather_sum`` without weights where each column has at
+    most one nonzero term, exact in the bits (a -0.0 stays -0.0, which a float
+    sum from zero turns into +0.0). ``src``: [M, K]; ``index``: [R, J], -1 =
+    none. The bit patterns are summed as integers: one nonzero term, no carry."""
+    bits = bits_of(src.contiguous())
+    padded = torch.cat([bits, bits.new_zeros(1, src.shape[1])])  # last row: the -1 entries' zeros
+    picked = padded[torch.where(index >= 0, index, src.shape[0])]  # [R, J, K]
+    return picked.sum(1, dtype=bits.dtype).view(src.dtype)
+
+
 # -- the expert-side pre-sum, group by group ------------------------------------
 #
 # With the rows of an exchange delivered and computed by groups of local

@@ -38,7 +38,7 @@ from dispatch.codec import Codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import Request, Transport, by_groups, handle_fields, shape_fields
-from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
+from dispatch.kernels.gather_sum import accumulate_dtype, bits_of, gather_sum
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
@@ -181,12 +181,14 @@ class AllGatherTransport(Transport):
 
     def slots_home(self, values: torch.Tensor, handle: AllGatherHandle) -> Pending:
         world, block, topk = self.world_size, handle.block, handle.topk
-        # each slot lives on one rank: the others send zeros for it, so the sum is exact
+        # each slot lives on one rank, the others send zeros for it: their bits summed as
+        # integers give its own (a float sum from zero would turn -0.0 into +0.0)
         grid = values.new_zeros(world * block * topk)
         grid.index_copy_(0, handle.slots, values)
         grid = grid.view(world * block, topk)
         back = grid if block == 0 else comm.all_to_all_rows(grid, (block,) * world, (block,) * world, self.group)
-        return Pending.done(back.view(world, block, topk).sum(0)[: handle.num_tokens])
+        bits = bits_of(back).view(world, block, topk)
+        return Pending.done(bits.sum(0, dtype=bits.dtype).view(values.dtype)[: handle.num_tokens])
 
     def stats(self, handle: AllGatherHandle, dispatch_row_bytes, combine_wire, hidden):
         local, rank = self.local_world_size, self.rank

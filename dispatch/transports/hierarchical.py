@@ -45,7 +45,7 @@ from dispatch.codec import Codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import Request, Transport, by_groups, handle_fields, shape_fields
-from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
+from dispatch.kernels.gather_sum import accumulate_dtype, gather_owned, gather_sum
 from dispatch.stats import make_stats
 from dispatch.timing import mark
 
@@ -231,15 +231,15 @@ class HierarchicalTransport(Transport):
         return Pending.done(out)
 
     def slots_home(self, values: torch.Tensor, handle: HierarchicalHandle) -> Pending:
-        # each slot lives on one rank: the sums below add zeros to it, exact in any dtype
+        # each slot lives on one rank, the others hold zeros for it: gathered, not summed (signed zeros kept)
         topk = handle.topk
         grid = values.new_zeros(sum(handle.recv2) * topk)
         grid.index_copy_(0, handle.slots, values)
         grid = grid.view(-1, topk)  # [R2, K]
         back2 = comm.all_to_all_rows(grid, handle.recv2, handle.send2, self.tiers.intra)
-        node_sum = gather_sum(back2, handle.node_index, None, values.dtype)  # [R1, K]
-        back1 = comm.all_to_all_rows(node_sum, handle.recv1, handle.send1, self.tiers.inter)
-        return Pending.done(gather_sum(back1, handle.home_index, None, values.dtype))  # [T, K]
+        node_held = gather_owned(back2, handle.node_index)  # [R1, K]
+        back1 = comm.all_to_all_rows(node_held, handle.recv1, handle.send1, self.tiers.inter)
+        return Pending.done(gather_owned(back1, handle.home_index))  # [T, K]
 
     def stats(self, handle: HierarchicalHandle, dispatch_row_bytes, combine_wire, hidden):
         node, index = self.node, self.local_rank

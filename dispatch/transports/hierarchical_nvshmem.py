@@ -62,7 +62,7 @@ from dispatch.streams import Pending
 from dispatch.transports.base import Request, Transport, by_groups, grads_of, handle_fields, shape_fields
 from dispatch.transports.nvshmem import NVSHMEMHandle, NVSHMEMTransport, presums
 from dispatch.transports.symmetric import exchange_for
-from dispatch.kernels.gather_sum import accumulate_dtype, gather_sum
+from dispatch.kernels.gather_sum import accumulate_dtype, gather_owned, gather_sum
 from dispatch.timing import mark
 
 
@@ -270,11 +270,10 @@ class HierarchicalNVSHMEMTransport(Transport):
         return Pending.done(out)  # [T, H]
 
     def slots_home(self, values: torch.Tensor, handle: StagedHandle) -> Pending:
-        # each slot lives on one rank: the sums on the way add zeros to it, exact in any dtype
+        # each slot lives on one rank, the others hold zeros for it: gathered, not summed (signed zeros kept)
         held = self.intra.slots_home(values, handle.intra).finish()  # [N1, K]
         inter = handle.inter
-        return Pending.done(self.inter.back_home(held, inter,
-                                              lambda back: gather_sum(back, inter.home_index, None, values.dtype)))
+        return Pending.done(self.inter.back_home(held, inter, lambda back: gather_owned(back, inter.home_index)))
 
     def stats(self, handle: StagedHandle, dispatch_row_bytes, combine_wire, hidden):
         inter, intra, rank = handle.inter, handle.intra, self.rank
