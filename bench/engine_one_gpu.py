@@ -28,6 +28,7 @@ autograd node, an agreement), and the NCCL transport's plan graphs (their
 kernels, GPU time and host replay time) first. TREE and BASE are source trees
 (this one, or an older one, e.g. ``git archive BASE | tar -x -C .wt/base``).
 """
+import importlib
 import os
 import statistics
 import sys
@@ -81,6 +82,7 @@ BASE = sys.argv[sys.argv.index("--against") + 1] if "--against" in sys.argv else
 packages = {"base": load(BASE)} if BASE else {}
 packages["tree"] = load(sys.argv[1])
 dispatch = packages["tree"]
+same_bits = importlib.import_module("dispatch.bench.common").same_bits  # the tree's: dtype, shape and bits
 print(f"machine: {torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores; torch {torch.__version__}; tree "
       f"{os.environ.get('DISPATCH_COMMIT', '?')}" + (f" against {BASE}" if BASE else ""), flush=True)
 
@@ -102,17 +104,21 @@ def inputs(T, H, E, K, seed):
 
 
 def trip(d, x, idx, w, whole=False, **kw):
-    """A round trip's results (rows, weights, sources, counts, output, gradients); the
-    rows as many as received (``whole``: every row of a max_rows output, no host read)."""
+    """A round trip's results (rows, weights, sources, counts, output, gradients, values
+    brought home to their slots, signed zeros among them); the rows as many as received
+    (``whole``: every row of a max_rows output, no host read)."""
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
     out = d.dispatch(x, idx, w, **kw)
     y = out.tokens.float().pow(2).to(out.tokens.dtype)
     h = d.combine(y, out.handle, weights=out.weights)
     h.float().sum().backward()
+    values = out.weights.detach() * 5
+    values[::3] = -0.0
+    slots = d.combine_slots(values, out.handle)
     n = None if whole else out.handle.num_rows if "max_rows" not in kw else int(out.tokens_per_expert.sum())
     return [out.tokens[:n], out.weights[:n], out.src_rank[:n], out.src_token[:n], out.tokens_per_expert, h, x.grad,
-            w.grad]
+            w.grad, slots]
 
 
 bad = 0  # cases of --check that differ: the script exits 1 at its end if any did
@@ -131,7 +137,7 @@ def check(budgets, path: str) -> None:
                 # ({} twice: the second dispatch of a signature is the usual one compiled, dispatch.usual)
                 for i, kw in enumerate(({}, {}, {"max_rows": T * K + 8}, {"groups": 2})):
                     got = trip(eng, x, idx, w, **kw)
-                    same = all(torch.equal(a, b) for a, b in zip(got, want))
+                    same = all(same_bits(a, b) for a, b in zip(got, want))
                     bad += not same
                     print(f"{path}sm_budget={budget} wire={wire} T={T} H={H} K={K} {kw}{' again' * (i == 1)}: "
                           f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
@@ -152,7 +158,7 @@ def check(budgets, path: str) -> None:
                 graph.replay()
                 want = trip(ref, *static)
                 n = want[0].shape[0]
-                same = all(torch.equal(a[:n] if i < 4 else a, b) for i, (a, b) in enumerate(zip(got, want)))
+                same = all(same_bits(a[:n] if i < 4 else a, b) for i, (a, b) in enumerate(zip(got, want)))
                 bad += not same
                 print(f"{path}sm_budget={budget} wire={wire} T={T} captured, replay {seed}: "
                       f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
@@ -182,7 +188,7 @@ def layer_check(path: str) -> None:
                 h.float().pow(2).sum().backward()
                 runs.append([h, xs.grad, ws.grad, *[p.grad for p in experts.parameters()]])
                 experts.zero_grad(set_to_none=True)
-            same = all(torch.equal(a, b) for a, b in zip(*runs))
+            same = all(same_bits(a, b) for a, b in zip(*runs))
             bad += not same
             print(f"{path}MoEExchange(groups=1) {kw} step {step}: {'bitwise equal' if same else 'DIFFERENT'}",
                   flush=True)

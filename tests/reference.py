@@ -21,17 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch.kernels.gather_sum import accumulate_dtype, bits_of
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same dtype, shape and bits: what "bitwise" means here (``torch.equal``
-    takes -0.0 for +0.0, and NaN for unequal to itself)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    return torch.equal(bits_of(a.contiguous()), bits_of(b.contiguous()))
+from dispatch.kernels.gather_sum import accumulate_dtype
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 import dispatch
 import rank_fns
-from reference import same_bits
+from dispatch.bench.common import same_bits
 from routing import make_routing
 
 

@@ -19,7 +19,7 @@ import groups_fns
 import pipeline_fns
 import rank_fns
 from dispatch import cuda
-from reference import same_bits
+from dispatch.bench.common import same_bits
 from routing import make_routing
 
 WORLD = 2

@@ -28,7 +28,7 @@ import pipeline_fns
 import rank_fns
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.transports import REGISTRY, HierarchicalNVSHMEMTransport, NVSHMEMTransport, choose, registry_key
-from reference import same_bits
+from dispatch.bench.common import same_bits
 from routing import routings
 
 VERBS = ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "combined", "grad_x", "grad_w", "rows",

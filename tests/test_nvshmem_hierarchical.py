@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rank_fns
-from reference import same_bits
+from dispatch.bench.common import same_bits
 from routing import make_routing, routings
 from test_nvshmem import against_nccl, captured_round_trip
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import dispatch
 import rank_fns
 from dispatch.cost_model import LinkModel, RoutingStats, estimate
-from reference import reference_combine, reference_dispatch, same_bits
+from dispatch.bench.common import same_bits
+from reference import reference_combine, reference_dispatch
 from dispatch.stats import resolve_local_world_size
 from routing import identity_tokens, make_routing, routings
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import dispatch
+from dispatch.kernels.gather_sum import bits_of
 from dispatch.timing import PhaseTimer
 
 
@@ -364,6 +365,16 @@ def time_back_to_back(step: Callable[[], None], iters: int, warmup: int, dev: to
     worst = torch.tensor(times, dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.cpu().tolist()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bits: what "bitwise" means in the checks
+    (``torch.equal`` takes -0.0 for +0.0, and NaN for unequal to itself)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(bits_of(a.contiguous()), bits_of(b.contiguous()))
 
 
 def spread(values: list[float]) -> dict[str, float]:

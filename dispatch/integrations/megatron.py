@@ -60,7 +60,8 @@ CUDA graphs
   router padding, as Megatron requires there) hold ``dispatch_preprocess``, which
   reads nothing on the host. Rows of more than top-k experts are refused by the
   dispatch's value check where ``dispatch_preprocess`` ran eagerly; a graph's
-  replays are not checked (their rows keep the top-k lowest experts). Its routing
+  replays, and every call with ``check_inputs=False``, are not checked (their
+  rows keep the top-k lowest experts). Its routing
   (``topk_idx``) waits on the object for ``token_dispatch``. Named in ``cudagraph_attrs``, it is a graph output that
   Megatron sets again after each replay; ``token_dispatch`` takes it once. Megatron's
   local graphs also capture the layer's postprocess alone, after an eager round
