@@ -203,11 +203,12 @@ class TokenDispatcher:
         Returns (its wire codec, handle, plan outputs, dropped slots)."""
         try:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
+            self.transport.check_current(x)  # (not kept with the signature: the current device may change)
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
             agreement.refuse(error, lambda: self._take_part_refused(ticket))
         agreed = word = None
         if self.transport.agrees_dispatch:  # its word, every rank's (with pad_to_capacity: in _capacity_blocks)
-            word = self.transport.dispatch_word(x, topk_weights, max_rows)
+            word = self.transport.dispatch_word(x, topk_weights, max_rows, groups)
         if word is not None and not self.config.pad_to_capacity:
             agreed = tuple(row[-1] for row in self._calls.agree(ticket, tail=(word,)))
         elif self._calls.dispatch_agrees and not self.config.pad_to_capacity:
@@ -549,6 +550,7 @@ class TokenDispatcher:
         ticket = self._calls.ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
         try:
             check(*args)
+            handle.transport.check_current()
         except (TypeError, ValueError) as error:
             agreement.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
         return ticket

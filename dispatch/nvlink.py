@@ -162,10 +162,15 @@ class Engine(EngineMoves):
         it ran on: ``dispatch.nvlink_order``), and recorded for the next;
         ``writes``: it may write the peers' buffers or raise an epoch (counted in
         ``operations``)."""
-        if cuda.current_device() != self.device.index:
-            raise ValueError(f"the current CUDA device is {cuda.current_device()}, the dispatcher's is "
-                             f"{self.device.index}: call it with its own device current")
+        self.check_current()
         return Ordered(self, writes)
+
+    def check_current(self) -> None:
+        """Raise a ValueError where another CUDA device than the engine's is current."""
+        current = cuda.current_device()
+        if current != self.device.index:
+            raise ValueError(f"the current CUDA device is {current}, the dispatcher's is {self.device.index}: call "
+                             "it with its own device current")
 
     def _raise(self, code: int, peer: int, where: int) -> None:
         raise RuntimeError(failure_message(code, peer, where, self.rank, self.timeout_ns))

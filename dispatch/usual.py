@@ -38,7 +38,7 @@ from dispatch.handle import Dispatched, made, with_link
 from dispatch.nvlink_layout import Counts, HostCounts, Planned, WordsAt, failure_message
 from dispatch.nvlink_order import eager_stream, ordered_eager
 from dispatch.streams import Pending
-from dispatch.transports.base import BOUNDED, FAILED, WEIGHTS_GRAD, X_GRAD, Request
+from dispatch.transports.base import WEIGHTS_GRAD, WORD_SPAN, X_GRAD, Request
 from dispatch.transports.nvlink import NVLinkHandle
 
 if TYPE_CHECKING:
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 _SIGNATURES = 8  # compiled dispatches (and combines) a dispatcher keeps, one per signature of its arguments
 _DISPATCH, _COMBINE = agreement.VERB_CODES["dispatch"], agreement.VERB_CODES["combine"]
+# a peer's word with any of these set stops the compiled dispatch at its agreement (the transport raises from the
+# words: a failure seen, max_rows, a dispatch by groups); the gradients' bits it takes
+RAISE_BITS = (WORD_SPAN - 1) & ~(X_GRAD | WEIGHTS_GRAD)
 
 
 class UsualDispatches:
@@ -234,7 +237,7 @@ class UsualDispatches:
             verb=_DISPATCH + agreement.DISPATCHERS * d._calls.place,
             grad_off=agreement.GRAD_OFF, verb_col=plan.HEADER.index("verb"), call_col=plan.HEADER.index("call"),
             call_row=[*plan.call_header(plan.Ticket()), 0], header=header, x_grad_bit=X_GRAD,
-            weights_grad_bit=WEIGHTS_GRAD, raise_bits=FAILED | BOUNDED, made_at=d._calls.counter("dispatch"),
+            weights_grad_bit=WEIGHTS_GRAD, raise_bits=RAISE_BITS, made_at=d._calls.counter("dispatch"),
             board_words=board.words_at, board_count=board.count_at, board_slot=board.slot, timeout=d.config.timeout,
             row_bytes=d.transport.row_bytes(x), allocator=checks.FREE_MEMORY.compiled is not None,
             age=checks.FREE_MEMORY_AGE, row_at=row_at, host_words=host_words,

@@ -454,10 +454,12 @@ def test_a_layers_experts_raising_on_one_rank_stop_every_rank_on_the_engine(worl
 
 
 @needs_engine
-@pytest.mark.parametrize("verb", ["combine", "combine_rows", "combine_slots", "dispatch_rows"])
+@pytest.mark.parametrize("verb", ["combine", "combine_rows", "combine_slots", "dispatch_rows", "dispatch",
+                                  "dispatch, the other GPU current"])
 def test_rows_on_another_gpu_refused_by_name(worlds, verb):
     """Rank 0 hands a verb along a handle its rows on the other GPU (a process that
-    sees both): it raises a ValueError naming the argument and both devices, rank 1
+    sees both), or dispatches its tokens there, or with that GPU current: it
+    raises a ValueError naming the argument and both devices, rank 1
     PeerRefused naming rank 0, before any row moves; a round trip after it
     completes on both (an engine's kernel would have read the other GPU's memory
     through its address)."""
@@ -467,8 +469,10 @@ def test_rows_on_another_gpu_refused_by_name(worlds, verb):
     args = [(xs[r], routing.topk_idx[r], ws[r].float(), config, verb) for r in range(WORLD)]
     results = worlds(WORLD).run(_rows_on_another_gpu, args)
     name = {"combine_slots": "values", "combine": "expert_out"}.get(verb, "rows")
-    assert results[0][0] == "ValueError" and f"{name} is on cuda:" in results[0][1], results
-    assert "but must be on cuda:" in results[0][1] and "the device of the dispatch's x" in results[0][1], results
+    told = {"dispatch": ["x is on cuda:", "but the dispatcher's engine runs on cuda:"],
+            "dispatch, the other GPU current": ["the current CUDA device is", "call it with its own device current"]}
+    for part in told.get(verb, [f"{name} is on cuda:", "but must be on cuda:", "the device of the dispatch's x"]):
+        assert results[0][0] == "ValueError" and part in results[0][1], results
     assert results[1][0] == "PeerRefused" and "[0]" in results[1][1], results
     assert all(r[2] for r in results), results
 
@@ -479,14 +483,22 @@ def _rows_on_another_gpu(x, topk_idx, topk_weights, config, verb):
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    other, mine = torch.device("cuda", 1 - device.index), torch.distributed.get_rank() == 0
     with torch.no_grad():
         out = d.dispatch(x, topk_idx, topk_weights)
-        moved = {"combine": out.tokens, "combine_rows": out.tokens, "combine_slots": out.weights,
-                 "dispatch_rows": x}[verb]
-        if torch.distributed.get_rank() == 0:
-            moved = moved.to(torch.device("cuda", 1 - device.index))
+        moved = {"combine": out.tokens, "combine_rows": out.tokens, "combine_slots": out.weights}.get(verb, x)
+
+        def call():
+            if verb == "dispatch":  # rank 0's tokens on the other GPU
+                d.dispatch(*(t.to(other) if mine else t for t in (x, topk_idx, topk_weights)))
+            elif verb == "dispatch, the other GPU current":
+                with torch.cuda.device(other if mine else device):
+                    d.dispatch(x, topk_idx, topk_weights)
+            else:
+                getattr(d, verb)(moved.to(other) if mine else moved, out.handle)
+
         try:
-            getattr(d, verb)(moved, out.handle)
+            call()
             raised = None
         except (ValueError, RuntimeError) as exc:
             raised = (type(exc).__name__, str(exc))

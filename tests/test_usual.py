@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
+import types
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from dispatch.config import DispatchConfig
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.nvlink import Capacity
 from dispatch.pipeline import MoEExchange
-from dispatch.transports.base import FAILED, Transport
+from dispatch.transports.base import FAILED, GROUPS, Request, Transport
 from dispatch.transports.nvlink import NVLinkTransport
 from test_host import _cpu_engine, _counts_words, _Kernel, _Recorder, _Waits
 
@@ -124,6 +125,36 @@ def _same_handles(got, want) -> None:
             assert (a.shape, a.dtype) == (b.shape, b.dtype), name
         else:
             assert a == b, name
+
+
+@pytest.mark.parametrize("verb", ["dispatch", "combine"])
+def test_another_current_device_is_refused_before_the_calls_agreement(one_rank, on_the_stand_in, compiled, verb):
+    """With another CUDA device current than its dispatcher's, a rank refuses a
+    dispatch or a combine on its own, where a compiled call of its signature is
+    learnt too: it takes part in the call's agreement marked refused (its peers
+    raise PeerRefused there) and launches nothing; with its device current
+    again, the calls go on."""
+    d = _dispatcher(compiled)
+    x, idx, w = _inputs(37)
+    recorder = _Recorder(_counts_words(1, 0, d.transport.engine, TOPK, HIDDEN, 37, True, True,
+                                       torch.Generator().manual_seed(1)))
+    on_the_stand_in.fake_set_hook(recorder.hook)  # (held here: the driver calls it)
+    with torch.no_grad():
+        out = d.dispatch(x, idx, w)
+        d.combine(out.tokens, out.handle, out.weights)
+        out = d.dispatch(x, idx, w)  # (the compiled calls learnt)
+        agreed, agree = [], d._calls.agree
+        d._calls.agree = lambda ticket, *args, **kwargs: agreed.append(ticket.refused) or agree(ticket, *args, **kwargs)
+        recorder.launches.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cuda, "current_device", lambda: 1)
+            with pytest.raises(ValueError, match="the current CUDA device is 1, the dispatcher's is 0"):
+                d.dispatch(x, idx, w) if verb == "dispatch" else d.combine(out.tokens, out.handle, out.weights)
+        assert agreed == [True] and recorder.launches == []
+        if verb == "dispatch":
+            out = d.dispatch(x, idx, w)
+        back = d.combine(out.tokens, out.handle, out.weights)
+    assert back.shape == (37, HIDDEN) and recorder.launches
 
 
 def _compiled_calls(d: TokenDispatcher) -> int:
@@ -310,7 +341,7 @@ def _two_ranks(compiled, timeout: float):
         rows_per_block=pull[3], hidden=HIDDEN, device=x.device, x_dtype=x.dtype, idx_dtype=idx.dtype,
         weights_dtype=w.dtype, wire_dtype=torch.float32, verb=agreement.VERB_CODES["dispatch"],
         grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, call_row=[*plan.call_header(plan.Ticket()), 0],
-        header=plan.header(x, w, TOPK), x_grad_bit=2, weights_grad_bit=4, raise_bits=FAILED | 1,
+        header=plan.header(x, w, TOPK), x_grad_bit=2, weights_grad_bit=4, raise_bits=usual.RAISE_BITS,
         made_at=counter.data_ptr() + 8 * agreement.VERB_CODES["dispatch"], board_words=board.words_at,
         board_count=board.count_at, board_slot=Board.slot, timeout=timeout, row_bytes=256,
         allocator=False, age=0.1, row_at=engine._zeroed(words_n).data_ptr(), host_words=engine._host_words,
@@ -319,13 +350,14 @@ def _two_ranks(compiled, timeout: float):
 
 
 @pytest.mark.parametrize("peer", ["same call", "same call, x's gradient", "another call", "a dispatch that failed",
-                                  "refused", "missing"])
+                                  "by two groups", "refused", "missing"])
 def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, compiled, peer):
     """Rank 0's compiled dispatch beside rank 1 agreeing on the board in Python:
     at the same call (its gradients its own) it plans; where rank 1 is at
-    another call, saw a dispatch fail or refused, it stops at the agreement with
-    every rank's row, from which the agreement's checks raise as in Python; a
-    peer that never comes: it gives up within the timeout, naming it."""
+    another call, saw a dispatch fail, dispatches by groups or refused, it stops
+    at the agreement with every rank's row, from which the agreement's checks
+    (or the transport's, of the words) raise as in Python; a peer that never
+    comes: it gives up within the timeout, naming it."""
     engine, counter, words, board, fast = _two_ranks(compiled, 0.3 if peer == "missing" else 5.0)
     x, idx, w = _inputs(37)
     ticket = plan.Ticket(agreement.VERB_CODES["dispatch"] + agreement.GRAD_OFF, 1)  # (made with grad mode off)
@@ -336,6 +368,8 @@ def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, co
         row[1] = 2
     elif peer == "a dispatch that failed":
         row[-1] = FAILED
+    elif peer == "by two groups":
+        row[-1] = GROUPS
     elif peer == "refused":
         row[plan.HEADER.index("failed")] = 1
     got: list = []
@@ -359,11 +393,15 @@ def test_the_compiled_agreement_stops_where_the_ranks_differ(on_the_stand_in, co
             raise RuntimeError(Board.message(*out, "dispatch #1", 0.3))
         return
     assert what == "differ" and out[1] == row and got[0][1] == row
-    error = {"another call": agreement.CallsDiffer, "a dispatch that failed": None,
+    error = {"another call": agreement.CallsDiffer, "a dispatch that failed": None, "by two groups": None,
              "refused": agreement.PeerRefused}[peer]
     if error is None:  # the agreement's rows agree; the words ask the transport to raise (transports.base)
         agreement.check_peer_calls([r[: len(plan.HEADER)] for r in out])
-        assert out[1][-1] & FAILED
+        rank_0 = types.SimpleNamespace(check=lambda: None)  # (a transport that has seen no failure of its own)
+        request = Request(None, x, idx, w, ticket, False, agreed=tuple(r[-1] for r in out))
+        with pytest.raises((RuntimeError, ValueError), match="failed: rank" if out[1][-1] & FAILED else
+                           r"groups: every rank .* same groups; got rank 0: 1, rank 1: 2"):
+            Transport.agreed_words(rank_0, request)
     else:
         with pytest.raises(error):
             agreement.check_peer_calls([r[: len(plan.HEADER)] for r in out])

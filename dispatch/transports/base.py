@@ -40,9 +40,10 @@ from dispatch.stats import DispatchStats, resolve_local_world_size
 from dispatch.streams import Pending, PendingGroups
 
 _FAILED = plan.HEADER.index("failed")
-# the bits of a rank's word in a dispatch's agreement (``Transport.dispatch_word``)
+# the bits of a rank's word in a dispatch's agreement (``Transport.dispatch_word``), then G - 1 in GROUPS units
 BOUNDED, X_GRAD, WEIGHTS_GRAD, FAILED = 1, 2, 4, 8
-WORD_SPAN = 2 * FAILED  # a word is below it
+GROUPS = 2 * FAILED
+WORD_SPAN = GROUPS << 31  # a word is below it (G < 2**31)
 
 
 def grads_of(words: tuple[int, ...]) -> tuple[bool, bool]:
@@ -201,15 +202,17 @@ class Transport(abc.ABC):
             checks.raise_own_values(header, request.ticket, request.topk_idx, request.topk_weights,
                                     self.config.num_experts)
 
-    def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None) -> int:
+    def dispatch_word(self, x: torch.Tensor, topk_weights: torch.Tensor, max_rows: int | None,
+                      groups: int = 1) -> int:
         """What this rank adds to a dispatch's agreement (``agrees_dispatch``):
         whether it passes ``max_rows``, which gradients it needs, and whether
         it has seen a dispatch fail (``seen_failed``): the bits BOUNDED, X_GRAD,
-        WEIGHTS_GRAD and FAILED."""
+        WEIGHTS_GRAD and FAILED; then its groups G, as (G - 1) GROUPS (0 for
+        one group, the compiled usual dispatch's word)."""
         grad = torch.is_grad_enabled()
         return ((BOUNDED if max_rows is not None else 0) | (X_GRAD if grad and x.requires_grad else 0)
                 | (WEIGHTS_GRAD if grad and topk_weights.requires_grad else 0)
-                | (FAILED if self.seen_failed(max_rows is not None) else 0))
+                | (FAILED if self.seen_failed(max_rows is not None) else 0)) + (groups - 1) * GROUPS
 
     def seen_failed(self, bounded: bool) -> bool:
         """Whether this rank knows on the host, without waiting, that an earlier
@@ -220,10 +223,10 @@ class Transport(abc.ABC):
         """Every rank's ``dispatch_word`` of ``request`` (this rank's alone where
         none was agreed); raises alike on every rank, before any exchange, where
         some rank has seen a failure (this rank's own failure first, where
-        ``check`` has it) or the ranks mix ``max_rows`` with none."""
+        ``check`` has it), the ranks mix ``max_rows`` with none, or their groups differ."""
         words = request.agreed
         if words is None:
-            return (self.dispatch_word(request.x, request.topk_weights, request.max_rows),)
+            return (self.dispatch_word(request.x, request.topk_weights, request.max_rows, request.groups),)
         seen = [r for r, w in enumerate(words) if w & FAILED]
         if seen:
             self.check()
@@ -233,7 +236,15 @@ class Transport(abc.ABC):
         if any(b != bounded[0] for b in bounded):
             told = ", ".join(f"rank {r}: {'max_rows' if b else 'none'}" for r, b in enumerate(bounded))
             raise ValueError(f"max_rows: every rank of the group passes one or none ({told})")
+        checks.check_peer_groups([w // GROUPS + 1 for w in words])
         return words
+
+    def check_current(self, x: torch.Tensor | None = None) -> None:
+        """Refuse a call this rank's kernels cannot make as it is called (another
+        CUDA device current; ``x``, a dispatch's tokens, on a device they do not
+        run on): on this rank alone, before the call's agreement, so that its
+        peers are refused with it. Here: nothing (the backend moves each tensor
+        on its own device)."""
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
         """``TokenDispatcher.reserve``: nothing where ``max_rows`` reads the host anyway."""

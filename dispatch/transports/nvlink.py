@@ -74,6 +74,13 @@ class NVLinkTransport(Transport):
         super().__init__(config, group)
         self.engine = engine_for(group, config.num_experts, config.tuning.sm_budget, config.timeout)
 
+    def check_current(self, x: torch.Tensor | None = None) -> None:
+        device = self.engine.device
+        if x is not None and x.device.type == "cuda" and x.device != device:
+            raise ValueError(f"x is on {x.device}, but the dispatcher's engine runs on {device}: dispatch tokens "
+                             "on its device")
+        self.engine.check_current()
+
     def plan(self, request: Request) -> tuple[NVLinkHandle, PlanOutputs]:
         words = self.agreed_words(request)
         if request.max_rows is not None:
