@@ -301,7 +301,5 @@ class _MicroBatchesFn(torch.autograd.Function):
         needs = ctx.needs_input_grad[5:]
         grad_xs = [g if needs[i] else None for i, g in enumerate(grad_xs)]
         grad_ws = [g if needs[count + i] else None for i, g in enumerate(grad_ws)]
-        grad_params = [torch.zeros_like(p) if g is None and needs[2 * count + 1 + i] else g
-                       for i, (g, p) in enumerate(zip(grad_params, ctx.params))]
         anchor = torch.zeros(0, dtype=ctx.anchor_dtype, device=handles[0].device)
         return (None, None, None, None, None, *grad_xs, *grad_ws, anchor, *grad_params)

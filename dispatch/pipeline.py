@@ -402,11 +402,7 @@ class _PipelineFn(torch.autograd.Function):
             grad_x = to_x.wait().to(ctx.x_dtype) if x_any else None
             grad_topk = to_w.wait().to(ctx.w_dtype) if w_any else None
         ctx.by_groups = None
-        needs = ctx.needs_input_grad
-        grad_params = [
-            torch.zeros_like(p) if g is None and needs[6 + i] else g
-            for i, (g, p) in enumerate(zip(grad_params, ctx.params))
-        ]
+        needs = ctx.needs_input_grad  # (a parameter no group reached: None, its .grad left as the plain verbs leave it)
         return (
             grad_x if needs[0] else None,
             grad_topk if needs[1] else None,
@@ -510,10 +506,12 @@ def check_reach(y, allowed: tuple) -> None:
 
 
 def reach_once(layer, y, allowed: tuple) -> None:
-    """:func:`check_reach` at the layer's first call with grad (``layer._reach_checked``)."""
+    """:func:`check_reach` of the experts' outputs with grad until one had a graph
+    to walk (``layer._reach_checked``): an output without (the experts' answer
+    to no rows, say) tells nothing, so the next is checked."""
     if not layer._reach_checked:
         check_reach(y, allowed)
-        layer._reach_checked = True
+        layer._reach_checked = isinstance(y, torch.Tensor) and y.grad_fn is not None
 
 
 def plain_grouped_experts(experts, device_type: str) -> bool:

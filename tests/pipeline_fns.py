@@ -564,28 +564,70 @@ def captured_args(transport: str, seed: int) -> list:
     return [(*args[:6], 3) for args in partition_args(transport, True, seed)]
 
 
-def closure_experts_refused(x, topk_idx, topk_weights, layer_kind: str):
+def closure_experts_refused(x, topk_idx, topk_weights, layer_kind: str, first_empty: bool = False):
     """Experts given as a plain callable that closes over a module's parameters
-    (``lambda rows, counts: module(rows, counts)``): what the layer (``layer_kind``:
-    "micro-batches", or "groups N" for MoEExchange) raised on this rank, then
-    whether the same layer over the module itself still runs."""
+    (``lambda rows, counts: module(rows, counts)``; an empty call answered with
+    zeros, no graph): what the layer (``layer_kind``: "micro-batches", or "groups
+    N" for MoEExchange) raised on this rank (``first_empty``: at its second call,
+    its first with no tokens on any rank), then whether the same layer over the
+    module itself still runs."""
     device = current_device()
     d = dispatch.create(dispatch.DispatchConfig(num_experts=8))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     module = make_experts("rowwise", d.num_local_experts, x.shape[1], x.dtype, seed=d.rank)
 
     def run(experts):
-        leaf = x.clone().requires_grad_()
         if layer_kind == "micro-batches":
-            outs = dispatch.MoEMicroBatches(d, experts)([leaf, leaf * 2], [topk_idx] * 2, [topk_weights] * 2)
+            layer = dispatch.MoEMicroBatches(d, experts)
         else:
-            outs = [dispatch.MoEExchange(d, experts, groups=int(layer_kind.split()[1]))(leaf, topk_idx, topk_weights)]
-        sum(o.sum() for o in outs).backward()
+            layer = dispatch.MoEExchange(d, experts, groups=int(layer_kind.split()[1]))
+        for tokens in ((0, None) if first_empty else (None,)):
+            leaf = x[:tokens].clone().requires_grad_()
+            idx, w = topk_idx[:tokens], topk_weights[:tokens]
+            if layer_kind == "micro-batches":
+                outs = layer([leaf, leaf * 2], [idx] * 2, [w] * 2)
+            else:
+                outs = [layer(leaf, idx, w)]
+            sum(o.sum() for o in outs).backward()
         return [p.grad is not None for p in module.parameters()]
 
     try:
-        run(lambda rows, counts: module(rows, counts))
+        run(lambda rows, counts: rows.new_zeros(rows.shape) if rows.shape[0] == 0 else module(rows, counts))
         raised = None
     except (ValueError, dispatch.PeerRefused) as error:
         raised = f"{type(error).__name__}: {error}"
     return raised, run(module)
+
+
+class SkipsEmpty(nn.Module):
+    """One linear map per local expert; an expert without rows is not run (its
+    parameters get no gradient through autograd)."""
+
+    def __init__(self, local: int, hidden: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(hidden, hidden, dtype=torch.float64) for _ in range(local))
+
+    def forward(self, rows, counts):
+        parts = [self.experts[e](r) for e, r in enumerate(rows.split(counts.tolist())) if r.shape[0]]
+        return torch.cat(parts) if parts else rows.new_zeros(rows.shape)
+
+
+def unused_expert_grads(layer_kind: str) -> list:
+    """Which parameters of :class:`SkipsEmpty` experts have a gradient after a
+    step on 2 ranks that routes every token to local expert 0 of each, through
+    the plain verbs or a layer (``layer_kind``: "plain", "micro-batches", "groups N")."""
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=4))
+    torch.manual_seed(0)
+    experts = SkipsEmpty(d.num_local_experts, 4).to(current_device())
+    x = torch.randn(6, 4, dtype=torch.float64, device=current_device(), requires_grad=True)
+    idx = torch.tensor([[0, 2]] * 6, device=current_device())
+    w = torch.rand(6, 2, dtype=torch.float64, device=current_device())
+    if layer_kind == "plain":
+        out = d.dispatch(x, idx, w)
+        h = d.combine(experts(out.tokens, out.tokens_per_expert_host), out.handle, weights=out.weights)
+    elif layer_kind == "micro-batches":
+        h = dispatch.MoEMicroBatches(d, experts)([x], [idx], [w])[0]
+    else:
+        h = dispatch.MoEExchange(d, experts, groups=int(layer_kind.split()[1]))(x, idx, w)
+    h.sum().backward()
+    return [p.grad is not None for p in experts.parameters()]

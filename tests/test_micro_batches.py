@@ -87,14 +87,16 @@ def test_parameters_autograd_hands_one_gradient_are_summed_apart(worlds):
     assert worlds(2).run(micro_batches_against_one_by_one, args) == [[], []]
 
 
+@pytest.mark.parametrize("first_empty", [False, True])
 @pytest.mark.parametrize("layer_kind", ["micro-batches", "groups 1", "groups 2"])
-def test_experts_reaching_parameters_they_do_not_register_are_refused(worlds, layer_kind):
+def test_experts_reaching_parameters_they_do_not_register_are_refused(worlds, layer_kind, first_empty):
     """A plain callable closing over a module's parameters (whose gradients the
-    layer's backward would not give them): refused by name on every rank; the
-    module itself runs, every parameter with its gradient."""
+    layer's backward would not give them): refused by name on every rank, also
+    where the layer's first call had no tokens (its experts' output no graph to
+    check); the module itself runs, every parameter with its gradient."""
     routing = make_routing(2, 4, 2, [7, 5], "random", seed=9)
     args = [(random_tokens(r, routing.num_tokens[r], HIDDEN, torch.float32, 1), routing.topk_idx[r],
-             routing.topk_weights[r].float(), layer_kind) for r in range(2)]
+             routing.topk_weights[r].float(), layer_kind, first_empty) for r in range(2)]
     for rank, (raised, grads) in enumerate(worlds(2).run(pipeline_fns.closure_experts_refused, args)):
         assert raised is not None and raised.startswith("ValueError: experts: their output depends on a tensor "
                                                         "that requires grad"), (rank, raised)

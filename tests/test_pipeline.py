@@ -509,3 +509,12 @@ def test_module_parameters_is_parameters_in_order():
     outer = nn.Sequential(nn.Linear(2, 2), Hidden(nn.Linear(2, 1)))
     assert [id(p) for p in module_parameters(outer)] == [id(p) for p in outer.parameters()]
     assert len(module_parameters(outer)) == 2  # the hidden Linear's are not walked
+
+
+@pytest.mark.parametrize("layer_kind", ["plain", "micro-batches", "groups 1", "groups 2"])
+def test_a_parameter_no_row_reached_keeps_no_gradient(worlds, layer_kind):
+    """Experts that skip an expert without rows: its parameters' ``.grad`` stays
+    None through the layers, as through the plain verbs (an optimizer skips a
+    parameter without a gradient, but decays one whose gradient is zeros)."""
+    for grads in worlds(2).run(pipeline_fns.unused_expert_grads, [(layer_kind,)] * 2):
+        assert grads == [True, True, False, False], grads
