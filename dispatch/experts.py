@@ -166,13 +166,14 @@ class GroupedExperts(nn.Module):
         return torch.stack(parts) if parts else rows.new_zeros(0, rows.shape[1], grads.shape[1])
 
     def _grouped(self, tokens, tokens_per_expert):
+        on_host = tokens_per_expert.device.type == "cpu"
+        taken = _taken(tokens, sum(tokens_per_expert.tolist())) if on_host else None  # (checked where it is free)
         tokens = _aligned(tokens)
         counts = plan.to_device(tokens_per_expert, tokens.device)  # CPU counts: no stream sync for the copy
         offs = _ends(counts)
         h = _dense_grad(torch._grouped_mm(tokens, self.w_in, offs=offs))
         out = _dense_grad(torch._grouped_mm(self._act(h), self.w_out, offs=offs))
-        if tokens_per_expert.device.type == "cpu":  # N known on the host: zero a tail only if there is one
-            taken = int(tokens_per_expert.sum())
+        if on_host:  # N known on the host: zero a tail only if there is one
             if taken == out.shape[0]:
                 return out
             return _ZeroPast.apply(out, plan.to_device(torch.tensor([taken]), out.device))
@@ -180,9 +181,7 @@ class GroupedExperts(nn.Module):
 
     def _loop(self, tokens, tokens_per_expert):
         sizes = tokens_per_expert.tolist()  # host sync: slice sizes (free for CPU counts)
-        taken = sum(sizes)
-        if tokens.shape[0] < taken:
-            raise ValueError(f"tokens has {tokens.shape[0]} rows, fewer than tokens_per_expert counts ({taken})")
+        taken = _taken(tokens, sum(sizes))
         outs = []
         for e, rows in enumerate(tokens[:taken].split(sizes)):
             outs.append(self._act(rows @ self.w_in[e]) @ self.w_out[e])
@@ -206,6 +205,13 @@ class _ZeroPast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def _taken(tokens: torch.Tensor, taken: int) -> int:
+    """``taken``, the rows the experts' counts sum to, where ``tokens`` holds them."""
+    if tokens.shape[0] < taken:
+        raise ValueError(f"tokens has {tokens.shape[0]} rows, fewer than tokens_per_expert counts ({taken})")
+    return taken
 
 
 def _aligned(rows: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,9 @@ def test_bad_arguments():
         experts(torch.zeros(3, 8), torch.tensor([3]))
     with pytest.raises(TypeError, match="tokens"):
         experts(torch.zeros(3, 8, dtype=torch.float64), torch.tensor([1, 2]))
+    for backend in ("loop", "grouped_mm"):  # counts on the host past the rows (a grouped GEMM would read past them)
+        with pytest.raises(ValueError, match=r"tokens has 3 rows, fewer than tokens_per_expert counts \(4\)"):
+            GroupedExperts(2, 8, 8, backend=backend)(torch.zeros(3, 8), torch.tensor([2, 2]))
 
 
 def _groups_case(splits, activation, dtype, backend, device):
