@@ -242,6 +242,7 @@ class Engine(EngineMoves):
         self._data_ptrs = _pointers(self._data_handle, self.device)
         self.capacity, self._regions = capacity, regions
         self._launches = {}  # their bound addresses and sizes were the outgrown buffer's (a new dict: dispatch.usual)
+        self.operations += 1  # (a combine by groups in flight pushes its pre-sums again, whole: not to the outgrown)
 
     def _symmetric(self, size: int):
         """(a symmetric byte buffer of ``size``, its handle): a collective of the
