@@ -173,6 +173,9 @@ class Engine(EngineMoves):
                              "it with its own device current")
 
     def _raise(self, code: int, peer: int, where: int) -> None:
+        """Raise the failure the kernels recorded (status words read on the host):
+        seen for good (``seen_failed``), so that the next dispatch's word says so."""
+        self.failure_seen = True
         raise RuntimeError(failure_message(code, peer, where, self.rank, self.timeout_ns))
 
     def check(self) -> None:
@@ -182,7 +185,6 @@ class Engine(EngineMoves):
             self._last[0].synchronize()  # host sync: the latest eager operation, on whatever stream
         code, peer, where, _ = self.status.tolist()  # host sync: the status words
         if code:
-            self.failure_seen = True
             self._raise(code, peer, where)
 
     def seen_failed(self, poll: bool) -> bool:

@@ -35,7 +35,7 @@ from dispatch import agreement, checks, cuda, host, plan
 from dispatch.autograd import DispatchFn, combine_node, dispatch_node
 from dispatch.codec import CastCodec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import Dispatched, made, with_link
-from dispatch.nvlink_layout import Counts, HostCounts, Planned, WordsAt, failure_message
+from dispatch.nvlink_layout import Counts, HostCounts, Planned, WordsAt
 from dispatch.nvlink_order import eager_stream, ordered_eager
 from dispatch.streams import Pending
 from dispatch.transports.base import WEIGHTS_GRAD, WORD_SPAN, X_GRAD, Request
@@ -96,7 +96,7 @@ class UsualDispatches:
                                f"checks found nothing: {out}")
         ordered_eager(engine, stream)  # recorded by the call
         if len(out) == 3:  # the status words: a failure the kernels recorded
-            raise RuntimeError(failure_message(*out, engine.rank, engine.timeout_ns))
+            engine._raise(*out)
         words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned = out
         if planned is not None:
             planned = Planned(*planned)

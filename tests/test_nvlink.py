@@ -1036,21 +1036,22 @@ def test_the_words_of_a_dispatch_raise_alike_on_every_rank():
     raise, or the gradients some rank needs."""
     from types import SimpleNamespace
 
-    from dispatch.transports.base import BOUNDED, FAILED, WEIGHTS_GRAD, X_GRAD, Transport, grads_of
+    from dispatch.transports.base import BOUNDED, FAILED, GROUPS, WEIGHTS_GRAD, X_GRAD, Transport, grads_of
 
     checked = []
     seen = {"failed": False}
     me = SimpleNamespace(check=lambda: checked.append(True), seen_failed=lambda bounded: seen["failed"])
-    me.dispatch_word = lambda x, w, max_rows: Transport.dispatch_word(me, x, w, max_rows)
+    me.dispatch_word = lambda x, w, max_rows, groups=1: Transport.dispatch_word(me, x, w, max_rows, groups)
     x, w = torch.zeros(2, 4, requires_grad=True), torch.zeros(2, 2)
     assert me.dispatch_word(x, w, 8) == BOUNDED | X_GRAD
     with torch.no_grad():
         assert me.dispatch_word(x, w.requires_grad_(), None) == 0
     seen["failed"] = True
     assert me.dispatch_word(x, w, None) == X_GRAD | WEIGHTS_GRAD | FAILED
+    assert me.dispatch_word(x, w, None, 3) == X_GRAD | WEIGHTS_GRAD | FAILED | 2 * GROUPS
 
     def agreed(*words):
-        return Transport.agreed_words(me, SimpleNamespace(agreed=words, x=x, topk_weights=w, max_rows=8))
+        return Transport.agreed_words(me, SimpleNamespace(agreed=words, x=x, topk_weights=w, max_rows=8, groups=1))
 
     assert grads_of(agreed(BOUNDED | X_GRAD, BOUNDED | WEIGHTS_GRAD)) == (True, True)
     assert grads_of(agreed(BOUNDED, BOUNDED)) == (False, False) and not checked
@@ -1060,7 +1061,10 @@ def test_the_words_of_a_dispatch_raise_alike_on_every_rank():
     with pytest.raises(ValueError, match="max_rows: every rank of the group passes one or none .rank 0: max_rows, "
                                          "rank 1: none"):
         agreed(BOUNDED | X_GRAD, X_GRAD)
-    assert Transport.agreed_words(me, SimpleNamespace(agreed=None, x=x, topk_weights=w, max_rows=None)) == (
+    assert agreed(BOUNDED | GROUPS, BOUNDED | GROUPS | X_GRAD) == (BOUNDED | GROUPS, BOUNDED | GROUPS | X_GRAD)
+    with pytest.raises(ValueError, match="groups: every rank .* same groups; got rank 0: 2, rank 1: 1, rank 2: 4"):
+        agreed(X_GRAD | GROUPS, X_GRAD, 3 * GROUPS)
+    assert Transport.agreed_words(me, SimpleNamespace(agreed=None, x=x, topk_weights=w, max_rows=None, groups=1)) == (
         X_GRAD | WEIGHTS_GRAD | FAILED,)
 
 

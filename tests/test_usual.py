@@ -127,6 +127,32 @@ def _same_handles(got, want) -> None:
             assert a == b, name
 
 
+@pytest.mark.parametrize("learnt", [False, True])
+def test_a_failure_read_with_the_counts_is_remembered(one_rank, on_the_stand_in, compiled, learnt):
+    """A failure the kernels recorded, read with a dispatch's counts (by the
+    compiled call where one is ``learnt``, else in Python): raised, and seen for
+    good, so that the rank's next dispatch says so in its word (its peers raise
+    at that dispatch's agreement, not at the timeout of an exchange it does not
+    make) and raises its own failure again."""
+    d = _dispatcher(compiled)
+    x, idx, w = _inputs(37)
+    words = _counts_words(1, 0, d.transport.engine, TOPK, HIDDEN, 37, True, True, torch.Generator().manual_seed(1))
+    recorder = _Recorder(words)
+    on_the_stand_in.fake_set_hook(recorder.hook)  # (held here: the driver calls it)
+    with torch.no_grad():
+        if learnt:
+            d.dispatch(x, idx, w)
+            assert _compiled_calls(d) == 1
+        words[:3] = torch.tensor([1, 0, 0])  # rank 0 timed out waiting for rank 0, in the counts exchange
+        with pytest.raises(RuntimeError, match="timed out waiting for rank 0 in the counts exchange"):
+            d.dispatch(x, idx, w)
+        assert d.transport.engine.failure_seen and d.transport.dispatch_word(x, w, None) & FAILED
+        engine = d.transport.engine
+        engine.status[0], engine._last = 1, None  # (as the kernels left it; no event to wait for on the stand-in)
+        with pytest.raises(RuntimeError, match="timed out waiting"):
+            d.dispatch(x, idx, w)
+
+
 @pytest.mark.parametrize("verb", ["dispatch", "combine"])
 def test_another_current_device_is_refused_before_the_calls_agreement(one_rank, on_the_stand_in, compiled, verb):
     """With another CUDA device current than its dispatcher's, a rank refuses a

@@ -230,8 +230,8 @@ class Transport(abc.ABC):
         seen = [r for r, w in enumerate(words) if w & FAILED]
         if seen:
             self.check()
-            raise RuntimeError(f"a dispatch with max_rows failed: rank(s) {seen} found it (raised there); "
-                               "no token of this dispatch moved")
+            raise RuntimeError(f"an earlier dispatch failed: rank(s) {seen} found it (raised there); no token of "
+                               "this dispatch moved (build the dispatchers again on every rank)")
         bounded = [bool(w & BOUNDED) for w in words]
         if any(b != bounded[0] for b in bounded):
             told = ", ".join(f"rank {r}: {'max_rows' if b else 'none'}" for r, b in enumerate(bounded))
