@@ -203,7 +203,8 @@ class TokenDispatcher:
         Returns (its wire codec, handle, plan outputs, dropped slots)."""
         try:
             codec = self._check_dispatch(x, topk_idx, topk_weights, max_rows, groups)
-            self.transport.check_current(x)  # (not kept with the signature: the current device may change)
+            if self.transport.device_bound:  # (not kept with the signature: the current device may change)
+                self.transport.check_current(x)
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
             agreement.refuse(error, lambda: self._take_part_refused(ticket))
         agreed = word = None
@@ -550,7 +551,8 @@ class TokenDispatcher:
         ticket = self._calls.ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
         try:
             check(*args)
-            handle.transport.check_current()
+            if handle.transport.device_bound:
+                handle.transport.check_current()
         except (TypeError, ValueError) as error:
             agreement.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
         return ticket

@@ -167,15 +167,12 @@ class Engine(EngineMoves):
 
     def check_current(self) -> None:
         """Raise a ValueError where another CUDA device than the engine's is current."""
-        current = cuda.current_device()
-        if current != self.device.index:
+        if (current := cuda.current_device()) != self.device.index:
             raise ValueError(f"the current CUDA device is {current}, the dispatcher's is {self.device.index}: call "
                              "it with its own device current")
 
     def _raise(self, code: int, peer: int, where: int) -> None:
-        """Raise the failure the kernels recorded (status words read on the host):
-        seen for good (``seen_failed``), so that the next dispatch's word says so."""
-        self.failure_seen = True
+        self.failure_seen = True  # seen for good (seen_failed): the next dispatch's word says so
         raise RuntimeError(failure_message(code, peer, where, self.rank, self.timeout_ns))
 
     def check(self) -> None:

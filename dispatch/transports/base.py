@@ -102,6 +102,8 @@ class Transport(abc.ABC):
         max_topk: (class) the most slots per token it moves (None: any).
         bounded_groups: (class) whether it moves a dispatch by groups with
             ``max_rows`` (each group padded to its bound, nothing read on the host).
+        device_bound: (class) whether its kernels run on one device, so that the
+            front end asks ``check_current`` before each call's agreement.
         agrees_dispatch: whether every dispatch is agreed on the host (on the
             board, else over the host channel) before any exchange, with a word of its own
             (``dispatch_word``): a transport that learns of failures on the
@@ -118,6 +120,7 @@ class Transport(abc.ABC):
     host_free = False
     max_topk: int | None = None
     bounded_groups = False
+    device_bound = False
     agrees_dispatch = False
 
     def __init__(self, config, group: dist.ProcessGroup | None) -> None:
@@ -243,8 +246,8 @@ class Transport(abc.ABC):
         """Refuse a call this rank's kernels cannot make as it is called (another
         CUDA device current; ``x``, a dispatch's tokens, on a device they do not
         run on): on this rank alone, before the call's agreement, so that its
-        peers are refused with it. Here: nothing (the backend moves each tensor
-        on its own device)."""
+        peers are refused with it (asked where ``device_bound``). Here: nothing
+        (the backend moves each tensor on its own device)."""
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
         """``TokenDispatcher.reserve``: nothing where ``max_rows`` reads the host anyway."""

@@ -68,6 +68,7 @@ class NVLinkTransport(Transport):
     host_free = True
     max_topk = MAX_TOPK
     bounded_groups = True
+    device_bound = True
     agrees_dispatch = True  # on the group's board (one host), else over the host channel: one all-gather a dispatch
 
     def __init__(self, config, group=None) -> None:
