@@ -26,6 +26,7 @@ import math
 import torch
 
 from dispatch import checks
+from dispatch.transports.base import WORD_SPAN
 
 DROP_POLICIES = ("probs", "position")
 
@@ -70,3 +71,15 @@ def drop_over_capacity(
     if checked:
         dropped &= ~checks.repeated_ids(topk_idx).unsqueeze(1)
     return torch.where(dropped, -1, topk_idx), dropped
+
+
+def agreed_blocks(calls, config, topk_idx: torch.Tensor, ticket, word: int | None) -> tuple:
+    """(min(C_s, T_s) of every rank s, every rank's dispatch word or None) of a
+    ``pad_to_capacity`` dispatch: every rank's T travels in the call's agreement
+    (``calls``: its ``agreement.Calls``), with the ``word`` of a transport that
+    agrees one (``Transport.dispatch_word``), as T * WORD_SPAN + word."""
+    topk = topk_idx.shape[1]
+    told = [row[-1] for row in calls.agree(ticket, tail=(topk_idx.shape[0] * WORD_SPAN + (word or 0),))]
+    blocks = tuple(min(capacity(t // WORD_SPAN, topk, config.num_experts, config.capacity_factor), t // WORD_SPAN)
+                   for t in told)
+    return blocks, None if word is None else tuple(t % WORD_SPAN for t in told)

@@ -32,7 +32,7 @@ from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.handle import CombineHandle, Dispatched, padded, received
 from dispatch.streams import CommStreams, Started
 from dispatch.timing import PhaseTimer
-from dispatch.transports.base import WORD_SPAN, Request, Transport
+from dispatch.transports.base import Request, Transport
 from dispatch.work import DispatchWork, ExchangeWork, GroupSums, dispatched
 
 
@@ -208,7 +208,7 @@ class TokenDispatcher:
         except (TypeError, ValueError) as error:  # still take part in the first message: the peers raise there
             agreement.refuse(error, lambda: self._take_part_refused(ticket))
         agreed = word = None
-        if self.transport.agrees_dispatch:  # its word, every rank's (with pad_to_capacity: in _capacity_blocks)
+        if self.transport.agrees_dispatch:  # its word, every rank's (with pad_to_capacity: in capacity.agreed_blocks)
             word = self.transport.dispatch_word(x, topk_weights, max_rows, groups)
         if word is not None and not self.config.pad_to_capacity:
             agreed = tuple(row[-1] for row in self._calls.agree(ticket, tail=(word,)))
@@ -221,13 +221,21 @@ class TokenDispatcher:
                                                             self.config.tuning.check_inputs)
         check = self.config.tuning.check_inputs
         if self.config.pad_to_capacity:  # the blocks every rank pads to, before any row moves
-            blocks, agreed = self._capacity_blocks(topk_idx, ticket, word)
-            padded_rows = self.num_local_experts * sum(blocks)
-            # the N received and their padded copy, at once
+            blocks, agreed = capacity.agreed_blocks(self._calls, self.config, topk_idx, ticket, word)
+            padded_rows = self.num_local_experts * sum(blocks)  # (the same on every rank)
+            # the N received beside their padded copy: a rank whose memory cannot hold the copy refuses
             memory_rows = checks.memory_rows(x, self.transport.row_bytes, checks.free_bytes)
-            budgets = (-1, memory_rows if memory_rows < 0 else max(memory_rows - padded_rows, 0))
-            handle, plan_out = self.transport.plan(
-                Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups, agreed))
+            short = 0 <= memory_rows < padded_rows
+            budget = -1 if memory_rows < 0 else max(memory_rows - padded_rows, 0)  # for the N received
+            ticket = dataclasses.replace(ticket.with_budgets((-1, budget)), refused=short)
+            try:
+                handle, plan_out = self.transport.plan(
+                    Request(self, x, topk_idx, topk_weights, ticket, check, groups, agreed))
+            except agreement.PeerRefused:
+                if short:
+                    raise ValueError(f"x: the padded rows of a pad_to_capacity dispatch ({padded_rows}) do not fit in "
+                                     f"this rank's free device memory ({memory_rows} rows); no token moved") from None
+                raise
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
         else:
             budgets = checks.row_budgets(x, self.transport.row_bytes, max_rows, groups)
@@ -566,16 +574,6 @@ class TokenDispatcher:
         if handle.pad_blocks is not None and handle.pad_index is None:
             raise ValueError("handle: a pad_to_capacity dispatch places its rows when it is waited for; move rows "
                              "along the handle of its result (DispatchWork.wait().handle)")
-
-    def _capacity_blocks(self, topk_idx: torch.Tensor, ticket: plan.Ticket, word: int | None) -> tuple:
-        """(min(C_s, T_s) of every rank s, every rank's dispatch word or None) of a ``pad_to_capacity``
-        dispatch: every rank's T travels in the call's agreement (``agreement.Calls.agree``), with the
-        ``word`` of a transport that agrees one (``Transport.dispatch_word``), as T * WORD_SPAN + word."""
-        config, topk = self.config, topk_idx.shape[1]
-        told = [row[-1] for row in self._calls.agree(ticket, tail=(topk_idx.shape[0] * WORD_SPAN + (word or 0),))]
-        blocks = tuple(min(capacity.capacity(t // WORD_SPAN, topk, config.num_experts, config.capacity_factor),
-                           t // WORD_SPAN) for t in told)
-        return blocks, None if word is None else tuple(t % WORD_SPAN for t in told)
 
     def _exact_memory_rows(self, x: torch.Tensor, ticket: plan.Ticket) -> list[int]:
         """Every rank's exact memory budget in rows (``checks.free_bytes``), agreed

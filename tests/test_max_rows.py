@@ -100,8 +100,8 @@ def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows, ex
     try:
         d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
         message = None
-    except ValueError as exc:
-        message = str(exc)
+    except (ValueError, dispatch.PeerRefused) as exc:
+        message = f"{type(exc).__name__}: {exc}"
     finally:
         checks.free_bytes, checks.device_free_bytes = original_free, original_lower
     refused_moves = len(moved)
@@ -126,6 +126,28 @@ def test_a_rank_short_of_memory_stops_every_rank_before_tokens_move(worlds, vari
         assert "holds 3" in message and "rank 0" not in message and "rank 1" not in message, message
         assert moved == 0
         assert rows > 3
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "hierarchical"])
+@pytest.mark.parametrize("short_rank", [0, 1])
+def test_a_rank_short_of_memory_for_its_padded_rows_stops_every_rank(worlds, variant, short_rank):
+    """pad_to_capacity: a rank whose free memory does not hold its padded rows
+    (E_local * the sum of the ranks' capacities, beside the rows it receives)
+    refuses, whether it receives rows (rank 0: every token's experts) or none
+    (rank 1); every other rank raises PeerRefused naming it, before any token
+    moves; the dispatcher works afterwards."""
+    topk_idx = torch.tensor([[0, 1]] * 16)
+    config = dict(num_experts=4, transport="nccl", variant=variant, capacity_factor=1.0, pad_to_capacity=True)
+    if variant == "hierarchical":
+        config["local_world_size"] = 1
+    args = [(torch.randn(16, 8), topk_idx, torch.rand(16, 2), config, short_rank, None) for _ in range(2)]
+    for rank, (message, moved, rows) in enumerate(worlds(2).run(_short_of_memory, args)):
+        if rank == short_rank:
+            assert message.startswith("ValueError: x: the padded rows of a pad_to_capacity dispatch (32) do not fit "
+                                      "in this rank's free device memory (3 rows)"), message
+        else:
+            assert message.startswith("PeerRefused: rank(s) [%d]" % short_rank), message
+        assert moved == 0 and rows == (32 if rank == 0 else 0)
 
 
 @pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
