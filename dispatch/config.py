@@ -11,6 +11,7 @@ process group (``num_experts % W``, ``local_world_size``) is checked by
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from dispatch.capacity import DROP_POLICIES
@@ -134,7 +135,7 @@ class DispatchConfig:
         if unknown:
             raise TypeError(f"unknown dispatcher option(s) {', '.join(unknown)}: DispatchConfig takes "
                             f"{', '.join(cls.__dataclass_fields__)}; Tuning takes {', '.join(sorted(tuning_names))}")
-        if tuning and options.get("tuning") is not None:
+        if tuning and options.pop("tuning", None) is not None:
             raise TypeError(f"{', '.join(tuning)} given beside tuning=: give one or the other")
         return cls(**options, **({"tuning": Tuning(**tuning)} if tuning else {}))
 
@@ -150,11 +151,15 @@ class DispatchConfig:
         _check_choice("combine_grad_wire", self.combine_grad_wire, GRAD_TO_EXPERTS_WIRES)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < 1e6:
             raise ValueError(f"timeout must be a number of seconds in (0, 1e6), got {self.timeout!r}")
-        if self.capacity_factor is not None and (
-            isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float))
-            or not 0 < self.capacity_factor < float("inf")
-        ):
-            raise ValueError(f"capacity_factor must be None or a finite number > 0, got {self.capacity_factor!r}")
+        if self.capacity_factor is not None:  # any real number (numpy's too), kept as a float
+            factor = self.capacity_factor
+            try:
+                factor = float(factor) if isinstance(factor, numbers.Real) and not isinstance(factor, bool) else None
+            except OverflowError:  # (an int past float's range)
+                factor = None
+            if factor is None or not 0 < factor < float("inf"):
+                raise ValueError(f"capacity_factor must be None or a finite number > 0, got {self.capacity_factor!r}")
+            object.__setattr__(self, "capacity_factor", factor)
         _check_choice("drop_policy", self.drop_policy, DROP_POLICIES)
         if not isinstance(self.pad_to_capacity, bool):
             raise TypeError(f"pad_to_capacity must be a bool, got {type(self.pad_to_capacity).__name__}")

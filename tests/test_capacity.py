@@ -5,6 +5,7 @@ dispatching the kept slots exactly, gradients of dropped weights zero."""
 
 from __future__ import annotations
 
+import fractions
 import math
 
 import pytest
@@ -161,9 +162,12 @@ def test_a_factor_large_enough_to_overflow_takes_every_slot():
 
 
 def test_capacity_refused_by_name():
-    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1", 10**400):  # (the last: past float's range)
         with pytest.raises(ValueError, match="capacity_factor"):
             dispatch.DispatchConfig(num_experts=4, capacity_factor=bad)
+    for real in (fractions.Fraction(3, 2), torch.tensor(2.5).item(), 3):  # any real number (numpy's), kept as a float
+        factor = dispatch.DispatchConfig(num_experts=4, capacity_factor=real).capacity_factor
+        assert type(factor) is float and factor == float(real)
     with pytest.raises(ValueError, match="drop_policy"):
         dispatch.DispatchConfig(num_experts=4, capacity_factor=1.0, drop_policy="random")
 

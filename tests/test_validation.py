@@ -286,6 +286,7 @@ def test_flat_options_split_into_the_config_and_its_tuning():
     cfg = dispatch.DispatchConfig.from_options(num_experts=4, variant="allgather", sm_budget=8, check_inputs=False)
     assert cfg == dispatch.DispatchConfig(num_experts=4, variant="allgather",
                                           tuning=dispatch.Tuning(sm_budget=8, check_inputs=False))
+    assert dispatch.DispatchConfig.from_options(num_experts=4, tuning=None, sm_budget=8).tuning.sm_budget == 8
     assert dispatch.DispatchConfig(num_experts=4).tuning == dispatch.Tuning()
     assert len(dataclasses.fields(dispatch.DispatchConfig)) <= 12  # what a user chooses; the rest is Tuning
 
