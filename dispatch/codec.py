@@ -15,7 +15,8 @@ Formats of rows going to the experts:
 
 * ``native`` keeps the data's own dtype (lossless); ``bf16`` and ``fp32`` cast on
   the way out and back on arrival (bf16: 7 stored mantissa bits, per-element
-  relative error at most 2^-8).
+  relative error at most 2^-8, but for finite values past the wire's largest,
+  which round to infinity: above 3.39e38 for bf16, 3.40e38 for fp32 from fp64).
 * ``fp8`` (e4m3) and ``e5m2``: one fp32 scale per 128 channels of each row, packed
   as one byte row ``[H fp8 codes | pad to 4 | ceil(H/128) fp32 scales]``
   (``dispatch.kernels.quantize`` has the layout, the encoding, the short last
