@@ -62,6 +62,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from dispatch import partition
 from dispatch.dispatcher import TokenDispatcher
@@ -240,6 +241,7 @@ class _MicroBatchesFn(torch.autograd.Function):
         return results
 
     @staticmethod
+    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
     def backward(ctx, *grad_outs):
         # (autograd runs it on the forward's stream, the compute stream: on it alike)
         return partition.run_on(ctx.partition, _MicroBatchesFn._backward, ctx, grad_outs)
@@ -301,5 +303,7 @@ class _MicroBatchesFn(torch.autograd.Function):
         needs = ctx.needs_input_grad[5:]
         grad_xs = [g if needs[i] else None for i, g in enumerate(grad_xs)]
         grad_ws = [g if needs[count + i] else None for i, g in enumerate(grad_ws)]
+        grad_params = [torch.zeros_like(p) if g is None and needs[2 * count + 1 + i] else g  # (MoEExchange's rule)
+                       for i, (g, p) in enumerate(zip(grad_params, ctx.params))]
         anchor = torch.zeros(0, dtype=ctx.anchor_dtype, device=handles[0].device)
         return (None, None, None, None, None, *grad_xs, *grad_ws, anchor, *grad_params)

@@ -57,7 +57,10 @@ nothing is read on the host. Other experts are differentiated
 group by group by autograd, their parameter gradients accumulated in place in
 the parameters' dtype (each expert's gradient comes from one group, so the
 sums add zeros to it: bitwise those of G = 1 where the experts' backward gives
-an expert without rows a zero gradient).
+an expert without rows a zero gradient). A parameter no group's graph reached
+gets a zero gradient, as experts that run every expert give it through the
+plain verbs (Megatron's ``SequentialMLP``, ``GroupedExperts``); where experts
+skip one without rows, the plain verbs leave its ``.grad`` None instead.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from dispatch.dispatcher import TokenDispatcher
 from dispatch.experts import ExpertsByGroups, GroupedExperts
@@ -345,6 +349,7 @@ class _PipelineFn(torch.autograd.Function):
         return result
 
     @staticmethod
+    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
     def backward(ctx, grad_out):
         if ctx.spent:
             raise RuntimeError(
@@ -402,7 +407,11 @@ class _PipelineFn(torch.autograd.Function):
             grad_x = to_x.wait().to(ctx.x_dtype) if x_any else None
             grad_topk = to_w.wait().to(ctx.w_dtype) if w_any else None
         ctx.by_groups = None
-        needs = ctx.needs_input_grad  # (a parameter no group reached: None, its .grad left as the plain verbs leave it)
+        needs = ctx.needs_input_grad
+        grad_params = [  # a parameter no group reached: zeros, as experts that run every expert give (module doc)
+            torch.zeros_like(p) if g is None and needs[6 + i] else g
+            for i, (g, p) in enumerate(zip(grad_params, ctx.params))
+        ]
         return (
             grad_x if needs[0] else None,
             grad_topk if needs[1] else None,

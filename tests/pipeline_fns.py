@@ -613,7 +613,8 @@ class SkipsEmpty(nn.Module):
 
 
 def unused_expert_grads(layer_kind: str) -> list:
-    """Which parameters of :class:`SkipsEmpty` experts have a gradient after a
+    """The gradients of :class:`SkipsEmpty` experts' parameters (None: none, else
+    whether any entry is nonzero) after a
     step on 2 ranks that routes every token to local expert 0 of each, through
     the plain verbs or a layer (``layer_kind``: "plain", "micro-batches", "groups N")."""
     d = dispatch.create(dispatch.DispatchConfig(num_experts=4))
@@ -630,4 +631,4 @@ def unused_expert_grads(layer_kind: str) -> list:
     else:
         h = dispatch.MoEExchange(d, experts, groups=int(layer_kind.split()[1]))(x, idx, w)
     h.sum().backward()
-    return [p.grad is not None for p in experts.parameters()]
+    return [None if p.grad is None else bool(p.grad.any()) for p in experts.parameters()]
