@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.handle import padded, received
@@ -39,6 +40,7 @@ class DispatchFn(torch.autograd.Function):
         return padded(tokens, handle, 0), padded(weights, handle, 0)
 
     @staticmethod
+    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
     def backward(ctx, grad_tokens, grad_weights, _grad_link):
         # Exchanges follow what the group needs (handle), not this rank alone, so
         # that every rank makes the same collective calls.
@@ -69,6 +71,7 @@ class CombineFn(torch.autograd.Function):
         return started.result()
 
     @staticmethod
+    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
     def backward(ctx, grad_out):
         expert_out, weights = ctx.saved_tensors
         ctx.dispatcher._calls.agree(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))
@@ -107,6 +110,13 @@ def _node(fn: type) -> "Callable":
         return fn.apply(*args) if active() else bound(*args)
 
     return apply
+
+
+def with_grad(node: "Callable", *args):
+    """``node(*args)`` with grad mode on: a node made at an async verb's wait,
+    in the grad mode of the call (on), not the wait's."""
+    with torch.enable_grad():
+        return node(*args)
 
 
 dispatch_node = _node(DispatchFn)  # DispatchFn.apply

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dispatch import agreement, capacity, checks, comm, plan, usual
-from dispatch.autograd import combine_node
+from dispatch.autograd import combine_node, with_grad
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
 from dispatch.handle import CombineHandle, Dispatched, padded, received
@@ -66,7 +66,9 @@ class TokenDispatcher:
     collectives on CPU (``wait()`` finishes them). Every rank of the group must
     start the same exchanges in the same order (each call is agreed by every
     rank before any token moves: ``checks``, ``dispatch.board``); several may be in flight at
-    once (each has its own handle), and may be waited for in any order; a CUDA
+    once (each has its own handle), and may be waited for in any order (with
+    gradients, the same order on every rank: a work's autograd node is made at
+    its wait, and the backwards' exchanges run in the nodes' order); a CUDA
     graph's replay is ordered by its stream only: wait for them before it.
     """
 
@@ -285,8 +287,8 @@ class TokenDispatcher:
         node = torch.is_grad_enabled() and handle.link is not None  # else no backward: no node
         if async_op:
             started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), True)
-            return ExchangeWork(lambda: combine_node(expert_out, weights, handle.link, (self, handle, started))
-                                if node else started.result())
+            return ExchangeWork(lambda: with_grad(combine_node, expert_out, weights, handle.link,
+                                                   (self, handle, started)) if node else started.result())
         started = handle.transport.to_home(rows, handle, w, wire)  # on the caller's stream, as dispatch's
         out = combine_node(expert_out, weights, handle.link, (self, handle, started)) if node else started.result()
         if fast is not None:
@@ -308,9 +310,9 @@ class TokenDispatcher:
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
         if torch.is_grad_enabled() and differentiable and handle.link is None:
             raise ValueError(
-                "expert_out (or weights) requires grad but the dispatch behind handle ran with "
-                "grad mode off: run dispatch with grad mode on so every rank joins the backward"
-            )
+                "expert_out (or weights) requires grad but the dispatch behind handle ran with grad mode off (run "
+                "it with grad mode on so every rank joins the backward), or handle is a DispatchWork's taken before "
+                "its wait() (take wait().handle)")
 
     def dispatch_rows(
         self, rows: torch.Tensor, handle: CombineHandle, *, wire: str = "native", async_op: bool = False
@@ -347,7 +349,7 @@ class TokenDispatcher:
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec),
                                              (rows,), async_op, self.comm_priority)
         if handle.groups > 1:
-            work = ExchangeWork(started.result, started.result)
+            work = ExchangeWork(started.result, started.result, handle.groups)
         else:
             work = ExchangeWork(lambda: padded(started.result(), handle, 0))
         return work if async_op else work.wait()

@@ -131,13 +131,11 @@ class DispatchWork:
         on the NVLink engine a later group copies rows that an earlier group
         brought."""
         handle = self.handle
-        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < handle.groups:
-            raise ValueError(f"g must be a group index in [0, {handle.groups}), got {g!r}")
+        g = group_index(g, handle.groups)
         if self._started is None:
             raise ValueError("wait_group: the dispatch was waited for (wait()); take its rows from that result")
         if handle.pad_blocks is not None:
             raise ValueError("wait_group: a pad_to_capacity dispatch places its rows at wait(); use wait()")
-        g = int(g)
         lo, hi = handle.row_range(g)
         bounds = handle.group_experts or (0, self._dispatcher.num_local_experts)
         first, end = bounds[g], bounds[g + 1]
@@ -189,12 +187,19 @@ def dispatched(dispatcher: "TokenDispatcher", x, topk_weights, handle: CombineHa
                       src_token=src_token, handle=handle, _traffic=traffic, dropped=dropped)
 
 
+def group_index(g: object, groups: int) -> int:
+    """``wait_group``'s ``g``, an index in [0, groups)."""
+    if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < groups:
+        raise ValueError(f"g must be a group index in [0, {groups}), got {g!r}")
+    return int(g)
+
+
 class ExchangeWork:
     """A combine or a move along a handle in flight (the verbs' ``async_op=True``).
     It holds the buffers of the exchange until waited for."""
 
-    def __init__(self, finish, group=None) -> None:
-        self._finish, self._result, self._group = finish, None, group
+    def __init__(self, finish, group=None, groups: int = 1) -> None:
+        self._finish, self._result, self._group, self._groups = finish, None, group, groups
 
     def wait_group(self, g: int) -> torch.Tensor:
         """Group g's rows of a ``dispatch_rows`` along the handle of a dispatch
@@ -202,7 +207,7 @@ class ExchangeWork:
         if self._group is None:
             raise ValueError("wait_group: only a dispatch_rows along the handle of a dispatch by groups "
                              "(dispatch(groups=G), G > 1) moves by groups")
-        return self._group(g)
+        return self._group(group_index(g, self._groups))
 
     def wait(self) -> torch.Tensor:
         """The verb's result tensor; the caller's current stream waits for the

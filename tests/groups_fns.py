@@ -96,7 +96,8 @@ def grouped_errors(x, topk_idx, topk_weights, config: dict, groups_of_rank: list
         "wait before all added": sums.wait,
         "wrong rows": lambda: sums.add(torch.cat([first.tokens, x[:1]])),  # one row too many
         "bad group": lambda: work.wait_group(2),
-    }.items():
+        "rows' bad group": lambda: d.dispatch_rows(x, work.handle, async_op=True).wait_group(-1),  # (no all-to-all
+    }.items():  # waited for: the last group's rows read before they land)
         try:
             call()
         except (ValueError, TypeError) as e:

@@ -471,3 +471,34 @@ def bounded_groups_verbs(x, topk_idx, topk_weights, config, groups, slack, emula
     ok["autograd"] = all(torch.equal(a, b) for a, b in zip(*grads))
     d.check()
     return ok
+
+
+def higher_order_and_async_grad_mode(x, topk_idx, topk_weights, config: dict) -> dict:
+    """A round trip's gradients taken with create_graph (a second backward
+    through them: what it raised), and an async combine started with grad
+    mode on, waited for under no_grad (whether its result has a graph, and x's
+    gradient through it against the synchronous combine's)."""
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    got = {}
+    xx, ww = x.clone().requires_grad_(), topk_weights.clone().requires_grad_()
+    out = d.dispatch(xx, topk_idx, ww)
+    y = d.combine(out.tokens * out.tokens, out.handle, weights=out.weights)
+    gx, = torch.autograd.grad(y.sum(), xx, create_graph=True)
+    try:
+        gx.sum().backward()
+        got["double backward"] = None
+    except RuntimeError as error:
+        got["double backward"] = str(error)
+    grads = []
+    for started in (False, True):
+        xx = x.clone().requires_grad_()
+        out = d.dispatch(xx, topk_idx, topk_weights)
+        work = d.combine(out.tokens * 3, out.handle, weights=out.weights, async_op=started)
+        if started:
+            with torch.no_grad():
+                work = work.wait()
+        got["graph" if started else "graph, sync"] = work.requires_grad
+        work.sum().backward()
+        grads.append(xx.grad)
+    got["same gradient"] = torch.equal(*grads)
+    return got

@@ -194,3 +194,16 @@ def test_ranks_needing_different_gradients(worlds, x_grad, w_grad, fresh, varian
             torch.testing.assert_close(grad_x, _grad(leaves_x[rank]), rtol=1e-12, atol=1e-12)
         if w_grad[rank]:
             torch.testing.assert_close(grad_w, _grad(leaves_w[rank]), rtol=1e-12, atol=1e-12)
+
+
+def test_a_second_backward_raises_and_an_async_combine_keeps_its_calls_grad_mode(worlds):
+    """Gradients taken with create_graph carry no graph through the exchanges,
+    so a backward through them raises (they were silently detached); an async
+    combine started with grad mode on and waited for under no_grad keeps its
+    graph, as the synchronous combine (its graph was cut)."""
+    routing = make_routing(2, 4, 2, [6, 5], "random", seed=2)
+    args = [(random_tokens(r, routing.num_tokens[r], HIDDEN, torch.float64, 1), routing.topk_idx[r],
+             routing.topk_weights[r].double(), dict(num_experts=routing.num_experts)) for r in range(2)]
+    for got in worlds(2).run(rank_fns.higher_order_and_async_grad_mode, args):
+        assert got["double backward"] is not None and "once_differentiable" in got["double backward"], got
+        assert got["graph"] and got["graph, sync"] and got["same gradient"], got

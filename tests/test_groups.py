@@ -93,6 +93,7 @@ def test_group_refusals(worlds, config, board):
         assert "add every group" in errors["wait before all added"]
         assert "rows has" in errors["wrong rows"] and "group 0 has" in errors["wrong rows"], errors["wrong rows"]
         assert "g must be a group index in [0, 2)" in errors["bad group"]
+        assert "g must be a group index in [0, 2), got -1" in errors["rows' bad group"]
         assert "added already" in errors["added twice"]
 
 
