@@ -40,7 +40,7 @@ class DispatchFn(torch.autograd.Function):
         return padded(tokens, handle, 0), padded(weights, handle, 0)
 
     @staticmethod
-    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
+    @once_differentiable  # (its exchanges are not differentiable: a double backward raises)
     def backward(ctx, grad_tokens, grad_weights, _grad_link):
         # Exchanges follow what the group needs (handle), not this rank alone, so
         # that every rank makes the same collective calls.
@@ -71,7 +71,7 @@ class CombineFn(torch.autograd.Function):
         return started.result()
 
     @staticmethod
-    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
+    @once_differentiable  # (its exchanges are not differentiable: a double backward raises)
     def backward(ctx, grad_out):
         expert_out, weights = ctx.saved_tensors
         ctx.dispatcher._calls.agree(ctx.dispatcher._along("the backward of combine", ctx.handle, lambda: None))

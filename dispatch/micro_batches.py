@@ -241,7 +241,7 @@ class _MicroBatchesFn(torch.autograd.Function):
         return results
 
     @staticmethod
-    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
+    @once_differentiable  # (its exchanges are not differentiable: a double backward raises)
     def backward(ctx, *grad_outs):
         # (autograd runs it on the forward's stream, the compute stream: on it alike)
         return partition.run_on(ctx.partition, _MicroBatchesFn._backward, ctx, grad_outs)

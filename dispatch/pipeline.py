@@ -349,7 +349,7 @@ class _PipelineFn(torch.autograd.Function):
         return result
 
     @staticmethod
-    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
+    @once_differentiable  # (its exchanges are not differentiable: a double backward raises)
     def backward(ctx, grad_out):
         if ctx.spent:
             raise RuntimeError(

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class GatherRows(torch.autograd.Function):
         return gather(rows, tp)
 
     @staticmethod
-    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
+    @once_differentiable  # (its exchanges are not differentiable: a double backward raises)
     def backward(ctx, grad):
         return sum_over_ranks(grad, ctx.tp), None
 
@@ -150,6 +150,6 @@ class SumRows(torch.autograd.Function):
         return sum_over_ranks(rows, tp)
 
     @staticmethod
-    @once_differentiable  # (its exchanges are no differentiable operations: a double backward raises)
+    @once_differentiable  # (its exchanges are not differentiable: a double backward raises)
     def backward(ctx, grad):
         return gather(grad.contiguous(), ctx.tp), None
