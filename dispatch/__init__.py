@@ -73,7 +73,7 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
     ``transport`` ``"auto"``, ``"nvlink"`` or ``"nvshmem"``, and the
     hierarchical one with ``"nvshmem"``, make this a collective (the ranks
     agree whether the engine or NVSHMEM can run, and their buffers are
-    allocated); so does the first ``create`` over an NCCL group of two ranks or
+    allocated); so does the first ``create`` over a group of two ranks or
     more that leaves ``Tuning.local_world_size`` unset (its ranks' hosts are
     gathered once, ``comm.group_hosts``). Every rank of the group calls ``create`` with
     the same config, in the same order: the ranks first agree on it (over the

@@ -82,12 +82,11 @@ _HOST_GROUPS: dict[str, dist.ProcessGroup] = {}
 
 
 def group_hosts(group: dist.ProcessGroup | None) -> tuple[str, ...] | None:
-    """The host (its name) of each rank of a group of two ranks or more whose
-    backend is or includes NCCL, in group order: a collective of its host
-    channel (:func:`host_group`) at the group's first call (every rank makes
-    its dispatchers in the same order), kept for that group after. None for
-    any other group: its ranks are not asked where they run."""
-    if "nccl" not in str(dist.get_backend(group)) or dist.get_world_size(group) == 1:
+    """The host (its name) of each rank of a group of two ranks or more, in
+    group order: a collective of its host channel (:func:`host_group`) at the
+    group's first call (every rank makes its dispatchers in the same order),
+    kept for that group after. None for a one-rank group."""
+    if dist.get_world_size(group) == 1:
         return None
     group = group if group is not None else dist.group.WORLD
     kept = _HOSTS.get(group.group_name)

@@ -190,10 +190,9 @@ class Tuning:
         local_world_size: ranks per node (nodes are blocks of consecutive group
             ranks), for the hierarchical variant, the auto cost model and the
             intra-/inter-node split of ``Dispatched.stats``; checked to divide the
-            group size. None: on an NCCL group, counted from the hosts its ranks
-            run on (``stats.ranks_per_host``: 1 where a host's ranks are not one
-            block of consecutive ranks, the same size for every host); else
-            ``LOCAL_WORLD_SIZE`` from torchrun, else one node.
+            group size. None: counted from the hosts the group's ranks run on
+            (``stats.ranks_per_host``: 1 where a host's ranks are not one
+            block of consecutive ranks, the same size for every host).
         link_model: bandwidths and latencies of the tiers for ``variant="auto"``
             (a :class:`dispatch.cost_model.LinkModel`; None: its defaults).
         check_inputs: check the *values* of ``topk_idx`` and ``topk_weights``

@@ -17,7 +17,6 @@ cost no synchronisation and no communication.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import asdict, dataclass
 
 
@@ -68,34 +67,20 @@ def resolve_local_world_size(configured: int | None, world_size: int, hosts: tup
     """Ranks per node of an EP group of ``world_size`` ranks (nodes are blocks of
     consecutive group ranks).
 
-    ``configured`` (``Tuning.local_world_size``) when given; else, where the
-    host of each group rank is known (``hosts``, in group order: an NCCL group,
-    ``comm.group_hosts``), :func:`ranks_per_host`; else the ``LOCAL_WORLD_SIZE``
-    that torchrun sets, when it divides the group size; else the whole group
-    is one node.
+    ``configured`` (``Tuning.local_world_size``) when given; else
+    :func:`ranks_per_host` of the host of each group rank (``hosts``, in group
+    order, the same on every rank: ``comm.group_hosts``; not a process's own
+    ``LOCAL_WORLD_SIZE``, which ranks on nodes of different sizes would not
+    agree on); else (no hosts: a one-rank group) the whole group is one node.
 
     Raises:
-        ValueError: ``configured`` does not divide ``world_size``, or
-            ``LOCAL_WORLD_SIZE`` is not an integer >= 1.
+        ValueError: ``configured`` does not divide ``world_size``.
     """
     if configured is not None:
         if world_size % configured != 0:
             raise ValueError(f"local_world_size={configured} does not divide the group size {world_size}")
         return configured
-    if hosts is not None:
-        return ranks_per_host(hosts)
-    env = os.environ.get("LOCAL_WORLD_SIZE")
-    if env is None:
-        return world_size
-    try:
-        local = int(env)
-    except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={env!r} in the environment is not an integer") from None
-    if local < 1:
-        raise ValueError(f"LOCAL_WORLD_SIZE={env!r} in the environment must be >= 1")
-    if world_size % local == 0:
-        return local
-    return world_size  # a group smaller than a node (or not node-aligned): one node
+    return world_size if hosts is None else ranks_per_host(hosts)
 
 
 def ranks_per_host(hosts: tuple[str, ...]) -> int:

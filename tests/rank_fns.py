@@ -299,8 +299,8 @@ def auto_choices(x, topk_idx, topk_weights, config: dict, calls: int):
 
 def tiers_on_hosts(x, topk_idx, topk_weights, config: dict, hosts: tuple):
     """The ranks per node a dispatcher's transport takes where its group's ranks
-    are told to run on ``hosts`` (``comm.group_hosts``, which asks NCCL groups
-    only), and the stats of one dispatch by its tiers."""
+    are told to run on ``hosts`` (``comm.group_hosts``), and the stats of one
+    dispatch by its tiers."""
     from dispatch import comm
 
     asked, comm.group_hosts = comm.group_hosts, lambda group: hosts
@@ -312,11 +312,29 @@ def tiers_on_hosts(x, topk_idx, topk_weights, config: dict, hosts: tuple):
     return d.transport.local_world_size, out.stats
 
 
+def tiers_beside_local_world_size(x, topk_idx, topk_weights, config: dict, env: str):
+    """The ranks per node a dispatcher's transport takes, and its dispatch's
+    rows, where this process's ``LOCAL_WORLD_SIZE`` is ``env`` (torchrun's, on
+    nodes of different sizes), the group's ranks all on this host."""
+    import os
+
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = env
+    try:
+        d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+        out = d.dispatch(x, topk_idx, topk_weights)
+    finally:
+        if saved is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    return d.transport.local_world_size, out.tokens.shape[0]
+
+
 def hosts_asked(host: str):
     """``comm.group_hosts`` of the world, asked twice, where this rank runs on
-    ``host`` and the world's backend is taken for NCCL: (its answers, the
-    all-gathers it made); then of a one-rank group; then (the world's backend,
-    its answer) as they are."""
+    ``host``: (its answers, the all-gathers it made); then of a one-rank group;
+    then its answer as it is (every rank on this host)."""
     import socket
 
     import torch.distributed as dist
@@ -324,18 +342,17 @@ def hosts_asked(host: str):
     from dispatch import comm
 
     gathers, kept = [], dict(comm._HOSTS)
-    saved = socket.gethostname, dist.get_backend, dist.all_gather_object
+    saved = socket.gethostname, dist.all_gather_object
     socket.gethostname = lambda: host
-    dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
-    dist.all_gather_object = lambda *args, **kw: gathers.append(1) or saved[2](*args, **kw)
+    dist.all_gather_object = lambda *args, **kw: gathers.append(1) or saved[1](*args, **kw)
     try:
         answers = [comm.group_hosts(None), comm.group_hosts(dist.group.WORLD)]
         alone = comm.group_hosts(dist.new_group([dist.get_rank()], use_local_synchronization=True))
     finally:  # (the hosts told here are not kept for the tests after it in this process)
-        socket.gethostname, dist.get_backend, dist.all_gather_object = saved
+        socket.gethostname, dist.all_gather_object = saved
         comm._HOSTS.clear()
         comm._HOSTS.update(kept)
-    return answers, len(gathers), alone, (dist.get_backend(), comm.group_hosts(None))
+    return answers, len(gathers), alone, comm.group_hosts(None)
 
 
 def every_verb(d, x, topk_idx, topk_weights, grad_out, max_rows=None, groups=1, async_op=False) -> dict:

@@ -7,6 +7,8 @@ counts are what the senders send, and nothing overflows the stated bounds."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -280,7 +282,7 @@ def _fake_get_expand(out, stage, recv, stride, row_bytes, places, receives, back
     lo, hi = nvshmem_puts.EVERY if span is None else span
     stages = _everyone(stage)
     assert len({t.numel() for t in stages}) == 1, "the stages differ between ranks"
-    flat = out.view(torch.uint8).reshape(out.shape[0], -1)
+    flat = out.view(torch.uint8).reshape(out.shape[0], math.prod(out.shape[1:]) * out.element_size())  # (0 rows too)
     total, r = min(int(receives.sum()), most), 0
     chosen = _in_span(places[:total], span, last=False).tolist()
     for s, count in enumerate(receives.tolist()):

@@ -169,29 +169,22 @@ def test_auto_chooses_at_the_first_dispatch_and_every_64th(worlds):
 
 
 def test_local_world_size_resolution(monkeypatch):
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert resolve_local_world_size(None, 8) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # (a process's own: not read)
+    assert resolve_local_world_size(None, 1) == 1
     assert resolve_local_world_size(2, 8) == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert resolve_local_world_size(None, 8) == 4
-    assert resolve_local_world_size(None, 2) == 2  # a group inside one node
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
-        resolve_local_world_size(None, 8)
     with pytest.raises(ValueError, match="local_world_size"):
         resolve_local_world_size(3, 8)
 
 
 def test_local_world_size_follows_the_hosts_of_the_group(monkeypatch):
-    """Where the host of each group rank is known (an NCCL group), its ranks per
-    node are counted from them, not from the processes a node runs: an EP group
+    """The ranks per node of a group are counted from the host of each of its
+    ranks, not from the processes a node runs: an EP group
     strided across two nodes of 8 GPUs (tensor parallelism of 2 inside them) has
     4 ranks a node where ``LOCAL_WORLD_SIZE`` says 8. Where a host's ranks are not
     one block of consecutive ranks, or the blocks differ in size, every rank is
     a node of its own. A size given in the config still wins."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     strided = ("a",) * 4 + ("b",) * 4
-    assert resolve_local_world_size(None, 8) == 8
     assert resolve_local_world_size(None, 8, strided) == 4
     assert resolve_local_world_size(2, 8, strided) == 2
     assert resolve_local_world_size(None, 8, ("a",) * 8) == 8
@@ -201,14 +194,25 @@ def test_local_world_size_follows_the_hosts_of_the_group(monkeypatch):
 
 
 def test_the_hosts_of_a_group_are_asked_once(worlds):
-    """``comm.group_hosts``: on a group whose backend includes NCCL, every rank's
-    host in group order, gathered at the first ask only; nothing asked of a
-    one-rank group, nor of a group of another backend (gloo here)."""
+    """``comm.group_hosts``: every rank's host in group order, gathered at the
+    first ask only, whatever the backend; nothing asked of a one-rank group."""
     results = worlds(4).run(rank_fns.hosts_asked, [("a",), ("a",), ("b",), ("b",)])
-    for answers, gathers, alone, (backend, plain) in results:
+    for answers, gathers, alone, plain in results:
         assert answers == [("a", "a", "b", "b")] * 2 and gathers == 1, (answers, gathers)
-        assert alone is None
-        assert plain is None if backend == "gloo" else len(plain) == 4, (backend, plain)
+        assert alone is None and len(plain) == 4 and len(set(plain)) == 1, plain
+
+
+@pytest.mark.parametrize("variant", ["hierarchical", "allgather", "auto"])
+def test_ranks_agree_on_their_tiers_whatever_their_local_world_size(worlds, variant):
+    """Processes whose ``LOCAL_WORLD_SIZE`` differs (torchrun's, on nodes of 3
+    and 1 GPUs) take the tiers of their ranks' hosts alike (one host here): a
+    dispatch runs (ranks that took different tiers made counts rows of
+    different widths, which aborted the gloo processes)."""
+    routing = make_routing(4, 2, 2, [5, 6, 4, 7], "random", seed=5)
+    config = dict(num_experts=routing.num_experts, variant=variant)
+    args = [(identity_tokens(r, t, 8, torch.float32), routing.topk_idx[r], routing.topk_weights[r], config, env)
+            for r, (t, env) in enumerate(zip(routing.num_tokens, ("3", "3", "3", "1")))]
+    assert [local for local, _ in worlds(4).run(rank_fns.tiers_beside_local_world_size, args)] == [4] * 4
 
 
 @pytest.mark.parametrize("variant", ["hierarchical", "alltoall"])

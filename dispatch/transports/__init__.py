@@ -103,7 +103,7 @@ def _spans_hosts(group) -> bool:
     """Whether the ranks of an NCCL group run on more than one host (a
     collective at the group's first ask, ``comm.group_hosts``); False for any
     other group (no NVSHMEM there)."""
-    hosts = comm.group_hosts(group)
+    hosts = comm.group_hosts(group) if "nccl" in str(dist.get_backend(group)) else None
     return hosts is not None and len(set(hosts)) > 1
 
 
