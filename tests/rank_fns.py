@@ -342,6 +342,7 @@ def hosts_asked(host: str):
     from dispatch import comm
 
     gathers, kept = [], dict(comm._HOSTS)
+    comm._HOSTS.clear()  # (the world's hosts, where a dispatcher asked them before)
     saved = socket.gethostname, dist.all_gather_object
     socket.gethostname = lambda: host
     dist.all_gather_object = lambda *args, **kw: gathers.append(1) or saved[1](*args, **kw)
