@@ -171,7 +171,7 @@ class Engine(EngineMoves):
             raise ValueError(f"the current CUDA device is {current}, the dispatcher's is {self.device.index}: call "
                              "it with its own device current")
 
-    def _raise(self, code: int, peer: int, where: int) -> None:
+    def raise_failure(self, code: int, peer: int, where: int) -> None:  # (the status words, read on the host)
         self.failure_seen = True  # seen for good (seen_failed): the next dispatch's word says so
         raise RuntimeError(failure_message(code, peer, where, self.rank, self.timeout_ns))
 
@@ -182,7 +182,7 @@ class Engine(EngineMoves):
             self._last[0].synchronize()  # host sync: the latest eager operation, on whatever stream
         code, peer, where, _ = self.status.tolist()  # host sync: the status words
         if code:
-            self._raise(code, peer, where)
+            self.raise_failure(code, peer, where)
 
     def seen_failed(self, poll: bool) -> bool:
         """Whether a failure the kernels recorded has reached the host, without
@@ -386,7 +386,7 @@ class Engine(EngineMoves):
                 if stream is not None:  # recorded by the call, as it returned or raised
                     ordered_eager(self, stream)
             if isinstance(got, tuple):  # the status words: a failure the kernels recorded
-                self._raise(*got)
+                self.raise_failure(*got)
             if got.planned is not None and got.planned.tokens is not None:
                 self.operations += 1  # the pull's, with the counts exchange's (its order's)
             return got
@@ -445,7 +445,7 @@ class Engine(EngineMoves):
         words_read = out[: 4 + world * length].tolist()
         code, peer, where = words_read[:3]
         if code:
-            self._raise(code, peer, where)
+            self.raise_failure(code, peer, where)
         matrix_host = [words_read[4 + s * length : 4 + (s + 1) * length] for s in range(world)]
         staged, bound, received = rows is not None, 1, 0
         for r in matrix_host:  # a loop, not three generators: this is every dispatch's host path

@@ -96,7 +96,7 @@ class UsualDispatches:
                                f"checks found nothing: {out}")
         ordered_eager(engine, stream)  # recorded by the call
         if len(out) == 3:  # the status words: a failure the kernels recorded
-            engine._raise(*out)
+            engine.raise_failure(*out)
         words, per_expert, tokens_at, headers, sends, rows_of, mine, bound, received, staged, planned = out
         if planned is not None:
             planned = Planned(*planned)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 import dispatch
 from dispatch import comm
-from dispatch.agreement import PeerRefused
 from dispatch.config import DispatchConfig, Tuning
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations import megatron_tp as expert_tp
@@ -481,7 +480,7 @@ class MegatronDispatcher:
         told = wrong.view(-1).tolist()  # host sync
         refused = [p for p, v in enumerate(told) if v == expert_tp.REFUSED]
         if refused:
-            raise PeerRefused(refused, "this round trip in their EP group (their expert-TP peers stop here with them)")
+            raise expert_tp.refused_by(refused)
         if max(told):
             whose = (f"this rank's experts got {mine.tolist()}" if not torch.equal(mine, fixed)
                      else "another rank's experts got other counts")

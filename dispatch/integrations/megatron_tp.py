@@ -47,9 +47,7 @@ class TensorParallelRows:
         table = tuple(tuple(row) for row in gathered.tolist())  # host sync
         refused = [p for p, row in enumerate(table) if any(n < 0 for n in row)]
         if refused:  # (marked counts: those ranks' dispatch raised in their EP groups, :func:`refuse`)
-            from dispatch.agreement import PeerRefused
-
-            raise PeerRefused(refused, "this round trip in their EP group (their expert-TP peers stop here with them)")
+            raise refused_by(refused)
         return TensorParallelRows.of(table, group, device)
 
     @staticmethod
@@ -84,6 +82,13 @@ class TensorParallelRows:
 
 
 REFUSED = 2  # the fixed counts' check (MegatronDispatcher._check_fixed_counts) as a rank that refused marks it
+
+
+def refused_by(ranks: list[int]):
+    """The ``PeerRefused`` of expert-TP peers told by ``ranks`` that their EP groups' dispatch raised (:func:`refuse`)."""
+    from dispatch.agreement import PeerRefused
+
+    return PeerRefused(ranks, "this round trip in their EP group (their expert-TP peers stop here with them)")
 
 
 def refuse(fixed: bool, num_local_experts: int, group, size: int, device: torch.device, arrivals) -> None:

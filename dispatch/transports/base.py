@@ -102,8 +102,11 @@ class Transport(abc.ABC):
         max_topk: (class) the most slots per token it moves (None: any).
         bounded_groups: (class) whether it moves a dispatch by groups with
             ``max_rows`` (each group padded to its bound, nothing read on the host).
-        device_bound: (class) whether its kernels run on one device, so that the
-            front end asks ``check_current`` before each call's agreement.
+        device_bound: (class) whether its kernels run on one device: the front
+            end then asks its ``check_current(x=None)`` before each call's
+            agreement, which refuses a call they cannot make as it is called
+            (another CUDA device current; a dispatch's ``x`` elsewhere) on this
+            rank alone, so that its peers are refused with it.
         agrees_dispatch: whether every dispatch is agreed on the host (on the
             board, else over the host channel) before any exchange, with a word of its own
             (``dispatch_word``): a transport that learns of failures on the
@@ -241,13 +244,6 @@ class Transport(abc.ABC):
             raise ValueError(f"max_rows: every rank of the group passes one or none ({told})")
         checks.check_peer_groups([w // GROUPS + 1 for w in words])
         return words
-
-    def check_current(self, x: torch.Tensor | None = None) -> None:
-        """Refuse a call this rank's kernels cannot make as it is called (another
-        CUDA device current; ``x``, a dispatch's tokens, on a device they do not
-        run on): on this rank alone, before the call's agreement, so that its
-        peers are refused with it (asked where ``device_bound``). Here: nothing
-        (the backend moves each tensor on its own device)."""
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
         """``TokenDispatcher.reserve``: nothing where ``max_rows`` reads the host anyway."""
