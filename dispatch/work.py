@@ -45,13 +45,14 @@ class GroupSums:
         raise ``CallsDiffer`` on every rank instead of pairing crosswise. Leave
         the rows and weights unchanged until :meth:`wait`: a later group's
         pre-sums may read them (the NVLink engine sums each pre-sum whole when
-        its last group comes)."""
+        its last group comes). An add past the last group raises a ValueError
+        on this rank alone, agreeing on nothing: its peers make no such add."""
         handle, g = self._handle, self._added
+        if g == handle.groups:  # here alone: no peer makes this add, so it agrees on nothing
+            raise ValueError(f"add: all {handle.groups} groups were added already")
         given = weights.dtype if isinstance(weights, torch.Tensor) else None
 
         def check():
-            if g == handle.groups:
-                raise ValueError(f"add: all {handle.groups} groups were added already")
             lo, hi = handle.row_range(g)
             devices = self._dispatcher.devices
             checks.check_rows("rows", rows, hi - lo, f"group {g} has", devices, handle.device)
