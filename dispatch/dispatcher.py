@@ -287,8 +287,8 @@ class TokenDispatcher:
         node = torch.is_grad_enabled() and handle.link is not None  # else no backward: no node
         if async_op:
             started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire), _present(rows, w), True)
-            return ExchangeWork(lambda: with_grad(combine_node, expert_out, weights, handle.link,
-                                                   (self, handle, started)) if node else started.result())
+            return ExchangeWork(started, lambda: with_grad(combine_node, expert_out, weights, handle.link,
+                                                            (self, handle, started)) if node else started.result())
         started = handle.transport.to_home(rows, handle, w, wire)  # on the caller's stream, as dispatch's
         out = combine_node(expert_out, weights, handle.link, (self, handle, started)) if node else started.result()
         if fast is not None:
@@ -349,9 +349,9 @@ class TokenDispatcher:
         started = self._streams.start_groups(lambda: handle.transport.to_experts(rows, handle, codec),
                                              (rows,), async_op, self.comm_priority)
         if handle.groups > 1:
-            work = ExchangeWork(started.result, started.result, handle.groups)
+            work = ExchangeWork(started, groups=handle.groups)
         else:
-            work = ExchangeWork(lambda: padded(started.result(), handle, 0))
+            work = ExchangeWork(started, lambda: padded(started.result(), handle, 0))
         return work if async_op else work.wait()
 
     def combine_rows(
@@ -396,7 +396,7 @@ class TokenDispatcher:
         wire_dtype = sum_wire_dtype(wire, rows.dtype)
         started = self._start(lambda: handle.transport.to_home(rows, handle, w, wire_dtype), _present(rows, w),
                               async_op)
-        work = ExchangeWork(started.result)
+        work = ExchangeWork(started)
         return work if async_op else work.wait()
 
     def combine_slots(
@@ -425,7 +425,7 @@ class TokenDispatcher:
         checks.check_peer_rows(headers, "values")
         values = checks.home_rows(values, handle.has_rows, self.group, self.world_size, headers).contiguous()
         started = self._start(lambda: handle.transport.slots_home(values, handle), (values,), async_op)
-        work = ExchangeWork(started.result)
+        work = ExchangeWork(started)
         return work if async_op else work.wait()
 
     def combine_groups(

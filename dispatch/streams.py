@@ -11,7 +11,8 @@ experts. :class:`CommStreams` runs it:
   priority), after the work queued on the caller's stream so far; the inputs
   are marked as used by that stream (``record_stream``), and an event marks
   its end. :meth:`Started.result` makes the caller's current stream wait for
-  that event (the host never blocks) and marks the result as used there;
+  that event (the host never blocks) and marks the result as used there, at
+  each call (a work waited for again, on another stream, is ready there too);
 * on CPU (gloo), or without ``async_op``, the hook runs on the caller's stream
   and the collectives are left in flight; :meth:`Started.result` waits for them
   and finishes the rest.
@@ -75,7 +76,7 @@ class Pending:
             self._result, self._work, self._then = self._then(), None, None
         return self._result
 
-    whole = result = finish
+    whole = result = follow = finish
 
 
 class PendingGroups:
@@ -100,6 +101,11 @@ class PendingGroups:
         """``StartedGroups.result`` of pieces run at once (``CommStreams.start_groups``)."""
         return self.whole() if g is None else self.finish(g)
 
+    def follow(self) -> None:
+        """Every piece finished (``StartedGroups.follow``)."""
+        for g in range(self.groups):
+            self.finish(g)
+
     def finish(self, g: int) -> torch.Tensor:
         if self._thens[g] is not None:
             for earlier in range(g + 1):
@@ -112,10 +118,11 @@ class PendingGroups:
 
 class StartedGroups:
     """An exchange in pieces started by :meth:`CommStreams.start_groups`;
-    :meth:`result` of each group once, in any order."""
+    :meth:`result` of each group, in any order, as often as asked."""
 
     def __init__(self, pending: PendingGroups, events=None, device=None, keep=None) -> None:
         self._pending, self._events, self._device, self._keep = pending, events, device, keep
+        self._unread = set(range(pending.groups))  # groups never asked for: until none, it holds ``keep``
 
     @property
     def groups(self) -> int:
@@ -128,19 +135,22 @@ class StartedGroups:
             parts = [self.result(g) for g in range(self.groups)]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self._pending.finish(g)
-        if self._events is not None and self._events[g] is not None:
-            stream = _caller_stream(self._device)
-            stream.wait_event(self._events[g])
-            out.record_stream(stream)
-            self._events[g] = None
-            if not any(e is not None for e in self._events):
+        if self._events is not None:
+            _follow(self._events[g], out, self._device)
+            self._unread.discard(g)
+            if not self._unread:
                 self._keep = None
         return out
 
+    def follow(self) -> None:
+        """The caller's current stream waits for every piece (again)."""
+        for g in range(self.groups):
+            self.result(g)
+
 
 class Started:
-    """An exchange started by :meth:`CommStreams.start`; :meth:`result` once.
-    Until then it holds ``keep`` (what the communication stream reads: the
+    """An exchange started by :meth:`CommStreams.start`. Until its first
+    :meth:`result` it holds ``keep`` (what the communication stream reads: the
     start hook with its handle and inputs), so that none of it is freed and
     handed out to the caller's stream while that stream may still read it."""
 
@@ -148,16 +158,24 @@ class Started:
         self._pending, self._event, self._device, self._keep = pending, event, device, keep
 
     def result(self) -> torch.Tensor:
-        """The exchange's result, ready for the caller's current stream."""
+        """The exchange's result, ready for the caller's current stream (at
+        each call: a later one may come from another stream)."""
         out = self._pending.finish()
         if self._event is not None:
-            stream = _caller_stream(self._device)
-            stream.wait_event(self._event)
-            # made in the communication stream's pool, used on the caller's stream:
-            # its memory is not handed out again before that use
-            out.record_stream(stream)
-            self._event = self._keep = None
+            _follow(self._event, out, self._device)
+            self._keep = None
         return out
+
+    follow = result
+
+
+def _follow(event: "torch.cuda.Event", out: torch.Tensor, device: torch.device) -> None:
+    """The caller's current stream waits for ``event`` and uses ``out``: made in
+    the communication stream's pool, its memory is not handed out again before
+    that use (``record_stream``)."""
+    stream = _caller_stream(device)
+    stream.wait_event(event)
+    out.record_stream(stream)
 
 
 class CommStreams:

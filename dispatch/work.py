@@ -95,12 +95,15 @@ class GroupSums:
     def wait(self) -> torch.Tensor:
         """[T, H'] in ``dtype``: per token, the (weighted) sum of its rows, as
         ``combine_rows``; the caller's current stream waits for it. Once every
-        group is added."""
+        group is added. Later calls return it again, and their current stream
+        waits too."""
         if self._result is None:
             if self._added != self._handle.groups:
                 raise ValueError(f"wait: {self._added} of {self._handle.groups} groups were added; add every group")
-            started = self._dispatcher._start(self._issuer.finish, (self._last,), True)
-            self._result, self._issuer, self._last = started.result(), None, None
+            self._started = self._dispatcher._start(self._issuer.finish, (self._last,), True)
+            self._result, self._issuer, self._last = self._started.result(), None, None
+        else:
+            self._started.follow()
         return self._result
 
 
@@ -133,7 +136,7 @@ class DispatchWork:
         brought."""
         handle = self.handle
         g = group_index(g, handle.groups)
-        if self._started is None:
+        if self._result is not None:
             raise ValueError("wait_group: the dispatch was waited for (wait()); take its rows from that result")
         if handle.pad_blocks is not None:
             raise ValueError("wait_group: a pad_to_capacity dispatch places its rows at wait(); use wait()")
@@ -154,13 +157,16 @@ class DispatchWork:
         """The :class:`Dispatched` result; the caller's current stream waits for
         the exchange (the host does not, on CUDA). The autograd node of the
         dispatch is made here, in the grad mode the dispatch started in (its
-        peers' at that call), whatever the mode of the wait."""
+        peers' at that call), whatever the mode of the wait. Later calls
+        return it again, and their current stream waits too."""
         if self._result is None:
             with torch.set_grad_enabled(self._grad_on):
                 self._result = dispatched(self._dispatcher, *self._args[:2], self.handle, self._plan_out,
                                           self._started, *self._args[2:])
             self.handle = self._result.handle
-            self._args = self._started = self._plan_out = None
+            self._args = self._plan_out = None
+        else:
+            self._started.follow()
         return self._result
 
 
@@ -196,24 +202,29 @@ def group_index(g: object, groups: int) -> int:
 
 
 class ExchangeWork:
-    """A combine or a move along a handle in flight (the verbs' ``async_op=True``).
-    It holds the buffers of the exchange until waited for."""
+    """A combine or a move along a handle in flight (the verbs' ``async_op=True``;
+    ``started``: its exchange, ``finish``: the result from it, by default its
+    result; ``groups``: a ``dispatch_rows`` by that many groups). It holds the
+    buffers of the exchange until waited for."""
 
-    def __init__(self, finish, group=None, groups: int = 1) -> None:
-        self._finish, self._result, self._group, self._groups = finish, None, group, groups
+    def __init__(self, started, finish=None, groups: int = 1) -> None:
+        self._started, self._finish, self._result, self._groups = started, finish or started.result, None, groups
 
     def wait_group(self, g: int) -> torch.Tensor:
         """Group g's rows of a ``dispatch_rows`` along the handle of a dispatch
         by groups; the caller's current stream waits for that group's piece."""
-        if self._group is None:
+        if self._groups == 1:
             raise ValueError("wait_group: only a dispatch_rows along the handle of a dispatch by groups "
                              "(dispatch(groups=G), G > 1) moves by groups")
-        return self._group(group_index(g, self._groups))
+        return self._started.result(group_index(g, self._groups))
 
     def wait(self) -> torch.Tensor:
         """The verb's result tensor; the caller's current stream waits for the
-        exchange (the host does not, on CUDA). Once: later calls return it again."""
+        exchange (the host does not, on CUDA). Later calls return it again, and
+        their current stream waits too."""
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
+        else:
+            self._started.follow()
         return self._result
 
