@@ -600,6 +600,43 @@ def test_the_transport_rule(variant, transport, engine, spans, nvshmem, want):
     assert want != "nvshmem" or cls in (NVSHMEMTransport, HierarchicalNVSHMEMTransport)
 
 
+@pytest.mark.parametrize("peer_takes", [True, False])
+def test_nvshmem_backend_is_left_where_a_peer_cannot_take_it(monkeypatch, peer_takes):
+    """Each rank asks for NVSHMEM's symmetric-memory backend only once every
+    rank may run it, and puts its own back where a peer could not take it
+    (a rank whose engine made its buffers first): no rank is left on a backend
+    its peers are not on. The collectives are stood in for, as this rank sees
+    them: its own answer, then a peer's."""
+    from types import SimpleNamespace
+
+    from dispatch import transports
+    from dispatch.transports import nvshmem
+
+    backend = {"now": None}
+
+    def set_backend(name):
+        backend["now"] = name
+
+    fake = SimpleNamespace(get_backend=lambda device: backend["now"], set_backend=set_backend)
+    monkeypatch.setattr(nvshmem, "_symmetric_memory", lambda: fake)
+    monkeypatch.setattr(nvshmem, "unusable", lambda group: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    peer = None if peer_takes else "this process's symmetric memory is on the CUDA backend already"
+    said = []
+
+    def agreed(group, problem):
+        said.append(problem)
+        return problem if len(said) == 1 else problem or (peer and f"rank 1: {peer}")
+
+    monkeypatch.setattr(transports, "_agreed", agreed)
+    problem = transports._nvshmem_problem(None)
+    assert said == [None, None]  # asked the backend only once both ranks may run
+    if peer_takes:
+        assert problem is None and backend["now"] == "NVSHMEM"
+    else:
+        assert problem == f"rank 1: {peer}" and backend["now"] == "CUDA"
+
+
 # -- on the real NVSHMEM: two GPUs or more, a torch built with it ------------------------------------
 
 

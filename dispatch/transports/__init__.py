@@ -52,7 +52,7 @@ def build(config, group) -> Transport:
     (every rank gets the same answer). Raises ValueError for
     ``transport="nvlink"`` or ``"nvshmem"`` where it cannot run, naming why."""
     key = choose(config.variant, config.transport, lambda: unusable(group, config.num_experts),
-                 lambda: _spans_hosts(group), lambda: _agreed(group, nvshmem.unusable(group)))
+                 lambda: _spans_hosts(group), lambda: _nvshmem_problem(group))
     return REGISTRY[registry_key(config.variant, key)](config, group)
 
 
@@ -105,6 +105,21 @@ def _spans_hosts(group) -> bool:
     other group (no NVSHMEM there)."""
     hosts = comm.group_hosts(group) if "nccl" in str(dist.get_backend(group)) else None
     return hosts is not None and len(set(hosts)) > 1
+
+
+def _nvshmem_problem(group) -> str | None:
+    """Why NVSHMEM cannot serve ``group``, agreed by its ranks (None: it can,
+    and every rank's symmetric memory is on its backend now). Each rank asks
+    for the backend only once every rank may take it; where one cannot, those
+    that took it put their own back, so that no rank is left on a backend its
+    peers are not on (the NVLink engine's buffers, say, would then differ)."""
+    problem = _agreed(group, nvshmem.unusable(group))
+    if problem is None:
+        taken, put_back = nvshmem.take_backend()
+        problem = _agreed(group, taken)
+        if problem is not None:
+            put_back()
+    return problem
 
 
 def _agreed(group, problem: str | None) -> str | None:

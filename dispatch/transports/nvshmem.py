@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -90,13 +91,12 @@ class NVSHMEMHandle(AllToAllHandle):
 
 
 def unusable(group: dist.ProcessGroup | None) -> str | None:
-    """Why NVSHMEM cannot serve ``group`` here (None if it can), answered at
-    once from this process alone (no collective): it needs an NCCL group of
-    two ranks or more on CUDA devices, the whole world (NVSHMEM's allocations
-    are collective over every process), a torch built with NVSHMEM, and this
-    process's symmetric memory on the NVSHMEM backend (torch fixes the backend
-    at a process's first symmetric allocation: the NVLink engine's buffers make
-    it ``CUDA``, and then NVSHMEM cannot serve the process)."""
+    """Why NVSHMEM cannot serve ``group`` here (None if it may), answered at
+    once from this process alone (no collective), changing nothing: it needs
+    an NCCL group of two ranks or more on CUDA devices, the whole world
+    (NVSHMEM's allocations are collective over every process), and a torch
+    built with NVSHMEM. It also needs this process's symmetric memory on the
+    NVSHMEM backend: :func:`take_backend` asks for it once every rank agrees."""
     backend = dist.get_backend(group)
     if backend != "nccl":
         return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
@@ -106,22 +106,41 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
         return (f"needs the whole world as its group ({dist.get_world_size(group)} of {dist.get_world_size()} "
                 "ranks here): NVSHMEM allocates symmetric memory on every process of the job at once, alike, "
                 "which dispatchers of different groups would not do")
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except ImportError:
+    symm_mem = _symmetric_memory()
+    if symm_mem is None:
         return "needs torch.distributed._symmetric_memory"
     if not symm_mem.is_nvshmem_available():
         return "needs a torch built with NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available())"
-    device = torch.device("cuda", torch.cuda.current_device())
-    if symm_mem.get_backend(device) != "NVSHMEM":
-        try:
-            symm_mem.set_backend("NVSHMEM")
-        except RuntimeError:
-            return (f"this process's symmetric memory is on the {symm_mem.get_backend(device)} backend already "
-                    "(torch fixes it at the first symmetric allocation, e.g. the NVLink engine's: "
-                    "NVSHMEM cannot serve it; make the NVSHMEM dispatcher first, and the engine runs on its "
-                    "backend's buffers)")
     return None
+
+
+def take_backend() -> tuple[str | None, Callable[[], None]]:
+    """This process's symmetric memory put on the NVSHMEM backend: (why it
+    cannot be, or None; how to put back the backend it had, where a peer could
+    not). Torch fixes the backend at a process's first symmetric allocation:
+    the NVLink engine's buffers make it ``CUDA``, and then NVSHMEM cannot serve
+    the process."""
+    symm_mem = _symmetric_memory()
+    device = torch.device("cuda", torch.cuda.current_device())
+    before = symm_mem.get_backend(device)
+    if before == "NVSHMEM":
+        return None, lambda: None
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError:
+        return (f"this process's symmetric memory is on the {before} backend already (torch fixes it at the "
+                "first symmetric allocation, e.g. the NVLink engine's: NVSHMEM cannot serve it; make the NVSHMEM "
+                "dispatcher first, and the engine runs on its backend's buffers)"), lambda: None
+    # nothing was allocated since: the backend can be set back (unset, it was CUDA's)
+    return None, lambda: symm_mem.set_backend(before or "CUDA")
+
+
+def _symmetric_memory():
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return None
+    return symm_mem
 
 
 # the handle's tensors (:meth:`NVSHMEMTransport._plan_tensors` makes them and the outputs')
