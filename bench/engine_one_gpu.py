@@ -7,7 +7,7 @@ sub-group's rendezvous its peers would not make), so its kernels and their
 launches run on one device. ``--check`` holds it bitwise against the NCCL
 transport (dispatch, combine, backward; plain, ``max_rows`` and by 2 groups, and
 forward and backward with ``max_rows`` captured in a CUDA graph and replayed;
-native and fp8 wires; T = 0 to 2048; on every SM and at ``sm_budget=24``), its
+native and fp8 wires; T = 0 to 2048; the most experts it takes; on every SM and at ``sm_budget=24``), its
 host work issued by the compiled path (``dispatch.host``), then on every SM from
 Python.
 ``--gpu-time``: the captured forward round trip's GPU time at every SM and at 24
@@ -141,6 +141,16 @@ def check(budgets, path: str) -> None:
                     bad += not same
                     print(f"{path}sm_budget={budget} wire={wire} T={T} H={H} K={K} {kw}{' again' * (i == 1)}: "
                           f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
+        # the most experts the engine takes (its layout kernels' shared memory at the bound)
+        E = importlib.import_module("dispatch.nvlink_layout").most_experts(1)
+        eng, ref = make(E, "nvlink", sm_budget=budget), make(E, "nccl")
+        x, idx, w = inputs(300, 256, E, 8, 3)
+        want = trip(ref, x, idx, w)
+        for kw in ({}, {}, {"max_rows": 300 * 8}, {"groups": 2}):
+            same = all(same_bits(a, b) for a, b in zip(trip(eng, x, idx, w, **kw), want))
+            bad += not same
+            print(f"{path}sm_budget={budget} E={E} (the most) {kw}: {'bitwise equal' if same else 'DIFFERENT'}",
+                  flush=True)
         # forward and backward with max_rows captured in one CUDA graph, replayed on new inputs
         for wire in ("native", "fp8"):
             E, T, H, K = 16, 300, 512, 4

@@ -35,7 +35,9 @@ struct Tuning {
   static constexpr int kHomeRanks = 2;        // ranks whose partials a lane of the home sum loads together
   static constexpr unsigned kSleepNs = 100;   // back-off between polls of a flag
   static constexpr int kScanTiles = 4;        // tiles of 32 slots a warp of route_layout's scan holds
-  static constexpr int kScanShared = 48 * 1024;  // bytes of the scan's per-warp counts, at most
+  // dynamic shared bytes of a layout kernel (the scan's per-warp counts, the counts exchange's), at most:
+  // a block's 48 KiB without opting in to more, less 1 KiB for the kernels' own __shared__ words
+  static constexpr int kScanShared = 47 * 1024;
 };
 static_assert(Tuning::kThreads % 32 == 0 && Tuning::kThreads <= 1024, "whole warps, one block");
 static_assert(Tuning::kMaxWorld <= 32 && Tuning::kMaxTopk <= 32, "masks and lanes are 32 wide");

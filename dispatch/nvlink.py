@@ -62,8 +62,8 @@ import torch.distributed as dist
 
 from dispatch import checks, cuda, host, plan
 from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts,
-                                    HostCounts, WordsAt, _up, aligned_rows, failure_message, partial_row_bytes,
-                                    scan_warps, staged_row_bytes)
+                                    HostCounts, WordsAt, _up, aligned_rows, counts_shared, failure_message,
+                                    partial_row_bytes, scan_warps, staged_row_bytes)
 from dispatch.nvlink_moves import EngineMoves
 from dispatch.nvlink_order import Ordered, eager_stream, ordered_eager
 
@@ -524,7 +524,7 @@ class Engine(EngineMoves):
             timeout_ns=self.timeout_ns,
             status=self.status,
         )
-        counts = _Bound(launch, 1, 4 * (local + 1 + world * local))
+        counts = _Bound(launch, 1, counts_shared(self.num_experts, world))
         # int32 words of the routes, the lists, the hits, the exchange's output, the scan's sums
         sizes = (tokens * topk * 4, world * tokens, tokens, 4 + world * self.row_len + world * local + 1 + groups,
                  2 * chunks * (self.num_experts + world) if tokens else 0)

@@ -301,3 +301,19 @@ def scan_warps(num_experts: int, world: int) -> int:
     """Warps of a block of the routing layout's scan (``route_layout``): as many as
     hold a row of E + W counts each in its shared memory; 0 where not one does."""
     return min(cuda.THREADS // 32, cuda.SCAN_SHARED // (4 * (num_experts + world)))
+
+
+def counts_shared(num_experts: int, world: int) -> int:
+    """Dynamic shared bytes of the counts exchange (``exchange_counts``): the
+    places of the rank's E_local experts, then every rank's rows per group."""
+    local = num_experts // world
+    return 4 * (local + 1 + world * local)
+
+
+def most_experts(world: int) -> int:
+    """The most experts (a multiple of W) whose counts the layout kernels hold
+    in one block's shared memory on ``world`` ranks (``scan_warps`` >= 1, and
+    ``counts_shared`` within ``cuda.SCAN_SHARED``)."""
+    ints = cuda.SCAN_SHARED // 4
+    most = min(ints - world, (ints - 1) * world // (world + 1))
+    return most - most % world

@@ -22,6 +22,7 @@ import torch
 from dispatch import checks, cuda, host, nvlink, plan
 from dispatch.codec import to_experts_codec
 from dispatch.nvlink import SENDS_COL, Capacity, Engine, partial_row_bytes, scan_warps, staged_row_bytes
+from dispatch.nvlink_layout import counts_shared, most_experts
 
 SIGNATURES = cuda.signatures()
 
@@ -383,6 +384,20 @@ def test_the_layout_scan_takes_the_warps_whose_counts_fit():
     assert scan_warps(limit - 8, 8) == 1
     assert scan_warps(limit - 7, 8) == 0  # unusable() names num_experts
     assert scan_warps(1024, 8) == cuda.SCAN_SHARED // (4 * 1032)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 32])
+def test_the_layout_kernels_shared_memory_fits_a_block_up_to_the_experts_the_engine_takes(world):
+    """A block takes 48 KiB of shared memory without opting in to more (the
+    engine does not): its layout kernels' dynamic bytes (``cuda.SCAN_SHARED`` at
+    most) leave room for their own words, and every E the engine takes fits
+    both (the counts exchange's grows with E + E / W, past the scan's at W = 2)."""
+    assert cuda.SCAN_SHARED <= 48 * 1024 - 1024
+    most = most_experts(world)
+    assert most % world == 0
+    assert scan_warps(most, world) >= 1 and counts_shared(most, world) <= cuda.SCAN_SHARED
+    bigger = most + world  # the next E the ranks can split
+    assert scan_warps(bigger, world) == 0 or counts_shared(bigger, world) > cuda.SCAN_SHARED
 
 
 def test_each_kernels_packer_lays_its_arguments_as_the_signature_does():

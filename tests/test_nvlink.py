@@ -19,6 +19,7 @@ import groups_fns
 import pipeline_fns
 import rank_fns
 from dispatch import cuda
+from dispatch.nvlink_layout import most_experts
 from dispatch.bench.common import same_bits
 from routing import make_routing
 
@@ -386,7 +387,7 @@ def test_auto_transport_takes_the_collectives_on_gloo(worlds):
 def test_more_experts_than_the_layout_counts_refused_by_name(worlds):
     """E + W past what one block's shared memory counts: transport='nvlink' refused
     naming num_experts, on every rank, before any communication; 'auto' takes NCCL."""
-    experts = cuda.SCAN_SHARED // 4  # E + W over the limit by W
+    experts = most_experts(WORLD) + WORLD  # over the limit by one expert per rank
     config = dict(num_experts=experts, transport="nvlink")
     for message in worlds(WORLD).run(_refused, [(config,)] * WORLD):
         assert message is not None and f"num_experts={experts}" in message, message

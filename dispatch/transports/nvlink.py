@@ -23,8 +23,8 @@ from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs, made
 from dispatch.streams import Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, grads_of, handle_fields, shape_fields
-from dispatch.nvlink import (Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, scan_warps,
-                             staged_row_bytes)
+from dispatch.nvlink import Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, staged_row_bytes
+from dispatch.nvlink_layout import most_experts
 from dispatch.stats import make_stats, tier_split
 from dispatch.timing import mark
 
@@ -376,9 +376,9 @@ def unusable(group, num_experts: int) -> str | None:
     collective (every rank must call it, and all get the same answer); on any
     other it answers at once."""
     world = dist.get_world_size(group)
-    if scan_warps(num_experts, world) == 0:  # the same on every rank: no collective needed
-        return (f"takes at most {cuda.SCAN_SHARED // 4 - world} experts on {world} ranks (its routing layout "
-                f"counts them in one block's shared memory), got num_experts={num_experts}")
+    if num_experts > most_experts(world):  # the same on every rank: no collective needed
+        return (f"takes at most {most_experts(world)} experts on {world} ranks (its routing layout counts them in "
+                f"one block's shared memory), got num_experts={num_experts}")
     backend = dist.get_backend(group)
     if backend != "nccl":
         return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
