@@ -701,11 +701,12 @@ class Fields {
 };
 
 // A verb's call compiled (UsualDispatch, UsualCombine): its number, counted in the
-// dispatcher's int64 count of the verb's calls at ``made_at`` (agreement.Calls), and
+// dispatcher's int64 count of the verb's calls at ``made_at`` (agreement.Calls; from 1
+// again after ``call_wrap``, agreement.CALL_WRAP), and
 // its row on the group's board, ``call_row`` (plan.call_header) with its verb (grad
 // mode off: plus ``grad_off``) and number at their columns.
 struct CallOnBoard {
-  int64_t verb = 0, grad_off = 0, verb_col = 0, call_col = 0;
+  int64_t verb = 0, grad_off = 0, verb_col = 0, call_col = 0, call_wrap = 0;
   std::vector<int64_t> call_row;
   uint64_t made_at = 0;
   BoardAt board;
@@ -715,6 +716,7 @@ struct CallOnBoard {
     grad_off = f.get<int64_t>("grad_off");
     verb_col = f.get<int64_t>("verb_col");
     call_col = f.get<int64_t>("call_col");
+    call_wrap = f.get<int64_t>("call_wrap");
     call_row = f.get<std::vector<int64_t>>("call_row");
     made_at = f.get<uint64_t>("made_at");
     board.words_at = f.get<uint64_t>("board_words");
@@ -722,7 +724,7 @@ struct CallOnBoard {
     board.slot = f.get<int64_t>("board_slot");
     board.timeout = f.get<double>("timeout");
     const auto len = static_cast<int64_t>(call_row.size());
-    if (made_at == 0 || len < 1 || len > board.slot - 2 || std::max(verb_col, call_col) >= len ||
+    if (made_at == 0 || call_wrap < 1 || len < 1 || len > board.slot - 2 || std::max(verb_col, call_col) >= len ||
         std::min(verb_col, call_col) < 0)
       throw std::invalid_argument("a compiled call: its call counter, and a call row within a board slot with its "
                                   "verb's and number's columns");
@@ -730,7 +732,8 @@ struct CallOnBoard {
 
   // the next call's number, and its row (its verb and number set) into ``row``
   int64_t next(bool grad, std::vector<int64_t>& row) const {
-    const int64_t number = ++*reinterpret_cast<int64_t*>(made_at);
+    int64_t& made = *reinterpret_cast<int64_t*>(made_at);
+    const int64_t number = made = made % call_wrap + 1;
     row = call_row;
     row[verb_col] = verb + (grad ? 0 : grad_off);
     row[call_col] = number;

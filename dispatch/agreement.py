@@ -47,6 +47,7 @@ VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combin
 VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
 GRAD_OFF, DISPATCHERS = 16, 32
 assert len(VERBS) <= GRAD_OFF
+CALL_WRAP = 2**31 - 1  # the most calls of a verb numbered before 1 again: the engine's kernels take an int32
 
 
 def agree_config(config, group) -> None:
@@ -212,11 +213,12 @@ class Calls:
         self._group, self._world, self._arrivals, self._timeout = group, world_size, arrivals, timeout
 
     def ticket(self, verb: str, along: int = 0) -> plan.Ticket:
-        """The next call of ``verb`` (numbered from 1), along the handle of
+        """The next call of ``verb`` (numbered from 1, and from 1 again after
+        ``CALL_WRAP``), along the handle of
         dispatch ``along`` (0: none); a dispatch or combine made with grad
         mode off says so (its backward is every rank's or none's)."""
         code = VERB_CODES[verb]
-        number = self._made[code] + 1
+        number = self._made[code] % CALL_WRAP + 1
         self._made[code] = number
         off = GRAD_OFF if verb in ("dispatch", "combine") and not torch.is_grad_enabled() else 0
         return plan.Ticket(code + off + DISPATCHERS * self.place, number, along)

@@ -195,12 +195,16 @@ def test_the_compiled_round_trip_launches_and_hands_out_what_the_python_path_doe
     combine along its handle once one of its signature passed: the same launches
     as the Python path's (the header with its grad mode, budgets and flags),
     the same results and handle, the autograd nodes where grad mode asks, the
-    next calls numbered as the Python path numbers them."""
+    next calls numbered as the Python path numbers them (from 1 again past
+    ``agreement.CALL_WRAP``: the kernels take an int32)."""
     tokens = 37
     x, idx, w = _inputs(tokens)
     x.requires_grad_(grad)
     d, reference = _dispatcher(compiled), _dispatcher(compiled)
     reference._usual = None  # the Python path, every call
+    for one in (d, reference):  # the calls numbered up to agreement.CALL_WRAP, then from 1 again
+        one._calls._made[agreement.VERB_CODES["dispatch"]] = agreement.CALL_WRAP - 2
+        one._calls._made[agreement.VERB_CODES["combine"]] = agreement.CALL_WRAP - 1
     taken, result, combine, planned = [], d._usual._result, d._usual.combine, d.transport.planned
     d.transport.planned = lambda *args: taken.append("planned") or planned(*args)
     d._usual._result = lambda *args: taken.append("dispatch") or result(*args)
@@ -233,6 +237,7 @@ def test_the_compiled_round_trip_launches_and_hands_out_what_the_python_path_doe
         # (the transport's plan only in the first: the compiled calls make their handle and result themselves)
         assert taken == ["planned", "dispatch", "dispatch", "combine"]
         assert d._calls._made.tolist() == reference._calls._made.tolist()
+        assert d._calls._made[agreement.VERB_CODES["dispatch"]] == 1 and d._calls._made[agreement.VERB_CODES["combine"]] == 2
 
 
 def test_a_compiled_combine_moves_only_along_handles_it_was_made_for(one_rank, on_the_stand_in, compiled):
@@ -366,7 +371,8 @@ def _two_ranks(compiled, timeout: float):
         shape=shape, layout=layout, counts=counts, pull=pull[0], pull_cap=pull[1], pull_min=pull[2],
         rows_per_block=pull[3], hidden=HIDDEN, device=x.device, x_dtype=x.dtype, idx_dtype=idx.dtype,
         weights_dtype=w.dtype, wire_dtype=torch.float32, verb=agreement.VERB_CODES["dispatch"],
-        grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1, call_row=[*plan.call_header(plan.Ticket()), 0],
+        grad_off=agreement.GRAD_OFF, call_wrap=agreement.CALL_WRAP, verb_col=0, call_col=1,
+        call_row=[*plan.call_header(plan.Ticket()), 0],
         header=plan.header(x, w, TOPK), x_grad_bit=2, weights_grad_bit=4, raise_bits=usual.RAISE_BITS,
         made_at=counter.data_ptr() + 8 * agreement.VERB_CODES["dispatch"], board_words=board.words_at,
         board_count=board.count_at, board_slot=Board.slot, timeout=timeout, row_bytes=256,
@@ -461,8 +467,8 @@ def test_the_compiled_combine_agrees_as_the_combine_in_python(on_the_stand_in, c
     mine = [*plan.call_header(plan.Ticket(), 1, HIDDEN, checks.FLOAT_CODES[torch.float32]), 0]
     fields = dict(
         push=push, home=home, hidden=HIDDEN, device=x.device, dtype=torch.bfloat16, weighted=True,
-        weights_dtype=torch.float32, width=TOPK, verb=combine, grad_off=agreement.GRAD_OFF, verb_col=0, call_col=1,
-        along_col=2,
+        weights_dtype=torch.float32, width=TOPK, verb=combine, grad_off=agreement.GRAD_OFF,
+        call_wrap=agreement.CALL_WRAP, verb_col=0, call_col=1, along_col=2,
         call_row=mine, made_at=counter.data_ptr() + 8 * combine, board_words=board.words_at,
         board_count=board.count_at, board_slot=Board.slot, timeout=5.0, world=2, rank=0, capacity_tokens=64,
         capacity_topk=TOPK, blocks=8, sms=2, rows_per_block=4, record=0)

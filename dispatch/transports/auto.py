@@ -24,6 +24,7 @@ import dataclasses
 import logging
 
 from dispatch import counts
+from dispatch.agreement import CALL_WRAP
 from dispatch.codec import sum_wire_dtype, to_experts_codec
 from dispatch.cost_model import LinkModel, estimate
 from dispatch.transports.allgather import AllGatherTransport
@@ -66,7 +67,7 @@ class AutoTransport(Transport):
 
     def plan(self, request: Request):
         call = request.ticket.call
-        if self.last_choice is None or call - self._chosen_at >= RECHOOSE:  # the same call on every rank
+        if self.last_choice is None or (call - self._chosen_at) % CALL_WRAP >= RECHOOSE:  # the same call on every rank
             self._choose(request)
             self._chosen_at = call
             request = dataclasses.replace(request, check_values=False)  # checked by the choice's exchange
