@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dispatch
+from dispatch import cuda
 import pipeline_fns
 import rank_fns
 from dispatch.dispatcher import TokenDispatcher
@@ -600,41 +601,43 @@ def test_the_transport_rule(variant, transport, engine, spans, nvshmem, want):
     assert want != "nvshmem" or cls in (NVSHMEMTransport, HierarchicalNVSHMEMTransport)
 
 
-@pytest.mark.parametrize("peer_takes", [True, False])
-def test_nvshmem_backend_is_left_where_a_peer_cannot_take_it(monkeypatch, peer_takes):
+@pytest.mark.parametrize("peer", ["runs and takes it", "cannot run NVSHMEM", "cannot take its backend"])
+def test_nvshmem_backend_is_taken_only_where_every_rank_may_run_it(monkeypatch, peer):
     """Each rank asks for NVSHMEM's symmetric-memory backend only once every
-    rank may run it, and puts its own back where a peer could not take it
-    (a rank whose engine made its buffers first): no rank is left on a backend
-    its peers are not on. The collectives are stood in for, as this rank sees
-    them: its own answer, then a peer's."""
+    rank may run NVSHMEM (a peer that cannot leaves this rank's backend as it
+    was, for its engine), and whether each got it is agreed too. The
+    collectives are stood in for, as this rank sees them: its own answer, or
+    the peer's where it has one."""
     from types import SimpleNamespace
 
     from dispatch import transports
     from dispatch.transports import nvshmem
 
-    backend = {"now": None}
-
-    def set_backend(name):
-        backend["now"] = name
-
-    fake = SimpleNamespace(get_backend=lambda device: backend["now"], set_backend=set_backend)
+    backend = {"now": "CUDA"}
+    fake = SimpleNamespace(get_backend=lambda device: backend["now"],
+                           set_backend=lambda name: backend.update(now=name))
     monkeypatch.setattr(nvshmem, "_symmetric_memory", lambda: fake)
     monkeypatch.setattr(nvshmem, "unusable", lambda group: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    peer = None if peer_takes else "this process's symmetric memory is on the CUDA backend already"
-    said = []
+    says = {"cannot run NVSHMEM": ["needs a torch built with NVSHMEM", None],
+            "cannot take its backend": [None, "on the CUDA backend already"]}.get(peer, [None, None])
+    asked = []
 
     def agreed(group, problem):
-        said.append(problem)
-        return problem if len(said) == 1 else problem or (peer and f"rank 1: {peer}")
+        told = says[len(asked)]
+        asked.append(problem)
+        return problem or (told and f"rank 1: {told}")
 
     monkeypatch.setattr(transports, "_agreed", agreed)
     problem = transports._nvshmem_problem(None)
-    assert said == [None, None]  # asked the backend only once both ranks may run
-    if peer_takes:
-        assert problem is None and backend["now"] == "NVSHMEM"
+    if peer == "cannot run NVSHMEM":
+        assert problem == "rank 1: needs a torch built with NVSHMEM" and asked == [None]
+        assert backend["now"] == "CUDA"  # not taken
+    elif peer == "cannot take its backend":
+        assert problem == "rank 1: on the CUDA backend already" and asked == [None, None]
+        assert backend["now"] == "NVSHMEM"  # taken, kept: torch cannot set it back (the engine checks)
     else:
-        assert problem == f"rank 1: {peer}" and backend["now"] == "CUDA"
+        assert problem is None and asked == [None, None] and backend["now"] == "NVSHMEM"
 
 
 # -- on the real NVSHMEM: two GPUs or more, a torch built with it ------------------------------------
@@ -958,6 +961,41 @@ def test_on_nvshmem_the_engine_runs_in_the_same_process(nvshmem_world, pad):
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), gs[r], pad) for r in range(2)]
     for rank, (differ, backend, key) in enumerate(nvshmem_world.run(engine_beside_nvshmem, args)):
         assert (differ, backend, key) == ([], "NVSHMEM", ("alltoall", "nvlink")), rank
+
+
+def engine_on_backends_that_differ():
+    """Rank 0's symmetric memory put on NVSHMEM's backend, rank 1's left on CUDA's:
+    what transport='nvlink' raises, and what 'auto' takes."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if torch.distributed.get_rank() == 0:
+        symm_mem.set_backend("NVSHMEM")
+    try:
+        dispatch.create(dispatch.DispatchConfig(num_experts=8, transport="nvlink"))
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return refused, "/".join(dispatch.create(dispatch.DispatchConfig(num_experts=8)).transport.key)
+
+
+def test_the_engine_refuses_ranks_on_different_symmetric_memory_backends():
+    """Ranks whose processes' symmetric memory differ in backend (torch fixes it
+    per process; one rank's NVSHMEM dispatcher could not be made) could not open
+    each other's buffers: the engine refuses them by name, on every rank, and
+    'auto' takes NCCL."""
+    from conftest import _nvshmem_ready
+    from world import World
+
+    if not _nvshmem_ready() or not cuda.available():
+        pytest.skip("needs 2 CUDA devices, CuPy and a torch built with NVSHMEM")
+    world = World(2, backend="nccl")  # a world of its own: the backend stays fixed in its processes
+    try:
+        got = world.run(engine_on_backends_that_differ, [()] * 2)
+    finally:
+        world.close()
+    for refused, taken in got:
+        assert refused is not None and "rank 0: NVSHMEM, rank 1: CUDA" in refused, refused
+        assert taken == "alltoall/nccl"
 
 
 def put_kernel_why_not():

@@ -110,16 +110,13 @@ def _spans_hosts(group) -> bool:
 def _nvshmem_problem(group) -> str | None:
     """Why NVSHMEM cannot serve ``group``, agreed by its ranks (None: it can,
     and every rank's symmetric memory is on its backend now). Each rank asks
-    for the backend only once every rank may take it; where one cannot, those
-    that took it put their own back, so that no rank is left on a backend its
-    peers are not on (the NVLink engine's buffers, say, would then differ)."""
+    for the backend only once every rank may run NVSHMEM, so that no rank takes
+    it for a group its peers refuse; whether each got it is agreed again (a
+    rank whose engine fixed its backend first cannot take it: those that took
+    it keep it, as torch cannot put it back, and the engine refuses a group
+    whose ranks' backends differ)."""
     problem = _agreed(group, nvshmem.unusable(group))
-    if problem is None:
-        taken, put_back = nvshmem.take_backend()
-        problem = _agreed(group, taken)
-        if problem is not None:
-            put_back()
-    return problem
+    return problem if problem is not None else _agreed(group, nvshmem.take_backend())
 
 
 def _agreed(group, problem: str | None) -> str | None:

@@ -389,25 +389,29 @@ def unusable(group, num_experts: int) -> str | None:
     device = torch.cuda.current_device()
     visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
     mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid), cuda.available(),
-            _symmetric_memory_usable(world == dist.get_world_size()))
+            *_symmetric_memory(world == dist.get_world_size()))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine, group=group)  # host sync: where every rank runs, what it has
     problem = None
+    backends = [backend for *_, backend in everyone]
     if world > MAX_WORLD:
         problem = f"takes at most {MAX_WORLD} ranks, the group has {world}"
-    elif not all(ok for _, _, ok, _ in everyone):
+    elif not all(ok for _, _, ok, _, _ in everyone):
         problem = "needs CuPy on every rank (pip install 'moe-dispatch[cuda13]' or [cuda12])"
-    elif not all(ok for _, _, _, ok in everyone):
+    elif not all(ok for _, _, _, ok, _ in everyone):
         problem = ("needs torch.distributed._symmetric_memory on every rank, and on NVSHMEM's backend (which a "
                    "transport='nvshmem' dispatcher sets for the process) the whole world as its group: NVSHMEM "
                    "allocates on every process of the job at once")
-    elif len({host for host, _, _, _ in everyone}) > 1:
+    elif len(set(backends)) > 1:
+        problem = ("needs every rank's symmetric memory on one backend (torch fixes it per process), got "
+                   + ", ".join(f"rank {r}: {b}" for r, b in enumerate(backends)))
+    elif len({host for host, *_ in everyone}) > 1:
         problem = "every rank of the group must be on one host"
-    elif len({uuid for _, uuid, _, _ in everyone}) < world:
+    elif len({uuid for _, uuid, *_ in everyone}) < world:
         problem = "every rank of the group must have a GPU of its own"
     # every rank sees every peer's GPU and can reach it (by UUID: device indices differ
     # between processes that see different devices)
-    peers = [visible.get(uuid) for _, uuid, _, _ in everyone]
+    peers = [visible.get(uuid) for _, uuid, *_ in everyone]
     reachable = problem is None and all(
         d is not None and (d == device or torch.cuda.can_device_access_peer(device, d)) for d in peers)
     agreed = plan.to_device(torch.tensor([int(reachable)], dtype=torch.int32), torch.device("cuda", device))
@@ -417,15 +421,16 @@ def unusable(group, num_experts: int) -> str | None:
     return problem
 
 
-def _symmetric_memory_usable(whole_world: bool) -> bool:
-    """Whether symmetric memory is there for the engine: on CUDA's backend, or on
-    NVSHMEM's (torch fixes one per process at its first allocation: a
-    ``transport="nvshmem"`` dispatcher's makes it NVSHMEM's) for a group of the
-    whole world, whose every process allocates alike."""
+def _symmetric_memory(whole_world: bool) -> tuple[bool, str | None]:
+    """(Whether symmetric memory is there for the engine, its backend in this
+    process): on CUDA's backend, or on NVSHMEM's (torch fixes one per process at
+    its first allocation: a ``transport="nvshmem"`` dispatcher's makes it
+    NVSHMEM's) for a group of the whole world, whose every process allocates
+    alike. Ranks on different backends could not open each other's buffers."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError:
-        return False
+        return False, None
     get_backend = getattr(symm_mem, "get_backend", None)
-    return (get_backend is None or whole_world
-            or get_backend(torch.device("cuda", torch.cuda.current_device())) != "NVSHMEM")
+    backend = None if get_backend is None else get_backend(torch.device("cuda", torch.cuda.current_device()))
+    return whole_world or backend != "NVSHMEM", backend

@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,25 +113,24 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
     return None
 
 
-def take_backend() -> tuple[str | None, Callable[[], None]]:
-    """This process's symmetric memory put on the NVSHMEM backend: (why it
-    cannot be, or None; how to put back the backend it had, where a peer could
-    not). Torch fixes the backend at a process's first symmetric allocation:
-    the NVLink engine's buffers make it ``CUDA``, and then NVSHMEM cannot serve
-    the process."""
+def take_backend() -> str | None:
+    """This process's symmetric memory put on the NVSHMEM backend (None), or why
+    it cannot be: torch fixes the backend at a process's first symmetric
+    allocation (the NVLink engine's buffers make it ``CUDA``), and then NVSHMEM
+    cannot serve the process. Torch cannot put it back: once taken, the
+    process's later engines allocate on NVSHMEM's backend (which serves them:
+    ``transports.nvlink.unusable`` refuses a group whose ranks' backends differ)."""
     symm_mem = _symmetric_memory()
-    device = torch.device("cuda", torch.cuda.current_device())
-    before = symm_mem.get_backend(device)
-    if before == "NVSHMEM":
-        return None, lambda: None
+    backend = symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device()))
+    if backend == "NVSHMEM":
+        return None
     try:
         symm_mem.set_backend("NVSHMEM")
     except RuntimeError:
-        return (f"this process's symmetric memory is on the {before} backend already (torch fixes it at the "
+        return (f"this process's symmetric memory is on the {backend} backend already (torch fixes it at the "
                 "first symmetric allocation, e.g. the NVLink engine's: NVSHMEM cannot serve it; make the NVSHMEM "
-                "dispatcher first, and the engine runs on its backend's buffers)"), lambda: None
-    # nothing was allocated since: the backend can be set back (unset, it was CUDA's)
-    return None, lambda: symm_mem.set_backend(before or "CUDA")
+                "dispatcher first, and the engine runs on its backend's buffers)")
+    return None
 
 
 def _symmetric_memory():
