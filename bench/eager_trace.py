@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_probe  # noqa: E402  (the shapes, inputs and process setup of the probe)
 
 import dispatch  # noqa: E402
-from dispatch import agreement, checks, nvlink  # noqa: E402
+from dispatch import agreement, checks, free_memory, nvlink  # noqa: E402
 from dispatch import dispatcher as base  # noqa: E402
 from dispatch.transports.nvlink import NVLinkTransport  # noqa: E402
 
@@ -36,7 +36,7 @@ MARKED = [  # (owner, method): host ranges named in the trace
     (base.TokenDispatcher, "combine"),
     (NVLinkTransport, "plan"),
     (NVLinkTransport, "_plan_bounded"),
-    (checks, "row_budgets"),
+    (free_memory, "row_budgets"),
     (nvlink.Engine, "exchange_counts"),
     (nvlink.Engine, "to_experts"),
     (nvlink.Engine, "to_home"),
@@ -44,7 +44,7 @@ MARKED = [  # (owner, method): host ranges named in the trace
     (agreement.Calls, "agree"),
     (base, "dispatched"),  # the result (work.dispatched, as the dispatcher names it)
     (checks, "check_dispatch_inputs"),
-    (checks, "free_bytes"),
+    (free_memory, "free_bytes"),
 ]
 API = ("cuLaunchKernelEx", "cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize",
        "cudaDeviceSynchronize", "cudaMemGetInfo", "cudaStreamWaitEvent", "cudaLaunchKernel", "cudaMemsetAsync")

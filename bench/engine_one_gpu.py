@@ -220,7 +220,7 @@ if "--check" in sys.argv:
 
 def host_pieces() -> None:
     """The host cost of the pieces of an eager round trip (us a call, median of 2000)."""
-    checks, plan = dispatch.checks, dispatch.plan
+    checks, free_memory, plan = dispatch.checks, dispatch.free_memory, dispatch.plan
     d = make(256, "nvlink")
     T, H, E, K = 128, 7168, 256, 8
     x, idx, w = inputs(T, H, E, K, 0)
@@ -246,7 +246,7 @@ def host_pieces() -> None:
         return d.combine(out.tokens, out.handle, weights=out.weights)
 
     pieces = {
-        "free_bytes (mem_get_info + allocator stats)": lambda: checks.free_bytes(dev),
+        "free_bytes (mem_get_info + allocator stats)": lambda: free_memory.free_bytes(dev),
         "torch.cuda.mem_get_info": lambda: torch.cuda.mem_get_info(0),
         "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
         "torch.empty [64] int32 cuda": lambda: torch.empty(64, dtype=torch.int32, device=dev),

@@ -49,7 +49,7 @@ def _run(rank: int, args) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import dispatch
-    from dispatch import agreement, board, checks, dispatcher, host, nvlink, usual, work
+    from dispatch import agreement, board, checks, dispatcher, free_memory, host, nvlink, usual, work
     from dispatch.transports import base, nvlink as nvlink_transport
 
     T, H, E, K = SHAPES[args.shape]
@@ -114,7 +114,7 @@ def _run(rank: int, args) -> None:
         (base.Transport, "dispatch_word", "    dispatch_word"),
         (agreement.Calls, "agree", "    Calls.agree (both verbs)"),
         (board.Board, "agree", "      Board.agree (both verbs)"),
-        (checks, "device_free_bytes", "    device_free_bytes"),
+        (free_memory, "device_free_bytes", "    device_free_bytes"),
         (nvlink_transport.NVLinkTransport, "plan", "    NVLinkTransport.plan"),
         (nvlink_transport.NVLinkTransport, "_wire_inputs", "      _wire_inputs"),
         (nvlink.Engine, "exchange_counts", "      Engine.exchange_counts"),

@@ -43,7 +43,7 @@ def header_rows(headers) -> list[list[int]]:
 # its group (``Calls.ticket``), so that every header of a call (on the board, over the host channel, in a counts
 # exchange) tells apart calls of two dispatchers, and a differentiable call that some rank makes without autograd
 VERBS = ("none", "dispatch", "combine", "dispatch_rows", "combine_rows", "combine_slots", "combine_groups",
-         "GroupSums.add", "the backward of dispatch", "the backward of combine", "dispatch.create")
+         "GroupSums.add", "the backward of dispatch", "the backward of combine", "dispatch.create", "reserve")
 VERB_CODES = {verb: code for code, verb in enumerate(VERBS)}
 GRAD_OFF, DISPATCHERS = 16, 32
 assert len(VERBS) <= GRAD_OFF

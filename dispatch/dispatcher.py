@@ -25,7 +25,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from dispatch import agreement, capacity, checks, comm, plan, usual
+from dispatch import agreement, capacity, checks, comm, free_memory, plan, usual
 from dispatch.autograd import combine_node, with_grad
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.config import GRAD_TO_EXPERTS_WIRES, SUM_WIRES, DispatchConfig
@@ -226,7 +226,7 @@ class TokenDispatcher:
             blocks, agreed = capacity.agreed_blocks(self._calls, self.config, topk_idx, ticket, word)
             padded_rows = self.num_local_experts * sum(blocks)  # (the same on every rank)
             # the N received beside their padded copy: a rank whose memory cannot hold the copy refuses
-            memory_rows = checks.memory_rows(x, self.transport.row_bytes, checks.free_bytes)
+            memory_rows = free_memory.memory_rows(x, self.transport.row_bytes, free_memory.free_bytes)
             short = 0 <= memory_rows < padded_rows
             budget = -1 if memory_rows < 0 else max(memory_rows - padded_rows, 0)  # for the N received
             ticket = dataclasses.replace(ticket.with_budgets((-1, budget)), refused=short)
@@ -240,7 +240,7 @@ class TokenDispatcher:
                 raise
             handle = dataclasses.replace(handle, max_rows=padded_rows, pad_blocks=blocks)
         else:
-            budgets = checks.row_budgets(x, self.transport.row_bytes, max_rows, groups)
+            budgets = free_memory.row_budgets(x, self.transport.row_bytes, max_rows, groups)
             handle, plan_out = self.transport.plan(
                 Request(self, x, topk_idx, topk_weights, ticket.with_budgets(budgets), check, groups, agreed,
                         lambda: self._exact_memory_rows(x, ticket), at_once))
@@ -468,14 +468,17 @@ class TokenDispatcher:
         return GroupSums(self, handle, dtype, wire, ticket)
 
     def reserve(self, x: torch.Tensor, topk: int) -> None:
-        """Make room for dispatches with ``max_rows`` of up to ``x``'s T tokens of
-        ``topk`` slots, rows like ``x`` (round trip and backward included), so that
-        they read nothing on the host. A collective over the group: every rank calls
-        it at the same point, each with its own ``x`` (one host synchronisation); room
-        only grows. Without it the first dispatch with ``max_rows`` sizes it once, and a
-        later one that does not fit raises. Nothing to do where ``max_rows`` reads
-        the host anyway."""
-        self.transport.reserve(x, topk)
+        """Make room for dispatches with ``max_rows`` of up to ``x``'s T tokens of ``topk``
+        slots, rows like ``x`` (round trip and backward included), so that they read nothing
+        on the host. A collective over the group: every rank calls it at the same point,
+        each with its own ``x`` (one host synchronisation); room only grows. Without it the
+        first dispatch with ``max_rows`` sizes it once, and a later one that does not fit
+        raises. Nothing to do where ``max_rows`` reads the host anyway (the arguments checked
+        alone); elsewhere a bad argument is refused on every rank (the peers ``PeerRefused``)."""
+        if not self.transport.reserves:
+            return checks.check_reserve(self, x, topk)
+        self._calls.agree(self._along("reserve", None, checks.check_reserve, self, x, topk))
+        self.transport.reserve(x, int(topk))
 
     def refuse(self, verb: str, handle: CombineHandle | None, error: BaseException) -> None:
         """Raise ``error`` (its experts raised, a layer's argument failed here), this rank's reason not to make
@@ -554,14 +557,14 @@ class TokenDispatcher:
                                     torch.zeros(0, 1, device=device), ticket, False))
 
     def _along(self, verb: str, handle, check, *args) -> plan.Ticket:
-        """Start a verb that moves rows along ``handle``: run its own checks
-        (``check(*args)``); if they fail, agree on the call refused and raise (the
-        peers raise :class:`agreement.PeerRefused`). Returns the call's ticket,
-        which the verb then agrees on (``agreement.Calls.agree``)."""
+        """Start a verb that moves rows along ``handle`` (None: ``reserve``, along
+        none): run its own checks (``check(*args)``); if they fail, agree on the call
+        refused and raise (the peers raise :class:`agreement.PeerRefused`). Returns
+        the call's ticket, which the verb then agrees on (``agreement.Calls.agree``)."""
         ticket = self._calls.ticket(verb, handle.call if isinstance(handle, CombineHandle) else 0)
         try:
             check(*args)
-            if handle.transport.device_bound:
+            if handle is not None and handle.transport.device_bound:
                 handle.transport.check_current()
         except (TypeError, ValueError) as error:
             agreement.refuse(error, lambda: self._calls.agree(dataclasses.replace(ticket, refused=True)))
@@ -578,9 +581,9 @@ class TokenDispatcher:
                              "along the handle of its result (DispatchWork.wait().handle)")
 
     def _exact_memory_rows(self, x: torch.Tensor, ticket: plan.Ticket) -> list[int]:
-        """Every rank's exact memory budget in rows (``checks.free_bytes``), agreed
+        """Every rank's exact memory budget in rows (``free_memory.free_bytes``), agreed
         (``Request.exact_memory_rows``)."""
-        rows = checks.memory_rows(x, self.transport.row_bytes, checks.free_bytes)
+        rows = free_memory.memory_rows(x, self.transport.row_bytes, free_memory.free_bytes)
         return [row[-1] for row in self._calls.agree(ticket, tail=(rows,))]
 
 

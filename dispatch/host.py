@@ -7,7 +7,7 @@ dispatch moves at once, its pull), its pull otherwise, and a combine's push and
 home sum are one call each (``dispatch.nvlink``, ``dispatch.nvlink_moves``). The
 kernels and their arguments are the same as from Python, so the results are the
 same bits; only the host time differs. It also reads torch's caching allocator
-for the memory budgets of ``dispatch.checks`` (``FreeMemory``), where the engine runs,
+for the memory budgets of ``dispatch.free_memory`` (``FreeMemory``), where the engine runs,
 and it holds the board's agreement (``dispatch.board``).
 
 It is built once per machine and source (``dispatch.build``: a C++ compiler,
@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from dispatch import build, checks, cuda, plan
+from dispatch import build, checks, cuda, free_memory, plan
 from dispatch.nvlink_layout import SENDS_COL, STAGED_COL, TOKENS_COL, Counts, HostCounts, Planned
 
 # the free values of the routing layout's and the counts exchange's launches, in the order
@@ -95,7 +95,7 @@ def _here():
         return None
     compiled = built()
     if compiled is not None and _caching_allocator():  # the engine's budgets read the allocator's bytes
-        checks.FREE_MEMORY.compiled = compiled
+        free_memory.FREE_MEMORY.compiled = compiled
     if compiled is None:  # said once: the engine runs, its host side slower
         warnings.warn(f"the NVLink engine's compiled host path (csrc/host.cpp) did not build ({why_not()}); its "
                       "host side runs in Python, the same results, more host time a call (pip install ninja and a "

@@ -60,7 +60,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, cuda, host, plan
+from dispatch import checks, cuda, free_memory, host, plan
 from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts,
                                     HostCounts, WordsAt, _up, aligned_rows, counts_shared, failure_message,
                                     partial_row_bytes, scan_warps, staged_row_bytes)
@@ -257,7 +257,7 @@ class Engine(EngineMoves):
         if not self._on_nvshmem:  # (NVSHMEM's allocation is a collective of its own, on a heap of one size)
             self._agree_allocated(size, error)
         handle = self._symm.rendezvous(data, self.group)  # host sync: a collective through the store
-        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
+        free_memory.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
         if self._on_nvshmem:
             _NVSHMEM_KEPT.append(data)
         return data, handle

@@ -6,7 +6,7 @@ Most dispatches of a training run are alike: the signature of the call before
 engine's last operation. For those, ``csrc/host.cpp``'s ``UsualDispatch``
 makes in one call what the front end, the transport and the engine make in
 Python: the call's number (``agreement.Calls``), its agreement on the board
-(``dispatch.board``), its header with its memory budget (``checks.row_budgets``),
+(``dispatch.board``), its header with its memory budget (``free_memory.row_budgets``),
 the routing weights in their wire dtype, and the counts exchange with the
 dispatch's own pull (``Engine.exchange_counts``). A combine along such a
 dispatch's handle (every rank with rows, rows of a signature met before,
@@ -21,8 +21,8 @@ grew). Where a compiled call stops short (the ranks' calls or rows differ, a
 peer refused or timed out), the front end raises as its agreement would; where
 the compiled exchange finds the case not usual (a budget short), the
 transport's plan goes on from the counts it read. Its memory budget reads
-the free memory as ``checks.FREE_MEMORY`` does, from the same compiled
-reading (``free_bytes``), not through ``checks.device_free_bytes``.
+the free memory as ``free_memory.FREE_MEMORY`` does, from the same compiled
+reading (``free_bytes``), not through ``free_memory.device_free_bytes``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from dispatch import agreement, checks, cuda, host, plan
+from dispatch import agreement, checks, cuda, free_memory, host, plan
 from dispatch.autograd import DispatchFn, combine_node, dispatch_node
 from dispatch.codec import CastCodec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import Dispatched, made, with_link
@@ -240,8 +240,8 @@ class UsualDispatches:
             call_row=[*plan.call_header(plan.Ticket()), 0], header=header, x_grad_bit=X_GRAD,
             weights_grad_bit=WEIGHTS_GRAD, raise_bits=RAISE_BITS, made_at=d._calls.counter("dispatch"),
             board_words=board.words_at, board_count=board.count_at, board_slot=board.slot, timeout=d.config.timeout,
-            row_bytes=d.transport.row_bytes(x), allocator=checks.FREE_MEMORY.compiled is not None,
-            age=checks.FREE_MEMORY_AGE, row_at=row_at, host_words=host_words,
+            row_bytes=d.transport.row_bytes(x), allocator=free_memory.FREE_MEMORY.compiled is not None,
+            age=free_memory.FREE_MEMORY_AGE, row_at=row_at, host_words=host_words,
             check_values=d.config.tuning.check_inputs, width=width, stage=bool(fits and tokens), record=record)
         if len(self._calls) == _SIGNATURES:
             self._learnt.discard(self._calls[-1].signature)

@@ -542,14 +542,14 @@ def test_the_compiled_host_read_is_said_as_torch_says_a_sync(monkeypatch, mode):
 
 
 def test_the_free_memory_budget_reads_the_driver_once_an_age(fake_driver, compiled, monkeypatch):
-    """A dispatch's memory budget (``checks.device_free_bytes``, and the compiled
+    """A dispatch's memory budget (``free_memory.device_free_bytes``, and the compiled
     usual dispatch) reads the driver's free memory through ``free_bytes``
     (csrc/host.cpp, on the stand-in driver): once per age a device, and in
     between takes off what torch's caching allocator reserved since (or adds
     what it gave back); again at once after ``forget_free_bytes``; every time
     where the allocator cannot say (-1); -2 for a device that is not the
-    current one. ``checks.FreeMemory`` reads through it, else through torch."""
-    from dispatch import checks
+    current one. ``free_memory.FreeMemory`` reads through it, else through torch."""
+    from dispatch import free_memory
 
     fake_driver.fake_set_free.argtypes = [ctypes.c_size_t]
     fake_driver.fake_set_free(10_000)
@@ -573,22 +573,22 @@ def test_the_free_memory_budget_reads_the_driver_once_an_age(fake_driver, compil
     assert compiled.free_bytes(0, age, 6_000) == 11_400 and reads() == 5
     assert compiled.free_bytes(1, age, 6_000) == -2 and reads() == 5  # not the current device
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (5 + index, 99))
-    memory = checks.FreeMemory()
+    memory = free_memory.FreeMemory()
     assert memory(0) == 5  # without the compiled path: torch's reading
     memory.compiled = compiled
     assert memory(0) == 11_400 and memory(1) == 6 and reads() == 6  # (its allocator cannot say here: read again)
 
 
 def test_the_compiled_path_gives_the_budget_its_reader_of_the_allocator(compiled, monkeypatch):
-    """The engine's compiled module (``host.module()``) reads ``checks.FREE_MEMORY``
+    """The engine's compiled module (``host.module()``) reads ``free_memory.FREE_MEMORY``
     with torch's caching allocator's reserved bytes where torch's own allocator serves
     (not with caching off, nor another backend, nor without CUDA: there its
     reader says -1, cannot say)."""
-    from dispatch import checks
+    from dispatch import free_memory
 
     host.module()
     native = torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "native"
-    assert (checks.FREE_MEMORY.compiled is compiled) == (
+    assert (free_memory.FREE_MEMORY.compiled is compiled) == (
         native and os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") in ("", "0"))
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     assert not host._caching_allocator()

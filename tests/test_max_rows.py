@@ -85,25 +85,26 @@ def _short_of_memory(x, topk_idx, topk_weights, config, short_rank, max_rows, ex
     the exact budget holds any), then with its memory back (the same dispatcher)."""
     from world import current_device
 
-    from dispatch import checks
+    from dispatch import free_memory
 
     device = current_device()
     rank = torch.distributed.get_rank()
     d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     moved = []
-    original_start, original_free, original_lower = d.transport.to_experts, checks.free_bytes, checks.device_free_bytes
+    original_start = d.transport.to_experts
+    original_free, original_lower = free_memory.free_bytes, free_memory.device_free_bytes
     d.transport.to_experts = lambda *a: moved.append(1) or original_start(*a)
     short = 3 * d.transport.row_bytes(x) + 1
-    checks.device_free_bytes = lambda dev: short if rank == short_rank else None
-    checks.free_bytes = lambda dev: short if rank == short_rank and exact_short else None
+    free_memory.device_free_bytes = lambda dev: short if rank == short_rank else None
+    free_memory.free_bytes = lambda dev: short if rank == short_rank and exact_short else None
     try:
         d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
         message = None
     except (ValueError, dispatch.PeerRefused) as exc:
         message = f"{type(exc).__name__}: {exc}"
     finally:
-        checks.free_bytes, checks.device_free_bytes = original_free, original_lower
+        free_memory.free_bytes, free_memory.device_free_bytes = original_free, original_lower
     refused_moves = len(moved)
     out = d.dispatch(x, topk_idx, topk_weights, max_rows=max_rows)
     return message, refused_moves, out.handle.num_rows
@@ -171,20 +172,55 @@ def test_a_rank_short_only_by_the_cheap_bound_of_its_memory_dispatches(worlds, v
 
 def test_a_bounded_dispatch_reads_its_exact_memory_alone_where_the_cheap_bound_falls_short(monkeypatch):
     """With max_rows a rank's outputs have G * ceil(max_rows / G) rows whatever it
-    receives: it reads its exact budget (``checks.free_bytes``) only where the cheap
-    lower bound (``checks.device_free_bytes``) holds fewer than max_rows + G rows,
+    receives: it reads its exact budget (``free_memory.free_bytes``) only where the cheap
+    lower bound (``free_memory.device_free_bytes``) holds fewer than max_rows + G rows,
     alone (no agreement); without max_rows the header carries the bound."""
-    from dispatch import checks
+    from dispatch import free_memory
 
     row_bytes = 100
     x = torch.zeros(4, 8)
     exact_reads = []
-    monkeypatch.setattr(checks, "free_bytes", lambda device: exact_reads.append(1) or 10**6 * row_bytes)
+    monkeypatch.setattr(free_memory, "free_bytes", lambda device: exact_reads.append(1) or 10**6 * row_bytes)
     for lower, max_rows, groups, want, reads in [(1000, None, 1, (-1, 1000), 0),  # no bound: the cheap one
                                                  (1000, 990, 4, (990, 1000), 0),  # 990 + 4 rows fit it
                                                  (1000, 998, 4, (998, 10**6), 1),  # 998 + 4 may not: exact
                                                  (10, 500, 1, (500, 10**6), 1)]:
-        monkeypatch.setattr(checks, "device_free_bytes", lambda device, lower=lower: lower * row_bytes)
+        monkeypatch.setattr(free_memory, "device_free_bytes", lambda device, lower=lower: lower * row_bytes)
         exact_reads.clear()
-        assert checks.row_budgets(x, lambda x: row_bytes, max_rows, groups) == want
+        assert free_memory.row_budgets(x, lambda x: row_bytes, max_rows, groups) == want
         assert len(exact_reads) == reads
+
+
+def _reserves(x, bad_topk, reserves: bool):
+    """``reserve`` with rank 0's ``topk`` ``bad_topk``, then every rank's good one,
+    on a transport that makes room (its ``reserve`` stood in for, recorded) or
+    one that does nothing. Returns (what the first raised, the room made)."""
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=4, transport="nccl"))
+    made = []
+    d.transport.reserves = reserves
+    d.transport.reserve = lambda x, topk: made.append((x.shape[0], topk))
+    rank = torch.distributed.get_rank()
+    try:
+        d.reserve(x, bad_topk if rank == 0 else 2)
+        raised = None
+    except (ValueError, TypeError, dispatch.PeerRefused) as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    d.reserve(x, 2)
+    return raised, made
+
+
+@pytest.mark.parametrize("reserves", [True, False], ids=["makes room", "nothing to do"])
+@pytest.mark.parametrize("bad_topk", [0, -1, 2.0, "2", True])
+def test_reserve_refuses_a_bad_argument_on_every_rank(worlds, reserves, bad_topk):
+    """A bad ``topk`` on one rank: where the transport makes room (a collective),
+    it raises there naming the argument and its peer PeerRefused, before any
+    room is made on either; where it has nothing to do, it raises there alone.
+    The next reserve of every rank makes its room."""
+    for rank, (raised, made) in enumerate(worlds(2).run(_reserves, [(torch.zeros(6, 8), bad_topk, reserves)] * 2)):
+        if rank == 0:
+            assert raised is not None and raised.startswith("ValueError: topk must be an int in [1, "), raised
+        elif reserves:
+            assert raised is not None and raised.startswith("PeerRefused: rank(s) [0]") and "reserve #1" in raised, raised
+        else:
+            assert raised is None, raised
+        assert made == ([(6, 2)] if reserves else []), made

@@ -1385,7 +1385,7 @@ def _short_of_memory_at_size(seed):
     memory freed, the same dispatchers work."""
     from world import current_device
 
-    from dispatch import checks
+    from dispatch import free_memory
 
     device = current_device()
     rank = torch.distributed.get_rank()
@@ -1405,7 +1405,7 @@ def _short_of_memory_at_size(seed):
         filler = None
         if rank == 0:
             torch.cuda.empty_cache()
-            filler = torch.empty(checks.free_bytes(device) - (1 << 30), dtype=torch.uint8, device=device)
+            filler = torch.empty(free_memory.free_bytes(device) - (1 << 30), dtype=torch.uint8, device=device)
         try:
             d.dispatch(x, idx, w, max_rows=bound)
             d.check()

@@ -611,13 +611,13 @@ def test_nvshmem_backend_is_taken_only_where_every_rank_may_run_it(monkeypatch, 
     from types import SimpleNamespace
 
     from dispatch import transports
-    from dispatch.transports import nvshmem
+    from dispatch.transports import symmetric
 
     backend = {"now": "CUDA"}
     fake = SimpleNamespace(get_backend=lambda device: backend["now"],
                            set_backend=lambda name: backend.update(now=name))
-    monkeypatch.setattr(nvshmem, "_symmetric_memory", lambda: fake)
-    monkeypatch.setattr(nvshmem, "unusable", lambda group: None)
+    monkeypatch.setattr(symmetric, "_symmetric_memory", lambda: fake)
+    monkeypatch.setattr(symmetric, "unusable", lambda group: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     says = {"cannot run NVSHMEM": ["needs a torch built with NVSHMEM", None],
             "cannot take its backend": [None, "on the CUDA backend already"]}.get(peer, [None, None])

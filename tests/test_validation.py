@@ -351,7 +351,10 @@ def test_peer_header_checks_read_lists_as_tensors():
         assert checks.check_peer_headers(form) == (True, False)
         checks.check_row_budgets(form, [5, 7], 16)
     cases = [([header(), header(failed=1)], RuntimeError, "rank(s) [1]", None),
-             ([header(), header(hidden=4)], ValueError, "[8, 4] by rank", None),
+             ([header(), header(hidden=4)], ValueError, "H (columns of x) (rank 0: 8, rank 1: 4)", None),
+             ([header(x_dtype=3), header(x_dtype=2)], ValueError, "dtype of x (rank 0: float64, rank 1: float32)",
+              None),
+             ([header(weights_dtype=1), header()], ValueError, "rank 0: bfloat16, rank 1: float16", None),
              ([header(max_rows=4), header()], ValueError, "over its max_rows=4", [5, 7]),
              ([header(), header(memory_rows=6)], ValueError, "holds 6", [5, 7])]
     for rows, error, words, received in cases:

@@ -19,7 +19,7 @@ variant             transport   class
 ``variant="auto"``) by :func:`choose`: the NVLink engine where it can run
 (every rank on one host, NCCL, CuPy; ``nvlink.unusable``); else, for the
 alltoall variant on a group that spans hosts, NVSHMEM where it can run
-(``nvshmem.unusable``); the collectives otherwise. The hierarchical variant
+(``symmetric.unusable``); the collectives otherwise. The hierarchical variant
 moves over NVSHMEM where asked (``transport="nvshmem"``).
 """
 
@@ -36,7 +36,7 @@ from dispatch.transports.hierarchical import HierarchicalTransport
 from dispatch.transports.hierarchical_nvshmem import HierarchicalNVSHMEMTransport
 from dispatch.transports.nvlink import NVLinkTransport, unusable
 from dispatch.transports.nvshmem import NVSHMEMTransport
-from dispatch.transports import nvshmem
+from dispatch.transports import symmetric
 
 REGISTRY: dict[tuple[str, str], type[Transport]] = {
     (cls.variant, cls.transport): cls
@@ -115,8 +115,8 @@ def _nvshmem_problem(group) -> str | None:
     rank whose engine fixed its backend first cannot take it: those that took
     it keep it, as torch cannot put it back, and the engine refuses a group
     whose ranks' backends differ)."""
-    problem = _agreed(group, nvshmem.unusable(group))
-    return problem if problem is not None else _agreed(group, nvshmem.take_backend())
+    problem = _agreed(group, symmetric.unusable(group))
+    return problem if problem is not None else _agreed(group, symmetric.take_backend())
 
 
 def _agreed(group, problem: str | None) -> str | None:

@@ -125,6 +125,7 @@ class Transport(abc.ABC):
     bounded_groups = False
     device_bound = False
     agrees_dispatch = False
+    reserves = False  # whether reserve() makes room (a collective), or does nothing
 
     def __init__(self, config, group: dist.ProcessGroup | None) -> None:
         self.config, self.group = config, group

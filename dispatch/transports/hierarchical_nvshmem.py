@@ -130,6 +130,7 @@ class HierarchicalNVSHMEMTransport(Transport):
     transport = "nvshmem"
     host_free = True
     agrees_dispatch = True
+    reserves = True
 
     def __init__(self, config, group=None, exchange=None) -> None:
         super().__init__(config, group)

@@ -70,6 +70,7 @@ class NVLinkTransport(Transport):
     bounded_groups = True
     device_bound = True
     agrees_dispatch = True  # on the group's board (one host), else over the host channel: one all-gather a dispatch
+    reserves = True
 
     def __init__(self, config, group=None) -> None:
         super().__init__(config, group)

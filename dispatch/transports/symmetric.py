@@ -2,7 +2,8 @@
 variable-split all-to-alls of rows whose split sizes are on the device, over
 symmetric buffers of NVSHMEM's backend; by our put kernel
 (``dispatch.kernels.nvshmem_puts``) where it runs, else by torch's
-``all_to_all_vdev``.
+``all_to_all_vdev``; and whether NVSHMEM can serve a group here
+(:func:`unusable`, :func:`take_backend`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,61 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, cuda, partition
+from dispatch import checks, cuda, free_memory, partition
 from dispatch.kernels import nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
+
+
+def unusable(group: dist.ProcessGroup | None) -> str | None:
+    """Why NVSHMEM cannot serve ``group`` here (None if it may), answered at
+    once from this process alone (no collective), changing nothing: it needs
+    an NCCL group of two ranks or more on CUDA devices, the whole world
+    (NVSHMEM's allocations are collective over every process), and a torch
+    built with NVSHMEM. It also needs this process's symmetric memory on the
+    NVSHMEM backend: :func:`take_backend` asks for it once every rank agrees."""
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        return f"needs an NCCL process group on CUDA devices, got backend {backend!r}"
+    if dist.get_world_size(group) == 1:
+        return "needs peers: the group has one rank (torch's NVSHMEM rendezvous takes two or more)"
+    if dist.get_world_size(group) != dist.get_world_size():
+        return (f"needs the whole world as its group ({dist.get_world_size(group)} of {dist.get_world_size()} "
+                "ranks here): NVSHMEM allocates symmetric memory on every process of the job at once, alike, "
+                "which dispatchers of different groups would not do")
+    symm_mem = _symmetric_memory()
+    if symm_mem is None:
+        return "needs torch.distributed._symmetric_memory"
+    if not symm_mem.is_nvshmem_available():
+        return "needs a torch built with NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available())"
+    return None
+
+
+def take_backend() -> str | None:
+    """This process's symmetric memory put on the NVSHMEM backend (None), or why
+    it cannot be: torch fixes the backend at a process's first symmetric
+    allocation (the NVLink engine's buffers make it ``CUDA``), and then NVSHMEM
+    cannot serve the process. Torch cannot put it back: once taken, the
+    process's later engines allocate on NVSHMEM's backend (which serves them:
+    ``transports.nvlink.unusable`` refuses a group whose ranks' backends differ)."""
+    symm_mem = _symmetric_memory()
+    backend = symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device()))
+    if backend == "NVSHMEM":
+        return None
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError:
+        return (f"this process's symmetric memory is on the {backend} backend already (torch fixes it at the "
+                "first symmetric allocation, e.g. the NVLink engine's: NVSHMEM cannot serve it; make the NVSHMEM "
+                "dispatcher first, and the engine runs on its backend's buffers)")
+    return None
+
+
+def _symmetric_memory():
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError:
+        return None
+    return symm_mem
 
 
 class SymmetricExchange:
@@ -102,7 +155,7 @@ class SymmetricExchange:
             cuda.synchronize(self.device.index)
         tensor = symm_mem.empty(*shape, dtype=dtype, device=self.device)
         symm_mem.rendezvous(tensor, self.group_name)  # host sync: a collective through the store
-        checks.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
+        free_memory.FREE_MEMORY.forget()  # device memory taken outside torch's caching allocator
         return tensor
 
     def stride(self, row_bytes: int) -> int:
