@@ -86,7 +86,8 @@ def create(config: DispatchConfig, group: dist.ProcessGroup | None = None) -> To
         ``local_world_size`` not dividing it, ``transport="nvlink"`` where the
         engine cannot run: not CUDA/NCCL, ranks on several hosts, no CuPy;
         ``transport="nvshmem"`` where NVSHMEM cannot: not CUDA/NCCL, one rank,
-        a torch without NVSHMEM, the engine already in the process).
+        a torch without NVSHMEM, the engine already in the process);
+        RuntimeError where torch.distributed is not initialised.
     """
     if not isinstance(config, DispatchConfig):
         raise TypeError(f"config must be a dispatch.DispatchConfig, got {type(config).__name__}")

@@ -218,7 +218,8 @@ class Board:
         if missing:
             names = ", ".join(f"rank {r}" for r in missing)
             return (f"peer missing: rank(s) {missing} of the group ({names}) did not reach {what}: timed out after "
-                    f"{timeout:g} s (DispatchConfig.timeout); a peer died, stalled or stopped calling; this process "
-                    "group cannot be used any more")
+                    f"{timeout:g} s (DispatchConfig.timeout); a peer died, stalled or stopped calling (one that "
+                    "is alive raises at this call when it comes, and the group's next calls pair again)")
         return (f"peer missing: rank(s) {withdrawn} of the group gave up waiting for {what} (DispatchConfig.timeout: "
-                f"{timeout:g} s) before every rank arrived; this process group cannot be used any more")
+                f"{timeout:g} s) before every rank arrived; every rank raises at this call, and the group's next "
+                "calls pair again")

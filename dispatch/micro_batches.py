@@ -29,7 +29,7 @@ nothing: the schedule is why this layer exists.
 On CUDA the dispatches' plans run on a stream of the layer's own, so that a
 plan that waits for the exchanges before it (the NVSHMEM transport's buffers
 are used in turn) does not hold up the experts queued behind it. For a plain
-:class:`dispatch.GroupedExperts` (as ``MoEExchange`` takes it), each
+:class:`dispatch.experts.GroupedExperts` (as ``MoEExchange`` takes it), each
 micro-batch's backward computes only what its exchange home waits for (the
 rows' gradients) and keeps what its weight gradients need; those are formed
 after the last one's rows' gradients, while they travel home (what is kept
@@ -79,7 +79,7 @@ class MoEMicroBatches(nn.Module):
     Args:
         dispatcher: a :class:`dispatch.TokenDispatcher`.
         experts: callable ``(tokens [N, H], tokens_per_expert [E_local]) -> [N, H']``
-            (e.g. :class:`dispatch.GroupedExperts`), called once per micro-batch;
+            (e.g. :class:`dispatch.experts.GroupedExperts`), called once per micro-batch;
             the parameters it trains registered (an ``nn.Module``): an output that
             reaches another tensor requiring grad is refused, as in ``MoEExchange``.
         comm_priority: CUDA priority of the exchanges' stream (lower is higher).

@@ -164,8 +164,9 @@ recompute. ``install(moe_layer)`` again puts the layer's own stage back (guarded
 
 The engine's own options (``variant``, ``dispatch_wire``, ``combine_wire``, the
 gradient wires, ``check_inputs``, ...) are the fields of
-:class:`dispatch.DispatchConfig` other than ``num_experts`` and of
-:class:`dispatch.Tuning`, passed as ``options``
+:class:`dispatch.DispatchConfig` other than ``num_experts`` and token dropping
+(``capacity_factor``, ``drop_policy``, ``pad_to_capacity``: Megatron's router
+drops) and of :class:`dispatch.Tuning`, passed as ``options``
 (``DispatchConfig.from_options``); the config validates them.
 """
 from __future__ import annotations
@@ -208,8 +209,9 @@ def install(moe_layer, overlap: bool | int = False, **options) -> MegatronDispat
             slower than False on an eager, host-bound layer (16 and 256 experts
             on 2 GPUs; bench/results/README.md, findings): measure yours before
             turning it on.
-        **options: the engine's options (fields of :class:`dispatch.DispatchConfig`
-            other than ``num_experts``), e.g. ``dispatch_wire="bf16"``.
+        **options: the engine's options (``ENGINE_OPTIONS``: fields of
+            :class:`dispatch.DispatchConfig` and :class:`dispatch.Tuning`, but
+            ``num_experts`` and token dropping), e.g. ``dispatch_wire="bf16"``.
     Where the layer's experts (or shared experts run beside the exchange) raise
     on one rank between its dispatch and its combine, that rank raises their
     error and its peers ``dispatch.PeerRefused`` in their combine, at once

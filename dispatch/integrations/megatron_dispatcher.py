@@ -83,8 +83,9 @@ class MegatronDispatcher:
         pg_collection: Megatron's ``ProcessGroupCollection``; ``ep`` is the EP group
             (None: the default world), ``expt_tp`` the expert tensor parallel group
             (None: none; see the module's "Expert tensor parallelism").
-        options: the engine's options, fields of :class:`dispatch.DispatchConfig`
-            other than ``num_experts`` (``variant``, ``dispatch_wire``, ...).
+        options: the engine's options (``ENGINE_OPTIONS``: fields of
+            :class:`dispatch.DispatchConfig` and :class:`dispatch.Tuning`, but
+            ``num_experts`` and token dropping: ``variant``, ``dispatch_wire``, ...).
     Raises:
         ValueError / TypeError naming the setting, before any communication (but what
         depends on the engine, known once it is made: on every rank alike), for what

@@ -8,7 +8,7 @@ model of ``dispatch.cost_model``: at the first dispatch, and again every
 :data:`RECHOOSE` dispatches (the call numbers are agreed by every rank, so
 every rank re-chooses at the same call), one all-gather of the routing
 statistics (``dispatch.counts``) gives every rank the same figures, which the
-``DispatchConfig.link_model`` bandwidths and latencies turn into a modelled
+``Tuning.link_model`` bandwidths and latencies turn into a modelled
 time per variant; the cheapest wins (ties: alltoall, then allgather, then
 hierarchical). The calls between pay nothing for the choice.
 
