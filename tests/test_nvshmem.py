@@ -601,7 +601,8 @@ def test_the_transport_rule(variant, transport, engine, spans, nvshmem, want):
     assert want != "nvshmem" or cls in (NVSHMEMTransport, HierarchicalNVSHMEMTransport)
 
 
-@pytest.mark.parametrize("peer", ["runs and takes it", "cannot run NVSHMEM", "cannot take its backend"])
+@pytest.mark.parametrize("peer", ["runs and takes it", "cannot run NVSHMEM", "cannot take its backend",
+                                  "has other NBLOCKS"])
 def test_nvshmem_backend_is_taken_only_where_every_rank_may_run_it(monkeypatch, peer):
     """Each rank asks for NVSHMEM's symmetric-memory backend only once every
     rank may run NVSHMEM (a peer that cannot leaves this rank's backend as it
@@ -618,6 +619,8 @@ def test_nvshmem_backend_is_taken_only_where_every_rank_may_run_it(monkeypatch, 
                            set_backend=lambda name: backend.update(now=name))
     monkeypatch.setattr(symmetric, "_symmetric_memory", lambda: fake)
     monkeypatch.setattr(symmetric, "unusable", lambda group: None)
+    blocks = "needs TORCH_SYMMMEM_NBLOCKS alike on every rank" if peer == "has other NBLOCKS" else None
+    monkeypatch.setattr(symmetric, "blocks_differ", lambda group: blocks)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     says = {"cannot run NVSHMEM": ["needs a torch built with NVSHMEM", None],
             "cannot take its backend": [None, "on the CUDA backend already"]}.get(peer, [None, None])
@@ -630,7 +633,9 @@ def test_nvshmem_backend_is_taken_only_where_every_rank_may_run_it(monkeypatch, 
 
     monkeypatch.setattr(transports, "_agreed", agreed)
     problem = transports._nvshmem_problem(None)
-    if peer == "cannot run NVSHMEM":
+    if peer == "has other NBLOCKS":
+        assert problem == blocks and asked == [None] and backend["now"] == "CUDA"
+    elif peer == "cannot run NVSHMEM":
         assert problem == "rank 1: needs a torch built with NVSHMEM" and asked == [None]
         assert backend["now"] == "CUDA"  # not taken
     elif peer == "cannot take its backend":
@@ -638,6 +643,25 @@ def test_nvshmem_backend_is_taken_only_where_every_rank_may_run_it(monkeypatch, 
         assert backend["now"] == "NVSHMEM"  # taken, kept: torch cannot set it back (the engine checks)
     else:
         assert problem is None and asked == [None, None] and backend["now"] == "NVSHMEM"
+
+
+@pytest.mark.parametrize("told, differ", [(["8", "8"], False), ([None, None], False), (["8", None], True),
+                                          (["8", "16"], True)])
+def test_ranks_with_other_nvshmem_blocks_are_refused_by_name(monkeypatch, told, differ):
+    """A row's stride in NVSHMEM's buffers follows each process's own
+    TORCH_SYMMMEM_NBLOCKS: ranks where it differs are refused, every rank's
+    named (the all-gather stood in for: the ranks' values)."""
+    from dispatch.transports import symmetric
+
+    monkeypatch.setattr(symmetric.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(symmetric.dist, "all_gather_object", lambda out, mine, group=None: out.__setitem__(
+        slice(None), told))
+    problem = symmetric.blocks_differ(None)
+    if not differ:
+        assert problem is None
+    else:
+        assert problem.startswith("needs TORCH_SYMMMEM_NBLOCKS alike on every rank"), problem
+        assert f"rank 0: {told[0]!r}" in problem and ("rank 1: unset" if told[1] is None else "rank 1: '16'") in problem
 
 
 # -- on the real NVSHMEM: two GPUs or more, a torch built with it ------------------------------------

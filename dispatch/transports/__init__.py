@@ -114,8 +114,11 @@ def _nvshmem_problem(group) -> str | None:
     it for a group its peers refuse; whether each got it is agreed again (a
     rank whose engine fixed its backend first cannot take it: those that took
     it keep it, as torch cannot put it back, and the engine refuses a group
-    whose ranks' backends differ)."""
+    whose ranks' backends differ). The ranks' ``TORCH_SYMMMEM_NBLOCKS`` must
+    be alike too (``symmetric.blocks_differ``)."""
     problem = _agreed(group, symmetric.unusable(group))
+    if problem is None:
+        problem = symmetric.blocks_differ(group)  # the same answer on every rank
     return problem if problem is not None else _agreed(group, symmetric.take_backend())
 
 

@@ -45,6 +45,19 @@ def unusable(group: dist.ProcessGroup | None) -> str | None:
     return None
 
 
+def blocks_differ(group: dist.ProcessGroup | None) -> str | None:
+    """Why the ranks of ``group`` cannot share NVSHMEM's buffers, the same on
+    every rank (a collective; None: they can): a row's stride there follows
+    ``TORCH_SYMMMEM_NBLOCKS`` (:class:`SymmetricExchange`), which each process
+    reads from its own environment, so it must be alike on every rank."""
+    told: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(told, os.environ.get("TORCH_SYMMMEM_NBLOCKS"), group=group)  # host sync
+    if len(set(told)) == 1:
+        return None
+    return ("needs TORCH_SYMMMEM_NBLOCKS alike on every rank (it lays out the rows in NVSHMEM's buffers), got "
+            + ", ".join(f"rank {r}: {'unset' if b is None else repr(b)}" for r, b in enumerate(told)))
+
+
 def take_backend() -> str | None:
     """This process's symmetric memory put on the NVSHMEM backend (None), or why
     it cannot be: torch fixes the backend at a process's first symmetric
@@ -113,7 +126,7 @@ class SymmetricExchange:
         self.group_name = (group if group is not None else dist.group.WORLD).group_name
         self.world, self.device = world_size, device
         # torch's kernel gives each peer blocks // W blocks: at most 64 (16 off one host), or
-        # TORCH_SYMMMEM_NBLOCKS where the user set it
+        # TORCH_SYMMMEM_NBLOCKS where the user set it (alike on every rank: blocks_differ)
         told = os.environ.get("TORCH_SYMMMEM_NBLOCKS", "")
         blocks = (int(told),) if told.isdigit() and int(told) > 0 else (64, 16)
         self.unit = math.lcm(16, *(max(b // world_size, 1) for b in blocks))
