@@ -221,7 +221,7 @@ class Calls:
         number = self._made[code] % CALL_WRAP + 1
         self._made[code] = number
         off = GRAD_OFF if verb in ("dispatch", "combine") and not torch.is_grad_enabled() else 0
-        return plan.Ticket(code + off + DISPATCHERS * self.place, number, along)
+        return plan.Ticket(code + off + DISPATCHERS * self._arrivals.index, number, along)  # (self.place)
 
     @property
     def place(self) -> int:
