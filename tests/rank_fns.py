@@ -201,15 +201,27 @@ def call_foreign_handle(config: dict, x, topk_idx, topk_weights):
 
 
 def bench_wrong_rows(corrupt):
-    """The benchmark's #wrong count over the world, with one element planted wrong on this rank."""
+    """The benchmark's #wrong count over the world (E = 4 experts, slots of
+    token 2 on experts 1 and 3, others on 0 and 2, one empty), with one element
+    planted wrong on this rank, or (``"swapped"``) the weights of token 1's two
+    slots swapped, or (``"identity"``) the experts' factors left out."""
+    from dispatch.bench.common import expert_factor
     from dispatch.bench.roundtrip import wrong_rows as _wrong_rows
 
-    x = torch.arange(12, dtype=torch.float32, device=current_device()).view(4, 3)
-    w = torch.full((4, 2), 0.5, device=current_device())
-    out = x.clone()
-    if corrupt is not None:
+    device = current_device()
+    x = torch.arange(12, dtype=torch.float32, device=device).view(4, 3)
+    idx = torch.tensor([[0, 2], [0, 2], [1, 3], [2, -1]], device=device)
+    w = torch.tensor([[0.5, 0.5], [0.25, 0.75], [0.5, 0.5], [1.0, 0.0]], device=device)
+    used = w.clone()
+    if corrupt == "swapped":
+        used[1] = used[1].flip(0)
+    factor = torch.where(idx >= 0, expert_factor(idx.clamp(min=0), 4), 0.0)
+    if corrupt == "identity":
+        factor = (idx >= 0).float()
+    out = x * (used * factor).sum(1, keepdim=True)
+    if isinstance(corrupt, tuple):
         out[corrupt] += 0.25
-    return _wrong_rows(out, x, w)
+    return _wrong_rows(out, x, idx, w, 4)
 
 
 def two_in_flight(x, first_idx, second_idx, topk_weights, config: dict):

@@ -137,6 +137,9 @@ def test_wrong_rows_catches_a_planted_corruption(worlds):
 
     assert worlds(2).run(rank_fns.bench_wrong_rows, [(None,), ((1, 2),)]) == [1, 1]
     assert worlds(2).run(rank_fns.bench_wrong_rows, [(None,), (None,)]) == [0, 0]
+    # a weight on the other slot of its token, and experts that do not tell themselves apart: seen too
+    assert worlds(2).run(rank_fns.bench_wrong_rows, [("swapped",), (None,)]) == [1, 1]
+    assert worlds(2).run(rank_fns.bench_wrong_rows, [("identity",), (None,)]) == [4, 4]
 
 
 @pytest.mark.parametrize(
@@ -221,8 +224,8 @@ def test_concurrency_probe_refuses_without_two_gpus(capsys):
     assert "needs 2 or more GPUs" in capsys.readouterr().err
 
 
-def test_deepep_rows_sit_beside_their_fair_pair_of_ours():
-    """Each DeepEP row goes right after its fair pair of ours among its shape and
+def test_deepep_rows_sit_beside_their_pair_of_ours():
+    """Each DeepEP row goes right after its pair of ours among its shape and
     routing's rows (eager beside our eager engine row, its cached layout beside
     our captured one), both labelled, and the tables gain the pair's column and
     its note; a DeepEP row whose pair did not run goes last, unlabelled."""
@@ -241,18 +244,18 @@ def test_deepep_rows_sit_beside_their_fair_pair_of_ours():
                      "ours alltoall/nvlink graph", roundtrip.DEEPEP_CACHED, "megatron alltoall"]
     assert [r.get("pair") for r in rows] == [None, None, "eager", "eager", "captured", "captured", None]
     table = roundtrip.markdown_table(rows)
-    assert "| fair pair |" in table.splitlines()[0]
-    assert any("fair pair: eager" in note for note in roundtrip._notes_on_columns(rows))
+    assert "| pair |" in table.splitlines()[0]
+    assert any("pair: eager" in note for note in roundtrip._notes_on_columns(rows))
     alone = [row("ours alltoall/nccl")]
     roundtrip._beside_its_pair(alone, 0, row(roundtrip.DEEPEP_CACHED))  # our captured row did not run
     assert [r["name"] for r in alone] == ["ours alltoall/nccl", roundtrip.DEEPEP_CACHED]
-    assert "pair" not in alone[1] and "| fair pair |" not in roundtrip.markdown_table(alone)
+    assert "pair" not in alone[1] and "| pair |" not in roundtrip.markdown_table(alone)
 
 
 @pytest.mark.parametrize("deepep", [False, True])
 def test_the_captured_engine_row_runs_by_default_where_deepeps_cached_layout_does(monkeypatch, deepep):
     """On GPUs where the engine runs, the default transports are NCCL and the
-    engine, and the engine captured too where DeepEP's rows run (the fair pair of
+    engine, and the engine captured too where DeepEP's rows run (the pair of
     its kernels on a cached layout); on CPU, NCCL (gloo) alone."""
     from dispatch import cuda
 

@@ -307,6 +307,52 @@ def captured_round_trip(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
     return replays, result
 
 
+def expert_factor(expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """fp32 1 + e / E of each global expert id ``e``: what the checked experts
+    multiply their rows by (:func:`by_expert`), a factor of its own per expert,
+    so that a row the exchange gives the wrong expert, or a weight it puts on
+    the wrong slot, changes the result (identity experts would not see either)."""
+    return 1 + expert.to(torch.float32) / num_experts
+
+
+def by_expert(rows: torch.Tensor, per_expert: torch.Tensor, first: int, num_experts: int,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Checked experts on expert-major ``rows`` ([N, H], ``per_expert`` [E_local]
+    rows each, local expert 0 first; rows past them, padding, as expert
+    E_local): each row times :func:`expert_factor` of the expert its place gives
+    (global id ``first`` + its local one), and times ``weights`` [N] where given
+    (experts that weigh their rows), in fp32, rounded once to ``rows``' dtype.
+    No host read: it runs inside a CUDA graph too."""
+    ends = torch.cumsum(per_expert.to(device=rows.device, dtype=torch.int64), 0)
+    local = torch.searchsorted(ends, torch.arange(rows.shape[0], device=rows.device), right=True)
+    scale = expert_factor(local + first, num_experts)
+    if weights is not None:
+        scale = scale * weights.to(torch.float32)
+    return (rows * scale.unsqueeze(1)).to(rows.dtype)  # (fp32 math: the product's dtype)
+
+
+def captured_checked(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, bound: int,
+                     first: int) -> torch.Tensor:
+    """The round trip of :func:`captured_round_trip` with the checked experts
+    between (:func:`by_expert`, this rank's first expert ``first``), captured
+    in a CUDA graph of its own and replayed once: its output (NaN before the
+    replay), for the check; the timed graphs keep identity experts."""
+    def round_trip():
+        out = d.dispatch(x, topk_idx, topk_weights, max_rows=bound)
+        y = by_expert(out.tokens, out.tokens_per_expert, first, d.config.num_experts)
+        return d.combine(y, out.handle, weights=out.weights)
+
+    round_trip()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = round_trip()
+    result.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return result.clone()
+
+
 def _replay(graph: torch.cuda.CUDAGraph, *inputs) -> None:
     """``graph.replay()``; ``inputs``: what its kernels read, held alive with the replay."""
     graph.replay()

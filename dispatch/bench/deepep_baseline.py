@@ -6,15 +6,18 @@ What its row includes, against ours: DeepEP's dispatch hands each rank every
 token that has an expert there once, rank-major, with its top-k ids and weights
 (no expansion to the expert-major rows that ours and Megatron's experts get);
 its combine sums the rows home unweighted. So that the row computes what ours
-does, the identity experts here multiply each received row by the sum of its
-local slots' weights (in fp32, cast to bf16) before the combine. Two rows, each
-the fair pair of one of ours: eager (its layout kernel, and its dispatch reads
+does, its experts here multiply each received row by the sum of its local
+slots' weights, each times its expert's own factor (``common.expert_factor``:
+the benchmark's check sees a row at the wrong expert), in one elementwise
+kernel (fp32 math, rounded once to bf16) before the combine: a cost ours does
+not pay (it weighs inside its combine), which a real layer would fold into its
+experts. Two rows, each beside one of ours: eager (its layout kernel, and its dispatch reads
 the received count on the host once, as ours does without ``max_rows``),
 beside our eager round trip; and its kernels alone along a cached layout (its
 handle reused: no layout, no host read), beside our round trip captured in a
 CUDA graph.
-Its SM budget is DeepEP's usual 24 (``Buffer.set_num_sms``), its configs its
-defaults for the group size.
+Its SM budget is DeepEP's usual 24 (``Buffer.set_num_sms``; ours takes every SM
+unless ``Tuning.sm_budget``), its configs its defaults for the group size.
 """
 
 from __future__ import annotations
@@ -64,12 +67,22 @@ def deepep_round_trip(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=idx, topk_weights=topk_weights.float())
     mark(timer, "exchange_out")
-    scale = torch.where(recv_idx >= 0, recv_w, 0.0).sum(1, keepdim=True)
-    y = (recv_x.float() * scale).to(recv_x.dtype)
+    scale = _scale(buffer, recv_idx, recv_w, num_experts)
+    y = recv_x.mul_(scale)  # one kernel: fp32 math, rounded once (recv_x is this call's own)
     mark(timer, "presum")
     out, _, _ = buffer.combine(y, handle)
     mark(timer, "exchange_back")
     return out, (handle, scale)
+
+
+def _scale(buffer, recv_idx: torch.Tensor, recv_w: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[N, 1] fp32: per received token, its local slots' weights, each times its
+    expert's factor (``recv_idx``: local expert ids on this rank, -1 elsewhere)."""
+    from dispatch.bench.common import expert_factor
+
+    first = buffer.rank * (num_experts // buffer.group_size)
+    factor = torch.where(recv_idx >= 0, expert_factor(recv_idx.clamp(min=0) + first, num_experts), 0.0)
+    return (recv_w.float() * factor).sum(1, keepdim=True)
 
 
 def deepep_cached_round_trip(buffer, x: torch.Tensor, layout, timer=None) -> torch.Tensor:
@@ -81,7 +94,7 @@ def deepep_cached_round_trip(buffer, x: torch.Tensor, layout, timer=None) -> tor
     handle, scale = layout
     recv_x = buffer.dispatch(x, handle=handle)[0]
     mark(timer, "exchange_out")
-    y = (recv_x.float() * scale).to(recv_x.dtype)
+    y = recv_x.mul_(scale)
     mark(timer, "presum")
     out, _, _ = buffer.combine(y, handle)
     mark(timer, "exchange_back")

@@ -278,15 +278,22 @@ def build_megatron_dispatcher(
 
 
 def _identity_experts(
-    rows: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, weight_by_probs: bool
+    rows: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, weight_by_probs: bool,
+    first_expert: int | None = None, num_experts: int = 0,
 ) -> torch.Tensor:
     """Experts that compute nothing: ``rows``, or ``rows`` weighted as Megatron's experts do.
 
     Megatron's experts multiply their activations by ``permuted_probs`` and cast back to
     the activation dtype (experts.py, ``bias_act_func``); the weighted branch does the same
-    to the input rows.
+    to the input rows. With ``first_expert`` (this rank's first global expert), each
+    expert also scales its rows by a factor of its own (``common.by_expert``, the
+    benchmark's checked experts), in the same multiply.
     """
-    del tokens_per_expert  # identity: the grouping does not matter
+    if first_expert is not None:
+        from dispatch.bench.common import by_expert
+
+        return by_expert(rows, tokens_per_expert, first_expert, num_experts,
+                         permuted_probs if weight_by_probs else None)
     if not weight_by_probs:
         return rows
     return (rows * permuted_probs.unsqueeze(-1)).to(rows.dtype)
@@ -299,6 +306,7 @@ def megatron_round_trip(
     probs: torch.Tensor,
     *,
     weight_by_probs: bool = False,
+    first_expert: int | None = None,
     timer=None,
 ) -> torch.Tensor:
     """Dispatch then combine through ``dispatcher``, with identity experts between.
@@ -330,6 +338,9 @@ def megatron_round_trip(
             multiply their rows by the routing weight (as Megatron's experts do), so
             ``out[t] ~= x[t] * sum_k w[t, k]``. See the module docstring for where the
             sums happen and in which dtype.
+        first_expert: this rank's first global expert: each expert also scales its
+            rows by its own factor (``common.by_expert``), ``out[t] ~= x[t] *
+            sum_k w[t, k] (1 + e_k / E)`` weighted; None: not.
 
     Returns:
         ``out``, same shape and dtype as ``hidden_states``.
@@ -353,7 +364,7 @@ def megatron_round_trip(
     mark(timer, "exchange_out")
     rows, tokens_per_expert, p = dispatcher.dispatch_postprocess(rows, p)
     mark(timer, "expand")
-    y = _identity_experts(rows, tokens_per_expert, p, weight_by_probs)
+    y = _identity_experts(rows, tokens_per_expert, p, weight_by_probs, first_expert, routing_map.shape[1])
     y = dispatcher.combine_preprocess(y)
     mark(timer, "presum")
     y = dispatcher.token_combine(y)

@@ -49,24 +49,26 @@ def bandwidth_plot(rows: list[dict], path: str, title: str, name=str) -> str | N
 
 
 def round_trip_plot(rows: list[dict], path: str, title: str, phases: tuple[str, ...]) -> str | None:
-    """One horizontal bar per dispatcher row (shape / routing / name), split into
-    its phases where the row has them."""
+    """Two horizontal bars per dispatcher row (shape / routing / name): its round
+    trip timed whole (the table's figure), and under it its phases where the row
+    has them, from the runs timed with phase marks (which add host work and take
+    the engine's Python path: their sum may exceed the whole)."""
     plt = _pyplot()
     if plt is None or not rows:
         return None
     labels = [f"{r['shape']['name']} {r['routing']} | {r['name']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.36 * len(rows) + 1.5))
     colors = plt.get_cmap("tab10")
-    y = list(range(len(rows)))[::-1]
+    y = [float(v) for v in range(len(rows))][::-1]
+    ax.barh([v + 0.18 for v in y], [r["round_trip_ms"]["median"] for r in rows], color="0.3",
+            label="round trip, timed whole", height=0.36)
     for i, phase in enumerate(phases):
         left = [sum(r["phases_ms"].get(p, 0.0) for p in phases[:i]) for r in rows]
         width = [r["phases_ms"].get(phase, 0.0) for r in rows]
-        ax.barh(y, width, left=left, color=colors(i), label=phase, height=0.7)
-    unsplit = [r["round_trip_ms"]["median"] if not r["phases_ms"] else 0.0 for r in rows]
-    ax.barh(y, unsplit, color="0.6", label="round trip (no phases)", height=0.7)
+        ax.barh([v - 0.18 for v in y], width, left=left, color=colors(i), label=f"{phase} (marked runs)", height=0.36)
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=7)
-    ax.set_xlabel("ms (median per phase)")
+    ax.set_xlabel("ms (medians)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(True, axis="x", alpha=0.3)

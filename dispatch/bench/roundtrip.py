@@ -5,7 +5,9 @@ variant over NCCL, over the NVLink engine, and over the engine with ``max_rows``
 in CUDA graphs) and, on GPUs, Megatron-Core's ``alltoall`` and ``allgather``
 dispatchers when megatron-core imports and DeepEP's intranode kernels when
 ``deep_ep`` imports (eager, and along a cached layout: ``dispatch.bench.deepep_baseline``;
-each row beside its fair pair of ours, ``FAIR_PAIRS``), in the same processes and table:
+each row beside its pair of ours, ``PAIRS``: not like for like, DeepEP at 24
+SMs and charged the weighting its combine does not make, ours on every SM), in the
+same processes and table:
 
 * dispatch, combine and round-trip times (median and 10th-90th percentile over
   ``--iters`` timed runs after ``--warmup``, barrier first, CUDA events, the
@@ -18,8 +20,11 @@ each row beside its fair pair of ours, ``FAIR_PAIRS``), in the same processes an
 * bandwidth the way DeepEP's tests count it: bytes of the rows a rank receives
   in dispatch (one per (token, rank), its own included) over the dispatch time,
   and the same bytes over the combine time;
-* ``#wrong``: rows of combine(dispatch(x)) (identity experts) that are not
-  ``x * sum(weights)`` within the wire format's rounding;
+* ``#wrong``: rows of a round trip whose experts each scale their rows by a
+  factor of their own (``common.by_expert``; timed with identity experts, but
+  Megatron's and DeepEP's, which weigh their rows in the same multiply) that
+  are not ``x * sum_k w_k (1 + e_k / E)`` within the wire format's rounding: a
+  row at the wrong expert or a weight on the wrong slot counts;
 * for ``auto``: its round trip over the fastest other eager row of ours with
   its wire, all of them timed again in turns, run by run.
 
@@ -49,8 +54,8 @@ ROUTINGS = ("uniform", "zipf", "one-rank")
 TRANSPORTS = ("nccl", "nvlink", "nvlink-graph")
 TRANSPORT_WORDS = {"nvlink": "the NVLink engine", "nvlink-graph": "the engine in CUDA graphs"}
 DEEPEP_EAGER, DEEPEP_CACHED = "deepep eager (layout, host read)", "deepep kernels (cached layout)"
-# each DeepEP row's fair pair of ours: (the pair's label, our row's name)
-FAIR_PAIRS = {DEEPEP_EAGER: ("eager", "ours alltoall/nvlink"),
+# each DeepEP row's pair of ours: (the pair's label, our row's name)
+PAIRS = {DEEPEP_EAGER: ("eager", "ours alltoall/nvlink"),
               DEEPEP_CACHED: ("captured", "ours alltoall/nvlink graph")}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -110,7 +115,7 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
         from dispatch import cuda
 
         engine = use_cuda and cuda.available()
-        # DeepEP's kernels on a cached layout need their fair pair: our round trip captured
+        # DeepEP's kernels on a cached layout need their pair: our round trip captured
         deepep = engine and args.baselines == "auto" and args.dtype == "bf16" and _deepep_importable()
         args.transports = ["nccl", "nvlink", *(["nvlink-graph"] if deepep else [])] if engine else ["nccl"]
     else:
@@ -146,11 +151,15 @@ def make_routing(kind: str, shape: common.Shape, world: int, rank: int, dev, see
     return topk_idx, topk_weights
 
 
-def wrong_rows(out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor, lossy: bool = False) -> int:
-    """Rows of combine(dispatch(x)) with identity experts that are not
-    ``x * sum(w)`` within rounding, summed over the world. ``lossy``: the dispatch
-    wire is a block format, allowed 1/16 of the row's largest magnitude."""
-    expected = x.double() * topk_weights.double().sum(1, keepdim=True)
+def wrong_rows(out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+               num_experts: int, lossy: bool = False) -> int:
+    """Rows of a round trip of ``x`` through the checked experts (each scales
+    its rows by a factor of its own, ``common.by_expert``) that are not
+    ``x * sum_k w_k (1 + e_k / E)`` within rounding, summed over the world: a row
+    given to the wrong expert or a weight on the wrong slot counts. ``lossy``:
+    the dispatch wire is a block format, allowed 1/16 of the row's largest magnitude."""
+    factor = torch.where(topk_idx >= 0, common.expert_factor(topk_idx.clamp(min=0), num_experts), 0.0)
+    expected = x.double() * (topk_weights.double() * factor.double()).sum(1, keepdim=True)
     tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
     allowed = tol * (1 + expected.abs())
     if lossy:
@@ -250,17 +259,17 @@ def what_runs(args) -> str:
     megatron, deepep = _baselines(args, dev)
     beside = [
         "Megatron-Core's alltoall and allgather" if megatron else "no Megatron-Core (megatron-core does not import)",
-        "DeepEP eager and on a cached layout, each beside its fair pair of ours" if deepep
+        "DeepEP eager and on a cached layout, each beside its pair of ours" if deepep
         else "no DeepEP (deep_ep does not import)" if args.dtype == "bf16" else "no DeepEP (bf16 tokens only)",
     ]
     return f"transports: {', '.join(over)}; baselines: {', '.join(beside)}"
 
 
 def _beside_its_pair(rows: list[dict], start: int, row: dict) -> None:
-    """A DeepEP row into ``rows`` right after its fair pair of ours (``FAIR_PAIRS``)
+    """A DeepEP row into ``rows`` right after its pair of ours (``PAIRS``)
     among this shape and routing's, from ``start``, both labelled with the pair;
     last where that row of ours did not run."""
-    pair, partner = FAIR_PAIRS[row["name"]]
+    pair, partner = PAIRS[row["name"]]
     at = next((i for i in range(start, len(rows)) if rows[i]["name"] == partner), None)
     if at is None:
         rows.append(row)
@@ -307,8 +316,9 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
     cfg = d.config
     lossy = cfg.dispatch_wire not in ("native", "bf16", "fp32")
     out = d.dispatch(x, topk_idx, topk_weights)
-    combined = d.combine(out.tokens, out.handle, weights=out.weights)
-    wrong = wrong_rows(combined, x, topk_weights, lossy=lossy)
+    y = common.by_expert(out.tokens, out.tokens_per_expert, dist.get_rank() * d.num_local_experts, cfg.num_experts)
+    combined = d.combine(y, out.handle, weights=out.weights)
+    wrong = wrong_rows(combined, x, topk_idx, topk_weights, cfg.num_experts, lossy=lossy)
     codec = to_experts_codec(cfg.dispatch_wire, x.dtype)
     traffic = _traffic(out, topk_idx, codec.row_bytes(shape.hidden), dev)
     if cfg.variant == "auto":
@@ -364,9 +374,10 @@ def _ours_graphs(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
     traffic = _traffic(out, topk_idx, to_experts_codec(cfg.dispatch_wire, x.dtype).row_bytes(shape.hidden), dev)
     bound = int(out.tokens.shape[0] * common.GRAPH_SLACK)
     del out
-    replays, combined = common.captured_round_trip(d, x, topk_idx, topk_weights, bound)
-    replays["total"]()
-    wrong = wrong_rows(combined, x, topk_weights, lossy=cfg.dispatch_wire not in ("native", "bf16", "fp32"))
+    replays, _ = common.captured_round_trip(d, x, topk_idx, topk_weights, bound)
+    checked = common.captured_checked(d, x, topk_idx, topk_weights, bound, dist.get_rank() * d.num_local_experts)
+    wrong = wrong_rows(checked, x, topk_idx, topk_weights, cfg.num_experts,
+                       lossy=cfg.dispatch_wire not in ("native", "bf16", "fp32"))
     runs = common.time_each(replays, args.iters, args.warmup, dev)
     d.check()
     return _row("ours alltoall/nvlink graph", cfg.variant, cfg.dispatch_wire, shape, routing, runs, wrong, traffic,
@@ -402,8 +413,9 @@ def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
 
     routing_map, probs = mb.routing_to_megatron(topk_idx, topk_weights, shape.experts)
     md = mb.build_megatron_dispatcher(kind, shape.experts, shape.topk, shape.hidden)
-    result = mb.megatron_round_trip(md, x, routing_map, probs, weight_by_probs=True)
-    wrong = wrong_rows(result, x, topk_weights)
+    first = dist.get_rank() * (shape.experts // dist.get_world_size())
+    result = mb.megatron_round_trip(md, x, routing_map, probs, weight_by_probs=True, first_expert=first)
+    wrong = wrong_rows(result, x, topk_idx, topk_weights, shape.experts)
     traffic = {}
     if kind == "alltoall":  # one row per (token, expert) pair; no deduplication
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -418,8 +430,8 @@ def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
         traffic = {"dispatch_bytes_out": t[0].item() * row_bytes, "combine_bytes_out": t[0].item() * row_bytes,
                    "dispatch_bytes_received": t[1].item() * row_bytes}
 
-    def step(timer):
-        mb.megatron_round_trip(md, x, routing_map, probs, timer=timer)
+    def step(timer):  # the round trip checked: its experts weigh their rows (as DeepEP's are charged to)
+        mb.megatron_round_trip(md, x, routing_map, probs, weight_by_probs=True, first_expert=first, timer=timer)
 
     runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS, whole=True)
     return _row(f"megatron {kind}", kind, "native", shape, routing, runs, wrong, traffic, PHASES)
@@ -431,14 +443,14 @@ def _deepep(buffer, shape, routing, x, topk_idx, topk_weights, args, dev) -> lis
     from dispatch.bench import deepep_baseline as db
 
     result, layout = db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts)
-    wrong = wrong_rows(result, x, topk_weights)
+    wrong = wrong_rows(result, x, topk_idx, topk_weights, shape.experts)
 
     def step(timer):
         db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts, timer=timer)
 
     runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS, whole=True)
     eager = _row(DEEPEP_EAGER, "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
-    cached = wrong_rows(db.deepep_cached_round_trip(buffer, x, layout), x, topk_weights)
+    cached = wrong_rows(db.deepep_cached_round_trip(buffer, x, layout), x, topk_idx, topk_weights, shape.experts)
 
     def cached_step(timer):
         db.deepep_cached_round_trip(buffer, x, layout, timer=timer)
@@ -512,7 +524,7 @@ def _paired(rows: list[dict]) -> bool:
 
 def markdown_table(rows: list[dict]) -> str:
     paired = _paired(rows)
-    head = ["shape", "routing", "dispatcher", *(["fair pair"] if paired else []), "round trip ms", "p10-p90",
+    head = ["shape", "routing", "dispatcher", *(["pair"] if paired else []), "round trip ms", "p10-p90",
             "vs megatron a2a", "dispatch ms", "combine ms", *PHASES, "MB out/rank (dispatch, combine)",
             "of which inter-node", "DeepEP-style GB/s (dispatch, combine)", "auto in turns: / the fastest", "#wrong"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -545,7 +557,7 @@ def _baseline(rows: list[dict], row: dict) -> float | None:
 def summary(rows: list[dict]) -> str:
     """The fixed-width table printed at the end of a run, with the notes on its columns."""
     paired = _paired(rows)
-    cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 40), *([("fair pair", "", 9)] if paired else []),
+    cols = [("shape", "", 13), ("routing", "", 9), ("dispatcher", "", 40), *([("pair", "", 9)] if paired else []),
             ("round trip", "(ms)", 10), ("dispatch", "(ms)", 9), ("combine", "(ms)", 9), ("vs megatron a2a", "", 15),
             ("auto in turns", "/ the fastest", 26), ("#wrong", "", 7)]
     body = []
@@ -558,7 +570,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def _notes_on_columns(rows: list[dict]) -> list[str]:
-    """What the summary and the written report say of a column left empty, and of the fair pairs."""
+    """What the summary and the written report say of a column left empty, and of the pairs."""
     notes = ["round trip: each run timed whole, without the phase marks (which add host work, and set the "
              "engine's compiled usual calls aside); dispatch and combine: from runs with the marks, taken in turns "
              "with those"]
@@ -566,9 +578,11 @@ def _notes_on_columns(rows: list[dict]) -> list[str]:
         notes.append("vs megatron a2a: - because Megatron-Core's alltoall dispatcher did not run here: it runs on GPUs "
                      "where megatron-core imports, unless --baselines none")
     if _paired(rows):
-        notes.append("fair pair: eager, our eager round trip on the NVLink engine beside DeepEP's (each with its "
+        notes.append("pair: eager, our eager round trip on the NVLink engine beside DeepEP's (each with its "
                      "layout and one host read); captured, ours with max_rows in a CUDA graph beside DeepEP's kernels "
-                     "on a cached layout (no host read); a DeepEP row is compared with its pair only")
+                     "on a cached layout (no host read); a DeepEP row is compared with its pair only. Not like for "
+                     "like: DeepEP at 24 SMs, ours on every SM; DeepEP's rows include one elementwise kernel weighing "
+                     "its experts' rows (its combine sums unweighted), which ours does inside its combine")
     return notes
 
 
@@ -590,7 +604,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "included: one row per (token, rank) for ours, one per (token, expert) for Megatron's alltoall, "
         "what each actually moves) over the dispatch time, and over the combine time. Auto in turns: "
         "the auto row and the other eager rows of ours with its wire timed again, run by run in turns; auto's "
-        "median over the fastest one's, and which one that was.",
+        "median over the fastest one's, and which one that was. #wrong: rows of a round trip through experts that "
+        "each scale their rows by 1 + e / E that differ from x * sum_k w_k (1 + e_k / E).",
         *_notes_on_columns(rows),
     ]
     png = plots.round_trip_plot(rows, os.path.join(args.out, stem + ".png"), title, PHASES)
