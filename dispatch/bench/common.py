@@ -530,12 +530,16 @@ def _driver_version() -> str:
 
 
 def _git_commit() -> str:
+    """The checkout's HEAD, with ``-dirty`` where tracked files differ from it."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=20)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                 capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    head = out.stdout.strip()
+    return "unknown" if not head else head + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
 
 
 def write_results(out_dir: str, stem: str, title: str, table: str, payload: dict, notes: list[str] = ()) -> str:
