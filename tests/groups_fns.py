@@ -115,11 +115,11 @@ def grouped_errors(x, topk_idx, topk_weights, config: dict, groups_of_rank: list
     return errors
 
 
-def experts_in_another_dtype(x, topk_idx, topk_weights, num_experts: int, groups: int):
+def experts_in_another_dtype(x, topk_idx, topk_weights, num_experts: int, groups: int, variant: str = "alltoall"):
     """MoEExchange whose experts answer rows in fp64 (x fp32) where they have rows:
     (output, its gradient of x) on the CPU."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, transport="nccl"))
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, transport="nccl", variant=variant))
     xs = x.to(device).requires_grad_()
     out = dispatch.MoEExchange(d, lambda t, n: t.double() * 2 if t.shape[0] else t, groups=groups)(
         xs, topk_idx.to(device), topk_weights.to(device))
@@ -132,3 +132,14 @@ def grouped_errors_without_board(*args):
     from agreement_fns import _without_board
 
     return _without_board(grouped_errors, *args)
+
+
+def one_group_bounded(x, topk_idx, topk_weights, num_experts: int, bound: int):
+    """A dispatch with ``max_rows=bound`` in one group, async: its ``wait_group(0)``
+    and its ``wait()``, on the CPU (tokens, weights, rows of each)."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts, transport="nccl"))
+    work = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device), max_rows=bound, async_op=True)
+    part = work.wait_group(0)
+    whole = work.wait()
+    return (_cpu(part.tokens), _cpu(part.weights), part.rows), (_cpu(whole.tokens), _cpu(whole.weights))

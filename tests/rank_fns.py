@@ -177,6 +177,18 @@ def call_dispatch_as(config: dict, per_rank: list):
     call_dispatch(config, *per_rank[dist.get_rank()])
 
 
+def call_dispatch_later_as(config: dict, per_rank: list, good: tuple):
+    """A dispatch of the ``good`` inputs on every rank, then one of this rank's own
+    from ``per_rank`` on the same dispatcher (``variant="auto"`` checks its
+    inputs itself only at the calls where it chooses: the first, every 64th)."""
+    import torch.distributed as dist
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
+    d.dispatch(*(_move(t, device) for t in good))
+    d.dispatch(*(_move(t, device) for t in per_rank[dist.get_rank()]))
+
+
 def call_layer_as(config: dict, options: dict, per_rank: list):
     """MoEExchange(**options) with identity experts on this rank's own
     (x, topk_idx, topk_weights) from ``per_rank``."""

@@ -394,6 +394,7 @@ def test_the_mutation_without_the_call_check_pairs_the_skipped_call_silently(wor
     config = dict(num_experts=agreement_fns.E, transport="nccl")
     results = worlds(3).run(agreement_fns.skipped_call, [(config, 1, False)] * 3)
     assert all(name is None for name, _ in results), results
+    assert not all(right for _, right in results), results  # dispatch 2's rows reached dispatch 1's sums
 
 
 def test_a_signal_ends_a_wait_on_the_compiled_board(worlds):
@@ -427,3 +428,20 @@ def test_a_rank_late_for_a_call_is_named_within_the_timeout(worlds, board):
         else:
             assert "gave up waiting" in message, message
         assert usable, f"rank {rank}: the round trip after the timeout went wrong"
+
+
+def test_ranks_at_other_numbers_of_one_verb_differ():
+    """Two ranks at the same verb of one dispatcher, along the same dispatch, but
+    at different calls of it (a rank made one more): CallsDiffer naming both
+    calls, on every rank alike."""
+    from dispatch import agreement, plan
+
+    def header(call):
+        row = [0] * len(plan.HEADER)
+        row[plan.HEADER.index("verb")] = agreement.VERB_CODES["combine"]
+        row[plan.HEADER.index("call")], row[plan.HEADER.index("along")] = call, 3
+        return row
+
+    agreement.check_peer_calls([header(5), header(5)])  # the same call: nothing raised
+    with pytest.raises(agreement.CallsDiffer, match=r"combine #5 .*combine #6"):
+        agreement.check_peer_calls([header(5), header(6)])

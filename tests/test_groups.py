@@ -98,7 +98,8 @@ def test_group_refusals(worlds, config, board):
         assert errors["next call"]
 
 
-def test_experts_in_another_dtype_on_some_ranks(worlds):
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical"])
+def test_experts_in_another_dtype_on_some_ranks(worlds, variant):
     """With G > 1 the pre-sums leave before every rank has computed a row, so
     experts' rows in another dtype than the layer's are cast to it, on the ranks
     that have rows as on those that have none: every rank finishes (none waits
@@ -106,9 +107,21 @@ def test_experts_in_another_dtype_on_some_ranks(worlds):
     x = [torch.arange(12.0).view(4, 3) / 8, torch.arange(9.0).view(3, 3) / 4]
     idx = [torch.tensor([[0, 1], [1, -1], [0, 1], [1, 0]]), torch.tensor([[0, -1], [1, 0], [0, 1]])]  # rank 0's
     ws = [torch.full((4, 2), 0.5), torch.full((3, 2), 0.25)]
-    runs = {c: worlds(2).run(groups_fns.experts_in_another_dtype, [(x[r], idx[r], ws[r], 4, c) for r in range(2)])
+    runs = {c: worlds(2).run(groups_fns.experts_in_another_dtype, [(x[r], idx[r], ws[r], 4, c, variant)
+                                                                  for r in range(2)])
             for c in (1, 2)}
     for rank in range(2):
         (one, g1), (two, g2) = runs[1][rank], runs[2][rank]
         assert one.dtype == torch.float64 and two.dtype == torch.float32, (one.dtype, two.dtype)
         assert torch.equal(two, one.float()) and torch.equal(g2, g1)  # dyadic values: every sum exact
+
+
+def test_a_bounded_dispatch_of_one_group_hands_out_its_padded_rows_by_group(worlds):
+    """``wait_group(0)`` of a dispatch with ``max_rows`` in one group gives the
+    rows ``wait()`` gives: max_rows of them, padded, beside their weights."""
+    g = make_routing(2, 2, 2, [5, 3], "random", seed=2)
+    args = [(random_tokens(r, g.num_tokens[r], HIDDEN, torch.float32, 4), g.topk_idx[r], g.topk_weights[r].float(),
+             g.num_experts, 16) for r in range(2)]
+    for (tokens, weights, rows), (whole_tokens, whole_weights) in worlds(2).run(groups_fns.one_group_bounded, args):
+        assert tokens.shape == (16, HIDDEN) and rows == (0, 16), (tokens.shape, rows)
+        assert torch.equal(tokens, whole_tokens) and torch.equal(weights, whole_weights)

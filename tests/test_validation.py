@@ -159,6 +159,22 @@ def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     _good_round_trip_still_works(world)
 
 
+@pytest.mark.parametrize("case", VALUE_CASES)
+@pytest.mark.parametrize("variant", ["auto", "alltoall"])
+def test_bad_values_at_a_later_dispatch_stop_every_rank(worlds, case, variant):
+    """As above at a dispatcher's second dispatch, which ``variant="auto"`` does
+    not choose at (its first dispatch checked the values in its choice's
+    exchange; the calls between are checked as any variant's)."""
+    x, idx, w, error, argument = DISPATCH_CASES[case]
+    config = dict(CFG, variant=variant)
+    good = (GOOD_X, GOOD_IDX, GOOD_W)
+    results = worlds(2).run(rank_fns.error_of, [("call_dispatch_later_as", config, [good, (x, idx, w)], good)] * 2)
+    assert None not in results, results
+    (name, message, _), (bad_name, bad_message, _) = results
+    assert bad_name == error.__name__ and argument in bad_message, (bad_name, bad_message)
+    assert name == "PeerRefused" and "rank(s) [1]" in message, (name, message)
+
+
 COMBINE_CASES = {
     "expert_out wrong rows": (torch.ones(1, 4), None, ValueError, "expert_out"),
     "expert_out 1-D": (torch.ones(4), None, ValueError, "expert_out"),

@@ -292,6 +292,6 @@ def test_every_variant_moves_the_all_to_alls_bits(worlds, dtype):
     results = worlds(world).run(rank_fns.every_verb_by_config, args)
     assert any(bool(torch.signbit(got["alltoall"]["slots"]).any()) for got in results), "no signed zero went home"
     for rank, got in enumerate(results):
-        for variant in configs:
+        for variant in ("allgather", "hierarchical", "auto"):
             for key in ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "rows", "slots", "grad_w"):
                 assert same_bits(got[variant][key], got["alltoall"][key]), (rank, variant, key)
