@@ -269,3 +269,7 @@ def test_the_captured_engine_row_runs_by_default_where_deepeps_cached_layout_doe
     args = parser.parse_args([])
     roundtrip.resolve(args, False, parser)
     assert args.transports == ["nccl"]
+    args = parser.parse_args([])
+    args.world_size = 1  # one GPU: the engine takes peers (the main job failed there)
+    roundtrip.resolve(args, True, parser)
+    assert args.transports == ["nccl"]

@@ -114,7 +114,8 @@ def resolve(args: argparse.Namespace, use_cuda: bool, parser: argparse.ArgumentP
     if args.transports == "all":
         from dispatch import cuda
 
-        engine = use_cuda and cuda.available()
+        # the NVLink engine takes peers: none on a machine of one GPU
+        engine = use_cuda and cuda.available() and common.world_size_for(getattr(args, "world_size", None)) > 1
         # DeepEP's kernels on a cached layout need their pair: our round trip captured
         deepep = engine and args.baselines == "auto" and args.dtype == "bf16" and _deepep_importable()
         args.transports = ["nccl", "nvlink", *(["nvlink-graph"] if deepep else [])] if engine else ["nccl"]
