@@ -47,15 +47,18 @@ def drop_over_capacity(
 
     Ids outside [0, E) are left as they are (the value checks refuse them) and
     never dropped; where the value checks run (``checked``), neither is any
-    slot of a row that names an expert twice (dropping one of the two would
-    hide it from them, and they refuse the dispatch); ``topk_weights`` only
-    orders the slots (``"probs"``).
+    slot of a row they refuse (an id out of range, an id twice, a non-finite
+    weight), nor does it take an expert's capacity: their error names the row
+    as given (and dropping one of a repeated id would hide it from them);
+    ``topk_weights`` only orders the slots (``"probs"``).
     """
     num_tokens, topk = topk_idx.shape
     cap = capacity(num_tokens, topk, num_experts, capacity_factor)
     if cap >= num_tokens or topk_idx.numel() == 0:  # every expert takes every token it is given
         return topk_idx, torch.zeros_like(topk_idx, dtype=torch.bool)
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    if checked:  # the rows the value checks refuse keep every slot
+        valid &= ~checks.bad_rows(topk_idx, topk_weights.detach(), num_experts).any(0).unsqueeze(1)
     expert = torch.where(valid, topk_idx, num_experts).flatten().long()  # E: the bucket never dropped
     order = torch.arange(expert.numel(), device=expert.device)  # (token, slot) order: token order first
     if policy == "probs":
@@ -68,8 +71,6 @@ def drop_over_capacity(
     place = torch.empty_like(order)
     place[order] = torch.arange(order.numel(), device=order.device) - starts[expert[order]]
     dropped = (valid.flatten() & (place >= cap)).view(num_tokens, topk)
-    if checked:
-        dropped &= ~checks.repeated_ids(topk_idx).unsqueeze(1)
     return torch.where(dropped, -1, topk_idx), dropped
 
 

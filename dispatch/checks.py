@@ -181,7 +181,7 @@ def repeated_ids(topk_idx: torch.Tensor) -> torch.Tensor:
     return ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(1)
 
 
-def _bad_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
+def bad_rows(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[3, T] bool: per row, (an id out of range, an id twice, a non-finite weight)."""
     out_of_range = (topk_idx < -1) | (topk_idx >= num_experts)
     non_finite = ~torch.isfinite(topk_weights)
@@ -193,7 +193,7 @@ def value_flags(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts:
 
     No host synchronisation; ``values_error`` turns the flags into an error.
     """
-    return _bad_rows(topk_idx, topk_weights, num_experts).any(1)
+    return bad_rows(topk_idx, topk_weights, num_experts).any(1)
 
 
 def raise_own_values(header: list[int], ticket: plan.Ticket, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -223,7 +223,7 @@ def values_error(
         return None
     kind = int(flags.nonzero()[0])
     # host sync: the first bad row and its values, for the message (error path only)
-    first = int(_bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])
+    first = int(bad_rows(topk_idx, topk_weights, num_experts)[kind].nonzero()[0])
     if kind == 0:
         return ValueError(
             f"topk_idx holds an expert id outside [-1, {num_experts}) (num_experts={num_experts}): "

@@ -76,11 +76,19 @@ def test_dropped_slots_are_the_policys(case, policy):
     assert int(torch.bincount(kept, minlength=experts).max()) <= cap  # no expert over its capacity
 
 
-def test_ids_out_of_range_are_left_to_the_checks():
-    idx = torch.tensor([[0, 9], [0, -3], [0, 1], [0, 1]])
-    new_idx, dropped = drop_over_capacity(idx, torch.ones(4, 2), 4, 0.5, "position")  # C = 1
-    assert torch.equal(new_idx, torch.tensor([[0, 9], [-1, -3], [-1, 1], [-1, -1]]))
-    assert dropped.sum() == 4
+def test_rows_the_checks_refuse_are_left_to_them_as_given():
+    """A row with an id out of range or a non-finite weight keeps every slot and
+    takes no capacity (the value checks' error then names it as given); without
+    the checks only the ids out of range stay, the rest drops as any other."""
+    idx = torch.tensor([[0, 9], [0, -3], [0, 1], [0, 1], [1, 2]])
+    weights = torch.ones(5, 2)
+    weights[4, 1] = float("nan")
+    new_idx, dropped = drop_over_capacity(idx, weights, 4, 0.4, "position")  # C = 1
+    assert torch.equal(new_idx, torch.tensor([[0, 9], [0, -3], [0, 1], [-1, -1], [1, 2]]))
+    assert dropped.sum() == 2
+    new_idx, dropped = drop_over_capacity(idx, weights, 4, 0.4, "position", checked=False)
+    assert torch.equal(new_idx, torch.tensor([[0, 9], [-1, -3], [-1, 1], [-1, -1], [-1, 2]]))
+    assert dropped.sum() == 5
 
 
 def test_probs_policy_keeps_what_megatrons_router_keeps():

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dispatch
+from dispatch import checks
 import rank_fns
 from routing import identity_tokens, make_routing
 
@@ -153,6 +154,8 @@ def test_bad_values_on_one_rank_stop_every_rank(worlds, case, layer):
     assert None not in results, results
     (name, message, calls), (bad_name, bad_message, bad_calls) = results
     assert bad_name == error.__name__ and argument in bad_message, (bad_name, bad_message)
+    row = int(checks.bad_rows(idx, w, E).any(0).nonzero()[0])  # the row named, as given (no slot of it dropped)
+    assert str((w if "weights" in argument else idx)[row].tolist()) in bad_message, bad_message
     assert name == "PeerRefused" and "rank(s) [1]" in message, (name, message)
     assert calls == bad_calls, (calls, bad_calls)  # both stop at the same collective, no peer left waiting
     assert calls == ["all_gather_rows"], calls  # one plan, by groups or not: the counts all-gather alone
