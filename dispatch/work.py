@@ -46,7 +46,10 @@ class GroupSums:
         the rows and weights unchanged until :meth:`wait`: a later group's
         pre-sums may read them (the NVLink engine sums each pre-sum whole when
         its last group comes). An add past the last group raises a ValueError
-        on this rank alone, agreeing on nothing: its peers make no such add."""
+        on this rank alone, agreeing on nothing: its peers make no such add.
+        On the NVLink engine, replay no CUDA graph of the dispatcher's
+        operations between two adds: the earlier groups' pushes would not be
+        redone."""
         handle, g = self._handle, self._added
         if g == handle.groups:  # here alone: no peer makes this add, so it agrees on nothing
             raise ValueError(f"add: all {handle.groups} groups were added already")

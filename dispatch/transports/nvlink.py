@@ -317,7 +317,9 @@ class _GroupPushes(GroupSumsIssuer):
     engine comes between two groups (a second combine by groups, a dispatch),
     the partials pushed so far may be another operation's: the groups after
     push nothing, and the last pushes every pre-sum (the same bits, nothing
-    hidden)."""
+    hidden). A CUDA graph of the engine's operations replayed between two
+    groups is not seen so (its replay counts nothing on the host): replay none
+    there (``GroupSums.add``)."""
 
     def __init__(self, dispatcher: NVLinkTransport, handle: NVLinkHandle, wire: str) -> None:
         self._d, self._handle, self._wire_name = dispatcher, handle, wire
