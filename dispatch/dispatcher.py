@@ -501,10 +501,10 @@ class TokenDispatcher:
 
     def check(self) -> None:
         """Raise a failure that an exchange with no host read (``max_rows``)
-        recorded on the device: a rank over its ``max_rows``, bad values, ranks
-        that disagree, a peer that did not arrive. A host read: it waits for the
-        work queued so far. Without such exchanges nothing is pending (failures
-        are raised by the call that meets them)."""
+        recorded on the device: a rank over its ``max_rows``, bad values, ranks that
+        disagree (every rank records these alike), a peer that did not arrive (this
+        rank's own: its peers raise it at their next dispatch). A host read: it waits
+        for the work queued so far. Without such exchanges nothing is pending."""
         self.transport.check()
 
     # -- shared by the verbs --------------------------------------------------
