@@ -56,7 +56,7 @@ TRANSPORT_WORDS = {"nvlink": "the NVLink engine", "nvlink-graph": "the engine in
 DEEPEP_EAGER, DEEPEP_CACHED = "deepep eager (layout, host read)", "deepep kernels (cached layout)"
 # each DeepEP row's pair of ours: (the pair's label, our row's name)
 PAIRS = {DEEPEP_EAGER: ("eager", "ours alltoall/nvlink"),
-              DEEPEP_CACHED: ("captured", "ours alltoall/nvlink graph")}
+         DEEPEP_CACHED: ("captured", "ours alltoall/nvlink graph")}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
