@@ -236,7 +236,8 @@ class ExpertsApart(nn.Module):
         return [p for e in range(first, end) for p in (self.w_in[e], self.w_out[e])]
 
 
-def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, group_counts, apart: bool = False):
+def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, group_counts, apart: bool = False,
+                     x_grad: bool = True, w_grad: bool = True):
     """MoEExchange(weighted_experts=True) for each G in ``group_counts`` against
     dispatch -> experts(tokens, counts, weights) -> combine(weights=None) ("plain"),
     forward and backward; {G: {"out", "x", "topk_weights", "params", "calls"}} on the CPU."""
@@ -246,8 +247,8 @@ def weighing_experts(x, topk_idx, topk_weights, grad_out, config: dict, group_co
     for groups in ("plain", *group_counts):
         kind = ExpertsApart if apart else WeighingExperts
         experts = kind(d.num_local_experts, x.shape[1], x.dtype, seed=d.rank).to(device)
-        xs = x.to(device).requires_grad_(True)
-        ws = topk_weights.to(device).requires_grad_(True)
+        xs = x.to(device).requires_grad_(x_grad)
+        ws = topk_weights.to(device).requires_grad_(w_grad)
         idx = topk_idx.to(device)
         if groups == "plain":
             out = d.dispatch(xs, idx, ws)
@@ -372,7 +373,11 @@ def assert_same(got, want, what, params_exact=True):
         assert (a is None) == (b is None), f"{what}: {name} present in one run only"
         if a is not None:
             assert torch.equal(a, b), f"{what}: {name} differs (max {(a - b).abs().max()})"
+    assert len(got["params"]) == len(want["params"]), f"{what}: parameters"
     for i, (a, b) in enumerate(zip(got["params"], want["params"])):
+        assert (a is None) == (b is None), f"{what}: gradient of parameter {i} present in one run only"
+        if a is None:
+            continue
         if params_exact:
             assert torch.equal(a, b), f"{what}: gradient of parameter {i} differs"
         else:
@@ -612,16 +617,16 @@ class SkipsEmpty(nn.Module):
         return torch.cat(parts) if parts else rows.new_zeros(rows.shape)
 
 
-def unused_expert_grads(layer_kind: str) -> list:
+def unused_expert_grads(layer_kind: str, reached: int = 0) -> list:
     """The gradients of :class:`SkipsEmpty` experts' parameters (None: none, else
     whether any entry is nonzero) after a
-    step on 2 ranks that routes every token to local expert 0 of each, through
+    step on 2 ranks that routes every token to local expert ``reached`` of each, through
     the plain verbs or a layer (``layer_kind``: "plain", "micro-batches", "groups N")."""
     d = dispatch.create(dispatch.DispatchConfig(num_experts=4))
     torch.manual_seed(0)
     experts = SkipsEmpty(d.num_local_experts, 4).to(current_device())
     x = torch.randn(6, 4, dtype=torch.float64, device=current_device(), requires_grad=True)
-    idx = torch.tensor([[0, 2]] * 6, device=current_device())
+    idx = torch.tensor([[reached, 2 + reached]] * 6, device=current_device())
     w = torch.rand(6, 2, dtype=torch.float64, device=current_device())
     if layer_kind == "plain":
         out = d.dispatch(x, idx, w)

@@ -24,21 +24,23 @@ def _cpu(t):
 
 
 def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_rows, kind: str = "relu",
-                                     params_tol: float | None = None):
+                                     params_tol: float | None = None, options: dict | None = None,
+                                     x_grad: bool = True, w_grad: bool = True):
     """The M micro-batches through MoEMicroBatches and through MoEExchange one
     after the other (twin experts, fp64 dyadic: exact whatever the order of the
     parameters' sums): the outputs and every gradient. Returns the indices that
     differ (outputs, x's and the routing weights' gradients, then the
     parameters'); ``params_tol``: the parameters' gradients within it (relative
-    to the largest), not bitwise."""
+    to the largest), not bitwise; ``options``: the dispatcher's (wires); ``x_grad``,
+    ``w_grad``: which of x and the routing weights need their gradients."""
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=num_experts, **(options or {})))
     xs, idx, ws, grads = ([t.to(device) for t in ts] for ts in (xs, idx, ws, grads))
     got = {}
     for name in ("together", "one by one"):
         experts = pipeline_fns.make_experts(kind, d.num_local_experts, HIDDEN, xs[0].dtype, seed=3)
-        leaves = [x.clone().requires_grad_() for x in xs]
-        weights = [w.clone().requires_grad_() for w in ws]
+        leaves = [x.clone().requires_grad_(x_grad) for x in xs]
+        weights = [w.clone().requires_grad_(w_grad) for w in ws]
         if name == "together":
             outs = dispatch.MoEMicroBatches(d, experts, max_rows=max_rows)(leaves, idx, weights)
         else:
@@ -49,7 +51,7 @@ def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_r
             _cpu(p.grad) for p in experts.parameters()]
     rows = 3 * len(xs)  # outputs, x's gradients, the routing weights' gradients: bitwise
     return [k for k, (a, b) in enumerate(zip(got["together"], got["one by one"]))
-            if not (torch.equal(a, b) if params_tol is None or k < rows
+            if (a is None) != (b is None) or a is not None and not (torch.equal(a, b) if params_tol is None or k < rows
                     else torch.allclose(a.float(), b.float(), rtol=0, atol=params_tol * b.float().abs().max()))]
 
 
@@ -69,6 +71,28 @@ def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, toke
         args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts,
                      256 if bounded else None))
     assert worlds(world_size).run(micro_batches_against_one_by_one, args) == [[]] * world_size
+
+
+@pytest.mark.parametrize("case", ["x's gradient alone", "the weights' alone", "the parameters' alone",
+                                  "fp8 and bf16 wires"])
+def test_micro_batches_with_some_gradients_or_wires_are_bitwise_the_layer(worlds, case):
+    """As above where only some gradients are asked (the experts' parameters'
+    always), and with wires that are not native (each backward exchange on its
+    own gradient wire)."""
+    routings = [make_routing(2, 4, 2, t, "random", seed=s) for s, t in enumerate([[9, 4], [0, 7]])]
+    x_grad, w_grad = {"x's gradient alone": (True, False), "the weights' alone": (False, True),
+                      "the parameters' alone": (False, False)}.get(case, (True, True))
+    options = dict(dispatch_wire="fp8", combine_wire="bf16") if case == "fp8 and bf16 wires" else None
+    args = []
+    for r in range(2):
+        xs = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) * 8).round() / 8
+              for m, rt in enumerate(routings)]
+        grads = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, 10 + m) * 8).round() / 8
+                 for m, rt in enumerate(routings)]
+        ws = [(rt.topk_weights[r].double() * 8).round() / 8 for rt in routings]
+        args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts, None, "relu", None,
+                     options, x_grad, w_grad))
+    assert worlds(2).run(micro_batches_against_one_by_one, args) == [[]] * 2
 
 
 def test_parameters_autograd_hands_one_gradient_are_summed_apart(worlds):

@@ -511,10 +511,47 @@ def test_module_parameters_is_parameters_in_order():
     assert len(module_parameters(outer)) == 2  # the hidden Linear's are not walked
 
 
+@pytest.mark.parametrize("reached", [0, 1], ids=["first reached", "last reached"])
 @pytest.mark.parametrize("layer_kind", ["plain", "micro-batches", "groups 1", "groups 2"])
-def test_a_parameter_no_row_reached_gets_a_zero_gradient_in_the_layers(worlds, layer_kind):
+def test_a_parameter_no_row_reached_gets_a_zero_gradient_in_the_layers(worlds, layer_kind, reached):
     """Experts that skip an expert without rows: the layers give its parameters
     a zero gradient (as experts that run every expert give through the plain
-    verbs: Megatron's SequentialMLP), the plain verbs leave their ``.grad`` None."""
-    for grads in worlds(2).run(pipeline_fns.unused_expert_grads, [(layer_kind,)] * 2):
-        assert grads == ([True, True, None, None] if layer_kind == "plain" else [True, True, False, False]), grads
+    verbs: Megatron's SequentialMLP), the plain verbs leave their ``.grad`` None;
+    the first expert's parameters unreached as the last's."""
+    used, unused = [True, True], ([None, None] if layer_kind == "plain" else [False, False])
+    for grads in worlds(2).run(pipeline_fns.unused_expert_grads, [(layer_kind, reached)] * 2):
+        assert grads == (used + unused if reached == 0 else unused + used), grads
+
+
+@pytest.mark.parametrize("w_grad", [True, False])
+def test_experts_trained_where_no_x_needs_its_gradient(worlds, w_grad):
+    """No rank's x needs its gradient, the experts' parameters do (GroupedExperts,
+    whose weight gradients the layer forms itself), the routing weights' maybe:
+    every G bitwise the plain verbs' (fp64 dyadic), every parameter's gradient there."""
+    routing = make_routing(2, 4, 2, [6, 9], "random", seed=7)
+    xs = [(random_tokens(r, t, HIDDEN, torch.float64, 3) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    gs = [(random_tokens(r, t, HIDDEN, torch.float64, 4) * 8).round() / 8 for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, ["plain", 1, 2], "relu", False,
+             False, w_grad) for r in range(2)]
+    for rank, per_g in enumerate(worlds(2).run(pipeline_fns.pipelined, args)):
+        assert per_g["plain"]["x"] is None and all(p is not None for p in per_g["plain"]["params"]), rank
+        for groups in (1, 2):
+            pipeline_fns.assert_same(per_g[groups], per_g["plain"], f"rank {rank} G={groups}")
+
+
+@pytest.mark.parametrize("x_grad, w_grad", [(False, True), (True, False)])
+def test_experts_that_weigh_their_rows_with_one_gradient_asked(worlds, x_grad, w_grad):
+    """weighted_experts=True where only the routing weights' gradient is asked,
+    or only x's: every G the plain round trip's bits."""
+    routing = make_routing(2, LOCAL, 3, [7, 5], "random", seed=11)
+    xs = [random_tokens(r, t, HIDDEN, torch.float32, 3) for r, t in enumerate(routing.num_tokens)]
+    gs = [random_tokens(r, t, HIDDEN, torch.float32, 4) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts)
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], gs[r], config, (1, 2), False, x_grad, w_grad)
+            for r in range(2)]
+    for rank, result in enumerate(worlds(2).run(pipeline_fns.weighing_experts, args)):
+        want = result["plain"]
+        assert (want["x"] is None) != x_grad and (want["topk_weights"] is None) != w_grad
+        for g in (1, 2):
+            pipeline_fns.assert_same(result[g], want, f"rank {rank} G={g}")
