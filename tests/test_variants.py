@@ -21,9 +21,15 @@ HIDDEN = 4
 
 
 def _expected_inter_rows(routing, local):
-    """Per rank (alltoall, hierarchical) dispatch rows that cross nodes, counted from topk_idx."""
-    per_rank = routing.num_experts // routing.world_size
+    """Per rank (alltoall, hierarchical) dispatch rows that cross nodes, counted
+    from topk_idx; and per rank the combine rows that cross nodes on their way
+    home (alltoall: the pre-sums of the rows it received from other nodes;
+    hierarchical: as holder (node n, index i), one per token of (m, i), m != n,
+    with an expert on node n)."""
+    world = routing.world_size
+    per_rank = routing.num_experts // world
     flat, hier, has_pair = [], [], False
+    flat_back, hier_back = [0] * world, [0] * world
     for rank, idx in enumerate(routing.topk_idx):
         node = rank // local
         ranks_hit = [{int(e) // per_rank for e in row if e >= 0} for row in idx]
@@ -31,7 +37,12 @@ def _expected_inter_rows(routing, local):
         flat.append(sum(len(r) for r in remote))
         hier.append(sum(len({d // local for d in r}) for r in remote))
         has_pair |= any(len(r) > len({d // local for d in r}) for r in remote)
-    return flat, hier, has_pair
+        for r in remote:
+            for d in r:
+                flat_back[d] += 1
+            for n in {d // local for d in r}:
+                hier_back[n * local + rank % local] += 1
+    return flat, hier, has_pair, flat_back, hier_back
 
 
 @pytest.mark.parametrize("world_size, local", [(4, 2), (6, 2), (6, 3)])
@@ -49,12 +60,13 @@ def test_hierarchical_never_sends_more_across_nodes(worlds, world_size, local, d
         config = dict(num_experts=routing.num_experts, variant=variant, local_world_size=local)
         args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config) for r in range(world_size)]
         stats[variant] = [got["stats"] for got in worlds(world_size).run(rank_fns.round_trip, args)]
-    flat_rows, hier_rows, has_pair = _expected_inter_rows(routing, local)
+    flat_rows, hier_rows, has_pair, flat_back, hier_back = _expected_inter_rows(routing, local)
     row_bytes = HIDDEN * dtype.itemsize
     totals = {}
-    for variant, want in (("alltoall", flat_rows), ("hierarchical", hier_rows)):
+    for variant, want, back in (("alltoall", flat_rows, flat_back), ("hierarchical", hier_rows, hier_back)):
         got = stats[variant]
         assert [s["dispatch_inter_rows"] for s in got] == want, variant
+        assert [s["combine_inter_rows"] for s in got] == back, variant  # each rank's own, not a total
         assert all(s["dispatch_inter_bytes"] == s["dispatch_inter_rows"] * row_bytes for s in got)
         assert all(s["combine_inter_bytes"] == s["combine_inter_rows"] * row_bytes for s in got)
         assert sum(s["combine_inter_rows"] for s in got) == sum(want)  # one row back per row out
@@ -295,3 +307,25 @@ def test_every_variant_moves_the_all_to_alls_bits(worlds, dtype):
         for variant in ("allgather", "hierarchical", "auto"):
             for key in ("tokens", "weights", "src_rank", "src_token", "tokens_per_expert", "rows", "slots", "grad_w"):
                 assert same_bits(got[variant][key], got["alltoall"][key]), (rank, variant, key)
+
+
+@pytest.mark.parametrize("variant", ["alltoall", "hierarchical"])
+def test_stats_count_each_direction_in_its_own_wire(worlds, variant):
+    """``Dispatched.stats`` counts the rows to the experts in the dispatch wire's
+    bytes (fp8: codes and scales) and the rows home in the combine wire's
+    (bf16), inside the node as across nodes."""
+    from dispatch.codec import to_experts_codec
+
+    routing = make_routing(4, 2, 3, [9, 4, 7, 5], "random", seed=3)
+    xs = [identity_tokens(r, t, 256, torch.float32) for r, t in enumerate(routing.num_tokens)]
+    config = dict(num_experts=routing.num_experts, variant=variant, local_world_size=2, dispatch_wire="fp8",
+                  combine_wire="bf16")
+    args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r], config) for r in range(4)]
+    out_bytes, back_bytes = to_experts_codec("fp8", torch.float32).row_bytes(256), 256 * 2
+    assert out_bytes not in (back_bytes, 256 * 4)
+    stats = [got["stats"] for got in worlds(4).run(rank_fns.round_trip, args)]
+    assert any(s["dispatch_intra_rows"] for s in stats) and any(s["combine_inter_rows"] for s in stats)
+    for s in stats:
+        for tier in ("intra", "inter"):
+            assert s[f"dispatch_{tier}_bytes"] == s[f"dispatch_{tier}_rows"] * out_bytes, s
+            assert s[f"combine_{tier}_bytes"] == s[f"combine_{tier}_rows"] * back_bytes, s
