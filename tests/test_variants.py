@@ -329,3 +329,16 @@ def test_stats_count_each_direction_in_its_own_wire(worlds, variant):
         for tier in ("intra", "inter"):
             assert s[f"dispatch_{tier}_bytes"] == s[f"dispatch_{tier}_rows"] * out_bytes, s
             assert s[f"combine_{tier}_bytes"] == s[f"combine_{tier}_rows"] * back_bytes, s
+
+
+def test_cost_model_charges_each_direction_to_its_sender():
+    """Rows out are charged to the rank that sends them, rows home to the rank
+    that held them (the hits transposed), a rank's rows to itself to no link:
+    on three nodes of one rank, unit bandwidths and no latency, rank 0 sends
+    200 rows of 1 byte out, ranks 1 and 2 each 110 rows of 2 bytes home."""
+    link = LinkModel(intra_bandwidth=1.0, inter_bandwidth=1.0, intra_latency=0.0, inter_latency=0.0)
+    hits = torch.tensor([[500, 100, 100], [10, 500, 10], [10, 10, 500]])
+    stats = RoutingStats(torch.tensor([600, 520, 520]), hits, hits.clone())  # one rank a node: its hits its node's
+    costs = estimate(stats, 1, 1, torch.bfloat16, 1, link)
+    assert costs["alltoall"] == 200 + 110 * 2
+    assert costs["hierarchical"] == 200 + 110 * 2  # one rank a node: nothing moves inside a node
