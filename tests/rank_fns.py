@@ -218,7 +218,7 @@ def bench_wrong_rows(corrupt):
     planted wrong on this rank, or (``"swapped"``) the weights of token 1's two
     slots swapped, or (``"identity"``) the experts' factors left out."""
     from dispatch.bench.common import expert_factor
-    from dispatch.bench.roundtrip import wrong_rows as _wrong_rows
+    from dispatch.bench.common import wrong_rows as _wrong_rows
 
     device = current_device()
     x = torch.arange(12, dtype=torch.float32, device=device).view(4, 3)

@@ -331,6 +331,25 @@ def by_expert(rows: torch.Tensor, per_expert: torch.Tensor, first: int, num_expe
     return (rows * scale.unsqueeze(1)).to(rows.dtype)  # (fp32 math: the product's dtype)
 
 
+def wrong_rows(out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+               num_experts: int, lossy: bool = False) -> int:
+    """Rows of a round trip of ``x`` through the checked experts (each scales
+    its rows by a factor of its own, :func:`by_expert`) that are not
+    ``x * sum_k w_k (1 + e_k / E)`` within rounding, summed over the world: a row
+    given to the wrong expert or a weight on the wrong slot counts. ``lossy``:
+    the dispatch wire is a block format, allowed 1/16 of the row's largest magnitude."""
+    factor = torch.where(topk_idx >= 0, expert_factor(topk_idx.clamp(min=0), num_experts), 0.0)
+    expected = x.double() * (topk_weights.double() * factor.double()).sum(1, keepdim=True)
+    tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
+    allowed = tol * (1 + expected.abs())
+    if lossy:
+        allowed = allowed + 0.0625 * expected.abs().amax(1, keepdim=True)
+    bad = ((out.double() - expected).abs() > allowed).any(1)
+    count = bad.sum().to(torch.int64).reshape(1)
+    dist.all_reduce(count)
+    return int(count)
+
+
 def captured_checked(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, bound: int,
                      first: int) -> torch.Tensor:
     """The round trip of :func:`captured_round_trip` with the checked experts

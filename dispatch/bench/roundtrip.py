@@ -152,25 +152,6 @@ def make_routing(kind: str, shape: common.Shape, world: int, rank: int, dev, see
     return topk_idx, topk_weights
 
 
-def wrong_rows(out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-               num_experts: int, lossy: bool = False) -> int:
-    """Rows of a round trip of ``x`` through the checked experts (each scales
-    its rows by a factor of its own, ``common.by_expert``) that are not
-    ``x * sum_k w_k (1 + e_k / E)`` within rounding, summed over the world: a row
-    given to the wrong expert or a weight on the wrong slot counts. ``lossy``:
-    the dispatch wire is a block format, allowed 1/16 of the row's largest magnitude."""
-    factor = torch.where(topk_idx >= 0, common.expert_factor(topk_idx.clamp(min=0), num_experts), 0.0)
-    expected = x.double() * (topk_weights.double() * factor.double()).sum(1, keepdim=True)
-    tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
-    allowed = tol * (1 + expected.abs())
-    if lossy:
-        allowed = allowed + 0.0625 * expected.abs().amax(1, keepdim=True)
-    bad = ((out.double() - expected).abs() > allowed).any(1)
-    count = bad.sum().to(torch.int64).reshape(1)
-    dist.all_reduce(count)
-    return int(count)
-
-
 def run(args: argparse.Namespace) -> dict | None:
     """Collective: every configuration on this world; rank 0 returns {"rows": [...]}."""
     with torch.set_grad_enabled(not args.no_grad):
@@ -319,7 +300,7 @@ def _ours(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dict:
     out = d.dispatch(x, topk_idx, topk_weights)
     y = common.by_expert(out.tokens, out.tokens_per_expert, dist.get_rank() * d.num_local_experts, cfg.num_experts)
     combined = d.combine(y, out.handle, weights=out.weights)
-    wrong = wrong_rows(combined, x, topk_idx, topk_weights, cfg.num_experts, lossy=lossy)
+    wrong = common.wrong_rows(combined, x, topk_idx, topk_weights, cfg.num_experts, lossy=lossy)
     codec = to_experts_codec(cfg.dispatch_wire, x.dtype)
     traffic = _traffic(out, topk_idx, codec.row_bytes(shape.hidden), dev)
     if cfg.variant == "auto":
@@ -377,7 +358,7 @@ def _ours_graphs(d, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
     del out
     replays, _ = common.captured_round_trip(d, x, topk_idx, topk_weights, bound)
     checked = common.captured_checked(d, x, topk_idx, topk_weights, bound, dist.get_rank() * d.num_local_experts)
-    wrong = wrong_rows(checked, x, topk_idx, topk_weights, cfg.num_experts,
+    wrong = common.wrong_rows(checked, x, topk_idx, topk_weights, cfg.num_experts,
                        lossy=cfg.dispatch_wire not in ("native", "bf16", "fp32"))
     runs = common.time_each(replays, args.iters, args.warmup, dev)
     d.check()
@@ -416,7 +397,7 @@ def _megatron(kind, shape, routing, x, topk_idx, topk_weights, args, dev) -> dic
     md = mb.build_megatron_dispatcher(kind, shape.experts, shape.topk, shape.hidden)
     first = dist.get_rank() * (shape.experts // dist.get_world_size())
     result = mb.megatron_round_trip(md, x, routing_map, probs, weight_by_probs=True, first_expert=first)
-    wrong = wrong_rows(result, x, topk_idx, topk_weights, shape.experts)
+    wrong = common.wrong_rows(result, x, topk_idx, topk_weights, shape.experts)
     traffic = {}
     if kind == "alltoall":  # one row per (token, expert) pair; no deduplication
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -444,14 +425,14 @@ def _deepep(buffer, shape, routing, x, topk_idx, topk_weights, args, dev) -> lis
     from dispatch.bench import deepep_baseline as db
 
     result, layout = db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts)
-    wrong = wrong_rows(result, x, topk_idx, topk_weights, shape.experts)
+    wrong = common.wrong_rows(result, x, topk_idx, topk_weights, shape.experts)
 
     def step(timer):
         db.deepep_round_trip(buffer, x, topk_idx, topk_weights, shape.experts, timer=timer)
 
     runs = common.time_phases(step, args.iters, args.warmup, dev, SECTIONS, whole=True)
     eager = _row(DEEPEP_EAGER, "deepep", "native", shape, routing, runs, wrong, {}, PHASES)
-    cached = wrong_rows(db.deepep_cached_round_trip(buffer, x, layout), x, topk_idx, topk_weights, shape.experts)
+    cached = common.wrong_rows(db.deepep_cached_round_trip(buffer, x, layout), x, topk_idx, topk_weights, shape.experts)
 
     def cached_step(timer):
         db.deepep_cached_round_trip(buffer, x, layout, timer=timer)
