@@ -55,12 +55,10 @@ def micro_batches_against_one_by_one(xs, idx, ws, grads, num_experts: int, max_r
                     else torch.allclose(a.float(), b.float(), rtol=0, atol=params_tol * b.float().abs().max()))]
 
 
-@pytest.mark.parametrize("world_size, tokens, bounded", [
-    (1, [[5], [3]], False), (2, [[9, 4], [0, 7]], False), (2, [[9, 4], [6, 7], [3, 0]], True),
-    (3, [[5, 0, 8], [7, 6, 2]], False),
-])
-def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, tokens, bounded):
-    routings = [make_routing(world_size, 4, 2, t, "random", seed=s) for s, t in enumerate(tokens)]
+def _dyadic_args(routings, world_size: int, *rest) -> list:
+    """Every rank's arguments of :func:`micro_batches_against_one_by_one` for the
+    micro-batches ``routings``: fp64 dyadic tokens, output gradients and routing
+    weights (exact whatever the order of the sums), then ``rest``."""
     args = []
     for r in range(world_size):
         xs = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) * 8).round() / 8
@@ -68,8 +66,17 @@ def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, toke
         grads = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, 10 + m) * 8).round() / 8
                  for m, rt in enumerate(routings)]
         ws = [(rt.topk_weights[r].double() * 8).round() / 8 for rt in routings]
-        args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts,
-                     256 if bounded else None))
+        args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts, *rest))
+    return args
+
+
+@pytest.mark.parametrize("world_size, tokens, bounded", [
+    (1, [[5], [3]], False), (2, [[9, 4], [0, 7]], False), (2, [[9, 4], [6, 7], [3, 0]], True),
+    (3, [[5, 0, 8], [7, 6, 2]], False),
+])
+def test_micro_batches_are_bitwise_the_layer_one_by_one(worlds, world_size, tokens, bounded):
+    routings = [make_routing(world_size, 4, 2, t, "random", seed=s) for s, t in enumerate(tokens)]
+    args = _dyadic_args(routings, world_size, 256 if bounded else None)
     assert worlds(world_size).run(micro_batches_against_one_by_one, args) == [[]] * world_size
 
 
@@ -83,15 +90,7 @@ def test_micro_batches_with_some_gradients_or_wires_are_bitwise_the_layer(worlds
     x_grad, w_grad = {"x's gradient alone": (True, False), "the weights' alone": (False, True),
                       "the parameters' alone": (False, False)}.get(case, (True, True))
     options = dict(dispatch_wire="fp8", combine_wire="bf16") if case == "fp8 and bf16 wires" else None
-    args = []
-    for r in range(2):
-        xs = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) * 8).round() / 8
-              for m, rt in enumerate(routings)]
-        grads = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, 10 + m) * 8).round() / 8
-                 for m, rt in enumerate(routings)]
-        ws = [(rt.topk_weights[r].double() * 8).round() / 8 for rt in routings]
-        args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts, None, "relu", None,
-                     options, x_grad, w_grad))
+    args = _dyadic_args(routings, 2, None, "relu", None, options, x_grad, w_grad)
     assert worlds(2).run(micro_batches_against_one_by_one, args) == [[]] * 2
 
 
@@ -100,14 +99,7 @@ def test_parameters_autograd_hands_one_gradient_are_summed_apart(worlds):
     broadcast view): each parameter's gradient over the micro-batches is its
     own sum, bitwise the layer one micro-batch at a time's (fp64 dyadic)."""
     routings = [make_routing(2, 4, 2, t, "random", seed=20 + s) for s, t in enumerate([[6, 5], [4, 7], [3, 2]])]
-    args = []
-    for r in range(2):
-        xs = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, m) * 8).round() / 8
-              for m, rt in enumerate(routings)]
-        grads = [(random_tokens(r, rt.num_tokens[r], HIDDEN, torch.float64, 10 + m) * 8).round() / 8
-                 for m, rt in enumerate(routings)]
-        ws = [(rt.topk_weights[r].double() * 8).round() / 8 for rt in routings]
-        args.append((xs, [rt.topk_idx[r] for rt in routings], ws, grads, routings[0].num_experts, None, "aliased"))
+    args = _dyadic_args(routings, 2, None, "aliased")
     assert worlds(2).run(micro_batches_against_one_by_one, args) == [[], []]
 
 

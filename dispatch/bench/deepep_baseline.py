@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from dispatch.bench.common import expert_factor
 from dispatch.timing import mark
 
 NUM_SMS = 24
@@ -78,8 +79,6 @@ def deepep_round_trip(buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
 def _scale(buffer, recv_idx: torch.Tensor, recv_w: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[N, 1] fp32: per received token, its local slots' weights, each times its
     expert's factor (``recv_idx``: local expert ids on this rank, -1 elsewhere)."""
-    from dispatch.bench.common import expert_factor
-
     first = buffer.rank * (num_experts // buffer.group_size)
     factor = torch.where(recv_idx >= 0, expert_factor(recv_idx.clamp(min=0) + first, num_experts), 0.0)
     return (recv_w.float() * factor).sum(1, keepdim=True)

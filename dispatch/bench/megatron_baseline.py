@@ -66,6 +66,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from dispatch.bench.common import by_expert
 from dispatch.timing import mark
 
 __all__ = [
@@ -290,8 +291,6 @@ def _identity_experts(
     benchmark's checked experts), in the same multiply.
     """
     if first_expert is not None:
-        from dispatch.bench.common import by_expert
-
         return by_expert(rows, tokens_per_expert, first_expert, num_experts,
                          permuted_probs if weight_by_probs else None)
     if not weight_by_probs:
