@@ -36,6 +36,10 @@
 #             with 16 experts, the Megatron timing layer's shape), then two
 #             micro-batches by the async verbs with the exchange slowed to 2 NCCL CTAs
 #   nvlink    the NVLink engine: its tests (bitwise against NCCL), then the probe
+#   shared    the engine's tests of 2 and 4 ranks where one GPU is lent: the ranks share it
+#             (tests/shared_gpu.py: gloo, the buffers opened by CUDA IPC, kernels by time slices;
+#             correctness only), $SHARED_TESTS (default: tests/test_nvlink.py, the engine's
+#             agreement tests, its captured micro-batches)
 #   nvshmem   the NVSHMEM transport: its tests (bitwise against NCCL, a bounded round trip captured; its
 #             plan's Triton kernels against their references),
 #             then bench/nvshmem_probe.py: NVSHMEM (also with every peer reached by its get and put, as
@@ -161,6 +165,11 @@ for part in "$@"; do
       fi
       # shellcheck disable=SC2086
       step 560 pytest-named python3 -m pytest -q -p no:cacheprovider --durations=15 $TESTS ;;
+    shared)
+      # shellcheck disable=SC2086
+      step 560 shared-gpu-tests env DISPATCH_TEST_SHARED_GPU=1 python3 -m pytest -q -p no:cacheprovider --durations=10 \
+        ${SHARED_TESTS:-tests/test_nvlink.py tests/test_agreement.py::test_the_engine_agrees_on_refusals \
+        tests/test_micro_batches.py::test_on_the_engine_the_layer_with_max_rows_is_captured} ;;
     groups)
       step 240 groups-tests python3 -m pytest -q -p no:cacheprovider tests/test_groups.py tests/test_kernels.py \
         tests/test_pipeline.py tests/test_async.py ;;

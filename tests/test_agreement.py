@@ -21,11 +21,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 import agreement_fns
 import world
-from dispatch import cuda
+from shared_gpu import engine_ranks
 
 ALONG = ("combine", "combine_rows", "dispatch_rows", "combine_slots", "combine_groups")
 MISTAKES = {
@@ -223,7 +222,7 @@ def test_every_variant_agrees_on_refusals(worlds, variant, verb, mistake, world)
     _check(results, mistake, bad_rank)
 
 
-@pytest.mark.skipif(not (cuda.available() and torch.cuda.device_count() >= 2), reason="needs 2 CUDA devices and CuPy")
+@pytest.mark.skipif(not engine_ranks(2), reason="needs 2 CUDA devices (or one shared) and CuPy")
 @pytest.mark.parametrize("verb, mistake", SOME)
 def test_the_engine_agrees_on_refusals(worlds, verb, mistake):
     """The NVLink engine's share: the same refusals on a world of 2 GPUs."""

@@ -14,6 +14,7 @@ from torch import nn
 import dispatch
 import pipeline_fns
 from routing import make_routing, random_tokens
+from shared_gpu import engine_ranks
 from world import current_device
 
 HIDDEN = 8
@@ -330,7 +331,7 @@ def test_bad_arguments_are_named(worlds):
                                    "CUDA"), seen
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.skipif(not engine_ranks(2), reason="needs 2 CUDA devices (or one shared) and CuPy")
 def test_on_the_engine_the_layer_with_max_rows_is_captured(worlds):
     """Forward and backward of MoEMicroBatches with max_rows on the NVLink
     engine, captured in one CUDA graph: every replay on new values the bits of

@@ -22,11 +22,12 @@ from dispatch import cuda
 from dispatch.nvlink_layout import most_experts
 from dispatch.bench.common import same_bits
 from routing import make_routing
+from shared_gpu import engine_ranks
 
 WORLD = 2
-needs_engine = pytest.mark.skipif(
-    not (cuda.available() and torch.cuda.device_count() >= WORLD), reason="needs 2 CUDA devices and CuPy"
-)
+needs_engine = pytest.mark.skipif(not engine_ranks(WORLD), reason="needs 2 CUDA devices (or one shared) and CuPy")
+needs_two_gpus = pytest.mark.skipif(  # a GPU each: another GPU's rows, one rank's device memory filled
+    not (cuda.available() and torch.cuda.device_count() >= WORLD), reason="needs 2 CUDA devices and CuPy")
 
 
 def _inputs(routing, hidden, dtype, seed):
@@ -95,9 +96,7 @@ def test_round_trip_matches_nccl(worlds, mode, per_rank, topk, tokens, dtype, wi
 
 
 FOUR = 4
-needs_four = pytest.mark.skipif(
-    not (cuda.available() and torch.cuda.device_count() >= FOUR), reason="needs 4 CUDA devices and CuPy"
-)
+needs_four = pytest.mark.skipif(not engine_ranks(FOUR), reason="needs 4 CUDA devices (or one shared) and CuPy")
 
 
 @needs_four
@@ -375,7 +374,7 @@ def _refused(config):
     return None
 
 
-@pytest.mark.skipif(cuda.available() and torch.cuda.device_count() >= WORLD, reason="the CPU (gloo) side")
+@pytest.mark.skipif(engine_ranks(WORLD), reason="the CPU (gloo) side")
 def test_auto_transport_takes_the_collectives_on_gloo(worlds):
     config = dict(num_experts=4)
     assert worlds(WORLD).run(_picked, [(config,)] * WORLD) == ["alltoall/nccl"] * WORLD
@@ -454,7 +453,7 @@ def test_a_layers_experts_raising_on_one_rank_stop_every_rank_on_the_engine(worl
     assert all(r[2] < 10 and r[3] for r in results), results
 
 
-@needs_engine
+@needs_two_gpus
 @pytest.mark.parametrize("verb", ["combine", "combine_rows", "combine_slots", "dispatch_rows", "dispatch",
                                   "dispatch, the other GPU current"])
 def test_rows_on_another_gpu_refused_by_name(worlds, verb):
@@ -1310,15 +1309,21 @@ def test_every_token_to_one_rank_at_deepseek_size(worlds):
 
 
 def _engine_rank(rank, store_file, behaviour, bounded, queue):
-    """A fresh 2-GPU NCCL world on the engine: one good round trip, then rank 1 dies
-    or stops calling; rank 0 reports what its next dispatch (or check) raised."""
+    """A fresh 2-GPU NCCL world on the engine (or two ranks on one shared GPU): one
+    good round trip, then rank 1 dies or stops calling; rank 0 reports what its next
+    dispatch (or check) raised."""
     import os
     import time
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    torch.distributed.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=WORLD,
-                                         device_id=device)
+    import shared_gpu
+
+    if shared_gpu.wanted() and torch.cuda.device_count() < WORLD:
+        device = shared_gpu.init_rank(rank, WORLD, f"file://{store_file}")
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        torch.distributed.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank,
+                                             world_size=WORLD, device_id=device)
     d = dispatch.create(dispatch.DispatchConfig(num_experts=4, transport="nvlink", timeout=3.0))
     x = torch.randn(6, 64, device=device)
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], device=device)
@@ -1423,7 +1428,7 @@ def _short_of_memory_at_size(seed):
     return out
 
 
-@needs_engine
+@needs_two_gpus
 def test_a_rank_short_of_memory_is_refused_at_deepseek_size(worlds):
     first, second = worlds(WORLD).run(_short_of_memory_at_size, [(3,)] * WORLD)
     rows = WORLD * 4096 * 8

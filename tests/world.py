@@ -4,6 +4,8 @@ Starting a process group costs seconds, so a test keeps one world per size and
 feeds it many examples: ``world.run(fn, args_per_rank)`` calls ``fn(*args)`` on
 every rank at once and returns the per-rank results. Backend: NCCL when W GPUs
 are visible (one per rank), gloo otherwise; ``DISPATCH_TEST_BACKEND`` forces one.
+With ``DISPATCH_TEST_SHARED_GPU=1`` on a machine of fewer GPUs than ranks, the
+ranks share device 0 on gloo and the engine runs there (:mod:`shared_gpu`).
 
 If a rank raises, ``run`` raises :class:`RankError` with that rank's traceback.
 If a rank does not answer in time (a hang), the world is torn down and rebuilt,
@@ -48,7 +50,11 @@ def default_backend(size: int) -> str:
     forced = os.environ.get("DISPATCH_TEST_BACKEND")
     if forced:
         return forced
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= size else "gloo"
+    if torch.cuda.is_available() and torch.cuda.device_count() >= size:
+        return "nccl"
+    import shared_gpu
+
+    return shared_gpu.BACKEND if shared_gpu.wanted() else "gloo"
 
 
 class RankError(RuntimeError):
@@ -70,16 +76,21 @@ def _worker(rank: int, size: int, backend: str, store_file: str, conn, sys_path:
     sys.path[:] = sys_path
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        _DEVICE = torch.device("cuda", rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{store_file}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    import shared_gpu
+
+    if backend == shared_gpu.BACKEND:
+        _DEVICE = shared_gpu.init_rank(rank, size, f"file://{store_file}")
+    else:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            _DEVICE = torch.device("cuda", rank)
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_file}",
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=60),
+        )
     while True:
         try:
             message = conn.recv_bytes()
