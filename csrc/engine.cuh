@@ -38,6 +38,8 @@ struct Tuning {
   // dynamic shared bytes of a layout kernel (the scan's per-warp counts, the counts exchange's), at most:
   // a block's 48 KiB without opting in to more, less 1 KiB for the kernels' own __shared__ words
   static constexpr int kScanShared = 47 * 1024;
+  // (a layout, not a tuned value) words of a flags region per rank: its flag, failure mark, failed epoch
+  static constexpr int kFlagWords = 3;
 };
 static_assert(Tuning::kThreads % 32 == 0 && Tuning::kThreads <= 1024, "whole warps, one block");
 static_assert(Tuning::kMaxWorld <= 32 && Tuning::kMaxTopk <= 32, "masks and lanes are 32 wide");
@@ -55,6 +57,7 @@ enum Code : int {
   kOverBudget = 4,    // the peer's rows exceed its budget (max_rows)
   kMismatch = 5,      // the peer's call, K, H or dtypes differ from this rank's
   kPeerInput = 6,     // the peer marked its own input bad (values, or more tokens than the buffers hold)
+  kPeerFailed = 7,    // the peer signalled this operation as failed: what it moves here is not there
 };
 
 // Columns of a rank's row of the counts matrix (dispatch/nvlink.py names them):
@@ -154,9 +157,14 @@ __device__ void zero_all(T* out, long long n) {
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += threads) out[i] = T(0.0f);
 }
 
-// flags: this rank's own [W] words; word s is raised by rank s to the epoch it
-// reached. Threads s < W of the block each wait for one peer, then the block
-// meets. False (and the status recorded) if a peer did not arrive in time.
+// A rank's flags region (Tuning::kFlagWords words per rank of the group): [W]
+// flags (word s raised by rank s to the epoch it reached), then [W] failure
+// marks and [W] failed epochs: rank s, once failed, marks word s and stores
+// there the first epoch it signalled as failed (it is failed for good after it).
+// flags: this rank's own flags region. Threads s < W of the block each wait for
+// one peer, then the block meets. False (and the status recorded) if a peer did
+// not arrive in time, or arrived having failed at this epoch or before it
+// (kPeerFailed: its writes of the operation are not there).
 __device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, unsigned long long timeout_ns,
                            int* status, int where) {
   __shared__ int late;
@@ -164,14 +172,23 @@ __device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, uns
   __syncthreads();
   if ((int)threadIdx.x < world && !failed(status)) {
     const unsigned long long start = now_ns();
+    bool arrived = true;
     while ((int)(ld_acquire(flags + threadIdx.x) - epoch) < 0) {
-      if (failed(status)) break;
+      if (failed(status)) {
+        arrived = false;
+        break;
+      }
       if (now_ns() - start > timeout_ns) {
         record(status, kTimeout, threadIdx.x, where);
+        arrived = false;
         break;
       }
       __nanosleep(Tuning::kSleepNs);
     }
+    // (the mark and its epoch were written before the flag's release: visible after its acquire)
+    if (arrived && ld_acquire(flags + world + threadIdx.x) != 0 &&
+        (int)(epoch - ld_acquire(flags + 2 * world + threadIdx.x)) >= 0)
+      record(status, kPeerFailed, threadIdx.x, where);
   }
   __syncthreads();
   if (threadIdx.x == 0 && failed(status)) late = 1;
@@ -182,14 +199,26 @@ __device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, uns
 // Raise word `me` of every rank's flags to `epoch` and store it in seq, after
 // this block's writes (and, through the counter, every block's writes of this
 // launch) are visible to the whole system. counter: a zeroed int of the caller,
-// reset here.
+// reset here. A rank whose status is failed (status: its words; null where the
+// kernel moves what no failure spoils) still raises its flags, so that no peer
+// waits out a timeout, but marks them failed first (wait_peers), once: its peers
+// must not take what it skipped for what it wrote.
 __device__ void signal_when_done(unsigned long long const* flag_ptrs, int world, int me, unsigned epoch,
-                                 int* counter, unsigned* seq) {
+                                 int* counter, unsigned* seq, const int* status) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     const int ticket = atomicAdd(counter, 1);
     if (ticket == (int)gridDim.x - 1) {
+      if (status != nullptr && failed(status)) {
+        for (int p = 0; p < world; ++p) {
+          unsigned* region = reinterpret_cast<unsigned*>(flag_ptrs[p]);
+          if (*((volatile unsigned*)(region + world + me)) == 0) {
+            region[2 * world + me] = epoch;
+            region[world + me] = 1;
+          }
+        }
+      }
       __threadfence_system();
       for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(flag_ptrs[p]) + me, epoch);
       *counter = 0;

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_partials(
     __syncwarp();
   }
   if (signal) {
-    signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
+    signal_when_done(flag_ptrs, world, me, epoch, counter, seq, status);
   } else {  // a group before the last: its writes visible before the last group's raise
     __syncthreads();
     if (threadIdx.x == 0) __threadfence_system();
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) push_slots(
     VT* dst = reinterpret_cast<VT*>(data_ptrs[s] + slots_off);
     dst[(long long)tokens_at[(long long)s * tstride + j] * topk + slot_k[at]] = values[row];
   }
-  signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
+  signal_when_done(flag_ptrs, world, me, epoch, counter, seq, status);
 }
 
 // Home side: out [T, K] = the pushed value of each slot, 0 for an empty slot;

@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
   char* base = reinterpret_cast<char*>(by_parity((long long)dst, copy_bytes, epoch));
   copy_rows(src, src_stride, row_bytes, rows, base, dst_stride,
             (long long)blockIdx.x * Tuning::kWarps + (threadIdx.x >> 5), (long long)gridDim.x * Tuning::kWarps);
-  if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq);
+  if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq, nullptr);  // staged rows: whole
 }
 
 // Receiver side of a dispatch. Items are (source rank s, j) for j in [0, n_s),

@@ -504,6 +504,7 @@ THREADS = _TUNING["kThreads"]  # threads of a block, every kernel
 SCAN_TILES = _TUNING["kScanTiles"]  # tiles of 32 slots a warp of the routing layout's scan holds
 SCAN_SHARED = _TUNING["kScanShared"]  # bytes of the scan's per-warp counts, at most
 SUM_ROWS = _TUNING["kSumRows"]  # rows a lane of a pre-sum loads together where an item has more than 2
+FLAG_WORDS = _TUNING["kFlagWords"]  # words of the engine's flags region per rank (engine.cuh's wait_peers)
 
 
 @functools.lru_cache(maxsize=None)

@@ -105,7 +105,7 @@ class Engine(EngineMoves):
         self.timeout_ns = int(timeout * 1e9)
         self.counts_col = SENDS_COL + self.world
         self.row_len = self.counts_col + num_experts
-        self.rows_offset = _up(4 * self.world)
+        self.rows_offset = _up(4 * cuda.FLAG_WORDS * self.world)  # the flags region, then the matrix
         matrix_bytes = 4 * self.world * self.row_len
         self._matrix_stride = _up(matrix_bytes)  # two copies, by epoch parity
         # on NVSHMEM's backend (where a transport="nvshmem" dispatcher set it first) its buffers are
@@ -116,7 +116,7 @@ class Engine(EngineMoves):
         meta.zero_()
         self._meta = meta
         self._meta_ptrs = _pointers(self._meta_handle, self.device)
-        self._flags = meta[: 4 * self.world].view(torch.int32)
+        self._flags = meta[: 4 * cuda.FLAG_WORDS * self.world].view(torch.int32)
         # every rank's flags are zero before any is raised (NVSHMEM's handle has no barrier: the host's)
         if self._on_nvshmem:
             torch.cuda.current_stream(self.device).synchronize()

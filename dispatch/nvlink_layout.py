@@ -36,6 +36,7 @@ _STATUS = (
     "dtype or number of groups of experts than rank {me}",
     "rank {peer} marked its input bad (topk_idx/topk_weights values, more tokens than the buffers hold, or a "
     "max_rows its free device memory does not hold)",
+    "rank {peer} failed (its own error says why) and sent rank {me} nothing",
 )
 _WHERE = ("the counts exchange", "the rows exchange", "the combine", "the routing-weight gradients")
 

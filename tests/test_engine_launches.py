@@ -19,7 +19,7 @@ import struct
 import pytest
 import torch
 
-from dispatch import checks, cuda, host, nvlink, plan
+from dispatch import checks, cuda, host, nvlink, nvlink_layout, plan
 from dispatch.codec import to_experts_codec
 from dispatch.nvlink import SENDS_COL, Capacity, Engine, partial_row_bytes, scan_warps, staged_row_bytes
 from dispatch.nvlink_layout import counts_shared, most_experts
@@ -359,8 +359,19 @@ def test_the_host_side_reads_the_kernels_tuning():
         assert m, f"engine.cuh has no Tuning::{name}"
         return int(eval(m[1], {}))  # an integer literal or product of them
 
-    assert (cuda.THREADS, cuda.SCAN_TILES, cuda.SCAN_SHARED, cuda.SUM_ROWS) == (
-        constant("kThreads"), constant("kScanTiles"), constant("kScanShared"), constant("kSumRows"))
+    assert (cuda.THREADS, cuda.SCAN_TILES, cuda.SCAN_SHARED, cuda.SUM_ROWS, cuda.FLAG_WORDS) == (
+        constant("kThreads"), constant("kScanTiles"), constant("kScanShared"), constant("kSumRows"),
+        constant("kFlagWords"))
+
+
+def test_every_status_code_the_kernels_record_has_its_message():
+    """engine.cuh's ``Code`` enumerators, in order, are the host's messages
+    (``nvlink_layout._STATUS``): a code added on the device is said on the host."""
+    text = (cuda.csrc_dir() / "engine.cuh").read_text()
+    body = text[text.index("enum Code : int {"):]
+    codes = [int(v) for v in re.findall(r"^\s*k\w+ = (\d+),", body[: body.index("};")], flags=re.M)]
+    assert codes == list(range(len(nvlink_layout._STATUS)))
+    assert "rank 1 failed" in nvlink_layout.failure_message(7, 1, 2, 0, 10**9)
 
 
 def test_the_counts_rows_columns_are_the_headers():

@@ -1015,6 +1015,64 @@ def test_one_ranks_bounded_mistake_on_the_engine(worlds, case):
         assert all(len(g) == 1 and "cannot hold: run one eagerly first" in g[0] for g in got), got
 
 
+def _a_route_only_its_receiver_refuses(bounded):
+    """check_inputs=False: after two good round trips (their partials left in the
+    buffers), rank 0 routes token 0 to rank 1's expert 3 twice, which rank 1
+    alone finds as it pulls the rows. Each rank: what check() raised after the
+    combine, whether the combine's output is all zeros, what the next dispatch
+    raised."""
+    from world import current_device
+
+    device, rank = current_device(), torch.distributed.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=4, transport="nvlink", check_inputs=False,
+                                                             timeout=20.0))
+    gen = torch.Generator(device=device).manual_seed(rank)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], device=device)
+    w = torch.full((6, 2), 0.5, device=device)
+    bound = 64 if bounded else None
+    for _ in range(2):
+        out = d.dispatch(torch.randn(6, 64, generator=gen, device=device), idx, w, max_rows=bound)
+        d.combine(out.tokens, out.handle, weights=out.weights)
+    d.check()
+    bad = idx.clone()
+    if rank == 0:
+        bad[0] = torch.tensor([3, 3], device=device)
+    seen = []
+    try:
+        out = d.dispatch(torch.randn(6, 64, generator=gen, device=device), bad, w, max_rows=bound)
+        y = d.combine(out.tokens, out.handle, weights=out.weights)
+        torch.cuda.synchronize()
+        seen.append(bool((y == 0).all()))
+        d.check()
+        seen.append(None)
+    except RuntimeError as exc:
+        seen.append(str(exc))
+    try:
+        d.dispatch(torch.randn(6, 64, generator=gen, device=device), idx, w, max_rows=bound)
+        d.check()
+        seen.append(None)
+    except RuntimeError as exc:
+        seen.append(str(exc))
+    return seen
+
+
+@needs_engine
+@pytest.mark.parametrize("bounded", [True, False])
+def test_a_rank_that_fails_alone_mid_exchange_fails_its_peers_combine(worlds, bounded):
+    """A failure one rank alone records (a route it refuses as it pulls) after the
+    counts were agreed: that rank skips its part of the combine, and its peer's
+    combine must not sum what lay in the buffers from an earlier call. The peer
+    gets zeros and its check() names the failed rank; every rank raises at the
+    next dispatch. With or without max_rows: the host reads the counts before
+    the rows move, not what the pull finds."""
+    got = worlds(WORLD).run(_a_route_only_its_receiver_refuses, [(bounded,)] * WORLD)
+    assert got[1][0] is True and "received a route no checked dispatch makes" in got[1][1], got
+    assert "from rank 0 in the rows exchange" in got[1][1], got
+    assert got[0][0] is True, got  # zeros, not the sums of stale partials
+    assert "rank 1 failed" in got[0][1] and "in the combine" in got[0][1], got
+    assert all(g[-1] is not None for g in got), got
+
+
 class _ShortOnOneRank:
     """torch's symmetric memory, whose allocations past ``size`` bytes fail on rank 1."""
 
