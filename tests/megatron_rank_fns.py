@@ -533,6 +533,58 @@ def megatron_experts_raise(raising: int, overlap: int, seed: int = 3):
     return raised, float(out.sum())
 
 
+def megatron_users_stage(raising: int, seed: int = 5):
+    """A real MoELayer whose experts stage the user set on the layer itself (a
+    ``routed_experts_compute`` instance attribute that counts its calls, and
+    raises on rank ``raising`` when told), with our dispatcher installed, then
+    installed again: (its calls after one forward under each install, what the
+    raising forward raised, what ``install(overlap=2)`` raised)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        from dispatch.bench.megatron_baseline import _ensure_parallel_state
+        from dispatch.integrations.megatron import install
+
+        from bench_scripts import load
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        _ensure_parallel_state(world)
+        config = load("megatron_layer").moe_config(hidden=16, ffn=32, experts=2 * world, topk=2, dtype="fp32",
+                                                   use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
+        layer = _build_layer(config, ProcessGroupCollection.use_mpu_process_groups())
+    _fill(layer, rank * 2, seed)
+    device = current_device()
+    layer = layer.to(device)
+    calls, breaks = [0], [False]
+
+    def users_stage(hidden_states, probs):
+        calls[0] += 1
+        if breaks[0] and rank == raising:
+            raise RuntimeError(f"rank {rank}'s own stage broke")
+        return type(layer).routed_experts_compute(layer, hidden_states, probs)
+
+    layer.routed_experts_compute = users_stage
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(seed + rank)).to(device)
+    seen = []
+    for _ in range(2):
+        install(layer, timeout=60.0)
+        layer(x)
+        seen.append(calls[0])
+    breaks[0] = True
+    try:
+        layer(x)
+        raised = None
+    except Exception as error:
+        raised = (type(error).__name__, str(error))
+    try:
+        install(layer, overlap=2)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return seen, raised, refused
+
+
 def run_doc_snippet(snippet: str):
     """Execute the README/docs snippet on this rank (parallel state reset first); return the
     loss and how many dispatchers it installed."""

@@ -233,6 +233,23 @@ def test_overlap_refusals_name_the_setting(worlds, overlap, extra, words):
         assert result is not None and result[0] == "ValueError" and words in result[1], result
 
 
+def test_an_experts_stage_set_on_the_layer_is_kept_and_guarded(worlds):
+    """A ``routed_experts_compute`` the user set on the layer itself: install runs
+    it (once a forward, installed twice), guards it (raising on one rank: its
+    peers PeerRefused at once), and install(overlap=...) refuses it by name
+    rather than replace it."""
+    import megatron_rank_fns
+
+    results = worlds(2).run(megatron_rank_fns.megatron_users_stage, [(1,)] * 2)
+    for rank, (seen, raised, refused) in enumerate(results):
+        assert seen == [1, 2], (rank, seen)
+        if rank == 1:
+            assert raised == ("RuntimeError", "rank 1's own stage broke"), raised
+        else:
+            assert raised[0] == "PeerRefused" and "rank(s) [1]" in raised[1], raised
+        assert refused is not None and "routed_experts_compute set on the layer itself" in refused, refused
+
+
 @pytest.mark.parametrize("overlap", [False, 2])
 def test_one_ranks_experts_raising_stops_every_rank_at_once(worlds, overlap):
     """The layer's experts raise on one rank only (between its dispatch and its

@@ -175,7 +175,7 @@ import torch
 
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations.megatron_dispatcher import ENGINE_OPTIONS, STAGES, MegatronDispatcher, group_size
-from dispatch.integrations.megatron_moe import pad_routing_map, routing_to_topk
+from dispatch.integrations.megatron_moe import pad_routing_map, routing_to_topk, users_stage
 
 __all__ = ["ENGINE_OPTIONS", "OVERLAP_GROUPS", "STAGES", "MegatronDispatcher", "install", "install_all",
            "pad_routing_map", "routing_to_topk"]
@@ -277,6 +277,8 @@ def _overlap_groups(moe_layer, overlap, tp_size: int, shared) -> int:
                         "expert-TP group whole)")
     if shared is not None:
         problems.append("moe_shared_expert_overlap=True (the shared experts run beside a whole exchange)")
+    if users_stage(moe_layer) is not None:
+        problems.append("a routed_experts_compute set on the layer itself (the experts by groups would replace it)")
     if not isinstance(getattr(moe_layer, "experts", None), torch.nn.Module):
         problems.append(f"experts of type {type(getattr(moe_layer, 'experts', None)).__name__} (an nn.Module "
                         "called as MoELayer calls it)")

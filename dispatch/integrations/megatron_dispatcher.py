@@ -18,7 +18,7 @@ from dispatch import comm
 from dispatch.config import DispatchConfig, Tuning
 from dispatch.integrations import megatron_settings as settings
 from dispatch.integrations import megatron_tp as expert_tp
-from dispatch.integrations.megatron_moe import ExpertsByGroup, idle, pad_routing_map, routing_to_topk
+from dispatch.integrations.megatron_moe import ExpertsByGroup, idle, pad_routing_map, routing_to_topk, users_stage
 
 # DispatchConfig fields a user may set; num_experts comes from Megatron's config.
 # token dropping is Megatron's router's (moe_expert_capacity_factor), not the engine's here
@@ -512,24 +512,28 @@ class MegatronDispatcher:
         refused, so that every peer raises :class:`dispatch.PeerRefused` in its
         combine at once, naming it, instead of waiting for it until the timeout;
         then it raises its own error. The round trip is dropped. (The layer is
-        held weakly: no reference cycle keeps it alive. Shared experts run beside
-        the exchange refuse it likewise, in ``token_dispatch``. Not covered: a
-        ``MoELayer`` without the stage, from an older Megatron-Core.)"""
+        held weakly: no reference cycle keeps it alive. A stage the user set on
+        the layer itself is the one guarded, an earlier install's guard is
+        replaced. Shared experts run beside the exchange refuse it likewise, in
+        ``token_dispatch``. Not covered: a ``MoELayer`` without the stage, from an
+        older Megatron-Core.)"""
+        own = users_stage(moe_layer)
+        vars(moe_layer).pop("routed_experts_compute", None)  # an earlier install's, or the user's (kept as own)
         compute = getattr(type(moe_layer), "routed_experts_compute", None)
-        vars(moe_layer).pop("routed_experts_compute", None)
-        if compute is None:
+        if own is None and compute is None:
             return
         layer = weakref.ref(moe_layer)
 
         def routed_experts_compute(hidden_states, probs):
             try:
-                return compute(layer(), hidden_states, probs)
+                return own(hidden_states, probs) if own is not None else compute(layer(), hidden_states, probs)
             except Exception as error:
                 state, self._in_flight = self._in_flight, None
                 if state is None or not state.dispatched:  # no combine of this rank's dispatch ahead
                     raise
                 self.engine.refuse("combine", state.dispatched[0].handle, error)  # (raises error)
 
+        routed_experts_compute.guarded = own  # what it runs, for an install after this one
         moe_layer.routed_experts_compute = routed_experts_compute
 
     def pipeline(self, moe_layer, groups: int) -> None:

@@ -134,3 +134,14 @@ def idle(shared) -> None:
     for name in ("cached_fc1_input", "cached_fc2_input", "cached_fc2_output", "cached_output"):
         if getattr(shared, name, None) is not None:
             setattr(shared, name, None)
+
+
+def users_stage(moe_layer):
+    """The experts stage a user set on ``moe_layer`` itself (an instance attribute
+    ``routed_experts_compute``, called as ``MoELayer`` calls it), or None: the
+    class's, or one an earlier ``install`` set (a guard, which runs the user's if
+    any, or a dispatcher's ``experts_by_groups``)."""
+    own = vars(moe_layer).get("routed_experts_compute")
+    if own is None or getattr(own, "__name__", None) == "experts_by_groups":
+        return None
+    return own.guarded if hasattr(own, "guarded") else own
