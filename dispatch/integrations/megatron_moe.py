@@ -141,7 +141,9 @@ def users_stage(moe_layer):
     ``routed_experts_compute``, called as ``MoELayer`` calls it), or None: the
     class's, or one an earlier ``install`` set (a guard, which runs the user's if
     any, or a dispatcher's ``experts_by_groups``)."""
+    from dispatch.integrations.megatron_dispatcher import MegatronDispatcher  # (it imports this module)
+
     own = vars(moe_layer).get("routed_experts_compute")
-    if own is None or getattr(own, "__name__", None) == "experts_by_groups":
+    if own is None or isinstance(getattr(own, "__self__", None), MegatronDispatcher):
         return None
     return own.guarded if hasattr(own, "guarded") else own
