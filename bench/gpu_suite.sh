@@ -83,8 +83,6 @@
 #   host-bound  the eager round trip's host time on every rank, layer by layer (bench/host_layers.py
 #             --world, decode and DeepSeek-V3), each rank pinned to cores of its own near its GPU (--bind),
 #             then the same unpinned
-#   host-shared  the same on one GPU where one is lent: W = 1, then W = 2 and 4 ranks sharing it
-#             (--shared-gpu: the host path of W ranks, not pinned), decode and DeepSeek-V3
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
 #             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
@@ -314,15 +312,6 @@ for part in "$@"; do
         for shape in decode deepseek-v3; do
           step 100 "host-world-$shape$bind" bash -c 'set -o pipefail; python3 bench/host_layers.py --shape "$2" \
             --calls 300 --world "$3" $4 | tee -a "$1"' _ "$RES/host-w$gpus.txt" "$shape" "$gpus" "$bind"
-        done
-      done ;;
-    host-shared)
-      for world in 1 2 4; do
-        shared=--shared-gpu
-        [ "$world" = 1 ] && shared=
-        for shape in decode deepseek-v3; do
-          step 120 "host-shared-w$world-$shape" bash -c 'set -o pipefail; python3 bench/host_layers.py --shape "$2" \
-            --calls 300 --world "$3" $4 | tee -a "$1"' _ "$RES/host-shared-gpu.txt" "$shape" "$world" "$shared"
         done
       done ;;
     soak)

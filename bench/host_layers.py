@@ -1,11 +1,9 @@
 """Study: where an eager round trip on the NVLink engine spends host time, layer by layer.
 
-    python3 bench/host_layers.py [--shape decode|deepseek-v3] [--calls N] [--world W] [--bind] [--shared-gpu]
+    python3 bench/host_layers.py [--shape decode|deepseek-v3] [--calls N] [--world W] [--bind]
 
 One GPU, a world of one rank (the engine built directly, as ``bench/engine_one_gpu.py``
-does), or ``--world W`` processes, one a GPU (``--shared-gpu``: all on GPU 0, as the
-tests' ``tests/shared_gpu.py`` runs them where one GPU is lent: the host path of W
-ranks as on W GPUs, the GPU's times no measure of anything). Times a dispatch + combine with grad
+does), or ``--world W`` processes, one a GPU. Times a dispatch + combine with grad
 mode on, each after a sync (and a barrier), the median of ``--calls`` round trips:
 wall and the thread's CPU time, less the wait at the host read (the compiled
 counts exchange's ``last_wait_ns``), and wall less the agreements' waits for the
@@ -37,7 +35,6 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=600)
     parser.add_argument("--world", type=int, default=1, help="processes, one a GPU")
     parser.add_argument("--bind", action="store_true", help="pin each rank to cores of its own near its GPU")
-    parser.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 (tests/shared_gpu.py)")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29563"))
     if args.world > 1:
@@ -49,16 +46,8 @@ def main() -> None:
 def _run(rank: int, args) -> None:
     world = args.world
     bound = _bind(rank, world) if args.bind else "not pinned"
-    if args.shared_gpu:
-        import sys
-
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-        import shared_gpu
-
-        shared_gpu.init_rank(rank, world, "env://")
-    else:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import dispatch
     from dispatch import agreement, board, dispatcher, free_memory, host, nvlink, usual, work
     from dispatch.transports import base, nvlink as nvlink_transport
@@ -184,8 +173,7 @@ def _run(rank: int, args) -> None:
         dist.all_gather_object(every, mine)
     if rank == 0:
         print(f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores, torch {torch.__version__}, tree "
-              f"{os.environ.get('DISPATCH_COMMIT', '?')}; {args.shape} (T={T}, H={H}, E={E}, K={K}), W = {world}"
-              f"{' (every rank on GPU 0: tests/shared_gpu.py)' if args.shared_gpu else ''}, "
+              f"{os.environ.get('DISPATCH_COMMIT', '?')}; {args.shape} (T={T}, H={H}, E={E}, K={K}), W = {world}, "
               f"grad on; median of {args.calls} round trips, each after a sync{' and a barrier' if world > 1 else ''}, "
               "less the wait at the host read")
         for r, got in enumerate(every):
