@@ -196,13 +196,32 @@ __device__ bool wait_peers(const unsigned* flags, int world, unsigned epoch, uns
   return late == 0;
 }
 
-// Raise word `me` of every rank's flags to `epoch` and store it in seq, after
-// this block's writes (and, through the counter, every block's writes of this
+// One thread: raise word `me` of every rank's flags (flag_ptrs) to `epoch`,
+// after this thread's earlier writes are visible to the whole system. A rank
+// whose status is failed still raises its flags, so that no peer waits out a
+// timeout, but marks them failed first, once (the failed epoch visible before
+// the mark, the mark before the flag: wait_peers), so that no peer takes what
+// it skipped for what it wrote.
+__device__ void raise_flags(unsigned long long const* flag_ptrs, int world, int me, unsigned epoch,
+                            const int* status) {
+  if (failed(status)) {
+    for (int p = 0; p < world; ++p) {
+      unsigned* region = reinterpret_cast<unsigned*>(flag_ptrs[p]);
+      if (*((volatile unsigned*)(region + world + me)) == 0) {
+        *((volatile unsigned*)(region + 2 * world + me)) = epoch;
+        __threadfence_system();
+        *((volatile unsigned*)(region + world + me)) = 1;
+      }
+    }
+  }
+  __threadfence_system();
+  for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(flag_ptrs[p]) + me, epoch);
+}
+
+// Raise the flags of `epoch` (raise_flags) and store it in seq, after this
+// block's writes (and, through the counter, every block's writes of this
 // launch) are visible to the whole system. counter: a zeroed int of the caller,
-// reset here. A rank whose status is failed (status: its words; null where the
-// kernel moves what no failure spoils) still raises its flags, so that no peer
-// waits out a timeout, but marks them failed first (wait_peers), once: its peers
-// must not take what it skipped for what it wrote.
+// reset here.
 __device__ void signal_when_done(unsigned long long const* flag_ptrs, int world, int me, unsigned epoch,
                                  int* counter, unsigned* seq, const int* status) {
   __syncthreads();
@@ -210,17 +229,7 @@ __device__ void signal_when_done(unsigned long long const* flag_ptrs, int world,
     __threadfence_system();
     const int ticket = atomicAdd(counter, 1);
     if (ticket == (int)gridDim.x - 1) {
-      if (status != nullptr && failed(status)) {
-        for (int p = 0; p < world; ++p) {
-          unsigned* region = reinterpret_cast<unsigned*>(flag_ptrs[p]);
-          if (*((volatile unsigned*)(region + world + me)) == 0) {
-            region[2 * world + me] = epoch;
-            region[world + me] = 1;
-          }
-        }
-      }
-      __threadfence_system();
-      for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(flag_ptrs[p]) + me, epoch);
+      raise_flags(flag_ptrs, world, me, epoch, status);
       *counter = 0;
       *seq = epoch;
     }

@@ -93,17 +93,18 @@ __device__ void zero_tail(OutT* out, int hidden, long long n, long long max_rows
 // Stage rows for the peers: rows [T] of row_bytes each (at src, src_stride bytes
 // apart) into this rank's copy of a region of the next epoch (seq + 1; copy 0 at
 // dst, copy_bytes apart; dst_stride bytes apart). With `signal`, the flags of
-// that epoch are raised (and seq stored) once every block's rows are visible.
+// that epoch are raised (and seq stored) once every block's rows are visible,
+// marked failed where this rank's status is (signal_when_done).
 __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
     const char* src, long long src_stride, long long row_bytes, long long rows, unsigned long long dst,
     long long copy_bytes, long long dst_stride, unsigned* seq, int signal,
-    const unsigned long long* flag_ptrs, int world, int me, int* counter) {
+    const unsigned long long* flag_ptrs, int world, int me, int* counter, const int* status) {
   follow_previous();
   const unsigned epoch = load_seq(seq) + 1;
   char* base = reinterpret_cast<char*>(by_parity((long long)dst, copy_bytes, epoch));
   copy_rows(src, src_stride, row_bytes, rows, base, dst_stride,
             (long long)blockIdx.x * Tuning::kWarps + (threadIdx.x >> 5), (long long)gridDim.x * Tuning::kWarps);
-  if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq, nullptr);  // staged rows: whole
+  if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq, status);
 }
 
 // Receiver side of a dispatch. Items are (source rank s, j) for j in [0, n_s),

@@ -358,8 +358,9 @@ __device__ void no_rows(long long* tokens_per_expert, int* num_rows, int* group_
 // rank (each group's rows, by groups) within its budget; the first that fails
 // is recorded (the same on every rank), so that every later kernel of the group
 // skips its work; a failed exchange gives no rows (``no_rows``).
-// meta_ptrs: [W] base of every rank's meta buffer (flags [W] u32 at 0, the two
-// copies of the counts matrix from rows_offset, matrix_bytes apart). Dynamic
+// meta_ptrs: [W] base of every rank's meta buffer (its flags region at 0:
+// Tuning::kFlagWords W u32, wait_peers; the two copies of the counts matrix
+// from rows_offset, matrix_bytes apart). Dynamic
 // shared memory: E_local + 1 + W E_local ints. Every step after the wait is
 // spread over the block (a scan of the places, each rank's group rows by
 // shared-memory atomics).
@@ -385,9 +386,13 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   if (threadIdx.x < 4) out[threadIdx.x] = status[threadIdx.x];
   __syncthreads();
   const unsigned epoch = epoch_of;
-  if (stop) {
+  if (stop) {  // its flags raised, marked failed (raise_flags): no peer waits for it, none reads its stale row
     for (int i = threadIdx.x; i < scratch_words; i += blockDim.x) row[i] = 0;
     no_rows(tokens_per_expert, num_rows, group_end, experts_per_rank, groups, max_rows);
+    if (threadIdx.x == 0) {
+      raise_flags(meta_ptrs, world, me, epoch, status);
+      *seq = epoch;
+    }
     return;
   }
   const int head[Row::kSends] = {verb, call, along, topk, hidden, x_dtype, weights_dtype, x_grad, weights_grad,
@@ -400,8 +405,7 @@ __global__ void __launch_bounds__(Tuning::kThreads) exchange_counts(
   __syncthreads();
   for (int i = threadIdx.x; i < scratch_words; i += blockDim.x) row[i] = 0;  // read: zero for the next layout
   if (threadIdx.x == 0) {
-    __threadfence_system();
-    for (int p = 0; p < world; ++p) st_release(reinterpret_cast<unsigned*>(meta_ptrs[p]) + me, epoch);
+    raise_flags(meta_ptrs, world, me, epoch, status);
     *seq = epoch;
   }
   const unsigned* own_flags = reinterpret_cast<const unsigned*>(meta_ptrs[me]);

@@ -8,11 +8,12 @@ N rows handed to this rank's experts.
 Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
 
 * ``meta`` (fixed): flags [W] u32 (word s raised by rank s to the epoch it
-  reached), then the counts matrix [W, L] int32, row s written by rank s: its
-  header (``plan.HEADER``, its row budgets included), its T, whether it staged
-  its rows with the counts, the groups of experts its dispatch moves by, its
-  tokens per destination rank [W], its tokens per global expert [E] (the
-  columns ``csrc/engine.cuh``'s ``Row`` names).
+  reached), rank s's failure mark and failed epoch ([W] u32 each: a failed
+  rank's flags say so, ``csrc/engine.cuh``'s ``wait_peers``), then the counts
+  matrix [W, L] int32, row s written by rank s: its header (``plan.HEADER``, its
+  row budgets included), its T, whether it staged its rows with the counts, the
+  groups of experts its dispatch moves by, its tokens per destination rank [W],
+  its tokens per global expert [E] (the columns of ``engine.cuh``'s ``Row``).
 * ``data`` (grown collectively): two copies (by epoch parity) each of the routes
   [T_max, K] (16-byte ``Slot``), the lists [W, T_max] int32 (the tokens each
   destination rank gets, ascending: a receiver walks only its own), the slots
@@ -35,10 +36,10 @@ region written in epoch i (the counts matrix, routes, staged rows, partial
 sums, slots: two copies each, by parity) is rewritten in epoch i + 2 at the
 earliest, and a writer only gets there past epoch i + 1's wait, which its peers
 raise after their reads of epoch i: no reader is overtaken. Waits are bounded
-(``timeout``): a peer that never arrives leaves a status word naming it, which
-the next host read turns into a RuntimeError (the next dispatch's, or
-:meth:`Engine.check`); the engine then stays failed (every rank must build its
-dispatchers again).
+(``timeout``): a peer that never arrives, or arrives failed, leaves a status
+word naming it, which the next host read turns into a RuntimeError (the next
+dispatch's, or :meth:`Engine.check`); the engine then stays failed (every rank
+must build its dispatchers again).
 
 A dispatch with a row budget (``max_rows``) reads nothing on the host: its
 output has ``max_rows`` rows (those past the N received zeroed), and the
@@ -130,9 +131,7 @@ class Engine(EngineMoves):
         self.reserved = False  # a dispatch with max_rows sized the buffers by agreement (transports.nvlink.reserve)
         self._regions = Capacity().regions(self.world)
         self._kernels: dict = {}
-        # launches made per shape, their arguments that hold while the buffers last bound (a
-        # buffer grown empties it)
-        self._launches: dict = {}
+        self._launches: dict = {}  # launches made per shape, bound while the buffers last (growth empties it)
         self.status = torch.zeros(4, dtype=torch.int32, device=self.device)
         self._seq = torch.zeros(1, dtype=torch.int32, device=self.device)  # the epoch reached (u32)
         self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -228,9 +227,8 @@ class Engine(EngineMoves):
                                "run one eager round trip (dispatch, combine, backward) of the largest shapes first")
         capacity = self.capacity.union(need)
         regions = capacity.regions(self.world)
-        # host sync: this rank's earlier reads of its peers' buffers are done before the
-        # rendezvous, which every rank reaches only after the same sync, so no rank still
-        # reads a buffer when it is dropped.
+        # host sync: this rank's earlier reads of its peers' buffers are done before the rendezvous,
+        # which every rank reaches only after the same sync: no rank still reads a buffer dropped
         cuda.current_stream(self.device.index).synchronize()
         if self._last is not None:
             self._last[0].synchronize()
@@ -307,6 +305,7 @@ class Engine(EngineMoves):
             world=self.world,
             me=self.rank,
             counter=self._counter,
+            status=self.status,
         )
 
     def _copy_grid(self, rows: int) -> int:

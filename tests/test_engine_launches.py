@@ -103,7 +103,7 @@ def _cpu_engine(world: int, experts: int, capacity: Capacity) -> Engine:
     e.row_len = e.counts_col + experts
     e.rows_offset, e._matrix_stride = 256, 4096
     e._meta_ptrs = torch.zeros(world, dtype=torch.int64)
-    e._flags = torch.zeros(world, dtype=torch.int32)
+    e._flags = torch.zeros(cuda.FLAG_WORDS * world, dtype=torch.int32)
     e.capacity, e._regions = capacity, capacity.regions(world)
     e._data = torch.zeros(e._regions["total"][0], dtype=torch.uint8)
     e._data_ptrs = torch.zeros(world, dtype=torch.int64)

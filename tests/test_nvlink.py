@@ -1073,6 +1073,57 @@ def test_a_rank_that_fails_alone_mid_exchange_fails_its_peers_combine(worlds, bo
     assert all(g[-1] is not None for g in got), got
 
 
+def _a_failed_ranks_next_dispatch_in_a_graph():
+    """check_inputs=False, a dispatch with max_rows captured in a CUDA graph (no
+    host between replays): a good replay, then one where rank 0 routes token 0 to
+    rank 1's expert 3 twice (rank 1 alone fails, in its pull), then a good one
+    again. Each rank: what check() raised, and the seconds the last replay took."""
+    import time
+
+    from world import current_device
+
+    device, rank = current_device(), torch.distributed.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=4, transport="nvlink", check_inputs=False,
+                                                             timeout=20.0))
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], device=device)
+    good = idx.clone()
+    x, w = torch.randn(6, 64, device=device), torch.full((6, 2), 0.5, device=device)
+    for _ in range(2):
+        out = d.dispatch(x, idx, w, max_rows=64)
+        d.combine(out.tokens, out.handle, weights=out.weights)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d.dispatch(x, idx, w, max_rows=64)
+    graph.replay()
+    if rank == 0:
+        idx[0] = torch.tensor([3, 3], device=device)
+    graph.replay()
+    idx.copy_(good)
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    graph.replay()
+    torch.cuda.synchronize()
+    took = time.monotonic() - start
+    try:
+        d.check()
+        return None, took
+    except RuntimeError as exc:
+        return str(exc), took
+
+
+@needs_engine
+def test_a_failed_ranks_next_counts_exchange_fails_its_peers_at_once(worlds):
+    """A rank failed alone, whose host has not read it (replays of a graph): at
+    its next counts exchange it still raises its flags, marked failed, so its
+    peer fails there at once naming it, not after the timeout (20 s) and not on
+    a stale counts row."""
+    got = worlds(WORLD).run(_a_failed_ranks_next_dispatch_in_a_graph, [()] * WORLD)
+    assert "received a route no checked dispatch makes" in got[1][0], got
+    assert "rank 1 failed" in got[0][0] and "in the counts exchange" in got[0][0], got
+    assert got[0][1] < 10, got
+
+
 class _ShortOnOneRank:
     """torch's symmetric memory, whose allocations past ``size`` bytes fail on rank 1."""
 
