@@ -83,6 +83,11 @@
 #   host-bound  the eager round trip's host time on every rank, layer by layer (bench/host_layers.py
 #             --world, decode and DeepSeek-V3), each rank pinned to cores of its own near its GPU (--bind),
 #             then the same unpinned
+#   host-contention  why host time grows with the ranks (one file, results/host-contention.txt):
+#             bench/contention_probe.py (a busy second process beside fixed host work), then
+#             bench/host_layers.py on decode and DeepSeek-V3 at W = 1 each round trip after a sync, back to
+#             back (--steady) and after a sync and a 1 ms sleep (--pause-us), then W = 2 on GPU 0
+#             (--shared-gpu) after a sync and a barrier, and back to back
 #   soak      bench/soak.py: 10,000 round trips per transport (nccl, nvlink, nvlink with
 #             max_rows), shapes, routings and wires
 #             changing every call, every row checked, memory and the slowest call
@@ -312,6 +317,16 @@ for part in "$@"; do
         for shape in decode deepseek-v3; do
           step 100 "host-world-$shape$bind" bash -c 'set -o pipefail; python3 bench/host_layers.py --shape "$2" \
             --calls 300 --world "$3" $4 | tee -a "$1"' _ "$RES/host-w$gpus.txt" "$shape" "$gpus" "$bind"
+        done
+      done ;;
+    host-contention)
+      file=$RES/host-contention.txt
+      : > "$file"
+      step 120 contention-probe bash -c 'set -o pipefail; python3 bench/contention_probe.py | tee -a "$1"' _ "$file"
+      for shape in decode deepseek-v3; do
+        for how in "" --steady "--pause-us 1000" "--world 2 --shared-gpu" "--world 2 --shared-gpu --steady"; do
+          step 100 "host-$shape${how// /}" bash -c 'set -o pipefail; python3 bench/host_layers.py --shape "$2" \
+            --calls 300 $3 | tee -a "$1"' _ "$file" "$shape" "$how"
         done
       done ;;
     soak)

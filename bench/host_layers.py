@@ -1,10 +1,15 @@
 """Study: where an eager round trip on the NVLink engine spends host time, layer by layer.
 
-    python3 bench/host_layers.py [--shape decode|deepseek-v3] [--calls N] [--world W] [--bind]
+    python3 bench/host_layers.py [--shape decode|deepseek-v3] [--calls N] [--world W] [--bind] [--shared-gpu]
+                                 [--steady] [--pause-us US]
 
 One GPU, a world of one rank (the engine built directly, as ``bench/engine_one_gpu.py``
-does), or ``--world W`` processes, one a GPU. Times a dispatch + combine with grad
-mode on, each after a sync (and a barrier), the median of ``--calls`` round trips:
+does), or ``--world W`` processes, one a GPU (``--shared-gpu``: all on GPU 0, as the
+tests' ``tests/shared_gpu.py`` runs them where one GPU is lent: the host path of W
+ranks as on W GPUs, the GPU's times no measure of anything). Times a dispatch + combine with grad
+mode on, each after a sync (and a barrier; ``--pause-us``: and a sleep, as a thread
+that waited in the kernel), or back to back (``--steady``: as a training loop issues
+them, the ranks kept in step by their waits), the median of ``--calls`` round trips:
 wall and the thread's CPU time, less the wait at the host read (the compiled
 counts exchange's ``last_wait_ns``), and wall less the agreements' waits for the
 peers too (the compiled board's ``board_wait_ns``); then again with a clock around
@@ -35,6 +40,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=600)
     parser.add_argument("--world", type=int, default=1, help="processes, one a GPU")
     parser.add_argument("--bind", action="store_true", help="pin each rank to cores of its own near its GPU")
+    parser.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 (tests/shared_gpu.py)")
+    parser.add_argument("--steady", action="store_true",
+                        help="round trips back to back (as a training loop issues them), not each after a sync")
+    parser.add_argument("--pause-us", type=float, default=0.0,
+                        help="the thread sleeps this long after each sync, before its round trip")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29563"))
     if args.world > 1:
@@ -46,8 +56,16 @@ def main() -> None:
 def _run(rank: int, args) -> None:
     world = args.world
     bound = _bind(rank, world) if args.bind else "not pinned"
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    if args.shared_gpu:
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        import shared_gpu
+
+        shared_gpu.init_rank(rank, world, "env://")
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import dispatch
     from dispatch import agreement, board, dispatcher, free_memory, host, nvlink, usual, work
     from dispatch.transports import base, nvlink as nvlink_transport
@@ -76,10 +94,13 @@ def _run(rank: int, args) -> None:
         if world > 1:
             dist.barrier()
             torch.cuda.synchronize()
+        if args.pause_us:
+            time.sleep(args.pause_us / 1e6)
 
     def measure(n: int, walls, cpus=None, less_every=None):
         for _ in range(n):
-            settle()
+            if not args.steady:
+                settle()
             b0 = board_waits()
             t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
             rt()
@@ -171,10 +192,13 @@ def _run(rank: int, args) -> None:
     if world > 1:
         every = [None] * world
         dist.all_gather_object(every, mine)
+    how = "back to back" if args.steady else f"each after a sync{' and a barrier' if world > 1 else ''}"
+    how += f" and a sleep of {args.pause_us:g} us" if args.pause_us and not args.steady else ""
     if rank == 0:
         print(f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores, torch {torch.__version__}, tree "
-              f"{os.environ.get('DISPATCH_COMMIT', '?')}; {args.shape} (T={T}, H={H}, E={E}, K={K}), W = {world}, "
-              f"grad on; median of {args.calls} round trips, each after a sync{' and a barrier' if world > 1 else ''}, "
+              f"{os.environ.get('DISPATCH_COMMIT', '?')}; {args.shape} (T={T}, H={H}, E={E}, K={K}), W = {world}"
+              f"{' (every rank on GPU 0: tests/shared_gpu.py)' if args.shared_gpu else ''}, "
+              f"grad on; median of {args.calls} round trips, {how}, "
               "less the wait at the host read")
         for r, got in enumerate(every):
             wall, cpu, less_every = got["plain"]
