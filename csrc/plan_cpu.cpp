@@ -3,8 +3,14 @@
 // small operations (dispatch/kernels/plan_cpu.py loads it; tests/test_plan_cpu.py holds
 // each to its reference, bitwise).
 //
+//   route       plan.route_reference
 //   route_row   plan_graph.route_phase_reference, one group: the route and the row
 //               each rank all-gathers (value checks folded into its failed entry)
+//   counts_row  counts.exchange's route and the row it all-gathers (value checks folded
+//               into its failed entry)
+//   send_order  plan.send_positions, then plan.items_by_row and plan.rows_by_item
+//   expand      counts.local_experts, then counts.expand (the all-gather and
+//               hierarchical variants' expansion to canonical order)
 //   send_plan   plan_graph.send_phase, one group: the send plan, the summary the
 //               host reads and the receive table
 //   recv_plan   plan.build_recv_plan_reference
@@ -42,26 +48,13 @@ bool all_finite(const Tensor& weights) {
   return finite;
 }
 
-// (dest [T, K] int64, hit [T, W] bool, row [W (1 + L) + header + W 2 L + 1] int64).
-// A slot is routed where its id is in [0, E) and no earlier slot of its token names
-// it; dest is W for the others. With check_values, an id outside [-1, E), an id
-// >= 0 twice in a token or a non-finite weight raises the row's failed entry.
-std::tuple<Tensor, Tensor, Tensor> route_row(const Tensor& topk_idx, const Tensor& weights, const Tensor& header,
-                                             int64_t num_experts, int64_t world, bool check_values,
-                                             int64_t failed_col) {
-  TORCH_CHECK(topk_idx.dim() == 2 && weights.numel() == topk_idx.numel() && header.scalar_type() == at::kLong &&
-                  0 <= failed_col && failed_col < header.numel() && world > 0 && num_experts >= world,
-              "route_row: arguments of other shapes than a dispatch's");
-  const Tensor idx = topk_idx.to(at::kLong).contiguous();
-  const int64_t tokens = idx.size(0), topk = idx.size(1), local = num_experts / world;
-  const int64_t header_len = header.numel(), header_at = world * (1 + local);
-  Tensor dest = at::empty({tokens, topk}, idx.options());
-  Tensor hit = at::zeros({tokens, world}, idx.options().dtype(at::kBool));
-  Tensor row = at::zeros({header_at + header_len + world * 2 * local + 1}, idx.options());
-  const int64_t* id = idx.data_ptr<int64_t>();
-  int64_t* to = dest.data_ptr<int64_t>();
-  bool* hits = hit.data_ptr<bool>();
-  int64_t* out = row.data_ptr<int64_t>();
+// The route of one rank's ids [T, K] into dest [T, K] (W for a slot not routed),
+// hits [T, W] and counts [W, 1 + L] (zeroed by the caller): a slot is routed where
+// its id is in [0, E) and no earlier slot of its token names it. Returns whether
+// an id is bad: outside [-1, E), or an id >= 0 twice in a token.
+bool route_into(const int64_t* id, int64_t tokens, int64_t topk, int64_t num_experts, int64_t world, int64_t* to,
+                bool* hits, int64_t* counts) {
+  const int64_t local = num_experts / world;
   bool bad = false;
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t* slots = id + t * topk;
@@ -78,17 +71,181 @@ std::tuple<Tensor, Tensor, Tensor> route_row(const Tensor& topk_idx, const Tenso
       to[t * topk + k] = d;
       if (!hits[t * world + d]) {
         hits[t * world + d] = true;
-        out[d * (1 + local)] += 1;
+        counts[d * (1 + local)] += 1;
       }
-      out[d * (1 + local) + 1 + (v - d * local)] += 1;
+      counts[d * (1 + local) + 1 + (v - d * local)] += 1;
     }
   }
+  return bad;
+}
+
+// (dest [T, K] int64, hit [T, W] bool, counts [W, 1 + L] int64): plan.Route.
+std::vector<Tensor> route(const Tensor& topk_idx, int64_t num_experts, int64_t world) {
+  TORCH_CHECK(topk_idx.dim() == 2 && world > 0 && num_experts >= world,
+              "route: arguments of other shapes than a dispatch's");
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t tokens = idx.size(0), topk = idx.size(1), local = num_experts / world;
+  Tensor dest = at::empty({tokens, topk}, idx.options());
+  Tensor hit = at::zeros({tokens, world}, idx.options().dtype(at::kBool));
+  Tensor counts = at::zeros({world, 1 + local}, idx.options());
+  route_into(idx.data_ptr<int64_t>(), tokens, topk, num_experts, world, dest.data_ptr<int64_t>(),
+             hit.data_ptr<bool>(), counts.data_ptr<int64_t>());
+  return {dest, hit, counts};
+}
+
+// (dest [T, K] int64, hit [T, W] bool, row [W (1 + L) + header + W 2 L + 1] int64):
+// the route, and the row: its counts, the header, then one group's tail. With
+// check_values, a bad value (route) raises the row's failed entry.
+std::tuple<Tensor, Tensor, Tensor> route_row(const Tensor& topk_idx, const Tensor& weights, const Tensor& header,
+                                             int64_t num_experts, int64_t world, bool check_values,
+                                             int64_t failed_col) {
+  TORCH_CHECK(topk_idx.dim() == 2 && weights.numel() == topk_idx.numel() && header.scalar_type() == at::kLong &&
+                  0 <= failed_col && failed_col < header.numel() && world > 0 && num_experts >= world,
+              "route_row: arguments of other shapes than a dispatch's");
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t tokens = idx.size(0), topk = idx.size(1), local = num_experts / world;
+  const int64_t header_len = header.numel(), header_at = world * (1 + local);
+  Tensor dest = at::empty({tokens, topk}, idx.options());
+  Tensor hit = at::zeros({tokens, world}, idx.options().dtype(at::kBool));
+  Tensor row = at::zeros({header_at + header_len + world * 2 * local + 1}, idx.options());
+  int64_t* out = row.data_ptr<int64_t>();
+  const bool bad = route_into(idx.data_ptr<int64_t>(), tokens, topk, num_experts, world, dest.data_ptr<int64_t>(),
+                              hit.data_ptr<bool>(), out);
   const Tensor head = header.contiguous();
   std::copy(head.data_ptr<int64_t>(), head.data_ptr<int64_t>() + header_len, out + header_at);
   if (check_values && (bad || !all_finite(weights)))
     out[header_at + failed_col] = std::max<int64_t>(out[header_at + failed_col], 1);
   out[row.numel() - 1] = 1;  // G: one group
   return {dest, hit, row};
+}
+
+// (dest [T, K] int64, hit [T, W] bool, node_hit [T, M] bool, row [W (1 + L) + header + 1 + M + 1] int64)
+// of counts.exchange: the route, whether each token has an expert on each node of local
+// ranks, and the row it all-gathers: the counts, the header (header_and_tail's first
+// entries), T, the tokens with an expert on each node, then G (its last entry). Where
+// weights are given, a bad value (route) raises the header's failed entry.
+std::vector<Tensor> counts_row(const Tensor& topk_idx, const c10::optional<Tensor>& weights,
+                               const std::vector<int64_t>& header_and_tail, int64_t num_experts, int64_t world,
+                               int64_t local_ranks, int64_t failed_col) {
+  const int64_t header_len = static_cast<int64_t>(header_and_tail.size()) - 2;  // its tail: T, G
+  TORCH_CHECK(topk_idx.dim() == 2 && world > 0 && num_experts >= world && local_ranks > 0 &&
+                  world % local_ranks == 0 && 0 <= failed_col && failed_col < header_len &&
+                  header_and_tail[header_len] == topk_idx.size(0) &&
+                  (!weights.has_value() || weights->numel() == topk_idx.numel()),
+              "counts_row: arguments of other shapes than a dispatch's");
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t tokens = idx.size(0), topk = idx.size(1), local = num_experts / world, nodes = world / local_ranks;
+  const int64_t header_at = world * (1 + local);
+  Tensor dest = at::empty({tokens, topk}, idx.options());
+  Tensor hit = at::zeros({tokens, world}, idx.options().dtype(at::kBool));
+  Tensor node_hit = at::zeros({tokens, nodes}, idx.options().dtype(at::kBool));
+  Tensor row = at::zeros({header_at + header_len + 2 + nodes}, idx.options());
+  int64_t* out = row.data_ptr<int64_t>();
+  const bool bad = route_into(idx.data_ptr<int64_t>(), tokens, topk, num_experts, world, dest.data_ptr<int64_t>(),
+                              hit.data_ptr<bool>(), out);
+  std::copy(header_and_tail.begin(), header_and_tail.begin() + header_len, out + header_at);
+  if (weights.has_value() && (bad || !all_finite(*weights)))
+    out[header_at + failed_col] = std::max<int64_t>(out[header_at + failed_col], 1);
+  int64_t* tail = out + header_at + header_len;
+  tail[0] = tokens;
+  tail[1 + nodes] = header_and_tail[header_len + 1];
+  const bool* hits = hit.data_ptr<bool>();
+  bool* on_node = node_hit.data_ptr<bool>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t n = 0; n < nodes; ++n) {
+      bool any = false;
+      for (int64_t l = 0; l < local_ranks && !any; ++l) any = hits[t * world + n * local_ranks + l];
+      on_node[t * nodes + n] = any;
+      tail[1 + n] += any;
+    }
+  return {dest, hit, node_hit, row};
+}
+
+// (items_by_row [S], rows_by_item [I, D]) of items going out destination-major, then
+// item: the row of each (item, destination) is the items up to it going there, after
+// the rows of the destinations before (sizes, S = their sum); row i of rows_by_item
+// lists item i's rows ascending, -1 padded. Rows no item takes are -1.
+std::vector<Tensor> send_order(const Tensor& hit_in, const std::vector<int64_t>& sizes) {
+  const Tensor hit = hit_in.contiguous();
+  TORCH_CHECK(hit.dim() == 2 && hit.scalar_type() == at::kBool && static_cast<int64_t>(sizes.size()) == hit.size(1),
+              "send_order: arguments of other shapes than a plan's");
+  const int64_t items = hit.size(0), dests = hit.size(1);
+  std::vector<int64_t> next(dests);
+  int64_t rows = 0;
+  for (int64_t d = 0; d < dests; ++d) {
+    next[d] = rows;
+    rows += sizes[d];
+  }
+  const auto i64 = hit.options().dtype(at::kLong);
+  Tensor items_by_row = at::full({rows}, -1, i64), rows_by_item = at::full({items, dests}, -1, i64);
+  const bool* h = hit.data_ptr<bool>();
+  int64_t *item_of = items_by_row.data_ptr<int64_t>(), *row_of = rows_by_item.data_ptr<int64_t>();
+  for (int64_t i = 0; i < items; ++i) {
+    int64_t* mine = row_of + i * dests;
+    int64_t n = 0;
+    for (int64_t d = 0; d < dests; ++d) {
+      if (!h[i * dests + d]) continue;
+      const int64_t r = next[d]++;
+      if (r < rows) item_of[r] = i;
+      mine[n++] = r;
+    }
+    std::sort(mine, mine + n);
+  }
+  return {items_by_row, rows_by_item};
+}
+
+// (slots [N], presum_index [I, J], here [R]) of the items (token rows that reached this
+// rank, each with its ids [I, K] and a unique order_key [I] in [0, key_span)): the slots
+// whose expert lives on this rank (routed as route routes them), as item K + k in
+// canonical order (local expert, then order_key); each item's expanded rows in ascending
+// local expert, -1 padded (J = width); the items with a slot here, ascending. N must be
+// num_rows (the counts say so).
+std::vector<Tensor> expand(const Tensor& ids, const Tensor& order_key_in, int64_t key_span, int64_t num_experts,
+                           int64_t world, int64_t rank, int64_t num_rows, int64_t width) {
+  const Tensor order_key = order_key_in.to(at::kLong).contiguous();
+  TORCH_CHECK(ids.dim() == 2 && order_key.numel() == ids.size(0) && world > 0 && num_experts >= world &&
+                  0 <= rank && rank < world && width >= 0,
+              "expand: arguments of other shapes than a plan's");
+  const int64_t items = ids.size(0), topk = ids.size(1), local = num_experts / world;
+  std::vector<int64_t> to(items * topk), counts(world * (1 + local), 0);
+  std::vector<char> hits(items * world, 0);
+  const Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t* id = idx.data_ptr<int64_t>();
+  route_into(id, items, topk, num_experts, world, to.data(), reinterpret_cast<bool*>(hits.data()), counts.data());
+  // items in ascending key
+  const int64_t* key = order_key.data_ptr<int64_t>();
+  std::vector<int64_t> by_key(items);
+  for (int64_t i = 0; i < items; ++i) {
+    TORCH_CHECK(0 <= key[i] && key[i] < key_span, "expand: an order key outside [0, key_span)");
+    by_key[i] = i;
+  }
+  std::sort(by_key.begin(), by_key.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
+  // each local expert's first row, then the rows in key order within it
+  std::vector<int64_t> next(local + 1, 0);
+  for (int64_t e = 0; e < local; ++e) next[e + 1] = next[e] + counts[rank * (1 + local) + 1 + e];
+  TORCH_CHECK(next[local] == num_rows, "expand: the slots here disagree with the counts");
+  const auto i64 = idx.options();
+  Tensor slots = at::empty({num_rows}, i64), presum = at::full({items, width}, -1, i64);
+  int64_t *slot_of = slots.data_ptr<int64_t>(), *pre = presum.data_ptr<int64_t>();
+  std::vector<int64_t> here;
+  for (const int64_t i : by_key) {
+    bool any = false;
+    for (int64_t k = 0; k < topk; ++k) {
+      if (to[i * topk + k] != rank) continue;
+      any = true;
+      const int64_t e = id[i * topk + k] - rank * local;
+      int64_t col = 0;  // the item's slots here of smaller local expert
+      for (int64_t j = 0; j < topk; ++j) col += to[i * topk + j] == rank && id[i * topk + j] < id[i * topk + k];
+      const int64_t r = next[e]++;
+      slot_of[r] = i * topk + k;
+      if (col < width) pre[i * width + col] = r;
+    }
+    if (any) here.push_back(i);
+  }
+  std::sort(here.begin(), here.end());
+  Tensor items_here = at::empty({static_cast<int64_t>(here.size())}, i64);
+  std::copy(here.begin(), here.end(), items_here.data_ptr<int64_t>());
+  return {slots, presum, items_here};
 }
 
 // (send_token [C], meta [C + 1, J + 1 + J w], home_index [T, W], slot_row [T, K],
@@ -325,7 +482,11 @@ Tensor gather_sum(const Tensor& src_in, const Tensor& index_in, const c10::optio
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("route", &route);
   m.def("route_row", &route_row);
+  m.def("counts_row", &counts_row);
+  m.def("send_order", &send_order);
+  m.def("expand", &expand);
   m.def("send_plan", &send_plan);
   m.def("recv_plan", &recv_plan);
   m.def("gather_sum", &gather_sum);

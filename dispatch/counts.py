@@ -22,9 +22,11 @@ import torch
 
 from dispatch import checks, comm, plan
 from dispatch.cost_model import RoutingStats
+from dispatch.kernels import plan_cpu
 
 # Larger than any row position, used to push padding to the end of a sort.
 PAD = torch.iinfo(torch.int64).max
+_FAILED = plan.HEADER.index("failed")
 
 
 @dataclass(frozen=True)
@@ -87,16 +89,10 @@ def exchange(
             out other rows by group, and sends its sums home at another add.
     """
     num_tokens, topk = topk_idx.shape
-    route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
-    nodes = world_size // local_world_size
-    node_hit = route.hit.view(num_tokens, nodes, local_world_size).any(2)
-    header_row = plan.to_device(torch.tensor(plan.header(x, topk_weights, topk, ticket) + [num_tokens, groups]),
-                                x.device)
-    if check_values and num_tokens > 0:  # a bad value marks this rank failed in its row, on the device
-        header_row = checks.fold_flags(header_row, checks.value_flags(topk_idx, topk_weights.detach(), num_experts))
-    tail = torch.cat([header_row[-2:-1], node_hit.sum(0, dtype=torch.int64), header_row[-1:]])  # T, node hits, G
-    layout = counts_row(world_size, route.counts.shape[1] - 1, local_world_size)
-    row = layout.row(route.counts, header_row[:-2], tail)
+    head = plan.header(x, topk_weights, topk, ticket) + [num_tokens, groups]
+    layout = counts_row(world_size, num_experts // world_size, local_world_size)
+    route, node_hit, row = route_and_row(topk_idx, topk_weights.detach(), head, num_experts, world_size,
+                                         local_world_size, check_values, x.device)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     all_counts, headers, tails = layout.split(gathered)
     # this rank's own bad values: its error (its peers raise in check_peer_headers)
@@ -115,6 +111,28 @@ def exchange(
     )
 
 
+def route_and_row(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,
+                  world_size: int, local_world_size: int, check_values: bool, device: torch.device):
+    """(``plan.Route``, node_hit [T, M] bool, the row :func:`exchange` all-gathers) of
+    this rank's routing; ``head``: its header entries, then T and G. With
+    ``check_values``, a bad value raises the row's failed entry. On CPU one
+    compiled call (``dispatch.kernels.plan_cpu``)."""
+    num_tokens = topk_idx.shape[0]
+    layout = counts_row(world_size, num_experts // world_size, local_world_size)
+    compiled = plan_cpu.on_cpu(topk_idx)
+    if compiled is not None:
+        dest, hit, node_hit, row = compiled.counts_row(topk_idx, topk_weights if check_values else None, head,
+                                                       num_experts, world_size, local_world_size, _FAILED)
+        return plan.Route(dest, hit, row[: layout.header_at].view(world_size, -1)), node_hit, row
+    route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
+    node_hit = route.hit.view(num_tokens, world_size // local_world_size, local_world_size).any(2)
+    header_row = plan.to_device(torch.tensor(head), device)
+    if check_values and num_tokens > 0:  # a bad value marks this rank failed in its row, on the device
+        header_row = checks.fold_flags(header_row, checks.value_flags(topk_idx, topk_weights, num_experts))
+    tail = torch.cat([header_row[-2:-1], node_hit.sum(0, dtype=torch.int64), header_row[-1:]])  # T, node hits, G
+    return route, node_hit, layout.row(route.counts, header_row[:-2], tail)
+
+
 def counts_row(world_size: int, local_experts: int, local_world_size: int) -> plan.CountsRow:
     """The row :func:`exchange` all-gathers: counts, header, then T, the node hits and G."""
     return plan.CountsRow(world_size, local_experts, 2 + world_size // local_world_size)
@@ -128,24 +146,42 @@ class Expansion:
         slots: [N] int64, ``item * K + k`` behind each expanded row, canonical order.
         presum_index: [I, J] int64, the expanded rows of each item in ascending
             local expert, -1 padded (the expert-side pre-sum of combine).
+        here: [R] int64, the items with a slot here, ascending (where asked for).
     """
 
     slots: torch.Tensor
     presum_index: torch.Tensor
+    here: torch.Tensor | None = None
 
 
-def expand(local_expert: torch.Tensor, order_key: torch.Tensor, key_span: int, num_rows: int, width: int) -> Expansion:
-    """Canonical order of the slots of this rank's local experts.
+def expand(ids: torch.Tensor, order_key: torch.Tensor, key_span: int, num_experts: int, world_size: int, rank: int,
+           num_rows: int, width: int, items_here: int | None = None) -> Expansion:
+    """Canonical order of the slots of this rank's local experts (on CPU one
+    compiled call, ``dispatch.kernels.plan_cpu``; elsewhere torch operations).
 
     Args:
-        local_expert: [I, K] int64, local expert of each slot, -1 where the slot's
-            expert is not on this rank (or the slot is empty).
+        ids: [I, K] global expert ids of each item's slots (routed as ``plan.route``
+            routes them: empty slots, ids out of range and repeats are on no rank).
         order_key: [I] int64 in [0, key_span), unique per item, ascending in
             (source rank, source token).
         key_span: host bound of ``order_key``.
         num_rows: N, the slots on this rank (host, from the counts).
         width: J = min(K, E_local).
+        items_here: R, the items with a slot here (host, from the counts), to
+            list them (``Expansion.here``); None: not asked for.
     """
+    compiled = plan_cpu.on_cpu(ids)
+    if compiled is not None:
+        slots, presum_index, here = compiled.expand(ids, order_key, key_span, num_experts, world_size, rank, num_rows,
+                                                    width)
+        return Expansion(slots, presum_index, None if items_here is None else here)
+    return expand_reference(ids, order_key, key_span, num_experts, world_size, rank, num_rows, width, items_here)
+
+
+def expand_reference(ids, order_key, key_span, num_experts, world_size, rank, num_rows, width,
+                     items_here=None) -> Expansion:
+    """:func:`expand` in torch operations (any device)."""
+    local_expert = local_experts(ids, num_experts, world_size, rank)
     items, topk = local_expert.shape
     device = local_expert.device
     mine = local_expert >= 0
@@ -159,7 +195,14 @@ def expand(local_expert: torch.Tensor, order_key: torch.Tensor, key_span: int, n
     presum = torch.full((items + 1, max(width, 1)), -1, dtype=torch.int64, device=device)
     item = torch.arange(items, device=device).unsqueeze(1).expand(items, topk)
     presum.index_put_((torch.where(mine, item, items), col), row_of_slot.view(items, topk))
-    return Expansion(slots=slots, presum_index=presum[:items, :width])
+    here = None
+    if items_here is not None:  # placed by their rank among the items here: no host read
+        hit_here = mine.any(1)
+        here = torch.empty(items_here + 1, dtype=torch.int64, device=device)
+        here.scatter_(0, torch.where(hit_here, torch.cumsum(hit_here, 0) - 1, items_here),
+                      torch.arange(items, device=device))
+        here = here[:items_here]
+    return Expansion(slots=slots, presum_index=presum[:items, :width], here=here)
 
 
 def local_experts(topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int) -> torch.Tensor:
@@ -171,3 +214,20 @@ def local_experts(topk_idx: torch.Tensor, num_experts: int, world_size: int, ran
     dest = plan.route(topk_idx, num_experts, world_size).dest
     per_rank = num_experts // world_size
     return torch.where(dest == rank, topk_idx.long() - rank * per_rank, -1)
+
+
+def send_order(hit: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``plan.items_by_row``, ``plan.rows_by_item``) of items going out
+    destination-major (``plan.send_positions``): the item of each of the
+    sum(``sizes``) send rows, and [I, D] each item's rows ascending, -1
+    padded; on CPU one compiled call (``dispatch.kernels.plan_cpu``).
+
+    Args:
+        hit: [I, D] bool, item i goes to destination d.
+        sizes: host rows per destination (``hit.sum(0)``).
+    """
+    compiled = plan_cpu.on_cpu(hit)
+    if compiled is not None:
+        return tuple(compiled.send_order(hit, list(sizes)))
+    position = plan.send_positions(hit, sizes)
+    return plan.items_by_row(hit, position, sum(sizes)), plan.rows_by_item(hit, position)

@@ -34,10 +34,9 @@ How the plan is made, with one host synchronisation:
    ``build_recv_plan`` expands, placing each received block (source rank)
    from a table made on the host (``recv_table``).
 
-The send order (destination-major, then item ascending) is made by
-``send_positions`` / ``rows_by_item`` / ``items_by_row`` for every variant:
-the alltoall variant's tokens to ranks here, the others' tokens to nodes and
-held rows to ranks (``dispatch.counts``).
+The send order (destination-major, then item ascending) is made by ``send_positions`` /
+``rows_by_item`` / ``items_by_row``: the alltoall variant's tokens to ranks here, the others'
+tokens to ranks or nodes and held rows to ranks in ``dispatch.counts.send_order``.
 """
 
 from __future__ import annotations
@@ -69,7 +68,8 @@ class Route:
 
 
 def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
-    """Destination ranks and per-destination counts of one rank's routing.
+    """Destination ranks and per-destination counts of one rank's routing (on CPU
+    compiled: ``dispatch.kernels.plan_cpu``; elsewhere :func:`route_reference`).
 
     Args:
         topk_idx: [T, K] int32/int64 global expert ids, ``-1`` = empty slot. Ids
@@ -78,22 +78,24 @@ def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
         num_experts: E.
         world_size: W.
     """
-    num_tokens = topk_idx.shape[0]
-    experts_per_rank = num_experts // world_size
-    idx = topk_idx.long()
-    # Ids out of range and repeats of an earlier slot's expert are rejected by the
-    # value checks; here they are empty slots, so the plan never reads memory it
-    # did not write, whatever the input.
-    topk = idx.shape[1]
+    compiled = plan_cpu.on_cpu(topk_idx)
+    if compiled is not None:
+        return Route(*compiled.route(topk_idx, num_experts, world_size))
+    return route_reference(topk_idx, num_experts, world_size)
+
+
+def route_reference(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
+    """:func:`route` in torch operations (any device)."""
+    (num_tokens, topk), experts_per_rank, idx = topk_idx.shape, num_experts // world_size, topk_idx.long()
+    # Ids out of range and repeats of an earlier slot's expert are rejected by the value checks; here
+    # they are empty slots, so the plan never reads memory it did not write, whatever the input.
     earlier = torch.ones(topk, topk, dtype=torch.bool, device=idx.device).tril(-1)
     repeat = ((idx.unsqueeze(2) == idx.unsqueeze(1)) & earlier).any(2)
     valid = (idx >= 0) & (idx < num_experts) & ~repeat
     dest = torch.where(valid, idx // experts_per_rank, world_size)
-
     hit = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=idx.device)
     hit.scatter_(1, dest, True)
     hit = hit[:, :world_size]
-
     expert_slots = torch.zeros(num_experts + 1, dtype=torch.int64, device=idx.device)
     flat = torch.where(valid, idx, num_experts).flatten()
     expert_slots.scatter_add_(0, flat, torch.ones_like(flat))

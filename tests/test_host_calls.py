@@ -16,10 +16,13 @@ from routing import make_routing, random_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MAX_CALLS = 150  # Python calls (cProfile) of a round trip on a one-rank gloo world
+# Python calls (cProfile) of a round trip on a one-rank gloo world, at most: the usual
+# call's; the all-gather and hierarchical variants' (their own plans partly torch
+# operations still: 296 and 357 calls without the compiled route, expansion and send orders)
+MAX_CALLS = {"alltoall": 150, "auto": 150, "allgather": 200, "hierarchical": 220}
 
 
-@pytest.mark.parametrize("variant", ["alltoall", "auto"])
+@pytest.mark.parametrize("variant", list(MAX_CALLS))
 def test_a_round_trip_makes_few_python_calls(variant):
     """dispatch + combine, as a user calls them, on one gloo rank: at most
     ``MAX_CALLS`` Python calls, builtins included (the routing plan and the sums
@@ -29,10 +32,11 @@ def test_a_round_trip_makes_few_python_calls(variant):
     calls, compiled = got["calls"], got["compiled"]
     if not compiled:
         pytest.skip("the compiled CPU plan does not build here (no C++ compiler or ninja)")
-    assert calls <= MAX_CALLS, f"a round trip made {calls} Python calls (at most {MAX_CALLS})"
+    most = MAX_CALLS[variant]
+    assert calls <= most, f"a round trip made {calls} Python calls (at most {most})"
 
 
-@pytest.mark.parametrize("variant", ["alltoall", "hierarchical", "auto"])
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical", "auto"])
 def test_the_compiled_plan_gives_the_same_bits(worlds, variant):
     """Round trip and gradients on 4 gloo ranks (2 nodes of 2) with the compiled
     CPU plan and with the torch operations: the same bits, every output (a rank

@@ -3,12 +3,14 @@ references, bitwise; and a round trip on gloo with it equal to one without."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatch import plan, plan_graph
+from dispatch import counts, plan, plan_graph
 from dispatch.kernels import gather_sum as gs
 from dispatch.kernels import plan_cpu
 from test_kernels import GATHER_CASES, ROUTE_CASES, SEND_CASES, _bad_values, _case, _recv_case, _slots
@@ -16,6 +18,16 @@ from test_kernels import GATHER_CASES, ROUTE_CASES, SEND_CASES, _bad_values, _ca
 compiled = plan_cpu.module()
 pytestmark = pytest.mark.skipif(compiled is None, reason="the compiled CPU plan does not build here (no C++ "
                                                          "compiler or ninja)")
+
+
+@contextlib.contextmanager
+def torch_ops():
+    """The references: the package's torch operations, the compiled calls off."""
+    plan_cpu.enabled = False
+    try:
+        yield
+    finally:
+        plan_cpu.enabled = True
 
 
 @settings(max_examples=80, deadline=None)
@@ -32,10 +44,95 @@ def test_route_row_is_the_references(world, local, tokens, topk, idx_dtype, weig
     idx, weights = idx.to(idx_dtype), weights.to(weight_dtype)
     header = torch.arange(len(plan.HEADER), dtype=torch.int64) + 7
     header[plan.HEADER.index("failed")] = 0
-    want, _, want_row = plan_graph.route_phase_reference(idx, weights, header, experts, world, check_values)
+    with torch_ops():
+        want, _, want_row = plan_graph.route_phase_reference(idx, weights, header, experts, world, check_values)
     dest, hit, row = compiled.route_row(idx, weights, header, experts, world, check_values,
                                         plan.HEADER.index("failed"))
     assert torch.equal(dest, want.dest) and torch.equal(hit, want.hit) and torch.equal(row, want_row)
+
+
+@settings(max_examples=80, deadline=None)
+@given(**ROUTE_CASES)
+def test_route_is_the_references(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values, seed):
+    """The route of any ids, bad ones included (empty slots there): bitwise
+    ``plan.route_reference``."""
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    idx, _ = _bad_values(_slots(tokens, topk, experts, gen), torch.rand(tokens, topk, generator=gen), bad, gen,
+                         experts)
+    idx = idx.to(idx_dtype)
+    want, got = plan.route_reference(idx, experts, world), plan.route(idx, experts, world)
+    assert torch.equal(got.dest, want.dest) and torch.equal(got.hit, want.hit)
+    assert torch.equal(got.counts, want.counts)
+
+
+@settings(max_examples=80, deadline=None)
+@given(**ROUTE_CASES, nodes=st.integers(1, 3))
+def test_counts_row_is_the_references(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values, seed,
+                                      nodes):
+    """The counts exchange's route, node hits and row (``counts.route_and_row``:
+    the counts, the header, T, the tokens with an expert on each node, G), bad
+    values included (dropped from the route; with the checks, the failed entry
+    raised): bitwise its torch operations'."""
+    world *= nodes
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    idx, weights = _bad_values(_slots(tokens, topk, experts, gen),
+                               torch.rand(tokens, topk, generator=gen, dtype=torch.float64), bad, gen, experts)
+    idx, weights = idx.to(idx_dtype), weights.to(weight_dtype)
+    head = [7 + i for i in range(len(plan.HEADER))] + [tokens, 1 + seed % 3]
+    head[plan.HEADER.index("failed")] = seed % 2  # (a refused rank's: kept)
+    args = (idx, weights, head, experts, world, world // nodes, check_values, torch.device("cpu"))
+    with torch_ops():
+        want = counts.route_and_row(*args)
+    got = counts.route_and_row(*args)
+    for one, other in zip((*got[0].__dict__.values(), *got[1:]), (*want[0].__dict__.values(), *want[1:])):
+        assert one.dtype == other.dtype and torch.equal(one, other)
+
+
+@settings(max_examples=80, deadline=None)
+@given(items=st.integers(0, 40), dests=st.integers(1, 9), seed=st.integers(0, 10**6))
+def test_send_order_is_the_references(items, dests, seed):
+    """Items going out destination-major (``counts.send_order``): the item of
+    each send row and each item's rows, bitwise ``plan.send_positions``,
+    ``plan.items_by_row`` and ``plan.rows_by_item``."""
+    gen = torch.Generator().manual_seed(seed)
+    hit = torch.rand(items, dests, generator=gen) < torch.rand(1, generator=gen)
+    sizes = tuple(hit.sum(0).tolist())
+    with torch_ops():
+        want = counts.send_order(hit, sizes)
+    got = counts.send_order(hit, sizes)
+    for one, other in zip(got, want):
+        assert one.dtype == other.dtype and torch.equal(one, other)
+
+
+@settings(max_examples=80, deadline=None)
+@given(world=st.integers(1, 6), local=st.integers(1, 4), items=st.integers(0, 50), topk=st.integers(1, 6),
+       rank=st.integers(0, 5), bad=st.sampled_from(["none", "id", "repeat", "empty"]), spread=st.integers(1, 3),
+       seed=st.integers(0, 10**6))
+def test_expand_is_the_references(world, local, items, topk, rank, bad, spread, seed):
+    """The expansion of the items that reached this rank to canonical order
+    (``counts.expand``: the slots, each item's expanded rows, the items with a
+    slot here), items in any order of their keys, ids the route drops
+    included: bitwise its torch operations'."""
+    rank = rank % world
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    ids, _ = _bad_values(_slots(items, topk, experts, gen), torch.rand(items, topk, generator=gen), bad, gen,
+                         experts)
+    key_span = items * spread
+    order_key = torch.randperm(max(key_span, 1), generator=gen)[:items]
+    num_rows = int(plan.route_reference(ids, experts, world).counts[rank, 1:].sum())
+    here = int(((plan.route_reference(ids, experts, world).dest == rank).any(1)).sum())
+    args = (ids, order_key, max(key_span, 1), experts, world, rank, num_rows, min(topk, local), here)
+    with torch_ops():
+        want = counts.expand(*args)
+    got = counts.expand(*args)
+    for name in ("slots", "presum_index", "here"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert counts.expand(*args[:-1]).here is None
+    with pytest.raises(RuntimeError, match="disagree with the counts"):
+        compiled.expand(*args[:6], num_rows + 1, min(topk, local))
 
 
 @settings(max_examples=80, deadline=None)
@@ -58,11 +155,8 @@ def test_send_plan_is_the_references(world, local, tokens, topk, rank, weight_dt
     gathered[rank] = row
     own_groups = min(own_groups, local)  # (a G in [1, E_local], as dispatch takes it)
     gathered[rank, -1] = own_groups  # (the row's last entry: G)
-    plan_cpu.enabled = False
-    try:
+    with torch_ops():
         want = plan_graph.send_phase(route, None, gathered, rank, idx, weights, own_groups)
-    finally:
-        plan_cpu.enabled = True
     *send, summary, table = compiled.send_plan(route.dest, route.hit, gathered, rank, idx, weights,
                                                len(plan.HEADER))
     got = plan.SendPlan(*send)

@@ -101,20 +101,13 @@ class AllGatherTransport(Transport):
         idx_all = gathered[:, :topk]
         weights_all = gathered[:, topk:].contiguous().view(torch.float64)
 
-        local_expert = counts.local_experts(idx_all, self.config.num_experts, world, rank)
         items = world * block
         order_key = torch.arange(items, device=x.device)  # (source rank, token) ascending
         width = min(topk, self.num_local_experts)
-        ex = counts.expand(local_expert, order_key, items, num_rows, width)
-        hit_here = (local_expert >= 0).any(1)
-        position = torch.cumsum(hit_here, 0) - 1
-        num_recv = sum(recv_splits)
-        recv_rows = torch.empty(num_recv + 1, dtype=torch.int64, device=x.device)
-        recv_rows.scatter_(0, torch.where(hit_here, position, num_recv), order_key)
-        recv_rows = recv_rows[:num_recv]
-
-        hit = gc.route.hit
-        home_index = plan.rows_by_item(hit, plan.send_positions(hit, send_splits))
+        ex = counts.expand(idx_all, order_key, items, self.config.num_experts, world, rank, num_rows, width,
+                           items_here=sum(recv_splits))
+        recv_rows = ex.here
+        home_index = counts.send_order(gc.route.hit, send_splits)[1]
         expand_src = ex.slots // topk
         handle = AllGatherHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),

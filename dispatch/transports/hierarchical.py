@@ -154,8 +154,7 @@ class HierarchicalTransport(Transport):
         block = max(int(gc.tokens.max()), 1)
 
         # stage 1: my tokens to (node b, index l), with their routing
-        pos1 = plan.send_positions(gc.node_hit, send1)
-        send1_token = plan.items_by_row(gc.node_hit, pos1, sum(send1))
+        send1_token, home_index = counts.send_order(gc.node_hit, send1)
         meta = torch.cat(
             [
                 torch.full((num_tokens, 1), rank, dtype=torch.int64, device=device),
@@ -168,14 +167,13 @@ class HierarchicalTransport(Transport):
         held = comm.all_to_all_rows(meta.index_select(0, send1_token), send1, recv1, self.tiers.inter)
         # stage 2: held rows to the ranks of this node holding their experts
         hit2 = plan.route(held[:, 2 : 2 + topk], num_experts, world).hit[:, my_node]
-        pos2 = plan.send_positions(hit2, send2)
-        send2_row = plan.items_by_row(hit2, pos2, sum(send2))
+        send2_row, node_index = counts.send_order(hit2, send2)
         arrived = comm.all_to_all_rows(held.index_select(0, send2_row), send2, recv2, self.tiers.intra)
 
-        local_expert = counts.local_experts(arrived[:, 2 : 2 + topk], num_experts, world, rank)
         order_key = arrived[:, 0] * block + arrived[:, 1]
         width = min(topk, self.num_local_experts)
-        ex = counts.expand(local_expert, order_key, world * block, num_rows, width)
+        ex = counts.expand(arrived[:, 2 : 2 + topk], order_key, world * block, num_experts, world, rank, num_rows,
+                           width)
         expand_src = ex.slots // topk
         handle = HierarchicalHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
@@ -184,9 +182,9 @@ class HierarchicalTransport(Transport):
             send2=send2,
             recv2=recv2,
             send1_token=send1_token,
-            home_index=plan.rows_by_item(gc.node_hit, pos1),
+            home_index=home_index,
             send2_row=send2_row,
-            node_index=plan.rows_by_item(hit2, pos2),
+            node_index=node_index,
             slots=ex.slots,
             presum_index=ex.presum_index,
             self_send=sum(send1[:node]),
