@@ -488,18 +488,13 @@ def megatron_layer_vs_local(seed: int, num_experts: int, topk: int, hidden: int,
     return results
 
 
-def megatron_experts_raise(raising: int, overlap: int, seed: int = 3):
-    """A real MoELayer over the world with our dispatcher installed (``overlap``:
-    groups of experts, or False), whose experts raise on rank ``raising`` only: every rank's
-    forward raises (returned: its exception's type and message); then a forward and
-    backward of the layer on every rank, its output's sum returned, the ranks still
-    in step."""
+def _small_layer(seed: int):
+    """(a small fp32 MoELayer over the world, 2 experts a rank, filled from ``seed``; its device)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from dispatch.bench.megatron_baseline import _ensure_parallel_state
-        from dispatch.integrations.megatron import install
 
         from bench_scripts import load
 
@@ -510,7 +505,19 @@ def megatron_experts_raise(raising: int, overlap: int, seed: int = 3):
         layer = _build_layer(config, ProcessGroupCollection.use_mpu_process_groups())
     _fill(layer, rank * 2, seed)
     device = current_device()
-    layer = layer.to(device)
+    return layer.to(device), device
+
+
+def megatron_experts_raise(raising: int, overlap: int, seed: int = 3):
+    """A real MoELayer over the world with our dispatcher installed (``overlap``:
+    groups of experts, or False), whose experts raise on rank ``raising`` only: every rank's
+    forward raises (returned: its exception's type and message); then a forward and
+    backward of the layer on every rank, its output's sum returned, the ranks still
+    in step."""
+    from dispatch.integrations.megatron import install
+
+    rank = dist.get_rank()
+    layer, device = _small_layer(seed)
     install(layer, overlap=overlap, timeout=60.0)
 
     def broken(*args, **kwargs):
@@ -539,23 +546,10 @@ def megatron_users_stage(raising: int, seed: int = 5):
     raises on rank ``raising`` when told), with our dispatcher installed, then
     installed again: (its calls after one forward under each install, what the
     raising forward raised, what ``install(overlap=2)`` raised)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.process_groups_config import ProcessGroupCollection
+    from dispatch.integrations.megatron import install
 
-        from dispatch.bench.megatron_baseline import _ensure_parallel_state
-        from dispatch.integrations.megatron import install
-
-        from bench_scripts import load
-
-        world, rank = dist.get_world_size(), dist.get_rank()
-        _ensure_parallel_state(world)
-        config = load("megatron_layer").moe_config(hidden=16, ffn=32, experts=2 * world, topk=2, dtype="fp32",
-                                                   use_cpu_initialization=True, moe_token_dispatcher_type="allgather")
-        layer = _build_layer(config, ProcessGroupCollection.use_mpu_process_groups())
-    _fill(layer, rank * 2, seed)
-    device = current_device()
-    layer = layer.to(device)
+    rank = dist.get_rank()
+    layer, device = _small_layer(seed)
     calls, breaks = [0], [False]
 
     def users_stage(hidden_states, probs):
