@@ -6,10 +6,14 @@ overhead, for work that is a few loops over [T, K]. The compiled module does
 each step of one group in one call, with the same results, bitwise (integer
 tables; the sums in the same order, each product and sum rounded once):
 
+* ``route``: ``plan.route_reference``;
 * ``route_row``: ``plan_graph.route_phase_reference`` (the value checks folded in);
 * ``send_plan``: ``plan_graph.send_phase`` (the send plan, summary and receive table);
 * ``recv_plan``: ``plan.build_recv_plan_reference``;
-* ``gather_sum``: ``kernels.gather_sum.gather_sum_reference``.
+* ``gather_sum``: ``kernels.gather_sum.gather_sum_reference``;
+* for the all-gather and hierarchical variants (and ``auto``'s counts exchange):
+  ``counts_row`` (``counts.route_and_row``), ``send_order`` (``counts.send_order``)
+  and ``expand`` (``counts.expand_reference``).
 
 It is built at first use (``dispatch.build``: a C++ compiler and ninja, under a
 minute once per machine). Where it cannot be built, the torch operations run
