@@ -544,8 +544,10 @@ def megatron_users_stage(raising: int, seed: int = 5):
     """A real MoELayer whose experts stage the user set on the layer itself (a
     ``routed_experts_compute`` instance attribute that counts its calls, and
     raises on rank ``raising`` when told), with our dispatcher installed, then
-    installed again: (its calls after one forward under each install, what the
-    raising forward raised, what ``install(overlap=2)`` raised)."""
+    installed again: (its calls after one forward under each install, whether
+    the second install's guard runs the user's stage itself (not the first
+    install's guard), what the raising forward raised, what ``install(overlap=2)``
+    raised)."""
     from dispatch.integrations.megatron import install
 
     rank = dist.get_rank()
@@ -565,6 +567,7 @@ def megatron_users_stage(raising: int, seed: int = 5):
         install(layer, timeout=60.0)
         layer(x)
         seen.append(calls[0])
+    unwrapped = getattr(layer.routed_experts_compute, "guarded", None) is users_stage
     breaks[0] = True
     try:
         layer(x)
@@ -576,7 +579,23 @@ def megatron_users_stage(raising: int, seed: int = 5):
         refused = None
     except ValueError as error:
         refused = str(error)
-    return seen, raised, refused
+    return seen, unwrapped, raised, refused
+
+
+def megatron_overlap_then_plain(seed: int = 7):
+    """A real MoELayer with ``install(overlap=2)``, then a plain ``install``: (whether
+    the layer's stage is then a guard of the class's own stage, not of the overlap's
+    ``experts_by_groups``; whether the two installs' outputs are bitwise equal)."""
+    from dispatch.integrations.megatron import install
+
+    layer, device = _small_layer(seed)
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(seed + dist.get_rank())).to(device)
+    install(layer, overlap=2, timeout=60.0)
+    by_groups, _ = layer(x)
+    install(layer, timeout=60.0)
+    stage = layer.routed_experts_compute
+    plain, _ = layer(x)
+    return hasattr(stage, "guarded") and stage.guarded is None, torch.equal(by_groups, plain)
 
 
 def run_doc_snippet(snippet: str):

@@ -235,19 +235,31 @@ def test_overlap_refusals_name_the_setting(worlds, overlap, extra, words):
 
 def test_an_experts_stage_set_on_the_layer_is_kept_and_guarded(worlds):
     """A ``routed_experts_compute`` the user set on the layer itself: install runs
-    it (once a forward, installed twice), guards it (raising on one rank: its
-    peers PeerRefused at once), and install(overlap=...) refuses it by name
+    it (once a forward, installed twice; the second install's guard around the
+    user's stage, not around the first's guard), guards it (raising on one rank:
+    its peers PeerRefused at once), and install(overlap=...) refuses it by name
     rather than replace it."""
     import megatron_rank_fns
 
     results = worlds(2).run(megatron_rank_fns.megatron_users_stage, [(1,)] * 2)
-    for rank, (seen, raised, refused) in enumerate(results):
+    for rank, (seen, unwrapped, raised, refused) in enumerate(results):
         assert seen == [1, 2], (rank, seen)
+        assert unwrapped, rank
         if rank == 1:
             assert raised == ("RuntimeError", "rank 1's own stage broke"), raised
         else:
             assert raised[0] == "PeerRefused" and "rank(s) [1]" in raised[1], raised
         assert refused is not None and "routed_experts_compute set on the layer itself" in refused, refused
+
+
+def test_a_plain_install_after_an_overlapped_one_guards_the_layers_own_stage(worlds):
+    """install(overlap=2), then install(): the layer runs its own experts stage,
+    guarded, not the first dispatcher's experts by groups; its output bitwise the
+    overlapped one's."""
+    import megatron_rank_fns
+
+    for rank, (guards_own, same) in enumerate(worlds(2).run(megatron_rank_fns.megatron_overlap_then_plain, [()] * 2)):
+        assert guards_own and same, rank
 
 
 @pytest.mark.parametrize("overlap", [False, 2])
