@@ -68,7 +68,7 @@ __device__ __forceinline__ A load_one(const char* row, long long col, long long 
 // Rows [n, max_rows) of out [max_rows, H] zeroed (with their weight 0 and
 // sources -1 where the dispatch writes them), spread over the grid.
 template <bool WITH_META, typename OutT, typename WOutT>
-__device__ void zero_tail(OutT* out, int hidden, long long n, long long max_rows, WOutT* weights,
+__device__ void zero_rows(OutT* out, int hidden, long long n, long long max_rows, WOutT* weights,
                           long long* src_rank, long long* src_token) {
   if (n >= max_rows) return;
   const long long first = n * hidden, last = max_rows * hidden;
@@ -94,7 +94,10 @@ __device__ void zero_tail(OutT* out, int hidden, long long n, long long max_rows
 // apart) into this rank's copy of a region of the next epoch (seq + 1; copy 0 at
 // dst, copy_bytes apart; dst_stride bytes apart). With `signal`, the flags of
 // that epoch are raised (and seq stored) once every block's rows are visible,
-// marked failed where this rank's status is (signal_when_done).
+// marked failed where this rank's status is (signal_when_done). A rank that has
+// failed copies nothing (as its pushes write nothing): its peers take nothing
+// from it, and a peer still reading an earlier epoch of the region is not
+// overtaken by a failed rank that no longer waits.
 __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
     const char* src, long long src_stride, long long row_bytes, long long rows, unsigned long long dst,
     long long copy_bytes, long long dst_stride, unsigned* seq, int signal,
@@ -102,8 +105,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
   follow_previous();
   const unsigned epoch = load_seq(seq) + 1;
   char* base = reinterpret_cast<char*>(by_parity((long long)dst, copy_bytes, epoch));
-  copy_rows(src, src_stride, row_bytes, rows, base, dst_stride,
-            (long long)blockIdx.x * Tuning::kWarps + (threadIdx.x >> 5), (long long)gridDim.x * Tuning::kWarps);
+  if (!failed(status))
+    copy_rows(src, src_stride, row_bytes, rows, base, dst_stride,
+              (long long)blockIdx.x * Tuning::kWarps + (threadIdx.x >> 5), (long long)gridDim.x * Tuning::kWarps);
   if (signal) signal_when_done(flag_ptrs, world, me, epoch, counter, seq, status);
 }
 
@@ -131,7 +135,9 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
 // place lies in an earlier piece is copied from there, locally, instead of
 // crossing again. The whole dispatch is one piece [0, max_rows). The rows zeroed
 // are [*num_rows, tail_to): for a piece of a dispatch by groups with a row
-// budget, from the group's end (group_end) to its bound.
+// budget, from the group's end (group_end) to its bound. A wait for the peers
+// that fails (a timeout, or a peer that signalled the operation failed) zeroes
+// the rows the piece would have written, [row_lo, min(row_hi, *num_rows)), too.
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
 __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,
@@ -149,9 +155,14 @@ __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
   route_off = by_parity(route_off, route_copy, epoch);
   stage_off = by_parity(stage_off, stage_copy, epoch);
   lists_off = by_parity(lists_off, lists_copy, epoch) + (long long)me * list_stride * 4;
-  // the rows past N zeroed first: a dispatch that failed (N = 0) returns no stale rows either
-  zero_tail<FROM_ROUTE>(out, hidden, *num_rows, tail_to, out_weights, out_src_rank, out_src_token);
-  if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) return;
+  // the rows past N zeroed first: a dispatch whose counts exchange failed (N = 0) returns no stale rows either
+  const long long n_rows = *num_rows;
+  zero_rows<FROM_ROUTE>(out, hidden, n_rows, tail_to, out_weights, out_src_rank, out_src_token);
+  if (!wait_peers(flags, world, epoch, timeout_ns, status, 1)) {  // failed here: the piece's rows zeroed, not stale
+    const long long written_to = min(min(n_rows, row_hi), max_rows);
+    zero_rows<FROM_ROUTE>(out, hidden, row_lo, written_to, out_weights, out_src_rank, out_src_token);
+    return;
+  }
   long long items = 0;
   for (int s = 0; s < world; ++s) items += tokens_of[s];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -35,7 +35,8 @@ work, or a capture's; a graph's replay is ordered by its stream: ``_ordered``). 
 region written in epoch i (the counts matrix, routes, staged rows, partial
 sums, slots: two copies each, by parity) is rewritten in epoch i + 2 at the
 earliest, and a writer only gets there past epoch i + 1's wait, which its peers
-raise after their reads of epoch i: no reader is overtaken. Waits are bounded
+raise after their reads of epoch i: no reader is overtaken (a failed rank waits
+no more, so it writes nothing its peers read: its flags say it failed). Waits are bounded
 (``timeout``): a peer that never arrives, or arrives failed, leaves a status
 word naming it, which the next host read turns into a RuntimeError (the next
 dispatch's, or :meth:`Engine.check`); the engine then stays failed (every rank
@@ -61,7 +62,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, cuda, free_memory, host, plan
+from dispatch import cuda, free_memory, host, plan
 from dispatch.nvlink_layout import (_ALIGN, GROUPS_COL, SENDS_COL, STAGED_COL, TOKENS_COL, Capacity, Counts,
                                     HostCounts, WordsAt, _up, aligned_rows, counts_shared, failure_message,
                                     partial_row_bytes, scan_warps, staged_row_bytes)

@@ -1047,9 +1047,8 @@ def _a_route_only_its_receiver_refuses(bounded):
         seen.append(None)
     except RuntimeError as exc:
         seen.append(str(exc))
-    try:
+    try:  # the engine is failed for good: the next dispatch itself raises, on the host
         d.dispatch(torch.randn(6, 64, generator=gen, device=device), idx, w, max_rows=bound)
-        d.check()
         seen.append(None)
     except RuntimeError as exc:
         seen.append(str(exc))
@@ -1072,6 +1071,46 @@ def test_a_rank_that_fails_alone_mid_exchange_fails_its_peers_combine(worlds, bo
     assert "rank 1 failed" in got[0][1] and "in the combine" in got[0][1], got
     assert all(g[-1] is not None for g in got), got
 
+
+def _rows_along_a_failed_dispatch(bounded):
+    """check_inputs=False: rank 0 routes token 0 to rank 1's expert 3 twice,
+    which rank 1 alone refuses as it pulls; then both move rows along that
+    dispatch's handle (dispatch_rows), into memory that held 7s. Each rank:
+    whether those rows are all zeros, and what check() raised."""
+    from world import current_device
+
+    device, rank = current_device(), torch.distributed.get_rank()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(num_experts=4, transport="nvlink", check_inputs=False,
+                                                             timeout=20.0))
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], device=device)
+    if rank == 0:
+        idx[0] = torch.tensor([3, 3], device=device)
+    bound = 64 if bounded else None
+    out = d.dispatch(torch.randn(6, 64, device=device), idx, torch.full((6, 2), 0.5, device=device), max_rows=bound)
+    torch.cuda.synchronize()
+    junk = torch.full(out.tokens.shape, 7.0, device=device)  # the block the rows' output will take
+    del junk
+    zeros = None
+    try:
+        rows = d.dispatch_rows(torch.randn(6, 64, device=device), out.handle)
+        torch.cuda.synchronize()
+        zeros = bool((rows == 0).all())
+        d.check()
+        return zeros, None
+    except RuntimeError as exc:
+        return zeros, str(exc)
+
+
+@needs_engine
+@pytest.mark.parametrize("bounded", [True, False])
+def test_rows_moved_along_a_failed_dispatch_are_zeros(worlds, bounded):
+    """A rank failed alone (its pull refused a route) signals its next exchange
+    as failed: its peer takes nothing from it and returns zeros, not the memory
+    its output was made in; the failed rank too. Both raise at check()."""
+    got = worlds(WORLD).run(_rows_along_a_failed_dispatch, [(bounded,)] * WORLD)
+    assert "received a route no checked dispatch makes" in got[1][1], got
+    assert "rank 1 failed" in got[0][1], got
+    assert got[0][0] is True and got[1][0] is True, got
 
 def _a_failed_ranks_next_dispatch_in_a_graph():
     """check_inputs=False, a dispatch with max_rows captured in a CUDA graph (no

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dispatch import checks, cuda, free_memory, partition
+from dispatch import cuda, free_memory, partition
 from dispatch.kernels import nvshmem_puts
 from dispatch.kernels.gather_sum import gather_sum
 
