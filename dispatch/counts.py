@@ -22,7 +22,7 @@ import torch
 
 from dispatch import checks, comm, plan
 from dispatch.cost_model import RoutingStats
-from dispatch.kernels import plan_cpu
+from dispatch.kernels import plan_cpu, route_row
 
 # Larger than any row position, used to push padding to the end of a sort.
 PAD = torch.iinfo(torch.int64).max
@@ -116,15 +116,43 @@ def route_and_row(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list
     """(``plan.Route``, node_hit [T, M] bool, the row :func:`exchange` all-gathers) of
     this rank's routing; ``head``: its header entries, then T and G. With
     ``check_values``, a bad value raises the row's failed entry. On CPU one
-    compiled call (``dispatch.kernels.plan_cpu``)."""
-    num_tokens = topk_idx.shape[0]
-    layout = counts_row(world_size, num_experts // world_size, local_world_size)
+    compiled call (``dispatch.kernels.plan_cpu``), on CUDA one Triton kernel
+    (``dispatch.kernels.route_row``) and three for the node hits; elsewhere
+    :func:`route_and_row_reference`."""
+    args = (topk_idx, topk_weights, head, num_experts, world_size, local_world_size, check_values, device)
     compiled = plan_cpu.on_cpu(topk_idx)
     if compiled is not None:
         dest, hit, node_hit, row = compiled.counts_row(topk_idx, topk_weights if check_values else None, head,
                                                        num_experts, world_size, local_world_size, _FAILED)
+        layout = counts_row(world_size, num_experts // world_size, local_world_size)
         return plan.Route(dest, hit, row[: layout.header_at].view(world_size, -1)), node_hit, row
-    route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
+    if topk_idx.is_cuda and route_row.triton is not None:
+        return route_and_row_triton(*args)
+    return route_and_row_reference(*args)
+
+
+def route_and_row_triton(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,
+                         world_size: int, local_world_size: int, check_values: bool, device: torch.device):
+    """:func:`route_and_row` by ``dispatch.kernels.route_row``'s kernel (its header
+    then T placed by it, the failed entry raised by it), then the node hits and G."""
+    num_tokens = topk_idx.shape[0]
+    layout = counts_row(world_size, num_experts // world_size, local_world_size)
+    dest, hit, row = route_row.route_row_triton(
+        topk_idx, topk_weights, plan.to_device(torch.tensor(head[:-1]), device), num_experts, world_size,
+        check_values, layout.width, layout.header_at, layout.header_at + _FAILED)
+    node_hit = hit.view(num_tokens, world_size // local_world_size, local_world_size).any(2)
+    row[layout.width - layout.tail + 1 : -1] = node_hit.sum(0)  # after T, before G (the kernel's 1)
+    if head[-1] != 1:
+        row[-1:].fill_(head[-1])
+    return plan.Route(dest, hit, row[: layout.header_at].view(world_size, -1)), node_hit, row
+
+
+def route_and_row_reference(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,
+                            world_size: int, local_world_size: int, check_values: bool, device: torch.device):
+    """:func:`route_and_row` in torch operations (any device)."""
+    num_tokens = topk_idx.shape[0]
+    layout = counts_row(world_size, num_experts // world_size, local_world_size)
+    route = plan.route_reference(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     node_hit = route.hit.view(num_tokens, world_size // local_world_size, local_world_size).any(2)
     header_row = plan.to_device(torch.tensor(head), device)
     if check_values and num_tokens > 0:  # a bad value marks this rank failed in its row, on the device

@@ -332,6 +332,50 @@ def test_route_row_kernel_matches_reference(world, local, tokens, topk, idx_dtyp
 
 
 @settings(max_examples=60, deadline=None)
+@given(**ROUTE_CASES)
+def test_route_kernel_matches_reference(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values,
+                                        seed):
+    """``plan.route`` by the same kernel (its route on CUDA): bitwise
+    ``plan.route_reference``, bad ids included (empty slots there)."""
+    from dispatch import plan
+    from dispatch.kernels import route_row
+
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    idx, _ = _bad_values(_slots(tokens, topk, experts, gen), torch.rand(tokens, topk, generator=gen), bad, gen,
+                         experts)
+    idx = idx.to(idx_dtype).to(DEVICE)
+    want = plan.route_reference(idx, experts, world)
+    for got, other in zip(route_row.route_triton(idx, experts, world), (want.dest, want.hit, want.counts)):
+        assert got.dtype == other.dtype and torch.equal(got, other)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**ROUTE_CASES, nodes=st.integers(1, 3), groups=st.integers(1, 3))
+def test_counts_row_kernel_matches_reference(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values,
+                                             seed, nodes, groups):
+    """The counts exchange's route, node hits and row of the all-gather and
+    hierarchical variants (``counts.route_and_row`` on CUDA: the counts, the
+    header, T, the tokens with an expert on each node, G) by the kernel: bitwise
+    its torch operations', bad values included (with the checks, the failed
+    entry raised; a refused rank's mark kept)."""
+    from dispatch import counts, plan
+
+    world *= nodes
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    idx, weights = _bad_values(_slots(tokens, topk, experts, gen),
+                               torch.rand(tokens, topk, generator=gen, dtype=torch.float64), bad, gen, experts)
+    idx, weights = idx.to(idx_dtype).to(DEVICE), weights.to(weight_dtype).to(DEVICE)
+    head = [7 + i for i in range(len(plan.HEADER))] + [tokens, groups]
+    head[plan.HEADER.index("failed")] = seed % 2
+    args = (idx, weights, head, experts, world, world // nodes, check_values, torch.device(DEVICE))
+    want, got = counts.route_and_row_reference(*args), counts.route_and_row_triton(*args)
+    for one, other in zip((*got[0].__dict__.values(), *got[1:]), (*want[0].__dict__.values(), *want[1:])):
+        assert one.dtype == other.dtype and torch.equal(one, other)
+
+
+@settings(max_examples=60, deadline=None)
 @given(**SEND_CASES)
 def test_send_plan_kernel_matches_reference(world, local, tokens, topk, rank, weight_dtype, seed):
     """The send plan of one group in two kernels: bitwise the torch operations'
