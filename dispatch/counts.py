@@ -22,7 +22,7 @@ import torch
 
 from dispatch import checks, comm, plan
 from dispatch.cost_model import RoutingStats
-from dispatch.kernels import plan_cpu, route_row
+from dispatch.kernels import expand_plan, plan_cpu, route_row
 
 # Larger than any row position, used to push padding to the end of a sort.
 PAD = torch.iinfo(torch.int64).max
@@ -203,6 +203,10 @@ def expand(ids: torch.Tensor, order_key: torch.Tensor, key_span: int, num_expert
         slots, presum_index, here = compiled.expand(ids, order_key, key_span, num_experts, world_size, rank, num_rows,
                                                     width)
         return Expansion(slots, presum_index, None if items_here is None else here)
+    if ids.is_cuda and expand_plan.triton is not None:
+        slots, presum_index, hit_here = expand_plan.expand_triton(ids, order_key, key_span, num_experts, world_size,
+                                                                  rank, num_rows, width)
+        return Expansion(slots, presum_index, None if items_here is None else _listed(hit_here, items_here))
     return expand_reference(ids, order_key, key_span, num_experts, world_size, rank, num_rows, width, items_here)
 
 
@@ -223,14 +227,17 @@ def expand_reference(ids, order_key, key_span, num_experts, world_size, rank, nu
     presum = torch.full((items + 1, max(width, 1)), -1, dtype=torch.int64, device=device)
     item = torch.arange(items, device=device).unsqueeze(1).expand(items, topk)
     presum.index_put_((torch.where(mine, item, items), col), row_of_slot.view(items, topk))
-    here = None
-    if items_here is not None:  # placed by their rank among the items here: no host read
-        hit_here = mine.any(1)
-        here = torch.empty(items_here + 1, dtype=torch.int64, device=device)
-        here.scatter_(0, torch.where(hit_here, torch.cumsum(hit_here, 0) - 1, items_here),
-                      torch.arange(items, device=device))
-        here = here[:items_here]
+    here = None if items_here is None else _listed(mine.any(1), items_here)
     return Expansion(slots=slots, presum_index=presum[:items, :width], here=here)
+
+
+def _listed(hit_here: torch.Tensor, items_here: int) -> torch.Tensor:
+    """[R] int64 the items with a row here (``hit_here`` [I] bool or 0/1), ascending,
+    each placed by its rank among them: no host read (R = ``items_here``, host)."""
+    here = torch.empty(items_here + 1, dtype=torch.int64, device=hit_here.device)
+    here.scatter_(0, torch.where(hit_here != 0, torch.cumsum(hit_here, 0) - 1, items_here),
+                  torch.arange(hit_here.shape[0], device=hit_here.device))
+    return here[:items_here]
 
 
 def local_experts(topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int) -> torch.Tensor:

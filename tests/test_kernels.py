@@ -376,6 +376,38 @@ def test_counts_row_kernel_matches_reference(world, local, tokens, topk, idx_dty
 
 
 @settings(max_examples=60, deadline=None)
+@given(world=st.integers(1, 6), local=st.integers(1, 4), items=st.integers(0, 50), topk=st.integers(1, 6),
+       rank=st.integers(0, 5), bad=st.sampled_from(["none", "id", "repeat", "empty"]), spread=st.integers(1, 3),
+       strided=st.booleans(), seed=st.integers(0, 10**6))
+def test_expand_kernels_match_reference(world, local, items, topk, rank, bad, spread, strided, seed):
+    """The expansion to canonical order (``counts.expand`` on CUDA: the slots,
+    each item's expanded rows, the items with a row here) by its kernels and a
+    sort: bitwise ``counts.expand_reference``, items in any order of their keys,
+    ids the route drops included, ids read in place from a wider row."""
+    from dispatch import counts, plan
+    from dispatch.kernels import expand_plan
+
+    rank = rank % world
+    experts = world * local
+    gen = torch.Generator().manual_seed(seed)
+    ids, _ = _bad_values(_slots(items, topk, experts, gen), torch.rand(items, topk, generator=gen), bad, gen,
+                         experts)
+    route = plan.route_reference(ids, experts, world)
+    num_rows, here = int(route.counts[rank, 1:].sum()), int((route.dest == rank).any(1).sum())
+    if strided:  # the all-gather variant's ids: the first K columns of [I, 2K]
+        ids = torch.cat([ids, torch.full_like(ids, 5)], dim=1)[:, :topk]
+    key_span = max(items * spread, 1)
+    order_key = torch.randperm(key_span, generator=gen)[:items]
+    ids, order_key = ids.to(DEVICE), order_key.to(DEVICE)
+    width = min(topk, local)
+    want = counts.expand_reference(ids, order_key, key_span, experts, world, rank, num_rows, width, here)
+    slots, presum, hit_here = expand_plan.expand_triton(ids, order_key, key_span, experts, world, rank, num_rows,
+                                                        width)
+    for got, other in ((slots, want.slots), (presum, want.presum_index), (counts._listed(hit_here, here), want.here)):
+        assert got.dtype == other.dtype and torch.equal(got, other)
+
+
+@settings(max_examples=60, deadline=None)
 @given(**SEND_CASES)
 def test_send_plan_kernel_matches_reference(world, local, tokens, topk, rank, weight_dtype, seed):
     """The send plan of one group in two kernels: bitwise the torch operations'
