@@ -8,16 +8,15 @@ name holds the source's digest, so that two trees load theirs side by side.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import sys
-import time
 
 import torch
 
 from dispatch.cuda import csrc_dir
-
-STALE_LOCK = 600  # seconds after which a build's lock is taken for one left by a build that died
 
 
 def load(source: str, prefix: str, include: tuple[str, ...] = (), cflags: tuple[str, ...] = ("-O2",)) -> tuple:
@@ -27,10 +26,26 @@ def load(source: str, prefix: str, include: tuple[str, ...] = (), cflags: tuple[
     path = csrc_dir() / source
     name, folder = _where(source, prefix)
     try:
-        return cpp_extension.load(name, [str(path)], extra_include_paths=list(include), extra_cflags=list(cflags),
-                                  build_directory=folder, verbose=False), None
+        with building(folder):
+            return cpp_extension.load(name, [str(path)], extra_include_paths=list(include),
+                                      extra_cflags=list(cflags), build_directory=folder, verbose=False), None
     except Exception as error:  # no compiler or ninja
         return None, f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+
+
+@contextlib.contextmanager
+def building(folder: str):
+    """This process alone builds or loads in ``folder`` (processes of one machine
+    take turns): an exclusive ``flock`` on a file of the folder, which the
+    system releases when its holder exits, however it ends. Holding it, a lock
+    torch's build left in the folder (``lock``, on which torch would wait for
+    ever) is from a build that died (killed mid-build), since every build holds
+    this one around torch's: it is removed."""
+    with open(os.path.join(folder, "dispatch.lock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # (released with the file, or by the system if this process dies)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "lock"))
+        yield
 
 
 def cached(source: str, prefix: str) -> bool:
@@ -49,17 +64,8 @@ def _where(source: str, prefix: str) -> tuple[str, str]:
 
 def build_folder(default_root: str, name: str) -> str:
     """Where the module ``name`` is built and kept: one folder per name, Python
-    and torch (under $TORCH_EXTENSIONS_DIR, else torch's default), made if need be. A lock left
-    there by a build that died (killed mid-build) would make every later build
-    wait for ever: one older than ``STALE_LOCK`` seconds is removed (a build
-    takes under a minute)."""
+    and torch (under $TORCH_EXTENSIONS_DIR, else torch's default), made if need be."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
     folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or default_root, f"{name}-{version}")
     os.makedirs(folder, exist_ok=True)
-    lock = os.path.join(folder, "lock")
-    try:
-        if time.time() - os.path.getmtime(lock) > STALE_LOCK:
-            os.remove(lock)
-    except OSError:  # no lock (the usual case), or another process removed it first
-        pass
     return folder

@@ -20,7 +20,7 @@ import struct
 import pytest
 import torch
 
-from dispatch import build, cuda, host, plan
+from dispatch import cuda, host, plan
 from dispatch.codec import to_experts_codec
 from dispatch.nvlink import HostCounts, SENDS_COL, Capacity, Engine
 
@@ -499,26 +499,6 @@ def test_operations_follow_their_kind_across_streams_and_captures(monkeypatch):
     assert operation(2, capture=7) == [(102, 1)]  # the capture's own latest, on another stream
     assert operation(1, capture=8) == []  # another capture's: not waited for
     assert engine.operations == 6 and engine._captured
-
-
-def test_a_lock_left_by_a_build_that_died_is_removed(tmp_path, monkeypatch):
-    """A build killed mid-way leaves its lock; every later build would wait on it
-    for ever. The build folder removes one older than ``STALE_LOCK``, and keeps
-    a fresh one (a build under way in another process)."""
-    import os
-    import time
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    folder = build.build_folder("/nowhere", "dispatch_host_test")
-    assert folder.startswith(str(tmp_path)) and os.path.isdir(folder)
-    lock = os.path.join(folder, "lock")
-    open(lock, "w").close()
-    build.build_folder("/nowhere", "dispatch_host_test")
-    assert os.path.exists(lock)  # fresh: another build holds it
-    old = time.time() - build.STALE_LOCK - 60
-    os.utime(lock, (old, old))
-    build.build_folder("/nowhere", "dispatch_host_test")
-    assert not os.path.exists(lock)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
