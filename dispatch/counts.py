@@ -22,7 +22,7 @@ import torch
 
 from dispatch import checks, comm, plan
 from dispatch.cost_model import RoutingStats
-from dispatch.kernels import expand_plan, plan_cpu, route_row
+from dispatch.kernels import plan_cpu
 
 # Larger than any row position, used to push padding to the end of a sort.
 PAD = torch.iinfo(torch.int64).max
@@ -116,43 +116,15 @@ def route_and_row(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list
     """(``plan.Route``, node_hit [T, M] bool, the row :func:`exchange` all-gathers) of
     this rank's routing; ``head``: its header entries, then T and G. With
     ``check_values``, a bad value raises the row's failed entry. On CPU one
-    compiled call (``dispatch.kernels.plan_cpu``), on CUDA one Triton kernel
-    (``dispatch.kernels.route_row``) and three for the node hits; elsewhere
-    :func:`route_and_row_reference`."""
-    args = (topk_idx, topk_weights, head, num_experts, world_size, local_world_size, check_values, device)
+    compiled call (``dispatch.kernels.plan_cpu``)."""
+    num_tokens = topk_idx.shape[0]
+    layout = counts_row(world_size, num_experts // world_size, local_world_size)
     compiled = plan_cpu.on_cpu(topk_idx)
     if compiled is not None:
         dest, hit, node_hit, row = compiled.counts_row(topk_idx, topk_weights if check_values else None, head,
                                                        num_experts, world_size, local_world_size, _FAILED)
-        layout = counts_row(world_size, num_experts // world_size, local_world_size)
         return plan.Route(dest, hit, row[: layout.header_at].view(world_size, -1)), node_hit, row
-    if topk_idx.is_cuda and route_row.triton is not None:
-        return route_and_row_triton(*args)
-    return route_and_row_reference(*args)
-
-
-def route_and_row_triton(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,
-                         world_size: int, local_world_size: int, check_values: bool, device: torch.device):
-    """:func:`route_and_row` by ``dispatch.kernels.route_row``'s kernel (its header
-    then T placed by it, the failed entry raised by it), then the node hits and G."""
-    num_tokens = topk_idx.shape[0]
-    layout = counts_row(world_size, num_experts // world_size, local_world_size)
-    dest, hit, row = route_row.route_row_triton(
-        topk_idx, topk_weights, plan.to_device(torch.tensor(head[:-1]), device), num_experts, world_size,
-        check_values, layout.width, layout.header_at, layout.header_at + _FAILED)
-    node_hit = hit.view(num_tokens, world_size // local_world_size, local_world_size).any(2)
-    row[layout.width - layout.tail + 1 : -1] = node_hit.sum(0)  # after T, before G (the kernel's 1)
-    if head[-1] != 1:
-        row[-1:].fill_(head[-1])
-    return plan.Route(dest, hit, row[: layout.header_at].view(world_size, -1)), node_hit, row
-
-
-def route_and_row_reference(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,
-                            world_size: int, local_world_size: int, check_values: bool, device: torch.device):
-    """:func:`route_and_row` in torch operations (any device)."""
-    num_tokens = topk_idx.shape[0]
-    layout = counts_row(world_size, num_experts // world_size, local_world_size)
-    route = plan.route_reference(topk_idx, num_experts, world_size)  # bad ids are empty slots there
+    route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     node_hit = route.hit.view(num_tokens, world_size // local_world_size, local_world_size).any(2)
     header_row = plan.to_device(torch.tensor(head), device)
     if check_values and num_tokens > 0:  # a bad value marks this rank failed in its row, on the device
@@ -203,10 +175,6 @@ def expand(ids: torch.Tensor, order_key: torch.Tensor, key_span: int, num_expert
         slots, presum_index, here = compiled.expand(ids, order_key, key_span, num_experts, world_size, rank, num_rows,
                                                     width)
         return Expansion(slots, presum_index, None if items_here is None else here)
-    if ids.is_cuda and expand_plan.triton is not None:
-        slots, presum_index, hit_here = expand_plan.expand_triton(ids, order_key, key_span, num_experts, world_size,
-                                                                  rank, num_rows, width)
-        return Expansion(slots, presum_index, None if items_here is None else _listed(hit_here, items_here))
     return expand_reference(ids, order_key, key_span, num_experts, world_size, rank, num_rows, width, items_here)
 
 
@@ -227,17 +195,14 @@ def expand_reference(ids, order_key, key_span, num_experts, world_size, rank, nu
     presum = torch.full((items + 1, max(width, 1)), -1, dtype=torch.int64, device=device)
     item = torch.arange(items, device=device).unsqueeze(1).expand(items, topk)
     presum.index_put_((torch.where(mine, item, items), col), row_of_slot.view(items, topk))
-    here = None if items_here is None else _listed(mine.any(1), items_here)
+    here = None
+    if items_here is not None:  # placed by their rank among the items here: no host read
+        hit_here = mine.any(1)
+        here = torch.empty(items_here + 1, dtype=torch.int64, device=device)
+        here.scatter_(0, torch.where(hit_here, torch.cumsum(hit_here, 0) - 1, items_here),
+                      torch.arange(items, device=device))
+        here = here[:items_here]
     return Expansion(slots=slots, presum_index=presum[:items, :width], here=here)
-
-
-def _listed(hit_here: torch.Tensor, items_here: int) -> torch.Tensor:
-    """[R] int64 the items with a row here (``hit_here`` [I] bool or 0/1), ascending,
-    each placed by its rank among them: no host read (R = ``items_here``, host)."""
-    here = torch.empty(items_here + 1, dtype=torch.int64, device=hit_here.device)
-    here.scatter_(0, torch.where(hit_here != 0, torch.cumsum(hit_here, 0) - 1, items_here),
-                  torch.arange(hit_here.shape[0], device=hit_here.device))
-    return here[:items_here]
 
 
 def local_experts(topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int) -> torch.Tensor:

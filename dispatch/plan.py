@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dispatch.kernels import plan_cpu, recv_plan, route_row
+from dispatch.kernels import plan_cpu, recv_plan
 
 # Larger than any row position, used to push padding to the end of a sort.
 _PAD = torch.iinfo(torch.int64).max
@@ -69,19 +69,18 @@ class Route:
 
 def route(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> Route:
     """Destination ranks and per-destination counts of one rank's routing (on CPU
-    compiled, ``dispatch.kernels.plan_cpu``; on CUDA one Triton kernel,
-    ``dispatch.kernels.route_row``; elsewhere :func:`route_reference`).
+    compiled: ``dispatch.kernels.plan_cpu``; elsewhere :func:`route_reference`).
 
     Args:
         topk_idx: [T, K] int32/int64 global expert ids, ``-1`` = empty slot. Ids
             outside ``[0, E)`` and repeats within a row are treated as empty (the
             value checks reject them; with the checks off they are dropped).
-        num_experts, world_size: E, W.
+        num_experts: E.
+        world_size: W.
     """
-    if (compiled := plan_cpu.on_cpu(topk_idx)) is not None:
+    compiled = plan_cpu.on_cpu(topk_idx)
+    if compiled is not None:
         return Route(*compiled.route(topk_idx, num_experts, world_size))
-    if topk_idx.is_cuda and route_row.triton is not None:
-        return Route(*route_row.route_triton(topk_idx, num_experts, world_size))
     return route_reference(topk_idx, num_experts, world_size)
 
 

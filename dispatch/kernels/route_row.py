@@ -107,13 +107,3 @@ def route_row_triton(topk_idx: torch.Tensor, topk_weights: torch.Tensor, header_
             world_size, failed_at, CHECK=check_values, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_W=block_w,
         )
     return dest, hit.view(torch.bool), row
-
-
-def route_triton(topk_idx: torch.Tensor, num_experts: int, world_size: int):
-    """``plan.route``'s (dest, hit, counts) in the same kernel: the counts row
-    without a header (the value checks off: the weights are not read)."""
-    local = num_experts // world_size
-    at = world_size * (1 + local)
-    dest, hit, row = route_row_triton(topk_idx, topk_idx, topk_idx.new_empty(0, dtype=torch.int64), num_experts,
-                                      world_size, False, at + 1, at, at)
-    return dest, hit, row[:at].view(world_size, 1 + local)
