@@ -258,11 +258,8 @@ class _MicroBatchesFn(torch.autograd.Function):
         with at_priority(d, layer.comm_priority):
             brings = []
             for i, handle in enumerate(handles):  # every micro-batch's output gradient to its experts, at once
-                grad = grad_outs[i]
-                if grad is None:  # (an output the loss did not use)
-                    grad = torch.zeros(handle.num_tokens, ctx.ys[i].shape[1], dtype=ctx.ys[i].dtype,
-                                       device=handle.device)
-                brings.append(d.dispatch_rows(grad.contiguous(), handle, wire=config.combine_grad_wire,
+                # (autograd gives an output the loss did not use zeros: its gradients are materialized)
+                brings.append(d.dispatch_rows(grad_outs[i].contiguous(), handle, wire=config.combine_grad_wire,
                                               async_op=True))
             to_x = [d.combine_groups(h, dtype=ctx.x_dtypes[i], wire=config.dispatch_grad_wire) if h.x_grad_any
                     else None for i, h in enumerate(handles)]

@@ -104,6 +104,33 @@ def test_parameters_autograd_hands_one_gradient_are_summed_apart(worlds):
     assert worlds(2).run(micro_batches_against_one_by_one, args) == [[], []]
 
 
+def an_output_the_loss_does_not_use(xs, idx, ws, grads, num_experts: int):
+    """The micro-batches' backward where the loss uses the first output only, and
+    where it uses the others times zero: whether every gradient (x's, the
+    routing weights', the parameters') is bitwise the same."""
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=num_experts))
+    xs, idx, ws, grads = ([t.to(device) for t in ts] for ts in (xs, idx, ws, grads))
+    got = []
+    for zeros in (False, True):
+        experts = pipeline_fns.make_experts("relu", d.num_local_experts, HIDDEN, xs[0].dtype, seed=3)
+        leaves = [x.clone().requires_grad_() for x in xs]
+        weights = [w.clone().requires_grad_() for w in ws]
+        outs = dispatch.MoEMicroBatches(d, experts)(leaves, idx, weights)
+        loss = (outs[0] * grads[0]).sum() + (sum((out * 0).sum() for out in outs[1:]) if zeros else 0)
+        loss.backward()
+        got.append([_cpu(t.grad) for t in leaves + weights] + [_cpu(p.grad) for p in experts.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_an_output_the_loss_does_not_use_has_zero_gradients(worlds):
+    """Micro-batches whose outputs the loss does not use: autograd hands their
+    backward zeros, as if the loss used them times zero."""
+    routings = [make_routing(2, 4, 2, t, "random", seed=30 + s) for s, t in enumerate([[6, 5], [4, 7], [3, 2]])]
+    args = [a[:5] for a in _dyadic_args(routings, 2)]
+    assert worlds(2).run(an_output_the_loss_does_not_use, args) == [True, True]
+
+
 @pytest.mark.parametrize("first_empty", [False, True])
 @pytest.mark.parametrize("layer_kind", ["micro-batches", "groups 1", "groups 2"])
 def test_experts_reaching_parameters_they_do_not_register_are_refused(worlds, layer_kind, first_empty):
