@@ -107,7 +107,7 @@
 #             slowed exchange), and the ranks as 2 nodes (hierarchical tiers, bytes per tier); then
 #             the CPU studies: bench/convergence.py (the wires trained, classify and regress, on two
 #             GPUs where there are two; regress within 5%, its loss driven towards zero),
-#             bench/group_dedup.py, bench/host_calls.py (this tree alone)
+#             bench/group_dedup.py, bench/host_calls.py (this tree alone; then --cuda, on GPU 0)
 # Usage: before sending the tree, record what it is (the device's copy has no
 # reliable git history): git describe --always --dirty > .dispatch-commit
 # (git-ignored; carry it), then on the device machine, from the repository root:
@@ -354,7 +354,9 @@ for part in "$@"; do
       step 90 convergence-regress python3 bench/convergence.py --wires bf16,fp8,native --steps 400 --task regress \
         --tolerance 0.05 --out "$RES"
       step 30 group-dedup python3 bench/group_dedup.py --out "$RES"
-      step 150 host-calls python3 bench/host_calls.py --out "$RES/host-calls.txt" ;;
+      step 150 host-calls python3 bench/host_calls.py --out "$RES/host-calls.txt"
+      # the same on the GPU (a one-rank NCCL world), with the functions that take the time
+      step 400 host-calls-cuda python3 bench/host_calls.py --cuda --top 14 --trips 50 --out "$RES/host-calls-cuda.txt" ;;
     *)
       echo "unknown part $part" | tee -a "$LOG"; status=2 ;;
   esac

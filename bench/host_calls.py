@@ -83,7 +83,7 @@ def _measure(tree: str, variant: str, shape: str, trips: int, on_cuda: bool = Fa
     ours = sorted(((key, value) for key, value in stats.stats.items() if key[0].startswith(tree + os.sep)),
                   key=lambda item: -item[1][3])[:top]
     return {"calls": stats.total_calls, "us": statistics.median(times) * 1e6,
-            "compiled": plan_cpu is not None and plan_cpu.module() is not None,
+            "compiled": None if on_cuda else plan_cpu is not None and plan_cpu.module() is not None,  # (no build)
             "top": _lines(own, tree) + ["the tree's functions with the most time in all"] + _lines(ours, tree)}
 
 
