@@ -10,7 +10,8 @@ dispatch's weights, grad mode on) after 20 to warm up, the best round's.
 ``--cuda``: a one-rank NCCL world on GPU 0 instead (each round trip's time up to
 its synchronize: on one GPU, where the GPU's work is small, its host cost).
 ``--top N``: the N functions of the profiled round trip with the most own time,
-per variant (this tree's, the last round's).
+then the N of the tree's with the most time in all, per variant (this tree's,
+the last round's).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _measure(tree: str, variant: str, shape: str, trips: int, on_cuda: bool = Fa
                   key=lambda item: -item[1][3])[:top]
     return {"calls": stats.total_calls, "us": statistics.median(times) * 1e6,
             "compiled": None if on_cuda else plan_cpu is not None and plan_cpu.module() is not None,  # (no build)
-            "top": _lines(own, tree) + ["the tree's functions with the most time in all"] + _lines(ours, tree)}
+            "top": _lines(own, tree) + ["the tree's functions with the most time in all"] + _lines(ours, tree)
+            if top else []}
 
 
 def _lines(entries, tree: str) -> list[str]:

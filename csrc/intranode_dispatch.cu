@@ -65,13 +65,13 @@ __device__ __forceinline__ A load_one(const char* row, long long col, long long 
   }
 }
 
-// Rows [n, max_rows) of out [max_rows, H] zeroed (with their weight 0 and
-// sources -1 where the dispatch writes them), spread over the grid.
+// Rows [lo, hi) of out [max_rows, H] zeroed (with their weight 0 and sources -1
+// where the dispatch writes them), spread over the grid.
 template <bool WITH_META, typename OutT, typename WOutT>
-__device__ void zero_rows(OutT* out, int hidden, long long n, long long max_rows, WOutT* weights,
-                          long long* src_rank, long long* src_token) {
-  if (n >= max_rows) return;
-  const long long first = n * hidden, last = max_rows * hidden;
+__device__ void zero_rows(OutT* out, int hidden, long long lo, long long hi, WOutT* weights, long long* src_rank,
+                          long long* src_token) {
+  if (lo >= hi) return;
+  const long long first = lo * hidden, last = hi * hidden;
   const long long threads = (long long)gridDim.x * blockDim.x;
   const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   constexpr long long kPer = 16 / sizeof(OutT);  // elements of a 16-byte word
@@ -82,7 +82,7 @@ __device__ void zero_rows(OutT* out, int hidden, long long n, long long max_rows
     for (long long i = first + tid; i < last; i += threads) out[i] = OutT(0.0f);
   }
   if constexpr (WITH_META) {
-    for (long long r = n + tid; r < max_rows; r += threads) {
+    for (long long r = lo + tid; r < hi; r += threads) {
       weights[r] = WOutT(0.0f);
       src_rank[r] = -1;
       src_token[r] = -1;
@@ -135,9 +135,11 @@ __global__ void __launch_bounds__(Tuning::kThreads) stage_rows(
 // place lies in an earlier piece is copied from there, locally, instead of
 // crossing again. The whole dispatch is one piece [0, max_rows). The rows zeroed
 // are [*num_rows, tail_to): for a piece of a dispatch by groups with a row
-// budget, from the group's end (group_end) to its bound. A wait for the peers
-// that fails (a timeout, or a peer that signalled the operation failed) zeroes
-// the rows the piece would have written, [row_lo, min(row_hi, *num_rows)), too.
+// budget, from the group's end (group_end) to its bound. A block whose wait for
+// the peers fails (a timeout, or a peer that signalled the operation failed)
+// zeroes its share of the rows the piece would have written, [row_lo,
+// min(row_hi, *num_rows)), too: best effort (blocks past the wait before the
+// failure was recorded still write theirs), the status saying it failed.
 template <typename WireT, int FP8, typename OutT, typename A, bool FROM_ROUTE, typename WOutT>
 __global__ void __launch_bounds__(Tuning::kThreads) pull_rows(
     const unsigned long long* data_ptrs, long long route_off, long long route_copy, long long stage_off,

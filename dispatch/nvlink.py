@@ -1,9 +1,8 @@
 """The NVLink engine's host side: symmetric buffers, epochs, and the launches of
 its kernels (``csrc/``) for one dispatcher's group, every rank on one host.
 
-Notation: W ranks, E experts (E_local per rank), T tokens of a rank (T_max the
-largest of the group), K slots per token, J = min(K, E_local), H hidden size,
-N rows handed to this rank's experts.
+Notation: W ranks, E experts (E_local per rank), T tokens of a rank (T_max the largest
+of the group), K slots per token, J = min(K, E_local), H hidden size, N rows to its experts.
 
 Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
 
@@ -18,8 +17,7 @@ Two symmetric allocations per engine (``torch.distributed._symmetric_memory``):
   [T_max, K] (16-byte ``Slot``), the lists [W, T_max] int32 (the tokens each
   destination rank gets, ascending: a receiver walks only its own), the slots
   [T_max, K] (8 bytes), the staged rows [T_max, B] (B: wire bytes of a row,
-  16-aligned) and the partial sums [W, T_max, P] (P: wire bytes of a partial
-  row).
+  16-aligned) and the partial sums [W, T_max, P] (P: wire bytes of a partial row).
 
 Every operation (a counts exchange with the rows staged beside it, a rows
 exchange, a combine, a slots exchange) takes the next epoch; a combine by groups
@@ -35,8 +33,10 @@ work, or a capture's; a graph's replay is ordered by its stream: ``_ordered``). 
 region written in epoch i (the counts matrix, routes, staged rows, partial
 sums, slots: two copies each, by parity) is rewritten in epoch i + 2 at the
 earliest, and a writer only gets there past epoch i + 1's wait, which its peers
-raise after their reads of epoch i: no reader is overtaken (a failed rank waits
-no more, so it writes nothing its peers read: its flags say it failed). Waits are bounded
+raise after their reads of epoch i: no reader is overtaken, but by a failed
+rank, which waits no more (it stages and pushes no rows; its counts exchange
+still writes its routes and rows staged with them): a peer it overtakes reads
+its flags marked failed at its next wait, which says so. Waits are bounded
 (``timeout``): a peer that never arrives, or arrives failed, leaves a status
 word naming it, which the next host read turns into a RuntimeError (the next
 dispatch's, or :meth:`Engine.check`); the engine then stays failed (every rank

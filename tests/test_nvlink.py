@@ -1087,12 +1087,13 @@ def _rows_along_a_failed_dispatch(bounded):
         idx[0] = torch.tensor([3, 3], device=device)
     bound = 64 if bounded else None
     out = d.dispatch(torch.randn(6, 64, device=device), idx, torch.full((6, 2), 0.5, device=device), max_rows=bound)
+    moved = torch.randn(6, 64, device=device)
     torch.cuda.synchronize()
     junk = torch.full(out.tokens.shape, 7.0, device=device)  # the block the rows' output will take
     del junk
     zeros = None
     try:
-        rows = d.dispatch_rows(torch.randn(6, 64, device=device), out.handle)
+        rows = d.dispatch_rows(moved, out.handle)
         torch.cuda.synchronize()
         zeros = bool((rows == 0).all())
         d.check()
@@ -1111,6 +1112,7 @@ def test_rows_moved_along_a_failed_dispatch_are_zeros(worlds, bounded):
     assert "received a route no checked dispatch makes" in got[1][1], got
     assert "rank 1 failed" in got[0][1], got
     assert got[0][0] is True and got[1][0] is True, got
+
 
 def _a_failed_ranks_next_dispatch_in_a_graph():
     """check_inputs=False, a dispatch with max_rows captured in a CUDA graph (no
