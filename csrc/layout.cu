@@ -279,6 +279,10 @@ __device__ __noinline__ void scan_chunk(const IdxT* topk_idx, int tokens, int to
 //     next epoch's copy of the data buffer's stage region (copy 0 at stage_dst,
 //     stage_copy bytes apart; dst_stride bytes apart), where the peers pull them:
 //     the copy runs beside the layout instead of after it.
+// Where this rank has failed (status), nothing the peers read is written (no
+// shared route, lists or staged rows): it waits for no peer any more, so it
+// must not overtake one still reading an earlier epoch of those regions (the
+// counts exchange after it raises its flags, marked failed: no peer reads them).
 // Blocks [0, chunks) place the slots and list the tokens, a chunk of tokens
 // each (scan_chunk: scan_warps warps of kScanTiles tiles; scan_state [1 +
 // chunks] zeroed by the caller, scan_sums [2 chunks (E + W)]; dynamic shared
@@ -299,26 +303,28 @@ __global__ void __launch_bounds__(Tuning::kThreads, 4) route_layout(const IdxT* 
                                                                  const char* stage_src, long long src_stride,
                                                                  long long row_bytes, unsigned long long stage_dst,
                                                                  long long stage_copy, long long dst_stride,
-                                                                 int stage_blocks) {
+                                                                 int stage_blocks, const int* status) {
   follow_previous();
-  Slot* shared = shared_route == 0 ? nullptr
-                                   : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes,
-                                                                       load_seq(seq) + 1));
+  const bool stopped = engine::failed(status);  // (this rank's own: its earlier kernels are done)
+  Slot* shared = shared_route == 0 || stopped
+                     ? nullptr
+                     : reinterpret_cast<Slot*>(by_parity((long long)shared_route, copy_bytes, load_seq(seq) + 1));
   const int first_stage = (int)gridDim.x - stage_blocks;
   if ((int)blockIdx.x >= first_stage) {  // this rank's rows staged for the peers, beside the layout
     char* dst = reinterpret_cast<char*>(by_parity((long long)stage_dst, stage_copy, load_seq(seq) + 1));
-    copy_rows(stage_src, src_stride, row_bytes, tokens, dst, dst_stride,
-              (long long)(blockIdx.x - first_stage) * Tuning::kWarps + (threadIdx.x >> 5),
-              (long long)stage_blocks * Tuning::kWarps);
+    if (!stopped)
+      copy_rows(stage_src, src_stride, row_bytes, tokens, dst, dst_stride,
+                (long long)(blockIdx.x - first_stage) * Tuning::kWarps + (threadIdx.x >> 5),
+                (long long)stage_blocks * Tuning::kWarps);
     return;
   }
   int width = 1;
   while (width < topk) width <<= 1;
   const int world = experts / experts_per_rank;
   if ((int)blockIdx.x < chunks) {
-    int* peer_lists = shared_lists == 0 ? nullptr
-                                        : reinterpret_cast<int*>(by_parity((long long)shared_lists, lists_copy,
-                                                                           load_seq(seq) + 1));
+    int* peer_lists = shared_lists == 0 || stopped
+                          ? nullptr
+                          : reinterpret_cast<int*>(by_parity((long long)shared_lists, lists_copy, load_seq(seq) + 1));
     scan_chunk(topk_idx, tokens, topk, width, experts, experts_per_rank, world, scan_warps, chunks, scan_state,
                scan_sums, route, shared, counts, sends, lists, peer_lists, list_stride);
     return;

@@ -33,14 +33,12 @@ work, or a capture's; a graph's replay is ordered by its stream: ``_ordered``). 
 region written in epoch i (the counts matrix, routes, staged rows, partial
 sums, slots: two copies each, by parity) is rewritten in epoch i + 2 at the
 earliest, and a writer only gets there past epoch i + 1's wait, which its peers
-raise after their reads of epoch i: no reader is overtaken, but by a failed
-rank, which waits no more (it stages and pushes no rows; its counts exchange
-still writes its routes and rows staged with them): a peer it overtakes reads
-its flags marked failed at its next wait, which says so. Waits are bounded
-(``timeout``): a peer that never arrives, or arrives failed, leaves a status
-word naming it, which the next host read turns into a RuntimeError (the next
-dispatch's, or :meth:`Engine.check`); the engine then stays failed (every rank
-must build its dispatchers again).
+raise after their reads of epoch i: no reader is overtaken (a failed rank, which
+waits no more, writes nothing its peers read but its flags, marked failed). Waits
+are bounded (``timeout``): a peer that never arrives, or arrives failed, leaves a
+status word naming it, which the next host read turns into a RuntimeError (the
+next dispatch's, or :meth:`Engine.check`); the engine then stays failed (every
+rank must build its dispatchers again).
 
 A dispatch with a row budget (``max_rows``) reads nothing on the host: its
 output has ``max_rows`` rows (those past the N received zeroed), and the
@@ -503,6 +501,7 @@ class Engine(EngineMoves):
                 stage_copy=stage_copy,
                 dst_stride=stage_row,
                 stage_blocks=stage_blocks,
+                status=self.status,
             )
             layout = _Bound(launch, chunks + -(-tokens // (cuda.THREADS // lanes)) + stage_blocks,
                             4 * self._scan_warps * (self.num_experts + self.world))

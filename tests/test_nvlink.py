@@ -1118,7 +1118,9 @@ def _a_failed_ranks_next_dispatch_in_a_graph():
     """check_inputs=False, a dispatch with max_rows captured in a CUDA graph (no
     host between replays): a good replay, then one where rank 0 routes token 0 to
     rank 1's expert 3 twice (rank 1 alone fails, in its pull), then a good one
-    again. Each rank: what check() raised, and the seconds the last replay took."""
+    again, of new rows. Each rank: what check() raised, the seconds the last
+    replay took, and whether it left the rank's data buffer (its routes, lists
+    and staged rows, where its peers read them) as it was."""
     import time
 
     from world import current_device
@@ -1141,16 +1143,20 @@ def _a_failed_ranks_next_dispatch_in_a_graph():
         idx[0] = torch.tensor([3, 3], device=device)
     graph.replay()
     idx.copy_(good)
+    x.copy_(torch.randn_like(x))
+    data = d.transport.engine._data
     torch.cuda.synchronize()
+    before = data.clone()
     start = time.monotonic()
     graph.replay()
     torch.cuda.synchronize()
     took = time.monotonic() - start
+    unchanged = torch.equal(data, before)
     try:
         d.check()
-        return None, took
+        return None, took, unchanged
     except RuntimeError as exc:
-        return str(exc), took
+        return str(exc), took, unchanged
 
 
 @needs_engine
@@ -1158,11 +1164,14 @@ def test_a_failed_ranks_next_counts_exchange_fails_its_peers_at_once(worlds):
     """A rank failed alone, whose host has not read it (replays of a graph): at
     its next counts exchange it still raises its flags, marked failed, so its
     peer fails there at once naming it, not after the timeout (20 s) and not on
-    a stale counts row."""
+    a stale counts row. Waiting for no peer any more, it writes none of its
+    routes, lists or rows where its peers read them (a peer still reading an
+    earlier epoch there would be overtaken); its peer, not failed, stages its own."""
     got = worlds(WORLD).run(_a_failed_ranks_next_dispatch_in_a_graph, [()] * WORLD)
     assert "received a route no checked dispatch makes" in got[1][0], got
     assert "rank 1 failed" in got[0][0] and "in the counts exchange" in got[0][0], got
     assert got[0][1] < 10, got
+    assert got[1][2] is True and got[0][2] is False, got
 
 
 class _ShortOnOneRank:
