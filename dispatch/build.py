@@ -3,7 +3,9 @@ the engine's host path (``dispatch.host``) and the CPU plan (``dispatch.kernels.
 
 Each is built once per machine and source (a C++ compiler and ninja; under a
 minute), then kept in torch's extensions folder, one module per source: its
-name holds the source's digest, so that two trees load theirs side by side.
+name holds the digest of the source and of where it lies, so that two trees
+load theirs side by side (a folder shared by two trees' equal sources would be
+built again at each turn: its build file names the source's path).
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ def cached(source: str, prefix: str) -> bool:
 
 
 def _where(source: str, prefix: str) -> tuple[str, str]:
-    """(the module's name, its build folder): one name per source's digest."""
+    """(the module's name, its build folder): one name per source's digest and path."""
     from torch.utils import cpp_extension
 
-    name = f"{prefix}_{hashlib.sha256((csrc_dir() / source).read_bytes()).hexdigest()[:12]}"
+    path = csrc_dir() / source
+    name = f"{prefix}_{hashlib.sha256(path.read_bytes() + str(path.resolve()).encode()).hexdigest()[:12]}"
     return name, build_folder(cpp_extension.get_default_build_root(), name)
 
 
