@@ -53,6 +53,7 @@ class AllGatherHandle(CombineHandle):
         block: T_max, rows each rank contributes to the all-gathers.
         slots: [N] int64, gathered slot (``(src_rank * T_max + token) * K + k``)
             behind each expanded row, canonical order.
+        expand_src: [N] int64, its gathered row (``slots // K``).
         recv_rows: [R] int64, gathered token rows with a slot here, ascending.
         presum_index: [R, J] int64, expanded rows of each of them, -1 padded.
         send_splits: host, rows of this rank's tokens each rank pre-sums (partials back).
@@ -63,6 +64,7 @@ class AllGatherHandle(CombineHandle):
 
     block: int
     slots: torch.Tensor
+    expand_src: torch.Tensor
     recv_rows: torch.Tensor
     presum_index: torch.Tensor
     send_splits: tuple[int, ...]
@@ -108,11 +110,12 @@ class AllGatherTransport(Transport):
                            items_here=sum(recv_splits))
         recv_rows = ex.here
         home_index = counts.send_order(gc.route.hit, send_splits)[1]
-        expand_src = ex.slots // topk
+        expand_src = torch.div(ex.slots, topk, rounding_mode="floor")  # the row behind each expanded row
         handle = AllGatherHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
             block=block,
             slots=ex.slots,
+            expand_src=expand_src,
             recv_rows=recv_rows,
             presum_index=ex.presum_index.index_select(0, recv_rows),
             send_splits=send_splits,
@@ -124,7 +127,7 @@ class AllGatherTransport(Transport):
             weights=weights_all.flatten().index_select(0, ex.slots),
             tokens_per_expert=plan.to_device(per_expert_host, x.device),
             tokens_per_expert_host=per_expert_host,
-            src_rank=expand_src // max(block, 1),
+            src_rank=torch.div(expand_src, max(block, 1), rounding_mode="floor"),
             src_token=expand_src % max(block, 1),
         )
         mark(self.phase_timer, "plan")
@@ -144,7 +147,7 @@ class AllGatherTransport(Transport):
             gathered = comm.all_gather_rows(flat, self.group, self.world_size)
         wire_rows = gathered.view(packed.dtype).view(self.world_size * handle.block, *tail)
         mark(self.phase_timer, "exchange_out")
-        expanded = codec.unpack(wire_rows, rows.dtype, rows.shape[1], handle.slots // handle.topk)
+        expanded = codec.unpack(wire_rows, rows.dtype, rows.shape[1], handle.expand_src)
         mark(self.phase_timer, "expand")
         return by_groups(Pending.done(expanded), handle)
 

@@ -97,6 +97,7 @@ class HierarchicalHandle(CombineHandle):
         send2_row: [S2] int64, held row of each stage-2 row (local index, held row ascending).
         node_index: [R1, L] int64, stage-2 rows of each held row, ascending index, -1 padded.
         slots: [N] int64, ``arrived row * K + k`` behind each expanded row (canonical order).
+        expand_src: [N] int64, its arrived row (``slots // K``).
         presum_index: [R2, J] int64, expanded rows of each arrived row, -1 padded.
         self_send, self_recv: offsets of this rank's own block in stage 1's send and
             held rows (``send1[a]`` rows, the same on both sides).
@@ -111,6 +112,7 @@ class HierarchicalHandle(CombineHandle):
     send2_row: torch.Tensor
     node_index: torch.Tensor
     slots: torch.Tensor
+    expand_src: torch.Tensor
     presum_index: torch.Tensor
     self_send: int
     self_recv: int
@@ -174,7 +176,7 @@ class HierarchicalTransport(Transport):
         width = min(topk, self.num_local_experts)
         ex = counts.expand(arrived[:, 2 : 2 + topk], order_key, world * block, num_experts, world, rank, num_rows,
                            width)
-        expand_src = ex.slots // topk
+        expand_src = torch.div(ex.slots, topk, rounding_mode="floor")  # the row behind each expanded row
         handle = HierarchicalHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
             send1=send1,
@@ -186,6 +188,7 @@ class HierarchicalTransport(Transport):
             send2_row=send2_row,
             node_index=node_index,
             slots=ex.slots,
+            expand_src=expand_src,
             presum_index=ex.presum_index,
             self_send=sum(send1[:node]),
             self_recv=sum(recv1[:node]),
@@ -208,7 +211,7 @@ class HierarchicalTransport(Transport):
         forward = held.index_select(0, handle.send2_row)
         arrived = comm.all_to_all_rows(forward, handle.send2, handle.recv2, self.tiers.intra)
         mark(self.phase_timer, "exchange_out")
-        expanded = codec.unpack(arrived, rows.dtype, rows.shape[1], handle.slots // handle.topk)
+        expanded = codec.unpack(arrived, rows.dtype, rows.shape[1], handle.expand_src)
         mark(self.phase_timer, "expand")
         return by_groups(Pending.done(expanded), handle)
 
