@@ -49,7 +49,7 @@ def engine_ranks(size: int) -> bool:
 class _Handle:
     """The peers' pointers of one buffer (as torch's handle's ``buffer_ptrs``)."""
 
-    def __init__(self, pointers: list[int], opened: list[int], group) -> None:
+    def __init__(self, pointers: list[int], opened: list[bytes], group) -> None:
         self.buffer_ptrs = pointers
         self._opened, self._group = opened, group
 
@@ -60,13 +60,51 @@ class _Handle:
         dist.barrier(group=self._group)
 
     def __del__(self) -> None:
-        import cupy
+        for key in self._opened:
+            _release(key)
 
-        for pointer in self._opened:
-            try:
-                cupy.cuda.runtime.ipcCloseMemHandle(pointer)
-            except Exception:  # (at interpreter exit the driver may be gone)
-                pass
+
+# The peers' allocations this process has open: handle bytes -> [pointer, handles holding it].
+# CUDA maps an allocation once per process (cudaErrorAlreadyMapped at a second open), and a
+# buffer's old handle may still be alive when a peer's new allocation gets its place.
+_OPEN: dict[bytes, list] = {}
+
+
+def _open(handle: bytes) -> int:
+    """A pointer to a peer's allocation, opened once per process and shared by the
+    handles that hold it (:func:`_release`)."""
+    import gc
+
+    import cupy
+
+    if handle not in _OPEN:
+        try:
+            pointer = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        except cupy.cuda.runtime.CUDARuntimeError as error:
+            if "AlreadyMapped" not in str(error):
+                raise
+            gc.collect()  # a handle no longer referenced closes its mappings
+            pointer = None if handle in _OPEN else cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        if pointer is not None:
+            _OPEN[handle] = [pointer, 0]
+    _OPEN[handle][1] += 1
+    return _OPEN[handle][0]
+
+
+def _release(handle: bytes) -> None:
+    """One holder of :func:`_open`'s mapping is done; the last closes it."""
+    import cupy
+
+    entry = _OPEN.get(handle)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _OPEN[handle]
+        try:
+            cupy.cuda.runtime.ipcCloseMemHandle(entry[0])
+        except Exception:  # (at interpreter exit the driver may be gone)
+            pass
 
 
 class IpcSymmetricMemory(types.ModuleType):
@@ -117,9 +155,8 @@ class IpcSymmetricMemory(types.ModuleType):
             if r == rank:
                 pointers.append(tensor.data_ptr())
             else:
-                pointer = cupy.cuda.runtime.ipcOpenMemHandle(peer)
-                pointers.append(pointer)
-                opened.append(pointer)
+                pointers.append(_open(peer))
+                opened.append(peer)
         return _Handle(pointers, opened, group)
 
 
