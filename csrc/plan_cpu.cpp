@@ -7,10 +7,11 @@
 //   route_row   plan_graph.route_phase_reference, one group: the route and the row
 //               each rank all-gathers (value checks folded into its failed entry)
 //   counts_row  counts.exchange's route and the row it all-gathers (value checks folded
-//               into its failed entry)
+//               into its failed entry), and the routing rows the all-gather and
+//               hierarchical variants move
 //   send_order  plan.send_positions, then plan.items_by_row and plan.rows_by_item
-//   expand      counts.local_experts, then counts.expand (the all-gather and
-//               hierarchical variants' expansion to canonical order)
+//   expand      counts.expand_reference (the all-gather and hierarchical variants'
+//               expansion of the routing rows that reached a rank to canonical order)
 //   send_plan   plan_graph.send_phase, one group: the send plan, the summary the
 //               host reads and the receive table
 //   recv_plan   plan.build_recv_plan_reference
@@ -119,19 +120,21 @@ std::tuple<Tensor, Tensor, Tensor> route_row(const Tensor& topk_idx, const Tenso
   return {dest, hit, row};
 }
 
-// (dest [T, K] int64, hit [T, W] bool, node_hit [T, M] bool, row [W (1 + L) + header + 1 + M + 1] int64)
-// of counts.exchange: the route, whether each token has an expert on each node of local
-// ranks, and the row it all-gathers: the counts, the header (header_and_tail's first
-// entries), T, the tokens with an expert on each node, then G (its last entry). Where
-// weights are given, a bad value (route) raises the header's failed entry.
-std::vector<Tensor> counts_row(const Tensor& topk_idx, const c10::optional<Tensor>& weights,
+// (dest [T, K] int64, hit [T, W] bool, node_hit [T, M] bool, row [W (1 + L) + header + 1 + M + 1] int64,
+// routing [T, 2 + 2 K] int64 or an empty tensor) of counts.exchange: the route, whether each token
+// has an expert on each node of local ranks, the row it all-gathers: the counts, the header
+// (header_and_tail's first entries), T, the tokens with an expert on each node, then G (its last
+// entry); and with_routing, each token's routing row (counts.ROUTING: this rank, the token, its
+// ids, its weights' fp64 bits). With check_values, a bad value (route) raises the header's
+// failed entry.
+std::vector<Tensor> counts_row(const Tensor& topk_idx, const Tensor& weights, bool check_values,
                                const std::vector<int64_t>& header_and_tail, int64_t num_experts, int64_t world,
-                               int64_t local_ranks, int64_t failed_col) {
+                               int64_t local_ranks, int64_t failed_col, int64_t rank, bool with_routing) {
   const int64_t header_len = static_cast<int64_t>(header_and_tail.size()) - 2;  // its tail: T, G
   TORCH_CHECK(topk_idx.dim() == 2 && world > 0 && num_experts >= world && local_ranks > 0 &&
                   world % local_ranks == 0 && 0 <= failed_col && failed_col < header_len &&
-                  header_and_tail[header_len] == topk_idx.size(0) &&
-                  (!weights.has_value() || weights->numel() == topk_idx.numel()),
+                  header_and_tail[header_len] == topk_idx.size(0) && weights.numel() == topk_idx.numel() &&
+                  0 <= rank && rank < world,
               "counts_row: arguments of other shapes than a dispatch's");
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const int64_t tokens = idx.size(0), topk = idx.size(1), local = num_experts / world, nodes = world / local_ranks;
@@ -144,7 +147,7 @@ std::vector<Tensor> counts_row(const Tensor& topk_idx, const c10::optional<Tenso
   const bool bad = route_into(idx.data_ptr<int64_t>(), tokens, topk, num_experts, world, dest.data_ptr<int64_t>(),
                               hit.data_ptr<bool>(), out);
   std::copy(header_and_tail.begin(), header_and_tail.begin() + header_len, out + header_at);
-  if (weights.has_value() && (bad || !all_finite(*weights)))
+  if (check_values && (bad || !all_finite(weights)))
     out[header_at + failed_col] = std::max<int64_t>(out[header_at + failed_col], 1);
   int64_t* tail = out + header_at + header_len;
   tail[0] = tokens;
@@ -158,7 +161,19 @@ std::vector<Tensor> counts_row(const Tensor& topk_idx, const c10::optional<Tenso
       on_node[t * nodes + n] = any;
       tail[1 + n] += any;
     }
-  return {dest, hit, node_hit, row};
+  Tensor routing = at::empty({with_routing ? tokens : 0, 2 + 2 * topk}, idx.options());
+  if (with_routing) {
+    const Tensor w = weights.to(at::kDouble).contiguous().view(at::kLong);
+    const int64_t *id = idx.data_ptr<int64_t>(), *bits = w.data_ptr<int64_t>();
+    int64_t* r = routing.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t, r += 2 + 2 * topk) {
+      r[0] = rank;
+      r[1] = t;
+      std::copy(id + t * topk, id + (t + 1) * topk, r + 2);
+      std::copy(bits + t * topk, bits + (t + 1) * topk, r + 2 + topk);
+    }
+  }
+  return {dest, hit, node_hit, row, routing};
 }
 
 // (items_by_row [S], rows_by_item [I, D]) of items going out destination-major, then
@@ -194,58 +209,69 @@ std::vector<Tensor> send_order(const Tensor& hit_in, const std::vector<int64_t>&
   return {items_by_row, rows_by_item};
 }
 
-// (slots [N], presum_index [I, J], here [R]) of the items (token rows that reached this
-// rank, each with its ids [I, K] and a unique order_key [I] in [0, key_span)): the slots
-// whose expert lives on this rank (routed as route routes them), as item K + k in
-// canonical order (local expert, then order_key); each item's expanded rows in ascending
-// local expert, -1 padded (J = width); the items with a slot here, ascending. N must be
-// num_rows (the counts say so).
-std::vector<Tensor> expand(const Tensor& ids, const Tensor& order_key_in, int64_t key_span, int64_t num_experts,
-                           int64_t world, int64_t rank, int64_t num_rows, int64_t width) {
-  const Tensor order_key = order_key_in.to(at::kLong).contiguous();
-  TORCH_CHECK(ids.dim() == 2 && order_key.numel() == ids.size(0) && world > 0 && num_experts >= world &&
-                  0 <= rank && rank < world && width >= 0,
+// (slots [N], here [R], presum_index [R, J], expand_src [N], weights [N] fp64, src_rank [N],
+// src_token [N]: counts.Expansion) of the routing rows that reached this rank (routing [I, 2 + 2 K]: each
+// item's source rank s and token t, ids and weights' fp64 bits, counts.ROUTING; order key
+// s block + t, unique among the items with a slot here, in [0, W block)): the slots whose
+// expert lives on this rank (routed as route routes them), as item K + k in canonical order
+// (local expert, then order key); the items with a slot here, ascending, and each one's
+// expanded rows in ascending local expert, -1 padded (J = width); then each expanded row's
+// item, weight, source rank and token. N must be num_rows and R items_here (the counts say so).
+std::vector<Tensor> expand(const Tensor& routing_in, int64_t topk, int64_t block, int64_t num_experts,
+                           int64_t world, int64_t rank, int64_t num_rows, int64_t width, int64_t items_here) {
+  const Tensor routing = routing_in.to(at::kLong).contiguous();
+  TORCH_CHECK(routing.dim() == 2 && routing.size(1) == 2 + 2 * topk && world > 0 && num_experts >= world &&
+                  0 <= rank && rank < world && width >= 0 && block >= 0,
               "expand: arguments of other shapes than a plan's");
-  const int64_t items = ids.size(0), topk = ids.size(1), local = num_experts / world;
-  std::vector<int64_t> to(items * topk), counts(world * (1 + local), 0);
+  const int64_t items = routing.size(0), cols = 2 + 2 * topk, local = num_experts / world;
+  std::vector<int64_t> ids(items * topk), to(items * topk), counts(world * (1 + local), 0);
   std::vector<char> hits(items * world, 0);
-  const Tensor idx = ids.to(at::kLong).contiguous();
-  const int64_t* id = idx.data_ptr<int64_t>();
+  const int64_t* row = routing.data_ptr<int64_t>();
+  for (int64_t i = 0; i < items; ++i) std::copy(row + i * cols + 2, row + i * cols + 2 + topk, ids.data() + i * topk);
+  const int64_t* id = ids.data();
   route_into(id, items, topk, num_experts, world, to.data(), reinterpret_cast<bool*>(hits.data()), counts.data());
-  // items in ascending key
-  const int64_t* key = order_key.data_ptr<int64_t>();
-  std::vector<int64_t> by_key(items);
+  // the items with a slot here, in ascending key
+  std::vector<int64_t> by_key, key(items, 0);
   for (int64_t i = 0; i < items; ++i) {
-    TORCH_CHECK(0 <= key[i] && key[i] < key_span, "expand: an order key outside [0, key_span)");
-    by_key[i] = i;
+    if (!hits[i * world + rank]) continue;
+    key[i] = row[i * cols] * block + row[i * cols + 1];
+    TORCH_CHECK(0 <= key[i] && key[i] < world * block, "expand: an order key outside [0, W block)");
+    by_key.push_back(i);
   }
+  TORCH_CHECK(static_cast<int64_t>(by_key.size()) == items_here, "expand: the items here disagree with the counts");
   std::sort(by_key.begin(), by_key.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
   // each local expert's first row, then the rows in key order within it
   std::vector<int64_t> next(local + 1, 0);
   for (int64_t e = 0; e < local; ++e) next[e + 1] = next[e] + counts[rank * (1 + local) + 1 + e];
   TORCH_CHECK(next[local] == num_rows, "expand: the slots here disagree with the counts");
-  const auto i64 = idx.options();
-  Tensor slots = at::empty({num_rows}, i64), presum = at::full({items, width}, -1, i64);
+  std::vector<int64_t> place(items, -1);  // each item here's place among them (ascending item)
+  for (int64_t i = 0, at = 0; i < items; ++i)
+    if (hits[i * world + rank]) place[i] = at++;
+  const auto i64 = routing.options();
+  Tensor slots = at::empty({num_rows}, i64), presum = at::full({items_here, width}, -1, i64);
+  Tensor here = at::empty({items_here}, i64), expand_src = at::empty({num_rows}, i64);
+  Tensor weights = at::empty({num_rows}, i64.dtype(at::kDouble)), src_rank = at::empty({num_rows}, i64);
+  Tensor src_token = at::empty({num_rows}, i64);
   int64_t *slot_of = slots.data_ptr<int64_t>(), *pre = presum.data_ptr<int64_t>();
-  std::vector<int64_t> here;
+  int64_t *src = expand_src.data_ptr<int64_t>(), *s_rank = src_rank.data_ptr<int64_t>();
+  int64_t *s_token = src_token.data_ptr<int64_t>(), *weight_bits = weights.view(at::kLong).data_ptr<int64_t>();
   for (const int64_t i : by_key) {
-    bool any = false;
+    here.data_ptr<int64_t>()[place[i]] = i;
     for (int64_t k = 0; k < topk; ++k) {
       if (to[i * topk + k] != rank) continue;
-      any = true;
       const int64_t e = id[i * topk + k] - rank * local;
       int64_t col = 0;  // the item's slots here of smaller local expert
       for (int64_t j = 0; j < topk; ++j) col += to[i * topk + j] == rank && id[i * topk + j] < id[i * topk + k];
       const int64_t r = next[e]++;
       slot_of[r] = i * topk + k;
-      if (col < width) pre[i * width + col] = r;
+      src[r] = i;
+      weight_bits[r] = row[i * cols + 2 + topk + k];
+      s_rank[r] = row[i * cols];
+      s_token[r] = row[i * cols + 1];
+      if (col < width) pre[place[i] * width + col] = r;
     }
-    if (any) here.push_back(i);
   }
-  std::sort(here.begin(), here.end());
-  Tensor items_here = at::empty({static_cast<int64_t>(here.size())}, i64);
-  std::copy(here.begin(), here.end(), items_here.data_ptr<int64_t>());
-  return {slots, presum, items_here};
+  return {slots, here, presum, expand_src, weights, src_rank, src_token};
 }
 
 // (send_token [C], meta [C + 1, J + 1 + J w], home_index [T, W], slot_row [T, K],

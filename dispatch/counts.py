@@ -12,21 +12,27 @@ peers' headers and groups right after it (every rank raises).
 Notation as in ``dispatch.plan``; M = W // L nodes of L ranks; G groups of local experts.
 
 Gathered row of one rank: ``[counts W * (1 + E_local) | header | T | node hits M | G]``.
+
+A token's routing row (``ROUTING``), which the all-gather and hierarchical variants
+move to the ranks that expand it: ``[rank, token, ids K, weights' fp64 bits K]`` int64.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from dispatch import checks, comm, plan
 from dispatch.cost_model import RoutingStats
+from dispatch.handle import PlanOutputs
 from dispatch.kernels import plan_cpu
 
 # Larger than any row position, used to push padding to the end of a sort.
 PAD = torch.iinfo(torch.int64).max
 _FAILED = plan.HEADER.index("failed")
+ROUTING = ("rank", "token", "ids", "weight bits")  # a routing row's entries (ids and weight bits: K each)
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class GlobalCounts:
         tokens: [W] int64 host, T of every rank.
         node_hits: [W, M] int64 host, tokens of rank s with an expert on node n.
         x_grad_any, weights_grad_any: some rank needs that gradient.
+        rows_per_rank: [W] host, the expanded rows each rank's experts get.
+        routing: [T, 2 + 2K] int64, this rank's routing rows (``ROUTING``; where asked for).
     """
 
     route: plan.Route
@@ -49,10 +57,12 @@ class GlobalCounts:
     node_hits: torch.Tensor
     x_grad_any: bool
     weights_grad_any: bool
+    rows_per_rank: list[int]
+    routing: torch.Tensor | None = None
 
     def has_rows(self) -> tuple[bool, ...]:
         """Per rank, whether its experts get rows (``CombineHandle.has_rows``)."""
-        return tuple(bool(n) for n in self.counts[:, :, 1:].sum((0, 2)).tolist())
+        return tuple(map(bool, self.rows_per_rank))
 
     def routing_stats(self) -> RoutingStats:
         return RoutingStats(tokens=self.tokens, rank_hits=self.counts[:, :, 0], node_hits=self.node_hits)
@@ -73,6 +83,7 @@ def exchange(
     row_bytes: int = 0,
     exact_memory_rows=None,
     groups: int = 1,
+    with_routing: bool = False,
 ) -> GlobalCounts:
     """Route, check values, all-gather the counts, check peers; one host sync.
     Bad values on this rank mark it failed in the row it all-gathers, on the
@@ -87,52 +98,61 @@ def exchange(
         groups: G of the dispatch (``dispatch(groups=G)``): every rank's must be
             the same (``checks.check_peer_groups``): a rank of other groups hands
             out other rows by group, and sends its sums home at another add.
+        with_routing: also this rank's routing rows (``GlobalCounts.routing``).
     """
     num_tokens, topk = topk_idx.shape
     head = plan.header(x, topk_weights, topk, ticket) + [num_tokens, groups]
     layout = counts_row(world_size, num_experts // world_size, local_world_size)
-    route, node_hit, row = route_and_row(topk_idx, topk_weights.detach(), head, num_experts, world_size,
-                                         local_world_size, check_values, x.device)
+    route, node_hit, row, routing = route_and_row(topk_idx, topk_weights.detach(), head, num_experts, world_size,
+                                                  local_world_size, check_values, x.device, rank, with_routing,
+                                                  layout)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     all_counts, headers, tails = layout.split(gathered)
     # this rank's own bad values: its error (its peers raise in check_peer_headers)
     checks.raise_own_values(headers[rank].tolist(), ticket, topk_idx, topk_weights, num_experts)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
-    checks.check_row_budgets(headers, all_counts[:, :, 1:].sum((0, 2)).tolist(), row_bytes, exact_memory_rows)
+    rows_per_rank = all_counts[:, :, 1:].sum((0, 2)).tolist()
+    checks.check_row_budgets(headers, rows_per_rank, row_bytes, exact_memory_rows)
     checks.check_peer_groups(tails[:, -1].tolist())
-    return GlobalCounts(
-        route=route,
-        node_hit=node_hit,
-        counts=all_counts,
-        tokens=tails[:, 0],
-        node_hits=tails[:, 1:-1],
-        x_grad_any=x_grad_any,
-        weights_grad_any=weights_grad_any,
-    )
+    return GlobalCounts(route, node_hit, all_counts, tails[:, 0], tails[:, 1:-1], x_grad_any, weights_grad_any,
+                        rows_per_rank, routing)
 
 
 def route_and_row(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,
-                  world_size: int, local_world_size: int, check_values: bool, device: torch.device):
-    """(``plan.Route``, node_hit [T, M] bool, the row :func:`exchange` all-gathers) of
-    this rank's routing; ``head``: its header entries, then T and G. With
-    ``check_values``, a bad value raises the row's failed entry. On CPU one
-    compiled call (``dispatch.kernels.plan_cpu``)."""
+                  world_size: int, local_world_size: int, check_values: bool, device: torch.device, rank: int = 0,
+                  with_routing: bool = False, layout: plan.CountsRow | None = None):
+    """(``plan.Route``, node_hit [T, M] bool, the row :func:`exchange` all-gathers,
+    the routing rows or None) of this rank's routing; ``head``: its header
+    entries, then T and G. With ``check_values``, a bad value raises the row's
+    failed entry. ``with_routing``: [T, 2 + 2K] routing rows (``ROUTING``) of
+    ``rank``. On CPU one compiled call (``dispatch.kernels.plan_cpu``)."""
     num_tokens = topk_idx.shape[0]
-    layout = counts_row(world_size, num_experts // world_size, local_world_size)
+    layout = layout or counts_row(world_size, num_experts // world_size, local_world_size)
     compiled = plan_cpu.on_cpu(topk_idx)
     if compiled is not None:
-        dest, hit, node_hit, row = compiled.counts_row(topk_idx, topk_weights if check_values else None, head,
-                                                       num_experts, world_size, local_world_size, _FAILED)
-        return plan.Route(dest, hit, row[: layout.header_at].view(world_size, -1)), node_hit, row
+        dest, hit, node_hit, row, routing = compiled.counts_row(topk_idx, topk_weights, check_values, head,
+                                                                num_experts, world_size, local_world_size, _FAILED,
+                                                                rank, with_routing)
+        return (plan.Route(dest, hit, row[: layout.header_at].view(world_size, -1)), node_hit, row,
+                routing if with_routing else None)
     route = plan.route(topk_idx, num_experts, world_size)  # bad ids are empty slots there
     node_hit = route.hit.view(num_tokens, world_size // local_world_size, local_world_size).any(2)
     header_row = plan.to_device(torch.tensor(head), device)
     if check_values and num_tokens > 0:  # a bad value marks this rank failed in its row, on the device
         header_row = checks.fold_flags(header_row, checks.value_flags(topk_idx, topk_weights, num_experts))
     tail = torch.cat([header_row[-2:-1], node_hit.sum(0, dtype=torch.int64), header_row[-1:]])  # T, node hits, G
-    return route, node_hit, layout.row(route.counts, header_row[:-2], tail)
+    routing = None
+    if with_routing:
+        routing = torch.cat([
+            torch.full((num_tokens, 1), rank, dtype=torch.int64, device=device),
+            torch.arange(num_tokens, device=device).unsqueeze(1),
+            topk_idx.long(),
+            topk_weights.double().view(torch.int64),
+        ], dim=1)
+    return route, node_hit, layout.row(route.counts, header_row[:-2], tail), routing
 
 
+@functools.lru_cache(maxsize=64)
 def counts_row(world_size: int, local_experts: int, local_world_size: int) -> plan.CountsRow:
     """The row :func:`exchange` all-gathers: counts, header, then T, the node hits and G."""
     return plan.CountsRow(world_size, local_experts, 2 + world_size // local_world_size)
@@ -140,51 +160,61 @@ def counts_row(world_size: int, local_experts: int, local_world_size: int) -> pl
 
 @dataclass(frozen=True)
 class Expansion:
-    """How items (token rows that reached this rank) expand to canonical order.
+    """How the routing rows that reached this rank (items) expand to canonical order.
 
     Attributes:
         slots: [N] int64, ``item * K + k`` behind each expanded row, canonical order.
-        presum_index: [I, J] int64, the expanded rows of each item in ascending
+        here: [R] int64, the items with a slot here, ascending.
+        presum_index: [R, J] int64, the expanded rows of each item here in ascending
             local expert, -1 padded (the expert-side pre-sum of combine).
-        here: [R] int64, the items with a slot here, ascending (where asked for).
+        expand_src: [N] int64, the item behind each expanded row (``slots // K``).
+        weights: [N] fp64, its routing weight; src_rank, src_token: [N] int64, its token's
+            rank and place there.
     """
 
     slots: torch.Tensor
+    here: torch.Tensor
     presum_index: torch.Tensor
-    here: torch.Tensor | None = None
+    expand_src: torch.Tensor
+    weights: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+
+    def outputs(self, per_expert_host: torch.Tensor, device: torch.device) -> PlanOutputs:
+        """The plan's outputs of a dispatch with this expansion (``per_expert_host``: its rows per local expert)."""
+        return PlanOutputs(self.weights, plan.to_device(per_expert_host, device), per_expert_host, self.src_rank,
+                           self.src_token)
 
 
-def expand(ids: torch.Tensor, order_key: torch.Tensor, key_span: int, num_experts: int, world_size: int, rank: int,
-           num_rows: int, width: int, items_here: int | None = None) -> Expansion:
+def expand(routing: torch.Tensor, topk: int, block: int, num_experts: int, world_size: int, rank: int,
+           num_rows: int, width: int, items_here: int) -> Expansion:
     """Canonical order of the slots of this rank's local experts (on CPU one
     compiled call, ``dispatch.kernels.plan_cpu``; elsewhere torch operations).
 
     Args:
-        ids: [I, K] global expert ids of each item's slots (routed as ``plan.route``
-            routes them: empty slots, ids out of range and repeats are on no rank).
-        order_key: [I] int64 in [0, key_span), unique per item, ascending in
-            (source rank, source token).
-        key_span: host bound of ``order_key``.
+        routing: [I, 2 + 2K] int64 routing rows (``ROUTING``) of the items; an item's
+            order key, ``src_rank * block + src_token``, is unique among those with a
+            slot here and in [0, W * block); ids are routed as ``plan.route`` routes
+            them (empty slots, ids out of range and repeats are on no rank).
         num_rows: N, the slots on this rank (host, from the counts).
         width: J = min(K, E_local).
-        items_here: R, the items with a slot here (host, from the counts), to
-            list them (``Expansion.here``); None: not asked for.
+        items_here: R, the items with a slot here (host, from the counts).
     """
-    compiled = plan_cpu.on_cpu(ids)
+    compiled = plan_cpu.on_cpu(routing)
     if compiled is not None:
-        slots, presum_index, here = compiled.expand(ids, order_key, key_span, num_experts, world_size, rank, num_rows,
-                                                    width)
-        return Expansion(slots, presum_index, None if items_here is None else here)
-    return expand_reference(ids, order_key, key_span, num_experts, world_size, rank, num_rows, width, items_here)
+        return Expansion(*compiled.expand(routing, topk, block, num_experts, world_size, rank, num_rows, width,
+                                          items_here))
+    return expand_reference(routing, topk, block, num_experts, world_size, rank, num_rows, width, items_here)
 
 
-def expand_reference(ids, order_key, key_span, num_experts, world_size, rank, num_rows, width,
-                     items_here=None) -> Expansion:
+def expand_reference(routing, topk, block, num_experts, world_size, rank, num_rows, width, items_here) -> Expansion:
     """:func:`expand` in torch operations (any device)."""
-    local_expert = local_experts(ids, num_experts, world_size, rank)
-    items, topk = local_expert.shape
+    local_expert = local_experts(routing[:, 2 : 2 + topk], num_experts, world_size, rank)
+    items = local_expert.shape[0]
     device = local_expert.device
+    key_span = world_size * block
     mine = local_expert >= 0
+    order_key = routing[:, 0] * block + routing[:, 1]
     keys = torch.where(mine, local_expert * key_span + order_key.unsqueeze(1), PAD).flatten()
     order = torch.sort(keys).indices  # unique keys: one slot per (item, expert)
     slots = order[:num_rows]
@@ -195,14 +225,22 @@ def expand_reference(ids, order_key, key_span, num_experts, world_size, rank, nu
     presum = torch.full((items + 1, max(width, 1)), -1, dtype=torch.int64, device=device)
     item = torch.arange(items, device=device).unsqueeze(1).expand(items, topk)
     presum.index_put_((torch.where(mine, item, items), col), row_of_slot.view(items, topk))
-    here = None
-    if items_here is not None:  # placed by their rank among the items here: no host read
-        hit_here = mine.any(1)
-        here = torch.empty(items_here + 1, dtype=torch.int64, device=device)
-        here.scatter_(0, torch.where(hit_here, torch.cumsum(hit_here, 0) - 1, items_here),
-                      torch.arange(items, device=device))
-        here = here[:items_here]
-    return Expansion(slots=slots, presum_index=presum[:items, :width], here=here)
+    # the items here, placed by their rank among them: no host read
+    hit_here = mine.any(1)
+    here = torch.empty(items_here + 1, dtype=torch.int64, device=device)
+    here.scatter_(0, torch.where(hit_here, torch.cumsum(hit_here, 0) - 1, items_here),
+                  torch.arange(items, device=device))
+    here = here[:items_here]
+    expand_src = torch.div(slots, topk, rounding_mode="floor")
+    return Expansion(
+        slots=slots,
+        here=here,
+        presum_index=presum[:items, :width].index_select(0, here),
+        expand_src=expand_src,
+        weights=routing[:, 2 + topk :].contiguous().view(torch.float64).flatten().index_select(0, slots),
+        src_rank=routing[:, 0].index_select(0, expand_src),
+        src_token=routing[:, 1].index_select(0, expand_src),
+    )
 
 
 def local_experts(topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ tokens to ranks or nodes and held rows to ranks in ``dispatch.counts.send_order`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -184,20 +184,18 @@ class CountsRow:
 
     Attributes:
         world: W; local: E_local; tail: entries after the header.
+        header_at: where the header starts; width: the row's entries.
     """
 
     world: int
     local: int
     tail: int = 1
+    header_at: int = field(init=False)
+    width: int = field(init=False)
 
-    @property
-    def header_at(self) -> int:
-        """Where the header starts."""
-        return self.world * (1 + self.local)
-
-    @property
-    def width(self) -> int:
-        return self.header_at + len(HEADER) + self.tail
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "header_at", self.world * (1 + self.local))
+        object.__setattr__(self, "width", self.header_at + len(HEADER) + self.tail)
 
     def row(self, counts: torch.Tensor, header_row: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
         """[width] int64: what this rank all-gathers (counts [W, 1 + E_local])."""

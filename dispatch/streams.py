@@ -63,12 +63,6 @@ class Pending:
         self._work, self._then = work, then
         self._result = None
 
-    @classmethod
-    def done(cls, result: torch.Tensor) -> "Pending":
-        pending = cls(None, None)
-        pending._result = result
-        return pending
-
     def finish(self, g: int = 0) -> torch.Tensor:
         if self._then is not None:
             if self._work is not None:
@@ -77,6 +71,14 @@ class Pending:
         return self._result
 
     whole = result = follow = finish
+
+
+class Done(Pending):
+    """An exchange already made: ``finish()`` returns ``result``."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self._work = self._then = None
+        self._result = result
 
 
 class PendingGroups:
@@ -198,7 +200,7 @@ class CommStreams:
         stream = self.stream(device, priority)
         stream.wait_stream(caller)  # an event: the inputs are made by now
         with _on(stream):
-            pending = Pending.done(issue().finish())
+            pending = Done(issue().finish())
             event = torch.cuda.Event()
             event.record(stream)
         for tensor in reads:  # the caller may drop them: their memory waits for this stream

@@ -37,7 +37,7 @@ from dispatch.codec import CastCodec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import Dispatched, made, with_link
 from dispatch.nvlink_layout import Counts, HostCounts, Planned, WordsAt
 from dispatch.nvlink_order import eager_stream, ordered_eager
-from dispatch.streams import Pending
+from dispatch.streams import Done
 from dispatch.transports.base import WEIGHTS_GRAD, WORD_SPAN, X_GRAD, Request
 from dispatch.transports.nvlink import NVLinkHandle
 
@@ -122,10 +122,10 @@ class UsualDispatches:
                                places=(planned.weights, planned.src_rank, planned.src_token))
         if torch.is_grad_enabled():
             tokens, weights, link = dispatch_node(x, topk_weights, d.anchor(x.device), planned.weights,
-                                                  (d, handle, Pending.done(planned.tokens)))
+                                                  (d, handle, Done(planned.tokens)))
             handle = with_link(handle, link)
         else:
-            tokens, weights = DispatchFn.outputs(topk_weights, planned.weights, handle, Pending.done(planned.tokens))
+            tokens, weights = DispatchFn.outputs(topk_weights, planned.weights, handle, Done(planned.tokens))
         row_bytes, sum_wire, hidden = learnt.traffic
         return made(Dispatched, tokens=tokens, tokens_per_expert=per_expert, tokens_per_expert_host=mine,
                     weights=weights, src_rank=planned.src_rank, src_token=planned.src_token, handle=handle,
@@ -164,7 +164,7 @@ class UsualDispatches:
                                f"found nothing: {out}")
         ordered_eager(engine, stream)  # recorded by the call
         if linked and torch.is_grad_enabled():
-            return combine_node(expert_out, weights, handle.link, (d, handle, Pending.done(out)))
+            return combine_node(expert_out, weights, handle.link, (d, handle, Done(out)))
         return out
 
     def learn_combine(self, expert_out, handle, weights) -> None:

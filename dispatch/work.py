@@ -15,7 +15,7 @@ import torch
 from dispatch import checks
 from dispatch.autograd import DispatchFn, dispatch_node
 from dispatch.handle import CombineHandle, Dispatched, DispatchedGroup, only, pad_to_blocks, padded, with_link
-from dispatch.streams import Pending, StartedGroups
+from dispatch.streams import Done, StartedGroups
 
 if TYPE_CHECKING:
     from dispatch.dispatcher import TokenDispatcher
@@ -81,7 +81,7 @@ class GroupSums:
             weights = weights.detach().contiguous()
         rows = rows.detach().contiguous()
         reads = (rows,) if weights is None else (rows, weights)
-        self._dispatcher._start(lambda: Pending.done(self._issuer.add(g, rows, weights)), reads, True)
+        self._dispatcher._start(lambda: Done(self._issuer.add(g, rows, weights)), reads, True)
         self._added, self._last, self._weights_dtype = g + 1, rows, given
 
     def refuse(self, error: BaseException) -> None:

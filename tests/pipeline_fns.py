@@ -10,7 +10,7 @@ from torch import nn
 import dispatch
 from dispatch import comm
 from dispatch.transports.alltoall import AllToAllTransport
-from dispatch.streams import Pending, PendingGroups
+from dispatch.streams import Done, PendingGroups
 from dispatch.experts import GroupedExperts
 from world import current_device
 
@@ -67,10 +67,10 @@ class FinishedOnStart(AllToAllTransport):
         return PendingGroups([None] * len(done), [lambda out=out: out for out in done])
 
     def to_home(self, rows, handle, weights, wire):
-        return Pending.done(super().to_home(rows, handle, weights, wire).finish())
+        return Done(super().to_home(rows, handle, weights, wire).finish())
 
     def slots_home(self, values, handle):
-        return Pending.done(super().slots_home(values, handle).finish())
+        return Done(super().slots_home(values, handle).finish())
 
 
 LATE_CYCLES = 2_000_000  # about a millisecond of GPU clock

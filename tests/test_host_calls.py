@@ -16,10 +16,11 @@ from routing import make_routing, random_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Python calls (cProfile) of a round trip on a one-rank gloo world, at most: the usual
-# call's; the all-gather and hierarchical variants' (their own plans partly torch
-# operations still: 296 and 357 calls without the compiled route, expansion and send orders)
-MAX_CALLS = {"alltoall": 150, "auto": 150, "allgather": 190, "hierarchical": 212}
+# Python calls (cProfile) of a round trip on a one-rank gloo world, at most: every variant's
+# but the hierarchical one's, whose two tiers make two exchanges a direction (and its plan
+# a route and send order per tier): 173 (296 and 357 calls for the all-gather and
+# hierarchical variants without the compiled route, expansion and send orders)
+MAX_CALLS = {"alltoall": 150, "auto": 150, "allgather": 150, "hierarchical": 175}
 
 
 @pytest.mark.parametrize("variant", list(MAX_CALLS))

@@ -70,10 +70,11 @@ def test_route_is_the_references(world, local, tokens, topk, idx_dtype, weight_d
 @given(**ROUTE_CASES, nodes=st.integers(1, 3))
 def test_counts_row_is_the_references(world, local, tokens, topk, idx_dtype, weight_dtype, bad, check_values, seed,
                                       nodes):
-    """The counts exchange's route, node hits and row (``counts.route_and_row``:
-    the counts, the header, T, the tokens with an expert on each node, G), bad
-    values included (dropped from the route; with the checks, the failed entry
-    raised): bitwise its torch operations'."""
+    """The counts exchange's route, node hits, row (``counts.route_and_row``:
+    the counts, the header, T, the tokens with an expert on each node, G) and
+    routing rows (``counts.ROUTING``), bad values included (dropped from the
+    route; with the checks, the failed entry raised): bitwise its torch
+    operations'."""
     world *= nodes
     experts = world * local
     gen = torch.Generator().manual_seed(seed)
@@ -82,12 +83,19 @@ def test_counts_row_is_the_references(world, local, tokens, topk, idx_dtype, wei
     idx, weights = idx.to(idx_dtype), weights.to(weight_dtype)
     head = [7 + i for i in range(len(plan.HEADER))] + [tokens, 1 + seed % 3]
     head[plan.HEADER.index("failed")] = seed % 2  # (a refused rank's: kept)
-    args = (idx, weights, head, experts, world, world // nodes, check_values, torch.device("cpu"))
-    with torch_ops():
-        want = counts.route_and_row(*args)
-    got = counts.route_and_row(*args)
-    for one, other in zip((*got[0].__dict__.values(), *got[1:]), (*want[0].__dict__.values(), *want[1:])):
-        assert one.dtype == other.dtype and torch.equal(one, other)
+    rank = seed % world
+    for with_routing in (False, True):
+        args = (idx, weights, head, experts, world, world // nodes, check_values, torch.device("cpu"), rank,
+                with_routing)
+        with torch_ops():
+            want = counts.route_and_row(*args)
+        got = counts.route_and_row(*args)
+        assert (got[3] is None) == (want[3] is None) == (not with_routing)
+        for one, other in zip((*got[0].__dict__.values(), *got[1:3]), (*want[0].__dict__.values(), *want[1:3])):
+            assert one.dtype == other.dtype and torch.equal(one, other)
+    assert got[3].dtype == want[3].dtype and torch.equal(got[3], want[3])
+    assert got[3].shape == (tokens, 2 + 2 * topk)
+    assert torch.equal(got[3][:, 2 + topk:], weights.double().view(torch.int64))  # (bits: NaN too)
 
 
 @settings(max_examples=80, deadline=None)
@@ -111,28 +119,36 @@ def test_send_order_is_the_references(items, dests, seed):
        rank=st.integers(0, 5), bad=st.sampled_from(["none", "id", "repeat", "empty"]), spread=st.integers(1, 3),
        seed=st.integers(0, 10**6))
 def test_expand_is_the_references(world, local, items, topk, rank, bad, spread, seed):
-    """The expansion of the items that reached this rank to canonical order
-    (``counts.expand``: the slots, each item's expanded rows, the items with a
-    slot here), items in any order of their keys, ids the route drops
-    included: bitwise its torch operations'."""
+    """The expansion of the routing rows that reached this rank to canonical
+    order (``counts.expand``: the slots, the items with a slot here and each
+    one's expanded rows, each row's item, weight, source rank and token),
+    items in any order of their keys, ids the route drops included, items
+    with no slot here holding any source: bitwise its torch operations'."""
     rank = rank % world
     experts = world * local
     gen = torch.Generator().manual_seed(seed)
-    ids, _ = _bad_values(_slots(items, topk, experts, gen), torch.rand(items, topk, generator=gen), bad, gen,
-                         experts)
-    key_span = items * spread
-    order_key = torch.randperm(max(key_span, 1), generator=gen)[:items]
-    num_rows = int(plan.route_reference(ids, experts, world).counts[rank, 1:].sum())
-    here = int(((plan.route_reference(ids, experts, world).dest == rank).any(1)).sum())
-    args = (ids, order_key, max(key_span, 1), experts, world, rank, num_rows, min(topk, local), here)
+    ids, weights = _bad_values(_slots(items, topk, experts, gen), torch.rand(items, topk, generator=gen), bad, gen,
+                               experts)
+    block = max(items * spread // world + 1, 1)
+    key = torch.randperm(world * block, generator=gen)[:items]  # unique (source rank, token)
+    route = plan.route_reference(ids, experts, world)
+    here = (route.dest == rank).any(1)
+    source = torch.stack([key // block, key % block], 1)
+    source[~here] = torch.randint(-1, 3, (int((~here).sum()), 2), generator=gen)  # (not keyed: any)
+    routing = torch.cat([source, ids.long(), weights.double().view(torch.int64)], 1)
+    num_rows = int(route.counts[rank, 1:].sum())
+    args = (routing, topk, block, experts, world, rank, num_rows, min(topk, local), int(here.sum()))
     with torch_ops():
         want = counts.expand(*args)
     got = counts.expand(*args)
-    for name in ("slots", "presum_index", "here"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert counts.expand(*args[:-1]).here is None
-    with pytest.raises(RuntimeError, match="disagree with the counts"):
-        compiled.expand(*args[:6], num_rows + 1, min(topk, local))
+    for name, value in want.__dict__.items():
+        assert value.dtype == getattr(got, name).dtype and torch.equal(getattr(got, name), value), name
+    assert torch.equal(got.weights.view(torch.int64), weights.double().flatten()[got.slots].view(torch.int64))
+    assert torch.equal(got.src_rank * block + got.src_token, (source[:, 0] * block + source[:, 1])[got.expand_src])
+    with pytest.raises(RuntimeError, match="slots here disagree with the counts"):
+        compiled.expand(*args[:6], num_rows + 1, *args[7:])
+    with pytest.raises(RuntimeError, match="items here disagree with the counts"):
+        compiled.expand(*args[:8], int(here.sum()) + 1)
 
 
 @settings(max_examples=80, deadline=None)

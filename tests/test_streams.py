@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dispatch.streams import CommStreams, Pending, PendingGroups
+from dispatch.streams import CommStreams, Done, PendingGroups
 from dispatch.work import ExchangeWork
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -27,7 +27,7 @@ def test_a_result_waited_for_again_on_another_stream_is_ready_there(groups):
     src = torch.arange(1 << 18, dtype=torch.float32, device="cuda")
     streams = CommStreams()
     if groups == 1:
-        started = streams.start(lambda: Pending.done(_slow_piece(src, 2.0)), (src,), True, 0)
+        started = streams.start(lambda: Done(_slow_piece(src, 2.0)), (src,), True, 0)
     else:
         started = streams.start_groups(
             lambda: PendingGroups([None] * groups, [lambda g=g: _slow_piece(src, g + 2.0) for g in range(groups)]),

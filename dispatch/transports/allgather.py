@@ -33,14 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dispatch import comm, counts, plan
+from dispatch import comm, counts
 from dispatch.codec import Codec
-from dispatch.handle import CombineHandle, PlanOutputs
-from dispatch.streams import Pending, PendingGroups
+from dispatch.handle import CombineHandle
+from dispatch.streams import Done, Pending, PendingGroups
 from dispatch.transports.base import Request, Transport, by_groups, handle_fields, shape_fields
 from dispatch.kernels.gather_sum import accumulate_dtype, bits_of, gather_sum
 from dispatch.stats import make_stats, tier_split
-from dispatch.timing import mark
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -84,54 +83,39 @@ class AllGatherTransport(Transport):
         num_tokens, topk = topk_idx.shape
         gc = counts.exchange(
             x, topk_idx, topk_weights, self.config.num_experts, self.local_world_size, self.group, world, rank,
-            check_values, self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows, request.groups,
+            check_values, self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows, request.groups, True,
         )
         block = int(gc.tokens.max())
         mine = gc.counts[:, rank]  # [W_src, 1 + E_local] host
         per_expert_host = mine[:, 1:].sum(0)
-        num_rows = int(per_expert_host.sum())
+        num_rows = gc.rows_per_rank[rank]
         send_splits = tuple(gc.counts[rank, :, 0].tolist())
         recv_splits = tuple(mine[:, 0].tolist())
 
-        # routing of every rank: expert ids and weights (as fp64 bits: exact for every weight dtype)
-        routing = torch.full((block, 2 * topk), -1, dtype=torch.int64, device=x.device)
-        routing[:num_tokens, :topk] = topk_idx.long()
-        routing[:num_tokens, topk:] = topk_weights.detach().double().view(torch.int64)
-        gathered = routing.new_empty(0, 2 * topk)
-        if block > 0:  # block is the same on every rank
-            gathered = comm.all_gather_rows(routing.flatten(), self.group, world).view(world * block, 2 * topk)
-        idx_all = gathered[:, :topk]
-        weights_all = gathered[:, topk:].contiguous().view(torch.float64)
-
-        items = world * block
-        order_key = torch.arange(items, device=x.device)  # (source rank, token) ascending
-        width = min(topk, self.num_local_experts)
-        ex = counts.expand(idx_all, order_key, items, self.config.num_experts, world, rank, num_rows, width,
-                           items_here=sum(recv_splits))
-        recv_rows = ex.here
+        # every rank's routing rows (counts.ROUTING), each rank's padded to the block (no ids)
+        routing = gc.routing
+        if block > num_tokens:  # block is the same on every rank
+            routing = torch.cat([routing, routing.new_full((block - num_tokens, routing.shape[1]), -1)])
+        if block > 0:
+            routing = comm.all_gather_rows(routing.flatten(), self.group, world).view(world * block, -1)
+        ex = counts.expand(routing, topk, block, self.config.num_experts, world, rank, num_rows,
+                           min(topk, self.num_local_experts), sum(recv_splits))
         home_index = counts.send_order(gc.route.hit, send_splits)[1]
-        expand_src = torch.div(ex.slots, topk, rounding_mode="floor")  # the row behind each expanded row
         handle = AllGatherHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
             block=block,
             slots=ex.slots,
-            expand_src=expand_src,
-            recv_rows=recv_rows,
-            presum_index=ex.presum_index.index_select(0, recv_rows),
+            expand_src=ex.expand_src,
+            recv_rows=ex.here,
+            presum_index=ex.presum_index,
             send_splits=send_splits,
             recv_splits=recv_splits,
             home_index=home_index,
             **shape_fields(request, self.num_local_experts, per_expert_host.tolist(), num_rows),
         )
-        outputs = PlanOutputs(
-            weights=weights_all.flatten().index_select(0, ex.slots),
-            tokens_per_expert=plan.to_device(per_expert_host, x.device),
-            tokens_per_expert_host=per_expert_host,
-            src_rank=torch.div(expand_src, max(block, 1), rounding_mode="floor"),
-            src_token=expand_src % max(block, 1),
-        )
-        mark(self.phase_timer, "plan")
-        return handle, outputs
+        if self.phase_timer is not None:
+            self.phase_timer.mark("plan")
+        return handle, ex.outputs(per_expert_host, x.device)
 
     def to_experts(self, rows: torch.Tensor, handle: AllGatherHandle, codec: Codec,
                    own: bool = False) -> PendingGroups:
@@ -140,16 +124,18 @@ class AllGatherTransport(Transport):
         if pad:
             packed = torch.cat([packed, packed.new_zeros(pad, *packed.shape[1:])])
         tail = packed.shape[1:]
-        flat = packed.contiguous().view(torch.uint8).flatten()
-        if flat.numel() == 0:  # no rank has a token (every rank knows it from the counts)
+        flat = packed.reshape(-1).view(torch.uint8)
+        if flat.shape[0] == 0:  # no rank has a token (every rank knows it from the counts)
             gathered = flat
         else:
             gathered = comm.all_gather_rows(flat, self.group, self.world_size)
         wire_rows = gathered.view(packed.dtype).view(self.world_size * handle.block, *tail)
-        mark(self.phase_timer, "exchange_out")
+        if self.phase_timer is not None:
+            self.phase_timer.mark("exchange_out")
         expanded = codec.unpack(wire_rows, rows.dtype, rows.shape[1], handle.expand_src)
-        mark(self.phase_timer, "expand")
-        return by_groups(Pending.done(expanded), handle)
+        if self.phase_timer is not None:
+            self.phase_timer.mark("expand")
+        return by_groups(Done(expanded), handle)
 
     def to_home(self, rows, handle: AllGatherHandle, weights, wire) -> Pending:
         hidden = rows.shape[1]
@@ -158,22 +144,27 @@ class AllGatherTransport(Transport):
             partial = gather_sum(rows, handle.presum_index, weights, torch.float32)  # [R, H]
             dense = partial.new_zeros(self.world_size * handle.block, hidden)
             dense.index_copy_(0, handle.recv_rows, partial)
-            mark(self.phase_timer, "presum")
+            if self.phase_timer is not None:
+                self.phase_timer.mark("presum")
             if self.world_size == 1 or handle.block == 0:
                 summed = dense
             else:
                 summed = dense.new_empty(handle.block, hidden)
                 _reduce_scatter(summed, dense, group=self.group)
-            mark(self.phase_timer, "exchange_back")
+            if self.phase_timer is not None:
+                self.phase_timer.mark("exchange_back")
             out = summed[: handle.num_tokens].to(rows.dtype)
         else:
             partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R, H]
-            mark(self.phase_timer, "presum")
+            if self.phase_timer is not None:
+                self.phase_timer.mark("presum")
             back = comm.all_to_all_rows(partial, handle.recv_splits, handle.send_splits, self.group)
-            mark(self.phase_timer, "exchange_back")
+            if self.phase_timer is not None:
+                self.phase_timer.mark("exchange_back")
             out = gather_sum(back, handle.home_index, None, rows.dtype, acc)  # [T, H]
-        mark(self.phase_timer, "final_sum")
-        return Pending.done(out)
+        if self.phase_timer is not None:
+            self.phase_timer.mark("final_sum")
+        return Done(out)
 
     def slots_home(self, values: torch.Tensor, handle: AllGatherHandle) -> Pending:
         world, block, topk = self.world_size, handle.block, handle.topk
@@ -184,7 +175,7 @@ class AllGatherTransport(Transport):
         grid = grid.view(world * block, topk)
         back = grid if block == 0 else comm.all_to_all_rows(grid, (block,) * world, (block,) * world, self.group)
         bits = bits_of(back).view(world, block, topk)
-        return Pending.done(bits.sum(0, dtype=bits.dtype).view(values.dtype)[: handle.num_tokens])
+        return Done(bits.sum(0, dtype=bits.dtype).view(values.dtype)[: handle.num_tokens])
 
     def stats(self, handle: AllGatherHandle, dispatch_row_bytes, combine_wire, hidden):
         local, rank = self.local_world_size, self.rank

@@ -42,12 +42,11 @@ import torch.distributed as dist
 
 from dispatch import comm, counts, plan
 from dispatch.codec import Codec
-from dispatch.handle import CombineHandle, PlanOutputs
-from dispatch.streams import Pending, PendingGroups
+from dispatch.handle import CombineHandle
+from dispatch.streams import Done, Pending, PendingGroups
 from dispatch.transports.base import Request, Transport, by_groups, handle_fields, shape_fields
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_owned, gather_sum
 from dispatch.stats import make_stats
-from dispatch.timing import mark
 
 
 @dataclass(frozen=True)
@@ -143,40 +142,28 @@ class HierarchicalTransport(Transport):
         num_tokens, topk = topk_idx.shape
         device = x.device
         gc = counts.exchange(x, topk_idx, topk_weights, num_experts, local, self.group, world, rank, check_values,
-                             self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows, request.groups)
+                             self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows, request.groups, True)
         hits = gc.counts[:, :, 0]  # [W_src, W_dst] host
         holders_sources = [b * local + index for b in range(nodes)]  # sources whose tokens this rank holds
         send1 = tuple(gc.node_hits[rank].tolist())
-        recv1 = tuple(int(gc.node_hits[s, node]) for s in holders_sources)
+        recv1 = tuple(gc.node_hits[holders_sources, node].tolist())
         my_node = slice(node * local, (node + 1) * local)
         send2 = tuple(hits[holders_sources][:, my_node].sum(0).tolist())
-        recv2 = tuple(int(hits[i::local, rank].sum()) for i in range(local))
+        recv2 = tuple(hits[:, rank].view(nodes, local).sum(0).tolist())
         per_expert_host = gc.counts[:, rank, 1:].sum(0)
-        num_rows = int(per_expert_host.sum())
+        num_rows = gc.rows_per_rank[rank]
         block = max(int(gc.tokens.max()), 1)
 
-        # stage 1: my tokens to (node b, index l), with their routing
+        # stage 1: my tokens' routing rows (counts.ROUTING) to (node b, index l)
         send1_token, home_index = counts.send_order(gc.node_hit, send1)
-        meta = torch.cat(
-            [
-                torch.full((num_tokens, 1), rank, dtype=torch.int64, device=device),
-                torch.arange(num_tokens, device=device).unsqueeze(1),
-                topk_idx.long(),
-                topk_weights.detach().double().view(torch.int64),
-            ],
-            dim=1,
-        )
-        held = comm.all_to_all_rows(meta.index_select(0, send1_token), send1, recv1, self.tiers.inter)
+        held = comm.all_to_all_rows(gc.routing.index_select(0, send1_token), send1, recv1, self.tiers.inter)
         # stage 2: held rows to the ranks of this node holding their experts
         hit2 = plan.route(held[:, 2 : 2 + topk], num_experts, world).hit[:, my_node]
         send2_row, node_index = counts.send_order(hit2, send2)
         arrived = comm.all_to_all_rows(held.index_select(0, send2_row), send2, recv2, self.tiers.intra)
-
-        order_key = arrived[:, 0] * block + arrived[:, 1]
-        width = min(topk, self.num_local_experts)
-        ex = counts.expand(arrived[:, 2 : 2 + topk], order_key, world * block, num_experts, world, rank, num_rows,
-                           width)
-        expand_src = torch.div(ex.slots, topk, rounding_mode="floor")  # the row behind each expanded row
+        # (every arrived row has a slot here: the items here are all of them, ascending)
+        ex = counts.expand(arrived, topk, block, num_experts, world, rank, num_rows,
+                           min(topk, self.num_local_experts), sum(recv2))
         handle = HierarchicalHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
             send1=send1,
@@ -188,21 +175,15 @@ class HierarchicalTransport(Transport):
             send2_row=send2_row,
             node_index=node_index,
             slots=ex.slots,
-            expand_src=expand_src,
+            expand_src=ex.expand_src,
             presum_index=ex.presum_index,
             self_send=sum(send1[:node]),
             self_recv=sum(recv1[:node]),
             **shape_fields(request, self.num_local_experts, per_expert_host.tolist(), num_rows),
         )
-        outputs = PlanOutputs(
-            weights=arrived[:, 2 + topk :].contiguous().view(torch.float64).flatten().index_select(0, ex.slots),
-            tokens_per_expert=plan.to_device(per_expert_host, device),
-            tokens_per_expert_host=per_expert_host,
-            src_rank=arrived[:, 0].index_select(0, expand_src),
-            src_token=arrived[:, 1].index_select(0, expand_src),
-        )
-        mark(self.phase_timer, "plan")
-        return handle, outputs
+        if self.phase_timer is not None:
+            self.phase_timer.mark("plan")
+        return handle, ex.outputs(per_expert_host, device)
 
     def to_experts(self, rows: torch.Tensor, handle: HierarchicalHandle, codec: Codec,
                    own: bool = False) -> PendingGroups:
@@ -210,26 +191,31 @@ class HierarchicalTransport(Transport):
         held = comm.all_to_all_rows(packed, handle.send1, handle.recv1, self.tiers.inter)
         forward = held.index_select(0, handle.send2_row)
         arrived = comm.all_to_all_rows(forward, handle.send2, handle.recv2, self.tiers.intra)
-        mark(self.phase_timer, "exchange_out")
+        if self.phase_timer is not None:
+            self.phase_timer.mark("exchange_out")
         expanded = codec.unpack(arrived, rows.dtype, rows.shape[1], handle.expand_src)
-        mark(self.phase_timer, "expand")
-        return by_groups(Pending.done(expanded), handle)
+        if self.phase_timer is not None:
+            self.phase_timer.mark("expand")
+        return by_groups(Done(expanded), handle)
 
     def to_home(self, rows, handle: HierarchicalHandle, weights, wire) -> Pending:
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
         partial = gather_sum(rows, handle.presum_index, weights, wire)  # [R2, H]
-        mark(self.phase_timer, "presum")
+        if self.phase_timer is not None:
+            self.phase_timer.mark("presum")
         back2 = comm.all_to_all_rows(partial, handle.recv2, handle.send2, self.tiers.intra)  # [S2, H]
         node_sum = gather_sum(back2, handle.node_index, None, acc)  # [R1, H]
         back1 = comm.all_to_all_rows(node_sum.to(wire), handle.recv1, handle.send1, self.tiers.inter)  # [S1, H]
-        mark(self.phase_timer, "exchange_back")
+        if self.phase_timer is not None:
+            self.phase_timer.mark("exchange_back")
         if wire != acc:  # this node's partial crossed no link: keep it unrounded
             own = handle.send1[self.node]
             back1 = back1.to(acc)
             back1[handle.self_send : handle.self_send + own] = node_sum[handle.self_recv : handle.self_recv + own]
         out = gather_sum(back1, handle.home_index, None, rows.dtype, acc)  # [T, H]
-        mark(self.phase_timer, "final_sum")
-        return Pending.done(out)
+        if self.phase_timer is not None:
+            self.phase_timer.mark("final_sum")
+        return Done(out)
 
     def slots_home(self, values: torch.Tensor, handle: HierarchicalHandle) -> Pending:
         # each slot lives on one rank, the others hold zeros for it: gathered, not summed (signed zeros kept)
@@ -240,7 +226,7 @@ class HierarchicalTransport(Transport):
         back2 = comm.all_to_all_rows(grid, handle.recv2, handle.send2, self.tiers.intra)
         node_held = gather_owned(back2, handle.node_index)  # [R1, K]
         back1 = comm.all_to_all_rows(node_held, handle.recv1, handle.send1, self.tiers.inter)
-        return Pending.done(gather_owned(back1, handle.home_index))  # [T, K]
+        return Done(gather_owned(back1, handle.home_index))  # [T, K]
 
     def stats(self, handle: HierarchicalHandle, dispatch_row_bytes, combine_wire, hidden):
         node, index = self.node, self.local_rank

@@ -58,7 +58,7 @@ from dispatch import checks
 from dispatch.codec import Codec, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs
 from dispatch.stats import make_stats
-from dispatch.streams import Pending
+from dispatch.streams import Done, Pending
 from dispatch.transports.base import Request, Transport, by_groups, grads_of, handle_fields, shape_fields
 from dispatch.transports.nvshmem import NVSHMEMHandle, NVSHMEMTransport, presums
 from dispatch.transports.symmetric import exchange_for
@@ -237,7 +237,7 @@ class HierarchicalNVSHMEMTransport(Transport):
         held = self.inter.to_experts(packed, handle.inter, native, own).finish()
         arrived = self.intra.to_experts(held, handle.intra, native, own).finish()  # canonical order
         mark(self.phase_timer, "exchange_out")
-        return by_groups(Pending.done(codec.unpack(arrived, rows.dtype, rows.shape[1])), handle)
+        return by_groups(Done(codec.unpack(arrived, rows.dtype, rows.shape[1])), handle)
 
     def to_home(self, rows, handle: StagedHandle, weights, wire) -> Pending:
         acc = accumulate_dtype(rows.dtype, wire, *([] if weights is None else [weights.dtype]))
@@ -268,13 +268,13 @@ class HierarchicalNVSHMEMTransport(Transport):
 
         out = self.inter.back_home(sums, inter, home)
         mark(self.phase_timer, "final_sum")
-        return Pending.done(out)  # [T, H]
+        return Done(out)  # [T, H]
 
     def slots_home(self, values: torch.Tensor, handle: StagedHandle) -> Pending:
         # each slot lives on one rank, the others hold zeros for it: gathered, not summed (signed zeros kept)
         held = self.intra.slots_home(values, handle.intra).finish()  # [N1, K]
         inter = handle.inter
-        return Pending.done(self.inter.back_home(held, inter, lambda back: gather_owned(back, inter.home_index)))
+        return Done(self.inter.back_home(held, inter, lambda back: gather_owned(back, inter.home_index)))
 
     def stats(self, handle: StagedHandle, dispatch_row_bytes, combine_wire, hidden):
         inter, intra, rank = handle.inter, handle.intra, self.rank

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dispatch import checks, cuda, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import CombineHandle, PlanOutputs, made
-from dispatch.streams import Pending, PendingGroups
+from dispatch.streams import Done, Pending, PendingGroups
 from dispatch.transports.base import GroupSumsIssuer, Request, Transport, grads_of, handle_fields, shape_fields
 from dispatch.nvlink import Capacity, Counts, aligned_rows, engine_for, partial_row_bytes, staged_row_bytes
 from dispatch.nvlink_layout import most_experts
@@ -245,18 +245,18 @@ class NVLinkTransport(Transport):
         # source; where every rank staged its rows with the counts, nothing more is exchanged
         planned = handle.counts.planned
         if own and planned is not None and planned.tokens is not None:  # pulled with the counts (Request.at_once)
-            return Pending.done(planned.tokens)
+            return Done(planned.tokens)
         tokens = self.engine.to_experts(rows.contiguous(), codec, handle.counts, handle.presum, handle.slot_k,
                                         handle.num_rows, meta_out=handle.places if own else None)
         mark(self.phase_timer, "exchange_out")
-        return Pending.done(tokens)
+        return Done(tokens)
 
     def to_home(self, rows, handle: NVLinkHandle, weights, wire) -> Pending:
         at_least = None if weights is None else weights.dtype  # fp64 weights: fp64 sums
         out = self.engine.to_home(rows.contiguous(), None if weights is None else weights.contiguous(), wire,
                                   handle.counts, handle.presum, at_least)
         mark(self.phase_timer, "exchange_back")
-        return Pending.done(out)
+        return Done(out)
 
     def group_sums(self, handle: NVLinkHandle, wire: str, dtype):
         if handle.groups == 1:
@@ -264,7 +264,7 @@ class NVLinkTransport(Transport):
         return _GroupPushes(self, handle, wire)
 
     def slots_home(self, values, handle: NVLinkHandle) -> Pending:
-        return Pending.done(self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k))
+        return Done(self.engine.slots_home(values, handle.counts, handle.presum, handle.slot_k))
 
     def stats(self, handle: NVLinkHandle, dispatch_row_bytes, combine_wire, hidden):
         if handle.split_matrix is None:  # a dispatch with max_rows: the sizes are not on the host
@@ -361,7 +361,7 @@ class _GroupPushes(GroupSumsIssuer):
             mark(self._d.phase_timer, "exchange_back")
 
     def finish(self) -> Pending:
-        return Pending.done(self._out)
+        return Done(self._out)
 
 
 def _check_topk(topk_idx: torch.Tensor) -> tuple[int, int]:

@@ -55,7 +55,7 @@ from dispatch import checks, comm, plan
 from dispatch.codec import Codec, sum_wire_dtype, to_experts_codec
 from dispatch.handle import PlanOutputs
 from dispatch.plan_graph import HostSummary, Summary, counts_row
-from dispatch.streams import Pending, PendingGroups
+from dispatch.streams import Done, Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.alltoall import AllToAllHandle, AllToAllTransport, _slots_from_rows
 from dispatch.transports.base import Request, WholeSums, by_groups, grads_of, handle_fields, shape_fields
@@ -345,7 +345,7 @@ class NVSHMEMTransport(AllToAllTransport):
             expanded = self.exchange.exchange(sent, handle.sends, handle.receives, handle.send_rows,
                                               handle.recv_rows, consume, at=handle.put_at)
         mark(self.phase_timer, "exchange_out")
-        return by_groups(Pending.done(expanded), handle)
+        return by_groups(Done(expanded), handle)
 
     def to_home(self, rows, handle: NVSHMEMHandle, weights, wire) -> Pending:
         index = handle.presum_index
@@ -364,7 +364,7 @@ class NVSHMEMTransport(AllToAllTransport):
         else:
             out = self.back_home(presums(rows, index, weights, wire), handle, home_sum)
         mark(self.phase_timer, "final_sum")
-        return Pending.done(out)  # [T, H]
+        return Done(out)  # [T, H]
 
     def group_sums(self, handle: NVSHMEMHandle, wire: str, dtype):
         out = None if dtype is None else sum_wire_dtype(wire, dtype)
@@ -378,7 +378,7 @@ class NVSHMEMTransport(AllToAllTransport):
         index = handle.presum_index  # [R, J]
         padded = torch.cat([values, values.new_zeros(1)])  # last entry: padding
         grid = padded[torch.where(index >= 0, index, values.shape[0])]
-        return Pending.done(self.back_home(grid, handle, lambda back: _slots_from_rows(back, handle, values)))
+        return Done(self.back_home(grid, handle, lambda back: _slots_from_rows(back, handle, values)))
 
     def back_home(self, rows: "torch.Tensor | Packed", handle: NVSHMEMHandle, consume) -> torch.Tensor:
         """``consume`` of rows of the received rows' order home, in the send order.

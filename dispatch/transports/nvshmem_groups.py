@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dispatch.kernels import nvshmem_puts
-from dispatch.streams import Pending, PendingGroups
+from dispatch.streams import Done, Pending, PendingGroups
 from dispatch.timing import mark
 from dispatch.transports.base import GroupSumsIssuer, WholeSums
 
@@ -81,4 +81,4 @@ class GroupPuts(GroupSumsIssuer):
             mark(self._t.phase_timer, "final_sum")
 
     def finish(self) -> Pending:
-        return Pending.done(self._out) if self._grouped else self._at_once.finish()
+        return Done(self._out) if self._grouped else self._at_once.finish()
