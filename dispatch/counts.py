@@ -46,7 +46,8 @@ class GlobalCounts:
         tokens: [W] int64 host, T of every rank.
         node_hits: [W, M] int64 host, tokens of rank s with an expert on node n.
         x_grad_any, weights_grad_any: some rank needs that gradient.
-        rows_per_rank: [W] host, the expanded rows each rank's experts get.
+        rows_per_rank: [W] host, the expanded rows each rank's experts get; has_rows: per
+            rank, whether they get any (``CombineHandle.has_rows``).
         routing: [T, 2 + 2K] int64, this rank's routing rows (``ROUTING``; where asked for).
     """
 
@@ -58,11 +59,8 @@ class GlobalCounts:
     x_grad_any: bool
     weights_grad_any: bool
     rows_per_rank: list[int]
+    has_rows: tuple[bool, ...]
     routing: torch.Tensor | None = None
-
-    def has_rows(self) -> tuple[bool, ...]:
-        """Per rank, whether its experts get rows (``CombineHandle.has_rows``)."""
-        return tuple(map(bool, self.rows_per_rank))
 
     def routing_stats(self) -> RoutingStats:
         return RoutingStats(tokens=self.tokens, rank_hits=self.counts[:, :, 0], node_hits=self.node_hits)
@@ -115,7 +113,7 @@ def exchange(
     checks.check_row_budgets(headers, rows_per_rank, row_bytes, exact_memory_rows)
     checks.check_peer_groups(tails[:, -1].tolist())
     return GlobalCounts(route, node_hit, all_counts, tails[:, 0], tails[:, 1:-1], x_grad_any, weights_grad_any,
-                        rows_per_rank, routing)
+                        rows_per_rank, tuple(map(bool, rows_per_rank)), routing)
 
 
 def route_and_row(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,

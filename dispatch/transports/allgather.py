@@ -102,7 +102,7 @@ class AllGatherTransport(Transport):
                            min(topk, self.num_local_experts), sum(recv_splits))
         home_index = counts.send_order(gc.route.hit, send_splits)[1]
         handle = AllGatherHandle(
-            **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
+            **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows),
             block=block,
             slots=ex.slots,
             expand_src=ex.expand_src,

@@ -165,7 +165,7 @@ class HierarchicalTransport(Transport):
         ex = counts.expand(arrived, topk, block, num_experts, world, rank, num_rows,
                            min(topk, self.num_local_experts), sum(recv2))
         handle = HierarchicalHandle(
-            **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows()),
+            **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows),
             send1=send1,
             recv1=recv1,
             send2=send2,
