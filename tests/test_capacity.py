@@ -143,7 +143,7 @@ def test_every_variant_dispatches_the_kept_slots(worlds, variant, policy, factor
     ref = reference_dispatch(xs, [k[0] for k in kept], ws, routing.num_experts)
     combined = reference_combine([d.tokens * 2 for d in ref], ref, routing.num_tokens,
                                  weights=[d.weights for d in ref])
-    on_gpu = worlds(world).backend == "nccl"
+    on_gpu = worlds(world).on_gpu
     for r in range(world):
         assert torch.equal(got[r]["dropped"], kept[r][1])
         assert torch.equal(got[r]["tokens"], ref[r].tokens) and torch.equal(got[r]["src_token"], ref[r].src_token)

@@ -174,7 +174,7 @@ def _combine_matches_reference(worlds, world_size, variant, local, data):
         d.tokens * rank_fns.expert_scale(d.tokens_per_expert, dtype, "cpu") for d in ref
     ]
     expected = reference_combine(scaled, ref, routing.num_tokens, weights=[d.weights for d in ref])
-    on_gpu = worlds(world_size).backend == "nccl"
+    on_gpu = worlds(world_size).on_gpu
     chosen = {got["variant"] for got in results}
     assert len(chosen) == 1, f"ranks chose different variants: {chosen}"
     if not _bitwise(chosen.pop(), local, world_size, dtype, torch.float64 in (dtype, weight_dtype)):

@@ -70,7 +70,7 @@ def test_round_trip_with_wire(worlds, world_size, dispatch_wire, combine_wire, p
     scaled = [d.tokens * rank_fns.expert_scale(d.tokens_per_expert, dtype, "cpu") for d in ref]
     wire_dtype = sum_wire_dtype(combine_wire, dtype)
     expected = reference_combine(scaled, ref, routing.num_tokens, weights=[d.weights for d in ref], wire_dtype=wire_dtype)
-    on_gpu = worlds(world_size).backend == "nccl"
+    on_gpu = worlds(world_size).on_gpu
     if on_gpu:  # sum of |contributions|: the scale of one partial's rounding
         magnitude = reference_combine([t.abs() for t in scaled], ref, routing.num_tokens,
                                       weights=[d.weights.abs() for d in ref], wire_dtype=torch.float64)

@@ -130,6 +130,12 @@ class World:
         self._conns: list = []
         self._start()
 
+    @property
+    def on_gpu(self) -> bool:
+        """The ranks' tensors are on CUDA (NCCL, or ranks sharing one GPU: ``shared_gpu``),
+        where the GPU kernels fuse a slot's multiply into its add."""
+        return self.backend != "gloo"
+
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         store_file = _store_file()
