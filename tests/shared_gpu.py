@@ -66,7 +66,7 @@ class _Handle:
 
 # The peers' allocations this process has open: handle bytes -> [pointer, handles holding it].
 # CUDA maps an allocation once per process (cudaErrorAlreadyMapped at a second open), and a
-# buffer's old handle may still be alive when a peer's new allocation gets its place.
+# handle no longer referenced may not be collected yet when its allocation is opened again.
 _OPEN: dict[bytes, list] = {}
 
 
@@ -83,10 +83,9 @@ def _open(handle: bytes) -> int:
         except cupy.cuda.runtime.CUDARuntimeError as error:
             if "AlreadyMapped" not in str(error):
                 raise
-            gc.collect()  # a handle no longer referenced closes its mappings
-            pointer = None if handle in _OPEN else cupy.cuda.runtime.ipcOpenMemHandle(handle)
-        if pointer is not None:
-            _OPEN[handle] = [pointer, 0]
+            gc.collect()  # a handle no longer referenced (not yet collected) closes its mappings
+            pointer = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        _OPEN[handle] = [pointer, 0]
     _OPEN[handle][1] += 1
     return _OPEN[handle][0]
 
@@ -151,12 +150,17 @@ class IpcSymmetricMemory(types.ModuleType):
         dist.all_gather_object(every, handle, group=group)  # host sync: a collective
         rank = dist.get_rank(group)
         pointers, opened = [], []
-        for r, peer in enumerate(every):
-            if r == rank:
-                pointers.append(tensor.data_ptr())
-            else:
-                pointers.append(_open(peer))
-                opened.append(peer)
+        try:
+            for r, peer in enumerate(every):
+                if r == rank:
+                    pointers.append(tensor.data_ptr())
+                else:
+                    pointers.append(_open(peer))
+                    opened.append(peer)
+        except Exception:
+            for peer in opened:
+                _release(peer)
+            raise
         return _Handle(pointers, opened, group)
 
 

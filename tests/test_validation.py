@@ -244,13 +244,13 @@ def test_group_not_a_group_or_without_this_rank(worlds):
     assert kind == "ValueError" and message.startswith("group:") and "rank 1" in message and not calls, results[1]
 
 
-def _strided_round_trip(x, topk_idx, topk_weights):
+def _strided_round_trip(x, topk_idx, topk_weights, variant="alltoall"):
     """A round trip of x, topk_idx and topk_weights as strided and overlapping
     (stride-0) views, and of their contiguous copies."""
     from world import current_device
 
     device = current_device()
-    d = dispatch.create(dispatch.DispatchConfig(num_experts=4))
+    d = dispatch.create(dispatch.DispatchConfig(num_experts=4, variant=variant))
     x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
     views = (x[:, ::2], x[:1].expand(x.shape[0], -1)), topk_idx.t().contiguous().t(), topk_weights[:, :1].expand(
         -1, topk_idx.shape[1])
@@ -263,13 +263,16 @@ def _strided_round_trip(x, topk_idx, topk_weights):
     return out
 
 
-def test_strided_and_overlapping_inputs_move_like_their_copies(worlds):
+@pytest.mark.parametrize("variant", ["alltoall", "allgather", "hierarchical", "auto"])
+@pytest.mark.parametrize("tokens", [6, 1])
+def test_strided_and_overlapping_inputs_move_like_their_copies(worlds, variant, tokens):
     """Not refused: non-contiguous and overlapping (expanded) inputs are read as
-    their contiguous copies."""
-    x = torch.randn(6, 8)
-    idx = torch.tensor([[0, 3], [1, -1], [2, 1], [3, 0], [0, 2], [1, 3]])
-    w = torch.rand(6, 2)
-    for got in worlds(2).run(_strided_round_trip, [(x, idx, w)] * 2):
+    their contiguous copies, every variant (one token: a strided row flattens to
+    a strided view)."""
+    x = torch.randn(6, 8)[:tokens]
+    idx = torch.tensor([[0, 3], [1, -1], [2, 1], [3, 0], [0, 2], [1, 3]])[:tokens]
+    w = torch.rand(6, 2)[:tokens]
+    for got in worlds(2).run(_strided_round_trip, [(x, idx, w, variant)] * 2):
         for view, copy in (got[0:2], got[2:4]):
             assert all(torch.equal(a, b) for a, b in zip(view, copy))
 

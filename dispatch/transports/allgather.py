@@ -124,7 +124,7 @@ class AllGatherTransport(Transport):
         if pad:
             packed = torch.cat([packed, packed.new_zeros(pad, *packed.shape[1:])])
         tail = packed.shape[1:]
-        flat = packed.reshape(-1).view(torch.uint8)
+        flat = packed.contiguous().view(-1).view(torch.uint8)
         if flat.shape[0] == 0:  # no rank has a token (every rank knows it from the counts)
             gathered = flat
         else:
