@@ -240,7 +240,7 @@ class HostSummary:
     @property
     def has_rows(self) -> tuple[bool, ...]:
         """Whether each rank receives rows (a column of ``matrix`` not all zero)."""
-        return tuple([any(column) for column in zip(*self.matrix)])
+        return tuple(map(any, zip(*self.matrix)))
 
     def per_expert_host(self) -> torch.Tensor:
         """``per_expert`` as a host int64 tensor (``tokens_per_expert_host``)."""
