@@ -177,7 +177,9 @@ class Board:
             if words[h + 1] != k:
                 self._wait(heads, 1, k, start, timeout, what)
                 break
-        return [list(words[h + 2 : h + 2 + width]) for h in heads]
+        rows = map(slice, range(heads.start + 2, heads.stop + 2, _SLOT),
+                   range(heads.start + 2 + width, heads.stop + 2 + width, _SLOT))  # each rank's row
+        return list(map(list, map(words.__getitem__, rows)))  # (by map: no call per rank)
 
     def _wait(self, heads, word: int, k: int, start: float | None, timeout: float,
               what: Callable[[], str]) -> float | None:

@@ -106,8 +106,8 @@ def exchange(
                                                   layout)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     all_counts, headers, tails = layout.split(gathered)
-    # this rank's own bad values: its error (its peers raise in check_peer_headers)
-    checks.raise_own_values(headers[rank].tolist(), ticket, topk_idx, topk_weights, num_experts)
+    if headers[rank, _FAILED]:  # this rank's own bad values: its error (its peers raise in check_peer_headers)
+        checks.raise_own_values(headers[rank].tolist(), ticket, topk_idx, topk_weights, num_experts)
     x_grad_any, weights_grad_any = checks.check_peer_headers(headers)
     rows_per_rank = all_counts[:, :, 1:].sum((0, 2)).tolist()
     checks.check_row_budgets(headers, rows_per_rank, row_bytes, exact_memory_rows)

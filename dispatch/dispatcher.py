@@ -305,8 +305,11 @@ class TokenDispatcher:
                    None if weights is None else (weights.shape, weights.dtype, weights.device, weights.layout))
         except AttributeError:
             key = None
-        self._signature(key, lambda: checks.check_combine_inputs(expert_out, weights, rows, self.devices,
-                                                                 device=handle.device) or True)
+        try:
+            self._signatures[key]  # a signature met before (None is never kept)
+        except (KeyError, TypeError):
+            self._signature(key, lambda: checks.check_combine_inputs(expert_out, weights, rows, self.devices,
+                                                                     device=handle.device) or True)
         differentiable = expert_out.requires_grad or (weights is not None and weights.requires_grad)
         if torch.is_grad_enabled() and differentiable and handle.link is None:
             raise ValueError(
@@ -522,8 +525,11 @@ class TokenDispatcher:
                    groups.__class__, groups)
         except AttributeError:  # not tensors: the checks name the argument
             key = None
-        return self._signature(key, lambda: checks.check_dispatch_signature(self, x, topk_idx, topk_weights, max_rows,
-                                                                              groups))
+        try:
+            return self._signatures[key]  # a signature met before (None is never kept)
+        except (KeyError, TypeError):
+            return self._signature(key, lambda: checks.check_dispatch_signature(self, x, topk_idx, topk_weights,
+                                                                                  max_rows, groups))
 
     def _signature(self, key: tuple | None, check):
         """``check()``'s result (not None), kept for ``key``: the signature of a

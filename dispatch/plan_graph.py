@@ -232,9 +232,10 @@ class HostSummary:
         by_group = received + world
         groups = by_group + 4 * world * local
         fullest = groups + world
+        cut = flat.__getitem__  # (the W rows of a part, each its slice: by map, no call per row)
         return cls(tuple(flat[:world]), tuple(flat[world : 2 * world]), flat[2 * world : at],
-                   [flat[headers + r * width : headers + (r + 1) * width] for r in range(world)],
-                   [flat[matrix + r * world : matrix + (r + 1) * world] for r in range(world)],
+                   list(map(cut, map(slice, range(headers, matrix, width), range(headers + width, matrix + 1, width)))),
+                   list(map(cut, map(slice, range(matrix, received, world), range(matrix + world, received + 1, world)))),
                    flat[received:by_group], flat[by_group:groups], flat[groups:fullest], flat[fullest:])
 
     @property

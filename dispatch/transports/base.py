@@ -279,7 +279,7 @@ def shape_fields(request: Request, num_local: int, per_expert: list[int], num_ro
 def by_groups(whole: Pending, handle: CombineHandle) -> "PendingGroups | Pending":
     """A movement made at once, handed out by group: piece g is group g's rows
     (one group: the movement itself)."""
-    if handle.groups == 1:
+    if handle.group_rows is None:  # (one group)
         return whole
     return PendingGroups([None] * handle.groups,
                          [lambda g=g: whole.finish()[slice(*handle.row_range(g))] for g in range(handle.groups)])
