@@ -4,7 +4,7 @@ Notation as in ``dispatch.plan`` (W, E_local, K, T, H, N, J); T_max = the larges
 T of the group (blocks are padded to it), R = tokens of the group with at least
 one expert on this rank.
 
-Dispatch: the routing ([T_max, 2K]: expert ids and weights) and the packed token
+Dispatch: the routing rows ([T_max, 2 + 2K]: ``counts.ROUTING``) and the packed token
 rows ([T_max] rows of the codec) are all-gathered; each rank expands the slots
 of its local experts in canonical order. No per-destination split is needed,
 which is what makes it cheap when K is large against W (a token reaches most
