@@ -65,6 +65,8 @@
 #             NCCL transport) of this tree against a base tree in .wt/base (where there is one),
 #             both in one process, blocks in turn; then bench/host_layers.py (that host time layer
 #             by layer, decode and DeepSeek-V3) (all in results/engine-one-gpu.txt)
+#   host-plan bench/host_plan_probe.py: the all-gather and hierarchical variants' expansion on one GPU in torch
+#             operations (as on CUDA today) against the compiled CPU plan with its copies, held equal bit for bit
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels
@@ -280,6 +282,8 @@ for part in "$@"; do
         step 60 "host-layers-$shape" bash -c 'set -o pipefail; python3 bench/host_layers.py --shape "$2" | tee -a "$1"' _ \
           "$RES/engine-one-gpu.txt" "$shape"
       done ;;
+    host-plan)
+      step 200 host-plan python3 bench/host_plan_probe.py --out "$RES/host-plan-probe.md" ;;
     host)
       step 200 engine-host python3 bench/engine_probe.py --shapes decode,deepseek-v3 --host-profile --host-sections \
         --iters 10 --warmup 3

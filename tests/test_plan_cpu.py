@@ -14,6 +14,7 @@ from dispatch import counts, plan, plan_graph
 from dispatch.kernels import gather_sum as gs
 from dispatch.kernels import plan_cpu
 from test_kernels import GATHER_CASES, ROUTE_CASES, SEND_CASES, _bad_values, _case, _recv_case, _slots
+from bench_scripts import load
 
 compiled = plan_cpu.module()
 pytestmark = pytest.mark.skipif(compiled is None, reason="the compiled CPU plan does not build here (no C++ "
@@ -260,3 +261,14 @@ def test_arguments_of_other_shapes_are_refused_not_read_past():
     route, _, row = plan_graph.route_phase_reference(idx, torch.rand(2, 2), header, 4, 2, False)
     with pytest.raises(RuntimeError, match="other shapes"):
         compiled.send_plan(route.dest, route.hit, torch.stack([row, row]), 0, idx, torch.rand(2, 1), len(plan.HEADER))
+
+
+def test_the_host_plan_probe_holds_its_two_expansions_equal(tmp_path):
+    """``bench/host_plan_probe.py`` (where the GPU's expansion should run) on CPU: its
+    two ways, the torch operations and the compiled plan with its copies, give the
+    same bits on every row."""
+    out = tmp_path / "probe.md"
+    assert load("host_plan_probe").main(["--device", "cpu", "--tokens", "7,33", "--worlds", "1,3",
+                                         "--experts", "12", "--topk", "3", "--iters", "1", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), rows
