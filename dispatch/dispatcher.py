@@ -515,9 +515,7 @@ class TokenDispatcher:
     def _check_dispatch(self, x, topk_idx, topk_weights, max_rows, groups) -> Codec:
         """``dispatch``'s own checks of its arguments (this rank alone); its wire codec.
         They read the arguments' types, shapes, dtypes, devices and layouts only (the values are
-        checked with the plan): once passed for a signature, its codec is kept
-        (``_SIGNATURES`` of them at most), so that a dispatch of a shape met before
-        pays one lookup."""
+        checked with the plan): once passed for a signature, its codec is kept (``_signature``)."""
         try:
             key = ("dispatch", x.__class__, x.shape, x.dtype, x.device, x.layout, topk_idx.__class__, topk_idx.shape,
                    topk_idx.dtype, topk_idx.device, topk_idx.layout, topk_weights.__class__, topk_weights.shape,
@@ -532,21 +530,17 @@ class TokenDispatcher:
                                                                                   max_rows, groups))
 
     def _signature(self, key: tuple | None, check):
-        """``check()``'s result (not None), kept for ``key``: the signature of a
-        verb's arguments (their types, shapes, dtypes, devices) where ``check``
-        reads nothing else, so that a call of a signature met before pays one
-        lookup (``_SIGNATURES`` kept at most; None or an unhashable key: no
-        keeping)."""
-        try:
-            result = self._signatures.get(key)
-        except TypeError:  # unhashable (an argument of a type the checks refuse)
-            return check()
-        if result is None:
-            result = check()
-            if key is not None:
-                if len(self._signatures) >= _SIGNATURES:
-                    self._signatures.clear()
+        """``check()``'s result (not None), kept for ``key`` (the signature of a verb's arguments: their types,
+        shapes, dtypes, devices, where ``check`` reads nothing else), which the verbs look up first: a call of a
+        signature met before pays one subscript (``_SIGNATURES`` kept at most; None or an unhashable key: none)."""
+        result = check()
+        if len(self._signatures) >= _SIGNATURES:
+            self._signatures.clear()
+        if key is not None:
+            try:
                 self._signatures[key] = result
+            except TypeError:  # unhashable (an argument of a type the checks refuse)
+                pass
         return result
 
     def _take_part_refused(self, ticket: plan.Ticket) -> None:
