@@ -86,7 +86,7 @@ def _measure(tree: str, variant: str, shape: str, trips: int, on_cuda: bool = Fa
     # every function's calls, counted by code object: pstats keys them by (file, line, name),
     # under which dataclasses' generated __init__ ("<string>", 2) coincide and overwrite each other
     calls = sum(entry.callcount for entry in profile.getstats())
-    return {"calls": calls, "pstats_calls": stats.total_calls, "us": statistics.median(times) * 1e6,
+    return {"calls": calls, "us": statistics.median(times) * 1e6,
             "compiled": None if on_cuda else plan_cpu is not None and plan_cpu.module() is not None,  # (no build)
             "top": _lines(own, tree) + ["the tree's functions with the most time in all"] + _lines(ours, tree)
             if top else []}

@@ -255,8 +255,9 @@ std::vector<Tensor> expand(const Tensor& routing_in, int64_t topk, int64_t block
   int64_t *slot_of = slots.data_ptr<int64_t>(), *pre = presum.data_ptr<int64_t>();
   int64_t *src = expand_src.data_ptr<int64_t>(), *s_rank = src_rank.data_ptr<int64_t>();
   int64_t *s_token = src_token.data_ptr<int64_t>(), *weight_bits = weights.view(at::kLong).data_ptr<int64_t>();
+  int64_t* item_here = here.data_ptr<int64_t>();
   for (const int64_t i : by_key) {
-    here.data_ptr<int64_t>()[place[i]] = i;
+    item_here[place[i]] = i;
     for (int64_t k = 0; k < topk; ++k) {
       if (to[i * topk + k] != rank) continue;
       const int64_t e = id[i * topk + k] - rank * local;

@@ -102,8 +102,7 @@ def exchange(
     head = plan.header(x, topk_weights, topk, ticket) + [num_tokens, groups]
     layout = counts_row(world_size, num_experts // world_size, local_world_size)
     route, node_hit, row, routing = route_and_row(topk_idx, topk_weights.detach(), head, num_experts, world_size,
-                                                  local_world_size, check_values, x.device, rank, with_routing,
-                                                  layout)
+                                                  local_world_size, check_values, x.device, rank, with_routing)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     all_counts, headers, tails = layout.split(gathered)
     if headers[rank, _FAILED]:  # this rank's own bad values: its error (its peers raise in check_peer_headers)
@@ -118,14 +117,14 @@ def exchange(
 
 def route_and_row(topk_idx: torch.Tensor, topk_weights: torch.Tensor, head: list[int], num_experts: int,
                   world_size: int, local_world_size: int, check_values: bool, device: torch.device, rank: int = 0,
-                  with_routing: bool = False, layout: plan.CountsRow | None = None):
+                  with_routing: bool = False):
     """(``plan.Route``, node_hit [T, M] bool, the row :func:`exchange` all-gathers,
     the routing rows or None) of this rank's routing; ``head``: its header
     entries, then T and G. With ``check_values``, a bad value raises the row's
     failed entry. ``with_routing``: [T, 2 + 2K] routing rows (``ROUTING``) of
     ``rank``. On CPU one compiled call (``dispatch.kernels.plan_cpu``)."""
     num_tokens = topk_idx.shape[0]
-    layout = layout or counts_row(world_size, num_experts // world_size, local_world_size)
+    layout = counts_row(world_size, num_experts // world_size, local_world_size)
     compiled = plan_cpu.on_cpu(topk_idx)
     if compiled is not None:
         dest, hit, node_hit, row, routing = compiled.counts_row(topk_idx, topk_weights, check_values, head,
