@@ -10,6 +10,8 @@
 //               into its failed entry), and the routing rows the all-gather and
 //               hierarchical variants move
 //   send_order  plan.send_positions, then plan.items_by_row and plan.rows_by_item
+//   forward_order  transports.hierarchical.forward_order_reference (its second stage's send order)
+//   tier_plan   transports.hierarchical.tier_plan_reference (its host plan from the counts)
 //   expand      counts.expand_reference (the all-gather and hierarchical variants'
 //               expansion of the routing rows that reached a rank to canonical order)
 //   send_plan   plan_graph.send_phase, one group: the send plan, the summary the
@@ -207,6 +209,85 @@ std::vector<Tensor> send_order(const Tensor& hit_in, const std::vector<int64_t>&
     std::sort(mine, mine + n);
   }
   return {items_by_row, rows_by_item};
+}
+
+// send_order of routing rows [I, 2 + 2 K] (counts.ROUTING) to the D = sizes.size() ranks
+// first .. first + D - 1 that hold one of their experts (routed as route routes them),
+// then the rows in that order: the hierarchical variant's second stage, inside a node.
+std::vector<Tensor> forward_order(const Tensor& routing_in, int64_t topk, int64_t num_experts, int64_t world,
+                                  int64_t first, const std::vector<int64_t>& sizes) {
+  const Tensor routing = routing_in.to(at::kLong).contiguous();
+  const int64_t dests = static_cast<int64_t>(sizes.size());
+  TORCH_CHECK(routing.dim() == 2 && routing.size(1) == 2 + 2 * topk && world > 0 && num_experts >= world &&
+                  0 <= first && first + dests <= world,
+              "forward_order: arguments of other shapes than a plan's");
+  const int64_t items = routing.size(0), cols = 2 + 2 * topk, local = num_experts / world;
+  std::vector<int64_t> ids(items * topk), to(items * topk), counts(world * (1 + local), 0);
+  std::vector<char> hits(items * world, 0);
+  const int64_t* row = routing.data_ptr<int64_t>();
+  for (int64_t i = 0; i < items; ++i) std::copy(row + i * cols + 2, row + i * cols + 2 + topk, ids.data() + i * topk);
+  route_into(ids.data(), items, topk, num_experts, world, to.data(), reinterpret_cast<bool*>(hits.data()),
+             counts.data());
+  Tensor hit = at::empty({items, dests}, routing.options().dtype(at::kBool));
+  bool* h = hit.data_ptr<bool>();
+  for (int64_t i = 0; i < items; ++i)
+    for (int64_t d = 0; d < dests; ++d) h[i * dests + d] = hits[i * world + first + d];
+  std::vector<Tensor> order = send_order(hit, sizes);
+  order.push_back(routing_in.index_select(0, order[0]));
+  return order;
+}
+
+// The hierarchical variant's host plan from the all-gathered counts [W, W, 1 + L] (source, destination:
+// plan.Route.counts), node hits [W, M] (counts.GlobalCounts.node_hits), tokens [W], and this rank's
+// tokens' nodes node_hit [T, M] bool and routing rows [T, 2 + 2 K], for this rank (node a, index l of
+// ranks_per_node): (send1 [M], recv1 [M]) the stage-1 rows to and from each node's rank of index l,
+// (send2, recv2) [ranks_per_node] the stage-2 rows to and from each rank of node a, per_expert [L] the
+// slots of this rank's local experts, stage 1's send order (send_order of node_hit) and its routing rows
+// in that order, then (the offsets of this rank's own block in stage 1's send and held rows, the rows
+// that arrive in stage 2, the largest T or 1).
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, Tensor, Tensor,
+           Tensor, Tensor, std::vector<int64_t>>
+tier_plan(const Tensor& counts_in, const Tensor& node_hits_in, const Tensor& tokens_in, const Tensor& node_hit,
+          const Tensor& routing, int64_t rank, int64_t ranks_per_node) {
+  const Tensor counts = counts_in.contiguous(), node_hits = node_hits_in.contiguous();
+  const Tensor tokens = tokens_in.contiguous();
+  TORCH_CHECK(counts.dim() == 3 && node_hits.dim() == 2, "tier_plan: arguments of other shapes than a plan's");
+  const int64_t world = counts.size(0), width = counts.size(2), nodes = node_hits.size(1);
+  TORCH_CHECK(counts.size(1) == world && width >= 1 && counts.scalar_type() == at::kLong &&
+                  ranks_per_node > 0 && nodes * ranks_per_node == world && node_hits.size(0) == world &&
+                  node_hits.scalar_type() == at::kLong && tokens.numel() == world &&
+                  tokens.scalar_type() == at::kLong && 0 <= rank && rank < world,
+              "tier_plan: arguments of other shapes than a plan's");
+  const int64_t* c = counts.data_ptr<int64_t>();
+  const int64_t* nh = node_hits.data_ptr<int64_t>();
+  const int64_t node = rank / ranks_per_node, index = rank % ranks_per_node;
+  auto hits = [&](int64_t src, int64_t dst) { return c[(src * world + dst) * width]; };
+  std::vector<int64_t> send1(nodes), recv1(nodes), send2(ranks_per_node, 0), recv2(ranks_per_node, 0);
+  int64_t self_send = 0, self_recv = 0;
+  for (int64_t b = 0; b < nodes; ++b) {
+    const int64_t holder_source = b * ranks_per_node + index;  // a source whose tokens this rank holds
+    send1[b] = nh[rank * nodes + b];
+    recv1[b] = nh[holder_source * nodes + node];
+    if (b < node) {
+      self_send += send1[b];
+      self_recv += recv1[b];
+    }
+    for (int64_t i = 0; i < ranks_per_node; ++i) {
+      send2[i] += hits(holder_source, node * ranks_per_node + i);
+      recv2[i] += hits(b * ranks_per_node + i, rank);
+    }
+  }
+  Tensor per_expert = at::zeros({width - 1}, counts.options());
+  int64_t* pe = per_expert.data_ptr<int64_t>();
+  for (int64_t s = 0; s < world; ++s)
+    for (int64_t e = 1; e < width; ++e) pe[e - 1] += c[(s * world + rank) * width + e];
+  int64_t arrive = 0, block = 1;
+  for (const int64_t r : recv2) arrive += r;
+  const int64_t* t = tokens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < world; ++s) block = std::max(block, t[s]);
+  const std::vector<Tensor> order = send_order(node_hit, send1);
+  return {send1, recv1, send2, recv2, per_expert, order[0], order[1], routing.index_select(0, order[0]),
+          {self_send, self_recv, arrive, block}};
 }
 
 // (slots [N], here [R], presum_index [R, J], expand_src [N], weights [N] fp64, src_rank [N],
@@ -513,6 +594,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_row", &route_row);
   m.def("counts_row", &counts_row);
   m.def("send_order", &send_order);
+  m.def("forward_order", &forward_order);
+  m.def("tier_plan", &tier_plan);
   m.def("expand", &expand);
   m.def("send_plan", &send_plan);
   m.def("recv_plan", &recv_plan);

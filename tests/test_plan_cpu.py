@@ -4,6 +4,7 @@ references, bitwise; and a round trip on gloo with it equal to one without."""
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from dispatch import counts, plan, plan_graph
 from dispatch.kernels import gather_sum as gs
 from dispatch.kernels import plan_cpu
+from dispatch.transports import hierarchical
 from test_kernels import GATHER_CASES, ROUTE_CASES, SEND_CASES, _bad_values, _case, _recv_case, _slots
 from bench_scripts import load
 
@@ -150,6 +152,49 @@ def test_expand_is_the_references(world, local, items, topk, rank, bad, spread, 
         compiled.expand(*args[:6], num_rows + 1, *args[7:])
     with pytest.raises(RuntimeError, match="items here disagree with the counts"):
         compiled.expand(*args[:8], int(here.sum()) + 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes=st.integers(1, 3), ranks_per_node=st.integers(1, 3), local=st.integers(1, 3), topk=st.integers(1, 4),
+       rank=st.integers(0, 8), bad=st.sampled_from(["none", "id", "repeat", "empty"]), seed=st.integers(0, 10**6))
+def test_the_hierarchical_host_plan_is_the_references(nodes, ranks_per_node, local, topk, rank, bad, seed):
+    """The hierarchical variant's host plan from the counts exchange
+    (``hierarchical.tier_plan``: each tier's rows each way, this rank's slots per
+    expert, stage 1's send order and rows, its offsets) and its second stage's send
+    order and rows (``hierarchical.forward_order``), any layout of nodes, ranks with
+    no tokens, ids the route drops: bitwise their torch operations'."""
+    world = nodes * ranks_per_node
+    rank, experts = rank % world, world * local
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 7, (world,), generator=gen)
+    ids = [_bad_values(_slots(int(t), topk, experts, gen), torch.rand(int(t), topk, generator=gen), bad, gen,
+                       experts)[0] for t in tokens]
+    routes = [plan.route_reference(one, experts, world) for one in ids]
+    node_hit = [r.hit.view(-1, nodes, ranks_per_node).any(2) for r in routes]
+    mine = ids[rank]
+    routing = torch.cat([torch.full((mine.shape[0], 1), rank), torch.arange(mine.shape[0]).unsqueeze(1), mine.long(),
+                         torch.rand(mine.shape, generator=gen, dtype=torch.float64).view(torch.int64)], 1)
+    gc = types.SimpleNamespace(counts=torch.stack([r.counts for r in routes]), tokens=tokens, routing=routing,
+                               node_hits=torch.stack([h.sum(0) for h in node_hit]), node_hit=node_hit[rank])
+    with torch_ops():
+        want = hierarchical.tier_plan(gc, rank, ranks_per_node)
+    got = hierarchical.tier_plan(gc, rank, ranks_per_node)
+    for one, other in zip(got, want):
+        if isinstance(other, torch.Tensor):
+            assert one.dtype == other.dtype and torch.equal(one, other)
+        else:
+            assert list(one) == list(other)
+    node = rank // ranks_per_node
+    first, held = node * ranks_per_node, got[7]  # this node's first rank; as if stage 1's rows came back here
+    sizes = tuple(plan.route_reference(held[:, 2 : 2 + topk], experts, world).hit[:, first : first + ranks_per_node]
+                  .sum(0).tolist())
+    args = (held, topk, experts, world, first, sizes)
+    with torch_ops():
+        want = hierarchical.forward_order(*args)
+    got = hierarchical.forward_order(*args)
+    for one, other in zip(got, want):
+        assert one.dtype == other.dtype and torch.equal(one, other)
+    assert torch.equal(got[2], held[got[0]])
 
 
 @settings(max_examples=80, deadline=None)

@@ -13,7 +13,8 @@ tables; the sums in the same order, each product and sum rounded once):
 * ``gather_sum``: ``kernels.gather_sum.gather_sum_reference``;
 * for the all-gather and hierarchical variants (and ``auto``'s counts exchange):
   ``counts_row`` (``counts.route_and_row``), ``send_order`` (``counts.send_order``)
-  and ``expand`` (``counts.expand_reference``).
+  and ``expand`` (``counts.expand_reference``); for the hierarchical variant also
+  ``tier_plan`` and ``forward_order`` (``transports.hierarchical``).
 
 It is built at first use (``dispatch.build``: a C++ compiler and ninja, under a
 minute once per machine). Where it cannot be built, the torch operations run

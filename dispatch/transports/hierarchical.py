@@ -45,6 +45,7 @@ from dispatch.codec import Codec
 from dispatch.handle import CombineHandle
 from dispatch.streams import Done, Pending, PendingGroups
 from dispatch.transports.base import Request, Transport, by_groups, handle_fields, shape_fields
+from dispatch.kernels import plan_cpu
 from dispatch.kernels.gather_sum import accumulate_dtype, gather_owned, gather_sum
 from dispatch.stats import make_stats
 
@@ -82,6 +83,57 @@ def tier_groups(group: dist.ProcessGroup | None, local_world_size: int) -> TierG
             inter = made if me in members else inter
     _TIER_GROUPS[key] = TierGroups(intra, inter)
     return _TIER_GROUPS[key]
+
+
+def tier_plan(gc: counts.GlobalCounts, rank: int, ranks_per_node: int) -> tuple:
+    """This rank's host plan from the counts exchange (on CPU one compiled call,
+    ``dispatch.kernels.plan_cpu``): ``(send1, recv1, send2, recv2, per_expert,
+    send1_token, home_index, (self_send, self_recv, arrive, block))``: the rows of
+    stage 1 to and from each node (lists of M), of stage 2 to and from each rank of
+    this node (lists of L), [E_local] int64 host the slots of this rank's experts,
+    stage 1's send order (``counts.send_order`` of ``gc.node_hit``) and its routing rows
+    in that order, the offsets of this rank's own block in stage 1's send and held rows,
+    the rows that arrive in stage 2 and the largest T (at least 1: ``counts.expand``'s block).
+    """
+    compiled = plan_cpu.on_cpu(gc.node_hit)
+    if compiled is not None:
+        return compiled.tier_plan(gc.counts, gc.node_hits, gc.tokens, gc.node_hit, gc.routing, rank, ranks_per_node)
+    return tier_plan_reference(gc, rank, ranks_per_node)
+
+
+def tier_plan_reference(gc: counts.GlobalCounts, rank: int, ranks_per_node: int) -> tuple:
+    """:func:`tier_plan` in torch operations (the node hits on any device)."""
+    nodes = gc.node_hits.shape[1]
+    node, index = divmod(rank, ranks_per_node)
+    hits = gc.counts[:, :, 0]  # [W_src, W_dst]
+    holders = list(range(index, nodes * ranks_per_node, ranks_per_node))  # sources whose tokens this rank holds
+    send1, recv1 = gc.node_hits[rank].tolist(), gc.node_hits[holders, node].tolist()
+    send2 = hits[holders, node * ranks_per_node : (node + 1) * ranks_per_node].sum(0).tolist()
+    recv2 = hits[:, rank].view(nodes, ranks_per_node).sum(0).tolist()
+    send1_token, home_index = counts.send_order(gc.node_hit, tuple(send1))
+    return (send1, recv1, send2, recv2, gc.counts[:, rank, 1:].sum(0), send1_token, home_index,
+            gc.routing.index_select(0, send1_token),
+            (sum(send1[:node]), sum(recv1[:node]), sum(recv2), max(int(gc.tokens.max()), 1)))
+
+
+def forward_order(routing: torch.Tensor, topk: int, num_experts: int, world_size: int, first: int,
+                  sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``counts.send_order`` of the routing rows (``counts.ROUTING``) a holder forwards
+    in stage 2 to the ranks ``first .. first + len(sizes) - 1`` of its node that hold
+    one of their experts (routed as ``plan.route`` routes them; on CPU one compiled call),
+    then the rows in that order.
+    """
+    compiled = plan_cpu.on_cpu(routing)
+    if compiled is not None:
+        return tuple(compiled.forward_order(routing, topk, num_experts, world_size, first, list(sizes)))
+    return forward_order_reference(routing, topk, num_experts, world_size, first, sizes)
+
+
+def forward_order_reference(routing, topk, num_experts, world_size, first, sizes):
+    """:func:`forward_order` in torch operations (any device)."""
+    hit = plan.route(routing[:, 2 : 2 + topk], num_experts, world_size).hit[:, first : first + len(sizes)]
+    items_by_row, rows_by_item = counts.send_order(hit, sizes)
+    return items_by_row, rows_by_item, routing.index_select(0, items_by_row)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,34 +188,24 @@ class HierarchicalTransport(Transport):
     def plan(self, request: Request):
         x, topk_idx, topk_weights, ticket = request.x, request.topk_idx, request.topk_weights, request.ticket
         check_values = request.check_values
-        world, rank, local = self.world_size, self.rank, self.local_world_size
-        node, index, nodes = self.node, self.local_rank, self.num_nodes
+        world, rank, local, node = self.world_size, self.rank, self.local_world_size, self.node
         num_experts = self.config.num_experts
-        num_tokens, topk = topk_idx.shape
-        device = x.device
+        topk = topk_idx.shape[1]
         gc = counts.exchange(x, topk_idx, topk_weights, num_experts, local, self.group, world, rank, check_values,
                              self.arrivals, ticket, self.row_bytes(x), request.exact_memory_rows, request.groups, True)
-        hits = gc.counts[:, :, 0]  # [W_src, W_dst] host
-        holders_sources = [b * local + index for b in range(nodes)]  # sources whose tokens this rank holds
-        send1 = tuple(gc.node_hits[rank].tolist())
-        recv1 = tuple(gc.node_hits[holders_sources, node].tolist())
-        my_node = slice(node * local, (node + 1) * local)
-        send2 = tuple(hits[holders_sources][:, my_node].sum(0).tolist())
-        recv2 = tuple(hits[:, rank].view(nodes, local).sum(0).tolist())
-        per_expert_host = gc.counts[:, rank, 1:].sum(0)
+        (send1, recv1, send2, recv2, per_expert_host, send1_token, home_index, routing1,
+         (self_send, self_recv, arrive, block)) = tier_plan(gc, rank, local)
+        send1, recv1, send2, recv2 = tuple(send1), tuple(recv1), tuple(send2), tuple(recv2)
         num_rows = gc.rows_per_rank[rank]
-        block = max(int(gc.tokens.max()), 1)
 
         # stage 1: my tokens' routing rows (counts.ROUTING) to (node b, index l)
-        send1_token, home_index = counts.send_order(gc.node_hit, send1)
-        held = comm.all_to_all_rows(gc.routing.index_select(0, send1_token), send1, recv1, self.tiers.inter)
+        held = comm.all_to_all_rows(routing1, send1, recv1, self.tiers.inter)
         # stage 2: held rows to the ranks of this node holding their experts
-        hit2 = plan.route(held[:, 2 : 2 + topk], num_experts, world).hit[:, my_node]
-        send2_row, node_index = counts.send_order(hit2, send2)
-        arrived = comm.all_to_all_rows(held.index_select(0, send2_row), send2, recv2, self.tiers.intra)
+        send2_row, node_index, routing2 = forward_order(held, topk, num_experts, world, node * local, send2)
+        arrived = comm.all_to_all_rows(routing2, send2, recv2, self.tiers.intra)
         # (every arrived row has a slot here: the items here are all of them, ascending)
         ex = counts.expand(arrived, topk, block, num_experts, world, rank, num_rows,
-                           min(topk, self.num_local_experts), sum(recv2))
+                           min(topk, self.num_local_experts), arrive)
         handle = HierarchicalHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows),
             send1=send1,
@@ -177,13 +219,13 @@ class HierarchicalTransport(Transport):
             slots=ex.slots,
             expand_src=ex.expand_src,
             presum_index=ex.presum_index,
-            self_send=sum(send1[:node]),
-            self_recv=sum(recv1[:node]),
+            self_send=self_send,
+            self_recv=self_recv,
             **shape_fields(request, self.num_local_experts, per_expert_host.tolist(), num_rows),
         )
         if self.phase_timer is not None:
             self.phase_timer.mark("plan")
-        return handle, ex.outputs(per_expert_host, device)
+        return handle, ex.outputs(per_expert_host, x.device)
 
     def to_experts(self, rows: torch.Tensor, handle: HierarchicalHandle, codec: Codec,
                    own: bool = False) -> PendingGroups:
@@ -205,13 +247,15 @@ class HierarchicalTransport(Transport):
             self.phase_timer.mark("presum")
         back2 = comm.all_to_all_rows(partial, handle.recv2, handle.send2, self.tiers.intra)  # [S2, H]
         node_sum = gather_sum(back2, handle.node_index, None, acc)  # [R1, H]
-        back1 = comm.all_to_all_rows(node_sum.to(wire), handle.recv1, handle.send1, self.tiers.inter)  # [S1, H]
+        back1 = node_sum  # one node: every partial is this node's
+        if self.num_nodes > 1:
+            back1 = comm.all_to_all_rows(node_sum.to(wire), handle.recv1, handle.send1, self.tiers.inter)  # [S1, H]
+            if wire != acc:  # this node's partial crossed no link: keep it unrounded
+                own = handle.send1[self.node]
+                back1 = back1.to(acc)
+                back1[handle.self_send : handle.self_send + own] = node_sum[handle.self_recv : handle.self_recv + own]
         if self.phase_timer is not None:
             self.phase_timer.mark("exchange_back")
-        if wire != acc:  # this node's partial crossed no link: keep it unrounded
-            own = handle.send1[self.node]
-            back1 = back1.to(acc)
-            back1[handle.self_send : handle.self_send + own] = node_sum[handle.self_recv : handle.self_recv + own]
         out = gather_sum(back1, handle.home_index, None, rows.dtype, acc)  # [T, H]
         if self.phase_timer is not None:
             self.phase_timer.mark("final_sum")
