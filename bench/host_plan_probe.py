@@ -1,7 +1,7 @@
 """Where the all-gather and hierarchical variants should expand their routing rows on
-CUDA: in torch operations on the device (what they do there today) or on the host
-in the compiled CPU plan (``csrc/plan_cpu.cpp``), the rows copied down and the
-results copied up in one pinned buffer. One process, one device, no collectives:
+CUDA: in torch operations on the device or on the host in the compiled CPU plan
+(``plan_cpu.on_host``: the rows copied down, the results copied up in one
+pinned buffer); ``counts.HOST_PLAN_ITEMS`` is set from it. One process, one device, no collectives:
 the routing rows of W ranks of T tokens each are made up as an all-gather leaves
 them (``counts.ROUTING``), and this rank's expansion (``counts.expand``) is timed
 both ways, the two held equal bit for bit.
@@ -35,21 +35,6 @@ def routing_rows(world: int, tokens: int, experts: int, topk: int, seed: int = 0
     weights = torch.rand(world * tokens, topk, generator=gen, dtype=torch.float64)
     source = torch.stack([torch.arange(world).repeat_interleave(tokens), torch.arange(tokens).repeat(world)], 1)
     return torch.cat([source, ids, weights.view(torch.int64)], 1)
-
-
-def on_host(routing: torch.Tensor, args: tuple) -> counts.Expansion:
-    """The expansion in the compiled CPU plan: the rows down, the results up in one copy."""
-    device = routing.device
-    here = counts.expand(routing.cpu(), *args)  # host sync: the rows to expand
-    parts = list(here.__dict__.values())
-    flat = torch.cat([part.reshape(-1).view(torch.int64) for part in parts])
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    out, at = [], 0
-    for part in parts:
-        out.append(flat[at : at + part.numel()].view(part.dtype).view(part.shape))
-        at += part.numel()
-    return counts.Expansion(*out)
 
 
 def timed(fn, iters: int, device: torch.device) -> float:
@@ -93,11 +78,11 @@ def main(argv=None) -> int:
             shape = (args.topk, tokens, args.experts, world, 0, num_rows, min(args.topk, args.experts // world),
                      items_here)
             want = counts.expand_reference(routing, *shape)
-            got = on_host(routing, shape)
+            got = counts.Expansion(*plan_cpu.on_host("expand", routing, *shape))
             same = all(torch.equal(a.view(torch.int64), b.view(torch.int64))
                        for a, b in zip(want.__dict__.values(), got.__dict__.values()))
             on_device = timed(lambda: counts.expand_reference(routing, *shape), args.iters, device)
-            host = timed(lambda: on_host(routing, shape), args.iters, device)
+            host = timed(lambda: counts.Expansion(*plan_cpu.on_host("expand", routing, *shape)), args.iters, device)
             lines.append(f"| {world} | {tokens} | {num_rows} | {on_device * 1e6:.0f} | {host * 1e6:.0f} | "
                          f"{host / on_device:.2f} | {'yes' if same else 'NO'} |")
             print(lines[-1], flush=True)

@@ -185,8 +185,10 @@ class Expansion:
 
 def expand(routing: torch.Tensor, topk: int, block: int, num_experts: int, world_size: int, rank: int,
            num_rows: int, width: int, items_here: int) -> Expansion:
-    """Canonical order of the slots of this rank's local experts (on CPU one
-    compiled call, ``dispatch.kernels.plan_cpu``; elsewhere torch operations).
+    """Canonical order of the slots of this rank's local experts: on CPU one
+    compiled call (``dispatch.kernels.plan_cpu``); on a GPU the same on the host
+    where the items are at most ``HOST_PLAN_ITEMS`` (``plan_cpu.on_host``), else
+    torch operations there; the same bits every way.
 
     Args:
         routing: [I, 2 + 2K] int64 routing rows (``ROUTING``) of the items; an item's
@@ -197,11 +199,19 @@ def expand(routing: torch.Tensor, topk: int, block: int, num_experts: int, world
         width: J = min(K, E_local).
         items_here: R, the items with a slot here (host, from the counts).
     """
+    args = (topk, block, num_experts, world_size, rank, num_rows, width, items_here)
     compiled = plan_cpu.on_cpu(routing)
     if compiled is not None:
-        return Expansion(*compiled.expand(routing, topk, block, num_experts, world_size, rank, num_rows, width,
-                                          items_here))
-    return expand_reference(routing, topk, block, num_experts, world_size, rank, num_rows, width, items_here)
+        return Expansion(*compiled.expand(routing, *args))
+    if routing.shape[0] <= HOST_PLAN_ITEMS and plan_cpu.module() is not None:
+        return Expansion(*plan_cpu.on_host("expand", routing, *args))
+    return expand_reference(routing, *args)
+
+
+# Routing rows a GPU rank expands (and, in the hierarchical variant, forwards) on the host at most
+# (bench/host_plan_probe.py, one H200: the expansion in torch operations takes 1.25-1.45 ms there,
+# launch-bound, at any size; on the host 0.28-0.50 ms at 256-1024 items, 0.92x at 2048, 1.28x at 4096).
+HOST_PLAN_ITEMS = 2048
 
 
 def expand_reference(routing, topk, block, num_experts, world_size, rank, num_rows, width, items_here) -> Expansion:

@@ -58,3 +58,18 @@ def _build() -> tuple:
 def on_cpu(tensor: torch.Tensor):
     """The module where ``tensor`` is on the CPU and the module is enabled and built, else None."""
     return (_built or _build())[0] if enabled and tensor.is_cpu else None
+
+
+def on_host(name: str, rows: torch.Tensor, *args) -> list[torch.Tensor]:
+    """The module's function ``name`` of ``rows`` on a GPU run on the host (the module
+    built): ``rows`` copied to the host (a host sync), the results back in one copy
+    from pinned memory (every result of 8-byte elements)."""
+    got = getattr(module(), name)(rows.cpu(), *args)
+    flat = torch.cat([part.reshape(-1).view(torch.int64) for part in got])
+    if not rows.is_cpu:
+        flat = flat.pin_memory().to(rows.device, non_blocking=True)
+    parts, at = [], 0
+    for part in got:
+        parts.append(flat[at : at + part.numel()].view(part.dtype).view(part.shape))
+        at += part.numel()
+    return parts

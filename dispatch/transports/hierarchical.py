@@ -117,15 +117,17 @@ def tier_plan_reference(gc: counts.GlobalCounts, rank: int, ranks_per_node: int)
 
 
 def forward_order(routing: torch.Tensor, topk: int, num_experts: int, world_size: int, first: int,
-                  sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                  sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``counts.send_order`` of the routing rows (``counts.ROUTING``) a holder forwards
     in stage 2 to the ranks ``first .. first + len(sizes) - 1`` of its node that hold
-    one of their experts (routed as ``plan.route`` routes them; on CPU one compiled call),
-    then the rows in that order.
+    one of their experts (routed as ``plan.route`` routes them; on CPU one compiled call,
+    on a GPU as ``counts.expand`` chooses), then the rows in that order.
     """
     compiled = plan_cpu.on_cpu(routing)
     if compiled is not None:
         return tuple(compiled.forward_order(routing, topk, num_experts, world_size, first, list(sizes)))
+    if routing.shape[0] <= counts.HOST_PLAN_ITEMS and plan_cpu.module() is not None:  # (as counts.expand)
+        return tuple(plan_cpu.on_host("forward_order", routing, topk, num_experts, world_size, first, list(sizes)))
     return forward_order_reference(routing, topk, num_experts, world_size, first, sizes)
 
 
