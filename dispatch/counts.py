@@ -209,9 +209,9 @@ def expand(routing: torch.Tensor, topk: int, block: int, num_experts: int, world
 
 
 # Routing rows a GPU rank expands (and, in the hierarchical variant, forwards) on the host at most
-# (bench/host_plan_probe.py, one H200: the expansion in torch operations takes 1.25-1.45 ms there,
-# launch-bound, at any size; on the host 0.28-0.50 ms at 256-1024 items, 0.92x at 2048, 1.28x at 4096).
-HOST_PLAN_ITEMS = 2048
+# (bench/host_plan_probe.py, one H200, two runs: the expansion in torch operations takes 1.2-1.6 ms
+# there, launch-bound, at any size; on the host 0.23-0.37x that at 256-1024 rows, 0.92-1.74x at 2048).
+HOST_PLAN_ITEMS = 1024
 
 
 def expand_reference(routing, topk, block, num_experts, world_size, rank, num_rows, width, items_here) -> Expansion:
