@@ -33,6 +33,12 @@ from dispatch.kernels import plan_cpu
 PAD = torch.iinfo(torch.int64).max
 _FAILED = plan.HEADER.index("failed")
 ROUTING = ("rank", "token", "ids", "weight bits")  # a routing row's entries (ids and weight bits: K each)
+# Rows a GPU rank plans on the host at most, in the compiled CPU plan: its tokens' route (``exchange``),
+# the routing rows it expands (and, in the hierarchical variant, forwards); more on the device in torch
+# operations (bench/host_plan_probe.py, one H200, two runs: the expansion in torch operations takes
+# 1.2-1.6 ms there, launch-bound, at any size; on the host 0.23-0.37x that at 256-1024 rows, 0.92-1.74x
+# at 2048).
+HOST_PLAN_ITEMS = 1024
 
 
 @dataclass(frozen=True)
@@ -40,15 +46,16 @@ class GlobalCounts:
     """What every rank knows after the counts exchange.
 
     Attributes:
-        route: this rank's :class:`dispatch.plan.Route` (device).
-        node_hit: [T, M] bool (device), token t has an expert on node n.
+        route: this rank's :class:`dispatch.plan.Route` (on the host where a GPU rank routed
+            there, ``HOST_PLAN_ITEMS``; else on the device).
+        node_hit: [T, M] bool (as ``route``), token t has an expert on node n.
         counts: [W_src, W_dst, 1 + E_local] int64 host, ``plan.Route.counts`` of every rank.
         tokens: [W] int64 host, T of every rank.
         node_hits: [W, M] int64 host, tokens of rank s with an expert on node n.
         x_grad_any, weights_grad_any: some rank needs that gradient.
         rows_per_rank: [W] host, the expanded rows each rank's experts get; has_rows: per
             rank, whether they get any (``CombineHandle.has_rows``).
-        routing: [T, 2 + 2K] int64, this rank's routing rows (``ROUTING``; where asked for).
+        routing: [T, 2 + 2K] int64 (as ``route``), this rank's routing rows (``ROUTING``; where asked for).
     """
 
     route: plan.Route
@@ -101,8 +108,14 @@ def exchange(
     num_tokens, topk = topk_idx.shape
     head = plan.header(x, topk_weights, topk, ticket) + [num_tokens, groups]
     layout = counts_row(world_size, num_experts // world_size, local_world_size)
-    route, node_hit, row, routing = route_and_row(topk_idx, topk_weights.detach(), head, num_experts, world_size,
-                                                  local_world_size, check_values, x.device, rank, with_routing)
+    idx, weights = topk_idx, topk_weights.detach()
+    on_host = not idx.is_cpu and num_tokens <= HOST_PLAN_ITEMS and plan_cpu.module() is not None
+    if on_host:  # host sync: a GPU rank's few rows route on the host (HOST_PLAN_ITEMS)
+        idx, weights = idx.cpu(), weights.cpu()
+    route, node_hit, row, routing = route_and_row(idx, weights, head, num_experts, world_size, local_world_size,
+                                                  check_values, x.device, rank, with_routing)
+    if on_host:
+        row = plan.to_device(row, x.device)
     gathered = comm.all_gather_rows(row, group, world_size, arrivals=arrivals).cpu()  # host sync: split sizes
     all_counts, headers, tails = layout.split(gathered)
     if headers[rank, _FAILED]:  # this rank's own bad values: its error (its peers raise in check_peer_headers)
@@ -207,11 +220,6 @@ def expand(routing: torch.Tensor, topk: int, block: int, num_experts: int, world
         return Expansion(*plan_cpu.on_host("expand", routing, *args))
     return expand_reference(routing, *args)
 
-
-# Routing rows a GPU rank expands (and, in the hierarchical variant, forwards) on the host at most
-# (bench/host_plan_probe.py, one H200, two runs: the expansion in torch operations takes 1.2-1.6 ms
-# there, launch-bound, at any size; on the host 0.23-0.37x that at 256-1024 rows, 0.92-1.74x at 2048).
-HOST_PLAN_ITEMS = 1024
 
 
 def expand_reference(routing, topk, block, num_experts, world_size, rank, num_rows, width, items_here) -> Expansion:

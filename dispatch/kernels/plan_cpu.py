@@ -62,14 +62,17 @@ def on_cpu(tensor: torch.Tensor):
 
 def on_host(name: str, rows: torch.Tensor, *args) -> list[torch.Tensor]:
     """The module's function ``name`` of ``rows`` on a GPU run on the host (the module
-    built): ``rows`` copied to the host (a host sync), the results back in one copy
-    from pinned memory (every result of 8-byte elements)."""
-    got = getattr(module(), name)(rows.cpu(), *args)
-    flat = torch.cat([part.reshape(-1).view(torch.int64) for part in got])
-    if not rows.is_cpu:
-        flat = flat.pin_memory().to(rows.device, non_blocking=True)
-    parts, at = [], 0
-    for part in got:
-        parts.append(flat[at : at + part.numel()].view(part.dtype).view(part.shape))
+    built): ``rows`` copied to the host (a host sync), the results back as :func:`upload`."""
+    return upload(getattr(module(), name)(rows.cpu(), *args), rows.device)
+
+
+def upload(parts, device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of 8-byte elements on ``device`` in one copy from pinned memory."""
+    flat = torch.cat([part.reshape(-1).view(torch.int64) for part in parts])
+    if device.type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    out, at = [], 0
+    for part in parts:
+        out.append(flat[at : at + part.numel()].view(part.dtype).view(part.shape))
         at += part.numel()
-    return parts
+    return out

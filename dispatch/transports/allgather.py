@@ -38,6 +38,7 @@ from dispatch.codec import Codec
 from dispatch.handle import CombineHandle
 from dispatch.streams import Done, Pending, PendingGroups
 from dispatch.transports.base import Request, Transport, by_groups, handle_fields, shape_fields
+from dispatch.kernels import plan_cpu
 from dispatch.kernels.gather_sum import accumulate_dtype, bits_of, gather_sum
 from dispatch.stats import make_stats, tier_split
 
@@ -92,15 +93,17 @@ class AllGatherTransport(Transport):
         send_splits = tuple(gc.counts[rank, :, 0].tolist())
         recv_splits = tuple(mine[:, 0].tolist())
 
-        # every rank's routing rows (counts.ROUTING), each rank's padded to the block (no ids)
+        home_index = counts.send_order(gc.route.hit, send_splits)[1]
         routing = gc.routing
+        if gc.route.hit.device != x.device:  # routed on the host (counts.HOST_PLAN_ITEMS)
+            routing, home_index = plan_cpu.upload((routing, home_index), x.device)
+        # every rank's routing rows (counts.ROUTING), each rank's padded to the block (no ids)
         if block > num_tokens:  # block is the same on every rank
             routing = torch.cat([routing, routing.new_full((block - num_tokens, routing.shape[1]), -1)])
         if block > 0:
             routing = comm.all_gather_rows(routing.flatten(), self.group, world).view(world * block, -1)
         ex = counts.expand(routing, topk, block, self.config.num_experts, world, rank, num_rows,
                            min(topk, self.num_local_experts), sum(recv_splits))
-        home_index = counts.send_order(gc.route.hit, send_splits)[1]
         handle = AllGatherHandle(
             **handle_fields(request, self, num_rows, (gc.x_grad_any, gc.weights_grad_any), gc.has_rows),
             block=block,

@@ -198,6 +198,8 @@ class HierarchicalTransport(Transport):
         (send1, recv1, send2, recv2, per_expert_host, send1_token, home_index, routing1,
          (self_send, self_recv, arrive, block)) = tier_plan(gc, rank, local)
         send1, recv1, send2, recv2 = tuple(send1), tuple(recv1), tuple(send2), tuple(recv2)
+        if gc.node_hit.device != x.device:  # routed on the host (counts.HOST_PLAN_ITEMS)
+            send1_token, home_index, routing1 = plan_cpu.upload((send1_token, home_index, routing1), x.device)
         num_rows = gc.rows_per_rank[rank]
 
         # stage 1: my tokens' routing rows (counts.ROUTING) to (node b, index l)
