@@ -344,9 +344,10 @@ def tiers_beside_local_world_size(x, topk_idx, topk_weights, config: dict, env: 
 
     saved = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = env
+    device = current_device()
     try:
         d = dispatch.create(dispatch.DispatchConfig.from_options(**config))
-        out = d.dispatch(x, topk_idx, topk_weights)
+        out = d.dispatch(x.to(device), topk_idx.to(device), topk_weights.to(device))
     finally:
         if saved is None:
             del os.environ["LOCAL_WORLD_SIZE"]

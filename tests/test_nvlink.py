@@ -509,6 +509,41 @@ def _rows_on_another_gpu(x, topk_idx, topk_weights, config, verb):
     return (*raised, bool(torch.allclose(back, expected, rtol=1e-5, atol=1e-5))) if raised else None
 
 
+@needs_engine
+def test_tokens_on_the_host_refused_by_name(worlds):
+    """Rank 0 dispatches tokens left on the host to an engine dispatcher: a
+    ValueError naming x and its device (not a CUDA error from the engine reading
+    host memory through a device address; over gloo, where the group moves host
+    tensors, the engine's own check says it), rank 1 PeerRefused naming rank 0;
+    a round trip after it completes on both."""
+    routing = make_routing(WORLD, 4, 2, [8, 8], "random", seed=4)
+    xs, ws = _inputs(routing, 64, torch.float32, seed=2)
+    results = _run(worlds, _tokens_on_the_host, routing, xs, ws, dict(num_experts=routing.num_experts))
+    assert results[0][0] == "ValueError" and "x is on cpu" in results[0][1], results
+    assert results[1][0] == "PeerRefused" and "[0]" in results[1][1], results
+    assert all(r[2] for r in results), results
+
+
+def _tokens_on_the_host(x, topk_idx, topk_weights, config):
+    from world import current_device
+
+    device = current_device()
+    d = dispatch.create(dispatch.DispatchConfig.from_options(**config, transport="nvlink"))
+    on_device = [t.to(device) for t in (x, topk_idx, topk_weights)]
+    with torch.no_grad():
+        try:
+            d.dispatch(*((x, topk_idx, topk_weights) if torch.distributed.get_rank() == 0 else on_device))
+            raised = None
+        except (ValueError, RuntimeError) as exc:
+            raised = (type(exc).__name__, str(exc))
+        again = d.dispatch(*on_device)
+        back = d.combine(again.tokens, again.handle, weights=again.weights)
+        torch.cuda.synchronize()
+    x, topk_idx, topk_weights = on_device
+    expected = x * (topk_weights * (topk_idx >= 0)).sum(1, keepdim=True)  # identity experts, weighted
+    return (*raised, bool(torch.allclose(back, expected, rtol=1e-5, atol=1e-5))) if raised else None
+
+
 def _async_out_of_order(x, topk_idx, topk_weights, config):
     """Three micro-batches on one engine dispatcher: dispatches started together
     (on its communication stream) and waited for in reverse order, combines

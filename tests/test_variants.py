@@ -151,11 +151,13 @@ def test_cost_model_prefers_hierarchical_on_a_slow_network():
 )
 def test_auto_choice_is_the_same_on_every_rank_and_exposed(worlds, link, tokens, want):
     """With all experts of every token (each token reaches both ranks of the other
-    node), the network speed decides; every rank reports the same choice, and the
-    results are the reference's."""
+    node), the network speed decides among the collectives' variants (on one
+    host ``transport="auto"`` would take the NVLink engine); every rank reports
+    the same choice, and the results are the reference's."""
     routing = make_routing(4, 2, 8, [tokens] * 4, "all_experts", seed=2)
     xs = [identity_tokens(r, t, 64, torch.float32) for r, t in enumerate(routing.num_tokens)]
-    config = dict(num_experts=routing.num_experts, variant="auto", local_world_size=2, link_model=link)
+    config = dict(num_experts=routing.num_experts, variant="auto", transport="nccl", local_world_size=2,
+                  link_model=link)
     args = [(xs[r], routing.topk_idx[r], routing.topk_weights[r].float(), config) for r in range(4)]
     results = worlds(4).run(rank_fns.round_trip, args)
     assert [got["variant"] for got in results] == [want] * 4
