@@ -185,24 +185,15 @@ def _worker(rank, world, args, port):
                 same = reference[0] == key and common.same_bits(reference[1], out.tokens[:n]) and common.same_bits(
                     reference[2], combined)
 
-            held = d.dispatch(x, idx, w, max_rows=bound)
             if mode == "graph":
-                replays, replayed = common.captured_round_trip(d, x, idx, w, bound)
-                dispatch_only, combine_only, round_trip = (replays[k] for k in ("dispatch", "combine", "total"))
+                calls, replayed = common.captured_round_trip(d, x, idx, w, bound)
                 replayed.fill_(float("nan"))
-                round_trip()
+                calls["total"]()
                 torch.cuda.synchronize()
                 same = same and common.same_bits(reference[2], replayed)  # the replay's own output, by bits
             else:
-                def dispatch_only():
-                    return d.dispatch(x, idx, w, max_rows=bound)
-
-                def combine_only():
-                    return d.combine(held.tokens, held.handle, weights=held.weights)
-
-                def round_trip():
-                    o = d.dispatch(x, idx, w, max_rows=bound)
-                    return d.combine(o.tokens, o.handle, weights=o.weights)
+                calls = common.eager_calls(d, x, idx, w, bound)[1]
+            dispatch_only, combine_only, round_trip = (calls[k] for k in ("dispatch", "combine", "total"))
             t_d = timed(dispatch_only, args.iters, args.warmup)
             t_c = timed(combine_only, args.iters, args.warmup)
             t_r = timed(round_trip, args.iters, args.warmup)
@@ -250,7 +241,7 @@ def _worker(rank, world, args, port):
                     torch.cuda.synchronize()
                 if rank == 0:
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
-            d = held = None  # (the engine's buffers go with it before the next setting)
+            d = calls = None  # (the engine's buffers go with it before the next setting)
     if rank == 0 and args.out:
         write_json(args.out, "engine-probe.json", rows)
     dist.destroy_process_group()

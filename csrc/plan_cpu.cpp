@@ -211,6 +211,25 @@ std::vector<Tensor> send_order(const Tensor& hit_in, const std::vector<int64_t>&
   return {items_by_row, rows_by_item};
 }
 
+// The route (as route routes them) of routing rows [I, 2 + 2 K] int64 (counts.ROUTING): each
+// row's ids, each slot's rank (W: none), whether each row has a slot on each rank, and the
+// counts [W, 1 + L].
+struct RowsRoute {
+  std::vector<int64_t> ids, to, counts;
+  std::vector<char> hits;
+};
+
+RowsRoute route_rows(const Tensor& routing, int64_t topk, int64_t num_experts, int64_t world) {
+  const int64_t items = routing.size(0), cols = 2 + 2 * topk, local = num_experts / world;
+  RowsRoute r{std::vector<int64_t>(items * topk), std::vector<int64_t>(items * topk),
+              std::vector<int64_t>(world * (1 + local), 0), std::vector<char>(items * world, 0)};
+  const int64_t* row = routing.data_ptr<int64_t>();
+  for (int64_t i = 0; i < items; ++i) std::copy(row + i * cols + 2, row + i * cols + 2 + topk, r.ids.data() + i * topk);
+  route_into(r.ids.data(), items, topk, num_experts, world, r.to.data(), reinterpret_cast<bool*>(r.hits.data()),
+             r.counts.data());
+  return r;
+}
+
 // send_order of routing rows [I, 2 + 2 K] (counts.ROUTING) to the D = sizes.size() ranks
 // first .. first + D - 1 that hold one of their experts (routed as route routes them),
 // then the rows in that order: the hierarchical variant's second stage, inside a node.
@@ -221,17 +240,12 @@ std::vector<Tensor> forward_order(const Tensor& routing_in, int64_t topk, int64_
   TORCH_CHECK(routing.dim() == 2 && routing.size(1) == 2 + 2 * topk && world > 0 && num_experts >= world &&
                   0 <= first && first + dests <= world,
               "forward_order: arguments of other shapes than a plan's");
-  const int64_t items = routing.size(0), cols = 2 + 2 * topk, local = num_experts / world;
-  std::vector<int64_t> ids(items * topk), to(items * topk), counts(world * (1 + local), 0);
-  std::vector<char> hits(items * world, 0);
-  const int64_t* row = routing.data_ptr<int64_t>();
-  for (int64_t i = 0; i < items; ++i) std::copy(row + i * cols + 2, row + i * cols + 2 + topk, ids.data() + i * topk);
-  route_into(ids.data(), items, topk, num_experts, world, to.data(), reinterpret_cast<bool*>(hits.data()),
-             counts.data());
+  const int64_t items = routing.size(0);
+  const RowsRoute r = route_rows(routing, topk, num_experts, world);
   Tensor hit = at::empty({items, dests}, routing.options().dtype(at::kBool));
   bool* h = hit.data_ptr<bool>();
   for (int64_t i = 0; i < items; ++i)
-    for (int64_t d = 0; d < dests; ++d) h[i * dests + d] = hits[i * world + first + d];
+    for (int64_t d = 0; d < dests; ++d) h[i * dests + d] = r.hits[i * world + first + d];
   std::vector<Tensor> order = send_order(hit, sizes);
   order.push_back(routing_in.index_select(0, order[0]));
   return order;
@@ -305,12 +319,12 @@ std::vector<Tensor> expand(const Tensor& routing_in, int64_t topk, int64_t block
                   0 <= rank && rank < world && width >= 0 && block >= 0,
               "expand: arguments of other shapes than a plan's");
   const int64_t items = routing.size(0), cols = 2 + 2 * topk, local = num_experts / world;
-  std::vector<int64_t> ids(items * topk), to(items * topk), counts(world * (1 + local), 0);
-  std::vector<char> hits(items * world, 0);
+  const RowsRoute r = route_rows(routing, topk, num_experts, world);
+  const std::vector<int64_t>& to = r.to;
+  const std::vector<int64_t>& counts = r.counts;
+  const std::vector<char>& hits = r.hits;
   const int64_t* row = routing.data_ptr<int64_t>();
-  for (int64_t i = 0; i < items; ++i) std::copy(row + i * cols + 2, row + i * cols + 2 + topk, ids.data() + i * topk);
-  const int64_t* id = ids.data();
-  route_into(id, items, topk, num_experts, world, to.data(), reinterpret_cast<bool*>(hits.data()), counts.data());
+  const int64_t* id = r.ids.data();
   // the items with a slot here, in ascending key
   std::vector<int64_t> by_key, key(items, 0);
   for (int64_t i = 0; i < items; ++i) {

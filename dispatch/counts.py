@@ -221,7 +221,6 @@ def expand(routing: torch.Tensor, topk: int, block: int, num_experts: int, world
     return expand_reference(routing, *args)
 
 
-
 def expand_reference(routing, topk, block, num_experts, world_size, rank, num_rows, width, items_here) -> Expansion:
     """:func:`expand` in torch operations (any device)."""
     local_expert = local_experts(routing[:, 2 : 2 + topk], num_experts, world_size, rank)

@@ -277,11 +277,10 @@ def time_phases(
 GRAPH_SLACK = 1.1  # max_rows of a captured round trip: this rank's N of a host-read dispatch, plus 10%
 
 
-def captured_round_trip(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, bound: int):
-    """The NVLink engine without the host: a dispatch with ``max_rows=bound``, a
-    combine, and the round trip, each run once eagerly and captured in a CUDA
-    graph of its own. Returns ``({"dispatch", "combine", "total"}: replay,
-    the round trip's output)``, the output rewritten by each replay."""
+def eager_calls(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, bound: int | None):
+    """(a dispatch made now, {"dispatch", "combine", "total"}: a call of no arguments):
+    dispatcher ``d``'s dispatch (``max_rows=bound``), the combine of that dispatch, and
+    the round trip."""
     held = d.dispatch(x, topk_idx, topk_weights, max_rows=bound)
 
     def dispatch_only():
@@ -294,8 +293,17 @@ def captured_round_trip(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights
         out = d.dispatch(x, topk_idx, topk_weights, max_rows=bound)
         return d.combine(out.tokens, out.handle, weights=out.weights)
 
+    return held, {"dispatch": dispatch_only, "combine": combine_only, "total": round_trip}
+
+
+def captured_round_trip(d, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, bound: int):
+    """The NVLink engine without the host: a dispatch with ``max_rows=bound``, a
+    combine, and the round trip, each run once eagerly and captured in a CUDA
+    graph of its own. Returns ``({"dispatch", "combine", "total"}: replay,
+    the round trip's output)``, the output rewritten by each replay."""
+    held, calls = eager_calls(d, x, topk_idx, topk_weights, bound)
     replays, result = {}, None
-    for name, step in (("dispatch", dispatch_only), ("combine", combine_only), ("total", round_trip)):
+    for name, step in calls.items():
         step()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -88,7 +88,7 @@ def tier_groups(group: dist.ProcessGroup | None, local_world_size: int) -> TierG
 def tier_plan(gc: counts.GlobalCounts, rank: int, ranks_per_node: int) -> tuple:
     """This rank's host plan from the counts exchange (on CPU one compiled call,
     ``dispatch.kernels.plan_cpu``): ``(send1, recv1, send2, recv2, per_expert,
-    send1_token, home_index, (self_send, self_recv, arrive, block))``: the rows of
+    send1_token, home_index, routing1, (self_send, self_recv, arrive, block))``: the rows of
     stage 1 to and from each node (lists of M), of stage 2 to and from each rank of
     this node (lists of L), [E_local] int64 host the slots of this rank's experts,
     stage 1's send order (``counts.send_order`` of ``gc.node_hit``) and its routing rows
