@@ -66,7 +66,7 @@
 #             both in one process, blocks in turn; then bench/host_layers.py (that host time layer
 #             by layer, decode and DeepSeek-V3) (all in results/engine-one-gpu.txt)
 #   host-plan bench/host_plan_probe.py: the all-gather and hierarchical variants' expansion on one GPU in torch
-#             operations (as on CUDA today) against the compiled CPU plan with its copies, held equal bit for bit
+#             operations against the compiled CPU plan with its copies (counts.HOST_PLAN_ITEMS), held equal bit for bit
 #   host      where the engine's eager round trip spends host time (cProfile, per call), then
 #             bench/eager_trace.py (one decode round trip's host calls and kernels, rank by rank)
 #   tuning    bench/engine_tuning.py: blocks per SM and steps in flight of the engine's kernels

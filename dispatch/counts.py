@@ -35,9 +35,7 @@ _FAILED = plan.HEADER.index("failed")
 ROUTING = ("rank", "token", "ids", "weight bits")  # a routing row's entries (ids and weight bits: K each)
 # Rows a GPU rank plans on the host at most, in the compiled CPU plan: its tokens' route (``exchange``),
 # the routing rows it expands (and, in the hierarchical variant, forwards); more on the device in torch
-# operations (bench/host_plan_probe.py, one H200, two runs: the expansion in torch operations takes
-# 1.2-1.6 ms there, launch-bound, at any size; on the host 0.23-0.37x that at 256-1024 rows, 0.92-1.74x
-# at 2048).
+# operations (measured: bench/host_plan_probe.py, bench/results/nvidia-h200/host-calls-cuda.txt).
 HOST_PLAN_ITEMS = 1024
 
 

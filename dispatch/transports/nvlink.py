@@ -78,7 +78,7 @@ class NVLinkTransport(Transport):
 
     def check_current(self, x: torch.Tensor | None = None) -> None:
         device = self.engine.device
-        if x is not None and (x.device.type != device.type or x.device.type == "cuda" and x.device != device):
+        if x is not None and (x.device.type != device.type or (x.device.type == "cuda" and x.device != device)):
             raise ValueError(f"x is on {x.device}, but the dispatcher's engine runs on {device}: dispatch tokens "
                              "on its device")
         self.engine.check_current()
